@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs every package ckptfs needs to build, test, demo and benchmark, from
+# Debian 12's archive. Safe to run again: it installs only what is missing.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential g++ cmake pkg-config ninja-build clang libclang-rt-14-dev
+  libfuse3-dev fuse3
+  librocksdb-dev libspdlog-dev libfmt-dev
+  libgtest-dev libgmock-dev
+  nlohmann-json3-dev libcli11-dev libxxhash-dev
+  python3-torch python3-numpy python3-matplotlib
+  util-linux e2fsprogs coreutils procps psmisc attr
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  echo "setup: all packages present"
+fi
+
+# FUSE needs the device node; containers sometimes lack it.
+if [ ! -e /dev/fuse ]; then
+  echo "setup: /dev/fuse is missing; ckptfs cannot mount on this machine" >&2
+  exit 1
+fi
