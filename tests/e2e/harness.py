@@ -1,0 +1,137 @@
+"""Shared harness for ckptfs end-to-end tests.
+
+Mount() starts a real ckptfs daemon in the foreground (so the test owns its PID)
+over a fresh backing directory, waits until the mount answers, and on exit always
+unmounts and kills exactly that PID, even when the test failed.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+BIN_DIR = os.environ.get(
+    "CKPTFS_BIN_DIR",
+    os.path.join(os.path.dirname(__file__), "..", "..", "build", "bin"))
+CKPTFS = os.path.join(BIN_DIR, "ckptfs")
+ADMIN = os.path.join(BIN_DIR, "ckptfs-admin")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def is_mounted(path):
+    path = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == path:
+                return True
+    return False
+
+
+def unmount(path):
+    if is_mounted(path):
+        subprocess.run(["fusermount3", "-u", "-z", path], check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+class Mount:
+    """A ckptfs mount for one test. Use as a context manager.
+
+    root: a fresh temporary directory holding backing/, mnt/, state/ and log.
+    Extra daemon options go in `args`; `backing` overrides the backing dir.
+    """
+
+    def __init__(self, args=(), backing=None, root=None, state=None, staging="256M"):
+        self.root = root or tempfile.mkdtemp(prefix="ckptfs-e2e-")
+        self.backing = backing or os.path.join(self.root, "backing")
+        self.mnt = os.path.join(self.root, "mnt")
+        self.state = state or os.path.join(self.root, "state")
+        self.log = os.path.join(self.root, "ckptfs.log")
+        self.args = list(args)
+        self.staging = staging
+        self.proc = None
+        os.makedirs(self.backing, exist_ok=True)
+        os.makedirs(self.mnt, exist_ok=True)
+
+    def start(self, timeout=30):
+        cmd = [CKPTFS, "-f", "--staging-mem", self.staging, "--state-dir", self.state,
+               "--log-file", self.log, "--log-level", "debug"] + self.args + [
+                   self.backing, self.mnt]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                out = self.proc.stdout.read().decode(errors="replace")
+                raise RuntimeError(f"ckptfs exited {self.proc.returncode}: {out}\n{self.log_text()}")
+            if is_mounted(self.mnt) and os.path.exists(os.path.join(self.mnt, ".ckptfs", "stats")):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("ckptfs did not mount in time\n" + self.log_text())
+
+    def log_text(self):
+        try:
+            with open(self.log, errors="replace") as f:
+                return f.read()[-8000:]
+        except OSError:
+            return ""
+
+    def stats(self):
+        with open(os.path.join(self.mnt, ".ckptfs", "stats")) as f:
+            return json.load(f)
+
+    def checkpoints(self):
+        with open(os.path.join(self.mnt, ".ckptfs", "checkpoints")) as f:
+            return json.load(f)
+
+    def wait(self, path, timeout=120):
+        """ckptfs-admin wait PATH; returns its exit code."""
+        return subprocess.run([ADMIN, "wait", path, "--timeout", str(timeout)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+
+    def unmount(self, timeout=120):
+        """Clean unmount: fusermount3 -u, then wait for the daemon to drain and exit."""
+        if self.proc is None:
+            return None
+        subprocess.run(["fusermount3", "-u", self.mnt], check=False)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        self.proc = None
+        return rc
+
+    def kill(self, sig=signal.SIGKILL):
+        """Kills exactly this daemon (by PID) and removes its mount."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+        unmount(self.mnt)
+
+    def stop(self):
+        try:
+            if self.proc is not None and self.proc.poll() is None:
+                self.unmount(timeout=60)
+        except Exception:
+            pass
+        finally:
+            self.kill()
+
+    def cleanup(self):
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.cleanup()
+        return False
