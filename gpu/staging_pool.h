@@ -1,0 +1,104 @@
+// StagingPool: a fixed pool of equal-sized staging chunks, allocated once at mount.
+//
+// The memory is pinned: cudaHostAlloc when a CUDA runtime and device are present,
+// otherwise page-locked anonymous memory (mlock, transparent hugepages advised).
+// Locking is best effort; an mlock failure is logged once and the pool still works.
+// The pool never allocates after Create(), so it never holds more than its budget (G6).
+//
+// Thread-safe. Acquire() blocks while every chunk is in use (backpressure).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace ckptfs::gpu {
+
+class StagingPool;
+
+// One chunk of staging memory. Returned to its pool when destroyed. Move-only.
+class ChunkBuffer {
+ public:
+  ChunkBuffer() = default;
+  ~ChunkBuffer();
+  ChunkBuffer(ChunkBuffer&& other) noexcept;
+  ChunkBuffer& operator=(ChunkBuffer&& other) noexcept;
+  ChunkBuffer(const ChunkBuffer&) = delete;
+  ChunkBuffer& operator=(const ChunkBuffer&) = delete;
+
+  uint8_t* data() const { return data_; }
+  size_t capacity() const { return capacity_; }
+  explicit operator bool() const { return data_ != nullptr; }
+
+ private:
+  friend class StagingPool;
+  ChunkBuffer(StagingPool* pool, uint8_t* data, size_t capacity)
+      : pool_(pool), data_(data), capacity_(capacity) {}
+  void Release();
+
+  StagingPool* pool_ = nullptr;  // not owned; the pool outlives its chunks
+  uint8_t* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+struct StagingOptions {
+  size_t total_bytes = size_t{1} << 30;
+  size_t chunk_bytes = size_t{4} << 20;
+  // "auto": CUDA pinned memory when a device is present, else locked host memory.
+  // "host": always locked host memory. "cuda": fail if CUDA is unavailable.
+  std::string backend = "auto";
+};
+
+class StagingPool {
+ public:
+  // Allocates the whole pool. Fails if total_bytes < chunk_bytes or memory is short.
+  static Result<std::unique_ptr<StagingPool>> Create(const StagingOptions& options);
+  ~StagingPool();  // All ChunkBuffers must have been returned.
+  StagingPool(const StagingPool&) = delete;
+  StagingPool& operator=(const StagingPool&) = delete;
+
+  // Blocks until a chunk is free. Before blocking it calls the pressure callback once,
+  // so that the owner can seal partly filled chunks and let them flush.
+  ChunkBuffer Acquire();
+  // Returns an empty ChunkBuffer if none frees up within `timeout`.
+  ChunkBuffer TryAcquireFor(std::chrono::milliseconds timeout);
+  // Called (without pool locks held) when Acquire() would block.
+  void SetPressureCallback(std::function<void()> callback);
+
+  size_t chunk_bytes() const { return chunk_bytes_; }
+  size_t total_chunks() const { return total_chunks_; }
+  size_t limit_bytes() const { return chunk_bytes_ * total_chunks_; }
+  size_t used_bytes() const;
+  // "cuda-pinned", "host-locked" or "host" (locking failed).
+  const std::string& backend() const { return backend_; }
+  // How many Acquire() calls had to wait.
+  uint64_t waits() const { return waits_.load(std::memory_order_relaxed); }
+
+ private:
+  friend class ChunkBuffer;
+  StagingPool() = default;
+  void Return(uint8_t* data);
+
+  size_t chunk_bytes_ = 0;
+  size_t total_chunks_ = 0;
+  uint8_t* base_ = nullptr;
+  std::string backend_;
+  std::function<void()> free_memory_;  // releases base_ the way it was allocated
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<uint8_t*> free_;  // GUARDED_BY(mu_)
+  std::function<void()> pressure_;  // GUARDED_BY(mu_)
+  std::atomic<uint64_t> waits_{0};
+};
+
+}  // namespace ckptfs::gpu
