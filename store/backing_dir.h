@@ -1,0 +1,86 @@
+// BackingDir: every access ckptfs makes to the backing store goes through here.
+//
+// Paths are relative to the backing root ("" is the root itself) and are resolved
+// beneath it: openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS) where the kernel has it,
+// else a component-by-component walk with O_NOFOLLOW. Absolute paths, ".." and
+// symlinks that leave the root are refused (G9). The final component of a namespace
+// operation is never followed.
+//
+// Thread-safe. The I/O calls are virtual so tests can inject faults (FaultyBackingDir).
+#pragma once
+
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+
+namespace ckptfs::store {
+
+struct DirEntry {
+  std::string name;
+  unsigned char type;  // DT_* value
+};
+
+class BackingDir {
+ public:
+  static Result<std::unique_ptr<BackingDir>> Open(const std::string& root_path);
+  virtual ~BackingDir() = default;
+  BackingDir(const BackingDir&) = delete;
+  BackingDir& operator=(const BackingDir&) = delete;
+
+  const std::string& root_path() const { return root_path_; }
+  int root_fd() const { return root_.get(); }
+
+  // Opens `path` (never following a final symlink unless `follow`).
+  virtual Result<UniqueFd> OpenFile(const std::string& path, int flags, mode_t mode = 0);
+  virtual Result<struct stat> Stat(const std::string& path);
+  virtual Status Mkdir(const std::string& path, mode_t mode);
+  virtual Status Rmdir(const std::string& path);
+  virtual Status Unlink(const std::string& path);
+  virtual Status Rename(const std::string& from, const std::string& to, unsigned flags = 0);
+  virtual Status Symlink(const std::string& target, const std::string& path);
+  virtual Result<std::string> Readlink(const std::string& path);
+  virtual Status Chmod(const std::string& path, mode_t mode);
+  virtual Status Utimens(const std::string& path, const struct timespec times[2]);
+  virtual Status Truncate(const std::string& path, off_t size);
+  virtual Result<std::vector<DirEntry>> List(const std::string& path);
+  virtual Result<struct statvfs> StatFs();
+  // Makes the directory entry of `path` durable (fsync of its parent directory).
+  virtual Status SyncParent(const std::string& path);
+
+  // Data I/O on files opened above. `PWrite` writes all of `len` or fails.
+  virtual Status PWrite(int fd, const void* buf, size_t len, off_t offset);
+  virtual Result<size_t> PRead(int fd, void* buf, size_t len, off_t offset);
+  virtual Status Fsync(int fd);
+
+  uint64_t bytes_read() const { return bytes_read_.load(std::memory_order_relaxed); }
+  uint64_t bytes_written() const { return bytes_written_.load(std::memory_order_relaxed); }
+
+  // Splits "a/b/c" into ("a/b", "c"). Exposed for tests.
+  static std::pair<std::string, std::string> SplitParent(const std::string& path);
+  // Rejects absolute paths, empty components, "." and "..".
+  static Status CheckRelative(const std::string& path);
+
+ protected:
+  BackingDir(std::string root_path, UniqueFd root) : root_path_(std::move(root_path)),
+                                                    root_(std::move(root)) {}
+  // An O_PATH|O_DIRECTORY fd of directory `dir` resolved beneath the root.
+  Result<UniqueFd> OpenDir(const std::string& dir);
+  // Resolves `path` beneath the root with `flags`.
+  Result<UniqueFd> Resolve(const std::string& path, int flags, mode_t mode);
+
+ private:
+  std::string root_path_;
+  UniqueFd root_;
+  std::atomic<uint64_t> bytes_read_{0};
+  std::atomic<uint64_t> bytes_written_{0};
+};
+
+}  // namespace ckptfs::store

@@ -1,0 +1,107 @@
+// FlushPipeline: writes sealed staging chunks to their backing temp files on N threads.
+//
+// A FlushTarget is one backing file being written (its temp file). It is shared by
+// the open file in fs/ and by the chunks in flight, hence shared_ptr. Errors are
+// sticky: after the first failed write for a target, every later chunk for it is
+// dropped and Error() returns that failure (G7).
+//
+// Thread-safe. The destructor drains the queue and joins every thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+#include "store/backing_dir.h"
+
+namespace ckptfs::store {
+
+class FlushTarget {
+ public:
+  FlushTarget(uint64_t id, UniqueFd fd) : id_(id), fd_(std::move(fd)) {}
+  FlushTarget(const FlushTarget&) = delete;
+  FlushTarget& operator=(const FlushTarget&) = delete;
+
+  uint64_t id() const { return id_; }
+  int fd() const { return fd_.get(); }
+  // The first error seen for this file, or ok.
+  Status Error() const;
+  void SetError(const Status& status);
+  // Blocks until no chunk of this file is queued or being written.
+  void WaitIdle();
+  // WaitIdle, then fsync: the file's bytes are durable when this returns ok.
+  Status Sync(BackingDir* dir);
+  uint64_t inflight() const;
+  uint64_t bytes_flushed() const { return bytes_flushed_.load(std::memory_order_relaxed); }
+  bool synced() const { return synced_.load(); }
+
+ private:
+  friend class FlushPipeline;
+  const uint64_t id_;
+  UniqueFd fd_;
+  mutable std::mutex mu_;
+  std::condition_variable idle_cv_;
+  uint64_t inflight_ = 0;  // GUARDED_BY(mu_)
+  Status error_;           // GUARDED_BY(mu_)
+  std::atomic<uint64_t> bytes_flushed_{0};
+  std::atomic<bool> synced_{false};
+};
+
+// One sealed run of bytes for one file. `keepalive` owns the memory behind `data`
+// (a staging chunk) and is released once the write finished. `on_done` runs on the
+// flush thread after the write, with its result, before `keepalive` is released.
+struct SealedChunk {
+  std::shared_ptr<FlushTarget> target;
+  uint64_t offset = 0;
+  const uint8_t* data = nullptr;
+  size_t length = 0;
+  std::shared_ptr<void> keepalive;
+  std::function<void(const Status&)> on_done;
+};
+
+struct FlushOptions {
+  int threads = 4;
+};
+
+class FlushPipeline {
+ public:
+  static Result<std::unique_ptr<FlushPipeline>> Create(BackingDir* dir,  // must outlive
+                                                       const FlushOptions& options);
+  ~FlushPipeline();  // Drains and joins; never detaches.
+  FlushPipeline(const FlushPipeline&) = delete;
+  FlushPipeline& operator=(const FlushPipeline&) = delete;
+
+  // Takes ownership. Never blocks: the staging pool bounds what can be queued.
+  void Submit(SealedChunk chunk);
+  // Blocks until every submitted chunk has been written (or dropped on error).
+  void Drain();
+
+  uint64_t bytes_flushed() const { return bytes_flushed_.load(std::memory_order_relaxed); }
+  uint64_t queued() const;
+  uint64_t errors() const { return errors_.load(std::memory_order_relaxed); }
+
+ private:
+  FlushPipeline(BackingDir* dir, const FlushOptions& options);
+  void Run();
+
+  BackingDir* const dir_;
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable drained_cv_;
+  std::deque<SealedChunk> queue_;  // GUARDED_BY(mu_)
+  uint64_t active_ = 0;            // GUARDED_BY(mu_)
+  bool stop_ = false;              // GUARDED_BY(mu_)
+  std::vector<std::thread> threads_;
+  std::atomic<uint64_t> bytes_flushed_{0};
+  std::atomic<uint64_t> errors_{0};
+};
+
+}  // namespace ckptfs::store
