@@ -1,0 +1,221 @@
+#include "store/checkpoints.h"
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+
+namespace ckptfs::store {
+namespace {
+
+constexpr char kPrefix[] = "c/";
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+CkptState StateFromName(const std::string& s) {
+  if (s == "writing") return CkptState::kWriting;
+  if (s == "pending") return CkptState::kPending;
+  if (s == "committed") return CkptState::kCommitted;
+  if (s == "failed") return CkptState::kFailed;
+  return CkptState::kAborted;
+}
+
+}  // namespace
+
+const char* CkptStateName(CkptState s) {
+  switch (s) {
+    case CkptState::kWriting: return "writing";
+    case CkptState::kPending: return "pending";
+    case CkptState::kCommitted: return "committed";
+    case CkptState::kFailed: return "failed";
+    case CkptState::kAborted: return "aborted";
+  }
+  return "?";
+}
+
+nlohmann::json CheckpointInfo::ToJson() const {
+  nlohmann::json j = {{"path", path},       {"state", CkptStateName(state)},
+                      {"bytes", bytes},     {"bytes_published", bytes_published},
+                      {"files", files},     {"created", created},
+                      {"updated", updated}};
+  j["committed"] = committed > 0 ? nlohmann::json(committed) : nlohmann::json(nullptr);
+  j["error"] = error.empty() ? nlohmann::json(nullptr) : nlohmann::json(error);
+  return j;
+}
+
+Result<std::unique_ptr<CheckpointRegistry>> CheckpointRegistry::Load(StateDb* db) {
+  std::unique_ptr<CheckpointRegistry> reg(new CheckpointRegistry(db));
+  std::vector<CheckpointInfo> aborted;
+  CKPT_RETURN_IF_ERROR(db->Scan(kPrefix, [&](std::string_view, std::string_view v) {
+    auto j = nlohmann::json::parse(v, nullptr, false);
+    if (j.is_discarded()) return;
+    CheckpointInfo info;
+    info.path = j.value("path", "");
+    info.state = StateFromName(j.value("state", "aborted"));
+    info.bytes = j.value("bytes", uint64_t{0});
+    info.bytes_published = j.value("bytes_published", uint64_t{0});
+    info.files = j.value("files", uint64_t{0});
+    info.created = j.value("created", 0.0);
+    info.updated = j.value("updated", 0.0);
+    if (j["committed"].is_number()) info.committed = j["committed"].get<double>();
+    if (j["error"].is_string()) info.error = j["error"].get<std::string>();
+    if (info.state == CkptState::kWriting || info.state == CkptState::kPending) {
+      info.state = CkptState::kAborted;
+      info.error = "daemon stopped before the checkpoint committed";
+      aborted.push_back(info);
+      spdlog::warn("checkpoint {} aborted by an earlier crash", info.path);
+    }
+    reg->ckpts_[info.path] = info;
+  }));
+  std::lock_guard lock(reg->mu_);
+  for (const auto& info : aborted) reg->Persist(info);
+  return reg;
+}
+
+bool CheckpointRegistry::IsCheckpointFile(const std::string& name) {
+  return EndsWith(name, ".distcp") || name == ".metadata" || name == ".metadata.tmp";
+}
+
+CheckpointInfo& CheckpointRegistry::Touch(const std::string& dir) {
+  auto [it, inserted] = ckpts_.try_emplace(dir);
+  CheckpointInfo& info = it->second;
+  double now = Now();
+  if (inserted || info.state == CkptState::kCommitted || info.state == CkptState::kAborted ||
+      info.state == CkptState::kFailed) {
+    if (!inserted) spdlog::info("checkpoint {} is being written again", dir);
+    info = CheckpointInfo{};
+    info.path = dir;
+    info.created = now;
+    Persist(info);
+  }
+  info.updated = now;
+  return info;
+}
+
+void CheckpointRegistry::Persist(const CheckpointInfo& info) {
+  Status st = db_->Put(std::string(kPrefix) + info.path, info.ToJson().dump());
+  if (!st.ok()) spdlog::warn("checkpoint {}: cannot persist state: {}", info.path, st.ToString());
+}
+
+void CheckpointRegistry::OnFileCreated(const std::string& dir) {
+  std::lock_guard lock(mu_);
+  auto it = ckpts_.find(dir);
+  if (it == ckpts_.end() || it->second.state != CkptState::kWriting) {
+    Touch(dir);
+    spdlog::info("checkpoint {}: writing", dir);
+  }
+  ckpts_[dir].updated = Now();
+}
+
+void CheckpointRegistry::OnFileQueued(const std::string& dir, uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  auto it = ckpts_.find(dir);
+  if (it == ckpts_.end()) return;
+  it->second.bytes += bytes;
+  it->second.files += 1;
+  it->second.updated = Now();
+}
+
+void CheckpointRegistry::OnFilePublished(const std::string& dir, uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  auto it = ckpts_.find(dir);
+  if (it == ckpts_.end()) return;
+  it->second.bytes_published += bytes;
+  it->second.updated = Now();
+}
+
+void CheckpointRegistry::OnCommitQueued(const std::string& dir) {
+  std::lock_guard lock(mu_);
+  CheckpointInfo& info = ckpts_.count(dir) ? ckpts_[dir] : Touch(dir);
+  if (info.state == CkptState::kWriting) {
+    info.state = CkptState::kPending;
+    info.updated = Now();
+    Persist(info);
+    spdlog::info("checkpoint {}: pending ({} bytes queued)", dir, info.bytes);
+  }
+}
+
+void CheckpointRegistry::OnCommitted(const std::string& dir) {
+  std::lock_guard lock(mu_);
+  auto it = ckpts_.find(dir);
+  if (it == ckpts_.end()) it = ckpts_.emplace(dir, CheckpointInfo{dir}).first;
+  CheckpointInfo& info = it->second;
+  info.state = CkptState::kCommitted;
+  info.committed = info.updated = Now();
+  Persist(info);
+  spdlog::info("checkpoint {}: committed ({} bytes)", dir, info.bytes);
+}
+
+void CheckpointRegistry::OnFailed(const std::string& dir, const std::string& error) {
+  std::lock_guard lock(mu_);
+  auto it = ckpts_.find(dir);
+  if (it == ckpts_.end()) return;
+  CheckpointInfo& info = it->second;
+  if (info.state == CkptState::kFailed) return;
+  info.state = CkptState::kFailed;
+  info.error = error;
+  info.updated = Now();
+  Persist(info);
+  spdlog::error("checkpoint {}: failed: {}", dir, error);
+}
+
+void CheckpointRegistry::OnRenamed(const std::string& from, const std::string& to) {
+  std::lock_guard lock(mu_);
+  std::vector<CheckpointInfo> moved;
+  const std::string prefix = from + "/";
+  for (auto it = ckpts_.begin(); it != ckpts_.end();) {
+    if (it->first == from || it->first.compare(0, prefix.size(), prefix) == 0) {
+      CheckpointInfo info = it->second;
+      info.path = to + it->first.substr(from.size());
+      Status st = db_->Delete(std::string(kPrefix) + it->first);
+      if (!st.ok()) spdlog::warn("checkpoint registry: {}", st.ToString());
+      it = ckpts_.erase(it);
+      moved.push_back(std::move(info));
+    } else {
+      ++it;
+    }
+  }
+  for (auto& info : moved) {
+    Persist(info);
+    ckpts_[info.path] = std::move(info);
+  }
+}
+
+void CheckpointRegistry::OnRemoved(const std::string& dir) {
+  std::lock_guard lock(mu_);
+  if (ckpts_.erase(dir) > 0) {
+    Status st = db_->Delete(std::string(kPrefix) + dir);
+    if (!st.ok()) spdlog::warn("checkpoint registry: {}", st.ToString());
+  }
+}
+
+std::optional<CheckpointInfo> CheckpointRegistry::Get(const std::string& dir) const {
+  std::lock_guard lock(mu_);
+  auto it = ckpts_.find(dir);
+  if (it == ckpts_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::vector<CheckpointInfo> CheckpointRegistry::List() const {
+  std::lock_guard lock(mu_);
+  std::vector<CheckpointInfo> out;
+  out.reserve(ckpts_.size());
+  for (const auto& [_, info] : ckpts_) out.push_back(info);
+  return out;
+}
+
+std::map<std::string, uint64_t> CheckpointRegistry::CountByState() const {
+  std::lock_guard lock(mu_);
+  std::map<std::string, uint64_t> counts = {
+      {"writing", 0}, {"pending", 0}, {"committed", 0}, {"failed", 0}, {"aborted", 0}};
+  for (const auto& [_, info] : ckpts_) counts[CkptStateName(info.state)]++;
+  return counts;
+}
+
+}  // namespace ckptfs::store
