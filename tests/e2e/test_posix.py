@@ -1,0 +1,1232 @@
+"""POSIX surface of a real ckptfs mount, driven by real programs and syscalls.
+
+Every test mounts a fresh daemon (tests/e2e/harness.py), works through the
+mount, checks what the mount shows, then unmounts cleanly (which drains, G8)
+and checks the backing directory holds exactly the same plain files (G1, G2).
+Where it helps, the same operations run on a plain directory first and that
+directory is the reference.
+
+CKPTFS_E2E_PLAIN=1 runs the file-system tests against a plain directory
+instead of a mount (the daemon-only tests skip). It only checks the tests'
+own logic.
+"""
+import errno
+import faulthandler
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import harness
+from harness import ADMIN, CKPTFS, Mount, is_mounted
+
+PLAIN = os.environ.get("CKPTFS_E2E_PLAIN") == "1"
+TMP_PREFIX = ".ckptfs-tmp."
+CONTROL = ".ckptfs"
+MiB = 1 << 20
+
+
+class PlainMount:
+    """Stand-in for harness.Mount with CKPTFS_E2E_PLAIN=1: the 'mount' is the
+    backing directory itself, and waiting or unmounting does nothing."""
+
+    def __init__(self, args=(), backing=None, root=None, state=None, staging="256M"):
+        self.root = root or tempfile.mkdtemp(prefix="ckptfs-plain-")
+        self.backing = backing or os.path.join(self.root, "backing")
+        self.mnt = self.backing
+        self.state = state or os.path.join(self.root, "state")
+        self.log = os.path.join(self.root, "ckptfs.log")
+        self.proc = None
+        os.makedirs(self.backing, exist_ok=True)
+
+    def start(self, timeout=30):
+        return self
+
+    def log_text(self):
+        return ""
+
+    def stats(self):
+        return None
+
+    def wait(self, path, timeout=120):
+        return 0
+
+    def unmount(self, timeout=120):
+        return 0
+
+    def kill(self, sig=None):
+        pass
+
+    def stop(self):
+        pass
+
+    def cleanup(self):
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def make_mount(**kw):
+    return PlainMount(**kw) if PLAIN else Mount(**kw)
+
+
+# ---------------------------------------------------------------- helpers
+
+def rand_bytes(seed, n):
+    return random.Random(seed).randbytes(n)
+
+
+def write_file(path, data, chunk=MiB):
+    with open(path, "wb") as f:
+        for i in range(0, len(data), chunk):
+            f.write(data[i:i + chunk])
+
+
+def read_file(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(4 * MiB)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def tmp_names(root):
+    """Every .ckptfs-tmp.* name under root (relative paths)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            if n.startswith(TMP_PREFIX):
+                found.append(os.path.relpath(os.path.join(dirpath, n), root))
+    return sorted(found)
+
+
+def snapshot(root, skip_top=()):
+    """relpath -> description of every entry under root: type, permission
+    bits, size and sha256 (files) or target (symlinks)."""
+    snap = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        if dirpath == root:
+            dirnames[:] = [d for d in dirnames if d not in skip_top]
+            filenames = [f for f in filenames if f not in skip_top]
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            rel = os.path.relpath(p, root)
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                snap[rel] = ("link", os.readlink(p))
+            elif stat.S_ISDIR(st.st_mode):
+                snap[rel] = ("dir", oct(stat.S_IMODE(st.st_mode)))
+            elif stat.S_ISREG(st.st_mode):
+                snap[rel] = ("file", oct(stat.S_IMODE(st.st_mode)), st.st_size, sha256_file(p))
+            else:
+                snap[rel] = ("other", st.st_mode)
+    return snap
+
+
+def xattr(path, name):
+    return os.getxattr(path, name).decode()
+
+
+def errno_of(fn, *args, **kw):
+    """Runs fn; returns 0 or the errno of the OSError it raised."""
+    try:
+        fn(*args, **kw)
+        return 0
+    except OSError as e:
+        return e.errno
+
+
+def pid_alive(pid):
+    """True while pid exists and is not a zombie (a daemonized ckptfs is not
+    our child, and init in a container may be slow to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+class MountedTest(unittest.TestCase):
+    """A fresh mount per test; self.m is the mount, p()/b() build paths in the
+    mount and in the backing directory."""
+
+    MOUNT_ARGS = ()
+    STAGING = "256M"
+    WATCHDOG_S = 300
+
+    def populate_backing(self, backing):
+        """Hook: files that exist on the backing store before the mount."""
+
+    def setUp(self):
+        self.m = make_mount(args=self.MOUNT_ARGS, staging=self.STAGING)
+        self.addCleanup(self.m.cleanup)
+        self.populate_backing(self.m.backing)
+        self.m.start()
+        self._arm_watchdog()
+        self.addCleanup(self._dump_log_on_failure)
+
+    def _arm_watchdog(self):
+        """A hung FUSE request would block the test forever; after WATCHDOG_S
+        kill exactly this daemon so the blocked call fails with ENOTCONN."""
+        proc = self.m.proc
+        if proc is None:
+            return
+
+        def fire():
+            sys.stderr.write(f"\nwatchdog: {self.id()} ran over {self.WATCHDOG_S}s; "
+                             f"killing ckptfs pid {proc.pid}\n")
+            faulthandler.dump_traceback(all_threads=True)
+            sys.stderr.write(self.m.log_text()[-3000:] + "\n")
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            harness.unmount(self.m.mnt)
+
+        timer = threading.Timer(self.WATCHDOG_S, fire)
+        timer.daemon = True
+        timer.start()
+        self.addCleanup(timer.cancel)
+
+    def _dump_log_on_failure(self):
+        outcome = getattr(self, "_outcome", None)
+        if outcome is not None and not getattr(outcome, "success", True) and not PLAIN:
+            sys.stderr.write(f"\n--- ckptfs log tail ({self.id()}) ---\n"
+                             f"{self.m.log_text()[-4000:]}\n--- end log ---\n")
+
+    def p(self, *parts):
+        return os.path.join(self.m.mnt, *parts)
+
+    def b(self, *parts):
+        return os.path.join(self.m.backing, *parts)
+
+    def skip_if_plain(self):
+        if PLAIN:
+            self.skipTest("needs a real ckptfs daemon")
+
+    def wait(self, path, timeout=120):
+        """ckptfs-admin wait PATH must succeed."""
+        if PLAIN:
+            return
+        r = subprocess.run([ADMIN, "wait", path, "--timeout", str(timeout)],
+                           capture_output=True, text=True, timeout=timeout + 30)
+        self.assertEqual(r.returncode, 0,
+                         f"ckptfs-admin wait {path} -> {r.returncode}\n{r.stdout}{r.stderr}")
+
+    def drain(self):
+        """Clean unmount; the daemon must exit 0 having published everything."""
+        rc = self.m.unmount(timeout=180)
+        self.assertEqual(rc, 0, f"daemon exit code after unmount\n{self.m.log_text()[-3000:]}")
+        if not PLAIN:
+            self.assertFalse(is_mounted(self.m.mnt))
+            self.assertFalse(os.path.exists(self.b(CONTROL)),
+                             ".ckptfs leaked onto the backing store")
+        self.assertEqual(tmp_names(self.m.backing), [],
+                         "temporary files left on the backing store after drain")
+
+    def assertSameTree(self, expected_snap, root, what):
+        got = snapshot(root, skip_top=(CONTROL,) if root == self.m.mnt else ())
+        missing = sorted(set(expected_snap) - set(got))
+        extra = sorted(set(got) - set(expected_snap))
+        differ = sorted(k for k in set(got) & set(expected_snap) if got[k] != expected_snap[k])
+        self.assertFalse(missing or extra or differ,
+                         f"{what}: missing={missing} extra={extra} "
+                         f"differ={[(k, expected_snap[k], got[k]) for k in differ]}")
+
+
+# ---------------------------------------------------------------- namespace
+
+class NamespaceTest(MountedTest):
+    """mkdir/rmdir, rename, unlink, symlink, readdir; mixed with files that
+    already exist on the backing store."""
+
+    def populate_backing(self, backing):
+        os.makedirs(os.path.join(backing, "pre", "sub"))
+        write_file(os.path.join(backing, "pre", "a.bin"), rand_bytes(1, 300_000))
+        write_file(os.path.join(backing, "pre", "sub", "b.bin"), rand_bytes(2, 5000))
+
+    def test_mkdir_rmdir(self):
+        os.makedirs(self.p("a", "b", "c"))
+        r = subprocess.run(["mkdir", "-p", self.p("x", "y", "z")])
+        self.assertEqual(r.returncode, 0)
+        os.mkdir(self.p("private"), 0o700)
+        self.assertEqual(stat.S_IMODE(os.stat(self.p("private")).st_mode), 0o700)
+        self.assertEqual(errno_of(os.mkdir, self.p("a")), errno.EEXIST)
+        self.assertEqual(errno_of(os.mkdir, self.p("pre")), errno.EEXIST)
+        self.assertEqual(errno_of(os.rmdir, self.p("a")), errno.ENOTEMPTY)
+        self.assertEqual(errno_of(os.rmdir, self.p("pre")), errno.ENOTEMPTY)
+        self.assertEqual(errno_of(os.rmdir, self.p("nope")), errno.ENOENT)
+        os.rmdir(self.p("a", "b", "c"))
+        write_file(self.p("a", "b", "f"), b"hello")
+        self.assertEqual(errno_of(os.rmdir, self.p("a", "b")), errno.ENOTEMPTY)
+        self.assertEqual(errno_of(os.rmdir, self.p("a", "b", "f")), errno.ENOTDIR)
+        self.assertEqual(errno_of(os.mkdir, self.p("a", "b", "f", "g")), errno.ENOTDIR)
+        r = subprocess.run(["rmdir", "-p", "x/y/z"], cwd=self.m.mnt, capture_output=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertFalse(os.path.exists(self.p("x")))
+        # A directory that exists only on the backing store can be emptied and removed.
+        os.unlink(self.p("pre", "sub", "b.bin"))
+        os.rmdir(self.p("pre", "sub"))
+        self.assertEqual(sorted(os.listdir(self.p("a"))), ["b"])
+        self.assertEqual(sorted(os.listdir(self.p("pre"))), ["a.bin"])
+        self.drain()
+        self.assertTrue(os.path.isdir(self.b("a", "b")))
+        self.assertEqual(read_file(self.b("a", "b", "f")), b"hello")
+        self.assertFalse(os.path.exists(self.b("a", "b", "c")))
+        self.assertFalse(os.path.exists(self.b("x")))
+        self.assertFalse(os.path.exists(self.b("pre", "sub")))
+        self.assertEqual(stat.S_IMODE(os.stat(self.b("private")).st_mode), 0o700)
+
+    def test_rmdir_after_unlinking_published_and_staged_files(self):
+        os.mkdir(self.p("d"))
+        write_file(self.p("d", "published"), rand_bytes(3, 2 * MiB))
+        self.wait(self.p("d", "published"))
+        write_file(self.p("d", "staged"), rand_bytes(4, 2 * MiB))
+        os.unlink(self.p("d", "published"))
+        os.unlink(self.p("d", "staged"))
+        self.assertEqual(os.listdir(self.p("d")), [])
+        os.rmdir(self.p("d"))
+        self.assertFalse(os.path.exists(self.p("d")))
+        os.mkdir(self.p("d"))  # the name is free again
+        write_file(self.p("d", "new"), b"new")
+        self.drain()
+        self.assertEqual(os.listdir(self.b("d")), ["new"])
+        self.assertEqual(read_file(self.b("d", "new")), b"new")
+
+    def test_rename_over_existing_file(self):
+        for published in (False, True):
+            with self.subTest(target_published=published):
+                d = "pub" if published else "stg"
+                os.mkdir(self.p(d))
+                old, new = rand_bytes(5, 3 * MiB + 11), rand_bytes(6, MiB + 7)
+                write_file(self.p(d, "target"), old)
+                if published:
+                    self.wait(self.p(d, "target"))
+                reader = os.open(self.p(d, "target"), os.O_RDONLY)
+                try:
+                    write_file(self.p(d, "src"), new)
+                    os.rename(self.p(d, "src"), self.p(d, "target"))
+                    self.assertFalse(os.path.exists(self.p(d, "src")))
+                    self.assertEqual(read_file(self.p(d, "target")), new)
+                    # An fd opened before the rename still reads the old file.
+                    self.assertEqual(os.pread(reader, len(old) + 10, 0), old)
+                finally:
+                    os.close(reader)
+        # Rename over a file that exists only on the backing store, and the mv program.
+        write_file(self.p("over-pre"), b"replacement")
+        os.rename(self.p("over-pre"), self.p("pre", "a.bin"))
+        r = subprocess.run(["mv", "-f", self.p("pre", "sub", "b.bin"), self.p("pre", "moved.bin")])
+        self.assertEqual(r.returncode, 0)
+        expected = snapshot(self.m.mnt, skip_top=(CONTROL,))
+        self.drain()
+        self.assertSameTree(expected, self.m.backing, "backing after drain")
+        self.assertEqual(read_file(self.b("pub", "target")), rand_bytes(6, MiB + 7))
+        self.assertEqual(read_file(self.b("stg", "target")), rand_bytes(6, MiB + 7))
+        self.assertEqual(read_file(self.b("pre", "a.bin")), b"replacement")
+        self.assertEqual(read_file(self.b("pre", "moved.bin")), rand_bytes(2, 5000))
+
+    def test_files_written_then_directory_renamed(self):
+        """The DCP pattern: write a checkpoint into a staging dir, rename the dir."""
+        os.mkdir(self.p("ckpt.tmp"))
+        files = {f"__{r}_0.distcp": rand_bytes(10 + r, 4 * MiB + r) for r in range(4)}
+        for name, data in files.items():
+            write_file(self.p("ckpt.tmp", name), data)
+        os.mkdir(self.p("ckpt.tmp", "nested"))
+        write_file(self.p("ckpt.tmp", "nested", "x"), b"x" * 1234)
+        os.rename(self.p("ckpt.tmp"), self.p("ckpt"))
+        # Rename a directory that exists only on the backing store, too.
+        os.rename(self.p("pre"), self.p("pre-renamed"))
+        self.assertFalse(os.path.exists(self.p("ckpt.tmp")))
+        for name, data in files.items():
+            self.assertEqual(read_file(self.p("ckpt", name)), data)
+        self.assertEqual(read_file(self.p("pre-renamed", "sub", "b.bin")), rand_bytes(2, 5000))
+        expected = snapshot(self.m.mnt, skip_top=(CONTROL,))
+        self.drain()
+        self.assertSameTree(expected, self.m.backing, "backing after drain")
+        self.assertFalse(os.path.exists(self.b("ckpt.tmp")))
+        self.assertFalse(os.path.exists(self.b("pre")))
+
+    def test_rename_directory_with_files_still_being_written(self):
+        os.makedirs(self.p("d1", "inner"))
+        part1, part2 = rand_bytes(20, 8 * MiB + 3), rand_bytes(21, 8 * MiB + 5)
+        fds = [os.open(self.p("d1", "f"), os.O_CREAT | os.O_WRONLY, 0o644),
+               os.open(self.p("d1", "inner", "g"), os.O_CREAT | os.O_WRONLY, 0o644)]
+        try:
+            for fd in fds:
+                os.write(fd, part1)
+            os.rename(self.p("d1"), self.p("d2"))
+            self.assertFalse(os.path.exists(self.p("d1")))
+            for fd in fds:
+                os.write(fd, part2)
+            # Read-your-writes under the new name while the writer is still open.
+            self.assertEqual(read_file(self.p("d2", "f")), part1 + part2)
+            os.rename(self.p("d2", "inner"), self.p("d2", "inner2"))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.assertEqual(read_file(self.p("d2", "inner2", "g")), part1 + part2)
+        self.drain()
+        self.assertFalse(os.path.exists(self.b("d1")))
+        self.assertEqual(sorted(os.listdir(self.b("d2"))), ["f", "inner2"])
+        self.assertEqual(read_file(self.b("d2", "f")), part1 + part2)
+        self.assertEqual(read_file(self.b("d2", "inner2", "g")), part1 + part2)
+
+    def test_rename_file_while_being_written(self):
+        a, c = rand_bytes(30, 5 * MiB), rand_bytes(31, 3 * MiB)
+        write_file(self.p("victim"), b"old victim")
+        fd = os.open(self.p("w"), os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            os.write(fd, a)
+            os.rename(self.p("w"), self.p("victim"))
+            os.write(fd, c)
+        finally:
+            os.close(fd)
+        self.assertFalse(os.path.exists(self.p("w")))
+        self.assertEqual(read_file(self.p("victim")), a + c)
+        self.drain()
+        self.assertFalse(os.path.exists(self.b("w")))
+        self.assertEqual(read_file(self.b("victim")), a + c)
+
+    def test_unlink_of_open_files(self):
+        os.mkdir(self.p("d"))
+        x, y = rand_bytes(40, 4 * MiB + 1), rand_bytes(41, MiB + 2)
+        fd = os.open(self.p("d", "f"), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            os.write(fd, x)
+            os.unlink(self.p("d", "f"))
+            self.assertFalse(os.path.exists(self.p("d", "f")))
+            self.assertEqual(os.listdir(self.p("d")), [])
+            os.write(fd, y)
+            self.assertEqual(os.fstat(fd).st_size, len(x) + len(y))
+            self.assertEqual(os.pread(fd, len(x) + len(y) + 1, 0), x + y)
+        finally:
+            os.close(fd)
+        os.rmdir(self.p("d"))
+
+        # A published file unlinked while open for reading stays readable.
+        data = rand_bytes(42, 3 * MiB)
+        write_file(self.p("pub"), data)
+        self.wait(self.p("pub"))
+        rfd = os.open(self.p("pub"), os.O_RDONLY)
+        try:
+            os.unlink(self.p("pub"))
+            self.assertEqual(errno_of(os.stat, self.p("pub")), errno.ENOENT)
+            self.assertEqual(os.pread(rfd, len(data) + 1, 0), data)
+        finally:
+            os.close(rfd)
+        # A file that only exists on the backing store, unlinked while open.
+        rfd = os.open(self.p("pre", "a.bin"), os.O_RDONLY)
+        try:
+            os.unlink(self.p("pre", "a.bin"))
+            self.assertEqual(os.pread(rfd, 400_000, 0), rand_bytes(1, 300_000))
+        finally:
+            os.close(rfd)
+        self.drain()
+        self.assertFalse(os.path.exists(self.b("d")))
+        self.assertFalse(os.path.exists(self.b("pub")))
+        self.assertFalse(os.path.exists(self.b("pre", "a.bin")))
+
+    def test_symlink_readlink(self):
+        write_file(self.p("target.txt"), b"through the link")
+        r = subprocess.run(["ln", "-s", "target.txt", self.p("l1")])
+        self.assertEqual(r.returncode, 0)
+        os.mkdir(self.p("sub"))
+        os.symlink("../pre/a.bin", self.p("sub", "l2"))
+        os.symlink("/nonexistent/absolute/target", self.p("dangling"))
+        self.assertEqual(os.readlink(self.p("l1")), "target.txt")
+        out = subprocess.run(["readlink", self.p("sub", "l2")], capture_output=True, text=True)
+        self.assertEqual(out.stdout.strip(), "../pre/a.bin")
+        self.assertTrue(stat.S_ISLNK(os.lstat(self.p("l1")).st_mode))
+        self.assertEqual(read_file(self.p("l1")), b"through the link")
+        self.assertEqual(read_file(self.p("sub", "l2")), rand_bytes(1, 300_000))
+        self.assertEqual(os.readlink(self.p("dangling")), "/nonexistent/absolute/target")
+        self.assertFalse(os.path.exists(self.p("dangling")))
+        self.assertEqual(errno_of(os.symlink, "x", self.p("l1")), errno.EEXIST)
+        os.rename(self.p("l1"), self.p("l1-renamed"))
+        self.assertEqual(os.readlink(self.p("l1-renamed")), "target.txt")
+        os.symlink("sub", self.p("dirlink"))
+        os.unlink(self.p("dirlink"))
+        self.assertTrue(os.path.isdir(self.p("sub")))
+        self.drain()
+        self.assertEqual(os.readlink(self.b("l1-renamed")), "target.txt")
+        self.assertEqual(os.readlink(self.b("sub", "l2")), "../pre/a.bin")
+        self.assertEqual(os.readlink(self.b("dangling")), "/nonexistent/absolute/target")
+        self.assertFalse(os.path.lexists(self.b("l1")))
+        self.assertFalse(os.path.lexists(self.b("dirlink")))
+        self.assertEqual(read_file(self.b("target.txt")), b"through the link")
+
+    def test_random_namespace_ops_match_a_plain_directory(self):
+        """A seeded sequence of creates, writes, appends, truncates, renames,
+        unlinks, mkdirs, rmdirs, symlinks and chmods, run on a plain directory
+        and on the mount: the same errno for every op, the same tree after,
+        and the same tree on the backing store after drain."""
+        ref_root = tempfile.mkdtemp(prefix="ckptfs-ref-")
+        self.addCleanup(shutil.rmtree, ref_root, True)
+        shutil.copytree(os.path.join(self.m.backing, "pre"), os.path.join(ref_root, "pre"),
+                        symlinks=True)
+        ops = random_namespace_ops(seed=1234, n=400)
+        mismatches = []
+        for i, op in enumerate(ops):
+            e_ref = apply_op(ref_root, op)
+            e_mnt = apply_op(self.m.mnt, op)
+            if e_ref != e_mnt:
+                mismatches.append((i, op, errno.errorcode.get(e_ref, e_ref),
+                                   errno.errorcode.get(e_mnt, e_mnt)))
+            target = os.path.join(self.m.mnt, op[1])
+            if (op[0] == "write" and i % 40 == 0 and e_mnt == 0 and not os.path.islink(target)
+                    and os.path.isfile(target)):
+                self.wait(target)  # mix published and staged files
+        self.assertEqual(mismatches, [], "errno differs (index, op, plain, mount)")
+        expected = snapshot(ref_root)
+        self.assertSameTree(expected, self.m.mnt, "mount vs plain directory")
+        self.drain()
+        self.assertSameTree(expected, self.m.backing, "backing after drain vs plain directory")
+
+
+def random_namespace_ops(seed, n):
+    rng = random.Random(seed)
+    dirs = ["", "d0", "d1", "d0/e", "pre", "pre/sub"]
+    names = ["f0", "f1", "f2", "f3", "a.bin", "b.bin"]
+    ops = []
+    for i in range(n):
+        d = rng.choice(dirs)
+        path = os.path.join(d, rng.choice(names))
+        kind = rng.choices(
+            ["write", "append", "otrunc", "truncate", "rename", "unlink", "mkdir", "rmdir",
+             "rename_dir", "symlink", "chmod"],
+            weights=[20, 6, 4, 5, 10, 6, 6, 3, 3, 3, 3])[0]
+        if kind == "write":
+            ops.append(("write", path, rng.randrange(0, 300_000), rng.randrange(0, 200_000),
+                        rng.randrange(1 << 30)))
+        elif kind == "append":
+            ops.append(("append", path, rng.randrange(1, 70_000), rng.randrange(1 << 30)))
+        elif kind == "otrunc":
+            ops.append(("otrunc", path, rng.randrange(0, 50_000), rng.randrange(1 << 30)))
+        elif kind == "truncate":
+            ops.append(("truncate", path, rng.randrange(0, 400_000)))
+        elif kind == "rename":
+            ops.append(("rename", path, os.path.join(rng.choice(dirs), rng.choice(names))))
+        elif kind == "unlink":
+            ops.append(("unlink", path))
+        elif kind == "mkdir":
+            ops.append(("mkdir", rng.choice(dirs[1:4] + ["d2", "d1/g"])))
+        elif kind == "rmdir":
+            ops.append(("rmdir", rng.choice(dirs[1:4] + ["d2", "d1/g"])))
+        elif kind == "rename_dir":
+            a, b = rng.sample(["d0", "d1", "d2", "d1/g", "d0/e"], 2)
+            ops.append(("rename", a, b))
+        elif kind == "symlink":
+            # Targets stay inside the tree (or nowhere): writes through
+            # a link must not leave the directory under test.
+            ops.append(("symlink", rng.choice(["f0", "sub/f1", "/nonexistent-ckptfs/x"]), path))
+        else:
+            ops.append(("chmod", path, rng.choice([0o600, 0o640, 0o644, 0o755])))
+    return ops
+
+
+def apply_op(root, op):
+    """Applies one op under root; returns 0 or the errno."""
+    P = lambda rel: os.path.join(root, rel)  # noqa: E731
+    try:
+        kind = op[0]
+        if kind == "write":
+            _, path, off, length, seed = op
+            fd = os.open(P(path), os.O_CREAT | os.O_WRONLY, 0o644)
+            try:
+                os.pwrite(fd, rand_bytes(seed, length), off)
+            finally:
+                os.close(fd)
+        elif kind == "append":
+            _, path, length, seed = op
+            fd = os.open(P(path), os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, rand_bytes(seed, length))
+            finally:
+                os.close(fd)
+        elif kind == "otrunc":
+            _, path, length, seed = op
+            fd = os.open(P(path), os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, rand_bytes(seed, length))
+            finally:
+                os.close(fd)
+        elif kind == "truncate":
+            os.truncate(P(op[1]), op[2])
+        elif kind == "rename":
+            os.rename(P(op[1]), P(op[2]))
+        elif kind == "unlink":
+            os.unlink(P(op[1]))
+        elif kind == "mkdir":
+            os.mkdir(P(op[1]), 0o755)
+        elif kind == "rmdir":
+            os.rmdir(P(op[1]))
+        elif kind == "symlink":
+            os.symlink(op[1], P(op[2]))
+        elif kind == "chmod":
+            # chmod follows symlinks; only chmod real files so a dangling
+            # /abs/x link never reaches outside the tree.
+            if os.path.islink(P(op[1])):
+                return errno.ELOOP
+            os.chmod(P(op[1]), op[2])
+        return 0
+    except OSError as e:
+        return e.errno
+
+
+class StrictNamespaceTest(NamespaceTest):
+    """The same namespace tests with --durability strict."""
+    MOUNT_ARGS = ("--durability", "strict")
+
+
+# ---------------------------------------------------------------- file I/O
+
+class FileIOTest(MountedTest):
+
+    def populate_backing(self, backing):
+        write_file(os.path.join(backing, "existing.bin"), rand_bytes(50, MiB + 3))
+
+    def test_o_excl(self):
+        fd = os.open(self.p("new"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        os.write(fd, b"first")
+        os.close(fd)
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
+        self.assertEqual(errno_of(os.open, self.p("new"), flags), errno.EEXIST)  # staged
+        self.wait(self.p("new"))
+        self.assertEqual(errno_of(os.open, self.p("new"), flags), errno.EEXIST)  # published
+        self.assertEqual(errno_of(os.open, self.p("existing.bin"), flags), errno.EEXIST)
+        os.mkdir(self.p("dir"))
+        self.assertEqual(errno_of(os.open, self.p("dir"), flags), errno.EEXIST)
+        os.symlink("nowhere", self.p("link"))
+        self.assertEqual(errno_of(os.open, self.p("link"), flags), errno.EEXIST)
+        # After an unlink (possibly not yet applied on the backing store) the name is free.
+        os.unlink(self.p("new"))
+        fd = os.open(self.p("new"), flags, 0o644)
+        os.write(fd, b"second")
+        os.close(fd)
+        os.unlink(self.p("existing.bin"))
+        fd = os.open(self.p("existing.bin"), flags, 0o644)
+        os.write(fd, b"recreated")
+        os.close(fd)
+        self.assertEqual(read_file(self.p("new")), b"second")
+        self.drain()
+        self.assertEqual(read_file(self.b("new")), b"second")
+        self.assertEqual(read_file(self.b("existing.bin")), b"recreated")
+
+    def test_o_trunc(self):
+        big = rand_bytes(51, 3 * MiB)
+        write_file(self.p("pub"), big)
+        self.wait(self.p("pub"))
+        write_file(self.p("stg"), big)
+        reader = os.open(self.p("pub"), os.O_RDONLY)
+        try:
+            for name in ("pub", "stg", "existing.bin"):
+                fd = os.open(self.p(name), os.O_WRONLY | os.O_TRUNC)
+                try:
+                    self.assertEqual(os.fstat(fd).st_size, 0, name)
+                    self.assertEqual(os.stat(self.p(name)).st_size, 0, name)
+                    os.write(fd, name.encode() * 3)
+                finally:
+                    os.close(fd)
+                self.assertEqual(read_file(self.p(name)), name.encode() * 3)
+            # The shell's '>' truncates too.
+            r = subprocess.run(["sh", "-c", f"printf shell > '{self.p('stg')}'"])
+            self.assertEqual(r.returncode, 0)
+            self.assertEqual(read_file(self.p("stg")), b"shell")
+            # O_TRUNC of an empty new file, and O_TRUNC|O_CREAT of a missing one.
+            fd = os.open(self.p("fresh"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.close(fd)
+            self.assertEqual(os.stat(self.p("fresh")).st_size, 0)
+        finally:
+            os.close(reader)
+        self.drain()
+        self.assertEqual(read_file(self.b("pub")), b"pubpubpub")
+        self.assertEqual(read_file(self.b("stg")), b"shell")
+        self.assertEqual(read_file(self.b("existing.bin")), b"existing.bin" * 3)
+        self.assertEqual(read_file(self.b("fresh")), b"")
+
+    def test_o_append(self):
+        expected = bytearray(b"A" * 1000)
+        write_file(self.p("log"), bytes(expected))
+        fd1 = os.open(self.p("log"), os.O_WRONLY | os.O_APPEND)
+        fd2 = os.open(self.p("log"), os.O_WRONLY | os.O_APPEND)
+        try:
+            rng = random.Random(52)
+            for i in range(40):
+                chunk = rand_bytes(1000 + i, rng.choice([1, 7, 4096, 65537, MiB + 1]))
+                os.write(fd1 if i % 2 else fd2, chunk)
+                expected += chunk
+                if i % 10 == 9:
+                    self.assertEqual(read_file(self.p("log")), bytes(expected))
+        finally:
+            os.close(fd1)
+            os.close(fd2)
+        self.wait(self.p("log"))
+        # Append to a published file, and to one that only exists on the backing store.
+        r = subprocess.run(["sh", "-c", f"echo appended >> '{self.p('log')}'"])
+        self.assertEqual(r.returncode, 0)
+        expected += b"appended\n"
+        with open(self.p("existing.bin"), "ab") as f:
+            f.write(b"tail")
+        self.assertEqual(read_file(self.p("log")), bytes(expected))
+        self.assertEqual(read_file(self.p("existing.bin")), rand_bytes(50, MiB + 3) + b"tail")
+        self.drain()
+        self.assertEqual(read_file(self.b("log")), bytes(expected))
+        self.assertEqual(read_file(self.b("existing.bin")), rand_bytes(50, MiB + 3) + b"tail")
+
+    def test_truncate_and_ftruncate(self):
+        model = {}
+
+        def resize(name, n):
+            if n < len(model[name]):
+                del model[name][n:]
+            else:
+                model[name] += bytes(n - len(model[name]))
+
+        def check(name):
+            self.assertEqual(os.stat(self.p(name)).st_size, len(model[name]), name)
+            self.assertEqual(read_file(self.p(name)), bytes(model[name]), name)
+
+        for name, publish_first in (("staged", False), ("published", True), ("existing.bin", None)):
+            if publish_first is None:
+                model[name] = bytearray(rand_bytes(50, MiB + 3))
+            else:
+                model[name] = bytearray(rand_bytes(53, 3 * MiB))
+                write_file(self.p(name), bytes(model[name]))
+                if publish_first:
+                    self.wait(self.p(name))
+            os.truncate(self.p(name), MiB + 5)
+            resize(name, MiB + 5)
+            check(name)
+            os.truncate(self.p(name), 5 * MiB)  # extends with zeros
+            resize(name, 5 * MiB)
+            check(name)
+            fd = os.open(self.p(name), os.O_RDWR)
+            try:
+                os.pwrite(fd, b"X" * 100, 100)
+                model[name][100:200] = b"X" * 100
+                os.ftruncate(fd, 2 * MiB)
+                resize(name, 2 * MiB)
+                self.assertEqual(os.fstat(fd).st_size, 2 * MiB)
+                os.pwrite(fd, b"hole-after", 4 * MiB)  # leaves a hole
+                model[name] += bytes(4 * MiB - len(model[name])) + b"hole-after"
+                os.ftruncate(fd, 4 * MiB + 3)
+                resize(name, 4 * MiB + 3)
+                self.assertEqual(os.pread(fd, 10, 4 * MiB), b"hol")
+            finally:
+                os.close(fd)
+            check(name)
+            r = subprocess.run(["truncate", "-s", "3M", self.p(name)])
+            self.assertEqual(r.returncode, 0)
+            resize(name, 3 * MiB)
+            check(name)
+            os.truncate(self.p(name), 0)
+            model[name] = bytearray()
+            fd = os.open(self.p(name), os.O_WRONLY)
+            os.pwrite(fd, b"end", 777)
+            os.close(fd)
+            model[name] += bytes(777) + b"end"
+            check(name)
+        self.drain()
+        for name, data in model.items():
+            self.assertEqual(read_file(self.b(name)), bytes(data), name)
+
+    def test_chmod_and_utime(self):
+        mtime_ns, atime_ns = 1_500_000_000_987_654_321, 1_600_000_000_123_456_789
+        write_file(self.p("staged"), b"s" * 5000)
+        write_file(self.p("published"), b"p" * 5000)
+        self.wait(self.p("published"))
+        os.mkdir(self.p("dir"))
+        for name in ("staged", "published", "existing.bin"):
+            os.chmod(self.p(name), 0o600)
+            os.utime(self.p(name), ns=(atime_ns, mtime_ns))
+            st = os.stat(self.p(name))
+            self.assertEqual(stat.S_IMODE(st.st_mode), 0o600, name)
+            self.assertEqual(st.st_mtime_ns, mtime_ns, name)
+        os.chmod(self.p("dir"), 0o750)
+        self.assertEqual(stat.S_IMODE(os.stat(self.p("dir")).st_mode), 0o750)
+        # The programs: chmod and touch -d.
+        self.assertEqual(subprocess.run(["chmod", "0640", self.p("published")]).returncode, 0)
+        self.assertEqual(subprocess.run(["touch", "-m", "-d", "@1234567890",
+                                         self.p("published")]).returncode, 0)
+        st = os.stat(self.p("published"))
+        self.assertEqual(stat.S_IMODE(st.st_mode), 0o640)
+        self.assertEqual(st.st_mtime, 1234567890)
+        # A file created with an explicit mode.
+        fd = os.open(self.p("mode0604"), os.O_CREAT | os.O_WRONLY, 0o604)
+        os.close(fd)
+        os.chmod(self.p("mode0604"), 0o604)  # independent of the umask
+        self.assertEqual(stat.S_IMODE(os.stat(self.p("mode0604")).st_mode), 0o604)
+        self.drain()
+        for name in ("staged", "existing.bin"):
+            st = os.stat(self.b(name))
+            self.assertEqual(stat.S_IMODE(st.st_mode), 0o600, name)
+            self.assertEqual(st.st_mtime_ns, mtime_ns, f"{name}: mtime on the backing store")
+        st = os.stat(self.b("published"))
+        self.assertEqual(stat.S_IMODE(st.st_mode), 0o640)
+        self.assertEqual(st.st_mtime, 1234567890)
+        self.assertEqual(stat.S_IMODE(os.stat(self.b("dir")).st_mode), 0o750)
+        self.assertEqual(stat.S_IMODE(os.stat(self.b("mode0604")).st_mode), 0o604)
+        self.assertEqual(read_file(self.b("staged")), b"s" * 5000)
+
+    def test_read_your_writes_before_publication(self):
+        """G3: every byte is readable through the mount as soon as write()
+        returns, from another fd and another process, before publication."""
+        size = 48 * MiB
+        model = bytearray(size)
+        rng = random.Random(54)
+        wfd = os.open(self.p("ryw"), os.O_CREAT | os.O_RDWR, 0o644)
+        os.ftruncate(wfd, size)
+        rfd = os.open(self.p("ryw"), os.O_RDONLY)
+        states = set()
+        try:
+            for i in range(150):
+                off = rng.randrange(0, size - 1)
+                n = min(rng.choice([1, 13, 4096, 65536 + 3, MiB, 3 * MiB + 1]), size - off)
+                data = rand_bytes(2000 + i, n)
+                self.assertEqual(os.pwrite(wfd, data, off), n)
+                model[off:off + n] = data
+                lo = max(0, off - 100)
+                self.assertEqual(os.pread(rfd, n + 200, lo), bytes(model[lo:off + n + 100]),
+                                 f"op {i}: other fd reads stale data at {off}+{n}")
+                if i % 30 == 0:
+                    self.assertEqual(os.pread(wfd, size, 0), bytes(model))
+                    out = subprocess.run(["dd", f"if={self.p('ryw')}", "bs=1M", "status=none"],
+                                         capture_output=True).stdout
+                    self.assertEqual(out, bytes(model), f"op {i}: another process reads stale data")
+                    if not PLAIN:
+                        states.add(xattr(self.p("ryw"), "user.ckptfs.state"))
+            self.assertEqual(os.stat(self.p("ryw")).st_size, size)
+        finally:
+            os.close(rfd)
+            os.close(wfd)
+        if not PLAIN:
+            # The file was open for writing, so it cannot have been published yet.
+            self.assertLessEqual(states, {"staged", "durable"}, states)
+        self.assertEqual(read_file(self.p("ryw")), bytes(model))
+        self.drain()
+        self.assertEqual(read_file(self.b("ryw")), bytes(model))
+
+    def test_concurrent_writers_on_different_files(self):
+        n_threads, per_file = 8, 24 * MiB
+        os.makedirs(self.p("conc", "shared"))
+        errors = []
+
+        def content(i):
+            return rand_bytes(3000 + i, per_file)
+
+        def path(i):
+            return self.p("conc", "shared" if i % 2 else f"own{i}", f"file{i}")
+
+        def writer(i):
+            try:
+                if i % 2 == 0:
+                    os.mkdir(self.p("conc", f"own{i}"))
+                data = content(i)
+                rng = random.Random(i)
+                fd = os.open(path(i), os.O_CREAT | os.O_WRONLY, 0o644)
+                try:
+                    pos = 0
+                    while pos < len(data):
+                        n = rng.choice([4096, 65537, MiB, MiB + 1, 2 * MiB - 1])
+                        pos += os.write(fd, data[pos:pos + n])
+                finally:
+                    os.close(fd)
+            except Exception as e:  # reported below
+                errors.append((i, repr(e)))
+
+        stop = threading.Event()
+        peaks = []
+
+        def stats_reader():
+            while not stop.is_set() and not PLAIN:
+                try:
+                    s = self.m.stats()
+                    peaks.append((s["staging_used"], s["staging_limit"]))
+                except Exception as e:
+                    errors.append(("stats", repr(e)))
+                    return
+                time.sleep(0.05)
+
+        threads = [threading.Thread(target=writer, args=(i,)) for i in range(n_threads)]
+        reader = threading.Thread(target=stats_reader)
+        reader.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        reader.join()
+        self.assertEqual(errors, [])
+        for used, limit in peaks:
+            self.assertLessEqual(used, limit, "G6: staging_used above staging_limit")
+        expected = {i: hashlib.sha256(content(i)).hexdigest() for i in range(n_threads)}
+        for i in range(n_threads):
+            self.assertEqual(sha256_file(path(i)), expected[i], f"file{i} through the mount")
+        self.drain()
+        for i in range(n_threads):
+            bpath = path(i).replace(self.m.mnt, self.m.backing, 1)
+            self.assertEqual(sha256_file(bpath), expected[i], f"file{i} on the backing store")
+
+    def test_statfs_and_df(self):
+        vm, vb = os.statvfs(self.m.mnt), os.statvfs(self.m.backing)
+        self.assertGreater(vm.f_bsize, 0)
+        self.assertGreater(vm.f_blocks, 0)
+        self.assertGreater(vm.f_bavail, 0)
+        total_m, total_b = vm.f_blocks * vm.f_frsize, vb.f_blocks * vb.f_frsize
+        self.assertAlmostEqual(total_m / total_b, 1.0, delta=0.02,
+                               msg=f"statfs total {total_m} vs backing {total_b}")
+        free_m, free_b = vm.f_bavail * vm.f_frsize, vb.f_bavail * vb.f_frsize
+        self.assertLess(abs(free_m - free_b), max(0.05 * total_b, 2 << 30),
+                        f"statfs free {free_m} vs backing {free_b}")
+        r = subprocess.run(["df", "-P", "-k", self.m.mnt], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        fields = r.stdout.splitlines()[-1].split()
+        self.assertGreater(int(fields[1]), 0, r.stdout)
+        if not PLAIN:
+            self.assertEqual(fields[-1], os.path.realpath(self.m.mnt), r.stdout)
+        r = subprocess.run(["df", "-i", self.m.mnt], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.drain()
+
+    def test_xattr_state_and_progress(self):
+        self.skip_if_plain()
+        write_file(self.p("f"), rand_bytes(55, 20 * MiB))
+        s = xattr(self.p("f"), "user.ckptfs.state")
+        self.assertIn(s, ("staged", "durable", "published"))
+        r = subprocess.run(["getfattr", "-n", "user.ckptfs.state", "--only-values", self.p("f")],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn(r.stdout.strip(), ("staged", "durable", "published"))
+        progress = json.loads(xattr(self.p("f"), "user.ckptfs.progress"))
+        self.assertIsInstance(progress, dict)
+        self.wait(self.p("f"))
+        self.assertEqual(xattr(self.p("f"), "user.ckptfs.state"), "published")
+        json.loads(xattr(self.p("f"), "user.ckptfs.progress"))
+        self.assertEqual(xattr(self.p("existing.bin"), "user.ckptfs.state"), "published")
+        # A size query (buffer of 0) must agree with the value.
+        r = subprocess.run(["getfattr", "-d", "-m", "user.ckptfs", self.p("f")],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.drain()
+
+
+class HiddenTmpTest(MountedTest):
+    STAGING = "512M"
+
+    def populate_backing(self, backing):
+        os.makedirs(os.path.join(backing, "d"))
+        write_file(os.path.join(backing, "d", TMP_PREFIX + "stray-from-test"), b"stray")
+
+    def test_readdir_hides_temporary_files(self):
+        self.skip_if_plain()
+        data = rand_bytes(60, 96 * MiB)
+        fd = os.open(self.p("d", "big"), os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            os.write(fd, data[:64 * MiB])
+            # The file is being written: its bytes go to a hidden temp file.
+            deadline = time.time() + 20
+            live = []
+            while time.time() < deadline:
+                live = [n for n in os.listdir(self.b("d"))
+                        if n.startswith(TMP_PREFIX) and n != TMP_PREFIX + "stray-from-test"]
+                if live:
+                    break
+                time.sleep(0.05)
+            self.assertTrue(live, f"no {TMP_PREFIX}* on the backing store while writing 64 MiB; "
+                                  f"backing has {os.listdir(self.b('d'))}")
+            self.assertEqual(os.listdir(self.p("d")), ["big"])
+            r = subprocess.run(["ls", "-a", self.p("d")], capture_output=True, text=True)
+            self.assertNotIn(TMP_PREFIX, r.stdout)
+            for name in live + [TMP_PREFIX + "stray-from-test"]:
+                self.assertEqual(errno_of(os.stat, self.p("d", name)), errno.ENOENT, name)
+            # Nothing torn under the real name (G4): absent, or the empty file just created.
+            if os.path.exists(self.b("d", "big")):
+                self.assertEqual(os.path.getsize(self.b("d", "big")), 0)
+            os.write(fd, data[64 * MiB:])
+        finally:
+            os.close(fd)
+        self.assertEqual(os.listdir(self.p("d")), ["big"])
+        self.assertEqual(sha256_file(self.p("d", "big")), hashlib.sha256(data).hexdigest())
+        rc = self.m.unmount(timeout=180)
+        self.assertEqual(rc, 0)
+        self.assertEqual(read_file(self.b("d", "big")), data)
+        leftover = [n for n in tmp_names(self.m.backing) if not n.endswith("stray-from-test")]
+        self.assertEqual(leftover, [])
+
+
+class StrictModeTest(MountedTest):
+    """--durability strict: namespace ops and close reach the backing store
+    before they return."""
+    MOUNT_ARGS = ("--durability", "strict")
+
+    def test_operations_reach_backing_before_returning(self):
+        self.skip_if_plain()
+        os.mkdir(self.p("d"))
+        self.assertTrue(os.path.isdir(self.b("d")))
+        data = rand_bytes(70, 9 * MiB + 1)
+        write_file(self.p("d", "f"), data)  # close returns once published
+        self.assertEqual(read_file(self.b("d", "f")), data)
+        self.assertEqual(xattr(self.p("d", "f"), "user.ckptfs.state"), "published")
+        fd = os.open(self.p("d", "g"), os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+            self.assertEqual(read_file(self.b("d", "g")), data)
+        finally:
+            os.close(fd)
+        os.rename(self.p("d", "f"), self.p("d", "f2"))
+        self.assertTrue(os.path.exists(self.b("d", "f2")))
+        self.assertFalse(os.path.exists(self.b("d", "f")))
+        os.symlink("f2", self.p("d", "l"))
+        self.assertEqual(os.readlink(self.b("d", "l")), "f2")
+        os.unlink(self.p("d", "g"))
+        self.assertFalse(os.path.exists(self.b("d", "g")))
+        os.rename(self.p("d"), self.p("e"))
+        self.assertTrue(os.path.isdir(self.b("e")))
+        self.assertFalse(os.path.exists(self.b("d")))
+        os.unlink(self.p("e", "l"))
+        os.unlink(self.p("e", "f2"))
+        os.rmdir(self.p("e"))
+        self.assertFalse(os.path.exists(self.b("e")))
+        self.drain()
+
+
+# ---------------------------------------------------------------- shutdown
+
+class ShutdownTest(MountedTest):
+    STAGING = "1G"
+
+    def setUp(self):
+        if PLAIN:
+            self.skipTest("needs a real ckptfs daemon")
+        super().setUp()
+
+    def write_workload(self, total_mb):
+        """Writes files totalling total_mb, a rename and a directory; returns
+        {relpath: sha256} of what the backing store must hold."""
+        expected = {}
+        os.mkdir(self.p("ckpt.tmp"))
+        n = max(1, total_mb // 128)
+        for i in range(n):
+            data = rand_bytes(80 + i, (total_mb // n) * MiB + i)
+            write_file(self.p("ckpt.tmp", f"__{i}_0.distcp"), data)
+            expected[os.path.join("ckpt", f"__{i}_0.distcp")] = hashlib.sha256(data).hexdigest()
+        os.rename(self.p("ckpt.tmp"), self.p("ckpt"))
+        write_file(self.p("latest.txt"), b"ckpt\n")
+        expected["latest.txt"] = hashlib.sha256(b"ckpt\n").hexdigest()
+        return expected
+
+    def check_backing(self, expected):
+        got = {}
+        for dirpath, _, filenames in os.walk(self.m.backing):
+            for f in filenames:
+                p = os.path.join(dirpath, f)
+                got[os.path.relpath(p, self.m.backing)] = sha256_file(p)
+        self.assertEqual(got, expected, "backing store after shutdown")
+        self.assertFalse(os.path.exists(self.b("ckpt.tmp")))
+
+    def signal_drains(self, sig, total_mb):
+        expected = self.write_workload(total_mb)
+        before = self.m.stats()
+        proc = self.m.proc
+        os.kill(proc.pid, sig)
+        try:
+            rc = proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            self.fail(f"daemon did not exit within 180 s of {sig.name}")
+        self.m.proc = None
+        self.assertEqual(rc, 0, f"exit code after {sig.name}; stats before: {before}\n"
+                                f"{self.m.log_text()[-3000:]}")
+        self.assertFalse(is_mounted(self.m.mnt), f"still mounted after {sig.name}")
+        self.check_backing(expected)
+        return before
+
+    def test_sigterm_drains_everything_staged(self):
+        before = self.signal_drains(signal.SIGTERM, 768)
+        sys.stderr.write(f"\n  stats at SIGTERM: written={before.get('bytes_written')} "
+                         f"published={before.get('bytes_published')}\n")
+
+    def test_sigint_drains_everything_staged(self):
+        self.signal_drains(signal.SIGINT, 256)
+
+    def test_admin_unmount_exits_zero_and_drains(self):
+        expected = self.write_workload(384)
+        r = subprocess.run([ADMIN, "unmount", self.m.mnt], capture_output=True, text=True,
+                           timeout=300)
+        self.assertEqual(r.returncode, 0, f"ckptfs-admin unmount: {r.stdout}{r.stderr}")
+        self.assertFalse(is_mounted(self.m.mnt))
+        try:
+            rc = self.m.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.fail("daemon still running 120 s after ckptfs-admin unmount returned")
+        self.m.proc = None
+        self.assertEqual(rc, 0)
+        self.check_backing(expected)
+
+
+# ---------------------------------------------------------------- daemon CLI
+
+class DaemonCliTest(unittest.TestCase):
+    """Bad invocations exit 2 with exactly one line on stderr and mount nothing."""
+
+    def setUp(self):
+        if PLAIN:
+            self.skipTest("needs a real ckptfs daemon")
+        self.root = tempfile.mkdtemp(prefix="ckptfs-cli-")
+        self.addCleanup(shutil.rmtree, self.root, True)
+        self.backing = os.path.join(self.root, "backing")
+        self.mnt = os.path.join(self.root, "mnt")
+        self.state = os.path.join(self.root, "state")
+        os.makedirs(self.backing)
+        os.makedirs(self.mnt)
+
+    def run_daemon(self, args, foreground=True, timeout=20, mnt=None):
+        """Runs ckptfs; if it wrongly keeps running or mounts, kills it by PID."""
+        cmd = [CKPTFS] + (["-f"] if foreground else []) + list(args)
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            harness.unmount(mnt or self.mnt)
+            self.fail(f"{cmd} still running after {timeout} s (expected an error exit)")
+        return p.returncode, out, err
+
+    def expect_usage_error(self, args, mention=None, foreground=True):
+        rc, out, err = self.run_daemon(args, foreground=foreground)
+        mounted = is_mounted(self.mnt)
+        if mounted:
+            harness.unmount(self.mnt)
+        self.assertFalse(mounted, f"{args} mounted something")
+        self.assertEqual(rc, 2, f"{args}: exit {rc}\nstdout: {out}\nstderr: {err}")
+        lines = err.strip().splitlines()
+        self.assertEqual(len(lines), 1, f"{args}: expected one line on stderr, got {err!r}")
+        self.assertGreater(len(lines[0].strip()), 10, f"{args}: message too terse: {err!r}")
+        if mention:
+            self.assertIn(mention, lines[0], f"{args}: message does not name {mention}")
+
+    def test_missing_backing_dir(self):
+        missing = os.path.join(self.root, "no-such-backing")
+        self.expect_usage_error(["--state-dir", self.state, missing, self.mnt], mention=missing)
+        self.expect_usage_error(["--state-dir", self.state, missing, self.mnt], mention=missing,
+                                foreground=False)
+        self.assertFalse(os.path.exists(missing), "the daemon created the missing backing dir")
+
+    def test_backing_dir_is_a_file(self):
+        f = os.path.join(self.root, "file")
+        write_file(f, b"x")
+        self.expect_usage_error(["--state-dir", self.state, f, self.mnt], mention=f)
+
+    def test_missing_mountpoint(self):
+        missing = os.path.join(self.root, "no-such-mnt")
+        self.expect_usage_error(["--state-dir", self.state, self.backing, missing], mention=missing)
+        self.expect_usage_error(["--state-dir", self.state, self.backing, missing], mention=missing,
+                                foreground=False)
+
+    def test_busy_mountpoint(self):
+        with Mount() as m:
+            other_backing = os.path.join(self.root, "other")
+            os.makedirs(other_backing)
+            rc, out, err = self.run_daemon(["--state-dir", self.state, other_backing, m.mnt],
+                                           mnt=m.mnt)
+            self.assertEqual(rc, 2, f"second mount on a busy mountpoint: exit {rc}\n{out}{err}")
+            self.assertEqual(len(err.strip().splitlines()), 1, repr(err))
+            # The first mount is undisturbed.
+            self.assertIsInstance(m.stats(), dict)
+            write_file(os.path.join(m.mnt, "still-works"), b"ok")
+            self.assertEqual(m.unmount(), 0)
+            self.assertEqual(read_file(os.path.join(m.backing, "still-works")), b"ok")
+            self.assertEqual(os.listdir(other_backing), [])
+
+    def test_bad_options(self):
+        base = ["--state-dir", self.state]
+        pos = [self.backing, self.mnt]
+        cases = [
+            ["--durability", "sometimes"] + base + pos,
+            ["--no-such-option"] + base + pos,
+            ["--staging-mem", "lots"] + base + pos,
+            ["--staging-mem", "-5G"] + base + pos,
+            ["--flush-threads", "many"] + base + pos,
+            ["--log-level", "shouty"] + base + pos,
+            base + [self.backing],
+            base + pos + ["extra-positional"],
+        ]
+        for args in cases:
+            with self.subTest(args=args):
+                self.expect_usage_error(args)
+
+    def test_state_dir_inside_the_mount(self):
+        for state in (os.path.join(self.mnt, "state"), self.mnt):
+            with self.subTest(state=state):
+                self.expect_usage_error(["--state-dir", state, self.backing, self.mnt])
+        self.assertEqual(os.listdir(self.mnt), [])
+
+    def test_daemonizes_returns_once_mounted_and_admin_unmount(self):
+        log = os.path.join(self.root, "daemon.log")
+        cmd = [CKPTFS, "--state-dir", self.state, "--log-file", log, self.backing, self.mnt]
+        pid = None
+        try:
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                rc = p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                self.fail("ckptfs (daemonizing) did not return within 60 s")
+            # The daemon must not hold the caller's stdout/stderr open, or
+            # `out=$(ckptfs ...)` would hang.
+            outputs = {}
+            readers = [threading.Thread(target=lambda k, f: outputs.__setitem__(k, f.read()),
+                                        args=(k, f), daemon=True)
+                       for k, f in (("out", p.stdout), ("err", p.stderr))]
+            for t in readers:
+                t.start()
+            for t in readers:
+                t.join(timeout=10)
+            self.assertEqual(rc, 0, f"{outputs}")
+            self.assertEqual(len(outputs), 2, "the daemon keeps the caller's stdout/stderr open")
+            # Returned once mounted: the control files answer right away.
+            self.assertTrue(is_mounted(self.mnt))
+            with open(os.path.join(self.mnt, CONTROL, "stats")) as f:
+                pid = json.load(f)["pid"]
+            self.assertTrue(pid_alive(pid))
+            st = subprocess.run([ADMIN, "stats", self.mnt, "--json"], capture_output=True,
+                                text=True, timeout=30)
+            self.assertEqual(st.returncode, 0, st.stderr)
+            self.assertEqual(json.loads(st.stdout)["pid"], pid)
+            data = rand_bytes(90, 40 * MiB)
+            write_file(os.path.join(self.mnt, "f"), data)
+            u = subprocess.run([ADMIN, "unmount", self.mnt], capture_output=True, text=True,
+                               timeout=300)
+            self.assertEqual(u.returncode, 0, f"{u.stdout}{u.stderr}")
+            self.assertFalse(is_mounted(self.mnt))
+            deadline = time.time() + 60
+            while pid_alive(pid) and time.time() < deadline:
+                time.sleep(0.1)
+            self.assertFalse(pid_alive(pid), "daemon still alive 60 s after admin unmount")
+            self.assertEqual(read_file(os.path.join(self.backing, "f")), data)
+            self.assertEqual(tmp_names(self.backing), [])
+        finally:
+            if pid is not None and pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+            harness.unmount(self.mnt)
+
+
+if __name__ == "__main__":
+    unittest.main()
