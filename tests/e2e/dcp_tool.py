@@ -5,11 +5,19 @@ CLI:
   dcp_tool.py save   --dir D [--ranks 4] [--mb 64] [--single-file-per-rank 0|1] [--seed S]
                      [--dtypes float32,bfloat16,...] [--timeout SEC]
   dcp_tool.py load   --dir D [--ranks 4] [--mode own|replicated|reshard] [--seed S] [--timeout SEC]
+  dcp_tool.py train  --parent P [--ranks 4] [--mb 16] [--start N] [--iters K] [--keep 2]
+                     [--single-file-per-rank 0|1] [--oplog FILE]
   dcp_tool.py sha256 --dir D
 Each prints one JSON object on stdout; save/load exit non-zero when any rank fails, and load
 exits non-zero when a tensor differs from its expected value.
 
-Importable: save(), load(), sha256_tree(), child_env(); save/load raise DcpToolError with the
+`train` is a Megatron-style loop: for N = start, start+1, ...: save checkpoint N (seed N) into
+P/iter_{N:07d}, write P/latest_checkpointed_iteration.txt naming N (plain open/write/close),
+then shutil.rmtree every P/iter_* older than N-keep+1. Rank 0 appends each step to --oplog as
+a fsynced JSON line ({"op": save_begin|saved|tracker|rmtree_begin|rmtree_done, "iter": N}), so
+a crash test knows exactly what the application had done.
+
+Importable: save(), load(), train(), sha256_tree(), child_env(), iter_dir(); save/load raise DcpToolError with the
 ranks' output tails when something fails.
 
 The checkpoint content depends only on (seed, mb, dtypes), never on the number of ranks: the
@@ -29,6 +37,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -186,6 +195,26 @@ def load(dir, ranks=4, mode="own", seed=0, timeout=600):
             "wall_s": time.monotonic() - t0, "per_rank": per_rank}
 
 
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def iter_dir(parent, n):
+    return os.path.join(parent, f"iter_{n:07d}")
+
+
+def train(parent, ranks=4, mb=16, start=1, iters=1000, keep=2, single_file_per_rank=True,
+          dtypes=DEFAULT_DTYPES, oplog=None, timeout=3600):
+    """Runs the checkpoint/tracker/rotate loop (see the module doc) on `ranks` gloo ranks."""
+    job = {"op": "train", "parent": os.path.abspath(parent), "mb": mb, "start": start,
+           "iters": iters, "keep": keep, "dtypes": list(dtypes),
+           "single_file_per_rank": bool(single_file_per_rank),
+           "oplog": os.path.abspath(oplog) if oplog else None}
+    t0 = time.monotonic()
+    per_rank = _run_ranks(job, ranks, timeout)
+    return {"op": "train", "parent": job["parent"], "ranks": ranks, "start": start,
+            "iters": iters, "wall_s": time.monotonic() - t0, "per_rank": per_rank}
+
+
 def sha256_tree(dir):
     """{relative path: sha256 hex} of every regular file under `dir`, hidden ones included."""
     result = {}
@@ -294,18 +323,23 @@ def _rank_verify(errors, what, got, want):
                       f"first at flat index {int(diff[0])}")
 
 
-def _worker_save(job, rank, world):
+def _state(seed, mb, dtypes, world):
+    """This rank's part of the deterministic state for `seed`."""
     import torch
+    state = {}
+    for fqn, shape, dt in layout(mb, dtypes):
+        state[fqn] = _sharded(shape, dt, world, lambda off, n, fqn=fqn, shape=shape, dt=dt:
+                              expected_rows(seed, fqn, shape, dt, off, off + n))
+    state["step"] = torch.tensor([seed], dtype=torch.int64)
+    state["manifest"] = {"tag": MANIFEST_TAG, "seed": seed, "mb": mb, "dtypes": list(dtypes)}
+    return state
+
+
+def _worker_save(job, rank, world):
     import torch.distributed as dist
     import torch.distributed._shard.checkpoint as dcp
     t0 = time.monotonic()
-    state = {}
-    for fqn, shape, dt in layout(job["mb"], job["dtypes"]):
-        state[fqn] = _sharded(shape, dt, world, lambda off, n, fqn=fqn, shape=shape, dt=dt:
-                              expected_rows(job["seed"], fqn, shape, dt, off, off + n))
-    state["step"] = torch.tensor([job["seed"]], dtype=torch.int64)
-    state["manifest"] = {"tag": MANIFEST_TAG, "seed": job["seed"], "mb": job["mb"],
-                         "dtypes": list(job["dtypes"])}
+    state = _state(job["seed"], job["mb"], job["dtypes"], world)
     gen_s = time.monotonic() - t0
     dist.barrier()
     t1 = time.monotonic()
@@ -315,6 +349,45 @@ def _worker_save(job, rank, world):
     save_s = time.monotonic() - t1
     dist.barrier()
     return {"rank": rank, "gen_s": round(gen_s, 4), "save_s": round(save_s, 4)}
+
+
+def _worker_train(job, rank, world):
+    import shutil
+    import torch.distributed as dist
+    import torch.distributed._shard.checkpoint as dcp
+    parent = job["parent"]
+    oplog = open(job["oplog"], "a") if rank == 0 and job["oplog"] else None
+
+    def log(op, n):
+        if oplog:
+            oplog.write(json.dumps({"op": op, "iter": n, "t": time.time()}) + "\n")
+            oplog.flush()
+            os.fsync(oplog.fileno())
+
+    save_s = []
+    for n in range(job["start"], job["start"] + job["iters"]):
+        state = _state(n, job["mb"], job["dtypes"], world)
+        dist.barrier()
+        log("save_begin", n)
+        t0 = time.monotonic()
+        dcp.save_state_dict(state, dcp.FileSystemWriter(
+            iter_dir(parent, n), single_file_per_rank=job["single_file_per_rank"]))
+        save_s.append(round(time.monotonic() - t0, 4))
+        dist.barrier()
+        if rank == 0:
+            log("saved", n)
+            with open(os.path.join(parent, TRACKER), "w") as f:
+                f.write(str(n))
+            log("tracker", n)
+            old = sorted(int(d[5:]) for d in os.listdir(parent)
+                         if d.startswith("iter_") and d[5:].isdigit())
+            for k in old:
+                if k <= n - job["keep"]:
+                    log("rmtree_begin", k)
+                    shutil.rmtree(iter_dir(parent, k))
+                    log("rmtree_done", k)
+        dist.barrier()
+    return {"rank": rank, "save_s": save_s}
 
 
 def _worker_load(job, rank, world):
@@ -397,10 +470,8 @@ def _worker_main(rank, job):
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=job.get("pg_timeout", 300)))
     try:
-        if job["op"] == "save":
-            result = _worker_save(job, rank, world)
-        else:
-            result = _worker_load(job, rank, world)
+        result = {"save": _worker_save, "load": _worker_load,
+                  "train": _worker_train}[job["op"]](job, rank, world)
     finally:
         dist.destroy_process_group()
     print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -431,6 +502,17 @@ def main(argv=None):
     l.add_argument("--mode", choices=MODES, default="own")
     l.add_argument("--seed", type=int, default=0)
     l.add_argument("--timeout", type=float, default=600)
+    t = sub.add_parser("train")
+    t.add_argument("--parent", required=True)
+    t.add_argument("--ranks", type=int, default=4)
+    t.add_argument("--mb", type=int, default=16)
+    t.add_argument("--start", type=int, default=1)
+    t.add_argument("--iters", type=int, default=1000)
+    t.add_argument("--keep", type=int, default=2)
+    t.add_argument("--single-file-per-rank", type=int, choices=(0, 1), default=1)
+    t.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES))
+    t.add_argument("--oplog")
+    t.add_argument("--timeout", type=float, default=3600)
     h = sub.add_parser("sha256")
     h.add_argument("--dir", required=True)
     w = sub.add_parser("_worker")
@@ -440,6 +522,8 @@ def main(argv=None):
 
     if a.cmd == "_worker":
         return _worker_main(a.rank, json.loads(a.job))
+    # SIGTERM unwinds through _run_ranks' finally, which kills the ranks by PID.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         if a.cmd == "save":
             dtypes = [d for d in a.dtypes.split(",") if d]
@@ -447,6 +531,10 @@ def main(argv=None):
                        a.timeout, not a.no_sync)
         elif a.cmd == "load":
             out = load(a.dir, a.ranks, a.mode, a.seed, a.timeout)
+        elif a.cmd == "train":
+            dtypes = [d for d in a.dtypes.split(",") if d]
+            out = train(a.parent, a.ranks, a.mb, a.start, a.iters, a.keep,
+                        bool(a.single_file_per_rank), dtypes, a.oplog, a.timeout)
         else:
             out = sha256_tree(a.dir)
     except DcpToolError as e:
