@@ -1,0 +1,157 @@
+"""No silent errors (G7): a backing filesystem that fills up in the middle of a save.
+
+The backing directory is a 64 MiB tmpfs (mounted here, always unmounted in
+cleanup) and the writers produce more than that:
+  * strict, DCP: the 4-rank save fails (a rank's write/fsync/close returns
+    ENOSPC, DCP raises), the daemon stays up and reports the error, and no
+    .metadata reaches the backing store;
+  * async, DCP: the save may return before the flush fails (that is the point
+    of async mode) or fail itself; either way the checkpoint becomes "failed"
+    in /.ckptfs/checkpoints with an error, `ckptfs-admin wait` exits 1, and no
+    .metadata reaches the backing store, not even after unmount (the drain must
+    not publish it);
+  * strict, dd: dd of more than the tmpfs holds fails, with conv=fsync (fsync
+    or write fails) and without it (close fails);
+  * after the failed checkpoint is deleted through the mount its space comes
+    back, and a smaller checkpoint then saves, commits and loads.
+"""
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import unittest
+
+import dcp_tool
+from harness import Mount
+
+TMPFS_MB = 64
+RANKS = 4
+SAVE_MB = 96          # more than the tmpfs holds
+SEED = 77
+
+
+def find_metadata(root):
+    return sorted(os.path.relpath(os.path.join(d, n), root)
+                  for d, _, files in os.walk(root) for n in files if n == ".metadata")
+
+
+def used_bytes(path):
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+class Enospc(unittest.TestCase):
+    def make_tmpfs(self):
+        d = tempfile.mkdtemp(prefix="ckptfs-enospc-backing-")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MB}m", "tmpfs", d],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            os.rmdir(d)
+            self.skipTest(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+        self.addCleanup(self.remove_tmpfs, d)
+        return d
+
+    @staticmethod
+    def remove_tmpfs(d):
+        if subprocess.run(["umount", d], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", d], capture_output=True)
+        os.rmdir(d)
+
+    def mount(self, durability):
+        backing = self.make_tmpfs()
+        m = Mount(args=["--durability", durability], backing=backing)
+        self.addCleanup(m.cleanup)    # runs before the tmpfs cleanup (LIFO)
+        return m.start()
+
+    def diag(self, m):
+        return f"\n--- ckptfs log tail ---\n{m.log_text()}"
+
+    def checkpoint_entry(self, m, path):
+        for c in m.checkpoints():
+            if c["path"] == path:
+                return c
+        return None
+
+    def assert_error_counted(self, m):
+        errors = m.stats().get("errors")
+        self.assertTrue(errors, f"stats must show the flush error: {m.stats()}{self.diag(m)}")
+
+    def test_strict_dcp_save_fails_and_never_commits(self):
+        m = self.mount("strict")
+        ckpt = os.path.join(m.mnt, "ckpt")
+        # torch.save's zip writer turns the ENOSPC into its own error ("unexpected pos") or an
+        # abort, so only the failure itself is checked, not its text.
+        with self.assertRaises(dcp_tool.DcpToolError, msg=self.diag(m)):
+            dcp_tool.save(ckpt, RANKS, SAVE_MB, True, SEED, timeout=300)
+        self.assertIsNone(m.proc.poll(), "the daemon must survive ENOSPC" + self.diag(m))
+        self.assertEqual(find_metadata(m.backing), [], self.diag(m))
+        entry = self.checkpoint_entry(m, "ckpt")
+        if entry is not None:
+            self.assertNotIn(entry["state"], ("committed", "writing", "pending"),
+                             f"{entry}{self.diag(m)}")
+        self.assert_error_counted(m)
+        self.assertNotEqual(m.wait(ckpt, timeout=10), 0, self.diag(m))
+
+    def test_async_dcp_save_marks_checkpoint_failed(self):
+        m = self.mount("async")
+        ckpt = os.path.join(m.mnt, "ckpt")
+        try:
+            dcp_tool.save(ckpt, RANKS, SAVE_MB, True, SEED, timeout=300)
+            raised = None
+        except dcp_tool.DcpToolError as e:    # the flush failed while the ranks still wrote
+            raised = e
+        self.assertEqual(m.wait(ckpt, timeout=120), 1,
+                         f"ckptfs-admin wait on a failed checkpoint (save raised: "
+                         f"{raised is not None}){self.diag(m)}")
+        entry = self.checkpoint_entry(m, "ckpt")
+        self.assertIsNotNone(entry, f"{m.checkpoints()}{self.diag(m)}")
+        self.assertEqual(entry["state"], "failed", f"{entry}{self.diag(m)}")
+        self.assertTrue(entry.get("error"), f"a failed checkpoint names its error: {entry}")
+        self.assert_error_counted(m)
+        self.assertEqual(find_metadata(m.backing), [], self.diag(m))
+        m.unmount()
+        self.assertEqual(find_metadata(m.backing), [], "unmount must not publish .metadata "
+                         "of a failed checkpoint" + self.diag(m))
+
+    def dd(self, m, *extra):
+        out = os.path.join(m.mnt, "big")
+        return subprocess.run(["dd", "if=/dev/zero", f"of={out}", "bs=1M",
+                               f"count={TMPFS_MB + 32}", *extra],
+                              capture_output=True, text=True, timeout=300)
+
+    def test_strict_dd_with_fsync_fails(self):
+        m = self.mount("strict")
+        r = self.dd(m, "conv=fsync")
+        self.assertNotEqual(r.returncode, 0, f"dd succeeded: {r.stderr}{self.diag(m)}")
+        self.assertIn("No space left on device", r.stderr)
+        self.assertIsNone(m.proc.poll(), "the daemon must survive ENOSPC" + self.diag(m))
+
+    def test_strict_dd_without_fsync_fails_at_close(self):
+        m = self.mount("strict")
+        r = self.dd(m)
+        self.assertNotEqual(r.returncode, 0, f"dd succeeded: {r.stderr}{self.diag(m)}")
+        self.assertIn("No space left on device", r.stderr)
+        self.assertIsNone(m.proc.poll(), "the daemon must survive ENOSPC" + self.diag(m))
+
+    def test_deleting_failed_checkpoint_frees_space_for_the_next(self):
+        m = self.mount("strict")
+        ckpt = os.path.join(m.mnt, "ckpt")
+        with self.assertRaises(dcp_tool.DcpToolError, msg=self.diag(m)):
+            dcp_tool.save(ckpt, RANKS, SAVE_MB, True, SEED, timeout=300)
+        shutil.rmtree(ckpt)
+        deadline = time.time() + 60
+        while used_bytes(m.backing) > (1 << 20) and time.time() < deadline:
+            time.sleep(0.2)
+        self.assertLessEqual(used_bytes(m.backing), 1 << 20,
+                             f"space of the deleted failed checkpoint is not freed: "
+                             f"{sorted(os.listdir(m.backing))}{self.diag(m)}")
+        ckpt2 = os.path.join(m.mnt, "ckpt2")
+        dcp_tool.save(ckpt2, RANKS, 16, True, SEED + 1, timeout=300)
+        self.assertEqual(m.wait(ckpt2, timeout=120), 0, self.diag(m))
+        self.assertEqual(find_metadata(m.backing), [os.path.join("ckpt2", ".metadata")])
+        dcp_tool.load(os.path.join(m.backing, "ckpt2"), RANKS, "own", SEED + 1, timeout=300)
+
+
+if __name__ == "__main__":
+    unittest.main()
