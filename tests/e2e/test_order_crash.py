@@ -83,11 +83,8 @@ class OrderCrash(unittest.TestCase):
         self.backing = os.path.join(self.root, "backing")
         self.state = os.path.join(self.root, "state")
         self.oplog = os.path.join(self.root, "ops.jsonl")
-        # The files a complete checkpoint holds (names only depend on layout and ranks).
-        ref = os.path.join(self.root, "ref")
-        dcp_tool.save(ref, RANKS, MB, True, 0, timeout=300)
-        self.ckpt_files = set(os.listdir(ref))
-        shutil.rmtree(ref)
+        # The files a complete checkpoint holds: train uses single_file_per_rank=True.
+        self.ckpt_files = {f"__{r}_0.distcp" for r in range(RANKS)} | {".metadata"}
         self.mount = None
         self.writer = None
         self.addCleanup(self.stop_all)
