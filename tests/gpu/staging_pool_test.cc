@@ -1,0 +1,419 @@
+#include "gpu/staging_pool.h"
+
+#include <gtest/gtest.h>
+#include <linux/capability.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <set>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace ckptfs::gpu {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr size_t kChunk = size_t{64} << 10;
+
+std::unique_ptr<StagingPool> MakePool(size_t chunks, const std::string& backend = "host") {
+  StagingOptions options;
+  options.chunk_bytes = kChunk;
+  options.total_bytes = chunks * kChunk;
+  options.backend = backend;
+  auto pool = StagingPool::Create(options);
+  EXPECT_TRUE(pool.ok()) << pool.status().ToString();
+  return pool.ok() ? std::move(pool).value() : nullptr;
+}
+
+Status CreateStatus(size_t total_bytes, size_t chunk_bytes, const std::string& backend) {
+  StagingOptions options;
+  options.total_bytes = total_bytes;
+  options.chunk_bytes = chunk_bytes;
+  options.backend = backend;
+  return StagingPool::Create(options).status();
+}
+
+TEST(StagingPool, RejectsChunkSizeThatIsNotAPageMultiple) {
+  Status st = CreateStatus(size_t{1} << 20, kChunk + 512, "host");
+  EXPECT_EQ(st.code(), Code::kInvalid) << st.ToString();
+  EXPECT_NE(st.message().find("chunk_bytes"), std::string::npos) << st.message();
+}
+
+TEST(StagingPool, RejectsChunkSizeBelow64KiB) {
+  Status st = CreateStatus(size_t{1} << 20, 32 << 10, "host");
+  EXPECT_EQ(st.code(), Code::kInvalid) << st.ToString();
+  EXPECT_EQ(CreateStatus(size_t{1} << 20, 0, "host").code(), Code::kInvalid);
+}
+
+TEST(StagingPool, RejectsTotalSmallerThanOneChunk) {
+  Status st = CreateStatus(kChunk - 1, kChunk, "host");
+  EXPECT_EQ(st.code(), Code::kInvalid) << st.ToString();
+  EXPECT_NE(st.message().find("smaller than one chunk"), std::string::npos) << st.message();
+  EXPECT_EQ(CreateStatus(0, kChunk, "host").code(), Code::kInvalid);
+}
+
+TEST(StagingPool, RejectsUnknownBackend) {
+  Status st = CreateStatus(size_t{1} << 20, kChunk, "gpu");
+  EXPECT_EQ(st.code(), Code::kInvalid) << st.ToString();
+  EXPECT_NE(st.message().find("gpu"), std::string::npos) << st.message();
+}
+
+TEST(StagingPool, RoundsTotalDownToWholeChunks) {
+  StagingOptions options;
+  options.chunk_bytes = kChunk;
+  options.total_bytes = 3 * kChunk + kChunk / 2;
+  options.backend = "host";
+  auto pool = StagingPool::Create(options);
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  EXPECT_EQ((*pool)->chunk_bytes(), kChunk);
+  EXPECT_EQ((*pool)->total_chunks(), 3u);
+  EXPECT_EQ((*pool)->limit_bytes(), 3 * kChunk);
+  EXPECT_EQ((*pool)->used_bytes(), 0u);
+}
+
+TEST(StagingPool, UsedBytesCountsChunksOutstanding) {
+  auto pool = MakePool(4);
+  ASSERT_NE(pool, nullptr);
+  std::vector<ChunkBuffer> held;
+  for (size_t i = 1; i <= 4; ++i) {
+    held.push_back(pool->Acquire());
+    EXPECT_EQ(pool->used_bytes(), i * kChunk);
+  }
+  EXPECT_FALSE(pool->TryAcquireFor(milliseconds(0)));
+  held.pop_back();
+  EXPECT_EQ(pool->used_bytes(), 3 * kChunk);
+  held.clear();
+  EXPECT_EQ(pool->used_bytes(), 0u);
+  EXPECT_EQ(pool->waits(), 0u);
+}
+
+TEST(StagingPool, ChunksArePageAlignedDisjointAndWritable) {
+  auto pool = MakePool(8);
+  ASSERT_NE(pool, nullptr);
+  std::vector<ChunkBuffer> held;
+  std::set<uint8_t*> starts;
+  for (int i = 0; i < 8; ++i) {
+    ChunkBuffer chunk = pool->Acquire();
+    ASSERT_TRUE(chunk);
+    EXPECT_EQ(chunk.capacity(), kChunk);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(chunk.data()) % 4096, 0u);
+    std::memset(chunk.data(), i, chunk.capacity());
+    starts.insert(chunk.data());
+    held.push_back(std::move(chunk));
+  }
+  ASSERT_EQ(starts.size(), 8u);
+  // Sorted starts one chunk apart means no two chunks overlap.
+  uint8_t* prev = nullptr;
+  for (uint8_t* p : starts) {
+    if (prev != nullptr) {
+      EXPECT_GE(static_cast<size_t>(p - prev), kChunk);
+    }
+    prev = p;
+  }
+  for (int i = 0; i < 8; ++i) {
+    const ChunkBuffer& c = held[i];
+    EXPECT_EQ(c.data()[0], i);
+    EXPECT_EQ(c.data()[c.capacity() - 1], i);
+  }
+}
+
+TEST(StagingPool, HostMemoryIsResidentRightAfterCreate) {
+  auto pool = MakePool(16);
+  ASSERT_NE(pool, nullptr);
+  std::vector<ChunkBuffer> held;
+  for (int i = 0; i < 16; ++i) held.push_back(pool->Acquire());
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident(kChunk / page);
+  for (const ChunkBuffer& chunk : held) {
+    ASSERT_EQ(mincore(chunk.data(), chunk.capacity(), resident.data()), 0) << strerror(errno);
+    const bool all_resident =
+        std::all_of(resident.begin(), resident.end(), [](unsigned char v) { return v & 1; });
+    EXPECT_TRUE(all_resident) << "pages of the pool were not populated at Create()";
+  }
+}
+
+TEST(StagingPool, TryAcquireForReturnsEmptyWhenExhausted) {
+  auto pool = MakePool(1);
+  ASSERT_NE(pool, nullptr);
+  ChunkBuffer held = pool->Acquire();
+  ChunkBuffer none = pool->TryAcquireFor(milliseconds(20));
+  EXPECT_FALSE(none);
+  EXPECT_EQ(none.data(), nullptr);
+  EXPECT_EQ(none.capacity(), 0u);
+  EXPECT_EQ(pool->used_bytes(), kChunk);
+  EXPECT_EQ(pool->waits(), 1u);
+  // A zero timeout is a plain try: it neither waits nor counts one.
+  EXPECT_FALSE(pool->TryAcquireFor(milliseconds(0)));
+  EXPECT_EQ(pool->waits(), 1u);
+}
+
+TEST(StagingPool, AcquireBlocksWhenExhaustedAndWakesWhenChunkReturned) {
+  auto pool = MakePool(1);
+  ASSERT_NE(pool, nullptr);
+  ChunkBuffer held = pool->Acquire();
+  uint8_t* const held_data = held.data();
+
+  // The pressure callback runs just before Acquire() blocks: the hook that says the
+  // waiter has found the pool empty. The TryAcquireFor below calls it again.
+  std::promise<void> about_to_block;
+  std::atomic<int> pressure_calls{0};
+  pool->SetPressureCallback([&] {
+    if (pressure_calls.fetch_add(1) == 0) about_to_block.set_value();
+  });
+  std::atomic<bool> acquired{false};
+  std::thread waiter([&] {
+    ChunkBuffer chunk = pool->Acquire();
+    EXPECT_TRUE(chunk);
+    EXPECT_EQ(chunk.data(), held_data);
+    acquired.store(true);
+  });
+  about_to_block.get_future().wait();
+  // Still exhausted, so the waiter cannot have been handed a chunk.
+  EXPECT_FALSE(pool->TryAcquireFor(milliseconds(20)));
+  EXPECT_FALSE(acquired.load());
+
+  held = ChunkBuffer();  // returns the chunk and wakes the waiter
+  waiter.join();
+  EXPECT_TRUE(acquired.load());
+  EXPECT_EQ(pool->used_bytes(), 0u);
+  EXPECT_EQ(pool->waits(), 2u);  // the waiter and the TryAcquireFor above
+  EXPECT_EQ(pressure_calls.load(), 2);
+}
+
+TEST(StagingPool, TryAcquireForWakesWhenChunkReturnedBeforeTimeout) {
+  auto pool = MakePool(1);
+  ASSERT_NE(pool, nullptr);
+  ChunkBuffer held = pool->Acquire();
+  std::promise<void> about_to_block;
+  pool->SetPressureCallback([&] { about_to_block.set_value(); });
+  std::thread waiter([&] {
+    // Far longer than the test can take, so success means it was woken.
+    ChunkBuffer chunk = pool->TryAcquireFor(milliseconds(60'000));
+    EXPECT_TRUE(chunk);
+  });
+  about_to_block.get_future().wait();
+  held = ChunkBuffer();
+  waiter.join();
+  EXPECT_EQ(pool->used_bytes(), 0u);
+}
+
+TEST(StagingPool, PressureCallbackIsCalledOnceWhenExhaustedAndMayReturnChunks) {
+  auto pool = MakePool(2);
+  ASSERT_NE(pool, nullptr);
+  int calls = 0;
+  std::vector<ChunkBuffer> sealed;
+  // Like the write path sealing partly filled chunks: the callback frees one. It runs
+  // without pool locks, so returning a chunk from inside it must not deadlock.
+  pool->SetPressureCallback([&] {
+    ++calls;
+    sealed.pop_back();
+  });
+  sealed.push_back(pool->Acquire());
+  sealed.push_back(pool->Acquire());
+  EXPECT_EQ(calls, 0) << "not called while chunks are free";
+
+  ChunkBuffer chunk = pool->Acquire();
+  EXPECT_TRUE(chunk);
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(pool->waits(), 1u);
+  EXPECT_EQ(pool->used_bytes(), 2 * kChunk);
+
+  pool->SetPressureCallback(nullptr);
+  sealed.clear();
+}
+
+TEST(StagingPool, DefaultChunkBufferIsEmpty) {
+  ChunkBuffer chunk;
+  EXPECT_FALSE(chunk);
+  EXPECT_EQ(chunk.data(), nullptr);
+  EXPECT_EQ(chunk.capacity(), 0u);
+}
+
+TEST(StagingPool, MoveConstructionTransfersChunkAndEmptiesSource) {
+  auto pool = MakePool(2);
+  ASSERT_NE(pool, nullptr);
+  ChunkBuffer a = pool->Acquire();
+  uint8_t* data = a.data();
+  ChunkBuffer b(std::move(a));
+  EXPECT_FALSE(a);  // NOLINT(bugprone-use-after-move): the contract under test
+  EXPECT_EQ(a.capacity(), 0u);
+  EXPECT_EQ(b.data(), data);
+  EXPECT_EQ(b.capacity(), kChunk);
+  EXPECT_EQ(pool->used_bytes(), kChunk);
+  b = ChunkBuffer();
+  EXPECT_EQ(pool->used_bytes(), 0u);
+}
+
+TEST(StagingPool, MoveAssignmentReturnsTheOverwrittenChunk) {
+  auto pool = MakePool(2);
+  ASSERT_NE(pool, nullptr);
+  ChunkBuffer a = pool->Acquire();
+  ChunkBuffer b = pool->Acquire();
+  uint8_t* b_data = b.data();
+  EXPECT_EQ(pool->used_bytes(), 2 * kChunk);
+  a = std::move(b);
+  EXPECT_EQ(a.data(), b_data);
+  EXPECT_FALSE(b);  // NOLINT(bugprone-use-after-move)
+  EXPECT_EQ(pool->used_bytes(), kChunk);
+  // The returned chunk is immediately reusable.
+  ChunkBuffer c = pool->TryAcquireFor(milliseconds(0));
+  EXPECT_TRUE(c);
+}
+
+TEST(StagingPool, ConcurrentAcquireReleaseNeverExceedsTotalChunks) {
+  constexpr size_t kChunks = 4;
+  constexpr int kThreads = 8;
+  constexpr int kIterations = 2000;
+  auto pool = MakePool(kChunks);
+  ASSERT_NE(pool, nullptr);
+  std::atomic<int> pressure_calls{0};
+  pool->SetPressureCallback([&] { pressure_calls.fetch_add(1); });
+
+  std::atomic<size_t> in_use{0};
+  std::atomic<size_t> high_water{0};
+  std::atomic<int> corrupted{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kIterations; ++i) {
+        ChunkBuffer chunk = (i % 3 == 0) ? pool->TryAcquireFor(milliseconds(1)) : pool->Acquire();
+        if (!chunk) continue;
+        size_t now = in_use.fetch_add(1) + 1;
+        size_t seen = high_water.load();
+        while (now > seen && !high_water.compare_exchange_weak(seen, now)) {
+        }
+        // A chunk handed to two threads at once would see the other's tag.
+        const uint64_t tag = (uint64_t{static_cast<uint32_t>(t)} << 32) | static_cast<uint32_t>(i);
+        std::memcpy(chunk.data(), &tag, sizeof(tag));
+        std::memcpy(chunk.data() + chunk.capacity() - sizeof(tag), &tag, sizeof(tag));
+        std::this_thread::yield();
+        uint64_t head, tail;
+        std::memcpy(&head, chunk.data(), sizeof(head));
+        std::memcpy(&tail, chunk.data() + chunk.capacity() - sizeof(tail), sizeof(tail));
+        if (head != tag || tail != tag) corrupted.fetch_add(1);
+        in_use.fetch_sub(1);
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+
+  EXPECT_LE(high_water.load(), kChunks);
+  EXPECT_GE(high_water.load(), 1u);
+  EXPECT_EQ(corrupted.load(), 0);
+  EXPECT_EQ(pool->used_bytes(), 0u);
+  EXPECT_EQ(static_cast<uint64_t>(pressure_calls.load()), pool->waits());
+}
+
+TEST(StagingPool, HostBackendUsesHostMemory) {
+  auto pool = MakePool(4, "host");
+  ASSERT_NE(pool, nullptr);
+  EXPECT_TRUE(pool->backend() == "host" || pool->backend() == "host-locked") << pool->backend();
+}
+
+TEST(StagingPool, SmallHostPoolIsLockedWhenMemlockLimitAllows) {
+  rlimit limit{};
+  ASSERT_EQ(getrlimit(RLIMIT_MEMLOCK, &limit), 0);
+  if (limit.rlim_cur != RLIM_INFINITY && limit.rlim_cur < (size_t{4} << 20)) {
+    GTEST_SKIP() << "RLIMIT_MEMLOCK is " << limit.rlim_cur << " bytes";
+  }
+  auto pool = MakePool(4, "host");
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->backend(), "host-locked");
+}
+
+// Runs in a child process: drops CAP_IPC_LOCK and lowers RLIMIT_MEMLOCK so that mlock must
+// fail, then checks that the pool still works on populated, unlocked memory.
+int CreatePoolWhereMlockFails() {
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct caps[_LINUX_CAPABILITY_U32S_3] = {};
+  if (syscall(SYS_capget, &header, caps) != 0) return 10;
+  caps[CAP_IPC_LOCK / 32].effective &= ~(1u << (CAP_IPC_LOCK % 32));
+  caps[CAP_IPC_LOCK / 32].permitted &= ~(1u << (CAP_IPC_LOCK % 32));
+  if (syscall(SYS_capset, &header, caps) != 0) return 11;
+  rlimit limit{};
+  if (getrlimit(RLIMIT_MEMLOCK, &limit) != 0) return 12;
+  limit.rlim_cur = kChunk;
+  if (setrlimit(RLIMIT_MEMLOCK, &limit) != 0) return 13;
+
+  StagingOptions options;
+  options.chunk_bytes = kChunk;
+  options.total_bytes = 16 * kChunk;
+  options.backend = "host";
+  auto pool = StagingPool::Create(options);
+  if (!pool.ok()) {
+    std::fprintf(stderr, "Create: %s\n", pool.status().ToString().c_str());
+    return 14;
+  }
+  if ((*pool)->backend() != "host") {
+    std::fprintf(stderr, "backend %s\n", (*pool)->backend().c_str());
+    return 15;
+  }
+  std::vector<ChunkBuffer> held;
+  for (int i = 0; i < 16; ++i) held.push_back((*pool)->Acquire());
+  std::vector<unsigned char> resident(kChunk / static_cast<size_t>(sysconf(_SC_PAGESIZE)));
+  for (const ChunkBuffer& chunk : held) {
+    if (mincore(chunk.data(), chunk.capacity(), resident.data()) != 0) return 16;
+    for (unsigned char v : resident) {
+      if (!(v & 1)) return 17;
+    }
+    std::memset(chunk.data(), 0x5a, chunk.capacity());
+  }
+  return 0;
+}
+
+TEST(StagingPoolDeathTest, MlockFailureFallsBackToPopulatedUnlockedMemory) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ASan and TSan replace mlock with a no-op that succeeds";
+#endif
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(std::exit(CreatePoolWhereMlockFails()), testing::ExitedWithCode(0), "");
+}
+
+// Consistent on machines with and without a GPU: "cuda" either works or fails with
+// Unsupported, and "auto" picks CUDA exactly when "cuda" works.
+TEST(StagingPool, CudaBackendFailsCleanlyWithoutGpuAndAutoFallsBackToHost) {
+  StagingOptions options;
+  options.chunk_bytes = kChunk;
+  options.total_bytes = 4 * kChunk;
+  options.backend = "cuda";
+  auto cuda = StagingPool::Create(options);
+  options.backend = "auto";
+  auto automatic = StagingPool::Create(options);
+  ASSERT_TRUE(automatic.ok()) << automatic.status().ToString();
+  if (cuda.ok()) {
+    EXPECT_EQ((*cuda)->backend(), "cuda-pinned");
+    EXPECT_EQ((*automatic)->backend(), "cuda-pinned");
+    ChunkBuffer chunk = (*cuda)->Acquire();
+    std::memset(chunk.data(), 0xab, chunk.capacity());
+  } else {
+    EXPECT_EQ(cuda.status().code(), Code::kUnsupported) << cuda.status().ToString();
+    EXPECT_NE(cuda.status().message().find("cuda"), std::string::npos);
+    const std::string& backend = (*automatic)->backend();
+    EXPECT_TRUE(backend == "host" || backend == "host-locked") << backend;
+  }
+}
+
+TEST(StagingPoolDeathTest, DestroyingPoolWithChunkOutstandingAborts) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        auto pool = MakePool(2);
+        ChunkBuffer leaked = pool->Acquire();
+        pool.reset();
+      },
+      testing::KilledBySignal(SIGABRT), "");
+}
+
+}  // namespace
+}  // namespace ckptfs::gpu
