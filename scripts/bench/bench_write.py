@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Staged write throughput: `dd bs=1M` of 2 GiB into a ckptfs mount against
+the same dd into a directory on the backing file system with conv=fsync,
+side by side in one run.
+
+Cases (one JSON object each, medians over --reps):
+  staged_write     dd returns (data staged) vs direct dd conv=fsync
+  write_durable    dd + `ckptfs-admin wait` (published) vs direct dd conv=fsync
+  cold_read        dd of the published file back to /dev/null with the page
+                   cache dropped, through the mount vs direct (root only)
+The source is a random file generated once and kept in the page cache; every
+file written through ckptfs is compared (cmp) with it on the backing store.
+Writes bench_write.png (ratios and flush progress of one dd) and
+bench_write.json into --out.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import benchlib as bl
+
+PROGRESS_KEYS = ("bytes_written", "bytes_flushed", "bytes_published", "staging_used")
+
+
+def dd(src, dst, extra=()):
+    t0 = time.monotonic()
+    subprocess.run(["dd", f"if={src}", f"of={dst}", "bs=1M", "status=none", *extra], check=True)
+    return time.monotonic() - t0
+
+
+def same(a, b):
+    return subprocess.run(["cmp", "-s", a, b]).returncode == 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--staging-mem", default="2G")
+    ap.add_argument("--flush-threads", type=int, default=None)
+    ap.add_argument("--work", default=os.path.join(bl.REPO, "build-bench", "write-work"),
+                    help="scratch dir on the backing file system (wiped)")
+    ap.add_argument("--out", default=os.path.join(bl.REPO, "build-bench"))
+    a = ap.parse_args()
+
+    os.makedirs(a.out, exist_ok=True)
+    shutil.rmtree(a.work, ignore_errors=True)
+    direct = os.path.join(a.work, "direct")
+    os.makedirs(direct)
+    src = os.path.join(a.work, "src.bin")
+    bl.log(f"generating {a.mb} MiB of random source data")
+    subprocess.run(["dd", "if=/dev/urandom", f"of={src}", "bs=1M", f"count={a.mb}",
+                    "status=none"], check=True)
+    size = a.mb * bl.MiB
+    extra = ["--durability", "async"]
+    if a.flush_threads:
+        extra += ["--flush-threads", str(a.flush_threads)]
+    can_drop = bl.drop_caches()
+    if not can_drop:
+        bl.log("cannot drop the page cache (not root): cold_read is skipped")
+    subprocess.run(["cat", src], stdout=subprocess.DEVNULL, check=True)  # warm the source
+    res = {k: [] for k in ("staged_c", "durable_c", "direct", "read_c", "read_d")}
+    oks, raw, plotted, backing_read = [], {"args": vars(a), "runs": []}, None, []
+
+    with bl.Daemon(os.path.join(a.work, "ckptfs"), staging=a.staging_mem, args=extra) as d:
+        bl.log(f"ckptfs pid {d.pid} mounted at {d.mnt}, staging {a.staging_mem}")
+        for rep in range(a.reps):
+            run = {"rep": rep}
+            order = ("direct", "ckptfs") if rep % 2 == 0 else ("ckptfs", "direct")
+            dfile, cfile = os.path.join(direct, f"f{rep}"), os.path.join(d.mnt, f"f{rep}")
+            for side in order:
+                bl.sync()
+                if side == "direct":
+                    t = dd(src, dfile, ["conv=fsync"])
+                    res["direct"].append(t)
+                    run["direct_s"] = t
+                    continue
+                poller = bl.StatsPoller(d.mnt).start()
+                t0 = time.monotonic()
+                t_dd = dd(src, cfile)
+                ok, _ = d.wait(cfile)
+                t_pub = time.monotonic() - t0
+                poller.stop()
+                res["staged_c"].append(t_dd)
+                res["durable_c"].append(t_pub)
+                run.update(staged_s=t_dd, durable_s=t_pub)
+                ok = ok and same(src, os.path.join(d.backing, f"f{rep}"))
+                oks.append(ok)
+                if plotted is None:
+                    plotted = {"progress": poller.series(t0 - 0.2, PROGRESS_KEYS),
+                               "markers": [(round(t_dd + 0.2, 3), "dd returned"),
+                                           (round(t_pub + 0.2, 3), "published")]}
+            bl.log(f"rep {rep}: ckptfs dd {run['staged_s']:.2f} s, published "
+                   f"{run['durable_s']:.2f} s; direct dd conv=fsync {run['direct_s']:.2f} s")
+            if can_drop:
+                b0 = d.stats().get("backing_bytes_read", 0)
+                bl.drop_caches()
+                t_c = dd(cfile, "/dev/null")
+                backing_read.append(d.stats().get("backing_bytes_read", 0) - b0)
+                bl.drop_caches()
+                t_d = dd(dfile, "/dev/null")
+                res["read_c"].append(t_c)
+                res["read_d"].append(t_d)
+                run.update(read_ckptfs_s=t_c, read_direct_s=t_d)
+                bl.log(f"rep {rep}: cold read ckptfs {t_c:.2f} s, direct {t_d:.2f} s")
+            os.unlink(cfile)
+            os.unlink(dfile)
+            raw["runs"].append(run)
+        s = d.stats()
+        hwm = bl.vm_hwm(d.pid)
+        rc = d.unmount()
+        if rc != 0:
+            bl.log(f"daemon exited {rc} on unmount")
+            oks.append(False)
+    shutil.rmtree(a.work, ignore_errors=True)
+
+    ok = all(oks) and s.get("errors", 0) == 0
+    md = bl.median(res["direct"])
+    cases = []
+    for case, key in (("staged_write", "staged_c"), ("write_durable", "durable_c")):
+        mc = bl.median(res[key])
+        cases.append({"case": case, "ckptfs_s": round(mc, 3), "direct_s": round(md, 3),
+                      "ratio": bl.ratio(mc, md), "backing_bytes": size, "ok": ok,
+                      "ckptfs_GBps": round(size / mc / 1e9, 3),
+                      "direct_GBps": round(size / md / 1e9, 3), "reps": a.reps,
+                      "ckptfs_all": [round(x, 3) for x in res[key]],
+                      "direct_all": [round(x, 3) for x in res["direct"]],
+                      "peak_rss_bytes": hwm, "staging_limit": s.get("staging_limit")})
+        bl.emit(cases[-1])
+    if res["read_c"]:
+        mc, mdr = bl.median(res["read_c"]), bl.median(res["read_d"])
+        cases.append({"case": "cold_read", "ckptfs_s": round(mc, 3), "direct_s": round(mdr, 3),
+                      "ratio": bl.ratio(mc, mdr), "backing_bytes": bl.median(backing_read),
+                      "ok": ok, "ckptfs_GBps": round(size / mc / 1e9, 3),
+                      "direct_GBps": round(size / mdr / 1e9, 3), "reps": a.reps})
+        bl.emit(cases[-1])
+    raw.update(cases=cases, final_stats=s, plotted=plotted)
+    with open(os.path.join(a.out, "bench_write.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+    bl.plot(os.path.join(a.out, "bench_write.png"),
+            f"dd bs=1M {a.mb} MiB (median of {a.reps})", cases,
+            progress=plotted and plotted["progress"], progress_title="flush progress, rep 0",
+            markers=plotted["markers"] if plotted else ())
+    return 0 if all(c["ok"] for c in cases) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Shared pieces of the ckptfs benchmarks (see ../../../shared/BENCHMARKS.md).
+
+A benchmark mounts a real daemon in the foreground (so it owns the PID),
+measures ckptfs and the direct baseline side by side in one run, and prints
+one JSON object per case. Nothing here is a test; it only measures.
+"""
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BIN_DIR = os.environ.get("CKPTFS_BIN_DIR", os.path.join(REPO, "build", "bin"))
+CKPTFS = os.path.join(BIN_DIR, "ckptfs")
+ADMIN = os.path.join(BIN_DIR, "ckptfs-admin")
+E2E_DIR = os.path.join(REPO, "tests", "e2e")
+MiB = 1 << 20
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def is_mounted(path):
+    path = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def sync():
+    subprocess.run(["sync"], check=False)
+
+
+def drop_caches():
+    """Cold caches for reads; needs root. Returns False when not possible."""
+    sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def vm_hwm(pid):
+    """Peak resident set size of pid in bytes (VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def proc_io(pid):
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            return {k: int(v) for k, v in (line.split(": ") for line in f)}
+    except OSError:
+        return {}
+
+
+def tree_bytes(path):
+    total = 0
+    for d, _, files in os.walk(path):
+        for n in files:
+            total += os.lstat(os.path.join(d, n)).st_size
+    return total
+
+
+def parse_size(s):
+    s = s.strip().upper().rstrip("B").rstrip("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if s and s[-1] in mult:
+        return int(float(s[:-1]) * mult[s[-1]])
+    return int(s)
+
+
+class Daemon:
+    """A foreground ckptfs this process owns; stop() always unmounts and
+    kills exactly its PID."""
+
+    def __init__(self, root, staging="2G", args=(), log_level="info"):
+        self.root = root
+        self.backing = os.path.join(root, "backing")
+        self.mnt = os.path.join(root, "mnt")
+        self.state = os.path.join(root, "state")
+        self.log = os.path.join(root, "ckptfs.log")
+        self.staging = staging
+        self.args = list(args)
+        self.log_level = log_level
+        self.proc = None
+        os.makedirs(self.backing, exist_ok=True)
+        os.makedirs(self.mnt, exist_ok=True)
+
+    @property
+    def pid(self):
+        return self.proc.pid if self.proc else None
+
+    def start(self, timeout=60):
+        cmd = [CKPTFS, "-f", "--staging-mem", self.staging, "--state-dir", self.state,
+               "--log-file", self.log, "--log-level", self.log_level] + self.args + [
+                   self.backing, self.mnt]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace")
+                self.proc = None
+                raise RuntimeError(f"ckptfs exited: {err}")
+            if is_mounted(self.mnt) and os.path.exists(os.path.join(self.mnt, ".ckptfs", "stats")):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("ckptfs did not mount in time")
+
+    def stats(self):
+        with open(os.path.join(self.mnt, ".ckptfs", "stats")) as f:
+            return json.load(f)
+
+    def checkpoints(self):
+        with open(os.path.join(self.mnt, ".ckptfs", "checkpoints")) as f:
+            return json.load(f)
+
+    def wait(self, path, timeout=600):
+        """ckptfs-admin wait PATH; returns (ok, seconds)."""
+        t0 = time.monotonic()
+        r = subprocess.run([ADMIN, "wait", path, "--timeout", str(timeout)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if r.returncode != 0:
+            log(f"ckptfs-admin wait {path} -> {r.returncode}: {r.stderr.strip()[-500:]}")
+        return r.returncode == 0, time.monotonic() - t0
+
+    def unmount(self, timeout=300):
+        if self.proc is None:
+            return None
+        subprocess.run(["fusermount3", "-u", self.mnt], check=False)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        finally:
+            self.stop()
+        return rc
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+        if is_mounted(self.mnt):
+            subprocess.run(["fusermount3", "-u", "-z", self.mnt], check=False)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+
+class StatsPoller:
+    """Samples MOUNT/.ckptfs/stats every `interval` seconds in a thread:
+    samples = [(monotonic time, stats dict)]."""
+
+    def __init__(self, mnt, interval=0.05):
+        self.path = os.path.join(mnt, ".ckptfs", "stats")
+        self.interval = interval
+        self.samples = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            t = time.monotonic()
+            try:
+                with open(self.path) as f:
+                    self.samples.append((t, json.load(f)))
+            except (OSError, ValueError):
+                pass
+            self._stop.wait(max(0.0, self.interval - (time.monotonic() - t)))
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+    def first_time(self, key, above):
+        """First sample time when stats[key] > above, or None."""
+        for t, s in self.samples:
+            if s.get(key, 0) > above:
+                return t
+        return None
+
+    def series(self, t0, keys):
+        return {"t": [round(t - t0, 3) for t, _ in self.samples],
+                **{k: [s.get(k) for _, s in self.samples] for k in keys}}
+
+
+def emit(case):
+    print(json.dumps(case), flush=True)
+
+
+def plot(png, title, cases, progress=None, progress_title="", markers=()):
+    """Bar chart of ratios per case, plus (optionally) flush progress over
+    time: progress = {"t": [...], name: [bytes...]}, markers = [(t, label)]."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = 2 if progress else 1
+    fig, axes = plt.subplots(1, n, figsize=(7 * n, 4.5))
+    axes = [axes] if n == 1 else list(axes)
+    ax = axes[0]
+    names = [c["case"] for c in cases if c.get("ratio") is not None]
+    vals = [c["ratio"] for c in cases if c.get("ratio") is not None]
+    colors = ["tab:green" if v <= 1 else "tab:red" for v in vals]
+    bars = ax.bar(range(len(vals)), vals, color=colors)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(vals)))
+    ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("ckptfs / direct (lower is better)")
+    ax.set_title(title)
+    for b, v in zip(bars, vals):
+        ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{v:.2f}", ha="center",
+                va="bottom", fontsize=8)
+    if progress:
+        ax = axes[1]
+        t = progress["t"]
+        for k, ys in progress.items():
+            if k == "t":
+                continue
+            ax.plot(t, [(y or 0) / MiB for y in ys], label=k)
+        for x, label in markers:
+            if x is not None:
+                ax.axvline(x, color="gray", linestyle=":", linewidth=1)
+                ax.text(x, ax.get_ylim()[1] * 0.97, f" {label}", rotation=90, va="top",
+                        fontsize=8, color="gray")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("MiB")
+        ax.set_title(progress_title)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    log(f"wrote {png}")
