@@ -1,0 +1,787 @@
+#include "mount/admin.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <sys/xattr.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <thread>
+#include <utility>
+
+#include "common/unique_fd.h"
+
+namespace ckptfs::admin {
+namespace {
+
+using nlohmann::json;
+
+constexpr char kPrefix[] = "ckptfs-admin: ";
+
+// ---- JSON access that never throws: the daemon's output is input, not an invariant.
+
+Result<json> ParseJson(std::string_view text, std::string_view what) {
+  json j = json::parse(text, /*cb=*/nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Corrupt(std::string(what) + " is not valid JSON");
+  return j;
+}
+
+std::optional<uint64_t> GetU64(const json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end()) return std::nullopt;
+  if (it->is_number_unsigned()) return it->get<uint64_t>();
+  if (it->is_number_integer()) {
+    int64_t v = it->get<int64_t>();
+    if (v >= 0) return static_cast<uint64_t>(v);
+  } else if (it->is_number_float()) {
+    double v = it->get<double>();
+    if (std::isfinite(v) && v >= 0 && v < 1.8e19) return static_cast<uint64_t>(v);
+  }
+  return std::nullopt;
+}
+
+std::optional<double> GetDouble(const json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_number()) return std::nullopt;
+  return it->get<double>();
+}
+
+std::optional<std::string> GetString(const json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_string()) return std::nullopt;
+  return it->get<std::string>();
+}
+
+std::optional<bool> GetBool(const json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_boolean()) return std::nullopt;
+  return it->get<bool>();
+}
+
+std::string OrDash(const std::optional<std::string>& s) { return s && !s->empty() ? *s : "-"; }
+std::string BytesOrDash(const std::optional<uint64_t>& n) { return n ? HumanBytes(*n) : "-"; }
+std::string CountOrDash(const std::optional<uint64_t>& n) { return n ? std::to_string(*n) : "-"; }
+
+// "5s", "0.5s": a user-given number of seconds, as given.
+std::string Seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%gs", s);
+  return buf;
+}
+
+// Percent done, rounded down so that 100% means done.
+double PercentDone(uint64_t done, uint64_t total) {
+  if (total == 0) return 0;
+  if (done >= total) return 100;
+  return std::floor(static_cast<double>(done) * 1000.0 / static_cast<double>(total)) / 10.0;
+}
+
+std::string Percent(double pct) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%.1f%%", pct);
+  return buf;
+}
+
+Result<std::string> RealPath(const std::string& path) {
+  std::unique_ptr<char, decltype(&std::free)> real(::realpath(path.c_str(), nullptr), &std::free);
+  if (!real) return Status::FromErrno(errno, path);
+  return std::string(real.get());
+}
+
+std::string Join(const std::string& dir, std::string_view name) {
+  std::string p = dir;
+  if (p.empty() || p.back() != '/') p += '/';
+  p += name;
+  return p;
+}
+
+std::string StatsPath(const std::string& root) { return Join(root, ".ckptfs/stats"); }
+std::string CheckpointsPath(const std::string& root) { return Join(root, ".ckptfs/checkpoints"); }
+
+// "staged, 1.00 GiB of 2.00 GiB done"
+std::string DescribeProgress(const Progress& p) {
+  if (p.state.empty()) return "no progress read";
+  return p.state + ", " + HumanBytes(p.bytes_done) + " of " + HumanBytes(p.bytes_total) + " done";
+}
+
+class SystemEnvImpl final : public AdminEnv {
+ public:
+  Result<std::string> GetXattr(const std::string& path, const std::string& name) override {
+    // The value is generated when read and may grow between a size query and the read,
+    // so start with a buffer that fits any progress JSON and grow on ERANGE.
+    std::string buf(4096, '\0');
+    for (int attempt = 0; attempt < 8; ++attempt) {
+      ssize_t n = ::getxattr(path.c_str(), name.c_str(), buf.data(), buf.size());
+      if (n >= 0) {
+        buf.resize(static_cast<size_t>(n));
+        return buf;
+      }
+      if (errno == EINTR) continue;
+      if (errno != ERANGE) return Status::FromErrno(errno, path + ": getxattr " + name);
+      ssize_t need = ::getxattr(path.c_str(), name.c_str(), nullptr, 0);
+      if (need < 0) return Status::FromErrno(errno, path + ": getxattr " + name);
+      buf.assign(std::max(buf.size() * 2, static_cast<size_t>(need) * 2), '\0');
+    }
+    return Status(Code::kIo, path + ": getxattr " + name + ": value keeps growing");
+  }
+
+  double MonotonicSeconds() override {
+    using namespace std::chrono;
+    return duration<double>(steady_clock::now().time_since_epoch()).count();
+  }
+
+  double WallSeconds() override {
+    using namespace std::chrono;
+    return duration<double>(system_clock::now().time_since_epoch()).count();
+  }
+
+  void Sleep(double seconds) override {
+    if (seconds > 0) std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  }
+
+  bool ProcessAlive(int pid) override {
+    if (pid <= 0) return false;  // kill(0 or -1, ...) would address process groups.
+    if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
+    // kill() succeeds on a zombie, which for us has exited: check /proc.
+    auto stat = ReadWholeFile("/proc/" + std::to_string(pid) + "/stat");
+    if (!stat.ok()) return stat.status().code() != Code::kNotFound;
+    size_t paren = stat->rfind(')');
+    if (paren == std::string::npos || paren + 2 >= stat->size()) return true;
+    char state = (*stat)[paren + 2];
+    return state != 'Z' && state != 'X';
+  }
+
+  Status FuseUnmount(const std::string& mountpoint) override {
+    // A working directory inside the mount would keep it busy.
+    if (::chdir("/") != 0) return Status::FromErrno(errno, "chdir /");
+    auto rc = RunProgram({"fusermount3", "-u", mountpoint});
+    if (!rc.ok()) return rc.status();
+    if (*rc == 127) return NotFound("fusermount3 not found in PATH");
+    if (*rc != 0) {
+      return Status(Code::kBusy,
+                    "fusermount3 -u " + mountpoint + " exited with status " + std::to_string(*rc));
+    }
+    return Status::Ok();
+  }
+
+  bool StderrIsTerminal() override { return ::isatty(STDERR_FILENO) == 1; }
+};
+
+}  // namespace
+
+AdminEnv* SystemEnv() {
+  static SystemEnvImpl* env = new SystemEnvImpl();
+  return env;
+}
+
+Result<int> RunProgram(const std::vector<std::string>& argv) {
+  if (argv.empty()) return Invalid("RunProgram: empty argv");
+  // Build argv before fork: the child may only call async-signal-safe functions.
+  std::vector<char*> cargv;
+  cargv.reserve(argv.size() + 1);
+  for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+  cargv.push_back(nullptr);
+
+  pid_t pid = ::fork();
+  if (pid < 0) return Status::FromErrno(errno, "fork");
+  if (pid == 0) {
+    ::execvp(cargv[0], cargv.data());
+    ::_exit(127);
+  }
+  int wstatus = 0;
+  while (::waitpid(pid, &wstatus, 0) < 0) {
+    if (errno != EINTR) return Status::FromErrno(errno, "waitpid " + argv[0]);
+  }
+  if (WIFEXITED(wstatus)) return WEXITSTATUS(wstatus);
+  if (WIFSIGNALED(wstatus)) return 128 + WTERMSIG(wstatus);
+  return Internal("waitpid " + argv[0] + ": unexpected status");
+}
+
+// ---------------------------------------------------------------------------------------
+
+Result<std::string> FindMountRoot(const std::string& path) {
+  CKPT_ASSIGN_OR_RETURN(std::string dir, RealPath(path));
+  const std::string real = dir;
+  while (true) {
+    std::string stats = StatsPath(dir);
+    struct stat st;
+    if (::stat(stats.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+        ::access(stats.c_str(), R_OK) == 0) {
+      return dir;
+    }
+    if (dir == "/") break;
+    size_t slash = dir.rfind('/');
+    dir = slash == 0 ? "/" : dir.substr(0, slash);
+  }
+  std::string msg = path + ": not inside a ckptfs mount";
+  if (real != path) msg += " (" + real + ")";
+  return NotFound(std::move(msg));
+}
+
+Result<std::string> ReadWholeFile(const std::string& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return Status::FromErrno(errno, path);
+  std::string data;
+  char buf[64 * 1024];
+  while (true) {
+    ssize_t n = ::read(fd.get(), buf, sizeof(buf));
+    if (n == 0) return data;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno(errno, path);
+    }
+    data.append(buf, static_cast<size_t>(n));
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+
+Result<Progress> ParseProgress(std::string_view text) {
+  CKPT_ASSIGN_OR_RETURN(json j, ParseJson(text, kProgressXattr));
+  if (!j.is_object()) return Corrupt(std::string(kProgressXattr) + " is not a JSON object");
+  Progress p;
+  auto state = GetString(j, "state");
+  if (!state || state->empty()) {
+    return Corrupt(std::string(kProgressXattr) + " has no \"state\": " + std::string(text));
+  }
+  p.state = *state;
+  p.bytes_total = GetU64(j, "bytes_total").value_or(0);
+  p.bytes_done = GetU64(j, "bytes_done").value_or(0);
+  p.error = GetString(j, "error").value_or("");
+  return p;
+}
+
+StateKind ClassifyState(std::string_view state) {
+  if (state == "published" || state == "committed") return StateKind::kSucceeded;
+  if (state == "failed" || state == "aborted") return StateKind::kFailed;
+  return StateKind::kInProgress;
+}
+
+int ExitCodeForState(std::string_view state) {
+  switch (ClassifyState(state)) {
+    case StateKind::kSucceeded:
+      return kExitOk;
+    case StateKind::kFailed:
+      return kExitFailed;
+    case StateKind::kInProgress:
+      return kExitError;
+  }
+  return kExitError;
+}
+
+// ---------------------------------------------------------------------------------------
+
+std::string HumanBytes(uint64_t bytes) {
+  if (bytes < 1024) return std::to_string(bytes) + " B";
+  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  constexpr int kLast = static_cast<int>(std::size(kUnits)) - 1;
+  double v = static_cast<double>(bytes);
+  int unit = -1;
+  while (v >= 1024 && unit < kLast) {
+    v /= 1024;
+    ++unit;
+  }
+  // Avoid "1024.00 KiB" for values that round up to the next unit.
+  if (v >= 1023.995 && unit < kLast) {
+    v /= 1024;
+    ++unit;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f %s", v, kUnits[unit]);
+  return buf;
+}
+
+std::string HumanDuration(double seconds) {
+  if (!(seconds > 0)) seconds = 0;  // Also catches NaN.
+  uint64_t s = seconds >= 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(seconds);
+  char buf[48];
+  if (s < 60) {
+    std::snprintf(buf, sizeof(buf), "%llus", static_cast<unsigned long long>(s));
+  } else if (s < 3600) {
+    std::snprintf(buf, sizeof(buf), "%llum %02llus", static_cast<unsigned long long>(s / 60),
+                  static_cast<unsigned long long>(s % 60));
+  } else if (s < 86400) {
+    std::snprintf(buf, sizeof(buf), "%lluh %02llum", static_cast<unsigned long long>(s / 3600),
+                  static_cast<unsigned long long>(s % 3600 / 60));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%llud %02lluh", static_cast<unsigned long long>(s / 86400),
+                  static_cast<unsigned long long>(s % 86400 / 3600));
+  }
+  return buf;
+}
+
+std::string FormatLocalTime(double epoch_seconds) {
+  time_t t = static_cast<time_t>(epoch_seconds);
+  struct tm tm;
+  if (::localtime_r(&t, &tm) == nullptr) return "-";
+  char buf[32];
+  if (std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S", &tm) == 0) return "-";
+  return buf;
+}
+
+std::string FormatTable(const std::vector<Column>& columns,
+                        const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width(columns.size());
+  for (size_t c = 0; c < columns.size(); ++c) width[c] = columns[c].header.size();
+  for (const auto& row : rows) {
+    for (size_t c = 0; c < columns.size() && c < row.size(); ++c) {
+      width[c] = std::max(width[c], row[c].size());
+    }
+  }
+  std::string out;
+  auto emit = [&](auto cell_of) {
+    std::string line;
+    for (size_t c = 0; c < columns.size(); ++c) {
+      const std::string& cell = cell_of(c);
+      if (c > 0) line += "  ";
+      std::string pad(width[c] - cell.size(), ' ');
+      line += columns[c].right_align ? pad + cell : cell + pad;
+    }
+    line.erase(line.find_last_not_of(' ') + 1);
+    out += line;
+    out += '\n';
+  };
+  static const std::string kEmpty;
+  emit([&](size_t c) -> const std::string& { return columns[c].header; });
+  for (const auto& row : rows) {
+    emit([&](size_t c) -> const std::string& { return c < row.size() ? row[c] : kEmpty; });
+  }
+  return out;
+}
+
+std::string FormatKeyValues(const std::vector<std::pair<std::string, std::string>>& pairs) {
+  size_t width = 0;
+  for (const auto& [key, value] : pairs) width = std::max(width, key.size());
+  std::string out;
+  for (const auto& [key, value] : pairs) {
+    out += key;
+    out += std::string(width - key.size() + 2, ' ');
+    out += value;
+    out += '\n';
+  }
+  return out;
+}
+
+Result<std::string> FormatStats(std::string_view stats_json) {
+  CKPT_ASSIGN_OR_RETURN(json j, ParseJson(stats_json, ".ckptfs/stats"));
+  if (!j.is_object()) return Corrupt(".ckptfs/stats is not a JSON object");
+
+  std::string staging = "-";
+  auto used = GetU64(j, "staging_used");
+  auto limit = GetU64(j, "staging_limit");
+  if (used && limit) {
+    staging = HumanBytes(*used) + " / " + HumanBytes(*limit);
+    if (*limit > 0) staging += " (" + Percent(PercentDone(*used, *limit)) + ")";
+  } else if (used) {
+    staging = HumanBytes(*used);
+  }
+
+  auto journal = GetU64(j, "journal_pending");
+  auto files = GetU64(j, "files_pending");
+  std::string pending = "-";
+  if (journal || files) {
+    pending = CountOrDash(journal) + (journal == 1u ? " journal entry, " : " journal entries, ") +
+              CountOrDash(files) + (files == 1u ? " file" : " files");
+  }
+
+  std::string checkpoints = "-";
+  auto cks = j.find("checkpoints");
+  if (cks != j.end() && cks->is_object()) {
+    checkpoints.clear();
+    for (const char* state : {"writing", "pending", "committed", "failed", "aborted"}) {
+      if (!checkpoints.empty()) checkpoints += ", ";
+      checkpoints += CountOrDash(GetU64(*cks, state)) + " " + state;
+    }
+  }
+
+  auto pid = GetU64(j, "pid");
+  auto uptime = GetDouble(j, "uptime_s");
+  return FormatKeyValues({
+      {"mountpoint", OrDash(GetString(j, "mountpoint"))},
+      {"backing dir", OrDash(GetString(j, "backing_dir"))},
+      {"state dir", OrDash(GetString(j, "state_dir"))},
+      {"pid", CountOrDash(pid)},
+      {"version", OrDash(GetString(j, "version"))},
+      {"uptime", uptime ? HumanDuration(*uptime) : "-"},
+      {"durability", OrDash(GetString(j, "durability"))},
+      {"bytes written", BytesOrDash(GetU64(j, "bytes_written"))},
+      {"bytes staged", BytesOrDash(GetU64(j, "bytes_staged"))},
+      {"bytes flushed", BytesOrDash(GetU64(j, "bytes_flushed"))},
+      {"bytes published", BytesOrDash(GetU64(j, "bytes_published"))},
+      {"backing read", BytesOrDash(GetU64(j, "backing_bytes_read"))},
+      {"staging", staging},
+      {"pending", pending},
+      {"checkpoints", checkpoints},
+      {"errors", CountOrDash(GetU64(j, "errors"))},
+      {"last error", OrDash(GetString(j, "last_error"))},
+  });
+}
+
+Result<std::string> FormatCheckpoints(std::string_view checkpoints_json, double now_epoch) {
+  CKPT_ASSIGN_OR_RETURN(json j, ParseJson(checkpoints_json, ".ckptfs/checkpoints"));
+  if (!j.is_array()) return Corrupt(".ckptfs/checkpoints is not a JSON array");
+  if (j.empty()) return std::string("no checkpoints\n");
+
+  std::vector<const json*> entries;
+  for (const json& e : j) {
+    if (!e.is_object()) return Corrupt(".ckptfs/checkpoints holds a non-object entry");
+    entries.push_back(&e);
+  }
+  std::stable_sort(entries.begin(), entries.end(), [](const json* a, const json* b) {
+    return GetDouble(*a, "created").value_or(0) < GetDouble(*b, "created").value_or(0);
+  });
+
+  std::vector<std::vector<std::string>> rows;
+  for (const json* e : entries) {
+    auto bytes = GetU64(*e, "bytes");
+    auto published = GetU64(*e, "bytes_published");
+    auto created = GetDouble(*e, "created");
+    auto committed = GetDouble(*e, "committed");
+    std::string done = "-";
+    if (bytes && published && *bytes > 0) done = Percent(PercentDone(*published, *bytes));
+    rows.push_back({
+        OrDash(GetString(*e, "path")),
+        OrDash(GetString(*e, "state")),
+        BytesOrDash(bytes),
+        done,
+        CountOrDash(GetU64(*e, "files")),
+        created ? HumanDuration(now_epoch - *created) : "-",
+        committed ? FormatLocalTime(*committed) : "-",
+        OrDash(GetString(*e, "error")),
+    });
+  }
+  return FormatTable({{"PATH"},
+                      {"STATE"},
+                      {"SIZE", true},
+                      {"PUBLISHED", true},
+                      {"FILES", true},
+                      {"AGE", true},
+                      {"COMMITTED"},
+                      {"ERROR"}},
+                     rows);
+}
+
+std::string RenderProgressLine(const Progress& progress, int bar_width) {
+  bar_width = std::max(bar_width, 1);
+  double pct = PercentDone(progress.bytes_done, progress.bytes_total);
+  if (ClassifyState(progress.state) == StateKind::kSucceeded) pct = 100;
+  int filled = static_cast<int>(pct / 100.0 * bar_width);
+  char pct_buf[16];
+  std::snprintf(pct_buf, sizeof(pct_buf), "%5.1f%%", pct);
+  return "[" + std::string(filled, '#') + std::string(bar_width - filled, '-') + "]  " + pct_buf +
+         "  " + HumanBytes(progress.bytes_done) + " / " + HumanBytes(progress.bytes_total) + "  " +
+         progress.state;
+}
+
+// ---------------------------------------------------------------------------------------
+
+WaitOutcome WaitForPath(AdminEnv* env, const std::string& path, const WaitOptions& options,
+                        std::ostream& err) {
+  WaitOutcome outcome;
+  const bool draw = env->StderrIsTerminal();
+  const double start = env->MonotonicSeconds();
+  std::string drawn;
+  auto stop = [&](int code, std::string message) {
+    if (!drawn.empty()) err << '\n' << std::flush;
+    outcome.exit_code = code;
+    outcome.message = std::move(message);
+    return outcome;
+  };
+
+  while (true) {
+    auto raw = env->GetXattr(path, kProgressXattr);
+    if (!raw.ok()) return stop(kExitError, raw.status().message());
+    auto progress = ParseProgress(*raw);
+    if (!progress.ok()) return stop(kExitError, path + ": " + progress.status().message());
+    outcome.last = std::move(progress).value();
+
+    if (draw) {
+      std::string line = RenderProgressLine(outcome.last);
+      if (line != drawn) {
+        err << '\r' << line << "\x1b[K" << std::flush;  // Erase what a longer line left.
+        drawn = std::move(line);
+      }
+    }
+
+    switch (ClassifyState(outcome.last.state)) {
+      case StateKind::kSucceeded:
+        return stop(kExitOk, "");
+      case StateKind::kFailed:
+        return stop(kExitFailed,
+                    path + ": " + outcome.last.state + ": " +
+                        (outcome.last.error.empty() ? "no error reported" : outcome.last.error));
+      case StateKind::kInProgress:
+        break;
+    }
+
+    double waited = env->MonotonicSeconds() - start;
+    double nap = options.interval_s;
+    if (options.timeout_s) {
+      if (waited >= *options.timeout_s) {
+        return stop(kExitError, path + ": timed out after " + Seconds(*options.timeout_s) + " (" +
+                                    DescribeProgress(outcome.last) + ")");
+      }
+      nap = std::min(nap, *options.timeout_s - waited);
+    }
+    env->Sleep(nap);
+  }
+}
+
+int RunStats(const std::string& path, bool as_json, std::ostream& out, std::ostream& err) {
+  auto root = FindMountRoot(path);
+  if (!root.ok()) {
+    err << kPrefix << root.status().message() << '\n';
+    return kExitError;
+  }
+  auto text = ReadWholeFile(StatsPath(*root));
+  if (!text.ok()) {
+    err << kPrefix << text.status().message() << '\n';
+    return kExitError;
+  }
+  if (as_json) {
+    out << *text;
+    if (text->empty() || text->back() != '\n') out << '\n';
+    return kExitOk;
+  }
+  auto formatted = FormatStats(*text);
+  if (!formatted.ok()) {
+    err << kPrefix << StatsPath(*root) << ": " << formatted.status().message() << '\n';
+    return kExitError;
+  }
+  out << *formatted;
+  return kExitOk;
+}
+
+int RunCheckpoints(AdminEnv* env, const std::string& path, bool as_json, std::ostream& out,
+                   std::ostream& err) {
+  auto root = FindMountRoot(path);
+  if (!root.ok()) {
+    err << kPrefix << root.status().message() << '\n';
+    return kExitError;
+  }
+  auto text = ReadWholeFile(CheckpointsPath(*root));
+  if (!text.ok()) {
+    err << kPrefix << text.status().message() << '\n';
+    return kExitError;
+  }
+  if (as_json) {
+    out << *text;
+    if (text->empty() || text->back() != '\n') out << '\n';
+    return kExitOk;
+  }
+  auto formatted = FormatCheckpoints(*text, env->WallSeconds());
+  if (!formatted.ok()) {
+    err << kPrefix << CheckpointsPath(*root) << ": " << formatted.status().message() << '\n';
+    return kExitError;
+  }
+  out << *formatted;
+  return kExitOk;
+}
+
+int RunWait(AdminEnv* env, const std::string& path, const WaitOptions& options, std::ostream& out,
+            std::ostream& err) {
+  auto root = FindMountRoot(path);
+  if (!root.ok()) {
+    err << kPrefix << root.status().message() << '\n';
+    return kExitError;
+  }
+  WaitOutcome outcome = WaitForPath(env, path, options, err);
+  if (outcome.exit_code == kExitOk) {
+    out << path << ": " << outcome.last.state << " (" << HumanBytes(outcome.last.bytes_total)
+        << ")\n";
+  } else {
+    err << kPrefix << outcome.message << '\n';
+  }
+  return outcome.exit_code;
+}
+
+int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& options,
+               std::ostream& out, std::ostream& err) {
+  auto fail = [&](int code, const std::string& message) {
+    err << kPrefix << message << '\n';
+    return code;
+  };
+  const double start = env->MonotonicSeconds();
+
+  auto root = FindMountRoot(mountpoint);
+  if (!root.ok()) return fail(kExitError, root.status().message());
+  auto real = RealPath(mountpoint);
+  if (!real.ok()) return fail(kExitError, real.status().message());
+  if (*real != *root) {
+    return fail(kExitError, mountpoint + ": not a mountpoint; the ckptfs mount is " + *root);
+  }
+
+  // Everything needed after the mount is gone has to be read now.
+  auto text = ReadWholeFile(StatsPath(*root));
+  if (!text.ok()) return fail(kExitError, text.status().message());
+  auto stats = ParseJson(*text, StatsPath(*root));
+  if (!stats.ok()) return fail(kExitError, stats.status().message());
+  auto pid64 = GetU64(*stats, "pid");
+  auto state_dir = GetString(*stats, "state_dir");
+  if (!pid64 || *pid64 == 0 || *pid64 > INT32_MAX || !state_dir || state_dir->empty()) {
+    return fail(kExitError, StatsPath(*root) + ": no valid \"pid\" and \"state_dir\"");
+  }
+  const int pid = static_cast<int>(*pid64);
+
+  // 1. Drain: the root is published once everything under it is.
+  WaitOutcome drained = WaitForPath(env, *root, options, err);
+  if (drained.exit_code == kExitError) return fail(kExitError, drained.message);
+  if (drained.exit_code == kExitFailed) {
+    // Nothing more will be published; the daemon's exit report says what was lost.
+    err << kPrefix << "warning: " << drained.message << "; unmounting anyway\n";
+  }
+
+  // 2. Unmount; the daemon drains again (G8) and exits.
+  Status unmounted = env->FuseUnmount(*root);
+  if (!unmounted.ok()) return fail(kExitError, unmounted.message());
+
+  // 3. Wait for the daemon to go away, within what is left of the timeout.
+  while (env->ProcessAlive(pid)) {
+    double waited = env->MonotonicSeconds() - start;
+    double nap = options.interval_s;
+    if (options.timeout_s) {
+      if (waited >= *options.timeout_s) {
+        return fail(kExitError, "timed out after " + Seconds(*options.timeout_s) +
+                                    " waiting for daemon pid " + std::to_string(pid) +
+                                    " to exit (" + *root + " is unmounted)");
+      }
+      nap = std::min(nap, *options.timeout_s - waited);
+    }
+    env->Sleep(nap);
+  }
+
+  // 4. The daemon's own account of its exit.
+  const std::string exit_path = Join(*state_dir, "exit.json");
+  auto exit_text = ReadWholeFile(exit_path);
+  if (!exit_text.ok()) {
+    return fail(kExitFailed, "daemon pid " + std::to_string(pid) + " exited without a report (" +
+                                 exit_text.status().message() + "); it may have crashed");
+  }
+  auto report = ParseJson(*exit_text, exit_path);
+  if (!report.ok()) return fail(kExitFailed, report.status().message());
+  auto report_pid = GetU64(*report, "pid");
+  if (report_pid != static_cast<uint64_t>(pid)) {
+    return fail(kExitFailed, exit_path + " is from pid " + CountOrDash(report_pid) +
+                                 ", not from daemon pid " + std::to_string(pid) +
+                                 "; it may have crashed");
+  }
+  auto clean = GetBool(*report, "clean");
+  auto unpublished = GetU64(*report, "unpublished_files");
+  auto error = GetString(*report, "error");
+  if (clean == true && unpublished == 0u) {
+    out << "unmounted " << *root << " (daemon pid " << pid << " exited cleanly)\n";
+    return kExitOk;
+  }
+  std::string reason = clean == true ? "daemon exited" : "daemon exited uncleanly";
+  if (unpublished != 0u) {
+    reason += ", " + CountOrDash(unpublished) + " files unpublished";
+  }
+  if (error && !error->empty()) reason += ": " + *error;
+  return fail(kExitFailed, *root + ": " + reason);
+}
+
+// ---------------------------------------------------------------------------------------
+
+int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& out,
+             std::ostream& err) {
+  CLI::App app{"Inspect and control a running ckptfs mount.", "ckptfs-admin"};
+  app.footer("Run 'ckptfs-admin COMMAND --help' for a command's options.");
+  app.require_subcommand(1);
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return std::string(kPrefix) + e.what() + " (see --help)\n";
+  });
+
+  std::string path;
+  bool as_json = false;
+  double timeout_s = 0;
+  int interval_ms = 100;
+  const std::string path_help = "Any path inside the ckptfs mount";
+  const CLI::Validator seconds(
+      [](std::string& value) -> std::string {
+        char* end = nullptr;
+        double v = std::strtod(value.c_str(), &end);
+        if (value.empty() || *end != '\0' || !std::isfinite(v) || v < 0) {
+          return "expected a number of seconds >= 0, got '" + value + "'";
+        }
+        return "";
+      },
+      "");
+
+  CLI::App* stats = app.add_subcommand("stats", "Print the daemon's statistics.");
+  stats->add_option("PATH", path, path_help)->required();
+  stats->add_flag("--json", as_json, "Print the raw JSON of .ckptfs/stats");
+
+  CLI::App* checkpoints =
+      app.add_subcommand("checkpoints", "List checkpoints with their state, size and age.");
+  checkpoints->add_option("PATH", path, path_help)->required();
+  checkpoints->add_flag("--json", as_json, "Print the raw JSON of .ckptfs/checkpoints");
+
+  CLI::App* wait =
+      app.add_subcommand("wait", "Wait, with a progress bar, until PATH is published.");
+  wait->footer(
+      "A checkpoint directory is done when committed. Exit status: 0 published or committed, "
+      "1 failed or aborted, 2 timeout or error.");
+  wait->add_option("PATH", path, "The file or directory to wait for")->required();
+  CLI::Option* wait_timeout =
+      wait->add_option("--timeout", timeout_s, "Give up after S seconds (default: never)")
+          ->type_name("S")
+          ->check(seconds);
+  wait->add_option("--interval", interval_ms, "Poll every MS milliseconds")
+      ->type_name("MS")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 3600 * 1000));
+
+  CLI::App* unmount =
+      app.add_subcommand("unmount", "Drain and unmount a ckptfs mount, and check its exit.");
+  unmount->footer(
+      "Waits until everything is published, runs fusermount3 -u, waits for the daemon to "
+      "exit and reads its exit report. Exit status: 0 clean exit with nothing unpublished, "
+      "1 unclean exit or unpublished files, 2 timeout or error.");
+  unmount->add_option("MOUNTPOINT", path, "The mountpoint of the ckptfs mount")->required();
+  CLI::Option* unmount_timeout =
+      unmount->add_option("--timeout", timeout_s, "Give up after S seconds (default: never)")
+          ->type_name("S")
+          ->check(seconds);
+
+  // CLI11 reports an unknown command as a missing one; name it instead.
+  auto is_command = [&](const std::string& name) {
+    return !app.get_subcommands([&](CLI::App* sub) { return sub->check_name(name); }).empty();
+  };
+  if (!args.empty() && !args[0].empty() && args[0][0] != '-' && !is_command(args[0])) {
+    err << kPrefix << "unknown command '" << args[0] << "' (see --help)\n";
+    return kExitError;
+  }
+  try {
+    app.parse(std::vector<std::string>(args.rbegin(), args.rend()));
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e, out, err) == 0 ? kExitOk : kExitError;
+  }
+
+  WaitOptions options;
+  options.interval_s = interval_ms / 1000.0;
+  if (stats->parsed()) return RunStats(path, as_json, out, err);
+  if (checkpoints->parsed()) return RunCheckpoints(env, path, as_json, out, err);
+  if (wait->parsed()) {
+    if (wait_timeout->count() > 0) options.timeout_s = timeout_s;
+    return RunWait(env, path, options, out, err);
+  }
+  if (unmount->parsed()) {
+    if (unmount_timeout->count() > 0) options.timeout_s = timeout_s;
+    return RunUnmount(env, path, options, out, err);
+  }
+  err << kPrefix << "no command given (see --help)\n";
+  return kExitError;
+}
+
+}  // namespace ckptfs::admin
