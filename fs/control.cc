@@ -1,0 +1,169 @@
+// The /.ckptfs control files and the user.ckptfs.* xattrs.
+#include <sys/xattr.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "fs/filesystem.h"
+
+namespace ckptfs::fs {
+namespace {
+
+constexpr char kStateXattr[] = "user.ckptfs.state";
+constexpr char kProgressXattr[] = "user.ckptfs.progress";
+constexpr char kVersion[] = "0.1.0";
+
+}  // namespace
+
+std::string Filesystem::StatsJson() {
+  nlohmann::json j;
+  j["pid"] = ::getpid();
+  j["version"] = kVersion;
+  j["mountpoint"] = config_.mountpoint;
+  j["backing_dir"] = config_.backing_dir;
+  j["state_dir"] = config_.state_dir;
+  j["durability"] = config_.strict ? "strict" : "async";
+  j["uptime_s"] =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+  const uint64_t written = bytes_written_.load();
+  j["bytes_written"] = written;
+  j["bytes_staged"] = written;  // every write is copied into staging
+  j["bytes_flushed"] = pipeline_->bytes_flushed();
+  j["bytes_published"] = bytes_published_.load();
+  j["files_published"] = files_published_.load();
+  j["staging_used"] = pool_->used_bytes();
+  j["staging_limit"] = pool_->limit_bytes();
+  j["staging_backend"] = pool_->backend();
+  j["staging_waits"] = pool_->waits();
+  j["backing_bytes_read"] = backing_->bytes_read();
+  j["backing_bytes_written"] = backing_->bytes_written();
+  j["bytes_served"] = bytes_read_.load();
+  j["journal_pending"] = journal_->pending();
+  j["flush_queue"] = pipeline_->queued();
+  {
+    std::lock_guard lock(ns_mu_);
+    uint64_t files_pending = 0;
+    for (const auto& [_, node] : inodes_) {
+      if (node->write && (node->write->needs_publish ||
+                          node->write->publish_seq > journal_->applied())) {
+        ++files_pending;
+      }
+    }
+    j["files_pending"] = files_pending;
+    j["inodes"] = inodes_.size();
+  }
+  j["checkpoints"] = checkpoints_->CountByState();
+  j["errors"] = errors_.load() + pipeline_->errors();
+  {
+    std::lock_guard lock(error_mu_);
+    j["last_error"] = last_error_;
+  }
+  return j.dump(1) + "\n";
+}
+
+std::string Filesystem::CheckpointsJson() {
+  nlohmann::json arr = nlohmann::json::array();
+  for (const auto& info : checkpoints_->List()) arr.push_back(info.ToJson());
+  return arr.dump(1) + "\n";
+}
+
+std::string Filesystem::MetricsText() {
+  auto stats = nlohmann::json::parse(StatsJson());
+  std::ostringstream out;
+  auto metric = [&](const char* name, const char* type, const char* help, uint64_t value) {
+    out << "# HELP ckptfs_" << name << " " << help << "\n# TYPE ckptfs_" << name << " " << type
+        << "\nckptfs_" << name << " " << value << "\n";
+  };
+  metric("bytes_written_total", "counter", "Bytes written by applications.",
+         stats["bytes_written"]);
+  metric("bytes_flushed_total", "counter", "Bytes written to backing temp files.",
+         stats["bytes_flushed"]);
+  metric("bytes_published_total", "counter", "Bytes of files published on the backing store.",
+         stats["bytes_published"]);
+  metric("backing_bytes_read_total", "counter", "Bytes read from the backing store.",
+         stats["backing_bytes_read"]);
+  metric("bytes_served_total", "counter", "Bytes returned to readers.", stats["bytes_served"]);
+  metric("staging_used_bytes", "gauge", "Staging memory in use.", stats["staging_used"]);
+  metric("staging_limit_bytes", "gauge", "Staging memory budget.", stats["staging_limit"]);
+  metric("staging_waits_total", "counter", "Writes that waited for staging memory.",
+         stats["staging_waits"]);
+  metric("journal_pending", "gauge", "Journal entries not yet applied.",
+         stats["journal_pending"]);
+  metric("files_pending", "gauge", "Files not yet published.", stats["files_pending"]);
+  metric("errors_total", "counter", "Errors (flush, publish, commit).", stats["errors"]);
+  out << "# HELP ckptfs_checkpoints Checkpoints by state.\n# TYPE ckptfs_checkpoints gauge\n";
+  for (const auto& [state, n] : stats["checkpoints"].items()) {
+    out << "ckptfs_checkpoints{state=\"" << state << "\"} " << n.get<uint64_t>() << "\n";
+  }
+  return out.str();
+}
+
+std::string Filesystem::ProgressJson(uint64_t ino) {
+  nlohmann::json j = {{"state", "published"}, {"bytes_total", 0}, {"bytes_done", 0},
+                      {"error", ""}};
+  if (ino < kFirstNodeIno && ino != kRootIno) return j.dump();
+  std::lock_guard lock(ns_mu_);
+  auto node = NodeLocked(ino);
+  if (!node) return j.dump();
+  const uint64_t applied = journal_->applied();
+  if (node->type == NodeType::kFile) {
+    if (!node->error.empty()) {
+      j["state"] = "failed";
+      j["error"] = node->error;
+    } else if (node->write) {
+      const WriteState& ws = *node->write;
+      const uint64_t size = ws.staged->size();
+      j["bytes_total"] = size;
+      j["bytes_done"] = std::min<uint64_t>(size, ws.staged->target()->bytes_flushed());
+      if (!ws.staged->error().ok()) {
+        j["state"] = "failed";
+        j["error"] = ws.staged->error().ToString();
+      } else if (ws.needs_publish || ws.staged->staged_bytes() > 0) {
+        j["state"] = "staged";
+      } else if (ws.publish_seq > applied) {
+        j["state"] = ws.staged->target()->synced() ? "durable" : "staged";
+      }
+    } else if (node->pending_seq > applied) {
+      j["state"] = "staged";
+    } else {
+      j["bytes_total"] = j["bytes_done"] = static_cast<uint64_t>(node->attr.st_size);
+    }
+    return j.dump();
+  }
+  const std::string path = PathLocked(node.get());
+  if (auto info = checkpoints_->Get(path)) {
+    j["state"] = store::CkptStateName(info->state);
+    j["bytes_total"] = info->bytes;
+    j["bytes_done"] = info->bytes_published;
+    j["error"] = info->error;
+    return j.dump();
+  }
+  // Any other directory: published once no entry made so far is pending. (Entries
+  // are applied in order, so this covers everything below it.)
+  const uint64_t last = journal_->last_appended();
+  if (last > applied) {
+    j["state"] = "staged";
+    j["bytes_total"] = last;
+    j["bytes_done"] = applied;
+  }
+  return j.dump();
+}
+
+Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) {
+  if (name == kProgressXattr) return ProgressJson(ino);
+  if (name == kStateXattr) {
+    auto j = nlohmann::json::parse(ProgressJson(ino));
+    return j["state"].get<std::string>();
+  }
+  return Status(Code::kNotFound, "no xattr " + name);
+}
+
+std::string Filesystem::ListXattr(uint64_t ino) {
+  std::string out;
+  out.append(kStateXattr).push_back('\0');
+  out.append(kProgressXattr).push_back('\0');
+  return out;
+}
+
+}  // namespace ckptfs::fs

@@ -1,0 +1,1092 @@
+#include "fs/filesystem.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <spdlog/spdlog.h>
+#include <sys/xattr.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "store/dcp_metadata.h"
+
+namespace ckptfs::fs {
+namespace {
+
+constexpr blksize_t kBlockSize = 1 << 20;  // Python's buffered I/O reads this much
+constexpr double kCommittedTimeout = 3600.0;
+constexpr double kDefaultTimeout = 1.0;
+
+bool IsTempName(const std::string& name) {
+  return name.compare(0, sizeof(kTempPrefix) - 1, kTempPrefix) == 0;
+}
+
+mode_t TypeBits(NodeType t) {
+  switch (t) {
+    case NodeType::kDir: return S_IFDIR;
+    case NodeType::kSymlink: return S_IFLNK;
+    case NodeType::kFile: return S_IFREG;
+  }
+  return S_IFREG;
+}
+
+std::string JoinPath(const std::string& dir, const std::string& name) {
+  return dir.empty() ? name : dir + "/" + name;
+}
+
+std::string ParentOf(const std::string& path) {
+  auto slash = path.rfind('/');
+  return slash == std::string::npos ? "" : path.substr(0, slash);
+}
+
+struct timespec Now() {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return ts;
+}
+
+}  // namespace
+
+Filesystem::Filesystem(const FsConfig& config) : config_(config) {}
+
+Result<std::unique_ptr<Filesystem>> Filesystem::Create(const FsConfig& config) {
+  std::unique_ptr<Filesystem> fs(new Filesystem(config));
+  CKPT_RETURN_IF_ERROR(fs->Init());
+  return fs;
+}
+
+Status Filesystem::Init() {
+  CKPT_ASSIGN_OR_RETURN(backing_, store::BackingDir::Open(config_.backing_dir));
+  CKPT_ASSIGN_OR_RETURN(db_, store::StateDb::Open(config_.state_dir));
+  CKPT_ASSIGN_OR_RETURN(store::RecoveryReport report, store::Journal::Recover(backing_.get(),
+                                                                              db_.get()));
+  if (report.entries_discarded > 0 || report.temps_removed > 0) {
+    spdlog::warn("recovery: discarded {} unapplied journal entries, removed {} temp files",
+                 report.entries_discarded, report.temps_removed);
+  }
+  CKPT_ASSIGN_OR_RETURN(checkpoints_, store::CheckpointRegistry::Load(db_.get()));
+  gpu::StagingOptions pool_options;
+  pool_options.total_bytes = config_.staging_bytes;
+  pool_options.chunk_bytes = config_.chunk_bytes;
+  pool_options.backend = config_.staging_backend;
+  CKPT_ASSIGN_OR_RETURN(pool_, gpu::StagingPool::Create(pool_options));
+  pool_->SetPressureCallback([this] { RelieveStagingPressure(); });
+  store::FlushOptions flush_options;
+  flush_options.threads = config_.flush_threads;
+  CKPT_ASSIGN_OR_RETURN(pipeline_, store::FlushPipeline::Create(backing_.get(), flush_options));
+  staging_ctx_ = StagingContext{pool_.get(), pipeline_.get(), backing_.get()};
+  store::Journal::Hooks hooks;
+  hooks.commit_gate = [this](const store::JournalEntry& e) { return CommitGate(e); };
+  hooks.on_done = [this](const store::JournalEntry& e, const Status& st) { OnJournalDone(e, st); };
+  CKPT_ASSIGN_OR_RETURN(journal_, store::Journal::Create(backing_.get(), db_.get(), hooks));
+
+  CKPT_ASSIGN_OR_RETURN(struct stat root_attr, backing_->Stat(""));
+  root_ = std::make_shared<Node>();
+  root_->ino = kRootIno;
+  root_->type = NodeType::kDir;
+  root_->attr = root_attr;
+  root_->attr.st_ino = kRootIno;
+  root_->on_backing = true;
+  inodes_[kRootIno] = root_;
+  spdlog::info("ckptfs ready: backing {} staging {} MiB ({}), {} flush threads, {} mode",
+               config_.backing_dir, pool_->limit_bytes() >> 20, pool_->backend(),
+               config_.flush_threads, config_.strict ? "strict" : "async");
+  return Status::Ok();
+}
+
+Filesystem::~Filesystem() { Shutdown(); }
+
+void Filesystem::NoteError(const std::string& msg) {
+  errors_.fetch_add(1);
+  std::lock_guard lock(error_mu_);
+  last_error_ = msg;
+}
+
+// ---------------------------------------------------------------- namespace helpers
+
+std::shared_ptr<Node> Filesystem::NodeLocked(uint64_t ino) {
+  auto it = inodes_.find(ino);
+  return it == inodes_.end() ? nullptr : it->second;
+}
+
+std::string Filesystem::PathLocked(const Node* node) const {
+  std::vector<const std::string*> parts;
+  for (const Node* n = node; n != nullptr && n->ino != kRootIno; n = n->parent) {
+    parts.push_back(&n->name);
+  }
+  std::string path;
+  for (auto it = parts.rbegin(); it != parts.rend(); ++it) {
+    if (!path.empty()) path += '/';
+    path += **it;
+  }
+  return path;
+}
+
+std::string Filesystem::TempPathLocked(const WriteState& ws) const {
+  return JoinPath(PathLocked(ws.temp_dir), ws.temp_name);
+}
+
+bool Filesystem::QuiescentLocked(const Node* node) const {
+  uint64_t applied = journal_->applied();
+  for (const Node* n = node; n != nullptr; n = n->parent) {
+    if (n->pending_seq > applied) return false;
+  }
+  return true;
+}
+
+std::shared_ptr<Node> Filesystem::NewNodeLocked(Node* parent, const std::string& name,
+                                                NodeType type) {
+  auto node = std::make_shared<Node>();
+  node->ino = next_ino_++;
+  node->type = type;
+  node->parent = parent;
+  node->name = name;
+  node->attr.st_ino = node->ino;
+  node->attr.st_nlink = type == NodeType::kDir ? 2 : 1;
+  node->attr.st_blksize = kBlockSize;
+  if (parent != nullptr) parent->children[name] = node;
+  inodes_[node->ino] = node;
+  return node;
+}
+
+void Filesystem::RefreshAttrLocked(Node* node) {
+  if (node->write || !node->on_backing || !QuiescentLocked(node)) return;
+  auto st = backing_->Stat(PathLocked(node));
+  if (!st.ok()) return;
+  uint64_t ino = node->ino;
+  node->attr = *st;
+  node->attr.st_ino = ino;
+  node->attr.st_blksize = kBlockSize;
+}
+
+Status Filesystem::EnsureLoadedLocked(Node* dir) {
+  if (dir->loaded) return Status::Ok();
+  if (!dir->on_backing) {
+    dir->loaded = true;  // made through the mount: nothing on the backing store yet
+    return Status::Ok();
+  }
+  const std::string path = PathLocked(dir);
+  CKPT_ASSIGN_OR_RETURN(auto entries, backing_->List(path));
+  for (const auto& e : entries) {
+    if (IsTempName(e.name) || dir->children.count(e.name)) continue;
+    if (dir->ino == kRootIno && e.name == kCtlDirName) continue;
+    auto st = backing_->Stat(JoinPath(path, e.name));
+    if (!st.ok()) continue;  // raced with an external delete
+    NodeType type = S_ISDIR(st->st_mode) ? NodeType::kDir
+                    : S_ISLNK(st->st_mode) ? NodeType::kSymlink
+                                           : NodeType::kFile;
+    auto child = NewNodeLocked(dir, e.name, type);
+    uint64_t ino = child->ino;
+    child->attr = *st;
+    child->attr.st_ino = ino;
+    child->attr.st_blksize = kBlockSize;
+    child->on_backing = true;
+  }
+  dir->loaded = true;
+  return Status::Ok();
+}
+
+std::shared_ptr<Node> Filesystem::ChildLocked(Node* dir, const std::string& name) {
+  auto it = dir->children.find(name);
+  if (it != dir->children.end()) {
+    Node* child = it->second.get();
+    // Freshness: a published name that someone removed from the backing store is gone.
+    if (child->on_backing && !child->write && QuiescentLocked(child)) {
+      auto st = backing_->Stat(PathLocked(child));
+      if (!st.ok() && st.status().code() == Code::kNotFound) {
+        DetachLocked(it->second);
+        return nullptr;
+      }
+      if (st.ok()) {
+        child->attr = *st;
+        child->attr.st_ino = child->ino;
+        child->attr.st_blksize = kBlockSize;
+      }
+    }
+    return it->second;
+  }
+  // A name created on the backing store by someone else since the directory was loaded.
+  if (dir->on_backing && QuiescentLocked(dir) && !IsTempName(name)) {
+    auto st = backing_->Stat(JoinPath(PathLocked(dir), name));
+    if (st.ok()) {
+      NodeType type = S_ISDIR(st->st_mode) ? NodeType::kDir
+                      : S_ISLNK(st->st_mode) ? NodeType::kSymlink
+                                             : NodeType::kFile;
+      auto child = NewNodeLocked(dir, name, type);
+      child->attr = *st;
+      child->attr.st_ino = child->ino;
+      child->attr.st_blksize = kBlockSize;
+      child->on_backing = true;
+      return child;
+    }
+  }
+  return nullptr;
+}
+
+void Filesystem::DetachLocked(const std::shared_ptr<Node>& node) {
+  if (node->parent != nullptr) {
+    node->parent->children.erase(node->name);
+    node->parent = nullptr;
+  }
+  if (node->nlookup == 0 && !(node->write && node->write->handles > 0)) inodes_.erase(node->ino);
+}
+
+Result<uint64_t> Filesystem::AppendLocked(store::JournalEntry entry, Node* node) {
+  CKPT_ASSIGN_OR_RETURN(uint64_t seq, journal_->Append(std::move(entry)));
+  if (node != nullptr) node->pending_seq = seq;
+  return seq;
+}
+
+Status Filesystem::WaitIfStrict(Result<uint64_t> seq) {
+  if (!seq.ok()) return seq.status();
+  if (!config_.strict) return Status::Ok();
+  return journal_->Wait(*seq);
+}
+
+void Filesystem::WaitForAncestorsUnlocked(uint64_t ino) {
+  while (true) {
+    uint64_t need = 0;
+    {
+      std::lock_guard lock(ns_mu_);
+      auto node = NodeLocked(ino);
+      if (!node) return;
+      for (const Node* n = node.get(); n != nullptr; n = n->parent) {
+        need = std::max(need, n->pending_seq);
+      }
+      if (need <= journal_->applied()) return;
+    }
+    Status st = journal_->Wait(need);
+    (void)st;  // the outcome belongs to whoever made the entry
+  }
+}
+
+Entry Filesystem::EntryLocked(Node* node) {
+  node->nlookup++;
+  Entry e;
+  e.ino = node->ino;
+  e.attr = node->attr;
+  if (node->write) e.attr.st_size = static_cast<off_t>(node->write->staged->size());
+  e.attr.st_blocks = (e.attr.st_size + 511) / 512;
+  e.timeout = TimeoutFor(*node);
+  return e;
+}
+
+double Filesystem::TimeoutFor(const Node& node) const {
+  // Files of a committed checkpoint do not change: let the kernel keep their entries,
+  // attributes and pages (ranks on one node share the page cache).
+  if (node.type != NodeType::kFile || node.write || node.parent == nullptr) {
+    return kDefaultTimeout;
+  }
+  auto info = checkpoints_->Get(PathLocked(node.parent));
+  return info && info->state == store::CkptState::kCommitted ? kCommittedTimeout
+                                                             : kDefaultTimeout;
+}
+
+std::string Filesystem::CheckpointDirOf(const std::string& path) const { return ParentOf(path); }
+
+// ---------------------------------------------------------------- lookups and attributes
+
+Result<Entry> Filesystem::Lookup(uint64_t parent, const std::string& name) {
+  if (parent == kRootIno && name == kCtlDirName) {
+    Entry e;
+    e.ino = kCtlDirIno;
+    CKPT_ASSIGN_OR_RETURN(e.attr, GetAttr(kCtlDirIno));
+    return e;
+  }
+  if (parent == kCtlDirIno) {
+    Entry e;
+    if (name == "stats") e.ino = kCtlStatsIno;
+    else if (name == "checkpoints") e.ino = kCtlCheckpointsIno;
+    else if (name == "metrics") e.ino = kCtlMetricsIno;
+    else return NotFound(name);
+    CKPT_ASSIGN_OR_RETURN(e.attr, GetAttr(e.ino));
+    e.timeout = 0;
+    return e;
+  }
+  if (IsTempName(name)) return NotFound(name);
+  WaitForAncestorsUnlocked(parent);
+  std::lock_guard lock(ns_mu_);
+  auto dir = NodeLocked(parent);
+  if (!dir) return NotFound("stale parent");
+  if (dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
+  CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+  auto child = ChildLocked(dir.get(), name);
+  if (!child) return NotFound(name);
+  return EntryLocked(child.get());
+}
+
+void Filesystem::Forget(uint64_t ino, uint64_t nlookup) {
+  std::lock_guard lock(ns_mu_);
+  auto node = NodeLocked(ino);
+  if (!node || ino == kRootIno) return;
+  node->nlookup -= std::min(node->nlookup, nlookup);
+  if (node->nlookup == 0 && node->parent == nullptr &&
+      !(node->write && node->write->handles > 0)) {
+    inodes_.erase(ino);
+  }
+}
+
+Result<struct stat> Filesystem::GetAttr(uint64_t ino) {
+  if (ino >= kCtlDirIno && ino < kFirstNodeIno) {
+    struct stat st {};
+    st.st_ino = ino;
+    st.st_mode = ino == kCtlDirIno ? (S_IFDIR | 0555) : (S_IFREG | 0444);
+    st.st_nlink = ino == kCtlDirIno ? 2 : 1;
+    st.st_blksize = 4096;
+    struct timespec now = Now();
+    st.st_atim = st.st_mtim = st.st_ctim = now;
+    return st;
+  }
+  std::lock_guard lock(ns_mu_);
+  auto node = NodeLocked(ino);
+  if (!node) return NotFound("stale inode");
+  RefreshAttrLocked(node.get());
+  struct stat st = node->attr;
+  if (node->write) st.st_size = static_cast<off_t>(node->write->staged->size());
+  st.st_blocks = (st.st_size + 511) / 512;
+  return st;
+}
+
+Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int to_set,
+                                        Handle* handle) {
+  // FUSE_SET_ATTR_* values, repeated here so this file stays free of libfuse.
+  constexpr int kMode = 1 << 0, kUid = 1 << 1, kGid = 1 << 2, kSize = 1 << 3, kAtime = 1 << 4,
+                kMtime = 1 << 5, kAtimeNow = 1 << 7, kMtimeNow = 1 << 8, kCtime = 1 << 10;
+  if (ino < kFirstNodeIno && ino != kRootIno) return Status(Code::kPermission, "control file");
+  WaitForAncestorsUnlocked(ino);
+  Result<uint64_t> last_seq = uint64_t{0};
+  {
+    std::lock_guard lock(ns_mu_);
+    auto node = NodeLocked(ino);
+    if (!node) return NotFound("stale inode");
+    if (to_set & kSize) {
+      if (node->type != NodeType::kFile) return Status(Code::kIsDir, "truncate of a directory");
+      CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), in.st_size == 0));
+      CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(static_cast<uint64_t>(in.st_size)));
+      if (node->write->writers == 0) last_seq = PublishLocked(node.get());
+      node->attr.st_mtim = node->attr.st_ctim = Now();
+    }
+    if (to_set & kMode) {
+      node->attr.st_mode = (node->attr.st_mode & S_IFMT) | (in.st_mode & 07777);
+      if (node->write) {
+        if (::fchmod(node->write->staged->target()->fd(), in.st_mode & 07777) != 0) {
+          return Status::FromErrno(errno, "chmod");
+        }
+      } else if (node->on_backing) {
+        store::JournalEntry e;
+        e.op = store::OpType::kChmod;
+        e.path = PathLocked(node.get());
+        e.mode = in.st_mode & 07777;
+        last_seq = AppendLocked(std::move(e), node.get());
+      }
+    }
+    if (to_set & (kUid | kGid)) {
+      if (to_set & kUid) node->attr.st_uid = in.st_uid;
+      if (to_set & kGid) node->attr.st_gid = in.st_gid;
+    }
+    if (to_set & (kAtime | kMtime | kAtimeNow | kMtimeNow)) {
+      struct timespec now = Now();
+      struct timespec at = {0, UTIME_OMIT}, mt = {0, UTIME_OMIT};
+      if (to_set & kAtimeNow) at = now; else if (to_set & kAtime) at = in.st_atim;
+      if (to_set & kMtimeNow) mt = now; else if (to_set & kMtime) mt = in.st_mtim;
+      if (at.tv_nsec != UTIME_OMIT) node->attr.st_atim = at;
+      if (mt.tv_nsec != UTIME_OMIT) node->attr.st_mtim = mt;
+      if (node->write) {
+        // Flushes would move mtime again; the publish sets the times last.
+        node->write->times_set = true;
+        node->write->atime = node->attr.st_atim;
+        node->write->mtime = node->attr.st_mtim;
+      } else if (node->on_backing) {
+        store::JournalEntry e;
+        e.op = store::OpType::kUtimens;
+        e.path = PathLocked(node.get());
+        e.atime_sec = at.tv_sec, e.atime_nsec = at.tv_nsec;
+        e.mtime_sec = mt.tv_sec, e.mtime_nsec = mt.tv_nsec;
+        last_seq = AppendLocked(std::move(e), node.get());
+      }
+    }
+    if (to_set & kCtime) node->attr.st_ctim = in.st_ctim;
+  }
+  if (last_seq.ok() && *last_seq != 0) CKPT_RETURN_IF_ERROR(WaitIfStrict(last_seq));
+  if (!last_seq.ok()) return last_seq.status();
+  return GetAttr(ino);
+}
+
+// ---------------------------------------------------------------- namespace operations
+
+Result<Entry> Filesystem::Mkdir(uint64_t parent, const std::string& name, mode_t mode) {
+  if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
+    return Status(Code::kPermission, "reserved name " + name);
+  }
+  WaitForAncestorsUnlocked(parent);
+  Entry out;
+  Result<uint64_t> seq = uint64_t{0};
+  {
+    std::lock_guard lock(ns_mu_);
+    auto dir = NodeLocked(parent);
+    if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
+    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+    if (ChildLocked(dir.get(), name)) return Status(Code::kExists, name);
+    auto node = NewNodeLocked(dir.get(), name, NodeType::kDir);
+    node->attr.st_mode = S_IFDIR | (mode & 07777);
+    node->attr.st_uid = getuid();
+    node->attr.st_gid = getgid();
+    node->attr.st_atim = node->attr.st_mtim = node->attr.st_ctim = Now();
+    node->loaded = true;
+    node->on_backing = true;
+    store::JournalEntry e;
+    e.op = store::OpType::kMkdir;
+    e.path = PathLocked(node.get());
+    e.mode = mode & 07777;
+    seq = AppendLocked(std::move(e), node.get());
+    out = EntryLocked(node.get());
+  }
+  CKPT_RETURN_IF_ERROR(WaitIfStrict(seq));
+  return out;
+}
+
+Result<Entry> Filesystem::Symlink(const std::string& target, uint64_t parent,
+                                  const std::string& name) {
+  if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
+    return Status(Code::kPermission, "reserved name " + name);
+  }
+  WaitForAncestorsUnlocked(parent);
+  Entry out;
+  Result<uint64_t> seq = uint64_t{0};
+  {
+    std::lock_guard lock(ns_mu_);
+    auto dir = NodeLocked(parent);
+    if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
+    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+    if (ChildLocked(dir.get(), name)) return Status(Code::kExists, name);
+    auto node = NewNodeLocked(dir.get(), name, NodeType::kSymlink);
+    node->attr.st_mode = S_IFLNK | 0777;
+    node->attr.st_size = static_cast<off_t>(target.size());
+    node->attr.st_atim = node->attr.st_mtim = node->attr.st_ctim = Now();
+    node->link_target = target;
+    node->on_backing = true;
+    store::JournalEntry e;
+    e.op = store::OpType::kSymlink;
+    e.path = PathLocked(node.get());
+    e.link_target = target;
+    seq = AppendLocked(std::move(e), node.get());
+    out = EntryLocked(node.get());
+  }
+  CKPT_RETURN_IF_ERROR(WaitIfStrict(seq));
+  return out;
+}
+
+Result<std::string> Filesystem::Readlink(uint64_t ino) {
+  WaitForAncestorsUnlocked(ino);
+  std::lock_guard lock(ns_mu_);
+  auto node = NodeLocked(ino);
+  if (!node) return NotFound("stale inode");
+  if (node->type != NodeType::kSymlink) return Invalid("not a symlink");
+  if (!node->link_target.empty()) return node->link_target;
+  // The target is returned as text and resolved by the kernel inside the mount, never
+  // by the daemon (G9).
+  CKPT_ASSIGN_OR_RETURN(node->link_target, backing_->Readlink(PathLocked(node.get())));
+  return node->link_target;
+}
+
+Status Filesystem::Unlink(uint64_t parent, const std::string& name) {
+  WaitForAncestorsUnlocked(parent);
+  Result<uint64_t> seq = uint64_t{0};
+  {
+    std::lock_guard lock(ns_mu_);
+    auto dir = NodeLocked(parent);
+    if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
+    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+    auto node = ChildLocked(dir.get(), name);
+    if (!node) return NotFound(name);
+    if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
+    const std::string path = PathLocked(node.get());
+    if (node->write && node->write->needs_publish) {
+      // Its unpublished bytes are dropped; open handles keep reading them.
+      store::JournalEntry d;
+      d.op = store::OpType::kDiscard;
+      d.from = TempPathLocked(*node->write);
+      d.path = path;
+      d.file_id = node->write->file_id;
+      seq = AppendLocked(std::move(d), node.get());
+      node->write->needs_publish = false;
+    }
+    if (node->on_backing) {
+      store::JournalEntry e;
+      e.op = store::OpType::kUnlink;
+      e.path = path;
+      seq = AppendLocked(std::move(e), node.get());
+    }
+    node->on_backing = false;
+    DetachLocked(node);
+  }
+  return WaitIfStrict(seq);
+}
+
+Status Filesystem::Rmdir(uint64_t parent, const std::string& name) {
+  WaitForAncestorsUnlocked(parent);
+  Result<uint64_t> seq = uint64_t{0};
+  {
+    std::lock_guard lock(ns_mu_);
+    auto dir = NodeLocked(parent);
+    if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
+    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+    auto node = ChildLocked(dir.get(), name);
+    if (!node) return NotFound(name);
+    if (node->type != NodeType::kDir) return Status(Code::kNotDir, name);
+    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(node.get()));
+    if (!node->children.empty()) return Status(Code::kNotEmpty, name);
+    const std::string path = PathLocked(node.get());
+    store::JournalEntry e;
+    e.op = store::OpType::kRmdir;
+    e.path = path;
+    seq = AppendLocked(std::move(e), node.get());
+    checkpoints_->OnRemoved(path);
+    node->on_backing = false;
+    DetachLocked(node);
+  }
+  return WaitIfStrict(seq);
+}
+
+Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new_parent,
+                          const std::string& new_name, unsigned flags) {
+  constexpr unsigned kNoReplace = 1, kExchange = 2;
+  if (flags & kExchange) return Unsupported("RENAME_EXCHANGE");
+  if (IsTempName(new_name) || (new_parent == kRootIno && new_name == kCtlDirName)) {
+    return Status(Code::kPermission, "reserved name " + new_name);
+  }
+  WaitForAncestorsUnlocked(parent);
+  WaitForAncestorsUnlocked(new_parent);
+  Result<uint64_t> seq = uint64_t{0};
+  {
+    std::lock_guard lock(ns_mu_);
+    auto src_dir = NodeLocked(parent);
+    auto dst_dir = NodeLocked(new_parent);
+    if (!src_dir || !dst_dir || src_dir->type != NodeType::kDir ||
+        dst_dir->type != NodeType::kDir) {
+      return Status(Code::kNotDir, name);
+    }
+    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(src_dir.get()));
+    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dst_dir.get()));
+    auto node = ChildLocked(src_dir.get(), name);
+    if (!node) return NotFound(name);
+    // A directory cannot move below itself.
+    for (Node* n = dst_dir.get(); n != nullptr; n = n->parent) {
+      if (n == node.get()) return Invalid("rename of a directory into itself");
+    }
+    auto victim = ChildLocked(dst_dir.get(), new_name);
+    if (victim == node) return Status::Ok();
+    if (victim) {
+      if (flags & kNoReplace) return Status(Code::kExists, new_name);
+      if (node->type == NodeType::kDir && victim->type != NodeType::kDir) {
+        return Status(Code::kNotDir, new_name);
+      }
+      if (node->type != NodeType::kDir && victim->type == NodeType::kDir) {
+        return Status(Code::kIsDir, new_name);
+      }
+      if (victim->type == NodeType::kDir) {
+        CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(victim.get()));
+        if (!victim->children.empty()) return Status(Code::kNotEmpty, new_name);
+      }
+    }
+    const std::string from = PathLocked(node.get());
+    const std::string to = JoinPath(PathLocked(dst_dir.get()), new_name);
+    if (victim && victim->write && victim->write->needs_publish) {
+      store::JournalEntry d;
+      d.op = store::OpType::kDiscard;
+      d.from = TempPathLocked(*victim->write);
+      d.path = to;
+      d.file_id = victim->write->file_id;
+      seq = AppendLocked(std::move(d), victim.get());
+      victim->write->needs_publish = false;
+    }
+    if (node->on_backing) {
+      store::JournalEntry e;
+      e.op = store::OpType::kRename;
+      e.from = from;
+      e.path = to;
+      seq = AppendLocked(std::move(e), node.get());
+    } else if (victim && victim->on_backing) {
+      // The replaced name must vanish now; the new file replaces it when published.
+      store::JournalEntry e;
+      e.op = store::OpType::kUnlink;
+      e.path = to;
+      seq = AppendLocked(std::move(e), victim.get());
+    }
+    if (node->write && node->write->needs_publish && node->write->temp_dir != dst_dir.get() &&
+        !node->on_backing) {
+      // Keep an unpublished file's temp beside its name, so its old directory can go.
+      store::JournalEntry t;
+      t.op = store::OpType::kRename;
+      t.from = TempPathLocked(*node->write);
+      t.path = JoinPath(PathLocked(dst_dir.get()), node->write->temp_name);
+      seq = AppendLocked(std::move(t), node.get());
+      node->write->temp_dir = dst_dir.get();
+    }
+    if (victim) {
+      victim->on_backing = false;
+      if (victim->type == NodeType::kDir) checkpoints_->OnRemoved(to);
+      DetachLocked(victim);
+    }
+    src_dir->children.erase(name);
+    node->parent = dst_dir.get();
+    node->name = new_name;
+    dst_dir->children[new_name] = node;
+    node->attr.st_ctim = Now();
+    if (node->type == NodeType::kDir) {
+      checkpoints_->OnRenamed(from, to);
+    } else if (store::IsCommitName(to) && node->write == nullptr && node->on_backing) {
+      checkpoints_->OnCommitQueued(ParentOf(to));
+    } else if (store::IsCommitName(to) && node->write) {
+      checkpoints_->OnCommitQueued(ParentOf(to));
+    }
+  }
+  return WaitIfStrict(seq);
+}
+
+// ---------------------------------------------------------------- files
+
+Status Filesystem::BeginWriteLocked(Node* node, bool truncate) {
+  uint64_t id = journal_->NextFileId();
+  auto ws = std::make_unique<WriteState>();
+  ws->file_id = id;
+  ws->temp_name = std::string(kTempPrefix) + std::to_string(id);
+  ws->temp_dir = node->parent;
+  const std::string temp_path = TempPathLocked(*ws);
+  CKPT_RETURN_IF_ERROR(journal_->RegisterTemp(id, temp_path));
+  mode_t mode = node->attr.st_mode & 07777;
+  auto fd = backing_->OpenFile(temp_path, O_RDWR | O_CREAT | O_EXCL, mode ? mode : 0644);
+  if (!fd.ok()) {
+    (void)journal_->ForgetTemp(id);
+    return fd.status();
+  }
+  if (mode) ::fchmod(fd->get(), mode);  // the umask must not change the published mode
+  uint64_t size = 0;
+  if (!truncate) {
+    // Copy-on-write: the real name keeps its old bytes until the new ones are published.
+    std::shared_ptr<StagedFile> prev = node->write ? node->write->staged : nullptr;
+    UniqueFd src;
+    int src_fd = -1;
+    if (prev) {
+      prev->target()->WaitIdle();
+      src_fd = prev->target()->fd();
+      size = prev->size();
+    } else if (node->on_backing) {
+      auto opened = backing_->OpenFile(PathLocked(node), O_RDONLY);
+      if (!opened.ok()) return opened.status();
+      src = std::move(*opened);
+      src_fd = src.get();
+      struct stat st;
+      if (::fstat(src_fd, &st) != 0) return Status::FromErrno(errno, "fstat");
+      size = static_cast<uint64_t>(st.st_size);
+    }
+    loff_t in = 0, out = 0;
+    uint64_t left = size;
+    while (left > 0) {
+      ssize_t n = ::copy_file_range(src_fd, &in, fd->get(), &out, left, 0);
+      if (n <= 0) {
+        Status st = Status::FromErrno(n < 0 ? errno : EIO, "copy for rewrite");
+        ::unlinkat(backing_->root_fd(), temp_path.c_str(), 0);
+        (void)journal_->ForgetTemp(id);
+        return st;
+      }
+      left -= static_cast<uint64_t>(n);
+    }
+  }
+  auto target = std::make_shared<store::FlushTarget>(id, std::move(*fd));
+  ws->staged = std::make_shared<StagedFile>(staging_ctx_, std::move(target), size);
+  {
+    std::lock_guard lock(staged_mu_);
+    live_staged_.insert(ws->staged);
+  }
+  if (node->write) {
+    ws->writers = node->write->writers;
+    ws->handles = node->write->handles;
+    ws->publish_seq = node->write->publish_seq;
+  }
+  node->write = std::move(ws);
+  node->attr.st_mtim = node->attr.st_ctim = Now();
+  return Status::Ok();
+}
+
+Status Filesystem::EnsureWritableLocked(Node* node, bool truncate) {
+  if (!node->write || !node->write->needs_publish) {
+    CKPT_RETURN_IF_ERROR(BeginWriteLocked(node, truncate));
+  }
+  node->write->needs_publish = true;
+  return Status::Ok();
+}
+
+Result<uint64_t> Filesystem::PublishLocked(Node* node) {
+  WriteState& ws = *node->write;
+  auto target = ws.staged->SealAll();
+  store::JournalEntry e;
+  e.op = store::OpType::kPublish;
+  e.path = PathLocked(node);
+  e.from = TempPathLocked(ws);
+  e.file_id = ws.file_id;
+  e.size = ws.staged->size();
+  e.target = target;
+  if (ws.times_set) {
+    e.atime_sec = ws.atime.tv_sec, e.atime_nsec = ws.atime.tv_nsec;
+    e.mtime_sec = ws.mtime.tv_sec, e.mtime_nsec = ws.mtime.tv_nsec;
+  }
+  const std::string dir = ParentOf(e.path);
+  const bool commit = store::IsCommitName(e.path);
+  const uint64_t size = e.size;
+  publishing_[ws.file_id] = inodes_[node->ino];
+  CKPT_ASSIGN_OR_RETURN(uint64_t seq, AppendLocked(std::move(e), node));
+  ws.publish_seq = seq;
+  ws.needs_publish = false;
+  node->on_backing = true;
+  checkpoints_->OnFileQueued(dir, size);
+  if (commit) checkpoints_->OnCommitQueued(dir);
+  return seq;
+}
+
+Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std::string& name,
+                                                     mode_t mode, int flags) {
+  if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
+    return Status(Code::kPermission, "reserved name " + name);
+  }
+  WaitForAncestorsUnlocked(parent);
+  std::lock_guard lock(ns_mu_);
+  auto dir = NodeLocked(parent);
+  if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
+  CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+  std::shared_ptr<Node> node = ChildLocked(dir.get(), name);
+  if (node) {
+    if (flags & O_EXCL) return Status(Code::kExists, name);
+    if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
+  } else {
+    node = NewNodeLocked(dir.get(), name, NodeType::kFile);
+    node->attr.st_mode = S_IFREG | (mode & 07777);
+    node->attr.st_uid = getuid();
+    node->attr.st_gid = getgid();
+    node->attr.st_atim = node->attr.st_mtim = node->attr.st_ctim = Now();
+    Status st = BeginWriteLocked(node.get(), /*truncate=*/true);
+    if (!st.ok()) {
+      DetachLocked(node);
+      return st;
+    }
+    if (store::CheckpointRegistry::IsCheckpointFile(name)) {
+      checkpoints_->OnFileCreated(PathLocked(dir.get()));
+    }
+  }
+  if (!node->write || (flags & O_TRUNC)) {
+    CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), (flags & O_TRUNC) != 0));
+    if (flags & O_TRUNC) CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(0));
+  }
+  auto handle = std::make_unique<Handle>();
+  handle->node = node;
+  handle->writable = true;
+  handle->staged = node->write->staged;
+  node->write->writers++;
+  node->write->handles++;
+  Entry e = EntryLocked(node.get());
+  return std::make_pair(e, handle.release());
+}
+
+Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
+  auto handle = std::make_unique<Handle>();
+  if (ino >= kCtlStatsIno && ino <= kCtlMetricsIno) {
+    if ((flags & O_ACCMODE) != O_RDONLY) return Status(Code::kPermission, "control file");
+    handle->content = ino == kCtlStatsIno         ? StatsJson()
+                      : ino == kCtlCheckpointsIno ? CheckpointsJson()
+                                                  : MetricsText();
+    return handle.release();
+  }
+  WaitForAncestorsUnlocked(ino);
+  std::lock_guard lock(ns_mu_);
+  auto node = NodeLocked(ino);
+  if (!node) return NotFound("stale inode");
+  if (node->type == NodeType::kDir) return Status(Code::kIsDir, "open of a directory");
+  if (!node->error.empty()) return Status(Code::kIo, node->error);
+  handle->node = node;
+  const bool writable = (flags & O_ACCMODE) != O_RDONLY;
+  if (writable) {
+    if (!node->write || (flags & O_TRUNC)) {
+      CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), (flags & O_TRUNC) != 0));
+      if (flags & O_TRUNC) CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(0));
+    }
+    node->write->writers++;
+    handle->writable = true;
+  }
+  if (node->write) {
+    node->write->handles++;
+    handle->staged = node->write->staged;
+  } else {
+    CKPT_ASSIGN_OR_RETURN(handle->fd, backing_->OpenFile(PathLocked(node.get()), O_RDONLY));
+  }
+  return handle.release();
+}
+
+Result<std::shared_ptr<StagedFile>> Filesystem::WritableStaged(Handle* h) {
+  std::lock_guard lock(ns_mu_);
+  Node* node = h->node.get();
+  if (!node->error.empty()) return Status(Code::kIo, node->error);
+  // Its previous contents may be queued for publication and frozen: continue in a
+  // copy, published again later.
+  CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node, false));
+  h->staged = node->write->staged;
+  return h->staged;
+}
+
+Status Filesystem::Write(Handle* h, const char* data, size_t len, uint64_t offset) {
+  if (!h->writable) return Status(Code::kPermission, "not open for writing");
+  std::shared_ptr<StagedFile> staged = h->staged;
+  for (int attempt = 0;; ++attempt) {
+    bool fresh;
+    {
+      std::lock_guard lock(ns_mu_);
+      Node* node = h->node.get();
+      fresh = node->write && node->write->staged == staged && node->write->needs_publish;
+    }
+    if (!fresh) {
+      CKPT_ASSIGN_OR_RETURN(staged, WritableStaged(h));
+    }
+    Status st = staged->Write(data, len, offset);
+    if (st.code() == Code::kAborted && attempt < 3) continue;  // frozen by a publish
+    if (!st.ok()) {
+      NoteError("write " + std::to_string(h->node->ino) + ": " + st.ToString());
+      return st;
+    }
+    bytes_written_.fetch_add(len, std::memory_order_relaxed);
+    return Status::Ok();
+  }
+}
+
+Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offset) {
+  if (!h->node) {  // control file
+    if (offset >= h->content.size()) return size_t{0};
+    size_t n = std::min<size_t>(len, h->content.size() - offset);
+    std::memcpy(out, h->content.data() + offset, n);
+    return n;
+  }
+  std::shared_ptr<StagedFile> staged;
+  {
+    std::lock_guard lock(ns_mu_);
+    if (!h->node->error.empty()) return Status(Code::kIo, h->node->error);
+    if (h->node->write) staged = h->node->write->staged;
+  }
+  Result<size_t> got = staged ? staged->Read(out, len, offset)
+                        : h->fd.valid() ? backing_->PRead(h->fd.get(), out, len,
+                                                          static_cast<off_t>(offset))
+                                        : Result<size_t>(Status(Code::kIo, "no data source"));
+  if (!got.ok() && !h->fd.valid() && staged == nullptr) return got;
+  if (!got.ok() && staged == nullptr) return got;
+  if (!got.ok()) {
+    // The staged file was published and dropped meanwhile: read the backing file.
+    return got;
+  }
+  bytes_read_.fetch_add(*got, std::memory_order_relaxed);
+  return got;
+}
+
+Status Filesystem::Flush(Handle* h) {
+  if (!h->node || !h->writable) return Status::Ok();
+  Result<uint64_t> seq = uint64_t{0};
+  {
+    std::lock_guard lock(ns_mu_);
+    Node* node = h->node.get();
+    if (!node->error.empty()) return Status(Code::kIo, node->error);
+    if (!node->write) return Status::Ok();
+    CKPT_RETURN_IF_ERROR(node->write->staged->error());
+    if (!config_.strict) return Status::Ok();
+    if (node->write->needs_publish && node->parent != nullptr) seq = PublishLocked(node);
+    else seq = node->write->publish_seq;
+  }
+  return WaitIfStrict(seq);
+}
+
+Status Filesystem::Fsync(Handle* h) { return Flush(h); }
+
+void Filesystem::Release(Handle* h) {
+  std::unique_ptr<Handle> owned(h);
+  if (!h->node) return;
+  std::lock_guard lock(ns_mu_);
+  Node* node = h->node.get();
+  if (!node->write) return;
+  WriteState& ws = *node->write;
+  if (h->writable) ws.writers--;
+  ws.handles--;
+  if (h->writable && ws.writers == 0 && ws.needs_publish && node->parent != nullptr) {
+    auto seq = PublishLocked(node);
+    if (!seq.ok()) NoteError("publish " + PathLocked(node) + ": " + seq.status().ToString());
+  }
+  if (ws.handles == 0 && !ws.needs_publish && ws.publish_seq <= journal_->applied() &&
+      publishing_.count(ws.file_id) == 0) {
+    node->write.reset();  // fully published: the backing file is the truth again
+  }
+  if (node->parent == nullptr && node->nlookup == 0 && (!node->write || node->write->handles == 0)) {
+    inodes_.erase(node->ino);
+  }
+}
+
+Result<Handle*> Filesystem::OpenDir(uint64_t ino) {
+  auto handle = std::make_unique<Handle>();
+  if (ino == kCtlDirIno) {
+    handle->entries = {{".", kCtlDirIno, S_IFDIR}, {"..", kRootIno, S_IFDIR},
+                       {"stats", kCtlStatsIno, S_IFREG},
+                       {"checkpoints", kCtlCheckpointsIno, S_IFREG},
+                       {"metrics", kCtlMetricsIno, S_IFREG}};
+    return handle.release();
+  }
+  WaitForAncestorsUnlocked(ino);
+  std::lock_guard lock(ns_mu_);
+  auto node = NodeLocked(ino);
+  if (!node) return NotFound("stale inode");
+  if (node->type != NodeType::kDir) return Status(Code::kNotDir, "opendir");
+  CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(node.get()));
+  // Pick up names other writers created on the backing store since the load.
+  if (node->on_backing && QuiescentLocked(node.get())) {
+    auto listed = backing_->List(PathLocked(node.get()));
+    if (listed.ok()) {
+      for (const auto& e : *listed) {
+        if (!node->children.count(e.name) && !IsTempName(e.name) &&
+            !(ino == kRootIno && e.name == kCtlDirName)) {
+          ChildLocked(node.get(), e.name);
+        }
+      }
+    }
+  }
+  handle->node = node;
+  handle->entries.push_back({".", ino, S_IFDIR});
+  handle->entries.push_back({"..", node->parent ? node->parent->ino : kRootIno, S_IFDIR});
+  if (ino == kRootIno) handle->entries.push_back({kCtlDirName, kCtlDirIno, S_IFDIR});
+  for (const auto& [name, child] : node->children) {
+    handle->entries.push_back({name, child->ino, TypeBits(child->type)});
+  }
+  return handle.release();
+}
+
+void Filesystem::ReleaseDir(Handle* h) { delete h; }
+
+Result<struct statvfs> Filesystem::StatFs() { return backing_->StatFs(); }
+
+// ---------------------------------------------------------------- journal callbacks
+
+Status Filesystem::CommitGate(const store::JournalEntry& e) {
+  const std::string dir = ParentOf(e.path);
+  auto info = checkpoints_->Get(dir);
+  if (info && info->state == store::CkptState::kFailed) {
+    return Status(Code::kAborted, "checkpoint " + dir + " failed: " + info->error);
+  }
+  // Read the metadata being committed and check every shard it names (G5).
+  std::string bytes;
+  Result<UniqueFd> fd = e.op == store::OpType::kPublish
+                            ? backing_->OpenFile(e.from, O_RDONLY)
+                            : backing_->OpenFile(e.from, O_RDONLY);
+  if (!fd.ok()) return fd.status();
+  struct stat st;
+  if (::fstat(fd->get(), &st) != 0) return Status::FromErrno(errno, "stat .metadata");
+  bytes.resize(static_cast<size_t>(st.st_size));
+  CKPT_ASSIGN_OR_RETURN(size_t got, backing_->PRead(fd->get(), bytes.data(), bytes.size(), 0));
+  bytes.resize(got);
+  auto md = store::ParseDcpMetadata(bytes);
+  if (!md.ok()) {
+    // Not a metadata format we know: order alone still guarantees that every file this
+    // mount wrote before it is durable.
+    spdlog::warn("checkpoint {}: .metadata not understood ({}); committing by order only",
+                 dir, md.status().ToString());
+    return Status::Ok();
+  }
+  auto deadline = std::chrono::steady_clock::now() + config_.commit_timeout;
+  for (const auto& [file, min_len] : store::RequiredFileLengths(*md)) {
+    const std::string path = JoinPath(dir, file);
+    while (true) {
+      auto fst = backing_->Stat(path);
+      if (fst.ok() && static_cast<uint64_t>(fst->st_size) >= min_len) break;
+      info = checkpoints_->Get(dir);
+      if (info && info->state == store::CkptState::kFailed) {
+        return Status(Code::kAborted, "checkpoint " + dir + " failed: " + info->error);
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        return Status(Code::kTimeout, "shard " + path + " never became durable with " +
+                                          std::to_string(min_len) + " bytes");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  return Status::Ok();
+}
+
+void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
+  const std::string dir = ParentOf(e.path);
+  const bool commit = (e.op == store::OpType::kPublish || e.op == store::OpType::kRename) &&
+                      store::IsCommitName(e.path);
+  if (e.op == store::OpType::kPublish && st.ok()) {
+    if (e.atime_sec || e.atime_nsec || e.mtime_sec || e.mtime_nsec) {
+      struct timespec ts[2] = {{e.atime_sec, e.atime_nsec}, {e.mtime_sec, e.mtime_nsec}};
+      (void)backing_->Utimens(e.path, ts);
+    }
+    bytes_published_.fetch_add(e.size);
+    files_published_.fetch_add(1);
+    checkpoints_->OnFilePublished(dir, e.size);
+  }
+  if (!st.ok()) {
+    NoteError(e.Describe() + ": " + st.ToString());
+    if (e.op == store::OpType::kPublish || commit) checkpoints_->OnFailed(dir, st.ToString());
+  } else if (commit) {
+    checkpoints_->OnCommitted(dir);
+  }
+  if (e.op != store::OpType::kPublish) return;
+  std::lock_guard lock(ns_mu_);
+  auto it = publishing_.find(e.file_id);
+  if (it == publishing_.end()) return;
+  std::shared_ptr<Node> node = it->second;
+  publishing_.erase(it);
+  if (!st.ok()) {
+    node->error = "publication failed: " + st.ToString();
+    node->on_backing = false;
+  }
+  if (node->write && node->write->file_id == e.file_id && node->write->handles == 0 &&
+      !node->write->needs_publish) {
+    RefreshAttrLocked(node.get());
+    node->attr.st_size = static_cast<off_t>(e.size);
+    node->write.reset();
+  }
+  if (node->parent == nullptr && node->nlookup == 0 && !node->write) inodes_.erase(node->ino);
+}
+
+void Filesystem::RelieveStagingPressure() {
+  std::vector<std::shared_ptr<StagedFile>> files;
+  {
+    std::lock_guard lock(staged_mu_);
+    for (auto it = live_staged_.begin(); it != live_staged_.end();) {
+      if (auto f = it->lock()) {
+        files.push_back(std::move(f));
+        ++it;
+      } else {
+        it = live_staged_.erase(it);
+      }
+    }
+  }
+  for (auto& f : files) f->SealIfIdle();
+}
+
+uint64_t Filesystem::Shutdown() {
+  if (shut_down_.exchange(true)) return 0;
+  uint64_t unpublished = 0;
+  {
+    std::lock_guard lock(ns_mu_);
+    // Files still open (a lazy unmount) are published as they are now (G8).
+    for (auto& [ino, node] : inodes_) {
+      if (node->write && node->write->needs_publish && node->parent != nullptr) {
+        auto seq = PublishLocked(node.get());
+        if (!seq.ok()) ++unpublished;
+      }
+    }
+  }
+  spdlog::info("draining: {} journal entries pending", journal_->pending());
+  journal_->Drain();
+  pipeline_->Drain();
+  unpublished += journal_->skipped();
+  spdlog::info("drained: {} files published, {} not published", files_published_.load(),
+               unpublished);
+  return unpublished;
+}
+
+}  // namespace ckptfs::fs

@@ -1,0 +1,195 @@
+// Filesystem: the ckptfs namespace and data paths, independent of FUSE.
+//
+// fs/fuse_server.cc translates each FUSE request into one call here and turns the
+// Status into a reply. This class owns the inode table, the namespace overlay (the
+// application's view = backing store + pending journal entries), the write and read
+// paths, and the /.ckptfs control files.
+//
+// Thread-safe. Lock order: ns_mu_ -> StagedFile locks -> staged_mu_. Nothing blocks on
+// the journal or the staging pool while holding ns_mu_.
+#pragma once
+
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+#include "fs/node.h"
+#include "fs/staged_file.h"
+#include "gpu/staging_pool.h"
+#include "store/backing_dir.h"
+#include "store/checkpoints.h"
+#include "store/flush_pipeline.h"
+#include "store/journal.h"
+#include "store/state_db.h"
+
+namespace ckptfs::fs {
+
+struct FsConfig {
+  std::string backing_dir;
+  std::string mountpoint;
+  std::string state_dir;
+  bool strict = false;
+  uint64_t staging_bytes = uint64_t{1} << 30;
+  uint64_t chunk_bytes = uint64_t{4} << 20;
+  int flush_threads = 4;
+  std::string staging_backend = "auto";
+  // How long a `.metadata` publication waits for shards from other writers to appear.
+  std::chrono::milliseconds commit_timeout{std::chrono::minutes(10)};
+};
+
+struct Entry {
+  uint64_t ino = 0;
+  struct stat attr {};
+  double timeout = 1.0;
+};
+
+// An open file or directory (the FUSE file handle).
+struct Handle {
+  std::shared_ptr<Node> node;
+  bool writable = false;
+  std::shared_ptr<StagedFile> staged;  // files written through the mount
+  UniqueFd fd;                         // published files read from the backing store
+  std::string content;                 // control files: generated at open
+  struct DirEnt {
+    std::string name;
+    uint64_t ino;
+    mode_t type;
+  };
+  std::vector<DirEnt> entries;  // directories: listed at opendir
+};
+
+// Fixed inode numbers of the control tree.
+inline constexpr uint64_t kRootIno = 1;
+inline constexpr uint64_t kCtlDirIno = 2;
+inline constexpr uint64_t kCtlStatsIno = 3;
+inline constexpr uint64_t kCtlCheckpointsIno = 4;
+inline constexpr uint64_t kCtlMetricsIno = 5;
+inline constexpr uint64_t kFirstNodeIno = 16;
+inline constexpr char kCtlDirName[] = ".ckptfs";
+inline constexpr char kTempPrefix[] = ".ckptfs-tmp.";
+
+class Filesystem {
+ public:
+  static Result<std::unique_ptr<Filesystem>> Create(const FsConfig& config);
+  ~Filesystem();  // Shutdown() if not yet done.
+  Filesystem(const Filesystem&) = delete;
+  Filesystem& operator=(const Filesystem&) = delete;
+
+  Result<Entry> Lookup(uint64_t parent, const std::string& name);
+  void Forget(uint64_t ino, uint64_t nlookup);
+  Result<struct stat> GetAttr(uint64_t ino);
+  // `to_set` is a mask of FUSE_SET_ATTR_* bits, passed through as ints.
+  Result<struct stat> SetAttr(uint64_t ino, const struct stat& in, int to_set, Handle* handle);
+  Result<Entry> Mkdir(uint64_t parent, const std::string& name, mode_t mode);
+  Result<Entry> Symlink(const std::string& target, uint64_t parent, const std::string& name);
+  Result<std::string> Readlink(uint64_t ino);
+  Status Unlink(uint64_t parent, const std::string& name);
+  Status Rmdir(uint64_t parent, const std::string& name);
+  Status Rename(uint64_t parent, const std::string& name, uint64_t new_parent,
+                const std::string& new_name, unsigned flags);
+  Result<std::pair<Entry, Handle*>> Create(uint64_t parent, const std::string& name, mode_t mode,
+                                           int flags);
+  Result<Handle*> Open(uint64_t ino, int flags);
+  Result<size_t> Read(Handle* h, char* out, size_t len, uint64_t offset);
+  Status Write(Handle* h, const char* data, size_t len, uint64_t offset);
+  Status Flush(Handle* h);
+  Status Fsync(Handle* h);
+  void Release(Handle* h);
+  Result<Handle*> OpenDir(uint64_t ino);
+  void ReleaseDir(Handle* h);
+  Result<struct statvfs> StatFs();
+  Result<std::string> GetXattr(uint64_t ino, const std::string& name);
+  std::string ListXattr(uint64_t ino);
+
+  // Publishes everything still staged and waits until the journal is empty (G8).
+  // Returns how many files could not be published.
+  uint64_t Shutdown();
+
+  // The control files' contents.
+  std::string StatsJson();
+  std::string CheckpointsJson();
+  std::string MetricsText();
+
+  bool strict() const { return config_.strict; }
+  const FsConfig& config() const { return config_; }
+  uint64_t errors() const { return errors_.load(); }
+  // Entry/attr timeout for `attr` (long for files of committed checkpoints).
+  double TimeoutFor(const Node& node) const;
+
+ private:
+  explicit Filesystem(const FsConfig& config);
+  Status Init();
+
+  // Namespace helpers; REQUIRE(ns_mu_).
+  std::shared_ptr<Node> NodeLocked(uint64_t ino);
+  std::string PathLocked(const Node* node) const;
+  std::string TempPathLocked(const WriteState& ws) const;
+  Status EnsureLoadedLocked(Node* dir);
+  std::shared_ptr<Node> NewNodeLocked(Node* parent, const std::string& name, NodeType type);
+  std::shared_ptr<Node> ChildLocked(Node* dir, const std::string& name);
+  void RefreshAttrLocked(Node* node);
+  bool QuiescentLocked(const Node* node) const;
+  void DetachLocked(const std::shared_ptr<Node>& node);
+  Result<uint64_t> AppendLocked(store::JournalEntry entry, Node* node);
+  // Starts writing a file: a new temp file, filled with the current contents unless
+  // `truncate`.
+  Status BeginWriteLocked(Node* node, bool truncate);
+  // Makes `node` writable: a fresh copy when it is not being written or its contents
+  // are frozen for publication. Marks it as needing publication.
+  Status EnsureWritableLocked(Node* node, bool truncate);
+  // Queues the publication of `node`'s staged contents; returns the entry's seq.
+  Result<uint64_t> PublishLocked(Node* node);
+  Entry EntryLocked(Node* node);
+  std::string CheckpointDirOf(const std::string& path) const;
+
+  // Waits (without locks) until every pending rename among `node`'s ancestors is applied.
+  void WaitForAncestorsUnlocked(uint64_t ino);
+  Status WaitIfStrict(Result<uint64_t> seq);
+  void OnJournalDone(const store::JournalEntry& e, const Status& st);
+  Status CommitGate(const store::JournalEntry& e);
+  void RelieveStagingPressure();
+  Result<std::shared_ptr<StagedFile>> WritableStaged(Handle* h);
+  std::string ProgressJson(uint64_t ino);
+
+  const FsConfig config_;
+  std::unique_ptr<store::BackingDir> backing_;
+  std::unique_ptr<store::StateDb> db_;
+  std::unique_ptr<store::CheckpointRegistry> checkpoints_;
+  std::unique_ptr<gpu::StagingPool> pool_;
+  std::unique_ptr<store::FlushPipeline> pipeline_;
+  std::unique_ptr<store::Journal> journal_;
+  StagingContext staging_ctx_{};
+
+  mutable std::mutex ns_mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<Node>> inodes_;  // GUARDED_BY(ns_mu_)
+  std::shared_ptr<Node> root_;
+  uint64_t next_ino_ = kFirstNodeIno;                            // GUARDED_BY(ns_mu_)
+  std::unordered_map<uint64_t, std::shared_ptr<Node>> publishing_;  // file id -> node
+
+  std::mutex staged_mu_;
+  std::set<std::weak_ptr<StagedFile>, std::owner_less<std::weak_ptr<StagedFile>>> live_staged_;
+
+  std::atomic<bool> shut_down_{false};
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  std::atomic<uint64_t> bytes_written_{0};
+  std::atomic<uint64_t> bytes_published_{0};
+  std::atomic<uint64_t> bytes_read_{0};
+  std::atomic<uint64_t> files_published_{0};
+  std::atomic<uint64_t> errors_{0};
+  mutable std::mutex error_mu_;
+  std::string last_error_;  // GUARDED_BY(error_mu_)
+  void NoteError(const std::string& msg);
+};
+
+}  // namespace ckptfs::fs

@@ -1,0 +1,314 @@
+#define FUSE_USE_VERSION 312
+#include "fs/fuse_server.h"
+
+#include <fuse3/fuse_lowlevel.h>
+#include <spdlog/spdlog.h>
+
+#include <cstring>
+#include <vector>
+
+namespace ckptfs::fs {
+namespace {
+
+constexpr unsigned kMaxWrite = 1u << 20;
+
+Filesystem* Fs(fuse_req_t req) { return static_cast<Filesystem*>(fuse_req_userdata(req)); }
+Handle* H(struct fuse_file_info* fi) { return reinterpret_cast<Handle*>(fi->fh); }
+
+void ReplyErr(fuse_req_t req, const Status& st) { fuse_reply_err(req, st.ToErrno()); }
+
+
+void ReplyEntry(fuse_req_t req, const Entry& e) {
+  struct fuse_entry_param p;
+  std::memset(&p, 0, sizeof(p));
+  p.ino = e.ino;
+  p.generation = 1;
+  p.attr = e.attr;
+  p.attr_timeout = e.timeout;
+  p.entry_timeout = e.timeout;
+  fuse_reply_entry(req, &p);
+}
+
+void OpInit(void* userdata, struct fuse_conn_info* conn) {
+  conn->max_write = kMaxWrite;
+  conn->max_readahead = kMaxWrite;
+  // Writes must arrive as plain buffers (to copy into staging), and the kernel must
+  // not cache writes behind our back (read-your-writes is ours to keep).
+  conn->want &= ~(FUSE_CAP_WRITEBACK_CACHE | FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE |
+                  FUSE_CAP_SPLICE_MOVE);
+  if (conn->capable & FUSE_CAP_PARALLEL_DIROPS) conn->want |= FUSE_CAP_PARALLEL_DIROPS;
+  if (conn->capable & FUSE_CAP_ASYNC_READ) conn->want |= FUSE_CAP_ASYNC_READ;
+  conn->max_background = 64;
+  conn->congestion_threshold = 48;
+  spdlog::info("fuse: protocol {}.{}, max_write {}", conn->proto_major, conn->proto_minor,
+               conn->max_write);
+}
+
+void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  auto r = Fs(req)->Lookup(parent, name);
+  if (!r.ok()) return ReplyErr(req, r.status());
+  ReplyEntry(req, *r);
+}
+
+void OpForget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup) {
+  Fs(req)->Forget(ino, nlookup);
+  fuse_reply_none(req);
+}
+
+void OpForgetMulti(fuse_req_t req, size_t count, struct fuse_forget_data* forgets) {
+  for (size_t i = 0; i < count; ++i) Fs(req)->Forget(forgets[i].ino, forgets[i].nlookup);
+  fuse_reply_none(req);
+}
+
+void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info*) {
+  auto r = Fs(req)->GetAttr(ino);
+  if (!r.ok()) return ReplyErr(req, r.status());
+  fuse_reply_attr(req, &*r, ino < kFirstNodeIno && ino != kRootIno ? 0.0 : 1.0);
+}
+
+void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
+               struct fuse_file_info* fi) {
+  auto r = Fs(req)->SetAttr(ino, *attr, to_set, fi ? H(fi) : nullptr);
+  if (!r.ok()) return ReplyErr(req, r.status());
+  fuse_reply_attr(req, &*r, 1.0);
+}
+
+void OpReadlink(fuse_req_t req, fuse_ino_t ino) {
+  auto r = Fs(req)->Readlink(ino);
+  if (!r.ok()) return ReplyErr(req, r.status());
+  fuse_reply_readlink(req, r->c_str());
+}
+
+void OpMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode) {
+  auto r = Fs(req)->Mkdir(parent, name, mode);
+  if (!r.ok()) return ReplyErr(req, r.status());
+  ReplyEntry(req, *r);
+}
+
+void OpSymlink(fuse_req_t req, const char* link, fuse_ino_t parent, const char* name) {
+  auto r = Fs(req)->Symlink(link, parent, name);
+  if (!r.ok()) return ReplyErr(req, r.status());
+  ReplyEntry(req, *r);
+}
+
+void OpUnlink(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  fuse_reply_err(req, Fs(req)->Unlink(parent, name).ToErrno());
+}
+
+void OpRmdir(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  fuse_reply_err(req, Fs(req)->Rmdir(parent, name).ToErrno());
+}
+
+void OpRename(fuse_req_t req, fuse_ino_t parent, const char* name, fuse_ino_t newparent,
+              const char* newname, unsigned int flags) {
+  fuse_reply_err(req, Fs(req)->Rename(parent, name, newparent, newname, flags).ToErrno());
+}
+
+void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode,
+              struct fuse_file_info* fi) {
+  auto r = Fs(req)->Create(parent, name, mode, fi->flags);
+  if (!r.ok()) return ReplyErr(req, r.status());
+  auto [entry, handle] = *r;
+  fi->fh = reinterpret_cast<uint64_t>(handle);
+  struct fuse_entry_param p;
+  std::memset(&p, 0, sizeof(p));
+  p.ino = entry.ino;
+  p.generation = 1;
+  p.attr = entry.attr;
+  p.attr_timeout = p.entry_timeout = entry.timeout;
+  if (fuse_reply_create(req, &p, fi) != 0) Fs(req)->Release(handle);
+}
+
+void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
+  auto r = Fs(req)->Open(ino, fi->flags);
+  if (!r.ok()) return ReplyErr(req, r.status());
+  Handle* h = *r;
+  fi->fh = reinterpret_cast<uint64_t>(h);
+  if (!h->node) {
+    fi->direct_io = 1;  // control files: generated content, size unknown to the kernel
+  } else if (!h->staged && !h->writable && Fs(req)->TimeoutFor(*h->node) > 1.0) {
+    fi->keep_cache = 1;  // a committed checkpoint's file: share the page cache
+  }
+  if (fuse_reply_open(req, fi) != 0) Fs(req)->Release(h);
+}
+
+void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
+  thread_local std::vector<char> buf;
+  if (buf.size() < size) buf.resize(size);
+  auto r = Fs(req)->Read(H(fi), buf.data(), size, static_cast<uint64_t>(off));
+  if (!r.ok()) return ReplyErr(req, r.status());
+  fuse_reply_buf(req, buf.data(), *r);
+}
+
+void OpWrite(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t off,
+             struct fuse_file_info* fi) {
+  Status st = Fs(req)->Write(H(fi), buf, size, static_cast<uint64_t>(off));
+  if (!st.ok()) return ReplyErr(req, st);
+  fuse_reply_write(req, size);
+}
+
+void OpFlush(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
+  fuse_reply_err(req, Fs(req)->Flush(H(fi)).ToErrno());
+}
+
+void OpRelease(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
+  Fs(req)->Release(H(fi));
+  fuse_reply_err(req, 0);
+}
+
+void OpFsync(fuse_req_t req, fuse_ino_t, int, struct fuse_file_info* fi) {
+  fuse_reply_err(req, Fs(req)->Fsync(H(fi)).ToErrno());
+}
+
+void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
+  auto r = Fs(req)->OpenDir(ino);
+  if (!r.ok()) return ReplyErr(req, r.status());
+  fi->fh = reinterpret_cast<uint64_t>(*r);
+  if (fuse_reply_open(req, fi) != 0) Fs(req)->ReleaseDir(*r);
+}
+
+void OpReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
+  Handle* h = H(fi);
+  std::vector<char> buf(size);
+  size_t used = 0;
+  for (size_t i = static_cast<size_t>(off); i < h->entries.size(); ++i) {
+    const auto& e = h->entries[i];
+    struct stat st;
+    std::memset(&st, 0, sizeof(st));
+    st.st_ino = e.ino;
+    st.st_mode = e.type;
+    size_t n = fuse_add_direntry(req, buf.data() + used, size - used, e.name.c_str(), &st,
+                                 static_cast<off_t>(i + 1));
+    if (n > size - used) break;
+    used += n;
+  }
+  fuse_reply_buf(req, buf.data(), used);
+}
+
+void OpReleasedir(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
+  Fs(req)->ReleaseDir(H(fi));
+  fuse_reply_err(req, 0);
+}
+
+void OpStatfs(fuse_req_t req, fuse_ino_t) {
+  auto r = Fs(req)->StatFs();
+  if (!r.ok()) return ReplyErr(req, r.status());
+  fuse_reply_statfs(req, &*r);
+}
+
+void OpGetxattr(fuse_req_t req, fuse_ino_t ino, const char* name, size_t size) {
+  auto r = Fs(req)->GetXattr(ino, name);
+  if (!r.ok()) {
+    fuse_reply_err(req, r.status().code() == Code::kNotFound ? ENODATA : r.status().ToErrno());
+  } else if (size == 0) {
+    fuse_reply_xattr(req, r->size());
+  } else if (size < r->size()) {
+    fuse_reply_err(req, ERANGE);
+  } else {
+    fuse_reply_buf(req, r->data(), r->size());
+  }
+}
+
+void OpListxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
+  std::string names = Fs(req)->ListXattr(ino);
+  if (size == 0) {
+    fuse_reply_xattr(req, names.size());
+  } else if (size < names.size()) {
+    fuse_reply_err(req, ERANGE);
+  } else {
+    fuse_reply_buf(req, names.data(), names.size());
+  }
+}
+
+void OpSetxattr(fuse_req_t req, fuse_ino_t, const char*, const char*, size_t, int) {
+  fuse_reply_err(req, ENOTSUP);
+}
+
+void OpRemovexattr(fuse_req_t req, fuse_ino_t, const char*) { fuse_reply_err(req, ENOTSUP); }
+
+const struct fuse_lowlevel_ops kOps = [] {
+  struct fuse_lowlevel_ops ops;
+  std::memset(&ops, 0, sizeof(ops));
+  ops.init = OpInit;
+  ops.lookup = OpLookup;
+  ops.forget = OpForget;
+  ops.forget_multi = OpForgetMulti;
+  ops.getattr = OpGetattr;
+  ops.setattr = OpSetattr;
+  ops.readlink = OpReadlink;
+  ops.mkdir = OpMkdir;
+  ops.symlink = OpSymlink;
+  ops.unlink = OpUnlink;
+  ops.rmdir = OpRmdir;
+  ops.rename = OpRename;
+  ops.create = OpCreate;
+  ops.open = OpOpen;
+  ops.read = OpRead;
+  ops.write = OpWrite;
+  ops.flush = OpFlush;
+  ops.release = OpRelease;
+  ops.fsync = OpFsync;
+  ops.opendir = OpOpendir;
+  ops.readdir = OpReaddir;
+  ops.releasedir = OpReleasedir;
+  ops.statfs = OpStatfs;
+  ops.getxattr = OpGetxattr;
+  ops.listxattr = OpListxattr;
+  ops.setxattr = OpSetxattr;
+  ops.removexattr = OpRemovexattr;
+  return ops;
+}();
+
+}  // namespace
+
+Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std::string& mountpoint,
+                                                      const std::vector<std::string>& options) {
+  std::vector<std::string> argv_store = {"ckptfs", "-o", "fsname=ckptfs,subtype=ckptfs"};
+  for (const auto& o : options) {
+    argv_store.push_back("-o");
+    argv_store.push_back(o);
+  }
+  std::vector<char*> argv;
+  for (auto& s : argv_store) argv.push_back(s.data());
+  struct fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
+  std::unique_ptr<FuseServer> server(new FuseServer());
+  server->session_ = fuse_session_new(&args, &kOps, sizeof(kOps), fs);
+  if (server->session_ == nullptr) {
+    return Invalid("fuse: cannot create session (bad -o option?)");
+  }
+  if (fuse_session_mount(server->session_, mountpoint.c_str()) != 0) {
+    return Status(Code::kIo, "fuse: cannot mount on " + mountpoint);
+  }
+  server->mounted_ = true;
+  if (fuse_set_signal_handlers(server->session_) == 0) server->signals_ = true;
+  spdlog::info("mounted on {}", mountpoint);
+  return server;
+}
+
+FuseServer::~FuseServer() {
+  Unmount();
+  if (session_ != nullptr) fuse_session_destroy(session_);
+}
+
+void FuseServer::Unmount() {
+  if (signals_) {
+    fuse_remove_signal_handlers(session_);
+    signals_ = false;
+  }
+  if (mounted_) {
+    fuse_session_unmount(session_);
+    mounted_ = false;
+  }
+}
+
+Status FuseServer::Run(int max_threads) {
+  struct fuse_loop_config* cfg = fuse_loop_cfg_create();
+  fuse_loop_cfg_set_max_threads(cfg, static_cast<unsigned>(max_threads));
+  fuse_loop_cfg_set_idle_threads(cfg, 8);
+  int rc = fuse_session_loop_mt(session_, cfg);
+  fuse_loop_cfg_destroy(cfg);
+  if (rc < 0) return Status::FromErrno(-rc, "fuse loop");
+  return Status::Ok();
+}
+
+}  // namespace ckptfs::fs

@@ -1,0 +1,37 @@
+// FuseServer: mounts a Filesystem with the libfuse3 low-level API and serves it on a
+// multithreaded loop. Each FUSE op is one short function that calls the Filesystem
+// and maps its Status to an errno reply (the only place that does).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "fs/filesystem.h"
+
+struct fuse_session;
+
+namespace ckptfs::fs {
+
+class FuseServer {
+ public:
+  // Mounts `fs` (borrowed; must outlive) on `mountpoint`. `options` are -o options.
+  static Result<std::unique_ptr<FuseServer>> Mount(Filesystem* fs, const std::string& mountpoint,
+                                                   const std::vector<std::string>& options);
+  ~FuseServer();  // Unmounts if still mounted.
+  FuseServer(const FuseServer&) = delete;
+  FuseServer& operator=(const FuseServer&) = delete;
+
+  // Serves requests until the file system is unmounted or SIGTERM/SIGINT/SIGHUP arrives.
+  Status Run(int max_threads);
+  void Unmount();
+
+ private:
+  FuseServer() = default;
+  struct fuse_session* session_ = nullptr;
+  bool mounted_ = false;
+  bool signals_ = false;
+};
+
+}  // namespace ckptfs::fs

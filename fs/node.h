@@ -1,0 +1,55 @@
+// Node: one name in the mount's view (the application's namespace).
+//
+// The view is the backing store plus every journal entry not yet applied. A directory
+// is loaded from the backing store on first use; from then on its `children` are the
+// truth for the mount, and journal entries change the backing store to match in order.
+// All fields are guarded by Filesystem::ns_mu_ unless noted.
+#pragma once
+
+#include <sys/stat.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "fs/staged_file.h"
+
+namespace ckptfs::fs {
+
+enum class NodeType { kDir, kFile, kSymlink };
+
+// Where a file being written stands on the backing store.
+struct WriteState {
+  std::shared_ptr<StagedFile> staged;
+  uint64_t file_id = 0;
+  std::string temp_name;         // ".ckptfs-tmp.<id>" inside `temp_dir`
+  struct Node* temp_dir = nullptr;  // the directory that holds the temp file
+  bool needs_publish = true;     // changed since its last publish entry
+  uint64_t publish_seq = 0;      // last publish entry of this file, 0 if none
+  int writers = 0;               // open writable handles
+  int handles = 0;               // open handles of any kind that use `staged`
+  bool times_set = false;        // utimens while staged: applied at publish
+  struct timespec atime {}, mtime{};
+};
+
+struct Node {
+  uint64_t ino = 0;
+  NodeType type = NodeType::kFile;
+  Node* parent = nullptr;  // null once unlinked; the parent owns its children
+  std::string name;
+  struct stat attr {};      // cached attributes; size of staged files comes from `write`
+  uint64_t nlookup = 0;     // kernel references (FUSE lookup count)
+  // The name exists on the backing store once every entry <= pending_seq is applied.
+  bool on_backing = false;
+  uint64_t pending_seq = 0;  // last journal entry that changed this name
+  std::string link_target;   // symlinks
+  // Directories.
+  bool loaded = false;
+  std::map<std::string, std::shared_ptr<Node>> children;
+  // Files being written; null when the backing file is the whole truth.
+  std::unique_ptr<WriteState> write;
+  std::string error;  // a failed publication: reads and opens fail with EIO
+};
+
+}  // namespace ckptfs::fs

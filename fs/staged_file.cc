@@ -1,0 +1,180 @@
+#include "fs/staged_file.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace ckptfs::fs {
+
+StagedFile::StagedFile(const StagingContext& ctx, std::shared_ptr<store::FlushTarget> target,
+                       uint64_t size)
+    : ctx_(ctx), target_(std::move(target)), size_(size) {}
+
+uint64_t StagedFile::size() const {
+  std::lock_guard lock(mu_);
+  return size_;
+}
+
+uint64_t StagedFile::staged_bytes() const {
+  std::lock_guard lock(mu_);
+  uint64_t n = active_ ? active_->length : 0;
+  for (const auto& [_, c] : sealed_) n += c->length;
+  return n;
+}
+
+bool StagedFile::OverlapsSealedLocked(uint64_t offset, size_t len) const {
+  // Chunks do not overlap each other, so only the one starting before `offset + len`
+  // with the highest start, and its predecessors that reach `offset`, can intersect.
+  auto it = sealed_.lower_bound(offset + len);
+  while (it != sealed_.begin()) {
+    --it;
+    const StagedChunk& c = *it->second;
+    if (c.file_offset + c.length > offset) return true;
+    // Sorted by start and disjoint: an earlier chunk ends before this one starts.
+    return false;
+  }
+  return false;
+}
+
+void StagedFile::SealLocked() {
+  if (!active_) return;
+  std::shared_ptr<StagedChunk> chunk = std::move(active_);
+  active_.reset();
+  if (chunk->length == 0) return;
+  sealed_[chunk->file_offset] = chunk;
+  std::weak_ptr<StagedFile> weak = weak_from_this();
+  store::SealedChunk sealed;
+  sealed.target = target_;
+  sealed.offset = chunk->file_offset;
+  sealed.data = chunk->buffer.data();
+  sealed.length = chunk->length;
+  sealed.keepalive = chunk;
+  const uint64_t key = chunk->file_offset;
+  StagedChunk* raw = chunk.get();
+  sealed.on_done = [weak, key, raw](const Status&) {
+    // Success or failure, the chunk leaves the overlay: on success the temp file has
+    // its bytes; on failure the file's sticky error makes reads fail.
+    if (auto self = weak.lock()) {
+      std::lock_guard lock(self->mu_);
+      auto it = self->sealed_.find(key);
+      if (it != self->sealed_.end() && it->second.get() == raw) self->sealed_.erase(it);
+    }
+  };
+  ctx_.pipeline->Submit(std::move(sealed));
+}
+
+Status StagedFile::Write(const char* data, size_t len, uint64_t offset) {
+  std::lock_guard write_lock(write_mu_);
+  if (frozen_) return Status(Code::kAborted, "file is frozen for publication");
+  CKPT_RETURN_IF_ERROR(target_->Error());
+  const size_t cap = ctx_.pool->chunk_bytes();
+  while (len > 0) {
+    std::unique_lock lock(mu_);
+    if (active_ && offset >= active_->file_offset &&
+        offset <= active_->file_offset + active_->length &&
+        offset < active_->file_offset + cap) {
+      size_t pos = offset - active_->file_offset;
+      size_t n = std::min(len, cap - pos);
+      std::memcpy(active_->buffer.data() + pos, data, n);
+      active_->length = std::max(active_->length, pos + n);
+      size_ = std::max<uint64_t>(size_, offset + n);
+      data += n;
+      len -= n;
+      offset += n;
+      if (active_->length == cap) SealLocked();
+      continue;
+    }
+    SealLocked();
+    if (OverlapsSealedLocked(offset, std::min(len, cap))) {
+      // Rewriting bytes still in flight: let them land first, keeping chunks disjoint.
+      lock.unlock();
+      target_->WaitIdle();
+      CKPT_RETURN_IF_ERROR(target_->Error());
+      continue;
+    }
+    lock.unlock();
+    // Blocks while the pool is full; the pool's pressure callback seals idle chunks.
+    gpu::ChunkBuffer buffer = ctx_.pool->Acquire();
+    lock.lock();
+    auto chunk = std::make_shared<StagedChunk>();
+    chunk->buffer = std::move(buffer);
+    chunk->file_offset = offset;
+    chunk->length = 0;
+    // No other writer can have created a chunk meanwhile (write_mu_), but a truncate
+    // or a pressure seal may have run; either leaves no active chunk.
+    active_ = std::move(chunk);
+  }
+  return Status::Ok();
+}
+
+Result<size_t> StagedFile::Read(char* out, size_t len, uint64_t offset) {
+  std::vector<std::shared_ptr<StagedChunk>> overlay;
+  std::vector<size_t> overlay_len;
+  uint64_t size;
+  {
+    std::lock_guard lock(mu_);
+    size = size_;
+    if (offset >= size) return size_t{0};
+    len = static_cast<size_t>(std::min<uint64_t>(len, size - offset));
+    auto it = sealed_.upper_bound(offset);
+    if (it != sealed_.begin()) --it;
+    for (; it != sealed_.end() && it->first < offset + len; ++it) {
+      overlay.push_back(it->second);
+      overlay_len.push_back(it->second->length);
+    }
+    if (active_) {
+      overlay.push_back(active_);
+      overlay_len.push_back(active_->length);
+    }
+  }
+  CKPT_RETURN_IF_ERROR(target_->Error());
+  // Bytes flushed before the snapshot are in the temp file; the rest are in `overlay`.
+  CKPT_ASSIGN_OR_RETURN(size_t got, ctx_.backing->PRead(target_->fd(), out, len,
+                                                        static_cast<off_t>(offset)));
+  if (got < len) std::memset(out + got, 0, len - got);  // a hole not yet flushed
+  for (size_t i = 0; i < overlay.size(); ++i) {
+    const StagedChunk& c = *overlay[i];
+    uint64_t start = std::max<uint64_t>(offset, c.file_offset);
+    uint64_t end = std::min<uint64_t>(offset + len, c.file_offset + overlay_len[i]);
+    if (start >= end) continue;
+    std::memcpy(out + (start - offset), c.buffer.data() + (start - c.file_offset), end - start);
+  }
+  return len;
+}
+
+Status StagedFile::Truncate(uint64_t size) {
+  std::lock_guard write_lock(write_mu_);
+  if (frozen_) return Status(Code::kAborted, "file is frozen for publication");
+  {
+    std::lock_guard lock(mu_);
+    SealLocked();
+  }
+  target_->WaitIdle();
+  CKPT_RETURN_IF_ERROR(target_->Error());
+  if (::ftruncate(target_->fd(), static_cast<off_t>(size)) != 0) {
+    Status st = Status::FromErrno(errno, "truncate");
+    target_->SetError(st);
+    return st;
+  }
+  std::lock_guard lock(mu_);
+  size_ = size;
+  return Status::Ok();
+}
+
+std::shared_ptr<store::FlushTarget> StagedFile::SealAll() {
+  std::lock_guard write_lock(write_mu_);
+  frozen_ = true;
+  std::lock_guard lock(mu_);
+  SealLocked();
+  return target_;
+}
+
+void StagedFile::SealIfIdle() {
+  // Only mu_: a writer blocked in the pool holds write_mu_ but not mu_.
+  std::lock_guard lock(mu_);
+  SealLocked();
+}
+
+}  // namespace ckptfs::fs

@@ -1,0 +1,81 @@
+// StagedFile: the contents of one file being written through the mount.
+//
+// Bytes land in staging chunks (gpu::StagingPool) and return at once; a full chunk is
+// sealed and handed to the flush pipeline, which writes it into the file's backing temp
+// file. Reads combine the temp file with every chunk not yet flushed, so data is
+// visible as soon as write() returns (G3).
+//
+// Invariant: the staged chunks of a file never overlap. A write into the active chunk's
+// range modifies it in place; a write overlapping a sealed (in-flight) chunk first waits
+// for that file's flushes. So flushes of one file may run in parallel, in any order.
+//
+// Thread-safe. Lock order: write_mu_ before mu_; never hold mu_ while blocking on the
+// pool or the pipeline.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "common/status.h"
+#include "gpu/staging_pool.h"
+#include "store/backing_dir.h"
+#include "store/flush_pipeline.h"
+
+namespace ckptfs::fs {
+
+struct StagedChunk {
+  gpu::ChunkBuffer buffer;
+  uint64_t file_offset = 0;
+  size_t length = 0;  // bytes of `buffer` that hold data
+};
+
+struct StagingContext {
+  gpu::StagingPool* pool;         // must outlive
+  store::FlushPipeline* pipeline; // must outlive
+  store::BackingDir* backing;     // must outlive
+};
+
+class StagedFile : public std::enable_shared_from_this<StagedFile> {
+ public:
+  StagedFile(const StagingContext& ctx, std::shared_ptr<store::FlushTarget> target,
+             uint64_t size);
+  StagedFile(const StagedFile&) = delete;
+  StagedFile& operator=(const StagedFile&) = delete;
+
+  // Copies `len` bytes into staging. Blocks while the pool is full (G6). Returns the
+  // file's sticky error, if any.
+  Status Write(const char* data, size_t len, uint64_t offset);
+  // Reads up to `len` bytes at `offset`; returns how many (short at end of file).
+  Result<size_t> Read(char* out, size_t len, uint64_t offset);
+  // Changes the size: waits for in-flight flushes, then truncates the temp file.
+  Status Truncate(uint64_t size);
+  // Seals the active chunk so that every byte written so far is on its way to the
+  // backing temp file, and freezes the file: later writes fail with kAborted, so the
+  // caller continues in a new copy. Returns the flush target to publish.
+  std::shared_ptr<store::FlushTarget> SealAll();
+  // Seals the active chunk if there is one (staging pressure); never blocks on I/O.
+  void SealIfIdle();
+
+  uint64_t size() const;
+  uint64_t staged_bytes() const;  // bytes in chunks not yet flushed
+  Status error() const { return target_->Error(); }
+  const std::shared_ptr<store::FlushTarget>& target() const { return target_; }
+
+ private:
+  void SealLocked();  // REQUIRES(mu_)
+  bool OverlapsSealedLocked(uint64_t offset, size_t len) const;  // REQUIRES(mu_)
+
+  const StagingContext ctx_;
+  const std::shared_ptr<store::FlushTarget> target_;
+  std::mutex write_mu_;  // serializes writers, held while waiting for staging
+  bool frozen_ = false;  // GUARDED_BY(write_mu_)
+  mutable std::mutex mu_;
+  uint64_t size_;                                              // GUARDED_BY(mu_)
+  std::shared_ptr<StagedChunk> active_;                        // GUARDED_BY(mu_)
+  std::map<uint64_t, std::shared_ptr<StagedChunk>> sealed_;    // GUARDED_BY(mu_)
+};
+
+}  // namespace ckptfs::fs
