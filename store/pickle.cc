@@ -1,0 +1,758 @@
+#include "store/pickle.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <unordered_map>
+
+namespace ckptfs::store {
+namespace {
+
+// Opcodes, named as in CPython's Lib/pickle.py.
+enum Op : uint8_t {
+  kMark = '(',
+  kStop = '.',
+  kPop = '0',
+  kDup = '2',
+  kBinInt = 'J',
+  kBinInt1 = 'K',
+  kBinInt2 = 'M',
+  kNone = 'N',
+  kBinPersId = 'Q',
+  kReduce = 'R',
+  kBinString = 'T',
+  kShortBinString = 'U',
+  kBinUnicode = 'X',
+  kAppend = 'a',
+  kBuild = 'b',
+  kGlobal = 'c',
+  kAppends = 'e',
+  kBinGet = 'h',
+  kLongBinGet = 'j',
+  kEmptyList = ']',
+  kBinPut = 'q',
+  kLongBinPut = 'r',
+  kSetItem = 's',
+  kTuple = 't',
+  kEmptyTuple = ')',
+  kSetItems = 'u',
+  kEmptyDict = '}',
+  kBinFloat = 'G',
+  kBinBytes = 'B',
+  kShortBinBytes = 'C',
+  kProto = 0x80,
+  kNewObj = 0x81,
+  kTuple1 = 0x85,
+  kTuple2 = 0x86,
+  kTuple3 = 0x87,
+  kNewTrue = 0x88,
+  kNewFalse = 0x89,
+  kLong1 = 0x8a,
+  kLong4 = 0x8b,
+  kShortBinUnicode = 0x8c,
+  kBinUnicode8 = 0x8d,
+  kBinBytes8 = 0x8e,
+  kStackGlobal = 0x93,
+  kMemoize = 0x94,
+  kFrame = 0x95,
+  kByteArray8 = 0x96,
+};
+
+constexpr uint8_t kObjListItems = 1;
+constexpr uint8_t kObjDictItems = 2;
+
+std::string Hex(uint8_t byte) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  return std::string{'0', 'x', kDigits[byte >> 4], kDigits[byte & 15]};
+}
+
+// Python decodes pickled text as UTF-8 with "surrogatepass", so surrogate code points are
+// accepted; overlong forms, stray continuation bytes and values past U+10FFFF are not.
+bool IsValidUtf8(std::string_view s) {
+  const auto* p = reinterpret_cast<const uint8_t*>(s.data());
+  size_t n = s.size(), i = 0;
+  while (i < n) {
+    uint8_t c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len;
+    uint32_t cp;
+    if ((c & 0xe0) == 0xc0) {
+      len = 2;
+      cp = c & 0x1f;
+    } else if ((c & 0xf0) == 0xe0) {
+      len = 3;
+      cp = c & 0x0f;
+    } else if ((c & 0xf8) == 0xf0) {
+      len = 4;
+      cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (n - i < len) return false;
+    for (size_t k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xc0) != 0x80) return false;
+      cp = (cp << 6) | (p[i + k] & 0x3f);
+    }
+    static constexpr uint32_t kMinForLen[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMinForLen[len] || cp > 0x10ffff) return false;
+    i += len;
+  }
+  return true;
+}
+
+}  // namespace
+
+// The symbolic pickle virtual machine. One instance parses one input.
+class PickleMachine {
+ public:
+  PickleMachine(std::string_view in, const PickleLimits& limits) : in_(in), limits_(limits) {
+    tree_.input_ = in;
+    max_depth_ = std::min<uint32_t>(limits.max_depth, 0xffff);
+  }
+
+  Result<PickleTree> Run();
+
+ private:
+  using Node = PickleTree::Node;
+
+  Status Step(uint8_t op);
+  Status Err(std::string what) const {
+    return Corrupt("pickle: " + what + " (opcode " + Hex(op_) + " at offset " +
+                   std::to_string(op_pos_) + ")");
+  }
+
+  // --- input ---
+  Status Need(uint64_t n) const {
+    if (n > in_.size() - pos_) return Err("truncated: needs " + std::to_string(n) + " bytes");
+    return Status::Ok();
+  }
+  uint64_t ReadLe(size_t n) {  // caller checked Need(n)
+    uint64_t v = 0;
+    for (size_t i = 0; i < n; ++i) v |= uint64_t{static_cast<uint8_t>(in_[pos_ + i])} << (8 * i);
+    pos_ += n;
+    return v;
+  }
+  Result<uint64_t> ReadLength(size_t width);
+  Result<std::string_view> ReadLine();
+
+  // --- nodes ---
+  Result<NodeId> NewNode(PickleKind kind, uint32_t depth = 1);
+  Result<NodeId> NewInt(int64_t v);
+  Result<NodeId> NewString(PickleKind kind, uint64_t offset, uint64_t len);
+  Result<NodeId> NewSeq(PickleKind kind, std::vector<NodeId> elems);
+  Node& node(NodeId id) { return tree_.nodes_[id]; }
+  uint32_t DepthOf(std::initializer_list<NodeId> ids);
+  Status RaiseDepth(NodeId parent, NodeId child);
+
+  // --- stack ---
+  size_t fence() const { return marks_.empty() ? 0 : marks_.back(); }
+  Status Push(NodeId id) {
+    if (stack_.size() >= limits_.max_stack) return Err("stack limit exceeded");
+    stack_.push_back(id);
+    return Status::Ok();
+  }
+  Result<NodeId> Pop() {
+    if (stack_.size() <= fence()) return Err("stack underflow");
+    NodeId id = stack_.back();
+    stack_.pop_back();
+    return id;
+  }
+  Result<NodeId> Top() const {
+    if (stack_.size() <= fence()) return Err("stack underflow");
+    return stack_.back();
+  }
+  Result<size_t> PopMark() {
+    if (marks_.empty()) return Err("no MARK on the stack");
+    size_t m = marks_.back();
+    marks_.pop_back();
+    return m;
+  }
+
+  // --- opcode families ---
+  Status OpLong(size_t width_of_len);
+  Status OpString(PickleKind kind, size_t width_of_len);
+  Status OpTuple(size_t n);
+  Status OpTupleFromMark();
+  Status OpAppend(bool many);
+  Status OpSetItem(bool many);
+  Status AddItems(NodeId target, size_t first, bool dict_like);
+  Status OpPut(uint64_t key);
+  Status OpGet(uint64_t key);
+  Status OpCall(PickleKind kind);
+  Status OpBuild();
+  Status OpGlobal(bool from_stack);
+
+  std::string_view in_;
+  PickleLimits limits_;
+  uint32_t max_depth_;
+  uint64_t pos_ = 0;
+  uint64_t op_pos_ = 0;
+  uint8_t op_ = 0;
+  bool stopped_ = false;
+  PickleTree tree_;
+  std::vector<NodeId> stack_;
+  std::vector<size_t> marks_;
+  // MEMOIZE/BINPUT keys are dense in everything Python writes; sparse keys fall back to a map
+  // so a single huge LONG_BINPUT key cannot make us allocate a huge vector.
+  std::vector<NodeId> memo_;
+  std::unordered_map<uint64_t, NodeId> sparse_memo_;
+};
+
+Result<PickleTree> PickleMachine::Run() {
+  if (in_.size() > limits_.max_input_bytes) {
+    return Corrupt("pickle: input of " + std::to_string(in_.size()) + " bytes exceeds the " +
+                   std::to_string(limits_.max_input_bytes) + "-byte limit");
+  }
+  if (in_.size() < 2 || static_cast<uint8_t>(in_[0]) != kProto) {
+    return Unsupported("pickle: does not start with PROTO (protocol 2 or later required)");
+  }
+  // Rough pre-sizing: real pickles create about one node per 6 input bytes.
+  tree_.nodes_.reserve(std::min<uint64_t>(in_.size() / 6 + 16, limits_.max_nodes));
+  while (!stopped_) {
+    if (pos_ >= in_.size()) return Corrupt("pickle: truncated: no STOP opcode");
+    op_pos_ = pos_;
+    op_ = static_cast<uint8_t>(in_[pos_++]);
+    CKPT_RETURN_IF_ERROR(Step(op_));
+  }
+  if (pos_ != in_.size()) {
+    return Corrupt("pickle: " + std::to_string(in_.size() - pos_) + " trailing bytes after STOP");
+  }
+  return std::move(tree_);
+}
+
+Status PickleMachine::Step(uint8_t op) {
+  switch (op) {
+    case kProto: {
+      CKPT_RETURN_IF_ERROR(Need(1));
+      uint8_t proto = static_cast<uint8_t>(in_[pos_++]);
+      if (proto < 2 || proto > 5) {
+        return Unsupported("pickle: protocol " + std::to_string(proto) + " at offset " +
+                           std::to_string(op_pos_) + " (only 2 to 5 are supported)");
+      }
+      if (op_pos_ != 0) return Err("PROTO after the start");
+      tree_.protocol_ = proto;
+      return Status::Ok();
+    }
+    case kFrame: {
+      // Frames only group opcodes for buffered reading; the content is parsed as usual, as
+      // CPython's C unpickler does. The frame must lie inside the input.
+      CKPT_RETURN_IF_ERROR(Need(8));
+      uint64_t len = ReadLe(8);
+      if (len > in_.size() - pos_) return Err("frame of " + std::to_string(len) + " bytes past end");
+      return Status::Ok();
+    }
+    case kStop: {
+      CKPT_ASSIGN_OR_RETURN(tree_.root_, Pop());
+      if (!stack_.empty() || !marks_.empty()) return Err("values left on the stack at STOP");
+      stopped_ = true;
+      return Status::Ok();
+    }
+    case kMark:
+      if (marks_.size() >= max_depth_) return Err("too many nested MARKs");
+      marks_.push_back(stack_.size());
+      return Status::Ok();
+    case kPop:
+      return Pop().status();
+    case kDup: {
+      CKPT_ASSIGN_OR_RETURN(NodeId top, Top());
+      return Push(top);
+    }
+    case kNone: {
+      CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kNone));
+      return Push(id);
+    }
+    case kNewTrue:
+    case kNewFalse: {
+      CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kBool));
+      node(id).u.i = op == kNewTrue;
+      return Push(id);
+    }
+    case kBinInt: {
+      CKPT_RETURN_IF_ERROR(Need(4));
+      CKPT_ASSIGN_OR_RETURN(NodeId id, NewInt(static_cast<int32_t>(ReadLe(4))));
+      return Push(id);
+    }
+    case kBinInt1:
+    case kBinInt2: {
+      size_t n = op == kBinInt1 ? 1 : 2;
+      CKPT_RETURN_IF_ERROR(Need(n));
+      CKPT_ASSIGN_OR_RETURN(NodeId id, NewInt(static_cast<int64_t>(ReadLe(n))));
+      return Push(id);
+    }
+    case kLong1: return OpLong(1);
+    case kLong4: return OpLong(4);
+    case kBinFloat: {
+      CKPT_RETURN_IF_ERROR(Need(8));
+      uint64_t bits = 0;
+      for (int i = 0; i < 8; ++i) bits = (bits << 8) | static_cast<uint8_t>(in_[pos_ + i]);
+      pos_ += 8;
+      CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kFloat));
+      node(id).u.f = std::bit_cast<double>(bits);
+      return Push(id);
+    }
+    case kShortBinUnicode: return OpString(PickleKind::kStr, 1);
+    case kBinUnicode: return OpString(PickleKind::kStr, 4);
+    case kBinUnicode8: return OpString(PickleKind::kStr, 8);
+    case kShortBinBytes:
+    case kShortBinString: return OpString(PickleKind::kBytes, 1);
+    case kBinBytes:
+    case kBinString: return OpString(PickleKind::kBytes, 4);
+    case kBinBytes8:
+    case kByteArray8: return OpString(PickleKind::kBytes, 8);
+    case kEmptyTuple: return OpTuple(0);
+    case kTuple1: return OpTuple(1);
+    case kTuple2: return OpTuple(2);
+    case kTuple3: return OpTuple(3);
+    case kTuple: return OpTupleFromMark();
+    case kEmptyList:
+    case kEmptyDict: {
+      PickleKind kind = op == kEmptyList ? PickleKind::kList : PickleKind::kDict;
+      CKPT_ASSIGN_OR_RETURN(NodeId id, NewSeq(kind, {}));
+      return Push(id);
+    }
+    case kAppend: return OpAppend(false);
+    case kAppends: return OpAppend(true);
+    case kSetItem: return OpSetItem(false);
+    case kSetItems: return OpSetItem(true);
+    case kMemoize: return OpPut(memo_.size() + sparse_memo_.size());
+    case kBinPut:
+      CKPT_RETURN_IF_ERROR(Need(1));
+      return OpPut(ReadLe(1));
+    case kLongBinPut:
+      CKPT_RETURN_IF_ERROR(Need(4));
+      return OpPut(ReadLe(4));
+    case kBinGet:
+      CKPT_RETURN_IF_ERROR(Need(1));
+      return OpGet(ReadLe(1));
+    case kLongBinGet:
+      CKPT_RETURN_IF_ERROR(Need(4));
+      return OpGet(ReadLe(4));
+    case kGlobal: return OpGlobal(false);
+    case kStackGlobal: return OpGlobal(true);
+    case kReduce: return OpCall(PickleKind::kReduce);
+    case kNewObj: return OpCall(PickleKind::kNewObj);
+    case kBuild: return OpBuild();
+    case kBinPersId: {
+      CKPT_ASSIGN_OR_RETURN(NodeId pid, Pop());
+      CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kPersId, DepthOf({pid})));
+      node(id).c = pid;
+      return Push(id);
+    }
+    default:
+      return Unsupported("pickle: unsupported opcode " + Hex(op) + " at offset " +
+                         std::to_string(op_pos_));
+  }
+}
+
+Result<uint64_t> PickleMachine::ReadLength(size_t width) {
+  CKPT_RETURN_IF_ERROR(Need(width));
+  uint64_t len = ReadLe(width);
+  // BINSTRING/LONG4 lengths are signed in the format; a "negative" length is always past end.
+  if (len > in_.size() - pos_) return Err("length " + std::to_string(len) + " past end of input");
+  return len;
+}
+
+Result<std::string_view> PickleMachine::ReadLine() {
+  size_t nl = in_.find('\n', pos_);
+  if (nl == std::string_view::npos) return Err("truncated: unterminated line");
+  std::string_view line = in_.substr(pos_, nl - pos_);
+  pos_ = nl + 1;
+  return line;
+}
+
+Status PickleMachine::OpLong(size_t width_of_len) {
+  uint64_t n;
+  if (width_of_len == 1) {
+    CKPT_RETURN_IF_ERROR(Need(1));
+    n = ReadLe(1);
+  } else {
+    CKPT_RETURN_IF_ERROR(Need(4));
+    int32_t signed_len = static_cast<int32_t>(ReadLe(4));
+    if (signed_len < 0) return Err("negative LONG4 length");
+    n = static_cast<uint64_t>(signed_len);
+  }
+  CKPT_RETURN_IF_ERROR(Need(n));
+  // Little-endian two's complement. Bytes beyond the eighth must only repeat the sign.
+  const auto* p = reinterpret_cast<const uint8_t*>(in_.data() + pos_);
+  size_t low = std::min<uint64_t>(n, 8);
+  uint64_t v = 0;
+  for (size_t i = 0; i < low; ++i) v |= uint64_t{p[i]} << (8 * i);
+  bool negative = n > 0 && (p[n - 1] & 0x80);
+  if (low > 0 && low < 8 && negative) v |= ~uint64_t{0} << (8 * low);
+  for (size_t i = 8; i < n; ++i) {
+    if (p[i] != (negative ? 0xff : 0x00)) return Err("integer wider than 64 bits");
+  }
+  if (n > 8 && (((v >> 63) != 0) != negative)) return Err("integer wider than 64 bits");
+  pos_ += n;
+  CKPT_ASSIGN_OR_RETURN(NodeId id, NewInt(static_cast<int64_t>(v)));
+  return Push(id);
+}
+
+Status PickleMachine::OpString(PickleKind kind, size_t width_of_len) {
+  CKPT_ASSIGN_OR_RETURN(uint64_t len, ReadLength(width_of_len));
+  uint64_t offset = pos_;
+  pos_ += len;
+  if (kind == PickleKind::kStr && !IsValidUtf8(in_.substr(offset, len))) {
+    return Err("invalid UTF-8 in string");
+  }
+  CKPT_ASSIGN_OR_RETURN(NodeId id, NewString(kind, offset, len));
+  return Push(id);
+}
+
+Status PickleMachine::OpTuple(size_t n) {
+  if (stack_.size() - fence() < n) return Err("stack underflow");
+  std::vector<NodeId> elems(stack_.end() - n, stack_.end());
+  stack_.resize(stack_.size() - n);
+  CKPT_ASSIGN_OR_RETURN(NodeId id, NewSeq(PickleKind::kTuple, std::move(elems)));
+  return Push(id);
+}
+
+Status PickleMachine::OpTupleFromMark() {
+  CKPT_ASSIGN_OR_RETURN(size_t mark, PopMark());
+  std::vector<NodeId> elems(stack_.begin() + mark, stack_.end());
+  stack_.resize(mark);
+  CKPT_ASSIGN_OR_RETURN(NodeId id, NewSeq(PickleKind::kTuple, std::move(elems)));
+  return Push(id);
+}
+
+Status PickleMachine::OpAppend(bool many) {
+  size_t first;
+  if (many) {
+    CKPT_ASSIGN_OR_RETURN(first, PopMark());
+  } else {
+    if (stack_.size() <= fence()) return Err("stack underflow");
+    first = stack_.size() - 1;
+  }
+  // The target sits just below the items and must itself be above the enclosing MARK.
+  if (first <= fence()) return Err("stack underflow: nothing to append to");
+  NodeId target = stack_[first - 1];
+  return AddItems(target, first, /*dict_like=*/false);
+}
+
+Status PickleMachine::OpSetItem(bool many) {
+  size_t first;
+  if (many) {
+    CKPT_ASSIGN_OR_RETURN(first, PopMark());
+  } else {
+    if (stack_.size() < fence() + 2) return Err("stack underflow");
+    first = stack_.size() - 2;
+  }
+  if ((stack_.size() - first) % 2 != 0) return Err("odd number of items for SETITEMS");
+  if (first <= fence()) return Err("stack underflow: no dict to set items in");
+  NodeId target = stack_[first - 1];
+  return AddItems(target, first, /*dict_like=*/true);
+}
+
+// Moves stack_[first..] into `target`: a list (APPEND), a dict (SETITEM), or an object built
+// by REDUCE/NEWOBJ (a list or dict subclass such as OrderedDict).
+Status PickleMachine::AddItems(NodeId target, size_t first, bool dict_like) {
+  Node& t = node(target);
+  PickleKind want = dict_like ? PickleKind::kDict : PickleKind::kList;
+  bool is_object = t.kind == PickleKind::kReduce || t.kind == PickleKind::kNewObj;
+  if (t.kind != want && !is_object) {
+    return Err(std::string(dict_like ? "SETITEM" : "APPEND") + " on a " +
+               std::string(PickleKindName(t.kind)));
+  }
+  if (is_object) {
+    uint8_t flag = dict_like ? kObjDictItems : kObjListItems;
+    if (t.flags != 0 && t.flags != flag) return Err("object gets both list and dict items");
+    t.flags = flag;
+    if (t.seq == kNoNode) {
+      t.seq = static_cast<uint32_t>(tree_.seqs_.size());
+      tree_.seqs_.emplace_back();
+    }
+  }
+  std::vector<NodeId>& seq = tree_.seqs_[node(target).seq];
+  size_t add = stack_.size() - first;
+  if (seq.size() + add > uint64_t{limits_.max_container_size} * (dict_like ? 2 : 1)) {
+    return Err("container size limit exceeded");
+  }
+  for (size_t i = first; i < stack_.size(); ++i) {
+    CKPT_RETURN_IF_ERROR(RaiseDepth(target, stack_[i]));
+    seq.push_back(stack_[i]);
+  }
+  stack_.resize(first);
+  return Status::Ok();
+}
+
+Status PickleMachine::OpPut(uint64_t key) {
+  CKPT_ASSIGN_OR_RETURN(NodeId top, Top());
+  if (key < memo_.size()) {
+    memo_[key] = top;
+    return Status::Ok();
+  }
+  if (memo_.size() + sparse_memo_.size() >= limits_.max_memo_entries) {
+    return Err("memo entry limit exceeded");
+  }
+  if (key == memo_.size() && sparse_memo_.empty()) {
+    memo_.push_back(top);
+  } else {
+    sparse_memo_[key] = top;
+  }
+  return Status::Ok();
+}
+
+Status PickleMachine::OpGet(uint64_t key) {
+  NodeId id = kNoNode;
+  if (key < memo_.size()) {
+    id = memo_[key];
+  } else if (auto it = sparse_memo_.find(key); it != sparse_memo_.end()) {
+    id = it->second;
+  }
+  if (id == kNoNode) return Err("memo key " + std::to_string(key) + " was never stored");
+  return Push(id);
+}
+
+Status PickleMachine::OpCall(PickleKind kind) {
+  CKPT_ASSIGN_OR_RETURN(NodeId args, Pop());
+  CKPT_ASSIGN_OR_RETURN(NodeId callable, Pop());
+  if (node(args).kind != PickleKind::kTuple) {
+    return Err(std::string(kind == PickleKind::kReduce ? "REDUCE" : "NEWOBJ") +
+               " arguments are not a tuple");
+  }
+  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(kind, DepthOf({callable, args})));
+  node(id).u.ref = {callable, args};
+  return Push(id);
+}
+
+Status PickleMachine::OpBuild() {
+  CKPT_ASSIGN_OR_RETURN(NodeId state, Pop());
+  CKPT_ASSIGN_OR_RETURN(NodeId target, Top());
+  Node& t = node(target);
+  if (t.kind != PickleKind::kReduce && t.kind != PickleKind::kNewObj) {
+    return Err("BUILD on a " + std::string(PickleKindName(t.kind)));
+  }
+  if (t.c != kNoNode) return Err("BUILD applied twice to one object");
+  t.c = state;
+  return RaiseDepth(target, state);
+}
+
+Status PickleMachine::OpGlobal(bool from_stack) {
+  NodeId module, name;
+  if (from_stack) {
+    CKPT_ASSIGN_OR_RETURN(name, Pop());
+    CKPT_ASSIGN_OR_RETURN(module, Pop());
+    if (node(module).kind != PickleKind::kStr || node(name).kind != PickleKind::kStr) {
+      return Err("STACK_GLOBAL needs two strings");
+    }
+  } else {
+    CKPT_ASSIGN_OR_RETURN(std::string_view m, ReadLine());
+    uint64_t m_off = m.data() - in_.data();
+    CKPT_ASSIGN_OR_RETURN(std::string_view n, ReadLine());
+    uint64_t n_off = n.data() - in_.data();
+    if (!IsValidUtf8(m) || !IsValidUtf8(n)) return Err("invalid UTF-8 in GLOBAL");
+    CKPT_ASSIGN_OR_RETURN(module, NewString(PickleKind::kStr, m_off, m.size()));
+    CKPT_ASSIGN_OR_RETURN(name, NewString(PickleKind::kStr, n_off, n.size()));
+  }
+  if (node(module).len == 0 || node(name).len == 0) return Err("empty module or name in global");
+  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kGlobal));
+  node(id).u.ref = {module, name};
+  return Push(id);
+}
+
+Result<NodeId> PickleMachine::NewNode(PickleKind kind, uint32_t depth) {
+  if (tree_.nodes_.size() >= limits_.max_nodes) return Err("node limit exceeded");
+  if (depth > max_depth_) return Err("nesting depth limit exceeded");
+  Node n;
+  n.kind = kind;
+  n.depth = static_cast<uint16_t>(depth);  // max_depth_ fits 16 bits
+  tree_.nodes_.push_back(n);
+  return static_cast<NodeId>(tree_.nodes_.size() - 1);
+}
+
+Result<NodeId> PickleMachine::NewInt(int64_t v) {
+  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kInt));
+  node(id).u.i = v;
+  return id;
+}
+
+Result<NodeId> PickleMachine::NewString(PickleKind kind, uint64_t offset, uint64_t len) {
+  if (len > 0xffffffffu) return Err("string longer than 4 GiB");
+  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(kind));
+  node(id).u.str_offset = offset;
+  node(id).len = static_cast<uint32_t>(len);
+  return id;
+}
+
+Result<NodeId> PickleMachine::NewSeq(PickleKind kind, std::vector<NodeId> elems) {
+  if (elems.size() > limits_.max_container_size) return Err("container size limit exceeded");
+  uint32_t depth = 1;
+  for (NodeId e : elems) depth = std::max<uint32_t>(depth, node(e).depth + 1u);
+  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(kind, depth));
+  node(id).seq = static_cast<uint32_t>(tree_.seqs_.size());
+  tree_.seqs_.push_back(std::move(elems));
+  return id;
+}
+
+uint32_t PickleMachine::DepthOf(std::initializer_list<NodeId> ids) {
+  uint32_t d = 1;
+  for (NodeId id : ids) d = std::max<uint32_t>(d, node(id).depth + 1u);
+  return d;
+}
+
+// Depth is tracked when a value is created or a child is added. Values mutated after being
+// placed inside others (lists, dicts, BUILD) can make the graph deeper than recorded, which
+// is why walkers must still bound their own recursion.
+Status PickleMachine::RaiseDepth(NodeId parent, NodeId child) {
+  uint32_t d = node(child).depth + 1u;
+  if (d > max_depth_) return Err("nesting depth limit exceeded");
+  Node& p = node(parent);
+  p.depth = static_cast<uint16_t>(std::max<uint32_t>(p.depth, d));
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+
+std::string_view PickleKindName(PickleKind kind) {
+  switch (kind) {
+    case PickleKind::kNone: return "None";
+    case PickleKind::kBool: return "bool";
+    case PickleKind::kInt: return "int";
+    case PickleKind::kFloat: return "float";
+    case PickleKind::kStr: return "str";
+    case PickleKind::kBytes: return "bytes";
+    case PickleKind::kTuple: return "tuple";
+    case PickleKind::kList: return "list";
+    case PickleKind::kDict: return "dict";
+    case PickleKind::kGlobal: return "global";
+    case PickleKind::kReduce: return "reduce";
+    case PickleKind::kNewObj: return "newobj";
+    case PickleKind::kPersId: return "persid";
+  }
+  return "?";
+}
+
+PickleKind PickleTree::kind(NodeId id) const {
+  return valid(id) ? nodes_[id].kind : PickleKind::kNone;
+}
+
+bool PickleTree::bool_value(NodeId id) const { return Is(id, PickleKind::kBool) && nodes_[id].u.i; }
+
+int64_t PickleTree::int_value(NodeId id) const {
+  return Is(id, PickleKind::kInt) ? nodes_[id].u.i : 0;
+}
+
+double PickleTree::float_value(NodeId id) const {
+  return Is(id, PickleKind::kFloat) ? nodes_[id].u.f : 0.0;
+}
+
+std::string_view PickleTree::str(NodeId id) const {
+  if (!Is(id, PickleKind::kStr) && !Is(id, PickleKind::kBytes)) return {};
+  return input_.substr(nodes_[id].u.str_offset, nodes_[id].len);
+}
+
+std::span<const NodeId> PickleTree::items(NodeId id) const {
+  if (!valid(id) || nodes_[id].seq == kNoNode) return {};
+  return seqs_[nodes_[id].seq];
+}
+
+NodeId PickleTree::DictGet(NodeId dict, std::string_view key) const {
+  if (!Is(dict, PickleKind::kDict)) return kNoNode;
+  std::span<const NodeId> kv = items(dict);
+  for (size_t i = 0; i + 1 < kv.size(); i += 2) {
+    if (Is(kv[i], PickleKind::kStr) && str(kv[i]) == key) return kv[i + 1];
+  }
+  return kNoNode;
+}
+
+bool PickleTree::object_items_are_dict(NodeId id) const {
+  return valid(id) && nodes_[id].flags == kObjDictItems;
+}
+
+std::string_view PickleTree::global_module(NodeId id) const {
+  return Is(id, PickleKind::kGlobal) ? str(nodes_[id].u.ref.a) : std::string_view();
+}
+
+std::string_view PickleTree::global_name(NodeId id) const {
+  return Is(id, PickleKind::kGlobal) ? str(nodes_[id].u.ref.b) : std::string_view();
+}
+
+bool PickleTree::IsGlobal(NodeId id, std::string_view module, std::string_view name) const {
+  return Is(id, PickleKind::kGlobal) && global_module(id) == module && global_name(id) == name;
+}
+
+NodeId PickleTree::callable(NodeId id) const {
+  return Is(id, PickleKind::kReduce) || Is(id, PickleKind::kNewObj) ? nodes_[id].u.ref.a : kNoNode;
+}
+
+NodeId PickleTree::args(NodeId id) const {
+  return Is(id, PickleKind::kReduce) || Is(id, PickleKind::kNewObj) ? nodes_[id].u.ref.b : kNoNode;
+}
+
+NodeId PickleTree::state(NodeId id) const {
+  return Is(id, PickleKind::kReduce) || Is(id, PickleKind::kNewObj) ? nodes_[id].c : kNoNode;
+}
+
+NodeId PickleTree::persid(NodeId id) const {
+  return Is(id, PickleKind::kPersId) ? nodes_[id].c : kNoNode;
+}
+
+std::string PickleTree::DebugString(NodeId id, size_t max_chars) const {
+  std::string out;
+  DebugStringImpl(id, 0, &out, max_chars);
+  if (out.size() > max_chars) {
+    out.resize(max_chars);
+    out += "...";
+  }
+  return out;
+}
+
+void PickleTree::DebugStringImpl(NodeId id, int depth, std::string* out, size_t max_chars) const {
+  constexpr int kMaxDebugDepth = 32;
+  if (out->size() > max_chars) return;
+  if (!valid(id)) {
+    *out += "<none>";
+    return;
+  }
+  if (depth > kMaxDebugDepth) {
+    *out += "...";
+    return;
+  }
+  auto seq = [&](const char* open, const char* close, std::span<const NodeId> elems, bool kv) {
+    *out += open;
+    for (size_t i = 0; i < elems.size() && out->size() <= max_chars; ++i) {
+      if (i > 0) *out += (kv && i % 2 == 1) ? ": " : ", ";
+      DebugStringImpl(elems[i], depth + 1, out, max_chars);
+    }
+    *out += close;
+  };
+  switch (kind(id)) {
+    case PickleKind::kNone: *out += "None"; break;
+    case PickleKind::kBool: *out += bool_value(id) ? "True" : "False"; break;
+    case PickleKind::kInt: *out += std::to_string(int_value(id)); break;
+    case PickleKind::kFloat: *out += std::to_string(float_value(id)); break;
+    case PickleKind::kStr: *out += "'" + std::string(str(id).substr(0, max_chars)) + "'"; break;
+    case PickleKind::kBytes: *out += "b<" + std::to_string(str(id).size()) + " bytes>"; break;
+    case PickleKind::kTuple: seq("(", items(id).size() == 1 ? ",)" : ")", items(id), false); break;
+    case PickleKind::kList: seq("[", "]", items(id), false); break;
+    case PickleKind::kDict: seq("{", "}", items(id), true); break;
+    case PickleKind::kGlobal:
+      *out += std::string(global_module(id)) + "." + std::string(global_name(id));
+      break;
+    case PickleKind::kReduce:
+    case PickleKind::kNewObj:
+      if (kind(id) == PickleKind::kNewObj) *out += "new ";
+      DebugStringImpl(callable(id), depth + 1, out, max_chars);
+      DebugStringImpl(args(id), depth + 1, out, max_chars);
+      if (state(id) != kNoNode) {
+        *out += "<-";
+        DebugStringImpl(state(id), depth + 1, out, max_chars);
+      }
+      if (!items(id).empty()) seq("+[", "]", items(id), object_items_are_dict(id));
+      break;
+    case PickleKind::kPersId:
+      *out += "persid";
+      DebugStringImpl(persid(id), depth + 1, out, max_chars);
+      break;
+  }
+}
+
+Result<PickleTree> ParsePickle(std::string_view bytes, const PickleLimits& limits) {
+  PickleMachine machine(bytes, limits);
+  return machine.Run();
+}
+
+}  // namespace ckptfs::store

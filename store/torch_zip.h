@@ -1,0 +1,88 @@
+// Reads one DCP item, a torch.save zip archive, far enough to locate a tensor's raw bytes.
+//
+// Every DCP item (see DCP_FORMAT.md) is a complete torch.save archive. For a plain tensor,
+// `<archive>/data.pkl` (protocol 2) is a `_rebuild_tensor_v2`/`_v3` call on a persistent-id
+// storage, and the storage bytes are the STORED record `<archive>/data/<key>`. This reader
+// parses the zip central directory (zip64 included), the data.pkl pickle (never executing
+// it, see pickle.h), and the record's LOCAL header, and reports dtype, shape, stride,
+// storage offset and the item-relative byte range of the storage.
+//
+// It never misreads: anything it cannot vouch for is reported as opaque (is_tensor=false
+// with a reason) rather than guessed: compressed or encrypted records, big-endian or unknown
+// byte order, pickles that are not a single plain tensor (bytes items, quantized or sparse
+// tensors, tensor subclasses, unknown dtypes). A structurally broken archive (truncated,
+// offsets past the end, inconsistent sizes) is a Corrupt error. Hostile input never crashes
+// and never makes the reader allocate more than ZipLimits allows.
+//
+// The tensor data itself is never read; only the directory, the local headers, data.pkl and
+// the byteorder record are. Pure functions, thread-safe if `read` is.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace ckptfs::store {
+
+// Fills `dst` with the item's bytes at item-relative `offset`. A short read is an error.
+using ReadAtFn = std::function<Status(uint64_t offset, std::span<char> dst)>;
+
+struct ZipLimits {
+  uint32_t max_entries = 1u << 16;
+  uint64_t max_central_directory_bytes = 16ull << 20;
+  // data.pkl of a tensor is a few hundred bytes; a larger one is treated as opaque.
+  uint64_t max_pickle_bytes = 1ull << 20;
+};
+
+struct ZipEntry {
+  std::string name;
+  uint16_t flags = 0;
+  uint16_t method = 0;  // 0 = STORED
+  uint32_t crc32 = 0;
+  uint64_t compressed_size = 0, uncompressed_size = 0;
+  uint64_t local_header_offset = 0;
+  bool encrypted() const { return (flags & 1) != 0; }
+};
+
+struct ZipDirectory {
+  std::vector<ZipEntry> entries;
+  uint64_t central_directory_offset = 0;  // record data must end at or before this
+  const ZipEntry* Find(std::string_view name) const;
+};
+
+// Parses the end-of-central-directory records (zip64 when present) and the central
+// directory of an archive of `size` bytes. Names must be unique.
+Result<ZipDirectory> ReadZipDirectory(const ReadAtFn& read, uint64_t size,
+                                      const ZipLimits& limits = {});
+
+// Item-relative offset of `entry`'s data: local_header_offset + 30 + name_len + extra_len,
+// read from the LOCAL header, whose extra field (alignment padding) differs from the
+// central one. Checks that the data lies before the central directory.
+Result<uint64_t> ZipDataOffset(const ReadAtFn& read, const ZipDirectory& dir,
+                               const ZipEntry& entry);
+
+struct TorchSaveTensor {
+  bool is_tensor = false;
+  std::string opaque_reason;  // set when !is_tensor
+  std::string dtype;          // "float32", ...
+  std::vector<int64_t> shape, stride;
+  int64_t storage_offset = 0;  // in elements
+  std::string storage_key;     // persistent-id key, e.g. "0"
+  std::string record_name;     // e.g. "archive/data/0"
+  uint64_t data_offset = 0;    // item-relative offset of the storage bytes
+  uint64_t data_nbytes = 0;    // size of the storage record
+};
+
+Result<TorchSaveTensor> ParseTorchSaveItem(const ReadAtFn& read, uint64_t size,
+                                           const ZipLimits& limits = {});
+Result<TorchSaveTensor> ParseTorchSaveItem(std::string_view item, const ZipLimits& limits = {});
+
+// Bytes per element of a torch dtype name ("bfloat16" -> 2); 0 if unknown or sub-byte.
+int DtypeItemSize(std::string_view dtype);
+
+}  // namespace ckptfs::store
