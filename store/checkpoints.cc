@@ -144,7 +144,8 @@ void CheckpointRegistry::OnCommitQueued(const std::string& dir) {
 void CheckpointRegistry::OnCommitted(const std::string& dir) {
   std::lock_guard lock(mu_);
   auto it = ckpts_.find(dir);
-  if (it == ckpts_.end()) it = ckpts_.emplace(dir, CheckpointInfo{dir}).first;
+  if (it == ckpts_.end()) it = ckpts_.emplace(dir, CheckpointInfo{}).first;
+  it->second.path = dir;
   CheckpointInfo& info = it->second;
   info.state = CkptState::kCommitted;
   info.committed = info.updated = Now();
