@@ -235,7 +235,12 @@ void Filesystem::DetachLocked(const std::shared_ptr<Node>& node) {
 
 Result<uint64_t> Filesystem::AppendLocked(store::JournalEntry entry, Node* node) {
   CKPT_ASSIGN_OR_RETURN(uint64_t seq, journal_->Append(std::move(entry)));
-  if (node != nullptr) node->pending_seq = seq;
+  if (node != nullptr) {
+    // The name and its directory's listing differ from the backing store until `seq`
+    // is applied: neither may be refreshed from it meanwhile.
+    node->pending_seq = seq;
+    if (node->parent != nullptr) node->parent->pending_seq = seq;
+  }
   return seq;
 }
 
@@ -252,8 +257,13 @@ void Filesystem::WaitForAncestorsUnlocked(uint64_t ino) {
       std::lock_guard lock(ns_mu_);
       auto node = NodeLocked(ino);
       if (!node) return;
+      // Only an operation that reaches the backing store by path must wait: loading a
+      // directory, or opening a file that is not being written.
+      const bool by_path = node->on_backing && (node->type == NodeType::kDir ? !node->loaded
+                                                                             : !node->write);
+      if (!by_path) return;
       for (const Node* n = node.get(); n != nullptr; n = n->parent) {
-        need = std::max(need, n->pending_seq);
+        need = std::max(need, n->rename_seq);
       }
       if (need <= journal_->applied()) return;
     }
@@ -512,6 +522,7 @@ Status Filesystem::Unlink(uint64_t parent, const std::string& name) {
       d.file_id = node->write->file_id;
       seq = AppendLocked(std::move(d), node.get());
       node->write->needs_publish = false;
+      node->write->discarded = true;
     }
     if (node->on_backing) {
       store::JournalEntry e;
@@ -601,6 +612,7 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
       d.file_id = victim->write->file_id;
       seq = AppendLocked(std::move(d), victim.get());
       victim->write->needs_publish = false;
+      victim->write->discarded = true;
     }
     if (node->on_backing) {
       store::JournalEntry e;
@@ -608,6 +620,7 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
       e.from = from;
       e.path = to;
       seq = AppendLocked(std::move(e), node.get());
+      if (seq.ok()) node->rename_seq = *seq;
     } else if (victim && victim->on_backing) {
       // The replaced name must vanish now; the new file replaces it when published.
       store::JournalEntry e;
@@ -615,21 +628,12 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
       e.path = to;
       seq = AppendLocked(std::move(e), victim.get());
     }
-    if (node->write && node->write->needs_publish && node->write->temp_dir != dst_dir.get() &&
-        !node->on_backing) {
-      // Keep an unpublished file's temp beside its name, so its old directory can go.
-      store::JournalEntry t;
-      t.op = store::OpType::kRename;
-      t.from = TempPathLocked(*node->write);
-      t.path = JoinPath(PathLocked(dst_dir.get()), node->write->temp_name);
-      seq = AppendLocked(std::move(t), node.get());
-      node->write->temp_dir = dst_dir.get();
-    }
     if (victim) {
       victim->on_backing = false;
       if (victim->type == NodeType::kDir) checkpoints_->OnRemoved(to);
       DetachLocked(victim);
     }
+    if (seq.ok() && *seq != 0) dst_dir->pending_seq = std::max(dst_dir->pending_seq, *seq);
     src_dir->children.erase(name);
     node->parent = dst_dir.get();
     node->name = new_name;
@@ -653,7 +657,9 @@ Status Filesystem::BeginWriteLocked(Node* node, bool truncate) {
   auto ws = std::make_unique<WriteState>();
   ws->file_id = id;
   ws->temp_name = std::string(kTempPrefix) + std::to_string(id);
-  ws->temp_dir = node->parent;
+  // Temp files live at the backing root, not beside their name: the name's directory
+  // may itself still be a pending mkdir, and a root temp never moves with renames.
+  ws->temp_dir = root_.get();
   const std::string temp_path = TempPathLocked(*ws);
   CKPT_RETURN_IF_ERROR(journal_->RegisterTemp(id, temp_path));
   mode_t mode = node->attr.st_mode & 07777;
@@ -827,9 +833,23 @@ Result<std::shared_ptr<StagedFile>> Filesystem::WritableStaged(Handle* h) {
   std::lock_guard lock(ns_mu_);
   Node* node = h->node.get();
   if (!node->error.empty()) return Status(Code::kIo, node->error);
+  if (node->write && node->write->discarded) {
+    h->staged = node->write->staged;  // unlinked: keeps its bytes, never published
+    return h->staged;
+  }
   // Its previous contents may be queued for publication and frozen: continue in a
   // copy, published again later.
   CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node, false));
+  if (node->parent == nullptr) {
+    // Unlinked after its last publication: the copy lives on, unnamed, until closed.
+    store::JournalEntry d;
+    d.op = store::OpType::kDiscard;
+    d.from = TempPathLocked(*node->write);
+    d.file_id = node->write->file_id;
+    CKPT_RETURN_IF_ERROR(journal_->Append(std::move(d)).status());
+    node->write->needs_publish = false;
+    node->write->discarded = true;
+  }
   h->staged = node->write->staged;
   return h->staged;
 }
@@ -842,7 +862,8 @@ Status Filesystem::Write(Handle* h, const char* data, size_t len, uint64_t offse
     {
       std::lock_guard lock(ns_mu_);
       Node* node = h->node.get();
-      fresh = node->write && node->write->staged == staged && node->write->needs_publish;
+      fresh = node->write && node->write->staged == staged &&
+              (node->write->needs_publish || node->write->discarded);
     }
     if (!fresh) {
       CKPT_ASSIGN_OR_RETURN(staged, WritableStaged(h));

@@ -29,6 +29,7 @@ struct WriteState {
   uint64_t publish_seq = 0;      // last publish entry of this file, 0 if none
   int writers = 0;               // open writable handles
   int handles = 0;               // open handles of any kind that use `staged`
+  bool discarded = false;        // unlinked before publication: never published
   bool times_set = false;        // utimens while staged: applied at publish
   struct timespec atime {}, mtime{};
 };
@@ -42,7 +43,10 @@ struct Node {
   uint64_t nlookup = 0;     // kernel references (FUSE lookup count)
   // The name exists on the backing store once every entry <= pending_seq is applied.
   bool on_backing = false;
-  uint64_t pending_seq = 0;  // last journal entry that changed this name
+  uint64_t pending_seq = 0;  // last journal entry that changed this name or, for a
+                             // directory, its list of children
+  uint64_t rename_seq = 0;   // last journal entry that moved this name: until it is
+                             // applied, the backing path differs from the mount path
   std::string link_target;   // symlinks
   // Directories.
   bool loaded = false;
