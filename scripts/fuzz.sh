@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (pickle_fuzz, metadata_fuzz, zip_fuzz) with clang in
+# build-fuzz and runs each for FUZZ_SECONDS (default 30), seeded from tests/fixtures/dcp.
+# Exits non-zero if any target crashes, leaks, times out or runs out of memory; the
+# reproducer is kept under build-fuzz/fuzz-work/.
+#
+# Environment: FUZZ_SECONDS (per target), FUZZ_JOBS (build parallelism, default 2),
+# FUZZ_BUILD_DIR (default <repo>/build-fuzz).
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${FUZZ_BUILD_DIR:-$root/build-fuzz}"
+seconds="${FUZZ_SECONDS:-30}"
+jobs="${FUZZ_JOBS:-2}"
+fixtures="$root/tests/fixtures/dcp"
+targets=(pickle_fuzz metadata_fuzz zip_fuzz)
+
+CC=clang CXX=clang++ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCKPTFS_FUZZ=ON -DCKPTFS_BUILD_TESTS=ON >/dev/null
+cmake --build "$build" -j"$jobs" --target "${targets[@]}"
+
+work="$build/fuzz-work"
+rm -rf "$work"
+mkdir -p "$work/seeds-pickle" "$work/seeds-zip"
+# Pickle seeds: every .metadata (protocols 2 to 5). Zip seeds: every .distcp; per-item
+# checkpoints hold exactly one torch.save archive per file.
+n=0
+while IFS= read -r -d '' f; do
+  cp "$f" "$work/seeds-pickle/seed$((n++))"
+done < <(find "$fixtures" \( -name .metadata -o -name '*.metadata.p[0-9]' \) -print0)
+while IFS= read -r -d '' f; do
+  cp "$f" "$work/seeds-zip/seed$((n++))"
+done < <(find "$fixtures" -name '*.distcp' -print0)
+
+status=0
+for target in "${targets[@]}"; do
+  seeds="$work/seeds-pickle"
+  [[ "$target" == zip_fuzz ]] && seeds="$work/seeds-zip"
+  corpus="$work/corpus-$target"
+  mkdir -p "$corpus"
+  echo "== $target for ${seconds}s"
+  if ! "$build/bin/$target" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+      -max_len=16384 -print_final_stats=1 -artifact_prefix="$work/$target-" \
+      "$corpus" "$seeds" >"$work/$target.log" 2>&1; then
+    echo "!! $target failed; see $work/$target.log and $work/$target-*" >&2
+    tail -n 40 "$work/$target.log" >&2
+    status=1
+  else
+    grep -E '^stat::number_of_executed_units|^Done' "$work/$target.log" || true
+  fi
+done
+exit "$status"

@@ -1,0 +1,27 @@
+// Fuzzes the torch.save item reader through both entry points. Whatever it reports as a
+// tensor must describe a byte range inside the item.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "store/torch_zip.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  std::string_view item(reinterpret_cast<const char*>(data), size);
+  auto t = ckptfs::store::ParseTorchSaveItem(item);
+  if (t.ok() && t->is_tensor &&
+      (t->data_offset > size || size - t->data_offset < t->data_nbytes)) {
+    __builtin_trap();
+  }
+  ckptfs::store::ReadAtFn read = [item](uint64_t offset, std::span<char> dst) -> ckptfs::Status {
+    if (offset > item.size() || item.size() - offset < dst.size()) {
+      return ckptfs::Corrupt("short read");
+    }
+    std::copy_n(item.data() + offset, dst.size(), dst.data());
+    return ckptfs::Status::Ok();
+  };
+  auto t2 = ckptfs::store::ParseTorchSaveItem(read, size);
+  if (t.ok() != t2.ok()) __builtin_trap();
+  return 0;
+}
