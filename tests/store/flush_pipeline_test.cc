@@ -1,0 +1,404 @@
+// FlushPipeline and FlushTarget: placement of bytes, sticky errors (G7), the chunk
+// lifecycle (on_done once, keepalive held during the write and released after), Drain.
+//
+// Races are ordered with FaultyBackingDir hooks and latches, never with sleeps.
+#include "store/flush_pipeline.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/store/faulty_backing_dir.h"
+
+namespace ckptfs::store {
+namespace {
+
+class FlushPipelineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = FaultyBackingDir::Open(tmp_.path());
+    ASSERT_NE(dir_, nullptr);
+  }
+
+  std::unique_ptr<FlushPipeline> MakePipeline(int threads) {
+    FlushOptions options;
+    options.threads = threads;
+    auto p = FlushPipeline::Create(dir_.get(), options);
+    EXPECT_TRUE(p.ok()) << p.status().ToString();
+    return p.ok() ? std::move(p).value() : nullptr;
+  }
+
+  std::shared_ptr<FlushTarget> MakeTarget(const std::string& name, uint64_t id) {
+    auto fd = dir_->OpenFile(name, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    EXPECT_TRUE(fd.ok()) << fd.status().ToString();
+    return std::make_shared<FlushTarget>(id, std::move(*fd));
+  }
+
+  std::string ReadFile(const std::string& name) {
+    auto fd = dir_->OpenFile(name, O_RDONLY);
+    EXPECT_TRUE(fd.ok());
+    std::string out(1 << 20, '\0');
+    std::string all;
+    off_t off = 0;
+    while (true) {
+      ssize_t n = ::pread(fd->get(), out.data(), out.size(), off);
+      if (n <= 0) break;
+      all.append(out.data(), static_cast<size_t>(n));
+      off += n;
+    }
+    return all;
+  }
+
+  // A chunk over `bytes[offset, offset+len)`; the buffer is kept alive by the chunk.
+  static SealedChunk Chunk(const std::shared_ptr<FlushTarget>& target,
+                           const std::shared_ptr<std::string>& bytes, size_t offset, size_t len,
+                           std::function<void(const Status&)> on_done = nullptr) {
+    SealedChunk c;
+    c.target = target;
+    c.offset = offset;
+    c.data = reinterpret_cast<const uint8_t*>(bytes->data()) + offset;
+    c.length = len;
+    c.keepalive = bytes;
+    c.on_done = std::move(on_done);
+    return c;
+  }
+
+  static std::shared_ptr<std::string> RandomBytes(size_t n, uint32_t seed) {
+    auto s = std::make_shared<std::string>(n, '\0');
+    std::mt19937 rng(seed);
+    for (auto& c : *s) c = static_cast<char>(rng());
+    return s;
+  }
+
+  ScopedTempDir tmp_{"ckptfs-flush-test"};
+  std::unique_ptr<FaultyBackingDir> dir_;
+};
+
+TEST(FlushPipeline, CreateRejectsThreadCountsOutOfRange) {
+  ScopedTempDir tmp;
+  auto dir = BackingDir::Open(tmp.path());
+  ASSERT_TRUE(dir.ok());
+  for (int threads : {0, -1, 257}) {
+    FlushOptions o;
+    o.threads = threads;
+    EXPECT_EQ(FlushPipeline::Create(dir->get(), o).status().code(), Code::kInvalid) << threads;
+  }
+  FlushOptions o;
+  o.threads = 1;
+  EXPECT_TRUE(FlushPipeline::Create(dir->get(), o).ok());
+}
+
+TEST_F(FlushPipelineTest, BytesLandAtTheirOffsetsWithManyThreadsInAnyOrder) {
+  constexpr int kTargets = 4;
+  constexpr size_t kSize = 1 << 20;
+  std::mt19937 rng(42);
+  std::vector<std::shared_ptr<FlushTarget>> targets;
+  std::vector<std::shared_ptr<std::string>> contents;
+  std::vector<SealedChunk> chunks;
+  for (int t = 0; t < kTargets; ++t) {
+    targets.push_back(MakeTarget("file" + std::to_string(t), t + 1));
+    contents.push_back(RandomBytes(kSize, 100 + t));
+    for (size_t off = 0; off < kSize;) {
+      size_t len = std::min<size_t>(kSize - off, 1 + rng() % (64 << 10));
+      chunks.push_back(Chunk(targets[t], contents[t], off, len));
+      off += len;
+    }
+  }
+  std::shuffle(chunks.begin(), chunks.end(), rng);
+  auto pipeline = MakePipeline(8);
+  for (auto& c : chunks) pipeline->Submit(std::move(c));
+  pipeline->Drain();
+  EXPECT_EQ(pipeline->queued(), 0u);
+  EXPECT_EQ(pipeline->errors(), 0u);
+  EXPECT_EQ(pipeline->bytes_flushed(), kTargets * kSize);
+  for (int t = 0; t < kTargets; ++t) {
+    SCOPED_TRACE(t);
+    EXPECT_TRUE(targets[t]->Error().ok());
+    EXPECT_EQ(targets[t]->inflight(), 0u);
+    EXPECT_EQ(targets[t]->bytes_flushed(), kSize);
+    EXPECT_TRUE(ReadFile("file" + std::to_string(t)) == *contents[t]) << "bytes misplaced";
+  }
+}
+
+TEST_F(FlushPipelineTest, EnospcIsStickyAndReportedOnSync) {
+  auto a = MakeTarget("a", 1);
+  auto b = MakeTarget("b", 2);
+  std::mutex mu;
+  std::map<int, int> writes_per_fd, fsyncs_per_fd;
+  const int a_fd = a->fd();
+  // A's third write fails with ENOSPC.
+  dir_->SetPWriteHook([&](int fd, off_t, size_t) {
+    std::lock_guard lock(mu);
+    return (++writes_per_fd[fd] == 3 && fd == a_fd) ? ENOSPC : 0;
+  });
+  dir_->SetFsyncHook([&](int fd) {
+    std::lock_guard lock(mu);
+    ++fsyncs_per_fd[fd];
+    return 0;
+  });
+  auto pipeline = MakePipeline(1);  // one thread: chunks run in submission order
+  auto bytes_a = RandomBytes(5000, 1), bytes_b = RandomBytes(5000, 2);
+  std::vector<Status> done_a(5), done_b(5);
+  for (int i = 0; i < 5; ++i) {
+    pipeline->Submit(Chunk(a, bytes_a, i * 1000, 1000, [&, i](const Status& s) { done_a[i] = s; }));
+    pipeline->Submit(Chunk(b, bytes_b, i * 1000, 1000, [&, i](const Status& s) { done_b[i] = s; }));
+  }
+  pipeline->Drain();
+
+  EXPECT_EQ(a->Error().code(), Code::kNoSpace) << a->Error().ToString();
+  EXPECT_TRUE(b->Error().ok());
+  EXPECT_EQ(pipeline->errors(), 1u);
+  {
+    std::lock_guard lock(mu);
+    EXPECT_EQ(writes_per_fd[a_fd], 3) << "chunks after the failure must be dropped, not written";
+    EXPECT_EQ(writes_per_fd[b->fd()], 5);
+  }
+  EXPECT_TRUE(done_a[0].ok());
+  EXPECT_TRUE(done_a[1].ok());
+  for (int i = 2; i < 5; ++i) EXPECT_EQ(done_a[i].code(), Code::kNoSpace) << i;
+  for (int i = 0; i < 5; ++i) EXPECT_TRUE(done_b[i].ok()) << i;
+  EXPECT_EQ(a->bytes_flushed(), 2000u);
+
+  // Sync reports the error without fsyncing, and keeps reporting it.
+  EXPECT_EQ(a->Sync(dir_.get()).code(), Code::kNoSpace);
+  EXPECT_EQ(a->Sync(dir_.get()).code(), Code::kNoSpace);
+  EXPECT_FALSE(a->synced());
+  EXPECT_TRUE(b->Sync(dir_.get()).ok());
+  EXPECT_TRUE(b->synced());
+  {
+    std::lock_guard lock(mu);
+    EXPECT_EQ(fsyncs_per_fd[a_fd], 0);
+    EXPECT_EQ(fsyncs_per_fd[b->fd()], 1);
+  }
+  EXPECT_EQ(ReadFile("a"), bytes_a->substr(0, 2000)) << "a dropped chunk reached the file";
+  EXPECT_TRUE(ReadFile("b") == *bytes_b);
+
+  // A chunk submitted later for the failed target is dropped too.
+  Status late;
+  pipeline->Submit(Chunk(a, bytes_a, 4000, 1000, [&](const Status& s) { late = s; }));
+  pipeline->Drain();
+  EXPECT_EQ(late.code(), Code::kNoSpace);
+  std::lock_guard lock(mu);
+  EXPECT_EQ(writes_per_fd[a_fd], 3);
+}
+
+TEST_F(FlushPipelineTest, AFailingTargetLeavesOtherTargetsIntactUnderManyThreads) {
+  constexpr size_t kSize = 512 << 10;
+  auto bad = MakeTarget("bad", 1);
+  std::vector<std::shared_ptr<FlushTarget>> good;
+  std::vector<std::shared_ptr<std::string>> contents;
+  const int bad_fd = bad->fd();
+  dir_->SetPWriteHook([bad_fd](int fd, off_t, size_t) { return fd == bad_fd ? EIO : 0; });
+  auto bad_bytes = RandomBytes(kSize, 9);
+  std::vector<SealedChunk> chunks;
+  for (int t = 0; t < 3; ++t) {
+    good.push_back(MakeTarget("good" + std::to_string(t), 10 + t));
+    contents.push_back(RandomBytes(kSize, 20 + t));
+  }
+  for (size_t off = 0; off < kSize; off += 4096) {
+    chunks.push_back(Chunk(bad, bad_bytes, off, 4096));
+    for (int t = 0; t < 3; ++t) chunks.push_back(Chunk(good[t], contents[t], off, 4096));
+  }
+  std::shuffle(chunks.begin(), chunks.end(), std::mt19937(5));
+  auto pipeline = MakePipeline(8);
+  for (auto& c : chunks) pipeline->Submit(std::move(c));
+  pipeline->Drain();
+  EXPECT_EQ(bad->Error().code(), Code::kIo);
+  EXPECT_EQ(bad->Sync(dir_.get()).code(), Code::kIo);
+  EXPECT_GE(pipeline->errors(), 1u);
+  for (int t = 0; t < 3; ++t) {
+    SCOPED_TRACE(t);
+    EXPECT_TRUE(good[t]->Sync(dir_.get()).ok());
+    EXPECT_TRUE(ReadFile("good" + std::to_string(t)) == *contents[t]);
+  }
+}
+
+TEST_F(FlushPipelineTest, ShortWriteBeforeEnospcIsAnError) {
+  auto t = MakeTarget("f", 1);
+  dir_->FailNthPWrite(1, ENOSPC, /*written_first=*/100);
+  auto pipeline = MakePipeline(2);
+  auto bytes = RandomBytes(4096, 3);
+  pipeline->Submit(Chunk(t, bytes, 0, 4096));
+  pipeline->Drain();
+  EXPECT_EQ(t->Error().code(), Code::kNoSpace);
+  EXPECT_EQ(t->bytes_flushed(), 0u);
+  EXPECT_EQ(t->Sync(dir_.get()).code(), Code::kNoSpace);
+}
+
+TEST_F(FlushPipelineTest, FsyncFailureIsStickyAndDropsLaterChunks) {
+  auto t = MakeTarget("f", 1);
+  auto pipeline = MakePipeline(2);
+  auto bytes = RandomBytes(8192, 4);
+  pipeline->Submit(Chunk(t, bytes, 0, 4096));
+  dir_->FailNthFsync(1, EIO);
+  EXPECT_EQ(t->Sync(dir_.get()).code(), Code::kIo);
+  EXPECT_FALSE(t->synced());
+  EXPECT_EQ(t->Error().code(), Code::kIo);
+  const uint64_t writes = dir_->pwrite_calls();
+  Status later;
+  pipeline->Submit(Chunk(t, bytes, 4096, 4096, [&](const Status& s) { later = s; }));
+  pipeline->Drain();
+  EXPECT_EQ(later.code(), Code::kIo);
+  EXPECT_EQ(dir_->pwrite_calls(), writes);
+  // The next Sync does not fsync again; it returns the first error.
+  EXPECT_EQ(t->Sync(dir_.get()).code(), Code::kIo);
+  EXPECT_EQ(dir_->fsync_calls(), 1u);
+}
+
+TEST_F(FlushPipelineTest, OnDoneRunsExactlyOncePerChunkAndBeforeKeepaliveIsReleased) {
+  constexpr int kChunks = 2000;
+  auto ok_target = MakeTarget("ok", 1);
+  auto bad_target = MakeTarget("bad", 2);
+  const int bad_fd = bad_target->fd();
+  std::atomic<int> bad_writes{0};
+  // The bad target fails on its 10th write; earlier ones succeed, later ones are dropped.
+  dir_->SetPWriteHook([&](int fd, off_t, size_t) {
+    return fd == bad_fd && ++bad_writes == 10 ? ENOSPC : 0;
+  });
+  std::vector<std::atomic<int>> done(kChunks);
+  std::vector<std::atomic<int>> released(kChunks);
+  std::atomic<int> done_after_release{0};
+  auto bytes = RandomBytes(kChunks * 64, 7);
+  auto pipeline = MakePipeline(8);
+  for (int i = 0; i < kChunks; ++i) {
+    auto target = i % 2 ? bad_target : ok_target;
+    SealedChunk c;
+    c.target = target;
+    c.offset = static_cast<uint64_t>(i) * 64;
+    c.data = reinterpret_cast<const uint8_t*>(bytes->data()) + i * 64;
+    c.length = 64;
+    std::string* keep = new std::string("chunk");
+    c.keepalive = std::shared_ptr<void>(keep, [&released, i](void* p) {
+      released[i].fetch_add(1);
+      delete static_cast<std::string*>(p);
+    });
+    c.on_done = [&, i](const Status&) {
+      if (released[i].load() != 0) done_after_release.fetch_add(1);
+      done[i].fetch_add(1);
+    };
+    pipeline->Submit(std::move(c));
+  }
+  pipeline->Drain();
+  for (int i = 0; i < kChunks; ++i) {
+    ASSERT_EQ(done[i].load(), 1) << "chunk " << i;
+    ASSERT_EQ(released[i].load(), 1) << "chunk " << i;
+  }
+  EXPECT_EQ(done_after_release.load(), 0) << "on_done must run before keepalive is released";
+  EXPECT_EQ(bad_target->Error().code(), Code::kNoSpace);
+  EXPECT_TRUE(ok_target->Error().ok());
+  // The pipeline holds no reference to a target once its chunks are done.
+  EXPECT_EQ(ok_target.use_count(), 1);
+  EXPECT_EQ(bad_target.use_count(), 1);
+}
+
+TEST_F(FlushPipelineTest, KeepaliveIsHeldDuringTheWriteAndReleasedRightAfter) {
+  auto t = MakeTarget("f", 1);
+  Latch in_write, release_write;
+  dir_->SetPWriteHook([&](int, off_t, size_t) {
+    in_write.Open();
+    release_write.Wait();
+    return 0;
+  });
+  auto bytes = RandomBytes(4096, 8);
+  std::weak_ptr<std::string> weak = bytes;
+  auto pipeline = MakePipeline(1);
+  pipeline->Submit(Chunk(t, bytes, 0, 4096));
+  bytes.reset();  // the chunk now owns the only reference
+  in_write.Wait();
+  EXPECT_FALSE(weak.expired()) << "the staging memory was released while being written";
+  EXPECT_EQ(t->inflight(), 1u);
+  release_write.Open();
+  t->WaitIdle();
+  EXPECT_TRUE(weak.expired()) << "keepalive must be released once the write finished";
+  EXPECT_EQ(t->inflight(), 0u);
+}
+
+TEST_F(FlushPipelineTest, DrainWaitsForQueuedAndActiveChunks) {
+  constexpr int kChunks = 50;
+  auto t = MakeTarget("f", 1);
+  Latch gate;
+  std::atomic<bool> first{true};
+  dir_->SetPWriteHook([&](int, off_t, size_t) {
+    if (first.exchange(false)) gate.Wait();
+    return 0;
+  });
+  auto bytes = RandomBytes(kChunks * 1000, 10);
+  std::atomic<int> done{0};
+  auto pipeline = MakePipeline(2);
+  for (int i = 0; i < kChunks; ++i) {
+    pipeline->Submit(Chunk(t, bytes, i * 1000, 1000, [&](const Status&) { done.fetch_add(1); }));
+  }
+  std::atomic<bool> drained{false};
+  std::thread drainer([&] {
+    pipeline->Drain();
+    drained = true;
+  });
+  gate.AwaitWaiters(1);  // one chunk is stuck inside its write
+  EXPECT_FALSE(drained.load()) << "Drain returned while a chunk was still being written";
+  EXPECT_GE(pipeline->queued(), 1u);
+  gate.Open();
+  drainer.join();
+  EXPECT_EQ(done.load(), kChunks);
+  EXPECT_EQ(pipeline->queued(), 0u);
+  EXPECT_EQ(t->bytes_flushed(), kChunks * 1000u);
+  EXPECT_TRUE(ReadFile("f") == *bytes);
+}
+
+TEST_F(FlushPipelineTest, SyncWaitsForInflightChunksThenFsyncs) {
+  auto t = MakeTarget("f", 1);
+  Latch gate;
+  dir_->SetPWriteHook([&](int, off_t, size_t) {
+    gate.Wait();
+    return 0;
+  });
+  auto pipeline = MakePipeline(2);
+  auto bytes = RandomBytes(8192, 11);
+  pipeline->Submit(Chunk(t, bytes, 0, 8192));
+  Status synced = Internal("not yet");
+  std::thread syncer([&] { synced = t->Sync(dir_.get()); });
+  gate.AwaitWaiters(1);
+  EXPECT_EQ(dir_->fsync_calls(), 0u) << "fsync ran before the file's data was written";
+  EXPECT_FALSE(t->synced());
+  gate.Open();
+  syncer.join();
+  EXPECT_TRUE(synced.ok()) << synced.ToString();
+  EXPECT_TRUE(t->synced());
+  EXPECT_EQ(dir_->fsync_calls(), 1u);
+  EXPECT_FALSE(dir_->HasUnsyncedData(t->fd()));
+}
+
+TEST_F(FlushPipelineTest, DestructorDrainsEverySubmittedChunk) {
+  auto t = MakeTarget("f", 1);
+  Latch gate;
+  std::atomic<bool> first{true};
+  dir_->SetPWriteHook([&](int, off_t, size_t) {
+    if (first.exchange(false)) gate.Wait();
+    return 0;
+  });
+  auto bytes = RandomBytes(100 * 512, 12);
+  auto pipeline = MakePipeline(3);
+  std::atomic<int> done{0};
+  for (int i = 0; i < 100; ++i) {
+    pipeline->Submit(Chunk(t, bytes, i * 512, 512, [&](const Status&) { done.fetch_add(1); }));
+  }
+  std::thread destroyer([&] { pipeline.reset(); });
+  gate.AwaitWaiters(1);
+  gate.Open();
+  destroyer.join();
+  EXPECT_EQ(done.load(), 100);
+  EXPECT_TRUE(ReadFile("f") == *bytes);
+}
+
+}  // namespace
+}  // namespace ckptfs::store
