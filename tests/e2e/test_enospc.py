@@ -18,6 +18,7 @@ cleanup) and the writers produce more than that:
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import unittest
@@ -101,6 +102,8 @@ class Enospc(unittest.TestCase):
             raised = None
         except dcp_tool.DcpToolError as e:    # the flush failed while the ranks still wrote
             raised = e
+        print(f"\nasync ENOSPC: the DCP save {'raised' if raised else 'returned'}",
+              file=sys.stderr)
         self.assertEqual(m.wait(ckpt, timeout=120), 1,
                          f"ckptfs-admin wait on a failed checkpoint (save raised: "
                          f"{raised is not None}){self.diag(m)}")
