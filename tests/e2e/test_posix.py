@@ -1032,6 +1032,13 @@ class ShutdownTest(MountedTest):
         os.rename(self.p("ckpt.tmp"), self.p("ckpt"))
         write_file(self.p("latest.txt"), b"ckpt\n")
         expected["latest.txt"] = hashlib.sha256(b"ckpt\n").hexdigest()
+        # Many small files: each needs its own fsync and rename on the backing
+        # store, so the journal still has a backlog when the signal arrives.
+        os.mkdir(self.p("small"))
+        for i in range(1500):
+            data = rand_bytes(100_000 + i, 4096 + i)
+            write_file(self.p("small", f"s{i}"), data)
+            expected[os.path.join("small", f"s{i}")] = hashlib.sha256(data).hexdigest()
         return expected
 
     def check_backing(self, expected):
@@ -1045,6 +1052,12 @@ class ShutdownTest(MountedTest):
 
     def signal_drains(self, sig, total_mb):
         expected = self.write_workload(total_mb)
+        # A file still open for writing when the signal arrives: its staged
+        # bytes are published too (G8: everything staged).
+        data = rand_bytes(99, 32 * MiB + 5)
+        fd = os.open(self.p("open.bin"), os.O_CREAT | os.O_WRONLY, 0o644)
+        os.write(fd, data)
+        expected["open.bin"] = hashlib.sha256(data).hexdigest()
         before = self.m.stats()
         proc = self.m.proc
         os.kill(proc.pid, sig)
@@ -1052,6 +1065,11 @@ class ShutdownTest(MountedTest):
             rc = proc.wait(timeout=180)
         except subprocess.TimeoutExpired:
             self.fail(f"daemon did not exit within 180 s of {sig.name}")
+        finally:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # ENOTCONN: the mount is gone
         self.m.proc = None
         self.assertEqual(rc, 0, f"exit code after {sig.name}; stats before: {before}\n"
                                 f"{self.m.log_text()[-3000:]}")
@@ -1061,8 +1079,9 @@ class ShutdownTest(MountedTest):
 
     def test_sigterm_drains_everything_staged(self):
         before = self.signal_drains(signal.SIGTERM, 768)
-        sys.stderr.write(f"\n  stats at SIGTERM: written={before.get('bytes_written')} "
-                         f"published={before.get('bytes_published')}\n")
+        sys.stderr.write(f"\n  at SIGTERM: journal_pending={before.get('journal_pending')} "
+                         f"bytes_written={before.get('bytes_written')} "
+                         f"bytes_flushed={before.get('bytes_flushed')}\n")
 
     def test_sigint_drains_everything_staged(self):
         self.signal_drains(signal.SIGINT, 256)
@@ -1202,6 +1221,8 @@ class DaemonCliTest(unittest.TestCase):
                 t.start()
             for t in readers:
                 t.join(timeout=10)
+            p.stdout.close()
+            p.stderr.close()
             self.assertEqual(rc, 0, f"{outputs}")
             self.assertEqual(len(outputs), 2, "the daemon keeps the caller's stdout/stderr open")
             # Returned once mounted: the control files answer right away.
