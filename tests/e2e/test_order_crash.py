@@ -22,7 +22,8 @@ checks that recovery removed every .ckptfs-tmp.* file, left the tracker and
 every committed checkpoint byte-identical, and that the mount shows the same
 tracker. The next round resumes training from the tracker, as a job would.
 
-CKPTFS_CRASH_ROUNDS (default 3) sets the number of kills; CKPTFS_CRASH_SEED
+CKPTFS_CRASH_ROUNDS (default 3) sets the number of kills, CKPTFS_CRASH_MB (default 16)
+the checkpoint size; CKPTFS_CRASH_SEED
 replays the random kill moments of a failed run (the seed is printed).
 """
 import json
@@ -42,7 +43,7 @@ from harness import Mount
 ROUNDS = int(os.environ.get("CKPTFS_CRASH_ROUNDS", "3"))
 SEED = int(os.environ.get("CKPTFS_CRASH_SEED", str(random.randrange(1 << 30))))
 RANKS = 4
-MB = 16
+MB = int(os.environ.get("CKPTFS_CRASH_MB", "16"))
 KEEP = 2
 TRACKER = dcp_tool.TRACKER
 TMP_MARK = ".ckptfs-tmp."
