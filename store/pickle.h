@@ -121,17 +121,17 @@ class PickleTree {
     PickleKind kind = PickleKind::kNone;
     uint8_t flags = 0;
     uint16_t depth = 1;
-    uint32_t seq = kNoNode;  // index into seqs_ for containers and objects' added items
+    uint32_t seq = kNoNode;  // lists, dicts, objects' added items: index into seqs_
     union {
       int64_t i;
       double f;
-      uint64_t str_offset;          // kStr/kBytes, into input_
+      uint64_t offset;  // kStr/kBytes: into input_; kTuple: into tuple_items_
       struct {
-        NodeId a, b;                // global: module/name str nodes; reduce/newobj: callable/args
+        NodeId a, b;    // global: module/name str nodes; reduce/newobj: callable/args
       } ref;
     } u{};
-    uint32_t len = 0;               // kStr/kBytes length
-    NodeId c = kNoNode;             // reduce/newobj: state; persid: value
+    uint32_t len = 0;   // kStr/kBytes: bytes; kTuple: elements
+    NodeId c = kNoNode; // reduce/newobj: state; persid: value
   };
 
   void DebugStringImpl(NodeId id, int depth, std::string* out, size_t max_chars) const;
@@ -139,6 +139,8 @@ class PickleTree {
   std::string_view input_;
   std::vector<Node> nodes_;
   std::vector<std::vector<NodeId>> seqs_;
+  // Tuples are immutable, so their elements are stored back to back in one array.
+  std::vector<NodeId> tuple_items_;
   NodeId root_ = kNoNode;
   int protocol_ = 0;
 };

@@ -254,8 +254,8 @@ TEST(Pickle, MemoBombsAreBounded) {
 }
 
 TEST(Pickle, NodeStackContainerAndInputLimits) {
-  std::string ints = "(";
-  for (int i = 0; i < 100; ++i) ints += "K\x01";
+  std::string ints = "(";  // 100 distinct ints (small ones would share one node)
+  for (int i = 0; i < 100; ++i) ints += "M" + std::string(1, static_cast<char>(i)) + "\x01";
   ints += "t";
   PickleLimits limits;
   limits.max_nodes = 50;
