@@ -47,6 +47,13 @@ struct DcpItem {
   uint32_t chunk_index = 0;
   // True for BytesStorageMetadata entries, also when transforms make the item kOpaque.
   bool is_bytes = false;
+  // Where the tensor's raw bytes are, from the item's torch.save archive. Filled by
+  // ResolveItemData() (torch_zip.h); the metadata alone does not say.
+  bool data_resolved = false;
+  uint64_t raw_offset = 0;  // file-absolute: offset + the archive's data offset
+  uint64_t raw_nbytes = 0;  // size of the storage record
+  std::vector<int64_t> stride;
+  int64_t storage_offset = 0;  // in elements
 };
 
 struct DcpMetadata {

@@ -41,12 +41,10 @@ struct EndRecord {
   uint64_t cd_limit = 0;  // where the central directory must end (start of the end records)
 };
 
-// The classic end record. Its trailing comment must reach exactly the end of the item, so a
-// signature inside the comment or the data is never taken for it.
-Result<EndRecord> FindEnd(const ReadAtFn& read, uint64_t size, uint64_t* eocd_pos) {
-  if (size < kEocdSize) return ZipError("too small for a zip archive");
-  uint64_t tail_len = std::min<uint64_t>(size, kEocdSize + kMaxCommentSize);
-  CKPT_ASSIGN_OR_RETURN(std::string tail, ReadRange(read, size - tail_len, tail_len));
+// The classic end record inside `tail` (which starts at item offset `tail_pos`). Its comment
+// must reach exactly the end of the item, so a signature inside data or comment is never
+// taken for it.
+Result<EndRecord> FindEndIn(std::string_view tail, uint64_t tail_pos, uint64_t* eocd_pos) {
   for (size_t p = tail.size() - kEocdSize + 1; p-- > 0;) {
     if (Le(tail, p, 4) != kEocdSig) continue;
     if (p + kEocdSize + Le(tail, p + 20, 2) != tail.size()) continue;
@@ -58,11 +56,24 @@ Result<EndRecord> FindEnd(const ReadAtFn& read, uint64_t size, uint64_t* eocd_po
     if (Le(tail, p + 8, 2) != end.entries) return ZipError("entry counts disagree in EOCD");
     end.cd_size = Le(tail, p + 12, 4);
     end.cd_offset = Le(tail, p + 16, 4);
-    *eocd_pos = size - tail_len + p;
+    *eocd_pos = tail_pos + p;
     end.cd_limit = *eocd_pos;
     return end;
   }
   return ZipError("no end-of-central-directory record");
+}
+
+// torch writes no archive comment, so the record is usually the last 22 bytes; only if it is
+// not there is the longest possible comment's worth read.
+Result<EndRecord> FindEnd(const ReadAtFn& read, uint64_t size, uint64_t* eocd_pos) {
+  if (size < kEocdSize) return ZipError("too small for a zip archive");
+  for (uint64_t want : {kEocdSize, kEocdSize + kMaxCommentSize}) {
+    uint64_t tail_len = std::min<uint64_t>(size, want);
+    CKPT_ASSIGN_OR_RETURN(std::string tail, ReadRange(read, size - tail_len, tail_len));
+    Result<EndRecord> end = FindEndIn(tail, size - tail_len, eocd_pos);
+    if (end.ok() || tail_len == size || want > kEocdSize) return end;
+  }
+  return ZipError("no end-of-central-directory record");  // not reached
 }
 
 // Zip64: a locator right before the classic record points at the zip64 end record, whose
@@ -466,6 +477,28 @@ Result<TorchSaveTensor> ParseTorchSaveItem(const ReadAtFn& read, uint64_t size,
   out.storage_key = std::move(call.key);
   out.data_nbytes = rec->uncompressed_size;
   return out;
+}
+
+Status ResolveItemData(const TorchSaveTensor& t, DcpItem* item) {
+  if (item->kind != ItemKind::kTensor) return Status::Ok();
+  if (!t.is_tensor) {
+    item->kind = ItemKind::kOpaque;
+    return Status::Ok();
+  }
+  std::string where = "torch zip: item '" + item->fqn + "' in " + item->file;
+  if (t.dtype != item->dtype) {
+    return Corrupt(where + " holds " + t.dtype + " but the metadata says " + item->dtype);
+  }
+  if (t.shape != item->chunk_sizes) return Corrupt(where + " has a different shape");
+  if (t.data_offset > item->length || item->length - t.data_offset < t.data_nbytes) {
+    return Corrupt(where + " has data outside the item");
+  }
+  item->data_resolved = true;
+  item->raw_offset = item->offset + t.data_offset;
+  item->raw_nbytes = t.data_nbytes;
+  item->stride = t.stride;
+  item->storage_offset = t.storage_offset;
+  return Status::Ok();
 }
 
 Result<TorchSaveTensor> ParseTorchSaveItem(std::string_view item, const ZipLimits& limits) {

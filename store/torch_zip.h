@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "store/dcp_metadata.h"
 
 namespace ckptfs::store {
 
@@ -81,6 +82,13 @@ struct TorchSaveTensor {
 Result<TorchSaveTensor> ParseTorchSaveItem(const ReadAtFn& read, uint64_t size,
                                            const ZipLimits& limits = {});
 Result<TorchSaveTensor> ParseTorchSaveItem(std::string_view item, const ZipLimits& limits = {});
+
+// Completes a kTensor `item` with what its archive says (`t`, parsed from the item's bytes):
+// sets data_resolved, raw_offset (file-absolute), raw_nbytes, stride and storage_offset.
+// An opaque archive turns the item kOpaque, since its bytes cannot be served as raw tensor
+// data. An archive that contradicts the metadata (dtype, shape, a data range outside the
+// item) is Corrupt. Other item kinds are left unchanged.
+Status ResolveItemData(const TorchSaveTensor& t, DcpItem* item);
 
 // Bytes per element of a torch dtype name ("bfloat16" -> 2); 0 if unknown or sub-byte.
 int DtypeItemSize(std::string_view dtype);

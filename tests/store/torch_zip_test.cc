@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -26,65 +27,142 @@ std::string ReadFile(const fs::path& path) {
   return ss.str();
 }
 
-// Reads through the pread-style interface, counting calls to show the data is never read.
+// Reads through the pread-style interface, recording what was read.
 struct CountingReader {
+  explicit CountingReader(std::string_view b) : bytes(b) {}
   std::string_view bytes;
   uint64_t bytes_read = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
   ReadAtFn Fn() {
     return [this](uint64_t offset, std::span<char> dst) -> Status {
       if (offset > bytes.size() || bytes.size() - offset < dst.size()) return Corrupt("short read");
       std::copy_n(bytes.data() + offset, dst.size(), dst.data());
       bytes_read += dst.size();
+      ranges.emplace_back(offset, offset + dst.size());
       return Status::Ok();
     };
   }
+  bool Touched(uint64_t begin, uint64_t end) const {
+    for (auto [b, e] : ranges) {
+      if (b < end && begin < e) return true;
+    }
+    return false;
+  }
 };
 
-TEST(TorchZip, EveryFixtureItemMatchesItsManifest) {
-  int tensors = 0, bytes_items = 0;
+std::string ItemKey(const DcpItem& item) {
+  std::string key = item.fqn + "@";
+  if (item.is_bytes) return key + "bytes";
+  for (int64_t v : item.chunk_offsets) key += std::to_string(v) + ",";
+  return key;
+}
+
+std::string ItemKey(const json& item) {
+  std::string key = item["fqn"].get<std::string>() + "@";
+  if (item["kind"] == "bytes") return key + "bytes";
+  for (int64_t v : item["chunk_offsets"].get<std::vector<int64_t>>()) key += std::to_string(v) + ",";
+  return key;
+}
+
+// The full index for real checkpoints: .metadata, then every item's archive, compared with
+// every field of the manifest (which was checked against torch.load).
+TEST(TorchZip, EveryFixtureMatchesItsManifestIncludingRawData) {
+  int tensors = 0, bytes_items = 0, fixtures = 0;
   for (const auto& entry : fs::directory_iterator(kFixtures)) {
     std::string path = entry.path().string();
     const std::string suffix = ".manifest.json";
     if (path.size() < suffix.size() || path.substr(path.size() - suffix.size()) != suffix) {
       continue;
     }
+    ++fixtures;
     fs::path dir = path.substr(0, path.size() - suffix.size());
     SCOPED_TRACE(dir.filename().string());
     json manifest = json::parse(ReadFile(entry.path()));
     ASSERT_FALSE(manifest.value("metadata_only", false));
-    for (const json& want : manifest["items"]) {
-      SCOPED_TRACE(want["fqn"].get<std::string>());
-      std::string file = ReadFile(dir / want["file"].get<std::string>());
-      uint64_t offset = want["offset"], length = want["length"];
-      ASSERT_LE(offset + length, file.size());
-      std::string_view item = std::string_view(file).substr(offset, length);
-      Result<TorchSaveTensor> t = ParseTorchSaveItem(item);
+    Result<DcpMetadata> md = ParseDcpMetadata(ReadFile(dir / ".metadata"));
+    ASSERT_TRUE(md.ok()) << md.status().ToString();
+    std::map<std::string, json> want_by_key;
+    for (const json& want : manifest["items"]) want_by_key[ItemKey(want)] = want;
+    ASSERT_EQ(want_by_key.size(), md->items.size());
+
+    for (DcpItem& item : md->items) {
+      SCOPED_TRACE(ItemKey(item));
+      ASSERT_TRUE(want_by_key.count(ItemKey(item)));
+      const json& want = want_by_key[ItemKey(item)];
+      std::string file = ReadFile(dir / item.file);
+      ASSERT_LE(item.offset + item.length, file.size());
+      std::string_view bytes = std::string_view(file).substr(item.offset, item.length);
+      CountingReader reader(bytes);
+      Result<TorchSaveTensor> t = ParseTorchSaveItem(reader.Fn(), bytes.size());
       ASSERT_TRUE(t.ok()) << t.status().ToString();
-      CountingReader reader{item};
-      Result<TorchSaveTensor> via_pread = ParseTorchSaveItem(reader.Fn(), item.size());
-      ASSERT_TRUE(via_pread.ok()) << via_pread.status().ToString();
-      EXPECT_EQ(via_pread->data_offset, t->data_offset);
-      if (want["kind"] == "bytes") {
+      Result<TorchSaveTensor> from_span = ParseTorchSaveItem(bytes);
+      ASSERT_TRUE(from_span.ok()) << from_span.status().ToString();
+      EXPECT_EQ(from_span->data_offset, t->data_offset);
+      ASSERT_TRUE(ResolveItemData(*t, &item).ok());
+
+      EXPECT_EQ(ItemKindName(item.kind), want["kind"].get<std::string>());
+      EXPECT_EQ(item.file, want["file"]);
+      EXPECT_EQ(item.offset, want["offset"].get<uint64_t>());
+      EXPECT_EQ(item.length, want["length"].get<uint64_t>());
+      if (item.is_bytes) {
         ++bytes_items;
         EXPECT_FALSE(t->is_tensor);
         EXPECT_FALSE(t->opaque_reason.empty());
+        EXPECT_FALSE(item.data_resolved);
         continue;
       }
       ++tensors;
       ASSERT_TRUE(t->is_tensor) << t->opaque_reason;
-      EXPECT_EQ(t->dtype, want["dtype"]);
-      EXPECT_EQ(t->shape, want["chunk_sizes"].get<std::vector<int64_t>>());
-      EXPECT_EQ(t->stride, want["stride"].get<std::vector<int64_t>>());
-      EXPECT_EQ(t->storage_offset, want["storage_offset"].get<int64_t>());
-      EXPECT_EQ(offset + t->data_offset, want["raw_offset"].get<uint64_t>());
-      EXPECT_EQ(t->data_nbytes, want["raw_nbytes"].get<uint64_t>());
+      ASSERT_TRUE(item.data_resolved);
+      EXPECT_EQ(item.dtype, want["dtype"]);
+      EXPECT_EQ(item.chunk_sizes, want["chunk_sizes"].get<std::vector<int64_t>>());
+      EXPECT_EQ(item.global_size, want["global_size"].get<std::vector<int64_t>>());
+      EXPECT_EQ(item.stride, want["stride"].get<std::vector<int64_t>>());
+      EXPECT_EQ(item.storage_offset, want["storage_offset"].get<int64_t>());
+      EXPECT_EQ(item.raw_offset, want["raw_offset"].get<uint64_t>());
+      EXPECT_EQ(item.raw_nbytes, want["raw_nbytes"].get<uint64_t>());
       EXPECT_EQ(t->record_name, "archive/data/" + t->storage_key);
-      // Directory, local headers, data.pkl and version only: far less than the item.
-      EXPECT_LT(reader.bytes_read, item.size() + 65536);
+      // Directory, headers and data.pkl are read; the tensor bytes never are.
+      EXPECT_FALSE(reader.Touched(t->data_offset, t->data_offset + t->data_nbytes));
     }
   }
+  EXPECT_EQ(fixtures, 7);
   EXPECT_EQ(tensors, 47);
   EXPECT_EQ(bytes_items, 13);
+}
+
+TEST(TorchZip, ResolveRejectsArchivesThatContradictTheMetadata) {
+  std::string file = ReadFile(kFixtures / "torch113_tricky_single_file/__0_0.distcp");
+  Result<TorchSaveTensor> t = ParseTorchSaveItem(std::string_view(file).substr(747, 747));
+  ASSERT_TRUE(t.ok() && t->is_tensor);
+  DcpItem item;
+  item.kind = ItemKind::kTensor;
+  item.fqn = "transposed";
+  item.file = "__0_0.distcp";
+  item.offset = 747;
+  item.length = 747;
+  item.dtype = "float32";
+  item.chunk_sizes = {4, 3};
+  DcpItem ok = item;
+  ASSERT_TRUE(ResolveItemData(*t, &ok).ok());
+  EXPECT_EQ(ok.raw_offset, 1067u);
+  EXPECT_EQ(ok.stride, (std::vector<int64_t>{1, 4}));
+  DcpItem wrong_dtype = item;
+  wrong_dtype.dtype = "float16";
+  EXPECT_FALSE(ResolveItemData(*t, &wrong_dtype).ok());
+  DcpItem wrong_shape = item;
+  wrong_shape.chunk_sizes = {3, 4};
+  EXPECT_FALSE(ResolveItemData(*t, &wrong_shape).ok());
+  DcpItem too_short = item;
+  too_short.length = 100;
+  EXPECT_FALSE(ResolveItemData(*t, &too_short).ok());
+  // An archive the reader cannot vouch for makes the item opaque.
+  TorchSaveTensor opaque;
+  opaque.opaque_reason = "compressed";
+  DcpItem o = item;
+  ASSERT_TRUE(ResolveItemData(opaque, &o).ok());
+  EXPECT_EQ(o.kind, ItemKind::kOpaque);
+  EXPECT_FALSE(o.data_resolved);
 }
 
 // --- Hand-built archives ----------------------------------------------------------------------
@@ -336,7 +414,7 @@ TEST(TorchZip, DirectoryLimitsAreEnforced) {
   std::string zip = BuildZip(many);
   ZipLimits limits;
   limits.max_entries = 10;
-  CountingReader reader{zip};
+  CountingReader reader(zip);
   EXPECT_FALSE(ReadZipDirectory(reader.Fn(), zip.size(), limits).ok());
   limits = ZipLimits();
   limits.max_central_directory_bytes = 100;
