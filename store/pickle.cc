@@ -144,7 +144,6 @@ class PickleMachine {
   Result<NodeId> NewInt(int64_t v);
   Result<NodeId> NewString(PickleKind kind, uint64_t offset, uint64_t len);
   Result<NodeId> NewTuple(std::span<const NodeId> elems);
-  Result<NodeId> NewContainer(PickleKind kind);
   // Immutable values that CPython shares too (None, bools, small ints, the empty tuple) get
   // one node each, which keeps the node count of a real .metadata down by a third.
   Result<NodeId> Shared(NodeId* slot, PickleKind kind, int64_t value);
@@ -318,7 +317,7 @@ Status PickleMachine::Step(uint8_t op) {
     case kEmptyList:
     case kEmptyDict: {
       PickleKind kind = op == kEmptyList ? PickleKind::kList : PickleKind::kDict;
-      CKPT_ASSIGN_OR_RETURN(NodeId id, NewContainer(kind));
+      CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(kind));  // elements come with APPEND/SETITEM
       return Push(id);
     }
     case kAppend: return OpAppend(false);
@@ -466,10 +465,10 @@ Status PickleMachine::AddItems(NodeId target, size_t first, bool dict_like) {
     uint8_t flag = dict_like ? kObjDictItems : kObjListItems;
     if (t.flags != 0 && t.flags != flag) return Err("object gets both list and dict items");
     t.flags = flag;
-    if (t.seq == kNoNode) {
-      t.seq = static_cast<uint32_t>(tree_.seqs_.size());
-      tree_.seqs_.emplace_back();
-    }
+  }
+  if (t.seq == kNoNode) {  // element storage is allocated on first use
+    t.seq = static_cast<uint32_t>(tree_.seqs_.size());
+    tree_.seqs_.emplace_back();
   }
   std::vector<NodeId>& seq = tree_.seqs_[node(target).seq];
   size_t add = stack_.size() - first;
@@ -601,13 +600,6 @@ Result<NodeId> PickleMachine::NewTuple(std::span<const NodeId> elems) {
   node(id).u.offset = tree_.tuple_items_.size();
   node(id).len = static_cast<uint32_t>(elems.size());
   tree_.tuple_items_.insert(tree_.tuple_items_.end(), elems.begin(), elems.end());
-  return id;
-}
-
-Result<NodeId> PickleMachine::NewContainer(PickleKind kind) {
-  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(kind));
-  node(id).seq = static_cast<uint32_t>(tree_.seqs_.size());
-  tree_.seqs_.emplace_back();
   return id;
 }
 

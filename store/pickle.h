@@ -10,14 +10,16 @@
 // DCP_FORMAT.md). Any other opcode is an error naming the opcode byte and its offset.
 //
 // Hostile input is expected: truncation, lengths past the end, bad memo references, stack
-// underflow, MARK misuse, memo bombs and deep nesting all yield a Corrupt/Invalid status.
-// Every resource the parser allocates is bounded by PickleLimits, so the memory used is
-// at most a small multiple of the input size.
+// underflow, MARK misuse, memo bombs and deep nesting all yield a Corrupt status (Unsupported
+// for an unknown opcode or protocol), never a crash. Everything the parser allocates is
+// bounded by PickleLimits: about 24 bytes per node, plus 4 bytes per container element,
+// stack entry and memo entry.
 //
 // Shape of the result: memo references make the graph a DAG (a node may have several
-// parents) and a hostile pickle can even build cycles (a list appended to itself). Code that
-// walks a PickleTree must therefore bound its recursion; the interpreters in store/ only
-// descend along fixed schema paths.
+// parents), immutable singletons (None, bools, ints 0..255, the empty tuple) are shared, and
+// a hostile pickle can even build cycles (a list appended to itself). Code that walks a
+// PickleTree must therefore bound its recursion; the interpreters in store/ only descend
+// along fixed schema paths.
 //
 // Lifetime: str/bytes values are views into the parsed input, so the input buffer must
 // outlive the PickleTree. A PickleTree is immutable after parsing and safe to read from
@@ -69,9 +71,9 @@ enum class PickleKind : uint8_t {
 
 std::string_view PickleKindName(PickleKind kind);
 
-// The value graph of one pickle. Accessors abort-free: they return neutral values (0, "",
-// kNoNode, empty span) when asked for a field the node's kind does not have, so callers
-// check kind() first and never crash on an unexpected shape.
+// The value graph of one pickle. Accessors never abort: asked for something the node's kind
+// does not have (or an invalid id), they return a neutral value (0, "", kNoNode, an empty
+// span), so interpreters can probe an unexpected shape safely and check kind() to decide.
 class PickleTree {
  public:
   NodeId root() const { return root_; }
