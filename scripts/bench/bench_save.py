@@ -5,8 +5,11 @@ a directory on the backing file system, side by side in one run.
 
 Cases (one JSON object each, medians over --reps):
   save_stall_sfpr{1,0}       max over ranks of save_state_dict; ckptfs vs direct
-  time_to_durable_sfpr{1,0}  first byte written -> `ckptfs-admin wait` returns
-                             (checkpoint committed), vs the direct save time
+  time_to_durable_sfpr{1,0}  first byte written -> checkpoint committed (from
+                             .ckptfs/stats sampled every 50 ms; `ckptfs-admin
+                             wait` must also succeed), vs the direct save time.
+                             committed_after_return_s < 0 means it committed
+                             before the rank processes had even exited.
   peak_rss                   daemon VmHWM vs the staging budget
 Every ckptfs checkpoint must commit, and on rep 0 its files on the backing
 store must be byte-identical to the direct save of the same seed (ok=false
@@ -80,14 +83,22 @@ def main():
                     r = dcp_tool.save(ckpt, a.ranks, a.mb, bool(sfpr), seed, timeout=900)
                     t_ret = time.monotonic()
                     ok, wait_s = d.wait(ckpt)
-                    t_commit = time.monotonic()
+                    t_wait_end = time.monotonic()
                     samples = poller.stop()
                     t_first = poller.first_time("bytes_written", base["bytes_written"]) or t_call
+                    # The commit often lands while the ranks are still tearing
+                    # down, before `wait` is even called: take it from the
+                    # 50 ms stats samples, and `wait` returning as the fallback.
+                    committed0 = base.get("checkpoints", {}).get("committed", 0)
+                    t_commit = poller.first_time_where(
+                        lambda s: s.get("checkpoints", {}).get("committed", 0) > committed0
+                    ) or t_wait_end
                     states = {c.get("path"): c.get("state") for c in d.checkpoints()}
                     state = next((s for p, s in states.items()
                                   if p and os.path.basename(p.rstrip("/")) == name), None)
                     ok = ok and state == "committed"
                     run.update(ckptfs_save_s=r["save_s_max"], durable_s=t_commit - t_first,
+                               wait_returned_after_return_s=t_wait_end - t_ret,
                                committed_after_return_s=t_commit - t_ret, wait_s=wait_s,
                                state=state, samples=len(samples))
                     stall_c.append(r["save_s_max"])
@@ -101,7 +112,7 @@ def main():
                         t0 = t_first - 0.5
                         plotted = {
                             "name": name,
-                            "progress": poller.series(t0, PROGRESS_KEYS),
+                            "progress": poller.series(t0, PROGRESS_KEYS, base),
                             "markers": [(round(t_first + r["save_s_max"] - t0, 3),
                                          "save_state_dict done"),
                                         (round(t_commit - t0, 3), "committed")]}

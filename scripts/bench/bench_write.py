@@ -39,7 +39,7 @@ def same(a, b):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--staging-mem", default="2G")
     ap.add_argument("--flush-threads", type=int, default=None)
     ap.add_argument("--work", default=os.path.join(bl.REPO, "build-bench", "write-work"),
@@ -79,6 +79,7 @@ def main():
                     res["direct"].append(t)
                     run["direct_s"] = t
                     continue
+                base = d.stats()
                 poller = bl.StatsPoller(d.mnt).start()
                 t0 = time.monotonic()
                 t_dd = dd(src, cfile)
@@ -91,7 +92,7 @@ def main():
                 ok = ok and same(src, os.path.join(d.backing, f"f{rep}"))
                 oks.append(ok)
                 if plotted is None:
-                    plotted = {"progress": poller.series(t0 - 0.2, PROGRESS_KEYS),
+                    plotted = {"progress": poller.series(t0 - 0.2, PROGRESS_KEYS, base),
                                "markers": [(round(t_dd + 0.2, 3), "dd returned"),
                                            (round(t_pub + 0.2, 3), "published")]}
             bl.log(f"rep {rep}: ckptfs dd {run['staged_s']:.2f} s, published "

@@ -201,14 +201,25 @@ class StatsPoller:
 
     def first_time(self, key, above):
         """First sample time when stats[key] > above, or None."""
+        return self.first_time_where(lambda s: s.get(key, 0) > above)
+
+    def first_time_where(self, pred):
+        """First sample time when pred(stats) holds, or None."""
         for t, s in self.samples:
-            if s.get(key, 0) > above:
+            if pred(s):
                 return t
         return None
 
-    def series(self, t0, keys):
-        return {"t": [round(t - t0, 3) for t, _ in self.samples],
-                **{k: [s.get(k) for _, s in self.samples] for k in keys}}
+    def series(self, t0, keys, base=None):
+        """Samples from t0 on, times relative to t0; counters in `base`
+        (a stats dict taken before the run) are shown relative to it."""
+        base = base or {}
+        rows = [(t, s) for t, s in self.samples if t >= t0]
+        out = {"t": [round(t - t0, 3) for t, _ in rows]}
+        for k in keys:
+            b0 = base.get(k, 0) if k.startswith("bytes_") else 0
+            out[k] = [None if s.get(k) is None else s[k] - b0 for _, s in rows]
+        return out
 
 
 def emit(case):
