@@ -29,23 +29,23 @@ constexpr ClassName kMetadata1[] = {{kMeta1, "Metadata"}};
 constexpr ClassName kMetadata2[] = {{kMeta2, "Metadata"}};
 constexpr ClassName kMcoreMetadata[] = {{kMcore, "MCoreMetadata"}};
 constexpr ClassName kTensorStorageMetadata[] = {{kMeta1, "TensorStorageMetadata"},
-                                             {kMeta2, "TensorStorageMetadata"}};
+                                                {kMeta2, "TensorStorageMetadata"}};
 constexpr ClassName kBytesStorageMetadata[] = {{kMeta1, "BytesStorageMetadata"},
-                                            {kMeta2, "BytesStorageMetadata"}};
+                                               {kMeta2, "BytesStorageMetadata"}};
 constexpr ClassName kChunkStorageMetadata[] = {{kMeta1, "ChunkStorageMetadata"},
-                                            {kMeta2, "ChunkStorageMetadata"}};
+                                               {kMeta2, "ChunkStorageMetadata"}};
 constexpr ClassName kTensorProperties[] = {{kShardedMeta, "TensorProperties"},
-                                        {kMeta2, "TensorProperties"}};
+                                           {kMeta2, "TensorProperties"}};
 constexpr ClassName kMemFormatEnum[] = {{kShardedMeta, "MEM_FORMAT_ENCODING"},
-                                     {kMeta2, "_MEM_FORMAT_ENCODING"}};
+                                        {kMeta2, "_MEM_FORMAT_ENCODING"}};
 constexpr ClassName kMetadataIndex[] = {{kMeta1, "MetadataIndex"}, {kMeta2, "MetadataIndex"}};
 constexpr ClassName kStorageInfo[] = {{kFs1, "_StorageInfo"}, {kFs2, "_StorageInfo"}};
 constexpr ClassName kStorageMeta[] = {{kMeta2, "StorageMeta"}};
 // Python 3.13 moved the concrete path classes to pathlib._local.
 constexpr ClassName kPosixPath[] = {{"pathlib", "PosixPath"},
-                                 {"pathlib", "PurePosixPath"},
-                                 {"pathlib._local", "PosixPath"},
-                                 {"pathlib._local", "PurePosixPath"}};
+                                    {"pathlib", "PurePosixPath"},
+                                    {"pathlib._local", "PosixPath"},
+                                    {"pathlib._local", "PurePosixPath"}};
 
 // The enum members of MEM_FORMAT_ENCODING, in value order.
 constexpr string_view kMemFormats[] = {"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST",
@@ -167,8 +167,8 @@ Result<std::vector<int64_t>> Interpreter::ParseSize(NodeId id, string_view what)
   if (t_.Is(id, PickleKind::kReduce)) {
     std::span<const NodeId> args = t_.items(t_.args(id));
     if (!t_.IsGlobal(t_.callable(id), "torch", "Size") || args.size() != 1) {
-      return Corrupt("dcp metadata: " + std::string(what) + " is not a torch.Size: " +
-                     Describe(id));
+      return Corrupt("dcp metadata: " + std::string(what) +
+                     " is not a torch.Size: " + Describe(id));
     }
     tuple = args[0];
   }
@@ -177,8 +177,8 @@ Result<std::vector<int64_t>> Interpreter::ParseSize(NodeId id, string_view what)
   }
   std::span<const NodeId> elems = t_.items(tuple);
   if (elems.size() > options_.max_dims) {
-    return Corrupt("dcp metadata: " + std::string(what) + " has " +
-                   std::to_string(elems.size()) + " dimensions");
+    return Corrupt("dcp metadata: " + std::string(what) + " has " + std::to_string(elems.size()) +
+                   " dimensions");
   }
   std::vector<int64_t> out;
   out.reserve(elems.size());
@@ -191,8 +191,8 @@ Result<std::vector<int64_t>> Interpreter::ParseSize(NodeId id, string_view what)
 
 Result<int64_t> Interpreter::ParseNonNegInt(NodeId id, string_view what) const {
   if (!t_.Is(id, PickleKind::kInt) || t_.int_value(id) < 0) {
-    return Corrupt("dcp metadata: " + std::string(what) + " is not a non-negative int: " +
-                   Describe(id));
+    return Corrupt("dcp metadata: " + std::string(what) +
+                   " is not a non-negative int: " + Describe(id));
   }
   return t_.int_value(id);
 }
@@ -391,8 +391,7 @@ Status Interpreter::AddTensorItems(string_view fqn, NodeId tensor_md) {
       // All three are non-negative int64, so the sum cannot overflow uint64.
       if (static_cast<uint64_t>(offsets[d]) + static_cast<uint64_t>(sizes[d]) >
           static_cast<uint64_t>(global_size[d])) {
-        return Corrupt("dcp metadata: chunk of '" + std::string(fqn) +
-                       "' lies outside the tensor");
+        return Corrupt("dcp metadata: chunk of '" + std::string(fqn) + "' lies outside the tensor");
       }
     }
     CKPT_ASSIGN_OR_RETURN(StorageEntry * e, Claim(StorageKey{fqn, &offsets}));
@@ -513,9 +512,12 @@ Result<DcpMetadata> Interpreter::Run() {
 
 std::string_view ItemKindName(ItemKind kind) {
   switch (kind) {
-    case ItemKind::kTensor: return "tensor";
-    case ItemKind::kBytes: return "bytes";
-    case ItemKind::kOpaque: return "opaque";
+    case ItemKind::kTensor:
+      return "tensor";
+    case ItemKind::kBytes:
+      return "bytes";
+    case ItemKind::kOpaque:
+      return "opaque";
   }
   return "?";
 }

@@ -39,9 +39,9 @@ struct DcpItem {
   ItemKind kind = ItemKind::kBytes;
   std::string fqn;
   std::vector<int64_t> chunk_offsets, chunk_sizes, global_size;  // empty for bytes
-  std::string dtype;            // "float16", "bfloat16", ... ; empty for bytes
-  std::string file;             // relative_path, e.g. "__0_0.distcp"
-  uint64_t offset = 0, length = 0;  // item byte range inside `file`
+  std::string dtype;                    // "float16", "bfloat16", ... ; empty for bytes
+  std::string file;                     // relative_path, e.g. "__0_0.distcp"
+  uint64_t offset = 0, length = 0;      // item byte range inside `file`
   std::vector<std::string> transforms;  // transform descriptors; non-empty => kOpaque
   // Index of the chunk within its tensor's chunk list (0 for bytes items).
   uint32_t chunk_index = 0;

@@ -248,7 +248,8 @@ Status PickleMachine::Step(uint8_t op) {
       // CPython's C unpickler does. The frame must lie inside the input.
       CKPT_RETURN_IF_ERROR(Need(8));
       uint64_t len = ReadLe(8);
-      if (len > in_.size() - pos_) return Err("frame of " + std::to_string(len) + " bytes past end");
+      if (len > in_.size() - pos_)
+        return Err("frame of " + std::to_string(len) + " bytes past end");
       return Status::Ok();
     }
     case kStop: {
@@ -289,8 +290,10 @@ Status PickleMachine::Step(uint8_t op) {
       CKPT_ASSIGN_OR_RETURN(NodeId id, NewInt(static_cast<int64_t>(ReadLe(n))));
       return Push(id);
     }
-    case kLong1: return OpLong(1);
-    case kLong4: return OpLong(4);
+    case kLong1:
+      return OpLong(1);
+    case kLong4:
+      return OpLong(4);
     case kBinFloat: {
       CKPT_RETURN_IF_ERROR(Need(8));
       uint64_t bits = 0;
@@ -300,31 +303,47 @@ Status PickleMachine::Step(uint8_t op) {
       node(id).u.f = std::bit_cast<double>(bits);
       return Push(id);
     }
-    case kShortBinUnicode: return OpString(PickleKind::kStr, 1);
-    case kBinUnicode: return OpString(PickleKind::kStr, 4);
-    case kBinUnicode8: return OpString(PickleKind::kStr, 8);
+    case kShortBinUnicode:
+      return OpString(PickleKind::kStr, 1);
+    case kBinUnicode:
+      return OpString(PickleKind::kStr, 4);
+    case kBinUnicode8:
+      return OpString(PickleKind::kStr, 8);
     case kShortBinBytes:
-    case kShortBinString: return OpString(PickleKind::kBytes, 1);
+    case kShortBinString:
+      return OpString(PickleKind::kBytes, 1);
     case kBinBytes:
-    case kBinString: return OpString(PickleKind::kBytes, 4);
+    case kBinString:
+      return OpString(PickleKind::kBytes, 4);
     case kBinBytes8:
-    case kByteArray8: return OpString(PickleKind::kBytes, 8);
-    case kEmptyTuple: return OpTuple(0);
-    case kTuple1: return OpTuple(1);
-    case kTuple2: return OpTuple(2);
-    case kTuple3: return OpTuple(3);
-    case kTuple: return OpTupleFromMark();
+    case kByteArray8:
+      return OpString(PickleKind::kBytes, 8);
+    case kEmptyTuple:
+      return OpTuple(0);
+    case kTuple1:
+      return OpTuple(1);
+    case kTuple2:
+      return OpTuple(2);
+    case kTuple3:
+      return OpTuple(3);
+    case kTuple:
+      return OpTupleFromMark();
     case kEmptyList:
     case kEmptyDict: {
       PickleKind kind = op == kEmptyList ? PickleKind::kList : PickleKind::kDict;
       CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(kind));  // elements come with APPEND/SETITEM
       return Push(id);
     }
-    case kAppend: return OpAppend(false);
-    case kAppends: return OpAppend(true);
-    case kSetItem: return OpSetItem(false);
-    case kSetItems: return OpSetItem(true);
-    case kMemoize: return OpPut(memo_.size() + sparse_memo_.size());
+    case kAppend:
+      return OpAppend(false);
+    case kAppends:
+      return OpAppend(true);
+    case kSetItem:
+      return OpSetItem(false);
+    case kSetItems:
+      return OpSetItem(true);
+    case kMemoize:
+      return OpPut(memo_.size() + sparse_memo_.size());
     case kBinPut:
       CKPT_RETURN_IF_ERROR(Need(1));
       return OpPut(ReadLe(1));
@@ -337,11 +356,16 @@ Status PickleMachine::Step(uint8_t op) {
     case kLongBinGet:
       CKPT_RETURN_IF_ERROR(Need(4));
       return OpGet(ReadLe(4));
-    case kGlobal: return OpGlobal(false);
-    case kStackGlobal: return OpGlobal(true);
-    case kReduce: return OpCall(PickleKind::kReduce);
-    case kNewObj: return OpCall(PickleKind::kNewObj);
-    case kBuild: return OpBuild();
+    case kGlobal:
+      return OpGlobal(false);
+    case kStackGlobal:
+      return OpGlobal(true);
+    case kReduce:
+      return OpCall(PickleKind::kReduce);
+    case kNewObj:
+      return OpCall(PickleKind::kNewObj);
+    case kBuild:
+      return OpBuild();
     case kBinPersId: {
       CKPT_ASSIGN_OR_RETURN(NodeId pid, Pop());
       CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kPersId, DepthOf({pid})));
@@ -624,19 +648,32 @@ Status PickleMachine::RaiseDepth(NodeId parent, NodeId child) {
 
 std::string_view PickleKindName(PickleKind kind) {
   switch (kind) {
-    case PickleKind::kNone: return "None";
-    case PickleKind::kBool: return "bool";
-    case PickleKind::kInt: return "int";
-    case PickleKind::kFloat: return "float";
-    case PickleKind::kStr: return "str";
-    case PickleKind::kBytes: return "bytes";
-    case PickleKind::kTuple: return "tuple";
-    case PickleKind::kList: return "list";
-    case PickleKind::kDict: return "dict";
-    case PickleKind::kGlobal: return "global";
-    case PickleKind::kReduce: return "reduce";
-    case PickleKind::kNewObj: return "newobj";
-    case PickleKind::kPersId: return "persid";
+    case PickleKind::kNone:
+      return "None";
+    case PickleKind::kBool:
+      return "bool";
+    case PickleKind::kInt:
+      return "int";
+    case PickleKind::kFloat:
+      return "float";
+    case PickleKind::kStr:
+      return "str";
+    case PickleKind::kBytes:
+      return "bytes";
+    case PickleKind::kTuple:
+      return "tuple";
+    case PickleKind::kList:
+      return "list";
+    case PickleKind::kDict:
+      return "dict";
+    case PickleKind::kGlobal:
+      return "global";
+    case PickleKind::kReduce:
+      return "reduce";
+    case PickleKind::kNewObj:
+      return "newobj";
+    case PickleKind::kPersId:
+      return "persid";
   }
   return "?";
 }
@@ -739,15 +776,33 @@ void PickleTree::DebugStringImpl(NodeId id, int depth, std::string* out, size_t 
     *out += close;
   };
   switch (kind(id)) {
-    case PickleKind::kNone: *out += "None"; break;
-    case PickleKind::kBool: *out += bool_value(id) ? "True" : "False"; break;
-    case PickleKind::kInt: *out += std::to_string(int_value(id)); break;
-    case PickleKind::kFloat: *out += std::to_string(float_value(id)); break;
-    case PickleKind::kStr: *out += "'" + std::string(str(id).substr(0, max_chars)) + "'"; break;
-    case PickleKind::kBytes: *out += "b<" + std::to_string(str(id).size()) + " bytes>"; break;
-    case PickleKind::kTuple: seq("(", items(id).size() == 1 ? ",)" : ")", items(id), false); break;
-    case PickleKind::kList: seq("[", "]", items(id), false); break;
-    case PickleKind::kDict: seq("{", "}", items(id), true); break;
+    case PickleKind::kNone:
+      *out += "None";
+      break;
+    case PickleKind::kBool:
+      *out += bool_value(id) ? "True" : "False";
+      break;
+    case PickleKind::kInt:
+      *out += std::to_string(int_value(id));
+      break;
+    case PickleKind::kFloat:
+      *out += std::to_string(float_value(id));
+      break;
+    case PickleKind::kStr:
+      *out += "'" + std::string(str(id).substr(0, max_chars)) + "'";
+      break;
+    case PickleKind::kBytes:
+      *out += "b<" + std::to_string(str(id).size()) + " bytes>";
+      break;
+    case PickleKind::kTuple:
+      seq("(", items(id).size() == 1 ? ",)" : ")", items(id), false);
+      break;
+    case PickleKind::kList:
+      seq("[", "]", items(id), false);
+      break;
+    case PickleKind::kDict:
+      seq("{", "}", items(id), true);
+      break;
     case PickleKind::kGlobal:
       *out += std::string(global_module(id)) + "." + std::string(global_name(id));
       break;

@@ -56,17 +56,17 @@ inline constexpr NodeId kNoNode = 0xffffffffu;
 enum class PickleKind : uint8_t {
   kNone,
   kBool,
-  kInt,    // int64; wider integers are rejected
+  kInt,  // int64; wider integers are rejected
   kFloat,
   kStr,    // UTF-8 text (unicode opcodes)
   kBytes,  // bytes, bytearray and protocol-2 byte strings
   kTuple,
   kList,
-  kDict,     // keys may be any value, objects included; order is insertion order
-  kGlobal,   // a reference to module.name (GLOBAL, STACK_GLOBAL)
-  kReduce,   // callable(*args) as REDUCE describes it
-  kNewObj,   // cls.__new__(cls, *args) (NEWOBJ), plus BUILD state
-  kPersId,   // a persistent id (BINPERSID), e.g. a torch storage reference
+  kDict,    // keys may be any value, objects included; order is insertion order
+  kGlobal,  // a reference to module.name (GLOBAL, STACK_GLOBAL)
+  kReduce,  // callable(*args) as REDUCE describes it
+  kNewObj,  // cls.__new__(cls, *args) (NEWOBJ), plus BUILD state
+  kPersId,  // a persistent id (BINPERSID), e.g. a torch storage reference
 };
 
 std::string_view PickleKindName(PickleKind kind);
@@ -129,11 +129,11 @@ class PickleTree {
       double f;
       uint64_t offset;  // kStr/kBytes: into input_; kTuple: into tuple_items_
       struct {
-        NodeId a, b;    // global: module/name str nodes; reduce/newobj: callable/args
+        NodeId a, b;  // global: module/name str nodes; reduce/newobj: callable/args
       } ref;
     } u{};
-    uint32_t len = 0;   // kStr/kBytes: bytes; kTuple: elements
-    NodeId c = kNoNode; // reduce/newobj: state; persid: value
+    uint32_t len = 0;    // kStr/kBytes: bytes; kTuple: elements
+    NodeId c = kNoNode;  // reduce/newobj: state; persid: value
   };
 
   void DebugStringImpl(NodeId id, int depth, std::string* out, size_t max_chars) const;

@@ -191,12 +191,18 @@ struct DtypeInfo {
 };
 
 constexpr DtypeInfo kDtypes[] = {
-    {"float16", 2},       {"bfloat16", 2},        {"float32", 4},         {"float64", 8},
-    {"complex32", 4},     {"complex64", 8},       {"complex128", 16},     {"int8", 1},
-    {"uint8", 1},         {"int16", 2},           {"int32", 4},           {"int64", 8},
-    {"uint16", 2},        {"uint32", 4},          {"uint64", 8},          {"bool", 1},
-    {"float8_e4m3fn", 1}, {"float8_e5m2", 1},     {"float8_e4m3fnuz", 1}, {"float8_e5m2fnuz", 1},
-    {"float8_e8m0fnu", 1}, {"float4_e2m1fn_x2", 1}, {"bits8", 1},         {"bits16", 2},
+    {"float16", 2},         {"bfloat16", 2},
+    {"float32", 4},         {"float64", 8},
+    {"complex32", 4},       {"complex64", 8},
+    {"complex128", 16},     {"int8", 1},
+    {"uint8", 1},           {"int16", 2},
+    {"int32", 4},           {"int64", 8},
+    {"uint16", 2},          {"uint32", 4},
+    {"uint64", 8},          {"bool", 1},
+    {"float8_e4m3fn", 1},   {"float8_e5m2", 1},
+    {"float8_e4m3fnuz", 1}, {"float8_e5m2fnuz", 1},
+    {"float8_e8m0fnu", 1},  {"float4_e2m1fn_x2", 1},
+    {"bits8", 1},           {"bits16", 2},
 };
 
 // Typed storage classes used by _rebuild_tensor_v2 (torch.storage._dtype_to_storage_type_map).
@@ -207,12 +213,18 @@ struct StorageType {
 };
 
 constexpr StorageType kStorageTypes[] = {
-    {"DoubleStorage", "float64"},      {"FloatStorage", "float32"},
-    {"HalfStorage", "float16"},        {"BFloat16Storage", "bfloat16"},
-    {"LongStorage", "int64"},          {"IntStorage", "int32"},
-    {"ShortStorage", "int16"},         {"CharStorage", "int8"},
-    {"ByteStorage", "uint8"},          {"BoolStorage", "bool"},
-    {"ComplexFloatStorage", "complex64"}, {"ComplexDoubleStorage", "complex128"},
+    {"DoubleStorage", "float64"},
+    {"FloatStorage", "float32"},
+    {"HalfStorage", "float16"},
+    {"BFloat16Storage", "bfloat16"},
+    {"LongStorage", "int64"},
+    {"IntStorage", "int32"},
+    {"ShortStorage", "int16"},
+    {"CharStorage", "int8"},
+    {"ByteStorage", "uint8"},
+    {"BoolStorage", "bool"},
+    {"ComplexFloatStorage", "complex64"},
+    {"ComplexDoubleStorage", "complex128"},
 };
 
 // What data.pkl says about the tensor, before the zip records are checked against it.
@@ -232,7 +244,9 @@ struct Interpretation {
   RebuildCall call;
 };
 
-Interpretation NotTensor(std::string reason) { return Interpretation{false, std::move(reason), {}}; }
+Interpretation NotTensor(std::string reason) {
+  return Interpretation{false, std::move(reason), {}};
+}
 
 bool ParseInts(const PickleTree& t, NodeId id, std::vector<int64_t>* out) {
   if (!t.Is(id, PickleKind::kTuple) && !t.Is(id, PickleKind::kList)) return false;
@@ -270,7 +284,8 @@ Interpretation InterpretTensorPickle(const PickleTree& t) {
   if (args.size() == fixed + 1) {
     NodeId meta = args[fixed];
     // Tensor metadata (e.g. conj/neg bits) changes what the bytes mean.
-    if (!t.Is(meta, PickleKind::kNone) && !(t.Is(meta, PickleKind::kDict) && t.dict_size(meta) == 0)) {
+    if (!t.Is(meta, PickleKind::kNone) &&
+        !(t.Is(meta, PickleKind::kDict) && t.dict_size(meta) == 0)) {
       return NotTensor("tensor carries rebuild metadata");
     }
   }
@@ -297,7 +312,8 @@ Interpretation InterpretTensorPickle(const PickleTree& t) {
     for (const StorageType& s : kStorageTypes) {
       if (s.cls == storage_cls) call.dtype = std::string(s.dtype);
     }
-    if (call.dtype.empty()) return NotTensor("unsupported storage type " + std::string(storage_cls));
+    if (call.dtype.empty())
+      return NotTensor("unsupported storage type " + std::string(storage_cls));
   }
   if (DtypeItemSize(call.dtype) == 0) return NotTensor("unsupported dtype " + call.dtype);
   if (!t.Is(args[1], PickleKind::kInt) || t.int_value(args[1]) < 0 ||
@@ -460,9 +476,10 @@ Result<TorchSaveTensor> ParseTorchSaveItem(const ReadAtFn& read, uint64_t size,
   unsigned __int128 storage_bytes = static_cast<unsigned __int128>(call.storage_numel) *
                                     (call.untyped ? 1 : static_cast<unsigned>(itemsize));
   if (storage_bytes != rec->uncompressed_size) {
-    return ZipError("storage of " + std::to_string(call.storage_numel) + " elements does not match "
-                    "record '" + rec->name + "' of " + std::to_string(rec->uncompressed_size) +
-                    " bytes");
+    return ZipError("storage of " + std::to_string(call.storage_numel) +
+                    " elements does not match "
+                    "record '" +
+                    rec->name + "' of " + std::to_string(rec->uncompressed_size) + " bytes");
   }
   uint64_t extent = 0;
   if (!ExtentBytes(call, itemsize, &extent) || extent > rec->uncompressed_size) {

@@ -10,8 +10,7 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string_view item(reinterpret_cast<const char*>(data), size);
   auto t = ckptfs::store::ParseTorchSaveItem(item);
-  if (t.ok() && t->is_tensor &&
-      (t->data_offset > size || size - t->data_offset < t->data_nbytes)) {
+  if (t.ok() && t->is_tensor && (t->data_offset > size || size - t->data_offset < t->data_nbytes)) {
     __builtin_trap();
   }
   ckptfs::store::ReadAtFn read = [item](uint64_t offset, std::span<char> dst) -> ckptfs::Status {

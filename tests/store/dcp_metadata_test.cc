@@ -123,10 +123,10 @@ std::string MemFormat(bool call_form) {
 
 std::string Props(std::string_view dtype, bool call_form = false,
                   std::string_view layout = "torch.strided") {
-  std::string state = Tuple({Global("torch", dtype),
-                             Reduce(Global("torch.serialization", "_get_layout"),
-                                    Tuple({Str(layout)})),
-                             "\x89", MemFormat(call_form), "\x89"});
+  std::string state =
+      Tuple({Global("torch", dtype),
+             Reduce(Global("torch.serialization", "_get_layout"), Tuple({Str(layout)})), "\x89",
+             MemFormat(call_form), "\x89"});
   return Obj(kM2, "TensorProperties", state);
 }
 
@@ -167,8 +167,9 @@ std::string Info(std::string_view path, int64_t offset, int64_t length,
 // A torch-2.x-style Metadata with two chunks of "w" and one bytes item "b".
 struct Spec {
   std::string module = std::string(kM2), cls = "Metadata";
-  Fields sdm = {{Str("w"), TensorMd("bfloat16", {4, 2}, {Chunk({0, 0}, {2, 2}), Chunk({2, 0}, {2, 2})})},
-                {Str("b"), BytesMd()}};
+  Fields sdm = {
+      {Str("w"), TensorMd("bfloat16", {4, 2}, {Chunk({0, 0}, {2, 2}), Chunk({2, 0}, {2, 2})})},
+      {Str("b"), BytesMd()}};
   Fields storage = {{Index("w", std::vector<int64_t>{0, 0}), Info("__0_0.distcp", 100, 50)},
                     {Index("w", std::vector<int64_t>{2, 0}, 1), Info("__1_0.distcp", 0, 60)},
                     {Index("b", std::nullopt), Info("__0_0.distcp", 0, 100)}};
@@ -188,8 +189,7 @@ Result<DcpMetadata> ParseSpec(const Spec& spec) {
 void ExpectRejected(const Spec& spec, std::string_view message_part) {
   Result<DcpMetadata> md = ParseSpec(spec);
   ASSERT_FALSE(md.ok());
-  EXPECT_NE(md.status().message().find(message_part), std::string::npos)
-      << md.status().message();
+  EXPECT_NE(md.status().message().find(message_part), std::string::npos) << md.status().message();
 }
 
 // --- Fixtures ---------------------------------------------------------------------------------
@@ -198,16 +198,15 @@ TEST(DcpMetadata, EveryFixtureMatchesItsManifest) {
   std::vector<Fixture> fixtures = AllFixtures();
   ASSERT_GE(fixtures.size(), 11u) << "fixtures missing under " << kFixtures;
   const std::set<std::string> kKnownFields = {
-      "kind",     "fqn",  "chunk_offsets", "chunk_sizes", "global_size",    "dtype",
-      "file",     "offset", "length",      "raw_offset",  "raw_nbytes",     "stride",
-      "storage_offset"};
+      "kind",   "fqn",    "chunk_offsets", "chunk_sizes", "global_size", "dtype",         "file",
+      "offset", "length", "raw_offset",    "raw_nbytes",  "stride",      "storage_offset"};
   for (const Fixture& f : fixtures) {
     SCOPED_TRACE(f.name);
     std::string bytes = ReadFile(f.metadata);
     ASSERT_FALSE(bytes.empty());
     Result<DcpMetadata> md = ParseDcpMetadata(bytes);
     ASSERT_TRUE(md.ok()) << md.status().ToString();
-    EXPECT_EQ(md->flavor, f.name.find("megatron") != std::string::npos ? "mcore"
+    EXPECT_EQ(md->flavor, f.name.find("megatron") != std::string::npos    ? "mcore"
                           : f.name.find("synthetic") != std::string::npos ? "torch2"
                                                                           : "torch1");
     std::map<std::string, const DcpItem*> by_key;
@@ -284,9 +283,8 @@ TEST(DcpMetadata, ItemsFollowStateDictOrderAndChunkOrder) {
   EXPECT_EQ(md->items[1].chunk_index, 1u);
   EXPECT_EQ(md->items[1].file, "__1_0.distcp");
   EXPECT_EQ(md->items[2].kind, ItemKind::kBytes);
-  EXPECT_EQ(RequiredFileLengths(*md),
-            (std::vector<std::pair<std::string, uint64_t>>{{"__0_0.distcp", 150},
-                                                           {"__1_0.distcp", 60}}));
+  EXPECT_EQ(RequiredFileLengths(*md), (std::vector<std::pair<std::string, uint64_t>>{
+                                          {"__0_0.distcp", 150}, {"__1_0.distcp", 60}}));
 }
 
 TEST(DcpMetadata, MemoryFormatAcceptedInBothForms) {
@@ -303,10 +301,11 @@ TEST(DcpMetadata, MemoryFormatAcceptedInBothForms) {
                Tuple({Global(kM2, "_MEM_FORMAT_ENCODING"), Str("__class__")}))}) {
     std::string props = Obj(kM2, "TensorProperties",
                             Tuple({Global("torch", "float32"), None(), "\x89", bad, "\x89"}));
-    spec.sdm[0].second = Obj(kM2, "TensorStorageMetadata",
-                             StrDict({{"properties", props}, {"size", Size({4, 2})},
-                                      {"chunks", List({Chunk({0, 0}, {2, 2}),
-                                                       Chunk({2, 0}, {2, 2})})}}));
+    spec.sdm[0].second =
+        Obj(kM2, "TensorStorageMetadata",
+            StrDict({{"properties", props},
+                     {"size", Size({4, 2})},
+                     {"chunks", List({Chunk({0, 0}, {2, 2}), Chunk({2, 0}, {2, 2})})}}));
     ExpectRejected(spec, "memory format");
   }
 }
@@ -342,8 +341,8 @@ TEST(DcpMetadata, MegatronSubclassAndUnknownExtrasAreAccepted) {
 // --- Strictness and hostile input -------------------------------------------------------------
 
 TEST(DcpMetadata, PathsMustStayInsideTheCheckpoint) {
-  for (const char* path : {"../x.distcp", "/etc/passwd", "a/../../x", "a//b", "./a", "", "a/",
-                           "sub/.."}) {
+  for (const char* path :
+       {"../x.distcp", "/etc/passwd", "a/../../x", "a//b", "./a", "", "a/", "sub/.."}) {
     Spec spec;
     spec.storage[0].second = Info(path, 0, 10);
     SCOPED_TRACE(path);
@@ -377,7 +376,8 @@ TEST(DcpMetadata, ChunksAndStorageEntriesMustMatchOneToOne) {
   dup_key.storage.emplace_back(Index("w", std::vector<int64_t>{0, 0}, 7), Info("x.distcp", 0, 1));
   ExpectRejected(dup_key, "twice");
   Spec dup_chunk;
-  dup_chunk.sdm[0].second = TensorMd("bfloat16", {4, 2}, {Chunk({0, 0}, {2, 2}), Chunk({0, 0}, {2, 2})});
+  dup_chunk.sdm[0].second =
+      TensorMd("bfloat16", {4, 2}, {Chunk({0, 0}, {2, 2}), Chunk({0, 0}, {2, 2})});
   ExpectRejected(dup_chunk, "twice");
   Spec dup_fqn;
   dup_fqn.sdm.push_back(dup_fqn.sdm[1]);
@@ -386,7 +386,8 @@ TEST(DcpMetadata, ChunksAndStorageEntriesMustMatchOneToOne) {
 
 TEST(DcpMetadata, ChunkGeometryIsChecked) {
   Spec outside;
-  outside.sdm[0].second = TensorMd("bfloat16", {4, 2}, {Chunk({0, 0}, {2, 2}), Chunk({2, 0}, {3, 2})});
+  outside.sdm[0].second =
+      TensorMd("bfloat16", {4, 2}, {Chunk({0, 0}, {2, 2}), Chunk({2, 0}, {3, 2})});
   ExpectRejected(outside, "outside the tensor");
   Spec rank;
   rank.sdm[0].second = TensorMd("bfloat16", {4, 2}, {Chunk({0, 0}, {2, 2}), Chunk({2}, {2})});
@@ -402,15 +403,16 @@ TEST(DcpMetadata, OnlyAllowlistedClassesAreInterpreted) {
   top.cls = "system";
   ExpectRejected(top, "unknown top-level class");
   Spec chunk;
-  chunk.sdm[0].second = TensorMd("bfloat16", {4, 2}, {Chunk({0, 0}, {2, 2}), Obj("evil", "Chunk", "")});
+  chunk.sdm[0].second =
+      TensorMd("bfloat16", {4, 2}, {Chunk({0, 0}, {2, 2}), Obj("evil", "Chunk", "")});
   ExpectRejected(chunk, "expected");
   Spec dtype;
-  dtype.sdm[0].second = Obj(kM2, "TensorStorageMetadata",
-                            StrDict({{"properties", Obj(kM2, "TensorProperties",
-                                                        Tuple({Global("os", "system"), None(),
-                                                               "\x89", None(), "\x89"}))},
-                                     {"size", Size({4, 2})},
-                                     {"chunks", List({})}}));
+  dtype.sdm[0].second = Obj(
+      kM2, "TensorStorageMetadata",
+      StrDict({{"properties", Obj(kM2, "TensorProperties",
+                                  Tuple({Global("os", "system"), None(), "\x89", None(), "\x89"}))},
+               {"size", Size({4, 2})},
+               {"chunks", List({})}}));
   ExpectRejected(dtype, "not a torch dtype");
   Spec size;
   size.sdm[0].second = Obj(kM2, "TensorStorageMetadata",
@@ -425,10 +427,11 @@ TEST(DcpMetadata, OnlyAllowlistedClassesAreInterpreted) {
 TEST(DcpMetadata, NonStridedLayoutIsOpaque) {
   Spec spec;
   std::string props = Props("float32", false, "torch.sparse_coo");
-  spec.sdm[0].second = Obj(kM2, "TensorStorageMetadata",
-                           StrDict({{"properties", props},
-                                    {"size", Size({4, 2})},
-                                    {"chunks", List({Chunk({0, 0}, {2, 2}), Chunk({2, 0}, {2, 2})})}}));
+  spec.sdm[0].second =
+      Obj(kM2, "TensorStorageMetadata",
+          StrDict({{"properties", props},
+                   {"size", Size({4, 2})},
+                   {"chunks", List({Chunk({0, 0}, {2, 2}), Chunk({2, 0}, {2, 2})})}}));
   Result<DcpMetadata> md = ParseSpec(spec);
   ASSERT_TRUE(md.ok()) << md.status().ToString();
   EXPECT_EQ(md->items[0].kind, ItemKind::kOpaque);
@@ -444,15 +447,19 @@ TEST(DcpMetadata, SharedChunkListBombFailsFast) {
   std::string body = Global(kM2, "Metadata") + ")\x81" + "}(" + Str("state_dict_metadata") + "}(";
   for (int f = 0; f < 2000; ++f) {
     std::string list = f == 0 ? chunks : std::string("h\x00", 2);
-    body += Str("t" + std::to_string(f)) +
-            Obj(kM2, "TensorStorageMetadata",
-                StrDict({{"properties", Props("float32")}, {"size", Size({2000})}, {"chunks", list}}));
+    body +=
+        Str("t" + std::to_string(f)) +
+        Obj(kM2, "TensorStorageMetadata",
+            StrDict({{"properties", Props("float32")}, {"size", Size({2000})}, {"chunks", list}}));
   }
   body += "u" + Str("storage_data") + "}(";
   for (int i = 0; i < 2000; ++i) {
     body += Index("t0", std::vector<int64_t>{i}) + Info("a.distcp", i, 1);
   }
-  body += "u" "u" "b";
+  body +=
+      "u"
+      "u"
+      "b";
   auto start = std::chrono::steady_clock::now();
   Result<DcpMetadata> md = ParseDcpMetadata(Pickle(body));
   auto secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -463,9 +470,9 @@ TEST(DcpMetadata, SharedChunkListBombFailsFast) {
 }
 
 TEST(DcpMetadata, EveryPrefixAndByteFlipOfRealMetadataIsSafe) {
-  for (const char* name : {"torch113_4rank_single_file/.metadata",
-                           "synthetic/default_2x.metadata.p4",
-                           "synthetic/megatron015.metadata.p4"}) {
+  for (const char* name :
+       {"torch113_4rank_single_file/.metadata", "synthetic/default_2x.metadata.p4",
+        "synthetic/megatron015.metadata.p4"}) {
     SCOPED_TRACE(name);
     std::string bytes = ReadFile(kFixtures / name);
     ASSERT_TRUE(ParseDcpMetadata(bytes).ok());

@@ -19,7 +19,8 @@ std::string ReadFile(const std::filesystem::path& path) {
   return ss.str();
 }
 
-const std::filesystem::path kFixtures = std::filesystem::path(CKPTFS_SOURCE_DIR) / "tests/fixtures/dcp";
+const std::filesystem::path kFixtures =
+    std::filesystem::path(CKPTFS_SOURCE_DIR) / "tests/fixtures/dcp";
 
 // Wraps opcodes in PROTO 4 ... STOP.
 std::string P(std::string body) { return "\x80\x04"s + body + "."; }
@@ -90,8 +91,7 @@ TEST(Pickle, IntegersUpTo64BitsAndNoWider) {
   EXPECT_EQ(Debug("\x80\x02\x8a\x05\x00\x00\x00\x80\x00\x2e"s), "2147483648");
   EXPECT_EQ(Debug("\x80\x02\x4a\xff\xff\xff\xff\x2e"s), "-1");
   EXPECT_EQ(Debug("\x80\x02\x8a\x08\xff\xff\xff\xff\xff\xff\xff\x7f\x2e"s), "9223372036854775807");
-  EXPECT_EQ(Debug("\x80\x02\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x80\x2e"s),
-            "-9223372036854775808");
+  EXPECT_EQ(Debug("\x80\x02\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x80\x2e"s), "-9223372036854775808");
   EXPECT_EQ(Debug("\x80\x02\x8a\x01\xff\x2e"s), "-1");
   EXPECT_EQ(Debug("\x80\x02\x8a\x00\x2e"s), "0");
   EXPECT_EQ(Debug("\x80\x02\x4b\xff\x2e"s), "255");
@@ -99,12 +99,12 @@ TEST(Pickle, IntegersUpTo64BitsAndNoWider) {
   // Redundant sign bytes beyond the eighth are fine; significant ones are not.
   EXPECT_EQ(Debug("\x80\x02\x8a\x0a\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x2e"s), "1");
   EXPECT_EQ(Debug("\x80\x02\x8b\x02\x00\x00\x00\xfe\xff\x2e"s), "-2");
-  EXPECT_NE(Debug("\x80\x02\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x80\x00\x2e"s)
-                .find("wider than 64 bits"),
-            std::string::npos);
-  EXPECT_NE(Debug("\x80\x02\x8a\x09\xff\xff\xff\xff\xff\xff\xff\x7f\xff\x2e"s)
-                .find("wider than 64 bits"),
-            std::string::npos);
+  EXPECT_NE(
+      Debug("\x80\x02\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x80\x00\x2e"s).find("wider than 64 bits"),
+      std::string::npos);
+  EXPECT_NE(
+      Debug("\x80\x02\x8a\x09\xff\xff\xff\xff\xff\xff\xff\x7f\xff\x2e"s).find("wider than 64 bits"),
+      std::string::npos);
   EXPECT_NE(Debug("\x80\x02\x8b\xff\xff\xff\xff\x2e"s).find("negative LONG4"), std::string::npos);
 }
 
@@ -122,7 +122,9 @@ TEST(Pickle, GlobalsCallsObjectsAndPersistentIds) {
   EXPECT_EQ(t->items(root).size(), 2u);
 
   // NEWOBJ + BUILD, STACK_GLOBAL, BINPERSID.
-  std::string obj = P("\x8c\x01m\x8c\x01" "C\x93)\x81}\x8c\x01x\x8c\x01ysb"s);
+  std::string obj =
+      P("\x8c\x01m\x8c\x01"
+        "C\x93)\x81}\x8c\x01x\x8c\x01ysb"s);
   EXPECT_EQ(Debug(obj), "new m.C()<-{'x': 'y'}");
   EXPECT_EQ(Debug(P("\x8c\x07storage\x85Q"s)), "persid('storage',)");
   EXPECT_EQ(Debug(P("N0\x88\x32\x86"s)), "(True, True)");  // POP and DUP
@@ -149,22 +151,23 @@ TEST(Pickle, UnknownOpcodeNamesByteAndOffset) {
 
 TEST(Pickle, RejectsMalformedStacksAndMarks) {
   const char* kBad[] = {
-      "a",              // APPEND on an empty stack
-      "t",              // TUPLE without MARK
-      "(",              // MARK left open at STOP
-      "]K\x01(a",       // APPEND whose list is hidden behind a MARK
-      "}(K\x01u",       // SETITEMS with an odd number of items
-      "K\x01K\x02s",    // SETITEM on an int
-      "K\x01]a",        // APPEND onto... the list is the value, the int the target
-      ")K\x01R",        // REDUCE with non-tuple args
-      ")\x81",          // NEWOBJ with one value on the stack
-      "K\x01K\x01" "b",  // BUILD on an int
-      "h\x05",          // BINGET of a key never stored
-      "\x94",           // MEMOIZE on an empty stack
-      "K\x01K\x02",     // two values left at STOP
-      "\x8c\x01m\x4b\x01\x93",  // STACK_GLOBAL with an int
+      "a",            // APPEND on an empty stack
+      "t",            // TUPLE without MARK
+      "(",            // MARK left open at STOP
+      "]K\x01(a",     // APPEND whose list is hidden behind a MARK
+      "}(K\x01u",     // SETITEMS with an odd number of items
+      "K\x01K\x02s",  // SETITEM on an int
+      "K\x01]a",      // APPEND onto... the list is the value, the int the target
+      ")K\x01R",      // REDUCE with non-tuple args
+      ")\x81",        // NEWOBJ with one value on the stack
+      "K\x01K\x01"
+      "b",                                    // BUILD on an int
+      "h\x05",                                // BINGET of a key never stored
+      "\x94",                                 // MEMOIZE on an empty stack
+      "K\x01K\x02",                           // two values left at STOP
+      "\x8c\x01m\x4b\x01\x93",                // STACK_GLOBAL with an int
       "\x8c\x01mN)\x81\x8c\x00\x8c\x00\x93",  // STACK_GLOBAL with empty names
-      "K\x01(0",        // POP of a MARK (CPython allows it; DCP never needs it)
+      "K\x01(0",  // POP of a MARK (CPython allows it; DCP never needs it)
   };
   for (const char* body : kBad) {
     std::string bytes = P(body);
@@ -174,7 +177,9 @@ TEST(Pickle, RejectsMalformedStacksAndMarks) {
   EXPECT_NE(Debug(P("a")).find("stack underflow"), std::string::npos);
   EXPECT_NE(Debug(P("h\x05")).find("never stored"), std::string::npos);
   // A BUILD applied twice to the same object.
-  EXPECT_FALSE(ParsePickle(P("\x8c\x01m\x8c\x01" "C\x93)\x81}b}b")).ok());
+  EXPECT_FALSE(ParsePickle(P("\x8c\x01m\x8c\x01"
+                             "C\x93)\x81}b}b"))
+                   .ok());
   // Trailing bytes after STOP.
   EXPECT_FALSE(ParsePickle(P("N") + "N").ok());
 }
@@ -182,7 +187,8 @@ TEST(Pickle, RejectsMalformedStacksAndMarks) {
 TEST(Pickle, RejectsLengthsPastEnd) {
   const std::string kBad[] = {
       P("X\xff\xff\xff\xff"s),
-      P("\x8c\x05" "abc"s),
+      P("\x8c\x05"
+        "abc"s),
       P("\x8d\xff\xff\xff\xff\xff\xff\xff\xff"s),
       P("\x8e\x00\x00\x00\x00\x00\x00\x00\x80"s),
       P("C\x10"s),
@@ -222,7 +228,9 @@ TEST(Pickle, DeepNestingIsRejectedNotRecursedInto) {
 
 TEST(Pickle, CyclesParseAndDebugStringStaysBounded) {
   // l = []; l.append(l)
-  Result<PickleTree> t = ParsePickle(P("]\x94h\x00" "a"s));
+  Result<PickleTree> t =
+      ParsePickle(P("]\x94h\x00"
+                    "a"s));
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   EXPECT_EQ(t->items(t->root())[0], t->root());
   EXPECT_LE(t->DebugString(t->root(), 100).size(), 103u);
@@ -234,7 +242,9 @@ TEST(Pickle, MemoBombsAreBounded) {
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   EXPECT_EQ(t->DebugString(t->root()), "(None, None)");
   // Exponential sharing: each level holds the previous one twice. The graph stays linear.
-  std::string body = "]\x94" "0";
+  std::string body =
+      "]\x94"
+      "0";
   for (int i = 1; i <= 60; ++i) {
     std::string prev(1, static_cast<char>(i - 1));
     body += "h" + prev + "h" + prev + "\x86\x94";

@@ -60,7 +60,8 @@ std::string ItemKey(const DcpItem& item) {
 std::string ItemKey(const json& item) {
   std::string key = item["fqn"].get<std::string>() + "@";
   if (item["kind"] == "bytes") return key + "bytes";
-  for (int64_t v : item["chunk_offsets"].get<std::vector<int64_t>>()) key += std::to_string(v) + ",";
+  for (int64_t v : item["chunk_offsets"].get<std::vector<int64_t>>())
+    key += std::to_string(v) + ",";
   return key;
 }
 
@@ -183,9 +184,9 @@ struct Record {
 };
 
 struct ZipOptions {
-  bool zip64_end = true;   // torch always writes the zip64 end records
-  bool saturate = false;   // 0xffffffff in 32-bit fields, real values in zip64 extras
-  std::string leading;     // bytes before the first record
+  bool zip64_end = true;  // torch always writes the zip64 end records
+  bool saturate = false;  // 0xffffffff in 32-bit fields, real values in zip64 extras
+  std::string leading;    // bytes before the first record
 };
 
 // Writes an archive the way torch's miniz writer does: STORED records, sizes zero in local
@@ -242,7 +243,8 @@ struct TensorPickle {
     std::string tensor = "ctorch._utils\n" + rebuild + "\n((" + Str("storage") + "ctorch\n" +
                          storage_type + "\n" + Str(key) + Str("cpu") + Int(numel) + "tQ" +
                          Int(storage_offset) + Ints(shape) + Ints(stride) +
-                         "\x89" "ccollections\nOrderedDict\n)R";
+                         "\x89"
+                         "ccollections\nOrderedDict\n)R";
     if (!dtype.empty()) tensor += "ctorch\n" + dtype + "\n";
     tensor += "tR";
     if (parameter) {
