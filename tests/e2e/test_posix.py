@@ -470,6 +470,55 @@ class NamespaceTest(MountedTest):
         self.assertFalse(os.path.lexists(self.b("dirlink")))
         self.assertEqual(read_file(self.b("target.txt")), b"through the link")
 
+    def test_unusual_file_names(self):
+        names = ["with space", "uni-\u00fc-\u65e5\u672c", "new\nline", "tab\there", "x" * 255,
+                 "quote'\"", "back\\slash", "-dash", ".hidden", "..dots", "%s%n", "\x01ctl",
+                 "ckptfs-tmp.not-hidden", ".ckptfs"]
+        os.mkdir(self.p("n"))
+        for n in names:
+            write_file(self.p("n", n), n.encode() * 3)
+        self.assertEqual(sorted(os.listdir(self.p("n"))), sorted(names))
+        os.rename(self.p("n"), self.p("renamed \u00e9\n"))
+        for n in names:
+            self.assertEqual(read_file(self.p("renamed \u00e9\n", n)), n.encode() * 3, repr(n))
+        self.drain()
+        self.assertEqual(sorted(os.listdir(self.b("renamed \u00e9\n"))), sorted(names))
+        for n in names:
+            self.assertEqual(read_file(self.b("renamed \u00e9\n", n)), n.encode() * 3, repr(n))
+
+    def test_overlong_names_are_refused(self):
+        """A name longer than the backing store allows (255 bytes on ext4)
+        must fail with ENAMETOOLONG when the application makes it, not be
+        accepted and then fail to publish in the background."""
+        too_long, longest = "y" * 256, "z" * 255
+        self.assertEqual(errno_of(write_file, self.p(too_long), b"data"), errno.ENAMETOOLONG)
+        self.assertEqual(errno_of(os.mkdir, self.p("d" + too_long)), errno.ENAMETOOLONG)
+        self.assertEqual(errno_of(os.symlink, "target", self.p("l" + too_long)),
+                         errno.ENAMETOOLONG)
+        write_file(self.p("short"), b"short")
+        self.assertEqual(errno_of(os.rename, self.p("short"), self.p("r" + too_long)),
+                         errno.ENAMETOOLONG)
+        self.assertEqual(sorted(n for n in os.listdir(self.m.mnt) if n != CONTROL),
+                         ["pre", "short"])
+        write_file(self.p(longest), b"longest")  # 255 bytes is fine
+        self.wait(self.p(longest))
+        self.drain()
+        self.assertEqual(sorted(os.listdir(self.m.backing)), sorted(["pre", "short", longest]))
+        self.assertEqual(read_file(self.b(longest)), b"longest")
+
+    def test_replace_by_rename_loop(self):
+        """The tracker pattern: write a temp file, rename it over the real
+        one, many times; the last version wins, nothing stale remains."""
+        for i in range(200):
+            write_file(self.p("tracker.tmp"), f"iter {i}\n".encode())
+            os.rename(self.p("tracker.tmp"), self.p("tracker"))
+            if i % 50 == 0:
+                self.wait(self.p("tracker"))
+        self.assertEqual(read_file(self.p("tracker")), b"iter 199\n")
+        self.drain()
+        self.assertEqual(read_file(self.b("tracker")), b"iter 199\n")
+        self.assertFalse(os.path.exists(self.b("tracker.tmp")))
+
     def test_random_namespace_ops_match_a_plain_directory(self):
         """A seeded sequence of creates, writes, appends, truncates, renames,
         unlinks, mkdirs, rmdirs, symlinks and chmods, run on a plain directory
@@ -744,6 +793,43 @@ class FileIOTest(MountedTest):
         self.drain()
         for name, data in model.items():
             self.assertEqual(read_file(self.b(name)), bytes(data), name)
+
+    def test_truncate_racing_the_flush(self):
+        """Truncating a large file while its chunks are still being flushed,
+        then extending it: the extension reads as zeros, never stale data."""
+        data = rand_bytes(56, 160 * MiB)
+        write_file(self.p("t"), data)
+        os.truncate(self.p("t"), MiB + 1)
+        os.truncate(self.p("t"), 160 * MiB)
+        expected = data[:MiB + 1] + bytes(160 * MiB - MiB - 1)
+        self.assertTrue(read_file(self.p("t")) == expected, "stale bytes after truncate+extend")
+        self.drain()
+        self.assertTrue(read_file(self.b("t")) == expected,
+                        "stale bytes on the backing store after truncate+extend")
+
+    def test_o_append_from_several_processes(self):
+        script = ("import os,sys\n"
+                  "fd=os.open(sys.argv[1], os.O_WRONLY|os.O_APPEND|os.O_CREAT, 0o644)\n"
+                  "for i in range(1000):\n"
+                  "    os.write(fd, (sys.argv[2]*99+'\\n').encode())\n"
+                  "os.close(fd)\n")
+        procs = [subprocess.Popen([sys.executable, "-c", script, self.p("log"), c])
+                 for c in "ABCD"]
+        for p in procs:
+            self.assertEqual(p.wait(timeout=120), 0)
+
+        def check(path):
+            lines = read_file(path).decode().split("\n")
+            self.assertEqual(lines[-1], "")
+            lines = lines[:-1]
+            self.assertEqual(len(lines), 4000)
+            self.assertTrue(all(len(l) == 99 and len(set(l)) == 1 for l in lines),
+                            "appends interleaved or overwrote each other")
+            self.assertEqual(sorted(l[0] for l in lines), sorted("ABCD" * 1000))
+
+        check(self.p("log"))
+        self.drain()
+        check(self.b("log"))
 
     def test_chmod_and_utime(self):
         mtime_ns, atime_ns = 1_500_000_000_987_654_321, 1_600_000_000_123_456_789
