@@ -1285,6 +1285,16 @@ class DaemonCliTest(unittest.TestCase):
                 self.expect_usage_error(["--state-dir", state, self.backing, self.mnt])
         self.assertEqual(os.listdir(self.mnt), [])
 
+    def test_state_dir_in_use_by_another_daemon(self):
+        with Mount() as m:
+            other_backing = os.path.join(self.root, "other")
+            os.makedirs(other_backing)
+            self.expect_usage_error(["--state-dir", m.state, other_backing, self.mnt])
+            self.expect_usage_error(["--state-dir", m.state, other_backing, self.mnt],
+                                    foreground=False)
+            self.assertIsInstance(m.stats(), dict)
+            self.assertEqual(m.unmount(), 0)
+
     def test_daemonizes_returns_once_mounted_and_admin_unmount(self):
         log = os.path.join(self.root, "daemon.log")
         cmd = [CKPTFS, "--state-dir", self.state, "--log-file", log, self.backing, self.mnt]
