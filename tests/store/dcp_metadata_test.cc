@@ -420,7 +420,6 @@ TEST(DcpMetadata, OnlyAllowlistedClassesAreInterpreted) {
                                     {"size", Reduce(Global("os", "system"), Tuple({Ints({1})}))},
                                     {"chunks", List({})}}));
   ExpectRejected(size, "not a torch.Size");
-  Spec not_metadata;
   EXPECT_FALSE(ParseDcpMetadata(Pickle(List({}))).ok());
 }
 
