@@ -36,7 +36,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=int, default=1024)
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--modes", default="1,0", help="single_file_per_rank values to run")
     ap.add_argument("--staging-mem", default="2G")
     ap.add_argument("--flush-threads", type=int, default=None)
