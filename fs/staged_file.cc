@@ -77,6 +77,14 @@ Status StagedFile::Write(const char* data, size_t len, uint64_t offset) {
         offset < active_->file_offset + cap) {
       size_t pos = offset - active_->file_offset;
       size_t n = std::min(len, cap - pos);
+      if (pos + n > active_->length &&
+          OverlapsSealedLocked(active_->file_offset + active_->length,
+                               pos + n - active_->length)) {
+        // Growing the active chunk over bytes still in flight would let the older
+        // flush land last: seal it, and take the overlap path below.
+        SealLocked();
+        continue;
+      }
       std::memcpy(active_->buffer.data() + pos, data, n);
       active_->length = std::max(active_->length, pos + n);
       size_ = std::max<uint64_t>(size_, offset + n);

@@ -134,11 +134,15 @@ Status BackingDir::Symlink(const std::string& target, const std::string& path) {
 }
 
 Status BackingDir::Chmod(const std::string& path, mode_t mode) {
-  // fchmodat cannot refuse to follow a final symlink on Linux; a symlink's mode is
-  // meaningless anyway, so check the type first through the confined stat.
-  CKPT_ASSIGN_OR_RETURN(struct stat st, Stat(path));
-  if (S_ISLNK(st.st_mode)) return Status::Ok();
-  CKPT_AT_OP("chmod", ::fchmodat(dir.get(), name.c_str(), mode & 07777, 0));
+  // Never follow a final symlink, even one swapped in after a type check: open the
+  // name itself with O_PATH|O_NOFOLLOW and change that inode through /proc.
+  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, Resolve(path, O_PATH | O_NOFOLLOW, 0));
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return Status::FromErrno(errno, Ctx("chmod", path));
+  if (S_ISLNK(st.st_mode)) return Status::Ok();  // a symlink's mode is meaningless
+  std::string proc = "/proc/self/fd/" + std::to_string(fd.get());
+  if (::chmod(proc.c_str(), mode & 07777) != 0) return Status::FromErrno(errno, Ctx("chmod", path));
+  return Status::Ok();
 }
 
 Status BackingDir::Utimens(const std::string& path, const struct timespec times[2]) {

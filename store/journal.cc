@@ -264,7 +264,17 @@ void Journal::Run() {
 
 Status Journal::ApplyPublish(const JournalEntry& e) {
   CKPT_RETURN_IF_ERROR(dir_->Rename(e.from, e.path));
-  return dir_->SyncParent(e.path);
+  Status st = dir_->SyncParent(e.path);
+  if (!st.ok()) {
+    // The name is not durable, so it must not count as published: move it back out of
+    // sight (the caller then removes the temp) rather than leave it half-committed.
+    Status undo = dir_->Rename(e.path, e.from);
+    if (!undo.ok()) {
+      spdlog::error("journal: cannot withdraw {} after a failed sync: {}", e.path,
+                    undo.ToString());
+    }
+  }
+  return st;
 }
 
 Status Journal::Apply(const JournalEntry& e) {

@@ -309,7 +309,7 @@ class SwapAfterStatBackingDir : public BackingDir {
   bool swapped_ = false;
 };
 
-TEST_F(BackingDirConfinement, DISABLED_ChmodNeverFollowsALinkSwappedInAfterItsTypeCheck) {
+TEST_F(BackingDirConfinement, ChmodNeverFollowsALinkSwappedInAfterItsTypeCheck) {
   auto swapping = SwapAfterStatBackingDir::Open(backing_path_, "inside", outside_ + "/secret");
   ASSERT_NE(swapping, nullptr);
   (void)swapping->Chmod("inside", 0777);

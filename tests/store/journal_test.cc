@@ -493,7 +493,7 @@ TEST_F(JournalTest, AFailedFsyncSkipsThePublish) {
 // fs marks the checkpoint failed), yet the rename already happened: the `.metadata`
 // stays visible on the backing store, a committed-looking checkpoint that ckptfs itself
 // reports as failed, and whose name is not known to be durable (G5, G7).
-TEST_F(JournalTest, DISABLED_AMetadataWhoseDirectorySyncFailsIsNotLeftPublished) {
+TEST_F(JournalTest, AMetadataWhoseDirectorySyncFailsIsNotLeftPublished) {
   dir_->SetSyncParentHook([](const std::string& path) {
     return IsCommitName(path) ? EIO : 0;
   });
