@@ -20,6 +20,7 @@ scripts/setup.sh || exit $?
 
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo || exit $?
 cmake --build "$BUILD_DIR" -j"$JOBS" || exit $?
+echo "test.sh: setup and build took ${SECONDS}s"
 
 fuzz_rc=0
 if [ -x scripts/fuzz.sh ] && [ "$FUZZ_SECONDS" != 0 ]; then
@@ -29,6 +30,7 @@ if [ -x scripts/fuzz.sh ] && [ "$FUZZ_SECONDS" != 0 ]; then
   if [ "$fuzz_rc" -ne 0 ]; then
     echo "test.sh: FUZZ STEP FAILED (exit $fuzz_rc); see above" >&2
   fi
+  echo "test.sh: fuzz step done at ${SECONDS}s"
 fi
 
 ctest --test-dir "$BUILD_DIR" --output-on-failure "$@"

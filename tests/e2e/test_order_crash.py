@@ -103,12 +103,12 @@ class OrderCrash(unittest.TestCase):
         return m.start()
 
     def start_writer(self, start):
-        self.writer = subprocess.Popen(
-            [sys.executable, dcp_tool.__file__, "train", "--parent", self.mount.mnt,
-             "--ranks", str(RANKS), "--mb", str(MB), "--start", str(start),
-             "--keep", str(KEEP), "--oplog", self.oplog, "--timeout", "900"],
-            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.root, "writer.err"), "ab"),
-            env=dcp_tool.child_env())
+        with open(os.path.join(self.root, "writer.err"), "ab") as err:
+            self.writer = subprocess.Popen(
+                [sys.executable, dcp_tool.__file__, "train", "--parent", self.mount.mnt,
+                 "--ranks", str(RANKS), "--mb", str(MB), "--start", str(start),
+                 "--keep", str(KEEP), "--oplog", self.oplog, "--timeout", "900"],
+                stdout=subprocess.DEVNULL, stderr=err, env=dcp_tool.child_env())
 
     def stop_writer(self):
         w, self.writer = self.writer, None
