@@ -20,6 +20,7 @@ std::string_view CodeName(Code code) {
     case Code::kTimeout: return "Timeout";
     case Code::kAborted: return "Aborted";
     case Code::kInternal: return "Internal";
+    case Code::kNameTooLong: return "NameTooLong";
   }
   return "Unknown";
 }
@@ -30,7 +31,8 @@ Status Status::FromErrno(int err, std::string_view context) {
     case 0: return Status();
     case ENOENT: code = Code::kNotFound; break;
     case EEXIST: code = Code::kExists; break;
-    case EINVAL: case ENAMETOOLONG: case ELOOP: case EXDEV: code = Code::kInvalid; break;
+    case ENAMETOOLONG: code = Code::kNameTooLong; break;
+    case EINVAL: case ELOOP: case EXDEV: code = Code::kInvalid; break;
     case EACCES: case EPERM: case EROFS: code = Code::kPermission; break;
     case ENOSPC: case EDQUOT: code = Code::kNoSpace; break;
     case EBUSY: code = Code::kBusy; break;
@@ -68,6 +70,7 @@ int Status::ToErrno() const {
     case Code::kNotDir: return ENOTDIR;
     case Code::kIsDir: return EISDIR;
     case Code::kUnsupported: return ENOTSUP;
+    case Code::kNameTooLong: return ENAMETOOLONG;
     default: return EIO;
   }
 }

@@ -31,6 +31,7 @@ enum class Code {
   kTimeout,
   kAborted,
   kInternal,
+  kNameTooLong,
 };
 
 std::string_view CodeName(Code code);

@@ -19,6 +19,16 @@ constexpr blksize_t kBlockSize = 1 << 20;  // Python's buffered I/O reads this m
 constexpr double kCommittedTimeout = 3600.0;
 constexpr double kDefaultTimeout = 1.0;
 
+constexpr size_t kNameMax = 255;  // NAME_MAX of every Linux file system we back onto
+
+// Refuses names the backing store could not hold, before anything is queued.
+Status CheckName(const std::string& name) {
+  if (name.size() > kNameMax) {
+    return Status(Code::kNameTooLong, "name longer than 255 bytes");
+  }
+  return Status::Ok();
+}
+
 bool IsTempName(const std::string& name) {
   return name.compare(0, sizeof(kTempPrefix) - 1, kTempPrefix) == 0;
 }
@@ -315,6 +325,7 @@ Result<Entry> Filesystem::Lookup(uint64_t parent, const std::string& name) {
     e.timeout = 0;
     return e;
   }
+  CKPT_RETURN_IF_ERROR(CheckName(name));
   if (IsTempName(name)) return NotFound(name);
   WaitForAncestorsUnlocked(parent);
   std::lock_guard lock(ns_mu_);
@@ -427,6 +438,7 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
 // ---------------------------------------------------------------- namespace operations
 
 Result<Entry> Filesystem::Mkdir(uint64_t parent, const std::string& name, mode_t mode) {
+  CKPT_RETURN_IF_ERROR(CheckName(name));
   if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
     return Status(Code::kPermission, "reserved name " + name);
   }
@@ -459,6 +471,7 @@ Result<Entry> Filesystem::Mkdir(uint64_t parent, const std::string& name, mode_t
 
 Result<Entry> Filesystem::Symlink(const std::string& target, uint64_t parent,
                                   const std::string& name) {
+  CKPT_RETURN_IF_ERROR(CheckName(name));
   if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
     return Status(Code::kPermission, "reserved name " + name);
   }
@@ -565,6 +578,7 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
                           const std::string& new_name, unsigned flags) {
   constexpr unsigned kNoReplace = 1, kExchange = 2;
   if (flags & kExchange) return Unsupported("RENAME_EXCHANGE");
+  CKPT_RETURN_IF_ERROR(CheckName(new_name));
   if (IsTempName(new_name) || (new_parent == kRootIno && new_name == kCtlDirName)) {
     return Status(Code::kPermission, "reserved name " + new_name);
   }
@@ -754,6 +768,7 @@ Result<uint64_t> Filesystem::PublishLocked(Node* node) {
 
 Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std::string& name,
                                                      mode_t mode, int flags) {
+  CKPT_RETURN_IF_ERROR(CheckName(name));
   if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
     return Status(Code::kPermission, "reserved name " + name);
   }
@@ -1090,6 +1105,7 @@ void Filesystem::RelieveStagingPressure() {
 
 uint64_t Filesystem::Shutdown() {
   if (shut_down_.exchange(true)) return 0;
+  if (!journal_ || !pipeline_) return 0;  // Create() failed part way: nothing was served
   uint64_t unpublished = 0;
   {
     std::lock_guard lock(ns_mu_);

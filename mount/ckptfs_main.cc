@@ -80,13 +80,13 @@ int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
   auto fs = ckptfs::fs::Filesystem::Create(config);
   if (!fs.ok()) {
     ready->Report(fs.status().message());
-    spdlog::error("start failed: {}", fs.status().ToString());
+    if (!log_file.empty()) spdlog::error("start failed: {}", fs.status().ToString());
     return Fail(fs.status().message());
   }
   auto server = ckptfs::fs::FuseServer::Mount(fs->get(), o.mountpoint, o.fuse_options);
   if (!server.ok()) {
     ready->Report(server.status().message());
-    spdlog::error("mount failed: {}", server.status().ToString());
+    if (!log_file.empty()) spdlog::error("mount failed: {}", server.status().ToString());
     return Fail(server.status().message());
   }
   ready->Report("OK");
