@@ -10,6 +10,10 @@ cleanup) and the writers produce more than that:
     in /.ckptfs/checkpoints with an error, `ckptfs-admin wait` exits 1, and no
     .metadata reaches the backing store, not even after unmount (the drain must
     not publish it);
+  * async, DCP, with the tmpfs pre-filled so that the data files fit but the
+    .metadata does not: the save returns normally (everything was staged),
+    and only afterwards the checkpoint becomes "failed", wait exits 1 and
+    .metadata never appears on the backing store;
   * strict, dd: dd of more than the tmpfs holds fails, with conv=fsync (fsync
     or write fails) and without it (close fails);
   * after the failed checkpoint is deleted through the mount its space comes
@@ -107,6 +111,38 @@ class Enospc(unittest.TestCase):
         self.assertEqual(m.wait(ckpt, timeout=120), 1,
                          f"ckptfs-admin wait on a failed checkpoint (save raised: "
                          f"{raised is not None}){self.diag(m)}")
+        entry = self.checkpoint_entry(m, "ckpt")
+        self.assertIsNotNone(entry, f"{m.checkpoints()}{self.diag(m)}")
+        self.assertEqual(entry["state"], "failed", f"{entry}{self.diag(m)}")
+        self.assertTrue(entry.get("error"), f"a failed checkpoint names its error: {entry}")
+        self.assert_error_counted(m)
+        self.assertEqual(find_metadata(m.backing), [], self.diag(m))
+        m.unmount()
+        self.assertEqual(find_metadata(m.backing), [], "unmount must not publish .metadata "
+                         "of a failed checkpoint" + self.diag(m))
+
+    def test_async_metadata_that_does_not_fit_fails_after_the_save_returned(self):
+        # The data files' size in pages, from a direct save of the same state.
+        ref = tempfile.mkdtemp(prefix="ckptfs-enospc-ref-")
+        self.addCleanup(shutil.rmtree, ref, ignore_errors=True)
+        dcp_tool.save(os.path.join(ref, "ckpt"), RANKS, 16, True, SEED, timeout=300)
+        page = os.statvfs(ref).f_frsize if os.statvfs(ref).f_frsize == 4096 else 4096
+        sizes = {n: os.path.getsize(os.path.join(ref, "ckpt", n))
+                 for n in os.listdir(os.path.join(ref, "ckpt"))}
+        data_pages = sum(-(-v // page) for n, v in sizes.items() if n != ".metadata")
+        self.assertGreater(sizes[".metadata"], page, "the .metadata must need 2+ pages")
+
+        m = self.mount("async")
+        st = os.statvfs(m.backing)
+        free = st.f_bavail * st.f_frsize
+        room = (data_pages + 1) * page           # the data and one page: .metadata cannot fit
+        with open(os.path.join(m.backing, "filler"), "wb") as f:
+            f.write(b"\0" * (free - room))
+            f.flush()
+            os.fsync(f.fileno())
+        ckpt = os.path.join(m.mnt, "ckpt")
+        dcp_tool.save(ckpt, RANKS, 16, True, SEED, timeout=300)   # staged: returns normally
+        self.assertEqual(m.wait(ckpt, timeout=120), 1, self.diag(m))
         entry = self.checkpoint_entry(m, "ckpt")
         self.assertIsNotNone(entry, f"{m.checkpoints()}{self.diag(m)}")
         self.assertEqual(entry["state"], "failed", f"{entry}{self.diag(m)}")
