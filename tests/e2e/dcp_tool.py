@@ -13,12 +13,12 @@ exits non-zero when a tensor differs from its expected value.
 
 `train` is a Megatron-style loop: for N = start, start+1, ...: save checkpoint N (seed N) into
 P/iter_{N:07d}, write P/latest_checkpointed_iteration.txt naming N (plain open/write/close),
-then shutil.rmtree every P/iter_* older than N-keep+1. Rank 0 appends each step to --oplog as
+then shutil.rmtree every P/iter_K with K <= N-keep. Rank 0 appends each step to --oplog as
 a fsynced JSON line ({"op": save_begin|saved|tracker|rmtree_begin|rmtree_done, "iter": N}), so
 a crash test knows exactly what the application had done.
 
-Importable: save(), load(), train(), sha256_tree(), child_env(), iter_dir(); save/load raise DcpToolError with the
-ranks' output tails when something fails.
+Importable: save(), load(), train(), sha256_tree(), child_env(), iter_dir(); save, load and
+train raise DcpToolError with the ranks' output tails when something fails.
 
 The checkpoint content depends only on (seed, mb, dtypes), never on the number of ranks: the
 value of every row is generated from (seed, fqn, row block), so a rank generates just its own
