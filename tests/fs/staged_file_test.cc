@@ -439,39 +439,59 @@ TEST_F(StagedFileTest, WritesAreReadableBeforeAnyByteReachesTheBackingFile) {
   EXPECT_EQ(f->staged_bytes(), 0u);
 }
 
-// DISABLED: exposes a real bug (see the report); enable once fixed.
-// A write that continues the active chunk may grow it over the range of a chunk that is
-// still in flight: Write() checks for sealed overlap only when it starts a new chunk.
-// Then two staged chunks overlap; reads apply them in map order (the older one last) and
-// the flush threads may land them in either order, so both the overlay and the temp file
-// end with stale bytes (G3, G1).
+// A write that continues the active chunk must not grow it over the range of a chunk
+// that is still in flight (a bug found by these tests, fixed in ced3777): the two staged
+// chunks would overlap, reads would apply them in map order (the older one last), and
+// the flush threads could land them in either order, leaving stale bytes in both the
+// overlay and the temp file (G3, G1).
+//
+// Chunk A [100,200) is held inside its pwrite until a chunk at offset 0 has landed, so
+// that A always lands after it. A correct Write() of [10,150) either waits for A (then
+// the chunk at 0 holds only [0,10) and lands first, releasing A) or keeps the chunks
+// disjoint some other way; the buggy one returns at once with a chunk [0,150) that lands
+// before A. While A is held, the hook reads the file: it must show the newest bytes of
+// every write that has returned.
 TEST_F(StagedFileTest, ExtendingTheActiveChunkOverAnInFlightChunkKeepsTheNewestBytes) {
+  Watchdog watchdog("extending the active chunk");
   Setup(/*chunks=*/8, /*threads=*/2);
-  Latch hold_old_chunk;
+  const std::string old_bytes(100, 'O'), head(10, 'h'), newer(140, 'N');
+  Model before_newer, after_newer;
+  before_newer.Write(old_bytes, 100);
+  before_newer.Write(head, 0);
+  after_newer = before_newer;
+  after_newer.Write(newer, 10);
+  std::atomic<StagedFile*> file{nullptr};
+  std::atomic<bool> newer_returned{false};
+  std::atomic<bool> read_in_window_ok{false};
+  std::atomic<bool> window_seen{false};
   dir_->SetPWriteHook([&](int, off_t offset, size_t) {
-    if (offset == 100) hold_old_chunk.Wait();  // the older chunk stays in flight
+    if (offset != 100) return 0;
+    StagedFile* f = file.load();
+    while (f->target()->bytes_flushed() == 0) std::this_thread::yield();  // 0 landed first
+    const bool returned = newer_returned.load();
+    std::string got(300, '\0');
+    auto n = f->Read(got.data(), got.size(), 0);
+    got.resize(n.ok() ? *n : 0);
+    read_in_window_ok = got == (returned ? after_newer : before_newer).bytes();
+    window_seen = true;
     return 0;
   });
   auto f = MakeFile("f");
-  Model model;
-  const std::string old_bytes(100, 'O'), head(10, 'h'), newer(140, 'N');
-  ASSERT_TRUE(f->Write(old_bytes.data(), old_bytes.size(), 100).ok());  // chunk A [100,200)
-  model.Write(old_bytes, 100);
+  file = f.get();
+  ASSERT_TRUE(f->Write(old_bytes.data(), old_bytes.size(), 100).ok());  // chunk A
   ASSERT_TRUE(f->Write(head.data(), head.size(), 0).ok());  // seals A; chunk B at 0
-  model.Write(head, 0);
-  hold_old_chunk.AwaitWaiters(1);  // A is being written
-  ASSERT_TRUE(f->Write(newer.data(), newer.size(), 10).ok());  // B grows to [0,150)
-  model.Write(newer, 10);
-  EXPECT_TRUE(ReadAll(f.get()) == model.bytes()) << "stale bytes read while B is active";
-  auto target = f->SealAll();  // B is sealed too and flushes past the held A
-  while (target->bytes_flushed() < 150) std::this_thread::yield();  // B has landed
-  EXPECT_TRUE(ReadAll(f.get()) == model.bytes())
-      << "read-your-writes broken: the older in-flight chunk overrides newer bytes";
-  hold_old_chunk.Open();  // A lands last
+  ASSERT_TRUE(f->Write(newer.data(), newer.size(), 10).ok());  // must not grow B over A
+  newer_returned = true;
+  EXPECT_TRUE(ReadAll(f.get()) == after_newer.bytes());
+  auto target = f->SealAll();
   ASSERT_TRUE(target->Sync(dir_.get()).ok());
-  EXPECT_TRUE(OnDisk("f") == model.bytes())
-      << "the temp file holds the older bytes of [100,150): "
-      << OnDisk("f").substr(100, 50);
+  ASSERT_TRUE(window_seen.load());
+  EXPECT_TRUE(read_in_window_ok.load())
+      << "read-your-writes broken: an older in-flight chunk overrode newer bytes";
+  EXPECT_TRUE(ReadAll(f.get()) == after_newer.bytes());
+  const std::string disk = OnDisk("f");
+  EXPECT_TRUE(disk == after_newer.bytes())
+      << "the temp file holds older bytes in [100,150): " << disk.substr(100, 50);
 }
 
 TEST_F(StagedFileTest, RewritingAnInFlightRangeWaitsForItsFlushAndKeepsTheNewestBytes) {
