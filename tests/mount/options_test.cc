@@ -1,0 +1,308 @@
+// Daemon options: ParseSize, ParseDaemonOptions (syntax and bounds, every error is
+// kInvalid with a message) and ValidateDaemonOptions (paths: existence, nesting of
+// backing dir, mountpoint and state dir, default state dir).
+#include "mount/options.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace ckptfs {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A scratch directory, removed on destruction.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "ckptfs-options-test.XXXXXX").string();
+    path_ = fs::canonical(::mkdtemp(tmpl.data())).string();
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string Dir(const std::string& rel) const {
+    fs::create_directories(path_ + "/" + rel);
+    return path_ + "/" + rel;
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+Result<DaemonOptions> Parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "ckptfs");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  return ParseDaemonOptions(static_cast<int>(argv.size()), argv.data());
+}
+
+// ------------------------------------------------------------------------ ParseSize
+
+TEST(ParseSize, AcceptsPlainNumbersAndBinaryUnits) {
+  struct Case {
+    const char* text;
+    uint64_t want;
+  };
+  const Case cases[] = {
+      {"0", 0},
+      {"4096", 4096},
+      {"10B", 10},
+      {"10b", 10},
+      {"64K", 64 << 10},
+      {"64k", 64 << 10},
+      {"64KB", 64 << 10},
+      {"64KiB", 64 << 10},
+      {"64kib", 64 << 10},
+      {"512M", uint64_t{512} << 20},
+      {"512MiB", uint64_t{512} << 20},
+      {"2G", uint64_t{2} << 30},
+      {"2GB", uint64_t{2} << 30},
+      {"2GiB", uint64_t{2} << 30},
+      {"1T", uint64_t{1} << 40},
+      {"1TiB", uint64_t{1} << 40},
+      {"16777215T", uint64_t{16777215} << 40},
+      {"18446744073709551615", UINT64_MAX},
+  };
+  for (const auto& c : cases) {
+    auto got = ParseSize(c.text);
+    ASSERT_TRUE(got.ok()) << c.text << ": " << got.status().ToString();
+    EXPECT_EQ(*got, c.want) << c.text;
+  }
+}
+
+TEST(ParseSize, RejectsMalformedSizesAsInvalid) {
+  for (const char* text :
+       {"", "K", "G2", "-1", "+5", " 5", "5 ", "1.5G", "12X", "0x10", "5KK", "5 K", "5iB",
+        "5KiBB", "1e3", "99999999999999999999999", "18446744073709551616", "16777216T",
+        "18446744073709551615K", "17179869184G"}) {
+    auto got = ParseSize(text);
+    EXPECT_FALSE(got.ok()) << "'" << text << "' parsed as " << (got.ok() ? *got : 0);
+    if (!got.ok()) {
+      EXPECT_EQ(got.status().code(), Code::kInvalid) << text;
+      EXPECT_FALSE(got.status().message().empty());
+    }
+  }
+}
+
+// DISABLED: exposes a (minor) real bug, see the report. ParseSize strips a trailing "B"
+// or "IB" from any unit, so "B" itself loses its "B" first and "2BB" / "2BiB" are read
+// as 2 bytes.
+TEST(ParseSize, DISABLED_RejectsADoubledByteSuffix) {
+  for (const char* text : {"2BB", "2BiB", "2bib"}) {
+    EXPECT_FALSE(ParseSize(text).ok()) << text;
+  }
+}
+
+// ---------------------------------------------------------------- ParseDaemonOptions
+
+TEST(ParseDaemonOptions, TwoPositionalsAndDefaults) {
+  auto o = Parse({"/backing", "/mnt"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->backing_dir, "/backing");
+  EXPECT_EQ(o->mountpoint, "/mnt");
+  EXPECT_TRUE(o->state_dir.empty());
+  EXPECT_FALSE(o->foreground);
+  EXPECT_FALSE(o->strict);
+  EXPECT_EQ(o->staging_bytes, uint64_t{1} << 30);
+  EXPECT_EQ(o->chunk_bytes, uint64_t{4} << 20);
+  EXPECT_EQ(o->flush_threads, 4);
+  EXPECT_EQ(o->fuse_threads, 32);
+  EXPECT_EQ(o->commit_timeout_s, 600);
+  EXPECT_EQ(o->staging_backend, "auto");
+  EXPECT_EQ(o->log_level, "info");
+  EXPECT_TRUE(o->log_file.empty());
+  EXPECT_TRUE(o->fuse_options.empty());
+  EXPECT_FALSE(o->help);
+}
+
+TEST(ParseDaemonOptions, EveryOptionIsParsed) {
+  auto o = Parse({"-f", "--durability", "strict", "--staging-mem", "2G", "--chunk-size=1M",
+                  "--flush-threads", "8", "--fuse-threads", "64", "--commit-timeout", "30",
+                  "--staging-backend", "host", "--state-dir", "/var/tmp/s", "--log-level",
+                  "debug", "--log-file", "/tmp/l.log", "-o", "allow_other,ro", "-o",
+                  "default_permissions", "/b", "/m"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->foreground);
+  EXPECT_TRUE(o->strict);
+  EXPECT_EQ(o->staging_bytes, uint64_t{2} << 30);
+  EXPECT_EQ(o->chunk_bytes, uint64_t{1} << 20);
+  EXPECT_EQ(o->flush_threads, 8);
+  EXPECT_EQ(o->fuse_threads, 64);
+  EXPECT_EQ(o->commit_timeout_s, 30);
+  EXPECT_EQ(o->staging_backend, "host");
+  EXPECT_EQ(o->state_dir, "/var/tmp/s");
+  EXPECT_EQ(o->log_level, "debug");
+  EXPECT_EQ(o->log_file, "/tmp/l.log");
+  EXPECT_EQ(o->fuse_options,
+            (std::vector<std::string>{"allow_other", "ro", "default_permissions"}));
+  EXPECT_EQ(o->backing_dir, "/b");
+  EXPECT_EQ(o->mountpoint, "/m");
+}
+
+TEST(ParseDaemonOptions, AsyncDurabilityIsNotStrict) {
+  auto o = Parse({"--durability", "async", "/b", "/m"});
+  ASSERT_TRUE(o.ok());
+  EXPECT_FALSE(o->strict);
+}
+
+TEST(ParseDaemonOptions, HelpIsNotAnError) {
+  auto o = Parse({"--help"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->help);
+  EXPECT_NE(o->help_text.find("--durability"), std::string::npos) << o->help_text;
+  EXPECT_NE(o->help_text.find("--staging-mem"), std::string::npos);
+}
+
+TEST(ParseDaemonOptions, ChunkSizeBoundsAndAlignment) {
+  for (const char* ok : {"64K", "68K", "1M", "256M"}) {
+    auto o = Parse({"--chunk-size", ok, "--staging-mem", "1G", "/b", "/m"});
+    EXPECT_TRUE(o.ok()) << ok << ": " << o.status().ToString();
+  }
+  for (const char* bad : {"0", "4K", "60K", "65537", "66K", "257M", "512M", "1G"}) {
+    auto o = Parse({"--chunk-size", bad, "--staging-mem", "2G", "/b", "/m"});
+    EXPECT_EQ(o.status().code(), Code::kInvalid) << bad;
+  }
+}
+
+TEST(ParseDaemonOptions, EveryBadInputIsInvalidWithAMessage) {
+  const std::vector<std::vector<std::string>> bad = {
+      {},                                              // nothing
+      {"/b"},                                          // missing mountpoint
+      {"/b", "/m", "/extra"},                          // one positional too many
+      {"--bogus", "/b", "/m"},                         // unknown option
+      {"--durability", "sometimes", "/b", "/m"},
+      {"--durability", "/b", "/m"},                    // value missing, then one positional
+      {"--staging-mem", "lots", "/b", "/m"},
+      {"--staging-mem", "1M", "--chunk-size", "4M", "/b", "/m"},  // less than one chunk
+      {"--chunk-size", "4X", "/b", "/m"},
+      {"--flush-threads", "0", "/b", "/m"},
+      {"--flush-threads", "257", "/b", "/m"},
+      {"--flush-threads", "two", "/b", "/m"},
+      {"--fuse-threads", "1", "/b", "/m"},
+      {"--commit-timeout", "0", "/b", "/m"},
+      {"--staging-backend", "gpu", "/b", "/m"},
+      {"--log-level", "verbose", "/b", "/m"},
+  };
+  for (const auto& args : bad) {
+    std::string joined;
+    for (const auto& a : args) joined += a + " ";
+    auto o = Parse(args);
+    EXPECT_FALSE(o.ok()) << "accepted: " << joined;
+    if (!o.ok()) {
+      EXPECT_EQ(o.status().code(), Code::kInvalid) << joined << o.status().ToString();
+      EXPECT_FALSE(o.status().message().empty()) << joined;
+    }
+  }
+}
+
+// -------------------------------------------------------------- ValidateDaemonOptions
+
+class ValidateOptions : public ::testing::Test {
+ protected:
+  DaemonOptions Options(const std::string& backing, const std::string& mnt) {
+    DaemonOptions o;
+    o.backing_dir = backing;
+    o.mountpoint = mnt;
+    return o;
+  }
+  TempDir tmp_;
+};
+
+TEST_F(ValidateOptions, CanonicalizesPathsAndFillsTheDefaultStateDir) {
+  const std::string backing = tmp_.Dir("backing"), mnt = tmp_.Dir("mnt");
+  fs::create_symlink(backing, tmp_.path() + "/backing-link");
+  DaemonOptions o = Options(tmp_.path() + "/backing-link", tmp_.path() + "/x/../mnt");
+  tmp_.Dir("x");
+  ASSERT_TRUE(ValidateDaemonOptions(&o).ok());
+  EXPECT_EQ(o.backing_dir, backing);
+  EXPECT_EQ(o.mountpoint, mnt);
+  std::string name = mnt;
+  for (auto& c : name) {
+    if (c == '/') c = '_';
+  }
+  EXPECT_EQ(o.state_dir, "/var/tmp/ckptfs/state" + name);
+  EXPECT_TRUE(fs::path(o.state_dir).is_absolute());
+}
+
+TEST_F(ValidateOptions, KeepsAnExplicitStateDirAndMakesItAbsolute) {
+  DaemonOptions o = Options(tmp_.Dir("backing"), tmp_.Dir("mnt"));
+  o.state_dir = tmp_.path() + "/state/../state2";
+  ASSERT_TRUE(ValidateDaemonOptions(&o).ok());
+  EXPECT_EQ(o.state_dir, tmp_.path() + "/state2");
+}
+
+TEST_F(ValidateOptions, AMissingBackingDirOrMountpointIsAnError) {
+  DaemonOptions a = Options(tmp_.path() + "/missing", tmp_.Dir("mnt"));
+  Status st = ValidateDaemonOptions(&a);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("backing"), std::string::npos) << st.ToString();
+  DaemonOptions b = Options(tmp_.Dir("backing"), tmp_.path() + "/missing-mnt");
+  st = ValidateDaemonOptions(&b);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("mountpoint"), std::string::npos) << st.ToString();
+}
+
+TEST_F(ValidateOptions, PathsThatAreNotDirectoriesAreRefused) {
+  std::ofstream(tmp_.path() + "/file") << "x";
+  DaemonOptions a = Options(tmp_.path() + "/file", tmp_.Dir("mnt"));
+  EXPECT_EQ(ValidateDaemonOptions(&a).code(), Code::kNotDir);
+  DaemonOptions b = Options(tmp_.Dir("backing"), tmp_.path() + "/file");
+  EXPECT_EQ(ValidateDaemonOptions(&b).code(), Code::kNotDir);
+}
+
+TEST_F(ValidateOptions, BackingDirAndMountpointMustNotContainEachOther) {
+  const std::string backing = tmp_.Dir("backing");
+  DaemonOptions inside = Options(backing, tmp_.Dir("backing/mnt"));
+  EXPECT_EQ(ValidateDaemonOptions(&inside).code(), Code::kInvalid);
+  DaemonOptions around = Options(tmp_.Dir("m2/backing"), tmp_.path() + "/m2");
+  EXPECT_EQ(ValidateDaemonOptions(&around).code(), Code::kInvalid);
+  DaemonOptions same = Options(backing, backing);
+  EXPECT_EQ(ValidateDaemonOptions(&same).code(), Code::kInvalid);
+  // A shared name prefix is not nesting.
+  DaemonOptions sibling = Options(backing, tmp_.Dir("backing2"));
+  EXPECT_TRUE(ValidateDaemonOptions(&sibling).ok());
+}
+
+TEST_F(ValidateOptions, TheStateDirMustBeOutsideTheMountAndTheBackingDir) {
+  const std::string backing = tmp_.Dir("backing"), mnt = tmp_.Dir("mnt");
+  DaemonOptions in_mount = Options(backing, mnt);
+  in_mount.state_dir = mnt + "/state";
+  EXPECT_EQ(ValidateDaemonOptions(&in_mount).code(), Code::kInvalid);
+  DaemonOptions is_mount = Options(backing, mnt);
+  is_mount.state_dir = mnt;
+  EXPECT_EQ(ValidateDaemonOptions(&is_mount).code(), Code::kInvalid);
+  DaemonOptions via_link = Options(backing, mnt);
+  fs::create_symlink(mnt, tmp_.path() + "/mnt-link");
+  via_link.state_dir = tmp_.path() + "/mnt-link/state";
+  EXPECT_EQ(ValidateDaemonOptions(&via_link).code(), Code::kInvalid);
+  DaemonOptions in_backing = Options(backing, mnt);
+  in_backing.state_dir = backing + "/.state";
+  EXPECT_EQ(ValidateDaemonOptions(&in_backing).code(), Code::kInvalid);
+}
+
+TEST_F(ValidateOptions, TheLogFileMustBeOutsideTheMount) {
+  const std::string mnt = tmp_.Dir("mnt");
+  DaemonOptions o = Options(tmp_.Dir("backing"), mnt);
+  o.state_dir = tmp_.path() + "/state";
+  o.log_file = mnt + "/ckptfs.log";
+  EXPECT_EQ(ValidateDaemonOptions(&o).code(), Code::kInvalid);
+}
+
+TEST_F(ValidateOptions, AMountpointThatIsAlreadyMountedIsBusy) {
+  ASSERT_TRUE(IsMountPoint("/proc"));
+  EXPECT_FALSE(IsMountPoint(tmp_.Dir("mnt")));
+  DaemonOptions o = Options(tmp_.Dir("backing"), "/proc");
+  EXPECT_EQ(ValidateDaemonOptions(&o).code(), Code::kBusy);
+}
+
+}  // namespace
+}  // namespace ckptfs
