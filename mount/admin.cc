@@ -754,6 +754,20 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
           ->type_name("S")
           ->check(seconds);
 
+  std::string other;
+  CLI::App* ls = app.add_subcommand("ls", "List a checkpoint's tensors: fqn, dtype, shape, chunks, bytes.");
+  ls->add_option("CKPT", path, "A checkpoint directory inside the mount")->required();
+  ls->add_flag("--json", as_json, "Print JSON");
+  CLI::App* verify = app.add_subcommand(
+      "verify", "Re-read a checkpoint from the backing store; check structure and checksums.");
+  verify->footer("Exit status: 0 intact, 1 bad keys (listed), 2 error.");
+  verify->add_option("CKPT", path, "A checkpoint directory inside the mount")->required();
+  CLI::App* diff =
+      app.add_subcommand("diff", "Which tensors changed between two checkpoints, by checksum.");
+  diff->footer("Exit status: 0 identical, 1 different, 2 error.");
+  diff->add_option("CKPT_A", path, "First checkpoint")->required();
+  diff->add_option("CKPT_B", other, "Second checkpoint")->required();
+
   // CLI11 reports an unknown command as a missing one; name it instead.
   auto is_command = [&](const std::string& name) {
     return !app.get_subcommands([&](CLI::App* sub) { return sub->check_name(name); }).empty();
@@ -776,6 +790,9 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
     if (wait_timeout->count() > 0) options.timeout_s = timeout_s;
     return RunWait(env, path, options, out, err);
   }
+  if (ls->parsed()) return RunLs(path, as_json, out, err);
+  if (verify->parsed()) return RunVerify(env, path, out, err);
+  if (diff->parsed()) return RunDiff(path, other, out, err);
   if (unmount->parsed()) {
     if (unmount_timeout->count() > 0) options.timeout_s = timeout_s;
     return RunUnmount(env, path, options, out, err);

@@ -165,6 +165,11 @@ int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& 
                std::ostream& out, std::ostream& err);
 
 // Parses the command line (`args` excludes the program name) and runs the command.
+// Checkpoint contents (admin_tensors.cc): through /.ckptfs/tensors and user.ckptfs.verify.
+int RunLs(const std::string& ckpt, bool json, std::ostream& out, std::ostream& err);
+int RunVerify(AdminEnv* env, const std::string& ckpt, std::ostream& out, std::ostream& err);
+int RunDiff(const std::string& a, const std::string& b, std::ostream& out, std::ostream& err);
+
 int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& out,
              std::ostream& err);
 

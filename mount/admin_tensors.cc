@@ -1,0 +1,161 @@
+// ckptfs-admin ls / verify / diff: checkpoint contents through the tensor view
+// (/.ckptfs/tensors) and the user.ckptfs.verify xattr.
+#include <dirent.h>
+#include <limits.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "mount/admin.h"
+
+namespace ckptfs::admin {
+namespace {
+
+constexpr char kPrefix[] = "ckptfs-admin: ";
+
+// The tensor-view directory of checkpoint `ckpt` (a path inside a mount).
+Result<std::string> ViewDirOf(const std::string& ckpt) {
+  CKPT_ASSIGN_OR_RETURN(std::string root, FindMountRoot(ckpt));
+  char real[PATH_MAX];
+  if (::realpath(ckpt.c_str(), real) == nullptr) return Status::FromErrno(errno, ckpt);
+  std::string rel = std::string(real).substr(root.size());
+  while (!rel.empty() && rel.front() == '/') rel.erase(0, 1);
+  return root + "/.ckptfs/tensors" + (rel.empty() ? "" : "/" + rel);
+}
+
+// One meta.json per fqn, in name order.
+Result<std::vector<nlohmann::json>> LoadMetas(const std::string& ckpt) {
+  CKPT_ASSIGN_OR_RETURN(std::string dir, ViewDirOf(ckpt));
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return Status::FromErrno(errno, "not an indexed checkpoint: " + ckpt);
+  std::vector<std::string> names;
+  while (struct dirent* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(n);
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  std::vector<nlohmann::json> metas;
+  for (const auto& n : names) {
+    auto text = ReadWholeFile(dir + "/" + n + "/meta.json");
+    if (!text.ok()) continue;  // a sub-directory that is not a tensor
+    auto j = nlohmann::json::parse(*text, nullptr, false);
+    if (!j.is_discarded()) metas.push_back(std::move(j));
+  }
+  return metas;
+}
+
+uint64_t MetaBytes(const nlohmann::json& meta) {
+  uint64_t n = 0;
+  for (const auto& c : meta["chunks"]) {
+    n += meta.value("kind", "") == "tensor" ? c.value("raw_nbytes", uint64_t{0})
+                                            : c.value("item_length", uint64_t{0});
+  }
+  return n;
+}
+
+std::string ShapeText(const nlohmann::json& shape) {
+  if (!shape.is_array()) return "-";
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + shape[i].dump();
+  return s + "]";
+}
+
+}  // namespace
+
+int RunLs(const std::string& ckpt, bool json, std::ostream& out, std::ostream& err) {
+  auto metas = LoadMetas(ckpt);
+  if (!metas.ok()) {
+    err << kPrefix << metas.status().message() << "\n";
+    return 2;
+  }
+  if (json) {
+    nlohmann::json arr = nlohmann::json::array();
+    for (const auto& m : *metas) {
+      arr.push_back({{"fqn", m["fqn"]}, {"kind", m["kind"]}, {"dtype", m["dtype"]},
+                     {"shape", m["global_shape"]}, {"chunks", m["chunks"].size()},
+                     {"bytes", MetaBytes(m)}});
+    }
+    out << arr.dump(1) << "\n";
+    return 0;
+  }
+  std::vector<Column> cols = {{"FQN", false}, {"KIND", false}, {"DTYPE", false},
+                              {"SHAPE", false}, {"CHUNKS", true}, {"BYTES", true}};
+  std::vector<std::vector<std::string>> rows;
+  uint64_t total = 0;
+  for (const auto& m : *metas) {
+    uint64_t bytes = MetaBytes(m);
+    total += bytes;
+    rows.push_back({m.value("fqn", ""), m.value("kind", ""), m.value("dtype", "-"),
+                    ShapeText(m["global_shape"]), std::to_string(m["chunks"].size()),
+                    HumanBytes(bytes)});
+  }
+  out << FormatTable(cols, rows);
+  out << metas->size() << " entries, " << HumanBytes(total) << "\n";
+  return 0;
+}
+
+int RunVerify(AdminEnv* env, const std::string& ckpt, std::ostream& out, std::ostream& err) {
+  auto text = env->GetXattr(ckpt, "user.ckptfs.verify");
+  if (!text.ok()) {
+    err << kPrefix << ckpt << ": " << text.status().message() << "\n";
+    return 2;
+  }
+  auto j = nlohmann::json::parse(*text, nullptr, false);
+  if (j.is_discarded()) {
+    err << kPrefix << "bad verify report\n";
+    return 2;
+  }
+  uint64_t bad = j.value("bad_count", uint64_t{0});
+  for (const auto& b : j["bad"]) {
+    out << "BAD " << b.value("key", "") << ": " << b.value("error", "") << "\n";
+  }
+  out << ckpt << ": " << j.value("items", uint64_t{0}) << " items, "
+      << HumanBytes(j.value("bytes", uint64_t{0})) << " re-read, " << bad << " bad\n";
+  return bad == 0 ? 0 : 1;
+}
+
+int RunDiff(const std::string& a, const std::string& b, std::ostream& out, std::ostream& err) {
+  auto ma = LoadMetas(a), mb = LoadMetas(b);
+  if (!ma.ok() || !mb.ok()) {
+    err << kPrefix << (ma.ok() ? mb.status() : ma.status()).message() << "\n";
+    return 2;
+  }
+  // fqn -> (chunk offsets -> checksum)
+  auto sums = [](const std::vector<nlohmann::json>& metas) {
+    std::map<std::string, std::map<std::string, std::string>> m;
+    for (const auto& meta : metas) {
+      auto& chunks = m[meta.value("fqn", "")];
+      for (const auto& c : meta["chunks"]) {
+        chunks[c["offsets"].dump()] = c["checksum"].is_string() ? c["checksum"].get<std::string>()
+                                                                : std::string("?");
+      }
+    }
+    return m;
+  };
+  auto sa = sums(*ma), sb = sums(*mb);
+  std::set<std::string> fqns;
+  for (auto& [k, _] : sa) fqns.insert(k);
+  for (auto& [k, _] : sb) fqns.insert(k);
+  int changes = 0;
+  for (const auto& fqn : fqns) {
+    auto ia = sa.find(fqn), ib = sb.find(fqn);
+    if (ia == sa.end()) {
+      out << "+ " << fqn << "\n";
+    } else if (ib == sb.end()) {
+      out << "- " << fqn << "\n";
+    } else if (ia->second != ib->second) {
+      out << "M " << fqn << "\n";
+    } else {
+      continue;
+    }
+    ++changes;
+  }
+  out << changes << " of " << fqns.size() << " entries differ\n";
+  return changes == 0 ? 0 : 1;
+}
+
+}  // namespace ckptfs::admin
