@@ -1,0 +1,191 @@
+// KeyIndex: which byte range of which shard file holds which DCP key, per checkpoint.
+//
+// A checkpoint directory's `.metadata` (dcp_metadata.h) and each item's torch.save archive
+// (torch_zip.h) are read from the backing store and turned into one IndexedItem per key
+// (checkpoint dir, fqn, chunk offsets); bytes items have no offsets. The index lives in
+// RocksDB (StateDb) and in memory, with a per-file interval map so that a read offset
+// resolves to its key in O(log n) without touching RocksDB.
+//
+// RocksDB layout (the index is a cache: deleting the state dir loses nothing, it is rebuilt
+// from the backing store on first use):
+//   "k/" + ckpt + '\0' + fqn + '\0' + key suffix -> binary IndexedItem (see key_index.cc)
+//     where the suffix is 'b' for bytes items, else 't' + each chunk offset as 8 big-endian
+//     bytes with the sign bit flipped (so keys of one fqn sort by offsets).
+//   "i/" + ckpt -> JSON {format, state: ok|partial|failed, error, build_ms, built_at, items,
+//                        checksums, metadata: {size, mtime_ns, ino}}
+// The `.metadata` identity (size, mtime, inode) is recorded so that an index loaded from
+// RocksDB after a restart is rebuilt when the checkpoint was rewritten in the meantime. While
+// the daemon runs, the caller keeps the index current: Build() on publish, Forget() on
+// removal, OnRenamed() on a directory rename.
+//
+// Errors. A malformed `.metadata` never crashes anything: the checkpoint is indexed as
+// "failed", with no items and an IndexError(). An item whose archive cannot be read or
+// contradicts the metadata is kept as kOpaque (its bytes stay servable), and the checkpoint
+// is "partial" with an IndexError() naming the first such key.
+//
+// Thread-safe. Lock order: a checkpoint's build mutex, then mu_. No I/O under mu_.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "store/backing_dir.h"
+#include "store/dcp_metadata.h"
+#include "store/state_db.h"
+
+namespace ckptfs::store {
+
+struct IndexedItem {
+  ItemKind kind = ItemKind::kBytes;
+  std::string fqn;
+  std::vector<int64_t> chunk_offsets, chunk_sizes, global_size, stride;  // empty for bytes
+  std::string dtype;
+  std::string file;                    // relative to the checkpoint dir
+  uint64_t offset = 0, length = 0;     // item range in file
+  uint64_t raw_offset = 0, raw_nbytes = 0;  // file-absolute raw tensor bytes (kTensor only)
+  int64_t storage_offset = 0;          // in elements
+  std::vector<std::string> transforms;
+  uint64_t checksum = 0;  // XXH3-64 of the item's bytes [offset, offset+length)
+  bool has_checksum = false;
+  bool is_bytes = false;     // a BytesStorageMetadata entry (also when kOpaque)
+  uint32_t ordinal = 0;      // position in the .metadata (state_dict order, then chunk order)
+
+  bool operator==(const IndexedItem&) const = default;
+};
+
+// "fqn@<ChunkFileName>", e.g. "layer.weight@0_128" or "step@data": how reports name a key.
+std::string KeyName(const IndexedItem& item);
+
+// Checksum of one item's bytes, as the index stores it (XXH3-64, seed 0).
+uint64_t ItemChecksum(std::span<const char> bytes);
+
+struct VerifyReport {
+  uint64_t items = 0, bytes = 0;  // items checked, bytes re-read
+  std::vector<std::pair<std::string, std::string>> bad;  // (KeyName or file, reason)
+};
+
+// A checksum of the byte range [offset, offset+length) of a shard file, computed elsewhere.
+struct RangeChecksum {
+  uint64_t offset = 0, length = 0, checksum = 0;
+};
+
+class KeyIndex {
+ public:
+  static Result<std::unique_ptr<KeyIndex>> Create(BackingDir* dir,  // must outlive
+                                                  StateDb* db);     // must outlive
+  ~KeyIndex();
+  KeyIndex(const KeyIndex&) = delete;
+  KeyIndex& operator=(const KeyIndex&) = delete;
+
+  // (Re)builds the index of checkpoint dir `ckpt` (relative to the backing root, "" = root)
+  // from its .metadata and each item's zip directory. With `checksums`, also reads every item
+  // once and stores its XXH3-64 (ranges given to RecordChecksums() are not read again).
+  // NotFound when `ckpt` has no .metadata; Corrupt when the .metadata is malformed (the
+  // checkpoint is then indexed as failed). A partial index (some items opaque) is OK.
+  Status Build(const std::string& ckpt, bool checksums);
+  // Same, from metadata already parsed by the caller (e.g. the publish path). The .metadata
+  // identity is still taken from the backing store when it is there.
+  Status BuildFrom(const std::string& ckpt, const DcpMetadata& md, bool checksums);
+
+  // Items of `ckpt` in .metadata order, building lazily (with checksums) on first use if not
+  // indexed yet. The index error of a failed checkpoint is returned as a Corrupt status.
+  Result<std::vector<IndexedItem>> Items(const std::string& ckpt);
+
+  // The item whose byte range [offset, offset+length) in `file` of `ckpt` contains `offset`,
+  // or nullopt. In memory, O(log n): an interval map per file, loaded from RocksDB on first
+  // use, or built without checksums when there is no index yet (which does I/O once).
+  std::optional<IndexedItem> Resolve(const std::string& ckpt, const std::string& file,
+                                     uint64_t offset);
+
+  // "" when `ckpt` is indexed without error, or is not indexed (yet).
+  std::string IndexError(const std::string& ckpt);
+
+  // Re-reads every item from the backing store: the .metadata still parses and agrees with
+  // the index, each item's archive is intact and agrees with the metadata (dtype, shape, raw
+  // range), and checksums match. Lists every bad key. Never modifies the index. Errors only
+  // when `ckpt` cannot be indexed at all (no .metadata).
+  Result<VerifyReport> Verify(const std::string& ckpt);
+
+  // Records checksums computed elsewhere (e.g. in the write pipeline, while the bytes are in
+  // staging) for `file` of `ckpt`. A range equal to an indexed item's range sets its
+  // checksum (persisted); ranges of a checkpoint not indexed yet are kept in memory for its
+  // next Build(), which then does not read those items again.
+  void RecordChecksums(const std::string& ckpt, const std::string& file,
+                       const std::vector<RangeChecksum>& sums);
+
+  // Drops the index of `ckpt` (memory and RocksDB) and any pending checksums.
+  void Forget(const std::string& ckpt);
+  // Directory `from` was renamed to `to`: every checkpoint at or below `from` moves.
+  void OnRenamed(const std::string& from, const std::string& to);
+  // Checkpoints with an index (in RocksDB or in memory), sorted.
+  std::vector<std::string> IndexedCheckpoints();
+
+ private:
+  struct Span {
+    uint64_t begin, end;
+    uint32_t item;
+  };
+  enum class State { kOk, kPartial, kFailed, kMissing };
+  struct CkptIndex {
+    State state = State::kOk;
+    std::string error;
+    std::vector<IndexedItem> items;                       // ordinal order
+    std::unordered_map<std::string, std::vector<Span>> files;  // sorted by begin
+    std::chrono::steady_clock::time_point retry_after;    // kMissing only
+  };
+
+  KeyIndex(BackingDir* dir, StateDb* db) : dir_(dir), db_(db) {}
+
+  // Per-checkpoint build lock, so concurrent lazy builds of one checkpoint happen once.
+  std::shared_ptr<std::mutex> BuildMutex(const std::string& ckpt);
+  Status BuildLocked(const std::string& ckpt, const DcpMetadata* given, bool checksums);
+  // Makes `ckpt` present in memory: loads it from RocksDB or builds it. OK also for failed
+  // and missing checkpoints (see the state).
+  Status Ensure(const std::string& ckpt, bool checksums);
+  Status LoadFromDb(const std::string& ckpt, bool* found);
+  void Install(const std::string& ckpt, std::unique_ptr<CkptIndex> index);
+  Status Persist(const std::string& ckpt, const CkptIndex& index, const std::string& info);
+  static void BuildFileMaps(CkptIndex* index);
+
+  BackingDir* const dir_;
+  StateDb* const db_;
+
+  std::mutex build_mu_map_mu_;
+  std::map<std::string, std::weak_ptr<std::mutex>> build_mus_;  // GUARDED_BY(build_mu_map_mu_)
+
+  std::shared_mutex mu_;
+  std::unordered_map<std::string, std::unique_ptr<CkptIndex>> ckpts_;  // GUARDED_BY(mu_)
+  // ckpt -> file -> (offset, length) -> checksum, for checkpoints not indexed yet.
+  std::map<std::string,
+           std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, uint64_t>>>
+      pending_sums_;  // GUARDED_BY(mu_)
+};
+
+// Reversible escaping of an fqn into one file-name component: no '/', no leading '.', no
+// NUL, at most 255 bytes. '%', '/', NUL and control bytes become %XX, a leading '.' becomes
+// %2E, and an empty fqn is "%". A result over 255 bytes is cut and gets "~" + 16 hex digits
+// of a hash of the full fqn; UnescapeFqn cannot undo that, so a caller maps such names back
+// through the index (the list of fqns), e.g. with FindFqnByEscapedName.
+std::string EscapeFqn(const std::string& fqn);
+// Inverse of EscapeFqn for names that were not hashed; nullopt for a hashed or invalid name.
+std::optional<std::string> UnescapeFqn(std::string_view name);
+// The fqn among `fqns` whose EscapeFqn is `name`, or nullopt.
+std::optional<std::string> FindFqnByEscapedName(const std::vector<std::string>& fqns,
+                                                std::string_view name);
+// Chunk file name: the offsets joined by '_' ("0_128"), "scalar" for a 0-dim tensor, "data"
+// for bytes items.
+std::string ChunkFileName(const IndexedItem& item);
+
+}  // namespace ckptfs::store
