@@ -297,6 +297,20 @@ TEST_F(ValidateOptions, TheLogFileMustBeOutsideTheMount) {
   EXPECT_EQ(ValidateDaemonOptions(&o).code(), Code::kInvalid);
 }
 
+// DISABLED: exposes a (minor) real bug, see the report. The state dir is resolved with
+// weakly_canonical, so a symlink into the mount is caught; the log file is only made
+// lexically normal, so a path through a symlink to the mountpoint passes, and the
+// daemon would then log into its own mount (G9; a FUSE daemon writing to itself can
+// deadlock).
+TEST_F(ValidateOptions, DISABLED_TheLogFileMustBeOutsideTheMountEvenThroughASymlink) {
+  const std::string mnt = tmp_.Dir("mnt");
+  fs::create_symlink(mnt, tmp_.path() + "/mnt-link");
+  DaemonOptions o = Options(tmp_.Dir("backing"), mnt);
+  o.state_dir = tmp_.path() + "/state";
+  o.log_file = tmp_.path() + "/mnt-link/ckptfs.log";
+  EXPECT_EQ(ValidateDaemonOptions(&o).code(), Code::kInvalid);
+}
+
 TEST_F(ValidateOptions, AMountpointThatIsAlreadyMountedIsBusy) {
   ASSERT_TRUE(IsMountPoint("/proc"));
   EXPECT_FALSE(IsMountPoint(tmp_.Dir("mnt")));
