@@ -1,11 +1,12 @@
-"""Crash consistency of a Megatron-style checkpoint loop through an async mount (G4, G5).
+"""Crash consistency of a Megatron-style checkpoint loop through a mount (G4, G5).
 
 A 4-rank gloo job (dcp_tool train) loops: save checkpoint N with DCP into
 MNT/iter_N, write MNT/latest_checkpointed_iteration.txt naming N (plain
 open/write/close, as Megatron does), then shutil.rmtree every iter_K with
 K <= N-2. Rank 0 logs each step, fsynced, to an op log outside the mount.
 
-Each round SIGKILLs the daemon at a random moment, then checks the backing
+Each round SIGKILLs the daemon at a random moment, just after the application
+finished a step (a new op log line), then checks the backing
 directory directly, without ckptfs:
   * the tracker never names an uncommitted checkpoint: iter_T has .metadata
     and loads with the expected values (seed T);
@@ -22,9 +23,14 @@ checks that recovery removed every .ckptfs-tmp.* file, left the tracker and
 every committed checkpoint byte-identical, and that the mount shows the same
 tracker. The next round resumes training from the tracker, as a job would.
 
-CKPTFS_CRASH_ROUNDS (default 3) sets the number of kills, CKPTFS_CRASH_MB (default 16)
-the checkpoint size; CKPTFS_CRASH_SEED
-replays the random kill moments of a failed run (the seed is printed).
+The same runs in strict mode, where in addition every step the application
+had finished before the kill (its op log line is written after the call
+returned) must be on the backing store: the tracker it wrote or a later one,
+the checkpoints it saved and not deleted, none of the directories it removed.
+
+CKPTFS_CRASH_ROUNDS (default 3) sets the number of kills per mode,
+CKPTFS_CRASH_MB (default 16) the checkpoint size, and CKPTFS_CRASH_SEED replays
+the random kill moments of a failed run (the seed is printed).
 """
 import json
 import os
@@ -96,7 +102,7 @@ class OrderCrash(unittest.TestCase):
             self.mount.stop()
 
     def start_mount(self, n):
-        m = Mount(args=["--durability", "async"], root=self.root, backing=self.backing,
+        m = Mount(args=["--durability", self.durability], root=self.root, backing=self.backing,
                   state=self.state)
         m.log = os.path.join(self.root, f"ckptfs.{n}.log")
         self.mount = m
@@ -177,6 +183,22 @@ class OrderCrash(unittest.TestCase):
             self.assertTrue(self.complete(k), f"{msg}: iter_{k} was committed before the kill "
                             "and the application never deleted it, but it is incomplete")
             verify_loads(k, "committed before the kill")
+        if self.durability == "strict":
+            # Every op the application finished (and then logged) was published before it
+            # returned, so the backing store is at least that far along.
+            trackers = [o["iter"] for o in ops if o["op"] == "tracker"]
+            if trackers and tracker != "":   # '': the next tracker write had begun
+                self.assertIsNotNone(t, f"{msg}: strict, tracker {trackers[-1]} returned")
+                self.assertGreaterEqual(t, trackers[-1], f"{msg}: strict, the tracker naming "
+                                        f"{trackers[-1]} had returned")
+            for o in ops:
+                if o["op"] == "rmtree_done":
+                    self.assertNotIn(o["iter"], iter_dirs(self.backing),
+                                     f"{msg}: strict, rmtree of iter_{o['iter']} had returned")
+                elif o["op"] == "saved" and o["iter"] not in deleting:
+                    self.assertTrue(self.complete(o["iter"]), f"{msg}: strict, the save of "
+                                    f"iter_{o['iter']} had returned")
+                    verify_loads(o["iter"], "saved in strict mode")
         return t, {k for k in visible if k in iter_dirs(self.backing)}
 
     def committed_tree(self):
@@ -201,7 +223,14 @@ class OrderCrash(unittest.TestCase):
         self.fail(f"after restart: .ckptfs-tmp files remain {tmp_files(self.backing)[:10]}, "
                   f"stats={m.stats()}")
 
-    def test_sigkill_during_checkpoint_loop_keeps_prefix_consistency(self):
+    def test_async_sigkill_during_checkpoint_loop_keeps_prefix_consistency(self):
+        self.run_rounds("async")
+
+    def test_strict_sigkill_loses_nothing_that_returned(self):
+        self.run_rounds("strict")
+
+    def run_rounds(self, durability):
+        self.durability = durability
         last_tracker = None
         snapshot = None
         carried = set()
@@ -233,6 +262,11 @@ class OrderCrash(unittest.TestCase):
                 committed = {int(c["path"][5:]) for c in m.checkpoints()
                              if c["state"] == "committed" and c["path"].startswith("iter_")
                              and c["path"][5:].isdigit()}
+                # Kill right after the application finishes a step, when the most is in flight.
+                seen = len(read_ops(self.oplog))
+                deadline = time.time() + 30
+                while len(read_ops(self.oplog)) == seen and time.time() < deadline:
+                    time.sleep(0.002)
                 m.kill(signal.SIGKILL)
                 self.stop_writer()
                 ops = read_ops(self.oplog)
