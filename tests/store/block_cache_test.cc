@@ -1,0 +1,512 @@
+// BlockCache: single flight, byte-exactness, the hard budget, freshness, error fan-out,
+// prefetch and its isolation from demand reads. Races are ordered with latches in a
+// PRead hook, never with sleeps.
+#include "store/block_cache.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/store/faulty_backing_dir.h"
+
+namespace ckptfs::store {
+namespace {
+
+// A BackingDir that counts PRead calls (per offset too) and lets a hook stall or fail
+// any of them. The hook runs before the read, with no lock of this class held.
+class CountingBackingDir : public BackingDir {
+ public:
+  // Returns 0 to let the read proceed, or an errno to fail it.
+  using Hook = std::function<int(int fd, off_t offset, size_t len)>;
+
+  static std::unique_ptr<CountingBackingDir> Open(const std::string& root) {
+    int fd = ::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return nullptr;
+    return std::unique_ptr<CountingBackingDir>(new CountingBackingDir(root, UniqueFd(fd)));
+  }
+
+  void SetHook(Hook hook) {
+    std::lock_guard lock(mu_);
+    hook_ = std::move(hook);
+  }
+  uint64_t pread_calls() const { return calls_.load(); }
+  uint64_t ReadsAt(off_t offset) const {
+    std::lock_guard lock(mu_);
+    auto it = per_offset_.find(offset);
+    return it == per_offset_.end() ? 0 : it->second;
+  }
+  uint64_t max_concurrent() const { return max_concurrent_.load(); }
+
+  Result<size_t> PRead(int fd, void* buf, size_t len, off_t offset) override {
+    calls_.fetch_add(1);
+    Hook hook;
+    {
+      std::lock_guard lock(mu_);
+      ++per_offset_[offset];
+      hook = hook_;
+    }
+    int now = concurrent_.fetch_add(1) + 1;
+    for (int seen = max_concurrent_.load(); now > seen;) {
+      if (max_concurrent_.compare_exchange_weak(seen, now)) break;
+    }
+    int err = hook ? hook(fd, offset, len) : 0;
+    Result<size_t> result = err != 0 ? Result<size_t>(Status::FromErrno(err, "pread (injected)"))
+                                     : BackingDir::PRead(fd, buf, len, offset);
+    concurrent_.fetch_sub(1);
+    return result;
+  }
+
+ private:
+  CountingBackingDir(std::string root, UniqueFd fd) : BackingDir(std::move(root), std::move(fd)) {}
+
+  mutable std::mutex mu_;
+  Hook hook_;                              // GUARDED_BY(mu_)
+  std::map<off_t, uint64_t> per_offset_;  // GUARDED_BY(mu_)
+  std::atomic<uint64_t> calls_{0};
+  std::atomic<int> concurrent_{0};
+  std::atomic<int> max_concurrent_{0};
+};
+
+// Polls `pred` (yielding) until it holds; false after a generous deadline, so a broken
+// cache fails the test instead of hanging it.
+template <typename Pred>
+bool WaitUntil(Pred pred) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+std::string Pattern(size_t size, uint64_t seed) {
+  std::string s(size, '\0');
+  std::mt19937_64 rng(seed);
+  for (size_t i = 0; i < size; i += 8) {
+    uint64_t v = rng();
+    std::memcpy(s.data() + i, &v, std::min<size_t>(8, size - i));
+  }
+  return s;
+}
+
+constexpr uint64_t kBlock = 64 * 1024;
+
+class BlockCacheTest : public ::testing::Test {
+ protected:
+  struct File {
+    FileKey key;
+    std::shared_ptr<const UniqueFd> fd;
+    std::string contents;
+  };
+
+  void SetUp() override {
+    dir_ = CountingBackingDir::Open(tmp_.path());
+    ASSERT_NE(dir_, nullptr);
+  }
+
+  // Writes `contents` to `name` with mtime `mtime_sec` and opens it.
+  File Make(const std::string& name, std::string contents, int64_t mtime_sec = 1000) {
+    {
+      std::ofstream out(tmp_.path() + "/" + name, std::ios::binary | std::ios::trunc);
+      out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+    }
+    SetMtime(name, mtime_sec);
+    return Open(name, std::move(contents));
+  }
+  void SetMtime(const std::string& name, int64_t mtime_sec) {
+    struct timespec times[2] = {{mtime_sec, 0}, {mtime_sec, 0}};
+    EXPECT_EQ(::utimensat(AT_FDCWD, (tmp_.path() + "/" + name).c_str(), times, 0), 0);
+  }
+  File Open(const std::string& name, std::string contents) {
+    auto fd = dir_->OpenFile(name, O_RDONLY);
+    EXPECT_TRUE(fd.ok()) << fd.status().ToString();
+    struct stat st;
+    EXPECT_EQ(::fstat(fd->get(), &st), 0);
+    return File{FileKeyFromStat(st), std::make_shared<const UniqueFd>(std::move(*fd)),
+                std::move(contents)};
+  }
+
+  std::unique_ptr<BlockCache> NewCache(uint64_t budget, int prefetch_threads = 2,
+                                       int read_parallelism = 4) {
+    BlockCacheOptions opts;
+    opts.budget_bytes = budget;
+    opts.block_bytes = kBlock;
+    opts.prefetch_threads = prefetch_threads;
+    opts.read_parallelism = read_parallelism;
+    auto cache = BlockCache::Create(dir_.get(), opts);
+    EXPECT_TRUE(cache.ok()) << cache.status().ToString();
+    return std::move(cache).value();
+  }
+
+  // Reads through the cache and checks the bytes against the file.
+  static void ExpectRead(BlockCache* cache, const File& f, uint64_t offset, size_t len) {
+    std::string buf(len, '\xee');
+    auto n = cache->Read(f.key, f.fd, buf.data(), len, offset);
+    ASSERT_TRUE(n.ok()) << n.status().ToString();
+    size_t want = offset >= f.contents.size()
+                      ? 0
+                      : std::min<size_t>(len, f.contents.size() - offset);
+    ASSERT_EQ(*n, want) << "offset " << offset << " len " << len;
+    ASSERT_EQ(0, std::memcmp(buf.data(), f.contents.data() + offset, want))
+        << "offset " << offset << " len " << len;
+  }
+
+  ScopedTempDir tmp_{"ckptfs-block-cache"};
+  std::unique_ptr<CountingBackingDir> dir_;
+};
+
+TEST_F(BlockCacheTest, CreateRejectsBudgetSmallerThanOneBlockAndBadOptions) {
+  BlockCacheOptions opts;
+  opts.block_bytes = kBlock;
+  opts.budget_bytes = kBlock - 1;
+  EXPECT_EQ(BlockCache::Create(dir_.get(), opts).status().code(), Code::kInvalid);
+  opts.budget_bytes = kBlock;
+  opts.read_parallelism = 0;
+  EXPECT_EQ(BlockCache::Create(dir_.get(), opts).status().code(), Code::kInvalid);
+  opts.read_parallelism = 1;
+  opts.block_bytes = 0;
+  EXPECT_EQ(BlockCache::Create(dir_.get(), opts).status().code(), Code::kInvalid);
+  opts.block_bytes = kBlock;
+  EXPECT_TRUE(BlockCache::Create(dir_.get(), opts).ok());
+  EXPECT_EQ(BlockCache::Create(nullptr, opts).status().code(), Code::kInvalid);
+}
+
+TEST_F(BlockCacheTest, ConcurrentReadersOfOneRangeShareOneBackingReadPerBlock) {
+  const uint64_t size = 8 * kBlock + 123;  // 9 blocks, the last one short
+  File f = Make("shard.distcp", Pattern(size, 1));
+  const uint64_t blocks = 9;
+  Latch latch;
+  auto cache = NewCache(64 * kBlock, 2, /*read_parallelism=*/16);
+  dir_->SetHook([&](int, off_t, size_t) {
+    latch.Wait();
+    return 0;
+  });
+
+  constexpr int kReaders = 8;
+  std::vector<std::thread> readers;
+  for (int i = 0; i < kReaders; ++i) {
+    readers.emplace_back([&] { ExpectRead(cache.get(), f, 0, size); });
+  }
+  // Every reader has found every block missing or in flight before any read finishes.
+  ASSERT_TRUE(WaitUntil([&] {
+    auto s = cache->Stats();
+    return s.misses + s.dedup_waits == kReaders * blocks;
+  }));
+  latch.Open();
+  for (auto& t : readers) t.join();
+
+  auto s = cache->Stats();
+  EXPECT_EQ(dir_->pread_calls(), blocks);
+  for (uint64_t b = 0; b < blocks; ++b) EXPECT_EQ(dir_->ReadsAt(b * kBlock), 1u) << b;
+  EXPECT_EQ(s.misses, blocks);
+  EXPECT_EQ(s.dedup_waits, (kReaders - 1) * blocks);
+  EXPECT_EQ(s.backing_bytes_read, size);
+  EXPECT_EQ(dir_->bytes_read(), size);
+  EXPECT_EQ(s.bytes_served, kReaders * size);
+  EXPECT_EQ(s.used_bytes, size);
+}
+
+TEST_F(BlockCacheTest, LargeReadIssuesMissingBlocksInParallel) {
+  File f = Make("big", Pattern(8 * kBlock, 2));
+  Latch latch;
+  auto cache = NewCache(16 * kBlock, 0, /*read_parallelism=*/4);
+  dir_->SetHook([&](int, off_t, size_t) {
+    latch.Wait();
+    return 0;
+  });
+  std::thread reader([&] { ExpectRead(cache.get(), f, 0, 8 * kBlock); });
+  latch.AwaitWaiters(4);  // four backing reads of one Read() in flight at once
+  latch.Open();
+  reader.join();
+  EXPECT_EQ(dir_->pread_calls(), 8u);
+  EXPECT_EQ(dir_->max_concurrent(), 4);
+}
+
+TEST_F(BlockCacheTest, OverlappingRandomRangesAreByteExactUnderEviction) {
+  const uint64_t size = 24 * kBlock + 4321;
+  File f = Make("data", Pattern(size, 3));
+  auto cache = NewCache(6 * kBlock, 2, 3);  // a quarter of the file: constant eviction
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 12; ++t) {
+    readers.emplace_back([&, t] {
+      std::mt19937_64 rng(100 + t);
+      for (int i = 0; i < 150; ++i) {
+        uint64_t off = rng() % (size + 100);  // some start past EOF
+        size_t len = 1 + rng() % (3 * kBlock + 17);
+        ExpectRead(cache.get(), f, off, len);
+        if (i % 25 == 0) cache->Prefetch(f.key, f.fd, rng() % size, 2 * kBlock);
+      }
+    });
+  }
+  for (auto& t : readers) t.join();
+  auto s = cache->Stats();
+  EXPECT_LE(s.peak_used_bytes, 6 * kBlock);
+  EXPECT_GT(s.evictions, 0u);
+}
+
+TEST_F(BlockCacheTest, BudgetHoldsUnderWorkingSetFourTimesTheBudget) {
+  const uint64_t budget = 8 * kBlock;
+  const uint64_t size = 4 * budget;
+  File a = Make("a", Pattern(size / 2, 4));
+  File b = Make("b", Pattern(size / 2, 5));
+  auto cache = NewCache(budget, 2, 4);
+
+  std::atomic<bool> done{false};
+  uint64_t max_seen = 0;
+  std::thread monitor([&] {
+    while (!done.load()) {
+      max_seen = std::max(max_seen, cache->Stats().used_bytes);
+      std::this_thread::yield();
+    }
+  });
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 8; ++t) {
+    readers.emplace_back([&, t] {
+      std::mt19937_64 rng(7 + t);
+      const File& f = t % 2 ? a : b;
+      for (int i = 0; i < 120; ++i) {
+        uint64_t off = rng() % f.contents.size();
+        ExpectRead(cache.get(), f, off, 1 + rng() % (2 * kBlock));
+        if (i % 10 == 0) cache->Prefetch(f.key, f.fd, 0, f.contents.size());
+      }
+    });
+  }
+  for (auto& t : readers) t.join();
+  done = true;
+  monitor.join();
+
+  auto s = cache->Stats();
+  EXPECT_LE(max_seen, budget);
+  EXPECT_LE(s.peak_used_bytes, budget);
+  EXPECT_LE(s.used_bytes, budget);
+  EXPECT_GT(s.evictions, 0u);
+  EXPECT_GT(s.backing_bytes_read, budget);  // the working set really did not fit
+}
+
+TEST_F(BlockCacheTest, ChangedFileIsNeverServedStale) {
+  File v1 = Make("f", Pattern(3 * kBlock, 10), /*mtime_sec=*/1000);
+  auto cache = NewCache(16 * kBlock, 0);
+  ExpectRead(cache.get(), v1, 0, 3 * kBlock);
+
+  // Same inode, same size, new bytes and a new mtime.
+  File v2 = Make("f", Pattern(3 * kBlock, 11), 2000);
+  ASSERT_EQ(v2.key.ino, v1.key.ino);
+  ASSERT_EQ(v2.key.size, v1.key.size);
+  ExpectRead(cache.get(), v2, 0, 3 * kBlock);
+
+  // Same inode, new size (grown, then shrunk).
+  File v3 = Make("f", Pattern(5 * kBlock + 7, 12), 3000);
+  ExpectRead(cache.get(), v3, kBlock / 2, 5 * kBlock);
+  File v4 = Make("f", Pattern(kBlock + 1, 13), 4000);
+  ExpectRead(cache.get(), v4, 0, 3 * kBlock);
+
+  // Replaced by rename: a new inode, even with the same size and mtime.
+  File other = Make("f.tmp", Pattern(kBlock + 1, 14), 4000);
+  ASSERT_EQ(::rename((tmp_.path() + "/f.tmp").c_str(), (tmp_.path() + "/f").c_str()), 0);
+  File v5 = Open("f", other.contents);
+  ASSERT_NE(v5.key.ino, v4.key.ino);
+  ExpectRead(cache.get(), v5, 0, 2 * kBlock);
+
+  // Old versions of the same inode were dropped on first sight of the new one.
+  auto s = cache->Stats();
+  EXPECT_EQ(s.used_bytes, 2 * (kBlock + 1));  // v4 and v5: different inodes
+}
+
+TEST_F(BlockCacheTest, InvalidateDropsEveryBlockOfTheFile) {
+  File a = Make("a", Pattern(2 * kBlock, 20));
+  File b = Make("b", Pattern(kBlock, 21));
+  auto cache = NewCache(16 * kBlock, 0);
+  ExpectRead(cache.get(), a, 0, 2 * kBlock);
+  ExpectRead(cache.get(), b, 0, kBlock);
+  cache->Invalidate(a.key.dev, a.key.ino);
+  EXPECT_EQ(cache->Stats().used_bytes, kBlock);
+  ExpectRead(cache.get(), a, 0, 2 * kBlock);
+  EXPECT_EQ(dir_->pread_calls(), 5u);  // a re-read, b still cached
+  ExpectRead(cache.get(), b, 0, kBlock);
+  EXPECT_EQ(dir_->pread_calls(), 5u);
+}
+
+TEST_F(BlockCacheTest, InvalidateDuringAReadStillServesItsCallerAndFreesTheBlock) {
+  File f = Make("f", Pattern(kBlock, 22));
+  Latch latch;
+  auto cache = NewCache(4 * kBlock, 0);
+  dir_->SetHook([&](int, off_t, size_t) {
+    latch.Wait();
+    return 0;
+  });
+  std::thread reader([&] { ExpectRead(cache.get(), f, 0, kBlock); });
+  latch.AwaitWaiters(1);
+  cache->Invalidate(f.key.dev, f.key.ino);
+  EXPECT_EQ(cache->Stats().used_bytes, kBlock);  // still in flight, still counted
+  latch.Open();
+  reader.join();
+  EXPECT_EQ(cache->Stats().used_bytes, 0u);
+}
+
+TEST_F(BlockCacheTest, ReadErrorReachesEveryWaiterAndARetrySucceeds) {
+  File f = Make("f", Pattern(2 * kBlock, 30));
+  Latch latch;
+  auto cache = NewCache(8 * kBlock, 0);
+  std::atomic<bool> faulty{true};
+  dir_->SetHook([&](int, off_t offset, size_t) {
+    if (offset != static_cast<off_t>(kBlock) || !faulty.load()) return 0;
+    latch.Wait();
+    return EIO;
+  });
+
+  constexpr int kReaders = 6;
+  std::vector<Result<size_t>> results(kReaders, Result<size_t>(size_t{0}));
+  std::vector<std::thread> readers;
+  for (int i = 0; i < kReaders; ++i) {
+    readers.emplace_back([&, i] {
+      std::string buf(kBlock, '\0');
+      results[i] = cache->Read(f.key, f.fd, buf.data(), kBlock, kBlock + 10);
+    });
+  }
+  ASSERT_TRUE(WaitUntil([&] { return cache->Stats().dedup_waits == kReaders - 1; }));
+  latch.Open();
+  for (auto& t : readers) t.join();
+
+  for (const auto& r : results) {
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), Code::kIo) << r.status().ToString();
+  }
+  auto s = cache->Stats();
+  EXPECT_EQ(dir_->pread_calls(), 1u);
+  EXPECT_EQ(s.read_errors, 1u);
+  EXPECT_EQ(s.used_bytes, 0u);  // the failed block is neither cached nor charged
+
+  faulty = false;
+  ExpectRead(cache.get(), f, kBlock + 10, kBlock);
+  ExpectRead(cache.get(), f, 0, 2 * kBlock);
+  EXPECT_EQ(dir_->pread_calls(), 3u);
+}
+
+TEST_F(BlockCacheTest, ReadsAreClampedAtEndOfFileAndAtAShrunkFile) {
+  const uint64_t size = 2 * kBlock + 100;
+  File f = Make("f", Pattern(size, 40));
+  auto cache = NewCache(8 * kBlock, 0);
+  ExpectRead(cache.get(), f, size - 50, 4096);  // crosses EOF
+  ExpectRead(cache.get(), f, size, 10);         // at EOF
+  ExpectRead(cache.get(), f, size + 1000, 10);  // past EOF
+  ExpectRead(cache.get(), f, 0, 0);
+
+  // The key says 2 blocks + 100, but someone truncated the file underneath: the read
+  // returns what exists, never stale or garbage bytes.
+  File g = Make("g", Pattern(size, 41));
+  ASSERT_EQ(::truncate((tmp_.path() + "/g").c_str(), static_cast<off_t>(kBlock + 10)), 0);
+  std::string buf(size, '\0');
+  auto n = cache->Read(g.key, g.fd, buf.data(), size, 0);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, kBlock + 10);
+  EXPECT_EQ(0, std::memcmp(buf.data(), g.contents.data(), *n));
+}
+
+TEST_F(BlockCacheTest, PrefetchFillsTheCacheSoALaterReadHits) {
+  const uint64_t size = 6 * kBlock + 5;
+  File f = Make("item", Pattern(size, 50));
+  auto cache = NewCache(16 * kBlock, 2);
+  cache->Prefetch(f.key, f.fd, 0, size);
+  ASSERT_TRUE(WaitUntil([&] { return cache->Stats().prefetched_bytes == size; }));
+  const uint64_t reads = dir_->pread_calls();
+  EXPECT_EQ(reads, 7u);
+
+  ExpectRead(cache.get(), f, 0, size);
+  auto s = cache->Stats();
+  EXPECT_EQ(dir_->pread_calls(), reads);
+  EXPECT_EQ(s.misses, 0u);
+  EXPECT_EQ(s.hits, 7u);
+  EXPECT_EQ(s.prefetch_hits, 7u);
+  EXPECT_EQ(s.backing_bytes_read, size);
+}
+
+TEST_F(BlockCacheTest, PrefetchStopsRatherThanEvictBlocksInUse) {
+  File f = Make("big", Pattern(8 * kBlock, 60));
+  File cold = Make("cold", Pattern(2 * kBlock, 61));
+  auto cache = NewCache(4 * kBlock, 1);
+
+  // Blocks used before the request are fair game for it...
+  ExpectRead(cache.get(), cold, 0, 2 * kBlock);
+  // ...but the blocks it brought in itself are not: it fills the budget and stops.
+  cache->Prefetch(f.key, f.fd, 0, 8 * kBlock);
+  ASSERT_TRUE(WaitUntil([&] { return cache->Stats().prefetch_dropped == 1; }));
+  auto s = cache->Stats();
+  EXPECT_EQ(s.prefetched_bytes, 4 * kBlock);
+  EXPECT_EQ(s.evictions, 2u);  // the two cold blocks, nothing prefetched
+  EXPECT_EQ(s.used_bytes, 4 * kBlock);
+  ExpectRead(cache.get(), f, 0, 4 * kBlock);
+  EXPECT_EQ(cache->Stats().hits, 4u);
+}
+
+TEST_F(BlockCacheTest, DemandMissIsNotDelayedByALongPrefetchQueue) {
+  File slow = Make("slow", Pattern(64 * kBlock, 70));
+  File other = Make("other", Pattern(2 * kBlock, 71));
+  Latch latch;
+  auto cache = NewCache(32 * kBlock, 2);
+  const int slow_fd = slow.fd->get();
+  dir_->SetHook([&latch, slow_fd](int fd, off_t, size_t) {
+    if (fd == slow_fd) latch.Wait();
+    return 0;
+  });
+  for (uint64_t b = 0; b < 64; ++b) cache->Prefetch(slow.key, slow.fd, b * kBlock, kBlock);
+  latch.AwaitWaiters(2);  // both prefetch threads stalled, the queue is long
+
+  ExpectRead(cache.get(), other, 0, 2 * kBlock);  // completes while they are stalled
+  auto s = cache->Stats();
+  EXPECT_EQ(s.misses, 2u);
+  EXPECT_EQ(s.prefetched_bytes, 0u);
+  latch.Open();
+}
+
+TEST_F(BlockCacheTest, DemandReadJoinsAPrefetchInFlight) {
+  File f = Make("f", Pattern(kBlock, 80));
+  Latch latch;
+  auto cache = NewCache(8 * kBlock, 1);
+  dir_->SetHook([&](int, off_t, size_t) {
+    latch.Wait();
+    return 0;
+  });
+  cache->Prefetch(f.key, f.fd, 0, kBlock);
+  latch.AwaitWaiters(1);
+  std::thread reader([&] { ExpectRead(cache.get(), f, 100, 1000); });
+  ASSERT_TRUE(WaitUntil([&] { return cache->Stats().dedup_waits == 1; }));
+  latch.Open();
+  reader.join();
+  EXPECT_EQ(dir_->pread_calls(), 1u);
+  EXPECT_EQ(cache->Stats().misses, 0u);
+}
+
+TEST_F(BlockCacheTest, DestructorJoinsWithPrefetchesPending) {
+  File f = Make("f", Pattern(32 * kBlock, 90));
+  Latch latch;
+  auto cache = NewCache(64 * kBlock, 1);
+  dir_->SetHook([&](int, off_t, size_t) {
+    latch.Wait();
+    return 0;
+  });
+  for (uint64_t b = 0; b < 32; ++b) cache->Prefetch(f.key, f.fd, b * kBlock, kBlock);
+  latch.AwaitWaiters(1);
+  std::thread destroyer([&] { cache.reset(); });
+  latch.Open();
+  destroyer.join();
+  EXPECT_EQ(cache, nullptr);
+  EXPECT_EQ(f.fd.use_count(), 1);  // no queued request kept the file open
+  EXPECT_LE(dir_->pread_calls(), 32u);
+}
+
+}  // namespace
+}  // namespace ckptfs::store
