@@ -12,6 +12,7 @@ namespace {
 
 constexpr char kStateXattr[] = "user.ckptfs.state";
 constexpr char kProgressXattr[] = "user.ckptfs.progress";
+constexpr char kVerifyXattr[] = "user.ckptfs.verify";
 constexpr char kVersion[] = "0.1.0";
 
 }  // namespace
@@ -64,7 +65,12 @@ std::string Filesystem::StatsJson() {
 
 std::string Filesystem::CheckpointsJson() {
   nlohmann::json arr = nlohmann::json::array();
-  for (const auto& info : checkpoints_->List()) arr.push_back(info.ToJson());
+  for (const auto& info : checkpoints_->List()) {
+    nlohmann::json j = info.ToJson();
+    std::string index_error = index_->IndexError(info.path);
+    j["index_error"] = index_error.empty() ? nlohmann::json() : nlohmann::json(index_error);
+    arr.push_back(std::move(j));
+  }
   return arr.dump(1) + "\n";
 }
 
@@ -152,6 +158,25 @@ std::string Filesystem::ProgressJson(uint64_t ino) {
 
 Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) {
   if (name == kProgressXattr) return ProgressJson(ino);
+  if (name == kVerifyXattr) {
+    // Re-reads the checkpoint from the backing store and checks structure and checksums.
+    std::string path;
+    {
+      std::lock_guard lock(ns_mu_);
+      auto node = NodeLocked(ino);
+      if (!node || node->type != NodeType::kDir) return Invalid("verify needs a checkpoint dir");
+      path = PathLocked(node.get());
+    }
+    CKPT_ASSIGN_OR_RETURN(store::VerifyReport report, index_->Verify(path));
+    nlohmann::json bad = nlohmann::json::array();
+    for (const auto& [key, why] : report.bad) {
+      if (bad.size() >= 200) break;  // an xattr value holds at most 64 KiB
+      bad.push_back({{"key", key}, {"error", why}});
+    }
+    nlohmann::json j = {{"items", report.items}, {"bytes", report.bytes},
+                        {"bad_count", report.bad.size()}, {"bad", bad}};
+    return j.dump();
+  }
   if (name == kStateXattr) {
     auto j = nlohmann::json::parse(ProgressJson(ino));
     return j["state"].get<std::string>();

@@ -92,6 +92,10 @@ Status Filesystem::Init() {
   hooks.on_done = [this](const store::JournalEntry& e, const Status& st) { OnJournalDone(e, st); };
   CKPT_ASSIGN_OR_RETURN(journal_, store::Journal::Create(backing_.get(), db_.get(), hooks));
 
+  CKPT_ASSIGN_OR_RETURN(index_, store::KeyIndex::Create(backing_.get(), db_.get()));
+  tensors_ = std::make_unique<TensorView>(backing_.get(), index_.get());
+  indexer_ = std::thread([this] { RunIndexer(); });
+
   CKPT_ASSIGN_OR_RETURN(struct stat root_attr, backing_->Stat(""));
   root_ = std::make_shared<Node>();
   root_->ino = kRootIno;
@@ -315,6 +319,14 @@ Result<Entry> Filesystem::Lookup(uint64_t parent, const std::string& name) {
     CKPT_ASSIGN_OR_RETURN(e.attr, GetAttr(kCtlDirIno));
     return e;
   }
+  if (TensorView::Owns(parent)) {
+    CKPT_ASSIGN_OR_RETURN(auto v, tensors_->Lookup(parent, name));
+    return Entry{v.ino, v.attr, kDefaultTimeout};
+  }
+  if (parent == kCtlDirIno && name == "tensors") {
+    CKPT_ASSIGN_OR_RETURN(auto attr, tensors_->GetAttr(TensorView::kRootIno));
+    return Entry{TensorView::kRootIno, attr, kDefaultTimeout};
+  }
   if (parent == kCtlDirIno) {
     Entry e;
     if (name == "stats") e.ino = kCtlStatsIno;
@@ -350,6 +362,7 @@ void Filesystem::Forget(uint64_t ino, uint64_t nlookup) {
 }
 
 Result<struct stat> Filesystem::GetAttr(uint64_t ino) {
+  if (TensorView::Owns(ino)) return tensors_->GetAttr(ino);
   if (ino >= kCtlDirIno && ino < kFirstNodeIno) {
     struct stat st {};
     st.st_ino = ino;
@@ -812,6 +825,12 @@ Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std:
 
 Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
   auto handle = std::make_unique<Handle>();
+  if (TensorView::Owns(ino)) {
+    if ((flags & O_ACCMODE) != O_RDONLY) return Status(Code::kPermission, "tensor view");
+    CKPT_RETURN_IF_ERROR(tensors_->Open(ino, &handle->content, &handle->view_fd,
+                                        &handle->view_base, &handle->view_size));
+    return handle.release();
+  }
   if (ino >= kCtlStatsIno && ino <= kCtlMetricsIno) {
     if ((flags & O_ACCMODE) != O_RDONLY) return Status(Code::kPermission, "control file");
     handle->content = ino == kCtlStatsIno         ? StatsJson()
@@ -895,7 +914,15 @@ Status Filesystem::Write(Handle* h, const char* data, size_t len, uint64_t offse
 }
 
 Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offset) {
-  if (!h->node) {  // control file
+  if (h->view_fd) {  // a tensor-view chunk: a window of a backing file
+    if (offset >= h->view_size) return size_t{0};
+    size_t n = static_cast<size_t>(std::min<uint64_t>(len, h->view_size - offset));
+    CKPT_ASSIGN_OR_RETURN(size_t got, backing_->PRead(h->view_fd->get(), out, n,
+                                                      static_cast<off_t>(h->view_base + offset)));
+    bytes_read_.fetch_add(got, std::memory_order_relaxed);
+    return got;
+  }
+  if (!h->node) {  // control file or meta.json
     if (offset >= h->content.size()) return size_t{0};
     size_t n = std::min<size_t>(len, h->content.size() - offset);
     std::memcpy(out, h->content.data() + offset, n);
@@ -963,8 +990,15 @@ void Filesystem::Release(Handle* h) {
 
 Result<Handle*> Filesystem::OpenDir(uint64_t ino) {
   auto handle = std::make_unique<Handle>();
+  if (TensorView::Owns(ino)) {
+    CKPT_ASSIGN_OR_RETURN(auto list, tensors_->List(ino));
+    handle->entries = {{".", ino, S_IFDIR}, {"..", kCtlDirIno, S_IFDIR}};
+    for (auto& e : list) handle->entries.push_back({e.name, e.ino, e.type});
+    return handle.release();
+  }
   if (ino == kCtlDirIno) {
     handle->entries = {{".", kCtlDirIno, S_IFDIR}, {"..", kRootIno, S_IFDIR},
+                       {"tensors", TensorView::kRootIno, S_IFDIR},
                        {"stats", kCtlStatsIno, S_IFREG},
                        {"checkpoints", kCtlCheckpointsIno, S_IFREG},
                        {"metrics", kCtlMetricsIno, S_IFREG}};
@@ -1067,7 +1101,10 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
     if (e.op == store::OpType::kPublish || commit) checkpoints_->OnFailed(dir, st.ToString());
   } else if (commit) {
     checkpoints_->OnCommitted(dir);
+    QueueIndexBuild(dir);
   }
+  if (st.ok() && e.op == store::OpType::kRename) index_->OnRenamed(e.from, e.path);
+  if (st.ok() && e.op == store::OpType::kRmdir) index_->Forget(e.path);
   if (e.op != store::OpType::kPublish) return;
   std::lock_guard lock(ns_mu_);
   auto it = publishing_.find(e.file_id);
@@ -1105,7 +1142,15 @@ void Filesystem::RelieveStagingPressure() {
 
 uint64_t Filesystem::Shutdown() {
   if (shut_down_.exchange(true)) return 0;
-  if (!journal_ || !pipeline_) return 0;  // Create() failed part way: nothing was served
+  if (!journal_ || !pipeline_) {  // Create() failed part way: nothing was served
+    {
+      std::lock_guard lock(index_mu_);
+      index_stop_ = true;
+    }
+    index_cv_.notify_all();
+    if (indexer_.joinable()) indexer_.join();
+    return 0;
+  }
   uint64_t unpublished = 0;
   {
     std::lock_guard lock(ns_mu_);
@@ -1123,7 +1168,42 @@ uint64_t Filesystem::Shutdown() {
   unpublished += journal_->skipped();
   spdlog::info("drained: {} files published, {} not published", files_published_.load(),
                unpublished);
+  {
+    std::lock_guard lock(index_mu_);
+    index_stop_ = true;
+  }
+  index_cv_.notify_all();
+  if (indexer_.joinable()) indexer_.join();
   return unpublished;
+}
+
+void Filesystem::QueueIndexBuild(const std::string& ckpt) {
+  {
+    std::lock_guard lock(index_mu_);
+    index_queue_.push_back(ckpt);
+  }
+  index_cv_.notify_one();
+}
+
+void Filesystem::RunIndexer() {
+  while (true) {
+    std::string ckpt;
+    {
+      std::unique_lock lock(index_mu_);
+      index_cv_.wait(lock, [&] { return index_stop_ || !index_queue_.empty(); });
+      if (index_stop_) return;  // a later look builds lazily; the index is a cache
+      ckpt = std::move(index_queue_.front());
+      index_queue_.pop_front();
+    }
+    auto started = std::chrono::steady_clock::now();
+    Status st = index_->Build(ckpt, /*checksums=*/true);
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    if (st.ok()) {
+      spdlog::info("checkpoint {}: indexed in {:.3f} s", ckpt, secs);
+    } else {
+      spdlog::warn("checkpoint {}: index error: {}", ckpt, st.ToString());
+    }
+  }
 }
 
 }  // namespace ckptfs::fs

@@ -14,6 +14,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <thread>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -26,11 +29,13 @@
 #include "common/unique_fd.h"
 #include "fs/node.h"
 #include "fs/staged_file.h"
+#include "fs/tensor_view.h"
 #include "gpu/staging_pool.h"
 #include "store/backing_dir.h"
 #include "store/checkpoints.h"
 #include "store/flush_pipeline.h"
 #include "store/journal.h"
+#include "store/key_index.h"
 #include "store/state_db.h"
 
 namespace ckptfs::fs {
@@ -67,6 +72,9 @@ struct Handle {
     mode_t type;
   };
   std::vector<DirEnt> entries;  // directories: listed at opendir
+  // Tensor-view chunk files: a window [view_base, view_base + view_size) of a backing file.
+  std::shared_ptr<UniqueFd> view_fd;
+  uint64_t view_base = 0, view_size = 0;
 };
 
 // Fixed inode numbers of the control tree.
@@ -190,6 +198,17 @@ class Filesystem {
   mutable std::mutex error_mu_;
   std::string last_error_;  // GUARDED_BY(error_mu_)
   void NoteError(const std::string& msg);
+
+  // Indexes committed checkpoints in the background (the journal thread never waits).
+  void QueueIndexBuild(const std::string& ckpt);
+  void RunIndexer();
+  std::unique_ptr<store::KeyIndex> index_;
+  std::unique_ptr<TensorView> tensors_;
+  std::mutex index_mu_;
+  std::condition_variable index_cv_;
+  std::deque<std::string> index_queue_;  // GUARDED_BY(index_mu_)
+  bool index_stop_ = false;              // GUARDED_BY(index_mu_)
+  std::thread indexer_;
 };
 
 }  // namespace ckptfs::fs
