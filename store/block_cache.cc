@@ -41,7 +41,7 @@ struct BlockCache::Block {
   int pins = 0;                  // Read() calls that will copy from it (or wait to)
   bool in_index = true;          // false once evicted, invalidated or failed
   bool in_lru = false;
-  bool prefetched = false;       // read by prefetch, not yet used by a demand read
+  bool prefetched = false;  // read by prefetch, not yet used by a demand read
   uint64_t last_use = 0;
   std::list<Block*>::iterator lru_pos;
   std::condition_variable ready_cv;  // state left kLoading

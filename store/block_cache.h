@@ -26,7 +26,12 @@
 // rather than evicting what is in use (or what prefetch itself just brought in).
 //
 // Thread-safe. One mutex guards the index; no lock is held during pread or while copying
-// bytes out. The destructor drops queued prefetches and joins the prefetch threads.
+// bytes out. The destructor drops queued prefetches and joins the prefetch threads; no
+// Read() may be in progress or start once it runs.
+//
+// Freshness is only as good as the FileKey the caller passes: take it from fstat() of
+// the very fd being read, and re-take it when the file may have changed (an attribute
+// timeout), since an in-place rewrite within one mtime tick keeps size and mtime.
 #pragma once
 
 #include <condition_variable>
@@ -71,12 +76,12 @@ struct BlockCacheStats {
   uint64_t bytes_served = 0;        // bytes copied out by Read()
   uint64_t used_bytes = 0;          // block buffers held now, in flight included
   uint64_t budget_bytes = 0;
-  uint64_t peak_used_bytes = 0;     // high-water mark of used_bytes
-  uint64_t prefetched_bytes = 0;    // bytes read by prefetch threads
-  uint64_t prefetch_hits = 0;       // prefetched blocks later used by a demand read
-  uint64_t prefetch_dropped = 0;    // prefetch requests dropped (queue full, no memory, stop)
+  uint64_t peak_used_bytes = 0;   // high-water mark of used_bytes
+  uint64_t prefetched_bytes = 0;  // bytes read by prefetch threads
+  uint64_t prefetch_hits = 0;     // prefetched blocks later used by a demand read
+  uint64_t prefetch_dropped = 0;  // prefetch requests dropped (queue full, no memory, stop)
   uint64_t evictions = 0;
-  uint64_t read_errors = 0;         // backing reads that failed
+  uint64_t read_errors = 0;  // backing reads that failed
 };
 
 class BlockCache {
@@ -91,8 +96,8 @@ class BlockCache {
   // open file `fd` (shared so a prefetch may outlive the caller's handle). Returns the
   // number of bytes copied into `out`: fewer than asked only at key.size, or where the
   // file turned out shorter than its key says (it changed underneath).
-  Result<size_t> Read(const FileKey& key, std::shared_ptr<const UniqueFd> fd, char* out,
-                      size_t len, uint64_t offset);
+  Result<size_t> Read(const FileKey& key, std::shared_ptr<const UniqueFd> fd, char* out, size_t len,
+                      uint64_t offset);
 
   // Queues an asynchronous fetch of [offset, offset+len) (clamped to key.size). Returns
   // at once; never blocks on I/O or memory.
@@ -154,17 +159,17 @@ class BlockCache {
   const BlockCacheOptions opts_;
 
   mutable std::mutex mu_;
-  std::condition_variable memory_cv_;  // memory may have become available
-  std::condition_variable queue_cv_;   // prefetch queue changed or stopping
+  std::condition_variable memory_cv_;                 // memory may have become available
+  std::condition_variable queue_cv_;                  // prefetch queue changed or stopping
   std::map<BlockId, std::shared_ptr<Block>> blocks_;  // GUARDED_BY(mu_)
-  std::list<Block*> lru_;                  // GUARDED_BY(mu_): ready blocks, front = newest
-  uint64_t used_ = 0;                      // GUARDED_BY(mu_)
-  uint64_t use_tick_ = 0;                  // GUARDED_BY(mu_)
-  int memory_waiters_ = 0;                 // GUARDED_BY(mu_)
-  std::deque<PrefetchRequest> queue_;      // GUARDED_BY(mu_)
-  bool stop_ = false;                      // GUARDED_BY(mu_)
-  BlockCacheStats stats_;                  // GUARDED_BY(mu_)
-  std::vector<std::thread> prefetchers_;   // owned; joined by the destructor
+  std::list<Block*> lru_;                 // GUARDED_BY(mu_): ready blocks, front = newest
+  uint64_t used_ = 0;                     // GUARDED_BY(mu_)
+  uint64_t use_tick_ = 0;                 // GUARDED_BY(mu_)
+  int memory_waiters_ = 0;                // GUARDED_BY(mu_)
+  std::deque<PrefetchRequest> queue_;     // GUARDED_BY(mu_)
+  bool stop_ = false;                     // GUARDED_BY(mu_)
+  BlockCacheStats stats_;                 // GUARDED_BY(mu_)
+  std::vector<std::thread> prefetchers_;  // owned; joined by the destructor
 };
 
 }  // namespace ckptfs::store

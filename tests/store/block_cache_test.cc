@@ -4,6 +4,7 @@
 #include "store/block_cache.h"
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -18,8 +19,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "tests/store/faulty_backing_dir.h"
 
@@ -74,7 +73,7 @@ class CountingBackingDir : public BackingDir {
   CountingBackingDir(std::string root, UniqueFd fd) : BackingDir(std::move(root), std::move(fd)) {}
 
   mutable std::mutex mu_;
-  Hook hook_;                              // GUARDED_BY(mu_)
+  Hook hook_;                             // GUARDED_BY(mu_)
   std::map<off_t, uint64_t> per_offset_;  // GUARDED_BY(mu_)
   std::atomic<uint64_t> calls_{0};
   std::atomic<int> concurrent_{0};
@@ -157,9 +156,8 @@ class BlockCacheTest : public ::testing::Test {
     std::string buf(len, '\xee');
     auto n = cache->Read(f.key, f.fd, buf.data(), len, offset);
     ASSERT_TRUE(n.ok()) << n.status().ToString();
-    size_t want = offset >= f.contents.size()
-                      ? 0
-                      : std::min<size_t>(len, f.contents.size() - offset);
+    size_t want =
+        offset >= f.contents.size() ? 0 : std::min<size_t>(len, f.contents.size() - offset);
     ASSERT_EQ(*n, want) << "offset " << offset << " len " << len;
     ASSERT_EQ(0, std::memcmp(buf.data(), f.contents.data() + offset, want))
         << "offset " << offset << " len " << len;
