@@ -1,0 +1,681 @@
+#include "store/key_index.h"
+
+#include <gtest/gtest.h>
+#include <xxhash.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "store/backing_dir.h"
+#include "store/dcp_metadata.h"
+#include "store/state_db.h"
+#include "tests/store/faulty_backing_dir.h"
+
+namespace ckptfs::store {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using namespace std::string_literals;
+
+const fs::path kFixtures = fs::path(CKPTFS_SOURCE_DIR) / "tests/fixtures/dcp";
+const char* const kRealFixtures[] = {
+    "torch113_basic_per_item",  "torch113_basic_single_file",
+    "torch113_tricky_single_file", "torch113_4rank_per_item",
+    "torch113_4rank_single_file", "torch113_basic_single_file_pickle_proto2",
+    "torch113_basic_single_file_pickle_proto3"};
+
+std::string ReadFile(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void WriteFile(const fs::path& path, std::string_view bytes) {
+  if (fs::exists(path)) fs::permissions(path, fs::perms::owner_write, fs::perm_options::add);
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Copies a fixture directory to `dest` (created), writable.
+void CopyFixture(const std::string& name, const fs::path& dest) {
+  fs::create_directories(dest);
+  for (const auto& e : fs::directory_iterator(kFixtures / name)) {
+    fs::copy_file(e.path(), dest / e.path().filename());
+    fs::permissions(dest / e.path().filename(), fs::perms::owner_read | fs::perms::owner_write);
+  }
+}
+
+// Orders both our items and manifest items by (fqn, offsets), the key.
+std::string Key(const std::string& fqn, bool bytes, const std::vector<int64_t>& offsets) {
+  std::string k = fqn + "@";
+  if (bytes) return k + "bytes";
+  for (int64_t v : offsets) k += std::to_string(v) + ",";
+  return k;
+}
+std::string Key(const IndexedItem& it) { return Key(it.fqn, it.is_bytes, it.chunk_offsets); }
+std::string Key(const json& it) {
+  return Key(it["fqn"], it["kind"] == "bytes",
+             it.value("chunk_offsets", std::vector<int64_t>{}));
+}
+
+// A backing dir, a state db and a KeyIndex over them; Reopen() simulates a daemon restart.
+struct Env {
+  Env() : backing_path(tmp.Sub("backing")), state_path(tmp.Path("state")) { Reopen(); }
+
+  void Reopen() {
+    index.reset();
+    db.reset();
+    if (!dir) {
+      auto d = BackingDir::Open(backing_path);
+      EXPECT_TRUE(d.ok()) << d.status().ToString();
+      dir = std::move(d).value();
+    }
+    auto s = StateDb::Open(state_path);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    db = std::move(s).value();
+    auto k = KeyIndex::Create(dir.get(), db.get());
+    ASSERT_TRUE(k.ok());
+    index = std::move(k).value();
+  }
+
+  fs::path Backing(const std::string& rel) const { return fs::path(backing_path) / rel; }
+
+  struct Tmp : ScopedTempDir {
+    std::string Path(const std::string& rel) const { return path() + "/" + rel; }
+  } tmp;
+  std::string backing_path, state_path;
+  std::unique_ptr<BackingDir> dir;
+  std::unique_ptr<StateDb> db;
+  std::unique_ptr<KeyIndex> index;
+};
+
+void ExpectResolvesToItself(KeyIndex* index, const std::string& ckpt, const IndexedItem& it) {
+  if (it.length == 0) return;
+  for (uint64_t off : {it.offset, it.offset + it.length / 2, it.offset + it.length - 1}) {
+    std::optional<IndexedItem> r = index->Resolve(ckpt, it.file, off);
+    ASSERT_TRUE(r.has_value()) << KeyName(it) << " at " << off;
+    EXPECT_EQ(*r, it) << KeyName(it) << " at " << off;
+  }
+}
+
+// --- Fixtures -------------------------------------------------------------------------------
+
+TEST(KeyIndex, EveryFixtureIndexesToItsManifestWithChecksums) {
+  Env env;
+  int items_seen = 0;
+  for (const char* name : kRealFixtures) {
+    SCOPED_TRACE(name);
+    const std::string ckpt = "ckpts/"s + name;
+    CopyFixture(name, env.Backing(ckpt));
+    json manifest = json::parse(ReadFile(kFixtures / (std::string(name) + ".manifest.json")));
+
+    Result<std::vector<IndexedItem>> items = env.index->Items(ckpt);  // lazy build
+    ASSERT_TRUE(items.ok()) << items.status().ToString();
+    EXPECT_EQ(env.index->IndexError(ckpt), "");
+    ASSERT_EQ(items->size(), manifest["items"].size());
+    std::map<std::string, json> want_by_key;
+    for (const json& w : manifest["items"]) want_by_key[Key(w)] = w;
+    std::map<std::string, std::string> files;
+    for (size_t i = 0; i < items->size(); ++i) {
+      const IndexedItem& it = (*items)[i];
+      SCOPED_TRACE(KeyName(it));
+      ++items_seen;
+      EXPECT_EQ(it.ordinal, i);
+      ASSERT_TRUE(want_by_key.count(Key(it)));
+      const json& want = want_by_key[Key(it)];
+      EXPECT_EQ(ItemKindName(it.kind), want["kind"].get<std::string>());
+      EXPECT_EQ(it.file, want["file"]);
+      EXPECT_EQ(it.offset, want["offset"].get<uint64_t>());
+      EXPECT_EQ(it.length, want["length"].get<uint64_t>());
+      EXPECT_EQ(it.dtype, want.value("dtype", ""));
+      EXPECT_EQ(it.chunk_offsets, want.value("chunk_offsets", std::vector<int64_t>{}));
+      EXPECT_EQ(it.chunk_sizes, want.value("chunk_sizes", std::vector<int64_t>{}));
+      EXPECT_EQ(it.global_size, want.value("global_size", std::vector<int64_t>{}));
+      EXPECT_EQ(it.stride, want.value("stride", std::vector<int64_t>{}));
+      EXPECT_EQ(it.raw_offset, want.value("raw_offset", uint64_t{0}));
+      EXPECT_EQ(it.raw_nbytes, want.value("raw_nbytes", uint64_t{0}));
+      EXPECT_EQ(it.storage_offset, want.value("storage_offset", int64_t{0}));
+      EXPECT_TRUE(it.transforms.empty());
+      // Checksum: an independent XXH3 of the item's bytes.
+      if (!files.count(it.file)) files[it.file] = ReadFile(env.Backing(ckpt) / it.file);
+      const std::string& file = files[it.file];
+      ASSERT_LE(it.offset + it.length, file.size());
+      ASSERT_TRUE(it.has_checksum);
+      EXPECT_EQ(it.checksum, XXH3_64bits(file.data() + it.offset, it.length));
+      ExpectResolvesToItself(env.index.get(), ckpt, it);
+    }
+    // Past the last item of each file, and unknown files, resolve to nothing.
+    for (const auto& [file, bytes] : files) {
+      EXPECT_FALSE(env.index->Resolve(ckpt, file, bytes.size()).has_value());
+      EXPECT_FALSE(env.index->Resolve(ckpt, file, UINT64_MAX).has_value());
+    }
+    EXPECT_FALSE(env.index->Resolve(ckpt, "__9_9.distcp", 0).has_value());
+    EXPECT_FALSE(env.index->Resolve(ckpt, ".metadata", 0).has_value());
+  }
+  EXPECT_EQ(items_seen, 60);
+  std::vector<std::string> listed = env.index->IndexedCheckpoints();
+  EXPECT_EQ(listed.size(), std::size(kRealFixtures));
+}
+
+TEST(KeyIndex, SyntheticMetadataWithoutDataFilesIsPartialWithOpaqueItems) {
+  for (const char* name : {"default_2x.metadata.p4", "default_2x.metadata.p5",
+                           "megatron015.metadata.p4", "megatron015.metadata.p5"}) {
+    SCOPED_TRACE(name);
+    Env env;
+    fs::create_directories(env.Backing("c"));
+    fs::copy_file(kFixtures / "synthetic" / name, env.Backing("c/.metadata"));
+    json manifest =
+        json::parse(ReadFile(kFixtures / "synthetic" / (std::string(name) + ".manifest.json")));
+    ASSERT_TRUE(env.index->Build("c", /*checksums=*/true).ok());
+    EXPECT_NE(env.index->IndexError("c"), "");  // the shard files are not there
+    Result<std::vector<IndexedItem>> items = env.index->Items("c");
+    ASSERT_TRUE(items.ok()) << items.status().ToString();
+    ASSERT_EQ(items->size(), manifest["items"].size());
+    std::map<std::string, json> want_by_key;
+    for (const json& w : manifest["items"]) want_by_key[Key(w)] = w;
+    for (const IndexedItem& it : *items) {
+      SCOPED_TRACE(KeyName(it));
+      ASSERT_TRUE(want_by_key.count(Key(it)));
+      const json& want = want_by_key[Key(it)];
+      EXPECT_NE(it.kind, ItemKind::kTensor);  // never served as raw data unverified
+      EXPECT_EQ(it.file, want["file"]);
+      EXPECT_EQ(it.offset, want["offset"].get<uint64_t>());
+      EXPECT_EQ(it.length, want["length"].get<uint64_t>());
+      EXPECT_FALSE(it.has_checksum);
+      if (want["kind"] == "opaque") {
+        EXPECT_FALSE(it.transforms.empty());
+      }
+      ExpectResolvesToItself(env.index.get(), "c", it);
+    }
+  }
+}
+
+// --- Resolve --------------------------------------------------------------------------------
+
+DcpItem MakeTensorItem(std::string fqn, std::string file, uint64_t offset, uint64_t length,
+                       int64_t row) {
+  DcpItem d;
+  d.kind = ItemKind::kTensor;
+  d.fqn = std::move(fqn);
+  d.file = std::move(file);
+  d.offset = offset;
+  d.length = length;
+  d.dtype = "float32";
+  d.chunk_offsets = {row, 0};
+  d.chunk_sizes = {1, 4};
+  d.global_size = {1 << 20, 4};
+  return d;
+}
+
+TEST(KeyIndex, ResolveFindsContainingItemAndNothingInGaps) {
+  Env env;
+  fs::create_directories(env.Backing("g"));
+  DcpMetadata md;
+  md.items.push_back(MakeTensorItem("w", "a.distcp", 100, 100, 0));
+  md.items.push_back(MakeTensorItem("w", "a.distcp", 300, 100, 1));
+  md.items.push_back(MakeTensorItem("w", "a.distcp", 400, 1, 2));
+  md.items.push_back(MakeTensorItem("w", "a.distcp", 401, 0, 3));  // empty: owns no byte
+  md.items.push_back(MakeTensorItem("w", "b.distcp", 0, 10, 4));
+  ASSERT_TRUE(env.index->BuildFrom("g", md, false).ok());
+  auto at = [&](const std::string& file, uint64_t off) -> int64_t {
+    std::optional<IndexedItem> r = env.index->Resolve("g", file, off);
+    return r ? r->chunk_offsets[0] : -1;
+  };
+  EXPECT_EQ(at("a.distcp", 0), -1);
+  EXPECT_EQ(at("a.distcp", 99), -1);
+  EXPECT_EQ(at("a.distcp", 100), 0);
+  EXPECT_EQ(at("a.distcp", 199), 0);
+  EXPECT_EQ(at("a.distcp", 200), -1);
+  EXPECT_EQ(at("a.distcp", 299), -1);
+  EXPECT_EQ(at("a.distcp", 300), 1);
+  EXPECT_EQ(at("a.distcp", 399), 1);
+  EXPECT_EQ(at("a.distcp", 400), 2);
+  EXPECT_EQ(at("a.distcp", 401), -1);
+  EXPECT_EQ(at("b.distcp", 9), 4);
+  EXPECT_EQ(at("b.distcp", 10), -1);
+  EXPECT_EQ(at("c.distcp", 0), -1);
+  EXPECT_FALSE(env.index->Resolve("nope", "a.distcp", 100).has_value());
+  EXPECT_FALSE(env.index->Resolve("g/sub", "a.distcp", 100).has_value());
+}
+
+// --- Verify and corruption ------------------------------------------------------------------
+
+TEST(KeyIndex, VerifyPassesPristineAndListsExactlyTheFlippedKey) {
+  for (const char* name : {"torch113_4rank_single_file", "torch113_tricky_single_file",
+                           "torch113_basic_per_item"}) {
+    SCOPED_TRACE(name);
+    Env env;
+    CopyFixture(name, env.Backing("ck"));
+    Result<VerifyReport> clean = env.index->Verify("ck");
+    ASSERT_TRUE(clean.ok()) << clean.status().ToString();
+    EXPECT_TRUE(clean->bad.empty()) << clean->bad[0].first << ": " << clean->bad[0].second;
+    Result<std::vector<IndexedItem>> items = env.index->Items("ck");
+    ASSERT_TRUE(items.ok());
+    EXPECT_EQ(clean->items, items->size());
+    uint64_t total = 0;
+    for (const IndexedItem& it : *items) total += it.length;
+    EXPECT_EQ(clean->bytes, total);
+
+    // Flip one byte in the middle of the raw data of the largest tensor.
+    const IndexedItem* victim = nullptr;
+    for (const IndexedItem& it : *items) {
+      if (it.kind == ItemKind::kTensor && (!victim || it.raw_nbytes > victim->raw_nbytes)) {
+        victim = &it;
+      }
+    }
+    ASSERT_TRUE(victim && victim->raw_nbytes > 0);
+    fs::path file = env.Backing("ck") / victim->file;
+    std::string bytes = ReadFile(file);
+    bytes[victim->raw_offset + victim->raw_nbytes / 2] ^= 0x10;
+    WriteFile(file, bytes);
+
+    Result<VerifyReport> flipped = env.index->Verify("ck");
+    ASSERT_TRUE(flipped.ok());
+    ASSERT_EQ(flipped->bad.size(), 1u);
+    EXPECT_EQ(flipped->bad[0].first, KeyName(*victim));
+    EXPECT_NE(flipped->bad[0].second.find("checksum"), std::string::npos);
+
+    // The .metadata corrupted: Verify says so, and a rebuild gives an index error.
+    std::string md = ReadFile(env.Backing("ck/.metadata"));
+    WriteFile(env.Backing("ck/.metadata"), md.substr(0, md.size() / 2));
+    Result<VerifyReport> bad_md = env.index->Verify("ck");
+    ASSERT_TRUE(bad_md.ok());
+    ASSERT_FALSE(bad_md->bad.empty());
+    EXPECT_EQ(bad_md->bad[0].first, ".metadata");
+    Status st = env.index->Build("ck", true);
+    EXPECT_EQ(st.code(), Code::kCorrupt);
+    EXPECT_NE(env.index->IndexError("ck"), "");
+    EXPECT_FALSE(env.index->Items("ck").ok());
+    EXPECT_FALSE(env.index->Resolve("ck", victim->file, victim->offset).has_value());
+  }
+}
+
+TEST(KeyIndex, VerifyCatchesStructuralDamageToAnArchive) {
+  Env env;
+  CopyFixture("torch113_basic_single_file", env.Backing("ck"));
+  Result<std::vector<IndexedItem>> items = env.index->Items("ck");
+  ASSERT_TRUE(items.ok());
+  const IndexedItem* tensor = nullptr;
+  for (const IndexedItem& it : *items) {
+    if (it.kind == ItemKind::kTensor) tensor = &it;
+  }
+  ASSERT_TRUE(tensor);
+  // Smash the archive's end-of-central-directory record (the item's last 22 bytes).
+  fs::path file = env.Backing("ck") / tensor->file;
+  std::string bytes = ReadFile(file);
+  for (int i = 1; i <= 22; ++i) bytes[tensor->offset + tensor->length - i] = 'X';
+  WriteFile(file, bytes);
+  Result<VerifyReport> r = env.index->Verify("ck");
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->bad.size(), 1u);
+  EXPECT_EQ(r->bad[0].first, KeyName(*tensor));
+  EXPECT_NE(r->bad[0].second.find("archive"), std::string::npos);
+
+  // A rebuild keeps the key, as opaque bytes, and reports a partial index.
+  ASSERT_TRUE(env.index->Build("ck", true).ok());
+  EXPECT_NE(env.index->IndexError("ck").find(KeyName(*tensor)), std::string::npos);
+  Result<std::vector<IndexedItem>> again = env.index->Items("ck");
+  ASSERT_TRUE(again.ok());
+  for (const IndexedItem& it : *again) {
+    if (KeyName(it) == KeyName(*tensor)) {
+      EXPECT_EQ(it.kind, ItemKind::kOpaque);
+      ExpectResolvesToItself(env.index.get(), "ck", it);
+    }
+  }
+}
+
+TEST(KeyIndex, TruncatedShardFileMakesItemsOpaqueNotFatal) {
+  Env env;
+  CopyFixture("torch113_tricky_single_file", env.Backing("ck"));
+  fs::resize_file(env.Backing("ck/__0_0.distcp"), 3000);
+  ASSERT_TRUE(env.index->Build("ck", true).ok());
+  EXPECT_NE(env.index->IndexError("ck"), "");
+  Result<std::vector<IndexedItem>> items = env.index->Items("ck");
+  ASSERT_TRUE(items.ok());
+  EXPECT_EQ(items->size(), 8u);
+  for (const IndexedItem& it : *items) {
+    if (it.offset + it.length > 3000) {
+      EXPECT_NE(it.kind, ItemKind::kTensor);
+      EXPECT_FALSE(it.has_checksum);
+    }
+  }
+}
+
+TEST(KeyIndex, HostileOrTruncatedMetadataIsAnIndexErrorNeverACrash) {
+  Env env;
+  CopyFixture("torch113_tricky_single_file", env.Backing("ck"));
+  const std::string md = ReadFile(kFixtures / "torch113_tricky_single_file/.metadata");
+  std::vector<std::string> inputs = {"", "garbage", "\x80\x04\x95", std::string(1000, '('),
+                                     "\x80\x02]q\x00(" + std::string(5000, '(')};
+  for (size_t n = 0; n < md.size(); n += 29) inputs.push_back(md.substr(0, n));
+  std::string flipped = md;
+  for (size_t i = 40; i < flipped.size(); i += 97) flipped[i] ^= 0x5a;
+  inputs.push_back(flipped);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    SCOPED_TRACE(i);
+    WriteFile(env.Backing("ck/.metadata"), inputs[i]);
+    Status st = env.index->Build("ck", false);
+    if (st.ok()) {
+      // A flipped byte may still parse; then it must be a consistent index.
+      ASSERT_TRUE(env.index->Items("ck").ok());
+      continue;
+    }
+    EXPECT_EQ(st.code(), Code::kCorrupt) << st.ToString();
+    EXPECT_NE(env.index->IndexError("ck"), "");
+    EXPECT_FALSE(env.index->Resolve("ck", "__0_0.distcp", 800).has_value());
+  }
+  // The real .metadata back: a rebuild clears the error.
+  WriteFile(env.Backing("ck/.metadata"), md);
+  ASSERT_TRUE(env.index->Build("ck", false).ok());
+  EXPECT_EQ(env.index->IndexError("ck"), "");
+}
+
+TEST(KeyIndex, NoMetadataIsNotFoundWithoutIndexError) {
+  Env env;
+  fs::create_directories(env.Backing("writing"));
+  EXPECT_EQ(env.index->Build("writing", true).code(), Code::kNotFound);
+  EXPECT_EQ(env.index->Items("writing").status().code(), Code::kNotFound);
+  EXPECT_EQ(env.index->IndexError("writing"), "");
+  EXPECT_FALSE(env.index->Resolve("writing", "__0_0.distcp", 0).has_value());
+  EXPECT_TRUE(env.index->IndexedCheckpoints().empty());
+}
+
+// --- Persistence ----------------------------------------------------------------------------
+
+TEST(KeyIndex, SurvivesReopeningTheStateDbWithoutRereading) {
+  Env env;
+  CopyFixture("torch113_4rank_per_item", env.Backing("a/ck"));
+  ASSERT_TRUE(env.index->Build("a/ck", true).ok());
+  std::vector<IndexedItem> before = env.index->Items("a/ck").value();
+
+  env.Reopen();
+  uint64_t read_before = env.dir->bytes_read();
+  Result<std::vector<IndexedItem>> after = env.index->Items("a/ck");
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(*after, before);
+  EXPECT_EQ(env.dir->bytes_read(), read_before) << "loaded from RocksDB, not rebuilt";
+  EXPECT_EQ(env.index->IndexedCheckpoints(), std::vector<std::string>{"a/ck"});
+  for (const IndexedItem& it : before) ExpectResolvesToItself(env.index.get(), "a/ck", it);
+
+  // A .metadata rewritten while the daemon was down is noticed, and the index rebuilt.
+  env.Reopen();
+  std::string md = ReadFile(env.Backing("a/ck/.metadata"));
+  fs::remove(env.Backing("a/ck/.metadata"));
+  WriteFile(env.Backing("a/ck/.metadata"), md);  // new inode
+  read_before = env.dir->bytes_read();
+  after = env.index->Items("a/ck");
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(*after, before);
+  EXPECT_GT(env.dir->bytes_read(), read_before);
+}
+
+TEST(KeyIndex, DeletedStateDirJustRebuilds) {
+  Env env;
+  CopyFixture("torch113_basic_single_file", env.Backing("ck"));
+  std::vector<IndexedItem> before = env.index->Items("ck").value();
+  env.index.reset();
+  env.db.reset();
+  fs::remove_all(env.state_path);
+  env.Reopen();
+  EXPECT_TRUE(env.index->IndexedCheckpoints().empty());
+  Result<std::vector<IndexedItem>> after = env.index->Items("ck");
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(*after, before);
+}
+
+TEST(KeyIndex, FailedIndexIsPersistedAndNotReparsedUntilTheMetadataChanges) {
+  Env env;
+  CopyFixture("torch113_basic_single_file", env.Backing("ck"));
+  WriteFile(env.Backing("ck/.metadata"), "\x80\x04garbage");
+  EXPECT_EQ(env.index->Build("ck", false).code(), Code::kCorrupt);
+  std::string error = env.index->IndexError("ck");
+  env.Reopen();
+  EXPECT_EQ(env.index->IndexError("ck"), error);
+  uint64_t read_before = env.dir->bytes_read();
+  EXPECT_EQ(env.index->Items("ck").status().code(), Code::kCorrupt);
+  EXPECT_EQ(env.dir->bytes_read(), read_before);
+}
+
+TEST(KeyIndex, RenameMovesNestedCheckpointsAndForgetDropsThem) {
+  Env env;
+  CopyFixture("torch113_basic_single_file", env.Backing("run/step1"));
+  CopyFixture("torch113_tricky_single_file", env.Backing("run/step2"));
+  CopyFixture("torch113_basic_per_item", env.Backing("other"));
+  ASSERT_TRUE(env.index->Build("run/step1", true).ok());
+  ASSERT_TRUE(env.index->Build("run/step2", true).ok());
+  ASSERT_TRUE(env.index->Build("other", true).ok());
+  std::vector<IndexedItem> step2 = env.index->Items("run/step2").value();
+
+  fs::rename(env.Backing("run"), env.Backing("renamed"));
+  env.index->OnRenamed("run", "renamed");
+  EXPECT_EQ(env.index->IndexedCheckpoints(),
+            (std::vector<std::string>{"other", "renamed/step1", "renamed/step2"}));
+  env.Reopen();
+  uint64_t read_before = env.dir->bytes_read();
+  EXPECT_EQ(env.index->Items("renamed/step2").value(), step2);
+  EXPECT_EQ(env.dir->bytes_read(), read_before);
+
+  env.index->Forget("renamed/step1");
+  EXPECT_EQ(env.index->IndexedCheckpoints(),
+            (std::vector<std::string>{"other", "renamed/step2"}));
+  env.Reopen();
+  EXPECT_EQ(env.index->IndexedCheckpoints(),
+            (std::vector<std::string>{"other", "renamed/step2"}));
+}
+
+TEST(KeyIndex, ChecksumsRecordedByTheWritePathAreUsedInsteadOfRereading) {
+  Env env;
+  CopyFixture("torch113_basic_single_file", env.Backing("ck"));
+  // Learn the item ranges from a throwaway index, then start over.
+  std::vector<IndexedItem> items = env.index->Items("ck").value();
+  env.index->Forget("ck");
+  std::vector<RangeChecksum> sums;
+  for (const IndexedItem& it : items) sums.push_back({it.offset, it.length, it.ordinal + 1000u});
+  env.index->RecordChecksums("ck", "__0_0.distcp", sums);
+  ASSERT_TRUE(env.index->Build("ck", true).ok());
+  std::vector<IndexedItem> built = env.index->Items("ck").value();
+  for (const IndexedItem& it : built) {
+    EXPECT_TRUE(it.has_checksum);
+    EXPECT_EQ(it.checksum, it.ordinal + 1000u);
+  }
+  // Recorded after the build: updates the index and persists.
+  for (RangeChecksum& s : sums) s.checksum += 1;
+  env.index->RecordChecksums("ck", "__0_0.distcp", sums);
+  env.Reopen();
+  std::vector<IndexedItem> reloaded = env.index->Items("ck").value();
+  for (const IndexedItem& it : reloaded) {
+    EXPECT_EQ(it.checksum, it.ordinal + 1001u);
+  }
+  // And Verify notices they do not match the bytes.
+  EXPECT_EQ(env.index->Verify("ck").value().bad.size(), items.size());
+}
+
+TEST(KeyIndex, ConcurrentLazyUsersBuildOnce) {
+  Env env;
+  CopyFixture("torch113_4rank_single_file", env.Backing("ck"));
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      if (t % 2) {
+        if (env.index->Items("ck").ok()) ok++;
+      } else {
+        for (int i = 0; i < 1000; ++i) env.index->Resolve("ck", "__0_0.distcp", i * 7);
+        ok++;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(ok.load(), 8);
+  EXPECT_EQ(env.index->Items("ck")->size(), 14u);
+}
+
+// --- Names ----------------------------------------------------------------------------------
+
+TEST(KeyIndexNames, EscapeFqnIsOneReversibleComponent) {
+  std::vector<std::string> fqns = {"model.layers.0.weight", "a/b/c", ".hidden", "..", ".",
+                                   "", "%", "%2F", "~", "x~y", "tab\there", "nul\0in"s,
+                                   "ünïcødé/名前", "optim/state/0/exp_avg"};
+  std::set<std::string> names;
+  for (const std::string& fqn : fqns) {
+    std::string name = EscapeFqn(fqn);
+    SCOPED_TRACE(name);
+    EXPECT_FALSE(name.empty());
+    EXPECT_EQ(name.find('/'), std::string::npos);
+    EXPECT_EQ(name.find('\0'), std::string::npos);
+    EXPECT_NE(name[0], '.');
+    EXPECT_LE(name.size(), 255u);
+    EXPECT_EQ(UnescapeFqn(name), fqn);
+    EXPECT_TRUE(names.insert(name).second);
+  }
+  EXPECT_EQ(EscapeFqn("model.layers.0.weight"), "model.layers.0.weight");
+  EXPECT_EQ(EscapeFqn("a/b"), "a%2Fb");
+  EXPECT_FALSE(UnescapeFqn("a%2fb").has_value());  // not canonical
+  EXPECT_FALSE(UnescapeFqn("a%2").has_value());
+  EXPECT_FALSE(UnescapeFqn("a/b").has_value());
+}
+
+TEST(KeyIndexNames, LongFqnsGetAHashSuffixAndMapBackThroughTheIndex) {
+  std::vector<std::string> fqns;
+  for (int i = 0; i < 4; ++i) fqns.push_back(std::string(300, 'a') + std::to_string(i));
+  fqns.push_back(std::string(84, '/') + "x");  // 253 escaped bytes: not hashed
+  fqns.push_back(std::string(200, 'b') + std::string(30, '/'));
+  std::set<std::string> names;
+  for (const std::string& fqn : fqns) {
+    std::string name = EscapeFqn(fqn);
+    EXPECT_LE(name.size(), 255u);
+    EXPECT_EQ(name.find('/'), std::string::npos);
+    EXPECT_TRUE(names.insert(name).second);
+    EXPECT_EQ(FindFqnByEscapedName(fqns, name), fqn);
+  }
+  EXPECT_FALSE(UnescapeFqn(EscapeFqn(fqns[0])).has_value());
+  EXPECT_FALSE(FindFqnByEscapedName(fqns, "nope").has_value());
+}
+
+TEST(KeyIndexNames, ChunkFileNames) {
+  IndexedItem t;
+  t.kind = ItemKind::kTensor;
+  t.chunk_offsets = {0, 128};
+  EXPECT_EQ(ChunkFileName(t), "0_128");
+  t.chunk_offsets = {};
+  EXPECT_EQ(ChunkFileName(t), "scalar");
+  IndexedItem b;
+  b.is_bytes = true;
+  b.fqn = "step";
+  EXPECT_EQ(ChunkFileName(b), "data");
+  EXPECT_EQ(KeyName(b), "step@data");
+}
+
+// --- Benchmarks -----------------------------------------------------------------------------
+
+// A 100,000-chunk index built from metadata (no shard files, so no archive reads), then
+// 1M random Resolve() calls.
+TEST(KeyIndexBench, ResolveLatencyOn100kItems) {
+  Env env;
+  fs::create_directories(env.Backing("big"));
+  // Its identity lets the index be reloaded from RocksDB; its content is never parsed here.
+  WriteFile(env.Backing("big/.metadata"), "stands in for the parsed metadata");
+  constexpr int kItems = 100000;
+  constexpr uint64_t kItemLen = 1000;
+  DcpMetadata md;
+  md.items.reserve(kItems);
+  for (int i = 0; i < kItems; ++i) {
+    md.items.push_back(MakeTensorItem("model.layers." + std::to_string(i / 100) + ".weight",
+                                      "__" + std::to_string(i % 8) + "_0.distcp",
+                                      (i / 8) * kItemLen, kItemLen, i % 100));
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(env.index->BuildFrom("big", md, false).ok());
+  double build_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+
+  // Reload from RocksDB (what a restarted daemon does on first use).
+  env.index.reset();
+  auto k = KeyIndex::Create(env.dir.get(), env.db.get());
+  ASSERT_TRUE(k.ok());
+  env.index = std::move(k).value();
+  t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(env.index->Resolve("big", "__0_0.distcp", 0).has_value());
+  double load_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+
+  constexpr int kLookups = 1000000;
+  std::vector<std::string> files;
+  for (int f = 0; f < 8; ++f) files.push_back("__" + std::to_string(f) + "_0.distcp");
+  std::vector<std::pair<uint32_t, uint64_t>> queries(kLookups);
+  uint64_t x = 88172645463325252ull;
+  const uint64_t span = (kItems / 8) * kItemLen;
+  for (auto& q : queries) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    q = {static_cast<uint32_t>(x % 8), (x >> 8) % span};
+  }
+  const std::string ckpt = "big";
+  uint64_t found = 0, sink = 0;
+  t0 = std::chrono::steady_clock::now();
+  for (const auto& [f, off] : queries) {
+    std::optional<IndexedItem> r = env.index->Resolve(ckpt, files[f], off);
+    if (r) {
+      ++found;
+      sink += r->offset;
+    }
+  }
+  double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0)
+                  .count() / kLookups;
+  EXPECT_EQ(found, static_cast<uint64_t>(kLookups));
+  std::printf("[bench] KeyIndex 100k items: BuildFrom (no shard files) %.1f ms, load from "
+              "RocksDB %.1f ms, Resolve %.1f ns/op over %d lookups (sink %llu)\n",
+              build_ms, load_ms, ns, kLookups, static_cast<unsigned long long>(sink % 7));
+  EXPECT_LT(ns, 1000.0);
+}
+
+// Index build of a real 100,000-chunk checkpoint written by torch (see
+// scripts/bench/bench_index.py, which generates it and sets CKPTFS_BENCH_CKPT).
+TEST(KeyIndexBench, Build100kChunkCheckpoint) {
+  const char* path = std::getenv("CKPTFS_BENCH_CKPT");
+  if (path == nullptr || *path == '\0') GTEST_SKIP() << "set CKPTFS_BENCH_CKPT to a checkpoint";
+  fs::path ckpt_dir = fs::canonical(path);
+  auto dir = BackingDir::Open(ckpt_dir.parent_path().string());
+  ASSERT_TRUE(dir.ok());
+  ScopedTempDir state;
+  auto db = StateDb::Open(state.path() + "/db");
+  ASSERT_TRUE(db.ok());
+  auto index = KeyIndex::Create(dir->get(), db->get()).value();
+  const std::string ckpt = ckpt_dir.filename().string();
+
+  std::string md_bytes = ReadFile(ckpt_dir / ".metadata");
+  auto t0 = std::chrono::steady_clock::now();
+  Result<DcpMetadata> md = ParseDcpMetadata(md_bytes);
+  double parse_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(md.ok()) << md.status().ToString();
+
+  t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(index->Build(ckpt, false).ok());
+  double build_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(index->IndexError(ckpt), "");
+  size_t n = index->Items(ckpt)->size();
+
+  t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(index->Build(ckpt, true).ok());
+  double sum_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("[bench] %zu chunks, .metadata %zu bytes: parse %.1f ms, Build without checksums "
+              "%.1f ms, Build with checksums %.1f ms\n",
+              n, md_bytes.size(), parse_ms, build_ms, sum_ms);
+  EXPECT_GE(n, 100000u);
+  EXPECT_LT(build_ms, 5000.0);  // goal < 1000 ms; generous for noisy CI machines
+}
+
+}  // namespace
+}  // namespace ckptfs::store
