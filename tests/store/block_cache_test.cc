@@ -295,6 +295,27 @@ TEST_F(BlockCacheTest, BudgetHoldsUnderWorkingSetFourTimesTheBudget) {
   EXPECT_GT(s.backing_bytes_read, budget);  // the working set really did not fit
 }
 
+TEST_F(BlockCacheTest, BudgetOfOneBlockStillServesManyMultiBlockReaders) {
+  // Every multi-block read must go on one block at a time without deadlocking on memory.
+  const uint64_t size = 10 * kBlock + 99;
+  File f = Make("f", Pattern(size, 6));
+  for (uint64_t budget : {kBlock, 2 * kBlock + 1}) {
+    auto cache = NewCache(budget, 1, 4);
+    std::vector<std::thread> readers;
+    for (int t = 0; t < 8; ++t) {
+      readers.emplace_back([&, t] {
+        std::mt19937_64 rng(900 + t);
+        for (int i = 0; i < 60; ++i) {
+          ExpectRead(cache.get(), f, rng() % size, 1 + rng() % (4 * kBlock));
+          if (i % 7 == 0) cache->Prefetch(f.key, f.fd, 0, size);
+        }
+      });
+    }
+    for (auto& t : readers) t.join();
+    EXPECT_LE(cache->Stats().peak_used_bytes, budget);
+  }
+}
+
 TEST_F(BlockCacheTest, ChangedFileIsNeverServedStale) {
   File v1 = Make("f", Pattern(3 * kBlock, 10), /*mtime_sec=*/1000);
   auto cache = NewCache(16 * kBlock, 0);
