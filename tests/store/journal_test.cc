@@ -62,6 +62,25 @@ std::unique_ptr<StateDb> CopyDb(StateDb* src, const std::string& dir) {
   return std::move(dst).value();
 }
 
+// Removes every record of `db`.
+void ClearDb(StateDb* db) {
+  std::vector<std::string> keys;
+  if (!db->Scan("", [&](std::string_view k, std::string_view) { keys.emplace_back(k); }).ok() ||
+      !db->Write({}, keys).ok()) {
+    std::abort();
+  }
+}
+
+// Makes `dst` an exact copy of `src` (see CopyDb).
+void CopyInto(StateDb* src, StateDb* dst) {
+  ClearDb(dst);
+  std::vector<std::pair<std::string, std::string>> puts;
+  Status st = src->Scan("", [&](std::string_view k, std::string_view v) {
+    puts.emplace_back(std::string(k), std::string(v));
+  });
+  if (!st.ok() || !dst->Write(puts, {}).ok()) std::abort();
+}
+
 std::vector<std::string> KeysWithPrefix(StateDb* db, const std::string& prefix) {
   std::vector<std::string> keys;
   EXPECT_TRUE(db->Scan(prefix, [&](std::string_view k, std::string_view) {
@@ -773,16 +792,34 @@ struct Fault {
 
 class CrashModel {
  public:
-  CrashModel(uint32_t seed, int crash_at) : seed_(seed), rng_(seed), crash_at_(crash_at) {}
+  // `db` and `crash_copy` are borrowed (must outlive) and reused across schedules, since
+  // opening RocksDB dominates a schedule's cost; both are cleared first.
+  CrashModel(uint32_t seed, int crash_at, StateDb* db, StateDb* crash_copy)
+      : seed_(seed), rng_(seed), crash_at_(crash_at), db_(db), db_after_crash_(crash_copy) {}
 
-  void Run() {
+  struct Summary {
+    bool crashed = false;
+    bool faulty = false;
+    int entries_checked = 0;
+  };
+
+  Summary Run() {
+    Summary summary;
+    RunInner();
+    summary.crashed = crashed_.load();
+    summary.faulty = faulty_schedule_;
+    summary.entries_checked = entries_done_;
+    return summary;
+  }
+
+ private:
+  void RunInner() {
     SCOPED_TRACE("seed " + std::to_string(seed_) + " crash_at " + std::to_string(crash_at_));
     root_ = tmp_.Sub("backing");
     dir_ = FaultyBackingDir::Open(root_);
     ASSERT_NE(dir_, nullptr);
-    auto db = StateDb::Open(tmp_.Sub("state", false));
-    ASSERT_TRUE(db.ok());
-    db_ = std::move(db).value();
+    ClearDb(db_);
+    ClearDb(db_after_crash_);
     FlushOptions options;
     options.threads = 1 + static_cast<int>(rng_() % 3);
     pipeline_ = std::move(FlushPipeline::Create(dir_.get(), options)).value();
@@ -796,7 +833,7 @@ class CrashModel {
     Journal::Hooks hooks;
     hooks.commit_gate = [this](const JournalEntry& e) { return Gate(e); };
     hooks.on_done = [this](const JournalEntry& e, const Status& st) { OnDone(e, st); };
-    journal_ = std::move(Journal::Create(dir_.get(), db_.get(), hooks)).value();
+    journal_ = std::move(Journal::Create(dir_.get(), db_, hooks)).value();
 
     Drive();
     journal_->Drain();
@@ -807,7 +844,6 @@ class CrashModel {
     CheckAfterRun();
   }
 
- private:
   // ---- the application (test thread)
   void Drive() {
     const int iterations = 2 + static_cast<int>(rng_() % 3);
@@ -1019,7 +1055,7 @@ class CrashModel {
     CheckCrashView(e);
     if (entries_done_ == crash_at_) {
       dir_->SimulateCrash();
-      db_after_crash_ = CopyDb(db_.get(), tmp_.Sub("state_after_crash", false));
+      CopyInto(db_, db_after_crash_);
       crash_state_ = Tree(root_);
       crashed_ = true;
     }
@@ -1077,7 +1113,7 @@ class CrashModel {
     EXPECT_EQ(after.dirs, crash_state_.dirs);
     auto backing = BackingDir::Open(root_);
     ASSERT_TRUE(backing.ok());
-    auto report = Journal::Recover(backing->get(), db_after_crash_.get());
+    auto report = Journal::Recover(backing->get(), db_after_crash_);
     ASSERT_TRUE(report.ok()) << report.status().ToString();
     const TreeState recovered = Tree(root_);
     EXPECT_TRUE(recovered.temps.empty()) << "recovery leaked " << recovered.temps.size()
@@ -1092,8 +1128,9 @@ class CrashModel {
   const int crash_at_;
   ScopedTempDir tmp_{"ckptfs-crash-model"};
   std::string root_;
+  StateDb* const db_;
+  StateDb* const db_after_crash_;  // the records a crash left behind
   std::unique_ptr<FaultyBackingDir> dir_;
-  std::unique_ptr<StateDb> db_;
   std::unique_ptr<FlushPipeline> pipeline_;
   std::unique_ptr<Journal> journal_;
   std::vector<std::shared_ptr<FlushTarget>> targets_;
@@ -1111,21 +1148,35 @@ class CrashModel {
   int entries_done_ = 0;
   std::atomic<bool> crashed_{false};
   TreeState crash_state_;
-  std::unique_ptr<StateDb> db_after_crash_;
 };
 
 TEST(JournalCrashModel, EveryCrashPointLeavesAnAppliedPrefixAndRecoveryRemovesAllTemps) {
-  int schedules = 200;
+  int schedules = 500;
   if (const char* env = std::getenv("CKPTFS_CRASH_SCHEDULES")) schedules = std::atoi(env);
   uint32_t base_seed = 20240601;
   if (const char* env = std::getenv("CKPTFS_CRASH_SEED")) base_seed = std::atoi(env);
   const auto level = spdlog::get_level();
   spdlog::set_level(spdlog::level::off);  // skipped entries log errors by design
+  ScopedTempDir state("ckptfs-crash-model-state");
+  auto db = StateDb::Open(state.Sub("db", false));
+  auto crash_copy = StateDb::Open(state.Sub("crash_copy", false));
+  ASSERT_TRUE(db.ok() && crash_copy.ok());
   std::mt19937 pick(base_seed);
+  int crashed = 0, completed = 0, faulty = 0, entries = 0;
   for (int i = 0; i < schedules && !::testing::Test::HasFailure(); ++i) {
     // Schedules have 8 to 50 entries; some crash points fall past the end (no crash).
     const int crash_at = 1 + static_cast<int>(pick() % 50);
-    CrashModel(base_seed + i, crash_at).Run();
+    auto s = CrashModel(base_seed + i, crash_at, db->get(), crash_copy->get()).Run();
+    (s.crashed ? crashed : completed)++;
+    faulty += s.faulty;
+    entries += s.entries_checked;
+  }
+  // The schedules must actually cover both outcomes, or the test proves little.
+  if (schedules >= 100 && !::testing::Test::HasFailure()) {
+    EXPECT_GT(crashed, schedules / 4);
+    EXPECT_GT(completed, schedules / 20);
+    EXPECT_GT(faulty, schedules / 10);
+    EXPECT_GT(entries, schedules * 5);
   }
   spdlog::set_level(level);
 }
