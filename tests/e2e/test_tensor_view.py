@@ -412,9 +412,9 @@ class TensorView(unittest.TestCase):
         tensors are '-', the manifest changed, everything else is the same."""
         with Mount() as m:
             a, b = os.path.join(m.mnt, "a"), os.path.join(m.mnt, "b")
-            dcp_tool.save(a, RANKS, MB, True, SEED, DTYPES, timeout=300)
+            dcp_tool.save(a, 2, MB, True, SEED, DTYPES, timeout=300)
             kept = DTYPES[:3]
-            dcp_tool.save(b, RANKS, MB // 2, False, SEED, kept, timeout=300)
+            dcp_tool.save(b, 2, MB // 2, False, SEED, kept, timeout=300)
             self.assertEqual(m.wait(a), 0)
             self.assertEqual(m.wait(b), 0)
             la = {f for f, _, _ in dcp_tool.layout(MB, DTYPES)}

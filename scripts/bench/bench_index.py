@@ -1,0 +1,390 @@
+#!/usr/bin/env python3
+"""Key index benchmarks: first look at a 100,000-chunk checkpoint's tensor view, Resolve()
+latency, and what checksumming costs staged writes. See ../../../shared/BENCHMARKS.md.
+
+Checkpoints are generated with torch 1.13's own classes, fast: a DCP `Metadata` object
+(TensorStorageMetadata / ChunkStorageMetadata / MetadataIndex / _StorageInfo, exactly what
+FileSystemWriter pickles) is built directly and pickled to `.metadata`, and each item is a real
+`torch.save` archive (one template per chunk shape, repeated back to back, as
+single_file_per_rank=True lays them out), so the index build parses real zip directories and
+data.pkl. With --sparse, a second copy has sparse (all-zero) data files of the same lengths:
+every item is then unreadable and indexed as opaque, which times the metadata path alone.
+
+Cases (one JSON object each, medians over --reps):
+  index_first_look_warm   listdir of MOUNT/.ckptfs/tensors/<ckpt> on a fresh state dir (lazy
+                          build, with checksums: every item is read), page cache warm
+                          vs. torch's own read of the .metadata (pickle.load), warm
+  index_first_look_cold   the same with the page cache dropped before each side (root only)
+  index_reload_rocksdb    first look after a daemon restart on the same state dir (index loaded
+                          from RocksDB) vs. torch's pickle.load
+  index_first_look_sparse the sparse copy (metadata + failed archive reads + checksums of zeros)
+  store_tests             KeyIndexBench output when a store_tests with it is found: Resolve
+                          ns/op on 100k items, and Build of the generated checkpoint with and
+                          without checksums (CKPTFS_BENCH_CKPT)
+  write_during_checksum   staged write throughput (dd bs=1M, --write-mb) into the mount while
+                          `ckptfs-admin verify` re-reads and XXH3-hashes a --verify-mb checkpoint
+                          in a loop (the same read+hash work the indexer does after a commit)
+                          vs. the same dd with the daemon idle
+  xxh3_inline_estimate    XXH3-64 throughput of libxxhash on a buffer in memory, and the share of
+                          the staged write time that hashing the same bytes would add inline
+Writes bench_index.json and bench_index.png into --out.
+"""
+import argparse
+import ctypes
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import benchlib as bl
+
+sys.path.insert(0, bl.E2E_DIR)
+import dcp_tool  # noqa: E402
+
+
+def build_checkpoint(path, n_fqns, chunks_per_fqn, rows, cols, n_files, sparse=False):
+    """Writes a DCP checkpoint of n_fqns float32 tensors [chunks_per_fqn*rows, cols], each
+    row-sharded in chunks_per_fqn chunks; chunk c lives in __{c % n_files}_0.distcp."""
+    dcp_tool._apply_sitecustomize()
+    import torch
+    from torch.distributed._shard.checkpoint.filesystem import _StorageInfo
+    from torch.distributed._shard.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata)
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    os.makedirs(path, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save(torch.zeros(rows, cols, dtype=torch.float32), buf)
+    template = buf.getvalue()
+    props = TensorProperties(dtype=torch.float32)
+    size = torch.Size([chunks_per_fqn * rows, cols])
+    sdm, storage, counts = {}, {}, [0] * n_files
+    for i in range(n_fqns):
+        fqn = f"model.layers.{i}.weight"
+        chunks = []
+        for c in range(chunks_per_fqn):
+            offsets = torch.Size([c * rows, 0])
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, cols])))
+            f = c % n_files
+            storage[MetadataIndex(fqn, offsets)] = _StorageInfo(
+                f"__{f}_0.distcp", counts[f] * len(template), len(template))
+            counts[f] += 1
+        sdm[fqn] = TensorStorageMetadata(properties=props, size=size, chunks=chunks)
+    md = Metadata(state_dict_metadata=sdm)
+    md.storage_data = storage
+    for f in range(n_files):
+        name = os.path.join(path, f"__{f}_0.distcp")
+        if sparse:
+            with open(name, "wb") as out:
+                out.truncate(counts[f] * len(template))
+        else:
+            with open(name, "wb") as out:
+                block = template * 1024
+                left = counts[f]
+                while left:
+                    n = min(left, 1024)
+                    out.write(block if n == 1024 else template * n)
+                    left -= n
+    with open(os.path.join(path, ".metadata"), "wb") as out:
+        pickle.dump(md, out)
+    return {"chunks": n_fqns * chunks_per_fqn, "fqns": n_fqns, "files": n_files,
+            "item_bytes": len(template), "data_bytes": sum(counts) * len(template),
+            "metadata_bytes": os.path.getsize(os.path.join(path, ".metadata"))}
+
+
+def torch_read_metadata(path):
+    """What torch's FileSystemReader.read_metadata does: pickle.load of .metadata."""
+    dcp_tool._apply_sitecustomize()
+    import torch.distributed._shard.checkpoint  # noqa: F401  (the classes to unpickle)
+    t0 = time.monotonic()
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    dt = time.monotonic() - t0
+    return dt, len(md.storage_data)
+
+
+def daemon(root, backing, state, staging="2G", args=()):
+    d = bl.Daemon(root, staging=staging, args=list(args))
+    d.backing, d.state = backing, state  # Daemon() made root/backing; use the shared one
+    return d
+
+
+def first_look(d, rel):
+    """Seconds for the first listdir of the checkpoint's view; checks what it lists."""
+    view = os.path.join(d.mnt, ".ckptfs", "tensors", rel)
+    t0 = time.monotonic()
+    names = os.listdir(view)
+    dt = time.monotonic() - t0
+    return dt, names
+
+
+def check_view(d, rel, n_fqns, chunks_per_fqn, want_checksums=True):
+    view = os.path.join(d.mnt, ".ckptfs", "tensors", rel)
+    with open(os.path.join(view, "model.layers.0.weight", "meta.json")) as f:
+        meta = json.load(f)
+    ok = len(meta["chunks"]) == chunks_per_fqn and meta["kind"] == "tensor"
+    if want_checksums:
+        ok = ok and all(c["checksum"] for c in meta["chunks"])
+    return ok, meta
+
+
+def find_store_tests():
+    cands = [os.environ.get("CKPTFS_STORE_TESTS", ""), os.path.join(bl.BIN_DIR, "store_tests")]
+    for d in sorted(os.listdir(bl.REPO)):
+        if d.startswith("build"):
+            cands.append(os.path.join(bl.REPO, d, "bin", "store_tests"))
+    best = None
+    for c in cands:
+        if not c or not os.access(c, os.X_OK):
+            continue
+        r = subprocess.run([c, "--gtest_list_tests", "--gtest_filter=KeyIndexBench.*"],
+                           capture_output=True, text=True)
+        if "ResolveLatencyOn100kItems" in r.stdout:
+            if best is None or os.path.getmtime(c) > os.path.getmtime(best):
+                best = c
+    return best
+
+
+def run_store_bench(binary, ckpt):
+    env = dict(os.environ, CKPTFS_BENCH_CKPT=ckpt)
+    r = subprocess.run([binary, "--gtest_filter=KeyIndexBench.*"], capture_output=True,
+                       text=True, env=env, timeout=600)
+    out = {"binary": binary, "rc": r.returncode,
+           "lines": [l for l in r.stdout.split("\n") if l.startswith("[bench]")]}
+    for l in out["lines"]:
+        m = re.search(r"BuildFrom \(no shard files\) ([\d.]+) ms, load from RocksDB ([\d.]+) ms, "
+                      r"Resolve ([\d.]+) ns/op", l)
+        if m:
+            out.update(buildfrom_ms=float(m[1]), rocksdb_load_ms=float(m[2]),
+                       resolve_ns=float(m[3]))
+        m = re.search(r"(\d+) chunks, .metadata (\d+) bytes: parse ([\d.]+) ms, Build without "
+                      r"checksums ([\d.]+) ms, Build with checksums ([\d.]+) ms", l)
+        if m:
+            out.update(chunks=int(m[1]), parse_ms=float(m[3]), build_no_sums_ms=float(m[4]),
+                       build_sums_ms=float(m[5]))
+    return out
+
+
+def xxh3_throughput(nbytes=256 << 20, reps=5):
+    lib = ctypes.CDLL("libxxhash.so.0")
+    lib.XXH3_64bits.restype = ctypes.c_uint64
+    lib.XXH3_64bits.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    buf = ctypes.create_string_buffer(os.urandom(1 << 20) * (nbytes >> 20))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        lib.XXH3_64bits(ctypes.addressof(buf), nbytes)
+        times.append(time.perf_counter() - t0)
+    return nbytes / bl.median(times)
+
+
+def dd(src, dst):
+    t0 = time.monotonic()
+    subprocess.run(["dd", f"if={src}", f"of={dst}", "bs=1M", "status=none"], check=True)
+    return time.monotonic() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fqns", type=int, default=1000)
+    ap.add_argument("--chunks-per-fqn", type=int, default=100)
+    ap.add_argument("--rows", type=int, default=4, help="rows per chunk (x 16 float32 cols)")
+    ap.add_argument("--files", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sparse", type=int, choices=(0, 1), default=1)
+    ap.add_argument("--write-mb", type=int, default=1024, help="staged write size (0: skip)")
+    ap.add_argument("--verify-mb", type=int, default=512,
+                    help="size of the checkpoint verified in a loop during the write")
+    ap.add_argument("--work", default=os.path.join(bl.REPO, "build-bench", "index-work"),
+                    help="scratch dir on the backing file system (wiped)")
+    ap.add_argument("--out", default=os.path.join(bl.REPO, "build-bench"))
+    a = ap.parse_args()
+
+    os.makedirs(a.out, exist_ok=True)
+    shutil.rmtree(a.work, ignore_errors=True)
+    backing = os.path.join(a.work, "backing")
+    big = os.path.join(backing, "big")
+    t0 = time.monotonic()
+    gen = build_checkpoint(big, a.fqns, a.chunks_per_fqn, a.rows, 16, a.files)
+    bl.log(f"generated {gen['chunks']} chunks in {time.monotonic() - t0:.1f} s: {gen}")
+    if a.sparse:
+        build_checkpoint(os.path.join(backing, "big_sparse"), a.fqns, a.chunks_per_fqn, a.rows,
+                         16, a.files, sparse=True)
+    can_drop = bl.drop_caches()
+    raw = {"args": vars(a), "generated": gen, "runs": []}
+    cases, oks = [], []
+
+    # --- first look, lazy build ---------------------------------------------------------------
+    res = {k: [] for k in ("warm", "cold", "reload", "sparse", "torch_warm", "torch_cold")}
+    for rep in range(a.reps):
+        run = {"rep": rep}
+        state = os.path.join(a.work, f"state{rep}")
+        root = os.path.join(a.work, f"d{rep}")
+        # torch's read of the same .metadata, warm (read once first) and cold
+        torch_read_metadata(big)
+        run["torch_warm_s"], n = torch_read_metadata(big)
+        res["torch_warm"].append(run["torch_warm_s"])
+        oks.append(n == gen["chunks"])
+        with daemon(root, backing, state) as d:
+            dt, names = first_look(d, "big")
+            ok, _ = check_view(d, "big", a.fqns, a.chunks_per_fqn)
+            ok = ok and len(names) == a.fqns
+            oks.append(ok)
+            run["first_look_warm_s"] = dt
+            res["warm"].append(dt)
+            t1 = time.monotonic()
+            os.listdir(os.path.join(d.mnt, ".ckptfs", "tensors", "big"))
+            run["second_look_s"] = time.monotonic() - t1
+            if a.sparse:
+                dt, names = first_look(d, "big_sparse")
+                run["first_look_sparse_s"] = dt
+                res["sparse"].append(dt)
+                run["sparse_listed"] = len(names)
+            stats = d.stats()
+            run["backing_bytes_read"] = stats.get("backing_bytes_read")
+            d.unmount()
+        # restart on the same state: the index comes from RocksDB
+        with daemon(root, backing, state) as d:
+            dt, names = first_look(d, "big")
+            oks.append(len(names) == a.fqns and check_view(d, "big", a.fqns,
+                                                           a.chunks_per_fqn)[0])
+            run["reload_rocksdb_s"] = dt
+            res["reload"].append(dt)
+            d.unmount()
+        if can_drop:
+            with daemon(root + "c", backing, state + "c") as d:
+                bl.drop_caches()
+                dt, names = first_look(d, "big")
+                oks.append(len(names) == a.fqns)
+                run["first_look_cold_s"] = dt
+                res["cold"].append(dt)
+                d.unmount()
+            bl.drop_caches()
+            run["torch_cold_s"], _ = torch_read_metadata(big)
+            res["torch_cold"].append(run["torch_cold_s"])
+        bl.log(f"rep {rep}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                          for k, v in run.items()))
+        raw["runs"].append(run)
+        for p in (state, root, state + "c", root + "c"):
+            shutil.rmtree(p, ignore_errors=True)
+
+    ok_index = all(oks)
+    tw = bl.median(res["torch_warm"])
+
+    def case(name, key, base, **extra):
+        mc = bl.median(res[key])
+        c = {"case": name, "ckptfs_s": round(mc, 4), "direct_s": round(base, 4),
+             "ratio": bl.ratio(mc, base), "backing_bytes": gen["data_bytes"], "ok": ok_index,
+             "chunks": gen["chunks"], "metadata_bytes": gen["metadata_bytes"],
+             "baseline": "torch pickle.load of .metadata", "reps": a.reps,
+             "ckptfs_all": [round(x, 4) for x in res[key]], "under_1s": mc < 1.0}
+        c.update(extra)
+        cases.append(c)
+        bl.emit(c)
+
+    case("index_first_look_warm", "warm", tw, checksums=True)
+    if res["cold"]:
+        case("index_first_look_cold", "cold", bl.median(res["torch_cold"]), checksums=True)
+    case("index_reload_rocksdb", "reload", tw)
+    if res["sparse"]:
+        case("index_first_look_sparse", "sparse", tw, checksums=True,
+             note="sparse data files: every archive read fails, items indexed as opaque")
+
+    # --- store_tests KeyIndexBench -------------------------------------------------------------
+    binary = find_store_tests()
+    if binary:
+        sb = run_store_bench(binary, big)
+        raw["store_tests"] = sb
+        c = {"case": "store_tests", "ok": sb["rc"] == 0, **{k: v for k, v in sb.items()
+                                                             if k != "lines"}}
+        if "build_no_sums_ms" in sb:
+            c["checksum_share_of_build"] = round(
+                1 - sb["build_no_sums_ms"] / sb["build_sums_ms"], 3) if sb["build_sums_ms"] else None
+        cases.append(c)
+        bl.emit(c)
+    else:
+        bl.log("no store_tests with KeyIndexBench found (set CKPTFS_STORE_TESTS): skipped")
+
+    # --- checksum cost in the write path --------------------------------------------------------
+    if a.write_mb:
+        src = os.path.join(a.work, "src.bin")
+        subprocess.run(["dd", "if=/dev/urandom", f"of={src}", "bs=1M", f"count={a.write_mb}",
+                        "status=none"], check=True)
+        subprocess.run(["cat", src], stdout=subprocess.DEVNULL, check=True)
+        vck = os.path.join(backing, "verify_me")
+        # 4 MiB chunks: a DCP-like checkpoint of a.verify_mb MiB in 4 files
+        vgen = build_checkpoint(vck, max(1, a.verify_mb // 16), 4, 1024 * 1024 // 16 // 4 * 4,
+                                16, 4)
+        idle, busy, verifies, wok = [], [], [], []
+        with daemon(os.path.join(a.work, "dw"), backing, os.path.join(a.work, "statew")) as d:
+            mnt_ck = os.path.join(d.mnt, "verify_me")
+            r = subprocess.run([bl.ADMIN, "verify", mnt_ck], capture_output=True, text=True)
+            wok.append(r.returncode == 0)
+            for rep in range(a.reps):
+                for side in (("idle", "busy") if rep % 2 == 0 else ("busy", "idle")):
+                    dst = os.path.join(d.mnt, f"w{rep}_{side}")
+                    bl.sync()
+                    if side == "idle":
+                        idle.append(dd(src, dst))
+                    else:
+                        stop = threading.Event()
+                        count = [0]
+
+                        def loop():
+                            while not stop.is_set():
+                                rr = subprocess.run([bl.ADMIN, "verify", mnt_ck],
+                                                    capture_output=True, text=True)
+                                wok.append(rr.returncode == 0)
+                                count[0] += 1
+                        th = threading.Thread(target=loop)
+                        th.start()
+                        time.sleep(0.2)  # the verify is under way
+                        busy.append(dd(src, dst))
+                        stop.set()
+                        th.join()
+                        verifies.append(count[0])
+                    okw, _ = d.wait(dst)
+                    wok.append(okw and subprocess.run(
+                        ["cmp", "-s", src, os.path.join(backing, os.path.basename(dst))]
+                    ).returncode == 0)
+                    os.unlink(dst)
+                bl.log(f"write rep {rep}: idle {idle[-1]:.2f} s, during verify {busy[-1]:.2f} s "
+                       f"({verifies[-1]} verify passes)")
+            d.unmount()
+        size = a.write_mb * bl.MiB
+        mi, mb = bl.median(idle), bl.median(busy)
+        c = {"case": "write_during_checksum", "ckptfs_s": round(mb, 3), "direct_s": round(mi, 3),
+             "ratio": bl.ratio(mb, mi), "backing_bytes": size, "ok": all(wok),
+             "baseline": "same dd into the mount, daemon idle",
+             "idle_GBps": round(size / mi / 1e9, 3), "busy_GBps": round(size / mb / 1e9, 3),
+             "verify_ckpt_bytes": vgen["data_bytes"], "verify_passes": verifies,
+             "idle_all": [round(x, 3) for x in idle], "busy_all": [round(x, 3) for x in busy]}
+        cases.append(c)
+        bl.emit(c)
+        xt = xxh3_throughput()
+        c = {"case": "xxh3_inline_estimate", "xxh3_GBps": round(xt / 1e9, 2),
+             "staged_GBps": round(size / mi / 1e9, 3),
+             "inline_cost_share": round((size / xt) / mi, 4), "ok": True,
+             "note": "share of the staged write time that hashing the same bytes on one core "
+                     "adds when done inline (the daemon checksums after the commit instead)"}
+        cases.append(c)
+        bl.emit(c)
+
+    raw["cases"] = cases
+    with open(os.path.join(a.out, "bench_index.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+    bl.plot(os.path.join(a.out, "bench_index.png"),
+            f"key index, {gen['chunks']} chunks (median of {a.reps})",
+            [c for c in cases if c.get("ratio") is not None])
+    shutil.rmtree(a.work, ignore_errors=True)
+    return 0 if all(c["ok"] for c in cases) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
