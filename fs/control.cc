@@ -40,6 +40,23 @@ std::string Filesystem::StatsJson() {
   j["backing_bytes_read"] = backing_->bytes_read();
   j["backing_bytes_written"] = backing_->bytes_written();
   j["bytes_served"] = bytes_read_.load();
+  if (cache_) {
+    store::BlockCacheStats c = cache_->Stats();
+    j["cache_hits"] = c.hits;
+    j["cache_misses"] = c.misses;
+    j["cache_dedup_waits"] = c.dedup_waits;
+    j["cache_used"] = c.used_bytes;
+    j["cache_limit"] = c.budget_bytes;
+    j["cache_peak"] = c.peak_used_bytes;
+    j["cache_backing_bytes_read"] = c.backing_bytes_read;
+    j["cache_bytes_served"] = c.bytes_served;
+    j["prefetched_bytes"] = c.prefetched_bytes;
+    j["prefetch_hits"] = c.prefetch_hits;
+    j["cache_evictions"] = c.evictions;
+    j["dedup_ratio"] = c.backing_bytes_read == 0
+                           ? 0.0
+                           : static_cast<double>(c.bytes_served) / c.backing_bytes_read;
+  }
   j["journal_pending"] = journal_->pending();
   j["flush_queue"] = pipeline_->queued();
   {
@@ -90,6 +107,16 @@ std::string Filesystem::MetricsText() {
   metric("backing_bytes_read_total", "counter", "Bytes read from the backing store.",
          stats["backing_bytes_read"]);
   metric("bytes_served_total", "counter", "Bytes returned to readers.", stats["bytes_served"]);
+  if (stats.contains("cache_hits")) {
+    metric("cache_hits_total", "counter", "Block cache hits.", stats["cache_hits"]);
+    metric("cache_misses_total", "counter", "Block cache misses.", stats["cache_misses"]);
+    metric("cache_dedup_waits_total", "counter", "Reads that joined a backing read in flight.",
+           stats["cache_dedup_waits"]);
+    metric("cache_used_bytes", "gauge", "Block cache memory in use.", stats["cache_used"]);
+    out << "# HELP ckptfs_dedup_ratio Bytes served from the cache per byte read from the "
+           "backing store.\n# TYPE ckptfs_dedup_ratio gauge\nckptfs_dedup_ratio "
+        << stats["dedup_ratio"].get<double>() << "\n";
+  }
   metric("staging_used_bytes", "gauge", "Staging memory in use.", stats["staging_used"]);
   metric("staging_limit_bytes", "gauge", "Staging memory budget.", stats["staging_limit"]);
   metric("staging_waits_total", "counter", "Writes that waited for staging memory.",

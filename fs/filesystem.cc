@@ -94,6 +94,11 @@ Status Filesystem::Init() {
 
   CKPT_ASSIGN_OR_RETURN(index_, store::KeyIndex::Create(backing_.get(), db_.get()));
   tensors_ = std::make_unique<TensorView>(backing_.get(), index_.get());
+  if (config_.cache_bytes > 0) {
+    store::BlockCacheOptions cache_options;
+    cache_options.budget_bytes = config_.cache_bytes;
+    CKPT_ASSIGN_OR_RETURN(cache_, store::BlockCache::Create(backing_.get(), cache_options));
+  }
   indexer_ = std::thread([this] { RunIndexer(); });
 
   CKPT_ASSIGN_OR_RETURN(struct stat root_attr, backing_->Stat(""));
@@ -297,15 +302,23 @@ Entry Filesystem::EntryLocked(Node* node) {
   return e;
 }
 
+bool Filesystem::CommittedDirLocked(const Node* dir) const {
+  // A checkpoint is committed once its `.metadata` is published and nothing in the
+  // directory is pending; the registry knows the ones saved through this mount.
+  auto it = dir->children.find(".metadata");
+  if (it == dir->children.end()) return false;
+  const Node& md = *it->second;
+  const uint64_t applied = journal_->applied();
+  return md.on_backing && !md.write && md.pending_seq <= applied && dir->pending_seq <= applied;
+}
+
 double Filesystem::TimeoutFor(const Node& node) const {
   // Files of a committed checkpoint do not change: let the kernel keep their entries,
   // attributes and pages (ranks on one node share the page cache).
   if (node.type != NodeType::kFile || node.write || node.parent == nullptr) {
     return kDefaultTimeout;
   }
-  auto info = checkpoints_->Get(PathLocked(node.parent));
-  return info && info->state == store::CkptState::kCommitted ? kCommittedTimeout
-                                                             : kDefaultTimeout;
+  return CommittedDirLocked(node.parent) ? kCommittedTimeout : kDefaultTimeout;
 }
 
 std::string Filesystem::CheckpointDirOf(const std::string& path) const { return ParentOf(path); }
@@ -858,7 +871,18 @@ Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
     node->write->handles++;
     handle->staged = node->write->staged;
   } else {
-    CKPT_ASSIGN_OR_RETURN(handle->fd, backing_->OpenFile(PathLocked(node.get()), O_RDONLY));
+    CKPT_ASSIGN_OR_RETURN(UniqueFd fd, backing_->OpenFile(PathLocked(node.get()), O_RDONLY));
+    struct stat st;
+    if (::fstat(fd.get(), &st) != 0) return Status::FromErrno(errno, "fstat");
+    handle->key = store::FileKeyFromStat(st);
+    handle->fd = std::make_shared<const UniqueFd>(std::move(fd));
+    handle->keep_cache = !handle->writable && TimeoutFor(*node) > kDefaultTimeout;
+    if (node->parent != nullptr && CommittedDirLocked(node->parent)) {
+      handle->ckpt = PathLocked(node->parent);
+      handle->file = node->name;
+      // Reading `.metadata` is how every DCP load starts: fetch the checkpoint ahead.
+      if (node->name == ".metadata" && cache_) QueuePrefetch(handle->ckpt);
+    }
   }
   return handle.release();
 }
@@ -919,6 +943,7 @@ Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offse
     size_t n = static_cast<size_t>(std::min<uint64_t>(len, h->view_size - offset));
     CKPT_ASSIGN_OR_RETURN(size_t got, backing_->PRead(h->view_fd->get(), out, n,
                                                       static_cast<off_t>(h->view_base + offset)));
+
     bytes_read_.fetch_add(got, std::memory_order_relaxed);
     return got;
   }
@@ -934,17 +959,18 @@ Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offse
     if (!h->node->error.empty()) return Status(Code::kIo, h->node->error);
     if (h->node->write) staged = h->node->write->staged;
   }
-  Result<size_t> got = staged ? staged->Read(out, len, offset)
-                        : h->fd.valid() ? backing_->PRead(h->fd.get(), out, len,
-                                                          static_cast<off_t>(offset))
-                                        : Result<size_t>(Status(Code::kIo, "no data source"));
-  if (!got.ok() && !h->fd.valid() && staged == nullptr) return got;
-  if (!got.ok() && staged == nullptr) return got;
-  if (!got.ok()) {
-    // The staged file was published and dropped meanwhile: read the backing file.
-    return got;
+  Result<size_t> got = size_t{0};
+  if (staged) {
+    got = staged->Read(out, len, offset);
+  } else if (!h->fd) {
+    return Status(Code::kIo, "no data source");
+  } else if (cache_) {
+    if (!h->ckpt.empty()) PrefetchItem(h, offset);
+    got = cache_->Read(h->key, h->fd, out, len, offset);
+  } else {
+    got = backing_->PRead(h->fd->get(), out, len, static_cast<off_t>(offset));
   }
-  bytes_read_.fetch_add(*got, std::memory_order_relaxed);
+  if (got.ok()) bytes_read_.fetch_add(*got, std::memory_order_relaxed);
   return got;
 }
 
@@ -1185,13 +1211,71 @@ void Filesystem::QueueIndexBuild(const std::string& ckpt) {
   index_cv_.notify_one();
 }
 
+void Filesystem::QueuePrefetch(const std::string& ckpt) {
+  {
+    std::lock_guard lock(index_mu_);
+    for (const auto& queued : prefetch_queue_) {
+      if (queued == ckpt) return;
+    }
+    prefetch_queue_.push_back(ckpt);
+  }
+  index_cv_.notify_one();
+}
+
+void Filesystem::PrefetchCheckpoint(const std::string& ckpt) {
+  auto indexed = index_->IndexedCheckpoints();
+  if (std::find(indexed.begin(), indexed.end(), ckpt) == indexed.end()) {
+    // Index structure only: checksums would read every byte outside the cache.
+    Status st = index_->Build(ckpt, /*checksums=*/false);
+    if (!st.ok()) {
+      spdlog::debug("prefetch of {}: {}", ckpt, st.ToString());
+      return;
+    }
+  }
+  auto items = index_->Items(ckpt);
+  if (!items.ok()) return;
+  std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>> by_file;
+  for (const auto& item : *items) by_file[item.file].push_back({item.offset, item.length});
+  for (auto& [file, ranges] : by_file) {
+    auto fd = backing_->OpenFile(JoinPath(ckpt, file), O_RDONLY);
+    if (!fd.ok()) continue;
+    struct stat st;
+    if (::fstat(fd->get(), &st) != 0) continue;
+    auto shared = std::make_shared<const UniqueFd>(std::move(*fd));
+    std::sort(ranges.begin(), ranges.end());
+    for (const auto& [offset, length] : ranges) {
+      cache_->Prefetch(store::FileKeyFromStat(st), shared, offset, length);
+    }
+  }
+  spdlog::debug("prefetch of {}: {} items queued", ckpt, items->size());
+}
+
+void Filesystem::PrefetchItem(Handle* h, uint64_t offset) {
+  if (offset < h->prefetched_end.load(std::memory_order_relaxed)) return;
+  auto item = index_->Resolve(h->ckpt, h->file, offset);
+  if (!item || item->offset + item->length <= offset) return;
+  const uint64_t end = item->offset + item->length;
+  if (h->prefetched_end.exchange(end) >= end) return;  // another read got there first
+  uint64_t from = offset + cache_->block_bytes();
+  if (from < end) cache_->Prefetch(h->key, h->fd, from, end - from);
+}
+
 void Filesystem::RunIndexer() {
   while (true) {
     std::string ckpt;
     {
       std::unique_lock lock(index_mu_);
-      index_cv_.wait(lock, [&] { return index_stop_ || !index_queue_.empty(); });
+      index_cv_.wait(lock, [&] {
+        return index_stop_ || !index_queue_.empty() || !prefetch_queue_.empty();
+      });
       if (index_stop_) return;  // a later look builds lazily; the index is a cache
+      if (!prefetch_queue_.empty()) {
+        ckpt = std::move(prefetch_queue_.front());
+        prefetch_queue_.pop_front();
+        lock.unlock();
+        PrefetchCheckpoint(ckpt);
+        continue;
+      }
       ckpt = std::move(index_queue_.front());
       index_queue_.pop_front();
     }

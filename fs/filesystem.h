@@ -36,6 +36,7 @@
 #include "store/flush_pipeline.h"
 #include "store/journal.h"
 #include "store/key_index.h"
+#include "store/block_cache.h"
 #include "store/state_db.h"
 
 namespace ckptfs::fs {
@@ -48,6 +49,7 @@ struct FsConfig {
   uint64_t staging_bytes = uint64_t{1} << 30;
   uint64_t chunk_bytes = uint64_t{4} << 20;
   int flush_threads = 4;
+  uint64_t cache_bytes = uint64_t{1} << 30;  // block cache budget for reads; 0 disables
   std::string staging_backend = "auto";
   // How long a `.metadata` publication waits for shards from other writers to appear.
   std::chrono::milliseconds commit_timeout{std::chrono::minutes(10)};
@@ -64,7 +66,11 @@ struct Handle {
   std::shared_ptr<Node> node;
   bool writable = false;
   std::shared_ptr<StagedFile> staged;  // files written through the mount
-  UniqueFd fd;                         // published files read from the backing store
+  std::shared_ptr<const UniqueFd> fd;  // published files read from the backing store
+  store::FileKey key;                  // their identity, for the block cache
+  std::string ckpt, file;              // checkpoint dir and file name, when in a checkpoint
+  std::atomic<uint64_t> prefetched_end{0};  // end of the last item prefetched by this handle
+  bool keep_cache = false;             // a committed checkpoint's file
   std::string content;                 // control files: generated at open
   struct DirEnt {
     std::string name;
@@ -201,6 +207,14 @@ class Filesystem {
 
   // Indexes committed checkpoints in the background (the journal thread never waits).
   void QueueIndexBuild(const std::string& ckpt);
+  // Fetches a checkpoint's items into the block cache in file order (a load started).
+  void QueuePrefetch(const std::string& ckpt);
+  void PrefetchCheckpoint(const std::string& ckpt);
+  // Prefetches the whole DCP item that `offset` falls in, once per item and handle.
+  void PrefetchItem(Handle* h, uint64_t offset);
+  bool CommittedDirLocked(const Node* dir) const;
+  std::unique_ptr<store::BlockCache> cache_;
+  std::deque<std::string> prefetch_queue_;  // GUARDED_BY(index_mu_)
   void RunIndexer();
   std::unique_ptr<store::KeyIndex> index_;
   std::unique_ptr<TensorView> tensors_;

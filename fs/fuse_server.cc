@@ -126,7 +126,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   fi->fh = reinterpret_cast<uint64_t>(h);
   if (!h->node) {
     fi->direct_io = 1;  // control files: generated content, size unknown to the kernel
-  } else if (!h->staged && !h->writable && Fs(req)->TimeoutFor(*h->node) > 1.0) {
+  } else if (h->keep_cache) {
     fi->keep_cache = 1;  // a committed checkpoint's file: share the page cache
   }
   if (fuse_reply_open(req, fi) != 0) Fs(req)->Release(h);

@@ -75,6 +75,7 @@ int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
   config.staging_bytes = o.staging_bytes;
   config.chunk_bytes = o.chunk_bytes;
   config.flush_threads = o.flush_threads;
+  config.cache_bytes = o.cache_bytes;
   config.staging_backend = o.staging_backend;
   config.commit_timeout = std::chrono::seconds(o.commit_timeout_s);
   auto fs = ckptfs::fs::Filesystem::Create(config);

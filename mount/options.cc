@@ -80,7 +80,7 @@ Result<uint64_t> ParseSize(const std::string& text) {
 Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   DaemonOptions o;
   CLI::App app{"ckptfs: a FUSE file system for fast, safe training checkpoints", "ckptfs"};
-  std::string durability = "async", staging = "1G", chunk = "4M";
+  std::string durability = "async", staging = "1G", chunk = "4M", cache = "1G";
   app.add_option("backing_dir", o.backing_dir, "Directory that stores the files")->required();
   app.add_option("mountpoint", o.mountpoint, "Where to mount")->required();
   app.add_flag("-f,--foreground", o.foreground, "Stay in the foreground");
@@ -88,6 +88,7 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
       ->check(CLI::IsMember({"async", "strict"}));
   app.add_option("--staging-mem", staging, "Staging memory budget, e.g. 2G (default 1G)");
   app.add_option("--chunk-size", chunk, "Staging chunk size (default 4M)");
+  app.add_option("--cache-mem", cache, "Read block cache budget (default 1G; 0 disables)");
   app.add_option("--flush-threads", o.flush_threads, "Flush threads (default 4)")
       ->check(CLI::Range(1, 256));
   app.add_option("--fuse-threads", o.fuse_threads, "Max FUSE worker threads (default 32)")
@@ -115,6 +116,10 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   o.strict = durability == "strict";
   CKPT_ASSIGN_OR_RETURN(o.staging_bytes, ParseSize(staging));
   CKPT_ASSIGN_OR_RETURN(o.chunk_bytes, ParseSize(chunk));
+  CKPT_ASSIGN_OR_RETURN(o.cache_bytes, ParseSize(cache));
+  if (o.cache_bytes != 0 && o.cache_bytes < (1u << 20)) {
+    return Invalid("--cache-mem must be 0 (off) or at least 1M");
+  }
   if (o.chunk_bytes < (64u << 10) || o.chunk_bytes % 4096 != 0 || o.chunk_bytes > (256u << 20)) {
     return Invalid("--chunk-size must be a multiple of 4K between 64K and 256M");
   }

@@ -18,6 +18,7 @@ struct DaemonOptions {
   bool strict = false;
   uint64_t staging_bytes = uint64_t{1} << 30;
   uint64_t chunk_bytes = uint64_t{4} << 20;
+  uint64_t cache_bytes = uint64_t{1} << 30;
   int flush_threads = 4;
   int fuse_threads = 32;
   int commit_timeout_s = 600;
