@@ -201,8 +201,9 @@ def main():
     ap.add_argument("--write-mb", type=int, default=1024, help="staged write size (0: skip)")
     ap.add_argument("--verify-mb", type=int, default=512,
                     help="size of the checkpoint verified in a loop during the write")
-    ap.add_argument("--work", default=os.path.join(bl.REPO, "build-bench", "index-work"),
-                    help="scratch dir on the backing file system (wiped)")
+    ap.add_argument("--work", default="/var/tmp/ckptfs-bench-index",
+                    help="scratch dir on the backing file system (wiped); keep it outside the "
+                         "repository, where a recursive grep of the tree would walk the mounts")
     ap.add_argument("--out", default=os.path.join(bl.REPO, "build-bench"))
     a = ap.parse_args()
 
