@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "fs/filesystem.h"
@@ -82,10 +83,26 @@ std::string Filesystem::StatsJson() {
 
 std::string Filesystem::CheckpointsJson() {
   nlohmann::json arr = nlohmann::json::array();
+  std::set<std::string> listed;
   for (const auto& info : checkpoints_->List()) {
     nlohmann::json j = info.ToJson();
     std::string index_error = index_->IndexError(info.path);
     j["index_error"] = index_error.empty() ? nlohmann::json() : nlohmann::json(index_error);
+    listed.insert(info.path);
+    arr.push_back(std::move(j));
+  }
+  // Checkpoints that were already on the backing store (saved before this mount or by
+  // another node) appear once they have been looked at and indexed.
+  for (const auto& path : index_->IndexedCheckpoints()) {
+    if (listed.count(path)) continue;
+    store::CheckpointInfo info;
+    info.path = path;
+    info.state = store::CkptState::kCommitted;
+    nlohmann::json j = info.ToJson();
+    std::string index_error = index_->IndexError(path);
+    j["index_error"] = index_error.empty() ? nlohmann::json() : nlohmann::json(index_error);
+    j["committed"] = nullptr;
+    j["origin"] = "backing store";
     arr.push_back(std::move(j));
   }
   return arr.dump(1) + "\n";

@@ -943,6 +943,10 @@ Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offse
     size_t n = static_cast<size_t>(std::min<uint64_t>(len, h->view_size - offset));
     CKPT_ASSIGN_OR_RETURN(size_t got, backing_->PRead(h->view_fd->get(), out, n,
                                                       static_cast<off_t>(h->view_base + offset)));
+    if (got < n) {
+      // The index says these bytes exist; a short shard file must not pass as a short tensor.
+      return Status(Code::kIo, "tensor chunk extends past the end of its shard file");
+    }
 
     bytes_read_.fetch_add(got, std::memory_order_relaxed);
     return got;

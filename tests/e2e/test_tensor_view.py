@@ -630,8 +630,7 @@ class TensorView(unittest.TestCase):
             self.assertIsNone(m.proc.poll(), m.log_text())
             m.unmount()
 
-    # --- Known gaps (daemon bugs at the time of writing). expectedFailure: when one is fixed,
-    # the run reports an unexpected success; then drop the decorator. -----------------------
+    # --- Gaps found while writing these tests, fixed since: kept as regression tests. -------
 
     def small_backing(self, root):
         """A single-process DCP save `ok`, a copy `cut` with its last shard cut in half, and
@@ -652,7 +651,6 @@ class TensorView(unittest.TestCase):
             f.write(os.urandom(512))
         return backing
 
-    @unittest.expectedFailure
     def test_gap_index_error_of_premount_checkpoint_listed(self):
         """Issue 3: a bad .metadata 'shows as an index error on that checkpoint in
         /.ckptfs/checkpoints'. A checkpoint already on the backing store when the daemon
@@ -668,7 +666,6 @@ class TensorView(unittest.TestCase):
             self.assertIn(".metadata", entries["garbage"]["index_error"] or "")
             self.assertTrue(entries["cut"]["index_error"])
 
-    @unittest.expectedFailure
     def test_gap_chunk_past_eof_reads_short(self):
         """A chunk file whose item lies past the end of its (cut) shard file: its st_size is
         the item length, but read() returns fewer bytes (0, or the part still there) with no
