@@ -171,11 +171,18 @@ def run_store_bench(binary, ckpt):
     out = {"binary": binary, "rc": r.returncode,
            "lines": [l for l in r.stdout.split("\n") if l.startswith("[bench]")]}
     for l in out["lines"]:
-        m = re.search(r"BuildFrom \(no shard files\) ([\d.]+) ms, load from RocksDB ([\d.]+) ms, "
-                      r"Resolve ([\d.]+) ns/op", l)
+        m = re.search(r"Resolve.*?([\d.]+) ns/op wall, ([\d.]+) ns/op thread CPU", l)
         if m:
-            out.update(buildfrom_ms=float(m[1]), rocksdb_load_ms=float(m[2]),
-                       resolve_ns=float(m[3]))
+            out.update(resolve_ns_wall=float(m[1]), resolve_ns_cpu=float(m[2]))
+        m = re.search(r"Locate.*?([\d.]+) ns/op wall, ([\d.]+) ns/op thread CPU", l)
+        if m:
+            out.update(locate_ns_wall=float(m[1]), locate_ns_cpu=float(m[2]))
+        m = re.search(r"Resolve ([\d.]+) ns/op", l)  # older format
+        if m and "resolve_ns_wall" not in out:
+            out.update(resolve_ns_wall=float(m[1]))
+        m = re.search(r"BuildFrom \(no shard files\) ([\d.]+) ms", l)
+        if m:
+            out.update(buildfrom_100k_ms=float(m[1]))
         m = re.search(r"(\d+) chunks, .metadata (\d+) bytes: parse ([\d.]+) ms, Build without "
                       r"checksums ([\d.]+) ms, Build with checksums ([\d.]+) ms", l)
         if m:
@@ -322,8 +329,7 @@ def main():
     if binary:
         sb = run_store_bench(binary, big)
         raw["store_tests"] = sb
-        c = {"case": "store_tests", "ok": sb["rc"] == 0, **{k: v for k, v in sb.items()
-                                                             if k != "lines"}}
+        c = {"case": "store_tests", "ok": sb["rc"] == 0, **sb}
         if "build_no_sums_ms" in sb:
             c["checksum_share_of_build"] = round(
                 1 - sb["build_no_sums_ms"] / sb["build_sums_ms"], 3) if sb["build_sums_ms"] else None
