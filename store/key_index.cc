@@ -403,22 +403,25 @@ std::shared_ptr<std::mutex> KeyIndex::BuildMutex(const std::string& ckpt) {
 
 void KeyIndex::BuildFileMaps(CkptIndex* index) {
   index->files.clear();
-  for (uint32_t i = 0; i < index->items.size(); ++i) {
-    const IndexedItem& it = index->items[i];
-    if (it.length == 0) continue;
-    index->files[it.file].push_back({it.offset, it.offset + it.length, i});
-  }
-  for (auto& [file, spans] : index->files) {
-    std::sort(spans.begin(), spans.end(),
-              [](const Span& a, const Span& b) { return a.begin < b.begin; });
-    for (size_t i = 1; i < spans.size(); ++i) {
-      if (spans[i].begin < spans[i - 1].end && index->error.empty()) {
+  std::vector<uint32_t> order = FileOrder(index->items);
+  ForEachFile(index->items, order, [&](const std::string& file, std::span<const uint32_t> idx) {
+    FileMap& map = index->files[file];
+    map.begins.reserve(idx.size());
+    map.ends.reserve(idx.size());
+    map.items.reserve(idx.size());
+    for (uint32_t i : idx) {
+      const IndexedItem& it = index->items[i];
+      if (it.length == 0) continue;  // owns no byte
+      if (!map.ends.empty() && it.offset < map.ends.back() && index->error.empty()) {
         index->state = State::kPartial;
-        index->error = "items overlap in " + file + ": " + KeyName(index->items[spans[i - 1].item]) +
-                       " and " + KeyName(index->items[spans[i].item]);
+        index->error = "items overlap in " + file + ": " + KeyName(index->items[map.items.back()]) +
+                       " and " + KeyName(it);
       }
+      map.begins.push_back(it.offset);
+      map.ends.push_back(it.offset + it.length);
+      map.items.push_back(i);
     }
-  }
+  });
 }
 
 Status KeyIndex::Build(const std::string& ckpt, bool checksums) {
@@ -707,9 +710,10 @@ Result<std::vector<IndexedItem>> KeyIndex::Items(const std::string& ckpt) {
   return index.items;
 }
 
-std::optional<IndexedItem> KeyIndex::Resolve(const std::string& ckpt, const std::string& file,
-                                             uint64_t offset) {
-  for (int attempt = 0; attempt < 2; ++attempt) {
+template <typename Fn>
+auto KeyIndex::WithItemAt(const std::string& ckpt, const std::string& file, uint64_t offset,
+                          Fn fn) {
+  for (int attempt = 0;; ++attempt) {
     {
       std::shared_lock lock(mu_);
       auto it = ckpts_.find(ckpt);
@@ -717,20 +721,34 @@ std::optional<IndexedItem> KeyIndex::Resolve(const std::string& ckpt, const std:
         const CkptIndex& index = *it->second;
         if (index.state != State::kMissing || Clock::now() < index.retry_after) {
           auto f = index.files.find(file);
-          if (f == index.files.end()) return std::nullopt;
-          const std::vector<Span>& spans = f->second;
-          auto s = std::upper_bound(spans.begin(), spans.end(), offset,
-                                    [](uint64_t off, const Span& sp) { return off < sp.begin; });
-          if (s == spans.begin()) return std::nullopt;
-          --s;
-          if (offset >= s->end) return std::nullopt;
-          return index.items[s->item];
+          if (f == index.files.end()) return fn(nullptr);
+          ptrdiff_t i = f->second.Find(offset);
+          return fn(i < 0 ? nullptr : &index.items[f->second.items[i]]);
         }
       }
     }
-    if (attempt == 0 && !Ensure(ckpt, /*checksums=*/false).ok()) return std::nullopt;
+    if (attempt > 0 || !Ensure(ckpt, /*checksums=*/false).ok()) {
+      std::shared_lock lock(mu_);  // fn's contract: called under the lock
+      return fn(nullptr);
+    }
   }
-  return std::nullopt;
+}
+
+std::optional<IndexedItem> KeyIndex::Resolve(const std::string& ckpt, const std::string& file,
+                                             uint64_t offset) {
+  return WithItemAt(ckpt, file, offset, [](const IndexedItem* it) -> std::optional<IndexedItem> {
+    if (it == nullptr) return std::nullopt;
+    return *it;
+  });
+}
+
+std::optional<KeyIndex::Located> KeyIndex::Locate(const std::string& ckpt,
+                                                  const std::string& file, uint64_t offset) {
+  return WithItemAt(ckpt, file, offset, [](const IndexedItem* it) -> std::optional<Located> {
+    if (it == nullptr) return std::nullopt;
+    return Located{it->ordinal,    it->kind,       it->has_checksum, it->offset,
+                   it->length,     it->raw_offset, it->raw_nbytes,   it->checksum};
+  });
 }
 
 std::string KeyIndex::IndexError(const std::string& ckpt) {
@@ -858,11 +876,9 @@ void KeyIndex::RecordChecksums(const std::string& ckpt, const std::string& file,
     auto f = index.files.find(file);
     if (f == index.files.end()) return;
     for (const RangeChecksum& s : sums) {
-      auto sp = std::upper_bound(f->second.begin(), f->second.end(), s.offset,
-                                 [](uint64_t off, const Span& x) { return off < x.begin; });
-      if (sp == f->second.begin()) continue;
-      --sp;
-      IndexedItem& item = index.items[sp->item];
+      ptrdiff_t i = f->second.Find(s.offset);
+      if (i < 0) continue;
+      IndexedItem& item = index.items[f->second.items[i]];
       if (item.offset != s.offset || item.length != s.length) continue;
       if (item.has_checksum && item.checksum == s.checksum) continue;
       item.checksum = s.checksum;

@@ -26,7 +26,9 @@
 // Thread-safe. Lock order: a checkpoint's build mutex, then mu_. No I/O under mu_.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -109,6 +111,17 @@ class KeyIndex {
   std::optional<IndexedItem> Resolve(const std::string& ckpt, const std::string& file,
                                      uint64_t offset);
 
+  // What a read path needs of the resolved item, without copying names and shapes: Resolve()
+  // without allocation. Same lookup and laziness as Resolve().
+  struct Located {
+    uint32_t ordinal;  // index into Items()
+    ItemKind kind;
+    bool has_checksum;
+    uint64_t offset, length, raw_offset, raw_nbytes, checksum;
+  };
+  std::optional<Located> Locate(const std::string& ckpt, const std::string& file,
+                                uint64_t offset);
+
   // "" when `ckpt` is indexed without error, or is not indexed (yet).
   std::string IndexError(const std::string& ckpt);
 
@@ -133,20 +146,34 @@ class KeyIndex {
   std::vector<std::string> IndexedCheckpoints();
 
  private:
-  struct Span {
-    uint64_t begin, end;
-    uint32_t item;
+  // Items of one file with a non-empty range, sorted by begin. Parallel arrays so that the
+  // binary search touches only the dense `begins`.
+  struct FileMap {
+    std::vector<uint64_t> begins, ends;
+    std::vector<uint32_t> items;
+    // Index of the entry containing `offset`, or -1.
+    ptrdiff_t Find(uint64_t offset) const {
+      auto it = std::upper_bound(begins.begin(), begins.end(), offset);
+      if (it == begins.begin()) return -1;
+      ptrdiff_t i = it - begins.begin() - 1;
+      return offset < ends[i] ? i : -1;
+    }
   };
   enum class State { kOk, kPartial, kFailed, kMissing };
   struct CkptIndex {
     State state = State::kOk;
     std::string error;
     std::vector<IndexedItem> items;                       // ordinal order
-    std::unordered_map<std::string, std::vector<Span>> files;  // sorted by begin
+    std::unordered_map<std::string, FileMap> files;
     std::chrono::steady_clock::time_point retry_after;    // kMissing only
   };
 
   KeyIndex(BackingDir* dir, StateDb* db) : dir_(dir), db_(db) {}
+
+  // Calls fn(const IndexedItem*) under a shared lock of mu_ with the item containing
+  // `offset`, or nullptr; loads or builds the index first when needed.
+  template <typename Fn>
+  auto WithItemAt(const std::string& ckpt, const std::string& file, uint64_t offset, Fn fn);
 
   // Per-checkpoint build lock, so concurrent lazy builds of one checkpoint happen once.
   std::shared_ptr<std::mutex> BuildMutex(const std::string& ckpt);
