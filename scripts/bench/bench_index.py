@@ -150,7 +150,8 @@ def check_view(d, rel, n_fqns, chunks_per_fqn, want_checksums=True):
 def find_store_tests():
     cands = [os.environ.get("CKPTFS_STORE_TESTS", ""), os.path.join(bl.BIN_DIR, "store_tests")]
     for d in sorted(os.listdir(bl.REPO)):
-        if d.startswith("build"):
+        # sanitizer and fuzzing builds run many times slower: their figures mean nothing
+        if d.startswith("build") and not re.search(r"asan|tsan|ubsan|msan|sanit|fuzz", d):
             cands.append(os.path.join(bl.REPO, d, "bin", "store_tests"))
     best = None
     for c in cands:
@@ -224,8 +225,12 @@ def main():
     ap.add_argument("--work", default="/var/tmp/ckptfs-bench-index",
                     help="scratch dir on the backing file system (wiped); keep it outside the "
                          "repository, where a recursive grep of the tree would walk the mounts")
+    ap.add_argument("--parts", default="index,store,write",
+                    help="which parts to run: index (first look), store (store_tests "
+                         "KeyIndexBench), write (staged writes during checksumming)")
     ap.add_argument("--out", default=os.path.join(bl.REPO, "build-bench"))
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
 
     os.makedirs(a.out, exist_ok=True)
     shutil.rmtree(a.work, ignore_errors=True)
@@ -244,7 +249,7 @@ def main():
     # --- first look, lazy build ---------------------------------------------------------------
     res = {k: [] for k in ("warm", "cold", "reload", "sparse", "torch_warm", "torch_cold",
                            "warm_cpu", "reload_cpu", "sparse_cpu")}
-    for rep in range(a.reps):
+    for rep in range(a.reps if "index" in parts else 0):
         run = {"rep": rep}
         state = os.path.join(a.work, f"state{rep}")
         root = os.path.join(a.work, f"d{rep}")
@@ -316,16 +321,18 @@ def main():
         cases.append(c)
         bl.emit(c)
 
-    case("index_first_look_warm", "warm", tw, checksums=True)
+    if res["warm"]:
+        case("index_first_look_warm", "warm", tw, checksums=True)
     if res["cold"]:
         case("index_first_look_cold", "cold", bl.median(res["torch_cold"]), checksums=True)
-    case("index_reload_rocksdb", "reload", tw)
+    if res["reload"]:
+        case("index_reload_rocksdb", "reload", tw)
     if res["sparse"]:
         case("index_first_look_sparse", "sparse", tw, checksums=True,
              note="sparse data files: every archive read fails, items indexed as opaque")
 
     # --- store_tests KeyIndexBench -------------------------------------------------------------
-    binary = find_store_tests()
+    binary = find_store_tests() if "store" in parts else None
     if binary:
         sb = run_store_bench(binary, big)
         raw["store_tests"] = sb
@@ -335,11 +342,11 @@ def main():
                 1 - sb["build_no_sums_ms"] / sb["build_sums_ms"], 3) if sb["build_sums_ms"] else None
         cases.append(c)
         bl.emit(c)
-    else:
+    elif "store" in parts:
         bl.log("no store_tests with KeyIndexBench found (set CKPTFS_STORE_TESTS): skipped")
 
     # --- checksum cost in the write path --------------------------------------------------------
-    if a.write_mb:
+    if a.write_mb and "write" in parts:
         src = os.path.join(a.work, "src.bin")
         subprocess.run(["dd", "if=/dev/urandom", f"of={src}", "bs=1M", f"count={a.write_mb}",
                         "status=none"], check=True)
