@@ -41,8 +41,8 @@ from harness import Mount
 MiB = 1 << 20
 RANKS = 4
 SEED = 77
-BIG_MB = 128            # sfpr=1 checkpoint: 4 shard files of ~32 MiB
-SMALL_MB = 64           # sfpr=0 checkpoint
+BIG_MB = 64             # sfpr=1 checkpoint: 4 shard files of ~16 MiB
+SMALL_MB = 32           # sfpr=0 checkpoint
 PLAIN_FILE_MB = 64      # plain files outside any checkpoint
 BUDGET_FILES = 8        # 8 x 64 MiB = 512 MiB read under a 64 MiB cache
 READERS = 8
@@ -278,7 +278,6 @@ class ReadCache(unittest.TestCase):
                 # replicated first: a cold daemon, every rank loads every tensor
                 for mode in ("replicated", "own", "reshard"):
                     with self.subTest(ckpt=ckpt, mode=mode):
-                        drop_caches()
                         _, b0 = self.read_counters(m)
                         try:
                             dcp_tool.load(os.path.join(m.mnt, ckpt), RANKS, mode, SEED,
@@ -308,7 +307,6 @@ class ReadCache(unittest.TestCase):
                 digests[n] = hashlib.sha256(f.read()).hexdigest()
         with self.mount(args=["--cache-mem", "64M"], staging="64M") as m:
             self.assertEqual(m.stats()["cache_limit"], cache)
-            drop_caches()
             samples, stop = [], threading.Event()
 
             def poll():
