@@ -15,7 +15,7 @@ For each durability mode (async, strict) and each FileSystemWriter layout
   * the async per-item case runs with 8 MiB of staging for a 16 MiB save, so
     the ranks' writes wait for the flush (G6) and must still be byte-exact;
   * after a clean unmount, a load straight from the backing directory (no
-    ckptfs) returns the expected tensors (G2).
+    ckptfs, one rank reading all chunks) returns the expected tensors (G2).
 
 The reference is a direct dcp_tool save of the same state (same seed) into a
 plain directory. .metadata is compared too: torch 1.13 pickles Metadata built
@@ -88,7 +88,8 @@ class DcpThroughMount(unittest.TestCase):
                 self.assertEqual(m.unmount(), 0, "daemon exit code after a clean unmount")
                 self.assertEqual(dcp_tool.sha256_tree(m.backing), ref_backing,
                                  "backing after unmount")
-                dcp_tool.load(os.path.join(m.backing, "ckpt"), RANKS, "own", SEED, timeout=300)
+                # One rank reading every chunk checks every value and starts 3 fewer torches.
+                dcp_tool.load(os.path.join(m.backing, "ckpt"), 1, "own", SEED, timeout=300)
             except BaseException as e:
                 raise AssertionError(f"{e}\n--- ckptfs log tail ---\n{m.log_text()}") from e
 
