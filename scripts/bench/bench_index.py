@@ -185,6 +185,16 @@ def run_store_bench(binary, ckpt):
         m = re.search(r"BuildFrom \(no shard files\) ([\d.]+) ms", l)
         if m:
             out.update(buildfrom_100k_ms=float(m[1]))
+        m = re.search(r"best round ([\d.]+) ns/op", l)
+        if m and l.find("Resolve") >= 0:
+            out.update(resolve_ns_best_round=float(m[1]))
+        m = re.search(r"(\d+) chunks, .metadata (\d+) bytes \(ms wall / thread CPU\): "
+                      r"ParseDcpMetadata ([\d.]+) / ([\d.]+), Build without checksums ([\d.]+) / "
+                      r"([\d.]+), Build with checksums ([\d.]+) / ([\d.]+)", l)
+        if m:
+            out.update(chunks=int(m[1]), parse_ms=float(m[3]), parse_cpu_ms=float(m[4]),
+                       build_no_sums_ms=float(m[5]), build_no_sums_cpu_ms=float(m[6]),
+                       build_sums_ms=float(m[7]), build_sums_cpu_ms=float(m[8]))
         m = re.search(r"(\d+) chunks, .metadata (\d+) bytes: parse ([\d.]+) ms, Build without "
                       r"checksums ([\d.]+) ms, Build with checksums ([\d.]+) ms", l)
         if m:
@@ -338,9 +348,9 @@ def main():
         sb = run_store_bench(binary, big)
         raw["store_tests"] = sb
         c = {"case": "store_tests", "ok": sb["rc"] == 0, **sb}
-        if "build_no_sums_ms" in sb:
-            c["checksum_share_of_build"] = round(
-                1 - sb["build_no_sums_ms"] / sb["build_sums_ms"], 3) if sb["build_sums_ms"] else None
+        if sb.get("build_sums_cpu_ms"):
+            c["checksum_share_of_build_cpu"] = round(
+                1 - sb["build_no_sums_cpu_ms"] / sb["build_sums_cpu_ms"], 3)
         cases.append(c)
         bl.emit(c)
     elif "store" in parts:
