@@ -20,7 +20,7 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-constexpr int kFormat = 1;        // "i/" record and item value format
+constexpr int kFormat = 1;  // "i/" record and item value format
 constexpr uint8_t kValueVersion = 1;
 constexpr uint64_t kMaxMetadataBytes = 256ull << 20;  // PickleLimits::max_input_bytes
 constexpr size_t kWindowCapacity = 4u << 20;
@@ -59,7 +59,9 @@ void PutVarint(std::string* out, uint64_t v) {
   }
   out->push_back(static_cast<char>(v));
 }
-uint64_t ZigZag(int64_t v) { return (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63); }
+uint64_t ZigZag(int64_t v) {
+  return (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63);
+}
 int64_t UnZigZag(uint64_t v) { return static_cast<int64_t>((v >> 1) ^ (~(v & 1) + 1)); }
 void PutString(std::string* out, std::string_view s) {
   PutVarint(out, s.size());
@@ -187,8 +189,8 @@ class WindowReader {
     if (off >= buf_off_ && off + len <= buf_off_ + buf_len_) {
       return std::string_view(buf_.data() + (off - buf_off_), len);
     }
-    size_t want = static_cast<size_t>(
-        std::min<uint64_t>(std::max(len, kReadAhead), std::min<uint64_t>(kWindowCapacity, size_ - off)));
+    size_t want = static_cast<size_t>(std::min<uint64_t>(
+        std::max(len, kReadAhead), std::min<uint64_t>(kWindowCapacity, size_ - off)));
     buf_len_ = 0;
     CKPT_ASSIGN_OR_RETURN(size_t got, dir_->PRead(fd_, buf_.data(), want, static_cast<off_t>(off)));
     if (got < len) return Corrupt("short read (file shrank?)");
@@ -270,39 +272,39 @@ Result<std::string> ReadWhole(BackingDir* dir, const std::string& path, uint64_t
   return out;
 }
 
-IndexedItem FromDcp(const DcpItem& d, uint32_t ordinal) {
+// Takes the fields of `d` (moved from when the caller passes an rvalue).
+template <typename D>
+IndexedItem FromDcp(D&& d, uint32_t ordinal) {
   IndexedItem it;
   it.kind = d.kind;
-  it.fqn = d.fqn;
-  it.chunk_offsets = d.chunk_offsets;
-  it.chunk_sizes = d.chunk_sizes;
-  it.global_size = d.global_size;
-  it.stride = d.stride;
-  it.dtype = d.dtype;
-  it.file = d.file;
+  it.fqn = std::forward<D>(d).fqn;
+  it.chunk_offsets = std::forward<D>(d).chunk_offsets;
+  it.chunk_sizes = std::forward<D>(d).chunk_sizes;
+  it.global_size = std::forward<D>(d).global_size;
+  it.stride = std::forward<D>(d).stride;
+  it.dtype = std::forward<D>(d).dtype;
+  it.file = std::forward<D>(d).file;
   it.offset = d.offset;
   it.length = d.length;
   it.raw_offset = d.raw_offset;
   it.raw_nbytes = d.raw_nbytes;
   it.storage_offset = d.storage_offset;
-  it.transforms = d.transforms;
+  it.transforms = std::forward<D>(d).transforms;
   it.is_bytes = d.is_bytes;
   it.ordinal = ordinal;
   return it;
 }
 
+// What ResolveItemData() checks against the archive.
 DcpItem ToDcp(const IndexedItem& it) {
   DcpItem d;
   d.kind = it.kind;
   d.fqn = it.fqn;
-  d.chunk_offsets = it.chunk_offsets;
   d.chunk_sizes = it.chunk_sizes;
-  d.global_size = it.global_size;
   d.dtype = it.dtype;
   d.file = it.file;
   d.offset = it.offset;
   d.length = it.length;
-  d.transforms = it.transforms;
   d.is_bytes = it.is_bytes;
   return d;
 }
@@ -471,7 +473,13 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
     parsed = bytes.ok() ? ParseDcpMetadata(*bytes) : Result<DcpMetadata>(bytes.status());
   }
   const DcpMetadata* md = given != nullptr ? given : (parsed.ok() ? &*parsed : nullptr);
+  auto since = [](Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  };
+  const double parse_ms = since(start);
+  Clock::time_point phase = Clock::now();
   Status result = Status::Ok();
+  std::vector<std::string> keys;  // ItemSuffix of each item
 
   if (md == nullptr) {
     index->state = State::kFailed;
@@ -479,16 +487,26 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
     result = Status(Code::kCorrupt, "index of '" + ckpt + "': " + index->error);
   } else {
     index->items.reserve(md->items.size());
-    for (const DcpItem& d : md->items) {
-      index->items.push_back(FromDcp(d, static_cast<uint32_t>(index->items.size())));
+    if (given == nullptr) {
+      for (DcpItem& d : parsed->items) {
+        index->items.push_back(FromDcp(std::move(d), static_cast<uint32_t>(index->items.size())));
+      }
+      parsed = DcpMetadata{};  // free the rest now
+    } else {
+      for (const DcpItem& d : md->items) {
+        index->items.push_back(FromDcp(d, static_cast<uint32_t>(index->items.size())));
+      }
     }
-    std::unordered_set<std::string> keys;
     keys.reserve(index->items.size());
-    for (const IndexedItem& it : index->items) {
-      if (!keys.insert(ItemSuffix(it)).second) {
+    for (const IndexedItem& it : index->items) keys.push_back(ItemSuffix(it));
+    std::unordered_set<std::string_view> distinct;
+    distinct.reserve(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!distinct.insert(keys[i]).second) {
         index->state = State::kFailed;
-        index->error = ".metadata: duplicate key " + KeyName(it);
+        index->error = ".metadata: duplicate key " + KeyName(index->items[i]);
         index->items.clear();
+        keys.clear();
         result = Status(Code::kCorrupt, "index of '" + ckpt + "': " + index->error);
         break;
       }
@@ -517,8 +535,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
       IndexedItem& it = index->items[i];
       if (it.offset > f->size || f->size - it.offset < it.length) {
         if (it.kind == ItemKind::kTensor) it.kind = ItemKind::kOpaque;
-        note(it, "item range past the end of " + file + " (" + std::to_string(f->size) +
-                     " bytes)");
+        note(it, "item range past the end of " + file + " (" + std::to_string(f->size) + " bytes)");
         continue;
       }
       if (it.kind == ItemKind::kTensor) {
@@ -546,9 +563,10 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
     index->error = std::to_string(unresolved) + " item(s) not resolved; first: " + first_error;
   }
   BuildFileMaps(index.get());
+  const double items_ms = since(phase);
+  phase = Clock::now();
 
-  double build_ms =
-      std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  double build_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   json info = {{"format", kFormat},
                {"state", StateName(static_cast<int>(index->state))},
                {"error", index->error},
@@ -557,7 +575,8 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
                {"items", index->items.size()},
                {"checksums", checksums},
                {"metadata", {{"size", id.size}, {"mtime_ns", id.mtime_ns}, {"ino", id.ino}}}};
-  Status persisted = Persist(ckpt, *index, info.dump());
+  Status persisted = Persist(ckpt, *index, keys, info.dump());
+  const double persist_ms = since(phase);
   if (!persisted.ok()) {
     spdlog::warn("key index: cannot persist the index of '{}': {}", ckpt, persisted.ToString());
   }
@@ -566,7 +585,10 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
   size_t n = index->items.size();
   Install(ckpt, std::move(index));
   if (state == State::kOk) {
-    spdlog::info("key index: indexed '{}': {} items in {:.1f} ms", ckpt, n, build_ms);
+    spdlog::info(
+        "key index: indexed '{}': {} items in {:.1f} ms (metadata {:.1f}, items {:.1f}, "
+        "persist {:.1f})",
+        ckpt, n, build_ms + persist_ms, parse_ms, items_ms, persist_ms);
   } else {
     spdlog::warn("key index: '{}' indexed as {}: {}", ckpt, StateName(static_cast<int>(state)),
                  error);
@@ -575,21 +597,27 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
 }
 
 Status KeyIndex::Persist(const std::string& ckpt, const CkptIndex& index,
-                         const std::string& info) {
+                         const std::vector<std::string>& suffixes, const std::string& info) {
   const std::string prefix = ItemPrefix(ckpt);
   std::vector<std::pair<std::string, std::string>> puts;
   puts.reserve(index.items.size() + 1);
-  std::unordered_set<std::string> new_keys;
-  new_keys.reserve(index.items.size());
-  for (const IndexedItem& it : index.items) {
-    puts.emplace_back(prefix + ItemSuffix(it), EncodeItem(it));
-    new_keys.insert(puts.back().first);
+  for (size_t i = 0; i < index.items.size(); ++i) {
+    puts.emplace_back(prefix + suffixes[i], EncodeItem(index.items[i]));
   }
   puts.emplace_back(InfoKey(ckpt), info);
+  // Keys of an earlier build that this one does not overwrite.
+  std::vector<std::string> old_keys;
+  CKPT_RETURN_IF_ERROR(db_->Scan(
+      prefix, [&](std::string_view key, std::string_view) { old_keys.emplace_back(key); }));
   std::vector<std::string> deletes;
-  CKPT_RETURN_IF_ERROR(db_->Scan(prefix, [&](std::string_view key, std::string_view) {
-    if (!new_keys.count(std::string(key))) deletes.emplace_back(key);
-  }));
+  if (!old_keys.empty()) {
+    std::unordered_set<std::string_view> new_keys;
+    new_keys.reserve(puts.size());
+    for (const auto& [key, value] : puts) new_keys.insert(key);
+    for (std::string& key : old_keys) {
+      if (!new_keys.count(key)) deletes.push_back(std::move(key));
+    }
+  }
   return db_->Write(puts, deletes);
 }
 
@@ -742,12 +770,12 @@ std::optional<IndexedItem> KeyIndex::Resolve(const std::string& ckpt, const std:
   });
 }
 
-std::optional<KeyIndex::Located> KeyIndex::Locate(const std::string& ckpt,
-                                                  const std::string& file, uint64_t offset) {
+std::optional<KeyIndex::Located> KeyIndex::Locate(const std::string& ckpt, const std::string& file,
+                                                  uint64_t offset) {
   return WithItemAt(ckpt, file, offset, [](const IndexedItem* it) -> std::optional<Located> {
     if (it == nullptr) return std::nullopt;
-    return Located{it->ordinal,    it->kind,       it->has_checksum, it->offset,
-                   it->length,     it->raw_offset, it->raw_nbytes,   it->checksum};
+    return Located{it->ordinal, it->kind,       it->has_checksum, it->offset,
+                   it->length,  it->raw_offset, it->raw_nbytes,   it->checksum};
   });
 }
 
@@ -782,7 +810,8 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
 
   // The .metadata itself, and whether the index still describes it.
   Result<std::string> bytes = ReadWhole(dir_, Join(ckpt, ".metadata"), kMaxMetadataBytes);
-  Result<DcpMetadata> md = bytes.ok() ? ParseDcpMetadata(*bytes) : Result<DcpMetadata>(bytes.status());
+  Result<DcpMetadata> md =
+      bytes.ok() ? ParseDcpMetadata(*bytes) : Result<DcpMetadata>(bytes.status());
   if (!md.ok()) {
     bad(".metadata", md.status().ToString());
   } else {
@@ -837,7 +866,8 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
           continue;
         }
       } else if (it.is_bytes && it.transforms.empty()) {
-        Result<ZipDirectory> zd = ReadZipDirectory(reader.ItemReader(it.offset, it.length), it.length);
+        Result<ZipDirectory> zd =
+            ReadZipDirectory(reader.ItemReader(it.offset, it.length), it.length);
         if (!zd.ok()) {
           bad(KeyName(it), "archive: " + zd.status().ToString());
           continue;
@@ -902,9 +932,8 @@ void KeyIndex::Forget(const std::string& ckpt) {
     pending_sums_.erase(ckpt);
   }
   std::vector<std::string> deletes{InfoKey(ckpt)};
-  Status st = db_->Scan(ItemPrefix(ckpt), [&](std::string_view key, std::string_view) {
-    deletes.emplace_back(key);
-  });
+  Status st = db_->Scan(ItemPrefix(ckpt),
+                        [&](std::string_view key, std::string_view) { deletes.emplace_back(key); });
   if (st.ok()) st = db_->Write({}, deletes);
   if (!st.ok()) spdlog::warn("key index: forget '{}': {}", ckpt, st.ToString());
 }
@@ -922,8 +951,9 @@ void KeyIndex::OnRenamed(const std::string& from, const std::string& to) {
   };
   // Whatever was indexed at the destination was replaced.
   for (const std::string& ckpt : IndexedCheckpoints()) {
-    if (ckpt == to || (ckpt.size() > to.size() && ckpt.compare(0, to.size(), to) == 0 &&
-                       ckpt[to.size()] == '/') ||
+    if (ckpt == to ||
+        (ckpt.size() > to.size() && ckpt.compare(0, to.size(), to) == 0 &&
+         ckpt[to.size()] == '/') ||
         to.empty()) {
       if (!moved(ckpt)) Forget(ckpt);
     }
@@ -962,7 +992,8 @@ void KeyIndex::OnRenamed(const std::string& from, const std::string& to) {
     std::vector<std::string> deletes;
     const std::string old_prefix = ItemPrefix(ckpt), new_prefix = ItemPrefix(dest);
     st = db_->Scan(old_prefix, [&](std::string_view key, std::string_view value) {
-      puts.emplace_back(new_prefix + std::string(key.substr(old_prefix.size())), std::string(value));
+      puts.emplace_back(new_prefix + std::string(key.substr(old_prefix.size())),
+                        std::string(value));
       deletes.emplace_back(key);
     });
     if (!st.ok()) break;
@@ -978,9 +1009,8 @@ void KeyIndex::OnRenamed(const std::string& from, const std::string& to) {
 
 std::vector<std::string> KeyIndex::IndexedCheckpoints() {
   std::set<std::string> out;
-  Status st = db_->Scan("i/", [&](std::string_view key, std::string_view) {
-    out.emplace(key.substr(2));
-  });
+  Status st =
+      db_->Scan("i/", [&](std::string_view key, std::string_view) { out.emplace(key.substr(2)); });
   if (!st.ok()) spdlog::warn("key index: list checkpoints: {}", st.ToString());
   std::shared_lock lock(mu_);
   for (const auto& [ckpt, index] : ckpts_) {

@@ -54,15 +54,15 @@ struct IndexedItem {
   std::string fqn;
   std::vector<int64_t> chunk_offsets, chunk_sizes, global_size, stride;  // empty for bytes
   std::string dtype;
-  std::string file;                    // relative to the checkpoint dir
-  uint64_t offset = 0, length = 0;     // item range in file
+  std::string file;                         // relative to the checkpoint dir
+  uint64_t offset = 0, length = 0;          // item range in file
   uint64_t raw_offset = 0, raw_nbytes = 0;  // file-absolute raw tensor bytes (kTensor only)
-  int64_t storage_offset = 0;          // in elements
+  int64_t storage_offset = 0;               // in elements
   std::vector<std::string> transforms;
   uint64_t checksum = 0;  // XXH3-64 of the item's bytes [offset, offset+length)
   bool has_checksum = false;
-  bool is_bytes = false;     // a BytesStorageMetadata entry (also when kOpaque)
-  uint32_t ordinal = 0;      // position in the .metadata (state_dict order, then chunk order)
+  bool is_bytes = false;  // a BytesStorageMetadata entry (also when kOpaque)
+  uint32_t ordinal = 0;   // position in the .metadata (state_dict order, then chunk order)
 
   bool operator==(const IndexedItem&) const = default;
 };
@@ -74,7 +74,7 @@ std::string KeyName(const IndexedItem& item);
 uint64_t ItemChecksum(std::span<const char> bytes);
 
 struct VerifyReport {
-  uint64_t items = 0, bytes = 0;  // items checked, bytes re-read
+  uint64_t items = 0, bytes = 0;                         // items checked, bytes re-read
   std::vector<std::pair<std::string, std::string>> bad;  // (KeyName or file, reason)
 };
 
@@ -119,8 +119,7 @@ class KeyIndex {
     bool has_checksum;
     uint64_t offset, length, raw_offset, raw_nbytes, checksum;
   };
-  std::optional<Located> Locate(const std::string& ckpt, const std::string& file,
-                                uint64_t offset);
+  std::optional<Located> Locate(const std::string& ckpt, const std::string& file, uint64_t offset);
 
   // "" when `ckpt` is indexed without error, or is not indexed (yet).
   std::string IndexError(const std::string& ckpt);
@@ -163,9 +162,9 @@ class KeyIndex {
   struct CkptIndex {
     State state = State::kOk;
     std::string error;
-    std::vector<IndexedItem> items;                       // ordinal order
+    std::vector<IndexedItem> items;  // ordinal order
     std::unordered_map<std::string, FileMap> files;
-    std::chrono::steady_clock::time_point retry_after;    // kMissing only
+    std::chrono::steady_clock::time_point retry_after;  // kMissing only
   };
 
   KeyIndex(BackingDir* dir, StateDb* db) : dir_(dir), db_(db) {}
@@ -183,7 +182,10 @@ class KeyIndex {
   Status Ensure(const std::string& ckpt, bool checksums);
   Status LoadFromDb(const std::string& ckpt, bool* found);
   void Install(const std::string& ckpt, std::unique_ptr<CkptIndex> index);
-  Status Persist(const std::string& ckpt, const CkptIndex& index, const std::string& info);
+  // Writes `index` (item i under key suffix suffixes[i]) and its "i/" record in one batch,
+  // deleting keys of an earlier build.
+  Status Persist(const std::string& ckpt, const CkptIndex& index,
+                 const std::vector<std::string>& suffixes, const std::string& info);
   static void BuildFileMaps(CkptIndex* index);
 
   BackingDir* const dir_;
@@ -195,8 +197,7 @@ class KeyIndex {
   std::shared_mutex mu_;
   std::unordered_map<std::string, std::unique_ptr<CkptIndex>> ckpts_;  // GUARDED_BY(mu_)
   // ckpt -> file -> (offset, length) -> checksum, for checkpoints not indexed yet.
-  std::map<std::string,
-           std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, uint64_t>>>
+  std::map<std::string, std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, uint64_t>>>
       pending_sums_;  // GUARDED_BY(mu_)
 };
 
