@@ -26,7 +26,6 @@ dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`, root).
     open across an in-place rewrite, once the attribute timeout has passed.
 """
 import hashlib
-import json
 import multiprocessing
 import os
 import shutil
