@@ -21,6 +21,8 @@ Status SetupLogging(const std::string& level, const std::string& file) {
     logger->set_level(lvl);
     logger->flush_on(spdlog::level::warn);
     spdlog::set_default_logger(logger);
+    // Info and debug lines reach the file within a second, so a crash leaves a usable log.
+    spdlog::flush_every(std::chrono::seconds(1));
     spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%^%l%$] [%t] %v");
   } catch (const spdlog::spdlog_ex& e) {
     return Status(Code::kIo, std::string("cannot open log: ") + e.what());
