@@ -212,7 +212,11 @@ class StagedFileRandom : public StagedFileTest {
     SCOPED_TRACE("seed " + std::to_string(seed));
     std::mt19937 rng(seed);
     Model model;
-    struct Done { int op; char kind; uint64_t offset, len; };
+    struct Done {
+      int op;
+      char kind;
+      uint64_t offset, len;
+    };
     std::vector<Done> history;  // for the failure message
     auto touching = [&](uint64_t from, uint64_t to) {
       std::string s = "\n  recent ops (w=write over the range, t=truncate, d=drain, s=seal):";
@@ -231,10 +235,17 @@ class StagedFileRandom : public StagedFileTest {
       if (kind < 55) {
         uint64_t offset;
         switch (rng() % 4) {
-          case 0: offset = size; break;                                   // append
-          case 1: offset = size ? rng() % size : 0; break;                // overwrite
-          case 2: offset = rng() % (size + 200000); break;                // maybe a hole
-          default: offset = size ? (rng() % size) & ~uint64_t{4095} : 0;  // aligned
+          case 0:
+            offset = size;
+            break;  // append
+          case 1:
+            offset = size ? rng() % size : 0;
+            break;  // overwrite
+          case 2:
+            offset = rng() % (size + 200000);
+            break;  // maybe a hole
+          default:
+            offset = size ? (rng() % size) & ~uint64_t{4095} : 0;  // aligned
         }
         size_t len = rng() % 4 == 0 ? 1 + rng() % 200000 : 1 + rng() % 6000;
         if (offset + len > max_size) continue;
@@ -394,8 +405,8 @@ TEST_F(StagedFileTest, ConcurrentWritersOnASharedTinyPoolAllFinishByteExact) {
       std::mt19937 rng(100 + i);
       for (int n = 0; n < 60; ++n) {
         std::string data = RandomBytes(rng, 1 + rng() % 50000);
-        uint64_t offset = rng() % 3 == 0 && models[i].size() > 0 ? rng() % models[i].size()
-                                                                  : models[i].size();
+        uint64_t offset =
+            rng() % 3 == 0 && models[i].size() > 0 ? rng() % models[i].size() : models[i].size();
         EXPECT_TRUE(files[i]->Write(data.data(), data.size(), offset).ok());
         models[i].Write(data, offset);
       }
@@ -479,8 +490,8 @@ TEST_F(StagedFileTest, ExtendingTheActiveChunkOverAnInFlightChunkKeepsTheNewestB
   auto f = MakeFile("f");
   file = f.get();
   ASSERT_TRUE(f->Write(old_bytes.data(), old_bytes.size(), 100).ok());  // chunk A
-  ASSERT_TRUE(f->Write(head.data(), head.size(), 0).ok());  // seals A; chunk B at 0
-  ASSERT_TRUE(f->Write(newer.data(), newer.size(), 10).ok());  // must not grow B over A
+  ASSERT_TRUE(f->Write(head.data(), head.size(), 0).ok());              // seals A; chunk B at 0
+  ASSERT_TRUE(f->Write(newer.data(), newer.size(), 10).ok());           // must not grow B over A
   newer_returned = true;
   EXPECT_TRUE(ReadAll(f.get()) == after_newer.bytes());
   auto target = f->SealAll();

@@ -80,10 +80,12 @@ TEST(ParseSize, AcceptsPlainNumbersAndBinaryUnits) {
 }
 
 TEST(ParseSize, RejectsMalformedSizesAsInvalid) {
+  // clang-format off
   for (const char* text :
        {"", "K", "G2", "-1", "+5", " 5", "5 ", "1.5G", "12X", "0x10", "5KK", "5 K", "5iB",
         "5KiBB", "1e3", "99999999999999999999999", "18446744073709551616", "16777216T",
         "18446744073709551615K", "17179869184G"}) {
+    // clang-format on
     auto got = ParseSize(text);
     EXPECT_FALSE(got.ok()) << "'" << text << "' parsed as " << (got.ok() ? *got : 0);
     if (!got.ok()) {
@@ -125,11 +127,13 @@ TEST(ParseDaemonOptions, TwoPositionalsAndDefaults) {
 }
 
 TEST(ParseDaemonOptions, EveryOptionIsParsed) {
+  // clang-format off
   auto o = Parse({"-f", "--durability", "strict", "--staging-mem", "2G", "--chunk-size=1M",
                   "--flush-threads", "8", "--fuse-threads", "64", "--commit-timeout", "30",
                   "--staging-backend", "host", "--state-dir", "/var/tmp/s", "--log-level",
                   "debug", "--log-file", "/tmp/l.log", "-o", "allow_other,ro", "-o",
                   "default_permissions", "/b", "/m"});
+  // clang-format on
   ASSERT_TRUE(o.ok()) << o.status().ToString();
   EXPECT_TRUE(o->foreground);
   EXPECT_TRUE(o->strict);
@@ -175,12 +179,12 @@ TEST(ParseDaemonOptions, ChunkSizeBoundsAndAlignment) {
 
 TEST(ParseDaemonOptions, EveryBadInputIsInvalidWithAMessage) {
   const std::vector<std::vector<std::string>> bad = {
-      {},                                              // nothing
-      {"/b"},                                          // missing mountpoint
-      {"/b", "/m", "/extra"},                          // one positional too many
-      {"--bogus", "/b", "/m"},                         // unknown option
+      {},                       // nothing
+      {"/b"},                   // missing mountpoint
+      {"/b", "/m", "/extra"},   // one positional too many
+      {"--bogus", "/b", "/m"},  // unknown option
       {"--durability", "sometimes", "/b", "/m"},
-      {"--durability", "/b", "/m"},                    // value missing, then one positional
+      {"--durability", "/b", "/m"},  // value missing, then one positional
       {"--staging-mem", "lots", "/b", "/m"},
       {"--staging-mem", "1M", "--chunk-size", "4M", "/b", "/m"},  // less than one chunk
       {"--chunk-size", "4X", "/b", "/m"},

@@ -137,9 +137,19 @@ TEST_F(BackingDirConfinement, OpenFileRefusesASymlinkedDirectoryComponentLeaving
 
 TEST_F(BackingDirConfinement, DotDotAbsoluteAndOddComponentsAreRefusedByEveryCall) {
   const std::string abs_secret = outside_ + "/secret";
-  const std::vector<std::string> bad = {
-      "..", "../outside/secret", "sub/../../outside/secret", "sub/..", abs_secret, "/",
-      "/etc/passwd", ".", "./inside", "sub/./deeper", "sub//deeper", "sub/", "/sub"};
+  const std::vector<std::string> bad = {"..",
+                                        "../outside/secret",
+                                        "sub/../../outside/secret",
+                                        "sub/..",
+                                        abs_secret,
+                                        "/",
+                                        "/etc/passwd",
+                                        ".",
+                                        "./inside",
+                                        "sub/./deeper",
+                                        "sub//deeper",
+                                        "sub/",
+                                        "/sub"};
   const struct timespec times[2] = {{1, 0}, {1, 0}};
   for (const auto& p : bad) {
     SCOPED_TRACE(p);
@@ -284,8 +294,8 @@ class SwapAfterStatBackingDir : public BackingDir {
                                                        std::string link_target) {
     int fd = ::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return nullptr;
-    auto d = std::unique_ptr<SwapAfterStatBackingDir>(
-        new SwapAfterStatBackingDir(root, UniqueFd(fd)));
+    auto d =
+        std::unique_ptr<SwapAfterStatBackingDir>(new SwapAfterStatBackingDir(root, UniqueFd(fd)));
     d->swap_path_ = std::move(swap_path);
     d->link_target_ = std::move(link_target);
     return d;

@@ -109,9 +109,18 @@ class FaultyBackingDir : public BackingDir {
   void FailNthRename(uint64_t n, int err) { SetFault(&rename_faults_, n, err); }
   void FailNthSyncParent(uint64_t n, int err) { SetFault(&sync_parent_faults_, n, err); }
 
-  void SetPWriteHook(PWriteHook hook) { std::lock_guard l(fault_mu_); pwrite_hook_ = std::move(hook); }
-  void SetFsyncHook(FsyncHook hook) { std::lock_guard l(fault_mu_); fsync_hook_ = std::move(hook); }
-  void SetRenameHook(RenameHook hook) { std::lock_guard l(fault_mu_); rename_hook_ = std::move(hook); }
+  void SetPWriteHook(PWriteHook hook) {
+    std::lock_guard l(fault_mu_);
+    pwrite_hook_ = std::move(hook);
+  }
+  void SetFsyncHook(FsyncHook hook) {
+    std::lock_guard l(fault_mu_);
+    fsync_hook_ = std::move(hook);
+  }
+  void SetRenameHook(RenameHook hook) {
+    std::lock_guard l(fault_mu_);
+    rename_hook_ = std::move(hook);
+  }
   void SetSyncParentHook(PathHook hook) {
     std::lock_guard l(fault_mu_);
     sync_parent_hook_ = std::move(hook);
@@ -323,9 +332,9 @@ class FaultyBackingDir : public BackingDir {
       : BackingDir(std::move(root_path), std::move(root)) {}
 
   struct Unsynced {
-    UniqueFd fd;         // a dup, so the file can be truncated after its owner closed it
-    off_t synced_size;   // what survives a crash
-    uint64_t gen;        // bumped by every write
+    UniqueFd fd;        // a dup, so the file can be truncated after its owner closed it
+    off_t synced_size;  // what survives a crash
+    uint64_t gen;       // bumped by every write
   };
   using Key = std::pair<dev_t, ino_t>;
 

@@ -263,9 +263,8 @@ TEST_F(FlushPipelineTest, OnDoneRunsExactlyOncePerChunkAndBeforeKeepaliveIsRelea
   const int bad_fd = bad_target->fd();
   std::atomic<int> bad_writes{0};
   // The bad target fails on its 10th write; earlier ones succeed, later ones are dropped.
-  dir_->SetPWriteHook([&](int fd, off_t, size_t) {
-    return fd == bad_fd && ++bad_writes == 10 ? ENOSPC : 0;
-  });
+  dir_->SetPWriteHook(
+      [&](int fd, off_t, size_t) { return fd == bad_fd && ++bad_writes == 10 ? ENOSPC : 0; });
   std::vector<std::atomic<int>> done(kChunks);
   std::vector<std::atomic<int>> released(kChunks);
   std::atomic<int> done_after_release{0};

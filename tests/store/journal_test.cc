@@ -83,9 +83,8 @@ void CopyInto(StateDb* src, StateDb* dst) {
 
 std::vector<std::string> KeysWithPrefix(StateDb* db, const std::string& prefix) {
   std::vector<std::string> keys;
-  EXPECT_TRUE(db->Scan(prefix, [&](std::string_view k, std::string_view) {
-                  keys.emplace_back(k);
-                }).ok());
+  EXPECT_TRUE(
+      db->Scan(prefix, [&](std::string_view k, std::string_view) { keys.emplace_back(k); }).ok());
   return keys;
 }
 
@@ -319,12 +318,12 @@ TEST_F(JournalTest, AppliesEntriesStrictlyInOrderAndEachStepIsVisibleInTurn) {
   Write(&one, "one");
   Write(&two, "two");
   std::vector<uint64_t> seqs;
-  seqs.push_back(Publish(one, "d/x"));                       // d/x=one
-  seqs.push_back(Op(OpType::kRename, "d/y", "d/x"));         // d/y=one
-  seqs.push_back(Publish(two, "d/x"));                       // d/x=two d/y=one
-  seqs.push_back(Op(OpType::kUnlink, "d/y"));                // d/x=two
+  seqs.push_back(Publish(one, "d/x"));                // d/x=one
+  seqs.push_back(Op(OpType::kRename, "d/y", "d/x"));  // d/y=one
+  seqs.push_back(Publish(two, "d/x"));                // d/x=two d/y=one
+  seqs.push_back(Op(OpType::kUnlink, "d/y"));         // d/x=two
   seqs.push_back(Op(OpType::kMkdir, "d/sub"));
-  seqs.push_back(Op(OpType::kRename, "d/sub/z", "d/x"));     // d/sub/z=two
+  seqs.push_back(Op(OpType::kRename, "d/sub/z", "d/x"));  // d/sub/z=two
   seqs.push_back(Op(OpType::kMkdir, "d/e"));
   seqs.push_back(Op(OpType::kRmdir, "d/e"));
   JournalEntry link;
@@ -513,9 +512,7 @@ TEST_F(JournalTest, AFailedFsyncSkipsThePublish) {
 // stays visible on the backing store, a committed-looking checkpoint that ckptfs itself
 // reports as failed, and whose name is not known to be durable (G5, G7).
 TEST_F(JournalTest, AMetadataWhoseDirectorySyncFailsIsNotLeftPublished) {
-  dir_->SetSyncParentHook([](const std::string& path) {
-    return IsCommitName(path) ? EIO : 0;
-  });
+  dir_->SetSyncParentHook([](const std::string& path) { return IsCommitName(path) ? EIO : 0; });
   Journal::Hooks hooks;
   hooks.commit_gate = [](const JournalEntry&) { return Status::Ok(); };
   MakeJournal(std::move(hooks));
@@ -535,9 +532,7 @@ TEST_F(JournalTest, AMetadataWhoseDirectorySyncFailsIsNotLeftPublished) {
 // `.metadata` stays on the backing store (G5, G7). ApplyPublish withdraws its rename
 // since ced3777; the kRename case does not.
 TEST_F(JournalTest, DISABLED_AMetadataRenameWhoseDirectorySyncFailsIsNotLeftCommitted) {
-  dir_->SetSyncParentHook([](const std::string& path) {
-    return IsCommitName(path) ? EIO : 0;
-  });
+  dir_->SetSyncParentHook([](const std::string& path) { return IsCommitName(path) ? EIO : 0; });
   Journal::Hooks hooks;
   hooks.commit_gate = [](const JournalEntry&) { return Status::Ok(); };
   MakeJournal(std::move(hooks));
@@ -591,7 +586,7 @@ TEST_F(JournalTest, TheCommitGateRefusesMetadataAndNothingOfItAppears) {
   uint64_t s1 = Publish(shard, "ck/__0_0.distcp");
   uint64_t s2 = Publish(md_tmp, "ck/.metadata.tmp");
   uint64_t s3 = Op(OpType::kRename, "ck/.metadata", "ck/.metadata.tmp");  // DCP's commit
-  uint64_t s4 = Publish(md, "ck2/.metadata");  // written in place
+  uint64_t s4 = Publish(md, "ck2/.metadata");                             // written in place
   uint64_t s5 = Op(OpType::kMkdir, "after");
   EXPECT_TRUE(journal_->Wait(s1).ok());
   EXPECT_TRUE(journal_->Wait(s2).ok());
@@ -1071,8 +1066,8 @@ class CrashModel {
       if (it == view.files.end()) {
         ADD_FAILURE() << path << " is missing after a crash here";
       } else if (it->second != bytes) {
-        ADD_FAILURE() << path << " would be torn by a crash here (" << it->second.size()
-                      << " of " << bytes.size() << " bytes)";
+        ADD_FAILURE() << path << " would be torn by a crash here (" << it->second.size() << " of "
+                      << bytes.size() << " bytes)";
       }
     }
     for (const auto& [path, bytes] : view.files) {
@@ -1137,10 +1132,10 @@ class CrashModel {
   bool faulty_schedule_ = false;
 
   std::mutex mu_;  // between the application and the publisher/flush threads
-  std::map<uint64_t, std::string> contents_;          // GUARDED_BY(mu_)
-  std::map<int, Fault::Kind> fd_faults_;              // GUARDED_BY(mu_)
-  std::set<std::string> rename_faults_;               // GUARDED_BY(mu_)
-  std::set<uint64_t> faulted_ids_;                    // GUARDED_BY(mu_)
+  std::map<uint64_t, std::string> contents_;                     // GUARDED_BY(mu_)
+  std::map<int, Fault::Kind> fd_faults_;                         // GUARDED_BY(mu_)
+  std::set<std::string> rename_faults_;                          // GUARDED_BY(mu_)
+  std::set<uint64_t> faulted_ids_;                               // GUARDED_BY(mu_)
   std::map<std::string, std::vector<std::string>> shard_names_;  // GUARDED_BY(mu_)
 
   // Publisher thread only, until the run is over.
