@@ -880,6 +880,8 @@ Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
     if (node->parent != nullptr && CommittedDirLocked(node->parent)) {
       handle->ckpt = PathLocked(node->parent);
       handle->file = node->name;
+      auto indexed = index_->IndexedCheckpoints();
+      handle->indexed = std::find(indexed.begin(), indexed.end(), handle->ckpt) != indexed.end();
       // Reading `.metadata` is how every DCP load starts: fetch the checkpoint ahead.
       if (node->name == ".metadata" && cache_) QueuePrefetch(handle->ckpt);
     }
@@ -969,8 +971,12 @@ Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offse
   } else if (!h->fd) {
     return Status(Code::kIo, "no data source");
   } else if (cache_) {
+    // The file's identity now, not at open: someone may have rewritten it in place.
+    struct stat st;
+    if (::fstat(h->fd->get(), &st) != 0) return Status::FromErrno(errno, "fstat");
+    store::FileKey key = store::FileKeyFromStat(st);
     if (!h->ckpt.empty()) PrefetchItem(h, offset);
-    got = cache_->Read(h->key, h->fd, out, len, offset);
+    got = cache_->Read(key, h->fd, out, len, offset);
   } else {
     got = backing_->PRead(h->fd->get(), out, len, static_cast<off_t>(offset));
   }
@@ -1227,34 +1233,37 @@ void Filesystem::QueuePrefetch(const std::string& ckpt) {
 }
 
 void Filesystem::PrefetchCheckpoint(const std::string& ckpt) {
-  auto indexed = index_->IndexedCheckpoints();
-  if (std::find(indexed.begin(), indexed.end(), ckpt) == indexed.end()) {
-    // Index structure only: checksums would read every byte outside the cache.
-    Status st = index_->Build(ckpt, /*checksums=*/false);
-    if (!st.ok()) {
-      spdlog::debug("prefetch of {}: {}", ckpt, st.ToString());
-      return;
-    }
+  // Straight from `.metadata`: building the index here would read every item's header
+  // outside the cache, before the data itself.
+  auto md_fd = backing_->OpenFile(JoinPath(ckpt, ".metadata"), O_RDONLY);
+  if (!md_fd.ok()) return;
+  struct stat md_st;
+  if (::fstat(md_fd->get(), &md_st) != 0) return;
+  std::string bytes(static_cast<size_t>(md_st.st_size), '\0');
+  auto got = backing_->PRead(md_fd->get(), bytes.data(), bytes.size(), 0);
+  if (!got.ok()) return;
+  bytes.resize(*got);
+  auto md = store::ParseDcpMetadata(bytes);
+  if (!md.ok()) {
+    spdlog::debug("prefetch of {}: {}", ckpt, md.status().ToString());
+    return;
   }
-  auto items = index_->Items(ckpt);
-  if (!items.ok()) return;
-  std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>> by_file;
-  for (const auto& item : *items) by_file[item.file].push_back({item.offset, item.length});
-  for (auto& [file, ranges] : by_file) {
+  size_t files = 0;
+  for (const auto& [file, length] : store::RequiredFileLengths(*md)) {
     auto fd = backing_->OpenFile(JoinPath(ckpt, file), O_RDONLY);
     if (!fd.ok()) continue;
     struct stat st;
     if (::fstat(fd->get(), &st) != 0) continue;
     auto shared = std::make_shared<const UniqueFd>(std::move(*fd));
-    std::sort(ranges.begin(), ranges.end());
-    for (const auto& [offset, length] : ranges) {
-      cache_->Prefetch(store::FileKeyFromStat(st), shared, offset, length);
-    }
+    cache_->Prefetch(store::FileKeyFromStat(st), shared, 0,
+                     std::min<uint64_t>(length, static_cast<uint64_t>(st.st_size)));
+    ++files;
   }
-  spdlog::debug("prefetch of {}: {} items queued", ckpt, items->size());
+  spdlog::debug("prefetch of {}: {} files queued", ckpt, files);
 }
 
 void Filesystem::PrefetchItem(Handle* h, uint64_t offset) {
+  if (!h->indexed) return;  // never build an index inside a read
   if (offset < h->prefetched_end.load(std::memory_order_relaxed)) return;
   auto item = index_->Resolve(h->ckpt, h->file, offset);
   if (!item || item->offset + item->length <= offset) return;

@@ -48,7 +48,7 @@ struct FsConfig {
   bool strict = false;
   uint64_t staging_bytes = uint64_t{1} << 30;
   uint64_t chunk_bytes = uint64_t{4} << 20;
-  int flush_threads = 4;
+  int flush_threads = 2;
   uint64_t cache_bytes = uint64_t{1} << 30;  // block cache budget for reads; 0 disables
   std::string staging_backend = "auto";
   // How long a `.metadata` publication waits for shards from other writers to appear.
@@ -71,6 +71,7 @@ struct Handle {
   std::string ckpt, file;              // checkpoint dir and file name, when in a checkpoint
   std::atomic<uint64_t> prefetched_end{0};  // end of the last item prefetched by this handle
   bool keep_cache = false;             // a committed checkpoint's file
+  bool indexed = false;                // its checkpoint was indexed when it was opened
   std::string content;                 // control files: generated at open
   struct DirEnt {
     std::string name;

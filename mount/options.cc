@@ -89,7 +89,7 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   app.add_option("--staging-mem", staging, "Staging memory budget, e.g. 2G (default 1G)");
   app.add_option("--chunk-size", chunk, "Staging chunk size (default 4M)");
   app.add_option("--cache-mem", cache, "Read block cache budget (default 1G; 0 disables)");
-  app.add_option("--flush-threads", o.flush_threads, "Flush threads (default 4)")
+  app.add_option("--flush-threads", o.flush_threads, "Flush threads (default 2)")
       ->check(CLI::Range(1, 256));
   app.add_option("--fuse-threads", o.fuse_threads, "Max FUSE worker threads (default 32)")
       ->check(CLI::Range(2, 1024));

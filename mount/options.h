@@ -19,7 +19,7 @@ struct DaemonOptions {
   uint64_t staging_bytes = uint64_t{1} << 30;
   uint64_t chunk_bytes = uint64_t{4} << 20;
   uint64_t cache_bytes = uint64_t{1} << 30;
-  int flush_threads = 4;
+  int flush_threads = 2;
   int fuse_threads = 32;
   int commit_timeout_s = 600;
   std::string staging_backend = "auto";
