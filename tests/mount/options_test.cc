@@ -116,7 +116,7 @@ TEST(ParseDaemonOptions, TwoPositionalsAndDefaults) {
   EXPECT_FALSE(o->strict);
   EXPECT_EQ(o->staging_bytes, uint64_t{1} << 30);
   EXPECT_EQ(o->chunk_bytes, uint64_t{4} << 20);
-  EXPECT_EQ(o->flush_threads, 4);
+  EXPECT_EQ(o->flush_threads, 2);
   EXPECT_EQ(o->fuse_threads, 32);
   EXPECT_EQ(o->commit_timeout_s, 600);
   EXPECT_EQ(o->staging_backend, "auto");
