@@ -65,7 +65,10 @@ Result<uint64_t> ParseSize(const std::string& text) {
   }
   std::string unit = text.substr(pos);
   for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  if (unit.size() > 1 && (unit.substr(1) == "IB" || unit.substr(1) == "B")) unit = unit.substr(0, 1);
+  if (unit.size() > 1 && std::string("KMGT").find(unit[0]) != std::string::npos &&
+      (unit.substr(1) == "IB" || unit.substr(1) == "B")) {
+    unit = unit.substr(0, 1);
+  }
   int shift = 0;
   if (unit.empty() || unit == "B") shift = 0;
   else if (unit == "K") shift = 10;
@@ -178,7 +181,9 @@ Status ValidateDaemonOptions(DaemonOptions* o) {
   }
   o->state_dir = state;
   if (!o->log_file.empty()) {
-    o->log_file = std::filesystem::absolute(o->log_file).lexically_normal().string();
+    o->log_file = std::filesystem::weakly_canonical(std::filesystem::absolute(o->log_file), ec)
+                      .string();
+    if (ec) return Invalid("log file " + o->log_file + ": " + ec.message());
     if (IsInside(o->log_file, o->mountpoint)) return Invalid("log file is inside the mount");
   }
   return Status::Ok();

@@ -283,8 +283,17 @@ Status Journal::Apply(const JournalEntry& e) {
       return ApplyPublish(e);
     case OpType::kRename: {
       CKPT_RETURN_IF_ERROR(dir_->Rename(e.from, e.path));
+      Status st = dir_->SyncParent(e.path);
+      if (!st.ok() && IsCommitName(e.path)) {
+        // A commit that is not durable must not stay visible (G5): withdraw it.
+        Status undo = dir_->Rename(e.path, e.from);
+        if (!undo.ok()) {
+          spdlog::error("journal: cannot withdraw {}: {}", e.path, undo.ToString());
+        }
+        return st;
+      }
       MoveTempRecords(e.from, e.path);
-      return dir_->SyncParent(e.path);
+      return st;
     }
     case OpType::kUnlink: {
       Status st = dir_->Unlink(e.path);

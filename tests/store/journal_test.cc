@@ -531,7 +531,7 @@ TEST_F(JournalTest, AMetadataWhoseDirectorySyncFailsIsNotLeftPublished) {
 // failed (so the fs marks the checkpoint failed), but the rename is not withdrawn: the
 // `.metadata` stays on the backing store (G5, G7). ApplyPublish withdraws its rename
 // since ced3777; the kRename case does not.
-TEST_F(JournalTest, DISABLED_AMetadataRenameWhoseDirectorySyncFailsIsNotLeftCommitted) {
+TEST_F(JournalTest, AMetadataRenameWhoseDirectorySyncFailsIsNotLeftCommitted) {
   dir_->SetSyncParentHook([](const std::string& path) { return IsCommitName(path) ? EIO : 0; });
   Journal::Hooks hooks;
   hooks.commit_gate = [](const JournalEntry&) { return Status::Ok(); };
