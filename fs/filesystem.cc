@@ -464,39 +464,16 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
 // ---------------------------------------------------------------- namespace operations
 
 Result<Entry> Filesystem::Mkdir(uint64_t parent, const std::string& name, mode_t mode) {
-  CKPT_RETURN_IF_ERROR(CheckName(name));
-  if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
-    return Status(Code::kPermission, "reserved name " + name);
-  }
-  WaitForAncestorsUnlocked(parent);
-  Entry out;
-  Result<uint64_t> seq = uint64_t{0};
-  {
-    std::lock_guard lock(ns_mu_);
-    auto dir = NodeLocked(parent);
-    if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
-    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
-    if (ChildLocked(dir.get(), name)) return Status(Code::kExists, name);
-    auto node = NewNodeLocked(dir.get(), name, NodeType::kDir);
-    node->attr.st_mode = S_IFDIR | (mode & 07777);
-    node->attr.st_uid = getuid();
-    node->attr.st_gid = getgid();
-    node->attr.st_atim = node->attr.st_mtim = node->attr.st_ctim = Now();
-    node->loaded = true;
-    node->on_backing = true;
-    store::JournalEntry e;
-    e.op = store::OpType::kMkdir;
-    e.path = PathLocked(node.get());
-    e.mode = mode & 07777;
-    seq = AppendLocked(std::move(e), node.get());
-    out = EntryLocked(node.get());
-  }
-  CKPT_RETURN_IF_ERROR(WaitIfStrict(seq));
-  return out;
+  return MakeNode(parent, name, NodeType::kDir, mode, "");
 }
 
 Result<Entry> Filesystem::Symlink(const std::string& target, uint64_t parent,
                                   const std::string& name) {
+  return MakeNode(parent, name, NodeType::kSymlink, 0777, target);
+}
+
+Result<Entry> Filesystem::MakeNode(uint64_t parent, const std::string& name, NodeType type,
+                                   mode_t mode, const std::string& link_target) {
   CKPT_RETURN_IF_ERROR(CheckName(name));
   if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
     return Status(Code::kPermission, "reserved name " + name);
@@ -510,16 +487,24 @@ Result<Entry> Filesystem::Symlink(const std::string& target, uint64_t parent,
     if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
     CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
     if (ChildLocked(dir.get(), name)) return Status(Code::kExists, name);
-    auto node = NewNodeLocked(dir.get(), name, NodeType::kSymlink);
-    node->attr.st_mode = S_IFLNK | 0777;
-    node->attr.st_size = static_cast<off_t>(target.size());
+    auto node = NewNodeLocked(dir.get(), name, type);
+    node->attr.st_mode = TypeBits(type) | (mode & 07777);
+    node->attr.st_uid = getuid();
+    node->attr.st_gid = getgid();
     node->attr.st_atim = node->attr.st_mtim = node->attr.st_ctim = Now();
-    node->link_target = target;
     node->on_backing = true;
     store::JournalEntry e;
-    e.op = store::OpType::kSymlink;
     e.path = PathLocked(node.get());
-    e.link_target = target;
+    if (type == NodeType::kDir) {
+      node->loaded = true;  // made here: nothing to load from the backing store
+      e.op = store::OpType::kMkdir;
+      e.mode = mode & 07777;
+    } else {
+      node->attr.st_size = static_cast<off_t>(link_target.size());
+      node->link_target = link_target;
+      e.op = store::OpType::kSymlink;
+      e.link_target = link_target;
+    }
     seq = AppendLocked(std::move(e), node.get());
     out = EntryLocked(node.get());
   }

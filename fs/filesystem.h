@@ -146,6 +146,9 @@ class Filesystem {
   explicit Filesystem(const FsConfig& config);
   Status Init();
 
+  // Mkdir and Symlink: a new name, journaled (and applied first in strict mode).
+  Result<Entry> MakeNode(uint64_t parent, const std::string& name, NodeType type, mode_t mode,
+                         const std::string& link_target);
   // Namespace helpers; REQUIRE(ns_mu_).
   std::shared_ptr<Node> NodeLocked(uint64_t ino);
   std::string PathLocked(const Node* node) const;
