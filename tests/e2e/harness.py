@@ -101,11 +101,17 @@ class Mount:
         except subprocess.TimeoutExpired:
             self.kill()
             raise
+        self._close_pipe()
         self.proc = None
         return rc
 
+    def _close_pipe(self):
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+
     def kill(self, sig=signal.SIGKILL):
         """Kills exactly this daemon (by PID) and removes its mount."""
+        self._close_pipe()
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
             try:
