@@ -277,8 +277,13 @@ class StateDirFullTest(ExhaustionBase):
         if ns_errs["unlink"] == 0:
             outcomes.pop("f1", None)
         failed = sorted(n for n, (e, _) in outcomes.items() if e)
-        sys.stderr.write(f"\n{durability}, state disk full: saves failed {failed} "
-                         f"({ {n: errno.errorcode.get(e, e) for n, (e, _) in outcomes.items() if e} }), "
+        by_errno = {}
+        for e, _ in outcomes.values():
+            if e:
+                k = errno.errorcode.get(e, e)
+                by_errno[k] = by_errno.get(k, 0) + 1
+        sys.stderr.write(f"\n{durability}, state disk full: {len(outcomes) - len(failed)} saves "
+                         f"returned 0, {len(failed)} failed {by_errno} (first: {failed[:3]}), "
                          f"namespace ops {ns_errs}\n")
         self.assert_alive("the state dir's disk filled up")
         if failed or any(ns_errs.values()):
