@@ -143,7 +143,10 @@ class ExhaustionBase(unittest.TestCase):
     def assert_alive(self, what):
         rc = self.m.proc.poll()
         if rc is not None:
-            out = self.m.proc.stdout.read().decode(errors="replace")[-2000:]
+            try:
+                out = self.m.proc.stdout.read().decode(errors="replace")[-2000:]
+            except (AttributeError, ValueError, OSError):
+                out = "(not captured)"
             self.fail(f"the daemon exited ({rc}) after {what}\n--- its stderr ---\n{out}\n"
                       f"--- log ---\n{self.m.log_text()[-3000:]}")
         self.assertIsInstance(self.m.stats(), dict)
