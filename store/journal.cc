@@ -263,18 +263,27 @@ void Journal::Run() {
 }
 
 Status Journal::ApplyPublish(const JournalEntry& e) {
-  CKPT_RETURN_IF_ERROR(dir_->Rename(e.from, e.path));
+  // Over an existing file, exchange the two names: if the directory cannot be made
+  // durable, exchanging back restores exactly the old state (G4); otherwise the temp
+  // name now holds the old file, which is removed.
+  constexpr unsigned kExchange = 2;  // RENAME_EXCHANGE
+  const bool replacing = dir_->Stat(e.path).ok();
+  CKPT_RETURN_IF_ERROR(dir_->Rename(e.from, e.path, replacing ? kExchange : 0));
   Status st = dir_->SyncParent(e.path);
   if (!st.ok()) {
-    // The name is not durable, so it must not count as published: move it back out of
-    // sight (the caller then removes the temp) rather than leave it half-committed.
-    Status undo = dir_->Rename(e.path, e.from);
+    // Not durable, so it must not count as published: put the names back.
+    Status undo = dir_->Rename(e.path, e.from, replacing ? kExchange : 0);
     if (!undo.ok()) {
       spdlog::error("journal: cannot withdraw {} after a failed sync: {}", e.path,
                     undo.ToString());
     }
+    return st;
   }
-  return st;
+  if (replacing) {
+    Status rm = dir_->Unlink(e.from);
+    if (!rm.ok()) spdlog::warn("journal: cannot remove replaced {}: {}", e.from, rm.ToString());
+  }
+  return Status::Ok();
 }
 
 Status Journal::Apply(const JournalEntry& e) {

@@ -551,7 +551,7 @@ TEST_F(JournalTest, AMetadataRenameWhoseDirectorySyncFailsIsNotLeftCommitted) {
 // by renaming the real name back to the temp (ced3777). But the rename had already
 // replaced the old file, so after the withdrawal (and the removal of the temp) the name
 // is gone altogether: a state the application never passed through (G4).
-TEST_F(JournalTest, DISABLED_AFailedDirectorySyncNeverLosesTheFileItWasReplacing) {
+TEST_F(JournalTest, AFailedDirectorySyncNeverLosesTheFileItWasReplacing) {
   ASSERT_EQ(::mkdir((root_ + "/d").c_str(), 0755), 0);
   std::ofstream(root_ + "/d/x") << "old bytes";
   dir_->SetSyncParentHook([](const std::string& path) { return path == "d/x" ? EIO : 0; });
