@@ -147,6 +147,12 @@ std::string Filesystem::TempPathLocked(const WriteState& ws) const {
   return JoinPath(PathLocked(ws.temp_dir), ws.temp_name);
 }
 
+uint64_t Filesystem::PendingRenameLocked(const Node* node) const {
+  uint64_t need = 0;
+  for (const Node* n = node; n != nullptr; n = n->parent) need = std::max(need, n->rename_seq);
+  return need > journal_->applied() ? need : 0;
+}
+
 bool Filesystem::QuiescentLocked(const Node* node) const {
   uint64_t applied = journal_->applied();
   for (const Node* n = node; n != nullptr; n = n->parent) {
@@ -742,6 +748,14 @@ Status Filesystem::BeginWriteLocked(Node* node, bool truncate) {
   return Status::Ok();
 }
 
+void Filesystem::DropWriteStateLocked(Node* node) {
+  // The cached attributes must describe the published file: with pending entries around
+  // it they are served as they are, without asking the backing store.
+  node->attr.st_size = static_cast<off_t>(node->write->staged->size());
+  node->write.reset();
+  RefreshAttrLocked(node);
+}
+
 Status Filesystem::EnsureWritableLocked(Node* node, bool truncate) {
   if (!node->write || !node->write->needs_publish) {
     CKPT_RETURN_IF_ERROR(BeginWriteLocked(node, truncate));
@@ -837,9 +851,18 @@ Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
     return handle.release();
   }
   WaitForAncestorsUnlocked(ino);
-  std::lock_guard lock(ns_mu_);
+  std::unique_lock lock(ns_mu_);
   auto node = NodeLocked(ino);
   if (!node) return NotFound("stale inode");
+  // Its staged bytes may have been published since the wait above: then the backing
+  // path must be current before it is opened (a rename may still be pending).
+  while (!node->write && node->on_backing) {
+    const uint64_t seq = PendingRenameLocked(node.get());
+    if (seq == 0) break;
+    lock.unlock();
+    (void)journal_->Wait(seq);  // the outcome belongs to whoever made the entry
+    lock.lock();
+  }
   if (node->type == NodeType::kDir) return Status(Code::kIsDir, "open of a directory");
   if (!node->error.empty()) return Status(Code::kIo, node->error);
   handle->node = node;
@@ -1002,7 +1025,7 @@ void Filesystem::Release(Handle* h) {
   }
   if (ws.handles == 0 && !ws.needs_publish && ws.publish_seq <= journal_->applied() &&
       publishing_.count(ws.file_id) == 0) {
-    node->write.reset();  // fully published: the backing file is the truth again
+    DropWriteStateLocked(node);  // fully published: the backing file is the truth again
   }
   if (node->parent == nullptr && node->nlookup == 0 && (!node->write || node->write->handles == 0)) {
     inodes_.erase(node->ino);
@@ -1138,9 +1161,7 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
   }
   if (node->write && node->write->file_id == e.file_id && node->write->handles == 0 &&
       !node->write->needs_publish) {
-    RefreshAttrLocked(node.get());
-    node->attr.st_size = static_cast<off_t>(e.size);
-    node->write.reset();
+    DropWriteStateLocked(node.get());
   }
   if (node->parent == nullptr && node->nlookup == 0 && !node->write) inodes_.erase(node->ino);
 }

@@ -158,11 +158,16 @@ class Filesystem {
   std::shared_ptr<Node> ChildLocked(Node* dir, const std::string& name);
   void RefreshAttrLocked(Node* node);
   bool QuiescentLocked(const Node* node) const;
+  // The last pending rename of `node` or an ancestor (its backing path is stale until
+  // then), or 0.
+  uint64_t PendingRenameLocked(const Node* node) const;
   void DetachLocked(const std::shared_ptr<Node>& node);
   Result<uint64_t> AppendLocked(store::JournalEntry entry, Node* node);
   // Starts writing a file: a new temp file, filled with the current contents unless
   // `truncate`.
   Status BeginWriteLocked(Node* node, bool truncate);
+  // Forgets the write state of a fully published file, keeping its size.
+  void DropWriteStateLocked(Node* node);
   // Makes `node` writable: a fresh copy when it is not being written or its contents
   // are frozen for publication. Marks it as needing publication.
   Status EnsureWritableLocked(Node* node, bool truncate);

@@ -4,6 +4,8 @@
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
 
+#include <spdlog/spdlog.h>
+
 #include <filesystem>
 
 namespace ckptfs::store {
@@ -49,15 +51,45 @@ Result<std::unique_ptr<StateDb>> StateDb::Open(const std::string& dir) {
   return std::unique_ptr<StateDb>(new StateDb(db));
 }
 
+Status StateDb::CheckWritable() {
+  std::lock_guard lock(write_mu_);
+  if (write_error_.ok()) return Status::Ok();
+  auto now = std::chrono::steady_clock::now();
+  if (now - last_resume_ < std::chrono::seconds(1)) return write_error_;
+  last_resume_ = now;
+  rocksdb::Status s = db_->Resume();
+  if (!s.ok()) return write_error_;
+  spdlog::info("state db: writable again after: {}", write_error_.ToString());
+  write_error_ = Status::Ok();
+  return Status::Ok();
+}
+
+Status StateDb::NoteWrite(Status st) {
+  if (!st.ok()) {
+    std::lock_guard lock(write_mu_);
+    if (write_error_.ok()) {
+      spdlog::error("state db: write failed, refusing writes until it recovers: {}",
+                    st.ToString());
+      write_error_ = st;
+      last_resume_ = std::chrono::steady_clock::now();
+    }
+  }
+  return st;
+}
+
 Status StateDb::Put(std::string_view key, std::string_view value) {
-  return FromRocks(db_->Put(SyncWrite(), rocksdb::Slice(key.data(), key.size()),
-                            rocksdb::Slice(value.data(), value.size())),
-                   "state db put");
+  std::lock_guard serial(serial_mu_);
+  CKPT_RETURN_IF_ERROR(CheckWritable());
+  return NoteWrite(FromRocks(db_->Put(SyncWrite(), rocksdb::Slice(key.data(), key.size()),
+                                      rocksdb::Slice(value.data(), value.size())),
+                             "state db put"));
 }
 
 Status StateDb::Delete(std::string_view key) {
-  return FromRocks(db_->Delete(SyncWrite(), rocksdb::Slice(key.data(), key.size())),
-                   "state db delete");
+  std::lock_guard serial(serial_mu_);
+  CKPT_RETURN_IF_ERROR(CheckWritable());
+  return NoteWrite(FromRocks(db_->Delete(SyncWrite(), rocksdb::Slice(key.data(), key.size())),
+                             "state db delete"));
 }
 
 Status StateDb::Write(const std::vector<std::pair<std::string, std::string>>& puts,
@@ -65,7 +97,9 @@ Status StateDb::Write(const std::vector<std::pair<std::string, std::string>>& pu
   rocksdb::WriteBatch batch;
   for (const auto& [k, v] : puts) batch.Put(k, v);
   for (const auto& k : deletes) batch.Delete(k);
-  return FromRocks(db_->Write(SyncWrite(), &batch), "state db write");
+  std::lock_guard serial(serial_mu_);
+  CKPT_RETURN_IF_ERROR(CheckWritable());
+  return NoteWrite(FromRocks(db_->Write(SyncWrite(), &batch), "state db write"));
 }
 
 Result<std::string> StateDb::Get(std::string_view key) {

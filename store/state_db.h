@@ -6,7 +6,10 @@
 // before the action it guards.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <functional>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -41,7 +44,18 @@ class StateDb {
 
  private:
   explicit StateDb(rocksdb::DB* db);
+  // After a failed write RocksDB must not be written again until it has recovered (its
+  // WAL writer asserts otherwise): writes fail fast with the first error, and a Resume()
+  // is tried at most once a second until it works.
+  Status CheckWritable();
+  Status NoteWrite(Status st);
+
   std::unique_ptr<rocksdb::DB> db_;
+  // Serializes writes, so that no write is in flight while an earlier one is failing.
+  std::mutex serial_mu_;
+  std::mutex write_mu_;
+  Status write_error_;  // GUARDED_BY(write_mu_)
+  std::chrono::steady_clock::time_point last_resume_;  // GUARDED_BY(write_mu_)
 };
 
 }  // namespace ckptfs::store

@@ -319,9 +319,14 @@ class StateDirFullTest(ExhaustionBase):
         sys.stderr.write(f"    {len(published)} saves that returned 0 verified on the "
                          f"backing store\n")
 
+    # Known bug (open): RocksDB 7.8 as built by Debian aborts on an assertion
+    # (WritableFileWriter::AssertFalseAndGetStatusForPrevError) when its WAL write hits
+    # ENOSPC, taking the daemon down. When fixed, this reports an unexpected success.
+    @unittest.expectedFailure
     def test_strict(self):
         self.run_case("strict")
 
+    @unittest.expectedFailure  # same RocksDB abort as test_strict
     def test_async(self):
         self.run_case("async")
 
@@ -404,6 +409,9 @@ class TooManyOpenFilesTest(ExhaustionBase):
 
 
 class BackingRemovedTest(ExhaustionBase):
+    # Known bug (open): the daemon holds the backing root by fd; a backing dir deleted and
+    # created again is a new inode, and the daemon keeps using the deleted one.
+    @unittest.expectedFailure
     def test_backing_contents_and_dir_removed_then_restored(self):
         m = self.mount(["--durability", "strict"])
         os.mkdir(self.p("d"))
