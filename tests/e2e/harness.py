@@ -4,12 +4,15 @@ Mount() starts a real ckptfs daemon in the foreground (so the test owns its PID)
 over a fresh backing directory, waits until the mount answers, and on exit always
 unmounts and kills exactly that PID, even when the test failed.
 """
+import faulthandler
 import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 
 BIN_DIR = os.environ.get(
@@ -141,3 +144,27 @@ class Mount:
     def __exit__(self, *exc):
         self.cleanup()
         return False
+
+
+def arm_watchdog(test, mount, seconds):
+    """A hung FUSE request would block `test` forever: after `seconds`, kill exactly this
+    mount's daemon (by PID) so the blocked call fails with ENOTCONN, and dump every thread."""
+    proc = mount.proc
+    if proc is None:
+        return
+
+    def fire():
+        sys.stderr.write(f"\nwatchdog: {test.id()} ran over {seconds}s; "
+                         f"killing ckptfs pid {proc.pid}\n")
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.write(mount.log_text()[-3000:] + "\n")
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        unmount(mount.mnt)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    test.addCleanup(timer.cancel)

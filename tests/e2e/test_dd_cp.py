@@ -12,12 +12,10 @@
 CKPTFS_E2E_PLAIN=1 runs against a plain directory to check the tests' own
 logic; daemon-only checks are skipped.
 """
-import faulthandler
 import hashlib
 import os
 import random
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -123,25 +121,7 @@ class DdCpBase(unittest.TestCase):
         self.addCleanup(self._dump_log_on_failure)
 
     def _arm_watchdog(self):
-        proc = self.m.proc
-        if proc is None:
-            return
-
-        def fire():
-            sys.stderr.write(f"\nwatchdog: {self.id()} ran over {self.WATCHDOG_S}s; "
-                             f"killing ckptfs pid {proc.pid}\n")
-            faulthandler.dump_traceback(all_threads=True)
-            sys.stderr.write(self.m.log_text()[-3000:] + "\n")
-            try:
-                os.kill(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            harness.unmount(self.m.mnt)
-
-        timer = threading.Timer(self.WATCHDOG_S, fire)
-        timer.daemon = True
-        timer.start()
-        self.addCleanup(timer.cancel)
+        harness.arm_watchdog(self, self.m, self.WATCHDOG_S)
 
     def _dump_log_on_failure(self):
         outcome = getattr(self, "_outcome", None)

@@ -11,7 +11,6 @@ instead of a mount (the daemon-only tests skip). It only checks the tests'
 own logic.
 """
 import errno
-import faulthandler
 import hashlib
 import json
 import os
@@ -181,27 +180,7 @@ class MountedTest(unittest.TestCase):
         self.addCleanup(self._dump_log_on_failure)
 
     def _arm_watchdog(self):
-        """A hung FUSE request would block the test forever; after WATCHDOG_S
-        kill exactly this daemon so the blocked call fails with ENOTCONN."""
-        proc = self.m.proc
-        if proc is None:
-            return
-
-        def fire():
-            sys.stderr.write(f"\nwatchdog: {self.id()} ran over {self.WATCHDOG_S}s; "
-                             f"killing ckptfs pid {proc.pid}\n")
-            faulthandler.dump_traceback(all_threads=True)
-            sys.stderr.write(self.m.log_text()[-3000:] + "\n")
-            try:
-                os.kill(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            harness.unmount(self.m.mnt)
-
-        timer = threading.Timer(self.WATCHDOG_S, fire)
-        timer.daemon = True
-        timer.start()
-        self.addCleanup(timer.cancel)
+        harness.arm_watchdog(self, self.m, self.WATCHDOG_S)
 
     def _dump_log_on_failure(self):
         outcome = getattr(self, "_outcome", None)
