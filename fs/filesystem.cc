@@ -543,17 +543,7 @@ Status Filesystem::Unlink(uint64_t parent, const std::string& name) {
     if (!node) return NotFound(name);
     if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
     const std::string path = PathLocked(node.get());
-    if (node->write && node->write->needs_publish) {
-      // Its unpublished bytes are dropped; open handles keep reading them.
-      store::JournalEntry d;
-      d.op = store::OpType::kDiscard;
-      d.from = TempPathLocked(*node->write);
-      d.path = path;
-      d.file_id = node->write->file_id;
-      seq = AppendLocked(std::move(d), node.get());
-      node->write->needs_publish = false;
-      node->write->discarded = true;
-    }
+    if (node->write && node->write->needs_publish) seq = DiscardLocked(node.get(), path);
     if (node->on_backing) {
       store::JournalEntry e;
       e.op = store::OpType::kUnlink;
@@ -636,14 +626,7 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
     const std::string from = PathLocked(node.get());
     const std::string to = JoinPath(PathLocked(dst_dir.get()), new_name);
     if (victim && victim->write && victim->write->needs_publish) {
-      store::JournalEntry d;
-      d.op = store::OpType::kDiscard;
-      d.from = TempPathLocked(*victim->write);
-      d.path = to;
-      d.file_id = victim->write->file_id;
-      seq = AppendLocked(std::move(d), victim.get());
-      victim->write->needs_publish = false;
-      victim->write->discarded = true;
+      seq = DiscardLocked(victim.get(), to);
     }
     if (node->on_backing) {
       store::JournalEntry e;
@@ -746,6 +729,17 @@ Status Filesystem::BeginWriteLocked(Node* node, bool truncate) {
   node->write = std::move(ws);
   node->attr.st_mtim = node->attr.st_ctim = Now();
   return Status::Ok();
+}
+
+Result<uint64_t> Filesystem::DiscardLocked(Node* node, const std::string& path) {
+  store::JournalEntry d;
+  d.op = store::OpType::kDiscard;
+  d.from = TempPathLocked(*node->write);
+  d.path = path;
+  d.file_id = node->write->file_id;
+  node->write->needs_publish = false;
+  node->write->discarded = true;
+  return AppendLocked(std::move(d), node);
 }
 
 void Filesystem::DropWriteStateLocked(Node* node) {
@@ -910,13 +904,7 @@ Result<std::shared_ptr<StagedFile>> Filesystem::WritableStaged(Handle* h) {
   CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node, false));
   if (node->parent == nullptr) {
     // Unlinked after its last publication: the copy lives on, unnamed, until closed.
-    store::JournalEntry d;
-    d.op = store::OpType::kDiscard;
-    d.from = TempPathLocked(*node->write);
-    d.file_id = node->write->file_id;
-    CKPT_RETURN_IF_ERROR(journal_->Append(std::move(d)).status());
-    node->write->needs_publish = false;
-    node->write->discarded = true;
+    CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
   }
   h->staged = node->write->staged;
   return h->staged;

@@ -166,6 +166,9 @@ class Filesystem {
   // Starts writing a file: a new temp file, filled with the current contents unless
   // `truncate`.
   Status BeginWriteLocked(Node* node, bool truncate);
+  // Drops the unpublished bytes of `node` (named `path`, or unnamed): its temp file is
+  // removed in journal order; open handles keep reading them; it is never published.
+  Result<uint64_t> DiscardLocked(Node* node, const std::string& path);
   // Forgets the write state of a fully published file, keeping its size.
   void DropWriteStateLocked(Node* node);
   // Makes `node` writable: a fresh copy when it is not being written or its contents
