@@ -97,6 +97,7 @@ Status Filesystem::Init() {
   if (config_.cache_bytes > 0) {
     store::BlockCacheOptions cache_options;
     cache_options.budget_bytes = config_.cache_bytes;
+    cache_options.direct_io = config_.cache_direct_io;
     CKPT_ASSIGN_OR_RETURN(cache_, store::BlockCache::Create(backing_.get(), cache_options));
   }
   indexer_ = std::thread([this] { RunIndexer(); });

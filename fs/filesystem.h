@@ -50,6 +50,7 @@ struct FsConfig {
   uint64_t chunk_bytes = uint64_t{4} << 20;
   int flush_threads = 2;
   uint64_t cache_bytes = uint64_t{1} << 30;  // block cache budget for reads; 0 disables
+  bool cache_direct_io = true;  // block cache reads with O_DIRECT where the backing fs allows
   std::string staging_backend = "auto";
   // How long a `.metadata` publication waits for shards from other writers to appear.
   std::chrono::milliseconds commit_timeout{std::chrono::minutes(10)};

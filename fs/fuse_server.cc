@@ -4,7 +4,14 @@
 #include <fuse3/fuse_lowlevel.h>
 #include <spdlog/spdlog.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <vector>
 
 namespace ckptfs::fs {
@@ -12,7 +19,9 @@ namespace {
 
 constexpr unsigned kMaxWrite = 1u << 20;
 
-Filesystem* Fs(fuse_req_t req) { return static_cast<Filesystem*>(fuse_req_userdata(req)); }
+Filesystem* Fs(fuse_req_t req) {
+  return static_cast<FuseServer::Context*>(fuse_req_userdata(req))->fs;
+}
 Handle* H(struct fuse_file_info* fi) { return reinterpret_cast<Handle*>(fi->fh); }
 
 void ReplyErr(fuse_req_t req, const Status& st) { fuse_reply_err(req, st.ToErrno()); }
@@ -30,8 +39,11 @@ void ReplyEntry(fuse_req_t req, const Entry& e) {
 }
 
 void OpInit(void* userdata, struct fuse_conn_info* conn) {
+  const FuseServer::Context* context = static_cast<FuseServer::Context*>(userdata);
+  const uint64_t read_ahead = context->tuning.read_ahead_bytes;
   conn->max_write = kMaxWrite;
-  conn->max_readahead = kMaxWrite;
+  // The kernel takes min(the bdi's read-ahead, this): SetReadAhead raised the former.
+  conn->max_readahead = static_cast<unsigned>(std::max<uint64_t>(read_ahead, kMaxWrite));
   // Writes must arrive as plain buffers (to copy into staging), and the kernel must
   // not cache writes behind our back (read-your-writes is ours to keep).
   conn->want &= ~(FUSE_CAP_WRITEBACK_CACHE | FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE |
@@ -259,10 +271,50 @@ const struct fuse_lowlevel_ops kOps = [] {
   return ops;
 }();
 
+// The "major:minor" of the newest mount on `mountpoint`, from /proc/self/mountinfo. Not
+// stat(): the mount is ours and nobody serves it yet, so a stat would wait forever.
+std::string MountDevice(const std::string& mountpoint) {
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line, device;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, dev, root, mnt;
+    fields >> id >> parent >> dev >> root >> mnt;
+    if (mnt == mountpoint) device = dev;  // later lines are newer mounts
+  }
+  return device;
+}
+
+// Sets read_ahead_kb of the mount's bdi (named after its anonymous device, "0:NN"). It
+// must happen before the INIT request is answered: the kernel then lowers the bdi's
+// read-ahead to min(read_ahead_kb, INIT's max_readahead), and later leaves it alone.
+// Needs root (sysfs); without it the kernel default stays, with a log line.
+void SetReadAhead(const std::string& mountpoint, uint64_t bytes) {
+  const std::string device = MountDevice(mountpoint);
+  if (device.empty() || mountpoint.find_first_of(" \t\n\\") != std::string::npos) {
+    // mountinfo escapes those characters; such a mountpoint is not worth the parsing.
+    spdlog::warn("read-ahead: cannot find the device of {}; the kernel default stays",
+                 mountpoint);
+    return;
+  }
+  const std::string path = "/sys/class/bdi/" + device + "/read_ahead_kb";
+  const std::string kb = std::to_string(bytes >> 10);
+  int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  bool ok = fd >= 0 && ::write(fd, kb.data(), kb.size()) == static_cast<ssize_t>(kb.size());
+  if (!ok) {
+    spdlog::warn("read-ahead: cannot set {} to {} KiB ({}); the kernel default stays", path, kb,
+                 std::strerror(errno));
+  } else {
+    spdlog::info("read-ahead: {} KiB ({})", kb, path);
+  }
+  if (fd >= 0) ::close(fd);
+}
+
 }  // namespace
 
 Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std::string& mountpoint,
-                                                      const std::vector<std::string>& options) {
+                                                      const std::vector<std::string>& options,
+                                                      const FuseTuning& tuning) {
   std::vector<std::string> argv_store = {"ckptfs", "-o", "fsname=ckptfs,subtype=ckptfs"};
   for (const auto& o : options) {
     argv_store.push_back("-o");
@@ -272,7 +324,9 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
   for (auto& s : argv_store) argv.push_back(s.data());
   struct fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
   std::unique_ptr<FuseServer> server(new FuseServer());
-  server->session_ = fuse_session_new(&args, &kOps, sizeof(kOps), fs);
+  server->context_.fs = fs;
+  server->context_.tuning = tuning;
+  server->session_ = fuse_session_new(&args, &kOps, sizeof(kOps), &server->context_);
   if (server->session_ == nullptr) {
     return Invalid("fuse: cannot create session (bad -o option?)");
   }
@@ -280,6 +334,8 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
     return Status(Code::kIo, "fuse: cannot mount on " + mountpoint);
   }
   server->mounted_ = true;
+  // The loop has not started, so INIT is not answered yet (see SetReadAhead).
+  if (tuning.read_ahead_bytes > 0) SetReadAhead(mountpoint, tuning.read_ahead_bytes);
   if (fuse_set_signal_handlers(server->session_) == 0) server->signals_ = true;
   spdlog::info("mounted on {}", mountpoint);
   return server;

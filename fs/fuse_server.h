@@ -14,11 +14,19 @@ struct fuse_session;
 
 namespace ckptfs::fs {
 
+struct FuseTuning {
+  // Kernel read-ahead for the mount (its bdi's read_ahead_kb), so that a large read()
+  // reaches the daemon as several 1 MiB requests in flight instead of 128 KiB ones one
+  // after another. 0 keeps the kernel's default.
+  uint64_t read_ahead_bytes = 0;
+};
+
 class FuseServer {
  public:
   // Mounts `fs` (borrowed; must outlive) on `mountpoint`. `options` are -o options.
   static Result<std::unique_ptr<FuseServer>> Mount(Filesystem* fs, const std::string& mountpoint,
-                                                   const std::vector<std::string>& options);
+                                                   const std::vector<std::string>& options,
+                                                   const FuseTuning& tuning = {});
   ~FuseServer();  // Unmounts if still mounted.
   FuseServer(const FuseServer&) = delete;
   FuseServer& operator=(const FuseServer&) = delete;
@@ -27,8 +35,15 @@ class FuseServer {
   Status Run(int max_threads);
   void Unmount();
 
+  // What the FUSE callbacks reach through the session's userdata (internal).
+  struct Context {
+    Filesystem* fs = nullptr;
+    FuseTuning tuning;
+  };
+
  private:
   FuseServer() = default;
+  Context context_;
   struct fuse_session* session_ = nullptr;
   bool mounted_ = false;
   bool signals_ = false;

@@ -76,6 +76,7 @@ int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
   config.chunk_bytes = o.chunk_bytes;
   config.flush_threads = o.flush_threads;
   config.cache_bytes = o.cache_bytes;
+  config.cache_direct_io = o.cache_direct_io;
   config.staging_backend = o.staging_backend;
   config.commit_timeout = std::chrono::seconds(o.commit_timeout_s);
   auto fs = ckptfs::fs::Filesystem::Create(config);
@@ -84,7 +85,9 @@ int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
     if (!log_file.empty()) spdlog::error("start failed: {}", fs.status().ToString());
     return Fail(fs.status().message());
   }
-  auto server = ckptfs::fs::FuseServer::Mount(fs->get(), o.mountpoint, o.fuse_options);
+  ckptfs::fs::FuseTuning tuning;
+  tuning.read_ahead_bytes = o.read_ahead_bytes;
+  auto server = ckptfs::fs::FuseServer::Mount(fs->get(), o.mountpoint, o.fuse_options, tuning);
   if (!server.ok()) {
     ready->Report(server.status().message());
     if (!log_file.empty()) spdlog::error("mount failed: {}", server.status().ToString());

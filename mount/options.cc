@@ -84,6 +84,7 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   DaemonOptions o;
   CLI::App app{"ckptfs: a FUSE file system for fast, safe training checkpoints", "ckptfs"};
   std::string durability = "async", staging = "1G", chunk = "4M", cache = "1G";
+  std::string read_ahead = "4M", direct_io = "on";
   app.add_option("backing_dir", o.backing_dir, "Directory that stores the files")->required();
   app.add_option("mountpoint", o.mountpoint, "Where to mount")->required();
   app.add_flag("-f,--foreground", o.foreground, "Stay in the foreground");
@@ -92,6 +93,11 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   app.add_option("--staging-mem", staging, "Staging memory budget, e.g. 2G (default 1G)");
   app.add_option("--chunk-size", chunk, "Staging chunk size (default 4M)");
   app.add_option("--cache-mem", cache, "Read block cache budget (default 1G; 0 disables)");
+  app.add_option("--read-ahead", read_ahead,
+                 "Kernel read-ahead of the mount, e.g. 8M (default 4M; 0 keeps the kernel's)");
+  app.add_option("--cache-direct-io", direct_io,
+                 "Block cache reads the backing store with O_DIRECT where it can: on|off")
+      ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--flush-threads", o.flush_threads, "Flush threads (default 2)")
       ->check(CLI::Range(1, 256));
   app.add_option("--fuse-threads", o.fuse_threads, "Max FUSE worker threads (default 32)")
@@ -120,6 +126,11 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   CKPT_ASSIGN_OR_RETURN(o.staging_bytes, ParseSize(staging));
   CKPT_ASSIGN_OR_RETURN(o.chunk_bytes, ParseSize(chunk));
   CKPT_ASSIGN_OR_RETURN(o.cache_bytes, ParseSize(cache));
+  CKPT_ASSIGN_OR_RETURN(o.read_ahead_bytes, ParseSize(read_ahead));
+  if (o.read_ahead_bytes % 4096 != 0 || o.read_ahead_bytes > (uint64_t{1} << 30)) {
+    return Invalid("--read-ahead must be a multiple of 4K, at most 1G");
+  }
+  o.cache_direct_io = direct_io == "on";
   if (o.cache_bytes != 0 && o.cache_bytes < (1u << 20)) {
     return Invalid("--cache-mem must be 0 (off) or at least 1M");
   }

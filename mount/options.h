@@ -19,6 +19,8 @@ struct DaemonOptions {
   uint64_t staging_bytes = uint64_t{1} << 30;
   uint64_t chunk_bytes = uint64_t{4} << 20;
   uint64_t cache_bytes = uint64_t{1} << 30;
+  uint64_t read_ahead_bytes = uint64_t{4} << 20;  // the mount's kernel read-ahead; 0: default
+  bool cache_direct_io = true;
   int flush_threads = 2;
   int fuse_threads = 32;
   int commit_timeout_s = 600;

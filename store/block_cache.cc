@@ -1,5 +1,6 @@
 #include "store/block_cache.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -17,6 +18,13 @@ namespace {
 constexpr size_t kMaxQueuedPrefetches = 4096;
 // Blocks one Read() pins at a time; a longer read goes on in further batches.
 constexpr size_t kMaxBatchBlocks = 256;
+// Alignment of block buffers, offsets and lengths for O_DIRECT (the largest logical
+// block size in use; 512-byte devices accept it too).
+constexpr uint64_t kDirectAlign = 4096;
+// O_DIRECT descriptors kept open at once.
+constexpr size_t kMaxDirectFds = 256;
+
+uint64_t RoundUp(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
 
 }  // namespace
 
@@ -34,7 +42,8 @@ struct BlockCache::Block {
 
   BlockId id;
   State state = State::kLoading;
-  std::unique_ptr<char[]> data;  // set once ready; freed under mu_ before `charged` is released
+  Buffer data;             // set once ready; freed under mu_ before `charged` is released
+  uint64_t capacity = 0;   // bytes allocated for `data` (charged rounded up for O_DIRECT)
   uint64_t charged = 0;          // bytes reserved for this block in used_; 0 once released
   uint64_t len = 0;              // valid bytes once ready (short only if the file shrank)
   Status error;                  // once failed
@@ -62,6 +71,9 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(BackingDir* dir,
   }
   if (options.prefetch_threads < 0) return Invalid("block cache: negative prefetch threads");
   if (options.read_parallelism < 1) return Invalid("block cache: read parallelism must be >= 1");
+  if (options.block_bytes % kDirectAlign != 0) {
+    return Invalid("block cache: block size must be a multiple of " + std::to_string(kDirectAlign));
+  }
   std::unique_ptr<BlockCache> cache(new BlockCache(dir, options));
   try {
     for (int i = 0; i < options.prefetch_threads; ++i) {
@@ -125,9 +137,88 @@ void BlockCache::Release(Lock& lock, uint64_t bytes) {
 }
 
 void BlockCache::FreeBuffer(Lock& lock, Block* block) {
-  block->data.reset();
-  Release(lock, block->charged);
+  const uint64_t charged = block->charged;
   block->charged = 0;
+  Release(lock, charged);
+  KeepBuffer(lock, std::move(block->data), block->capacity);
+}
+
+BlockCache::Buffer BlockCache::TakeBuffer(Lock& lock, uint64_t bytes) {
+  Buffer b;
+  if (RoundUp(bytes, kDirectAlign) == opts_.block_bytes && !free_buffers_.empty()) {
+    b = std::move(free_buffers_.back());
+    free_buffers_.pop_back();
+    free_bytes_ -= opts_.block_bytes;
+  }
+  // The reservation just made for `bytes` may have left held + free over the budget.
+  TrimFreeBuffers(lock);
+  return b;
+}
+
+void BlockCache::KeepBuffer(Lock& lock, Buffer buffer, uint64_t capacity) {
+  // `used_` still counts this buffer, so keeping it leaves held + free where it was.
+  if (!buffer || capacity != opts_.block_bytes || stop_) return;
+  free_buffers_.push_back(std::move(buffer));
+  free_bytes_ += capacity;
+  TrimFreeBuffers(lock);
+}
+
+void BlockCache::TrimFreeBuffers(Lock& lock) {
+  while (!free_buffers_.empty() && used_ + free_bytes_ > opts_.budget_bytes) {
+    free_buffers_.pop_back();
+    free_bytes_ -= opts_.block_bytes;
+  }
+}
+
+std::shared_ptr<const UniqueFd> BlockCache::DirectFd(const FileKey& key, const UniqueFd& fd) {
+  const std::pair<uint64_t, uint64_t> id{key.dev, key.ino};
+  std::lock_guard lock(direct_mu_);
+  for (uint64_t dev : no_direct_devs_) {
+    if (dev == key.dev) return nullptr;
+  }
+  if (auto it = direct_fds_.find(id); it != direct_fds_.end()) {
+    direct_lru_.remove(id);
+    direct_lru_.push_front(id);
+    return it->second;
+  }
+  // Reopen the very inode `fd` refers to: no path is looked up, so confinement holds.
+  const std::string self = "/proc/self/fd/" + std::to_string(fd.get());
+  int direct = ::open(self.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW);
+  if (direct < 0 && errno == ELOOP) {
+    // /proc/self/fd entries are magic links; O_NOFOLLOW refuses them on some kernels.
+    direct = ::open(self.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  }
+  if (direct < 0) {
+    if (errno == EINVAL) no_direct_devs_.push_back(key.dev);  // no O_DIRECT on this device
+    return nullptr;
+  }
+  struct stat st;
+  if (::fstat(direct, &st) != 0 || static_cast<uint64_t>(st.st_dev) != key.dev ||
+      static_cast<uint64_t>(st.st_ino) != key.ino) {
+    ::close(direct);
+    return nullptr;
+  }
+  auto shared = std::make_shared<const UniqueFd>(direct);
+  direct_fds_.emplace(id, shared);
+  direct_lru_.push_front(id);
+  while (direct_fds_.size() > kMaxDirectFds) {
+    direct_fds_.erase(direct_lru_.back());
+    direct_lru_.pop_back();
+  }
+  return shared;
+}
+
+void BlockCache::NoDirectIo(uint64_t dev) {
+  std::lock_guard lock(direct_mu_);
+  no_direct_devs_.push_back(dev);
+  for (auto it = direct_fds_.begin(); it != direct_fds_.end();) {
+    if (it->first.first == dev) {
+      direct_lru_.remove(it->first);
+      it = direct_fds_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 void BlockCache::Detach(Lock& lock, Block* block) {
@@ -166,6 +257,10 @@ void BlockCache::DropOtherVersions(Lock& lock, const FileKey& key) {
 }
 
 void BlockCache::Invalidate(uint64_t dev, uint64_t ino) {
+  {
+    std::lock_guard direct_lock(direct_mu_);
+    if (direct_fds_.erase({dev, ino}) > 0) direct_lru_.remove({dev, ino});
+  }
   Lock lock(mu_);
   const BlockId lo{FileKey{dev, ino, 0, std::numeric_limits<int64_t>::min()}, 0};
   std::vector<std::shared_ptr<Block>> drop;
@@ -184,6 +279,7 @@ std::shared_ptr<BlockCache::Block> BlockCache::NewLoadingBlock(Lock& lock, const
   block->id = id;
   block->charged = bytes;
   block->prefetched = prefetch;
+  block->data = TakeBuffer(lock, bytes);  // null: the loader allocates one
   blocks_.emplace(id, block);
   return block;
 }
@@ -206,21 +302,38 @@ void BlockCache::Load(const std::shared_ptr<Block>& block, const UniqueFd& fd) {
   // `charged` and `id` do not change while the block is loading; only this thread loads it.
   const uint64_t want = block->charged;
   const uint64_t start = block->id.index * opts_.block_bytes;
-  std::unique_ptr<char[]> buf;
-  Result<size_t> got = Status(Code::kNoSpace, "block cache: out of memory");
-  try {
-    buf = std::make_unique_for_overwrite<char[]>(want);
-  } catch (const std::bad_alloc&) {
-    buf = nullptr;
+  Buffer buf = std::move(block->data);
+  if (!buf) {
+    buf.reset(static_cast<char*>(std::aligned_alloc(kDirectAlign, RoundUp(want, kDirectAlign))));
   }
-  if (buf) got = dir_->PRead(fd.get(), buf.get(), want, static_cast<off_t>(start));
+  Result<size_t> got = Status(Code::kNoSpace, "block cache: out of memory");
+  bool direct = false;
+  if (buf) {
+    std::shared_ptr<const UniqueFd> dfd;
+    if (opts_.direct_io) dfd = DirectFd(block->id.key, fd);
+    if (dfd) {
+      // Aligned length into an aligned buffer; a file that grew since its key was taken
+      // may return more than `want`, which is not ours to serve.
+      got = dir_->PRead(dfd->get(), buf.get(), RoundUp(want, kDirectAlign),
+                        static_cast<off_t>(start));
+      if (!got.ok() && got.status().code() == Code::kInvalid) {
+        NoDirectIo(block->id.key.dev);  // the file system took the open but not the read
+      } else {
+        direct = true;
+      }
+    }
+    if (!direct) got = dir_->PRead(fd.get(), buf.get(), want, static_cast<off_t>(start));
+    if (got.ok()) *got = std::min<size_t>(*got, want);
+  }
 
   Lock lock(mu_);
   if (got.ok()) {
     block->data = std::move(buf);
+    block->capacity = RoundUp(want, kDirectAlign);
     block->len = *got;
     block->state = Block::State::kReady;
     stats_.backing_bytes_read += *got;
+    if (direct) stats_.direct_bytes_read += *got;
     if (block->prefetched) stats_.prefetched_bytes += *got;
     if (block->in_index) {
       lru_.push_front(block.get());
@@ -236,10 +349,10 @@ void BlockCache::Load(const std::shared_ptr<Block>& block, const UniqueFd& fd) {
     block->state = Block::State::kFailed;
     block->error = got.status();
     ++stats_.read_errors;
-    buf.reset();
     Detach(lock, block.get());
     Release(lock, block->charged);
     block->charged = 0;
+    KeepBuffer(lock, std::move(buf), RoundUp(want, kDirectAlign));
   }
   block->ready_cv.notify_all();
 }
@@ -406,6 +519,7 @@ BlockCacheStats BlockCache::Stats() const {
   Lock lock(mu_);
   BlockCacheStats s = stats_;
   s.used_bytes = used_;
+  s.free_buffer_bytes = free_bytes_;
   s.budget_bytes = opts_.budget_bytes;
   return s;
 }

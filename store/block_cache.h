@@ -25,6 +25,15 @@
 // the least-recently-used block is newer than that, the rest of the request is dropped
 // rather than evicting what is in use (or what prefetch itself just brought in).
 //
+// Reading the backing store. Blocks are read into page-aligned buffers that are kept for
+// reuse (within the budget: held buffers plus free ones never exceed it), so a cold load
+// does not pay a fresh mmap and page faults per block. With `direct_io`, blocks are read
+// with O_DIRECT through a second descriptor reopened from the caller's (the same inode,
+// never a path lookup): the bytes go from the device straight into the cache, without
+// being copied through, and evicting, the backing store's page cache. A file system that
+// refuses O_DIRECT (tmpfs, some FUSE or network file systems) is read buffered instead,
+// decided once per device.
+//
 // Thread-safe. One mutex guards the index; no lock is held during pread or while copying
 // bytes out. The destructor drops queued prefetches and joins the prefetch threads; no
 // Read() may be in progress or start once it runs.
@@ -35,6 +44,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <cstdlib>
 #include <cstdint>
 #include <deque>
 #include <list>
@@ -66,6 +76,7 @@ struct BlockCacheOptions {
   uint64_t block_bytes = 1ull << 20;
   int prefetch_threads = 2;  // 0 disables prefetch
   int read_parallelism = 4;  // backing reads one demand Read() may have in flight
+  bool direct_io = false;    // read blocks with O_DIRECT where the file system allows it
 };
 
 struct BlockCacheStats {
@@ -82,6 +93,8 @@ struct BlockCacheStats {
   uint64_t prefetch_dropped = 0;  // prefetch requests dropped (queue full, no memory, stop)
   uint64_t evictions = 0;
   uint64_t read_errors = 0;  // backing reads that failed
+  uint64_t direct_bytes_read = 0;  // part of backing_bytes_read read with O_DIRECT
+  uint64_t free_buffer_bytes = 0;  // block buffers kept for reuse (within the budget)
 };
 
 class BlockCache {
@@ -113,6 +126,10 @@ class BlockCache {
 
  private:
   struct Block;
+  struct FreeDeleter {
+    void operator()(char* p) const { std::free(p); }
+  };
+  using Buffer = std::unique_ptr<char, FreeDeleter>;
   struct BlockId {
     FileKey key;
     uint64_t index = 0;
@@ -145,6 +162,17 @@ class BlockCache {
   // Takes `block` out of the index and LRU; frees it now unless pinned or in flight.
   void Detach(Lock& lock, Block* block);
   void FreeBuffer(Lock& lock, Block* block);
+  // A kept buffer for a block of `bytes` just reserved, or null (the loader then
+  // allocates one, aligned for O_DIRECT and rounded up to the alignment).
+  Buffer TakeBuffer(Lock& lock, uint64_t bytes);
+  // Keeps a full-block buffer for reuse while held + free bytes stay within the budget.
+  void KeepBuffer(Lock& lock, Buffer buffer, uint64_t capacity);
+  // Frees kept buffers until held + free bytes fit the budget.
+  void TrimFreeBuffers(Lock& lock);
+  // The O_DIRECT descriptor for the file behind `fd` (opened once per inode and kept), or
+  // null when the file's device does not take O_DIRECT.
+  std::shared_ptr<const UniqueFd> DirectFd(const FileKey& key, const UniqueFd& fd);
+  void NoDirectIo(uint64_t dev);
   // Drops blocks of key's (dev, ino) cached under another version.
   void DropOtherVersions(Lock& lock, const FileKey& key);
   std::shared_ptr<Block> NewLoadingBlock(Lock& lock, const BlockId& id, uint64_t bytes,
@@ -170,6 +198,14 @@ class BlockCache {
   bool stop_ = false;                     // GUARDED_BY(mu_)
   BlockCacheStats stats_;                 // GUARDED_BY(mu_)
   std::vector<std::thread> prefetchers_;  // owned; joined by the destructor
+  std::vector<Buffer> free_buffers_;      // GUARDED_BY(mu_): full-block buffers to reuse
+  uint64_t free_bytes_ = 0;               // GUARDED_BY(mu_)
+
+  // O_DIRECT descriptors by (dev, ino), least recently used first out.
+  std::mutex direct_mu_;
+  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<const UniqueFd>> direct_fds_;
+  std::list<std::pair<uint64_t, uint64_t>> direct_lru_;  // GUARDED_BY(direct_mu_), front = newest
+  std::vector<uint64_t> no_direct_devs_;                 // GUARDED_BY(direct_mu_)
 };
 
 }  // namespace ckptfs::store

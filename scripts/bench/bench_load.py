@@ -132,6 +132,8 @@ def main():
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--cache-mem", default=None, help="daemon --cache-mem (default: its own)")
     ap.add_argument("--staging-mem", default="256M")
+    ap.add_argument("--daemon-args", default="",
+                    help="extra daemon options, space separated (e.g. '--read-ahead 0')")
     ap.add_argument("--seed", type=int, default=4242)
     ap.add_argument("--keep-state", action="store_true",
                     help="reuse the daemon's state dir (persisted key index) across reps")
@@ -146,6 +148,7 @@ def main():
     backing = os.path.join(root, "backing")
     os.makedirs(backing)
     daemon_args = ["--cache-mem", a.cache_mem] if a.cache_mem else []
+    daemon_args += a.daemon_args.split()
     modes = [m for m in a.modes.split(",") if m]
     sfprs = [int(x) for x in a.sfpr.split(",") if x != ""]
     raw = {"args": vars(a), "runs": []}
