@@ -14,6 +14,7 @@ namespace {
 constexpr char kStateXattr[] = "user.ckptfs.state";
 constexpr char kProgressXattr[] = "user.ckptfs.progress";
 constexpr char kVerifyXattr[] = "user.ckptfs.verify";
+constexpr char kChecksumsXattr[] = "user.ckptfs.checksums";
 constexpr char kVersion[] = "0.1.0";
 
 }  // namespace
@@ -39,6 +40,11 @@ std::string Filesystem::StatsJson() {
   j["staging_backend"] = pool_->backend();
   j["staging_waits"] = pool_->waits();
   j["backing_bytes_read"] = backing_->bytes_read();
+  j["write_checksums"] = config_.write_checksums;
+  j["checksum_bytes_hashed"] = pipeline_->crc_bytes();  // by the flush threads, in staging
+  j["checksum_hash_s"] = pipeline_->crc_ns() / 1e9;
+  j["checksum_block_maps_bytes"] = index_->block_crc_bytes();
+  j["checksums_on_read"] = read_sums_->recorded();
   j["backing_bytes_written"] = backing_->bytes_written();
   j["bytes_served"] = bytes_read_.load();
   if (cache_) {
@@ -204,6 +210,19 @@ std::string Filesystem::ProgressJson(uint64_t ino) {
 
 Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) {
   if (name == kProgressXattr) return ProgressJson(ino);
+  if (name == kChecksumsXattr) {
+    // Checksums the items that have none yet (read from the backing store once).
+    std::string path;
+    {
+      std::lock_guard lock(ns_mu_);
+      auto node = NodeLocked(ino);
+      if (!node || node->type != NodeType::kDir) return Invalid("checksums need a checkpoint dir");
+      path = PathLocked(node.get());
+    }
+    CKPT_ASSIGN_OR_RETURN(uint64_t filled, index_->FillChecksums(path));
+    nlohmann::json j = {{"checksum", store::kChecksumAlgorithm}, {"computed", filled}};
+    return j.dump();
+  }
   if (name == kVerifyXattr) {
     // Re-reads the checkpoint from the backing store and checks structure and checksums.
     std::string path;
@@ -219,8 +238,12 @@ Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) 
       if (bad.size() >= 200) break;  // an xattr value holds at most 64 KiB
       bad.push_back({{"key", key}, {"error", why}});
     }
-    nlohmann::json j = {{"items", report.items}, {"bytes", report.bytes},
-                        {"bad_count", report.bad.size()}, {"bad", bad}};
+    nlohmann::json j = {{"items", report.items},
+                        {"bytes", report.bytes},
+                        {"checksum", store::kChecksumAlgorithm},
+                        {"unchecked", report.unchecked},
+                        {"bad_count", report.bad.size()},
+                        {"bad", bad}};
     return j.dump();
   }
   if (name == kStateXattr) {

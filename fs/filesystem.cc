@@ -85,6 +85,7 @@ Status Filesystem::Init() {
   pool_->SetPressureCallback([this] { RelieveStagingPressure(); });
   store::FlushOptions flush_options;
   flush_options.threads = config_.flush_threads;
+  flush_options.block_crcs = config_.write_checksums;
   CKPT_ASSIGN_OR_RETURN(pipeline_, store::FlushPipeline::Create(backing_.get(), flush_options));
   staging_ctx_ = StagingContext{pool_.get(), pipeline_.get(), backing_.get()};
   store::Journal::Hooks hooks;
@@ -93,6 +94,7 @@ Status Filesystem::Init() {
   CKPT_ASSIGN_OR_RETURN(journal_, store::Journal::Create(backing_.get(), db_.get(), hooks));
 
   CKPT_ASSIGN_OR_RETURN(index_, store::KeyIndex::Create(backing_.get(), db_.get()));
+  read_sums_ = std::make_unique<store::ReadChecksums>(index_.get());
   tensors_ = std::make_unique<TensorView>(backing_.get(), index_.get());
   if (config_.cache_bytes > 0) {
     store::BlockCacheOptions cache_options;
@@ -974,6 +976,7 @@ Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offse
     store::FileKey key = store::FileKeyFromStat(st);
     if (!h->ckpt.empty()) PrefetchItem(h, offset);
     got = cache_->Read(key, h->fd, out, len, offset);
+    if (got.ok() && h->indexed) read_sums_->OnRead(h->ckpt, h->file, key, offset, out, *got);
   } else {
     got = backing_->PRead(h->fd->get(), out, len, static_cast<off_t>(offset));
   }
@@ -1128,6 +1131,7 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
     bytes_published_.fetch_add(e.size);
     files_published_.fetch_add(1);
     checkpoints_->OnFilePublished(dir, e.size);
+    HandOverBlockCrcs(e);
   }
   if (!st.ok()) {
     NoteError(e.Describe() + ": " + st.ToString());
@@ -1153,6 +1157,18 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
     DropWriteStateLocked(node.get());
   }
   if (node->parent == nullptr && node->nlookup == 0 && !node->write) inodes_.erase(node->ino);
+}
+
+void Filesystem::HandOverBlockCrcs(const store::JournalEntry& e) {
+  if (!e.target) return;  // replayed after a restart: nothing was recorded
+  std::shared_ptr<store::BlockCrcMap> crcs = e.target->TakeBlockCrcs();
+  if (!crcs) return;
+  crcs->Finish(e.size);
+  // The identity after the rename and the times set above: a later change by anyone makes
+  // the key index ignore these CRCs.
+  Result<struct stat> st = backing_->Stat(e.path);
+  if (!st.ok()) return;
+  index_->AddBlockCrcs(e.path, store::FileKeyFromStat(*st), std::move(crcs));
 }
 
 void Filesystem::RelieveStagingPressure() {

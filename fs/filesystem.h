@@ -36,6 +36,7 @@
 #include "store/flush_pipeline.h"
 #include "store/journal.h"
 #include "store/key_index.h"
+#include "store/read_checksums.h"
 #include "store/block_cache.h"
 #include "store/state_db.h"
 
@@ -52,6 +53,8 @@ struct FsConfig {
   uint64_t cache_bytes = uint64_t{1} << 30;  // block cache budget for reads; 0 disables
   bool cache_direct_io = true;  // block cache reads with O_DIRECT where the backing fs allows
   std::string staging_backend = "auto";
+  // Block CRCs of every flushed chunk, so the index checksums items without re-reading them.
+  bool write_checksums = true;
   // How long a `.metadata` publication waits for shards from other writers to appear.
   std::chrono::milliseconds commit_timeout{std::chrono::minutes(10)};
 };
@@ -184,6 +187,8 @@ class Filesystem {
   void WaitForAncestorsUnlocked(uint64_t ino);
   Status WaitIfStrict(Result<uint64_t> seq);
   void OnJournalDone(const store::JournalEntry& e, const Status& st);
+  // Gives a just-published file's block CRCs (recorded by the flush pipeline) to the index.
+  void HandOverBlockCrcs(const store::JournalEntry& e);
   Status CommitGate(const store::JournalEntry& e);
   void RelieveStagingPressure();
   Result<std::shared_ptr<StagedFile>> WritableStaged(Handle* h);
@@ -230,6 +235,7 @@ class Filesystem {
   std::deque<std::string> prefetch_queue_;  // GUARDED_BY(index_mu_)
   void RunIndexer();
   std::unique_ptr<store::KeyIndex> index_;
+  std::unique_ptr<store::ReadChecksums> read_sums_;  // checksums on first full read
   std::unique_ptr<TensorView> tensors_;
   std::mutex index_mu_;
   std::condition_variable index_cv_;

@@ -80,9 +80,10 @@ std::string TensorView::MetaJson(const std::vector<store::IndexedItem>& items) {
       j["kind"] = KindName(item.kind);
       j["dtype"] = item.dtype;
       j["global_shape"] = item.global_size;
+      j["checksum_algorithm"] = store::kChecksumAlgorithm;  // of each chunk's whole item
     }
     char sum[20];
-    std::snprintf(sum, sizeof(sum), "%016llx", static_cast<unsigned long long>(item.checksum));
+    std::snprintf(sum, sizeof(sum), "%08llx", static_cast<unsigned long long>(item.checksum));
     chunks.push_back({{"file", store::ChunkFileName(item)},
                       {"offsets", item.chunk_offsets},
                       {"sizes", item.chunk_sizes},

@@ -792,7 +792,7 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
   }
   if (ls->parsed()) return RunLs(path, as_json, out, err);
   if (verify->parsed()) return RunVerify(env, path, out, err);
-  if (diff->parsed()) return RunDiff(path, other, out, err);
+  if (diff->parsed()) return RunDiff(env, path, other, out, err);
   if (unmount->parsed()) {
     if (unmount_timeout->count() > 0) options.timeout_s = timeout_s;
     return RunUnmount(env, path, options, out, err);

@@ -168,7 +168,10 @@ int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& 
 // Checkpoint contents (admin_tensors.cc): through /.ckptfs/tensors and user.ckptfs.verify.
 int RunLs(const std::string& ckpt, bool json, std::ostream& out, std::ostream& err);
 int RunVerify(AdminEnv* env, const std::string& ckpt, std::ostream& out, std::ostream& err);
-int RunDiff(const std::string& a, const std::string& b, std::ostream& out, std::ostream& err);
+// Asks the daemon to checksum the items of both checkpoints that have none yet (reading
+// them), then compares the checksums of every chunk.
+int RunDiff(AdminEnv* env, const std::string& a, const std::string& b, std::ostream& out,
+            std::ostream& err);
 
 int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& out,
              std::ostream& err);

@@ -78,6 +78,7 @@ int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
   config.cache_bytes = o.cache_bytes;
   config.cache_direct_io = o.cache_direct_io;
   config.staging_backend = o.staging_backend;
+  config.write_checksums = o.write_checksums;
   config.commit_timeout = std::chrono::seconds(o.commit_timeout_s);
   auto fs = ckptfs::fs::Filesystem::Create(config);
   if (!fs.ok()) {

@@ -84,7 +84,7 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   DaemonOptions o;
   CLI::App app{"ckptfs: a FUSE file system for fast, safe training checkpoints", "ckptfs"};
   std::string durability = "async", staging = "1G", chunk = "4M", cache = "1G";
-  std::string read_ahead = "4M", direct_io = "on";
+  std::string read_ahead = "4M", direct_io = "on", write_checksums = "on";
   app.add_option("backing_dir", o.backing_dir, "Directory that stores the files")->required();
   app.add_option("mountpoint", o.mountpoint, "Where to mount")->required();
   app.add_flag("-f,--foreground", o.foreground, "Stay in the foreground");
@@ -107,6 +107,10 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
       ->check(CLI::Range(1, 86400));
   app.add_option("--staging-backend", o.staging_backend, "auto, host or cuda")
       ->check(CLI::IsMember({"auto", "host", "cuda"}));
+  app.add_option("--write-checksums", write_checksums,
+                 "on (default): CRC32C of written blocks while in staging, so that item "
+                 "checksums need no re-read; off: items are read back after the commit")
+      ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--state-dir", o.state_dir, "Node-local state directory (outside the mount)");
   app.add_option("--log-level", o.log_level, "trace|debug|info|warn|error|off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
@@ -123,6 +127,7 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
     return Invalid(e.what());
   }
   o.strict = durability == "strict";
+  o.write_checksums = write_checksums == "on";
   CKPT_ASSIGN_OR_RETURN(o.staging_bytes, ParseSize(staging));
   CKPT_ASSIGN_OR_RETURN(o.chunk_bytes, ParseSize(chunk));
   CKPT_ASSIGN_OR_RETURN(o.cache_bytes, ParseSize(cache));

@@ -25,6 +25,7 @@ struct DaemonOptions {
   int fuse_threads = 32;
   int commit_timeout_s = 600;
   std::string staging_backend = "auto";
+  bool write_checksums = true;  // --write-checksums=on|off
   std::string log_level = "info";
   std::string log_file;
   std::vector<std::string> fuse_options;

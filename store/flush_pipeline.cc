@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <chrono>
+
 namespace ckptfs::store {
 
 Status FlushTarget::Error() const {
@@ -36,7 +38,25 @@ Status FlushTarget::Sync(BackingDir* dir) {
   return Status::Ok();
 }
 
-FlushPipeline::FlushPipeline(BackingDir* dir, const FlushOptions& options) : dir_(dir) {
+void FlushTarget::NoteTruncated(uint64_t size) {
+  std::lock_guard lock(crc_mu_);
+  if (crcs_) crcs_->Truncate(size);
+}
+
+std::shared_ptr<BlockCrcMap> FlushTarget::TakeBlockCrcs() {
+  std::lock_guard lock(crc_mu_);
+  crcs_taken_ = true;
+  return std::move(crcs_);
+}
+
+std::shared_ptr<BlockCrcMap> FlushTarget::CrcMap(const BlockCrcOptions& options) {
+  std::lock_guard lock(crc_mu_);
+  if (!crcs_ && !crcs_taken_) crcs_ = std::make_shared<BlockCrcMap>(options);
+  return crcs_;
+}
+
+FlushPipeline::FlushPipeline(BackingDir* dir, const FlushOptions& options)
+    : dir_(dir), options_(options) {
   for (int i = 0; i < options.threads; ++i) threads_.emplace_back([this] { Run(); });
 }
 
@@ -44,6 +64,10 @@ Result<std::unique_ptr<FlushPipeline>> FlushPipeline::Create(BackingDir* dir,
                                                              const FlushOptions& options) {
   if (options.threads < 1 || options.threads > 256) {
     return Invalid("flush threads must be between 1 and 256");
+  }
+  const uint32_t bs = options.crc_options.block_bytes;
+  if (bs < 512 || (bs & (bs - 1)) != 0) {
+    return Invalid("checksum block size must be a power of two of at least 512 bytes");
   }
   return std::unique_ptr<FlushPipeline>(new FlushPipeline(dir, options));
 }
@@ -95,6 +119,19 @@ void FlushPipeline::Run() {
     Status st = target.Error();
     if (st.ok()) {
       st = dir_->PWrite(target.fd(), chunk.data, chunk.length, static_cast<off_t>(chunk.offset));
+      if (st.ok() && options_.block_crcs) {
+        // The bytes are still in staging: hashing them here costs no read. Before the
+        // target's inflight count drops, so a later overlapping chunk records after this.
+        if (std::shared_ptr<BlockCrcMap> crcs = target.CrcMap(options_.crc_options)) {
+          auto t0 = std::chrono::steady_clock::now();
+          crcs->Record(chunk.offset, chunk.data, chunk.length);
+          crc_ns_.fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                      std::chrono::steady_clock::now() - t0)
+                                                      .count()),
+                            std::memory_order_relaxed);
+          crc_bytes_.fetch_add(chunk.length, std::memory_order_relaxed);
+        }
+      }
       if (st.ok()) {
         target.bytes_flushed_.fetch_add(chunk.length, std::memory_order_relaxed);
         bytes_flushed_.fetch_add(chunk.length, std::memory_order_relaxed);

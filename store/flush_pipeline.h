@@ -5,6 +5,12 @@
 // sticky: after the first failed write for a target, every later chunk for it is
 // dropped and Error() returns that failure (G7).
 //
+// Checksums. With FlushOptions::block_crcs, each chunk written is also fed to its target's
+// BlockCrcMap while the bytes are still in staging (no extra read), so that the key index
+// can later derive item checksums. The owner of a target must report every other change
+// to the file's bytes (NoteTruncated); bytes that reach the file any other way (a copy of
+// the old contents) are simply never recorded, hence unknown.
+//
 // Thread-safe. The destructor drains the queue and joins every thread.
 #pragma once
 
@@ -21,6 +27,7 @@
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "store/backing_dir.h"
+#include "store/block_crc_map.h"
 
 namespace ckptfs::store {
 
@@ -43,10 +50,23 @@ class FlushTarget {
   uint64_t bytes_flushed() const { return bytes_flushed_.load(std::memory_order_relaxed); }
   bool synced() const { return synced_.load(); }
 
+  // The file is about to be truncated to `size` (no flush in flight): recorded block CRCs
+  // past it are dropped, or poisoned where the cut falls inside recorded bytes.
+  void NoteTruncated(uint64_t size);
+  // Hands over the block CRCs recorded so far, after the last flush (for example at
+  // publication); nullptr when none were recorded. Later flushes of this target record none.
+  std::shared_ptr<BlockCrcMap> TakeBlockCrcs();
+
  private:
   friend class FlushPipeline;
+  // The map to record into, created on first use; nullptr once taken.
+  std::shared_ptr<BlockCrcMap> CrcMap(const BlockCrcOptions& options);
+
   const uint64_t id_;
   UniqueFd fd_;
+  std::mutex crc_mu_;
+  std::shared_ptr<BlockCrcMap> crcs_;  // GUARDED_BY(crc_mu_)
+  bool crcs_taken_ = false;            // GUARDED_BY(crc_mu_)
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;
   uint64_t inflight_ = 0;  // GUARDED_BY(mu_)
@@ -69,6 +89,8 @@ struct SealedChunk {
 
 struct FlushOptions {
   int threads = 4;
+  bool block_crcs = true;  // record block CRCs of every chunk written (see above)
+  BlockCrcOptions crc_options;
 };
 
 class FlushPipeline {
@@ -87,12 +109,16 @@ class FlushPipeline {
   uint64_t bytes_flushed() const { return bytes_flushed_.load(std::memory_order_relaxed); }
   uint64_t queued() const;
   uint64_t errors() const { return errors_.load(std::memory_order_relaxed); }
+  // Bytes hashed into block CRCs, and the flush threads' time spent hashing them.
+  uint64_t crc_bytes() const { return crc_bytes_.load(std::memory_order_relaxed); }
+  uint64_t crc_ns() const { return crc_ns_.load(std::memory_order_relaxed); }
 
  private:
   FlushPipeline(BackingDir* dir, const FlushOptions& options);
   void Run();
 
   BackingDir* const dir_;
+  const FlushOptions options_;
   mutable std::mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable drained_cv_;
@@ -102,6 +128,8 @@ class FlushPipeline {
   std::vector<std::thread> threads_;
   std::atomic<uint64_t> bytes_flushed_{0};
   std::atomic<uint64_t> errors_{0};
+  std::atomic<uint64_t> crc_bytes_{0};
+  std::atomic<uint64_t> crc_ns_{0};
 };
 
 }  // namespace ckptfs::store

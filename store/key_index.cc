@@ -12,6 +12,7 @@
 #include <set>
 #include <unordered_set>
 
+#include "store/crc32c.h"
 #include "store/torch_zip.h"
 
 namespace ckptfs::store {
@@ -20,8 +21,10 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-constexpr int kFormat = 1;  // "i/" record and item value format
-constexpr uint8_t kValueVersion = 1;
+// "i/" record and item value format. 2: checksums are CRC32C (1 was XXH3-64): an index of an
+// older format is rebuilt on first use, like any missing one.
+constexpr int kFormat = 2;
+constexpr uint8_t kValueVersion = 2;
 constexpr uint64_t kMaxMetadataBytes = 256ull << 20;  // PickleLimits::max_input_bytes
 constexpr size_t kWindowCapacity = 4u << 20;
 constexpr size_t kReadAhead = 256u << 10;
@@ -210,22 +213,16 @@ class WindowReader {
     return Status::Ok();
   }
 
-  // XXH3-64 of [off, off+len).
-  Result<uint64_t> Hash(uint64_t off, uint64_t len) {
-    if (len <= kWindowCapacity) {
-      CKPT_ASSIGN_OR_RETURN(std::string_view v, View(off, static_cast<size_t>(len)));
-      return ItemChecksum(v);
-    }
-    std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> st(XXH3_createState(),
-                                                                &XXH3_freeState);
-    if (!st || XXH3_64bits_reset(st.get()) != XXH_OK) return Internal("xxh3 state");
+  // CRC32C of [off, off+len).
+  Result<uint32_t> Crc(uint64_t off, uint64_t len) {
+    uint32_t crc = 0;
     for (uint64_t done = 0; done < len;) {
       size_t n = static_cast<size_t>(std::min<uint64_t>(len - done, kWindowCapacity));
       CKPT_ASSIGN_OR_RETURN(std::string_view v, View(off + done, n));
-      XXH3_64bits_update(st.get(), v.data(), v.size());
+      crc = Crc32cExtend(crc, v.data(), v.size());
       done += n;
     }
-    return static_cast<uint64_t>(XXH3_64bits_digest(st.get()));
+    return crc;
   }
 
   ReadAtFn ItemReader(uint64_t item_offset, uint64_t item_length) {
@@ -249,6 +246,7 @@ class WindowReader {
 struct OpenedFile {
   UniqueFd fd;
   uint64_t size = 0;
+  FileKey key;  // the version opened
 };
 
 Result<OpenedFile> OpenShard(BackingDir* dir, const std::string& path) {
@@ -258,7 +256,25 @@ Result<OpenedFile> OpenShard(BackingDir* dir, const std::string& path) {
   if (::fstat(f.fd.get(), &st) != 0) return Status::FromErrno(errno, "fstat " + path);
   if (!S_ISREG(st.st_mode)) return Invalid(path + " is not a regular file");
   f.size = static_cast<uint64_t>(st.st_size);
+  f.key = FileKeyFromStat(st);
   return f;
+}
+
+// CRC32C of the item [off, off+len) of a file of `file_size` bytes from its block CRCs: the
+// whole blocks inside the item come from `blocks`, the unaligned edges (under one block
+// each, usually in the window the zip parse just read) from `reader`. nullopt when a block
+// is unknown.
+Result<std::optional<uint32_t>> CrcFromBlocks(WindowReader* reader, const BlockCrcMap& blocks,
+                                              uint64_t off, uint64_t len, uint64_t file_size) {
+  const uint64_t bs = blocks.block_bytes(), end = off + len;
+  const uint64_t mid_begin = std::min(end, (off + bs - 1) / bs * bs);
+  const uint64_t mid_end = std::max(mid_begin, end == file_size ? end : end / bs * bs);
+  std::optional<uint32_t> mid = blocks.RangeCrc(mid_begin, mid_end);
+  if (!mid) return std::optional<uint32_t>();
+  CKPT_ASSIGN_OR_RETURN(uint32_t head, reader->Crc(off, mid_begin - off));
+  CKPT_ASSIGN_OR_RETURN(uint32_t tail, reader->Crc(mid_end, end - mid_end));
+  uint32_t crc = Crc32cCombine(head, *mid, mid_end - mid_begin);
+  return std::optional<uint32_t>(Crc32cCombine(crc, tail, end - mid_end));
 }
 
 Result<std::string> ReadWhole(BackingDir* dir, const std::string& path, uint64_t max_bytes) {
@@ -376,15 +392,14 @@ void ForEachFile(const std::vector<IndexedItem>& items, const std::vector<uint32
 
 std::string KeyName(const IndexedItem& item) { return item.fqn + "@" + ChunkFileName(item); }
 
-uint64_t ItemChecksum(std::span<const char> bytes) {
-  return XXH3_64bits(bytes.data(), bytes.size());
-}
+uint64_t ItemChecksum(std::span<const char> bytes) { return Crc32c(bytes.data(), bytes.size()); }
 
 // --- KeyIndex -----------------------------------------------------------------------------
 
-Result<std::unique_ptr<KeyIndex>> KeyIndex::Create(BackingDir* dir, StateDb* db) {
+Result<std::unique_ptr<KeyIndex>> KeyIndex::Create(BackingDir* dir, StateDb* db,
+                                                   const KeyIndexOptions& options) {
   if (dir == nullptr || db == nullptr) return Invalid("KeyIndex needs a backing dir and a db");
-  return std::unique_ptr<KeyIndex>(new KeyIndex(dir, db));
+  return std::unique_ptr<KeyIndex>(new KeyIndex(dir, db, options));
 }
 
 KeyIndex::~KeyIndex() = default;
@@ -518,9 +533,12 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
   auto note = [&](const IndexedItem& it, const std::string& why) {
     if (unresolved++ == 0) first_error = KeyName(it) + ": " + why;
   };
+  uint64_t with_sum = 0, from_blocks = 0, read_items = 0, read_bytes = 0;
+  std::vector<std::string> used_block_crcs;
   std::vector<uint32_t> order = FileOrder(index->items);
   ForEachFile(index->items, order, [&](const std::string& file, std::span<const uint32_t> idx) {
-    Result<OpenedFile> f = OpenShard(dir_, Join(ckpt, file));
+    const std::string path = Join(ckpt, file);
+    Result<OpenedFile> f = OpenShard(dir_, path);
     auto& sums = known_sums[file];
     if (!f.ok()) {
       for (uint32_t i : idx) {
@@ -531,6 +549,8 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
       return;
     }
     WindowReader reader(dir_, f->fd.get(), f->size);
+    std::shared_ptr<const BlockCrcMap> blocks = BlockCrcsFor(path, f->key);
+    if (blocks) used_block_crcs.push_back(path);
     for (uint32_t i : idx) {
       IndexedItem& it = index->items[i];
       if (it.offset > f->size || f->size - it.offset < it.length) {
@@ -547,17 +567,35 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
       if (known != sums.end()) {
         it.checksum = known->second;
         it.has_checksum = true;
-      } else if (checksums) {
-        Result<uint64_t> h = reader.Hash(it.offset, it.length);
+      }
+      if (!it.has_checksum && blocks) {
+        Result<std::optional<uint32_t>> c =
+            CrcFromBlocks(&reader, *blocks, it.offset, it.length, f->size);
+        if (c.ok() && c->has_value()) {
+          it.checksum = **c;
+          it.has_checksum = true;
+          ++from_blocks;
+        }
+      }
+      if (!it.has_checksum && checksums) {
+        Result<uint32_t> h = reader.Crc(it.offset, it.length);
         if (h.ok()) {
           it.checksum = *h;
           it.has_checksum = true;
+          ++read_items;
+          read_bytes += it.length;
         } else {
           note(it, "checksum: " + h.status().ToString());
         }
       }
+      if (it.has_checksum) ++with_sum;
     }
   });
+  if (checksums && !used_block_crcs.empty()) {
+    // Every item of those files now has its checksum in the index: the maps are done.
+    std::unique_lock lock(mu_);
+    for (const std::string& path : used_block_crcs) DropBlockCrcsLocked(path);
+  }
   if (unresolved > 0) {
     index->state = State::kPartial;
     index->error = std::to_string(unresolved) + " item(s) not resolved; first: " + first_error;
@@ -573,7 +611,12 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
                {"build_ms", build_ms},
                {"built_at", static_cast<int64_t>(std::time(nullptr))},
                {"items", index->items.size()},
-               {"checksums", checksums},
+               {"checksum", kChecksumAlgorithm},
+               {"checksums",
+                {{"items", with_sum},
+                 {"from_blocks", from_blocks},
+                 {"read_items", read_items},
+                 {"read_bytes", read_bytes}}},
                {"metadata", {{"size", id.size}, {"mtime_ns", id.mtime_ns}, {"ino", id.ino}}}};
   Status persisted = Persist(ckpt, *index, keys, info.dump());
   const double persist_ms = since(phase);
@@ -587,8 +630,9 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
   if (state == State::kOk) {
     spdlog::info(
         "key index: indexed '{}': {} items in {:.1f} ms (metadata {:.1f}, items {:.1f}, "
-        "persist {:.1f})",
-        ckpt, n, build_ms + persist_ms, parse_ms, items_ms, persist_ms);
+        "persist {:.1f}); checksums: {} from write-path blocks, {} read ({} bytes), {} none",
+        ckpt, n, build_ms + persist_ms, parse_ms, items_ms, persist_ms, from_blocks, read_items,
+        read_bytes, n - with_sum);
   } else {
     spdlog::warn("key index: '{}' indexed as {}: {}", ckpt, StateName(static_cast<int>(state)),
                  error);
@@ -728,7 +772,7 @@ Status KeyIndex::Ensure(const std::string& ckpt, bool checksums) {
 }
 
 Result<std::vector<IndexedItem>> KeyIndex::Items(const std::string& ckpt) {
-  CKPT_RETURN_IF_ERROR(Ensure(ckpt, /*checksums=*/true));
+  CKPT_RETURN_IF_ERROR(Ensure(ckpt, /*checksums=*/false));
   std::shared_lock lock(mu_);
   auto it = ckpts_.find(ckpt);
   if (it == ckpts_.end()) return Internal("index of '" + ckpt + "' vanished");
@@ -794,7 +838,7 @@ std::string KeyIndex::IndexError(const std::string& ckpt) {
 }
 
 Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
-  CKPT_RETURN_IF_ERROR(Ensure(ckpt, /*checksums=*/true));
+  CKPT_RETURN_IF_ERROR(Ensure(ckpt, /*checksums=*/false));
   std::vector<IndexedItem> items;
   {
     std::shared_lock lock(mu_);
@@ -873,22 +917,105 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
           continue;
         }
       }
-      Result<uint64_t> h = reader.Hash(it.offset, it.length);
+      Result<uint32_t> h = reader.Crc(it.offset, it.length);
       if (!h.ok()) {
         bad(KeyName(it), "read: " + h.status().ToString());
         continue;
       }
       report.bytes += it.length;
-      if (it.has_checksum && *h != it.checksum) {
+      if (!it.has_checksum) {
+        ++report.unchecked;
+      } else if (*h != it.checksum) {
         char buf[80];
-        std::snprintf(buf, sizeof(buf), "checksum mismatch: %016llx, indexed %016llx",
-                      static_cast<unsigned long long>(*h),
-                      static_cast<unsigned long long>(it.checksum));
+        std::snprintf(buf, sizeof(buf), "checksum mismatch: %s %08x, indexed %08llx",
+                      kChecksumAlgorithm, *h, static_cast<unsigned long long>(it.checksum));
         bad(KeyName(it), buf);
       }
     }
   });
   return report;
+}
+
+Result<uint64_t> KeyIndex::FillChecksums(const std::string& ckpt) {
+  CKPT_RETURN_IF_ERROR(Ensure(ckpt, /*checksums=*/false));
+  std::vector<IndexedItem> items;
+  {
+    std::shared_lock lock(mu_);
+    auto it = ckpts_.find(ckpt);
+    if (it == ckpts_.end()) return Internal("index of '" + ckpt + "' vanished");
+    const CkptIndex& index = *it->second;
+    if (index.state == State::kMissing) return NotFound("no .metadata in '" + ckpt + "'");
+    if (index.state == State::kFailed) return Corrupt(index.error);
+    for (const IndexedItem& item : index.items) {
+      if (!item.has_checksum) items.push_back(item);
+    }
+  }
+  uint64_t filled = 0;
+  Status first_error;
+  std::vector<uint32_t> order = FileOrder(items);
+  ForEachFile(items, order, [&](const std::string& file, std::span<const uint32_t> idx) {
+    Result<OpenedFile> f = OpenShard(dir_, Join(ckpt, file));
+    if (!f.ok()) {
+      if (first_error.ok()) first_error = f.status();
+      return;
+    }
+    WindowReader reader(dir_, f->fd.get(), f->size);
+    std::vector<RangeChecksum> sums;
+    for (uint32_t i : idx) {
+      const IndexedItem& it = items[i];
+      if (it.offset > f->size || f->size - it.offset < it.length) continue;  // a broken item
+      Result<uint32_t> h = reader.Crc(it.offset, it.length);
+      if (!h.ok()) {
+        if (first_error.ok()) first_error = h.status();
+        continue;
+      }
+      sums.push_back({it.offset, it.length, *h});
+    }
+    filled += sums.size();
+    RecordChecksums(ckpt, file, sums);
+  });
+  if (!first_error.ok() && filled == 0) return first_error;
+  return filled;
+}
+
+void KeyIndex::AddBlockCrcs(const std::string& path, const FileKey& id,
+                            std::shared_ptr<const BlockCrcMap> map) {
+  if (!map || !map->finished() || map->size() != id.size) return;
+  const size_t bytes = map->MemoryBytes();
+  std::unique_lock lock(mu_);
+  DropBlockCrcsLocked(path);
+  if (bytes > opts_.max_block_crc_bytes) return;
+  // Oldest first: a build normally follows its shards' publication within seconds.
+  while (block_crc_total_ + bytes > opts_.max_block_crc_bytes && !block_crc_age_.empty()) {
+    std::string victim = block_crc_age_.begin()->second;
+    spdlog::debug("key index: dropping the block checksums of {} (memory bound)", victim);
+    DropBlockCrcsLocked(victim);
+  }
+  const uint64_t seq = ++block_crc_seq_;
+  block_crcs_[path] = PendingCrcs{id, std::move(map), seq, bytes};
+  block_crc_age_[seq] = path;
+  block_crc_total_ += bytes;
+}
+
+uint64_t KeyIndex::block_crc_bytes() {
+  std::shared_lock lock(mu_);
+  return block_crc_total_;
+}
+
+void KeyIndex::DropBlockCrcsLocked(const std::string& path) {
+  auto it = block_crcs_.find(path);
+  if (it == block_crcs_.end()) return;
+  block_crc_total_ -= it->second.bytes;
+  block_crc_age_.erase(it->second.seq);
+  block_crcs_.erase(it);
+}
+
+std::shared_ptr<const BlockCrcMap> KeyIndex::BlockCrcsFor(const std::string& path,
+                                                          const FileKey& id) {
+  std::shared_lock lock(mu_);
+  auto it = block_crcs_.find(path);
+  if (it == block_crcs_.end() || !(it->second.id == id)) return nullptr;
+  return it->second.map;
 }
 
 void KeyIndex::RecordChecksums(const std::string& ckpt, const std::string& file,
@@ -930,6 +1057,14 @@ void KeyIndex::Forget(const std::string& ckpt) {
     std::unique_lock lock(mu_);
     ckpts_.erase(ckpt);
     pending_sums_.erase(ckpt);
+    const std::string prefix = ckpt.empty() ? "" : ckpt + "/";
+    std::vector<std::string> paths;
+    for (auto it = block_crcs_.lower_bound(prefix);
+         it != block_crcs_.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
+      // Only files directly in the checkpoint dir: nested checkpoints have their own.
+      if (it->first.find('/', prefix.size()) == std::string::npos) paths.push_back(it->first);
+    }
+    for (const std::string& path : paths) DropBlockCrcsLocked(path);
   }
   std::vector<std::string> deletes{InfoKey(ckpt)};
   Status st = db_->Scan(ItemPrefix(ckpt),
@@ -977,6 +1112,18 @@ void KeyIndex::OnRenamed(const std::string& from, const std::string& to) {
       auto node = pending_sums_.extract(ckpt);
       node.key() = *moved(ckpt);
       pending_sums_.insert(std::move(node));
+    }
+    // Block CRCs are keyed by file path; a file's identity does not change with a rename.
+    std::vector<std::string> crc_paths;
+    for (const auto& [path, pending] : block_crcs_) {
+      if (moved(path)) crc_paths.push_back(path);
+    }
+    for (const std::string& path : crc_paths) {
+      auto node = block_crcs_.extract(path);
+      node.key() = *moved(path);
+      DropBlockCrcsLocked(node.key());  // the file renamed over is gone
+      block_crc_age_[node.mapped().seq] = node.key();
+      block_crcs_.insert(std::move(node));
     }
   }
   // RocksDB: values name files relative to the checkpoint, so only keys change.

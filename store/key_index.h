@@ -12,11 +12,23 @@
 //     where the suffix is 'b' for bytes items, else 't' + each chunk offset as 8 big-endian
 //     bytes with the sign bit flipped (so keys of one fqn sort by offsets).
 //   "i/" + ckpt -> JSON {format, state: ok|partial|failed, error, build_ms, built_at, items,
-//                        checksums, metadata: {size, mtime_ns, ino}}
+//                        checksum: "crc32c", checksums: {items, from_blocks, read_items,
+//                        read_bytes}, metadata: {size, mtime_ns, ino}}
 // The `.metadata` identity (size, mtime, inode) is recorded so that an index loaded from
 // RocksDB after a restart is rebuilt when the checkpoint was rewritten in the meantime. While
 // the daemon runs, the caller keeps the index current: Build() on publish, Forget() on
 // removal, OnRenamed() on a directory rename.
+//
+// Checksums (CRC32C of each item's bytes, see crc32c.h) come from three places, none of which
+// reads the bulk data just to hash it when it can be avoided:
+//   * the write path: a shard written through the mount hands over its BlockCrcMap at
+//     publication (AddBlockCrcs); a build then combines the CRCs of the blocks inside each
+//     item with the CRCs of its unaligned edges (under one block each, mostly already read by
+//     the zip parse);
+//   * the first full read of an item (RecordChecksums, fed by the read path);
+//   * a build or FillChecksums() with checksums requested reads the items still without one.
+// A lazy build (first look at a checkpoint written elsewhere) reads no bulk data: its items
+// have no checksum until one of the above supplies it, and Verify reports them as unchecked.
 //
 // Errors. A malformed `.metadata` never crashes anything: the checkpoint is indexed as
 // "failed", with no items and an IndexError(). An item whose archive cannot be read or
@@ -44,6 +56,8 @@
 
 #include "common/status.h"
 #include "store/backing_dir.h"
+#include "store/block_cache.h"
+#include "store/block_crc_map.h"
 #include "store/dcp_metadata.h"
 #include "store/state_db.h"
 
@@ -59,7 +73,7 @@ struct IndexedItem {
   uint64_t raw_offset = 0, raw_nbytes = 0;  // file-absolute raw tensor bytes (kTensor only)
   int64_t storage_offset = 0;               // in elements
   std::vector<std::string> transforms;
-  uint64_t checksum = 0;  // XXH3-64 of the item's bytes [offset, offset+length)
+  uint64_t checksum = 0;  // CRC32C of the item's bytes [offset, offset+length)
   bool has_checksum = false;
   bool is_bytes = false;  // a BytesStorageMetadata entry (also when kOpaque)
   uint32_t ordinal = 0;   // position in the .metadata (state_dict order, then chunk order)
@@ -70,12 +84,21 @@ struct IndexedItem {
 // "fqn@<ChunkFileName>", e.g. "layer.weight@0_128" or "step@data": how reports name a key.
 std::string KeyName(const IndexedItem& item);
 
-// Checksum of one item's bytes, as the index stores it (XXH3-64, seed 0).
+// The checksum algorithm of IndexedItem::checksum, as reports name it.
+inline constexpr char kChecksumAlgorithm[] = "crc32c";
+// Checksum of one item's bytes, as the index stores it (CRC32C).
 uint64_t ItemChecksum(std::span<const char> bytes);
 
 struct VerifyReport {
-  uint64_t items = 0, bytes = 0;                         // items checked, bytes re-read
+  uint64_t items = 0, bytes = 0;  // items checked, bytes re-read
+  uint64_t unchecked = 0;         // items re-read but without a checksum to compare with
   std::vector<std::pair<std::string, std::string>> bad;  // (KeyName or file, reason)
+};
+
+struct KeyIndexOptions {
+  // Memory for block CRC maps handed over by the write path and not used by a build yet;
+  // the oldest are dropped beyond it (their items are then read to be checksummed).
+  uint64_t max_block_crc_bytes = uint64_t{128} << 20;
 };
 
 // A checksum of the byte range [offset, offset+length) of a shard file, computed elsewhere.
@@ -86,14 +109,16 @@ struct RangeChecksum {
 class KeyIndex {
  public:
   static Result<std::unique_ptr<KeyIndex>> Create(BackingDir* dir,  // must outlive
-                                                  StateDb* db);     // must outlive
+                                                  StateDb* db,      // must outlive
+                                                  const KeyIndexOptions& options = {});
   ~KeyIndex();
   KeyIndex(const KeyIndex&) = delete;
   KeyIndex& operator=(const KeyIndex&) = delete;
 
   // (Re)builds the index of checkpoint dir `ckpt` (relative to the backing root, "" = root)
-  // from its .metadata and each item's zip directory. With `checksums`, also reads every item
-  // once and stores its XXH3-64 (ranges given to RecordChecksums() are not read again).
+  // from its .metadata and each item's zip directory. Item checksums come from block CRCs
+  // (AddBlockCrcs) and RecordChecksums() where those cover the item; with `checksums`, every
+  // other item is read once to checksum it, and the block CRC maps used are released.
   // NotFound when `ckpt` has no .metadata; Corrupt when the .metadata is malformed (the
   // checkpoint is then indexed as failed). A partial index (some items opaque) is OK.
   Status Build(const std::string& ckpt, bool checksums);
@@ -101,8 +126,9 @@ class KeyIndex {
   // identity is still taken from the backing store when it is there.
   Status BuildFrom(const std::string& ckpt, const DcpMetadata& md, bool checksums);
 
-  // Items of `ckpt` in .metadata order, building lazily (with checksums) on first use if not
-  // indexed yet. The index error of a failed checkpoint is returned as a Corrupt status.
+  // Items of `ckpt` in .metadata order, building lazily (without reading items to checksum
+  // them) on first use if not indexed yet. The index error of a failed checkpoint is returned
+  // as a Corrupt status.
   Result<std::vector<IndexedItem>> Items(const std::string& ckpt);
 
   // The item whose byte range [offset, offset+length) in `file` of `ckpt` contains `offset`,
@@ -126,18 +152,30 @@ class KeyIndex {
 
   // Re-reads every item from the backing store: the .metadata still parses and agrees with
   // the index, each item's archive is intact and agrees with the metadata (dtype, shape, raw
-  // range), and checksums match. Lists every bad key. Never modifies the index. Errors only
-  // when `ckpt` cannot be indexed at all (no .metadata).
+  // range), and checksums match. Lists every bad key; items without a checksum are counted
+  // as unchecked, not bad. Never modifies the index. Errors only when `ckpt` cannot be
+  // indexed at all (no .metadata).
   Result<VerifyReport> Verify(const std::string& ckpt);
 
-  // Records checksums computed elsewhere (e.g. in the write pipeline, while the bytes are in
-  // staging) for `file` of `ckpt`. A range equal to an indexed item's range sets its
+  // Reads the items of `ckpt` that have no checksum yet and records their checksums (trust
+  // on first use: use Verify to compare with checksums taken earlier). Returns how many.
+  Result<uint64_t> FillChecksums(const std::string& ckpt);
+
+  // Block CRCs of the file `path` (relative to the backing root), recorded while it was
+  // written and finished at its final size; `id` is the file's identity right after its
+  // publication. A build uses them only for the very same file version.
+  void AddBlockCrcs(const std::string& path, const FileKey& id,
+                    std::shared_ptr<const BlockCrcMap> map);
+  uint64_t block_crc_bytes();  // memory held by those maps now
+
+  // Records checksums computed elsewhere (e.g. by the read path from the bytes of an item
+  // read in full) for `file` of `ckpt`. A range equal to an indexed item's range sets its
   // checksum (persisted); ranges of a checkpoint not indexed yet are kept in memory for its
   // next Build(), which then does not read those items again.
   void RecordChecksums(const std::string& ckpt, const std::string& file,
                        const std::vector<RangeChecksum>& sums);
 
-  // Drops the index of `ckpt` (memory and RocksDB) and any pending checksums.
+  // Drops the index of `ckpt` (memory and RocksDB) and any pending checksums and block CRCs.
   void Forget(const std::string& ckpt);
   // Directory `from` was renamed to `to`: every checkpoint at or below `from` moves.
   void OnRenamed(const std::string& from, const std::string& to);
@@ -167,7 +205,18 @@ class KeyIndex {
     std::chrono::steady_clock::time_point retry_after;  // kMissing only
   };
 
-  KeyIndex(BackingDir* dir, StateDb* db) : dir_(dir), db_(db) {}
+  KeyIndex(BackingDir* dir, StateDb* db, const KeyIndexOptions& options)
+      : dir_(dir), db_(db), opts_(options) {}
+
+  struct PendingCrcs {
+    FileKey id;
+    std::shared_ptr<const BlockCrcMap> map;
+    uint64_t seq = 0;  // age, for eviction
+    size_t bytes = 0;
+  };
+  // The block CRCs of `path` if they describe the file version `id`, else nullptr.
+  std::shared_ptr<const BlockCrcMap> BlockCrcsFor(const std::string& path, const FileKey& id);
+  void DropBlockCrcsLocked(const std::string& path);  // REQUIRES(mu_) exclusive
 
   // Calls fn(const IndexedItem*) under a shared lock of mu_ with the item containing
   // `offset`, or nullptr; loads or builds the index first when needed.
@@ -190,6 +239,7 @@ class KeyIndex {
 
   BackingDir* const dir_;
   StateDb* const db_;
+  const KeyIndexOptions opts_;
 
   std::mutex build_mu_map_mu_;
   std::map<std::string, std::weak_ptr<std::mutex>> build_mus_;  // GUARDED_BY(build_mu_map_mu_)
@@ -199,6 +249,10 @@ class KeyIndex {
   // ckpt -> file -> (offset, length) -> checksum, for checkpoints not indexed yet.
   std::map<std::string, std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, uint64_t>>>
       pending_sums_;  // GUARDED_BY(mu_)
+  std::map<std::string, PendingCrcs> block_crcs_;  // GUARDED_BY(mu_), by backing path
+  std::map<uint64_t, std::string> block_crc_age_;  // GUARDED_BY(mu_), seq -> path
+  uint64_t block_crc_seq_ = 0;                     // GUARDED_BY(mu_)
+  uint64_t block_crc_total_ = 0;                   // GUARDED_BY(mu_), bytes
 };
 
 // Reversible escaping of an fqn into one file-name component: no '/', no leading '.', no

@@ -12,26 +12,32 @@ every item is then unreadable and indexed as opaque, which times the metadata pa
 
 Cases (one JSON object each, medians over --reps):
   index_first_look_warm   listdir of MOUNT/.ckptfs/tensors/<ckpt> on a fresh state dir (lazy
-                          build, with checksums: every item is read), page cache warm
+                          build: .metadata and each item's zip directory; no item is read to
+                          checksum it, that happens on its first full read), page cache warm
                           vs. torch's own read of the .metadata (pickle.load), warm
   index_first_look_cold   the same with the page cache dropped before each side (root only)
   index_reload_rocksdb    first look after a daemon restart on the same state dir (index loaded
                           from RocksDB) vs. torch's pickle.load
-  index_first_look_sparse the sparse copy (metadata + failed archive reads + checksums of zeros)
+  index_first_look_sparse the sparse copy (metadata + failed archive reads)
   store_tests             KeyIndexBench output when a store_tests with it is found: Resolve
                           ns/op on 100k items, and Build of the generated checkpoint with and
                           without checksums (CKPTFS_BENCH_CKPT)
   write_during_index_build staged write throughput (dd bs=1M, --write-mb) into the mount
                           started right at the commit of a --verify-mb DCP-like checkpoint copied
                           in through the mount, so that it overlaps the background index build
-                          (which reads every item back and XXH3-hashes it) vs. the same dd with
-                          the daemon idle
-  xxh3_inline_estimate    XXH3-64 throughput of libxxhash on a buffer in memory, and the share of
-                          the staged write time that hashing the same bytes would add inline
+                          (which takes item CRC32Cs from the block CRCs the flush threads
+                          recorded, reading only item edges) vs. the same dd with the daemon idle
+  write_checksums_inline  the real inline cost: staged write throughput (dd bs=1M, --write-mb,
+                          --write-staging large enough to hold it) into a daemon with
+                          --write-checksums=on vs. one with off, alternating, medians; plus the
+                          flush threads' hashing time from /.ckptfs/stats
+  post_commit_index_read  backing bytes read from copying a --verify-mb checkpoint in through the
+                          mount until its background index (with checksums) is installed, with
+                          --write-checksums=on (only .metadata, zip directories and item edges)
+                          vs. off (every item read back)
 Writes bench_index.json and bench_index.png into --out.
 """
 import argparse
-import ctypes
 import io
 import json
 import os
@@ -138,7 +144,7 @@ def first_look(d, rel):
     return dt, names
 
 
-def check_view(d, rel, n_fqns, chunks_per_fqn, want_checksums=True):
+def check_view(d, rel, n_fqns, chunks_per_fqn, want_checksums=False):
     view = os.path.join(d.mnt, ".ckptfs", "tensors", rel)
     with open(os.path.join(view, "model.layers.0.weight", "meta.json")) as f:
         meta = json.load(f)
@@ -203,23 +209,93 @@ def run_store_bench(binary, ckpt):
     return out
 
 
-def xxh3_throughput(nbytes=256 << 20, reps=5):
-    lib = ctypes.CDLL("libxxhash.so.0")
-    lib.XXH3_64bits.restype = ctypes.c_uint64
-    lib.XXH3_64bits.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    buf = ctypes.create_string_buffer(os.urandom(1 << 20) * (nbytes >> 20))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        lib.XXH3_64bits(ctypes.addressof(buf), nbytes)
-        times.append(time.perf_counter() - t0)
-    return nbytes / bl.median(times)
-
-
 def dd(src, dst):
     t0 = time.monotonic()
     subprocess.run(["dd", f"if={src}", f"of={dst}", "bs=1M", "status=none"], check=True)
     return time.monotonic() - t0
+
+
+def wait_checksummed(d, rel, timeout=600):
+    """Waits until the index of `rel` (built after its commit) carries checksums: the build
+    installs a checkpoint's index at once, so one fqn with checksums means all are done."""
+    meta = os.path.join(d.mnt, ".ckptfs", "tensors", rel, "model.layers.0.weight", "meta.json")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(meta) as f:
+                chunks = json.load(f)["chunks"]
+            if chunks and all(c["checksum"] for c in chunks):
+                return True
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def bench_inline(a, backing, src, vck, vgen):
+    """write_checksums_inline and post_commit_index_read: one daemon with write checksums on,
+    one with off, each on its own backing dir; the same dd alternates between them."""
+    size = a.write_mb * bl.MiB
+    sides = ("on", "off")
+    t = {s: [] for s in sides}
+    read = {s: [] for s in sides}
+    hashed = {s: [] for s in sides}
+    oks = []
+    ds = {}
+    try:
+        for s in sides:
+            b = os.path.join(a.work, f"backing_{s}")
+            os.makedirs(b, exist_ok=True)
+            ds[s] = daemon(os.path.join(a.work, f"di_{s}"), b, os.path.join(a.work, f"statei_{s}"),
+                           staging=a.write_staging, args=[f"--write-checksums={s}"])
+            ds[s].__enter__()
+        for rep in range(a.reps):
+            for s in (sides if rep % 2 == 0 else sides[::-1]):
+                d = ds[s]
+                dst = os.path.join(d.mnt, f"w{rep}")
+                bl.sync()
+                h0 = d.stats().get("checksum_hash_s", 0.0)
+                t[s].append(dd(src, dst))
+                okw, _ = d.wait(dst)
+                hashed[s].append(d.stats().get("checksum_hash_s", 0.0) - h0)
+                oks.append(okw and subprocess.run(
+                    ["cmp", "-s", src, os.path.join(d.backing, f"w{rep}")]).returncode == 0)
+                os.unlink(dst)
+                # A checkpoint through the mount, until its index with checksums is installed.
+                r0 = d.stats()["backing_bytes_read"]
+                ck = os.path.join(d.mnt, f"ckpt{rep}")
+                os.mkdir(ck)
+                for n in sorted(os.listdir(vck), key=lambda n: n == ".metadata"):
+                    shutil.copyfile(os.path.join(vck, n), os.path.join(ck, n))
+                okc, _ = d.wait(ck)
+                oks.append(okc and wait_checksummed(d, f"ckpt{rep}"))
+                read[s].append(d.stats()["backing_bytes_read"] - r0)
+            bl.log(f"inline rep {rep}: dd {a.write_mb} MiB checksums on {t['on'][-1]:.3f} s, "
+                   f"off {t['off'][-1]:.3f} s; post-commit index read on "
+                   f"{read['on'][-1] >> 20} MiB, off {read['off'][-1] >> 20} MiB")
+    finally:
+        for d in ds.values():
+            d.unmount()
+            d.__exit__(None, None, None)
+    on, off = bl.median(t["on"]), bl.median(t["off"])
+    c1 = {"case": "write_checksums_inline", "ckptfs_s": round(on, 3), "direct_s": round(off, 3),
+          "ratio": bl.ratio(on, off), "backing_bytes": size, "ok": all(oks),
+          "baseline": "same dd into a daemon with --write-checksums=off",
+          "on_GBps": round(size / on / 1e9, 3), "off_GBps": round(size / off / 1e9, 3),
+          "throughput_cost_share": round(1 - off / on, 4), "under_5pct": on <= off * 1.05,
+          "flush_thread_hash_s_median": round(bl.median(hashed["on"]), 3),
+          "on_all": [round(x, 3) for x in t["on"]], "off_all": [round(x, 3) for x in t["off"]],
+          "reps": a.reps, "staging": a.write_staging}
+    c2 = {"case": "post_commit_index_read", "ok": all(oks),
+          "checkpoint_bytes": vgen["data_bytes"], "items": vgen["chunks"],
+          "backing_bytes_read_on": int(bl.median(read["on"])),
+          "backing_bytes_read_off": int(bl.median(read["off"])),
+          "on_all": read["on"], "off_all": read["off"],
+          "note": "bytes read by the daemon from the copy-in until the index with checksums is "
+                  "installed (.metadata for the commit gate, zip directories, item edges)"}
+    for c in (c1, c2):
+        bl.emit(c)
+    return [c1, c2]
 
 
 def main():
@@ -231,6 +307,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sparse", type=int, choices=(0, 1), default=1)
     ap.add_argument("--write-mb", type=int, default=1024, help="staged write size (0: skip)")
+    ap.add_argument("--write-staging", default="4G",
+                    help="--staging-mem of the write_checksums_inline daemons (holds --write-mb)")
     ap.add_argument("--verify-mb", type=int, default=1024,
                     help="size of the checkpoint committed (and then indexed) before the write")
     ap.add_argument("--work", default="/var/tmp/ckptfs-bench-index",
@@ -238,7 +316,8 @@ def main():
                          "repository, where a recursive grep of the tree would walk the mounts")
     ap.add_argument("--parts", default="index,store,write",
                     help="which parts to run: index (first look), store (store_tests "
-                         "KeyIndexBench), write (staged writes during checksumming)")
+                         "KeyIndexBench), write (staged writes during the index build), "
+                         "inline (write checksums on vs. off)")
     ap.add_argument("--out", default=os.path.join(bl.REPO, "build-bench"))
     a = ap.parse_args()
     parts = set(a.parts.split(","))
@@ -333,13 +412,13 @@ def main():
         bl.emit(c)
 
     if res["warm"]:
-        case("index_first_look_warm", "warm", tw, checksums=True)
+        case("index_first_look_warm", "warm", tw, checksums=False)
     if res["cold"]:
-        case("index_first_look_cold", "cold", bl.median(res["torch_cold"]), checksums=True)
+        case("index_first_look_cold", "cold", bl.median(res["torch_cold"]), checksums=False)
     if res["reload"]:
         case("index_reload_rocksdb", "reload", tw)
     if res["sparse"]:
-        case("index_first_look_sparse", "sparse", tw, checksums=True,
+        case("index_first_look_sparse", "sparse", tw, checksums=False,
              note="sparse data files: every archive read fails, items indexed as opaque")
 
     # --- store_tests KeyIndexBench -------------------------------------------------------------
@@ -357,22 +436,25 @@ def main():
         bl.log("no store_tests with KeyIndexBench found (set CKPTFS_STORE_TESTS): skipped")
 
     # --- checksum cost in the write path --------------------------------------------------------
-    # The daemon checksums a checkpoint after its commit, in the background indexer, by reading
-    # it back (not in the write path while the bytes are staged). What that costs writers: a
+    # The flush threads CRC32C every staged chunk before it leaves staging; the background
+    # indexer combines those block CRCs into item checksums after the commit, reading only the
+    # items' zip directories and unaligned edges. What the index build costs writers: a
     # DCP-like checkpoint of --verify-mb is copied in through the mount (shards, then
     # .metadata), `ckptfs-admin wait` returns at the commit, and a --write-mb dd starts at once,
-    # overlapping the index build (every item read back and XXH3-hashed); `ckptfs-admin ls`
-    # afterwards waits for that build. Baseline: the same dd with the daemon idle.
-    if a.write_mb and "write" in parts:
-        src = os.path.join(a.work, "src.bin")
+    # overlapping the index build; `ckptfs-admin ls` afterwards waits for that build. Baseline:
+    # the same dd with the daemon idle.
+    src = os.path.join(a.work, "src.bin")
+    vck = os.path.join(a.work, "dcp_src")
+    vgen = None
+    if a.write_mb and parts & {"write", "inline"}:
         subprocess.run(["dd", "if=/dev/urandom", f"of={src}", "bs=1M", f"count={a.write_mb}",
                         "status=none"], check=True)
         subprocess.run(["cat", src], stdout=subprocess.DEVNULL, check=True)
-        vck = os.path.join(a.work, "dcp_src")
         # 4 MiB chunks, 4 files: the shape of a DCP save of --verify-mb
         vgen = build_checkpoint(vck, max(1, a.verify_mb // 16), 4, 65536, 16, 4)
         subprocess.run(["cat"] + [os.path.join(vck, n) for n in os.listdir(vck)],
                        stdout=subprocess.DEVNULL, check=True)
+    if a.write_mb and "write" in parts:
         idle, busy, index_s, wok = [], [], [], []
         with daemon(os.path.join(a.work, "dw"), backing, os.path.join(a.work, "statew")) as d:
             for rep in range(a.reps):
@@ -418,14 +500,10 @@ def main():
              "idle_all": [round(x, 3) for x in idle], "busy_all": [round(x, 3) for x in busy]}
         cases.append(c)
         bl.emit(c)
-        xt = xxh3_throughput()
-        c = {"case": "xxh3_inline_estimate", "xxh3_GBps": round(xt / 1e9, 2),
-             "staged_GBps": round(size / mi / 1e9, 3),
-             "inline_cost_share": round((size / xt) / mi, 4), "ok": True,
-             "note": "share of the staged write time that hashing the same bytes on one core "
-                     "adds when done inline (the daemon checksums after the commit instead)"}
-        cases.append(c)
-        bl.emit(c)
+
+    # --- write checksums on vs. off -----------------------------------------------------------
+    if a.write_mb and "inline" in parts:
+        cases.extend(bench_inline(a, backing, src, vck, vgen))
 
     raw["cases"] = cases
     with open(os.path.join(a.out, "bench_index.json"), "w") as f:

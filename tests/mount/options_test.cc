@@ -120,6 +120,7 @@ TEST(ParseDaemonOptions, TwoPositionalsAndDefaults) {
   EXPECT_EQ(o->fuse_threads, 32);
   EXPECT_EQ(o->commit_timeout_s, 600);
   EXPECT_EQ(o->staging_backend, "auto");
+  EXPECT_TRUE(o->write_checksums);
   EXPECT_EQ(o->log_level, "info");
   EXPECT_TRUE(o->log_file.empty());
   EXPECT_TRUE(o->fuse_options.empty());
@@ -130,8 +131,8 @@ TEST(ParseDaemonOptions, EveryOptionIsParsed) {
   // clang-format off
   auto o = Parse({"-f", "--durability", "strict", "--staging-mem", "2G", "--chunk-size=1M",
                   "--flush-threads", "8", "--fuse-threads", "64", "--commit-timeout", "30",
-                  "--staging-backend", "host", "--state-dir", "/var/tmp/s", "--log-level",
-                  "debug", "--log-file", "/tmp/l.log", "-o", "allow_other,ro", "-o",
+                  "--staging-backend", "host", "--write-checksums=off", "--state-dir",
+                  "/var/tmp/s", "--log-level", "debug", "--log-file", "/tmp/l.log", "-o", "allow_other,ro", "-o",
                   "default_permissions", "/b", "/m"});
   // clang-format on
   ASSERT_TRUE(o.ok()) << o.status().ToString();
@@ -143,6 +144,7 @@ TEST(ParseDaemonOptions, EveryOptionIsParsed) {
   EXPECT_EQ(o->fuse_threads, 64);
   EXPECT_EQ(o->commit_timeout_s, 30);
   EXPECT_EQ(o->staging_backend, "host");
+  EXPECT_FALSE(o->write_checksums);
   EXPECT_EQ(o->state_dir, "/var/tmp/s");
   EXPECT_EQ(o->log_level, "debug");
   EXPECT_EQ(o->log_file, "/tmp/l.log");
@@ -194,6 +196,7 @@ TEST(ParseDaemonOptions, EveryBadInputIsInvalidWithAMessage) {
       {"--fuse-threads", "1", "/b", "/m"},
       {"--commit-timeout", "0", "/b", "/m"},
       {"--staging-backend", "gpu", "/b", "/m"},
+      {"--write-checksums", "maybe", "/b", "/m"},
       {"--log-level", "verbose", "/b", "/m"},
   };
   for (const auto& args : bad) {

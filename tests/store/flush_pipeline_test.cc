@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "store/crc32c.h"
 #include "tests/store/faulty_backing_dir.h"
 
 namespace ckptfs::store {
@@ -397,6 +398,54 @@ TEST_F(FlushPipelineTest, DestructorDrainsEverySubmittedChunk) {
   destroyer.join();
   EXPECT_EQ(done.load(), 100);
   EXPECT_TRUE(ReadFile("f") == *bytes);
+}
+
+TEST_F(FlushPipelineTest, BlockCrcsOfChunksFlushedInAnyOrderDescribeTheFile) {
+  auto pipeline = MakePipeline(4);
+  auto target = MakeTarget("f", 1);
+  std::mt19937_64 rng(5);
+  auto bytes = std::make_shared<std::string>(3 * (1 << 20) + 12345, '\0');
+  for (char& c : *bytes) c = static_cast<char>(rng());
+  // Unaligned chunk boundaries, submitted shuffled to four threads.
+  std::vector<std::pair<uint64_t, uint64_t>> parts;
+  for (uint64_t off = 0; off < bytes->size();) {
+    uint64_t len = std::min<uint64_t>(bytes->size() - off, 1 + rng() % 300000);
+    parts.emplace_back(off, len);
+    off += len;
+  }
+  std::shuffle(parts.begin(), parts.end(), rng);
+  for (auto [off, len] : parts) pipeline->Submit(Chunk(target, bytes, off, len, nullptr));
+  ASSERT_TRUE(target->Sync(dir_.get()).ok());
+  EXPECT_EQ(pipeline->crc_bytes(), bytes->size());
+  std::shared_ptr<BlockCrcMap> crcs = target->TakeBlockCrcs();
+  ASSERT_NE(crcs, nullptr);
+  EXPECT_EQ(target->TakeBlockCrcs(), nullptr) << "handed over once";
+  crcs->Finish(bytes->size());
+  EXPECT_EQ(crcs->RangeCrc(0, bytes->size()), Crc32c(bytes->data(), bytes->size()));
+  EXPECT_TRUE(ReadFile("f") == *bytes);
+}
+
+TEST_F(FlushPipelineTest, TruncateReachesTheBlockCrcsAndTheyCanBeSwitchedOff) {
+  auto pipeline = MakePipeline(2);
+  auto target = MakeTarget("f", 1);
+  auto bytes = std::make_shared<std::string>(200000, 'x');
+  pipeline->Submit(Chunk(target, bytes, 0, bytes->size(), nullptr));
+  target->WaitIdle();
+  target->NoteTruncated(100000 + 7);  // inside block 1: poisoned
+  std::shared_ptr<BlockCrcMap> crcs = target->TakeBlockCrcs();
+  crcs->Finish(100007);
+  EXPECT_EQ(crcs->RangeCrc(0, 65536), Crc32c(bytes->data(), 65536));
+  EXPECT_FALSE(crcs->RangeCrc(0, 100007).has_value());
+
+  FlushOptions off;
+  off.threads = 1;
+  off.block_crcs = false;
+  auto plain = FlushPipeline::Create(dir_.get(), off).value();
+  auto other = MakeTarget("g", 2);
+  plain->Submit(Chunk(other, bytes, 0, bytes->size(), nullptr));
+  ASSERT_TRUE(other->Sync(dir_.get()).ok());
+  EXPECT_EQ(other->TakeBlockCrcs(), nullptr);
+  EXPECT_EQ(plain->crc_bytes(), 0u);
 }
 
 }  // namespace

@@ -1,21 +1,26 @@
 #include "store/key_index.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <set>
 #include <sstream>
 #include <string>
 #include <thread>
 
 #include "store/backing_dir.h"
+#include "store/block_crc_map.h"
+#include "store/crc32c.h"
 #include "store/dcp_metadata.h"
 #include "store/state_db.h"
 #include "tests/store/faulty_backing_dir.h"
@@ -101,6 +106,21 @@ struct Env {
   std::unique_ptr<KeyIndex> index;
 };
 
+// CRC32C bit by bit, independent of store/crc32c.
+uint32_t RefCrc32c(const char* p, size_t n) {
+  uint32_t c = ~0u;
+  for (size_t i = 0; i < n; ++i) {
+    c ^= static_cast<unsigned char>(p[i]);
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+  }
+  return ~c;
+}
+
+std::vector<IndexedItem> WithoutChecksums(std::vector<IndexedItem> items) {
+  for (IndexedItem& it : items) it.checksum = 0, it.has_checksum = false;
+  return items;
+}
+
 void ExpectResolvesToItself(KeyIndex* index, const std::string& ckpt, const IndexedItem& it) {
   if (it.length == 0) return;
   for (uint64_t off : {it.offset, it.offset + it.length / 2, it.offset + it.length - 1}) {
@@ -121,7 +141,13 @@ TEST(KeyIndex, EveryFixtureIndexesToItsManifestWithChecksums) {
     CopyFixture(name, env.Backing(ckpt));
     json manifest = json::parse(ReadFile(kFixtures / (std::string(name) + ".manifest.json")));
 
-    Result<std::vector<IndexedItem>> items = env.index->Items(ckpt);  // lazy build
+    // A lazy build reads no item just to checksum it.
+    Result<std::vector<IndexedItem>> items = env.index->Items(ckpt);
+    ASSERT_TRUE(items.ok()) << items.status().ToString();
+    for (const IndexedItem& it : *items) EXPECT_FALSE(it.has_checksum) << KeyName(it);
+    // A build with checksums reads the items that have none.
+    ASSERT_TRUE(env.index->Build(ckpt, /*checksums=*/true).ok());
+    items = env.index->Items(ckpt);
     ASSERT_TRUE(items.ok()) << items.status().ToString();
     EXPECT_EQ(env.index->IndexError(ckpt), "");
     ASSERT_EQ(items->size(), manifest["items"].size());
@@ -148,12 +174,12 @@ TEST(KeyIndex, EveryFixtureIndexesToItsManifestWithChecksums) {
       EXPECT_EQ(it.raw_nbytes, want.value("raw_nbytes", uint64_t{0}));
       EXPECT_EQ(it.storage_offset, want.value("storage_offset", int64_t{0}));
       EXPECT_TRUE(it.transforms.empty());
-      // Checksum: an independent XXH3 of the item's bytes.
+      // Checksum: an independent CRC32C of the item's bytes.
       if (!files.count(it.file)) files[it.file] = ReadFile(env.Backing(ckpt) / it.file);
       const std::string& file = files[it.file];
       ASSERT_LE(it.offset + it.length, file.size());
       ASSERT_TRUE(it.has_checksum);
-      EXPECT_EQ(it.checksum, XXH3_64bits(file.data() + it.offset, it.length));
+      EXPECT_EQ(it.checksum, RefCrc32c(file.data() + it.offset, it.length));
       ExpectResolvesToItself(env.index.get(), ckpt, it);
     }
     // Past the last item of each file, and unknown files, resolve to nothing.
@@ -258,9 +284,11 @@ TEST(KeyIndex, VerifyPassesPristineAndListsExactlyTheFlippedKey) {
     SCOPED_TRACE(name);
     Env env;
     CopyFixture(name, env.Backing("ck"));
+    ASSERT_TRUE(env.index->Build("ck", /*checksums=*/true).ok());
     Result<VerifyReport> clean = env.index->Verify("ck");
     ASSERT_TRUE(clean.ok()) << clean.status().ToString();
     EXPECT_TRUE(clean->bad.empty()) << clean->bad[0].first << ": " << clean->bad[0].second;
+    EXPECT_EQ(clean->unchecked, 0u);
     Result<std::vector<IndexedItem>> items = env.index->Items("ck");
     ASSERT_TRUE(items.ok());
     EXPECT_EQ(clean->items, items->size());
@@ -417,8 +445,163 @@ TEST(KeyIndex, SurvivesReopeningTheStateDbWithoutRereading) {
   read_before = env.dir->bytes_read();
   after = env.index->Items("a/ck");
   ASSERT_TRUE(after.ok());
-  EXPECT_EQ(*after, before);
+  EXPECT_EQ(*after, WithoutChecksums(before)) << "a lazy rebuild takes no checksums";
   EXPECT_GT(env.dir->bytes_read(), read_before);
+}
+
+TEST(KeyIndex, ItemsWithoutChecksumsAreUncheckedNotBadAndFillChecksumsTakesThem) {
+  Env env;
+  CopyFixture("torch113_basic_single_file", env.Backing("ck"));
+  std::vector<IndexedItem> items = env.index->Items("ck").value();
+  const IndexedItem* victim = nullptr;
+  for (const IndexedItem& it : items) {
+    if (it.kind == ItemKind::kTensor && (!victim || it.raw_nbytes > victim->raw_nbytes)) {
+      victim = &it;
+    }
+  }
+  ASSERT_TRUE(victim);
+  Result<VerifyReport> r = env.index->Verify("ck");
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->bad.empty());
+  EXPECT_EQ(r->unchecked, items.size());
+  EXPECT_EQ(r->items, items.size());
+
+  Result<uint64_t> filled = env.index->FillChecksums("ck");
+  ASSERT_TRUE(filled.ok()) << filled.status().ToString();
+  EXPECT_EQ(*filled, items.size());
+  EXPECT_EQ(env.index->FillChecksums("ck").value(), 0u) << "only items without one are read";
+  std::string file = ReadFile(env.Backing("ck") / victim->file);
+  for (const IndexedItem& it : env.index->Items("ck").value()) {
+    ASSERT_TRUE(it.has_checksum) << KeyName(it);
+    EXPECT_EQ(it.checksum, RefCrc32c(file.data() + it.offset, it.length));
+  }
+  file[victim->raw_offset + victim->raw_nbytes / 2] ^= 0x01;
+  WriteFile(env.Backing("ck") / victim->file, file);
+  r = env.index->Verify("ck");
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->bad.size(), 1u);
+  EXPECT_EQ(r->bad[0].first, KeyName(*victim));
+  EXPECT_EQ(r->unchecked, 0u);
+}
+
+// A shard written "through the write path": its bytes recorded into a BlockCrcMap in random,
+// unaligned chunks, then handed over like a publication does.
+struct WrittenShard {
+  std::string bytes;
+  DcpMetadata md;
+  std::shared_ptr<BlockCrcMap> crcs;
+};
+
+WrittenShard WriteShard(Env* env, const std::string& ckpt, int items, uint64_t seed) {
+  WrittenShard w;
+  std::mt19937_64 rng(seed);
+  uint64_t off = 0;
+  for (int i = 0; i < items; ++i) {
+    DcpItem d;
+    d.kind = ItemKind::kBytes;
+    d.is_bytes = true;
+    d.fqn = "blob" + std::to_string(i);
+    d.file = "__0_0.distcp";
+    d.offset = off;
+    d.length = (3u << 20) + rng() % (2u << 20);  // unaligned sizes, so unaligned offsets
+    off += d.length;
+    w.md.items.push_back(d);
+  }
+  w.bytes.resize(off);
+  for (char& c : w.bytes) c = static_cast<char>(rng());
+  fs::create_directories(env->Backing(ckpt));
+  WriteFile(env->Backing(ckpt) / "__0_0.distcp", w.bytes);
+  w.crcs = std::make_shared<BlockCrcMap>();
+  std::vector<std::pair<uint64_t, uint64_t>> chunks;
+  for (uint64_t pos = 0; pos < off;) {
+    uint64_t len = std::min<uint64_t>(off - pos, 1 + rng() % (5u << 20));
+    chunks.emplace_back(pos, len);
+    pos += len;
+  }
+  std::shuffle(chunks.begin(), chunks.end(), rng);
+  for (auto [pos, len] : chunks) w.crcs->Record(pos, w.bytes.data() + pos, len);
+  w.crcs->Finish(off);
+  return w;
+}
+
+FileKey KeyOf(const fs::path& path) {
+  struct stat st;
+  EXPECT_EQ(::stat(path.c_str(), &st), 0);
+  return FileKeyFromStat(st);
+}
+
+TEST(KeyIndex, PostCommitBuildTakesChecksumsFromWritePathBlocksWithoutReadingTheBulk) {
+  Env env;
+  WrittenShard w = WriteShard(&env, "ck", 8, 1);
+  const fs::path shard = env.Backing("ck/__0_0.distcp");
+  env.index->AddBlockCrcs("ck/__0_0.distcp", KeyOf(shard), w.crcs);
+  EXPECT_GT(env.index->block_crc_bytes(), 0u);
+
+  uint64_t before = env.dir->bytes_read();
+  ASSERT_TRUE(env.index->BuildFrom("ck", w.md, /*checksums=*/true).ok());
+  const uint64_t read = env.dir->bytes_read() - before;
+  // Only the unaligned edges of each item (through 256 KiB read-ahead windows).
+  EXPECT_LE(read, w.md.items.size() * 2 * (256u << 10)) << "of " << w.bytes.size();
+  EXPECT_LT(read * 8, w.bytes.size());
+  for (const IndexedItem& it : env.index->Items("ck").value()) {
+    ASSERT_TRUE(it.has_checksum) << KeyName(it);
+    EXPECT_EQ(it.checksum, RefCrc32c(w.bytes.data() + it.offset, it.length)) << KeyName(it);
+  }
+  EXPECT_EQ(env.index->block_crc_bytes(), 0u) << "used maps are released";
+  Result<VerifyReport> v = env.index->Verify("ck");
+  ASSERT_TRUE(v.ok());
+  for (const auto& [key, why] : v->bad) {  // random bytes items are no zip archives
+    EXPECT_EQ(why.find("checksum"), std::string::npos) << key << ": " << why;
+  }
+  EXPECT_EQ(v->unchecked, 0u);
+
+  // The same build without block CRCs reads every item (what --write-checksums=off costs).
+  before = env.dir->bytes_read();
+  ASSERT_TRUE(env.index->BuildFrom("ck", w.md, /*checksums=*/true).ok());
+  EXPECT_GE(env.dir->bytes_read() - before, w.bytes.size());
+}
+
+TEST(KeyIndex, BlockCrcsOfAnotherFileVersionAreNeverUsed) {
+  Env env;
+  WrittenShard w = WriteShard(&env, "ck", 3, 2);
+  const fs::path shard = env.Backing("ck/__0_0.distcp");
+  const FileKey published = KeyOf(shard);
+  // Someone rewrites the shard in place after the publication (new bytes, same size).
+  std::string changed = w.bytes;
+  changed[changed.size() / 2] ^= 0x40;
+  fs::remove(shard);
+  WriteFile(shard, changed);
+  env.index->AddBlockCrcs("ck/__0_0.distcp", published, w.crcs);
+  ASSERT_TRUE(env.index->BuildFrom("ck", w.md, /*checksums=*/true).ok());
+  for (const IndexedItem& it : env.index->Items("ck").value()) {
+    EXPECT_EQ(it.checksum, RefCrc32c(changed.data() + it.offset, it.length)) << KeyName(it);
+  }
+}
+
+TEST(KeyIndex, BlockCrcsFollowRenamesAndAreBoundedInMemory) {
+  Env env;
+  KeyIndexOptions o;
+  WrittenShard a = WriteShard(&env, "run/a", 2, 3);
+  WrittenShard b = WriteShard(&env, "run/b", 2, 4);
+  o.max_block_crc_bytes = a.crcs->MemoryBytes() + b.crcs->MemoryBytes() / 2;
+  auto index = KeyIndex::Create(env.dir.get(), env.db.get(), o).value();
+  index->AddBlockCrcs("run/a/__0_0.distcp", KeyOf(env.Backing("run/a/__0_0.distcp")), a.crcs);
+  fs::rename(env.Backing("run"), env.Backing("moved"));
+  index->OnRenamed("run", "moved");
+  uint64_t before = env.dir->bytes_read();
+  ASSERT_TRUE(index->BuildFrom("moved/a", a.md, true).ok());
+  EXPECT_LT((env.dir->bytes_read() - before) * 8, a.bytes.size()) << "found under the new name";
+
+  // Two maps do not fit: adding the second drops the first (oldest).
+  index->AddBlockCrcs("moved/a/__0_0.distcp", KeyOf(env.Backing("moved/a/__0_0.distcp")), a.crcs);
+  index->AddBlockCrcs("moved/b/__0_0.distcp", KeyOf(env.Backing("moved/b/__0_0.distcp")), b.crcs);
+  EXPECT_LE(index->block_crc_bytes(), o.max_block_crc_bytes);
+  before = env.dir->bytes_read();
+  ASSERT_TRUE(index->BuildFrom("moved/a", a.md, true).ok());
+  EXPECT_GE(env.dir->bytes_read() - before, a.bytes.size());
+  before = env.dir->bytes_read();
+  ASSERT_TRUE(index->BuildFrom("moved/b", b.md, true).ok());
+  EXPECT_LT((env.dir->bytes_read() - before) * 8, b.bytes.size());
 }
 
 TEST(KeyIndex, DeletedStateDirJustRebuilds) {

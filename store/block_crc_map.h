@@ -1,0 +1,87 @@
+// BlockCrcMap: CRC32C of the fixed, file-offset-aligned blocks of one file, learned from the
+// bytes written to it, so that the CRC of any later-known byte range (a DCP item) follows
+// from the block CRCs plus the few bytes at its unaligned edges, without reading the bulk.
+//
+// The flush pipeline feeds every sealed staging chunk (Record) while its bytes are still in
+// staging; chunks arrive in any order, at any offset and length. A block becomes known once
+// recorded pieces cover it exactly; pieces of a block still incomplete are kept (as CRCs)
+// and folded when the block completes. The map only ever states what it knows exactly: a
+// record overlapping bytes already recorded (a rewrite), a truncate cutting into recorded
+// bytes, or a block that would exceed the memory bounds leaves the affected blocks unknown
+// ("poisoned") for good. Blocks never written through the map (bytes copied in some other
+// way) stay unknown too. So RangeCrc() is either exact or nullopt, never wrong, provided the
+// owner reports every write and truncate of the file.
+//
+// Memory: 5 bytes per block up to the highest block recorded (at most max_blocks), plus the
+// pieces of incomplete blocks (at most max_partial_blocks blocks; more are poisoned).
+//
+// Thread-safe. Record() computes CRCs before taking the lock, so flush threads hash in
+// parallel.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace ckptfs::store {
+
+struct BlockCrcOptions {
+  uint32_t block_bytes = 64u << 10;     // a power of two
+  uint64_t max_blocks = uint64_t{1} << 22;  // 256 GiB of file at 64 KiB blocks
+  size_t max_partial_blocks = 4096;
+};
+
+class BlockCrcMap {
+ public:
+  explicit BlockCrcMap(const BlockCrcOptions& options = {});
+  BlockCrcMap(const BlockCrcMap&) = delete;
+  BlockCrcMap& operator=(const BlockCrcMap&) = delete;
+
+  // Bytes [offset, offset+n) of the file now hold data[0, n). Ignored after Finish() (the
+  // blocks touched are poisoned).
+  void Record(uint64_t offset, const void* data, size_t n);
+  // The file was cut (or extended with zeros) to `size`: recorded bytes at or past `size`
+  // are gone; a block holding recorded bytes on both sides of `size` is poisoned.
+  void Truncate(uint64_t size);
+  // No more writes: the file is `size` bytes. Truncates to `size`, completes the last, short
+  // block when its bytes are all recorded, and frees the pieces of incomplete blocks.
+  void Finish(uint64_t size);
+
+  // CRC32C of [begin, end), or nullopt when a block in it is unknown. `begin` must be a
+  // multiple of block_bytes, `end` too or equal to the finished size; otherwise nullopt.
+  std::optional<uint32_t> RangeCrc(uint64_t begin, uint64_t end) const;
+
+  uint32_t block_bytes() const { return opts_.block_bytes; }
+  bool finished() const;
+  uint64_t size() const;  // the finished size (0 before Finish)
+  // Blocks known exactly, and blocks poisoned (never to be known).
+  uint64_t known_blocks() const;
+  uint64_t poisoned_blocks() const;
+  size_t MemoryBytes() const;
+
+ private:
+  enum : uint8_t { kEmpty = 0, kKnown = 1, kPartial = 2, kPoisoned = 3 };
+  struct Piece {
+    uint32_t begin, end, crc;  // [begin, end) within the block
+  };
+
+  // REQUIRE(mu_).
+  void AddPieceLocked(uint64_t block, uint32_t begin, uint32_t end, uint32_t crc);
+  void PoisonLocked(uint64_t block);
+  void TruncateLocked(uint64_t size);
+  bool EnsureSlotLocked(uint64_t block);
+
+  const BlockCrcOptions opts_;
+  mutable std::mutex mu_;
+  std::vector<uint32_t> crc_;                   // GUARDED_BY(mu_), by block index
+  std::vector<uint8_t> state_;                  // GUARDED_BY(mu_), parallel to crc_
+  std::map<uint64_t, std::vector<Piece>> partial_;  // GUARDED_BY(mu_), sorted, disjoint
+  bool finished_ = false;                       // GUARDED_BY(mu_)
+  uint64_t size_ = 0;                           // GUARDED_BY(mu_)
+  uint64_t known_ = 0, poisoned_ = 0;           // GUARDED_BY(mu_)
+};
+
+}  // namespace ckptfs::store
