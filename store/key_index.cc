@@ -20,11 +20,18 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-constexpr int kFormat = 1;  // "i/" record and item value format
-constexpr uint8_t kValueVersion = 1;
+constexpr int kFormat = 2;  // "i/" record and block layout (1: one key per item)
+constexpr uint8_t kValueVersion = 1;  // one item's encoding
+constexpr uint8_t kBlockVersion = 1;
+constexpr size_t kItemsPerBlock = 256;
 constexpr uint64_t kMaxMetadataBytes = 256ull << 20;  // PickleLimits::max_input_bytes
 constexpr size_t kWindowCapacity = 4u << 20;
 constexpr size_t kReadAhead = 256u << 10;
+// Items up to this size are parsed from one view of the whole item (they are read anyway,
+// since windows are bigger than they are); larger ones only through their head and tail.
+constexpr uint64_t kWholeItemMax = 64u << 10;
+// A large item's zip directory is read with this much before the item's end.
+constexpr uint64_t kTailWindow = 64u << 10;
 constexpr auto kMissingRetry = std::chrono::seconds(1);
 
 std::string Join(const std::string& ckpt, const std::string& name) {
@@ -33,6 +40,13 @@ std::string Join(const std::string& ckpt, const std::string& name) {
 
 std::string InfoKey(const std::string& ckpt) { return "i/" + ckpt; }
 std::string ItemPrefix(const std::string& ckpt) { return "k/" + ckpt + '\0'; }
+std::string BlockKey(const std::string& prefix, const std::string& file, uint32_t block) {
+  std::string key;
+  key.reserve(prefix.size() + file.size() + 5);
+  key.append(prefix).append(file).push_back('\0');
+  for (int i = 3; i >= 0; --i) key.push_back(static_cast<char>((block >> (8 * i)) & 0xff));
+  return key;
+}
 
 void AppendBigEndian(std::string* out, uint64_t v) {
   for (int i = 7; i >= 0; --i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
@@ -72,9 +86,9 @@ void PutInts(std::string* out, const std::vector<int64_t>& v) {
   for (int64_t x : v) PutVarint(out, ZigZag(x));
 }
 
-std::string EncodeItem(const IndexedItem& item) {
-  std::string out;
-  out.reserve(64 + item.fqn.size() + item.file.size());
+// Appends the encoding of `item` to `out`.
+void EncodeItem(const IndexedItem& item, std::string* out_ptr) {
+  std::string& out = *out_ptr;
   out.push_back(static_cast<char>(kValueVersion));
   out.push_back(static_cast<char>(item.kind));
   out.push_back(static_cast<char>((item.has_checksum ? 1 : 0) | (item.is_bytes ? 2 : 0)));
@@ -94,7 +108,6 @@ std::string EncodeItem(const IndexedItem& item) {
   PutInts(&out, item.stride);
   PutVarint(&out, item.transforms.size());
   for (const std::string& t : item.transforms) PutString(&out, t);
-  return out;
 }
 
 class Decoder {
@@ -125,6 +138,13 @@ class Decoder {
     std::string s(in_.substr(0, n));
     in_.remove_prefix(n);
     return s;
+  }
+  // The next n bytes, as a view.
+  std::string_view Bytes(uint64_t n) {
+    if (n > in_.size()) return (Fail(), std::string_view());
+    std::string_view v = in_.substr(0, n);
+    in_.remove_prefix(n);
+    return v;
   }
   std::vector<int64_t> Ints() {
     uint64_t n = Varint();
@@ -174,29 +194,75 @@ bool DecodeItem(std::string_view in, IndexedItem* item) {
   return d.done();
 }
 
+// A block: kBlockVersion, the item count, then each item's encoding preceded by its length.
+void EncodeBlock(const std::vector<IndexedItem>& items, std::span<const uint32_t> ordinals,
+                 std::string* out) {
+  out->push_back(static_cast<char>(kBlockVersion));
+  PutVarint(out, ordinals.size());
+  std::string one;
+  for (uint32_t i : ordinals) {
+    one.clear();
+    EncodeItem(items[i], &one);
+    PutVarint(out, one.size());
+    out->append(one);
+  }
+}
+
+// Appends the items of block `in` to `items`; false if it is malformed.
+bool DecodeBlock(std::string_view in, std::vector<IndexedItem>* items) {
+  Decoder d(in);
+  if (d.Byte() != kBlockVersion) return false;
+  uint64_t n = d.Varint();
+  if (!d.ok() || n > in.size()) return false;
+  for (uint64_t i = 0; i < n; ++i) {
+    std::string_view one = d.Bytes(d.Varint());
+    if (!d.ok() || !DecodeItem(one, &items->emplace_back())) return false;
+  }
+  return d.done();
+}
+
 // --- Reading items ------------------------------------------------------------------------
 
-// Serves reads of one open shard file from a read-ahead window, so that the small reads of
-// the zip reader over many back-to-back items cost few syscalls.
+// Serves reads of one open shard file from two read-ahead windows, so that the small reads
+// of the zip reader over many back-to-back items cost few syscalls. Two, because the zip
+// reader of a large item reads its tail (directory) before its head (data.pkl): the window
+// read for one item's tail runs on into the next item's head, and stays while the next
+// item's tail is read into the other.
 class WindowReader {
  public:
   WindowReader(BackingDir* dir, int fd, uint64_t file_size)
-      : dir_(dir), fd_(fd), size_(file_size), buf_(kWindowCapacity) {}
+      : dir_(dir), fd_(fd), size_(file_size) {}
 
-  // [off, off+len) of the file; len <= kWindowCapacity. Valid until the next call.
+  // [off, off+len) of the file; len <= kWindowCapacity. Valid until the second-next call.
+  // On a miss, the window read starts at `off`, or at `tail_start_` when `off` lies in the
+  // tail of the item being read (see ItemReader).
   Result<std::string_view> View(uint64_t off, size_t len) {
     if (off > size_ || size_ - off < len) return Corrupt("read past the end of the file");
-    if (off >= buf_off_ && off + len <= buf_off_ + buf_len_) {
-      return std::string_view(buf_.data() + (off - buf_off_), len);
+    for (Slot& w : slots_) {
+      if (w.len > 0 && off >= w.off && off + len <= w.off + w.len) {
+        w.used = ++clock_;
+        return std::string_view(w.buf.get() + (off - w.off), len);
+      }
+    }
+    uint64_t start = off;
+    if (off >= tail_start_ && off < tail_end_) start = tail_start_;
+    Slot& w = slots_[0].used <= slots_[1].used ? slots_[0] : slots_[1];
+    if (!w.buf) w.buf.reset(new char[kWindowCapacity]);  // not zeroed: read into at once
+    uint64_t need = off + len - start;  // <= kWindowCapacity: the tail is at most 64 KiB
+    if (need > kWindowCapacity) {
+      start = off;
+      need = len;
     }
     size_t want = static_cast<size_t>(std::min<uint64_t>(
-        std::max(len, kReadAhead), std::min<uint64_t>(kWindowCapacity, size_ - off)));
-    buf_len_ = 0;
-    CKPT_ASSIGN_OR_RETURN(size_t got, dir_->PRead(fd_, buf_.data(), want, static_cast<off_t>(off)));
-    if (got < len) return Corrupt("short read (file shrank?)");
-    buf_off_ = off;
-    buf_len_ = got;
-    return std::string_view(buf_.data(), len);
+        std::max<uint64_t>(need, kReadAhead), std::min<uint64_t>(kWindowCapacity, size_ - start)));
+    w.len = 0;
+    CKPT_ASSIGN_OR_RETURN(size_t got,
+                          dir_->PRead(fd_, w.buf.get(), want, static_cast<off_t>(start)));
+    if (got < need) return Corrupt("short read (file shrank?)");
+    w.off = start;
+    w.len = got;
+    w.used = ++clock_;
+    return std::string_view(w.buf.get() + (off - start), len);
   }
 
   Status ReadInto(uint64_t off, std::span<char> dst) {
@@ -228,7 +294,11 @@ class WindowReader {
     return static_cast<uint64_t>(XXH3_64bits_digest(st.get()));
   }
 
+  // Reads of the item [item_offset, item_offset+item_length), for the zip reader. Also makes
+  // a miss in the item's last kTailWindow bytes read that whole tail at once.
   ReadAtFn ItemReader(uint64_t item_offset, uint64_t item_length) {
+    tail_end_ = item_offset + item_length;
+    tail_start_ = tail_end_ - std::min(item_length, kTailWindow);
     return [this, item_offset, item_length](uint64_t rel, std::span<char> dst) -> Status {
       if (rel > item_length || item_length - rel < dst.size()) {
         return Corrupt("read past the end of the item");
@@ -237,13 +307,30 @@ class WindowReader {
     };
   }
 
+  // Parses the torch.save archive of the item [offset, offset+length): a small item from
+  // one view of it, a large one through reads of its head and tail only.
+  Result<TorchSaveTensor> ParseItem(uint64_t offset, uint64_t length, TorchPickleCache* cache) {
+    if (length <= kWholeItemMax) {
+      Result<std::string_view> whole = View(offset, static_cast<size_t>(length));
+      if (!whole.ok()) return whole.status();
+      return ParseTorchSaveItem(*whole, cache);
+    }
+    return ParseTorchSaveItem(ItemReader(offset, length), length, cache);
+  }
+
  private:
+  struct Slot {
+    std::unique_ptr<char[]> buf;
+    uint64_t off = 0;
+    size_t len = 0;
+    uint64_t used = 0;  // clock_ at the last hit: the older slot is refilled
+  };
   BackingDir* dir_;
   int fd_;
   uint64_t size_;
-  std::vector<char> buf_;
-  uint64_t buf_off_ = 0;
-  size_t buf_len_ = 0;
+  Slot slots_[2];
+  uint64_t clock_ = 0;
+  uint64_t tail_start_ = 0, tail_end_ = 0;
 };
 
 struct OpenedFile {
@@ -295,29 +382,27 @@ IndexedItem FromDcp(D&& d, uint32_t ordinal) {
   return it;
 }
 
-// What ResolveItemData() checks against the archive.
-DcpItem ToDcp(const IndexedItem& it) {
-  DcpItem d;
-  d.kind = it.kind;
-  d.fqn = it.fqn;
-  d.chunk_sizes = it.chunk_sizes;
-  d.dtype = it.dtype;
-  d.file = it.file;
-  d.offset = it.offset;
-  d.length = it.length;
-  d.is_bytes = it.is_bytes;
-  return d;
-}
-
 // Resolves a kTensor item from its archive; turns it kOpaque (with `*error`) when the
 // archive is broken or contradicts the metadata. Opaque-by-design archives (compressed,
-// big-endian, ...) turn kOpaque without an error.
-void ResolveTensor(WindowReader* reader, IndexedItem* item, std::string* error) {
-  Result<TorchSaveTensor> t =
-      ParseTorchSaveItem(reader->ItemReader(item->offset, item->length), item->length);
+// big-endian, ...) turn kOpaque without an error. `scratch` carries what ResolveItemData()
+// checks from one item to the next without reallocating.
+void ResolveTensor(WindowReader* reader, IndexedItem* item, std::string* error,
+                   TorchPickleCache* cache, DcpItem* scratch) {
+  Result<TorchSaveTensor> t = reader->ParseItem(item->offset, item->length, cache);
   Status st = t.ok() ? Status::Ok() : t.status();
-  DcpItem d = ToDcp(*item);
-  if (st.ok()) st = ResolveItemData(*t, &d);
+  DcpItem& d = *scratch;
+  if (st.ok()) {
+    d.kind = item->kind;
+    d.fqn = item->fqn;
+    d.chunk_sizes = item->chunk_sizes;
+    d.dtype = item->dtype;
+    d.file = item->file;
+    d.offset = item->offset;
+    d.length = item->length;
+    d.is_bytes = item->is_bytes;
+    d.data_resolved = false;
+    st = ResolveItemData(*t, &d);
+  }
   if (!st.ok()) {
     item->kind = ItemKind::kOpaque;
     *error = st.ToString();
@@ -327,7 +412,7 @@ void ResolveTensor(WindowReader* reader, IndexedItem* item, std::string* error) 
   if (d.data_resolved) {
     item->raw_offset = d.raw_offset;
     item->raw_nbytes = d.raw_nbytes;
-    item->stride = d.stride;
+    item->stride = std::move(t->stride);  // what ResolveItemData() copied into d.stride
     item->storage_offset = d.storage_offset;
   }
 }
@@ -349,27 +434,71 @@ const char* StateName(int s) {
   return kNames[s];
 }
 
-// Orders items by (file, offset) so each shard file is opened once and read forward.
-std::vector<uint32_t> FileOrder(const std::vector<IndexedItem>& items) {
-  std::vector<uint32_t> order(items.size());
-  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-    const IndexedItem &x = items[a], &y = items[b];
-    if (x.file != y.file) return x.file < y.file;
-    return x.offset < y.offset;
-  });
-  return order;
+// The items of one shard file, by (offset, ordinal).
+struct FileGroup {
+  std::string_view name;  // borrowed from the items
+  std::vector<uint32_t> idx;
+};
+
+// Groups items by file, files by name, so that each shard file is opened once and read
+// forward. Items usually come in offset order within a file already (DCP writes them so);
+// only a group that is not gets sorted.
+std::vector<FileGroup> GroupByFile(const std::vector<IndexedItem>& items) {
+  std::unordered_map<std::string_view, uint32_t> ids;
+  std::vector<FileGroup> groups;
+  std::string_view last;
+  uint32_t last_id = 0;
+  for (uint32_t i = 0; i < items.size(); ++i) {
+    std::string_view f = items[i].file;
+    if (groups.empty() || f != last) {
+      auto [it, added] = ids.try_emplace(f, static_cast<uint32_t>(groups.size()));
+      if (added) groups.push_back({f, {}});
+      last = f;
+      last_id = it->second;
+    }
+    groups[last_id].idx.push_back(i);
+  }
+  auto by_offset = [&](uint32_t a, uint32_t b) {
+    return items[a].offset != items[b].offset ? items[a].offset < items[b].offset : a < b;
+  };
+  for (FileGroup& g : groups) {
+    if (!std::is_sorted(g.idx.begin(), g.idx.end(), by_offset)) {
+      std::sort(g.idx.begin(), g.idx.end(), by_offset);
+    }
+  }
+  std::sort(groups.begin(), groups.end(),
+            [](const FileGroup& a, const FileGroup& b) { return a.name < b.name; });
+  return groups;
 }
 
-// Calls fn(file, indices) for each run of items of one file in `order`.
-template <typename Fn>
-void ForEachFile(const std::vector<IndexedItem>& items, const std::vector<uint32_t>& order, Fn fn) {
-  for (size_t b = 0; b < order.size();) {
-    size_t e = b;
-    while (e < order.size() && items[order[e]].file == items[order[b]].file) ++e;
-    fn(items[order[b]].file, std::span<const uint32_t>(order.data() + b, e - b));
-    b = e;
+// Whether two items are the same key (fqn and chunk offsets; bytes items have none).
+struct SameKey {
+  const std::vector<IndexedItem>* items;
+  bool operator()(uint32_t a, uint32_t b) const {
+    const IndexedItem &x = (*items)[a], &y = (*items)[b];
+    return x.is_bytes == y.is_bytes && x.fqn == y.fqn && x.chunk_offsets == y.chunk_offsets;
   }
+};
+struct KeyHash {
+  const std::vector<IndexedItem>* items;
+  size_t operator()(uint32_t i) const {
+    const IndexedItem& it = (*items)[i];
+    uint64_t h = XXH3_64bits(it.fqn.data(), it.fqn.size()) ^ (it.is_bytes ? 0x9e3779b97f4a7c15ull : 0);
+    if (!it.chunk_offsets.empty()) {
+      h ^= XXH3_64bits(it.chunk_offsets.data(), it.chunk_offsets.size() * sizeof(int64_t)) * 31;
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+// The first item whose key an earlier item has already, or -1.
+ptrdiff_t FirstDuplicateKey(const std::vector<IndexedItem>& items) {
+  std::unordered_set<uint32_t, KeyHash, SameKey> seen(items.size(), KeyHash{&items},
+                                                      SameKey{&items});
+  for (uint32_t i = 0; i < items.size(); ++i) {
+    if (!seen.insert(i).second) return i;
+  }
+  return -1;
 }
 
 }  // namespace
@@ -404,26 +533,73 @@ std::shared_ptr<std::mutex> KeyIndex::BuildMutex(const std::string& ckpt) {
 }
 
 void KeyIndex::BuildFileMaps(CkptIndex* index) {
+  index->maps.clear();
   index->files.clear();
-  std::vector<uint32_t> order = FileOrder(index->items);
-  ForEachFile(index->items, order, [&](const std::string& file, std::span<const uint32_t> idx) {
-    FileMap& map = index->files[file];
-    map.begins.reserve(idx.size());
-    map.ends.reserve(idx.size());
-    map.items.reserve(idx.size());
-    for (uint32_t i : idx) {
+  index->places.assign(index->items.size(), Place{});
+  std::vector<FileGroup> groups = GroupByFile(index->items);
+  index->maps.reserve(groups.size());
+  index->files.reserve(groups.size());
+  for (FileGroup& g : groups) {
+    const uint32_t m = static_cast<uint32_t>(index->maps.size());
+    FileMap& map = index->maps.emplace_back();
+    map.name = std::string(g.name);
+    index->files.emplace(map.name, m);
+    map.all = std::move(g.idx);
+    map.begins.reserve(map.all.size());
+    map.spans.reserve(map.all.size());
+    for (uint32_t pos = 0; pos < map.all.size(); ++pos) {
+      const uint32_t i = map.all[pos];
       const IndexedItem& it = index->items[i];
+      index->places[i] = Place{m, pos, -1};
       if (it.length == 0) continue;  // owns no byte
-      if (!map.ends.empty() && it.offset < map.ends.back() && index->error.empty()) {
+      if (!map.spans.empty() && it.offset - map.spans.back().offset < map.spans.back().length &&
+          index->error.empty()) {
         index->state = State::kPartial;
-        index->error = "items overlap in " + file + ": " + KeyName(index->items[map.items.back()]) +
-                       " and " + KeyName(it);
+        index->error = "items overlap in " + map.name + ": " +
+                       KeyName(index->items[map.spans.back().ordinal]) + " and " + KeyName(it);
       }
+      index->places[i].span = static_cast<int32_t>(map.spans.size());
       map.begins.push_back(it.offset);
-      map.ends.push_back(it.offset + it.length);
-      map.items.push_back(i);
+      map.spans.push_back(Located{i, it.kind, it.has_checksum, it.offset, it.length,
+                                  it.raw_offset, it.raw_nbytes, it.checksum});
     }
-  });
+    for (size_t k = 0; k < map.begins.size(); k += FileMap::kSample) {
+      map.sample.push_back(map.begins[k]);
+    }
+  }
+}
+
+void KeyIndex::SetChecksum(CkptIndex* index, uint32_t ordinal, uint64_t checksum) {
+  IndexedItem& it = index->items[ordinal];
+  it.checksum = checksum;
+  it.has_checksum = true;
+  const Place& p = index->places[ordinal];
+  if (p.span >= 0) {
+    Located& l = index->maps[p.map].spans[p.span];
+    l.checksum = checksum;
+    l.has_checksum = true;
+  }
+}
+
+std::vector<std::pair<std::string, std::string>> KeyIndex::EncodeBlocksOf(
+    const std::string& ckpt, const CkptIndex& index, const std::vector<uint32_t>& ordinals) {
+  std::set<std::pair<uint32_t, uint32_t>> blocks;  // (map, block)
+  for (uint32_t i : ordinals) {
+    const Place& p = index.places[i];
+    blocks.emplace(p.map, static_cast<uint32_t>(p.pos / kItemsPerBlock));
+  }
+  const std::string prefix = ItemPrefix(ckpt);
+  std::vector<std::pair<std::string, std::string>> out;
+  out.reserve(blocks.size());
+  for (auto [m, b] : blocks) {
+    const FileMap& map = index.maps[m];
+    std::span<const uint32_t> all(map.all);
+    size_t first = size_t{b} * kItemsPerBlock;
+    auto& [key, value] = out.emplace_back(BlockKey(prefix, map.name, b), std::string());
+    EncodeBlock(index.items, all.subspan(first, std::min(kItemsPerBlock, all.size() - first)),
+                &value);
+  }
+  return out;
 }
 
 Status KeyIndex::Build(const std::string& ckpt, bool checksums) {
@@ -479,7 +655,6 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
   const double parse_ms = since(start);
   Clock::time_point phase = Clock::now();
   Status result = Status::Ok();
-  std::vector<std::string> keys;  // ItemSuffix of each item
 
   if (md == nullptr) {
     index->state = State::kFailed;
@@ -497,19 +672,12 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
         index->items.push_back(FromDcp(d, static_cast<uint32_t>(index->items.size())));
       }
     }
-    keys.reserve(index->items.size());
-    for (const IndexedItem& it : index->items) keys.push_back(ItemSuffix(it));
-    std::unordered_set<std::string_view> distinct;
-    distinct.reserve(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) {
-      if (!distinct.insert(keys[i]).second) {
-        index->state = State::kFailed;
-        index->error = ".metadata: duplicate key " + KeyName(index->items[i]);
-        index->items.clear();
-        keys.clear();
-        result = Status(Code::kCorrupt, "index of '" + ckpt + "': " + index->error);
-        break;
-      }
+    ptrdiff_t dup = FirstDuplicateKey(index->items);
+    if (dup >= 0) {
+      index->state = State::kFailed;
+      index->error = ".metadata: duplicate key " + KeyName(index->items[dup]);
+      index->items.clear();
+      result = Status(Code::kCorrupt, "index of '" + ckpt + "': " + index->error);
     }
   }
 
@@ -518,20 +686,22 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
   auto note = [&](const IndexedItem& it, const std::string& why) {
     if (unresolved++ == 0) first_error = KeyName(it) + ": " + why;
   };
-  std::vector<uint32_t> order = FileOrder(index->items);
-  ForEachFile(index->items, order, [&](const std::string& file, std::span<const uint32_t> idx) {
+  TorchPickleCache pickle_cache;
+  DcpItem scratch;
+  for (const FileGroup& g : GroupByFile(index->items)) {
+    const std::string file(g.name);
     Result<OpenedFile> f = OpenShard(dir_, Join(ckpt, file));
     auto& sums = known_sums[file];
     if (!f.ok()) {
-      for (uint32_t i : idx) {
+      for (uint32_t i : g.idx) {
         IndexedItem& it = index->items[i];
         if (it.kind == ItemKind::kTensor) it.kind = ItemKind::kOpaque;
         note(it, f.status().ToString());
       }
-      return;
+      continue;
     }
     WindowReader reader(dir_, f->fd.get(), f->size);
-    for (uint32_t i : idx) {
+    for (uint32_t i : g.idx) {
       IndexedItem& it = index->items[i];
       if (it.offset > f->size || f->size - it.offset < it.length) {
         if (it.kind == ItemKind::kTensor) it.kind = ItemKind::kOpaque;
@@ -540,7 +710,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
       }
       if (it.kind == ItemKind::kTensor) {
         std::string error;
-        ResolveTensor(&reader, &it, &error);
+        ResolveTensor(&reader, &it, &error, &pickle_cache, &scratch);
         if (!error.empty()) note(it, error);
       }
       auto known = sums.find({it.offset, it.length});
@@ -557,7 +727,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
         }
       }
     }
-  });
+  }
   if (unresolved > 0) {
     index->state = State::kPartial;
     index->error = std::to_string(unresolved) + " item(s) not resolved; first: " + first_error;
@@ -575,15 +745,20 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
                {"items", index->items.size()},
                {"checksums", checksums},
                {"metadata", {{"size", id.size}, {"mtime_ns", id.mtime_ns}, {"ino", id.ino}}}};
-  Status persisted = Persist(ckpt, *index, keys, info.dump());
-  const double persist_ms = since(phase);
-  if (!persisted.ok()) {
-    spdlog::warn("key index: cannot persist the index of '{}': {}", ckpt, persisted.ToString());
-  }
   State state = index->state;
   std::string error = index->error;
   size_t n = index->items.size();
-  Install(ckpt, std::move(index));
+  double persist_ms = 0;
+  {
+    // Checksums recorded from now on wait, so that they reach RocksDB after these blocks.
+    std::lock_guard persist_lock(persist_mu_);
+    Status persisted = Persist(ckpt, *index, info.dump());
+    persist_ms = since(phase);
+    if (!persisted.ok()) {
+      spdlog::warn("key index: cannot persist the index of '{}': {}", ckpt, persisted.ToString());
+    }
+    Install(ckpt, std::move(index));
+  }
   if (state == State::kOk) {
     spdlog::info(
         "key index: indexed '{}': {} items in {:.1f} ms (metadata {:.1f}, items {:.1f}, "
@@ -597,12 +772,18 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
 }
 
 Status KeyIndex::Persist(const std::string& ckpt, const CkptIndex& index,
-                         const std::vector<std::string>& suffixes, const std::string& info) {
+                         const std::string& info) {
   const std::string prefix = ItemPrefix(ckpt);
   std::vector<std::pair<std::string, std::string>> puts;
-  puts.reserve(index.items.size() + 1);
-  for (size_t i = 0; i < index.items.size(); ++i) {
-    puts.emplace_back(prefix + suffixes[i], EncodeItem(index.items[i]));
+  for (const FileMap& map : index.maps) {
+    std::span<const uint32_t> all(map.all);
+    for (size_t first = 0; first < all.size(); first += kItemsPerBlock) {
+      auto& [key, value] = puts.emplace_back(
+          BlockKey(prefix, map.name, static_cast<uint32_t>(first / kItemsPerBlock)),
+          std::string());
+      EncodeBlock(index.items, all.subspan(first, std::min(kItemsPerBlock, all.size() - first)),
+                  &value);
+    }
   }
   puts.emplace_back(InfoKey(ckpt), info);
   // Keys of an earlier build that this one does not overwrite.
@@ -622,30 +803,27 @@ Status KeyIndex::Persist(const std::string& ckpt, const CkptIndex& index,
 }
 
 void KeyIndex::Install(const std::string& ckpt, std::unique_ptr<CkptIndex> index) {
-  std::vector<IndexedItem> changed;
+  std::vector<std::pair<std::string, std::string>> puts;
   {
     std::unique_lock lock(mu_);
     // Checksums recorded while this index was being built.
     auto pending = pending_sums_.find(ckpt);
     if (pending != pending_sums_.end() && index->state != State::kMissing) {
+      std::vector<uint32_t> changed;
       for (IndexedItem& it : index->items) {
         auto f = pending->second.find(it.file);
         if (f == pending->second.end()) continue;
         auto s = f->second.find({it.offset, it.length});
         if (s == f->second.end()) continue;
-        it.checksum = s->second;
-        it.has_checksum = true;
-        changed.push_back(it);
+        SetChecksum(index.get(), it.ordinal, s->second);
+        changed.push_back(it.ordinal);
       }
       pending_sums_.erase(pending);
+      if (!changed.empty()) puts = EncodeBlocksOf(ckpt, *index, changed);
     }
     ckpts_[ckpt] = std::move(index);
   }
-  if (!changed.empty()) {
-    std::vector<std::pair<std::string, std::string>> puts;
-    for (const IndexedItem& it : changed) {
-      puts.emplace_back(ItemPrefix(ckpt) + ItemSuffix(it), EncodeItem(it));
-    }
+  if (!puts.empty()) {
     Status st = db_->Write(puts, {});
     if (!st.ok()) spdlog::warn("key index: persist checksums of '{}': {}", ckpt, st.ToString());
   }
@@ -683,25 +861,31 @@ Status KeyIndex::LoadFromDb(const std::string& ckpt, bool* found) {
   Result<struct stat> st = dir_->Stat(Join(ckpt, ".metadata"));
   if (!st.ok() || !(IdOf(*st) == recorded)) return Status::Ok();
 
+  // Blocks hold items in file order; each item's ordinal says where it goes.
   bool bad = false;
-  index->items.reserve(count);
+  std::vector<IndexedItem> loaded;
+  loaded.reserve(count);
   CKPT_RETURN_IF_ERROR(db_->Scan(ItemPrefix(ckpt), [&](std::string_view, std::string_view v) {
-    IndexedItem it;
-    if (!DecodeItem(v, &it)) bad = true;
-    index->items.push_back(std::move(it));
+    if (!bad && (!DecodeBlock(v, &loaded) || loaded.size() > count)) bad = true;
   }));
-  if (bad || index->items.size() != count) return Status::Ok();
-  std::sort(index->items.begin(), index->items.end(),
-            [](const IndexedItem& a, const IndexedItem& b) { return a.ordinal < b.ordinal; });
-  for (uint32_t i = 0; i < index->items.size(); ++i) {
-    if (index->items[i].ordinal != i) return Status::Ok();
+  if (bad || loaded.size() != count) return Status::Ok();
+  index->items.resize(count);
+  std::vector<bool> seen(count);
+  for (IndexedItem& it : loaded) {
+    if (it.ordinal >= count || seen[it.ordinal]) return Status::Ok();
+    seen[it.ordinal] = true;
+    index->items[it.ordinal] = std::move(it);
   }
+  loaded = {};
   State state = index->state;
   std::string error = index->error;
   BuildFileMaps(index.get());
   index->state = state;  // overlaps were already recorded at build time
   index->error = error;
-  Install(ckpt, std::move(index));
+  {
+    std::lock_guard persist_lock(persist_mu_);
+    Install(ckpt, std::move(index));
+  }
   *found = true;
   return Status::Ok();
 }
@@ -749,34 +933,37 @@ auto KeyIndex::WithItemAt(const std::string& ckpt, const std::string& file, uint
         const CkptIndex& index = *it->second;
         if (index.state != State::kMissing || Clock::now() < index.retry_after) {
           auto f = index.files.find(file);
-          if (f == index.files.end()) return fn(nullptr);
-          ptrdiff_t i = f->second.Find(offset);
-          return fn(i < 0 ? nullptr : &index.items[f->second.items[i]]);
+          if (f == index.files.end()) return fn(index, nullptr);
+          const FileMap& map = index.maps[f->second];
+          ptrdiff_t i = map.Find(offset);
+          return fn(index, i < 0 ? nullptr : &map.spans[i]);
         }
       }
     }
     if (attempt > 0 || !Ensure(ckpt, /*checksums=*/false).ok()) {
+      static const CkptIndex kNone;
       std::shared_lock lock(mu_);  // fn's contract: called under the lock
-      return fn(nullptr);
+      return fn(kNone, nullptr);
     }
   }
 }
 
 std::optional<IndexedItem> KeyIndex::Resolve(const std::string& ckpt, const std::string& file,
                                              uint64_t offset) {
-  return WithItemAt(ckpt, file, offset, [](const IndexedItem* it) -> std::optional<IndexedItem> {
-    if (it == nullptr) return std::nullopt;
-    return *it;
-  });
+  return WithItemAt(ckpt, file, offset,
+                    [](const CkptIndex& index, const Located* l) -> std::optional<IndexedItem> {
+                      if (l == nullptr) return std::nullopt;
+                      return index.items[l->ordinal];
+                    });
 }
 
 std::optional<KeyIndex::Located> KeyIndex::Locate(const std::string& ckpt, const std::string& file,
                                                   uint64_t offset) {
-  return WithItemAt(ckpt, file, offset, [](const IndexedItem* it) -> std::optional<Located> {
-    if (it == nullptr) return std::nullopt;
-    return Located{it->ordinal, it->kind,       it->has_checksum, it->offset,
-                   it->length,  it->raw_offset, it->raw_nbytes,   it->checksum};
-  });
+  return WithItemAt(ckpt, file, offset,
+                    [](const CkptIndex&, const Located* l) -> std::optional<Located> {
+                      if (l == nullptr) return std::nullopt;
+                      return *l;
+                    });
 }
 
 std::string KeyIndex::IndexError(const std::string& ckpt) {
@@ -835,15 +1022,17 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
     for (const auto& [key, it] : by_key) bad(KeyName(*it), "in the index but not in .metadata");
   }
 
-  std::vector<uint32_t> order = FileOrder(items);
-  ForEachFile(items, order, [&](const std::string& file, std::span<const uint32_t> idx) {
+  TorchPickleCache pickle_cache;
+  DcpItem scratch;
+  for (const FileGroup& g : GroupByFile(items)) {
+    const std::string file(g.name);
     Result<OpenedFile> f = OpenShard(dir_, Join(ckpt, file));
     if (!f.ok()) {
-      for (uint32_t i : idx) bad(KeyName(items[i]), f.status().ToString());
-      return;
+      for (uint32_t i : g.idx) bad(KeyName(items[i]), f.status().ToString());
+      continue;
     }
     WindowReader reader(dir_, f->fd.get(), f->size);
-    for (uint32_t i : idx) {
+    for (uint32_t i : g.idx) {
       const IndexedItem& it = items[i];
       ++report.items;
       if (it.offset > f->size || f->size - it.offset < it.length) {
@@ -854,7 +1043,7 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
       if (it.kind == ItemKind::kTensor) {
         IndexedItem again = it;
         std::string error;
-        ResolveTensor(&reader, &again, &error);
+        ResolveTensor(&reader, &again, &error, &pickle_cache, &scratch);
         if (!error.empty()) {
           bad(KeyName(it), "archive: " + error);
           continue;
@@ -887,13 +1076,15 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
         bad(KeyName(it), buf);
       }
     }
-  });
+  }
   return report;
 }
 
 void KeyIndex::RecordChecksums(const std::string& ckpt, const std::string& file,
                                const std::vector<RangeChecksum>& sums) {
-  std::vector<IndexedItem> changed;
+  std::vector<std::pair<std::string, std::string>> puts;
+  // Held until the write, so that blocks reach RocksDB in the order they were encoded.
+  std::lock_guard persist_lock(persist_mu_);
   {
     std::unique_lock lock(mu_);
     auto it = ckpts_.find(ckpt);
@@ -905,21 +1096,19 @@ void KeyIndex::RecordChecksums(const std::string& ckpt, const std::string& file,
     CkptIndex& index = *it->second;
     auto f = index.files.find(file);
     if (f == index.files.end()) return;
+    const FileMap& map = index.maps[f->second];
+    std::vector<uint32_t> changed;
     for (const RangeChecksum& s : sums) {
-      ptrdiff_t i = f->second.Find(s.offset);
+      ptrdiff_t i = map.Find(s.offset);
       if (i < 0) continue;
-      IndexedItem& item = index.items[f->second.items[i]];
-      if (item.offset != s.offset || item.length != s.length) continue;
-      if (item.has_checksum && item.checksum == s.checksum) continue;
-      item.checksum = s.checksum;
-      item.has_checksum = true;
-      changed.push_back(item);
+      const Located& l = map.spans[i];
+      if (l.offset != s.offset || l.length != s.length) continue;
+      if (l.has_checksum && l.checksum == s.checksum) continue;
+      SetChecksum(&index, l.ordinal, s.checksum);
+      changed.push_back(l.ordinal);
     }
-  }
-  if (changed.empty()) return;
-  std::vector<std::pair<std::string, std::string>> puts;
-  for (const IndexedItem& it : changed) {
-    puts.emplace_back(ItemPrefix(ckpt) + ItemSuffix(it), EncodeItem(it));
+    if (changed.empty()) return;
+    puts = EncodeBlocksOf(ckpt, index, changed);
   }
   Status st = db_->Write(puts, {});
   if (!st.ok()) spdlog::warn("key index: persist checksums of '{}': {}", ckpt, st.ToString());
