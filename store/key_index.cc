@@ -16,6 +16,8 @@
 
 namespace ckptfs::store {
 namespace {
+double TmpCpu() { timespec ts; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts); return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6; }
+#define TMPT(name) do { double _n = TmpCpu(); fprintf(stderr, "  [t] %-20s %.1f\n", name, _n - tmp_t); tmp_t = _n; } while (0)
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
@@ -66,48 +68,74 @@ std::string ItemSuffix(const IndexedItem& item) {
 
 // --- Binary value encoding ----------------------------------------------------------------
 
-void PutVarint(std::string* out, uint64_t v) {
-  while (v >= 0x80) {
-    out->push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  out->push_back(static_cast<char>(v));
-}
 uint64_t ZigZag(int64_t v) {
   return (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63);
 }
 int64_t UnZigZag(uint64_t v) { return static_cast<int64_t>((v >> 1) ^ (~(v & 1) + 1)); }
-void PutString(std::string* out, std::string_view s) {
-  PutVarint(out, s.size());
-  out->append(s);
-}
-void PutInts(std::string* out, const std::vector<int64_t>& v) {
-  PutVarint(out, v.size());
-  for (int64_t x : v) PutVarint(out, ZigZag(x));
+
+// Writes through a raw cursor into room the caller sized (std::string::push_back per byte
+// cost more than the rest of the build's encoding).
+class Writer {
+ public:
+  explicit Writer(char* p) : p_(p) {}
+  char* pos() const { return p_; }
+  void Byte(uint8_t b) { *p_++ = static_cast<char>(b); }
+  void Varint(uint64_t v) {
+    while (v >= 0x80) {
+      *p_++ = static_cast<char>(v | 0x80);
+      v >>= 7;
+    }
+    *p_++ = static_cast<char>(v);
+  }
+  void String(std::string_view s) {
+    Varint(s.size());
+    std::memcpy(p_, s.data(), s.size());
+    p_ += s.size();
+  }
+  void Ints(const std::vector<int64_t>& v) {
+    Varint(v.size());
+    for (int64_t x : v) Varint(ZigZag(x));
+  }
+
+ private:
+  char* p_;
+};
+
+constexpr size_t kMaxVarint = 10;
+
+// Bytes EncodeItem() writes at most.
+size_t EncodedBound(const IndexedItem& item) {
+  size_t n = 3 + 8 * kMaxVarint + 3 * kMaxVarint + item.fqn.size() + item.dtype.size() +
+             item.file.size();
+  n += (4 + item.chunk_offsets.size() + item.chunk_sizes.size() + item.global_size.size() +
+        item.stride.size()) *
+       kMaxVarint;
+  n += kMaxVarint;
+  for (const std::string& t : item.transforms) n += kMaxVarint + t.size();
+  return n;
 }
 
-// Appends the encoding of `item` to `out`.
-void EncodeItem(const IndexedItem& item, std::string* out_ptr) {
-  std::string& out = *out_ptr;
-  out.push_back(static_cast<char>(kValueVersion));
-  out.push_back(static_cast<char>(item.kind));
-  out.push_back(static_cast<char>((item.has_checksum ? 1 : 0) | (item.is_bytes ? 2 : 0)));
-  PutVarint(&out, item.ordinal);
-  PutString(&out, item.fqn);
-  PutString(&out, item.dtype);
-  PutString(&out, item.file);
-  PutVarint(&out, item.offset);
-  PutVarint(&out, item.length);
-  PutVarint(&out, item.raw_offset);
-  PutVarint(&out, item.raw_nbytes);
-  PutVarint(&out, ZigZag(item.storage_offset));
-  PutVarint(&out, item.checksum);
-  PutInts(&out, item.chunk_offsets);
-  PutInts(&out, item.chunk_sizes);
-  PutInts(&out, item.global_size);
-  PutInts(&out, item.stride);
-  PutVarint(&out, item.transforms.size());
-  for (const std::string& t : item.transforms) PutString(&out, t);
+// Writes the encoding of `item`; `w` has EncodedBound(item) bytes of room.
+void EncodeItem(const IndexedItem& item, Writer& w) {
+  w.Byte(kValueVersion);
+  w.Byte(static_cast<uint8_t>(item.kind));
+  w.Byte((item.has_checksum ? 1 : 0) | (item.is_bytes ? 2 : 0));
+  w.Varint(item.ordinal);
+  w.String(item.fqn);
+  w.String(item.dtype);
+  w.String(item.file);
+  w.Varint(item.offset);
+  w.Varint(item.length);
+  w.Varint(item.raw_offset);
+  w.Varint(item.raw_nbytes);
+  w.Varint(ZigZag(item.storage_offset));
+  w.Varint(item.checksum);
+  w.Ints(item.chunk_offsets);
+  w.Ints(item.chunk_sizes);
+  w.Ints(item.global_size);
+  w.Ints(item.stride);
+  w.Varint(item.transforms.size());
+  for (const std::string& t : item.transforms) w.String(t);
 }
 
 class Decoder {
@@ -194,18 +222,26 @@ bool DecodeItem(std::string_view in, IndexedItem* item) {
   return d.done();
 }
 
-// A block: kBlockVersion, the item count, then each item's encoding preceded by its length.
+// A block: kBlockVersion, the item count (varint), then each item's encoding preceded by its
+// length (4 bytes, little-endian).
 void EncodeBlock(const std::vector<IndexedItem>& items, std::span<const uint32_t> ordinals,
                  std::string* out) {
-  out->push_back(static_cast<char>(kBlockVersion));
-  PutVarint(out, ordinals.size());
-  std::string one;
+  size_t bound = 1 + kMaxVarint;
+  for (uint32_t i : ordinals) bound += 4 + EncodedBound(items[i]);
+  const size_t start = out->size();
+  out->resize(start + bound);
+  Writer w(out->data() + start);
+  w.Byte(kBlockVersion);
+  w.Varint(ordinals.size());
   for (uint32_t i : ordinals) {
-    one.clear();
-    EncodeItem(items[i], &one);
-    PutVarint(out, one.size());
-    out->append(one);
+    char* len_at = w.pos();
+    Writer item(len_at + 4);
+    EncodeItem(items[i], item);
+    uint32_t len = static_cast<uint32_t>(item.pos() - (len_at + 4));
+    for (int b = 0; b < 4; ++b) len_at[b] = static_cast<char>((len >> (8 * b)) & 0xff);
+    w = item;
   }
+  out->resize(static_cast<size_t>(w.pos() - out->data()));
 }
 
 // Appends the items of block `in` to `items`; false if it is malformed.
@@ -215,7 +251,11 @@ bool DecodeBlock(std::string_view in, std::vector<IndexedItem>* items) {
   uint64_t n = d.Varint();
   if (!d.ok() || n > in.size()) return false;
   for (uint64_t i = 0; i < n; ++i) {
-    std::string_view one = d.Bytes(d.Varint());
+    std::string_view len = d.Bytes(4);
+    if (!d.ok()) return false;
+    uint32_t n_item = 0;
+    for (int b = 0; b < 4; ++b) n_item |= uint32_t{static_cast<uint8_t>(len[b])} << (8 * b);
+    std::string_view one = d.Bytes(n_item);
     if (!d.ok() || !DecodeItem(one, &items->emplace_back())) return false;
   }
   return d.done();
@@ -384,37 +424,28 @@ IndexedItem FromDcp(D&& d, uint32_t ordinal) {
 
 // Resolves a kTensor item from its archive; turns it kOpaque (with `*error`) when the
 // archive is broken or contradicts the metadata. Opaque-by-design archives (compressed,
-// big-endian, ...) turn kOpaque without an error. `scratch` carries what ResolveItemData()
-// checks from one item to the next without reallocating.
+// big-endian, ...) turn kOpaque without an error. The same as ResolveItemData() on the item.
 void ResolveTensor(WindowReader* reader, IndexedItem* item, std::string* error,
-                   TorchPickleCache* cache, DcpItem* scratch) {
+                   TorchPickleCache* cache) {
   Result<TorchSaveTensor> t = reader->ParseItem(item->offset, item->length, cache);
   Status st = t.ok() ? Status::Ok() : t.status();
-  DcpItem& d = *scratch;
+  if (st.ok() && !t->is_tensor) {
+    item->kind = ItemKind::kOpaque;
+    return;
+  }
   if (st.ok()) {
-    d.kind = item->kind;
-    d.fqn = item->fqn;
-    d.chunk_sizes = item->chunk_sizes;
-    d.dtype = item->dtype;
-    d.file = item->file;
-    d.offset = item->offset;
-    d.length = item->length;
-    d.is_bytes = item->is_bytes;
-    d.data_resolved = false;
-    st = ResolveItemData(*t, &d);
+    st = CheckItemData(
+        *t, ItemFacts{item->fqn, item->file, item->dtype, item->chunk_sizes, item->length});
   }
   if (!st.ok()) {
     item->kind = ItemKind::kOpaque;
     *error = st.ToString();
     return;
   }
-  item->kind = d.kind;
-  if (d.data_resolved) {
-    item->raw_offset = d.raw_offset;
-    item->raw_nbytes = d.raw_nbytes;
-    item->stride = std::move(t->stride);  // what ResolveItemData() copied into d.stride
-    item->storage_offset = d.storage_offset;
-  }
+  item->raw_offset = item->offset + t->data_offset;
+  item->raw_nbytes = t->data_nbytes;
+  item->stride = std::move(t->stride);
+  item->storage_offset = t->storage_offset;
 }
 
 struct MetadataId {
@@ -471,32 +502,32 @@ std::vector<FileGroup> GroupByFile(const std::vector<IndexedItem>& items) {
   return groups;
 }
 
-// Whether two items are the same key (fqn and chunk offsets; bytes items have none).
-struct SameKey {
-  const std::vector<IndexedItem>* items;
-  bool operator()(uint32_t a, uint32_t b) const {
-    const IndexedItem &x = (*items)[a], &y = (*items)[b];
-    return x.is_bytes == y.is_bytes && x.fqn == y.fqn && x.chunk_offsets == y.chunk_offsets;
-  }
-};
-struct KeyHash {
-  const std::vector<IndexedItem>* items;
-  size_t operator()(uint32_t i) const {
-    const IndexedItem& it = (*items)[i];
-    uint64_t h = XXH3_64bits(it.fqn.data(), it.fqn.size()) ^ (it.is_bytes ? 0x9e3779b97f4a7c15ull : 0);
-    if (!it.chunk_offsets.empty()) {
-      h ^= XXH3_64bits(it.chunk_offsets.data(), it.chunk_offsets.size() * sizeof(int64_t)) * 31;
-    }
-    return static_cast<size_t>(h);
-  }
-};
-
-// The first item whose key an earlier item has already, or -1.
+// The first item whose key (fqn, bytes or chunk offsets) an earlier item has already, or -1.
+// Open addressing over item indices: no allocation per item.
 ptrdiff_t FirstDuplicateKey(const std::vector<IndexedItem>& items) {
-  std::unordered_set<uint32_t, KeyHash, SameKey> seen(items.size(), KeyHash{&items},
-                                                      SameKey{&items});
+  auto same = [&](uint32_t a, uint32_t b) {
+    const IndexedItem &x = items[a], &y = items[b];
+    return x.is_bytes == y.is_bytes && x.fqn == y.fqn && x.chunk_offsets == y.chunk_offsets;
+  };
+  auto hash = [&](uint32_t i) {
+    const IndexedItem& it = items[i];
+    uint64_t h = XXH3_64bits_withSeed(it.chunk_offsets.data(),
+                                      it.chunk_offsets.size() * sizeof(int64_t), it.is_bytes);
+    return XXH3_64bits_withSeed(it.fqn.data(), it.fqn.size(), h);
+  };
+  constexpr uint32_t kEmpty = 0xffffffffu;
+  size_t capacity = 16;
+  while (capacity < items.size() * 2) capacity *= 2;  // at most half full
+  std::vector<uint32_t> slots(capacity, kEmpty);
+  const size_t mask = capacity - 1;
   for (uint32_t i = 0; i < items.size(); ++i) {
-    if (!seen.insert(i).second) return i;
+    for (size_t s = hash(i) & mask;; s = (s + 1) & mask) {
+      if (slots[s] == kEmpty) {
+        slots[s] = i;
+        break;
+      }
+      if (same(slots[s], i)) return i;
+    }
   }
   return -1;
 }
@@ -616,6 +647,7 @@ Status KeyIndex::BuildFrom(const std::string& ckpt, const DcpMetadata& md, bool 
 
 Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, bool checksums) {
   Clock::time_point start = Clock::now();
+  double tmp_t = TmpCpu();
   const std::string md_path = Join(ckpt, ".metadata");
   auto index = std::make_unique<CkptIndex>();
   MetadataId id;
@@ -648,6 +680,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
     Result<std::string> bytes = ReadWhole(dir_, md_path, kMaxMetadataBytes);
     parsed = bytes.ok() ? ParseDcpMetadata(*bytes) : Result<DcpMetadata>(bytes.status());
   }
+  TMPT("metadata");
   const DcpMetadata* md = given != nullptr ? given : (parsed.ok() ? &*parsed : nullptr);
   auto since = [](Clock::time_point t) {
     return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
@@ -687,7 +720,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
     if (unresolved++ == 0) first_error = KeyName(it) + ": " + why;
   };
   TorchPickleCache pickle_cache;
-  DcpItem scratch;
+  TMPT("fromdcp+dups");
   for (const FileGroup& g : GroupByFile(index->items)) {
     const std::string file(g.name);
     Result<OpenedFile> f = OpenShard(dir_, Join(ckpt, file));
@@ -710,7 +743,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
       }
       if (it.kind == ItemKind::kTensor) {
         std::string error;
-        ResolveTensor(&reader, &it, &error, &pickle_cache, &scratch);
+        ResolveTensor(&reader, &it, &error, &pickle_cache);
         if (!error.empty()) note(it, error);
       }
       auto known = sums.find({it.offset, it.length});
@@ -732,8 +765,10 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
     index->state = State::kPartial;
     index->error = std::to_string(unresolved) + " item(s) not resolved; first: " + first_error;
   }
+  TMPT("items");
   BuildFileMaps(index.get());
   const double items_ms = since(phase);
+  TMPT("filemaps");
   phase = Clock::now();
 
   double build_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
@@ -752,7 +787,9 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
   {
     // Checksums recorded from now on wait, so that they reach RocksDB after these blocks.
     std::lock_guard persist_lock(persist_mu_);
+    tmp_t = TmpCpu();
     Status persisted = Persist(ckpt, *index, info.dump());
+    TMPT("persist");
     persist_ms = since(phase);
     if (!persisted.ok()) {
       spdlog::warn("key index: cannot persist the index of '{}': {}", ckpt, persisted.ToString());
@@ -1023,7 +1060,6 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
   }
 
   TorchPickleCache pickle_cache;
-  DcpItem scratch;
   for (const FileGroup& g : GroupByFile(items)) {
     const std::string file(g.name);
     Result<OpenedFile> f = OpenShard(dir_, Join(ckpt, file));
@@ -1043,7 +1079,7 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
       if (it.kind == ItemKind::kTensor) {
         IndexedItem again = it;
         std::string error;
-        ResolveTensor(&reader, &again, &error, &pickle_cache, &scratch);
+        ResolveTensor(&reader, &again, &error, &pickle_cache);
         if (!error.empty()) {
           bad(KeyName(it), "archive: " + error);
           continue;

@@ -661,20 +661,32 @@ Result<TorchSaveTensor> ParseTorchSaveItem(const ReadAtFn& read, uint64_t size,
   return ParseItem(Source(read, size), limits, nullptr);
 }
 
+Status CheckItemData(const TorchSaveTensor& t, const ItemFacts& item) {
+  auto where = [&] {
+    return "torch zip: item '" + std::string(item.fqn) + "' in " + std::string(item.file);
+  };
+  if (t.dtype != item.dtype) {
+    return Corrupt(where() + " holds " + t.dtype + " but the metadata says " +
+                   std::string(item.dtype));
+  }
+  if (!std::equal(t.shape.begin(), t.shape.end(), item.chunk_sizes.begin(),
+                  item.chunk_sizes.end())) {
+    return Corrupt(where() + " has a different shape");
+  }
+  if (t.data_offset > item.length || item.length - t.data_offset < t.data_nbytes) {
+    return Corrupt(where() + " has data outside the item");
+  }
+  return Status::Ok();
+}
+
 Status ResolveItemData(const TorchSaveTensor& t, DcpItem* item) {
   if (item->kind != ItemKind::kTensor) return Status::Ok();
   if (!t.is_tensor) {
     item->kind = ItemKind::kOpaque;
     return Status::Ok();
   }
-  std::string where = "torch zip: item '" + item->fqn + "' in " + item->file;
-  if (t.dtype != item->dtype) {
-    return Corrupt(where + " holds " + t.dtype + " but the metadata says " + item->dtype);
-  }
-  if (t.shape != item->chunk_sizes) return Corrupt(where + " has a different shape");
-  if (t.data_offset > item->length || item->length - t.data_offset < t.data_nbytes) {
-    return Corrupt(where + " has data outside the item");
-  }
+  CKPT_RETURN_IF_ERROR(CheckItemData(
+      t, ItemFacts{item->fqn, item->file, item->dtype, item->chunk_sizes, item->length}));
   item->data_resolved = true;
   item->raw_offset = item->offset + t.data_offset;
   item->raw_nbytes = t.data_nbytes;

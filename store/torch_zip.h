@@ -122,6 +122,17 @@ Result<TorchSaveTensor> ParseTorchSaveItem(std::string_view item, TorchPickleCac
 // item) is Corrupt. Other item kinds are left unchanged.
 Status ResolveItemData(const TorchSaveTensor& t, DcpItem* item);
 
+// What ResolveItemData() checks of a kTensor item, borrowed (fqn and file only name it in
+// errors), for callers that keep items in another type.
+struct ItemFacts {
+  std::string_view fqn, file, dtype;
+  std::span<const int64_t> chunk_sizes;
+  uint64_t length = 0;
+};
+// The checks of ResolveItemData() for an archive that is a tensor (t.is_tensor): OK, or the
+// same Corrupt error. The item's raw bytes are then [offset + t.data_offset, +t.data_nbytes).
+Status CheckItemData(const TorchSaveTensor& t, const ItemFacts& item);
+
 // Bytes per element of a torch dtype name ("bfloat16" -> 2); 0 if unknown or sub-byte.
 int DtypeItemSize(std::string_view dtype);
 
