@@ -54,6 +54,8 @@ void AppendBigEndian(std::string* out, uint64_t v) {
   for (int i = 7; i >= 0; --i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
 
+// The item's key (fqn, then bytes or the chunk offsets) as one string, for matching the items
+// of an index against a fresh parse of the .metadata (Verify).
 std::string ItemSuffix(const IndexedItem& item) {
   std::string s = item.fqn;
   s.push_back('\0');
