@@ -16,13 +16,22 @@
 
 namespace ckptfs::store {
 namespace {
-double TmpCpu() { timespec ts; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts); return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6; }
-#define TMPT(name) do { double _n = TmpCpu(); fprintf(stderr, "  [t] %-20s %.1f\n", name, _n - tmp_t); tmp_t = _n; } while (0)
+double TmpCpu() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+#define TMPT(name)                                           \
+  do {                                                       \
+    double _n = TmpCpu();                                    \
+    fprintf(stderr, "  [t] %-20s %.1f\n", name, _n - tmp_t); \
+    tmp_t = _n;                                              \
+  } while (0)
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-constexpr int kFormat = 2;  // "i/" record and block layout (1: one key per item)
+constexpr int kFormat = 2;            // "i/" record and block layout (1: one key per item)
 constexpr uint8_t kValueVersion = 1;  // one item's encoding
 constexpr uint8_t kBlockVersion = 1;
 constexpr size_t kItemsPerBlock = 256;
@@ -107,8 +116,8 @@ constexpr size_t kMaxVarint = 10;
 
 // Bytes EncodeItem() writes at most.
 size_t EncodedBound(const IndexedItem& item) {
-  size_t n = 3 + 8 * kMaxVarint + 3 * kMaxVarint + item.fqn.size() + item.dtype.size() +
-             item.file.size();
+  size_t n =
+      3 + 8 * kMaxVarint + 3 * kMaxVarint + item.fqn.size() + item.dtype.size() + item.file.size();
   n += (4 + item.chunk_offsets.size() + item.chunk_sizes.size() + item.global_size.size() +
         item.stride.size()) *
        kMaxVarint;
@@ -593,8 +602,8 @@ void KeyIndex::BuildFileMaps(CkptIndex* index) {
       }
       index->places[i].span = static_cast<int32_t>(map.spans.size());
       map.begins.push_back(it.offset);
-      map.spans.push_back(Located{i, it.kind, it.has_checksum, it.offset, it.length,
-                                  it.raw_offset, it.raw_nbytes, it.checksum});
+      map.spans.push_back(Located{i, it.kind, it.has_checksum, it.offset, it.length, it.raw_offset,
+                                  it.raw_nbytes, it.checksum});
     }
     for (size_t k = 0; k < map.begins.size(); k += FileMap::kSample) {
       map.sample.push_back(map.begins[k]);
@@ -810,16 +819,14 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
   return result;
 }
 
-Status KeyIndex::Persist(const std::string& ckpt, const CkptIndex& index,
-                         const std::string& info) {
+Status KeyIndex::Persist(const std::string& ckpt, const CkptIndex& index, const std::string& info) {
   const std::string prefix = ItemPrefix(ckpt);
   std::vector<std::pair<std::string, std::string>> puts;
   for (const FileMap& map : index.maps) {
     std::span<const uint32_t> all(map.all);
     for (size_t first = 0; first < all.size(); first += kItemsPerBlock) {
       auto& [key, value] = puts.emplace_back(
-          BlockKey(prefix, map.name, static_cast<uint32_t>(first / kItemsPerBlock)),
-          std::string());
+          BlockKey(prefix, map.name, static_cast<uint32_t>(first / kItemsPerBlock)), std::string());
       EncodeBlock(index.items, all.subspan(first, std::min(kItemsPerBlock, all.size() - first)),
                   &value);
     }

@@ -178,10 +178,10 @@ class KeyIndex {
   struct CkptIndex {
     State state = State::kOk;
     std::string error;
-    std::vector<IndexedItem> items;  // ordinal order
-    std::vector<FileMap> maps;       // by file name
-    std::unordered_map<std::string, uint32_t> files;  // name -> index into maps
-    std::vector<Place> places;                        // by ordinal
+    std::vector<IndexedItem> items;                     // ordinal order
+    std::vector<FileMap> maps;                          // by file name
+    std::unordered_map<std::string, uint32_t> files;    // name -> index into maps
+    std::vector<Place> places;                          // by ordinal
     std::chrono::steady_clock::time_point retry_after;  // kMissing only
   };
 

@@ -1,9 +1,10 @@
 #include "store/pickle.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <bit>
 #include <cstring>
-#include <sys/mman.h>
 #include <unordered_map>
 
 namespace ckptfs::store {

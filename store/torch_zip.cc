@@ -283,11 +283,10 @@ Status ReadDirectory(const Source& src, const ZipLimits& limits, Directory* dir)
 // Item-relative offset of the data of the entry (name, method, local header offset,
 // compressed size), from its LOCAL header; see ZipDataOffset().
 Result<uint64_t> DataOffset(const Source& src, uint64_t limit, std::string_view entry_name,
-                            uint16_t method, uint64_t local_header_offset,
-                            uint64_t compressed_size, HeaderBufs* bufs) {
+                            uint16_t method, uint64_t local_header_offset, uint64_t compressed_size,
+                            HeaderBufs* bufs) {
   if (local_header_offset > limit || limit - local_header_offset < kLocalHeaderSize) {
-    return ZipError("local header of '" + std::string(entry_name) +
-                    "' lies outside the data area");
+    return ZipError("local header of '" + std::string(entry_name) + "' lies outside the data area");
   }
   CKPT_ASSIGN_OR_RETURN(std::string_view h,
                         src.Get(local_header_offset, kLocalHeaderSize, &bufs->header));
@@ -535,9 +534,9 @@ namespace {
 // Reads a small STORED record in full into `buf`; the caller checked readable() and the size.
 Result<std::string_view> ReadSmallRecord(const Source& src, const Directory& dir, const Entry& e,
                                          HeaderBufs* hbufs, std::string* buf) {
-  CKPT_ASSIGN_OR_RETURN(uint64_t off, DataOffset(src, dir.central_directory_offset, e.name,
-                                                 e.method, e.local_header_offset,
-                                                 e.compressed_size, hbufs));
+  CKPT_ASSIGN_OR_RETURN(uint64_t off,
+                        DataOffset(src, dir.central_directory_offset, e.name, e.method,
+                                   e.local_header_offset, e.compressed_size, hbufs));
   return src.Get(off, e.compressed_size, buf);
 }
 
