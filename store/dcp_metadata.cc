@@ -62,14 +62,15 @@ struct StorageKey {
   }
 };
 
-struct StorageKeyHash {
-  size_t operator()(const StorageKey& k) const {
-    size_t h = std::hash<string_view>()(k.fqn);
-    if (k.offsets == nullptr) return h ^ 0x9e3779b97f4a7c15ull;
-    for (int64_t v : *k.offsets) h = (h ^ static_cast<size_t>(v)) * 0x100000001b3ull;
-    return h;
-  }
-};
+uint64_t HashKey(const StorageKey& k) {
+  uint64_t h = std::hash<string_view>()(k.fqn);
+  if (k.offsets == nullptr) return h ^ 0x9e3779b97f4a7c15ull;
+  for (int64_t v : *k.offsets) h = (h ^ static_cast<uint64_t>(v)) * 0x100000001b3ull;
+  // Offsets differ in few bits from chunk to chunk: spread them over the whole word.
+  h ^= h >> 31;
+  h *= 0x9e3779b97f4a7c15ull;
+  return h ^ (h >> 29);
+}
 
 struct StorageEntry {
   string_view fqn;
@@ -123,7 +124,13 @@ class Interpreter {
   const DcpMetadataOptions& options_;
   DcpMetadata md_;
   std::vector<StorageEntry> entries_;
-  std::unordered_map<StorageKey, size_t, StorageKeyHash> index_;
+  // Open addressing over entries_, by HashKey: a slot holds the key's hash in its high 32
+  // bits and entry index + 1 in its low 32 bits (0: empty). Flat, unlike a node-based map,
+  // so the lookup per chunk costs one or two cache misses, not four.
+  std::vector<uint64_t> slots_;
+  size_t next_claim_ = 0;  // entries_ index Claim() tries first
+  // The slot holding `key`, or the empty slot where it would go.
+  uint64_t* FindSlot(const StorageKey& key, uint64_t hash);
 };
 
 bool Interpreter::IsClass(NodeId cls, ClassSet set) const {
@@ -329,27 +336,55 @@ Status Interpreter::ParseStorageData(NodeId dict) {
   return BuildIndex();
 }
 
+uint64_t* Interpreter::FindSlot(const StorageKey& key, uint64_t hash) {
+  const size_t mask = slots_.size() - 1;
+  const uint64_t tag = hash & 0xffffffff00000000ull;
+  for (size_t i = hash & mask;; i = (i + 1) & mask) {
+    uint64_t& slot = slots_[i];
+    if (slot == 0) return &slot;
+    if ((slot & 0xffffffff00000000ull) != tag) continue;
+    const StorageEntry& e = entries_[(slot & 0xffffffffu) - 1];
+    if (StorageKey{e.fqn, e.has_offsets ? &e.offsets : nullptr} == key) return &slot;
+  }
+}
+
 // Built only once entries_ is final, since keys point into it.
 Status Interpreter::BuildIndex() {
-  index_.reserve(entries_.size());
+  if (entries_.size() >= 0xffffffffu) return Corrupt("dcp metadata: too many storage entries");
+  size_t capacity = 16;
+  while (capacity < entries_.size() * 2) capacity *= 2;  // at most half full
+  slots_.assign(capacity, 0);
   for (size_t i = 0; i < entries_.size(); ++i) {
     const StorageEntry& e = entries_[i];
     StorageKey key{e.fqn, e.has_offsets ? &e.offsets : nullptr};
-    if (!index_.emplace(key, i).second) {
+    uint64_t hash = HashKey(key);
+    uint64_t* slot = FindSlot(key, hash);
+    if (*slot != 0) {
       return Corrupt("dcp metadata: storage_data names '" + std::string(e.fqn) +
                      "' at the same offsets twice");
     }
+    *slot = (hash & 0xffffffff00000000ull) | (i + 1);
   }
   return Status::Ok();
 }
 
 Result<StorageEntry*> Interpreter::Claim(const StorageKey& key) {
-  auto it = index_.find(key);
-  if (it == index_.end()) {
-    return Corrupt("dcp metadata: no storage_data entry for '" + std::string(key.fqn) + "'" +
-                   (key.offsets ? " chunk" : ""));
+  // storage_data usually lists the chunks in state_dict order: try the entry after the one
+  // claimed last before hashing. Keys are unique (BuildIndex), so a match is the match.
+  StorageEntry* e = nullptr;
+  if (next_claim_ < entries_.size()) {
+    StorageEntry& next = entries_[next_claim_];
+    if (StorageKey{next.fqn, next.has_offsets ? &next.offsets : nullptr} == key) e = &next;
   }
-  StorageEntry* e = &entries_[it->second];
+  if (e == nullptr) {
+    uint64_t slot = slots_.empty() ? 0 : *FindSlot(key, HashKey(key));
+    if (slot == 0) {
+      return Corrupt("dcp metadata: no storage_data entry for '" + std::string(key.fqn) + "'" +
+                     (key.offsets ? " chunk" : ""));
+    }
+    e = &entries_[(slot & 0xffffffffu) - 1];
+  }
+  next_claim_ = static_cast<size_t>(e - entries_.data()) + 1;
   if (e->used) {
     return Corrupt("dcp metadata: '" + std::string(key.fqn) + "' lists one chunk twice");
   }

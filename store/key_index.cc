@@ -17,17 +17,36 @@
 
 namespace ckptfs::store {
 namespace {
+double TmpCpu() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+#define TMPT(name)                                           \
+  do {                                                       \
+    double _n = TmpCpu();                                    \
+    fprintf(stderr, "  [t] %-20s %.1f\n", name, _n - tmp_t); \
+    tmp_t = _n;                                              \
+  } while (0)
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-// "i/" record and item value format. 2: checksums are CRC32C (1 was XXH3-64): an index of an
-// older format is rebuilt on first use, like any missing one.
-constexpr int kFormat = 2;
-constexpr uint8_t kValueVersion = 2;
+// "i/" record and block layout. 3: blocks of items, CRC32C checksums (2: one key per item,
+// CRC32C; 1: one key per item, XXH3-64). An index of an older format is rebuilt on first use,
+// like any missing one.
+constexpr int kFormat = 3;
+constexpr uint8_t kValueVersion = 2;  // one item's encoding (checksum = CRC32C)
+constexpr uint8_t kBlockVersion = 1;
+constexpr size_t kItemsPerBlock = 256;
 constexpr uint64_t kMaxMetadataBytes = 256ull << 20;  // PickleLimits::max_input_bytes
 constexpr size_t kWindowCapacity = 4u << 20;
 constexpr size_t kReadAhead = 256u << 10;
+// Items up to this size are parsed from one view of the whole item (they are read anyway,
+// since windows are bigger than they are); larger ones only through their head and tail.
+constexpr uint64_t kWholeItemMax = 64u << 10;
+// A large item's zip directory is read with this much before the item's end.
+constexpr uint64_t kTailWindow = 64u << 10;
 constexpr auto kMissingRetry = std::chrono::seconds(1);
 
 std::string Join(const std::string& ckpt, const std::string& name) {
@@ -36,11 +55,20 @@ std::string Join(const std::string& ckpt, const std::string& name) {
 
 std::string InfoKey(const std::string& ckpt) { return "i/" + ckpt; }
 std::string ItemPrefix(const std::string& ckpt) { return "k/" + ckpt + '\0'; }
+std::string BlockKey(const std::string& prefix, const std::string& file, uint32_t block) {
+  std::string key;
+  key.reserve(prefix.size() + file.size() + 5);
+  key.append(prefix).append(file).push_back('\0');
+  for (int i = 3; i >= 0; --i) key.push_back(static_cast<char>((block >> (8 * i)) & 0xff));
+  return key;
+}
 
 void AppendBigEndian(std::string* out, uint64_t v) {
   for (int i = 7; i >= 0; --i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
 
+// The item's key (fqn, then bytes or the chunk offsets) as one string, for matching the items
+// of an index against a fresh parse of the .metadata (Verify).
 std::string ItemSuffix(const IndexedItem& item) {
   std::string s = item.fqn;
   s.push_back('\0');
@@ -55,49 +83,74 @@ std::string ItemSuffix(const IndexedItem& item) {
 
 // --- Binary value encoding ----------------------------------------------------------------
 
-void PutVarint(std::string* out, uint64_t v) {
-  while (v >= 0x80) {
-    out->push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  out->push_back(static_cast<char>(v));
-}
 uint64_t ZigZag(int64_t v) {
   return (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63);
 }
 int64_t UnZigZag(uint64_t v) { return static_cast<int64_t>((v >> 1) ^ (~(v & 1) + 1)); }
-void PutString(std::string* out, std::string_view s) {
-  PutVarint(out, s.size());
-  out->append(s);
-}
-void PutInts(std::string* out, const std::vector<int64_t>& v) {
-  PutVarint(out, v.size());
-  for (int64_t x : v) PutVarint(out, ZigZag(x));
+
+// Writes through a raw cursor into room the caller sized (std::string::push_back per byte
+// cost more than the rest of the build's encoding).
+class Writer {
+ public:
+  explicit Writer(char* p) : p_(p) {}
+  char* pos() const { return p_; }
+  void Byte(uint8_t b) { *p_++ = static_cast<char>(b); }
+  void Varint(uint64_t v) {
+    while (v >= 0x80) {
+      *p_++ = static_cast<char>(v | 0x80);
+      v >>= 7;
+    }
+    *p_++ = static_cast<char>(v);
+  }
+  void String(std::string_view s) {
+    Varint(s.size());
+    std::memcpy(p_, s.data(), s.size());
+    p_ += s.size();
+  }
+  void Ints(const std::vector<int64_t>& v) {
+    Varint(v.size());
+    for (int64_t x : v) Varint(ZigZag(x));
+  }
+
+ private:
+  char* p_;
+};
+
+constexpr size_t kMaxVarint = 10;
+
+// Bytes EncodeItem() writes at most.
+size_t EncodedBound(const IndexedItem& item) {
+  size_t n =
+      3 + 8 * kMaxVarint + 3 * kMaxVarint + item.fqn.size() + item.dtype.size() + item.file.size();
+  n += (4 + item.chunk_offsets.size() + item.chunk_sizes.size() + item.global_size.size() +
+        item.stride.size()) *
+       kMaxVarint;
+  n += kMaxVarint;
+  for (const std::string& t : item.transforms) n += kMaxVarint + t.size();
+  return n;
 }
 
-std::string EncodeItem(const IndexedItem& item) {
-  std::string out;
-  out.reserve(64 + item.fqn.size() + item.file.size());
-  out.push_back(static_cast<char>(kValueVersion));
-  out.push_back(static_cast<char>(item.kind));
-  out.push_back(static_cast<char>((item.has_checksum ? 1 : 0) | (item.is_bytes ? 2 : 0)));
-  PutVarint(&out, item.ordinal);
-  PutString(&out, item.fqn);
-  PutString(&out, item.dtype);
-  PutString(&out, item.file);
-  PutVarint(&out, item.offset);
-  PutVarint(&out, item.length);
-  PutVarint(&out, item.raw_offset);
-  PutVarint(&out, item.raw_nbytes);
-  PutVarint(&out, ZigZag(item.storage_offset));
-  PutVarint(&out, item.checksum);
-  PutInts(&out, item.chunk_offsets);
-  PutInts(&out, item.chunk_sizes);
-  PutInts(&out, item.global_size);
-  PutInts(&out, item.stride);
-  PutVarint(&out, item.transforms.size());
-  for (const std::string& t : item.transforms) PutString(&out, t);
-  return out;
+// Writes the encoding of `item`; `w` has EncodedBound(item) bytes of room.
+void EncodeItem(const IndexedItem& item, Writer& w) {
+  w.Byte(kValueVersion);
+  w.Byte(static_cast<uint8_t>(item.kind));
+  w.Byte((item.has_checksum ? 1 : 0) | (item.is_bytes ? 2 : 0));
+  w.Varint(item.ordinal);
+  w.String(item.fqn);
+  w.String(item.dtype);
+  w.String(item.file);
+  w.Varint(item.offset);
+  w.Varint(item.length);
+  w.Varint(item.raw_offset);
+  w.Varint(item.raw_nbytes);
+  w.Varint(ZigZag(item.storage_offset));
+  w.Varint(item.checksum);
+  w.Ints(item.chunk_offsets);
+  w.Ints(item.chunk_sizes);
+  w.Ints(item.global_size);
+  w.Ints(item.stride);
+  w.Varint(item.transforms.size());
+  for (const std::string& t : item.transforms) w.String(t);
 }
 
 class Decoder {
@@ -128,6 +181,13 @@ class Decoder {
     std::string s(in_.substr(0, n));
     in_.remove_prefix(n);
     return s;
+  }
+  // The next n bytes, as a view.
+  std::string_view Bytes(uint64_t n) {
+    if (n > in_.size()) return (Fail(), std::string_view());
+    std::string_view v = in_.substr(0, n);
+    in_.remove_prefix(n);
+    return v;
   }
   std::vector<int64_t> Ints() {
     uint64_t n = Varint();
@@ -177,29 +237,87 @@ bool DecodeItem(std::string_view in, IndexedItem* item) {
   return d.done();
 }
 
+// A block: kBlockVersion, the item count (varint), then each item's encoding preceded by its
+// length (4 bytes, little-endian).
+void EncodeBlock(const std::vector<IndexedItem>& items, std::span<const uint32_t> ordinals,
+                 std::string* out) {
+  size_t bound = 1 + kMaxVarint;
+  for (uint32_t i : ordinals) bound += 4 + EncodedBound(items[i]);
+  const size_t start = out->size();
+  out->resize(start + bound);
+  Writer w(out->data() + start);
+  w.Byte(kBlockVersion);
+  w.Varint(ordinals.size());
+  for (uint32_t i : ordinals) {
+    char* len_at = w.pos();
+    Writer item(len_at + 4);
+    EncodeItem(items[i], item);
+    uint32_t len = static_cast<uint32_t>(item.pos() - (len_at + 4));
+    for (int b = 0; b < 4; ++b) len_at[b] = static_cast<char>((len >> (8 * b)) & 0xff);
+    w = item;
+  }
+  out->resize(static_cast<size_t>(w.pos() - out->data()));
+}
+
+// Appends the items of block `in` to `items`; false if it is malformed.
+bool DecodeBlock(std::string_view in, std::vector<IndexedItem>* items) {
+  Decoder d(in);
+  if (d.Byte() != kBlockVersion) return false;
+  uint64_t n = d.Varint();
+  if (!d.ok() || n > in.size()) return false;
+  for (uint64_t i = 0; i < n; ++i) {
+    std::string_view len = d.Bytes(4);
+    if (!d.ok()) return false;
+    uint32_t n_item = 0;
+    for (int b = 0; b < 4; ++b) n_item |= uint32_t{static_cast<uint8_t>(len[b])} << (8 * b);
+    std::string_view one = d.Bytes(n_item);
+    if (!d.ok() || !DecodeItem(one, &items->emplace_back())) return false;
+  }
+  return d.done();
+}
+
 // --- Reading items ------------------------------------------------------------------------
 
-// Serves reads of one open shard file from a read-ahead window, so that the small reads of
-// the zip reader over many back-to-back items cost few syscalls.
+// Serves reads of one open shard file from two read-ahead windows, so that the small reads
+// of the zip reader over many back-to-back items cost few syscalls. Two, because the zip
+// reader of a large item reads its tail (directory) before its head (data.pkl): the window
+// read for one item's tail runs on into the next item's head, and stays while the next
+// item's tail is read into the other.
 class WindowReader {
  public:
   WindowReader(BackingDir* dir, int fd, uint64_t file_size)
-      : dir_(dir), fd_(fd), size_(file_size), buf_(kWindowCapacity) {}
+      : dir_(dir), fd_(fd), size_(file_size) {}
 
-  // [off, off+len) of the file; len <= kWindowCapacity. Valid until the next call.
+  // [off, off+len) of the file; len <= kWindowCapacity. Valid until the second-next call.
+  // On a miss, the window read starts at `off`, or at `tail_start_` when `off` lies in the
+  // tail of the item being read (see ItemReader).
   Result<std::string_view> View(uint64_t off, size_t len) {
     if (off > size_ || size_ - off < len) return Corrupt("read past the end of the file");
-    if (off >= buf_off_ && off + len <= buf_off_ + buf_len_) {
-      return std::string_view(buf_.data() + (off - buf_off_), len);
+    for (Slot& w : slots_) {
+      if (w.len > 0 && off >= w.off && off + len <= w.off + w.len) {
+        w.used = ++clock_;
+        return std::string_view(w.buf.get() + (off - w.off), len);
+      }
+    }
+    uint64_t start = off;
+    if (off >= tail_start_ && off < tail_end_) start = tail_start_;
+    Slot& w = slots_[0].used <= slots_[1].used ? slots_[0] : slots_[1];
+    if (!w.buf) w.buf.reset(new char[kWindowCapacity]);  // not zeroed: read into at once
+    uint64_t need = off + len - start;  // <= kWindowCapacity: the tail is at most 64 KiB
+    if (need > kWindowCapacity) {
+      start = off;
+      need = len;
     }
     size_t want = static_cast<size_t>(std::min<uint64_t>(
-        std::max(len, kReadAhead), std::min<uint64_t>(kWindowCapacity, size_ - off)));
-    buf_len_ = 0;
-    CKPT_ASSIGN_OR_RETURN(size_t got, dir_->PRead(fd_, buf_.data(), want, static_cast<off_t>(off)));
-    if (got < len) return Corrupt("short read (file shrank?)");
-    buf_off_ = off;
-    buf_len_ = got;
-    return std::string_view(buf_.data(), len);
+        std::max<uint64_t>(need, kReadAhead), std::min<uint64_t>(kWindowCapacity, size_ - start)));
+    w.len = 0;
+    CKPT_ASSIGN_OR_RETURN(size_t got,
+                          dir_->PRead(fd_, w.buf.get(), want, static_cast<off_t>(start)));
+    if (got < need) return Corrupt("short read (file shrank?)");
+    w.off = start;
+    w.len = got;
+    w.used = ++clock_;
+    return std::string_view(w.buf.get() + (off - start), len);
   }
 
   Status ReadInto(uint64_t off, std::span<char> dst) {
@@ -225,7 +343,11 @@ class WindowReader {
     return crc;
   }
 
+  // Reads of the item [item_offset, item_offset+item_length), for the zip reader. Also makes
+  // a miss in the item's last kTailWindow bytes read that whole tail at once.
   ReadAtFn ItemReader(uint64_t item_offset, uint64_t item_length) {
+    tail_end_ = item_offset + item_length;
+    tail_start_ = tail_end_ - std::min(item_length, kTailWindow);
     return [this, item_offset, item_length](uint64_t rel, std::span<char> dst) -> Status {
       if (rel > item_length || item_length - rel < dst.size()) {
         return Corrupt("read past the end of the item");
@@ -234,13 +356,30 @@ class WindowReader {
     };
   }
 
+  // Parses the torch.save archive of the item [offset, offset+length): a small item from
+  // one view of it, a large one through reads of its head and tail only.
+  Result<TorchSaveTensor> ParseItem(uint64_t offset, uint64_t length, TorchPickleCache* cache) {
+    if (length <= kWholeItemMax) {
+      Result<std::string_view> whole = View(offset, static_cast<size_t>(length));
+      if (!whole.ok()) return whole.status();
+      return ParseTorchSaveItem(*whole, cache);
+    }
+    return ParseTorchSaveItem(ItemReader(offset, length), length, cache);
+  }
+
  private:
+  struct Slot {
+    std::unique_ptr<char[]> buf;
+    uint64_t off = 0;
+    size_t len = 0;
+    uint64_t used = 0;  // clock_ at the last hit: the older slot is refilled
+  };
   BackingDir* dir_;
   int fd_;
   uint64_t size_;
-  std::vector<char> buf_;
-  uint64_t buf_off_ = 0;
-  size_t buf_len_ = 0;
+  Slot slots_[2];
+  uint64_t clock_ = 0;
+  uint64_t tail_start_ = 0, tail_end_ = 0;
 };
 
 struct OpenedFile {
@@ -311,41 +450,30 @@ IndexedItem FromDcp(D&& d, uint32_t ordinal) {
   return it;
 }
 
-// What ResolveItemData() checks against the archive.
-DcpItem ToDcp(const IndexedItem& it) {
-  DcpItem d;
-  d.kind = it.kind;
-  d.fqn = it.fqn;
-  d.chunk_sizes = it.chunk_sizes;
-  d.dtype = it.dtype;
-  d.file = it.file;
-  d.offset = it.offset;
-  d.length = it.length;
-  d.is_bytes = it.is_bytes;
-  return d;
-}
-
 // Resolves a kTensor item from its archive; turns it kOpaque (with `*error`) when the
 // archive is broken or contradicts the metadata. Opaque-by-design archives (compressed,
-// big-endian, ...) turn kOpaque without an error.
-void ResolveTensor(WindowReader* reader, IndexedItem* item, std::string* error) {
-  Result<TorchSaveTensor> t =
-      ParseTorchSaveItem(reader->ItemReader(item->offset, item->length), item->length);
+// big-endian, ...) turn kOpaque without an error. The same as ResolveItemData() on the item.
+void ResolveTensor(WindowReader* reader, IndexedItem* item, std::string* error,
+                   TorchPickleCache* cache) {
+  Result<TorchSaveTensor> t = reader->ParseItem(item->offset, item->length, cache);
   Status st = t.ok() ? Status::Ok() : t.status();
-  DcpItem d = ToDcp(*item);
-  if (st.ok()) st = ResolveItemData(*t, &d);
+  if (st.ok() && !t->is_tensor) {
+    item->kind = ItemKind::kOpaque;
+    return;
+  }
+  if (st.ok()) {
+    st = CheckItemData(
+        *t, ItemFacts{item->fqn, item->file, item->dtype, item->chunk_sizes, item->length});
+  }
   if (!st.ok()) {
     item->kind = ItemKind::kOpaque;
     *error = st.ToString();
     return;
   }
-  item->kind = d.kind;
-  if (d.data_resolved) {
-    item->raw_offset = d.raw_offset;
-    item->raw_nbytes = d.raw_nbytes;
-    item->stride = d.stride;
-    item->storage_offset = d.storage_offset;
-  }
+  item->raw_offset = item->offset + t->data_offset;
+  item->raw_nbytes = t->data_nbytes;
+  item->stride = std::move(t->stride);
+  item->storage_offset = t->storage_offset;
 }
 
 struct MetadataId {
@@ -365,27 +493,71 @@ const char* StateName(int s) {
   return kNames[s];
 }
 
-// Orders items by (file, offset) so each shard file is opened once and read forward.
-std::vector<uint32_t> FileOrder(const std::vector<IndexedItem>& items) {
-  std::vector<uint32_t> order(items.size());
-  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-    const IndexedItem &x = items[a], &y = items[b];
-    if (x.file != y.file) return x.file < y.file;
-    return x.offset < y.offset;
-  });
-  return order;
+// The items of one shard file, by (offset, ordinal).
+struct FileGroup {
+  std::string_view name;  // borrowed from the items
+  std::vector<uint32_t> idx;
+};
+
+// Groups items by file, files by name, so that each shard file is opened once and read
+// forward. Items usually come in offset order within a file already (DCP writes them so);
+// only a group that is not gets sorted.
+std::vector<FileGroup> GroupByFile(const std::vector<IndexedItem>& items) {
+  std::unordered_map<std::string_view, uint32_t> ids;
+  std::vector<FileGroup> groups;
+  std::string_view last;
+  uint32_t last_id = 0;
+  for (uint32_t i = 0; i < items.size(); ++i) {
+    std::string_view f = items[i].file;
+    if (groups.empty() || f != last) {
+      auto [it, added] = ids.try_emplace(f, static_cast<uint32_t>(groups.size()));
+      if (added) groups.push_back({f, {}});
+      last = f;
+      last_id = it->second;
+    }
+    groups[last_id].idx.push_back(i);
+  }
+  auto by_offset = [&](uint32_t a, uint32_t b) {
+    return items[a].offset != items[b].offset ? items[a].offset < items[b].offset : a < b;
+  };
+  for (FileGroup& g : groups) {
+    if (!std::is_sorted(g.idx.begin(), g.idx.end(), by_offset)) {
+      std::sort(g.idx.begin(), g.idx.end(), by_offset);
+    }
+  }
+  std::sort(groups.begin(), groups.end(),
+            [](const FileGroup& a, const FileGroup& b) { return a.name < b.name; });
+  return groups;
 }
 
-// Calls fn(file, indices) for each run of items of one file in `order`.
-template <typename Fn>
-void ForEachFile(const std::vector<IndexedItem>& items, const std::vector<uint32_t>& order, Fn fn) {
-  for (size_t b = 0; b < order.size();) {
-    size_t e = b;
-    while (e < order.size() && items[order[e]].file == items[order[b]].file) ++e;
-    fn(items[order[b]].file, std::span<const uint32_t>(order.data() + b, e - b));
-    b = e;
+// The first item whose key (fqn, bytes or chunk offsets) an earlier item has already, or -1.
+// Open addressing over item indices: no allocation per item.
+ptrdiff_t FirstDuplicateKey(const std::vector<IndexedItem>& items) {
+  auto same = [&](uint32_t a, uint32_t b) {
+    const IndexedItem &x = items[a], &y = items[b];
+    return x.is_bytes == y.is_bytes && x.fqn == y.fqn && x.chunk_offsets == y.chunk_offsets;
+  };
+  auto hash = [&](uint32_t i) {
+    const IndexedItem& it = items[i];
+    uint64_t h = XXH3_64bits_withSeed(it.chunk_offsets.data(),
+                                      it.chunk_offsets.size() * sizeof(int64_t), it.is_bytes);
+    return XXH3_64bits_withSeed(it.fqn.data(), it.fqn.size(), h);
+  };
+  constexpr uint32_t kEmpty = 0xffffffffu;
+  size_t capacity = 16;
+  while (capacity < items.size() * 2) capacity *= 2;  // at most half full
+  std::vector<uint32_t> slots(capacity, kEmpty);
+  const size_t mask = capacity - 1;
+  for (uint32_t i = 0; i < items.size(); ++i) {
+    for (size_t s = hash(i) & mask;; s = (s + 1) & mask) {
+      if (slots[s] == kEmpty) {
+        slots[s] = i;
+        break;
+      }
+      if (same(slots[s], i)) return i;
+    }
   }
+  return -1;
 }
 
 }  // namespace
@@ -419,26 +591,73 @@ std::shared_ptr<std::mutex> KeyIndex::BuildMutex(const std::string& ckpt) {
 }
 
 void KeyIndex::BuildFileMaps(CkptIndex* index) {
+  index->maps.clear();
   index->files.clear();
-  std::vector<uint32_t> order = FileOrder(index->items);
-  ForEachFile(index->items, order, [&](const std::string& file, std::span<const uint32_t> idx) {
-    FileMap& map = index->files[file];
-    map.begins.reserve(idx.size());
-    map.ends.reserve(idx.size());
-    map.items.reserve(idx.size());
-    for (uint32_t i : idx) {
+  index->places.assign(index->items.size(), Place{});
+  std::vector<FileGroup> groups = GroupByFile(index->items);
+  index->maps.reserve(groups.size());
+  index->files.reserve(groups.size());
+  for (FileGroup& g : groups) {
+    const uint32_t m = static_cast<uint32_t>(index->maps.size());
+    FileMap& map = index->maps.emplace_back();
+    map.name = std::string(g.name);
+    index->files.emplace(map.name, m);
+    map.all = std::move(g.idx);
+    map.begins.reserve(map.all.size());
+    map.spans.reserve(map.all.size());
+    for (uint32_t pos = 0; pos < map.all.size(); ++pos) {
+      const uint32_t i = map.all[pos];
       const IndexedItem& it = index->items[i];
+      index->places[i] = Place{m, pos, -1};
       if (it.length == 0) continue;  // owns no byte
-      if (!map.ends.empty() && it.offset < map.ends.back() && index->error.empty()) {
+      if (!map.spans.empty() && it.offset - map.spans.back().offset < map.spans.back().length &&
+          index->error.empty()) {
         index->state = State::kPartial;
-        index->error = "items overlap in " + file + ": " + KeyName(index->items[map.items.back()]) +
-                       " and " + KeyName(it);
+        index->error = "items overlap in " + map.name + ": " +
+                       KeyName(index->items[map.spans.back().ordinal]) + " and " + KeyName(it);
       }
+      index->places[i].span = static_cast<int32_t>(map.spans.size());
       map.begins.push_back(it.offset);
-      map.ends.push_back(it.offset + it.length);
-      map.items.push_back(i);
+      map.spans.push_back(Located{i, it.kind, it.has_checksum, it.offset, it.length, it.raw_offset,
+                                  it.raw_nbytes, it.checksum});
     }
-  });
+    for (size_t k = 0; k < map.begins.size(); k += FileMap::kSample) {
+      map.sample.push_back(map.begins[k]);
+    }
+  }
+}
+
+void KeyIndex::SetChecksum(CkptIndex* index, uint32_t ordinal, uint64_t checksum) {
+  IndexedItem& it = index->items[ordinal];
+  it.checksum = checksum;
+  it.has_checksum = true;
+  const Place& p = index->places[ordinal];
+  if (p.span >= 0) {
+    Located& l = index->maps[p.map].spans[p.span];
+    l.checksum = checksum;
+    l.has_checksum = true;
+  }
+}
+
+std::vector<std::pair<std::string, std::string>> KeyIndex::EncodeBlocksOf(
+    const std::string& ckpt, const CkptIndex& index, const std::vector<uint32_t>& ordinals) {
+  std::set<std::pair<uint32_t, uint32_t>> blocks;  // (map, block)
+  for (uint32_t i : ordinals) {
+    const Place& p = index.places[i];
+    blocks.emplace(p.map, static_cast<uint32_t>(p.pos / kItemsPerBlock));
+  }
+  const std::string prefix = ItemPrefix(ckpt);
+  std::vector<std::pair<std::string, std::string>> out;
+  out.reserve(blocks.size());
+  for (auto [m, b] : blocks) {
+    const FileMap& map = index.maps[m];
+    std::span<const uint32_t> all(map.all);
+    size_t first = size_t{b} * kItemsPerBlock;
+    auto& [key, value] = out.emplace_back(BlockKey(prefix, map.name, b), std::string());
+    EncodeBlock(index.items, all.subspan(first, std::min(kItemsPerBlock, all.size() - first)),
+                &value);
+  }
+  return out;
 }
 
 Status KeyIndex::Build(const std::string& ckpt, bool checksums) {
@@ -455,6 +674,7 @@ Status KeyIndex::BuildFrom(const std::string& ckpt, const DcpMetadata& md, bool 
 
 Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, bool checksums) {
   Clock::time_point start = Clock::now();
+  double tmp_t = TmpCpu();
   const std::string md_path = Join(ckpt, ".metadata");
   auto index = std::make_unique<CkptIndex>();
   MetadataId id;
@@ -487,6 +707,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
     Result<std::string> bytes = ReadWhole(dir_, md_path, kMaxMetadataBytes);
     parsed = bytes.ok() ? ParseDcpMetadata(*bytes) : Result<DcpMetadata>(bytes.status());
   }
+  TMPT("metadata");
   const DcpMetadata* md = given != nullptr ? given : (parsed.ok() ? &*parsed : nullptr);
   auto since = [](Clock::time_point t) {
     return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
@@ -494,7 +715,6 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
   const double parse_ms = since(start);
   Clock::time_point phase = Clock::now();
   Status result = Status::Ok();
-  std::vector<std::string> keys;  // ItemSuffix of each item
 
   if (md == nullptr) {
     index->state = State::kFailed;
@@ -512,19 +732,12 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
         index->items.push_back(FromDcp(d, static_cast<uint32_t>(index->items.size())));
       }
     }
-    keys.reserve(index->items.size());
-    for (const IndexedItem& it : index->items) keys.push_back(ItemSuffix(it));
-    std::unordered_set<std::string_view> distinct;
-    distinct.reserve(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) {
-      if (!distinct.insert(keys[i]).second) {
-        index->state = State::kFailed;
-        index->error = ".metadata: duplicate key " + KeyName(index->items[i]);
-        index->items.clear();
-        keys.clear();
-        result = Status(Code::kCorrupt, "index of '" + ckpt + "': " + index->error);
-        break;
-      }
+    ptrdiff_t dup = FirstDuplicateKey(index->items);
+    if (dup >= 0) {
+      index->state = State::kFailed;
+      index->error = ".metadata: duplicate key " + KeyName(index->items[dup]);
+      index->items.clear();
+      result = Status(Code::kCorrupt, "index of '" + ckpt + "': " + index->error);
     }
   }
 
@@ -535,23 +748,25 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
   };
   uint64_t with_sum = 0, from_blocks = 0, read_items = 0, read_bytes = 0;
   std::vector<std::string> used_block_crcs;
-  std::vector<uint32_t> order = FileOrder(index->items);
-  ForEachFile(index->items, order, [&](const std::string& file, std::span<const uint32_t> idx) {
+  TorchPickleCache pickle_cache;
+  TMPT("fromdcp+dups");
+  for (const FileGroup& g : GroupByFile(index->items)) {
+    const std::string file(g.name);
     const std::string path = Join(ckpt, file);
     Result<OpenedFile> f = OpenShard(dir_, path);
     auto& sums = known_sums[file];
     if (!f.ok()) {
-      for (uint32_t i : idx) {
+      for (uint32_t i : g.idx) {
         IndexedItem& it = index->items[i];
         if (it.kind == ItemKind::kTensor) it.kind = ItemKind::kOpaque;
         note(it, f.status().ToString());
       }
-      return;
+      continue;
     }
     WindowReader reader(dir_, f->fd.get(), f->size);
     std::shared_ptr<const BlockCrcMap> blocks = BlockCrcsFor(path, f->key);
     if (blocks) used_block_crcs.push_back(path);
-    for (uint32_t i : idx) {
+    for (uint32_t i : g.idx) {
       IndexedItem& it = index->items[i];
       if (it.offset > f->size || f->size - it.offset < it.length) {
         if (it.kind == ItemKind::kTensor) it.kind = ItemKind::kOpaque;
@@ -560,7 +775,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
       }
       if (it.kind == ItemKind::kTensor) {
         std::string error;
-        ResolveTensor(&reader, &it, &error);
+        ResolveTensor(&reader, &it, &error, &pickle_cache);
         if (!error.empty()) note(it, error);
       }
       auto known = sums.find({it.offset, it.length});
@@ -590,7 +805,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
       }
       if (it.has_checksum) ++with_sum;
     }
-  });
+  }
   if (checksums && !used_block_crcs.empty()) {
     // Every item of those files now has its checksum in the index: the maps are done.
     std::unique_lock lock(mu_);
@@ -600,8 +815,10 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
     index->state = State::kPartial;
     index->error = std::to_string(unresolved) + " item(s) not resolved; first: " + first_error;
   }
+  TMPT("items");
   BuildFileMaps(index.get());
   const double items_ms = since(phase);
+  TMPT("filemaps");
   phase = Clock::now();
 
   double build_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
@@ -618,15 +835,22 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
                  {"read_items", read_items},
                  {"read_bytes", read_bytes}}},
                {"metadata", {{"size", id.size}, {"mtime_ns", id.mtime_ns}, {"ino", id.ino}}}};
-  Status persisted = Persist(ckpt, *index, keys, info.dump());
-  const double persist_ms = since(phase);
-  if (!persisted.ok()) {
-    spdlog::warn("key index: cannot persist the index of '{}': {}", ckpt, persisted.ToString());
-  }
   State state = index->state;
   std::string error = index->error;
   size_t n = index->items.size();
-  Install(ckpt, std::move(index));
+  double persist_ms = 0;
+  {
+    // Checksums recorded from now on wait, so that they reach RocksDB after these blocks.
+    std::lock_guard persist_lock(persist_mu_);
+    tmp_t = TmpCpu();
+    Status persisted = Persist(ckpt, *index, info.dump());
+    TMPT("persist");
+    persist_ms = since(phase);
+    if (!persisted.ok()) {
+      spdlog::warn("key index: cannot persist the index of '{}': {}", ckpt, persisted.ToString());
+    }
+    Install(ckpt, std::move(index));
+  }
   if (state == State::kOk) {
     spdlog::info(
         "key index: indexed '{}': {} items in {:.1f} ms (metadata {:.1f}, items {:.1f}, "
@@ -640,13 +864,17 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
   return result;
 }
 
-Status KeyIndex::Persist(const std::string& ckpt, const CkptIndex& index,
-                         const std::vector<std::string>& suffixes, const std::string& info) {
+Status KeyIndex::Persist(const std::string& ckpt, const CkptIndex& index, const std::string& info) {
   const std::string prefix = ItemPrefix(ckpt);
   std::vector<std::pair<std::string, std::string>> puts;
-  puts.reserve(index.items.size() + 1);
-  for (size_t i = 0; i < index.items.size(); ++i) {
-    puts.emplace_back(prefix + suffixes[i], EncodeItem(index.items[i]));
+  for (const FileMap& map : index.maps) {
+    std::span<const uint32_t> all(map.all);
+    for (size_t first = 0; first < all.size(); first += kItemsPerBlock) {
+      auto& [key, value] = puts.emplace_back(
+          BlockKey(prefix, map.name, static_cast<uint32_t>(first / kItemsPerBlock)), std::string());
+      EncodeBlock(index.items, all.subspan(first, std::min(kItemsPerBlock, all.size() - first)),
+                  &value);
+    }
   }
   puts.emplace_back(InfoKey(ckpt), info);
   // Keys of an earlier build that this one does not overwrite.
@@ -666,30 +894,27 @@ Status KeyIndex::Persist(const std::string& ckpt, const CkptIndex& index,
 }
 
 void KeyIndex::Install(const std::string& ckpt, std::unique_ptr<CkptIndex> index) {
-  std::vector<IndexedItem> changed;
+  std::vector<std::pair<std::string, std::string>> puts;
   {
     std::unique_lock lock(mu_);
     // Checksums recorded while this index was being built.
     auto pending = pending_sums_.find(ckpt);
     if (pending != pending_sums_.end() && index->state != State::kMissing) {
+      std::vector<uint32_t> changed;
       for (IndexedItem& it : index->items) {
         auto f = pending->second.find(it.file);
         if (f == pending->second.end()) continue;
         auto s = f->second.find({it.offset, it.length});
         if (s == f->second.end()) continue;
-        it.checksum = s->second;
-        it.has_checksum = true;
-        changed.push_back(it);
+        SetChecksum(index.get(), it.ordinal, s->second);
+        changed.push_back(it.ordinal);
       }
       pending_sums_.erase(pending);
+      if (!changed.empty()) puts = EncodeBlocksOf(ckpt, *index, changed);
     }
     ckpts_[ckpt] = std::move(index);
   }
-  if (!changed.empty()) {
-    std::vector<std::pair<std::string, std::string>> puts;
-    for (const IndexedItem& it : changed) {
-      puts.emplace_back(ItemPrefix(ckpt) + ItemSuffix(it), EncodeItem(it));
-    }
+  if (!puts.empty()) {
     Status st = db_->Write(puts, {});
     if (!st.ok()) spdlog::warn("key index: persist checksums of '{}': {}", ckpt, st.ToString());
   }
@@ -727,25 +952,31 @@ Status KeyIndex::LoadFromDb(const std::string& ckpt, bool* found) {
   Result<struct stat> st = dir_->Stat(Join(ckpt, ".metadata"));
   if (!st.ok() || !(IdOf(*st) == recorded)) return Status::Ok();
 
+  // Blocks hold items in file order; each item's ordinal says where it goes.
   bool bad = false;
-  index->items.reserve(count);
+  std::vector<IndexedItem> loaded;
+  loaded.reserve(count);
   CKPT_RETURN_IF_ERROR(db_->Scan(ItemPrefix(ckpt), [&](std::string_view, std::string_view v) {
-    IndexedItem it;
-    if (!DecodeItem(v, &it)) bad = true;
-    index->items.push_back(std::move(it));
+    if (!bad && (!DecodeBlock(v, &loaded) || loaded.size() > count)) bad = true;
   }));
-  if (bad || index->items.size() != count) return Status::Ok();
-  std::sort(index->items.begin(), index->items.end(),
-            [](const IndexedItem& a, const IndexedItem& b) { return a.ordinal < b.ordinal; });
-  for (uint32_t i = 0; i < index->items.size(); ++i) {
-    if (index->items[i].ordinal != i) return Status::Ok();
+  if (bad || loaded.size() != count) return Status::Ok();
+  index->items.resize(count);
+  std::vector<bool> seen(count);
+  for (IndexedItem& it : loaded) {
+    if (it.ordinal >= count || seen[it.ordinal]) return Status::Ok();
+    seen[it.ordinal] = true;
+    index->items[it.ordinal] = std::move(it);
   }
+  loaded = {};
   State state = index->state;
   std::string error = index->error;
   BuildFileMaps(index.get());
   index->state = state;  // overlaps were already recorded at build time
   index->error = error;
-  Install(ckpt, std::move(index));
+  {
+    std::lock_guard persist_lock(persist_mu_);
+    Install(ckpt, std::move(index));
+  }
   *found = true;
   return Status::Ok();
 }
@@ -793,34 +1024,37 @@ auto KeyIndex::WithItemAt(const std::string& ckpt, const std::string& file, uint
         const CkptIndex& index = *it->second;
         if (index.state != State::kMissing || Clock::now() < index.retry_after) {
           auto f = index.files.find(file);
-          if (f == index.files.end()) return fn(nullptr);
-          ptrdiff_t i = f->second.Find(offset);
-          return fn(i < 0 ? nullptr : &index.items[f->second.items[i]]);
+          if (f == index.files.end()) return fn(index, nullptr);
+          const FileMap& map = index.maps[f->second];
+          ptrdiff_t i = map.Find(offset);
+          return fn(index, i < 0 ? nullptr : &map.spans[i]);
         }
       }
     }
     if (attempt > 0 || !Ensure(ckpt, /*checksums=*/false).ok()) {
+      static const CkptIndex kNone;
       std::shared_lock lock(mu_);  // fn's contract: called under the lock
-      return fn(nullptr);
+      return fn(kNone, nullptr);
     }
   }
 }
 
 std::optional<IndexedItem> KeyIndex::Resolve(const std::string& ckpt, const std::string& file,
                                              uint64_t offset) {
-  return WithItemAt(ckpt, file, offset, [](const IndexedItem* it) -> std::optional<IndexedItem> {
-    if (it == nullptr) return std::nullopt;
-    return *it;
-  });
+  return WithItemAt(ckpt, file, offset,
+                    [](const CkptIndex& index, const Located* l) -> std::optional<IndexedItem> {
+                      if (l == nullptr) return std::nullopt;
+                      return index.items[l->ordinal];
+                    });
 }
 
 std::optional<KeyIndex::Located> KeyIndex::Locate(const std::string& ckpt, const std::string& file,
                                                   uint64_t offset) {
-  return WithItemAt(ckpt, file, offset, [](const IndexedItem* it) -> std::optional<Located> {
-    if (it == nullptr) return std::nullopt;
-    return Located{it->ordinal, it->kind,       it->has_checksum, it->offset,
-                   it->length,  it->raw_offset, it->raw_nbytes,   it->checksum};
-  });
+  return WithItemAt(ckpt, file, offset,
+                    [](const CkptIndex&, const Located* l) -> std::optional<Located> {
+                      if (l == nullptr) return std::nullopt;
+                      return *l;
+                    });
 }
 
 std::string KeyIndex::IndexError(const std::string& ckpt) {
@@ -879,15 +1113,16 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
     for (const auto& [key, it] : by_key) bad(KeyName(*it), "in the index but not in .metadata");
   }
 
-  std::vector<uint32_t> order = FileOrder(items);
-  ForEachFile(items, order, [&](const std::string& file, std::span<const uint32_t> idx) {
+  TorchPickleCache pickle_cache;
+  for (const FileGroup& g : GroupByFile(items)) {
+    const std::string file(g.name);
     Result<OpenedFile> f = OpenShard(dir_, Join(ckpt, file));
     if (!f.ok()) {
-      for (uint32_t i : idx) bad(KeyName(items[i]), f.status().ToString());
-      return;
+      for (uint32_t i : g.idx) bad(KeyName(items[i]), f.status().ToString());
+      continue;
     }
     WindowReader reader(dir_, f->fd.get(), f->size);
-    for (uint32_t i : idx) {
+    for (uint32_t i : g.idx) {
       const IndexedItem& it = items[i];
       ++report.items;
       if (it.offset > f->size || f->size - it.offset < it.length) {
@@ -898,7 +1133,7 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
       if (it.kind == ItemKind::kTensor) {
         IndexedItem again = it;
         std::string error;
-        ResolveTensor(&reader, &again, &error);
+        ResolveTensor(&reader, &again, &error, &pickle_cache);
         if (!error.empty()) {
           bad(KeyName(it), "archive: " + error);
           continue;
@@ -932,7 +1167,7 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
         bad(KeyName(it), buf);
       }
     }
-  });
+  }
   return report;
 }
 
@@ -952,16 +1187,16 @@ Result<uint64_t> KeyIndex::FillChecksums(const std::string& ckpt) {
   }
   uint64_t filled = 0;
   Status first_error;
-  std::vector<uint32_t> order = FileOrder(items);
-  ForEachFile(items, order, [&](const std::string& file, std::span<const uint32_t> idx) {
+  for (const FileGroup& g : GroupByFile(items)) {
+    const std::string file(g.name);
     Result<OpenedFile> f = OpenShard(dir_, Join(ckpt, file));
     if (!f.ok()) {
       if (first_error.ok()) first_error = f.status();
-      return;
+      continue;
     }
     WindowReader reader(dir_, f->fd.get(), f->size);
     std::vector<RangeChecksum> sums;
-    for (uint32_t i : idx) {
+    for (uint32_t i : g.idx) {
       const IndexedItem& it = items[i];
       if (it.offset > f->size || f->size - it.offset < it.length) continue;  // a broken item
       Result<uint32_t> h = reader.Crc(it.offset, it.length);
@@ -973,7 +1208,7 @@ Result<uint64_t> KeyIndex::FillChecksums(const std::string& ckpt) {
     }
     filled += sums.size();
     RecordChecksums(ckpt, file, sums);
-  });
+  }
   if (!first_error.ok() && filled == 0) return first_error;
   return filled;
 }
@@ -1020,7 +1255,9 @@ std::shared_ptr<const BlockCrcMap> KeyIndex::BlockCrcsFor(const std::string& pat
 
 void KeyIndex::RecordChecksums(const std::string& ckpt, const std::string& file,
                                const std::vector<RangeChecksum>& sums) {
-  std::vector<IndexedItem> changed;
+  std::vector<std::pair<std::string, std::string>> puts;
+  // Held until the write, so that blocks reach RocksDB in the order they were encoded.
+  std::lock_guard persist_lock(persist_mu_);
   {
     std::unique_lock lock(mu_);
     auto it = ckpts_.find(ckpt);
@@ -1032,21 +1269,19 @@ void KeyIndex::RecordChecksums(const std::string& ckpt, const std::string& file,
     CkptIndex& index = *it->second;
     auto f = index.files.find(file);
     if (f == index.files.end()) return;
+    const FileMap& map = index.maps[f->second];
+    std::vector<uint32_t> changed;
     for (const RangeChecksum& s : sums) {
-      ptrdiff_t i = f->second.Find(s.offset);
+      ptrdiff_t i = map.Find(s.offset);
       if (i < 0) continue;
-      IndexedItem& item = index.items[f->second.items[i]];
-      if (item.offset != s.offset || item.length != s.length) continue;
-      if (item.has_checksum && item.checksum == s.checksum) continue;
-      item.checksum = s.checksum;
-      item.has_checksum = true;
-      changed.push_back(item);
+      const Located& l = map.spans[i];
+      if (l.offset != s.offset || l.length != s.length) continue;
+      if (l.has_checksum && l.checksum == s.checksum) continue;
+      SetChecksum(&index, l.ordinal, s.checksum);
+      changed.push_back(l.ordinal);
     }
-  }
-  if (changed.empty()) return;
-  std::vector<std::pair<std::string, std::string>> puts;
-  for (const IndexedItem& it : changed) {
-    puts.emplace_back(ItemPrefix(ckpt) + ItemSuffix(it), EncodeItem(it));
+    if (changed.empty()) return;
+    puts = EncodeBlocksOf(ckpt, index, changed);
   }
   Status st = db_->Write(puts, {});
   if (!st.ok()) spdlog::warn("key index: persist checksums of '{}': {}", ckpt, st.ToString());

@@ -8,9 +8,10 @@
 //
 // RocksDB layout (the index is a cache: deleting the state dir loses nothing, it is rebuilt
 // from the backing store on first use):
-//   "k/" + ckpt + '\0' + fqn + '\0' + key suffix -> binary IndexedItem (see key_index.cc)
-//     where the suffix is 'b' for bytes items, else 't' + each chunk offset as 8 big-endian
-//     bytes with the sign bit flipped (so keys of one fqn sort by offsets).
+//   "k/" + ckpt + '\0' + file + '\0' + block (4 bytes, big-endian) -> the binary IndexedItems
+//     (see key_index.cc) of up to 256 items of `file`, in (offset, ordinal) order: block b
+//     holds that file's items b*256 to b*256+255. A 100,000-chunk checkpoint is ~400 values,
+//     not 100,000 keys, and a checksum recorded later rewrites one block.
 //   "i/" + ckpt -> JSON {format, state: ok|partial|failed, error, build_ms, built_at, items,
 //                        checksum: "crc32c", checksums: {items, from_blocks, read_items,
 //                        read_bytes}, metadata: {size, mtime_ns, ino}}
@@ -35,7 +36,8 @@
 // contradicts the metadata is kept as kOpaque (its bytes stay servable), and the checkpoint
 // is "partial" with an IndexError() naming the first such key.
 //
-// Thread-safe. Lock order: a checkpoint's build mutex, then mu_. No I/O under mu_.
+// Thread-safe. Lock order: a checkpoint's build mutex, then persist_mu_, then mu_. No I/O
+// under mu_.
 #pragma once
 
 #include <algorithm>
@@ -183,25 +185,41 @@ class KeyIndex {
   std::vector<std::string> IndexedCheckpoints();
 
  private:
-  // Items of one file with a non-empty range, sorted by begin. Parallel arrays so that the
-  // binary search touches only the dense `begins`.
+  // The items of one shard file. `all` is every item of the file by (offset, ordinal), the
+  // order they are persisted in. The items with a non-empty range, by offset, are in parallel
+  // arrays, so that the binary search touches only the dense `begins` (and a sample of every
+  // kSample-th of them, which stays in L1), and a lookup then reads one Located record,
+  // never the IndexedItem with its names and shapes.
   struct FileMap {
-    std::vector<uint64_t> begins, ends;
-    std::vector<uint32_t> items;
-    // Index of the entry containing `offset`, or -1.
+    static constexpr size_t kSample = 32;
+    std::string name;
+    std::vector<uint32_t> all;
+    std::vector<uint64_t> begins, sample;
+    std::vector<Located> spans;  // spans[i].offset == begins[i]
+    // Index of the span containing `offset`, or -1.
     ptrdiff_t Find(uint64_t offset) const {
-      auto it = std::upper_bound(begins.begin(), begins.end(), offset);
-      if (it == begins.begin()) return -1;
+      auto s = std::upper_bound(sample.begin(), sample.end(), offset);
+      if (s == sample.begin()) return -1;
+      size_t lo = (s - sample.begin() - 1) * kSample;
+      size_t hi = std::min(lo + kSample, begins.size());
+      auto it = std::upper_bound(begins.begin() + lo, begins.begin() + hi, offset);
       ptrdiff_t i = it - begins.begin() - 1;
-      return offset < ends[i] ? i : -1;
+      return offset - spans[i].offset < spans[i].length ? i : -1;
     }
+  };
+  // Where item `ordinal` is: maps[map], position `pos` in its `all`, span `span` (or -1).
+  struct Place {
+    uint32_t map = 0, pos = 0;
+    int32_t span = -1;
   };
   enum class State { kOk, kPartial, kFailed, kMissing };
   struct CkptIndex {
     State state = State::kOk;
     std::string error;
-    std::vector<IndexedItem> items;  // ordinal order
-    std::unordered_map<std::string, FileMap> files;
+    std::vector<IndexedItem> items;                     // ordinal order
+    std::vector<FileMap> maps;                          // by file name
+    std::unordered_map<std::string, uint32_t> files;    // name -> index into maps
+    std::vector<Place> places;                          // by ordinal
     std::chrono::steady_clock::time_point retry_after;  // kMissing only
   };
 
@@ -230,11 +248,18 @@ class KeyIndex {
   // and missing checkpoints (see the state).
   Status Ensure(const std::string& ckpt, bool checksums);
   Status LoadFromDb(const std::string& ckpt, bool* found);
+  // Installs `index` in memory, applying checksums recorded meanwhile. Caller holds
+  // persist_mu_ when `index` was persisted, so that those checksums reach RocksDB after it.
   void Install(const std::string& ckpt, std::unique_ptr<CkptIndex> index);
-  // Writes `index` (item i under key suffix suffixes[i]) and its "i/" record in one batch,
-  // deleting keys of an earlier build.
-  Status Persist(const std::string& ckpt, const CkptIndex& index,
-                 const std::vector<std::string>& suffixes, const std::string& info);
+  // Writes every block of `index` and its "i/" record in one batch, deleting blocks of an
+  // earlier build. Caller holds persist_mu_.
+  Status Persist(const std::string& ckpt, const CkptIndex& index, const std::string& info);
+  // The blocks of `index` that hold `ordinals`, encoded, under their keys.
+  static std::vector<std::pair<std::string, std::string>> EncodeBlocksOf(
+      const std::string& ckpt, const CkptIndex& index, const std::vector<uint32_t>& ordinals);
+  // Sets item `ordinal`'s checksum in the item and its span.
+  static void SetChecksum(CkptIndex* index, uint32_t ordinal, uint64_t checksum);
+  // Fills maps, files and places from items; marks the index partial when items overlap.
   static void BuildFileMaps(CkptIndex* index);
 
   BackingDir* const dir_;
@@ -243,6 +268,10 @@ class KeyIndex {
 
   std::mutex build_mu_map_mu_;
   std::map<std::string, std::weak_ptr<std::mutex>> build_mus_;  // GUARDED_BY(build_mu_map_mu_)
+
+  // Orders the RocksDB writes of the index (a build's blocks, then checksums recorded later),
+  // which are encoded under mu_ but written after it is released.
+  std::mutex persist_mu_;
 
   std::shared_mutex mu_;
   std::unordered_map<std::string, std::unique_ptr<CkptIndex>> ckpts_;  // GUARDED_BY(mu_)

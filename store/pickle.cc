@@ -1,5 +1,7 @@
 #include "store/pickle.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <bit>
 #include <cstring>
@@ -72,6 +74,15 @@ bool IsValidUtf8(std::string_view s) {
   const auto* p = reinterpret_cast<const uint8_t*>(s.data());
   size_t n = s.size(), i = 0;
   while (i < n) {
+    // Names and paths are ASCII: take 8 such bytes at a time.
+    if (n - i >= 8) {
+      uint64_t w;
+      std::memcpy(&w, p + i, 8);
+      if ((w & 0x8080808080808080ull) == 0) {
+        i += 8;
+        continue;
+      }
+    }
     uint8_t c = p[i];
     if (c < 0x80) {
       ++i;
@@ -103,9 +114,23 @@ bool IsValidUtf8(std::string_view s) {
   return true;
 }
 
+// Big buffers that are filled at once (a .metadata's nodes: tens of MiB) take a fraction of
+// the page faults with transparent huge pages, where the system leaves them to madvise.
+void AdviseHuge(void* p, size_t bytes) {
+  constexpr uintptr_t kHuge = 2u << 20;
+  if (bytes < 4 * kHuge) return;
+  uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
+
 }  // namespace
 
 // The symbolic pickle virtual machine. One instance parses one input.
+//
+// The hot path returns bool and keeps the first error in error_: a .metadata runs millions of
+// opcodes, and building and destroying a Status per opcode and per node used to cost more
+// than the opcodes themselves.
 class PickleMachine {
  public:
   PickleMachine(std::string_view in, const PickleLimits& limits) : in_(in), limits_(limits) {
@@ -119,16 +144,21 @@ class PickleMachine {
  private:
   using Node = PickleTree::Node;
 
-  Status Step(uint8_t op);
-  Status Err(std::string what) const {
-    return Corrupt("pickle: " + what + " (opcode " + Hex(op_) + " at offset " +
-                   std::to_string(op_pos_) + ")");
+  bool Step(uint8_t op);
+  // Records the first error (a Corrupt one naming the current opcode) and returns false.
+  bool Err(std::string what) {
+    return Fail(Corrupt("pickle: " + what + " (opcode " + Hex(op_) + " at offset " +
+                        std::to_string(op_pos_) + ")"));
+  }
+  bool Fail(Status st) {
+    if (error_.ok()) error_ = std::move(st);
+    return false;
   }
 
   // --- input ---
-  Status Need(uint64_t n) const {
+  bool Need(uint64_t n) {
     if (n > in_.size() - pos_) return Err("truncated: needs " + std::to_string(n) + " bytes");
-    return Status::Ok();
+    return true;
   }
   uint64_t ReadLe(size_t n) {  // caller checked Need(n)
     uint64_t v = 0;
@@ -136,58 +166,60 @@ class PickleMachine {
     pos_ += n;
     return v;
   }
-  Result<uint64_t> ReadLength(size_t width);
-  Result<std::string_view> ReadLine();
+  bool ReadLength(size_t width, uint64_t* len);
+  bool ReadLine(std::string_view* line);
 
-  // --- nodes ---
-  Result<NodeId> NewNode(PickleKind kind, uint32_t depth = 1);
-  Result<NodeId> NewInt(int64_t v);
-  Result<NodeId> NewString(PickleKind kind, uint64_t offset, uint64_t len);
-  Result<NodeId> NewTuple(std::span<const NodeId> elems);
+  // --- nodes (kNoNode on failure) ---
+  NodeId NewNode(PickleKind kind, uint32_t depth = 1);
+  NodeId NewInt(int64_t v);
+  NodeId NewString(PickleKind kind, uint64_t offset, uint64_t len);
+  NodeId NewTuple(std::span<const NodeId> elems);
   // Immutable values that CPython shares too (None, bools, small ints, the empty tuple) get
   // one node each, which keeps the node count of a real .metadata down by a third.
-  Result<NodeId> Shared(NodeId* slot, PickleKind kind, int64_t value);
+  NodeId Shared(NodeId* slot, PickleKind kind, int64_t value);
   Node& node(NodeId id) { return tree_.nodes_[id]; }
   uint32_t DepthOf(std::initializer_list<NodeId> ids);
-  Status RaiseDepth(NodeId parent, NodeId child);
+  bool RaiseDepth(NodeId parent, NodeId child);
 
   // --- stack ---
   size_t fence() const { return marks_.empty() ? 0 : marks_.back(); }
-  Status Push(NodeId id) {
+  bool Push(NodeId id) {
+    if (id == kNoNode) return false;  // the node could not be made; error_ says why
     if (stack_.size() >= limits_.max_stack) return Err("stack limit exceeded");
     stack_.push_back(id);
-    return Status::Ok();
+    return true;
   }
-  Result<NodeId> Pop() {
+  bool Pop(NodeId* id) {
     if (stack_.size() <= fence()) return Err("stack underflow");
-    NodeId id = stack_.back();
+    *id = stack_.back();
     stack_.pop_back();
-    return id;
+    return true;
   }
-  Result<NodeId> Top() const {
+  bool Top(NodeId* id) {
     if (stack_.size() <= fence()) return Err("stack underflow");
-    return stack_.back();
+    *id = stack_.back();
+    return true;
   }
-  Result<size_t> PopMark() {
+  bool PopMark(size_t* mark) {
     if (marks_.empty()) return Err("no MARK on the stack");
-    size_t m = marks_.back();
+    *mark = marks_.back();
     marks_.pop_back();
-    return m;
+    return true;
   }
 
   // --- opcode families ---
-  Status OpLong(size_t width_of_len);
-  Status OpString(PickleKind kind, size_t width_of_len);
-  Status OpTuple(size_t n);
-  Status OpTupleFromMark();
-  Status OpAppend(bool many);
-  Status OpSetItem(bool many);
-  Status AddItems(NodeId target, size_t first, bool dict_like);
-  Status OpPut(uint64_t key);
-  Status OpGet(uint64_t key);
-  Status OpCall(PickleKind kind);
-  Status OpBuild();
-  Status OpGlobal(bool from_stack);
+  bool OpLong(size_t width_of_len);
+  bool OpString(PickleKind kind, size_t width_of_len);
+  bool OpTuple(size_t n);
+  bool OpTupleFromMark();
+  bool OpAppend(bool many);
+  bool OpSetItem(bool many);
+  bool AddItems(NodeId target, size_t first, bool dict_like);
+  bool OpPut(uint64_t key);
+  bool OpGet(uint64_t key);
+  bool OpCall(PickleKind kind);
+  bool OpBuild();
+  bool OpGlobal(bool from_stack);
 
   std::string_view in_;
   PickleLimits limits_;
@@ -196,6 +228,7 @@ class PickleMachine {
   uint64_t op_pos_ = 0;
   uint8_t op_ = 0;
   bool stopped_ = false;
+  Status error_;
   PickleTree tree_;
   std::vector<NodeId> stack_;
   std::vector<size_t> marks_;
@@ -217,12 +250,23 @@ Result<PickleTree> PickleMachine::Run() {
   }
   // Rough pre-sizing: a real .metadata creates about one node per 7 input bytes.
   tree_.nodes_.reserve(std::min<uint64_t>(in_.size() / 6 + 16, limits_.max_nodes));
+  AdviseHuge(tree_.nodes_.data(), tree_.nodes_.capacity() * sizeof(Node));
   tree_.tuple_items_.reserve(in_.size() / 8 + 16);
+  // Sized once, so that a tiny data.pkl makes few allocations and a .metadata (which
+  // memoizes nearly every value) never copies its memo while growing it. Reserved pages that
+  // are never touched cost nothing.
+  stack_.reserve(std::min<uint64_t>(in_.size() / 4 + 8, 1024));
+  memo_.reserve(std::min<uint64_t>(in_.size() / 4 + 8, limits_.max_memo_entries));
+  AdviseHuge(tree_.tuple_items_.data(), tree_.tuple_items_.capacity() * sizeof(NodeId));
+  AdviseHuge(memo_.data(), memo_.capacity() * sizeof(NodeId));
   while (!stopped_) {
     if (pos_ >= in_.size()) return Corrupt("pickle: truncated: no STOP opcode");
     op_pos_ = pos_;
     op_ = static_cast<uint8_t>(in_[pos_++]);
-    CKPT_RETURN_IF_ERROR(Step(op_));
+    if (!Step(op_)) {
+      if (error_.ok()) return Internal("pickle: opcode failed without an error");
+      return std::move(error_);
+    }
   }
   if (pos_ != in_.size()) {
     return Corrupt("pickle: " + std::to_string(in_.size() - pos_) + " trailing bytes after STOP");
@@ -230,76 +274,71 @@ Result<PickleTree> PickleMachine::Run() {
   return std::move(tree_);
 }
 
-Status PickleMachine::Step(uint8_t op) {
+bool PickleMachine::Step(uint8_t op) {
   switch (op) {
     case kProto: {
-      CKPT_RETURN_IF_ERROR(Need(1));
+      if (!Need(1)) return false;
       uint8_t proto = static_cast<uint8_t>(in_[pos_++]);
       if (proto < 2 || proto > 5) {
-        return Unsupported("pickle: protocol " + std::to_string(proto) + " at offset " +
-                           std::to_string(op_pos_) + " (only 2 to 5 are supported)");
+        return Fail(Unsupported("pickle: protocol " + std::to_string(proto) + " at offset " +
+                                std::to_string(op_pos_) + " (only 2 to 5 are supported)"));
       }
       if (op_pos_ != 0) return Err("PROTO after the start");
       tree_.protocol_ = proto;
-      return Status::Ok();
+      return true;
     }
     case kFrame: {
       // Frames only group opcodes for buffered reading; the content is parsed as usual, as
       // CPython's C unpickler does. The frame must lie inside the input.
-      CKPT_RETURN_IF_ERROR(Need(8));
+      if (!Need(8)) return false;
       uint64_t len = ReadLe(8);
       if (len > in_.size() - pos_)
         return Err("frame of " + std::to_string(len) + " bytes past end");
-      return Status::Ok();
+      return true;
     }
     case kStop: {
-      CKPT_ASSIGN_OR_RETURN(tree_.root_, Pop());
+      if (!Pop(&tree_.root_)) return false;
       if (!stack_.empty() || !marks_.empty()) return Err("values left on the stack at STOP");
       stopped_ = true;
-      return Status::Ok();
+      return true;
     }
     case kMark:
       if (marks_.size() >= max_depth_) return Err("too many nested MARKs");
       marks_.push_back(stack_.size());
-      return Status::Ok();
-    case kPop:
-      return Pop().status();
+      return true;
+    case kPop: {
+      NodeId ignored = kNoNode;
+      return Pop(&ignored);
+    }
     case kDup: {
-      CKPT_ASSIGN_OR_RETURN(NodeId top, Top());
-      return Push(top);
+      NodeId top = kNoNode;
+      return Top(&top) && Push(top);
     }
-    case kNone: {
-      CKPT_ASSIGN_OR_RETURN(NodeId id, Shared(&none_, PickleKind::kNone, 0));
-      return Push(id);
-    }
+    case kNone:
+      return Push(Shared(&none_, PickleKind::kNone, 0));
     case kNewTrue:
     case kNewFalse: {
       bool v = op == kNewTrue;
-      CKPT_ASSIGN_OR_RETURN(NodeId id, Shared(v ? &true_ : &false_, PickleKind::kBool, v));
-      return Push(id);
+      return Push(Shared(v ? &true_ : &false_, PickleKind::kBool, v));
     }
-    case kBinInt: {
-      CKPT_RETURN_IF_ERROR(Need(4));
-      CKPT_ASSIGN_OR_RETURN(NodeId id, NewInt(static_cast<int32_t>(ReadLe(4))));
-      return Push(id);
-    }
+    case kBinInt:
+      return Need(4) && Push(NewInt(static_cast<int32_t>(ReadLe(4))));
     case kBinInt1:
     case kBinInt2: {
       size_t n = op == kBinInt1 ? 1 : 2;
-      CKPT_RETURN_IF_ERROR(Need(n));
-      CKPT_ASSIGN_OR_RETURN(NodeId id, NewInt(static_cast<int64_t>(ReadLe(n))));
-      return Push(id);
+      return Need(n) && Push(NewInt(static_cast<int64_t>(ReadLe(n))));
     }
     case kLong1:
       return OpLong(1);
     case kLong4:
       return OpLong(4);
     case kBinFloat: {
-      CKPT_RETURN_IF_ERROR(Need(8));
+      if (!Need(8)) return false;
       uint64_t bits = 0;
       for (int i = 0; i < 8; ++i) bits = (bits << 8) | static_cast<uint8_t>(in_[pos_ + i]);
       pos_ += 8;
-      CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kFloat));
+      NodeId id = NewNode(PickleKind::kFloat);
+      if (id == kNoNode) return false;
       node(id).u.f = std::bit_cast<double>(bits);
       return Push(id);
     }
@@ -329,11 +368,9 @@ Status PickleMachine::Step(uint8_t op) {
     case kTuple:
       return OpTupleFromMark();
     case kEmptyList:
-    case kEmptyDict: {
-      PickleKind kind = op == kEmptyList ? PickleKind::kList : PickleKind::kDict;
-      CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(kind));  // elements come with APPEND/SETITEM
-      return Push(id);
-    }
+    case kEmptyDict:
+      // Elements come with APPEND/SETITEM.
+      return Push(NewNode(op == kEmptyList ? PickleKind::kList : PickleKind::kDict));
     case kAppend:
       return OpAppend(false);
     case kAppends:
@@ -345,17 +382,13 @@ Status PickleMachine::Step(uint8_t op) {
     case kMemoize:
       return OpPut(memo_.size() + sparse_memo_.size());
     case kBinPut:
-      CKPT_RETURN_IF_ERROR(Need(1));
-      return OpPut(ReadLe(1));
+      return Need(1) && OpPut(ReadLe(1));
     case kLongBinPut:
-      CKPT_RETURN_IF_ERROR(Need(4));
-      return OpPut(ReadLe(4));
+      return Need(4) && OpPut(ReadLe(4));
     case kBinGet:
-      CKPT_RETURN_IF_ERROR(Need(1));
-      return OpGet(ReadLe(1));
+      return Need(1) && OpGet(ReadLe(1));
     case kLongBinGet:
-      CKPT_RETURN_IF_ERROR(Need(4));
-      return OpGet(ReadLe(4));
+      return Need(4) && OpGet(ReadLe(4));
     case kGlobal:
       return OpGlobal(false);
     case kStackGlobal:
@@ -367,45 +400,47 @@ Status PickleMachine::Step(uint8_t op) {
     case kBuild:
       return OpBuild();
     case kBinPersId: {
-      CKPT_ASSIGN_OR_RETURN(NodeId pid, Pop());
-      CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kPersId, DepthOf({pid})));
+      NodeId pid = kNoNode;
+      if (!Pop(&pid)) return false;
+      NodeId id = NewNode(PickleKind::kPersId, DepthOf({pid}));
+      if (id == kNoNode) return false;
       node(id).c = pid;
       return Push(id);
     }
     default:
-      return Unsupported("pickle: unsupported opcode " + Hex(op) + " at offset " +
-                         std::to_string(op_pos_));
+      return Fail(Unsupported("pickle: unsupported opcode " + Hex(op) + " at offset " +
+                              std::to_string(op_pos_)));
   }
 }
 
-Result<uint64_t> PickleMachine::ReadLength(size_t width) {
-  CKPT_RETURN_IF_ERROR(Need(width));
-  uint64_t len = ReadLe(width);
+bool PickleMachine::ReadLength(size_t width, uint64_t* len) {
+  if (!Need(width)) return false;
+  *len = ReadLe(width);
   // BINSTRING/LONG4 lengths are signed in the format; a "negative" length is always past end.
-  if (len > in_.size() - pos_) return Err("length " + std::to_string(len) + " past end of input");
-  return len;
+  if (*len > in_.size() - pos_) return Err("length " + std::to_string(*len) + " past end of input");
+  return true;
 }
 
-Result<std::string_view> PickleMachine::ReadLine() {
+bool PickleMachine::ReadLine(std::string_view* line) {
   size_t nl = in_.find('\n', pos_);
   if (nl == std::string_view::npos) return Err("truncated: unterminated line");
-  std::string_view line = in_.substr(pos_, nl - pos_);
+  *line = in_.substr(pos_, nl - pos_);
   pos_ = nl + 1;
-  return line;
+  return true;
 }
 
-Status PickleMachine::OpLong(size_t width_of_len) {
+bool PickleMachine::OpLong(size_t width_of_len) {
   uint64_t n;
   if (width_of_len == 1) {
-    CKPT_RETURN_IF_ERROR(Need(1));
+    if (!Need(1)) return false;
     n = ReadLe(1);
   } else {
-    CKPT_RETURN_IF_ERROR(Need(4));
+    if (!Need(4)) return false;
     int32_t signed_len = static_cast<int32_t>(ReadLe(4));
     if (signed_len < 0) return Err("negative LONG4 length");
     n = static_cast<uint64_t>(signed_len);
   }
-  CKPT_RETURN_IF_ERROR(Need(n));
+  if (!Need(n)) return false;
   // Little-endian two's complement. Bytes beyond the eighth must only repeat the sign.
   const auto* p = reinterpret_cast<const uint8_t*>(in_.data() + pos_);
   size_t low = std::min<uint64_t>(n, 8);
@@ -418,39 +453,41 @@ Status PickleMachine::OpLong(size_t width_of_len) {
   }
   if (n > 8 && (((v >> 63) != 0) != negative)) return Err("integer wider than 64 bits");
   pos_ += n;
-  CKPT_ASSIGN_OR_RETURN(NodeId id, NewInt(static_cast<int64_t>(v)));
-  return Push(id);
+  return Push(NewInt(static_cast<int64_t>(v)));
 }
 
-Status PickleMachine::OpString(PickleKind kind, size_t width_of_len) {
-  CKPT_ASSIGN_OR_RETURN(uint64_t len, ReadLength(width_of_len));
+bool PickleMachine::OpString(PickleKind kind, size_t width_of_len) {
+  uint64_t len = 0;
+  if (!ReadLength(width_of_len, &len)) return false;
   uint64_t offset = pos_;
   pos_ += len;
   if (kind == PickleKind::kStr && !IsValidUtf8(in_.substr(offset, len))) {
     return Err("invalid UTF-8 in string");
   }
-  CKPT_ASSIGN_OR_RETURN(NodeId id, NewString(kind, offset, len));
-  return Push(id);
+  return Push(NewString(kind, offset, len));
 }
 
-Status PickleMachine::OpTuple(size_t n) {
+bool PickleMachine::OpTuple(size_t n) {
   if (stack_.size() - fence() < n) return Err("stack underflow");
-  CKPT_ASSIGN_OR_RETURN(NodeId id, NewTuple(std::span(stack_).last(n)));
+  NodeId id = NewTuple(std::span(stack_).last(n));
+  if (id == kNoNode) return false;
   stack_.resize(stack_.size() - n);
   return Push(id);
 }
 
-Status PickleMachine::OpTupleFromMark() {
-  CKPT_ASSIGN_OR_RETURN(size_t mark, PopMark());
-  CKPT_ASSIGN_OR_RETURN(NodeId id, NewTuple(std::span(stack_).subspan(mark)));
+bool PickleMachine::OpTupleFromMark() {
+  size_t mark = 0;
+  if (!PopMark(&mark)) return false;
+  NodeId id = NewTuple(std::span(stack_).subspan(mark));
+  if (id == kNoNode) return false;
   stack_.resize(mark);
   return Push(id);
 }
 
-Status PickleMachine::OpAppend(bool many) {
-  size_t first;
+bool PickleMachine::OpAppend(bool many) {
+  size_t first = 0;
   if (many) {
-    CKPT_ASSIGN_OR_RETURN(first, PopMark());
+    if (!PopMark(&first)) return false;
   } else {
     if (stack_.size() <= fence()) return Err("stack underflow");
     first = stack_.size() - 1;
@@ -461,10 +498,10 @@ Status PickleMachine::OpAppend(bool many) {
   return AddItems(target, first, /*dict_like=*/false);
 }
 
-Status PickleMachine::OpSetItem(bool many) {
-  size_t first;
+bool PickleMachine::OpSetItem(bool many) {
+  size_t first = 0;
   if (many) {
-    CKPT_ASSIGN_OR_RETURN(first, PopMark());
+    if (!PopMark(&first)) return false;
   } else {
     if (stack_.size() < fence() + 2) return Err("stack underflow");
     first = stack_.size() - 2;
@@ -477,7 +514,7 @@ Status PickleMachine::OpSetItem(bool many) {
 
 // Moves stack_[first..] into `target`: a list (APPEND), a dict (SETITEM), or an object built
 // by REDUCE/NEWOBJ (a list or dict subclass such as OrderedDict).
-Status PickleMachine::AddItems(NodeId target, size_t first, bool dict_like) {
+bool PickleMachine::AddItems(NodeId target, size_t first, bool dict_like) {
   Node& t = node(target);
   PickleKind want = dict_like ? PickleKind::kDict : PickleKind::kList;
   bool is_object = t.kind == PickleKind::kReduce || t.kind == PickleKind::kNewObj;
@@ -500,18 +537,19 @@ Status PickleMachine::AddItems(NodeId target, size_t first, bool dict_like) {
     return Err("container size limit exceeded");
   }
   for (size_t i = first; i < stack_.size(); ++i) {
-    CKPT_RETURN_IF_ERROR(RaiseDepth(target, stack_[i]));
+    if (!RaiseDepth(target, stack_[i])) return false;
   }
   seq.insert(seq.end(), stack_.begin() + first, stack_.end());
   stack_.resize(first);
-  return Status::Ok();
+  return true;
 }
 
-Status PickleMachine::OpPut(uint64_t key) {
-  CKPT_ASSIGN_OR_RETURN(NodeId top, Top());
+bool PickleMachine::OpPut(uint64_t key) {
+  NodeId top = kNoNode;
+  if (!Top(&top)) return false;
   if (key < memo_.size()) {
     memo_[key] = top;
-    return Status::Ok();
+    return true;
   }
   if (memo_.size() + sparse_memo_.size() >= limits_.max_memo_entries) {
     return Err("memo entry limit exceeded");
@@ -521,10 +559,10 @@ Status PickleMachine::OpPut(uint64_t key) {
   } else {
     sparse_memo_[key] = top;
   }
-  return Status::Ok();
+  return true;
 }
 
-Status PickleMachine::OpGet(uint64_t key) {
+bool PickleMachine::OpGet(uint64_t key) {
   NodeId id = kNoNode;
   if (key < memo_.size()) {
     id = memo_[key];
@@ -535,21 +573,22 @@ Status PickleMachine::OpGet(uint64_t key) {
   return Push(id);
 }
 
-Status PickleMachine::OpCall(PickleKind kind) {
-  CKPT_ASSIGN_OR_RETURN(NodeId args, Pop());
-  CKPT_ASSIGN_OR_RETURN(NodeId callable, Pop());
+bool PickleMachine::OpCall(PickleKind kind) {
+  NodeId args = kNoNode, callable = kNoNode;
+  if (!Pop(&args) || !Pop(&callable)) return false;
   if (node(args).kind != PickleKind::kTuple) {
     return Err(std::string(kind == PickleKind::kReduce ? "REDUCE" : "NEWOBJ") +
                " arguments are not a tuple");
   }
-  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(kind, DepthOf({callable, args})));
+  NodeId id = NewNode(kind, DepthOf({callable, args}));
+  if (id == kNoNode) return false;
   node(id).u.ref = {callable, args};
   return Push(id);
 }
 
-Status PickleMachine::OpBuild() {
-  CKPT_ASSIGN_OR_RETURN(NodeId state, Pop());
-  CKPT_ASSIGN_OR_RETURN(NodeId target, Top());
+bool PickleMachine::OpBuild() {
+  NodeId state = kNoNode, target = kNoNode;
+  if (!Pop(&state) || !Top(&target)) return false;
   Node& t = node(target);
   if (t.kind != PickleKind::kReduce && t.kind != PickleKind::kNewObj) {
     return Err("BUILD on a " + std::string(PickleKindName(t.kind)));
@@ -559,68 +598,76 @@ Status PickleMachine::OpBuild() {
   return RaiseDepth(target, state);
 }
 
-Status PickleMachine::OpGlobal(bool from_stack) {
-  NodeId module, name;
+bool PickleMachine::OpGlobal(bool from_stack) {
+  NodeId module = kNoNode, name = kNoNode;
   if (from_stack) {
-    CKPT_ASSIGN_OR_RETURN(name, Pop());
-    CKPT_ASSIGN_OR_RETURN(module, Pop());
+    if (!Pop(&name) || !Pop(&module)) return false;
     if (node(module).kind != PickleKind::kStr || node(name).kind != PickleKind::kStr) {
       return Err("STACK_GLOBAL needs two strings");
     }
   } else {
-    CKPT_ASSIGN_OR_RETURN(std::string_view m, ReadLine());
+    std::string_view m, n;
+    if (!ReadLine(&m)) return false;
     uint64_t m_off = m.data() - in_.data();
-    CKPT_ASSIGN_OR_RETURN(std::string_view n, ReadLine());
+    if (!ReadLine(&n)) return false;
     uint64_t n_off = n.data() - in_.data();
     if (!IsValidUtf8(m) || !IsValidUtf8(n)) return Err("invalid UTF-8 in GLOBAL");
-    CKPT_ASSIGN_OR_RETURN(module, NewString(PickleKind::kStr, m_off, m.size()));
-    CKPT_ASSIGN_OR_RETURN(name, NewString(PickleKind::kStr, n_off, n.size()));
+    module = NewString(PickleKind::kStr, m_off, m.size());
+    if (module == kNoNode) return false;
+    name = NewString(PickleKind::kStr, n_off, n.size());
+    if (name == kNoNode) return false;
   }
   if (node(module).len == 0 || node(name).len == 0) return Err("empty module or name in global");
-  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kGlobal));
+  NodeId id = NewNode(PickleKind::kGlobal);
+  if (id == kNoNode) return false;
   node(id).u.ref = {module, name};
   return Push(id);
 }
 
-Result<NodeId> PickleMachine::NewNode(PickleKind kind, uint32_t depth) {
-  if (tree_.nodes_.size() >= limits_.max_nodes) return Err("node limit exceeded");
-  if (depth > max_depth_) return Err("nesting depth limit exceeded");
-  Node n;
+NodeId PickleMachine::NewNode(PickleKind kind, uint32_t depth) {
+  if (tree_.nodes_.size() >= limits_.max_nodes) return (Err("node limit exceeded"), kNoNode);
+  if (depth > max_depth_) return (Err("nesting depth limit exceeded"), kNoNode);
+  Node& n = tree_.nodes_.emplace_back();
   n.kind = kind;
   n.depth = static_cast<uint16_t>(depth);  // max_depth_ fits 16 bits
-  tree_.nodes_.push_back(n);
   return static_cast<NodeId>(tree_.nodes_.size() - 1);
 }
 
-Result<NodeId> PickleMachine::Shared(NodeId* slot, PickleKind kind, int64_t value) {
+NodeId PickleMachine::Shared(NodeId* slot, PickleKind kind, int64_t value) {
   if (*slot == kNoNode) {
-    CKPT_ASSIGN_OR_RETURN(*slot, NewNode(kind));
-    node(*slot).u.i = value;
+    NodeId id = NewNode(kind);
+    if (id == kNoNode) return kNoNode;
+    node(id).u.i = value;
+    *slot = id;
   }
   return *slot;
 }
 
-Result<NodeId> PickleMachine::NewInt(int64_t v) {
+NodeId PickleMachine::NewInt(int64_t v) {
   if (v >= 0 && v < std::ssize(small_ints_)) return Shared(&small_ints_[v], PickleKind::kInt, v);
-  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kInt));
-  node(id).u.i = v;
+  NodeId id = NewNode(PickleKind::kInt);
+  if (id != kNoNode) node(id).u.i = v;
   return id;
 }
 
-Result<NodeId> PickleMachine::NewString(PickleKind kind, uint64_t offset, uint64_t len) {
-  if (len > 0xffffffffu) return Err("string longer than 4 GiB");
-  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(kind));
+NodeId PickleMachine::NewString(PickleKind kind, uint64_t offset, uint64_t len) {
+  if (len > 0xffffffffu) return (Err("string longer than 4 GiB"), kNoNode);
+  NodeId id = NewNode(kind);
+  if (id == kNoNode) return kNoNode;
   node(id).u.offset = offset;
   node(id).len = static_cast<uint32_t>(len);
   return id;
 }
 
-Result<NodeId> PickleMachine::NewTuple(std::span<const NodeId> elems) {
+NodeId PickleMachine::NewTuple(std::span<const NodeId> elems) {
   if (elems.empty()) return Shared(&empty_tuple_, PickleKind::kTuple, 0);
-  if (elems.size() > limits_.max_container_size) return Err("container size limit exceeded");
+  if (elems.size() > limits_.max_container_size) {
+    return (Err("container size limit exceeded"), kNoNode);
+  }
   uint32_t depth = 1;
   for (NodeId e : elems) depth = std::max<uint32_t>(depth, node(e).depth + 1u);
-  CKPT_ASSIGN_OR_RETURN(NodeId id, NewNode(PickleKind::kTuple, depth));
+  NodeId id = NewNode(PickleKind::kTuple, depth);
+  if (id == kNoNode) return kNoNode;
   node(id).u.offset = tree_.tuple_items_.size();
   node(id).len = static_cast<uint32_t>(elems.size());
   tree_.tuple_items_.insert(tree_.tuple_items_.end(), elems.begin(), elems.end());
@@ -636,12 +683,12 @@ uint32_t PickleMachine::DepthOf(std::initializer_list<NodeId> ids) {
 // Depth is tracked when a value is created or a child is added. Values mutated after being
 // placed inside others (lists, dicts, BUILD) can make the graph deeper than recorded, which
 // is why walkers must still bound their own recursion.
-Status PickleMachine::RaiseDepth(NodeId parent, NodeId child) {
+bool PickleMachine::RaiseDepth(NodeId parent, NodeId child) {
   uint32_t d = node(child).depth + 1u;
   if (d > max_depth_) return Err("nesting depth limit exceeded");
   Node& p = node(parent);
   p.depth = static_cast<uint16_t>(std::max<uint32_t>(p.depth, d));
-  return Status::Ok();
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------------

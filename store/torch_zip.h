@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -83,12 +84,54 @@ Result<TorchSaveTensor> ParseTorchSaveItem(const ReadAtFn& read, uint64_t size,
                                            const ZipLimits& limits = {});
 Result<TorchSaveTensor> ParseTorchSaveItem(std::string_view item, const ZipLimits& limits = {});
 
+// Remembers how data.pkl records were interpreted, by their exact bytes. Chunks of one
+// checkpoint with the same dtype, shape, stride and storage size have byte-identical data.pkl
+// records (torch.save puts no per-item id, checksum or path in them; those live in the zip
+// headers, which are still parsed per item), so a build over many chunks interprets each
+// distinct record once. Results are exactly those without a cache. Bounded in entries and
+// key size. Not thread-safe: one per thread.
+class TorchPickleCache {
+ public:
+  TorchPickleCache();
+  ~TorchPickleCache();
+  TorchPickleCache(const TorchPickleCache&) = delete;
+  TorchPickleCache& operator=(const TorchPickleCache&) = delete;
+  uint64_t hits() const;
+  uint64_t misses() const;
+
+  struct Impl;
+
+ private:
+  friend Result<TorchSaveTensor> ParseTorchSaveItem(const ReadAtFn&, uint64_t, TorchPickleCache*,
+                                                    const ZipLimits&);
+  friend Result<TorchSaveTensor> ParseTorchSaveItem(std::string_view, TorchPickleCache*,
+                                                    const ZipLimits&);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The same, with a cache (`cache` may be null).
+Result<TorchSaveTensor> ParseTorchSaveItem(const ReadAtFn& read, uint64_t size,
+                                           TorchPickleCache* cache, const ZipLimits& limits = {});
+Result<TorchSaveTensor> ParseTorchSaveItem(std::string_view item, TorchPickleCache* cache,
+                                           const ZipLimits& limits = {});
+
 // Completes a kTensor `item` with what its archive says (`t`, parsed from the item's bytes):
 // sets data_resolved, raw_offset (file-absolute), raw_nbytes, stride and storage_offset.
 // An opaque archive turns the item kOpaque, since its bytes cannot be served as raw tensor
 // data. An archive that contradicts the metadata (dtype, shape, a data range outside the
 // item) is Corrupt. Other item kinds are left unchanged.
 Status ResolveItemData(const TorchSaveTensor& t, DcpItem* item);
+
+// What ResolveItemData() checks of a kTensor item, borrowed (fqn and file only name it in
+// errors), for callers that keep items in another type.
+struct ItemFacts {
+  std::string_view fqn, file, dtype;
+  std::span<const int64_t> chunk_sizes;
+  uint64_t length = 0;
+};
+// The checks of ResolveItemData() for an archive that is a tensor (t.is_tensor): OK, or the
+// same Corrupt error. The item's raw bytes are then [offset + t.data_offset, +t.data_nbytes).
+Status CheckItemData(const TorchSaveTensor& t, const ItemFacts& item);
 
 // Bytes per element of a torch dtype name ("bfloat16" -> 2); 0 if unknown or sub-byte.
 int DtypeItemSize(std::string_view dtype);

@@ -264,6 +264,57 @@ std::vector<Record> TensorRecords(const TensorPickle& p, size_t nbytes = 24) {
 
 Result<TorchSaveTensor> Parse(const std::string& zip) { return ParseTorchSaveItem(zip); }
 
+void ExpectSameParse(const Result<TorchSaveTensor>& a, const Result<TorchSaveTensor>& b) {
+  ASSERT_EQ(a.ok(), b.ok());
+  if (!a.ok()) {
+    EXPECT_EQ(a.status().ToString(), b.status().ToString());
+    return;
+  }
+  EXPECT_EQ(a->is_tensor, b->is_tensor);
+  EXPECT_EQ(a->opaque_reason, b->opaque_reason);
+  EXPECT_EQ(a->dtype, b->dtype);
+  EXPECT_EQ(a->shape, b->shape);
+  EXPECT_EQ(a->stride, b->stride);
+  EXPECT_EQ(a->storage_offset, b->storage_offset);
+  EXPECT_EQ(a->storage_key, b->storage_key);
+  EXPECT_EQ(a->record_name, b->record_name);
+  EXPECT_EQ(a->data_offset, b->data_offset);
+  EXPECT_EQ(a->data_nbytes, b->data_nbytes);
+}
+
+// One cache over every item of every fixture (tensors, bytes items, many shapes), each item
+// parsed twice through it: the same results as without, and repeats are hits.
+TEST(TorchZip, PickleCacheGivesTheSameResultsAsNoCache) {
+  TorchPickleCache cache;
+  int items = 0;
+  for (const auto& entry : fs::directory_iterator(kFixtures)) {
+    fs::path md_path = entry.path() / ".metadata";
+    if (!entry.is_directory() || !fs::exists(md_path)) continue;
+    Result<DcpMetadata> md = ParseDcpMetadata(ReadFile(md_path));
+    if (!md.ok()) continue;
+    for (const DcpItem& item : md->items) {
+      std::string file = ReadFile(entry.path() / item.file);
+      if (item.offset + item.length > file.size()) continue;
+      std::string_view bytes = std::string_view(file).substr(item.offset, item.length);
+      SCOPED_TRACE(entry.path().filename().string() + " " + item.fqn);
+      Result<TorchSaveTensor> plain = ParseTorchSaveItem(bytes);
+      for (int round = 0; round < 2; ++round) {
+        ExpectSameParse(plain, ParseTorchSaveItem(bytes, &cache));
+        CountingReader reader(bytes);
+        ExpectSameParse(plain, ParseTorchSaveItem(reader.Fn(), bytes.size(), &cache));
+      }
+      ++items;
+    }
+  }
+  EXPECT_GT(items, 50);
+  EXPECT_GE(cache.hits(), 3u * items);
+  EXPECT_LE(cache.misses(), uint64_t(items));
+  // Broken or opaque archives are cached as such, too.
+  std::string zip = BuildZip({{"archive/data.pkl", "\x80\x02\x8f."s}});
+  ExpectSameParse(ParseTorchSaveItem(zip), ParseTorchSaveItem(zip, &cache));
+  ExpectSameParse(ParseTorchSaveItem(zip), ParseTorchSaveItem(zip, &cache));
+}
+
 TEST(TorchZip, DataOffsetComesFromTheLocalHeader) {
   std::string zip = BuildZip(TensorRecords(TensorPickle()));
   Result<TorchSaveTensor> t = Parse(zip);
