@@ -1276,7 +1276,7 @@ void Filesystem::PrefetchCheckpoint(const std::string& ckpt) {
 void Filesystem::PrefetchItem(Handle* h, uint64_t offset) {
   if (!h->indexed) return;  // never build an index inside a read
   if (offset < h->prefetched_end.load(std::memory_order_relaxed)) return;
-  auto item = index_->Resolve(h->ckpt, h->file, offset);
+  auto item = index_->Locate(h->ckpt, h->file, offset);
   if (!item || item->offset + item->length <= offset) return;
   const uint64_t end = item->offset + item->length;
   if (h->prefetched_end.exchange(end) >= end) return;  // another read got there first
