@@ -32,6 +32,9 @@ enum class Code {
   kAborted,
   kInternal,
   kNameTooLong,
+  // The daemon ran out of file descriptors (EMFILE, ENFILE): transient, clears when
+  // files are closed. Distinct from kBusy so callers see EMFILE, not EBUSY.
+  kTooManyOpenFiles,
 };
 
 std::string_view CodeName(Code code);

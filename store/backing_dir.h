@@ -6,6 +6,13 @@
 // symlinks that leave the root are refused (G9). The final component of a namespace
 // operation is never followed.
 //
+// The backing dir is known by its path. If the directory held open is removed under a
+// running daemon, path operations fail (kNotFound, logged once) until a directory is
+// created at the same path on the same file system; then that one is used. A backing
+// dir that is only moved away stays in use where it went: nothing in it is lost.
+//
+// Running out of file descriptors gives kTooManyOpenFiles and a (rate-limited) log line.
+//
 // Thread-safe. The I/O calls are virtual so tests can inject faults (FaultyBackingDir).
 #pragma once
 
@@ -15,6 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -36,6 +44,8 @@ class BackingDir {
   BackingDir& operator=(const BackingDir&) = delete;
 
   const std::string& root_path() const { return root_path_; }
+  // The root's fd number never changes: a re-created root is dup3()ed onto it, so a
+  // call already using it keeps the directory it started with.
   int root_fd() const { return root_.get(); }
 
   // Opens `path` (never following a final symlink unless `follow`).
@@ -69,16 +79,23 @@ class BackingDir {
   static Status CheckRelative(const std::string& path);
 
  protected:
-  BackingDir(std::string root_path, UniqueFd root) : root_path_(std::move(root_path)),
-                                                    root_(std::move(root)) {}
+  BackingDir(std::string root_path, UniqueFd root);
   // An O_PATH|O_DIRECTORY fd of directory `dir` resolved beneath the root.
   Result<UniqueFd> OpenDir(const std::string& dir);
   // Resolves `path` beneath the root with `flags`.
   Result<UniqueFd> Resolve(const std::string& path, int flags, mode_t mode);
+  // Ok while the root directory exists. If it was removed, switches to a directory
+  // created again at root_path_ (same file system) or fails with kNotFound.
+  Status CheckRoot();
 
  private:
+  Status ReopenRoot();
+
   std::string root_path_;
   UniqueFd root_;
+  dev_t root_dev_ = 0;       // the file system the daemon was started on
+  std::mutex root_mu_;       // serializes ReopenRoot
+  bool root_gone_ = false;   // GUARDED_BY(root_mu_): the removal was logged
   std::atomic<uint64_t> bytes_read_{0};
   std::atomic<uint64_t> bytes_written_{0};
 };

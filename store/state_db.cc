@@ -1,5 +1,6 @@
 #include "store/state_db.h"
 
+#include <fcntl.h>
 #include <rocksdb/db.h>
 #include <rocksdb/env.h>
 #include <rocksdb/listener.h>
@@ -10,9 +11,13 @@
 
 #include <spdlog/spdlog.h>
 
+#include <cerrno>
 #include <cstdarg>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+
+#include "common/unique_fd.h"
 
 namespace ckptfs::store {
 namespace {
@@ -24,6 +29,11 @@ Status FromRocks(const rocksdb::Status& s, std::string_view what) {
   if (s.IsBusy() || s.IsTimedOut()) return Status(Code::kBusy, msg);
   if (s.IsNoSpace()) return Status(Code::kNoSpace, msg);
   if (s.IsCorruption()) return Status(Code::kCorrupt, msg);
+  // RocksDB keeps no errno, only its text.
+  if (s.IsIOError() && (msg.find(std::strerror(EMFILE)) != std::string::npos ||
+                        msg.find(std::strerror(ENFILE)) != std::string::npos)) {
+    return Status(Code::kTooManyOpenFiles, msg);
+  }
   if (s.IsIOError() && s.ToString().find("lock") != std::string::npos) {
     return Status(Code::kBusy, msg + " (is another ckptfs using this --state-dir?)");
   }
@@ -108,6 +118,18 @@ Result<std::unique_ptr<rocksdb::DB>> OpenRocks(const std::string& dir) {
   return std::unique_ptr<rocksdb::DB>(db);
 }
 
+// False when the process is (nearly) out of file descriptors: closing the database then
+// would leave it closed, since opening it again needs about as many as it held.
+bool HaveSpareFds(const std::string& dir) {
+  constexpr int kSpare = 16;
+  std::vector<UniqueFd> probe;
+  for (int i = 0; i < kSpare; ++i) {
+    probe.emplace_back(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (!probe.back().valid()) return false;
+  }
+  return true;
+}
+
 Status Unavailable(const std::string& dir) {
   return Status(Code::kIo, "state db " + dir + " is closed after a failed write; reopening");
 }
@@ -165,6 +187,7 @@ Status StateDb::CheckWritable() {
 }
 
 Status StateDb::Reopen() {
+  if (!HaveSpareFds(dir_)) return write_error_;
   std::unique_lock lock(db_mu_);
   db_.reset();  // closes: RocksDB allows one open instance per directory
   Result<std::unique_ptr<rocksdb::DB>> db = OpenRocks(dir_);
