@@ -147,7 +147,14 @@ Result<std::unique_ptr<StateDb>> StateDb::Open(const std::string& dir,
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::FromErrno(ec.value(), "create state dir " + dir);
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<rocksdb::DB> db, OpenRocks(dir));
-  return std::unique_ptr<StateDb>(new StateDb(std::move(db), dir, options));
+  std::unique_ptr<StateDb> state(new StateDb(std::move(db), dir, options));
+  Result<uint64_t> free_bytes = state->FreeBytes();
+  if (free_bytes.ok() && *free_bytes < options.min_free_bytes) {
+    spdlog::warn("state db: only {} free on {} ({} kept in reserve): creating files will "
+                 "fail with ENOSPC until space is freed",
+                 MiBString(*free_bytes), dir, MiBString(options.min_free_bytes));
+  }
+  return state;
 }
 
 Result<uint64_t> StateDb::FreeBytes() const {
