@@ -50,6 +50,9 @@ rocksdb::WriteOptions SyncWrite() {
 // in the state dir; once a line of it fails (ENOSPC) the next line trips an assertion
 // in WritableFileWriter (Debian builds RocksDB with assertions on), which kills the
 // daemon exactly when the state dir's disk is full.
+//
+// Lines logged while DB::Open runs are held back: if the open fails, its error reaches
+// the caller (and the daemon's one-line startup error) anyway, so they go to debug.
 class SpdlogRocksLogger : public rocksdb::Logger {
  public:
   SpdlogRocksLogger() : rocksdb::Logger(rocksdb::InfoLogLevel::WARN_LEVEL) {}
@@ -65,7 +68,35 @@ class SpdlogRocksLogger : public rocksdb::Logger {
     if (n < 0) return;
     size_t len = std::min(static_cast<size_t>(n), sizeof(buf) - 1);
     while (len > 0 && (buf[len - 1] == '\n' || buf[len - 1] == '\r')) --len;
-    std::string_view line(buf, len);
+    {
+      std::lock_guard lock(mu_);
+      if (holding_) {
+        held_.emplace_back(level, std::string(buf, len));
+        return;
+      }
+    }
+    Emit(level, std::string_view(buf, len));
+  }
+
+  void Hold() {
+    std::lock_guard lock(mu_);
+    holding_ = true;
+  }
+  // Ends Hold(): the held lines are logged as they came, or at debug if `!opened`.
+  void Release(bool opened) {
+    std::vector<std::pair<rocksdb::InfoLogLevel, std::string>> held;
+    {
+      std::lock_guard lock(mu_);
+      holding_ = false;
+      held.swap(held_);
+    }
+    for (const auto& [level, line] : held) {
+      Emit(opened ? level : rocksdb::InfoLogLevel::DEBUG_LEVEL, line);
+    }
+  }
+
+ private:
+  static void Emit(rocksdb::InfoLogLevel level, std::string_view line) {
     if (level >= rocksdb::InfoLogLevel::ERROR_LEVEL) {
       spdlog::error("state db (rocksdb): {}", line);
     } else if (level == rocksdb::InfoLogLevel::WARN_LEVEL) {
@@ -74,6 +105,10 @@ class SpdlogRocksLogger : public rocksdb::Logger {
       spdlog::debug("state db (rocksdb): {}", line);
     }
   }
+
+  std::mutex mu_;
+  bool holding_ = false;                                            // GUARDED_BY(mu_)
+  std::vector<std::pair<rocksdb::InfoLogLevel, std::string>> held_;  // GUARDED_BY(mu_)
 };
 
 // Turns RocksDB's own recovery from a background error off. It is the same in-place
@@ -94,7 +129,7 @@ std::string MiBString(uint64_t bytes) {
   return buf;
 }
 
-rocksdb::Options DbOptions() {
+rocksdb::Options DbOptions(std::shared_ptr<rocksdb::Logger> logger) {
   rocksdb::Options options;
   options.create_if_missing = true;
   options.max_open_files = 64;
@@ -106,14 +141,17 @@ rocksdb::Options DbOptions() {
   // write more to a disk that just failed.
   options.avoid_flush_during_shutdown = true;
   options.listeners.push_back(std::make_shared<NoAutoRecovery>());
-  options.info_log = std::make_shared<SpdlogRocksLogger>();
+  options.info_log = std::move(logger);
   options.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
   return options;
 }
 
 Result<std::unique_ptr<rocksdb::DB>> OpenRocks(const std::string& dir) {
   rocksdb::DB* db = nullptr;
-  rocksdb::Status s = rocksdb::DB::Open(DbOptions(), dir, &db);
+  auto logger = std::make_shared<SpdlogRocksLogger>();
+  logger->Hold();
+  rocksdb::Status s = rocksdb::DB::Open(DbOptions(logger), dir, &db);
+  logger->Release(s.ok());
   CKPT_RETURN_IF_ERROR(FromRocks(s, "open state db " + dir));
   return std::unique_ptr<rocksdb::DB>(db);
 }
