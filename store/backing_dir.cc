@@ -58,6 +58,45 @@ BackingDir::BackingDir(std::string root_path, UniqueFd root)
     : root_path_(std::move(root_path)), root_(std::move(root)) {
   struct stat st;
   if (::fstat(root_.get(), &st) == 0) root_dev_ = st.st_dev;
+  // A call holds at most two fds at once (a rename's two directories); two callers may
+  // be short at the same time (the publisher and a FUSE thread).
+  constexpr int kSpareFds = 4;
+  for (int i = 0; i < kSpareFds; ++i) {
+    UniqueFd spare(::fcntl(root_.get(), F_DUPFD_CLOEXEC, 0));
+    if (spare.valid()) spares_.push_back(std::move(spare));
+  }
+}
+
+BackingDir::CallFd::~CallFd() {
+  if (spare_ && fd_.valid()) {
+    std::lock_guard lock(owner_->spare_mu_);
+    owner_->spares_.push_back(std::move(fd_));  // any open fd holds a slot as well
+  }
+}
+
+Result<BackingDir::CallFd> BackingDir::OpenForCall(const std::string& path, int flags,
+                                                   mode_t mode) {
+  Result<UniqueFd> fd = Resolve(path, flags, mode);
+  if (fd.ok()) return CallFd(this, std::move(*fd), false);
+  if (fd.status().code() != Code::kTooManyOpenFiles) return fd.status();
+  UniqueFd spare;
+  {
+    std::lock_guard lock(spare_mu_);
+    if (spares_.empty()) return fd.status();
+    spare = std::move(spares_.back());
+    spares_.pop_back();
+  }
+  spare.Reset();  // frees its slot for the open below
+  fd = Resolve(path, flags, mode);
+  if (fd.ok()) return CallFd(this, std::move(*fd), true);
+  // Someone else took the slot, or the open failed for its own reason: win a spare back
+  // if there is a slot for one.
+  UniqueFd again(::fcntl(root_.get(), F_DUPFD_CLOEXEC, 0));
+  if (again.valid()) {
+    std::lock_guard lock(spare_mu_);
+    spares_.push_back(std::move(again));
+  }
+  return fd.status();
 }
 
 Status BackingDir::CheckRoot() {
@@ -163,8 +202,8 @@ Result<UniqueFd> BackingDir::Resolve(const std::string& path, int flags, mode_t 
   }
 }
 
-Result<UniqueFd> BackingDir::OpenDir(const std::string& dir) {
-  return Resolve(dir, O_PATH | O_DIRECTORY, 0);
+Result<BackingDir::CallFd> BackingDir::OpenDir(const std::string& dir) {
+  return OpenForCall(dir, O_PATH | O_DIRECTORY, 0);
 }
 
 Result<UniqueFd> BackingDir::OpenFile(const std::string& path, int flags, mode_t mode) {
@@ -175,7 +214,7 @@ Result<UniqueFd> BackingDir::OpenFile(const std::string& path, int flags, mode_t
 Result<struct stat> BackingDir::Stat(const std::string& path) {
   CKPT_RETURN_IF_ERROR(CheckRelative(path));
   auto [parent, name] = SplitParent(path);
-  CKPT_ASSIGN_OR_RETURN(UniqueFd dir, OpenDir(parent));
+  CKPT_ASSIGN_OR_RETURN(CallFd dir, OpenDir(parent));
   struct stat st;
   const char* n = name.empty() ? "" : name.c_str();
   int flags = AT_SYMLINK_NOFOLLOW | (name.empty() ? AT_EMPTY_PATH : 0);
@@ -187,7 +226,7 @@ Result<struct stat> BackingDir::Stat(const std::string& path) {
   CKPT_RETURN_IF_ERROR(CheckRelative(path));                       \
   auto [parent, name] = SplitParent(path);                         \
   if (name.empty()) return Invalid(std::string(op_name) + " of backing root"); \
-  CKPT_ASSIGN_OR_RETURN(UniqueFd dir, OpenDir(parent));            \
+  CKPT_ASSIGN_OR_RETURN(CallFd dir, OpenDir(parent));            \
   if ((call) != 0) return OsError(errno, Ctx(op_name, path)); \
   return Status::Ok()
 
@@ -210,7 +249,7 @@ Status BackingDir::Symlink(const std::string& target, const std::string& path) {
 Status BackingDir::Chmod(const std::string& path, mode_t mode) {
   // Never follow a final symlink, even one swapped in after a type check: open the
   // name itself with O_PATH|O_NOFOLLOW and change that inode through /proc.
-  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, Resolve(path, O_PATH | O_NOFOLLOW, 0));
+  CKPT_ASSIGN_OR_RETURN(CallFd fd, OpenForCall(path, O_PATH | O_NOFOLLOW, 0));
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return OsError(errno, Ctx("chmod", path));
   if (S_ISLNK(st.st_mode)) return Status::Ok();  // a symlink's mode is meaningless
@@ -226,7 +265,7 @@ Status BackingDir::Utimens(const std::string& path, const struct timespec times[
 #undef CKPT_AT_OP
 
 Status BackingDir::Truncate(const std::string& path, off_t size) {
-  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_WRONLY));
+  CKPT_ASSIGN_OR_RETURN(CallFd fd, OpenForCall(path, O_WRONLY | O_NOFOLLOW, 0));
   if (::ftruncate(fd.get(), size) != 0) return OsError(errno, Ctx("truncate", path));
   return Status::Ok();
 }
@@ -237,8 +276,8 @@ Status BackingDir::Rename(const std::string& from, const std::string& to, unsign
   auto [from_parent, from_name] = SplitParent(from);
   auto [to_parent, to_name] = SplitParent(to);
   if (from_name.empty() || to_name.empty()) return Invalid("rename of backing root");
-  CKPT_ASSIGN_OR_RETURN(UniqueFd from_dir, OpenDir(from_parent));
-  CKPT_ASSIGN_OR_RETURN(UniqueFd to_dir, OpenDir(to_parent));
+  CKPT_ASSIGN_OR_RETURN(CallFd from_dir, OpenDir(from_parent));
+  CKPT_ASSIGN_OR_RETURN(CallFd to_dir, OpenDir(to_parent));
   if (::renameat2(from_dir.get(), from_name.c_str(), to_dir.get(), to_name.c_str(), flags) != 0) {
     return OsError(errno, "rename " + from + " -> " + to);
   }
@@ -248,7 +287,7 @@ Status BackingDir::Rename(const std::string& from, const std::string& to, unsign
 Result<std::string> BackingDir::Readlink(const std::string& path) {
   CKPT_RETURN_IF_ERROR(CheckRelative(path));
   auto [parent, name] = SplitParent(path);
-  CKPT_ASSIGN_OR_RETURN(UniqueFd dir, OpenDir(parent));
+  CKPT_ASSIGN_OR_RETURN(CallFd dir, OpenDir(parent));
   char buf[4096];
   ssize_t n = ::readlinkat(dir.get(), name.c_str(), buf, sizeof(buf));
   if (n < 0) return OsError(errno, Ctx("readlink", path));
@@ -283,7 +322,7 @@ Result<struct statvfs> BackingDir::StatFs() {
 
 Status BackingDir::SyncParent(const std::string& path) {
   auto [parent, name] = SplitParent(path);
-  CKPT_ASSIGN_OR_RETURN(UniqueFd dir, Resolve(parent, O_RDONLY | O_DIRECTORY, 0));
+  CKPT_ASSIGN_OR_RETURN(CallFd dir, OpenForCall(parent, O_RDONLY | O_DIRECTORY, 0));
   if (::fsync(dir.get()) != 0) return OsError(errno, Ctx("fsync dir", parent));
   return Status::Ok();
 }

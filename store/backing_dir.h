@@ -12,6 +12,10 @@
 // dir that is only moved away stays in use where it went: nothing in it is lost.
 //
 // Running out of file descriptors gives kTooManyOpenFiles and a (rate-limited) log line.
+// The fds a call needs only while it runs (directories walked, renamed in, fsynced)
+// fall back on a few spare fds reserved at Open, so that publishing work already
+// accepted (renames, directory fsyncs, unlinks) goes on while the process is out of
+// fds; only OpenFile, whose fd outlives the call, then fails with EMFILE.
 //
 // Thread-safe. The I/O calls are virtual so tests can inject faults (FaultyBackingDir).
 #pragma once
@@ -79,9 +83,28 @@ class BackingDir {
   static Status CheckRelative(const std::string& path);
 
  protected:
+  // An fd for the length of one call. If it was opened in the place of a spare fd (the
+  // process had none left), it becomes a spare again when it goes out of scope.
+  class CallFd {
+   public:
+    CallFd(BackingDir* owner, UniqueFd fd, bool spare) : owner_(owner), fd_(std::move(fd)),
+                                                         spare_(spare) {}
+    CallFd(CallFd&& other) noexcept = default;
+    CallFd& operator=(CallFd&&) = delete;
+    ~CallFd();
+    int get() const { return fd_.get(); }
+
+   private:
+    BackingDir* owner_;
+    UniqueFd fd_;
+    bool spare_;
+  };
+
   BackingDir(std::string root_path, UniqueFd root);
+  // Resolve() for an fd used only during the call (see CallFd).
+  Result<CallFd> OpenForCall(const std::string& path, int flags, mode_t mode);
   // An O_PATH|O_DIRECTORY fd of directory `dir` resolved beneath the root.
-  Result<UniqueFd> OpenDir(const std::string& dir);
+  Result<CallFd> OpenDir(const std::string& dir);
   // Resolves `path` beneath the root with `flags`.
   Result<UniqueFd> Resolve(const std::string& path, int flags, mode_t mode);
   // Ok while the root directory exists. If it was removed, switches to a directory
@@ -94,6 +117,8 @@ class BackingDir {
   std::string root_path_;
   UniqueFd root_;
   dev_t root_dev_ = 0;       // the file system the daemon was started on
+  std::mutex spare_mu_;
+  std::vector<UniqueFd> spares_;  // GUARDED_BY(spare_mu_)
   std::mutex root_mu_;       // serializes ReopenRoot
   bool root_gone_ = false;   // GUARDED_BY(root_mu_): the removal was logged
   std::atomic<uint64_t> bytes_read_{0};
