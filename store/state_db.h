@@ -2,8 +2,10 @@
 // temp-file records and checkpoint states. Everything in it can be rebuilt from the
 // backing store except which work was still pending at a crash.
 //
-// Thread-safe (RocksDB is). Writes are synced (WAL fsync) so a record reaches disk
-// before the action it guards. A write that returns an error was not applied.
+// Thread-safe: writes are serialized, reads run concurrently. Writes are synced (WAL
+// fsync) so a record reaches disk before the action it guards. A write that returns an
+// error is not visible to reads (a restart may still find one whose record was written
+// whole but not synced, as for any failed fsync).
 //
 // A full disk under the state dir is an expected condition, not a crash: writes are
 // refused with kNoSpace while the state dir's file system has less than
