@@ -21,6 +21,7 @@ std::string_view CodeName(Code code) {
     case Code::kAborted: return "Aborted";
     case Code::kInternal: return "Internal";
     case Code::kNameTooLong: return "NameTooLong";
+    case Code::kTooManyOpenFiles: return "TooManyOpenFiles";
   }
   return "Unknown";
 }
@@ -40,7 +41,7 @@ Status Status::FromErrno(int err, std::string_view context) {
     case ENOTDIR: code = Code::kNotDir; break;
     case EISDIR: code = Code::kIsDir; break;
     case ENOTSUP: case ENOSYS: code = Code::kUnsupported; break;
-    case EMFILE: case ENFILE: code = Code::kBusy; break;
+    case EMFILE: case ENFILE: code = Code::kTooManyOpenFiles; break;
     default: code = Code::kIo; break;
   }
   std::string msg(context);
@@ -71,6 +72,8 @@ int Status::ToErrno() const {
     case Code::kIsDir: return EISDIR;
     case Code::kUnsupported: return ENOTSUP;
     case Code::kNameTooLong: return ENAMETOOLONG;
+    // The message keeps which of EMFILE and ENFILE it was; the caller sees EMFILE.
+    case Code::kTooManyOpenFiles: return EMFILE;
     default: return EIO;
   }
 }

@@ -1,7 +1,8 @@
 // Status and Result<T>: the error type of every fallible ckptfs call.
 //
 // No exception crosses a module boundary or a FUSE callback. A Status carries a
-// code and a message; only fs/ maps codes to errno (see fs/errno_map.h).
+// code and a message; only fs/ turns a status into an errno for a caller, through
+// Status::ToErrno (the one mapping).
 #pragma once
 
 #include <cerrno>
@@ -32,6 +33,9 @@ enum class Code {
   kAborted,
   kInternal,
   kNameTooLong,
+  // The daemon ran out of file descriptors (EMFILE, ENFILE): transient, clears when
+  // files are closed. Distinct from kBusy so callers see EMFILE, not EBUSY.
+  kTooManyOpenFiles,
 };
 
 std::string_view CodeName(Code code);

@@ -6,6 +6,17 @@
 // symlinks that leave the root are refused (G9). The final component of a namespace
 // operation is never followed.
 //
+// The backing dir is known by its path. If the directory held open is removed under a
+// running daemon, path operations fail (kNotFound, logged once) until a directory is
+// created at the same path on the same file system; then that one is used. A backing
+// dir that is only moved away stays in use where it went: nothing in it is lost.
+//
+// Running out of file descriptors gives kTooManyOpenFiles and a (rate-limited) log line.
+// The fds a call needs only while it runs (directories walked, renamed in, fsynced)
+// fall back on a few spare fds reserved at Open, so that publishing work already
+// accepted (renames, directory fsyncs, unlinks) goes on while the process is out of
+// fds; only OpenFile, whose fd outlives the call, then fails with EMFILE.
+//
 // Thread-safe. The I/O calls are virtual so tests can inject faults (FaultyBackingDir).
 #pragma once
 
@@ -15,6 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -36,6 +48,8 @@ class BackingDir {
   BackingDir& operator=(const BackingDir&) = delete;
 
   const std::string& root_path() const { return root_path_; }
+  // The root's fd number never changes: a re-created root is dup3()ed onto it, so a
+  // call already using it keeps the directory it started with.
   int root_fd() const { return root_.get(); }
 
   // Opens `path` (never following a final symlink unless `follow`).
@@ -69,16 +83,44 @@ class BackingDir {
   static Status CheckRelative(const std::string& path);
 
  protected:
-  BackingDir(std::string root_path, UniqueFd root) : root_path_(std::move(root_path)),
-                                                    root_(std::move(root)) {}
+  // An fd for the length of one call. If it was opened in the place of a spare fd (the
+  // process had none left), it becomes a spare again when it goes out of scope.
+  class CallFd {
+   public:
+    CallFd(BackingDir* owner, UniqueFd fd, bool spare) : owner_(owner), fd_(std::move(fd)),
+                                                         spare_(spare) {}
+    CallFd(CallFd&& other) noexcept = default;
+    CallFd& operator=(CallFd&&) = delete;
+    ~CallFd();
+    int get() const { return fd_.get(); }
+
+   private:
+    BackingDir* owner_;
+    UniqueFd fd_;
+    bool spare_;
+  };
+
+  BackingDir(std::string root_path, UniqueFd root);
+  // Resolve() for an fd used only during the call (see CallFd).
+  Result<CallFd> OpenForCall(const std::string& path, int flags, mode_t mode);
   // An O_PATH|O_DIRECTORY fd of directory `dir` resolved beneath the root.
-  Result<UniqueFd> OpenDir(const std::string& dir);
+  Result<CallFd> OpenDir(const std::string& dir);
   // Resolves `path` beneath the root with `flags`.
   Result<UniqueFd> Resolve(const std::string& path, int flags, mode_t mode);
+  // Ok while the root directory exists. If it was removed, switches to a directory
+  // created again at root_path_ (same file system) or fails with kNotFound.
+  Status CheckRoot();
 
  private:
+  Status ReopenRoot();
+
   std::string root_path_;
   UniqueFd root_;
+  dev_t root_dev_ = 0;       // the file system the daemon was started on
+  std::mutex spare_mu_;
+  std::vector<UniqueFd> spares_;  // GUARDED_BY(spare_mu_)
+  std::mutex root_mu_;       // serializes ReopenRoot
+  bool root_gone_ = false;   // GUARDED_BY(root_mu_): the removal was logged
   std::atomic<uint64_t> bytes_read_{0};
   std::atomic<uint64_t> bytes_written_{0};
 };

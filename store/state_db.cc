@@ -1,12 +1,23 @@
 #include "store/state_db.h"
 
+#include <fcntl.h>
 #include <rocksdb/db.h>
+#include <rocksdb/env.h>
+#include <rocksdb/listener.h>
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <spdlog/spdlog.h>
 
+#include <cerrno>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
+
+#include "common/unique_fd.h"
 
 namespace ckptfs::store {
 namespace {
@@ -18,6 +29,11 @@ Status FromRocks(const rocksdb::Status& s, std::string_view what) {
   if (s.IsBusy() || s.IsTimedOut()) return Status(Code::kBusy, msg);
   if (s.IsNoSpace()) return Status(Code::kNoSpace, msg);
   if (s.IsCorruption()) return Status(Code::kCorrupt, msg);
+  // RocksDB keeps no errno, only its text.
+  if (s.IsIOError() && (msg.find(std::strerror(EMFILE)) != std::string::npos ||
+                        msg.find(std::strerror(ENFILE)) != std::string::npos)) {
+    return Status(Code::kTooManyOpenFiles, msg);
+  }
   if (s.IsIOError() && s.ToString().find("lock") != std::string::npos) {
     return Status(Code::kBusy, msg + " (is another ckptfs using this --state-dir?)");
   }
@@ -30,66 +46,237 @@ rocksdb::WriteOptions SyncWrite() {
   return w;
 }
 
-}  // namespace
+// RocksDB's info log, forwarded to spdlog. RocksDB's default logger writes a LOG file
+// in the state dir; once a line of it fails (ENOSPC) the next line trips an assertion
+// in WritableFileWriter (Debian builds RocksDB with assertions on), which kills the
+// daemon exactly when the state dir's disk is full.
+//
+// Lines logged while DB::Open runs are held back: if the open fails, its error reaches
+// the caller (and the daemon's one-line startup error) anyway, so they go to debug.
+class SpdlogRocksLogger : public rocksdb::Logger {
+ public:
+  SpdlogRocksLogger() : rocksdb::Logger(rocksdb::InfoLogLevel::WARN_LEVEL) {}
 
-StateDb::StateDb(rocksdb::DB* db) : db_(db) {}
-StateDb::~StateDb() = default;
+  void Logv(const char* format, va_list ap) override {
+    Logv(rocksdb::InfoLogLevel::INFO_LEVEL, format, ap);
+  }
 
-Result<std::unique_ptr<StateDb>> StateDb::Open(const std::string& dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return Status::FromErrno(ec.value(), "create state dir " + dir);
+  void Logv(const rocksdb::InfoLogLevel level, const char* format, va_list ap) override {
+    if (level < GetInfoLogLevel() || level == rocksdb::InfoLogLevel::HEADER_LEVEL) return;
+    char buf[1024];
+    int n = std::vsnprintf(buf, sizeof(buf), format, ap);
+    if (n < 0) return;
+    size_t len = std::min(static_cast<size_t>(n), sizeof(buf) - 1);
+    while (len > 0 && (buf[len - 1] == '\n' || buf[len - 1] == '\r')) --len;
+    {
+      std::lock_guard lock(mu_);
+      if (holding_) {
+        held_.emplace_back(level, std::string(buf, len));
+        return;
+      }
+    }
+    Emit(level, std::string_view(buf, len));
+  }
+
+  void Hold() {
+    std::lock_guard lock(mu_);
+    holding_ = true;
+  }
+  // Ends Hold(): the held lines are logged as they came, or at debug if `!opened`.
+  void Release(bool opened) {
+    std::vector<std::pair<rocksdb::InfoLogLevel, std::string>> held;
+    {
+      std::lock_guard lock(mu_);
+      holding_ = false;
+      held.swap(held_);
+    }
+    for (const auto& [level, line] : held) {
+      Emit(opened ? level : rocksdb::InfoLogLevel::DEBUG_LEVEL, line);
+    }
+  }
+
+ private:
+  static void Emit(rocksdb::InfoLogLevel level, std::string_view line) {
+    if (level >= rocksdb::InfoLogLevel::ERROR_LEVEL) {
+      spdlog::error("state db (rocksdb): {}", line);
+    } else if (level == rocksdb::InfoLogLevel::WARN_LEVEL) {
+      spdlog::warn("state db (rocksdb): {}", line);
+    } else {
+      spdlog::debug("state db (rocksdb): {}", line);
+    }
+  }
+
+  std::mutex mu_;
+  bool holding_ = false;                                            // GUARDED_BY(mu_)
+  std::vector<std::pair<rocksdb::InfoLogLevel, std::string>> held_;  // GUARDED_BY(mu_)
+};
+
+// Turns RocksDB's own recovery from a background error off. It is the same in-place
+// resume that can keep a failed WAL writer (see state_db.h), and it waits for free
+// space of a whole memtable per column family. StateDb reopens the database instead.
+class NoAutoRecovery : public rocksdb::EventListener {
+ public:
+  const char* Name() const override { return "ckptfs.NoAutoRecovery"; }
+  void OnErrorRecoveryBegin(rocksdb::BackgroundErrorReason, rocksdb::Status,
+                            bool* auto_recovery) override {
+    *auto_recovery = false;
+  }
+};
+
+std::string MiBString(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return buf;
+}
+
+rocksdb::Options DbOptions(std::shared_ptr<rocksdb::Logger> logger) {
   rocksdb::Options options;
   options.create_if_missing = true;
   options.max_open_files = 64;
-  options.keep_log_file_num = 2;
   options.max_background_jobs = 1;
+  // Small memtables: a flush (which opening after an error starts with) then needs far
+  // less disk than StateDbOptions::min_free_bytes keeps in reserve.
+  options.write_buffer_size = 8 << 20;
+  // Every write is in the synced WAL: closing need not flush, and must not try to
+  // write more to a disk that just failed.
+  options.avoid_flush_during_shutdown = true;
+  options.listeners.push_back(std::make_shared<NoAutoRecovery>());
+  options.info_log = std::move(logger);
   options.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
+  return options;
+}
+
+Result<std::unique_ptr<rocksdb::DB>> OpenRocks(const std::string& dir) {
   rocksdb::DB* db = nullptr;
-  rocksdb::Status s = rocksdb::DB::Open(options, dir, &db);
+  auto logger = std::make_shared<SpdlogRocksLogger>();
+  logger->Hold();
+  rocksdb::Status s = rocksdb::DB::Open(DbOptions(logger), dir, &db);
+  logger->Release(s.ok());
   CKPT_RETURN_IF_ERROR(FromRocks(s, "open state db " + dir));
-  return std::unique_ptr<StateDb>(new StateDb(db));
+  return std::unique_ptr<rocksdb::DB>(db);
+}
+
+// False when the process is (nearly) out of file descriptors: closing the database then
+// would leave it closed, since opening it again needs about as many as it held.
+bool HaveSpareFds(const std::string& dir) {
+  constexpr int kSpare = 16;
+  std::vector<UniqueFd> probe;
+  for (int i = 0; i < kSpare; ++i) {
+    probe.emplace_back(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (!probe.back().valid()) return false;
+  }
+  return true;
+}
+
+Status Unavailable(const std::string& dir) {
+  return Status(Code::kIo, "state db " + dir + " is closed after a failed write; reopening");
+}
+
+}  // namespace
+
+StateDb::StateDb(std::unique_ptr<rocksdb::DB> db, std::string dir,
+                 const StateDbOptions& options)
+    : dir_(std::move(dir)), options_(options), db_(std::move(db)) {}
+StateDb::~StateDb() = default;
+
+Result<std::unique_ptr<StateDb>> StateDb::Open(const std::string& dir,
+                                               const StateDbOptions& options) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return Status::FromErrno(ec.value(), "create state dir " + dir);
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<rocksdb::DB> db, OpenRocks(dir));
+  std::unique_ptr<StateDb> state(new StateDb(std::move(db), dir, options));
+  Result<uint64_t> free_bytes = state->FreeBytes();
+  if (free_bytes.ok() && *free_bytes < options.min_free_bytes) {
+    spdlog::warn("state db: only {} free on {} ({} kept in reserve): creating files will "
+                 "fail with ENOSPC until space is freed",
+                 MiBString(*free_bytes), dir, MiBString(options.min_free_bytes));
+  }
+  return state;
+}
+
+Result<uint64_t> StateDb::FreeBytes() const {
+  struct statvfs st;
+  if (::statvfs(dir_.c_str(), &st) != 0) return Status::FromErrno(errno, "statvfs " + dir_);
+  // Root may use the blocks a file system reserves for it; others may not.
+  uint64_t blocks = ::geteuid() == 0 ? st.f_bfree : st.f_bavail;
+  return blocks * st.f_frsize;
 }
 
 Status StateDb::CheckWritable() {
-  std::lock_guard lock(write_mu_);
+  if (options_.min_free_bytes > 0) {
+    Result<uint64_t> free_bytes = FreeBytes();
+    // A failing statvfs is not a reason to refuse: RocksDB reports real errors itself.
+    if (free_bytes.ok() && *free_bytes < options_.min_free_bytes) {
+      std::string msg = "state dir " + dir_ + ": No space left on device (" +
+                        MiBString(*free_bytes) + " free, " +
+                        MiBString(options_.min_free_bytes) + " kept in reserve)";
+      if (!low_space_) {
+        spdlog::error("state db: {}; refusing writes until space is freed", msg);
+        low_space_ = true;
+      }
+      return Status(Code::kNoSpace, std::move(msg));
+    }
+    if (free_bytes.ok() && low_space_) {
+      spdlog::warn("state db: {} free on {} again; writes resume", MiBString(*free_bytes),
+                   dir_);
+      low_space_ = false;
+      last_reopen_ = {};  // space is back: a failed database may reopen right away
+    }
+  }
   if (write_error_.ok()) return Status::Ok();
   auto now = std::chrono::steady_clock::now();
-  if (now - last_resume_ < std::chrono::seconds(1)) return write_error_;
-  last_resume_ = now;
-  rocksdb::Status s = db_->Resume();
-  if (!s.ok()) return write_error_;
-  spdlog::info("state db: writable again after: {}", write_error_.ToString());
+  if (now - last_reopen_ < std::chrono::seconds(1)) return write_error_;
+  last_reopen_ = now;
+  return Reopen();
+}
+
+Status StateDb::Reopen() {
+  if (!HaveSpareFds(dir_)) return write_error_;
+  std::unique_lock lock(db_mu_);
+  db_.reset();  // closes: RocksDB allows one open instance per directory
+  Result<std::unique_ptr<rocksdb::DB>> db = OpenRocks(dir_);
+  if (!db.ok()) {
+    spdlog::debug("state db: reopen: {}", db.status().ToString());
+    return write_error_;
+  }
+  db_ = std::move(db).value();
+  spdlog::warn("state db: reopened, writable again after: {}", write_error_.ToString());
   write_error_ = Status::Ok();
   return Status::Ok();
 }
 
-Status StateDb::NoteWrite(Status st) {
-  if (!st.ok()) {
-    std::lock_guard lock(write_mu_);
-    if (write_error_.ok()) {
-      spdlog::error("state db: write failed, refusing writes until it recovers: {}",
-                    st.ToString());
-      write_error_ = st;
-      last_resume_ = std::chrono::steady_clock::now();
-    }
+Status StateDb::RunWrite(const std::function<Status(rocksdb::DB*)>& write) {
+  CKPT_RETURN_IF_ERROR(CheckWritable());
+  Status st;
+  {
+    std::shared_lock lock(db_mu_);
+    st = db_ ? write(db_.get()) : Unavailable(dir_);
+  }
+  if (!st.ok() && write_error_.ok()) {
+    spdlog::error("state db: write failed, refusing writes until it is reopened: {}",
+                  st.ToString());
+    write_error_ = st;
+    last_reopen_ = std::chrono::steady_clock::now();
   }
   return st;
 }
 
 Status StateDb::Put(std::string_view key, std::string_view value) {
-  std::lock_guard serial(serial_mu_);
-  CKPT_RETURN_IF_ERROR(CheckWritable());
-  return NoteWrite(FromRocks(db_->Put(SyncWrite(), rocksdb::Slice(key.data(), key.size()),
-                                      rocksdb::Slice(value.data(), value.size())),
-                             "state db put"));
+  std::lock_guard lock(write_mu_);
+  return RunWrite([&](rocksdb::DB* db) {
+    return FromRocks(db->Put(SyncWrite(), rocksdb::Slice(key.data(), key.size()),
+                             rocksdb::Slice(value.data(), value.size())),
+                     "state db put");
+  });
 }
 
 Status StateDb::Delete(std::string_view key) {
-  std::lock_guard serial(serial_mu_);
-  CKPT_RETURN_IF_ERROR(CheckWritable());
-  return NoteWrite(FromRocks(db_->Delete(SyncWrite(), rocksdb::Slice(key.data(), key.size())),
-                             "state db delete"));
+  std::lock_guard lock(write_mu_);
+  return RunWrite([&](rocksdb::DB* db) {
+    return FromRocks(db->Delete(SyncWrite(), rocksdb::Slice(key.data(), key.size())),
+                     "state db delete");
+  });
 }
 
 Status StateDb::Write(const std::vector<std::pair<std::string, std::string>>& puts,
@@ -97,13 +284,16 @@ Status StateDb::Write(const std::vector<std::pair<std::string, std::string>>& pu
   rocksdb::WriteBatch batch;
   for (const auto& [k, v] : puts) batch.Put(k, v);
   for (const auto& k : deletes) batch.Delete(k);
-  std::lock_guard serial(serial_mu_);
-  CKPT_RETURN_IF_ERROR(CheckWritable());
-  return NoteWrite(FromRocks(db_->Write(SyncWrite(), &batch), "state db write"));
+  std::lock_guard lock(write_mu_);
+  return RunWrite([&](rocksdb::DB* db) {
+    return FromRocks(db->Write(SyncWrite(), &batch), "state db write");
+  });
 }
 
 Result<std::string> StateDb::Get(std::string_view key) {
   std::string value;
+  std::shared_lock lock(db_mu_);
+  if (!db_) return Unavailable(dir_);
   rocksdb::Status s =
       db_->Get(rocksdb::ReadOptions(), rocksdb::Slice(key.data(), key.size()), &value);
   CKPT_RETURN_IF_ERROR(FromRocks(s, "state db get"));
@@ -112,6 +302,8 @@ Result<std::string> StateDb::Get(std::string_view key) {
 
 Status StateDb::Scan(std::string_view prefix,
                      const std::function<void(std::string_view, std::string_view)>& fn) {
+  std::shared_lock lock(db_mu_);
+  if (!db_) return Unavailable(dir_);
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   rocksdb::Slice p(prefix.data(), prefix.size());
   for (it->Seek(p); it->Valid() && it->key().starts_with(p); it->Next()) {

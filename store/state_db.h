@@ -2,15 +2,30 @@
 // temp-file records and checkpoint states. Everything in it can be rebuilt from the
 // backing store except which work was still pending at a crash.
 //
-// Thread-safe (RocksDB is). Writes are synced (WAL fsync) so a record reaches disk
-// before the action it guards.
+// Thread-safe: writes are serialized, reads run concurrently. Writes are synced (WAL
+// fsync) so a record reaches disk before the action it guards. A write that returns an
+// error is not visible to reads (a restart may still find one whose record was written
+// whole but not synced, as for any failed fsync).
+//
+// A full disk under the state dir is an expected condition, not a crash: writes are
+// refused with kNoSpace while the state dir's file system has less than
+// `min_free_bytes` free, before RocksDB itself runs out. If a RocksDB write fails
+// anyway (another process took the space, an I/O error), writes fail fast with that
+// error and the database is closed and reopened, at most once a second, until that
+// works: RocksDB 7.8 cannot be trusted to resume in place after a WAL write error (its
+// Resume() can keep the failed WAL writer, whose next append aborts the process in
+// Debian's assert-enabled build). Every acknowledged write is in the synced WAL, so a
+// reopen loses nothing. Both conditions clear by themselves once space is freed.
+// RocksDB's own log goes to spdlog, not to a LOG file in the state dir (a LOG file
+// that hit ENOSPC aborts the process on its next line, in the same way).
 #pragma once
 
-#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <functional>
-#include <mutex>
 #include <memory>
+#include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -23,39 +38,61 @@ class DB;
 
 namespace ckptfs::store {
 
+struct StateDbOptions {
+  // Writes fail with kNoSpace while the state dir's file system has less free space
+  // than this. The reserve leaves room for RocksDB's own work (memtable flushes,
+  // MANIFEST updates, compactions), so those do not fail half-way.
+  uint64_t min_free_bytes = 16ull << 20;
+};
+
 class StateDb {
  public:
   // Opens or creates the database in `dir` (created if missing). Fails with kBusy
   // when another daemon holds it.
-  static Result<std::unique_ptr<StateDb>> Open(const std::string& dir);
+  static Result<std::unique_ptr<StateDb>> Open(const std::string& dir,
+                                               const StateDbOptions& options = {});
   ~StateDb();
   StateDb(const StateDb&) = delete;
   StateDb& operator=(const StateDb&) = delete;
 
+  // kNoSpace when the state dir's disk is (nearly) full; see above.
   Status Put(std::string_view key, std::string_view value);
   Status Delete(std::string_view key);
   // Applies the puts and deletes atomically.
   Status Write(const std::vector<std::pair<std::string, std::string>>& puts,
                const std::vector<std::string>& deletes);
+  // Reads work on a full disk; they fail (kIo) only while a reopen after a failed
+  // write has not succeeded yet.
   Result<std::string> Get(std::string_view key);  // kNotFound if absent
-  // Calls `fn(key, value)` for every key starting with `prefix`, in key order.
+  // Calls `fn(key, value)` for every key starting with `prefix`, in key order. `fn`
+  // must not write to this StateDb.
   Status Scan(std::string_view prefix,
               const std::function<void(std::string_view, std::string_view)>& fn);
 
- private:
-  explicit StateDb(rocksdb::DB* db);
-  // After a failed write RocksDB must not be written again until it has recovered (its
-  // WAL writer asserts otherwise): writes fail fast with the first error, and a Resume()
-  // is tried at most once a second until it works.
-  Status CheckWritable();
-  Status NoteWrite(Status st);
+  // Free bytes on the state dir's file system, as the reserve check sees them.
+  Result<uint64_t> FreeBytes() const;
 
-  std::unique_ptr<rocksdb::DB> db_;
-  // Serializes writes, so that no write is in flight while an earlier one is failing.
-  std::mutex serial_mu_;
+ private:
+  StateDb(std::unique_ptr<rocksdb::DB> db, std::string dir, const StateDbOptions& options);
+  // Under write_mu_: the reason a write must not be tried now, or Ok. Checks the free
+  // space; after a failed write, reopens the database (at most once a second).
+  Status CheckWritable();
+  Status Reopen();  // under write_mu_
+  // Under write_mu_: runs one RocksDB write; a failure is kept in write_error_.
+  Status RunWrite(const std::function<Status(rocksdb::DB*)>& write);
+
+  const std::string dir_;
+  const StateDbOptions options_;
+  // Lock order: write_mu_, then db_mu_.
+  // Serializes writes (no write is in flight while an earlier one is failing) and
+  // guards the members below it.
   std::mutex write_mu_;
-  Status write_error_;  // GUARDED_BY(write_mu_)
-  std::chrono::steady_clock::time_point last_resume_;  // GUARDED_BY(write_mu_)
+  Status write_error_;                                 // GUARDED_BY(write_mu_)
+  std::chrono::steady_clock::time_point last_reopen_;  // GUARDED_BY(write_mu_)
+  bool low_space_ = false;                             // GUARDED_BY(write_mu_)
+  // Shared by every RocksDB call, exclusive to close and reopen the database.
+  std::shared_mutex db_mu_;
+  std::unique_ptr<rocksdb::DB> db_;  // GUARDED_BY(db_mu_); null while a reopen failed
 };
 
 }  // namespace ckptfs::store

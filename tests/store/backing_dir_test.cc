@@ -13,7 +13,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <sys/resource.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -21,6 +24,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/store/faulty_backing_dir.h"
@@ -470,6 +474,149 @@ TEST_F(BackingDirOps, MetadataCallsChangeModeTimesSizeAndLinks) {
   EXPECT_FALSE(dir_->Readlink("f").ok());  // not a link
   // A link inside the root still is not followed by a data open.
   EXPECT_FALSE(dir_->OpenFile("l", O_RDONLY).ok());
+}
+
+// The backing dir removed under a running daemon: emptied and rmdir'ed (its fd then
+// names a deleted directory), then created again at the same path.
+void RemoveTree(const std::string& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  ASSERT_FALSE(ec) << ec.message();
+}
+
+TEST_F(BackingDirOps, ARemovedRootFailsWithNotFoundUntilCreatedAgainThenTheNewOneIsUsed) {
+  const int fd_number = dir_->root_fd();
+  ASSERT_TRUE(dir_->Mkdir("d", 0755).ok());
+  RemoveTree(root_);
+  for (Status st : {dir_->OpenFile("f", O_WRONLY | O_CREAT, 0644).status(),
+                    dir_->Mkdir("e", 0755), dir_->Stat("d").status(),
+                    dir_->Rename("d", "d2"), dir_->List("").status()}) {
+    EXPECT_EQ(st.code(), Code::kNotFound) << st.ToString();
+    EXPECT_NE(st.message().find("was removed"), std::string::npos) << st.ToString();
+  }
+  ASSERT_EQ(::mkdir(root_.c_str(), 0755), 0);
+  WriteWhole(root_ + "/already-there", "x");
+  auto st = dir_->Stat("already-there");
+  ASSERT_TRUE(st.ok()) << "the directory created again is not used: " << st.status().ToString();
+  auto fd = dir_->OpenFile("f", O_WRONLY | O_CREAT, 0644);
+  ASSERT_TRUE(fd.ok()) << fd.status().ToString();
+  EXPECT_TRUE(fs::exists(root_ + "/f"));
+  ASSERT_TRUE(dir_->Mkdir("e", 0755).ok());
+  EXPECT_TRUE(fs::is_directory(root_ + "/e"));
+  EXPECT_EQ(dir_->root_fd(), fd_number) << "the root's fd number must stay the same";
+}
+
+TEST_F(BackingDirOps, ARootMovedAwayStaysInUseWithItsContents) {
+  ASSERT_TRUE(dir_->OpenFile("kept", O_WRONLY | O_CREAT, 0644).ok());
+  const std::string moved = root_ + ".moved";
+  ASSERT_EQ(::rename(root_.c_str(), moved.c_str()), 0);
+  ASSERT_EQ(::mkdir(root_.c_str(), 0755), 0);  // a different directory at the path
+  EXPECT_TRUE(dir_->Stat("kept").ok()) << "moved, not removed: nothing in it may be lost";
+  ASSERT_TRUE(dir_->OpenFile("new", O_WRONLY | O_CREAT, 0644).ok());
+  EXPECT_TRUE(fs::exists(moved + "/new"));
+  EXPECT_FALSE(fs::exists(root_ + "/new"));
+  RemoveTree(moved);
+}
+
+TEST_F(BackingDirOps, ARootCreatedAgainAsASymlinkIsNotFollowed) {
+  ScopedTempDir elsewhere("ckptfs-backing-elsewhere");
+  RemoveTree(root_);
+  ASSERT_EQ(::symlink(elsewhere.path().c_str(), root_.c_str()), 0);
+  EXPECT_EQ(dir_->OpenFile("f", O_WRONLY | O_CREAT, 0644).status().code(), Code::kNotFound);
+  EXPECT_TRUE(fs::is_empty(elsewhere.path()));
+  ASSERT_EQ(::unlink(root_.c_str()), 0);
+  ASSERT_EQ(::mkdir(root_.c_str(), 0755), 0);
+  EXPECT_TRUE(dir_->OpenFile("f", O_WRONLY | O_CREAT, 0644).ok());
+}
+
+size_t OpenFdCount() {
+  size_t n = 0;
+  for (const auto& e : fs::directory_iterator("/proc/self/fd")) {
+    (void)e;
+    ++n;
+  }
+  return n;
+}
+
+// Callers race with the root being removed and created again, over and over: each call
+// succeeds or fails with kNotFound, none reaches anything but a backing root, no fd
+// leaks, and once the root stays, every call works.
+TEST_F(BackingDirOps, CallsRacingWithTheRootBeingRemovedAndCreatedAgainStaySafe) {
+  const size_t fds_before = OpenFdCount();
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, not_found{0}, other{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; !stop.load(); ++i) {
+        const std::string name = "t" + std::to_string(t) + "-" + std::to_string(i % 8);
+        Status st = dir_->OpenFile(name, O_WRONLY | O_CREAT, 0644).status();
+        if (st.ok()) st = dir_->Rename(name, name + ".r");
+        if (st.ok()) st = dir_->Unlink(name + ".r");
+        if (st.ok()) {
+          ++ok;
+        } else if (st.code() == Code::kNotFound) {
+          ++not_found;
+        } else {
+          ++other;
+          ADD_FAILURE() << st.ToString();
+        }
+      }
+    });
+  }
+  for (int round = 0; round < 30; ++round) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    // Moved aside first, then emptied while callers may still add to it, until it is gone.
+    const std::string aside = root_ + ".gone" + std::to_string(round);
+    EXPECT_EQ(::rename(root_.c_str(), aside.c_str()), 0) << std::strerror(errno);
+    for (std::error_code ec; fs::exists(aside);) fs::remove_all(aside, ec);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    EXPECT_EQ(::mkdir(root_.c_str(), 0755), 0) << std::strerror(errno);
+  }
+  stop = true;
+  for (auto& th : threads) th.join();
+  EXPECT_GT(ok.load(), 0);
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_TRUE(dir_->OpenFile("last", O_WRONLY | O_CREAT, 0644).ok());
+  EXPECT_TRUE(fs::exists(root_ + "/last"));
+  EXPECT_EQ(OpenFdCount(), fds_before) << "fds leaked across root swaps";
+}
+
+// Out of file descriptors is its own code, EMFILE to the caller, for an open whose fd
+// outlives the call; namespace calls go on; it clears as fds free.
+TEST_F(BackingDirOps, RunningOutOfFdsIsTooManyOpenFilesAndClears) {
+  struct rlimit saved;
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  struct rlimit low = saved;
+  ASSERT_TRUE(dir_->OpenFile("pre", O_WRONLY | O_CREAT, 0644).ok());
+  low.rlim_cur = OpenFdCount() + 8;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<UniqueFd> hog;
+  while (true) {
+    UniqueFd fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) break;
+    hog.push_back(std::move(fd));
+  }
+  Status st = dir_->OpenFile("f", O_WRONLY | O_CREAT, 0644).status();
+  EXPECT_EQ(st.code(), Code::kTooManyOpenFiles) << st.ToString();
+  EXPECT_EQ(st.ToErrno(), EMFILE);
+  // Calls that need fds only while they run go on, on the spare fds: publishing work
+  // already accepted must not fail for want of a descriptor.
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_TRUE(dir_->Mkdir("d", 0755).ok());
+    ASSERT_TRUE(dir_->Rename("pre", "d/pre").ok());
+    EXPECT_TRUE(dir_->SyncParent("d/pre").ok());
+    EXPECT_TRUE(dir_->Stat("d/pre").ok());
+    EXPECT_TRUE(dir_->Chmod("d/pre", 0600).ok());
+    EXPECT_TRUE(dir_->Truncate("d/pre", 3).ok());
+    ASSERT_TRUE(dir_->Rename("d/pre", "pre").ok());
+    ASSERT_TRUE(dir_->Rmdir("d").ok());
+  }
+  EXPECT_EQ(dir_->OpenFile("f", O_WRONLY | O_CREAT, 0644).status().code(),
+            Code::kTooManyOpenFiles) << "the spare fds were used up, not given back";
+  hog.clear();
+  EXPECT_TRUE(dir_->OpenFile("f", O_WRONLY | O_CREAT, 0644).ok());
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
 }
 
 }  // namespace
