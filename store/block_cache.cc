@@ -1,6 +1,7 @@
 #include "store/block_cache.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -141,6 +142,14 @@ void BlockCache::FreeBuffer(Lock& lock, Block* block) {
   block->charged = 0;
   Release(lock, charged);
   KeepBuffer(lock, std::move(block->data), block->capacity);
+}
+
+void BlockCache::UnmapDeleter::operator()(char* p) const { ::munmap(p, bytes); }
+
+BlockCache::Buffer BlockCache::MapBuffer(uint64_t bytes) {
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return Buffer(nullptr, UnmapDeleter{0});
+  return Buffer(static_cast<char*>(p), UnmapDeleter{bytes});
 }
 
 BlockCache::Buffer BlockCache::TakeBuffer(Lock& lock, uint64_t bytes) {
@@ -304,7 +313,7 @@ void BlockCache::Load(const std::shared_ptr<Block>& block, const UniqueFd& fd) {
   const uint64_t start = block->id.index * opts_.block_bytes;
   Buffer buf = std::move(block->data);
   if (!buf) {
-    buf.reset(static_cast<char*>(std::aligned_alloc(kDirectAlign, RoundUp(want, kDirectAlign))));
+    buf = MapBuffer(RoundUp(want, kDirectAlign));
   }
   Result<size_t> got = Status(Code::kNoSpace, "block cache: out of memory");
   bool direct = false;

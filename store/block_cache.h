@@ -44,7 +44,6 @@
 #pragma once
 
 #include <condition_variable>
-#include <cstdlib>
 #include <cstdint>
 #include <deque>
 #include <list>
@@ -126,10 +125,15 @@ class BlockCache {
 
  private:
   struct Block;
-  struct FreeDeleter {
-    void operator()(char* p) const { std::free(p); }
+  // A block buffer is its own anonymous mapping: page-aligned for O_DIRECT, and given back
+  // to the system the moment the cache drops it (malloc would keep a freed 1 MiB chunk in
+  // the arena of whichever thread freed it, and RSS would drift past the budget).
+  struct UnmapDeleter {
+    size_t bytes = 0;
+    void operator()(char* p) const;
   };
-  using Buffer = std::unique_ptr<char, FreeDeleter>;
+  using Buffer = std::unique_ptr<char, UnmapDeleter>;
+  static Buffer MapBuffer(uint64_t bytes);  // null when out of memory
   struct BlockId {
     FileKey key;
     uint64_t index = 0;

@@ -351,8 +351,9 @@ def vm_hwm_kib(pid):
 class Stress(unittest.TestCase):
     def test_concurrent_writers_and_readers_with_small_staging(self):
         print(f"\nCKPTFS_STRESS_SEED={SEED} CKPTFS_STRESS_SECONDS={SECONDS}", file=sys.stderr)
+        extra = os.environ.get("CKPTFS_STRESS_DAEMON_ARGS", "").split()
         m = Mount(args=["--durability", "async", "--chunk-size", CHUNK,
-                        "--cache-mem", f"{CACHE_MB}M"],
+                        "--cache-mem", f"{CACHE_MB}M"] + extra,
                   staging=f"{STAGING_MB}M")
         self.addCleanup(m.cleanup)
         m.start()
