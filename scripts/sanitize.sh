@@ -63,7 +63,7 @@ tsan_filter="${TSAN_FILTER:-*}"
 # Tests whose pass condition is a wall-clock bound measure the build, not the code: an -O0
 # instrumented build parses 100,000 chunks some 40x slower than release. Their parsing and
 # indexing code still runs under ASan+UBSan in every other DcpMetadata/KeyIndex test, and
-# the parsers in the fuzz step too (scripts/fuzz.sh, libFuzzer with ASan+UBSan at -O1).
+# the parsers in the fuzz step too (scripts/fuzz.sh, libFuzzer with ASan+UBSan).
 asan_filter="${ASAN_FILTER:--KeyIndexBench.*:DcpMetadata.HundredThousandChunksParseQuickly}"
 # shellcheck disable=SC2206
 extra_args=(${SAN_GTEST_ARGS:-})
@@ -227,9 +227,9 @@ if [[ -z "$only" || "$only" == tsan ]]; then
     # happens-before (27 reports in one run, every one with a librocksdb frame under the
     # interceptor). `called_from_lib` makes interceptors called from librocksdb ignore
     # their accesses: the usual model of an uninstrumented library. Deliberately no
-    # `race:` pattern: any race with an access made by ckptfs code on one side and
-    # ckptfs (or test) code on the other is reported, whatever else is on the stacks,
-    # including code RocksDB calls back. Not covered: a ckptfs write racing with a read
+    # `race:` pattern: a race between two accesses made by ckptfs or test code is
+    # reported whatever else is on the stacks, code RocksDB calls back included. Not
+    # covered: a ckptfs write racing with a read
     # inside RocksDB; that would take an instrumented RocksDB.
     tsan_supp="$tsan_dir/tsan.supp"
     printf '%s\n' 'called_from_lib:librocksdb.so' >"$tsan_supp"
