@@ -224,13 +224,13 @@ if [[ -z "$only" || "$only" == tsan ]]; then
     # skiplist, the write-group handoff). The memcpy/memcmp it calls do go through TSan's
     # interceptors, so without a suppression TSan pairs, say, the journal thread's
     # iterator memcmp of a key with the writer's MemTable::Add memcpy of it and sees no
-    # happens-before (27 reports in one run, every one with a librocksdb frame under the
-    # interceptor). `called_from_lib` makes interceptors called from librocksdb ignore
+    # happens-before (27 reports in one run, each with one side an interceptor called
+    # from librocksdb). `called_from_lib` makes interceptors called from librocksdb ignore
     # their accesses: the usual model of an uninstrumented library. Deliberately no
     # `race:` pattern: a race between two accesses made by ckptfs or test code is
     # reported whatever else is on the stacks, code RocksDB calls back included. Not
-    # covered: a ckptfs write racing with a read
-    # inside RocksDB; that would take an instrumented RocksDB.
+    # covered: a ckptfs access racing with one inside RocksDB; that would take an
+    # instrumented RocksDB.
     tsan_supp="$tsan_dir/tsan.supp"
     printf '%s\n' 'called_from_lib:librocksdb.so' >"$tsan_supp"
     echo "== tsan: pipeline_tests (filter $tsan_filter)"
