@@ -5,23 +5,53 @@
 #
 # Environment: BUILD_DIR (default build), JOBS (default 2), FUZZ_SECONDS (default 20;
 # 0 skips the fuzz step), CKPTFS_CRASH_ROUNDS (test_order_crash kills, default 3),
-# SANITIZE=1 (also run scripts/sanitize.sh: unit tests under ASan+UBSan and TSan).
+# SANITIZE (default 1; 0 leaves the sanitizer runs out), DEBUG_FLAGS (default -g1).
+#
+# The build is RelWithDebInfo with line tables only (-g1 instead of -g): g++ emits the
+# same -O2 code either way, backtraces still have functions, files and lines, and full
+# debug info costs about a third more compile time. DEBUG_FLAGS=-g for a debugging session.
+#
+# Sanitizers: the unit tests are also built with clang under ASan+UBSan in
+# <BUILD_DIR>-asan and the pipeline tests under TSan in <BUILD_DIR>-tsan
+# (scripts/sanitize.sh build), and run by the ctest entries sanitize.asan and
+# sanitize.tsan, so ctest's summary and exit code cover them. When ctest gets arguments
+# (a filter) the trees are not built up front; a selected sanitize.* entry builds its own.
 #
 # The output ends with ctest's summary and the exit code is ctest's. The bounded
-# fuzz step (scripts/fuzz.sh, when present) runs before ctest; if it failed while
-# ctest passed, the exit code is the fuzz step's, so a fuzz failure never passes CI.
+# fuzz step (scripts/fuzz.sh, when present) runs before ctest; if it (or the sanitizer
+# build) failed while ctest passed, the exit code is that step's, so neither failure
+# ever passes CI.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-2}
 FUZZ_SECONDS=${FUZZ_SECONDS:-20}
+DEBUG_FLAGS=${DEBUG_FLAGS:--g1}
 
 scripts/setup.sh || exit $?
 
-cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo || exit $?
+SANITIZE=${SANITIZE:-1}
+san_tests=ON
+[ "$SANITIZE" = 0 ] && san_tests=OFF
+
+cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 $DEBUG_FLAGS -DNDEBUG" \
+  -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O2 $DEBUG_FLAGS -DNDEBUG" \
+  -DCKPTFS_SANITIZER_TESTS="$san_tests" || exit $?
 cmake --build "$BUILD_DIR" -j"$JOBS" || exit $?
 echo "test.sh: setup and build took ${SECONDS}s"
+
+san_rc=0
+if [ "$san_tests" = ON ] && [ $# -eq 0 ]; then
+  # The instrumented trees sit next to the build tree, where the ctest entries look.
+  build_abs="$(cd "$BUILD_DIR" && pwd)"
+  ASAN_BUILD_DIR="$build_abs-asan" TSAN_BUILD_DIR="$build_abs-tsan" SAN_JOBS="$JOBS" \
+    scripts/sanitize.sh build
+  san_rc=$?
+  [ "$san_rc" -ne 0 ] && echo "test.sh: SANITIZER BUILD FAILED (exit $san_rc)" >&2
+  echo "test.sh: sanitizer builds done at ${SECONDS}s"
+fi
 
 fuzz_rc=0
 if [ -x scripts/fuzz.sh ] && [ "$FUZZ_SECONDS" != 0 ]; then
@@ -32,15 +62,6 @@ if [ -x scripts/fuzz.sh ] && [ "$FUZZ_SECONDS" != 0 ]; then
     echo "test.sh: FUZZ STEP FAILED (exit $fuzz_rc); see above" >&2
   fi
   echo "test.sh: fuzz step done at ${SECONDS}s"
-fi
-
-san_rc=0
-if [ "${SANITIZE:-0}" != 0 ] && [ -x scripts/sanitize.sh ]; then
-  # ASan+UBSan over every unit test, TSan over the pipeline tests: two more full builds,
-  # so opt-in (SANITIZE=1) to keep the default run well under 20 minutes on 2 cores.
-  SANITIZE=1 scripts/sanitize.sh
-  san_rc=$?
-  [ "$san_rc" -ne 0 ] && echo "test.sh: SANITIZER STEP FAILED (exit $san_rc)" >&2
 fi
 
 ctest --test-dir "$BUILD_DIR" --output-on-failure "$@"
