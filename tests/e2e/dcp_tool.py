@@ -521,7 +521,13 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     if a.cmd == "_worker":
-        return _worker_main(a.rank, json.loads(a.job))
+        rc = _worker_main(a.rank, json.loads(a.job))
+        # Skip the interpreter's teardown: torch 1.13's gloo threads can be destroyed while
+        # joinable at exit ("terminate called without an active exception", SIGABRT) after
+        # the work is done and reported. Every file the rank wrote is closed by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
     # SIGTERM unwinds through _run_ranks' finally, which kills the ranks by PID.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
