@@ -107,13 +107,21 @@ uint64_t BlockCache::BlockSize(const FileKey& key, uint64_t index) const {
 
 bool BlockCache::TryReserve(Lock& lock, uint64_t bytes, uint64_t tick) {
   while (used_ + bytes > opts_.budget_bytes) {
+    // Blocks already served go first, least recently used first: a reader has its bytes
+    // (and ranks sharing the kernel page cache have them too). A prefetched block nobody
+    // has read yet is the read about to come; evicting it for another miss only makes
+    // the backing store read it twice. It goes only when nothing else can.
     Block* victim = nullptr;
+    Block* unread = nullptr;
     for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
-      if ((*it)->pins == 0) {
+      if ((*it)->pins != 0) continue;
+      if (!(*it)->prefetched) {
         victim = *it;
         break;
       }
+      if (unread == nullptr) unread = *it;
     }
+    if (victim == nullptr) victim = unread;
     if (victim == nullptr) return false;
     // A prefetch must not push out what was used since it was asked for (that includes
     // the blocks it brought in itself): stop rather than thrash.

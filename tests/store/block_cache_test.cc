@@ -532,6 +532,24 @@ TEST_P(BlockCacheTest, DestructorJoinsWithPrefetchesPending) {
   EXPECT_LE(dir_->pread_calls(), 32u);
 }
 
+TEST_P(BlockCacheTest, DemandMissesEvictServedBlocksBeforeUnreadPrefetchedOnes) {
+  File ahead = Make("ahead", Pattern(2 * kBlock, 110));
+  File served = Make("served", Pattern(2 * kBlock, 111));
+  File other = Make("other", Pattern(2 * kBlock, 112));
+  auto cache = NewCache(4 * kBlock, 1);
+  cache->Prefetch(ahead.key, ahead.fd, 0, 2 * kBlock);
+  ASSERT_TRUE(WaitUntil([&] { return cache->Stats().prefetched_bytes == 2 * kBlock; }));
+  ExpectRead(cache.get(), served, 0, 2 * kBlock);  // newer in LRU order than `ahead`
+  // Full. The two misses must push out the served blocks, not the two prefetched ones
+  // nobody has read yet, although those are the least recently used.
+  ExpectRead(cache.get(), other, 0, 2 * kBlock);
+  ExpectRead(cache.get(), ahead, 0, 2 * kBlock);
+  auto s = cache->Stats();
+  EXPECT_EQ(s.prefetch_hits, 2u);
+  EXPECT_EQ(s.backing_bytes_read, 6 * kBlock);  // every block read once
+  EXPECT_LE(s.peak_used_bytes, 4 * kBlock);
+}
+
 // True if files in `dir` can be opened with O_DIRECT (tmpfs on kernel 6.1 cannot).
 bool TakesODirect(const std::string& dir) {
   const std::string probe = dir + "/.odirect-probe";
