@@ -168,3 +168,22 @@ def arm_watchdog(test, mount, seconds):
     timer.daemon = True
     timer.start()
     test.addCleanup(timer.cancel)
+
+
+def make_tmpfs(test, mb, prefix):
+    """A `mb` MiB tmpfs on a fresh temp dir, unmounted and removed at `test`'s cleanup;
+    skips `test` where tmpfs cannot be mounted (not root)."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", d],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        os.rmdir(d)
+        test.skipTest(f"cannot mount a tmpfs (needs root): {r.stderr.strip()}")
+    test.addCleanup(remove_tmpfs, d)
+    return d
+
+
+def remove_tmpfs(d):
+    if subprocess.run(["umount", d], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", d], capture_output=True)
+    shutil.rmtree(d, ignore_errors=True)

@@ -28,6 +28,7 @@ import time
 import unittest
 
 import dcp_tool
+import harness
 from harness import Mount
 
 TMPFS_MB = 64
@@ -48,20 +49,7 @@ def used_bytes(path):
 
 class Enospc(unittest.TestCase):
     def make_tmpfs(self):
-        d = tempfile.mkdtemp(prefix="ckptfs-enospc-backing-")
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MB}m", "tmpfs", d],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            os.rmdir(d)
-            self.skipTest(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-        self.addCleanup(self.remove_tmpfs, d)
-        return d
-
-    @staticmethod
-    def remove_tmpfs(d):
-        if subprocess.run(["umount", d], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", d], capture_output=True)
-        os.rmdir(d)
+        return harness.make_tmpfs(self, TMPFS_MB, "ckptfs-enospc-backing-")
 
     def mount(self, durability):
         backing = self.make_tmpfs()

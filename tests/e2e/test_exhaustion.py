@@ -89,47 +89,16 @@ def fill(path, chunk=MiB):
 
 class ExhaustionBase(unittest.TestCase):
     def make_tmpfs(self, mb, prefix):
-        d = tempfile.mkdtemp(prefix=prefix)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", d],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            os.rmdir(d)
-            self.skipTest(f"cannot mount a tmpfs (needs root): {r.stderr.strip()}")
-        self.addCleanup(self.remove_tmpfs, d)
-        return d
-
-    @staticmethod
-    def remove_tmpfs(d):
-        if subprocess.run(["umount", d], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", d], capture_output=True)
-        shutil.rmtree(d, ignore_errors=True)
+        return harness.make_tmpfs(self, mb, prefix)
 
     def mount(self, args=(), **kw):
         m = Mount(args=list(args), **kw)
         self.addCleanup(m.cleanup)   # before the tmpfs cleanups (LIFO)
         m.start()
         self.m = m
-        self.arm_watchdog(m)
+        harness.arm_watchdog(self, m, 300)
         self.addCleanup(self.dump_log_on_failure)
         return m
-
-    def arm_watchdog(self, m, seconds=300):
-        proc = m.proc
-
-        def fire():
-            sys.stderr.write(f"\nwatchdog: {self.id()} ran over {seconds}s; killing ckptfs "
-                             f"pid {proc.pid}\n")
-            faulthandler.dump_traceback(all_threads=True)
-            try:
-                os.kill(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            harness.unmount(m.mnt)
-
-        t = threading.Timer(seconds, fire)
-        t.daemon = True
-        t.start()
-        self.addCleanup(t.cancel)
 
     def dump_log_on_failure(self):
         outcome = getattr(self, "_outcome", None)
