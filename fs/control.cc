@@ -3,9 +3,11 @@
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 #include <set>
 #include <sstream>
 
+#include "common/json_text.h"
 #include "fs/filesystem.h"
 
 namespace ckptfs::fs {
@@ -15,6 +17,12 @@ constexpr char kStateXattr[] = "user.ckptfs.state";
 constexpr char kProgressXattr[] = "user.ckptfs.progress";
 constexpr char kVerifyXattr[] = "user.ckptfs.verify";
 constexpr char kChecksumsXattr[] = "user.ckptfs.checksums";
+// Operator controls, set with setxattr (a single call, unlike getxattr's size probe):
+// resume retries a halted publication now; abort drops the pending entries at or below
+// the path. The report of the last abort is read back from kAbortReportXattr.
+constexpr char kResumeXattr[] = "user.ckptfs.resume";
+constexpr char kAbortXattr[] = "user.ckptfs.abort";
+constexpr char kAbortReportXattr[] = "user.ckptfs.aborted";
 constexpr char kVersion[] = "0.1.0";
 
 }  // namespace
@@ -67,7 +75,21 @@ std::string Filesystem::StatsJson() {
                            : static_cast<double>(c.bytes_served) / c.backing_bytes_read;
   }
   j["journal_pending"] = journal_->pending();
+  j["journal_applied_ahead"] = journal_->applied_ahead();
+  j["journal_retries"] = journal_->retries();
+  j["journal_halted"] = nullptr;
+  if (auto halt = journal_->halted()) {
+    j["journal_halted"] = {{"seq", halt->seq},
+                           {"entry", halt->what},
+                           {"path", halt->path},
+                           {"error", halt->error.ToString()},
+                           {"attempts", halt->attempts},
+                           {"retrying", halt->transient},
+                           {"since", halt->since}};
+  }
   j["flush_queue"] = pipeline_->queued();
+  j["flush_retries"] = pipeline_->retries();
+  j["flush_parked"] = pipeline_->parked();
   {
     std::lock_guard lock(ns_mu_);
     uint64_t files_pending = 0;
@@ -86,7 +108,7 @@ std::string Filesystem::StatsJson() {
     std::lock_guard lock(error_mu_);
     j["last_error"] = last_error_;
   }
-  return j.dump(1) + "\n";
+  return JsonText(j, 1) + "\n";
 }
 
 std::string Filesystem::CheckpointsJson() {
@@ -113,7 +135,7 @@ std::string Filesystem::CheckpointsJson() {
     j["origin"] = "backing store";
     arr.push_back(std::move(j));
   }
-  return arr.dump(1) + "\n";
+  return JsonText(arr, 1) + "\n";
 }
 
 std::string Filesystem::MetricsText() {
@@ -160,10 +182,10 @@ std::string Filesystem::MetricsText() {
 std::string Filesystem::ProgressJson(uint64_t ino) {
   nlohmann::json j = {{"state", "published"}, {"bytes_total", 0}, {"bytes_done", 0},
                       {"error", ""}};
-  if (ino < kFirstNodeIno && ino != kRootIno) return j.dump();
+  if (ino < kFirstNodeIno && ino != kRootIno) return JsonText(j);
   std::lock_guard lock(ns_mu_);
   auto node = NodeLocked(ino);
-  if (!node) return j.dump();
+  if (!node) return JsonText(j);
   const uint64_t applied = journal_->applied();
   if (node->type == NodeType::kFile) {
     if (!node->error.empty()) {
@@ -187,7 +209,7 @@ std::string Filesystem::ProgressJson(uint64_t ino) {
     } else {
       j["bytes_total"] = j["bytes_done"] = static_cast<uint64_t>(node->attr.st_size);
     }
-    return j.dump();
+    return JsonText(j);
   }
   const std::string path = PathLocked(node.get());
   if (auto info = checkpoints_->Get(path)) {
@@ -195,7 +217,7 @@ std::string Filesystem::ProgressJson(uint64_t ino) {
     j["bytes_total"] = info->bytes;
     j["bytes_done"] = info->bytes_published;
     j["error"] = info->error;
-    return j.dump();
+    return JsonText(j);
   }
   // Any other directory: published once no entry made so far is pending. (Entries
   // are applied in order, so this covers everything below it.)
@@ -205,10 +227,47 @@ std::string Filesystem::ProgressJson(uint64_t ino) {
     j["bytes_total"] = last;
     j["bytes_done"] = applied;
   }
-  return j.dump();
+  return JsonText(j);
+}
+
+void Filesystem::Resume() {
+  spdlog::info("operator: resume");
+  pipeline_->RetryNow();
+  journal_->Resume();
+}
+
+std::vector<std::string> Filesystem::Abort(const std::string& path) {
+  spdlog::warn("operator: abort {}", path.empty() ? "/" : path);
+  std::vector<std::string> dropped = journal_->Abort(path);
+  checkpoints_->OnAborted(path, "aborted by the operator");
+  return dropped;
+}
+
+Status Filesystem::SetXattr(uint64_t ino, const std::string& name, const std::string&) {
+  if (name == kResumeXattr) {
+    Resume();
+    return Status::Ok();
+  }
+  if (name != kAbortXattr) return Status(Code::kUnsupported, "setxattr " + name);
+  std::string path;
+  {
+    std::lock_guard lock(ns_mu_);
+    auto node = NodeLocked(ino);
+    if (!node) return NotFound("stale inode");
+    path = PathLocked(node.get());
+  }
+  std::vector<std::string> dropped = Abort(path);
+  nlohmann::json report = {{"path", path}, {"dropped", dropped}};
+  std::lock_guard lock(error_mu_);
+  last_abort_report_ = JsonText(report, 1) + "\n";
+  return Status::Ok();
 }
 
 Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) {
+  if (name == kAbortReportXattr) {
+    std::lock_guard lock(error_mu_);
+    return last_abort_report_.empty() ? std::string("{}\n") : last_abort_report_;
+  }
   if (name == kProgressXattr) return ProgressJson(ino);
   if (name == kChecksumsXattr) {
     // Checksums the items that have none yet (read from the backing store once).
@@ -221,7 +280,7 @@ Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) 
     }
     CKPT_ASSIGN_OR_RETURN(uint64_t filled, index_->FillChecksums(path));
     nlohmann::json j = {{"checksum", store::kChecksumAlgorithm}, {"computed", filled}};
-    return j.dump();
+    return JsonText(j);
   }
   if (name == kVerifyXattr) {
     // Re-reads the checkpoint from the backing store and checks structure and checksums.
@@ -244,7 +303,7 @@ Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) 
                         {"unchecked", report.unchecked},
                         {"bad_count", report.bad.size()},
                         {"bad", bad}};
-    return j.dump();
+    return JsonText(j);
   }
   if (name == kStateXattr) {
     auto j = nlohmann::json::parse(ProgressJson(ino));

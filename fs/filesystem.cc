@@ -88,9 +88,17 @@ Status Filesystem::Init() {
   flush_options.block_crcs = config_.write_checksums;
   CKPT_ASSIGN_OR_RETURN(pipeline_, store::FlushPipeline::Create(backing_.get(), flush_options));
   staging_ctx_ = StagingContext{pool_.get(), pipeline_.get(), backing_.get()};
+  store::CommitGateOptions gate_options;
+  gate_options.timeout = config_.commit_timeout;
+  gate_options.written_locally = [this](const std::string& path) { return WrittenLocally(path); };
+  gate_ = std::make_unique<store::CommitGate>(backing_.get(), std::move(gate_options));
   store::Journal::Hooks hooks;
-  hooks.commit_gate = [this](const store::JournalEntry& e) { return CommitGate(e); };
+  hooks.commit_gate = [this](const store::JournalEntry& e,
+                             const std::function<bool(const std::string&)>& queued) {
+    return gate_->Check(e, queued);
+  };
   hooks.on_done = [this](const store::JournalEntry& e, const Status& st) { OnJournalDone(e, st); };
+  hooks.on_halt = [this](const store::JournalEntry& e, const Status& st) { OnJournalHalt(e, st); };
   CKPT_ASSIGN_OR_RETURN(journal_, store::Journal::Create(backing_.get(), db_.get(), hooks));
 
   CKPT_ASSIGN_OR_RETURN(index_, store::KeyIndex::Create(backing_.get(), db_.get()));
@@ -1074,49 +1082,31 @@ Result<struct statvfs> Filesystem::StatFs() { return backing_->StatFs(); }
 
 // ---------------------------------------------------------------- journal callbacks
 
-Status Filesystem::CommitGate(const store::JournalEntry& e) {
+bool Filesystem::WrittenLocally(const std::string& path) {
+  std::lock_guard lock(ns_mu_);
+  // Only the in-memory tree: a name this mount never loaded was not written through it.
+  Node* node = root_.get();
+  size_t start = 0;
+  while (node != nullptr && start <= path.size()) {
+    size_t slash = path.find('/', start);
+    std::string name = path.substr(start, slash == std::string::npos ? std::string::npos
+                                                                      : slash - start);
+    auto it = node->children.find(name);
+    node = it == node->children.end() ? nullptr : it->second.get();
+    if (slash == std::string::npos) break;
+    start = slash + 1;
+  }
+  return node != nullptr && node->write && node->write->needs_publish;
+}
+
+void Filesystem::OnJournalHalt(const store::JournalEntry& e, const Status& st) {
   const std::string dir = ParentOf(e.path);
-  auto info = checkpoints_->Get(dir);
-  if (info && info->state == store::CkptState::kFailed) {
-    return Status(Code::kAborted, "checkpoint " + dir + " failed: " + info->error);
+  if (st.ok()) {
+    checkpoints_->OnResumed(dir);
+    return;
   }
-  // Read the metadata being committed and check every shard it names (G5).
-  std::string bytes;
-  Result<UniqueFd> fd = e.op == store::OpType::kPublish
-                            ? backing_->OpenFile(e.from, O_RDONLY)
-                            : backing_->OpenFile(e.from, O_RDONLY);
-  if (!fd.ok()) return fd.status();
-  struct stat st;
-  if (::fstat(fd->get(), &st) != 0) return Status::FromErrno(errno, "stat .metadata");
-  bytes.resize(static_cast<size_t>(st.st_size));
-  CKPT_ASSIGN_OR_RETURN(size_t got, backing_->PRead(fd->get(), bytes.data(), bytes.size(), 0));
-  bytes.resize(got);
-  auto md = store::ParseDcpMetadata(bytes);
-  if (!md.ok()) {
-    // Not a metadata format we know: order alone still guarantees that every file this
-    // mount wrote before it is durable.
-    spdlog::warn("checkpoint {}: .metadata not understood ({}); committing by order only",
-                 dir, md.status().ToString());
-    return Status::Ok();
-  }
-  auto deadline = std::chrono::steady_clock::now() + config_.commit_timeout;
-  for (const auto& [file, min_len] : store::RequiredFileLengths(*md)) {
-    const std::string path = JoinPath(dir, file);
-    while (true) {
-      auto fst = backing_->Stat(path);
-      if (fst.ok() && static_cast<uint64_t>(fst->st_size) >= min_len) break;
-      info = checkpoints_->Get(dir);
-      if (info && info->state == store::CkptState::kFailed) {
-        return Status(Code::kAborted, "checkpoint " + dir + " failed: " + info->error);
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        return Status(Code::kTimeout, "shard " + path + " never became durable with " +
-                                          std::to_string(min_len) + " bytes");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  }
-  return Status::Ok();
+  NoteError("publication halted at " + e.Describe() + ": " + st.ToString());
+  checkpoints_->OnFailed(dir, st.ToString());
 }
 
 void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
@@ -1135,7 +1125,13 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
   }
   if (!st.ok()) {
     NoteError(e.Describe() + ": " + st.ToString());
-    if (e.op == store::OpType::kPublish || commit) checkpoints_->OnFailed(dir, st.ToString());
+    if (e.op == store::OpType::kPublish || commit) {
+      if (st.code() == Code::kAborted) {
+        checkpoints_->OnAborted(dir, st.ToString());
+      } else {
+        checkpoints_->OnFailed(dir, st.ToString());
+      }
+    }
   } else if (commit) {
     checkpoints_->OnCommitted(dir);
     QueueIndexBuild(dir);
@@ -1210,7 +1206,10 @@ uint64_t Filesystem::Shutdown() {
     }
   }
   spdlog::info("draining: {} journal entries pending", journal_->pending());
-  journal_->Drain();
+  // A halted journal gets one more attempt; then the failed entry and everything after it
+  // are dropped, never applied (G4), and the bytes parked for a retry are let go.
+  unpublished += journal_->Close();
+  pipeline_->DropParked(Status(Code::kAborted, "daemon stopped before the retry passed"));
   pipeline_->Drain();
   unpublished += journal_->skipped();
   spdlog::info("drained: {} files published, {} not published", files_published_.load(),

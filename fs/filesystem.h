@@ -33,6 +33,7 @@
 #include "gpu/staging_pool.h"
 #include "store/backing_dir.h"
 #include "store/checkpoints.h"
+#include "store/commit_gate.h"
 #include "store/flush_pipeline.h"
 #include "store/journal.h"
 #include "store/key_index.h"
@@ -129,11 +130,18 @@ class Filesystem {
   void ReleaseDir(Handle* h);
   Result<struct statvfs> StatFs();
   Result<std::string> GetXattr(uint64_t ino, const std::string& name);
+  // Operator controls (user.ckptfs.resume, user.ckptfs.abort); others are unsupported.
+  Status SetXattr(uint64_t ino, const std::string& name, const std::string& value);
   std::string ListXattr(uint64_t ino);
 
   // Publishes everything still staged and waits until the journal is empty (G8).
   // Returns how many files could not be published.
   uint64_t Shutdown();
+
+  // Operator controls (ckptfs-admin resume / abort): retry a halted publication now; drop
+  // the pending entries at or below `path` (relative to the mount) and say what went.
+  void Resume();
+  std::vector<std::string> Abort(const std::string& path);
 
   // The control files' contents.
   std::string StatsJson();
@@ -189,7 +197,9 @@ class Filesystem {
   void OnJournalDone(const store::JournalEntry& e, const Status& st);
   // Gives a just-published file's block CRCs (recorded by the flush pipeline) to the index.
   void HandOverBlockCrcs(const store::JournalEntry& e);
-  Status CommitGate(const store::JournalEntry& e);
+  // The commit gate's question: is `path` open for writing here, its publish not queued?
+  bool WrittenLocally(const std::string& path);
+  void OnJournalHalt(const store::JournalEntry& e, const Status& st);
   void RelieveStagingPressure();
   Result<std::shared_ptr<StagedFile>> WritableStaged(Handle* h);
   std::string ProgressJson(uint64_t ino);
@@ -200,6 +210,7 @@ class Filesystem {
   std::unique_ptr<store::CheckpointRegistry> checkpoints_;
   std::unique_ptr<gpu::StagingPool> pool_;
   std::unique_ptr<store::FlushPipeline> pipeline_;
+  std::unique_ptr<store::CommitGate> gate_;
   std::unique_ptr<store::Journal> journal_;
   StagingContext staging_ctx_{};
 
@@ -221,6 +232,7 @@ class Filesystem {
   std::atomic<uint64_t> errors_{0};
   mutable std::mutex error_mu_;
   std::string last_error_;  // GUARDED_BY(error_mu_)
+  std::string last_abort_report_;  // GUARDED_BY(error_mu_)
   void NoteError(const std::string& msg);
 
   // Indexes committed checkpoints in the background (the journal thread never waits).

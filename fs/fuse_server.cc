@@ -232,42 +232,72 @@ void OpListxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
   }
 }
 
-void OpSetxattr(fuse_req_t req, fuse_ino_t, const char*, const char*, size_t, int) {
-  fuse_reply_err(req, ENOTSUP);
+void OpSetxattr(fuse_req_t req, fuse_ino_t ino, const char* name, const char* value, size_t size,
+                int) {
+  Status st = Fs(req)->SetXattr(ino, name, std::string(value, size));
+  ReplyErr(req, st);
 }
 
 void OpRemovexattr(fuse_req_t req, fuse_ino_t, const char*) { fuse_reply_err(req, ENOTSUP); }
+
+// Every FUSE op runs behind this: nothing a client sends can end the daemon. An exception
+// that escapes an op (a bug: the code reports errors with Status) is logged and answered
+// with EIO. Ops that take no reply (forget) only log.
+template <auto Op>
+struct Guarded;
+template <typename... Args, void (*Op)(fuse_req_t, Args...)>
+struct Guarded<Op> {
+  static void Call(fuse_req_t req, Args... args) {
+    try {
+      Op(req, args...);
+    } catch (const std::exception& e) {
+      spdlog::error("fuse: an operation threw ({}); answered EIO", e.what());
+      fuse_reply_err(req, EIO);
+    } catch (...) {
+      spdlog::error("fuse: an operation threw; answered EIO");
+      fuse_reply_err(req, EIO);
+    }
+  }
+  static void CallNoReply(fuse_req_t req, Args... args) {
+    try {
+      Op(req, args...);
+    } catch (...) {
+      spdlog::error("fuse: forget threw; ignored");
+      fuse_reply_none(req);
+    }
+  }
+};
 
 const struct fuse_lowlevel_ops kOps = [] {
   struct fuse_lowlevel_ops ops;
   std::memset(&ops, 0, sizeof(ops));
   ops.init = OpInit;
-  ops.lookup = OpLookup;
-  ops.forget = OpForget;
-  ops.forget_multi = OpForgetMulti;
-  ops.getattr = OpGetattr;
-  ops.setattr = OpSetattr;
-  ops.readlink = OpReadlink;
-  ops.mkdir = OpMkdir;
-  ops.symlink = OpSymlink;
-  ops.unlink = OpUnlink;
-  ops.rmdir = OpRmdir;
-  ops.rename = OpRename;
-  ops.create = OpCreate;
-  ops.open = OpOpen;
-  ops.read = OpRead;
-  ops.write = OpWrite;
-  ops.flush = OpFlush;
-  ops.release = OpRelease;
-  ops.fsync = OpFsync;
-  ops.opendir = OpOpendir;
-  ops.readdir = OpReaddir;
-  ops.releasedir = OpReleasedir;
-  ops.statfs = OpStatfs;
-  ops.getxattr = OpGetxattr;
-  ops.listxattr = OpListxattr;
-  ops.setxattr = OpSetxattr;
-  ops.removexattr = OpRemovexattr;
+  ops.lookup = Guarded<OpLookup>::Call;
+  ops.forget = Guarded<OpForget>::CallNoReply;
+  ops.forget_multi = Guarded<OpForgetMulti>::CallNoReply;
+  ops.getattr = Guarded<OpGetattr>::Call;
+  ops.setattr = Guarded<OpSetattr>::Call;
+  ops.readlink = Guarded<OpReadlink>::Call;
+  ops.mkdir = Guarded<OpMkdir>::Call;
+  ops.symlink = Guarded<OpSymlink>::Call;
+  ops.unlink = Guarded<OpUnlink>::Call;
+  ops.rmdir = Guarded<OpRmdir>::Call;
+  ops.rename = Guarded<OpRename>::Call;
+  ops.create = Guarded<OpCreate>::Call;
+  ops.open = Guarded<OpOpen>::Call;
+  ops.read = Guarded<OpRead>::Call;
+  ops.write = Guarded<OpWrite>::Call;
+  ops.flush = Guarded<OpFlush>::Call;
+  ops.release = Guarded<OpRelease>::Call;
+  ops.fsync = Guarded<OpFsync>::Call;
+  ops.opendir = Guarded<OpOpendir>::Call;
+  ops.readdir = Guarded<OpReaddir>::Call;
+  ops.releasedir = Guarded<OpReleasedir>::Call;
+  ops.statfs = Guarded<OpStatfs>::Call;
+  ops.getxattr = Guarded<OpGetxattr>::Call;
+  ops.listxattr = Guarded<OpListxattr>::Call;
+  ops.setxattr = Guarded<OpSetxattr>::Call;
+  ops.removexattr = Guarded<OpRemovexattr>::Call;
   return ops;
 }();
 

@@ -1,3 +1,4 @@
+#include "common/json_text.h"
 #include "fs/tensor_view.h"
 
 #include <fcntl.h>
@@ -98,7 +99,7 @@ std::string TensorView::MetaJson(const std::vector<store::IndexedItem>& items) {
                       {"checksum", item.has_checksum ? nlohmann::json(sum) : nlohmann::json()}});
   }
   j["chunks"] = chunks;
-  return j.dump(1) + "\n";
+  return JsonText(j, 1) + "\n";
 }
 
 struct stat TensorView::AttrOf(const VNode& v) {

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "common/json_text.h"
 #include "common/logging.h"
 #include "fs/filesystem.h"
 #include "fs/fuse_server.h"
@@ -52,7 +53,7 @@ void WriteExitReport(const std::string& state_dir, bool clean, uint64_t unpublis
                       {"error", error}};
   std::string path = state_dir + "/exit.json";
   std::ofstream out(path + ".tmp");
-  out << j.dump() << "\n";
+  out << ckptfs::JsonText(j) << "\n";
   out.close();
   std::rename((path + ".tmp").c_str(), path.c_str());
 }

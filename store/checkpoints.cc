@@ -4,10 +4,13 @@
 
 #include <chrono>
 
+#include "store/record_codec.h"
+
 namespace ckptfs::store {
 namespace {
 
 constexpr char kPrefix[] = "c/";
+constexpr uint8_t kRecordVersion = 2;  // 1 was JSON
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
@@ -49,22 +52,57 @@ nlohmann::json CheckpointInfo::ToJson() const {
   return j;
 }
 
+std::string CheckpointInfo::Encode() const {
+  std::string out;
+  StringWriter w(&out);
+  w.Byte(kRecordVersion);
+  w.String(path);
+  w.Byte(static_cast<uint8_t>(state));
+  w.Varint(bytes);
+  w.Varint(bytes_published);
+  w.Varint(files);
+  for (double t : {created, updated, committed}) w.Signed(static_cast<int64_t>(t * 1e6));
+  w.String(error);
+  return out;
+}
+
+bool CheckpointInfo::Decode(std::string_view in, CheckpointInfo* out) {
+  Decoder d(in);
+  if (d.Byte() != kRecordVersion) return false;
+  out->path = d.String();
+  uint8_t state = d.Byte();
+  if (state > static_cast<uint8_t>(CkptState::kAborted)) return false;
+  out->state = static_cast<CkptState>(state);
+  out->bytes = d.Varint();
+  out->bytes_published = d.Varint();
+  out->files = d.Varint();
+  for (double* t : {&out->created, &out->updated, &out->committed}) *t = d.Signed() / 1e6;
+  out->error = d.String();
+  return d.done();
+}
+
 Result<std::unique_ptr<CheckpointRegistry>> CheckpointRegistry::Load(StateDb* db) {
   std::unique_ptr<CheckpointRegistry> reg(new CheckpointRegistry(db));
   std::vector<CheckpointInfo> aborted;
   CKPT_RETURN_IF_ERROR(db->Scan(kPrefix, [&](std::string_view, std::string_view v) {
-    auto j = nlohmann::json::parse(v, nullptr, false);
-    if (j.is_discarded()) return;
     CheckpointInfo info;
-    info.path = j.value("path", "");
-    info.state = StateFromName(j.value("state", "aborted"));
-    info.bytes = j.value("bytes", uint64_t{0});
-    info.bytes_published = j.value("bytes_published", uint64_t{0});
-    info.files = j.value("files", uint64_t{0});
-    info.created = j.value("created", 0.0);
-    info.updated = j.value("updated", 0.0);
-    if (j["committed"].is_number()) info.committed = j["committed"].get<double>();
-    if (j["error"].is_string()) info.error = j["error"].get<std::string>();
+    if (!v.empty() && v[0] == '{') {
+      // A record of an older daemon (JSON): read it once; it is rewritten in binary.
+      auto j = nlohmann::json::parse(v, nullptr, false);
+      if (j.is_discarded()) return;
+      info.path = j.value("path", "");
+      info.state = StateFromName(j.value("state", "aborted"));
+      info.bytes = j.value("bytes", uint64_t{0});
+      info.bytes_published = j.value("bytes_published", uint64_t{0});
+      info.files = j.value("files", uint64_t{0});
+      info.created = j.value("created", 0.0);
+      info.updated = j.value("updated", 0.0);
+      if (j["committed"].is_number()) info.committed = j["committed"].get<double>();
+      if (j["error"].is_string()) info.error = j["error"].get<std::string>();
+    } else if (!CheckpointInfo::Decode(v, &info)) {
+      spdlog::warn("checkpoint registry: an unreadable record was ignored");
+      return;
+    }
     if (info.state == CkptState::kWriting || info.state == CkptState::kPending) {
       info.state = CkptState::kAborted;
       info.error = "daemon stopped before the checkpoint committed";
@@ -99,7 +137,7 @@ CheckpointInfo& CheckpointRegistry::Touch(const std::string& dir) {
 }
 
 void CheckpointRegistry::Persist(const CheckpointInfo& info) {
-  Status st = db_->Put(std::string(kPrefix) + info.path, info.ToJson().dump());
+  Status st = db_->Put(std::string(kPrefix) + info.path, info.Encode());
   if (!st.ok()) spdlog::warn("checkpoint {}: cannot persist state: {}", info.path, st.ToString());
 }
 
@@ -133,6 +171,7 @@ void CheckpointRegistry::OnFilePublished(const std::string& dir, uint64_t bytes)
 void CheckpointRegistry::OnCommitQueued(const std::string& dir) {
   std::lock_guard lock(mu_);
   CheckpointInfo& info = ckpts_.count(dir) ? ckpts_[dir] : Touch(dir);
+  info.commit_queued = true;
   if (info.state == CkptState::kWriting) {
     info.state = CkptState::kPending;
     info.updated = Now();
@@ -185,6 +224,35 @@ void CheckpointRegistry::OnRenamed(const std::string& from, const std::string& t
   for (auto& info : moved) {
     Persist(info);
     ckpts_[info.path] = std::move(info);
+  }
+}
+
+void CheckpointRegistry::OnResumed(const std::string& dir) {
+  std::lock_guard lock(mu_);
+  auto it = ckpts_.find(dir);
+  if (it == ckpts_.end() || it->second.state != CkptState::kFailed) return;
+  CheckpointInfo& info = it->second;
+  info.state = info.commit_queued ? CkptState::kPending : CkptState::kWriting;
+  info.error.clear();
+  info.updated = Now();
+  Persist(info);
+  spdlog::info("checkpoint {}: publication resumed ({})", dir, CkptStateName(info.state));
+}
+
+void CheckpointRegistry::OnAborted(const std::string& path, const std::string& why) {
+  std::lock_guard lock(mu_);
+  for (auto& [dir, info] : ckpts_) {
+    const bool below = path.empty() || dir == path ||
+                       (dir.size() > path.size() && dir.compare(0, path.size(), path) == 0 &&
+                        dir[path.size()] == '/');
+    if (!below || info.state == CkptState::kCommitted || info.state == CkptState::kAborted) {
+      continue;
+    }
+    info.state = CkptState::kAborted;
+    info.error = why;
+    info.updated = Now();
+    Persist(info);
+    spdlog::warn("checkpoint {}: aborted: {}", dir, why);
   }
 }
 

@@ -39,7 +39,10 @@ struct CheckpointInfo {
   uint64_t files = 0;
   double created = 0, updated = 0, committed = 0;
   std::string error;
+  bool commit_queued = false;  // its `.metadata` was written (in memory only)
   nlohmann::json ToJson() const;
+  std::string Encode() const;  // the persisted record (binary: paths are bytes)
+  static bool Decode(std::string_view in, CheckpointInfo* out);
 };
 
 class CheckpointRegistry {
@@ -56,6 +59,11 @@ class CheckpointRegistry {
   void OnCommitQueued(const std::string& dir);
   void OnCommitted(const std::string& dir);
   void OnFailed(const std::string& dir, const std::string& error);
+  // A failed checkpoint whose publication passed after all (a retry or resume).
+  void OnResumed(const std::string& dir);
+  // The operator dropped the pending entries at or below `path`: checkpoints there that
+  // had not committed become aborted.
+  void OnAborted(const std::string& path, const std::string& why);
   void OnRenamed(const std::string& from, const std::string& to);
   void OnRemoved(const std::string& dir);
 

@@ -26,16 +26,48 @@ uint64_t FlushTarget::inflight() const {
   return inflight_;
 }
 
+uint64_t FlushTarget::parked() const {
+  std::lock_guard lock(mu_);
+  return parked_;
+}
+
+void FlushTarget::Cancel(const Status& status) {
+  std::lock_guard lock(mu_);
+  if (error_.ok()) error_ = status;
+  if (lost_.ok()) lost_ = status;
+}
+
 Status FlushTarget::Sync(BackingDir* dir) {
-  WaitIdle();
-  CKPT_RETURN_IF_ERROR(Error());
+  {
+    std::unique_lock lock(mu_);
+    idle_cv_.wait(lock, [&] { return inflight_ == parked_; });
+    if (!lost_.ok()) return lost_;
+    if (parked_ > 0) return error_;  // transient: the journal retries the publication later
+  }
   Status st = dir->Fsync(fd());
   if (!st.ok()) {
-    SetError(st);
+    // Permanent: after a failed fsync the kernel may have dropped the dirty pages, and a
+    // second fsync would succeed over lost bytes.
+    std::lock_guard lock(mu_);
+    if (error_.ok()) error_ = st;
+    if (lost_.ok()) lost_ = st;
     return st;
   }
   synced_.store(true);
   return Status::Ok();
+}
+
+bool IsTransient(const Status& status) {
+  switch (status.code()) {
+    case Code::kNoSpace:
+    case Code::kIo:
+    case Code::kTooManyOpenFiles:
+    case Code::kTimeout:
+    case Code::kBusy:
+      return true;
+    default:
+      return false;
+  }
 }
 
 void FlushTarget::NoteTruncated(uint64_t size) {
@@ -73,6 +105,7 @@ Result<std::unique_ptr<FlushPipeline>> FlushPipeline::Create(BackingDir* dir,
 }
 
 FlushPipeline::~FlushPipeline() {
+  DropParked(Status(Code::kAborted, "flush pipeline stopped"));
   Drain();
   {
     std::lock_guard lock(mu_);
@@ -104,51 +137,152 @@ uint64_t FlushPipeline::queued() const {
   return queue_.size() + active_;
 }
 
+uint64_t FlushPipeline::parked() const {
+  std::lock_guard lock(mu_);
+  return parked_.size();
+}
+
+void FlushPipeline::RetryNow() {
+  {
+    std::lock_guard lock(mu_);
+    for (Parked& p : parked_) p.retry_at = std::chrono::steady_clock::now();
+  }
+  work_cv_.notify_all();
+}
+
+uint64_t FlushPipeline::DropParked(const Status& why) {
+  std::deque<Parked> dropped;
+  {
+    std::lock_guard lock(mu_);
+    dropped.swap(parked_);
+  }
+  for (Parked& p : dropped) {
+    p.chunk.target->Cancel(why);
+    Finish(p.chunk, why, /*was_parked=*/true);
+  }
+  if (!dropped.empty()) {
+    spdlog::warn("flush: dropped {} chunks that waited for a retry: {}", dropped.size(),
+                 why.ToString());
+  }
+  return dropped.size();
+}
+
+void FlushPipeline::Finish(SealedChunk& chunk, const Status& st, bool was_parked) {
+  FlushTarget& target = *chunk.target;
+  if (chunk.on_done) chunk.on_done(st);
+  chunk.keepalive.reset();  // returns the staging memory
+  {
+    std::lock_guard lock(target.mu_);
+    if (was_parked) --target.parked_;
+    --target.inflight_;
+    if (target.inflight_ == target.parked_) target.idle_cv_.notify_all();
+  }
+  chunk.target.reset();
+}
+
+bool FlushPipeline::WriteChunk(SealedChunk& chunk, int attempts) {
+  FlushTarget& target = *chunk.target;
+  Status st;
+  {
+    std::lock_guard lock(target.mu_);
+    st = target.lost_;
+  }
+  if (st.ok()) {
+    st = dir_->PWrite(target.fd(), chunk.data, chunk.length, static_cast<off_t>(chunk.offset));
+    if (st.ok() && options_.block_crcs) {
+      // The bytes are still in staging: hashing them here costs no read. Before the
+      // target's inflight count drops, so a later overlapping chunk records after this.
+      if (std::shared_ptr<BlockCrcMap> crcs = target.CrcMap(options_.crc_options)) {
+        auto t0 = std::chrono::steady_clock::now();
+        crcs->Record(chunk.offset, chunk.data, chunk.length);
+        crc_ns_.fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                    std::chrono::steady_clock::now() - t0)
+                                                    .count()),
+                          std::memory_order_relaxed);
+        crc_bytes_.fetch_add(chunk.length, std::memory_order_relaxed);
+      }
+    }
+    if (st.ok()) {
+      target.bytes_flushed_.fetch_add(chunk.length, std::memory_order_relaxed);
+      bytes_flushed_.fetch_add(chunk.length, std::memory_order_relaxed);
+    } else {
+      errors_.fetch_add(1, std::memory_order_relaxed);
+      target.SetError(st);
+      if (IsTransient(st)) {
+        // Keep the bytes in staging and try again later (G7: nothing is lost when the
+        // condition clears). Chunks of one target in flight are disjoint, so a retry
+        // can never land over newer bytes.
+        auto delay = options_.retry_min * (1LL << std::min(attempts, 16));
+        if (delay > options_.retry_max) delay = options_.retry_max;
+        if (attempts == 0) {
+          spdlog::error("flush of file {} at offset {} ({} bytes) failed: {}; kept for a retry",
+                        target.id(), chunk.offset, chunk.length, st.ToString());
+        }
+        std::lock_guard lock(mu_);
+        {
+          std::lock_guard tlock(target.mu_);
+          ++target.parked_;
+          if (target.inflight_ == target.parked_) target.idle_cv_.notify_all();
+        }
+        parked_.push_back({std::move(chunk), attempts + 1,
+                           std::chrono::steady_clock::now() + delay});
+        return false;
+      }
+      spdlog::error("flush of file {} at offset {} ({} bytes) failed: {}", target.id(),
+                    chunk.offset, chunk.length, st.ToString());
+      std::lock_guard lock(target.mu_);
+      if (target.lost_.ok()) target.lost_ = st;
+    }
+  }
+  Finish(chunk, st, /*was_parked=*/false);
+  return true;
+}
+
 void FlushPipeline::Run() {
   while (true) {
     SealedChunk chunk;
+    int attempts = 0;
+    bool retry = false;
     {
       std::unique_lock lock(mu_);
-      work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stop_ and nothing left
-      chunk = std::move(queue_.front());
-      queue_.pop_front();
-      ++active_;
-    }
-    FlushTarget& target = *chunk.target;
-    Status st = target.Error();
-    if (st.ok()) {
-      st = dir_->PWrite(target.fd(), chunk.data, chunk.length, static_cast<off_t>(chunk.offset));
-      if (st.ok() && options_.block_crcs) {
-        // The bytes are still in staging: hashing them here costs no read. Before the
-        // target's inflight count drops, so a later overlapping chunk records after this.
-        if (std::shared_ptr<BlockCrcMap> crcs = target.CrcMap(options_.crc_options)) {
-          auto t0 = std::chrono::steady_clock::now();
-          crcs->Record(chunk.offset, chunk.data, chunk.length);
-          crc_ns_.fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                                      std::chrono::steady_clock::now() - t0)
-                                                      .count()),
-                            std::memory_order_relaxed);
-          crc_bytes_.fetch_add(chunk.length, std::memory_order_relaxed);
+      while (true) {
+        auto now = std::chrono::steady_clock::now();
+        auto due = parked_.end();
+        auto next = std::chrono::steady_clock::time_point::max();
+        for (auto it = parked_.begin(); it != parked_.end(); ++it) {
+          if (it->retry_at <= now) {
+            due = it;
+            break;
+          }
+          next = std::min(next, it->retry_at);
+        }
+        if (due != parked_.end()) {
+          chunk = std::move(due->chunk);
+          attempts = due->attempts;
+          parked_.erase(due);
+          retry = true;
+          break;
+        }
+        if (!queue_.empty()) {
+          chunk = std::move(queue_.front());
+          queue_.pop_front();
+          break;
+        }
+        if (stop_) return;  // nothing left; parked chunks were dropped before stop_
+        if (next == std::chrono::steady_clock::time_point::max()) {
+          work_cv_.wait(lock);
+        } else {
+          work_cv_.wait_until(lock, next);
         }
       }
-      if (st.ok()) {
-        target.bytes_flushed_.fetch_add(chunk.length, std::memory_order_relaxed);
-        bytes_flushed_.fetch_add(chunk.length, std::memory_order_relaxed);
-      } else {
-        errors_.fetch_add(1, std::memory_order_relaxed);
-        spdlog::error("flush of file {} at offset {} ({} bytes) failed: {}", target.id(),
-                      chunk.offset, chunk.length, st.ToString());
-        target.SetError(st);
-      }
+      ++active_;
     }
-    if (chunk.on_done) chunk.on_done(st);
-    chunk.keepalive.reset();  // returns the staging memory
-    {
-      std::lock_guard lock(target.mu_);
-      if (--target.inflight_ == 0) target.idle_cv_.notify_all();
+    if (retry) {
+      retries_.fetch_add(1, std::memory_order_relaxed);
+      std::lock_guard tlock(chunk.target->mu_);
+      --chunk.target->parked_;
     }
-    chunk.target.reset();
+    WriteChunk(chunk, attempts);
     {
       std::lock_guard lock(mu_);
       --active_;

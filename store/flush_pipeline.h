@@ -1,9 +1,16 @@
 // FlushPipeline: writes sealed staging chunks to their backing temp files on N threads.
 //
 // A FlushTarget is one backing file being written (its temp file). It is shared by
-// the open file in fs/ and by the chunks in flight, hence shared_ptr. Errors are
-// sticky: after the first failed write for a target, every later chunk for it is
-// dropped and Error() returns that failure (G7).
+// the open file in fs/ and by the chunks in flight, hence shared_ptr.
+//
+// Errors. The first failed write of a target is sticky for the application: Error()
+// returns it from then on, so the next write/fsync/close reports it (G7). What happens
+// to the bytes depends on the error:
+//   - transient (IsTransient: ENOSPC, EDQUOT, EIO, EMFILE, timeouts): the chunk is kept in
+//     staging and retried with backoff (RetryNow() retries at once), so nothing is lost
+//     when the condition clears. Sync() meanwhile returns the error without waiting.
+//   - permanent (anything else), or Cancel(): the target's bytes are lost; later chunks
+//     are dropped and Sync() returns the failure for good.
 //
 // Checksums. With FlushOptions::block_crcs, each chunk written is also fed to its target's
 // BlockCrcMap while the bytes are still in staging (no extra read), so that the key index
@@ -15,6 +22,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -39,14 +47,21 @@ class FlushTarget {
 
   uint64_t id() const { return id_; }
   int fd() const { return fd_.get(); }
-  // The first error seen for this file, or ok.
+  // The first error seen for this file, or ok (sticky, for the application).
   Status Error() const;
   void SetError(const Status& status);
-  // Blocks until no chunk of this file is queued or being written.
+  // Marks the target's bytes lost (permanently failed) with `status`; parked chunks are
+  // dropped by the pipeline. Used when a publication is aborted.
+  void Cancel(const Status& status);
+  // Blocks until no chunk of this file is queued or being written (parked chunks that
+  // wait for a retry count as in flight).
   void WaitIdle();
-  // WaitIdle, then fsync: the file's bytes are durable when this returns ok.
+  // Waits for the chunks being written, then fsyncs: the file's bytes are durable when
+  // this returns ok. Returns at once with the error while a chunk waits for a retry, and
+  // with the permanent failure once bytes were lost.
   Status Sync(BackingDir* dir);
   uint64_t inflight() const;
+  uint64_t parked() const;
   uint64_t bytes_flushed() const { return bytes_flushed_.load(std::memory_order_relaxed); }
   bool synced() const { return synced_.load(); }
 
@@ -69,8 +84,10 @@ class FlushTarget {
   bool crcs_taken_ = false;            // GUARDED_BY(crc_mu_)
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;
-  uint64_t inflight_ = 0;  // GUARDED_BY(mu_)
-  Status error_;           // GUARDED_BY(mu_)
+  uint64_t inflight_ = 0;  // GUARDED_BY(mu_): queued, being written, or parked
+  uint64_t parked_ = 0;    // GUARDED_BY(mu_): of those, waiting for a retry
+  Status error_;           // GUARDED_BY(mu_): first error, reported to the application
+  Status lost_;            // GUARDED_BY(mu_): bytes were dropped; publication impossible
   std::atomic<uint64_t> bytes_flushed_{0};
   std::atomic<bool> synced_{false};
 };
@@ -87,8 +104,16 @@ struct SealedChunk {
   std::function<void(const Status&)> on_done;
 };
 
+// True for failures that may clear by themselves or by an operator (a full or over-quota
+// file system, an I/O error of a network file system, fd exhaustion, a timeout): the
+// bytes are kept and the write or publication is retried.
+bool IsTransient(const Status& status);
+
 struct FlushOptions {
   int threads = 4;
+  // Backoff of retries after a transient failure: first delay, doubled up to the max.
+  std::chrono::milliseconds retry_min{100};
+  std::chrono::milliseconds retry_max{5000};
   bool block_crcs = true;  // record block CRCs of every chunk written (see above)
   BlockCrcOptions crc_options;
 };
@@ -103,12 +128,19 @@ class FlushPipeline {
 
   // Takes ownership. Never blocks: the staging pool bounds what can be queued.
   void Submit(SealedChunk chunk);
-  // Blocks until every submitted chunk has been written (or dropped on error).
+  // Blocks until every submitted chunk has been written, dropped, or parked for a retry.
   void Drain();
+  // Retries every parked chunk now (an operator's `resume`).
+  void RetryNow();
+  // Drops every parked chunk (their targets become lost): the daemon is stopping.
+  // Returns how many were dropped.
+  uint64_t DropParked(const Status& why);
 
   uint64_t bytes_flushed() const { return bytes_flushed_.load(std::memory_order_relaxed); }
   uint64_t queued() const;
   uint64_t errors() const { return errors_.load(std::memory_order_relaxed); }
+  uint64_t retries() const { return retries_.load(std::memory_order_relaxed); }
+  uint64_t parked() const;
   // Bytes hashed into block CRCs, and the flush threads' time spent hashing them.
   uint64_t crc_bytes() const { return crc_bytes_.load(std::memory_order_relaxed); }
   uint64_t crc_ns() const { return crc_ns_.load(std::memory_order_relaxed); }
@@ -116,6 +148,16 @@ class FlushPipeline {
  private:
   FlushPipeline(BackingDir* dir, const FlushOptions& options);
   void Run();
+  // Writes one chunk; returns false if it was parked for a retry (still owned).
+  bool WriteChunk(SealedChunk& chunk, int attempts);
+  // Releases a chunk that will not be retried.
+  void Finish(SealedChunk& chunk, const Status& st, bool was_parked);
+
+  struct Parked {
+    SealedChunk chunk;
+    int attempts = 0;
+    std::chrono::steady_clock::time_point retry_at;
+  };
 
   BackingDir* const dir_;
   const FlushOptions options_;
@@ -123,11 +165,13 @@ class FlushPipeline {
   std::condition_variable work_cv_;
   std::condition_variable drained_cv_;
   std::deque<SealedChunk> queue_;  // GUARDED_BY(mu_)
+  std::deque<Parked> parked_;      // GUARDED_BY(mu_): waiting for a retry
   uint64_t active_ = 0;            // GUARDED_BY(mu_)
   bool stop_ = false;              // GUARDED_BY(mu_)
   std::vector<std::thread> threads_;
   std::atomic<uint64_t> bytes_flushed_{0};
   std::atomic<uint64_t> errors_{0};
+  std::atomic<uint64_t> retries_{0};
   std::atomic<uint64_t> crc_bytes_{0};
   std::atomic<uint64_t> crc_ns_{0};
 };

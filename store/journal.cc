@@ -5,7 +5,9 @@
 
 #include <cinttypes>
 #include <cstdio>
-#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "store/record_codec.h"
 
 namespace ckptfs::store {
 namespace {
@@ -23,6 +25,36 @@ std::string Key(const char* prefix, uint64_t n) {
 bool HasPrefix(const std::string& s, const std::string& prefix) {
   return s.size() >= prefix.size() && s.compare(0, prefix.size(), prefix) == 0;
 }
+
+// `path` is `dir` or lies below it ("" is the root, above everything).
+bool IsAtOrBelow(const std::string& path, const std::string& dir) {
+  if (dir.empty()) return true;
+  return path == dir || (path.size() > dir.size() && HasPrefix(path, dir) && path[dir.size()] == '/');
+}
+
+// Two entries' names overlap: one is the other or below it.
+bool Touches(const JournalEntry& a, const JournalEntry& b) {
+  for (const std::string* x : {&a.path, &a.from}) {
+    if (x->empty()) continue;
+    for (const std::string* y : {&b.path, &b.from}) {
+      if (!y->empty() && (IsAtOrBelow(*x, *y) || IsAtOrBelow(*y, *x))) return true;
+    }
+  }
+  return false;
+}
+
+bool IsCommitEntry(const JournalEntry& e) {
+  return (e.op == OpType::kPublish || e.op == OpType::kRename) && IsCommitName(e.path);
+}
+
+double UnixNow() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+constexpr auto kRetryMin = std::chrono::milliseconds(100);
+constexpr auto kRetryMax = std::chrono::seconds(5);
+// A permanent failure waits for Resume() or Abort(); this only bounds the wait.
+constexpr auto kPermanentRetry = std::chrono::hours(24);
 
 }  // namespace
 
@@ -48,34 +80,52 @@ bool IsCommitName(const std::string& path) {
   return name == ".metadata";
 }
 
+// Binary record (store/record_codec.h): names are bytes, any bytes a client may use.
+// Version 2; version 1 records were JSON (a daemon never reads another run's entries
+// except in Recover(), which treats an unreadable record as a discarded entry).
+constexpr uint8_t kEntryVersion = 2;
+
 std::string JournalEntry::Serialize() const {
-  nlohmann::json j = {{"seq", seq},   {"op", static_cast<int>(op)}, {"path", path},
-                      {"from", from}, {"link", link_target},        {"mode", mode},
-                      {"at", {atime_sec, atime_nsec}}, {"mt", {mtime_sec, mtime_nsec}},
-                      {"id", file_id}, {"size", size}};
-  return j.dump();
+  std::string out;
+  out.reserve(48 + path.size() + from.size() + link_target.size());
+  StringWriter w(&out);
+  w.Byte(kEntryVersion);
+  w.Varint(seq);
+  w.Varint(static_cast<uint64_t>(op));
+  w.String(path);
+  w.String(from);
+  w.String(link_target);
+  w.Varint(mode);
+  w.Signed(atime_sec);
+  w.Signed(atime_nsec);
+  w.Signed(mtime_sec);
+  w.Signed(mtime_nsec);
+  w.Varint(file_id);
+  w.Varint(size);
+  return out;
 }
 
 Result<JournalEntry> JournalEntry::Parse(std::string_view text) {
-  auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return Corrupt("journal entry is not JSON");
+  Decoder d(text);
+  if (d.Byte() != kEntryVersion || !d.ok()) return Corrupt("journal entry: unknown record version");
   JournalEntry e;
-  try {
-    e.seq = j.at("seq").get<uint64_t>();
-    e.op = static_cast<OpType>(j.at("op").get<int>());
-    e.path = j.at("path").get<std::string>();
-    e.from = j.at("from").get<std::string>();
-    e.link_target = j.at("link").get<std::string>();
-    e.mode = j.at("mode").get<uint32_t>();
-    e.atime_sec = j.at("at")[0].get<int64_t>();
-    e.atime_nsec = j.at("at")[1].get<int64_t>();
-    e.mtime_sec = j.at("mt")[0].get<int64_t>();
-    e.mtime_nsec = j.at("mt")[1].get<int64_t>();
-    e.file_id = j.at("id").get<uint64_t>();
-    e.size = j.at("size").get<uint64_t>();
-  } catch (const nlohmann::json::exception& ex) {
-    return Corrupt(std::string("journal entry: ") + ex.what());
+  e.seq = d.Varint();
+  uint64_t op = d.Varint();
+  e.path = d.String();
+  e.from = d.String();
+  e.link_target = d.String();
+  e.mode = static_cast<uint32_t>(d.Varint());
+  e.atime_sec = d.Signed();
+  e.atime_nsec = d.Signed();
+  e.mtime_sec = d.Signed();
+  e.mtime_nsec = d.Signed();
+  e.file_id = d.Varint();
+  e.size = d.Varint();
+  if (!d.done()) return Corrupt("journal entry: truncated or trailing bytes");
+  if (op < static_cast<uint64_t>(OpType::kPublish) || op > static_cast<uint64_t>(OpType::kDiscard)) {
+    return Corrupt("journal entry: unknown op " + std::to_string(op));
   }
+  e.op = static_cast<OpType>(op);
   return e;
 }
 
@@ -129,7 +179,7 @@ Result<std::unique_ptr<Journal>> Journal::Create(BackingDir* dir, StateDb* db, H
 }
 
 Journal::~Journal() {
-  Drain();
+  Close();
   {
     std::lock_guard lock(mu_);
     stop_ = true;
@@ -170,7 +220,9 @@ Result<uint64_t> Journal::Append(JournalEntry entry) {
     spdlog::warn("journal: could not persist {}: {}", entry.Describe(), st.ToString());
   }
   uint64_t seq = entry.seq;
-  queue_.push_back(std::move(entry));
+  Queued q;
+  q.e = std::move(entry);
+  queue_.push_back(std::move(q));
   lock.unlock();
   work_cv_.notify_one();
   return seq;
@@ -178,19 +230,97 @@ Result<uint64_t> Journal::Append(JournalEntry entry) {
 
 Status Journal::Wait(uint64_t seq) {
   std::unique_lock lock(mu_);
-  done_cv_.wait(lock, [&] { return done_seq_ >= seq; });
+  done_cv_.wait(lock, [&] {
+    return done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0;
+  });
   auto it = failures_.find(seq);
   return it == failures_.end() ? Status::Ok() : it->second;
 }
 
 void Journal::Drain() {
   std::unique_lock lock(mu_);
-  done_cv_.wait(lock, [&] { return done_seq_ + 1 >= next_seq_; });
+  done_cv_.wait(lock, [&] { return queue_.empty(); });
+}
+
+uint64_t Journal::Close() {
+  std::unique_lock lock(mu_);
+  closing_ = true;
+  for (Queued& q : queue_) {
+    if (!q.error.ok()) q.retry_at = std::chrono::steady_clock::now();  // one last attempt
+  }
+  work_cv_.notify_all();
+  done_cv_.wait(lock, [&] { return queue_.empty(); });
+  return dropped_publishes_;
+}
+
+void Journal::Resume() {
+  {
+    std::lock_guard lock(mu_);
+    for (Queued& q : queue_) {
+      if (!q.error.ok()) q.retry_at = std::chrono::steady_clock::now();
+    }
+    gate_dirty_ = true;
+  }
+  work_cv_.notify_all();
+}
+
+std::optional<HaltInfo> Journal::halted() const {
+  std::lock_guard lock(mu_);
+  for (const Queued& q : queue_) {
+    if (q.error.ok()) continue;
+    HaltInfo h;
+    h.seq = q.e.seq;
+    h.what = q.e.Describe();
+    h.path = q.e.path;
+    h.error = q.error;
+    h.attempts = q.attempts;
+    h.transient = IsTransient(q.error);
+    h.since = q.failed_since;
+    return h;
+  }
+  return std::nullopt;
+}
+
+std::vector<std::string> Journal::Abort(const std::string& path) {
+  std::vector<JournalEntry> dropped;
+  {
+    std::lock_guard lock(mu_);
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      const JournalEntry& e = it->e;
+      bool below = IsAtOrBelow(e.path, path) || (!e.from.empty() && IsAtOrBelow(e.from, path));
+      if (!below || it->busy) {
+        ++it;
+        continue;
+      }
+      if (e.seq == gate_seq_) gate_seq_ = 0;
+      dropped.push_back(std::move(it->e));
+      it = queue_.erase(it);
+    }
+    gate_dirty_ = true;
+  }
+  std::vector<std::string> lines;
+  for (JournalEntry& e : dropped) {
+    lines.push_back(e.Describe());
+    spdlog::warn("journal: aborted by the operator: {}", e.Describe());
+    Finalize(e, Status(Code::kAborted, "aborted by the operator"), /*applied=*/false);
+  }
+  {
+    std::lock_guard lock(mu_);
+    for (const JournalEntry& e : dropped) {
+      failures_[e.seq] = Status(Code::kAborted, "aborted by the operator");
+      if (e.op == OpType::kPublish) ++dropped_publishes_;
+      done_ahead_.insert(e.seq);
+    }
+    AdvanceDoneLocked();
+  }
+  done_cv_.notify_all();
+  work_cv_.notify_all();
+  return lines;
 }
 
 uint64_t Journal::pending() const {
   std::lock_guard lock(mu_);
-  return next_seq_ - 1 - done_seq_;
+  return queue_.size();
 }
 
 uint64_t Journal::last_appended() const {
@@ -208,58 +338,262 @@ uint64_t Journal::skipped() const {
   return skipped_;
 }
 
-void Journal::Run() {
-  while (true) {
-    JournalEntry entry;
-    {
-      std::unique_lock lock(mu_);
-      work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      entry = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    Status st = Status::Ok();
-    bool commit = (entry.op == OpType::kPublish || entry.op == OpType::kRename) &&
-                  IsCommitName(entry.path);
-    if (entry.op == OpType::kPublish) {
-      // Data first: the commit gate may read this very file.
-      if (entry.target) st = entry.target->Sync(dir_);
-    }
-    if (st.ok() && commit && hooks_.commit_gate) st = hooks_.commit_gate(entry);
-    if (st.ok()) st = Apply(entry);
-    if (!st.ok()) {
-      spdlog::error("journal: {} skipped: {}", entry.Describe(), st.ToString());
-      if (entry.op == OpType::kPublish) {
-        // Nothing of a failed file may appear under its real name (G4, G7).
-        Status rm = dir_->Unlink(entry.from);
-        if (!rm.ok() && rm.code() != Code::kNotFound) {
-          spdlog::error("journal: cannot remove temp {}: {}", entry.from, rm.ToString());
-        }
-      }
-    }
-    std::vector<std::string> deletes{Key(kEntryPrefix, entry.seq)};
-    if (entry.op == OpType::kPublish || entry.op == OpType::kDiscard) {
-      deletes.push_back(Key(kTempPrefix, entry.file_id));
-    }
-    Status db_st = db_->Write({}, deletes);
-    if (!db_st.ok()) spdlog::warn("journal: state db: {}", db_st.ToString());
-    if (hooks_.on_done) hooks_.on_done(entry, st);
-    entry.target.reset();
-    {
-      std::lock_guard lock(mu_);
-      if (entry.op == OpType::kPublish || entry.op == OpType::kDiscard) {
-        temps_.erase(entry.file_id);
-      }
-      if (!st.ok()) {
-        failures_[entry.seq] = st;
-        ++skipped_;
-        // Bound the memory of old outcomes; waiters read theirs promptly.
-        while (failures_.size() > 4096) failures_.erase(failures_.begin());
-      }
-      done_seq_ = entry.seq;
-    }
-    done_cv_.notify_all();
+uint64_t Journal::applied_ahead() const {
+  std::lock_guard lock(mu_);
+  return applied_ahead_;
+}
+
+uint64_t Journal::retries() const {
+  std::lock_guard lock(mu_);
+  return retries_;
+}
+
+void Journal::AdvanceDoneLocked() {
+  done_seq_ = queue_.empty() ? next_seq_ - 1 : queue_.front().e.seq - 1;
+  done_ahead_.erase(done_ahead_.begin(), done_ahead_.upper_bound(done_seq_));
+  // Bound the memory of old outcomes; waiters read theirs promptly.
+  while (failures_.size() > 4096) failures_.erase(failures_.begin());
+}
+
+Journal::Step Journal::NextStepLocked() {
+  Step step;
+  if (queue_.empty()) {
+    step.kind = stop_ ? Step::kExit : Step::kIdle;
+    return step;
   }
+  const auto now = std::chrono::steady_clock::now();
+  auto head = queue_.begin();
+  if (!head->error.ok() && now < head->retry_at) {
+    step.kind = Step::kWait;
+    step.until = head->retry_at;
+    return step;
+  }
+  if (!IsCommitEntry(head->e) || (gate_seq_ == head->e.seq && gate_ready_)) {
+    step.kind = Step::kProcess;
+    step.it = head;
+    return step;
+  }
+  if (gate_seq_ != head->e.seq || gate_dirty_ || now >= gate_recheck_) {
+    step.kind = Step::kGate;
+    step.it = head;
+    return step;
+  }
+  // The commit waits for its shards: apply their queued publishes ahead of it, in order,
+  // where no entry left behind touches their names. A failed one halts everything after it.
+  // A shard may also arrive by a rename of a file published under another name first.
+  std::unordered_set<std::string> feeders;
+  for (auto it = std::next(head); it != queue_.end(); ++it) {
+    if (it->e.op == OpType::kRename && gate_shard_set_.count(it->e.path) > 0) {
+      feeders.insert(it->e.from);
+    }
+  }
+  std::vector<const JournalEntry*> left_behind;
+  step.kind = Step::kWait;
+  step.until = gate_recheck_;
+  for (auto it = std::next(head); it != queue_.end(); ++it) {
+    const JournalEntry& e = it->e;
+    bool eligible = (e.op == OpType::kPublish || e.op == OpType::kRename) &&
+                    (gate_shard_set_.count(e.path) > 0 || feeders.count(e.path) > 0);
+    for (const JournalEntry* b : left_behind) {
+      if (eligible && Touches(e, *b)) eligible = false;
+    }
+    if (!it->error.ok()) {
+      if (eligible && now >= it->retry_at) {
+        step.kind = Step::kProcess;
+        step.it = it;
+      } else {
+        step.until = std::min(step.until, it->retry_at);
+      }
+      return step;
+    }
+    if (eligible) {
+      step.kind = Step::kProcess;
+      step.it = it;
+      return step;
+    }
+    left_behind.push_back(&e);
+  }
+  return step;
+}
+
+void Journal::Run() {
+  const std::function<bool(const std::string&)> queued = [this](const std::string& path) {
+    std::lock_guard lock(mu_);
+    for (const Queued& q : queue_) {
+      if (q.e.op == OpType::kPublish && q.e.path == path) return true;
+    }
+    return false;
+  };
+  std::unique_lock lock(mu_);
+  while (true) {
+    Step step = NextStepLocked();
+    if (step.kind == Step::kExit) return;
+    if (step.kind == Step::kIdle) {
+      work_cv_.wait(lock);
+      continue;
+    }
+    if (step.kind == Step::kWait) {
+      work_cv_.wait_until(lock, step.until);
+      continue;
+    }
+    Queued& q = *step.it;
+    q.busy = true;
+    JournalEntry e = q.e;  // a copy: Abort() may reshape the queue meanwhile
+    const bool at_head = step.it == queue_.begin();
+    const bool commit = IsCommitEntry(e);
+    if (!q.error.ok()) ++retries_;
+    lock.unlock();
+
+    if (step.kind == Step::kGate) {
+      // Data first: the gate reads this very file.
+      Status st = e.op == OpType::kPublish && e.target ? e.target->Sync(dir_) : Status::Ok();
+      CommitCheck check = st;
+      if (st.ok() && hooks_.commit_gate) check = hooks_.commit_gate(e, queued);
+      lock.lock();
+      FindLocked(e.seq)->busy = false;
+      if (!check.status.ok()) {
+        lock.unlock();
+        HaltOrSkip(e, check.status, commit, at_head);
+        lock.lock();
+        continue;
+      }
+      gate_seq_ = e.seq;
+      gate_ready_ = check.ready;
+      gate_dirty_ = false;
+      gate_shard_set_ = std::unordered_set<std::string>(check.shards.begin(), check.shards.end());
+      gate_recheck_ = std::chrono::steady_clock::now() +
+                      std::max(check.recheck, std::chrono::milliseconds(1));
+      continue;
+    }
+
+    Status st = Process(e);
+    if (st.ok()) {
+      Finalize(e, st, /*applied=*/true);
+      lock.lock();
+      auto it = FindLocked(e.seq);
+      bool failed_before = !it->error.ok();
+      queue_.erase(it);
+      if (!at_head) {
+        done_ahead_.insert(e.seq);
+        ++applied_ahead_;
+      }
+      if (commit) gate_seq_ = 0, gate_ready_ = false;
+      gate_dirty_ = true;
+      failures_.erase(e.seq);
+      AdvanceDoneLocked();
+      lock.unlock();
+      if (failed_before) {
+        spdlog::info("journal: {} applied after {} retries; publication resumes", e.Describe(),
+                     retries());
+        if (hooks_.on_halt) hooks_.on_halt(e, Status::Ok());
+      }
+      done_cv_.notify_all();
+      lock.lock();
+      continue;
+    }
+    HaltOrSkip(e, st, commit, at_head);
+    lock.lock();
+  }
+}
+
+std::deque<Journal::Queued>::iterator Journal::FindLocked(uint64_t seq) {
+  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+    if (it->e.seq == seq) return it;
+  }
+  std::abort();  // only the publisher removes busy entries
+}
+
+void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, bool at_head) {
+  std::unique_lock lock(mu_);
+  const bool halts = e.op == OpType::kPublish || commit || IsTransient(st);
+  if (!halts) {
+    // A namespace entry the backing store refuses for good (someone else changed it):
+    // skipped, as it carries no data.
+    queue_.erase(FindLocked(e.seq));
+    failures_[e.seq] = st;
+    ++skipped_;
+    if (!at_head) done_ahead_.insert(e.seq);
+    AdvanceDoneLocked();
+    lock.unlock();
+    spdlog::error("journal: {} skipped: {}", e.Describe(), st.ToString());
+    Finalize(e, st, /*applied=*/false);
+    done_cv_.notify_all();
+    return;
+  }
+  if (closing_) {
+    // Shutting down with a failure at the head of the line: it and everything after it
+    // are dropped; the backing store keeps the prefix (G4).
+    std::vector<std::pair<JournalEntry, Status>> dropped;
+    auto from = FindLocked(e.seq);
+    const Status behind(Code::kAborted, "not published: " + e.Describe() + " failed first");
+    for (auto it = from; it != queue_.end(); ++it) {
+      dropped.emplace_back(std::move(it->e), it == from ? st : behind);
+    }
+    queue_.erase(from, queue_.end());
+    for (const auto& [d, why] : dropped) {
+      failures_[d.seq] = why;
+      if (d.op == OpType::kPublish) ++dropped_publishes_;
+    }
+    gate_seq_ = 0;
+    AdvanceDoneLocked();
+    lock.unlock();
+    spdlog::error("journal: {} failed at shutdown ({}); {} entries after it not applied",
+                  e.Describe(), st.ToString(), dropped.size() - 1);
+    for (const auto& [d, why] : dropped) Finalize(d, why, /*applied=*/false);
+    done_cv_.notify_all();
+    return;
+  }
+  auto it = FindLocked(e.seq);
+  it->busy = false;
+  const bool first = it->error.ok();
+  it->error = st;
+  ++it->attempts;
+  if (first) it->failed_since = UnixNow();
+  auto delay = IsTransient(st) ? std::min<std::chrono::milliseconds>(
+                                     kRetryMax, kRetryMin * (1LL << std::min<uint64_t>(it->attempts - 1, 16)))
+                               : std::chrono::duration_cast<std::chrono::milliseconds>(kPermanentRetry);
+  it->retry_at = std::chrono::steady_clock::now() + delay;
+  failures_[e.seq] = st;
+  gate_dirty_ = true;
+  const uint64_t attempts = it->attempts;
+  lock.unlock();
+  if (first) {
+    spdlog::error("journal: halted at {}: {} ({}); nothing after it is applied until it passes",
+                  e.Describe(), st.ToString(),
+                  IsTransient(st) ? "retrying with backoff" : "waiting for resume or abort");
+  } else if (attempts % 20 == 0) {
+    spdlog::warn("journal: still halted at {} after {} attempts: {}", e.Describe(), attempts,
+                 st.ToString());
+  }
+  if (hooks_.on_halt) hooks_.on_halt(e, st);
+  done_cv_.notify_all();
+}
+
+Status Journal::Process(const JournalEntry& e) {
+  if (e.op == OpType::kPublish && e.target) CKPT_RETURN_IF_ERROR(e.target->Sync(dir_));
+  return Apply(e);
+}
+
+void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
+  if (!applied && (e.op == OpType::kPublish || e.op == OpType::kDiscard)) {
+    if (e.target && e.op == OpType::kPublish) e.target->Cancel(st);
+    // Nothing of an unpublished file may appear under its real name (G4, G7).
+    Status rm = dir_->Unlink(e.from);
+    if (!rm.ok() && rm.code() != Code::kNotFound) {
+      spdlog::error("journal: cannot remove temp {}: {}", e.from, rm.ToString());
+    }
+  }
+  std::vector<std::string> deletes{Key(kEntryPrefix, e.seq)};
+  if (e.op == OpType::kPublish || e.op == OpType::kDiscard) {
+    deletes.push_back(Key(kTempPrefix, e.file_id));
+  }
+  Status db_st = db_->Write({}, deletes);
+  if (!db_st.ok()) spdlog::warn("journal: state db: {}", db_st.ToString());
+  if (e.op == OpType::kPublish || e.op == OpType::kDiscard) {
+    std::lock_guard lock(mu_);
+    temps_.erase(e.file_id);
+  }
+  if (hooks_.on_done) hooks_.on_done(e, st);
 }
 
 Status Journal::ApplyPublish(const JournalEntry& e) {

@@ -1,11 +1,25 @@
 // Journal: the ordered list of publish and namespace operations, applied to the
-// backing store strictly in order by one publisher thread (G4, G5).
+// backing store in order by one publisher thread (G4, G5).
 //
-// An entry is applied only after every earlier entry has been applied (or skipped)
-// and, for a publish, after its file's bytes are durable (flushed and fsynced). Then
-// the temp file is renamed onto its real name. An entry whose data failed, or a commit
-// that its gate refuses, is skipped: nothing of it reaches the backing store, and its
-// failure is reported through the hooks and to Wait().
+// An entry is applied only after every earlier entry has been applied and, for a
+// publish, after its file's bytes are durable (flushed and fsynced). Then the temp file
+// is renamed onto its real name.
+//
+// Commits. An entry that makes a `.metadata` appear asks the commit gate whether the
+// shards it names are durable. While it waits, the queued publishes of those shards (and
+// only those, and only where no skipped entry touches their names) are applied ahead of
+// it: they commit nothing until the `.metadata` lands. Every other later entry keeps its
+// place behind it (G4). So any file order commits as soon as the last shard is durable.
+//
+// Failures halt (G7). A publish or commit that fails stays at its place and nothing after
+// it is applied: the backing store stays at the last state the application passed
+// through. Transient failures (IsTransient) are retried with backoff, the staged bytes
+// kept; permanent ones wait for Resume() or Abort(). Wait() on a failed entry returns its
+// failure at once. A namespace entry (mkdir, rename, chmod...) that fails permanently,
+// which happens only when someone else changed the backing store under the mount, is
+// skipped and logged as before: it carries no data and the mount already shows its
+// outcome. Close(final) gives up on a halted journal: the failed entry and everything
+// after it are dropped, never applied, and counted.
 //
 // Entries and temp-file records are kept in RocksDB, so a restarted daemon knows which
 // temp files were never published and removes them (Recover()).
@@ -13,6 +27,7 @@
 // Thread-safe. The destructor drains pending entries and joins the publisher.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -20,8 +35,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <string>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include "common/status.h"
@@ -63,6 +81,35 @@ struct JournalEntry {
   std::string Describe() const;
 };
 
+// What a commit gate says about an entry that makes a `.metadata` appear. Implicitly made
+// from a Status: ok means ready, anything else refuses the commit.
+struct CommitCheck {
+  CommitCheck() = default;
+  CommitCheck(Status s) : status(std::move(s)) {}  // NOLINT: implicit on purpose
+  static CommitCheck Wait(std::vector<std::string> shards, std::chrono::milliseconds recheck) {
+    CommitCheck c;
+    c.ready = false;
+    c.shards = std::move(shards);
+    c.recheck = recheck;
+    return c;
+  }
+  Status status;                       // not ok: the commit is refused (the journal halts)
+  bool ready = true;                   // false: not yet; ask again
+  std::vector<std::string> shards;     // paths whose queued publishes may go ahead of it
+  std::chrono::milliseconds recheck{0};  // when not ready: ask again after this at the latest
+};
+
+// The entry a halted journal stopped at.
+struct HaltInfo {
+  uint64_t seq = 0;
+  std::string what;    // Describe() of the entry
+  std::string path;
+  Status error;
+  uint64_t attempts = 0;
+  bool transient = false;  // retried by itself
+  double since = 0;        // unix time of the first failure
+};
+
 struct RecoveryReport {
   uint64_t entries_discarded = 0;
   uint64_t temps_removed = 0;
@@ -72,12 +119,19 @@ struct RecoveryReport {
 class Journal {
  public:
   struct Hooks {
-    // Runs on the publisher thread before an entry that makes a name `.metadata`
-    // appear. It may block (for example while shards from other nodes become
-    // durable). Non-ok skips the entry.
-    std::function<Status(const JournalEntry&)> commit_gate;
-    // Runs on the publisher thread after each entry is applied or skipped.
+    // Runs on the publisher thread before an entry that makes a name `.metadata` appear,
+    // after the entry's own bytes are durable, and again until it is ready or refuses.
+    // `queued(path)` tells whether a publish of `path` is still queued in this journal.
+    // It must not block for long: it says when to ask again instead.
+    std::function<CommitCheck(const JournalEntry&,
+                              const std::function<bool(const std::string&)>& queued)>
+        commit_gate;
+    // Runs on the publisher thread after each entry is applied, skipped or dropped
+    // (aborted: Code::kAborted).
     std::function<void(const JournalEntry&, const Status&)> on_done;
+    // Runs on the publisher thread when an entry fails and the journal halts at it (each
+    // attempt), and with an ok status when a halted entry finally passes.
+    std::function<void(const JournalEntry&, const Status&)> on_halt;
   };
 
   // Removes the temp files of a previous run that were never published and clears its
@@ -99,19 +153,59 @@ class Journal {
 
   // Persists and queues `entry`; returns its sequence number.
   Result<uint64_t> Append(JournalEntry entry);
-  // Blocks until entry `seq` is applied or skipped; returns its outcome.
+  // Blocks until entry `seq` is applied or skipped, or has failed; returns its outcome.
   Status Wait(uint64_t seq);
   // Blocks until every appended entry is done.
   void Drain();
+  // Final drain (shutdown): waits for every entry; a halted entry gets one more attempt,
+  // then it and every entry after it are dropped. Returns the publishes dropped.
+  uint64_t Close();
+
+  // Retries a halted entry (and parked flush chunks, via the caller) now.
+  void Resume();
+  // Drops every queued entry at or below `path` (a checkpoint directory or a file) that
+  // has not been applied: their temp files are removed and nothing of them reaches the
+  // backing store. Returns what was dropped, one Describe() line each.
+  std::vector<std::string> Abort(const std::string& path);
+  // The entry the journal is halted at, if any.
+  std::optional<HaltInfo> halted() const;
 
   uint64_t pending() const;
   uint64_t last_appended() const;
+  // Every entry with a sequence number up to this one is done.
   uint64_t applied() const;
   uint64_t skipped() const;
+  uint64_t applied_ahead() const;  // publishes applied ahead of a waiting commit
+  uint64_t retries() const;
 
  private:
   Journal(BackingDir* dir, StateDb* db, Hooks hooks, uint64_t next_seq, uint64_t next_id);
+  struct Queued {
+    JournalEntry e;
+    bool busy = false;         // being processed by the publisher thread
+    Status error;              // the last failure while the journal is halted at it
+    uint64_t attempts = 0;
+    double failed_since = 0;
+    std::chrono::steady_clock::time_point retry_at{};
+  };
+  // What the publisher does next.
+  struct Step {
+    enum Kind { kIdle, kWait, kProcess, kGate, kExit } kind = kIdle;
+    std::deque<Queued>::iterator it;
+    std::chrono::steady_clock::time_point until{};
+  };
+  Step NextStepLocked();
+  std::deque<Queued>::iterator FindLocked(uint64_t seq);  // REQUIRES(mu_); must exist
   void Run();
+  // A failed entry: halts the journal at it (publishes, commits, transient failures),
+  // or skips it (namespace entries refused for good), or, when closing, drops it and
+  // everything after it.
+  void HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, bool at_head);
+  // Syncs the data (publish) and applies one entry; false with `st` on failure.
+  Status Process(const JournalEntry& e);
+  // Removes the entry's records (and, if not applied, its temp file) and runs on_done.
+  void Finalize(const JournalEntry& e, const Status& st, bool applied);
+  void AdvanceDoneLocked();
   Status Apply(const JournalEntry& e);
   Status ApplyPublish(const JournalEntry& e);
   // Keeps temp records right when a directory holding temps is renamed.
@@ -124,9 +218,21 @@ class Journal {
   mutable std::mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
-  std::deque<JournalEntry> queue_;       // GUARDED_BY(mu_)
+  std::deque<Queued> queue_;             // GUARDED_BY(mu_): not yet done, in order
   uint64_t next_seq_;                    // GUARDED_BY(mu_)
   uint64_t done_seq_;                    // GUARDED_BY(mu_): every seq <= this is done
+  std::set<uint64_t> done_ahead_;        // GUARDED_BY(mu_): done seqs > done_seq_
+  // The commit at the head of the queue that waits for its shards, and when to ask the
+  // gate again.
+  uint64_t gate_seq_ = 0;                                  // GUARDED_BY(mu_)
+  bool gate_ready_ = false;                                 // GUARDED_BY(mu_)
+  std::unordered_set<std::string> gate_shard_set_;         // GUARDED_BY(mu_)
+  std::chrono::steady_clock::time_point gate_recheck_{};   // GUARDED_BY(mu_)
+  bool gate_dirty_ = true;  // GUARDED_BY(mu_): something changed since the gate last said wait
+  bool closing_ = false;    // GUARDED_BY(mu_): Close(): give up on a halted entry
+  uint64_t dropped_publishes_ = 0;  // GUARDED_BY(mu_)
+  uint64_t applied_ahead_ = 0;      // GUARDED_BY(mu_)
+  uint64_t retries_ = 0;            // GUARDED_BY(mu_)
   std::map<uint64_t, Status> failures_;  // GUARDED_BY(mu_): outcomes of skipped entries
   std::map<uint64_t, std::string> temps_;  // GUARDED_BY(mu_): file id -> temp path
   uint64_t next_file_id_;                // GUARDED_BY(mu_)

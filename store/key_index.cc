@@ -13,6 +13,8 @@
 #include <unordered_set>
 
 #include "store/crc32c.h"
+#include "store/metadata_file.h"
+#include "store/record_codec.h"
 #include "store/torch_zip.h"
 
 namespace ckptfs::store {
@@ -39,7 +41,6 @@ constexpr int kFormat = 3;
 constexpr uint8_t kValueVersion = 2;  // one item's encoding (checksum = CRC32C)
 constexpr uint8_t kBlockVersion = 1;
 constexpr size_t kItemsPerBlock = 256;
-constexpr uint64_t kMaxMetadataBytes = 256ull << 20;  // PickleLimits::max_input_bytes
 constexpr size_t kWindowCapacity = 4u << 20;
 constexpr size_t kReadAhead = 256u << 10;
 // Items up to this size are parsed from one view of the whole item (they are read anyway,
@@ -81,41 +82,6 @@ std::string ItemSuffix(const IndexedItem& item) {
   return s;
 }
 
-// --- Binary value encoding ----------------------------------------------------------------
-
-uint64_t ZigZag(int64_t v) {
-  return (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63);
-}
-int64_t UnZigZag(uint64_t v) { return static_cast<int64_t>((v >> 1) ^ (~(v & 1) + 1)); }
-
-// Writes through a raw cursor into room the caller sized (std::string::push_back per byte
-// cost more than the rest of the build's encoding).
-class Writer {
- public:
-  explicit Writer(char* p) : p_(p) {}
-  char* pos() const { return p_; }
-  void Byte(uint8_t b) { *p_++ = static_cast<char>(b); }
-  void Varint(uint64_t v) {
-    while (v >= 0x80) {
-      *p_++ = static_cast<char>(v | 0x80);
-      v >>= 7;
-    }
-    *p_++ = static_cast<char>(v);
-  }
-  void String(std::string_view s) {
-    Varint(s.size());
-    std::memcpy(p_, s.data(), s.size());
-    p_ += s.size();
-  }
-  void Ints(const std::vector<int64_t>& v) {
-    Varint(v.size());
-    for (int64_t x : v) Varint(ZigZag(x));
-  }
-
- private:
-  char* p_;
-};
-
 constexpr size_t kMaxVarint = 10;
 
 // Bytes EncodeItem() writes at most.
@@ -131,7 +97,7 @@ size_t EncodedBound(const IndexedItem& item) {
 }
 
 // Writes the encoding of `item`; `w` has EncodedBound(item) bytes of room.
-void EncodeItem(const IndexedItem& item, Writer& w) {
+void EncodeItem(const IndexedItem& item, CursorWriter& w) {
   w.Byte(kValueVersion);
   w.Byte(static_cast<uint8_t>(item.kind));
   w.Byte((item.has_checksum ? 1 : 0) | (item.is_bytes ? 2 : 0));
@@ -152,60 +118,6 @@ void EncodeItem(const IndexedItem& item, Writer& w) {
   w.Varint(item.transforms.size());
   for (const std::string& t : item.transforms) w.String(t);
 }
-
-class Decoder {
- public:
-  explicit Decoder(std::string_view in) : in_(in) {}
-  bool ok() const { return ok_; }
-  bool done() const { return ok_ && in_.empty(); }
-  uint8_t Byte() {
-    if (in_.empty()) return Fail();
-    uint8_t b = static_cast<uint8_t>(in_[0]);
-    in_.remove_prefix(1);
-    return b;
-  }
-  uint64_t Varint() {
-    uint64_t v = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
-      if (in_.empty()) return Fail();
-      uint8_t b = static_cast<uint8_t>(in_[0]);
-      in_.remove_prefix(1);
-      v |= static_cast<uint64_t>(b & 0x7f) << shift;
-      if ((b & 0x80) == 0) return v;
-    }
-    return Fail();
-  }
-  std::string String() {
-    uint64_t n = Varint();
-    if (n > in_.size()) return (Fail(), std::string());
-    std::string s(in_.substr(0, n));
-    in_.remove_prefix(n);
-    return s;
-  }
-  // The next n bytes, as a view.
-  std::string_view Bytes(uint64_t n) {
-    if (n > in_.size()) return (Fail(), std::string_view());
-    std::string_view v = in_.substr(0, n);
-    in_.remove_prefix(n);
-    return v;
-  }
-  std::vector<int64_t> Ints() {
-    uint64_t n = Varint();
-    if (n > in_.size()) return (Fail(), std::vector<int64_t>());
-    std::vector<int64_t> v(n);
-    for (auto& x : v) x = UnZigZag(Varint());
-    return v;
-  }
-
- private:
-  uint8_t Fail() {
-    ok_ = false;
-    in_ = {};
-    return 0;
-  }
-  std::string_view in_;
-  bool ok_ = true;
-};
 
 bool DecodeItem(std::string_view in, IndexedItem* item) {
   Decoder d(in);
@@ -245,12 +157,12 @@ void EncodeBlock(const std::vector<IndexedItem>& items, std::span<const uint32_t
   for (uint32_t i : ordinals) bound += 4 + EncodedBound(items[i]);
   const size_t start = out->size();
   out->resize(start + bound);
-  Writer w(out->data() + start);
+  CursorWriter w(out->data() + start);
   w.Byte(kBlockVersion);
   w.Varint(ordinals.size());
   for (uint32_t i : ordinals) {
     char* len_at = w.pos();
-    Writer item(len_at + 4);
+    CursorWriter item(len_at + 4);
     EncodeItem(items[i], item);
     uint32_t len = static_cast<uint32_t>(item.pos() - (len_at + 4));
     for (int b = 0; b < 4; ++b) len_at[b] = static_cast<char>((len >> (8 * b)) & 0xff);
@@ -414,17 +326,6 @@ Result<std::optional<uint32_t>> CrcFromBlocks(WindowReader* reader, const BlockC
   CKPT_ASSIGN_OR_RETURN(uint32_t tail, reader->Crc(mid_end, end - mid_end));
   uint32_t crc = Crc32cCombine(head, *mid, mid_end - mid_begin);
   return std::optional<uint32_t>(Crc32cCombine(crc, tail, end - mid_end));
-}
-
-Result<std::string> ReadWhole(BackingDir* dir, const std::string& path, uint64_t max_bytes) {
-  CKPT_ASSIGN_OR_RETURN(OpenedFile f, OpenShard(dir, path));
-  if (f.size > max_bytes) {
-    return Corrupt(path + " is " + std::to_string(f.size) + " bytes, over the limit");
-  }
-  std::string out(f.size, '\0');
-  CKPT_ASSIGN_OR_RETURN(size_t got, dir->PRead(f.fd.get(), out.data(), out.size(), 0));
-  out.resize(got);
-  return out;
 }
 
 // Takes the fields of `d` (moved from when the caller passes an rvalue).
@@ -704,7 +605,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
 
   Result<DcpMetadata> parsed = DcpMetadata{};
   if (given == nullptr) {
-    Result<std::string> bytes = ReadWhole(dir_, md_path, kMaxMetadataBytes);
+    Result<std::string> bytes = ReadMetadataBytes(dir_, md_path);
     parsed = bytes.ok() ? ParseDcpMetadata(*bytes) : Result<DcpMetadata>(bytes.status());
   }
   TMPT("metadata");
@@ -1087,7 +988,7 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
   };
 
   // The .metadata itself, and whether the index still describes it.
-  Result<std::string> bytes = ReadWhole(dir_, Join(ckpt, ".metadata"), kMaxMetadataBytes);
+  Result<std::string> bytes = ReadMetadataBytes(dir_, Join(ckpt, ".metadata"));
   Result<DcpMetadata> md =
       bytes.ok() ? ParseDcpMetadata(*bytes) : Result<DcpMetadata>(bytes.status());
   if (!md.ok()) {

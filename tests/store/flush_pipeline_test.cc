@@ -35,6 +35,8 @@ class FlushPipelineTest : public ::testing::Test {
   std::unique_ptr<FlushPipeline> MakePipeline(int threads) {
     FlushOptions options;
     options.threads = threads;
+    options.retry_min = std::chrono::milliseconds(1);
+    options.retry_max = std::chrono::milliseconds(4);
     auto p = FlushPipeline::Create(dir_.get(), options);
     EXPECT_TRUE(p.ok()) << p.status().ToString();
     return p.ok() ? std::move(p).value() : nullptr;
@@ -80,6 +82,16 @@ class FlushPipelineTest : public ::testing::Test {
     std::mt19937 rng(seed);
     for (auto& c : *s) c = static_cast<char>(rng());
     return s;
+  }
+
+  // Drain, including chunks parked for a retry (bounded: 10 s).
+  static void DrainWithRetries(FlushPipeline* pipeline) {
+    for (int i = 0; i < 10000; ++i) {
+      pipeline->Drain();
+      if (pipeline->parked() == 0 && pipeline->queued() == 0) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ADD_FAILURE() << "parked chunks were never retried";
   }
 
   ScopedTempDir tmp_{"ckptfs-flush-test"};
@@ -132,66 +144,88 @@ TEST_F(FlushPipelineTest, BytesLandAtTheirOffsetsWithManyThreadsInAnyOrder) {
   }
 }
 
-TEST_F(FlushPipelineTest, EnospcIsStickyAndReportedOnSync) {
+TEST_F(FlushPipelineTest, EnospcIsReportedAndTheChunkIsKeptUntilARetryPasses) {
   auto a = MakeTarget("a", 1);
   auto b = MakeTarget("b", 2);
   std::mutex mu;
   std::map<int, int> writes_per_fd, fsyncs_per_fd;
+  bool full = true;  // the file system is full for `a` until the test frees space
   const int a_fd = a->fd();
-  // A's third write fails with ENOSPC.
-  dir_->SetPWriteHook([&](int fd, off_t, size_t) {
+  dir_->SetPWriteHook([&](int fd, off_t off, size_t) {
     std::lock_guard lock(mu);
-    return (++writes_per_fd[fd] == 3 && fd == a_fd) ? ENOSPC : 0;
+    ++writes_per_fd[fd];
+    return (fd == a_fd && off == 2000 && full) ? ENOSPC : 0;
   });
   dir_->SetFsyncHook([&](int fd) {
     std::lock_guard lock(mu);
     ++fsyncs_per_fd[fd];
     return 0;
   });
-  auto pipeline = MakePipeline(1);  // one thread: chunks run in submission order
+  auto pipeline = MakePipeline(1);
   auto bytes_a = RandomBytes(5000, 1), bytes_b = RandomBytes(5000, 2);
-  std::vector<Status> done_a(5), done_b(5);
+  std::vector<Status> done_a(5, Status(Code::kInternal, "not done")), done_b(5);
   for (int i = 0; i < 5; ++i) {
     pipeline->Submit(Chunk(a, bytes_a, i * 1000, 1000, [&, i](const Status& s) { done_a[i] = s; }));
     pipeline->Submit(Chunk(b, bytes_b, i * 1000, 1000, [&, i](const Status& s) { done_b[i] = s; }));
   }
   pipeline->Drain();
 
+  // The error is sticky for the application; the chunk waits in staging, unfinished.
   EXPECT_EQ(a->Error().code(), Code::kNoSpace) << a->Error().ToString();
   EXPECT_TRUE(b->Error().ok());
-  EXPECT_EQ(pipeline->errors(), 1u);
-  {
-    std::lock_guard lock(mu);
-    EXPECT_EQ(writes_per_fd[a_fd], 3) << "chunks after the failure must be dropped, not written";
-    EXPECT_EQ(writes_per_fd[b->fd()], 5);
-  }
-  EXPECT_TRUE(done_a[0].ok());
-  EXPECT_TRUE(done_a[1].ok());
-  for (int i = 2; i < 5; ++i) EXPECT_EQ(done_a[i].code(), Code::kNoSpace) << i;
+  EXPECT_GE(pipeline->errors(), 1u);
+  EXPECT_EQ(pipeline->parked(), 1u);
+  EXPECT_EQ(done_a[2].code(), Code::kInternal) << "a parked chunk is not done";
+  for (int i : {0, 1, 3, 4}) EXPECT_TRUE(done_a[i].ok()) << i;
   for (int i = 0; i < 5; ++i) EXPECT_TRUE(done_b[i].ok()) << i;
-  EXPECT_EQ(a->bytes_flushed(), 2000u);
-
-  // Sync reports the error without fsyncing, and keeps reporting it.
-  EXPECT_EQ(a->Sync(dir_.get()).code(), Code::kNoSpace);
+  // Sync says so at once, without an fsync, and keeps saying so while the disk is full.
   EXPECT_EQ(a->Sync(dir_.get()).code(), Code::kNoSpace);
   EXPECT_FALSE(a->synced());
   EXPECT_TRUE(b->Sync(dir_.get()).ok());
-  EXPECT_TRUE(b->synced());
   {
     std::lock_guard lock(mu);
     EXPECT_EQ(fsyncs_per_fd[a_fd], 0);
-    EXPECT_EQ(fsyncs_per_fd[b->fd()], 1);
+    EXPECT_GE(writes_per_fd[a_fd], 5) << "other chunks of the file were still written";
   }
-  EXPECT_EQ(ReadFile("a"), bytes_a->substr(0, 2000)) << "a dropped chunk reached the file";
-  EXPECT_TRUE(ReadFile("b") == *bytes_b);
 
-  // A chunk submitted later for the failed target is dropped too.
-  Status late;
-  pipeline->Submit(Chunk(a, bytes_a, 4000, 1000, [&](const Status& s) { late = s; }));
+  // Space returns: the retry writes the kept bytes and the file is whole.
+  {
+    std::lock_guard lock(mu);
+    full = false;
+  }
+  DrainWithRetries(pipeline.get());
+  EXPECT_TRUE(done_a[2].ok()) << done_a[2].ToString();
+  EXPECT_TRUE(a->Sync(dir_.get()).ok());
+  EXPECT_TRUE(a->synced());
+  EXPECT_EQ(a->Error().code(), Code::kNoSpace) << "the application was told once; it stays told";
+  EXPECT_EQ(ReadFile("a"), *bytes_a) << "a retried chunk was lost or torn";
+  EXPECT_TRUE(ReadFile("b") == *bytes_b);
+  EXPECT_GE(pipeline->retries(), 1u);
+}
+
+TEST_F(FlushPipelineTest, DroppingParkedChunksLosesTheTargetForGood) {
+  auto a = MakeTarget("a", 1);
+  const int a_fd = a->fd();
+  dir_->SetPWriteHook([&](int fd, off_t, size_t) { return fd == a_fd ? ENOSPC : 0; });
+  auto pipeline = MakePipeline(2);
+  auto bytes = RandomBytes(4000, 3);
+  std::vector<Status> done(4, Status(Code::kInternal, "not done"));
+  for (int i = 0; i < 4; ++i) {
+    pipeline->Submit(Chunk(a, bytes, i * 1000, 1000, [&, i](const Status& s) { done[i] = s; }));
+  }
   pipeline->Drain();
-  EXPECT_EQ(late.code(), Code::kNoSpace);
-  std::lock_guard lock(mu);
-  EXPECT_EQ(writes_per_fd[a_fd], 3);
+  EXPECT_EQ(pipeline->parked(), 4u);
+  EXPECT_EQ(pipeline->DropParked(Status(Code::kAborted, "stopping")), 4u);
+  EXPECT_EQ(pipeline->parked(), 0u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(done[i].code(), Code::kAborted) << i;
+  EXPECT_EQ(a->Sync(dir_.get()).code(), Code::kAborted);
+  // A later chunk for a lost target is dropped without a write.
+  const uint64_t writes = dir_->pwrite_calls();
+  Status late;
+  pipeline->Submit(Chunk(a, bytes, 0, 1000, [&](const Status& s) { late = s; }));
+  pipeline->Drain();
+  EXPECT_EQ(late.code(), Code::kAborted);
+  EXPECT_EQ(dir_->pwrite_calls(), writes);
 }
 
 TEST_F(FlushPipelineTest, AFailingTargetLeavesOtherTargetsIntactUnderManyThreads) {
@@ -263,7 +297,7 @@ TEST_F(FlushPipelineTest, OnDoneRunsExactlyOncePerChunkAndBeforeKeepaliveIsRelea
   auto bad_target = MakeTarget("bad", 2);
   const int bad_fd = bad_target->fd();
   std::atomic<int> bad_writes{0};
-  // The bad target fails on its 10th write; earlier ones succeed, later ones are dropped.
+  // The bad target fails on its 10th write (ENOSPC: the chunk is kept and retried).
   dir_->SetPWriteHook(
       [&](int fd, off_t, size_t) { return fd == bad_fd && ++bad_writes == 10 ? ENOSPC : 0; });
   std::vector<std::atomic<int>> done(kChunks);
@@ -289,13 +323,15 @@ TEST_F(FlushPipelineTest, OnDoneRunsExactlyOncePerChunkAndBeforeKeepaliveIsRelea
     };
     pipeline->Submit(std::move(c));
   }
-  pipeline->Drain();
+  DrainWithRetries(pipeline.get());
   for (int i = 0; i < kChunks; ++i) {
     ASSERT_EQ(done[i].load(), 1) << "chunk " << i;
     ASSERT_EQ(released[i].load(), 1) << "chunk " << i;
   }
   EXPECT_EQ(done_after_release.load(), 0) << "on_done must run before keepalive is released";
-  EXPECT_EQ(bad_target->Error().code(), Code::kNoSpace);
+  EXPECT_EQ(bad_target->Error().code(), Code::kNoSpace) << "reported to the application";
+  EXPECT_TRUE(bad_target->Sync(dir_.get()).ok()) << "the retry wrote every byte";
+  EXPECT_EQ(pipeline->retries(), 1u);
   EXPECT_TRUE(ok_target->Error().ok());
   // The pipeline holds no reference to a target once its chunks are done.
   EXPECT_EQ(ok_target.use_count(), 1);

@@ -38,6 +38,7 @@ namespace ckptfs::store {
 namespace {
 
 namespace fs = std::filesystem;
+using QueuedFn = std::function<bool(const std::string&)>;
 
 constexpr char kTempPrefix[] = ".ckptfs-tmp.";
 
@@ -514,7 +515,7 @@ TEST_F(JournalTest, AFailedFsyncSkipsThePublish) {
 TEST_F(JournalTest, AMetadataWhoseDirectorySyncFailsIsNotLeftPublished) {
   dir_->SetSyncParentHook([](const std::string& path) { return IsCommitName(path) ? EIO : 0; });
   Journal::Hooks hooks;
-  hooks.commit_gate = [](const JournalEntry&) { return Status::Ok(); };
+  hooks.commit_gate = [](const JournalEntry&, const QueuedFn&) { return Status::Ok(); };
   MakeJournal(std::move(hooks));
   ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
   TempFile md = StartFile("ck");
@@ -534,7 +535,7 @@ TEST_F(JournalTest, AMetadataWhoseDirectorySyncFailsIsNotLeftPublished) {
 TEST_F(JournalTest, AMetadataRenameWhoseDirectorySyncFailsIsNotLeftCommitted) {
   dir_->SetSyncParentHook([](const std::string& path) { return IsCommitName(path) ? EIO : 0; });
   Journal::Hooks hooks;
-  hooks.commit_gate = [](const JournalEntry&) { return Status::Ok(); };
+  hooks.commit_gate = [](const JournalEntry&, const QueuedFn&) { return Status::Ok(); };
   MakeJournal(std::move(hooks));
   ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
   TempFile md = StartFile("ck");
@@ -571,7 +572,7 @@ TEST_F(JournalTest, TheCommitGateRefusesMetadataAndNothingOfItAppears) {
   std::mutex mu;
   std::vector<std::string> gated;
   Journal::Hooks hooks;
-  hooks.commit_gate = [&](const JournalEntry& e) {
+  hooks.commit_gate = [&](const JournalEntry& e, const QueuedFn&) {
     std::lock_guard lock(mu);
     gated.push_back(e.path);
     return Status(Code::kAborted, "checkpoint failed");
@@ -607,7 +608,7 @@ TEST_F(JournalTest, TheCommitGateRefusesMetadataAndNothingOfItAppears) {
 TEST_F(JournalTest, TheCommitGateSeesEveryEarlierShardDurableAndTheCommitFileComplete) {
   std::string gate_problem;
   Journal::Hooks hooks;
-  hooks.commit_gate = [&](const JournalEntry& e) {
+  hooks.commit_gate = [&](const JournalEntry& e, const QueuedFn&) {
     // Every shard published before the commit is under its real name, fsynced.
     for (const char* shard : {"ck/__0_0.distcp", "ck/__1_0.distcp"}) {
       if (!Exists(shard)) gate_problem += std::string(shard) + " missing; ";
@@ -660,7 +661,7 @@ TEST_F(JournalTest, UnlinkRmdirAndMkdirOfAnAlreadyReachedStateSucceed) {
 TEST_F(JournalTest, RecoverRemovesTheRegisteredTempsOfACrashedRunAndClearsItsEntries) {
   Latch gate;
   Journal::Hooks hooks;
-  hooks.commit_gate = [&](const JournalEntry&) {
+  hooks.commit_gate = [&](const JournalEntry&, const QueuedFn&) {
     gate.Wait();
     return Status::Ok();
   };
@@ -826,7 +827,7 @@ class CrashModel {
       return rename_faults_.count(from) ? EIO : 0;
     });
     Journal::Hooks hooks;
-    hooks.commit_gate = [this](const JournalEntry& e) { return Gate(e); };
+    hooks.commit_gate = [this](const JournalEntry& e, const QueuedFn&) { return Gate(e); };
     hooks.on_done = [this](const JournalEntry& e, const Status& st) { OnDone(e, st); };
     journal_ = std::move(Journal::Create(dir_.get(), db_, hooks)).value();
 
