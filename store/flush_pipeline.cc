@@ -50,8 +50,10 @@ Status FlushTarget::Sync(BackingDir* dir) {
     // second fsync would succeed over lost bytes.
     std::lock_guard lock(mu_);
     if (error_.ok()) error_ = st;
-    if (lost_.ok()) lost_ = st;
-    return st;
+    if (lost_.ok()) {
+      lost_ = Status(Code::kAborted, "bytes may be lost after a failed fsync (" + st.ToString() + ")");
+    }
+    return lost_;
   }
   synced_.store(true);
   return Status::Ok();

@@ -524,10 +524,11 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     // Shutting down with a failure at the head of the line: it and everything after it
     // are dropped; the backing store keeps the prefix (G4).
     std::vector<std::pair<JournalEntry, Status>> dropped;
-    auto from = FindLocked(e.seq);
+    // A shard applied ahead fails: the commit at the head waits for it, so it goes too.
+    auto from = at_head ? FindLocked(e.seq) : queue_.begin();
     const Status behind(Code::kAborted, "not published: " + e.Describe() + " failed first");
     for (auto it = from; it != queue_.end(); ++it) {
-      dropped.emplace_back(std::move(it->e), it == from ? st : behind);
+      dropped.emplace_back(std::move(it->e), it->e.seq == e.seq ? st : behind);
     }
     queue_.erase(from, queue_.end());
     for (const auto& [d, why] : dropped) {
