@@ -874,10 +874,10 @@ Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std:
       }
       auto handle = std::make_unique<Handle>();
       handle->node = node;
-      handle->writable = true;
+      handle->writable = (flags & O_ACCMODE) != O_RDONLY;  // O_RDONLY|O_CREAT makes it empty
       handle->staged = node->write->staged;
       node->open_files++;
-      node->open_writers++;
+      if (handle->writable) node->open_writers++;
       Entry e = EntryLocked(node.get());
       return std::make_pair(e, handle.release());
     }
@@ -1107,7 +1107,8 @@ void Filesystem::Release(Handle* h) {
   if (h->writable) node->open_writers--;
   if (node->write) {
     WriteState& ws = *node->write;
-    if (h->writable && node->open_writers == 0 && ws.needs_publish && node->parent != nullptr) {
+    // The last writer publishes (a file made by O_RDONLY|O_CREAT: its only handle).
+    if (node->open_writers == 0 && ws.needs_publish && node->parent != nullptr) {
       auto seq = PublishLocked(node);
       if (!seq.ok()) NoteError("publish " + PathLocked(node) + ": " + seq.status().ToString());
     }

@@ -7,12 +7,17 @@ saying what was expected, what came back, and the round.
     alternate_rw.py freerun PATH --seconds S     # the same ops, no lockstep, both processes
     alternate_rw.py rewrite PATH --rounds N      # O_TRUNC rewrite by one, read by the other
 
+--settle (on a ckptfs mount): before the reads that follow the other side's close, wait
+until the file's `user.ckptfs.state` xattr says `published`, so each round also reads
+after the publication has been applied, whatever the timing.
+
 The turns are forced with pipes, so each round makes the same sequence of system calls
 whatever the timing:
 
 filestore: a reader opens O_RDONLY and reads, the writer opens O_RDWR, the reader closes,
-    the writer reads, checks and appends a record, closes. Roles swap every round. (The
-    reader's handle is opened before, and closed while, the writer's is open.)
+    the writer reads, checks and appends a record, the reader opens again, the writer
+    closes, the reader reads the new record. Roles swap every round. (Handles of the
+    reader are opened and closed while the writer's is open, and the other way round.)
 rewrite: the reader opens the file before the writer rewrites it in place (O_TRUNC and new
     contents of another size), reads after the writer's close through that descriptor,
     and then through a fresh one. Both must show the new contents (POSIX: a descriptor
@@ -39,7 +44,9 @@ def record(proc, i):
 
 
 def read_all(fd):
-    """Everything from offset 0 to EOF through `fd` (pread, so the offset is irrelevant)."""
+    """Everything from offset 0 to EOF through `fd` (pread, so the offset is irrelevant).
+    The kernel's page cache of the file is dropped first, so the reads reach the daemon."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     out = bytearray()
     while True:
         b = os.pread(fd, 1 << 20, len(out))
@@ -58,6 +65,20 @@ def check_records(data, expect_count, where):
         if rec != record(k % 2, k):
             raise AssertionError(f"{where}: record {k} is {rec[:40]!r}, expected "
                                  f"{record(k % 2, k)[:40]!r}")
+
+
+SETTLE = False
+
+
+def settle(path):
+    """Waits until ckptfs says `path` is published (no-op unless --settle)."""
+    if not SETTLE:
+        return
+    deadline = time.time() + 30
+    while os.getxattr(path, "user.ckptfs.state") != b"published":
+        if time.time() > deadline:
+            raise AssertionError(f"{path} not published within 30 s")
+        time.sleep(0.001)
 
 
 def payload(i):
@@ -93,23 +114,26 @@ def recv(fd):
 
 
 def run_filestore(me, path, rounds, out, inp):
-    # Round i: process i % 2 writes record i; the other reads around it.
+    # Round i: process i % 2 appends record i; the other reads around it.
     for i in range(rounds):
         if i % 2 == me:  # writer
-            recv(inp)  # the reader has its handle open and has read
+            recv(inp)  # the reader has read through its handle
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             send(out, i)
-            recv(inp)  # the reader closed its handle
+            recv(inp)  # the reader closed that handle while this one is open
             fcntl.flock(fd, fcntl.LOCK_EX)
             check_records(read_all(fd), i, f"round {i} writer p{me} before append")
             os.pwrite(fd, record(me, i), i * RECORD)
             check_records(read_all(fd), i + 1, f"round {i} writer p{me} after append")
             fcntl.flock(fd, fcntl.LOCK_UN)
+            send(out, i)
+            recv(inp)  # the reader opened a new handle before this close
             os.close(fd)
             send(out, i)
+            recv(inp)  # the reader is done: no handle is open when the next round starts
         else:  # reader
             # Like FileStore's get(): O_RDONLY, no O_CREAT (which makes the open a create).
-            fd = os.open(path, os.O_RDONLY | (os.O_CREAT if i == 0 else 0), 0o644)
+            fd = os.open(path, os.O_RDONLY)
             fcntl.flock(fd, fcntl.LOCK_SH)
             check_records(read_all(fd), i, f"round {i} reader p{me}")
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -117,17 +141,22 @@ def run_filestore(me, path, rounds, out, inp):
             recv(inp)  # the writer has opened
             os.close(fd)
             send(out, i)
-            recv(inp)  # the writer appended and closed
+            recv(inp)  # the writer appended, still open
             fd = os.open(path, os.O_RDONLY)
+            send(out, i)
+            recv(inp)  # the writer closed: its publication is queued
+            settle(path)
             check_records(read_all(fd), i + 1, f"round {i} reader p{me} after the append")
             os.close(fd)
+            send(out, i)
 
 
 def run_rewrite(me, path, rounds, out, inp):
-    for i in range(rounds):
+    # Round i (from 1): process i % 2 rewrites the file in place with payload(i).
+    for i in range(1, rounds + 1):
         if i % 2 == me:  # writer: rewrites in place once the reader holds a descriptor
             recv(inp)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
             data = payload(i)
             for off in range(0, len(data), 1 << 20):
                 os.pwrite(fd, data[off:off + (1 << 20)], off)
@@ -135,12 +164,13 @@ def run_rewrite(me, path, rounds, out, inp):
             send(out, i)
             recv(inp)
         else:
-            fd = os.open(path, os.O_RDONLY | (os.O_CREAT if i == 0 else 0), 0o644)
-            if i > 0 and read_all(fd) != payload(i - 1):
+            fd = os.open(path, os.O_RDONLY)
+            if read_all(fd) != payload(i - 1):
                 raise AssertionError(f"round {i} reader p{me}: before the rewrite, not round "
                                      f"{i - 1}'s contents")
             send(out, i)
             recv(inp)  # rewritten and closed
+            settle(path)
             for how, rfd in (("the descriptor opened before", fd),
                              ("a fresh descriptor", os.open(path, os.O_RDONLY))):
                 got = read_all(rfd)
@@ -194,7 +224,14 @@ def main():
     ap.add_argument("path")
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--settle", action="store_true")
     args = ap.parse_args()
+    global SETTLE
+    SETTLE = args.settle
+    # The file exists before the two processes start (payload 0 for rewrite, empty for the
+    # others), so neither's open is a create.
+    with open(args.path, "wb") as f:
+        f.write(payload(0) if args.mode == "rewrite" else b"")
     turns = Turns()
     started = time.time()
     pids = []
