@@ -618,7 +618,7 @@ Status Filesystem::Rmdir(uint64_t parent, const std::string& name) {
     e.op = store::OpType::kRmdir;
     e.path = path;
     seq = AppendLocked(std::move(e), node.get());
-    checkpoints_->OnRemoved(path);
+    checkpoints_->OnRemoved(path, seq.ok() ? *seq : 0);
     TouchDirLocked(dir.get(), -1);
     node->on_backing = false;
     DetachLocked(node);
@@ -689,7 +689,7 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
     }
     if (victim) {
       victim->on_backing = false;
-      if (victim->type == NodeType::kDir) checkpoints_->OnRemoved(to);
+      if (victim->type == NodeType::kDir) checkpoints_->OnRemoved(to, seq.ok() ? *seq : 0);
       DetachLocked(victim);
     }
     if (seq.ok() && *seq != 0) dst_dir->pending_seq = std::max(dst_dir->pending_seq, *seq);
@@ -703,7 +703,7 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
     dst_dir->children[new_name] = node;
     node->attr.st_ctim = Now();
     if (node->type == NodeType::kDir) {
-      checkpoints_->OnRenamed(from, to);
+      checkpoints_->OnRenamed(from, to, seq.ok() ? *seq : 0);
     } else if (store::IsCommitName(to) && node->write == nullptr && node->on_backing) {
       checkpoints_->OnCommitQueued(ParentOf(to));
     } else if (store::IsCommitName(to) && node->write) {
@@ -1228,16 +1228,19 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
     }
     bytes_published_.fetch_add(e.size);
     files_published_.fetch_add(1);
-    checkpoints_->OnFilePublished(dir, e.size);
+    checkpoints_->OnFilePublished(dir, e.size, e.seq);
     HandOverBlockCrcs(e);
   }
   if (!st.ok()) {
     NoteError(e.Describe() + ": " + st.ToString());
-    if (e.op == store::OpType::kPublish || commit) checkpoints_->OnFailed(dir, st.ToString());
+    if (e.op == store::OpType::kPublish || commit) {
+      checkpoints_->OnFailed(dir, st.ToString(), e.seq);
+    }
   } else if (commit) {
-    checkpoints_->OnCommitted(dir);
+    checkpoints_->OnCommitted(dir, e.seq);
     QueueIndexBuild(dir);
   }
+  checkpoints_->OnApplied(e.seq);
   if (st.ok() && e.op == store::OpType::kRename) index_->OnRenamed(e.from, e.path);
   if (st.ok() && e.op == store::OpType::kRmdir) index_->Forget(e.path);
   if (e.op != store::OpType::kPublish) return;
