@@ -90,6 +90,7 @@ std::string Filesystem::StatsJson() {
 }
 
 std::string Filesystem::CheckpointsJson() {
+  ForgetVanishedCheckpoints();
   nlohmann::json arr = nlohmann::json::array();
   std::set<std::string> listed;
   for (const auto& info : checkpoints_->List()) {
@@ -110,6 +111,7 @@ std::string Filesystem::CheckpointsJson() {
     std::string index_error = index_->IndexError(path);
     j["index_error"] = index_error.empty() ? nlohmann::json() : nlohmann::json(index_error);
     j["committed"] = nullptr;
+    j["created"] = j["updated"] = nullptr;  // unknown: not saved through this mount
     j["origin"] = "backing store";
     arr.push_back(std::move(j));
   }

@@ -1260,6 +1260,30 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
   if (node->parent == nullptr && node->nlookup == 0 && !node->write) inodes_.erase(node->ino);
 }
 
+void Filesystem::ForgetVanishedCheckpoints() {
+  const uint64_t last = journal_->last_appended();
+  if (journal_->applied() < last) return;
+  // A removal counts only if no entry was queued meanwhile (a rename moves the record
+  // before the backing store).
+  auto gone = [&](const std::string& path) {
+    Result<struct stat> st = backing_->Stat(path);
+    return !st.ok() && st.status().code() == Code::kNotFound && journal_->last_appended() == last;
+  };
+  for (const auto& info : checkpoints_->List()) {
+    if (info.state == store::CkptState::kWriting || info.state == store::CkptState::kPending) {
+      continue;
+    }
+    if (gone(info.path)) {
+      spdlog::info("checkpoint {}: gone from the backing store", info.path);
+      checkpoints_->OnRemoved(info.path);
+      index_->Forget(info.path);
+    }
+  }
+  for (const auto& path : index_->IndexedCheckpoints()) {
+    if (!checkpoints_->Get(path) && gone(JoinPath(path, ".metadata"))) index_->Forget(path);
+  }
+}
+
 void Filesystem::HandOverBlockCrcs(const store::JournalEntry& e) {
   if (!e.target) return;  // replayed after a restart: nothing was recorded
   std::shared_ptr<store::BlockCrcMap> crcs = e.target->TakeBlockCrcs();

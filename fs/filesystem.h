@@ -142,6 +142,10 @@ class Filesystem {
 
   // The control files' contents.
   std::string StatsJson();
+  // Forgets finished checkpoints whose directory (or, for those known only from the
+  // index, whose `.metadata`) is gone from the backing store, removed by someone else.
+  // Does nothing while journal entries are pending (the backing store lags the mount).
+  void ForgetVanishedCheckpoints();
   std::string CheckpointsJson();
   std::string MetricsText();
 
