@@ -194,6 +194,10 @@ void Filesystem::RefreshAttrLocked(Node* node) {
 }
 
 void Filesystem::ApplyBackingStatLocked(Node* node, const struct stat& st) {
+  // Replaced on the backing store by another kind of object (a file by a symlink, say):
+  // this inode is not that object. Its type must never change under the kernel, which
+  // would mark the inode bad and fail every operation on it with EIO.
+  if ((st.st_mode & S_IFMT) != TypeBits(node->type)) return;
   const struct stat shown = node->attr;
   node->attr = st;
   node->attr.st_ino = node->ino;
@@ -889,6 +893,12 @@ Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std:
 }
 
 Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
+  Result<Handle*> h = OpenFile(ino, flags);
+  if (!h.ok()) return LogIfIo("open", ino, 0, h.status());
+  return h;
+}
+
+Result<Handle*> Filesystem::OpenFile(uint64_t ino, int flags) {
   auto handle = std::make_unique<Handle>();
   if (TensorView::Owns(ino)) {
     if ((flags & O_ACCMODE) != O_RDONLY) return Status(Code::kPermission, "tensor view");
@@ -970,7 +980,7 @@ Result<std::shared_ptr<StagedFile>> Filesystem::WritableStaged(Handle* h) {
   return h->staged;
 }
 
-Status Filesystem::LogIfIo(const char* op, const Handle* h, uint64_t offset, Status st) {
+Status Filesystem::LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status st) {
   if (st.ok() || st.ToErrno() != EIO) return st;
   const int64_t second = std::chrono::duration_cast<std::chrono::seconds>(
                              std::chrono::steady_clock::now().time_since_epoch())
@@ -980,12 +990,14 @@ Status Filesystem::LogIfIo(const char* op, const Handle* h, uint64_t offset, Sta
     io_suppressed_.fetch_add(1);
     return st;
   }
-  uint64_t ino = 0;
-  std::string path;
-  if (h->node) {
+  std::string path = "(control file)";
+  if (ino == kRootIno || ino >= kFirstNodeIno) {
     std::lock_guard lock(ns_mu_);
-    ino = h->node->ino;
-    path = h->node->parent != nullptr ? PathLocked(h->node.get()) : "(unlinked)";
+    auto node = NodeLocked(ino);
+    path = !node                      ? "(forgotten)"
+           : node->ino == kRootIno    ? ""
+           : node->parent != nullptr  ? PathLocked(node.get())
+                                      : "(unlinked) " + node->name;
   }
   const uint64_t suppressed = io_suppressed_.exchange(0);
   spdlog::warn("EIO to the application: {} ino {} path '{}' offset {}: {}{}", op, ino, path,
@@ -995,7 +1007,7 @@ Status Filesystem::LogIfIo(const char* op, const Handle* h, uint64_t offset, Sta
 }
 
 Status Filesystem::Write(Handle* h, const char* data, size_t len, uint64_t offset) {
-  return LogIfIo("write", h, offset, WriteData(h, data, len, offset));
+  return LogIfIo("write", h->node ? h->node->ino : 0, offset, WriteData(h, data, len, offset));
 }
 
 Status Filesystem::WriteData(Handle* h, const char* data, size_t len, uint64_t offset) {
@@ -1026,7 +1038,7 @@ Status Filesystem::WriteData(Handle* h, const char* data, size_t len, uint64_t o
 
 Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offset) {
   Result<size_t> got = ReadData(h, out, len, offset);
-  if (!got.ok()) return LogIfIo("read", h, offset, got.status());
+  if (!got.ok()) return LogIfIo("read", h->node ? h->node->ino : 0, offset, got.status());
   return got;
 }
 
@@ -1078,7 +1090,9 @@ Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t o
   return got;
 }
 
-Status Filesystem::Flush(Handle* h) { return LogIfIo("flush", h, 0, FlushData(h)); }
+Status Filesystem::Flush(Handle* h) {
+  return LogIfIo("flush", h->node ? h->node->ino : 0, 0, FlushData(h));
+}
 
 Status Filesystem::FlushData(Handle* h) {
   if (!h->node || !h->writable) return Status::Ok();

@@ -124,7 +124,7 @@ class Filesystem {
   // Opening for writing changes nothing: a file is copied for rewriting at its first write
   // (or O_TRUNC), so an open and close without a write leaves it, and its times, as they were.
   Result<Handle*> Open(uint64_t ino, int flags);
-  // Read/Write/Flush/Fsync log every error they return as EIO with ino, path and offset.
+  // Open/Read/Write/Flush/Fsync log every error they return as EIO with ino, path, offset.
   Result<size_t> Read(Handle* h, char* out, size_t len, uint64_t offset);
   Status Write(Handle* h, const char* data, size_t len, uint64_t offset);
   Status Flush(Handle* h);
@@ -244,7 +244,8 @@ class Filesystem {
   void NoteError(const std::string& msg);
   // Logs `st` when it reaches the application as EIO (ino, path, offset; rate-limited) and
   // returns it. Takes ns_mu_: call without it.
-  Status LogIfIo(const char* op, const Handle* h, uint64_t offset, Status st);
+  Status LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status st);
+  Result<Handle*> OpenFile(uint64_t ino, int flags);
   Result<size_t> ReadData(Handle* h, char* out, size_t len, uint64_t offset);
   Status WriteData(Handle* h, const char* data, size_t len, uint64_t offset);
   Status FlushData(Handle* h);
