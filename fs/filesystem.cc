@@ -194,10 +194,19 @@ void Filesystem::RefreshAttrLocked(Node* node) {
 }
 
 void Filesystem::ApplyBackingStatLocked(Node* node, const struct stat& st) {
-  // Replaced on the backing store by another kind of object (a file by a symlink, say):
-  // this inode is not that object. Its type must never change under the kernel, which
-  // would mark the inode bad and fail every operation on it with EIO.
-  if ((st.st_mode & S_IFMT) != TypeBits(node->type)) return;
+  if ((st.st_mode & S_IFMT) != TypeBits(node->type)) {
+    // Replaced on the backing store by another kind of object. A file keeps its
+    // attributes: it may be open, and its descriptors still read the file it was (were
+    // the type to change, the kernel would mark the inode bad and fail every operation
+    // on it, reads of those descriptors included, with EIO). A directory takes the new
+    // type, so the kernel refuses every operation through it (EIO) rather than serve
+    // names it no longer has.
+    spdlog::warn("ino {} path '{}': replaced on the backing store by mode {:o}{}", node->ino,
+                 PathLocked(node), st.st_mode & S_IFMT,
+                 node->type == NodeType::kFile ? "; kept as the file it was"
+                                               : "; the kernel fails operations on it (EIO)");
+    if (node->type == NodeType::kFile) return;
+  }
   const struct stat shown = node->attr;
   node->attr = st;
   node->attr.st_ino = node->ino;
@@ -465,7 +474,11 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
     if (!node) return NotFound("stale inode");
     if (to_set & kSize) {
       if (node->type != NodeType::kFile) return Status(Code::kIsDir, "truncate of a directory");
-      CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), in.st_size == 0));
+      // ftruncate through a handle opened before any write: copy from its descriptor.
+      const UniqueFd* src = !node->write && handle != nullptr && handle->node == node
+                                ? handle->fd.get()
+                                : nullptr;
+      CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), in.st_size == 0, src));
       CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(static_cast<uint64_t>(in.st_size)));
       if (node->open_writers == 0) last_seq = PublishLocked(node.get());
       node->attr.st_mtim = node->attr.st_ctim = Now();
