@@ -229,6 +229,36 @@ TEST_F(FileHandles, DirectoryAttributesMoveOnlyWithTheUsersOperations) {
   EXPECT_TRUE(SameTime(external->st_mtim, BackingStat("d").st_mtim));
 }
 
+// The first write through a handle opened before any write copies the file from that
+// handle's descriptor: right even once the name is gone.
+TEST_F(FileHandles, WriteThroughAHandleOpenedBeforeAnUnlinkKeepsTheFilesBytes) {
+  const uint64_t ino = WriteFile("doomed", "0123456789");
+  Handle* h = OpenOk(ino, O_RDWR);
+  ASSERT_TRUE(h);
+  ASSERT_TRUE(fs_->Unlink(kRootIno, "doomed").ok());
+  ASSERT_TRUE(fs_->Write(h, "ab", 2, 4).ok());
+  EXPECT_EQ(ReadAll(h), "0123ab6789");
+  fs_->Release(h);
+  EXPECT_FALSE(fs_->Lookup(kRootIno, "doomed").ok());
+}
+
+TEST_F(FileHandles, FtruncateThroughAHandleOpenedWithoutWritingKeepsThePrefix) {
+  const uint64_t ino = WriteFile("cut", "0123456789");
+  Handle* h = OpenOk(ino, O_RDWR);
+  ASSERT_TRUE(h);
+  struct stat in {};
+  in.st_size = 4;
+  auto st = fs_->SetAttr(ino, in, /*FUSE_SET_ATTR_SIZE=*/1 << 3, h);
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  EXPECT_EQ(st->st_size, 4);
+  EXPECT_EQ(ReadAll(h), "0123");
+  fs_->Release(h);
+  WaitPublished(ino);
+  Handle* r = OpenOk(ino, O_RDONLY);
+  EXPECT_EQ(ReadAll(r), "0123");
+  fs_->Release(r);
+}
+
 // A read that fails reaches the application as EIO and the log says which file and where.
 TEST_F(FileHandles, FailedPublicationReadsAsEioAndIsLoggedWithPathAndOffset) {
   auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(64);
