@@ -112,6 +112,7 @@ std::string Filesystem::StatsJson() {
 }
 
 std::string Filesystem::CheckpointsJson() {
+  ForgetVanishedCheckpoints();
   nlohmann::json arr = nlohmann::json::array();
   std::set<std::string> listed;
   for (const auto& info : checkpoints_->List()) {
@@ -132,6 +133,7 @@ std::string Filesystem::CheckpointsJson() {
     std::string index_error = index_->IndexError(path);
     j["index_error"] = index_error.empty() ? nlohmann::json() : nlohmann::json(index_error);
     j["committed"] = nullptr;
+    j["created"] = j["updated"] = nullptr;  // unknown: not saved through this mount
     j["origin"] = "backing store";
     arr.push_back(std::move(j));
   }
@@ -188,9 +190,9 @@ std::string Filesystem::ProgressJson(uint64_t ino) {
   if (!node) return JsonText(j);
   const uint64_t applied = journal_->applied();
   if (node->type == NodeType::kFile) {
-    if (!node->error.empty()) {
+    if (!node->error.empty() || !node->halt_error.empty()) {
       j["state"] = "failed";
-      j["error"] = node->error;
+      j["error"] = node->error.empty() ? node->halt_error : node->error;
     } else if (node->write) {
       const WriteState& ws = *node->write;
       const uint64_t size = ws.staged->size();

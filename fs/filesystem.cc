@@ -57,6 +57,13 @@ struct timespec Now() {
   return ts;
 }
 
+bool SameTime(const struct timespec& a, const struct timespec& b) {
+  return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec;
+}
+
+// EIO lines logged per second at most; the rest are counted and reported with the next.
+constexpr int kIoLogsPerSecond = 20;
+
 }  // namespace
 
 Filesystem::Filesystem(const FsConfig& config) : config_(config) {}
@@ -91,6 +98,10 @@ Status Filesystem::Init() {
   store::CommitGateOptions gate_options;
   gate_options.timeout = config_.commit_timeout;
   gate_options.written_locally = [this](const std::string& path) { return WrittenLocally(path); };
+  gate_options.deleted_locally = [this](const std::string& path) {
+    std::lock_guard lock(dropped_mu_);
+    return dropped_paths_.count(path) > 0;
+  };
   gate_ = std::make_unique<store::CommitGate>(backing_.get(), std::move(gate_options));
   store::Journal::Hooks hooks;
   hooks.commit_gate = [this](const store::JournalEntry& e,
@@ -99,6 +110,8 @@ Status Filesystem::Init() {
   };
   hooks.on_done = [this](const store::JournalEntry& e, const Status& st) { OnJournalDone(e, st); };
   hooks.on_halt = [this](const store::JournalEntry& e, const Status& st) { OnJournalHalt(e, st); };
+  // Strict mode returns every failure to the operation that caused it: nothing waits.
+  hooks.halt_on_failure = !config_.strict;
   CKPT_ASSIGN_OR_RETURN(journal_, store::Journal::Create(backing_.get(), db_.get(), hooks));
 
   CKPT_ASSIGN_OR_RETURN(index_, store::KeyIndex::Create(backing_.get(), db_.get()));
@@ -191,10 +204,59 @@ void Filesystem::RefreshAttrLocked(Node* node) {
   if (node->write || !node->on_backing || !QuiescentLocked(node)) return;
   auto st = backing_->Stat(PathLocked(node));
   if (!st.ok()) return;
-  uint64_t ino = node->ino;
-  node->attr = *st;
-  node->attr.st_ino = ino;
+  ApplyBackingStatLocked(node, *st);
+}
+
+void Filesystem::ApplyBackingStatLocked(Node* node, const struct stat& st) {
+  if ((st.st_mode & S_IFMT) != TypeBits(node->type)) {
+    // Replaced on the backing store by another kind of object. A file keeps its
+    // attributes: it may be open, and its descriptors still read the file it was (were
+    // the type to change, the kernel would mark the inode bad and fail every operation
+    // on it, reads of those descriptors included, with EIO). A directory takes the new
+    // type, so the kernel refuses every operation through it (EIO) rather than serve
+    // names it no longer has.
+    spdlog::warn("ino {} path '{}': replaced on the backing store by mode {:o}{}", node->ino,
+                 PathLocked(node), st.st_mode & S_IFMT,
+                 node->type == NodeType::kFile ? "; kept as the file it was"
+                                               : "; the kernel fails operations on it (EIO)");
+    if (node->type == NodeType::kFile) return;
+  }
+  const struct stat shown = node->attr;
+  node->attr = st;
+  node->attr.st_ino = node->ino;
   node->attr.st_blksize = kBlockSize;
+  if (node->ino == kRootIno) {
+    // Every temp file is made and renamed away in the backing root: its times move with
+    // any write anywhere. Through the mount they move only with the root's own entries.
+    node->own_attrs = true;
+    node->stamped = false;
+  } else if (!node->own_attrs) {
+    return;
+  } else if (!node->stamped) {
+    node->stamp_mtime = st.st_mtim;
+    node->stamp_ctime = st.st_ctim;
+    node->stamped = true;
+  } else if (!SameTime(st.st_mtim, node->stamp_mtime) || !SameTime(st.st_ctim, node->stamp_ctime)) {
+    node->own_attrs = false;  // changed on the backing store by someone else
+    return;
+  }
+  node->attr.st_mtim = shown.st_mtim;
+  node->attr.st_ctim = shown.st_ctim;
+  if (node->type == NodeType::kDir) {
+    node->attr.st_size = shown.st_size;
+    node->attr.st_nlink = shown.st_nlink;
+  }
+}
+
+void Filesystem::OwnAttrsLocked(Node* node) {
+  node->own_attrs = true;
+  node->stamped = false;
+}
+
+void Filesystem::TouchDirLocked(Node* dir, int links) {
+  dir->attr.st_mtim = dir->attr.st_ctim = Now();
+  dir->attr.st_nlink = static_cast<nlink_t>(static_cast<int64_t>(dir->attr.st_nlink) + links);
+  OwnAttrsLocked(dir);
 }
 
 Status Filesystem::EnsureLoadedLocked(Node* dir) {
@@ -235,11 +297,7 @@ std::shared_ptr<Node> Filesystem::ChildLocked(Node* dir, const std::string& name
         DetachLocked(it->second);
         return nullptr;
       }
-      if (st.ok()) {
-        child->attr = *st;
-        child->attr.st_ino = child->ino;
-        child->attr.st_blksize = kBlockSize;
-      }
+      if (st.ok()) ApplyBackingStatLocked(child, *st);
     }
     return it->second;
   }
@@ -266,7 +324,7 @@ void Filesystem::DetachLocked(const std::shared_ptr<Node>& node) {
     node->parent->children.erase(node->name);
     node->parent = nullptr;
   }
-  if (node->nlookup == 0 && !(node->write && node->write->handles > 0)) inodes_.erase(node->ino);
+  if (node->nlookup == 0 && node->open_files == 0) inodes_.erase(node->ino);
 }
 
 Result<uint64_t> Filesystem::AppendLocked(store::JournalEntry entry, Node* node) {
@@ -275,7 +333,11 @@ Result<uint64_t> Filesystem::AppendLocked(store::JournalEntry entry, Node* node)
     // The name and its directory's listing differ from the backing store until `seq`
     // is applied: neither may be refreshed from it meanwhile.
     node->pending_seq = seq;
-    if (node->parent != nullptr) node->parent->pending_seq = seq;
+    OwnAttrsLocked(node);
+    if (node->parent != nullptr) {
+      node->parent->pending_seq = seq;
+      OwnAttrsLocked(node->parent);
+    }
   }
   return seq;
 }
@@ -283,28 +345,30 @@ Result<uint64_t> Filesystem::AppendLocked(store::JournalEntry entry, Node* node)
 Status Filesystem::WaitIfStrict(Result<uint64_t> seq) {
   if (!seq.ok()) return seq.status();
   if (!config_.strict) return Status::Ok();
-  return journal_->Wait(*seq);
+  return journal_->WaitUnlessHalted(*seq);
 }
 
-void Filesystem::WaitForAncestorsUnlocked(uint64_t ino) {
+Status Filesystem::WaitForAncestorsUnlocked(uint64_t ino) {
   while (true) {
     uint64_t need = 0;
     {
       std::lock_guard lock(ns_mu_);
       auto node = NodeLocked(ino);
-      if (!node) return;
+      if (!node) return Status::Ok();
       // Only an operation that reaches the backing store by path must wait: loading a
       // directory, or opening a file that is not being written.
       const bool by_path = node->on_backing && (node->type == NodeType::kDir ? !node->loaded
                                                                              : !node->write);
-      if (!by_path) return;
+      if (!by_path) return Status::Ok();
       for (const Node* n = node.get(); n != nullptr; n = n->parent) {
         need = std::max(need, n->rename_seq);
       }
-      if (need <= journal_->applied()) return;
+      if (need <= journal_->applied()) return Status::Ok();
     }
-    Status st = journal_->Wait(need);
-    (void)st;  // the outcome belongs to whoever made the entry
+    // The backing path is stale until the rename is applied. If publication is halted
+    // before it, say so rather than wait for an operator.
+    Status st = journal_->WaitUnlessHalted(need);
+    if (!st.ok() && journal_->halted()) return st;
   }
 }
 
@@ -369,7 +433,7 @@ Result<Entry> Filesystem::Lookup(uint64_t parent, const std::string& name) {
   }
   CKPT_RETURN_IF_ERROR(CheckName(name));
   if (IsTempName(name)) return NotFound(name);
-  WaitForAncestorsUnlocked(parent);
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
   std::lock_guard lock(ns_mu_);
   auto dir = NodeLocked(parent);
   if (!dir) return NotFound("stale parent");
@@ -385,8 +449,7 @@ void Filesystem::Forget(uint64_t ino, uint64_t nlookup) {
   auto node = NodeLocked(ino);
   if (!node || ino == kRootIno) return;
   node->nlookup -= std::min(node->nlookup, nlookup);
-  if (node->nlookup == 0 && node->parent == nullptr &&
-      !(node->write && node->write->handles > 0)) {
+  if (node->nlookup == 0 && node->parent == nullptr && node->open_files == 0) {
     inodes_.erase(ino);
   }
 }
@@ -419,7 +482,7 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
   constexpr int kMode = 1 << 0, kUid = 1 << 1, kGid = 1 << 2, kSize = 1 << 3, kAtime = 1 << 4,
                 kMtime = 1 << 5, kAtimeNow = 1 << 7, kMtimeNow = 1 << 8, kCtime = 1 << 10;
   if (ino < kFirstNodeIno && ino != kRootIno) return Status(Code::kPermission, "control file");
-  WaitForAncestorsUnlocked(ino);
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(ino));
   Result<uint64_t> last_seq = uint64_t{0};
   {
     std::lock_guard lock(ns_mu_);
@@ -427,9 +490,13 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
     if (!node) return NotFound("stale inode");
     if (to_set & kSize) {
       if (node->type != NodeType::kFile) return Status(Code::kIsDir, "truncate of a directory");
-      CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), in.st_size == 0));
+      // ftruncate through a handle opened before any write: copy from its descriptor.
+      const UniqueFd* src = !node->write && handle != nullptr && handle->node == node
+                                ? handle->fd.get()
+                                : nullptr;
+      CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), in.st_size == 0, src));
       CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(static_cast<uint64_t>(in.st_size)));
-      if (node->write->writers == 0) last_seq = PublishLocked(node.get());
+      if (node->open_writers == 0) last_seq = PublishLocked(node.get());
       node->attr.st_mtim = node->attr.st_ctim = Now();
     }
     if (to_set & kMode) {
@@ -457,11 +524,8 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
       if (to_set & kMtimeNow) mt = now; else if (to_set & kMtime) mt = in.st_mtim;
       if (at.tv_nsec != UTIME_OMIT) node->attr.st_atim = at;
       if (mt.tv_nsec != UTIME_OMIT) node->attr.st_mtim = mt;
-      if (node->write) {
-        // Flushes would move mtime again; the publish sets the times last.
-        node->write->times_set = true;
-        node->write->atime = node->attr.st_atim;
-        node->write->mtime = node->attr.st_mtim;
+      if (node->write && node->write->needs_publish) {
+        // Flushes would move mtime again; its publish sets the node's times last.
       } else if (node->on_backing) {
         store::JournalEntry e;
         e.op = store::OpType::kUtimens;
@@ -495,7 +559,7 @@ Result<Entry> Filesystem::MakeNode(uint64_t parent, const std::string& name, Nod
   if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
     return Status(Code::kPermission, "reserved name " + name);
   }
-  WaitForAncestorsUnlocked(parent);
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
   Entry out;
   Result<uint64_t> seq = uint64_t{0};
   {
@@ -505,6 +569,7 @@ Result<Entry> Filesystem::MakeNode(uint64_t parent, const std::string& name, Nod
     CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
     if (ChildLocked(dir.get(), name)) return Status(Code::kExists, name);
     auto node = NewNodeLocked(dir.get(), name, type);
+    TouchDirLocked(dir.get(), type == NodeType::kDir ? 1 : 0);
     node->attr.st_mode = TypeBits(type) | (mode & 07777);
     node->attr.st_uid = getuid();
     node->attr.st_gid = getgid();
@@ -530,7 +595,7 @@ Result<Entry> Filesystem::MakeNode(uint64_t parent, const std::string& name, Nod
 }
 
 Result<std::string> Filesystem::Readlink(uint64_t ino) {
-  WaitForAncestorsUnlocked(ino);
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(ino));
   std::lock_guard lock(ns_mu_);
   auto node = NodeLocked(ino);
   if (!node) return NotFound("stale inode");
@@ -543,7 +608,7 @@ Result<std::string> Filesystem::Readlink(uint64_t ino) {
 }
 
 Status Filesystem::Unlink(uint64_t parent, const std::string& name) {
-  WaitForAncestorsUnlocked(parent);
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
   Result<uint64_t> seq = uint64_t{0};
   {
     std::lock_guard lock(ns_mu_);
@@ -555,12 +620,20 @@ Status Filesystem::Unlink(uint64_t parent, const std::string& name) {
     if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
     const std::string path = PathLocked(node.get());
     if (node->write && node->write->needs_publish) seq = DiscardLocked(node.get(), path);
+    // Publication is halted before this name's pending publish: deleting it drops that
+    // publish (so `rm -r` of a failed checkpoint lets the rest go on), and a `.metadata`
+    // that names it will not wait for it.
+    if (journal_->DropIfHalted(path)) {
+      std::lock_guard dropped_lock(dropped_mu_);
+      dropped_paths_.insert(path);
+    }
     if (node->on_backing) {
       store::JournalEntry e;
       e.op = store::OpType::kUnlink;
       e.path = path;
       seq = AppendLocked(std::move(e), node.get());
     }
+    TouchDirLocked(dir.get(), 0);
     node->on_backing = false;
     DetachLocked(node);
   }
@@ -568,7 +641,7 @@ Status Filesystem::Unlink(uint64_t parent, const std::string& name) {
 }
 
 Status Filesystem::Rmdir(uint64_t parent, const std::string& name) {
-  WaitForAncestorsUnlocked(parent);
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
   Result<uint64_t> seq = uint64_t{0};
   {
     std::lock_guard lock(ns_mu_);
@@ -585,7 +658,8 @@ Status Filesystem::Rmdir(uint64_t parent, const std::string& name) {
     e.op = store::OpType::kRmdir;
     e.path = path;
     seq = AppendLocked(std::move(e), node.get());
-    checkpoints_->OnRemoved(path);
+    checkpoints_->OnRemoved(path, seq.ok() ? *seq : 0);
+    TouchDirLocked(dir.get(), -1);
     node->on_backing = false;
     DetachLocked(node);
   }
@@ -600,8 +674,8 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
   if (IsTempName(new_name) || (new_parent == kRootIno && new_name == kCtlDirName)) {
     return Status(Code::kPermission, "reserved name " + new_name);
   }
-  WaitForAncestorsUnlocked(parent);
-  WaitForAncestorsUnlocked(new_parent);
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(new_parent));
   Result<uint64_t> seq = uint64_t{0};
   {
     std::lock_guard lock(ns_mu_);
@@ -655,17 +729,21 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
     }
     if (victim) {
       victim->on_backing = false;
-      if (victim->type == NodeType::kDir) checkpoints_->OnRemoved(to);
+      if (victim->type == NodeType::kDir) checkpoints_->OnRemoved(to, seq.ok() ? *seq : 0);
       DetachLocked(victim);
     }
     if (seq.ok() && *seq != 0) dst_dir->pending_seq = std::max(dst_dir->pending_seq, *seq);
+    const bool moves_dir = node->type == NodeType::kDir && src_dir != dst_dir;
+    TouchDirLocked(src_dir.get(), moves_dir ? -1 : 0);
+    TouchDirLocked(dst_dir.get(), (moves_dir ? 1 : 0) -
+                                      (victim && victim->type == NodeType::kDir ? 1 : 0));
     src_dir->children.erase(name);
     node->parent = dst_dir.get();
     node->name = new_name;
     dst_dir->children[new_name] = node;
     node->attr.st_ctim = Now();
     if (node->type == NodeType::kDir) {
-      checkpoints_->OnRenamed(from, to);
+      checkpoints_->OnRenamed(from, to, seq.ok() ? *seq : 0);
     } else if (store::IsCommitName(to) && node->write == nullptr && node->on_backing) {
       checkpoints_->OnCommitQueued(ParentOf(to));
     } else if (store::IsCommitName(to) && node->write) {
@@ -677,7 +755,7 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
 
 // ---------------------------------------------------------------- files
 
-Status Filesystem::BeginWriteLocked(Node* node, bool truncate) {
+Status Filesystem::BeginWriteLocked(Node* node, bool truncate, const UniqueFd* src) {
   uint64_t id = journal_->NextFileId();
   auto ws = std::make_unique<WriteState>();
   ws->file_id = id;
@@ -698,21 +776,37 @@ Status Filesystem::BeginWriteLocked(Node* node, bool truncate) {
   if (!truncate) {
     // Copy-on-write: the real name keeps its old bytes until the new ones are published.
     std::shared_ptr<StagedFile> prev = node->write ? node->write->staged : nullptr;
-    UniqueFd src;
+    UniqueFd opened;
     int src_fd = -1;
     if (prev) {
-      prev->target()->WaitIdle();
+      // The new version starts as a copy of the previous one, so all of its bytes must
+      // be in its temp file.
+      Status settled = prev->target()->Settled();
+      if (!settled.ok()) {
+        ::unlinkat(backing_->root_fd(), temp_path.c_str(), 0);
+        (void)journal_->ForgetTemp(id);
+        return settled;
+      }
       src_fd = prev->target()->fd();
       size = prev->size();
-    } else if (node->on_backing) {
-      auto opened = backing_->OpenFile(PathLocked(node), O_RDONLY);
-      if (!opened.ok()) return opened.status();
-      src = std::move(*opened);
-      src_fd = src.get();
+    } else if (src != nullptr || node->on_backing) {
+      if (src == nullptr) {
+        auto by_path = backing_->OpenFile(PathLocked(node), O_RDONLY);
+        if (!by_path.ok()) {
+          ::unlinkat(backing_->root_fd(), temp_path.c_str(), 0);
+          (void)journal_->ForgetTemp(id);
+          return by_path.status();
+        }
+        opened = std::move(*by_path);
+        src = &opened;
+      }
+      src_fd = src->get();
       struct stat st;
       if (::fstat(src_fd, &st) != 0) return Status::FromErrno(errno, "fstat");
       size = static_cast<uint64_t>(st.st_size);
     }
+    // copy_file_range shares extents where the file system can (XFS and btrfs reflink):
+    // then a one-byte rewrite of a large file writes one block, not the file.
     loff_t in = 0, out = 0;
     uint64_t left = size;
     while (left > 0) {
@@ -732,11 +826,7 @@ Status Filesystem::BeginWriteLocked(Node* node, bool truncate) {
     std::lock_guard lock(staged_mu_);
     live_staged_.insert(ws->staged);
   }
-  if (node->write) {
-    ws->writers = node->write->writers;
-    ws->handles = node->write->handles;
-    ws->publish_seq = node->write->publish_seq;
-  }
+  if (node->write) ws->publish_seq = node->write->publish_seq;
   node->write = std::move(ws);
   node->attr.st_mtim = node->attr.st_ctim = Now();
   return Status::Ok();
@@ -761,9 +851,9 @@ void Filesystem::DropWriteStateLocked(Node* node) {
   RefreshAttrLocked(node);
 }
 
-Status Filesystem::EnsureWritableLocked(Node* node, bool truncate) {
+Status Filesystem::EnsureWritableLocked(Node* node, bool truncate, const UniqueFd* src) {
   if (!node->write || !node->write->needs_publish) {
-    CKPT_RETURN_IF_ERROR(BeginWriteLocked(node, truncate));
+    CKPT_RETURN_IF_ERROR(BeginWriteLocked(node, truncate, src));
   }
   node->write->needs_publish = true;
   return Status::Ok();
@@ -779,10 +869,10 @@ Result<uint64_t> Filesystem::PublishLocked(Node* node) {
   e.file_id = ws.file_id;
   e.size = ws.staged->size();
   e.target = target;
-  if (ws.times_set) {
-    e.atime_sec = ws.atime.tv_sec, e.atime_nsec = ws.atime.tv_nsec;
-    e.mtime_sec = ws.mtime.tv_sec, e.mtime_nsec = ws.mtime.tv_nsec;
-  }
+  // The published file keeps the times the mount showed (its last write, or a utimens),
+  // not those of the flushes.
+  e.atime_sec = node->attr.st_atim.tv_sec, e.atime_nsec = node->attr.st_atim.tv_nsec;
+  e.mtime_sec = node->attr.st_mtim.tv_sec, e.mtime_nsec = node->attr.st_mtim.tv_nsec;
   const std::string dir = ParentOf(e.path);
   const bool commit = store::IsCommitName(e.path);
   const uint64_t size = e.size;
@@ -802,45 +892,60 @@ Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std:
   if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
     return Status(Code::kPermission, "reserved name " + name);
   }
-  WaitForAncestorsUnlocked(parent);
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
+  uint64_t existing = 0;
+  {
+    std::lock_guard lock(ns_mu_);
+    auto dir = NodeLocked(parent);
+    if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
+    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+    std::shared_ptr<Node> node = ChildLocked(dir.get(), name);
+    if (node) {
+      if (flags & O_EXCL) return Status(Code::kExists, name);
+      if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
+      existing = node->ino;
+    } else {
+      node = NewNodeLocked(dir.get(), name, NodeType::kFile);
+      node->attr.st_mode = S_IFREG | (mode & 07777);
+      node->attr.st_uid = getuid();
+      node->attr.st_gid = getgid();
+      node->attr.st_atim = node->attr.st_mtim = node->attr.st_ctim = Now();
+      Status st = BeginWriteLocked(node.get(), /*truncate=*/true);
+      if (!st.ok()) {
+        DetachLocked(node);
+        return st;
+      }
+      TouchDirLocked(dir.get(), 0);
+      {
+        std::lock_guard dropped_lock(dropped_mu_);
+        if (!dropped_paths_.empty()) dropped_paths_.erase(PathLocked(node.get()));
+      }
+      if (store::CheckpointRegistry::IsCheckpointFile(name)) {
+        checkpoints_->OnFileCreated(PathLocked(dir.get()));
+      }
+      auto handle = std::make_unique<Handle>();
+      handle->node = node;
+      handle->writable = (flags & O_ACCMODE) != O_RDONLY;  // O_RDONLY|O_CREAT makes it empty
+      handle->staged = node->write->staged;
+      node->open_files++;
+      if (handle->writable) node->open_writers++;
+      Entry e = EntryLocked(node.get());
+      return std::make_pair(e, handle.release());
+    }
+  }
+  // An existing file: the same as open(2) without O_CREAT.
+  CKPT_ASSIGN_OR_RETURN(Handle * handle, Open(existing, flags));
   std::lock_guard lock(ns_mu_);
-  auto dir = NodeLocked(parent);
-  if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
-  CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
-  std::shared_ptr<Node> node = ChildLocked(dir.get(), name);
-  if (node) {
-    if (flags & O_EXCL) return Status(Code::kExists, name);
-    if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
-  } else {
-    node = NewNodeLocked(dir.get(), name, NodeType::kFile);
-    node->attr.st_mode = S_IFREG | (mode & 07777);
-    node->attr.st_uid = getuid();
-    node->attr.st_gid = getgid();
-    node->attr.st_atim = node->attr.st_mtim = node->attr.st_ctim = Now();
-    Status st = BeginWriteLocked(node.get(), /*truncate=*/true);
-    if (!st.ok()) {
-      DetachLocked(node);
-      return st;
-    }
-    if (store::CheckpointRegistry::IsCheckpointFile(name)) {
-      checkpoints_->OnFileCreated(PathLocked(dir.get()));
-    }
-  }
-  if (!node->write || (flags & O_TRUNC)) {
-    CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), (flags & O_TRUNC) != 0));
-    if (flags & O_TRUNC) CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(0));
-  }
-  auto handle = std::make_unique<Handle>();
-  handle->node = node;
-  handle->writable = true;
-  handle->staged = node->write->staged;
-  node->write->writers++;
-  node->write->handles++;
-  Entry e = EntryLocked(node.get());
-  return std::make_pair(e, handle.release());
+  return std::make_pair(EntryLocked(handle->node.get()), handle);
 }
 
 Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
+  Result<Handle*> h = OpenFile(ino, flags);
+  if (!h.ok()) return LogIfIo("open", ino, 0, h.status());
+  return h;
+}
+
+Result<Handle*> Filesystem::OpenFile(uint64_t ino, int flags) {
   auto handle = std::make_unique<Handle>();
   if (TensorView::Owns(ino)) {
     if ((flags & O_ACCMODE) != O_RDONLY) return Status(Code::kPermission, "tensor view");
@@ -855,7 +960,7 @@ Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
                                                   : MetricsText();
     return handle.release();
   }
-  WaitForAncestorsUnlocked(ino);
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(ino));
   std::unique_lock lock(ns_mu_);
   auto node = NodeLocked(ino);
   if (!node) return NotFound("stale inode");
@@ -865,23 +970,21 @@ Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
     const uint64_t seq = PendingRenameLocked(node.get());
     if (seq == 0) break;
     lock.unlock();
-    (void)journal_->Wait(seq);  // the outcome belongs to whoever made the entry
+    Status st = journal_->WaitUnlessHalted(seq);  // the outcome belongs to its entry...
+    if (!st.ok() && journal_->halted()) return st;  // ...unless publication is halted
     lock.lock();
   }
   if (node->type == NodeType::kDir) return Status(Code::kIsDir, "open of a directory");
   if (!node->error.empty()) return Status(Code::kIo, node->error);
+  if (!node->write && node->parent == nullptr) return NotFound("unlinked file");
   handle->node = node;
   const bool writable = (flags & O_ACCMODE) != O_RDONLY;
-  if (writable) {
-    if (!node->write || (flags & O_TRUNC)) {
-      CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), (flags & O_TRUNC) != 0));
-      if (flags & O_TRUNC) CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(0));
-    }
-    node->write->writers++;
-    handle->writable = true;
+  if (writable && (flags & O_TRUNC)) {
+    CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), /*truncate=*/true));
+    CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(0));
   }
+  // Without O_TRUNC, opening for writing starts nothing: the first write does (Write).
   if (node->write) {
-    node->write->handles++;
     handle->staged = node->write->staged;
   } else {
     CKPT_ASSIGN_OR_RETURN(UniqueFd fd, backing_->OpenFile(PathLocked(node.get()), O_RDONLY));
@@ -889,16 +992,19 @@ Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
     if (::fstat(fd.get(), &st) != 0) return Status::FromErrno(errno, "fstat");
     handle->key = store::FileKeyFromStat(st);
     handle->fd = std::make_shared<const UniqueFd>(std::move(fd));
-    handle->keep_cache = !handle->writable && TimeoutFor(*node) > kDefaultTimeout;
+    handle->keep_cache = !writable && TimeoutFor(*node) > kDefaultTimeout;
     if (node->parent != nullptr && CommittedDirLocked(node->parent)) {
       handle->ckpt = PathLocked(node->parent);
       handle->file = node->name;
       auto indexed = index_->IndexedCheckpoints();
       handle->indexed = std::find(indexed.begin(), indexed.end(), handle->ckpt) != indexed.end();
       // Reading `.metadata` is how every DCP load starts: fetch the checkpoint ahead.
-      if (node->name == ".metadata" && cache_) QueuePrefetch(handle->ckpt);
+      if (node->name == ".metadata" && cache_ && !writable) QueuePrefetch(handle->ckpt);
     }
   }
+  handle->writable = writable;
+  node->open_files++;
+  if (writable) node->open_writers++;
   return handle.release();
 }
 
@@ -910,9 +1016,10 @@ Result<std::shared_ptr<StagedFile>> Filesystem::WritableStaged(Handle* h) {
     h->staged = node->write->staged;  // unlinked: keeps its bytes, never published
     return h->staged;
   }
-  // Its previous contents may be queued for publication and frozen: continue in a
-  // copy, published again later.
-  CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node, false));
+  // Not yet written through this mount, or its previous contents are queued for
+  // publication and frozen: continue in a copy, published again later. With no write
+  // state, `h->fd` is the current version (a write state lives while any handle is open).
+  CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node, false, node->write ? nullptr : h->fd.get()));
   if (node->parent == nullptr) {
     // Unlinked after its last publication: the copy lives on, unnamed, until closed.
     CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
@@ -921,7 +1028,37 @@ Result<std::shared_ptr<StagedFile>> Filesystem::WritableStaged(Handle* h) {
   return h->staged;
 }
 
+Status Filesystem::LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status st) {
+  if (st.ok() || st.ToErrno() != EIO) return st;
+  const int64_t second = std::chrono::duration_cast<std::chrono::seconds>(
+                             std::chrono::steady_clock::now().time_since_epoch())
+                             .count();
+  if (io_log_second_.exchange(second) != second) io_logged_ = 0;
+  if (io_logged_.fetch_add(1) >= kIoLogsPerSecond) {
+    io_suppressed_.fetch_add(1);
+    return st;
+  }
+  std::string path = "(control file)";
+  if (ino == kRootIno || ino >= kFirstNodeIno) {
+    std::lock_guard lock(ns_mu_);
+    auto node = NodeLocked(ino);
+    path = !node                      ? "(forgotten)"
+           : node->ino == kRootIno    ? ""
+           : node->parent != nullptr  ? PathLocked(node.get())
+                                      : "(unlinked) " + node->name;
+  }
+  const uint64_t suppressed = io_suppressed_.exchange(0);
+  spdlog::warn("EIO to the application: {} ino {} path '{}' offset {}: {}{}", op, ino, path,
+               offset, st.ToString(),
+               suppressed ? fmt::format(" ({} more not logged)", suppressed) : std::string());
+  return st;
+}
+
 Status Filesystem::Write(Handle* h, const char* data, size_t len, uint64_t offset) {
+  return LogIfIo("write", h->node ? h->node->ino : 0, offset, WriteData(h, data, len, offset));
+}
+
+Status Filesystem::WriteData(Handle* h, const char* data, size_t len, uint64_t offset) {
   if (!h->writable) return Status(Code::kPermission, "not open for writing");
   std::shared_ptr<StagedFile> staged = h->staged;
   for (int attempt = 0;; ++attempt) {
@@ -929,8 +1066,9 @@ Status Filesystem::Write(Handle* h, const char* data, size_t len, uint64_t offse
     {
       std::lock_guard lock(ns_mu_);
       Node* node = h->node.get();
-      fresh = node->write && node->write->staged == staged &&
+      fresh = staged && node->write && node->write->staged == staged &&
               (node->write->needs_publish || node->write->discarded);
+      node->attr.st_mtim = node->attr.st_ctim = Now();
     }
     if (!fresh) {
       CKPT_ASSIGN_OR_RETURN(staged, WritableStaged(h));
@@ -947,6 +1085,12 @@ Status Filesystem::Write(Handle* h, const char* data, size_t len, uint64_t offse
 }
 
 Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offset) {
+  Result<size_t> got = ReadData(h, out, len, offset);
+  if (!got.ok()) return LogIfIo("read", h->node ? h->node->ino : 0, offset, got.status());
+  return got;
+}
+
+Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t offset) {
   if (h->view_fd) {  // a tensor-view chunk: a window of a backing file
     if (offset >= h->view_size) return size_t{0};
     size_t n = static_cast<size_t>(std::min<uint64_t>(len, h->view_size - offset));
@@ -976,7 +1120,9 @@ Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offse
   if (staged) {
     got = staged->Read(out, len, offset);
   } else if (!h->fd) {
-    return Status(Code::kIo, "no data source");
+    // Opened while the file was being written: its write state lives until this handle
+    // is closed (Release), so this is a broken invariant, not a backing-store error.
+    return Status(Code::kInternal, "handle lost its data source (write state dropped early)");
   } else if (cache_) {
     // The file's identity now, not at open: someone may have rewritten it in place.
     struct stat st;
@@ -993,6 +1139,10 @@ Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offse
 }
 
 Status Filesystem::Flush(Handle* h) {
+  return LogIfIo("flush", h->node ? h->node->ino : 0, 0, FlushData(h));
+}
+
+Status Filesystem::FlushData(Handle* h) {
   if (!h->node || !h->writable) return Status::Ok();
   Result<uint64_t> seq = uint64_t{0};
   {
@@ -1015,19 +1165,21 @@ void Filesystem::Release(Handle* h) {
   if (!h->node) return;
   std::lock_guard lock(ns_mu_);
   Node* node = h->node.get();
-  if (!node->write) return;
-  WriteState& ws = *node->write;
-  if (h->writable) ws.writers--;
-  ws.handles--;
-  if (h->writable && ws.writers == 0 && ws.needs_publish && node->parent != nullptr) {
-    auto seq = PublishLocked(node);
-    if (!seq.ok()) NoteError("publish " + PathLocked(node) + ": " + seq.status().ToString());
+  node->open_files--;
+  if (h->writable) node->open_writers--;
+  if (node->write) {
+    WriteState& ws = *node->write;
+    // The last writer publishes (a file made by O_RDONLY|O_CREAT: its only handle).
+    if (node->open_writers == 0 && ws.needs_publish && node->parent != nullptr) {
+      auto seq = PublishLocked(node);
+      if (!seq.ok()) NoteError("publish " + PathLocked(node) + ": " + seq.status().ToString());
+    }
+    if (node->open_files == 0 && !ws.needs_publish && ws.publish_seq <= journal_->applied() &&
+        publishing_.count(ws.file_id) == 0) {
+      DropWriteStateLocked(node);  // fully published: the backing file is the truth again
+    }
   }
-  if (ws.handles == 0 && !ws.needs_publish && ws.publish_seq <= journal_->applied() &&
-      publishing_.count(ws.file_id) == 0) {
-    DropWriteStateLocked(node);  // fully published: the backing file is the truth again
-  }
-  if (node->parent == nullptr && node->nlookup == 0 && (!node->write || node->write->handles == 0)) {
+  if (node->parent == nullptr && node->nlookup == 0 && node->open_files == 0) {
     inodes_.erase(node->ino);
   }
 }
@@ -1048,7 +1200,7 @@ Result<Handle*> Filesystem::OpenDir(uint64_t ino) {
                        {"metrics", kCtlMetricsIno, S_IFREG}};
     return handle.release();
   }
-  WaitForAncestorsUnlocked(ino);
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(ino));
   std::lock_guard lock(ns_mu_);
   auto node = NodeLocked(ino);
   if (!node) return NotFound("stale inode");
@@ -1103,10 +1255,14 @@ void Filesystem::OnJournalHalt(const store::JournalEntry& e, const Status& st) {
   const std::string dir = ParentOf(e.path);
   if (st.ok()) {
     checkpoints_->OnResumed(dir);
-    return;
+  } else {
+    NoteError("publication halted at " + e.Describe() + ": " + st.ToString());
+    checkpoints_->OnFailed(dir, st.ToString());
   }
-  NoteError("publication halted at " + e.Describe() + ": " + st.ToString());
-  checkpoints_->OnFailed(dir, st.ToString());
+  if (e.op != store::OpType::kPublish) return;
+  std::lock_guard lock(ns_mu_);
+  auto it = publishing_.find(e.file_id);
+  if (it != publishing_.end()) it->second->halt_error = st.ok() ? "" : st.ToString();
 }
 
 void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
@@ -1120,7 +1276,7 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
     }
     bytes_published_.fetch_add(e.size);
     files_published_.fetch_add(1);
-    checkpoints_->OnFilePublished(dir, e.size);
+    checkpoints_->OnFilePublished(dir, e.size, e.seq);
     HandOverBlockCrcs(e);
   }
   if (!st.ok()) {
@@ -1129,13 +1285,15 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
       if (st.code() == Code::kAborted) {
         checkpoints_->OnAborted(dir, st.ToString());
       } else {
-        checkpoints_->OnFailed(dir, st.ToString());
+        checkpoints_->OnFailed(dir, st.ToString(), e.seq);
       }
     }
   } else if (commit) {
-    checkpoints_->OnCommitted(dir);
+    checkpoints_->OnCommitted(dir, e.seq);
     QueueIndexBuild(dir);
   }
+  // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
+  checkpoints_->OnApplied(journal_->applied());
   if (st.ok() && e.op == store::OpType::kRename) index_->OnRenamed(e.from, e.path);
   if (st.ok() && e.op == store::OpType::kRmdir) index_->Forget(e.path);
   if (e.op != store::OpType::kPublish) return;
@@ -1148,11 +1306,35 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
     node->error = "publication failed: " + st.ToString();
     node->on_backing = false;
   }
-  if (node->write && node->write->file_id == e.file_id && node->write->handles == 0 &&
+  if (node->write && node->write->file_id == e.file_id && node->open_files == 0 &&
       !node->write->needs_publish) {
     DropWriteStateLocked(node.get());
   }
   if (node->parent == nullptr && node->nlookup == 0 && !node->write) inodes_.erase(node->ino);
+}
+
+void Filesystem::ForgetVanishedCheckpoints() {
+  const uint64_t last = journal_->last_appended();
+  if (journal_->applied() < last) return;
+  // A removal counts only if no entry was queued meanwhile (a rename moves the record
+  // before the backing store).
+  auto gone = [&](const std::string& path) {
+    Result<struct stat> st = backing_->Stat(path);
+    return !st.ok() && st.status().code() == Code::kNotFound && journal_->last_appended() == last;
+  };
+  for (const auto& info : checkpoints_->List()) {
+    if (info.state == store::CkptState::kWriting || info.state == store::CkptState::kPending) {
+      continue;
+    }
+    if (gone(info.path)) {
+      spdlog::info("checkpoint {}: gone from the backing store", info.path);
+      checkpoints_->OnRemoved(info.path);
+      index_->Forget(info.path);
+    }
+  }
+  for (const auto& path : index_->IndexedCheckpoints()) {
+    if (!checkpoints_->Get(path) && gone(JoinPath(path, ".metadata"))) index_->Forget(path);
+  }
 }
 
 void Filesystem::HandOverBlockCrcs(const store::JournalEntry& e) {

@@ -71,8 +71,10 @@ struct Handle {
   std::shared_ptr<Node> node;
   bool writable = false;
   std::shared_ptr<StagedFile> staged;  // files written through the mount
-  std::shared_ptr<const UniqueFd> fd;  // published files read from the backing store
-  store::FileKey key;                  // their identity, for the block cache
+  // The backing file, opened when the file had no write state: the current version for as
+  // long as it has none (a write state lives until every handle is closed). Set at open only.
+  std::shared_ptr<const UniqueFd> fd;
+  store::FileKey key;                  // its identity at open, for the block cache
   std::string ckpt, file;              // checkpoint dir and file name, when in a checkpoint
   std::atomic<uint64_t> prefetched_end{0};  // end of the last item prefetched by this handle
   bool keep_cache = false;             // a committed checkpoint's file
@@ -120,7 +122,10 @@ class Filesystem {
                 const std::string& new_name, unsigned flags);
   Result<std::pair<Entry, Handle*>> Create(uint64_t parent, const std::string& name, mode_t mode,
                                            int flags);
+  // Opening for writing changes nothing: a file is copied for rewriting at its first write
+  // (or O_TRUNC), so an open and close without a write leaves it, and its times, as they were.
   Result<Handle*> Open(uint64_t ino, int flags);
+  // Open/Read/Write/Flush/Fsync log every error they return as EIO with ino, path, offset.
   Result<size_t> Read(Handle* h, char* out, size_t len, uint64_t offset);
   Status Write(Handle* h, const char* data, size_t len, uint64_t offset);
   Status Flush(Handle* h);
@@ -145,6 +150,10 @@ class Filesystem {
 
   // The control files' contents.
   std::string StatsJson();
+  // Forgets finished checkpoints whose directory (or, for those known only from the
+  // index, whose `.metadata`) is gone from the backing store, removed by someone else.
+  // Does nothing while journal entries are pending (the backing store lags the mount).
+  void ForgetVanishedCheckpoints();
   std::string CheckpointsJson();
   std::string MetricsText();
 
@@ -169,6 +178,14 @@ class Filesystem {
   std::shared_ptr<Node> NewNodeLocked(Node* parent, const std::string& name, NodeType type);
   std::shared_ptr<Node> ChildLocked(Node* dir, const std::string& name);
   void RefreshAttrLocked(Node* node);
+  // Takes the attributes of `node` from a stat of its backing path, keeping the ones the
+  // mount owns (Node::own_attrs) while the backing inode shows only this mount's changes.
+  void ApplyBackingStatLocked(Node* node, const struct stat& st);
+  // The mount changed `node` on the backing store (a journal entry): its backing times
+  // will move, its attributes through the mount stay as they are.
+  void OwnAttrsLocked(Node* node);
+  // A user operation changed the entries of `dir`: mtime and ctime now, nlink by `links`.
+  void TouchDirLocked(Node* dir, int links);
   bool QuiescentLocked(const Node* node) const;
   // The last pending rename of `node` or an ancestor (its backing path is stale until
   // then), or 0.
@@ -176,8 +193,11 @@ class Filesystem {
   void DetachLocked(const std::shared_ptr<Node>& node);
   Result<uint64_t> AppendLocked(store::JournalEntry entry, Node* node);
   // Starts writing a file: a new temp file, filled with the current contents unless
-  // `truncate`.
-  Status BeginWriteLocked(Node* node, bool truncate);
+  // `truncate`: those of its write state, else of `src` (an open backing file of the current
+  // version, or null), else of its backing path. The copy is copy_file_range, a reflink
+  // where the backing file system shares extents (XFS, btrfs), so only changed blocks
+  // are written.
+  Status BeginWriteLocked(Node* node, bool truncate, const UniqueFd* src = nullptr);
   // Drops the unpublished bytes of `node` (named `path`, or unnamed): its temp file is
   // removed in journal order; open handles keep reading them; it is never published.
   Result<uint64_t> DiscardLocked(Node* node, const std::string& path);
@@ -185,14 +205,15 @@ class Filesystem {
   void DropWriteStateLocked(Node* node);
   // Makes `node` writable: a fresh copy when it is not being written or its contents
   // are frozen for publication. Marks it as needing publication.
-  Status EnsureWritableLocked(Node* node, bool truncate);
+  Status EnsureWritableLocked(Node* node, bool truncate, const UniqueFd* src = nullptr);
   // Queues the publication of `node`'s staged contents; returns the entry's seq.
   Result<uint64_t> PublishLocked(Node* node);
   Entry EntryLocked(Node* node);
   std::string CheckpointDirOf(const std::string& path) const;
 
   // Waits (without locks) until every pending rename among `node`'s ancestors is applied.
-  void WaitForAncestorsUnlocked(uint64_t ino);
+  // Fails (with the halt's error) if publication is halted before that rename.
+  Status WaitForAncestorsUnlocked(uint64_t ino);
   Status WaitIfStrict(Result<uint64_t> seq);
   void OnJournalDone(const store::JournalEntry& e, const Status& st);
   // Gives a just-published file's block CRCs (recorded by the flush pipeline) to the index.
@@ -233,7 +254,21 @@ class Filesystem {
   mutable std::mutex error_mu_;
   std::string last_error_;  // GUARDED_BY(error_mu_)
   std::string last_abort_report_;  // GUARDED_BY(error_mu_)
+  // Names whose pending publish was dropped because the application deleted them while
+  // publication was halted: a `.metadata` naming one is refused at once.
+  std::mutex dropped_mu_;
+  std::set<std::string> dropped_paths_;  // GUARDED_BY(dropped_mu_)
   void NoteError(const std::string& msg);
+  // Logs `st` when it reaches the application as EIO (ino, path, offset; rate-limited) and
+  // returns it. Takes ns_mu_: call without it.
+  Status LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status st);
+  Result<Handle*> OpenFile(uint64_t ino, int flags);
+  Result<size_t> ReadData(Handle* h, char* out, size_t len, uint64_t offset);
+  Status WriteData(Handle* h, const char* data, size_t len, uint64_t offset);
+  Status FlushData(Handle* h);
+  std::atomic<int64_t> io_log_second_{0};
+  std::atomic<int> io_logged_{0};
+  std::atomic<uint64_t> io_suppressed_{0};
 
   // Indexes committed checkpoints in the background (the journal thread never waits).
   void QueueIndexBuild(const std::string& ckpt);

@@ -27,11 +27,7 @@ struct WriteState {
   struct Node* temp_dir = nullptr;  // the directory that holds the temp file
   bool needs_publish = true;     // changed since its last publish entry
   uint64_t publish_seq = 0;      // last publish entry of this file, 0 if none
-  int writers = 0;               // open writable handles
-  int handles = 0;               // open handles of any kind that use `staged`
   bool discarded = false;        // unlinked before publication: never published
-  bool times_set = false;        // utimens while staged: applied at publish
-  struct timespec atime {}, mtime{};
 };
 
 struct Node {
@@ -40,6 +36,14 @@ struct Node {
   Node* parent = nullptr;  // null once unlinked; the parent owns its children
   std::string name;
   struct stat attr {};      // cached attributes; size of staged files comes from `write`
+  // The mount's own attributes (mtime, ctime; for directories size and nlink too) for a
+  // name this mount changed on the backing store: applying a journal entry moves the
+  // backing inode's times, the mount's view moves only by the user's operations. They
+  // are kept while the backing inode shows the times first seen once every entry was
+  // applied (`stamp_*`); any later change there is someone else's and is shown.
+  bool own_attrs = false;
+  bool stamped = false;
+  struct timespec stamp_mtime {}, stamp_ctime{};
   uint64_t nlookup = 0;     // kernel references (FUSE lookup count)
   // The name exists on the backing store once every entry <= pending_seq is applied.
   bool on_backing = false;
@@ -51,9 +55,17 @@ struct Node {
   // Directories.
   bool loaded = false;
   std::map<std::string, std::shared_ptr<Node>> children;
-  // Files being written; null when the backing file is the whole truth.
+  // Files being written; null when the backing file is the whole truth. Kept while any
+  // handle of the file is open, so no handle ever loses the bytes it reads (the backing
+  // file a handle opened before the write state existed is an older inode once the new
+  // bytes are published over its name).
   std::unique_ptr<WriteState> write;
+  int open_files = 0;    // open file handles (FUSE open/create), of any kind
+  int open_writers = 0;  // those opened for writing
   std::string error;  // a failed publication: reads and opens fail with EIO
+  // Publication is halted at this file's entry (retried, or waiting for resume/abort);
+  // its bytes are still served from staging and its temp file.
+  std::string halt_error;
 };
 
 }  // namespace ckptfs::fs

@@ -10,7 +10,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev
   nlohmann-json3-dev libcli11-dev libxxhash-dev
   python3-torch python3-numpy python3-matplotlib
-  util-linux e2fsprogs coreutils procps psmisc attr
+  util-linux e2fsprogs xfsprogs coreutils procps psmisc attr
 )
 
 missing=()

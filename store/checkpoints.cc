@@ -17,6 +17,12 @@ double Now() {
       .count();
 }
 
+// `path` is `dir` or below it.
+bool AtOrBelow(const std::string& path, const std::string& dir) {
+  return path.compare(0, dir.size(), dir) == 0 &&
+         (path.size() == dir.size() || path[dir.size()] == '/');
+}
+
 bool EndsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
@@ -160,12 +166,36 @@ void CheckpointRegistry::OnFileQueued(const std::string& dir, uint64_t bytes) {
   it->second.updated = Now();
 }
 
-void CheckpointRegistry::OnFilePublished(const std::string& dir, uint64_t bytes) {
+std::optional<std::string> CheckpointRegistry::ResolveLocked(std::string dir,
+                                                            uint64_t seq) const {
+  if (seq == kNow) return dir;
+  // Replay the renames and removals made after the entry, in their order.
+  for (const Moved& m : moves_) {
+    if (m.seq <= seq || !AtOrBelow(dir, m.from)) continue;
+    if (m.to.empty()) return std::nullopt;
+    dir = m.to + dir.substr(m.from.size());
+  }
+  return dir;
+}
+
+CheckpointInfo* CheckpointRegistry::FindLocked(const std::string& dir, uint64_t seq) {
+  std::optional<std::string> now = ResolveLocked(dir, seq);
+  if (!now) return nullptr;
+  auto it = ckpts_.find(*now);
+  return it == ckpts_.end() ? nullptr : &it->second;
+}
+
+void CheckpointRegistry::OnApplied(uint64_t seq) {
   std::lock_guard lock(mu_);
-  auto it = ckpts_.find(dir);
-  if (it == ckpts_.end()) return;
-  it->second.bytes_published += bytes;
-  it->second.updated = Now();
+  std::erase_if(moves_, [seq](const Moved& m) { return m.seq <= seq; });
+}
+
+void CheckpointRegistry::OnFilePublished(const std::string& dir, uint64_t bytes, uint64_t seq) {
+  std::lock_guard lock(mu_);
+  CheckpointInfo* info = FindLocked(dir, seq);
+  if (info == nullptr) return;
+  info->bytes_published += bytes;
+  info->updated = Now();
 }
 
 void CheckpointRegistry::OnCommitQueued(const std::string& dir) {
@@ -180,37 +210,45 @@ void CheckpointRegistry::OnCommitQueued(const std::string& dir) {
   }
 }
 
-void CheckpointRegistry::OnCommitted(const std::string& dir) {
+void CheckpointRegistry::OnCommitted(const std::string& dir, uint64_t seq) {
   std::lock_guard lock(mu_);
-  auto it = ckpts_.find(dir);
-  if (it == ckpts_.end()) it = ckpts_.emplace(dir, CheckpointInfo{}).first;
-  it->second.path = dir;
-  CheckpointInfo& info = it->second;
+  std::optional<std::string> now = ResolveLocked(dir, seq);
+  if (!now) return;  // removed before its commit was applied: no record comes back
+  CheckpointInfo* found = FindLocked(*now, kNow);
+  if (found == nullptr) {
+    // A commit whose queueing this registry did not see.
+    found = &ckpts_[*now];
+    found->path = *now;
+    found->created = Now();
+  }
+  CheckpointInfo& info = *found;
   info.state = CkptState::kCommitted;
   info.committed = info.updated = Now();
   Persist(info);
-  spdlog::info("checkpoint {}: committed ({} bytes)", dir, info.bytes);
+  spdlog::info("checkpoint {}: committed ({} bytes)", info.path, info.bytes);
 }
 
-void CheckpointRegistry::OnFailed(const std::string& dir, const std::string& error) {
+void CheckpointRegistry::OnFailed(const std::string& dir, const std::string& error,
+                                  uint64_t seq) {
   std::lock_guard lock(mu_);
-  auto it = ckpts_.find(dir);
-  if (it == ckpts_.end()) return;
-  CheckpointInfo& info = it->second;
+  CheckpointInfo* found = FindLocked(dir, seq);
+  if (found == nullptr) return;
+  CheckpointInfo& info = *found;
   if (info.state == CkptState::kFailed) return;
   info.state = CkptState::kFailed;
   info.error = error;
   info.updated = Now();
   Persist(info);
-  spdlog::error("checkpoint {}: failed: {}", dir, error);
+  spdlog::error("checkpoint {}: failed: {}", info.path, error);
 }
 
-void CheckpointRegistry::OnRenamed(const std::string& from, const std::string& to) {
+void CheckpointRegistry::OnRenamed(const std::string& from, const std::string& to,
+                                   uint64_t seq) {
   std::lock_guard lock(mu_);
+  if (seq != 0) moves_.push_back(Moved{seq, from, to});
   std::vector<CheckpointInfo> moved;
-  const std::string prefix = from + "/";
   for (auto it = ckpts_.begin(); it != ckpts_.end();) {
-    if (it->first == from || it->first.compare(0, prefix.size(), prefix) == 0) {
+    if (AtOrBelow(it->first, from)) {
       CheckpointInfo info = it->second;
       info.path = to + it->first.substr(from.size());
       Status st = db_->Delete(std::string(kPrefix) + it->first);
@@ -222,6 +260,7 @@ void CheckpointRegistry::OnRenamed(const std::string& from, const std::string& t
     }
   }
   for (auto& info : moved) {
+    spdlog::info("checkpoint {}: renamed to {}", from + info.path.substr(to.size()), info.path);
     Persist(info);
     ckpts_[info.path] = std::move(info);
   }
@@ -256,11 +295,18 @@ void CheckpointRegistry::OnAborted(const std::string& path, const std::string& w
   }
 }
 
-void CheckpointRegistry::OnRemoved(const std::string& dir) {
+void CheckpointRegistry::OnRemoved(const std::string& dir, uint64_t seq) {
   std::lock_guard lock(mu_);
-  if (ckpts_.erase(dir) > 0) {
-    Status st = db_->Delete(std::string(kPrefix) + dir);
+  if (seq != 0) moves_.push_back(Moved{seq, dir, ""});
+  for (auto it = ckpts_.begin(); it != ckpts_.end();) {
+    if (!AtOrBelow(it->first, dir)) {
+      ++it;
+      continue;
+    }
+    spdlog::info("checkpoint {}: removed", it->first);
+    Status st = db_->Delete(std::string(kPrefix) + it->first);
     if (!st.ok()) spdlog::warn("checkpoint registry: {}", st.ToString());
+    it = ckpts_.erase(it);
   }
 }
 

@@ -10,6 +10,15 @@
 // Records live in RocksDB, so states survive restarts; on load, writing/pending
 // records become aborted.
 //
+// Renames and removals. The mount renames or removes a checkpoint directory at once, but
+// journal entries queued before that still name the old path when they are applied
+// (async mode). A callback for an applied entry passes its journal seq: entries older than
+// a rename are credited to the record under its new name, entries older than a removal
+// are dropped (they never bring a removed checkpoint back as a record with no history).
+// A record made under the same name after the removal is a new checkpoint and keeps
+// only the entries queued after the removal. OnApplied(seq) forgets renames and removals
+// that no queued entry predates any more.
+//
 // Thread-safe.
 #pragma once
 
@@ -53,19 +62,27 @@ class CheckpointRegistry {
   // True if a file named `name` makes its directory a checkpoint.
   static bool IsCheckpointFile(const std::string& name);
 
+  // `seq`: the journal entry that made the event, for events of applied entries; kNow
+  // for events that name the directory's current path.
+  static constexpr uint64_t kNow = UINT64_MAX;
+
   void OnFileCreated(const std::string& dir);
   void OnFileQueued(const std::string& dir, uint64_t bytes);
-  void OnFilePublished(const std::string& dir, uint64_t bytes);
+  void OnFilePublished(const std::string& dir, uint64_t bytes, uint64_t seq = kNow);
   void OnCommitQueued(const std::string& dir);
-  void OnCommitted(const std::string& dir);
-  void OnFailed(const std::string& dir, const std::string& error);
+  void OnCommitted(const std::string& dir, uint64_t seq = kNow);
+  void OnFailed(const std::string& dir, const std::string& error, uint64_t seq = kNow);
+  // `seq`: the journal entry of the rename or removal (0: none is pending, as in strict
+  // mode once it returned). A rename moves every record at or below `from`.
   // A failed checkpoint whose publication passed after all (a retry or resume).
   void OnResumed(const std::string& dir);
   // The operator dropped the pending entries at or below `path`: checkpoints there that
   // had not committed become aborted.
   void OnAborted(const std::string& path, const std::string& why);
-  void OnRenamed(const std::string& from, const std::string& to);
-  void OnRemoved(const std::string& dir);
+  void OnRenamed(const std::string& from, const std::string& to, uint64_t seq = 0);
+  void OnRemoved(const std::string& dir, uint64_t seq = 0);
+  // Every journal entry up to `seq` has been applied.
+  void OnApplied(uint64_t seq);
 
   std::optional<CheckpointInfo> Get(const std::string& dir) const;
   std::vector<CheckpointInfo> List() const;
@@ -75,10 +92,21 @@ class CheckpointRegistry {
   explicit CheckpointRegistry(StateDb* db) : db_(db) {}
   CheckpointInfo& Touch(const std::string& dir);  // REQUIRES(mu_)
   void Persist(const CheckpointInfo& info);       // REQUIRES(mu_)
+  // The path now of the directory that entry `seq` named `dir`, or nullopt when it was
+  // removed since. REQUIRES(mu_).
+  std::optional<std::string> ResolveLocked(std::string dir, uint64_t seq) const;
+  // Its record, or null. REQUIRES(mu_).
+  CheckpointInfo* FindLocked(const std::string& dir, uint64_t seq);
 
   StateDb* const db_;
   mutable std::mutex mu_;
   std::map<std::string, CheckpointInfo> ckpts_;  // GUARDED_BY(mu_)
+  struct Moved {
+    uint64_t seq;     // the rename's or removal's journal entry
+    std::string from;
+    std::string to;   // empty: removed
+  };
+  std::vector<Moved> moves_;  // GUARDED_BY(mu_): in seq order, pending ones only
 };
 
 }  // namespace ckptfs::store

@@ -69,6 +69,10 @@ CommitCheck CommitGate::Check(const JournalEntry& e,
     const std::string& path = it->first;
     bool mine = (queued && queued(path)) ||
                 (options_.written_locally && options_.written_locally(path));
+    if (!mine && options_.deleted_locally && options_.deleted_locally(path)) {
+      current_.seq = 0;
+      return Status(Code::kAborted, "shard " + path + " was deleted before it was published");
+    }
     if (!mine) {
       // Published already (by this mount or another writer), or written elsewhere.
       if (!poll) {

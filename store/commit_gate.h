@@ -34,6 +34,9 @@ struct CommitGateOptions {
   // True while `path` (relative to the backing root) is open for writing through this
   // mount and its publication is not yet queued. May be empty (nothing is).
   std::function<bool(const std::string&)> written_locally;
+  // True if the application deleted `path` through this mount before it was published
+  // (its publish was dropped): a `.metadata` naming it is refused at once. May be empty.
+  std::function<bool(const std::string&)> deleted_locally;
 };
 
 class CommitGate {

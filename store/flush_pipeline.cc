@@ -18,12 +18,19 @@ void FlushTarget::SetError(const Status& status) {
 
 void FlushTarget::WaitIdle() {
   std::unique_lock lock(mu_);
-  idle_cv_.wait(lock, [&] { return inflight_ == 0; });
+  idle_cv_.wait(lock, [&] { return inflight_ == parked_; });
 }
 
 uint64_t FlushTarget::inflight() const {
   std::lock_guard lock(mu_);
   return inflight_;
+}
+
+Status FlushTarget::Settled() {
+  std::unique_lock lock(mu_);
+  idle_cv_.wait(lock, [&] { return inflight_ == parked_; });
+  if (!lost_.ok()) return lost_;
+  return parked_ > 0 ? error_ : Status::Ok();
 }
 
 uint64_t FlushTarget::parked() const {

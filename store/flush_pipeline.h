@@ -53,9 +53,13 @@ class FlushTarget {
   // Marks the target's bytes lost (permanently failed) with `status`; parked chunks are
   // dropped by the pipeline. Used when a publication is aborted.
   void Cancel(const Status& status);
-  // Blocks until no chunk of this file is queued or being written (parked chunks that
-  // wait for a retry count as in flight).
+  // Blocks until no chunk of this file is queued or being written. Chunks parked for a
+  // retry do not count, but then Error() is set: a caller that needs no bytes pending at
+  // all (truncate, an overlapping write) checks Error() after this and gives up.
   void WaitIdle();
+  // WaitIdle(), then: ok if every byte handed over is in the file (not necessarily
+  // durable); the error while a chunk waits for a retry; the failure if bytes were lost.
+  Status Settled();
   // Waits for the chunks being written, then fsyncs: the file's bytes are durable when
   // this returns ok. Returns at once with the error while a chunk waits for a retry, and
   // with the permanent failure once bytes were lost.

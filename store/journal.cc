@@ -237,6 +237,28 @@ Status Journal::Wait(uint64_t seq) {
   return it == failures_.end() ? Status::Ok() : it->second;
 }
 
+Status Journal::WaitUnlessHalted(uint64_t seq) {
+  std::unique_lock lock(mu_);
+  const Queued* halt = nullptr;
+  done_cv_.wait(lock, [&] {
+    if (done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0) return true;
+    halt = nullptr;
+    for (const Queued& q : queue_) {
+      if (q.e.seq >= seq) break;
+      if (!q.error.ok()) {
+        halt = &q;
+        break;
+      }
+    }
+    return halt != nullptr;
+  });
+  auto it = failures_.find(seq);
+  if (it != failures_.end()) return it->second;
+  if (done_seq_ >= seq || done_ahead_.count(seq) > 0) return Status::Ok();
+  return Status(halt->error.code(),
+                "publication is halted at " + halt->e.Describe() + ": " + halt->error.ToString());
+}
+
 void Journal::Drain() {
   std::unique_lock lock(mu_);
   done_cv_.wait(lock, [&] { return queue_.empty(); });
@@ -262,6 +284,32 @@ void Journal::Resume() {
     gate_dirty_ = true;
   }
   work_cv_.notify_all();
+}
+
+bool Journal::DropIfHalted(const std::string& path) {
+  bool marked = false;
+  {
+    std::lock_guard lock(mu_);
+    bool behind_halt = false;
+    for (Queued& q : queue_) {
+      if (!q.error.ok()) behind_halt = true;
+      if (!behind_halt || q.busy || q.drop || q.e.path != path) continue;
+      if (q.e.op == OpType::kPublish) {
+        q.drop = true;
+        marked = true;
+      } else if (q.e.op == OpType::kRename) {
+        // Its source stays where it is; the application removed the result.
+        if (q.e.seq == gate_seq_) gate_seq_ = 0;
+        q.e.op = OpType::kUnlink;
+        q.e.path = q.e.from;
+        q.e.from.clear();
+        q.error = Status::Ok();
+        marked = true;
+      }
+    }
+  }
+  if (marked) work_cv_.notify_all();
+  return marked;
 }
 
 std::optional<HaltInfo> Journal::halted() const {
@@ -361,6 +409,13 @@ Journal::Step Journal::NextStepLocked() {
     step.kind = stop_ ? Step::kExit : Step::kIdle;
     return step;
   }
+  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+    if (it->drop && !it->busy) {
+      step.kind = Step::kDrop;
+      step.it = it;
+      return step;
+    }
+  }
   const auto now = std::chrono::steady_clock::now();
   auto head = queue_.begin();
   if (!head->error.ok() && now < head->retry_at) {
@@ -436,6 +491,24 @@ void Journal::Run() {
       work_cv_.wait_until(lock, step.until);
       continue;
     }
+    if (step.kind == Step::kDrop) {
+      JournalEntry e = std::move(step.it->e);
+      if (e.seq == gate_seq_) gate_seq_ = 0;
+      const bool at_head = step.it == queue_.begin();
+      queue_.erase(step.it);
+      const Status why(Code::kAborted, "deleted through the mount before it was published");
+      failures_[e.seq] = why;
+      if (e.op == OpType::kPublish) ++dropped_publishes_;
+      if (!at_head) done_ahead_.insert(e.seq);
+      gate_dirty_ = true;
+      AdvanceDoneLocked();
+      lock.unlock();
+      spdlog::warn("journal: {} dropped: {}", e.Describe(), why.ToString());
+      Finalize(e, why, /*applied=*/false);
+      done_cv_.notify_all();
+      lock.lock();
+      continue;
+    }
     Queued& q = *step.it;
     q.busy = true;
     JournalEntry e = q.e;  // a copy: Abort() may reshape the queue meanwhile
@@ -505,10 +578,12 @@ std::deque<Journal::Queued>::iterator Journal::FindLocked(uint64_t seq) {
 
 void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, bool at_head) {
   std::unique_lock lock(mu_);
-  const bool halts = e.op == OpType::kPublish || commit || IsTransient(st);
+  const bool halts =
+      hooks_.halt_on_failure && (e.op == OpType::kPublish || commit || IsTransient(st));
   if (!halts) {
-    // A namespace entry the backing store refuses for good (someone else changed it):
-    // skipped, as it carries no data.
+    // A namespace entry the backing store refuses for good (someone else changed it),
+    // skipped as it carries no data; or any failure in strict mode, where the operation
+    // that made the entry returns it to the application.
     queue_.erase(FindLocked(e.seq));
     failures_[e.seq] = st;
     ++skipped_;

@@ -132,6 +132,10 @@ class Journal {
     // Runs on the publisher thread when an entry fails and the journal halts at it (each
     // attempt), and with an ok status when a halted entry finally passes.
     std::function<void(const JournalEntry&, const Status&)> on_halt;
+    // false (strict mode, where every failure is returned to the operation that caused
+    // it): a failed entry is skipped and dropped, never halts; nothing waits for an
+    // operator.
+    bool halt_on_failure = true;
   };
 
   // Removes the temp files of a previous run that were never published and clears its
@@ -155,6 +159,10 @@ class Journal {
   Result<uint64_t> Append(JournalEntry entry);
   // Blocks until entry `seq` is applied or skipped, or has failed; returns its outcome.
   Status Wait(uint64_t seq);
+  // As Wait(), but also returns (with that failure) as soon as the journal is halted at
+  // an earlier entry: a synchronous caller (strict mode) gets the error instead of waiting
+  // for an operator. Its entry stays queued.
+  Status WaitUnlessHalted(uint64_t seq);
   // Blocks until every appended entry is done.
   void Drain();
   // Final drain (shutdown): waits for every entry; a halted entry gets one more attempt,
@@ -167,6 +175,13 @@ class Journal {
   // has not been applied: their temp files are removed and nothing of them reaches the
   // backing store. Returns what was dropped, one Describe() line each.
   std::vector<std::string> Abort(const std::string& path);
+  // The application deleted `path` through the mount while publication is halted before
+  // its pending publish (or rename onto it): that entry is dropped instead of waiting for
+  // the halt (a rename becomes the removal of its source, which the application's view no
+  // longer has either). Returns whether an entry was marked. Nothing of the entries before
+  // the halt changes, so the backing store still passes only through states the
+  // application passed through, less a file it deleted.
+  bool DropIfHalted(const std::string& path);
   // The entry the journal is halted at, if any.
   std::optional<HaltInfo> halted() const;
 
@@ -187,10 +202,11 @@ class Journal {
     uint64_t attempts = 0;
     double failed_since = 0;
     std::chrono::steady_clock::time_point retry_at{};
+    bool drop = false;  // DropIfHalted(): to be dropped by the publisher
   };
   // What the publisher does next.
   struct Step {
-    enum Kind { kIdle, kWait, kProcess, kGate, kExit } kind = kIdle;
+    enum Kind { kIdle, kWait, kProcess, kGate, kDrop, kExit } kind = kIdle;
     std::deque<Queued>::iterator it;
     std::chrono::steady_clock::time_point until{};
   };

@@ -218,5 +218,63 @@ TEST_F(CheckpointRegistryTest, LoadSkipsRecordsItCannotParse) {
   EXPECT_EQ(StateOf("good"), CkptState::kCommitted);
 }
 
+// `rm -r` of a checkpoint right after its save, in async mode: the commit entry queued
+// before the removal is applied after it. It must not bring the checkpoint back as a
+// "committed 0 B" record with no creation time.
+TEST_F(CheckpointRegistryTest, ACommitAppliedAfterTheDirectoryWasRemovedLeavesNoRecord) {
+  registry_->OnFileCreated("ckpt");
+  registry_->OnFileQueued("ckpt", 100);  // shard, entry 1
+  registry_->OnCommitQueued("ckpt");      // .metadata, entry 2
+  registry_->OnRemoved("ckpt", 5);        // unlinks 3 and 4, rmdir 5
+  registry_->OnFilePublished("ckpt", 100, 1);
+  registry_->OnApplied(1);
+  registry_->OnCommitted("ckpt", 2);
+  registry_->OnApplied(2);
+  registry_->OnFailed("ckpt", "late failure", 3);
+  registry_->OnApplied(5);
+  EXPECT_FALSE(registry_->Get("ckpt").has_value());
+  EXPECT_TRUE(registry_->List().empty());
+  Restart();
+  EXPECT_TRUE(registry_->List().empty());
+}
+
+TEST_F(CheckpointRegistryTest, ACheckpointMadeAgainUnderARemovedNameKeepsOnlyItsOwnEntries) {
+  registry_->OnFileCreated("ckpt");
+  registry_->OnCommitQueued("ckpt");  // entry 1
+  registry_->OnRemoved("ckpt", 2);
+  registry_->OnFileCreated("ckpt");   // a new save under the same name
+  registry_->OnFileQueued("ckpt", 7);  // entry 3
+  registry_->OnCommitted("ckpt", 1);  // the old commit, applied late
+  EXPECT_EQ(StateOf("ckpt"), CkptState::kWriting);
+  registry_->OnFilePublished("ckpt", 7, 3);
+  registry_->OnCommitQueued("ckpt");  // entry 4
+  registry_->OnCommitted("ckpt", 4);
+  EXPECT_EQ(StateOf("ckpt"), CkptState::kCommitted);
+  EXPECT_EQ(registry_->Get("ckpt")->bytes_published, 7u);
+}
+
+TEST_F(CheckpointRegistryTest, EntriesAppliedAfterARenameCountForTheNewName) {
+  registry_->OnFileCreated("run/iter_1");
+  registry_->OnFileQueued("run/iter_1", 10);  // entry 1
+  registry_->OnCommitQueued("run/iter_1");     // entry 2
+  registry_->OnRenamed("run", "archive", 3);   // the parent moves, entry 3
+  registry_->OnRenamed("archive/iter_1", "archive/best", 4);
+  registry_->OnFilePublished("run/iter_1", 10, 1);
+  registry_->OnCommitted("run/iter_1", 2);
+  EXPECT_FALSE(registry_->Get("run/iter_1").has_value());
+  ASSERT_TRUE(registry_->Get("archive/best").has_value());
+  EXPECT_EQ(StateOf("archive/best"), CkptState::kCommitted);
+  EXPECT_EQ(registry_->Get("archive/best")->bytes_published, 10u);
+  EXPECT_GT(registry_->Get("archive/best")->created, 0);
+  EXPECT_EQ(registry_->List().size(), 1u);
+  // Once the renames are applied, a path names what it names now.
+  registry_->OnApplied(4);
+  registry_->OnFileCreated("run/iter_1");
+  registry_->OnCommitQueued("run/iter_1");
+  registry_->OnCommitted("run/iter_1", 6);
+  EXPECT_EQ(StateOf("run/iter_1"), CkptState::kCommitted);
+  EXPECT_EQ(registry_->List().size(), 2u);
+}
+
 }  // namespace
 }  // namespace ckptfs::store
