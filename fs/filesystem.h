@@ -28,6 +28,7 @@
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "fs/node.h"
+#include "fs/posix_access.h"
 #include "fs/staged_file.h"
 #include "fs/tensor_view.h"
 #include "gpu/staging_pool.h"
@@ -105,20 +106,40 @@ class Filesystem {
   Filesystem(const Filesystem&) = delete;
   Filesystem& operator=(const Filesystem&) = delete;
 
+  // Operations that create names or check ownership take the `caller` (root when left
+  // out: the daemon itself). New names belong to the caller on the mount at once and on
+  // the backing store when published; see fs/posix_access.h for the rules.
   Result<Entry> Lookup(uint64_t parent, const std::string& name);
   void Forget(uint64_t ino, uint64_t nlookup);
   Result<struct stat> GetAttr(uint64_t ino);
   // `to_set` is a mask of FUSE_SET_ATTR_* bits, passed through as ints.
-  Result<struct stat> SetAttr(uint64_t ino, const struct stat& in, int to_set, Handle* handle);
-  Result<Entry> Mkdir(uint64_t parent, const std::string& name, mode_t mode);
-  Result<Entry> Symlink(const std::string& target, uint64_t parent, const std::string& name);
+  Result<struct stat> SetAttr(uint64_t ino, const struct stat& in, int to_set, Handle* handle,
+                              const Caller& caller = {});
+  Result<Entry> Mkdir(uint64_t parent, const std::string& name, mode_t mode,
+                      const Caller& caller = {});
+  Result<Entry> Symlink(const std::string& target, uint64_t parent, const std::string& name,
+                        const Caller& caller = {});
+  // A FIFO, socket or device (journaled like mkdir), or an empty regular file (published
+  // like a created and closed one). `mode` holds the S_IF* type.
+  Result<Entry> Mknod(uint64_t parent, const std::string& name, mode_t mode, dev_t rdev,
+                      const Caller& caller = {});
+  // A hard link `new_parent/new_name` of `ino` (a file, symlink or special node; not a
+  // directory: kNotPermitted). Journaled after the source's publication, so on the
+  // backing store it is a real hard link. A file open for writing through the mount
+  // cannot be linked (kBusy), and a file with several links cannot be written
+  // (kTooManyLinks): publication replaces a name by rename, which would split the links.
+  Result<Entry> Link(uint64_t ino, uint64_t new_parent, const std::string& new_name,
+                     const Caller& caller = {});
+  // fallocate(2) on an open file: mode 0 reserves the range on the backing store and
+  // extends the size; other modes are kUnsupported (EOPNOTSUPP).
+  Status Fallocate(Handle* h, int mode, uint64_t offset, uint64_t length);
   Result<std::string> Readlink(uint64_t ino);
-  Status Unlink(uint64_t parent, const std::string& name);
-  Status Rmdir(uint64_t parent, const std::string& name);
+  Status Unlink(uint64_t parent, const std::string& name, const Caller& caller = {});
+  Status Rmdir(uint64_t parent, const std::string& name, const Caller& caller = {});
   Status Rename(uint64_t parent, const std::string& name, uint64_t new_parent,
-                const std::string& new_name, unsigned flags);
+                const std::string& new_name, unsigned flags, const Caller& caller = {});
   Result<std::pair<Entry, Handle*>> Create(uint64_t parent, const std::string& name, mode_t mode,
-                                           int flags);
+                                           int flags, const Caller& caller = {});
   Result<Handle*> Open(uint64_t ino, int flags);
   Result<size_t> Read(Handle* h, char* out, size_t len, uint64_t offset);
   Status Write(Handle* h, const char* data, size_t len, uint64_t offset);
@@ -150,9 +171,20 @@ class Filesystem {
   explicit Filesystem(const FsConfig& config);
   Status Init();
 
-  // Mkdir and Symlink: a new name, journaled (and applied first in strict mode).
+  // Mkdir, Symlink and Mknod of a special file: a new name owned by `caller`, journaled
+  // (and applied first in strict mode). `mode` holds the S_IF* type.
   Result<Entry> MakeNode(uint64_t parent, const std::string& name, NodeType type, mode_t mode,
-                         const std::string& link_target);
+                         const std::string& link_target, dev_t rdev, const Caller& caller);
+  // Mknod of a regular file: an empty file, published like a created one.
+  Result<Entry> MakeEmptyFile(uint64_t parent, const std::string& name, mode_t mode,
+                              const Caller& caller);
+  // Journals a chown of `node` (and applies it to its temp file when staged), then the
+  // mode a chown leaves. REQUIRE(ns_mu_).
+  Result<uint64_t> ChownLocked(Node* node, uid_t uid, gid_t gid);
+  // Sets the temp file's owner and mode from node->attr. REQUIRE(ns_mu_).
+  Status OwnTempLocked(Node* node, int fd);
+  // `node` loses a name: the other names of its link group count one link less.
+  void UnlinkPeersLocked(Node* node);
   // Namespace helpers; REQUIRE(ns_mu_).
   std::shared_ptr<Node> NodeLocked(uint64_t ino);
   std::string PathLocked(const Node* node) const;
@@ -208,6 +240,7 @@ class Filesystem {
   std::shared_ptr<Node> root_;
   uint64_t next_ino_ = kFirstNodeIno;                            // GUARDED_BY(ns_mu_)
   std::unordered_map<uint64_t, std::shared_ptr<Node>> publishing_;  // file id -> node
+  uint64_t next_link_group_ = 1;                                    // GUARDED_BY(ns_mu_)
 
   std::mutex staged_mu_;
   std::set<std::weak_ptr<StagedFile>, std::owner_less<std::weak_ptr<StagedFile>>> live_staged_;

@@ -17,7 +17,8 @@
 
 namespace ckptfs::fs {
 
-enum class NodeType { kDir, kFile, kSymlink };
+// kSpecial: a FIFO, socket or device node; the kernel serves its I/O, never the daemon.
+enum class NodeType { kDir, kFile, kSymlink, kSpecial };
 
 // Where a file being written stands on the backing store.
 struct WriteState {
@@ -48,6 +49,10 @@ struct Node {
   uint64_t rename_seq = 0;   // last journal entry that moved this name: until it is
                              // applied, the backing path differs from the mount path
   std::string link_target;   // symlinks
+  // Names linked through the mount share a group (0: none), so that a link or unlink
+  // updates every name's st_nlink at once. Files linked outside ckptfs get theirs from
+  // the backing store.
+  uint64_t link_group = 0;
   // Directories.
   bool loaded = false;
   std::map<std::string, std::shared_ptr<Node>> children;

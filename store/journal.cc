@@ -37,6 +37,9 @@ const char* OpName(OpType op) {
     case OpType::kChmod: return "chmod";
     case OpType::kUtimens: return "utimens";
     case OpType::kDiscard: return "discard";
+    case OpType::kChown: return "chown";
+    case OpType::kLink: return "link";
+    case OpType::kMknod: return "mknod";
   }
   return "?";
 }
@@ -53,6 +56,9 @@ std::string JournalEntry::Serialize() const {
                       {"from", from}, {"link", link_target},        {"mode", mode},
                       {"at", {atime_sec, atime_nsec}}, {"mt", {mtime_sec, mtime_nsec}},
                       {"id", file_id}, {"size", size}};
+  // Multi-user POSIX fields, only when set, so older entries keep their exact form.
+  if (uid != kNoOwner || gid != kNoOwner) j["own"] = {uid, gid};
+  if (rdev != 0) j["rdev"] = rdev;
   return j.dump();
 }
 
@@ -73,6 +79,11 @@ Result<JournalEntry> JournalEntry::Parse(std::string_view text) {
     e.mtime_nsec = j.at("mt")[1].get<int64_t>();
     e.file_id = j.at("id").get<uint64_t>();
     e.size = j.at("size").get<uint64_t>();
+    if (j.contains("own")) {
+      e.uid = j.at("own").at(0).get<uint32_t>();
+      e.gid = j.at("own").at(1).get<uint32_t>();
+    }
+    if (j.contains("rdev")) e.rdev = j.at("rdev").get<uint64_t>();
   } catch (const nlohmann::json::exception& ex) {
     return Corrupt(std::string("journal entry: ") + ex.what());
   }
@@ -321,10 +332,20 @@ Status Journal::Apply(const JournalEntry& e) {
     case OpType::kMkdir: {
       Status st = dir_->Mkdir(e.path, e.mode);
       if (st.code() == Code::kExists) return Status::Ok();
-      return st;
+      CKPT_RETURN_IF_ERROR(st);
+      return ApplyOwner(e);
     }
     case OpType::kSymlink:
-      return dir_->Symlink(e.link_target, e.path);
+      CKPT_RETURN_IF_ERROR(dir_->Symlink(e.link_target, e.path));
+      return ApplyOwner(e);
+    case OpType::kMknod:
+      CKPT_RETURN_IF_ERROR(dir_->Mknod(e.path, e.mode, static_cast<dev_t>(e.rdev)));
+      return ApplyOwner(e);
+    case OpType::kChown:
+      return dir_->Chown(e.path, e.uid, e.gid);
+    case OpType::kLink:
+      CKPT_RETURN_IF_ERROR(dir_->Link(e.from, e.path));
+      return dir_->SyncParent(e.path);
     case OpType::kChmod:
       return dir_->Chmod(e.path, e.mode);
     case OpType::kUtimens: {
@@ -333,6 +354,15 @@ Status Journal::Apply(const JournalEntry& e) {
     }
   }
   return Internal("unknown journal op");
+}
+
+Status Journal::ApplyOwner(const JournalEntry& e) {
+  if (e.uid == kNoOwner && e.gid == kNoOwner) return Status::Ok();  // an entry of old
+  // The caller's owner, then the exact mode: the daemon's umask shaped the mode it was
+  // made with, and a chown clears setuid/setgid bits.
+  CKPT_RETURN_IF_ERROR(dir_->Chown(e.path, e.uid, e.gid));
+  if (e.op == OpType::kSymlink) return Status::Ok();
+  return dir_->Chmod(e.path, e.mode & 07777);
 }
 
 void Journal::MoveTempRecords(const std::string& from, const std::string& to) {
