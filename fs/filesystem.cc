@@ -316,6 +316,9 @@ bool Filesystem::CommittedDirLocked(const Node* dir) const {
 }
 
 double Filesystem::TimeoutFor(const Node& node) const {
+  // Names of one inode are separate FUSE inodes: a change through one name reaches the
+  // others' cached attributes only if the kernel keeps none.
+  if (node.type != NodeType::kDir && node.attr.st_nlink > 1) return 0.0;
   // Files of a committed checkpoint do not change: let the kernel keep their entries,
   // attributes and pages (ranks on one node share the page cache).
   if (node.type != NodeType::kFile || node.write || node.parent == nullptr) {
@@ -375,6 +378,13 @@ void Filesystem::Forget(uint64_t ino, uint64_t nlookup) {
       !(node->write && node->write->handles > 0)) {
     inodes_.erase(ino);
   }
+}
+
+double Filesystem::AttrTimeout(uint64_t ino) {
+  if (ino < kFirstNodeIno && ino != kRootIno) return 0.0;  // control files: generated
+  std::lock_guard lock(ns_mu_);
+  auto node = NodeLocked(ino);
+  return node ? std::min(TimeoutFor(*node), kDefaultTimeout) : 0.0;
 }
 
 Result<struct stat> Filesystem::GetAttr(uint64_t ino) {
@@ -468,8 +478,9 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
       if (to_set & kMtimeNow) mt = now; else if (to_set & kMtime) mt = in.st_mtim;
       if (at.tv_nsec != UTIME_OMIT) node->attr.st_atim = at;
       if (mt.tv_nsec != UTIME_OMIT) node->attr.st_mtim = mt;
-      if (node->write) {
-        // Flushes would move mtime again; the publish sets the times last.
+      if (node->write && node->write->needs_publish) {
+        // Flushes would move mtime again; the publish sets the times last. (Already
+        // queued for publication: a utimens entry after it, below.)
         node->write->times_set = true;
         node->write->atime = node->attr.st_atim;
         node->write->mtime = node->attr.st_mtim;
@@ -483,6 +494,7 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
       }
     }
     if (to_set & kCtime) node->attr.st_ctim = in.st_ctim;
+    SyncPeersLocked(node.get());
   }
   if (last_seq.ok() && *last_seq != 0) CKPT_RETURN_IF_ERROR(WaitIfStrict(last_seq));
   if (!last_seq.ok()) return last_seq.status();

@@ -166,6 +166,8 @@ class Filesystem {
   uint64_t errors() const { return errors_.load(); }
   // Entry/attr timeout for `attr` (long for files of committed checkpoints).
   double TimeoutFor(const Node& node) const;
+  // The attribute timeout of a getattr/setattr reply for `ino` (0 for hard-linked names).
+  double AttrTimeout(uint64_t ino);
 
  private:
   explicit Filesystem(const FsConfig& config);
@@ -185,6 +187,8 @@ class Filesystem {
   Status OwnTempLocked(Node* node, int fd);
   // `node` loses a name: the other names of its link group count one link less.
   void UnlinkPeersLocked(Node* node);
+  // Gives the other names of `node`'s link group its inode attributes (one inode).
+  void SyncPeersLocked(const Node* node);
   // Namespace helpers; REQUIRE(ns_mu_).
   std::shared_ptr<Node> NodeLocked(uint64_t ino);
   std::string PathLocked(const Node* node) const;

@@ -100,7 +100,7 @@ void OpForgetMulti(fuse_req_t req, size_t count, struct fuse_forget_data* forget
 void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info*) {
   auto r = Fs(req)->GetAttr(ino);
   if (!r.ok()) return ReplyErr(req, r.status());
-  fuse_reply_attr(req, &*r, ino < kFirstNodeIno && ino != kRootIno ? 0.0 : 1.0);
+  fuse_reply_attr(req, &*r, Fs(req)->AttrTimeout(ino));
 }
 
 void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
@@ -109,7 +109,7 @@ void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
                       ((to_set & FUSE_SET_ATTR_MODE) && (attr->st_mode & S_ISGID));
   auto r = Fs(req)->SetAttr(ino, *attr, to_set, fi ? H(fi) : nullptr, CallerOf(req, groups));
   if (!r.ok()) return ReplyErr(req, r.status());
-  fuse_reply_attr(req, &*r, 1.0);
+  fuse_reply_attr(req, &*r, Fs(req)->AttrTimeout(ino));
 }
 
 void OpReadlink(fuse_req_t req, fuse_ino_t ino) {

@@ -75,6 +75,19 @@ void Filesystem::UnlinkPeersLocked(Node* node) {
   }
 }
 
+void Filesystem::SyncPeersLocked(const Node* node) {
+  if (node->link_group == 0) return;
+  for (auto& [ino, other] : inodes_) {
+    if (other.get() == node || other->link_group != node->link_group) continue;
+    other->attr.st_mode = node->attr.st_mode;
+    other->attr.st_uid = node->attr.st_uid;
+    other->attr.st_gid = node->attr.st_gid;
+    other->attr.st_atim = node->attr.st_atim;
+    other->attr.st_mtim = node->attr.st_mtim;
+    other->attr.st_ctim = node->attr.st_ctim;
+  }
+}
+
 Result<Entry> Filesystem::Mknod(uint64_t parent, const std::string& name, mode_t mode,
                                 dev_t rdev, const Caller& caller) {
   switch (mode & S_IFMT) {
