@@ -105,9 +105,9 @@ void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info*) {
 
 void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
                struct fuse_file_info* fi) {
-  const bool groups = (to_set & FUSE_SET_ATTR_GID) ||
-                      ((to_set & FUSE_SET_ATTR_MODE) && (attr->st_mode & S_ISGID));
-  auto r = Fs(req)->SetAttr(ino, *attr, to_set, fi ? H(fi) : nullptr, CallerOf(req, groups));
+  // Every ownership rule of a setattr may turn on group membership (chgrp, setgid,
+  // write permission through a supplementary group); setattr is rare next to I/O.
+  auto r = Fs(req)->SetAttr(ino, *attr, to_set, fi ? H(fi) : nullptr, CallerOf(req, true));
   if (!r.ok()) return ReplyErr(req, r.status());
   fuse_reply_attr(req, &*r, Fs(req)->AttrTimeout(ino));
 }

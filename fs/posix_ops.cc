@@ -6,6 +6,8 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <atomic>
+
 #include "fs/filesystem.h"
 
 namespace ckptfs::fs {
@@ -29,7 +31,16 @@ bool IsReserved(uint64_t parent, const std::string& name) {
 }  // namespace
 
 Status Filesystem::OwnTempLocked(Node* node, int fd) {
-  CKPT_RETURN_IF_ERROR(backing_->Fchown(fd, node->attr.st_uid, node->attr.st_gid));
+  Status owned = backing_->Fchown(fd, node->attr.st_uid, node->attr.st_gid);
+  if (!owned.ok()) {
+    // A daemon that is not root, or a backing store that squashes root (NFS), cannot
+    // give files away. The bytes matter more than their owner: go on, and say so once.
+    static std::atomic<bool> warned{false};
+    if (!warned.exchange(true)) {
+      spdlog::warn("backing store refuses owner {}:{} ({}); files keep the daemon's owner",
+                   node->attr.st_uid, node->attr.st_gid, owned.ToString());
+    }
+  }
   // After the owner: a chown clears setuid/setgid, which the mode may hold on purpose.
   if (::fchmod(fd, node->attr.st_mode & 07777) != 0) return Status::FromErrno(errno, "fchmod");
   return Status::Ok();

@@ -360,7 +360,14 @@ Status Journal::ApplyOwner(const JournalEntry& e) {
   if (e.uid == kNoOwner && e.gid == kNoOwner) return Status::Ok();  // an entry of old
   // The caller's owner, then the exact mode: the daemon's umask shaped the mode it was
   // made with, and a chown clears setuid/setgid bits.
-  CKPT_RETURN_IF_ERROR(dir_->Chown(e.path, e.uid, e.gid));
+  Status owned = dir_->Chown(e.path, e.uid, e.gid);
+  if (!owned.ok()) {
+    // The name exists as the application made it; only its owner is the daemon's (a
+    // daemon that is not root, NFS root_squash). Refusing the entry would hold back
+    // publication for an owner the backing store does not allow.
+    spdlog::warn("journal: {}: owner {}:{} not set: {}", e.Describe(), e.uid, e.gid,
+                 owned.ToString());
+  }
   if (e.op == OpType::kSymlink) return Status::Ok();
   return dir_->Chmod(e.path, e.mode & 07777);
 }

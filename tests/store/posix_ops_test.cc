@@ -276,5 +276,23 @@ TEST_F(JournalPosixTest, AFailedLinkOrMknodIsReportedAndLeavesNothingBehind) {
   EXPECT_FALSE(std::filesystem::exists(In("fifo")));
 }
 
+TEST_F(JournalPosixTest, ABackingStoreThatRefusesTheOwnerStillGetsTheNameWithItsMode) {
+  // A daemon that is not root, or NFS with root_squash: the chown fails, the mkdir must
+  // not (publication would stop behind an owner the store cannot hold).
+  dir_->SetPosixHook([](const std::string& op, const std::string&) {
+    return op == "chown" ? EPERM : 0;
+  });
+  JournalEntry mkdir = Entry(OpType::kMkdir, "d", 0710);
+  mkdir.uid = kUser;
+  mkdir.gid = kGroup;
+  ASSERT_TRUE(Apply(mkdir).ok());
+  EXPECT_EQ(LStat(In("d")).st_uid, ::geteuid());
+  EXPECT_EQ(LStat(In("d")).st_mode & 07777, 0710u);
+  // An explicit chown is the application's request: its failure is reported.
+  JournalEntry chown = Entry(OpType::kChown, "d");
+  chown.uid = kUser;
+  EXPECT_EQ(Apply(chown).code(), Code::kPermission);  // EPERM from the store
+}
+
 }  // namespace
 }  // namespace ckptfs::store
