@@ -89,6 +89,8 @@ SEQUENCE = [
         ("mkdir", "sgid/a_sub", 0o755),             # group and setgid bit inherited
         ("chmod", "work/secret", 0o4755),           # setuid by the owner
         ("truncate", "work/pub_b", 3),
+        ("create", "work/suidw", 0o666, "s"),
+        ("chmod", "work/suidw", 0o6777),
     ]),
     (B, [
         ("read", "work/secret"),                    # 04755: others may read
@@ -127,6 +129,7 @@ SEQUENCE = [
         ("mkfifo", "open/b_fifo", 0o600),
         ("chmod", "open/b_fifo", 0o640),
         ("fallocate", "work/pub", 0, 0, 10),        # allowed: open for writing
+        ("write", "work/suidw", "+b"),              # a stranger's write clears setuid/setgid
     ]),
     (A, [
         ("unlink", "sticky/b_moved"),               # EPERM: B's file, root's sticky dir
