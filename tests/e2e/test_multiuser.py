@@ -47,6 +47,8 @@ SEQUENCE = [
         ("mkdir", "sgid", 0o775),
         ("chown", "sgid", 4242, 4243, True),
         ("chmod", "sgid", 0o2775),
+        ("chown", "", -1, 4243, True),              # the mount's root itself
+        ("chmod", "", 0o775),
     ]),
     (A, [
         ("create", "work/a", 0o644, "alpha"),
@@ -194,7 +196,8 @@ def describe(root, skip=(".ckptfs",)):
     """relpath -> (type, mode, uid, gid, nlink, size or target, sha256, mtime?) of every
     name under root, as root sees it with lstat. Directory sizes and link counts are left
     out (see docs/SEMANTICS.md)."""
-    out = {}
+    st = os.lstat(root)
+    out = {".": {"mode": oct(stat.S_IMODE(st.st_mode)), "uid": st.st_uid, "gid": st.st_gid}}
     for dirpath, dirnames, filenames in os.walk(root):
         if dirpath == root:
             dirnames[:] = [d for d in dirnames if d not in skip]
