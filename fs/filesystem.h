@@ -245,6 +245,10 @@ class Filesystem {
   uint64_t next_ino_ = kFirstNodeIno;                            // GUARDED_BY(ns_mu_)
   std::unordered_map<uint64_t, std::shared_ptr<Node>> publishing_;  // file id -> node
   uint64_t next_link_group_ = 1;                                    // GUARDED_BY(ns_mu_)
+  // Link group -> its names (Node::link_group), so a link or chmod touches only those.
+  std::unordered_map<uint64_t, std::vector<std::weak_ptr<Node>>> link_groups_;  // GUARDED_BY(ns_mu_)
+  // The live names of `group` other than `except`; forgets dead ones. REQUIRE(ns_mu_).
+  std::vector<std::shared_ptr<Node>> LinkPeersLocked(uint64_t group, const Node* except);
 
   std::mutex staged_mu_;
   std::set<std::weak_ptr<StagedFile>, std::owner_less<std::weak_ptr<StagedFile>>> live_staged_;

@@ -75,21 +75,36 @@ Result<uint64_t> Filesystem::ChownLocked(Node* node, uid_t uid, gid_t gid) {
   return seq;
 }
 
+std::vector<std::shared_ptr<Node>> Filesystem::LinkPeersLocked(uint64_t group,
+                                                               const Node* except) {
+  std::vector<std::shared_ptr<Node>> peers;
+  auto it = link_groups_.find(group);
+  if (it == link_groups_.end()) return peers;
+  auto& members = it->second;
+  for (auto m = members.begin(); m != members.end();) {
+    std::shared_ptr<Node> node = m->lock();
+    if (!node) {
+      m = members.erase(m);
+      continue;
+    }
+    if (node.get() != except && node->parent != nullptr) peers.push_back(std::move(node));
+    ++m;
+  }
+  if (members.empty()) link_groups_.erase(it);
+  return peers;
+}
+
 void Filesystem::UnlinkPeersLocked(Node* node) {
   if (node->link_group == 0) return;
-  for (auto& [ino, other] : inodes_) {
-    if (other.get() != node && other->link_group == node->link_group &&
-        other->parent != nullptr && other->attr.st_nlink > 1) {
-      other->attr.st_nlink--;
-      other->attr.st_ctim = NowTs();
-    }
+  for (const auto& other : LinkPeersLocked(node->link_group, node)) {
+    if (other->attr.st_nlink > 1) other->attr.st_nlink--;
+    other->attr.st_ctim = NowTs();
   }
 }
 
 void Filesystem::SyncPeersLocked(const Node* node) {
   if (node->link_group == 0) return;
-  for (auto& [ino, other] : inodes_) {
-    if (other.get() == node || other->link_group != node->link_group) continue;
+  for (const auto& other : LinkPeersLocked(node->link_group, node)) {
     other->attr.st_mode = node->attr.st_mode;
     other->attr.st_uid = node->attr.st_uid;
     other->attr.st_gid = node->attr.st_gid;
@@ -175,20 +190,22 @@ Result<Entry> Filesystem::Link(uint64_t ino, uint64_t new_parent, const std::str
     const std::string from = PathLocked(node.get());
     const std::string to = JoinName(PathLocked(dir.get()), new_name);
     auto link = NewNodeLocked(dir.get(), new_name, node->type);
-    if (node->link_group == 0) node->link_group = next_link_group_++;
+    if (node->link_group == 0) {
+      node->link_group = next_link_group_++;
+      link_groups_[node->link_group].push_back(node);
+    }
     node->attr.st_nlink++;
     node->attr.st_ctim = NowTs();
-    for (auto& [other_ino, other] : inodes_) {
-      if (other != node && other != link && other->link_group == node->link_group &&
-          other->parent != nullptr) {
-        other->attr.st_nlink = node->attr.st_nlink;
-      }
+    for (const auto& other : LinkPeersLocked(node->link_group, node.get())) {
+      other->attr.st_nlink = node->attr.st_nlink;
+      other->attr.st_ctim = node->attr.st_ctim;
     }
     link->attr = node->attr;
     link->attr.st_ino = link->ino;
     if (node->write) link->attr.st_size = static_cast<off_t>(node->write->staged->size());
     link->link_target = node->link_target;
     link->link_group = node->link_group;
+    link_groups_[link->link_group].push_back(link);
     link->on_backing = true;
     store::JournalEntry e;
     e.op = store::OpType::kLink;
