@@ -208,6 +208,7 @@ Status Filesystem::EnsureLoadedLocked(Node* dir) {
     child->attr.st_ino = ino;
     child->attr.st_blksize = kBlockSize;
     child->on_backing = true;
+    AdoptLinkGroupLocked(child.get(), *st);
   }
   dir->loaded = true;
   return Status::Ok();
@@ -241,6 +242,7 @@ std::shared_ptr<Node> Filesystem::ChildLocked(Node* dir, const std::string& name
       child->attr.st_ino = child->ino;
       child->attr.st_blksize = kBlockSize;
       child->on_backing = true;
+      AdoptLinkGroupLocked(child.get(), *st);
       return child;
     }
   }
@@ -299,6 +301,7 @@ Entry Filesystem::EntryLocked(Node* node) {
   Entry e;
   e.ino = node->ino;
   e.attr = node->attr;
+  if (node->link_group != 0) e.attr.st_ino = node->link_group;  // one inode, one st_ino
   if (node->write) e.attr.st_size = static_cast<off_t>(node->write->staged->size());
   e.attr.st_blocks = (e.attr.st_size + 511) / 512;
   e.timeout = TimeoutFor(*node);
@@ -404,6 +407,7 @@ Result<struct stat> Filesystem::GetAttr(uint64_t ino) {
   if (!node) return NotFound("stale inode");
   RefreshAttrLocked(node.get());
   struct stat st = node->attr;
+  if (node->link_group != 0) st.st_ino = node->link_group;  // one inode, one st_ino
   if (node->write) st.st_size = static_cast<off_t>(node->write->staged->size());
   st.st_blocks = (st.st_size + 511) / 512;
   return st;

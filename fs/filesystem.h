@@ -18,6 +18,7 @@
 #include <deque>
 #include <thread>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -244,9 +245,17 @@ class Filesystem {
   std::shared_ptr<Node> root_;
   uint64_t next_ino_ = kFirstNodeIno;                            // GUARDED_BY(ns_mu_)
   std::unordered_map<uint64_t, std::shared_ptr<Node>> publishing_;  // file id -> node
-  uint64_t next_link_group_ = 1;                                    // GUARDED_BY(ns_mu_)
-  // Link group -> its names (Node::link_group), so a link or chmod touches only those.
-  std::unordered_map<uint64_t, std::vector<std::weak_ptr<Node>>> link_groups_;  // GUARDED_BY(ns_mu_)
+  // Link group -> its names (Node::link_group), so a link or chmod touches only those,
+  // and the backing inode it was found under, if any.
+  struct LinkGroup {
+    std::vector<std::weak_ptr<Node>> members;
+    std::pair<dev_t, ino_t> backing{0, 0};
+  };
+  std::unordered_map<uint64_t, LinkGroup> link_groups_;  // GUARDED_BY(ns_mu_)
+  std::map<std::pair<dev_t, ino_t>, uint64_t> backing_links_;  // GUARDED_BY(ns_mu_)
+  // A name loaded from the backing store with several links joins the group of the
+  // other names of its backing inode. REQUIRE(ns_mu_).
+  void AdoptLinkGroupLocked(Node* node, const struct stat& st);
   // The live names of `group` other than `except`; forgets dead ones. REQUIRE(ns_mu_).
   std::vector<std::shared_ptr<Node>> LinkPeersLocked(uint64_t group, const Node* except);
 

@@ -139,7 +139,15 @@ void OpMknod(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode, d
 void OpLink(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char* newname) {
   auto r = Fs(req)->Link(ino, newparent, newname, CallerOf(req, false));
   if (!r.ok()) return ReplyErr(req, r.status());
+  struct fuse_session* session =
+      static_cast<FuseServer::Context*>(fuse_req_userdata(req))->session;
   ReplyEntry(req, *r);
+  // The new name is a FUSE inode of its own; the source's cached attributes (st_nlink 1,
+  // kept for their timeout) must go. Attributes only (negative offset).
+  int rc = fuse_lowlevel_notify_inval_inode(session, ino, -1, 0);
+  if (rc != 0 && rc != -ENOENT) {
+    spdlog::debug("fuse: cannot invalidate attributes of inode {}: {}", ino, std::strerror(-rc));
+  }
 }
 
 void OpFallocate(fuse_req_t req, fuse_ino_t, int mode, off_t offset, off_t length,
@@ -394,6 +402,7 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
   if (server->session_ == nullptr) {
     return Invalid("fuse: cannot create session (bad -o option?)");
   }
+  server->context_.session = server->session_;
   if (fuse_session_mount(server->session_, mountpoint.c_str()) != 0) {
     return Status(Code::kIo, "fuse: cannot mount on " + mountpoint);
   }

@@ -49,9 +49,9 @@ struct Node {
   uint64_t rename_seq = 0;   // last journal entry that moved this name: until it is
                              // applied, the backing path differs from the mount path
   std::string link_target;   // symlinks
-  // Names linked through the mount share a group (0: none), so that a link or unlink
-  // updates every name's st_nlink at once. Files linked outside ckptfs get theirs from
-  // the backing store.
+  // The names of one inode (hard links) share a group: the FUSE inode number of its
+  // first name, reported as every name's st_ino, so that a link, unlink or chmod shows
+  // through every name at once and tools see one file (0: a single name).
   uint64_t link_group = 0;
   // Directories.
   bool loaded = false;

@@ -80,7 +80,7 @@ std::vector<std::shared_ptr<Node>> Filesystem::LinkPeersLocked(uint64_t group,
   std::vector<std::shared_ptr<Node>> peers;
   auto it = link_groups_.find(group);
   if (it == link_groups_.end()) return peers;
-  auto& members = it->second;
+  auto& members = it->second.members;
   for (auto m = members.begin(); m != members.end();) {
     std::shared_ptr<Node> node = m->lock();
     if (!node) {
@@ -90,8 +90,23 @@ std::vector<std::shared_ptr<Node>> Filesystem::LinkPeersLocked(uint64_t group,
     if (node.get() != except && node->parent != nullptr) peers.push_back(std::move(node));
     ++m;
   }
-  if (members.empty()) link_groups_.erase(it);
+  if (members.empty()) {
+    if (it->second.backing.second != 0) backing_links_.erase(it->second.backing);
+    link_groups_.erase(it);
+  }
   return peers;
+}
+
+void Filesystem::AdoptLinkGroupLocked(Node* node, const struct stat& st) {
+  if (node->type == NodeType::kDir || st.st_nlink <= 1 || node->link_group != 0) return;
+  const std::pair<dev_t, ino_t> key{st.st_dev, st.st_ino};
+  auto [it, fresh] = backing_links_.emplace(key, node->ino);
+  // A group whose names all went away may have left its key behind.
+  if (!fresh && link_groups_.count(it->second) == 0) it->second = node->ino;
+  node->link_group = it->second;
+  LinkGroup& group = link_groups_[node->link_group];
+  group.backing = key;
+  group.members.push_back(inodes_[node->ino]);
 }
 
 void Filesystem::UnlinkPeersLocked(Node* node) {
@@ -191,8 +206,8 @@ Result<Entry> Filesystem::Link(uint64_t ino, uint64_t new_parent, const std::str
     const std::string to = JoinName(PathLocked(dir.get()), new_name);
     auto link = NewNodeLocked(dir.get(), new_name, node->type);
     if (node->link_group == 0) {
-      node->link_group = next_link_group_++;
-      link_groups_[node->link_group].push_back(node);
+      node->link_group = node->ino;
+      link_groups_[node->link_group].members.push_back(node);
     }
     node->attr.st_nlink++;
     node->attr.st_ctim = NowTs();
@@ -205,7 +220,7 @@ Result<Entry> Filesystem::Link(uint64_t ino, uint64_t new_parent, const std::str
     if (node->write) link->attr.st_size = static_cast<off_t>(node->write->staged->size());
     link->link_target = node->link_target;
     link->link_group = node->link_group;
-    link_groups_[link->link_group].push_back(link);
+    link_groups_[link->link_group].members.push_back(link);
     link->on_backing = true;
     store::JournalEntry e;
     e.op = store::OpType::kLink;

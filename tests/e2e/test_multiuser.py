@@ -54,6 +54,8 @@ SEQUENCE = [
         ("create", "work/a", 0o644, "alpha"),
         ("create", "work/pub", 0o666, "public"),
         ("create", "work/pub_b", 0o666, "for b"),
+        ("chmod", "work/pub", 0o666),               # the runner's umask is 022
+        ("chmod", "work/pub_b", 0o666),
         ("create", "work/secret", 0o600, "secret"),
         ("create", "work/none", 0o000, "none"),
         ("read", "work/none"),                      # EACCES: the owner has no read bit
@@ -194,9 +196,10 @@ def run_ops(who, root, ops):
 
 def describe(root, skip=(".ckptfs",)):
     """relpath -> (type, mode, uid, gid, nlink, size or target, sha256, mtime?) of every
-    name under root, as root sees it with lstat. Directory sizes and link counts are left
-    out (see docs/SEMANTICS.md)."""
+    name under root, as root sees it with lstat, and which names share an inode.
+    Directory sizes and link counts are left out (see docs/SEMANTICS.md)."""
     st = os.lstat(root)
+    groups = {}
     out = {".": {"mode": oct(stat.S_IMODE(st.st_mode)), "uid": st.st_uid, "gid": st.st_gid}}
     for dirpath, dirnames, filenames in os.walk(root):
         if dirpath == root:
@@ -219,6 +222,10 @@ def describe(root, skip=(".ckptfs",)):
             if rel in TIMED:
                 d["mtime_ns"] = st.st_mtime_ns
             out[rel] = d
+            if not stat.S_ISDIR(kind):
+                groups.setdefault((st.st_dev, st.st_ino), []).append(rel)
+    # Which names are one inode (tar, cp -a and rsync -H tell hard links by st_ino).
+    out["hard links"] = sorted(sorted(g) for g in groups.values() if len(g) > 1)
     return out
 
 
