@@ -498,7 +498,7 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
       }
     }
     if (to_set & kCtime) node->attr.st_ctim = in.st_ctim;
-    SyncPeersLocked(node.get());
+    SyncPeersLocked(node.get(), last_seq.ok() ? *last_seq : 0);
   }
   if (last_seq.ok() && *last_seq != 0) CKPT_RETURN_IF_ERROR(WaitIfStrict(last_seq));
   if (!last_seq.ok()) return last_seq.status();
@@ -591,7 +591,6 @@ Status Filesystem::Unlink(uint64_t parent, const std::string& name, const Caller
     if (!node) return NotFound(name);
     if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
     CKPT_RETURN_IF_ERROR(CheckSticky(caller, dir->attr, node->attr));
-    UnlinkPeersLocked(node.get());
     const std::string path = PathLocked(node.get());
     if (node->write && node->write->needs_publish) seq = DiscardLocked(node.get(), path);
     if (node->on_backing) {
@@ -600,6 +599,7 @@ Status Filesystem::Unlink(uint64_t parent, const std::string& name, const Caller
       e.path = path;
       seq = AppendLocked(std::move(e), node.get());
     }
+    UnlinkPeersLocked(node.get(), seq.ok() ? *seq : 0);
     node->on_backing = false;
     DetachLocked(node);
   }
@@ -696,7 +696,7 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
       seq = AppendLocked(std::move(e), victim.get());
     }
     if (victim) {
-      UnlinkPeersLocked(victim.get());
+      UnlinkPeersLocked(victim.get(), seq.ok() ? *seq : 0);
       victim->on_backing = false;
       if (victim->type == NodeType::kDir) checkpoints_->OnRemoved(to);
       DetachLocked(victim);

@@ -186,10 +186,13 @@ class Filesystem {
   Result<uint64_t> ChownLocked(Node* node, uid_t uid, gid_t gid);
   // Sets the temp file's owner and mode from node->attr. REQUIRE(ns_mu_).
   Status OwnTempLocked(Node* node, int fd);
-  // `node` loses a name: the other names of its link group count one link less.
-  void UnlinkPeersLocked(Node* node);
-  // Gives the other names of `node`'s link group its inode attributes (one inode).
-  void SyncPeersLocked(const Node* node);
+  // `node` loses a name: the other names of its link group count one link less. Journal
+  // entry `seq` makes that true on the backing store: until then the others' attributes
+  // are not refreshed from it. REQUIRE(ns_mu_).
+  void UnlinkPeersLocked(Node* node, uint64_t seq);
+  // Gives the other names of `node`'s link group its inode attributes (one inode), as
+  // entry `seq` will on the backing store. REQUIRE(ns_mu_).
+  void SyncPeersLocked(const Node* node, uint64_t seq);
   // Namespace helpers; REQUIRE(ns_mu_).
   std::shared_ptr<Node> NodeLocked(uint64_t ino);
   std::string PathLocked(const Node* node) const;

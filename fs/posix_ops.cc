@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "fs/filesystem.h"
@@ -109,17 +110,19 @@ void Filesystem::AdoptLinkGroupLocked(Node* node, const struct stat& st) {
   group.members.push_back(inodes_[node->ino]);
 }
 
-void Filesystem::UnlinkPeersLocked(Node* node) {
+void Filesystem::UnlinkPeersLocked(Node* node, uint64_t seq) {
   if (node->link_group == 0) return;
   for (const auto& other : LinkPeersLocked(node->link_group, node)) {
     if (other->attr.st_nlink > 1) other->attr.st_nlink--;
     other->attr.st_ctim = NowTs();
+    other->pending_seq = std::max(other->pending_seq, seq);
   }
 }
 
-void Filesystem::SyncPeersLocked(const Node* node) {
+void Filesystem::SyncPeersLocked(const Node* node, uint64_t seq) {
   if (node->link_group == 0) return;
   for (const auto& other : LinkPeersLocked(node->link_group, node)) {
+    other->pending_seq = std::max(other->pending_seq, seq);
     other->attr.st_mode = node->attr.st_mode;
     other->attr.st_uid = node->attr.st_uid;
     other->attr.st_gid = node->attr.st_gid;
