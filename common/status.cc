@@ -22,6 +22,8 @@ std::string_view CodeName(Code code) {
     case Code::kInternal: return "Internal";
     case Code::kNameTooLong: return "NameTooLong";
     case Code::kTooManyOpenFiles: return "TooManyOpenFiles";
+    case Code::kNotPermitted: return "NotPermitted";
+    case Code::kTooManyLinks: return "TooManyLinks";
   }
   return "Unknown";
 }
@@ -42,6 +44,7 @@ Status Status::FromErrno(int err, std::string_view context) {
     case EISDIR: code = Code::kIsDir; break;
     case ENOTSUP: case ENOSYS: code = Code::kUnsupported; break;
     case EMFILE: case ENFILE: code = Code::kTooManyOpenFiles; break;
+    case EMLINK: code = Code::kTooManyLinks; break;
     default: code = Code::kIo; break;
   }
   std::string msg(context);
@@ -74,6 +77,8 @@ int Status::ToErrno() const {
     case Code::kNameTooLong: return ENAMETOOLONG;
     // The message keeps which of EMFILE and ENFILE it was; the caller sees EMFILE.
     case Code::kTooManyOpenFiles: return EMFILE;
+    case Code::kNotPermitted: return EPERM;
+    case Code::kTooManyLinks: return EMLINK;
     default: return EIO;
   }
 }

@@ -36,6 +36,11 @@ enum class Code {
   // The daemon ran out of file descriptors (EMFILE, ENFILE): transient, clears when
   // files are closed. Distinct from kBusy so callers see EMFILE, not EBUSY.
   kTooManyOpenFiles,
+  // POSIX's "operation not permitted" (EPERM): the caller is not the owner (chown, chmod,
+  // explicit utimes, a sticky directory). Distinct from kPermission (EACCES: mode bits).
+  kNotPermitted,
+  // EMLINK: a file with several hard links cannot be rewritten (see docs/SEMANTICS.md).
+  kTooManyLinks,
 };
 
 std::string_view CodeName(Code code);

@@ -33,13 +33,13 @@ bool IsTempName(const std::string& name) {
   return name.compare(0, sizeof(kTempPrefix) - 1, kTempPrefix) == 0;
 }
 
-mode_t TypeBits(NodeType t) {
-  switch (t) {
-    case NodeType::kDir: return S_IFDIR;
-    case NodeType::kSymlink: return S_IFLNK;
-    case NodeType::kFile: return S_IFREG;
-  }
-  return S_IFREG;
+// The node type of a backing store entry. FIFOs, sockets and devices are kSpecial: the
+// daemon never opens them (an open of a FIFO would block a FUSE thread).
+NodeType TypeOf(mode_t mode) {
+  if (S_ISDIR(mode)) return NodeType::kDir;
+  if (S_ISLNK(mode)) return NodeType::kSymlink;
+  if (S_ISREG(mode)) return NodeType::kFile;
+  return NodeType::kSpecial;
 }
 
 std::string JoinPath(const std::string& dir, const std::string& name) {
@@ -208,7 +208,7 @@ void Filesystem::RefreshAttrLocked(Node* node) {
 }
 
 void Filesystem::ApplyBackingStatLocked(Node* node, const struct stat& st) {
-  if ((st.st_mode & S_IFMT) != TypeBits(node->type)) {
+  if ((st.st_mode & S_IFMT) != (node->attr.st_mode & S_IFMT)) {
     // Replaced on the backing store by another kind of object. A file keeps its
     // attributes: it may be open, and its descriptors still read the file it was (were
     // the type to change, the kernel would mark the inode bad and fail every operation
@@ -272,15 +272,13 @@ Status Filesystem::EnsureLoadedLocked(Node* dir) {
     if (dir->ino == kRootIno && e.name == kCtlDirName) continue;
     auto st = backing_->Stat(JoinPath(path, e.name));
     if (!st.ok()) continue;  // raced with an external delete
-    NodeType type = S_ISDIR(st->st_mode) ? NodeType::kDir
-                    : S_ISLNK(st->st_mode) ? NodeType::kSymlink
-                                           : NodeType::kFile;
-    auto child = NewNodeLocked(dir, e.name, type);
+    auto child = NewNodeLocked(dir, e.name, TypeOf(st->st_mode));
     uint64_t ino = child->ino;
     child->attr = *st;
     child->attr.st_ino = ino;
     child->attr.st_blksize = kBlockSize;
     child->on_backing = true;
+    AdoptLinkGroupLocked(child.get(), *st);
   }
   dir->loaded = true;
   return Status::Ok();
@@ -305,14 +303,12 @@ std::shared_ptr<Node> Filesystem::ChildLocked(Node* dir, const std::string& name
   if (dir->on_backing && QuiescentLocked(dir) && !IsTempName(name)) {
     auto st = backing_->Stat(JoinPath(PathLocked(dir), name));
     if (st.ok()) {
-      NodeType type = S_ISDIR(st->st_mode) ? NodeType::kDir
-                      : S_ISLNK(st->st_mode) ? NodeType::kSymlink
-                                             : NodeType::kFile;
-      auto child = NewNodeLocked(dir, name, type);
+      auto child = NewNodeLocked(dir, name, TypeOf(st->st_mode));
       child->attr = *st;
       child->attr.st_ino = child->ino;
       child->attr.st_blksize = kBlockSize;
       child->on_backing = true;
+      AdoptLinkGroupLocked(child.get(), *st);
       return child;
     }
   }
@@ -377,6 +373,7 @@ Entry Filesystem::EntryLocked(Node* node) {
   Entry e;
   e.ino = node->ino;
   e.attr = node->attr;
+  if (node->link_group != 0) e.attr.st_ino = node->link_group;  // one inode, one st_ino
   if (node->write) e.attr.st_size = static_cast<off_t>(node->write->staged->size());
   e.attr.st_blocks = (e.attr.st_size + 511) / 512;
   e.timeout = TimeoutFor(*node);
@@ -394,6 +391,9 @@ bool Filesystem::CommittedDirLocked(const Node* dir) const {
 }
 
 double Filesystem::TimeoutFor(const Node& node) const {
+  // Names of one inode are separate FUSE inodes: a change through one name reaches the
+  // others' cached attributes only if the kernel keeps none.
+  if (node.type != NodeType::kDir && node.attr.st_nlink > 1) return 0.0;
   // Files of a committed checkpoint do not change: let the kernel keep their entries,
   // attributes and pages (ranks on one node share the page cache).
   if (node.type != NodeType::kFile || node.write || node.parent == nullptr) {
@@ -454,6 +454,13 @@ void Filesystem::Forget(uint64_t ino, uint64_t nlookup) {
   }
 }
 
+double Filesystem::AttrTimeout(uint64_t ino) {
+  if (ino < kFirstNodeIno && ino != kRootIno) return 0.0;  // control files: generated
+  std::lock_guard lock(ns_mu_);
+  auto node = NodeLocked(ino);
+  return node ? std::min(TimeoutFor(*node), kDefaultTimeout) : 0.0;
+}
+
 Result<struct stat> Filesystem::GetAttr(uint64_t ino) {
   if (TensorView::Owns(ino)) return tensors_->GetAttr(ino);
   if (ino >= kCtlDirIno && ino < kFirstNodeIno) {
@@ -471,13 +478,14 @@ Result<struct stat> Filesystem::GetAttr(uint64_t ino) {
   if (!node) return NotFound("stale inode");
   RefreshAttrLocked(node.get());
   struct stat st = node->attr;
+  if (node->link_group != 0) st.st_ino = node->link_group;  // one inode, one st_ino
   if (node->write) st.st_size = static_cast<off_t>(node->write->staged->size());
   st.st_blocks = (st.st_size + 511) / 512;
   return st;
 }
 
 Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int to_set,
-                                        Handle* handle) {
+                                        Handle* handle, const Caller& caller) {
   // FUSE_SET_ATTR_* values, repeated here so this file stays free of libfuse.
   constexpr int kMode = 1 << 0, kUid = 1 << 1, kGid = 1 << 2, kSize = 1 << 3, kAtime = 1 << 4,
                 kMtime = 1 << 5, kAtimeNow = 1 << 7, kMtimeNow = 1 << 8, kCtime = 1 << 10;
@@ -488,8 +496,31 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
     std::lock_guard lock(ns_mu_);
     auto node = NodeLocked(ino);
     if (!node) return NotFound("stale inode");
+    // Ownership rules first (fs/posix_access.h): nothing changes unless all of it may.
+    const uid_t new_uid = (to_set & kUid) ? in.st_uid : static_cast<uid_t>(-1);
+    const gid_t new_gid = (to_set & kGid) ? in.st_gid : static_cast<gid_t>(-1);
+    if (to_set & (kUid | kGid)) {
+      CKPT_RETURN_IF_ERROR(CheckChown(caller, node->attr, new_uid, new_gid));
+    }
+    mode_t new_mode = 0;
+    if (to_set & kMode) {
+      CKPT_ASSIGN_OR_RETURN(new_mode, CheckChmod(caller, node->attr, in.st_mode));
+    }
+    // A truncate carries "mtime now" with it; its permission is the open's or, for
+    // truncate(path), write permission.
+    if ((to_set & (kAtime | kMtime)) && !(to_set & kSize)) {
+      const bool explicit_times = ((to_set & kAtime) && !(to_set & kAtimeNow)) ||
+                                  ((to_set & kMtime) && !(to_set & kMtimeNow));
+      CKPT_RETURN_IF_ERROR(CheckUtimes(caller, node->attr, explicit_times));
+    }
+    if ((to_set & kSize) && handle == nullptr && !MayAccess(caller, node->attr, W_OK)) {
+      return Status(Code::kPermission, "truncate without write permission");
+    }
     if (to_set & kSize) {
       if (node->type != NodeType::kFile) return Status(Code::kIsDir, "truncate of a directory");
+      if (node->attr.st_nlink > 1) {
+        return Status(Code::kTooManyLinks, "truncate of a file with several hard links");
+      }
       // ftruncate through a handle opened before any write: copy from its descriptor.
       const UniqueFd* src = !node->write && handle != nullptr && handle->node == node
                                 ? handle->fd.get()
@@ -499,23 +530,25 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
       if (node->open_writers == 0) last_seq = PublishLocked(node.get());
       node->attr.st_mtim = node->attr.st_ctim = Now();
     }
+    // The owner before the mode: a chown clears setuid/setgid, on the backing store too.
+    if (to_set & (kUid | kGid)) {
+      last_seq = ChownLocked(node.get(), new_uid, new_gid);
+      if (!last_seq.ok()) return last_seq.status();
+    }
     if (to_set & kMode) {
-      node->attr.st_mode = (node->attr.st_mode & S_IFMT) | (in.st_mode & 07777);
+      node->attr.st_mode = (node->attr.st_mode & S_IFMT) | new_mode;
+      node->attr.st_ctim = Now();
       if (node->write) {
-        if (::fchmod(node->write->staged->target()->fd(), in.st_mode & 07777) != 0) {
+        if (::fchmod(node->write->staged->target()->fd(), new_mode) != 0) {
           return Status::FromErrno(errno, "chmod");
         }
       } else if (node->on_backing) {
         store::JournalEntry e;
         e.op = store::OpType::kChmod;
         e.path = PathLocked(node.get());
-        e.mode = in.st_mode & 07777;
+        e.mode = new_mode;
         last_seq = AppendLocked(std::move(e), node.get());
       }
-    }
-    if (to_set & (kUid | kGid)) {
-      if (to_set & kUid) node->attr.st_uid = in.st_uid;
-      if (to_set & kGid) node->attr.st_gid = in.st_gid;
     }
     if (to_set & (kAtime | kMtime | kAtimeNow | kMtimeNow)) {
       struct timespec now = Now();
@@ -536,6 +569,7 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
       }
     }
     if (to_set & kCtime) node->attr.st_ctim = in.st_ctim;
+    SyncPeersLocked(node.get(), last_seq.ok() ? *last_seq : 0);
   }
   if (last_seq.ok() && *last_seq != 0) CKPT_RETURN_IF_ERROR(WaitIfStrict(last_seq));
   if (!last_seq.ok()) return last_seq.status();
@@ -544,17 +578,19 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
 
 // ---------------------------------------------------------------- namespace operations
 
-Result<Entry> Filesystem::Mkdir(uint64_t parent, const std::string& name, mode_t mode) {
-  return MakeNode(parent, name, NodeType::kDir, mode, "");
+Result<Entry> Filesystem::Mkdir(uint64_t parent, const std::string& name, mode_t mode,
+                                const Caller& caller) {
+  return MakeNode(parent, name, NodeType::kDir, S_IFDIR | (mode & 07777), "", 0, caller);
 }
 
 Result<Entry> Filesystem::Symlink(const std::string& target, uint64_t parent,
-                                  const std::string& name) {
-  return MakeNode(parent, name, NodeType::kSymlink, 0777, target);
+                                  const std::string& name, const Caller& caller) {
+  return MakeNode(parent, name, NodeType::kSymlink, S_IFLNK | 0777, target, 0, caller);
 }
 
 Result<Entry> Filesystem::MakeNode(uint64_t parent, const std::string& name, NodeType type,
-                                   mode_t mode, const std::string& link_target) {
+                                   mode_t mode, const std::string& link_target, dev_t rdev,
+                                   const Caller& caller) {
   CKPT_RETURN_IF_ERROR(CheckName(name));
   if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
     return Status(Code::kPermission, "reserved name " + name);
@@ -568,19 +604,27 @@ Result<Entry> Filesystem::MakeNode(uint64_t parent, const std::string& name, Nod
     if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
     CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
     if (ChildLocked(dir.get(), name)) return Status(Code::kExists, name);
+    const NewOwner owner = OwnerOfNew(caller, dir->attr, mode & S_IFMT, mode);
     auto node = NewNodeLocked(dir.get(), name, type);
     TouchDirLocked(dir.get(), type == NodeType::kDir ? 1 : 0);
-    node->attr.st_mode = TypeBits(type) | (mode & 07777);
-    node->attr.st_uid = getuid();
-    node->attr.st_gid = getgid();
+    node->attr.st_mode = (mode & S_IFMT) | owner.mode;
+    node->attr.st_uid = owner.uid;
+    node->attr.st_gid = owner.gid;
+    node->attr.st_rdev = rdev;
     node->attr.st_atim = node->attr.st_mtim = node->attr.st_ctim = Now();
     node->on_backing = true;
     store::JournalEntry e;
     e.path = PathLocked(node.get());
+    e.uid = owner.uid;
+    e.gid = owner.gid;
     if (type == NodeType::kDir) {
       node->loaded = true;  // made here: nothing to load from the backing store
       e.op = store::OpType::kMkdir;
-      e.mode = mode & 07777;
+      e.mode = owner.mode;
+    } else if (type == NodeType::kSpecial) {
+      e.op = store::OpType::kMknod;
+      e.mode = (mode & S_IFMT) | owner.mode;
+      e.rdev = rdev;
     } else {
       node->attr.st_size = static_cast<off_t>(link_target.size());
       node->link_target = link_target;
@@ -607,7 +651,7 @@ Result<std::string> Filesystem::Readlink(uint64_t ino) {
   return node->link_target;
 }
 
-Status Filesystem::Unlink(uint64_t parent, const std::string& name) {
+Status Filesystem::Unlink(uint64_t parent, const std::string& name, const Caller& caller) {
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
   Result<uint64_t> seq = uint64_t{0};
   {
@@ -618,6 +662,7 @@ Status Filesystem::Unlink(uint64_t parent, const std::string& name) {
     auto node = ChildLocked(dir.get(), name);
     if (!node) return NotFound(name);
     if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
+    CKPT_RETURN_IF_ERROR(CheckSticky(caller, dir->attr, node->attr));
     const std::string path = PathLocked(node.get());
     if (node->write && node->write->needs_publish) seq = DiscardLocked(node.get(), path);
     // Publication is halted before this name's pending publish: deleting it drops that
@@ -634,13 +679,14 @@ Status Filesystem::Unlink(uint64_t parent, const std::string& name) {
       seq = AppendLocked(std::move(e), node.get());
     }
     TouchDirLocked(dir.get(), 0);
+    UnlinkPeersLocked(node.get(), seq.ok() ? *seq : 0);
     node->on_backing = false;
     DetachLocked(node);
   }
   return WaitIfStrict(seq);
 }
 
-Status Filesystem::Rmdir(uint64_t parent, const std::string& name) {
+Status Filesystem::Rmdir(uint64_t parent, const std::string& name, const Caller& caller) {
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
   Result<uint64_t> seq = uint64_t{0};
   {
@@ -651,6 +697,7 @@ Status Filesystem::Rmdir(uint64_t parent, const std::string& name) {
     auto node = ChildLocked(dir.get(), name);
     if (!node) return NotFound(name);
     if (node->type != NodeType::kDir) return Status(Code::kNotDir, name);
+    CKPT_RETURN_IF_ERROR(CheckSticky(caller, dir->attr, node->attr));
     CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(node.get()));
     if (!node->children.empty()) return Status(Code::kNotEmpty, name);
     const std::string path = PathLocked(node.get());
@@ -667,7 +714,7 @@ Status Filesystem::Rmdir(uint64_t parent, const std::string& name) {
 }
 
 Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new_parent,
-                          const std::string& new_name, unsigned flags) {
+                          const std::string& new_name, unsigned flags, const Caller& caller) {
   constexpr unsigned kNoReplace = 1, kExchange = 2;
   if (flags & kExchange) return Unsupported("RENAME_EXCHANGE");
   CKPT_RETURN_IF_ERROR(CheckName(new_name));
@@ -689,6 +736,7 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
     CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dst_dir.get()));
     auto node = ChildLocked(src_dir.get(), name);
     if (!node) return NotFound(name);
+    CKPT_RETURN_IF_ERROR(CheckSticky(caller, src_dir->attr, node->attr));
     // A directory cannot move below itself.
     for (Node* n = dst_dir.get(); n != nullptr; n = n->parent) {
       if (n == node.get()) return Invalid("rename of a directory into itself");
@@ -697,6 +745,7 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
     if (victim == node) return Status::Ok();
     if (victim) {
       if (flags & kNoReplace) return Status(Code::kExists, new_name);
+      CKPT_RETURN_IF_ERROR(CheckSticky(caller, dst_dir->attr, victim->attr));
       if (node->type == NodeType::kDir && victim->type != NodeType::kDir) {
         return Status(Code::kNotDir, new_name);
       }
@@ -728,6 +777,7 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
       seq = AppendLocked(std::move(e), victim.get());
     }
     if (victim) {
+      UnlinkPeersLocked(victim.get(), seq.ok() ? *seq : 0);
       victim->on_backing = false;
       if (victim->type == NodeType::kDir) checkpoints_->OnRemoved(to, seq.ok() ? *seq : 0);
       DetachLocked(victim);
@@ -765,13 +815,18 @@ Status Filesystem::BeginWriteLocked(Node* node, bool truncate, const UniqueFd* s
   ws->temp_dir = root_.get();
   const std::string temp_path = TempPathLocked(*ws);
   CKPT_RETURN_IF_ERROR(journal_->RegisterTemp(id, temp_path));
-  mode_t mode = node->attr.st_mode & 07777;
-  auto fd = backing_->OpenFile(temp_path, O_RDWR | O_CREAT | O_EXCL, mode ? mode : 0644);
+  auto fd = backing_->OpenFile(temp_path, O_RDWR | O_CREAT | O_EXCL, 0600);
   if (!fd.ok()) {
     (void)journal_->ForgetTemp(id);
     return fd.status();
   }
-  if (mode) ::fchmod(fd->get(), mode);  // the umask must not change the published mode
+  // The file's owner and exact mode (the daemon's umask must not change it), from the
+  // start: the temp file counts against its owner's quota, and is published as it is.
+  if (Status owned = OwnTempLocked(node, fd->get()); !owned.ok()) {
+    ::unlinkat(backing_->root_fd(), temp_path.c_str(), 0);
+    (void)journal_->ForgetTemp(id);
+    return owned;
+  }
   uint64_t size = 0;
   if (!truncate) {
     // Copy-on-write: the real name keeps its old bytes until the new ones are published.
@@ -887,7 +942,8 @@ Result<uint64_t> Filesystem::PublishLocked(Node* node) {
 }
 
 Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std::string& name,
-                                                     mode_t mode, int flags) {
+                                                     mode_t mode, int flags,
+                                                     const Caller& caller) {
   CKPT_RETURN_IF_ERROR(CheckName(name));
   if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
     return Status(Code::kPermission, "reserved name " + name);
@@ -905,10 +961,11 @@ Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std:
       if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
       existing = node->ino;
     } else {
+      const NewOwner owner = OwnerOfNew(caller, dir->attr, S_IFREG, mode);
       node = NewNodeLocked(dir.get(), name, NodeType::kFile);
-      node->attr.st_mode = S_IFREG | (mode & 07777);
-      node->attr.st_uid = getuid();
-      node->attr.st_gid = getgid();
+      node->attr.st_mode = S_IFREG | owner.mode;
+      node->attr.st_uid = owner.uid;
+      node->attr.st_gid = owner.gid;
       node->attr.st_atim = node->attr.st_mtim = node->attr.st_ctim = Now();
       Status st = BeginWriteLocked(node.get(), /*truncate=*/true);
       if (!st.ok()) {
@@ -975,10 +1032,15 @@ Result<Handle*> Filesystem::OpenFile(uint64_t ino, int flags) {
     lock.lock();
   }
   if (node->type == NodeType::kDir) return Status(Code::kIsDir, "open of a directory");
+  // The kernel serves FIFOs, sockets and devices itself; never block a thread on one.
+  if (node->type == NodeType::kSpecial) return Status(Code::kInvalid, "open of a special file");
   if (!node->error.empty()) return Status(Code::kIo, node->error);
   if (!node->write && node->parent == nullptr) return NotFound("unlinked file");
   handle->node = node;
   const bool writable = (flags & O_ACCMODE) != O_RDONLY;
+  if (writable && node->attr.st_nlink > 1 && node->type == NodeType::kFile) {
+    return Status(Code::kTooManyLinks, "a file with several hard links cannot be rewritten");
+  }
   if (writable && (flags & O_TRUNC)) {
     CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), /*truncate=*/true));
     CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(0));
@@ -1223,7 +1285,7 @@ Result<Handle*> Filesystem::OpenDir(uint64_t ino) {
   handle->entries.push_back({"..", node->parent ? node->parent->ino : kRootIno, S_IFDIR});
   if (ino == kRootIno) handle->entries.push_back({kCtlDirName, kCtlDirIno, S_IFDIR});
   for (const auto& [name, child] : node->children) {
-    handle->entries.push_back({name, child->ino, TypeBits(child->type)});
+    handle->entries.push_back({name, child->ino, child->attr.st_mode & S_IFMT});
   }
   return handle.release();
 }

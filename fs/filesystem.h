@@ -18,6 +18,7 @@
 #include <deque>
 #include <thread>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -28,6 +29,7 @@
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "fs/node.h"
+#include "fs/posix_access.h"
 #include "fs/staged_file.h"
 #include "fs/tensor_view.h"
 #include "gpu/staging_pool.h"
@@ -108,20 +110,40 @@ class Filesystem {
   Filesystem(const Filesystem&) = delete;
   Filesystem& operator=(const Filesystem&) = delete;
 
+  // Operations that create names or check ownership take the `caller` (root when left
+  // out: the daemon itself). New names belong to the caller on the mount at once and on
+  // the backing store when published; see fs/posix_access.h for the rules.
   Result<Entry> Lookup(uint64_t parent, const std::string& name);
   void Forget(uint64_t ino, uint64_t nlookup);
   Result<struct stat> GetAttr(uint64_t ino);
   // `to_set` is a mask of FUSE_SET_ATTR_* bits, passed through as ints.
-  Result<struct stat> SetAttr(uint64_t ino, const struct stat& in, int to_set, Handle* handle);
-  Result<Entry> Mkdir(uint64_t parent, const std::string& name, mode_t mode);
-  Result<Entry> Symlink(const std::string& target, uint64_t parent, const std::string& name);
+  Result<struct stat> SetAttr(uint64_t ino, const struct stat& in, int to_set, Handle* handle,
+                              const Caller& caller = {});
+  Result<Entry> Mkdir(uint64_t parent, const std::string& name, mode_t mode,
+                      const Caller& caller = {});
+  Result<Entry> Symlink(const std::string& target, uint64_t parent, const std::string& name,
+                        const Caller& caller = {});
+  // A FIFO, socket or device (journaled like mkdir), or an empty regular file (published
+  // like a created and closed one). `mode` holds the S_IF* type.
+  Result<Entry> Mknod(uint64_t parent, const std::string& name, mode_t mode, dev_t rdev,
+                      const Caller& caller = {});
+  // A hard link `new_parent/new_name` of `ino` (a file, symlink or special node; not a
+  // directory: kNotPermitted). Journaled after the source's publication, so on the
+  // backing store it is a real hard link. A file open for writing through the mount
+  // cannot be linked (kBusy), and a file with several links cannot be written
+  // (kTooManyLinks): publication replaces a name by rename, which would split the links.
+  Result<Entry> Link(uint64_t ino, uint64_t new_parent, const std::string& new_name,
+                     const Caller& caller = {});
+  // fallocate(2) on an open file: mode 0 reserves the range on the backing store and
+  // extends the size; other modes are kUnsupported (EOPNOTSUPP).
+  Status Fallocate(Handle* h, int mode, uint64_t offset, uint64_t length);
   Result<std::string> Readlink(uint64_t ino);
-  Status Unlink(uint64_t parent, const std::string& name);
-  Status Rmdir(uint64_t parent, const std::string& name);
+  Status Unlink(uint64_t parent, const std::string& name, const Caller& caller = {});
+  Status Rmdir(uint64_t parent, const std::string& name, const Caller& caller = {});
   Status Rename(uint64_t parent, const std::string& name, uint64_t new_parent,
-                const std::string& new_name, unsigned flags);
+                const std::string& new_name, unsigned flags, const Caller& caller = {});
   Result<std::pair<Entry, Handle*>> Create(uint64_t parent, const std::string& name, mode_t mode,
-                                           int flags);
+                                           int flags, const Caller& caller = {});
   // Opening for writing changes nothing: a file is copied for rewriting at its first write
   // (or O_TRUNC), so an open and close without a write leaves it, and its times, as they were.
   Result<Handle*> Open(uint64_t ino, int flags);
@@ -162,14 +184,32 @@ class Filesystem {
   uint64_t errors() const { return errors_.load(); }
   // Entry/attr timeout for `attr` (long for files of committed checkpoints).
   double TimeoutFor(const Node& node) const;
+  // The attribute timeout of a getattr/setattr reply for `ino` (0 for hard-linked names).
+  double AttrTimeout(uint64_t ino);
 
  private:
   explicit Filesystem(const FsConfig& config);
   Status Init();
 
-  // Mkdir and Symlink: a new name, journaled (and applied first in strict mode).
+  // Mkdir, Symlink and Mknod of a special file: a new name owned by `caller`, journaled
+  // (and applied first in strict mode). `mode` holds the S_IF* type.
   Result<Entry> MakeNode(uint64_t parent, const std::string& name, NodeType type, mode_t mode,
-                         const std::string& link_target);
+                         const std::string& link_target, dev_t rdev, const Caller& caller);
+  // Mknod of a regular file: an empty file, published like a created one.
+  Result<Entry> MakeEmptyFile(uint64_t parent, const std::string& name, mode_t mode,
+                              const Caller& caller);
+  // Journals a chown of `node` (and applies it to its temp file when staged), then the
+  // mode a chown leaves. REQUIRE(ns_mu_).
+  Result<uint64_t> ChownLocked(Node* node, uid_t uid, gid_t gid);
+  // Sets the temp file's owner and mode from node->attr. REQUIRE(ns_mu_).
+  Status OwnTempLocked(Node* node, int fd);
+  // `node` loses a name: the other names of its link group count one link less. Journal
+  // entry `seq` makes that true on the backing store: until then the others' attributes
+  // are not refreshed from it. REQUIRE(ns_mu_).
+  void UnlinkPeersLocked(Node* node, uint64_t seq);
+  // Gives the other names of `node`'s link group its inode attributes (one inode), as
+  // entry `seq` will on the backing store. REQUIRE(ns_mu_).
+  void SyncPeersLocked(const Node* node, uint64_t seq);
   // Namespace helpers; REQUIRE(ns_mu_).
   std::shared_ptr<Node> NodeLocked(uint64_t ino);
   std::string PathLocked(const Node* node) const;
@@ -240,6 +280,19 @@ class Filesystem {
   std::shared_ptr<Node> root_;
   uint64_t next_ino_ = kFirstNodeIno;                            // GUARDED_BY(ns_mu_)
   std::unordered_map<uint64_t, std::shared_ptr<Node>> publishing_;  // file id -> node
+  // Link group -> its names (Node::link_group), so a link or chmod touches only those,
+  // and the backing inode it was found under, if any.
+  struct LinkGroup {
+    std::vector<std::weak_ptr<Node>> members;
+    std::pair<dev_t, ino_t> backing{0, 0};
+  };
+  std::unordered_map<uint64_t, LinkGroup> link_groups_;  // GUARDED_BY(ns_mu_)
+  std::map<std::pair<dev_t, ino_t>, uint64_t> backing_links_;  // GUARDED_BY(ns_mu_)
+  // A name loaded from the backing store with several links joins the group of the
+  // other names of its backing inode. REQUIRE(ns_mu_).
+  void AdoptLinkGroupLocked(Node* node, const struct stat& st);
+  // The live names of `group` other than `except`; forgets dead ones. REQUIRE(ns_mu_).
+  std::vector<std::shared_ptr<Node>> LinkPeersLocked(uint64_t group, const Node* except);
 
   std::mutex staged_mu_;
   std::set<std::weak_ptr<StagedFile>, std::owner_less<std::weak_ptr<StagedFile>>> live_staged_;

@@ -26,6 +26,31 @@ Handle* H(struct fuse_file_info* fi) { return reinterpret_cast<Handle*>(fi->fh);
 
 void ReplyErr(fuse_req_t req, const Status& st) { fuse_reply_err(req, st.ToErrno()); }
 
+// The sender of `req`. Its supplementary groups are read (from /proc, by libfuse) only
+// when `with_groups`: the rules that need them are rare (chgrp, setgid bits).
+Caller CallerOf(fuse_req_t req, bool with_groups) {
+  const struct fuse_ctx* ctx = fuse_req_ctx(req);
+  Caller caller;
+  caller.uid = ctx->uid;
+  caller.gid = ctx->gid;
+  if (with_groups && ctx->uid != 0) {
+    std::vector<gid_t> groups(64);
+    int n = fuse_req_getgroups(req, static_cast<int>(groups.size()), groups.data());
+    if (n > static_cast<int>(groups.size())) {
+      groups.resize(static_cast<size_t>(n));
+      n = fuse_req_getgroups(req, n, groups.data());
+    }
+    if (n >= 0) {
+      groups.resize(std::min(groups.size(), static_cast<size_t>(n)));
+      caller.groups = std::move(groups);
+      caller.groups_known = true;
+    } else {
+      spdlog::debug("fuse: no supplementary groups of pid {}: {}", ctx->pid, std::strerror(-n));
+    }
+  }
+  return caller;
+}
+
 
 void ReplyEntry(fuse_req_t req, const Entry& e) {
   struct fuse_entry_param p;
@@ -75,14 +100,16 @@ void OpForgetMulti(fuse_req_t req, size_t count, struct fuse_forget_data* forget
 void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info*) {
   auto r = Fs(req)->GetAttr(ino);
   if (!r.ok()) return ReplyErr(req, r.status());
-  fuse_reply_attr(req, &*r, ino < kFirstNodeIno && ino != kRootIno ? 0.0 : 1.0);
+  fuse_reply_attr(req, &*r, Fs(req)->AttrTimeout(ino));
 }
 
 void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
                struct fuse_file_info* fi) {
-  auto r = Fs(req)->SetAttr(ino, *attr, to_set, fi ? H(fi) : nullptr);
+  // Every ownership rule of a setattr may turn on group membership (chgrp, setgid,
+  // write permission through a supplementary group); setattr is rare next to I/O.
+  auto r = Fs(req)->SetAttr(ino, *attr, to_set, fi ? H(fi) : nullptr, CallerOf(req, true));
   if (!r.ok()) return ReplyErr(req, r.status());
-  fuse_reply_attr(req, &*r, 1.0);
+  fuse_reply_attr(req, &*r, Fs(req)->AttrTimeout(ino));
 }
 
 void OpReadlink(fuse_req_t req, fuse_ino_t ino) {
@@ -92,33 +119,65 @@ void OpReadlink(fuse_req_t req, fuse_ino_t ino) {
 }
 
 void OpMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode) {
-  auto r = Fs(req)->Mkdir(parent, name, mode);
+  auto r = Fs(req)->Mkdir(parent, name, mode, CallerOf(req, false));
   if (!r.ok()) return ReplyErr(req, r.status());
   ReplyEntry(req, *r);
 }
 
 void OpSymlink(fuse_req_t req, const char* link, fuse_ino_t parent, const char* name) {
-  auto r = Fs(req)->Symlink(link, parent, name);
+  auto r = Fs(req)->Symlink(link, parent, name, CallerOf(req, false));
   if (!r.ok()) return ReplyErr(req, r.status());
   ReplyEntry(req, *r);
 }
 
+void OpMknod(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode, dev_t rdev) {
+  auto r = Fs(req)->Mknod(parent, name, mode, rdev, CallerOf(req, (mode & S_ISGID) != 0));
+  if (!r.ok()) return ReplyErr(req, r.status());
+  ReplyEntry(req, *r);
+}
+
+void OpLink(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char* newname) {
+  auto r = Fs(req)->Link(ino, newparent, newname, CallerOf(req, false));
+  if (!r.ok()) return ReplyErr(req, r.status());
+  struct fuse_session* session =
+      static_cast<FuseServer::Context*>(fuse_req_userdata(req))->session;
+  ReplyEntry(req, *r);
+  // The new name is a FUSE inode of its own; the source's cached attributes (st_nlink 1,
+  // kept for their timeout) must go. Attributes only (negative offset).
+  int rc = fuse_lowlevel_notify_inval_inode(session, ino, -1, 0);
+  if (rc != 0 && rc != -ENOENT) {
+    spdlog::debug("fuse: cannot invalidate attributes of inode {}: {}", ino, std::strerror(-rc));
+  }
+}
+
+void OpFallocate(fuse_req_t req, fuse_ino_t, int mode, off_t offset, off_t length,
+                 struct fuse_file_info* fi) {
+  if (offset < 0 || length <= 0) {
+    fuse_reply_err(req, EINVAL);
+    return;
+  }
+  fuse_reply_err(req, Fs(req)->Fallocate(H(fi), mode, static_cast<uint64_t>(offset),
+                                         static_cast<uint64_t>(length)).ToErrno());
+}
+
 void OpUnlink(fuse_req_t req, fuse_ino_t parent, const char* name) {
-  fuse_reply_err(req, Fs(req)->Unlink(parent, name).ToErrno());
+  fuse_reply_err(req, Fs(req)->Unlink(parent, name, CallerOf(req, false)).ToErrno());
 }
 
 void OpRmdir(fuse_req_t req, fuse_ino_t parent, const char* name) {
-  fuse_reply_err(req, Fs(req)->Rmdir(parent, name).ToErrno());
+  fuse_reply_err(req, Fs(req)->Rmdir(parent, name, CallerOf(req, false)).ToErrno());
 }
 
 void OpRename(fuse_req_t req, fuse_ino_t parent, const char* name, fuse_ino_t newparent,
               const char* newname, unsigned int flags) {
-  fuse_reply_err(req, Fs(req)->Rename(parent, name, newparent, newname, flags).ToErrno());
+  fuse_reply_err(req, Fs(req)->Rename(parent, name, newparent, newname, flags,
+                                      CallerOf(req, false)).ToErrno());
 }
 
 void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode,
               struct fuse_file_info* fi) {
-  auto r = Fs(req)->Create(parent, name, mode, fi->flags);
+  auto r = Fs(req)->Create(parent, name, mode, fi->flags,
+                           CallerOf(req, (mode & S_ISGID) != 0));
   if (!r.ok()) return ReplyErr(req, r.status());
   auto [entry, handle] = *r;
   fi->fh = reinterpret_cast<uint64_t>(handle);
@@ -280,6 +339,9 @@ const struct fuse_lowlevel_ops kOps = [] {
   ops.readlink = Guarded<OpReadlink>::Call;
   ops.mkdir = Guarded<OpMkdir>::Call;
   ops.symlink = Guarded<OpSymlink>::Call;
+  ops.mknod = Guarded<OpMknod>::Call;
+  ops.link = Guarded<OpLink>::Call;
+  ops.fallocate = Guarded<OpFallocate>::Call;
   ops.unlink = Guarded<OpUnlink>::Call;
   ops.rmdir = Guarded<OpRmdir>::Call;
   ops.rename = Guarded<OpRename>::Call;
@@ -345,7 +407,17 @@ void SetReadAhead(const std::string& mountpoint, uint64_t bytes) {
 Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std::string& mountpoint,
                                                       const std::vector<std::string>& options,
                                                       const FuseTuning& tuning) {
-  std::vector<std::string> argv_store = {"ckptfs", "-o", "fsname=ckptfs,subtype=ckptfs"};
+  // default_permissions: the kernel checks mode bits, owners and the sticky bit against
+  // the attributes ckptfs reports, for every request, before it reaches the daemon. That
+  // is exactly POSIX for a mount shared by several users (allow_other), costs no round
+  // trip, and the daemon's view (the overlay) is what the checks must see: attributes of
+  // staged and unpublished names live only here, so checking against the backing store
+  // could not be right. Where the kernel needs the daemon (who may chown, chmod and set
+  // times, what a chown clears, the owner of a new name) the daemon applies the same
+  // rules (fs/posix_access.h). Without it, a root mount with allow_other would let any
+  // user read and overwrite every file.
+  std::vector<std::string> argv_store = {"ckptfs", "-o",
+                                         "fsname=ckptfs,subtype=ckptfs,default_permissions"};
   for (const auto& o : options) {
     argv_store.push_back("-o");
     argv_store.push_back(o);
@@ -360,6 +432,7 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
   if (server->session_ == nullptr) {
     return Invalid("fuse: cannot create session (bad -o option?)");
   }
+  server->context_.session = server->session_;
   if (fuse_session_mount(server->session_, mountpoint.c_str()) != 0) {
     return Status(Code::kIo, "fuse: cannot mount on " + mountpoint);
   }

@@ -39,6 +39,7 @@ class FuseServer {
   struct Context {
     Filesystem* fs = nullptr;
     FuseTuning tuning;
+    struct fuse_session* session = nullptr;  // for notifications (attribute invalidation)
   };
 
  private:

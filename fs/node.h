@@ -17,7 +17,8 @@
 
 namespace ckptfs::fs {
 
-enum class NodeType { kDir, kFile, kSymlink };
+// kSpecial: a FIFO, socket or device node; the kernel serves its I/O, never the daemon.
+enum class NodeType { kDir, kFile, kSymlink, kSpecial };
 
 // Where a file being written stands on the backing store.
 struct WriteState {
@@ -52,6 +53,10 @@ struct Node {
   uint64_t rename_seq = 0;   // last journal entry that moved this name: until it is
                              // applied, the backing path differs from the mount path
   std::string link_target;   // symlinks
+  // The names of one inode (hard links) share a group: the FUSE inode number of its
+  // first name, reported as every name's st_ino, so that a link, unlink or chmod shows
+  // through every name at once and tools see one file (0: a single name).
+  uint64_t link_group = 0;
   // Directories.
   bool loaded = false;
   std::map<std::string, std::shared_ptr<Node>> children;

@@ -262,7 +262,36 @@ Status BackingDir::Utimens(const std::string& path, const struct timespec times[
   CKPT_AT_OP("utimens", ::utimensat(dir.get(), name.c_str(), times, AT_SYMLINK_NOFOLLOW));
 }
 
+Status BackingDir::Chown(const std::string& path, uid_t uid, gid_t gid) {
+  if (path.empty()) {
+    if (::fchownat(root_.get(), "", uid, gid, AT_EMPTY_PATH) != 0) {
+      return OsError(errno, Ctx("chown", path));
+    }
+    return Status::Ok();
+  }
+  CKPT_AT_OP("chown", ::fchownat(dir.get(), name.c_str(), uid, gid, AT_SYMLINK_NOFOLLOW));
+}
+
+Status BackingDir::Mknod(const std::string& path, mode_t mode, dev_t rdev) {
+  CKPT_AT_OP("mknod", ::mknodat(dir.get(), name.c_str(), mode, rdev));
+}
+
 #undef CKPT_AT_OP
+
+Status BackingDir::Link(const std::string& from, const std::string& to) {
+  CKPT_RETURN_IF_ERROR(CheckRelative(from));
+  CKPT_RETURN_IF_ERROR(CheckRelative(to));
+  auto [from_parent, from_name] = SplitParent(from);
+  auto [to_parent, to_name] = SplitParent(to);
+  if (from_name.empty() || to_name.empty()) return Invalid("link of backing root");
+  CKPT_ASSIGN_OR_RETURN(CallFd from_dir, OpenDir(from_parent));
+  CKPT_ASSIGN_OR_RETURN(CallFd to_dir, OpenDir(to_parent));
+  // No AT_SYMLINK_FOLLOW: a symlink `from` gets a second name; its target is never reached.
+  if (::linkat(from_dir.get(), from_name.c_str(), to_dir.get(), to_name.c_str(), 0) != 0) {
+    return OsError(errno, "link " + from + " -> " + to);
+  }
+  return Status::Ok();
+}
 
 Status BackingDir::Truncate(const std::string& path, off_t size) {
   CKPT_ASSIGN_OR_RETURN(CallFd fd, OpenForCall(path, O_WRONLY | O_NOFOLLOW, 0));
@@ -362,6 +391,18 @@ Result<size_t> BackingDir::PRead(int fd, void* buf, size_t len, off_t offset) {
 
 Status BackingDir::Fsync(int fd) {
   if (::fsync(fd) != 0) return OsError(errno, "fsync");
+  return Status::Ok();
+}
+
+Status BackingDir::Fchown(int fd, uid_t uid, gid_t gid) {
+  if (::fchown(fd, uid, gid) != 0) return OsError(errno, "fchown");
+  return Status::Ok();
+}
+
+Status BackingDir::Fallocate(int fd, int mode, off_t offset, off_t len) {
+  while (::fallocate(fd, mode, offset, len) != 0) {
+    if (errno != EINTR) return OsError(errno, "fallocate");
+  }
   return Status::Ok();
 }
 

@@ -64,6 +64,14 @@ class BackingDir {
   virtual Status Chmod(const std::string& path, mode_t mode);
   virtual Status Utimens(const std::string& path, const struct timespec times[2]);
   virtual Status Truncate(const std::string& path, off_t size);
+  // Owner and group of `path` itself (a final symlink is changed, never followed);
+  // (uid_t)-1 / (gid_t)-1 leave one unchanged, as chown(2).
+  virtual Status Chown(const std::string& path, uid_t uid, gid_t gid);
+  // A hard link `to` of the name `from` (a symlink is linked, not followed). Both stay
+  // beneath the root.
+  virtual Status Link(const std::string& from, const std::string& to);
+  // A FIFO, socket, device or empty regular file at `path` (mode holds the type bits).
+  virtual Status Mknod(const std::string& path, mode_t mode, dev_t rdev);
   virtual Result<std::vector<DirEntry>> List(const std::string& path);
   virtual Result<struct statvfs> StatFs();
   // Makes the directory entry of `path` durable (fsync of its parent directory).
@@ -73,6 +81,9 @@ class BackingDir {
   virtual Status PWrite(int fd, const void* buf, size_t len, off_t offset);
   virtual Result<size_t> PRead(int fd, void* buf, size_t len, off_t offset);
   virtual Status Fsync(int fd);
+  virtual Status Fchown(int fd, uid_t uid, gid_t gid);
+  // fallocate(2) on an fd opened above; EOPNOTSUPP where the backing fs lacks `mode`.
+  virtual Status Fallocate(int fd, int mode, off_t offset, off_t len);
 
   uint64_t bytes_read() const { return bytes_read_.load(std::memory_order_relaxed); }
   uint64_t bytes_written() const { return bytes_written_.load(std::memory_order_relaxed); }

@@ -69,6 +69,9 @@ const char* OpName(OpType op) {
     case OpType::kChmod: return "chmod";
     case OpType::kUtimens: return "utimens";
     case OpType::kDiscard: return "discard";
+    case OpType::kChown: return "chown";
+    case OpType::kLink: return "link";
+    case OpType::kMknod: return "mknod";
   }
   return "?";
 }
@@ -102,6 +105,10 @@ std::string JournalEntry::Serialize() const {
   w.Signed(mtime_nsec);
   w.Varint(file_id);
   w.Varint(size);
+  // Multi-user POSIX fields (version 2 records end here when unset).
+  w.Varint(uid);
+  w.Varint(gid);
+  w.Varint(rdev);
   return out;
 }
 
@@ -121,8 +128,11 @@ Result<JournalEntry> JournalEntry::Parse(std::string_view text) {
   e.mtime_nsec = d.Signed();
   e.file_id = d.Varint();
   e.size = d.Varint();
+  e.uid = static_cast<uint32_t>(d.Varint());
+  e.gid = static_cast<uint32_t>(d.Varint());
+  e.rdev = d.Varint();
   if (!d.done()) return Corrupt("journal entry: truncated or trailing bytes");
-  if (op < static_cast<uint64_t>(OpType::kPublish) || op > static_cast<uint64_t>(OpType::kDiscard)) {
+  if (op < static_cast<uint64_t>(OpType::kPublish) || op > static_cast<uint64_t>(OpType::kMknod)) {
     return Corrupt("journal entry: unknown op " + std::to_string(op));
   }
   e.op = static_cast<OpType>(op);
@@ -731,10 +741,20 @@ Status Journal::Apply(const JournalEntry& e) {
     case OpType::kMkdir: {
       Status st = dir_->Mkdir(e.path, e.mode);
       if (st.code() == Code::kExists) return Status::Ok();
-      return st;
+      CKPT_RETURN_IF_ERROR(st);
+      return ApplyOwner(e);
     }
     case OpType::kSymlink:
-      return dir_->Symlink(e.link_target, e.path);
+      CKPT_RETURN_IF_ERROR(dir_->Symlink(e.link_target, e.path));
+      return ApplyOwner(e);
+    case OpType::kMknod:
+      CKPT_RETURN_IF_ERROR(dir_->Mknod(e.path, e.mode, static_cast<dev_t>(e.rdev)));
+      return ApplyOwner(e);
+    case OpType::kChown:
+      return dir_->Chown(e.path, e.uid, e.gid);
+    case OpType::kLink:
+      CKPT_RETURN_IF_ERROR(dir_->Link(e.from, e.path));
+      return dir_->SyncParent(e.path);
     case OpType::kChmod:
       return dir_->Chmod(e.path, e.mode);
     case OpType::kUtimens: {
@@ -743,6 +763,22 @@ Status Journal::Apply(const JournalEntry& e) {
     }
   }
   return Internal("unknown journal op");
+}
+
+Status Journal::ApplyOwner(const JournalEntry& e) {
+  if (e.uid == kNoOwner && e.gid == kNoOwner) return Status::Ok();  // an entry of old
+  // The caller's owner, then the exact mode: the daemon's umask shaped the mode it was
+  // made with, and a chown clears setuid/setgid bits.
+  Status owned = dir_->Chown(e.path, e.uid, e.gid);
+  if (!owned.ok()) {
+    // The name exists as the application made it; only its owner is the daemon's (a
+    // daemon that is not root, NFS root_squash). Refusing the entry would hold back
+    // publication for an owner the backing store does not allow.
+    spdlog::warn("journal: {}: owner {}:{} not set: {}", e.Describe(), e.uid, e.gid,
+                 owned.ToString());
+  }
+  if (e.op == OpType::kSymlink) return Status::Ok();
+  return dir_->Chmod(e.path, e.mode & 07777);
 }
 
 void Journal::MoveTempRecords(const std::string& from, const std::string& to) {

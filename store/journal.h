@@ -59,7 +59,13 @@ enum class OpType : int {
   kChmod = 7,
   kUtimens = 8,
   kDiscard = 9,  // unlink the temp file `from` of a file deleted before publication
+  kChown = 10,   // owner `uid` and/or group `gid` of `path` (kNoOwner leaves one alone)
+  kLink = 11,    // hard link `path` of the published name `from`
+  kMknod = 12,   // FIFO, socket or device `path` with `mode` (type bits too) and `rdev`
 };
+
+// "Leave unchanged" for JournalEntry::uid/gid, as (uid_t)-1 for chown(2).
+inline constexpr uint32_t kNoOwner = 0xffffffffu;
 
 const char* OpName(OpType op);
 
@@ -73,6 +79,11 @@ struct JournalEntry {
   int64_t atime_sec = 0, atime_nsec = 0, mtime_sec = 0, mtime_nsec = 0;
   uint64_t file_id = 0;
   uint64_t size = 0;
+  // Multi-user POSIX. kMkdir, kSymlink and kMknod make the new name owned by uid/gid
+  // (kNoOwner: left as the daemon made it, as entries from before these fields);
+  // kChown changes them. rdev: the device of a kMknod.
+  uint32_t uid = kNoOwner, gid = kNoOwner;
+  uint64_t rdev = 0;
   // In memory only: the file whose bytes a publish waits for.
   std::shared_ptr<FlushTarget> target;
 
@@ -224,6 +235,8 @@ class Journal {
   void AdvanceDoneLocked();
   Status Apply(const JournalEntry& e);
   Status ApplyPublish(const JournalEntry& e);
+  // The owner and exact mode of a name kMkdir/kSymlink/kMknod just made.
+  Status ApplyOwner(const JournalEntry& e);
   // Keeps temp records right when a directory holding temps is renamed.
   void MoveTempRecords(const std::string& from, const std::string& to);
 

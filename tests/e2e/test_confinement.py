@@ -386,6 +386,7 @@ class SwappedDirectoryTest(ConfinementBase):
 
     def run_swap(self, target, strict):
         self.make_published_dir()
+        before = sorted(os.listdir(self.p("d")))
         dfd = os.open(self.p("d"), os.O_RDONLY | os.O_DIRECTORY)
         try:
             self.swap_dir_for_symlink("d", target)
@@ -395,11 +396,17 @@ class SwappedDirectoryTest(ConfinementBase):
         sys.stderr.write(f"\n{self.id()} target={target}:\n" +
                          "".join(f"    {k}: {v}\n" for k, v in res.items()))
         self.check_no_outside_bytes(res, "swapped dir")
-        # The listing through the mount never shows the outside directory's names.
+        # The listing through the mount never shows the outside directory's names. The fd
+        # was opened before the swap: with default_permissions the kernel does not refresh
+        # the directory's attributes within their timeout, so the listing may go on, and it
+        # is the mount's own one from before the swap, as a local file system keeps listing
+        # a directory replaced after opendir. (The outside dir holds the same names by
+        # construction; the fanotify check below proves nothing was read there.)
         kind, val = res["listdir"]
         if kind == "ok":
-            self.assertNotEqual(sorted(val), sorted(os.listdir(self.out.dir)),
-                                "listdir through the mount listed the outside directory")
+            self.assertEqual(sorted(val), before,
+                             "listdir through the mount listed something else than the "
+                             "directory's own names")
         if strict:
             # Strict: a namespace op or close reaches the backing store before it returns,
             # so the ones that would have to go through the symlink must fail.

@@ -3,7 +3,10 @@
 //
 // Faults. Each of PWrite, Fsync, Rename and SyncParent is counted from 1 over the life
 // of the object; FailNth*() makes call number n fail with an errno (ENOSPC, EIO...).
-// A hook can instead decide per call, from the call's arguments. A hook runs before any
+// A hook can instead decide per call, from the call's arguments. The ownership and
+// special-file calls (Chown, Fchown, Link, Mknod, Fallocate) share one hook that gets
+// the call's name ("chown", "fchown", "link", "mknod", "fallocate") and its path (the
+// new name for Link, empty for the fd calls). A hook runs before any
 // lock of this class is taken, so it may block on a latch to order a race
 // deterministically.
 //
@@ -92,6 +95,7 @@ class FaultyBackingDir : public BackingDir {
   using FsyncHook = std::function<int(int fd)>;
   using RenameHook = std::function<int(const std::string& from, const std::string& to)>;
   using PathHook = std::function<int(const std::string& path)>;
+  using PosixHook = std::function<int(const std::string& op, const std::string& path)>;
 
   static std::unique_ptr<FaultyBackingDir> Open(const std::string& root_path) {
     int fd = ::open(root_path.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
@@ -125,12 +129,17 @@ class FaultyBackingDir : public BackingDir {
     std::lock_guard l(fault_mu_);
     sync_parent_hook_ = std::move(hook);
   }
+  void SetPosixHook(PosixHook hook) {
+    std::lock_guard l(fault_mu_);
+    posix_hook_ = std::move(hook);
+  }
 
   uint64_t pwrite_calls() const { return pwrite_calls_.load(); }
   uint64_t fsync_calls() const { return fsync_calls_.load(); }
   uint64_t rename_calls() const { return rename_calls_.load(); }
   uint64_t sync_parent_calls() const { return sync_parent_calls_.load(); }
   uint64_t unlink_calls() const { return unlink_calls_.load(); }
+  uint64_t posix_calls() const { return posix_calls_.load(); }
   uint64_t faults_injected() const { return faults_injected_.load(); }
 
   // True if the file behind `fd` / at backing-relative `path` holds unsynced data.
@@ -238,6 +247,41 @@ class FaultyBackingDir : public BackingDir {
     std::shared_lock crash(crash_mu_);
     if (crashed_) return Dead("truncate " + path);
     return BackingDir::Truncate(path, size);
+  }
+  Status Chown(const std::string& path, uid_t uid, gid_t gid) override {
+    int err = PosixHookErr("chown", path);
+    std::shared_lock crash(crash_mu_);
+    if (crashed_) return Dead("chown " + path);
+    if (err != 0) return Injected(err, "chown " + path);
+    return BackingDir::Chown(path, uid, gid);
+  }
+  Status Link(const std::string& from, const std::string& to) override {
+    int err = PosixHookErr("link", to);
+    std::shared_lock crash(crash_mu_);
+    if (crashed_) return Dead("link " + to);
+    if (err != 0) return Injected(err, "link " + from + " -> " + to);
+    return BackingDir::Link(from, to);
+  }
+  Status Mknod(const std::string& path, mode_t mode, dev_t rdev) override {
+    int err = PosixHookErr("mknod", path);
+    std::shared_lock crash(crash_mu_);
+    if (crashed_) return Dead("mknod " + path);
+    if (err != 0) return Injected(err, "mknod " + path);
+    return BackingDir::Mknod(path, mode, rdev);
+  }
+  Status Fchown(int fd, uid_t uid, gid_t gid) override {
+    int err = PosixHookErr("fchown", "");
+    std::shared_lock crash(crash_mu_);
+    if (crashed_) return Dead("fchown");
+    if (err != 0) return Injected(err, "fchown");
+    return BackingDir::Fchown(fd, uid, gid);
+  }
+  Status Fallocate(int fd, int mode, off_t offset, off_t len) override {
+    int err = PosixHookErr("fallocate", "");
+    std::shared_lock crash(crash_mu_);
+    if (crashed_) return Dead("fallocate");
+    if (err != 0) return Injected(err, "fallocate");
+    return BackingDir::Fallocate(fd, mode, offset, len);
   }
   Result<std::vector<DirEntry>> List(const std::string& path) override {
     std::shared_lock crash(crash_mu_);
@@ -359,6 +403,12 @@ class FaultyBackingDir : public BackingDir {
     std::lock_guard lock(fault_mu_);
     return hook;
   }
+  // The errno the posix hook wants for call `op`, or 0. Runs before any lock is taken.
+  int PosixHookErr(const char* op, const std::string& path) {
+    posix_calls_.fetch_add(1);
+    PosixHook hook = Copy(posix_hook_);
+    return hook ? hook(op, path) : 0;
+  }
   // REQUIRES(crash_mu_ shared)
   void NoteWrite(int fd) {
     struct stat st;
@@ -387,6 +437,7 @@ class FaultyBackingDir : public BackingDir {
   FsyncHook fsync_hook_;                                      // GUARDED_BY(fault_mu_)
   RenameHook rename_hook_;                                    // GUARDED_BY(fault_mu_)
   PathHook sync_parent_hook_;                                 // GUARDED_BY(fault_mu_)
+  PosixHook posix_hook_;                                      // GUARDED_BY(fault_mu_)
 
   mutable std::mutex state_mu_;
   std::map<Key, Unsynced> unsynced_;  // GUARDED_BY(state_mu_)
@@ -396,6 +447,7 @@ class FaultyBackingDir : public BackingDir {
   std::atomic<uint64_t> rename_calls_{0};
   std::atomic<uint64_t> sync_parent_calls_{0};
   std::atomic<uint64_t> unlink_calls_{0};
+  std::atomic<uint64_t> posix_calls_{0};
   std::atomic<uint64_t> faults_injected_{0};
 };
 

@@ -279,6 +279,20 @@ TEST(JournalEntry, SerializeParseRoundTrip) {
   EXPECT_EQ(p->target, nullptr);
 }
 
+TEST(JournalEntry, NamesAreBytesNotUtf8) {
+  JournalEntry e;
+  e.seq = 3;
+  e.op = OpType::kRename;
+  e.path = std::string("ck/name-\x80\xff.bin", 16);
+  e.from = std::string("bad\xff\0tail", 9);  // any byte but '/' is allowed in a name
+  e.link_target = "\xc3\x28";
+  auto p = JournalEntry::Parse(e.Serialize());
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->path, e.path);
+  EXPECT_EQ(p->from, e.from);
+  EXPECT_EQ(p->link_target, e.link_target);
+}
+
 TEST(JournalEntry, ParseRejectsGarbageAsCorrupt) {
   EXPECT_EQ(JournalEntry::Parse("").status().code(), Code::kCorrupt);
   EXPECT_EQ(JournalEntry::Parse("not json").status().code(), Code::kCorrupt);

@@ -1,0 +1,285 @@
+// Multi-user POSIX operations of Filesystem: ownership of new and existing names,
+// mknod, hard links and fallocate. The namespace model and its locking are the ones of
+// fs/filesystem.cc (see fs/filesystem.h).
+#include <fcntl.h>
+#include <linux/falloc.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "fs/filesystem.h"
+
+namespace ckptfs::fs {
+namespace {
+
+std::string JoinName(const std::string& dir, const std::string& name) {
+  return dir.empty() ? name : dir + "/" + name;
+}
+
+struct timespec NowTs() {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return ts;
+}
+
+bool IsReserved(uint64_t parent, const std::string& name) {
+  return name.compare(0, sizeof(kTempPrefix) - 1, kTempPrefix) == 0 ||
+         (parent == kRootIno && name == kCtlDirName);
+}
+
+}  // namespace
+
+Status Filesystem::OwnTempLocked(Node* node, int fd) {
+  Status owned = backing_->Fchown(fd, node->attr.st_uid, node->attr.st_gid);
+  if (!owned.ok()) {
+    // A daemon that is not root, or a backing store that squashes root (NFS), cannot
+    // give files away. The bytes matter more than their owner: go on, and say so once.
+    static std::atomic<bool> warned{false};
+    if (!warned.exchange(true)) {
+      spdlog::warn("backing store refuses owner {}:{} ({}); files keep the daemon's owner",
+                   node->attr.st_uid, node->attr.st_gid, owned.ToString());
+    }
+  }
+  // After the owner: a chown clears setuid/setgid, which the mode may hold on purpose.
+  if (::fchmod(fd, node->attr.st_mode & 07777) != 0) return Status::FromErrno(errno, "fchmod");
+  return Status::Ok();
+}
+
+Result<uint64_t> Filesystem::ChownLocked(Node* node, uid_t uid, gid_t gid) {
+  if (uid != static_cast<uid_t>(-1)) node->attr.st_uid = uid;
+  if (gid != static_cast<gid_t>(-1)) node->attr.st_gid = gid;
+  node->attr.st_mode = ModeAfterChown(node->attr);
+  node->attr.st_ctim = NowTs();
+  if (node->write) {
+    // Staged: its temp file is what gets published (or already was, under the real name).
+    CKPT_RETURN_IF_ERROR(OwnTempLocked(node, node->write->staged->target()->fd()));
+    return uint64_t{0};
+  }
+  if (!node->on_backing) return uint64_t{0};
+  store::JournalEntry e;
+  e.op = store::OpType::kChown;
+  e.path = PathLocked(node);
+  e.uid = uid == static_cast<uid_t>(-1) ? store::kNoOwner : uid;
+  e.gid = gid == static_cast<gid_t>(-1) ? store::kNoOwner : gid;
+  CKPT_ASSIGN_OR_RETURN(uint64_t seq, AppendLocked(std::move(e), node));
+  if (node->type != NodeType::kDir && node->type != NodeType::kSymlink) {
+    // The backing chown clears setuid/setgid as this one did; a kChmod keeps both equal
+    // should the backing file system differ.
+    store::JournalEntry m;
+    m.op = store::OpType::kChmod;
+    m.path = PathLocked(node);
+    m.mode = node->attr.st_mode & 07777;
+    CKPT_ASSIGN_OR_RETURN(seq, AppendLocked(std::move(m), node));
+  }
+  return seq;
+}
+
+std::vector<std::shared_ptr<Node>> Filesystem::LinkPeersLocked(uint64_t group,
+                                                               const Node* except) {
+  std::vector<std::shared_ptr<Node>> peers;
+  auto it = link_groups_.find(group);
+  if (it == link_groups_.end()) return peers;
+  auto& members = it->second.members;
+  for (auto m = members.begin(); m != members.end();) {
+    std::shared_ptr<Node> node = m->lock();
+    if (!node) {
+      m = members.erase(m);
+      continue;
+    }
+    if (node.get() != except && node->parent != nullptr) peers.push_back(std::move(node));
+    ++m;
+  }
+  if (members.empty()) {
+    if (it->second.backing.second != 0) backing_links_.erase(it->second.backing);
+    link_groups_.erase(it);
+  }
+  return peers;
+}
+
+void Filesystem::AdoptLinkGroupLocked(Node* node, const struct stat& st) {
+  if (node->type == NodeType::kDir || st.st_nlink <= 1 || node->link_group != 0) return;
+  const std::pair<dev_t, ino_t> key{st.st_dev, st.st_ino};
+  auto [it, fresh] = backing_links_.emplace(key, node->ino);
+  // A group whose names all went away may have left its key behind.
+  if (!fresh && link_groups_.count(it->second) == 0) it->second = node->ino;
+  node->link_group = it->second;
+  LinkGroup& group = link_groups_[node->link_group];
+  group.backing = key;
+  group.members.push_back(inodes_[node->ino]);
+}
+
+void Filesystem::UnlinkPeersLocked(Node* node, uint64_t seq) {
+  if (node->link_group == 0) return;
+  for (const auto& other : LinkPeersLocked(node->link_group, node)) {
+    if (other->attr.st_nlink > 1) other->attr.st_nlink--;
+    other->attr.st_ctim = NowTs();
+    other->pending_seq = std::max(other->pending_seq, seq);
+  }
+}
+
+void Filesystem::SyncPeersLocked(const Node* node, uint64_t seq) {
+  if (node->link_group == 0) return;
+  for (const auto& other : LinkPeersLocked(node->link_group, node)) {
+    other->pending_seq = std::max(other->pending_seq, seq);
+    other->attr.st_mode = node->attr.st_mode;
+    other->attr.st_uid = node->attr.st_uid;
+    other->attr.st_gid = node->attr.st_gid;
+    other->attr.st_atim = node->attr.st_atim;
+    other->attr.st_mtim = node->attr.st_mtim;
+    other->attr.st_ctim = node->attr.st_ctim;
+  }
+}
+
+Result<Entry> Filesystem::Mknod(uint64_t parent, const std::string& name, mode_t mode,
+                                dev_t rdev, const Caller& caller) {
+  switch (mode & S_IFMT) {
+    case 0:
+    case S_IFREG:
+      return MakeEmptyFile(parent, name, mode & 07777, caller);
+    case S_IFIFO:
+    case S_IFSOCK:
+      return MakeNode(parent, name, NodeType::kSpecial, mode, "", 0, caller);
+    case S_IFCHR:
+    case S_IFBLK:
+      // The kernel lets only CAP_MKNOD callers get here.
+      return MakeNode(parent, name, NodeType::kSpecial, mode, "", rdev, caller);
+    default:
+      return Invalid("mknod of file type " + std::to_string(mode & S_IFMT));
+  }
+}
+
+Result<Entry> Filesystem::MakeEmptyFile(uint64_t parent, const std::string& name, mode_t mode,
+                                        const Caller& caller) {
+  CKPT_ASSIGN_OR_RETURN(auto created,
+                        Create(parent, name, mode, O_CREAT | O_EXCL | O_WRONLY, caller));
+  auto [entry, handle] = created;
+  std::shared_ptr<Node> node = handle->node;
+  Release(handle);  // the last writer: queues the publication of the empty file
+  uint64_t seq = 0;
+  {
+    std::lock_guard lock(ns_mu_);
+    if (node->write) seq = node->write->publish_seq;
+  }
+  if (seq != 0) CKPT_RETURN_IF_ERROR(WaitIfStrict(seq));
+  return entry;
+}
+
+Result<Entry> Filesystem::Link(uint64_t ino, uint64_t new_parent, const std::string& new_name,
+                               const Caller& caller) {
+  (void)caller;  // the kernel checked write permission on new_parent (default_permissions)
+  if (new_name.size() > 255) return Status(Code::kNameTooLong, "name longer than 255 bytes");
+  if (IsReserved(new_parent, new_name)) {
+    return Status(Code::kPermission, "reserved name " + new_name);
+  }
+  if (ino < kFirstNodeIno && ino != kRootIno) {
+    return Status(Code::kNotPermitted, "link of a control file");
+  }
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(ino));  // a symlink's target may be read by path below
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(new_parent));
+  Entry out;
+  Result<uint64_t> seq = uint64_t{0};
+  {
+    std::lock_guard lock(ns_mu_);
+    auto node = NodeLocked(ino);
+    if (!node) return NotFound("stale inode");
+    if (node->type == NodeType::kDir) {
+      return Status(Code::kNotPermitted, "hard link to a directory");
+    }
+    auto dir = NodeLocked(new_parent);
+    if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, new_name);
+    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+    if (ChildLocked(dir.get(), new_name)) return Status(Code::kExists, new_name);
+    if (node->parent == nullptr) return NotFound("link of an unlinked file");
+    if (!node->error.empty()) return Status(Code::kIo, node->error);
+    if (node->write) {
+      // Open writers would publish later bytes by renaming a new copy over this name,
+      // which would split the link: refuse rather than let the names drift apart.
+      if (node->open_writers > 0) {
+        return Status(Code::kBusy, "link of a file open for writing through the mount");
+      }
+      if (node->write->needs_publish) CKPT_RETURN_IF_ERROR(PublishLocked(node.get()).status());
+    }
+    if (!node->on_backing) return NotFound("link source is not published");
+    if (node->type == NodeType::kSymlink && node->link_target.empty()) {
+      CKPT_ASSIGN_OR_RETURN(node->link_target, backing_->Readlink(PathLocked(node.get())));
+    }
+    const std::string from = PathLocked(node.get());
+    const std::string to = JoinName(PathLocked(dir.get()), new_name);
+    auto link = NewNodeLocked(dir.get(), new_name, node->type);
+    if (node->link_group == 0) {
+      node->link_group = node->ino;
+      link_groups_[node->link_group].members.push_back(node);
+    }
+    node->attr.st_nlink++;
+    node->attr.st_ctim = NowTs();
+    for (const auto& other : LinkPeersLocked(node->link_group, node.get())) {
+      other->attr.st_nlink = node->attr.st_nlink;
+      other->attr.st_ctim = node->attr.st_ctim;
+    }
+    link->attr = node->attr;
+    link->attr.st_ino = link->ino;
+    if (node->write) link->attr.st_size = static_cast<off_t>(node->write->staged->size());
+    link->link_target = node->link_target;
+    link->link_group = node->link_group;
+    link_groups_[link->link_group].members.push_back(link);
+    link->on_backing = true;
+    store::JournalEntry e;
+    e.op = store::OpType::kLink;
+    e.from = from;
+    e.path = to;
+    seq = AppendLocked(std::move(e), link.get());
+    if (!seq.ok()) {
+      node->attr.st_nlink--;
+      DetachLocked(link);
+      return seq.status();
+    }
+    // Until the link is applied the new name has no backing path: opens wait for it,
+    // exactly as for a pending rename. The source's attributes are not refreshed from
+    // the backing store before then either.
+    link->rename_seq = *seq;
+    node->pending_seq = std::max(node->pending_seq, *seq);
+    out = EntryLocked(link.get());
+  }
+  CKPT_RETURN_IF_ERROR(WaitIfStrict(seq));
+  return out;
+}
+
+Status Filesystem::Fallocate(Handle* h, int mode, uint64_t offset, uint64_t length) {
+  if (mode != 0) {
+    return Unsupported("fallocate mode " + std::to_string(mode) + " (only mode 0 is supported)");
+  }
+  if (!h->node || !h->writable) return Status(Code::kPermission, "not open for writing");
+  if (length == 0) return Invalid("fallocate of 0 bytes");
+  const uint64_t end = offset + length;
+  for (int attempt = 0;; ++attempt) {
+    std::lock_guard lock(ns_mu_);
+    Node* node = h->node.get();
+    if (node->type != NodeType::kFile) return Invalid("fallocate of a non-regular file");
+    if (!node->error.empty()) return Status(Code::kIo, node->error);
+    if (node->attr.st_nlink > 1) {
+      return Status(Code::kTooManyLinks, "a file with several hard links cannot be rewritten");
+    }
+    if (!(node->write && node->write->discarded)) {
+      CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node, /*truncate=*/false));
+      // Unlinked after its last publication: the copy lives on, unnamed, until closed.
+      if (node->parent == nullptr) CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
+    }
+    std::shared_ptr<StagedFile> staged = node->write->staged;
+    h->staged = staged;
+    // Reserve the blocks in the temp file first, so ENOSPC comes back here and not at
+    // the flush; then extend the file as mode 0 does (the new bytes read as zeros).
+    CKPT_RETURN_IF_ERROR(backing_->Fallocate(staged->target()->fd(), FALLOC_FL_KEEP_SIZE,
+                                             static_cast<off_t>(offset),
+                                             static_cast<off_t>(length)));
+    if (end <= staged->size()) return Status::Ok();
+    Status st = staged->Truncate(end);
+    if (st.code() == Code::kAborted && attempt < 3) continue;  // frozen by a publish
+    if (!st.ok()) return st;
+    node->attr.st_mtim = node->attr.st_ctim = NowTs();
+    return Status::Ok();
+  }
+}
+
+}  // namespace ckptfs::fs
