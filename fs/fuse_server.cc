@@ -346,29 +346,43 @@ void SetReadAhead(const std::string& mountpoint, uint64_t bytes) {
 // libfuse's own messages (e.g. "fuse: unknown option(s): `-o foo'"), kept so that a failed
 // mount can say why, and logged.
 std::mutex g_fuse_log_mu;
-std::string g_fuse_log;  // guarded by g_fuse_log_mu; the messages of the current Mount()
+std::string g_fuse_partial;  // guarded by g_fuse_log_mu; a line libfuse has not ended yet
+std::string g_fuse_log;      // guarded by g_fuse_log_mu; the lines of the current Mount()
 
+// libfuse may write one message in several calls ("unknown option(s): `", "-o ", ...):
+// whole lines are logged and kept.
 void FuseLog(enum fuse_log_level level, const char* fmt, va_list ap) {
   char buf[1024];
   std::vsnprintf(buf, sizeof(buf), fmt, ap);
-  std::string line = buf;
-  while (!line.empty() && line.back() == '\n') line.pop_back();
-  if (level <= FUSE_LOG_ERR) {
-    spdlog::error("{}", line);
-  } else {
-    spdlog::debug("{}", line);
+  std::vector<std::string> lines;
+  {
+    std::lock_guard lock(g_fuse_log_mu);
+    g_fuse_partial += buf;
+    size_t nl;
+    while ((nl = g_fuse_partial.find('\n')) != std::string::npos) {
+      lines.push_back(g_fuse_partial.substr(0, nl));
+      g_fuse_partial.erase(0, nl + 1);
+      if (level <= FUSE_LOG_WARNING && g_fuse_log.size() < 4096) {
+        if (!g_fuse_log.empty()) g_fuse_log += "; ";
+        g_fuse_log += lines.back();
+      }
+    }
   }
-  std::lock_guard lock(g_fuse_log_mu);
-  if (level <= FUSE_LOG_WARNING && g_fuse_log.size() < 4096) {
-    if (!g_fuse_log.empty()) g_fuse_log += "; ";
-    g_fuse_log += line;
+  for (const auto& line : lines) {
+    if (level <= FUSE_LOG_ERR) {
+      spdlog::error("{}", line);
+    } else {
+      spdlog::debug("{}", line);
+    }
   }
 }
 
 // "fuse: cannot mount on X" plus what libfuse said about it.
 std::string WithFuseLog(std::string message) {
   std::lock_guard lock(g_fuse_log_mu);
-  if (!g_fuse_log.empty()) message += ": " + g_fuse_log;
+  std::string said = g_fuse_log;
+  if (!g_fuse_partial.empty()) said += (said.empty() ? "" : "; ") + g_fuse_partial;
+  if (!said.empty()) message += ": " + said;
   return message;
 }
 
@@ -401,6 +415,7 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
   {
     std::lock_guard lock(g_fuse_log_mu);
     g_fuse_log.clear();
+    g_fuse_partial.clear();
   }
   fuse_set_log_func(FuseLog);
   std::unique_ptr<FuseServer> server(new FuseServer());
