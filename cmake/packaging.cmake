@@ -23,8 +23,10 @@ endif()
 install(FILES ${CMAKE_SOURCE_DIR}/contrib/systemd/ckptfs@.service
         DESTINATION ${CKPTFS_SYSTEMD_UNIT_DIR})
 install(FILES ${CMAKE_SOURCE_DIR}/contrib/systemd/ckptfs.conf.example
-              ${CMAKE_SOURCE_DIR}/contrib/logrotate/ckptfs
+              ${CMAKE_SOURCE_DIR}/contrib/prometheus-alerts.yaml
         DESTINATION ${CMAKE_INSTALL_DOCDIR}/examples)
+install(FILES ${CMAKE_SOURCE_DIR}/contrib/logrotate/ckptfs
+        DESTINATION ${CMAKE_INSTALL_DOCDIR}/examples/logrotate)
 install(DIRECTORY ${CMAKE_SOURCE_DIR}/contrib/slurm ${CMAKE_SOURCE_DIR}/contrib/kubernetes
                   ${CMAKE_SOURCE_DIR}/contrib/grafana
         DESTINATION ${CMAKE_INSTALL_DOCDIR}/examples USE_SOURCE_PERMISSIONS)

@@ -8,9 +8,9 @@
 #pragma once
 
 #include <array>
-#include <cstdio>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 
 namespace ckptfs {
@@ -18,9 +18,9 @@ namespace ckptfs {
 class Histogram {
  public:
   // Upper bounds in seconds, ascending; +Inf is implicit.
-  static constexpr std::array<double, 16> kBounds = {
-      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
-      0.05,   0.1,     0.25,   0.5,   1,      2.5,   10,  60};
+  static constexpr std::array<double, 16> kBounds = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                                                     0.01,   0.025,   0.05,   0.1,   0.25,   0.5,
+                                                     1,      2.5,     10,     60};
 
   void Observe(double seconds) {
     size_t i = 0;

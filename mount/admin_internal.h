@@ -60,9 +60,15 @@ inline std::optional<bool> GetBool(const json& j, const char* key) {
   return it->get<bool>();
 }
 
-inline std::string OrDash(const std::optional<std::string>& s) { return s && !s->empty() ? *s : "-"; }
-inline std::string BytesOrDash(const std::optional<uint64_t>& n) { return n ? HumanBytes(*n) : "-"; }
-inline std::string CountOrDash(const std::optional<uint64_t>& n) { return n ? std::to_string(*n) : "-"; }
+inline std::string OrDash(const std::optional<std::string>& s) {
+  return s && !s->empty() ? *s : "-";
+}
+inline std::string BytesOrDash(const std::optional<uint64_t>& n) {
+  return n ? HumanBytes(*n) : "-";
+}
+inline std::string CountOrDash(const std::optional<uint64_t>& n) {
+  return n ? std::to_string(*n) : "-";
+}
 
 // "5s", "0.5s": a user-given number of seconds, as given.
 inline std::string Seconds(double s) {
@@ -98,13 +104,14 @@ inline std::string Join(const std::string& dir, std::string_view name) {
 }
 
 inline std::string StatsPath(const std::string& root) { return Join(root, ".ckptfs/stats"); }
-inline std::string CheckpointsPath(const std::string& root) { return Join(root, ".ckptfs/checkpoints"); }
+inline std::string CheckpointsPath(const std::string& root) {
+  return Join(root, ".ckptfs/checkpoints");
+}
 
 // "staged, 1.00 GiB of 2.00 GiB done"
 inline std::string DescribeProgress(const Progress& p) {
   if (p.state.empty()) return "no progress read";
   return p.state + ", " + HumanBytes(p.bytes_done) + " of " + HumanBytes(p.bytes_total) + " done";
 }
-
 
 }  // namespace ckptfs::admin::internal

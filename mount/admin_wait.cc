@@ -57,10 +57,10 @@ WaitOutcome WaitForPath(AdminEnv* env, const std::string& path, const WaitOption
     } else if (options.plain_every_s > 0 && now >= next_plain &&
                ClassifyState(outcome.last.state) == StateKind::kInProgress) {
       // Slurm logs and pipes: a plain line now and then, never a carriage return.
-      err << kPrefix << path << ": " << Percent(PercentDone(outcome.last.bytes_done,
-                                                            outcome.last.bytes_total))
-          << "  " << HumanBytes(outcome.last.bytes_done) << " / "
-          << HumanBytes(outcome.last.bytes_total) << "  " << outcome.last.state;
+      err << kPrefix << path << ": "
+          << Percent(PercentDone(outcome.last.bytes_done, outcome.last.bytes_total)) << "  "
+          << HumanBytes(outcome.last.bytes_done) << " / " << HumanBytes(outcome.last.bytes_total)
+          << "  " << outcome.last.state;
       if (bytes_per_s >= 0) {
         err << ", " << HumanBytes(static_cast<uint64_t>(bytes_per_s)) << "/s";
         if (bytes_per_s > 0 && outcome.last.bytes_total > outcome.last.bytes_done) {
@@ -98,8 +98,7 @@ WaitOutcome WaitForPath(AdminEnv* env, const std::string& path, const WaitOption
   }
 }
 
-std::string WaitOutcomeJson(const std::string& path, const WaitOutcome& outcome,
-                            double elapsed_s) {
+std::string WaitOutcomeJson(const std::string& path, const WaitOutcome& outcome, double elapsed_s) {
   json j = {{"path", path},
             {"state", outcome.last.state.empty() ? json(nullptr) : json(outcome.last.state)},
             {"bytes_total", outcome.last.bytes_total},
@@ -129,8 +128,8 @@ int RunWait(AdminEnv* env, const std::string& path, const WaitOptions& options, 
   auto root = FindMountRoot(path);
   while (!root.ok() && ::access(path.c_str(), F_OK) != 0 &&
          env->MonotonicSeconds() - start < options.create_timeout_s) {
-    env->Sleep(std::min(options.interval_s,
-                        options.create_timeout_s - (env->MonotonicSeconds() - start)));
+    env->Sleep(
+        std::min(options.interval_s, options.create_timeout_s - (env->MonotonicSeconds() - start)));
     root = FindMountRoot(path);
   }
   if (!root.ok()) {

@@ -250,7 +250,8 @@ Result<DaemonOptions> ParseMountHelperArgs(int argc, const char* const* argv) {
       ++i;
     } else if (a.rfind("-o", 0) == 0) {
       args.push_back(a);
-    } else if (a.size() >= 2 && a[0] == '-' && a.find_first_not_of("sfnvh", 1) == std::string::npos) {
+    } else if (a.size() >= 2 && a[0] == '-' &&
+               a.find_first_not_of("sfnvh", 1) == std::string::npos) {
       if (a.find('f') != std::string::npos) fake = true;  // mount -f: do everything but mount
       if (a.find('h') != std::string::npos) args.push_back("--help");
     } else {

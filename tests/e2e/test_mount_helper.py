@@ -179,6 +179,41 @@ class MountHelperTest(unittest.TestCase):
             self.assertRegex(r.stdout, r"^ckptfs(-admin)? \d+\.\d+\.\d+ \(git \w+\)\n$")
 
 
+class SdNotifyTest(unittest.TestCase):
+    def test_foreground_daemon_reports_ready_and_stopping_to_systemd(self):
+        """Type=notify: READY=1 (with MAINPID) once the mount answers, STOPPING=1 on drain."""
+        import socket
+        root = tempfile.mkdtemp(prefix="ckptfs-e2e-notify-")
+        self.addCleanup(shutil.rmtree, root, ignore_errors=True)
+        backing, mnt = os.path.join(root, "b"), os.path.join(root, "m")
+        os.makedirs(backing)
+        os.makedirs(mnt)
+        sock_path = os.path.join(root, "notify")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.addCleanup(sock.close)
+        sock.bind(sock_path)
+        sock.settimeout(30)
+        env = dict(os.environ, NOTIFY_SOCKET=sock_path)
+        proc = subprocess.Popen([CKPTFS, "-f", "--staging-mem", "64M", "--state-dir",
+                                 os.path.join(root, "s"), "--log-file",
+                                 os.path.join(root, "log"), backing, mnt], env=env)
+
+        def stop():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            unmount(mnt)
+        self.addCleanup(stop)
+        ready = sock.recv(4096).decode()
+        self.assertIn("READY=1", ready)
+        self.assertIn(f"MAINPID={proc.pid}", ready)
+        self.assertTrue(is_mounted(mnt), "READY=1 before the mount answered")
+        self.assertTrue(os.path.exists(os.path.join(mnt, ".ckptfs", "stats")))
+        subprocess.run(["fusermount3", "-u", mnt], check=True)
+        self.assertIn("STOPPING=1", sock.recv(4096).decode())
+        self.assertEqual(proc.wait(timeout=60), 0)
+
+
 class SighupTest(unittest.TestCase):
     def test_sighup_reopens_the_log_and_keeps_the_mount(self):
         with Mount() as m:
