@@ -10,11 +10,11 @@ namespace ckptfs {
 
 struct LogRotation {
   uint64_t max_bytes = uint64_t{100} << 20;  // a file is rotated at this size
-  int max_files = 5;                         // FILE.1 ... FILE.N are kept
+  int max_files = 5;  // this many rotated files are kept: ckptfs.1.log ... ckptfs.N.log
 };
 
 // Installs the default logger: stderr, or `file` when non-empty, rotated by size
-// (FILE, FILE.1, ...). `level` is one of trace, debug, info, warn, error, off. Call once,
+// (spdlog's naming: ckptfs.log, ckptfs.1.log, ckptfs.2.log, ...). `level` is one of trace, debug, info, warn, error, off. Call once,
 // before other threads log.
 Status SetupLogging(const std::string& level, const std::string& file,
                     const LogRotation& rotation = {});
