@@ -142,8 +142,10 @@ int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
   if (auto st = ckptfs::SetupLogging(o.log_level, log_file, rotation); !st.ok()) {
     return fail_start("logging", st);
   }
-  spdlog::info("{} starting: {} on {}", ckptfs::VersionLine("ckptfs"), o.backing_dir,
-               o.mountpoint);
+  if (!log_file.empty()) {  // on stderr, a failed start stays one line
+    spdlog::info("{} starting: {} on {}", ckptfs::VersionLine("ckptfs"), o.backing_dir,
+                 o.mountpoint);
+  }
   ckptfs::fs::FsConfig config;
   config.backing_dir = o.backing_dir;
   config.mountpoint = o.mountpoint;
