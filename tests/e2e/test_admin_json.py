@@ -133,5 +133,37 @@ class AdminJsonTest(unittest.TestCase):
             m.proc.wait(timeout=30)
 
 
+class DirectoryProgressTest(unittest.TestCase):
+    def test_a_directory_waits_in_bytes_of_its_unpublished_files(self):
+        """A checkpoint whose .metadata names a shard that never comes holds the ordered
+        journal (up to --commit-timeout); files written after it wait. The directory's
+        progress, which `wait DIR` shows, counts their bytes, never journal entries."""
+        import tempfile
+        with Mount(args=["--commit-timeout", "60"]) as m:
+            outside = tempfile.mkdtemp(prefix="ckptfs-e2e-meta-")
+            self.addCleanup(__import__("shutil").rmtree, outside, ignore_errors=True)
+            dcp.save_state_dict({"w": torch.ones(4)}, dcp.FileSystemWriter(outside),
+                                no_dist=True)
+            held = os.path.join(m.mnt, "held")
+            os.makedirs(held)
+            with open(os.path.join(outside, ".metadata"), "rb") as src, \
+                    open(os.path.join(held, ".metadata"), "wb") as dst:
+                dst.write(src.read())  # its shard is missing: the commit waits
+            d = os.path.join(m.mnt, "d")
+            os.makedirs(d)
+            sizes = {"a": 100_000, "b": 3 << 20}
+            for name, size in sizes.items():
+                with open(os.path.join(d, name), "wb") as f:
+                    f.write(b"q" * size)
+            prog = json.loads(os.getxattr(d, "user.ckptfs.progress"))
+            self.assertEqual(prog["state"], "staged", prog)
+            self.assertEqual(prog["bytes_total"], sum(sizes.values()), prog)
+            self.assertLessEqual(prog["bytes_done"], prog["bytes_total"])
+            self.assertGreater(prog["entries_pending"], 0)
+            w = admin_json(self, "wait", d, "--timeout", "0.5", "--json", rc=2)
+            self.assertEqual((w["state"], w["bytes_total"]), ("staged", sum(sizes.values())))
+            self.assertIn("timed out", w["message"])
+            m.kill()  # the held commit would make a clean unmount wait for the timeout
+
 if __name__ == "__main__":
     unittest.main()
