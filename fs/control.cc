@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "ckptfs_version.h"
 #include "common/histogram.h"
@@ -45,10 +46,9 @@ class CommitTimes {
     std::lock_guard lock(mu_);
     for (const auto& info : list) {
       if (info.state != store::CkptState::kCommitted || info.committed < process_start ||
-          info.created <= 0 || seen_.count(info.path) != 0) {
+          info.created <= 0 || !seen_.emplace(info.path, info.committed).second) {
         continue;
       }
-      seen_.insert(info.path);
       histogram_.Observe(std::max(0.0, info.committed - info.created));
     }
   }
@@ -56,7 +56,8 @@ class CommitTimes {
 
  private:
   std::mutex mu_;
-  std::set<std::string> seen_;  // guarded by mu_; paths (a checkpoint saved again counts once)
+  // Guarded by mu_: (path, commit time), so a path saved and committed again counts again.
+  std::set<std::pair<std::string, double>> seen_;
   Histogram histogram_;
 };
 

@@ -82,12 +82,14 @@ class SighupReopener {
       }
     });
   }
-  ~SighupReopener() {
+  // Joins the thread; SIGHUP stays blocked (pending ones are dropped at exit).
+  void Stop() {
     if (!thread_.joinable()) return;
     stop_.store(true);
     pthread_kill(thread_.native_handle(), SIGHUP);
     thread_.join();
   }
+  ~SighupReopener() { Stop(); }
 
  private:
   std::atomic<bool> stop_{false};
@@ -196,6 +198,7 @@ int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
   server->Unmount();
   uint64_t unpublished = fs->Shutdown();
   metrics.reset();
+  reopener.Stop();  // nothing may log after spdlog::shutdown()
   bool clean = run.ok() && unpublished == 0;
   WriteExitReport(o.state_dir, clean, unpublished, run.ok() ? "" : run.ToString());
   spdlog::info("ckptfs exits: {} ({} files not published)", clean ? "clean" : "NOT clean",
