@@ -323,9 +323,15 @@ Result<std::string> FormatStats(std::string_view stats_json) {
   auto cks = j.find("checkpoints");
   if (cks != j.end() && cks->is_object()) {
     checkpoints.clear();
-    for (const char* state : {"writing", "pending", "committed", "failed", "aborted"}) {
+    static const char* const kKnown[] = {"writing", "pending", "committed", "failed", "aborted"};
+    for (const char* state : kKnown) {
       if (!checkpoints.empty()) checkpoints += ", ";
       checkpoints += CountOrDash(GetU64(*cks, state)) + " " + state;
+    }
+    // States a newer daemon reports (e.g. "halted") follow, so none is hidden.
+    for (const auto& [state, n] : cks->items()) {
+      if (std::find(std::begin(kKnown), std::end(kKnown), state) != std::end(kKnown)) continue;
+      checkpoints += ", " + CountOrDash(GetU64(*cks, state.c_str())) + " " + state;
     }
   }
 

@@ -650,6 +650,14 @@ TEST(RunAdmin, VersionExitsZero) {
   EXPECT_THAT(out, StartsWith("ckptfs-admin "));
 }
 
+TEST(FormatStats, ShowsCheckpointStatesItDoesNotKnowAndIgnoresUnknownFields) {
+  auto text = FormatStats(R"({"pid":1,"checkpoints":{"committed":2,"halted":1},
+                              "journal_state":"halted","new_counter":5})");
+  ASSERT_TRUE(text.ok()) << text.status().ToString();
+  EXPECT_THAT(*text, HasSubstr("2 committed"));
+  EXPECT_THAT(*text, HasSubstr("1 halted"));
+}
+
 TEST(RunUnmount, DrainsUnmountsWaitsForThePidAndChecksTheExitReport) {
   FakeMount m;
   FakeEnv env;
