@@ -325,13 +325,19 @@ std::string Filesystem::ProgressJson(uint64_t ino) {
   const uint64_t last = journal_->last_appended();
   if (last > applied) {
     j["state"] = "staged";
-    const std::string prefix = path.empty() ? "" : path + "/";  // "" is the root
+    // Below it: `node` is an ancestor (a parent walk, no path strings under the lock).
+    auto below = [&](const Node* n) {
+      for (const Node* p = n->parent; p != nullptr; p = p->parent) {
+        if (p == node.get()) return true;
+      }
+      return false;
+    };
     uint64_t total = 0, done = 0;
     for (const auto& [_, n] : inodes_) {
       if (n->type != NodeType::kFile || !n->write) continue;
       const WriteState& ws = *n->write;
       if (!ws.needs_publish && ws.publish_seq <= applied) continue;
-      if (PathLocked(n.get()).rfind(prefix, 0) != 0) continue;
+      if (!below(n.get())) continue;
       const uint64_t size = ws.staged->size();
       total += size;
       done += std::min<uint64_t>(size, ws.staged->target()->bytes_flushed());
