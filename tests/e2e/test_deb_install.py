@@ -65,7 +65,12 @@ class DebInstallTest(unittest.TestCase):
             if r.returncode != 0:
                 shutil.rmtree(part, ignore_errors=True)
                 self.fail(f"debootstrap failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
-            os.rename(part, ROOT_CACHE)
+            try:
+                os.rename(part, ROOT_CACHE)
+            except OSError:  # another worktree's run made it meanwhile
+                shutil.rmtree(part, ignore_errors=True)
+                if not os.path.isdir(ROOT_CACHE):
+                    raise
         return ROOT_CACHE
 
     def build_deb(self):
