@@ -2,13 +2,19 @@
 #include <sys/xattr.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "common/json_text.h"
+#include "ckptfs_version.h"
+#include "common/histogram.h"
 #include "fs/filesystem.h"
+#include "fs/op_metrics.h"
 
 namespace ckptfs::fs {
 namespace {
@@ -23,7 +29,55 @@ constexpr char kChecksumsXattr[] = "user.ckptfs.checksums";
 constexpr char kResumeXattr[] = "user.ckptfs.resume";
 constexpr char kAbortXattr[] = "user.ckptfs.abort";
 constexpr char kAbortReportXattr[] = "user.ckptfs.aborted";
-constexpr char kVersion[] = "0.1.0";
+constexpr char kVersion[] = CKPTFS_VERSION;
+
+// A Prometheus label value: backslash, double quote and newline escaped.
+std::string LabelValue(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') out.push_back('\\');
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out.push_back(c);
+  }
+  return out;
+}
+
+// Save-to-commit seconds (first file created -> committed) of the checkpoints this
+// process committed. The registry is polled at each scrape, and each checkpoint is
+// observed once, the first time it is seen committed, so the histogram only grows.
+class CommitTimes {
+ public:
+  void Update(const std::vector<store::CheckpointInfo>& list, double process_start) {
+    std::lock_guard lock(mu_);
+    for (const auto& info : list) {
+      if (info.state != store::CkptState::kCommitted || info.committed < process_start ||
+          info.created <= 0 || !seen_.emplace(info.path, info.committed).second) {
+        continue;
+      }
+      histogram_.Observe(std::max(0.0, info.committed - info.created));
+    }
+  }
+  const Histogram& histogram() const { return histogram_; }
+
+ private:
+  std::mutex mu_;
+  // Guarded by mu_: (path, commit time), so a path saved and committed again counts again.
+  std::set<std::pair<std::string, double>> seen_;
+  Histogram histogram_;
+};
+
+CommitTimes& ProcessCommitTimes() {
+  static CommitTimes times;
+  return times;
+}
+
+double EpochNow() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
 
 }  // namespace
 
@@ -140,45 +194,113 @@ std::string Filesystem::CheckpointsJson() {
   return JsonText(arr, 1) + "\n";
 }
 
+// Prometheus text exposition (version 0.0.4). Names follow Prometheus conventions
+// (base units in the name, _total for counters); every series carries the mountpoint.
 std::string Filesystem::MetricsText() {
-  auto stats = nlohmann::json::parse(StatsJson());
-  std::ostringstream out;
-  auto metric = [&](const char* name, const char* type, const char* help, uint64_t value) {
-    out << "# HELP ckptfs_" << name << " " << help << "\n# TYPE ckptfs_" << name << " " << type
-        << "\nckptfs_" << name << " " << value << "\n";
+  const auto stats = nlohmann::json::parse(StatsJson());
+  const std::string mnt = "mountpoint=\"" + LabelValue(config_.mountpoint) + "\"";
+  const double start_epoch =
+      EpochNow() -
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+  std::string out;
+  auto header = [&](const std::string& name, const char* type, const char* help) {
+    out += "# HELP ckptfs_" + name + " " + help + "\n# TYPE ckptfs_" + name + " " + type + "\n";
   };
-  metric("bytes_written_total", "counter", "Bytes written by applications.",
-         stats["bytes_written"]);
-  metric("bytes_flushed_total", "counter", "Bytes written to backing temp files.",
-         stats["bytes_flushed"]);
-  metric("bytes_published_total", "counter", "Bytes of files published on the backing store.",
-         stats["bytes_published"]);
-  metric("backing_bytes_read_total", "counter", "Bytes read from the backing store.",
-         stats["backing_bytes_read"]);
-  metric("bytes_served_total", "counter", "Bytes returned to readers.", stats["bytes_served"]);
-  if (stats.contains("cache_hits")) {
-    metric("cache_hits_total", "counter", "Block cache hits.", stats["cache_hits"]);
-    metric("cache_misses_total", "counter", "Block cache misses.", stats["cache_misses"]);
-    metric("cache_dedup_waits_total", "counter", "Reads that joined a backing read in flight.",
-           stats["cache_dedup_waits"]);
-    metric("cache_used_bytes", "gauge", "Block cache memory in use.", stats["cache_used"]);
-    out << "# HELP ckptfs_dedup_ratio Bytes served from the cache per byte read from the "
-           "backing store.\n# TYPE ckptfs_dedup_ratio gauge\nckptfs_dedup_ratio "
-        << stats["dedup_ratio"].get<double>() << "\n";
-  }
-  metric("staging_used_bytes", "gauge", "Staging memory in use.", stats["staging_used"]);
-  metric("staging_limit_bytes", "gauge", "Staging memory budget.", stats["staging_limit"]);
+  auto number = [](const nlohmann::json& v) -> std::string {
+    if (v.is_number_unsigned()) return std::to_string(v.get<uint64_t>());
+    if (v.is_number_integer()) return std::to_string(v.get<int64_t>());
+    if (v.is_number_float()) {
+      std::ostringstream f;
+      f.precision(17);
+      f << v.get<double>();
+      return f.str();
+    }
+    return "0";
+  };
+  // A series from a stats field; fields another version of the daemon lacks are skipped.
+  auto metric = [&](const std::string& name, const char* type, const char* help,
+                    const char* field) {
+    auto it = stats.find(field);
+    if (it == stats.end() || !it->is_number()) return;
+    header(name, type, help);
+    out += "ckptfs_" + name + "{" + mnt + "} " + number(*it) + "\n";
+  };
+
+  header("build_info", "gauge", "Version and git commit of the running daemon; always 1.");
+  out += "ckptfs_build_info{" + mnt + ",version=\"" + kVersion + "\",commit=\"" +
+         CKPTFS_GIT_COMMIT + "\",durability=\"" + (config_.strict ? "strict" : "async") +
+         "\"} 1\n";
+  header("start_time_seconds", "gauge", "When the daemon started, in seconds since the epoch.");
+  out += "ckptfs_start_time_seconds{" + mnt + "} " + number(start_epoch) + "\n";
+
+  metric("written_bytes_total", "counter", "Bytes written by applications.", "bytes_written");
+  metric("flushed_bytes_total", "counter", "Bytes written to backing temp files.",
+         "bytes_flushed");
+  metric("published_bytes_total", "counter", "Bytes of files published on the backing store.",
+         "bytes_published");
+  metric("published_files_total", "counter", "Files published on the backing store.",
+         "files_published");
+  metric("backing_read_bytes_total", "counter", "Bytes read from the backing store.",
+         "backing_bytes_read");
+  metric("backing_written_bytes_total", "counter", "Bytes written to the backing store.",
+         "backing_bytes_written");
+  metric("served_bytes_total", "counter", "Bytes returned to readers.", "bytes_served");
+  metric("cache_hits_total", "counter", "Block cache hits.", "cache_hits");
+  metric("cache_misses_total", "counter", "Block cache misses.", "cache_misses");
+  metric("cache_dedup_waits_total", "counter", "Reads that joined a backing read in flight.",
+         "cache_dedup_waits");
+  metric("cache_used_bytes", "gauge", "Block cache memory in use.", "cache_used");
+  metric("cache_limit_bytes", "gauge", "Block cache budget.", "cache_limit");
+  metric("prefetched_bytes_total", "counter", "Bytes prefetched into the block cache.",
+         "prefetched_bytes");
+  metric("dedup_ratio", "gauge",
+         "Bytes served from the cache per byte read from the backing store.", "dedup_ratio");
+  metric("staging_used_bytes", "gauge", "Staging memory in use.", "staging_used");
+  metric("staging_limit_bytes", "gauge", "Staging memory budget.", "staging_limit");
   metric("staging_waits_total", "counter", "Writes that waited for staging memory.",
-         stats["staging_waits"]);
-  metric("journal_pending", "gauge", "Journal entries not yet applied.",
-         stats["journal_pending"]);
-  metric("files_pending", "gauge", "Files not yet published.", stats["files_pending"]);
-  metric("errors_total", "counter", "Errors (flush, publish, commit).", stats["errors"]);
-  out << "# HELP ckptfs_checkpoints Checkpoints by state.\n# TYPE ckptfs_checkpoints gauge\n";
-  for (const auto& [state, n] : stats["checkpoints"].items()) {
-    out << "ckptfs_checkpoints{state=\"" << state << "\"} " << n.get<uint64_t>() << "\n";
+         "staging_waits");
+  metric("journal_pending_entries", "gauge", "Journal entries not yet applied.",
+         "journal_pending");
+  metric("pending_files", "gauge", "Files not yet published.", "files_pending");
+  metric("flush_queue_chunks", "gauge", "Sealed chunks waiting for a flush thread.",
+         "flush_queue");
+  metric("errors_total", "counter", "Errors (flush, publish, commit).", "errors");
+
+  header("checkpoints", "gauge", "Checkpoints known to this daemon, by state.");
+  if (auto it = stats.find("checkpoints"); it != stats.end() && it->is_object()) {
+    for (const auto& [state, n] : it->items()) {
+      out += "ckptfs_checkpoints{" + mnt + ",state=\"" + LabelValue(state) + "\"} " + number(n) +
+             "\n";
+    }
   }
-  return out.str();
+
+  const std::vector<store::CheckpointInfo> list = checkpoints_->List();
+  double last_commit = 0;
+  for (const auto& info : list) {
+    if (info.state == store::CkptState::kCommitted) {
+      last_commit = std::max(last_commit, info.committed);
+    }
+  }
+  header("last_commit_timestamp_seconds", "gauge",
+         "When the newest checkpoint was committed, in seconds since the epoch; 0: none yet.");
+  out += "ckptfs_last_commit_timestamp_seconds{" + mnt + "} " + number(last_commit) + "\n";
+
+  CommitTimes& commit_times = ProcessCommitTimes();
+  commit_times.Update(list, start_epoch);
+  header("save_to_commit_seconds", "histogram",
+         "Seconds from a checkpoint's first file to its commit, for checkpoints committed "
+         "by this daemon.");
+  commit_times.histogram().Render("ckptfs_save_to_commit_seconds", mnt, &out);
+  header("staging_wait_seconds", "histogram",
+         "Seconds a write waited for free staging memory (backpressure).");
+  StagingWaitHistogram().Render("ckptfs_staging_wait_seconds", mnt, &out);
+  header("fuse_op_duration_seconds", "histogram", "Seconds to answer a FUSE request, by op.");
+  for (size_t i = 0; i < kFuseOpNames.size(); ++i) {
+    FuseOpHistogram(static_cast<FuseOp>(i))
+        .Render("ckptfs_fuse_op_duration_seconds", mnt + ",op=\"" + kFuseOpNames[i] + "\"",
+                &out);
+  }
+  return out;
 }
 
 std::string Filesystem::ProgressJson(uint64_t ino) {
@@ -222,12 +344,31 @@ std::string Filesystem::ProgressJson(uint64_t ino) {
     return JsonText(j);
   }
   // Any other directory: published once no entry made so far is pending. (Entries
-  // are applied in order, so this covers everything below it.)
+  // are applied in order, so this covers everything below it.) Its bytes are those of
+  // the unpublished files below it: total staged, done durable on the backing store.
   const uint64_t last = journal_->last_appended();
   if (last > applied) {
     j["state"] = "staged";
-    j["bytes_total"] = last;
-    j["bytes_done"] = applied;
+    // Below it: `node` is an ancestor (a parent walk, no path strings under the lock).
+    auto below = [&](const Node* n) {
+      for (const Node* p = n->parent; p != nullptr; p = p->parent) {
+        if (p == node.get()) return true;
+      }
+      return false;
+    };
+    uint64_t total = 0, done = 0;
+    for (const auto& [_, n] : inodes_) {
+      if (n->type != NodeType::kFile || !n->write) continue;
+      const WriteState& ws = *n->write;
+      if (!ws.needs_publish && ws.publish_seq <= applied) continue;
+      if (!below(n.get())) continue;
+      const uint64_t size = ws.staged->size();
+      total += size;
+      done += std::min<uint64_t>(size, ws.staged->target()->bytes_flushed());
+    }
+    j["bytes_total"] = total;
+    j["bytes_done"] = done;
+    j["entries_pending"] = last - applied;
   }
   return JsonText(j);
 }

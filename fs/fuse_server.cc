@@ -1,18 +1,26 @@
 #define FUSE_USE_VERSION 312
 #include "fs/fuse_server.h"
 
+#include <libmount/libmount.h>
+
+#include <fuse3/fuse_log.h>
 #include <fuse3/fuse_lowlevel.h>
 #include <spdlog/spdlog.h>
 
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdarg>
+#include <cstdio>
+#include <mutex>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <vector>
+
+#include "fs/op_metrics.h"
 
 namespace ckptfs::fs {
 namespace {
@@ -82,6 +90,7 @@ void OpInit(void* userdata, struct fuse_conn_info* conn) {
 }
 
 void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  OpTimer timer(FuseOp::kLookup);
   auto r = Fs(req)->Lookup(parent, name);
   if (!r.ok()) return ReplyErr(req, r.status());
   ReplyEntry(req, *r);
@@ -98,6 +107,7 @@ void OpForgetMulti(fuse_req_t req, size_t count, struct fuse_forget_data* forget
 }
 
 void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info*) {
+  OpTimer timer(FuseOp::kGetattr);
   auto r = Fs(req)->GetAttr(ino);
   if (!r.ok()) return ReplyErr(req, r.status());
   fuse_reply_attr(req, &*r, Fs(req)->AttrTimeout(ino));
@@ -105,6 +115,7 @@ void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info*) {
 
 void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
                struct fuse_file_info* fi) {
+  OpTimer timer(FuseOp::kSetattr);
   // Every ownership rule of a setattr may turn on group membership (chgrp, setgid,
   // write permission through a supplementary group); setattr is rare next to I/O.
   auto r = Fs(req)->SetAttr(ino, *attr, to_set, fi ? H(fi) : nullptr, CallerOf(req, true));
@@ -113,30 +124,35 @@ void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
 }
 
 void OpReadlink(fuse_req_t req, fuse_ino_t ino) {
+  OpTimer timer(FuseOp::kReadlink);
   auto r = Fs(req)->Readlink(ino);
   if (!r.ok()) return ReplyErr(req, r.status());
   fuse_reply_readlink(req, r->c_str());
 }
 
 void OpMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode) {
+  OpTimer timer(FuseOp::kMkdir);
   auto r = Fs(req)->Mkdir(parent, name, mode, CallerOf(req, false));
   if (!r.ok()) return ReplyErr(req, r.status());
   ReplyEntry(req, *r);
 }
 
 void OpSymlink(fuse_req_t req, const char* link, fuse_ino_t parent, const char* name) {
+  OpTimer timer(FuseOp::kSymlink);
   auto r = Fs(req)->Symlink(link, parent, name, CallerOf(req, false));
   if (!r.ok()) return ReplyErr(req, r.status());
   ReplyEntry(req, *r);
 }
 
 void OpMknod(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode, dev_t rdev) {
+  OpTimer timer(FuseOp::kMknod);
   auto r = Fs(req)->Mknod(parent, name, mode, rdev, CallerOf(req, (mode & S_ISGID) != 0));
   if (!r.ok()) return ReplyErr(req, r.status());
   ReplyEntry(req, *r);
 }
 
 void OpLink(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char* newname) {
+  OpTimer timer(FuseOp::kLink);
   auto r = Fs(req)->Link(ino, newparent, newname, CallerOf(req, false));
   if (!r.ok()) return ReplyErr(req, r.status());
   struct fuse_session* session =
@@ -152,6 +168,7 @@ void OpLink(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char* ne
 
 void OpFallocate(fuse_req_t req, fuse_ino_t, int mode, off_t offset, off_t length,
                  struct fuse_file_info* fi) {
+  OpTimer timer(FuseOp::kFallocate);
   if (offset < 0 || length <= 0) {
     fuse_reply_err(req, EINVAL);
     return;
@@ -161,21 +178,25 @@ void OpFallocate(fuse_req_t req, fuse_ino_t, int mode, off_t offset, off_t lengt
 }
 
 void OpUnlink(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  OpTimer timer(FuseOp::kUnlink);
   fuse_reply_err(req, Fs(req)->Unlink(parent, name, CallerOf(req, false)).ToErrno());
 }
 
 void OpRmdir(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  OpTimer timer(FuseOp::kRmdir);
   fuse_reply_err(req, Fs(req)->Rmdir(parent, name, CallerOf(req, false)).ToErrno());
 }
 
 void OpRename(fuse_req_t req, fuse_ino_t parent, const char* name, fuse_ino_t newparent,
               const char* newname, unsigned int flags) {
+  OpTimer timer(FuseOp::kRename);
   fuse_reply_err(req, Fs(req)->Rename(parent, name, newparent, newname, flags,
                                       CallerOf(req, false)).ToErrno());
 }
 
 void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode,
               struct fuse_file_info* fi) {
+  OpTimer timer(FuseOp::kCreate);
   auto r = Fs(req)->Create(parent, name, mode, fi->flags,
                            CallerOf(req, (mode & S_ISGID) != 0));
   if (!r.ok()) return ReplyErr(req, r.status());
@@ -191,6 +212,7 @@ void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode,
 }
 
 void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
+  OpTimer timer(FuseOp::kOpen);
   auto r = Fs(req)->Open(ino, fi->flags);
   if (!r.ok()) return ReplyErr(req, r.status());
   Handle* h = *r;
@@ -204,6 +226,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
 }
 
 void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
+  OpTimer timer(FuseOp::kRead);
   thread_local std::vector<char> buf;
   if (buf.size() < size) buf.resize(size);
   auto r = Fs(req)->Read(H(fi), buf.data(), size, static_cast<uint64_t>(off));
@@ -213,25 +236,30 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
 
 void OpWrite(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t off,
              struct fuse_file_info* fi) {
+  OpTimer timer(FuseOp::kWrite);
   Status st = Fs(req)->Write(H(fi), buf, size, static_cast<uint64_t>(off));
   if (!st.ok()) return ReplyErr(req, st);
   fuse_reply_write(req, size);
 }
 
 void OpFlush(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
+  OpTimer timer(FuseOp::kFlush);
   fuse_reply_err(req, Fs(req)->Flush(H(fi)).ToErrno());
 }
 
 void OpRelease(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
+  OpTimer timer(FuseOp::kRelease);
   Fs(req)->Release(H(fi));
   fuse_reply_err(req, 0);
 }
 
 void OpFsync(fuse_req_t req, fuse_ino_t, int, struct fuse_file_info* fi) {
+  OpTimer timer(FuseOp::kFsync);
   fuse_reply_err(req, Fs(req)->Fsync(H(fi)).ToErrno());
 }
 
 void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
+  OpTimer timer(FuseOp::kOpendir);
   auto r = Fs(req)->OpenDir(ino);
   if (!r.ok()) return ReplyErr(req, r.status());
   fi->fh = reinterpret_cast<uint64_t>(*r);
@@ -239,6 +267,7 @@ void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
 }
 
 void OpReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
+  OpTimer timer(FuseOp::kReaddir);
   Handle* h = H(fi);
   std::vector<char> buf(size);
   size_t used = 0;
@@ -257,17 +286,20 @@ void OpReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_f
 }
 
 void OpReleasedir(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
+  OpTimer timer(FuseOp::kReleasedir);
   Fs(req)->ReleaseDir(H(fi));
   fuse_reply_err(req, 0);
 }
 
 void OpStatfs(fuse_req_t req, fuse_ino_t) {
+  OpTimer timer(FuseOp::kStatfs);
   auto r = Fs(req)->StatFs();
   if (!r.ok()) return ReplyErr(req, r.status());
   fuse_reply_statfs(req, &*r);
 }
 
 void OpGetxattr(fuse_req_t req, fuse_ino_t ino, const char* name, size_t size) {
+  OpTimer timer(FuseOp::kGetxattr);
   auto r = Fs(req)->GetXattr(ino, name);
   if (!r.ok()) {
     fuse_reply_err(req, r.status().code() == Code::kNotFound ? ENODATA : r.status().ToErrno());
@@ -281,6 +313,7 @@ void OpGetxattr(fuse_req_t req, fuse_ino_t ino, const char* name, size_t size) {
 }
 
 void OpListxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
+  OpTimer timer(FuseOp::kListxattr);
   std::string names = Fs(req)->ListXattr(ino);
   if (size == 0) {
     fuse_reply_xattr(req, names.size());
@@ -293,6 +326,7 @@ void OpListxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
 
 void OpSetxattr(fuse_req_t req, fuse_ino_t ino, const char* name, const char* value, size_t size,
                 int) {
+  OpTimer timer(FuseOp::kSetxattr);
   Status st = Fs(req)->SetXattr(ino, name, std::string(value, size));
   ReplyErr(req, st);
 }
@@ -363,17 +397,21 @@ const struct fuse_lowlevel_ops kOps = [] {
   return ops;
 }();
 
-// The "major:minor" of the newest mount on `mountpoint`, from /proc/self/mountinfo. Not
-// stat(): the mount is ours and nobody serves it yet, so a stat would wait forever.
+// The "major:minor" of the newest mount on `mountpoint`, from /proc/self/mountinfo (via
+// libmount). Not stat(): the mount is ours and nobody serves it yet, so a stat would wait
+// forever.
 std::string MountDevice(const std::string& mountpoint) {
-  std::ifstream in("/proc/self/mountinfo");
-  std::string line, device;
-  while (std::getline(in, line)) {
-    std::istringstream fields(line);
-    std::string id, parent, dev, root, mnt;
-    fields >> id >> parent >> dev >> root >> mnt;
-    if (mnt == mountpoint) device = dev;  // later lines are newer mounts
+  libmnt_table* table = mnt_new_table();
+  if (table == nullptr) return "";
+  std::string device;
+  if (mnt_table_parse_file(table, "/proc/self/mountinfo") == 0) {
+    // Backward: the last line for a target is the newest mount on it.
+    if (libmnt_fs* fs = mnt_table_find_target(table, mountpoint.c_str(), MNT_ITER_BACKWARD)) {
+      const dev_t dev = mnt_fs_get_devno(fs);
+      device = std::to_string(major(dev)) + ":" + std::to_string(minor(dev));
+    }
   }
+  mnt_unref_table(table);
   return device;
 }
 
@@ -383,8 +421,7 @@ std::string MountDevice(const std::string& mountpoint) {
 // Needs root (sysfs); without it the kernel default stays, with a log line.
 void SetReadAhead(const std::string& mountpoint, uint64_t bytes) {
   const std::string device = MountDevice(mountpoint);
-  if (device.empty() || mountpoint.find_first_of(" \t\n\\") != std::string::npos) {
-    // mountinfo escapes those characters; such a mountpoint is not worth the parsing.
+  if (device.empty()) {
     spdlog::warn("read-ahead: cannot find the device of {}; the kernel default stays",
                  mountpoint);
     return;
@@ -402,6 +439,59 @@ void SetReadAhead(const std::string& mountpoint, uint64_t bytes) {
   if (fd >= 0) ::close(fd);
 }
 
+// libfuse's own messages (e.g. "fuse: unknown option(s): `-o foo'"), kept so that a failed
+// mount can say why, and logged.
+std::mutex g_fuse_log_mu;
+std::string g_fuse_partial;  // guarded by g_fuse_log_mu; a line libfuse has not ended yet
+std::string g_fuse_log;      // guarded by g_fuse_log_mu; the lines of the current Mount()
+
+// libfuse may write one message in several calls ("unknown option(s): `", "-o ", ...):
+// whole lines are logged and kept.
+void FuseLog(enum fuse_log_level level, const char* fmt, va_list ap) {
+  char buf[1024];
+  std::vsnprintf(buf, sizeof(buf), fmt, ap);
+  std::vector<std::string> lines;
+  {
+    std::lock_guard lock(g_fuse_log_mu);
+    g_fuse_partial += buf;
+    size_t nl;
+    while ((nl = g_fuse_partial.find('\n')) != std::string::npos) {
+      lines.push_back(g_fuse_partial.substr(0, nl));
+      g_fuse_partial.erase(0, nl + 1);
+      if (level <= FUSE_LOG_WARNING && g_fuse_log.size() < 4096) {
+        if (!g_fuse_log.empty()) g_fuse_log += "; ";
+        g_fuse_log += lines.back();
+      }
+    }
+  }
+  for (const auto& line : lines) {
+    if (level <= FUSE_LOG_ERR) {
+      spdlog::error("{}", line);
+    } else {
+      spdlog::debug("{}", line);
+    }
+  }
+}
+
+// "fuse: cannot mount on X" plus what libfuse said about it.
+std::string WithFuseLog(std::string message) {
+  std::lock_guard lock(g_fuse_log_mu);
+  std::string said = g_fuse_log;
+  if (!g_fuse_partial.empty()) said += (said.empty() ? "" : "; ") + g_fuse_partial;
+  if (!said.empty()) message += ": " + said;
+  return message;
+}
+
+// fuse_opt splits option groups at commas; a backslash escapes one.
+std::string EscapeOptionValue(const std::string& value) {
+  std::string out;
+  for (char c : value) {
+    if (c == ',' || c == '\\') out.push_back('\\');
+    out.push_back(c);
+  }
+  return out;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std::string& mountpoint,
@@ -416,8 +506,11 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
   // times, what a chown clears, the owner of a new name) the daemon applies the same
   // rules (fs/posix_access.h). Without it, a root mount with allow_other would let any
   // user read and overwrite every file.
-  std::vector<std::string> argv_store = {"ckptfs", "-o",
-                                         "fsname=ckptfs,subtype=ckptfs,default_permissions"};
+  // df and mount show the backing dir as the source and "fuse.ckptfs" as the type.
+  const std::string fsname = tuning.fsname.empty() ? "ckptfs" : tuning.fsname;
+  std::vector<std::string> argv_store = {
+      "ckptfs", "-o",
+      "fsname=" + EscapeOptionValue(fsname) + ",subtype=ckptfs,default_permissions"};
   for (const auto& o : options) {
     argv_store.push_back("-o");
     argv_store.push_back(o);
@@ -425,21 +518,32 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
   std::vector<char*> argv;
   for (auto& s : argv_store) argv.push_back(s.data());
   struct fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
+  {
+    std::lock_guard lock(g_fuse_log_mu);
+    g_fuse_log.clear();
+    g_fuse_partial.clear();
+  }
+  fuse_set_log_func(FuseLog);
   std::unique_ptr<FuseServer> server(new FuseServer());
   server->context_.fs = fs;
   server->context_.tuning = tuning;
   server->session_ = fuse_session_new(&args, &kOps, sizeof(kOps), &server->context_);
   if (server->session_ == nullptr) {
-    return Invalid("fuse: cannot create session (bad -o option?)");
+    return Invalid(WithFuseLog("fuse: cannot create session (bad -o option?)"));
   }
   server->context_.session = server->session_;
   if (fuse_session_mount(server->session_, mountpoint.c_str()) != 0) {
-    return Status(Code::kIo, "fuse: cannot mount on " + mountpoint);
+    return Status(Code::kIo, WithFuseLog("fuse: cannot mount on " + mountpoint));
   }
   server->mounted_ = true;
   // The loop has not started, so INIT is not answered yet (see SetReadAhead).
   if (tuning.read_ahead_bytes > 0) SetReadAhead(mountpoint, tuning.read_ahead_bytes);
+  // libfuse ends the loop on SIGTERM, SIGINT and SIGHUP. SIGHUP is the program's (it
+  // reopens the log: logrotate sends it), so its disposition is put back as it was.
+  struct sigaction hup;
+  ::sigaction(SIGHUP, nullptr, &hup);
   if (fuse_set_signal_handlers(server->session_) == 0) server->signals_ = true;
+  ::sigaction(SIGHUP, &hup, nullptr);
   spdlog::info("mounted on {}", mountpoint);
   return server;
 }

@@ -19,6 +19,8 @@ struct FuseTuning {
   // reaches the daemon as several 1 MiB requests in flight instead of 128 KiB ones one
   // after another. 0 keeps the kernel's default.
   uint64_t read_ahead_bytes = 0;
+  // The mount's source as df and /proc/mounts show it (the backing dir); empty: "ckptfs".
+  std::string fsname;
 };
 
 class FuseServer {
@@ -31,7 +33,8 @@ class FuseServer {
   FuseServer(const FuseServer&) = delete;
   FuseServer& operator=(const FuseServer&) = delete;
 
-  // Serves requests until the file system is unmounted or SIGTERM/SIGINT/SIGHUP arrives.
+  // Serves requests until the file system is unmounted or SIGTERM/SIGINT arrives.
+  // SIGHUP is left to the program (ckptfs reopens its log file on it).
   Status Run(int max_threads);
   void Unmount();
 

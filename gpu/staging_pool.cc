@@ -12,6 +12,8 @@
 #include <iterator>
 #include <utility>
 
+#include "common/histogram.h"
+
 #if defined(CKPTFS_HAVE_CUDA)
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -298,12 +300,15 @@ ChunkBuffer StagingPool::Acquire() {
   std::unique_lock<std::mutex> lock(mu_);
   if (free_.empty()) {
     waits_.fetch_add(1, std::memory_order_relaxed);
+    const auto wait_start = std::chrono::steady_clock::now();
     if (std::function<void()> pressure = pressure_) {
       lock.unlock();
       pressure();
       lock.lock();
     }
     cv_.wait(lock, [this] { return !free_.empty(); });
+    StagingWaitHistogram().Observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count());
   }
   uint8_t* data = free_.back();
   free_.pop_back();
@@ -316,12 +321,16 @@ ChunkBuffer StagingPool::TryAcquireFor(std::chrono::milliseconds timeout) {
   if (free_.empty()) {
     if (timeout <= std::chrono::milliseconds::zero()) return ChunkBuffer();
     waits_.fetch_add(1, std::memory_order_relaxed);
+    const auto wait_start = std::chrono::steady_clock::now();
     if (std::function<void()> pressure = pressure_) {
       lock.unlock();
       pressure();
       lock.lock();
     }
-    if (!cv_.wait_until(lock, deadline, [this] { return !free_.empty(); })) return ChunkBuffer();
+    const bool got = cv_.wait_until(lock, deadline, [this] { return !free_.empty(); });
+    StagingWaitHistogram().Observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count());
+    if (!got) return ChunkBuffer();
   }
   uint8_t* data = free_.back();
   free_.pop_back();

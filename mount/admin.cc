@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <poll.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <sys/xattr.h>
 #include <unistd.h>
@@ -20,100 +22,14 @@
 #include <thread>
 #include <utility>
 
+#include "ckptfs_version.h"
 #include "common/unique_fd.h"
+#include "mount/admin_internal.h"
 
 namespace ckptfs::admin {
 namespace {
 
-using nlohmann::json;
-
-constexpr char kPrefix[] = "ckptfs-admin: ";
-
-// ---- JSON access that never throws: the daemon's output is input, not an invariant.
-
-Result<json> ParseJson(std::string_view text, std::string_view what) {
-  json j = json::parse(text, /*cb=*/nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return Corrupt(std::string(what) + " is not valid JSON");
-  return j;
-}
-
-std::optional<uint64_t> GetU64(const json& j, const char* key) {
-  auto it = j.find(key);
-  if (it == j.end()) return std::nullopt;
-  if (it->is_number_unsigned()) return it->get<uint64_t>();
-  if (it->is_number_integer()) {
-    int64_t v = it->get<int64_t>();
-    if (v >= 0) return static_cast<uint64_t>(v);
-  } else if (it->is_number_float()) {
-    double v = it->get<double>();
-    if (std::isfinite(v) && v >= 0 && v < 1.8e19) return static_cast<uint64_t>(v);
-  }
-  return std::nullopt;
-}
-
-std::optional<double> GetDouble(const json& j, const char* key) {
-  auto it = j.find(key);
-  if (it == j.end() || !it->is_number()) return std::nullopt;
-  return it->get<double>();
-}
-
-std::optional<std::string> GetString(const json& j, const char* key) {
-  auto it = j.find(key);
-  if (it == j.end() || !it->is_string()) return std::nullopt;
-  return it->get<std::string>();
-}
-
-std::optional<bool> GetBool(const json& j, const char* key) {
-  auto it = j.find(key);
-  if (it == j.end() || !it->is_boolean()) return std::nullopt;
-  return it->get<bool>();
-}
-
-std::string OrDash(const std::optional<std::string>& s) { return s && !s->empty() ? *s : "-"; }
-std::string BytesOrDash(const std::optional<uint64_t>& n) { return n ? HumanBytes(*n) : "-"; }
-std::string CountOrDash(const std::optional<uint64_t>& n) { return n ? std::to_string(*n) : "-"; }
-
-// "5s", "0.5s": a user-given number of seconds, as given.
-std::string Seconds(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%gs", s);
-  return buf;
-}
-
-// Percent done, rounded down so that 100% means done.
-double PercentDone(uint64_t done, uint64_t total) {
-  if (total == 0) return 0;
-  if (done >= total) return 100;
-  return std::floor(static_cast<double>(done) * 1000.0 / static_cast<double>(total)) / 10.0;
-}
-
-std::string Percent(double pct) {
-  char buf[16];
-  std::snprintf(buf, sizeof(buf), "%.1f%%", pct);
-  return buf;
-}
-
-Result<std::string> RealPath(const std::string& path) {
-  std::unique_ptr<char, decltype(&std::free)> real(::realpath(path.c_str(), nullptr), &std::free);
-  if (!real) return Status::FromErrno(errno, path);
-  return std::string(real.get());
-}
-
-std::string Join(const std::string& dir, std::string_view name) {
-  std::string p = dir;
-  if (p.empty() || p.back() != '/') p += '/';
-  p += name;
-  return p;
-}
-
-std::string StatsPath(const std::string& root) { return Join(root, ".ckptfs/stats"); }
-std::string CheckpointsPath(const std::string& root) { return Join(root, ".ckptfs/checkpoints"); }
-
-// "staged, 1.00 GiB of 2.00 GiB done"
-std::string DescribeProgress(const Progress& p) {
-  if (p.state.empty()) return "no progress read";
-  return p.state + ", " + HumanBytes(p.bytes_done) + " of " + HumanBytes(p.bytes_total) + " done";
-}
+using namespace internal;  // NOLINT: the helpers of admin_internal.h
 
 class SystemEnvImpl final : public AdminEnv {
  public:
@@ -152,8 +68,15 @@ class SystemEnvImpl final : public AdminEnv {
 
   bool ProcessAlive(int pid) override {
     if (pid <= 0) return false;  // kill(0 or -1, ...) would address process groups.
+    // A pidfd polls readable once the process has exited, zombie or not.
+    UniqueFd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
+    if (pidfd.valid()) {
+      struct pollfd p = {pidfd.get(), POLLIN, 0};
+      return ::poll(&p, 1, 0) == 0;
+    }
+    if (errno == ESRCH) return false;
+    // No pidfd_open (kernel < 5.3): kill() succeeds on a zombie, so ask /proc.
     if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
-    // kill() succeeds on a zombie, which for us has exited: check /proc.
     auto stat = ReadWholeFile("/proc/" + std::to_string(pid) + "/stat");
     if (!stat.ok()) return stat.status().code() != Code::kNotFound;
     size_t paren = stat->rfind(')');
@@ -176,6 +99,7 @@ class SystemEnvImpl final : public AdminEnv {
   }
 
   bool StderrIsTerminal() override { return ::isatty(STDERR_FILENO) == 1; }
+  bool StdoutIsTerminal() override { return ::isatty(STDOUT_FILENO) == 1; }
 };
 
 }  // namespace
@@ -399,9 +323,15 @@ Result<std::string> FormatStats(std::string_view stats_json) {
   auto cks = j.find("checkpoints");
   if (cks != j.end() && cks->is_object()) {
     checkpoints.clear();
-    for (const char* state : {"writing", "pending", "committed", "failed", "aborted"}) {
+    static const char* const kKnown[] = {"writing", "pending", "committed", "failed", "aborted"};
+    for (const char* state : kKnown) {
       if (!checkpoints.empty()) checkpoints += ", ";
       checkpoints += CountOrDash(GetU64(*cks, state)) + " " + state;
+    }
+    // States a newer daemon reports (e.g. "halted") follow, so none is hidden.
+    for (const auto& [state, n] : cks->items()) {
+      if (std::find(std::begin(kKnown), std::end(kKnown), state) != std::end(kKnown)) continue;
+      checkpoints += ", " + CountOrDash(GetU64(*cks, state.c_str())) + " " + state;
     }
   }
 
@@ -472,71 +402,28 @@ Result<std::string> FormatCheckpoints(std::string_view checkpoints_json, double 
                      rows);
 }
 
-std::string RenderProgressLine(const Progress& progress, int bar_width) {
+std::string RenderProgressLine(const Progress& progress, int bar_width, double rate) {
   bar_width = std::max(bar_width, 1);
   double pct = PercentDone(progress.bytes_done, progress.bytes_total);
-  if (ClassifyState(progress.state) == StateKind::kSucceeded) pct = 100;
+  const StateKind kind = ClassifyState(progress.state);
+  if (kind == StateKind::kSucceeded) pct = 100;
   int filled = static_cast<int>(pct / 100.0 * bar_width);
   char pct_buf[16];
   std::snprintf(pct_buf, sizeof(pct_buf), "%5.1f%%", pct);
-  return "[" + std::string(filled, '#') + std::string(bar_width - filled, '-') + "]  " + pct_buf +
-         "  " + HumanBytes(progress.bytes_done) + " / " + HumanBytes(progress.bytes_total) + "  " +
-         progress.state;
+  std::string line = "[" + std::string(filled, '#') + std::string(bar_width - filled, '-') +
+                     "]  " + pct_buf + "  " + HumanBytes(progress.bytes_done) + " / " +
+                     HumanBytes(progress.bytes_total) + "  " + progress.state;
+  if (rate >= 0 && kind == StateKind::kInProgress) {
+    line += ", " + HumanBytes(static_cast<uint64_t>(rate)) + "/s";
+    if (rate > 0 && progress.bytes_total > progress.bytes_done) {
+      line += ", ETA " +
+              HumanDuration(static_cast<double>(progress.bytes_total - progress.bytes_done) / rate);
+    }
+  }
+  return line;
 }
 
 // ---------------------------------------------------------------------------------------
-
-WaitOutcome WaitForPath(AdminEnv* env, const std::string& path, const WaitOptions& options,
-                        std::ostream& err) {
-  WaitOutcome outcome;
-  const bool draw = env->StderrIsTerminal();
-  const double start = env->MonotonicSeconds();
-  std::string drawn;
-  auto stop = [&](int code, std::string message) {
-    if (!drawn.empty()) err << '\n' << std::flush;
-    outcome.exit_code = code;
-    outcome.message = std::move(message);
-    return outcome;
-  };
-
-  while (true) {
-    auto raw = env->GetXattr(path, kProgressXattr);
-    if (!raw.ok()) return stop(kExitError, raw.status().message());
-    auto progress = ParseProgress(*raw);
-    if (!progress.ok()) return stop(kExitError, path + ": " + progress.status().message());
-    outcome.last = std::move(progress).value();
-
-    if (draw) {
-      std::string line = RenderProgressLine(outcome.last);
-      if (line != drawn) {
-        err << '\r' << line << "\x1b[K" << std::flush;  // Erase what a longer line left.
-        drawn = std::move(line);
-      }
-    }
-
-    switch (ClassifyState(outcome.last.state)) {
-      case StateKind::kSucceeded:
-        return stop(kExitOk, "");
-      case StateKind::kFailed:
-        return stop(kExitFailed,
-                    path + ": " + outcome.last.state + ": " +
-                        (outcome.last.error.empty() ? "no error reported" : outcome.last.error));
-      case StateKind::kInProgress:
-        break;
-    }
-
-    double waited = env->MonotonicSeconds() - start;
-    double nap = options.interval_s;
-    if (options.timeout_s) {
-      if (waited >= *options.timeout_s) {
-        return stop(kExitError, path + ": timed out after " + Seconds(*options.timeout_s) + " (" +
-                                    DescribeProgress(outcome.last) + ")");
-      }
-      nap = std::min(nap, *options.timeout_s - waited);
-    }
-    env->Sleep(nap);
-  }
-}
 
 int RunStats(const std::string& path, bool as_json, std::ostream& out, std::ostream& err) {
   auto root = FindMountRoot(path);
@@ -589,28 +476,21 @@ int RunCheckpoints(AdminEnv* env, const std::string& path, bool as_json, std::os
   return kExitOk;
 }
 
-int RunWait(AdminEnv* env, const std::string& path, const WaitOptions& options, std::ostream& out,
-            std::ostream& err) {
-  auto root = FindMountRoot(path);
-  if (!root.ok()) {
-    err << kPrefix << root.status().message() << '\n';
-    return kExitError;
-  }
-  WaitOutcome outcome = WaitForPath(env, path, options, err);
-  if (outcome.exit_code == kExitOk) {
-    out << path << ": " << outcome.last.state << " (" << HumanBytes(outcome.last.bytes_total)
-        << ")\n";
-  } else {
-    err << kPrefix << outcome.message << '\n';
-  }
-  return outcome.exit_code;
-}
-
 int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& options,
                std::ostream& out, std::ostream& err) {
+  json report_json = {{"mountpoint", mountpoint}, {"pid", nullptr},  {"clean", false},
+                      {"unpublished_files", nullptr}, {"error", nullptr}};
+  auto finish = [&](int code, const std::string& message) {
+    if (options.json) {
+      report_json["exit_code"] = code;
+      report_json["message"] = message;
+      out << report_json.dump() << '\n';
+    }
+    return code;
+  };
   auto fail = [&](int code, const std::string& message) {
     err << kPrefix << message << '\n';
-    return code;
+    return finish(code, message);
   };
   const double start = env->MonotonicSeconds();
 
@@ -633,6 +513,8 @@ int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& 
     return fail(kExitError, StatsPath(*root) + ": no valid \"pid\" and \"state_dir\"");
   }
   const int pid = static_cast<int>(*pid64);
+  report_json["mountpoint"] = *root;
+  report_json["pid"] = pid;
 
   // 1. Drain: the root is published once everything under it is.
   WaitOutcome drained = WaitForPath(env, *root, options, err);
@@ -679,9 +561,14 @@ int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& 
   auto clean = GetBool(*report, "clean");
   auto unpublished = GetU64(*report, "unpublished_files");
   auto error = GetString(*report, "error");
+  report_json["clean"] = clean.value_or(false);
+  if (unpublished) report_json["unpublished_files"] = *unpublished;
+  if (error && !error->empty()) report_json["error"] = *error;
   if (clean == true && unpublished == 0u) {
-    out << "unmounted " << *root << " (daemon pid " << pid << " exited cleanly)\n";
-    return kExitOk;
+    const std::string message =
+        "unmounted " + *root + " (daemon pid " + std::to_string(pid) + " exited cleanly)";
+    if (!options.json) out << message << '\n';
+    return finish(kExitOk, message);
   }
   std::string reason = clean == true ? "daemon exited" : "daemon exited uncleanly";
   if (unpublished != 0u) {
@@ -696,7 +583,10 @@ int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& 
 int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& out,
              std::ostream& err) {
   CLI::App app{"Inspect and control a running ckptfs mount.", "ckptfs-admin"};
-  app.footer("Run 'ckptfs-admin COMMAND --help' for a command's options.");
+  app.footer("Run 'ckptfs-admin COMMAND --help' for a command's options. Every command "
+             "takes --json.");
+  app.set_version_flag("--version", std::string("ckptfs-admin ") + CKPTFS_VERSION + " (git " +
+                                        CKPTFS_GIT_COMMIT + ")");
   app.require_subcommand(1);
   app.failure_message([](const CLI::App*, const CLI::Error& e) {
     return std::string(kPrefix) + e.what() + " (see --help)\n";
@@ -705,6 +595,10 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
   std::string path;
   bool as_json = false;
   double timeout_s = 0;
+  double create_timeout_s = 0;
+  double plain_every_s = 5;
+  double top_interval_s = 2;
+  int top_iterations = 0;
   int interval_ms = 100;
   const std::string path_help = "Any path inside the ckptfs mount";
   const CLI::Validator seconds(
@@ -741,6 +635,15 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
       ->type_name("MS")
       ->capture_default_str()
       ->check(CLI::Range(1, 3600 * 1000));
+  wait->add_option("--create-timeout", create_timeout_s,
+                   "Wait up to S seconds for PATH to appear (default 0: it must exist)")
+      ->type_name("S")
+      ->check(seconds);
+  wait->add_option("--print-every", plain_every_s,
+                   "Not on a terminal: print a progress line every S seconds (default 5)")
+      ->type_name("S")
+      ->check(seconds);
+  wait->add_flag("--json", as_json, "Print the outcome as JSON on stdout");
 
   CLI::App* unmount =
       app.add_subcommand("unmount", "Drain and unmount a ckptfs mount, and check its exit.");
@@ -753,6 +656,19 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
       unmount->add_option("--timeout", timeout_s, "Give up after S seconds (default: never)")
           ->type_name("S")
           ->check(seconds);
+  unmount->add_flag("--json", as_json, "Print the outcome as JSON on stdout");
+
+  CLI::App* top = app.add_subcommand(
+      "top", "Live throughput and per-checkpoint progress of a mount (like top).");
+  top->add_option("PATH", path, path_help)->required();
+  top->add_option("--interval", top_interval_s, "Seconds between frames (default 2)")
+      ->type_name("S")
+      ->check(CLI::Range(0.05, 3600.0));
+  top->add_option("-n,--iterations", top_iterations, "Print N frames, then exit (default: run "
+                  "until interrupted)")
+      ->type_name("N")
+      ->check(CLI::Range(0, 1000000));
+  top->add_flag("--json", as_json, "One JSON object per frame and line");
 
   std::string other;
   CLI::App* ls = app.add_subcommand("ls", "List a checkpoint's tensors: fqn, dtype, shape, chunks, bytes.");
@@ -762,11 +678,13 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
       "verify", "Re-read a checkpoint from the backing store; check structure and checksums.");
   verify->footer("Exit status: 0 intact, 1 bad keys (listed), 2 error.");
   verify->add_option("CKPT", path, "A checkpoint directory inside the mount")->required();
+  verify->add_flag("--json", as_json, "Print the daemon's verify report as JSON");
   CLI::App* diff =
       app.add_subcommand("diff", "Which tensors changed between two checkpoints, by checksum.");
   diff->footer("Exit status: 0 identical, 1 different, 2 error.");
   diff->add_option("CKPT_A", path, "First checkpoint")->required();
   diff->add_option("CKPT_B", other, "Second checkpoint")->required();
+  diff->add_flag("--json", as_json, "Print the differences as JSON");
 
   // CLI11 reports an unknown command as a missing one; name it instead.
   auto is_command = [&](const std::string& name) {
@@ -784,6 +702,9 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
 
   WaitOptions options;
   options.interval_s = interval_ms / 1000.0;
+  options.create_timeout_s = create_timeout_s;
+  options.plain_every_s = plain_every_s;
+  options.json = as_json;
   if (stats->parsed()) return RunStats(path, as_json, out, err);
   if (checkpoints->parsed()) return RunCheckpoints(env, path, as_json, out, err);
   if (wait->parsed()) {
@@ -791,8 +712,15 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
     return RunWait(env, path, options, out, err);
   }
   if (ls->parsed()) return RunLs(path, as_json, out, err);
-  if (verify->parsed()) return RunVerify(env, path, out, err);
-  if (diff->parsed()) return RunDiff(env, path, other, out, err);
+  if (verify->parsed()) return RunVerify(env, path, as_json, out, err);
+  if (diff->parsed()) return RunDiff(env, path, other, as_json, out, err);
+  if (top->parsed()) {
+    TopOptions top_options;
+    top_options.interval_s = top_interval_s;
+    top_options.iterations = top_iterations;
+    top_options.json = as_json;
+    return RunTop(env, path, top_options, out, err);
+  }
   if (unmount->parsed()) {
     if (unmount_timeout->count() > 0) options.timeout_s = timeout_s;
     return RunUnmount(env, path, options, out, err);

@@ -2,7 +2,10 @@
 //
 // It reads the daemon's control surface (DESIGN.md, "Control surface"): the virtual
 // files MOUNT/.ckptfs/{stats,checkpoints} and the xattr user.ckptfs.progress that every
-// path in the mount carries. Commands: stats, checkpoints, wait, unmount.
+// path in the mount carries. Commands: stats, checkpoints, wait, unmount, top, ls,
+// verify, diff; each takes --json and then prints one JSON document on stdout (top: one
+// per line). JSON from the daemon is read leniently: unknown fields are ignored, missing
+// ones show as "-".
 //
 // Everything the tool does lives here so that it can be tested without a mount:
 // formatting is pure, and the OS calls that observe the daemon (xattrs, clocks, sleeping,
@@ -54,6 +57,8 @@ class AdminEnv {
   virtual Status FuseUnmount(const std::string& mountpoint) = 0;
   // Whether stderr is a terminal, which decides if `wait` draws a progress bar.
   virtual bool StderrIsTerminal() = 0;
+  // Whether stdout is a terminal, which decides if `top` redraws the screen.
+  virtual bool StdoutIsTerminal() { return false; }
 };
 
 // The real OS. The returned object lives for the whole process.
@@ -129,8 +134,19 @@ Result<std::string> FormatCheckpoints(std::string_view checkpoints_json, double 
 
 // One line of progress bar, without "\r" or a newline, e.g.
 // "[##########----------]  50.0%  1.00 GiB / 2.00 GiB  staged". `bar_width` is the number
-// of cells between the brackets.
-std::string RenderProgressLine(const Progress& progress, int bar_width = 30);
+// of cells between the brackets. With a known `rate` (bytes/s, >= 0) and the path still
+// in progress, ", 120.00 MiB/s, ETA 8s" follows.
+std::string RenderProgressLine(const Progress& progress, int bar_width = 30, double rate = -1);
+
+// Bytes per second from two samples, smoothed: the rate over the last window.
+class RateMeter {
+ public:
+  // Adds a sample; returns the rate in bytes/s, or -1 until two samples span >= 0.5 s.
+  double Add(double now, uint64_t bytes);
+
+ private:
+  std::vector<std::pair<double, uint64_t>> samples_;  // the last 10 s
+};
 
 // ---------------------------------------------------------------------------------------
 // Commands. Each returns the process exit code and writes its results to `out` and its
@@ -139,6 +155,11 @@ std::string RenderProgressLine(const Progress& progress, int bar_width = 30);
 struct WaitOptions {
   std::optional<double> timeout_s;  // None: wait forever.
   double interval_s = 0.1;
+  // wait: how long a path that does not exist yet may take to appear (0: must exist).
+  double create_timeout_s = 0;
+  // wait, when stderr is not a terminal: one plain progress line this often.
+  double plain_every_s = 5;
+  bool json = false;  // print the outcome as JSON on stdout
 };
 
 struct WaitOutcome {
@@ -153,6 +174,11 @@ struct WaitOutcome {
 WaitOutcome WaitForPath(AdminEnv* env, const std::string& path, const WaitOptions& options,
                         std::ostream& err);
 
+// The outcome of `wait` as JSON: path, state, bytes_total, bytes_done, error, exit_code,
+// elapsed_s, message.
+std::string WaitOutcomeJson(const std::string& path, const WaitOutcome& outcome,
+                            double elapsed_s);
+
 int RunStats(const std::string& path, bool json, std::ostream& out, std::ostream& err);
 int RunCheckpoints(AdminEnv* env, const std::string& path, bool json, std::ostream& out,
                    std::ostream& err);
@@ -161,17 +187,31 @@ int RunWait(AdminEnv* env, const std::string& path, const WaitOptions& options, 
 // Drains (waits for the mount root to be published), runs fusermount3 -u, waits for the
 // daemon's pid to go away and then checks STATE_DIR/exit.json. `mountpoint` must be the
 // root of the mount.
+// With options.json the outcome is printed as JSON on stdout: mountpoint, pid, clean,
+// unpublished_files, error, exit_code, message.
 int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& options,
                std::ostream& out, std::ostream& err);
 
 // Parses the command line (`args` excludes the program name) and runs the command.
 // Checkpoint contents (admin_tensors.cc): through /.ckptfs/tensors and user.ckptfs.verify.
 int RunLs(const std::string& ckpt, bool json, std::ostream& out, std::ostream& err);
-int RunVerify(AdminEnv* env, const std::string& ckpt, std::ostream& out, std::ostream& err);
+int RunVerify(AdminEnv* env, const std::string& ckpt, bool json, std::ostream& out,
+              std::ostream& err);
 // Asks the daemon to checksum the items of both checkpoints that have none yet (reading
 // them), then compares the checksums of every chunk.
-int RunDiff(AdminEnv* env, const std::string& a, const std::string& b, std::ostream& out,
-            std::ostream& err);
+int RunDiff(AdminEnv* env, const std::string& a, const std::string& b, bool json,
+            std::ostream& out, std::ostream& err);
+
+struct TopOptions {
+  double interval_s = 2;
+  int iterations = 0;  // frames to print; 0: until interrupted
+  bool json = false;   // one JSON object per frame and line
+};
+// Live view of a mount: throughput (write, publish, backing read, served) and every
+// checkpoint that is not committed yet or changed lately, with progress and rate. Each
+// frame compares two samples `interval_s` apart. On a terminal the screen is redrawn.
+int RunTop(AdminEnv* env, const std::string& path, const TopOptions& options, std::ostream& out,
+           std::ostream& err);
 
 int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& out,
              std::ostream& err);

@@ -98,7 +98,8 @@ int RunLs(const std::string& ckpt, bool json, std::ostream& out, std::ostream& e
   return 0;
 }
 
-int RunVerify(AdminEnv* env, const std::string& ckpt, std::ostream& out, std::ostream& err) {
+int RunVerify(AdminEnv* env, const std::string& ckpt, bool json, std::ostream& out,
+              std::ostream& err) {
   auto text = env->GetXattr(ckpt, "user.ckptfs.verify");
   if (!text.ok()) {
     err << kPrefix << ckpt << ": " << text.status().message() << "\n";
@@ -110,7 +111,17 @@ int RunVerify(AdminEnv* env, const std::string& ckpt, std::ostream& out, std::os
     return 2;
   }
   uint64_t bad = j.value("bad_count", uint64_t{0});
-  for (const auto& b : j["bad"]) {
+  if (json) {
+    // The daemon's report as it is (extra fields kept), with the path and the verdict.
+    j["path"] = ckpt;
+    j["ok"] = bad == 0;
+    out << j.dump(1) << "\n";
+    return bad == 0 ? 0 : 1;
+  }
+  const nlohmann::json bad_list = j.contains("bad") && j["bad"].is_array()
+                                      ? j["bad"]
+                                      : nlohmann::json::array();
+  for (const auto& b : bad_list) {
     out << "BAD " << b.value("key", "") << ": " << b.value("error", "") << "\n";
   }
   // Unchecked items (no checksum taken yet: saved elsewhere and never read in full) were
@@ -122,8 +133,8 @@ int RunVerify(AdminEnv* env, const std::string& ckpt, std::ostream& out, std::os
   return bad == 0 ? 0 : 1;
 }
 
-int RunDiff(AdminEnv* env, const std::string& a, const std::string& b, std::ostream& out,
-            std::ostream& err) {
+int RunDiff(AdminEnv* env, const std::string& a, const std::string& b, bool json,
+            std::ostream& out, std::ostream& err) {
   // Checkpoints saved elsewhere carry no checksums until their items are read once.
   for (const std::string& ckpt : {a, b}) {
     auto filled = env->GetXattr(ckpt, "user.ckptfs.checksums");
@@ -161,22 +172,36 @@ int RunDiff(AdminEnv* env, const std::string& a, const std::string& b, std::ostr
     return false;
   };
   int changes = 0;
+  nlohmann::json entries = nlohmann::json::array();
+  auto report = [&](const char* mark, const char* change, const std::string& fqn,
+                    const char* note) {
+    if (json) {
+      entries.push_back({{"fqn", fqn}, {"change", change}});
+    } else {
+      out << mark << " " << fqn << note << "\n";
+    }
+    ++changes;
+  };
   for (const auto& fqn : fqns) {
     auto ia = sa.find(fqn), ib = sb.find(fqn);
     if (ia == sa.end()) {
-      out << "+ " << fqn << "\n";
+      report("+", "added", fqn, "");
     } else if (ib == sb.end()) {
-      out << "- " << fqn << "\n";
+      report("-", "removed", fqn, "");
     } else if (unknown(ia->second) || unknown(ib->second)) {
-      out << "? " << fqn << " (no checksum)\n";
+      report("?", "unknown", fqn, " (no checksum)");
     } else if (ia->second != ib->second) {
-      out << "M " << fqn << "\n";
-    } else {
-      continue;
+      report("M", "modified", fqn, "");
     }
-    ++changes;
   }
-  out << changes << " of " << fqns.size() << " entries differ\n";
+  if (json) {
+    nlohmann::json j = {{"a", a},           {"b", b},
+                        {"entries", fqns.size()}, {"differ", changes},
+                        {"identical", changes == 0}, {"changes", entries}};
+    out << j.dump(1) << "\n";
+  } else {
+    out << changes << " of " << fqns.size() << " entries differ\n";
+  }
   return changes == 0 ? 0 : 1;
 }
 

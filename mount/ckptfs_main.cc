@@ -1,25 +1,34 @@
 // ckptfs: mounts the checkpoint file system.
 //
 //   ckptfs [options] BACKING_DIR MOUNTPOINT
+//   mount.fuse.ckptfs BACKING_DIR MOUNTPOINT [-sfnv] [-o OPTIONS]   (from mount(8))
 //
 // Returns once the mount is ready and keeps serving in the background (-f: in the
-// foreground). On unmount, SIGTERM or SIGINT it publishes everything staged before it
-// exits (G8), and writes STATE_DIR/exit.json. Exit codes: 0 clean, 1 failure while
-// running or unpublished data at exit, 2 bad usage or mount failure.
+// foreground, and under systemd Type=notify it reports READY=1 with sd_notify). On
+// unmount, SIGTERM or SIGINT it publishes everything staged before it exits (G8), and
+// writes STATE_DIR/exit.json. SIGHUP reopens the log file. Exit codes: 0 clean, 1
+// failure while running or unpublished data at exit, 2 bad usage or mount failure (then
+// nothing is left mounted, and a state dir this run created is removed again).
 #include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
+#include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "common/json_text.h"
 #include "common/logging.h"
 #include "fs/filesystem.h"
 #include "fs/fuse_server.h"
+#include "mount/metrics_server.h"
 #include "mount/options.h"
 
 namespace {
@@ -45,6 +54,49 @@ class ReadyPipe {
   int fd_ = -1;
 };
 
+// Reopens the log file on SIGHUP (logrotate's postrotate). SIGHUP is blocked in every
+// thread (Block() runs before any thread exists) and taken here with sigwait, so no
+// thread is interrupted and libfuse's handler, which would unmount, never runs.
+class SighupReopener {
+ public:
+  static void Block() {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGHUP);
+    pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  }
+  void Start() {
+    thread_ = std::thread([this] {
+      sigset_t set;
+      sigemptyset(&set);
+      sigaddset(&set, SIGHUP);
+      while (true) {
+        int sig = 0;
+        if (sigwait(&set, &sig) != 0) continue;
+        if (stop_.load()) return;
+        ckptfs::Status st = ckptfs::ReopenLogFile();
+        if (st.ok()) {
+          spdlog::info("SIGHUP: log file reopened");
+        } else {
+          spdlog::error("SIGHUP: {}", st.ToString());
+        }
+      }
+    });
+  }
+  // Joins the thread; SIGHUP stays blocked (pending ones are dropped at exit).
+  void Stop() {
+    if (!thread_.joinable()) return;
+    stop_.store(true);
+    pthread_kill(thread_.native_handle(), SIGHUP);
+    thread_.join();
+  }
+  ~SighupReopener() { Stop(); }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
 void WriteExitReport(const std::string& state_dir, bool clean, uint64_t unpublished,
                      const std::string& error) {
   nlohmann::json j = {{"pid", ::getpid()},
@@ -58,15 +110,44 @@ void WriteExitReport(const std::string& state_dir, bool clean, uint64_t unpublis
   std::rename((path + ".tmp").c_str(), path.c_str());
 }
 
+// Stdio goes to /dev/null once the mount is up (a daemon must not hold its starter's
+// terminal or pipe open); until then libfuse's and our errors reach the caller.
+void DetachStdio() {
+  int devnull = ::open("/dev/null", O_RDWR);
+  if (devnull < 0) return;
+  ::dup2(devnull, STDIN_FILENO);
+  ::dup2(devnull, STDOUT_FILENO);
+  ::dup2(devnull, STDERR_FILENO);
+  if (devnull > STDERR_FILENO) ::close(devnull);
+}
+
 int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
+  SighupReopener::Block();  // before any thread exists, so that every thread inherits it
   std::error_code ec;
+  const bool new_state_dir = !std::filesystem::exists(o.state_dir, ec);
   std::filesystem::create_directories(o.state_dir, ec);
   std::remove((o.state_dir + "/exit.json").c_str());
   std::string log_file = o.log_file;
   if (log_file.empty() && !o.foreground) log_file = o.state_dir + "/ckptfs.log";
-  if (auto st = ckptfs::SetupLogging(o.log_level, log_file); !st.ok()) {
-    ready->Report(st.ToString());
-    return Fail(st.ToString());
+  ckptfs::LogRotation rotation;
+  rotation.max_bytes = o.log_max_bytes;
+  rotation.max_files = o.log_max_files;
+  // A failed start leaves no state behind: a state dir made by this run goes again.
+  auto fail_start = [&](const std::string& what, const ckptfs::Status& st) {
+    ready->Report(st.message());
+    if (!log_file.empty()) spdlog::error("{}: {}", what, st.ToString());
+    if (new_state_dir && (o.log_file.empty() || log_file.rfind(o.state_dir + "/", 0) != 0)) {
+      std::filesystem::remove_all(o.state_dir, ec);
+    }
+    // In the background the parent prints the reason it got through the pipe.
+    return o.foreground ? Fail(st.message()) : 2;
+  };
+  if (auto st = ckptfs::SetupLogging(o.log_level, log_file, rotation); !st.ok()) {
+    return fail_start("logging", st);
+  }
+  if (!log_file.empty()) {  // on stderr, a failed start stays one line
+    spdlog::info("{} starting: {} on {}", ckptfs::VersionLine("ckptfs"), o.backing_dir,
+                 o.mountpoint);
   }
   ckptfs::fs::FsConfig config;
   config.backing_dir = o.backing_dir;
@@ -81,25 +162,44 @@ int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
   config.staging_backend = o.staging_backend;
   config.write_checksums = o.write_checksums;
   config.commit_timeout = std::chrono::seconds(o.commit_timeout_s);
-  auto fs = ckptfs::fs::Filesystem::Create(config);
-  if (!fs.ok()) {
-    ready->Report(fs.status().message());
-    if (!log_file.empty()) spdlog::error("start failed: {}", fs.status().ToString());
-    return Fail(fs.status().message());
+  std::unique_ptr<ckptfs::MetricsServer> metrics;
+  std::unique_ptr<ckptfs::fs::FuseServer> server;
+  auto fs_or = ckptfs::fs::Filesystem::Create(config);
+  if (!fs_or.ok()) return fail_start("start failed", fs_or.status());
+  std::unique_ptr<ckptfs::fs::Filesystem> fs = std::move(fs_or).value();
+  if (!o.metrics_listen.empty()) {
+    ckptfs::fs::Filesystem* raw = fs.get();
+    auto m = ckptfs::MetricsServer::Start(o.metrics_host, o.metrics_port,
+                                          [raw] { return raw->MetricsText(); });
+    if (!m.ok()) {
+      fs.reset();
+      return fail_start("start failed", m.status());
+    }
+    metrics = std::move(m).value();
   }
   ckptfs::fs::FuseTuning tuning;
   tuning.read_ahead_bytes = o.read_ahead_bytes;
-  auto server = ckptfs::fs::FuseServer::Mount(fs->get(), o.mountpoint, o.fuse_options, tuning);
-  if (!server.ok()) {
-    ready->Report(server.status().message());
-    if (!log_file.empty()) spdlog::error("mount failed: {}", server.status().ToString());
-    return Fail(server.status().message());
+  tuning.fsname = o.backing_dir;
+  auto server_or = ckptfs::fs::FuseServer::Mount(fs.get(), o.mountpoint, o.fuse_options, tuning);
+  if (!server_or.ok()) {
+    metrics.reset();
+    fs.reset();
+    return fail_start("mount failed", server_or.status());
   }
+  server = std::move(server_or).value();
+  SighupReopener reopener;
+  reopener.Start();
   ready->Report("OK");
-  ckptfs::Status run = (*server)->Run(o.fuse_threads);
+  if (!o.foreground) DetachStdio();
+  sd_notifyf(0, "READY=1\nMAINPID=%d\nSTATUS=serving %s", static_cast<int>(::getpid()),
+             o.mountpoint.c_str());
+  ckptfs::Status run = server->Run(o.fuse_threads);
+  sd_notify(0, "STOPPING=1\nSTATUS=draining: publishing everything staged");
   spdlog::info("unmounting {}", o.mountpoint);
-  (*server)->Unmount();
-  uint64_t unpublished = (*fs)->Shutdown();
+  server->Unmount();
+  uint64_t unpublished = fs->Shutdown();
+  metrics.reset();
+  reopener.Stop();  // nothing may log after spdlog::shutdown()
   bool clean = run.ok() && unpublished == 0;
   WriteExitReport(o.state_dir, clean, unpublished, run.ok() ? "" : run.ToString());
   spdlog::info("ckptfs exits: {} ({} files not published)", clean ? "clean" : "NOT clean",
@@ -111,14 +211,18 @@ int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  auto parsed = ckptfs::ParseDaemonOptions(argc, argv);
+  // As mount.fuse.ckptfs (mount -t fuse.ckptfs, fstab), argv follows mount(8)'s helper
+  // convention.
+  auto parsed = ckptfs::IsMountHelperName(argv[0]) ? ckptfs::ParseMountHelperArgs(argc, argv)
+                                                   : ckptfs::ParseDaemonOptions(argc, argv);
   if (!parsed.ok()) return Fail(parsed.status().message());
   ckptfs::DaemonOptions o = std::move(parsed).value();
-  if (o.help) {
+  if (o.help || o.version) {
     std::fputs(o.help_text.c_str(), stdout);
     return 0;
   }
   if (auto st = ckptfs::ValidateDaemonOptions(&o); !st.ok()) return Fail(st.message());
+  if (o.fake) return 0;  // mount -f
 
   ReadyPipe ready;
   if (!o.foreground) {
@@ -141,13 +245,6 @@ int main(int argc, char** argv) {
     ready.SetFd(fds[1]);
     ::setsid();
     if (::chdir("/") != 0) return 1;
-    int devnull = ::open("/dev/null", O_RDWR);
-    if (devnull >= 0) {
-      ::dup2(devnull, STDIN_FILENO);
-      ::dup2(devnull, STDOUT_FILENO);
-      ::dup2(devnull, STDERR_FILENO);
-      if (devnull > STDERR_FILENO) ::close(devnull);
-    }
   }
   return Serve(o, &ready);
 }

@@ -1,12 +1,15 @@
 #include "mount/options.h"
 
+#include <libmount/libmount.h>
 #include <sys/stat.h>
 
 #include <CLI/CLI.hpp>
 #include <cctype>
 #include <filesystem>
-#include <fstream>
+#include <memory>
 #include <sstream>
+
+#include "ckptfs_version.h"
 
 namespace ckptfs {
 namespace {
@@ -15,28 +18,6 @@ bool IsInside(const std::string& path, const std::string& dir) {
   if (path == dir) return true;
   std::string prefix = dir == "/" ? dir : dir + "/";
   return path.compare(0, prefix.size(), prefix) == 0;
-}
-
-// Unescapes the octal escapes (\040 for a space) of /proc/self/mountinfo.
-std::string UnescapeMountPath(const std::string& s) {
-  std::string out;
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (s[i] == '\\' && i + 3 < s.size() + 0 && i + 3 <= s.size() - 1 + 1) {
-      int v = 0;
-      bool ok = true;
-      for (size_t k = 1; k <= 3; ++k) {
-        if (i + k >= s.size() || s[i + k] < '0' || s[i + k] > '7') ok = false;
-        else v = v * 8 + (s[i + k] - '0');
-      }
-      if (ok) {
-        out.push_back(static_cast<char>(v));
-        i += 3;
-        continue;
-      }
-    }
-    out.push_back(s[i]);
-  }
-  return out;
 }
 
 Result<std::string> Canonical(const std::string& path, const char* what) {
@@ -80,11 +61,53 @@ Result<uint64_t> ParseSize(const std::string& text) {
   return static_cast<uint64_t>(n) << shift;
 }
 
+std::string VersionLine(const std::string& program) {
+  return program + " " + CKPTFS_VERSION + " (git " + CKPTFS_GIT_COMMIT + ")";
+}
+
+bool IsMountOnlyOption(const std::string& option) {
+  const std::string key = option.substr(0, option.find('='));
+  static const char* const kMountOnly[] = {"_netdev", "nofail", "noauto", "auto",  "user",
+                                           "users",   "nouser", "owner",  "group", "defaults",
+                                           "comment", "netdev", "_rnetdev"};
+  for (const char* k : kMountOnly) {
+    if (key == k) return true;
+  }
+  return key.rfind("x-", 0) == 0;
+}
+
+namespace {
+
+// Splits "HOST:PORT", "[V6]:PORT" or ":PORT" (all interfaces).
+Status SplitListen(const std::string& text, std::string* host, int* port) {
+  const size_t colon = text.rfind(':');
+  if (colon == std::string::npos) return Invalid("--metrics-listen wants ADDR:PORT, got " + text);
+  std::string h = text.substr(0, colon);
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  if (h.empty()) h = "0.0.0.0";
+  const std::string p = text.substr(colon + 1);
+  int value = 0;
+  if (p.empty() || p.size() > 5 || p.find_first_not_of("0123456789") != std::string::npos ||
+      (value = std::stoi(p)) < 1 || value > 65535) {
+    return Invalid("--metrics-listen: bad port '" + p + "' (1-65535)");
+  }
+  *host = h;
+  *port = value;
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   DaemonOptions o;
   CLI::App app{"ckptfs: a FUSE file system for fast, safe training checkpoints", "ckptfs"};
+  app.footer(
+      "Every option is also accepted as -o key=value (e.g. -o durability=strict,staging_mem=8G), "
+      "as mount(8) and /etc/fstab pass them; mount-only options (_netdev, nofail, x-systemd.*) "
+      "are ignored and the rest go to FUSE.");
+  app.set_version_flag("--version", VersionLine("ckptfs"));
   std::string durability = "async", staging = "1G", chunk = "4M", cache = "1G";
-  std::string read_ahead = "4M", direct_io = "on", write_checksums = "on";
+  std::string read_ahead = "4M", direct_io = "on", write_checksums = "on", log_max = "100M";
   app.add_option("backing_dir", o.backing_dir, "Directory that stores the files")->required();
   app.add_option("mountpoint", o.mountpoint, "Where to mount")->required();
   app.add_flag("-f,--foreground", o.foreground, "Stay in the foreground");
@@ -114,14 +137,62 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   app.add_option("--state-dir", o.state_dir, "Node-local state directory (outside the mount)");
   app.add_option("--log-level", o.log_level, "trace|debug|info|warn|error|off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
-  app.add_option("--log-file", o.log_file, "Log file (default: stderr, or STATE_DIR/ckptfs.log)");
-  app.add_option("-o", o.fuse_options, "FUSE mount options, comma separated")
+  app.add_option("--log-file", o.log_file,
+                 "Log file (default: stderr, or STATE_DIR/ckptfs.log in the background). "
+                 "SIGHUP reopens it");
+  app.add_option("--log-max-size", log_max, "Rotate the log file at this size (default 100M)");
+  app.add_option("--log-max-files", o.log_max_files, "Rotated log files to keep (default 5)")
+      ->check(CLI::Range(1, 1000));
+  app.add_option("--metrics-listen", o.metrics_listen,
+                 "Serve Prometheus metrics at http://ADDR:PORT/metrics (e.g. 127.0.0.1:9464)")
+      ->type_name("ADDR:PORT");
+  std::vector<std::string> o_groups;
+  app.add_option("-o", o_groups,
+                 "Options, comma separated: ckptfs options as key=value, the rest for FUSE")
       ->allow_extra_args(false);
+
+  // -o groups are taken out before CLI11 sees argv: their ckptfs keys become long options,
+  // mount-only ones are dropped and the rest are FUSE options.
+  std::vector<std::string> args, fuse_items;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    std::string group;
+    if (a == "-o") {
+      if (i + 1 >= argc) return Invalid("-o needs an argument");
+      group = argv[++i];
+    } else if (a.size() > 2 && a.rfind("-o", 0) == 0) {
+      group = a.substr(2);
+    } else {
+      args.push_back(std::move(a));
+      continue;
+    }
+    std::stringstream ss(group);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      if (item.empty() || IsMountOnlyOption(item)) continue;
+      const size_t eq = item.find('=');
+      std::string key = item.substr(0, eq);
+      for (auto& c : key) {
+        if (c == '_') c = '-';
+      }
+      const CLI::Option* opt =
+          key.size() > 1 ? app.get_option_no_throw("--" + key) : nullptr;
+      if (opt != nullptr && key != "help" && key != "version") {
+        args.push_back("--" + key + (eq == std::string::npos ? "" : item.substr(eq)));
+      } else {
+        fuse_items.push_back(item);
+      }
+    }
+  }
   try {
-    app.parse(argc, argv);
+    app.parse(std::vector<std::string>(args.rbegin(), args.rend()));
   } catch (const CLI::CallForHelp&) {
     o.help = true;
     o.help_text = app.help();
+    return o;
+  } catch (const CLI::CallForVersion&) {
+    o.version = true;
+    o.help_text = VersionLine("ckptfs") + "\n";
     return o;
   } catch (const CLI::ParseError& e) {
     return Invalid(e.what());
@@ -132,6 +203,8 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   CKPT_ASSIGN_OR_RETURN(o.chunk_bytes, ParseSize(chunk));
   CKPT_ASSIGN_OR_RETURN(o.cache_bytes, ParseSize(cache));
   CKPT_ASSIGN_OR_RETURN(o.read_ahead_bytes, ParseSize(read_ahead));
+  CKPT_ASSIGN_OR_RETURN(o.log_max_bytes, ParseSize(log_max));
+  if (o.log_max_bytes < (64u << 10)) return Invalid("--log-max-size must be at least 64K");
   if (o.read_ahead_bytes % 4096 != 0 || o.read_ahead_bytes > (uint64_t{1} << 30)) {
     return Invalid("--read-ahead must be a multiple of 4K, at most 1G");
   }
@@ -145,28 +218,71 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   if (o.staging_bytes < o.chunk_bytes) {
     return Invalid("--staging-mem must hold at least one chunk (" + chunk + ")");
   }
-  std::vector<std::string> split;
-  for (const auto& group : o.fuse_options) {
-    std::stringstream ss(group);
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-      if (!item.empty()) split.push_back(item);
+  if (!o.metrics_listen.empty()) {
+    CKPT_RETURN_IF_ERROR(SplitListen(o.metrics_listen, &o.metrics_host, &o.metrics_port));
+  }
+  o.fuse_options = std::move(fuse_items);
+  return o;
+}
+
+bool IsMountHelperName(const char* argv0) {
+  if (argv0 == nullptr) return false;
+  std::string name = argv0;
+  const size_t slash = name.rfind('/');
+  if (slash != std::string::npos) name = name.substr(slash + 1);
+  return name.rfind("mount.", 0) == 0;
+}
+
+Result<DaemonOptions> ParseMountHelperArgs(int argc, const char* const* argv) {
+  if (argc < 3) {
+    return Invalid("usage: mount.fuse.ckptfs BACKING_DIR MOUNTPOINT [-sfnv] [-o OPTIONS]");
+  }
+  std::vector<std::string> args = {"ckptfs"};
+  bool fake = false;
+  for (int i = 3; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-o" || a == "-t" || a == "-N") {
+      if (i + 1 >= argc) return Invalid(a + " needs an argument");
+      if (a == "-o") {
+        args.push_back("-o");
+        args.push_back(argv[i + 1]);
+      }
+      ++i;
+    } else if (a.rfind("-o", 0) == 0) {
+      args.push_back(a);
+    } else if (a.size() >= 2 && a[0] == '-' &&
+               a.find_first_not_of("sfnvh", 1) == std::string::npos) {
+      if (a.find('f') != std::string::npos) fake = true;  // mount -f: do everything but mount
+      if (a.find('h') != std::string::npos) args.push_back("--help");
+    } else {
+      return Invalid("mount helper: unexpected argument '" + a + "'");
     }
   }
-  o.fuse_options = split;
+  args.push_back(argv[1]);
+  args.push_back(argv[2]);
+  std::vector<const char*> cargv;
+  for (const auto& a : args) cargv.push_back(a.c_str());
+  CKPT_ASSIGN_OR_RETURN(DaemonOptions o,
+                        ParseDaemonOptions(static_cast<int>(cargv.size()), cargv.data()));
+  o.fake = fake;
+  o.foreground = false;  // mount(8) waits for the helper; the daemon must go on after it.
   return o;
 }
 
 bool IsMountPoint(const std::string& path) {
-  std::ifstream in("/proc/self/mountinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream fields(line);
-    std::string id, parent, dev, root, mnt;
-    fields >> id >> parent >> dev >> root >> mnt;
-    if (UnescapeMountPath(mnt) == path) return true;
+  std::unique_ptr<libmnt_table, decltype(&mnt_unref_table)> table(mnt_new_table(),
+                                                                   &mnt_unref_table);
+  if (!table || mnt_table_parse_file(table.get(), "/proc/self/mountinfo") != 0) return false;
+  // Plain string comparison (no canonicalization: stat() on a hung mount would block).
+  libmnt_iter* iter = mnt_new_iter(MNT_ITER_FORWARD);
+  bool found = false;
+  libmnt_fs* fs = nullptr;
+  while (!found && mnt_table_next_fs(table.get(), iter, &fs) == 0) {
+    const char* target = mnt_fs_get_target(fs);
+    found = target != nullptr && path == target;
   }
-  return false;
+  mnt_free_iter(iter);
+  return found;
 }
 
 Status ValidateDaemonOptions(DaemonOptions* o) {

@@ -1,5 +1,10 @@
 // Command-line options of the ckptfs daemon: parsing and validation, with one clear
 // error line for every bad input.
+//
+// Every long option is also accepted as a FUSE-style `-o key=value` (dashes may be
+// underscores: `-o staging_mem=8G`), so that mount(8), /etc/fstab and systemd mount
+// units can pass ckptfs options. Mount-only options (_netdev, nofail, x-systemd.*, ...)
+// are dropped; any other -o option goes to libfuse. Not thread-safe; called once.
 #pragma once
 
 #include <cstdint>
@@ -28,10 +33,25 @@ struct DaemonOptions {
   bool write_checksums = true;  // --write-checksums=on|off
   std::string log_level = "info";
   std::string log_file;
+  uint64_t log_max_bytes = uint64_t{100} << 20;  // rotate the log file at this size
+  int log_max_files = 5;                          // rotated files kept
+  std::string metrics_listen;                     // "ADDR:PORT" or empty: no HTTP server
+  std::string metrics_host;                       // split from metrics_listen
+  int metrics_port = 0;
   std::vector<std::string> fuse_options;
   bool help = false;
+  bool version = false;     // --version: print help_text (the version) and exit
+  bool fake = false;        // mount helper -f: parse, validate, do not mount
   std::string help_text;
 };
+
+// "ckptfs 0.3.0 (git abc123)": what --version prints.
+std::string VersionLine(const std::string& program);
+
+// True for the options that only mount(8), fstab or systemd use and that must not reach
+// libfuse: _netdev, nofail, noauto, auto, user, users, nouser, owner, group, defaults,
+// x-*, comment=*.
+bool IsMountOnlyOption(const std::string& option);
 
 // Parses "4096", "64K", "512M", "2G", "1T" (also "2GiB", "2GB"): powers of 1024.
 Result<uint64_t> ParseSize(const std::string& text);
@@ -39,12 +59,22 @@ Result<uint64_t> ParseSize(const std::string& text);
 // Parses argv. A syntax error returns kInvalid with the message to print.
 Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv);
 
+// Parses the argv that mount(8) gives a mount helper (mount.fuse.ckptfs, mount.ckptfs):
+//   SOURCE TARGET [-s] [-f] [-n] [-v] [-o OPTIONS] [-t TYPE]
+// SOURCE is the backing dir. -f (fake) sets `fake`; -s, -n, -v and -t are accepted and
+// ignored. The daemon runs in the background, as mount(8) expects.
+Result<DaemonOptions> ParseMountHelperArgs(int argc, const char* const* argv);
+
+// True if argv[0] names the mount helper (its basename starts with "mount.").
+bool IsMountHelperName(const char* argv0);
+
 // Checks the paths: backing dir and mountpoint exist and are directories, the
 // mountpoint is not already mounted, neither contains the other, and the state dir is
 // outside the mount. Fills in the default state dir.
 Status ValidateDaemonOptions(DaemonOptions* options);
 
-// True if `path` (canonical) is a mount point listed in /proc/self/mountinfo.
+// True if `path` (canonical) is a mount point listed in /proc/self/mountinfo (read
+// with libmount).
 bool IsMountPoint(const std::string& path);
 
 }  // namespace ckptfs

@@ -11,6 +11,8 @@ PACKAGES=(
   nlohmann-json3-dev libcli11-dev libxxhash-dev
   python3-torch python3-numpy python3-matplotlib
   util-linux e2fsprogs xfsprogs coreutils procps psmisc attr
+  libcpp-httplib-dev libsystemd-dev libmount-dev
+  help2man dpkg-dev debootstrap curl python3-prometheus-client
 )
 
 missing=()

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 namespace ckptfs::admin {
 namespace {
 
@@ -541,6 +543,121 @@ void WriteExitJson(const FakeMount& m, int pid, bool clean, int unpublished,
                                  std::to_string(unpublished) + R"(,"error":")" + error + R"("})");
 }
 
+TEST(WaitForPath, NotOnATerminalPrintsOnePlainLineEveryFewSecondsWithRateAndEta) {
+  FakeEnv env;
+  // 1 MiB more every poll (0.5 s): 2 MiB/s; 100 MiB total.
+  for (uint64_t i = 0; i <= 30; ++i) {
+    env.xattrs.push_back(ProgressJson("staged", 100 << 20, i << 20));
+  }
+  env.xattrs.push_back(ProgressJson("published", 100 << 20, 100 << 20));
+  WaitOptions options;
+  options.interval_s = 0.5;
+  options.plain_every_s = 5;
+  std::ostringstream err;
+  EXPECT_EQ(WaitForPath(&env, "/m/ckpt", options, err).exit_code, kExitOk);
+  const std::string text = err.str();
+  EXPECT_EQ(text.find('\r'), std::string::npos);
+  // At 5, 10 and 15 s.
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 3) << text;
+  EXPECT_THAT(text, HasSubstr("ckptfs-admin: /m/ckpt: 10.0%  10.00 MiB / 100.00 MiB  staged, "
+                              "2.00 MiB/s, ETA 45s, waited 5s\n"));
+}
+
+TEST(WaitForPath, TheTerminalBarShowsRateAndEtaWhileInProgress) {
+  FakeEnv env;
+  env.tty = true;
+  env.xattrs = {ProgressJson("staged", 4096, 0), ProgressJson("staged", 4096, 1024),
+                ProgressJson("staged", 4096, 2048), ProgressJson("published", 4096, 4096)};
+  WaitOptions options;
+  options.interval_s = 1;
+  std::ostringstream err;
+  EXPECT_EQ(WaitForPath(&env, "/m/f", options, err).exit_code, kExitOk);
+  EXPECT_THAT(err.str(), HasSubstr("1.00 KiB / 4.00 KiB  staged, 1.00 KiB/s, ETA 3s"));
+  EXPECT_THAT(err.str(), HasSubstr("4.00 KiB / 4.00 KiB  published\x1b[K\n"));
+}
+
+TEST(RateMeter, NeedsHalfASecondThenAveragesOverTenSeconds) {
+  RateMeter r;
+  EXPECT_EQ(r.Add(0, 0), -1);
+  EXPECT_EQ(r.Add(0.25, 100), -1);
+  EXPECT_DOUBLE_EQ(r.Add(1, 1000), 1000);
+  for (int t = 2; t <= 20; ++t) r.Add(t, static_cast<uint64_t>(t) * 1000);
+  EXPECT_DOUBLE_EQ(r.Add(21, 31000), (31000.0 - 11000.0) / 10);  // the last 10 s only
+}
+
+TEST(RunWait, CreateTimeoutWaitsForAPathThatAppearsLater) {
+  FakeMount m;
+  FakeEnv env;
+  env.xattrs = {ProgressJson("published", 3, 3)};
+  WaitOptions options;
+  options.create_timeout_s = 10;
+  options.interval_s = 1;
+  options.json = true;
+  // The file appears after the third sleep.
+  int sleeps = 0;
+  struct AppearingEnv : FakeEnv {
+    std::function<void()> on_sleep;
+    void Sleep(double s) override {
+      FakeEnv::Sleep(s);
+      if (on_sleep) on_sleep();
+    }
+  } appearing;
+  appearing.xattrs = env.xattrs;
+  appearing.on_sleep = [&] {
+    if (++sleeps == 3) m.Write("mnt/late", "abc");
+  };
+  std::ostringstream out, err;
+  EXPECT_EQ(RunWait(&appearing, m.Path("mnt/late"), options, out, err), kExitOk) << err.str();
+  EXPECT_EQ(sleeps, 3);
+  auto j = nlohmann::json::parse(out.str());
+  EXPECT_EQ(j["state"], "published");
+  EXPECT_EQ(j["exit_code"], 0);
+  EXPECT_DOUBLE_EQ(j["elapsed_s"].get<double>(), 3.0);
+
+  FakeEnv never;
+  std::ostringstream out2, err2;
+  options.create_timeout_s = 2.5;
+  EXPECT_EQ(RunWait(&never, m.Path("mnt/never"), options, out2, err2), kExitError);
+  EXPECT_THAT(err2.str(), HasSubstr("did not appear within 2.5s"));
+  EXPECT_EQ(nlohmann::json::parse(out2.str())["exit_code"], kExitError);
+  EXPECT_TRUE(never.xattr_paths.empty());
+  // Without --create-timeout a missing path fails at once.
+  FakeEnv once;
+  options.create_timeout_s = 0;
+  std::ostringstream out3, err3;
+  EXPECT_EQ(RunWait(&once, m.Path("mnt/never"), options, out3, err3), kExitError);
+  EXPECT_TRUE(once.sleeps.empty());
+}
+
+TEST(RunWait, JsonOutcomeOnStdoutForFailureToo) {
+  FakeMount m;
+  m.Write("mnt/f", "x");
+  FakeEnv env;
+  env.xattrs = {ProgressJson("failed", 10, 4, "EIO")};
+  std::string out, err;
+  EXPECT_EQ(Admin({"wait", m.Path("mnt/f"), "--json"}, &env, &out, &err), kExitFailed);
+  auto j = nlohmann::json::parse(out);
+  EXPECT_EQ(j["state"], "failed");
+  EXPECT_EQ(j["error"], "EIO");
+  EXPECT_EQ(j["bytes_done"], 4);
+  EXPECT_EQ(j["exit_code"], kExitFailed);
+}
+
+TEST(RunAdmin, VersionExitsZero) {
+  FakeEnv env;
+  std::string out, err;
+  EXPECT_EQ(Admin({"--version"}, &env, &out, &err), kExitOk) << err;
+  EXPECT_THAT(out, StartsWith("ckptfs-admin "));
+}
+
+TEST(FormatStats, ShowsCheckpointStatesItDoesNotKnowAndIgnoresUnknownFields) {
+  auto text = FormatStats(R"({"pid":1,"checkpoints":{"committed":2,"halted":1},
+                              "journal_state":"halted","new_counter":5})");
+  ASSERT_TRUE(text.ok()) << text.status().ToString();
+  EXPECT_THAT(*text, HasSubstr("2 committed"));
+  EXPECT_THAT(*text, HasSubstr("1 halted"));
+}
+
 TEST(RunUnmount, DrainsUnmountsWaitsForThePidAndChecksTheExitReport) {
   FakeMount m;
   FakeEnv env;
@@ -554,6 +671,22 @@ TEST(RunUnmount, DrainsUnmountsWaitsForThePidAndChecksTheExitReport) {
   EXPECT_EQ(env.unmounted, std::vector<std::string>{m.mount()});
   EXPECT_EQ(env.alive_pids, std::vector<int>(4, 4242));
   EXPECT_THAT(out, HasSubstr("unmounted " + m.mount()));
+}
+
+TEST(RunUnmount, JsonReportsTheOutcome) {
+  FakeMount m;
+  FakeEnv env;
+  env.xattrs = {ProgressJson("published", 10, 10)};
+  env.on_unmount = [&] { WriteExitJson(m, 4242, false, 2, "EIO on x"); };
+  std::string out, err;
+  EXPECT_EQ(Admin({"unmount", m.mount(), "--json"}, &env, &out, &err), kExitFailed);
+  auto j = nlohmann::json::parse(out);
+  EXPECT_EQ(j["mountpoint"], m.mount());
+  EXPECT_EQ(j["pid"], 4242);
+  EXPECT_EQ(j["clean"], false);
+  EXPECT_EQ(j["unpublished_files"], 2);
+  EXPECT_EQ(j["error"], "EIO on x");
+  EXPECT_EQ(j["exit_code"], kExitFailed);
 }
 
 TEST(RunUnmount, UnpublishedFilesOrAnUncleanExitExitOne) {

@@ -3,6 +3,7 @@
 // backing dir, mountpoint and state dir, default state dir).
 #include "mount/options.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -209,6 +210,96 @@ TEST(ParseDaemonOptions, EveryBadInputIsInvalidWithAMessage) {
       EXPECT_FALSE(o.status().message().empty()) << joined;
     }
   }
+}
+
+// ------------------------------------------------------- -o key=value and mount helper
+
+TEST(ParseDaemonOptions, CkptfsOptionsAreAcceptedAsDashO) {
+  auto o = Parse({"-o", "durability=strict,staging_mem=8G,chunk-size=1M,state_dir=/var/tmp/s",
+                  "-oflush_threads=4,foreground,allow_other", "/b", "/m"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->strict);
+  EXPECT_EQ(o->staging_bytes, uint64_t{8} << 30);
+  EXPECT_EQ(o->chunk_bytes, uint64_t{1} << 20);
+  EXPECT_EQ(o->state_dir, "/var/tmp/s");
+  EXPECT_EQ(o->flush_threads, 4);
+  EXPECT_TRUE(o->foreground);
+  EXPECT_EQ(o->fuse_options, std::vector<std::string>{"allow_other"});
+}
+
+TEST(ParseDaemonOptions, MountOnlyOptionsAreDroppedAndTheRestGoToFuse) {
+  auto o = Parse({"-o",
+                  "rw,_netdev,nofail,noauto,auto,user,users,defaults,x-systemd.requires=a.mount,"
+                  "x-systemd.automount,comment=x,nosuid,default_permissions",
+                  "/b", "/m"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->fuse_options,
+            (std::vector<std::string>{"rw", "nosuid", "default_permissions"}));
+}
+
+TEST(ParseDaemonOptions, BadDashOValuesAreInvalidLikeLongOptions) {
+  for (const char* bad : {"durability=sometimes", "staging_mem=lots", "flush_threads=0",
+                          "metrics_listen=nocolon", "metrics_listen=127.0.0.1:0",
+                          "metrics_listen=127.0.0.1:70000"}) {
+    auto o = Parse({"-o", bad, "/b", "/m"});
+    EXPECT_EQ(o.status().code(), Code::kInvalid) << bad;
+  }
+  EXPECT_EQ(Parse({"/b", "/m", "-o"}).status().code(), Code::kInvalid);
+}
+
+TEST(ParseDaemonOptions, MetricsListenIsSplitIntoHostAndPort) {
+  struct Case {
+    const char* text;
+    const char* host;
+    int port;
+  };
+  for (const Case& c : {Case{"127.0.0.1:9464", "127.0.0.1", 9464},
+                        Case{":9100", "0.0.0.0", 9100}, Case{"[::1]:80", "::1", 80}}) {
+    auto o = Parse({"--metrics-listen", c.text, "/b", "/m"});
+    ASSERT_TRUE(o.ok()) << c.text << ": " << o.status().ToString();
+    EXPECT_EQ(o->metrics_host, c.host);
+    EXPECT_EQ(o->metrics_port, c.port);
+  }
+}
+
+TEST(ParseDaemonOptions, VersionPrintsTheProjectVersion) {
+  auto o = Parse({"--version"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->version);
+  EXPECT_THAT(o->help_text, ::testing::MatchesRegex("ckptfs [0-9]+\\.[0-9]+\\.[0-9]+ \\(git .+\\)\n"));
+}
+
+Result<DaemonOptions> ParseHelper(std::vector<std::string> args) {
+  args.insert(args.begin(), "/sbin/mount.fuse.ckptfs");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  return ParseMountHelperArgs(static_cast<int>(argv.size()), argv.data());
+}
+
+TEST(ParseMountHelperArgs, TakesMountsArgvAndRunsInTheBackground) {
+  EXPECT_TRUE(IsMountHelperName("/sbin/mount.fuse.ckptfs"));
+  EXPECT_TRUE(IsMountHelperName("mount.ckptfs"));
+  EXPECT_FALSE(IsMountHelperName("/usr/bin/ckptfs"));
+  auto o = ParseHelper({"/lustre/ckpt", "/mnt/ckpt", "-n", "-v", "-o",
+                        "rw,_netdev,durability=async,staging_mem=8G,foreground", "-t",
+                        "fuse.ckptfs"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->backing_dir, "/lustre/ckpt");
+  EXPECT_EQ(o->mountpoint, "/mnt/ckpt");
+  EXPECT_EQ(o->staging_bytes, uint64_t{8} << 30);
+  EXPECT_FALSE(o->foreground);  // mount(8) waits for its helper
+  EXPECT_FALSE(o->fake);
+  EXPECT_EQ(o->fuse_options, std::vector<std::string>{"rw"});
+  auto fake = ParseHelper({"/b", "/m", "-f"});
+  ASSERT_TRUE(fake.ok());
+  EXPECT_TRUE(fake->fake);
+}
+
+TEST(ParseMountHelperArgs, BadArgvIsInvalid) {
+  EXPECT_EQ(ParseHelper({"/b"}).status().code(), Code::kInvalid);
+  EXPECT_EQ(ParseHelper({"/b", "/m", "-o"}).status().code(), Code::kInvalid);
+  EXPECT_EQ(ParseHelper({"/b", "/m", "--bogus"}).status().code(), Code::kInvalid);
+  EXPECT_EQ(ParseHelper({"/b", "/m", "-o", "durability=x"}).status().code(), Code::kInvalid);
 }
 
 // -------------------------------------------------------------- ValidateDaemonOptions
