@@ -1,0 +1,295 @@
+#include "store/peer/plan.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <queue>
+#include <random>
+#include <unordered_set>
+
+namespace ckptfs::store::peer {
+namespace {
+
+// splitmix64's finalizer: a bijective 64-bit mixer, so weights of distinct (node, block)
+// pairs are independent enough for rendezvous hashing.
+uint64_t Mix(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return x;
+}
+
+uint64_t BlockKey(uint64_t file_hash, uint64_t block) { return Mix(file_hash ^ Mix(block + 1)); }
+
+// Highest random weight among `candidates` (all nodes when empty); ties (64-bit, never in
+// practice) to the lower index.
+uint32_t Rendezvous(uint64_t key, const std::vector<uint64_t>& node_hash,
+                    std::span<const uint32_t> candidates) {
+  uint32_t best = 0;
+  uint64_t best_w = 0;
+  bool first = true;
+  auto consider = [&](uint32_t n) {
+    uint64_t w = Mix(key ^ node_hash[n]);
+    if (first || w > best_w || (w == best_w && n < best)) {
+      best = n;
+      best_w = w;
+      first = false;
+    }
+  };
+  if (candidates.empty()) {
+    for (uint32_t n = 0; n < node_hash.size(); ++n) consider(n);
+  } else {
+    for (uint32_t n : candidates) consider(n);
+  }
+  return best;
+}
+
+}  // namespace
+
+Result<PlanMode> ParsePlanMode(std::string_view name) {
+  if (name == "balanced") return PlanMode::kBalanced;
+  if (name == "fast") return PlanMode::kFast;
+  if (name == "auto") return PlanMode::kAuto;
+  return Invalid("plan mode '" + std::string(name) + "' is not balanced, fast or auto");
+}
+
+std::string_view PlanModeName(PlanMode mode) {
+  switch (mode) {
+    case PlanMode::kBalanced: return "balanced";
+    case PlanMode::kFast: return "fast";
+    case PlanMode::kAuto: return "auto";
+  }
+  return "?";
+}
+
+std::vector<PlanItem> PlanItemsFromMetadata(const DcpMetadata& metadata) {
+  std::vector<PlanItem> items;
+  items.reserve(metadata.items.size());
+  for (const DcpItem& it : metadata.items) {
+    items.push_back(PlanItem{it.file, it.offset, it.length, {}});
+  }
+  return items;
+}
+
+PlanBalance OwnershipPlan::Balance() const {
+  PlanBalance b;
+  for (uint64_t n : node_bytes_) {
+    b.total_bytes += n;
+    b.max_node_bytes = std::max(b.max_node_bytes, n);
+  }
+  if (!node_bytes_.empty()) b.mean_node_bytes = double(b.total_bytes) / node_bytes_.size();
+  if (b.total_bytes > 0) b.max_over_mean = b.max_node_bytes / b.mean_node_bytes;
+  return b;
+}
+
+uint32_t OwnershipPlan::HashOwner(uint32_t file, uint64_t block) const {
+  return Rendezvous(BlockKey(file_hash_[file], block), node_hash_, {});
+}
+
+Result<uint32_t> OwnershipPlan::BlockOwner(std::string_view file, uint64_t block) const {
+  auto it = file_index_.find(file);
+  if (it == file_index_.end()) {
+    return NotFound("plan: no item of the checkpoint is in file " + std::string(file));
+  }
+  uint32_t f = it->second;
+  if (mode_ == PlanMode::kFast) {
+    auto o = overrides_[f].find(block);
+    return o != overrides_[f].end() ? o->second : HashOwner(f, block);
+  }
+  const std::vector<Span>& spans = spans_[f];
+  uint64_t start = block * block_bytes_;
+  if (block_bytes_ != 0 && start / block_bytes_ != block) return NotFound("plan: block overflow");
+  uint64_t end = start + block_bytes_;
+  // The last item starting at or before `start` holds it if it reaches past it. (DCP items
+  // of a file never overlap; with overlaps this is still a deterministic answer.)
+  auto after = std::upper_bound(spans.begin(), spans.end(), start,
+                                [](uint64_t v, const Span& s) { return v < s.offset; });
+  if (after != spans.begin() && std::prev(after)->end > start) return std::prev(after)->owner;
+  if (after != spans.end() && after->offset < end) return after->owner;
+  return NotFound("plan: no item touches block " + std::to_string(block) + " of " +
+                  std::string(file));
+}
+
+std::vector<OwnedBlock> OwnershipPlan::BlocksOwnedBy(uint32_t node) const {
+  return node < owned_.size() ? owned_[node] : std::vector<OwnedBlock>{};
+}
+
+Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const std::string> nodes,
+                                const PlanOptions& options) {
+  if (nodes.empty()) return Invalid("plan: the peer list is empty");
+  if (options.block_bytes == 0) return Invalid("plan: block size 0");
+  {
+    std::unordered_set<std::string_view> seen;
+    for (const std::string& n : nodes) {
+      if (n.empty()) return Invalid("plan: empty node name");
+      if (!seen.insert(n).second) return Invalid("plan: node " + n + " is listed twice");
+    }
+  }
+  const uint32_t node_count = static_cast<uint32_t>(nodes.size());
+  for (const PlanItem& it : items) {
+    if (it.offset + it.length < it.offset) {
+      return Invalid("plan: item of " + it.file + " at " + std::to_string(it.offset) +
+                     " overflows");
+    }
+    for (uint32_t r : it.readers) {
+      if (r >= node_count) {
+        return Invalid("plan: reader " + std::to_string(r) + " of an item of " + it.file +
+                       " is not in the peer list of " + std::to_string(node_count));
+      }
+    }
+  }
+
+  OwnershipPlan plan;
+  plan.mode_ = options.mode;
+  if (plan.mode_ == PlanMode::kAuto) {
+    plan.mode_ = items.size() > options.auto_fast_above_items ? PlanMode::kFast
+                                                              : PlanMode::kBalanced;
+  }
+  plan.block_bytes_ = options.block_bytes;
+  plan.node_bytes_.assign(node_count, 0);
+  plan.item_owner_.assign(items.size(), 0);
+  plan.owned_.resize(node_count);
+
+  // Files, sorted, so file indices are the same on every node whatever the input order.
+  std::vector<uint32_t> item_file(items.size());
+  {
+    std::vector<std::string_view> names;
+    for (const PlanItem& it : items) names.push_back(it.file);
+    std::sort(names.begin(), names.end());
+    names.erase(std::unique(names.begin(), names.end()), names.end());
+    plan.files_.assign(names.begin(), names.end());
+    for (uint32_t f = 0; f < plan.files_.size(); ++f) plan.file_index_[plan.files_[f]] = f;
+    for (size_t i = 0; i < items.size(); ++i) item_file[i] = plan.file_index_.find(items[i].file)->second;
+  }
+  const uint64_t bb = options.block_bytes;
+  auto last_block = [bb](const PlanItem& it) {
+    return it.length == 0 ? it.offset / bb : (it.offset + it.length - 1) / bb;
+  };
+
+  if (plan.mode_ == PlanMode::kBalanced) {
+    std::vector<uint32_t> order(items.size());
+    std::iota(order.begin(), order.end(), 0u);
+    std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+      const PlanItem& x = items[a];
+      const PlanItem& y = items[b];
+      if (x.length != y.length) return x.length > y.length;
+      if (item_file[a] != item_file[b]) return item_file[a] < item_file[b];
+      if (x.offset != y.offset) return x.offset < y.offset;
+      return a < b;
+    });
+    // Min-heap of (load, node) for items any node may own; its top may be stale after a
+    // reader-restricted assignment, so entries are checked against the live load.
+    using Entry = std::pair<uint64_t, uint32_t>;
+    std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap;
+    for (uint32_t n = 0; n < node_count; ++n) heap.push({0, n});
+    for (uint32_t i : order) {
+      const PlanItem& it = items[i];
+      uint32_t owner;
+      if (it.readers.empty()) {
+        while (heap.top().first != plan.node_bytes_[heap.top().second]) {
+          uint32_t n = heap.top().second;
+          heap.pop();
+          heap.push({plan.node_bytes_[n], n});
+        }
+        owner = heap.top().second;
+        heap.pop();
+        heap.push({plan.node_bytes_[owner] + it.length, owner});
+      } else {
+        owner = it.readers[0];
+        for (uint32_t r : it.readers) {
+          if (plan.node_bytes_[r] < plan.node_bytes_[owner] ||
+              (plan.node_bytes_[r] == plan.node_bytes_[owner] && r < owner)) {
+            owner = r;
+          }
+        }
+      }
+      plan.item_owner_[i] = owner;
+      plan.node_bytes_[owner] += it.length;
+    }
+    plan.spans_.resize(plan.files_.size());
+    for (size_t i = 0; i < items.size(); ++i) {
+      plan.spans_[item_file[i]].push_back(
+          {items[i].offset, items[i].offset + items[i].length, plan.item_owner_[i]});
+    }
+    for (auto& spans : plan.spans_) {
+      std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) {
+        return a.offset != b.offset ? a.offset < b.offset : a.end < b.end;
+      });
+    }
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (items[i].length == 0) continue;
+      for (uint64_t b = items[i].offset / bb; b <= last_block(items[i]); ++b) {
+        plan.owned_[plan.item_owner_[i]].push_back({item_file[i], b});
+      }
+    }
+  } else {
+    plan.node_hash_.resize(node_count);
+    for (uint32_t n = 0; n < node_count; ++n) {
+      plan.node_hash_[n] = XXH3_64bits(nodes[n].data(), nodes[n].size());
+    }
+    uint64_t seed = XXH3_64bits(options.seed.data(), options.seed.size());
+    plan.file_hash_.resize(plan.files_.size());
+    for (uint32_t f = 0; f < plan.files_.size(); ++f) {
+      plan.file_hash_[f] = XXH3_64bits_withSeed(plan.files_[f].data(), plan.files_[f].size(), seed);
+    }
+    plan.overrides_.resize(plan.files_.size());
+    for (size_t i = 0; i < items.size(); ++i) {
+      const PlanItem& it = items[i];
+      if (it.readers.empty() || it.length == 0) continue;
+      uint32_t f = item_file[i];
+      for (uint64_t b = it.offset / bb; b <= last_block(it); ++b) {
+        plan.overrides_[f].try_emplace(
+            b, Rendezvous(BlockKey(plan.file_hash_[f], b), plan.node_hash_, it.readers));
+      }
+    }
+    for (size_t i = 0; i < items.size(); ++i) {
+      const PlanItem& it = items[i];
+      uint32_t f = item_file[i];
+      const auto& over = plan.overrides_[f];
+      uint64_t first = it.offset / bb;
+      if (it.length == 0) {
+        auto o = over.find(first);
+        plan.item_owner_[i] = o != over.end() ? o->second : plan.HashOwner(f, first);
+        continue;
+      }
+      for (uint64_t b = first; b <= last_block(it); ++b) {
+        auto o = over.empty() ? over.end() : over.find(b);
+        uint32_t owner = o != over.end() ? o->second : plan.HashOwner(f, b);
+        uint64_t lo = std::max(it.offset, b * bb);
+        uint64_t hi = std::min(it.offset + it.length, (b + 1) * bb);
+        plan.node_bytes_[owner] += hi - lo;
+        if (b == first) plan.item_owner_[i] = owner;
+        plan.owned_[owner].push_back({f, b});
+      }
+    }
+  }
+  for (auto& blocks : plan.owned_) {
+    std::sort(blocks.begin(), blocks.end(), [](const OwnedBlock& a, const OwnedBlock& b) {
+      return a.file != b.file ? a.file < b.file : a.block < b.block;
+    });
+    blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
+  }
+  return plan;
+}
+
+std::vector<PlanItem> SyntheticPlanItems(uint64_t items, uint32_t nodes, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> log_size(std::log(1024.0), std::log(64.0 * (1 << 20)));
+  uint64_t files = std::max<uint64_t>(1, uint64_t(nodes) * 8);
+  std::vector<uint64_t> file_end(files, 0);
+  std::vector<PlanItem> out;
+  out.reserve(items);
+  for (uint64_t i = 0; i < items; ++i) {
+    uint64_t f = i % files;
+    uint64_t len = (rng() % 20000 == 0) ? (1ull << 30) : uint64_t(std::exp(log_size(rng)));
+    out.push_back(PlanItem{"__" + std::to_string(f) + "_0.distcp", file_end[f], len, {}});
+    file_end[f] += len;
+  }
+  return out;
+}
+
+}  // namespace ckptfs::store::peer
