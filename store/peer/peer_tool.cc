@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/logging.h"
 #include "store/crc32c.h"
 #include "store/peer/peer_client.h"
 #include "store/peer/peer_server.h"
@@ -353,6 +354,11 @@ int main(int argc, char** argv) {
   plan->add_option("--seed", seed);
   plan->add_option("--repeat", repeat);
   CLI11_PARSE(app, argc, argv);
+  // Logs go to stderr: stdout carries the PORT line and the JSON results.
+  if (auto st = ckptfs::SetupLogging(std::getenv("CKPTFS_LOG_LEVEL") ? std::getenv("CKPTFS_LOG_LEVEL") : "warn", ""); !st.ok()) {
+    std::fprintf(stderr, "%s\n", st.ToString().c_str());
+    return 2;
+  }
   if (*serve) return Serve(c, listen, node_id, secret_file, allow, threads, delay_ms, corrupt);
   if (*fetch) return Fetch(c, server, node_id, secret_file, block, threads, seconds, verify);
   if (*tserve) return TcpServe(c, listen);
