@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <numeric>
 #include <queue>
 #include <random>
@@ -22,6 +23,9 @@ uint64_t Mix(uint64_t x) {
   x ^= x >> 31;
   return x;
 }
+
+// One past the last byte of block `b`, saturating at 2^64 - 1.
+uint64_t BlockEnd(uint64_t b, uint64_t bb) { return b * bb + std::min(bb, UINT64_MAX - b * bb); }
 
 uint64_t BlockKey(uint64_t file_hash, uint64_t block) { return Mix(file_hash ^ Mix(block + 1)); }
 
@@ -101,9 +105,9 @@ Result<uint32_t> OwnershipPlan::BlockOwner(std::string_view file, uint64_t block
     return o != overrides_[f].end() ? o->second : HashOwner(f, block);
   }
   const std::vector<Span>& spans = spans_[f];
+  if (block > UINT64_MAX / block_bytes_) return NotFound("plan: block index out of range");
   uint64_t start = block * block_bytes_;
-  if (block_bytes_ != 0 && start / block_bytes_ != block) return NotFound("plan: block overflow");
-  uint64_t end = start + block_bytes_;
+  uint64_t end = BlockEnd(block, block_bytes_);
   // The last item starting at or before `start` holds it if it reaches past it. (DCP items
   // of a file never overlap; with overlaps this is still a deterministic answer.)
   auto after = std::upper_bound(spans.begin(), spans.end(), start,
@@ -220,10 +224,17 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
         return a.offset != b.offset ? a.offset < b.offset : a.end < b.end;
       });
     }
-    for (size_t i = 0; i < items.size(); ++i) {
-      if (items[i].length == 0) continue;
-      for (uint64_t b = items[i].offset / bb; b <= last_block(items[i]); ++b) {
-        plan.owned_[plan.item_owner_[i]].push_back({item_file[i], b});
+    // Prefetch lists agree with BlockOwner: a block that straddles items of two owners is
+    // prefetched only by the one BlockOwner names.
+    for (uint32_t f = 0; f < plan.spans_.size(); ++f) {
+      uint64_t next = 0;  // blocks below this one are done
+      for (const auto& span : plan.spans_[f]) {
+        if (span.end == span.offset) continue;
+        for (uint64_t b = std::max(next, span.offset / bb); b <= (span.end - 1) / bb; ++b) {
+          auto owner = plan.BlockOwner(plan.files_[f], b);
+          if (owner.ok()) plan.owned_[*owner].push_back({f, b});
+        }
+        next = std::max(next, (span.end - 1) / bb + 1);
       }
     }
   } else {
@@ -260,7 +271,7 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
         auto o = over.empty() ? over.end() : over.find(b);
         uint32_t owner = o != over.end() ? o->second : plan.HashOwner(f, b);
         uint64_t lo = std::max(it.offset, b * bb);
-        uint64_t hi = std::min(it.offset + it.length, (b + 1) * bb);
+        uint64_t hi = std::min(it.offset + it.length, BlockEnd(b, bb));
         plan.node_bytes_[owner] += hi - lo;
         if (b == first) plan.item_owner_[i] = owner;
         plan.owned_[owner].push_back({f, b});
