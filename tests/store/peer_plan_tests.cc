@@ -136,9 +136,13 @@ TEST_P(BothModes, SingleReaderItemsAreOwnedByTheirReader) {
 }
 
 TEST_P(BothModes, SeveralReadersKeepTheOwnerAmongThem) {
-  auto items = SyntheticPlanItems(2000, 6, 9);
-  for (size_t i = 0; i < items.size(); ++i) items[i].readers = {uint32_t(i % 6), uint32_t((i + 2) % 6)};
-  auto plan = Build(items, Nodes(6), GetParam(), /*block=*/1);  // byte blocks: no sharing
+  // One item per 1000-byte block, so no block is shared by items with other readers.
+  std::vector<PlanItem> items;
+  for (uint32_t i = 0; i < 2000; ++i) {
+    items.push_back({"__" + std::to_string(i % 7) + "_0.distcp", uint64_t(i) * 1000,
+                     1000 - i % 3, {i % 6, (i + 2) % 6}});
+  }
+  auto plan = Build(items, Nodes(6), GetParam(), /*block=*/1000);
   for (size_t i = 0; i < items.size(); ++i) {
     uint32_t o = plan.ItemOwner(i);
     EXPECT_TRUE(o == items[i].readers[0] || o == items[i].readers[1]) << i;
