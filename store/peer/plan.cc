@@ -108,12 +108,10 @@ Result<uint32_t> OwnershipPlan::BlockOwner(std::string_view file, uint64_t block
   if (block > UINT64_MAX / block_bytes_) return NotFound("plan: block index out of range");
   uint64_t start = block * block_bytes_;
   uint64_t end = BlockEnd(block, block_bytes_);
-  // The last item starting at or before `start` holds it if it reaches past it. (DCP items
-  // of a file never overlap; with overlaps this is still a deterministic answer.)
-  auto after = std::upper_bound(spans.begin(), spans.end(), start,
-                                [](uint64_t v, const Span& s) { return v < s.offset; });
-  if (after != spans.begin() && std::prev(after)->end > start) return std::prev(after)->owner;
-  if (after != spans.end() && after->offset < end) return after->owner;
+  // The first span reaching past `start` is where the running max of ends first exceeds it.
+  auto first = std::upper_bound(spans.begin(), spans.end(), start,
+                                [](uint64_t v, const Span& s) { return v < s.max_end; });
+  if (first != spans.end() && first->offset < end) return first->owner;
   return NotFound("plan: no item touches block " + std::to_string(block) + " of " +
                   std::string(file));
 }
@@ -159,15 +157,27 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
   plan.owned_.resize(node_count);
 
   // Files, sorted, so file indices are the same on every node whatever the input order.
+  // Distinct names first (hashing), then a sort of those only: items far outnumber files.
   std::vector<uint32_t> item_file(items.size());
   {
+    std::unordered_map<std::string_view, uint32_t> first_seen;
     std::vector<std::string_view> names;
-    for (const PlanItem& it : items) names.push_back(it.file);
-    std::sort(names.begin(), names.end());
-    names.erase(std::unique(names.begin(), names.end()), names.end());
-    plan.files_.assign(names.begin(), names.end());
+    for (size_t i = 0; i < items.size(); ++i) {
+      auto [it, inserted] = first_seen.try_emplace(items[i].file, uint32_t(names.size()));
+      if (inserted) names.push_back(items[i].file);
+      item_file[i] = it->second;
+    }
+    std::vector<uint32_t> by_name(names.size());
+    std::iota(by_name.begin(), by_name.end(), 0u);
+    std::sort(by_name.begin(), by_name.end(),
+              [&](uint32_t a, uint32_t b) { return names[a] < names[b]; });
+    std::vector<uint32_t> rank(names.size());
+    for (uint32_t r = 0; r < by_name.size(); ++r) {
+      rank[by_name[r]] = r;
+      plan.files_.emplace_back(names[by_name[r]]);
+    }
     for (uint32_t f = 0; f < plan.files_.size(); ++f) plan.file_index_[plan.files_[f]] = f;
-    for (size_t i = 0; i < items.size(); ++i) item_file[i] = plan.file_index_.find(items[i].file)->second;
+    for (uint32_t& f : item_file) f = rank[f];
   }
   const uint64_t bb = options.block_bytes;
   auto last_block = [bb](const PlanItem& it) {
@@ -216,25 +226,27 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
     }
     plan.spans_.resize(plan.files_.size());
     for (size_t i = 0; i < items.size(); ++i) {
+      if (items[i].length == 0) continue;  // touches no block
       plan.spans_[item_file[i]].push_back(
-          {items[i].offset, items[i].offset + items[i].length, plan.item_owner_[i]});
+          {items[i].offset, items[i].offset + items[i].length, plan.item_owner_[i], 0});
     }
     for (auto& spans : plan.spans_) {
-      std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) {
-        return a.offset != b.offset ? a.offset < b.offset : a.end < b.end;
-      });
+      // Ties keep input order (stable), so the first item is the same on every node.
+      std::stable_sort(spans.begin(), spans.end(),
+                       [](const auto& a, const auto& b) { return a.offset < b.offset; });
+      uint64_t max_end = 0;
+      for (auto& span : spans) span.max_end = max_end = std::max(max_end, span.end);
     }
-    // Prefetch lists agree with BlockOwner: a block that straddles items of two owners is
-    // prefetched only by the one BlockOwner names.
+    // Prefetch lists agree with BlockOwner: each block goes to the first span (in offset
+    // order) that touches it, so a block straddling items of two owners is read once.
     for (uint32_t f = 0; f < plan.spans_.size(); ++f) {
-      uint64_t next = 0;  // blocks below this one are done
+      uint64_t next = 0;  // blocks below this one are claimed
       for (const auto& span : plan.spans_[f]) {
-        if (span.end == span.offset) continue;
-        for (uint64_t b = std::max(next, span.offset / bb); b <= (span.end - 1) / bb; ++b) {
-          auto owner = plan.BlockOwner(plan.files_[f], b);
-          if (owner.ok()) plan.owned_[*owner].push_back({f, b});
+        uint64_t last = (span.end - 1) / bb;
+        for (uint64_t b = std::max(next, span.offset / bb); b <= last; ++b) {
+          plan.owned_[span.owner].push_back({f, b});
         }
-        next = std::max(next, (span.end - 1) / bb + 1);
+        next = std::max(next, last + 1);
       }
     }
   } else {
@@ -257,7 +269,16 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
             b, Rendezvous(BlockKey(plan.file_hash_[f], b), plan.node_hash_, it.readers));
       }
     }
-    for (size_t i = 0; i < items.size(); ++i) {
+    // Items grouped by file (counting sort, input order within a file): DCP writes a file's
+    // items at rising offsets, so each node's block list comes out sorted without a sort.
+    std::vector<uint32_t> by_file(items.size()), file_start(plan.files_.size() + 1, 0);
+    for (uint32_t f : item_file) file_start[f + 1]++;
+    for (size_t f = 0; f < plan.files_.size(); ++f) file_start[f + 1] += file_start[f];
+    {
+      std::vector<uint32_t> fill(file_start.begin(), file_start.end() - 1);
+      for (uint32_t i = 0; i < items.size(); ++i) by_file[fill[item_file[i]]++] = i;
+    }
+    for (uint32_t i : by_file) {
       const PlanItem& it = items[i];
       uint32_t f = item_file[i];
       const auto& over = plan.overrides_[f];
@@ -274,11 +295,17 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
         uint64_t hi = std::min(it.offset + it.length, BlockEnd(b, bb));
         plan.node_bytes_[owner] += hi - lo;
         if (b == first) plan.item_owner_[i] = owner;
-        plan.owned_[owner].push_back({f, b});
+        auto& list = plan.owned_[owner];
+        if (list.empty() || !(list.back() == OwnedBlock{f, b})) list.push_back({f, b});
       }
     }
   }
   for (auto& blocks : plan.owned_) {
+    if (std::is_sorted(blocks.begin(), blocks.end(), [](const OwnedBlock& a, const OwnedBlock& b) {
+          return a.file != b.file ? a.file < b.file : a.block < b.block;
+        })) {
+      continue;  // balanced lists come out sorted and distinct
+    }
     std::sort(blocks.begin(), blocks.end(), [](const OwnedBlock& a, const OwnedBlock& b) {
       return a.file != b.file ? a.file < b.file : a.block < b.block;
     });
@@ -289,7 +316,7 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
 
 std::vector<PlanItem> SyntheticPlanItems(uint64_t items, uint32_t nodes, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> log_size(std::log(1024.0), std::log(64.0 * (1 << 20)));
+  std::uniform_real_distribution<double> log_size(std::log(1024.0), std::log(16.0 * (1 << 20)));
   uint64_t files = std::max<uint64_t>(1, uint64_t(nodes) * 8);
   std::vector<uint64_t> file_end(files, 0);
   std::vector<PlanItem> out;

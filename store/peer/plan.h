@@ -24,9 +24,10 @@
 // with readers takes its owner from the first such item in input order, so every piece of
 // a block has one owner.
 //
-// BlockOwner() answers for blocks of `block_bytes`: the owner of the item that holds the
-// block's first byte (balanced; the first item starting inside the block when its first
-// byte is in a gap), or the block's hash owner (fast).
+// BlockOwner() answers for blocks of `block_bytes`: in balanced mode the owner of the first
+// item, in file-offset order, that touches the block (DCP items of a file do not overlap,
+// so this is the item holding the block's first byte, or the first item starting inside
+// the block when that byte is in a gap); in fast mode the block's hash owner.
 //
 // Thread-safe after construction: OwnershipPlan is immutable.
 #pragma once
@@ -110,6 +111,7 @@ class OwnershipPlan {
   struct Span {
     uint64_t offset, end;
     uint32_t owner;
+    uint64_t max_end;  // max `end` of this and every earlier span of the file
   };
   uint32_t HashOwner(uint32_t file, uint64_t block) const;
 
@@ -138,7 +140,7 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
                                 const PlanOptions& options);
 
 // A made-up checkpoint for benchmarks: `items` items over 8 files per node, sizes
-// log-uniform from 1 KiB to 64 MiB with rare 1 GiB items, laid out back to back per file.
+// log-uniform from 1 KiB to 16 MiB with rare (1 in 20,000) 1 GiB items, laid out back to back per file.
 std::vector<PlanItem> SyntheticPlanItems(uint64_t items, uint32_t nodes, uint64_t seed);
 
 }  // namespace ckptfs::store::peer
