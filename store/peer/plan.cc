@@ -148,8 +148,9 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
   OwnershipPlan plan;
   plan.mode_ = options.mode;
   if (plan.mode_ == PlanMode::kAuto) {
-    plan.mode_ = items.size() > options.auto_fast_above_items ? PlanMode::kFast
-                                                              : PlanMode::kBalanced;
+    bool fast = items.size() > options.auto_fast_above_items &&
+                node_count <= options.auto_fast_max_nodes;
+    plan.mode_ = fast ? PlanMode::kFast : PlanMode::kBalanced;
   }
   plan.block_bytes_ = options.block_bytes;
   plan.node_bytes_.assign(node_count, 0);

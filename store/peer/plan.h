@@ -14,8 +14,12 @@
 //             block_bytes) to node names: each block goes independently, so a block's
 //             owner can also be computed on demand with no table, and removing a node moves
 //             only the blocks that node owned. An item is split at block boundaries.
-//   auto      fast when there are more than `auto_fast_above_items` items, else balanced
-//             (the threshold comes from scripts/bench/bench_plan.py, docs/PEERS.md).
+//   auto      fast when there are more than `auto_fast_above_items` items and at most
+//             `auto_fast_max_nodes` nodes, else balanced. Measured (scripts/bench/
+//             bench_plan.py, docs/PEERS.md): balanced costs O(items log items), fast
+//             O(blocks x nodes); on 16 nodes fast plans ~1.7x faster from 200k items up, on
+//             64 nodes they tie at 1M items, on 128 nodes balanced is faster. Both stay
+//             under 0.5 s at 1M items, so `auto` only matters for very large checkpoints.
 //
 // Locality. A PlanItem may name the nodes known to read it (`readers`). Its owner is then
 // chosen among those readers only, by the same rule (least-loaded reader; highest weight
@@ -48,9 +52,10 @@ enum class PlanMode { kBalanced, kFast, kAuto };
 Result<PlanMode> ParsePlanMode(std::string_view name);  // "balanced", "fast", "auto"
 std::string_view PlanModeName(PlanMode mode);
 
-// Above this many items `auto` plans in fast mode. Measured by scripts/bench/bench_plan.py
-// (docs/PEERS.md has the table).
+// `auto` plans in fast mode above this many items, on at most kAutoFastMaxNodes nodes.
+// Measured by scripts/bench/bench_plan.py (docs/PEERS.md has the table).
 inline constexpr size_t kAutoFastAboveItems = 200000;
+inline constexpr uint32_t kAutoFastMaxNodes = 48;
 
 struct PlanItem {
   std::string file;  // relative to the checkpoint directory, e.g. "__0_0.distcp"
@@ -67,6 +72,7 @@ struct PlanOptions {
   PlanMode mode = PlanMode::kAuto;
   uint64_t block_bytes = 1ull << 20;  // block size of BlockOwner and of fast mode's hashing
   size_t auto_fast_above_items = kAutoFastAboveItems;
+  uint32_t auto_fast_max_nodes = kAutoFastMaxNodes;
   // Mixed into every fast-mode hash (e.g. the checkpoint's path), so that checkpoints with
   // equal file names spread differently. Every daemon must pass the same value.
   std::string seed;

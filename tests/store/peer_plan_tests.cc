@@ -281,6 +281,8 @@ TEST(PlanAuto, PicksFastAboveTheThreshold) {
   EXPECT_EQ(BuildPlan(ten, Nodes(2), o)->mode(), PlanMode::kBalanced);
   EXPECT_EQ(BuildPlan(eleven, Nodes(2), o)->mode(), PlanMode::kFast);
   EXPECT_EQ(BuildPlan(ten, Nodes(2), PlanOptions{})->mode(), PlanMode::kBalanced);
+  o.auto_fast_max_nodes = 1;  // many nodes: fast's per-block cost grows with the node count
+  EXPECT_EQ(BuildPlan(eleven, Nodes(2), o)->mode(), PlanMode::kBalanced);
 }
 
 TEST(Plan, BadInputsAreInvalid) {
