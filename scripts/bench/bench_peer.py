@@ -109,8 +109,19 @@ def main():
                 print(json.dumps(best), flush=True)
     finally:
         os.unlink(secret_file)
+    ratios = []
+    for t in sorted({c["threads"] for c in cases}):
+        u = next(c for c in cases if c["transport"] == "ucx" and c["threads"] == t)
+        p = next(c for c in cases if c["transport"] == "tcp" and c["threads"] == t)
+        cpu_u = u["client_cpu_s_per_GB"] + u["server_cpu_s_per_GB"]
+        cpu_p = p["client_cpu_s_per_GB"] + p["server_cpu_s_per_GB"]
+        r = {"bench": "peer_ratio", "threads": t, "throughput_ucx_over_tcp": bl.ratio(u["MBps"], p["MBps"]),
+             "cpu_per_GB_ucx_over_tcp": bl.ratio(cpu_u, cpu_p)}
+        ratios.append(r)
+        print(json.dumps(r), flush=True)
     with open(os.path.join(args.out, "bench_peer.json"), "w") as f:
-        json.dump({"cases": cases, "loadavg_at_end": os.getloadavg()}, f, indent=1)
+        json.dump({"cases": cases, "ratios": ratios, "loadavg_at_end": os.getloadavg()}, f,
+                  indent=1)
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -67,12 +67,12 @@ class PeerClient::Impl {
   void Fail(const Status& status);
   void SendSmall(unsigned am_id, std::string payload);
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
-  static ucs_status_t OnChallenge(void* arg, const void* header, size_t header_length,
-                                  void* data, size_t length, const ucp_am_recv_param_t* param);
-  static ucs_status_t OnAuthResult(void* arg, const void* header, size_t header_length,
-                                   void* data, size_t length, const ucp_am_recv_param_t* param);
-  static ucs_status_t OnResponse(void* arg, const void* header, size_t header_length,
-                                 void* data, size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnChallenge(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAuthResult(void* arg, const void* header, size_t header_length, void* data,
+                                   size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnResponse(void* arg, const void* header, size_t header_length, void* data,
+                                 size_t length, const ucp_am_recv_param_t* param);
   static void OnSendDone(void* request, ucs_status_t status, void* user_data);
   static void OnRecvDone(void* request, ucs_status_t status, size_t length, void* user_data);
   Status PeerStatus(Code code, const std::string& what) const {
@@ -103,21 +103,20 @@ Status PeerClient::Impl::Connect() {
   if (options_.node_id.empty() || options_.node_id.size() > kMaxNodeIdBytes) {
     return Invalid("peer client: bad node id '" + options_.node_id + "'");
   }
-  auto w = UcxWorker::Create("client " + options_.node_id + "->" + options_.server,
-                             {[this](UcxWorker& w) { return StartOnWorker(w); },
-                              [this](UcxWorker&) {
-                                Fail(Status(Code::kAborted,
-                                            "peer " + options_.server + ": client closed"));
-                              }});
+  auto w = UcxWorker::Create(
+      "client " + options_.node_id + "->" + options_.server,
+      {[this](UcxWorker& w) { return StartOnWorker(w); },
+       [this](UcxWorker&) {
+         Fail(Status(Code::kAborted, "peer " + options_.server + ": client closed"));
+       }});
   if (!w.ok()) return w.status();
   worker_ = std::move(w).value();
   std::unique_lock lock(mu_);
-  if (!cv_.wait_for(lock, options_.connect_timeout,
-                    [&] { return state_ != State::kConnecting; })) {
+  if (!cv_.wait_for(lock, options_.connect_timeout, [&] { return state_ != State::kConnecting; })) {
     lock.unlock();
-    Status st = PeerStatus(Code::kTimeout, "no authenticated connection within " +
-                                               std::to_string(options_.connect_timeout.count()) +
-                                               " ms");
+    Status st =
+        PeerStatus(Code::kTimeout, "no authenticated connection within " +
+                                       std::to_string(options_.connect_timeout.count()) + " ms");
     worker_->Post([this, st] { Fail(st); });
     return st;
   }
@@ -130,9 +129,9 @@ Status PeerClient::Impl::Connect() {
 Status PeerClient::Impl::StartOnWorker(UcxWorker& w) {
   uw_ = &w;
   ucp_worker_ = w.worker();
-  for (auto [id, cb] : {std::pair{kAmChallenge, &OnChallenge},
-                        std::pair{kAmAuthResult, &OnAuthResult},
-                        std::pair{kAmResponse, &OnResponse}}) {
+  for (auto [id, cb] :
+       {std::pair{kAmChallenge, &OnChallenge}, std::pair{kAmAuthResult, &OnAuthResult},
+        std::pair{kAmResponse, &OnResponse}}) {
     ucp_am_handler_param_t hp{};
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                     UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -143,7 +142,8 @@ Status PeerClient::Impl::StartOnWorker(UcxWorker& w) {
     if (s != UCS_OK) return Internal("peer client: set AM handler: " + UcsError(s));
   }
   CKPT_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(options_.server));
-  if (host_port.second == 0) return Invalid("peer client: server address " + options_.server + " has port 0");
+  if (host_port.second == 0)
+    return Invalid("peer client: server address " + options_.server + " has port 0");
   CKPT_ASSIGN_OR_RETURN(SockAddr addr, ResolveSockAddr(host_port.first, host_port.second));
   CKPT_ASSIGN_OR_RETURN(client_nonce_, RandomNonce());
   ucp_ep_params_t ep{};
@@ -195,8 +195,8 @@ void PeerClient::Impl::Fail(const Status& status) {
 void PeerClient::Impl::SendSmall(unsigned am_id, std::string payload) {
   auto* owned = new std::string(std::move(payload));
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                   UCP_OP_ATTR_FIELD_FLAGS;
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   p.flags = UCP_AM_SEND_FLAG_REPLY;
   p.cb.send = &OnSendDone;
   p.user_data = owned;
@@ -239,13 +239,13 @@ ucs_status_t PeerClient::Impl::OnChallenge(void* arg, const void*, size_t, void*
     self->Fail(self->PeerStatus(Code::kCorrupt, ch.status().message()));
     return UCS_OK;
   }
-  Proof expected = ComputeProof(self->options_.secret, ProofRole::kServer,
-                                self->options_.node_id, self->client_nonce_, ch->server_nonce);
+  Proof expected = ComputeProof(self->options_.secret, ProofRole::kServer, self->options_.node_id,
+                                self->client_nonce_, ch->server_nonce);
   if (!ProofEquals(expected, ch->server_proof)) {
     spdlog::warn("peer client {}: server {} failed authentication (wrong shared secret)",
                  self->options_.node_id, self->options_.server);
-    self->Fail(self->PeerStatus(Code::kPermission,
-                                "server failed authentication (wrong shared secret)"));
+    self->Fail(
+        self->PeerStatus(Code::kPermission, "server failed authentication (wrong shared secret)"));
     return UCS_OK;
   }
   AuthMsg auth;
@@ -291,8 +291,8 @@ ucs_status_t PeerClient::Impl::OnResponse(void* arg, const void* header, size_t 
   if (h->code != static_cast<uint32_t>(Code::kOk)) {
     self->errors_.fetch_add(1, std::memory_order_relaxed);
     std::string msg = rndv ? "error" : std::string(static_cast<const char*>(data), length);
-    Code code = h->code <= static_cast<uint32_t>(Code::kTooManyOpenFiles) ? Code(h->code)
-                                                                         : Code::kIo;
+    Code code =
+        h->code <= static_cast<uint32_t>(Code::kTooManyOpenFiles) ? Code(h->code) : Code::kIo;
     p->Complete(self->PeerStatus(code, msg));
     return UCS_OK;
   }
@@ -326,7 +326,8 @@ ucs_status_t PeerClient::Impl::OnResponse(void* arg, const void* header, size_t 
 
 void PeerClient::Impl::OnRecvDone(void* request, ucs_status_t status, size_t, void* user_data) {
   if (request != nullptr) ucp_request_free(request);
-  std::unique_ptr<std::shared_ptr<Pending>> holder(static_cast<std::shared_ptr<Pending>*>(user_data));
+  std::unique_ptr<std::shared_ptr<Pending>> holder(
+      static_cast<std::shared_ptr<Pending>*>(user_data));
   Pending& p = **holder;
   if (status == UCS_OK) {
     p.Complete(Status::Ok());
@@ -364,9 +365,9 @@ Result<size_t> PeerClient::Impl::Fetch(const BlockId& id, uint64_t offset, std::
   std::unique_lock lock(p->mu);
   if (!p->cv.wait_until(lock, deadline, [&] { return p->done; })) {
     p->done = true;  // a late reply is dropped
-    p->status = PeerStatus(Code::kTimeout, "no reply within " +
-                                               std::to_string(options_.request_timeout.count()) +
-                                               " ms");
+    p->status =
+        PeerStatus(Code::kTimeout,
+                   "no reply within " + std::to_string(options_.request_timeout.count()) + " ms");
     lock.unlock();
     timeouts_.fetch_add(1, std::memory_order_relaxed);
     worker_->Post([this, rid = p->id] { pending_.erase(rid); });
@@ -380,8 +381,8 @@ Result<size_t> PeerClient::Impl::Fetch(const BlockId& id, uint64_t offset, std::
     bad_checksums_.fetch_add(1, std::memory_order_relaxed);
     spdlog::warn("peer client {}: block {} @{}+{} from {} failed its checksum", options_.node_id,
                  id.path, offset, out.size(), options_.server);
-    return PeerStatus(Code::kCorrupt, "checksum mismatch on " + id.path + " @" +
-                                          std::to_string(offset));
+    return PeerStatus(Code::kCorrupt,
+                      "checksum mismatch on " + id.path + " @" + std::to_string(offset));
   }
   std::memcpy(out.data(), p->buf.get(), p->len);
   fetched_blocks_.fetch_add(1, std::memory_order_relaxed);

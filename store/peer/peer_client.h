@@ -41,7 +41,7 @@ struct PeerClientOptions {
 struct PeerClientStats {
   uint64_t fetched_blocks = 0;
   uint64_t fetched_bytes = 0;
-  uint64_t errors = 0;     // error replies from the server
+  uint64_t errors = 0;  // error replies from the server
   uint64_t timeouts = 0;
   uint64_t bad_checksums = 0;
 };

@@ -25,8 +25,8 @@ using Clock = std::chrono::steady_clock;
 struct Conn {
   uint64_t id = 0;
   ucp_ep_h ep = nullptr;
-  std::string ip;        // source address of the connection
-  std::string node_id;   // from its hello; empty before
+  std::string ip;       // source address of the connection
+  std::string node_id;  // from its hello; empty before
   Nonce client_nonce{}, server_nonce{};
   bool challenged = false;
   bool authenticated = false;
@@ -44,9 +44,9 @@ struct SendCtx {
   class PeerServer::Impl* server = nullptr;
   std::array<char, kResponseHeaderBytes> header{};
   std::unique_ptr<char[]> data;
-  std::string message;   // error text, or a control message
-  size_t data_bytes = 0; // valid bytes in `data`
-  uint64_t charged = 0;  // bytes counted in inflight_bytes_
+  std::string message;    // error text, or a control message
+  size_t data_bytes = 0;  // valid bytes in `data`
+  uint64_t charged = 0;   // bytes counted in inflight_bytes_
 };
 
 }  // namespace
@@ -103,8 +103,8 @@ class PeerServer::Impl {
 
   std::mutex jobs_mu_;
   std::condition_variable jobs_cv_;
-  std::deque<Job> jobs_;      // GUARDED_BY(jobs_mu_)
-  bool jobs_stop_ = false;    // GUARDED_BY(jobs_mu_)
+  std::deque<Job> jobs_;    // GUARDED_BY(jobs_mu_)
+  bool jobs_stop_ = false;  // GUARDED_BY(jobs_mu_)
   std::vector<std::thread> serve_threads_;
 };
 
@@ -221,8 +221,8 @@ void PeerServer::Impl::OnConnRequest(ucp_conn_request_h request, void* arg) {
   ucp_ep_h handle = nullptr;
   ucs_status_t s = ucp_ep_create(self->worker_ ? self->worker_->worker() : nullptr, &ep, &handle);
   if (s != UCS_OK) {
-    spdlog::warn("peer server {}: cannot accept a connection from {}: {}",
-                 self->options_.node_id, ip, UcsError(s));
+    spdlog::warn("peer server {}: cannot accept a connection from {}: {}", self->options_.node_id,
+                 ip, UcsError(s));
     return;
   }
   Conn conn;
@@ -285,8 +285,10 @@ void PeerServer::Impl::SweepHandshakes() {
   }
   for (uint64_t id : stale) {
     refused_.fetch_add(1, std::memory_order_relaxed);
-    spdlog::warn("peer server {}: closed connection from {} that did not authenticate within "
-                 "{} ms", options_.node_id, conns_.at(id).ip, options_.handshake_timeout.count());
+    spdlog::warn(
+        "peer server {}: closed connection from {} that did not authenticate within "
+        "{} ms",
+        options_.node_id, conns_.at(id).ip, options_.handshake_timeout.count());
     CloseConn(id, /*force=*/true);
   }
 }
@@ -298,8 +300,8 @@ void PeerServer::Impl::Send(ucp_ep_h ep, unsigned am_id, std::unique_ptr<SendCtx
     length = ctx->message.size();
   }
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                   UCP_OP_ATTR_FIELD_FLAGS;
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   p.flags = UCP_AM_SEND_FLAG_REPLY;
   p.cb.send = &OnSendDone;
   p.user_data = ctx.get();
@@ -310,8 +312,7 @@ void PeerServer::Impl::Send(ucp_ep_h ep, unsigned am_id, std::unique_ptr<SendCtx
     return;
   }
   if (UCS_PTR_IS_ERR(r)) {
-    spdlog::debug("peer server {}: send failed: {}", options_.node_id,
-                  UcsError(UCS_PTR_STATUS(r)));
+    spdlog::debug("peer server {}: send failed: {}", options_.node_id, UcsError(UCS_PTR_STATUS(r)));
   }
   OnSendDone(nullptr, UCS_PTR_STATUS(r), ctx.release());
 }
@@ -392,8 +393,8 @@ ucs_status_t PeerServer::Impl::OnAuth(void* arg, const void*, size_t, void* data
   }
   conn->authenticated = true;
   self->authenticated_.fetch_add(1, std::memory_order_relaxed);
-  spdlog::info("peer server {}: peer {} ({}) authenticated", self->options_.node_id,
-               conn->node_id, conn->ip);
+  spdlog::info("peer server {}: peer {} ({}) authenticated", self->options_.node_id, conn->node_id,
+               conn->ip);
   auto ctx = std::make_unique<SendCtx>();
   ctx->server = self;
   ctx->message = std::string(1, '\1');
@@ -414,8 +415,8 @@ void PeerServer::Impl::SendError(Conn* conn, uint64_t request_id, const Status& 
   Send(conn->ep, kAmResponse, std::move(ctx), nullptr, 0, true);
 }
 
-ucs_status_t PeerServer::Impl::OnRequest(void* arg, const void*, size_t, void* data,
-                                         size_t length, const ucp_am_recv_param_t* param) {
+ucs_status_t PeerServer::Impl::OnRequest(void* arg, const void*, size_t, void* data, size_t length,
+                                         const ucp_am_recv_param_t* param) {
   auto* self = static_cast<Impl*>(arg);
   Conn* conn = self->ConnOf(param);
   if (conn == nullptr) return UCS_OK;
@@ -438,8 +439,8 @@ ucs_status_t PeerServer::Impl::OnRequest(void* arg, const void*, size_t, void* d
                     std::to_string(self->options_.max_block_bytes));
   }
   if (!valid.ok()) {
-    spdlog::warn("peer server {}: bad request from {}: {}", self->options_.node_id,
-                 conn->node_id, valid.ToString());
+    spdlog::warn("peer server {}: bad request from {}: {}", self->options_.node_id, conn->node_id,
+                 valid.ToString());
     self->SendError(conn, req->request_id, valid);
     return UCS_OK;
   }

@@ -32,9 +32,9 @@
 namespace ckptfs::store::peer {
 
 struct PeerServerOptions {
-  std::string listen = "0.0.0.0:0";  // ADDR:PORT; port 0 picks a free one (see port())
-  std::string node_id;               // this node's name, for log lines
-  std::string secret;                // shared secret (ReadSecretFile)
+  std::string listen = "0.0.0.0:0";        // ADDR:PORT; port 0 picks a free one (see port())
+  std::string node_id;                     // this node's name, for log lines
+  std::string secret;                      // shared secret (ReadSecretFile)
   std::vector<std::string> allowed_peers;  // node ids ("host:port") that may connect
   bool check_source_address = true;
   int serve_threads = 2;
@@ -44,12 +44,12 @@ struct PeerServerOptions {
 };
 
 struct PeerServerStats {
-  uint64_t connections = 0;      // accepted at the transport level
-  uint64_t authenticated = 0;    // passed the handshake
-  uint64_t refused = 0;          // unlisted, bad proof, protocol violation, handshake timeout
+  uint64_t connections = 0;    // accepted at the transport level
+  uint64_t authenticated = 0;  // passed the handshake
+  uint64_t refused = 0;        // unlisted, bad proof, protocol violation, handshake timeout
   uint64_t blocks_served = 0;
   uint64_t bytes_served = 0;
-  uint64_t request_errors = 0;   // error replies (provider errors, bad requests, busy)
+  uint64_t request_errors = 0;  // error replies (provider errors, bad requests, busy)
 };
 
 class PeerServer {

@@ -95,9 +95,10 @@ int Serve(const Common& c, const std::string& listen, const std::string& node_id
   sigwait(&set, &sig);
   PeerServerStats s = (*server)->stats();
   server->reset();
-  std::printf("{\"blocks_served\": %lu, \"bytes_served\": %lu, \"refused\": %lu, "
-              "\"authenticated\": %lu, \"cpu_s\": %.3f}\n",
-              s.blocks_served, s.bytes_served, s.refused, s.authenticated, CpuSeconds());
+  std::printf(
+      "{\"blocks_served\": %lu, \"bytes_served\": %lu, \"refused\": %lu, "
+      "\"authenticated\": %lu, \"cpu_s\": %.3f}\n",
+      s.blocks_served, s.bytes_served, s.refused, s.authenticated, CpuSeconds());
   return 0;
 }
 
@@ -129,11 +130,12 @@ int Drive(const char* transport, int threads, double seconds, uint64_t block, F 
   for (auto& t : ts) t.join();
   double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   double cpu = CpuSeconds() - cpu0;
-  std::printf("{\"transport\": \"%s\", \"threads\": %d, \"block_bytes\": %lu, \"seconds\": %.3f, "
-              "\"bytes\": %lu, \"blocks\": %lu, \"errors\": %lu, \"MBps\": %.1f, "
-              "\"client_cpu_s\": %.3f}\n",
-              transport, threads, block, secs, bytes.load(), blocks.load(), errors.load(),
-              bytes.load() / secs / 1e6, cpu);
+  std::printf(
+      "{\"transport\": \"%s\", \"threads\": %d, \"block_bytes\": %lu, \"seconds\": %.3f, "
+      "\"bytes\": %lu, \"blocks\": %lu, \"errors\": %lu, \"MBps\": %.1f, "
+      "\"client_cpu_s\": %.3f}\n",
+      transport, threads, block, secs, bytes.load(), blocks.load(), errors.load(),
+      bytes.load() / secs / 1e6, cpu);
   return errors.load() == 0 ? 0 : 1;
 }
 
@@ -294,10 +296,11 @@ int PlanBench(uint64_t items, uint32_t nodes, const std::string& mode_name, uint
     if (!plan.ok()) return Fail(plan.status());
   }
   PlanBalance b = plan->Balance();
-  std::printf("{\"items\": %lu, \"nodes\": %u, \"mode\": \"%s\", \"mode_used\": \"%s\", "
-              "\"plan_ms\": %.3f, \"max_over_mean\": %.4f, \"total_bytes\": %lu}\n",
-              items, nodes, mode_name.c_str(), std::string(PlanModeName(plan->mode())).c_str(),
-              best * 1e3, b.max_over_mean, b.total_bytes);
+  std::printf(
+      "{\"items\": %lu, \"nodes\": %u, \"mode\": \"%s\", \"mode_used\": \"%s\", "
+      "\"plan_ms\": %.3f, \"max_over_mean\": %.4f, \"total_bytes\": %lu}\n",
+      items, nodes, mode_name.c_str(), std::string(PlanModeName(plan->mode())).c_str(), best * 1e3,
+      b.max_over_mean, b.total_bytes);
   return 0;
 }
 
@@ -355,7 +358,9 @@ int main(int argc, char** argv) {
   plan->add_option("--repeat", repeat);
   CLI11_PARSE(app, argc, argv);
   // Logs go to stderr: stdout carries the PORT line and the JSON results.
-  if (auto st = ckptfs::SetupLogging(std::getenv("CKPTFS_LOG_LEVEL") ? std::getenv("CKPTFS_LOG_LEVEL") : "warn", ""); !st.ok()) {
+  if (auto st = ckptfs::SetupLogging(
+          std::getenv("CKPTFS_LOG_LEVEL") ? std::getenv("CKPTFS_LOG_LEVEL") : "warn", "");
+      !st.ok()) {
     std::fprintf(stderr, "%s\n", st.ToString().c_str());
     return 2;
   }

@@ -63,9 +63,12 @@ Result<PlanMode> ParsePlanMode(std::string_view name) {
 
 std::string_view PlanModeName(PlanMode mode) {
   switch (mode) {
-    case PlanMode::kBalanced: return "balanced";
-    case PlanMode::kFast: return "fast";
-    case PlanMode::kAuto: return "auto";
+    case PlanMode::kBalanced:
+      return "balanced";
+    case PlanMode::kFast:
+      return "fast";
+    case PlanMode::kAuto:
+      return "auto";
   }
   return "?";
 }
@@ -148,8 +151,8 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
   OwnershipPlan plan;
   plan.mode_ = options.mode;
   if (plan.mode_ == PlanMode::kAuto) {
-    bool fast = items.size() > options.auto_fast_above_items &&
-                node_count <= options.auto_fast_max_nodes;
+    bool fast =
+        items.size() > options.auto_fast_above_items && node_count <= options.auto_fast_max_nodes;
     plan.mode_ = fast ? PlanMode::kFast : PlanMode::kBalanced;
   }
   plan.block_bytes_ = options.block_bytes;

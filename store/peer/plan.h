@@ -131,8 +131,8 @@ class OwnershipPlan {
   std::unordered_map<std::string, uint32_t, StringHash, std::equal_to<>> file_index_;
   std::vector<uint64_t> node_bytes_;
   std::vector<uint32_t> item_owner_;
-  std::vector<uint64_t> node_hash_;  // fast: per node name
-  std::vector<uint64_t> file_hash_;  // fast: per file, seeded
+  std::vector<uint64_t> node_hash_;       // fast: per node name
+  std::vector<uint64_t> file_hash_;       // fast: per file, seeded
   std::vector<std::vector<Span>> spans_;  // balanced: per file, items sorted by offset
   // fast: blocks whose owner comes from a reader set, per file (block -> owner)
   std::vector<std::unordered_map<uint64_t, uint32_t>> overrides_;
@@ -146,7 +146,8 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
                                 const PlanOptions& options);
 
 // A made-up checkpoint for benchmarks: `items` items over 8 files per node, sizes
-// log-uniform from 1 KiB to 16 MiB with rare (1 in 20,000) 1 GiB items, laid out back to back per file.
+// log-uniform from 1 KiB to 16 MiB with rare (1 in 20,000) 1 GiB items, laid out back to back per
+// file.
 std::vector<PlanItem> SyntheticPlanItems(uint64_t items, uint32_t nodes, uint64_t seed);
 
 }  // namespace ckptfs::store::peer

@@ -226,8 +226,10 @@ Result<std::string> ReadSecretFile(const std::string& path) {
   if (::fstat(fd.get(), &st) != 0) return Status::FromErrno(errno, "peer secret file " + path);
   if (!S_ISREG(st.st_mode)) return Invalid("peer secret file " + path + " is not a regular file");
   if (st.st_mode & (S_IRWXG | S_IRWXO)) {
-    spdlog::warn("peer secret file {} is accessible to group or others (mode {:o}); "
-                 "chmod 600 it", path, st.st_mode & 07777);
+    spdlog::warn(
+        "peer secret file {} is accessible to group or others (mode {:o}); "
+        "chmod 600 it",
+        path, st.st_mode & 07777);
   }
   std::string secret(kMaxSecretBytes + 1, '\0');
   size_t got = 0;

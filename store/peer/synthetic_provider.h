@@ -51,7 +51,8 @@ class SyntheticProvider : public BlockProvider {
 
   Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override {
     reads_.fetch_add(1, std::memory_order_relaxed);
-    if (int ms = delay_ms_.load(); ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    if (int ms = delay_ms_.load(); ms > 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     auto it = files_.find(id.path);
     if (it == files_.end()) return NotFound("no file " + id.path);
     if (it->second.first != id.size || it->second.second != id.mtime_ns) {

@@ -84,8 +84,8 @@ TEST_P(BothModes, EveryTouchedBlockHasExactlyOneOwnerThatPrefetchesIt) {
   std::set<std::pair<uint32_t, uint64_t>> touched, listed;
   for (const auto& it : items) {
     if (it.length == 0) continue;
-    uint32_t f = std::lower_bound(plan.files().begin(), plan.files().end(), it.file) -
-                 plan.files().begin();
+    uint32_t f =
+        std::lower_bound(plan.files().begin(), plan.files().end(), it.file) - plan.files().begin();
     for (uint64_t b = it.offset / kMiB; b <= (it.offset + it.length - 1) / kMiB; ++b) {
       touched.insert({f, b});
     }
@@ -139,8 +139,10 @@ TEST_P(BothModes, SeveralReadersKeepTheOwnerAmongThem) {
   // One item per 1000-byte block, so no block is shared by items with other readers.
   std::vector<PlanItem> items;
   for (uint32_t i = 0; i < 2000; ++i) {
-    items.push_back({"__" + std::to_string(i % 7) + "_0.distcp", uint64_t(i) * 1000,
-                     1000 - i % 3, {i % 6, (i + 2) % 6}});
+    items.push_back({"__" + std::to_string(i % 7) + "_0.distcp",
+                     uint64_t(i) * 1000,
+                     1000 - i % 3,
+                     {i % 6, (i + 2) % 6}});
   }
   auto plan = Build(items, Nodes(6), GetParam(), /*block=*/1000);
   for (size_t i = 0; i < items.size(); ++i) {
@@ -164,9 +166,8 @@ TEST_P(BothModes, MoreNodesThanItems) {
 
 TEST_P(BothModes, HugeItemsNearTheEndOfTheOffsetSpaceDoNotOverflow) {
   uint64_t big = 1ull << 40;  // 1 TiB
-  std::vector<PlanItem> items = {{"a", 0, big, {}},
-                                 {"a", UINT64_MAX - big, big, {}},
-                                 {"b", 12345, 1, {}}};
+  std::vector<PlanItem> items = {
+      {"a", 0, big, {}}, {"a", UINT64_MAX - big, big, {}}, {"b", 12345, 1, {}}};
   auto plan = Build(items, Nodes(3), GetParam(), 64 * kMiB);
   EXPECT_EQ(plan.Balance().total_bytes, 2 * big + 1);
   EXPECT_TRUE(plan.BlockOwner("a", (UINT64_MAX - 1) / (64 * kMiB)).ok());

@@ -42,7 +42,8 @@ constexpr char kClientNode[] = "127.0.0.1:7001";
 constexpr uint64_t kFileSize = 64ull << 20;
 
 std::map<std::string, std::pair<uint64_t, int64_t>> TestFiles() {
-  return {{"ckpt/__0_0.distcp", {kFileSize, 11}}, {"ckpt/__1_0.distcp", {kFileSize, 12}},
+  return {{"ckpt/__0_0.distcp", {kFileSize, 11}},
+          {"ckpt/__1_0.distcp", {kFileSize, 12}},
           {"ckpt/.metadata", {4096, 13}}};
 }
 
@@ -99,9 +100,9 @@ class InProcess : public ::testing::Test {
 TEST_F(InProcess, BlocksOfEverySizeArriveByteExact) {
   auto client = Connect(ClientOptions(server_->port()));
   ASSERT_NE(client, nullptr);
-  for (size_t len : {size_t(1), size_t(2), size_t(7), size_t(4095), size_t(4096), size_t(8193),
-                     size_t(65536), size_t(65537), size_t(1) << 20, (size_t(1) << 20) + 3,
-                     size_t(3) << 20, size_t(4) << 20}) {
+  for (size_t len :
+       {size_t(1), size_t(2), size_t(7), size_t(4095), size_t(4096), size_t(8193), size_t(65536),
+        size_t(65537), size_t(1) << 20, (size_t(1) << 20) + 3, size_t(3) << 20, size_t(4) << 20}) {
     for (uint64_t off : {uint64_t(0), uint64_t(1), uint64_t(12345677)}) {
       ExpectBlock(client.get(), "ckpt/__0_0.distcp", off, len);
     }
@@ -299,9 +300,10 @@ class ServerProcess {
                                               std::vector<std::string> extra = {}) {
     int fds[2];
     if (::pipe2(fds, O_CLOEXEC) != 0) return nullptr;
-    std::vector<std::string> args = {CKPTFS_PEER_TOOL, "serve", "--listen", "127.0.0.1:0",
-                                     "--secret-file", secret_file, "--allow", kClientNode,
-                                     "--files", "2", "--file-size", std::to_string(kFileSize)};
+    std::vector<std::string> args = {
+        CKPTFS_PEER_TOOL, "serve",     "--listen",    "127.0.0.1:0",
+        "--secret-file",  secret_file, "--allow",     kClientNode,
+        "--files",        "2",         "--file-size", std::to_string(kFileSize)};
     args.insert(args.end(), extra.begin(), extra.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -470,7 +472,8 @@ TEST(PeerProtocol, ProofsDependOnRoleSecretNodeAndNonces) {
   Proof base = ComputeProof(kSecret, ProofRole::kClient, "n:1", a, b);
   EXPECT_TRUE(ProofEquals(base, ComputeProof(kSecret, ProofRole::kClient, "n:1", a, b)));
   EXPECT_FALSE(ProofEquals(base, ComputeProof(kSecret, ProofRole::kServer, "n:1", a, b)));
-  EXPECT_FALSE(ProofEquals(base, ComputeProof("other secret 1234567", ProofRole::kClient, "n:1", a, b)));
+  EXPECT_FALSE(
+      ProofEquals(base, ComputeProof("other secret 1234567", ProofRole::kClient, "n:1", a, b)));
   EXPECT_FALSE(ProofEquals(base, ComputeProof(kSecret, ProofRole::kClient, "n:2", a, b)));
   EXPECT_FALSE(ProofEquals(base, ComputeProof(kSecret, ProofRole::kClient, "n:1", b, a)));
   auto n1 = RandomNonce(), n2 = RandomNonce();
