@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "store/crc32c.h"
+#include "store/peer/buffer_pool.h"
 #include "store/peer/protocol.h"
 #include "store/peer/ucx_worker.h"
 
@@ -19,7 +20,7 @@ namespace {
 struct Pending {
   uint64_t id = 0;
   uint64_t capacity = 0;
-  std::unique_ptr<char[]> buf;
+  BufferPool::Buffer buf;
   size_t len = 0;
   uint32_t crc = 0;
 
@@ -79,6 +80,8 @@ class PeerClient::Impl {
     return Status(code, "peer " + options_.server + ": " + what);
   }
 
+  // Reply buffers, reused; a Buffer keeps the pool alive past the client if need be.
+  std::shared_ptr<BufferPool> pool_ = BufferPool::Create(64ull << 20);
   std::unique_ptr<UcxWorker> worker_;
   std::atomic<uint64_t> next_id_{1};
 
@@ -302,11 +305,11 @@ ucs_status_t PeerClient::Impl::OnResponse(void* arg, const void* header, size_t 
                                                      std::to_string(p->capacity)));
     return UCS_OK;
   }
-  p->buf = std::make_unique_for_overwrite<char[]>(length == 0 ? 1 : length);
+  p->buf = self->pool_->Take(length);
   p->len = length;
   p->crc = h->crc32c;
   if (!rndv) {
-    std::memcpy(p->buf.get(), data, length);
+    std::memcpy(p->buf.data(), data, length);
     p->Complete(Status::Ok());
     return UCS_OK;
   }
@@ -318,7 +321,7 @@ ucs_status_t PeerClient::Impl::OnResponse(void* arg, const void* header, size_t 
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.recv_am = &OnRecvDone;
     rp.user_data = holder;
-    void* r = ucp_am_recv_data_nbx(self->ucp_worker_, data, p->buf.get(), length, &rp);
+    void* r = ucp_am_recv_data_nbx(self->ucp_worker_, data, p->buf.data(), length, &rp);
     if (!UCS_PTR_IS_PTR(r)) OnRecvDone(nullptr, UCS_PTR_STATUS(r), length, holder);
   });
   return UCS_INPROGRESS;  // the descriptor lives until ucp_am_recv_data_nbx takes it
@@ -376,7 +379,7 @@ Result<size_t> PeerClient::Impl::Fetch(const BlockId& id, uint64_t offset, std::
   }
   if (!p->status.ok()) return p->status;
   lock.unlock();
-  uint32_t crc = Crc32c(p->buf.get(), p->len);
+  uint32_t crc = Crc32c(p->buf.data(), p->len);
   if (crc != p->crc) {
     bad_checksums_.fetch_add(1, std::memory_order_relaxed);
     spdlog::warn("peer client {}: block {} @{}+{} from {} failed its checksum", options_.node_id,
@@ -384,7 +387,7 @@ Result<size_t> PeerClient::Impl::Fetch(const BlockId& id, uint64_t offset, std::
     return PeerStatus(Code::kCorrupt,
                       "checksum mismatch on " + id.path + " @" + std::to_string(offset));
   }
-  std::memcpy(out.data(), p->buf.get(), p->len);
+  std::memcpy(out.data(), p->buf.data(), p->len);
   fetched_blocks_.fetch_add(1, std::memory_order_relaxed);
   fetched_bytes_.fetch_add(p->len, std::memory_order_relaxed);
   return p->len;

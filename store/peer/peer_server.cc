@@ -13,6 +13,7 @@
 
 #include "store/crc32c.h"
 #include "store/dcp_metadata.h"
+#include "store/peer/buffer_pool.h"
 #include "store/peer/protocol.h"
 #include "store/peer/ucx_worker.h"
 
@@ -20,6 +21,9 @@ namespace ckptfs::store::peer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Idle reply buffers kept for reuse.
+constexpr uint64_t kBufferCacheBytes = 64ull << 20;
 
 // One accepted connection. Progress thread only.
 struct Conn {
@@ -43,7 +47,7 @@ struct Job {
 struct SendCtx {
   class PeerServer::Impl* server = nullptr;
   std::array<char, kResponseHeaderBytes> header{};
-  std::unique_ptr<char[]> data;
+  BufferPool::Buffer data;
   std::string message;    // error text, or a control message
   size_t data_bytes = 0;  // valid bytes in `data`
   uint64_t charged = 0;   // bytes counted in inflight_bytes_
@@ -91,6 +95,8 @@ class PeerServer::Impl {
   const PeerServerOptions options_;
   BlockProvider* const provider_;
   std::map<std::string, std::vector<std::string>> allowed_;  // node id -> IPs of its host
+  // Reply buffers, reused (declared before worker_: outlives replies still in flight).
+  std::shared_ptr<BufferPool> pool_ = BufferPool::Create(kBufferCacheBytes);
   std::unique_ptr<UcxWorker> worker_;
   std::atomic<uint64_t> inflight_bytes_{0};
 
@@ -477,9 +483,9 @@ void PeerServer::Impl::Serve(Job job) {
   auto ctx = std::make_unique<SendCtx>();
   ctx->server = this;
   ctx->charged = job.request.length;
-  ctx->data = std::make_unique_for_overwrite<char[]>(job.request.length);
+  ctx->data = pool_->Take(job.request.length);
   auto read = provider_->ReadBlock(job.request.id, job.request.offset,
-                                   std::span<char>(ctx->data.get(), job.request.length));
+                                   std::span<char>(ctx->data.data(), job.request.length));
   ResponseHeader h;
   h.request_id = job.request.request_id;
   if (read.ok() && read->bytes > job.request.length) {
@@ -488,7 +494,7 @@ void PeerServer::Impl::Serve(Job job) {
   if (read.ok()) {
     h.code = static_cast<uint32_t>(Code::kOk);
     h.length = read->bytes;
-    h.crc32c = read->crc32c ? *read->crc32c : Crc32c(ctx->data.get(), read->bytes);
+    h.crc32c = read->crc32c ? *read->crc32c : Crc32c(ctx->data.data(), read->bytes);
   } else {
     spdlog::debug("peer server {}: {} @{}+{}: {}", options_.node_id, job.request.id.path,
                   job.request.offset, job.request.length, read.status().ToString());
@@ -512,7 +518,7 @@ void PeerServer::Impl::Serve(Job job) {
     if (ok) {
       blocks_served_.fetch_add(1, std::memory_order_relaxed);
       bytes_served_.fetch_add(c->data_bytes, std::memory_order_relaxed);
-      const void* payload = c->data.get();
+      const void* payload = c->data.data();
       size_t n = c->data_bytes;
       Send(it->second.ep, kAmResponse, std::move(c), payload, n, /*with_header=*/true);
     } else {

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "store/crc32c.h"
+#include "store/peer/buffer_pool.h"
 #include "store/peer/peer_client.h"
 #include "store/peer/peer_server.h"
 #include "store/peer/protocol.h"
@@ -435,6 +436,38 @@ TEST_F(TwoProcesses, CorruptedReplyIsDetected) {
   EXPECT_EQ(bad.status().code(), Code::kCorrupt) << bad.status().ToString();
   auto good = (*client)->Fetch(BlockId{"f0", kFileSize, 1}, 0, buf);
   EXPECT_TRUE(good.ok()) << good.status().ToString();
+}
+
+// ---- Buffer pool. ----
+
+TEST(PeerBufferPool, LargeBuffersAreReusedUpToTheCap) {
+  auto pool = BufferPool::Create(3 << 20);
+  char* first;
+  {
+    BufferPool::Buffer a = pool->Take(1 << 20);
+    EXPECT_EQ(a.capacity(), size_t(1) << 20);
+    first = a.data();
+  }
+  EXPECT_EQ(pool->cached_bytes(), uint64_t(1) << 20);
+  BufferPool::Buffer again = pool->Take((1 << 20) - 5);  // same power-of-two class
+  EXPECT_EQ(again.data(), first);
+  EXPECT_EQ(pool->cached_bytes(), 0u);
+  {
+    BufferPool::Buffer big = pool->Take(4 << 20);  // over the cap when returned: freed
+  }
+  EXPECT_EQ(pool->cached_bytes(), 0u);
+  BufferPool::Buffer small = pool->Take(100);  // below kMinPooledBytes: plain allocation
+  EXPECT_GE(small.capacity(), 100u);
+}
+
+TEST(PeerBufferPool, BuffersMayOutliveThePoolOwner) {
+  BufferPool::Buffer kept;
+  {
+    auto pool = BufferPool::Create(8 << 20);
+    kept = pool->Take(1 << 20);
+  }  // the last owner's reference is gone; the buffer still holds the pool
+  kept.data()[0] = 1;
+  kept = BufferPool::Buffer();
 }
 
 // ---- Protocol pieces. ----
