@@ -46,11 +46,11 @@ uint64_t Digest(const OwnershipPlan& p, size_t items) {
   return h;
 }
 
-class BothModes : public ::testing::TestWithParam<PlanMode> {};
-INSTANTIATE_TEST_SUITE_P(Plan, BothModes, ::testing::Values(PlanMode::kBalanced, PlanMode::kFast),
+class PlanBothModes : public ::testing::TestWithParam<PlanMode> {};
+INSTANTIATE_TEST_SUITE_P(Plan, PlanBothModes, ::testing::Values(PlanMode::kBalanced, PlanMode::kFast),
                          [](const auto& info) { return std::string(PlanModeName(info.param)); });
 
-TEST_P(BothModes, SameInputsGiveTheSamePlanInThisAndAnotherProcess) {
+TEST_P(PlanBothModes, SameInputsGiveTheSamePlanInThisAndAnotherProcess) {
   auto items = SyntheticPlanItems(20000, 8, 7);
   uint64_t here = Digest(Build(items, Nodes(8), GetParam()), items.size());
   EXPECT_EQ(here, Digest(Build(items, Nodes(8), GetParam()), items.size()));
@@ -78,7 +78,7 @@ TEST_P(BothModes, SameInputsGiveTheSamePlanInThisAndAnotherProcess) {
   EXPECT_EQ(here, there);
 }
 
-TEST_P(BothModes, EveryTouchedBlockHasExactlyOneOwnerThatPrefetchesIt) {
+TEST_P(PlanBothModes, EveryTouchedBlockHasExactlyOneOwnerThatPrefetchesIt) {
   auto items = SyntheticPlanItems(3000, 5, 3);
   auto plan = Build(items, Nodes(5), GetParam());
   std::set<std::pair<uint32_t, uint64_t>> touched, listed;
@@ -101,7 +101,7 @@ TEST_P(BothModes, EveryTouchedBlockHasExactlyOneOwnerThatPrefetchesIt) {
   EXPECT_EQ(touched, listed);
 }
 
-TEST_P(BothModes, NoItemsGivesAnEmptyPlan) {
+TEST_P(PlanBothModes, NoItemsGivesAnEmptyPlan) {
   auto plan = Build({}, Nodes(3), GetParam());
   EXPECT_EQ(plan.Balance().total_bytes, 0u);
   EXPECT_EQ(plan.Balance().max_over_mean, 0.0);
@@ -109,14 +109,14 @@ TEST_P(BothModes, NoItemsGivesAnEmptyPlan) {
   for (uint32_t n = 0; n < 3; ++n) EXPECT_TRUE(plan.BlocksOwnedBy(n).empty());
 }
 
-TEST_P(BothModes, OneNodeOwnsEverything) {
+TEST_P(PlanBothModes, OneNodeOwnsEverything) {
   auto items = SyntheticPlanItems(500, 1, 1);
   auto plan = Build(items, Nodes(1), GetParam());
   for (size_t i = 0; i < items.size(); ++i) EXPECT_EQ(plan.ItemOwner(i), 0u);
   EXPECT_DOUBLE_EQ(plan.Balance().max_over_mean, 1.0);
 }
 
-TEST_P(BothModes, SingleReaderItemsAreOwnedByTheirReader) {
+TEST_P(PlanBothModes, SingleReaderItemsAreOwnedByTheirReader) {
   // Own-shard load: rank r reads only file __r_0.distcp.
   std::vector<PlanItem> items;
   for (uint32_t r = 0; r < 4; ++r) {
@@ -135,7 +135,7 @@ TEST_P(BothModes, SingleReaderItemsAreOwnedByTheirReader) {
   }
 }
 
-TEST_P(BothModes, SeveralReadersKeepTheOwnerAmongThem) {
+TEST_P(PlanBothModes, SeveralReadersKeepTheOwnerAmongThem) {
   // One item per 1000-byte block, so no block is shared by items with other readers.
   std::vector<PlanItem> items;
   for (uint32_t i = 0; i < 2000; ++i) {
@@ -151,7 +151,7 @@ TEST_P(BothModes, SeveralReadersKeepTheOwnerAmongThem) {
   }
 }
 
-TEST_P(BothModes, MoreNodesThanItems) {
+TEST_P(PlanBothModes, MoreNodesThanItems) {
   std::vector<PlanItem> items = {{"a", 0, 10 * kMiB, {}}, {"b", 0, 5 * kMiB, {}}};
   auto plan = Build(items, Nodes(16), GetParam());
   EXPECT_EQ(plan.Balance().total_bytes, 15 * kMiB);
@@ -164,7 +164,7 @@ TEST_P(BothModes, MoreNodesThanItems) {
   EXPECT_GE(idle, 1u);
 }
 
-TEST_P(BothModes, HugeItemsNearTheEndOfTheOffsetSpaceDoNotOverflow) {
+TEST_P(PlanBothModes, HugeItemsNearTheEndOfTheOffsetSpaceDoNotOverflow) {
   uint64_t big = 1ull << 40;  // 1 TiB
   std::vector<PlanItem> items = {
       {"a", 0, big, {}}, {"a", UINT64_MAX - big, big, {}}, {"b", 12345, 1, {}}};

@@ -72,7 +72,7 @@ PeerClientOptions ClientOptions(uint16_t port) {
   return o;
 }
 
-class InProcess : public ::testing::Test {
+class PeerInProcess : public ::testing::Test {
  protected:
   void SetUp() override {
     auto s = PeerServer::Create(ServerOptions(), &provider_);
@@ -98,7 +98,7 @@ class InProcess : public ::testing::Test {
   std::unique_ptr<PeerServer> server_;
 };
 
-TEST_F(InProcess, BlocksOfEverySizeArriveByteExact) {
+TEST_F(PeerInProcess, BlocksOfEverySizeArriveByteExact) {
   auto client = Connect(ClientOptions(server_->port()));
   ASSERT_NE(client, nullptr);
   for (size_t len :
@@ -114,14 +114,14 @@ TEST_F(InProcess, BlocksOfEverySizeArriveByteExact) {
   EXPECT_EQ(client->stats().bad_checksums, 0u);
 }
 
-TEST_F(InProcess, ReadAtEndOfFileIsShort) {
+TEST_F(PeerInProcess, ReadAtEndOfFileIsShort) {
   auto client = Connect(ClientOptions(server_->port()));
   ASSERT_NE(client, nullptr);
   ExpectBlock(client.get(), "ckpt/.metadata", 4000, 1 << 20);  // 96 bytes
   ExpectBlock(client.get(), "ckpt/__1_0.distcp", kFileSize - 5, 4 << 20);
 }
 
-TEST_F(InProcess, ServerErrorsComeBackAsTheirStatus) {
+TEST_F(PeerInProcess, ServerErrorsComeBackAsTheirStatus) {
   auto client = Connect(ClientOptions(server_->port()));
   ASSERT_NE(client, nullptr);
   std::vector<char> buf(4096);
@@ -141,7 +141,7 @@ TEST_F(InProcess, ServerErrorsComeBackAsTheirStatus) {
   EXPECT_EQ(provider_.reads(), 3u);  // missing, stale and the good one reached the provider
 }
 
-TEST_F(InProcess, WrongSecretIsRefusedAndNothingServed) {
+TEST_F(PeerInProcess, WrongSecretIsRefusedAndNothingServed) {
   PeerClientOptions o = ClientOptions(server_->port());
   o.secret = "not the secret, but long enough";
   auto c = PeerClient::Connect(o);
@@ -153,7 +153,7 @@ TEST_F(InProcess, WrongSecretIsRefusedAndNothingServed) {
   EXPECT_EQ(provider_.reads(), 0u);
 }
 
-TEST_F(InProcess, UnlistedNodeIsRefusedAndNothingServed) {
+TEST_F(PeerInProcess, UnlistedNodeIsRefusedAndNothingServed) {
   PeerClientOptions o = ClientOptions(server_->port());
   o.node_id = "127.0.0.1:9999";  // right secret, not in the server's peer list
   auto c = PeerClient::Connect(o);
@@ -181,7 +181,7 @@ TEST(PeerServerSourceCheck, ListedNameFromAnotherAddressIsRefused) {
   EXPECT_EQ(provider.reads(), 0u);
 }
 
-TEST_F(InProcess, CorruptedBlockIsDetectedByTheRequester) {
+TEST_F(PeerInProcess, CorruptedBlockIsDetectedByTheRequester) {
   auto client = Connect(ClientOptions(server_->port()));
   ASSERT_NE(client, nullptr);
   provider_.CorruptNext(1);
@@ -196,7 +196,7 @@ TEST_F(InProcess, CorruptedBlockIsDetectedByTheRequester) {
   ExpectBlock(client.get(), "ckpt/__0_0.distcp", 4096, 1 << 20);
 }
 
-TEST_F(InProcess, StalledServerTimesOutWithinTheBound) {
+TEST_F(PeerInProcess, StalledServerTimesOutWithinTheBound) {
   PeerClientOptions o = ClientOptions(server_->port());
   o.request_timeout = 300ms;
   auto client = Connect(o);
@@ -216,7 +216,7 @@ TEST_F(InProcess, StalledServerTimesOutWithinTheBound) {
   EXPECT_EQ(client->stats().timeouts, 1u);
 }
 
-TEST_F(InProcess, EightThreadsFetchConcurrentlyByteExact) {
+TEST_F(PeerInProcess, EightThreadsFetchConcurrentlyByteExact) {
   auto client = Connect(ClientOptions(server_->port()));
   ASSERT_NE(client, nullptr);
   std::atomic<int> failures{0};
@@ -242,7 +242,7 @@ TEST_F(InProcess, EightThreadsFetchConcurrentlyByteExact) {
   EXPECT_EQ(client->stats().fetched_blocks, 320u);
 }
 
-TEST_F(InProcess, ServerDestroyedUnderLoadFailsFetchesPromptly) {
+TEST_F(PeerInProcess, ServerDestroyedUnderLoadFailsFetchesPromptly) {
   PeerClientOptions o = ClientOptions(server_->port());
   o.request_timeout = 3s;
   auto client = Connect(o);
@@ -352,7 +352,7 @@ class ServerProcess {
   uint16_t port_ = 0;
 };
 
-class TwoProcesses : public ::testing::Test {
+class PeerTwoProcesses : public ::testing::Test {
  protected:
   void SetUp() override {
     char tmpl[] = "/tmp/peer_secret_XXXXXX";
@@ -368,7 +368,7 @@ class TwoProcesses : public ::testing::Test {
   SyntheticProvider expect_{{{"f0", {kFileSize, 1}}, {"f1", {kFileSize, 1}}}};
 };
 
-TEST_F(TwoProcesses, BlocksOfEverySizeArriveByteExact) {
+TEST_F(PeerTwoProcesses, BlocksOfEverySizeArriveByteExact) {
   auto server = ServerProcess::Start(secret_file_);
   ASSERT_NE(server, nullptr);
   auto client = PeerClient::Connect(ClientOptions(server->port()));
@@ -384,7 +384,7 @@ TEST_F(TwoProcesses, BlocksOfEverySizeArriveByteExact) {
   }
 }
 
-TEST_F(TwoProcesses, WrongSecretIsRefused) {
+TEST_F(PeerTwoProcesses, WrongSecretIsRefused) {
   auto server = ServerProcess::Start(secret_file_);
   ASSERT_NE(server, nullptr);
   PeerClientOptions o = ClientOptions(server->port());
@@ -394,7 +394,7 @@ TEST_F(TwoProcesses, WrongSecretIsRefused) {
   EXPECT_EQ(client.status().code(), Code::kPermission) << client.status().ToString();
 }
 
-TEST_F(TwoProcesses, ServerKilledMidLoadFailsEveryFetchWithinTheTimeout) {
+TEST_F(PeerTwoProcesses, ServerKilledMidLoadFailsEveryFetchWithinTheTimeout) {
   auto server = ServerProcess::Start(secret_file_);
   ASSERT_NE(server, nullptr);
   PeerClientOptions o = ClientOptions(server->port());
@@ -426,7 +426,7 @@ TEST_F(TwoProcesses, ServerKilledMidLoadFailsEveryFetchWithinTheTimeout) {
   EXPECT_FALSE((*client)->healthy());
 }
 
-TEST_F(TwoProcesses, CorruptedReplyIsDetected) {
+TEST_F(PeerTwoProcesses, CorruptedReplyIsDetected) {
   auto server = ServerProcess::Start(secret_file_, {"--corrupt", "1"});
   ASSERT_NE(server, nullptr);
   auto client = PeerClient::Connect(ClientOptions(server->port()));
