@@ -89,7 +89,7 @@ class PeerClient::Impl {
   UcxWorker* uw_ = nullptr;  // == worker_.get(), set on the progress thread itself
   ucp_worker_h ucp_worker_ = nullptr;
   ucp_ep_h ep_ = nullptr;
-  Nonce client_nonce_{};
+  Nonce client_nonce_{}, server_nonce_{};
   std::unordered_map<uint64_t, std::shared_ptr<Pending>> pending_;
 
   mutable std::mutex mu_;
@@ -242,15 +242,7 @@ ucs_status_t PeerClient::Impl::OnChallenge(void* arg, const void*, size_t, void*
     self->Fail(self->PeerStatus(Code::kCorrupt, ch.status().message()));
     return UCS_OK;
   }
-  Proof expected = ComputeProof(self->options_.secret, ProofRole::kServer, self->options_.node_id,
-                                self->client_nonce_, ch->server_nonce);
-  if (!ProofEquals(expected, ch->server_proof)) {
-    spdlog::warn("peer client {}: server {} failed authentication (wrong shared secret)",
-                 self->options_.node_id, self->options_.server);
-    self->Fail(
-        self->PeerStatus(Code::kPermission, "server failed authentication (wrong shared secret)"));
-    return UCS_OK;
-  }
+  self->server_nonce_ = ch->server_nonce;
   AuthMsg auth;
   auth.client_proof = ComputeProof(self->options_.secret, ProofRole::kClient,
                                    self->options_.node_id, self->client_nonce_, ch->server_nonce);
@@ -261,12 +253,26 @@ ucs_status_t PeerClient::Impl::OnChallenge(void* arg, const void*, size_t, void*
 ucs_status_t PeerClient::Impl::OnAuthResult(void* arg, const void*, size_t, void* data,
                                             size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<Impl*>(arg);
-  bool ok = !(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) && length == 1 &&
-            static_cast<const char*>(data)[0] == 1;
-  if (!ok) {
+  auto result = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)
+                    ? Result<AuthResult>(Corrupt("oversized auth result"))
+                    : DecodeAuthResult(std::string_view(static_cast<const char*>(data), length));
+  if (!result.ok()) {
+    self->Fail(self->PeerStatus(Code::kCorrupt, result.status().message()));
+    return UCS_OK;
+  }
+  if (!result->accepted) {
     self->Fail(self->PeerStatus(Code::kPermission,
                                 "server refused this node (not in its peer list, or a wrong "
                                 "shared secret)"));
+    return UCS_OK;
+  }
+  Proof expected = ComputeProof(self->options_.secret, ProofRole::kServer, self->options_.node_id,
+                                self->client_nonce_, self->server_nonce_);
+  if (!ProofEquals(expected, result->server_proof)) {
+    spdlog::warn("peer client {}: server {} failed authentication (wrong shared secret)",
+                 self->options_.node_id, self->options_.server);
+    self->Fail(
+        self->PeerStatus(Code::kPermission, "server failed authentication (wrong shared secret)"));
     return UCS_OK;
   }
   {

@@ -245,8 +245,18 @@ void PeerServer::Impl::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
   auto it = self->conn_by_ep_.find(ep);
   if (it == self->conn_by_ep_.end()) return;
   const Conn& conn = self->conns_.at(it->second);
-  spdlog::info("peer server {}: connection from {} ({}) ended: {}", self->options_.node_id,
-               conn.node_id.empty() ? "unidentified" : conn.node_id, conn.ip, UcsError(status));
+  if (!conn.authenticated) {
+    // A peer that gives up mid-handshake, e.g. one that found our proof wrong (it has
+    // another secret), is refused as far as the counters and the log go.
+    self->refused_.fetch_add(1, std::memory_order_relaxed);
+    spdlog::warn(
+        "peer server {}: connection from {} (node '{}') closed before authenticating: "
+        "{}",
+        self->options_.node_id, conn.ip, conn.node_id, UcsError(status));
+  } else {
+    spdlog::info("peer server {}: connection from {} ({}) ended: {}", self->options_.node_id,
+                 conn.node_id, conn.ip, UcsError(status));
+  }
   self->CloseConn(it->second, /*force=*/true);
 }
 
@@ -275,7 +285,7 @@ void PeerServer::Impl::Refuse(Conn* conn, const std::string& why) {
                conn->ip, conn->node_id, why);
   auto ctx = std::make_unique<SendCtx>();
   ctx->server = this;
-  ctx->message = std::string(1, '\0');  // kAuthResult {ok = 0}
+  ctx->message = EncodeAuthResult(AuthResult{});  // refused
   ucp_ep_h ep = conn->ep;
   Send(ep, kAmAuthResult, std::move(ctx), nullptr, 0, false);
   CloseConn(conn->id, /*force=*/false);  // flush mode: the refusal is delivered first
@@ -372,8 +382,6 @@ ucs_status_t PeerServer::Impl::OnHello(void* arg, const void*, size_t, void* dat
   conn->challenged = true;
   Challenge challenge;
   challenge.server_nonce = conn->server_nonce;
-  challenge.server_proof = ComputeProof(self->options_.secret, ProofRole::kServer, conn->node_id,
-                                        conn->client_nonce, conn->server_nonce);
   auto ctx = std::make_unique<SendCtx>();
   ctx->server = self;
   ctx->message = EncodeChallenge(challenge);
@@ -401,9 +409,13 @@ ucs_status_t PeerServer::Impl::OnAuth(void* arg, const void*, size_t, void* data
   self->authenticated_.fetch_add(1, std::memory_order_relaxed);
   spdlog::info("peer server {}: peer {} ({}) authenticated", self->options_.node_id, conn->node_id,
                conn->ip);
+  AuthResult result;
+  result.accepted = true;
+  result.server_proof = ComputeProof(self->options_.secret, ProofRole::kServer, conn->node_id,
+                                     conn->client_nonce, conn->server_nonce);
   auto ctx = std::make_unique<SendCtx>();
   ctx->server = self;
-  ctx->message = std::string(1, '\1');
+  ctx->message = EncodeAuthResult(result);
   self->Send(conn->ep, kAmAuthResult, std::move(ctx), nullptr, 0, false);
   return UCS_OK;
 }

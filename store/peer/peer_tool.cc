@@ -312,7 +312,7 @@ int main(int argc, char** argv) {
   CLI::App app("ckptfs peer transport and plan tool (tests and benchmarks)");
   app.require_subcommand(1);
   Common c;
-  std::string listen = "127.0.0.1:0", server, node_id = "client", secret_file, mode = "balanced";
+  std::string listen = "127.0.0.1:0", server, node_id = "peer-tool", secret_file, mode = "balanced";
   std::vector<std::string> allow;
   int threads = 4, delay_ms = 0, corrupt = 0, repeat = 3;
   uint64_t block = 1 << 20, items = 10000, seed = 1;

@@ -114,7 +114,6 @@ Result<Hello> DecodeHello(std::string_view bytes) {
 std::string EncodeChallenge(const Challenge& m) {
   Writer w;
   w.Bytes(m.server_nonce.data(), m.server_nonce.size());
-  w.Bytes(m.server_proof.data(), m.server_proof.size());
   return w.Take();
 }
 
@@ -122,8 +121,25 @@ Result<Challenge> DecodeChallenge(std::string_view bytes) {
   Reader r(bytes);
   Challenge m;
   r.Array(&m.server_nonce);
-  r.Array(&m.server_proof);
   CKPT_RETURN_IF_ERROR(r.Finish("challenge"));
+  return m;
+}
+
+std::string EncodeAuthResult(const AuthResult& m) {
+  Writer w;
+  w.U8(m.accepted ? 1 : 0);
+  if (m.accepted) w.Bytes(m.server_proof.data(), m.server_proof.size());
+  return w.Take();
+}
+
+Result<AuthResult> DecodeAuthResult(std::string_view bytes) {
+  Reader r(bytes);
+  AuthResult m;
+  uint8_t accepted = r.U8();
+  if (accepted > 1) return Corrupt("peer protocol: bad auth result");
+  m.accepted = accepted == 1;
+  if (m.accepted) r.Array(&m.server_proof);
+  CKPT_RETURN_IF_ERROR(r.Finish("auth result"));
   return m;
 }
 

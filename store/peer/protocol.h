@@ -7,13 +7,16 @@
 //
 // Connection handshake (mutual challenge-response over a shared secret, before any block):
 //   client -> server  kHello      {magic, version, node_id, client_nonce[32]}
-//   server -> client  kChallenge  {server_nonce[32], server_proof}
+//   server -> client  kChallenge  {server_nonce[32]}
 //   client -> server  kAuth       {client_proof}
-//   server -> client  kAuthResult {ok}
+//   server -> client  kAuthResult {1, server_proof} accepted, or {0} refused (then closed)
 //   proof = HMAC-SHA256(secret, label || u16 len(node_id) || node_id || client_nonce ||
 //                       server_nonce), label "ckptfs-peer-v1 server" / "... client".
-// Distinct labels keep a server proof from being replayed as a client proof; fresh nonces
-// on both sides keep either from being replayed on another connection.
+// The client proves first, so a peer without the secret never sees a value derived from it
+// (nothing to guess the secret from offline); the server's proof then shows the client that
+// it talks to a daemon that knows the secret. Distinct labels keep a server proof from being
+// replayed as a client proof; fresh nonces on both sides keep either from being replayed on
+// another connection.
 //
 // Pure functions, thread-safe.
 #pragma once
@@ -56,7 +59,10 @@ struct Hello {
 };
 struct Challenge {
   Nonce server_nonce{};
-  Proof server_proof{};
+};
+struct AuthResult {
+  bool accepted = false;
+  Proof server_proof{};  // when accepted
 };
 struct AuthMsg {
   Proof client_proof{};
@@ -81,6 +87,8 @@ std::string EncodeHello(const Hello& m);
 Result<Hello> DecodeHello(std::string_view bytes);
 std::string EncodeChallenge(const Challenge& m);
 Result<Challenge> DecodeChallenge(std::string_view bytes);
+std::string EncodeAuthResult(const AuthResult& m);
+Result<AuthResult> DecodeAuthResult(std::string_view bytes);
 std::string EncodeAuth(const AuthMsg& m);
 Result<AuthMsg> DecodeAuth(std::string_view bytes);
 std::string EncodeRequest(const BlockRequest& m);

@@ -47,7 +47,8 @@ uint64_t Digest(const OwnershipPlan& p, size_t items) {
 }
 
 class PlanBothModes : public ::testing::TestWithParam<PlanMode> {};
-INSTANTIATE_TEST_SUITE_P(Plan, PlanBothModes, ::testing::Values(PlanMode::kBalanced, PlanMode::kFast),
+INSTANTIATE_TEST_SUITE_P(Plan, PlanBothModes,
+                         ::testing::Values(PlanMode::kBalanced, PlanMode::kFast),
                          [](const auto& info) { return std::string(PlanModeName(info.param)); });
 
 TEST_P(PlanBothModes, SameInputsGiveTheSamePlanInThisAndAnotherProcess) {

@@ -148,6 +148,7 @@ TEST_F(PeerInProcess, WrongSecretIsRefusedAndNothingServed) {
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), Code::kPermission) << c.status().ToString();
   auto st = server_->stats();
+  EXPECT_EQ(st.refused, 1u);
   EXPECT_EQ(st.authenticated, 0u);
   EXPECT_EQ(st.blocks_served, 0u);
   EXPECT_EQ(provider_.reads(), 0u);
@@ -497,6 +498,16 @@ TEST(PeerProtocol, MessagesRoundTripAndTruncationIsCorrupt) {
   std::string bad_magic = EncodeHello(h);
   bad_magic[0] ^= 1;
   EXPECT_FALSE(DecodeHello(bad_magic).ok());
+  AuthResult accepted{true, {}};
+  accepted.server_proof[31] = 7;
+  auto ar = DecodeAuthResult(EncodeAuthResult(accepted));
+  ASSERT_TRUE(ar.ok());
+  EXPECT_TRUE(ar->accepted);
+  EXPECT_EQ(ar->server_proof, accepted.server_proof);
+  EXPECT_FALSE(DecodeAuthResult(EncodeAuthResult(accepted).substr(0, 20)).ok());
+  auto refused = DecodeAuthResult(EncodeAuthResult(AuthResult{}));
+  ASSERT_TRUE(refused.ok());
+  EXPECT_FALSE(refused->accepted);
 }
 
 TEST(PeerProtocol, ProofsDependOnRoleSecretNodeAndNonces) {
