@@ -293,6 +293,53 @@ TEST(PeerClientConnect, ShortSecretIsRejectedUpFront) {
   EXPECT_EQ(PeerServer::Create(so, &provider).status().code(), Code::kInvalid);
 }
 
+TEST_F(PeerInProcess, SeveralClientsShareOneServer) {
+  std::vector<std::unique_ptr<PeerClient>> clients;
+  for (int i = 0; i < 3; ++i) {
+    clients.push_back(Connect(ClientOptions(server_->port())));
+    ASSERT_NE(clients.back(), nullptr);
+  }
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      PeerClient* c = clients[t % 3].get();
+      std::vector<char> got(300000), want(300000);
+      for (int i = 0; i < 20; ++i) {
+        uint64_t off = uint64_t(t * 20 + i) * 100003;
+        auto n = c->Fetch(Id("ckpt/__1_0.distcp"), off, got);
+        provider_.Fill("ckpt/__1_0.distcp", off, want);
+        if (!n.ok() || *n != got.size() || got != want) failures.fetch_add(1);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(server_->stats().authenticated, 3u);
+  EXPECT_EQ(server_->stats().blocks_served, 120u);
+}
+
+TEST(PeerServerCreate, BusyPortAndBadOptionsFailClearly) {
+  SyntheticProvider provider(TestFiles());
+  auto first = PeerServer::Create(ServerOptions(), &provider);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  PeerServerOptions same = ServerOptions();
+  same.listen = "127.0.0.1:" + std::to_string((*first)->port());
+  auto second = PeerServer::Create(same, &provider);
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find("cannot listen"), std::string::npos)
+      << second.status().ToString();
+  PeerServerOptions no_threads = ServerOptions();
+  no_threads.serve_threads = 0;
+  EXPECT_EQ(PeerServer::Create(no_threads, &provider).status().code(), Code::kInvalid);
+  PeerServerOptions bad_peer = ServerOptions();
+  bad_peer.allowed_peers = {"no-port-here"};
+  EXPECT_EQ(PeerServer::Create(bad_peer, &provider).status().code(), Code::kInvalid);
+  PeerServerOptions bad_listen = ServerOptions();
+  bad_listen.listen = "127.0.0.1";
+  EXPECT_EQ(PeerServer::Create(bad_listen, &provider).status().code(), Code::kInvalid);
+}
+
 // ---- Two processes: the server is ckptfs-peer-tool serve. ----
 
 // A child process killed (SIGKILL) and reaped by PID in the destructor, whatever happens.
