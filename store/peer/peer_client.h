@@ -1,10 +1,11 @@
 // PeerClient: fetches blocks from one peer daemon's PeerServer over UCX.
 //
 // Connect() opens the connection and runs the mutual HMAC handshake (protocol.h): the
-// client proves it knows the shared secret, and the server proves it too, so a rogue server
-// cannot feed blocks. It returns only once authenticated, or an error within
-// `connect_timeout` (Permission when the server refused us, Unauthenticated server → also
-// Permission, Io/Timeout when unreachable).
+// client proves it knows the shared secret, then the server proves it too, so a rogue server
+// cannot feed blocks. It returns once authenticated, or with an error within
+// `connect_timeout`: Permission when the server refused this node (unlisted, wrong secret)
+// or failed its own proof; Io when nothing listens or the connection dies; Timeout when the
+// handshake does not finish in time; Invalid for a bad address or a short secret.
 //
 // Fetch() may be called from any number of threads at once; requests are pipelined over the
 // one connection. Each waits at most `request_timeout` (Timeout). The reply's CRC32C is
