@@ -9,6 +9,7 @@ PACKAGES=(
   librocksdb-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev
   nlohmann-json3-dev libcli11-dev libxxhash-dev
+  libucx-dev libssl-dev
   python3-torch python3-numpy python3-matplotlib
   util-linux e2fsprogs xfsprogs coreutils procps psmisc attr
   libcpp-httplib-dev libsystemd-dev libmount-dev

@@ -1,0 +1,570 @@
+#include "store/peer/peer_server.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "store/crc32c.h"
+#include "store/dcp_metadata.h"
+#include "store/peer/buffer_pool.h"
+#include "store/peer/protocol.h"
+#include "store/peer/ucx_worker.h"
+
+namespace ckptfs::store::peer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Idle reply buffers kept for reuse.
+constexpr uint64_t kBufferCacheBytes = 64ull << 20;
+
+// One accepted connection. Progress thread only.
+struct Conn {
+  uint64_t id = 0;
+  ucp_ep_h ep = nullptr;
+  std::string ip;       // source address of the connection
+  std::string node_id;  // from its hello; empty before
+  Nonce client_nonce{}, server_nonce{};
+  bool challenged = false;
+  bool authenticated = false;
+  Clock::time_point accepted_at;
+};
+
+// A request accepted for serving, queued for the serving threads.
+struct Job {
+  uint64_t conn_id = 0;
+  BlockRequest request;
+};
+
+// Keeps a reply's header and bytes alive until UCX is done sending them.
+struct SendCtx {
+  class PeerServer::Impl* server = nullptr;
+  std::array<char, kResponseHeaderBytes> header{};
+  BufferPool::Buffer data;
+  std::string message;    // error text, or a control message
+  size_t data_bytes = 0;  // valid bytes in `data`
+  uint64_t charged = 0;   // bytes counted in inflight_bytes_
+};
+
+}  // namespace
+
+class PeerServer::Impl {
+ public:
+  Impl(const PeerServerOptions& options, BlockProvider* provider)
+      : options_(options), provider_(provider) {}
+
+  Status Init();
+  void Stop();
+
+  uint16_t port_ = 0;
+  std::atomic<uint64_t> connections_{0}, authenticated_{0}, refused_{0}, blocks_served_{0},
+      bytes_served_{0}, request_errors_{0};
+
+ private:
+  // Progress thread.
+  Status StartOnWorker(UcxWorker& w);
+  void StopOnWorker(UcxWorker& w);
+  static void OnConnRequest(ucp_conn_request_h request, void* arg);
+  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  static ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAuth(void* arg, const void* header, size_t header_length, void* data,
+                             size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnRequest(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param);
+  static void OnSendDone(void* request, ucs_status_t status, void* user_data);
+  Conn* ConnOf(const ucp_am_recv_param_t* param);
+  void Refuse(Conn* conn, const std::string& why);
+  void CloseConn(uint64_t conn_id, bool force);
+  void Send(ucp_ep_h ep, unsigned am_id, std::unique_ptr<SendCtx> ctx, const void* payload,
+            size_t length, bool with_header);
+  void SendError(Conn* conn, uint64_t request_id, const Status& status);
+  void SweepHandshakes();
+
+  // Serving threads.
+  void ServeLoop();
+  void Serve(Job job);
+
+  const PeerServerOptions options_;
+  BlockProvider* const provider_;
+  std::map<std::string, std::vector<std::string>> allowed_;  // node id -> IPs of its host
+  // Reply buffers, reused (declared before worker_: outlives replies still in flight).
+  std::shared_ptr<BufferPool> pool_ = BufferPool::Create(kBufferCacheBytes);
+  std::unique_ptr<UcxWorker> worker_;
+  std::atomic<uint64_t> inflight_bytes_{0};
+
+  // Progress thread only.
+  ucp_worker_h ucp_worker_ = nullptr;
+  ucp_listener_h listener_ = nullptr;
+  uint64_t next_conn_id_ = 1;
+  std::map<uint64_t, Conn> conns_;
+  std::unordered_map<ucp_ep_h, uint64_t> conn_by_ep_;
+
+  std::mutex jobs_mu_;
+  std::condition_variable jobs_cv_;
+  std::deque<Job> jobs_;    // GUARDED_BY(jobs_mu_)
+  bool jobs_stop_ = false;  // GUARDED_BY(jobs_mu_)
+  std::vector<std::thread> serve_threads_;
+};
+
+Status PeerServer::Impl::Init() {
+  if (options_.secret.size() < kMinSecretBytes) {
+    return Invalid("peer server: the shared secret is shorter than " +
+                   std::to_string(kMinSecretBytes) + " bytes");
+  }
+  if (options_.serve_threads < 1) return Invalid("peer server: serve_threads must be >= 1");
+  for (const std::string& peer : options_.allowed_peers) {
+    CKPT_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(peer));
+    std::vector<std::string> ips;
+    if (options_.check_source_address) {
+      CKPT_ASSIGN_OR_RETURN(ips, ResolveHostIps(host_port.first));
+    }
+    allowed_[peer] = std::move(ips);
+  }
+  auto w = UcxWorker::Create("server " + options_.node_id,
+                             {[this](UcxWorker& w) { return StartOnWorker(w); },
+                              [this](UcxWorker& w) { StopOnWorker(w); }});
+  if (!w.ok()) return w.status();
+  worker_ = std::move(w).value();
+  for (int i = 0; i < options_.serve_threads; ++i) {
+    serve_threads_.emplace_back([this] { ServeLoop(); });
+  }
+  spdlog::info("peer server {} listening on port {} ({} allowed peers)", options_.node_id, port_,
+               allowed_.size());
+  return Status::Ok();
+}
+
+void PeerServer::Impl::Stop() {
+  {
+    std::lock_guard lock(jobs_mu_);
+    jobs_stop_ = true;
+    jobs_.clear();
+  }
+  jobs_cv_.notify_all();
+  for (auto& t : serve_threads_) t.join();
+  serve_threads_.clear();
+  if (worker_) worker_->Shutdown();
+}
+
+Status PeerServer::Impl::StartOnWorker(UcxWorker& w) {
+  ucp_worker_ = w.worker();
+  for (auto [id, cb] : {std::pair{kAmHello, &OnHello}, std::pair{kAmAuth, &OnAuth},
+                        std::pair{kAmRequest, &OnRequest}}) {
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = id;
+    hp.cb = cb;
+    hp.arg = this;
+    ucs_status_t s = ucp_worker_set_am_recv_handler(w.worker(), &hp);
+    if (s != UCS_OK) return Internal("peer server: set AM handler: " + UcsError(s));
+  }
+  CKPT_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(options_.listen));
+  CKPT_ASSIGN_OR_RETURN(SockAddr addr, ResolveSockAddr(host_port.first, host_port.second));
+  ucp_listener_params_t lp{};
+  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  lp.sockaddr.addr = addr.get();
+  lp.sockaddr.addrlen = addr.length;
+  lp.conn_handler.cb = &OnConnRequest;
+  lp.conn_handler.arg = this;
+  ucs_status_t s = ucp_listener_create(w.worker(), &lp, &listener_);
+  if (s != UCS_OK) {
+    listener_ = nullptr;
+    return Status(s == UCS_ERR_BUSY ? Code::kBusy : Code::kIo,
+                  "peer server: cannot listen on " + options_.listen + ": " + UcsError(s));
+  }
+  ucp_listener_attr_t attr{};
+  attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+  s = ucp_listener_query(listener_, &attr);
+  if (s != UCS_OK) return Internal("peer server: ucp_listener_query: " + UcsError(s));
+  port_ = PortOf(attr.sockaddr);
+  return Status::Ok();
+}
+
+void PeerServer::Impl::StopOnWorker(UcxWorker& w) {
+  if (listener_ != nullptr) {
+    ucp_listener_destroy(listener_);
+    listener_ = nullptr;
+  }
+  std::vector<void*> closing;
+  for (auto& [id, conn] : conns_) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    closing.push_back(ucp_ep_close_nbx(conn.ep, &p));
+  }
+  conns_.clear();
+  conn_by_ep_.clear();
+  for (void* r : closing) w.WaitRequest(r, 2000);
+  // Replies still being sent complete (with an error) while the endpoints close; progress
+  // until they have released their buffers.
+  while (ucp_worker_progress(w.worker()) != 0) {
+  }
+}
+
+void PeerServer::Impl::OnConnRequest(ucp_conn_request_h request, void* arg) {
+  auto* self = static_cast<Impl*>(arg);
+  self->connections_.fetch_add(1, std::memory_order_relaxed);
+  self->SweepHandshakes();
+  ucp_conn_request_attr_t attr{};
+  attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+  std::string ip = ucp_conn_request_query(request, &attr) == UCS_OK ? IpOf(attr.client_address)
+                                                                    : std::string("?");
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.conn_request = request;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = &OnEpError;
+  ep.err_handler.arg = self;
+  ucp_ep_h handle = nullptr;
+  ucs_status_t s = ucp_ep_create(self->worker_ ? self->worker_->worker() : nullptr, &ep, &handle);
+  if (s != UCS_OK) {
+    spdlog::warn("peer server {}: cannot accept a connection from {}: {}", self->options_.node_id,
+                 ip, UcsError(s));
+    return;
+  }
+  Conn conn;
+  conn.id = self->next_conn_id_++;
+  conn.ep = handle;
+  conn.ip = ip;
+  conn.accepted_at = Clock::now();
+  self->conn_by_ep_[handle] = conn.id;
+  self->conns_[conn.id] = std::move(conn);
+}
+
+void PeerServer::Impl::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* self = static_cast<Impl*>(arg);
+  auto it = self->conn_by_ep_.find(ep);
+  if (it == self->conn_by_ep_.end()) return;
+  const Conn& conn = self->conns_.at(it->second);
+  if (!conn.authenticated) {
+    // A peer that gives up mid-handshake, e.g. one that found our proof wrong (it has
+    // another secret), is refused as far as the counters and the log go.
+    self->refused_.fetch_add(1, std::memory_order_relaxed);
+    spdlog::warn(
+        "peer server {}: connection from {} (node '{}') closed before authenticating: "
+        "{}",
+        self->options_.node_id, conn.ip, conn.node_id, UcsError(status));
+  } else {
+    spdlog::info("peer server {}: connection from {} ({}) ended: {}", self->options_.node_id,
+                 conn.node_id, conn.ip, UcsError(status));
+  }
+  self->CloseConn(it->second, /*force=*/true);
+}
+
+Conn* PeerServer::Impl::ConnOf(const ucp_am_recv_param_t* param) {
+  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return nullptr;
+  auto it = conn_by_ep_.find(param->reply_ep);
+  return it == conn_by_ep_.end() ? nullptr : &conns_.at(it->second);
+}
+
+void PeerServer::Impl::CloseConn(uint64_t conn_id, bool force) {
+  auto it = conns_.find(conn_id);
+  if (it == conns_.end()) return;
+  ucp_ep_h ep = it->second.ep;
+  conn_by_ep_.erase(ep);
+  conns_.erase(it);
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  void* r = ucp_ep_close_nbx(ep, &p);
+  if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);  // UCX finishes the close on its own
+}
+
+void PeerServer::Impl::Refuse(Conn* conn, const std::string& why) {
+  refused_.fetch_add(1, std::memory_order_relaxed);
+  spdlog::warn("peer server {}: refused connection from {} (node '{}'): {}", options_.node_id,
+               conn->ip, conn->node_id, why);
+  auto ctx = std::make_unique<SendCtx>();
+  ctx->server = this;
+  ctx->message = EncodeAuthResult(AuthResult{});  // refused
+  ucp_ep_h ep = conn->ep;
+  Send(ep, kAmAuthResult, std::move(ctx), nullptr, 0, false);
+  CloseConn(conn->id, /*force=*/false);  // flush mode: the refusal is delivered first
+}
+
+void PeerServer::Impl::SweepHandshakes() {
+  auto now = Clock::now();
+  std::vector<uint64_t> stale;
+  for (auto& [id, conn] : conns_) {
+    if (!conn.authenticated && now - conn.accepted_at > options_.handshake_timeout) {
+      stale.push_back(id);
+    }
+  }
+  for (uint64_t id : stale) {
+    refused_.fetch_add(1, std::memory_order_relaxed);
+    spdlog::warn(
+        "peer server {}: closed connection from {} that did not authenticate within "
+        "{} ms",
+        options_.node_id, conns_.at(id).ip, options_.handshake_timeout.count());
+    CloseConn(id, /*force=*/true);
+  }
+}
+
+void PeerServer::Impl::Send(ucp_ep_h ep, unsigned am_id, std::unique_ptr<SendCtx> ctx,
+                            const void* payload, size_t length, bool with_header) {
+  if (payload == nullptr) {
+    payload = ctx->message.data();
+    length = ctx->message.size();
+  }
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  p.cb.send = &OnSendDone;
+  p.user_data = ctx.get();
+  void* r = ucp_am_send_nbx(ep, am_id, with_header ? ctx->header.data() : nullptr,
+                            with_header ? ctx->header.size() : 0, payload, length, &p);
+  if (UCS_PTR_IS_PTR(r)) {
+    ctx.release();  // OnSendDone owns it now, and frees the request
+    return;
+  }
+  if (UCS_PTR_IS_ERR(r)) {
+    spdlog::debug("peer server {}: send failed: {}", options_.node_id, UcsError(UCS_PTR_STATUS(r)));
+  }
+  OnSendDone(nullptr, UCS_PTR_STATUS(r), ctx.release());
+}
+
+// Frees the request here: freeing it at the call site would cancel this callback
+// (ucp_request_free) and leak the reply buffer.
+void PeerServer::Impl::OnSendDone(void* request, ucs_status_t status, void* user_data) {
+  std::unique_ptr<SendCtx> ctx(static_cast<SendCtx*>(user_data));
+  if (request != nullptr) ucp_request_free(request);
+  if (ctx->charged != 0) ctx->server->inflight_bytes_.fetch_sub(ctx->charged);
+}
+
+ucs_status_t PeerServer::Impl::OnHello(void* arg, const void*, size_t, void* data, size_t length,
+                                       const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<Impl*>(arg);
+  Conn* conn = self->ConnOf(param);
+  if (conn == nullptr) return UCS_OK;
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    self->Refuse(conn, "oversized hello");
+    return UCS_OK;
+  }
+  if (conn->challenged) {
+    self->Refuse(conn, "second hello");
+    return UCS_OK;
+  }
+  auto hello = DecodeHello(std::string_view(static_cast<const char*>(data), length));
+  if (!hello.ok()) {
+    self->Refuse(conn, hello.status().ToString());
+    return UCS_OK;
+  }
+  conn->node_id = hello->node_id;
+  auto allowed = self->allowed_.find(conn->node_id);
+  if (allowed == self->allowed_.end()) {
+    self->Refuse(conn, "node is not in the peer list");
+    return UCS_OK;
+  }
+  if (self->options_.check_source_address) {
+    const auto& ips = allowed->second;
+    if (std::find(ips.begin(), ips.end(), conn->ip) == ips.end()) {
+      self->Refuse(conn, "source address is not an address of the listed host");
+      return UCS_OK;
+    }
+  }
+  auto nonce = RandomNonce();
+  if (!nonce.ok()) {
+    self->Refuse(conn, nonce.status().ToString());
+    return UCS_OK;
+  }
+  conn->client_nonce = hello->client_nonce;
+  conn->server_nonce = *nonce;
+  conn->challenged = true;
+  Challenge challenge;
+  challenge.server_nonce = conn->server_nonce;
+  auto ctx = std::make_unique<SendCtx>();
+  ctx->server = self;
+  ctx->message = EncodeChallenge(challenge);
+  self->Send(conn->ep, kAmChallenge, std::move(ctx), nullptr, 0, false);
+  return UCS_OK;
+}
+
+ucs_status_t PeerServer::Impl::OnAuth(void* arg, const void*, size_t, void* data, size_t length,
+                                      const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<Impl*>(arg);
+  Conn* conn = self->ConnOf(param);
+  if (conn == nullptr) return UCS_OK;
+  if (!conn->challenged || conn->authenticated || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+    self->Refuse(conn, "unexpected auth message");
+    return UCS_OK;
+  }
+  auto auth = DecodeAuth(std::string_view(static_cast<const char*>(data), length));
+  Proof expected = ComputeProof(self->options_.secret, ProofRole::kClient, conn->node_id,
+                                conn->client_nonce, conn->server_nonce);
+  if (!auth.ok() || !ProofEquals(auth->client_proof, expected)) {
+    self->Refuse(conn, "authentication failed (wrong shared secret)");
+    return UCS_OK;
+  }
+  conn->authenticated = true;
+  self->authenticated_.fetch_add(1, std::memory_order_relaxed);
+  spdlog::info("peer server {}: peer {} ({}) authenticated", self->options_.node_id, conn->node_id,
+               conn->ip);
+  AuthResult result;
+  result.accepted = true;
+  result.server_proof = ComputeProof(self->options_.secret, ProofRole::kServer, conn->node_id,
+                                     conn->client_nonce, conn->server_nonce);
+  auto ctx = std::make_unique<SendCtx>();
+  ctx->server = self;
+  ctx->message = EncodeAuthResult(result);
+  self->Send(conn->ep, kAmAuthResult, std::move(ctx), nullptr, 0, false);
+  return UCS_OK;
+}
+
+void PeerServer::Impl::SendError(Conn* conn, uint64_t request_id, const Status& status) {
+  request_errors_.fetch_add(1, std::memory_order_relaxed);
+  auto ctx = std::make_unique<SendCtx>();
+  ctx->server = this;
+  ctx->message = status.message();
+  ResponseHeader h;
+  h.request_id = request_id;
+  h.code = static_cast<uint32_t>(status.code());
+  h.length = ctx->message.size();
+  ctx->header = EncodeResponseHeader(h);
+  Send(conn->ep, kAmResponse, std::move(ctx), nullptr, 0, true);
+}
+
+ucs_status_t PeerServer::Impl::OnRequest(void* arg, const void*, size_t, void* data, size_t length,
+                                         const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<Impl*>(arg);
+  Conn* conn = self->ConnOf(param);
+  if (conn == nullptr) return UCS_OK;
+  if (!conn->authenticated) {
+    self->Refuse(conn, "block request before authentication");
+    return UCS_OK;
+  }
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    self->Refuse(conn, "oversized block request");
+    return UCS_OK;
+  }
+  auto req = DecodeRequest(std::string_view(static_cast<const char*>(data), length));
+  if (!req.ok()) {
+    self->Refuse(conn, req.status().ToString());  // a peer that sends garbage is cut off
+    return UCS_OK;
+  }
+  Status valid = ValidateRelativePath(req->id.path);
+  if (valid.ok() && (req->length == 0 || req->length > self->options_.max_block_bytes)) {
+    valid = Invalid("block length " + std::to_string(req->length) + " is outside 1.." +
+                    std::to_string(self->options_.max_block_bytes));
+  }
+  if (!valid.ok()) {
+    spdlog::warn("peer server {}: bad request from {}: {}", self->options_.node_id, conn->node_id,
+                 valid.ToString());
+    self->SendError(conn, req->request_id, valid);
+    return UCS_OK;
+  }
+  uint64_t before = self->inflight_bytes_.fetch_add(req->length);
+  if (before + req->length > self->options_.max_inflight_bytes && before != 0) {
+    self->inflight_bytes_.fetch_sub(req->length);
+    self->SendError(conn, req->request_id,
+                    Status(Code::kBusy, "peer server is serving its in-flight byte limit"));
+    return UCS_OK;
+  }
+  {
+    std::lock_guard lock(self->jobs_mu_);
+    self->jobs_.push_back(Job{conn->id, std::move(req).value()});
+  }
+  self->jobs_cv_.notify_one();
+  return UCS_OK;
+}
+
+void PeerServer::Impl::ServeLoop() {
+  while (true) {
+    Job job;
+    {
+      std::unique_lock lock(jobs_mu_);
+      jobs_cv_.wait(lock, [&] { return jobs_stop_ || !jobs_.empty(); });
+      if (jobs_stop_) return;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    Serve(std::move(job));
+  }
+}
+
+void PeerServer::Impl::Serve(Job job) {
+  auto ctx = std::make_unique<SendCtx>();
+  ctx->server = this;
+  ctx->charged = job.request.length;
+  ctx->data = pool_->Take(job.request.length);
+  auto read = provider_->ReadBlock(job.request.id, job.request.offset,
+                                   std::span<char>(ctx->data.data(), job.request.length));
+  ResponseHeader h;
+  h.request_id = job.request.request_id;
+  if (read.ok() && read->bytes > job.request.length) {
+    read = Internal("provider returned more bytes than asked");
+  }
+  if (read.ok()) {
+    h.code = static_cast<uint32_t>(Code::kOk);
+    h.length = read->bytes;
+    h.crc32c = read->crc32c ? *read->crc32c : Crc32c(ctx->data.data(), read->bytes);
+  } else {
+    spdlog::debug("peer server {}: {} @{}+{}: {}", options_.node_id, job.request.id.path,
+                  job.request.offset, job.request.length, read.status().ToString());
+    h.code = static_cast<uint32_t>(read.status().code());
+    ctx->message = read.status().message();
+    h.length = ctx->message.size();
+  }
+  ctx->header = EncodeResponseHeader(h);
+  ctx->data_bytes = read.ok() ? read->bytes : 0;
+  if (!read.ok()) request_errors_.fetch_add(1, std::memory_order_relaxed);
+  // The progress thread owns the endpoints, and the connection may have gone meanwhile.
+  // (std::function needs a copyable task, hence the shared_ptr around the context.)
+  std::shared_ptr<SendCtx> shared(ctx.release());
+  worker_->Post([this, shared, conn_id = job.conn_id, ok = read.ok()] {
+    auto c = std::make_unique<SendCtx>(std::move(*shared));
+    auto it = conns_.find(conn_id);
+    if (it == conns_.end()) {
+      OnSendDone(nullptr, UCS_ERR_CANCELED, c.release());
+      return;
+    }
+    if (ok) {
+      blocks_served_.fetch_add(1, std::memory_order_relaxed);
+      bytes_served_.fetch_add(c->data_bytes, std::memory_order_relaxed);
+      const void* payload = c->data.data();
+      size_t n = c->data_bytes;
+      Send(it->second.ep, kAmResponse, std::move(c), payload, n, /*with_header=*/true);
+    } else {
+      Send(it->second.ep, kAmResponse, std::move(c), nullptr, 0, /*with_header=*/true);
+    }
+  });
+}
+
+PeerServer::PeerServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<PeerServer>> PeerServer::Create(const PeerServerOptions& options,
+                                                       BlockProvider* provider) {
+  auto impl = std::make_unique<Impl>(options, provider);
+  Status st = impl->Init();
+  if (!st.ok()) {
+    impl->Stop();
+    return st;
+  }
+  return std::unique_ptr<PeerServer>(new PeerServer(std::move(impl)));
+}
+
+PeerServer::~PeerServer() { impl_->Stop(); }
+
+uint16_t PeerServer::port() const { return impl_->port_; }
+
+PeerServerStats PeerServer::stats() const {
+  PeerServerStats s;
+  s.connections = impl_->connections_.load();
+  s.authenticated = impl_->authenticated_.load();
+  s.refused = impl_->refused_.load();
+  s.blocks_served = impl_->blocks_served_.load();
+  s.bytes_served = impl_->bytes_served_.load();
+  s.request_errors = impl_->request_errors_.load();
+  return s;
+}
+
+}  // namespace ckptfs::store::peer

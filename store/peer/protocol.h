@@ -1,0 +1,115 @@
+// Wire format and authentication of the ckptfs peer protocol (docs/PEERS.md).
+//
+// Every message is a UCP active message. Small control messages carry their fields in the
+// AM data; a block reply carries a fixed ResponseHeader as the AM header and the block bytes
+// as the AM data (UCX sends large data by rendezvous, zero-copy on RDMA fabrics).
+// Integers are little-endian; strings are length-prefixed bytes (names are bytes, not UTF-8).
+//
+// Connection handshake (mutual challenge-response over a shared secret, before any block):
+//   client -> server  kHello      {magic, version, node_id, client_nonce[32]}
+//   server -> client  kChallenge  {server_nonce[32]}
+//   client -> server  kAuth       {client_proof}
+//   server -> client  kAuthResult {1, server_proof} accepted, or {0} refused (then closed)
+//   proof = HMAC-SHA256(secret, label || u16 len(node_id) || node_id || client_nonce ||
+//                       server_nonce), label "ckptfs-peer-v1 server" / "... client".
+// The client proves first, so a peer without the secret never sees a value derived from it
+// (nothing to guess the secret from offline); the server's proof then shows the client that
+// it talks to a daemon that knows the secret. Distinct labels keep a server proof from being
+// replayed as a client proof; fresh nonces on both sides keep either from being replayed on
+// another connection.
+//
+// Pure functions, thread-safe.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+#include "store/peer/block_provider.h"
+
+namespace ckptfs::store::peer {
+
+// Active message ids.
+enum AmId : unsigned {
+  kAmHello = 1,
+  kAmChallenge = 2,
+  kAmAuth = 3,
+  kAmAuthResult = 4,
+  kAmRequest = 5,
+  kAmResponse = 6,
+};
+
+inline constexpr uint32_t kProtocolMagic = 0x50504b43;  // "CKPP"
+inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr size_t kNonceBytes = 32;
+inline constexpr size_t kProofBytes = 32;  // SHA-256
+inline constexpr size_t kMaxNodeIdBytes = 256;
+inline constexpr size_t kMaxPathBytes = 4096;
+inline constexpr size_t kMinSecretBytes = 16;
+inline constexpr size_t kMaxSecretBytes = 4096;
+
+using Nonce = std::array<unsigned char, kNonceBytes>;
+using Proof = std::array<unsigned char, kProofBytes>;
+
+struct Hello {
+  std::string node_id;
+  Nonce client_nonce{};
+};
+struct Challenge {
+  Nonce server_nonce{};
+};
+struct AuthResult {
+  bool accepted = false;
+  Proof server_proof{};  // when accepted
+};
+struct AuthMsg {
+  Proof client_proof{};
+};
+struct BlockRequest {
+  uint64_t request_id = 0;
+  BlockId id;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+// AM header of a kAmResponse. The AM data holds `length` block bytes when code is kOk, else
+// an error message of `length` bytes.
+struct ResponseHeader {
+  uint64_t request_id = 0;
+  uint32_t code = 0;  // ckptfs::Code
+  uint32_t crc32c = 0;
+  uint64_t length = 0;
+};
+inline constexpr size_t kResponseHeaderBytes = 24;
+
+std::string EncodeHello(const Hello& m);
+Result<Hello> DecodeHello(std::string_view bytes);
+std::string EncodeChallenge(const Challenge& m);
+Result<Challenge> DecodeChallenge(std::string_view bytes);
+std::string EncodeAuthResult(const AuthResult& m);
+Result<AuthResult> DecodeAuthResult(std::string_view bytes);
+std::string EncodeAuth(const AuthMsg& m);
+Result<AuthMsg> DecodeAuth(std::string_view bytes);
+std::string EncodeRequest(const BlockRequest& m);
+Result<BlockRequest> DecodeRequest(std::string_view bytes);
+std::array<char, kResponseHeaderBytes> EncodeResponseHeader(const ResponseHeader& m);
+Result<ResponseHeader> DecodeResponseHeader(std::string_view bytes);
+
+enum class ProofRole { kServer, kClient };
+Proof ComputeProof(std::string_view secret, ProofRole role, std::string_view node_id,
+                   const Nonce& client_nonce, const Nonce& server_nonce);
+// Constant-time comparison.
+bool ProofEquals(const Proof& a, const Proof& b);
+// Cryptographically random nonce (OpenSSL RAND_bytes); Internal error if the RNG fails.
+Result<Nonce> RandomNonce();
+
+// Reads the shared secret: the file's bytes without trailing whitespace, kMinSecretBytes to
+// kMaxSecretBytes long. Warns (once per call) when the file is readable by group or others.
+Result<std::string> ReadSecretFile(const std::string& path);
+
+// Splits "host:port" ("[v6]:port" too). Invalid on a missing or out-of-range port; port 0
+// (any free port) is accepted, for listening.
+Result<std::pair<std::string, uint16_t>> SplitHostPort(std::string_view address);
+
+}  // namespace ckptfs::store::peer

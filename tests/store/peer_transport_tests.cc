@@ -1,0 +1,606 @@
+// PeerServer / PeerClient over real UCX on 127.0.0.1 (UCX_TLS=tcp, UCX_NET_DEVICES=lo),
+// in one process and across two (the server is ckptfs-peer-tool serve, killed by PID).
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "store/crc32c.h"
+#include "store/peer/buffer_pool.h"
+#include "store/peer/peer_client.h"
+#include "store/peer/peer_server.h"
+#include "store/peer/protocol.h"
+#include "store/peer/synthetic_provider.h"
+
+extern char** environ;
+
+namespace ckptfs::store::peer {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// Pinned before any UCX context exists (static initialization, before main).
+const bool kUcxEnv = [] {
+  ::setenv("UCX_TLS", "tcp", 1);
+  ::setenv("UCX_NET_DEVICES", "lo", 1);
+  return true;
+}();
+
+constexpr char kSecret[] = "correct horse battery staple 42";
+constexpr char kClientNode[] = "127.0.0.1:7001";
+constexpr uint64_t kFileSize = 64ull << 20;
+
+std::map<std::string, std::pair<uint64_t, int64_t>> TestFiles() {
+  return {{"ckpt/__0_0.distcp", {kFileSize, 11}},
+          {"ckpt/__1_0.distcp", {kFileSize, 12}},
+          {"ckpt/.metadata", {4096, 13}}};
+}
+
+BlockId Id(const std::string& path) {
+  auto f = TestFiles().at(path);
+  return BlockId{path, f.first, f.second};
+}
+
+PeerServerOptions ServerOptions() {
+  PeerServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.node_id = "127.0.0.1:7000";
+  o.secret = kSecret;
+  o.allowed_peers = {kClientNode};
+  return o;
+}
+
+PeerClientOptions ClientOptions(uint16_t port) {
+  PeerClientOptions o;
+  o.server = "127.0.0.1:" + std::to_string(port);
+  o.node_id = kClientNode;
+  o.secret = kSecret;
+  o.connect_timeout = 5s;
+  o.request_timeout = 5s;
+  return o;
+}
+
+class PeerInProcess : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto s = PeerServer::Create(ServerOptions(), &provider_);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    server_ = std::move(s).value();
+  }
+  std::unique_ptr<PeerClient> Connect(PeerClientOptions o) {
+    auto c = PeerClient::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(c).value() : nullptr;
+  }
+  void ExpectBlock(PeerClient* client, const std::string& path, uint64_t offset, size_t length) {
+    std::vector<char> got(length), want(length);
+    auto n = client->Fetch(Id(path), offset, got);
+    ASSERT_TRUE(n.ok()) << n.status().ToString() << " at " << offset << "+" << length;
+    size_t expect_n = std::min<uint64_t>(length, Id(path).size - offset);
+    ASSERT_EQ(*n, expect_n);
+    provider_.Fill(path, offset, std::span<char>(want).first(*n));
+    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), *n)) << path << " @" << offset;
+  }
+
+  SyntheticProvider provider_{TestFiles()};
+  std::unique_ptr<PeerServer> server_;
+};
+
+TEST_F(PeerInProcess, BlocksOfEverySizeArriveByteExact) {
+  auto client = Connect(ClientOptions(server_->port()));
+  ASSERT_NE(client, nullptr);
+  for (size_t len :
+       {size_t(1), size_t(2), size_t(7), size_t(4095), size_t(4096), size_t(8193), size_t(65536),
+        size_t(65537), size_t(1) << 20, (size_t(1) << 20) + 3, size_t(3) << 20, size_t(4) << 20}) {
+    for (uint64_t off : {uint64_t(0), uint64_t(1), uint64_t(12345677)}) {
+      ExpectBlock(client.get(), "ckpt/__0_0.distcp", off, len);
+    }
+  }
+  auto st = server_->stats();
+  EXPECT_EQ(st.authenticated, 1u);
+  EXPECT_EQ(st.refused, 0u);
+  EXPECT_EQ(client->stats().bad_checksums, 0u);
+}
+
+TEST_F(PeerInProcess, ReadAtEndOfFileIsShort) {
+  auto client = Connect(ClientOptions(server_->port()));
+  ASSERT_NE(client, nullptr);
+  ExpectBlock(client.get(), "ckpt/.metadata", 4000, 1 << 20);  // 96 bytes
+  ExpectBlock(client.get(), "ckpt/__1_0.distcp", kFileSize - 5, 4 << 20);
+}
+
+TEST_F(PeerInProcess, ServerErrorsComeBackAsTheirStatus) {
+  auto client = Connect(ClientOptions(server_->port()));
+  ASSERT_NE(client, nullptr);
+  std::vector<char> buf(4096);
+  auto missing = client->Fetch(BlockId{"ckpt/nope", 10, 1}, 0, buf);
+  EXPECT_EQ(missing.status().code(), Code::kNotFound) << missing.status().ToString();
+  BlockId stale = Id("ckpt/__0_0.distcp");
+  stale.mtime_ns += 1;
+  EXPECT_EQ(client->Fetch(stale, 0, buf).status().code(), Code::kAborted);
+  auto escape = client->Fetch(BlockId{"../etc/passwd", 10, 1}, 0, buf);
+  EXPECT_EQ(escape.status().code(), Code::kInvalid) << escape.status().ToString();
+  EXPECT_EQ(client->Fetch(BlockId{"/etc/passwd", 10, 1}, 0, buf).status().code(), Code::kInvalid);
+  std::vector<char> huge((64ull << 20) + 1);
+  EXPECT_EQ(client->Fetch(Id("ckpt/__0_0.distcp"), 0, huge).status().code(), Code::kInvalid);
+  // The connection is still good after error replies.
+  EXPECT_TRUE(client->healthy());
+  ExpectBlock(client.get(), "ckpt/__0_0.distcp", 0, 4096);
+  EXPECT_EQ(provider_.reads(), 3u);  // missing, stale and the good one reached the provider
+}
+
+TEST_F(PeerInProcess, WrongSecretIsRefusedAndNothingServed) {
+  PeerClientOptions o = ClientOptions(server_->port());
+  o.secret = "not the secret, but long enough";
+  auto c = PeerClient::Connect(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), Code::kPermission) << c.status().ToString();
+  auto st = server_->stats();
+  EXPECT_EQ(st.refused, 1u);
+  EXPECT_EQ(st.authenticated, 0u);
+  EXPECT_EQ(st.blocks_served, 0u);
+  EXPECT_EQ(provider_.reads(), 0u);
+}
+
+TEST_F(PeerInProcess, UnlistedNodeIsRefusedAndNothingServed) {
+  PeerClientOptions o = ClientOptions(server_->port());
+  o.node_id = "127.0.0.1:9999";  // right secret, not in the server's peer list
+  auto c = PeerClient::Connect(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_TRUE(c.status().code() == Code::kPermission || c.status().code() == Code::kIo)
+      << c.status().ToString();
+  // Spin until the server has processed the refusal (it is logged and counted).
+  for (int i = 0; i < 100 && server_->stats().refused == 0; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(server_->stats().refused, 1u);
+  EXPECT_EQ(server_->stats().blocks_served, 0u);
+  EXPECT_EQ(provider_.reads(), 0u);
+}
+
+TEST(PeerServerSourceCheck, ListedNameFromAnotherAddressIsRefused) {
+  SyntheticProvider provider(TestFiles());
+  PeerServerOptions so = ServerOptions();
+  so.allowed_peers = {"127.0.0.2:7001"};  // the name is listed, but for another host
+  auto server = PeerServer::Create(so, &provider);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  PeerClientOptions o = ClientOptions((*server)->port());
+  o.node_id = "127.0.0.2:7001";  // claims the listed name, connects from 127.0.0.1
+  auto c = PeerClient::Connect(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ((*server)->stats().authenticated, 0u);
+  EXPECT_EQ(provider.reads(), 0u);
+}
+
+TEST_F(PeerInProcess, CorruptedBlockIsDetectedByTheRequester) {
+  auto client = Connect(ClientOptions(server_->port()));
+  ASSERT_NE(client, nullptr);
+  provider_.CorruptNext(1);
+  std::vector<char> buf(1 << 20);
+  auto bad = client->Fetch(Id("ckpt/__0_0.distcp"), 4096, buf);
+  EXPECT_EQ(bad.status().code(), Code::kCorrupt) << bad.status().ToString();
+  EXPECT_EQ(client->stats().bad_checksums, 1u);
+  // Small (eager) replies are checked too.
+  provider_.CorruptNext(1);
+  std::vector<char> small(100);
+  EXPECT_EQ(client->Fetch(Id("ckpt/__0_0.distcp"), 0, small).status().code(), Code::kCorrupt);
+  ExpectBlock(client.get(), "ckpt/__0_0.distcp", 4096, 1 << 20);
+}
+
+TEST_F(PeerInProcess, StalledServerTimesOutWithinTheBound) {
+  PeerClientOptions o = ClientOptions(server_->port());
+  o.request_timeout = 300ms;
+  auto client = Connect(o);
+  ASSERT_NE(client, nullptr);
+  provider_.SetDelayMs(1500);
+  std::vector<char> buf(1 << 20);
+  auto t0 = Clock::now();
+  auto r = client->Fetch(Id("ckpt/__0_0.distcp"), 0, buf);
+  auto took = Clock::now() - t0;
+  EXPECT_EQ(r.status().code(), Code::kTimeout) << r.status().ToString();
+  EXPECT_LT(took, 1000ms);
+  EXPECT_GE(took, 300ms);
+  provider_.SetDelayMs(0);
+  // The late reply is dropped; the connection keeps working.
+  std::this_thread::sleep_for(1500ms);
+  ExpectBlock(client.get(), "ckpt/__0_0.distcp", 0, 1 << 20);
+  EXPECT_EQ(client->stats().timeouts, 1u);
+}
+
+TEST_F(PeerInProcess, EightThreadsFetchConcurrentlyByteExact) {
+  auto client = Connect(ClientOptions(server_->port()));
+  ASSERT_NE(client, nullptr);
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(t);
+      std::vector<char> got, want;
+      for (int i = 0; i < 40; ++i) {
+        std::string path = (rng() % 2) ? "ckpt/__0_0.distcp" : "ckpt/__1_0.distcp";
+        size_t len = 1 + rng() % (2 << 20);
+        uint64_t off = rng() % (kFileSize - len);
+        got.assign(len, 0);
+        want.assign(len, 0);
+        auto n = client->Fetch(Id(path), off, got);
+        provider_.Fill(path, off, want);
+        if (!n.ok() || *n != len || got != want) failures.fetch_add(1);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(client->stats().fetched_blocks, 320u);
+}
+
+TEST_F(PeerInProcess, ServerDestroyedUnderLoadFailsFetchesPromptly) {
+  PeerClientOptions o = ClientOptions(server_->port());
+  o.request_timeout = 3s;
+  auto client = Connect(o);
+  ASSERT_NE(client, nullptr);
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, failed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      std::vector<char> buf(1 << 20);
+      while (!stop.load()) {
+        auto r = client->Fetch(Id("ckpt/__0_0.distcp"), 0, buf);
+        (r.ok() ? ok : failed).fetch_add(1);
+        if (!r.ok()) return;
+      }
+    });
+  }
+  while (ok.load() < 20) std::this_thread::sleep_for(1ms);
+  auto t0 = Clock::now();
+  server_.reset();  // closes every connection
+  for (auto& t : threads) t.join();
+  stop = true;
+  EXPECT_LT(Clock::now() - t0, 3500ms);
+  EXPECT_EQ(failed.load(), 4);
+  EXPECT_FALSE(client->healthy());
+  std::vector<char> buf(10);
+  auto after = client->Fetch(Id("ckpt/__0_0.distcp"), 0, buf);
+  EXPECT_EQ(after.status().code(), Code::kIo) << after.status().ToString();
+}
+
+TEST(PeerClientConnect, NothingListeningFailsWithinTheTimeout) {
+  PeerClientOptions o = ClientOptions(1);  // port 1: nothing listens there
+  o.connect_timeout = 2s;
+  auto t0 = Clock::now();
+  auto c = PeerClient::Connect(o);
+  EXPECT_FALSE(c.ok());
+  EXPECT_LT(Clock::now() - t0, 2500ms);
+}
+
+TEST(PeerClientConnect, ShortSecretIsRejectedUpFront) {
+  PeerClientOptions o = ClientOptions(1);
+  o.secret = "short";
+  EXPECT_EQ(PeerClient::Connect(o).status().code(), Code::kInvalid);
+  SyntheticProvider provider(TestFiles());
+  PeerServerOptions so = ServerOptions();
+  so.secret = "short";
+  EXPECT_EQ(PeerServer::Create(so, &provider).status().code(), Code::kInvalid);
+}
+
+TEST_F(PeerInProcess, SeveralClientsShareOneServer) {
+  std::vector<std::unique_ptr<PeerClient>> clients;
+  for (int i = 0; i < 3; ++i) {
+    clients.push_back(Connect(ClientOptions(server_->port())));
+    ASSERT_NE(clients.back(), nullptr);
+  }
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      PeerClient* c = clients[t % 3].get();
+      std::vector<char> got(300000), want(300000);
+      for (int i = 0; i < 20; ++i) {
+        uint64_t off = uint64_t(t * 20 + i) * 100003;
+        auto n = c->Fetch(Id("ckpt/__1_0.distcp"), off, got);
+        provider_.Fill("ckpt/__1_0.distcp", off, want);
+        if (!n.ok() || *n != got.size() || got != want) failures.fetch_add(1);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(server_->stats().authenticated, 3u);
+  EXPECT_EQ(server_->stats().blocks_served, 120u);
+}
+
+TEST(PeerServerCreate, BusyPortAndBadOptionsFailClearly) {
+  SyntheticProvider provider(TestFiles());
+  auto first = PeerServer::Create(ServerOptions(), &provider);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  PeerServerOptions same = ServerOptions();
+  same.listen = "127.0.0.1:" + std::to_string((*first)->port());
+  auto second = PeerServer::Create(same, &provider);
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find("cannot listen"), std::string::npos)
+      << second.status().ToString();
+  PeerServerOptions no_threads = ServerOptions();
+  no_threads.serve_threads = 0;
+  EXPECT_EQ(PeerServer::Create(no_threads, &provider).status().code(), Code::kInvalid);
+  PeerServerOptions bad_peer = ServerOptions();
+  bad_peer.allowed_peers = {"no-port-here"};
+  EXPECT_EQ(PeerServer::Create(bad_peer, &provider).status().code(), Code::kInvalid);
+  PeerServerOptions bad_listen = ServerOptions();
+  bad_listen.listen = "127.0.0.1";
+  EXPECT_EQ(PeerServer::Create(bad_listen, &provider).status().code(), Code::kInvalid);
+}
+
+// ---- Two processes: the server is ckptfs-peer-tool serve. ----
+
+// A child process killed (SIGKILL) and reaped by PID in the destructor, whatever happens.
+class ServerProcess {
+ public:
+  static std::unique_ptr<ServerProcess> Start(const std::string& secret_file,
+                                              std::vector<std::string> extra = {}) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) return nullptr;
+    std::vector<std::string> args = {
+        CKPTFS_PEER_TOOL, "serve",     "--listen",    "127.0.0.1:0",
+        "--secret-file",  secret_file, "--allow",     kClientNode,
+        "--files",        "2",         "--file-size", std::to_string(kFileSize)};
+    args.insert(args.end(), extra.begin(), extra.end());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+    auto p = std::unique_ptr<ServerProcess>(new ServerProcess());
+    int rc = posix_spawn(&p->pid_, CKPTFS_PEER_TOOL, &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(fds[1]);
+    if (rc != 0) {
+      ::close(fds[0]);
+      p->pid_ = -1;
+      return nullptr;
+    }
+    // Read up to the "PORT <n>" line (log lines may come first); bounded by the child: if
+    // it dies, read returns 0.
+    std::string line;
+    char c;
+    while (line.rfind("PORT ", 0) != 0) {
+      line.clear();
+      ssize_t r;
+      while ((r = ::read(fds[0], &c, 1)) == 1 && c != '\n') line += c;
+      if (r != 1) break;
+    }
+    ::close(fds[0]);
+    if (line.rfind("PORT ", 0) != 0) return nullptr;
+    p->port_ = static_cast<uint16_t>(std::stoi(line.substr(5)));
+    return p;
+  }
+  ~ServerProcess() { Kill(); }
+  void Kill() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+      pid_ = -1;
+    }
+  }
+  uint16_t port() const { return port_; }
+
+ private:
+  ServerProcess() = default;
+  pid_t pid_ = -1;
+  uint16_t port_ = 0;
+};
+
+class PeerTwoProcesses : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/peer_secret_XXXXXX";
+    int fd = ::mkstemp(tmpl);
+    ASSERT_GE(fd, 0);
+    secret_file_ = tmpl;
+    ASSERT_EQ(::write(fd, kSecret, sizeof(kSecret) - 1), ssize_t(sizeof(kSecret) - 1));
+    ::close(fd);
+  }
+  void TearDown() override { ::unlink(secret_file_.c_str()); }
+  std::string secret_file_;
+  // The tool serves f0, f1 of kFileSize, mtime 1, with SyntheticProvider's bytes.
+  SyntheticProvider expect_{{{"f0", {kFileSize, 1}}, {"f1", {kFileSize, 1}}}};
+};
+
+TEST_F(PeerTwoProcesses, BlocksOfEverySizeArriveByteExact) {
+  auto server = ServerProcess::Start(secret_file_);
+  ASSERT_NE(server, nullptr);
+  auto client = PeerClient::Connect(ClientOptions(server->port()));
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  for (size_t len : {size_t(1), size_t(4096), size_t(65537), size_t(1) << 20, size_t(4) << 20}) {
+    std::vector<char> got(len), want(len);
+    uint64_t off = 977 * len % (kFileSize - len);
+    auto n = (*client)->Fetch(BlockId{"f1", kFileSize, 1}, off, got);
+    ASSERT_TRUE(n.ok()) << n.status().ToString();
+    ASSERT_EQ(*n, len);
+    expect_.Fill("f1", off, want);
+    ASSERT_EQ(got, want) << len;
+  }
+}
+
+TEST_F(PeerTwoProcesses, WrongSecretIsRefused) {
+  auto server = ServerProcess::Start(secret_file_);
+  ASSERT_NE(server, nullptr);
+  PeerClientOptions o = ClientOptions(server->port());
+  o.secret = "a different secret of some length";
+  auto client = PeerClient::Connect(o);
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), Code::kPermission) << client.status().ToString();
+}
+
+TEST_F(PeerTwoProcesses, ServerKilledMidLoadFailsEveryFetchWithinTheTimeout) {
+  auto server = ServerProcess::Start(secret_file_);
+  ASSERT_NE(server, nullptr);
+  PeerClientOptions o = ClientOptions(server->port());
+  o.request_timeout = 3s;
+  auto client = PeerClient::Connect(o);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  std::atomic<int> ok{0}, failed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<char> buf(1 << 20);
+      for (uint64_t i = 0;; ++i) {
+        auto r = (*client)->Fetch(BlockId{"f0", kFileSize, 1}, ((i * 8 + t) % 64) << 20, buf);
+        if (!r.ok()) {
+          failed.fetch_add(1);
+          return;
+        }
+        ok.fetch_add(1);
+      }
+    });
+  }
+  while (ok.load() < 50) std::this_thread::sleep_for(1ms);
+  auto t0 = Clock::now();
+  server->Kill();
+  for (auto& t : threads) t.join();
+  auto took = Clock::now() - t0;
+  EXPECT_EQ(failed.load(), 8);
+  EXPECT_LT(took, 3500ms) << "every fetch must end within the request timeout";
+  EXPECT_FALSE((*client)->healthy());
+}
+
+TEST_F(PeerTwoProcesses, CorruptedReplyIsDetected) {
+  auto server = ServerProcess::Start(secret_file_, {"--corrupt", "1"});
+  ASSERT_NE(server, nullptr);
+  auto client = PeerClient::Connect(ClientOptions(server->port()));
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  std::vector<char> buf(1 << 20);
+  auto bad = (*client)->Fetch(BlockId{"f0", kFileSize, 1}, 0, buf);
+  EXPECT_EQ(bad.status().code(), Code::kCorrupt) << bad.status().ToString();
+  auto good = (*client)->Fetch(BlockId{"f0", kFileSize, 1}, 0, buf);
+  EXPECT_TRUE(good.ok()) << good.status().ToString();
+}
+
+// ---- Buffer pool. ----
+
+TEST(PeerBufferPool, LargeBuffersAreReusedUpToTheCap) {
+  auto pool = BufferPool::Create(3 << 20);
+  char* first;
+  {
+    BufferPool::Buffer a = pool->Take(1 << 20);
+    EXPECT_EQ(a.capacity(), size_t(1) << 20);
+    first = a.data();
+  }
+  EXPECT_EQ(pool->cached_bytes(), uint64_t(1) << 20);
+  BufferPool::Buffer again = pool->Take((1 << 20) - 5);  // same power-of-two class
+  EXPECT_EQ(again.data(), first);
+  EXPECT_EQ(pool->cached_bytes(), 0u);
+  {
+    BufferPool::Buffer big = pool->Take(4 << 20);  // over the cap when returned: freed
+  }
+  EXPECT_EQ(pool->cached_bytes(), 0u);
+  BufferPool::Buffer small = pool->Take(100);  // below kMinPooledBytes: plain allocation
+  EXPECT_GE(small.capacity(), 100u);
+}
+
+TEST(PeerBufferPool, BuffersMayOutliveThePoolOwner) {
+  BufferPool::Buffer kept;
+  {
+    auto pool = BufferPool::Create(8 << 20);
+    kept = pool->Take(1 << 20);
+  }  // the last owner's reference is gone; the buffer still holds the pool
+  kept.data()[0] = 1;
+  kept = BufferPool::Buffer();
+}
+
+// ---- Protocol pieces. ----
+
+TEST(PeerProtocol, MessagesRoundTripAndTruncationIsCorrupt) {
+  BlockRequest r;
+  r.request_id = 77;
+  r.id = BlockId{std::string("a/b\xff", 4), 123, -5};
+  r.offset = 1ull << 40;
+  r.length = 4096;
+  std::string enc = EncodeRequest(r);
+  auto back = DecodeRequest(enc);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->id, r.id);
+  EXPECT_EQ(back->offset, r.offset);
+  EXPECT_EQ(back->length, r.length);
+  for (size_t cut = 0; cut < enc.size(); ++cut) {
+    EXPECT_FALSE(DecodeRequest(enc.substr(0, cut)).ok()) << cut;
+  }
+  EXPECT_FALSE(DecodeRequest(enc + "x").ok());
+  Hello h{"node:1", {}};
+  h.client_nonce[3] = 9;
+  auto hb = DecodeHello(EncodeHello(h));
+  ASSERT_TRUE(hb.ok());
+  EXPECT_EQ(hb->node_id, "node:1");
+  EXPECT_EQ(hb->client_nonce, h.client_nonce);
+  std::string bad_magic = EncodeHello(h);
+  bad_magic[0] ^= 1;
+  EXPECT_FALSE(DecodeHello(bad_magic).ok());
+  AuthResult accepted{true, {}};
+  accepted.server_proof[31] = 7;
+  auto ar = DecodeAuthResult(EncodeAuthResult(accepted));
+  ASSERT_TRUE(ar.ok());
+  EXPECT_TRUE(ar->accepted);
+  EXPECT_EQ(ar->server_proof, accepted.server_proof);
+  EXPECT_FALSE(DecodeAuthResult(EncodeAuthResult(accepted).substr(0, 20)).ok());
+  auto refused = DecodeAuthResult(EncodeAuthResult(AuthResult{}));
+  ASSERT_TRUE(refused.ok());
+  EXPECT_FALSE(refused->accepted);
+}
+
+TEST(PeerProtocol, ProofsDependOnRoleSecretNodeAndNonces) {
+  Nonce a{}, b{};
+  b[0] = 1;
+  Proof base = ComputeProof(kSecret, ProofRole::kClient, "n:1", a, b);
+  EXPECT_TRUE(ProofEquals(base, ComputeProof(kSecret, ProofRole::kClient, "n:1", a, b)));
+  EXPECT_FALSE(ProofEquals(base, ComputeProof(kSecret, ProofRole::kServer, "n:1", a, b)));
+  EXPECT_FALSE(
+      ProofEquals(base, ComputeProof("other secret 1234567", ProofRole::kClient, "n:1", a, b)));
+  EXPECT_FALSE(ProofEquals(base, ComputeProof(kSecret, ProofRole::kClient, "n:2", a, b)));
+  EXPECT_FALSE(ProofEquals(base, ComputeProof(kSecret, ProofRole::kClient, "n:1", b, a)));
+  auto n1 = RandomNonce(), n2 = RandomNonce();
+  ASSERT_TRUE(n1.ok() && n2.ok());
+  EXPECT_NE(*n1, *n2);
+}
+
+TEST(PeerProtocol, SecretFileIsTrimmedAndMustBeLongEnough) {
+  char tmpl[] = "/tmp/peer_secret_XXXXXX";
+  int fd = ::mkstemp(tmpl);
+  ASSERT_GE(fd, 0);
+  std::string good = "0123456789abcdef-xyz\n\n";
+  ASSERT_EQ(::write(fd, good.data(), good.size()), ssize_t(good.size()));
+  ::close(fd);
+  auto s = ReadSecretFile(tmpl);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(*s, "0123456789abcdef-xyz");
+  std::ofstream(tmpl, std::ios::trunc) << "short\n";
+  EXPECT_EQ(ReadSecretFile(tmpl).status().code(), Code::kInvalid);
+  ::unlink(tmpl);
+  EXPECT_EQ(ReadSecretFile(tmpl).status().code(), Code::kNotFound);
+}
+
+TEST(PeerProtocol, HostPortParsing) {
+  auto a = SplitHostPort("node7:7070");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->first, "node7");
+  EXPECT_EQ(a->second, 7070);
+  auto v6 = SplitHostPort("[::1]:80");
+  ASSERT_TRUE(v6.ok());
+  EXPECT_EQ(v6->first, "::1");
+  EXPECT_FALSE(SplitHostPort("node7").ok());
+  EXPECT_FALSE(SplitHostPort("node7:").ok());
+  EXPECT_FALSE(SplitHostPort("node7:70000").ok());
+  EXPECT_FALSE(SplitHostPort("node7:7a").ok());
+}
+
+}  // namespace
+}  // namespace ckptfs::store::peer
