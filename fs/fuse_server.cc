@@ -17,7 +17,9 @@
 #include <cstdarg>
 #include <cstdio>
 #include <mutex>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "fs/op_metrics.h"
@@ -247,8 +249,20 @@ void OpFlush(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
   fuse_reply_err(req, Fs(req)->Flush(H(fi)).ToErrno());
 }
 
+// Test hook: CKPTFS_TEST_RELEASE_DELAY_MS delays every RELEASE, as a loaded kernel or a
+// slow daemon thread does (close() returns after FLUSH; RELEASE is asynchronous), so tests
+// can make a `.metadata` rename overtake the shards' releases deterministically.
+int ReleaseDelayMs() {
+  static const int delay = [] {
+    const char* v = std::getenv("CKPTFS_TEST_RELEASE_DELAY_MS");
+    return v == nullptr ? 0 : std::max(0, std::min(60000, std::atoi(v)));
+  }();
+  return delay;
+}
+
 void OpRelease(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
   OpTimer timer(FuseOp::kRelease);
+  if (ReleaseDelayMs() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ReleaseDelayMs()));
   Fs(req)->Release(H(fi));
   fuse_reply_err(req, 0);
 }

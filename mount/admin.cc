@@ -297,6 +297,18 @@ std::string FormatKeyValues(const std::vector<std::pair<std::string, std::string
   return out;
 }
 
+// The state of publication, from the stats' journal_halted.
+std::string HaltLine(const json& stats) {
+  auto it = stats.find("journal_halted");
+  if (it == stats.end() || !it->is_object()) return "running";
+  const json& h = *it;
+  std::string line = "HALTED at " + GetString(h, "entry").value_or("?") + ": " +
+                     GetString(h, "error").value_or("?");
+  line += h.value("retrying", false) ? " (retrying; " : " (waiting for resume or abort; ";
+  line += std::to_string(GetU64(h, "attempts").value_or(0)) + " attempts)";
+  return line;
+}
+
 Result<std::string> FormatStats(std::string_view stats_json) {
   CKPT_ASSIGN_OR_RETURN(json j, ParseJson(stats_json, ".ckptfs/stats"));
   if (!j.is_object()) return Corrupt(".ckptfs/stats is not a JSON object");
@@ -355,6 +367,7 @@ Result<std::string> FormatStats(std::string_view stats_json) {
       {"checkpoints", checkpoints},
       {"errors", CountOrDash(GetU64(j, "errors"))},
       {"last error", OrDash(GetString(j, "last_error"))},
+      {"publication", HaltLine(j)},
   });
 }
 
@@ -686,6 +699,20 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
   diff->add_option("CKPT_B", other, "Second checkpoint")->required();
   diff->add_flag("--json", as_json, "Print the differences as JSON");
 
+  CLI::App* resume = app.add_subcommand(
+      "resume", "Retry a halted publication now (after freeing space, fixing permissions...).");
+  resume->footer("Exit status: 0 publication runs, 1 still halted, 2 error.");
+  resume->add_option("PATH", path, path_help)->required();
+  resume->add_flag("--json", as_json, "Print the outcome as JSON");
+  CLI::App* abort_cmd = app.add_subcommand(
+      "abort", "Drop the pending (unpublished) entries at or below PATH so the rest goes on.");
+  abort_cmd->footer(
+      "Use on a failed checkpoint that halts publication. Nothing of the dropped entries "
+      "reaches the backing store; each is listed. Exit status: 0 done, 2 error.");
+  abort_cmd->add_option("PATH", path, "A checkpoint directory or file inside the mount")
+      ->required();
+  abort_cmd->add_flag("--json", as_json, "Print what was dropped as JSON");
+
   // CLI11 reports an unknown command as a missing one; name it instead.
   auto is_command = [&](const std::string& name) {
     return !app.get_subcommands([&](CLI::App* sub) { return sub->check_name(name); }).empty();
@@ -711,6 +738,8 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
     if (wait_timeout->count() > 0) options.timeout_s = timeout_s;
     return RunWait(env, path, options, out, err);
   }
+  if (resume->parsed()) return RunResume(env, path, as_json, out, err);
+  if (abort_cmd->parsed()) return RunAbort(env, path, as_json, out, err);
   if (ls->parsed()) return RunLs(path, as_json, out, err);
   if (verify->parsed()) return RunVerify(env, path, as_json, out, err);
   if (diff->parsed()) return RunDiff(env, path, other, as_json, out, err);

@@ -59,6 +59,9 @@ class AdminEnv {
   virtual bool StderrIsTerminal() = 0;
   // Whether stdout is a terminal, which decides if `top` redraws the screen.
   virtual bool StdoutIsTerminal() { return false; }
+  // Sets extended attribute `name` on `path` (the daemon's operator controls).
+  virtual Status SetXattr(const std::string& path, const std::string& name,
+                          const std::string& value);
 };
 
 // The real OS. The returned object lives for the whole process.
@@ -195,6 +198,11 @@ int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& 
 // Parses the command line (`args` excludes the program name) and runs the command.
 // Checkpoint contents (admin_tensors.cc): through /.ckptfs/tensors and user.ckptfs.verify.
 int RunLs(const std::string& ckpt, bool json, std::ostream& out, std::ostream& err);
+// Operator controls (admin_control.cc): retry a halted publication; drop pending entries.
+int RunResume(AdminEnv* env, const std::string& path, bool json, std::ostream& out,
+              std::ostream& err);
+int RunAbort(AdminEnv* env, const std::string& path, bool json, std::ostream& out,
+             std::ostream& err);
 int RunVerify(AdminEnv* env, const std::string& ckpt, bool json, std::ostream& out,
               std::ostream& err);
 // Asks the daemon to checksum the items of both checkpoints that have none yet (reading

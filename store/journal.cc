@@ -252,6 +252,9 @@ Status Journal::WaitUnlessHalted(uint64_t seq) {
   const Queued* halt = nullptr;
   done_cv_.wait(lock, [&] {
     if (done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0) return true;
+    // A commit whose gate waits for shards not written yet: the caller may be the one to
+    // write them (a copy in sorted order), so it must not wait for the commit itself.
+    if (gate_seq_ == seq && !gate_ready_) return true;
     halt = nullptr;
     for (const Queued& q : queue_) {
       if (q.e.seq >= seq) break;
@@ -542,6 +545,7 @@ void Journal::Run() {
       }
       gate_seq_ = e.seq;
       gate_ready_ = check.ready;
+      if (!check.ready) done_cv_.notify_all();  // WaitUnlessHalted() of the commit
       gate_dirty_ = false;
       gate_shard_set_ = std::unordered_set<std::string>(check.shards.begin(), check.shards.end());
       gate_recheck_ = std::chrono::steady_clock::now() +

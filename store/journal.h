@@ -172,7 +172,9 @@ class Journal {
   Status Wait(uint64_t seq);
   // As Wait(), but also returns (with that failure) as soon as the journal is halted at
   // an earlier entry: a synchronous caller (strict mode) gets the error instead of waiting
-  // for an operator. Its entry stays queued.
+  // for an operator. Its entry stays queued. And it returns ok for a commit that is
+  // durable and next in line but waits for shards not written yet: whoever closes a
+  // `.metadata` first may be the one to write them; the commit follows the last shard.
   Status WaitUnlessHalted(uint64_t seq);
   // Blocks until every appended entry is done.
   void Drain();

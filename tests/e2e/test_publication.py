@@ -1,0 +1,295 @@
+"""Publication order, the commit gate and stopping at the first failure (G4, G5, G7).
+
+Through a real mount, both durability modes where it applies:
+  * a DCP checkpoint copied file by file in sorted order (`.metadata` first, as `cp -r`
+    and `rsync` copy) and in reverse order commits within seconds of its last shard's
+    close, while a file written before the copy is not held back and one written after
+    the `.metadata` stays behind it;
+  * DCP saves whose FUSE RELEASEs are slowed (CKPTFS_TEST_RELEASE_DELAY_MS), so rank 0's
+    `.metadata` rename overtakes the other ranks' releases: every round commits at once;
+  * async, a backing store that fills up during a save, then the tracker
+    `latest_checkpointed_iteration.txt` written after the save returned: the tracker
+    never reaches the backing store while the checkpoint is not committed; publication
+    halts and says so in stats; when space is freed everything publishes, nothing lost;
+  * the same, answered by `ckptfs-admin abort CKPT` (lists what it dropped; the rest goes
+    on) and by `rm -r` of the failed checkpoint through the mount;
+  * names that are not UTF-8 (mkdir, create, rename) work and survive a remount.
+"""
+import hashlib
+import json
+import os
+import subprocess
+import time
+import unittest
+
+import dcp_tool
+import harness
+from harness import ADMIN, Mount
+
+RANKS = 2
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tree(root):
+    out = {}
+    for d, _, files in os.walk(root):
+        for n in files:
+            if n.startswith(".ckptfs-tmp."):
+                continue
+            p = os.path.join(d, n)
+            out[os.path.relpath(p, root)] = sha256(p)
+    return out
+
+
+def wait_for(pred, timeout, step=0.05):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+def copy_file(src, dst):
+    with open(src, "rb") as i, open(dst, "wb") as o:
+        while True:
+            b = i.read(1 << 20)
+            if not b:
+                break
+            o.write(b)
+
+
+class Publication(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        # One real torch checkpoint, per-item layout (many files), saved directly.
+        cls.src_root = harness.tempfile.mkdtemp(prefix="ckptfs-pub-src-")
+        cls.src = os.path.join(cls.src_root, "ckpt")
+        dcp_tool.save(cls.src, RANKS, 24, False, 5, timeout=300)
+        cls.names = sorted(os.listdir(cls.src))
+        assert ".metadata" in cls.names and len(cls.names) > 3, cls.names
+
+    @classmethod
+    def tearDownClass(cls):
+        subprocess.run(["rm", "-rf", cls.src_root], check=False)
+
+    def mount(self, durability, args=(), env=None, backing=None):
+        m = Mount(args=["--durability", durability] + list(args), backing=backing)
+        self.addCleanup(m.cleanup)
+        if env:
+            old = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                m.start()
+            finally:
+                for k, v in old.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        else:
+            m.start()
+        harness.arm_watchdog(self, m, 600)
+        return m
+
+    def diag(self, m):
+        return f"\n--- ckptfs log tail ---\n{m.log_text()}"
+
+    # ------------------------------------------------------------- file orders
+
+    def copy_in_order(self, durability, order):
+        m = self.mount(durability)
+        before = os.path.join(m.mnt, "before.txt")
+        with open(before, "w") as f:
+            f.write("written before the copy")
+        dst = os.path.join(m.mnt, "ckpt")
+        os.mkdir(dst)
+        names = self.names if order == "sorted" else list(reversed(self.names))
+        md_index = names.index(".metadata")
+        after_md = None
+        for i, n in enumerate(names):
+            copy_file(os.path.join(self.src, n), os.path.join(dst, n))
+            if i == md_index and i + 1 < len(names):
+                # A file of another directory written after the .metadata: it stays
+                # behind the commit (G4), and must not delay it.
+                after_md = os.path.join(m.mnt, "after.txt")
+                with open(after_md, "w") as f:
+                    f.write("written after the .metadata")
+        last_close = time.time()
+        md_backing = os.path.join(m.backing, "ckpt", ".metadata")
+        self.assertTrue(wait_for(lambda: os.path.exists(md_backing), 30),
+                        f"{order}: not committed 30 s after the last close{self.diag(m)}")
+        commit_s = time.time() - last_close
+        self.assertLess(commit_s, 5.0, f"{order}: commit took {commit_s:.2f} s{self.diag(m)}")
+        self.assertTrue(wait_for(lambda: os.path.exists(os.path.join(m.backing, "before.txt")), 5),
+                        "a file written before the copy was held back")
+        self.assertEqual(m.wait(dst, timeout=60), 0, self.diag(m))
+        self.assertEqual(m.unmount(), 0, self.diag(m))
+        got = tree(os.path.join(m.backing, "ckpt"))
+        self.assertEqual(got, tree(self.src), "the copy is not byte-identical")
+        if after_md:
+            self.assertTrue(os.path.exists(os.path.join(m.backing, "after.txt")))
+        return commit_s
+
+    def test_sorted_copy_commits_at_once_async(self):
+        self.copy_in_order("async", "sorted")
+
+    def test_reverse_copy_commits_at_once_async(self):
+        self.copy_in_order("async", "reverse")
+
+    def test_sorted_copy_commits_at_once_strict(self):
+        self.copy_in_order("strict", "sorted")
+
+    def test_reverse_copy_commits_at_once_strict(self):
+        self.copy_in_order("strict", "reverse")
+
+    def test_an_entry_after_a_waiting_metadata_keeps_its_place(self):
+        # The .metadata arrives first and one shard much later: a tracker written in
+        # between must not reach the backing store before the commit (G4).
+        m = self.mount("async")
+        dst = os.path.join(m.mnt, "ckpt")
+        os.mkdir(dst)
+        shards = [n for n in self.names if n != ".metadata"]
+        copy_file(os.path.join(self.src, ".metadata"), os.path.join(dst, ".metadata"))
+        for n in shards[:-1]:
+            copy_file(os.path.join(self.src, n), os.path.join(dst, n))
+        with open(os.path.join(m.mnt, TRACKER), "w") as f:
+            f.write("1")
+        time.sleep(1.0)
+        self.assertFalse(os.path.exists(os.path.join(m.backing, TRACKER)),
+                         "the tracker went ahead of a checkpoint that is not committed")
+        self.assertFalse(os.path.exists(os.path.join(m.backing, "ckpt", ".metadata")))
+        copy_file(os.path.join(self.src, shards[-1]), os.path.join(dst, shards[-1]))
+        self.assertEqual(m.wait(os.path.join(m.mnt, TRACKER), timeout=30), 0, self.diag(m))
+        self.assertTrue(os.path.exists(os.path.join(m.backing, "ckpt", ".metadata")))
+        self.assertGreater(m.stats().get("journal_applied_ahead", 0), 0)
+        self.assertEqual(m.unmount(), 0, self.diag(m))
+
+    # ------------------------------------------------- late RELEASE vs the rename
+
+    def late_release_rounds(self, durability, rounds):
+        m = self.mount(durability, env={"CKPTFS_TEST_RELEASE_DELAY_MS": "300"})
+        for r in range(rounds):
+            ckpt = os.path.join(m.mnt, f"iter_{r}")
+            t0 = time.time()
+            dcp_tool.save(ckpt, RANKS, 4, bool(r % 2), 100 + r, timeout=300)
+            self.assertEqual(m.wait(ckpt, timeout=30), 0, f"round {r}{self.diag(m)}")
+            self.assertLess(time.time() - t0, 60, f"round {r} took too long{self.diag(m)}")
+            with open(os.path.join(m.mnt, TRACKER), "w") as f:
+                f.write(str(r))
+        self.assertEqual(m.unmount(), 0, self.diag(m))
+        for r in range(rounds):
+            self.assertTrue(os.path.exists(os.path.join(m.backing, f"iter_{r}", ".metadata")))
+        with open(os.path.join(m.backing, TRACKER)) as f:
+            self.assertEqual(f.read(), str(rounds - 1))
+
+    def test_metadata_rename_racing_late_releases_async(self):
+        self.late_release_rounds("async", 4)
+
+    def test_metadata_rename_racing_late_releases_strict(self):
+        self.late_release_rounds("strict", 2)
+
+    # ------------------------------------------------ failure, then the tracker
+
+    def full_backing_save(self):
+        """An async mount over a 64 MiB tmpfs with a filler: a 40 MB save cannot fit."""
+        backing = harness.make_tmpfs(self, 64, "ckptfs-pub-full-")
+        filler = os.path.join(backing, "filler")
+        with open(filler, "wb") as f:
+            f.write(b"\0" * (44 << 20))
+        m = self.mount("async", backing=backing)
+        ckpt = os.path.join(m.mnt, "ckpt")
+        # Staged: the save itself returns (async); the flush then fails with ENOSPC.
+        dcp_tool.save(ckpt, RANKS, 40, True, 9, timeout=300)
+        with open(os.path.join(m.mnt, TRACKER), "w") as f:
+            f.write("ckpt")
+        self.assertTrue(wait_for(lambda: m.stats().get("journal_halted"), 30),
+                        f"publication must halt and say so{self.diag(m)}")
+        state = {c["path"]: c for c in m.checkpoints()}.get("ckpt", {})
+        self.assertEqual(state.get("state"), "failed", f"{state}{self.diag(m)}")
+        time.sleep(1.0)
+        self.assertFalse(os.path.exists(os.path.join(m.backing, TRACKER)),
+                         "the tracker names a checkpoint that is not committed (G4)")
+        self.assertFalse(os.path.exists(os.path.join(m.backing, "ckpt", ".metadata")))
+        out = subprocess.run([ADMIN, "stats", m.mnt], capture_output=True, text=True)
+        self.assertIn("HALTED", out.stdout, out.stdout)
+        return m, ckpt, filler
+
+    def test_enospc_then_tracker_then_space_freed_publishes_everything(self):
+        m, ckpt, filler = self.full_backing_save()
+        os.unlink(filler)  # space comes back, outside the mount
+        r = subprocess.run([ADMIN, "resume", m.mnt], capture_output=True, text=True)
+        self.assertIn(r.returncode, (0, 1), r.stderr)
+        self.assertEqual(m.wait(ckpt, timeout=60), 0, self.diag(m))
+        self.assertEqual(m.wait(os.path.join(m.mnt, TRACKER), timeout=30), 0, self.diag(m))
+        self.assertIsNone(m.stats().get("journal_halted"))
+        self.assertEqual(m.unmount(), 0, self.diag(m))
+        with open(os.path.join(m.backing, TRACKER)) as f:
+            self.assertEqual(f.read(), "ckpt")
+        dcp_tool.load(os.path.join(m.backing, "ckpt"), RANKS, "own", 9, timeout=300)
+
+    def test_abort_drops_the_failed_checkpoint_and_the_rest_goes_on(self):
+        m, ckpt, _ = self.full_backing_save()
+        r = subprocess.run([ADMIN, "abort", ckpt, "--json"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        report = json.loads(r.stdout)
+        self.assertEqual(report["path"], "ckpt")
+        self.assertTrue(any(".metadata" in d for d in report["dropped"]), report)
+        self.assertEqual(m.wait(os.path.join(m.mnt, TRACKER), timeout=30), 0, self.diag(m))
+        self.assertIsNone(m.stats().get("journal_halted"))
+        state = {c["path"]: c for c in m.checkpoints()}.get("ckpt", {})
+        self.assertEqual(state.get("state"), "aborted", state)
+        self.assertEqual(m.unmount(), 1, "an aborted checkpoint counts as not published")
+        self.assertFalse(os.path.exists(os.path.join(m.backing, "ckpt", ".metadata")))
+        self.assertFalse([n for n in os.listdir(m.backing) if n.startswith(".ckptfs-tmp.")])
+
+    def test_rm_of_the_failed_checkpoint_lets_the_rest_go_on(self):
+        m, ckpt, _ = self.full_backing_save()
+        subprocess.run(["rm", "-rf", ckpt], check=True)
+        self.assertEqual(m.wait(os.path.join(m.mnt, TRACKER), timeout=60), 0, self.diag(m))
+        self.assertFalse(os.path.exists(os.path.join(m.backing, "ckpt", ".metadata")))
+        m.unmount()
+        self.assertFalse(os.path.exists(os.path.join(m.backing, "ckpt")))
+
+    # ------------------------------------------------------------ byte names
+
+    def byte_names(self, durability):
+        m = self.mount(durability)
+        mnt = os.fsencode(m.mnt)
+        d = os.path.join(mnt, b"bad\xff")
+        os.mkdir(d)
+        f = os.path.join(d, b"name-\x80\xff.bin")
+        with open(f, "wb") as out:
+            out.write(b"payload")
+        os.rename(f, os.path.join(d, b"moved-\xfe"))
+        with open(os.path.join(d, b"\xc3\x28.metadata.tmp"), "wb") as out:
+            out.write(b"x")
+        self.assertEqual(m.wait(m.mnt, timeout=30), 0, self.diag(m))
+        self.assertIn(b"moved-\xfe", os.listdir(d))
+        self.assertIsNotNone(m.stats())  # the control files still render
+        m.checkpoints()
+        self.assertEqual(m.unmount(), 0, self.diag(m))
+        back = os.path.join(os.fsencode(m.backing), b"bad\xff")
+        self.assertEqual(sorted(os.listdir(back)), [b"moved-\xfe", b"\xc3\x28.metadata.tmp"])
+        m.start()  # survives a restart
+        self.assertEqual(sorted(os.listdir(d)), [b"moved-\xfe", b"\xc3\x28.metadata.tmp"])
+        with open(os.path.join(d, b"moved-\xfe"), "rb") as i:
+            self.assertEqual(i.read(), b"payload")
+
+    def test_names_that_are_not_utf8_async(self):
+        self.byte_names("async")
+
+    def test_names_that_are_not_utf8_strict(self):
+        self.byte_names("strict")
+
+
+if __name__ == "__main__":
+    unittest.main()
