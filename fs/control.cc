@@ -312,17 +312,24 @@ std::string Filesystem::ProgressJson(uint64_t ino) {
   if (!node) return JsonText(j);
   const uint64_t applied = journal_->applied();
   if (node->type == NodeType::kFile) {
-    if (!node->error.empty() || !node->halt_error.empty()) {
+    if (!node->error.empty() || (!node->halt_error.empty() && !node->halt_transient)) {
       j["state"] = "failed";
       j["error"] = node->error.empty() ? node->halt_error : node->error;
+    } else if (!node->halt_error.empty()) {
+      // Publication halts here on a transient error; the bytes are kept and retried.
+      j["state"] = "retrying";
+      j["error"] = node->halt_error;
     } else if (node->write) {
       const WriteState& ws = *node->write;
       const uint64_t size = ws.staged->size();
       j["bytes_total"] = size;
       j["bytes_done"] = std::min<uint64_t>(size, ws.staged->target()->bytes_flushed());
-      if (!ws.staged->error().ok()) {
-        j["state"] = "failed";
-        j["error"] = ws.staged->error().ToString();
+      const Status flush_error = ws.staged->error();
+      if (!flush_error.ok()) {
+        // Reported to the application either way; "failed" only once bytes are lost.
+        const bool kept = store::IsTransient(flush_error) && !ws.staged->target()->lost();
+        j["state"] = kept ? "retrying" : "failed";
+        j["error"] = flush_error.ToString();
       } else if (ws.needs_publish || ws.staged->staged_bytes() > 0) {
         j["state"] = "staged";
       } else if (ws.publish_seq > applied) {

@@ -1324,7 +1324,10 @@ void Filesystem::OnJournalHalt(const store::JournalEntry& e, const Status& st) {
   if (e.op != store::OpType::kPublish) return;
   std::lock_guard lock(ns_mu_);
   auto it = publishing_.find(e.file_id);
-  if (it != publishing_.end()) it->second->halt_error = st.ok() ? "" : st.ToString();
+  if (it != publishing_.end()) {
+    it->second->halt_error = st.ok() ? "" : st.ToString();
+    it->second->halt_transient = store::IsTransient(st);
+  }
 }
 
 void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
@@ -1364,6 +1367,7 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
   if (it == publishing_.end()) return;
   std::shared_ptr<Node> node = it->second;
   publishing_.erase(it);
+  if (st.ok()) node->halt_error.clear();  // published after retries
   if (!st.ok()) {
     node->error = "publication failed: " + st.ToString();
     node->on_backing = false;

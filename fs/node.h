@@ -71,6 +71,7 @@ struct Node {
   // Publication is halted at this file's entry (retried, or waiting for resume/abort);
   // its bytes are still served from staging and its temp file.
   std::string halt_error;
+  bool halt_transient = false;  // retried by itself
 };
 
 }  // namespace ckptfs::fs

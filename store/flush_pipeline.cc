@@ -33,6 +33,11 @@ Status FlushTarget::Settled() {
   return parked_ > 0 ? error_ : Status::Ok();
 }
 
+bool FlushTarget::lost() const {
+  std::lock_guard lock(mu_);
+  return !lost_.ok();
+}
+
 uint64_t FlushTarget::parked() const {
   std::lock_guard lock(mu_);
   return parked_;

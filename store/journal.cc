@@ -267,7 +267,7 @@ Status Journal::WaitUnlessHalted(uint64_t seq) {
   });
   auto it = failures_.find(seq);
   if (it != failures_.end()) return it->second;
-  if (done_seq_ >= seq || done_ahead_.count(seq) > 0) return Status::Ok();
+  if (done_seq_ >= seq || done_ahead_.count(seq) > 0 || halt == nullptr) return Status::Ok();
   return Status(halt->error.code(),
                 "publication is halted at " + halt->e.Describe() + ": " + halt->error.ToString());
 }

@@ -200,15 +200,18 @@ class Publication(unittest.TestCase):
     # ------------------------------------------------ failure, then the tracker
 
     def full_backing_save(self):
-        """An async mount over a 64 MiB tmpfs with a filler: a 40 MB save cannot fit."""
-        backing = harness.make_tmpfs(self, 64, "ckptfs-pub-full-")
+        """An async mount over a 96 MiB tmpfs with a 40 MiB filler: a 64 MB save cannot
+        fit until the filler is gone."""
+        backing = harness.make_tmpfs(self, 96, "ckptfs-pub-full-")
         filler = os.path.join(backing, "filler")
         with open(filler, "wb") as f:
-            f.write(b"\0" * (44 << 20))
-        m = self.mount("async", backing=backing)
+            f.write(b"\0" * (40 << 20))
+        # Chunks larger than a rank's file: nothing is flushed before close(), so close
+        # returns and the flush fails afterwards, as on a slow parallel file system.
+        m = self.mount("async", args=["--chunk-size", "64M"], backing=backing)
         ckpt = os.path.join(m.mnt, "ckpt")
         # Staged: the save itself returns (async); the flush then fails with ENOSPC.
-        dcp_tool.save(ckpt, RANKS, 40, True, 9, timeout=300)
+        dcp_tool.save(ckpt, RANKS, 64, True, 9, timeout=300)
         with open(os.path.join(m.mnt, TRACKER), "w") as f:
             f.write("ckpt")
         self.assertTrue(wait_for(lambda: m.stats().get("journal_halted"), 30),
