@@ -228,6 +228,10 @@ class Publication(unittest.TestCase):
 
     def test_enospc_then_tracker_then_space_freed_publishes_everything(self):
         m, ckpt, filler = self.full_backing_save()
+        r = subprocess.run([ADMIN, "resume", m.mnt, "--json"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 1, "still full: still halted")
+        halted = json.loads(r.stdout)["halted"]
+        self.assertIn("No space", halted["error"], halted)
         os.unlink(filler)  # space comes back, outside the mount
         r = subprocess.run([ADMIN, "resume", m.mnt], capture_output=True, text=True)
         self.assertIn(r.returncode, (0, 1), r.stderr)
