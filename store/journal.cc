@@ -306,11 +306,12 @@ bool Journal::DropIfHalted(const std::string& path) {
     bool behind_halt = false;
     for (Queued& q : queue_) {
       if (!q.error.ok()) behind_halt = true;
-      if (!behind_halt || q.busy || q.drop || q.e.path != path) continue;
+      if (!behind_halt || q.drop || q.e.path != path) continue;
       if (q.e.op == OpType::kPublish) {
+        // Being retried right now: the publisher drops it if the attempt fails.
         q.drop = true;
         marked = true;
-      } else if (q.e.op == OpType::kRename) {
+      } else if (q.e.op == OpType::kRename && !q.busy) {
         // Its source stays where it is; the application removed the result.
         if (q.e.seq == gate_seq_) gate_seq_ = 0;
         q.e.op = OpType::kUnlink;
@@ -635,6 +636,10 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
   }
   auto it = FindLocked(e.seq);
   it->busy = false;
+  if (it->drop) {
+    work_cv_.notify_all();  // deleted through the mount meanwhile: the publisher drops it
+    return;
+  }
   const bool first = it->error.ok();
   it->error = st;
   ++it->attempts;

@@ -560,6 +560,40 @@ TEST_F(JournalTest, APermanentFailureWaitsForAbortWhichDropsOnlyItsCheckpoint) {
   EXPECT_TRUE(KeysWithPrefix(db_.get(), "t/").empty());
 }
 
+TEST_F(JournalTest, DeletingANameBehindAHaltDropsItsPublishAndRenameOntoIt) {
+  MakeJournal();
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  TempFile shard = StartFile(""), md = StartFile(""), t = StartFile("");
+  Write(&shard, "shard");
+  Write(&md, "md");
+  Write(&t, "1");
+  pipeline_->Drain();
+  dir_->FailNthFsync(dir_->fsync_calls() + 1, EIO);  // the shard fails for good
+  uint64_t s1 = Publish(shard, "ck/__0_0.distcp");
+  uint64_t s2 = Publish(md, "ck/.metadata.tmp");
+  uint64_t s3 = Op(OpType::kRename, "ck/.metadata", "ck/.metadata.tmp");
+  uint64_t s4 = Publish(t, "tracker");
+  EXPECT_FALSE(journal_->Wait(s1).ok());
+  EXPECT_FALSE(journal_->DropIfHalted("tracker2")) << "nothing of that name is pending";
+  // rm -r ck through the mount: the renamed .metadata, then the shard (whose drop lets
+  // the journal go on).
+  EXPECT_TRUE(journal_->DropIfHalted("ck/.metadata"));
+  Op(OpType::kUnlink, "ck/.metadata");
+  EXPECT_TRUE(journal_->DropIfHalted("ck/__0_0.distcp"));
+  Op(OpType::kUnlink, "ck/__0_0.distcp");
+  uint64_t last = Op(OpType::kRmdir, "ck");
+  EXPECT_EQ(journal_->Wait(s1).code(), Code::kAborted);
+  EXPECT_TRUE(journal_->Wait(s2).ok());
+  EXPECT_TRUE(journal_->Wait(s3).ok()) << "became the removal of its source";
+  EXPECT_FALSE(Exists("ck/.metadata.tmp"));
+  EXPECT_TRUE(journal_->Wait(s4).ok());
+  EXPECT_TRUE(journal_->Wait(last).ok());
+  EXPECT_EQ(Read("tracker"), "1");
+  EXPECT_FALSE(Exists("ck")) << "nothing of the deleted checkpoint is left";
+  EXPECT_FALSE(Exists(shard.temp));
+  EXPECT_FALSE(journal_->halted().has_value());
+}
+
 TEST_F(JournalTest, CloseGivesUpOnAHaltedJournalAndAppliesNothingAfterIt) {
   MakeJournal();
   TempFile f = StartFile("");
