@@ -283,8 +283,10 @@ TEST(JournalEntry, NamesAreBytesNotUtf8) {
   JournalEntry e;
   e.seq = 3;
   e.op = OpType::kRename;
-  e.path = std::string("ck/name-\x80\xff.bin", 16);
-  e.from = std::string("bad\xff\0tail", 9);  // any byte but '/' is allowed in a name
+  using namespace std::string_literals;
+  e.path = "ck/name-\x80\xff.bin"s;
+  e.from = "bad\xff\0tail"s;  // a record holds any bytes (a name only lacks '/' and NUL)
+  ASSERT_EQ(e.from.size(), 9u);
   e.link_target = "\xc3\x28";
   auto p = JournalEntry::Parse(e.Serialize());
   ASSERT_TRUE(p.ok()) << p.status().ToString();
