@@ -63,7 +63,7 @@ CommitCheck CommitGate::Check(const JournalEntry& e,
   if (p.by_order) return Status::Ok();
   const auto now = std::chrono::steady_clock::now();
   const bool poll = now >= p.next_poll;
-  bool remote = false;
+  bool remote = false;  // waits for a shard not queued or open here
   std::vector<std::string> waiting;
   for (auto it = p.need.begin(); it != p.need.end();) {
     const std::string& path = it->first;
@@ -112,7 +112,10 @@ CommitCheck CommitGate::Check(const JournalEntry& e,
   // the wait for shards written elsewhere.
   auto recheck = remote ? std::chrono::duration_cast<std::chrono::milliseconds>(p.next_poll - now)
                         : std::chrono::milliseconds(1000);
-  return CommitCheck::Wait(std::move(waiting), std::max(recheck, std::chrono::milliseconds(1)));
+  CommitCheck check =
+      CommitCheck::Wait(std::move(waiting), std::max(recheck, std::chrono::milliseconds(1)));
+  check.waits_for_unwritten = remote;
+  return check;
 }
 
 uint64_t CommitGate::remote_polls() const {

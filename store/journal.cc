@@ -254,7 +254,7 @@ Status Journal::WaitUnlessHalted(uint64_t seq) {
     if (done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0) return true;
     // A commit whose gate waits for shards not written yet: the caller may be the one to
     // write them (a copy in sorted order), so it must not wait for the commit itself.
-    if (gate_seq_ == seq && !gate_ready_) return true;
+    if (gate_seq_ != 0 && gate_seq_ <= seq && !gate_ready_ && gate_unwritten_) return true;
     halt = nullptr;
     for (const Queued& q : queue_) {
       if (q.e.seq >= seq) break;
@@ -546,6 +546,7 @@ void Journal::Run() {
       }
       gate_seq_ = e.seq;
       gate_ready_ = check.ready;
+      gate_unwritten_ = check.waits_for_unwritten;
       if (!check.ready) done_cv_.notify_all();  // WaitUnlessHalted() of the commit
       gate_dirty_ = false;
       gate_shard_set_ = std::unordered_set<std::string>(check.shards.begin(), check.shards.end());

@@ -108,6 +108,9 @@ struct CommitCheck {
   bool ready = true;                   // false: not yet; ask again
   std::vector<std::string> shards;     // paths whose queued publishes may go ahead of it
   std::chrono::milliseconds recheck{0};  // when not ready: ask again after this at the latest
+  // Not ready because of shards nobody has written yet (not queued, not open here): a
+  // synchronous caller must not wait for this commit, it may be the one to write them.
+  bool waits_for_unwritten = false;
 };
 
 // The entry a halted journal stopped at.
@@ -173,8 +176,10 @@ class Journal {
   // As Wait(), but also returns (with that failure) as soon as the journal is halted at
   // an earlier entry: a synchronous caller (strict mode) gets the error instead of waiting
   // for an operator. Its entry stays queued. And it returns ok for a commit that is
-  // durable and next in line but waits for shards not written yet: whoever closes a
-  // `.metadata` first may be the one to write them; the commit follows the last shard.
+  // durable and next in line but waits for shards nobody has written yet, and for entries
+  // queued behind such a commit: whoever closes a `.metadata` first may be the one to
+  // write the shards (a copy in sorted order); the commit follows the last shard, and the
+  // entries behind it follow the commit, in order.
   Status WaitUnlessHalted(uint64_t seq);
   // Blocks until every appended entry is done.
   void Drain();
@@ -257,6 +262,7 @@ class Journal {
   // gate again.
   uint64_t gate_seq_ = 0;                                  // GUARDED_BY(mu_)
   bool gate_ready_ = false;                                 // GUARDED_BY(mu_)
+  bool gate_unwritten_ = false;                             // GUARDED_BY(mu_)
   std::unordered_set<std::string> gate_shard_set_;         // GUARDED_BY(mu_)
   std::chrono::steady_clock::time_point gate_recheck_{};   // GUARDED_BY(mu_)
   bool gate_dirty_ = true;  // GUARDED_BY(mu_): something changed since the gate last said wait
