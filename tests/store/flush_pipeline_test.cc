@@ -32,11 +32,14 @@ class FlushPipelineTest : public ::testing::Test {
     ASSERT_NE(dir_, nullptr);
   }
 
-  std::unique_ptr<FlushPipeline> MakePipeline(int threads) {
+  // `retry` is the backoff of parked chunks; tests that count parked chunks use a long one
+  // (a retry in progress is not parked) and let RetryNow() start the retry.
+  std::unique_ptr<FlushPipeline> MakePipeline(
+      int threads, std::chrono::milliseconds retry = std::chrono::milliseconds(1)) {
     FlushOptions options;
     options.threads = threads;
-    options.retry_min = std::chrono::milliseconds(1);
-    options.retry_max = std::chrono::milliseconds(4);
+    options.retry_min = retry;
+    options.retry_max = retry * 4;
     auto p = FlushPipeline::Create(dir_.get(), options);
     EXPECT_TRUE(p.ok()) << p.status().ToString();
     return p.ok() ? std::move(p).value() : nullptr;
@@ -161,7 +164,7 @@ TEST_F(FlushPipelineTest, EnospcIsReportedAndTheChunkIsKeptUntilARetryPasses) {
     ++fsyncs_per_fd[fd];
     return 0;
   });
-  auto pipeline = MakePipeline(1);
+  auto pipeline = MakePipeline(1, std::chrono::hours(1));
   auto bytes_a = RandomBytes(5000, 1), bytes_b = RandomBytes(5000, 2);
   std::vector<Status> done_a(5, Status(Code::kInternal, "not done")), done_b(5);
   for (int i = 0; i < 5; ++i) {
@@ -193,6 +196,7 @@ TEST_F(FlushPipelineTest, EnospcIsReportedAndTheChunkIsKeptUntilARetryPasses) {
     std::lock_guard lock(mu);
     full = false;
   }
+  pipeline->RetryNow();
   DrainWithRetries(pipeline.get());
   EXPECT_TRUE(done_a[2].ok()) << done_a[2].ToString();
   EXPECT_TRUE(a->Sync(dir_.get()).ok());
@@ -207,7 +211,7 @@ TEST_F(FlushPipelineTest, DroppingParkedChunksLosesTheTargetForGood) {
   auto a = MakeTarget("a", 1);
   const int a_fd = a->fd();
   dir_->SetPWriteHook([&](int fd, off_t, size_t) { return fd == a_fd ? ENOSPC : 0; });
-  auto pipeline = MakePipeline(2);
+  auto pipeline = MakePipeline(2, std::chrono::hours(1));
   auto bytes = RandomBytes(4000, 3);
   std::vector<Status> done(4, Status(Code::kInternal, "not done"));
   for (int i = 0; i < 4; ++i) {
