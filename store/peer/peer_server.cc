@@ -57,7 +57,7 @@ struct SendCtx {
 
 class PeerServer::Impl {
  public:
-  Impl(const PeerServerOptions& options, BlockProvider* provider)
+  Impl(const PeerServerOptions& options, BlockSource* provider)
       : options_(options), provider_(provider) {}
 
   Status Init();
@@ -93,7 +93,7 @@ class PeerServer::Impl {
   void Serve(Job job);
 
   const PeerServerOptions options_;
-  BlockProvider* const provider_;
+  BlockSource* const provider_;
   std::map<std::string, std::vector<std::string>> allowed_;  // node id -> IPs of its host
   // Reply buffers, reused (declared before worker_: outlives replies still in flight).
   std::shared_ptr<BufferPool> pool_ = BufferPool::Create(kBufferCacheBytes);
@@ -542,7 +542,7 @@ void PeerServer::Impl::Serve(Job job) {
 PeerServer::PeerServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<PeerServer>> PeerServer::Create(const PeerServerOptions& options,
-                                                       BlockProvider* provider) {
+                                                       BlockSource* provider) {
   auto impl = std::make_unique<Impl>(options, provider);
   Status st = impl->Init();
   if (!st.ok()) {

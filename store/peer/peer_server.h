@@ -8,7 +8,7 @@
 // warn level. Connections that have not authenticated within `handshake_timeout` are closed
 // when the next connection arrives.
 //
-// Requests are read by `serve_threads` threads through the BlockProvider (never on the UCX
+// Requests are read by `serve_threads` threads through the BlockSource (never on the UCX
 // progress thread, which only moves messages). Each reply carries the CRC32C of its bytes
 // (the provider's, when it knows one, else computed here). A request for more than
 // `max_block_bytes`, a bad path, or one that would take the bytes being served past
@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "store/peer/block_provider.h"
+#include "store/cache/block_source.h"
 
 namespace ckptfs::store::peer {
 
@@ -55,7 +55,7 @@ struct PeerServerStats {
 class PeerServer {
  public:
   static Result<std::unique_ptr<PeerServer>> Create(const PeerServerOptions& options,
-                                                    BlockProvider* provider);  // must outlive
+                                                    BlockSource* provider);  // must outlive
   ~PeerServer();
   PeerServer(const PeerServer&) = delete;
   PeerServer& operator=(const PeerServer&) = delete;

@@ -27,7 +27,7 @@
 #include <string_view>
 
 #include "common/status.h"
-#include "store/peer/block_provider.h"
+#include "store/cache/block_source.h"
 
 namespace ckptfs::store::peer {
 

@@ -1,4 +1,4 @@
-// SyntheticProvider: a BlockProvider over made-up files whose bytes are a deterministic
+// SyntheticProvider: a BlockSource over made-up files whose bytes are a deterministic
 // function of (path, offset), so a requester can check every byte it gets without a copy
 // of the data. Used by the peer tests and ckptfs-peer-tool's benchmarks, never by the
 // daemon. Fault hooks: corrupt the next N replies (a flipped byte under the true checksum,
@@ -17,11 +17,11 @@
 #include <vector>
 
 #include "store/crc32c.h"
-#include "store/peer/block_provider.h"
+#include "store/cache/block_source.h"
 
 namespace ckptfs::store::peer {
 
-class SyntheticProvider : public BlockProvider {
+class SyntheticProvider : public BlockSource {
  public:
   static constexpr size_t kPatternBytes = 1048573;  // prime: blocks never line up with it
 

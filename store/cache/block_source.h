@@ -1,5 +1,7 @@
-// BlockProvider: where a PeerServer gets the bytes it serves, and the node-independent name
-// of a block that every daemon agrees on.
+// BlockSource: where blocks of backing files come from, and the node-independent name of a
+// block that every daemon agrees on. The backing store is one source; a peer daemon is
+// another. The block cache reads its misses through a source, and a PeerServer serves
+// through one.
 //
 // A block is `length` bytes at `offset` of one *version* of a file of the backing directory,
 // named by BlockId: the path relative to the backing directory plus the size and mtime (ns)
@@ -7,8 +9,8 @@
 // FileKey (dev, ino), this name means the same bytes on every node; a file rewritten by
 // anyone has a new size or mtime and so is a different BlockId (issue 9's block identity).
 //
-// Implementations must be thread-safe: a PeerServer calls ReadBlock from several serving
-// threads at once, never from its UCX progress thread. They must confine reads to the
+// Implementations must be thread-safe: the block cache and a PeerServer call ReadBlock from
+// several threads at once (a PeerServer never from its UCX progress thread). They must confine reads to the
 // backing directory (G9); the server has already rejected paths that are absolute or hold
 // "..", "." or empty components.
 #pragma once
@@ -20,7 +22,7 @@
 
 #include "common/status.h"
 
-namespace ckptfs::store::peer {
+namespace ckptfs::store {
 
 struct BlockId {
   std::string path;      // relative to the backing directory, e.g. "run1/iter_100/__0_0.distcp"
@@ -37,13 +39,13 @@ struct BlockRead {
   std::optional<uint32_t> crc32c;
 };
 
-class BlockProvider {
+class BlockSource {
  public:
-  virtual ~BlockProvider() = default;
+  virtual ~BlockSource() = default;
   // Reads up to out.size() bytes at `offset` of the file version `id` into `out`.
   // NotFound when the file is absent; Aborted (stale) when its size or mtime differ from
   // `id`; Invalid when offset is past the end; any other error as the read returned it.
   virtual Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) = 0;
 };
 
-}  // namespace ckptfs::store::peer
+}  // namespace ckptfs::store
