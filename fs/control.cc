@@ -118,7 +118,7 @@ std::string Filesystem::StatsJson() {
     j["cache_limit"] = c.budget_bytes;
     j["cache_peak"] = c.peak_used_bytes;
     j["cache_backing_bytes_read"] = c.backing_bytes_read;
-    j["cache_direct_bytes_read"] = c.direct_bytes_read;
+    j["cache_direct_bytes_read"] = cache_source_->Stats().direct_bytes_read;
     j["cache_free_buffers"] = c.free_buffer_bytes;
     j["cache_bytes_served"] = c.bytes_served;
     j["prefetched_bytes"] = c.prefetched_bytes;

@@ -76,7 +76,7 @@ struct Handle {
   // The backing file, opened when the file had no write state: the current version for as
   // long as it has none (a write state lives until every handle is closed). Set at open only.
   std::shared_ptr<const UniqueFd> fd;
-  store::FileKey key;                  // its identity at open, for the block cache
+  store::BlockId block;                // its backing path and version at open (block cache)
   std::string ckpt, file;              // checkpoint dir and file name, when in a checkpoint
   std::atomic<uint64_t> prefetched_end{0};  // end of the last item prefetched by this handle
   bool keep_cache = false;             // a committed checkpoint's file
@@ -329,8 +329,11 @@ class Filesystem {
   void QueuePrefetch(const std::string& ckpt);
   void PrefetchCheckpoint(const std::string& ckpt);
   // Prefetches the whole DCP item that `offset` falls in, once per item and handle.
-  void PrefetchItem(Handle* h, uint64_t offset);
+  void PrefetchItem(Handle* h, const store::BlockId& id, uint64_t offset);
+  // A read of a backing file through the block cache (ReadData's cache branch).
+  Result<size_t> ReadCached(Handle* h, char* out, size_t len, uint64_t offset);
   bool CommittedDirLocked(const Node* dir) const;
+  std::unique_ptr<store::BackingSource> cache_source_;  // the cache's misses; before cache_
   std::unique_ptr<store::BlockCache> cache_;
   std::deque<std::string> prefetch_queue_;  // GUARDED_BY(index_mu_)
   void RunIndexer();
