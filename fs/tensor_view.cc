@@ -68,8 +68,9 @@ bool TensorView::IsCheckpoint(const std::string& path) {
   return st.ok() && S_ISREG(st->st_mode);
 }
 
-Result<std::vector<store::IndexedItem>> TensorView::ItemsOf(const std::string& ckpt) {
-  return index_->Items(ckpt);
+Result<std::vector<store::IndexedItem>> TensorView::ItemsOf(const std::string& ckpt,
+                                                              const std::string& fqn) {
+  return index_->ItemsOf(ckpt, fqn);
 }
 
 std::string TensorView::MetaJson(const std::vector<store::IndexedItem>& items) {
@@ -127,14 +128,8 @@ struct stat TensorView::AttrOf(const VNode& v) {
     case Kind::kMeta: {
       st.st_mode = S_IFREG | 0444;
       st.st_nlink = 1;
-      auto items = ItemsOf(v.path);
-      if (items.ok()) {
-        std::vector<store::IndexedItem> mine;
-        for (auto& i : *items) {
-          if (i.fqn == v.fqn) mine.push_back(i);
-        }
-        st.st_size = static_cast<off_t>(MetaJson(mine).size());
-      }
+      auto items = ItemsOf(v.path, v.fqn);
+      if (items.ok()) st.st_size = static_cast<off_t>(MetaJson(*items).size());
       break;
     }
   }
@@ -152,20 +147,17 @@ Result<TensorView::Entry> TensorView::Lookup(uint64_t parent, const std::string&
     if (!st.ok() || !S_ISDIR(st->st_mode) || name.rfind(".ckptfs", 0) == 0) return NotFound(name);
     child = Intern(IsCheckpoint(path) ? Kind::kCheckpoint : Kind::kDir, path, "", "");
   } else if (dir->kind == Kind::kCheckpoint) {
-    CKPT_ASSIGN_OR_RETURN(auto items, ItemsOf(dir->path));
-    for (const auto& item : items) {
-      if (store::EscapeFqn(item.fqn) == name) {
-        child = Intern(Kind::kFqn, dir->path, item.fqn, "");
-        break;
-      }
+    CKPT_ASSIGN_OR_RETURN(auto fqns, index_->Fqns(dir->path));
+    if (auto fqn = store::FindFqnByEscapedName(fqns, name)) {
+      child = Intern(Kind::kFqn, dir->path, *fqn, "");
     }
   } else if (dir->kind == Kind::kFqn) {
     if (name == "meta.json") {
       child = Intern(Kind::kMeta, dir->path, dir->fqn, name);
     } else {
-      CKPT_ASSIGN_OR_RETURN(auto items, ItemsOf(dir->path));
+      CKPT_ASSIGN_OR_RETURN(auto items, ItemsOf(dir->path, dir->fqn));
       for (auto& item : items) {
-        if (item.fqn == dir->fqn && store::ChunkFileName(item) == name) {
+        if (store::ChunkFileName(item) == name) {
           child = Intern(Kind::kChunk, dir->path, dir->fqn, name, item);
           break;
         }
@@ -199,18 +191,17 @@ Result<std::vector<TensorView::DirEnt>> TensorView::List(uint64_t ino) {
       out.push_back({e.name, child->ino, S_IFDIR});
     }
   } else if (dir->kind == Kind::kCheckpoint) {
-    CKPT_ASSIGN_OR_RETURN(auto items, ItemsOf(dir->path));
+    CKPT_ASSIGN_OR_RETURN(auto all, index_->Fqns(dir->path));
     std::map<std::string, std::string> fqns;
-    for (const auto& item : items) fqns.emplace(store::EscapeFqn(item.fqn), item.fqn);
+    for (auto& fqn : all) fqns.emplace(store::EscapeFqn(fqn), std::move(fqn));
     for (const auto& [escaped, fqn] : fqns) {
       out.push_back({escaped, Intern(Kind::kFqn, dir->path, fqn, "")->ino, S_IFDIR});
     }
   } else if (dir->kind == Kind::kFqn) {
-    CKPT_ASSIGN_OR_RETURN(auto items, ItemsOf(dir->path));
+    CKPT_ASSIGN_OR_RETURN(auto items, ItemsOf(dir->path, dir->fqn));
     out.push_back({"meta.json", Intern(Kind::kMeta, dir->path, dir->fqn, "meta.json")->ino,
                    S_IFREG});
     for (auto& item : items) {
-      if (item.fqn != dir->fqn) continue;
       std::string name = store::ChunkFileName(item);
       out.push_back({name, Intern(Kind::kChunk, dir->path, dir->fqn, name, item)->ino, S_IFREG});
     }
@@ -225,12 +216,8 @@ Status TensorView::Open(uint64_t ino, std::string* content, std::shared_ptr<Uniq
   auto v = Get(ino);
   if (!v) return NotFound("stale tensor-view inode");
   if (v->kind == Kind::kMeta) {
-    CKPT_ASSIGN_OR_RETURN(auto items, ItemsOf(v->path));
-    std::vector<store::IndexedItem> mine;
-    for (auto& i : items) {
-      if (i.fqn == v->fqn) mine.push_back(i);
-    }
-    *content = MetaJson(mine);
+    CKPT_ASSIGN_OR_RETURN(auto items, ItemsOf(v->path, v->fqn));
+    *content = MetaJson(items);
     return Status::Ok();
   }
   if (v->kind != Kind::kChunk) return Status(Code::kIsDir, "open of a tensor-view directory");

@@ -70,7 +70,8 @@ class TensorView {
                                 const std::string& leaf,
                                 std::optional<store::IndexedItem> item = std::nullopt);
   struct stat AttrOf(const VNode& v);
-  Result<std::vector<store::IndexedItem>> ItemsOf(const std::string& ckpt);
+  // The chunks of one fqn (no copy of the whole index).
+  Result<std::vector<store::IndexedItem>> ItemsOf(const std::string& ckpt, const std::string& fqn);
   bool IsCheckpoint(const std::string& path);
   static std::string MetaJson(const std::vector<store::IndexedItem>& items);
 

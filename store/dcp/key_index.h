@@ -36,8 +36,12 @@
 // contradicts the metadata is kept as kOpaque (its bytes stay servable), and the checkpoint
 // is "partial" with an IndexError() naming the first such key.
 //
-// Thread-safe. Lock order: a checkpoint's build mutex, then persist_mu_, then mu_. No I/O
-// under mu_.
+// Files: key_index.cc (lookups, checksums recorded later, forget/rename), key_index_build.cc
+// (Build), key_index_persist.cc (RocksDB), key_index_verify.cc (Verify, FillChecksums);
+// index_codec (records), item_reader (reading items), block_crc_cache, fqn_names.
+//
+// Thread-safe. Lock order: a checkpoint's build mutex, then persist_mu_, then mu_ (the block
+// CRC cache's lock is a leaf). No I/O under mu_.
 #pragma once
 
 #include <algorithm>
@@ -48,7 +52,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <shared_mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -56,40 +59,18 @@
 #include <utility>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "store/backing_dir.h"
 #include "store/block_crc_map.h"
+#include "store/dcp/block_crc_cache.h"
 #include "store/dcp/dcp_metadata.h"
+#include "store/dcp/fqn_names.h"
+#include "store/dcp/indexed_item.h"
 #include "store/file_key.h"
 #include "store/state_db.h"
 
 namespace ckptfs::store {
-
-struct IndexedItem {
-  ItemKind kind = ItemKind::kBytes;
-  std::string fqn;
-  std::vector<int64_t> chunk_offsets, chunk_sizes, global_size, stride;  // empty for bytes
-  std::string dtype;
-  std::string file;                         // relative to the checkpoint dir
-  uint64_t offset = 0, length = 0;          // item range in file
-  uint64_t raw_offset = 0, raw_nbytes = 0;  // file-absolute raw tensor bytes (kTensor only)
-  int64_t storage_offset = 0;               // in elements
-  std::vector<std::string> transforms;
-  uint64_t checksum = 0;  // CRC32C of the item's bytes [offset, offset+length)
-  bool has_checksum = false;
-  bool is_bytes = false;  // a BytesStorageMetadata entry (also when kOpaque)
-  uint32_t ordinal = 0;   // position in the .metadata (state_dict order, then chunk order)
-
-  bool operator==(const IndexedItem&) const = default;
-};
-
-// "fqn@<ChunkFileName>", e.g. "layer.weight@0_128" or "step@data": how reports name a key.
-std::string KeyName(const IndexedItem& item);
-
-// The checksum algorithm of IndexedItem::checksum, as reports name it.
-inline constexpr char kChecksumAlgorithm[] = "crc32c";
-// Checksum of one item's bytes, as the index stores it (CRC32C).
-uint64_t ItemChecksum(std::span<const char> bytes);
 
 struct VerifyReport {
   uint64_t items = 0, bytes = 0;  // items checked, bytes re-read
@@ -130,8 +111,14 @@ class KeyIndex {
 
   // Items of `ckpt` in .metadata order, building lazily (without reading items to checksum
   // them) on first use if not indexed yet. The index error of a failed checkpoint is returned
-  // as a Corrupt status.
+  // as a Corrupt status. A copy of the whole index: for tools and tests; a lookup path uses
+  // Fqns() / ItemsOf() / Locate().
   Result<std::vector<IndexedItem>> Items(const std::string& ckpt);
+  // The distinct fqns of `ckpt`, sorted. Same laziness and errors as Items().
+  Result<std::vector<std::string>> Fqns(const std::string& ckpt);
+  // The items (chunks) of one fqn of `ckpt`, in .metadata order; empty when there is no such
+  // fqn. O(log n + chunks): no pass over the index. Same laziness and errors as Items().
+  Result<std::vector<IndexedItem>> ItemsOf(const std::string& ckpt, const std::string& fqn);
 
   // The item whose byte range [offset, offset+length) in `file` of `ckpt` contains `offset`,
   // or nullopt. In memory, O(log n): an interval map per file, loaded from RocksDB on first
@@ -175,14 +162,15 @@ class KeyIndex {
   // checksum (persisted); ranges of a checkpoint not indexed yet are kept in memory for its
   // next Build(), which then does not read those items again.
   void RecordChecksums(const std::string& ckpt, const std::string& file,
-                       const std::vector<RangeChecksum>& sums);
+                       const std::vector<RangeChecksum>& sums) EXCLUDES(persist_mu_, mu_);
 
   // Drops the index of `ckpt` (memory and RocksDB) and any pending checksums and block CRCs.
-  void Forget(const std::string& ckpt);
-  // Directory `from` was renamed to `to`: every checkpoint at or below `from` moves.
-  void OnRenamed(const std::string& from, const std::string& to);
+  void Forget(const std::string& ckpt) EXCLUDES(mu_);
+  // Directory `from` was renamed to `to`: every checkpoint at or below `from` moves
+  // (path::Rebase, the rename rule of every path-keyed store).
+  void OnRenamed(const std::string& from, const std::string& to) EXCLUDES(mu_);
   // Checkpoints with an index (in RocksDB or in memory), sorted.
-  std::vector<std::string> IndexedCheckpoints();
+  std::vector<std::string> IndexedCheckpoints() EXCLUDES(mu_);
 
  private:
   // The items of one shard file. `all` is every item of the file by (offset, ordinal), the
@@ -220,83 +208,66 @@ class KeyIndex {
     std::vector<FileMap> maps;                          // by file name
     std::unordered_map<std::string, uint32_t> files;    // name -> index into maps
     std::vector<Place> places;                          // by ordinal
+    std::vector<uint32_t> by_fqn;                       // ordinals by (fqn, ordinal)
     std::chrono::steady_clock::time_point retry_after;  // kMissing only
   };
+  static const char* StateName(State s);
 
   KeyIndex(BackingDir* dir, StateDb* db, const KeyIndexOptions& options)
-      : dir_(dir), db_(db), opts_(options) {}
+      : dir_(dir), db_(db), block_crcs_(options.max_block_crc_bytes) {}
 
-  struct PendingCrcs {
-    FileKey id;
-    std::shared_ptr<const BlockCrcMap> map;
-    uint64_t seq = 0;  // age, for eviction
-    size_t bytes = 0;
-  };
-  // The block CRCs of `path` if they describe the file version `id`, else nullptr.
-  std::shared_ptr<const BlockCrcMap> BlockCrcsFor(const std::string& path, const FileKey& id);
-  void DropBlockCrcsLocked(const std::string& path);  // REQUIRES(mu_) exclusive
-
-  // Calls fn(const IndexedItem*) under a shared lock of mu_ with the item containing
-  // `offset`, or nullptr; loads or builds the index first when needed.
+  // Calls fn(const CkptIndex&, const Located*) under a shared lock of mu_ with the item
+  // containing `offset`, or nullptr; loads or builds the index first when needed.
   template <typename Fn>
   auto WithItemAt(const std::string& ckpt, const std::string& file, uint64_t offset, Fn fn);
+  // Calls fn(const CkptIndex&) under a shared lock of mu_ once `ckpt` is present and neither
+  // missing nor failed (whose statuses it returns instead).
+  template <typename Fn>
+  auto WithIndex(const std::string& ckpt, Fn fn) -> decltype(fn(std::declval<const CkptIndex&>()));
 
   // Per-checkpoint build lock, so concurrent lazy builds of one checkpoint happen once.
-  std::shared_ptr<std::mutex> BuildMutex(const std::string& ckpt);
-  Status BuildLocked(const std::string& ckpt, const DcpMetadata* given, bool checksums);
+  std::shared_ptr<std::mutex> BuildMutex(const std::string& ckpt) EXCLUDES(build_mus_mu_);
+  // Caller holds the build mutex of `ckpt`.
+  Status BuildLocked(const std::string& ckpt, const DcpMetadata* given, bool checksums)
+      EXCLUDES(persist_mu_, mu_);
   // Makes `ckpt` present in memory: loads it from RocksDB or builds it. OK also for failed
   // and missing checkpoints (see the state).
-  Status Ensure(const std::string& ckpt, bool checksums);
-  Status LoadFromDb(const std::string& ckpt, bool* found);
+  Status Ensure(const std::string& ckpt, bool checksums) EXCLUDES(persist_mu_, mu_);
+  Status LoadFromDb(const std::string& ckpt, bool* found) EXCLUDES(persist_mu_, mu_);
   // Installs `index` in memory, applying checksums recorded meanwhile. Caller holds
-  // persist_mu_ when `index` was persisted, so that those checksums reach RocksDB after it.
-  void Install(const std::string& ckpt, std::unique_ptr<CkptIndex> index);
+  // persist_mu_ so that those checksums reach RocksDB after the index itself.
+  void Install(const std::string& ckpt, std::unique_ptr<CkptIndex> index) REQUIRES(persist_mu_)
+      EXCLUDES(mu_);
   // Writes every block of `index` and its "i/" record in one batch, deleting blocks of an
-  // earlier build. Caller holds persist_mu_.
-  Status Persist(const std::string& ckpt, const CkptIndex& index, const std::string& info);
+  // earlier build.
+  Status Persist(const std::string& ckpt, const CkptIndex& index, const std::string& info)
+      REQUIRES(persist_mu_);
   // The blocks of `index` that hold `ordinals`, encoded, under their keys.
   static std::vector<std::pair<std::string, std::string>> EncodeBlocksOf(
       const std::string& ckpt, const CkptIndex& index, const std::vector<uint32_t>& ordinals);
   // Sets item `ordinal`'s checksum in the item and its span.
   static void SetChecksum(CkptIndex* index, uint32_t ordinal, uint64_t checksum);
-  // Fills maps, files and places from items; marks the index partial when items overlap.
+  // Fills maps, files, places and by_fqn from items; marks the index partial when items
+  // overlap.
   static void BuildFileMaps(CkptIndex* index);
 
   BackingDir* const dir_;
   StateDb* const db_;
-  const KeyIndexOptions opts_;
 
-  std::mutex build_mu_map_mu_;
-  std::map<std::string, std::weak_ptr<std::mutex>> build_mus_;  // GUARDED_BY(build_mu_map_mu_)
+  Mutex build_mus_mu_;
+  std::map<std::string, std::weak_ptr<std::mutex>> build_mus_ GUARDED_BY(build_mus_mu_);
 
   // Orders the RocksDB writes of the index (a build's blocks, then checksums recorded later),
   // which are encoded under mu_ but written after it is released.
-  std::mutex persist_mu_;
+  Mutex persist_mu_ ACQUIRED_BEFORE(mu_);
 
-  std::shared_mutex mu_;
-  std::unordered_map<std::string, std::unique_ptr<CkptIndex>> ckpts_;  // GUARDED_BY(mu_)
+  SharedMutex mu_;
+  std::unordered_map<std::string, std::unique_ptr<CkptIndex>> ckpts_ GUARDED_BY(mu_);
   // ckpt -> file -> (offset, length) -> checksum, for checkpoints not indexed yet.
   std::map<std::string, std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, uint64_t>>>
-      pending_sums_;  // GUARDED_BY(mu_)
-  std::map<std::string, PendingCrcs> block_crcs_;  // GUARDED_BY(mu_), by backing path
-  std::map<uint64_t, std::string> block_crc_age_;  // GUARDED_BY(mu_), seq -> path
-  uint64_t block_crc_seq_ = 0;                     // GUARDED_BY(mu_)
-  uint64_t block_crc_total_ = 0;                   // GUARDED_BY(mu_), bytes
-};
+      pending_sums_ GUARDED_BY(mu_);
 
-// Reversible escaping of an fqn into one file-name component: no '/', no leading '.', no
-// NUL, at most 255 bytes. '%', '/', NUL and control bytes become %XX, a leading '.' becomes
-// %2E, and an empty fqn is "%". A result over 255 bytes is cut and gets "~" + 16 hex digits
-// of a hash of the full fqn; UnescapeFqn cannot undo that, so a caller maps such names back
-// through the index (the list of fqns), e.g. with FindFqnByEscapedName.
-std::string EscapeFqn(const std::string& fqn);
-// Inverse of EscapeFqn for names that were not hashed; nullopt for a hashed or invalid name.
-std::optional<std::string> UnescapeFqn(std::string_view name);
-// The fqn among `fqns` whose EscapeFqn is `name`, or nullopt.
-std::optional<std::string> FindFqnByEscapedName(const std::vector<std::string>& fqns,
-                                                std::string_view name);
-// Chunk file name: the offsets joined by '_' ("0_128"), "scalar" for a 0-dim tensor, "data"
-// for bytes items.
-std::string ChunkFileName(const IndexedItem& item);
+  BlockCrcCache block_crcs_;  // by backing path
+};
 
 }  // namespace ckptfs::store

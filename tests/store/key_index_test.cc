@@ -657,6 +657,35 @@ TEST(KeyIndex, RenameMovesNestedCheckpointsAndForgetDropsThem) {
   EXPECT_EQ(env.index->IndexedCheckpoints(), (std::vector<std::string>{"other", "renamed/step2"}));
 }
 
+TEST(KeyIndex, FqnsAndItemsOfAgreeWithTheWholeIndexWithoutCopyingIt) {
+  Env env;
+  CopyFixture("torch113_tricky_single_file", env.Backing("ck"));
+  std::vector<IndexedItem> all = env.index->Items("ck").value();
+  ASSERT_FALSE(all.empty());
+  // What the tensor view derives from the whole index, computed here the slow way.
+  std::map<std::string, std::vector<IndexedItem>> by_fqn;
+  for (const IndexedItem& it : all) by_fqn[it.fqn].push_back(it);
+  std::vector<std::string> want_fqns;
+  for (const auto& [fqn, items] : by_fqn) want_fqns.push_back(fqn);
+
+  Result<std::vector<std::string>> fqns = env.index->Fqns("ck");
+  ASSERT_TRUE(fqns.ok()) << fqns.status().ToString();
+  EXPECT_EQ(*fqns, want_fqns);
+  for (const auto& [fqn, want] : by_fqn) {
+    Result<std::vector<IndexedItem>> got = env.index->ItemsOf("ck", fqn);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(*got, want) << fqn;  // the same items, in .metadata order
+  }
+  EXPECT_TRUE(env.index->ItemsOf("ck", "no.such.fqn").value().empty());
+  // After a reload from RocksDB too (the fqn order is rebuilt, not persisted).
+  env.Reopen();
+  EXPECT_EQ(env.index->Fqns("ck").value(), want_fqns);
+  EXPECT_EQ(env.index->ItemsOf("ck", want_fqns.back()).value(), by_fqn[want_fqns.back()]);
+  // Same errors as Items().
+  EXPECT_EQ(env.index->Fqns("nothing").status().code(), Code::kNotFound);
+  EXPECT_EQ(env.index->ItemsOf("nothing", "x").status().code(), Code::kNotFound);
+}
+
 TEST(KeyIndex, ChecksumsRecordedByTheWritePathAreUsedInsteadOfRereading) {
   Env env;
   CopyFixture("torch113_basic_single_file", env.Backing("ck"));

@@ -1,0 +1,57 @@
+// Paths relative to the backing directory, as the store, the journal and the fs keep them:
+// "" is the backing root, "a/b" a name below it; no leading, trailing or doubled '/'.
+// One definition of joining, splitting and the rename rule for every piece of state keyed
+// by such a path (checkpoint registry, key index, journal temp records, ...).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace ckptfs::path {
+
+// `name` inside `dir` ("" + "x" is "x").
+inline std::string Join(std::string_view dir, std::string_view name) {
+  std::string out;
+  out.reserve(dir.size() + 1 + name.size());
+  out.append(dir);
+  if (!dir.empty()) out.push_back('/');
+  out.append(name);
+  return out;
+}
+
+// The directory holding `path` ("" for a name in the root).
+inline std::string Parent(std::string_view path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string_view::npos ? std::string() : std::string(path.substr(0, slash));
+}
+
+// The last component of `path`.
+inline std::string_view Basename(std::string_view path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string_view::npos ? path : path.substr(slash + 1);
+}
+
+// `path` is `dir` or lies below it. "" is the root, above everything.
+inline bool IsAtOrBelow(std::string_view path, std::string_view dir) {
+  if (dir.empty()) return true;
+  return path.size() >= dir.size() && path.compare(0, dir.size(), dir) == 0 &&
+         (path.size() == dir.size() || path[dir.size()] == '/');
+}
+
+// `path` lies strictly below `dir`.
+inline bool IsBelow(std::string_view path, std::string_view dir) {
+  return path.size() != dir.size() && IsAtOrBelow(path, dir);
+}
+
+// The rename rule. Where `path` is once `from` (a file or a directory) has been renamed to
+// `to`: `to` itself, or the same place below `to`; nullopt when `path` is not at or below
+// `from`.
+inline std::optional<std::string> Rebase(std::string_view path, std::string_view from,
+                                         std::string_view to) {
+  if (!IsAtOrBelow(path, from)) return std::nullopt;
+  if (path.size() == from.size()) return std::string(to);
+  return Join(to, path.substr(from.empty() ? 0 : from.size() + 1));
+}
+
+}  // namespace ckptfs::path

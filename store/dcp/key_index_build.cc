@@ -1,0 +1,294 @@
+// KeyIndex::Build: from a checkpoint's .metadata and its shard files to an installed,
+// persisted index.
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+#include <xxhash.h>
+
+#include <ctime>
+#include <nlohmann/json.hpp>
+
+#include "common/path.h"
+#include "store/dcp/index_codec.h"
+#include "store/dcp/item_reader.h"
+#include "store/dcp/key_index.h"
+#include "store/dcp/metadata_file.h"
+
+namespace ckptfs::store {
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+using keyidx::FileGroup;
+using keyidx::OpenedFile;
+using keyidx::WindowReader;
+
+// A checkpoint without .metadata is looked at again after this long.
+constexpr auto kMissingRetry = std::chrono::seconds(1);
+
+double MsSince(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
+// The first item whose key (fqn, bytes or chunk offsets) an earlier item has already, or -1.
+// Open addressing over item indices: no allocation per item.
+ptrdiff_t FirstDuplicateKey(const std::vector<IndexedItem>& items) {
+  auto same = [&](uint32_t a, uint32_t b) {
+    const IndexedItem &x = items[a], &y = items[b];
+    return x.is_bytes == y.is_bytes && x.fqn == y.fqn && x.chunk_offsets == y.chunk_offsets;
+  };
+  auto hash = [&](uint32_t i) {
+    const IndexedItem& it = items[i];
+    uint64_t h = XXH3_64bits_withSeed(it.chunk_offsets.data(),
+                                      it.chunk_offsets.size() * sizeof(int64_t), it.is_bytes);
+    return XXH3_64bits_withSeed(it.fqn.data(), it.fqn.size(), h);
+  };
+  constexpr uint32_t kEmpty = 0xffffffffu;
+  size_t capacity = 16;
+  while (capacity < items.size() * 2) capacity *= 2;  // at most half full
+  std::vector<uint32_t> slots(capacity, kEmpty);
+  const size_t mask = capacity - 1;
+  for (uint32_t i = 0; i < items.size(); ++i) {
+    for (size_t s = hash(i) & mask;; s = (s + 1) & mask) {
+      if (slots[s] == kEmpty) {
+        slots[s] = i;
+        break;
+      }
+      if (same(slots[s], i)) return i;
+    }
+  }
+  return -1;
+}
+
+// file -> (offset, length) -> checksum
+using KnownSums = std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, uint64_t>>;
+
+struct ResolveStats {
+  uint64_t unresolved = 0;
+  std::string first_error;  // of the first unresolved item
+  uint64_t with_sum = 0, from_blocks = 0, read_items = 0, read_bytes = 0;
+  std::vector<std::string> used_block_crcs;  // paths whose block CRC maps were used
+};
+
+// Resolves each item of `items` against its shard file (tensor archives), and gives it a
+// checksum where one is known (`known_sums`), follows from the write path's block CRCs, or,
+// with `checksums`, by reading it. Each shard file is opened once and read forward.
+ResolveStats ResolveItems(BackingDir* dir, BlockCrcCache* block_crcs, const std::string& ckpt,
+                          std::vector<IndexedItem>* items, KnownSums& known_sums, bool checksums) {
+  ResolveStats r;
+  auto note = [&](const IndexedItem& it, const std::string& why) {
+    if (r.unresolved++ == 0) r.first_error = KeyName(it) + ": " + why;
+  };
+  TorchPickleCache pickle_cache;
+  for (const FileGroup& g : keyidx::GroupByFile(*items)) {
+    const std::string file(g.name);
+    const std::string path = path::Join(ckpt, file);
+    Result<OpenedFile> f = keyidx::OpenShard(dir, path);
+    auto& sums = known_sums[file];
+    if (!f.ok()) {
+      for (uint32_t i : g.idx) {
+        IndexedItem& it = (*items)[i];
+        if (it.kind == ItemKind::kTensor) it.kind = ItemKind::kOpaque;
+        note(it, f.status().ToString());
+      }
+      continue;
+    }
+    WindowReader reader(dir, f->fd.get(), f->size);
+    std::shared_ptr<const BlockCrcMap> blocks = block_crcs->For(path, f->key);
+    if (blocks) r.used_block_crcs.push_back(path);
+    for (uint32_t i : g.idx) {
+      IndexedItem& it = (*items)[i];
+      if (it.offset > f->size || f->size - it.offset < it.length) {
+        if (it.kind == ItemKind::kTensor) it.kind = ItemKind::kOpaque;
+        note(it, "item range past the end of " + file + " (" + std::to_string(f->size) + " bytes)");
+        continue;
+      }
+      if (it.kind == ItemKind::kTensor) {
+        std::string error;
+        keyidx::ResolveTensor(&reader, &it, &error, &pickle_cache);
+        if (!error.empty()) note(it, error);
+      }
+      auto known = sums.find({it.offset, it.length});
+      if (known != sums.end()) {
+        it.checksum = known->second;
+        it.has_checksum = true;
+      }
+      if (!it.has_checksum && blocks) {
+        Result<std::optional<uint32_t>> c =
+            keyidx::CrcFromBlocks(&reader, *blocks, it.offset, it.length, f->size);
+        if (c.ok() && c->has_value()) {
+          it.checksum = **c;
+          it.has_checksum = true;
+          ++r.from_blocks;
+        }
+      }
+      if (!it.has_checksum && checksums) {
+        Result<uint32_t> h = reader.Crc(it.offset, it.length);
+        if (h.ok()) {
+          it.checksum = *h;
+          it.has_checksum = true;
+          ++r.read_items;
+          r.read_bytes += it.length;
+        } else {
+          note(it, "checksum: " + h.status().ToString());
+        }
+      }
+      if (it.has_checksum) ++r.with_sum;
+    }
+  }
+  return r;
+}
+
+}  // namespace
+
+const char* KeyIndex::StateName(State s) {
+  static const char* kNames[] = {"ok", "partial", "failed", "missing"};
+  return kNames[static_cast<int>(s)];
+}
+
+std::shared_ptr<std::mutex> KeyIndex::BuildMutex(const std::string& ckpt) {
+  MutexLock lock(&build_mus_mu_);
+  std::weak_ptr<std::mutex>& weak = build_mus_[ckpt];
+  std::shared_ptr<std::mutex> m = weak.lock();
+  if (!m) {
+    m = std::make_shared<std::mutex>();
+    weak = m;
+  }
+  if (build_mus_.size() > 1024) {  // drop entries nobody holds any more
+    std::erase_if(build_mus_, [](const auto& kv) { return kv.second.expired(); });
+  }
+  return m;
+}
+
+Status KeyIndex::Build(const std::string& ckpt, bool checksums) {
+  std::shared_ptr<std::mutex> m = BuildMutex(ckpt);
+  std::lock_guard lock(*m);
+  return BuildLocked(ckpt, nullptr, checksums);
+}
+
+Status KeyIndex::BuildFrom(const std::string& ckpt, const DcpMetadata& md, bool checksums) {
+  std::shared_ptr<std::mutex> m = BuildMutex(ckpt);
+  std::lock_guard lock(*m);
+  return BuildLocked(ckpt, &md, checksums);
+}
+
+Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, bool checksums) {
+  const Clock::time_point start = Clock::now();
+  const std::string md_path = path::Join(ckpt, ".metadata");
+  auto index = std::make_unique<CkptIndex>();
+  keyidx::MetadataId id;
+  Result<struct stat> st = dir_->Stat(md_path);
+  if (st.ok()) {
+    id = keyidx::MetadataIdOf(*st);
+  } else if (given == nullptr) {
+    if (st.status().code() != Code::kNotFound) return st.status();
+    // Not (or no longer) a checkpoint: drop any stale index, remember for a while.
+    Forget(ckpt);
+    index->state = State::kMissing;
+    index->retry_after = Clock::now() + kMissingRetry;
+    MutexLock persist_lock(&persist_mu_);
+    Install(ckpt, std::move(index));
+    return NotFound("no .metadata in '" + ckpt + "'");
+  }
+
+  // Checksums handed over (RecordChecksums) before this build.
+  KnownSums known_sums;
+  {
+    WriterLock lock(&mu_);
+    auto it = pending_sums_.find(ckpt);
+    if (it != pending_sums_.end()) {
+      known_sums = std::move(it->second);
+      pending_sums_.erase(it);
+    }
+  }
+
+  // The items, from the .metadata.
+  Result<DcpMetadata> parsed = DcpMetadata{};
+  if (given == nullptr) {
+    Result<std::string> bytes = ReadMetadataBytes(dir_, md_path);
+    parsed = bytes.ok() ? ParseDcpMetadata(*bytes) : Result<DcpMetadata>(bytes.status());
+  }
+  const DcpMetadata* md = given != nullptr ? given : (parsed.ok() ? &*parsed : nullptr);
+  const double parse_ms = MsSince(start);
+  Clock::time_point phase = Clock::now();
+  Status result = Status::Ok();
+  if (md == nullptr) {
+    index->state = State::kFailed;
+    index->error = ".metadata: " + parsed.status().ToString();
+    result = Status(Code::kCorrupt, "index of '" + ckpt + "': " + index->error);
+  } else {
+    index->items.reserve(md->items.size());
+    if (given == nullptr) {
+      for (DcpItem& d : parsed->items) {
+        index->items.push_back(
+            keyidx::FromDcp(std::move(d), static_cast<uint32_t>(index->items.size())));
+      }
+      parsed = DcpMetadata{};  // free the rest now
+    } else {
+      for (const DcpItem& d : md->items) {
+        index->items.push_back(keyidx::FromDcp(d, static_cast<uint32_t>(index->items.size())));
+      }
+    }
+    ptrdiff_t dup = FirstDuplicateKey(index->items);
+    if (dup >= 0) {
+      index->state = State::kFailed;
+      index->error = ".metadata: duplicate key " + KeyName(index->items[dup]);
+      index->items.clear();
+      result = Status(Code::kCorrupt, "index of '" + ckpt + "': " + index->error);
+    }
+  }
+
+  // The items, from their shard files.
+  ResolveStats r = ResolveItems(dir_, &block_crcs_, ckpt, &index->items, known_sums, checksums);
+  if (checksums) {
+    // Every item of those files now has its checksum in the index: the maps are done.
+    for (const std::string& used : r.used_block_crcs) block_crcs_.Drop(used);
+  }
+  if (r.unresolved > 0) {
+    index->state = State::kPartial;
+    index->error = std::to_string(r.unresolved) + " item(s) not resolved; first: " + r.first_error;
+  }
+  BuildFileMaps(index.get());
+  const double items_ms = MsSince(phase);
+  phase = Clock::now();
+
+  const double build_ms = MsSince(start);
+  json info = {{"format", keyidx::kFormat},
+               {"state", StateName(index->state)},
+               {"error", index->error},
+               {"build_ms", build_ms},
+               {"built_at", static_cast<int64_t>(std::time(nullptr))},
+               {"items", index->items.size()},
+               {"checksum", kChecksumAlgorithm},
+               {"checksums",
+                {{"items", r.with_sum},
+                 {"from_blocks", r.from_blocks},
+                 {"read_items", r.read_items},
+                 {"read_bytes", r.read_bytes}}},
+               {"metadata", {{"size", id.size}, {"mtime_ns", id.mtime_ns}, {"ino", id.ino}}}};
+  const State state = index->state;
+  const std::string error = index->error;
+  const size_t n = index->items.size();
+  double persist_ms = 0;
+  {
+    // Checksums recorded from now on wait, so that they reach RocksDB after these blocks.
+    MutexLock persist_lock(&persist_mu_);
+    Status persisted = Persist(ckpt, *index, info.dump());
+    persist_ms = MsSince(phase);
+    if (!persisted.ok()) {
+      spdlog::warn("key index: cannot persist the index of '{}': {}", ckpt, persisted.ToString());
+    }
+    Install(ckpt, std::move(index));
+  }
+  if (state == State::kOk) {
+    spdlog::info(
+        "key index: indexed '{}': {} items in {:.1f} ms (metadata {:.1f}, items {:.1f}, "
+        "persist {:.1f}); checksums: {} from write-path blocks, {} read ({} bytes), {} none",
+        ckpt, n, build_ms + persist_ms, parse_ms, items_ms, persist_ms, r.from_blocks, r.read_items,
+        r.read_bytes, n - r.with_sum);
+  } else {
+    spdlog::warn("key index: '{}' indexed as {}: {}", ckpt, StateName(state), error);
+  }
+  return result;
+}
+
+}  // namespace ckptfs::store

@@ -1,0 +1,133 @@
+// KeyIndex in RocksDB: writing a built index, loading one after a restart, and the blocks
+// that hold items whose checksums changed (index_codec.h has the records).
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+
+#include <nlohmann/json.hpp>
+#include <set>
+#include <unordered_set>
+
+#include "common/path.h"
+#include "store/dcp/index_codec.h"
+#include "store/dcp/key_index.h"
+
+namespace ckptfs::store {
+
+using json = nlohmann::json;
+
+std::vector<std::pair<std::string, std::string>> KeyIndex::EncodeBlocksOf(
+    const std::string& ckpt, const CkptIndex& index, const std::vector<uint32_t>& ordinals) {
+  std::set<std::pair<uint32_t, uint32_t>> blocks;  // (map, block)
+  for (uint32_t i : ordinals) {
+    const Place& p = index.places[i];
+    blocks.emplace(p.map, static_cast<uint32_t>(p.pos / keyidx::kItemsPerBlock));
+  }
+  const std::string prefix = keyidx::ItemPrefix(ckpt);
+  std::vector<std::pair<std::string, std::string>> out;
+  out.reserve(blocks.size());
+  for (auto [m, b] : blocks) {
+    const FileMap& map = index.maps[m];
+    std::span<const uint32_t> all(map.all);
+    size_t first = size_t{b} * keyidx::kItemsPerBlock;
+    auto& [key, value] = out.emplace_back(keyidx::BlockKey(prefix, map.name, b), std::string());
+    keyidx::EncodeBlock(index.items,
+                        all.subspan(first, std::min(keyidx::kItemsPerBlock, all.size() - first)),
+                        &value);
+  }
+  return out;
+}
+
+Status KeyIndex::Persist(const std::string& ckpt, const CkptIndex& index, const std::string& info) {
+  const std::string prefix = keyidx::ItemPrefix(ckpt);
+  std::vector<std::pair<std::string, std::string>> puts;
+  for (const FileMap& map : index.maps) {
+    std::span<const uint32_t> all(map.all);
+    for (size_t first = 0; first < all.size(); first += keyidx::kItemsPerBlock) {
+      auto& [key, value] = puts.emplace_back(
+          keyidx::BlockKey(prefix, map.name, static_cast<uint32_t>(first / keyidx::kItemsPerBlock)),
+          std::string());
+      keyidx::EncodeBlock(index.items,
+                          all.subspan(first, std::min(keyidx::kItemsPerBlock, all.size() - first)),
+                          &value);
+    }
+  }
+  puts.emplace_back(keyidx::InfoKey(ckpt), info);
+  // Keys of an earlier build that this one does not overwrite.
+  std::vector<std::string> old_keys;
+  CKPT_RETURN_IF_ERROR(db_->Scan(
+      prefix, [&](std::string_view key, std::string_view) { old_keys.emplace_back(key); }));
+  std::vector<std::string> deletes;
+  if (!old_keys.empty()) {
+    std::unordered_set<std::string_view> new_keys;
+    new_keys.reserve(puts.size());
+    for (const auto& [key, value] : puts) new_keys.insert(key);
+    for (std::string& key : old_keys) {
+      if (!new_keys.count(key)) deletes.push_back(std::move(key));
+    }
+  }
+  return db_->Write(puts, deletes);
+}
+
+Status KeyIndex::LoadFromDb(const std::string& ckpt, bool* found) {
+  *found = false;
+  Result<std::string> raw = db_->Get(keyidx::InfoKey(ckpt));
+  if (!raw.ok()) return raw.status().code() == Code::kNotFound ? Status::Ok() : raw.status();
+  json info = json::parse(*raw, nullptr, /*allow_exceptions=*/false);
+  auto index = std::make_unique<CkptIndex>();
+  keyidx::MetadataId recorded;
+  uint64_t count = 0;
+  try {
+    if (!info.is_object() || info.value("format", 0) != keyidx::kFormat) return Status::Ok();
+    std::string state = info.value("state", "");
+    if (state == "ok") {
+      index->state = State::kOk;
+    } else if (state == "partial") {
+      index->state = State::kPartial;
+    } else if (state == "failed") {
+      index->state = State::kFailed;
+    } else {
+      return Status::Ok();
+    }
+    index->error = info.value("error", "");
+    count = info.value("items", uint64_t{0});
+    const json& m = info.at("metadata");
+    recorded = {m.at("size").get<uint64_t>(), m.at("mtime_ns").get<uint64_t>(),
+                m.at("ino").get<uint64_t>()};
+  } catch (const json::exception&) {
+    return Status::Ok();  // unreadable record: rebuild
+  }
+  // The checkpoint may have been rewritten (by another node, or before a restart).
+  Result<struct stat> st = dir_->Stat(path::Join(ckpt, ".metadata"));
+  if (!st.ok() || !(keyidx::MetadataIdOf(*st) == recorded)) return Status::Ok();
+
+  // Blocks hold items in file order; each item's ordinal says where it goes.
+  bool bad = false;
+  std::vector<IndexedItem> loaded;
+  loaded.reserve(count);
+  CKPT_RETURN_IF_ERROR(
+      db_->Scan(keyidx::ItemPrefix(ckpt), [&](std::string_view, std::string_view v) {
+        if (!bad && (!keyidx::DecodeBlock(v, &loaded) || loaded.size() > count)) bad = true;
+      }));
+  if (bad || loaded.size() != count) return Status::Ok();
+  index->items.resize(count);
+  std::vector<bool> seen(count);
+  for (IndexedItem& it : loaded) {
+    if (it.ordinal >= count || seen[it.ordinal]) return Status::Ok();
+    seen[it.ordinal] = true;
+    index->items[it.ordinal] = std::move(it);
+  }
+  loaded = {};
+  State state = index->state;
+  std::string error = index->error;
+  BuildFileMaps(index.get());
+  index->state = state;  // overlaps were already recorded at build time
+  index->error = error;
+  {
+    MutexLock persist_lock(&persist_mu_);
+    Install(ckpt, std::move(index));
+  }
+  *found = true;
+  return Status::Ok();
+}
+
+}  // namespace ckptfs::store
