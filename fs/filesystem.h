@@ -298,6 +298,29 @@ class Filesystem {
   // are written.
   Status BeginWriteLocked(Node* node, bool truncate, const UniqueFd* src = nullptr)
       REQUIRES(ns_mu_);
+  // BeginWriteLocked in three steps, so that a write can begin a copy without holding
+  // ns_mu_ across its I/O: what to copy (under the lock), the temp file and the copy
+  // (no lock: RegisterTemp's synced write, open, owner, the wait for the previous
+  // version's flushes, copy_file_range), and its installation (under the lock, after
+  // the caller checked that the node is still as planned; else AbandonWrite).
+  struct WritePlan {
+    uint64_t id = 0;
+    std::string temp_name;  // at the backing root
+    uid_t uid = 0;
+    gid_t gid = 0;
+    mode_t mode = 0;
+    bool truncate = false;
+    uint64_t prev_file_id = 0;          // the write state it starts from, 0 if none
+    std::shared_ptr<StagedFile> prev;   // copy from its (settled) temp file,
+    int src_fd = -1;                    // or from this open backing file (borrowed),
+    std::string src_path;               // or from this backing path
+  };
+  WritePlan PlanWriteLocked(Node* node, bool truncate, const UniqueFd* src) REQUIRES(ns_mu_);
+  Result<std::unique_ptr<WriteState>> PrepareWrite(const WritePlan& plan);
+  void AbandonWrite(const WriteState& ws);
+  void InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws) REQUIRES(ns_mu_);
+  // The temp file's owner and mode (OwnTempLocked without the node).
+  Status OwnTemp(uid_t uid, gid_t gid, mode_t mode, int fd);
   // Drops the unpublished bytes of `node` (named `path`, or unnamed): its temp file is
   // removed in journal order; open handles keep reading them; it is never published.
   Result<uint64_t> DiscardLocked(Node* node, const std::string& path) REQUIRES(ns_mu_);

@@ -32,18 +32,22 @@ bool IsReserved(uint64_t parent, const std::string& name) {
 }  // namespace
 
 Status Filesystem::OwnTempLocked(Node* node, int fd) {
-  Status owned = backing_->Fchown(fd, node->attr.st_uid, node->attr.st_gid);
+  return OwnTemp(node->attr.st_uid, node->attr.st_gid, node->attr.st_mode & 07777, fd);
+}
+
+Status Filesystem::OwnTemp(uid_t uid, gid_t gid, mode_t mode, int fd) {
+  Status owned = backing_->Fchown(fd, uid, gid);
   if (!owned.ok()) {
     // A daemon that is not root, or a backing store that squashes root (NFS), cannot
     // give files away. The bytes matter more than their owner: go on, and say so once.
     static std::atomic<bool> warned{false};
     if (!warned.exchange(true)) {
-      spdlog::warn("backing store refuses owner {}:{} ({}); files keep the daemon's owner",
-                   node->attr.st_uid, node->attr.st_gid, owned.ToString());
+      spdlog::warn("backing store refuses owner {}:{} ({}); files keep the daemon's owner", uid,
+                   gid, owned.ToString());
     }
   }
   // After the owner: a chown clears setuid/setgid, which the mode may hold on purpose.
-  return backing_->Fchmod(fd, node->attr.st_mode & 07777);
+  return backing_->Fchmod(fd, mode);
 }
 
 Result<uint64_t> Filesystem::ChownLocked(Node* node, uid_t uid, gid_t gid) {

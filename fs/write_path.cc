@@ -11,78 +11,95 @@
 
 namespace ckptfs::fs {
 
-Status Filesystem::BeginWriteLocked(Node* node, bool truncate, const UniqueFd* src) {
+Filesystem::WritePlan Filesystem::PlanWriteLocked(Node* node, bool truncate,
+                                                  const UniqueFd* src) {
   FoldWriteTimeLocked(node);
-  uint64_t id = journal_->NextFileId();
-  auto ws = std::make_unique<WriteState>();
-  ws->file_id = id;
-  ws->temp_name = std::string(kTempPrefix) + std::to_string(id);
+  WritePlan plan;
+  plan.id = journal_->NextFileId();
   // Temp files live at the backing root, not beside their name: the name's directory
   // may itself still be a pending mkdir, and a root temp never moves with renames.
-  ws->temp_dir = root_.get();
-  const std::string temp_path = TempPathLocked(*ws);
-  CKPT_RETURN_IF_ERROR(journal_->RegisterTemp(id, temp_path));
+  plan.temp_name = std::string(kTempPrefix) + std::to_string(plan.id);
+  plan.uid = node->attr.st_uid;
+  plan.gid = node->attr.st_gid;
+  plan.mode = node->attr.st_mode & 07777;
+  plan.truncate = truncate;
+  plan.prev_file_id = node->write ? node->write->file_id : 0;
+  if (!truncate) {
+    // Copy-on-write: the real name keeps its old bytes until the new ones are published.
+    if (node->write) {
+      plan.prev = node->write->staged;
+    } else if (src != nullptr) {
+      plan.src_fd = src->get();
+    } else if (node->on_backing) {
+      plan.src_path = PathLocked(node);
+    }
+  }
+  return plan;
+}
+
+Result<std::unique_ptr<WriteState>> Filesystem::PrepareWrite(const WritePlan& plan) {
+  const std::string& temp_path = plan.temp_name;  // at the root
+  CKPT_RETURN_IF_ERROR(journal_->RegisterTemp(plan.id, temp_path));
+  auto fail = [&](Status st) {
+    (void)backing_->Unlink(temp_path);
+    (void)journal_->ForgetTemp(plan.id);
+    return st;
+  };
   auto fd = backing_->OpenFile(temp_path, O_RDWR | O_CREAT | O_EXCL, 0600);
   if (!fd.ok()) {
-    (void)journal_->ForgetTemp(id);
+    (void)journal_->ForgetTemp(plan.id);
     return fd.status();
   }
   // The file's owner and exact mode (the daemon's umask must not change it), from the
   // start: the temp file counts against its owner's quota, and is published as it is.
-  if (Status owned = OwnTempLocked(node, fd->get()); !owned.ok()) {
-    (void)backing_->Unlink(temp_path);
-    (void)journal_->ForgetTemp(id);
-    return owned;
+  if (Status owned = OwnTemp(plan.uid, plan.gid, plan.mode, fd->get()); !owned.ok()) {
+    return fail(owned);
   }
   uint64_t size = 0;
-  if (!truncate) {
-    // Copy-on-write: the real name keeps its old bytes until the new ones are published.
-    std::shared_ptr<StagedFile> prev = node->write ? node->write->staged : nullptr;
+  if (!plan.truncate) {
     UniqueFd opened;
-    int src_fd = -1;
-    if (prev) {
+    int src_fd = plan.src_fd;
+    if (plan.prev) {
       // The new version starts as a copy of the previous one, so all of its bytes must
       // be in its temp file.
-      Status settled = prev->target()->Settled();
-      if (!settled.ok()) {
-        (void)backing_->Unlink(temp_path);
-        (void)journal_->ForgetTemp(id);
-        return settled;
-      }
-      src_fd = prev->target()->fd();
-      size = prev->size();
-    } else if (src != nullptr || node->on_backing) {
-      if (src == nullptr) {
-        auto by_path = backing_->OpenFile(PathLocked(node), O_RDONLY);
-        if (!by_path.ok()) {
-          (void)backing_->Unlink(temp_path);
-          (void)journal_->ForgetTemp(id);
-          return by_path.status();
-        }
+      if (Status settled = plan.prev->target()->Settled(); !settled.ok()) return fail(settled);
+      src_fd = plan.prev->target()->fd();
+      size = plan.prev->size();
+    } else if (src_fd >= 0 || !plan.src_path.empty()) {
+      if (src_fd < 0) {
+        auto by_path = backing_->OpenFile(plan.src_path, O_RDONLY);
+        if (!by_path.ok()) return fail(by_path.status());
         opened = std::move(*by_path);
-        src = &opened;
+        src_fd = opened.get();
       }
-      src_fd = src->get();
       Result<struct stat> st = backing_->Fstat(src_fd);
-      if (!st.ok()) {
-        (void)backing_->Unlink(temp_path);
-        (void)journal_->ForgetTemp(id);
-        return st.status();
-      }
+      if (!st.ok()) return fail(st.status());
       size = static_cast<uint64_t>(st->st_size);
     }
     // copy_file_range shares extents where the file system can (XFS and btrfs reflink):
     // then a one-byte rewrite of a large file writes one block, not the file.
     if (size > 0) {
       if (Status copied = backing_->CopyFileRange(src_fd, fd->get(), size); !copied.ok()) {
-        (void)backing_->Unlink(temp_path);
-        (void)journal_->ForgetTemp(id);
-        return copied;
+        return fail(copied);
       }
     }
   }
-  auto target = std::make_shared<store::FlushTarget>(id, std::move(*fd));
+  auto ws = std::make_unique<WriteState>();
+  ws->file_id = plan.id;
+  ws->temp_name = plan.temp_name;
+  ws->temp_dir = root_.get();
+  auto target = std::make_shared<store::FlushTarget>(plan.id, std::move(*fd));
   ws->staged = std::make_shared<StagedFile>(staging_ctx_, std::move(target), size);
+  return ws;
+}
+
+void Filesystem::AbandonWrite(const WriteState& ws) {
+  // Nothing was written into it or journaled about it: remove it as a failed begin does.
+  (void)backing_->Unlink(ws.temp_name);
+  (void)journal_->ForgetTemp(ws.file_id);
+}
+
+void Filesystem::InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws) {
   {
     MutexLock lock(&staged_mu_);
     live_staged_.insert(ws->staged);
@@ -91,6 +108,12 @@ Status Filesystem::BeginWriteLocked(Node* node, bool truncate, const UniqueFd* s
   node->write = std::move(ws);
   node->attr.st_mtim = node->attr.st_ctim = Now();
   SyncDataLocked(node);
+}
+
+Status Filesystem::BeginWriteLocked(Node* node, bool truncate, const UniqueFd* src) {
+  WritePlan plan = PlanWriteLocked(node, truncate, src);
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WriteState> ws, PrepareWrite(plan));
+  InstallWriteLocked(node, std::move(ws));
   return Status::Ok();
 }
 
@@ -295,21 +318,47 @@ Result<Handle*> Filesystem::NodeOpen(uint64_t ino, int flags) {
 }
 
 Result<std::shared_ptr<StagedFile>> Filesystem::WritableStaged(FileHandle* h) {
-  MutexLock lock(&ns_mu_);
   Node* node = h->node.get();
-  if (!node->error.empty()) return Status(Code::kIo, node->error);
-  if (node->write && node->write->discarded) {
-    return node->write->staged;  // unlinked: keeps its bytes, never published
+  for (int attempt = 0;; ++attempt) {
+    WritePlan plan;
+    {
+      MutexLock lock(&ns_mu_);
+      if (!node->error.empty()) return Status(Code::kIo, node->error);
+      if (node->write && (node->write->discarded || node->write->needs_publish)) {
+        // Unlinked (keeps its bytes, never published), or a copy another write began.
+        return node->write->staged;
+      }
+      // Not yet written through this mount, or its previous contents are queued for
+      // publication and frozen: continue in a copy, published again later. With no write
+      // state, `h->fd` is the current version (a write state lives while any handle is
+      // open). After a few races lost, the copy is made under the lock.
+      if (attempt >= 3) {
+        CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node, false, node->write ? nullptr : h->fd.get()));
+        if (node->parent == nullptr) CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
+        return node->write->staged;
+      }
+      plan = PlanWriteLocked(node, false, node->write ? nullptr : h->fd.get());
+    }
+    // The temp file, its registration (a synced RocksDB write), the wait for the previous
+    // version's flushes and the copy: all without ns_mu_.
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WriteState> ws, PrepareWrite(plan));
+    MutexLock lock(&ns_mu_);
+    const uint64_t now_id = node->write ? node->write->file_id : 0;
+    if (now_id != plan.prev_file_id || (node->write && node->write->needs_publish) ||
+        !node->error.empty() || node->attr.st_uid != plan.uid || node->attr.st_gid != plan.gid ||
+        (node->attr.st_mode & 07777) != plan.mode) {
+      AbandonWrite(*ws);  // the file changed meanwhile: plan again from what it is now
+      continue;
+    }
+    InstallWriteLocked(node, std::move(ws));
+    node->write->needs_publish = true;
+    SyncDataLocked(node);
+    if (node->parent == nullptr) {
+      // Unlinked after its last publication: the copy lives on, unnamed, until closed.
+      CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
+    }
+    return node->write->staged;
   }
-  // Not yet written through this mount, or its previous contents are queued for
-  // publication and frozen: continue in a copy, published again later. With no write
-  // state, `h->fd` is the current version (a write state lives while any handle is open).
-  CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node, false, node->write ? nullptr : h->fd.get()));
-  if (node->parent == nullptr) {
-    // Unlinked after its last publication: the copy lives on, unnamed, until closed.
-    CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
-  }
-  return node->write->staged;
 }
 
 Status Filesystem::WriteData(FileHandle* h, const char* data, size_t len, uint64_t offset) {

@@ -136,5 +136,22 @@ TEST_F(NoLockAcrossIo, HungListingOfOneDirectoryDelaysNoReadOrWriteOfOtherFiles)
   });
 }
 
+TEST_F(NoLockAcrossIo, HungCopyOfARewriteDelaysNoReadOrWriteOfOtherFiles) {
+  uint64_t e = WriteFile(kRootIno, "e", "eeee");
+  ASSERT_NE(e, 0u);
+  std::atomic<bool> first{true};
+  dir_->SetPosixHook([this, &first](const std::string& op, const std::string&) {
+    if (op == "copy_file_range" && first.exchange(false)) latch_.Wait();  // e's copy only
+    return 0;
+  });
+  ExpectDataPathWhileHung([this, e] {
+    Handle* h = OpenOk(e, O_RDWR);
+    ASSERT_NE(h, nullptr);
+    EXPECT_TRUE(fs_->Write(h, "E", 1, 0).ok());  // begins the rewrite: its copy hangs
+    EXPECT_EQ(ReadAll(h), "Eeee");
+    fs_->Release(h);
+  });
+}
+
 }  // namespace
 }  // namespace ckptfs::fs
