@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "fs/filesystem.h"
 #include "fs/fs_util.h"
@@ -185,46 +186,75 @@ Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std:
   }
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
   CKPT_RETURN_IF_ERROR(ProbeName(parent, name));
-  uint64_t existing = 0;
-  {
-    MutexLock lock(&ns_mu_);
-    auto dir = NodeLocked(parent);
-    if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
-    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
-    std::shared_ptr<Node> node = ChildLocked(dir.get(), name);
-    if (node) {
-      if (flags & O_EXCL) return Status(Code::kExists, name);
-      if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
-      existing = node->ino;
-    } else {
-      const NewOwner owner = OwnerOfNew(caller, dir->attr, S_IFREG, mode);
-      node = NewNodeLocked(dir.get(), name, NodeType::kFile);
-      node->attr.st_mode = S_IFREG | owner.mode;
-      node->attr.st_uid = owner.uid;
-      node->attr.st_gid = owner.gid;
-      node->attr.st_atim = node->attr.st_mtim = node->attr.st_ctim = Now();
-      Status st = BeginWriteLocked(node.get(), /*truncate=*/true);
-      if (!st.ok()) {
-        DetachLocked(node);
-        return st;
-      }
-      TouchDirLocked(dir.get(), 0);
-      {
-        MutexLock dropped_lock(&dropped_mu_);
-        if (!dropped_paths_.empty()) dropped_paths_.erase(PathLocked(node.get()));
-      }
-      if (store::CheckpointRegistry::IsCheckpointFile(name)) {
-        checkpoints_->OnFileCreated(PathLocked(dir.get()));
-      }
-      auto handle = std::make_unique<Handle>();
-      FileHandle& fh = handle->kind.emplace<FileHandle>();
-      fh.node = node;
-      fh.writable = (flags & O_ACCMODE) != O_RDONLY;  // O_RDONLY|O_CREAT makes it empty
-      node->open_files++;
-      if (fh.writable) node->open_writers++;
-      Entry e = EntryLocked(node.get());
-      return std::make_pair(e, handle.release());
+  // The temp file of a new name is made (registered with a synced write, opened, owned)
+  // without ns_mu_, then installed if the name is still free. One not installed is
+  // removed on the way out, after the lock.
+  struct Ready {
+    Filesystem* fs;
+    std::unique_ptr<WriteState> ws;
+    WritePlan plan;
+    ~Ready() {
+      if (ws) fs->AbandonWrite(*ws);
     }
+  } ready{this, nullptr, {}};
+  uint64_t existing = 0;
+  for (int attempt = 0;; ++attempt) {
+    WritePlan plan;
+    {
+      MutexLock lock(&ns_mu_);
+      auto dir = NodeLocked(parent);
+      if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
+      CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+      std::shared_ptr<Node> node = ChildLocked(dir.get(), name);
+      if (node) {
+        if (flags & O_EXCL) return Status(Code::kExists, name);
+        if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
+        existing = node->ino;
+        break;
+      }
+      const NewOwner owner = OwnerOfNew(caller, dir->attr, S_IFREG, mode);
+      const bool fits = ready.ws && ready.plan.uid == owner.uid &&
+                        ready.plan.gid == owner.gid && ready.plan.mode == (owner.mode & 07777);
+      if (!fits && attempt < 3) {
+        plan.id = journal_->NextFileId();
+        plan.temp_name = std::string(kTempPrefix) + std::to_string(plan.id);
+        plan.uid = owner.uid;
+        plan.gid = owner.gid;
+        plan.mode = owner.mode & 07777;
+        plan.truncate = true;
+      } else {
+        node = NewNodeLocked(dir.get(), name, NodeType::kFile);
+        node->attr.st_mode = S_IFREG | owner.mode;
+        node->attr.st_uid = owner.uid;
+        node->attr.st_gid = owner.gid;
+        node->attr.st_atim = node->attr.st_mtim = node->attr.st_ctim = Now();
+        if (fits) {
+          InstallWriteLocked(node.get(), std::move(ready.ws));
+        } else if (Status st = BeginWriteLocked(node.get(), /*truncate=*/true); !st.ok()) {
+          DetachLocked(node);  // after a few races lost, made under the lock
+          return st;
+        }
+        TouchDirLocked(dir.get(), 0);
+        {
+          MutexLock dropped_lock(&dropped_mu_);
+          if (!dropped_paths_.empty()) dropped_paths_.erase(PathLocked(node.get()));
+        }
+        if (store::CheckpointRegistry::IsCheckpointFile(name)) {
+          checkpoints_->OnFileCreated(PathLocked(dir.get()));
+        }
+        auto handle = std::make_unique<Handle>();
+        FileHandle& fh = handle->kind.emplace<FileHandle>();
+        fh.node = node;
+        fh.writable = (flags & O_ACCMODE) != O_RDONLY;  // O_RDONLY|O_CREAT makes it empty
+        node->open_files++;
+        if (fh.writable) node->open_writers++;
+        Entry e = EntryLocked(node.get());
+        return std::make_pair(e, handle.release());
+      }
+    }
+    if (ready.ws) AbandonWrite(*std::exchange(ready.ws, nullptr));  // its owner changed
+    CKPT_ASSIGN_OR_RETURN(ready.ws, PrepareWrite(plan));
+    ready.plan = plan;
   }
   // An existing file: the same as open(2) without O_CREAT.
   CKPT_ASSIGN_OR_RETURN(Handle * handle, Open(existing, flags));
@@ -347,6 +377,7 @@ Result<std::shared_ptr<StagedFile>> Filesystem::WritableStaged(FileHandle* h) {
     if (now_id != plan.prev_file_id || (node->write && node->write->needs_publish) ||
         !node->error.empty() || node->attr.st_uid != plan.uid || node->attr.st_gid != plan.gid ||
         (node->attr.st_mode & 07777) != plan.mode) {
+      lock.Unlock();
       AbandonWrite(*ws);  // the file changed meanwhile: plan again from what it is now
       continue;
     }
