@@ -57,7 +57,7 @@
 #include "store/commit_gate.h"
 #include "store/flush_pipeline.h"
 #include "store/journal.h"
-#include "store/key_index.h"
+#include "store/dcp/key_index.h"
 #include "store/state_db.h"
 
 namespace ckptfs::fs {

@@ -15,7 +15,7 @@
 
 #include "common/unique_fd.h"
 #include "fs/node.h"
-#include "store/block_cache.h"
+#include "store/cache/block_cache.h"
 
 namespace ckptfs::fs {
 

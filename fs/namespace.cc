@@ -8,7 +8,7 @@
 
 #include "fs/filesystem.h"
 #include "fs/fs_util.h"
-#include "store/dcp_metadata.h"
+#include "store/dcp/dcp_metadata.h"
 
 namespace ckptfs::fs {
 

@@ -7,7 +7,7 @@
 #include <chrono>
 
 #include "fs/fs_util.h"
-#include "store/dcp_metadata.h"
+#include "store/dcp/dcp_metadata.h"
 
 namespace ckptfs::fs {
 

@@ -22,9 +22,9 @@
 #include "common/status.h"
 #include "fs/handle.h"
 #include "store/backing_dir.h"
-#include "store/block_cache.h"
-#include "store/key_index.h"
-#include "store/read_checksums.h"
+#include "store/cache/block_cache.h"
+#include "store/dcp/key_index.h"
+#include "store/dcp/read_checksums.h"
 
 namespace ckptfs::fs {
 
