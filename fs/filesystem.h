@@ -256,7 +256,9 @@ class Filesystem {
   Status ProbeName(uint64_t dir_ino, const std::string& name) EXCLUDES(ns_mu_);
   std::shared_ptr<Node> AddBackingChildLocked(Node* dir, const std::string& name,
                                               const struct stat& st) REQUIRES(ns_mu_);
-  void RefreshAttrLocked(Node* node) REQUIRES(ns_mu_);
+  // Refreshes the attributes of `ino` from a stat of its backing path (taken without
+  // ns_mu_) while nothing of it is pending.
+  void RefreshAttr(uint64_t ino) EXCLUDES(ns_mu_);
   // Takes the attributes of `node` from a stat of its backing path, keeping the ones the
   // mount owns (Node::own_attrs) while the backing inode shows only this mount's changes.
   void ApplyBackingStatLocked(Node* node, const struct stat& st) REQUIRES(ns_mu_);
@@ -340,10 +342,15 @@ class Filesystem {
   Result<size_t> ReadData(Handle* h, char* out, size_t len, uint64_t offset) EXCLUDES(ns_mu_);
   Status FlushData(FileHandle* h) EXCLUDES(ns_mu_);
   void ReleaseFile(FileHandle* h) EXCLUDES(ns_mu_);
+  // Returns whether the node's write state was dropped (then RefreshAttr it).
+  bool ReleaseFileLocked(FileHandle* h) REQUIRES(ns_mu_);
   void RelieveStagingPressure() EXCLUDES(staged_mu_);
 
   // ------------------------------------------------------------ journal (journal_events.cc)
   void OnJournalDone(const store::JournalEntry& e, const Status& st) EXCLUDES(ns_mu_);
+  // The node's side of a publish entry's outcome; returns the inode whose write state
+  // was dropped (to RefreshAttr), or 0.
+  uint64_t NodePublishDone(const store::JournalEntry& e, const Status& st) EXCLUDES(ns_mu_);
   void OnJournalHalt(const store::JournalEntry& e, const Status& st) EXCLUDES(ns_mu_);
   // Gives a just-published file's block CRCs (recorded by the flush pipeline) to the index.
   void HandOverBlockCrcs(const store::JournalEntry& e);

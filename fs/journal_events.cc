@@ -75,9 +75,13 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
   if (st.ok() && e.op == store::OpType::kRename) index_->OnRenamed(e.from, e.path);
   if (st.ok() && e.op == store::OpType::kRmdir) index_->Forget(e.path);
   if (e.op != store::OpType::kPublish) return;
+  if (uint64_t dropped = NodePublishDone(e, st)) RefreshAttr(dropped);
+}
+
+uint64_t Filesystem::NodePublishDone(const store::JournalEntry& e, const Status& st) {
   MutexLock lock(&ns_mu_);
   auto it = publishing_.find(e.file_id);
-  if (it == publishing_.end()) return;
+  if (it == publishing_.end()) return 0;
   std::shared_ptr<Node> node = it->second;
   publishing_.erase(it);
   if (st.ok()) node->halt_error.clear();  // published after retries
@@ -86,11 +90,14 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
     node->on_backing = false;
     SyncDataLocked(node.get());
   }
+  uint64_t dropped = 0;
   if (node->write && node->write->file_id == e.file_id && node->open_files == 0 &&
       !node->write->needs_publish) {
     DropWriteStateLocked(node.get());
+    dropped = node->ino;
   }
   if (node->parent == nullptr && node->nlookup == 0 && !node->write) inodes_.erase(node->ino);
+  return dropped;
 }
 
 void Filesystem::ForgetVanishedCheckpoints() {

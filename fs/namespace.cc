@@ -65,13 +65,6 @@ std::shared_ptr<Node> Filesystem::NewNodeLocked(Node* parent, const std::string&
   return node;
 }
 
-void Filesystem::RefreshAttrLocked(Node* node) {
-  if (node->write || !node->on_backing || !QuiescentLocked(node)) return;
-  auto st = backing_->Stat(PathLocked(node));
-  if (!st.ok()) return;
-  ApplyBackingStatLocked(node, *st);
-}
-
 void Filesystem::ApplyBackingStatLocked(Node* node, const struct stat& st) {
   FoldWriteTimeLocked(node);
   if ((st.st_mode & S_IFMT) != (node->attr.st_mode & S_IFMT)) {
@@ -387,9 +380,9 @@ double Filesystem::AttrTimeout(uint64_t ino) {
   return node ? std::min(TimeoutFor(*node), kDefaultTimeout) : 0.0;
 }
 
-Result<struct stat> Filesystem::NodeGetAttr(uint64_t ino) {
-  // The stat that refreshes the attributes runs without ns_mu_; it is applied only if the
-  // node's backing path is still the one stat'ed and nothing of it is pending.
+void Filesystem::RefreshAttr(uint64_t ino) {
+  // The stat runs without ns_mu_; it is applied only if the node's backing path is still
+  // the one stat'ed and nothing of it is pending.
   auto refreshable = [this](const Node* node) REQUIRES(ns_mu_) {
     return !node->write && node->on_backing && QuiescentLocked(node);
   };
@@ -397,17 +390,23 @@ Result<struct stat> Filesystem::NodeGetAttr(uint64_t ino) {
   {
     MutexLock lock(&ns_mu_);
     auto node = NodeLocked(ino);
-    if (!node) return NotFound("stale inode");
-    if (refreshable(node.get())) path = PathLocked(node.get());
+    if (!node || !refreshable(node.get())) return;
+    path = PathLocked(node.get());
   }
-  Result<struct stat> backing = Status(Code::kNotFound, "not stat'ed");
-  if (!path.empty()) backing = backing_->Stat(path);
+  Result<struct stat> backing = backing_->Stat(path);
+  if (!backing.ok()) return;
+  MutexLock lock(&ns_mu_);
+  auto node = NodeLocked(ino);
+  if (node && refreshable(node.get()) && PathLocked(node.get()) == path) {
+    ApplyBackingStatLocked(node.get(), *backing);
+  }
+}
+
+Result<struct stat> Filesystem::NodeGetAttr(uint64_t ino) {
+  RefreshAttr(ino);
   MutexLock lock(&ns_mu_);
   auto node = NodeLocked(ino);
   if (!node) return NotFound("stale inode");
-  if (backing.ok() && refreshable(node.get()) && PathLocked(node.get()) == path) {
-    ApplyBackingStatLocked(node.get(), *backing);
-  }
   FoldWriteTimeLocked(node.get());
   struct stat st = node->attr;
   if (node->link_group != 0) st.st_ino = node->link_group;  // one inode, one st_ino

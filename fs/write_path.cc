@@ -136,7 +136,8 @@ void Filesystem::DropWriteStateLocked(Node* node) {
   node->attr.st_size = static_cast<off_t>(node->write->staged->size());
   node->write.reset();
   SyncDataLocked(node);
-  RefreshAttrLocked(node);
+  // The caller refreshes the attributes from the backing store after the lock
+  // (RefreshAttr): a stat never runs under ns_mu_.
 }
 
 Status Filesystem::EnsureWritableLocked(Node* node, bool truncate, const UniqueFd* src) {
@@ -151,6 +152,12 @@ Status Filesystem::EnsureWritableLocked(Node* node, bool truncate, const UniqueF
 Result<uint64_t> Filesystem::PublishLocked(Node* node) {
   FoldWriteTimeLocked(node);  // the published file keeps the time of its last write
   WriteState& ws = *node->write;
+  {
+    // Writers stop taking this copy before it is frozen: one that took it already gets
+    // kAborted and retries through WritableStaged, which waits for this publish.
+    MutexLock lock(&node->data_mu);
+    node->data.accepting = false;
+  }
   auto target = ws.staged->SealAll();
   store::JournalEntry e;
   e.op = store::OpType::kPublish;
@@ -436,7 +443,16 @@ Status Filesystem::FlushData(FileHandle* h) {
 }
 
 void Filesystem::ReleaseFile(FileHandle* h) {
-  MutexLock lock(&ns_mu_);
+  bool dropped = false;
+  {
+    MutexLock lock(&ns_mu_);
+    dropped = ReleaseFileLocked(h);
+  }
+  if (dropped) RefreshAttr(h->node->ino);
+}
+
+bool Filesystem::ReleaseFileLocked(FileHandle* h) {
+  bool dropped = false;
   Node* node = h->node.get();
   node->open_files--;
   if (h->writable) node->open_writers--;
@@ -450,11 +466,13 @@ void Filesystem::ReleaseFile(FileHandle* h) {
     if (node->open_files == 0 && !ws.needs_publish && ws.publish_seq <= journal_->applied() &&
         publishing_.count(ws.file_id) == 0) {
       DropWriteStateLocked(node);  // fully published: the backing file is the truth again
+      dropped = true;
     }
   }
   if (node->parent == nullptr && node->nlookup == 0 && node->open_files == 0) {
     inodes_.erase(node->ino);
   }
+  return dropped;
 }
 
 void Filesystem::RelieveStagingPressure() {
