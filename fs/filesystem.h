@@ -15,14 +15,22 @@
 //               registry, the key index and the namespace.
 //
 // Thread-safe. Locking rule (written on the members below):
-//   * ns_mu_ guards the namespace. It may be held across namespace work on the backing
-//     store (a stat, a listing, a rewrite's copy, a journal append), so nothing of the
-//     data path waits for it: read() and write() of an open file take only its node's
-//     data_mu (fs/node.h, a leaf lock held to copy a few fields), unless the write begins
-//     a new copy of the file (its first write, or the first after a publish froze it).
+//   * ns_mu_ guards the namespace (inode table, tree, write states, link groups). It is
+//     held for in-memory work, for the journal append that orders a namespace change
+//     (the journal's order must be the namespace's: a RocksDB Put, not synced), and for
+//     the checkpoint registry's notes of that change. Backing-store I/O runs without it:
+//     stats and listings (ProbeName, LoadDir, RefreshAttr, NodeOpenDir), the open of a
+//     backing file (NodeOpen), the temp file and copy a write or a create begins with
+//     (PlanWriteLocked / PrepareWrite / InstallWriteLocked), each re-checked under the lock
+//     before its result is used. Still under it: the fallbacks after a few lost races,
+//     and the rare operations on a staged file (O_TRUNC, truncate, fallocate, chmod and
+//     chown of a staged temp file, readlink).
+//   * read() and write() of an open file never take ns_mu_ unless the write begins a new
+//     copy of the file (its first write, or the first after a publish froze it): they take
+//     its node's data_mu (fs/node.h), a leaf held to copy a few fields.
 //   * Nothing waits on the pipeline or the journal (Settled, WaitUnlessHalted) with
-//     ns_mu_ held, except the copy a rewrite of a frozen file makes from its previous
-//     version (see BeginWriteLocked).
+//     ns_mu_ held, except a publish freezing a file whose writer waits for staging space
+//     (StagedFile::SealAll takes the writer lock) and the fallbacks above.
 //   Lock order: ns_mu_ -> Node::data_mu -> StagedFile locks -> staged_mu_; error_mu_ and
 //   dropped_mu_ are leaves.
 #pragma once
