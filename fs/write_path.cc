@@ -300,8 +300,31 @@ Result<Handle*> Filesystem::NodeOpen(uint64_t ino, int flags) {
       return Status(Code::kTooManyLinks, "a file with several hard links cannot be rewritten");
     }
     if (writable && (flags & O_TRUNC)) {
-      CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), /*truncate=*/true));
-      CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(0));
+      if ((!node->write || !node->write->needs_publish) && attempt < 3) {
+        // A new, empty copy: its temp file is made without ns_mu_ (as a first write's).
+        WritePlan plan = PlanWriteLocked(node.get(), /*truncate=*/true, nullptr);
+        lock.Unlock();
+        Result<std::unique_ptr<WriteState>> ws = PrepareWrite(plan);
+        lock.Lock();
+        if (!ws.ok()) return ws.status();
+        const uint64_t now_id = node->write ? node->write->file_id : 0;
+        if (NodeLocked(ino) != node || now_id != plan.prev_file_id ||
+            (node->write && node->write->needs_publish) || !node->error.empty() ||
+            (!node->write && node->parent == nullptr) || node->attr.st_uid != plan.uid ||
+            node->attr.st_gid != plan.gid || (node->attr.st_mode & 07777) != plan.mode) {
+          lock.Unlock();
+          AbandonWrite(**ws);  // changed meanwhile: start over from what it is now
+          lock.Lock();
+          continue;
+        }
+        InstallWriteLocked(node.get(), std::move(*ws));
+        node->write->needs_publish = true;
+        SyncDataLocked(node.get());
+      } else {
+        CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), /*truncate=*/true));
+        // Being written through another handle: cut what it holds (waits for its flushes).
+        CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(0));
+      }
     }
     // Without O_TRUNC, opening for writing starts nothing: the first write does (Write).
     if (node->write) break;

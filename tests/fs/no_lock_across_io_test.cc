@@ -153,5 +153,39 @@ TEST_F(NoLockAcrossIo, HungCopyOfARewriteDelaysNoReadOrWriteOfOtherFiles) {
   });
 }
 
+TEST_F(NoLockAcrossIo, HungTempFileOfACreateDelaysNoReadOrWriteOfOtherFiles) {
+  std::atomic<bool> first{true};
+  dir_->SetLookupHook([this, &first](const std::string& op, const std::string& path) {
+    if (op == "open" && path.rfind(kTempPrefix, 0) == 0 && first.exchange(false)) {
+      latch_.Wait();  // the new file's temp only; C's copy opens another one
+    }
+    return 0;
+  });
+  ExpectDataPathWhileHung([this] {
+    auto made = fs_->Create(kRootIno, "new", 0644, O_WRONLY | O_CREAT | O_EXCL);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    EXPECT_TRUE(fs_->Write(made->second, "n", 1, 0).ok());
+    fs_->Release(made->second);
+  });
+  auto twice = fs_->Create(kRootIno, "new", 0644, O_WRONLY | O_CREAT | O_EXCL);
+  EXPECT_EQ(twice.status().code(), Code::kExists);
+}
+
+TEST_F(NoLockAcrossIo, HungTempFileOfATruncatingOpenDelaysNoReadOrWriteOfOtherFiles) {
+  std::atomic<bool> first{true};
+  dir_->SetLookupHook([this, &first](const std::string& op, const std::string& path) {
+    if (op == "open" && path.rfind(kTempPrefix, 0) == 0 && first.exchange(false)) {
+      latch_.Wait();
+    }
+    return 0;
+  });
+  ExpectDataPathWhileHung([this] {
+    Handle* h = OpenOk(slow_file_, O_WRONLY | O_TRUNC);  // a re-save over a file
+    ASSERT_NE(h, nullptr);
+    EXPECT_TRUE(fs_->Write(h, "t", 1, 0).ok());
+    fs_->Release(h);
+  });
+}
+
 }  // namespace
 }  // namespace ckptfs::fs
