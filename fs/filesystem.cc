@@ -33,7 +33,11 @@ Status Filesystem::Init(FsDeps deps) {
   } else {
     CKPT_ASSIGN_OR_RETURN(backing_, store::BackingDir::Open(config_.backing_dir));
   }
-  CKPT_ASSIGN_OR_RETURN(db_, store::StateDb::Open(config_.state_dir));
+  if (deps.db) {
+    db_ = std::move(deps.db);
+  } else {
+    CKPT_ASSIGN_OR_RETURN(db_, store::StateDb::Open(config_.state_dir));
+  }
   CKPT_ASSIGN_OR_RETURN(store::RecoveryReport report, store::Journal::Recover(backing_.get(),
                                                                               db_.get()));
   if (report.entries_discarded > 0 || report.temps_removed > 0) {
@@ -45,12 +49,20 @@ Status Filesystem::Init(FsDeps deps) {
   pool_options.total_bytes = config_.staging_bytes;
   pool_options.chunk_bytes = config_.chunk_bytes;
   pool_options.backend = config_.staging_backend;
-  CKPT_ASSIGN_OR_RETURN(pool_, gpu::StagingPool::Create(pool_options));
+  if (deps.pool) {
+    pool_ = std::move(deps.pool);
+  } else {
+    CKPT_ASSIGN_OR_RETURN(pool_, gpu::StagingPool::Create(pool_options));
+  }
   pool_->SetPressureCallback([this] { RelieveStagingPressure(); });
   store::FlushOptions flush_options;
   flush_options.threads = config_.flush_threads;
   flush_options.block_crcs = config_.write_checksums;
-  CKPT_ASSIGN_OR_RETURN(pipeline_, store::FlushPipeline::Create(backing_.get(), flush_options));
+  if (deps.pipeline) {
+    pipeline_ = std::move(deps.pipeline);
+  } else {
+    CKPT_ASSIGN_OR_RETURN(pipeline_, store::FlushPipeline::Create(backing_.get(), flush_options));
+  }
   staging_ctx_ = StagingContext{pool_.get(), pipeline_.get(), backing_.get()};
   store::CommitGateOptions gate_options;
   gate_options.timeout = config_.commit_timeout;
@@ -71,10 +83,14 @@ Status Filesystem::Init(FsDeps deps) {
   hooks.halt_on_failure = !config_.strict;
   CKPT_ASSIGN_OR_RETURN(journal_, store::Journal::Create(backing_.get(), db_.get(), hooks));
 
-  CKPT_ASSIGN_OR_RETURN(index_, store::KeyIndex::Create(backing_.get(), db_.get()));
+  if (deps.index) {
+    index_ = std::move(deps.index);
+  } else {
+    CKPT_ASSIGN_OR_RETURN(index_, store::KeyIndex::Create(backing_.get(), db_.get()));
+  }
   tensors_ = std::make_unique<TensorView>(backing_.get(), index_.get());
-  std::unique_ptr<store::BlockCache> cache;
-  if (config_.cache_bytes > 0) {
+  std::unique_ptr<store::BlockCache> cache = std::move(deps.cache);
+  if (!cache && config_.cache_bytes > 0) {
     store::BlockCacheOptions cache_options;
     cache_options.budget_bytes = config_.cache_bytes;
     cache_options.direct_io = config_.cache_direct_io;

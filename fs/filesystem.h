@@ -94,11 +94,17 @@ struct Entry {
 };
 
 // Dependencies a caller may inject instead of having Create() make them from the
-// config: tests drive the namespace and the write path on a FaultyBackingDir this way.
-// The state db, journal, pipeline, staging pool, cache and key index are made over the
-// backing dir (each needs it), from the config.
+// config (each one left null is made from it): tests drive the namespace and the write
+// path on a FaultyBackingDir this way. The pipeline, key index and cache must be made over
+// the injected `backing` (and `db`). The journal is always made here: its hooks are the
+// facade's (fs/journal_events.cc).
 struct FsDeps {
-  std::unique_ptr<store::BackingDir> backing;  // null: BackingDir::Open(config.backing_dir)
+  std::unique_ptr<store::BackingDir> backing;    // else BackingDir::Open(config.backing_dir)
+  std::unique_ptr<store::StateDb> db;            // else StateDb::Open(config.state_dir)
+  std::unique_ptr<gpu::StagingPool> pool;        // else from staging_bytes, chunk_bytes
+  std::unique_ptr<store::FlushPipeline> pipeline;  // else from flush_threads
+  std::unique_ptr<store::KeyIndex> index;
+  std::unique_ptr<store::BlockCache> cache;      // else from cache_bytes (0: none)
 };
 
 // Fixed inode numbers of the control tree.
