@@ -1,4 +1,6 @@
-// The /.ckptfs control files and the user.ckptfs.* xattrs.
+// The control tree: the /.ckptfs directory (its files and the tensor view below it) and
+// the user.ckptfs.* xattrs.
+#include <fcntl.h>
 #include <sys/xattr.h>
 #include <unistd.h>
 
@@ -13,22 +15,15 @@
 #include "common/json_text.h"
 #include "ckptfs_version.h"
 #include "common/histogram.h"
+#include "common/control_names.h"
 #include "fs/filesystem.h"
+#include "fs/fs_util.h"
 #include "fs/op_metrics.h"
 
 namespace ckptfs::fs {
 namespace {
 
-constexpr char kStateXattr[] = "user.ckptfs.state";
-constexpr char kProgressXattr[] = "user.ckptfs.progress";
-constexpr char kVerifyXattr[] = "user.ckptfs.verify";
-constexpr char kChecksumsXattr[] = "user.ckptfs.checksums";
-// Operator controls, set with setxattr (a single call, unlike getxattr's size probe):
-// resume retries a halted publication now; abort drops the pending entries at or below
-// the path. The report of the last abort is read back from kAbortReportXattr.
-constexpr char kResumeXattr[] = "user.ckptfs.resume";
-constexpr char kAbortXattr[] = "user.ckptfs.abort";
-constexpr char kAbortReportXattr[] = "user.ckptfs.aborted";
+// The file and xattr names (kStateXattr, kAbortXattr...): common/control_names.h.
 constexpr char kVersion[] = CKPTFS_VERSION;
 
 // A Prometheus label value: backslash, double quote and newline escaped.
@@ -51,7 +46,7 @@ std::string LabelValue(const std::string& v) {
 class CommitTimes {
  public:
   void Update(const std::vector<store::CheckpointInfo>& list, double process_start) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& info : list) {
       if (info.state != store::CkptState::kCommitted || info.committed < process_start ||
           info.created <= 0 || !seen_.emplace(info.path, info.committed).second) {
@@ -63,10 +58,10 @@ class CommitTimes {
   const Histogram& histogram() const { return histogram_; }
 
  private:
-  std::mutex mu_;
-  // Guarded by mu_: (path, commit time), so a path saved and committed again counts again.
-  std::set<std::pair<std::string, double>> seen_;
-  Histogram histogram_;
+  Mutex mu_;
+  // (path, commit time), so a path saved and committed again counts again.
+  std::set<std::pair<std::string, double>> seen_ GUARDED_BY(mu_);
+  Histogram histogram_;  // its own atomics; written under mu_
 };
 
 CommitTimes& ProcessCommitTimes() {
@@ -80,6 +75,87 @@ double EpochNow() {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------- the tree
+
+Result<Entry> Filesystem::CtlLookup(uint64_t parent, const std::string& name) {
+  Entry e;
+  e.timeout = 0;
+  if (parent == kRootIno && name == kCtlDirName) {
+    e.ino = kCtlDirIno;
+    e.timeout = kDefaultTimeout;
+    CKPT_ASSIGN_OR_RETURN(e.attr, CtlGetAttr(kCtlDirIno));
+    return e;
+  }
+  if (parent != kCtlDirIno) return NotFound(name);
+  if (name == kCtlTensorsName) {
+    CKPT_ASSIGN_OR_RETURN(auto attr, tensors_->GetAttr(TensorView::kRootIno));
+    return Entry{TensorView::kRootIno, attr, kDefaultTimeout};
+  }
+  if (name == kCtlStatsName) e.ino = kCtlStatsIno;
+  else if (name == kCtlCheckpointsName) e.ino = kCtlCheckpointsIno;
+  else if (name == kCtlMetricsName) e.ino = kCtlMetricsIno;
+  else return NotFound(name);
+  CKPT_ASSIGN_OR_RETURN(e.attr, CtlGetAttr(e.ino));
+  return e;
+}
+
+Result<struct stat> Filesystem::CtlGetAttr(uint64_t ino) {
+  struct stat st {};
+  st.st_ino = ino;
+  st.st_mode = ino == kCtlDirIno ? (S_IFDIR | 0555) : (S_IFREG | 0444);
+  st.st_nlink = ino == kCtlDirIno ? 2 : 1;
+  st.st_blksize = 4096;
+  struct timespec now = Now();
+  st.st_atim = st.st_mtim = st.st_ctim = now;
+  return st;
+}
+
+Result<Handle*> Filesystem::CtlOpen(uint64_t ino, int flags) {
+  auto handle = std::make_unique<Handle>();
+  if (TensorView::Owns(ino)) {
+    if ((flags & O_ACCMODE) != O_RDONLY) return Status(Code::kPermission, "tensor view");
+    std::string content;
+    std::shared_ptr<UniqueFd> view_fd;
+    uint64_t base = 0, size = 0;
+    CKPT_RETURN_IF_ERROR(tensors_->Open(ino, &content, &view_fd, &base, &size));
+    if (view_fd) {
+      handle->kind.emplace<ViewHandle>(ViewHandle{std::move(view_fd), base, size});
+    } else {
+      handle->kind.emplace<ContentHandle>(ContentHandle{std::move(content)});
+    }
+    return handle.release();
+  }
+  if (ino == kCtlDirIno) return Status(Code::kIsDir, "open of a directory");
+  if (ino < kCtlStatsIno || ino > kCtlMetricsIno) return NotFound("stale inode");
+  if ((flags & O_ACCMODE) != O_RDONLY) return Status(Code::kPermission, "control file");
+  handle->kind.emplace<ContentHandle>(ContentHandle{ino == kCtlStatsIno ? StatsJson()
+                                                    : ino == kCtlCheckpointsIno
+                                                        ? CheckpointsJson()
+                                                        : MetricsText()});
+  return handle.release();
+}
+
+Result<Handle*> Filesystem::CtlOpenDir(uint64_t ino) {
+  auto handle = std::make_unique<Handle>();
+  DirHandle& dh = handle->kind.emplace<DirHandle>();
+  if (TensorView::Owns(ino)) {
+    CKPT_ASSIGN_OR_RETURN(auto list, tensors_->List(ino));
+    dh.entries = {{".", ino, S_IFDIR}, {"..", kCtlDirIno, S_IFDIR}};
+    for (auto& e : list) dh.entries.push_back({e.name, e.ino, e.type});
+    return handle.release();
+  }
+  if (ino != kCtlDirIno) return Status(Code::kNotDir, "opendir of a control file");
+  dh.entries = {{".", kCtlDirIno, S_IFDIR},
+                {"..", kRootIno, S_IFDIR},
+                {kCtlTensorsName, TensorView::kRootIno, S_IFDIR},
+                {kCtlStatsName, kCtlStatsIno, S_IFREG},
+                {kCtlCheckpointsName, kCtlCheckpointsIno, S_IFREG},
+                {kCtlMetricsName, kCtlMetricsIno, S_IFREG}};
+  return handle.release();
+}
+
+// ---------------------------------------------------------------- the files
 
 std::string Filesystem::StatsJson() {
   nlohmann::json j;
@@ -106,11 +182,11 @@ std::string Filesystem::StatsJson() {
   j["checksum_bytes_hashed"] = pipeline_->crc_bytes();  // by the flush threads, in staging
   j["checksum_hash_s"] = pipeline_->crc_ns() / 1e9;
   j["checksum_block_maps_bytes"] = index_->block_crc_bytes();
-  j["checksums_on_read"] = read_sums_->recorded();
+  j["checksums_on_read"] = read_->read_sums().recorded();
   j["backing_bytes_written"] = backing_->bytes_written();
   j["bytes_served"] = bytes_read_.load();
-  if (cache_) {
-    store::BlockCacheStats c = cache_->Stats();
+  if (store::BlockCache* cache = read_->cache()) {
+    store::BlockCacheStats c = cache->Stats();
     j["cache_hits"] = c.hits;
     j["cache_misses"] = c.misses;
     j["cache_dedup_waits"] = c.dedup_waits;
@@ -118,7 +194,7 @@ std::string Filesystem::StatsJson() {
     j["cache_limit"] = c.budget_bytes;
     j["cache_peak"] = c.peak_used_bytes;
     j["cache_backing_bytes_read"] = c.backing_bytes_read;
-    j["cache_direct_bytes_read"] = cache_source_->Stats().direct_bytes_read;
+    j["cache_direct_bytes_read"] = read_->cache_source()->Stats().direct_bytes_read;
     j["cache_free_buffers"] = c.free_buffer_bytes;
     j["cache_bytes_served"] = c.bytes_served;
     j["prefetched_bytes"] = c.prefetched_bytes;
@@ -145,7 +221,7 @@ std::string Filesystem::StatsJson() {
   j["flush_retries"] = pipeline_->retries();
   j["flush_parked"] = pipeline_->parked();
   {
-    std::lock_guard lock(ns_mu_);
+    MutexLock lock(&ns_mu_);
     uint64_t files_pending = 0;
     for (const auto& [_, node] : inodes_) {
       if (node->write && (node->write->needs_publish ||
@@ -159,7 +235,7 @@ std::string Filesystem::StatsJson() {
   j["checkpoints"] = checkpoints_->CountByState();
   j["errors"] = errors_.load() + pipeline_->errors();
   {
-    std::lock_guard lock(error_mu_);
+    MutexLock lock(&error_mu_);
     j["last_error"] = last_error_;
   }
   return JsonText(j, 1) + "\n";
@@ -307,7 +383,7 @@ std::string Filesystem::ProgressJson(uint64_t ino) {
   nlohmann::json j = {{"state", "published"}, {"bytes_total", 0}, {"bytes_done", 0},
                       {"error", ""}};
   if (ino < kFirstNodeIno && ino != kRootIno) return JsonText(j);
-  std::lock_guard lock(ns_mu_);
+  MutexLock lock(&ns_mu_);
   auto node = NodeLocked(ino);
   if (!node) return JsonText(j);
   const uint64_t applied = journal_->applied();
@@ -401,21 +477,21 @@ Status Filesystem::SetXattr(uint64_t ino, const std::string& name, const std::st
   if (name != kAbortXattr) return Status(Code::kUnsupported, "setxattr " + name);
   std::string path;
   {
-    std::lock_guard lock(ns_mu_);
+    MutexLock lock(&ns_mu_);
     auto node = NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     path = PathLocked(node.get());
   }
   std::vector<std::string> dropped = Abort(path);
   nlohmann::json report = {{"path", path}, {"dropped", dropped}};
-  std::lock_guard lock(error_mu_);
+  MutexLock lock(&error_mu_);
   last_abort_report_ = JsonText(report, 1) + "\n";
   return Status::Ok();
 }
 
 Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) {
   if (name == kAbortReportXattr) {
-    std::lock_guard lock(error_mu_);
+    MutexLock lock(&error_mu_);
     return last_abort_report_.empty() ? std::string("{}\n") : last_abort_report_;
   }
   if (name == kProgressXattr) return ProgressJson(ino);
@@ -423,7 +499,7 @@ Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) 
     // Checksums the items that have none yet (read from the backing store once).
     std::string path;
     {
-      std::lock_guard lock(ns_mu_);
+      MutexLock lock(&ns_mu_);
       auto node = NodeLocked(ino);
       if (!node || node->type != NodeType::kDir) return Invalid("checksums need a checkpoint dir");
       path = PathLocked(node.get());
@@ -436,7 +512,7 @@ Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) 
     // Re-reads the checkpoint from the backing store and checks structure and checksums.
     std::string path;
     {
-      std::lock_guard lock(ns_mu_);
+      MutexLock lock(&ns_mu_);
       auto node = NodeLocked(ino);
       if (!node || node->type != NodeType::kDir) return Invalid("verify needs a checkpoint dir");
       path = PathLocked(node.get());

@@ -219,9 +219,10 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   if (!r.ok()) return ReplyErr(req, r.status());
   Handle* h = *r;
   fi->fh = reinterpret_cast<uint64_t>(h);
-  if (!h->node) {
+  const FileHandle* f = h->file();
+  if (f == nullptr) {
     fi->direct_io = 1;  // control files: generated content, size unknown to the kernel
-  } else if (h->keep_cache) {
+  } else if (f->keep_cache) {
     fi->keep_cache = 1;  // a committed checkpoint's file: share the page cache
   }
   if (fuse_reply_open(req, fi) != 0) Fs(req)->Release(h);
@@ -282,11 +283,12 @@ void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
 
 void OpReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
   OpTimer timer(FuseOp::kReaddir);
-  Handle* h = H(fi);
+  const DirHandle* d = H(fi)->dir();
+  if (d == nullptr) return (void)fuse_reply_err(req, ENOTDIR);
   std::vector<char> buf(size);
   size_t used = 0;
-  for (size_t i = static_cast<size_t>(off); i < h->entries.size(); ++i) {
-    const auto& e = h->entries[i];
+  for (size_t i = static_cast<size_t>(off); i < d->entries.size(); ++i) {
+    const auto& e = d->entries[i];
     struct stat st;
     std::memset(&st, 0, sizeof(st));
     st.st_ino = e.ino;

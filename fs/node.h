@@ -3,7 +3,9 @@
 // The view is the backing store plus every journal entry not yet applied. A directory
 // is loaded from the backing store on first use; from then on its `children` are the
 // truth for the mount, and journal entries change the backing store to match in order.
-// All fields are guarded by Filesystem::ns_mu_ unless noted.
+// All fields are guarded by Filesystem::ns_mu_ unless noted. (Clang cannot name another
+// object's mutex on these fields; the Filesystem helpers that touch them are REQUIRES(ns_mu_).)
+// `data` is the exception: the data path reads it under the node's own `data_mu`.
 #pragma once
 
 #include <sys/stat.h>
@@ -13,6 +15,7 @@
 #include <memory>
 #include <string>
 
+#include "common/mutex.h"
 #include "fs/staged_file.h"
 
 namespace ckptfs::fs {
@@ -29,6 +32,19 @@ struct WriteState {
   bool needs_publish = true;     // changed since its last publish entry
   uint64_t publish_seq = 0;      // last publish entry of this file, 0 if none
   bool discarded = false;        // unlinked before publication: never published
+};
+
+// What read() and write() of an open file need of its node: a copy of the write state's
+// current contents and the file's error, kept by the namespace (Filesystem::SyncDataLocked
+// after every change of Node::write or Node::error), so the data path never takes
+// Filesystem::ns_mu_, which namespace work holds across backing-store I/O.
+struct NodeData {
+  std::shared_ptr<StagedFile> staged;  // Node::write->staged, or null
+  bool accepting = false;              // writes go to `staged` (needs_publish or discarded)
+  std::string error;                   // Node::error
+  // The time of the latest write, not yet taken into Node::attr (FoldWriteTimeLocked).
+  bool written = false;
+  struct timespec write_time {};
 };
 
 struct Node {
@@ -72,6 +88,9 @@ struct Node {
   // its bytes are still served from staging and its temp file.
   std::string halt_error;
   bool halt_transient = false;  // retried by itself
+  // Lock order: Filesystem::ns_mu_ before data_mu. A leaf: held only to copy NodeData.
+  mutable Mutex data_mu;
+  NodeData data GUARDED_BY(data_mu);
 };
 
 }  // namespace ckptfs::fs

@@ -32,19 +32,22 @@ bool IsReserved(uint64_t parent, const std::string& name) {
 }  // namespace
 
 Status Filesystem::OwnTempLocked(Node* node, int fd) {
-  Status owned = backing_->Fchown(fd, node->attr.st_uid, node->attr.st_gid);
+  return OwnTemp(node->attr.st_uid, node->attr.st_gid, node->attr.st_mode & 07777, fd);
+}
+
+Status Filesystem::OwnTemp(uid_t uid, gid_t gid, mode_t mode, int fd) {
+  Status owned = backing_->Fchown(fd, uid, gid);
   if (!owned.ok()) {
     // A daemon that is not root, or a backing store that squashes root (NFS), cannot
     // give files away. The bytes matter more than their owner: go on, and say so once.
     static std::atomic<bool> warned{false};
     if (!warned.exchange(true)) {
-      spdlog::warn("backing store refuses owner {}:{} ({}); files keep the daemon's owner",
-                   node->attr.st_uid, node->attr.st_gid, owned.ToString());
+      spdlog::warn("backing store refuses owner {}:{} ({}); files keep the daemon's owner", uid,
+                   gid, owned.ToString());
     }
   }
   // After the owner: a chown clears setuid/setgid, which the mode may hold on purpose.
-  if (::fchmod(fd, node->attr.st_mode & 07777) != 0) return Status::FromErrno(errno, "fchmod");
-  return Status::Ok();
+  return backing_->Fchmod(fd, mode);
 }
 
 Result<uint64_t> Filesystem::ChownLocked(Node* node, uid_t uid, gid_t gid) {
@@ -155,11 +158,11 @@ Result<Entry> Filesystem::MakeEmptyFile(uint64_t parent, const std::string& name
   CKPT_ASSIGN_OR_RETURN(auto created,
                         Create(parent, name, mode, O_CREAT | O_EXCL | O_WRONLY, caller));
   auto [entry, handle] = created;
-  std::shared_ptr<Node> node = handle->node;
+  std::shared_ptr<Node> node = handle->file()->node;
   Release(handle);  // the last writer: queues the publication of the empty file
   uint64_t seq = 0;
   {
-    std::lock_guard lock(ns_mu_);
+    MutexLock lock(&ns_mu_);
     if (node->write) seq = node->write->publish_seq;
   }
   if (seq != 0) CKPT_RETURN_IF_ERROR(WaitIfStrict(seq));
@@ -178,10 +181,11 @@ Result<Entry> Filesystem::Link(uint64_t ino, uint64_t new_parent, const std::str
   }
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(ino));  // a symlink's target may be read by path below
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(new_parent));
+  CKPT_RETURN_IF_ERROR(ProbeName(new_parent, new_name));
   Entry out;
   Result<uint64_t> seq = uint64_t{0};
   {
-    std::lock_guard lock(ns_mu_);
+    MutexLock lock(&ns_mu_);
     auto node = NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     if (node->type == NodeType::kDir) {
@@ -193,6 +197,7 @@ Result<Entry> Filesystem::Link(uint64_t ino, uint64_t new_parent, const std::str
     if (ChildLocked(dir.get(), new_name)) return Status(Code::kExists, new_name);
     if (node->parent == nullptr) return NotFound("link of an unlinked file");
     if (!node->error.empty()) return Status(Code::kIo, node->error);
+    FoldWriteTimeLocked(node.get());  // the link shows the inode's times
     if (node->write) {
       // Open writers would publish later bytes by renaming a new copy over this name,
       // which would split the link: refuse rather than let the names drift apart.
@@ -246,17 +251,19 @@ Result<Entry> Filesystem::Link(uint64_t ino, uint64_t new_parent, const std::str
   return out;
 }
 
-Status Filesystem::Fallocate(Handle* h, int mode, uint64_t offset, uint64_t length) {
+Status Filesystem::Fallocate(Handle* handle, int mode, uint64_t offset, uint64_t length) {
   if (mode != 0) {
     return Unsupported("fallocate mode " + std::to_string(mode) + " (only mode 0 is supported)");
   }
-  if (!h->node || !h->writable) return Status(Code::kPermission, "not open for writing");
+  FileHandle* h = handle->file();
+  if (h == nullptr || !h->writable) return Status(Code::kPermission, "not open for writing");
   if (length == 0) return Invalid("fallocate of 0 bytes");
   const uint64_t end = offset + length;
   for (int attempt = 0;; ++attempt) {
-    std::lock_guard lock(ns_mu_);
+    MutexLock lock(&ns_mu_);
     Node* node = h->node.get();
     if (node->type != NodeType::kFile) return Invalid("fallocate of a non-regular file");
+    FoldWriteTimeLocked(node);
     if (!node->error.empty()) return Status(Code::kIo, node->error);
     if (node->attr.st_nlink > 1) {
       return Status(Code::kTooManyLinks, "a file with several hard links cannot be rewritten");
@@ -267,7 +274,6 @@ Status Filesystem::Fallocate(Handle* h, int mode, uint64_t offset, uint64_t leng
       if (node->parent == nullptr) CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
     }
     std::shared_ptr<StagedFile> staged = node->write->staged;
-    h->staged = staged;
     // Reserve the blocks in the temp file first, so ENOSPC comes back here and not at
     // the flush; then extend the file as mode 0 does (the new bytes read as zeros).
     CKPT_RETURN_IF_ERROR(backing_->Fallocate(staged->target()->fd(), FALLOC_FL_KEEP_SIZE,

@@ -162,8 +162,7 @@ Status StagedFile::Truncate(uint64_t size) {
   target_->WaitIdle();
   CKPT_RETURN_IF_ERROR(target_->Error());
   target_->NoteTruncated(size);  // before the cut: block checksums must never be stale
-  if (::ftruncate(target_->fd(), static_cast<off_t>(size)) != 0) {
-    Status st = Status::FromErrno(errno, "truncate");
+  if (Status st = ctx_.backing->Ftruncate(target_->fd(), static_cast<off_t>(size)); !st.ok()) {
     target_->SetError(st);
     return st;
   }

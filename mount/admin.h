@@ -22,6 +22,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/control_names.h"
 #include "common/status.h"
 
 namespace ckptfs::admin {
@@ -33,8 +34,9 @@ inline constexpr int kExitFailed = 1;
 // Usage error, path not inside a ckptfs mount, timeout, or any other error.
 inline constexpr int kExitError = 2;
 
-inline constexpr char kProgressXattr[] = "user.ckptfs.progress";
-inline constexpr char kStateXattr[] = "user.ckptfs.state";
+// The xattr and control-file names: common/control_names.h (shared with the daemon).
+using ckptfs::kProgressXattr;
+using ckptfs::kStateXattr;
 
 // ---------------------------------------------------------------------------------------
 // The OS, as ckptfs-admin sees it.

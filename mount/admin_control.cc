@@ -17,9 +17,6 @@ namespace {
 using internal::kPrefix;
 using json = nlohmann::json;
 
-constexpr char kResumeXattr[] = "user.ckptfs.resume";
-constexpr char kAbortXattr[] = "user.ckptfs.abort";
-constexpr char kAbortReportXattr[] = "user.ckptfs.aborted";
 
 }  // namespace
 

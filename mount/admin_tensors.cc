@@ -23,7 +23,7 @@ Result<std::string> ViewDirOf(const std::string& ckpt) {
   if (::realpath(ckpt.c_str(), real) == nullptr) return Status::FromErrno(errno, ckpt);
   std::string rel = std::string(real).substr(root.size());
   while (!rel.empty() && rel.front() == '/') rel.erase(0, 1);
-  return root + "/.ckptfs/tensors" + (rel.empty() ? "" : "/" + rel);
+  return root + "/" + kCtlDirName + "/" + kCtlTensorsName + (rel.empty() ? "" : "/" + rel);
 }
 
 // One meta.json per fqn, in name order.
@@ -100,7 +100,7 @@ int RunLs(const std::string& ckpt, bool json, std::ostream& out, std::ostream& e
 
 int RunVerify(AdminEnv* env, const std::string& ckpt, bool json, std::ostream& out,
               std::ostream& err) {
-  auto text = env->GetXattr(ckpt, "user.ckptfs.verify");
+  auto text = env->GetXattr(ckpt, kVerifyXattr);
   if (!text.ok()) {
     err << kPrefix << ckpt << ": " << text.status().message() << "\n";
     return 2;
@@ -137,7 +137,7 @@ int RunDiff(AdminEnv* env, const std::string& a, const std::string& b, bool json
             std::ostream& out, std::ostream& err) {
   // Checkpoints saved elsewhere carry no checksums until their items are read once.
   for (const std::string& ckpt : {a, b}) {
-    auto filled = env->GetXattr(ckpt, "user.ckptfs.checksums");
+    auto filled = env->GetXattr(ckpt, kChecksumsXattr);
     if (!filled.ok()) {
       err << kPrefix << ckpt << ": " << filled.status().message() << "\n";
       return 2;

@@ -406,4 +406,34 @@ Status BackingDir::Fallocate(int fd, int mode, off_t offset, off_t len) {
   return Status::Ok();
 }
 
+Status BackingDir::Fchmod(int fd, mode_t mode) {
+  if (::fchmod(fd, mode) != 0) return OsError(errno, "fchmod");
+  return Status::Ok();
+}
+
+Status BackingDir::Ftruncate(int fd, off_t size) {
+  while (::ftruncate(fd, size) != 0) {
+    if (errno != EINTR) return OsError(errno, "truncate");
+  }
+  return Status::Ok();
+}
+
+Result<struct stat> BackingDir::Fstat(int fd) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return OsError(errno, "fstat");
+  return st;
+}
+
+Status BackingDir::CopyFileRange(int in_fd, int out_fd, uint64_t len) {
+  loff_t in = 0, out = 0;
+  uint64_t left = len;
+  while (left > 0) {
+    ssize_t n = ::copy_file_range(in_fd, &in, out_fd, &out, left, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return OsError(n < 0 ? errno : EIO, "copy for rewrite");
+    left -= static_cast<uint64_t>(n);
+  }
+  return Status::Ok();
+}
+
 }  // namespace ckptfs::store

@@ -84,6 +84,12 @@ class BackingDir {
   virtual Status Fchown(int fd, uid_t uid, gid_t gid);
   // fallocate(2) on an fd opened above; EOPNOTSUPP where the backing fs lacks `mode`.
   virtual Status Fallocate(int fd, int mode, off_t offset, off_t len);
+  virtual Status Fchmod(int fd, mode_t mode);
+  virtual Status Ftruncate(int fd, off_t size);
+  virtual Result<struct stat> Fstat(int fd);
+  // Copies `len` bytes from offset 0 of `in_fd` to offset 0 of `out_fd` with
+  // copy_file_range(2): a reflink where the file system shares extents (XFS, btrfs).
+  virtual Status CopyFileRange(int in_fd, int out_fd, uint64_t len);
 
   uint64_t bytes_read() const { return bytes_read_.load(std::memory_order_relaxed); }
   uint64_t bytes_written() const { return bytes_written_.load(std::memory_order_relaxed); }

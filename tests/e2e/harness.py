@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+import unittest
 
 BIN_DIR = os.environ.get(
     "CKPTFS_BIN_DIR",
@@ -168,6 +169,28 @@ def arm_watchdog(test, mount, seconds):
     timer.daemon = True
     timer.start()
     test.addCleanup(timer.cancel)
+
+
+class MountedTest(unittest.TestCase):
+    """Base of the tests that mount ckptfs. mount() makes a Mount whose cleanup (unmount,
+    kill exactly its PID, remove its directories) is registered at once, so it runs before
+    the cleanups registered earlier (a tmpfs under it: LIFO); then, unless start=False,
+    starts it and arms the watchdog (arm_watchdog) for WATCHDOG_S seconds."""
+
+    WATCHDOG_S = 300
+
+    def mount(self, args=(), start=True, watchdog_s=None, **kw):
+        m = Mount(args=list(args), **kw)
+        self.addCleanup(m.cleanup)
+        if start:
+            self.start_mount(m, watchdog_s)
+        return m
+
+    def start_mount(self, m, watchdog_s=None):
+        """Starts a Mount made with mount(start=False) and arms its watchdog."""
+        m.start()
+        arm_watchdog(self, m, watchdog_s or self.WATCHDOG_S)
+        return m
 
 
 def make_tmpfs(test, mb, prefix):

@@ -20,7 +20,6 @@ import subprocess
 import unittest
 
 import harness
-from harness import Mount
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOL = os.path.join(HERE, "alternate_rw.py")
@@ -35,12 +34,9 @@ def run_tool(test, mode, path, *extra, timeout=300):
     return r.stdout
 
 
-class AlternateReadWrite(unittest.TestCase):
+class AlternateReadWrite(harness.MountedTest):
     def run_mode(self, durability, cache="1G"):
-        m = Mount(args=["--durability", durability, "--cache-mem", cache])
-        self.addCleanup(m.cleanup)
-        m.start()
-        harness.arm_watchdog(self, m, 400)
+        m = self.mount(["--durability", durability, "--cache-mem", cache], watchdog_s=400)
         store = os.path.join(m.mnt, "filestore")
         shard = os.path.join(m.mnt, "shard.distcp")
         free = os.path.join(m.mnt, "free")
@@ -64,10 +60,7 @@ class AlternateReadWrite(unittest.TestCase):
     def run_torch_filestore(self, durability):
         """The real client: torch's c10d FileStore, two ranks taking turns on one file.
         (It did not fail in 3 x 2000 rounds before the fix; the lockstep runs above do.)"""
-        m = Mount(args=["--durability", durability])
-        self.addCleanup(m.cleanup)
-        m.start()
-        harness.arm_watchdog(self, m, 300)
+        m = self.mount(["--durability", durability])
         r = subprocess.run(["/usr/bin/python3", os.path.join(HERE, "filestore_ranks.py"),
                             os.path.join(m.mnt, "store"), "300"],
                            capture_output=True, text=True, timeout=240)

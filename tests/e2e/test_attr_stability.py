@@ -22,7 +22,6 @@ import time
 import unittest
 
 import harness
-from harness import Mount
 
 MiB = 1 << 20
 ATTR_TIMEOUT = 1.2  # the mount's attribute timeout is 1 s
@@ -41,14 +40,11 @@ def published(path, timeout=60):
         time.sleep(0.01)
 
 
-class AttrStability(unittest.TestCase):
+class AttrStability(harness.MountedTest):
     durability = "async"
 
     def setUp(self):
-        self.m = Mount(args=["--durability", self.durability])
-        self.addCleanup(self.m.cleanup)
-        self.m.start()
-        harness.arm_watchdog(self, self.m, 300)
+        self.m = self.mount(["--durability", self.durability])
 
     def p(self, *parts):
         return os.path.join(self.m.mnt, *parts)
@@ -175,10 +171,7 @@ class ReflinkRewrite(unittest.TestCase):
     def run_mode(self, durability):
         back = os.path.join(self.backing, durability)
         os.mkdir(back)
-        m = Mount(args=["--durability", durability], backing=back)
-        self.addCleanup(m.cleanup)
-        m.start()
-        harness.arm_watchdog(self, m, 300)
+        m = self.mount(["--durability", durability], backing=back)
         grew = rewrite_one_byte(self, m, f"XFS reflink ({durability})")
         self.assertLess(grew, 8 * MiB, "the rewrite copied the file instead of sharing it")
         self.assertEqual(m.unmount(), 0, m.log_text())

@@ -12,7 +12,7 @@ import time
 import unittest
 
 import harness
-from harness import ADMIN, Mount
+from harness import ADMIN
 
 MiB = 1 << 20
 
@@ -39,12 +39,9 @@ def settle(m, timeout=60):
     raise AssertionError(f"journal not drained: {m.stats()}")
 
 
-class CheckpointRegistry(unittest.TestCase):
+class CheckpointRegistry(harness.MountedTest):
     def run_mode(self, durability):
-        m = Mount(args=["--durability", durability])
-        self.addCleanup(m.cleanup)
-        m.start()
-        harness.arm_watchdog(self, m, 300)
+        m = self.mount(["--durability", durability])
         save(os.path.join(m.mnt, "deleted"))
         shutil.rmtree(os.path.join(m.mnt, "deleted"))  # commit possibly still queued
         save(os.path.join(m.mnt, "run"))

@@ -40,7 +40,6 @@ import time
 import unittest
 
 import harness
-from harness import Mount
 
 MiB = 1 << 20
 HANG_S = 120
@@ -87,16 +86,13 @@ def fill(path, chunk=MiB):
     return filler
 
 
-class ExhaustionBase(unittest.TestCase):
+class ExhaustionBase(harness.MountedTest):
     def make_tmpfs(self, mb, prefix):
         return harness.make_tmpfs(self, mb, prefix)
 
     def mount(self, args=(), **kw):
-        m = Mount(args=list(args), **kw)
-        self.addCleanup(m.cleanup)   # before the tmpfs cleanups (LIFO)
-        m.start()
+        m = super().mount(args, **kw)  # cleaned up before the tmpfs cleanups (LIFO)
         self.m = m
-        harness.arm_watchdog(self, m, 300)
         self.addCleanup(self.dump_log_on_failure)
         return m
 

@@ -22,7 +22,6 @@ import sys
 import unittest
 
 import harness
-from harness import Mount
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNNER = os.path.join(HERE, "multiuser_ops.py")
@@ -243,7 +242,7 @@ def diff_trees(expected, got):
     return problems
 
 
-class MultiUserTest(unittest.TestCase):
+class MultiUserTest(harness.MountedTest):
     MOUNT_ARGS = ("-o", "allow_other")
 
     def setUp(self):
@@ -251,14 +250,12 @@ class MultiUserTest(unittest.TestCase):
             self.skipTest("needs root (allow_other mount, setpriv)")
         if shutil.which("setpriv") is None:
             self.skipTest("needs setpriv (util-linux)")
-        self.m = Mount(args=self.MOUNT_ARGS)
-        self.addCleanup(self.m.cleanup)
+        self.m = self.mount(self.MOUNT_ARGS, start=False)
         os.chmod(self.m.root, 0o755)
         os.chmod(self.m.backing, 0o755)
         self.plain = os.path.join(self.m.root, "plain")
         os.mkdir(self.plain, 0o755)
-        self.m.start()
-        harness.arm_watchdog(self, self.m, 300)
+        self.start_mount(self.m)
 
     def run_sequence(self, root):
         results = []

@@ -24,7 +24,7 @@ import unittest
 
 import dcp_tool
 import harness
-from harness import ADMIN, Mount
+from harness import ADMIN
 
 RANKS = 2
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -67,7 +67,7 @@ def copy_file(src, dst):
             o.write(b)
 
 
-class Publication(unittest.TestCase):
+class Publication(harness.MountedTest):
     @classmethod
     def setUpClass(cls):
         # One real torch checkpoint, per-item layout (many files), saved directly.
@@ -81,23 +81,21 @@ class Publication(unittest.TestCase):
     def tearDownClass(cls):
         subprocess.run(["rm", "-rf", cls.src_root], check=False)
 
+    WATCHDOG_S = 600
+
     def mount(self, durability, args=(), env=None, backing=None):
-        m = Mount(args=["--durability", durability] + list(args), backing=backing)
-        self.addCleanup(m.cleanup)
-        if env:
-            old = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                m.start()
-            finally:
-                for k, v in old.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-        else:
-            m.start()
-        harness.arm_watchdog(self, m, 600)
+        m = super().mount(["--durability", durability] + list(args), start=False,
+                          backing=backing)
+        old = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})
+        try:
+            self.start_mount(m)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         return m
 
     def diag(self, m):

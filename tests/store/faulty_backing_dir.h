@@ -6,7 +6,10 @@
 // A hook can instead decide per call, from the call's arguments. The ownership and
 // special-file calls (Chown, Fchown, Link, Mknod, Fallocate) share one hook that gets
 // the call's name ("chown", "fchown", "link", "mknod", "fallocate") and its path (the
-// new name for Link, empty for the fd calls). A hook runs before any
+// new name for Link, empty for the fd calls); so do the fd calls a rewrite makes
+// (Fchmod, Ftruncate, CopyFileRange: "fchmod", "ftruncate", "copy_file_range"). The
+// lookups (Stat, OpenFile, List) have their own hook, SetLookupHook, that gets "stat",
+// "open" or "list" and the path. A hook runs before any
 // lock of this class is taken, so it may block on a latch to order a race
 // deterministically.
 //
@@ -133,6 +136,10 @@ class FaultyBackingDir : public BackingDir {
     std::lock_guard l(fault_mu_);
     posix_hook_ = std::move(hook);
   }
+  void SetLookupHook(PosixHook hook) {
+    std::lock_guard l(fault_mu_);
+    lookup_hook_ = std::move(hook);
+  }
 
   uint64_t pwrite_calls() const { return pwrite_calls_.load(); }
   uint64_t fsync_calls() const { return fsync_calls_.load(); }
@@ -186,13 +193,17 @@ class FaultyBackingDir : public BackingDir {
   // ------------------------------------------------------------ BackingDir overrides
 
   Result<UniqueFd> OpenFile(const std::string& path, int flags, mode_t mode = 0) override {
+    int err = LookupHookErr("open", path);
     std::shared_lock crash(crash_mu_);
     if (crashed_) return Dead("open " + path);
+    if (err != 0) return Injected(err, "open " + path);
     return BackingDir::OpenFile(path, flags, mode);
   }
   Result<struct stat> Stat(const std::string& path) override {
+    int err = LookupHookErr("stat", path);
     std::shared_lock crash(crash_mu_);
     if (crashed_) return Dead("stat " + path);
+    if (err != 0) return Injected(err, "stat " + path);
     return BackingDir::Stat(path);
   }
   Status Mkdir(const std::string& path, mode_t mode) override {
@@ -283,9 +294,38 @@ class FaultyBackingDir : public BackingDir {
     if (err != 0) return Injected(err, "fallocate");
     return BackingDir::Fallocate(fd, mode, offset, len);
   }
+  Status Fchmod(int fd, mode_t mode) override {
+    int err = PosixHookErr("fchmod", "");
+    std::shared_lock crash(crash_mu_);
+    if (crashed_) return Dead("fchmod");
+    if (err != 0) return Injected(err, "fchmod");
+    return BackingDir::Fchmod(fd, mode);
+  }
+  Status Ftruncate(int fd, off_t size) override {
+    int err = PosixHookErr("ftruncate", "");
+    std::shared_lock crash(crash_mu_);
+    if (crashed_) return Dead("ftruncate");
+    if (err != 0) return Injected(err, "ftruncate");
+    return BackingDir::Ftruncate(fd, size);
+  }
+  Status CopyFileRange(int in_fd, int out_fd, uint64_t len) override {
+    int err = PosixHookErr("copy_file_range", "");
+    std::shared_lock crash(crash_mu_);
+    if (crashed_) return Dead("copy_file_range");
+    if (err != 0) return Injected(err, "copy_file_range");
+    NoteWrite(out_fd);
+    return BackingDir::CopyFileRange(in_fd, out_fd, len);
+  }
+  Result<struct stat> Fstat(int fd) override {
+    std::shared_lock crash(crash_mu_);
+    if (crashed_) return Dead("fstat");
+    return BackingDir::Fstat(fd);
+  }
   Result<std::vector<DirEntry>> List(const std::string& path) override {
+    int err = LookupHookErr("list", path);
     std::shared_lock crash(crash_mu_);
     if (crashed_) return Dead("list " + path);
+    if (err != 0) return Injected(err, "list " + path);
     return BackingDir::List(path);
   }
   Result<struct statvfs> StatFs() override {
@@ -409,6 +449,11 @@ class FaultyBackingDir : public BackingDir {
     PosixHook hook = Copy(posix_hook_);
     return hook ? hook(op, path) : 0;
   }
+  // The errno the lookup hook wants for `op` on `path`, or 0. Runs before any lock.
+  int LookupHookErr(const char* op, const std::string& path) {
+    PosixHook hook = Copy(lookup_hook_);
+    return hook ? hook(op, path) : 0;
+  }
   // REQUIRES(crash_mu_ shared)
   void NoteWrite(int fd) {
     struct stat st;
@@ -438,6 +483,7 @@ class FaultyBackingDir : public BackingDir {
   RenameHook rename_hook_;                                    // GUARDED_BY(fault_mu_)
   PathHook sync_parent_hook_;                                 // GUARDED_BY(fault_mu_)
   PosixHook posix_hook_;                                      // GUARDED_BY(fault_mu_)
+  PosixHook lookup_hook_;                                     // GUARDED_BY(fault_mu_)
 
   mutable std::mutex state_mu_;
   std::map<Key, Unsynced> unsynced_;  // GUARDED_BY(state_mu_)

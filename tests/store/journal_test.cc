@@ -803,11 +803,11 @@ TEST_F(JournalTest, AShardAheadOfItsCommitWaitsForAnEntryThatTouchesItsName) {
   Journal::Hooks hooks;
   std::atomic<int> gate_calls{0};
   hooks.commit_gate = [&](const JournalEntry&, const QueuedFn& queued) -> CommitCheck {
+    // The shard is still to come when the gate is first asked (the test queues it after
+    // the commit): "not yet" either way, never "gone".
     ++gate_calls;
-    if (queued("ck/__0_0.distcp")) {
-      return CommitCheck::Wait({"ck/__0_0.distcp"}, std::chrono::milliseconds(20));
-    }
-    return Status(Code::kAborted, "shard gone");
+    (void)queued;
+    return CommitCheck::Wait({"ck/__0_0.distcp"}, std::chrono::milliseconds(20));
   };
   MakeJournal(std::move(hooks));
   ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());

@@ -1,0 +1,61 @@
+// Small helpers shared by the fs/ units: names, paths and times. Internal to fs/.
+#pragma once
+
+#include <sys/stat.h>
+#include <time.h>
+
+#include <cstddef>
+#include <string>
+
+#include "common/control_names.h"
+#include "common/status.h"
+#include "fs/node.h"
+
+namespace ckptfs::fs {
+
+inline constexpr blksize_t kBlockSize = 1 << 20;  // Python's buffered I/O reads this much
+inline constexpr double kCommittedTimeout = 3600.0;
+inline constexpr double kDefaultTimeout = 1.0;
+inline constexpr size_t kNameMax = 255;  // NAME_MAX of every Linux file system we back onto
+
+// Refuses names the backing store could not hold, before anything is queued.
+inline Status CheckName(const std::string& name) {
+  if (name.size() > kNameMax) {
+    return Status(Code::kNameTooLong, "name longer than 255 bytes");
+  }
+  return Status::Ok();
+}
+
+inline bool IsTempName(const std::string& name) {
+  return name.compare(0, sizeof(kTempPrefix) - 1, kTempPrefix) == 0;
+}
+
+// The node type of a backing store entry. FIFOs, sockets and devices are kSpecial: the
+// daemon never opens them (an open of a FIFO would block a FUSE thread).
+inline NodeType TypeOf(mode_t mode) {
+  if (S_ISDIR(mode)) return NodeType::kDir;
+  if (S_ISLNK(mode)) return NodeType::kSymlink;
+  if (S_ISREG(mode)) return NodeType::kFile;
+  return NodeType::kSpecial;
+}
+
+inline std::string JoinPath(const std::string& dir, const std::string& name) {
+  return dir.empty() ? name : dir + "/" + name;
+}
+
+inline std::string ParentOf(const std::string& path) {
+  auto slash = path.rfind('/');
+  return slash == std::string::npos ? "" : path.substr(0, slash);
+}
+
+inline struct timespec Now() {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return ts;
+}
+
+inline bool SameTime(const struct timespec& a, const struct timespec& b) {
+  return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec;
+}
+
+}  // namespace ckptfs::fs

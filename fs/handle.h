@@ -1,0 +1,79 @@
+// Handle: an open file or directory (the FUSE file handle), one kind of several.
+//
+// The kind is fixed at open; the facade (fs/filesystem.h) routes each call by it.
+// Handles are heap objects owned by the kernel's fh until release; never moved.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "common/unique_fd.h"
+#include "store/cache/backing_source.h"
+#include "fs/node.h"
+#include "store/cache/block_cache.h"
+
+namespace ckptfs::fs {
+
+// A file of the namespace (fs/node.h). Its data source is the node's staged contents
+// while it has a write state (Node::data), else `fd`.
+struct FileHandle {
+  std::shared_ptr<Node> node;
+  bool writable = false;
+  // The backing file, opened when the file had no write state: the current version for as
+  // long as it has none (a write state lives until every handle is closed). Set at open only.
+  std::shared_ptr<const UniqueFd> fd;
+  store::BlockId block;                // its backing path and version at open (block cache)
+  std::string ckpt, file;              // checkpoint dir and file name, when in a checkpoint
+  std::atomic<uint64_t> prefetched_end{0};  // end of the last item prefetched by this handle
+  bool keep_cache = false;             // a committed checkpoint's file
+  bool indexed = false;                // its checkpoint was indexed when it was opened
+};
+
+// A control file or a tensor view's meta.json: generated at open.
+struct ContentHandle {
+  std::string content;
+};
+
+// A tensor-view chunk file: the window [base, base + size) of a backing file.
+struct ViewHandle {
+  std::shared_ptr<UniqueFd> fd;
+  uint64_t base = 0, size = 0;
+};
+
+// A directory, listed at opendir (`node` is null for the virtual ones).
+struct DirHandle {
+  struct Ent {
+    std::string name;
+    uint64_t ino;
+    mode_t type;
+  };
+  std::shared_ptr<Node> node;
+  std::vector<Ent> entries;
+};
+
+struct Handle {
+  std::variant<FileHandle, ContentHandle, ViewHandle, DirHandle> kind;
+
+  FileHandle* file() { return std::get_if<FileHandle>(&kind); }
+  const FileHandle* file() const { return std::get_if<FileHandle>(&kind); }
+  ContentHandle* content() { return std::get_if<ContentHandle>(&kind); }
+  ViewHandle* view() { return std::get_if<ViewHandle>(&kind); }
+  DirHandle* dir() { return std::get_if<DirHandle>(&kind); }
+  const DirHandle* dir() const { return std::get_if<DirHandle>(&kind); }
+  // The inode of a namespace file or directory, 0 for the virtual kinds (for logs).
+  uint64_t ino() const;
+};
+
+inline uint64_t Handle::ino() const {
+  if (const FileHandle* f = file()) return f->node->ino;
+  if (const DirHandle* d = dir(); d != nullptr && d->node) return d->node->ino;
+  return 0;
+}
+
+}  // namespace ckptfs::fs

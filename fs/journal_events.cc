@@ -1,0 +1,140 @@
+// Journal events: what the namespace, the checkpoint registry, the key index and the
+// stats learn when the journal applies an entry or halts at one. Runs on the journal's
+// thread; takes ns_mu_ only to update the nodes, after the registry and index calls.
+#include <spdlog/spdlog.h>
+
+#include "fs/filesystem.h"
+#include "fs/fs_util.h"
+#include "store/dcp/dcp_metadata.h"
+
+namespace ckptfs::fs {
+
+bool Filesystem::WrittenLocally(const std::string& path) {
+  MutexLock lock(&ns_mu_);
+  // Only the in-memory tree: a name this mount never loaded was not written through it.
+  Node* node = root_.get();
+  size_t start = 0;
+  while (node != nullptr && start <= path.size()) {
+    size_t slash = path.find('/', start);
+    std::string name = path.substr(start, slash == std::string::npos ? std::string::npos
+                                                                      : slash - start);
+    auto it = node->children.find(name);
+    node = it == node->children.end() ? nullptr : it->second.get();
+    if (slash == std::string::npos) break;
+    start = slash + 1;
+  }
+  return node != nullptr && node->write && node->write->needs_publish;
+}
+
+void Filesystem::OnJournalHalt(const store::JournalEntry& e, const Status& st) {
+  const std::string dir = ParentOf(e.path);
+  if (st.ok()) {
+    checkpoints_->OnResumed(dir);
+  } else {
+    NoteError("publication halted at " + e.Describe() + ": " + st.ToString());
+    checkpoints_->OnFailed(dir, st.ToString());
+  }
+  if (e.op != store::OpType::kPublish) return;
+  MutexLock lock(&ns_mu_);
+  auto it = publishing_.find(e.file_id);
+  if (it != publishing_.end()) {
+    it->second->halt_error = st.ok() ? "" : st.ToString();
+    it->second->halt_transient = store::IsTransient(st);
+  }
+}
+
+void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
+  const std::string dir = ParentOf(e.path);
+  const bool commit = (e.op == store::OpType::kPublish || e.op == store::OpType::kRename) &&
+                      store::IsCommitName(e.path);
+  if (e.op == store::OpType::kPublish && st.ok()) {
+    if (e.atime_sec || e.atime_nsec || e.mtime_sec || e.mtime_nsec) {
+      struct timespec ts[2] = {{e.atime_sec, e.atime_nsec}, {e.mtime_sec, e.mtime_nsec}};
+      (void)backing_->Utimens(e.path, ts);
+    }
+    bytes_published_.fetch_add(e.size);
+    files_published_.fetch_add(1);
+    checkpoints_->OnFilePublished(dir, e.size, e.seq);
+    HandOverBlockCrcs(e);
+  }
+  if (!st.ok()) {
+    NoteError(e.Describe() + ": " + st.ToString());
+    if (e.op == store::OpType::kPublish || commit) {
+      if (st.code() == Code::kAborted) {
+        checkpoints_->OnAborted(dir, st.ToString());
+      } else {
+        checkpoints_->OnFailed(dir, st.ToString(), e.seq);
+      }
+    }
+  } else if (commit) {
+    checkpoints_->OnCommitted(dir, e.seq);
+    read_->QueueIndexBuild(dir);
+  }
+  // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
+  checkpoints_->OnApplied(journal_->applied());
+  if (st.ok() && e.op == store::OpType::kRename) index_->OnRenamed(e.from, e.path);
+  if (st.ok() && e.op == store::OpType::kRmdir) index_->Forget(e.path);
+  if (e.op != store::OpType::kPublish) return;
+  if (uint64_t dropped = NodePublishDone(e, st)) RefreshAttr(dropped);
+}
+
+uint64_t Filesystem::NodePublishDone(const store::JournalEntry& e, const Status& st) {
+  MutexLock lock(&ns_mu_);
+  auto it = publishing_.find(e.file_id);
+  if (it == publishing_.end()) return 0;
+  std::shared_ptr<Node> node = it->second;
+  publishing_.erase(it);
+  if (st.ok()) node->halt_error.clear();  // published after retries
+  if (!st.ok()) {
+    node->error = "publication failed: " + st.ToString();
+    node->on_backing = false;
+    SyncDataLocked(node.get());
+  }
+  uint64_t dropped = 0;
+  if (node->write && node->write->file_id == e.file_id && node->open_files == 0 &&
+      !node->write->needs_publish) {
+    DropWriteStateLocked(node.get());
+    dropped = node->ino;
+  }
+  if (node->parent == nullptr && node->nlookup == 0 && !node->write) inodes_.erase(node->ino);
+  return dropped;
+}
+
+void Filesystem::ForgetVanishedCheckpoints() {
+  const uint64_t last = journal_->last_appended();
+  if (journal_->applied() < last) return;
+  // A removal counts only if no entry was queued meanwhile (a rename moves the record
+  // before the backing store).
+  auto gone = [&](const std::string& path) {
+    Result<struct stat> st = backing_->Stat(path);
+    return !st.ok() && st.status().code() == Code::kNotFound && journal_->last_appended() == last;
+  };
+  for (const auto& info : checkpoints_->List()) {
+    if (info.state == store::CkptState::kWriting || info.state == store::CkptState::kPending) {
+      continue;
+    }
+    if (gone(info.path)) {
+      spdlog::info("checkpoint {}: gone from the backing store", info.path);
+      checkpoints_->OnRemoved(info.path);
+      index_->Forget(info.path);
+    }
+  }
+  for (const auto& path : index_->IndexedCheckpoints()) {
+    if (!checkpoints_->Get(path) && gone(JoinPath(path, ".metadata"))) index_->Forget(path);
+  }
+}
+
+void Filesystem::HandOverBlockCrcs(const store::JournalEntry& e) {
+  if (!e.target) return;  // replayed after a restart: nothing was recorded
+  std::shared_ptr<store::BlockCrcMap> crcs = e.target->TakeBlockCrcs();
+  if (!crcs) return;
+  crcs->Finish(e.size);
+  // The identity after the rename and the times set above: a later change by anyone makes
+  // the key index ignore these CRCs.
+  Result<struct stat> st = backing_->Stat(e.path);
+  if (!st.ok()) return;
+  index_->AddBlockCrcs(e.path, store::FileKeyFromStat(*st), std::move(crcs));
+}
+
+
+}  // namespace ckptfs::fs

@@ -1,0 +1,170 @@
+#include "fs/read_path.h"
+
+#include <fcntl.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "fs/fs_util.h"
+#include "store/dcp/dcp_metadata.h"
+
+namespace ckptfs::fs {
+
+ReadPath::ReadPath(store::BackingDir* backing, store::KeyIndex* index,
+                   std::unique_ptr<store::BackingSource> source,
+                   std::unique_ptr<store::BlockCache> cache)
+    : backing_(backing),
+      index_(index),
+      source_(std::move(source)),
+      cache_(std::move(cache)),
+      read_sums_(std::make_unique<store::ReadChecksums>(index)) {}
+
+ReadPath::~ReadPath() { Stop(); }
+
+void ReadPath::Start() { worker_ = std::thread([this] { Run(); }); }
+
+void ReadPath::Stop() {
+  {
+    MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint64_t offset) {
+  if (!cache_) return backing_->PRead(h->fd->get(), out, len, static_cast<off_t>(offset));
+  // The file's version now, not at open: someone may have rewritten it in place. Its name
+  // for the cache is the backing path it was opened under; the open descriptor is lent to
+  // the cache's source, so a miss reads the very inode the application opened.
+  CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(h->fd->get()));
+  const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
+  Adopt(id, h->fd, st);
+  if (!h->ckpt.empty()) PrefetchItem(h, id, offset);
+  Result<size_t> got = cache_->Read(id, out, len, offset);
+  if (!got.ok() && (got.status().code() == Code::kAborted ||
+                    got.status().code() == Code::kNotFound)) {
+    // The source lost the descriptor (its bound was reached) and the path now names
+    // another file, or none: this handle's file is still readable directly.
+    got = backing_->PRead(h->fd->get(), out, len, static_cast<off_t>(offset));
+  }
+  if (got.ok() && h->indexed) {
+    read_sums_->OnRead(h->ckpt, h->file, store::FileKeyFromStat(st), offset, out, *got);
+  }
+  return got;
+}
+
+void ReadPath::Adopt(const store::BlockId& id, std::shared_ptr<const UniqueFd> fd,
+                     const struct stat& st) {
+  source_->Adopt(id, std::move(fd), st, [this](const std::string& p) { cache_->Invalidate(p); });
+}
+
+Result<size_t> ReadPath::ReadView(const ViewHandle& v, char* out, size_t len, uint64_t offset) {
+  if (offset >= v.size) return size_t{0};
+  size_t n = static_cast<size_t>(std::min<uint64_t>(len, v.size - offset));
+  CKPT_ASSIGN_OR_RETURN(size_t got,
+                        backing_->PRead(v.fd->get(), out, n, static_cast<off_t>(v.base + offset)));
+  if (got < n) {
+    // The index says these bytes exist; a short shard file must not pass as a short tensor.
+    return Status(Code::kIo, "tensor chunk extends past the end of its shard file");
+  }
+  return got;
+}
+
+void ReadPath::QueueIndexBuild(const std::string& ckpt) {
+  {
+    MutexLock lock(&mu_);
+    index_queue_.push_back(ckpt);
+  }
+  cv_.notify_one();
+}
+
+void ReadPath::QueuePrefetch(const std::string& ckpt) {
+  if (!cache_) return;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& queued : prefetch_queue_) {
+      if (queued == ckpt) return;
+    }
+    prefetch_queue_.push_back(ckpt);
+  }
+  cv_.notify_one();
+}
+
+void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
+  // Straight from `.metadata`: building the index here would read every item's header
+  // outside the cache, before the data itself.
+  auto md_fd = backing_->OpenFile(JoinPath(ckpt, ".metadata"), O_RDONLY);
+  if (!md_fd.ok()) return;
+  auto md_st = backing_->Fstat(md_fd->get());
+  if (!md_st.ok()) return;
+  std::string bytes(static_cast<size_t>(md_st->st_size), '\0');
+  auto got = backing_->PRead(md_fd->get(), bytes.data(), bytes.size(), 0);
+  if (!got.ok()) return;
+  bytes.resize(*got);
+  auto md = store::ParseDcpMetadata(bytes);
+  if (!md.ok()) {
+    spdlog::debug("prefetch of {}: {}", ckpt, md.status().ToString());
+    return;
+  }
+  size_t files = 0;
+  for (const auto& [file, length] : store::RequiredFileLengths(*md)) {
+    auto fd = backing_->OpenFile(JoinPath(ckpt, file), O_RDONLY);
+    if (!fd.ok()) continue;
+    auto st = backing_->Fstat(fd->get());
+    if (!st.ok()) continue;
+    const store::BlockId id = store::BlockIdFromStat(JoinPath(ckpt, file), *st);
+    Adopt(id, std::make_shared<const UniqueFd>(std::move(*fd)), *st);
+    cache_->Prefetch(id, 0, std::min<uint64_t>(length, static_cast<uint64_t>(st->st_size)));
+    ++files;
+  }
+  spdlog::debug("prefetch of {}: {} files queued", ckpt, files);
+}
+
+void ReadPath::PrefetchItem(FileHandle* h, const store::BlockId& id, uint64_t offset) {
+  if (!h->indexed) return;  // never build an index inside a read
+  if (offset < h->prefetched_end.load(std::memory_order_relaxed)) return;
+  auto item = index_->Locate(h->ckpt, h->file, offset);
+  if (!item || item->offset + item->length <= offset) return;
+  const uint64_t end = item->offset + item->length;
+  if (h->prefetched_end.exchange(end) >= end) return;  // another read got there first
+  uint64_t from = offset + cache_->block_bytes();
+  if (from < end) cache_->Prefetch(id, from, end - from);
+}
+
+void ReadPath::Run() {
+  while (true) {
+    std::string ckpt;
+    bool prefetch = false;
+    {
+      MutexLock lock(&mu_);
+      while (!stop_ && index_queue_.empty() && prefetch_queue_.empty()) {
+        cv_.wait(lock.native());
+      }
+      if (stop_) return;  // a later look builds lazily; the index is a cache
+      if (!prefetch_queue_.empty()) {
+        ckpt = std::move(prefetch_queue_.front());
+        prefetch_queue_.pop_front();
+        prefetch = true;
+      } else {
+        ckpt = std::move(index_queue_.front());
+        index_queue_.pop_front();
+      }
+    }
+    if (prefetch) {
+      PrefetchCheckpoint(ckpt);
+      continue;
+    }
+    auto started = std::chrono::steady_clock::now();
+    Status st = index_->Build(ckpt, /*checksums=*/true);
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    if (st.ok()) {
+      spdlog::info("checkpoint {}: indexed in {:.3f} s", ckpt, secs);
+    } else {
+      spdlog::warn("checkpoint {}: index error: {}", ckpt, st.ToString());
+    }
+  }
+}
+
+}  // namespace ckptfs::fs

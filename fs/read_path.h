@@ -1,0 +1,85 @@
+// ReadPath: read() of files that are not being written, and loading ahead.
+//
+// A file opened with no write state reads its backing file through the block cache
+// (when there is one): the one call into the cache is here (ReadBacking). Reads of a
+// checkpoint that was indexed prefetch the whole DCP item they fall in, and record
+// checksums of first full reads (store::ReadChecksums). A background worker, owned and
+// joined here, prefetches a checkpoint whose `.metadata` was opened and builds the key
+// index of checkpoints as they are committed.
+//
+// Thread-safe. mu_ guards only the worker's queues and is never held across I/O. It
+// takes no lock of the namespace.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "common/mutex.h"
+#include "common/status.h"
+#include "fs/handle.h"
+#include "store/backing_dir.h"
+#include "store/cache/backing_source.h"
+#include "store/cache/block_cache.h"
+#include "store/dcp/key_index.h"
+#include "store/dcp/read_checksums.h"
+
+namespace ckptfs::fs {
+
+class ReadPath {
+ public:
+  // `cache` may be null (no block cache: reads go to the backing file); when it is not, it
+  // reads its misses through `source`.
+  ReadPath(store::BackingDir* backing,  // must outlive
+           store::KeyIndex* index,      // must outlive
+           std::unique_ptr<store::BackingSource> source, std::unique_ptr<store::BlockCache> cache);
+  ~ReadPath();  // Stop()s the worker.
+  ReadPath(const ReadPath&) = delete;
+  ReadPath& operator=(const ReadPath&) = delete;
+
+  void Start();
+  // Joins the worker; queued work is dropped (the index is a cache, built lazily later).
+  void Stop() EXCLUDES(mu_);
+
+  // Reads the backing file `h->fd`: through the block cache when there is one.
+  Result<size_t> ReadBacking(FileHandle* h, char* out, size_t len, uint64_t offset);
+  // Reads a tensor-view chunk: a window of a shard file.
+  Result<size_t> ReadView(const ViewHandle& v, char* out, size_t len, uint64_t offset);
+
+  // Indexes committed checkpoint `ckpt` in the background (the journal never waits).
+  void QueueIndexBuild(const std::string& ckpt) EXCLUDES(mu_);
+  // Fetches a checkpoint's items into the block cache in file order (a load started).
+  // Does nothing without a block cache.
+  void QueuePrefetch(const std::string& ckpt) EXCLUDES(mu_);
+
+  store::BlockCache* cache() const { return cache_.get(); }
+  store::BackingSource* cache_source() const { return source_.get(); }
+  const store::ReadChecksums& read_sums() const { return *read_sums_; }
+
+ private:
+  void Run() EXCLUDES(mu_);
+  void PrefetchCheckpoint(const std::string& ckpt);
+  // Prefetches the whole DCP item that `offset` falls in, once per item and handle.
+  void PrefetchItem(FileHandle* h, const store::BlockId& id, uint64_t offset);
+  // Lends an open backing file to the cache's source under its BlockId; drops the blocks
+  // cached for another file that had the same name, size and mtime.
+  void Adopt(const store::BlockId& id, std::shared_ptr<const UniqueFd> fd, const struct stat& st);
+
+  store::BackingDir* const backing_;
+  store::KeyIndex* const index_;
+  const std::unique_ptr<store::BackingSource> source_;  // before cache_: outlives it
+  const std::unique_ptr<store::BlockCache> cache_;
+  const std::unique_ptr<store::ReadChecksums> read_sums_;  // checksums on first full read
+
+  Mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::string> index_queue_ GUARDED_BY(mu_);
+  std::deque<std::string> prefetch_queue_ GUARDED_BY(mu_);
+  bool stop_ GUARDED_BY(mu_) = false;
+  std::thread worker_;
+};
+
+}  // namespace ckptfs::fs

@@ -1,0 +1,517 @@
+// The write path: copy-on-write begin of a rewrite, writes into staging, publication,
+// discard of unpublished bytes, release of a file handle, and staging pressure.
+#include <fcntl.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "fs/filesystem.h"
+#include "fs/fs_util.h"
+#include "store/dcp/dcp_metadata.h"
+
+namespace ckptfs::fs {
+
+Filesystem::WritePlan Filesystem::PlanWriteLocked(Node* node, bool truncate,
+                                                  const UniqueFd* src) {
+  FoldWriteTimeLocked(node);
+  WritePlan plan;
+  plan.id = journal_->NextFileId();
+  // Temp files live at the backing root, not beside their name: the name's directory
+  // may itself still be a pending mkdir, and a root temp never moves with renames.
+  plan.temp_name = std::string(kTempPrefix) + std::to_string(plan.id);
+  plan.uid = node->attr.st_uid;
+  plan.gid = node->attr.st_gid;
+  plan.mode = node->attr.st_mode & 07777;
+  plan.truncate = truncate;
+  plan.prev_file_id = node->write ? node->write->file_id : 0;
+  if (!truncate) {
+    // Copy-on-write: the real name keeps its old bytes until the new ones are published.
+    if (node->write) {
+      plan.prev = node->write->staged;
+    } else if (src != nullptr) {
+      plan.src_fd = src->get();
+    } else if (node->on_backing) {
+      plan.src_path = PathLocked(node);
+    }
+  }
+  return plan;
+}
+
+Result<std::unique_ptr<WriteState>> Filesystem::PrepareWrite(const WritePlan& plan) {
+  const std::string& temp_path = plan.temp_name;  // at the root
+  CKPT_RETURN_IF_ERROR(journal_->RegisterTemp(plan.id, temp_path));
+  auto fail = [&](Status st) {
+    (void)backing_->Unlink(temp_path);
+    (void)journal_->ForgetTemp(plan.id);
+    return st;
+  };
+  auto fd = backing_->OpenFile(temp_path, O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (!fd.ok()) {
+    (void)journal_->ForgetTemp(plan.id);
+    return fd.status();
+  }
+  // The file's owner and exact mode (the daemon's umask must not change it), from the
+  // start: the temp file counts against its owner's quota, and is published as it is.
+  if (Status owned = OwnTemp(plan.uid, plan.gid, plan.mode, fd->get()); !owned.ok()) {
+    return fail(owned);
+  }
+  uint64_t size = 0;
+  if (!plan.truncate) {
+    UniqueFd opened;
+    int src_fd = plan.src_fd;
+    if (plan.prev) {
+      // The new version starts as a copy of the previous one, so all of its bytes must
+      // be in its temp file.
+      if (Status settled = plan.prev->target()->Settled(); !settled.ok()) return fail(settled);
+      src_fd = plan.prev->target()->fd();
+      size = plan.prev->size();
+    } else if (src_fd >= 0 || !plan.src_path.empty()) {
+      if (src_fd < 0) {
+        auto by_path = backing_->OpenFile(plan.src_path, O_RDONLY);
+        if (!by_path.ok()) return fail(by_path.status());
+        opened = std::move(*by_path);
+        src_fd = opened.get();
+      }
+      Result<struct stat> st = backing_->Fstat(src_fd);
+      if (!st.ok()) return fail(st.status());
+      size = static_cast<uint64_t>(st->st_size);
+    }
+    // copy_file_range shares extents where the file system can (XFS and btrfs reflink):
+    // then a one-byte rewrite of a large file writes one block, not the file.
+    if (size > 0) {
+      if (Status copied = backing_->CopyFileRange(src_fd, fd->get(), size); !copied.ok()) {
+        return fail(copied);
+      }
+    }
+  }
+  auto ws = std::make_unique<WriteState>();
+  ws->file_id = plan.id;
+  ws->temp_name = plan.temp_name;
+  ws->temp_dir = root_.get();
+  auto target = std::make_shared<store::FlushTarget>(plan.id, std::move(*fd));
+  ws->staged = std::make_shared<StagedFile>(staging_ctx_, std::move(target), size);
+  return ws;
+}
+
+void Filesystem::AbandonWrite(const WriteState& ws) {
+  // Nothing was written into it or journaled about it: remove it as a failed begin does.
+  (void)backing_->Unlink(ws.temp_name);
+  (void)journal_->ForgetTemp(ws.file_id);
+}
+
+void Filesystem::InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws) {
+  {
+    MutexLock lock(&staged_mu_);
+    live_staged_.insert(ws->staged);
+  }
+  if (node->write) ws->publish_seq = node->write->publish_seq;
+  node->write = std::move(ws);
+  node->attr.st_mtim = node->attr.st_ctim = Now();
+  SyncDataLocked(node);
+}
+
+Status Filesystem::BeginWriteLocked(Node* node, bool truncate, const UniqueFd* src) {
+  WritePlan plan = PlanWriteLocked(node, truncate, src);
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WriteState> ws, PrepareWrite(plan));
+  InstallWriteLocked(node, std::move(ws));
+  return Status::Ok();
+}
+
+Result<uint64_t> Filesystem::DiscardLocked(Node* node, const std::string& path) {
+  store::JournalEntry d;
+  d.op = store::OpType::kDiscard;
+  d.from = TempPathLocked(*node->write);
+  d.path = path;
+  d.file_id = node->write->file_id;
+  node->write->needs_publish = false;
+  node->write->discarded = true;
+  SyncDataLocked(node);
+  return AppendLocked(std::move(d), node);
+}
+
+void Filesystem::DropWriteStateLocked(Node* node) {
+  // The cached attributes must describe the published file: with pending entries around
+  // it they are served as they are, without asking the backing store.
+  node->attr.st_size = static_cast<off_t>(node->write->staged->size());
+  node->write.reset();
+  SyncDataLocked(node);
+  // The caller refreshes the attributes from the backing store after the lock
+  // (RefreshAttr): a stat never runs under ns_mu_.
+}
+
+Status Filesystem::EnsureWritableLocked(Node* node, bool truncate, const UniqueFd* src) {
+  if (!node->write || !node->write->needs_publish) {
+    CKPT_RETURN_IF_ERROR(BeginWriteLocked(node, truncate, src));
+  }
+  node->write->needs_publish = true;
+  SyncDataLocked(node);
+  return Status::Ok();
+}
+
+Result<uint64_t> Filesystem::PublishLocked(Node* node) {
+  FoldWriteTimeLocked(node);  // the published file keeps the time of its last write
+  WriteState& ws = *node->write;
+  {
+    // Writers stop taking this copy before it is frozen: one that took it already gets
+    // kAborted and retries through WritableStaged, which waits for this publish.
+    MutexLock lock(&node->data_mu);
+    node->data.accepting = false;
+  }
+  auto target = ws.staged->SealAll();
+  store::JournalEntry e;
+  e.op = store::OpType::kPublish;
+  e.path = PathLocked(node);
+  e.from = TempPathLocked(ws);
+  e.file_id = ws.file_id;
+  e.size = ws.staged->size();
+  e.target = target;
+  // The published file keeps the times the mount showed (its last write, or a utimens),
+  // not those of the flushes.
+  e.atime_sec = node->attr.st_atim.tv_sec, e.atime_nsec = node->attr.st_atim.tv_nsec;
+  e.mtime_sec = node->attr.st_mtim.tv_sec, e.mtime_nsec = node->attr.st_mtim.tv_nsec;
+  const std::string dir = ParentOf(e.path);
+  const bool commit = store::IsCommitName(e.path);
+  const uint64_t size = e.size;
+  publishing_[ws.file_id] = inodes_[node->ino];
+  CKPT_ASSIGN_OR_RETURN(uint64_t seq, AppendLocked(std::move(e), node));
+  ws.publish_seq = seq;
+  ws.needs_publish = false;
+  SyncDataLocked(node);
+  node->on_backing = true;
+  checkpoints_->OnFileQueued(dir, size);
+  if (commit) checkpoints_->OnCommitQueued(dir);
+  return seq;
+}
+
+Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std::string& name,
+                                                     mode_t mode, int flags,
+                                                     const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(CheckName(name));
+  if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
+    return Status(Code::kPermission, "reserved name " + name);
+  }
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
+  CKPT_RETURN_IF_ERROR(ProbeName(parent, name));
+  // The temp file of a new name is made (registered with a synced write, opened, owned)
+  // without ns_mu_, then installed if the name is still free. One not installed is
+  // removed on the way out, after the lock.
+  struct Ready {
+    Filesystem* fs;
+    std::unique_ptr<WriteState> ws;
+    WritePlan plan;
+    ~Ready() {
+      if (ws) fs->AbandonWrite(*ws);
+    }
+  } ready{this, nullptr, {}};
+  uint64_t existing = 0;
+  for (int attempt = 0;; ++attempt) {
+    WritePlan plan;
+    {
+      MutexLock lock(&ns_mu_);
+      auto dir = NodeLocked(parent);
+      if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
+      CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+      std::shared_ptr<Node> node = ChildLocked(dir.get(), name);
+      if (node) {
+        if (flags & O_EXCL) return Status(Code::kExists, name);
+        if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
+        existing = node->ino;
+        break;
+      }
+      const NewOwner owner = OwnerOfNew(caller, dir->attr, S_IFREG, mode);
+      const bool fits = ready.ws && ready.plan.uid == owner.uid &&
+                        ready.plan.gid == owner.gid && ready.plan.mode == (owner.mode & 07777);
+      if (!fits && attempt < 3) {
+        plan.id = journal_->NextFileId();
+        plan.temp_name = std::string(kTempPrefix) + std::to_string(plan.id);
+        plan.uid = owner.uid;
+        plan.gid = owner.gid;
+        plan.mode = owner.mode & 07777;
+        plan.truncate = true;
+      } else {
+        node = NewNodeLocked(dir.get(), name, NodeType::kFile);
+        node->attr.st_mode = S_IFREG | owner.mode;
+        node->attr.st_uid = owner.uid;
+        node->attr.st_gid = owner.gid;
+        node->attr.st_atim = node->attr.st_mtim = node->attr.st_ctim = Now();
+        if (fits) {
+          InstallWriteLocked(node.get(), std::move(ready.ws));
+        } else if (Status st = BeginWriteLocked(node.get(), /*truncate=*/true); !st.ok()) {
+          DetachLocked(node);  // after a few races lost, made under the lock
+          return st;
+        }
+        TouchDirLocked(dir.get(), 0);
+        {
+          MutexLock dropped_lock(&dropped_mu_);
+          if (!dropped_paths_.empty()) dropped_paths_.erase(PathLocked(node.get()));
+        }
+        if (store::CheckpointRegistry::IsCheckpointFile(name)) {
+          checkpoints_->OnFileCreated(PathLocked(dir.get()));
+        }
+        auto handle = std::make_unique<Handle>();
+        FileHandle& fh = handle->kind.emplace<FileHandle>();
+        fh.node = node;
+        fh.writable = (flags & O_ACCMODE) != O_RDONLY;  // O_RDONLY|O_CREAT makes it empty
+        node->open_files++;
+        if (fh.writable) node->open_writers++;
+        Entry e = EntryLocked(node.get());
+        return std::make_pair(e, handle.release());
+      }
+    }
+    if (ready.ws) AbandonWrite(*std::exchange(ready.ws, nullptr));  // its owner changed
+    CKPT_ASSIGN_OR_RETURN(ready.ws, PrepareWrite(plan));
+    ready.plan = plan;
+  }
+  // An existing file: the same as open(2) without O_CREAT.
+  CKPT_ASSIGN_OR_RETURN(Handle * handle, Open(existing, flags));
+  MutexLock lock(&ns_mu_);
+  return std::make_pair(EntryLocked(handle->file()->node.get()), handle);
+}
+
+Result<Handle*> Filesystem::NodeOpen(uint64_t ino, int flags) {
+  auto handle = std::make_unique<Handle>();
+  FileHandle& fh = handle->kind.emplace<FileHandle>();
+  const bool writable = (flags & O_ACCMODE) != O_RDONLY;
+  CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(ino));
+  MutexLock lock(&ns_mu_);
+  std::shared_ptr<Node> node;
+  // The backing file is opened without ns_mu_; if the name moved, was unlinked or began
+  // a write meanwhile, the open starts over (after a few tries it is done under the lock).
+  for (int attempt = 0;; ++attempt) {
+    node = NodeLocked(ino);
+    if (!node) return NotFound("stale inode");
+    // Its staged bytes may have been published since the wait above: then the backing
+    // path must be current before it is opened (a rename may still be pending).
+    while (!node->write && node->on_backing) {
+      const uint64_t seq = PendingRenameLocked(node.get());
+      if (seq == 0) break;
+      lock.Unlock();
+      Status st = journal_->WaitUnlessHalted(seq);  // the outcome belongs to its entry...
+      if (!st.ok() && journal_->halted()) return st;  // ...unless publication is halted
+      lock.Lock();
+    }
+    if (node->type == NodeType::kDir) return Status(Code::kIsDir, "open of a directory");
+    // The kernel serves FIFOs, sockets and devices itself; never block a thread on one.
+    if (node->type == NodeType::kSpecial) return Status(Code::kInvalid, "open of a special file");
+    if (!node->error.empty()) return Status(Code::kIo, node->error);
+    if (!node->write && node->parent == nullptr) return NotFound("unlinked file");
+    if (writable && node->attr.st_nlink > 1 && node->type == NodeType::kFile) {
+      return Status(Code::kTooManyLinks, "a file with several hard links cannot be rewritten");
+    }
+    if (writable && (flags & O_TRUNC)) {
+      if ((!node->write || !node->write->needs_publish) && attempt < 3) {
+        // A new, empty copy: its temp file is made without ns_mu_ (as a first write's).
+        WritePlan plan = PlanWriteLocked(node.get(), /*truncate=*/true, nullptr);
+        lock.Unlock();
+        Result<std::unique_ptr<WriteState>> ws = PrepareWrite(plan);
+        lock.Lock();
+        if (!ws.ok()) return ws.status();
+        const uint64_t now_id = node->write ? node->write->file_id : 0;
+        if (NodeLocked(ino) != node || now_id != plan.prev_file_id ||
+            (node->write && node->write->needs_publish) || !node->error.empty() ||
+            (!node->write && node->parent == nullptr) || node->attr.st_uid != plan.uid ||
+            node->attr.st_gid != plan.gid || (node->attr.st_mode & 07777) != plan.mode) {
+          lock.Unlock();
+          AbandonWrite(**ws);  // changed meanwhile: start over from what it is now
+          lock.Lock();
+          continue;
+        }
+        InstallWriteLocked(node.get(), std::move(*ws));
+        node->write->needs_publish = true;
+        SyncDataLocked(node.get());
+      } else {
+        CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), /*truncate=*/true));
+        // Being written through another handle: cut what it holds (waits for its flushes).
+        CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(0));
+      }
+    }
+    // Without O_TRUNC, opening for writing starts nothing: the first write does (Write).
+    if (node->write) break;
+    const std::string path = PathLocked(node.get());
+    auto open_backing = [this, &path]() -> std::pair<Result<UniqueFd>, Result<struct stat>> {
+      Result<UniqueFd> fd = backing_->OpenFile(path, O_RDONLY);
+      if (!fd.ok()) {
+        Status failed = fd.status();
+        return {std::move(fd), std::move(failed)};
+      }
+      Result<struct stat> st = backing_->Fstat(fd->get());
+      return {std::move(fd), std::move(st)};
+    };
+    const Status not_yet(Code::kInternal, "not opened");
+    std::pair<Result<UniqueFd>, Result<struct stat>> opened{not_yet, not_yet};
+    if (attempt < 3) {
+      lock.Unlock();
+      opened = open_backing();
+      lock.Lock();
+      if (NodeLocked(ino) != node || node->write || node->parent == nullptr ||
+          PathLocked(node.get()) != path || PendingRenameLocked(node.get()) != 0) {
+        continue;  // changed meanwhile: what was opened may not be this file's current version
+      }
+    } else {
+      opened = open_backing();  // the name keeps changing: open it under the lock
+    }
+    auto& [fd, st] = opened;
+    if (!st.ok()) return st.status();
+    fh.block = store::BlockIdFromStat(path, *st);
+    fh.fd = std::make_shared<const UniqueFd>(std::move(*fd));
+    fh.keep_cache = !writable && TimeoutFor(*node) > kDefaultTimeout;
+    if (node->parent != nullptr && CommittedDirLocked(node->parent)) {
+      fh.ckpt = PathLocked(node->parent);
+      fh.file = node->name;
+    }
+    break;
+  }
+  fh.node = node;
+  fh.writable = writable;
+  node->open_files++;
+  if (writable) node->open_writers++;
+  lock.Unlock();
+  if (!fh.ckpt.empty()) {
+    // A prefix scan of the key index: without ns_mu_ (the handle is not yet anyone's).
+    auto indexed = index_->IndexedCheckpoints();
+    fh.indexed = std::find(indexed.begin(), indexed.end(), fh.ckpt) != indexed.end();
+    // Reading `.metadata` is how every DCP load starts: fetch the checkpoint ahead.
+    if (node->name == ".metadata" && !writable) read_->QueuePrefetch(fh.ckpt);
+  }
+  return handle.release();
+}
+
+Result<std::shared_ptr<StagedFile>> Filesystem::WritableStaged(FileHandle* h) {
+  Node* node = h->node.get();
+  for (int attempt = 0;; ++attempt) {
+    WritePlan plan;
+    {
+      MutexLock lock(&ns_mu_);
+      if (!node->error.empty()) return Status(Code::kIo, node->error);
+      if (node->write && (node->write->discarded || node->write->needs_publish)) {
+        // Unlinked (keeps its bytes, never published), or a copy another write began.
+        return node->write->staged;
+      }
+      // Not yet written through this mount, or its previous contents are queued for
+      // publication and frozen: continue in a copy, published again later. With no write
+      // state, `h->fd` is the current version (a write state lives while any handle is
+      // open). After a few races lost, the copy is made under the lock.
+      if (attempt >= 3) {
+        CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node, false, node->write ? nullptr : h->fd.get()));
+        if (node->parent == nullptr) CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
+        return node->write->staged;
+      }
+      plan = PlanWriteLocked(node, false, node->write ? nullptr : h->fd.get());
+    }
+    // The temp file, its registration (a synced RocksDB write), the wait for the previous
+    // version's flushes and the copy: all without ns_mu_.
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WriteState> ws, PrepareWrite(plan));
+    MutexLock lock(&ns_mu_);
+    const uint64_t now_id = node->write ? node->write->file_id : 0;
+    if (now_id != plan.prev_file_id || (node->write && node->write->needs_publish) ||
+        !node->error.empty() || node->attr.st_uid != plan.uid || node->attr.st_gid != plan.gid ||
+        (node->attr.st_mode & 07777) != plan.mode) {
+      lock.Unlock();
+      AbandonWrite(*ws);  // the file changed meanwhile: plan again from what it is now
+      continue;
+    }
+    InstallWriteLocked(node, std::move(ws));
+    node->write->needs_publish = true;
+    SyncDataLocked(node);
+    if (node->parent == nullptr) {
+      // Unlinked after its last publication: the copy lives on, unnamed, until closed.
+      CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
+    }
+    return node->write->staged;
+  }
+}
+
+Status Filesystem::WriteData(FileHandle* h, const char* data, size_t len, uint64_t offset) {
+  if (!h->writable) return Status(Code::kPermission, "not open for writing");
+  Node* node = h->node.get();
+  for (int attempt = 0;; ++attempt) {
+    // The data path: the node's data_mu only. The namespace is needed only to begin a
+    // copy (the first write, or the first after a publish froze the contents).
+    std::shared_ptr<StagedFile> staged;
+    {
+      MutexLock lock(&node->data_mu);
+      if (node->data.accepting) staged = node->data.staged;
+      node->data.write_time = Now();
+      node->data.written = true;
+    }
+    if (!staged) {
+      CKPT_ASSIGN_OR_RETURN(staged, WritableStaged(h));
+    }
+    Status st = staged->Write(data, len, offset);
+    if (st.code() == Code::kAborted && attempt < 3) continue;  // frozen by a publish
+    if (!st.ok()) {
+      NoteError("write " + std::to_string(node->ino) + ": " + st.ToString());
+      return st;
+    }
+    bytes_written_.fetch_add(len, std::memory_order_relaxed);
+    return Status::Ok();
+  }
+}
+
+Status Filesystem::FlushData(FileHandle* h) {
+  if (!h->writable) return Status::Ok();
+  Result<uint64_t> seq = uint64_t{0};
+  {
+    MutexLock lock(&ns_mu_);
+    Node* node = h->node.get();
+    if (!node->error.empty()) return Status(Code::kIo, node->error);
+    if (!node->write) return Status::Ok();
+    CKPT_RETURN_IF_ERROR(node->write->staged->error());
+    if (!config_.strict) return Status::Ok();
+    if (node->write->needs_publish && node->parent != nullptr) seq = PublishLocked(node);
+    else seq = node->write->publish_seq;
+  }
+  return WaitIfStrict(seq);
+}
+
+void Filesystem::ReleaseFile(FileHandle* h) {
+  bool dropped = false;
+  {
+    MutexLock lock(&ns_mu_);
+    dropped = ReleaseFileLocked(h);
+  }
+  if (dropped) RefreshAttr(h->node->ino);
+}
+
+bool Filesystem::ReleaseFileLocked(FileHandle* h) {
+  bool dropped = false;
+  Node* node = h->node.get();
+  node->open_files--;
+  if (h->writable) node->open_writers--;
+  if (node->write) {
+    WriteState& ws = *node->write;
+    // The last writer publishes (a file made by O_RDONLY|O_CREAT: its only handle).
+    if (node->open_writers == 0 && ws.needs_publish && node->parent != nullptr) {
+      auto seq = PublishLocked(node);
+      if (!seq.ok()) NoteError("publish " + PathLocked(node) + ": " + seq.status().ToString());
+    }
+    if (node->open_files == 0 && !ws.needs_publish && ws.publish_seq <= journal_->applied() &&
+        publishing_.count(ws.file_id) == 0) {
+      DropWriteStateLocked(node);  // fully published: the backing file is the truth again
+      dropped = true;
+    }
+  }
+  if (node->parent == nullptr && node->nlookup == 0 && node->open_files == 0) {
+    inodes_.erase(node->ino);
+  }
+  return dropped;
+}
+
+void Filesystem::RelieveStagingPressure() {
+  std::vector<std::shared_ptr<StagedFile>> files;
+  {
+    MutexLock lock(&staged_mu_);
+    for (auto it = live_staged_.begin(); it != live_staged_.end();) {
+      if (auto f = it->lock()) {
+        files.push_back(std::move(f));
+        ++it;
+      } else {
+        it = live_staged_.erase(it);
+      }
+    }
+  }
+  for (auto& f : files) f->SealIfIdle();
+}
+
+}  // namespace ckptfs::fs

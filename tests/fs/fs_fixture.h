@@ -1,0 +1,116 @@
+// A Filesystem over a FaultyBackingDir, driven without FUSE: the calls a FUSE request
+// makes (Lookup, Create, Open, Read, Write, Release...) on the real facade, with the
+// backing dir injected (FsDeps) so a test can fail or hang chosen backing-store calls.
+#pragma once
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fs/filesystem.h"
+#include "tests/store/faulty_backing_dir.h"
+
+namespace ckptfs::fs {
+
+class FaultyFsTest : public ::testing::Test {
+ protected:
+  // Creates the Filesystem; `strict` picks the durability mode.
+  void Start(bool strict = false) {
+    FsConfig config;
+    config.backing_dir = backing_.path();
+    config.state_dir = state_.path();
+    config.strict = strict;
+    config.staging_bytes = 8u << 20;
+    config.chunk_bytes = 1u << 20;
+    config.cache_bytes = 4u << 20;
+    config.staging_backend = "host";
+    auto dir = store::FaultyBackingDir::Open(backing_.path());
+    ASSERT_NE(dir, nullptr);
+    dir_ = dir.get();
+    FsDeps deps;
+    deps.backing = std::move(dir);
+    auto fs = Filesystem::Create(config, std::move(deps));
+    ASSERT_TRUE(fs.ok()) << fs.status().ToString();
+    fs_ = std::move(*fs);
+  }
+  void TearDown() override {
+    if (fs_) {
+      dir_->SetLookupHook(nullptr);
+      dir_->SetPosixHook(nullptr);
+      dir_->SetFsyncHook(nullptr);
+      EXPECT_EQ(fs_->Shutdown(), 0u);
+    }
+  }
+
+  // Creates `name` in `parent` with `data`, closes it, and waits until it is published.
+  uint64_t WriteFile(uint64_t parent, const std::string& name, const std::string& data) {
+    auto made = fs_->Create(parent, name, 0644, O_WRONLY | O_CREAT | O_TRUNC);
+    EXPECT_TRUE(made.ok()) << made.status().ToString();
+    if (!made.ok()) return 0;
+    auto [entry, h] = *made;
+    EXPECT_TRUE(fs_->Write(h, data.data(), data.size(), 0).ok());
+    fs_->Release(h);
+    WaitPublished(entry.ino);
+    return entry.ino;
+  }
+
+  void WaitPublished(uint64_t ino) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (true) {
+      auto state = fs_->GetXattr(ino, kStateXattr);
+      ASSERT_TRUE(state.ok()) << state.status().ToString();
+      if (*state == "published") return;
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "still " << *state;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+
+  std::string ReadAll(Handle* h) {
+    std::string out;
+    std::vector<char> buf(1 << 20);
+    while (true) {
+      auto got = fs_->Read(h, buf.data(), buf.size(), out.size());
+      EXPECT_TRUE(got.ok()) << got.status().ToString();
+      if (!got.ok() || *got == 0) return out;
+      out.append(buf.data(), *got);
+    }
+  }
+
+  Handle* OpenOk(uint64_t ino, int flags) {
+    auto h = fs_->Open(ino, flags);
+    EXPECT_TRUE(h.ok()) << h.status().ToString();
+    return h.ok() ? *h : nullptr;
+  }
+
+  // Backing-store helpers that bypass the mount.
+  std::string BackingPath(const std::string& rel) const { return backing_.path() + "/" + rel; }
+  std::string BackingBytes(const std::string& rel) const {
+    std::ifstream in(BackingPath(rel), std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  void PutBacking(const std::string& rel, const std::string& bytes) const {
+    std::ofstream(BackingPath(rel), std::ios::binary) << bytes;
+  }
+  size_t TempFiles() const {
+    size_t n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(backing_.path())) {
+      if (e.path().filename().string().rfind(kTempPrefix, 0) == 0) ++n;
+    }
+    return n;
+  }
+
+  store::ScopedTempDir backing_{"ckptfs-faultyfs-backing"};
+  store::ScopedTempDir state_{"ckptfs-faultyfs-state"};
+  store::FaultyBackingDir* dir_ = nullptr;  // owned by fs_
+  std::unique_ptr<Filesystem> fs_;
+};
+
+}  // namespace ckptfs::fs

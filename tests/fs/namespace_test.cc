@@ -1,0 +1,116 @@
+// The namespace on an injected FaultyBackingDir, without FUSE: loading directories,
+// names created and removed by others on the backing store, and what a failing
+// lookup call of the backing store does to the mount's view.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <filesystem>
+#include <mutex>
+#include <set>
+#include <string>
+
+#include "tests/fs/fs_fixture.h"
+
+namespace ckptfs::fs {
+namespace {
+
+using NamespaceTest = FaultyFsTest;
+
+TEST_F(NamespaceTest, LookupGoesThroughTheInjectedBackingDir) {
+  Start();
+  PutBacking("external", "from someone else");
+  std::mutex mu;
+  std::set<std::string> seen;
+  dir_->SetLookupHook([&](const std::string& op, const std::string& path) {
+    std::lock_guard lock(mu);
+    seen.insert(op + ":" + path);
+    return 0;
+  });
+  auto e = fs_->Lookup(kRootIno, "external");
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  EXPECT_EQ(e->attr.st_size, 17);
+  std::lock_guard lock(mu);
+  EXPECT_TRUE(seen.count("stat:external")) << "the lookup did not stat through BackingDir";
+}
+
+TEST_F(NamespaceTest, FailedListingFailsTheLookupAndIsRetriedNextTime) {
+  Start();
+  ASSERT_TRUE(std::filesystem::create_directory(BackingPath("d")));
+  PutBacking("d/x", "x");
+  auto d = fs_->Lookup(kRootIno, "d");
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  dir_->SetLookupHook([](const std::string& op, const std::string& path) {
+    return op == "list" && path == "d" ? EIO : 0;
+  });
+  auto failed = fs_->Lookup(d->ino, "x");
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().ToErrno(), EIO);
+  dir_->SetLookupHook(nullptr);
+  // The directory was not marked loaded with nothing in it: the name is still found.
+  auto x = fs_->Lookup(d->ino, "x");
+  ASSERT_TRUE(x.ok()) << x.status().ToString();
+  EXPECT_EQ(x->attr.st_size, 1);
+}
+
+TEST_F(NamespaceTest, NameRemovedOnTheBackingStoreIsGoneAndOneCreatedThereAppears) {
+  Start();
+  uint64_t ino = WriteFile(kRootIno, "mine", "abc");
+  ASSERT_NE(ino, 0u);
+  ASSERT_TRUE(fs_->Lookup(kRootIno, "mine").ok());
+  ASSERT_TRUE(std::filesystem::remove(BackingPath("mine")));
+  // The journal callback that hands the file back to the backing store may still be
+  // running: until then the mount serves its own copy.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  Result<Entry> gone = fs_->Lookup(kRootIno, "mine");
+  while (gone.ok() && std::chrono::steady_clock::now() < deadline) {
+    fs_->Forget(gone->ino, 1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    gone = fs_->Lookup(kRootIno, "mine");
+  }
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(gone.status().code(), Code::kNotFound);
+  PutBacking("theirs", "12345");
+  auto theirs = fs_->Lookup(kRootIno, "theirs");
+  ASSERT_TRUE(theirs.ok()) << theirs.status().ToString();
+  EXPECT_EQ(theirs->attr.st_size, 5);
+}
+
+TEST_F(NamespaceTest, RenameAndUnlinkReachTheBackingStoreInOrder) {
+  Start();
+  uint64_t a = WriteFile(kRootIno, "a", "first");
+  ASSERT_NE(a, 0u);
+  ASSERT_TRUE(fs_->Rename(kRootIno, "a", kRootIno, "b", 0).ok());
+  ASSERT_TRUE(fs_->Lookup(kRootIno, "b").ok());
+  EXPECT_EQ(fs_->Lookup(kRootIno, "a").status().code(), Code::kNotFound);
+  uint64_t c = WriteFile(kRootIno, "c", "second");  // published after the rename
+  ASSERT_NE(c, 0u);
+  EXPECT_FALSE(std::filesystem::exists(BackingPath("a")));
+  EXPECT_EQ(BackingBytes("b"), "first");
+  ASSERT_TRUE(fs_->Unlink(kRootIno, "b").ok());
+  uint64_t d = WriteFile(kRootIno, "d", "third");
+  ASSERT_NE(d, 0u);
+  EXPECT_FALSE(std::filesystem::exists(BackingPath("b")));
+  EXPECT_EQ(BackingBytes("c"), "second");
+  EXPECT_GE(dir_->rename_calls(), 2u);
+}
+
+TEST_F(NamespaceTest, FailedStatOfANameLeavesTheOthersServed) {
+  Start();
+  uint64_t keep = WriteFile(kRootIno, "keep", "kept");
+  ASSERT_NE(keep, 0u);
+  PutBacking("flaky", "f");
+  dir_->SetLookupHook([](const std::string& op, const std::string& path) {
+    return op == "stat" && path == "flaky" ? EIO : 0;
+  });
+  EXPECT_FALSE(fs_->Lookup(kRootIno, "flaky").ok());
+  auto k = fs_->Lookup(kRootIno, "keep");
+  ASSERT_TRUE(k.ok()) << k.status().ToString();
+  Handle* h = OpenOk(k->ino, O_RDONLY);
+  ASSERT_NE(h, nullptr);
+  EXPECT_EQ(ReadAll(h), "kept");
+  fs_->Release(h);
+}
+
+}  // namespace
+}  // namespace ckptfs::fs

@@ -1,0 +1,191 @@
+// No lock spans slow I/O: a backing-store call that hangs on one path (a stat on a loaded
+// parallel file system, an open, an fsync) must not delay reads and writes of other open
+// files. Each test hangs one call on a latch, checks that reads and writes of other
+// files, a first write that starts a rewrite among them, finish within a bounded wait
+// while it hangs, then releases the latch.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <string>
+#include <thread>
+
+#include "tests/fs/fs_fixture.h"
+
+namespace ckptfs::fs {
+namespace {
+
+constexpr auto kBound = std::chrono::seconds(10);
+
+class NoLockAcrossIo : public FaultyFsTest {
+ protected:
+  void SetUp() override {
+    Start();
+    auto made = fs_->Create(kRootIno, "a", 0644, O_RDWR | O_CREAT);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    a_ = made->second;
+    ASSERT_TRUE(fs_->Write(a_, "aaaa", 4, 0).ok());
+    uint64_t b = WriteFile(kRootIno, "b", "bbbb");
+    uint64_t c = WriteFile(kRootIno, "c", "cccc");
+    slow_file_ = WriteFile(kRootIno, "slowfile", "ssss");
+    ASSERT_NE(b, 0u);
+    ASSERT_NE(c, 0u);
+    ASSERT_NE(slow_file_, 0u);
+    b_ = OpenOk(b, O_RDONLY);
+    c_ = OpenOk(c, O_RDWR);  // not written yet: its first write starts a copy
+    ASSERT_NE(b_, nullptr);
+    ASSERT_NE(c_, nullptr);
+  }
+  void TearDown() override {
+    latch_.Open();
+    if (hung_.joinable()) hung_.join();
+    for (Handle* h : {a_, b_, c_}) {
+      if (h != nullptr) fs_->Release(h);
+    }
+    FaultyFsTest::TearDown();
+  }
+
+  // Reads and writes of the other open files, as a trainer's ranks would make them.
+  void DataPath() {
+    EXPECT_TRUE(fs_->Write(a_, "xyz", 3, 4).ok());
+    EXPECT_EQ(ReadAll(a_), "aaaaxyz");
+    EXPECT_EQ(ReadAll(b_), "bbbb");
+    EXPECT_TRUE(fs_->Write(c_, "C", 1, 0).ok());
+    EXPECT_EQ(ReadAll(c_), "Cccc");
+    EXPECT_TRUE(fs_->Write(c_, "D", 1, 1).ok());
+    EXPECT_EQ(ReadAll(c_), "CDcc");
+  }
+
+  // Starts `hang` on its own thread, waits until it is blocked in the backing store,
+  // then runs DataPath() and expects it to finish while `hang` is still blocked.
+  template <typename F>
+  void ExpectDataPathWhileHung(F hang) {
+    hung_ = std::thread(hang);
+    latch_.AwaitWaiters(1);
+    auto data = std::async(std::launch::async, [this] { DataPath(); });
+    const bool done = data.wait_for(kBound) == std::future_status::ready;
+    EXPECT_FALSE(latch_.is_open());
+    latch_.Open();  // let the hung call go on, whatever happened
+    hung_.join();
+    data.get();
+    EXPECT_TRUE(done) << "reads and writes of other files waited for the hung call";
+  }
+
+  store::Latch latch_;
+  std::thread hung_;
+  Handle* a_ = nullptr;
+  Handle* b_ = nullptr;
+  Handle* c_ = nullptr;
+  uint64_t slow_file_ = 0;
+};
+
+TEST_F(NoLockAcrossIo, HungStatOfOnePathDelaysNoReadOrWriteOfOtherFiles) {
+  PutBacking("slow", "someone else's");
+  dir_->SetLookupHook([this](const std::string& op, const std::string& path) {
+    if (op == "stat" && path == "slow") latch_.Wait();
+    return 0;
+  });
+  ExpectDataPathWhileHung([this] {
+    auto e = fs_->Lookup(kRootIno, "slow");
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+  });
+}
+
+TEST_F(NoLockAcrossIo, HungOpenOfOnePathDelaysNoReadOrWriteOfOtherFiles) {
+  dir_->SetLookupHook([this](const std::string& op, const std::string& path) {
+    if (op == "open" && path == "slowfile") latch_.Wait();
+    return 0;
+  });
+  ExpectDataPathWhileHung([this] {
+    auto h = fs_->Open(slow_file_, O_RDONLY);
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    EXPECT_EQ(ReadAll(*h), "ssss");
+    fs_->Release(*h);
+  });
+}
+
+TEST_F(NoLockAcrossIo, HungFsyncOfAPublicationDelaysNoReadOrWriteOfOtherFiles) {
+  dir_->SetFsyncHook([this](int) {
+    latch_.Wait();
+    return 0;
+  });
+  ExpectDataPathWhileHung([this] {
+    auto made = fs_->Create(kRootIno, "d", 0644, O_WRONLY | O_CREAT);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    EXPECT_TRUE(fs_->Write(made->second, "dddd", 4, 0).ok());
+    fs_->Release(made->second);  // queues the publication, whose fsync hangs
+  });
+}
+
+TEST_F(NoLockAcrossIo, HungListingOfOneDirectoryDelaysNoReadOrWriteOfOtherFiles) {
+  ASSERT_TRUE(fs_->Mkdir(kRootIno, "dir", 0755).ok());
+  ASSERT_NE(WriteFile(kRootIno, "after_mkdir", "x"), 0u);  // the mkdir is applied
+  auto dir = fs_->Lookup(kRootIno, "dir");
+  ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+  dir_->SetLookupHook([this](const std::string& op, const std::string& path) {
+    if (op == "list" && path == "dir") latch_.Wait();
+    return 0;
+  });
+  const uint64_t dir_ino = dir->ino;
+  ExpectDataPathWhileHung([this, dir_ino] {
+    auto h = fs_->OpenDir(dir_ino);
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    fs_->ReleaseDir(*h);
+  });
+}
+
+TEST_F(NoLockAcrossIo, HungCopyOfARewriteDelaysNoReadOrWriteOfOtherFiles) {
+  uint64_t e = WriteFile(kRootIno, "e", "eeee");
+  ASSERT_NE(e, 0u);
+  std::atomic<bool> first{true};
+  dir_->SetPosixHook([this, &first](const std::string& op, const std::string&) {
+    if (op == "copy_file_range" && first.exchange(false)) latch_.Wait();  // e's copy only
+    return 0;
+  });
+  ExpectDataPathWhileHung([this, e] {
+    Handle* h = OpenOk(e, O_RDWR);
+    ASSERT_NE(h, nullptr);
+    EXPECT_TRUE(fs_->Write(h, "E", 1, 0).ok());  // begins the rewrite: its copy hangs
+    EXPECT_EQ(ReadAll(h), "Eeee");
+    fs_->Release(h);
+  });
+}
+
+TEST_F(NoLockAcrossIo, HungTempFileOfACreateDelaysNoReadOrWriteOfOtherFiles) {
+  std::atomic<bool> first{true};
+  dir_->SetLookupHook([this, &first](const std::string& op, const std::string& path) {
+    if (op == "open" && path.rfind(kTempPrefix, 0) == 0 && first.exchange(false)) {
+      latch_.Wait();  // the new file's temp only; C's copy opens another one
+    }
+    return 0;
+  });
+  ExpectDataPathWhileHung([this] {
+    auto made = fs_->Create(kRootIno, "new", 0644, O_WRONLY | O_CREAT | O_EXCL);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    EXPECT_TRUE(fs_->Write(made->second, "n", 1, 0).ok());
+    fs_->Release(made->second);
+  });
+  auto twice = fs_->Create(kRootIno, "new", 0644, O_WRONLY | O_CREAT | O_EXCL);
+  EXPECT_EQ(twice.status().code(), Code::kExists);
+}
+
+TEST_F(NoLockAcrossIo, HungTempFileOfATruncatingOpenDelaysNoReadOrWriteOfOtherFiles) {
+  std::atomic<bool> first{true};
+  dir_->SetLookupHook([this, &first](const std::string& op, const std::string& path) {
+    if (op == "open" && path.rfind(kTempPrefix, 0) == 0 && first.exchange(false)) {
+      latch_.Wait();
+    }
+    return 0;
+  });
+  ExpectDataPathWhileHung([this] {
+    Handle* h = OpenOk(slow_file_, O_WRONLY | O_TRUNC);  // a re-save over a file
+    ASSERT_NE(h, nullptr);
+    EXPECT_TRUE(fs_->Write(h, "t", 1, 0).ok());
+    fs_->Release(h);
+  });
+}
+
+}  // namespace
+}  // namespace ckptfs::fs
