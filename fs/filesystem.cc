@@ -1,5 +1,9 @@
 #include "fs/filesystem.h"
 
+#ifdef CKPTFS_HAVE_UCX
+#include "store/peer/peer_node.h"
+#endif
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
@@ -121,7 +125,23 @@ Status Filesystem::Init() {
     store::BlockCacheOptions cache_options;
     cache_options.budget_bytes = config_.cache_bytes;
     cache_options.direct_io = config_.cache_direct_io;
+    if (config_.peers) {
+#ifdef CKPTFS_HAVE_UCX
+      CKPT_ASSIGN_OR_RETURN(peers_, store::peer::PeerNode::Create(*config_.peers, backing_.get()));
+      cache_options.router = peers_.get();
+#else
+      return Status(Code::kUnsupported, "--peers: this ckptfs was built without UCX");
+#endif
+    }
     CKPT_ASSIGN_OR_RETURN(cache_, store::BlockCache::Create(backing_.get(), cache_options));
+#ifdef CKPTFS_HAVE_UCX
+    if (peers_) {
+      CKPT_RETURN_IF_ERROR(peers_->StartServing(
+          cache_.get(), [this](const std::string& ckpt) { QueuePrefetch(ckpt); }));
+    }
+#endif
+  } else if (config_.peers) {
+    return Invalid("--peers needs the block cache (--cache-mem > 0)");
   }
   indexer_ = std::thread([this] { RunIndexer(); });
 
@@ -1433,6 +1453,9 @@ void Filesystem::RelieveStagingPressure() {
 
 uint64_t Filesystem::Shutdown() {
   if (shut_down_.exchange(true)) return 0;
+#ifdef CKPTFS_HAVE_UCX
+  if (peers_) peers_->StopServing();
+#endif
   if (!journal_ || !pipeline_) {  // Create() failed part way: nothing was served
     {
       std::lock_guard lock(index_mu_);
@@ -1506,15 +1529,39 @@ void Filesystem::PrefetchCheckpoint(const std::string& ckpt) {
     spdlog::debug("prefetch of {}: {}", ckpt, md.status().ToString());
     return;
   }
-  size_t files = 0;
+  struct Open {
+    std::string file;
+    uint64_t length;
+    std::shared_ptr<const UniqueFd> fd;
+    store::FileKey key;
+  };
+  std::vector<Open> open;
   for (const auto& [file, length] : store::RequiredFileLengths(*md)) {
     auto fd = backing_->OpenFile(JoinPath(ckpt, file), O_RDONLY);
     if (!fd.ok()) continue;
     struct stat st;
     if (::fstat(fd->get(), &st) != 0) continue;
-    auto shared = std::make_shared<const UniqueFd>(std::move(*fd));
-    cache_->Prefetch(store::FileKeyFromStat(st), shared, 0,
-                     std::min<uint64_t>(length, static_cast<uint64_t>(st.st_size)));
+    open.push_back(Open{file, std::min<uint64_t>(length, static_cast<uint64_t>(st.st_size)),
+                        std::make_shared<const UniqueFd>(std::move(*fd)),
+                        store::FileKeyFromStat(st)});
+  }
+#ifdef CKPTFS_HAVE_UCX
+  // With peers, this node's share goes first: its blocks are the ones others will ask for.
+  if (peers_) {
+    std::vector<std::pair<std::string, store::FileKey>> keys;
+    for (const Open& f : open) keys.emplace_back(f.file, f.key);
+    auto owned = peers_->PlanCheckpoint(ckpt, *md, keys);
+    if (!owned.ok()) spdlog::warn("peers: cannot plan {}: {}", ckpt, owned.status().ToString());
+    for (const auto& range : owned.ok() ? *owned : std::vector<store::peer::OwnedRange>{}) {
+      for (const Open& f : open) {
+        if (f.file == range.file) cache_->Prefetch(f.key, f.fd, range.offset, range.length);
+      }
+    }
+  }
+#endif
+  size_t files = 0;
+  for (const Open& f : open) {
+    cache_->Prefetch(f.key, f.fd, 0, f.length);
     ++files;
   }
   spdlog::debug("prefetch of {}: {} files queued", ckpt, files);

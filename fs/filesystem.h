@@ -43,6 +43,11 @@
 #include "store/block_cache.h"
 #include "store/state_db.h"
 
+namespace ckptfs::store::peer {
+class PeerNode;
+struct PeerNodeOptions;
+}  // namespace ckptfs::store::peer
+
 namespace ckptfs::fs {
 
 struct FsConfig {
@@ -60,6 +65,8 @@ struct FsConfig {
   bool write_checksums = true;
   // How long a `.metadata` publication waits for shards from other writers to appear.
   std::chrono::milliseconds commit_timeout{std::chrono::minutes(10)};
+  // Cooperating peer daemons (issue 12); null: this daemon works alone.
+  std::shared_ptr<const store::peer::PeerNodeOptions> peers;
 };
 
 struct Entry {
@@ -331,6 +338,9 @@ class Filesystem {
   // Prefetches the whole DCP item that `offset` falls in, once per item and handle.
   void PrefetchItem(Handle* h, uint64_t offset);
   bool CommittedDirLocked(const Node* dir) const;
+  // Peer daemons (issue 12): the cache's router and the server of this node's blocks. Made
+  // before the cache, which holds it; it stops serving in Shutdown() before the cache goes.
+  std::shared_ptr<store::peer::PeerNode> peers_;
   std::unique_ptr<store::BlockCache> cache_;
   std::deque<std::string> prefetch_queue_;  // GUARDED_BY(index_mu_)
   void RunIndexer();

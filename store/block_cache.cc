@@ -52,6 +52,7 @@ struct BlockCache::Block {
   bool in_index = true;          // false once evicted, invalidated or failed
   bool in_lru = false;
   bool prefetched = false;  // read by prefetch, not yet used by a demand read
+  bool route = true;        // its loader may ask the router (false: serving a peer)
   uint64_t last_use = 0;
   std::list<Block*>::iterator lru_pos;
   std::condition_variable ready_cv;  // state left kLoading
@@ -291,9 +292,11 @@ void BlockCache::Invalidate(uint64_t dev, uint64_t ino) {
 // ------------------------------------------------------------------------ blocks
 
 std::shared_ptr<BlockCache::Block> BlockCache::NewLoadingBlock(Lock& lock, const BlockId& id,
-                                                               uint64_t bytes, bool prefetch) {
+                                                               uint64_t bytes, bool prefetch,
+                                                               bool route) {
   auto block = std::make_shared<Block>();
   block->id = id;
+  block->route = route;
   block->charged = bytes;
   block->prefetched = prefetch;
   block->data = TakeBuffer(lock, bytes);  // null: the loader allocates one
@@ -325,7 +328,14 @@ void BlockCache::Load(const std::shared_ptr<Block>& block, const UniqueFd& fd) {
   }
   Result<size_t> got = Status(Code::kNoSpace, "block cache: out of memory");
   bool direct = false;
-  if (buf) {
+  bool routed = false;
+  if (buf && block->route && opts_.router != nullptr) {
+    if (auto n = opts_.router->ReadElsewhere(block->id.key, start, {buf.get(), want})) {
+      got = std::min<size_t>(*n, want);
+      routed = true;
+    }
+  }
+  if (buf && !routed) {
     std::shared_ptr<const UniqueFd> dfd;
     if (opts_.direct_io) dfd = DirectFd(block->id.key, fd);
     if (dfd) {
@@ -349,7 +359,7 @@ void BlockCache::Load(const std::shared_ptr<Block>& block, const UniqueFd& fd) {
     block->capacity = RoundUp(want, kDirectAlign);
     block->len = *got;
     block->state = Block::State::kReady;
-    stats_.backing_bytes_read += *got;
+    (routed ? stats_.routed_bytes_read : stats_.backing_bytes_read) += *got;
     if (direct) stats_.direct_bytes_read += *got;
     if (block->prefetched) stats_.prefetched_bytes += *got;
     if (block->in_index) {
@@ -377,7 +387,7 @@ void BlockCache::Load(const std::shared_ptr<Block>& block, const UniqueFd& fd) {
 // ------------------------------------------------------------------------ reads
 
 Result<size_t> BlockCache::Read(const FileKey& key, std::shared_ptr<const UniqueFd> fd, char* out,
-                                size_t len, uint64_t offset) {
+                                size_t len, uint64_t offset, bool route) {
   if (len == 0 || offset >= key.size) return size_t{0};
   if (!fd || !fd->valid()) return Invalid("block cache: read without an open file");
   const uint64_t bs = opts_.block_bytes;
@@ -425,7 +435,7 @@ Result<size_t> BlockCache::Read(const FileKey& key, std::shared_ptr<const Unique
           DropOtherVersions(lock, key);
           dropped_old = true;
         }
-        auto b = NewLoadingBlock(lock, id, size, /*prefetch=*/false);
+        auto b = NewLoadingBlock(lock, id, size, /*prefetch=*/false, route);
         ++b->pins;
         ++stats_.misses;
         ++loads;

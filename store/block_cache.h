@@ -34,6 +34,12 @@
 // refuses O_DIRECT (tmpfs, some FUSE or network file systems) is read buffered instead,
 // decided once per device.
 //
+// Peers. With a `router` (issue 12), a miss first asks the router, which may read the block
+// from a peer daemon (the block's owner); when it declines (this node owns the block, no
+// plan covers it, the peer failed) the cache reads the backing store as above. The flight is
+// the same either way, so local readers and prefetch share it. A Read with route=false (a
+// peer's request being served) never asks the router: an owner always reads locally.
+//
 // Thread-safe. One mutex guards the index; no lock is held during pread or while copying
 // bytes out. The destructor drops queued prefetches and joins the prefetch threads; no
 // Read() may be in progress or start once it runs.
@@ -50,6 +56,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -70,12 +78,24 @@ struct FileKey {
 // The key of a file as fstat() describes it now.
 FileKey FileKeyFromStat(const struct stat& st);
 
+// A second place misses may come from (peer daemons). Thread-safe; must outlive the cache.
+class MissRouter {
+ public:
+  virtual ~MissRouter() = default;
+  // Reads up to out.size() bytes at `offset` of the file version `key` from elsewhere and
+  // returns the count, or nullopt: the cache reads the backing store itself. Never fails:
+  // a peer error is the router's to count and log.
+  virtual std::optional<size_t> ReadElsewhere(const FileKey& key, uint64_t offset,
+                                              std::span<char> out) = 0;
+};
+
 struct BlockCacheOptions {
   uint64_t budget_bytes = 1ull << 30;
   uint64_t block_bytes = 1ull << 20;
   int prefetch_threads = 2;  // 0 disables prefetch
   int read_parallelism = 4;  // backing reads one demand Read() may have in flight
   bool direct_io = false;    // read blocks with O_DIRECT where the file system allows it
+  MissRouter* router = nullptr;  // optional, must outlive the cache
 };
 
 struct BlockCacheStats {
@@ -94,6 +114,7 @@ struct BlockCacheStats {
   uint64_t read_errors = 0;  // backing reads that failed
   uint64_t direct_bytes_read = 0;  // part of backing_bytes_read read with O_DIRECT
   uint64_t free_buffer_bytes = 0;  // block buffers kept for reuse (within the budget)
+  uint64_t routed_bytes_read = 0;  // miss bytes the router brought (not in backing_bytes_read)
 };
 
 class BlockCache {
@@ -108,8 +129,9 @@ class BlockCache {
   // open file `fd` (shared so a prefetch may outlive the caller's handle). Returns the
   // number of bytes copied into `out`: fewer than asked only at key.size, or where the
   // file turned out shorter than its key says (it changed underneath).
+  // `route`: a miss may ask the router (false: this read serves a peer; read locally).
   Result<size_t> Read(const FileKey& key, std::shared_ptr<const UniqueFd> fd, char* out, size_t len,
-                      uint64_t offset);
+                      uint64_t offset, bool route = true);
 
   // Queues an asynchronous fetch of [offset, offset+len) (clamped to key.size). Returns
   // at once; never blocks on I/O or memory.
@@ -180,7 +202,7 @@ class BlockCache {
   // Drops blocks of key's (dev, ino) cached under another version.
   void DropOtherVersions(Lock& lock, const FileKey& key);
   std::shared_ptr<Block> NewLoadingBlock(Lock& lock, const BlockId& id, uint64_t bytes,
-                                         bool prefetch);
+                                         bool prefetch, bool route = true);
   // Reads `block` from the backing store (no lock held) and publishes the outcome.
   void Load(const std::shared_ptr<Block>& block, const UniqueFd& fd);
   void Unpin(Lock& lock, Block* block);
