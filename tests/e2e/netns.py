@@ -121,6 +121,7 @@ class Cluster:
     def __init__(self, k, root=None, backing=None, throttle_bps=None, daemon_args=()):
         self.k = k
         self.root = root or tempfile.mkdtemp(prefix="ckptfs-peers-")
+        os.makedirs(self.root, exist_ok=True)
         self.backing = backing or os.path.join(self.root, "backing")
         os.makedirs(self.backing, exist_ok=True)
         pid = os.getpid()
@@ -155,6 +156,12 @@ class Cluster:
                      node.veth_ns)
                 self._made_veth.append(node.veth_host)
                 _run("ip", "link", "set", node.veth_ns, "netns", node.ns)
+                # UCX lists TCP devices from /sys/class/net, which (the mount namespace being
+                # the host's) shows the host's interfaces, and then checks each in the
+                # daemon's own network namespace. So the namespace's end takes the name of
+                # the host's end: UCX finds the name in sysfs and uses the namespace's device.
+                _run("ip", "-n", node.ns, "link", "set", node.veth_ns, "name", node.veth_host)
+                node.veth_ns = node.veth_host
                 _run("ip", "link", "set", node.veth_host, "master", self.bridge, "up")
                 _run("ip", "-n", node.ns, "addr", "add", f"{node.ip}/24", "dev", node.veth_ns)
                 _run("ip", "-n", node.ns, "link", "set", node.veth_ns, "up")
