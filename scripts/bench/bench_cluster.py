@@ -7,8 +7,8 @@ One DCP checkpoint (dcp_tool, --ranks writer ranks) is saved once into the backi
 K in --nodes, with and without --peers, measured side by side in one run:
   replicated  every node loads the whole checkpoint (dcp_tool load, 1 rank per node,
               mode replicated, every value verified), all nodes at once;
-  own         node i reads only the files its ranks wrote (__<r>_0.distcp with
-              r * K / ranks == i), all nodes at once: an own-shard load.
+  own         node i reads `.metadata` and then only the files its ranks wrote
+              (__<r>_0.distcp with r * K / ranks == i), all nodes at once: an own-shard load.
 Each case reports the slowest node's time and the bytes every daemon read from the backing
 store (its backing_bytes_read delta). Caches are cold: daemons start fresh per case and the
 cache reads bypass the page cache (O_DIRECT).
@@ -53,7 +53,9 @@ def run_case(backing, ckpt_rel, k, ranks, peers, mode, mbps, root):
                     r = dcp_tool.load(path, ranks=1, mode="replicated", seed=3, timeout=900)
                     results[n.index] = {"s": r["load_s_max"], "wall_s": time.monotonic() - t0}
                 else:
-                    got = 0
+                    # A DCP load starts with .metadata (FileSystemReader.read_metadata).
+                    with open(os.path.join(path, ".metadata"), "rb") as fh:
+                        got = len(fh.read())
                     for f in sorted(os.listdir(path)):
                         if not f.endswith(".distcp"):
                             continue
