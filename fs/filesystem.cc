@@ -14,7 +14,7 @@
 #include <cstring>
 #include <thread>
 
-#include "store/dcp_metadata.h"
+#include "store/dcp/dcp_metadata.h"
 
 namespace ckptfs::fs {
 namespace {

@@ -38,9 +38,9 @@
 #include "store/commit_gate.h"
 #include "store/flush_pipeline.h"
 #include "store/journal.h"
-#include "store/key_index.h"
-#include "store/read_checksums.h"
-#include "store/block_cache.h"
+#include "store/dcp/key_index.h"
+#include "store/dcp/read_checksums.h"
+#include "store/cache/block_cache.h"
 #include "store/state_db.h"
 
 namespace ckptfs::store::peer {

@@ -24,7 +24,7 @@
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "store/backing_dir.h"
-#include "store/key_index.h"
+#include "store/dcp/key_index.h"
 
 namespace ckptfs::fs {
 

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "store/dcp_metadata.h"
-#include "store/metadata_file.h"
+#include "store/dcp/dcp_metadata.h"
+#include "store/dcp/metadata_file.h"
 
 namespace ckptfs::store {
 namespace {

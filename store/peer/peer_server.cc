@@ -12,7 +12,7 @@
 #include <unordered_map>
 
 #include "store/crc32c.h"
-#include "store/dcp_metadata.h"
+#include "store/dcp/dcp_metadata.h"
 #include "store/peer/buffer_pool.h"
 #include "store/peer/protocol.h"
 #include "store/peer/ucx_worker.h"

@@ -44,7 +44,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "store/dcp_metadata.h"
+#include "store/dcp/dcp_metadata.h"
 
 namespace ckptfs::store::peer {
 

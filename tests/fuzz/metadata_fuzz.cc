@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "store/dcp_metadata.h"
+#include "store/dcp/dcp_metadata.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   ckptfs::store::DcpMetadataOptions options;

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "store/pickle.h"
+#include "store/dcp/pickle.h"
 
 namespace {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "store/torch_zip.h"
+#include "store/dcp/torch_zip.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string_view item(reinterpret_cast<const char*>(data), size);

@@ -1,7 +1,7 @@
 // BlockCache: single flight, byte-exactness, the hard budget, freshness, error fan-out,
 // prefetch and its isolation from demand reads. Races are ordered with latches in a
 // PRead hook, never with sleeps.
-#include "store/block_cache.h"
+#include "store/cache/block_cache.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

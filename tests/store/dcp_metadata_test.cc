@@ -1,4 +1,4 @@
-#include "store/dcp_metadata.h"
+#include "store/dcp/dcp_metadata.h"
 
 #include <gtest/gtest.h>
 

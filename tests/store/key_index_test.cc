@@ -1,4 +1,4 @@
-#include "store/key_index.h"
+#include "store/dcp/key_index.h"
 
 #include <gtest/gtest.h>
 #include <sys/resource.h>
@@ -22,7 +22,7 @@
 #include "store/backing_dir.h"
 #include "store/block_crc_map.h"
 #include "store/crc32c.h"
-#include "store/dcp_metadata.h"
+#include "store/dcp/dcp_metadata.h"
 #include "store/state_db.h"
 #include "tests/store/faulty_backing_dir.h"
 

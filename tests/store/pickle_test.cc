@@ -1,4 +1,4 @@
-#include "store/pickle.h"
+#include "store/dcp/pickle.h"
 
 #include <gtest/gtest.h>
 

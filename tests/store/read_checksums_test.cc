@@ -1,4 +1,4 @@
-#include "store/read_checksums.h"
+#include "store/dcp/read_checksums.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>

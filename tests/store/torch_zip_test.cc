@@ -1,4 +1,4 @@
-#include "store/torch_zip.h"
+#include "store/dcp/torch_zip.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <sstream>
 #include <string>
 
-#include "store/dcp_metadata.h"
+#include "store/dcp/dcp_metadata.h"
 
 namespace ckptfs::store {
 namespace {

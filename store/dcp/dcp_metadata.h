@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "store/pickle.h"
+#include "store/dcp/pickle.h"
 
 namespace ckptfs::store {
 

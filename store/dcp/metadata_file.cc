@@ -1,4 +1,4 @@
-#include "store/metadata_file.h"
+#include "store/dcp/metadata_file.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

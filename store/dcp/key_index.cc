@@ -1,4 +1,4 @@
-#include "store/key_index.h"
+#include "store/dcp/key_index.h"
 
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
@@ -13,9 +13,9 @@
 #include <unordered_set>
 
 #include "store/crc32c.h"
-#include "store/metadata_file.h"
+#include "store/dcp/metadata_file.h"
+#include "store/dcp/torch_zip.h"
 #include "store/record_codec.h"
-#include "store/torch_zip.h"
 
 namespace ckptfs::store {
 namespace {

@@ -58,9 +58,9 @@
 
 #include "common/status.h"
 #include "store/backing_dir.h"
-#include "store/block_cache.h"
 #include "store/block_crc_map.h"
-#include "store/dcp_metadata.h"
+#include "store/cache/block_cache.h"
+#include "store/dcp/dcp_metadata.h"
 #include "store/state_db.h"
 
 namespace ckptfs::store {

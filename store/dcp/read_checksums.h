@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "store/block_cache.h"
-#include "store/key_index.h"
+#include "store/cache/block_cache.h"
+#include "store/dcp/key_index.h"
 
 namespace ckptfs::store {
 

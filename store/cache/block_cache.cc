@@ -1,4 +1,4 @@
-#include "store/block_cache.h"
+#include "store/cache/block_cache.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

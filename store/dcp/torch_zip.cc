@@ -1,9 +1,9 @@
-#include "store/torch_zip.h"
+#include "store/dcp/torch_zip.h"
 
 #include <algorithm>
 #include <unordered_set>
 
-#include "store/pickle.h"
+#include "store/dcp/pickle.h"
 
 namespace ckptfs::store {
 namespace {
