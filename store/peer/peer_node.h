@@ -43,9 +43,9 @@
 
 #include "common/status.h"
 #include "store/backing_dir.h"
-#include "store/block_cache.h"
+#include "store/cache/block_cache.h"
 #include "store/cache/block_source.h"
-#include "store/dcp_metadata.h"
+#include "store/dcp/dcp_metadata.h"
 #include "store/peer/cooperative_source.h"
 #include "store/peer/peer_server.h"
 #include "store/peer/plan.h"
