@@ -181,7 +181,7 @@ try:
         print(f"    node {n.index}: loaded the whole checkpoint (verified) in "
               f"{out[n.index]['load_s_max']:.2f} s; {b / 2**20:.1f} MiB from the backing store, "
               f"{s['peer_bytes_read'] / 2**20:.1f} MiB from its peer, "
-              f"{s['peer_bytes_served'] / 2**20:.1f} MiB served to it, "
+              f"served {s['peer_bytes_served'] / 2**20:.1f} MiB to its peer, "
               f"{s['peer_fallbacks']} fallbacks")
     print(f"    backing store read {total / size:.2f}x the checkpoint for 2 nodes (2.00x without peers)")
 finally:

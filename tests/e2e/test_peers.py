@@ -17,7 +17,7 @@ import time
 import unittest
 
 import dcp_tool
-from harness import CKPTFS
+from harness import ADMIN, CKPTFS
 from netns import Cluster
 
 MB = 24        # checkpoint payload (dcp_tool --mb), per dtype set below
@@ -107,6 +107,14 @@ class PeersTest(unittest.TestCase):
             self.assertEqual(s["peer_fallbacks"], 0, s["peers"])
         self.assertEqual(sum(s["peer_bytes_read"] for s in stats),
                          sum(s["peer_bytes_served"] for s in stats))
+        text = subprocess.run([ADMIN, "stats", c.nodes[0].mnt], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=30).stdout
+        self.assertIn("2 of 2 connected (this node: rank 0)", text)
+        self.assertIn("0 fallbacks to the backing store", text)
+        with open(os.path.join(c.nodes[0].mnt, ".ckptfs", "metrics")) as f:
+            metrics = f.read()
+        self.assertIn("ckptfs_peer_read_bytes_total{", metrics)
+        self.assertIn("ckptfs_peers_connected{", metrics)
 
     def test_peer_killed_mid_load_falls_back(self):
         # A throttled backing disk keeps the load running long enough to kill a peer in it.
