@@ -138,6 +138,28 @@ class PeersTest(unittest.TestCase):
         self.assertEqual(s["peers_connected"], 0)
         self.assertIn("reading from the backing store instead", survivor.log_text(100000))
 
+    def test_hung_peer_times_out_and_falls_back(self):
+        c = self.cluster(2)
+        c.start()  # --peer-timeout 3000 (netns.py)
+        self.assertTrue(c.wait_connected())
+        survivor, hung = c.nodes
+        os.kill(hung.proc.pid, signal.SIGSTOP)  # alive, connected, silent
+        try:
+            t0 = time.monotonic()
+            results = self.parallel_loads([survivor])
+            took = time.monotonic() - t0
+        finally:
+            os.kill(hung.proc.pid, signal.SIGCONT)
+        self.assert_loaded(results[0], "survivor\n" + survivor.log_text(3000))
+        s = survivor.stats()
+        print(f"\nload with a hung peer: {took:.1f} s, fallbacks {s['peers']['fallbacks']}",
+              file=sys.stderr)
+        self.assertGreater(s["peers"]["fallbacks"]["timeout"], 0, s["peers"])
+        self.assertEqual(s["peer_bytes_read"], 0)
+        # One request timeout, then the peer is skipped: far below one timeout per block.
+        self.assertLess(took, 60)
+        self.assertIn("reading from the backing store instead", survivor.log_text(100000))
+
     def test_wrong_secret_is_refused_and_the_load_uses_the_backing_store(self):
         c = self.cluster(2)
         c.start(secrets={1: c.wrong_secret_file})
