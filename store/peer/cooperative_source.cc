@@ -131,7 +131,7 @@ void CooperativeSource::PeerFailed(uint32_t node, const Status& status,
     // anything else does: pause it so that other reads do not wait on it too.
     const Code code = status.code();
     if (code == Code::kTimeout || code == Code::kIo || code == Code::kCorrupt ||
-        code == Code::kAborted || code == Code::kPermission) {
+        code == Code::kPermission) {
       if (Clock::now() >= p.down_until) {
         pause = p.backoff;
         p.down_until = Clock::now() + pause;
