@@ -136,8 +136,7 @@ Status Filesystem::Init() {
     CKPT_ASSIGN_OR_RETURN(cache_, store::BlockCache::Create(backing_.get(), cache_options));
 #ifdef CKPTFS_HAVE_UCX
     if (peers_) {
-      CKPT_RETURN_IF_ERROR(peers_->StartServing(
-          cache_.get(), [this](const std::string& ckpt) { QueuePrefetch(ckpt); }));
+      CKPT_RETURN_IF_ERROR(peers_->StartServing(cache_.get()));
     }
 #endif
   } else if (config_.peers) {

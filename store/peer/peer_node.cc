@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <charconv>
+#include <system_error>
 
+#include "store/dcp/metadata_file.h"
 #include "store/peer/protocol.h"
 
 namespace ckptfs::store::peer {
@@ -68,21 +70,12 @@ class PeerNode::BackingSource : public BlockSource {
 // What the PeerServer reads through: the block cache, never routed (this node is the owner).
 class PeerNode::ServingSource : public BlockSource {
  public:
-  ServingSource(BackingDir* dir, BlockCache* cache, CooperativeSource* coop,
-                std::function<void(const std::string&)> on_peer_load)
-      : dir_(dir), cache_(cache), coop_(coop), on_peer_load_(std::move(on_peer_load)) {}
+  ServingSource(PeerNode* node, BlockCache* cache) : node_(node), cache_(cache) {}
 
   Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override {
     const std::string ckpt = ParentOf(id.path);
-    if (on_peer_load_ && !coop_->HasPlan(ckpt)) {
-      bool first = false;
-      {
-        std::lock_guard lock(mu_);
-        first = notified_.insert(ckpt).second;
-      }
-      if (first) on_peer_load_(ckpt);
-    }
-    CKPT_ASSIGN_OR_RETURN(auto opened, OpenVersion(dir_, id, offset));
+    if (!node_->coop_->HasPlan(ckpt)) node_->LoadStartedElsewhere(ckpt);
+    CKPT_ASSIGN_OR_RETURN(auto opened, OpenVersion(node_->dir_, id, offset));
     auto fd = std::make_shared<const UniqueFd>(std::move(opened.first));
     CKPT_ASSIGN_OR_RETURN(size_t got, cache_->Read(opened.second, fd, out.data(), out.size(),
                                                    offset, /*route=*/false));
@@ -90,12 +83,8 @@ class PeerNode::ServingSource : public BlockSource {
   }
 
  private:
-  BackingDir* const dir_;
+  PeerNode* const node_;
   BlockCache* const cache_;
-  CooperativeSource* const coop_;
-  const std::function<void(const std::string&)> on_peer_load_;
-  std::mutex mu_;
-  std::set<std::string> notified_;  // GUARDED_BY(mu_)
 };
 
 PeerNode::PeerNode(const PeerNodeOptions& options, BackingDir* dir)
@@ -122,14 +111,18 @@ Result<std::unique_ptr<PeerNode>> PeerNode::Create(const PeerNodeOptions& option
   return node;
 }
 
-Status PeerNode::StartServing(BlockCache* cache,
-                              std::function<void(const std::string&)> on_peer_load) {
+Status PeerNode::StartServing(BlockCache* cache) {
   if (cache == nullptr) return Invalid("peers: serving needs the block cache (--cache-mem > 0)");
   if (cache->block_bytes() != options_.block_bytes) {
     return Invalid("peers: plan block size differs from the block cache's");
   }
-  serving_source_ =
-      std::make_unique<ServingSource>(dir_, cache, coop_.get(), std::move(on_peer_load));
+  cache_ = cache;
+  serving_source_ = std::make_unique<ServingSource>(this, cache);
+  try {
+    planner_ = std::thread([this] { PlannerLoop(); });
+  } catch (const std::system_error& e) {
+    return Status(Code::kInternal, std::string("peers: cannot start a thread: ") + e.what());
+  }
   PeerServerOptions so;
   so.listen = options_.listen;
   so.node_id = options_.nodes[options_.self];
@@ -145,7 +138,80 @@ Status PeerNode::StartServing(BlockCache* cache,
   return Status::Ok();
 }
 
-void PeerNode::StopServing() { server_.reset(); }
+void PeerNode::StopServing() {
+  server_.reset();  // no more requests, so nothing queues for the planner
+  {
+    std::lock_guard lock(planner_mu_);
+    planner_stop_ = true;
+  }
+  planner_cv_.notify_all();
+  if (planner_.joinable()) planner_.join();
+}
+
+void PeerNode::LoadStartedElsewhere(const std::string& ckpt) {
+  {
+    std::lock_guard lock(planner_mu_);
+    if (planner_stop_ || !planner_seen_.insert(ckpt).second) return;
+    planner_queue_.push_back(ckpt);
+  }
+  planner_cv_.notify_one();
+}
+
+void PeerNode::PlannerLoop() {
+  std::unique_lock lock(planner_mu_);
+  while (true) {
+    planner_cv_.wait(lock, [this] { return planner_stop_ || !planner_queue_.empty(); });
+    if (planner_stop_) return;
+    std::string ckpt = std::move(planner_queue_.front());
+    planner_queue_.erase(planner_queue_.begin());
+    lock.unlock();
+    PrefetchOwnShare(ckpt);
+    lock.lock();
+  }
+}
+
+void PeerNode::PrefetchOwnShare(const std::string& ckpt) {
+  if (coop_->HasPlan(ckpt)) return;  // a local load planned it meanwhile
+  const std::string prefix = ckpt.empty() ? "" : ckpt + "/";
+  auto bytes = ReadMetadataBytes(dir_, prefix + ".metadata");
+  if (!bytes.ok()) {
+    spdlog::debug("peers: a peer reads {}, which has no readable .metadata here: {}", ckpt,
+                  bytes.status().ToString());
+    return;
+  }
+  auto md = ParseDcpMetadata(*bytes);
+  if (!md.ok()) {
+    spdlog::warn("peers: cannot parse {}.metadata: {}", prefix, md.status().ToString());
+    return;
+  }
+  std::vector<std::pair<std::string, FileKey>> keys;
+  std::map<std::string, std::shared_ptr<const UniqueFd>> fds;
+  for (const auto& [file, length] : RequiredFileLengths(*md)) {
+    auto fd = dir_->OpenFile(prefix + file, O_RDONLY);
+    if (!fd.ok()) continue;
+    struct stat st;
+    if (::fstat(fd->get(), &st) != 0) continue;
+    keys.emplace_back(file, FileKeyFromStat(st));
+    fds[file] = std::make_shared<const UniqueFd>(std::move(*fd));
+  }
+  auto owned = PlanCheckpoint(ckpt, *md, keys);
+  if (!owned.ok()) {
+    spdlog::warn("peers: cannot plan {}: {}", ckpt, owned.status().ToString());
+    return;
+  }
+  uint64_t queued = 0;
+  for (const OwnedRange& r : *owned) {
+    auto fd = fds.find(r.file);
+    if (fd == fds.end()) continue;
+    for (const auto& [name, key] : keys) {
+      if (name != r.file) continue;
+      cache_->Prefetch(key, fd->second, r.offset, r.length);
+      queued += r.length;
+    }
+  }
+  spdlog::info("peers: a load of {} started on another node: prefetching this node's share "
+               "({} bytes)", ckpt.empty() ? "/" : ckpt, queued);
+}
 
 Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
     const std::string& ckpt, const DcpMetadata& metadata,

@@ -20,15 +20,16 @@
 // `locality_max_imbalance`, e.g. a checkpoint saved by one rank) it is dropped and the
 // plan balances all items over all nodes.
 //
-// A peer's request for a block of a checkpoint this node has not planned yet calls
-// `on_peer_load(ckpt)` once: a load has started elsewhere, so the daemon prefetches its
-// own share too.
+// A peer's request for a block of a checkpoint this node has not planned yet means a load
+// has started elsewhere: a PeerNode thread then reads that checkpoint's `.metadata`, plans
+// it and prefetches this node's share (only that: nobody here is loading it).
 //
 // Thread-safe. StopServing() must run before the block cache is destroyed; the PeerNode
 // must outlive the cache (the cache holds it as its router).
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -39,6 +40,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/status.h"
@@ -100,8 +102,8 @@ class PeerNode : public MissRouter {
   PeerNode& operator=(const PeerNode&) = delete;
 
   // Starts the PeerServer, reading through `cache` (must outlive StopServing()).
-  Status StartServing(BlockCache* cache, std::function<void(const std::string&)> on_peer_load);
-  // Stops serving (closes peer connections, joins). Idempotent.
+  Status StartServing(BlockCache* cache);
+  // Stops serving (closes peer connections, joins the server and the planner). Idempotent.
   void StopServing();
 
   // Plans checkpoint `ckpt` (relative to the backing dir) from its parsed `.metadata`;
@@ -121,6 +123,11 @@ class PeerNode : public MissRouter {
   class BackingSource;
   class ServingSource;
   PeerNode(const PeerNodeOptions& options, BackingDir* dir);
+  // Queues `ckpt` for the planner thread (a peer asked for one of its blocks).
+  void LoadStartedElsewhere(const std::string& ckpt);
+  void PlannerLoop();
+  // Plans `ckpt` from its .metadata and prefetches this node's share into the cache.
+  void PrefetchOwnShare(const std::string& ckpt);
 
   const PeerNodeOptions options_;
   BackingDir* const dir_;
@@ -128,6 +135,14 @@ class PeerNode : public MissRouter {
   std::unique_ptr<CooperativeSource> coop_;
   std::unique_ptr<ServingSource> serving_source_;
   std::unique_ptr<PeerServer> server_;
+  BlockCache* cache_ = nullptr;  // set by StartServing
+
+  std::mutex planner_mu_;
+  std::condition_variable planner_cv_;
+  std::vector<std::string> planner_queue_;  // GUARDED_BY(planner_mu_)
+  std::set<std::string> planner_seen_;      // GUARDED_BY(planner_mu_): queued once each
+  bool planner_stop_ = false;               // GUARDED_BY(planner_mu_)
+  std::thread planner_;
 
   mutable std::mutex mu_;
   std::map<FileKey, BlockId> ids_;  // GUARDED_BY(mu_): planned files by their local key

@@ -116,6 +116,25 @@ class PeersTest(unittest.TestCase):
         self.assertIn("ckptfs_peer_read_bytes_total{", metrics)
         self.assertIn("ckptfs_peers_connected{", metrics)
 
+    def test_a_load_on_one_node_starts_the_owners_prefetch(self):
+        c = self.cluster(3)
+        c.start()
+        self.assertTrue(c.wait_connected())
+        before = [backing_read(n) for n in c.nodes]
+        results = self.parallel_loads([c.nodes[0]])  # nobody loads on nodes 1 and 2
+        self.assert_loaded(results[0], c.nodes[0].log_text(3000))
+        stats = [n.stats() for n in c.nodes]
+        read = [s["backing_bytes_read"] - b for s, b in zip(stats, before)]
+        self.assertLess(sum(read), 1.35 * self.size, read)
+        for s in stats[1:]:
+            # The first request from node 0 made the owner plan the checkpoint itself and
+            # serve its share.
+            self.assertGreaterEqual(s["peers"]["plans"], 1, s["peers"])
+            self.assertEqual(s["peers"]["last_plan"]["checkpoint"], "run/iter_0000001")
+        self.assertGreater(sum(s["peer_bytes_served"] for s in stats[1:]), 0)
+        self.assertEqual(stats[0]["peer_bytes_read"],
+                         sum(s["peer_bytes_served"] for s in stats[1:]))
+
     def test_peer_killed_mid_load_falls_back(self):
         # A throttled backing disk keeps the load running long enough to kill a peer in it.
         c = self.cluster(2, throttle_bps=6 << 20)
