@@ -163,6 +163,81 @@ TEST_F(CoopTest, WrongSecretIsNeverConnectedAndReadsFallBack) {
   EXPECT_EQ(server_->stats().bytes_served, 0u);
 }
 
+// Four ranks wrote __<r>_0.distcp; two nodes: with writer locality each node owns the files
+// of the ranks it hosts (node = rank * 2 / 4), so an own-shard load never leaves the node.
+TEST(PeerNodePlan, WriterLocalityOwnsEachRanksFilesOnItsNode) {
+  auto dir = BackingDir::Open(::testing::TempDir());
+  ASSERT_TRUE(dir.ok());
+  PeerNodeOptions o;
+  o.nodes = {"127.0.0.1:1", "127.0.0.1:2"};
+  o.self = 0;
+  o.secret = kSecret;
+  o.plan_mode = PlanMode::kBalanced;
+  auto node = PeerNode::Create(o, dir->get());
+  ASSERT_TRUE(node.ok()) << node.status().ToString();
+  DcpMetadata md;
+  std::vector<std::pair<std::string, FileKey>> files;
+  for (int r = 0; r < 4; ++r) {
+    const std::string f = "__" + std::to_string(r) + "_0.distcp";
+    for (int i = 0; i < 3; ++i) {
+      DcpItem item;
+      item.file = f;
+      item.offset = i * 2 * kBlock;
+      item.length = 2 * kBlock;
+      md.items.push_back(item);
+    }
+    files.emplace_back(f, FileKey{1, static_cast<uint64_t>(r + 10), 6 * kBlock, 5});
+  }
+  auto owned = (*node)->PlanCheckpoint("ck", md, files);
+  ASSERT_TRUE(owned.ok()) << owned.status().ToString();
+  ASSERT_EQ(owned->size(), 2u);
+  EXPECT_EQ((*owned)[0].file, "__0_0.distcp");
+  EXPECT_EQ((*owned)[1].file, "__1_0.distcp");
+  for (const OwnedRange& r : *owned) {
+    EXPECT_EQ(r.offset, 0u);
+    EXPECT_EQ(r.length, 6 * kBlock);
+  }
+  PeerNodeStats s = (*node)->Stats();
+  EXPECT_TRUE(s.last_plan_locality);
+  EXPECT_DOUBLE_EQ(s.last_plan_max_over_mean, 1.0);
+  // The same files again: the plan is reused.
+  ASSERT_TRUE((*node)->PlanCheckpoint("ck", md, files).ok());
+  EXPECT_EQ((*node)->Stats().plans, 1u);
+}
+
+// One rank wrote (nearly) everything: locality would put it all on node 0, so the plan
+// balances items over both nodes instead.
+TEST(PeerNodePlan, LopsidedWritersAreBalancedInstead) {
+  auto dir = BackingDir::Open(::testing::TempDir());
+  ASSERT_TRUE(dir.ok());
+  PeerNodeOptions o;
+  o.nodes = {"127.0.0.1:1", "127.0.0.1:2"};
+  o.self = 1;
+  o.secret = kSecret;
+  o.plan_mode = PlanMode::kBalanced;
+  auto node = PeerNode::Create(o, dir->get());
+  ASSERT_TRUE(node.ok());
+  DcpMetadata md;
+  for (int i = 0; i < 8; ++i) {
+    DcpItem item;
+    item.file = "__0_0.distcp";
+    item.offset = i * kBlock;
+    item.length = kBlock;
+    md.items.push_back(item);
+  }
+  DcpItem small;
+  small.file = "__1_0.distcp";
+  small.length = 4096;
+  md.items.push_back(small);
+  auto owned = (*node)->PlanCheckpoint(
+      "ck", md, {{"__0_0.distcp", FileKey{1, 10, 8 * kBlock, 5}}, {"__1_0.distcp", FileKey{1, 11, 4096, 5}}});
+  ASSERT_TRUE(owned.ok());
+  uint64_t mine = 0;
+  for (const OwnedRange& r : *owned) mine += r.length;
+  EXPECT_GE(mine, 4 * kBlock);  // node 1 owns about half although rank 0 wrote it
+  EXPECT_FALSE((*node)->Stats().last_plan_locality);
+}
+
 TEST(PeerNodeLocality, DcpWriterRankParsesDcpFileNames) {
   EXPECT_EQ(DcpWriterRank("__0_0.distcp"), 0u);
   EXPECT_EQ(DcpWriterRank("__17_3.distcp"), 17u);
