@@ -34,8 +34,15 @@ def backing_read(node):
     return s.get("backing_bytes_read", 0)
 
 
+def built_with_ucx():
+    r = subprocess.run(["ldd", CKPTFS], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                       text=True)
+    return "libucp" in r.stdout
+
+
 @unittest.skipUnless(os.geteuid() == 0 and shutil.which("nsenter") and shutil.which("ip"),
                      "needs root, ip and nsenter")
+@unittest.skipUnless(built_with_ucx(), "ckptfs was built without the UCX peer transport")
 class PeersTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
