@@ -121,7 +121,7 @@ std::string Filesystem::StatsJson() {
     j["cache_limit"] = c.budget_bytes;
     j["cache_peak"] = c.peak_used_bytes;
     j["cache_backing_bytes_read"] = c.backing_bytes_read;
-    j["cache_direct_bytes_read"] = c.direct_bytes_read;
+    j["cache_direct_bytes_read"] = cache_source_->Stats().direct_bytes_read;
     j["cache_free_buffers"] = c.free_buffer_bytes;
     j["cache_bytes_served"] = c.bytes_served;
     j["prefetched_bytes"] = c.prefetched_bytes;
@@ -134,7 +134,6 @@ std::string Filesystem::StatsJson() {
 #ifdef CKPTFS_HAVE_UCX
   if (peers_) {
     peers_->Stats().AppendJson(&j);
-    if (cache_) j["cache_peer_bytes_read"] = cache_->Stats().routed_bytes_read;
   }
 #endif
   j["journal_pending"] = journal_->pending();

@@ -122,22 +122,27 @@ Status Filesystem::Init() {
   read_sums_ = std::make_unique<store::ReadChecksums>(index_.get());
   tensors_ = std::make_unique<TensorView>(backing_.get(), index_.get());
   if (config_.cache_bytes > 0) {
+    store::BackingSourceOptions source_options;
+    source_options.direct_io = config_.cache_direct_io;
+    CKPT_ASSIGN_OR_RETURN(cache_source_,
+                          store::BackingSource::Create(backing_.get(), source_options));
     store::BlockCacheOptions cache_options;
     cache_options.budget_bytes = config_.cache_bytes;
-    cache_options.direct_io = config_.cache_direct_io;
+    store::BlockSource* source = cache_source_.get();
     if (config_.peers) {
 #ifdef CKPTFS_HAVE_UCX
-      CKPT_ASSIGN_OR_RETURN(peers_, store::peer::PeerNode::Create(*config_.peers, backing_.get()));
-      cache_options.router = peers_.get();
+      // Misses of blocks owned by another node go to that node; the rest, and every peer
+      // failure, to the backing store.
+      CKPT_ASSIGN_OR_RETURN(peers_, store::peer::PeerNode::Create(*config_.peers, backing_.get(),
+                                                                  cache_source_.get()));
+      source = peers_->source();
 #else
       return Status(Code::kUnsupported, "--peers: this ckptfs was built without UCX");
 #endif
     }
-    CKPT_ASSIGN_OR_RETURN(cache_, store::BlockCache::Create(backing_.get(), cache_options));
+    CKPT_ASSIGN_OR_RETURN(cache_, store::BlockCache::Create(source, cache_options));
 #ifdef CKPTFS_HAVE_UCX
-    if (peers_) {
-      CKPT_RETURN_IF_ERROR(peers_->StartServing(cache_.get()));
-    }
+    if (peers_) CKPT_RETURN_IF_ERROR(peers_->StartServing(cache_.get()));
 #endif
   } else if (config_.peers) {
     return Invalid("--peers needs the block cache (--cache-mem > 0)");
@@ -1071,7 +1076,7 @@ Result<Handle*> Filesystem::OpenFile(uint64_t ino, int flags) {
     CKPT_ASSIGN_OR_RETURN(UniqueFd fd, backing_->OpenFile(PathLocked(node.get()), O_RDONLY));
     struct stat st;
     if (::fstat(fd.get(), &st) != 0) return Status::FromErrno(errno, "fstat");
-    handle->key = store::FileKeyFromStat(st);
+    handle->block = store::BlockIdFromStat(PathLocked(node.get()), st);
     handle->fd = std::make_shared<const UniqueFd>(std::move(fd));
     handle->keep_cache = !writable && TimeoutFor(*node) > kDefaultTimeout;
     if (node->parent != nullptr && CommittedDirLocked(node->parent)) {
@@ -1205,17 +1210,34 @@ Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t o
     // is closed (Release), so this is a broken invariant, not a backing-store error.
     return Status(Code::kInternal, "handle lost its data source (write state dropped early)");
   } else if (cache_) {
-    // The file's identity now, not at open: someone may have rewritten it in place.
-    struct stat st;
-    if (::fstat(h->fd->get(), &st) != 0) return Status::FromErrno(errno, "fstat");
-    store::FileKey key = store::FileKeyFromStat(st);
-    if (!h->ckpt.empty()) PrefetchItem(h, offset);
-    got = cache_->Read(key, h->fd, out, len, offset);
-    if (got.ok() && h->indexed) read_sums_->OnRead(h->ckpt, h->file, key, offset, out, *got);
+    got = ReadCached(h, out, len, offset);
   } else {
     got = backing_->PRead(h->fd->get(), out, len, static_cast<off_t>(offset));
   }
   if (got.ok()) bytes_read_.fetch_add(*got, std::memory_order_relaxed);
+  return got;
+}
+
+Result<size_t> Filesystem::ReadCached(Handle* h, char* out, size_t len, uint64_t offset) {
+  // The file's version now, not at open: someone may have rewritten it in place. Its name
+  // for the cache is the backing path it was opened under; the open descriptor is lent to
+  // the cache's source, so a miss reads the very inode the application opened.
+  struct stat st;
+  if (::fstat(h->fd->get(), &st) != 0) return Status::FromErrno(errno, "fstat");
+  const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
+  // Another file under the same name, size and mtime: its cached blocks are not ours.
+  cache_source_->Adopt(id, h->fd, st, [this](const std::string& p) { cache_->Invalidate(p); });
+  if (!h->ckpt.empty()) PrefetchItem(h, id, offset);
+  Result<size_t> got = cache_->Read(id, out, len, offset);
+  if (!got.ok() && (got.status().code() == Code::kAborted ||
+                    got.status().code() == Code::kNotFound)) {
+    // The source lost the descriptor (its bound was reached) and the path now names
+    // another file, or none: this handle's file is still readable directly.
+    got = backing_->PRead(h->fd->get(), out, len, static_cast<off_t>(offset));
+  }
+  if (got.ok() && h->indexed) {
+    read_sums_->OnRead(h->ckpt, h->file, store::FileKeyFromStat(st), offset, out, *got);
+  }
   return got;
 }
 
@@ -1531,8 +1553,7 @@ void Filesystem::PrefetchCheckpoint(const std::string& ckpt) {
   struct Open {
     std::string file;
     uint64_t length;
-    std::shared_ptr<const UniqueFd> fd;
-    store::FileKey key;
+    store::BlockId id;
   };
   std::vector<Open> open;
   for (const auto& [file, length] : store::RequiredFileLengths(*md)) {
@@ -1540,33 +1561,34 @@ void Filesystem::PrefetchCheckpoint(const std::string& ckpt) {
     if (!fd.ok()) continue;
     struct stat st;
     if (::fstat(fd->get(), &st) != 0) continue;
-    open.push_back(Open{file, std::min<uint64_t>(length, static_cast<uint64_t>(st.st_size)),
-                        std::make_shared<const UniqueFd>(std::move(*fd)),
-                        store::FileKeyFromStat(st)});
+    const store::BlockId id = store::BlockIdFromStat(JoinPath(ckpt, file), st);
+    cache_source_->Adopt(id, std::make_shared<const UniqueFd>(std::move(*fd)), st,
+                         [this](const std::string& p) { cache_->Invalidate(p); });
+    open.push_back(Open{file, std::min<uint64_t>(length, static_cast<uint64_t>(st.st_size)), id});
   }
 #ifdef CKPTFS_HAVE_UCX
   // With peers, this node's share goes first: its blocks are the ones others will ask for.
   if (peers_) {
-    std::vector<std::pair<std::string, store::FileKey>> keys;
-    for (const Open& f : open) keys.emplace_back(f.file, f.key);
-    auto owned = peers_->PlanCheckpoint(ckpt, *md, keys);
+    std::vector<std::pair<std::string, store::BlockId>> ids;
+    for (const Open& f : open) ids.emplace_back(f.file, f.id);
+    auto owned = peers_->PlanCheckpoint(ckpt, *md, ids);
     if (!owned.ok()) spdlog::warn("peers: cannot plan {}: {}", ckpt, owned.status().ToString());
     for (const auto& range : owned.ok() ? *owned : std::vector<store::peer::OwnedRange>{}) {
       for (const Open& f : open) {
-        if (f.file == range.file) cache_->Prefetch(f.key, f.fd, range.offset, range.length);
+        if (f.file == range.file) cache_->Prefetch(f.id, range.offset, range.length);
       }
     }
   }
 #endif
   size_t files = 0;
   for (const Open& f : open) {
-    cache_->Prefetch(f.key, f.fd, 0, f.length);
+    cache_->Prefetch(f.id, 0, f.length);
     ++files;
   }
   spdlog::debug("prefetch of {}: {} files queued", ckpt, files);
 }
 
-void Filesystem::PrefetchItem(Handle* h, uint64_t offset) {
+void Filesystem::PrefetchItem(Handle* h, const store::BlockId& id, uint64_t offset) {
   if (!h->indexed) return;  // never build an index inside a read
   if (offset < h->prefetched_end.load(std::memory_order_relaxed)) return;
   auto item = index_->Locate(h->ckpt, h->file, offset);
@@ -1574,7 +1596,7 @@ void Filesystem::PrefetchItem(Handle* h, uint64_t offset) {
   const uint64_t end = item->offset + item->length;
   if (h->prefetched_end.exchange(end) >= end) return;  // another read got there first
   uint64_t from = offset + cache_->block_bytes();
-  if (from < end) cache_->Prefetch(h->key, h->fd, from, end - from);
+  if (from < end) cache_->Prefetch(id, from, end - from);
 }
 
 void Filesystem::RunIndexer() {

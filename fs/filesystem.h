@@ -83,7 +83,7 @@ struct Handle {
   // The backing file, opened when the file had no write state: the current version for as
   // long as it has none (a write state lives until every handle is closed). Set at open only.
   std::shared_ptr<const UniqueFd> fd;
-  store::FileKey key;                  // its identity at open, for the block cache
+  store::BlockId block;                // its backing path and version at open (block cache)
   std::string ckpt, file;              // checkpoint dir and file name, when in a checkpoint
   std::atomic<uint64_t> prefetched_end{0};  // end of the last item prefetched by this handle
   bool keep_cache = false;             // a committed checkpoint's file
@@ -336,10 +336,14 @@ class Filesystem {
   void QueuePrefetch(const std::string& ckpt);
   void PrefetchCheckpoint(const std::string& ckpt);
   // Prefetches the whole DCP item that `offset` falls in, once per item and handle.
-  void PrefetchItem(Handle* h, uint64_t offset);
+  void PrefetchItem(Handle* h, const store::BlockId& id, uint64_t offset);
+  // A read of a backing file through the block cache (ReadData's cache branch).
+  Result<size_t> ReadCached(Handle* h, char* out, size_t len, uint64_t offset);
   bool CommittedDirLocked(const Node* dir) const;
-  // Peer daemons (issue 12): the cache's router and the server of this node's blocks. Made
-  // before the cache, which holds it; it stops serving in Shutdown() before the cache goes.
+  std::unique_ptr<store::BackingSource> cache_source_;  // the cache's misses; before cache_
+  // Peer daemons (issue 12): the cache's source when on (peers first, then cache_source_)
+  // and the server of this node's blocks. Made before the cache, which reads through it; it
+  // stops serving in Shutdown() before the cache goes.
   std::shared_ptr<store::peer::PeerNode> peers_;
   std::unique_ptr<store::BlockCache> cache_;
   std::deque<std::string> prefetch_queue_;  // GUARDED_BY(index_mu_)

@@ -59,8 +59,8 @@
 #include "common/status.h"
 #include "store/backing_dir.h"
 #include "store/block_crc_map.h"
-#include "store/cache/block_cache.h"
 #include "store/dcp/dcp_metadata.h"
+#include "store/file_key.h"
 #include "store/state_db.h"
 
 namespace ckptfs::store {

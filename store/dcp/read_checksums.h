@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "store/cache/block_cache.h"
 #include "store/dcp/key_index.h"
+#include "store/file_key.h"
 
 namespace ckptfs::store {
 

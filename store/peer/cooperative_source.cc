@@ -9,6 +9,14 @@ namespace ckptfs::store::peer {
 
 using Clock = std::chrono::steady_clock;
 
+namespace {
+thread_local int serving_depth = 0;
+}  // namespace
+
+ServingScope::ServingScope() { ++serving_depth; }
+ServingScope::~ServingScope() { --serving_depth; }
+bool ServingScope::Active() { return serving_depth > 0; }
+
 struct CooperativeSource::Peer {
   uint32_t index = 0;
   std::string node;
@@ -157,7 +165,7 @@ std::optional<BlockRead> CooperativeSource::TryPeers(const BlockId& id, uint64_t
     unplanned_.fetch_add(1, std::memory_order_relaxed);
     return std::nullopt;
   }
-  if (*owner == options_.self || *owner >= peers_.size()) {
+  if (*owner == options_.self || *owner >= peers_.size() || ServingScope::Active()) {
     local_owned_.fetch_add(1, std::memory_order_relaxed);
     return std::nullopt;
   }

@@ -81,6 +81,19 @@ struct CooperativeStats {
   std::vector<PeerState> peers;  // every node but self, in node order
 };
 
+// Marks the reads of this thread, while it lives, as serving a peer's request: a
+// CooperativeSource then reads locally whatever its plan says, so an owner never forwards a
+// request (two daemons with different plans cannot bounce a block between them). The block
+// cache reads a single-block ReadBlock() on the calling thread, so the mark reaches it.
+class ServingScope {
+ public:
+  ServingScope();
+  ~ServingScope();
+  ServingScope(const ServingScope&) = delete;
+  ServingScope& operator=(const ServingScope&) = delete;
+  static bool Active();
+};
+
 class CooperativeSource : public BlockSource {
  public:
   static Result<std::unique_ptr<CooperativeSource>> Create(const CooperativeOptions& options,

@@ -8,25 +8,12 @@
 #include <charconv>
 #include <system_error>
 
+#include "store/cache/backing_source.h"
 #include "store/dcp/metadata_file.h"
 #include "store/peer/protocol.h"
 
 namespace ckptfs::store::peer {
 namespace {
-
-// Opens `id` in the backing dir (confined, G9) and checks it is the version asked for.
-Result<std::pair<UniqueFd, FileKey>> OpenVersion(BackingDir* dir, const BlockId& id,
-                                                 uint64_t offset) {
-  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, dir->OpenFile(id.path, O_RDONLY));
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return Status::FromErrno(errno, "fstat " + id.path);
-  FileKey key = FileKeyFromStat(st);
-  if (key.size != id.size || key.mtime_ns != id.mtime_ns) {
-    return Status(Code::kAborted, id.path + ": stale version (size or mtime changed)");
-  }
-  if (offset >= key.size) return Invalid(id.path + ": offset past the end");
-  return std::make_pair(std::move(fd), key);
-}
 
 std::string ParentOf(const std::string& path) {
   const size_t slash = path.rfind('/');
@@ -52,21 +39,6 @@ std::optional<uint32_t> DcpWriterRank(std::string_view file) {
   return rank;
 }
 
-// The fallback of the CooperativeSource: the backing store, by path.
-class PeerNode::BackingSource : public BlockSource {
- public:
-  explicit BackingSource(BackingDir* dir) : dir_(dir) {}
-  Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override {
-    CKPT_ASSIGN_OR_RETURN(auto opened, OpenVersion(dir_, id, offset));
-    CKPT_ASSIGN_OR_RETURN(size_t got, dir_->PRead(opened.first.get(), out.data(), out.size(),
-                                                  static_cast<off_t>(offset)));
-    return BlockRead{got, std::nullopt};
-  }
-
- private:
-  BackingDir* const dir_;
-};
-
 // What the PeerServer reads through: the block cache, never routed (this node is the owner).
 class PeerNode::ServingSource : public BlockSource {
  public:
@@ -75,11 +47,10 @@ class PeerNode::ServingSource : public BlockSource {
   Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override {
     const std::string ckpt = ParentOf(id.path);
     if (!node_->coop_->HasPlan(ckpt)) node_->LoadStartedElsewhere(ckpt);
-    CKPT_ASSIGN_OR_RETURN(auto opened, OpenVersion(node_->dir_, id, offset));
-    auto fd = std::make_shared<const UniqueFd>(std::move(opened.first));
-    CKPT_ASSIGN_OR_RETURN(size_t got, cache_->Read(opened.second, fd, out.data(), out.size(),
-                                                   offset, /*route=*/false));
-    return BlockRead{got, std::nullopt};
+    // Through the cache (single flight with local readers); the cache's source checks the
+    // version and confines the path (G9). Never forwarded: this node is asked as the owner.
+    ServingScope serving;
+    return cache_->ReadBlock(id, offset, out);
   }
 
  private:
@@ -96,18 +67,17 @@ PeerNode::~PeerNode() {
 }
 
 Result<std::unique_ptr<PeerNode>> PeerNode::Create(const PeerNodeOptions& options,
-                                                   BackingDir* dir) {
-  if (dir == nullptr) return Invalid("peers: no backing directory");
+                                                   BackingDir* dir, BlockSource* fallback) {
+  if (dir == nullptr || fallback == nullptr) return Invalid("peers: no backing directory");
   if (options.block_bytes == 0) return Invalid("peers: block size must be positive");
   std::unique_ptr<PeerNode> node(new PeerNode(options, dir));
-  node->backing_source_ = std::make_unique<BackingSource>(dir);
   CooperativeOptions co;
   co.nodes = options.nodes;
   co.self = options.self;
   co.secret = options.secret;
   co.connect_timeout = options.connect_timeout;
   co.request_timeout = options.request_timeout;
-  CKPT_ASSIGN_OR_RETURN(node->coop_, CooperativeSource::Create(co, node->backing_source_.get()));
+  CKPT_ASSIGN_OR_RETURN(node->coop_, CooperativeSource::Create(co, fallback));
   return node;
 }
 
@@ -184,28 +154,22 @@ void PeerNode::PrefetchOwnShare(const std::string& ckpt) {
     spdlog::warn("peers: cannot parse {}.metadata: {}", prefix, md.status().ToString());
     return;
   }
-  std::vector<std::pair<std::string, FileKey>> keys;
-  std::map<std::string, std::shared_ptr<const UniqueFd>> fds;
+  std::vector<std::pair<std::string, BlockId>> ids;
   for (const auto& [file, length] : RequiredFileLengths(*md)) {
-    auto fd = dir_->OpenFile(prefix + file, O_RDONLY);
-    if (!fd.ok()) continue;
-    struct stat st;
-    if (::fstat(fd->get(), &st) != 0) continue;
-    keys.emplace_back(file, FileKeyFromStat(st));
-    fds[file] = std::make_shared<const UniqueFd>(std::move(*fd));
+    auto st = dir_->Stat(prefix + file);
+    if (!st.ok()) continue;
+    ids.emplace_back(file, BlockIdFromStat(prefix + file, *st));
   }
-  auto owned = PlanCheckpoint(ckpt, *md, keys);
+  auto owned = PlanCheckpoint(ckpt, *md, ids);
   if (!owned.ok()) {
     spdlog::warn("peers: cannot plan {}: {}", ckpt, owned.status().ToString());
     return;
   }
   uint64_t queued = 0;
   for (const OwnedRange& r : *owned) {
-    auto fd = fds.find(r.file);
-    if (fd == fds.end()) continue;
-    for (const auto& [name, key] : keys) {
+    for (const auto& [name, id] : ids) {
       if (name != r.file) continue;
-      cache_->Prefetch(key, fd->second, r.offset, r.length);
+      cache_->Prefetch(id, r.offset, r.length);
       queued += r.length;
     }
   }
@@ -215,7 +179,7 @@ void PeerNode::PrefetchOwnShare(const std::string& ckpt) {
 
 Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
     const std::string& ckpt, const DcpMetadata& metadata,
-    const std::vector<std::pair<std::string, FileKey>>& files) {
+    const std::vector<std::pair<std::string, BlockId>>& files) {
   {
     std::lock_guard lock(mu_);
     auto it = planned_.find(ckpt);
@@ -279,14 +243,6 @@ Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
   const uint64_t mine = plan->node_bytes()[options_.self];
   {
     std::lock_guard lock(mu_);
-    // Forget the keys of an earlier plan of this checkpoint (files rewritten).
-    if (auto it = planned_.find(ckpt); it != planned_.end()) {
-      for (const auto& [name, key] : it->second.files) ids_.erase(key);
-    }
-    const std::string prefix = ckpt.empty() ? "" : ckpt + "/";
-    for (const auto& [name, key] : files) {
-      ids_[key] = BlockId{prefix + name, key.size, key.mtime_ns};
-    }
     planned_[ckpt] = Planned{files, owned};
     ++plan_stats_.plans;
     plan_stats_.last_plan_ms = ms;
@@ -303,20 +259,6 @@ Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
                locality ? ", writer locality" : "", ms, balance.max_over_mean, mine,
                balance.total_bytes);
   return owned;
-}
-
-std::optional<size_t> PeerNode::ReadElsewhere(const FileKey& key, uint64_t offset,
-                                              std::span<char> out) {
-  BlockId id;
-  {
-    std::lock_guard lock(mu_);
-    auto it = ids_.find(key);
-    if (it == ids_.end()) return std::nullopt;
-    id = it->second;
-  }
-  auto got = coop_->TryPeers(id, offset, out);
-  if (!got) return std::nullopt;
-  return got->bytes;
 }
 
 void PeerNodeStats::AppendJson(nlohmann::json* out) const {

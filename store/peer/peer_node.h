@@ -1,13 +1,13 @@
 // PeerNode: the daemon's part in a cluster of ckptfs daemons (issue 12, docs/PEERS.md).
 //
 // It ties the pieces of store/peer/ to the daemon's block cache:
-//   * a PeerServer that serves this node's blocks to authenticated peers, reading through
-//     the block cache with route=false, so remote and local readers share one flight and
-//     an owner always reads its blocks from the backing store itself;
-//   * a CooperativeSource that fetches blocks owned by other nodes;
-//   * the MissRouter the block cache asks on a miss: it maps the cache's local FileKey to
-//     the node-independent BlockId of a planned checkpoint file and asks the
-//     CooperativeSource, which declines for blocks this node owns and for every failure;
+//   * source(): a CooperativeSource, the block cache's source of misses. It fetches blocks
+//     owned by other nodes from them and reads the rest, and every failure, from the
+//     `fallback` source (the backing store), so local readers, prefetch and the peer fetch
+//     share the cache's single flight;
+//   * a PeerServer that serves this node's blocks to authenticated peers, reading through the
+//     block cache (ReadBlock) under a ServingScope, so remote and local readers share one
+//     flight and an owner always reads its blocks from the backing store itself;
 //   * PlanCheckpoint(): the ownership plan of a committed checkpoint from its `.metadata`,
 //     built identically on every node, with this node's share returned for prefetch.
 //
@@ -25,7 +25,7 @@
 // it and prefetches this node's share (only that: nobody here is loading it).
 //
 // Thread-safe. StopServing() must run before the block cache is destroyed; the PeerNode
-// must outlive the cache (the cache holds it as its router).
+// must outlive the cache (the cache reads through source()).
 #pragma once
 
 #include <chrono>
@@ -93,13 +93,18 @@ struct PeerNodeStats {
   void AppendJson(nlohmann::json* j) const;
 };
 
-class PeerNode : public MissRouter {
+class PeerNode {
  public:
   static Result<std::unique_ptr<PeerNode>> Create(const PeerNodeOptions& options,
-                                                  BackingDir* dir);  // must outlive
-  ~PeerNode() override;
+                                                  BackingDir* dir,          // must outlive
+                                                  BlockSource* fallback);  // must outlive
+  ~PeerNode();
   PeerNode(const PeerNode&) = delete;
   PeerNode& operator=(const PeerNode&) = delete;
+
+  // The block cache's source: blocks owned elsewhere from their owner, the rest from the
+  // fallback.
+  BlockSource* source() const { return coop_.get(); }
 
   // Starts the PeerServer, reading through `cache` (must outlive StopServing()).
   Status StartServing(BlockCache* cache);
@@ -107,20 +112,16 @@ class PeerNode : public MissRouter {
   void StopServing();
 
   // Plans checkpoint `ckpt` (relative to the backing dir) from its parsed `.metadata`;
-  // `files` are its data files with the FileKey each has now (the cache's key). Returns this
-  // node's share. A plan already built for the same files is reused.
+  // `files` are its data files (name in the checkpoint, BlockId now). Returns this node's
+  // share. A plan already built for the same file versions is reused.
   Result<std::vector<OwnedRange>> PlanCheckpoint(
       const std::string& ckpt, const DcpMetadata& metadata,
-      const std::vector<std::pair<std::string, FileKey>>& files);
-
-  std::optional<size_t> ReadElsewhere(const FileKey& key, uint64_t offset,
-                                      std::span<char> out) override;
+      const std::vector<std::pair<std::string, BlockId>>& files);
 
   PeerNodeStats Stats() const;
   const PeerNodeOptions& options() const { return options_; }
 
  private:
-  class BackingSource;
   class ServingSource;
   PeerNode(const PeerNodeOptions& options, BackingDir* dir);
   // Queues `ckpt` for the planner thread (a peer asked for one of its blocks).
@@ -131,7 +132,6 @@ class PeerNode : public MissRouter {
 
   const PeerNodeOptions options_;
   BackingDir* const dir_;
-  std::unique_ptr<BackingSource> backing_source_;
   std::unique_ptr<CooperativeSource> coop_;
   std::unique_ptr<ServingSource> serving_source_;
   std::unique_ptr<PeerServer> server_;
@@ -145,9 +145,8 @@ class PeerNode : public MissRouter {
   std::thread planner_;
 
   mutable std::mutex mu_;
-  std::map<FileKey, BlockId> ids_;  // GUARDED_BY(mu_): planned files by their local key
   struct Planned {
-    std::vector<std::pair<std::string, FileKey>> files;
+    std::vector<std::pair<std::string, BlockId>> files;
     std::vector<OwnedRange> owned;
   };
   std::map<std::string, Planned> planned_;  // GUARDED_BY(mu_)

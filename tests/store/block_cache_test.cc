@@ -1,6 +1,6 @@
-// BlockCache: single flight, byte-exactness, the hard budget, freshness, error fan-out,
-// prefetch and its isolation from demand reads. Races are ordered with latches in a
-// PRead hook, never with sleeps.
+// BlockCache over a BackingSource: single flight, byte-exactness, the hard budget,
+// freshness, error fan-out, prefetch and its isolation from demand reads, the cache as a
+// BlockSource. Races are ordered with latches in a PRead hook, never with sleeps.
 #include "store/cache/block_cache.h"
 
 #include <fcntl.h>
@@ -11,11 +11,13 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -108,8 +110,10 @@ constexpr uint64_t kBlock = 64 * 1024;
 // buffered where the temp dir's file system refuses O_DIRECT).
 class BlockCacheTest : public ::testing::TestWithParam<bool> {
  protected:
+  // A file as the fs read path has it: open, fstat()ed, named by its BlockId.
   struct File {
-    FileKey key;
+    BlockId id;
+    struct stat st;
     std::shared_ptr<const UniqueFd> fd;
     std::string contents;
   };
@@ -117,6 +121,11 @@ class BlockCacheTest : public ::testing::TestWithParam<bool> {
   void SetUp() override {
     dir_ = CountingBackingDir::Open(tmp_.path());
     ASSERT_NE(dir_, nullptr);
+    BackingSourceOptions opts;
+    opts.direct_io = GetParam();
+    auto source = BackingSource::Create(dir_.get(), opts);
+    ASSERT_TRUE(source.ok()) << source.status().ToString();
+    source_ = std::move(source).value();
   }
 
   // Writes `contents` to `name` with mtime `mtime_sec` and opens it.
@@ -137,7 +146,7 @@ class BlockCacheTest : public ::testing::TestWithParam<bool> {
     EXPECT_TRUE(fd.ok()) << fd.status().ToString();
     struct stat st;
     EXPECT_EQ(::fstat(fd->get(), &st), 0);
-    return File{FileKeyFromStat(st), std::make_shared<const UniqueFd>(std::move(*fd)),
+    return File{BlockIdFromStat(name, st), st, std::make_shared<const UniqueFd>(std::move(*fd)),
                 std::move(contents)};
   }
 
@@ -148,16 +157,22 @@ class BlockCacheTest : public ::testing::TestWithParam<bool> {
     opts.block_bytes = kBlock;
     opts.prefetch_threads = prefetch_threads;
     opts.read_parallelism = read_parallelism;
-    opts.direct_io = GetParam();
-    auto cache = BlockCache::Create(dir_.get(), opts);
+    auto cache = BlockCache::Create(source_.get(), opts);
     EXPECT_TRUE(cache.ok()) << cache.status().ToString();
     return std::move(cache).value();
   }
 
+  // What the fs does before a read: lends its open descriptor to the source, and drops the
+  // blocks of another file that had the same name, size and mtime.
+  void Bind(BlockCache* cache, const File& f) {
+    source_->Adopt(f.id, f.fd, f.st, [cache](const std::string& p) { cache->Invalidate(p); });
+  }
+
   // Reads through the cache and checks the bytes against the file.
-  static void ExpectRead(BlockCache* cache, const File& f, uint64_t offset, size_t len) {
+  void ExpectRead(BlockCache* cache, const File& f, uint64_t offset, size_t len) {
+    Bind(cache, f);
     std::string buf(len, '\xee');
-    auto n = cache->Read(f.key, f.fd, buf.data(), len, offset);
+    auto n = cache->Read(f.id, buf.data(), len, offset);
     ASSERT_TRUE(n.ok()) << n.status().ToString();
     size_t want =
         offset >= f.contents.size() ? 0 : std::min<size_t>(len, f.contents.size() - offset);
@@ -168,21 +183,22 @@ class BlockCacheTest : public ::testing::TestWithParam<bool> {
 
   ScopedTempDir tmp_{"ckptfs-block-cache"};
   std::unique_ptr<CountingBackingDir> dir_;
+  std::unique_ptr<BackingSource> source_;
 };
 
 TEST_P(BlockCacheTest, CreateRejectsBudgetSmallerThanOneBlockAndBadOptions) {
   BlockCacheOptions opts;
   opts.block_bytes = kBlock;
   opts.budget_bytes = kBlock - 1;
-  EXPECT_EQ(BlockCache::Create(dir_.get(), opts).status().code(), Code::kInvalid);
+  EXPECT_EQ(BlockCache::Create(source_.get(), opts).status().code(), Code::kInvalid);
   opts.budget_bytes = kBlock;
   opts.read_parallelism = 0;
-  EXPECT_EQ(BlockCache::Create(dir_.get(), opts).status().code(), Code::kInvalid);
+  EXPECT_EQ(BlockCache::Create(source_.get(), opts).status().code(), Code::kInvalid);
   opts.read_parallelism = 1;
   opts.block_bytes = 0;
-  EXPECT_EQ(BlockCache::Create(dir_.get(), opts).status().code(), Code::kInvalid);
+  EXPECT_EQ(BlockCache::Create(source_.get(), opts).status().code(), Code::kInvalid);
   opts.block_bytes = kBlock;
-  EXPECT_TRUE(BlockCache::Create(dir_.get(), opts).ok());
+  EXPECT_TRUE(BlockCache::Create(source_.get(), opts).ok());
   EXPECT_EQ(BlockCache::Create(nullptr, opts).status().code(), Code::kInvalid);
 }
 
@@ -249,7 +265,7 @@ TEST_P(BlockCacheTest, OverlappingRandomRangesAreByteExactUnderEviction) {
         uint64_t off = rng() % (size + 100);  // some start past EOF
         size_t len = 1 + rng() % (3 * kBlock + 17);
         ExpectRead(cache.get(), f, off, len);
-        if (i % 25 == 0) cache->Prefetch(f.key, f.fd, rng() % size, 2 * kBlock);
+        if (i % 25 == 0) cache->Prefetch(f.id, rng() % size, 2 * kBlock);
       }
     });
   }
@@ -282,7 +298,7 @@ TEST_P(BlockCacheTest, BudgetHoldsUnderWorkingSetFourTimesTheBudget) {
       for (int i = 0; i < 120; ++i) {
         uint64_t off = rng() % f.contents.size();
         ExpectRead(cache.get(), f, off, 1 + rng() % (2 * kBlock));
-        if (i % 10 == 0) cache->Prefetch(f.key, f.fd, 0, f.contents.size());
+        if (i % 10 == 0) cache->Prefetch(f.id, 0, f.contents.size());
       }
     });
   }
@@ -310,7 +326,7 @@ TEST_P(BlockCacheTest, BudgetOfOneBlockStillServesManyMultiBlockReaders) {
         std::mt19937_64 rng(900 + t);
         for (int i = 0; i < 60; ++i) {
           ExpectRead(cache.get(), f, rng() % size, 1 + rng() % (4 * kBlock));
-          if (i % 7 == 0) cache->Prefetch(f.key, f.fd, 0, size);
+          if (i % 7 == 0) cache->Prefetch(f.id, 0, size);
         }
       });
     }
@@ -326,8 +342,8 @@ TEST_P(BlockCacheTest, ChangedFileIsNeverServedStale) {
 
   // Same inode, same size, new bytes and a new mtime.
   File v2 = Make("f", Pattern(3 * kBlock, 11), 2000);
-  ASSERT_EQ(v2.key.ino, v1.key.ino);
-  ASSERT_EQ(v2.key.size, v1.key.size);
+  ASSERT_EQ(v2.st.st_ino, v1.st.st_ino);
+  ASSERT_EQ(v2.id.size, v1.id.size);
   ExpectRead(cache.get(), v2, 0, 3 * kBlock);
 
   // Same inode, new size (grown, then shrunk).
@@ -336,16 +352,19 @@ TEST_P(BlockCacheTest, ChangedFileIsNeverServedStale) {
   File v4 = Make("f", Pattern(kBlock + 1, 13), 4000);
   ExpectRead(cache.get(), v4, 0, 3 * kBlock);
 
-  // Replaced by rename: a new inode, even with the same size and mtime.
+  // Replaced by rename: a new inode, even with the same size and mtime, so the same
+  // BlockId. The source sees another file adopted under that id (Bind).
   File other = Make("f.tmp", Pattern(kBlock + 1, 14), 4000);
   ASSERT_EQ(::rename((tmp_.path() + "/f.tmp").c_str(), (tmp_.path() + "/f").c_str()), 0);
   File v5 = Open("f", other.contents);
-  ASSERT_NE(v5.key.ino, v4.key.ino);
+  ASSERT_NE(v5.st.st_ino, v4.st.st_ino);
+  ASSERT_EQ(v5.id, v4.id);
   ExpectRead(cache.get(), v5, 0, 2 * kBlock);
 
-  // Old versions of the same inode were dropped on first sight of the new one.
+  // Old versions of the path were dropped on first sight of the new one: only v5's
+  // block 0 and its one-byte block 1 are held.
   auto s = cache->Stats();
-  EXPECT_EQ(s.used_bytes, 2 * (kBlock + 1));  // v4 and v5: different inodes
+  EXPECT_EQ(s.used_bytes, kBlock + 1);
 }
 
 TEST_P(BlockCacheTest, InvalidateDropsEveryBlockOfTheFile) {
@@ -354,7 +373,7 @@ TEST_P(BlockCacheTest, InvalidateDropsEveryBlockOfTheFile) {
   auto cache = NewCache(16 * kBlock, 0);
   ExpectRead(cache.get(), a, 0, 2 * kBlock);
   ExpectRead(cache.get(), b, 0, kBlock);
-  cache->Invalidate(a.key.dev, a.key.ino);
+  cache->Invalidate(a.id.path);
   EXPECT_EQ(cache->Stats().used_bytes, kBlock);
   ExpectRead(cache.get(), a, 0, 2 * kBlock);
   EXPECT_EQ(dir_->pread_calls(), 5u);  // a re-read, b still cached
@@ -372,7 +391,7 @@ TEST_P(BlockCacheTest, InvalidateDuringAReadStillServesItsCallerAndFreesTheBlock
   });
   std::thread reader([&] { ExpectRead(cache.get(), f, 0, kBlock); });
   latch.AwaitWaiters(1);
-  cache->Invalidate(f.key.dev, f.key.ino);
+  cache->Invalidate(f.id.path);
   EXPECT_EQ(cache->Stats().used_bytes, kBlock);  // still in flight, still counted
   latch.Open();
   reader.join();
@@ -396,7 +415,7 @@ TEST_P(BlockCacheTest, ReadErrorReachesEveryWaiterAndARetrySucceeds) {
   for (int i = 0; i < kReaders; ++i) {
     readers.emplace_back([&, i] {
       std::string buf(kBlock, '\0');
-      results[i] = cache->Read(f.key, f.fd, buf.data(), kBlock, kBlock + 10);
+      results[i] = cache->Read(f.id, buf.data(), kBlock, kBlock + 10);
     });
   }
   ASSERT_TRUE(WaitUntil([&] { return cache->Stats().dedup_waits == kReaders - 1; }));
@@ -432,7 +451,8 @@ TEST_P(BlockCacheTest, ReadsAreClampedAtEndOfFileAndAtAShrunkFile) {
   File g = Make("g", Pattern(size, 41));
   ASSERT_EQ(::truncate((tmp_.path() + "/g").c_str(), static_cast<off_t>(kBlock + 10)), 0);
   std::string buf(size, '\0');
-  auto n = cache->Read(g.key, g.fd, buf.data(), size, 0);
+  Bind(cache.get(), g);  // the caller vouches for the id, as the fs read path does
+  auto n = cache->Read(g.id, buf.data(), size, 0);
   ASSERT_TRUE(n.ok());
   EXPECT_EQ(*n, kBlock + 10);
   EXPECT_EQ(0, std::memcmp(buf.data(), g.contents.data(), *n));
@@ -502,7 +522,7 @@ TEST_P(BlockCacheTest, PrefetchFillsTheCacheSoALaterReadHits) {
   const uint64_t size = 6 * kBlock + 5;
   File f = Make("item", Pattern(size, 50));
   auto cache = NewCache(16 * kBlock, 2);
-  cache->Prefetch(f.key, f.fd, 0, size);
+  cache->Prefetch(f.id, 0, size);
   ASSERT_TRUE(WaitUntil([&] { return cache->Stats().prefetched_bytes == size; }));
   const uint64_t reads = dir_->pread_calls();
   EXPECT_EQ(reads, 7u);
@@ -524,7 +544,7 @@ TEST_P(BlockCacheTest, PrefetchStopsRatherThanEvictBlocksInUse) {
   // Blocks used before the request are fair game for it...
   ExpectRead(cache.get(), cold, 0, 2 * kBlock);
   // ...but the blocks it brought in itself are not: it fills the budget and stops.
-  cache->Prefetch(f.key, f.fd, 0, 8 * kBlock);
+  cache->Prefetch(f.id, 0, 8 * kBlock);
   ASSERT_TRUE(WaitUntil([&] { return cache->Stats().prefetch_dropped == 1; }));
   auto s = cache->Stats();
   EXPECT_EQ(s.prefetched_bytes, 4 * kBlock);
@@ -540,13 +560,13 @@ TEST_P(BlockCacheTest, DemandMissIsNotDelayedByALongPrefetchQueue) {
   Latch latch;
   auto cache = NewCache(32 * kBlock, 2);
   // By inode: an O_DIRECT read comes through a second descriptor of the same file.
-  const ino_t slow_ino = static_cast<ino_t>(slow.key.ino);
+  const ino_t slow_ino = slow.st.st_ino;
   dir_->SetHook([&latch, slow_ino](int fd, off_t, size_t) {
     struct stat st;
     if (::fstat(fd, &st) == 0 && st.st_ino == slow_ino) latch.Wait();
     return 0;
   });
-  for (uint64_t b = 0; b < 64; ++b) cache->Prefetch(slow.key, slow.fd, b * kBlock, kBlock);
+  for (uint64_t b = 0; b < 64; ++b) cache->Prefetch(slow.id, b * kBlock, kBlock);
   latch.AwaitWaiters(2);  // both prefetch threads stalled, the queue is long
 
   ExpectRead(cache.get(), other, 0, 2 * kBlock);  // completes while they are stalled
@@ -564,7 +584,7 @@ TEST_P(BlockCacheTest, DemandReadJoinsAPrefetchInFlight) {
     latch.Wait();
     return 0;
   });
-  cache->Prefetch(f.key, f.fd, 0, kBlock);
+  cache->Prefetch(f.id, 0, kBlock);
   latch.AwaitWaiters(1);
   std::thread reader([&] { ExpectRead(cache.get(), f, 100, 1000); });
   ASSERT_TRUE(WaitUntil([&] { return cache->Stats().dedup_waits == 1; }));
@@ -578,17 +598,19 @@ TEST_P(BlockCacheTest, DestructorJoinsWithPrefetchesPending) {
   File f = Make("f", Pattern(32 * kBlock, 90));
   Latch latch;
   auto cache = NewCache(64 * kBlock, 1);
+  Bind(cache.get(), f);
   dir_->SetHook([&](int, off_t, size_t) {
     latch.Wait();
     return 0;
   });
-  for (uint64_t b = 0; b < 32; ++b) cache->Prefetch(f.key, f.fd, b * kBlock, kBlock);
+  for (uint64_t b = 0; b < 32; ++b) cache->Prefetch(f.id, b * kBlock, kBlock);
   latch.AwaitWaiters(1);
   std::thread destroyer([&] { cache.reset(); });
   latch.Open();
   destroyer.join();
   EXPECT_EQ(cache, nullptr);
-  EXPECT_EQ(f.fd.use_count(), 1);  // no queued request kept the file open
+  // The test's and the source's binding: no queued request or block kept the file open.
+  EXPECT_EQ(f.fd.use_count(), 2);
   EXPECT_LE(dir_->pread_calls(), 32u);
 }
 
@@ -597,7 +619,7 @@ TEST_P(BlockCacheTest, DemandMissesEvictServedBlocksBeforeUnreadPrefetchedOnes) 
   File served = Make("served", Pattern(2 * kBlock, 111));
   File other = Make("other", Pattern(2 * kBlock, 112));
   auto cache = NewCache(4 * kBlock, 1);
-  cache->Prefetch(ahead.key, ahead.fd, 0, 2 * kBlock);
+  cache->Prefetch(ahead.id, 0, 2 * kBlock);
   ASSERT_TRUE(WaitUntil([&] { return cache->Stats().prefetched_bytes == 2 * kBlock; }));
   ExpectRead(cache.get(), served, 0, 2 * kBlock);  // newer in LRU order than `ahead`
   // Full. The two misses must push out the served blocks, not the two prefetched ones
@@ -629,10 +651,12 @@ TEST_P(BlockCacheTest, DirectReadsWhereTheFileSystemTakesThemAndExactBytesEither
   ExpectRead(cache.get(), b, 0, 4096);
   auto s = cache->Stats();
   EXPECT_EQ(s.backing_bytes_read, 5 * kBlock + 123 + 777);
+  const BackingSourceStats src = source_->Stats();
+  EXPECT_EQ(src.bytes_read, s.backing_bytes_read);
   if (GetParam() && TakesODirect(tmp_.path())) {
-    EXPECT_EQ(s.direct_bytes_read, s.backing_bytes_read);
+    EXPECT_EQ(src.direct_bytes_read, s.backing_bytes_read);
   } else {
-    EXPECT_EQ(s.direct_bytes_read, 0u);
+    EXPECT_EQ(src.direct_bytes_read, 0u);
   }
 }
 
@@ -642,7 +666,7 @@ TEST_P(BlockCacheTest, FreedBlockBuffersAreReusedWithinTheBudget) {
   File b = Make("b", Pattern(20 * kBlock, 103));
   auto cache = NewCache(budget, 0);
   ExpectRead(cache.get(), a, 0, 6 * kBlock);
-  cache->Invalidate(a.key.dev, a.key.ino);  // six full-block buffers become free
+  cache->Invalidate(a.id.path);  // six full-block buffers become free
   auto s = cache->Stats();
   EXPECT_EQ(s.used_bytes, 0u);
   EXPECT_EQ(s.free_buffer_bytes, 6 * kBlock);
@@ -657,6 +681,85 @@ TEST_P(BlockCacheTest, FreedBlockBuffersAreReusedWithinTheBudget) {
     EXPECT_LE(s.used_bytes + s.free_buffer_bytes, budget);
   }
   EXPECT_GT(s.evictions, 0u);
+}
+
+TEST_P(BlockCacheTest, APeerRequestThroughReadBlockJoinsTheFlightOfALocalRead) {
+  File f = Make("shard", Pattern(2 * kBlock + 7, 120));
+  Latch latch;
+  auto cache = NewCache(8 * kBlock, 0);
+  dir_->SetHook([&](int, off_t, size_t) {
+    latch.Wait();
+    return 0;
+  });
+  std::thread local([&] { ExpectRead(cache.get(), f, 0, 2 * kBlock + 7); });
+  latch.AwaitWaiters(1);  // the local read's first block is in flight
+  // A PeerServer serves through the cache as a BlockSource, into its own buffer.
+  std::string peer(kBlock, '\0');
+  Result<BlockRead> got = Status(Code::kInternal, "not run");
+  std::thread remote([&] { got = cache->ReadBlock(f.id, kBlock, std::span<char>(peer)); });
+  ASSERT_TRUE(WaitUntil([&] { return cache->Stats().dedup_waits >= 1; }));
+  latch.Open();
+  local.join();
+  remote.join();
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->bytes, kBlock);
+  EXPECT_EQ(0, std::memcmp(peer.data(), f.contents.data() + kBlock, kBlock));
+  EXPECT_EQ(dir_->pread_calls(), 3u);  // every block read once, for both
+  EXPECT_EQ(cache->Stats().misses, 3u);
+
+  // The last, short block; then past the end.
+  got = cache->ReadBlock(f.id, 2 * kBlock, std::span<char>(peer));
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->bytes, 7u);
+  EXPECT_EQ(0, std::memcmp(peer.data(), f.contents.data() + 2 * kBlock, 7));
+  EXPECT_EQ(cache->ReadBlock(f.id, 2 * kBlock + 8, std::span<char>(peer)).status().code(),
+            Code::kInvalid);
+  EXPECT_EQ(dir_->pread_calls(), 3u);
+}
+
+TEST_P(BlockCacheTest, MissesOpenByPathWhenNoDescriptorIsLentAndAStaleIdIsNeverCached) {
+  File f = Make("f", Pattern(3 * kBlock, 130));
+  File g = Make("g", Pattern(3 * kBlock, 131));
+  auto cache = NewCache(16 * kBlock, 0);
+  // No Bind: the source opens "g" by its relative path.
+  std::string buf(3 * kBlock, '\0');
+  auto n = cache->Read(g.id, buf.data(), buf.size(), 0);
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(*n, 3 * kBlock);
+  EXPECT_EQ(0, std::memcmp(buf.data(), g.contents.data(), *n));
+  EXPECT_EQ(source_->Stats().opens, 1u);
+
+  // Rewritten in place with a new mtime: the old id is stale. The blocks already cached are
+  // that version's bytes, still right; a block not cached is refused, never read from the
+  // new version, and not cached.
+  cache->Invalidate("g");
+  File g2 = Make("g", Pattern(3 * kBlock, 132), 5000);
+  n = cache->Read(g.id, buf.data(), kBlock, kBlock);
+  ASSERT_FALSE(n.ok());
+  EXPECT_EQ(n.status().code(), Code::kAborted) << n.status().ToString();
+  auto s = cache->Stats();
+  EXPECT_EQ(s.read_errors, 1u);
+  EXPECT_EQ(s.used_bytes, 0u);
+  // The current id reads the current bytes.
+  n = cache->Read(g2.id, buf.data(), buf.size(), 0);
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(0, std::memcmp(buf.data(), g2.contents.data(), buf.size()));
+
+  // Gone: NotFound, to every reader of the flight.
+  ASSERT_EQ(::unlink((tmp_.path() + "/g").c_str()), 0);
+  cache->Invalidate("g");
+  source_->Forget("g");
+  n = cache->Read(g2.id, buf.data(), kBlock, 0);
+  ASSERT_FALSE(n.ok());
+  EXPECT_EQ(n.status().code(), Code::kNotFound) << n.status().ToString();
+
+  // Confined: a name that leaves the backing directory is refused by BackingDir.
+  const uint64_t preads = dir_->pread_calls();
+  BlockId escape{"../" + std::filesystem::path(tmp_.path()).filename().string() + "/f",
+                 f.id.size, f.id.mtime_ns};
+  n = cache->Read(escape, buf.data(), kBlock, 0);
+  EXPECT_FALSE(n.ok());
+  EXPECT_EQ(dir_->pread_calls(), preads);
 }
 
 INSTANTIATE_TEST_SUITE_P(Io, BlockCacheTest, ::testing::Values(false, true),

@@ -122,6 +122,20 @@ TEST_F(CoopTest, BlocksOwnedElsewhereComeFromTheOwnerTheRestFromTheFallback) {
   EXPECT_FALSE(coop_->Owner("other/x.bin", 0).has_value());
 }
 
+TEST_F(CoopTest, ReadsServingAPeerAreNeverForwarded) {
+  StartServer();
+  MakeSource();
+  {
+    ServingScope serving;
+    ExpectRead("ckpt/__1_0.distcp", 0);  // owned by node 1, but this read serves a peer
+  }
+  EXPECT_EQ(fallback_.reads.load(), 1);
+  EXPECT_EQ(server_->stats().bytes_served, 0u);
+  ExpectRead("ckpt/__1_0.distcp", kBlock);  // outside the scope: routed again
+  EXPECT_EQ(server_->stats().bytes_served, kBlock);
+  EXPECT_FALSE(ServingScope::Active());
+}
+
 TEST_F(CoopTest, DeadOwnerFallsBackAndIsSkippedForItsBackoff) {
   StartServer();
   MakeSource();
@@ -173,10 +187,11 @@ TEST(PeerNodePlan, WriterLocalityOwnsEachRanksFilesOnItsNode) {
   o.self = 0;
   o.secret = kSecret;
   o.plan_mode = PlanMode::kBalanced;
-  auto node = PeerNode::Create(o, dir->get());
+  SyntheticProvider fallback{Files()};
+  auto node = PeerNode::Create(o, dir->get(), &fallback);
   ASSERT_TRUE(node.ok()) << node.status().ToString();
   DcpMetadata md;
-  std::vector<std::pair<std::string, FileKey>> files;
+  std::vector<std::pair<std::string, BlockId>> files;
   for (int r = 0; r < 4; ++r) {
     const std::string f = "__" + std::to_string(r) + "_0.distcp";
     for (int i = 0; i < 3; ++i) {
@@ -186,7 +201,7 @@ TEST(PeerNodePlan, WriterLocalityOwnsEachRanksFilesOnItsNode) {
       item.length = 2 * kBlock;
       md.items.push_back(item);
     }
-    files.emplace_back(f, FileKey{1, static_cast<uint64_t>(r + 10), 6 * kBlock, 5});
+    files.emplace_back(f, BlockId{"ck/" + f, 6 * kBlock, 5});
   }
   auto owned = (*node)->PlanCheckpoint("ck", md, files);
   ASSERT_TRUE(owned.ok()) << owned.status().ToString();
@@ -215,7 +230,8 @@ TEST(PeerNodePlan, LopsidedWritersAreBalancedInstead) {
   o.self = 1;
   o.secret = kSecret;
   o.plan_mode = PlanMode::kBalanced;
-  auto node = PeerNode::Create(o, dir->get());
+  SyntheticProvider fallback{Files()};
+  auto node = PeerNode::Create(o, dir->get(), &fallback);
   ASSERT_TRUE(node.ok());
   DcpMetadata md;
   for (int i = 0; i < 8; ++i) {
@@ -230,7 +246,8 @@ TEST(PeerNodePlan, LopsidedWritersAreBalancedInstead) {
   small.length = 4096;
   md.items.push_back(small);
   auto owned = (*node)->PlanCheckpoint(
-      "ck", md, {{"__0_0.distcp", FileKey{1, 10, 8 * kBlock, 5}}, {"__1_0.distcp", FileKey{1, 11, 4096, 5}}});
+      "ck", md, {{"__0_0.distcp", BlockId{"ck/__0_0.distcp", 8 * kBlock, 5}},
+                 {"__1_0.distcp", BlockId{"ck/__1_0.distcp", 4096, 5}}});
   ASSERT_TRUE(owned.ok());
   uint64_t mine = 0;
   for (const OwnedRange& r : *owned) mine += r.length;
