@@ -458,66 +458,6 @@ TEST_P(BlockCacheTest, ReadsAreClampedAtEndOfFileAndAtAShrunkFile) {
   EXPECT_EQ(0, std::memcmp(buf.data(), g.contents.data(), *n));
 }
 
-// A router that serves odd blocks (as a peer owning them would) and declines even ones.
-class OddBlockRouter : public MissRouter {
- public:
-  explicit OddBlockRouter(std::string contents) : contents_(std::move(contents)) {}
-  std::optional<size_t> ReadElsewhere(const FileKey& key, uint64_t offset,
-                                      std::span<char> out) override {
-    calls.fetch_add(1);
-    if ((offset / kBlock) % 2 == 0) return std::nullopt;
-    const size_t n = std::min<size_t>(out.size(), contents_.size() - offset);
-    std::memcpy(out.data(), contents_.data() + offset, n);
-    return n;
-  }
-  std::atomic<int> calls{0};
-
- private:
-  const std::string contents_;
-};
-
-TEST_P(BlockCacheTest, RouterServesTheBlocksItTakesAndTheBackingStoreTheRest) {
-  const uint64_t size = 6 * kBlock + 7;
-  File f = Make("routed", Pattern(size, 90));
-  OddBlockRouter router(f.contents);
-  BlockCacheOptions opts;
-  opts.budget_bytes = 16 * kBlock;
-  opts.block_bytes = kBlock;
-  opts.direct_io = GetParam();
-  opts.router = &router;
-  auto cache = BlockCache::Create(dir_.get(), opts);
-  ASSERT_TRUE(cache.ok());
-  ExpectRead(cache->get(), f, 0, size);
-  EXPECT_EQ(router.calls.load(), 7);            // asked once per block
-  EXPECT_EQ(dir_->pread_calls(), 4u);           // blocks 0, 2, 4, 6 from the backing store
-  auto s = (*cache)->Stats();
-  EXPECT_EQ(s.routed_bytes_read, 3 * kBlock);  // blocks 1, 3, 5
-  EXPECT_EQ(s.backing_bytes_read, size - 3 * kBlock);
-  ExpectRead(cache->get(), f, 0, size);  // all cached now
-  EXPECT_EQ(router.calls.load(), 7);
-}
-
-TEST_P(BlockCacheTest, UnroutedReadsNeverAskTheRouter) {
-  const uint64_t size = 4 * kBlock;
-  File f = Make("served", Pattern(size, 91));
-  OddBlockRouter router(f.contents);
-  BlockCacheOptions opts;
-  opts.budget_bytes = 16 * kBlock;
-  opts.block_bytes = kBlock;
-  opts.direct_io = GetParam();
-  opts.router = &router;
-  auto cache = BlockCache::Create(dir_.get(), opts);
-  ASSERT_TRUE(cache.ok());
-  std::string buf(size, '\0');
-  auto n = (*cache)->Read(f.key, f.fd, buf.data(), size, 0, /*route=*/false);
-  ASSERT_TRUE(n.ok());
-  ASSERT_EQ(*n, size);
-  EXPECT_EQ(buf, f.contents);
-  EXPECT_EQ(router.calls.load(), 0);
-  EXPECT_EQ(dir_->pread_calls(), 4u);
-  EXPECT_EQ((*cache)->Stats().routed_bytes_read, 0u);
-}
-
 TEST_P(BlockCacheTest, PrefetchFillsTheCacheSoALaterReadHits) {
   const uint64_t size = 6 * kBlock + 5;
   File f = Make("item", Pattern(size, 50));
