@@ -18,6 +18,9 @@
 #include "common/control_names.h"
 #include "fs/filesystem.h"
 #include "fs/fs_util.h"
+#ifdef CKPTFS_HAVE_UCX
+#include "store/peer/peer_node.h"
+#endif
 #include "fs/op_metrics.h"
 
 namespace ckptfs::fs {
@@ -204,6 +207,11 @@ std::string Filesystem::StatsJson() {
                            ? 0.0
                            : static_cast<double>(c.bytes_served) / c.backing_bytes_read;
   }
+#ifdef CKPTFS_HAVE_UCX
+  if (read_->peers()) {
+    read_->peers()->Stats().AppendJson(&j);
+  }
+#endif
   j["journal_pending"] = journal_->pending();
   j["journal_applied_ahead"] = journal_->applied_ahead();
   j["journal_retries"] = journal_->retries();
@@ -331,6 +339,18 @@ std::string Filesystem::MetricsText() {
          "prefetched_bytes");
   metric("dedup_ratio", "gauge",
          "Bytes served from the cache per byte read from the backing store.", "dedup_ratio");
+  metric("peers_connected", "gauge", "Peer daemons connected and authenticated.",
+         "peers_connected");
+  metric("peer_read_bytes_total", "counter", "Block bytes fetched from peer daemons.",
+         "peer_bytes_read");
+  metric("peer_served_bytes_total", "counter", "Block bytes served to peer daemons.",
+         "peer_bytes_served");
+  metric("peer_fallbacks_total", "counter",
+         "Reads owned by a peer that went to the backing store (peer down, timeout, bad "
+         "checksum, error).",
+         "peer_fallbacks");
+  metric("peer_refused_total", "counter", "Peer connections refused (unlisted, bad secret).",
+         "peer_refused");
   metric("staging_used_bytes", "gauge", "Staging memory in use.", "staging_used");
   metric("staging_limit_bytes", "gauge", "Staging memory budget.", "staging_limit");
   metric("staging_waits_total", "counter", "Writes that waited for staging memory.",

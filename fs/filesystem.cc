@@ -2,6 +2,10 @@
 // (a namespace node, a /.ckptfs control file, the tensor view) or of its handle.
 #include "fs/filesystem.h"
 
+#ifdef CKPTFS_HAVE_UCX
+#include "store/peer/peer_node.h"
+#endif
+
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
 
@@ -90,6 +94,7 @@ Status Filesystem::Init(FsDeps deps) {
   }
   tensors_ = std::make_unique<TensorView>(backing_.get(), index_.get());
   std::unique_ptr<store::BackingSource> cache_source = std::move(deps.cache_source);
+  std::shared_ptr<store::peer::PeerNode> peers;
   std::unique_ptr<store::BlockCache> cache = std::move(deps.cache);
   if (!cache && config_.cache_bytes > 0) {
     if (!cache_source) {
@@ -100,11 +105,30 @@ Status Filesystem::Init(FsDeps deps) {
     }
     store::BlockCacheOptions cache_options;
     cache_options.budget_bytes = config_.cache_bytes;
-    CKPT_ASSIGN_OR_RETURN(cache, store::BlockCache::Create(cache_source.get(), cache_options));
+    store::BlockSource* source = cache_source.get();
+    if (config_.peers) {
+#ifdef CKPTFS_HAVE_UCX
+      // Misses of blocks owned by another node go to that node; the rest, and every peer
+      // failure, to the backing store.
+      CKPT_ASSIGN_OR_RETURN(peers, store::peer::PeerNode::Create(*config_.peers, backing_.get(),
+                                                                 cache_source.get()));
+      source = peers->source();
+#else
+      return Status(Code::kUnsupported, "--peers: this ckptfs was built without UCX");
+#endif
+    }
+    CKPT_ASSIGN_OR_RETURN(cache, store::BlockCache::Create(source, cache_options));
+  } else if (config_.peers) {
+    return Status(Code::kInvalid, "--peers needs the block cache (--cache-mem > 0)");
   }
-  if (cache && !cache_source) return Status(Code::kInvalid, "FsDeps: a block cache needs its cache_source");
+  if (cache && !cache_source) {
+    return Status(Code::kInvalid, "FsDeps: a block cache needs its cache_source");
+  }
   read_ = std::make_unique<ReadPath>(backing_.get(), index_.get(), std::move(cache_source),
-                                     std::move(cache));
+                                     std::move(peers), std::move(cache));
+#ifdef CKPTFS_HAVE_UCX
+  if (read_->peers()) CKPT_RETURN_IF_ERROR(read_->peers()->StartServing(read_->cache()));
+#endif
   read_->Start();
 
   CKPT_ASSIGN_OR_RETURN(struct stat root_attr, backing_->Stat(""));
@@ -253,6 +277,7 @@ Status Filesystem::LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status
 
 uint64_t Filesystem::Shutdown() {
   if (shut_down_.exchange(true)) return 0;
+  if (read_) read_->StopServingPeers();
   if (!journal_ || !pipeline_) {  // Create() failed part way: nothing was served
     if (read_) read_->Stop();
     return 0;

@@ -68,6 +68,10 @@
 #include "store/dcp/key_index.h"
 #include "store/state_db.h"
 
+namespace ckptfs::store::peer {
+struct PeerNodeOptions;
+}  // namespace ckptfs::store::peer
+
 namespace ckptfs::fs {
 
 struct FsConfig {
@@ -85,6 +89,8 @@ struct FsConfig {
   bool write_checksums = true;
   // How long a `.metadata` publication waits for shards from other writers to appear.
   std::chrono::milliseconds commit_timeout{std::chrono::minutes(10)};
+  // Cooperating peer daemons (issue 12); null: this daemon works alone.
+  std::shared_ptr<const store::peer::PeerNodeOptions> peers;
 };
 
 struct Entry {

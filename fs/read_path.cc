@@ -8,19 +8,35 @@
 
 #include "fs/fs_util.h"
 #include "store/dcp/dcp_metadata.h"
+#include "store/dcp/metadata_file.h"
+
+#ifdef CKPTFS_HAVE_UCX
+#include "store/peer/peer_node.h"
+#endif
 
 namespace ckptfs::fs {
 
 ReadPath::ReadPath(store::BackingDir* backing, store::KeyIndex* index,
                    std::unique_ptr<store::BackingSource> source,
+                   std::shared_ptr<store::peer::PeerNode> peers,
                    std::unique_ptr<store::BlockCache> cache)
     : backing_(backing),
       index_(index),
       source_(std::move(source)),
+      peers_(std::move(peers)),
       cache_(std::move(cache)),
       read_sums_(std::make_unique<store::ReadChecksums>(index)) {}
 
-ReadPath::~ReadPath() { Stop(); }
+ReadPath::~ReadPath() {
+  StopServingPeers();
+  Stop();
+}
+
+void ReadPath::StopServingPeers() {
+#ifdef CKPTFS_HAVE_UCX
+  if (peers_) peers_->StopServing();
+#endif
+}
 
 void ReadPath::Start() { worker_ = std::thread([this] { Run(); }); }
 
@@ -95,20 +111,19 @@ void ReadPath::QueuePrefetch(const std::string& ckpt) {
 void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
   // Straight from `.metadata`: building the index here would read every item's header
   // outside the cache, before the data itself.
-  auto md_fd = backing_->OpenFile(JoinPath(ckpt, ".metadata"), O_RDONLY);
-  if (!md_fd.ok()) return;
-  auto md_st = backing_->Fstat(md_fd->get());
-  if (!md_st.ok()) return;
-  std::string bytes(static_cast<size_t>(md_st->st_size), '\0');
-  auto got = backing_->PRead(md_fd->get(), bytes.data(), bytes.size(), 0);
-  if (!got.ok()) return;
-  bytes.resize(*got);
-  auto md = store::ParseDcpMetadata(bytes);
+  auto bytes = store::ReadMetadataBytes(backing_, JoinPath(ckpt, ".metadata"));
+  if (!bytes.ok()) return;
+  auto md = store::ParseDcpMetadata(*bytes);
   if (!md.ok()) {
     spdlog::debug("prefetch of {}: {}", ckpt, md.status().ToString());
     return;
   }
-  size_t files = 0;
+  struct File {
+    std::string name;
+    uint64_t length;
+    store::BlockId id;
+  };
+  std::vector<File> files;
   for (const auto& [file, length] : store::RequiredFileLengths(*md)) {
     auto fd = backing_->OpenFile(JoinPath(ckpt, file), O_RDONLY);
     if (!fd.ok()) continue;
@@ -116,10 +131,24 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
     if (!st.ok()) continue;
     const store::BlockId id = store::BlockIdFromStat(JoinPath(ckpt, file), *st);
     Adopt(id, std::make_shared<const UniqueFd>(std::move(*fd)), *st);
-    cache_->Prefetch(id, 0, std::min<uint64_t>(length, static_cast<uint64_t>(st->st_size)));
-    ++files;
+    files.push_back(File{file, std::min<uint64_t>(length, static_cast<uint64_t>(st->st_size)), id});
   }
-  spdlog::debug("prefetch of {}: {} files queued", ckpt, files);
+#ifdef CKPTFS_HAVE_UCX
+  // With peers, this node's share goes first: its blocks are the ones others will ask for.
+  if (peers_) {
+    std::vector<std::pair<std::string, store::BlockId>> ids;
+    for (const File& f : files) ids.emplace_back(f.name, f.id);
+    auto owned = peers_->PlanCheckpoint(ckpt, *md, ids);
+    if (!owned.ok()) spdlog::warn("peers: cannot plan {}: {}", ckpt, owned.status().ToString());
+    for (const auto& range : owned.ok() ? *owned : std::vector<store::peer::OwnedRange>{}) {
+      for (const File& f : files) {
+        if (f.name == range.file) cache_->Prefetch(f.id, range.offset, range.length);
+      }
+    }
+  }
+#endif
+  for (const File& f : files) cache_->Prefetch(f.id, 0, f.length);
+  spdlog::debug("prefetch of {}: {} files queued", ckpt, files.size());
 }
 
 void ReadPath::PrefetchItem(FileHandle* h, const store::BlockId& id, uint64_t offset) {

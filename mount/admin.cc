@@ -349,7 +349,7 @@ Result<std::string> FormatStats(std::string_view stats_json) {
 
   auto pid = GetU64(j, "pid");
   auto uptime = GetDouble(j, "uptime_s");
-  return FormatKeyValues({
+  std::vector<std::pair<std::string, std::string>> rows = {
       {"mountpoint", OrDash(GetString(j, "mountpoint"))},
       {"backing dir", OrDash(GetString(j, "backing_dir"))},
       {"state dir", OrDash(GetString(j, "state_dir"))},
@@ -368,7 +368,24 @@ Result<std::string> FormatStats(std::string_view stats_json) {
       {"errors", CountOrDash(GetU64(j, "errors"))},
       {"last error", OrDash(GetString(j, "last_error"))},
       {"publication", HaltLine(j)},
-  });
+  };
+  // Peer daemons (issue 12), when this daemon has a peer list.
+  if (auto nodes = GetU64(j, "peers_nodes")) {
+    std::string rank = "?";
+    if (auto p = j.find("peers"); p != j.end() && p->is_object()) {
+      rank = CountOrDash(GetU64(*p, "node_rank"));
+    }
+    rows.push_back({"peers", CountOrDash(GetU64(j, "peers_connected")) + " of " +
+                                 std::to_string(*nodes > 0 ? *nodes - 1 : 0) +
+                                 " connected (this node: rank " + rank + ")"});
+    rows.push_back({"read from peers", BytesOrDash(GetU64(j, "peer_bytes_read")) + ", " +
+                                           CountOrDash(GetU64(j, "peer_fallbacks")) +
+                                           " fallbacks to the backing store"});
+    rows.push_back({"served to peers", BytesOrDash(GetU64(j, "peer_bytes_served")) + ", " +
+                                           CountOrDash(GetU64(j, "peer_refused")) +
+                                           " connections refused"});
+  }
+  return FormatKeyValues(rows);
 }
 
 Result<std::string> FormatCheckpoints(std::string_view checkpoints_json, double now_epoch) {

@@ -30,6 +30,10 @@
 #include "fs/fuse_server.h"
 #include "mount/metrics_server.h"
 #include "mount/options.h"
+#ifdef CKPTFS_HAVE_UCX
+#include "store/peer/peer_node.h"
+#include "store/peer/protocol.h"
+#endif
 
 namespace {
 
@@ -121,7 +125,37 @@ void DetachStdio() {
   if (devnull > STDERR_FILENO) ::close(devnull);
 }
 
-int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
+using PeerOptionsPtr = std::shared_ptr<const ckptfs::store::peer::PeerNodeOptions>;
+
+// The peer options from the command line, with the secret read; null without --peers.
+ckptfs::Result<PeerOptionsPtr> PeerOptions(const ckptfs::DaemonOptions& o) {
+  if (o.peers.empty()) return PeerOptionsPtr();
+#ifdef CKPTFS_HAVE_UCX
+  namespace peer = ckptfs::store::peer;
+  auto p = std::make_shared<peer::PeerNodeOptions>();
+  p->nodes = o.peers;
+  p->self = static_cast<uint32_t>(o.node_rank);
+  p->listen = o.peer_listen;
+  auto secret = peer::ReadSecretFile(o.peer_secret_file);
+  if (!secret.ok()) {
+    return ckptfs::Status(secret.status().code(),
+                          "--peer-secret-file " + o.peer_secret_file + ": " +
+                              secret.status().message());
+  }
+  p->secret = std::move(secret).value();
+  auto mode = peer::ParsePlanMode(o.plan);
+  if (!mode.ok()) return mode.status();
+  p->plan_mode = *mode;
+  p->request_timeout = std::chrono::milliseconds(o.peer_timeout_ms);
+  p->connect_timeout = std::chrono::milliseconds(std::min(o.peer_timeout_ms, 3000));
+  return PeerOptionsPtr(std::move(p));
+#else
+  return ckptfs::Status(ckptfs::Code::kUnsupported,
+                        "--peers: this ckptfs was built without UCX (libucx-dev)");
+#endif
+}
+
+int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready) {
   SighupReopener::Block();  // before any thread exists, so that every thread inherits it
   std::error_code ec;
   const bool new_state_dir = !std::filesystem::exists(o.state_dir, ec);
@@ -162,6 +196,11 @@ int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
   config.staging_backend = o.staging_backend;
   config.write_checksums = o.write_checksums;
   config.commit_timeout = std::chrono::seconds(o.commit_timeout_s);
+  config.peers = std::move(peers);
+  if (config.peers) {
+    spdlog::info("peers: node {} of {} ({}), listening on {}, plan {}", o.node_rank,
+                 o.peers.size(), o.peers[static_cast<size_t>(o.node_rank)], o.peer_listen, o.plan);
+  }
   std::unique_ptr<ckptfs::MetricsServer> metrics;
   std::unique_ptr<ckptfs::fs::FuseServer> server;
   auto fs_or = ckptfs::fs::Filesystem::Create(config);
@@ -222,6 +261,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (auto st = ckptfs::ValidateDaemonOptions(&o); !st.ok()) return Fail(st.message());
+  auto peers = PeerOptions(o);
+  if (!peers.ok()) return Fail(peers.status().message());
   if (o.fake) return 0;  // mount -f
 
   ReadyPipe ready;
@@ -246,5 +287,5 @@ int main(int argc, char** argv) {
     ::setsid();
     if (::chdir("/") != 0) return 1;
   }
-  return Serve(o, &ready);
+  return Serve(o, std::move(peers).value(), &ready);
 }

@@ -1,11 +1,18 @@
 #include "mount/options.h"
 
+#include <ifaddrs.h>
 #include <libmount/libmount.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <unistd.h>
 #include <sys/stat.h>
 
 #include <CLI/CLI.hpp>
 #include <cctype>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <set>
 #include <memory>
 #include <sstream>
 
@@ -146,6 +153,27 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   app.add_option("--metrics-listen", o.metrics_listen,
                  "Serve Prometheus metrics at http://ADDR:PORT/metrics (e.g. 127.0.0.1:9464)")
       ->type_name("ADDR:PORT");
+  std::string peers_list;
+  app.add_option("--peers", peers_list,
+                 "Peer daemons, HOST:PORT,... (the same list, in the same order, on every node; "
+                 "includes this node)")
+      ->type_name("HOST:PORT,...");
+  app.add_option("--peers-file", o.peers_file, "File with one HOST:PORT per line (or --peers)");
+  app.add_option("--node-rank", o.node_rank,
+                 "This node's index in the peer list (default: the entry naming this host)")
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--peer-listen", o.peer_listen,
+                 "Address the peer server binds (default 0.0.0.0:<this node's port>)")
+      ->type_name("ADDR:PORT");
+  app.add_option("--peer-secret-file", o.peer_secret_file,
+                 "Shared secret of the peer daemons (16 to 4096 bytes; keep it mode 0600)");
+  app.add_option("--plan", o.plan,
+                 "Block ownership plan: balanced, fast or auto (default: $CKPTFS_PLAN, else auto)")
+      ->check(CLI::IsMember({"balanced", "fast", "auto"}));
+  app.add_option("--peer-timeout", o.peer_timeout_ms,
+                 "Milliseconds a block request to a peer may take before the read falls back to "
+                 "the backing store (default 5000)")
+      ->check(CLI::Range(10, 600000));
   std::vector<std::string> o_groups;
   app.add_option("-o", o_groups,
                  "Options, comma separated: ckptfs options as key=value, the rest for FUSE")
@@ -221,8 +249,158 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   if (!o.metrics_listen.empty()) {
     CKPT_RETURN_IF_ERROR(SplitListen(o.metrics_listen, &o.metrics_host, &o.metrics_port));
   }
+  if (!peers_list.empty()) {
+    std::stringstream ss(peers_list);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      while (!item.empty() && std::isspace(static_cast<unsigned char>(item.back()))) item.pop_back();
+      size_t b = 0;
+      while (b < item.size() && std::isspace(static_cast<unsigned char>(item[b]))) ++b;
+      if (b < item.size()) o.peers.push_back(item.substr(b));
+    }
+    if (o.peers.empty()) return Invalid("--peers: empty peer list");
+  }
+  if (!o.peers.empty() && !o.peers_file.empty()) {
+    return Invalid("give --peers or --peers-file, not both");
+  }
+  if (o.plan.empty()) {
+    const char* env = std::getenv("CKPTFS_PLAN");
+    o.plan = env != nullptr && *env != '\0' ? env : "auto";
+    if (o.plan != "balanced" && o.plan != "fast" && o.plan != "auto") {
+      return Invalid("CKPTFS_PLAN=" + o.plan + ": want balanced, fast or auto");
+    }
+  }
+  if (o.peers.empty() && o.peers_file.empty()) {
+    if (o.node_rank >= 0 || !o.peer_listen.empty() || !o.peer_secret_file.empty()) {
+      return Invalid("--node-rank, --peer-listen and --peer-secret-file need --peers or "
+                     "--peers-file");
+    }
+  } else if (!o.peers.empty()) {
+    CKPT_RETURN_IF_ERROR(ValidatePeerList(o.peers));
+  }
   o.fuse_options = std::move(fuse_items);
   return o;
+}
+
+namespace {
+
+// "HOST:PORT" or "[V6]:PORT" split, port 1-65535 (0 too when `listen`).
+Status SplitPeer(const std::string& text, std::string* host, int* port, bool listen = false) {
+  const size_t colon = text.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    return Invalid("peer '" + text + "': want HOST:PORT");
+  }
+  std::string h = text.substr(0, colon);
+  if (h.front() == '[') {
+    if (h.size() < 3 || h.back() != ']') return Invalid("peer '" + text + "': bad [ADDR]");
+    h = h.substr(1, h.size() - 2);
+  } else if (h.find(':') != std::string::npos) {
+    return Invalid("peer '" + text + "': write an IPv6 address as [ADDR]:PORT");
+  }
+  const std::string p = text.substr(colon + 1);
+  int value = -1;
+  if (!p.empty() && p.size() <= 5 && p.find_first_not_of("0123456789") == std::string::npos) {
+    value = std::stoi(p);
+  }
+  if (value < (listen ? 0 : 1) || value > 65535) {
+    return Invalid("peer '" + text + "': bad port '" + p + "' (1-65535)");
+  }
+  for (char c : h) {
+    if (std::isspace(static_cast<unsigned char>(c)) || c == ',' || c == '/') {
+      return Invalid("peer '" + text + "': bad host name");
+    }
+  }
+  *host = h;
+  *port = value;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::vector<std::string>> ParsePeersText(const std::string& text) {
+  std::vector<std::string> peers;
+  std::stringstream ss(text);
+  std::string line;
+  while (std::getline(ss, line)) {
+    if (size_t hash = line.find('#'); hash != std::string::npos) line.resize(hash);
+    size_t b = 0, e = line.size();
+    while (b < e && std::isspace(static_cast<unsigned char>(line[b]))) ++b;
+    while (e > b && std::isspace(static_cast<unsigned char>(line[e - 1]))) --e;
+    if (b < e) peers.push_back(line.substr(b, e - b));
+  }
+  if (peers.empty()) return Invalid("peers file lists no peer");
+  return peers;
+}
+
+Status ValidatePeerList(const std::vector<std::string>& peers) {
+  if (peers.empty()) return Invalid("empty peer list");
+  if (peers.size() > 65535) return Invalid("too many peers (at most 65535)");
+  std::set<std::string> seen;
+  for (const std::string& p : peers) {
+    std::string host;
+    int port = 0;
+    CKPT_RETURN_IF_ERROR(SplitPeer(p, &host, &port));
+    if (!seen.insert(p).second) return Invalid("peer " + p + " is listed twice");
+  }
+  return Status::Ok();
+}
+
+Result<int> FindOwnPeerIndex(const std::vector<std::string>& peers) {
+  char name[256] = {};
+  ::gethostname(name, sizeof(name) - 1);
+  const std::string full = name;
+  const std::string short_name = full.substr(0, full.find('.'));
+  // Addresses of this network namespace's interfaces.
+  std::set<std::string> local;
+  ifaddrs* ifs = nullptr;
+  if (::getifaddrs(&ifs) == 0) {
+    for (ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
+      if (i->ifa_addr == nullptr) continue;
+      char buf[NI_MAXHOST];
+      const int family = i->ifa_addr->sa_family;
+      if (family != AF_INET && family != AF_INET6) continue;
+      const socklen_t len =
+          family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+      if (::getnameinfo(i->ifa_addr, len, buf, sizeof(buf), nullptr, 0, NI_NUMERICHOST) == 0) {
+        std::string a = buf;
+        local.insert(a.substr(0, a.find('%')));
+      }
+    }
+    ::freeifaddrs(ifs);
+  }
+  std::vector<int> matches;
+  for (size_t i = 0; i < peers.size(); ++i) {
+    std::string host;
+    int port = 0;
+    if (!SplitPeer(peers[i], &host, &port).ok()) continue;
+    bool mine = !full.empty() && (host == full || host == short_name);
+    if (!mine) {
+      addrinfo hints{};
+      hints.ai_socktype = SOCK_STREAM;
+      addrinfo* res = nullptr;
+      if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) == 0) {
+        for (addrinfo* r = res; r != nullptr && !mine; r = r->ai_next) {
+          char buf[NI_MAXHOST];
+          if (::getnameinfo(r->ai_addr, r->ai_addrlen, buf, sizeof(buf), nullptr, 0,
+                            NI_NUMERICHOST) == 0) {
+            std::string a = buf;
+            mine = local.count(a.substr(0, a.find('%'))) > 0;
+          }
+        }
+        ::freeaddrinfo(res);
+      }
+    }
+    if (mine) matches.push_back(static_cast<int>(i));
+  }
+  if (matches.empty()) {
+    return Status(Code::kNotFound, "no entry of the peer list names this host (" + full +
+                                       ") or one of its addresses; pass --node-rank");
+  }
+  if (matches.size() > 1) {
+    return Invalid("several entries of the peer list name this host (" + peers[matches[0]] +
+                   ", " + peers[matches[1]] + "); pass --node-rank");
+  }
+  return matches[0];
 }
 
 bool IsMountHelperName(const char* argv0) {
@@ -312,6 +490,46 @@ Status ValidateDaemonOptions(DaemonOptions* o) {
     return Invalid("state dir " + state + " is inside the backing dir; keep it node-local");
   }
   o->state_dir = state;
+  if (!o->peers_file.empty()) {
+    std::ifstream in(o->peers_file);
+    if (!in) {
+      return Status(Code::kNotFound, "--peers-file " + o->peers_file + ": " +
+                                         std::strerror(errno));
+    }
+    std::stringstream text;
+    text << in.rdbuf();
+    auto peers = ParsePeersText(text.str());
+    if (!peers.ok()) return Invalid("--peers-file " + o->peers_file + ": " + peers.status().message());
+    o->peers = std::move(peers).value();
+    if (auto st = ValidatePeerList(o->peers); !st.ok()) {
+      return Invalid("--peers-file " + o->peers_file + ": " + st.message());
+    }
+  }
+  if (!o->peers.empty()) {
+    if (o->node_rank < 0) {
+      auto own = FindOwnPeerIndex(o->peers);
+      if (!own.ok()) return Invalid("--peers: " + own.status().message());
+      o->node_rank = *own;
+    }
+    if (o->node_rank >= static_cast<int>(o->peers.size())) {
+      return Invalid("--node-rank " + std::to_string(o->node_rank) + " is out of range (" +
+                     std::to_string(o->peers.size()) + " peers)");
+    }
+    if (o->peer_secret_file.empty()) {
+      return Invalid("--peers needs --peer-secret-file (the shared secret peers prove)");
+    }
+    if (o->peer_listen.empty()) {
+      const std::string& own = o->peers[static_cast<size_t>(o->node_rank)];
+      o->peer_listen = "0.0.0.0:" + own.substr(own.rfind(':') + 1);
+    } else {
+      std::string host;
+      int port = 0;
+      if (auto st = SplitPeer(o->peer_listen, &host, &port, /*listen=*/true); !st.ok()) {
+        return Invalid("--peer-listen: " + st.message());
+      }
+    }
+    if (o->cache_bytes == 0) return Invalid("--peers needs the block cache (--cache-mem > 0)");
+  }
   if (!o->log_file.empty()) {
     o->log_file = std::filesystem::weakly_canonical(std::filesystem::absolute(o->log_file), ec)
                       .string();

@@ -38,6 +38,15 @@ struct DaemonOptions {
   std::string metrics_listen;                     // "ADDR:PORT" or empty: no HTTP server
   std::string metrics_host;                       // split from metrics_listen
   int metrics_port = 0;
+  // Peer daemons (issue 12). `peers` comes from --peers or --peers-file (read by
+  // ValidateDaemonOptions); empty: no peers, and the other peer options are refused.
+  std::vector<std::string> peers;        // "HOST:PORT", the same list on every node
+  std::string peers_file;
+  int node_rank = -1;                    // -1: this host's position in the list
+  std::string peer_listen;               // ADDR:PORT; default 0.0.0.0:<own port>
+  std::string peer_secret_file;
+  std::string plan;                      // balanced|fast|auto; default $CKPTFS_PLAN or auto
+  int peer_timeout_ms = 5000;            // one block request to a peer
   std::vector<std::string> fuse_options;
   bool help = false;
   bool version = false;     // --version: print help_text (the version) and exit
@@ -72,6 +81,17 @@ bool IsMountHelperName(const char* argv0);
 // mountpoint is not already mounted, neither contains the other, and the state dir is
 // outside the mount. Fills in the default state dir.
 Status ValidateDaemonOptions(DaemonOptions* options);
+
+// Parses a peers file: one HOST:PORT per line; blank lines and '#' comments are skipped.
+Result<std::vector<std::string>> ParsePeersText(const std::string& text);
+
+// Checks a peer list (HOST:PORT or [V6]:PORT, port 1-65535, no duplicates, at least one).
+Status ValidatePeerList(const std::vector<std::string>& peers);
+
+// The index of this host in `peers`: the entry whose host is this host's name (full or short)
+// or resolves to an address of a local interface. NotFound when none, Invalid when several
+// match (then --node-rank must say).
+Result<int> FindOwnPeerIndex(const std::vector<std::string>& peers);
 
 // True if `path` (canonical) is a mount point listed in /proc/self/mountinfo (read
 // with libmount).

@@ -198,6 +198,12 @@ void UcxWorker::Loop() {
   epoll_event events[2];
   while (RunPosted()) {
     if (ucp_worker_progress(worker_) != 0) continue;
+    {
+      // Shutdown was requested while posted tasks ran: its wakeup may have been consumed
+      // already, so never sleep now; the next RunPosted() finds the queue drained and ends.
+      std::lock_guard lock(mu_);
+      if (stop_requested_) continue;
+    }
     ucs_status_t s = ucp_worker_arm(worker_);
     if (s == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress them first
     if (s != UCS_OK) {

@@ -416,5 +416,112 @@ TEST_F(ValidateOptions, AMountpointThatIsAlreadyMountedIsBusy) {
   EXPECT_EQ(ValidateDaemonOptions(&o).code(), Code::kBusy);
 }
 
+// ------------------------------------------------------------------ peers (issue 12)
+
+TEST(PeerOptions, PeersListPlanAndTimeoutAreParsed) {
+  auto o = Parse({"--peers", "n1:7000, n2:7000,[fe80::1]:7001", "--node-rank", "1",
+                  "--peer-secret-file", "/s", "--plan", "fast", "--peer-timeout", "250", "/b",
+                  "/m"});
+  ASSERT_TRUE(o.ok()) << o.status().message();
+  EXPECT_EQ(o->peers, (std::vector<std::string>{"n1:7000", "n2:7000", "[fe80::1]:7001"}));
+  EXPECT_EQ(o->node_rank, 1);
+  EXPECT_EQ(o->plan, "fast");
+  EXPECT_EQ(o->peer_timeout_ms, 250);
+  auto d = Parse({"/b", "/m"});
+  ASSERT_TRUE(d.ok());
+  EXPECT_TRUE(d->peers.empty());
+  EXPECT_EQ(d->node_rank, -1);
+}
+
+TEST(PeerOptions, PlanComesFromTheEnvironmentUnlessGiven) {
+  ::setenv("CKPTFS_PLAN", "balanced", 1);
+  auto o = Parse({"/b", "/m"});
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->plan, "balanced");
+  auto flag = Parse({"--plan", "fast", "/b", "/m"});
+  ASSERT_TRUE(flag.ok());
+  EXPECT_EQ(flag->plan, "fast");
+  ::setenv("CKPTFS_PLAN", "quick", 1);
+  auto bad = Parse({"/b", "/m"});
+  ::unsetenv("CKPTFS_PLAN");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), ::testing::HasSubstr("CKPTFS_PLAN=quick"));
+}
+
+TEST(PeerOptions, BadPeerListsAreInvalidWithAMessage) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--peers", "a:1,a:1"}, "listed twice"},
+      {{"--peers", "a"}, "want HOST:PORT"},
+      {{"--peers", "a:0"}, "bad port"},
+      {{"--peers", "a:70000"}, "bad port"},
+      {{"--peers", "fe80::1:7000"}, "[ADDR]:PORT"},
+      {{"--peers", " , "}, "empty peer list"},
+      {{"--peers", "a:1", "--peers-file", "/f"}, "not both"},
+      {{"--node-rank", "0"}, "need --peers"},
+      {{"--peer-secret-file", "/s"}, "need --peers"},
+  };
+  for (const auto& [args, want] : cases) {
+    std::vector<std::string> full = args;
+    full.push_back("/b");
+    full.push_back("/m");
+    auto o = Parse(full);
+    ASSERT_FALSE(o.ok()) << args[0] << " " << args[1];
+    EXPECT_EQ(o.status().code(), Code::kInvalid);
+    EXPECT_THAT(o.status().message(), ::testing::HasSubstr(want)) << args[1];
+  }
+}
+
+TEST(PeerOptions, PeersFileSkipsCommentsAndBlankLines) {
+  auto p = ParsePeersText("# from scontrol show hostnames\nnode1:7470\n\n  node2:7470  # two\n");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(*p, (std::vector<std::string>{"node1:7470", "node2:7470"}));
+  EXPECT_FALSE(ParsePeersText("# nothing\n\n").ok());
+}
+
+TEST_F(ValidateOptions, PeersFileNodeRankListenAndSecretAreChecked) {
+  const std::string backing = tmp_.Dir("backing"), mnt = tmp_.Dir("mnt");
+  const std::string file = tmp_.path() + "/peers";
+  std::ofstream(file) << "10.9.9.1:7470\n10.9.9.2:7471\n";
+  DaemonOptions o = Options(backing, mnt);
+  o.peers_file = file;
+  o.node_rank = 1;
+  o.peer_secret_file = "/s";
+  ASSERT_TRUE(ValidateDaemonOptions(&o).ok());
+  EXPECT_EQ(o.peers, (std::vector<std::string>{"10.9.9.1:7470", "10.9.9.2:7471"}));
+  EXPECT_EQ(o.peer_listen, "0.0.0.0:7471");  // this node's port
+
+  DaemonOptions rank = Options(backing, mnt);
+  rank.peers_file = file;
+  rank.node_rank = 2;
+  rank.peer_secret_file = "/s";
+  auto st = ValidateDaemonOptions(&rank);
+  EXPECT_THAT(st.message(), ::testing::HasSubstr("out of range"));
+
+  DaemonOptions nosecret = Options(backing, mnt);
+  nosecret.peers_file = file;
+  nosecret.node_rank = 0;
+  EXPECT_THAT(ValidateDaemonOptions(&nosecret).message(),
+              ::testing::HasSubstr("--peer-secret-file"));
+
+  DaemonOptions missing = Options(backing, mnt);
+  missing.peers_file = tmp_.path() + "/absent";
+  EXPECT_THAT(ValidateDaemonOptions(&missing).message(), ::testing::HasSubstr("--peers-file"));
+
+  // No entry names this host: the default node rank cannot be found.
+  DaemonOptions unknown = Options(backing, mnt);
+  unknown.peers = {"10.9.9.1:7470", "10.9.9.2:7470"};
+  unknown.peer_secret_file = "/s";
+  EXPECT_THAT(ValidateDaemonOptions(&unknown).message(), ::testing::HasSubstr("--node-rank"));
+}
+
+TEST(PeerOptions, OwnIndexIsTheEntryNamingALocalAddress) {
+  auto own = FindOwnPeerIndex({"10.9.9.1:7470", "127.0.0.1:7470", "10.9.9.3:7470"});
+  ASSERT_TRUE(own.ok()) << own.status().message();
+  EXPECT_EQ(*own, 1);
+  auto twice = FindOwnPeerIndex({"127.0.0.1:7470", "127.0.0.1:7471"});
+  ASSERT_FALSE(twice.ok());
+  EXPECT_THAT(twice.status().message(), ::testing::HasSubstr("several"));
+}
+
 }  // namespace
 }  // namespace ckptfs

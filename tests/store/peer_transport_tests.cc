@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <future>
 #include <random>
 #include <thread>
 
@@ -22,6 +23,7 @@
 #include "store/peer/peer_server.h"
 #include "store/peer/protocol.h"
 #include "store/peer/synthetic_provider.h"
+#include "store/peer/ucx_worker.h"
 
 extern char** environ;
 
@@ -487,6 +489,24 @@ TEST_F(PeerTwoProcesses, CorruptedReplyIsDetected) {
 }
 
 // ---- Buffer pool. ----
+
+// A Shutdown() right after a Post(): the progress thread may see the stop request together
+// with the task, run the task and must then end, not sleep on a wakeup already consumed (that
+// hang stalled a daemon's read for as long as a hung peer stayed stopped).
+TEST(PeerUcxWorker, ShutdownRightAfterAPostReturns) {
+  for (int i = 0; i < 100; ++i) {
+    auto w = UcxWorker::Create("post-then-stop", {});
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    std::atomic<int> ran{0};
+    (*w)->Post([&ran] { ran.fetch_add(1); });
+    auto done = std::async(std::launch::async, [&w] { (*w)->Shutdown(); });
+    if (done.wait_for(10s) != std::future_status::ready) {
+      ADD_FAILURE() << "Shutdown() hung after a Post() (iteration " << i << ")";
+      std::abort();  // the progress thread sleeps for good: nothing left to join
+    }
+    EXPECT_LE(ran.load(), 1);
+  }
+}
 
 TEST(PeerBufferPool, LargeBuffersAreReusedUpToTheCap) {
   auto pool = BufferPool::Create(3 << 20);

@@ -1,0 +1,297 @@
+#include "store/peer/cooperative_source.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
+
+namespace ckptfs::store::peer {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+thread_local int serving_depth = 0;
+}  // namespace
+
+ServingScope::ServingScope() { ++serving_depth; }
+ServingScope::~ServingScope() { --serving_depth; }
+bool ServingScope::Active() { return serving_depth > 0; }
+
+struct CooperativeSource::Peer {
+  uint32_t index = 0;
+  std::string node;
+  std::mutex mu;
+  std::shared_ptr<PeerClient> client;  // GUARDED_BY(mu): null when not connected
+  Clock::time_point down_until{};      // GUARDED_BY(mu)
+  std::chrono::milliseconds backoff{0};  // GUARDED_BY(mu): next pause after a failure
+  bool streak = false;                 // GUARDED_BY(mu): failing since the last success
+  std::string last_error;              // GUARDED_BY(mu)
+  std::atomic<uint64_t> fetched_bytes{0}, failures{0};
+};
+
+CooperativeSource::CooperativeSource(const CooperativeOptions& options, BlockSource* fallback)
+    : options_(options), fallback_(fallback) {}
+
+Result<std::unique_ptr<CooperativeSource>> CooperativeSource::Create(
+    const CooperativeOptions& options, BlockSource* fallback) {
+  if (fallback == nullptr) return Invalid("cooperative source: no fallback source");
+  if (options.nodes.empty()) return Invalid("cooperative source: empty peer list");
+  if (options.self >= options.nodes.size()) {
+    return Invalid("cooperative source: node rank " + std::to_string(options.self) +
+                   " is out of range for " + std::to_string(options.nodes.size()) + " peers");
+  }
+  std::unique_ptr<CooperativeSource> s(new CooperativeSource(options, fallback));
+  s->peers_.resize(options.nodes.size());
+  for (uint32_t i = 0; i < options.nodes.size(); ++i) {
+    if (i == options.self) continue;
+    auto p = std::make_unique<Peer>();
+    p->index = i;
+    p->node = options.nodes[i];
+    p->backoff = options.down_backoff;
+    s->peers_[i] = std::move(p);
+  }
+  if (options.connect_in_background && options.nodes.size() > 1) {
+    s->connector_ = std::thread([c = s.get()] { c->ConnectLoop(); });
+  }
+  return s;
+}
+
+CooperativeSource::~CooperativeSource() {
+  {
+    std::lock_guard lock(stop_mu_);
+    stop_ = true;
+  }
+  stop_cv_.notify_all();
+  if (connector_.joinable()) connector_.join();
+  for (auto& p : peers_) {
+    if (!p) continue;
+    std::shared_ptr<PeerClient> c;
+    {
+      std::lock_guard lock(p->mu);
+      c = std::move(p->client);
+    }
+    c.reset();  // the last reference: joins that client's progress thread
+  }
+}
+
+void CooperativeSource::SetPlan(const std::string& ckpt, std::shared_ptr<const OwnershipPlan> plan) {
+  std::lock_guard lock(plans_mu_);
+  const std::string prefix = ckpt.empty() ? "" : ckpt + "/";
+  if (auto old = by_ckpt_.find(ckpt); old != by_ckpt_.end()) {
+    for (const std::string& f : old->second->files()) by_path_.erase(prefix + f);
+  }
+  for (const std::string& f : plan->files()) by_path_[prefix + f] = PlanRef{plan, f};
+  by_ckpt_[ckpt] = std::move(plan);
+}
+
+bool CooperativeSource::HasPlan(const std::string& ckpt) const {
+  std::lock_guard lock(plans_mu_);
+  return by_ckpt_.count(ckpt) > 0;
+}
+
+std::optional<uint32_t> CooperativeSource::Owner(const std::string& path, uint64_t offset) const {
+  PlanRef ref;
+  {
+    std::lock_guard lock(plans_mu_);
+    auto it = by_path_.find(path);
+    if (it == by_path_.end()) return std::nullopt;
+    ref = it->second;
+  }
+  auto owner = ref.plan->BlockOwner(ref.file, offset / ref.plan->block_bytes());
+  if (!owner.ok()) return std::nullopt;
+  return *owner;
+}
+
+std::shared_ptr<PeerClient> CooperativeSource::ClientFor(uint32_t node) {
+  Peer& p = *peers_[node];
+  bool lost = false;
+  {
+    std::lock_guard lock(p.mu);
+    if (p.client && !p.client->healthy()) {
+      // The connection died between reads (the peer exited or the link broke).
+      lost = !p.streak;
+      p.streak = true;
+      p.last_error = "connection lost";
+      p.client.reset();
+      p.down_until = Clock::now() + p.backoff;
+      p.backoff = std::min(p.backoff * 2, options_.max_down_backoff);
+    }
+    if (p.client && Clock::now() >= p.down_until) return p.client;
+  }
+  if (lost) {
+    spdlog::warn("peer {}: connection lost; reading from the backing store instead", p.node);
+  }
+  return nullptr;
+}
+
+void CooperativeSource::PeerFailed(uint32_t node, const Status& status,
+                                   const std::shared_ptr<PeerClient>& client) {
+  Peer& p = *peers_[node];
+  p.failures.fetch_add(1, std::memory_order_relaxed);
+  bool first = false;
+  std::chrono::milliseconds pause{0};
+  {
+    std::lock_guard lock(p.mu);
+    first = !p.streak;
+    p.streak = true;
+    p.last_error = status.ToString();
+    // A server error about one block (stale version, not found) says nothing about the peer;
+    // anything else does: pause it so that other reads do not wait on it too.
+    const Code code = status.code();
+    if (code == Code::kTimeout || code == Code::kIo || code == Code::kCorrupt ||
+        code == Code::kPermission) {
+      if (Clock::now() >= p.down_until) {
+        pause = p.backoff;
+        p.down_until = Clock::now() + pause;
+        p.backoff = std::min(p.backoff * 2, options_.max_down_backoff);
+      }
+      // A dead or hung connection is dropped; the connector makes a new one after the pause.
+      if (p.client == client && (code != Code::kCorrupt)) p.client.reset();
+    }
+  }
+  if (first) {
+    spdlog::warn("peer {}: {}; reading from the backing store instead{}", p.node,
+                 status.ToString(),
+                 pause.count() > 0 ? fmt::format(" (peer skipped for {} ms)", pause.count()) : "");
+  } else {
+    spdlog::debug("peer {}: {}; fallback to the backing store", p.node, status.ToString());
+  }
+}
+
+std::optional<BlockRead> CooperativeSource::TryPeers(const BlockId& id, uint64_t offset,
+                                                     std::span<char> out) {
+  std::optional<uint32_t> owner = Owner(id.path, offset);
+  if (!owner) {
+    unplanned_.fetch_add(1, std::memory_order_relaxed);
+    return std::nullopt;
+  }
+  if (*owner == options_.self || *owner >= peers_.size() || ServingScope::Active()) {
+    local_owned_.fetch_add(1, std::memory_order_relaxed);
+    return std::nullopt;
+  }
+  std::shared_ptr<PeerClient> client = ClientFor(*owner);
+  if (!client) {
+    fb_down_.fetch_add(1, std::memory_order_relaxed);
+    peers_[*owner]->failures.fetch_add(1, std::memory_order_relaxed);
+    return std::nullopt;
+  }
+  Result<size_t> got = client->Fetch(id, offset, out);
+  if (!got.ok()) {
+    switch (got.status().code()) {
+      case Code::kTimeout: fb_timeout_.fetch_add(1); break;
+      case Code::kCorrupt: fb_crc_.fetch_add(1); break;
+      case Code::kIo: fb_conn_.fetch_add(1); break;
+      default: fb_error_.fetch_add(1); break;
+    }
+    PeerFailed(*owner, got.status(), client);
+    return std::nullopt;
+  }
+  Peer& p = *peers_[*owner];
+  p.fetched_bytes.fetch_add(*got, std::memory_order_relaxed);
+  peer_bytes_.fetch_add(*got, std::memory_order_relaxed);
+  peer_blocks_.fetch_add(1, std::memory_order_relaxed);
+  {
+    std::lock_guard lock(p.mu);
+    if (p.streak) {
+      p.streak = false;
+      p.backoff = options_.down_backoff;
+    }
+  }
+  return BlockRead{*got, std::nullopt};
+}
+
+Result<BlockRead> CooperativeSource::ReadBlock(const BlockId& id, uint64_t offset,
+                                               std::span<char> out) {
+  if (auto r = TryPeers(id, offset, out)) return *r;
+  return fallback_->ReadBlock(id, offset, out);
+}
+
+bool CooperativeSource::TryConnect(Peer& p) {
+  {
+    std::lock_guard lock(p.mu);
+    if (p.client && p.client->healthy()) return true;
+    if (Clock::now() < p.down_until) return false;
+  }
+  PeerClientOptions co;
+  co.server = p.node;
+  co.node_id = options_.nodes[options_.self];
+  co.secret = options_.secret;
+  co.connect_timeout = options_.connect_timeout;
+  co.request_timeout = options_.request_timeout;
+  auto c = PeerClient::Connect(co);
+  std::lock_guard lock(p.mu);
+  if (!c.ok()) {
+    const std::string err = c.status().ToString();
+    if (!p.streak || p.last_error != err) {
+      spdlog::warn("peer {}: cannot connect: {}", p.node, err);
+    }
+    p.streak = true;
+    p.last_error = err;
+    p.down_until = Clock::now() + p.backoff;
+    p.backoff = std::min(p.backoff * 2, options_.max_down_backoff);
+    return false;
+  }
+  spdlog::info("peer {}: connected and authenticated", p.node);
+  p.client = std::shared_ptr<PeerClient>(std::move(c).value());
+  p.streak = false;
+  p.backoff = options_.down_backoff;
+  p.down_until = {};
+  return true;
+}
+
+void CooperativeSource::ConnectNow() {
+  for (auto& p : peers_) {
+    if (p) TryConnect(*p);
+  }
+}
+
+void CooperativeSource::ConnectLoop() {
+  std::unique_lock lock(stop_mu_);
+  while (!stop_) {
+    lock.unlock();
+    for (auto& p : peers_) {
+      if (!p) continue;
+      {
+        std::lock_guard stop_lock(stop_mu_);
+        if (stop_) return;
+      }
+      TryConnect(*p);
+    }
+    lock.lock();
+    stop_cv_.wait_for(lock, std::min<std::chrono::milliseconds>(options_.down_backoff,
+                                                                 std::chrono::milliseconds(1000)),
+                      [this] { return stop_; });
+  }
+}
+
+CooperativeStats CooperativeSource::Stats() const {
+  CooperativeStats s;
+  s.nodes = static_cast<uint32_t>(options_.nodes.size());
+  s.self = options_.self;
+  s.peer_bytes = peer_bytes_.load();
+  s.peer_blocks = peer_blocks_.load();
+  s.local_owned_reads = local_owned_.load();
+  s.unplanned_reads = unplanned_.load();
+  s.fallbacks.peer_down = fb_down_.load();
+  s.fallbacks.timeout = fb_timeout_.load();
+  s.fallbacks.bad_checksum = fb_crc_.load();
+  s.fallbacks.connection = fb_conn_.load();
+  s.fallbacks.error_reply = fb_error_.load();
+  for (const auto& p : peers_) {
+    if (!p) continue;
+    PeerState st;
+    st.node = p->node;
+    {
+      std::lock_guard lock(p->mu);
+      st.connected = p->client && p->client->healthy();
+      st.last_error = p->last_error;
+    }
+    st.fetched_bytes = p->fetched_bytes.load();
+    st.failures = p->failures.load();
+    if (st.connected) ++s.peers_connected;
+    s.peers.push_back(std::move(st));
+  }
+  return s;
+}
+
+}  // namespace ckptfs::store::peer

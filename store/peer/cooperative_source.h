@@ -1,0 +1,158 @@
+// CooperativeSource: a BlockSource that reads each block of a planned checkpoint from the
+// node that owns it (docs/PEERS.md, issue 12), so that across the cluster every byte leaves
+// the shared file system once.
+//
+// Routing. Checkpoints are registered with their OwnershipPlan (SetPlan): every file of the
+// checkpoint, by its path relative to the backing directory. A read of a block owned by
+// another node is fetched from that node's PeerServer; a block this node owns, a file no
+// plan covers, and every failure go to the `fallback` source (the backing store). A read
+// never fails because of a peer.
+//
+// Failure handling. A peer that refuses the connection, drops it, times out or returns a bad
+// checksum is skipped: that read falls back, the event is counted by kind and logged (warn on
+// the first failure of a streak, debug after), and the peer is *down* for `down_backoff`
+// (doubling per consecutive failure, at most `max_down_backoff`): reads owned by it fall back
+// at once, without waiting on it again. A connector thread (re)connects to peers that are
+// not down; the read path never connects or waits for a connection, so a hung peer costs at
+// most one `request_timeout` per read in flight when it hangs.
+//
+// Thread-safe. The destructor joins the connector and drops the clients; no ReadBlock may be
+// in progress once it runs.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+#include "store/cache/block_source.h"
+#include "store/peer/peer_client.h"
+#include "store/peer/plan.h"
+
+namespace ckptfs::store::peer {
+
+struct CooperativeOptions {
+  std::vector<std::string> nodes;  // "host:port" of every daemon, same order everywhere
+  uint32_t self = 0;               // this node's index in `nodes`
+  std::string secret;              // shared secret (ReadSecretFile)
+  std::chrono::milliseconds connect_timeout{3000};
+  std::chrono::milliseconds request_timeout{5000};
+  std::chrono::milliseconds down_backoff{1000};      // first pause after a failure
+  std::chrono::milliseconds max_down_backoff{30000};  // cap of the doubling pause
+  bool connect_in_background = true;  // false: only tests connect, with ConnectNow()
+};
+
+// Why a read owned by a peer went to the fallback instead.
+struct FallbackCounts {
+  uint64_t peer_down = 0;      // the owner was not connected or in its backoff pause
+  uint64_t timeout = 0;        // no reply within request_timeout
+  uint64_t bad_checksum = 0;   // the reply's CRC32C did not match its bytes
+  uint64_t connection = 0;     // connection lost (peer died, link cut)
+  uint64_t error_reply = 0;    // the owner answered with an error (NotFound, stale, busy, ...)
+  uint64_t total() const { return peer_down + timeout + bad_checksum + connection + error_reply; }
+};
+
+struct PeerState {
+  std::string node;
+  bool connected = false;
+  uint64_t fetched_bytes = 0;
+  uint64_t failures = 0;     // fallbacks caused by this peer
+  std::string last_error;    // empty when none yet
+};
+
+struct CooperativeStats {
+  uint32_t nodes = 0;
+  uint32_t self = 0;
+  uint32_t peers_connected = 0;
+  uint64_t peer_bytes = 0;       // bytes fetched from owners
+  uint64_t peer_blocks = 0;
+  uint64_t local_owned_reads = 0;   // reads this node owns (went to the fallback by design)
+  uint64_t unplanned_reads = 0;     // reads of files no plan covers
+  FallbackCounts fallbacks;
+  std::vector<PeerState> peers;  // every node but self, in node order
+};
+
+// Marks the reads of this thread, while it lives, as serving a peer's request: a
+// CooperativeSource then reads locally whatever its plan says, so an owner never forwards a
+// request (two daemons with different plans cannot bounce a block between them). The block
+// cache reads a single-block ReadBlock() on the calling thread, so the mark reaches it.
+class ServingScope {
+ public:
+  ServingScope();
+  ~ServingScope();
+  ServingScope(const ServingScope&) = delete;
+  ServingScope& operator=(const ServingScope&) = delete;
+  static bool Active();
+};
+
+class CooperativeSource : public BlockSource {
+ public:
+  static Result<std::unique_ptr<CooperativeSource>> Create(const CooperativeOptions& options,
+                                                           BlockSource* fallback);  // must outlive
+  ~CooperativeSource() override;
+  CooperativeSource(const CooperativeSource&) = delete;
+  CooperativeSource& operator=(const CooperativeSource&) = delete;
+
+  // Registers (or replaces) the plan of checkpoint `ckpt` (relative to the backing dir,
+  // "" for its root); `plan` names files relative to the checkpoint.
+  void SetPlan(const std::string& ckpt, std::shared_ptr<const OwnershipPlan> plan);
+  bool HasPlan(const std::string& ckpt) const;
+
+  // The owner of the block at `offset` of `path` (relative to the backing dir), or nullopt
+  // when no plan covers it.
+  std::optional<uint32_t> Owner(const std::string& path, uint64_t offset) const;
+
+  // Fetches the block from its owner when that is another node. nullopt: read it locally
+  // (this node owns it, no plan covers it, or the owner failed: counted and logged).
+  std::optional<BlockRead> TryPeers(const BlockId& id, uint64_t offset, std::span<char> out);
+
+  // TryPeers, else the fallback source.
+  Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override;
+
+  // Connects every peer that is not connected, now, on this thread (tests; the daemon's
+  // connector thread does this every `down_backoff`).
+  void ConnectNow();
+
+  CooperativeStats Stats() const;
+  const CooperativeOptions& options() const { return options_; }
+
+ private:
+  struct Peer;
+  CooperativeSource(const CooperativeOptions& options, BlockSource* fallback);
+  void ConnectLoop();
+  bool TryConnect(Peer& peer);
+  std::shared_ptr<PeerClient> ClientFor(uint32_t node);
+  void PeerFailed(uint32_t node, const Status& status, const std::shared_ptr<PeerClient>& client);
+
+  const CooperativeOptions options_;
+  BlockSource* const fallback_;
+  std::vector<std::unique_ptr<Peer>> peers_;  // by node index; null for self
+
+  mutable std::mutex plans_mu_;
+  struct PlanRef {
+    std::shared_ptr<const OwnershipPlan> plan;
+    std::string file;  // name inside the checkpoint
+  };
+  // GUARDED_BY(plans_mu_): backing path -> its plan; checkpoints registered.
+  std::unordered_map<std::string, PlanRef> by_path_;
+  std::unordered_map<std::string, std::shared_ptr<const OwnershipPlan>> by_ckpt_;
+
+  std::atomic<uint64_t> peer_bytes_{0}, peer_blocks_{0}, local_owned_{0}, unplanned_{0};
+  std::atomic<uint64_t> fb_down_{0}, fb_timeout_{0}, fb_crc_{0}, fb_conn_{0}, fb_error_{0};
+
+  std::mutex stop_mu_;
+  std::condition_variable stop_cv_;
+  bool stop_ = false;  // GUARDED_BY(stop_mu_)
+  std::thread connector_;
+};
+
+}  // namespace ckptfs::store::peer

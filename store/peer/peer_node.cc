@@ -1,0 +1,328 @@
+#include "store/peer/peer_node.h"
+
+#include <fcntl.h>
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <charconv>
+#include <system_error>
+
+#include "store/cache/backing_source.h"
+#include "store/dcp/metadata_file.h"
+#include "store/peer/protocol.h"
+
+namespace ckptfs::store::peer {
+namespace {
+
+std::string ParentOf(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? std::string() : path.substr(0, slash);
+}
+
+}  // namespace
+
+std::optional<uint32_t> DcpWriterRank(std::string_view file) {
+  const size_t slash = file.rfind('/');
+  if (slash != std::string_view::npos) file = file.substr(slash + 1);
+  constexpr std::string_view kSuffix = ".distcp";
+  if (file.size() < 2 + kSuffix.size() || file.substr(0, 2) != "__" ||
+      file.substr(file.size() - kSuffix.size()) != kSuffix) {
+    return std::nullopt;
+  }
+  std::string_view mid = file.substr(2, file.size() - 2 - kSuffix.size());  // "<rank>_<n>"
+  const size_t us = mid.find('_');
+  if (us == std::string_view::npos || us == 0) return std::nullopt;
+  uint32_t rank = 0;
+  auto [p, ec] = std::from_chars(mid.data(), mid.data() + us, rank);
+  if (ec != std::errc() || p != mid.data() + us) return std::nullopt;
+  return rank;
+}
+
+// What the PeerServer reads through: the block cache, never routed (this node is the owner).
+class PeerNode::ServingSource : public BlockSource {
+ public:
+  ServingSource(PeerNode* node, BlockCache* cache) : node_(node), cache_(cache) {}
+
+  Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override {
+    const std::string ckpt = ParentOf(id.path);
+    if (!node_->coop_->HasPlan(ckpt)) node_->LoadStartedElsewhere(ckpt);
+    // Through the cache (single flight with local readers); the cache's source checks the
+    // version and confines the path (G9). Never forwarded: this node is asked as the owner.
+    ServingScope serving;
+    return cache_->ReadBlock(id, offset, out);
+  }
+
+ private:
+  PeerNode* const node_;
+  BlockCache* const cache_;
+};
+
+PeerNode::PeerNode(const PeerNodeOptions& options, BackingDir* dir)
+    : options_(options), dir_(dir) {}
+
+PeerNode::~PeerNode() {
+  StopServing();
+  coop_.reset();
+}
+
+Result<std::unique_ptr<PeerNode>> PeerNode::Create(const PeerNodeOptions& options,
+                                                   BackingDir* dir, BlockSource* fallback) {
+  if (dir == nullptr || fallback == nullptr) return Invalid("peers: no backing directory");
+  if (options.block_bytes == 0) return Invalid("peers: block size must be positive");
+  std::unique_ptr<PeerNode> node(new PeerNode(options, dir));
+  CooperativeOptions co;
+  co.nodes = options.nodes;
+  co.self = options.self;
+  co.secret = options.secret;
+  co.connect_timeout = options.connect_timeout;
+  co.request_timeout = options.request_timeout;
+  CKPT_ASSIGN_OR_RETURN(node->coop_, CooperativeSource::Create(co, fallback));
+  return node;
+}
+
+Status PeerNode::StartServing(BlockCache* cache) {
+  if (cache == nullptr) return Invalid("peers: serving needs the block cache (--cache-mem > 0)");
+  if (cache->block_bytes() != options_.block_bytes) {
+    return Invalid("peers: plan block size differs from the block cache's");
+  }
+  cache_ = cache;
+  serving_source_ = std::make_unique<ServingSource>(this, cache);
+  try {
+    planner_ = std::thread([this] { PlannerLoop(); });
+  } catch (const std::system_error& e) {
+    return Status(Code::kInternal, std::string("peers: cannot start a thread: ") + e.what());
+  }
+  PeerServerOptions so;
+  so.listen = options_.listen;
+  so.node_id = options_.nodes[options_.self];
+  so.secret = options_.secret;
+  so.allowed_peers = options_.nodes;
+  so.check_source_address = options_.check_source_address;
+  auto server = PeerServer::Create(so, serving_source_.get());
+  if (!server.ok()) {
+    return Status(server.status().code(),
+                  "peers: cannot listen on " + options_.listen + ": " + server.status().message());
+  }
+  server_ = std::move(server).value();
+  return Status::Ok();
+}
+
+void PeerNode::StopServing() {
+  server_.reset();  // no more requests, so nothing queues for the planner
+  {
+    std::lock_guard lock(planner_mu_);
+    planner_stop_ = true;
+  }
+  planner_cv_.notify_all();
+  if (planner_.joinable()) planner_.join();
+}
+
+void PeerNode::LoadStartedElsewhere(const std::string& ckpt) {
+  {
+    std::lock_guard lock(planner_mu_);
+    if (planner_stop_ || !planner_seen_.insert(ckpt).second) return;
+    planner_queue_.push_back(ckpt);
+  }
+  planner_cv_.notify_one();
+}
+
+void PeerNode::PlannerLoop() {
+  std::unique_lock lock(planner_mu_);
+  while (true) {
+    planner_cv_.wait(lock, [this] { return planner_stop_ || !planner_queue_.empty(); });
+    if (planner_stop_) return;
+    std::string ckpt = std::move(planner_queue_.front());
+    planner_queue_.erase(planner_queue_.begin());
+    lock.unlock();
+    PrefetchOwnShare(ckpt);
+    lock.lock();
+  }
+}
+
+void PeerNode::PrefetchOwnShare(const std::string& ckpt) {
+  if (coop_->HasPlan(ckpt)) return;  // a local load planned it meanwhile
+  const std::string prefix = ckpt.empty() ? "" : ckpt + "/";
+  auto bytes = ReadMetadataBytes(dir_, prefix + ".metadata");
+  if (!bytes.ok()) {
+    spdlog::debug("peers: a peer reads {}, which has no readable .metadata here: {}", ckpt,
+                  bytes.status().ToString());
+    return;
+  }
+  auto md = ParseDcpMetadata(*bytes);
+  if (!md.ok()) {
+    spdlog::warn("peers: cannot parse {}.metadata: {}", prefix, md.status().ToString());
+    return;
+  }
+  std::vector<std::pair<std::string, BlockId>> ids;
+  for (const auto& [file, length] : RequiredFileLengths(*md)) {
+    auto st = dir_->Stat(prefix + file);
+    if (!st.ok()) continue;
+    ids.emplace_back(file, BlockIdFromStat(prefix + file, *st));
+  }
+  auto owned = PlanCheckpoint(ckpt, *md, ids);
+  if (!owned.ok()) {
+    spdlog::warn("peers: cannot plan {}: {}", ckpt, owned.status().ToString());
+    return;
+  }
+  uint64_t queued = 0;
+  for (const OwnedRange& r : *owned) {
+    for (const auto& [name, id] : ids) {
+      if (name != r.file) continue;
+      cache_->Prefetch(id, r.offset, r.length);
+      queued += r.length;
+    }
+  }
+  spdlog::info("peers: a load of {} started on another node: prefetching this node's share "
+               "({} bytes)", ckpt.empty() ? "/" : ckpt, queued);
+}
+
+Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
+    const std::string& ckpt, const DcpMetadata& metadata,
+    const std::vector<std::pair<std::string, BlockId>>& files) {
+  {
+    std::lock_guard lock(mu_);
+    auto it = planned_.find(ckpt);
+    if (it != planned_.end() && it->second.files == files) return it->second.owned;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<PlanItem> items = PlanItemsFromMetadata(metadata);
+  const uint32_t k = static_cast<uint32_t>(options_.nodes.size());
+  bool locality = false;
+  if (options_.writer_locality && k > 1 && !items.empty()) {
+    uint32_t world = 0;
+    bool all = true;
+    std::vector<std::optional<uint32_t>> ranks;
+    ranks.reserve(items.size());
+    for (const PlanItem& item : items) {
+      ranks.push_back(DcpWriterRank(item.file));
+      if (!ranks.back()) {
+        all = false;
+        break;
+      }
+      world = std::max(world, *ranks.back() + 1);
+    }
+    if (all) {
+      std::vector<uint64_t> bytes(k, 0);
+      uint64_t total = 0;
+      for (size_t i = 0; i < items.size(); ++i) {
+        const uint32_t node = static_cast<uint32_t>(uint64_t{*ranks[i]} * k / world);
+        bytes[node] += items[i].length;
+        total += items[i].length;
+      }
+      const double mean = static_cast<double>(total) / k;
+      const double max = static_cast<double>(*std::max_element(bytes.begin(), bytes.end()));
+      if (total > 0 && max <= mean * options_.locality_max_imbalance) {
+        locality = true;
+        for (size_t i = 0; i < items.size(); ++i) {
+          items[i].readers = {static_cast<uint32_t>(uint64_t{*ranks[i]} * k / world)};
+        }
+      }
+    }
+  }
+  PlanOptions po;
+  po.mode = options_.plan_mode;
+  po.block_bytes = options_.block_bytes;
+  po.seed = ckpt;
+  CKPT_ASSIGN_OR_RETURN(OwnershipPlan built, BuildPlan(items, options_.nodes, po));
+  auto plan = std::make_shared<const OwnershipPlan>(std::move(built));
+  std::vector<OwnedRange> owned;
+  for (const OwnedBlock& b : plan->BlocksOwnedBy(options_.self)) {
+    const std::string& file = plan->files()[b.file];
+    const uint64_t off = b.block * options_.block_bytes;
+    if (!owned.empty() && owned.back().file == file &&
+        owned.back().offset + owned.back().length == off) {
+      owned.back().length += options_.block_bytes;
+    } else {
+      owned.push_back(OwnedRange{file, off, options_.block_bytes});
+    }
+  }
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  const PlanBalance balance = plan->Balance();
+  const uint64_t mine = plan->node_bytes()[options_.self];
+  {
+    std::lock_guard lock(mu_);
+    planned_[ckpt] = Planned{files, owned};
+    ++plan_stats_.plans;
+    plan_stats_.last_plan_ms = ms;
+    plan_stats_.last_plan_ckpt = ckpt;
+    plan_stats_.last_plan_mode = std::string(PlanModeName(plan->mode()));
+    plan_stats_.last_plan_locality = locality;
+    plan_stats_.last_plan_max_over_mean = balance.max_over_mean;
+    plan_stats_.last_plan_owned_bytes = mine;
+  }
+  coop_->SetPlan(ckpt, plan);
+  spdlog::info("peers: planned {} ({} items, {} nodes, {}{}) in {:.1f} ms: max/mean {:.3f}, "
+               "this node owns {} of {} bytes",
+               ckpt.empty() ? "/" : ckpt, items.size(), k, PlanModeName(plan->mode()),
+               locality ? ", writer locality" : "", ms, balance.max_over_mean, mine,
+               balance.total_bytes);
+  return owned;
+}
+
+void PeerNodeStats::AppendJson(nlohmann::json* out) const {
+  nlohmann::json& j = *out;
+  j["peers_nodes"] = coop.nodes;
+  j["peers_connected"] = coop.peers_connected;
+  j["peer_bytes_read"] = coop.peer_bytes;
+  j["peer_blocks_read"] = coop.peer_blocks;
+  j["peer_fallbacks"] = coop.fallbacks.total();
+  j["peer_bytes_served"] = server.bytes_served;
+  j["peer_blocks_served"] = server.blocks_served;
+  j["peer_refused"] = server.refused;
+  nlohmann::json peers = nlohmann::json::array();
+  for (const PeerState& p : coop.peers) {
+    peers.push_back({{"node", p.node},
+                     {"connected", p.connected},
+                     {"fetched_bytes", p.fetched_bytes},
+                     {"failures", p.failures},
+                     {"last_error", p.last_error}});
+  }
+  j["peers"] = {
+      {"node_rank", coop.self},
+      {"listen", listen},
+      {"peers", std::move(peers)},
+      {"fallbacks",
+       {{"peer_down", coop.fallbacks.peer_down},
+        {"timeout", coop.fallbacks.timeout},
+        {"bad_checksum", coop.fallbacks.bad_checksum},
+        {"connection", coop.fallbacks.connection},
+        {"error_reply", coop.fallbacks.error_reply}}},
+      {"local_owned_reads", coop.local_owned_reads},
+      {"unplanned_reads", coop.unplanned_reads},
+      {"server",
+       {{"connections", server.connections},
+        {"authenticated", server.authenticated},
+        {"refused", server.refused},
+        {"blocks_served", server.blocks_served},
+        {"bytes_served", server.bytes_served},
+        {"request_errors", server.request_errors}}},
+      {"plans", plans},
+      {"last_plan",
+       {{"checkpoint", last_plan_ckpt},
+        {"mode", last_plan_mode},
+        {"ms", last_plan_ms},
+        {"writer_locality", last_plan_locality},
+        {"max_over_mean", last_plan_max_over_mean},
+        {"owned_bytes", last_plan_owned_bytes}}}};
+}
+
+PeerNodeStats PeerNode::Stats() const {
+  PeerNodeStats s;
+  {
+    std::lock_guard lock(mu_);
+    s = plan_stats_;
+  }
+  s.coop = coop_->Stats();
+  if (server_) {
+    s.server = server_->stats();
+    s.listen = options_.listen;
+    if (auto hp = SplitHostPort(options_.listen); hp.ok()) {
+      s.listen = hp->first + ":" + std::to_string(server_->port());
+    }
+  }
+  return s;
+}
+
+}  // namespace ckptfs::store::peer

@@ -1,0 +1,159 @@
+// PeerNode: the daemon's part in a cluster of ckptfs daemons (issue 12, docs/PEERS.md).
+//
+// It ties the pieces of store/peer/ to the daemon's block cache:
+//   * source(): a CooperativeSource, the block cache's source of misses. It fetches blocks
+//     owned by other nodes from them and reads the rest, and every failure, from the
+//     `fallback` source (the backing store), so local readers, prefetch and the peer fetch
+//     share the cache's single flight;
+//   * a PeerServer that serves this node's blocks to authenticated peers, reading through the
+//     block cache (ReadBlock) under a ServingScope, so remote and local readers share one
+//     flight and an owner always reads its blocks from the backing store itself;
+//   * PlanCheckpoint(): the ownership plan of a committed checkpoint from its `.metadata`,
+//     built identically on every node, with this node's share returned for prefetch.
+//
+// Locality (own-shard loads must not get slower). DCP names the file each rank writes
+// `__<rank>_<n>.distcp`. With `writer_locality`, an item of such a file is planned with the
+// node that hosts its writer rank as its only reader (ranks spread contiguously over the
+// nodes: node = rank * nodes / world, world = 1 + the highest rank seen), so when every rank
+// loads what it saved, each node owns exactly the bytes its ranks read and nothing crosses
+// the network, as without peers. When that assignment is lopsided (max/mean node bytes above
+// `locality_max_imbalance`, e.g. a checkpoint saved by one rank) it is dropped and the
+// plan balances all items over all nodes.
+//
+// A peer's request for a block of a checkpoint this node has not planned yet means a load
+// has started elsewhere: a PeerNode thread then reads that checkpoint's `.metadata`, plans
+// it and prefetches this node's share (only that: nobody here is loading it).
+//
+// Thread-safe. StopServing() must run before the block cache is destroyed; the PeerNode
+// must outlive the cache (the cache reads through source()).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "store/backing_dir.h"
+#include "store/cache/block_cache.h"
+#include "store/cache/block_source.h"
+#include "store/dcp/dcp_metadata.h"
+#include "store/peer/cooperative_source.h"
+#include "store/peer/peer_server.h"
+#include "store/peer/plan.h"
+
+namespace ckptfs::store::peer {
+
+struct PeerNodeOptions {
+  std::vector<std::string> nodes;  // "host:port" of every daemon, same order everywhere
+  uint32_t self = 0;               // this node's index (--node-rank)
+  std::string listen;              // ADDR:PORT the server binds (--peer-listen)
+  std::string secret;              // shared secret bytes (--peer-secret-file)
+  PlanMode plan_mode = PlanMode::kAuto;
+  uint64_t block_bytes = 1ull << 20;  // must equal the block cache's
+  bool writer_locality = true;
+  double locality_max_imbalance = 1.5;
+  bool check_source_address = true;
+  std::chrono::milliseconds connect_timeout{3000};
+  std::chrono::milliseconds request_timeout{5000};
+};
+
+// This node's share of a planned checkpoint: byte ranges of its files (relative to the
+// checkpoint), block aligned, merged.
+struct OwnedRange {
+  std::string file;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+struct PeerNodeStats {
+  CooperativeStats coop;
+  PeerServerStats server;
+  std::string listen;  // the address actually listened on
+  uint64_t plans = 0;  // plans built
+  double last_plan_ms = 0;
+  std::string last_plan_ckpt, last_plan_mode;
+  bool last_plan_locality = false;  // writer locality used
+  double last_plan_max_over_mean = 0;
+  uint64_t last_plan_owned_bytes = 0;  // this node's share of the last plan
+
+  // Top-level fields for /.ckptfs/stats (peers_connected, peer_bytes_read, peer_fallbacks,
+  // peer_bytes_served, ...; flat so metrics can export them) plus a "peers" object with
+  // the detail: per-peer state, fallbacks by kind, the last plan.
+  void AppendJson(nlohmann::json* j) const;
+};
+
+class PeerNode {
+ public:
+  static Result<std::unique_ptr<PeerNode>> Create(const PeerNodeOptions& options,
+                                                  BackingDir* dir,          // must outlive
+                                                  BlockSource* fallback);  // must outlive
+  ~PeerNode();
+  PeerNode(const PeerNode&) = delete;
+  PeerNode& operator=(const PeerNode&) = delete;
+
+  // The block cache's source: blocks owned elsewhere from their owner, the rest from the
+  // fallback.
+  BlockSource* source() const { return coop_.get(); }
+
+  // Starts the PeerServer, reading through `cache` (must outlive StopServing()).
+  Status StartServing(BlockCache* cache);
+  // Stops serving (closes peer connections, joins the server and the planner). Idempotent.
+  void StopServing();
+
+  // Plans checkpoint `ckpt` (relative to the backing dir) from its parsed `.metadata`;
+  // `files` are its data files (name in the checkpoint, BlockId now). Returns this node's
+  // share. A plan already built for the same file versions is reused.
+  Result<std::vector<OwnedRange>> PlanCheckpoint(
+      const std::string& ckpt, const DcpMetadata& metadata,
+      const std::vector<std::pair<std::string, BlockId>>& files);
+
+  PeerNodeStats Stats() const;
+  const PeerNodeOptions& options() const { return options_; }
+
+ private:
+  class ServingSource;
+  PeerNode(const PeerNodeOptions& options, BackingDir* dir);
+  // Queues `ckpt` for the planner thread (a peer asked for one of its blocks).
+  void LoadStartedElsewhere(const std::string& ckpt);
+  void PlannerLoop();
+  // Plans `ckpt` from its .metadata and prefetches this node's share into the cache.
+  void PrefetchOwnShare(const std::string& ckpt);
+
+  const PeerNodeOptions options_;
+  BackingDir* const dir_;
+  std::unique_ptr<CooperativeSource> coop_;
+  std::unique_ptr<ServingSource> serving_source_;
+  std::unique_ptr<PeerServer> server_;
+  BlockCache* cache_ = nullptr;  // set by StartServing
+
+  std::mutex planner_mu_;
+  std::condition_variable planner_cv_;
+  std::vector<std::string> planner_queue_;  // GUARDED_BY(planner_mu_)
+  std::set<std::string> planner_seen_;      // GUARDED_BY(planner_mu_): queued once each
+  bool planner_stop_ = false;               // GUARDED_BY(planner_mu_)
+  std::thread planner_;
+
+  mutable std::mutex mu_;
+  struct Planned {
+    std::vector<std::pair<std::string, BlockId>> files;
+    std::vector<OwnedRange> owned;
+  };
+  std::map<std::string, Planned> planned_;  // GUARDED_BY(mu_)
+  PeerNodeStats plan_stats_;                // GUARDED_BY(mu_): the plan fields only
+};
+
+// The writer rank of a DCP data file named "__<rank>_<n>.distcp", or nullopt.
+std::optional<uint32_t> DcpWriterRank(std::string_view file);
+
+}  // namespace ckptfs::store::peer

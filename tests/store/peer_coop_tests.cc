@@ -1,0 +1,269 @@
+// CooperativeSource over real UCX on 127.0.0.1 (UCX_TLS=tcp, UCX_NET_DEVICES=lo): blocks
+// owned by another node come from that node's PeerServer; this node's blocks, unplanned files
+// and every peer failure (server gone, bad checksum, wrong secret) go to the fallback source,
+// are counted, and never fail the read.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+#include "store/peer/cooperative_source.h"
+#include "store/peer/peer_node.h"
+#include "store/peer/peer_server.h"
+#include "store/peer/plan.h"
+#include "store/peer/synthetic_provider.h"
+
+namespace ckptfs::store::peer {
+namespace {
+
+using namespace std::chrono_literals;
+
+const bool kUcxEnv = [] {
+  ::setenv("UCX_TLS", "tcp", 1);
+  ::setenv("UCX_NET_DEVICES", "lo", 1);
+  return true;
+}();
+
+constexpr char kSecret[] = "correct horse battery staple 42";
+constexpr char kSelf[] = "127.0.0.1:1";  // this node's name; nothing listens there
+constexpr uint64_t kBlock = 1 << 20;
+constexpr uint64_t kFileSize = 8 * kBlock;
+
+std::map<std::string, std::pair<uint64_t, int64_t>> Files() {
+  return {{"ckpt/__0_0.distcp", {kFileSize, 11}}, {"ckpt/__1_0.distcp", {kFileSize, 12}},
+          {"other/x.bin", {kFileSize, 13}}};
+}
+
+BlockId Id(const std::string& path) {
+  auto f = Files().at(path);
+  return BlockId{path, f.first, f.second};
+}
+
+// The backing store of this node: synthetic bytes, counting the reads.
+class CountingFallback : public BlockSource {
+ public:
+  Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override {
+    reads.fetch_add(1);
+    return provider.ReadBlock(id, offset, out);
+  }
+  SyntheticProvider provider{Files()};
+  std::atomic<int> reads{0};
+};
+
+class CoopTest : public ::testing::Test {
+ protected:
+  void StartServer(const std::string& secret = kSecret) {
+    PeerServerOptions so;
+    so.listen = "127.0.0.1:0";
+    so.node_id = "owner";
+    so.secret = secret;
+    so.allowed_peers = {kSelf};
+    auto s = PeerServer::Create(so, &owner_);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    server_ = std::move(s).value();
+  }
+  // Node 0 is this node, node 1 the server. __0_0 is read by node 0 only (owned here),
+  // __1_0 by node 1 only (owned there).
+  void MakeSource() {
+    CooperativeOptions o;
+    o.nodes = {kSelf, "127.0.0.1:" + std::to_string(server_->port())};
+    o.self = 0;
+    o.secret = kSecret;
+    o.request_timeout = 2s;
+    o.connect_in_background = false;
+    auto c = CooperativeSource::Create(o, &fallback_);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    coop_ = std::move(c).value();
+    std::vector<PlanItem> items = {{"__0_0.distcp", 0, kFileSize, {0}},
+                                   {"__1_0.distcp", 0, kFileSize, {1}}};
+    PlanOptions po;
+    po.mode = PlanMode::kBalanced;
+    po.block_bytes = kBlock;
+    auto plan = BuildPlan(items, o.nodes, po);
+    ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+    coop_->SetPlan("ckpt", std::make_shared<const OwnershipPlan>(std::move(plan).value()));
+    coop_->ConnectNow();
+  }
+  void ExpectRead(const std::string& path, uint64_t offset) {
+    std::vector<char> got(kBlock), want(kBlock);
+    auto r = coop_->ReadBlock(Id(path), offset, got);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_EQ(r->bytes, kBlock);
+    fallback_.provider.Fill(path, offset, want);
+    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), kBlock)) << path << " @" << offset;
+  }
+
+  SyntheticProvider owner_{Files()};
+  CountingFallback fallback_;
+  std::unique_ptr<PeerServer> server_;
+  std::unique_ptr<CooperativeSource> coop_;
+};
+
+TEST_F(CoopTest, BlocksOwnedElsewhereComeFromTheOwnerTheRestFromTheFallback) {
+  StartServer();
+  MakeSource();
+  ASSERT_EQ(coop_->Stats().peers_connected, 1u);
+  for (uint64_t b = 0; b < 8; ++b) ExpectRead("ckpt/__1_0.distcp", b * kBlock);
+  EXPECT_EQ(fallback_.reads.load(), 0);
+  EXPECT_EQ(server_->stats().bytes_served, kFileSize);
+  for (uint64_t b = 0; b < 8; ++b) ExpectRead("ckpt/__0_0.distcp", b * kBlock);
+  ExpectRead("other/x.bin", 0);
+  EXPECT_EQ(fallback_.reads.load(), 9);
+  EXPECT_EQ(server_->stats().bytes_served, kFileSize);  // nothing more from the peer
+  CooperativeStats s = coop_->Stats();
+  EXPECT_EQ(s.peer_bytes, kFileSize);
+  EXPECT_EQ(s.peer_blocks, 8u);
+  EXPECT_EQ(s.local_owned_reads, 8u);
+  EXPECT_EQ(s.unplanned_reads, 1u);
+  EXPECT_EQ(s.fallbacks.total(), 0u);
+  EXPECT_EQ(*coop_->Owner("ckpt/__1_0.distcp", 3 * kBlock), 1u);
+  EXPECT_FALSE(coop_->Owner("other/x.bin", 0).has_value());
+}
+
+TEST_F(CoopTest, ReadsServingAPeerAreNeverForwarded) {
+  StartServer();
+  MakeSource();
+  {
+    ServingScope serving;
+    ExpectRead("ckpt/__1_0.distcp", 0);  // owned by node 1, but this read serves a peer
+  }
+  EXPECT_EQ(fallback_.reads.load(), 1);
+  EXPECT_EQ(server_->stats().bytes_served, 0u);
+  ExpectRead("ckpt/__1_0.distcp", kBlock);  // outside the scope: routed again
+  EXPECT_EQ(server_->stats().bytes_served, kBlock);
+  EXPECT_FALSE(ServingScope::Active());
+}
+
+TEST_F(CoopTest, DeadOwnerFallsBackAndIsSkippedForItsBackoff) {
+  StartServer();
+  MakeSource();
+  ExpectRead("ckpt/__1_0.distcp", 0);
+  server_.reset();  // the owner goes away: connection lost
+  std::this_thread::sleep_for(200ms);
+  for (uint64_t b = 1; b < 8; ++b) ExpectRead("ckpt/__1_0.distcp", b * kBlock);
+  CooperativeStats s = coop_->Stats();
+  EXPECT_EQ(s.peer_blocks, 1u);
+  EXPECT_EQ(fallback_.reads.load(), 7);
+  EXPECT_EQ(s.fallbacks.total(), 7u);
+  EXPECT_EQ(s.peers_connected, 0u);
+  ASSERT_EQ(s.peers.size(), 1u);
+  EXPECT_EQ(s.peers[0].failures, 7u);
+  EXPECT_FALSE(s.peers[0].last_error.empty());
+}
+
+TEST_F(CoopTest, BadChecksumFallsBackWithTheRightBytes) {
+  StartServer();
+  MakeSource();
+  owner_.CorruptNext(1);
+  ExpectRead("ckpt/__1_0.distcp", 0);  // bytes from the fallback, not the rotten reply
+  CooperativeStats s = coop_->Stats();
+  EXPECT_EQ(s.fallbacks.bad_checksum, 1u);
+  EXPECT_EQ(s.peer_blocks, 0u);
+  EXPECT_EQ(fallback_.reads.load(), 1);
+}
+
+TEST_F(CoopTest, WrongSecretIsNeverConnectedAndReadsFallBack) {
+  StartServer("a different secret of enough length");
+  MakeSource();
+  CooperativeStats s = coop_->Stats();
+  EXPECT_EQ(s.peers_connected, 0u);
+  EXPECT_EQ(server_->stats().authenticated, 0u);
+  EXPECT_GE(server_->stats().refused, 1u);
+  ExpectRead("ckpt/__1_0.distcp", 0);
+  s = coop_->Stats();
+  EXPECT_EQ(s.fallbacks.peer_down, 1u);
+  EXPECT_EQ(server_->stats().bytes_served, 0u);
+}
+
+// Four ranks wrote __<r>_0.distcp; two nodes: with writer locality each node owns the files
+// of the ranks it hosts (node = rank * 2 / 4), so an own-shard load never leaves the node.
+TEST(PeerNodePlan, WriterLocalityOwnsEachRanksFilesOnItsNode) {
+  auto dir = BackingDir::Open(::testing::TempDir());
+  ASSERT_TRUE(dir.ok());
+  PeerNodeOptions o;
+  o.nodes = {"127.0.0.1:1", "127.0.0.1:2"};
+  o.self = 0;
+  o.secret = kSecret;
+  o.plan_mode = PlanMode::kBalanced;
+  SyntheticProvider fallback{Files()};
+  auto node = PeerNode::Create(o, dir->get(), &fallback);
+  ASSERT_TRUE(node.ok()) << node.status().ToString();
+  DcpMetadata md;
+  std::vector<std::pair<std::string, BlockId>> files;
+  for (int r = 0; r < 4; ++r) {
+    const std::string f = "__" + std::to_string(r) + "_0.distcp";
+    for (int i = 0; i < 3; ++i) {
+      DcpItem item;
+      item.file = f;
+      item.offset = i * 2 * kBlock;
+      item.length = 2 * kBlock;
+      md.items.push_back(item);
+    }
+    files.emplace_back(f, BlockId{"ck/" + f, 6 * kBlock, 5});
+  }
+  auto owned = (*node)->PlanCheckpoint("ck", md, files);
+  ASSERT_TRUE(owned.ok()) << owned.status().ToString();
+  ASSERT_EQ(owned->size(), 2u);
+  EXPECT_EQ((*owned)[0].file, "__0_0.distcp");
+  EXPECT_EQ((*owned)[1].file, "__1_0.distcp");
+  for (const OwnedRange& r : *owned) {
+    EXPECT_EQ(r.offset, 0u);
+    EXPECT_EQ(r.length, 6 * kBlock);
+  }
+  PeerNodeStats s = (*node)->Stats();
+  EXPECT_TRUE(s.last_plan_locality);
+  EXPECT_DOUBLE_EQ(s.last_plan_max_over_mean, 1.0);
+  // The same files again: the plan is reused.
+  ASSERT_TRUE((*node)->PlanCheckpoint("ck", md, files).ok());
+  EXPECT_EQ((*node)->Stats().plans, 1u);
+}
+
+// One rank wrote (nearly) everything: locality would put it all on node 0, so the plan
+// balances items over both nodes instead.
+TEST(PeerNodePlan, LopsidedWritersAreBalancedInstead) {
+  auto dir = BackingDir::Open(::testing::TempDir());
+  ASSERT_TRUE(dir.ok());
+  PeerNodeOptions o;
+  o.nodes = {"127.0.0.1:1", "127.0.0.1:2"};
+  o.self = 1;
+  o.secret = kSecret;
+  o.plan_mode = PlanMode::kBalanced;
+  SyntheticProvider fallback{Files()};
+  auto node = PeerNode::Create(o, dir->get(), &fallback);
+  ASSERT_TRUE(node.ok());
+  DcpMetadata md;
+  for (int i = 0; i < 8; ++i) {
+    DcpItem item;
+    item.file = "__0_0.distcp";
+    item.offset = i * kBlock;
+    item.length = kBlock;
+    md.items.push_back(item);
+  }
+  DcpItem small;
+  small.file = "__1_0.distcp";
+  small.length = 4096;
+  md.items.push_back(small);
+  auto owned = (*node)->PlanCheckpoint(
+      "ck", md, {{"__0_0.distcp", BlockId{"ck/__0_0.distcp", 8 * kBlock, 5}},
+                 {"__1_0.distcp", BlockId{"ck/__1_0.distcp", 4096, 5}}});
+  ASSERT_TRUE(owned.ok());
+  uint64_t mine = 0;
+  for (const OwnedRange& r : *owned) mine += r.length;
+  EXPECT_GE(mine, 4 * kBlock);  // node 1 owns about half although rank 0 wrote it
+  EXPECT_FALSE((*node)->Stats().last_plan_locality);
+}
+
+TEST(PeerNodeLocality, DcpWriterRankParsesDcpFileNames) {
+  EXPECT_EQ(DcpWriterRank("__0_0.distcp"), 0u);
+  EXPECT_EQ(DcpWriterRank("__17_3.distcp"), 17u);
+  EXPECT_EQ(DcpWriterRank("sub/__5_0.distcp"), 5u);
+  EXPECT_FALSE(DcpWriterRank("__x_0.distcp").has_value());
+  EXPECT_FALSE(DcpWriterRank("__3.distcp").has_value());
+  EXPECT_FALSE(DcpWriterRank("data.bin").has_value());
+  EXPECT_FALSE(DcpWriterRank("__3_0.distcpx").has_value());
+}
+
+}  // namespace
+}  // namespace ckptfs::store::peer
