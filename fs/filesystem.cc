@@ -10,6 +10,7 @@
 #include <cstring>
 #include <thread>
 
+#include "common/path.h"
 #include "store/dcp/dcp_metadata.h"
 
 namespace ckptfs::fs {
@@ -42,14 +43,9 @@ NodeType TypeOf(mode_t mode) {
   return NodeType::kSpecial;
 }
 
-std::string JoinPath(const std::string& dir, const std::string& name) {
-  return dir.empty() ? name : dir + "/" + name;
-}
-
-std::string ParentOf(const std::string& path) {
-  auto slash = path.rfind('/');
-  return slash == std::string::npos ? "" : path.substr(0, slash);
-}
+// The backing-relative path helpers of common/path.h, under this file's names.
+constexpr auto JoinPath = &path::Join;
+constexpr auto ParentOf = &path::Parent;
 
 struct timespec Now() {
   struct timespec ts;

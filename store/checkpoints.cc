@@ -4,6 +4,7 @@
 
 #include <chrono>
 
+#include "common/path.h"
 #include "store/record_codec.h"
 
 namespace ckptfs::store {
@@ -15,12 +16,6 @@ constexpr uint8_t kRecordVersion = 2;  // 1 was JSON
 double Now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-// `path` is `dir` or below it.
-bool AtOrBelow(const std::string& path, const std::string& dir) {
-  return path.compare(0, dir.size(), dir) == 0 &&
-         (path.size() == dir.size() || path[dir.size()] == '/');
 }
 
 bool EndsWith(const std::string& s, const std::string& suffix) {
@@ -171,9 +166,9 @@ std::optional<std::string> CheckpointRegistry::ResolveLocked(std::string dir,
   if (seq == kNow) return dir;
   // Replay the renames and removals made after the entry, in their order.
   for (const Moved& m : moves_) {
-    if (m.seq <= seq || !AtOrBelow(dir, m.from)) continue;
-    if (m.to.empty()) return std::nullopt;
-    dir = m.to + dir.substr(m.from.size());
+    if (m.seq <= seq || !path::IsAtOrBelow(dir, m.from)) continue;
+    if (m.to.empty()) return std::nullopt;  // removed
+    dir = *path::Rebase(dir, m.from, m.to);
   }
   return dir;
 }
@@ -248,9 +243,9 @@ void CheckpointRegistry::OnRenamed(const std::string& from, const std::string& t
   if (seq != 0) moves_.push_back(Moved{seq, from, to});
   std::vector<CheckpointInfo> moved;
   for (auto it = ckpts_.begin(); it != ckpts_.end();) {
-    if (AtOrBelow(it->first, from)) {
+    if (std::optional<std::string> now = path::Rebase(it->first, from, to)) {
       CheckpointInfo info = it->second;
-      info.path = to + it->first.substr(from.size());
+      info.path = std::move(*now);
       Status st = db_->Delete(std::string(kPrefix) + it->first);
       if (!st.ok()) spdlog::warn("checkpoint registry: {}", st.ToString());
       it = ckpts_.erase(it);
@@ -281,10 +276,7 @@ void CheckpointRegistry::OnResumed(const std::string& dir) {
 void CheckpointRegistry::OnAborted(const std::string& path, const std::string& why) {
   std::lock_guard lock(mu_);
   for (auto& [dir, info] : ckpts_) {
-    const bool below = path.empty() || dir == path ||
-                       (dir.size() > path.size() && dir.compare(0, path.size(), path) == 0 &&
-                        dir[path.size()] == '/');
-    if (!below || info.state == CkptState::kCommitted || info.state == CkptState::kAborted) {
+    if (!path::IsAtOrBelow(dir, path) || info.state == CkptState::kCommitted || info.state == CkptState::kAborted) {
       continue;
     }
     info.state = CkptState::kAborted;
@@ -299,7 +291,7 @@ void CheckpointRegistry::OnRemoved(const std::string& dir, uint64_t seq) {
   std::lock_guard lock(mu_);
   if (seq != 0) moves_.push_back(Moved{seq, dir, ""});
   for (auto it = ckpts_.begin(); it != ckpts_.end();) {
-    if (!AtOrBelow(it->first, dir)) {
+    if (!path::IsAtOrBelow(it->first, dir)) {
       ++it;
       continue;
     }

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "common/path.h"
 #include "store/record_codec.h"
 
 namespace ckptfs::store {
@@ -22,15 +23,7 @@ std::string Key(const char* prefix, uint64_t n) {
   return buf;
 }
 
-bool HasPrefix(const std::string& s, const std::string& prefix) {
-  return s.size() >= prefix.size() && s.compare(0, prefix.size(), prefix) == 0;
-}
-
-// `path` is `dir` or lies below it ("" is the root, above everything).
-bool IsAtOrBelow(const std::string& path, const std::string& dir) {
-  if (dir.empty()) return true;
-  return path == dir || (path.size() > dir.size() && HasPrefix(path, dir) && path[dir.size()] == '/');
-}
+using path::IsAtOrBelow;
 
 // Two entries' names overlap: one is the other or below it.
 bool Touches(const JournalEntry& a, const JournalEntry& b) {
@@ -795,16 +788,11 @@ void Journal::MoveTempRecords(const std::string& from, const std::string& to) {
   std::vector<std::pair<std::string, std::string>> puts;
   {
     std::lock_guard lock(mu_);
-    const std::string prefix = from + "/";
-    for (auto& [id, path] : temps_) {
-      if (path == from) {
-        path = to;
-      } else if (HasPrefix(path, prefix)) {
-        path = to + path.substr(from.size());
-      } else {
-        continue;
-      }
-      puts.emplace_back(Key(kTempPrefix, id), path);
+    for (auto& [id, temp] : temps_) {
+      std::optional<std::string> moved = path::Rebase(temp, from, to);
+      if (!moved) continue;
+      temp = std::move(*moved);
+      puts.emplace_back(Key(kTempPrefix, id), temp);
     }
   }
   if (!puts.empty()) {
