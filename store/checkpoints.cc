@@ -85,7 +85,9 @@ bool CheckpointInfo::Decode(std::string_view in, CheckpointInfo* out) {
 Result<std::unique_ptr<CheckpointRegistry>> CheckpointRegistry::Load(StateDb* db) {
   std::unique_ptr<CheckpointRegistry> reg(new CheckpointRegistry(db));
   std::vector<CheckpointInfo> aborted;
+  MutexLock lock(&reg->mu_);  // nobody else has the registry yet; taken for the analysis
   CKPT_RETURN_IF_ERROR(db->Scan(kPrefix, [&](std::string_view, std::string_view v) {
+    reg->mu_.AssertHeld();  // the scan calls back on this thread, under `lock`
     CheckpointInfo info;
     if (!v.empty() && v[0] == '{') {
       // A record of an older daemon (JSON): read it once; it is rewritten in binary.
@@ -112,7 +114,6 @@ Result<std::unique_ptr<CheckpointRegistry>> CheckpointRegistry::Load(StateDb* db
     }
     reg->ckpts_[info.path] = info;
   }));
-  std::lock_guard lock(reg->mu_);
   for (const auto& info : aborted) reg->Persist(info);
   return reg;
 }
@@ -143,7 +144,7 @@ void CheckpointRegistry::Persist(const CheckpointInfo& info) {
 }
 
 void CheckpointRegistry::OnFileCreated(const std::string& dir) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = ckpts_.find(dir);
   if (it == ckpts_.end() || it->second.state != CkptState::kWriting) {
     Touch(dir);
@@ -153,7 +154,7 @@ void CheckpointRegistry::OnFileCreated(const std::string& dir) {
 }
 
 void CheckpointRegistry::OnFileQueued(const std::string& dir, uint64_t bytes) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = ckpts_.find(dir);
   if (it == ckpts_.end()) return;
   it->second.bytes += bytes;
@@ -181,12 +182,12 @@ CheckpointInfo* CheckpointRegistry::FindLocked(const std::string& dir, uint64_t 
 }
 
 void CheckpointRegistry::OnApplied(uint64_t seq) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::erase_if(moves_, [seq](const Moved& m) { return m.seq <= seq; });
 }
 
 void CheckpointRegistry::OnFilePublished(const std::string& dir, uint64_t bytes, uint64_t seq) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   CheckpointInfo* info = FindLocked(dir, seq);
   if (info == nullptr) return;
   info->bytes_published += bytes;
@@ -194,7 +195,7 @@ void CheckpointRegistry::OnFilePublished(const std::string& dir, uint64_t bytes,
 }
 
 void CheckpointRegistry::OnCommitQueued(const std::string& dir) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   CheckpointInfo& info = ckpts_.count(dir) ? ckpts_[dir] : Touch(dir);
   info.commit_queued = true;
   if (info.state == CkptState::kWriting) {
@@ -206,7 +207,7 @@ void CheckpointRegistry::OnCommitQueued(const std::string& dir) {
 }
 
 void CheckpointRegistry::OnCommitted(const std::string& dir, uint64_t seq) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::optional<std::string> now = ResolveLocked(dir, seq);
   if (!now) return;  // removed before its commit was applied: no record comes back
   CheckpointInfo* found = FindLocked(*now, kNow);
@@ -225,7 +226,7 @@ void CheckpointRegistry::OnCommitted(const std::string& dir, uint64_t seq) {
 
 void CheckpointRegistry::OnFailed(const std::string& dir, const std::string& error,
                                   uint64_t seq) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   CheckpointInfo* found = FindLocked(dir, seq);
   if (found == nullptr) return;
   CheckpointInfo& info = *found;
@@ -239,7 +240,7 @@ void CheckpointRegistry::OnFailed(const std::string& dir, const std::string& err
 
 void CheckpointRegistry::OnRenamed(const std::string& from, const std::string& to,
                                    uint64_t seq) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (seq != 0) moves_.push_back(Moved{seq, from, to});
   std::vector<CheckpointInfo> moved;
   for (auto it = ckpts_.begin(); it != ckpts_.end();) {
@@ -262,7 +263,7 @@ void CheckpointRegistry::OnRenamed(const std::string& from, const std::string& t
 }
 
 void CheckpointRegistry::OnResumed(const std::string& dir) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = ckpts_.find(dir);
   if (it == ckpts_.end() || it->second.state != CkptState::kFailed) return;
   CheckpointInfo& info = it->second;
@@ -274,7 +275,7 @@ void CheckpointRegistry::OnResumed(const std::string& dir) {
 }
 
 void CheckpointRegistry::OnAborted(const std::string& path, const std::string& why) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   for (auto& [dir, info] : ckpts_) {
     if (!path::IsAtOrBelow(dir, path) || info.state == CkptState::kCommitted || info.state == CkptState::kAborted) {
       continue;
@@ -288,7 +289,7 @@ void CheckpointRegistry::OnAborted(const std::string& path, const std::string& w
 }
 
 void CheckpointRegistry::OnRemoved(const std::string& dir, uint64_t seq) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (seq != 0) moves_.push_back(Moved{seq, dir, ""});
   for (auto it = ckpts_.begin(); it != ckpts_.end();) {
     if (!path::IsAtOrBelow(it->first, dir)) {
@@ -303,14 +304,14 @@ void CheckpointRegistry::OnRemoved(const std::string& dir, uint64_t seq) {
 }
 
 std::optional<CheckpointInfo> CheckpointRegistry::Get(const std::string& dir) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = ckpts_.find(dir);
   if (it == ckpts_.end()) return std::nullopt;
   return it->second;
 }
 
 std::vector<CheckpointInfo> CheckpointRegistry::List() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<CheckpointInfo> out;
   out.reserve(ckpts_.size());
   for (const auto& [_, info] : ckpts_) out.push_back(info);
@@ -318,7 +319,7 @@ std::vector<CheckpointInfo> CheckpointRegistry::List() const {
 }
 
 std::map<std::string, uint64_t> CheckpointRegistry::CountByState() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::map<std::string, uint64_t> counts = {
       {"writing", 0}, {"pending", 0}, {"committed", 0}, {"failed", 0}, {"aborted", 0}};
   for (const auto& [_, info] : ckpts_) counts[CkptStateName(info.state)]++;

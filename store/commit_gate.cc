@@ -43,7 +43,7 @@ Status CommitGate::Load(const JournalEntry& e, Pending* p) {
 
 CommitCheck CommitGate::Check(const JournalEntry& e,
                               const std::function<bool(const std::string&)>& queued) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (current_.seq != e.seq) {
     Status st = Load(e, &current_);
     if (!st.ok()) {
@@ -111,7 +111,7 @@ CommitCheck CommitGate::Check(const JournalEntry& e,
 }
 
 uint64_t CommitGate::remote_polls() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return remote_polls_;
 }
 
