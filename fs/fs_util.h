@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/control_names.h"
+#include "common/path.h"
 #include "common/status.h"
 #include "fs/node.h"
 
@@ -39,14 +40,11 @@ inline NodeType TypeOf(mode_t mode) {
   return NodeType::kSpecial;
 }
 
+// The backing-relative path helpers of common/path.h, under the names fs/ uses.
 inline std::string JoinPath(const std::string& dir, const std::string& name) {
-  return dir.empty() ? name : dir + "/" + name;
+  return path::Join(dir, name);
 }
-
-inline std::string ParentOf(const std::string& path) {
-  auto slash = path.rfind('/');
-  return slash == std::string::npos ? "" : path.substr(0, slash);
-}
+inline std::string ParentOf(const std::string& p) { return path::Parent(p); }
 
 inline struct timespec Now() {
   struct timespec ts;

@@ -10,13 +10,12 @@
 #include <atomic>
 
 #include "fs/filesystem.h"
+#include "common/path.h"
 
 namespace ckptfs::fs {
 namespace {
 
-std::string JoinName(const std::string& dir, const std::string& name) {
-  return dir.empty() ? name : dir + "/" + name;
-}
+constexpr auto JoinName = &path::Join;  // common/path.h
 
 struct timespec NowTs() {
   struct timespec ts;

@@ -1,4 +1,5 @@
 #include "common/json_text.h"
+#include "common/path.h"
 #include "fs/tensor_view.h"
 
 #include <fcntl.h>
@@ -9,9 +10,7 @@
 namespace ckptfs::fs {
 namespace {
 
-std::string Join(const std::string& dir, const std::string& name) {
-  return dir.empty() ? name : dir + "/" + name;
-}
+constexpr auto Join = &path::Join;  // common/path.h
 
 bool IsTensor(const store::IndexedItem& item) { return item.kind == store::ItemKind::kTensor; }
 

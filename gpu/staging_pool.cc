@@ -271,8 +271,11 @@ Result<std::unique_ptr<StagingPool>> StagingPool::Create(const StagingOptions& o
   pool->backend_ = std::move(memory.backend);
   pool->free_memory_ = std::move(memory.free);
   // Reserved once, so Return() never allocates. Reversed so the lowest chunk goes out first.
-  pool->free_.reserve(chunks);
-  for (size_t i = chunks; i-- > 0;) pool->free_.push_back(memory.base + i * chunk);
+  {
+    MutexLock lock(&pool->mu_);  // nobody else has the pool yet; taken for the analysis
+    pool->free_.reserve(chunks);
+    for (size_t i = chunks; i-- > 0;) pool->free_.push_back(memory.base + i * chunk);
+  }
 
   spdlog::info("staging pool: {} as {} chunks of {}, backend {}{}", FormatBytes(chunks * chunk),
                chunks, FormatBytes(chunk), pool->backend_, note.empty() ? "" : " (" + note + ")");
@@ -283,7 +286,7 @@ StagingPool::~StagingPool() {
   size_t out;
   {
     // Taken so that a Return() still finishing on another thread completes first.
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     out = total_chunks_ - free_.size();
   }
   if (out != 0) {
@@ -297,16 +300,16 @@ StagingPool::~StagingPool() {
 // Both acquire paths call the pressure callback once, and count a wait, only when they are
 // about to block; TryAcquireFor with a zero timeout never blocks and does neither.
 ChunkBuffer StagingPool::Acquire() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (free_.empty()) {
     waits_.fetch_add(1, std::memory_order_relaxed);
     const auto wait_start = std::chrono::steady_clock::now();
     if (std::function<void()> pressure = pressure_) {
-      lock.unlock();
+      lock.Unlock();
       pressure();
-      lock.lock();
+      lock.Lock();
     }
-    cv_.wait(lock, [this] { return !free_.empty(); });
+    while (free_.empty()) cv_.wait(lock.native());
     StagingWaitHistogram().Observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count());
   }
@@ -317,17 +320,20 @@ ChunkBuffer StagingPool::Acquire() {
 
 ChunkBuffer StagingPool::TryAcquireFor(std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (free_.empty()) {
     if (timeout <= std::chrono::milliseconds::zero()) return ChunkBuffer();
     waits_.fetch_add(1, std::memory_order_relaxed);
     const auto wait_start = std::chrono::steady_clock::now();
     if (std::function<void()> pressure = pressure_) {
-      lock.unlock();
+      lock.Unlock();
       pressure();
-      lock.lock();
+      lock.Lock();
     }
-    const bool got = cv_.wait_until(lock, deadline, [this] { return !free_.empty(); });
+    while (free_.empty()) {
+      if (cv_.wait_until(lock.native(), deadline) == std::cv_status::timeout) break;
+    }
+    const bool got = !free_.empty();
     StagingWaitHistogram().Observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count());
     if (!got) return ChunkBuffer();
@@ -338,12 +344,12 @@ ChunkBuffer StagingPool::TryAcquireFor(std::chrono::milliseconds timeout) {
 }
 
 void StagingPool::SetPressureCallback(std::function<void()> callback) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   pressure_ = std::move(callback);
 }
 
 size_t StagingPool::used_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return (total_chunks_ - free_.size()) * chunk_bytes_;
 }
 
@@ -355,7 +361,7 @@ void StagingPool::Return(uint8_t* data) {
                      static_cast<void*>(data));
     std::abort();
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (free_.size() >= total_chunks_) {
     spdlog::critical("staging pool: chunk at offset {} returned twice", offset);
     std::abort();

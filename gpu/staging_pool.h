@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 
 namespace ckptfs::gpu {
@@ -86,7 +87,7 @@ class StagingPool {
  private:
   friend class ChunkBuffer;
   StagingPool() = default;
-  void Return(uint8_t* data);
+  void Return(uint8_t* data) EXCLUDES(mu_);
 
   size_t chunk_bytes_ = 0;
   size_t total_chunks_ = 0;
@@ -94,10 +95,10 @@ class StagingPool {
   std::string backend_;
   std::function<void()> free_memory_;  // releases base_ the way it was allocated
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;
-  std::vector<uint8_t*> free_;  // GUARDED_BY(mu_)
-  std::function<void()> pressure_;  // GUARDED_BY(mu_)
+  std::vector<uint8_t*> free_ GUARDED_BY(mu_);
+  std::function<void()> pressure_ GUARDED_BY(mu_);
   std::atomic<uint64_t> waits_{0};
 };
 

@@ -69,7 +69,7 @@ BackingDir::BackingDir(std::string root_path, UniqueFd root)
 
 BackingDir::CallFd::~CallFd() {
   if (spare_ && fd_.valid()) {
-    std::lock_guard lock(owner_->spare_mu_);
+    MutexLock lock(&owner_->spare_mu_);
     owner_->spares_.push_back(std::move(fd_));  // any open fd holds a slot as well
   }
 }
@@ -81,7 +81,7 @@ Result<BackingDir::CallFd> BackingDir::OpenForCall(const std::string& path, int 
   if (fd.status().code() != Code::kTooManyOpenFiles) return fd.status();
   UniqueFd spare;
   {
-    std::lock_guard lock(spare_mu_);
+    MutexLock lock(&spare_mu_);
     if (spares_.empty()) return fd.status();
     spare = std::move(spares_.back());
     spares_.pop_back();
@@ -93,7 +93,7 @@ Result<BackingDir::CallFd> BackingDir::OpenForCall(const std::string& path, int 
   // if there is a slot for one.
   UniqueFd again(::fcntl(root_.get(), F_DUPFD_CLOEXEC, 0));
   if (again.valid()) {
-    std::lock_guard lock(spare_mu_);
+    MutexLock lock(&spare_mu_);
     spares_.push_back(std::move(again));
   }
   return fd.status();
@@ -107,10 +107,11 @@ Status BackingDir::CheckRoot() {
 }
 
 Status BackingDir::ReopenRoot() {
-  std::lock_guard lock(root_mu_);
+  MutexLock lock(&root_mu_);
   struct stat st;
   if (::fstat(root_.get(), &st) == 0 && st.st_nlink > 0) return Status::Ok();  // raced
   auto gone = [&](const std::string& why) {
+    root_mu_.AssertHeld();  // called below, under the lock
     if (!root_gone_) {
       spdlog::error("backing dir {} was removed under the mount ({}); operations fail until "
                     "a directory is created there again",

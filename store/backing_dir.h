@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 
@@ -134,10 +135,10 @@ class BackingDir {
   std::string root_path_;
   UniqueFd root_;
   dev_t root_dev_ = 0;       // the file system the daemon was started on
-  std::mutex spare_mu_;
-  std::vector<UniqueFd> spares_;  // GUARDED_BY(spare_mu_)
-  std::mutex root_mu_;       // serializes ReopenRoot
-  bool root_gone_ = false;   // GUARDED_BY(root_mu_): the removal was logged
+  Mutex spare_mu_;
+  std::vector<UniqueFd> spares_ GUARDED_BY(spare_mu_);
+  Mutex root_mu_;       // serializes ReopenRoot
+  bool root_gone_ GUARDED_BY(root_mu_) = false;  // the removal was logged
   std::atomic<uint64_t> bytes_read_{0};
   std::atomic<uint64_t> bytes_written_{0};
 };

@@ -44,7 +44,7 @@ void BlockCrcMap::Record(uint64_t offset, const void* data, size_t n) {
     off += len;
     left -= len;
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   for (const NewPiece& piece : pieces) {
     if (finished_) {
       // A write after the file was declared complete: whatever was known there is stale.
@@ -171,7 +171,7 @@ void BlockCrcMap::TruncateLocked(uint64_t size) {
 }
 
 void BlockCrcMap::Truncate(uint64_t size) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (finished_) {
     // After Finish the map describes a sealed file; a truncate means it was not.
     for (uint64_t b = 0; b < state_.size(); ++b) PoisonLocked(b);
@@ -181,7 +181,7 @@ void BlockCrcMap::Truncate(uint64_t size) {
 }
 
 void BlockCrcMap::Finish(uint64_t size) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (finished_) return;
   TruncateLocked(size);
   const uint64_t bs = opts_.block_bytes;
@@ -208,7 +208,7 @@ void BlockCrcMap::Finish(uint64_t size) {
 
 std::optional<uint32_t> BlockCrcMap::RangeCrc(uint64_t begin, uint64_t end) const {
   const uint64_t bs = opts_.block_bytes;
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (begin == end) return 0u;
   if (begin % bs != 0 || end < begin) return std::nullopt;
   if (finished_ && end > size_) return std::nullopt;
@@ -224,27 +224,27 @@ std::optional<uint32_t> BlockCrcMap::RangeCrc(uint64_t begin, uint64_t end) cons
 }
 
 bool BlockCrcMap::finished() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return finished_;
 }
 
 uint64_t BlockCrcMap::size() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return size_;
 }
 
 uint64_t BlockCrcMap::known_blocks() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return known_;
 }
 
 uint64_t BlockCrcMap::poisoned_blocks() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return poisoned_;
 }
 
 size_t BlockCrcMap::MemoryBytes() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   size_t n = sizeof(*this) + crc_.capacity() * sizeof(uint32_t) + state_.capacity();
   for (const auto& [block, pieces] : partial_) n += 64 + pieces.capacity() * sizeof(Piece);
   return n;

@@ -26,6 +26,8 @@
 #include <optional>
 #include <vector>
 
+#include "common/mutex.h"
+
 namespace ckptfs::store {
 
 struct BlockCrcOptions {
@@ -68,20 +70,20 @@ class BlockCrcMap {
     uint32_t begin, end, crc;  // [begin, end) within the block
   };
 
-  // REQUIRE(mu_).
-  void AddPieceLocked(uint64_t block, uint32_t begin, uint32_t end, uint32_t crc);
-  void PoisonLocked(uint64_t block);
-  void TruncateLocked(uint64_t size);
-  bool EnsureSlotLocked(uint64_t block);
+  void AddPieceLocked(uint64_t block, uint32_t begin, uint32_t end, uint32_t crc) REQUIRES(mu_);
+  void PoisonLocked(uint64_t block) REQUIRES(mu_);
+  void TruncateLocked(uint64_t size) REQUIRES(mu_);
+  bool EnsureSlotLocked(uint64_t block) REQUIRES(mu_);
 
   const BlockCrcOptions opts_;
-  mutable std::mutex mu_;
-  std::vector<uint32_t> crc_;                   // GUARDED_BY(mu_), by block index
-  std::vector<uint8_t> state_;                  // GUARDED_BY(mu_), parallel to crc_
-  std::map<uint64_t, std::vector<Piece>> partial_;  // GUARDED_BY(mu_), sorted, disjoint
-  bool finished_ = false;                       // GUARDED_BY(mu_)
-  uint64_t size_ = 0;                           // GUARDED_BY(mu_)
-  uint64_t known_ = 0, poisoned_ = 0;           // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::vector<uint32_t> crc_ GUARDED_BY(mu_);  // by block index
+  std::vector<uint8_t> state_ GUARDED_BY(mu_);  // parallel to crc_
+  std::map<uint64_t, std::vector<Piece>> partial_ GUARDED_BY(mu_);  // sorted, disjoint
+  bool finished_ GUARDED_BY(mu_) = false;
+  uint64_t size_ GUARDED_BY(mu_) = 0;
+  uint64_t known_ GUARDED_BY(mu_) = 0;
+  uint64_t poisoned_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace ckptfs::store

@@ -4,6 +4,7 @@
 
 #include <chrono>
 
+#include "common/path.h"
 #include "store/record_codec.h"
 
 namespace ckptfs::store {
@@ -15,12 +16,6 @@ constexpr uint8_t kRecordVersion = 2;  // 1 was JSON
 double Now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-// `path` is `dir` or below it.
-bool AtOrBelow(const std::string& path, const std::string& dir) {
-  return path.compare(0, dir.size(), dir) == 0 &&
-         (path.size() == dir.size() || path[dir.size()] == '/');
 }
 
 bool EndsWith(const std::string& s, const std::string& suffix) {
@@ -90,7 +85,9 @@ bool CheckpointInfo::Decode(std::string_view in, CheckpointInfo* out) {
 Result<std::unique_ptr<CheckpointRegistry>> CheckpointRegistry::Load(StateDb* db) {
   std::unique_ptr<CheckpointRegistry> reg(new CheckpointRegistry(db));
   std::vector<CheckpointInfo> aborted;
+  MutexLock lock(&reg->mu_);  // nobody else has the registry yet; taken for the analysis
   CKPT_RETURN_IF_ERROR(db->Scan(kPrefix, [&](std::string_view, std::string_view v) {
+    reg->mu_.AssertHeld();  // the scan calls back on this thread, under `lock`
     CheckpointInfo info;
     if (!v.empty() && v[0] == '{') {
       // A record of an older daemon (JSON): read it once; it is rewritten in binary.
@@ -117,7 +114,6 @@ Result<std::unique_ptr<CheckpointRegistry>> CheckpointRegistry::Load(StateDb* db
     }
     reg->ckpts_[info.path] = info;
   }));
-  std::lock_guard lock(reg->mu_);
   for (const auto& info : aborted) reg->Persist(info);
   return reg;
 }
@@ -148,7 +144,7 @@ void CheckpointRegistry::Persist(const CheckpointInfo& info) {
 }
 
 void CheckpointRegistry::OnFileCreated(const std::string& dir) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = ckpts_.find(dir);
   if (it == ckpts_.end() || it->second.state != CkptState::kWriting) {
     Touch(dir);
@@ -158,7 +154,7 @@ void CheckpointRegistry::OnFileCreated(const std::string& dir) {
 }
 
 void CheckpointRegistry::OnFileQueued(const std::string& dir, uint64_t bytes) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = ckpts_.find(dir);
   if (it == ckpts_.end()) return;
   it->second.bytes += bytes;
@@ -171,9 +167,9 @@ std::optional<std::string> CheckpointRegistry::ResolveLocked(std::string dir,
   if (seq == kNow) return dir;
   // Replay the renames and removals made after the entry, in their order.
   for (const Moved& m : moves_) {
-    if (m.seq <= seq || !AtOrBelow(dir, m.from)) continue;
-    if (m.to.empty()) return std::nullopt;
-    dir = m.to + dir.substr(m.from.size());
+    if (m.seq <= seq || !path::IsAtOrBelow(dir, m.from)) continue;
+    if (m.to.empty()) return std::nullopt;  // removed
+    dir = *path::Rebase(dir, m.from, m.to);
   }
   return dir;
 }
@@ -186,12 +182,12 @@ CheckpointInfo* CheckpointRegistry::FindLocked(const std::string& dir, uint64_t 
 }
 
 void CheckpointRegistry::OnApplied(uint64_t seq) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::erase_if(moves_, [seq](const Moved& m) { return m.seq <= seq; });
 }
 
 void CheckpointRegistry::OnFilePublished(const std::string& dir, uint64_t bytes, uint64_t seq) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   CheckpointInfo* info = FindLocked(dir, seq);
   if (info == nullptr) return;
   info->bytes_published += bytes;
@@ -199,7 +195,7 @@ void CheckpointRegistry::OnFilePublished(const std::string& dir, uint64_t bytes,
 }
 
 void CheckpointRegistry::OnCommitQueued(const std::string& dir) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   CheckpointInfo& info = ckpts_.count(dir) ? ckpts_[dir] : Touch(dir);
   info.commit_queued = true;
   if (info.state == CkptState::kWriting) {
@@ -211,7 +207,7 @@ void CheckpointRegistry::OnCommitQueued(const std::string& dir) {
 }
 
 void CheckpointRegistry::OnCommitted(const std::string& dir, uint64_t seq) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::optional<std::string> now = ResolveLocked(dir, seq);
   if (!now) return;  // removed before its commit was applied: no record comes back
   CheckpointInfo* found = FindLocked(*now, kNow);
@@ -230,7 +226,7 @@ void CheckpointRegistry::OnCommitted(const std::string& dir, uint64_t seq) {
 
 void CheckpointRegistry::OnFailed(const std::string& dir, const std::string& error,
                                   uint64_t seq) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   CheckpointInfo* found = FindLocked(dir, seq);
   if (found == nullptr) return;
   CheckpointInfo& info = *found;
@@ -244,13 +240,13 @@ void CheckpointRegistry::OnFailed(const std::string& dir, const std::string& err
 
 void CheckpointRegistry::OnRenamed(const std::string& from, const std::string& to,
                                    uint64_t seq) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (seq != 0) moves_.push_back(Moved{seq, from, to});
   std::vector<CheckpointInfo> moved;
   for (auto it = ckpts_.begin(); it != ckpts_.end();) {
-    if (AtOrBelow(it->first, from)) {
+    if (std::optional<std::string> now = path::Rebase(it->first, from, to)) {
       CheckpointInfo info = it->second;
-      info.path = to + it->first.substr(from.size());
+      info.path = std::move(*now);
       Status st = db_->Delete(std::string(kPrefix) + it->first);
       if (!st.ok()) spdlog::warn("checkpoint registry: {}", st.ToString());
       it = ckpts_.erase(it);
@@ -267,7 +263,7 @@ void CheckpointRegistry::OnRenamed(const std::string& from, const std::string& t
 }
 
 void CheckpointRegistry::OnResumed(const std::string& dir) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = ckpts_.find(dir);
   if (it == ckpts_.end() || it->second.state != CkptState::kFailed) return;
   CheckpointInfo& info = it->second;
@@ -279,12 +275,9 @@ void CheckpointRegistry::OnResumed(const std::string& dir) {
 }
 
 void CheckpointRegistry::OnAborted(const std::string& path, const std::string& why) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   for (auto& [dir, info] : ckpts_) {
-    const bool below = path.empty() || dir == path ||
-                       (dir.size() > path.size() && dir.compare(0, path.size(), path) == 0 &&
-                        dir[path.size()] == '/');
-    if (!below || info.state == CkptState::kCommitted || info.state == CkptState::kAborted) {
+    if (!path::IsAtOrBelow(dir, path) || info.state == CkptState::kCommitted || info.state == CkptState::kAborted) {
       continue;
     }
     info.state = CkptState::kAborted;
@@ -296,10 +289,10 @@ void CheckpointRegistry::OnAborted(const std::string& path, const std::string& w
 }
 
 void CheckpointRegistry::OnRemoved(const std::string& dir, uint64_t seq) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (seq != 0) moves_.push_back(Moved{seq, dir, ""});
   for (auto it = ckpts_.begin(); it != ckpts_.end();) {
-    if (!AtOrBelow(it->first, dir)) {
+    if (!path::IsAtOrBelow(it->first, dir)) {
       ++it;
       continue;
     }
@@ -311,14 +304,14 @@ void CheckpointRegistry::OnRemoved(const std::string& dir, uint64_t seq) {
 }
 
 std::optional<CheckpointInfo> CheckpointRegistry::Get(const std::string& dir) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = ckpts_.find(dir);
   if (it == ckpts_.end()) return std::nullopt;
   return it->second;
 }
 
 std::vector<CheckpointInfo> CheckpointRegistry::List() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<CheckpointInfo> out;
   out.reserve(ckpts_.size());
   for (const auto& [_, info] : ckpts_) out.push_back(info);
@@ -326,7 +319,7 @@ std::vector<CheckpointInfo> CheckpointRegistry::List() const {
 }
 
 std::map<std::string, uint64_t> CheckpointRegistry::CountByState() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::map<std::string, uint64_t> counts = {
       {"writing", 0}, {"pending", 0}, {"committed", 0}, {"failed", 0}, {"aborted", 0}};
   for (const auto& [_, info] : ckpts_) counts[CkptStateName(info.state)]++;

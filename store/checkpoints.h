@@ -32,6 +32,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "store/state_db.h"
 
@@ -90,23 +91,23 @@ class CheckpointRegistry {
 
  private:
   explicit CheckpointRegistry(StateDb* db) : db_(db) {}
-  CheckpointInfo& Touch(const std::string& dir);  // REQUIRES(mu_)
-  void Persist(const CheckpointInfo& info);       // REQUIRES(mu_)
+  CheckpointInfo& Touch(const std::string& dir) REQUIRES(mu_);
+  void Persist(const CheckpointInfo& info) REQUIRES(mu_);
   // The path now of the directory that entry `seq` named `dir`, or nullopt when it was
-  // removed since. REQUIRES(mu_).
-  std::optional<std::string> ResolveLocked(std::string dir, uint64_t seq) const;
-  // Its record, or null. REQUIRES(mu_).
-  CheckpointInfo* FindLocked(const std::string& dir, uint64_t seq);
+  // removed since.
+  std::optional<std::string> ResolveLocked(std::string dir, uint64_t seq) const REQUIRES(mu_);
+  // Its record, or null.
+  CheckpointInfo* FindLocked(const std::string& dir, uint64_t seq) REQUIRES(mu_);
 
   StateDb* const db_;
-  mutable std::mutex mu_;
-  std::map<std::string, CheckpointInfo> ckpts_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::map<std::string, CheckpointInfo> ckpts_ GUARDED_BY(mu_);
   struct Moved {
     uint64_t seq;     // the rename's or removal's journal entry
     std::string from;
     std::string to;   // empty: removed
   };
-  std::vector<Moved> moves_;  // GUARDED_BY(mu_): in seq order, pending ones only
+  std::vector<Moved> moves_ GUARDED_BY(mu_);  // in seq order, pending ones only
 };
 
 }  // namespace ckptfs::store

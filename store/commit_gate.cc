@@ -5,20 +5,12 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/path.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/metadata_file.h"
 
 namespace ckptfs::store {
 namespace {
-
-std::string ParentDir(const std::string& path) {
-  auto slash = path.rfind('/');
-  return slash == std::string::npos ? std::string() : path.substr(0, slash);
-}
-
-std::string Join(const std::string& dir, const std::string& name) {
-  return dir.empty() ? name : dir + "/" + name;
-}
 
 constexpr auto kMaxBackoff = std::chrono::milliseconds(2000);
 
@@ -36,7 +28,7 @@ Status CommitGate::Load(const JournalEntry& e, Pending* p) {
   Result<std::string> bytes = ReadMetadataBytes(dir_, e.from);
   if (!bytes.ok()) return bytes.status();
   auto md = ParseDcpMetadata(*bytes);
-  const std::string dir = ParentDir(e.path);
+  const std::string dir = path::Parent(e.path);
   if (!md.ok()) {
     spdlog::warn("checkpoint {}: .metadata not understood ({}); committing by order only", dir,
                  md.status().ToString());
@@ -44,14 +36,14 @@ Status CommitGate::Load(const JournalEntry& e, Pending* p) {
     return Status::Ok();
   }
   for (const auto& [file, min_len] : RequiredFileLengths(*md)) {
-    p->need[Join(dir, file)] = min_len;
+    p->need[path::Join(dir, file)] = min_len;
   }
   return Status::Ok();
 }
 
 CommitCheck CommitGate::Check(const JournalEntry& e,
                               const std::function<bool(const std::string&)>& queued) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (current_.seq != e.seq) {
     Status st = Load(e, &current_);
     if (!st.ok()) {
@@ -119,7 +111,7 @@ CommitCheck CommitGate::Check(const JournalEntry& e,
 }
 
 uint64_t CommitGate::remote_polls() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return remote_polls_;
 }
 

@@ -64,9 +64,9 @@ class CommitGate {
 
   BackingDir* const dir_;
   const CommitGateOptions options_;
-  mutable std::mutex mu_;
-  Pending current_;          // GUARDED_BY(mu_): the commit being judged
-  uint64_t remote_polls_ = 0;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  Pending current_ GUARDED_BY(mu_);  // the commit being judged
+  uint64_t remote_polls_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace ckptfs::store

@@ -7,52 +7,61 @@
 namespace ckptfs::store {
 
 Status FlushTarget::Error() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return error_;
 }
 
 void FlushTarget::SetError(const Status& status) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (error_.ok()) error_ = status;
 }
 
 void FlushTarget::WaitIdle() {
-  std::unique_lock lock(mu_);
-  idle_cv_.wait(lock, [&] { return inflight_ == parked_; });
+  MutexLock lock(&mu_);
+  idle_cv_.wait(lock.native(), [&] {
+    mu_.AssertHeld();  // the predicate runs under the lock
+    return inflight_ == parked_;
+  });
 }
 
 uint64_t FlushTarget::inflight() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return inflight_;
 }
 
 Status FlushTarget::Settled() {
-  std::unique_lock lock(mu_);
-  idle_cv_.wait(lock, [&] { return inflight_ == parked_; });
+  MutexLock lock(&mu_);
+  idle_cv_.wait(lock.native(), [&] {
+    mu_.AssertHeld();  // the predicate runs under the lock
+    return inflight_ == parked_;
+  });
   if (!lost_.ok()) return lost_;
   return parked_ > 0 ? error_ : Status::Ok();
 }
 
 bool FlushTarget::lost() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return !lost_.ok();
 }
 
 uint64_t FlushTarget::parked() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return parked_;
 }
 
 void FlushTarget::Cancel(const Status& status) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (error_.ok()) error_ = status;
   if (lost_.ok()) lost_ = status;
 }
 
 Status FlushTarget::Sync(BackingDir* dir) {
   {
-    std::unique_lock lock(mu_);
-    idle_cv_.wait(lock, [&] { return inflight_ == parked_; });
+    MutexLock lock(&mu_);
+    idle_cv_.wait(lock.native(), [&] {
+      mu_.AssertHeld();  // the predicate runs under the lock
+      return inflight_ == parked_;
+    });
     if (!lost_.ok()) return lost_;
     if (parked_ > 0) return error_;  // transient: the journal retries the publication later
   }
@@ -60,7 +69,7 @@ Status FlushTarget::Sync(BackingDir* dir) {
   if (!st.ok()) {
     // Permanent: after a failed fsync the kernel may have dropped the dirty pages, and a
     // second fsync would succeed over lost bytes.
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (error_.ok()) error_ = st;
     if (lost_.ok()) {
       lost_ = Status(Code::kAborted, "bytes may be lost after a failed fsync (" + st.ToString() + ")");
@@ -85,18 +94,18 @@ bool IsTransient(const Status& status) {
 }
 
 void FlushTarget::NoteTruncated(uint64_t size) {
-  std::lock_guard lock(crc_mu_);
+  MutexLock lock(&crc_mu_);
   if (crcs_) crcs_->Truncate(size);
 }
 
 std::shared_ptr<BlockCrcMap> FlushTarget::TakeBlockCrcs() {
-  std::lock_guard lock(crc_mu_);
+  MutexLock lock(&crc_mu_);
   crcs_taken_ = true;
   return std::move(crcs_);
 }
 
 std::shared_ptr<BlockCrcMap> FlushTarget::CrcMap(const BlockCrcOptions& options) {
-  std::lock_guard lock(crc_mu_);
+  MutexLock lock(&crc_mu_);
   if (!crcs_ && !crcs_taken_) crcs_ = std::make_shared<BlockCrcMap>(options);
   return crcs_;
 }
@@ -122,7 +131,7 @@ FlushPipeline::~FlushPipeline() {
   DropParked(Status(Code::kAborted, "flush pipeline stopped"));
   Drain();
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
   work_cv_.notify_all();
@@ -131,34 +140,37 @@ FlushPipeline::~FlushPipeline() {
 
 void FlushPipeline::Submit(SealedChunk chunk) {
   {
-    std::lock_guard lock(chunk.target->mu_);
+    MutexLock lock(&chunk.target->mu_);
     ++chunk.target->inflight_;
   }
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     queue_.push_back(std::move(chunk));
   }
   work_cv_.notify_one();
 }
 
 void FlushPipeline::Drain() {
-  std::unique_lock lock(mu_);
-  drained_cv_.wait(lock, [&] { return queue_.empty() && active_ == 0; });
+  MutexLock lock(&mu_);
+  drained_cv_.wait(lock.native(), [&] {
+    mu_.AssertHeld();  // the predicate runs under the lock
+    return queue_.empty() && active_ == 0;
+  });
 }
 
 uint64_t FlushPipeline::queued() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return queue_.size() + active_;
 }
 
 uint64_t FlushPipeline::parked() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return parked_.size();
 }
 
 void FlushPipeline::RetryNow() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (Parked& p : parked_) p.retry_at = std::chrono::steady_clock::now();
   }
   work_cv_.notify_all();
@@ -167,7 +179,7 @@ void FlushPipeline::RetryNow() {
 uint64_t FlushPipeline::DropParked(const Status& why) {
   std::deque<Parked> dropped;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     dropped.swap(parked_);
   }
   for (Parked& p : dropped) {
@@ -186,7 +198,7 @@ void FlushPipeline::Finish(SealedChunk& chunk, const Status& st, bool was_parked
   if (chunk.on_done) chunk.on_done(st);
   chunk.keepalive.reset();  // returns the staging memory
   {
-    std::lock_guard lock(target.mu_);
+    MutexLock lock(&target.mu_);
     if (was_parked) --target.parked_;
     --target.inflight_;
     if (target.inflight_ == target.parked_) target.idle_cv_.notify_all();
@@ -198,7 +210,7 @@ bool FlushPipeline::WriteChunk(SealedChunk& chunk, int attempts) {
   FlushTarget& target = *chunk.target;
   Status st;
   {
-    std::lock_guard lock(target.mu_);
+    MutexLock lock(&target.mu_);
     st = target.lost_;
   }
   if (st.ok()) {
@@ -232,9 +244,9 @@ bool FlushPipeline::WriteChunk(SealedChunk& chunk, int attempts) {
           spdlog::error("flush of file {} at offset {} ({} bytes) failed: {}; kept for a retry",
                         target.id(), chunk.offset, chunk.length, st.ToString());
         }
-        std::lock_guard lock(mu_);
+        MutexLock lock(&mu_);
         {
-          std::lock_guard tlock(target.mu_);
+          MutexLock tlock(&target.mu_);
           ++target.parked_;
           if (target.inflight_ == target.parked_) target.idle_cv_.notify_all();
         }
@@ -244,7 +256,7 @@ bool FlushPipeline::WriteChunk(SealedChunk& chunk, int attempts) {
       }
       spdlog::error("flush of file {} at offset {} ({} bytes) failed: {}", target.id(),
                     chunk.offset, chunk.length, st.ToString());
-      std::lock_guard lock(target.mu_);
+      MutexLock lock(&target.mu_);
       if (target.lost_.ok()) target.lost_ = st;
     }
   }
@@ -258,7 +270,7 @@ void FlushPipeline::Run() {
     int attempts = 0;
     bool retry = false;
     {
-      std::unique_lock lock(mu_);
+      MutexLock lock(&mu_);
       while (true) {
         auto now = std::chrono::steady_clock::now();
         auto due = parked_.end();
@@ -284,21 +296,21 @@ void FlushPipeline::Run() {
         }
         if (stop_) return;  // nothing left; parked chunks were dropped before stop_
         if (next == std::chrono::steady_clock::time_point::max()) {
-          work_cv_.wait(lock);
+          work_cv_.wait(lock.native());
         } else {
-          work_cv_.wait_until(lock, next);
+          work_cv_.wait_until(lock.native(), next);
         }
       }
       ++active_;
     }
     if (retry) {
       retries_.fetch_add(1, std::memory_order_relaxed);
-      std::lock_guard tlock(chunk.target->mu_);
+      MutexLock tlock(&chunk.target->mu_);
       --chunk.target->parked_;
     }
     WriteChunk(chunk, attempts);
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       --active_;
       if (queue_.empty() && active_ == 0) drained_cv_.notify_all();
     }

@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "store/backing_dir.h"
@@ -84,15 +85,15 @@ class FlushTarget {
 
   const uint64_t id_;
   UniqueFd fd_;
-  std::mutex crc_mu_;
-  std::shared_ptr<BlockCrcMap> crcs_;  // GUARDED_BY(crc_mu_)
-  bool crcs_taken_ = false;            // GUARDED_BY(crc_mu_)
-  mutable std::mutex mu_;
+  Mutex crc_mu_;
+  std::shared_ptr<BlockCrcMap> crcs_ GUARDED_BY(crc_mu_);
+  bool crcs_taken_ GUARDED_BY(crc_mu_) = false;
+  mutable Mutex mu_;
   std::condition_variable idle_cv_;
-  uint64_t inflight_ = 0;  // GUARDED_BY(mu_): queued, being written, or parked
-  uint64_t parked_ = 0;    // GUARDED_BY(mu_): of those, waiting for a retry
-  Status error_;           // GUARDED_BY(mu_): first error, reported to the application
-  Status lost_;            // GUARDED_BY(mu_): bytes were dropped; publication impossible
+  uint64_t inflight_ GUARDED_BY(mu_) = 0;  // queued, being written, or parked
+  uint64_t parked_ GUARDED_BY(mu_) = 0;  // of those, waiting for a retry
+  Status error_ GUARDED_BY(mu_);  // first error, reported to the application
+  Status lost_ GUARDED_BY(mu_);  // bytes were dropped; publication impossible
   std::atomic<uint64_t> bytes_flushed_{0};
   std::atomic<bool> synced_{false};
 };
@@ -166,13 +167,13 @@ class FlushPipeline {
 
   BackingDir* const dir_;
   const FlushOptions options_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable drained_cv_;
-  std::deque<SealedChunk> queue_;  // GUARDED_BY(mu_)
-  std::deque<Parked> parked_;      // GUARDED_BY(mu_): waiting for a retry
-  uint64_t active_ = 0;            // GUARDED_BY(mu_)
-  bool stop_ = false;              // GUARDED_BY(mu_)
+  std::deque<SealedChunk> queue_ GUARDED_BY(mu_);
+  std::deque<Parked> parked_ GUARDED_BY(mu_);  // waiting for a retry
+  uint64_t active_ GUARDED_BY(mu_) = 0;
+  bool stop_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
   std::atomic<uint64_t> bytes_flushed_{0};
   std::atomic<uint64_t> errors_{0};

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "common/path.h"
 #include "store/record_codec.h"
 
 namespace ckptfs::store {
@@ -22,15 +23,7 @@ std::string Key(const char* prefix, uint64_t n) {
   return buf;
 }
 
-bool HasPrefix(const std::string& s, const std::string& prefix) {
-  return s.size() >= prefix.size() && s.compare(0, prefix.size(), prefix) == 0;
-}
-
-// `path` is `dir` or lies below it ("" is the root, above everything).
-bool IsAtOrBelow(const std::string& path, const std::string& dir) {
-  if (dir.empty()) return true;
-  return path == dir || (path.size() > dir.size() && HasPrefix(path, dir) && path[dir.size()] == '/');
-}
+using path::IsAtOrBelow;
 
 // Two entries' names overlap: one is the other or below it.
 bool Touches(const JournalEntry& a, const JournalEntry& b) {
@@ -191,7 +184,7 @@ Result<std::unique_ptr<Journal>> Journal::Create(BackingDir* dir, StateDb* db, H
 Journal::~Journal() {
   Close();
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
   work_cv_.notify_all();
@@ -199,27 +192,27 @@ Journal::~Journal() {
 }
 
 uint64_t Journal::NextFileId() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return ++next_file_id_;
 }
 
 Status Journal::RegisterTemp(uint64_t file_id, const std::string& temp_path) {
   CKPT_RETURN_IF_ERROR(db_->Put(Key(kTempPrefix, file_id), temp_path));
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   temps_[file_id] = temp_path;
   return Status::Ok();
 }
 
 Status Journal::ForgetTemp(uint64_t file_id) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     temps_.erase(file_id);
   }
   return db_->Delete(Key(kTempPrefix, file_id));
 }
 
 Result<uint64_t> Journal::Append(JournalEntry entry) {
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   entry.seq = next_seq_++;
   // The record only tells a restarted daemon what was pending; the temp records are
   // what recovery acts on, so this write need not be synced separately.
@@ -233,14 +226,15 @@ Result<uint64_t> Journal::Append(JournalEntry entry) {
   Queued q;
   q.e = std::move(entry);
   queue_.push_back(std::move(q));
-  lock.unlock();
+  lock.Unlock();
   work_cv_.notify_one();
   return seq;
 }
 
 Status Journal::Wait(uint64_t seq) {
-  std::unique_lock lock(mu_);
-  done_cv_.wait(lock, [&] {
+  MutexLock lock(&mu_);
+  done_cv_.wait(lock.native(), [&] {
+    mu_.AssertHeld();  // the predicate runs under the lock
     return done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0;
   });
   auto it = failures_.find(seq);
@@ -248,9 +242,10 @@ Status Journal::Wait(uint64_t seq) {
 }
 
 Status Journal::WaitUnlessHalted(uint64_t seq) {
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   const Queued* halt = nullptr;
-  done_cv_.wait(lock, [&] {
+  done_cv_.wait(lock.native(), [&] {
+    mu_.AssertHeld();  // the predicate runs under the lock
     if (done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0) return true;
     // A commit whose gate waits for shards not written yet: the caller may be the one to
     // write them (a copy in sorted order), so it must not wait for the commit itself.
@@ -273,24 +268,30 @@ Status Journal::WaitUnlessHalted(uint64_t seq) {
 }
 
 void Journal::Drain() {
-  std::unique_lock lock(mu_);
-  done_cv_.wait(lock, [&] { return queue_.empty(); });
+  MutexLock lock(&mu_);
+  done_cv_.wait(lock.native(), [&] {
+    mu_.AssertHeld();  // the predicate runs under the lock
+    return queue_.empty();
+  });
 }
 
 uint64_t Journal::Close() {
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   closing_ = true;
   for (Queued& q : queue_) {
     if (!q.error.ok()) q.retry_at = std::chrono::steady_clock::now();  // one last attempt
   }
   work_cv_.notify_all();
-  done_cv_.wait(lock, [&] { return queue_.empty(); });
+  done_cv_.wait(lock.native(), [&] {
+    mu_.AssertHeld();  // the predicate runs under the lock
+    return queue_.empty();
+  });
   return dropped_publishes_;
 }
 
 void Journal::Resume() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (Queued& q : queue_) {
       if (!q.error.ok()) q.retry_at = std::chrono::steady_clock::now();
     }
@@ -302,7 +303,7 @@ void Journal::Resume() {
 bool Journal::DropIfHalted(const std::string& path) {
   bool marked = false;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     bool behind_halt = false;
     for (Queued& q : queue_) {
       if (!q.error.ok()) behind_halt = true;
@@ -327,7 +328,7 @@ bool Journal::DropIfHalted(const std::string& path) {
 }
 
 std::optional<HaltInfo> Journal::halted() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   for (const Queued& q : queue_) {
     if (q.error.ok()) continue;
     HaltInfo h;
@@ -346,7 +347,7 @@ std::optional<HaltInfo> Journal::halted() const {
 std::vector<std::string> Journal::Abort(const std::string& path) {
   std::vector<JournalEntry> dropped;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (auto it = queue_.begin(); it != queue_.end();) {
       const JournalEntry& e = it->e;
       bool below = IsAtOrBelow(e.path, path) || (!e.from.empty() && IsAtOrBelow(e.from, path));
@@ -367,7 +368,7 @@ std::vector<std::string> Journal::Abort(const std::string& path) {
     Finalize(e, Status(Code::kAborted, "aborted by the operator"), /*applied=*/false);
   }
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (const JournalEntry& e : dropped) {
       failures_[e.seq] = Status(Code::kAborted, "aborted by the operator");
       if (e.op == OpType::kPublish) ++dropped_publishes_;
@@ -381,32 +382,32 @@ std::vector<std::string> Journal::Abort(const std::string& path) {
 }
 
 uint64_t Journal::pending() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return queue_.size();
 }
 
 uint64_t Journal::last_appended() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return next_seq_ - 1;
 }
 
 uint64_t Journal::applied() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return done_seq_;
 }
 
 uint64_t Journal::skipped() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return skipped_;
 }
 
 uint64_t Journal::applied_ahead() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return applied_ahead_;
 }
 
 uint64_t Journal::retries() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return retries_;
 }
 
@@ -487,22 +488,22 @@ Journal::Step Journal::NextStepLocked() {
 
 void Journal::Run() {
   const std::function<bool(const std::string&)> queued = [this](const std::string& path) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (const Queued& q : queue_) {
       if (q.e.op == OpType::kPublish && q.e.path == path) return true;
     }
     return false;
   };
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   while (true) {
     Step step = NextStepLocked();
     if (step.kind == Step::kExit) return;
     if (step.kind == Step::kIdle) {
-      work_cv_.wait(lock);
+      work_cv_.wait(lock.native());
       continue;
     }
     if (step.kind == Step::kWait) {
-      work_cv_.wait_until(lock, step.until);
+      work_cv_.wait_until(lock.native(), step.until);
       continue;
     }
     if (step.kind == Step::kDrop) {
@@ -516,11 +517,11 @@ void Journal::Run() {
       if (!at_head) done_ahead_.insert(e.seq);
       gate_dirty_ = true;
       AdvanceDoneLocked();
-      lock.unlock();
+      lock.Unlock();
       spdlog::warn("journal: {} dropped: {}", e.Describe(), why.ToString());
       Finalize(e, why, /*applied=*/false);
       done_cv_.notify_all();
-      lock.lock();
+      lock.Lock();
       continue;
     }
     Queued& q = *step.it;
@@ -529,19 +530,19 @@ void Journal::Run() {
     const bool at_head = step.it == queue_.begin();
     const bool commit = IsCommitEntry(e);
     if (!q.error.ok()) ++retries_;
-    lock.unlock();
+    lock.Unlock();
 
     if (step.kind == Step::kGate) {
       // Data first: the gate reads this very file.
       Status st = e.op == OpType::kPublish && e.target ? e.target->Sync(dir_) : Status::Ok();
       CommitCheck check = st;
       if (st.ok() && hooks_.commit_gate) check = hooks_.commit_gate(e, queued);
-      lock.lock();
+      lock.Lock();
       FindLocked(e.seq)->busy = false;
       if (!check.status.ok()) {
-        lock.unlock();
+        lock.Unlock();
         HaltOrSkip(e, check.status, commit, at_head);
-        lock.lock();
+        lock.Lock();
         continue;
       }
       gate_seq_ = e.seq;
@@ -558,7 +559,7 @@ void Journal::Run() {
     Status st = Process(e);
     if (st.ok()) {
       Finalize(e, st, /*applied=*/true);
-      lock.lock();
+      lock.Lock();
       auto it = FindLocked(e.seq);
       bool failed_before = !it->error.ok();
       queue_.erase(it);
@@ -570,18 +571,18 @@ void Journal::Run() {
       gate_dirty_ = true;
       failures_.erase(e.seq);
       AdvanceDoneLocked();
-      lock.unlock();
+      lock.Unlock();
       if (failed_before) {
         spdlog::info("journal: {} applied after {} retries; publication resumes", e.Describe(),
                      retries());
         if (hooks_.on_halt) hooks_.on_halt(e, Status::Ok());
       }
       done_cv_.notify_all();
-      lock.lock();
+      lock.Lock();
       continue;
     }
     HaltOrSkip(e, st, commit, at_head);
-    lock.lock();
+    lock.Lock();
   }
 }
 
@@ -593,7 +594,7 @@ std::deque<Journal::Queued>::iterator Journal::FindLocked(uint64_t seq) {
 }
 
 void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, bool at_head) {
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   const bool halts =
       hooks_.halt_on_failure && (e.op == OpType::kPublish || commit || IsTransient(st));
   if (!halts) {
@@ -605,7 +606,7 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     ++skipped_;
     if (!at_head) done_ahead_.insert(e.seq);
     AdvanceDoneLocked();
-    lock.unlock();
+    lock.Unlock();
     spdlog::error("journal: {} skipped: {}", e.Describe(), st.ToString());
     Finalize(e, st, /*applied=*/false);
     done_cv_.notify_all();
@@ -628,7 +629,7 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     }
     gate_seq_ = 0;
     AdvanceDoneLocked();
-    lock.unlock();
+    lock.Unlock();
     spdlog::error("journal: {} failed at shutdown ({}); {} entries after it not applied",
                   e.Describe(), st.ToString(), dropped.size() - 1);
     for (const auto& [d, why] : dropped) Finalize(d, why, /*applied=*/false);
@@ -652,7 +653,7 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
   failures_[e.seq] = st;
   gate_dirty_ = true;
   const uint64_t attempts = it->attempts;
-  lock.unlock();
+  lock.Unlock();
   if (first) {
     spdlog::error("journal: halted at {}: {} ({}); nothing after it is applied until it passes",
                   e.Describe(), st.ToString(),
@@ -686,7 +687,7 @@ void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
   Status db_st = db_->Write({}, deletes);
   if (!db_st.ok()) spdlog::warn("journal: state db: {}", db_st.ToString());
   if (e.op == OpType::kPublish || e.op == OpType::kDiscard) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     temps_.erase(e.file_id);
   }
   if (hooks_.on_done) hooks_.on_done(e, st);
@@ -794,17 +795,12 @@ Status Journal::ApplyOwner(const JournalEntry& e) {
 void Journal::MoveTempRecords(const std::string& from, const std::string& to) {
   std::vector<std::pair<std::string, std::string>> puts;
   {
-    std::lock_guard lock(mu_);
-    const std::string prefix = from + "/";
-    for (auto& [id, path] : temps_) {
-      if (path == from) {
-        path = to;
-      } else if (HasPrefix(path, prefix)) {
-        path = to + path.substr(from.size());
-      } else {
-        continue;
-      }
-      puts.emplace_back(Key(kTempPrefix, id), path);
+    MutexLock lock(&mu_);
+    for (auto& [id, temp] : temps_) {
+      std::optional<std::string> moved = path::Rebase(temp, from, to);
+      if (!moved) continue;
+      temp = std::move(*moved);
+      puts.emplace_back(Key(kTempPrefix, id), temp);
     }
   }
   if (!puts.empty()) {

@@ -42,6 +42,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "store/backing_dir.h"
 #include "store/flush_pipeline.h"
@@ -228,8 +229,8 @@ class Journal {
     std::deque<Queued>::iterator it;
     std::chrono::steady_clock::time_point until{};
   };
-  Step NextStepLocked();
-  std::deque<Queued>::iterator FindLocked(uint64_t seq);  // REQUIRES(mu_); must exist
+  Step NextStepLocked() REQUIRES(mu_);
+  std::deque<Queued>::iterator FindLocked(uint64_t seq) REQUIRES(mu_);  // must exist
   void Run();
   // A failed entry: halts the journal at it (publishes, commits, transient failures),
   // or skips it (namespace entries refused for good), or, when closing, drops it and
@@ -239,7 +240,7 @@ class Journal {
   Status Process(const JournalEntry& e);
   // Removes the entry's records (and, if not applied, its temp file) and runs on_done.
   void Finalize(const JournalEntry& e, const Status& st, bool applied);
-  void AdvanceDoneLocked();
+  void AdvanceDoneLocked() REQUIRES(mu_);
   Status Apply(const JournalEntry& e);
   Status ApplyPublish(const JournalEntry& e);
   // The owner and exact mode of a name kMkdir/kSymlink/kMknod just made.
@@ -251,30 +252,30 @@ class Journal {
   StateDb* const db_;
   const Hooks hooks_;
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
-  std::deque<Queued> queue_;             // GUARDED_BY(mu_): not yet done, in order
-  uint64_t next_seq_;                    // GUARDED_BY(mu_)
-  uint64_t done_seq_;                    // GUARDED_BY(mu_): every seq <= this is done
-  std::set<uint64_t> done_ahead_;        // GUARDED_BY(mu_): done seqs > done_seq_
+  std::deque<Queued> queue_ GUARDED_BY(mu_);  // not yet done, in order
+  uint64_t next_seq_ GUARDED_BY(mu_);
+  uint64_t done_seq_ GUARDED_BY(mu_);  // every seq <= this is done
+  std::set<uint64_t> done_ahead_ GUARDED_BY(mu_);  // done seqs > done_seq_
   // The commit at the head of the queue that waits for its shards, and when to ask the
   // gate again.
-  uint64_t gate_seq_ = 0;                                  // GUARDED_BY(mu_)
-  bool gate_ready_ = false;                                 // GUARDED_BY(mu_)
-  bool gate_unwritten_ = false;                             // GUARDED_BY(mu_)
-  std::unordered_set<std::string> gate_shard_set_;         // GUARDED_BY(mu_)
-  std::chrono::steady_clock::time_point gate_recheck_{};   // GUARDED_BY(mu_)
-  bool gate_dirty_ = true;  // GUARDED_BY(mu_): something changed since the gate last said wait
-  bool closing_ = false;    // GUARDED_BY(mu_): Close(): give up on a halted entry
-  uint64_t dropped_publishes_ = 0;  // GUARDED_BY(mu_)
-  uint64_t applied_ahead_ = 0;      // GUARDED_BY(mu_)
-  uint64_t retries_ = 0;            // GUARDED_BY(mu_)
-  std::map<uint64_t, Status> failures_;  // GUARDED_BY(mu_): outcomes of skipped entries
-  std::map<uint64_t, std::string> temps_;  // GUARDED_BY(mu_): file id -> temp path
-  uint64_t next_file_id_;                // GUARDED_BY(mu_)
-  uint64_t skipped_ = 0;                 // GUARDED_BY(mu_)
-  bool stop_ = false;                    // GUARDED_BY(mu_)
+  uint64_t gate_seq_ GUARDED_BY(mu_) = 0;
+  bool gate_ready_ GUARDED_BY(mu_) = false;
+  bool gate_unwritten_ GUARDED_BY(mu_) = false;
+  std::unordered_set<std::string> gate_shard_set_ GUARDED_BY(mu_);
+  std::chrono::steady_clock::time_point gate_recheck_ GUARDED_BY(mu_) = {};
+  bool gate_dirty_ GUARDED_BY(mu_) = true;  // something changed since the gate last said wait
+  bool closing_ GUARDED_BY(mu_) = false;  // Close(): give up on a halted entry
+  uint64_t dropped_publishes_ GUARDED_BY(mu_) = 0;
+  uint64_t applied_ahead_ GUARDED_BY(mu_) = 0;
+  uint64_t retries_ GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, Status> failures_ GUARDED_BY(mu_);  // outcomes of skipped entries
+  std::map<uint64_t, std::string> temps_ GUARDED_BY(mu_);  // file id -> temp path
+  uint64_t next_file_id_ GUARDED_BY(mu_);
+  uint64_t skipped_ GUARDED_BY(mu_) = 0;
+  bool stop_ GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

@@ -69,7 +69,7 @@ class SpdlogRocksLogger : public rocksdb::Logger {
     size_t len = std::min(static_cast<size_t>(n), sizeof(buf) - 1);
     while (len > 0 && (buf[len - 1] == '\n' || buf[len - 1] == '\r')) --len;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       if (holding_) {
         held_.emplace_back(level, std::string(buf, len));
         return;
@@ -79,14 +79,14 @@ class SpdlogRocksLogger : public rocksdb::Logger {
   }
 
   void Hold() {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     holding_ = true;
   }
   // Ends Hold(): the held lines are logged as they came, or at debug if `!opened`.
   void Release(bool opened) {
     std::vector<std::pair<rocksdb::InfoLogLevel, std::string>> held;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       holding_ = false;
       held.swap(held_);
     }
@@ -106,8 +106,8 @@ class SpdlogRocksLogger : public rocksdb::Logger {
     }
   }
 
-  std::mutex mu_;
-  bool holding_ = false;                                            // GUARDED_BY(mu_)
+  Mutex mu_;
+  bool holding_ GUARDED_BY(mu_) = false;
   std::vector<std::pair<rocksdb::InfoLogLevel, std::string>> held_;  // GUARDED_BY(mu_)
 };
 
@@ -233,7 +233,7 @@ Status StateDb::CheckWritable() {
 
 Status StateDb::Reopen() {
   if (!HaveSpareFds(dir_)) return write_error_;
-  std::unique_lock lock(db_mu_);
+  WriterLock lock(&db_mu_);
   db_.reset();  // closes: RocksDB allows one open instance per directory
   Result<std::unique_ptr<rocksdb::DB>> db = OpenRocks(dir_);
   if (!db.ok()) {
@@ -250,7 +250,7 @@ Status StateDb::RunWrite(const std::function<Status(rocksdb::DB*)>& write) {
   CKPT_RETURN_IF_ERROR(CheckWritable());
   Status st;
   {
-    std::shared_lock lock(db_mu_);
+    ReaderLock lock(&db_mu_);
     st = db_ ? write(db_.get()) : Unavailable(dir_);
   }
   if (!st.ok() && write_error_.ok()) {
@@ -263,7 +263,7 @@ Status StateDb::RunWrite(const std::function<Status(rocksdb::DB*)>& write) {
 }
 
 Status StateDb::Put(std::string_view key, std::string_view value) {
-  std::lock_guard lock(write_mu_);
+  MutexLock lock(&write_mu_);
   return RunWrite([&](rocksdb::DB* db) {
     return FromRocks(db->Put(SyncWrite(), rocksdb::Slice(key.data(), key.size()),
                              rocksdb::Slice(value.data(), value.size())),
@@ -272,7 +272,7 @@ Status StateDb::Put(std::string_view key, std::string_view value) {
 }
 
 Status StateDb::Delete(std::string_view key) {
-  std::lock_guard lock(write_mu_);
+  MutexLock lock(&write_mu_);
   return RunWrite([&](rocksdb::DB* db) {
     return FromRocks(db->Delete(SyncWrite(), rocksdb::Slice(key.data(), key.size())),
                      "state db delete");
@@ -284,7 +284,7 @@ Status StateDb::Write(const std::vector<std::pair<std::string, std::string>>& pu
   rocksdb::WriteBatch batch;
   for (const auto& [k, v] : puts) batch.Put(k, v);
   for (const auto& k : deletes) batch.Delete(k);
-  std::lock_guard lock(write_mu_);
+  MutexLock lock(&write_mu_);
   return RunWrite([&](rocksdb::DB* db) {
     return FromRocks(db->Write(SyncWrite(), &batch), "state db write");
   });
@@ -292,7 +292,7 @@ Status StateDb::Write(const std::vector<std::pair<std::string, std::string>>& pu
 
 Result<std::string> StateDb::Get(std::string_view key) {
   std::string value;
-  std::shared_lock lock(db_mu_);
+  ReaderLock lock(&db_mu_);
   if (!db_) return Unavailable(dir_);
   rocksdb::Status s =
       db_->Get(rocksdb::ReadOptions(), rocksdb::Slice(key.data(), key.size()), &value);
@@ -302,7 +302,7 @@ Result<std::string> StateDb::Get(std::string_view key) {
 
 Status StateDb::Scan(std::string_view prefix,
                      const std::function<void(std::string_view, std::string_view)>& fn) {
-  std::shared_lock lock(db_mu_);
+  ReaderLock lock(&db_mu_);
   if (!db_) return Unavailable(dir_);
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   rocksdb::Slice p(prefix.data(), prefix.size());

@@ -30,6 +30,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 
 namespace rocksdb {
@@ -76,23 +77,23 @@ class StateDb {
   StateDb(std::unique_ptr<rocksdb::DB> db, std::string dir, const StateDbOptions& options);
   // Under write_mu_: the reason a write must not be tried now, or Ok. Checks the free
   // space; after a failed write, reopens the database (at most once a second).
-  Status CheckWritable();
-  Status Reopen();  // under write_mu_
+  Status CheckWritable() REQUIRES(write_mu_);
+  Status Reopen() REQUIRES(write_mu_);
   // Under write_mu_: runs one RocksDB write; a failure is kept in write_error_.
-  Status RunWrite(const std::function<Status(rocksdb::DB*)>& write);
+  Status RunWrite(const std::function<Status(rocksdb::DB*)>& write) REQUIRES(write_mu_);
 
   const std::string dir_;
   const StateDbOptions options_;
   // Lock order: write_mu_, then db_mu_.
   // Serializes writes (no write is in flight while an earlier one is failing) and
   // guards the members below it.
-  std::mutex write_mu_;
-  Status write_error_;                                 // GUARDED_BY(write_mu_)
-  std::chrono::steady_clock::time_point last_reopen_;  // GUARDED_BY(write_mu_)
-  bool low_space_ = false;                             // GUARDED_BY(write_mu_)
+  Mutex write_mu_;
+  Status write_error_ GUARDED_BY(write_mu_);
+  std::chrono::steady_clock::time_point last_reopen_ GUARDED_BY(write_mu_);
+  bool low_space_ GUARDED_BY(write_mu_) = false;
   // Shared by every RocksDB call, exclusive to close and reopen the database.
-  std::shared_mutex db_mu_;
-  std::unique_ptr<rocksdb::DB> db_;  // GUARDED_BY(db_mu_); null while a reopen failed
+  SharedMutex db_mu_;
+  std::unique_ptr<rocksdb::DB> db_ GUARDED_BY(db_mu_);  // null while a reopen failed
 };
 
 }  // namespace ckptfs::store

@@ -143,19 +143,6 @@ Status KeyIndex::Ensure(const std::string& ckpt, bool checksums) {
   return st;
 }
 
-template <typename Fn>
-auto KeyIndex::WithIndex(const std::string& ckpt, Fn fn)
-    -> decltype(fn(std::declval<const CkptIndex&>())) {
-  CKPT_RETURN_IF_ERROR(Ensure(ckpt, /*checksums=*/false));
-  ReaderLock lock(&mu_);
-  auto it = ckpts_.find(ckpt);
-  if (it == ckpts_.end()) return Internal("index of '" + ckpt + "' vanished");
-  const CkptIndex& index = *it->second;
-  if (index.state == State::kMissing) return NotFound("no .metadata in '" + ckpt + "'");
-  if (index.state == State::kFailed) return Corrupt(index.error);
-  return fn(index);
-}
-
 Result<std::vector<IndexedItem>> KeyIndex::Items(const std::string& ckpt) {
   return WithIndex(
       ckpt, [](const CkptIndex& index) -> Result<std::vector<IndexedItem>> { return index.items; });

@@ -270,4 +270,18 @@ class KeyIndex {
   BlockCrcCache block_crcs_;  // by backing path
 };
 
+// Defined here: the lookups and FillChecksums (key_index_verify.cc) instantiate it.
+template <typename Fn>
+auto KeyIndex::WithIndex(const std::string& ckpt, Fn fn)
+    -> decltype(fn(std::declval<const CkptIndex&>())) {
+  CKPT_RETURN_IF_ERROR(Ensure(ckpt, /*checksums=*/false));
+  ReaderLock lock(&mu_);
+  auto it = ckpts_.find(ckpt);
+  if (it == ckpts_.end()) return Internal("index of '" + ckpt + "' vanished");
+  const CkptIndex& index = *it->second;
+  if (index.state == State::kMissing) return NotFound("no .metadata in '" + ckpt + "'");
+  if (index.state == State::kFailed) return Corrupt(index.error);
+  return fn(index);
+}
+
 }  // namespace ckptfs::store

@@ -131,19 +131,16 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
 }
 
 Result<uint64_t> KeyIndex::FillChecksums(const std::string& ckpt) {
-  CKPT_RETURN_IF_ERROR(Ensure(ckpt, /*checksums=*/false));
-  std::vector<IndexedItem> items;
-  {
-    ReaderLock lock(&mu_);
-    auto it = ckpts_.find(ckpt);
-    if (it == ckpts_.end()) return Internal("index of '" + ckpt + "' vanished");
-    const CkptIndex& index = *it->second;
-    if (index.state == State::kMissing) return NotFound("no .metadata in '" + ckpt + "'");
-    if (index.state == State::kFailed) return Corrupt(index.error);
-    for (const IndexedItem& item : index.items) {
-      if (!item.has_checksum) items.push_back(item);
-    }
-  }
+  // The items without a checksum, copied out of the lock: the reads take a while.
+  CKPT_ASSIGN_OR_RETURN(
+      std::vector<IndexedItem> items,
+      WithIndex(ckpt, [](const CkptIndex& index) -> Result<std::vector<IndexedItem>> {
+        std::vector<IndexedItem> out;
+        for (const IndexedItem& item : index.items) {
+          if (!item.has_checksum) out.push_back(item);
+        }
+        return out;
+      }));
   uint64_t filled = 0;
   Status first_error;
   for (const keyidx::FileGroup& g : keyidx::GroupByFile(items)) {

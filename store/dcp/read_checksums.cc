@@ -27,7 +27,7 @@ void ReadChecksums::OnRead(const std::string& ckpt, const std::string& file,
     const uint64_t rb = pos - item->offset, re = run_end - item->offset;
     std::vector<std::pair<uint64_t, uint64_t>> gaps;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       auto it = items_.find(key);
       uint64_t at = rb;
       if (it != items_.end() && it->second.version == version &&
@@ -48,7 +48,7 @@ void ReadChecksums::OnRead(const std::string& ckpt, const std::string& file,
     uint32_t crc = 0;
     bool complete = false;
     if (!pieces.empty()) {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       complete = AddLocked(key, version, item->length, pieces, &crc);
     }
     if (complete) {
@@ -101,12 +101,12 @@ bool ReadChecksums::AddLocked(const std::string& key, const FileKey& version, ui
 }
 
 uint64_t ReadChecksums::recorded() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return recorded_;
 }
 
 size_t ReadChecksums::items_in_progress() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return items_.size();
 }
 

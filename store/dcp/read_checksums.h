@@ -56,15 +56,15 @@ class ReadChecksums {
 
   // Adds the pieces of one item; returns true and its CRC when the item is complete.
   bool AddLocked(const std::string& key, const FileKey& version, uint64_t length,
-                 const std::vector<Piece>& pieces, uint32_t* crc);  // REQUIRES(mu_)
+                 const std::vector<Piece>& pieces, uint32_t* crc) REQUIRES(mu_);
 
   KeyIndex* const index_;
   const size_t max_items_;
-  mutable std::mutex mu_;
-  std::map<std::string, Progress> items_;  // GUARDED_BY(mu_), ckpt \0 file \0 item offset
-  std::map<uint64_t, std::string> age_;    // GUARDED_BY(mu_), seq -> key
-  uint64_t seq_ = 0;                       // GUARDED_BY(mu_)
-  uint64_t recorded_ = 0;                  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::map<std::string, Progress> items_ GUARDED_BY(mu_);  // ckpt \0 file \0 item offset
+  std::map<uint64_t, std::string> age_ GUARDED_BY(mu_);  // seq -> key
+  uint64_t seq_ GUARDED_BY(mu_) = 0;
+  uint64_t recorded_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace ckptfs::store
