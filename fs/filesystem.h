@@ -23,8 +23,9 @@
 //     backing file (NodeOpen), the temp file and copy a write or a create begins with
 //     (PlanWriteLocked / PrepareWrite / InstallWriteLocked), each re-checked under the lock
 //     before its result is used. Still under it: the fallbacks after a few lost races,
-//     and the rare operations on a staged file (O_TRUNC, truncate, fallocate, chmod and
-//     chown of a staged temp file, readlink).
+//     the rare operations on a staged file (truncate, fallocate, chmod and chown of its
+//     temp file, an O_TRUNC open of a file another handle is writing), the readlink a hard
+//     link of a symlink makes, and shutdown.
 //   * read() and write() of an open file never take ns_mu_ unless the write begins a new
 //     copy of the file (its first write, or the first after a publish froze it): they take
 //     its node's data_mu (fs/node.h), a leaf held to copy a few fields.

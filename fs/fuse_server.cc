@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "fs/op_metrics.h"
 
 namespace ckptfs::fs {
@@ -457,9 +458,9 @@ void SetReadAhead(const std::string& mountpoint, uint64_t bytes) {
 
 // libfuse's own messages (e.g. "fuse: unknown option(s): `-o foo'"), kept so that a failed
 // mount can say why, and logged.
-std::mutex g_fuse_log_mu;
-std::string g_fuse_partial;  // guarded by g_fuse_log_mu; a line libfuse has not ended yet
-std::string g_fuse_log;      // guarded by g_fuse_log_mu; the lines of the current Mount()
+Mutex g_fuse_log_mu;
+std::string g_fuse_partial GUARDED_BY(g_fuse_log_mu);  // a line libfuse has not ended yet
+std::string g_fuse_log GUARDED_BY(g_fuse_log_mu);      // the lines of the current Mount()
 
 // libfuse may write one message in several calls ("unknown option(s): `", "-o ", ...):
 // whole lines are logged and kept.
@@ -468,7 +469,7 @@ void FuseLog(enum fuse_log_level level, const char* fmt, va_list ap) {
   std::vsnprintf(buf, sizeof(buf), fmt, ap);
   std::vector<std::string> lines;
   {
-    std::lock_guard lock(g_fuse_log_mu);
+    MutexLock lock(&g_fuse_log_mu);
     g_fuse_partial += buf;
     size_t nl;
     while ((nl = g_fuse_partial.find('\n')) != std::string::npos) {
@@ -491,7 +492,7 @@ void FuseLog(enum fuse_log_level level, const char* fmt, va_list ap) {
 
 // "fuse: cannot mount on X" plus what libfuse said about it.
 std::string WithFuseLog(std::string message) {
-  std::lock_guard lock(g_fuse_log_mu);
+  MutexLock lock(&g_fuse_log_mu);
   std::string said = g_fuse_log;
   if (!g_fuse_partial.empty()) said += (said.empty() ? "" : "; ") + g_fuse_partial;
   if (!said.empty()) message += ": " + said;
@@ -535,7 +536,7 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
   for (auto& s : argv_store) argv.push_back(s.data());
   struct fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
   {
-    std::lock_guard lock(g_fuse_log_mu);
+    MutexLock lock(&g_fuse_log_mu);
     g_fuse_log.clear();
     g_fuse_partial.clear();
   }

@@ -571,15 +571,25 @@ Result<Entry> Filesystem::MakeNode(uint64_t parent, const std::string& name, Nod
 
 Result<std::string> Filesystem::Readlink(uint64_t ino) {
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(ino));
+  std::string path;
+  {
+    MutexLock lock(&ns_mu_);
+    auto node = NodeLocked(ino);
+    if (!node) return NotFound("stale inode");
+    if (node->type != NodeType::kSymlink) return Invalid("not a symlink");
+    if (!node->link_target.empty()) return node->link_target;
+    path = PathLocked(node.get());
+  }
+  // The target is returned as text and resolved by the kernel inside the mount, never
+  // by the daemon (G9). Read without ns_mu_; a symlink's target never changes, so it is
+  // kept if the name is still where it was read.
+  CKPT_ASSIGN_OR_RETURN(std::string target, backing_->Readlink(path));
   MutexLock lock(&ns_mu_);
   auto node = NodeLocked(ino);
-  if (!node) return NotFound("stale inode");
-  if (node->type != NodeType::kSymlink) return Invalid("not a symlink");
-  if (!node->link_target.empty()) return node->link_target;
-  // The target is returned as text and resolved by the kernel inside the mount, never
-  // by the daemon (G9).
-  CKPT_ASSIGN_OR_RETURN(node->link_target, backing_->Readlink(PathLocked(node.get())));
-  return node->link_target;
+  if (node && node->link_target.empty() && PathLocked(node.get()) == path) {
+    node->link_target = target;
+  }
+  return target;
 }
 
 Status Filesystem::Unlink(uint64_t parent, const std::string& name, const Caller& caller) {

@@ -13,12 +13,12 @@ StagedFile::StagedFile(const StagingContext& ctx, std::shared_ptr<store::FlushTa
     : ctx_(ctx), target_(std::move(target)), size_(size) {}
 
 uint64_t StagedFile::size() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return size_;
 }
 
 uint64_t StagedFile::staged_bytes() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   uint64_t n = active_ ? active_->length : 0;
   for (const auto& [_, c] : sealed_) n += c->length;
   return n;
@@ -57,7 +57,7 @@ void StagedFile::SealLocked() {
     // Success or failure, the chunk leaves the overlay: on success the temp file has
     // its bytes; on failure the file's sticky error makes reads fail.
     if (auto self = weak.lock()) {
-      std::lock_guard lock(self->mu_);
+      MutexLock lock(&self->mu_);
       auto it = self->sealed_.find(key);
       if (it != self->sealed_.end() && it->second.get() == raw) self->sealed_.erase(it);
     }
@@ -66,12 +66,12 @@ void StagedFile::SealLocked() {
 }
 
 Status StagedFile::Write(const char* data, size_t len, uint64_t offset) {
-  std::lock_guard write_lock(write_mu_);
+  MutexLock write_lock(&write_mu_);
   if (frozen_) return Status(Code::kAborted, "file is frozen for publication");
   CKPT_RETURN_IF_ERROR(target_->Error());
   const size_t cap = ctx_.pool->chunk_bytes();
   while (len > 0) {
-    std::unique_lock lock(mu_);
+    MutexLock lock(&mu_);
     if (active_ && offset >= active_->file_offset &&
         offset <= active_->file_offset + active_->length &&
         offset < active_->file_offset + cap) {
@@ -97,15 +97,15 @@ Status StagedFile::Write(const char* data, size_t len, uint64_t offset) {
     SealLocked();
     if (OverlapsSealedLocked(offset, std::min(len, cap))) {
       // Rewriting bytes still in flight: let them land first, keeping chunks disjoint.
-      lock.unlock();
+      lock.Unlock();
       target_->WaitIdle();
       CKPT_RETURN_IF_ERROR(target_->Error());
       continue;
     }
-    lock.unlock();
+    lock.Unlock();
     // Blocks while the pool is full; the pool's pressure callback seals idle chunks.
     gpu::ChunkBuffer buffer = ctx_.pool->Acquire();
-    lock.lock();
+    lock.Lock();
     auto chunk = std::make_shared<StagedChunk>();
     chunk->buffer = std::move(buffer);
     chunk->file_offset = offset;
@@ -122,7 +122,7 @@ Result<size_t> StagedFile::Read(char* out, size_t len, uint64_t offset) {
   std::vector<size_t> overlay_len;
   uint64_t size;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     size = size_;
     if (offset >= size) return size_t{0};
     len = static_cast<size_t>(std::min<uint64_t>(len, size - offset));
@@ -153,10 +153,10 @@ Result<size_t> StagedFile::Read(char* out, size_t len, uint64_t offset) {
 }
 
 Status StagedFile::Truncate(uint64_t size) {
-  std::lock_guard write_lock(write_mu_);
+  MutexLock write_lock(&write_mu_);
   if (frozen_) return Status(Code::kAborted, "file is frozen for publication");
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     SealLocked();
   }
   target_->WaitIdle();
@@ -166,22 +166,22 @@ Status StagedFile::Truncate(uint64_t size) {
     target_->SetError(st);
     return st;
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   size_ = size;
   return Status::Ok();
 }
 
 std::shared_ptr<store::FlushTarget> StagedFile::SealAll() {
-  std::lock_guard write_lock(write_mu_);
+  MutexLock write_lock(&write_mu_);
   frozen_ = true;
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   SealLocked();
   return target_;
 }
 
 void StagedFile::SealIfIdle() {
   // Only mu_: a writer blocked in the pool holds write_mu_ but not mu_.
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   SealLocked();
 }
 

@@ -16,9 +16,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "gpu/staging_pool.h"
 #include "store/backing_dir.h"
@@ -65,17 +65,17 @@ class StagedFile : public std::enable_shared_from_this<StagedFile> {
   const std::shared_ptr<store::FlushTarget>& target() const { return target_; }
 
  private:
-  void SealLocked();  // REQUIRES(mu_)
-  bool OverlapsSealedLocked(uint64_t offset, size_t len) const;  // REQUIRES(mu_)
+  void SealLocked() REQUIRES(mu_);
+  bool OverlapsSealedLocked(uint64_t offset, size_t len) const REQUIRES(mu_);
 
   const StagingContext ctx_;
   const std::shared_ptr<store::FlushTarget> target_;
-  std::mutex write_mu_;  // serializes writers, held while waiting for staging
-  bool frozen_ = false;  // GUARDED_BY(write_mu_)
-  mutable std::mutex mu_;
-  uint64_t size_;                                              // GUARDED_BY(mu_)
-  std::shared_ptr<StagedChunk> active_;                        // GUARDED_BY(mu_)
-  std::map<uint64_t, std::shared_ptr<StagedChunk>> sealed_;    // GUARDED_BY(mu_)
+  Mutex write_mu_ ACQUIRED_BEFORE(mu_);  // serializes writers, held while waiting for staging
+  bool frozen_ GUARDED_BY(write_mu_) = false;
+  mutable Mutex mu_;
+  uint64_t size_ GUARDED_BY(mu_);
+  std::shared_ptr<StagedChunk> active_ GUARDED_BY(mu_);
+  std::map<uint64_t, std::shared_ptr<StagedChunk>> sealed_ GUARDED_BY(mu_);
 };
 
 }  // namespace ckptfs::fs

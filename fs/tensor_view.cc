@@ -26,7 +26,7 @@ const char* KindName(store::ItemKind k) {
 }  // namespace
 
 std::shared_ptr<TensorView::VNode> TensorView::Get(uint64_t ino) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (ino == kRootIno && !nodes_.count(kRootIno)) {
     auto root = std::make_shared<VNode>();
     root->ino = kRootIno;
@@ -44,7 +44,7 @@ std::shared_ptr<TensorView::VNode> TensorView::Intern(Kind kind, const std::stri
   std::string key;
   key.push_back(static_cast<char>('0' + static_cast<int>(kind)));
   key += path + '\0' + fqn + '\0' + leaf;
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = by_key_.find(key);
   if (it != by_key_.end()) {
     auto& node = nodes_[it->second];

@@ -15,12 +15,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "store/backing_dir.h"
@@ -77,10 +77,10 @@ class TensorView {
 
   store::BackingDir* const backing_;
   store::KeyIndex* const index_;
-  std::mutex mu_;
-  std::unordered_map<uint64_t, std::shared_ptr<VNode>> nodes_;  // GUARDED_BY(mu_)
-  std::map<std::string, uint64_t> by_key_;                      // GUARDED_BY(mu_)
-  uint64_t next_ino_ = kFirstIno;                                // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<VNode>> nodes_ GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> by_key_ GUARDED_BY(mu_);
+  uint64_t next_ino_ GUARDED_BY(mu_) = kFirstIno;
 };
 
 }  // namespace ckptfs::fs

@@ -146,7 +146,7 @@ class AttrStabilityStrict(AttrStability):
     durability = "strict"
 
 
-class ReflinkRewrite(unittest.TestCase):
+class ReflinkRewrite(harness.MountedTest):
     """The backing store on a small XFS image with reflink: a one-byte rewrite of a 64 MiB
     file shares its extents (copy_file_range reflinks) and the store grows by a block or
     so, not by 64 MiB."""
