@@ -131,6 +131,9 @@ std::string Filesystem::StatsJson() {
   j["journal_pending"] = journal_->pending();
   j["journal_applied_ahead"] = journal_->applied_ahead();
   j["journal_retries"] = journal_->retries();
+  j["journal_presyncs"] = journal_->presyncs();
+  j["state_db_writes"] = db_->writes();
+  j["state_db_synced_writes"] = db_->synced_writes();
   j["journal_halted"] = nullptr;
   if (auto halt = journal_->halted()) {
     j["journal_halted"] = {{"seq", halt->seq},

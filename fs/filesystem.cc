@@ -112,6 +112,9 @@ Status Filesystem::Init() {
   hooks.on_halt = [this](const store::JournalEntry& e, const Status& st) { OnJournalHalt(e, st); };
   // Strict mode returns every failure to the operation that caused it: nothing waits.
   hooks.halt_on_failure = !config_.strict;
+  // Temp files live at the backing root (BeginWriteLocked): their records can be written
+  // ahead, several per synced write.
+  hooks.temp_path = [](uint64_t id) { return std::string(kTempPrefix) + std::to_string(id); };
   CKPT_ASSIGN_OR_RETURN(journal_, store::Journal::Create(backing_.get(), db_.get(), hooks));
 
   CKPT_ASSIGN_OR_RETURN(index_, store::KeyIndex::Create(backing_.get(), db_.get()));
@@ -1058,8 +1061,7 @@ Result<Handle*> Filesystem::OpenFile(uint64_t ino, int flags) {
     if (node->parent != nullptr && CommittedDirLocked(node->parent)) {
       handle->ckpt = PathLocked(node->parent);
       handle->file = node->name;
-      auto indexed = index_->IndexedCheckpoints();
-      handle->indexed = std::find(indexed.begin(), indexed.end(), handle->ckpt) != indexed.end();
+      handle->indexed = index_->IsIndexed(handle->ckpt);
       // Reading `.metadata` is how every DCP load starts: fetch the checkpoint ahead.
       if (node->name == ".metadata" && cache_ && !writable) QueuePrefetch(handle->ckpt);
     }

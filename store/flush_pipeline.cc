@@ -50,6 +50,7 @@ void FlushTarget::Cancel(const Status& status) {
 }
 
 Status FlushTarget::Sync(BackingDir* dir) {
+  std::lock_guard sync_lock(sync_mu_);
   {
     std::unique_lock lock(mu_);
     idle_cv_.wait(lock, [&] { return inflight_ == parked_; });

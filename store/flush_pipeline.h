@@ -62,7 +62,10 @@ class FlushTarget {
   Status Settled();
   // Waits for the chunks being written, then fsyncs: the file's bytes are durable when
   // this returns ok. Returns at once with the error while a chunk waits for a retry, and
-  // with the permanent failure once bytes were lost.
+  // with the permanent failure once bytes were lost. Calls are serialized: the kernel
+  // reports a writeback error to one fsync of a file description only, so of two
+  // concurrent fsyncs (an early sync and the publisher's) one could pass over lost
+  // bytes; one at a time, the second sees the first's failure (lost).
   Status Sync(BackingDir* dir);
   uint64_t inflight() const;
   uint64_t parked() const;
@@ -95,6 +98,7 @@ class FlushTarget {
   Status lost_;            // GUARDED_BY(mu_): bytes were dropped; publication impossible
   std::atomic<uint64_t> bytes_flushed_{0};
   std::atomic<bool> synced_{false};
+  std::mutex sync_mu_;  // held through Sync(); taken before mu_
 };
 
 // One sealed run of bytes for one file. `keepalive` owns the memory behind `data`
