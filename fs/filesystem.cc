@@ -88,6 +88,7 @@ Status Filesystem::Init() {
   pool_options.total_bytes = config_.staging_bytes;
   pool_options.chunk_bytes = config_.chunk_bytes;
   pool_options.backend = config_.staging_backend;
+  pool_options.hugepages = config_.staging_hugepages;
   CKPT_ASSIGN_OR_RETURN(pool_, gpu::StagingPool::Create(pool_options));
   pool_->SetPressureCallback([this] { RelieveStagingPressure(); });
   store::FlushOptions flush_options;

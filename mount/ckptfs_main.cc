@@ -160,6 +160,7 @@ int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
   config.cache_bytes = o.cache_bytes;
   config.cache_direct_io = o.cache_direct_io;
   config.staging_backend = o.staging_backend;
+  config.staging_hugepages = o.staging_hugepages;
   config.write_checksums = o.write_checksums;
   config.commit_timeout = std::chrono::seconds(o.commit_timeout_s);
   std::unique_ptr<ckptfs::MetricsServer> metrics;

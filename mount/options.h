@@ -30,6 +30,7 @@ struct DaemonOptions {
   int fuse_threads = 32;
   int commit_timeout_s = 600;
   std::string staging_backend = "auto";
+  bool staging_hugepages = false;  // --staging-hugepages=on|off
   bool write_checksums = true;  // --write-checksums=on|off
   std::string log_level = "info";
   std::string log_file;
