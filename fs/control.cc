@@ -103,6 +103,7 @@ std::string Filesystem::StatsJson() {
   j["staging_waits"] = pool_->waits();
   j["backing_bytes_read"] = backing_->bytes_read();
   j["write_checksums"] = config_.write_checksums;
+  j["bytes_flushed_direct"] = pipeline_->direct_bytes();  // O_DIRECT, no page-cache copy
   j["checksum_bytes_hashed"] = pipeline_->crc_bytes();  // by the flush threads, in staging
   j["checksum_hash_s"] = pipeline_->crc_ns() / 1e9;
   j["checksum_block_maps_bytes"] = index_->block_crc_bytes();

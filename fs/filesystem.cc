@@ -94,6 +94,7 @@ Status Filesystem::Init() {
   store::FlushOptions flush_options;
   flush_options.threads = config_.flush_threads;
   flush_options.block_crcs = config_.write_checksums;
+  flush_options.direct_io = config_.flush_direct_io;
   CKPT_ASSIGN_OR_RETURN(pipeline_, store::FlushPipeline::Create(backing_.get(), flush_options));
   staging_ctx_ = StagingContext{pool_.get(), pipeline_.get(), backing_.get()};
   store::CommitGateOptions gate_options;

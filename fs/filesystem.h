@@ -57,6 +57,7 @@ struct FsConfig {
   bool cache_direct_io = true;  // block cache reads with O_DIRECT where the backing fs allows
   std::string staging_backend = "auto";
   bool staging_hugepages = false;  // gpu::StagingOptions::hugepages
+  bool flush_direct_io = true;     // store::FlushOptions::direct_io
   // Block CRCs of every flushed chunk, so the index checksums items without re-reading them.
   bool write_checksums = true;
   // How long a `.metadata` publication waits for shards from other writers to appear.

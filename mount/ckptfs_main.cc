@@ -161,6 +161,7 @@ int Serve(const ckptfs::DaemonOptions& o, ReadyPipe* ready) {
   config.cache_direct_io = o.cache_direct_io;
   config.staging_backend = o.staging_backend;
   config.staging_hugepages = o.staging_hugepages;
+  config.flush_direct_io = o.flush_direct_io;
   config.write_checksums = o.write_checksums;
   config.commit_timeout = std::chrono::seconds(o.commit_timeout_s);
   std::unique_ptr<ckptfs::MetricsServer> metrics;
