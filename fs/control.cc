@@ -182,6 +182,7 @@ std::string Filesystem::StatsJson() {
   j["staging_waits"] = pool_->waits();
   j["backing_bytes_read"] = backing_->bytes_read();
   j["write_checksums"] = config_.write_checksums;
+  j["bytes_flushed_direct"] = pipeline_->direct_bytes();  // O_DIRECT, no page-cache copy
   j["checksum_bytes_hashed"] = pipeline_->crc_bytes();  // by the flush threads, in staging
   j["checksum_hash_s"] = pipeline_->crc_ns() / 1e9;
   j["checksum_block_maps_bytes"] = index_->block_crc_bytes();
@@ -215,6 +216,9 @@ std::string Filesystem::StatsJson() {
   j["journal_pending"] = journal_->pending();
   j["journal_applied_ahead"] = journal_->applied_ahead();
   j["journal_retries"] = journal_->retries();
+  j["journal_presyncs"] = journal_->presyncs();
+  j["state_db_writes"] = db_->writes();
+  j["state_db_synced_writes"] = db_->synced_writes();
   j["journal_halted"] = nullptr;
   if (auto halt = journal_->halted()) {
     j["journal_halted"] = {{"seq", halt->seq},

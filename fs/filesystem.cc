@@ -53,6 +53,7 @@ Status Filesystem::Init(FsDeps deps) {
   pool_options.total_bytes = config_.staging_bytes;
   pool_options.chunk_bytes = config_.chunk_bytes;
   pool_options.backend = config_.staging_backend;
+  pool_options.hugepages = config_.staging_hugepages;
   if (deps.pool) {
     pool_ = std::move(deps.pool);
   } else {
@@ -62,6 +63,7 @@ Status Filesystem::Init(FsDeps deps) {
   store::FlushOptions flush_options;
   flush_options.threads = config_.flush_threads;
   flush_options.block_crcs = config_.write_checksums;
+  flush_options.direct_io = config_.flush_direct_io;
   if (deps.pipeline) {
     pipeline_ = std::move(deps.pipeline);
   } else {
@@ -85,6 +87,9 @@ Status Filesystem::Init(FsDeps deps) {
   hooks.on_halt = [this](const store::JournalEntry& e, const Status& st) { OnJournalHalt(e, st); };
   // Strict mode returns every failure to the operation that caused it: nothing waits.
   hooks.halt_on_failure = !config_.strict;
+  // Temp files live at the backing root (BeginWriteLocked): their records can be written
+  // ahead, several per synced write.
+  hooks.temp_path = [](uint64_t id) { return std::string(kTempPrefix) + std::to_string(id); };
   CKPT_ASSIGN_OR_RETURN(journal_, store::Journal::Create(backing_.get(), db_.get(), hooks));
 
   if (deps.index) {

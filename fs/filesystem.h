@@ -86,6 +86,8 @@ struct FsConfig {
   uint64_t cache_bytes = uint64_t{1} << 30;  // block cache budget for reads; 0 disables
   bool cache_direct_io = true;  // block cache reads with O_DIRECT where the backing fs allows
   std::string staging_backend = "auto";
+  bool staging_hugepages = false;  // gpu::StagingOptions::hugepages
+  bool flush_direct_io = true;     // store::FlushOptions::direct_io
   // Block CRCs of every flushed chunk, so the index checksums items without re-reading them.
   bool write_checksums = true;
   // How long a `.metadata` publication waits for shards from other writers to appear.

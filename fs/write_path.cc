@@ -369,8 +369,7 @@ Result<Handle*> Filesystem::NodeOpen(uint64_t ino, int flags) {
   lock.Unlock();
   if (!fh.ckpt.empty()) {
     // A prefix scan of the key index: without ns_mu_ (the handle is not yet anyone's).
-    auto indexed = index_->IndexedCheckpoints();
-    fh.indexed = std::find(indexed.begin(), indexed.end(), fh.ckpt) != indexed.end();
+    fh.indexed = index_->IsIndexed(fh.ckpt);
     // Reading `.metadata` is how every DCP load starts: fetch the checkpoint ahead.
     if (node->name == ".metadata" && !writable) read_->QueuePrefetch(fh.ckpt);
   }

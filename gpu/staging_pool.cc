@@ -67,9 +67,9 @@ Status Populate(uint8_t* base, size_t bytes) {
   return Status::Ok();
 }
 
-// Anonymous private memory, aligned to 2 MiB so transparent hugepages can back all of it,
-// populated up front and locked when RLIMIT_MEMLOCK allows.
-Result<Memory> AllocateHost(size_t bytes) {
+// Anonymous private memory, aligned to 2 MiB so transparent hugepages can back all of it
+// (when `hugepages`), populated up front and locked when RLIMIT_MEMLOCK allows.
+Result<Memory> AllocateHost(size_t bytes, bool hugepages) {
   if (bytes > SIZE_MAX - kHugePageBytes) return AllocFailed("mmap", bytes, ENOMEM);
   // Over-map by one hugepage and trim, since mmap only guarantees page alignment.
   const size_t mapped = bytes + kHugePageBytes;
@@ -84,7 +84,8 @@ Result<Memory> AllocateHost(size_t bytes) {
   auto* base = reinterpret_cast<uint8_t*>(aligned);
 
   // Before the first fault, or the pages come in small. Best effort: THP may be disabled.
-  (void)madvise(base, bytes, MADV_HUGEPAGE);
+  // Without hugepages, say so explicitly: THP may be "always" (see StagingOptions).
+  (void)madvise(base, bytes, hugepages ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
 
   Memory memory;
   memory.base = base;
@@ -195,8 +196,9 @@ Result<Memory> AllocateCuda(const CudaRuntime& rt, size_t bytes) {
 #endif  // CKPTFS_HAVE_CUDA
 
 // Picks the backend and allocates. `note` receives why "auto" did not use CUDA.
-Result<Memory> Allocate(const std::string& backend, size_t bytes, std::string* note) {
-  if (backend == "host") return AllocateHost(bytes);
+Result<Memory> Allocate(const std::string& backend, size_t bytes, bool hugepages,
+                        std::string* note) {
+  if (backend == "host") return AllocateHost(bytes, hugepages);
 #if defined(CKPTFS_HAVE_CUDA)
   std::string why;
   const CudaRuntime* rt = UsableCuda(&why);
@@ -206,7 +208,7 @@ Result<Memory> Allocate(const std::string& backend, size_t bytes, std::string* n
     // auto: host memory without CUDA registration is still better than no mount.
     spdlog::warn("staging pool: {}; falling back to host memory", memory.status().message());
     *note = "cudaHostAlloc failed";
-    return AllocateHost(bytes);
+    return AllocateHost(bytes, hugepages);
   }
   if (backend == "cuda") return Unsupported("staging backend \"cuda\" is unavailable: " + why);
   *note = "CUDA unavailable: " + why;
@@ -216,7 +218,7 @@ Result<Memory> Allocate(const std::string& backend, size_t bytes, std::string* n
   }
   *note = "built without CUDA";
 #endif
-  return AllocateHost(bytes);
+  return AllocateHost(bytes, hugepages);
 }
 
 }  // namespace
@@ -262,7 +264,7 @@ Result<std::unique_ptr<StagingPool>> StagingPool::Create(const StagingOptions& o
   }
 
   std::string note;
-  CKPT_ASSIGN_OR_RETURN(Memory memory, Allocate(backend, chunks * chunk, &note));
+  CKPT_ASSIGN_OR_RETURN(Memory memory, Allocate(backend, chunks * chunk, options.hugepages, &note));
 
   std::unique_ptr<StagingPool> pool(new StagingPool());
   pool->chunk_bytes_ = chunk;

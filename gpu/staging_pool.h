@@ -1,7 +1,8 @@
 // StagingPool: a fixed pool of equal-sized staging chunks, allocated once at mount.
 //
 // The memory is pinned: cudaHostAlloc when a CUDA runtime and device are present,
-// otherwise page-locked anonymous memory (mlock, transparent hugepages advised).
+// otherwise page-locked anonymous memory (mlock; transparent hugepages only when asked:
+// StagingOptions::hugepages).
 // Locking is best effort; an mlock failure is logged once and the pool still works.
 // The pool never allocates after Create(), so it never holds more than its budget (G6).
 //
@@ -57,6 +58,12 @@ struct StagingOptions {
   // "auto": CUDA pinned memory when a device is present, else locked host memory.
   // "host": always locked host memory. "cuda": fail if CUDA is unavailable.
   std::string backend = "auto";
+  // Host memory: back the pool with transparent hugepages (MADV_HUGEPAGE), or keep them
+  // off (MADV_NOHUGEPAGE, whatever the system default). Off by default: on the VMs this
+  // was measured on (Linux 6.1 guests), the flush threads' pwrite() out of a hugepage
+  // pool into the page cache ran at half the speed (1 GiB published in 4.8 s against
+  // 2.3 s, medians of 6); copying into the pool was no faster either way.
+  bool hugepages = false;
 };
 
 class StagingPool {

@@ -194,6 +194,8 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   config.cache_bytes = o.cache_bytes;
   config.cache_direct_io = o.cache_direct_io;
   config.staging_backend = o.staging_backend;
+  config.staging_hugepages = o.staging_hugepages;
+  config.flush_direct_io = o.flush_direct_io;
   config.write_checksums = o.write_checksums;
   config.commit_timeout = std::chrono::seconds(o.commit_timeout_s);
   config.peers = std::move(peers);

@@ -115,6 +115,7 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   app.set_version_flag("--version", VersionLine("ckptfs"));
   std::string durability = "async", staging = "1G", chunk = "4M", cache = "1G";
   std::string read_ahead = "4M", direct_io = "on", write_checksums = "on", log_max = "100M";
+  std::string staging_hugepages = "off", flush_direct_io = "on";
   app.add_option("backing_dir", o.backing_dir, "Directory that stores the files")->required();
   app.add_option("mountpoint", o.mountpoint, "Where to mount")->required();
   app.add_flag("-f,--foreground", o.foreground, "Stay in the foreground");
@@ -137,6 +138,14 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
       ->check(CLI::Range(1, 86400));
   app.add_option("--staging-backend", o.staging_backend, "auto, host or cuda")
       ->check(CLI::IsMember({"auto", "host", "cuda"}));
+  app.add_option("--staging-hugepages", staging_hugepages,
+                 "on: back host staging memory with transparent hugepages; off (default): "
+                 "small pages, which the flush threads copy out of faster on the VMs measured")
+      ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--flush-direct-io", flush_direct_io,
+                 "on (default): flush 4 KiB-aligned staged data with O_DIRECT, no page-cache "
+                 "copy; off: through the page cache")
+      ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--write-checksums", write_checksums,
                  "on (default): CRC32C of written blocks while in staging, so that item "
                  "checksums need no re-read; off: items are read back after the commit")
@@ -227,6 +236,8 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   }
   o.strict = durability == "strict";
   o.write_checksums = write_checksums == "on";
+  o.staging_hugepages = staging_hugepages == "on";
+  o.flush_direct_io = flush_direct_io == "on";
   CKPT_ASSIGN_OR_RETURN(o.staging_bytes, ParseSize(staging));
   CKPT_ASSIGN_OR_RETURN(o.chunk_bytes, ParseSize(chunk));
   CKPT_ASSIGN_OR_RETURN(o.cache_bytes, ParseSize(cache));

@@ -30,6 +30,8 @@ struct DaemonOptions {
   int fuse_threads = 32;
   int commit_timeout_s = 600;
   std::string staging_backend = "auto";
+  bool staging_hugepages = false;  // --staging-hugepages=on|off
+  bool flush_direct_io = true;     // --flush-direct-io=on|off
   bool write_checksums = true;  // --write-checksums=on|off
   std::string log_level = "info";
   std::string log_file;

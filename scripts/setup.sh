@@ -14,6 +14,7 @@ PACKAGES=(
   util-linux e2fsprogs xfsprogs coreutils procps psmisc attr
   libcpp-httplib-dev libsystemd-dev libmount-dev
   help2man dpkg-dev debootstrap curl python3-prometheus-client
+  fio  # scripts/bench/bench_write.py: 4 KiB and 1 MiB write ratios
 )
 
 missing=()

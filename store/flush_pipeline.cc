@@ -1,6 +1,9 @@
 #include "store/flush_pipeline.h"
 
+#include <fcntl.h>
 #include <spdlog/spdlog.h>
+
+#include <string>
 
 #include <chrono>
 
@@ -55,7 +58,24 @@ void FlushTarget::Cancel(const Status& status) {
   if (lost_.ok()) lost_ = status;
 }
 
+int FlushTarget::DirectFd() {
+  if (direct_off_.load(std::memory_order_relaxed)) return -1;
+  std::lock_guard lock(direct_mu_);
+  if (!direct_tried_) {
+    direct_tried_ = true;
+    // Reopens the very inode fd_ refers to: no path is looked up, so confinement holds.
+    const std::string self = "/proc/self/fd/" + std::to_string(fd_.get());
+    direct_fd_ = UniqueFd(::open(self.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
+    if (!direct_fd_.valid()) direct_off_.store(true, std::memory_order_relaxed);
+  }
+  return direct_fd_.valid() && !direct_off_.load(std::memory_order_relaxed) ? direct_fd_.get()
+                                                                            : -1;
+}
+
+void FlushTarget::DisableDirect() { direct_off_.store(true, std::memory_order_relaxed); }
+
 Status FlushTarget::Sync(BackingDir* dir) {
+  std::lock_guard sync_lock(sync_mu_);
   {
     MutexLock lock(&mu_);
     idle_cv_.wait(lock.native(), [&] {
@@ -214,7 +234,27 @@ bool FlushPipeline::WriteChunk(SealedChunk& chunk, int attempts) {
     st = target.lost_;
   }
   if (st.ok()) {
-    st = dir_->PWrite(target.fd(), chunk.data, chunk.length, static_cast<off_t>(chunk.offset));
+    constexpr uint64_t kAlign = 4096;
+    int direct = -1;
+    if (options_.direct_io && chunk.offset % kAlign == 0 && chunk.length % kAlign == 0 &&
+        reinterpret_cast<uintptr_t>(chunk.data) % kAlign == 0) {
+      direct = target.DirectFd();
+    }
+    if (direct >= 0) {
+      st = dir_->PWrite(direct, chunk.data, chunk.length, static_cast<off_t>(chunk.offset));
+      if (st.ok()) {
+        direct_bytes_.fetch_add(chunk.length, std::memory_order_relaxed);
+      } else if (st.code() == Code::kInvalid) {
+        // The file system takes O_DIRECT opens but not these writes: the page cache then.
+        spdlog::debug("flush of file {}: direct write refused ({}); buffered from now on",
+                      target.id(), st.ToString());
+        target.DisableDirect();
+        direct = -1;
+      }
+    }
+    if (direct < 0) {
+      st = dir_->PWrite(target.fd(), chunk.data, chunk.length, static_cast<off_t>(chunk.offset));
+    }
     if (st.ok() && options_.block_crcs) {
       // The bytes are still in staging: hashing them here costs no read. Before the
       // target's inflight count drops, so a later overlapping chunk records after this.

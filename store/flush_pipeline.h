@@ -18,6 +18,15 @@
 // to the file's bytes (NoteTruncated); bytes that reach the file any other way (a copy of
 // the old contents) are simply never recorded, hence unknown.
 //
+// Direct I/O. With FlushOptions::direct_io, a chunk whose file offset, length and staging
+// address are all 4 KiB aligned is written with O_DIRECT, through a second descriptor of
+// the same inode: straight from staging to the device, with no copy into the page cache
+// (that copy was most of the daemon's CPU while saving). Other chunks (a file's tail, small
+// writes) are written through the page cache as before; the kernel keeps the two coherent
+// (a direct write flushes and drops cached pages it overlaps). Sync() fsyncs the inode,
+// which covers both. Where the file system refuses O_DIRECT, the target falls back to the
+// page cache for good.
+//
 // Thread-safe. The destructor drains the queue and joins every thread.
 #pragma once
 
@@ -48,6 +57,10 @@ class FlushTarget {
 
   uint64_t id() const { return id_; }
   int fd() const { return fd_.get(); }
+  // The O_DIRECT descriptor of the same file, opened on first use; -1 where the file
+  // system refuses it (then always -1).
+  int DirectFd();
+  void DisableDirect();  // a direct write failed with EINVAL: use fd() from now on
   // The first error seen for this file, or ok (sticky, for the application).
   Status Error() const;
   void SetError(const Status& status);
@@ -63,7 +76,10 @@ class FlushTarget {
   Status Settled();
   // Waits for the chunks being written, then fsyncs: the file's bytes are durable when
   // this returns ok. Returns at once with the error while a chunk waits for a retry, and
-  // with the permanent failure once bytes were lost.
+  // with the permanent failure once bytes were lost. Calls are serialized: the kernel
+  // reports a writeback error to one fsync of a file description only, so of two
+  // concurrent fsyncs (an early sync and the publisher's) one could pass over lost
+  // bytes; one at a time, the second sees the first's failure (lost).
   Status Sync(BackingDir* dir);
   uint64_t inflight() const;
   uint64_t parked() const;
@@ -96,6 +112,11 @@ class FlushTarget {
   Status lost_ GUARDED_BY(mu_);  // bytes were dropped; publication impossible
   std::atomic<uint64_t> bytes_flushed_{0};
   std::atomic<bool> synced_{false};
+  std::mutex sync_mu_;  // held through Sync(); taken before mu_
+  std::mutex direct_mu_;
+  UniqueFd direct_fd_;         // GUARDED_BY(direct_mu_)
+  bool direct_tried_ = false;  // GUARDED_BY(direct_mu_)
+  std::atomic<bool> direct_off_{false};
 };
 
 // One sealed run of bytes for one file. `keepalive` owns the memory behind `data`
@@ -121,6 +142,7 @@ struct FlushOptions {
   std::chrono::milliseconds retry_min{100};
   std::chrono::milliseconds retry_max{5000};
   bool block_crcs = true;  // record block CRCs of every chunk written (see above)
+  bool direct_io = true;   // aligned chunks bypass the page cache (see above)
   BlockCrcOptions crc_options;
 };
 
@@ -150,6 +172,7 @@ class FlushPipeline {
   // Bytes hashed into block CRCs, and the flush threads' time spent hashing them.
   uint64_t crc_bytes() const { return crc_bytes_.load(std::memory_order_relaxed); }
   uint64_t crc_ns() const { return crc_ns_.load(std::memory_order_relaxed); }
+  uint64_t direct_bytes() const { return direct_bytes_.load(std::memory_order_relaxed); }
 
  private:
   FlushPipeline(BackingDir* dir, const FlushOptions& options);
@@ -180,6 +203,7 @@ class FlushPipeline {
   std::atomic<uint64_t> retries_{0};
   std::atomic<uint64_t> crc_bytes_{0};
   std::atomic<uint64_t> crc_ns_{0};
+  std::atomic<uint64_t> direct_bytes_{0};
 };
 
 }  // namespace ckptfs::store

@@ -169,6 +169,31 @@ Journal::Journal(BackingDir* dir, StateDb* db, Hooks hooks, uint64_t next_seq, u
     : dir_(dir), db_(db), hooks_(std::move(hooks)), next_seq_(next_seq), done_seq_(next_seq - 1),
       next_file_id_(next_id) {
   thread_ = std::thread([this] { Run(); });
+  for (int i = 0; i < hooks_.presync_threads; ++i) {
+    presync_threads_.emplace_back([this] { RunPresync(); });
+  }
+}
+
+void Journal::RunPresync() {
+  std::unique_lock lock(presync_mu_);
+  for (;;) {
+    presync_cv_.wait(lock, [&] { return presync_stop_ || !presync_queue_.empty(); });
+    if (presync_stop_) return;
+    std::shared_ptr<FlushTarget> target = std::move(presync_queue_.front());
+    presync_queue_.pop_front();
+    lock.unlock();
+    // The outcome is the publisher's to act on: its own Sync() of this target returns
+    // the same failure (a failed fsync marks the target lost), or finds the bytes
+    // already on disk.
+    Status st = target->Sync(dir_);
+    if (st.ok()) {
+      presyncs_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      spdlog::debug("journal: early sync of file {}: {}", target->id(), st.ToString());
+    }
+    target.reset();
+    lock.lock();
+  }
 }
 
 Result<std::unique_ptr<Journal>> Journal::Create(BackingDir* dir, StateDb* db, Hooks hooks) {
@@ -184,6 +209,14 @@ Result<std::unique_ptr<Journal>> Journal::Create(BackingDir* dir, StateDb* db, H
 Journal::~Journal() {
   Close();
   {
+    // Every publish is done, so every file queued for an early sync is synced already.
+    std::lock_guard lock(presync_mu_);
+    presync_stop_ = true;
+    presync_queue_.clear();
+  }
+  presync_cv_.notify_all();
+  for (auto& t : presync_threads_) t.join();
+  {
     MutexLock lock(&mu_);
     stop_ = true;
   }
@@ -193,10 +226,33 @@ Journal::~Journal() {
 
 uint64_t Journal::NextFileId() {
   MutexLock lock(&mu_);
-  return ++next_file_id_;
+  const uint64_t id = ++next_file_id_;
+  if (hooks_.temp_path && (id < reserved_from_ || id > reserved_until_)) {
+    // One synced write for the temp records of the next kTempsAhead files, instead of one
+    // per file (each while the caller holds the namespace lock). Should it fail, each
+    // RegisterTemp writes its own record, and reports the failure.
+    constexpr uint64_t kTempsAhead = 64;
+    std::vector<std::pair<std::string, std::string>> puts;
+    for (uint64_t i = id; i < id + kTempsAhead; ++i) {
+      puts.emplace_back(Key(kTempPrefix, i), hooks_.temp_path(i));
+    }
+    if (db_->Write(puts, {}).ok()) {
+      reserved_from_ = id;
+      reserved_until_ = id + kTempsAhead - 1;
+    }
+  }
+  return id;
 }
 
 Status Journal::RegisterTemp(uint64_t file_id, const std::string& temp_path) {
+  {
+    MutexLock lock(&mu_);
+    if (file_id >= reserved_from_ && file_id <= reserved_until_ && hooks_.temp_path &&
+        hooks_.temp_path(file_id) == temp_path) {
+      temps_[file_id] = temp_path;  // its record is on disk already
+      return Status::Ok();
+    }
+  }
   CKPT_RETURN_IF_ERROR(db_->Put(Key(kTempPrefix, file_id), temp_path));
   MutexLock lock(&mu_);
   temps_[file_id] = temp_path;
@@ -214,20 +270,31 @@ Status Journal::ForgetTemp(uint64_t file_id) {
 Result<uint64_t> Journal::Append(JournalEntry entry) {
   MutexLock lock(&mu_);
   entry.seq = next_seq_++;
-  // The record only tells a restarted daemon what was pending; the temp records are
-  // what recovery acts on, so this write need not be synced separately.
-  Status st = db_->Put(Key(kEntryPrefix, entry.seq), entry.Serialize());
+  // Unsynced: the record only tells a restarted daemon what was pending (it reports
+  // such entries as discarded); the temp records, written synced, are what recovery
+  // acts on. A crash loses every queued entry anyway (they are in memory), and a lost
+  // record can only lose an entry that was never applied: an uncommitted operation.
+  Status st = db_->Put(Key(kEntryPrefix, entry.seq), entry.Serialize(), WriteMode::kUnsynced);
   if (!st.ok()) {
     // Keep the sequence dense: the entry is queued anyway, in memory, and the error
     // is logged. Publication order is what matters for the backing store.
     spdlog::warn("journal: could not persist {}: {}", entry.Describe(), st.ToString());
   }
   uint64_t seq = entry.seq;
+  std::shared_ptr<FlushTarget> presync =
+      entry.op == OpType::kPublish && !presync_threads_.empty() ? entry.target : nullptr;
   Queued q;
   q.e = std::move(entry);
   queue_.push_back(std::move(q));
   lock.Unlock();
   work_cv_.notify_one();
+  if (presync) {
+    {
+      std::lock_guard plock(presync_mu_);
+      presync_queue_.push_back(std::move(presync));
+    }
+    presync_cv_.notify_one();
+  }
   return seq;
 }
 
@@ -284,7 +351,7 @@ uint64_t Journal::Close() {
   work_cv_.notify_all();
   done_cv_.wait(lock.native(), [&] {
     mu_.AssertHeld();  // the predicate runs under the lock
-    return queue_.empty();
+    return queue_.empty() && finalizing_ == 0;
   });
   return dropped_publishes_;
 }
@@ -517,9 +584,13 @@ void Journal::Run() {
       if (!at_head) done_ahead_.insert(e.seq);
       gate_dirty_ = true;
       AdvanceDoneLocked();
+      ++finalizing_;
       lock.Unlock();
       spdlog::warn("journal: {} dropped: {}", e.Describe(), why.ToString());
       Finalize(e, why, /*applied=*/false);
+      lock.Lock();
+      --finalizing_;
+      lock.Unlock();
       done_cv_.notify_all();
       lock.Lock();
       continue;
@@ -606,9 +677,13 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     ++skipped_;
     if (!at_head) done_ahead_.insert(e.seq);
     AdvanceDoneLocked();
+    ++finalizing_;
     lock.Unlock();
     spdlog::error("journal: {} skipped: {}", e.Describe(), st.ToString());
     Finalize(e, st, /*applied=*/false);
+    lock.Lock();
+    --finalizing_;
+    lock.Unlock();
     done_cv_.notify_all();
     return;
   }
@@ -629,10 +704,14 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     }
     gate_seq_ = 0;
     AdvanceDoneLocked();
+    ++finalizing_;  // Close() returns once their records are gone too
     lock.Unlock();
     spdlog::error("journal: {} failed at shutdown ({}); {} entries after it not applied",
                   e.Describe(), st.ToString(), dropped.size() - 1);
     for (const auto& [d, why] : dropped) Finalize(d, why, /*applied=*/false);
+    lock.Lock();
+    --finalizing_;
+    lock.Unlock();
     done_cv_.notify_all();
     return;
   }
@@ -684,7 +763,12 @@ void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
   if (e.op == OpType::kPublish || e.op == OpType::kDiscard) {
     deletes.push_back(Key(kTempPrefix, e.file_id));
   }
-  Status db_st = db_->Write({}, deletes);
+  // Unsynced: the entry is done on the backing store already. If a crash of the node
+  // loses this removal, recovery finds the records again: it unlinks the temp name,
+  // which no longer exists after a publish (NotFound is expected) or holds the replaced
+  // old file (removing it is what the publish did next), and it reports the entry as
+  // discarded, a log line. Temp names are never reused (the file id has the epoch).
+  Status db_st = db_->Write({}, deletes, WriteMode::kUnsynced);
   if (!db_st.ok()) spdlog::warn("journal: state db: {}", db_st.ToString());
   if (e.op == OpType::kPublish || e.op == OpType::kDiscard) {
     MutexLock lock(&mu_);

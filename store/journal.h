@@ -22,11 +22,21 @@
 // after it are dropped, never applied, and counted.
 //
 // Entries and temp-file records are kept in RocksDB, so a restarted daemon knows which
-// temp files were never published and removes them (Recover()).
+// temp files were never published and removes them (Recover()). Only the temp records
+// guard anything (a temp file that a crash leaves behind), so only they are written
+// synced, before the temp file is created; entry records and the removal of finished
+// records are written unsynced (see Append and Finalize for why recovery allows that).
+//
+// Early syncs. A publish is applied only after its file is fsynced, by the one publisher
+// thread, in journal order. So that fsyncs of many files do not run one after another,
+// `presync_threads` threads fsync each publish's file as soon as the entry is appended
+// (the file is complete and frozen then); the publisher's own fsync, which is what the
+// guarantee rests on, then finds little or nothing left to write.
 //
 // Thread-safe. The destructor drains pending entries and joins the publisher.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -151,6 +161,12 @@ class Journal {
     // it): a failed entry is skipped and dropped, never halts; nothing waits for an
     // operator.
     bool halt_on_failure = true;
+    // Threads that fsync published files ahead of the publisher (0: none).
+    int presync_threads = 4;
+    // The temp path the owner will give file `id` (RegisterTemp), if it can say in
+    // advance. Then NextFileId() writes the temp records of the next ids ahead, several
+    // in one synced write, and RegisterTemp() of such a path writes nothing.
+    std::function<std::string(uint64_t id)> temp_path;
   };
 
   // Removes the temp files of a previous run that were never published and clears its
@@ -164,13 +180,17 @@ class Journal {
   Journal(const Journal&) = delete;
   Journal& operator=(const Journal&) = delete;
 
-  // Records a temp file before it is created, so a crash cannot leak it.
+  // Records a temp file before it is created, so a crash cannot leak it. The record is
+  // synced before this returns (or was, ahead of time: Hooks::temp_path). A record
+  // written ahead for an id that is never used costs recovery one unlink that finds
+  // nothing.
   Status RegisterTemp(uint64_t file_id, const std::string& temp_path);
   // Forgets a temp file that was removed without ever being journaled.
   Status ForgetTemp(uint64_t file_id);
   uint64_t NextFileId();
 
-  // Persists and queues `entry`; returns its sequence number.
+  // Persists (unsynced) and queues `entry`; returns its sequence number. A publish's
+  // file is handed to the early-sync threads.
   Result<uint64_t> Append(JournalEntry entry);
   // Blocks until entry `seq` is applied or skipped, or has failed; returns its outcome.
   Status Wait(uint64_t seq);
@@ -211,6 +231,7 @@ class Journal {
   uint64_t skipped() const;
   uint64_t applied_ahead() const;  // publishes applied ahead of a waiting commit
   uint64_t retries() const;
+  uint64_t presyncs() const { return presyncs_.load(std::memory_order_relaxed); }
 
  private:
   Journal(BackingDir* dir, StateDb* db, Hooks hooks, uint64_t next_seq, uint64_t next_id);
@@ -247,6 +268,7 @@ class Journal {
   Status ApplyOwner(const JournalEntry& e);
   // Keeps temp records right when a directory holding temps is renamed.
   void MoveTempRecords(const std::string& from, const std::string& to);
+  void RunPresync();  // an early-sync thread
 
   BackingDir* const dir_;
   StateDb* const db_;
@@ -274,9 +296,22 @@ class Journal {
   std::map<uint64_t, Status> failures_ GUARDED_BY(mu_);  // outcomes of skipped entries
   std::map<uint64_t, std::string> temps_ GUARDED_BY(mu_);  // file id -> temp path
   uint64_t next_file_id_ GUARDED_BY(mu_);
+  // Ids [reserved_from_, reserved_until_] have a synced temp record for temp_path(id).
+  uint64_t reserved_from_ GUARDED_BY(mu_) = 1;
+  uint64_t reserved_until_ GUARDED_BY(mu_) = 0;
   uint64_t skipped_ GUARDED_BY(mu_) = 0;
+  // Entries taken off queue_ whose Finalize() (records, hooks) has not returned yet.
+  uint64_t finalizing_ GUARDED_BY(mu_) = 0;
   bool stop_ GUARDED_BY(mu_) = false;
   std::thread thread_;
+
+  // Early syncs. presync_mu_ is never held together with mu_, nor during an fsync.
+  std::mutex presync_mu_;
+  std::condition_variable presync_cv_;
+  std::deque<std::shared_ptr<FlushTarget>> presync_queue_;  // GUARDED_BY(presync_mu_)
+  bool presync_stop_ = false;                                // GUARDED_BY(presync_mu_)
+  std::atomic<uint64_t> presyncs_{0};
+  std::vector<std::thread> presync_threads_;
 };
 
 // True if `path`'s last component is `.metadata` (the DCP commit file).

@@ -40,9 +40,9 @@ Status FromRocks(const rocksdb::Status& s, std::string_view what) {
   return Status(Code::kIo, msg);
 }
 
-rocksdb::WriteOptions SyncWrite() {
+rocksdb::WriteOptions SyncWrite(WriteMode mode) {
   rocksdb::WriteOptions w;
-  w.sync = true;
+  w.sync = mode == WriteMode::kSynced;
   return w;
 }
 
@@ -246,8 +246,10 @@ Status StateDb::Reopen() {
   return Status::Ok();
 }
 
-Status StateDb::RunWrite(const std::function<Status(rocksdb::DB*)>& write) {
+Status StateDb::RunWrite(WriteMode mode, const std::function<Status(rocksdb::DB*)>& write) {
   CKPT_RETURN_IF_ERROR(CheckWritable());
+  writes_.fetch_add(1, std::memory_order_relaxed);
+  if (mode == WriteMode::kSynced) synced_writes_.fetch_add(1, std::memory_order_relaxed);
   Status st;
   {
     ReaderLock lock(&db_mu_);
@@ -262,31 +264,31 @@ Status StateDb::RunWrite(const std::function<Status(rocksdb::DB*)>& write) {
   return st;
 }
 
-Status StateDb::Put(std::string_view key, std::string_view value) {
+Status StateDb::Put(std::string_view key, std::string_view value, WriteMode mode) {
   MutexLock lock(&write_mu_);
-  return RunWrite([&](rocksdb::DB* db) {
-    return FromRocks(db->Put(SyncWrite(), rocksdb::Slice(key.data(), key.size()),
+  return RunWrite(mode, [&](rocksdb::DB* db) {
+    return FromRocks(db->Put(SyncWrite(mode), rocksdb::Slice(key.data(), key.size()),
                              rocksdb::Slice(value.data(), value.size())),
                      "state db put");
   });
 }
 
-Status StateDb::Delete(std::string_view key) {
+Status StateDb::Delete(std::string_view key, WriteMode mode) {
   MutexLock lock(&write_mu_);
-  return RunWrite([&](rocksdb::DB* db) {
-    return FromRocks(db->Delete(SyncWrite(), rocksdb::Slice(key.data(), key.size())),
+  return RunWrite(mode, [&](rocksdb::DB* db) {
+    return FromRocks(db->Delete(SyncWrite(mode), rocksdb::Slice(key.data(), key.size())),
                      "state db delete");
   });
 }
 
 Status StateDb::Write(const std::vector<std::pair<std::string, std::string>>& puts,
-                      const std::vector<std::string>& deletes) {
+                      const std::vector<std::string>& deletes, WriteMode mode) {
   rocksdb::WriteBatch batch;
   for (const auto& [k, v] : puts) batch.Put(k, v);
   for (const auto& k : deletes) batch.Delete(k);
   MutexLock lock(&write_mu_);
-  return RunWrite([&](rocksdb::DB* db) {
-    return FromRocks(db->Write(SyncWrite(), &batch), "state db write");
+  return RunWrite(mode, [&](rocksdb::DB* db) {
+    return FromRocks(db->Write(SyncWrite(mode), &batch), "state db write");
   });
 }
 

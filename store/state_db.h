@@ -3,9 +3,13 @@
 // backing store except which work was still pending at a crash.
 //
 // Thread-safe: writes are serialized, reads run concurrently. Writes are synced (WAL
-// fsync) so a record reaches disk before the action it guards. A write that returns an
-// error is not visible to reads (a restart may still find one whose record was written
-// whole but not synced, as for any failed fsync).
+// fsync) by default, so a record reaches disk before the action it guards. A caller whose
+// record guards nothing on the backing store (recovery copes with its loss) may ask for
+// WriteMode::kUnsynced: the record is appended to the WAL (a write(2), so it survives a
+// crash of the daemon) but not fsynced, so a crash of the node may lose it; the next
+// synced write makes it durable with itself. Each call site says why it may. A write that
+// returns an error is not visible to reads (a restart may still find one whose record was
+// written whole but not synced, as for any failed fsync).
 //
 // A full disk under the state dir is an expected condition, not a crash: writes are
 // refused with kNoSpace while the state dir's file system has less than
@@ -20,6 +24,7 @@
 // that hit ENOSPC aborts the process on its next line, in the same way).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -39,6 +44,9 @@ class DB;
 
 namespace ckptfs::store {
 
+// Whether a write waits for the WAL to reach the disk (see the class comment).
+enum class WriteMode { kSynced, kUnsynced };
+
 struct StateDbOptions {
   // Writes fail with kNoSpace while the state dir's file system has less free space
   // than this. The reserve leaves room for RocksDB's own work (memtable flushes,
@@ -57,11 +65,15 @@ class StateDb {
   StateDb& operator=(const StateDb&) = delete;
 
   // kNoSpace when the state dir's disk is (nearly) full; see above.
-  Status Put(std::string_view key, std::string_view value);
-  Status Delete(std::string_view key);
+  Status Put(std::string_view key, std::string_view value, WriteMode mode = WriteMode::kSynced);
+  Status Delete(std::string_view key, WriteMode mode = WriteMode::kSynced);
   // Applies the puts and deletes atomically.
   Status Write(const std::vector<std::pair<std::string, std::string>>& puts,
-               const std::vector<std::string>& deletes);
+               const std::vector<std::string>& deletes, WriteMode mode = WriteMode::kSynced);
+
+  // Writes so far, all and synced ones (for /.ckptfs/stats: syncs per file saved).
+  uint64_t writes() const { return writes_.load(std::memory_order_relaxed); }
+  uint64_t synced_writes() const { return synced_writes_.load(std::memory_order_relaxed); }
   // Reads work on a full disk; they fail (kIo) only while a reopen after a failed
   // write has not succeeded yet.
   Result<std::string> Get(std::string_view key);  // kNotFound if absent
@@ -80,7 +92,8 @@ class StateDb {
   Status CheckWritable() REQUIRES(write_mu_);
   Status Reopen() REQUIRES(write_mu_);
   // Under write_mu_: runs one RocksDB write; a failure is kept in write_error_.
-  Status RunWrite(const std::function<Status(rocksdb::DB*)>& write) REQUIRES(write_mu_);
+  Status RunWrite(WriteMode mode, const std::function<Status(rocksdb::DB*)>& write)
+      REQUIRES(write_mu_);
 
   const std::string dir_;
   const StateDbOptions options_;
@@ -94,6 +107,8 @@ class StateDb {
   // Shared by every RocksDB call, exclusive to close and reopen the database.
   SharedMutex db_mu_;
   std::unique_ptr<rocksdb::DB> db_ GUARDED_BY(db_mu_);  // null while a reopen failed
+  std::atomic<uint64_t> writes_{0};
+  std::atomic<uint64_t> synced_writes_{0};
 };
 
 }  // namespace ckptfs::store

@@ -17,6 +17,8 @@ Cases (one JSON line each, medians over BENCH_REPS repetitions):
     io_read_bytes        the daemon's /proc/<pid>/io read_bytes over the same span
                          (cold caches, so storage reads), the cross-check
     checkpoint_bytes     size of the checkpoint directory
+    (throttled_load_own_sfpr{1,0}: the same own-shard load with both sides in a
+    blkio cgroup that throttles reads of the backing disk, --throttle-mbps)
     crosscheck_ok        the daemon's counter agrees with /proc/<pid>/io within
                          10% (+4 MiB) in every rep (the counter also counts bytes the
                          backing file system served from its page cache, so a daemon
@@ -31,6 +33,7 @@ Writes bench_load.png (ratios, backing bytes / checkpoint bytes) and bench_load.
 (raw numbers) into --out.
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -135,6 +138,9 @@ def main():
     ap.add_argument("--daemon-args", default="",
                     help="extra daemon options, space separated (e.g. '--read-ahead 0')")
     ap.add_argument("--seed", type=int, default=4242)
+    ap.add_argument("--throttle-mbps", type=float, default=300,
+                    help="also run own-shard loads with backing reads throttled to this "
+                    "(blkio cgroup, both sides); 0 skips")
     ap.add_argument("--keep-state", action="store_true",
                     help="reuse the daemon's state dir (persisted key index) across reps")
     ap.add_argument("--work", default=os.path.join(bl.REPO, "build-bench", "load-work"),
@@ -161,28 +167,34 @@ def main():
             bl.log(f"saving {a.mb} MiB, sfpr={sfpr} directly into the backing dir")
             dcp_tool.save(ckpt, a.ranks, a.mb, bool(sfpr), a.seed, timeout=1800)
             ckpt_bytes = bl.tree_bytes(ckpt)
-            for mode in modes:
-                case = f"load_{mode}_sfpr{sfpr}"
+            plan = [(m, False) for m in modes]
+            if a.throttle_mbps > 0 and "own" in modes:
+                plan.append(("own", True))
+            for mode, throttled in plan:
+                case = f"{'throttled_' if throttled else ''}load_{mode}_sfpr{sfpr}"
+                throttle = (bl.BlkioThrottle(backing, a.throttle_mbps * 1e6) if throttled
+                            else contextlib.nullcontext())
                 direct, runs, ok, xok = [], [], True, True
                 for rep in range(a.reps):
                     # alternate the order so that drift on a shared machine cancels out
                     order = ("direct", "ckptfs") if rep % 2 == 0 else ("ckptfs", "direct")
                     for side in order:
-                        try:
-                            if side == "direct":
-                                direct.append(load_direct(ckpt, a.ranks, mode, a.seed))
-                            else:
-                                r = load_ckptfs(root, name, a.ranks, mode, a.seed,
-                                                daemon_args, a.staging_mem, not a.keep_state)
-                                runs.append(r)
-                                raw["runs"].append(dict(r, case=case, rep=rep))
-                                if r["errors"] or r["exit"] != 0:
-                                    ok = False
-                                if not crosscheck(r["backing_bytes"], r["io_read_bytes"]):
-                                    xok = False
-                        except dcp_tool.DcpToolError as e:
-                            bl.log(f"{case} {side} rep {rep} failed: {str(e)[-2000:]}")
-                            ok = False
+                        with throttle:
+                            try:
+                                if side == "direct":
+                                    direct.append(load_direct(ckpt, a.ranks, mode, a.seed))
+                                else:
+                                    r = load_ckptfs(root, name, a.ranks, mode, a.seed,
+                                                    daemon_args, a.staging_mem, not a.keep_state)
+                                    runs.append(r)
+                                    raw["runs"].append(dict(r, case=case, rep=rep))
+                                    if r["errors"] or r["exit"] != 0:
+                                        ok = False
+                                    if not crosscheck(r["backing_bytes"], r["io_read_bytes"]):
+                                        xok = False
+                            except dcp_tool.DcpToolError as e:
+                                bl.log(f"{case} {side} rep {rep} failed: {str(e)[-2000:]}")
+                                ok = False
                     bl.log(f"{case} rep {rep}: direct {direct[-1] if direct else None} "
                            f"ckptfs {runs[-1]['load_s'] if runs else None}")
                 ck_s = bl.median([r["load_s"] for r in runs])

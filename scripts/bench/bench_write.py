@@ -8,6 +8,13 @@ Cases (one JSON object each, medians over --reps):
   write_durable    dd + `ckptfs-admin wait` (published) vs direct dd conv=fsync
   cold_read        dd of the published file back to /dev/null with the page
                    cache dropped, through the mount vs direct (root only)
+  fuse_ceiling     the same dd into ckptfs-null-fuse (a FUSE server that discards
+                   writes: the transport's ceiling), measured in the same reps;
+                   ckptfs_s is the staged dd, direct_s the null dd, ratio their
+                   quotient (1.0 = ckptfs stages as fast as FUSE carries bytes)
+  fio_write_{4k,1m} fio sequential writes (psync, one job, no fsync) into the mount
+                   vs into a plain directory on the backing file system;
+                   throughput_ratio = ckptfs MB/s / direct MB/s (skipped without fio)
 The source is a random file generated once and kept in the page cache; every
 file written through ckptfs is compared (cmp) with it on the backing store.
 Writes bench_write.png (ratios and flush progress of one dd) and
@@ -32,6 +39,52 @@ def dd(src, dst, extra=()):
     return time.monotonic() - t0
 
 
+NULL_FUSE = os.path.join(bl.BIN_DIR, "ckptfs-null-fuse")
+
+
+class NullFuse:
+    """ckptfs-null-fuse mounted in the foreground, owned by this process."""
+
+    def __init__(self, mnt):
+        self.mnt = mnt
+        self.proc = None
+
+    def __enter__(self):
+        if not os.access(NULL_FUSE, os.X_OK):
+            return None
+        os.makedirs(self.mnt, exist_ok=True)
+        self.proc = subprocess.Popen([NULL_FUSE, self.mnt, "-f"], stderr=subprocess.DEVNULL)
+        deadline = time.time() + 20
+        while time.time() < deadline and not bl.is_mounted(self.mnt):
+            time.sleep(0.05)
+        if not bl.is_mounted(self.mnt):
+            self.__exit__()
+            return None
+        return os.path.join(self.mnt, "null")
+
+    def __exit__(self, *exc):
+        if bl.is_mounted(self.mnt):
+            subprocess.run(["fusermount3", "-u", self.mnt], check=False)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return False
+
+
+def fio_write(directory, bs, size_mb):
+    """Seconds and MB/s of a fio sequential write of size_mb into directory."""
+    r = subprocess.run(["fio", "--name=w", f"--directory={directory}", "--rw=write",
+                        f"--bs={bs}", f"--size={size_mb}M", "--ioengine=psync", "--numjobs=1",
+                        "--unlink=1", "--output-format=json"],
+                       capture_output=True, text=True, check=True)
+    job = json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]["write"]
+    secs = job["runtime"] / 1000.0
+    return secs, job["bw_bytes"] / 1e6
+
+
 def same(a, b):
     return subprocess.run(["cmp", "-s", a, b]).returncode == 0
 
@@ -42,6 +95,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--staging-mem", default="2G")
     ap.add_argument("--flush-threads", type=int, default=None)
+    ap.add_argument("--fio-mb", type=int, default=256, help="bytes per fio run (MiB)")
     ap.add_argument("--work", default=os.path.join(bl.REPO, "build-bench", "write-work"),
                     help="scratch dir on the backing file system (wiped)")
     ap.add_argument("--out", default=os.path.join(bl.REPO, "build-bench"))
@@ -63,7 +117,9 @@ def main():
     if not can_drop:
         bl.log("cannot drop the page cache (not root): cold_read is skipped")
     subprocess.run(["cat", src], stdout=subprocess.DEVNULL, check=True)  # warm the source
-    res = {k: [] for k in ("staged_c", "durable_c", "direct", "read_c", "read_d")}
+    res = {k: [] for k in ("staged_c", "durable_c", "direct", "read_c", "read_d", "null")}
+    fio = {bs: {"c": [], "d": []} for bs in ("4k", "1m")}
+    have_fio = shutil.which("fio") is not None
     oks, raw, plotted, backing_read = [], {"args": vars(a), "runs": []}, None, []
 
     with bl.Daemon(os.path.join(a.work, "ckptfs"), staging=a.staging_mem, args=extra) as d:
@@ -72,6 +128,11 @@ def main():
             run = {"rep": rep}
             order = ("direct", "ckptfs") if rep % 2 == 0 else ("ckptfs", "direct")
             dfile, cfile = os.path.join(direct, f"f{rep}"), os.path.join(d.mnt, f"f{rep}")
+            with NullFuse(os.path.join(a.work, "null-mnt")) as null_file:
+                if null_file:
+                    t = dd(src, null_file)
+                    res["null"].append(t)
+                    run["null_fuse_s"] = t
             for side in order:
                 bl.sync()
                 if side == "direct":
@@ -110,6 +171,22 @@ def main():
                 bl.log(f"rep {rep}: cold read ckptfs {t_c:.2f} s, direct {t_d:.2f} s")
             os.unlink(cfile)
             os.unlink(dfile)
+            if have_fio:
+                for bs in fio:
+                    fdir_c, fdir_d = os.path.join(d.mnt, f"fio{rep}"), os.path.join(direct, "fio")
+                    os.makedirs(fdir_c, exist_ok=True)
+                    os.makedirs(fdir_d, exist_ok=True)
+                    for side in order:
+                        bl.sync()
+                        secs, mbps = fio_write(fdir_c if side == "ckptfs" else fdir_d, bs,
+                                               a.fio_mb)
+                        fio[bs]["c" if side == "ckptfs" else "d"].append((secs, mbps))
+                        run[f"fio_{bs}_{side}_MBps"] = round(mbps, 1)
+                    shutil.rmtree(fdir_c)
+                    shutil.rmtree(fdir_d)
+                bl.log(f"rep {rep}: fio 4k {run['fio_4k_ckptfs_MBps']} vs "
+                       f"{run['fio_4k_direct_MBps']} MB/s, 1m {run['fio_1m_ckptfs_MBps']} vs "
+                       f"{run['fio_1m_direct_MBps']} MB/s")
             raw["runs"].append(run)
         s = d.stats()
         hwm = bl.vm_hwm(d.pid)
@@ -138,6 +215,23 @@ def main():
                       "ratio": bl.ratio(mc, mdr), "backing_bytes": bl.median(backing_read),
                       "ok": ok, "ckptfs_GBps": round(size / mc / 1e9, 3),
                       "direct_GBps": round(size / mdr / 1e9, 3), "reps": a.reps})
+        bl.emit(cases[-1])
+    if res["null"]:
+        mc, mn = bl.median(res["staged_c"]), bl.median(res["null"])
+        cases.append({"case": "fuse_ceiling", "ckptfs_s": round(mc, 3), "direct_s": round(mn, 3),
+                      "ratio": bl.ratio(mc, mn), "ok": ok, "ckptfs_GBps": round(size / mc / 1e9, 3),
+                      "null_fuse_GBps": round(size / mn / 1e9, 3), "reps": a.reps,
+                      "null_all": [round(x, 3) for x in res["null"]]})
+        bl.emit(cases[-1])
+    for bs, r in fio.items():
+        if not r["c"]:
+            continue
+        mc, md_ = bl.median([x[0] for x in r["c"]]), bl.median([x[0] for x in r["d"]])
+        bc, bd = bl.median([x[1] for x in r["c"]]), bl.median([x[1] for x in r["d"]])
+        cases.append({"case": f"fio_write_{bs}", "ckptfs_s": round(mc, 3), "direct_s": round(md_, 3),
+                      "ratio": bl.ratio(mc, md_), "ok": ok, "ckptfs_MBps": round(bc, 1),
+                      "direct_MBps": round(bd, 1), "throughput_ratio": bl.ratio(bc, bd),
+                      "reps": a.reps, "mb": a.fio_mb})
         bl.emit(cases[-1])
     raw.update(cases=cases, final_stats=s, plotted=plotted)
     with open(os.path.join(a.out, "bench_write.json"), "w") as f:

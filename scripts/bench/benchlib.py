@@ -88,6 +88,58 @@ def parse_size(s):
     return int(s)
 
 
+class BlkioThrottle:
+    """Context manager: this process (and every child it starts from now on: the
+    daemon, the ranks) joins a cgroup-v1 blkio cgroup that throttles reads of the
+    block device holding `path` to `bps` bytes/s. On exit the process returns to
+    the root cgroup and the cgroup is removed. Needs root and cgroup v1 blkio;
+    raises RuntimeError otherwise."""
+
+    ROOT = "/sys/fs/cgroup/blkio"
+
+    def __init__(self, path, bps, name=None):
+        self.path = path
+        self.bps = int(bps)
+        self.dir = os.path.join(self.ROOT, name or f"ckptfs-bench-{os.getpid()}")
+
+    def device(self):
+        dev = os.stat(self.path).st_dev
+        major, minor = os.major(dev), os.minor(dev)
+        # A partition's throttle must name the whole disk it sits on.
+        sys_dev = os.path.realpath(f"/sys/dev/block/{major}:{minor}")
+        if os.path.exists(os.path.join(sys_dev, "partition")):
+            with open(os.path.join(os.path.dirname(sys_dev), "dev")) as f:
+                return f.read().strip()
+        if not os.path.exists(sys_dev):
+            raise RuntimeError(f"{self.path} is not on a block device ({major}:{minor})")
+        return f"{major}:{minor}"
+
+    def __enter__(self):
+        if not os.path.isdir(self.ROOT):
+            raise RuntimeError("no cgroup v1 blkio hierarchy at " + self.ROOT)
+        dev = self.device()
+        os.makedirs(self.dir, exist_ok=True)
+        with open(os.path.join(self.dir, "blkio.throttle.read_bps_device"), "w") as f:
+            f.write(f"{dev} {self.bps}\n")
+        with open(os.path.join(self.dir, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        log(f"blkio throttle: reads of {dev} at {self.bps / 1e6:.0f} MB/s ({self.dir})")
+        return self
+
+    def __exit__(self, *exc):
+        with open(os.path.join(self.ROOT, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        for _ in range(50):  # children that outlived a case leave by themselves
+            try:
+                os.rmdir(self.dir)
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            log(f"blkio throttle: could not remove {self.dir}")
+        return False
+
+
 class Daemon:
     """A foreground ckptfs this process owns; stop() always unmounts and
     kills exactly its PID."""

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Runs every ckptfs benchmark and collects their JSON lines and PNG plots.
+# Runs every ckptfs benchmark and collects their JSON lines and PNG plots: staged
+# writes (dd, FUSE ceiling, fio), DCP saves (stall, time to committed) and cold DCP
+# loads (own, replicated, reshard, and own with backing reads throttled to 300 MB/s),
+# both single_file_per_rank layouts, ckptfs and direct side by side, medians of 3.
+# About 10 minutes on a quiet 2-core machine.
 #   scripts/bench/run_all.sh [OUT_DIR]        (default: <repo>/build-bench)
 # Uses the binaries in $CKPTFS_BIN_DIR (default <repo>/build/bin). Run as root
 # so cold-read cases can drop the page cache. Extra arguments for the
-# benchmarks can be passed via BENCH_SAVE_ARGS / BENCH_WRITE_ARGS, e.g.
-#   BENCH_SAVE_ARGS="--reps 5" scripts/bench/run_all.sh
+# benchmarks can be passed via BENCH_SAVE_ARGS / BENCH_WRITE_ARGS / BENCH_LOAD_ARGS,
+# e.g.  BENCH_SAVE_ARGS="--reps 5" scripts/bench/run_all.sh
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
@@ -31,9 +35,11 @@ run() {
   fi
 }
 # shellcheck disable=SC2086
-run bench_write ${BENCH_WRITE_ARGS:-}
+run bench_write ${BENCH_WRITE_ARGS:---reps 3}
 # shellcheck disable=SC2086
-run bench_save ${BENCH_SAVE_ARGS:-}
+run bench_save ${BENCH_SAVE_ARGS:---reps 3}
+# shellcheck disable=SC2086
+run bench_load ${BENCH_LOAD_ARGS:-}
 
 echo "== results ($RESULTS)" >&2
 "$PY" - "$RESULTS" <<'PYEOF'

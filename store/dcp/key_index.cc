@@ -327,6 +327,15 @@ void KeyIndex::OnRenamed(const std::string& from, const std::string& to) {
   if (!st.ok()) spdlog::warn("key index: rename '{}' -> '{}': {}", from, to, st.ToString());
 }
 
+bool KeyIndex::IsIndexed(const std::string& ckpt) {
+  {
+    ReaderLock lock(&mu_);
+    auto it = ckpts_.find(ckpt);
+    if (it != ckpts_.end() && it->second->state != State::kMissing) return true;
+  }
+  return db_->Get(keyidx::InfoKey(ckpt)).ok();
+}
+
 std::vector<std::string> KeyIndex::IndexedCheckpoints() {
   std::set<std::string> out;
   Status st =

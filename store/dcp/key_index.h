@@ -171,6 +171,9 @@ class KeyIndex {
   void OnRenamed(const std::string& from, const std::string& to) EXCLUDES(mu_);
   // Checkpoints with an index (in RocksDB or in memory), sorted.
   std::vector<std::string> IndexedCheckpoints() EXCLUDES(mu_);
+  // Whether `ckpt` is among IndexedCheckpoints(), without listing them all (one point
+  // lookup: the read path asks this on every open).
+  bool IsIndexed(const std::string& ckpt) EXCLUDES(mu_);
 
  private:
   // The items of one shard file. `all` is every item of the file by (offset, ordinal), the

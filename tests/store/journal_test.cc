@@ -175,7 +175,10 @@ class JournalTest : public ::testing::Test {
     pipeline_ = std::move(p).value();
   }
 
-  void MakeJournal(Journal::Hooks hooks = {}) {
+  // Early syncs (Hooks::presync_threads) are off unless a test asks for them: with them
+  // on, which fsync an injected fault hits depends on thread timing.
+  void MakeJournal(Journal::Hooks hooks = {}, bool early_syncs = false) {
+    if (!early_syncs) hooks.presync_threads = 0;
     auto j = Journal::Create(dir_.get(), db_.get(), std::move(hooks));
     ASSERT_TRUE(j.ok()) << j.status().ToString();
     journal_ = std::move(j).value();
@@ -629,7 +632,7 @@ TEST_F(JournalTest, AnEioRenameOfAPublishIsReportedAndRetried) {
 }
 
 TEST_F(JournalTest, AFailedFsyncIsNeverPublished) {
-  MakeJournal();
+  MakeJournal({}, /*early_syncs=*/true);  // whichever thread's fsync fails, x never appears
   TempFile f = StartFile("");
   Write(&f, std::string(5000, 'f'));
   dir_->FailNthFsync(dir_->fsync_calls() + 1, EIO);
@@ -937,6 +940,78 @@ TEST_F(JournalTest, RecoverRemovesTheRegisteredTempsOfACrashedRunAndClearsItsEnt
   ASSERT_TRUE(next.ok());
   const uint64_t id = (*next)->NextFileId();
   for (uint64_t old : ids_before) EXPECT_GT(id, old);
+}
+
+TEST_F(JournalTest, TempRecordsWrittenAheadCostOneSyncForManyFilesAndRecoveryStillRemovesTemps) {
+  Journal::Hooks hooks;
+  hooks.temp_path = [](uint64_t id) { return kTempPrefix + std::to_string(id); };
+  MakeJournal(std::move(hooks));
+  const uint64_t synced_before = db_->synced_writes();
+  std::vector<TempFile> files;
+  for (int i = 0; i < 10; ++i) files.push_back(StartFile(""));
+  EXPECT_EQ(db_->synced_writes() - synced_before, 1u)
+      << "the temp records of 10 files should take one synced write";
+  // A path other than the announced one is registered on its own, synced.
+  const uint64_t odd = journal_->NextFileId();
+  ASSERT_TRUE(journal_->RegisterTemp(odd, "sub/.ckptfs-tmp.odd").ok());
+  EXPECT_EQ(db_->synced_writes() - synced_before, 2u);
+  for (auto& f : files) Write(&f, "bytes of " + f.temp);
+  pipeline_->Drain();
+  // Publish one; the others stay temps when the node crashes now.
+  ASSERT_TRUE(journal_->Wait(Publish(files[0], "published")).ok());
+  dir_->SimulateCrash();
+  std::unique_ptr<StateDb> after_crash = CopyDb(db_.get(), tmp_.Sub("state2", false));
+  journal_.reset();
+  EXPECT_EQ(Tree(root_).temps.size(), 9u);
+
+  auto backing = BackingDir::Open(root_);
+  ASSERT_TRUE(backing.ok());
+  auto report = Journal::Recover(backing->get(), after_crash.get());
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->temps_removed, 9u);
+  EXPECT_TRUE(Tree(root_).temps.empty()) << "a temp written ahead was leaked";
+  EXPECT_EQ(Read("published"), "bytes of " + files[0].temp);
+  EXPECT_TRUE(KeysWithPrefix(after_crash.get(), "t/").empty());
+}
+
+TEST_F(JournalTest, PublishedFilesAreFsyncedAheadOfTheBlockedPublisher) {
+  Latch gate;
+  Journal::Hooks hooks;
+  hooks.commit_gate = [&](const JournalEntry&, const QueuedFn&) {
+    gate.Wait();
+    return Status::Ok();
+  };
+  MakeJournal(std::move(hooks), /*early_syncs=*/true);
+  TempFile md = StartFile("");
+  Write(&md, "metadata");
+  const uint64_t commit = Publish(md, ".metadata");  // the publisher waits in the gate
+  gate.AwaitWaiters(1);
+  std::vector<TempFile> shards;
+  for (int i = 0; i < 3; ++i) {
+    shards.push_back(StartFile(""));
+    Write(&shards.back(), std::string(100000, static_cast<char>('a' + i)), 8192);
+    Publish(shards.back(), "shard" + std::to_string(i));
+  }
+  // The early-sync threads make the shards durable while the publisher is still
+  // blocked, so nothing of them is left to lose (and nothing is published yet).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (std::chrono::steady_clock::now() < deadline &&
+         !std::all_of(shards.begin(), shards.end(),
+                      [](const TempFile& f) { return f.target->synced(); })) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  for (const TempFile& f : shards) {
+    EXPECT_TRUE(f.target->synced());
+    EXPECT_FALSE(dir_->HasUnsyncedData(f.target->fd()));
+    EXPECT_FALSE(Exists("shard" + std::to_string(&f - shards.data())));
+  }
+  EXPECT_GE(journal_->presyncs(), 3u);
+  gate.Open();
+  ASSERT_TRUE(journal_->Wait(commit).ok());
+  journal_->Drain();
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(Read("shard" + std::to_string(i)), std::string(100000, static_cast<char>('a' + i)));
+  }
 }
 
 TEST_F(JournalTest, RecoverKeepsItsRecordsWhenATempCannotBeRemoved) {

@@ -93,6 +93,31 @@ Status RetryUntilOk(Fn fn, std::chrono::seconds limit) {
   }
 }
 
+TEST(StateDb, UnsyncedWritesAreReadBackAndCountedApartFromSyncedOnes) {
+  ScopedTempDir dir{"ckptfs-statedb-test"};
+  auto db = StateDb::Open(dir.path() + "/state");
+  ASSERT_TRUE(db.ok()) << db.status().ToString();
+  StateDb& s = **db;
+  ASSERT_TRUE(s.Put("a", "1").ok());
+  ASSERT_TRUE(s.Put("b", "2", WriteMode::kUnsynced).ok());
+  ASSERT_TRUE(s.Write({{"c", "3"}}, {"a"}, WriteMode::kUnsynced).ok());
+  ASSERT_TRUE(s.Delete("b", WriteMode::kSynced).ok());
+  EXPECT_EQ(s.writes(), 4u);
+  EXPECT_EQ(s.synced_writes(), 2u);
+  EXPECT_EQ(s.Get("a").status().code(), Code::kNotFound);
+  EXPECT_EQ(s.Get("b").status().code(), Code::kNotFound);
+  auto c = s.Get("c");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(*c, "3");
+  db->reset();
+  // A clean close keeps unsynced records too (they reached the WAL with write(2)).
+  auto again = StateDb::Open(dir.path() + "/state");
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  auto c2 = (*again)->Get("c");
+  ASSERT_TRUE(c2.ok());
+  EXPECT_EQ(*c2, "3");
+}
+
 TEST(StateDb, WritesBelowTheFreeSpaceReserveFailWithNoSpaceAndResumeWhenFreed) {
   SmallTmpfs fs(48);
   SKIP_WITHOUT_TMPFS(fs);

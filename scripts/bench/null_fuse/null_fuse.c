@@ -1,0 +1,160 @@
+// ckptfs-null-fuse: the FUSE ceiling for the write benchmarks (bench only).
+//
+// A minimal low-level FUSE server with one regular file, /null, that accepts every
+// write and discards it, configured as ckptfs configures its session (max_write 1 MiB,
+// no writeback cache, no splice, multithreaded loop). `dd bs=1M` into it measures
+// what the FUSE transport alone allows on this kernel: ckptfs cannot stage writes
+// faster than that. Like libfuse's example/null.c, which Debian does not ship built.
+//
+//   ckptfs-null-fuse MOUNTPOINT [-f] [--threads N]     (unmount: fusermount3 -u)
+#define FUSE_USE_VERSION 312
+#include <fuse3/fuse_lowlevel.h>
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+enum { kRootIno = 1, kNullIno = 2 };
+
+static void FillAttr(fuse_ino_t ino, struct stat* st) {
+  memset(st, 0, sizeof(*st));
+  st->st_ino = ino;
+  st->st_uid = getuid();
+  st->st_gid = getgid();
+  if (ino == kRootIno) {
+    st->st_mode = S_IFDIR | 0755;
+    st->st_nlink = 2;
+  } else {
+    st->st_mode = S_IFREG | 0666;
+    st->st_nlink = 1;
+  }
+}
+
+static void OpInit(void* userdata, struct fuse_conn_info* conn) {
+  (void)userdata;
+  conn->max_write = 1u << 20;
+  conn->want &= ~(FUSE_CAP_WRITEBACK_CACHE | FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE |
+                  FUSE_CAP_SPLICE_MOVE);
+}
+
+static void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  if (parent != kRootIno || strcmp(name, "null") != 0) {
+    fuse_reply_err(req, ENOENT);
+    return;
+  }
+  struct fuse_entry_param e;
+  memset(&e, 0, sizeof(e));
+  e.ino = kNullIno;
+  e.attr_timeout = e.entry_timeout = 3600;
+  FillAttr(kNullIno, &e.attr);
+  fuse_reply_entry(req, &e);
+}
+
+static void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
+  (void)fi;
+  if (ino != kRootIno && ino != kNullIno) {
+    fuse_reply_err(req, ENOENT);
+    return;
+  }
+  struct stat st;
+  FillAttr(ino, &st);
+  fuse_reply_attr(req, &st, 3600);
+}
+
+static void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
+                      struct fuse_file_info* fi) {
+  (void)attr;
+  (void)to_set;
+  OpGetattr(req, ino, fi);  // O_TRUNC and friends: nothing to keep
+}
+
+static void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
+  if (ino != kNullIno) {
+    fuse_reply_err(req, EISDIR);
+    return;
+  }
+  fuse_reply_open(req, fi);
+}
+
+static void OpRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                   struct fuse_file_info* fi) {
+  (void)ino;
+  (void)size;
+  (void)off;
+  (void)fi;
+  fuse_reply_buf(req, NULL, 0);
+}
+
+static void OpWrite(fuse_req_t req, fuse_ino_t ino, const char* buf, size_t size, off_t off,
+                    struct fuse_file_info* fi) {
+  (void)ino;
+  (void)buf;
+  (void)off;
+  (void)fi;
+  fuse_reply_write(req, size);
+}
+
+static void OpOk(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
+  (void)ino;
+  (void)fi;
+  fuse_reply_err(req, 0);
+}
+
+static void OpFsync(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_file_info* fi) {
+  (void)datasync;
+  OpOk(req, ino, fi);
+}
+
+int main(int argc, char** argv) {
+  const char* mountpoint = NULL;
+  int foreground = 0;
+  unsigned threads = 32;
+  for (int i = 1; i < argc; ++i) {
+    if (strcmp(argv[i], "-f") == 0) {
+      foreground = 1;
+    } else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
+      threads = (unsigned)atoi(argv[++i]);
+    } else if (mountpoint == NULL) {
+      mountpoint = argv[i];
+    } else {
+      fprintf(stderr, "usage: %s MOUNTPOINT [-f] [--threads N]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (mountpoint == NULL) {
+    fprintf(stderr, "usage: %s MOUNTPOINT [-f] [--threads N]\n", argv[0]);
+    return 2;
+  }
+  static const struct fuse_lowlevel_ops ops = {
+      .init = OpInit,
+      .lookup = OpLookup,
+      .getattr = OpGetattr,
+      .setattr = OpSetattr,
+      .open = OpOpen,
+      .read = OpRead,
+      .write = OpWrite,
+      .flush = OpOk,
+      .release = OpOk,
+      .fsync = OpFsync,
+  };
+  char* fargv[] = {argv[0], "-o", "fsname=ckptfs-null,subtype=null", NULL};
+  struct fuse_args args = FUSE_ARGS_INIT(3, fargv);
+  struct fuse_session* se = fuse_session_new(&args, &ops, sizeof(ops), NULL);
+  if (se == NULL) return 1;
+  if (fuse_set_signal_handlers(se) != 0 || fuse_session_mount(se, mountpoint) != 0) {
+    fuse_session_destroy(se);
+    return 1;
+  }
+  fuse_daemonize(foreground);
+  struct fuse_loop_config* cfg = fuse_loop_cfg_create();
+  fuse_loop_cfg_set_max_threads(cfg, threads);
+  int rc = fuse_session_loop_mt(se, cfg);
+  fuse_loop_cfg_destroy(cfg);
+  fuse_session_unmount(se);
+  fuse_remove_signal_handlers(se);
+  fuse_session_destroy(se);
+  return rc == 0 ? 0 : 1;
+}
