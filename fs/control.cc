@@ -403,6 +403,9 @@ std::string Filesystem::ProgressJson(uint64_t ino) {
   nlohmann::json j = {{"state", "published"}, {"bytes_total", 0}, {"bytes_done", 0},
                       {"error", ""}};
   if (ino < kFirstNodeIno && ino != kRootIno) return JsonText(j);
+  bool foreign_commit = false;
+  std::string dir_path;
+  {
   MutexLock lock(&ns_mu_);
   auto node = NodeLocked(ino);
   if (!node) return JsonText(j);
@@ -444,7 +447,26 @@ std::string Filesystem::ProgressJson(uint64_t ino) {
     j["bytes_total"] = info->bytes;
     j["bytes_done"] = info->bytes_published;
     j["error"] = info->error;
-    return JsonText(j);
+    // Shards written here of a checkpoint whose `.metadata` another node publishes: this
+    // node never sees its commit, so once its own files are all published it asks the
+    // backing store (below, outside the lock).
+    if (!config_.peers || info->state != store::CkptState::kWriting ||
+        info->bytes_published < info->bytes) {
+      return JsonText(j);
+    }
+    foreign_commit = true;
+  } else if (config_.peers && node->loaded) {
+    // A DCP checkpoint whose shards were written here and whose `.metadata` another node
+    // publishes: done only once that `.metadata` is on the backing store (checked below,
+    // outside the lock).
+    bool has_metadata = false;
+    for (const auto& [name, child] : node->children) {
+      if (name == ".metadata") has_metadata = true;
+      if (name.size() > 7 && name.compare(name.size() - 7, 7, ".distcp") == 0) {
+        foreign_commit = true;
+      }
+    }
+    if (has_metadata) foreign_commit = false;
   }
   // Any other directory: published once no entry made so far is pending. (Entries
   // are applied in order, so this covers everything below it.) Its bytes are those of
@@ -472,6 +494,18 @@ std::string Filesystem::ProgressJson(uint64_t ino) {
     j["bytes_total"] = total;
     j["bytes_done"] = done;
     j["entries_pending"] = last - applied;
+  }
+  if (foreign_commit) dir_path = path;
+  }
+  if (foreign_commit && (j["state"] == "published" || j["state"] == "writing")) {
+    // Everything written here is published; the checkpoint is committed once the node of
+    // its coordinator rank has published `.metadata` (G5: only after every shard).
+    if (backing_->Stat(dir_path + "/.metadata").ok()) {
+      j["state"] = "committed";
+    } else {
+      j["state"] = "pending";
+      j["waiting_for"] = ".metadata from another node";
+    }
   }
   return JsonText(j);
 }

@@ -81,7 +81,16 @@ Status Filesystem::Init(FsDeps deps) {
                              const std::function<bool(const std::string&)>& queued) {
     return gate_->Check(e, queued);
   };
-  hooks.on_done = [this](const store::JournalEntry& e, const Status& st) { OnJournalDone(e, st); };
+  // Cross-node order only where other nodes write: with peers configured.
+  if (config_.peers) {
+    hooks.gated = [](const store::JournalEntry& e) {
+      return store::CommitGate::IsOrderedEntry(e);
+    };
+  }
+  hooks.on_done = [this](const store::JournalEntry& e, const Status& st) {
+    if (config_.peers) gate_->NoteApplied(e, st);
+    OnJournalDone(e, st);
+  };
   hooks.on_halt = [this](const store::JournalEntry& e, const Status& st) { OnJournalHalt(e, st); };
   // Strict mode returns every failure to the operation that caused it: nothing waits.
   hooks.halt_on_failure = !config_.strict;
