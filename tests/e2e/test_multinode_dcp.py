@@ -166,6 +166,12 @@ class MultiNodeDcp(unittest.TestCase):
     def test_k2_strict(self):
         self.run_case(2, "strict")
 
+    def test_k3_async(self):
+        self.run_case(3, "async")
+
+    def test_k3_strict(self):
+        self.run_case(3, "strict")
+
 
 if __name__ == "__main__":
     unittest.main()
