@@ -160,6 +160,56 @@ class MultiNodeDcp(unittest.TestCase):
         print(f"\nK={k} {durability}: save {save_s:.1f} s, 3 loads {load_s:.1f} s",
               file=sys.stderr)
 
+    def test_tracker_and_delete_wait_for_a_commit_on_another_node(self):
+        # Deterministic: node 1 publishes a shard of run/ck, then writes a tracker and
+        # deletes an old file; nothing may reach the backing store until node 0 publishes
+        # run/ck/.metadata. (In the DCP cases the coordinator usually commits first.)
+        c = self.cluster(2, "async")
+        m0, m1 = c.nodes[0].mnt, c.nodes[1].mnt
+        b = c.backing
+
+        def eventually(cond, what, timeout=20):
+            deadline = time.monotonic() + timeout
+            while not cond():
+                if time.monotonic() > deadline:
+                    self.fail(f"{what}\n{self.logs(c)}")
+                time.sleep(0.05)
+
+        os.makedirs(os.path.join(m1, "run", "ck"))
+        with open(os.path.join(m1, "run", "old.txt"), "w") as f:
+            f.write("old")
+        eventually(lambda: os.path.exists(os.path.join(b, "run", "old.txt")), "old.txt")
+        with open(os.path.join(m1, "run", "ck", "__1_0.distcp"), "wb") as f:
+            f.write(os.urandom(1 << 20))
+        eventually(lambda: os.path.exists(os.path.join(b, "run", "ck", "__1_0.distcp")),
+                   "the shard")
+        with open(os.path.join(m1, "run", "latest.txt"), "w") as f:
+            f.write("ck")
+        os.unlink(os.path.join(m1, "run", "old.txt"))
+        r = subprocess.run([ADMIN, "wait", os.path.join(m1, "run", "ck"), "--timeout", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=30)
+        self.assertNotEqual(r.returncode, 0, "wait on node 1 before any .metadata: " + r.stdout)
+        time.sleep(1.5)
+        self.assertFalse(os.path.exists(os.path.join(b, "run", "latest.txt")),
+                         "tracker published before the checkpoint was committed")
+        self.assertTrue(os.path.exists(os.path.join(b, "run", "old.txt")),
+                        "old file deleted before the checkpoint was committed")
+        self.assertEqual(os.listdir(os.path.join(m1, "run")).count("old.txt"), 0,
+                         "the mount shows the delete at once")
+        # Node 0 commits (a .metadata it cannot parse commits by order alone).
+        with open(os.path.join(m0, "run", "ck", ".metadata"), "wb") as f:
+            f.write(b"not a DCP metadata")
+        eventually(lambda: os.path.exists(os.path.join(b, "run", "latest.txt")),
+                   "tracker after the commit")
+        eventually(lambda: not os.path.exists(os.path.join(b, "run", "old.txt")),
+                   "delete after the commit")
+        self.assertTrue(os.path.exists(os.path.join(b, "run", "ck", ".metadata")))
+        r = subprocess.run([ADMIN, "wait", os.path.join(m1, "run", "ck"), "--timeout", "30"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=60)
+        self.assertEqual(r.returncode, 0, r.stdout)
+
     def test_k2_async(self):
         self.run_case(2, "async")
 
