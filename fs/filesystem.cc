@@ -83,9 +83,7 @@ Status Filesystem::Init(FsDeps deps) {
   };
   // Cross-node order only where other nodes write: with peers configured.
   if (config_.peers) {
-    hooks.gated = [](const store::JournalEntry& e) {
-      return store::CommitGate::IsOrderedEntry(e);
-    };
+    hooks.gated = [](const store::JournalEntry& e) { return store::CommitGate::IsOrderedEntry(e); };
   }
   hooks.on_done = [this](const store::JournalEntry& e, const Status& st) {
     if (config_.peers) gate_->NoteApplied(e, st);
