@@ -83,13 +83,20 @@ Status Filesystem::Init(FsDeps deps) {
                              const std::function<bool(const std::string&)>& queued) {
     return gate_->Check(e, queued);
   };
-  hooks.on_done = [this](const store::JournalEntry& e, const Status& st) { OnJournalDone(e, st); };
+  // Cross-node order only where other nodes write: with peers configured.
+  if (config_.peers) {
+    hooks.gated = [](const store::JournalEntry& e) { return store::CommitGate::IsOrderedEntry(e); };
+  }
+  hooks.on_done = [this](const store::JournalEntry& e, const Status& st) {
+    if (config_.peers) gate_->NoteApplied(e, st);
+    OnJournalDone(e, st);
+  };
   hooks.on_halt = [this](const store::JournalEntry& e, const Status& st) { OnJournalHalt(e, st); };
   // Strict mode returns every failure to the operation that caused it: nothing waits.
   hooks.halt_on_failure = !config_.strict;
   // Temp files live at the backing root (BeginWriteLocked): their records can be written
   // ahead, several per synced write.
-  hooks.temp_path = [](uint64_t id) { return std::string(kTempPrefix) + std::to_string(id); };
+  hooks.temp_path = [this](uint64_t id) { return TempName(id); };
   CKPT_ASSIGN_OR_RETURN(journal_, store::Journal::Create(backing_.get(), db_.get(), hooks));
 
   if (deps.index) {

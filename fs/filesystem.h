@@ -343,6 +343,8 @@ class Filesystem {
     int src_fd = -1;                    // or from this open backing file (borrowed),
     std::string src_path;               // or from this backing path
   };
+  // ".ckptfs-tmp.[n<node rank>.]<id>": unique among the daemons sharing the backing dir.
+  std::string TempName(uint64_t id) const;
   WritePlan PlanWriteLocked(Node* node, bool truncate, const UniqueFd* src) REQUIRES(ns_mu_);
   Result<std::unique_ptr<WriteState>> PrepareWrite(const WritePlan& plan);
   void AbandonWrite(const WriteState& ws);

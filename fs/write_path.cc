@@ -9,8 +9,21 @@
 #include "fs/filesystem.h"
 #include "fs/fs_util.h"
 #include "store/dcp/dcp_metadata.h"
+#ifdef CKPTFS_HAVE_UCX
+#include "store/peer/peer_node.h"
+#endif
 
 namespace ckptfs::fs {
+
+std::string Filesystem::TempName(uint64_t id) const {
+  // With peers, other daemons write temp files into the same backing root with their own
+  // counters: the node rank keeps the names apart.
+  std::string name = kTempPrefix;
+#ifdef CKPTFS_HAVE_UCX
+  if (config_.peers) name += "n" + std::to_string(config_.peers->self) + ".";
+#endif
+  return name + std::to_string(id);
+}
 
 Filesystem::WritePlan Filesystem::PlanWriteLocked(Node* node, bool truncate,
                                                   const UniqueFd* src) {
@@ -19,7 +32,7 @@ Filesystem::WritePlan Filesystem::PlanWriteLocked(Node* node, bool truncate,
   plan.id = journal_->NextFileId();
   // Temp files live at the backing root, not beside their name: the name's directory
   // may itself still be a pending mkdir, and a root temp never moves with renames.
-  plan.temp_name = std::string(kTempPrefix) + std::to_string(plan.id);
+  plan.temp_name = TempName(plan.id);
   plan.uid = node->attr.st_uid;
   plan.gid = node->attr.st_gid;
   plan.mode = node->attr.st_mode & 07777;
@@ -224,7 +237,7 @@ Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std:
                         ready.plan.gid == owner.gid && ready.plan.mode == (owner.mode & 07777);
       if (!fits && attempt < 3) {
         plan.id = journal_->NextFileId();
-        plan.temp_name = std::string(kTempPrefix) + std::to_string(plan.id);
+        plan.temp_name = TempName(plan.id);
         plan.uid = owner.uid;
         plan.gid = owner.gid;
         plan.mode = owner.mode & 07777;

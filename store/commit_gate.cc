@@ -41,9 +41,89 @@ Status CommitGate::Load(const JournalEntry& e, Pending* p) {
   return Status::Ok();
 }
 
+namespace {
+bool IsShardName(const std::string& path) {
+  constexpr std::string_view kExt = ".distcp";
+  return path.size() > kExt.size() &&
+         std::string_view(path).substr(path.size() - kExt.size()) == kExt;
+}
+}  // namespace
+
+bool CommitGate::IsOrderedEntry(const JournalEntry& e) {
+  switch (e.op) {
+    case OpType::kPublish:
+    case OpType::kRename:
+      // Shards and commits are ordered by the `.metadata` gate itself.
+      return !IsShardName(e.path) && !IsCommitName(e.path);
+    case OpType::kUnlink:
+    case OpType::kRmdir:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void CommitGate::NoteApplied(const JournalEntry& e, const Status& st) {
+  if (!st.ok() || (e.op != OpType::kPublish && e.op != OpType::kRename)) return;
+  MutexLock lock(&mu_);
+  if (IsShardName(e.path)) {
+    foreign_.insert(path::Parent(e.path));
+  } else if (IsCommitName(e.path)) {
+    foreign_.erase(path::Parent(e.path));
+  }
+}
+
+CommitCheck CommitGate::CheckOrdered(const JournalEntry& e) {
+  // mu_ held by Check().
+  const auto now = std::chrono::steady_clock::now();
+  if (ordered_.seq != e.seq) {
+    ordered_.seq = e.seq;
+    ordered_.backoff = std::chrono::milliseconds(50);
+    ordered_.deadline = now + options_.timeout;
+  }
+  for (auto it = foreign_.begin(); it != foreign_.end();) {
+    // The checkpoint itself or inside it (its `.metadata.tmp`, written before the rename
+    // that commits it; the deletion of a checkpoint that never committed): no order to
+    // keep.
+    if (e.path.compare(0, it->size(), *it) == 0 &&
+        (e.path.size() == it->size() || e.path[it->size()] == '/')) {
+      ++it;
+      continue;
+    }
+    ++remote_polls_;
+    if (dir_->Stat(path::Join(*it, ".metadata")).ok()) {
+      it = foreign_.erase(it);
+      continue;
+    }
+    // A directory gone from the backing store (deleted by its writer) has nothing left
+    // to commit.
+    if (dir_->Stat(*it).status().code() == Code::kNotFound) {
+      it = foreign_.erase(it);
+      continue;
+    }
+    if (now > ordered_.deadline) {
+      const std::string dir = *it;
+      ordered_.seq = 0;
+      return Status(Code::kTimeout, e.Describe() + " waits for checkpoint " + dir +
+                                        ", whose .metadata never appeared on the backing store");
+    }
+    spdlog::debug("journal: {} waits for the .metadata of {}, published by another node",
+                  e.Describe(), *it);
+    CommitCheck check = CommitCheck::Wait({}, ordered_.backoff);
+    ordered_.backoff = std::min(kMaxBackoff, ordered_.backoff * 2);
+    // A synchronous caller (strict mode) must not wait: it may be the one whose later
+    // write commits that checkpoint.
+    check.waits_for_unwritten = true;
+    return check;
+  }
+  ordered_.seq = 0;
+  return Status::Ok();
+}
+
 CommitCheck CommitGate::Check(const JournalEntry& e,
                               const std::function<bool(const std::string&)>& queued) {
   MutexLock lock(&mu_);
+  if (!IsCommitName(e.path)) return CheckOrdered(e);
   if (current_.seq != e.seq) {
     Status st = Load(e, &current_);
     if (!st.ok()) {

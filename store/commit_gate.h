@@ -13,6 +13,14 @@
 //      with backoff (50 ms doubling to 2 s), and only these can time out.
 // A `.metadata` that is not a DCP metadata this parser understands commits by order alone.
 //
+// Across nodes (G4): a mount whose ranks wrote shards of a checkpoint whose `.metadata`
+// another node publishes has no journal entry to order its later entries after. So the
+// gate remembers each directory where this mount published a `*.distcp` and no
+// `.metadata` (NoteApplied), and an ordered entry (IsOrderedEntry: a tracker, any other
+// non-shard file, a rename, a delete) waits until the backing store shows every such
+// directory's `.metadata`, polled with the same backoff and timeout; on timeout it is
+// refused (the journal halts there, or skips it in strict mode).
+//
 // Thread-safe; called from the journal's publisher thread.
 #pragma once
 
@@ -21,6 +29,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 
 #include "store/backing_dir.h"
@@ -51,6 +60,13 @@ class CommitGate {
 
   uint64_t remote_polls() const;
 
+  // Entries that wait for checkpoints committed elsewhere (see above). Looks at the entry
+  // only; safe under any lock.
+  static bool IsOrderedEntry(const JournalEntry& e);
+  // The journal's on_done: tracks directories holding shards published here whose
+  // `.metadata` this mount did not publish.
+  void NoteApplied(const JournalEntry& e, const Status& st);
+
  private:
   struct Pending {
     uint64_t seq = 0;
@@ -61,12 +77,17 @@ class CommitGate {
     std::chrono::milliseconds backoff{50};
   };
   Status Load(const JournalEntry& e, Pending* p);
+  CommitCheck CheckOrdered(const JournalEntry& e) REQUIRES(mu_);
 
   BackingDir* const dir_;
   const CommitGateOptions options_;
   mutable Mutex mu_;
   Pending current_ GUARDED_BY(mu_);  // the commit being judged
   uint64_t remote_polls_ GUARDED_BY(mu_) = 0;
+  // Checkpoint dirs with shards published here and no `.metadata` seen yet, and the
+  // ordered entry waiting for them.
+  std::set<std::string> foreign_ GUARDED_BY(mu_);
+  Pending ordered_ GUARDED_BY(mu_);  // seq, deadline, backoff only
 };
 
 }  // namespace ckptfs::store

@@ -505,7 +505,8 @@ Journal::Step Journal::NextStepLocked() {
     step.until = head->retry_at;
     return step;
   }
-  if (!IsCommitEntry(head->e) || (gate_seq_ == head->e.seq && gate_ready_)) {
+  const bool gated = IsCommitEntry(head->e) || (hooks_.gated && hooks_.gated(head->e));
+  if (!gated || (gate_seq_ == head->e.seq && gate_ready_)) {
     step.kind = Step::kProcess;
     step.it = head;
     return step;

@@ -151,6 +151,10 @@ class Journal {
     std::function<CommitCheck(const JournalEntry&,
                               const std::function<bool(const std::string&)>& queued)>
         commit_gate;
+    // Entries other than a `.metadata` that commit_gate is asked about too, before they
+    // are applied (a tracker or a delete that must wait for a checkpoint another node
+    // commits). Called under the journal's lock: it must look at the entry only.
+    std::function<bool(const JournalEntry&)> gated;
     // Runs on the publisher thread after each entry is applied, skipped or dropped
     // (aborted: Code::kAborted).
     std::function<void(const JournalEntry&, const Status&)> on_done;

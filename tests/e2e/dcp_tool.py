@@ -168,12 +168,24 @@ def _run_ranks(job, ranks, timeout, grace=30):
     raise DcpToolError("no free port found")
 
 
+def _rank_dir(job, rank):
+    """The checkpoint dir `rank` uses: job["dirs"][rank % len] when given (ranks spread over
+    several mounts of one backing dir, as on several nodes), else job["dir"]."""
+    dirs = job.get("dirs")
+    return dirs[rank % len(dirs)] if dirs else job["dir"]
+
+
 def save(dir, ranks=4, mb=64, single_file_per_rank=True, seed=0, dtypes=DEFAULT_DTYPES,
-         timeout=600, sync_files=True):
-    """Saves the deterministic state for `seed` into `dir` with DCP on `ranks` gloo ranks."""
+         timeout=600, sync_files=True, dirs=None):
+    """Saves the deterministic state for `seed` into `dir` with DCP on `ranks` gloo ranks.
+
+    dirs: rank r saves through dirs[r % len(dirs)] instead (one checkpoint, several mounts).
+    """
     job = {"op": "save", "dir": os.path.abspath(dir), "mb": mb, "seed": seed,
            "dtypes": list(dtypes), "single_file_per_rank": bool(single_file_per_rank),
            "sync_files": bool(sync_files)}
+    if dirs:
+        job["dirs"] = [os.path.abspath(d) for d in dirs]
     t0 = time.monotonic()
     per_rank = _run_ranks(job, ranks, timeout)
     return {"op": "save", "dir": job["dir"], "ranks": ranks, "mb": mb, "seed": seed,
@@ -182,11 +194,16 @@ def save(dir, ranks=4, mb=64, single_file_per_rank=True, seed=0, dtypes=DEFAULT_
             "wall_s": time.monotonic() - t0, "per_rank": per_rank}
 
 
-def load(dir, ranks=4, mode="own", seed=0, timeout=600):
-    """Loads `dir` with DCP on `ranks` gloo ranks and checks every value; raises on mismatch."""
+def load(dir, ranks=4, mode="own", seed=0, timeout=600, dirs=None):
+    """Loads `dir` with DCP on `ranks` gloo ranks and checks every value; raises on mismatch.
+
+    dirs: rank r loads through dirs[r % len(dirs)] instead.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
     job = {"op": "load", "dir": os.path.abspath(dir), "mode": mode, "seed": seed}
+    if dirs:
+        job["dirs"] = [os.path.abspath(d) for d in dirs]
     t0 = time.monotonic()
     per_rank = _run_ranks(job, ranks, timeout)
     return {"op": "load", "dir": job["dir"], "ranks": ranks, "mode": mode, "seed": seed,
@@ -344,7 +361,7 @@ def _worker_save(job, rank, world):
     dist.barrier()
     t1 = time.monotonic()
     dcp.save_state_dict(state, dcp.FileSystemWriter(
-        job["dir"], single_file_per_rank=job["single_file_per_rank"],
+        _rank_dir(job, rank), single_file_per_rank=job["single_file_per_rank"],
         sync_files=job["sync_files"]))
     save_s = time.monotonic() - t1
     dist.barrier()
@@ -397,7 +414,7 @@ def _worker_load(job, rank, world):
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     seed, mode = job["seed"], job["mode"]
     t0 = time.monotonic()
-    metadata = dcp.FileSystemReader(job["dir"]).read_metadata()
+    metadata = dcp.FileSystemReader(_rank_dir(job, rank)).read_metadata()
     md = metadata.state_dict_metadata
     tensors = {fqn: (tuple(m.size), str(m.properties.dtype).replace("torch.", ""))
                for fqn, m in md.items() if isinstance(m, dcp.TensorStorageMetadata)}
@@ -417,7 +434,7 @@ def _worker_load(job, rank, world):
     setup_s = time.monotonic() - t0
     dist.barrier()
     t1 = time.monotonic()
-    dcp.load_state_dict(state, dcp.FileSystemReader(job["dir"]))
+    dcp.load_state_dict(state, dcp.FileSystemReader(_rank_dir(job, rank)))
     load_s = time.monotonic() - t1
     dist.barrier()
 

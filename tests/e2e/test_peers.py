@@ -164,6 +164,39 @@ class PeersTest(unittest.TestCase):
         self.assertEqual(s["peers_connected"], 0)
         self.assertIn("reading from the backing store instead", survivor.log_text(100000))
 
+    def test_link_cut_mid_load_falls_back_on_the_other_nodes(self):
+        # Node 2's cable is pulled while nodes 0 and 1 load replicated: its TCP connections
+        # neither close nor answer, so the others' fetches from it wait one --peer-timeout
+        # (3 s here), then read its share from the backing store.
+        c = self.cluster(3, throttle_bps=6 << 20)
+        c.start()
+        self.assertTrue(c.wait_connected())
+        cut = c.nodes[2]
+        results, threads = {}, []
+        t0 = time.monotonic()
+        for n in c.nodes[:2]:
+            t = threading.Thread(target=self.load, args=(n, results, n.index))
+            t.start()
+            threads.append(t)
+        deadline = time.time() + 120
+        while time.time() < deadline and \
+                sum(n.stats()["peer_bytes_read"] for n in c.nodes[:2]) == 0:
+            time.sleep(0.05)
+        self.assertTrue(any(t.is_alive() for t in threads), "the loads ended before the cut")
+        subprocess.run(["ip", "link", "set", cut.veth_host, "down"], check=True)
+        for t in threads:
+            t.join()
+        took = time.monotonic() - t0
+        for n in c.nodes[:2]:
+            self.assert_loaded(results[n.index], f"node {n.index}\n{n.log_text(3000)}")
+        stats = [n.stats() for n in c.nodes[:2]]
+        fallbacks = [s["peers"]["fallbacks"] for s in stats]
+        print(f"\nlink cut mid-load: loads {took:.1f} s, fallbacks {fallbacks}", file=sys.stderr)
+        self.assertGreater(sum(s["peer_fallbacks"] for s in stats), 0, fallbacks)
+        self.assertGreater(sum(f.get("timeout", 0) + f.get("connection", 0) for f in fallbacks),
+                           0, fallbacks)
+        self.assertLess(took, 100)
+
     def test_hung_peer_times_out_and_falls_back(self):
         c = self.cluster(2)
         c.start()  # --peer-timeout 3000 (netns.py)

@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "store/commit_gate.h"
 #include "store/flush_pipeline.h"
 #include "store/state_db.h"
 #include "tests/store/faulty_backing_dir.h"
@@ -829,6 +830,61 @@ TEST_F(JournalTest, AShardAheadOfItsCommitWaitsForAnEntryThatTouchesItsName) {
   EXPECT_FALSE(Exists("ck/__0_0.distcp")) << "a shard overtook an entry on its own path";
   EXPECT_EQ(journal_->Abort("ck").size(), 3u);
   EXPECT_EQ(journal_->Wait(commit).code(), Code::kAborted);
+}
+
+// A node that published a shard of a checkpoint whose `.metadata` another node writes
+// (the gate wired as the daemon does with --peers) holds its later tracker and delete until
+// that `.metadata` shows on the backing store; files inside the checkpoint are not held.
+TEST_F(JournalTest, TrackerAndDeleteWaitForACheckpointCommittedElsewhere) {
+  CommitGateOptions options;
+  options.timeout = std::chrono::seconds(30);
+  CommitGate gate(dir_.get(), options);
+  Journal::Hooks hooks;
+  hooks.commit_gate = [&](const JournalEntry& e, const QueuedFn& queued) {
+    return gate.Check(e, queued);
+  };
+  hooks.gated = [](const JournalEntry& e) { return CommitGate::IsOrderedEntry(e); };
+  hooks.on_done = [&](const JournalEntry& e, const Status& st) { gate.NoteApplied(e, st); };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  TempFile old = StartFile(""), shard = StartFile("ck"), tracker = StartFile("");
+  TempFile inside = StartFile("ck");
+  Write(&old, "old", 3);
+  ASSERT_TRUE(journal_->Wait(Publish(old, "old.txt")).ok());
+  Write(&shard, std::string(10000, 's'), 1000);
+  ASSERT_TRUE(journal_->Wait(Publish(shard, "ck/__1_0.distcp")).ok());
+  Write(&inside, "inside", 6);
+  ASSERT_TRUE(journal_->Wait(Publish(inside, "ck/notes.txt")).ok());  // not held
+  Write(&tracker, "ck", 2);
+  const uint64_t t = Publish(tracker, "latest.txt");
+  const uint64_t u = Op(OpType::kUnlink, "old.txt");
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  EXPECT_FALSE(Exists("latest.txt"));
+  EXPECT_TRUE(Exists("old.txt"));
+  EXPECT_LT(journal_->applied(), t);
+  // The other node commits.
+  { std::ofstream(root_ + "/ck/.metadata") << "committed elsewhere"; }
+  ASSERT_TRUE(journal_->Wait(t).ok());
+  ASSERT_TRUE(journal_->Wait(u).ok());
+  EXPECT_EQ(Read("latest.txt"), "ck");
+  EXPECT_FALSE(Exists("old.txt"));
+  EXPECT_GT(gate.remote_polls(), 0u);
+}
+
+TEST(CommitGate, OrderedEntriesAreTrackersRenamesAndDeletesNotShardsOrCommits) {
+  auto entry = [](OpType op, const std::string& path) {
+    JournalEntry e;
+    e.op = op;
+    e.path = path;
+    return e;
+  };
+  EXPECT_TRUE(CommitGate::IsOrderedEntry(entry(OpType::kPublish, "latest.txt")));
+  EXPECT_TRUE(CommitGate::IsOrderedEntry(entry(OpType::kRename, "a/b")));
+  EXPECT_TRUE(CommitGate::IsOrderedEntry(entry(OpType::kUnlink, "ck/__0_0.distcp")));
+  EXPECT_TRUE(CommitGate::IsOrderedEntry(entry(OpType::kRmdir, "ck")));
+  EXPECT_FALSE(CommitGate::IsOrderedEntry(entry(OpType::kPublish, "ck/__0_0.distcp")));
+  EXPECT_FALSE(CommitGate::IsOrderedEntry(entry(OpType::kRename, "ck/.metadata")));
+  EXPECT_FALSE(CommitGate::IsOrderedEntry(entry(OpType::kMkdir, "ck2")));
 }
 
 TEST_F(JournalTest, TheCommitGateSeesEveryEarlierShardDurableAndTheCommitFileComplete) {

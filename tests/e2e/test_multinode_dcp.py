@@ -1,0 +1,227 @@
+"""Issue 12 end to end: one torch DCP checkpoint saved and loaded through several nodes.
+
+K ckptfs daemons, each in its own network namespace (tests/e2e/netns.py), cooperate over
+UCX above ONE shared backing dir, as daemons on K nodes above a parallel file system. Four
+gloo ranks, separate processes, are spread over the nodes: rank r saves and loads through
+mount r % K. So the coordinator's mount makes the checkpoint directory and publishes
+`.metadata`, while the other mounts write shards into a directory they did not make.
+
+For each durability mode (async, strict):
+  * the save through all mounts succeeds, and the directory made through one mount is
+    usable (mkdir from every mount too: idempotent, nothing halts publication);
+  * a tracker file written through a node other than the coordinator's, right after the
+    save, never appears on the backing store before `.metadata` (G4 across nodes);
+  * `ckptfs-admin wait` on every node returns 0 only once the backing store holds
+    `.metadata` and every shard (G5 across nodes), and no temporary file is left;
+  * loads through all mounts verify every value: own shards, replicated (every rank reads
+    everything), reshard (2 ranks);
+  * the backing dir alone loads (G2).
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import dcp_tool
+from harness import ADMIN
+from netns import Cluster
+from test_peers import built_with_ucx
+
+RANKS = 4
+MB = 8
+SEED = 77
+CKPT = os.path.join("run", "iter_0000001")
+TRACKER = os.path.join("run", "latest_checkpointed_iteration.txt")
+TMP_MARK = ".ckptfs-tmp."
+
+
+@unittest.skipUnless(os.geteuid() == 0 and shutil.which("nsenter") and shutil.which("ip"),
+                     "needs root, ip and nsenter")
+@unittest.skipUnless(built_with_ucx(), "ckptfs was built without the UCX peer transport")
+class MultiNodeDcp(unittest.TestCase):
+    def cluster(self, k, durability):
+        root = tempfile.mkdtemp(prefix="ckptfs-mndcp-")
+        self.addCleanup(shutil.rmtree, root, True)
+        c = Cluster(k, root=root, daemon_args=["--durability", durability])
+        self.addCleanup(c.cleanup)
+        c.setup()
+        c.start()
+        self.assertTrue(c.wait_connected(), [n.log_text(2000) for n in c.nodes])
+        return c
+
+    def logs(self, c):
+        return "\n".join(f"--- node {n.index} log ---\n{n.log_text(4000)}" for n in c.nodes)
+
+    def watch_tracker(self, backing, stop, violations):
+        """Polls the backing store: the tracker must never be there without .metadata."""
+        tracker = os.path.join(backing, TRACKER)
+        metadata = os.path.join(backing, CKPT, ".metadata")
+        while not stop.is_set():
+            if os.path.exists(tracker) and not os.path.exists(metadata):
+                violations.append(time.monotonic())
+                return
+            time.sleep(0.002)
+
+    def run_case(self, k, durability):
+        c = self.cluster(k, durability)
+        try:
+            self._run_case(c, durability)
+        except BaseException as e:
+            raise AssertionError(f"{e}\n{self.logs(c)}") from e
+
+    def _run_case(self, c, durability):
+        k = c.k
+        dirs = [os.path.join(n.mnt, CKPT) for n in c.nodes]
+        backing_ckpt = os.path.join(c.backing, CKPT)
+
+        # mkdir of one directory from every mount at once: each mount succeeds or says
+        # EEXIST; neither may halt its node's publication.
+        errors = []
+
+        def mk(n):
+            try:
+                os.makedirs(os.path.join(n.mnt, "run", "shared"), exist_ok=True)
+                with open(os.path.join(n.mnt, "run", "shared", f"from{n.index}"), "w") as f:
+                    f.write(f"node {n.index}\n")
+            except OSError as e:
+                errors.append((n.index, e))
+        ts = [threading.Thread(target=mk, args=(n,)) for n in c.nodes]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        self.assertEqual(errors, [])
+
+        t0 = time.monotonic()
+        dcp_tool.save(dirs[0], RANKS, MB, True, SEED, timeout=120, dirs=dirs)
+        save_s = time.monotonic() - t0
+
+        stop, violations = threading.Event(), []
+        watcher = threading.Thread(target=self.watch_tracker,
+                                   args=(c.backing, stop, violations))
+        watcher.start()
+        try:
+            # The training loop's tracker, written through the last node, not the one that
+            # published .metadata.
+            with open(os.path.join(c.nodes[-1].mnt, TRACKER), "w") as f:
+                f.write("1")
+            if durability == "strict":
+                self.assertTrue(os.path.exists(os.path.join(backing_ckpt, ".metadata")),
+                                "strict: .metadata must be published when the save returns")
+
+            # wait on every node, the non-coordinators first.
+            for n in reversed(c.nodes):
+                r = subprocess.run([ADMIN, "wait", os.path.join(n.mnt, CKPT), "--timeout", "60"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   timeout=90)
+                self.assertEqual(r.returncode, 0, f"ckptfs-admin wait on node {n.index}: "
+                                                  f"{r.stdout}")
+                names = set(os.listdir(backing_ckpt))
+                want = {".metadata"} | {f"__{i}_0.distcp" for i in range(RANKS)}
+                self.assertTrue(want <= names,
+                                f"wait on node {n.index} returned, backing holds {sorted(names)}")
+            deadline = time.monotonic() + 30
+            while not os.path.exists(os.path.join(c.backing, TRACKER)) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            watcher.join()
+        self.assertEqual(violations, [], "the tracker reached the backing store before "
+                                         "the checkpoint's .metadata")
+        with open(os.path.join(c.backing, TRACKER)) as f:
+            self.assertEqual(f.read(), "1")
+        shared = sorted(os.listdir(os.path.join(c.backing, "run", "shared")))
+        self.assertEqual(shared, [f"from{i}" for i in range(k)])
+
+        states = {}
+        with open(os.path.join(c.nodes[0].mnt, ".ckptfs", "checkpoints")) as f:
+            import json
+            states = {x["path"]: x for x in json.load(f)}
+        self.assertEqual(states.get(CKPT, {}).get("state"), "committed", states)
+
+        t1 = time.monotonic()
+        own = dcp_tool.load(dirs[0], RANKS, "own", SEED, timeout=120, dirs=dirs)
+        rep = dcp_tool.load(dirs[0], RANKS, "replicated", SEED, timeout=120, dirs=dirs)
+        res = dcp_tool.load(dirs[0], 2, "reshard", SEED, timeout=120, dirs=dirs)
+        load_s = time.monotonic() - t1
+        for what, r in (("own", own), ("replicated", rep), ("reshard", res)):
+            self.assertGreater(r["bytes_verified"], 0, what)
+
+        leftovers = [os.path.join(d, f) for d, _, fs in os.walk(c.backing) for f in fs
+                     if TMP_MARK in f]
+        self.assertEqual(leftovers, [])
+        # G2: the backing dir alone, one rank reading every chunk.
+        dcp_tool.load(backing_ckpt, 1, "own", SEED, timeout=120)
+        print(f"\nK={k} {durability}: save {save_s:.1f} s, 3 loads {load_s:.1f} s",
+              file=sys.stderr)
+
+    def test_tracker_and_delete_wait_for_a_commit_on_another_node(self):
+        # Deterministic: node 1 publishes a shard of run/ck, then writes a tracker and
+        # deletes an old file; nothing may reach the backing store until node 0 publishes
+        # run/ck/.metadata. (In the DCP cases the coordinator usually commits first.)
+        c = self.cluster(2, "async")
+        m0, m1 = c.nodes[0].mnt, c.nodes[1].mnt
+        b = c.backing
+
+        def eventually(cond, what, timeout=20):
+            deadline = time.monotonic() + timeout
+            while not cond():
+                if time.monotonic() > deadline:
+                    self.fail(f"{what}\n{self.logs(c)}")
+                time.sleep(0.05)
+
+        os.makedirs(os.path.join(m1, "run", "ck"))
+        with open(os.path.join(m1, "run", "old.txt"), "w") as f:
+            f.write("old")
+        eventually(lambda: os.path.exists(os.path.join(b, "run", "old.txt")), "old.txt")
+        with open(os.path.join(m1, "run", "ck", "__1_0.distcp"), "wb") as f:
+            f.write(os.urandom(1 << 20))
+        eventually(lambda: os.path.exists(os.path.join(b, "run", "ck", "__1_0.distcp")),
+                   "the shard")
+        with open(os.path.join(m1, "run", "latest.txt"), "w") as f:
+            f.write("ck")
+        os.unlink(os.path.join(m1, "run", "old.txt"))
+        r = subprocess.run([ADMIN, "wait", os.path.join(m1, "run", "ck"), "--timeout", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=30)
+        self.assertNotEqual(r.returncode, 0, "wait on node 1 before any .metadata: " + r.stdout)
+        time.sleep(1.5)
+        self.assertFalse(os.path.exists(os.path.join(b, "run", "latest.txt")),
+                         "tracker published before the checkpoint was committed")
+        self.assertTrue(os.path.exists(os.path.join(b, "run", "old.txt")),
+                        "old file deleted before the checkpoint was committed")
+        self.assertEqual(os.listdir(os.path.join(m1, "run")).count("old.txt"), 0,
+                         "the mount shows the delete at once")
+        # Node 0 commits (a .metadata it cannot parse commits by order alone).
+        with open(os.path.join(m0, "run", "ck", ".metadata"), "wb") as f:
+            f.write(b"not a DCP metadata")
+        eventually(lambda: os.path.exists(os.path.join(b, "run", "latest.txt")),
+                   "tracker after the commit")
+        eventually(lambda: not os.path.exists(os.path.join(b, "run", "old.txt")),
+                   "delete after the commit")
+        self.assertTrue(os.path.exists(os.path.join(b, "run", "ck", ".metadata")))
+        r = subprocess.run([ADMIN, "wait", os.path.join(m1, "run", "ck"), "--timeout", "30"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=60)
+        self.assertEqual(r.returncode, 0, r.stdout)
+
+    def test_k2_async(self):
+        self.run_case(2, "async")
+
+    def test_k2_strict(self):
+        self.run_case(2, "strict")
+
+    def test_k3_async(self):
+        self.run_case(3, "async")
+
+    def test_k3_strict(self):
+        self.run_case(3, "strict")
+
+
+if __name__ == "__main__":
+    unittest.main()
