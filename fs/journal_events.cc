@@ -32,7 +32,7 @@ void Filesystem::OnJournalHalt(const store::JournalEntry& e, const Status& st) {
     checkpoints_->OnResumed(dir);
   } else {
     NoteError("publication halted at " + e.Describe() + ": " + st.ToString());
-    checkpoints_->OnFailed(dir, st.ToString());
+    checkpoints_->OnHalted(dir, st.ToString());
   }
   if (e.op != store::OpType::kPublish) return;
   MutexLock lock(&ns_mu_);

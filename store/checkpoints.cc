@@ -127,7 +127,7 @@ CheckpointInfo& CheckpointRegistry::Touch(const std::string& dir) {
   CheckpointInfo& info = it->second;
   double now = Now();
   if (inserted || info.state == CkptState::kCommitted || info.state == CkptState::kAborted ||
-      info.state == CkptState::kFailed) {
+      (info.state == CkptState::kFailed && !info.halted)) {
     if (!inserted) spdlog::info("checkpoint {} is being written again", dir);
     info = CheckpointInfo{};
     info.path = dir;
@@ -262,11 +262,19 @@ void CheckpointRegistry::OnRenamed(const std::string& from, const std::string& t
   }
 }
 
+void CheckpointRegistry::OnHalted(const std::string& dir, const std::string& error) {
+  OnFailed(dir, error);
+  MutexLock lock(&mu_);
+  auto it = ckpts_.find(dir);
+  if (it != ckpts_.end() && it->second.state == CkptState::kFailed) it->second.halted = true;
+}
+
 void CheckpointRegistry::OnResumed(const std::string& dir) {
   MutexLock lock(&mu_);
   auto it = ckpts_.find(dir);
   if (it == ckpts_.end() || it->second.state != CkptState::kFailed) return;
   CheckpointInfo& info = it->second;
+  info.halted = false;
   info.state = info.commit_queued ? CkptState::kPending : CkptState::kWriting;
   info.error.clear();
   info.updated = Now();

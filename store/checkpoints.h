@@ -50,6 +50,9 @@ struct CheckpointInfo {
   double created = 0, updated = 0, committed = 0;
   std::string error;
   bool commit_queued = false;  // its `.metadata` was written (in memory only)
+  // Its failure holds publication (an async halt) until resumed or aborted (in memory
+  // only): files written into it meanwhile belong to the same, still failed, save.
+  bool halted = false;
   nlohmann::json ToJson() const;
   std::string Encode() const;  // the persisted record (binary: paths are bytes)
   static bool Decode(std::string_view in, CheckpointInfo* out);
@@ -73,6 +76,9 @@ class CheckpointRegistry {
   void OnCommitQueued(const std::string& dir);
   void OnCommitted(const std::string& dir, uint64_t seq = kNow);
   void OnFailed(const std::string& dir, const std::string& error, uint64_t seq = kNow);
+  // An entry of `dir` halted publication (async): failed, and it stays failed, even while
+  // more of its files are written, until OnResumed or OnAborted.
+  void OnHalted(const std::string& dir, const std::string& error);
   // `seq`: the journal entry of the rename or removal (0: none is pending, as in strict
   // mode once it returned). A rename moves every record at or below `from`.
   // A failed checkpoint whose publication passed after all (a retry or resume).

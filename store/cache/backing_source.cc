@@ -56,10 +56,22 @@ BackingSource::File& BackingSource::BindLocked(const BlockId& id, File file) {
   } else {
     it = files_.emplace(id, std::move(file)).first;
   }
+  SweepLocked();
   lru_.push_front(id);
   it->second.lru_pos = lru_.begin();
   while (files_.size() > opts_.max_open_files) EraseLocked(files_.find(lru_.back()));
   return it->second;
+}
+
+void BackingSource::SweepLocked() {
+  for (auto it = files_.begin(); it != files_.end();) {
+    if (!it->second.fd && it->second.borrowed.expired()) {
+      lru_.erase(it->second.lru_pos);
+      it = files_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 void BackingSource::EraseLocked(std::map<BlockId, File, BlockIdLess>::iterator it) {
@@ -80,6 +92,7 @@ bool BackingSource::Adopt(const BlockId& id, std::shared_ptr<const UniqueFd> fd,
     if (it->first == id) {
       if (it->second.dev == dev && it->second.ino == ino) {
         it->second.vouched = true;  // the same file: keep its O_DIRECT twin
+        if (!it->second.fd) it->second.borrowed = fd;
         lru_.splice(lru_.begin(), lru_, it->second.lru_pos);
         return false;
       }
@@ -90,7 +103,7 @@ bool BackingSource::Adopt(const BlockId& id, std::shared_ptr<const UniqueFd> fd,
   // Readers of the new file wait on mu_ in Adopt until the old file's blocks are gone.
   if (replaced && drop_cached) drop_cached(id.path);
   File file;
-  file.fd = std::move(fd);
+  file.borrowed = fd;  // borrowed: closes with the caller's handle
   file.vouched = true;
   file.dev = dev;
   file.ino = ino;
@@ -110,9 +123,12 @@ Result<BackingSource::Use> BackingSource::Acquire(const BlockId& id) {
   {
     MutexLock lock(&mu_);
     if (auto it = files_.find(id); it != files_.end()) {
-      lru_.splice(lru_.begin(), lru_, it->second.lru_pos);
       const File& f = it->second;
-      return Use{f.fd, f.direct, f.vouched, f.direct_tried, f.dev};
+      if (auto fd = FdOf(f)) {
+        lru_.splice(lru_.begin(), lru_, it->second.lru_pos);
+        return Use{fd, f.direct, f.vouched, f.direct_tried, f.dev};
+      }
+      EraseLocked(it);  // its owner closed the lent descriptor: open by path
     }
   }
   // Not open: by path, confined to the backing directory.
@@ -127,7 +143,8 @@ Result<BackingSource::Use> BackingSource::Acquire(const BlockId& id) {
   }
   if (auto it = files_.find(id); it != files_.end()) {  // another reader got here first
     const File& f = it->second;
-    return Use{f.fd, f.direct, f.vouched, f.direct_tried, f.dev};
+    if (auto bound = FdOf(f)) return Use{bound, f.direct, f.vouched, f.direct_tried, f.dev};
+    EraseLocked(it);
   }
   File file;
   file.fd = std::make_shared<const UniqueFd>(std::move(fd));
@@ -175,7 +192,9 @@ std::shared_ptr<const UniqueFd> BackingSource::DirectFd(const BlockId& id, const
   if (direct < 0 && open_errno == EINVAL && !NoDirectLocked(use.dev)) {
     no_direct_devs_.push_back(use.dev);  // no O_DIRECT on this device
   }
-  if (auto it = files_.find(id); it != files_.end() && it->second.fd == use.fd) {
+  // Only an owned descriptor keeps its twin: a borrowed one's twin would outlive the
+  // owner's close, so it serves this read only.
+  if (auto it = files_.find(id); it != files_.end() && it->second.fd && it->second.fd == use.fd) {
     it->second.direct_tried = true;
     if (!it->second.direct) it->second.direct = shared;
     return it->second.direct;

@@ -102,8 +102,12 @@ class BackingSource final : public BlockSource {
 
  private:
   struct File {
+    // Opened here by path (owned, bounded by max_open_files), or lent by Adopt(): a lent
+    // descriptor is only borrowed (weak), so it closes when its owner closes the file and
+    // the source never holds descriptors of files nobody has open.
     std::shared_ptr<const UniqueFd> fd;
-    std::shared_ptr<const UniqueFd> direct;  // O_DIRECT twin, once opened
+    std::weak_ptr<const UniqueFd> borrowed;
+    std::shared_ptr<const UniqueFd> direct;  // O_DIRECT twin of an owned fd, once opened
     bool direct_tried = false;
     bool vouched = false;  // adopted: not re-checked on reads
     uint64_t dev = 0, ino = 0;
@@ -125,6 +129,12 @@ class BackingSource final : public BlockSource {
   // bound. Returns the binding now in the cache.
   File& BindLocked(const BlockId& id, File file) REQUIRES(mu_);
   void EraseLocked(std::map<BlockId, File, BlockIdLess>::iterator it) REQUIRES(mu_);
+  // Drops the bindings whose borrowed descriptor was closed by its owner.
+  void SweepLocked() REQUIRES(mu_);
+  // The descriptor of a binding: owned, or borrowed while its owner keeps it open.
+  static std::shared_ptr<const UniqueFd> FdOf(const File& f) {
+    return f.fd ? f.fd : f.borrowed.lock();
+  }
   // The O_DIRECT twin of the file of `id`, or null when its device refuses O_DIRECT.
   std::shared_ptr<const UniqueFd> DirectFd(const BlockId& id, const Use& use) EXCLUDES(mu_);
   bool NoDirectLocked(uint64_t dev) const REQUIRES(mu_);

@@ -151,6 +151,28 @@ TEST_F(BackingSourceTest, AnAdoptedDescriptorReadsTheOpenedFileWhereverItsPathWe
   EXPECT_EQ(fd2.use_count(), 1);
 }
 
+TEST_F(BackingSourceTest, ALentDescriptorClosesWithItsOwnerAndReadsThenOpenByPath) {
+  Write("f", "lent file!", 1000);
+  auto source = NewSource();
+  int raw = ::open((tmp_.path() + "/f").c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(raw, 0);
+  auto fd = std::make_shared<const UniqueFd>(raw);
+  struct stat st;
+  ASSERT_EQ(::fstat(raw, &st), 0);
+  const BlockId id = BlockIdFromStat("f", st);
+  source->Adopt(id, fd, st);
+  EXPECT_EQ(ReadAll(source.get(), id, 0, 10), "lent file!");
+  EXPECT_EQ(source->Stats().opens, 0u);
+  EXPECT_EQ(fd.use_count(), 1) << "the source only borrows it";
+  // The application closes the file: the descriptor is closed at once (a daemon under a
+  // low RLIMIT_NOFILE must not run out for descriptors nobody uses), and a later read opens
+  // the file by its path.
+  fd.reset();
+  EXPECT_EQ(::fcntl(raw, F_GETFD), -1);
+  EXPECT_EQ(ReadAll(source.get(), id, 0, 10), "lent file!");
+  EXPECT_EQ(source->Stats().opens, 1u);
+}
+
 TEST_F(BackingSourceTest, KeepsABoundedNumberOfDescriptors) {
   Write("a", "aaaa", 1000);
   Write("b", "bbbb", 1000);

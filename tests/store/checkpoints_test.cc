@@ -111,6 +111,20 @@ TEST_F(CheckpointRegistryTest, AFailureIsKeptWithItsFirstError) {
   EXPECT_FALSE(registry_->Get("not-a-checkpoint").has_value());
 }
 
+TEST_F(CheckpointRegistryTest, WritingIntoACheckpointWhoseFailureHoldsPublicationKeepsItFailed) {
+  registry_->OnFileCreated("ck");
+  registry_->OnHalted("ck", "ENOSPC on __0_0.distcp");
+  registry_->OnFileCreated("ck");  // the save goes on: its .metadata is written
+  auto info = registry_->Get("ck");
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->state, CkptState::kFailed);
+  EXPECT_EQ(info->error, "ENOSPC on __0_0.distcp");
+  registry_->OnResumed("ck");  // space came back and the entry passed
+  info = registry_->Get("ck");
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->state, CkptState::kWriting);
+}
+
 TEST_F(CheckpointRegistryTest, WritingAgainIntoAFinishedCheckpointStartsAFreshRecord) {
   registry_->OnFileCreated("ck");
   registry_->OnFileQueued("ck", 10);
