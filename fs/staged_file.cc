@@ -1,5 +1,7 @@
 #include "fs/staged_file.h"
 
+#include <chrono>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -103,8 +105,17 @@ Status StagedFile::Write(const char* data, size_t len, uint64_t offset) {
       continue;
     }
     lock.Unlock();
-    // Blocks while the pool is full; the pool's pressure callback seals idle chunks.
-    gpu::ChunkBuffer buffer = ctx_.pool->Acquire();
+    // Waits while the pool is full; the pool's pressure callback seals idle chunks. When
+    // the pool is full of chunks the backing store refused (parked for a retry, G7), no
+    // chunk comes back until the condition clears: this write fails as the store's
+    // would, instead of hanging.
+    gpu::ChunkBuffer buffer;
+    while (!(buffer = ctx_.pool->TryAcquireFor(std::chrono::milliseconds(200)))) {
+      if (ctx_.pipeline->parked() > 0) {
+        return Status(Code::kNoSpace,
+                      "staging is full of bytes the backing store refused (kept for a retry)");
+      }
+    }
     lock.Lock();
     auto chunk = std::make_shared<StagedChunk>();
     chunk->buffer = std::move(buffer);
