@@ -16,7 +16,7 @@
 #include "ckptfs_version.h"
 #include "common/histogram.h"
 #include "common/control_names.h"
-#include "fs/filesystem.h"
+#include "fs/control_tree.h"
 #include "fs/fs_util.h"
 #ifdef CKPTFS_HAVE_UCX
 #include "store/peer/peer_node.h"
@@ -79,9 +79,23 @@ double EpochNow() {
 
 }  // namespace
 
+ControlTree::ControlTree(const Sources& sources)
+    : config_(*sources.config),
+      stats_(sources.stats),
+      ns_(sources.ns),
+      backing_(sources.backing),
+      db_(sources.db),
+      checkpoints_(sources.checkpoints),
+      pool_(sources.pool),
+      pipeline_(sources.pipeline),
+      journal_(sources.journal),
+      index_(sources.index),
+      read_(sources.read),
+      tensors_(sources.tensors) {}
+
 // ---------------------------------------------------------------- the tree
 
-Result<Entry> Filesystem::CtlLookup(uint64_t parent, const std::string& name) {
+Result<Entry> ControlTree::CtlLookup(uint64_t parent, const std::string& name) {
   Entry e;
   e.timeout = 0;
   if (parent == kRootIno && name == kCtlDirName) {
@@ -103,7 +117,7 @@ Result<Entry> Filesystem::CtlLookup(uint64_t parent, const std::string& name) {
   return e;
 }
 
-Result<struct stat> Filesystem::CtlGetAttr(uint64_t ino) {
+Result<struct stat> ControlTree::CtlGetAttr(uint64_t ino) {
   struct stat st {};
   st.st_ino = ino;
   st.st_mode = ino == kCtlDirIno ? (S_IFDIR | 0555) : (S_IFREG | 0444);
@@ -114,7 +128,7 @@ Result<struct stat> Filesystem::CtlGetAttr(uint64_t ino) {
   return st;
 }
 
-Result<Handle*> Filesystem::CtlOpen(uint64_t ino, int flags) {
+Result<Handle*> ControlTree::CtlOpen(uint64_t ino, int flags) {
   auto handle = std::make_unique<Handle>();
   if (TensorView::Owns(ino)) {
     if ((flags & O_ACCMODE) != O_RDONLY) return Status(Code::kPermission, "tensor view");
@@ -139,7 +153,7 @@ Result<Handle*> Filesystem::CtlOpen(uint64_t ino, int flags) {
   return handle.release();
 }
 
-Result<Handle*> Filesystem::CtlOpenDir(uint64_t ino) {
+Result<Handle*> ControlTree::CtlOpenDir(uint64_t ino) {
   auto handle = std::make_unique<Handle>();
   DirHandle& dh = handle->kind.emplace<DirHandle>();
   if (TensorView::Owns(ino)) {
@@ -160,7 +174,7 @@ Result<Handle*> Filesystem::CtlOpenDir(uint64_t ino) {
 
 // ---------------------------------------------------------------- the files
 
-std::string Filesystem::StatsJson() {
+std::string ControlTree::StatsJson() {
   nlohmann::json j;
   j["pid"] = ::getpid();
   j["version"] = kVersion;
@@ -169,13 +183,13 @@ std::string Filesystem::StatsJson() {
   j["state_dir"] = config_.state_dir;
   j["durability"] = config_.strict ? "strict" : "async";
   j["uptime_s"] =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
-  const uint64_t written = bytes_written_.load();
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - stats_->started).count();
+  const uint64_t written = stats_->bytes_written.load();
   j["bytes_written"] = written;
   j["bytes_staged"] = written;  // every write is copied into staging
   j["bytes_flushed"] = pipeline_->bytes_flushed();
-  j["bytes_published"] = bytes_published_.load();
-  j["files_published"] = files_published_.load();
+  j["bytes_published"] = stats_->bytes_published.load();
+  j["files_published"] = stats_->files_published.load();
   j["staging_used"] = pool_->used_bytes();
   j["staging_limit"] = pool_->limit_bytes();
   j["staging_backend"] = pool_->backend();
@@ -188,7 +202,7 @@ std::string Filesystem::StatsJson() {
   j["checksum_block_maps_bytes"] = index_->block_crc_bytes();
   j["checksums_on_read"] = read_->read_sums().recorded();
   j["backing_bytes_written"] = backing_->bytes_written();
-  j["bytes_served"] = bytes_read_.load();
+  j["bytes_served"] = stats_->bytes_read.load();
   if (store::BlockCache* cache = read_->cache()) {
     store::BlockCacheStats c = cache->Stats();
     j["cache_hits"] = c.hits;
@@ -232,28 +246,40 @@ std::string Filesystem::StatsJson() {
   j["flush_queue"] = pipeline_->queued();
   j["flush_retries"] = pipeline_->retries();
   j["flush_parked"] = pipeline_->parked();
-  {
-    MutexLock lock(&ns_mu_);
-    uint64_t files_pending = 0;
-    for (const auto& [_, node] : inodes_) {
-      if (node->write && (node->write->needs_publish ||
-                          node->write->publish_seq > journal_->applied())) {
-        ++files_pending;
-      }
-    }
-    j["files_pending"] = files_pending;
-    j["inodes"] = inodes_.size();
-  }
+  const NamespaceView::Counts counts = ns_->CountNodes();
+  j["files_pending"] = counts.files_pending;
+  j["inodes"] = counts.inodes;
   j["checkpoints"] = checkpoints_->CountByState();
-  j["errors"] = errors_.load() + pipeline_->errors();
-  {
-    MutexLock lock(&error_mu_);
-    j["last_error"] = last_error_;
-  }
+  j["errors"] = stats_->errors.load() + pipeline_->errors();
+  j["last_error"] = stats_->last_error();
   return JsonText(j, 1) + "\n";
 }
 
-std::string Filesystem::CheckpointsJson() {
+void ControlTree::ForgetVanishedCheckpoints() {
+  const uint64_t last = journal_->last_appended();
+  if (journal_->applied() < last) return;
+  // A removal counts only if no entry was queued meanwhile (a rename moves the record
+  // before the backing store).
+  auto gone = [&](const std::string& path) {
+    Result<struct stat> st = backing_->Stat(path);
+    return !st.ok() && st.status().code() == Code::kNotFound && journal_->last_appended() == last;
+  };
+  for (const auto& info : checkpoints_->List()) {
+    if (info.state == store::CkptState::kWriting || info.state == store::CkptState::kPending) {
+      continue;
+    }
+    if (gone(info.path)) {
+      spdlog::info("checkpoint {}: gone from the backing store", info.path);
+      checkpoints_->OnRemoved(info.path);
+      index_->Forget(info.path);
+    }
+  }
+  for (const auto& path : index_->IndexedCheckpoints()) {
+    if (!checkpoints_->Get(path) && gone(JoinPath(path, ".metadata"))) index_->Forget(path);
+  }
+}
+
+std::string ControlTree::CheckpointsJson() {
   ForgetVanishedCheckpoints();
   nlohmann::json arr = nlohmann::json::array();
   std::set<std::string> listed;
@@ -284,12 +310,12 @@ std::string Filesystem::CheckpointsJson() {
 
 // Prometheus text exposition (version 0.0.4). Names follow Prometheus conventions
 // (base units in the name, _total for counters); every series carries the mountpoint.
-std::string Filesystem::MetricsText() {
+std::string ControlTree::MetricsText() {
   const auto stats = nlohmann::json::parse(StatsJson());
   const std::string mnt = "mountpoint=\"" + LabelValue(config_.mountpoint) + "\"";
   const double start_epoch =
       EpochNow() -
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - stats_->started).count();
   std::string out;
   auto header = [&](const std::string& name, const char* type, const char* help) {
     out += "# HELP ckptfs_" + name + " " + help + "\n# TYPE ckptfs_" + name + " " + type + "\n";
@@ -403,178 +429,52 @@ std::string Filesystem::MetricsText() {
   return out;
 }
 
-std::string Filesystem::ProgressJson(uint64_t ino) {
-  nlohmann::json j = {{"state", "published"}, {"bytes_total", 0}, {"bytes_done", 0}, {"error", ""}};
-  if (ino < kFirstNodeIno && ino != kRootIno) return JsonText(j);
-  bool foreign_commit = false;
-  std::string dir_path;
-  {
-    MutexLock lock(&ns_mu_);
-    auto node = NodeLocked(ino);
-    if (!node) return JsonText(j);
-    const uint64_t applied = journal_->applied();
-    if (node->type == NodeType::kFile) {
-      if (!node->error.empty() || (!node->halt_error.empty() && !node->halt_transient)) {
-        j["state"] = "failed";
-        j["error"] = node->error.empty() ? node->halt_error : node->error;
-      } else if (!node->halt_error.empty()) {
-        // Publication halts here on a transient error; the bytes are kept and retried.
-        j["state"] = "retrying";
-        j["error"] = node->halt_error;
-      } else if (node->write) {
-        const WriteState& ws = *node->write;
-        const uint64_t size = ws.staged->size();
-        j["bytes_total"] = size;
-        j["bytes_done"] = std::min<uint64_t>(size, ws.staged->target()->bytes_flushed());
-        const Status flush_error = ws.staged->error();
-        if (!flush_error.ok()) {
-          // Reported to the application either way; "failed" only once bytes are lost.
-          const bool kept = store::IsTransient(flush_error) && !ws.staged->target()->lost();
-          j["state"] = kept ? "retrying" : "failed";
-          j["error"] = flush_error.ToString();
-        } else if (ws.needs_publish || ws.staged->staged_bytes() > 0) {
-          j["state"] = "staged";
-        } else if (ws.publish_seq > applied) {
-          j["state"] = ws.staged->target()->synced() ? "durable" : "staged";
-        }
-      } else if (node->pending_seq > applied) {
-        j["state"] = "staged";
-      } else {
-        j["bytes_total"] = j["bytes_done"] = static_cast<uint64_t>(node->attr.st_size);
-      }
-      return JsonText(j);
-    }
-    const std::string path = PathLocked(node.get());
-    if (auto info = checkpoints_->Get(path)) {
-      j["state"] = store::CkptStateName(info->state);
-      j["bytes_total"] = info->bytes;
-      j["bytes_done"] = info->bytes_published;
-      j["error"] = info->error;
-      // Shards written here of a checkpoint whose `.metadata` another node publishes: this
-      // node never sees its commit, so once its own files are all published it asks the
-      // backing store (below, outside the lock).
-      if (!config_.peers || info->state != store::CkptState::kWriting ||
-          info->bytes_published < info->bytes) {
-        return JsonText(j);
-      }
-      foreign_commit = true;
-    } else if (config_.peers && node->loaded) {
-      // A DCP checkpoint whose shards were written here and whose `.metadata` another node
-      // publishes: done only once that `.metadata` is on the backing store (checked below,
-      // outside the lock).
-      bool has_metadata = false;
-      for (const auto& [name, child] : node->children) {
-        if (name == ".metadata") has_metadata = true;
-        if (name.size() > 7 && name.compare(name.size() - 7, 7, ".distcp") == 0) {
-          foreign_commit = true;
-        }
-      }
-      if (has_metadata) foreign_commit = false;
-    }
-    // Any other directory: published once no entry made so far is pending. (Entries
-    // are applied in order, so this covers everything below it.) Its bytes are those of
-    // the unpublished files below it: total staged, done durable on the backing store.
-    const uint64_t last = journal_->last_appended();
-    if (last > applied) {
-      j["state"] = "staged";
-      // Below it: `node` is an ancestor (a parent walk, no path strings under the lock).
-      auto below = [&](const Node* n) {
-        for (const Node* p = n->parent; p != nullptr; p = p->parent) {
-          if (p == node.get()) return true;
-        }
-        return false;
-      };
-      uint64_t total = 0, done = 0;
-      for (const auto& [_, n] : inodes_) {
-        if (n->type != NodeType::kFile || !n->write) continue;
-        const WriteState& ws = *n->write;
-        if (!ws.needs_publish && ws.publish_seq <= applied) continue;
-        if (!below(n.get())) continue;
-        const uint64_t size = ws.staged->size();
-        total += size;
-        done += std::min<uint64_t>(size, ws.staged->target()->bytes_flushed());
-      }
-      j["bytes_total"] = total;
-      j["bytes_done"] = done;
-      j["entries_pending"] = last - applied;
-    }
-    if (foreign_commit) dir_path = path;
-  }
-  if (foreign_commit && (j["state"] == "published" || j["state"] == "writing")) {
-    // Everything written here is published; the checkpoint is committed once the node of
-    // its coordinator rank has published `.metadata` (G5: only after every shard).
-    if (backing_->Stat(dir_path + "/.metadata").ok()) {
-      j["state"] = "committed";
-    } else {
-      j["state"] = "pending";
-      j["waiting_for"] = ".metadata from another node";
-    }
-  }
-  return JsonText(j);
-}
-
-void Filesystem::Resume() {
+void ControlTree::Resume() {
   spdlog::info("operator: resume");
   pipeline_->RetryNow();
   journal_->Resume();
 }
 
-std::vector<std::string> Filesystem::Abort(const std::string& path) {
+std::vector<std::string> ControlTree::Abort(const std::string& path) {
   spdlog::warn("operator: abort {}", path.empty() ? "/" : path);
   std::vector<std::string> dropped = journal_->Abort(path);
   checkpoints_->OnAborted(path, "aborted by the operator");
   return dropped;
 }
 
-Status Filesystem::SetXattr(uint64_t ino, const std::string& name, const std::string&) {
+Status ControlTree::SetXattr(uint64_t ino, const std::string& name, const std::string&) {
   if (name == kResumeXattr) {
     Resume();
     return Status::Ok();
   }
   if (name != kAbortXattr) return Status(Code::kUnsupported, "setxattr " + name);
-  std::string path;
-  {
-    MutexLock lock(&ns_mu_);
-    auto node = NodeLocked(ino);
-    if (!node) return NotFound("stale inode");
-    path = PathLocked(node.get());
-  }
+  CKPT_ASSIGN_OR_RETURN(std::string path, ns_->PathOf(ino));
   std::vector<std::string> dropped = Abort(path);
   nlohmann::json report = {{"path", path}, {"dropped", dropped}};
-  MutexLock lock(&error_mu_);
+  MutexLock lock(&abort_mu_);
   last_abort_report_ = JsonText(report, 1) + "\n";
   return Status::Ok();
 }
 
-Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) {
+Result<std::string> ControlTree::GetXattr(uint64_t ino, const std::string& name) {
   if (name == kAbortReportXattr) {
-    MutexLock lock(&error_mu_);
+    MutexLock lock(&abort_mu_);
     return last_abort_report_.empty() ? std::string("{}\n") : last_abort_report_;
   }
-  if (name == kProgressXattr) return ProgressJson(ino);
+  if (name == kProgressXattr) return ns_->ProgressJson(ino);
   if (name == kChecksumsXattr) {
     // Checksums the items that have none yet (read from the backing store once).
-    std::string path;
-    {
-      MutexLock lock(&ns_mu_);
-      auto node = NodeLocked(ino);
-      if (!node || node->type != NodeType::kDir) return Invalid("checksums need a checkpoint dir");
-      path = PathLocked(node.get());
-    }
-    CKPT_ASSIGN_OR_RETURN(uint64_t filled, index_->FillChecksums(path));
+    Result<std::string> path = ns_->DirPathOf(ino);
+    if (!path.ok()) return Invalid("checksums need a checkpoint dir");
+    CKPT_ASSIGN_OR_RETURN(uint64_t filled, index_->FillChecksums(*path));
     nlohmann::json j = {{"checksum", store::kChecksumAlgorithm}, {"computed", filled}};
     return JsonText(j);
   }
   if (name == kVerifyXattr) {
     // Re-reads the checkpoint from the backing store and checks structure and checksums.
-    std::string path;
-    {
-      MutexLock lock(&ns_mu_);
-      auto node = NodeLocked(ino);
-      if (!node || node->type != NodeType::kDir) return Invalid("verify needs a checkpoint dir");
-      path = PathLocked(node.get());
-    }
-    CKPT_ASSIGN_OR_RETURN(store::VerifyReport report, index_->Verify(path));
+    Result<std::string> path = ns_->DirPathOf(ino);
+    if (!path.ok()) return Invalid("verify needs a checkpoint dir");
+    CKPT_ASSIGN_OR_RETURN(store::VerifyReport report, index_->Verify(*path));
     nlohmann::json bad = nlohmann::json::array();
     for (const auto& [key, why] : report.bad) {
       if (bad.size() >= 200) break;  // an xattr value holds at most 64 KiB
@@ -589,13 +489,13 @@ Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) 
     return JsonText(j);
   }
   if (name == kStateXattr) {
-    auto j = nlohmann::json::parse(ProgressJson(ino));
+    auto j = nlohmann::json::parse(ns_->ProgressJson(ino));
     return j["state"].get<std::string>();
   }
   return Status(Code::kNotFound, "no xattr " + name);
 }
 
-std::string Filesystem::ListXattr(uint64_t ino) {
+std::string ControlTree::ListXattr(uint64_t ino) {
   std::string out;
   out.append(kStateXattr).push_back('\0');
   out.append(kProgressXattr).push_back('\0');

@@ -16,12 +16,6 @@
 #include "fs/fs_util.h"
 
 namespace ckptfs::fs {
-namespace {
-
-// EIO lines logged per second at most; the rest are counted and reported with the next.
-constexpr int kIoLogsPerSecond = 20;
-
-}  // namespace
 
 Filesystem::Filesystem(const FsConfig& config) : config_(config) {}
 
@@ -59,7 +53,6 @@ Status Filesystem::Init(FsDeps deps) {
   } else {
     CKPT_ASSIGN_OR_RETURN(pool_, gpu::StagingPool::Create(pool_options));
   }
-  pool_->SetPressureCallback([this] { RelieveStagingPressure(); });
   store::FlushOptions flush_options;
   flush_options.threads = config_.flush_threads;
   flush_options.block_crcs = config_.write_checksums;
@@ -69,13 +62,11 @@ Status Filesystem::Init(FsDeps deps) {
   } else {
     CKPT_ASSIGN_OR_RETURN(pipeline_, store::FlushPipeline::Create(backing_.get(), flush_options));
   }
-  staging_ctx_ = StagingContext{pool_.get(), pipeline_.get(), backing_.get()};
   store::CommitGateOptions gate_options;
   gate_options.timeout = config_.commit_timeout;
-  gate_options.written_locally = [this](const std::string& path) { return WrittenLocally(path); };
+  gate_options.written_locally = [this](const std::string& path) { return ns_->WrittenLocally(path); };
   gate_options.deleted_locally = [this](const std::string& path) {
-    MutexLock lock(&dropped_mu_);
-    return dropped_paths_.count(path) > 0;
+    return ns_->DeletedLocally(path);
   };
   gate_ = std::make_unique<store::CommitGate>(backing_.get(), std::move(gate_options));
   store::Journal::Hooks hooks;
@@ -89,14 +80,14 @@ Status Filesystem::Init(FsDeps deps) {
   }
   hooks.on_done = [this](const store::JournalEntry& e, const Status& st) {
     if (config_.peers) gate_->NoteApplied(e, st);
-    OnJournalDone(e, st);
+    ns_->OnJournalDone(e, st);
   };
-  hooks.on_halt = [this](const store::JournalEntry& e, const Status& st) { OnJournalHalt(e, st); };
+  hooks.on_halt = [this](const store::JournalEntry& e, const Status& st) { ns_->OnJournalHalt(e, st); };
   // Strict mode returns every failure to the operation that caused it: nothing waits.
   hooks.halt_on_failure = !config_.strict;
   // Temp files live at the backing root (BeginWriteLocked): their records can be written
   // ahead, several per synced write.
-  hooks.temp_path = [this](uint64_t id) { return TempName(id); };
+  hooks.temp_path = [this](uint64_t id) { return ns_->TempName(id); };
   CKPT_ASSIGN_OR_RETURN(journal_, store::Journal::Create(backing_.get(), db_.get(), hooks));
 
   if (deps.index) {
@@ -143,17 +134,31 @@ Status Filesystem::Init(FsDeps deps) {
 #endif
   read_->Start();
 
-  CKPT_ASSIGN_OR_RETURN(struct stat root_attr, backing_->Stat(""));
-  root_ = std::make_shared<Node>();
-  root_->ino = kRootIno;
-  root_->type = NodeType::kDir;
-  root_->attr = root_attr;
-  root_->attr.st_ino = kRootIno;
-  root_->on_backing = true;
-  {
-    MutexLock lock(&ns_mu_);
-    inodes_[kRootIno] = root_;
-  }
+  Namespace::Deps ns_deps;
+  ns_deps.backing = backing_.get();
+  ns_deps.checkpoints = checkpoints_.get();
+  ns_deps.pool = pool_.get();
+  ns_deps.pipeline = pipeline_.get();
+  ns_deps.journal = journal_.get();
+  ns_deps.index = index_.get();
+  ns_deps.read = read_.get();
+  ns_deps.stats = &stats_;
+  CKPT_ASSIGN_OR_RETURN(ns_, Namespace::Create(config_, ns_deps));
+  pool_->SetPressureCallback([this] { ns_->RelieveStagingPressure(); });
+  ControlTree::Sources sources;
+  sources.config = &config_;
+  sources.stats = &stats_;
+  sources.ns = ns_.get();
+  sources.backing = backing_.get();
+  sources.db = db_.get();
+  sources.checkpoints = checkpoints_.get();
+  sources.pool = pool_.get();
+  sources.pipeline = pipeline_.get();
+  sources.journal = journal_.get();
+  sources.index = index_.get();
+  sources.read = read_.get();
+  sources.tensors = tensors_.get();
+  control_ = std::make_unique<ControlTree>(sources);
   spdlog::info("ckptfs ready: backing {} staging {} MiB ({}), {} flush threads, {} mode",
                config_.backing_dir, pool_->limit_bytes() >> 20, pool_->backend(),
                config_.flush_threads, config_.strict ? "strict" : "async");
@@ -162,12 +167,6 @@ Status Filesystem::Init(FsDeps deps) {
 
 Filesystem::~Filesystem() { Shutdown(); }
 
-void Filesystem::NoteError(const std::string& msg) {
-  errors_.fetch_add(1);
-  MutexLock lock(&error_mu_);
-  last_error_ = msg;
-}
-
 // ---------------------------------------------------------------- routing
 
 Result<Entry> Filesystem::Lookup(uint64_t parent, const std::string& name) {
@@ -175,28 +174,81 @@ Result<Entry> Filesystem::Lookup(uint64_t parent, const std::string& name) {
     CKPT_ASSIGN_OR_RETURN(auto v, tensors_->Lookup(parent, name));
     return Entry{v.ino, v.attr, kDefaultTimeout};
   }
-  if (IsControl(parent) || (parent == kRootIno && name == kCtlDirName)) {
-    return CtlLookup(parent, name);
+  if (ControlTree::IsControl(parent) || (parent == kRootIno && name == kCtlDirName)) {
+    return control_->CtlLookup(parent, name);
   }
-  return NodeLookup(parent, name);
+  return ns_->NodeLookup(parent, name);
 }
 
 Result<struct stat> Filesystem::GetAttr(uint64_t ino) {
   if (TensorView::Owns(ino)) return tensors_->GetAttr(ino);
-  if (IsControl(ino)) return CtlGetAttr(ino);
-  return NodeGetAttr(ino);
+  if (ControlTree::IsControl(ino)) return control_->CtlGetAttr(ino);
+  return ns_->NodeGetAttr(ino);
+}
+
+void Filesystem::Forget(uint64_t ino, uint64_t nlookup) { ns_->Forget(ino, nlookup); }
+
+Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int to_set,
+                                        Handle* handle, const Caller& caller) {
+  return ns_->SetAttr(ino, in, to_set, handle, caller);
+}
+
+Result<Entry> Filesystem::Mkdir(uint64_t parent, const std::string& name, mode_t mode,
+                                const Caller& caller) {
+  return ns_->Mkdir(parent, name, mode, caller);
+}
+
+Result<Entry> Filesystem::Symlink(const std::string& target, uint64_t parent,
+                                  const std::string& name, const Caller& caller) {
+  return ns_->Symlink(target, parent, name, caller);
+}
+
+Result<Entry> Filesystem::Mknod(uint64_t parent, const std::string& name, mode_t mode,
+                                dev_t rdev, const Caller& caller) {
+  return ns_->Mknod(parent, name, mode, rdev, caller);
+}
+
+Result<Entry> Filesystem::Link(uint64_t ino, uint64_t new_parent, const std::string& new_name,
+                               const Caller& caller) {
+  return ns_->Link(ino, new_parent, new_name, caller);
+}
+
+Status Filesystem::Fallocate(Handle* h, int mode, uint64_t offset, uint64_t length) {
+  return ns_->Fallocate(h, mode, offset, length);
+}
+
+Result<std::string> Filesystem::Readlink(uint64_t ino) { return ns_->Readlink(ino); }
+
+Status Filesystem::Unlink(uint64_t parent, const std::string& name, const Caller& caller) {
+  return ns_->Unlink(parent, name, caller);
+}
+
+Status Filesystem::Rmdir(uint64_t parent, const std::string& name, const Caller& caller) {
+  return ns_->Rmdir(parent, name, caller);
+}
+
+Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new_parent,
+                          const std::string& new_name, unsigned flags, const Caller& caller) {
+  return ns_->Rename(parent, name, new_parent, new_name, flags, caller);
+}
+
+Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std::string& name,
+                                                     mode_t mode, int flags,
+                                                     const Caller& caller) {
+  return ns_->Create(parent, name, mode, flags, caller);
 }
 
 Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
-  Result<Handle*> h = IsControl(ino) || TensorView::Owns(ino) ? CtlOpen(ino, flags)
-                                                              : NodeOpen(ino, flags);
+  Result<Handle*> h = ControlTree::IsControl(ino) || TensorView::Owns(ino)
+                           ? control_->CtlOpen(ino, flags)
+                           : ns_->NodeOpen(ino, flags);
   if (!h.ok()) return LogIfIo("open", ino, 0, h.status());
   return h;
 }
 
 Result<Handle*> Filesystem::OpenDir(uint64_t ino) {
-  if (IsControl(ino) || TensorView::Owns(ino)) return CtlOpenDir(ino);
-  return NodeOpenDir(ino);
+  if (ControlTree::IsControl(ino) || TensorView::Owns(ino)) return control_->CtlOpenDir(ino);
+  return ns_->NodeOpenDir(ino);
 }
 
 Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offset) {
@@ -234,58 +286,42 @@ Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t o
   } else {
     return Status(Code::kIsDir, "read of a directory");
   }
-  if (got.ok()) bytes_read_.fetch_add(*got, std::memory_order_relaxed);
+  if (got.ok()) stats_.bytes_read.fetch_add(*got, std::memory_order_relaxed);
   return got;
 }
 
 Status Filesystem::Write(Handle* h, const char* data, size_t len, uint64_t offset) {
   FileHandle* f = h->file();
   if (f == nullptr) return Status(Code::kPermission, "not open for writing");
-  return LogIfIo("write", h->ino(), offset, WriteData(f, data, len, offset));
+  return LogIfIo("write", h->ino(), offset, ns_->WriteData(f, data, len, offset));
 }
 
 Status Filesystem::Flush(Handle* h) {
   FileHandle* f = h->file();
   if (f == nullptr) return Status::Ok();
-  return LogIfIo("flush", h->ino(), 0, FlushData(f));
+  return LogIfIo("flush", h->ino(), 0, ns_->FlushData(f));
 }
 
 Status Filesystem::Fsync(Handle* h) { return Flush(h); }
 
 void Filesystem::Release(Handle* h) {
   std::unique_ptr<Handle> owned(h);
-  if (FileHandle* f = h->file()) ReleaseFile(f);
+  if (FileHandle* f = h->file()) ns_->ReleaseFile(f);
 }
 
 void Filesystem::ReleaseDir(Handle* h) { delete h; }
 
-Result<struct statvfs> Filesystem::StatFs() { return backing_->StatFs(); }
-
-Status Filesystem::LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status st) {
-  if (st.ok() || st.ToErrno() != EIO) return st;
-  const int64_t second = std::chrono::duration_cast<std::chrono::seconds>(
-                             std::chrono::steady_clock::now().time_since_epoch())
-                             .count();
-  if (io_log_second_.exchange(second) != second) io_logged_ = 0;
-  if (io_logged_.fetch_add(1) >= kIoLogsPerSecond) {
-    io_suppressed_.fetch_add(1);
-    return st;
-  }
-  std::string path = "(control file)";
-  if (ino == kRootIno || ino >= kFirstNodeIno) {
-    MutexLock lock(&ns_mu_);
-    auto node = NodeLocked(ino);
-    path = !node                      ? "(forgotten)"
-           : node->ino == kRootIno    ? ""
-           : node->parent != nullptr  ? PathLocked(node.get())
-                                      : "(unlinked) " + node->name;
-  }
-  const uint64_t suppressed = io_suppressed_.exchange(0);
-  spdlog::warn("EIO to the application: {} ino {} path '{}' offset {}: {}{}", op, ino, path,
-               offset, st.ToString(),
-               suppressed ? fmt::format(" ({} more not logged)", suppressed) : std::string());
-  return st;
+Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) {
+  return control_->GetXattr(ino, name);
 }
+
+Status Filesystem::SetXattr(uint64_t ino, const std::string& name, const std::string& value) {
+  return control_->SetXattr(ino, name, value);
+}
+
+std::string Filesystem::ListXattr(uint64_t ino) { return control_->ListXattr(ino); }
+
+Result<struct statvfs> Filesystem::StatFs() { return backing_->StatFs(); }
 
 uint64_t Filesystem::Shutdown() {
   if (shut_down_.exchange(true)) return 0;
@@ -294,17 +330,8 @@ uint64_t Filesystem::Shutdown() {
     if (read_) read_->Stop();
     return 0;
   }
-  uint64_t unpublished = 0;
-  {
-    MutexLock lock(&ns_mu_);
-    // Files still open (a lazy unmount) are published as they are now (G8).
-    for (auto& [ino, node] : inodes_) {
-      if (node->write && node->write->needs_publish && node->parent != nullptr) {
-        auto seq = PublishLocked(node.get());
-        if (!seq.ok()) ++unpublished;
-      }
-    }
-  }
+  // Files still open (a lazy unmount) are published as they are now (G8).
+  uint64_t unpublished = ns_ ? ns_->PublishOpenFiles() : 0;
   spdlog::info("draining: {} journal entries pending", journal_->pending());
   // A halted journal gets one more attempt; then the failed entry and everything after it
   // are dropped, never applied (G4), and the bytes parked for a retry are let go.
@@ -312,11 +339,10 @@ uint64_t Filesystem::Shutdown() {
   pipeline_->DropParked(Status(Code::kAborted, "daemon stopped before the retry passed"));
   pipeline_->Drain();
   unpublished += journal_->skipped();
-  spdlog::info("drained: {} files published, {} not published", files_published_.load(),
+  spdlog::info("drained: {} files published, {} not published", stats_.files_published.load(),
                unpublished);
   read_->Stop();
   return unpublished;
 }
-
 
 }  // namespace ckptfs::fs

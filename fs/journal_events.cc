@@ -3,13 +3,13 @@
 // thread; takes ns_mu_ only to update the nodes, after the registry and index calls.
 #include <spdlog/spdlog.h>
 
-#include "fs/filesystem.h"
+#include "fs/namespace.h"
 #include "fs/fs_util.h"
 #include "store/dcp/dcp_metadata.h"
 
 namespace ckptfs::fs {
 
-bool Filesystem::WrittenLocally(const std::string& path) {
+bool Namespace::WrittenLocally(const std::string& path) {
   MutexLock lock(&ns_mu_);
   // Only the in-memory tree: a name this mount never loaded was not written through it.
   Node* node = root_.get();
@@ -26,7 +26,12 @@ bool Filesystem::WrittenLocally(const std::string& path) {
   return node != nullptr && node->write && node->write->needs_publish;
 }
 
-void Filesystem::OnJournalHalt(const store::JournalEntry& e, const Status& st) {
+bool Namespace::DeletedLocally(const std::string& path) {
+  MutexLock lock(&dropped_mu_);
+  return dropped_paths_.count(path) > 0;
+}
+
+void Namespace::OnJournalHalt(const store::JournalEntry& e, const Status& st) {
   const std::string dir = ParentOf(e.path);
   if (st.ok()) {
     checkpoints_->OnResumed(dir);
@@ -43,7 +48,7 @@ void Filesystem::OnJournalHalt(const store::JournalEntry& e, const Status& st) {
   }
 }
 
-void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
+void Namespace::OnJournalDone(const store::JournalEntry& e, const Status& st) {
   const std::string dir = ParentOf(e.path);
   const bool commit = (e.op == store::OpType::kPublish || e.op == store::OpType::kRename) &&
                       store::IsCommitName(e.path);
@@ -52,8 +57,8 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
       struct timespec ts[2] = {{e.atime_sec, e.atime_nsec}, {e.mtime_sec, e.mtime_nsec}};
       (void)backing_->Utimens(e.path, ts);
     }
-    bytes_published_.fetch_add(e.size);
-    files_published_.fetch_add(1);
+    stats_->bytes_published.fetch_add(e.size);
+    stats_->files_published.fetch_add(1);
     checkpoints_->OnFilePublished(dir, e.size, e.seq);
     HandOverBlockCrcs(e);
   }
@@ -78,7 +83,7 @@ void Filesystem::OnJournalDone(const store::JournalEntry& e, const Status& st) {
   if (uint64_t dropped = NodePublishDone(e, st)) RefreshAttr(dropped);
 }
 
-uint64_t Filesystem::NodePublishDone(const store::JournalEntry& e, const Status& st) {
+uint64_t Namespace::NodePublishDone(const store::JournalEntry& e, const Status& st) {
   MutexLock lock(&ns_mu_);
   auto it = publishing_.find(e.file_id);
   if (it == publishing_.end()) return 0;
@@ -100,31 +105,7 @@ uint64_t Filesystem::NodePublishDone(const store::JournalEntry& e, const Status&
   return dropped;
 }
 
-void Filesystem::ForgetVanishedCheckpoints() {
-  const uint64_t last = journal_->last_appended();
-  if (journal_->applied() < last) return;
-  // A removal counts only if no entry was queued meanwhile (a rename moves the record
-  // before the backing store).
-  auto gone = [&](const std::string& path) {
-    Result<struct stat> st = backing_->Stat(path);
-    return !st.ok() && st.status().code() == Code::kNotFound && journal_->last_appended() == last;
-  };
-  for (const auto& info : checkpoints_->List()) {
-    if (info.state == store::CkptState::kWriting || info.state == store::CkptState::kPending) {
-      continue;
-    }
-    if (gone(info.path)) {
-      spdlog::info("checkpoint {}: gone from the backing store", info.path);
-      checkpoints_->OnRemoved(info.path);
-      index_->Forget(info.path);
-    }
-  }
-  for (const auto& path : index_->IndexedCheckpoints()) {
-    if (!checkpoints_->Get(path) && gone(JoinPath(path, ".metadata"))) index_->Forget(path);
-  }
-}
-
-void Filesystem::HandOverBlockCrcs(const store::JournalEntry& e) {
+void Namespace::HandOverBlockCrcs(const store::JournalEntry& e) {
   if (!e.target) return;  // replayed after a restart: nothing was recorded
   std::shared_ptr<store::BlockCrcMap> crcs = e.target->TakeBlockCrcs();
   if (!crcs) return;
@@ -135,6 +116,5 @@ void Filesystem::HandOverBlockCrcs(const store::JournalEntry& e) {
   if (!st.ok()) return;
   index_->AddBlockCrcs(e.path, store::FileKeyFromStat(*st), std::move(crcs));
 }
-
 
 }  // namespace ckptfs::fs

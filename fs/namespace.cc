@@ -6,20 +6,59 @@
 
 #include <algorithm>
 
-#include "fs/filesystem.h"
+#include "fs/namespace.h"
 #include "fs/fs_util.h"
 #include "store/dcp/dcp_metadata.h"
 
 namespace ckptfs::fs {
 
+Namespace::Namespace(const FsConfig& config, const Deps& deps)
+    : config_(config),
+      backing_(deps.backing),
+      checkpoints_(deps.checkpoints),
+      pipeline_(deps.pipeline),
+      journal_(deps.journal),
+      index_(deps.index),
+      read_(deps.read),
+      stats_(deps.stats),
+      staging_ctx_{deps.pool, deps.pipeline, deps.backing} {}
+
+Result<std::unique_ptr<Namespace>> Namespace::Create(const FsConfig& config, const Deps& deps) {
+  std::unique_ptr<Namespace> ns(new Namespace(config, deps));
+  CKPT_ASSIGN_OR_RETURN(struct stat root_attr, ns->backing_->Stat(""));
+  ns->root_ = std::make_shared<Node>();
+  ns->root_->ino = kRootIno;
+  ns->root_->type = NodeType::kDir;
+  ns->root_->attr = root_attr;
+  ns->root_->attr.st_ino = kRootIno;
+  ns->root_->on_backing = true;
+  {
+    MutexLock lock(&ns->ns_mu_);
+    ns->inodes_[kRootIno] = ns->root_;
+  }
+  return ns;
+}
+
+uint64_t Namespace::PublishOpenFiles() {
+  uint64_t unpublished = 0;
+  MutexLock lock(&ns_mu_);
+  for (auto& [ino, node] : inodes_) {
+    if (node->write && node->write->needs_publish && node->parent != nullptr) {
+      auto seq = PublishLocked(node.get());
+      if (!seq.ok()) ++unpublished;
+    }
+  }
+  return unpublished;
+}
+
 // ---------------------------------------------------------------- namespace helpers
 
-std::shared_ptr<Node> Filesystem::NodeLocked(uint64_t ino) {
+std::shared_ptr<Node> Namespace::NodeLocked(uint64_t ino) {
   auto it = inodes_.find(ino);
   return it == inodes_.end() ? nullptr : it->second;
 }
 
-std::string Filesystem::PathLocked(const Node* node) const {
+std::string Namespace::PathLocked(const Node* node) const {
   std::vector<const std::string*> parts;
   for (const Node* n = node; n != nullptr && n->ino != kRootIno; n = n->parent) {
     parts.push_back(&n->name);
@@ -32,17 +71,17 @@ std::string Filesystem::PathLocked(const Node* node) const {
   return path;
 }
 
-std::string Filesystem::TempPathLocked(const WriteState& ws) const {
+std::string Namespace::TempPathLocked(const WriteState& ws) const {
   return JoinPath(PathLocked(ws.temp_dir), ws.temp_name);
 }
 
-uint64_t Filesystem::PendingRenameLocked(const Node* node) const {
+uint64_t Namespace::PendingRenameLocked(const Node* node) const {
   uint64_t need = 0;
   for (const Node* n = node; n != nullptr; n = n->parent) need = std::max(need, n->rename_seq);
   return need > journal_->applied() ? need : 0;
 }
 
-bool Filesystem::QuiescentLocked(const Node* node) const {
+bool Namespace::QuiescentLocked(const Node* node) const {
   uint64_t applied = journal_->applied();
   for (const Node* n = node; n != nullptr; n = n->parent) {
     if (n->pending_seq > applied) return false;
@@ -50,7 +89,7 @@ bool Filesystem::QuiescentLocked(const Node* node) const {
   return true;
 }
 
-std::shared_ptr<Node> Filesystem::NewNodeLocked(Node* parent, const std::string& name,
+std::shared_ptr<Node> Namespace::NewNodeLocked(Node* parent, const std::string& name,
                                                 NodeType type) {
   auto node = std::make_shared<Node>();
   node->ino = next_ino_++;
@@ -65,7 +104,7 @@ std::shared_ptr<Node> Filesystem::NewNodeLocked(Node* parent, const std::string&
   return node;
 }
 
-void Filesystem::ApplyBackingStatLocked(Node* node, const struct stat& st) {
+void Namespace::ApplyBackingStatLocked(Node* node, const struct stat& st) {
   FoldWriteTimeLocked(node);
   if ((st.st_mode & S_IFMT) != (node->attr.st_mode & S_IFMT)) {
     // Replaced on the backing store by another kind of object. A file keeps its
@@ -107,18 +146,18 @@ void Filesystem::ApplyBackingStatLocked(Node* node, const struct stat& st) {
   }
 }
 
-void Filesystem::OwnAttrsLocked(Node* node) {
+void Namespace::OwnAttrsLocked(Node* node) {
   node->own_attrs = true;
   node->stamped = false;
 }
 
-void Filesystem::TouchDirLocked(Node* dir, int links) {
+void Namespace::TouchDirLocked(Node* dir, int links) {
   dir->attr.st_mtim = dir->attr.st_ctim = Now();
   dir->attr.st_nlink = static_cast<nlink_t>(static_cast<int64_t>(dir->attr.st_nlink) + links);
   OwnAttrsLocked(dir);
 }
 
-Status Filesystem::EnsureLoadedLocked(Node* dir) {
+Status Namespace::EnsureLoadedLocked(Node* dir) {
   if (dir->loaded) return Status::Ok();
   if (!dir->on_backing) {
     dir->loaded = true;  // made through the mount: nothing on the backing store yet
@@ -137,7 +176,7 @@ Status Filesystem::EnsureLoadedLocked(Node* dir) {
   return Status::Ok();
 }
 
-std::shared_ptr<Node> Filesystem::AddBackingChildLocked(Node* dir, const std::string& name,
+std::shared_ptr<Node> Namespace::AddBackingChildLocked(Node* dir, const std::string& name,
                                                         const struct stat& st) {
   auto child = NewNodeLocked(dir, name, TypeOf(st.st_mode));
   child->attr = st;
@@ -148,7 +187,7 @@ std::shared_ptr<Node> Filesystem::AddBackingChildLocked(Node* dir, const std::st
   return child;
 }
 
-Status Filesystem::LoadDir(uint64_t ino) {
+Status Namespace::LoadDir(uint64_t ino) {
   std::string path;
   {
     MutexLock lock(&ns_mu_);
@@ -179,7 +218,7 @@ Status Filesystem::LoadDir(uint64_t ino) {
   return Status::Ok();
 }
 
-Status Filesystem::ProbeName(uint64_t dir_ino, const std::string& name) {
+Status Namespace::ProbeName(uint64_t dir_ino, const std::string& name) {
   CKPT_RETURN_IF_ERROR(LoadDir(dir_ino));
   // What to stat: the name's backing path while the mount's view of it may be refreshed
   // from the backing store (nothing of it pending), else nothing.
@@ -224,7 +263,7 @@ Status Filesystem::ProbeName(uint64_t dir_ino, const std::string& name) {
   return Status::Ok();
 }
 
-Status Filesystem::LoadChildDir(uint64_t dir_ino, const std::string& name) {
+Status Namespace::LoadChildDir(uint64_t dir_ino, const std::string& name) {
   uint64_t ino = 0;
   {
     MutexLock lock(&ns_mu_);
@@ -237,13 +276,13 @@ Status Filesystem::LoadChildDir(uint64_t dir_ino, const std::string& name) {
   return LoadDir(ino);
 }
 
-std::shared_ptr<Node> Filesystem::ChildLocked(Node* dir, const std::string& name) {
+std::shared_ptr<Node> Namespace::ChildLocked(Node* dir, const std::string& name) {
   // The mount's view only: ProbeName refreshed it from the backing store before the lock.
   auto it = dir->children.find(name);
   return it == dir->children.end() ? nullptr : it->second;
 }
 
-void Filesystem::DetachLocked(const std::shared_ptr<Node>& node) {
+void Namespace::DetachLocked(const std::shared_ptr<Node>& node) {
   if (node->parent != nullptr) {
     node->parent->children.erase(node->name);
     node->parent = nullptr;
@@ -251,7 +290,7 @@ void Filesystem::DetachLocked(const std::shared_ptr<Node>& node) {
   if (node->nlookup == 0 && node->open_files == 0) inodes_.erase(node->ino);
 }
 
-Result<uint64_t> Filesystem::AppendLocked(store::JournalEntry entry, Node* node) {
+Result<uint64_t> Namespace::AppendLocked(store::JournalEntry entry, Node* node) {
   CKPT_ASSIGN_OR_RETURN(uint64_t seq, journal_->Append(std::move(entry)));
   if (node != nullptr) {
     // The name and its directory's listing differ from the backing store until `seq`
@@ -266,13 +305,13 @@ Result<uint64_t> Filesystem::AppendLocked(store::JournalEntry entry, Node* node)
   return seq;
 }
 
-Status Filesystem::WaitIfStrict(Result<uint64_t> seq) {
+Status Namespace::WaitIfStrict(Result<uint64_t> seq) {
   if (!seq.ok()) return seq.status();
   if (!config_.strict) return Status::Ok();
   return journal_->WaitUnlessHalted(*seq);
 }
 
-Status Filesystem::WaitForAncestorsUnlocked(uint64_t ino) {
+Status Namespace::WaitForAncestorsUnlocked(uint64_t ino) {
   while (true) {
     uint64_t need = 0;
     {
@@ -296,7 +335,7 @@ Status Filesystem::WaitForAncestorsUnlocked(uint64_t ino) {
   }
 }
 
-Entry Filesystem::EntryLocked(Node* node) {
+Entry Namespace::EntryLocked(Node* node) {
   FoldWriteTimeLocked(node);
   node->nlookup++;
   Entry e;
@@ -309,7 +348,7 @@ Entry Filesystem::EntryLocked(Node* node) {
   return e;
 }
 
-bool Filesystem::CommittedDirLocked(const Node* dir) const {
+bool Namespace::CommittedDirLocked(const Node* dir) const {
   // A checkpoint is committed once its `.metadata` is published and nothing in the
   // directory is pending; the registry knows the ones saved through this mount.
   auto it = dir->children.find(".metadata");
@@ -319,7 +358,7 @@ bool Filesystem::CommittedDirLocked(const Node* dir) const {
   return md.on_backing && !md.write && md.pending_seq <= applied && dir->pending_seq <= applied;
 }
 
-double Filesystem::TimeoutFor(const Node& node) const {
+double Namespace::TimeoutFor(const Node& node) const {
   // Names of one inode are separate FUSE inodes: a change through one name reaches the
   // others' cached attributes only if the kernel keeps none.
   if (node.type != NodeType::kDir && node.attr.st_nlink > 1) return 0.0;
@@ -332,14 +371,14 @@ double Filesystem::TimeoutFor(const Node& node) const {
 }
 
 
-void Filesystem::SyncDataLocked(Node* node) {
+void Namespace::SyncDataLocked(Node* node) {
   MutexLock lock(&node->data_mu);
   node->data.staged = node->write ? node->write->staged : nullptr;
   node->data.accepting = node->write && (node->write->needs_publish || node->write->discarded);
   node->data.error = node->error;
 }
 
-void Filesystem::FoldWriteTimeLocked(Node* node) {
+void Namespace::FoldWriteTimeLocked(Node* node) {
   MutexLock lock(&node->data_mu);
   if (!node->data.written) return;
   node->attr.st_mtim = node->attr.st_ctim = node->data.write_time;
@@ -348,7 +387,7 @@ void Filesystem::FoldWriteTimeLocked(Node* node) {
 
 // ---------------------------------------------------------------- lookups and attributes
 
-Result<Entry> Filesystem::NodeLookup(uint64_t parent, const std::string& name) {
+Result<Entry> Namespace::NodeLookup(uint64_t parent, const std::string& name) {
   CKPT_RETURN_IF_ERROR(CheckName(name));
   if (IsTempName(name)) return NotFound(name);
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
@@ -363,7 +402,7 @@ Result<Entry> Filesystem::NodeLookup(uint64_t parent, const std::string& name) {
   return EntryLocked(child.get());
 }
 
-void Filesystem::Forget(uint64_t ino, uint64_t nlookup) {
+void Namespace::Forget(uint64_t ino, uint64_t nlookup) {
   MutexLock lock(&ns_mu_);
   auto node = NodeLocked(ino);
   if (!node || ino == kRootIno) return;
@@ -373,14 +412,14 @@ void Filesystem::Forget(uint64_t ino, uint64_t nlookup) {
   }
 }
 
-double Filesystem::AttrTimeout(uint64_t ino) {
+double Namespace::AttrTimeout(uint64_t ino) {
   if (ino < kFirstNodeIno && ino != kRootIno) return 0.0;  // control files: generated
   MutexLock lock(&ns_mu_);
   auto node = NodeLocked(ino);
   return node ? std::min(TimeoutFor(*node), kDefaultTimeout) : 0.0;
 }
 
-void Filesystem::RefreshAttr(uint64_t ino) {
+void Namespace::RefreshAttr(uint64_t ino) {
   // The stat runs without ns_mu_; it is applied only if the node's backing path is still
   // the one stat'ed and nothing of it is pending.
   auto refreshable = [this](const Node* node) REQUIRES(ns_mu_) {
@@ -402,7 +441,7 @@ void Filesystem::RefreshAttr(uint64_t ino) {
   }
 }
 
-Result<struct stat> Filesystem::NodeGetAttr(uint64_t ino) {
+Result<struct stat> Namespace::NodeGetAttr(uint64_t ino) {
   RefreshAttr(ino);
   MutexLock lock(&ns_mu_);
   auto node = NodeLocked(ino);
@@ -415,7 +454,7 @@ Result<struct stat> Filesystem::NodeGetAttr(uint64_t ino) {
   return st;
 }
 
-Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int to_set,
+Result<struct stat> Namespace::SetAttr(uint64_t ino, const struct stat& in, int to_set,
                                         Handle* handle, const Caller& caller) {
   // FUSE_SET_ATTR_* values, repeated here so this file stays free of libfuse.
   constexpr int kMode = 1 << 0, kUid = 1 << 1, kGid = 1 << 2, kSize = 1 << 3, kAtime = 1 << 4,
@@ -503,22 +542,22 @@ Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int
   }
   if (last_seq.ok() && *last_seq != 0) CKPT_RETURN_IF_ERROR(WaitIfStrict(last_seq));
   if (!last_seq.ok()) return last_seq.status();
-  return GetAttr(ino);
+  return NodeGetAttr(ino);
 }
 
 // ---------------------------------------------------------------- namespace operations
 
-Result<Entry> Filesystem::Mkdir(uint64_t parent, const std::string& name, mode_t mode,
+Result<Entry> Namespace::Mkdir(uint64_t parent, const std::string& name, mode_t mode,
                                 const Caller& caller) {
   return MakeNode(parent, name, NodeType::kDir, S_IFDIR | (mode & 07777), "", 0, caller);
 }
 
-Result<Entry> Filesystem::Symlink(const std::string& target, uint64_t parent,
+Result<Entry> Namespace::Symlink(const std::string& target, uint64_t parent,
                                   const std::string& name, const Caller& caller) {
   return MakeNode(parent, name, NodeType::kSymlink, S_IFLNK | 0777, target, 0, caller);
 }
 
-Result<Entry> Filesystem::MakeNode(uint64_t parent, const std::string& name, NodeType type,
+Result<Entry> Namespace::MakeNode(uint64_t parent, const std::string& name, NodeType type,
                                    mode_t mode, const std::string& link_target, dev_t rdev,
                                    const Caller& caller) {
   CKPT_RETURN_IF_ERROR(CheckName(name));
@@ -569,7 +608,7 @@ Result<Entry> Filesystem::MakeNode(uint64_t parent, const std::string& name, Nod
   return out;
 }
 
-Result<std::string> Filesystem::Readlink(uint64_t ino) {
+Result<std::string> Namespace::Readlink(uint64_t ino) {
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(ino));
   std::string path;
   {
@@ -592,7 +631,7 @@ Result<std::string> Filesystem::Readlink(uint64_t ino) {
   return target;
 }
 
-Status Filesystem::Unlink(uint64_t parent, const std::string& name, const Caller& caller) {
+Status Namespace::Unlink(uint64_t parent, const std::string& name, const Caller& caller) {
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
   CKPT_RETURN_IF_ERROR(ProbeName(parent, name));
   Result<uint64_t> seq = uint64_t{0};
@@ -628,7 +667,7 @@ Status Filesystem::Unlink(uint64_t parent, const std::string& name, const Caller
   return WaitIfStrict(seq);
 }
 
-Status Filesystem::Rmdir(uint64_t parent, const std::string& name, const Caller& caller) {
+Status Namespace::Rmdir(uint64_t parent, const std::string& name, const Caller& caller) {
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
   CKPT_RETURN_IF_ERROR(ProbeName(parent, name));
   CKPT_RETURN_IF_ERROR(LoadChildDir(parent, name));  // is it empty?
@@ -657,7 +696,7 @@ Status Filesystem::Rmdir(uint64_t parent, const std::string& name, const Caller&
   return WaitIfStrict(seq);
 }
 
-Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new_parent,
+Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_parent,
                           const std::string& new_name, unsigned flags, const Caller& caller) {
   constexpr unsigned kNoReplace = 1, kExchange = 2;
   if (flags & kExchange) return Unsupported("RENAME_EXCHANGE");
@@ -750,7 +789,7 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
   return WaitIfStrict(seq);
 }
 
-Result<Handle*> Filesystem::NodeOpenDir(uint64_t ino) {
+Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
   auto handle = std::make_unique<Handle>();
   DirHandle& dh = handle->kind.emplace<DirHandle>();
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(ino));

@@ -3,8 +3,8 @@
 // The view is the backing store plus every journal entry not yet applied. A directory
 // is loaded from the backing store on first use; from then on its `children` are the
 // truth for the mount, and journal entries change the backing store to match in order.
-// All fields are guarded by Filesystem::ns_mu_ unless noted. (Clang cannot name another
-// object's mutex on these fields; the Filesystem helpers that touch them are REQUIRES(ns_mu_).)
+// All fields are guarded by Namespace::ns_mu_ unless noted. (Clang cannot name another
+// object's mutex on these fields; the Namespace helpers that touch them are REQUIRES(ns_mu_).)
 // `data` is the exception: the data path reads it under the node's own `data_mu`.
 #pragma once
 
@@ -35,9 +35,9 @@ struct WriteState {
 };
 
 // What read() and write() of an open file need of its node: a copy of the write state's
-// current contents and the file's error, kept by the namespace (Filesystem::SyncDataLocked
+// current contents and the file's error, kept by the namespace (Namespace::SyncDataLocked
 // after every change of Node::write or Node::error), so the data path never takes
-// Filesystem::ns_mu_, which namespace work holds across backing-store I/O.
+// Namespace::ns_mu_, which namespace work holds across backing-store I/O.
 struct NodeData {
   std::shared_ptr<StagedFile> staged;  // Node::write->staged, or null
   bool accepting = false;              // writes go to `staged` (needs_publish or discarded)
@@ -88,7 +88,7 @@ struct Node {
   // its bytes are still served from staging and its temp file.
   std::string halt_error;
   bool halt_transient = false;  // retried by itself
-  // Lock order: Filesystem::ns_mu_ before data_mu. A leaf: held only to copy NodeData.
+  // Lock order: Namespace::ns_mu_ before data_mu. A leaf: held only to copy NodeData.
   mutable Mutex data_mu;
   NodeData data GUARDED_BY(data_mu);
 };

@@ -1,7 +1,7 @@
 // Latency histograms of FUSE requests, by operation, for /metrics.
 //
 // Process-wide (one mount per daemon process) and thread-safe: FuseServer's callbacks
-// time themselves with an OpTimer; Filesystem::MetricsText renders the histograms.
+// time themselves with an OpTimer; ControlTree::MetricsText renders the histograms.
 #pragma once
 
 #include <array>

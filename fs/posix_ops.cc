@@ -1,6 +1,6 @@
-// Multi-user POSIX operations of Filesystem: ownership of new and existing names,
+// Multi-user POSIX operations of Namespace: ownership of new and existing names,
 // mknod, hard links and fallocate. The namespace model and its locking are the ones of
-// fs/filesystem.cc (see fs/filesystem.h).
+// fs/namespace.cc (see fs/namespace.h).
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <spdlog/spdlog.h>
@@ -9,8 +9,9 @@
 #include <algorithm>
 #include <atomic>
 
-#include "fs/filesystem.h"
+#include "fs/namespace.h"
 #include "common/path.h"
+#include "fs/fs_util.h"
 
 namespace ckptfs::fs {
 namespace {
@@ -30,11 +31,11 @@ bool IsReserved(uint64_t parent, const std::string& name) {
 
 }  // namespace
 
-Status Filesystem::OwnTempLocked(Node* node, int fd) {
+Status Namespace::OwnTempLocked(Node* node, int fd) {
   return OwnTemp(node->attr.st_uid, node->attr.st_gid, node->attr.st_mode & 07777, fd);
 }
 
-Status Filesystem::OwnTemp(uid_t uid, gid_t gid, mode_t mode, int fd) {
+Status Namespace::OwnTemp(uid_t uid, gid_t gid, mode_t mode, int fd) {
   Status owned = backing_->Fchown(fd, uid, gid);
   if (!owned.ok()) {
     // A daemon that is not root, or a backing store that squashes root (NFS), cannot
@@ -49,7 +50,7 @@ Status Filesystem::OwnTemp(uid_t uid, gid_t gid, mode_t mode, int fd) {
   return backing_->Fchmod(fd, mode);
 }
 
-Result<uint64_t> Filesystem::ChownLocked(Node* node, uid_t uid, gid_t gid) {
+Result<uint64_t> Namespace::ChownLocked(Node* node, uid_t uid, gid_t gid) {
   if (uid != static_cast<uid_t>(-1)) node->attr.st_uid = uid;
   if (gid != static_cast<gid_t>(-1)) node->attr.st_gid = gid;
   node->attr.st_mode = ModeAfterChown(node->attr);
@@ -78,7 +79,7 @@ Result<uint64_t> Filesystem::ChownLocked(Node* node, uid_t uid, gid_t gid) {
   return seq;
 }
 
-std::vector<std::shared_ptr<Node>> Filesystem::LinkPeersLocked(uint64_t group,
+std::vector<std::shared_ptr<Node>> Namespace::LinkPeersLocked(uint64_t group,
                                                                const Node* except) {
   std::vector<std::shared_ptr<Node>> peers;
   auto it = link_groups_.find(group);
@@ -100,7 +101,7 @@ std::vector<std::shared_ptr<Node>> Filesystem::LinkPeersLocked(uint64_t group,
   return peers;
 }
 
-void Filesystem::AdoptLinkGroupLocked(Node* node, const struct stat& st) {
+void Namespace::AdoptLinkGroupLocked(Node* node, const struct stat& st) {
   if (node->type == NodeType::kDir || st.st_nlink <= 1 || node->link_group != 0) return;
   const std::pair<dev_t, ino_t> key{st.st_dev, st.st_ino};
   auto [it, fresh] = backing_links_.emplace(key, node->ino);
@@ -112,7 +113,7 @@ void Filesystem::AdoptLinkGroupLocked(Node* node, const struct stat& st) {
   group.members.push_back(inodes_[node->ino]);
 }
 
-void Filesystem::UnlinkPeersLocked(Node* node, uint64_t seq) {
+void Namespace::UnlinkPeersLocked(Node* node, uint64_t seq) {
   if (node->link_group == 0) return;
   for (const auto& other : LinkPeersLocked(node->link_group, node)) {
     if (other->attr.st_nlink > 1) other->attr.st_nlink--;
@@ -121,7 +122,7 @@ void Filesystem::UnlinkPeersLocked(Node* node, uint64_t seq) {
   }
 }
 
-void Filesystem::SyncPeersLocked(const Node* node, uint64_t seq) {
+void Namespace::SyncPeersLocked(const Node* node, uint64_t seq) {
   if (node->link_group == 0) return;
   for (const auto& other : LinkPeersLocked(node->link_group, node)) {
     other->pending_seq = std::max(other->pending_seq, seq);
@@ -134,7 +135,7 @@ void Filesystem::SyncPeersLocked(const Node* node, uint64_t seq) {
   }
 }
 
-Result<Entry> Filesystem::Mknod(uint64_t parent, const std::string& name, mode_t mode,
+Result<Entry> Namespace::Mknod(uint64_t parent, const std::string& name, mode_t mode,
                                 dev_t rdev, const Caller& caller) {
   switch (mode & S_IFMT) {
     case 0:
@@ -152,13 +153,15 @@ Result<Entry> Filesystem::Mknod(uint64_t parent, const std::string& name, mode_t
   }
 }
 
-Result<Entry> Filesystem::MakeEmptyFile(uint64_t parent, const std::string& name, mode_t mode,
+Result<Entry> Namespace::MakeEmptyFile(uint64_t parent, const std::string& name, mode_t mode,
                                         const Caller& caller) {
   CKPT_ASSIGN_OR_RETURN(auto created,
                         Create(parent, name, mode, O_CREAT | O_EXCL | O_WRONLY, caller));
   auto [entry, handle] = created;
   std::shared_ptr<Node> node = handle->file()->node;
-  Release(handle);  // the last writer: queues the publication of the empty file
+  // The last writer: queues the publication of the empty file.
+  std::unique_ptr<Handle> owned(handle);
+  ReleaseFile(owned->file());
   uint64_t seq = 0;
   {
     MutexLock lock(&ns_mu_);
@@ -168,7 +171,7 @@ Result<Entry> Filesystem::MakeEmptyFile(uint64_t parent, const std::string& name
   return entry;
 }
 
-Result<Entry> Filesystem::Link(uint64_t ino, uint64_t new_parent, const std::string& new_name,
+Result<Entry> Namespace::Link(uint64_t ino, uint64_t new_parent, const std::string& new_name,
                                const Caller& caller) {
   (void)caller;  // the kernel checked write permission on new_parent (default_permissions)
   if (new_name.size() > 255) return Status(Code::kNameTooLong, "name longer than 255 bytes");
@@ -250,7 +253,7 @@ Result<Entry> Filesystem::Link(uint64_t ino, uint64_t new_parent, const std::str
   return out;
 }
 
-Status Filesystem::Fallocate(Handle* handle, int mode, uint64_t offset, uint64_t length) {
+Status Namespace::Fallocate(Handle* handle, int mode, uint64_t offset, uint64_t length) {
   if (mode != 0) {
     return Unsupported("fallocate mode " + std::to_string(mode) + " (only mode 0 is supported)");
   }

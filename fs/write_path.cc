@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <utility>
 
-#include "fs/filesystem.h"
+#include "fs/namespace.h"
 #include "fs/fs_util.h"
 #include "store/dcp/dcp_metadata.h"
 #ifdef CKPTFS_HAVE_UCX
@@ -15,7 +15,7 @@
 
 namespace ckptfs::fs {
 
-std::string Filesystem::TempName(uint64_t id) const {
+std::string Namespace::TempName(uint64_t id) const {
   // With peers, other daemons write temp files into the same backing root with their own
   // counters: the node rank keeps the names apart.
   std::string name = kTempPrefix;
@@ -25,7 +25,7 @@ std::string Filesystem::TempName(uint64_t id) const {
   return name + std::to_string(id);
 }
 
-Filesystem::WritePlan Filesystem::PlanWriteLocked(Node* node, bool truncate,
+Namespace::WritePlan Namespace::PlanWriteLocked(Node* node, bool truncate,
                                                   const UniqueFd* src) {
   FoldWriteTimeLocked(node);
   WritePlan plan;
@@ -51,7 +51,7 @@ Filesystem::WritePlan Filesystem::PlanWriteLocked(Node* node, bool truncate,
   return plan;
 }
 
-Result<std::unique_ptr<WriteState>> Filesystem::PrepareWrite(const WritePlan& plan) {
+Result<std::unique_ptr<WriteState>> Namespace::PrepareWrite(const WritePlan& plan) {
   const std::string& temp_path = plan.temp_name;  // at the root
   CKPT_RETURN_IF_ERROR(journal_->RegisterTemp(plan.id, temp_path));
   auto fail = [&](Status st) {
@@ -107,13 +107,13 @@ Result<std::unique_ptr<WriteState>> Filesystem::PrepareWrite(const WritePlan& pl
   return ws;
 }
 
-void Filesystem::AbandonWrite(const WriteState& ws) {
+void Namespace::AbandonWrite(const WriteState& ws) {
   // Nothing was written into it or journaled about it: remove it as a failed begin does.
   (void)backing_->Unlink(ws.temp_name);
   (void)journal_->ForgetTemp(ws.file_id);
 }
 
-void Filesystem::InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws) {
+void Namespace::InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws) {
   {
     MutexLock lock(&staged_mu_);
     live_staged_.insert(ws->staged);
@@ -124,14 +124,14 @@ void Filesystem::InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws) 
   SyncDataLocked(node);
 }
 
-Status Filesystem::BeginWriteLocked(Node* node, bool truncate, const UniqueFd* src) {
+Status Namespace::BeginWriteLocked(Node* node, bool truncate, const UniqueFd* src) {
   WritePlan plan = PlanWriteLocked(node, truncate, src);
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WriteState> ws, PrepareWrite(plan));
   InstallWriteLocked(node, std::move(ws));
   return Status::Ok();
 }
 
-Result<uint64_t> Filesystem::DiscardLocked(Node* node, const std::string& path) {
+Result<uint64_t> Namespace::DiscardLocked(Node* node, const std::string& path) {
   store::JournalEntry d;
   d.op = store::OpType::kDiscard;
   d.from = TempPathLocked(*node->write);
@@ -143,7 +143,7 @@ Result<uint64_t> Filesystem::DiscardLocked(Node* node, const std::string& path) 
   return AppendLocked(std::move(d), node);
 }
 
-void Filesystem::DropWriteStateLocked(Node* node) {
+void Namespace::DropWriteStateLocked(Node* node) {
   // The cached attributes must describe the published file: with pending entries around
   // it they are served as they are, without asking the backing store.
   node->attr.st_size = static_cast<off_t>(node->write->staged->size());
@@ -153,7 +153,7 @@ void Filesystem::DropWriteStateLocked(Node* node) {
   // (RefreshAttr): a stat never runs under ns_mu_.
 }
 
-Status Filesystem::EnsureWritableLocked(Node* node, bool truncate, const UniqueFd* src) {
+Status Namespace::EnsureWritableLocked(Node* node, bool truncate, const UniqueFd* src) {
   if (!node->write || !node->write->needs_publish) {
     CKPT_RETURN_IF_ERROR(BeginWriteLocked(node, truncate, src));
   }
@@ -162,7 +162,7 @@ Status Filesystem::EnsureWritableLocked(Node* node, bool truncate, const UniqueF
   return Status::Ok();
 }
 
-Result<uint64_t> Filesystem::PublishLocked(Node* node) {
+Result<uint64_t> Namespace::PublishLocked(Node* node) {
   FoldWriteTimeLocked(node);  // the published file keeps the time of its last write
   WriteState& ws = *node->write;
   {
@@ -197,7 +197,7 @@ Result<uint64_t> Filesystem::PublishLocked(Node* node) {
   return seq;
 }
 
-Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std::string& name,
+Result<std::pair<Entry, Handle*>> Namespace::Create(uint64_t parent, const std::string& name,
                                                      mode_t mode, int flags,
                                                      const Caller& caller) {
   CKPT_RETURN_IF_ERROR(CheckName(name));
@@ -210,7 +210,7 @@ Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std:
   // without ns_mu_, then installed if the name is still free. One not installed is
   // removed on the way out, after the lock.
   struct Ready {
-    Filesystem* fs;
+    Namespace* fs;
     std::unique_ptr<WriteState> ws;
     WritePlan plan;
     ~Ready() {
@@ -277,12 +277,14 @@ Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std:
     ready.plan = plan;
   }
   // An existing file: the same as open(2) without O_CREAT.
-  CKPT_ASSIGN_OR_RETURN(Handle * handle, Open(existing, flags));
+  Result<Handle*> opened = NodeOpen(existing, flags);
+  if (!opened.ok()) return LogIfIo("open", existing, 0, opened.status());
+  Handle* handle = *opened;
   MutexLock lock(&ns_mu_);
   return std::make_pair(EntryLocked(handle->file()->node.get()), handle);
 }
 
-Result<Handle*> Filesystem::NodeOpen(uint64_t ino, int flags) {
+Result<Handle*> Namespace::NodeOpen(uint64_t ino, int flags) {
   auto handle = std::make_unique<Handle>();
   FileHandle& fh = handle->kind.emplace<FileHandle>();
   const bool writable = (flags & O_ACCMODE) != O_RDONLY;
@@ -389,7 +391,7 @@ Result<Handle*> Filesystem::NodeOpen(uint64_t ino, int flags) {
   return handle.release();
 }
 
-Result<std::shared_ptr<StagedFile>> Filesystem::WritableStaged(FileHandle* h) {
+Result<std::shared_ptr<StagedFile>> Namespace::WritableStaged(FileHandle* h) {
   Node* node = h->node.get();
   for (int attempt = 0;; ++attempt) {
     WritePlan plan;
@@ -434,7 +436,7 @@ Result<std::shared_ptr<StagedFile>> Filesystem::WritableStaged(FileHandle* h) {
   }
 }
 
-Status Filesystem::WriteData(FileHandle* h, const char* data, size_t len, uint64_t offset) {
+Status Namespace::WriteData(FileHandle* h, const char* data, size_t len, uint64_t offset) {
   if (!h->writable) return Status(Code::kPermission, "not open for writing");
   Node* node = h->node.get();
   for (int attempt = 0;; ++attempt) {
@@ -456,12 +458,12 @@ Status Filesystem::WriteData(FileHandle* h, const char* data, size_t len, uint64
       NoteError("write " + std::to_string(node->ino) + ": " + st.ToString());
       return st;
     }
-    bytes_written_.fetch_add(len, std::memory_order_relaxed);
+    stats_->bytes_written.fetch_add(len, std::memory_order_relaxed);
     return Status::Ok();
   }
 }
 
-Status Filesystem::FlushData(FileHandle* h) {
+Status Namespace::FlushData(FileHandle* h) {
   if (!h->writable) return Status::Ok();
   Result<uint64_t> seq = uint64_t{0};
   {
@@ -477,7 +479,7 @@ Status Filesystem::FlushData(FileHandle* h) {
   return WaitIfStrict(seq);
 }
 
-void Filesystem::ReleaseFile(FileHandle* h) {
+void Namespace::ReleaseFile(FileHandle* h) {
   bool dropped = false;
   {
     MutexLock lock(&ns_mu_);
@@ -486,7 +488,7 @@ void Filesystem::ReleaseFile(FileHandle* h) {
   if (dropped) RefreshAttr(h->node->ino);
 }
 
-bool Filesystem::ReleaseFileLocked(FileHandle* h) {
+bool Namespace::ReleaseFileLocked(FileHandle* h) {
   bool dropped = false;
   Node* node = h->node.get();
   node->open_files--;
@@ -510,7 +512,7 @@ bool Filesystem::ReleaseFileLocked(FileHandle* h) {
   return dropped;
 }
 
-void Filesystem::RelieveStagingPressure() {
+void Namespace::RelieveStagingPressure() {
   std::vector<std::shared_ptr<StagedFile>> files;
   {
     MutexLock lock(&staged_mu_);

@@ -1,0 +1,103 @@
+// ControlTree: the /.ckptfs directory (stats, checkpoints, metrics, and the tensor view
+// below it) and the user.ckptfs.* xattrs on any path. It reports what the other units
+// hold through a narrow, borrowed view of them (Sources) and changes nothing of the
+// namespace: its only actions are the operator's resume and abort of publication.
+//
+// Thread-safe. Its one lock, abort_mu_, is a leaf; the stats and progress it reads take
+// the locks of their owners (NamespaceView, the store objects) one at a time.
+#pragma once
+
+#include <sys/stat.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/mutex.h"
+#include "common/status.h"
+#include "fs/fs_stats.h"
+#include "fs/fs_types.h"
+#include "fs/handle.h"
+#include "fs/namespace_view.h"
+#include "fs/read_path.h"
+#include "fs/tensor_view.h"
+#include "gpu/staging_pool.h"
+#include "store/backing_dir.h"
+#include "store/checkpoints.h"
+#include "store/flush_pipeline.h"
+#include "store/journal.h"
+#include "store/dcp/key_index.h"
+#include "store/state_db.h"
+
+namespace ckptfs::fs {
+
+class ControlTree {
+ public:
+  // What the tree reports from; borrowed, each must outlive the tree.
+  struct Sources {
+    const FsConfig* config = nullptr;
+    const FsStats* stats = nullptr;
+    NamespaceView* ns = nullptr;
+    store::BackingDir* backing = nullptr;
+    store::StateDb* db = nullptr;
+    store::CheckpointRegistry* checkpoints = nullptr;
+    gpu::StagingPool* pool = nullptr;
+    store::FlushPipeline* pipeline = nullptr;
+    store::Journal* journal = nullptr;
+    store::KeyIndex* index = nullptr;
+    ReadPath* read = nullptr;
+    TensorView* tensors = nullptr;
+  };
+  explicit ControlTree(const Sources& sources);
+  ControlTree(const ControlTree&) = delete;
+  ControlTree& operator=(const ControlTree&) = delete;
+
+  // Whether `ino` is a file or directory of /.ckptfs (the tensor view's are TensorView's).
+  static bool IsControl(uint64_t ino) { return ino >= kCtlDirIno && ino < kFirstNodeIno; }
+  // /.ckptfs itself (under the root) and the names below it.
+  Result<Entry> CtlLookup(uint64_t parent, const std::string& name);
+  Result<struct stat> CtlGetAttr(uint64_t ino);
+  // Control files and tensor view files: read-only, contents fixed at open.
+  Result<Handle*> CtlOpen(uint64_t ino, int flags);
+  Result<Handle*> CtlOpenDir(uint64_t ino);
+
+  // The control files' contents.
+  std::string StatsJson();
+  // Forgets finished checkpoints whose directory (or, for those known only from the
+  // index, whose `.metadata`) is gone from the backing store, removed by someone else.
+  // Does nothing while journal entries are pending (the backing store lags the mount).
+  void ForgetVanishedCheckpoints();
+  std::string CheckpointsJson();
+  std::string MetricsText();
+
+  // xattrs of any path: state, progress, checksums, verify, the last abort's report.
+  Result<std::string> GetXattr(uint64_t ino, const std::string& name) EXCLUDES(abort_mu_);
+  // Operator controls (user.ckptfs.resume, user.ckptfs.abort); others are unsupported.
+  Status SetXattr(uint64_t ino, const std::string& name, const std::string& value)
+      EXCLUDES(abort_mu_);
+  std::string ListXattr(uint64_t ino);
+
+  // Operator controls (ckptfs-admin resume / abort): retry a halted publication now; drop
+  // the pending entries at or below `path` (relative to the mount) and say what went.
+  void Resume();
+  std::vector<std::string> Abort(const std::string& path);
+
+ private:
+  const FsConfig& config_;
+  const FsStats* const stats_;
+  NamespaceView* const ns_;
+  store::BackingDir* const backing_;
+  store::StateDb* const db_;
+  store::CheckpointRegistry* const checkpoints_;
+  gpu::StagingPool* const pool_;
+  store::FlushPipeline* const pipeline_;
+  store::Journal* const journal_;
+  store::KeyIndex* const index_;
+  ReadPath* const read_;
+  TensorView* const tensors_;
+
+  Mutex abort_mu_;
+  std::string last_abort_report_ GUARDED_BY(abort_mu_);
+};
+
+}  // namespace ckptfs::fs

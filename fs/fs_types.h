@@ -1,0 +1,56 @@
+// The types the facade and its units share: the configuration, a lookup's entry and the
+// fixed inode numbers of the control tree.
+#pragma once
+
+#include <sys/stat.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/control_names.h"
+
+namespace ckptfs::store::peer {
+struct PeerNodeOptions;
+}  // namespace ckptfs::store::peer
+
+namespace ckptfs::fs {
+
+struct FsConfig {
+  std::string backing_dir;
+  std::string mountpoint;
+  std::string state_dir;
+  bool strict = false;
+  uint64_t staging_bytes = uint64_t{1} << 30;
+  uint64_t chunk_bytes = uint64_t{4} << 20;
+  int flush_threads = 2;
+  uint64_t cache_bytes = uint64_t{1} << 30;  // block cache budget for reads; 0 disables
+  bool cache_direct_io = true;  // block cache reads with O_DIRECT where the backing fs allows
+  std::string staging_backend = "auto";
+  bool staging_hugepages = false;  // gpu::StagingOptions::hugepages
+  bool flush_direct_io = true;     // store::FlushOptions::direct_io
+  // Block CRCs of every flushed chunk, so the index checksums items without re-reading them.
+  bool write_checksums = true;
+  // How long a `.metadata` publication waits for shards from other writers to appear.
+  std::chrono::milliseconds commit_timeout{std::chrono::minutes(10)};
+  // Cooperating peer daemons (issue 12); null: this daemon works alone.
+  std::shared_ptr<const store::peer::PeerNodeOptions> peers;
+};
+
+struct Entry {
+  uint64_t ino = 0;
+  struct stat attr {};
+  double timeout = 1.0;
+};
+
+// Fixed inode numbers of the control tree.
+inline constexpr uint64_t kRootIno = 1;
+inline constexpr uint64_t kCtlDirIno = 2;
+inline constexpr uint64_t kCtlStatsIno = 3;
+inline constexpr uint64_t kCtlCheckpointsIno = 4;
+inline constexpr uint64_t kCtlMetricsIno = 5;
+inline constexpr uint64_t kFirstNodeIno = 16;
+// kCtlDirName and kTempPrefix: common/control_names.h.
+
+}  // namespace ckptfs::fs
