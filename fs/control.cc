@@ -79,19 +79,19 @@ double EpochNow() {
 
 }  // namespace
 
-ControlTree::ControlTree(const Sources& sources)
-    : config_(*sources.config),
-      stats_(sources.stats),
-      ns_(sources.ns),
-      backing_(sources.backing),
-      db_(sources.db),
-      checkpoints_(sources.checkpoints),
-      pool_(sources.pool),
-      pipeline_(sources.pipeline),
-      journal_(sources.journal),
-      index_(sources.index),
-      read_(sources.read),
-      tensors_(sources.tensors) {}
+ControlTree::ControlTree(const FsConfig& config, const FsParts& parts, NamespaceView* ns)
+    : config_(config),
+      stats_(parts.stats),
+      ns_(ns),
+      backing_(parts.backing),
+      db_(parts.db),
+      checkpoints_(parts.checkpoints),
+      pool_(parts.pool),
+      pipeline_(parts.pipeline),
+      journal_(parts.journal),
+      index_(parts.index),
+      read_(parts.read),
+      tensors_(parts.tensors) {}
 
 // ---------------------------------------------------------------- the tree
 
@@ -347,50 +347,61 @@ std::string ControlTree::MetricsText() {
   header("start_time_seconds", "gauge", "When the daemon started, in seconds since the epoch.");
   out += "ckptfs_start_time_seconds{" + mnt + "} " + number(start_epoch) + "\n";
 
-  metric("written_bytes_total", "counter", "Bytes written by applications.", "bytes_written");
-  metric("flushed_bytes_total", "counter", "Bytes written to backing temp files.",
-         "bytes_flushed");
-  metric("published_bytes_total", "counter", "Bytes of files published on the backing store.",
-         "bytes_published");
-  metric("published_files_total", "counter", "Files published on the backing store.",
-         "files_published");
-  metric("backing_read_bytes_total", "counter", "Bytes read from the backing store.",
-         "backing_bytes_read");
-  metric("backing_written_bytes_total", "counter", "Bytes written to the backing store.",
-         "backing_bytes_written");
-  metric("served_bytes_total", "counter", "Bytes returned to readers.", "bytes_served");
-  metric("cache_hits_total", "counter", "Block cache hits.", "cache_hits");
-  metric("cache_misses_total", "counter", "Block cache misses.", "cache_misses");
-  metric("cache_dedup_waits_total", "counter", "Reads that joined a backing read in flight.",
-         "cache_dedup_waits");
-  metric("cache_used_bytes", "gauge", "Block cache memory in use.", "cache_used");
-  metric("cache_limit_bytes", "gauge", "Block cache budget.", "cache_limit");
-  metric("prefetched_bytes_total", "counter", "Bytes prefetched into the block cache.",
-         "prefetched_bytes");
-  metric("dedup_ratio", "gauge",
-         "Bytes served from the cache per byte read from the backing store.", "dedup_ratio");
-  metric("peers_connected", "gauge", "Peer daemons connected and authenticated.",
-         "peers_connected");
-  metric("peer_read_bytes_total", "counter", "Block bytes fetched from peer daemons.",
-         "peer_bytes_read");
-  metric("peer_served_bytes_total", "counter", "Block bytes served to peer daemons.",
-         "peer_bytes_served");
-  metric("peer_fallbacks_total", "counter",
-         "Reads owned by a peer that went to the backing store (peer down, timeout, bad "
-         "checksum, error).",
-         "peer_fallbacks");
-  metric("peer_refused_total", "counter", "Peer connections refused (unlisted, bad secret).",
-         "peer_refused");
-  metric("staging_used_bytes", "gauge", "Staging memory in use.", "staging_used");
-  metric("staging_limit_bytes", "gauge", "Staging memory budget.", "staging_limit");
-  metric("staging_waits_total", "counter", "Writes that waited for staging memory.",
-         "staging_waits");
-  metric("journal_pending_entries", "gauge", "Journal entries not yet applied.",
-         "journal_pending");
-  metric("pending_files", "gauge", "Files not yet published.", "files_pending");
-  metric("flush_queue_chunks", "gauge", "Sealed chunks waiting for a flush thread.",
-         "flush_queue");
-  metric("errors_total", "counter", "Errors (flush, publish, commit).", "errors");
+  // Series taken from stats fields: {name, type, help, field}.
+  static constexpr struct {
+    const char* name;
+    const char* type;
+    const char* help;
+    const char* field;
+  } kStatsSeries[] = {
+      {"written_bytes_total", "counter", "Bytes written by applications.", "bytes_written"},
+      {"flushed_bytes_total", "counter", "Bytes written to backing temp files.",
+       "bytes_flushed"},
+      {"published_bytes_total", "counter", "Bytes of files published on the backing store.",
+       "bytes_published"},
+      {"published_files_total", "counter", "Files published on the backing store.",
+       "files_published"},
+      {"backing_read_bytes_total", "counter", "Bytes read from the backing store.",
+       "backing_bytes_read"},
+      {"backing_written_bytes_total", "counter", "Bytes written to the backing store.",
+       "backing_bytes_written"},
+      {"served_bytes_total", "counter", "Bytes returned to readers.", "bytes_served"},
+      {"cache_hits_total", "counter", "Block cache hits.", "cache_hits"},
+      {"cache_misses_total", "counter", "Block cache misses.", "cache_misses"},
+      {"cache_dedup_waits_total", "counter", "Reads that joined a backing read in flight.",
+       "cache_dedup_waits"},
+      {"cache_used_bytes", "gauge", "Block cache memory in use.", "cache_used"},
+      {"cache_limit_bytes", "gauge", "Block cache budget.", "cache_limit"},
+      {"prefetched_bytes_total", "counter", "Bytes prefetched into the block cache.",
+       "prefetched_bytes"},
+      {"dedup_ratio", "gauge",
+       "Bytes served from the cache per byte read from the backing store.", "dedup_ratio"},
+      {"peers_connected", "gauge", "Peer daemons connected and authenticated.",
+       "peers_connected"},
+      {"peer_read_bytes_total", "counter", "Block bytes fetched from peer daemons.",
+       "peer_bytes_read"},
+      {"peer_served_bytes_total", "counter", "Block bytes served to peer daemons.",
+       "peer_bytes_served"},
+      {"peer_fallbacks_total", "counter",
+       "Reads owned by a peer that went to the backing store (peer down, timeout, bad "
+       "checksum, error).",
+       "peer_fallbacks"},
+      {"peer_refused_total", "counter", "Peer connections refused (unlisted, bad secret).",
+       "peer_refused"},
+      {"staging_used_bytes", "gauge", "Staging memory in use.", "staging_used"},
+      {"staging_limit_bytes", "gauge", "Staging memory budget.", "staging_limit"},
+      {"staging_waits_total", "counter", "Writes that waited for staging memory.",
+       "staging_waits"},
+      {"journal_pending_entries", "gauge", "Journal entries not yet applied.",
+       "journal_pending"},
+      {"pending_files", "gauge", "Files not yet published.", "files_pending"},
+      {"flush_queue_chunks", "gauge", "Sealed chunks waiting for a flush thread.",
+       "flush_queue"},
+      {"errors_total", "counter", "Errors (flush, publish, commit).", "errors"},
+  };
+  for (const auto& series : kStatsSeries) {
+    metric(series.name, series.type, series.help, series.field);
+  }
 
   header("checkpoints", "gauge", "Checkpoints known to this daemon, by state.");
   if (auto it = stats.find("checkpoints"); it != stats.end() && it->is_object()) {

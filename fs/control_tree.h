@@ -1,7 +1,8 @@
 // ControlTree: the /.ckptfs directory (stats, checkpoints, metrics, and the tensor view
 // below it) and the user.ckptfs.* xattrs on any path. It reports what the other units
-// hold through a narrow, borrowed view of them (Sources) and changes nothing of the
-// namespace: its only actions are the operator's resume and abort of publication.
+// hold: the store objects it reports on (FsParts, borrowed) and of the namespace only the
+// narrow NamespaceView (paths, counts, progress). It changes nothing of the namespace:
+// its only actions are the operator's resume and abort of publication.
 //
 // Thread-safe. Its one lock, abort_mu_, is a leaf; the stats and progress it reads take
 // the locks of their owners (NamespaceView, the store objects) one at a time.
@@ -33,22 +34,8 @@ namespace ckptfs::fs {
 
 class ControlTree {
  public:
-  // What the tree reports from; borrowed, each must outlive the tree.
-  struct Sources {
-    const FsConfig* config = nullptr;
-    const FsStats* stats = nullptr;
-    NamespaceView* ns = nullptr;
-    store::BackingDir* backing = nullptr;
-    store::StateDb* db = nullptr;
-    store::CheckpointRegistry* checkpoints = nullptr;
-    gpu::StagingPool* pool = nullptr;
-    store::FlushPipeline* pipeline = nullptr;
-    store::Journal* journal = nullptr;
-    store::KeyIndex* index = nullptr;
-    ReadPath* read = nullptr;
-    TensorView* tensors = nullptr;
-  };
-  explicit ControlTree(const Sources& sources);
+  // Borrowed: `config`, every part and `ns` must outlive the tree.
+  ControlTree(const FsConfig& config, const FsParts& parts, NamespaceView* ns);
   ControlTree(const ControlTree&) = delete;
   ControlTree& operator=(const ControlTree&) = delete;
 

@@ -134,31 +134,14 @@ Status Filesystem::Init(FsDeps deps) {
 #endif
   read_->Start();
 
-  Namespace::Deps ns_deps;
-  ns_deps.backing = backing_.get();
-  ns_deps.checkpoints = checkpoints_.get();
-  ns_deps.pool = pool_.get();
-  ns_deps.pipeline = pipeline_.get();
-  ns_deps.journal = journal_.get();
-  ns_deps.index = index_.get();
-  ns_deps.read = read_.get();
-  ns_deps.stats = &stats_;
-  CKPT_ASSIGN_OR_RETURN(ns_, Namespace::Create(config_, ns_deps));
+  const FsParts parts{.backing = backing_.get(), .db = db_.get(),
+                      .checkpoints = checkpoints_.get(), .pool = pool_.get(),
+                      .pipeline = pipeline_.get(), .journal = journal_.get(),
+                      .index = index_.get(), .read = read_.get(), .tensors = tensors_.get(),
+                      .stats = &stats_};
+  CKPT_ASSIGN_OR_RETURN(ns_, Namespace::Create(config_, parts));
   pool_->SetPressureCallback([this] { ns_->RelieveStagingPressure(); });
-  ControlTree::Sources sources;
-  sources.config = &config_;
-  sources.stats = &stats_;
-  sources.ns = ns_.get();
-  sources.backing = backing_.get();
-  sources.db = db_.get();
-  sources.checkpoints = checkpoints_.get();
-  sources.pool = pool_.get();
-  sources.pipeline = pipeline_.get();
-  sources.journal = journal_.get();
-  sources.index = index_.get();
-  sources.read = read_.get();
-  sources.tensors = tensors_.get();
-  control_ = std::make_unique<ControlTree>(sources);
+  control_ = std::make_unique<ControlTree>(config_, parts, ns_.get());
   spdlog::info("ckptfs ready: backing {} staging {} MiB ({}), {} flush threads, {} mode",
                config_.backing_dir, pool_->limit_bytes() >> 20, pool_->backend(),
                config_.flush_threads, config_.strict ? "strict" : "async");

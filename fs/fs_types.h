@@ -11,9 +11,20 @@
 
 #include "common/control_names.h"
 
-namespace ckptfs::store::peer {
+namespace ckptfs::store {
+class BackingDir;
+class CheckpointRegistry;
+class FlushPipeline;
+class Journal;
+class KeyIndex;
+class StateDb;
+namespace peer {
 struct PeerNodeOptions;
-}  // namespace ckptfs::store::peer
+}  // namespace peer
+}  // namespace ckptfs::store
+namespace ckptfs::gpu {
+class StagingPool;
+}  // namespace ckptfs::gpu
 
 namespace ckptfs::fs {
 
@@ -42,6 +53,25 @@ struct Entry {
   uint64_t ino = 0;
   struct stat attr {};
   double timeout = 1.0;
+};
+
+class ReadPath;
+class TensorView;
+struct FsStats;
+
+// The objects the facade makes and owns (Filesystem::Init), lent to the units it routes
+// to (Namespace, ControlTree): each must outlive them.
+struct FsParts {
+  store::BackingDir* backing = nullptr;
+  store::StateDb* db = nullptr;
+  store::CheckpointRegistry* checkpoints = nullptr;
+  gpu::StagingPool* pool = nullptr;
+  store::FlushPipeline* pipeline = nullptr;
+  store::Journal* journal = nullptr;
+  store::KeyIndex* index = nullptr;
+  ReadPath* read = nullptr;
+  TensorView* tensors = nullptr;
+  FsStats* stats = nullptr;
 };
 
 // Fixed inode numbers of the control tree.

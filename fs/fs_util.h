@@ -10,6 +10,7 @@
 #include "common/control_names.h"
 #include "common/path.h"
 #include "common/status.h"
+#include "fs/fs_types.h"
 #include "fs/node.h"
 
 namespace ckptfs::fs {
@@ -29,6 +30,16 @@ inline Status CheckName(const std::string& name) {
 
 inline bool IsTempName(const std::string& name) {
   return name.compare(0, sizeof(kTempPrefix) - 1, kTempPrefix) == 0;
+}
+
+// A name an application may create under `parent`: CheckName, and not reserved (a temp
+// file's name anywhere, the control directory's at the root).
+inline Status CheckNewName(uint64_t parent, const std::string& name) {
+  CKPT_RETURN_IF_ERROR(CheckName(name));
+  if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
+    return Status(Code::kPermission, "reserved name " + name);
+  }
+  return Status::Ok();
 }
 
 // The node type of a backing store entry. FIFOs, sockets and devices are kSpecial: the

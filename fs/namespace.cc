@@ -12,19 +12,20 @@
 
 namespace ckptfs::fs {
 
-Namespace::Namespace(const FsConfig& config, const Deps& deps)
+Namespace::Namespace(const FsConfig& config, const FsParts& parts)
     : config_(config),
-      backing_(deps.backing),
-      checkpoints_(deps.checkpoints),
-      pipeline_(deps.pipeline),
-      journal_(deps.journal),
-      index_(deps.index),
-      read_(deps.read),
-      stats_(deps.stats),
-      staging_ctx_{deps.pool, deps.pipeline, deps.backing} {}
+      backing_(parts.backing),
+      checkpoints_(parts.checkpoints),
+      pipeline_(parts.pipeline),
+      journal_(parts.journal),
+      index_(parts.index),
+      read_(parts.read),
+      stats_(parts.stats),
+      staging_ctx_{parts.pool, parts.pipeline, parts.backing} {}
 
-Result<std::unique_ptr<Namespace>> Namespace::Create(const FsConfig& config, const Deps& deps) {
-  std::unique_ptr<Namespace> ns(new Namespace(config, deps));
+Result<std::unique_ptr<Namespace>> Namespace::Create(const FsConfig& config,
+                                                     const FsParts& parts) {
+  std::unique_ptr<Namespace> ns(new Namespace(config, parts));
   CKPT_ASSIGN_OR_RETURN(struct stat root_attr, ns->backing_->Stat(""));
   ns->root_ = std::make_shared<Node>();
   ns->root_->ino = kRootIno;
@@ -56,6 +57,13 @@ uint64_t Namespace::PublishOpenFiles() {
 std::shared_ptr<Node> Namespace::NodeLocked(uint64_t ino) {
   auto it = inodes_.find(ino);
   return it == inodes_.end() ? nullptr : it->second;
+}
+
+Result<std::shared_ptr<Node>> Namespace::LoadedDirLocked(uint64_t ino, const std::string& name) {
+  auto dir = NodeLocked(ino);
+  if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
+  CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+  return dir;
 }
 
 std::string Namespace::PathLocked(const Node* node) const {
@@ -560,19 +568,14 @@ Result<Entry> Namespace::Symlink(const std::string& target, uint64_t parent,
 Result<Entry> Namespace::MakeNode(uint64_t parent, const std::string& name, NodeType type,
                                    mode_t mode, const std::string& link_target, dev_t rdev,
                                    const Caller& caller) {
-  CKPT_RETURN_IF_ERROR(CheckName(name));
-  if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
-    return Status(Code::kPermission, "reserved name " + name);
-  }
+  CKPT_RETURN_IF_ERROR(CheckNewName(parent, name));
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
   CKPT_RETURN_IF_ERROR(ProbeName(parent, name));
   Entry out;
   Result<uint64_t> seq = uint64_t{0};
   {
     MutexLock lock(&ns_mu_);
-    auto dir = NodeLocked(parent);
-    if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
-    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, LoadedDirLocked(parent, name));
     if (ChildLocked(dir.get(), name)) return Status(Code::kExists, name);
     const NewOwner owner = OwnerOfNew(caller, dir->attr, mode & S_IFMT, mode);
     auto node = NewNodeLocked(dir.get(), name, type);
@@ -637,9 +640,7 @@ Status Namespace::Unlink(uint64_t parent, const std::string& name, const Caller&
   Result<uint64_t> seq = uint64_t{0};
   {
     MutexLock lock(&ns_mu_);
-    auto dir = NodeLocked(parent);
-    if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
-    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, LoadedDirLocked(parent, name));
     auto node = ChildLocked(dir.get(), name);
     if (!node) return NotFound(name);
     if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
@@ -674,9 +675,7 @@ Status Namespace::Rmdir(uint64_t parent, const std::string& name, const Caller& 
   Result<uint64_t> seq = uint64_t{0};
   {
     MutexLock lock(&ns_mu_);
-    auto dir = NodeLocked(parent);
-    if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
-    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, LoadedDirLocked(parent, name));
     auto node = ChildLocked(dir.get(), name);
     if (!node) return NotFound(name);
     if (node->type != NodeType::kDir) return Status(Code::kNotDir, name);
@@ -700,10 +699,7 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
                           const std::string& new_name, unsigned flags, const Caller& caller) {
   constexpr unsigned kNoReplace = 1, kExchange = 2;
   if (flags & kExchange) return Unsupported("RENAME_EXCHANGE");
-  CKPT_RETURN_IF_ERROR(CheckName(new_name));
-  if (IsTempName(new_name) || (new_parent == kRootIno && new_name == kCtlDirName)) {
-    return Status(Code::kPermission, "reserved name " + new_name);
-  }
+  CKPT_RETURN_IF_ERROR(CheckNewName(new_parent, new_name));
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(new_parent));
   CKPT_RETURN_IF_ERROR(ProbeName(parent, name));

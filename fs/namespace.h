@@ -72,19 +72,9 @@ namespace ckptfs::fs {
 
 class Namespace final : public NamespaceView {
  public:
-  // Borrowed; each must outlive the Namespace (the facade owns them).
-  struct Deps {
-    store::BackingDir* backing = nullptr;
-    store::CheckpointRegistry* checkpoints = nullptr;
-    gpu::StagingPool* pool = nullptr;
-    store::FlushPipeline* pipeline = nullptr;
-    store::Journal* journal = nullptr;
-    store::KeyIndex* index = nullptr;
-    ReadPath* read = nullptr;
-    FsStats* stats = nullptr;
-  };
-  // Stats the backing root for the root node. `config` must outlive.
-  static Result<std::unique_ptr<Namespace>> Create(const FsConfig& config, const Deps& deps);
+  // Stats the backing root for the root node. `config` and the parts must outlive it; it
+  // uses their backing, checkpoints, pool, pipeline, journal, index, read and stats.
+  static Result<std::unique_ptr<Namespace>> Create(const FsConfig& config, const FsParts& parts);
   Namespace(const Namespace&) = delete;
   Namespace& operator=(const Namespace&) = delete;
 
@@ -151,7 +141,7 @@ class Namespace final : public NamespaceView {
   std::string ProgressJson(uint64_t ino) override EXCLUDES(ns_mu_);
 
  private:
-  Namespace(const FsConfig& config, const Deps& deps);
+  Namespace(const FsConfig& config, const FsParts& parts);
   void NoteError(const std::string& msg) { stats_->NoteError(msg); }
   // Entry/attr timeout for `node` (long for files of committed checkpoints).
   double TimeoutFor(const Node& node) const REQUIRES(ns_mu_);
@@ -178,6 +168,9 @@ class Namespace final : public NamespaceView {
   // entry `seq` will on the backing store.
   void SyncPeersLocked(const Node* node, uint64_t seq) REQUIRES(ns_mu_);
   std::shared_ptr<Node> NodeLocked(uint64_t ino) REQUIRES(ns_mu_);
+  // Directory `ino`, loaded (EnsureLoadedLocked); kNotDir, naming `name`, for anything else.
+  Result<std::shared_ptr<Node>> LoadedDirLocked(uint64_t ino, const std::string& name)
+      REQUIRES(ns_mu_);
   std::string PathLocked(const Node* node) const REQUIRES(ns_mu_);
   std::string TempPathLocked(const WriteState& ws) const REQUIRES(ns_mu_);
   Status EnsureLoadedLocked(Node* dir) REQUIRES(ns_mu_);

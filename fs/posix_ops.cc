@@ -24,11 +24,6 @@ struct timespec NowTs() {
   return ts;
 }
 
-bool IsReserved(uint64_t parent, const std::string& name) {
-  return name.compare(0, sizeof(kTempPrefix) - 1, kTempPrefix) == 0 ||
-         (parent == kRootIno && name == kCtlDirName);
-}
-
 }  // namespace
 
 Status Namespace::OwnTempLocked(Node* node, int fd) {
@@ -174,10 +169,7 @@ Result<Entry> Namespace::MakeEmptyFile(uint64_t parent, const std::string& name,
 Result<Entry> Namespace::Link(uint64_t ino, uint64_t new_parent, const std::string& new_name,
                                const Caller& caller) {
   (void)caller;  // the kernel checked write permission on new_parent (default_permissions)
-  if (new_name.size() > 255) return Status(Code::kNameTooLong, "name longer than 255 bytes");
-  if (IsReserved(new_parent, new_name)) {
-    return Status(Code::kPermission, "reserved name " + new_name);
-  }
+  CKPT_RETURN_IF_ERROR(CheckNewName(new_parent, new_name));
   if (ino < kFirstNodeIno && ino != kRootIno) {
     return Status(Code::kNotPermitted, "link of a control file");
   }
@@ -193,9 +185,7 @@ Result<Entry> Namespace::Link(uint64_t ino, uint64_t new_parent, const std::stri
     if (node->type == NodeType::kDir) {
       return Status(Code::kNotPermitted, "hard link to a directory");
     }
-    auto dir = NodeLocked(new_parent);
-    if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, new_name);
-    CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, LoadedDirLocked(new_parent, new_name));
     if (ChildLocked(dir.get(), new_name)) return Status(Code::kExists, new_name);
     if (node->parent == nullptr) return NotFound("link of an unlinked file");
     if (!node->error.empty()) return Status(Code::kIo, node->error);

@@ -200,10 +200,7 @@ Result<uint64_t> Namespace::PublishLocked(Node* node) {
 Result<std::pair<Entry, Handle*>> Namespace::Create(uint64_t parent, const std::string& name,
                                                      mode_t mode, int flags,
                                                      const Caller& caller) {
-  CKPT_RETURN_IF_ERROR(CheckName(name));
-  if (IsTempName(name) || (parent == kRootIno && name == kCtlDirName)) {
-    return Status(Code::kPermission, "reserved name " + name);
-  }
+  CKPT_RETURN_IF_ERROR(CheckNewName(parent, name));
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(parent));
   CKPT_RETURN_IF_ERROR(ProbeName(parent, name));
   // The temp file of a new name is made (registered with a synced write, opened, owned)
@@ -222,9 +219,7 @@ Result<std::pair<Entry, Handle*>> Namespace::Create(uint64_t parent, const std::
     WritePlan plan;
     {
       MutexLock lock(&ns_mu_);
-      auto dir = NodeLocked(parent);
-      if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
-      CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+      CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, LoadedDirLocked(parent, name));
       std::shared_ptr<Node> node = ChildLocked(dir.get(), name);
       if (node) {
         if (flags & O_EXCL) return Status(Code::kExists, name);
