@@ -22,83 +22,28 @@
 #include <vector>
 
 #include "fs/filesystem.h"
-#include "tests/store/faulty_backing_dir.h"
+#include "tests/fs/fs_fixture.h"
 
 namespace ckptfs::fs {
 namespace {
 
-using store::ScopedTempDir;
-
-class FileHandles : public ::testing::Test {
+// The shared fixture (tests/fs/fs_fixture.h) with no faults set, in async mode.
+class FileHandles : public FaultyFsTest {
  protected:
-  void SetUp() override {
-    FsConfig config;
-    config.backing_dir = backing_.path();
-    config.state_dir = state_.path();
-    config.staging_bytes = 8u << 20;
-    config.chunk_bytes = 1u << 20;
-    config.cache_bytes = 4u << 20;
-    config.staging_backend = "host";
-    auto fs = Filesystem::Create(config);
-    ASSERT_TRUE(fs.ok()) << fs.status().ToString();
-    fs_ = std::move(*fs);
-  }
-  void TearDown() override {
-    if (fs_) {
-      EXPECT_EQ(fs_->Shutdown(), 0u);
-    }
-  }
+  void SetUp() override { Start(); }
 
+  using FaultyFsTest::WriteFile;
   // Creates (or truncates) `name` in the root with `data`, closes it, and waits until it
   // is published.
   uint64_t WriteFile(const std::string& name, const std::string& data) {
-    auto made = fs_->Create(kRootIno, name, 0644, O_WRONLY | O_CREAT | O_TRUNC);
-    EXPECT_TRUE(made.ok()) << made.status().ToString();
-    if (!made.ok()) return 0;
-    auto [entry, h] = *made;
-    EXPECT_TRUE(fs_->Write(h, data.data(), data.size(), 0).ok());
-    fs_->Release(h);
-    WaitPublished(entry.ino);
-    return entry.ino;
-  }
-
-  void WaitPublished(uint64_t ino) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (true) {
-      auto state = fs_->GetXattr(ino, "user.ckptfs.state");
-      ASSERT_TRUE(state.ok()) << state.status().ToString();
-      if (*state == "published") return;
-      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "still " << *state;
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
-  }
-
-  std::string ReadAll(Handle* h) {
-    std::string out;
-    std::vector<char> buf(1 << 20);
-    while (true) {
-      auto got = fs_->Read(h, buf.data(), buf.size(), out.size());
-      EXPECT_TRUE(got.ok()) << got.status().ToString();
-      if (!got.ok() || *got == 0) return out;
-      out.append(buf.data(), *got);
-    }
-  }
-
-  Handle* OpenOk(uint64_t ino, int flags) {
-    auto h = fs_->Open(ino, flags);
-    EXPECT_TRUE(h.ok()) << h.status().ToString();
-    return h.ok() ? *h : nullptr;
+    return WriteFile(kRootIno, name, data);
   }
 
   struct stat BackingStat(const std::string& path) {
     struct stat st {};
-    EXPECT_EQ(::lstat((backing_.path() + "/" + path).c_str(), &st), 0) << path;
+    EXPECT_EQ(::lstat(BackingPath(path).c_str(), &st), 0) << path;
     return st;
   }
-
-  ScopedTempDir backing_{"ckptfs-handles-backing"};
-  ScopedTempDir state_{"ckptfs-handles-state"};
-  std::unique_ptr<Filesystem> fs_;
 };
 
 bool SameTime(const struct timespec& a, const struct timespec& b) {
