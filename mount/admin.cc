@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <thread>
@@ -455,13 +456,21 @@ std::string RenderProgressLine(const Progress& progress, int bar_width, double r
 
 // ---------------------------------------------------------------------------------------
 
-int RunStats(const std::string& path, bool as_json, std::ostream& out, std::ostream& err) {
+namespace {
+
+// Prints the control file `file_of(root)` of the mount that holds `path`: as it is with
+// `as_json`, else through `format`. Anything that fails is one line on `err`.
+int PrintControlFile(const std::string& path, std::string (*file_of)(const std::string&),
+                     bool as_json,
+                     const std::function<Result<std::string>(std::string_view)>& format,
+                     std::ostream& out, std::ostream& err) {
   auto root = FindMountRoot(path);
   if (!root.ok()) {
     err << kPrefix << root.status().message() << '\n';
     return kExitError;
   }
-  auto text = ReadWholeFile(StatsPath(*root));
+  const std::string file = file_of(*root);
+  auto text = ReadWholeFile(file);
   if (!text.ok()) {
     err << kPrefix << text.status().message() << '\n';
     return kExitError;
@@ -471,39 +480,27 @@ int RunStats(const std::string& path, bool as_json, std::ostream& out, std::ostr
     if (text->empty() || text->back() != '\n') out << '\n';
     return kExitOk;
   }
-  auto formatted = FormatStats(*text);
+  auto formatted = format(*text);
   if (!formatted.ok()) {
-    err << kPrefix << StatsPath(*root) << ": " << formatted.status().message() << '\n';
+    err << kPrefix << file << ": " << formatted.status().message() << '\n';
     return kExitError;
   }
   out << *formatted;
   return kExitOk;
 }
 
+}  // namespace
+
+int RunStats(const std::string& path, bool as_json, std::ostream& out, std::ostream& err) {
+  return PrintControlFile(path, StatsPath, as_json, FormatStats, out, err);
+}
+
 int RunCheckpoints(AdminEnv* env, const std::string& path, bool as_json, std::ostream& out,
                    std::ostream& err) {
-  auto root = FindMountRoot(path);
-  if (!root.ok()) {
-    err << kPrefix << root.status().message() << '\n';
-    return kExitError;
-  }
-  auto text = ReadWholeFile(CheckpointsPath(*root));
-  if (!text.ok()) {
-    err << kPrefix << text.status().message() << '\n';
-    return kExitError;
-  }
-  if (as_json) {
-    out << *text;
-    if (text->empty() || text->back() != '\n') out << '\n';
-    return kExitOk;
-  }
-  auto formatted = FormatCheckpoints(*text, env->WallSeconds());
-  if (!formatted.ok()) {
-    err << kPrefix << CheckpointsPath(*root) << ": " << formatted.status().message() << '\n';
-    return kExitError;
-  }
-  out << *formatted;
-  return kExitOk;
+  return PrintControlFile(
+      path, CheckpointsPath, as_json,
+      [env](std::string_view text) { return FormatCheckpoints(text, env->WallSeconds()); }, out,
+      err);
 }
 
 int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& options,

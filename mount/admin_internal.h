@@ -12,6 +12,7 @@
 #include <string>
 #include <string_view>
 
+#include "common/control_names.h"
 #include "mount/admin.h"
 
 namespace ckptfs::admin::internal {
@@ -103,9 +104,12 @@ inline std::string Join(const std::string& dir, std::string_view name) {
   return p;
 }
 
-inline std::string StatsPath(const std::string& root) { return Join(root, ".ckptfs/stats"); }
+// The control files of the mount at `root` (names: common/control_names.h).
+inline std::string StatsPath(const std::string& root) {
+  return Join(Join(root, kCtlDirName), kCtlStatsName);
+}
 inline std::string CheckpointsPath(const std::string& root) {
-  return Join(root, ".ckptfs/checkpoints");
+  return Join(Join(root, kCtlDirName), kCtlCheckpointsName);
 }
 
 // "staged, 1.00 GiB of 2.00 GiB done"

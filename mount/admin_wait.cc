@@ -161,10 +161,10 @@ struct Sample {
 Result<Sample> TakeSample(AdminEnv* env, const std::string& root) {
   Sample s;
   s.t = env->MonotonicSeconds();
-  CKPT_ASSIGN_OR_RETURN(std::string stats_text, ReadWholeFile(root + "/" + kCtlDirName + "/" + kCtlStatsName));
+  CKPT_ASSIGN_OR_RETURN(std::string stats_text, ReadWholeFile(StatsPath(root)));
   CKPT_ASSIGN_OR_RETURN(s.stats, ParseJson(stats_text, ".ckptfs/stats"));
   if (!s.stats.is_object()) return Corrupt(".ckptfs/stats is not a JSON object");
-  CKPT_ASSIGN_OR_RETURN(std::string ck_text, ReadWholeFile(root + "/" + kCtlDirName + "/" + kCtlCheckpointsName));
+  CKPT_ASSIGN_OR_RETURN(std::string ck_text, ReadWholeFile(CheckpointsPath(root)));
   CKPT_ASSIGN_OR_RETURN(json list, ParseJson(ck_text, ".ckptfs/checkpoints"));
   if (!list.is_array()) return Corrupt(".ckptfs/checkpoints is not a JSON array");
   for (auto& e : list) {
