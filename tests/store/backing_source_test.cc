@@ -39,6 +39,13 @@ class BackingSourceTest : public ::testing::Test {
     EXPECT_EQ(::stat((tmp_.path() + "/" + name).c_str(), &st), 0);
     return BlockIdFromStat(name, st);
   }
+  // Opens `name` read-only, as an application's file whose descriptor is lent, and stats it.
+  std::shared_ptr<const UniqueFd> OpenLent(const std::string& name, struct stat* st) {
+    int raw = ::open((tmp_.path() + "/" + name).c_str(), O_RDONLY | O_CLOEXEC);
+    EXPECT_GE(raw, 0) << name;
+    EXPECT_EQ(::fstat(raw, st), 0) << name;
+    return std::make_shared<const UniqueFd>(raw);
+  }
   std::unique_ptr<BackingSource> NewSource(size_t max_open_files = 256) {
     BackingSourceOptions opts;
     opts.max_open_files = max_open_files;
@@ -117,11 +124,9 @@ TEST_F(BackingSourceTest, NamesThatLeaveTheBackingDirectoryAreRefused) {
 TEST_F(BackingSourceTest, AnAdoptedDescriptorReadsTheOpenedFileWhereverItsPathWent) {
   Write("f", "first file", 1000);
   auto source = NewSource();
-  int raw = ::open((tmp_.path() + "/f").c_str(), O_RDONLY | O_CLOEXEC);
-  ASSERT_GE(raw, 0);
-  auto fd = std::make_shared<const UniqueFd>(raw);
   struct stat st;
-  ASSERT_EQ(::fstat(raw, &st), 0);
+  auto fd = OpenLent("f", &st);
+  ASSERT_TRUE(fd->valid());
   const BlockId id = BlockIdFromStat("f", st);
   EXPECT_FALSE(source->Adopt(id, fd, st));
   EXPECT_FALSE(source->Adopt(id, fd, st));  // the same file again: nothing to drop
@@ -136,10 +141,8 @@ TEST_F(BackingSourceTest, AnAdoptedDescriptorReadsTheOpenedFileWhereverItsPathWe
 
   // Adopting the new file under the same id reports the replacement (cached blocks of
   // `id` are the old file's), and reads now come from the new one.
-  raw = ::open((tmp_.path() + "/f").c_str(), O_RDONLY | O_CLOEXEC);
-  ASSERT_GE(raw, 0);
-  auto fd2 = std::make_shared<const UniqueFd>(raw);
-  ASSERT_EQ(::fstat(raw, &st), 0);
+  auto fd2 = OpenLent("f", &st);
+  ASSERT_TRUE(fd2->valid());
   std::vector<std::string> dropped;
   EXPECT_TRUE(source->Adopt(id, fd2, st, [&](const std::string& p) { dropped.push_back(p); }));
   EXPECT_EQ(dropped, std::vector<std::string>{"f"});
@@ -154,16 +157,15 @@ TEST_F(BackingSourceTest, AnAdoptedDescriptorReadsTheOpenedFileWhereverItsPathWe
 TEST_F(BackingSourceTest, ALentDescriptorClosesWithItsOwnerAndReadsThenOpenByPath) {
   Write("f", "lent file!", 1000);
   auto source = NewSource();
-  int raw = ::open((tmp_.path() + "/f").c_str(), O_RDONLY | O_CLOEXEC);
-  ASSERT_GE(raw, 0);
-  auto fd = std::make_shared<const UniqueFd>(raw);
   struct stat st;
-  ASSERT_EQ(::fstat(raw, &st), 0);
+  auto fd = OpenLent("f", &st);
+  ASSERT_TRUE(fd->valid());
   const BlockId id = BlockIdFromStat("f", st);
   source->Adopt(id, fd, st);
   EXPECT_EQ(ReadAll(source.get(), id, 0, 10), "lent file!");
   EXPECT_EQ(source->Stats().opens, 0u);
   EXPECT_EQ(fd.use_count(), 1) << "the source only borrows it";
+  const int raw = fd->get();
   // The application closes the file: the descriptor is closed at once (a daemon under a
   // low RLIMIT_NOFILE must not run out for descriptors nobody uses), and a later read opens
   // the file by its path.

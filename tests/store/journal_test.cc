@@ -185,6 +185,19 @@ class JournalTest : public ::testing::Test {
     journal_ = std::move(j).value();
   }
 
+  // A journal whose directory fsyncs fail for commit names, a checkpoint dir `ck`, and its
+  // `.metadata` bytes in a temp file, not yet queued.
+  TempFile StartMetadataWithFailingDirSync() {
+    dir_->SetSyncParentHook([](const std::string& path) { return IsCommitName(path) ? EIO : 0; });
+    Journal::Hooks hooks;
+    hooks.commit_gate = [](const JournalEntry&, const QueuedFn&) { return Status::Ok(); };
+    MakeJournal(std::move(hooks));
+    EXPECT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+    TempFile md = StartFile("ck");
+    Write(&md, "metadata");
+    return md;
+  }
+
   // Registers and creates a temp file in `dir`, as the write path does.
   TempFile StartFile(const std::string& dir) {
     TempFile f;
@@ -656,13 +669,7 @@ TEST_F(JournalTest, AFailedFsyncIsNeverPublished) {
 // stays visible on the backing store, a committed-looking checkpoint that ckptfs itself
 // reports as failed, and whose name is not known to be durable (G5, G7).
 TEST_F(JournalTest, AMetadataWhoseDirectorySyncFailsIsNotLeftPublished) {
-  dir_->SetSyncParentHook([](const std::string& path) { return IsCommitName(path) ? EIO : 0; });
-  Journal::Hooks hooks;
-  hooks.commit_gate = [](const JournalEntry&, const QueuedFn&) { return Status::Ok(); };
-  MakeJournal(std::move(hooks));
-  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
-  TempFile md = StartFile("ck");
-  Write(&md, "metadata");
+  TempFile md = StartMetadataWithFailingDirSync();
   Status st = journal_->Wait(Publish(md, "ck/.metadata"));
   ASSERT_FALSE(st.ok()) << "the directory fsync failure must be reported";
   EXPECT_FALSE(Exists("ck/.metadata"))
@@ -676,13 +683,7 @@ TEST_F(JournalTest, AMetadataWhoseDirectorySyncFailsIsNotLeftPublished) {
 // `.metadata` stays on the backing store (G5, G7). ApplyPublish withdraws its rename
 // since ced3777; the kRename case does not.
 TEST_F(JournalTest, AMetadataRenameWhoseDirectorySyncFailsIsNotLeftCommitted) {
-  dir_->SetSyncParentHook([](const std::string& path) { return IsCommitName(path) ? EIO : 0; });
-  Journal::Hooks hooks;
-  hooks.commit_gate = [](const JournalEntry&, const QueuedFn&) { return Status::Ok(); };
-  MakeJournal(std::move(hooks));
-  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
-  TempFile md = StartFile("ck");
-  Write(&md, "metadata");
+  TempFile md = StartMetadataWithFailingDirSync();
   ASSERT_TRUE(journal_->Wait(Publish(md, "ck/.metadata.tmp")).ok());
   Status st = journal_->Wait(Op(OpType::kRename, "ck/.metadata", "ck/.metadata.tmp"));
   ASSERT_FALSE(st.ok()) << "the directory fsync failure must be reported";
