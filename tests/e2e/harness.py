@@ -22,6 +22,11 @@ BIN_DIR = os.environ.get(
 CKPTFS = os.path.join(BIN_DIR, "ckptfs")
 ADMIN = os.path.join(BIN_DIR, "ckptfs-admin")
 HERE = os.path.dirname(os.path.abspath(__file__))
+# CKPTFS_E2E_PLAIN=1: classes with PLAIN_OK run against a plain directory (PlainMount)
+# instead of a mount; it only checks the tests' own logic.
+PLAIN = os.environ.get("CKPTFS_E2E_PLAIN") == "1"
+TMP_PREFIX = ".ckptfs-tmp."
+CONTROL = ".ckptfs"
 
 
 def is_mounted(path):
@@ -147,6 +152,59 @@ class Mount:
         return False
 
 
+class PlainMount:
+    """Stand-in for Mount with CKPTFS_E2E_PLAIN=1: the 'mount' is the backing directory
+    itself, and waiting or unmounting does nothing."""
+
+    def __init__(self, args=(), backing=None, root=None, state=None, staging="256M"):
+        self.root = root or tempfile.mkdtemp(prefix="ckptfs-plain-")
+        self.backing = backing or os.path.join(self.root, "backing")
+        self.mnt = self.backing
+        self.state = state or os.path.join(self.root, "state")
+        self.log = os.path.join(self.root, "ckptfs.log")
+        self.proc = None
+        os.makedirs(self.backing, exist_ok=True)
+
+    def start(self, timeout=30):
+        return self
+
+    def log_text(self):
+        return ""
+
+    def stats(self):
+        return None
+
+    def wait(self, path, timeout=120):
+        return 0
+
+    def unmount(self, timeout=120):
+        return 0
+
+    def kill(self, sig=None):
+        pass
+
+    def stop(self):
+        pass
+
+    def cleanup(self):
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def make_mount(plain_ok=False, **kw):
+    """A Mount, or a PlainMount where CKPTFS_E2E_PLAIN=1 and the caller allows it."""
+    return PlainMount(**kw) if PLAIN and plain_ok else Mount(**kw)
+
+
+def tmp_names(root):
+    """Every .ckptfs-tmp.* name under root (relative paths)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            if n.startswith(TMP_PREFIX):
+                found.append(os.path.relpath(os.path.join(dirpath, n), root))
+    return sorted(found)
+
+
 def arm_watchdog(test, mount, seconds):
     """A hung FUSE request would block `test` forever: after `seconds`, kill exactly this
     mount's daemon (by PID) so the blocked call fails with ENOTCONN, and dump every thread."""
@@ -172,15 +230,36 @@ def arm_watchdog(test, mount, seconds):
 
 
 class MountedTest(unittest.TestCase):
-    """Base of the tests that mount ckptfs. mount() makes a Mount whose cleanup (unmount,
-    kill exactly its PID, remove its directories) is registered at once, so it runs before
-    the cleanups registered earlier (a tmpfs under it: LIFO); then, unless start=False,
-    starts it and arms the watchdog (arm_watchdog) for WATCHDOG_S seconds."""
+    """The base of every test that mounts ckptfs. mount() makes a Mount whose cleanup
+    (unmount, kill exactly its PID, remove its directories) is registered at once, so it
+    runs before the cleanups registered earlier (a tmpfs under it: LIFO); then, unless
+    start=False, starts it and arms the watchdog (arm_watchdog) for WATCHDOG_S seconds.
+    A failed test prints the tail of each of its mounts' logs.
+
+    With MOUNT_IN_SETUP, setUp mounts self.m afresh for each test (MOUNT_ARGS, STAGING;
+    populate_backing first), and p()/b() build paths in it and in its backing directory;
+    wait() and drain() check publication and a clean unmount. PLAIN_OK classes run on a
+    PlainMount under CKPTFS_E2E_PLAIN=1."""
 
     WATCHDOG_S = 300
+    MOUNT_IN_SETUP = False
+    MOUNT_ARGS = ()
+    STAGING = "256M"
+    PLAIN_OK = False
+    WAIT_S = 120
+    DRAIN_S = 180
+
+    def setUp(self):
+        if self.MOUNT_IN_SETUP:
+            self.m = self.mount(args=self.MOUNT_ARGS, staging=self.STAGING, start=False)
+            self.populate_backing(self.m.backing)
+            self.start_mount(self.m)
+
+    def populate_backing(self, backing):
+        """Hook: files that exist on the backing store before the mount (MOUNT_IN_SETUP)."""
 
     def mount(self, args=(), start=True, watchdog_s=None, **kw):
-        m = Mount(args=list(args), **kw)
+        m = make_mount(plain_ok=self.PLAIN_OK, args=list(args), **kw)
         self.addCleanup(m.cleanup)
         if start:
             self.start_mount(m, watchdog_s)
@@ -190,7 +269,47 @@ class MountedTest(unittest.TestCase):
         """Starts a Mount made with mount(start=False) and arms its watchdog."""
         m.start()
         arm_watchdog(self, m, watchdog_s or self.WATCHDOG_S)
+        self.addCleanup(self.dump_log_on_failure, m)
         return m
+
+    def dump_log_on_failure(self, m):
+        outcome = getattr(self, "_outcome", None)
+        if outcome is not None and not getattr(outcome, "success", True) and \
+                not isinstance(m, PlainMount):
+            sys.stderr.write(f"\n--- ckptfs log tail ({self.id()}) ---\n"
+                             f"{m.log_text()[-5000:]}\n--- end log ---\n")
+
+    def p(self, *parts):
+        return os.path.join(self.m.mnt, *parts)
+
+    def b(self, *parts):
+        return os.path.join(self.m.backing, *parts)
+
+    def skip_if_plain(self):
+        if PLAIN and self.PLAIN_OK:
+            self.skipTest("needs a real ckptfs daemon")
+
+    def wait(self, path, timeout=None):
+        """ckptfs-admin wait PATH must succeed."""
+        if isinstance(self.m, PlainMount):
+            return
+        timeout = timeout or self.WAIT_S
+        r = subprocess.run([ADMIN, "wait", path, "--timeout", str(timeout)],
+                           capture_output=True, text=True, timeout=timeout + 30)
+        self.assertEqual(r.returncode, 0,
+                         f"ckptfs-admin wait {path} -> {r.returncode}\n{r.stdout}{r.stderr}")
+
+    def drain(self):
+        """Clean unmount; the daemon must exit 0 having published everything."""
+        plain = isinstance(self.m, PlainMount)
+        rc = self.m.unmount(timeout=self.DRAIN_S)
+        self.assertEqual(rc, 0, f"daemon exit code after unmount\n{self.m.log_text()[-3000:]}")
+        if not plain:
+            self.assertFalse(is_mounted(self.m.mnt))
+            self.assertFalse(os.path.exists(self.b(CONTROL)),
+                             ".ckptfs leaked onto the backing store")
+        self.assertEqual(tmp_names(self.m.backing), [],
+                         "temporary files left on the backing store after drain")
 
 
 def make_tmpfs(test, mb, prefix):

@@ -33,7 +33,6 @@ The escapes tried:
 """
 import ctypes
 import errno
-import faulthandler
 import hashlib
 import os
 import signal
@@ -42,12 +41,11 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import unittest
 
 import harness
-from harness import CKPTFS, Mount, is_mounted
+from harness import CKPTFS, is_mounted
 
 TMP_PREFIX = ".ckptfs-tmp."
 SECRET = b"OUTSIDE-SECRET-must-never-be-read-through-the-mount\n"
@@ -251,47 +249,15 @@ class OutsideFixture:
         os.rmdir(self.root)
 
 
-class ConfinementBase(unittest.TestCase):
+class ConfinementBase(harness.MountedTest):
+    MOUNT_IN_SETUP = True
     MOUNT_ARGS = ("--durability", "async")
+    WATCHDOG_S = WATCHDOG_S
 
     def setUp(self):
         self.out = OutsideFixture(self)
-        self.m = Mount(args=self.MOUNT_ARGS)
-        self.addCleanup(self.m.cleanup)
-        self.m.start()
+        super().setUp()
         self.pid = self.m.proc.pid
-        self._arm_watchdog()
-        self.addCleanup(self._dump_log_on_failure)
-
-    def _arm_watchdog(self):
-        proc = self.m.proc
-
-        def fire():
-            sys.stderr.write(f"\nwatchdog: {self.id()} ran over {WATCHDOG_S}s; "
-                             f"killing ckptfs pid {proc.pid}\n")
-            faulthandler.dump_traceback(all_threads=True)
-            try:
-                os.kill(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            harness.unmount(self.m.mnt)
-
-        timer = threading.Timer(WATCHDOG_S, fire)
-        timer.daemon = True
-        timer.start()
-        self.addCleanup(timer.cancel)
-
-    def _dump_log_on_failure(self):
-        outcome = getattr(self, "_outcome", None)
-        if outcome is not None and not getattr(outcome, "success", True):
-            sys.stderr.write(f"\n--- ckptfs log tail ({self.id()}) ---\n"
-                             f"{self.m.log_text()[-5000:]}\n--- end log ---\n")
-
-    def p(self, *parts):
-        return os.path.join(self.m.mnt, *parts)
-
-    def b(self, *parts):
-        return os.path.join(self.m.backing, *parts)
 
     def published(self, path, timeout=60):
         self.assertEqual(self.m.wait(path, timeout=timeout), 0,

@@ -25,44 +25,10 @@ import time
 import unittest
 
 import harness
-from harness import ADMIN, Mount, is_mounted
-
-PLAIN = os.environ.get("CKPTFS_E2E_PLAIN") == "1"
-TMP_PREFIX = ".ckptfs-tmp."
+from harness import PLAIN
 MiB = 1 << 20
 BIG = 2048 * MiB
 SRC_DIR = None
-
-
-class PlainMount:
-    """Stand-in for harness.Mount with CKPTFS_E2E_PLAIN=1 (mount == backing)."""
-
-    def __init__(self, args=(), backing=None, root=None, state=None, staging="256M"):
-        self.root = root or tempfile.mkdtemp(prefix="ckptfs-plain-")
-        self.backing = backing or os.path.join(self.root, "backing")
-        self.mnt = self.backing
-        self.log = os.path.join(self.root, "ckptfs.log")
-        self.proc = None
-        os.makedirs(self.backing, exist_ok=True)
-
-    def start(self, timeout=30):
-        return self
-
-    def log_text(self):
-        return ""
-
-    def stats(self):
-        return None
-
-    def unmount(self, timeout=120):
-        return 0
-
-    def cleanup(self):
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-def make_mount(**kw):
-    return PlainMount(**kw) if PLAIN else Mount(**kw)
 
 
 def write_random_file(path, size, seed, chunk=64 * MiB):
@@ -86,12 +52,6 @@ def sha256_file(path):
             h.update(b)
 
 
-def tmp_names(root):
-    return sorted(os.path.relpath(os.path.join(d, n), root)
-                  for d, dirs, files in os.walk(root) for n in dirs + files
-                  if n.startswith(TMP_PREFIX))
-
-
 def src(name):
     return os.path.join(SRC_DIR, name)
 
@@ -109,31 +69,12 @@ def tearDownModule():
     shutil.rmtree(SRC_DIR, ignore_errors=True)
 
 
-class DdCpBase(unittest.TestCase):
-    STAGING = "256M"
+class DdCpBase(harness.MountedTest):
+    MOUNT_IN_SETUP = True
+    PLAIN_OK = True
     WATCHDOG_S = 600
-
-    def setUp(self):
-        self.m = make_mount(staging=self.STAGING)
-        self.addCleanup(self.m.cleanup)
-        self.m.start()
-        self._arm_watchdog()
-        self.addCleanup(self._dump_log_on_failure)
-
-    def _arm_watchdog(self):
-        harness.arm_watchdog(self, self.m, self.WATCHDOG_S)
-
-    def _dump_log_on_failure(self):
-        outcome = getattr(self, "_outcome", None)
-        if outcome is not None and not getattr(outcome, "success", True) and not PLAIN:
-            sys.stderr.write(f"\n--- ckptfs log tail ({self.id()}) ---\n"
-                             f"{self.m.log_text()[-4000:]}\n--- end log ---\n")
-
-    def p(self, *parts):
-        return os.path.join(self.m.mnt, *parts)
-
-    def b(self, *parts):
-        return os.path.join(self.m.backing, *parts)
+    WAIT_S = 300
+    DRAIN_S = 300
 
     def run_ok(self, cmd, **kw):
         r = subprocess.run(cmd, capture_output=True, text=True, **kw)
@@ -144,24 +85,9 @@ class DdCpBase(unittest.TestCase):
         r = subprocess.run(["cmp", expected_path, path], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, f"{what}: {r.stdout}{r.stderr}".strip())
 
-    def wait(self, path, timeout=300):
-        if PLAIN:
-            return
-        r = subprocess.run([ADMIN, "wait", path, "--timeout", str(timeout)],
-                           capture_output=True, text=True, timeout=timeout + 30)
-        self.assertEqual(r.returncode, 0,
-                         f"ckptfs-admin wait {path} -> {r.returncode}\n{r.stdout}{r.stderr}")
-
-    def drain(self):
-        rc = self.m.unmount(timeout=300)
-        self.assertEqual(rc, 0, "daemon exit code after unmount")
-        if not PLAIN:
-            self.assertFalse(is_mounted(self.m.mnt))
-        self.assertEqual(tmp_names(self.m.backing), [], "temporary files left after drain")
-
     def remount(self):
         """A fresh daemon over the same backing store and state dir."""
-        m2 = make_mount(root=self.m.root, staging=self.STAGING)
+        m2 = harness.make_mount(plain_ok=True, root=self.m.root, staging=self.STAGING)
         self.addCleanup(m2.stop if hasattr(m2, "stop") else (lambda: None))
         return m2.start()
 

@@ -93,20 +93,7 @@ class ExhaustionBase(harness.MountedTest):
     def mount(self, args=(), **kw):
         m = super().mount(args, **kw)  # cleaned up before the tmpfs cleanups (LIFO)
         self.m = m
-        self.addCleanup(self.dump_log_on_failure)
         return m
-
-    def dump_log_on_failure(self):
-        outcome = getattr(self, "_outcome", None)
-        if outcome is not None and not getattr(outcome, "success", True):
-            sys.stderr.write(f"\n--- ckptfs log tail ({self.id()}) ---\n"
-                             f"{self.m.log_text()[-5000:]}\n--- end log ---\n")
-
-    def p(self, *parts):
-        return os.path.join(self.m.mnt, *parts)
-
-    def b(self, *parts):
-        return os.path.join(self.m.backing, *parts)
 
     def assert_alive(self, what):
         rc = self.m.proc.poll()

@@ -26,54 +26,10 @@ import time
 import unittest
 
 import harness
-from harness import ADMIN, CKPTFS, Mount, is_mounted
+from harness import ADMIN, CKPTFS, is_mounted
 
-PLAIN = os.environ.get("CKPTFS_E2E_PLAIN") == "1"
-TMP_PREFIX = ".ckptfs-tmp."
-CONTROL = ".ckptfs"
+from harness import CONTROL, PLAIN, TMP_PREFIX, tmp_names
 MiB = 1 << 20
-
-
-class PlainMount:
-    """Stand-in for harness.Mount with CKPTFS_E2E_PLAIN=1: the 'mount' is the
-    backing directory itself, and waiting or unmounting does nothing."""
-
-    def __init__(self, args=(), backing=None, root=None, state=None, staging="256M"):
-        self.root = root or tempfile.mkdtemp(prefix="ckptfs-plain-")
-        self.backing = backing or os.path.join(self.root, "backing")
-        self.mnt = self.backing
-        self.state = state or os.path.join(self.root, "state")
-        self.log = os.path.join(self.root, "ckptfs.log")
-        self.proc = None
-        os.makedirs(self.backing, exist_ok=True)
-
-    def start(self, timeout=30):
-        return self
-
-    def log_text(self):
-        return ""
-
-    def stats(self):
-        return None
-
-    def wait(self, path, timeout=120):
-        return 0
-
-    def unmount(self, timeout=120):
-        return 0
-
-    def kill(self, sig=None):
-        pass
-
-    def stop(self):
-        pass
-
-    def cleanup(self):
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-def make_mount(**kw):
-    return PlainMount(**kw) if PLAIN else Mount(**kw)
 
 
 # ---------------------------------------------------------------- helpers
@@ -101,16 +57,6 @@ def sha256_file(path):
             if not b:
                 return h.hexdigest()
             h.update(b)
-
-
-def tmp_names(root):
-    """Every .ckptfs-tmp.* name under root (relative paths)."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            if n.startswith(TMP_PREFIX):
-                found.append(os.path.relpath(os.path.join(dirpath, n), root))
-    return sorted(found)
 
 
 def snapshot(root, skip_top=()):
@@ -160,63 +106,12 @@ def pid_alive(pid):
         return False
 
 
-class MountedTest(unittest.TestCase):
-    """A fresh mount per test; self.m is the mount, p()/b() build paths in the
-    mount and in the backing directory."""
+class MountedTest(harness.MountedTest):
+    """A fresh mount per test (harness.MountedTest with MOUNT_IN_SETUP); self.m is the
+    mount, p()/b() build paths in the mount and in the backing directory."""
 
-    MOUNT_ARGS = ()
-    STAGING = "256M"
-    WATCHDOG_S = 300
-
-    def populate_backing(self, backing):
-        """Hook: files that exist on the backing store before the mount."""
-
-    def setUp(self):
-        self.m = make_mount(args=self.MOUNT_ARGS, staging=self.STAGING)
-        self.addCleanup(self.m.cleanup)
-        self.populate_backing(self.m.backing)
-        self.m.start()
-        self._arm_watchdog()
-        self.addCleanup(self._dump_log_on_failure)
-
-    def _arm_watchdog(self):
-        harness.arm_watchdog(self, self.m, self.WATCHDOG_S)
-
-    def _dump_log_on_failure(self):
-        outcome = getattr(self, "_outcome", None)
-        if outcome is not None and not getattr(outcome, "success", True) and not PLAIN:
-            sys.stderr.write(f"\n--- ckptfs log tail ({self.id()}) ---\n"
-                             f"{self.m.log_text()[-4000:]}\n--- end log ---\n")
-
-    def p(self, *parts):
-        return os.path.join(self.m.mnt, *parts)
-
-    def b(self, *parts):
-        return os.path.join(self.m.backing, *parts)
-
-    def skip_if_plain(self):
-        if PLAIN:
-            self.skipTest("needs a real ckptfs daemon")
-
-    def wait(self, path, timeout=120):
-        """ckptfs-admin wait PATH must succeed."""
-        if PLAIN:
-            return
-        r = subprocess.run([ADMIN, "wait", path, "--timeout", str(timeout)],
-                           capture_output=True, text=True, timeout=timeout + 30)
-        self.assertEqual(r.returncode, 0,
-                         f"ckptfs-admin wait {path} -> {r.returncode}\n{r.stdout}{r.stderr}")
-
-    def drain(self):
-        """Clean unmount; the daemon must exit 0 having published everything."""
-        rc = self.m.unmount(timeout=180)
-        self.assertEqual(rc, 0, f"daemon exit code after unmount\n{self.m.log_text()[-3000:]}")
-        if not PLAIN:
-            self.assertFalse(is_mounted(self.m.mnt))
-            self.assertFalse(os.path.exists(self.b(CONTROL)),
-                             ".ckptfs leaked onto the backing store")
-        self.assertEqual(tmp_names(self.m.backing), [],
-                         "temporary files left on the backing store after drain")
+    MOUNT_IN_SETUP = True
+    PLAIN_OK = True
 
     def assertSameTree(self, expected_snap, root, what):
         got = snapshot(root, skip_top=(CONTROL,) if root == self.m.mnt else ())
@@ -1210,7 +1105,7 @@ class ShutdownTest(MountedTest):
 
 # ---------------------------------------------------------------- daemon CLI
 
-class DaemonCliTest(unittest.TestCase):
+class DaemonCliTest(harness.MountedTest):
     """Bad invocations exit 2 with exactly one line on stderr and mount nothing."""
 
     def setUp(self):
@@ -1269,19 +1164,19 @@ class DaemonCliTest(unittest.TestCase):
                                 foreground=False)
 
     def test_busy_mountpoint(self):
-        with Mount() as m:
-            other_backing = os.path.join(self.root, "other")
-            os.makedirs(other_backing)
-            rc, out, err = self.run_daemon(["--state-dir", self.state, other_backing, m.mnt],
-                                           mnt=m.mnt)
-            self.assertEqual(rc, 2, f"second mount on a busy mountpoint: exit {rc}\n{out}{err}")
-            self.assertEqual(len(err.strip().splitlines()), 1, repr(err))
-            # The first mount is undisturbed.
-            self.assertIsInstance(m.stats(), dict)
-            write_file(os.path.join(m.mnt, "still-works"), b"ok")
-            self.assertEqual(m.unmount(), 0)
-            self.assertEqual(read_file(os.path.join(m.backing, "still-works")), b"ok")
-            self.assertEqual(os.listdir(other_backing), [])
+        m = self.mount()
+        other_backing = os.path.join(self.root, "other")
+        os.makedirs(other_backing)
+        rc, out, err = self.run_daemon(["--state-dir", self.state, other_backing, m.mnt],
+                                       mnt=m.mnt)
+        self.assertEqual(rc, 2, f"second mount on a busy mountpoint: exit {rc}\n{out}{err}")
+        self.assertEqual(len(err.strip().splitlines()), 1, repr(err))
+        # The first mount is undisturbed.
+        self.assertIsInstance(m.stats(), dict)
+        write_file(os.path.join(m.mnt, "still-works"), b"ok")
+        self.assertEqual(m.unmount(), 0)
+        self.assertEqual(read_file(os.path.join(m.backing, "still-works")), b"ok")
+        self.assertEqual(os.listdir(other_backing), [])
 
     def test_bad_options(self):
         base = ["--state-dir", self.state]
@@ -1307,14 +1202,14 @@ class DaemonCliTest(unittest.TestCase):
         self.assertEqual(os.listdir(self.mnt), [])
 
     def test_state_dir_in_use_by_another_daemon(self):
-        with Mount() as m:
-            other_backing = os.path.join(self.root, "other")
-            os.makedirs(other_backing)
-            self.expect_usage_error(["--state-dir", m.state, other_backing, self.mnt])
-            self.expect_usage_error(["--state-dir", m.state, other_backing, self.mnt],
-                                    foreground=False)
-            self.assertIsInstance(m.stats(), dict)
-            self.assertEqual(m.unmount(), 0)
+        m = self.mount()
+        other_backing = os.path.join(self.root, "other")
+        os.makedirs(other_backing)
+        self.expect_usage_error(["--state-dir", m.state, other_backing, self.mnt])
+        self.expect_usage_error(["--state-dir", m.state, other_backing, self.mnt],
+                                foreground=False)
+        self.assertIsInstance(m.stats(), dict)
+        self.assertEqual(m.unmount(), 0)
 
     def test_daemonizes_returns_once_mounted_and_admin_unmount(self):
         log = os.path.join(self.root, "daemon.log")
