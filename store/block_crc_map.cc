@@ -11,9 +11,9 @@ namespace {
 // One table per block size in use (normally one), built once: folding a range of blocks is
 // then four lookups per block.
 const Crc32cCombiner& BlockCombiner(uint32_t block_bytes) {
-  static std::mutex mu;
-  static std::map<uint32_t, std::unique_ptr<Crc32cCombiner>> combiners;
-  std::lock_guard lock(mu);
+  static Mutex mu;
+  static std::map<uint32_t, std::unique_ptr<Crc32cCombiner>> combiners;  // under mu
+  MutexLock lock(&mu);
   auto& c = combiners[block_bytes];
   if (!c) c = std::make_unique<Crc32cCombiner>(block_bytes);
   return *c;

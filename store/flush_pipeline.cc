@@ -60,7 +60,7 @@ void FlushTarget::Cancel(const Status& status) {
 
 int FlushTarget::DirectFd() {
   if (direct_off_.load(std::memory_order_relaxed)) return -1;
-  std::lock_guard lock(direct_mu_);
+  MutexLock lock(&direct_mu_);
   if (!direct_tried_) {
     direct_tried_ = true;
     // Reopens the very inode fd_ refers to: no path is looked up, so confinement holds.
@@ -75,7 +75,7 @@ int FlushTarget::DirectFd() {
 void FlushTarget::DisableDirect() { direct_off_.store(true, std::memory_order_relaxed); }
 
 Status FlushTarget::Sync(BackingDir* dir) {
-  std::lock_guard sync_lock(sync_mu_);
+  MutexLock sync_lock(&sync_mu_);
   {
     MutexLock lock(&mu_);
     idle_cv_.wait(lock.native(), [&] {

@@ -59,7 +59,7 @@ class FlushTarget {
   int fd() const { return fd_.get(); }
   // The O_DIRECT descriptor of the same file, opened on first use; -1 where the file
   // system refuses it (then always -1).
-  int DirectFd();
+  int DirectFd() EXCLUDES(direct_mu_);
   void DisableDirect();  // a direct write failed with EINVAL: use fd() from now on
   // The first error seen for this file, or ok (sticky, for the application).
   Status Error() const;
@@ -80,7 +80,7 @@ class FlushTarget {
   // reports a writeback error to one fsync of a file description only, so of two
   // concurrent fsyncs (an early sync and the publisher's) one could pass over lost
   // bytes; one at a time, the second sees the first's failure (lost).
-  Status Sync(BackingDir* dir);
+  Status Sync(BackingDir* dir) EXCLUDES(sync_mu_);
   uint64_t inflight() const;
   uint64_t parked() const;
   bool lost() const;  // bytes were dropped: this file can never be published
@@ -112,10 +112,10 @@ class FlushTarget {
   Status lost_ GUARDED_BY(mu_);  // bytes were dropped; publication impossible
   std::atomic<uint64_t> bytes_flushed_{0};
   std::atomic<bool> synced_{false};
-  std::mutex sync_mu_;  // held through Sync(); taken before mu_
-  std::mutex direct_mu_;
-  UniqueFd direct_fd_;         // GUARDED_BY(direct_mu_)
-  bool direct_tried_ = false;  // GUARDED_BY(direct_mu_)
+  Mutex sync_mu_ ACQUIRED_BEFORE(mu_);  // held through Sync()
+  Mutex direct_mu_;
+  UniqueFd direct_fd_ GUARDED_BY(direct_mu_);
+  bool direct_tried_ GUARDED_BY(direct_mu_) = false;
   std::atomic<bool> direct_off_{false};
 };
 

@@ -175,13 +175,16 @@ Journal::Journal(BackingDir* dir, StateDb* db, Hooks hooks, uint64_t next_seq, u
 }
 
 void Journal::RunPresync() {
-  std::unique_lock lock(presync_mu_);
+  MutexLock lock(&presync_mu_);
   for (;;) {
-    presync_cv_.wait(lock, [&] { return presync_stop_ || !presync_queue_.empty(); });
+    presync_cv_.wait(lock.native(), [&] {
+      presync_mu_.AssertHeld();  // the predicate runs under the lock
+      return presync_stop_ || !presync_queue_.empty();
+    });
     if (presync_stop_) return;
     std::shared_ptr<FlushTarget> target = std::move(presync_queue_.front());
     presync_queue_.pop_front();
-    lock.unlock();
+    lock.Unlock();
     // The outcome is the publisher's to act on: its own Sync() of this target returns
     // the same failure (a failed fsync marks the target lost), or finds the bytes
     // already on disk.
@@ -192,7 +195,7 @@ void Journal::RunPresync() {
       spdlog::debug("journal: early sync of file {}: {}", target->id(), st.ToString());
     }
     target.reset();
-    lock.lock();
+    lock.Lock();
   }
 }
 
@@ -210,7 +213,7 @@ Journal::~Journal() {
   Close();
   {
     // Every publish is done, so every file queued for an early sync is synced already.
-    std::lock_guard lock(presync_mu_);
+    MutexLock lock(&presync_mu_);
     presync_stop_ = true;
     presync_queue_.clear();
   }
@@ -290,7 +293,7 @@ Result<uint64_t> Journal::Append(JournalEntry entry) {
   work_cv_.notify_one();
   if (presync) {
     {
-      std::lock_guard plock(presync_mu_);
+      MutexLock plock(&presync_mu_);
       presync_queue_.push_back(std::move(presync));
     }
     presync_cv_.notify_one();

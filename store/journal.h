@@ -272,7 +272,7 @@ class Journal {
   Status ApplyOwner(const JournalEntry& e);
   // Keeps temp records right when a directory holding temps is renamed.
   void MoveTempRecords(const std::string& from, const std::string& to);
-  void RunPresync();  // an early-sync thread
+  void RunPresync() EXCLUDES(presync_mu_);  // an early-sync thread
 
   BackingDir* const dir_;
   StateDb* const db_;
@@ -310,10 +310,10 @@ class Journal {
   std::thread thread_;
 
   // Early syncs. presync_mu_ is never held together with mu_, nor during an fsync.
-  std::mutex presync_mu_;
+  Mutex presync_mu_;
   std::condition_variable presync_cv_;
-  std::deque<std::shared_ptr<FlushTarget>> presync_queue_;  // GUARDED_BY(presync_mu_)
-  bool presync_stop_ = false;                                // GUARDED_BY(presync_mu_)
+  std::deque<std::shared_ptr<FlushTarget>> presync_queue_ GUARDED_BY(presync_mu_);
+  bool presync_stop_ GUARDED_BY(presync_mu_) = false;
   std::atomic<uint64_t> presyncs_{0};
   std::vector<std::thread> presync_threads_;
 };
