@@ -30,7 +30,7 @@ import tempfile
 import unittest
 
 import dcp_tool
-from harness import Mount
+import harness
 
 RANKS = 4
 MB = 16
@@ -38,7 +38,9 @@ SEED = 1234
 TMP_MARK = ".ckptfs-tmp."
 
 
-class DcpThroughMount(unittest.TestCase):
+class DcpThroughMount(harness.MountedTest):
+    # The mount's watchdog (harness.MountedTest) only catches a hang: longer than any run.
+    WATCHDOG_S = 1800
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="ckptfs-dcp-ref-")
@@ -65,33 +67,33 @@ class DcpThroughMount(unittest.TestCase):
     def run_case(self, durability, single_file_per_rank, mount_load_mode, staging="256M"):
         ref = self.reference(single_file_per_rank)
         ref_backing = {os.path.join("ckpt", k): v for k, v in ref.items()}
-        with Mount(args=["--durability", durability], staging=staging) as m:
-            try:
-                ckpt = os.path.join(m.mnt, "ckpt")
-                dcp_tool.save(ckpt, RANKS, MB, single_file_per_rank, SEED, timeout=300)
-                if durability == "strict":
-                    self.assertEqual(dcp_tool.sha256_tree(m.backing), ref_backing,
-                                     "strict: backing must hold the checkpoint when save returns")
-
-                dcp_tool.load(ckpt, RANKS, mount_load_mode, SEED, timeout=300)
-                self.assertEqual(dcp_tool.sha256_tree(ckpt), ref, "bytes read through the mount")
-
-                self.assertEqual(m.wait(ckpt, timeout=120), 0, "ckptfs-admin wait")
-                states = {c["path"]: c for c in m.checkpoints()}
-                self.assertIn("ckpt", states, f"/.ckptfs/checkpoints: {states}")
-                self.assertEqual(states["ckpt"]["state"], "committed", states["ckpt"])
-                xattr = os.getxattr(os.path.join(ckpt, ".metadata"), "user.ckptfs.state")
-                self.assertEqual(xattr.rstrip(b"\0"), b"published")
+        m = self.mount(args=["--durability", durability], staging=staging)
+        try:
+            ckpt = os.path.join(m.mnt, "ckpt")
+            dcp_tool.save(ckpt, RANKS, MB, single_file_per_rank, SEED, timeout=300)
+            if durability == "strict":
                 self.assertEqual(dcp_tool.sha256_tree(m.backing), ref_backing,
-                                 "backing after commit")
+                                 "strict: backing must hold the checkpoint when save returns")
 
-                self.assertEqual(m.unmount(), 0, "daemon exit code after a clean unmount")
-                self.assertEqual(dcp_tool.sha256_tree(m.backing), ref_backing,
-                                 "backing after unmount")
-                # One rank reading every chunk checks every value and starts 3 fewer torches.
-                dcp_tool.load(os.path.join(m.backing, "ckpt"), 1, "own", SEED, timeout=300)
-            except BaseException as e:
-                raise AssertionError(f"{e}\n--- ckptfs log tail ---\n{m.log_text()}") from e
+            dcp_tool.load(ckpt, RANKS, mount_load_mode, SEED, timeout=300)
+            self.assertEqual(dcp_tool.sha256_tree(ckpt), ref, "bytes read through the mount")
+
+            self.assertEqual(m.wait(ckpt, timeout=120), 0, "ckptfs-admin wait")
+            states = {c["path"]: c for c in m.checkpoints()}
+            self.assertIn("ckpt", states, f"/.ckptfs/checkpoints: {states}")
+            self.assertEqual(states["ckpt"]["state"], "committed", states["ckpt"])
+            xattr = os.getxattr(os.path.join(ckpt, ".metadata"), "user.ckptfs.state")
+            self.assertEqual(xattr.rstrip(b"\0"), b"published")
+            self.assertEqual(dcp_tool.sha256_tree(m.backing), ref_backing,
+                             "backing after commit")
+
+            self.assertEqual(m.unmount(), 0, "daemon exit code after a clean unmount")
+            self.assertEqual(dcp_tool.sha256_tree(m.backing), ref_backing,
+                             "backing after unmount")
+            # One rank reading every chunk checks every value and starts 3 fewer torches.
+            dcp_tool.load(os.path.join(m.backing, "ckpt"), 1, "own", SEED, timeout=300)
+        except BaseException as e:
+            raise AssertionError(f"{e}\n--- ckptfs log tail ---\n{m.log_text()}") from e
 
     def test_async_single_file_per_rank(self):
         self.run_case("async", True, "own")

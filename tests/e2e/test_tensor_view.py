@@ -39,7 +39,8 @@ import time
 import unittest
 
 import dcp_tool
-from harness import ADMIN, Mount
+import harness
+from harness import ADMIN
 
 dcp_tool._apply_sitecustomize()
 import numpy as np  # noqa: E402
@@ -285,7 +286,9 @@ class ViewChecker:
         return data
 
 
-class TensorView(unittest.TestCase):
+class TensorView(harness.MountedTest):
+    # The mount's watchdog (harness.MountedTest) only catches a hang: longer than any run.
+    WATCHDOG_S = 1800
     maxDiff = 4000
 
     def check_tools(self, m, rel, result):
@@ -390,27 +393,27 @@ class TensorView(unittest.TestCase):
         self.assertEqual(r.returncode, 0, "restored byte: " + r.stdout + r.stderr)
 
     def run_layout(self, single_file_per_rank):
-        with Mount() as m:
-            rel = f"ckpt_sfpr{int(single_file_per_rank)}"
-            ckpt = os.path.join(m.mnt, rel)
-            dcp_tool.save(ckpt, RANKS, MB, single_file_per_rank, SEED, timeout=300)
-            self.assertEqual(m.wait(ckpt, timeout=120), 0, "ckptfs-admin wait")
-            entry = {c["path"]: c for c in m.checkpoints()}[rel]
-            self.assertEqual(entry["state"], "committed")
-            self.assertIn("index_error", entry)
-            result = ViewChecker(self, m, rel, SEED, MB, DTYPES).check()
-            entry = {c["path"]: c for c in m.checkpoints()}[rel]
-            self.assertIsNone(entry["index_error"])
-            if single_file_per_rank:
-                # Items share a file: the raw offsets are file-absolute, not all equal.
-                offs = {c["item_offset"] for meta in result["metas"].values()
-                        for c in meta["chunks"]}
-                self.assertGreater(len(offs), RANKS)
-            self.check_tools(m, rel, result)
-            self.check_admin_ls(ckpt, result)
-            self.check_verify_flip(m, rel, result)
-            self.assertIsNone(m.proc.poll(), "daemon still running")
-            self.assertEqual(m.unmount(), 0, m.log_text())
+        m = self.mount()
+        rel = f"ckpt_sfpr{int(single_file_per_rank)}"
+        ckpt = os.path.join(m.mnt, rel)
+        dcp_tool.save(ckpt, RANKS, MB, single_file_per_rank, SEED, timeout=300)
+        self.assertEqual(m.wait(ckpt, timeout=120), 0, "ckptfs-admin wait")
+        entry = {c["path"]: c for c in m.checkpoints()}[rel]
+        self.assertEqual(entry["state"], "committed")
+        self.assertIn("index_error", entry)
+        result = ViewChecker(self, m, rel, SEED, MB, DTYPES).check()
+        entry = {c["path"]: c for c in m.checkpoints()}[rel]
+        self.assertIsNone(entry["index_error"])
+        if single_file_per_rank:
+            # Items share a file: the raw offsets are file-absolute, not all equal.
+            offs = {c["item_offset"] for meta in result["metas"].values()
+                    for c in meta["chunks"]}
+            self.assertGreater(len(offs), RANKS)
+        self.check_tools(m, rel, result)
+        self.check_admin_ls(ckpt, result)
+        self.check_verify_flip(m, rel, result)
+        self.assertIsNone(m.proc.poll(), "daemon still running")
+        self.assertEqual(m.unmount(), 0, m.log_text())
 
     def test_view_per_item(self):
         self.run_layout(False)
@@ -426,28 +429,28 @@ class TensorView(unittest.TestCase):
     def test_diff_dcp_tool_saves(self):
         """Same seed, half the dtypes and half the size (so the same shapes): the removed dtypes'
         tensors are '-', the manifest changed, everything else is the same."""
-        with Mount() as m:
-            a, b = os.path.join(m.mnt, "a"), os.path.join(m.mnt, "b")
-            dcp_tool.save(a, 2, MB, True, SEED, DTYPES, timeout=300)
-            kept = DTYPES[:3]
-            dcp_tool.save(b, 2, MB // 2, False, SEED, kept, timeout=300)
-            self.assertEqual(m.wait(a), 0)
-            self.assertEqual(m.wait(b), 0)
-            la = {f for f, _, _ in dcp_tool.layout(MB, DTYPES)}
-            lb = {f for f, _, _ in dcp_tool.layout(MB // 2, kept)}
-            self.assertEqual(dict((f, s) for f, s, _ in dcp_tool.layout(MB // 2, kept)),
-                             dict((f, s) for f, s, _ in dcp_tool.layout(MB, DTYPES) if f in lb),
-                             "premise: kept tensors have the same shapes")
-            rc, lines, r = self.diff(a, b)
-            want = sorted(["- " + f for f in la - lb] + ["M manifest"])
-            self.assertEqual(lines, want, r.stdout + r.stderr)
-            self.assertEqual(rc, 1)
-            rc, lines, r = self.diff(b, a)
-            self.assertEqual(lines, sorted(["+ " + f for f in la - lb] + ["M manifest"]))
-            self.assertEqual(rc, 1)
-            rc, lines, r = self.diff(a, a)
-            self.assertEqual((rc, lines), (0, []), r.stdout + r.stderr)
-            self.assertEqual(m.unmount(), 0, m.log_text())
+        m = self.mount()
+        a, b = os.path.join(m.mnt, "a"), os.path.join(m.mnt, "b")
+        dcp_tool.save(a, 2, MB, True, SEED, DTYPES, timeout=300)
+        kept = DTYPES[:3]
+        dcp_tool.save(b, 2, MB // 2, False, SEED, kept, timeout=300)
+        self.assertEqual(m.wait(a), 0)
+        self.assertEqual(m.wait(b), 0)
+        la = {f for f, _, _ in dcp_tool.layout(MB, DTYPES)}
+        lb = {f for f, _, _ in dcp_tool.layout(MB // 2, kept)}
+        self.assertEqual(dict((f, s) for f, s, _ in dcp_tool.layout(MB // 2, kept)),
+                         dict((f, s) for f, s, _ in dcp_tool.layout(MB, DTYPES) if f in lb),
+                         "premise: kept tensors have the same shapes")
+        rc, lines, r = self.diff(a, b)
+        want = sorted(["- " + f for f in la - lb] + ["M manifest"])
+        self.assertEqual(lines, want, r.stdout + r.stderr)
+        self.assertEqual(rc, 1)
+        rc, lines, r = self.diff(b, a)
+        self.assertEqual(lines, sorted(["+ " + f for f in la - lb] + ["M manifest"]))
+        self.assertEqual(rc, 1)
+        rc, lines, r = self.diff(a, a)
+        self.assertEqual((rc, lines), (0, []), r.stdout + r.stderr)
+        self.assertEqual(m.unmount(), 0, m.log_text())
 
     def test_diff_modified_subset(self):
         """Single-process DCP saves (no_dist) through the mount; B changes a subset of A."""
@@ -471,25 +474,25 @@ class TensorView(unittest.TestCase):
         changed["extra"] = {"lr": 0.05, "step": 3}            # a bytes item
         del changed["gone"]
         changed["new"] = torch.zeros(3, dtype=torch.int64)
-        with Mount() as m:
-            paths = {}
-            for name, state in (("a", base), ("a2", dict(base)), ("b", changed)):
-                paths[name] = os.path.join(m.mnt, name)
-                st = {k: (v.clone() if torch.is_tensor(v) else dict(v)) for k, v in state.items()}
-                dcp.save_state_dict(st, dcp.FileSystemWriter(paths[name]), no_dist=True)
-            for p in paths.values():
-                self.assertEqual(m.wait(p), 0)
-            rc, lines, r = self.diff(paths["a"], paths["b"])
-            self.assertEqual(lines, sorted(["M enc.w", "M dec.w", "M mask", "M extra",
-                                            "- gone", "+ new"]), r.stdout + r.stderr)
-            self.assertEqual(rc, 1)
-            self.assertIn("6 of 9 entries differ", r.stdout)
-            rc, lines, r = self.diff(paths["a"], paths["a2"])
-            self.assertEqual((rc, lines), (0, []), "identical saves: " + r.stdout + r.stderr)
-            # The view of the bf16 tensor holds the changed value.
-            with open(os.path.join(view_of(m, "b"), "dec.w", "0_0"), "rb") as f:
-                self.assertEqual(f.read(), tensor_bytes(changed["dec.w"]))
-            self.assertEqual(m.unmount(), 0, m.log_text())
+        m = self.mount()
+        paths = {}
+        for name, state in (("a", base), ("a2", dict(base)), ("b", changed)):
+            paths[name] = os.path.join(m.mnt, name)
+            st = {k: (v.clone() if torch.is_tensor(v) else dict(v)) for k, v in state.items()}
+            dcp.save_state_dict(st, dcp.FileSystemWriter(paths[name]), no_dist=True)
+        for p in paths.values():
+            self.assertEqual(m.wait(p), 0)
+        rc, lines, r = self.diff(paths["a"], paths["b"])
+        self.assertEqual(lines, sorted(["M enc.w", "M dec.w", "M mask", "M extra",
+                                        "- gone", "+ new"]), r.stdout + r.stderr)
+        self.assertEqual(rc, 1)
+        self.assertIn("6 of 9 entries differ", r.stdout)
+        rc, lines, r = self.diff(paths["a"], paths["a2"])
+        self.assertEqual((rc, lines), (0, []), "identical saves: " + r.stdout + r.stderr)
+        # The view of the bf16 tensor holds the changed value.
+        with open(os.path.join(view_of(m, "b"), "dec.w", "0_0"), "rb") as f:
+            self.assertEqual(f.read(), tensor_bytes(changed["dec.w"]))
+        self.assertEqual(m.unmount(), 0, m.log_text())
 
     def test_premount_and_hostile(self):
         root = tempfile.mkdtemp(prefix="ckptfs-e2e-view-")
@@ -529,70 +532,70 @@ class TensorView(unittest.TestCase):
         cut_file = os.path.join(cut, shards[-1])
         os.truncate(cut_file, os.path.getsize(cut_file) // 2)
 
-        with Mount(backing=backing, root=root) as m:
-            # (d) lazily indexed on first look; content checked like a save through the mount.
+        m = self.mount(backing=backing, root=root)
+        # (d) lazily indexed on first look; content checked like a save through the mount.
+        t0 = time.monotonic()
+        first = probe([["listdir", view_of(m, "runs/pre")]])
+        first_look_s = time.monotonic() - t0
+        self.assertIn("ok", list(first.values())[0], first)
+        result = ViewChecker(self, m, "runs/pre", SEED + 1, 2, DTYPES,
+                             require_checksums=False).check()
+        self.assertLess(first_look_s, 20)
+        # A lazy build reads no item just to checksum it; reading a shard in full through
+        # the mount (the first full read of its items) is what checksums them.
+        for meta in result["metas"].values():
+            self.assertEqual(meta["checksum_algorithm"], "crc32c")
+        pre_mnt = os.path.join(m.mnt, "runs", "pre")
+        for name in sorted(os.listdir(pre_mnt)):
+            if name.endswith(".distcp"):
+                with open(os.path.join(pre_mnt, name), "rb") as f:
+                    while f.read(1 << 20):
+                        pass
+        result = ViewChecker(self, m, "runs/pre", SEED + 1, 2, DTYPES).check()
+        for meta in result["metas"].values():
+            for c in meta["chunks"]:
+                self.assertIsNotNone(c["checksum"], "checksummed on their first full read")
+        self.check_tools(m, "runs/pre", result)
+        r = admin("verify", os.path.join(m.mnt, "runs", "pre"), timeout=120)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn(" 0 bad, 0 unchecked (crc32c)", r.stdout)
+
+        # (e) hostile .metadata: daemon up, raw bytes exact, view errors cleanly, error shown.
+        self.assertEqual(sorted(os.listdir(view_of(m, "hostile"))),
+                         sorted(list(hostile) + ["cut_shard"]))
+        for name in hostile:
+            rel = f"hostile/{name}"
             t0 = time.monotonic()
-            first = probe([["listdir", view_of(m, "runs/pre")]])
-            first_look_s = time.monotonic() - t0
-            self.assertIn("ok", list(first.values())[0], first)
-            result = ViewChecker(self, m, "runs/pre", SEED + 1, 2, DTYPES,
-                                 require_checksums=False).check()
-            self.assertLess(first_look_s, 20)
-            # A lazy build reads no item just to checksum it; reading a shard in full through
-            # the mount (the first full read of its items) is what checksums them.
-            for meta in result["metas"].values():
-                self.assertEqual(meta["checksum_algorithm"], "crc32c")
-            pre_mnt = os.path.join(m.mnt, "runs", "pre")
-            for name in sorted(os.listdir(pre_mnt)):
-                if name.endswith(".distcp"):
-                    with open(os.path.join(pre_mnt, name), "rb") as f:
-                        while f.read(1 << 20):
-                            pass
-            result = ViewChecker(self, m, "runs/pre", SEED + 1, 2, DTYPES).check()
-            for meta in result["metas"].values():
-                for c in meta["chunks"]:
-                    self.assertIsNotNone(c["checksum"], "checksummed on their first full read")
-            self.check_tools(m, "runs/pre", result)
-            r = admin("verify", os.path.join(m.mnt, "runs", "pre"), timeout=120)
-            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-            self.assertIn(" 0 bad, 0 unchecked (crc32c)", r.stdout)
+            res = probe([["listdir", view_of(m, rel)], ["listdir", view_of(m, rel)],
+                         ["stat", os.path.join(view_of(m, rel), "step")]])
+            self.assertLess(time.monotonic() - t0, 20, f"{name}: view answered slowly")
+            for what, r in res.items():
+                self.assertIn("errno", r, f"{name}: {what} should fail, got {r}")
+                self.assertIn(r["errno"], (errno.ENOENT, errno.EIO), f"{name}: {what}: {r}")
+            self.assertIsNone(m.proc.poll(), f"daemon died on {name}: {m.log_text()}")
+            self.assertEqual(dcp_tool.sha256_tree(os.path.join(m.mnt, rel)),
+                             dcp_tool.sha256_tree(os.path.join(backing, rel)),
+                             f"{name}: raw files through the mount")
+            r = admin("verify", os.path.join(m.mnt, rel), timeout=60)
+            self.assertEqual(r.returncode, 1, f"{name}: verify: {r.stdout}{r.stderr}")
+            self.assertTrue(r.stdout.startswith("BAD .metadata: "),
+                            f"{name}: verify shows the index error: {r.stdout}")
+            r = admin("ls", os.path.join(m.mnt, rel), timeout=60)
+            self.assertNotEqual(r.returncode, 0, f"{name}: ls must fail: {r.stdout}")
+        self.assertFalse(os.path.exists(marker), "a hostile .metadata was executed")
 
-            # (e) hostile .metadata: daemon up, raw bytes exact, view errors cleanly, error shown.
-            self.assertEqual(sorted(os.listdir(view_of(m, "hostile"))),
-                             sorted(list(hostile) + ["cut_shard"]))
-            for name in hostile:
-                rel = f"hostile/{name}"
-                t0 = time.monotonic()
-                res = probe([["listdir", view_of(m, rel)], ["listdir", view_of(m, rel)],
-                             ["stat", os.path.join(view_of(m, rel), "step")]])
-                self.assertLess(time.monotonic() - t0, 20, f"{name}: view answered slowly")
-                for what, r in res.items():
-                    self.assertIn("errno", r, f"{name}: {what} should fail, got {r}")
-                    self.assertIn(r["errno"], (errno.ENOENT, errno.EIO), f"{name}: {what}: {r}")
-                self.assertIsNone(m.proc.poll(), f"daemon died on {name}: {m.log_text()}")
-                self.assertEqual(dcp_tool.sha256_tree(os.path.join(m.mnt, rel)),
-                                 dcp_tool.sha256_tree(os.path.join(backing, rel)),
-                                 f"{name}: raw files through the mount")
-                r = admin("verify", os.path.join(m.mnt, rel), timeout=60)
-                self.assertEqual(r.returncode, 1, f"{name}: verify: {r.stdout}{r.stderr}")
-                self.assertTrue(r.stdout.startswith("BAD .metadata: "),
-                                f"{name}: verify shows the index error: {r.stdout}")
-                r = admin("ls", os.path.join(m.mnt, rel), timeout=60)
-                self.assertNotEqual(r.returncode, 0, f"{name}: ls must fail: {r.stdout}")
-            self.assertFalse(os.path.exists(marker), "a hostile .metadata was executed")
-
-            # A .distcp cut short under a valid .metadata: the view lists every fqn (a partial
-            # index), the intact chunks keep their exact bytes and checksums, the broken ones
-            # carry no checksum and no raw range, and verify names exactly the broken keys.
-            res = probe([["listdir", view_of(m, "hostile/cut_shard")]])
-            self.assertIsNone(m.proc.poll(), m.log_text())
-            self.assertEqual(dcp_tool.sha256_tree(os.path.join(m.mnt, "hostile", "cut_shard")),
-                             dcp_tool.sha256_tree(cut))
-            md = load_metadata(cut)
-            self.assertEqual(list(res.values())[0], {"ok": sorted(md.state_dict_metadata)})
-            self.check_cut(m, "hostile/cut_shard", md)
-            self.assertIsNone(m.proc.poll(), m.log_text())
-            self.assertEqual(m.unmount(), 0, m.log_text())
+        # A .distcp cut short under a valid .metadata: the view lists every fqn (a partial
+        # index), the intact chunks keep their exact bytes and checksums, the broken ones
+        # carry no checksum and no raw range, and verify names exactly the broken keys.
+        res = probe([["listdir", view_of(m, "hostile/cut_shard")]])
+        self.assertIsNone(m.proc.poll(), m.log_text())
+        self.assertEqual(dcp_tool.sha256_tree(os.path.join(m.mnt, "hostile", "cut_shard")),
+                         dcp_tool.sha256_tree(cut))
+        md = load_metadata(cut)
+        self.assertEqual(list(res.values())[0], {"ok": sorted(md.state_dict_metadata)})
+        self.check_cut(m, "hostile/cut_shard", md)
+        self.assertIsNone(m.proc.poll(), m.log_text())
+        self.assertEqual(m.unmount(), 0, m.log_text())
 
     def check_cut(self, m, rel, md):
         """Partial index of `rel`, whose last shard file was cut short."""
@@ -632,33 +635,33 @@ class TensorView(unittest.TestCase):
         """A garbage .metadata written through the mount next to valid shards: the daemon
         stays up, commits by order only (documented: a .metadata it cannot parse names no
         shards), shows the index error in /.ckptfs/checkpoints, and the shards read back."""
-        with Mount() as m:
-            ckpt = os.path.join(m.mnt, "evil")
-            os.mkdir(ckpt)
-            shard = os.urandom(100000)
-            with open(os.path.join(ckpt, "__0_0.distcp"), "wb") as f:
-                f.write(shard)
-            with open(os.path.join(ckpt, ".metadata.tmp"), "wb") as f:
-                f.write(b"\x80\x04" + b"(" * 50000 + b"\xff")
-            os.rename(os.path.join(ckpt, ".metadata.tmp"), os.path.join(ckpt, ".metadata"))
-            m.wait(ckpt, timeout=30)
-            deadline = time.monotonic() + 20
-            while True:  # the index is built in the background after the commit
-                entry = {c["path"]: c for c in m.checkpoints()}["evil"]
-                if entry["index_error"] or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-            self.assertIn(entry["state"], ("committed", "failed"), entry)
-            self.assertIn(".metadata", entry["index_error"] or "", entry)
-            with open(os.path.join(ckpt, "__0_0.distcp"), "rb") as f:
-                self.assertEqual(f.read(), shard)
-            res = probe([["listdir", view_of(m, "evil")]])
-            self.assertIn(list(res.values())[0].get("errno"), (errno.ENOENT, errno.EIO), res)
-            r = admin("verify", ckpt)
-            self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
-            self.assertIn("BAD .metadata", r.stdout)
-            self.assertIsNone(m.proc.poll(), m.log_text())
-            m.unmount()
+        m = self.mount()
+        ckpt = os.path.join(m.mnt, "evil")
+        os.mkdir(ckpt)
+        shard = os.urandom(100000)
+        with open(os.path.join(ckpt, "__0_0.distcp"), "wb") as f:
+            f.write(shard)
+        with open(os.path.join(ckpt, ".metadata.tmp"), "wb") as f:
+            f.write(b"\x80\x04" + b"(" * 50000 + b"\xff")
+        os.rename(os.path.join(ckpt, ".metadata.tmp"), os.path.join(ckpt, ".metadata"))
+        m.wait(ckpt, timeout=30)
+        deadline = time.monotonic() + 20
+        while True:  # the index is built in the background after the commit
+            entry = {c["path"]: c for c in m.checkpoints()}["evil"]
+            if entry["index_error"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        self.assertIn(entry["state"], ("committed", "failed"), entry)
+        self.assertIn(".metadata", entry["index_error"] or "", entry)
+        with open(os.path.join(ckpt, "__0_0.distcp"), "rb") as f:
+            self.assertEqual(f.read(), shard)
+        res = probe([["listdir", view_of(m, "evil")]])
+        self.assertIn(list(res.values())[0].get("errno"), (errno.ENOENT, errno.EIO), res)
+        r = admin("verify", ckpt)
+        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+        self.assertIn("BAD .metadata", r.stdout)
+        self.assertIsNone(m.proc.poll(), m.log_text())
+        m.unmount()
 
     # --- Gaps found while writing these tests, fixed since: kept as regression tests. -------
 
@@ -687,14 +690,14 @@ class TensorView(unittest.TestCase):
         started is indexed lazily, but /.ckptfs/checkpoints lists only checkpoints written
         through this mount, so its index error (failed or partial) is never shown there."""
         root = tempfile.mkdtemp(prefix="ckptfs-e2e-view-")
-        with Mount(backing=self.small_backing(root), root=root) as m:
-            for rel in ("garbage", "cut", "ok"):
-                probe([["listdir", view_of(m, rel)]])
-            entries = {c["path"]: c for c in m.checkpoints()}
-            self.assertIn("garbage", entries, entries)
-            self.assertIn("cut", entries, entries)
-            self.assertIn(".metadata", entries["garbage"]["index_error"] or "")
-            self.assertTrue(entries["cut"]["index_error"])
+        m = self.mount(backing=self.small_backing(root), root=root)
+        for rel in ("garbage", "cut", "ok"):
+            probe([["listdir", view_of(m, rel)]])
+        entries = {c["path"]: c for c in m.checkpoints()}
+        self.assertIn("garbage", entries, entries)
+        self.assertIn("cut", entries, entries)
+        self.assertIn(".metadata", entries["garbage"]["index_error"] or "")
+        self.assertTrue(entries["cut"]["index_error"])
 
     def test_gap_chunk_past_eof_reads_short(self):
         """A chunk file whose item lies past the end of its (cut) shard file: its st_size is
@@ -702,21 +705,21 @@ class TensorView(unittest.TestCase):
         error, so `cat`/`cp`/numpy.fromfile silently get a short tensor. It should read
         exactly st_size bytes or fail with EIO."""
         root = tempfile.mkdtemp(prefix="ckptfs-e2e-view-")
-        with Mount(backing=self.small_backing(root), root=root) as m:
-            shorts = []
-            view = view_of(m, "cut")
-            for fqn in sorted(os.listdir(view)):
-                for name in sorted(os.listdir(os.path.join(view, fqn))):
-                    path = os.path.join(view, fqn, name)
-                    try:
-                        with open(path, "rb") as f:
-                            n = len(f.read())
-                    except OSError as e:
-                        self.assertEqual(e.errno, errno.EIO, path)
-                        continue
-                    if n != os.stat(path).st_size:
-                        shorts.append(f"{fqn}/{name}: read {n} of {os.stat(path).st_size}")
-            self.assertEqual(shorts, [])
+        m = self.mount(backing=self.small_backing(root), root=root)
+        shorts = []
+        view = view_of(m, "cut")
+        for fqn in sorted(os.listdir(view)):
+            for name in sorted(os.listdir(os.path.join(view, fqn))):
+                path = os.path.join(view, fqn, name)
+                try:
+                    with open(path, "rb") as f:
+                        n = len(f.read())
+                except OSError as e:
+                    self.assertEqual(e.errno, errno.EIO, path)
+                    continue
+                if n != os.stat(path).st_size:
+                    shorts.append(f"{fqn}/{name}: read {n} of {os.stat(path).st_size}")
+        self.assertEqual(shorts, [])
 
 
 if __name__ == "__main__":
