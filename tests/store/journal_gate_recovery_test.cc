@@ -1,0 +1,414 @@
+// Journal: the commit gate (a `.metadata` waits for its shards, G5) and recovery of a
+// previous run's temp files. Fixture: journal_fixture.h.
+#include "tests/store/journal_fixture.h"
+
+namespace ckptfs::store {
+namespace {
+
+// ---------------------------------------------------------------------- commit gate
+
+TEST_F(JournalTest, ARefusedCommitHaltsTheJournalUntilItsCheckpointIsAborted) {
+  std::mutex mu;
+  std::vector<std::string> gated;
+  Journal::Hooks hooks;
+  hooks.commit_gate = [&](const JournalEntry& e, const QueuedFn&) {
+    std::lock_guard lock(mu);
+    gated.push_back(e.path);
+    return Status(Code::kAborted, "checkpoint failed");
+  };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck2")).ok());
+  TempFile shard = StartFile("ck"), md_tmp = StartFile("ck"), md = StartFile("ck2");
+  Write(&shard, "shard");
+  Write(&md_tmp, "md");
+  Write(&md, "md2");
+  uint64_t s1 = Publish(shard, "ck/__0_0.distcp");
+  uint64_t s2 = Publish(md_tmp, "ck/.metadata.tmp");
+  uint64_t s3 = Op(OpType::kRename, "ck/.metadata", "ck/.metadata.tmp");  // DCP's commit
+  uint64_t s4 = Publish(md, "ck2/.metadata");                             // written in place
+  uint64_t s5 = Op(OpType::kMkdir, "after");
+  EXPECT_TRUE(journal_->Wait(s1).ok());
+  EXPECT_TRUE(journal_->Wait(s2).ok());
+  EXPECT_EQ(journal_->Wait(s3).code(), Code::kAborted);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(Exists("after")) << "applied past a refused commit";
+  EXPECT_EQ(journal_->Abort("ck").size(), 1u);  // only the commit was still pending
+  EXPECT_EQ(journal_->Wait(s4).code(), Code::kAborted);
+  EXPECT_EQ(journal_->Abort("ck2").size(), 1u);
+  EXPECT_TRUE(journal_->Wait(s5).ok());
+  EXPECT_FALSE(Exists("ck/.metadata"));
+  EXPECT_FALSE(Exists("ck2/.metadata"));
+  EXPECT_FALSE(Exists(md.temp)) << "a refused commit file's temp must be removed";
+  EXPECT_TRUE(Exists("ck/.metadata.tmp"));  // the application's own name; not a commit
+  EXPECT_EQ(Read("ck/__0_0.distcp"), "shard");
+  EXPECT_TRUE(Exists("after"));
+  std::lock_guard lock(mu);
+  EXPECT_EQ(gated, (std::vector<std::string>{"ck/.metadata", "ck2/.metadata"}))
+      << "the gate runs exactly for entries that make a .metadata appear";
+}
+
+TEST_F(JournalTest, AMetadataQueuedBeforeItsShardsCommitsOnceTheyArePublishedAheadOfIt) {
+  // As `cp -r` or `rsync` copy a checkpoint: `.metadata` sorts first.
+  std::mutex mu;
+  std::vector<std::string> order;
+  Journal::Hooks hooks;
+  const std::vector<std::string> shards = {"ck/__0_0.distcp", "ck/__1_0.distcp"};
+  hooks.commit_gate = [&](const JournalEntry&, const QueuedFn& queued) -> CommitCheck {
+    std::vector<std::string> waiting;
+    for (const auto& p : shards) {
+      if (queued(p) || !Exists(p)) waiting.push_back(p);
+    }
+    if (waiting.empty()) return Status::Ok();
+    return CommitCheck::Wait(waiting, std::chrono::milliseconds(5000));
+  };
+  hooks.on_done = [&](const JournalEntry& e, const Status&) {
+    std::lock_guard lock(mu);
+    order.push_back(e.path);
+  };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  TempFile md = StartFile(""), a = StartFile(""), b = StartFile(""), t = StartFile("");
+  Write(&md, "metadata");
+  Write(&a, std::string(70000, 'a'));
+  Write(&b, std::string(30000, 'b'));
+  Write(&t, "1");
+  uint64_t commit = Publish(md, "ck/.metadata");
+  uint64_t chmod = Op(OpType::kChmod, "ck/.metadata", "", 0644);  // cp -p: not a shard
+  uint64_t sa = Publish(a, "ck/__0_0.distcp");
+  uint64_t tracker = Publish(t, "tracker");  // written after the copy started: stays behind
+  EXPECT_TRUE(journal_->Wait(sa).ok()) << "a shard goes ahead of its waiting .metadata";
+  EXPECT_FALSE(Exists("ck/.metadata"));
+  EXPECT_FALSE(Exists("tracker")) << "an unrelated entry went ahead of the commit";
+  uint64_t sb = Publish(b, "ck/__1_0.distcp");  // the last shard, later
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(journal_->Wait(commit).ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2))
+      << "the commit must follow the last shard at once, not at the gate's recheck";
+  EXPECT_TRUE(journal_->Wait(chmod).ok());
+  EXPECT_TRUE(journal_->Wait(tracker).ok());
+  EXPECT_TRUE(journal_->Wait(sb).ok());
+  EXPECT_EQ(journal_->applied_ahead(), 2u);
+  std::lock_guard lock(mu);
+  EXPECT_EQ(order, (std::vector<std::string>{"ck", "ck/__0_0.distcp", "ck/__1_0.distcp",
+                                             "ck/.metadata", "ck/.metadata", "tracker"}));
+}
+
+TEST_F(JournalTest, AShardAheadOfItsCommitWaitsForAnEntryThatTouchesItsName) {
+  // A rename of the checkpoint directory queued between the commit and the shard: the
+  // shard's publish may not overtake it.
+  Journal::Hooks hooks;
+  std::atomic<int> gate_calls{0};
+  hooks.commit_gate = [&](const JournalEntry&, const QueuedFn& queued) -> CommitCheck {
+    // The shard is still to come when the gate is first asked (the test queues it after
+    // the commit): "not yet" either way, never "gone".
+    ++gate_calls;
+    (void)queued;
+    return CommitCheck::Wait({"ck/__0_0.distcp"}, std::chrono::milliseconds(20));
+  };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  TempFile md = StartFile(""), a = StartFile("");
+  Write(&md, "metadata");
+  Write(&a, "shard");
+  uint64_t commit = Publish(md, "ck/.metadata");
+  Op(OpType::kRmdir, "ck");  // touches the shard's name (it fails: ck is not empty)
+  Publish(a, "ck/__0_0.distcp");
+  // The gate is asked again and again (it says "recheck in 20 ms"); the shard never moves.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (gate_calls.load() < 5 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GE(gate_calls.load(), 5) << "the gate is asked again";
+  EXPECT_FALSE(Exists("ck/__0_0.distcp")) << "a shard overtook an entry on its own path";
+  EXPECT_EQ(journal_->Abort("ck").size(), 3u);
+  EXPECT_EQ(journal_->Wait(commit).code(), Code::kAborted);
+}
+
+// A node that published a shard of a checkpoint whose `.metadata` another node writes
+// (the gate wired as the daemon does with --peers) holds its later tracker and delete until
+// that `.metadata` shows on the backing store; files inside the checkpoint are not held.
+TEST_F(JournalTest, TrackerAndDeleteWaitForACheckpointCommittedElsewhere) {
+  CommitGateOptions options;
+  options.timeout = std::chrono::seconds(30);
+  CommitGate gate(dir_.get(), options);
+  Journal::Hooks hooks;
+  hooks.commit_gate = [&](const JournalEntry& e, const QueuedFn& queued) {
+    return gate.Check(e, queued);
+  };
+  hooks.gated = [](const JournalEntry& e) { return CommitGate::IsOrderedEntry(e); };
+  hooks.on_done = [&](const JournalEntry& e, const Status& st) { gate.NoteApplied(e, st); };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  TempFile old = StartFile(""), shard = StartFile("ck"), tracker = StartFile("");
+  TempFile inside = StartFile("ck");
+  Write(&old, "old", 3);
+  ASSERT_TRUE(journal_->Wait(Publish(old, "old.txt")).ok());
+  Write(&shard, std::string(10000, 's'), 1000);
+  ASSERT_TRUE(journal_->Wait(Publish(shard, "ck/__1_0.distcp")).ok());
+  Write(&inside, "inside", 6);
+  ASSERT_TRUE(journal_->Wait(Publish(inside, "ck/notes.txt")).ok());  // not held
+  Write(&tracker, "ck", 2);
+  const uint64_t t = Publish(tracker, "latest.txt");
+  const uint64_t u = Op(OpType::kUnlink, "old.txt");
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  EXPECT_FALSE(Exists("latest.txt"));
+  EXPECT_TRUE(Exists("old.txt"));
+  EXPECT_LT(journal_->applied(), t);
+  // The other node commits.
+  { std::ofstream(root_ + "/ck/.metadata") << "committed elsewhere"; }
+  ASSERT_TRUE(journal_->Wait(t).ok());
+  ASSERT_TRUE(journal_->Wait(u).ok());
+  EXPECT_EQ(Read("latest.txt"), "ck");
+  EXPECT_FALSE(Exists("old.txt"));
+  EXPECT_GT(gate.remote_polls(), 0u);
+}
+
+TEST(CommitGate, OrderedEntriesAreTrackersRenamesAndDeletesNotShardsOrCommits) {
+  auto entry = [](OpType op, const std::string& path) {
+    JournalEntry e;
+    e.op = op;
+    e.path = path;
+    return e;
+  };
+  EXPECT_TRUE(CommitGate::IsOrderedEntry(entry(OpType::kPublish, "latest.txt")));
+  EXPECT_TRUE(CommitGate::IsOrderedEntry(entry(OpType::kRename, "a/b")));
+  EXPECT_TRUE(CommitGate::IsOrderedEntry(entry(OpType::kUnlink, "ck/__0_0.distcp")));
+  EXPECT_TRUE(CommitGate::IsOrderedEntry(entry(OpType::kRmdir, "ck")));
+  EXPECT_FALSE(CommitGate::IsOrderedEntry(entry(OpType::kPublish, "ck/__0_0.distcp")));
+  EXPECT_FALSE(CommitGate::IsOrderedEntry(entry(OpType::kRename, "ck/.metadata")));
+  EXPECT_FALSE(CommitGate::IsOrderedEntry(entry(OpType::kMkdir, "ck2")));
+}
+
+TEST_F(JournalTest, TheCommitGateSeesEveryEarlierShardDurableAndTheCommitFileComplete) {
+  std::string gate_problem;
+  Journal::Hooks hooks;
+  hooks.commit_gate = [&](const JournalEntry& e, const QueuedFn&) {
+    // Every shard published before the commit is under its real name, fsynced.
+    for (const char* shard : {"ck/__0_0.distcp", "ck/__1_0.distcp"}) {
+      if (!Exists(shard)) gate_problem += std::string(shard) + " missing; ";
+      if (dir_->HasUnsyncedData(std::string(shard))) gate_problem += "unsynced shard; ";
+    }
+    // The commit file itself is complete and durable when the gate reads it.
+    if (Read(e.from) != "the metadata") gate_problem += "metadata incomplete; ";
+    if (dir_->HasUnsyncedData(e.from)) gate_problem += "metadata unsynced; ";
+    return Status::Ok();
+  };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  TempFile a = StartFile("ck"), b = StartFile("ck"), md = StartFile("ck");
+  Write(&a, std::string(100000, 'a'), 1000);
+  Write(&b, std::string(100000, 'b'), 1000);
+  Write(&md, "the metadata", 3);
+  Publish(a, "ck/__0_0.distcp");
+  Publish(b, "ck/__1_0.distcp");
+  uint64_t commit = Publish(md, "ck/.metadata");
+  ASSERT_TRUE(journal_->Wait(commit).ok());
+  EXPECT_EQ(gate_problem, "");
+  EXPECT_EQ(Read("ck/.metadata"), "the metadata");
+}
+
+TEST_F(JournalTest, ADiscardRemovesTheTempAndItsRecord) {
+  MakeJournal();
+  TempFile f = StartFile("");
+  Write(&f, "gone");
+  pipeline_->Drain();
+  JournalEntry e;
+  e.op = OpType::kDiscard;
+  e.from = f.temp;
+  e.file_id = f.id;
+  ASSERT_TRUE(journal_->Wait(*journal_->Append(std::move(e))).ok());
+  EXPECT_FALSE(Exists(f.temp));
+  EXPECT_TRUE(KeysWithPrefix(db_.get(), "t/").empty());
+}
+
+TEST_F(JournalTest, UnlinkRmdirAndMkdirOfAnAlreadyReachedStateSucceed) {
+  MakeJournal();
+  EXPECT_TRUE(journal_->Wait(Op(OpType::kUnlink, "never-existed")).ok());
+  EXPECT_TRUE(journal_->Wait(Op(OpType::kRmdir, "never-existed-dir")).ok());
+  ASSERT_EQ(::mkdir((root_ + "/d").c_str(), 0755), 0);
+  EXPECT_TRUE(journal_->Wait(Op(OpType::kMkdir, "d")).ok());
+  EXPECT_EQ(journal_->skipped(), 0u);
+}
+
+// ------------------------------------------------------------------------- recovery
+
+TEST_F(JournalTest, RecoverRemovesTheRegisteredTempsOfACrashedRunAndClearsItsEntries) {
+  Latch gate;
+  Journal::Hooks hooks;
+  hooks.commit_gate = [&](const JournalEntry&, const QueuedFn&) {
+    gate.Wait();
+    return Status::Ok();
+  };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  TempFile md = StartFile("ck");
+  Write(&md, "metadata");
+  uint64_t commit = Publish(md, "ck/.metadata");  // blocks in the gate
+  TempFile shard = StartFile("ck");
+  Write(&shard, std::string(30000, 's'));
+  Publish(shard, "ck/__0_0.distcp");
+  const uint64_t never_created = journal_->NextFileId();
+  ASSERT_TRUE(journal_->RegisterTemp(never_created, "ck/.ckptfs-tmp.never").ok());
+  gate.AwaitWaiters(1);
+  pipeline_->Drain();
+  std::vector<uint64_t> ids_before = {md.id, shard.id, never_created};
+
+  dir_->SimulateCrash();
+  std::unique_ptr<StateDb> after_crash = CopyDb(db_.get(), tmp_.Sub("state2", false));
+  gate.Open();
+  EXPECT_FALSE(journal_->Wait(commit).ok());
+  journal_.reset();  // drains against the dead directory; nothing changes on disk
+  const TreeState crashed = Tree(root_);
+  EXPECT_EQ(crashed.temps.size(), 2u);
+  EXPECT_FALSE(Exists("ck/.metadata"));
+
+  auto backing = BackingDir::Open(root_);
+  ASSERT_TRUE(backing.ok());
+  auto report = Journal::Recover(backing->get(), after_crash.get());
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->temps_removed, 2u);
+  EXPECT_EQ(report->entries_discarded, 2u);
+  std::vector<std::string> discarded = report->discarded_paths;
+  std::sort(discarded.begin(), discarded.end());
+  EXPECT_EQ(discarded, (std::vector<std::string>{"ck/.metadata", "ck/__0_0.distcp"}));
+  const TreeState recovered = Tree(root_);
+  EXPECT_TRUE(recovered.temps.empty());
+  EXPECT_EQ(recovered.files, crashed.files) << "recovery must touch temps only";
+  EXPECT_EQ(recovered.dirs, crashed.dirs);
+  EXPECT_TRUE(KeysWithPrefix(after_crash.get(), "j/").empty());
+  EXPECT_TRUE(KeysWithPrefix(after_crash.get(), "t/").empty());
+
+  auto again = Journal::Recover(backing->get(), after_crash.get());
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->temps_removed, 0u);
+  EXPECT_EQ(again->entries_discarded, 0u);
+
+  // The next run never reuses a file id (and so a temp name) of the crashed one.
+  auto next = Journal::Create(backing->get(), after_crash.get(), {});
+  ASSERT_TRUE(next.ok());
+  const uint64_t id = (*next)->NextFileId();
+  for (uint64_t old : ids_before) EXPECT_GT(id, old);
+}
+
+TEST_F(JournalTest, TempRecordsWrittenAheadCostOneSyncForManyFilesAndRecoveryStillRemovesTemps) {
+  Journal::Hooks hooks;
+  hooks.temp_path = [](uint64_t id) { return kTempPrefix + std::to_string(id); };
+  MakeJournal(std::move(hooks));
+  const uint64_t synced_before = db_->synced_writes();
+  std::vector<TempFile> files;
+  for (int i = 0; i < 10; ++i) files.push_back(StartFile(""));
+  EXPECT_EQ(db_->synced_writes() - synced_before, 1u)
+      << "the temp records of 10 files should take one synced write";
+  // A path other than the announced one is registered on its own, synced.
+  const uint64_t odd = journal_->NextFileId();
+  ASSERT_TRUE(journal_->RegisterTemp(odd, "sub/.ckptfs-tmp.odd").ok());
+  EXPECT_EQ(db_->synced_writes() - synced_before, 2u);
+  for (auto& f : files) Write(&f, "bytes of " + f.temp);
+  pipeline_->Drain();
+  // Publish one; the others stay temps when the node crashes now.
+  ASSERT_TRUE(journal_->Wait(Publish(files[0], "published")).ok());
+  dir_->SimulateCrash();
+  std::unique_ptr<StateDb> after_crash = CopyDb(db_.get(), tmp_.Sub("state2", false));
+  journal_.reset();
+  EXPECT_EQ(Tree(root_).temps.size(), 9u);
+
+  auto backing = BackingDir::Open(root_);
+  ASSERT_TRUE(backing.ok());
+  auto report = Journal::Recover(backing->get(), after_crash.get());
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->temps_removed, 9u);
+  EXPECT_TRUE(Tree(root_).temps.empty()) << "a temp written ahead was leaked";
+  EXPECT_EQ(Read("published"), "bytes of " + files[0].temp);
+  EXPECT_TRUE(KeysWithPrefix(after_crash.get(), "t/").empty());
+}
+
+TEST_F(JournalTest, PublishedFilesAreFsyncedAheadOfTheBlockedPublisher) {
+  Latch gate;
+  Journal::Hooks hooks;
+  hooks.commit_gate = [&](const JournalEntry&, const QueuedFn&) {
+    gate.Wait();
+    return Status::Ok();
+  };
+  MakeJournal(std::move(hooks), /*early_syncs=*/true);
+  TempFile md = StartFile("");
+  Write(&md, "metadata");
+  const uint64_t commit = Publish(md, ".metadata");  // the publisher waits in the gate
+  gate.AwaitWaiters(1);
+  std::vector<TempFile> shards;
+  for (int i = 0; i < 3; ++i) {
+    shards.push_back(StartFile(""));
+    Write(&shards.back(), std::string(100000, static_cast<char>('a' + i)), 8192);
+    Publish(shards.back(), "shard" + std::to_string(i));
+  }
+  // The early-sync threads make the shards durable while the publisher is still
+  // blocked, so nothing of them is left to lose (and nothing is published yet).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (std::chrono::steady_clock::now() < deadline &&
+         !std::all_of(shards.begin(), shards.end(),
+                      [](const TempFile& f) { return f.target->synced(); })) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  for (const TempFile& f : shards) {
+    EXPECT_TRUE(f.target->synced());
+    EXPECT_FALSE(dir_->HasUnsyncedData(f.target->fd()));
+    EXPECT_FALSE(Exists("shard" + std::to_string(&f - shards.data())));
+  }
+  EXPECT_GE(journal_->presyncs(), 3u);
+  gate.Open();
+  ASSERT_TRUE(journal_->Wait(commit).ok());
+  journal_->Drain();
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(Read("shard" + std::to_string(i)), std::string(100000, static_cast<char>('a' + i)));
+  }
+}
+
+TEST_F(JournalTest, RecoverKeepsItsRecordsWhenATempCannotBeRemoved) {
+  MakeJournal();
+  TempFile f = StartFile("");
+  Write(&f, "x");
+  journal_.reset();
+  pipeline_->Drain();
+  dir_->SimulateCrash();  // every call now fails with EIO
+  auto report = Journal::Recover(dir_.get(), db_.get());
+  EXPECT_EQ(report.status().code(), Code::kIo);
+  EXPECT_EQ(KeysWithPrefix(db_.get(), "t/").size(), 1u) << "records dropped, temp leaked";
+  auto healthy = BackingDir::Open(root_);
+  ASSERT_TRUE(healthy.ok());
+  auto retry = Journal::Recover(healthy->get(), db_.get());
+  ASSERT_TRUE(retry.ok()) << retry.status().ToString();
+  EXPECT_EQ(retry->temps_removed, 1u);
+  EXPECT_FALSE(Exists(f.temp));
+}
+
+TEST_F(JournalTest, TempRecordsFollowDirectoryRenames) {
+  MakeJournal();
+  for (const char* d : {"a", "ab", "p", "p/q"}) {
+    ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, d)).ok());
+  }
+  TempFile in_a = StartFile("a"), in_ab = StartFile("ab"), in_pq = StartFile("p/q");
+  TempFile in_root = StartFile("");
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kRename, "b", "a")).ok());
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kRename, "r", "p")).ok());
+  // A file renamed onto a temp's directory name does not matter; only prefixes do.
+  const std::string moved_a = "b/" + fs::path(in_a.temp).filename().string();
+  const std::string moved_pq = "r/q/" + fs::path(in_pq.temp).filename().string();
+  ASSERT_TRUE(Exists(moved_a));
+  ASSERT_TRUE(Exists(moved_pq));
+  journal_.reset();  // no entry pending: the temp records stay, as after a crash
+
+  auto report = Journal::Recover(dir_.get(), db_.get());
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->temps_removed, 4u) << "a temp record did not follow its directory";
+  EXPECT_FALSE(Exists(moved_a));
+  EXPECT_FALSE(Exists(moved_pq));
+  EXPECT_FALSE(Exists(in_ab.temp)) << "a sibling sharing the prefix 'a' was mishandled";
+  EXPECT_FALSE(Exists(in_root.temp));
+  EXPECT_TRUE(Exists("b"));
+  EXPECT_TRUE(Exists("r/q"));
+  EXPECT_TRUE(Exists("ab"));
+  EXPECT_TRUE(Tree(root_).temps.empty());
+}
+
+}  // namespace
+}  // namespace ckptfs::store
