@@ -5,6 +5,7 @@ over a fresh backing directory, waits until the mount answers, and on exit alway
 unmounts and kills exactly that PID, even when the test failed.
 """
 import faulthandler
+import hashlib
 import json
 import os
 import shutil
@@ -203,6 +204,25 @@ def tmp_names(root):
             if n.startswith(TMP_PREFIX):
                 found.append(os.path.relpath(os.path.join(dirpath, n), root))
     return sorted(found)
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(4 << 20)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def errno_of(fn, *args, **kw):
+    """Runs fn; returns 0 or the errno of the OSError it raised."""
+    try:
+        fn(*args, **kw)
+        return 0
+    except OSError as e:
+        return e.errno
 
 
 def arm_watchdog(test, mount, seconds):

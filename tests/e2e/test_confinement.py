@@ -45,7 +45,7 @@ import time
 import unittest
 
 import harness
-from harness import CKPTFS, is_mounted
+from harness import CKPTFS, errno_of, is_mounted
 
 TMP_PREFIX = ".ckptfs-tmp."
 SECRET = b"OUTSIDE-SECRET-must-never-be-read-through-the-mount\n"
@@ -165,13 +165,6 @@ def tree_snapshot(root):
                 snap[rel] = ("file", oct(st.st_mode), st.st_size, h, st.st_mtime_ns)
     return snap
 
-
-def errno_of(fn, *args, **kw):
-    try:
-        fn(*args, **kw)
-        return 0
-    except OSError as e:
-        return e.errno
 
 
 def write_all(path, data, **kw):

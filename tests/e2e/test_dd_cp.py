@@ -12,7 +12,6 @@
 CKPTFS_E2E_PLAIN=1 runs against a plain directory to check the tests' own
 logic; daemon-only checks are skipped.
 """
-import hashlib
 import os
 import random
 import shutil
@@ -25,7 +24,7 @@ import time
 import unittest
 
 import harness
-from harness import PLAIN
+from harness import PLAIN, sha256_file
 MiB = 1 << 20
 BIG = 2048 * MiB
 SRC_DIR = None
@@ -41,15 +40,6 @@ def write_random_file(path, size, seed, chunk=64 * MiB):
             f.write(rng.bytes(n))
             left -= n
 
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(4 * MiB)
-            if not b:
-                return h.hexdigest()
-            h.update(b)
 
 
 def src(name):

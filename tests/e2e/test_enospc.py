@@ -29,7 +29,6 @@ import unittest
 
 import dcp_tool
 import harness
-from harness import Mount
 
 TMPFS_MB = 64
 RANKS = 4
@@ -47,15 +46,16 @@ def used_bytes(path):
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
-class Enospc(unittest.TestCase):
+class Enospc(harness.MountedTest):
+    # The mount's watchdog only catches a hang: longer than any run.
+    WATCHDOG_S = 1800
+
     def make_tmpfs(self):
         return harness.make_tmpfs(self, TMPFS_MB, "ckptfs-enospc-backing-")
 
-    def mount(self, durability):
+    def tmpfs_mount(self, durability):
         backing = self.make_tmpfs()
-        m = Mount(args=["--durability", durability], backing=backing)
-        self.addCleanup(m.cleanup)    # runs before the tmpfs cleanup (LIFO)
-        return m.start()
+        return self.mount(["--durability", durability], backing=backing)  # cleaned up first
 
     def diag(self, m):
         return f"\n--- ckptfs log tail ---\n{m.log_text()}"
@@ -70,8 +70,21 @@ class Enospc(unittest.TestCase):
         errors = m.stats().get("errors")
         self.assertTrue(errors, f"stats must show the flush error: {m.stats()}{self.diag(m)}")
 
+    def assert_failed_and_never_committed(self, m):
+        """`ckpt` is failed with its error, and its .metadata is never published, not even
+        by the drain at unmount."""
+        entry = self.checkpoint_entry(m, "ckpt")
+        self.assertIsNotNone(entry, f"{m.checkpoints()}{self.diag(m)}")
+        self.assertEqual(entry["state"], "failed", f"{entry}{self.diag(m)}")
+        self.assertTrue(entry.get("error"), f"a failed checkpoint names its error: {entry}")
+        self.assert_error_counted(m)
+        self.assertEqual(find_metadata(m.backing), [], self.diag(m))
+        m.unmount()
+        self.assertEqual(find_metadata(m.backing), [], "unmount must not publish .metadata "
+                         "of a failed checkpoint" + self.diag(m))
+
     def test_strict_dcp_save_fails_and_never_commits(self):
-        m = self.mount("strict")
+        m = self.tmpfs_mount("strict")
         ckpt = os.path.join(m.mnt, "ckpt")
         # torch.save's zip writer turns the ENOSPC into its own error ("unexpected pos") or an
         # abort, so only the failure itself is checked, not its text.
@@ -87,7 +100,7 @@ class Enospc(unittest.TestCase):
         self.assertNotEqual(m.wait(ckpt, timeout=10), 0, self.diag(m))
 
     def test_async_dcp_save_marks_checkpoint_failed(self):
-        m = self.mount("async")
+        m = self.tmpfs_mount("async")
         ckpt = os.path.join(m.mnt, "ckpt")
         try:
             dcp_tool.save(ckpt, RANKS, SAVE_MB, True, SEED, timeout=300)
@@ -99,15 +112,7 @@ class Enospc(unittest.TestCase):
         self.assertEqual(m.wait(ckpt, timeout=120), 1,
                          f"ckptfs-admin wait on a failed checkpoint (save raised: "
                          f"{raised is not None}){self.diag(m)}")
-        entry = self.checkpoint_entry(m, "ckpt")
-        self.assertIsNotNone(entry, f"{m.checkpoints()}{self.diag(m)}")
-        self.assertEqual(entry["state"], "failed", f"{entry}{self.diag(m)}")
-        self.assertTrue(entry.get("error"), f"a failed checkpoint names its error: {entry}")
-        self.assert_error_counted(m)
-        self.assertEqual(find_metadata(m.backing), [], self.diag(m))
-        m.unmount()
-        self.assertEqual(find_metadata(m.backing), [], "unmount must not publish .metadata "
-                         "of a failed checkpoint" + self.diag(m))
+        self.assert_failed_and_never_committed(m)
 
     def test_async_metadata_that_does_not_fit_fails_after_the_save_returned(self):
         # The data files' size in pages, from a direct save of the same state.
@@ -120,7 +125,7 @@ class Enospc(unittest.TestCase):
         data_pages = sum(-(-v // page) for n, v in sizes.items() if n != ".metadata")
         self.assertGreater(sizes[".metadata"], page, "the .metadata must need 2+ pages")
 
-        m = self.mount("async")
+        m = self.tmpfs_mount("async")
         st = os.statvfs(m.backing)
         free = st.f_bavail * st.f_frsize
         room = (data_pages + 1) * page           # the data and one page: .metadata cannot fit
@@ -131,15 +136,7 @@ class Enospc(unittest.TestCase):
         ckpt = os.path.join(m.mnt, "ckpt")
         dcp_tool.save(ckpt, RANKS, 16, True, SEED, timeout=300)   # staged: returns normally
         self.assertEqual(m.wait(ckpt, timeout=120), 1, self.diag(m))
-        entry = self.checkpoint_entry(m, "ckpt")
-        self.assertIsNotNone(entry, f"{m.checkpoints()}{self.diag(m)}")
-        self.assertEqual(entry["state"], "failed", f"{entry}{self.diag(m)}")
-        self.assertTrue(entry.get("error"), f"a failed checkpoint names its error: {entry}")
-        self.assert_error_counted(m)
-        self.assertEqual(find_metadata(m.backing), [], self.diag(m))
-        m.unmount()
-        self.assertEqual(find_metadata(m.backing), [], "unmount must not publish .metadata "
-                         "of a failed checkpoint" + self.diag(m))
+        self.assert_failed_and_never_committed(m)
 
     def dd(self, m, *extra):
         out = os.path.join(m.mnt, "big")
@@ -148,21 +145,21 @@ class Enospc(unittest.TestCase):
                               capture_output=True, text=True, timeout=300)
 
     def test_strict_dd_with_fsync_fails(self):
-        m = self.mount("strict")
+        m = self.tmpfs_mount("strict")
         r = self.dd(m, "conv=fsync")
         self.assertNotEqual(r.returncode, 0, f"dd succeeded: {r.stderr}{self.diag(m)}")
         self.assertIn("No space left on device", r.stderr)
         self.assertIsNone(m.proc.poll(), "the daemon must survive ENOSPC" + self.diag(m))
 
     def test_strict_dd_without_fsync_fails_at_close(self):
-        m = self.mount("strict")
+        m = self.tmpfs_mount("strict")
         r = self.dd(m)
         self.assertNotEqual(r.returncode, 0, f"dd succeeded: {r.stderr}{self.diag(m)}")
         self.assertIn("No space left on device", r.stderr)
         self.assertIsNone(m.proc.poll(), "the daemon must survive ENOSPC" + self.diag(m))
 
     def test_deleting_failed_checkpoint_frees_space_for_the_next(self):
-        m = self.mount("strict")
+        m = self.tmpfs_mount("strict")
         ckpt = os.path.join(m.mnt, "ckpt")
         with self.assertRaises(dcp_tool.DcpToolError, msg=self.diag(m)):
             dcp_tool.save(ckpt, RANKS, SAVE_MB, True, SEED, timeout=300)

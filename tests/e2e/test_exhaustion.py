@@ -40,6 +40,7 @@ import time
 import unittest
 
 import harness
+from harness import errno_of
 
 MiB = 1 << 20
 HANG_S = 120
@@ -60,13 +61,6 @@ def read_file(path):
     with open(path, "rb") as f:
         return f.read()
 
-
-def errno_of(fn, *args, **kw):
-    try:
-        fn(*args, **kw)
-        return 0
-    except OSError as e:
-        return e.errno
 
 
 def fill(path, chunk=MiB):

@@ -16,7 +16,8 @@ import tempfile
 import time
 import unittest
 
-from harness import ADMIN, CKPTFS, Mount, is_mounted, unmount
+import harness
+from harness import ADMIN, CKPTFS, is_mounted, unmount
 
 HELPER = "/usr/sbin/mount.fuse.ckptfs"
 
@@ -214,54 +215,54 @@ class SdNotifyTest(unittest.TestCase):
         self.assertEqual(proc.wait(timeout=60), 0)
 
 
-class SighupTest(unittest.TestCase):
+class SighupTest(harness.MountedTest):
     def test_sighup_reopens_the_log_and_keeps_the_mount(self):
-        with Mount() as m:
-            with open(os.path.join(m.mnt, "before"), "w") as f:
-                f.write("x")
-            rotated = m.log + ".1-rotated"
-            os.rename(m.log, rotated)  # what logrotate does
-            os.kill(m.proc.pid, signal.SIGHUP)
-            deadline = time.time() + 10
-            while not os.path.exists(m.log) and time.time() < deadline:
-                time.sleep(0.05)
-            self.assertTrue(os.path.exists(m.log), "SIGHUP did not reopen the log")
-            time.sleep(0.3)
-            self.assertIsNone(m.proc.poll(), "SIGHUP ended the daemon")
-            self.assertTrue(is_mounted(m.mnt))
-            with open(os.path.join(m.mnt, "after"), "w") as f:
-                f.write("y")
-            self.assertEqual(m.wait(os.path.join(m.mnt, "after"), timeout=30), 0)
-            deadline = time.time() + 5
-            while "reopened" not in m.log_text() and time.time() < deadline:
-                time.sleep(0.1)
-            self.assertIn("log file reopened", m.log_text())
-            self.assertEqual(m.unmount(), 0)
-            with open(os.path.join(m.backing, "after")) as f:
-                self.assertEqual(f.read(), "y")
+        m = self.mount()
+        with open(os.path.join(m.mnt, "before"), "w") as f:
+            f.write("x")
+        rotated = m.log + ".1-rotated"
+        os.rename(m.log, rotated)  # what logrotate does
+        os.kill(m.proc.pid, signal.SIGHUP)
+        deadline = time.time() + 10
+        while not os.path.exists(m.log) and time.time() < deadline:
+            time.sleep(0.05)
+        self.assertTrue(os.path.exists(m.log), "SIGHUP did not reopen the log")
+        time.sleep(0.3)
+        self.assertIsNone(m.proc.poll(), "SIGHUP ended the daemon")
+        self.assertTrue(is_mounted(m.mnt))
+        with open(os.path.join(m.mnt, "after"), "w") as f:
+            f.write("y")
+        self.assertEqual(m.wait(os.path.join(m.mnt, "after"), timeout=30), 0)
+        deadline = time.time() + 5
+        while "reopened" not in m.log_text() and time.time() < deadline:
+            time.sleep(0.1)
+        self.assertIn("log file reopened", m.log_text())
+        self.assertEqual(m.unmount(), 0)
+        with open(os.path.join(m.backing, "after")) as f:
+            self.assertEqual(f.read(), "y")
 
 
-class LogRotationTest(unittest.TestCase):
+class LogRotationTest(harness.MountedTest):
     def test_log_rotates_by_size_and_keeps_max_files(self):
-        with Mount(args=["--log-max-size", "64K", "--log-max-files", "2"]) as m:
-            base, ext = os.path.splitext(m.log)  # spdlog names them ckptfs.1.log, ...
-            rotated = [f"{base}.{n}{ext}" for n in (1, 2, 3)]
-            deadline = time.time() + 60
-            i = 0
-            # Each SIGHUP logs one info line ("log file reopened"): ~1000 fill 64 KiB.
-            while not os.path.exists(rotated[1]) and time.time() < deadline:
-                os.kill(m.proc.pid, signal.SIGHUP)
-                i += 1
-                time.sleep(0.002)
-            self.assertTrue(os.path.exists(rotated[0]), f"no rotation after {i} SIGHUPs")
-            self.assertTrue(os.path.exists(rotated[1]), f"one rotation only after {i} SIGHUPs")
-            self.assertFalse(os.path.exists(rotated[2]), "more files kept than --log-max-files")
-            # A line may cross the limit when a reopen races with the size check: one line
-            # of slack, never a whole extra file's worth.
-            for path in (m.log, rotated[0], rotated[1]):
-                self.assertLessEqual(os.path.getsize(path), 64 * 1024 + 200, path)
-            self.assertIsNone(m.proc.poll(), "the daemon died")
-            self.assertEqual(m.unmount(), 0)
+        m = self.mount(args=["--log-max-size", "64K", "--log-max-files", "2"])
+        base, ext = os.path.splitext(m.log)  # spdlog names them ckptfs.1.log, ...
+        rotated = [f"{base}.{n}{ext}" for n in (1, 2, 3)]
+        deadline = time.time() + 60
+        i = 0
+        # Each SIGHUP logs one info line ("log file reopened"): ~1000 fill 64 KiB.
+        while not os.path.exists(rotated[1]) and time.time() < deadline:
+            os.kill(m.proc.pid, signal.SIGHUP)
+            i += 1
+            time.sleep(0.002)
+        self.assertTrue(os.path.exists(rotated[0]), f"no rotation after {i} SIGHUPs")
+        self.assertTrue(os.path.exists(rotated[1]), f"one rotation only after {i} SIGHUPs")
+        self.assertFalse(os.path.exists(rotated[2]), "more files kept than --log-max-files")
+        # A line may cross the limit when a reopen races with the size check: one line
+        # of slack, never a whole extra file's worth.
+        for path in (m.log, rotated[0], rotated[1]):
+            self.assertLessEqual(os.path.getsize(path), 64 * 1024 + 200, path)
+        self.assertIsNone(m.proc.poll(), "the daemon died")
+        self.assertEqual(m.unmount(), 0)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ import traceback
 import unittest
 
 import harness
-from harness import Mount
 
 SECONDS = float(os.environ.get("CKPTFS_STRESS_SECONDS", "45"))
 STALL_S = float(os.environ.get("CKPTFS_STRESS_STALL_S", "60"))
@@ -348,15 +347,15 @@ def vm_hwm_kib(pid):
     return 0
 
 
-class Stress(unittest.TestCase):
+class Stress(harness.MountedTest):
+    # The mount's watchdog only catches a hang: longer than any run.
+    WATCHDOG_S = 1800 + 4 * SECONDS
     def test_concurrent_writers_and_readers_with_small_staging(self):
         print(f"\nCKPTFS_STRESS_SEED={SEED} CKPTFS_STRESS_SECONDS={SECONDS}", file=sys.stderr)
         extra = os.environ.get("CKPTFS_STRESS_DAEMON_ARGS", "").split()
-        m = Mount(args=["--durability", "async", "--chunk-size", CHUNK,
+        m = self.mount(["--durability", "async", "--chunk-size", CHUNK,
                         "--cache-mem", f"{CACHE_MB}M"] + extra,
-                  staging=f"{STAGING_MB}M")
-        self.addCleanup(m.cleanup)
-        m.start()
+                       staging=f"{STAGING_MB}M")
         pid = m.proc.pid
         os.makedirs(os.path.join(m.mnt, "shared"))
         rng = random.Random(SEED)
