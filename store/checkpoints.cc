@@ -227,15 +227,21 @@ void CheckpointRegistry::OnCommitted(const std::string& dir, uint64_t seq) {
 void CheckpointRegistry::OnFailed(const std::string& dir, const std::string& error,
                                   uint64_t seq) {
   MutexLock lock(&mu_);
+  FailLocked(dir, error, seq);
+}
+
+CheckpointInfo* CheckpointRegistry::FailLocked(const std::string& dir, const std::string& error,
+                                               uint64_t seq) {
   CheckpointInfo* found = FindLocked(dir, seq);
-  if (found == nullptr) return;
+  if (found == nullptr) return nullptr;
   CheckpointInfo& info = *found;
-  if (info.state == CkptState::kFailed) return;
+  if (info.state == CkptState::kFailed) return found;
   info.state = CkptState::kFailed;
   info.error = error;
   info.updated = Now();
   Persist(info);
   spdlog::error("checkpoint {}: failed: {}", info.path, error);
+  return found;
 }
 
 void CheckpointRegistry::OnRenamed(const std::string& from, const std::string& to,
@@ -263,10 +269,11 @@ void CheckpointRegistry::OnRenamed(const std::string& from, const std::string& t
 }
 
 void CheckpointRegistry::OnHalted(const std::string& dir, const std::string& error) {
-  OnFailed(dir, error);
+  // Failed and halted in one step: a file created in between (Touch) would otherwise see
+  // a failure that does not hold publication and start the checkpoint over.
   MutexLock lock(&mu_);
-  auto it = ckpts_.find(dir);
-  if (it != ckpts_.end() && it->second.state == CkptState::kFailed) it->second.halted = true;
+  CheckpointInfo* found = FailLocked(dir, error, kNow);
+  if (found != nullptr && found->state == CkptState::kFailed) found->halted = true;
 }
 
 void CheckpointRegistry::OnResumed(const std::string& dir) {

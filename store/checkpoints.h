@@ -104,6 +104,9 @@ class CheckpointRegistry {
   std::optional<std::string> ResolveLocked(std::string dir, uint64_t seq) const REQUIRES(mu_);
   // Its record, or null.
   CheckpointInfo* FindLocked(const std::string& dir, uint64_t seq) REQUIRES(mu_);
+  // OnFailed under the lock; returns the checkpoint, if found.
+  CheckpointInfo* FailLocked(const std::string& dir, const std::string& error, uint64_t seq)
+      REQUIRES(mu_);
 
   StateDb* const db_;
   mutable Mutex mu_;
