@@ -400,6 +400,18 @@ def random_namespace_ops(seed, n):
     return ops
 
 
+def write_through(path, flags, data, off=None):
+    """One open(O_CREAT | O_WRONLY | flags), one write (a pwrite at `off`), one close."""
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | flags, 0o644)
+    try:
+        if off is None:
+            os.write(fd, data)
+        else:
+            os.pwrite(fd, data, off)
+    finally:
+        os.close(fd)
+
+
 def apply_op(root, op):
     """Applies one op under root; returns 0 or the errno."""
     P = lambda rel: os.path.join(root, rel)  # noqa: E731
@@ -407,25 +419,13 @@ def apply_op(root, op):
         kind = op[0]
         if kind == "write":
             _, path, off, length, seed = op
-            fd = os.open(P(path), os.O_CREAT | os.O_WRONLY, 0o644)
-            try:
-                os.pwrite(fd, rand_bytes(seed, length), off)
-            finally:
-                os.close(fd)
+            write_through(P(path), 0, rand_bytes(seed, length), off)
         elif kind == "append":
             _, path, length, seed = op
-            fd = os.open(P(path), os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
-            try:
-                os.write(fd, rand_bytes(seed, length))
-            finally:
-                os.close(fd)
+            write_through(P(path), os.O_APPEND, rand_bytes(seed, length))
         elif kind == "otrunc":
             _, path, length, seed = op
-            fd = os.open(P(path), os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-            try:
-                os.write(fd, rand_bytes(seed, length))
-            finally:
-                os.close(fd)
+            write_through(P(path), os.O_TRUNC, rand_bytes(seed, length))
         elif kind == "truncate":
             os.truncate(P(op[1]), op[2])
         elif kind == "rename":
