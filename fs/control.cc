@@ -213,6 +213,7 @@ std::string Filesystem::StatsJson() {
     read_->peers()->Stats().AppendJson(&j);
   }
 #endif
+  gate_->stats().AppendJson(&j);  // remote_polls, peer_commit_queries, "commit_gate"
   j["journal_pending"] = journal_->pending();
   j["journal_applied_ahead"] = journal_->applied_ahead();
   j["journal_retries"] = journal_->retries();

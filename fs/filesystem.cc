@@ -20,6 +20,8 @@ namespace {
 
 // EIO lines logged per second at most; the rest are counted and reported with the next.
 constexpr int kIoLogsPerSecond = 20;
+// How long a peer may hold its answer to a commit query while a shard is pending there.
+[[maybe_unused]] constexpr std::chrono::milliseconds kCommitQueryHold{1500};
 
 }  // namespace
 
@@ -77,6 +79,30 @@ Status Filesystem::Init(FsDeps deps) {
     MutexLock lock(&dropped_mu_);
     return dropped_paths_.count(path) > 0;
   };
+  store::LocalShardStatesOptions states_options;
+  states_options.pending = [this](const std::string& path) { return PendingLocally(path); };
+  states_options.dropped = [this](const std::string& path) {
+    MutexLock lock(&dropped_mu_);
+    return dropped_paths_.count(path) > 0;
+  };
+  shard_states_ = std::make_unique<store::LocalShardStates>(std::move(states_options));
+  gate_options.local_durable = [this](const std::string& path) {
+    return shard_states_->Durable(path);
+  };
+#ifdef CKPTFS_HAVE_UCX
+  if (config_.peers) {
+    // Shards written through other mounts: ask their daemons (docs/PEERS.md, "Commit query").
+    gate_options.ask_peers = [this](std::vector<std::string> paths,
+                                    store::CommitGateOptions::AnswersFn done) {
+      store::peer::PeerNode* peers = peer_node_.load(std::memory_order_acquire);
+      return peers != nullptr &&
+             peers->AskShardStates(std::move(paths), kCommitQueryHold, std::move(done));
+    };
+    gate_options.wake = [this] {
+      if (journal_) journal_->RecheckGate();
+    };
+  }
+#endif
   gate_ = std::make_unique<store::CommitGate>(backing_.get(), std::move(gate_options));
   store::Journal::Hooks hooks;
   hooks.commit_gate = [this](const store::JournalEntry& e,
@@ -90,6 +116,7 @@ Status Filesystem::Init(FsDeps deps) {
   hooks.on_done = [this](const store::JournalEntry& e, const Status& st) {
     if (config_.peers) gate_->NoteApplied(e, st);
     OnJournalDone(e, st);
+    shard_states_->NoteDone(e, st);  // after the namespace let go of a published path
   };
   hooks.on_halt = [this](const store::JournalEntry& e, const Status& st) { OnJournalHalt(e, st); };
   // Strict mode returns every failure to the operation that caused it: nothing waits.
@@ -139,7 +166,11 @@ Status Filesystem::Init(FsDeps deps) {
   read_ = std::make_unique<ReadPath>(backing_.get(), index_.get(), std::move(cache_source),
                                      std::move(peers), std::move(cache));
 #ifdef CKPTFS_HAVE_UCX
-  if (read_->peers()) CKPT_RETURN_IF_ERROR(read_->peers()->StartServing(read_->cache()));
+  if (read_->peers()) {
+    read_->peers()->SetShardStateProvider(shard_states_.get());
+    CKPT_RETURN_IF_ERROR(read_->peers()->StartServing(read_->cache()));
+    peer_node_.store(read_->peers(), std::memory_order_release);
+  }
 #endif
   read_->Start();
 

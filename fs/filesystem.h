@@ -384,6 +384,8 @@ class Filesystem {
   void HandOverBlockCrcs(const store::JournalEntry& e);
   // The commit gate's question: is `path` open for writing here, its publish not queued?
   bool WrittenLocally(const std::string& path) EXCLUDES(ns_mu_);
+  // A peer's commit query: is `path` open for writing here or its publish not yet done?
+  bool PendingLocally(const std::string& path) EXCLUDES(ns_mu_);
 
   // ------------------------------------------------------------ dependencies
   const FsConfig config_;
@@ -392,12 +394,16 @@ class Filesystem {
   std::unique_ptr<store::CheckpointRegistry> checkpoints_;
   std::unique_ptr<gpu::StagingPool> pool_;
   std::unique_ptr<store::FlushPipeline> pipeline_;
+  // What this mount wrote, for peers' commit queries (outlives the peer server in read_).
+  std::unique_ptr<store::LocalShardStates> shard_states_;
   std::unique_ptr<store::CommitGate> gate_;
   std::unique_ptr<store::Journal> journal_;
   std::unique_ptr<store::KeyIndex> index_;
   std::unique_ptr<ReadPath> read_;
   std::unique_ptr<TensorView> tensors_;
   StagingContext staging_ctx_{};
+  // read_->peers() for the commit gate's queries, set once the peers serve (Init).
+  std::atomic<store::peer::PeerNode*> peer_node_{nullptr};
 
   // ------------------------------------------------------------ namespace state
   // Held across namespace work on the backing store; never by read()/write() of a file
