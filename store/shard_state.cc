@@ -69,20 +69,21 @@ void LocalShardStates::PutLocked(const std::string& path, ShardStatus status) {
   }
 }
 
+void LocalShardStates::EraseAtOrBelowLocked(const std::string& dir) {
+  for (auto it = records_.lower_bound(dir);
+       it != records_.end() && it->first.compare(0, dir.size(), dir) == 0;) {
+    if (path::IsAtOrBelow(it->first, dir)) {
+      it = records_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 void LocalShardStates::NoteDone(const JournalEntry& e, const Status& st) {
   bool notify = false;
   {
     MutexLock lock(&mu_);
-    auto erase_at_or_below = [&](const std::string& dir) {
-      for (auto it = records_.lower_bound(dir);
-           it != records_.end() && it->first.compare(0, dir.size(), dir) == 0;) {
-        if (path::IsAtOrBelow(it->first, dir)) {
-          it = records_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-    };
     switch (e.op) {
       case OpType::kPublish:
         if (st.ok()) {
@@ -104,15 +105,15 @@ void LocalShardStates::NoteDone(const JournalEntry& e, const Status& st) {
             moved.emplace_back(std::move(*to), it->second.status);
           }
         }
-        erase_at_or_below(e.from);
-        erase_at_or_below(e.path);
+        EraseAtOrBelowLocked(e.from);
+        EraseAtOrBelowLocked(e.path);
         for (auto& [p, s] : moved) PutLocked(p, s);
         notify = true;
         break;
       }
       case OpType::kUnlink:
       case OpType::kRmdir:
-        if (st.ok()) erase_at_or_below(e.path);
+        if (st.ok()) EraseAtOrBelowLocked(e.path);
         break;
       default:
         break;

@@ -102,6 +102,7 @@ class LocalShardStates : public ShardStateProvider {
     uint64_t stamp = 0;
   };
   void PutLocked(const std::string& path, ShardStatus status) REQUIRES(mu_);
+  void EraseAtOrBelowLocked(const std::string& dir) REQUIRES(mu_);
 
   const LocalShardStatesOptions options_;
   mutable Mutex mu_;

@@ -15,8 +15,12 @@ For each durability mode (async, strict):
     `.metadata` and every shard (G5 across nodes), and no temporary file is left;
   * loads through all mounts verify every value: own shards, replicated (every rank reads
     everything), reshard (2 ranks);
-  * the backing dir alone loads (G2).
+  * the backing dir alone loads (G2);
+  * the coordinator's commit asked the other daemons over UCX (the commit query,
+    docs/PEERS.md) instead of polling the backing store: its stats show
+    peer_commit_queries > 0 and no commit poll (commit_gate.commit_polls == 0).
 """
+import json
 import os
 import shutil
 import subprocess
@@ -140,9 +144,21 @@ class MultiNodeDcp(unittest.TestCase):
 
         states = {}
         with open(os.path.join(c.nodes[0].mnt, ".ckptfs", "checkpoints")) as f:
-            import json
             states = {x["path"]: x for x in json.load(f)}
         self.assertEqual(states.get(CKPT, {}).get("state"), "committed", states)
+
+        # The coordinator learned of the other nodes' shards from their daemons: asked
+        # (peer_commit_queries), answered durable or pending, no backing-store polling.
+        with open(os.path.join(c.nodes[0].mnt, ".ckptfs", "stats")) as f:
+            stats = json.load(f)
+        gate = stats["commit_gate"]
+        print(f"\nK={k} {durability}: node 0 commit gate: {json.dumps(gate)}", file=sys.stderr)
+        self.assertGreater(stats["peer_commit_queries"], 0, gate)
+        answers = gate["peer_commit_answers"]
+        self.assertGreater(answers["durable"] + answers["pending"], 0, gate)
+        self.assertEqual(gate["commit_polls"], 0, gate)
+        self.assertEqual(stats["remote_polls"], 0, gate)
+        self.assertGreaterEqual(gate["peer_confirmed"], 1, gate)
 
         t1 = time.monotonic()
         own = dcp_tool.load(dirs[0], RANKS, "own", SEED, timeout=120, dirs=dirs)
