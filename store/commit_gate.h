@@ -36,8 +36,9 @@
 // non-shard file, a rename, a delete) waits until the backing store shows every such
 // directory's `.metadata`, polled with the same backoff and timeout; on timeout it is
 // refused (the journal halts there, or skips it in strict mode). These polls (counted in
-// ordered_polls; remote_polls() is commit_polls + ordered_polls) do not ask the peers yet: the commit is a single `.metadata` per
-// directory and the 2 s backoff cap bounds how late a tracker follows it.
+// ordered_polls; remote_polls() is commit_polls + ordered_polls) do not ask the peers
+// yet: the commit is a single `.metadata` per directory and the 2 s backoff cap bounds how
+// late a tracker follows it.
 //
 // Thread-safe; called from the journal's publisher thread.
 #pragma once

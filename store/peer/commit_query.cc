@@ -100,9 +100,10 @@ std::shared_ptr<PeerClient> CommitQuerier::ClientFor(uint32_t node) {
   co.request_timeout = options_.request_timeout;
   auto client = PeerClient::Connect(co);
   if (!client.ok()) {
-    spdlog::warn("commit query: cannot reach peer {} ({}); its shards are checked on the "
-                 "backing store for {} ms",
-                 options_.nodes[node], client.status().ToString(), options_.down_backoff.count());
+    spdlog::warn(
+        "commit query: cannot reach peer {} ({}); its shards are checked on the "
+        "backing store for {} ms",
+        options_.nodes[node], client.status().ToString(), options_.down_backoff.count());
     peer.down_until = std::chrono::steady_clock::now() + options_.down_backoff;
     return nullptr;
   }
@@ -129,8 +130,7 @@ std::vector<PeerShardAnswer> CommitQuerier::RunRound(const Job& job) {
     Result<std::vector<ShardStatus>> states = peers_[node].client->WaitShardQuery(call);
     if (!states.ok()) {
       ++errors;
-      spdlog::debug("commit query: peer {}: {}", options_.nodes[node],
-                    states.status().ToString());
+      spdlog::debug("commit query: peer {}: {}", options_.nodes[node], states.status().ToString());
       if (states.status().code() != Code::kUnsupported) {
         peers_[node].down_until = std::chrono::steady_clock::now() + options_.down_backoff;
         if (states.status().code() == Code::kTimeout) peers_[node].client.reset();

@@ -702,6 +702,17 @@ TEST_F(PeerShardQuery, AnswersAtOnceWhenNothingIsPendingThere) {
   EXPECT_EQ((*got)[2].state, ShardState::kUnknown);
   EXPECT_EQ((*got)[3].state, ShardState::kUnknown);  // not a clean relative path
   EXPECT_EQ(server->stats().shard_queries, 1u);
+  // A large query (many fragments, still eager) is answered in full.
+  std::vector<std::string> many;
+  for (int i = 0; i < 8000; ++i) {
+    many.push_back("run/iter_0000001/__" + std::to_string(i) + "_0.distcp");
+  }
+  many.push_back("ck/__0_0.distcp");
+  auto big = (*client)->QueryShards(many, 5000ms);
+  ASSERT_TRUE(big.ok()) << big.status().ToString();
+  ASSERT_EQ(big->size(), many.size());
+  EXPECT_EQ(big->back(), (ShardStatus{ShardState::kDurable, 4096}));
+  EXPECT_EQ(big->front().state, ShardState::kUnknown);
 }
 
 TEST_F(PeerShardQuery, APendingShardIsAnsweredWhenItBecomesDurableOrTheHoldEnds) {
