@@ -17,6 +17,8 @@
 #include "common/histogram.h"
 #include "common/control_names.h"
 #include "fs/control_tree.h"
+
+#include "store/commit_gate.h"
 #include "fs/fs_util.h"
 #ifdef CKPTFS_HAVE_UCX
 #include "store/peer/peer_node.h"
@@ -89,6 +91,7 @@ ControlTree::ControlTree(const FsConfig& config, const FsParts& parts, Namespace
       pool_(parts.pool),
       pipeline_(parts.pipeline),
       journal_(parts.journal),
+      gate_(parts.gate),
       index_(parts.index),
       read_(parts.read),
       tensors_(parts.tensors) {}
@@ -227,6 +230,7 @@ std::string ControlTree::StatsJson() {
     read_->peers()->Stats().AppendJson(&j);
   }
 #endif
+  gate_->stats().AppendJson(&j);  // remote_polls, peer_commit_queries, "commit_gate"
   j["journal_pending"] = journal_->pending();
   j["journal_applied_ahead"] = journal_->applied_ahead();
   j["journal_retries"] = journal_->retries();

@@ -79,6 +79,7 @@ class ControlTree {
   gpu::StagingPool* const pool_;
   store::FlushPipeline* const pipeline_;
   store::Journal* const journal_;
+  const store::CommitGate* const gate_;
   store::KeyIndex* const index_;
   ReadPath* const read_;
   TensorView* const tensors_;

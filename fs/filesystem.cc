@@ -16,6 +16,12 @@
 #include "fs/fs_util.h"
 
 namespace ckptfs::fs {
+namespace {
+
+// How long a peer may hold its answer to a commit query while a shard is pending there.
+[[maybe_unused]] constexpr std::chrono::milliseconds kCommitQueryHold{1500};
+
+}  // namespace
 
 Filesystem::Filesystem(const FsConfig& config) : config_(config) {}
 
@@ -68,6 +74,27 @@ Status Filesystem::Init(FsDeps deps) {
   gate_options.deleted_locally = [this](const std::string& path) {
     return ns_->DeletedLocally(path);
   };
+  store::LocalShardStatesOptions states_options;
+  states_options.pending = [this](const std::string& path) { return ns_->PendingLocally(path); };
+  states_options.dropped = [this](const std::string& path) { return ns_->DeletedLocally(path); };
+  shard_states_ = std::make_unique<store::LocalShardStates>(std::move(states_options));
+  gate_options.local_durable = [this](const std::string& path) {
+    return shard_states_->Durable(path);
+  };
+#ifdef CKPTFS_HAVE_UCX
+  if (config_.peers) {
+    // Shards written through other mounts: ask their daemons (docs/PEERS.md, "Commit query").
+    gate_options.ask_peers = [this](std::vector<std::string> paths,
+                                    store::CommitGateOptions::AnswersFn done) {
+      store::peer::PeerNode* peers = peer_node_.load(std::memory_order_acquire);
+      return peers != nullptr &&
+             peers->AskShardStates(std::move(paths), kCommitQueryHold, std::move(done));
+    };
+    gate_options.wake = [this] {
+      if (journal_) journal_->RecheckGate();
+    };
+  }
+#endif
   gate_ = std::make_unique<store::CommitGate>(backing_.get(), std::move(gate_options));
   store::Journal::Hooks hooks;
   hooks.commit_gate = [this](const store::JournalEntry& e,
@@ -81,6 +108,7 @@ Status Filesystem::Init(FsDeps deps) {
   hooks.on_done = [this](const store::JournalEntry& e, const Status& st) {
     if (config_.peers) gate_->NoteApplied(e, st);
     ns_->OnJournalDone(e, st);
+    shard_states_->NoteDone(e, st);  // after the namespace let go of a published path
   };
   hooks.on_halt = [this](const store::JournalEntry& e, const Status& st) { ns_->OnJournalHalt(e, st); };
   // Strict mode returns every failure to the operation that caused it: nothing waits.
@@ -129,19 +157,24 @@ Status Filesystem::Init(FsDeps deps) {
   }
   read_ = std::make_unique<ReadPath>(backing_.get(), index_.get(), std::move(cache_source),
                                      std::move(peers), std::move(cache));
-#ifdef CKPTFS_HAVE_UCX
-  if (read_->peers()) CKPT_RETURN_IF_ERROR(read_->peers()->StartServing(read_->cache()));
-#endif
   read_->Start();
 
   const FsParts parts{.backing = backing_.get(), .db = db_.get(),
                       .checkpoints = checkpoints_.get(), .pool = pool_.get(),
-                      .pipeline = pipeline_.get(), .journal = journal_.get(),
+                      .pipeline = pipeline_.get(), .journal = journal_.get(), .gate = gate_.get(),
                       .index = index_.get(), .read = read_.get(), .tensors = tensors_.get(),
                       .stats = &stats_};
   CKPT_ASSIGN_OR_RETURN(ns_, Namespace::Create(config_, parts));
   pool_->SetPressureCallback([this] { ns_->RelieveStagingPressure(); });
   control_ = std::make_unique<ControlTree>(config_, parts, ns_.get());
+  // Peers are served once the namespace exists: their commit queries ask it (PendingLocally).
+#ifdef CKPTFS_HAVE_UCX
+  if (read_->peers()) {
+    read_->peers()->SetShardStateProvider(shard_states_.get());
+    CKPT_RETURN_IF_ERROR(read_->peers()->StartServing(read_->cache()));
+    peer_node_.store(read_->peers(), std::memory_order_release);
+  }
+#endif
   spdlog::info("ckptfs ready: backing {} staging {} MiB ({}), {} flush threads, {} mode",
                config_.backing_dir, pool_->limit_bytes() >> 20, pool_->backend(),
                config_.flush_threads, config_.strict ? "strict" : "async");

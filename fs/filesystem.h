@@ -158,6 +158,8 @@ class Filesystem {
   std::unique_ptr<store::CheckpointRegistry> checkpoints_;
   std::unique_ptr<gpu::StagingPool> pool_;
   std::unique_ptr<store::FlushPipeline> pipeline_;
+  // What this mount wrote, for peers' commit queries (outlives the peer server in read_).
+  std::unique_ptr<store::LocalShardStates> shard_states_;
   std::unique_ptr<store::CommitGate> gate_;
   std::unique_ptr<store::Journal> journal_;
   std::unique_ptr<store::KeyIndex> index_;
@@ -166,6 +168,8 @@ class Filesystem {
   // ------------------------------------------------------------ the units it routes to
   std::unique_ptr<Namespace> ns_;
   std::unique_ptr<ControlTree> control_;
+  // read_->peers() for the commit gate's queries, set once the peers serve (Init).
+  std::atomic<store::peer::PeerNode*> peer_node_{nullptr};
 
   std::atomic<bool> shut_down_{false};
 };

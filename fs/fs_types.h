@@ -14,6 +14,7 @@
 namespace ckptfs::store {
 class BackingDir;
 class CheckpointRegistry;
+class CommitGate;
 class FlushPipeline;
 class Journal;
 class KeyIndex;
@@ -68,6 +69,7 @@ struct FsParts {
   gpu::StagingPool* pool = nullptr;
   store::FlushPipeline* pipeline = nullptr;
   store::Journal* journal = nullptr;
+  const store::CommitGate* gate = nullptr;
   store::KeyIndex* index = nullptr;
   ReadPath* read = nullptr;
   TensorView* tensors = nullptr;

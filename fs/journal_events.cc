@@ -31,6 +31,25 @@ bool Namespace::DeletedLocally(const std::string& path) {
   return dropped_paths_.count(path) > 0;
 }
 
+bool Namespace::PendingLocally(const std::string& path) {
+  MutexLock lock(&ns_mu_);
+  Node* node = root_.get();
+  size_t start = 0;
+  while (node != nullptr && start <= path.size()) {
+    size_t slash = path.find('/', start);
+    std::string name = path.substr(start, slash == std::string::npos ? std::string::npos
+                                                                      : slash - start);
+    auto it = node->children.find(name);
+    node = it == node->children.end() ? nullptr : it->second.get();
+    if (slash == std::string::npos) break;
+    start = slash + 1;
+  }
+  // Open for writing, or closed with its publish queued, applied ahead or being retried
+  // (publishing_ holds it until the journal reports the outcome).
+  return node != nullptr && node->write && !node->write->discarded &&
+         (node->write->needs_publish || publishing_.count(node->write->file_id) > 0);
+}
+
 void Namespace::OnJournalHalt(const store::JournalEntry& e, const Status& st) {
   const std::string dir = ParentOf(e.path);
   if (st.ok()) {

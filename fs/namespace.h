@@ -128,6 +128,8 @@ class Namespace final : public NamespaceView {
   // The commit gate's questions: is `path` open for writing here, its publish not queued?
   // Was its pending publish dropped because the application deleted it while halted?
   bool WrittenLocally(const std::string& path) EXCLUDES(ns_mu_);
+  // A peer's commit query: is `path` open for writing here or its publish not yet done?
+  bool PendingLocally(const std::string& path) EXCLUDES(ns_mu_);
   bool DeletedLocally(const std::string& path) EXCLUDES(dropped_mu_);
   // ".ckptfs-tmp.[n<node rank>.]<id>": unique among the daemons sharing the backing dir.
   std::string TempName(uint64_t id) const;

@@ -23,6 +23,7 @@ Status CommitGate::Load(const JournalEntry& e, Pending* p) {
   p->backoff = std::chrono::milliseconds(50);
   p->deadline = std::chrono::steady_clock::now() + options_.timeout;
   p->next_poll = {};
+  p->polled.clear();
   // A publish reads its durable temp file; a rename reads the name being renamed, which
   // every earlier entry (its own publish among them) has already put in place.
   Result<std::string> bytes = ReadMetadataBytes(dir_, e.from);
@@ -90,7 +91,7 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e) {
       ++it;
       continue;
     }
-    ++remote_polls_;
+    ++stats_.ordered_polls;
     if (dir_->Stat(path::Join(*it, ".metadata")).ok()) {
       it = foreign_.erase(it);
       continue;
@@ -122,77 +123,227 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e) {
 
 CommitCheck CommitGate::Check(const JournalEntry& e,
                               const std::function<bool(const std::string&)>& queued) {
-  MutexLock lock(&mu_);
-  if (!IsCommitName(e.path)) return CheckOrdered(e);
-  if (current_.seq != e.seq) {
-    Status st = Load(e, &current_);
-    if (!st.ok()) {
-      current_.seq = 0;
-      return st;
+  std::vector<std::string> to_ask;  // a round to start, once mu_ is released
+  uint64_t round = 0;
+  CommitCheck check;
+  {
+    MutexLock lock(&mu_);
+    if (!IsCommitName(e.path)) return CheckOrdered(e);
+    if (current_.seq != e.seq) {
+      answers_.clear();  // another commit's
+      Status st = Load(e, &current_);
+      if (!st.ok()) {
+        current_.seq = 0;
+        return st;
+      }
     }
-  }
-  Pending& p = current_;
-  if (p.by_order) return Status::Ok();
-  const auto now = std::chrono::steady_clock::now();
-  const bool poll = now >= p.next_poll;
-  bool remote = false;  // waits for a shard not queued or open here
-  std::vector<std::string> waiting;
-  for (auto it = p.need.begin(); it != p.need.end();) {
-    const std::string& path = it->first;
-    bool mine = (queued && queued(path)) ||
-                (options_.written_locally && options_.written_locally(path));
-    if (!mine && options_.deleted_locally && options_.deleted_locally(path)) {
-      current_.seq = 0;
-      return Status(Code::kAborted, "shard " + path + " was deleted before it was published");
-    }
-    if (!mine) {
-      // Published already (by this mount or another writer), or written elsewhere.
-      if (!poll) {
-        remote = true;
+    Pending& p = current_;
+    if (p.by_order) return Status::Ok();
+    const auto now = std::chrono::steady_clock::now();
+    const bool poll = now >= p.next_poll;
+    bool remote = false;     // waits for a shard not queued or open here
+    bool polling = false;    // ... judged by polling the backing store
+    bool on_peers = false;   // ... waiting for a peer's answer
+    std::vector<std::string> waiting;
+    for (auto it = p.need.begin(); it != p.need.end();) {
+      const std::string& path = it->first;
+      const uint64_t min_len = it->second;
+      bool mine = (queued && queued(path)) ||
+                  (options_.written_locally && options_.written_locally(path));
+      if (!mine && options_.deleted_locally && options_.deleted_locally(path)) {
+        current_.seq = 0;
+        return Status(Code::kAborted, "shard " + path + " was deleted before it was published");
+      }
+      if (mine) {
         waiting.push_back(path);
         ++it;
         continue;
       }
-      ++remote_polls_;
+      remote = true;
+      bool polled = p.polled.count(path) > 0;
+      // a. Published through this mount.
+      if (!polled && options_.local_durable) {
+        std::optional<uint64_t> len = options_.local_durable(path);
+        if (len && *len >= min_len) {
+          if (Confirm(path, min_len)) {
+            it = p.need.erase(it);
+            continue;
+          }
+          p.polled.insert(path);
+          polled = true;
+        }
+      }
+      // b. The other daemons.
+      if (!polled && options_.ask_peers) {
+        auto a = answers_.find(path);
+        if (a == answers_.end()) {
+          // Not asked yet (or the round is still out): no backing-store access meanwhile.
+          if (!round_out_ || round_seq_ != e.seq) to_ask.push_back(path);
+          on_peers = true;
+          waiting.push_back(path);
+          ++it;
+          continue;
+        }
+        const PeerShardAnswer answer = a->second;
+        answers_.erase(a);
+        const ShardState state = answer.status.state;
+        if (state == ShardState::kDurable && answer.status.length >= min_len) {
+          if (Confirm(path, min_len)) {
+            ++stats_.peer_confirmed;
+            it = p.need.erase(it);
+            continue;
+          }
+          spdlog::debug("commit gate: a peer has {} durable with {} bytes; the backing store "
+                        "does not show it yet: polling it",
+                        path, answer.status.length);
+        } else if (state == ShardState::kPending) {
+          to_ask.push_back(path);  // the next round waits on the peer
+          on_peers = true;
+          waiting.push_back(path);
+          ++it;
+          continue;
+        } else if (state == ShardState::kDropped && !answer.unreachable) {
+          ++stats_.peer_refused;
+          current_.seq = 0;
+          return Status(Code::kAborted, "shard " + path +
+                                            " was deleted on the node that wrote it before it "
+                                            "was published");
+        }
+        p.polled.insert(path);
+      }
+      // c. Polled on the backing store.
+      polling = true;
+      if (!poll) {
+        waiting.push_back(path);
+        ++it;
+        continue;
+      }
+      ++stats_.commit_polls;
       auto st = dir_->Stat(path);
-      if (st.ok() && static_cast<uint64_t>(st->st_size) >= it->second) {
+      if (st.ok() && static_cast<uint64_t>(st->st_size) >= min_len) {
         it = p.need.erase(it);
         continue;
       }
-      remote = true;
+      waiting.push_back(path);
+      ++it;
     }
-    waiting.push_back(path);
-    ++it;
-  }
-  if (waiting.empty()) {
-    current_.seq = 0;
-    return Status::Ok();
-  }
-  if (remote) {
-    if (now > p.deadline) {
+    if (waiting.empty()) {
+      current_.seq = 0;
+      return Status::Ok();
+    }
+    if (remote && now > p.deadline) {
       std::string first = waiting.front();
       current_.seq = 0;
       return Status(Code::kTimeout, "shard " + first + " never became durable with " +
                                         std::to_string(p.need[first]) + " bytes");
     }
-    if (poll) {
+    if (polling && poll) {
       p.next_poll = now + p.backoff;
       p.backoff = std::min(kMaxBackoff, p.backoff * 2);
     }
+    if (!to_ask.empty()) {
+      round = ++round_;
+      round_seq_ = e.seq;
+      round_out_ = true;
+      ++stats_.peer_commit_queries;
+      stats_.peer_commit_paths += to_ask.size();
+    }
+    // Own shards wake the journal when they are queued or applied, a round's answers
+    // through `wake`; the recheck bounds the rest.
+    auto recheck = std::chrono::milliseconds(1000);
+    if (polling) {
+      recheck = std::min(recheck, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                      p.next_poll - now));
+    }
+    if (on_peers) recheck = std::min(recheck, options_.peer_recheck);
+    check = CommitCheck::Wait(std::move(waiting), std::max(recheck, std::chrono::milliseconds(1)));
+    check.waits_for_unwritten = remote;
   }
-  // Own shards wake the journal when they are queued or applied; the recheck only bounds
-  // the wait for shards written elsewhere.
-  auto recheck = remote ? std::chrono::duration_cast<std::chrono::milliseconds>(p.next_poll - now)
-                        : std::chrono::milliseconds(1000);
-  CommitCheck check =
-      CommitCheck::Wait(std::move(waiting), std::max(recheck, std::chrono::milliseconds(1)));
-  check.waits_for_unwritten = remote;
+  if (round != 0) {
+    std::vector<std::string> paths = to_ask;
+    const bool asked = options_.ask_peers(
+        paths, [this, round, paths](std::vector<PeerShardAnswer> answers) mutable {
+          OnAnswers(round, std::move(paths), std::move(answers));
+        });
+    if (!asked) {
+      // No peers to ask: those shards are polled, from the next check on (now).
+      MutexLock lock(&mu_);
+      if (round_ == round) round_out_ = false;
+      if (current_.seq == e.seq) {
+        for (const std::string& path : to_ask) current_.polled.insert(path);
+      }
+      check.recheck = std::chrono::milliseconds(1);
+    }
+  }
   return check;
+}
+
+bool CommitGate::Confirm(const std::string& path, uint64_t min_len) {
+  ++stats_.confirm_stats;
+  auto st = dir_->Stat(path);
+  return st.ok() && static_cast<uint64_t>(st->st_size) >= min_len;
+}
+
+void CommitGate::OnAnswers(uint64_t round, std::vector<std::string> paths,
+                           std::vector<PeerShardAnswer> answers) {
+  {
+    MutexLock lock(&mu_);
+    if (round != round_) return;  // a later round replaced it (another commit)
+    round_out_ = false;
+    for (size_t i = 0; i < paths.size(); ++i) {
+      PeerShardAnswer a = i < answers.size() ? answers[i] : PeerShardAnswer{{}, true};
+      switch (a.status.state) {
+        case ShardState::kDurable:
+          ++stats_.answers_durable;
+          break;
+        case ShardState::kPending:
+          ++stats_.answers_pending;
+          break;
+        case ShardState::kDropped:
+          ++stats_.answers_dropped;
+          break;
+        case ShardState::kFailed:
+          ++stats_.answers_failed;
+          break;
+        case ShardState::kUnknown:
+          ++(a.unreachable ? stats_.answers_unreachable : stats_.answers_unknown);
+          break;
+      }
+      if (round_seq_ == current_.seq) answers_[paths[i]] = a;
+    }
+  }
+  if (options_.wake) options_.wake();
 }
 
 uint64_t CommitGate::remote_polls() const {
   MutexLock lock(&mu_);
-  return remote_polls_;
+  return stats_.commit_polls + stats_.ordered_polls;
+}
+
+CommitGateStats CommitGate::stats() const {
+  MutexLock lock(&mu_);
+  return stats_;
+}
+
+void CommitGateStats::AppendJson(nlohmann::json* out) const {
+  nlohmann::json& j = *out;
+  j["remote_polls"] = commit_polls + ordered_polls;
+  j["peer_commit_queries"] = peer_commit_queries;
+  j["commit_gate"] = {{"remote_polls", commit_polls + ordered_polls},
+                      {"commit_polls", commit_polls},
+                      {"ordered_polls", ordered_polls},
+                      {"confirm_stats", confirm_stats},
+                      {"peer_commit_queries", peer_commit_queries},
+                      {"peer_commit_paths", peer_commit_paths},
+                      {"peer_commit_answers",
+                       {{"durable", answers_durable},
+                        {"pending", answers_pending},
+                        {"dropped", answers_dropped},
+                        {"failed", answers_failed},
+                        {"unknown", answers_unknown},
+                        {"unreachable", answers_unreachable}}},
+                      {"peer_confirmed", peer_confirmed},
+                      {"peer_refused", peer_refused}};
 }
 
 }  // namespace ckptfs::store

@@ -8,9 +8,25 @@
 //      journal applies it ahead of the `.metadata`);
 //   2. a shard being written through this mount and not yet closed (written_locally):
 //      wait for its close;
-//   3. otherwise it was written elsewhere (another node, or before this mount): it counts
-//      once the backing store shows it with the required length. Only these are polled,
-//      with backoff (50 ms doubling to 2 s), and only these can time out.
+//   3. otherwise it was written elsewhere (another node, or before this mount), or
+//      published already through this mount. Only these can time out. In that order:
+//      a. published through this mount (local_durable) with at least the required length:
+//         it counts after one confirming stat of the backing file;
+//      b. with peers (ask_peers), the other daemons are asked (docs/PEERS.md, "Commit
+//         query"), asynchronously: the gate answers "not yet" while a round is out and is
+//         woken (wake) when it ends. A peer's answer, per path:
+//           durable with length L >= required: counts after ONE confirming stat of the
+//             backing file (cheap; keeps G5 even if a peer is wrong or the store shows
+//             a rename late: a failed confirmation sends the path to polling);
+//           pending: wait, without touching the backing store, and ask again (the peer
+//             holds its answer until the state changes, so a round ends about when the
+//             shard becomes durable);
+//           dropped (deleted before publication on its writer) with every peer
+//             reachable: refused at once, as for a shard deleted here (deleted_locally);
+//           failed (its publication failed for good there), unknown to every peer, some
+//             peer unreachable, or shorter than required: polled as below;
+//      c. polled: it counts once the backing store shows it with the required length,
+//         stat'ed with backoff (50 ms doubling to 2 s), counted in commit_polls.
 // A `.metadata` that is not a DCP metadata this parser understands commits by order alone.
 //
 // Across nodes (G4): a mount whose ranks wrote shards of a checkpoint whose `.metadata`
@@ -19,7 +35,10 @@
 // `.metadata` (NoteApplied), and an ordered entry (IsOrderedEntry: a tracker, any other
 // non-shard file, a rename, a delete) waits until the backing store shows every such
 // directory's `.metadata`, polled with the same backoff and timeout; on timeout it is
-// refused (the journal halts there, or skips it in strict mode).
+// refused (the journal halts there, or skips it in strict mode). These polls (counted in
+// ordered_polls; remote_polls() is commit_polls + ordered_polls) do not ask the peers
+// yet: the commit is a single `.metadata` per directory and the 2 s backoff cap bounds how
+// late a tracker follows it.
 //
 // Thread-safe; called from the journal's publisher thread.
 #pragma once
@@ -28,12 +47,17 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <mutex>
 #include <set>
 #include <string>
 
+#include <nlohmann/json.hpp>
+#include <vector>
+
 #include "store/backing_dir.h"
 #include "store/journal.h"
+#include "store/shard_state.h"
 
 namespace ckptfs::store {
 
@@ -46,6 +70,37 @@ struct CommitGateOptions {
   // True if the application deleted `path` through this mount before it was published
   // (its publish was dropped): a `.metadata` naming it is refused at once. May be empty.
   std::function<bool(const std::string&)> deleted_locally;
+  // The size `path` was published with through this mount, if this mount published it.
+  // May be empty.
+  std::function<std::optional<uint64_t>(const std::string&)> local_durable;
+  // Asks the other daemons about `paths` (see above): returns false if it cannot (no peers,
+  // stopping); else `done` runs exactly once, later, on another thread, with one answer per
+  // path, and may not call back into the gate's caller. Must not block. May be empty.
+  using AnswersFn = std::function<void(std::vector<PeerShardAnswer>)>;
+  std::function<bool(std::vector<std::string> paths, AnswersFn done)> ask_peers;
+  // Wakes the journal so that it asks the gate again now (a round of answers arrived).
+  // May be empty (the gate then says when to ask again: `peer_recheck`).
+  std::function<void()> wake;
+  // Bound on the wait for a round, as the gate's recheck (wake normally comes first).
+  std::chrono::milliseconds peer_recheck{1000};
+};
+
+struct CommitGateStats {
+  // Backing-store stats polling what other nodes write; remote_polls (JSON, remote_polls())
+  // is their sum.
+  uint64_t commit_polls = 0;   // shards of a `.metadata` (step c)
+  uint64_t ordered_polls = 0;  // another node's `.metadata`, for cross-node order
+  uint64_t confirm_stats = 0;  // one-off stats confirming a peer's or this mount's durable
+  uint64_t peer_commit_queries = 0;  // rounds asked
+  uint64_t peer_commit_paths = 0;    // paths asked, summed over rounds
+  // Per path answered, by the gathered state.
+  uint64_t answers_durable = 0, answers_pending = 0, answers_dropped = 0, answers_failed = 0,
+           answers_unknown = 0;
+  uint64_t answers_unreachable = 0;  // unknown while some peer could not be asked
+  uint64_t peer_confirmed = 0;       // shards counted on a peer's word (+ a stat)
+  uint64_t peer_refused = 0;         // commits refused on a peer's "dropped"
+  // Under "commit_gate" in /.ckptfs/stats, plus flat peer_commit_queries, remote_polls.
+  void AppendJson(nlohmann::json* j) const;
 };
 
 class CommitGate {
@@ -59,6 +114,7 @@ class CommitGate {
                     const std::function<bool(const std::string&)>& queued);
 
   uint64_t remote_polls() const;
+  CommitGateStats stats() const;
 
   // Entries that wait for checkpoints committed elsewhere (see above). Looks at the entry
   // only; safe under any lock.
@@ -75,7 +131,14 @@ class CommitGate {
     std::chrono::steady_clock::time_point deadline;
     std::chrono::steady_clock::time_point next_poll;
     std::chrono::milliseconds backoff{50};
+    // Remote paths judged by polling (peers do not know them, or cannot be asked).
+    std::set<std::string> polled;
   };
+  // One stat: `path` on the backing store with at least `min_len` bytes.
+  bool Confirm(const std::string& path, uint64_t min_len) REQUIRES(mu_);
+  // Stores a round's answers (the querier's thread).
+  void OnAnswers(uint64_t round, std::vector<std::string> paths,
+                 std::vector<PeerShardAnswer> answers) EXCLUDES(mu_);
   Status Load(const JournalEntry& e, Pending* p);
   CommitCheck CheckOrdered(const JournalEntry& e) REQUIRES(mu_);
 
@@ -83,7 +146,13 @@ class CommitGate {
   const CommitGateOptions options_;
   mutable Mutex mu_;
   Pending current_ GUARDED_BY(mu_);  // the commit being judged
-  uint64_t remote_polls_ GUARDED_BY(mu_) = 0;
+  CommitGateStats stats_ GUARDED_BY(mu_);
+  // The peer round for the commit being judged: at most one out at a time; its answers
+  // wait in answers_ until the next Check() takes them.
+  uint64_t round_ GUARDED_BY(mu_) = 0;       // last round started
+  uint64_t round_seq_ GUARDED_BY(mu_) = 0;   // the commit it was for
+  bool round_out_ GUARDED_BY(mu_) = false;
+  std::map<std::string, PeerShardAnswer> answers_ GUARDED_BY(mu_);
   // Checkpoint dirs with shards published here and no `.metadata` seen yet, and the
   // ordered entry waiting for them.
   std::set<std::string> foreign_ GUARDED_BY(mu_);

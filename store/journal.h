@@ -214,6 +214,9 @@ class Journal {
 
   // Retries a halted entry (and parked flush chunks, via the caller) now.
   void Resume();
+  // Asks the commit gate again now: it learned something (a peer's answer).
+  void RecheckGate() EXCLUDES(mu_) {
+    { MutexLock lock(&mu_); gate_dirty_ = true; } work_cv_.notify_all(); }
   // Drops every queued entry at or below `path` (a checkpoint directory or a file) that
   // has not been applied: their temp files are removed and nothing of them reaches the
   // backing store. Returns what was dropped, one Describe() line each.

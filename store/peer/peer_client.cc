@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -42,6 +43,27 @@ struct Pending {
 
 }  // namespace
 
+// One outstanding commit query; completed once (answer, failure, or the waiter's timeout).
+struct PeerClient::QueryCall {
+  uint64_t id = 0;
+  size_t count = 0;  // paths asked
+  std::chrono::steady_clock::time_point deadline;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;  // GUARDED_BY(mu)
+  Result<std::vector<ShardStatus>> result{Status(Code::kInternal, "query not answered")};
+
+  void Complete(Result<std::vector<ShardStatus>> r) {
+    {
+      std::lock_guard lock(mu);
+      if (done) return;
+      done = true;
+      result = std::move(r);
+    }
+    cv.notify_all();
+  }
+};
+
 class PeerClient::Impl {
  public:
   explicit Impl(const PeerClientOptions& options) : options_(options) {}
@@ -51,6 +73,9 @@ class PeerClient::Impl {
     if (worker_) worker_->Shutdown();
   }
   Result<size_t> Fetch(const BlockId& id, uint64_t offset, std::span<char> out);
+  std::shared_ptr<QueryCall> StartShardQuery(const std::vector<std::string>& paths,
+                                             std::chrono::milliseconds hold);
+  Result<std::vector<ShardStatus>> WaitShardQuery(const std::shared_ptr<QueryCall>& call);
   bool healthy() const {
     std::lock_guard lock(mu_);
     return state_ == State::kReady;
@@ -66,7 +91,7 @@ class PeerClient::Impl {
   // Progress thread.
   Status StartOnWorker(UcxWorker& w);
   void Fail(const Status& status);
-  void SendSmall(unsigned am_id, std::string payload);
+  void SendSmall(unsigned am_id, std::string payload, unsigned extra_flags = 0);
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static ucs_status_t OnChallenge(void* arg, const void* header, size_t header_length, void* data,
                                   size_t length, const ucp_am_recv_param_t* param);
@@ -74,6 +99,8 @@ class PeerClient::Impl {
                                    size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t OnResponse(void* arg, const void* header, size_t header_length, void* data,
                                  size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnShardAnswer(void* arg, const void* header, size_t header_length,
+                                    void* data, size_t length, const ucp_am_recv_param_t* param);
   static void OnSendDone(void* request, ucs_status_t status, void* user_data);
   static void OnRecvDone(void* request, ucs_status_t status, size_t length, void* user_data);
   Status PeerStatus(Code code, const std::string& what) const {
@@ -91,6 +118,7 @@ class PeerClient::Impl {
   ucp_ep_h ep_ = nullptr;
   Nonce client_nonce_{}, server_nonce_{};
   std::unordered_map<uint64_t, std::shared_ptr<Pending>> pending_;
+  std::unordered_map<uint64_t, std::shared_ptr<QueryCall>> queries_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -134,7 +162,7 @@ Status PeerClient::Impl::StartOnWorker(UcxWorker& w) {
   ucp_worker_ = w.worker();
   for (auto [id, cb] :
        {std::pair{kAmChallenge, &OnChallenge}, std::pair{kAmAuthResult, &OnAuthResult},
-        std::pair{kAmResponse, &OnResponse}}) {
+        std::pair{kAmResponse, &OnResponse}, std::pair{kAmShardAnswer, &OnShardAnswer}}) {
     ucp_am_handler_param_t hp{};
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                     UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -181,6 +209,9 @@ void PeerClient::Impl::Fail(const Status& status) {
   auto pending = std::move(pending_);
   pending_.clear();
   for (auto& [id, p] : pending) p->Complete(status);
+  auto queries = std::move(queries_);
+  queries_.clear();
+  for (auto& [id, q] : queries) q->Complete(status);
   if (ep_ != nullptr) {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -195,12 +226,12 @@ void PeerClient::Impl::Fail(const Status& status) {
   }
 }
 
-void PeerClient::Impl::SendSmall(unsigned am_id, std::string payload) {
+void PeerClient::Impl::SendSmall(unsigned am_id, std::string payload, unsigned extra_flags) {
   auto* owned = new std::string(std::move(payload));
   ucp_request_param_t p{};
   p.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  p.flags = UCP_AM_SEND_FLAG_REPLY | extra_flags;
   p.cb.send = &OnSendDone;
   p.user_data = owned;
   void* r = ucp_am_send_nbx(ep_, am_id, nullptr, 0, owned->data(), owned->size(), &p);
@@ -399,6 +430,102 @@ Result<size_t> PeerClient::Impl::Fetch(const BlockId& id, uint64_t offset, std::
   return p->len;
 }
 
+ucs_status_t PeerClient::Impl::OnShardAnswer(void* arg, const void*, size_t, void* data,
+                                             size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<Impl*>(arg);
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    // Answers are sent eager and small; the query it belongs to times out.
+    spdlog::warn("peer client {}: dropped an oversized shard answer from {}",
+                 self->options_.node_id, self->options_.server);
+    return UCS_OK;
+  }
+  auto answer = DecodeShardAnswer(std::string_view(static_cast<const char*>(data), length));
+  if (!answer.ok()) {
+    spdlog::warn("peer client {}: malformed shard answer from {}: {}", self->options_.node_id,
+                 self->options_.server, answer.status().ToString());
+    if (length < 8) return UCS_OK;
+    uint64_t id = 0;
+    for (int i = 7; i >= 0; --i) id = (id << 8) | static_cast<const unsigned char*>(data)[i];
+    auto it = self->queries_.find(id);
+    if (it != self->queries_.end()) {
+      it->second->Complete(self->PeerStatus(Code::kCorrupt, answer.status().message()));
+      self->queries_.erase(it);
+    }
+    return UCS_OK;
+  }
+  auto it = self->queries_.find(answer->query_id);
+  if (it == self->queries_.end()) return UCS_OK;  // timed out meanwhile
+  std::shared_ptr<QueryCall> q = std::move(it->second);
+  self->queries_.erase(it);
+  if (answer->code != static_cast<uint32_t>(Code::kOk)) {
+    Code code = answer->code <= static_cast<uint32_t>(Code::kTooManyOpenFiles) ? Code(answer->code)
+                                                                               : Code::kIo;
+    q->Complete(self->PeerStatus(code, answer->error));
+  } else if (answer->states.size() != q->count) {
+    q->Complete(self->PeerStatus(Code::kCorrupt, "shard answer has " +
+                                                     std::to_string(answer->states.size()) +
+                                                     " states for " + std::to_string(q->count) +
+                                                     " paths"));
+  } else {
+    q->Complete(std::move(answer->states));
+  }
+  return UCS_OK;
+}
+
+std::shared_ptr<PeerClient::QueryCall> PeerClient::Impl::StartShardQuery(
+    const std::vector<std::string>& paths, std::chrono::milliseconds hold) {
+  auto q = std::make_shared<QueryCall>();
+  q->id = next_id_.fetch_add(1, std::memory_order_relaxed);
+  q->count = paths.size();
+  q->deadline = std::chrono::steady_clock::now() + hold + options_.request_timeout;
+  {
+    std::lock_guard lock(mu_);
+    if (state_ == State::kFailed) {
+      q->Complete(failure_);
+      return q;
+    }
+  }
+  if (paths.size() > kMaxQueryPaths) {
+    q->Complete(Invalid("peer query: more than " + std::to_string(kMaxQueryPaths) + " paths"));
+    return q;
+  }
+  ShardQuery query;
+  query.query_id = q->id;
+  query.hold_ms = static_cast<uint32_t>(std::max<int64_t>(0, hold.count()));
+  query.paths = paths;
+  std::string msg = EncodeShardQuery(query);
+  if (msg.size() > kMaxQueryBytes) {
+    q->Complete(Invalid("peer query: more than " + std::to_string(kMaxQueryBytes) + " bytes"));
+    return q;
+  }
+  worker_->Post([this, q, msg = std::move(msg)]() mutable {
+    {
+      std::lock_guard lock(mu_);
+      if (state_ == State::kFailed) {
+        q->Complete(failure_);
+        return;
+      }
+    }
+    queries_[q->id] = q;
+    SendSmall(kAmShardQuery, std::move(msg), UCP_AM_SEND_FLAG_EAGER);
+  });
+  return q;
+}
+
+Result<std::vector<ShardStatus>> PeerClient::Impl::WaitShardQuery(
+    const std::shared_ptr<QueryCall>& q) {
+  std::unique_lock lock(q->mu);
+  if (!q->cv.wait_until(lock, q->deadline, [&] { return q->done; })) {
+    q->done = true;  // a late answer is dropped
+    q->result = PeerStatus(Code::kTimeout, "no answer to a shard query in time");
+    lock.unlock();
+    timeouts_.fetch_add(1, std::memory_order_relaxed);
+    worker_->Post([this, rid = q->id] { queries_.erase(rid); });
+    lock.lock();
+  }
+  return q->result;
+}
+
 PeerClient::PeerClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<PeerClient>> PeerClient::Connect(const PeerClientOptions& options) {
@@ -415,6 +542,16 @@ PeerClient::~PeerClient() { impl_->Shutdown(); }
 
 Result<size_t> PeerClient::Fetch(const BlockId& id, uint64_t offset, std::span<char> out) {
   return impl_->Fetch(id, offset, out);
+}
+
+std::shared_ptr<PeerClient::QueryCall> PeerClient::StartShardQuery(
+    const std::vector<std::string>& paths, std::chrono::milliseconds hold) {
+  return impl_->StartShardQuery(paths, hold);
+}
+
+Result<std::vector<ShardStatus>> PeerClient::WaitShardQuery(
+    const std::shared_ptr<QueryCall>& call) {
+  return impl_->WaitShardQuery(call);
 }
 
 bool PeerClient::healthy() const { return impl_->healthy(); }

@@ -25,9 +25,11 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "store/cache/block_source.h"
+#include "store/shard_state.h"
 
 namespace ckptfs::store::peer {
 
@@ -58,6 +60,22 @@ class PeerClient {
   // count (short only at the end of the file). Errors: the server's status (NotFound,
   // Aborted for a stale version, ...), Timeout, Corrupt (checksum), Io (connection lost).
   Result<size_t> Fetch(const BlockId& id, uint64_t offset, std::span<char> out);
+
+  // Commit query (protocol.h kAmShardQuery): what the peer knows about `paths` (relative to
+  // the backing root), one status per path in order. The server may hold the answer up to
+  // `hold` (long-poll); the call waits at most hold + request_timeout (Timeout). Errors:
+  // the server's (Unsupported: it keeps no shard states; Invalid: too many or too long
+  // paths), Io (connection lost), Corrupt (a malformed answer). Start/Wait split it so one
+  // thread can ask several peers at once; the call must be waited for (or dropped) before
+  // the client is destroyed.
+  struct QueryCall;
+  std::shared_ptr<QueryCall> StartShardQuery(const std::vector<std::string>& paths,
+                                             std::chrono::milliseconds hold);
+  Result<std::vector<ShardStatus>> WaitShardQuery(const std::shared_ptr<QueryCall>& call);
+  Result<std::vector<ShardStatus>> QueryShards(const std::vector<std::string>& paths,
+                                               std::chrono::milliseconds hold) {
+    return WaitShardQuery(StartShardQuery(paths, hold));
+  }
 
   bool healthy() const;
   PeerClientStats stats() const;

@@ -99,6 +99,7 @@ Status PeerNode::StartServing(BlockCache* cache) {
   so.secret = options_.secret;
   so.allowed_peers = options_.nodes;
   so.check_source_address = options_.check_source_address;
+  so.shard_states = shard_states_;  // commit queries
   auto server = PeerServer::Create(so, serving_source_.get());
   if (!server.ok()) {
     return Status(server.status().code(),
@@ -260,6 +261,23 @@ Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
                balance.total_bytes);
   return owned;
 }
+
+// ---- Commit queries (see peer_node.h).
+bool PeerNode::AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
+                              ShardAnswersFn done) {
+  MutexLock lock(&querier_mu_);
+  if (!querier_) {
+    CommitQueryOptions qo;
+    qo.nodes = options_.nodes;
+    qo.self = options_.self;
+    qo.secret = options_.secret;
+    qo.connect_timeout = options_.connect_timeout;
+    qo.request_timeout = options_.request_timeout;
+    querier_ = std::make_unique<CommitQuerier>(qo);
+  }
+  return querier_->Ask(std::move(paths), hold, std::move(done));
+}
+// ---- end of the commit-query block.
 
 void PeerNodeStats::AppendJson(nlohmann::json* out) const {
   nlohmann::json& j = *out;

@@ -43,11 +43,13 @@
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "store/backing_dir.h"
 #include "store/cache/block_cache.h"
 #include "store/cache/block_source.h"
 #include "store/dcp/dcp_metadata.h"
+#include "store/peer/commit_query.h"
 #include "store/peer/cooperative_source.h"
 #include "store/peer/peer_server.h"
 #include "store/peer/plan.h"
@@ -121,7 +123,21 @@ class PeerNode {
   PeerNodeStats Stats() const;
   const PeerNodeOptions& options() const { return options_; }
 
+  // ---- Commit queries (docs/PEERS.md, "Commit query"; commit_query.h). A separate block.
+  // The server answers peers' shard-state queries from `provider` (must outlive
+  // StopServing()). Call before StartServing(); without it queries get Unsupported.
+  void SetShardStateProvider(ShardStateProvider* provider) { shard_states_ = provider; }
+  // Asks every other node about `paths` (relative to the backing dir), asynchronously:
+  // `done` runs once on the querier's thread (commit_query.h). False: stopped, not asked.
+  bool AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
+                      ShardAnswersFn done) EXCLUDES(querier_mu_);
+
  private:
+  ShardStateProvider* shard_states_ = nullptr;
+  Mutex querier_mu_;
+  std::unique_ptr<CommitQuerier> querier_ GUARDED_BY(querier_mu_);  // made on first use
+  // ---- end of the commit-query block.
+
   class ServingSource;
   PeerNode(const PeerNodeOptions& options, BackingDir* dir);
   // Queues `ckpt` for the planner thread (a peer asked for one of its blocks).

@@ -11,6 +11,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "common/mutex.h"
 #include "store/crc32c.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/peer/buffer_pool.h"
@@ -43,6 +44,16 @@ struct Job {
   BlockRequest request;
 };
 
+// A commit query waiting on the query thread (long-poll).
+struct HeldQuery {
+  uint64_t conn_id = 0;
+  std::string node_id;  // the asker, for log lines
+  ShardQuery query;
+  Clock::time_point deadline;
+  bool evaluated = false;         // its first look at the states happened
+  std::vector<size_t> was_pending;  // indices pending at the first look
+};
+
 // Keeps a reply's header and bytes alive until UCX is done sending them.
 struct SendCtx {
   class PeerServer::Impl* server = nullptr;
@@ -65,7 +76,7 @@ class PeerServer::Impl {
 
   uint16_t port_ = 0;
   std::atomic<uint64_t> connections_{0}, authenticated_{0}, refused_{0}, blocks_served_{0},
-      bytes_served_{0}, request_errors_{0};
+      bytes_served_{0}, request_errors_{0}, shard_queries_{0}, shard_query_errors_{0};
 
  private:
   // Progress thread.
@@ -79,18 +90,28 @@ class PeerServer::Impl {
                              size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t OnRequest(void* arg, const void* header, size_t header_length, void* data,
                                 size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnShardQuery(void* arg, const void* header, size_t header_length,
+                                   void* data, size_t length, const ucp_am_recv_param_t* param);
   static void OnSendDone(void* request, ucs_status_t status, void* user_data);
   Conn* ConnOf(const ucp_am_recv_param_t* param);
   void Refuse(Conn* conn, const std::string& why);
   void CloseConn(uint64_t conn_id, bool force);
   void Send(ucp_ep_h ep, unsigned am_id, std::unique_ptr<SendCtx> ctx, const void* payload,
-            size_t length, bool with_header);
+            size_t length, bool with_header, unsigned extra_flags = 0);
+  // Sends an encoded kAmShardAnswer to connection `conn_id` if it is still there (any
+  // thread: posts to the progress thread).
+  void PostShardAnswer(uint64_t conn_id, std::string message);
   void SendError(Conn* conn, uint64_t request_id, const Status& status);
   void SweepHandshakes();
 
   // Serving threads.
   void ServeLoop();
   void Serve(Job job);
+
+  // Query thread.
+  void QueryLoop();
+  // Looks at `q`'s paths; true (with the answer in `out`) when it is to be answered now.
+  bool Evaluate(HeldQuery& q, Clock::time_point now, bool force, std::string* out);
 
   const PeerServerOptions options_;
   BlockSource* const provider_;
@@ -112,6 +133,13 @@ class PeerServer::Impl {
   std::deque<Job> jobs_;    // GUARDED_BY(jobs_mu_)
   bool jobs_stop_ = false;  // GUARDED_BY(jobs_mu_)
   std::vector<std::thread> serve_threads_;
+
+  Mutex query_mu_;
+  std::condition_variable query_cv_;
+  std::deque<HeldQuery> query_arrivals_ GUARDED_BY(query_mu_);
+  bool query_changed_ GUARDED_BY(query_mu_) = false;  // the provider saw a state change
+  bool query_stop_ GUARDED_BY(query_mu_) = false;
+  std::thread query_thread_;
 };
 
 Status PeerServer::Impl::Init() {
@@ -136,12 +164,30 @@ Status PeerServer::Impl::Init() {
   for (int i = 0; i < options_.serve_threads; ++i) {
     serve_threads_.emplace_back([this] { ServeLoop(); });
   }
+  if (options_.shard_states != nullptr) {
+    query_thread_ = std::thread([this] { QueryLoop(); });
+    options_.shard_states->SetListener([this] {
+      {
+        MutexLock lock(&query_mu_);
+        query_changed_ = true;
+      }
+      query_cv_.notify_all();
+    });
+  }
   spdlog::info("peer server {} listening on port {} ({} allowed peers)", options_.node_id, port_,
                allowed_.size());
   return Status::Ok();
 }
 
 void PeerServer::Impl::Stop() {
+  if (options_.shard_states != nullptr) options_.shard_states->SetListener({});
+  {
+    MutexLock lock(&query_mu_);
+    query_stop_ = true;
+    query_arrivals_.clear();
+  }
+  query_cv_.notify_all();
+  if (query_thread_.joinable()) query_thread_.join();
   {
     std::lock_guard lock(jobs_mu_);
     jobs_stop_ = true;
@@ -156,7 +202,8 @@ void PeerServer::Impl::Stop() {
 Status PeerServer::Impl::StartOnWorker(UcxWorker& w) {
   ucp_worker_ = w.worker();
   for (auto [id, cb] : {std::pair{kAmHello, &OnHello}, std::pair{kAmAuth, &OnAuth},
-                        std::pair{kAmRequest, &OnRequest}}) {
+                        std::pair{kAmRequest, &OnRequest},
+                        std::pair{kAmShardQuery, &OnShardQuery}}) {
     ucp_am_handler_param_t hp{};
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                     UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -310,7 +357,8 @@ void PeerServer::Impl::SweepHandshakes() {
 }
 
 void PeerServer::Impl::Send(ucp_ep_h ep, unsigned am_id, std::unique_ptr<SendCtx> ctx,
-                            const void* payload, size_t length, bool with_header) {
+                            const void* payload, size_t length, bool with_header,
+                            unsigned extra_flags) {
   if (payload == nullptr) {
     payload = ctx->message.data();
     length = ctx->message.size();
@@ -318,7 +366,7 @@ void PeerServer::Impl::Send(ucp_ep_h ep, unsigned am_id, std::unique_ptr<SendCtx
   ucp_request_param_t p{};
   p.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  p.flags = UCP_AM_SEND_FLAG_REPLY | extra_flags;
   p.cb.send = &OnSendDone;
   p.user_data = ctx.get();
   void* r = ucp_am_send_nbx(ep, am_id, with_header ? ctx->header.data() : nullptr,
@@ -477,6 +525,148 @@ ucs_status_t PeerServer::Impl::OnRequest(void* arg, const void*, size_t, void* d
   return UCS_OK;
 }
 
+ucs_status_t PeerServer::Impl::OnShardQuery(void* arg, const void*, size_t, void* data,
+                                            size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<Impl*>(arg);
+  Conn* conn = self->ConnOf(param);
+  if (conn == nullptr) return UCS_OK;
+  if (!conn->authenticated) {
+    self->Refuse(conn, "shard query before authentication");
+    return UCS_OK;
+  }
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    // Queries are sent eager; a rendezvous one is larger than any we ask. Dropped: the
+    // asker times out and falls back to the backing store.
+    self->shard_query_errors_.fetch_add(1, std::memory_order_relaxed);
+    spdlog::warn("peer server {}: dropped an oversized shard query ({} bytes) from {}",
+                 self->options_.node_id, length, conn->node_id);
+    return UCS_OK;
+  }
+  std::string_view bytes(static_cast<const char*>(data), length);
+  auto query = DecodeShardQuery(bytes);
+  Status refusal = query.ok() ? Status::Ok() : query.status();
+  if (refusal.ok() && self->options_.shard_states == nullptr) {
+    refusal = Unsupported("this daemon keeps no shard states");
+  }
+  if (!refusal.ok()) {
+    self->shard_query_errors_.fetch_add(1, std::memory_order_relaxed);
+    spdlog::warn("peer server {}: bad shard query from {}: {}", self->options_.node_id,
+                 conn->node_id, refusal.ToString());
+    if (length < 8) return UCS_OK;  // not even an id to answer: dropped
+    ShardAnswer answer;
+    answer.query_id = 0;  // the id is the query's first 8 bytes, little-endian
+    for (int i = 7; i >= 0; --i) {
+      answer.query_id = (answer.query_id << 8) | static_cast<unsigned char>(bytes[i]);
+    }
+    answer.code = static_cast<uint32_t>(refusal.code());
+    answer.error = refusal.message().substr(0, 1024);
+    auto ctx = std::make_unique<SendCtx>();
+    ctx->server = self;
+    ctx->message = EncodeShardAnswer(answer);
+    self->Send(conn->ep, kAmShardAnswer, std::move(ctx), nullptr, 0, false,
+               UCP_AM_SEND_FLAG_EAGER);
+    return UCS_OK;
+  }
+  HeldQuery held;
+  held.conn_id = conn->id;
+  held.node_id = conn->node_id;
+  held.deadline = Clock::now() + std::min<std::chrono::milliseconds>(
+                                     std::chrono::milliseconds(query->hold_ms),
+                                     self->options_.max_query_hold);
+  held.query = std::move(query).value();
+  {
+    MutexLock lock(&self->query_mu_);
+    self->query_arrivals_.push_back(std::move(held));
+  }
+  self->query_cv_.notify_all();
+  return UCS_OK;
+}
+
+void PeerServer::Impl::PostShardAnswer(uint64_t conn_id, std::string message) {
+  worker_->Post([this, conn_id, message = std::move(message)]() mutable {
+    auto it = conns_.find(conn_id);
+    if (it == conns_.end()) return;  // the asker went away
+    auto ctx = std::make_unique<SendCtx>();
+    ctx->server = this;
+    ctx->message = std::move(message);
+    shard_queries_.fetch_add(1, std::memory_order_relaxed);
+    Send(it->second.ep, kAmShardAnswer, std::move(ctx), nullptr, 0, false,
+         UCP_AM_SEND_FLAG_EAGER);
+  });
+}
+
+bool PeerServer::Impl::Evaluate(HeldQuery& q, Clock::time_point now, bool force,
+                                std::string* out) {
+  std::vector<ShardStatus> states;
+  states.reserve(q.query.paths.size());
+  for (const std::string& path : q.query.paths) {
+    // A path that is not a clean relative name is unknown here (never a backing access).
+    states.push_back(ValidateRelativePath(path).ok() ? options_.shard_states->Query(path)
+                                                     : ShardStatus{});
+  }
+  bool answer = force || now >= q.deadline;
+  if (!q.evaluated) {
+    q.evaluated = true;
+    for (size_t i = 0; i < states.size(); ++i) {
+      if (states[i].state == ShardState::kPending) q.was_pending.push_back(i);
+    }
+    if (q.was_pending.empty()) answer = true;
+  } else {
+    for (size_t i : q.was_pending) {
+      if (states[i].state != ShardState::kPending) answer = true;
+    }
+  }
+  if (!answer) return false;
+  ShardAnswer a;
+  a.query_id = q.query.query_id;
+  a.code = static_cast<uint32_t>(Code::kOk);
+  a.states = std::move(states);
+  *out = EncodeShardAnswer(a);
+  return true;
+}
+
+void PeerServer::Impl::QueryLoop() {
+  std::vector<HeldQuery> held;  // this thread only
+  while (true) {
+    {
+      MutexLock lock(&query_mu_);
+      if (held.empty()) {
+        while (!query_stop_ && query_arrivals_.empty() && !query_changed_) {
+          query_cv_.wait(lock.native());
+        }
+      } else {
+        Clock::time_point first = held.front().deadline;
+        for (const HeldQuery& q : held) first = std::min(first, q.deadline);
+        while (!query_stop_ && query_arrivals_.empty() && !query_changed_ &&
+               Clock::now() < first) {
+          query_cv_.wait_until(lock.native(), first);
+        }
+      }
+      if (query_stop_) return;
+      query_changed_ = false;
+      for (HeldQuery& q : query_arrivals_) held.push_back(std::move(q));
+      query_arrivals_.clear();
+    }
+    // Answer what is due; the provider is asked without query_mu_ (it may take the
+    // namespace lock; its listener takes query_mu_). Beyond max_held_queries the oldest
+    // are answered as they stand.
+    const Clock::time_point now = Clock::now();
+    const size_t over = held.size() > options_.max_held_queries
+                            ? held.size() - options_.max_held_queries
+                            : 0;
+    std::vector<HeldQuery> keep;
+    for (size_t i = 0; i < held.size(); ++i) {
+      std::string out;
+      if (Evaluate(held[i], now, /*force=*/i < over, &out)) {
+        PostShardAnswer(held[i].conn_id, std::move(out));
+      } else {
+        keep.push_back(std::move(held[i]));
+      }
+    }
+    held = std::move(keep);
+  }
+}
+
 void PeerServer::Impl::ServeLoop() {
   while (true) {
     Job job;
@@ -564,6 +754,8 @@ PeerServerStats PeerServer::stats() const {
   s.blocks_served = impl_->blocks_served_.load();
   s.bytes_served = impl_->bytes_served_.load();
   s.request_errors = impl_->request_errors_.load();
+  s.shard_queries = impl_->shard_queries_.load();
+  s.shard_query_errors = impl_->shard_query_errors_.load();
   return s;
 }
 

@@ -17,6 +17,11 @@
 // Thread-safe. The destructor stops accepting, drops queued requests, joins the serving
 // threads, closes every connection and joins the progress thread; the provider must outlive
 // the server.
+//
+// Commit queries (docs/PEERS.md, "Commit query") from authenticated peers are answered from
+// a ShardStateProvider (options.shard_states) by a query thread that may hold an answer
+// until a pending shard becomes durable (long-poll); a malformed one gets an error answer
+// when its id can be read, else it is dropped with a log line.
 #pragma once
 
 #include <atomic>
@@ -28,6 +33,7 @@
 
 #include "common/status.h"
 #include "store/cache/block_source.h"
+#include "store/shard_state.h"
 
 namespace ckptfs::store::peer {
 
@@ -41,6 +47,14 @@ struct PeerServerOptions {
   uint64_t max_block_bytes = 64ull << 20;
   uint64_t max_inflight_bytes = 256ull << 20;
   std::chrono::milliseconds handshake_timeout{5000};
+  // Commit queries (protocol.h kAmShardQuery): answered from `shard_states` (must outlive
+  // the server) by one query thread, never the progress thread. A query is held until a
+  // path it found pending here leaves that state, or for at most `max_query_hold`;
+  // at most `max_held_queries` are held at once (beyond that the oldest is answered as it
+  // stands). Null: queries get an Unsupported answer.
+  ShardStateProvider* shard_states = nullptr;
+  std::chrono::milliseconds max_query_hold{2000};
+  size_t max_held_queries = 256;
 };
 
 struct PeerServerStats {
@@ -50,6 +64,8 @@ struct PeerServerStats {
   uint64_t blocks_served = 0;
   uint64_t bytes_served = 0;
   uint64_t request_errors = 0;  // error replies (provider errors, bad requests, busy)
+  uint64_t shard_queries = 0;   // commit queries answered
+  uint64_t shard_query_errors = 0;  // malformed, oversized or unsupported ones
 };
 
 class PeerServer {

@@ -205,6 +205,83 @@ Result<ResponseHeader> DecodeResponseHeader(std::string_view bytes) {
   return m;
 }
 
+std::string EncodeShardQuery(const ShardQuery& m) {
+  Writer w;
+  w.U64(m.query_id);
+  w.U32(m.hold_ms);
+  w.U32(static_cast<uint32_t>(m.paths.size()));
+  for (const std::string& p : m.paths) {
+    w.U32(static_cast<uint32_t>(p.size()));
+    w.Bytes(p.data(), p.size());
+  }
+  return w.Take();
+}
+
+Result<ShardQuery> DecodeShardQuery(std::string_view bytes) {
+  if (bytes.size() > kMaxQueryBytes) return Invalid("peer protocol: shard query too large");
+  Reader r(bytes);
+  ShardQuery m;
+  m.query_id = r.U64();
+  m.hold_ms = r.U32();
+  uint32_t count = r.U32();
+  if (count > kMaxQueryPaths) return Invalid("peer protocol: shard query names too many paths");
+  // Each path takes at least its 4-byte length: a count the bytes cannot hold is truncated.
+  if (uint64_t{count} * 4 > bytes.size()) return Corrupt("peer protocol: truncated shard query");
+  m.paths.reserve(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    uint32_t len = r.U32();
+    if (len > kMaxPathBytes) return Invalid("peer protocol: shard query path too long");
+    m.paths.emplace_back(r.Bytes(len));
+  }
+  CKPT_RETURN_IF_ERROR(r.Finish("shard query"));
+  return m;
+}
+
+std::string EncodeShardAnswer(const ShardAnswer& m) {
+  Writer w;
+  w.U64(m.query_id);
+  w.U32(m.code);
+  if (m.code != static_cast<uint32_t>(Code::kOk)) {
+    w.U32(0);
+    w.U32(static_cast<uint32_t>(m.error.size()));
+    w.Bytes(m.error.data(), m.error.size());
+    return w.Take();
+  }
+  w.U32(static_cast<uint32_t>(m.states.size()));
+  for (const ShardStatus& s : m.states) {
+    w.U8(static_cast<uint8_t>(s.state));
+    w.U64(s.length);
+  }
+  return w.Take();
+}
+
+Result<ShardAnswer> DecodeShardAnswer(std::string_view bytes) {
+  Reader r(bytes);
+  ShardAnswer m;
+  m.query_id = r.U64();
+  m.code = r.U32();
+  uint32_t count = r.U32();
+  if (m.code != static_cast<uint32_t>(Code::kOk)) {
+    if (count != 0) return Corrupt("peer protocol: error shard answer with states");
+    uint32_t len = r.U32();
+    if (len > kMaxPathBytes) return Corrupt("peer protocol: shard answer error too long");
+    m.error = std::string(r.Bytes(len));
+    CKPT_RETURN_IF_ERROR(r.Finish("shard answer"));
+    return m;
+  }
+  if (count > kMaxQueryPaths) return Corrupt("peer protocol: shard answer too long");
+  if (uint64_t{count} * 9 > bytes.size()) return Corrupt("peer protocol: truncated shard answer");
+  m.states.reserve(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    uint8_t state = r.U8();
+    uint64_t length = r.U64();
+    if (state > kMaxShardState) return Corrupt("peer protocol: bad shard state");
+    m.states.push_back(ShardStatus{static_cast<ShardState>(state), length});
+  }
+  CKPT_RETURN_IF_ERROR(r.Finish("shard answer"));
+  return m;
+}
+
 Proof ComputeProof(std::string_view secret, ProofRole role, std::string_view node_id,
                    const Nonce& client_nonce, const Nonce& server_nonce) {
   Writer w;

@@ -25,9 +25,11 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/status.h"
 #include "store/cache/block_source.h"
+#include "store/shard_state.h"
 
 namespace ckptfs::store::peer {
 
@@ -39,6 +41,8 @@ enum AmId : unsigned {
   kAmAuthResult = 4,
   kAmRequest = 5,
   kAmResponse = 6,
+  kAmShardQuery = 7,   // commit query (below)
+  kAmShardAnswer = 8,
 };
 
 inline constexpr uint32_t kProtocolMagic = 0x50504b43;  // "CKPP"
@@ -82,6 +86,34 @@ struct ResponseHeader {
   uint64_t length = 0;
 };
 inline constexpr size_t kResponseHeaderBytes = 24;
+
+// Commit query (docs/PEERS.md, "Commit query"): a node about to publish a `.metadata` asks
+// a peer what it knows about shard paths (relative to the backing root). The peer answers
+// once any path it reports pending has left that state, or when `hold_ms` passes (its own
+// cap applies), or at once when none is pending there. Both travel eager (small), sent with
+// UCP_AM_SEND_FLAG_EAGER; a rendezvous one is dropped with a log line.
+//   kAmShardQuery  {query_id u64, hold_ms u32, count u32, count x {u32 len + path bytes}}
+//   kAmShardAnswer {query_id u64, code u32, count u32, count x {state u8, length u64}}
+//                  (code != Ok: count is 0 and an error message of u32 len + bytes follows)
+// Added in protocol version 1 without a bump: a daemon that does not know these ids drops
+// the query (UCX logs it) and the asker's timeout falls back to the backing store.
+inline constexpr size_t kMaxQueryPaths = 16384;
+inline constexpr size_t kMaxQueryBytes = 1u << 20;  // an encoded query, at most
+struct ShardQuery {
+  uint64_t query_id = 0;
+  uint32_t hold_ms = 0;
+  std::vector<std::string> paths;
+};
+struct ShardAnswer {
+  uint64_t query_id = 0;
+  uint32_t code = 0;  // ckptfs::Code
+  std::vector<ShardStatus> states;  // one per queried path, in order (code Ok)
+  std::string error;                // code != Ok
+};
+std::string EncodeShardQuery(const ShardQuery& m);
+Result<ShardQuery> DecodeShardQuery(std::string_view bytes);
+std::string EncodeShardAnswer(const ShardAnswer& m);
+Result<ShardAnswer> DecodeShardAnswer(std::string_view bytes);
 
 std::string EncodeHello(const Hello& m);
 Result<Hello> DecodeHello(std::string_view bytes);

@@ -15,8 +15,12 @@ For each durability mode (async, strict):
     `.metadata` and every shard (G5 across nodes), and no temporary file is left;
   * loads through all mounts verify every value: own shards, replicated (every rank reads
     everything), reshard (2 ranks);
-  * the backing dir alone loads (G2).
+  * the backing dir alone loads (G2);
+  * the coordinator's commit asked the other daemons over UCX (the commit query,
+    docs/PEERS.md) instead of polling the backing store: its stats show
+    peer_commit_queries > 0 and no commit poll (commit_gate.commit_polls == 0).
 """
+import json
 import os
 import shutil
 import subprocess
@@ -140,9 +144,21 @@ class MultiNodeDcp(unittest.TestCase):
 
         states = {}
         with open(os.path.join(c.nodes[0].mnt, ".ckptfs", "checkpoints")) as f:
-            import json
             states = {x["path"]: x for x in json.load(f)}
         self.assertEqual(states.get(CKPT, {}).get("state"), "committed", states)
+
+        # The coordinator learned of the other nodes' shards from their daemons: asked
+        # (peer_commit_queries), answered durable or pending, no backing-store polling.
+        with open(os.path.join(c.nodes[0].mnt, ".ckptfs", "stats")) as f:
+            stats = json.load(f)
+        gate = stats["commit_gate"]
+        print(f"\nK={k} {durability}: node 0 commit gate: {json.dumps(gate)}", file=sys.stderr)
+        self.assertGreater(stats["peer_commit_queries"], 0, gate)
+        answers = gate["peer_commit_answers"]
+        self.assertGreater(answers["durable"] + answers["pending"], 0, gate)
+        self.assertEqual(gate["commit_polls"], 0, gate)
+        self.assertEqual(stats["remote_polls"], 0, gate)
+        self.assertGreaterEqual(gate["peer_confirmed"], 1, gate)
 
         t1 = time.monotonic()
         own = dcp_tool.load(dirs[0], RANKS, "own", SEED, timeout=120, dirs=dirs)
@@ -209,6 +225,55 @@ class MultiNodeDcp(unittest.TestCase):
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            timeout=60)
         self.assertEqual(r.returncode, 0, r.stdout)
+
+    def test_a_commit_waits_for_a_pending_shard_by_asking_its_writer(self):
+        # Node 1 writes every shard of a checkpoint and keeps the last one open; node 0
+        # publishes the `.metadata`. Node 0's gate learns "pending" from node 1's daemon
+        # (long-poll), never polls the backing store, and commits right after node 1 closes
+        # the shard (its durability ends the held query).
+        c = self.cluster(2, "async")
+        m0, m1, b = c.nodes[0].mnt, c.nodes[1].mnt, c.backing
+        fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures",
+                               "dcp", "torch113_4rank_single_file")
+        ck = os.path.join("run", "pending")
+        os.makedirs(os.path.join(m0, ck))
+        deadline = time.monotonic() + 20
+        while not os.path.isdir(os.path.join(b, ck)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+        def shard(i):
+            with open(os.path.join(fixture, f"__{i}_0.distcp"), "rb") as f:
+                return f.read()
+        for i in range(3):
+            with open(os.path.join(m1, ck, f"__{i}_0.distcp"), "wb") as f:
+                f.write(shard(i))
+        last = open(os.path.join(m1, ck, "__3_0.distcp"), "wb")
+        try:
+            last.write(shard(3))
+            last.flush()
+            with open(os.path.join(fixture, ".metadata"), "rb") as f:
+                md = f.read()
+            with open(os.path.join(m0, ck, ".metadata"), "wb") as f:
+                f.write(md)
+            time.sleep(2.0)
+            self.assertFalse(os.path.exists(os.path.join(b, ck, ".metadata")),
+                             "G5: .metadata published while a shard is still open elsewhere")
+        finally:
+            last.close()
+        closed = time.monotonic()
+        deadline = closed + 30
+        while not os.path.exists(os.path.join(b, ck, ".metadata")):
+            self.assertLess(time.monotonic(), deadline, self.logs(c))
+            time.sleep(0.005)
+        latency = time.monotonic() - closed
+        with open(os.path.join(m0, ".ckptfs", "stats")) as f:
+            gate = json.load(f)["commit_gate"]
+        print(f"\npending shard: .metadata on the backing store {latency * 1000:.0f} ms after "
+              f"the last shard's close; node 0 commit gate: {json.dumps(gate)}", file=sys.stderr)
+        self.assertGreater(gate["peer_commit_answers"]["pending"], 0, gate)
+        self.assertEqual(gate["commit_polls"], 0, gate)
+        self.assertEqual(gate["peer_confirmed"], 4, gate)
+        self.assertLess(latency, 10, gate)
 
     def test_k2_async(self):
         self.run_case(2, "async")

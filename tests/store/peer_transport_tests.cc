@@ -18,7 +18,9 @@
 #include <thread>
 
 #include "store/crc32c.h"
+#include "common/mutex.h"
 #include "store/peer/buffer_pool.h"
+#include "store/peer/commit_query.h"
 #include "store/peer/peer_client.h"
 #include "store/peer/peer_server.h"
 #include "store/peer/protocol.h"
@@ -575,6 +577,254 @@ TEST(PeerProtocol, MessagesRoundTripAndTruncationIsCorrupt) {
   auto refused = DecodeAuthResult(EncodeAuthResult(AuthResult{}));
   ASSERT_TRUE(refused.ok());
   EXPECT_FALSE(refused->accepted);
+}
+
+TEST(PeerProtocol, ShardQueryAndAnswerRoundTripAndBadInputIsRejected) {
+  ShardQuery q;
+  q.query_id = 0x1122334455667788ull;
+  q.hold_ms = 1500;
+  q.paths = {"ck/__0_0.distcp", std::string("ck/\xff\0x", 5), ""};
+  std::string enc = EncodeShardQuery(q);
+  auto back = DecodeShardQuery(enc);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->query_id, q.query_id);
+  EXPECT_EQ(back->hold_ms, q.hold_ms);
+  EXPECT_EQ(back->paths, q.paths);
+  for (size_t cut = 0; cut < enc.size(); ++cut) {
+    EXPECT_FALSE(DecodeShardQuery(enc.substr(0, cut)).ok()) << cut;
+  }
+  EXPECT_FALSE(DecodeShardQuery(enc + "x").ok());
+  // A count no message could hold, a path over the limit, an oversized query.
+  std::string huge_count = enc;
+  huge_count[12] = huge_count[13] = huge_count[14] = huge_count[15] = '\xff';
+  EXPECT_FALSE(DecodeShardQuery(huge_count).ok());
+  std::string long_path = enc;
+  long_path[16] = '\0';
+  long_path[17] = long_path[18] = '\x7f';
+  EXPECT_FALSE(DecodeShardQuery(long_path).ok());
+  EXPECT_FALSE(DecodeShardQuery(std::string(kMaxQueryBytes + 1, '\0')).ok());
+
+  ShardAnswer a;
+  a.query_id = 5;
+  a.code = static_cast<uint32_t>(Code::kOk);
+  a.states = {{ShardState::kDurable, 1ull << 33}, {ShardState::kPending, 0}, {}};
+  enc = EncodeShardAnswer(a);
+  auto ab = DecodeShardAnswer(enc);
+  ASSERT_TRUE(ab.ok()) << ab.status().ToString();
+  EXPECT_EQ(ab->query_id, 5u);
+  EXPECT_EQ(ab->states, a.states);
+  for (size_t cut = 0; cut < enc.size(); ++cut) {
+    EXPECT_FALSE(DecodeShardAnswer(enc.substr(0, cut)).ok()) << cut;
+  }
+  std::string bad_state = enc;
+  bad_state[16] = 9;
+  EXPECT_FALSE(DecodeShardAnswer(bad_state).ok());
+  ShardAnswer err;
+  err.query_id = 6;
+  err.code = static_cast<uint32_t>(Code::kUnsupported);
+  err.error = "no shard states";
+  auto eb = DecodeShardAnswer(EncodeShardAnswer(err));
+  ASSERT_TRUE(eb.ok());
+  EXPECT_EQ(eb->code, err.code);
+  EXPECT_EQ(eb->error, err.error);
+  EXPECT_TRUE(eb->states.empty());
+  // Random garbage never crashes a decoder.
+  std::mt19937 rng(12);
+  for (int i = 0; i < 2000; ++i) {
+    std::string g(rng() % 64, '\0');
+    for (char& c : g) c = static_cast<char>(rng());
+    (void)DecodeShardQuery(g);
+    (void)DecodeShardAnswer(g);
+  }
+}
+
+// ---- Commit query over real UCX. ----
+
+// A provider whose states the test sets; a change calls the server's listener.
+class FakeShardStates : public ShardStateProvider {
+ public:
+  ShardStatus Query(const std::string& path) override {
+    MutexLock lock(&mu_);
+    ++queries_;
+    auto it = states_.find(path);
+    return it == states_.end() ? ShardStatus{} : it->second;
+  }
+  void SetListener(std::function<void()> changed) override {
+    MutexLock lock(&mu_);
+    listener_ = std::move(changed);
+  }
+  void Set(const std::string& path, ShardStatus st) {
+    std::function<void()> listener;
+    {
+      MutexLock lock(&mu_);
+      states_[path] = st;
+      listener = listener_;
+    }
+    if (listener) listener();
+  }
+
+ private:
+  Mutex mu_;
+  std::map<std::string, ShardStatus> states_ GUARDED_BY(mu_);
+  std::function<void()> listener_ GUARDED_BY(mu_);
+  uint64_t queries_ GUARDED_BY(mu_) = 0;
+};
+
+class PeerShardQuery : public ::testing::Test {
+ protected:
+  std::unique_ptr<PeerServer> Serve(FakeShardStates* states, std::string node_id) {
+    PeerServerOptions o = ServerOptions();
+    o.node_id = std::move(node_id);
+    o.shard_states = states;
+    auto s = PeerServer::Create(o, &provider_);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    return s.ok() ? std::move(s).value() : nullptr;
+  }
+  SyntheticProvider provider_{TestFiles()};
+};
+
+TEST_F(PeerShardQuery, AnswersAtOnceWhenNothingIsPendingThere) {
+  FakeShardStates states;
+  states.Set("ck/__0_0.distcp", {ShardState::kDurable, 4096});
+  states.Set("ck/__1_0.distcp", {ShardState::kDropped, 0});
+  auto server = Serve(&states, "127.0.0.1:7000");
+  ASSERT_NE(server, nullptr);
+  auto client = PeerClient::Connect(ClientOptions(server->port()));
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  const auto start = Clock::now();
+  auto got = (*client)->QueryShards({"ck/__0_0.distcp", "ck/__1_0.distcp", "ck/none", "../x"},
+                                    5000ms);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_LT(Clock::now() - start, 1s) << "held although nothing was pending";
+  ASSERT_EQ(got->size(), 4u);
+  EXPECT_EQ((*got)[0], (ShardStatus{ShardState::kDurable, 4096}));
+  EXPECT_EQ((*got)[1].state, ShardState::kDropped);
+  EXPECT_EQ((*got)[2].state, ShardState::kUnknown);
+  EXPECT_EQ((*got)[3].state, ShardState::kUnknown);  // not a clean relative path
+  EXPECT_EQ(server->stats().shard_queries, 1u);
+  // A large query (many fragments, still eager) is answered in full.
+  std::vector<std::string> many;
+  for (int i = 0; i < 8000; ++i) {
+    many.push_back("run/iter_0000001/__" + std::to_string(i) + "_0.distcp");
+  }
+  many.push_back("ck/__0_0.distcp");
+  auto big = (*client)->QueryShards(many, 5000ms);
+  ASSERT_TRUE(big.ok()) << big.status().ToString();
+  ASSERT_EQ(big->size(), many.size());
+  EXPECT_EQ(big->back(), (ShardStatus{ShardState::kDurable, 4096}));
+  EXPECT_EQ(big->front().state, ShardState::kUnknown);
+}
+
+TEST_F(PeerShardQuery, APendingShardIsAnsweredWhenItBecomesDurableOrTheHoldEnds) {
+  FakeShardStates states;
+  states.Set("ck/__0_0.distcp", {ShardState::kPending, 0});
+  auto server = Serve(&states, "127.0.0.1:7000");
+  ASSERT_NE(server, nullptr);
+  auto client = PeerClient::Connect(ClientOptions(server->port()));
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  std::thread writer([&] {
+    std::this_thread::sleep_for(300ms);
+    states.Set("ck/__0_0.distcp", {ShardState::kDurable, 123});
+  });
+  const auto start = Clock::now();
+  auto got = (*client)->QueryShards({"ck/__0_0.distcp", "ck/other"}, 1900ms);
+  const auto took = Clock::now() - start;
+  writer.join();
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ((*got)[0], (ShardStatus{ShardState::kDurable, 123}));
+  EXPECT_GE(took, 250ms);
+  EXPECT_LT(took, 1500ms) << "the answer waited for the hold, not the change";
+  // Still pending: answered as pending when the hold passes (capped by the server's 2 s).
+  states.Set("ck/__1_0.distcp", {ShardState::kPending, 0});
+  const auto start2 = Clock::now();
+  got = (*client)->QueryShards({"ck/__1_0.distcp"}, 400ms);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ((*got)[0].state, ShardState::kPending);
+  EXPECT_GE(Clock::now() - start2, 350ms);
+  EXPECT_LT(Clock::now() - start2, 3s);
+}
+
+TEST_F(PeerShardQuery, ServerWithoutStatesAnswersUnsupportedAndTooManyPathsAreRefused) {
+  auto s = PeerServer::Create(ServerOptions(), &provider_);
+  ASSERT_TRUE(s.ok());
+  auto client = PeerClient::Connect(ClientOptions((*s)->port()));
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto got = (*client)->QueryShards({"ck/__0_0.distcp"}, 1000ms);
+  EXPECT_EQ(got.status().code(), Code::kUnsupported) << got.status().ToString();
+  EXPECT_EQ((*s)->stats().shard_query_errors, 1u);
+  std::vector<std::string> many(kMaxQueryPaths + 1, "p");
+  EXPECT_EQ((*client)->QueryShards(many, 10ms).status().code(), Code::kInvalid);
+  // The connection still serves blocks.
+  std::vector<char> buf(4096);
+  EXPECT_TRUE((*client)->Fetch(Id("ckpt/.metadata"), 0, buf).ok());
+}
+
+TEST_F(PeerShardQuery, QuerierMergesTwoPeersWithArbitraryShardPlacement) {
+  // Node 0 asks; node 1 wrote shards 0 and 3, node 2 shard 1; shard 2 nobody knows.
+  FakeShardStates one, two;
+  one.Set("ck/__0_0.distcp", {ShardState::kDurable, 100});
+  two.Set("ck/__1_0.distcp", {ShardState::kPending, 0});
+  auto s1 = Serve(&one, "127.0.0.1:7011");
+  auto s2 = Serve(&two, "127.0.0.1:7012");
+  ASSERT_TRUE(s1 && s2);
+  CommitQueryOptions qo;
+  qo.nodes = {kClientNode, "127.0.0.1:" + std::to_string(s1->port()),
+              "127.0.0.1:" + std::to_string(s2->port())};
+  qo.self = 0;
+  qo.secret = kSecret;
+  qo.request_timeout = 3s;
+  CommitQuerier querier(qo);
+  const std::vector<std::string> paths = {"ck/__0_0.distcp", "ck/__1_0.distcp",
+                                          "ck/__2_0.distcp", "ck/__3_0.distcp"};
+  std::promise<std::vector<PeerShardAnswer>> p1;
+  std::thread later([&] {
+    std::this_thread::sleep_for(200ms);
+    two.Set("ck/__1_0.distcp", {ShardState::kDurable, 200});
+  });
+  const auto start = Clock::now();
+  ASSERT_TRUE(querier.Ask(paths, 1500ms, [&](std::vector<PeerShardAnswer> a) {
+    p1.set_value(std::move(a));
+  }));
+  auto answers = p1.get_future().get();
+  const auto took = Clock::now() - start;
+  later.join();
+  ASSERT_EQ(answers.size(), 4u);
+  EXPECT_EQ(answers[0].status, (ShardStatus{ShardState::kDurable, 100}));
+  EXPECT_EQ(answers[1].status, (ShardStatus{ShardState::kDurable, 200}));
+  EXPECT_EQ(answers[2].status.state, ShardState::kUnknown);
+  EXPECT_FALSE(answers[2].unreachable);
+  EXPECT_EQ(answers[3].status.state, ShardState::kUnknown);
+  EXPECT_GE(took, 150ms) << "node 2 held its answer while its shard was pending";
+  EXPECT_LT(took, 1400ms) << "node 2's change should end its hold; node 1 answered at once";
+  // Node 2 goes away: its shards are unknown-and-unreachable, node 1's still answered.
+  s2.reset();
+  std::promise<std::vector<PeerShardAnswer>> p2;
+  one.Set("ck/__3_0.distcp", {ShardState::kDurable, 300});
+  ASSERT_TRUE(querier.Ask(paths, 500ms, [&](std::vector<PeerShardAnswer> a) {
+    p2.set_value(std::move(a));
+  }));
+  answers = p2.get_future().get();
+  EXPECT_EQ(answers[3].status, (ShardStatus{ShardState::kDurable, 300}));
+  EXPECT_EQ(answers[1].status.state, ShardState::kUnknown);
+  EXPECT_TRUE(answers[1].unreachable);
+  EXPECT_EQ(querier.Stats().rounds, 2u);
+  EXPECT_GE(querier.Stats().peer_errors, 1u);
+}
+
+TEST(PeerShardQueryMerge, DurableBeatsPendingBeatsDroppedBeatsFailedBeatsUnknown) {
+  PeerShardAnswer a;
+  CommitQuerier::Merge({ShardState::kFailed, 0}, &a);
+  EXPECT_EQ(a.status.state, ShardState::kFailed);
+  CommitQuerier::Merge({ShardState::kUnknown, 0}, &a);
+  EXPECT_EQ(a.status.state, ShardState::kFailed);
+  CommitQuerier::Merge({ShardState::kDropped, 0}, &a);
+  EXPECT_EQ(a.status.state, ShardState::kDropped);
+  CommitQuerier::Merge({ShardState::kPending, 0}, &a);
+  EXPECT_EQ(a.status.state, ShardState::kPending);
+  CommitQuerier::Merge({ShardState::kDurable, 5}, &a);
+  CommitQuerier::Merge({ShardState::kDurable, 9}, &a);
+  CommitQuerier::Merge({ShardState::kPending, 0}, &a);
+  EXPECT_EQ(a.status, (ShardStatus{ShardState::kDurable, 9}));
 }
 
 TEST(PeerProtocol, ProofsDependOnRoleSecretNodeAndNonces) {

@@ -1,0 +1,93 @@
+// CommitQuerier: the asking side of the commit query (docs/PEERS.md, "Commit query").
+//
+// The commit gate of a node about to publish a `.metadata` asks, through Ask(), what the
+// other daemons know about the shards it still waits for. A round sends one kAmShardQuery
+// to every other node at once (any rank may write any shard, so every node is asked; the
+// messages are small) and gathers the answers per path: the most useful state any peer gave
+// (durable, with the largest length, > pending > dropped > failed > unknown) and whether some
+// peer could not be asked (not connectable, in its pause after a failure, timed out, lost,
+// or it answered with an error). Peers hold their answer while a path is pending there
+// (long-poll, `hold`), so a round ends about when a pending shard becomes durable.
+//
+// Rounds run one at a time on the querier's own thread, which connects lazily (a
+// PeerClient per peer, made on the first round that needs it; a peer that fails is skipped
+// for `down_backoff`). `done` runs on that thread, exactly once per accepted Ask(): with the
+// answers, or, when the querier stops first, with every path unreachable.
+//
+// Thread-safe. The destructor stops and joins the thread.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/mutex.h"
+#include "common/status.h"
+#include "store/peer/peer_client.h"
+#include "store/shard_state.h"
+
+namespace ckptfs::store::peer {
+
+using ShardAnswersFn = std::function<void(std::vector<PeerShardAnswer>)>;
+
+struct CommitQueryOptions {
+  std::vector<std::string> nodes;  // "host:port" of every daemon, same order everywhere
+  uint32_t self = 0;
+  std::string secret;
+  std::chrono::milliseconds connect_timeout{3000};
+  std::chrono::milliseconds request_timeout{5000};  // on top of the hold
+  std::chrono::milliseconds down_backoff{5000};
+};
+
+struct CommitQueryStats {
+  uint64_t rounds = 0;
+  uint64_t peer_errors = 0;  // a peer not asked or not answering in a round
+};
+
+class CommitQuerier {
+ public:
+  explicit CommitQuerier(CommitQueryOptions options);
+  ~CommitQuerier();
+  CommitQuerier(const CommitQuerier&) = delete;
+  CommitQuerier& operator=(const CommitQuerier&) = delete;
+
+  // Queues a round about `paths`; false (done is not called) once stopping.
+  bool Ask(std::vector<std::string> paths, std::chrono::milliseconds hold, ShardAnswersFn done)
+      EXCLUDES(mu_);
+  CommitQueryStats Stats() const EXCLUDES(mu_);
+
+  // How one path's answers from several peers combine (exposed for tests).
+  static void Merge(const ShardStatus& from_peer, PeerShardAnswer* into);
+
+ private:
+  struct Job {
+    std::vector<std::string> paths;
+    std::chrono::milliseconds hold{0};
+    ShardAnswersFn done;
+  };
+  struct Peer {
+    std::shared_ptr<PeerClient> client;
+    std::chrono::steady_clock::time_point down_until{};
+  };
+  void Loop();
+  std::vector<PeerShardAnswer> RunRound(const Job& job);
+  std::shared_ptr<PeerClient> ClientFor(uint32_t node);
+
+  const CommitQueryOptions options_;
+  std::vector<Peer> peers_;  // by node index; querier thread only
+
+  mutable Mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_ GUARDED_BY(mu_);
+  bool stop_ GUARDED_BY(mu_) = false;
+  CommitQueryStats stats_ GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+}  // namespace ckptfs::store::peer

@@ -1,0 +1,127 @@
+#include "store/shard_state.h"
+
+#include <vector>
+
+#include "common/path.h"
+
+namespace ckptfs::store {
+
+const char* ShardStateName(ShardState s) {
+  switch (s) {
+    case ShardState::kUnknown:
+      return "unknown";
+    case ShardState::kPending:
+      return "pending";
+    case ShardState::kDurable:
+      return "durable";
+    case ShardState::kDropped:
+      return "dropped";
+    case ShardState::kFailed:
+      return "failed";
+  }
+  return "?";
+}
+
+ShardStatus LocalShardStates::Query(const std::string& path) {
+  // The namespace first (it may take the namespace lock): a path written again is pending
+  // whatever an older publish left in the record.
+  if (options_.pending && options_.pending(path)) return {ShardState::kPending, 0};
+  {
+    MutexLock lock(&mu_);
+    auto it = records_.find(path);
+    if (it != records_.end()) return it->second.status;
+  }
+  if (options_.dropped && options_.dropped(path)) return {ShardState::kDropped, 0};
+  return {};
+}
+
+std::optional<uint64_t> LocalShardStates::Durable(const std::string& path) const {
+  MutexLock lock(&mu_);
+  auto it = records_.find(path);
+  if (it == records_.end() || it->second.status.state != ShardState::kDurable) return std::nullopt;
+  return it->second.status.length;
+}
+
+void LocalShardStates::SetListener(std::function<void()> changed) {
+  MutexLock lock(&listener_mu_);
+  listener_ = std::move(changed);
+}
+
+void LocalShardStates::PutLocked(const std::string& path, ShardStatus status) {
+  const uint64_t stamp = next_stamp_++;
+  records_[path] = Record{status, stamp};
+  order_.emplace_back(path, stamp);
+  while (records_.size() > options_.max_records && !order_.empty()) {
+    auto [old, old_stamp] = std::move(order_.front());
+    order_.pop_front();
+    auto it = records_.find(old);
+    if (it != records_.end() && it->second.stamp == old_stamp) records_.erase(it);
+  }
+  // Stale order entries (paths recorded again, moved or erased) are dropped as they reach
+  // the front; keep the deque from growing without bound when the same paths repeat.
+  if (order_.size() > 2 * options_.max_records + 16) {
+    std::deque<std::pair<std::string, uint64_t>> live;
+    for (auto& [p, s] : order_) {
+      auto it = records_.find(p);
+      if (it != records_.end() && it->second.stamp == s) live.emplace_back(std::move(p), s);
+    }
+    order_ = std::move(live);
+  }
+}
+
+void LocalShardStates::EraseAtOrBelowLocked(const std::string& dir) {
+  for (auto it = records_.lower_bound(dir);
+       it != records_.end() && it->first.compare(0, dir.size(), dir) == 0;) {
+    if (path::IsAtOrBelow(it->first, dir)) {
+      it = records_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void LocalShardStates::NoteDone(const JournalEntry& e, const Status& st) {
+  bool notify = false;
+  {
+    MutexLock lock(&mu_);
+    switch (e.op) {
+      case OpType::kPublish:
+        if (st.ok()) {
+          PutLocked(e.path, {ShardState::kDurable, e.size});
+        } else if (st.code() == Code::kAborted) {
+          PutLocked(e.path, {ShardState::kDropped, 0});
+        } else {
+          PutLocked(e.path, {ShardState::kFailed, 0});
+        }
+        notify = true;
+        break;
+      case OpType::kRename: {
+        if (!st.ok()) break;
+        // The records at or below `from` move with it; whatever was at `path` is replaced.
+        std::vector<std::pair<std::string, ShardStatus>> moved;
+        for (auto it = records_.lower_bound(e.from);
+             it != records_.end() && it->first.compare(0, e.from.size(), e.from) == 0; ++it) {
+          if (auto to = path::Rebase(it->first, e.from, e.path)) {
+            moved.emplace_back(std::move(*to), it->second.status);
+          }
+        }
+        EraseAtOrBelowLocked(e.from);
+        EraseAtOrBelowLocked(e.path);
+        for (auto& [p, s] : moved) PutLocked(p, s);
+        notify = true;
+        break;
+      }
+      case OpType::kUnlink:
+      case OpType::kRmdir:
+        if (st.ok()) EraseAtOrBelowLocked(e.path);
+        break;
+      default:
+        break;
+    }
+  }
+  if (!notify) return;
+  MutexLock lock(&listener_mu_);
+  if (listener_) listener_();
+}
+
+}  // namespace ckptfs::store

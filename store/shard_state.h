@@ -1,0 +1,119 @@
+// What a daemon knows about the shard files written through its own mount, for the
+// cross-node commit query (docs/PEERS.md, "Commit query"): node X's commit gate asks the
+// other daemons about the shards of a `.metadata` it is about to publish, and each answers
+// from its ShardStateProvider instead of X polling the backing store.
+//
+// States, per path relative to the backing root:
+//   kPending  open for writing through this mount, or its publish queued or retried here
+//             (not yet durable);
+//   kDurable  its publish (or a rename onto it) was applied through this mount: fsynced,
+//             renamed onto its name; `length` is the size it was published with;
+//   kDropped  deleted through this mount before it was published (its publish was dropped
+//             or aborted): it will not appear from here;
+//   kFailed   its publication failed for good here (strict mode skips the entry);
+//   kUnknown  none of these (never written here, or forgotten: the record is bounded).
+// A path open for writing again after a publish is kPending: pending wins over a record.
+//
+// LocalShardStates is the daemon's provider: the pending/dropped questions go to hooks into
+// the namespace (fs/), the outcomes come from the journal's on_done (NoteDone), kept in a
+// bounded record of the most recent `max_records` paths.
+//
+// Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "common/mutex.h"
+#include "common/status.h"
+#include "store/journal.h"
+
+namespace ckptfs::store {
+
+enum class ShardState : uint8_t {
+  kUnknown = 0,
+  kPending = 1,
+  kDurable = 2,
+  kDropped = 3,
+  kFailed = 4,
+};
+inline constexpr uint8_t kMaxShardState = 4;
+const char* ShardStateName(ShardState s);
+
+struct ShardStatus {
+  ShardState state = ShardState::kUnknown;
+  uint64_t length = 0;  // kDurable: the published size
+  bool operator==(const ShardStatus&) const = default;
+};
+
+// One path's answer gathered from every peer (CommitQuerier): the most useful state any
+// peer gave (durable > pending > dropped > failed > unknown) and whether some peer could
+// not be asked (then "unknown" may only mean "the one who knows did not answer").
+struct PeerShardAnswer {
+  ShardStatus status;
+  bool unreachable = false;
+};
+
+class ShardStateProvider {
+ public:
+  virtual ~ShardStateProvider() = default;
+  // In memory only: never touches the backing store, never waits for long (it may take
+  // the namespace lock briefly).
+  virtual ShardStatus Query(const std::string& path) = 0;
+  // `changed` runs (on the journal's thread, shortly, never under the provider's lock
+  // order with anything else) whenever some path may have left kPending. One listener;
+  // an empty function removes it, and returns only once no call to the old one is running.
+  virtual void SetListener(std::function<void()> changed) = 0;
+};
+
+struct LocalShardStatesOptions {
+  // Open for writing through this mount or its publish queued and not yet done. May be
+  // empty.
+  std::function<bool(const std::string&)> pending;
+  // Deleted through this mount before it was published. May be empty.
+  std::function<bool(const std::string&)> dropped;
+  size_t max_records = 65536;
+};
+
+class LocalShardStates : public ShardStateProvider {
+ public:
+  explicit LocalShardStates(LocalShardStatesOptions options) : options_(std::move(options)) {}
+  LocalShardStates(const LocalShardStates&) = delete;
+  LocalShardStates& operator=(const LocalShardStates&) = delete;
+
+  ShardStatus Query(const std::string& path) override;
+  void SetListener(std::function<void()> changed) override EXCLUDES(listener_mu_);
+
+  // The size `path` was published with through this mount, if it is in the record as
+  // durable (no pending check).
+  std::optional<uint64_t> Durable(const std::string& path) const EXCLUDES(mu_);
+
+  // The journal's on_done, after the namespace has taken the outcome (so that a published
+  // path is no longer pending when a listener re-asks).
+  void NoteDone(const JournalEntry& e, const Status& st) EXCLUDES(mu_, listener_mu_);
+
+ private:
+  struct Record {
+    ShardStatus status;
+    uint64_t stamp = 0;
+  };
+  void PutLocked(const std::string& path, ShardStatus status) REQUIRES(mu_);
+  void EraseAtOrBelowLocked(const std::string& dir) REQUIRES(mu_);
+
+  const LocalShardStatesOptions options_;
+  mutable Mutex mu_;
+  std::map<std::string, Record> records_ GUARDED_BY(mu_);
+  // (path, stamp) in insertion order; an entry whose stamp differs from the record's is
+  // stale. Evicts the oldest beyond max_records.
+  std::deque<std::pair<std::string, uint64_t>> order_ GUARDED_BY(mu_);
+  uint64_t next_stamp_ GUARDED_BY(mu_) = 1;
+
+  Mutex listener_mu_;
+  std::function<void()> listener_ GUARDED_BY(listener_mu_);
+};
+
+}  // namespace ckptfs::store

@@ -1,0 +1,274 @@
+// CommitGate with a fake ask_peers hook (the commit query, docs/PEERS.md) over a
+// FaultyBackingDir that counts the backing-store stats of each shard: a pending answer
+// waits without a stat, a durable one counts after exactly one, and anything a peer cannot
+// vouch for falls back to polling.
+#include "store/commit_gate.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include "common/mutex.h"
+#include "store/dcp/dcp_metadata.h"
+#include "tests/store/faulty_backing_dir.h"
+
+namespace ckptfs::store {
+namespace {
+
+using namespace std::chrono_literals;
+namespace sfs = std::filesystem;
+
+const sfs::path kFixture =
+    sfs::path(CKPTFS_SOURCE_DIR) / "tests/fixtures/dcp/torch113_4rank_single_file";
+
+class CommitGateTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = tmp_.Sub("root");
+    sfs::create_directories(root_ + "/ck");
+    sfs::copy_file(kFixture / ".metadata", root_ + "/ck/.metadata.tmp");
+    std::ifstream in(kFixture / ".metadata", std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto md = ParseDcpMetadata(bytes);
+    ASSERT_TRUE(md.ok()) << md.status().ToString();
+    for (const auto& [file, len] : RequiredFileLengths(*md)) need_["ck/" + file] = len;
+    ASSERT_EQ(need_.size(), 4u);
+    dir_ = FaultyBackingDir::Open(root_);
+    dir_->SetLookupHook([this](const std::string& op, const std::string& path) {
+      if (op == "stat") {
+        MutexLock lock(&mu_);
+        ++stats_[path];
+      }
+      return 0;
+    });
+    commit_.seq = 7;
+    commit_.op = OpType::kRename;
+    commit_.path = "ck/.metadata";
+    commit_.from = "ck/.metadata.tmp";
+  }
+
+  // The gate as the daemon wires it with peers; rounds are kept for the test to answer.
+  std::unique_ptr<CommitGate> MakeGate(std::chrono::milliseconds timeout = 30s) {
+    CommitGateOptions o;
+    o.timeout = timeout;
+    o.ask_peers = [this](std::vector<std::string> paths, CommitGateOptions::AnswersFn done) {
+      MutexLock lock(&mu_);
+      if (!peers_available_) return false;
+      rounds_.push_back({std::move(paths), std::move(done)});
+      return true;
+    };
+    o.wake = [this] { wakes_.fetch_add(1); };
+    return std::make_unique<CommitGate>(dir_.get(), o);
+  }
+
+  CommitCheck Check(CommitGate& gate) { return gate.Check(commit_, {}); }
+
+  // Answers the oldest open round with `status` for every path.
+  std::vector<std::string> Answer(ShardStatus status, bool unreachable = false) {
+    std::pair<std::vector<std::string>, CommitGateOptions::AnswersFn> round;
+    {
+      MutexLock lock(&mu_);
+      EXPECT_FALSE(rounds_.empty());
+      if (rounds_.empty()) return {};
+      round = std::move(rounds_.front());
+      rounds_.erase(rounds_.begin());
+    }
+    std::vector<PeerShardAnswer> answers(round.first.size());
+    for (auto& a : answers) a = PeerShardAnswer{status, unreachable};
+    round.second(std::move(answers));
+    return round.first;
+  }
+  size_t OpenRounds() {
+    MutexLock lock(&mu_);
+    return rounds_.size();
+  }
+  uint64_t ShardStats() {
+    MutexLock lock(&mu_);
+    uint64_t n = 0;
+    for (const auto& [path, count] : stats_) n += need_.count(path) ? count : 0;
+    return n;
+  }
+  void WriteShards(uint64_t shorten = 0) {
+    for (const auto& [path, len] : need_) {
+      std::ofstream(root_ + "/" + path, std::ios::binary) << std::string(len - shorten, 'x');
+    }
+  }
+
+  ScopedTempDir tmp_;
+  std::string root_;
+  std::unique_ptr<FaultyBackingDir> dir_;
+  std::map<std::string, uint64_t> need_;
+  JournalEntry commit_;
+  Mutex mu_;
+  std::map<std::string, uint64_t> stats_ GUARDED_BY(mu_);
+  std::vector<std::pair<std::vector<std::string>, CommitGateOptions::AnswersFn>> rounds_
+      GUARDED_BY(mu_);
+  bool peers_available_ GUARDED_BY(mu_) = true;
+  std::atomic<int> wakes_{0};
+};
+
+TEST_F(CommitGateTest, PendingAnswersWaitWithoutTouchingTheBackingStore) {
+  auto gate = MakeGate();
+  CommitCheck c = Check(*gate);
+  ASSERT_TRUE(c.status.ok());
+  EXPECT_FALSE(c.ready);
+  ASSERT_EQ(OpenRounds(), 1u);
+  EXPECT_EQ(ShardStats(), 0u);
+  // Asked again while the round is out: no second round, still no stat.
+  EXPECT_FALSE(Check(*gate).ready);
+  EXPECT_EQ(OpenRounds(), 1u);
+  auto asked = Answer({ShardState::kPending, 0});
+  EXPECT_EQ(asked.size(), 4u);
+  EXPECT_EQ(wakes_.load(), 1);
+  c = Check(*gate);
+  EXPECT_FALSE(c.ready);
+  EXPECT_TRUE(c.waits_for_unwritten);
+  EXPECT_EQ(OpenRounds(), 1u) << "a pending answer asks again at once (the peer holds it)";
+  EXPECT_EQ(ShardStats(), 0u);
+  CommitGateStats s = gate->stats();
+  EXPECT_EQ(s.commit_polls, 0u);
+  EXPECT_EQ(s.peer_commit_queries, 2u);
+  EXPECT_EQ(s.answers_pending, 4u);
+}
+
+TEST_F(CommitGateTest, DurableAnswerCountsAfterExactlyOneStat) {
+  auto gate = MakeGate();
+  EXPECT_FALSE(Check(*gate).ready);
+  Answer({ShardState::kPending, 0});
+  EXPECT_FALSE(Check(*gate).ready);
+  WriteShards();
+  Answer({ShardState::kDurable, 1ull << 40});  // at least what is needed
+  CommitCheck c = Check(*gate);
+  EXPECT_TRUE(c.status.ok()) << c.status.ToString();
+  EXPECT_TRUE(c.ready);
+  EXPECT_EQ(ShardStats(), 4u);  // one confirming stat each
+  CommitGateStats s = gate->stats();
+  EXPECT_EQ(s.commit_polls, 0u);
+  EXPECT_EQ(s.confirm_stats, 4u);
+  EXPECT_EQ(s.peer_confirmed, 4u);
+}
+
+TEST_F(CommitGateTest, DurableButNotOnTheBackingStoreIsPolled) {
+  auto gate = MakeGate();
+  EXPECT_FALSE(Check(*gate).ready);
+  WriteShards(/*shorten=*/1);  // the store shows shorter files than the peer claims
+  Answer({ShardState::kDurable, 1ull << 40});
+  EXPECT_FALSE(Check(*gate).ready);
+  EXPECT_EQ(OpenRounds(), 0u);
+  WriteShards();
+  CommitCheck c;
+  for (int i = 0; i < 100 && !(c = Check(*gate)).ready; ++i) std::this_thread::sleep_for(20ms);
+  EXPECT_TRUE(c.ready);
+  EXPECT_GT(gate->stats().commit_polls, 0u);
+}
+
+TEST_F(CommitGateTest, ShorterDurableUnknownAndFailedFallBackToPolling) {
+  for (ShardStatus st : {ShardStatus{ShardState::kUnknown, 0}, ShardStatus{ShardState::kFailed, 0},
+                         ShardStatus{ShardState::kDurable, 1}}) {
+    SCOPED_TRACE(ShardStateName(st.state));
+    auto gate = MakeGate();
+    EXPECT_FALSE(Check(*gate).ready);
+    Answer(st);
+    CommitCheck c = Check(*gate);  // polls at once: nothing there yet
+    EXPECT_FALSE(c.ready);
+    EXPECT_EQ(ShardStats(), 4u);
+    EXPECT_EQ(OpenRounds(), 0u) << "no peer knows them: no more rounds";
+    WriteShards();
+    for (int i = 0; i < 100 && !(c = Check(*gate)).ready; ++i) std::this_thread::sleep_for(20ms);
+    EXPECT_TRUE(c.ready);
+    EXPECT_GE(gate->stats().commit_polls, 8u);
+    for (const auto& [path, len] : need_) sfs::remove(root_ + "/" + path);
+    MutexLock lock(&mu_);
+    stats_.clear();
+  }
+}
+
+TEST_F(CommitGateTest, NoPeersOrUnreachablePeersFallBackToPolling) {
+  {
+    MutexLock lock(&mu_);
+    peers_available_ = false;
+  }
+  auto gate = MakeGate();
+  CommitCheck c = Check(*gate);
+  EXPECT_FALSE(c.ready);
+  EXPECT_EQ(c.recheck, 1ms) << "ask again at once, to poll";
+  WriteShards();
+  c = Check(*gate);
+  EXPECT_TRUE(c.ready);
+  EXPECT_EQ(gate->stats().commit_polls, 4u);
+
+  // A peer that cannot be asked: a dropped answer from the others is not trusted either.
+  {
+    MutexLock lock(&mu_);
+    peers_available_ = true;
+  }
+  commit_.seq = 8;
+  auto gate2 = MakeGate();
+  EXPECT_FALSE(Check(*gate2).ready);
+  Answer({ShardState::kDropped, 0}, /*unreachable=*/true);
+  c = Check(*gate2);
+  EXPECT_TRUE(c.status.ok()) << c.status.ToString();
+  EXPECT_TRUE(c.ready);  // the shards are there: polled
+  EXPECT_EQ(gate2->stats().commit_polls, 4u);
+}
+
+TEST_F(CommitGateTest, DroppedOnItsWriterIsRefusedAtOnce) {
+  auto gate = MakeGate();
+  EXPECT_FALSE(Check(*gate).ready);
+  Answer({ShardState::kDropped, 0});
+  CommitCheck c = Check(*gate);
+  EXPECT_EQ(c.status.code(), Code::kAborted) << c.status.ToString();
+  EXPECT_EQ(ShardStats(), 0u);
+  EXPECT_EQ(gate->stats().peer_refused, 1u);
+}
+
+TEST_F(CommitGateTest, PendingForeverStillTimesOut) {
+  auto gate = MakeGate(/*timeout=*/150ms);
+  EXPECT_FALSE(Check(*gate).ready);
+  CommitCheck c;
+  const auto start = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - start < 2s) {
+    if (OpenRounds() > 0) Answer({ShardState::kPending, 0});
+    c = Check(*gate);
+    if (!c.status.ok()) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_EQ(c.status.code(), Code::kTimeout) << c.status.ToString();
+  EXPECT_EQ(ShardStats(), 0u);
+}
+
+TEST_F(CommitGateTest, ARoundAnsweredForAnEarlierCommitIsIgnored) {
+  auto gate = MakeGate();
+  EXPECT_FALSE(Check(*gate).ready);
+  commit_.seq = 9;  // another commit takes the gate
+  EXPECT_FALSE(Check(*gate).ready);
+  ASSERT_EQ(OpenRounds(), 2u);
+  WriteShards();
+  Answer({ShardState::kDurable, 1ull << 40});  // the first commit's round: stale
+  EXPECT_FALSE(Check(*gate).ready);
+  EXPECT_EQ(ShardStats(), 0u);
+  Answer({ShardState::kDurable, 1ull << 40});
+  EXPECT_TRUE(Check(*gate).ready);
+}
+
+TEST_F(CommitGateTest, PublishedThroughThisMountCountsAfterOneStatWithoutAsking) {
+  CommitGateOptions o;
+  o.local_durable = [](const std::string&) -> std::optional<uint64_t> { return 1ull << 40; };
+  o.ask_peers = [this](std::vector<std::string>, CommitGateOptions::AnswersFn) {
+    ADD_FAILURE() << "asked the peers about shards published here";
+    return false;
+  };
+  CommitGate gate(dir_.get(), o);
+  WriteShards();
+  EXPECT_TRUE(Check(gate).ready);
+  EXPECT_EQ(ShardStats(), 4u);
+  EXPECT_EQ(gate.stats().commit_polls, 0u);
+}
+
+}  // namespace
+}  // namespace ckptfs::store
