@@ -134,29 +134,83 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
     files.push_back(File{file, std::min<uint64_t>(length, static_cast<uint64_t>(st->st_size)), id});
   }
 #ifdef CKPTFS_HAVE_UCX
-  // With peers, this node's share goes first: its blocks are the ones others will ask for.
+  // With peers, this node prefetches its share only: the blocks others will ask it for.
+  // Everything else this node's readers need comes from its owner item by item as they
+  // reach it (PrefetchItem): prefetching the whole checkpoint here pulled the other
+  // nodes' shares over the network even in own-shard loads, where nobody here reads them.
   if (peers_) {
+    KeepItems(ckpt, *md);
     std::vector<std::pair<std::string, store::BlockId>> ids;
     for (const File& f : files) ids.emplace_back(f.name, f.id);
     auto owned = peers_->PlanCheckpoint(ckpt, *md, ids);
-    if (!owned.ok()) spdlog::warn("peers: cannot plan {}: {}", ckpt, owned.status().ToString());
-    for (const auto& range : owned.ok() ? *owned : std::vector<store::peer::OwnedRange>{}) {
-      for (const File& f : files) {
-        if (f.name == range.file) cache_->Prefetch(f.id, range.offset, range.length);
+    if (owned.ok()) {
+      for (const auto& range : *owned) {
+        for (const File& f : files) {
+          if (f.name == range.file) cache_->Prefetch(f.id, range.offset, range.length);
+        }
       }
+      spdlog::debug("prefetch of {}: this node's share of {} files queued", ckpt, files.size());
+      return;
     }
+    spdlog::warn("peers: cannot plan {}: {}", ckpt, owned.status().ToString());
   }
 #endif
   for (const File& f : files) cache_->Prefetch(f.id, 0, f.length);
   spdlog::debug("prefetch of {}: {} files queued", ckpt, files.size());
 }
 
+void ReadPath::KeepItems(const std::string& ckpt, const store::DcpMetadata& md) {
+  FileItems items;
+  for (const store::DcpItem& it : md.items) {
+    if (it.length == 0) continue;
+    items[it.file].emplace_back(it.offset, it.offset + it.length);
+  }
+  for (auto& [file, ranges] : items) std::sort(ranges.begin(), ranges.end());
+  MutexLock lock(&items_mu_);
+  if (items_.count(ckpt) == 0) {
+    items_order_.push_back(ckpt);
+    while (items_order_.size() > kKeptCheckpoints) {
+      items_.erase(items_order_.front());
+      items_order_.pop_front();
+    }
+  }
+  items_[ckpt] = std::move(items);
+}
+
+std::optional<std::pair<uint64_t, uint64_t>> ReadPath::KeptItem(const std::string& ckpt,
+                                                                const std::string& file,
+                                                                uint64_t at) {
+  MutexLock lock(&items_mu_);
+  auto c = items_.find(ckpt);
+  if (c == items_.end()) return std::nullopt;
+  auto f = c->second.find(file);
+  if (f == c->second.end()) return std::nullopt;
+  const auto& ranges = f->second;
+  // The last item starting at or before `at`.
+  auto it = std::upper_bound(ranges.begin(), ranges.end(),
+                             std::pair<uint64_t, uint64_t>{at, UINT64_MAX});
+  if (it == ranges.begin()) return std::nullopt;
+  --it;
+  if (it->second <= at) return std::nullopt;
+  return *it;
+}
+
 void ReadPath::PrefetchItem(FileHandle* h, const store::BlockId& id, uint64_t offset) {
-  if (!h->indexed) return;  // never build an index inside a read
   if (offset < h->prefetched_end.load(std::memory_order_relaxed)) return;
-  auto item = index_->Locate(h->ckpt, h->file, offset);
-  if (!item || item->offset + item->length <= offset) return;
-  const uint64_t end = item->offset + item->length;
+  uint64_t end = 0;
+  if (h->indexed) {
+    auto item = index_->Locate(h->ckpt, h->file, offset);
+    if (!item || item->offset + item->length <= offset) return;
+    end = item->offset + item->length;
+  } else if (peers_) {
+    // Never build an index inside a read; the items of `.metadata` kept by the checkpoint
+    // prefetch say as much (they are there once that prefetch has parsed it).
+    auto item = KeptItem(h->ckpt, h->file, offset);
+    if (!item) return;
+    end = item->second;
+  } else {
+    return;  // the checkpoint prefetch fetches every item
+  }
   if (h->prefetched_end.exchange(end) >= end) return;  // another read got there first
   uint64_t from = offset + cache_->block_bytes();
   if (from < end) cache_->Prefetch(id, from, end - from);

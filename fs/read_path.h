@@ -14,9 +14,13 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <string>
+#include <optional>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "common/mutex.h"
 #include "common/status.h"
@@ -24,6 +28,7 @@
 #include "store/backing_dir.h"
 #include "store/cache/backing_source.h"
 #include "store/cache/block_cache.h"
+#include "store/dcp/dcp_metadata.h"
 #include "store/dcp/key_index.h"
 #include "store/dcp/read_checksums.h"
 
@@ -58,6 +63,8 @@ class ReadPath {
   // Indexes committed checkpoint `ckpt` in the background (the journal never waits).
   void QueueIndexBuild(const std::string& ckpt) EXCLUDES(mu_);
   // Fetches a checkpoint's items into the block cache in file order (a load started).
+  // With peers, only this node's share of the plan: the rest is fetched item by item as
+  // this node's readers reach it, so no block nobody here reads crosses the network.
   // Does nothing without a block cache.
   void QueuePrefetch(const std::string& ckpt) EXCLUDES(mu_);
 
@@ -71,8 +78,16 @@ class ReadPath {
  private:
   void Run() EXCLUDES(mu_);
   void PrefetchCheckpoint(const std::string& ckpt);
-  // Prefetches the whole DCP item that `offset` falls in, once per item and handle.
+  // Prefetches the whole DCP item that `offset` falls in, once per item and handle: from the
+  // key index when the checkpoint was indexed, else (with peers) from the items of its
+  // `.metadata` that PrefetchCheckpoint() kept.
   void PrefetchItem(FileHandle* h, const store::BlockId& id, uint64_t offset);
+  // The item [offset, end) of `file` of `ckpt` that `at` falls in, from the kept items.
+  std::optional<std::pair<uint64_t, uint64_t>> KeptItem(const std::string& ckpt,
+                                                        const std::string& file, uint64_t at)
+      EXCLUDES(items_mu_);
+  // Keeps `md`'s item ranges for KeptItem(); at most kKeptCheckpoints checkpoints.
+  void KeepItems(const std::string& ckpt, const store::DcpMetadata& md) EXCLUDES(items_mu_);
   // Lends an open backing file to the cache's source under its BlockId; drops the blocks
   // cached for another file that had the same name, size and mtime.
   void Adopt(const store::BlockId& id, std::shared_ptr<const UniqueFd> fd, const struct stat& st);
@@ -93,6 +108,13 @@ class ReadPath {
   std::deque<std::string> prefetch_queue_ GUARDED_BY(mu_);
   bool stop_ GUARDED_BY(mu_) = false;
   std::thread worker_;
+
+  // Item ranges by checkpoint, then file, sorted by offset: (offset, end). A leaf lock.
+  using FileItems = std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>>;
+  static constexpr size_t kKeptCheckpoints = 8;
+  Mutex items_mu_;
+  std::map<std::string, FileItems> items_ GUARDED_BY(items_mu_);
+  std::deque<std::string> items_order_ GUARDED_BY(items_mu_);  // oldest first
 };
 
 }  // namespace ckptfs::fs
