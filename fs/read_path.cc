@@ -57,7 +57,10 @@ Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint6
   CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(h->fd->get()));
   const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
   Adopt(id, h->fd, st);
-  if (!h->ckpt.empty()) PrefetchItem(h, id, offset);
+  if (!h->ckpt.empty()) {
+    if (peers_ && !h->indexed && h->file != ".metadata") WaitForPlan(h->ckpt);
+    PrefetchItem(h, id, offset);
+  }
   Result<size_t> got = cache_->Read(id, out, len, offset);
   if (!got.ok() && (got.status().code() == Code::kAborted ||
                     got.status().code() == Code::kNotFound)) {
@@ -104,13 +107,40 @@ void ReadPath::QueuePrefetch(const std::string& ckpt) {
       if (queued == ckpt) return;
     }
     prefetch_queue_.push_back(ckpt);
+    if (peers_) planning_.insert(ckpt);
   }
   cv_.notify_one();
+}
+
+void ReadPath::PlanDone(const std::string& ckpt) {
+  {
+    MutexLock lock(&mu_);
+    if (planning_.erase(ckpt) == 0) return;
+  }
+  planned_cv_.notify_all();
+}
+
+void ReadPath::WaitForPlan(const std::string& ckpt) {
+  // Planning takes milliseconds (a second for a million items); a worker busy elsewhere
+  // (an index build) must not hold reads for long: past the bound they read unplanned.
+  constexpr auto kPlanWait = std::chrono::seconds(1);
+  MutexLock lock(&mu_);
+  if (planning_.count(ckpt) == 0) return;
+  planned_cv_.wait_for(lock.native(), kPlanWait,
+                       [&] {
+                         mu_.AssertHeld();  // the predicate runs under the lock
+                         return stop_ || planning_.count(ckpt) == 0;
+                       });
 }
 
 void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
   // Straight from `.metadata`: building the index here would read every item's header
   // outside the cache, before the data itself.
+  struct Done {  // however it ends, reads waiting for the plan go on
+    ReadPath* self;
+    const std::string& ckpt;
+    ~Done() { self->PlanDone(ckpt); }
+  } done{this, ckpt};
   auto bytes = store::ReadMetadataBytes(backing_, JoinPath(ckpt, ".metadata"));
   if (!bytes.ok()) return;
   auto md = store::ParseDcpMetadata(*bytes);
@@ -143,6 +173,7 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
     std::vector<std::pair<std::string, store::BlockId>> ids;
     for (const File& f : files) ids.emplace_back(f.name, f.id);
     auto owned = peers_->PlanCheckpoint(ckpt, *md, ids);
+    PlanDone(ckpt);
     if (owned.ok()) {
       for (const auto& range : *owned) {
         for (const File& f : files) {
@@ -225,7 +256,11 @@ void ReadPath::Run() {
       while (!stop_ && index_queue_.empty() && prefetch_queue_.empty()) {
         cv_.wait(lock.native());
       }
-      if (stop_) return;  // a later look builds lazily; the index is a cache
+      if (stop_) {
+        planning_.clear();  // nobody plans them now
+        planned_cv_.notify_all();
+        return;  // a later look builds lazily; the index is a cache
+      }
       if (!prefetch_queue_.empty()) {
         ckpt = std::move(prefetch_queue_.front());
         prefetch_queue_.pop_front();

@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 #include <optional>
+#include <set>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -77,7 +78,10 @@ class ReadPath {
 
  private:
   void Run() EXCLUDES(mu_);
-  void PrefetchCheckpoint(const std::string& ckpt);
+  void PrefetchCheckpoint(const std::string& ckpt) EXCLUDES(mu_);
+  // With peers: waits (at most kPlanWait) while `ckpt` is in planning_.
+  void WaitForPlan(const std::string& ckpt) EXCLUDES(mu_);
+  void PlanDone(const std::string& ckpt) EXCLUDES(mu_);
   // Prefetches the whole DCP item that `offset` falls in, once per item and handle: from the
   // key index when the checkpoint was indexed, else (with peers) from the items of its
   // `.metadata` that PrefetchCheckpoint() kept.
@@ -106,6 +110,11 @@ class ReadPath {
   std::condition_variable cv_;
   std::deque<std::string> index_queue_ GUARDED_BY(mu_);
   std::deque<std::string> prefetch_queue_ GUARDED_BY(mu_);
+  // With peers: checkpoints whose `.metadata` was opened and whose plan is not made yet.
+  // A read of one of their files waits (bounded) for the plan: read before it, a block
+  // another node owns would come from the backing store, and be read there twice.
+  std::set<std::string> planning_ GUARDED_BY(mu_);
+  std::condition_variable planned_cv_;  // a checkpoint left planning_
   bool stop_ GUARDED_BY(mu_) = false;
   std::thread worker_;
 
