@@ -179,6 +179,8 @@ class Filesystem {
   // Open/Read/Write/Flush/Fsync log every error they return as EIO with ino, path, offset.
   // Read and Write of a file take no namespace lock (see the locking rule above).
   Result<size_t> Read(Handle* h, char* out, size_t len, uint64_t offset) EXCLUDES(ns_mu_);
+  // Read() of a backing file from the block cache without a copy (ReadPath::ReadBackingInPlace); nullopt: use Read().
+  Result<std::optional<size_t>> ReadInPlace(Handle* h, size_t len, uint64_t offset, const store::BlockCache::InPlaceUse& use) EXCLUDES(ns_mu_);
   Status Write(Handle* h, const char* data, size_t len, uint64_t offset) EXCLUDES(ns_mu_);
   Status Flush(Handle* h) EXCLUDES(ns_mu_);
   Status Fsync(Handle* h) EXCLUDES(ns_mu_);

@@ -74,6 +74,25 @@ Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint6
   return got;
 }
 
+Result<std::optional<size_t>> ReadPath::ReadBackingInPlace(
+    FileHandle* h, size_t len, uint64_t offset, const store::BlockCache::InPlaceUse& use) {
+  // Checksums of first full reads are taken over the bytes copied out: those take the copy.
+  if (!cache_ || h->indexed) return std::optional<size_t>();
+  CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(h->fd->get()));
+  const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
+  Adopt(id, h->fd, st);
+  if (!h->ckpt.empty()) {
+    if (peers_ && h->file != ".metadata") WaitForPlan(h->ckpt);
+    PrefetchItem(h, id, offset);
+  }
+  auto got = cache_->ReadInPlace(id, len, offset, use);
+  if (!got.ok() && (got.status().code() == Code::kAborted ||
+                    got.status().code() == Code::kNotFound)) {
+    return std::optional<size_t>();  // ReadBacking() reads the descriptor itself
+  }
+  return got;
+}
+
 void ReadPath::Adopt(const store::BlockId& id, std::shared_ptr<const UniqueFd> fd,
                      const struct stat& st) {
   source_->Adopt(id, std::move(fd), st, [this](const std::string& p) { cache_->Invalidate(p); });

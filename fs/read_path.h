@@ -58,6 +58,12 @@ class ReadPath {
 
   // Reads the backing file `h->fd`: through the block cache when there is one.
   Result<size_t> ReadBacking(FileHandle* h, char* out, size_t len, uint64_t offset);
+  // ReadBacking() without copying: `use` gets iovecs over the cache's blocks (see
+  // BlockCache::ReadInPlace) and is called exactly once when this returns a count.
+  // nullopt (and `use` not called): read with ReadBacking() instead (no cache, checksums
+  // to record, a range the cache cannot pin at once, a lost descriptor).
+  Result<std::optional<size_t>> ReadBackingInPlace(FileHandle* h, size_t len, uint64_t offset,
+                                                   const store::BlockCache::InPlaceUse& use);
   // Reads a tensor-view chunk: a window of a shard file.
   Result<size_t> ReadView(const ViewHandle& v, char* out, size_t len, uint64_t offset);
 

@@ -526,4 +526,20 @@ void Filesystem::RelieveStagingPressure() {
   for (auto& f : files) f->SealIfIdle();
 }
 
+// The read side (ReadData's FileHandle branch) without its copy: only a file with no write
+// state has backing bytes in the block cache; everything else takes Read().
+Result<std::optional<size_t>> Filesystem::ReadInPlace(Handle* h, size_t len, uint64_t offset,
+                                                      const store::BlockCache::InPlaceUse& use) {
+  FileHandle* f = h->file();
+  if (f == nullptr || !f->fd) return std::optional<size_t>();
+  {
+    MutexLock lock(&f->node->data_mu);
+    if (!f->node->data.error.empty() || f->node->data.staged) return std::optional<size_t>();
+  }
+  auto got = read_->ReadBackingInPlace(f, len, offset, use);
+  if (!got.ok()) return LogIfIo("read", h->ino(), offset, got.status());
+  if (*got) bytes_read_.fetch_add(**got, std::memory_order_relaxed);
+  return got;
+}
+
 }  // namespace ckptfs::fs
