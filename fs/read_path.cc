@@ -263,7 +263,10 @@ void ReadPath::PrefetchItem(FileHandle* h, const store::BlockId& id, uint64_t of
   }
   if (h->prefetched_end.exchange(end) >= end) return;  // another read got there first
   uint64_t from = offset + cache_->block_bytes();
-  if (from < end) cache_->Prefetch(id, from, end - from);
+  // With peers, an item a reader is in goes ahead of the `.metadata` prefetch of this
+  // node's share, which takes the whole load on a throttled store: queued behind it, the
+  // item's blocks came from their owners one FUSE request at a time.
+  if (from < end) cache_->Prefetch(id, from, end - from, /*urgent=*/peers_ != nullptr);
 }
 
 void ReadPath::Run() {

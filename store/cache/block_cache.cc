@@ -470,7 +470,7 @@ Result<BlockRead> BlockCache::ReadBlock(const BlockId& id, uint64_t offset, std:
 
 // ------------------------------------------------------------------------ prefetch
 
-void BlockCache::Prefetch(const BlockId& id, uint64_t offset, uint64_t len) {
+void BlockCache::Prefetch(const BlockId& id, uint64_t offset, uint64_t len, bool urgent) {
   if (len == 0 || offset >= id.size) return;
   const uint64_t end = offset + std::min(len, id.size - offset);
   uint64_t tick;
@@ -480,7 +480,8 @@ void BlockCache::Prefetch(const BlockId& id, uint64_t offset, uint64_t len) {
     tick = ++use_tick_;
   }
   prefetcher_->Enqueue(
-      PrefetchRequest{id, offset / opts_.block_bytes, (end - 1) / opts_.block_bytes, tick});
+      PrefetchRequest{id, offset / opts_.block_bytes, (end - 1) / opts_.block_bytes, tick},
+      urgent);
 }
 
 bool BlockCache::PrefetchBlock(const BlockId& id, uint64_t index, uint64_t tick) {

@@ -115,9 +115,11 @@ class BlockCache final : public BlockSource {
   Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override
       EXCLUDES(mu_);
 
-  // Queues an asynchronous fetch of [offset, offset+len) (clamped to id.size). Returns
-  // at once; never blocks on I/O or memory.
-  void Prefetch(const BlockId& id, uint64_t offset, uint64_t len) EXCLUDES(mu_);
+  // Queues an asynchronous fetch of [offset, offset+len) (clamped to id.size), ahead of
+  // the queued ones when `urgent` (a reader is in that range now). Returns at once; never
+  // blocks on I/O or memory.
+  void Prefetch(const BlockId& id, uint64_t offset, uint64_t len, bool urgent = false)
+      EXCLUDES(mu_);
 
   // Drops every block of `path`, any version. Reads in flight still complete for their
   // callers; their blocks are then freed rather than cached.
