@@ -306,6 +306,22 @@ Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t o
   return got;
 }
 
+// The read side (ReadData's FileHandle branch) without its copy: only a file with no write
+// state has backing bytes in the block cache; everything else takes Read().
+Result<std::optional<size_t>> Filesystem::ReadInPlace(Handle* h, size_t len, uint64_t offset,
+                                                      const store::BlockCache::InPlaceUse& use) {
+  FileHandle* f = h->file();
+  if (f == nullptr || !f->fd) return std::optional<size_t>();
+  {
+    MutexLock lock(&f->node->data_mu);
+    if (!f->node->data.error.empty() || f->node->data.staged) return std::optional<size_t>();
+  }
+  auto got = read_->ReadBackingInPlace(f, len, offset, use);
+  if (!got.ok()) return LogIfIo("read", h->ino(), offset, got.status());
+  if (*got) stats_.bytes_read.fetch_add(**got, std::memory_order_relaxed);
+  return got;
+}
+
 Status Filesystem::Write(Handle* h, const char* data, size_t len, uint64_t offset) {
   FileHandle* f = h->file();
   if (f == nullptr) return Status(Code::kPermission, "not open for writing");

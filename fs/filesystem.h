@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -108,6 +109,10 @@ class Filesystem {
   Result<Handle*> Open(uint64_t ino, int flags);
   // Open/Read/Write/Flush/Fsync log every error they return as EIO with ino, path, offset.
   Result<size_t> Read(Handle* h, char* out, size_t len, uint64_t offset);
+  // Read() of a backing file from the block cache without a copy
+  // (ReadPath::ReadBackingInPlace): `use` gets the pinned blocks; nullopt: use Read().
+  Result<std::optional<size_t>> ReadInPlace(Handle* h, size_t len, uint64_t offset,
+                                            const store::BlockCache::InPlaceUse& use);
   Status Write(Handle* h, const char* data, size_t len, uint64_t offset);
   Status Flush(Handle* h);
   Status Fsync(Handle* h);

@@ -231,6 +231,15 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
 
 void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
   OpTimer timer(FuseOp::kRead);
+  // A backing file's bytes go to the kernel straight from the block cache's blocks
+  // (pinned until the reply is written): no copy into a reply buffer.
+  auto in_place = Fs(req)->ReadInPlace(H(fi), size, static_cast<uint64_t>(off),
+                                       [req](std::span<const struct iovec> iov) {
+                                         fuse_reply_iov(req, iov.data(),
+                                                        static_cast<int>(iov.size()));
+                                       });
+  if (!in_place.ok()) return ReplyErr(req, in_place.status());
+  if (*in_place) return;  // replied
   thread_local std::vector<char> buf;
   if (buf.size() < size) buf.resize(size);
   auto r = Fs(req)->Read(H(fi), buf.data(), size, static_cast<uint64_t>(off));

@@ -57,7 +57,10 @@ Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint6
   CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(h->fd->get()));
   const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
   Adopt(id, h->fd, st);
-  if (!h->ckpt.empty()) PrefetchItem(h, id, offset);
+  if (!h->ckpt.empty()) {
+    if (peers_ && !h->indexed && h->file != ".metadata") WaitForPlan(h->ckpt);
+    PrefetchItem(h, id, offset);
+  }
   Result<size_t> got = cache_->Read(id, out, len, offset);
   if (!got.ok() && (got.status().code() == Code::kAborted ||
                     got.status().code() == Code::kNotFound)) {
@@ -67,6 +70,25 @@ Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint6
   }
   if (got.ok() && h->indexed) {
     read_sums_->OnRead(h->ckpt, h->file, store::FileKeyFromStat(st), offset, out, *got);
+  }
+  return got;
+}
+
+Result<std::optional<size_t>> ReadPath::ReadBackingInPlace(
+    FileHandle* h, size_t len, uint64_t offset, const store::BlockCache::InPlaceUse& use) {
+  // Checksums of first full reads are taken over the bytes copied out: those take the copy.
+  if (!cache_ || h->indexed) return std::optional<size_t>();
+  CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(h->fd->get()));
+  const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
+  Adopt(id, h->fd, st);
+  if (!h->ckpt.empty()) {
+    if (peers_ && h->file != ".metadata") WaitForPlan(h->ckpt);
+    PrefetchItem(h, id, offset);
+  }
+  auto got = cache_->ReadInPlace(id, len, offset, use);
+  if (!got.ok() && (got.status().code() == Code::kAborted ||
+                    got.status().code() == Code::kNotFound)) {
+    return std::optional<size_t>();  // ReadBacking() reads the descriptor itself
   }
   return got;
 }
@@ -104,13 +126,40 @@ void ReadPath::QueuePrefetch(const std::string& ckpt) {
       if (queued == ckpt) return;
     }
     prefetch_queue_.push_back(ckpt);
+    if (peers_) planning_.insert(ckpt);
   }
   cv_.notify_one();
+}
+
+void ReadPath::PlanDone(const std::string& ckpt) {
+  {
+    MutexLock lock(&mu_);
+    if (planning_.erase(ckpt) == 0) return;
+  }
+  planned_cv_.notify_all();
+}
+
+void ReadPath::WaitForPlan(const std::string& ckpt) {
+  // Planning takes milliseconds (a second for a million items); a worker busy elsewhere
+  // (an index build) must not hold reads for long: past the bound they read unplanned.
+  constexpr auto kPlanWait = std::chrono::seconds(1);
+  MutexLock lock(&mu_);
+  if (planning_.count(ckpt) == 0) return;
+  planned_cv_.wait_for(lock.native(), kPlanWait,
+                       [&] {
+                         mu_.AssertHeld();  // the predicate runs under the lock
+                         return stop_ || planning_.count(ckpt) == 0;
+                       });
 }
 
 void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
   // Straight from `.metadata`: building the index here would read every item's header
   // outside the cache, before the data itself.
+  struct Done {  // however it ends, reads waiting for the plan go on
+    ReadPath* self;
+    const std::string& ckpt;
+    ~Done() { self->PlanDone(ckpt); }
+  } done{this, ckpt};
   auto bytes = store::ReadMetadataBytes(backing_, JoinPath(ckpt, ".metadata"));
   if (!bytes.ok()) return;
   auto md = store::ParseDcpMetadata(*bytes);
@@ -134,32 +183,90 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
     files.push_back(File{file, std::min<uint64_t>(length, static_cast<uint64_t>(st->st_size)), id});
   }
 #ifdef CKPTFS_HAVE_UCX
-  // With peers, this node's share goes first: its blocks are the ones others will ask for.
+  // With peers, this node prefetches its share only: the blocks others will ask it for.
+  // Everything else this node's readers need comes from its owner item by item as they
+  // reach it (PrefetchItem): prefetching the whole checkpoint here pulled the other
+  // nodes' shares over the network even in own-shard loads, where nobody here reads them.
   if (peers_) {
+    KeepItems(ckpt, *md);
     std::vector<std::pair<std::string, store::BlockId>> ids;
     for (const File& f : files) ids.emplace_back(f.name, f.id);
     auto owned = peers_->PlanCheckpoint(ckpt, *md, ids);
-    if (!owned.ok()) spdlog::warn("peers: cannot plan {}: {}", ckpt, owned.status().ToString());
-    for (const auto& range : owned.ok() ? *owned : std::vector<store::peer::OwnedRange>{}) {
-      for (const File& f : files) {
-        if (f.name == range.file) cache_->Prefetch(f.id, range.offset, range.length);
+    PlanDone(ckpt);
+    if (owned.ok()) {
+      for (const auto& range : *owned) {
+        for (const File& f : files) {
+          if (f.name == range.file) cache_->Prefetch(f.id, range.offset, range.length);
+        }
       }
+      spdlog::debug("prefetch of {}: this node's share of {} files queued", ckpt, files.size());
+      return;
     }
+    spdlog::warn("peers: cannot plan {}: {}", ckpt, owned.status().ToString());
   }
 #endif
   for (const File& f : files) cache_->Prefetch(f.id, 0, f.length);
   spdlog::debug("prefetch of {}: {} files queued", ckpt, files.size());
 }
 
+void ReadPath::KeepItems(const std::string& ckpt, const store::DcpMetadata& md) {
+  FileItems items;
+  for (const store::DcpItem& it : md.items) {
+    if (it.length == 0) continue;
+    items[it.file].emplace_back(it.offset, it.offset + it.length);
+  }
+  for (auto& [file, ranges] : items) std::sort(ranges.begin(), ranges.end());
+  MutexLock lock(&items_mu_);
+  if (items_.count(ckpt) == 0) {
+    items_order_.push_back(ckpt);
+    while (items_order_.size() > kKeptCheckpoints) {
+      items_.erase(items_order_.front());
+      items_order_.pop_front();
+    }
+  }
+  items_[ckpt] = std::move(items);
+}
+
+std::optional<std::pair<uint64_t, uint64_t>> ReadPath::KeptItem(const std::string& ckpt,
+                                                                const std::string& file,
+                                                                uint64_t at) {
+  MutexLock lock(&items_mu_);
+  auto c = items_.find(ckpt);
+  if (c == items_.end()) return std::nullopt;
+  auto f = c->second.find(file);
+  if (f == c->second.end()) return std::nullopt;
+  const auto& ranges = f->second;
+  // The last item starting at or before `at`.
+  auto it = std::upper_bound(ranges.begin(), ranges.end(),
+                             std::pair<uint64_t, uint64_t>{at, UINT64_MAX});
+  if (it == ranges.begin()) return std::nullopt;
+  --it;
+  if (it->second <= at) return std::nullopt;
+  return *it;
+}
+
 void ReadPath::PrefetchItem(FileHandle* h, const store::BlockId& id, uint64_t offset) {
-  if (!h->indexed) return;  // never build an index inside a read
   if (offset < h->prefetched_end.load(std::memory_order_relaxed)) return;
-  auto item = index_->Locate(h->ckpt, h->file, offset);
-  if (!item || item->offset + item->length <= offset) return;
-  const uint64_t end = item->offset + item->length;
+  uint64_t end = 0;
+  if (h->indexed) {
+    auto item = index_->Locate(h->ckpt, h->file, offset);
+    if (!item || item->offset + item->length <= offset) return;
+    end = item->offset + item->length;
+  } else if (peers_) {
+    // Never build an index inside a read; the items of `.metadata` kept by the checkpoint
+    // prefetch say as much (they are there once that prefetch has parsed it).
+    auto item = KeptItem(h->ckpt, h->file, offset);
+    if (!item) return;
+    end = item->second;
+  } else {
+    return;  // the checkpoint prefetch fetches every item
+  }
   if (h->prefetched_end.exchange(end) >= end) return;  // another read got there first
   uint64_t from = offset + cache_->block_bytes();
-  if (from < end) cache_->Prefetch(id, from, end - from);
+  // With peers, an item a reader is in goes ahead of the `.metadata` prefetch of this
+  // node's share, which takes the whole load on a throttled store: queued behind it, the
+  // item's blocks came from their owners one FUSE request at a time.
+  if (from < end) cache_->Prefetch(id, from, end - from, /*urgent=*/peers_ != nullptr);
 }
 
 void ReadPath::Run() {
@@ -171,7 +278,11 @@ void ReadPath::Run() {
       while (!stop_ && index_queue_.empty() && prefetch_queue_.empty()) {
         cv_.wait(lock.native());
       }
-      if (stop_) return;  // a later look builds lazily; the index is a cache
+      if (stop_) {
+        planning_.clear();  // nobody plans them now
+        planned_cv_.notify_all();
+        return;  // a later look builds lazily; the index is a cache
+      }
       if (!prefetch_queue_.empty()) {
         ckpt = std::move(prefetch_queue_.front());
         prefetch_queue_.pop_front();

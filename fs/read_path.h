@@ -14,9 +14,14 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <string>
+#include <optional>
+#include <set>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "common/mutex.h"
 #include "common/status.h"
@@ -24,6 +29,7 @@
 #include "store/backing_dir.h"
 #include "store/cache/backing_source.h"
 #include "store/cache/block_cache.h"
+#include "store/dcp/dcp_metadata.h"
 #include "store/dcp/key_index.h"
 #include "store/dcp/read_checksums.h"
 
@@ -52,12 +58,20 @@ class ReadPath {
 
   // Reads the backing file `h->fd`: through the block cache when there is one.
   Result<size_t> ReadBacking(FileHandle* h, char* out, size_t len, uint64_t offset);
+  // ReadBacking() without copying: `use` gets iovecs over the cache's blocks (see
+  // BlockCache::ReadInPlace) and is called exactly once when this returns a count.
+  // nullopt (and `use` not called): read with ReadBacking() instead (no cache, checksums
+  // to record, a range the cache cannot pin at once, a lost descriptor).
+  Result<std::optional<size_t>> ReadBackingInPlace(FileHandle* h, size_t len, uint64_t offset,
+                                                   const store::BlockCache::InPlaceUse& use);
   // Reads a tensor-view chunk: a window of a shard file.
   Result<size_t> ReadView(const ViewHandle& v, char* out, size_t len, uint64_t offset);
 
   // Indexes committed checkpoint `ckpt` in the background (the journal never waits).
   void QueueIndexBuild(const std::string& ckpt) EXCLUDES(mu_);
   // Fetches a checkpoint's items into the block cache in file order (a load started).
+  // With peers, only this node's share of the plan: the rest is fetched item by item as
+  // this node's readers reach it, so no block nobody here reads crosses the network.
   // Does nothing without a block cache.
   void QueuePrefetch(const std::string& ckpt) EXCLUDES(mu_);
 
@@ -70,9 +84,20 @@ class ReadPath {
 
  private:
   void Run() EXCLUDES(mu_);
-  void PrefetchCheckpoint(const std::string& ckpt);
-  // Prefetches the whole DCP item that `offset` falls in, once per item and handle.
+  void PrefetchCheckpoint(const std::string& ckpt) EXCLUDES(mu_);
+  // With peers: waits (at most kPlanWait) while `ckpt` is in planning_.
+  void WaitForPlan(const std::string& ckpt) EXCLUDES(mu_);
+  void PlanDone(const std::string& ckpt) EXCLUDES(mu_);
+  // Prefetches the whole DCP item that `offset` falls in, once per item and handle: from the
+  // key index when the checkpoint was indexed, else (with peers) from the items of its
+  // `.metadata` that PrefetchCheckpoint() kept.
   void PrefetchItem(FileHandle* h, const store::BlockId& id, uint64_t offset);
+  // The item [offset, end) of `file` of `ckpt` that `at` falls in, from the kept items.
+  std::optional<std::pair<uint64_t, uint64_t>> KeptItem(const std::string& ckpt,
+                                                        const std::string& file, uint64_t at)
+      EXCLUDES(items_mu_);
+  // Keeps `md`'s item ranges for KeptItem(); at most kKeptCheckpoints checkpoints.
+  void KeepItems(const std::string& ckpt, const store::DcpMetadata& md) EXCLUDES(items_mu_);
   // Lends an open backing file to the cache's source under its BlockId; drops the blocks
   // cached for another file that had the same name, size and mtime.
   void Adopt(const store::BlockId& id, std::shared_ptr<const UniqueFd> fd, const struct stat& st);
@@ -91,8 +116,20 @@ class ReadPath {
   std::condition_variable cv_;
   std::deque<std::string> index_queue_ GUARDED_BY(mu_);
   std::deque<std::string> prefetch_queue_ GUARDED_BY(mu_);
+  // With peers: checkpoints whose `.metadata` was opened and whose plan is not made yet.
+  // A read of one of their files waits (bounded) for the plan: read before it, a block
+  // another node owns would come from the backing store, and be read there twice.
+  std::set<std::string> planning_ GUARDED_BY(mu_);
+  std::condition_variable planned_cv_;  // a checkpoint left planning_
   bool stop_ GUARDED_BY(mu_) = false;
   std::thread worker_;
+
+  // Item ranges by checkpoint, then file, sorted by offset: (offset, end). A leaf lock.
+  using FileItems = std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>>;
+  static constexpr size_t kKeptCheckpoints = 8;
+  Mutex items_mu_;
+  std::map<std::string, FileItems> items_ GUARDED_BY(items_mu_);
+  std::deque<std::string> items_order_ GUARDED_BY(items_mu_);  // oldest first
 };
 
 }  // namespace ckptfs::fs

@@ -192,6 +192,8 @@ def main():
     ap.add_argument("--ranks", type=int, default=4, help="ranks that save the checkpoint")
     ap.add_argument("--pfs-mbps", type=int, default=40, help="backing disk read throttle")
     ap.add_argument("--modes", default="replicated,own,reshard")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="repetitions per case and way; the median (by time) is reported")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     root = tempfile.mkdtemp(prefix="ckptfs-bench-cluster-")
@@ -207,14 +209,30 @@ def main():
                    for f in os.listdir(os.path.join(backing, ckpt_rel)))
         for mode in a.modes.split(","):
             for k in [int(x) for x in a.nodes.split(",")]:
+                reps = {"direct": [], "ckptfs": []}
+                for rep in range(a.reps):
+                    # alternate the order so that drift on a shared machine cancels out
+                    order = ("direct", "ckptfs") if rep % 2 == 0 else ("ckptfs", "direct")
+                    for how in order:
+                        bl.log(f"{mode}: K={k} {how} rep {rep}")
+                        case = run_case(backing, ckpt_rel, k, a.ranks, how, mode, a.pfs_mbps,
+                                        os.path.join(root, f"{mode}-{k}-{how}-{rep}"))
+                        case["checkpoint_bytes"] = size
+                        case["backing_total_over_checkpoint"] = round(
+                            sum(case["backing_bytes_per_node"]) / size, 3)
+                        if how == "ckptfs":
+                            case["peer_total_over_checkpoint"] = round(
+                                sum(case["peer_bytes_per_node"]) / size, 3)
+                        reps[how].append(case)
                 pair = {}
-                for how in ("direct", "ckptfs"):
-                    bl.log(f"{mode}: K={k} {how}")
-                    case = run_case(backing, ckpt_rel, k, a.ranks, how, mode, a.pfs_mbps,
-                                    os.path.join(root, f"{mode}-{k}-{how}"))
-                    case["checkpoint_bytes"] = size
-                    case["backing_total_over_checkpoint"] = round(
-                        sum(case["backing_bytes_per_node"]) / size, 3)
+                for how, runs in reps.items():
+                    # the median rep by time; every rep's time is kept
+                    runs = sorted(runs, key=lambda c: c["time_s"])
+                    case = dict(runs[len(runs) // 2])
+                    case["reps"] = len(runs)
+                    case["times_s"] = [c["time_s"] for c in runs]
+                    case["backing_total_over_checkpoint_max"] = max(
+                        c["backing_total_over_checkpoint"] for c in runs)
                     pair[how] = case
                     cases.append(case)
                 pair["ckptfs"]["time_over_direct"] = bl.ratio(pair["ckptfs"]["time_s"],

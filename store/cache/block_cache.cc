@@ -299,6 +299,87 @@ void BlockCache::Load(const std::shared_ptr<Block>& block) {
 
 // ------------------------------------------------------------------------ reads
 
+void BlockCache::PinAndLoad(const BlockId& id, uint64_t next, uint64_t last, bool* dropped_old,
+                            std::vector<Pinned>* out, Status* error) {
+  std::vector<Pinned>& batch = *out;
+  int loads = 0;
+  {
+    MutexLock lock(&mu_);
+    for (uint64_t j = next; j <= last && batch.size() < kMaxBatchBlocks;) {
+      if (auto it = blocks_.find(KeyRef{&id, j}); it != blocks_.end()) {
+        Block* b = it->second.get();
+        ++b->pins;
+        if (b->state == Block::State::kReady) {
+          ++stats_.hits;
+          if (b->prefetched) {
+            ++stats_.prefetch_hits;
+            b->prefetched = false;
+          }
+          Touch(b);
+        } else {
+          ++stats_.dedup_waits;
+        }
+        batch.push_back({j, it->second, false});
+        ++j;
+        continue;
+      }
+      if (loads == opts_.read_parallelism) break;
+      const uint64_t size = BlockSize(id, j);
+      if (!TryReserve(size, 0)) {
+        // Never wait for memory while holding pins or unissued reads: issue these first.
+        if (!batch.empty()) break;
+        WaitReserve(lock, size);
+        if (blocks_.count(KeyRef{&id, j}) > 0) {  // appeared while the lock was dropped
+          Release(size);
+          continue;
+        }
+      }
+      if (!*dropped_old) {
+        DropVersions(id.path, &id);
+        *dropped_old = true;
+      }
+      auto b = NewLoadingBlock(id, j, size, /*prefetch=*/false);
+      ++b->pins;
+      ++stats_.misses;
+      ++loads;
+      batch.push_back({j, std::move(b), true});
+      ++j;
+    }
+  }
+
+  // Issue this batch's source reads in parallel: helpers for all but the first.
+  {
+    std::vector<std::jthread> helpers;
+    const Pinned* first_load = nullptr;
+    for (const Pinned& p : batch) {
+      if (!p.load) continue;
+      if (first_load == nullptr) {
+        first_load = &p;
+        continue;
+      }
+      try {
+        helpers.emplace_back([this, b = p.block] { Load(b); });
+      } catch (const std::system_error&) {
+        Load(p.block);  // no thread to spare: read it here
+      }
+    }
+    if (first_load != nullptr) Load(first_load->block);
+  }  // joins the helpers
+
+  MutexLock lock(&mu_);
+  for (const Pinned& p : batch) {
+    Block* b = p.block.get();
+    while (b->state == Block::State::kLoading) b->ready_cv.wait(lock.native());
+    if (b->state == Block::State::kFailed && error->ok()) *error = b->error;
+  }
+}
+
+void BlockCache::UnpinAll(const std::vector<Pinned>& batch, uint64_t served) {
+  MutexLock lock(&mu_);
+  for (const Pinned& p : batch) Unpin(p.block.get());
+  stats_.bytes_served += served;
+}
+
 Result<size_t> BlockCache::Read(const BlockId& id, char* out, size_t len, uint64_t offset) {
   if (len == 0 || offset >= id.size) return size_t{0};
   const uint64_t bs = opts_.block_bytes;
@@ -309,104 +390,71 @@ Result<size_t> BlockCache::Read(const BlockId& id, char* out, size_t len, uint64
 
   for (uint64_t next = offset / bs; next <= last;) {
     std::vector<Pinned> batch;
-    int loads = 0;
-    {
-      MutexLock lock(&mu_);
-      for (uint64_t j = next; j <= last && batch.size() < kMaxBatchBlocks;) {
-        if (auto it = blocks_.find(KeyRef{&id, j}); it != blocks_.end()) {
-          Block* b = it->second.get();
-          ++b->pins;
-          if (b->state == Block::State::kReady) {
-            ++stats_.hits;
-            if (b->prefetched) {
-              ++stats_.prefetch_hits;
-              b->prefetched = false;
-            }
-            Touch(b);
-          } else {
-            ++stats_.dedup_waits;
-          }
-          batch.push_back({j, it->second, false});
-          ++j;
-          continue;
-        }
-        if (loads == opts_.read_parallelism) break;
-        const uint64_t size = BlockSize(id, j);
-        if (!TryReserve(size, 0)) {
-          // Never wait for memory while holding pins or unissued reads: issue these first.
-          if (!batch.empty()) break;
-          WaitReserve(lock, size);
-          if (blocks_.count(KeyRef{&id, j}) > 0) {  // appeared while the lock was dropped
-            Release(size);
-            continue;
-          }
-        }
-        if (!dropped_old) {
-          DropVersions(id.path, &id);
-          dropped_old = true;
-        }
-        auto b = NewLoadingBlock(id, j, size, /*prefetch=*/false);
-        ++b->pins;
-        ++stats_.misses;
-        ++loads;
-        batch.push_back({j, std::move(b), true});
-        ++j;
-      }
-    }
-
-    // Issue this batch's source reads in parallel: helpers for all but the first.
-    {
-      std::vector<std::jthread> helpers;
-      const Pinned* first_load = nullptr;
-      for (const Pinned& p : batch) {
-        if (!p.load) continue;
-        if (first_load == nullptr) {
-          first_load = &p;
-          continue;
-        }
-        try {
-          helpers.emplace_back([this, b = p.block] { Load(b); });
-        } catch (const std::system_error&) {
-          Load(p.block);  // no thread to spare: read it here
-        }
-      }
-      if (first_load != nullptr) Load(first_load->block);
-    }  // joins the helpers
-
     Status error;
+    PinAndLoad(id, next, last, &dropped_old, &batch, &error);
     bool short_block = false;
     const size_t copied_before = copied;
     for (const Pinned& p : batch) {
-      Block* b = p.block.get();
-      uint64_t block_len = 0;
-      {
-        MutexLock lock(&mu_);
-        while (b->state == Block::State::kLoading) b->ready_cv.wait(lock.native());
-        if (b->state == Block::State::kFailed && error.ok()) error = b->error;
-        block_len = b->len;
-      }
-      if (!error.ok() || short_block) continue;
+      if (!error.ok() || short_block) break;
       // Pinned and ready: `data` and `len` are fixed until the pin is dropped.
+      Block* b = p.block.get();
       const uint64_t start = p.index * bs;
       const uint64_t from = std::max(offset, start);
-      const uint64_t to = std::min(end, start + block_len);
+      const uint64_t to = std::min(end, start + b->len);
       if (to > from) {
         std::memcpy(out + (from - offset), b->data.get() + (from - start), to - from);
         copied += to - from;
       }
       // The file is shorter than its id says: stop at the bytes that exist.
-      if (block_len < BlockSize(id, p.index)) short_block = true;
+      if (b->len < BlockSize(id, p.index)) short_block = true;
     }
-    {
-      MutexLock lock(&mu_);
-      for (const Pinned& p : batch) Unpin(p.block.get());
-      stats_.bytes_served += copied - copied_before;
-    }
+    UnpinAll(batch, copied - copied_before);
     if (!error.ok()) return error;
     if (short_block) break;
     next += batch.size();
   }
   return copied;
+}
+
+Result<std::optional<size_t>> BlockCache::ReadInPlace(const BlockId& id, size_t len,
+                                                      uint64_t offset, const InPlaceUse& use) {
+  if (len == 0 || offset >= id.size) {
+    use({});
+    return std::optional<size_t>(0);
+  }
+  const uint64_t bs = opts_.block_bytes;
+  const uint64_t end = offset + std::min<uint64_t>(len, id.size - offset);
+  const uint64_t first = offset / bs;
+  const uint64_t last = (end - 1) / bs;
+  if (last - first + 1 > static_cast<uint64_t>(opts_.read_parallelism)) {
+    return std::optional<size_t>();
+  }
+  bool dropped_old = false;
+  std::vector<Pinned> batch;
+  Status error;
+  PinAndLoad(id, first, last, &dropped_old, &batch, &error);
+  if (!error.ok() || batch.size() != last - first + 1) {
+    UnpinAll(batch, 0);
+    if (!error.ok()) return error;
+    return std::optional<size_t>();  // could not pin the whole range at once (memory)
+  }
+  std::vector<struct iovec> iov;
+  iov.reserve(batch.size());
+  size_t total = 0;
+  for (const Pinned& p : batch) {
+    Block* b = p.block.get();  // pinned and ready: `data` and `len` are fixed
+    const uint64_t start = p.index * bs;
+    const uint64_t from = std::max(offset, start);
+    const uint64_t to = std::min(end, start + b->len);
+    if (to > from) {
+      iov.push_back({b->data.get() + (from - start), static_cast<size_t>(to - from)});
+      total += to - from;
+    }
+    if (b->len < BlockSize(id, p.index)) break;  // the file shrank: stop there
+  }
+  use(iov);
+  UnpinAll(batch, total);
+  return std::optional<size_t>(total);
 }
 
 Result<BlockRead> BlockCache::ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) {
@@ -422,7 +470,7 @@ Result<BlockRead> BlockCache::ReadBlock(const BlockId& id, uint64_t offset, std:
 
 // ------------------------------------------------------------------------ prefetch
 
-void BlockCache::Prefetch(const BlockId& id, uint64_t offset, uint64_t len) {
+void BlockCache::Prefetch(const BlockId& id, uint64_t offset, uint64_t len, bool urgent) {
   if (len == 0 || offset >= id.size) return;
   const uint64_t end = offset + std::min(len, id.size - offset);
   uint64_t tick;
@@ -432,7 +480,8 @@ void BlockCache::Prefetch(const BlockId& id, uint64_t offset, uint64_t len) {
     tick = ++use_tick_;
   }
   prefetcher_->Enqueue(
-      PrefetchRequest{id, offset / opts_.block_bytes, (end - 1) / opts_.block_bytes, tick});
+      PrefetchRequest{id, offset / opts_.block_bytes, (end - 1) / opts_.block_bytes, tick},
+      urgent);
 }
 
 bool BlockCache::PrefetchBlock(const BlockId& id, uint64_t index, uint64_t tick) {

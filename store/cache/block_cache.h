@@ -41,11 +41,15 @@
 // since an in-place rewrite within one mtime tick keeps size and mtime.
 #pragma once
 
+#include <sys/uio.h>
+
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -98,13 +102,24 @@ class BlockCache final : public BlockSource {
   // Aborted for a stale id, EIO...) is returned as is.
   Result<size_t> Read(const BlockId& id, char* out, size_t len, uint64_t offset) EXCLUDES(mu_);
 
+  // Read() without the copy: calls `use` once with iovecs over the cached blocks that hold
+  // the bytes Read() would return (none at the end of the file), pinned for the call, and
+  // returns their count. For a FUSE reply straight from the cache (fuse_reply_iov). When the
+  // range needs more blocks than one batch may pin, returns nullopt without calling `use`
+  // (the caller reads with Read() instead). Errors as Read(); `use` is then not called.
+  using InPlaceUse = std::function<void(std::span<const struct iovec>)>;
+  Result<std::optional<size_t>> ReadInPlace(const BlockId& id, size_t len, uint64_t offset,
+                                            const InPlaceUse& use) EXCLUDES(mu_);
+
   // BlockSource: Read() of out.size() bytes at `offset`; Invalid when offset > id.size.
   Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override
       EXCLUDES(mu_);
 
-  // Queues an asynchronous fetch of [offset, offset+len) (clamped to id.size). Returns
-  // at once; never blocks on I/O or memory.
-  void Prefetch(const BlockId& id, uint64_t offset, uint64_t len) EXCLUDES(mu_);
+  // Queues an asynchronous fetch of [offset, offset+len) (clamped to id.size), ahead of
+  // the queued ones when `urgent` (a reader is in that range now). Returns at once; never
+  // blocks on I/O or memory.
+  void Prefetch(const BlockId& id, uint64_t offset, uint64_t len, bool urgent = false)
+      EXCLUDES(mu_);
 
   // Drops every block of `path`, any version. Reads in flight still complete for their
   // callers; their blocks are then freed rather than cached.
@@ -157,6 +172,13 @@ class BlockCache final : public BlockSource {
   };
 
   BlockCache(BlockSource* source, const BlockCacheOptions& options);
+
+  // Pins blocks `next`.. of `id` (at most up to `last`), issuing source reads for the
+  // missing ones (the caller's thread plus helpers), and waits until all are ready or failed.
+  // Returns the first error among them in `error`; `batch` holds the pins.
+  void PinAndLoad(const BlockId& id, uint64_t next, uint64_t last, bool* dropped_old,
+                  std::vector<Pinned>* batch, Status* error) EXCLUDES(mu_);
+  void UnpinAll(const std::vector<Pinned>& batch, uint64_t served) EXCLUDES(mu_);
 
   uint64_t BlockSize(const BlockId& id, uint64_t index) const;
   // Reserves `bytes`, evicting LRU blocks. A prefetch (tick != 0) evicts only blocks last

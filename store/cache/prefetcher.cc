@@ -29,14 +29,18 @@ Prefetcher::~Prefetcher() {
   for (std::thread& t : threads_) t.join();
 }
 
-bool Prefetcher::Enqueue(PrefetchRequest request) {
+bool Prefetcher::Enqueue(PrefetchRequest request, bool urgent) {
   {
     MutexLock lock(&mu_);
     if (stop_ || threads_.empty() || queue_.size() >= max_queued_) {
       ++dropped_;
       return false;
     }
-    queue_.push_back(std::move(request));
+    if (urgent) {
+      queue_.push_front(std::move(request));
+    } else {
+      queue_.push_back(std::move(request));
+    }
   }
   cv_.notify_all();  // several threads may share one long request
   return true;

@@ -43,8 +43,9 @@ class Prefetcher {
   Prefetcher(const Prefetcher&) = delete;
   Prefetcher& operator=(const Prefetcher&) = delete;
 
-  // Queues `request`; false (and counted as dropped) when the queue is full or stopping.
-  bool Enqueue(PrefetchRequest request) EXCLUDES(mu_);
+  // Queues `request`, at the front when `urgent` (a reader is in that range now); false
+  // (and counted as dropped) when the queue is full or stopping.
+  bool Enqueue(PrefetchRequest request, bool urgent = false) EXCLUDES(mu_);
   // Requests dropped: queue full, out of memory, or still queued at destruction.
   uint64_t dropped() const EXCLUDES(mu_);
 

@@ -16,6 +16,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -456,6 +457,42 @@ TEST_P(BlockCacheTest, ReadsAreClampedAtEndOfFileAndAtAShrunkFile) {
   ASSERT_TRUE(n.ok());
   EXPECT_EQ(*n, kBlock + 10);
   EXPECT_EQ(0, std::memcmp(buf.data(), g.contents.data(), *n));
+}
+
+TEST_P(BlockCacheTest, ReadInPlaceGivesTheBytesOfReadPinnedAndFallsBackOnLongRanges) {
+  const uint64_t size = 3 * kBlock + 100;
+  File f = Make("f", Pattern(size, 42));
+  auto cache = NewCache(8 * kBlock, 0, /*read_parallelism=*/2);
+  Bind(cache.get(), f);
+  auto in_place = [&](uint64_t offset, size_t len) {
+    std::string got;
+    int calls = 0;
+    auto n = cache->ReadInPlace(f.id, len, offset, [&](std::span<const struct iovec> iov) {
+      ++calls;
+      for (const struct iovec& v : iov) got.append(static_cast<const char*>(v.iov_base), v.iov_len);
+    });
+    EXPECT_TRUE(n.ok()) << n.status().ToString();
+    if (!n.ok() || !*n) {
+      EXPECT_EQ(calls, 0);
+      return std::optional<std::string>();
+    }
+    EXPECT_EQ(calls, 1);
+    EXPECT_EQ(**n, got.size());
+    return std::optional<std::string>(got);
+  };
+  // Within a block, across a block boundary (cold, then cached), at and past the end.
+  for (auto [offset, len] : std::vector<std::pair<uint64_t, size_t>>{
+           {10, 4096}, {kBlock - 7, 100}, {kBlock - 7, 100}, {size - 50, 4096}, {size, 10},
+           {size + 5, 10}, {0, 0}}) {
+    auto got = in_place(offset, len);
+    ASSERT_TRUE(got.has_value()) << offset;
+    const size_t want = offset >= size ? 0 : std::min<size_t>(len, size - offset);
+    EXPECT_EQ(*got, f.contents.substr(std::min<uint64_t>(offset, size), want)) << offset;
+  }
+  // More blocks than one batch pins: the caller is told to Read() instead.
+  EXPECT_FALSE(in_place(0, 3 * kBlock).has_value());
+  ExpectRead(cache.get(), f, 0, size);
+  EXPECT_EQ(cache->Stats().used_bytes, size);  // every block cached once, nothing leaked
 }
 
 TEST_P(BlockCacheTest, PrefetchFillsTheCacheSoALaterReadHits) {
