@@ -608,7 +608,22 @@ Result<Entry> Namespace::MakeNode(uint64_t parent, const std::string& name, Node
     out = EntryLocked(node.get());
   }
   CKPT_RETURN_IF_ERROR(WaitIfStrict(seq));
+  if (type == NodeType::kDir && config_.peers && !config_.strict) WaitForOtherNodes(*seq);
   return out;
+}
+
+// Across nodes a directory made here is looked up on the backing store by the others: DCP's
+// coordinator makes the checkpoint directory and every rank, on any node, then creates its
+// shard in it. So with peers a mkdir returns once it is applied, even in async mode (behind
+// whatever this mount queued before it: a save's mkdir after the last one's publication). A
+// halted journal does not fail it: it exists here, the others see it on resume.
+void Namespace::WaitForOtherNodes(uint64_t seq) {
+  if (seq == 0) return;
+  Status st = journal_->WaitUnlessHalted(seq);
+  if (!st.ok()) {
+    spdlog::warn("mkdir (journal seq {}) is not on the backing store yet, other nodes do not "
+                 "see it: {}", seq, st.ToString());
+  }
 }
 
 Result<std::string> Namespace::Readlink(uint64_t ino) {

@@ -217,6 +217,8 @@ class Namespace final : public NamespaceView {
   // Fails (with the halt's error) if publication is halted before that rename.
   Status WaitForAncestorsUnlocked(uint64_t ino) EXCLUDES(ns_mu_);
   Status WaitIfStrict(Result<uint64_t> seq) EXCLUDES(ns_mu_);
+  // With peers: waits until journal entry `seq` (a mkdir) is applied (see MakeNode).
+  void WaitForOtherNodes(uint64_t seq) EXCLUDES(ns_mu_);
   // Mirrors node->write and node->error into node->data for the data path; called after
   // every change of either.
   void SyncDataLocked(Node* node) REQUIRES(ns_mu_);

@@ -8,7 +8,8 @@ mount r % K. So the coordinator's mount makes the checkpoint directory and publi
 
 For each durability mode (async, strict):
   * the save through all mounts succeeds, and the directory made through one mount is
-    usable (mkdir from every mount too: idempotent, nothing halts publication);
+    usable (mkdir from every mount too: idempotent, nothing halts publication; a mkdir
+    behind a queued 32 MiB publication is visible through the other mounts when it returns);
   * a tracker file written through a node other than the coordinator's, right after the
     save, never appears on the backing store before `.metadata` (G4 across nodes);
   * `ckptfs-admin wait` on every node returns 0 only once the backing store holds
@@ -99,6 +100,16 @@ class MultiNodeDcp(unittest.TestCase):
         for t in ts:
             t.join()
         self.assertEqual(errors, [])
+
+        # A directory made through one mount is there for the others once mkdir returns,
+        # even behind a large publication queued first (DCP's coordinator makes the
+        # checkpoint directory, then ranks on other nodes create their shards in it).
+        with open(os.path.join(c.nodes[0].mnt, "run", "big"), "wb") as f:
+            f.write(os.urandom(32 << 20))
+        os.mkdir(os.path.join(c.nodes[0].mnt, "run", "made_on_0"))
+        for n in c.nodes[1:]:
+            self.assertTrue(os.path.isdir(os.path.join(n.mnt, "run", "made_on_0")),
+                            f"node {n.index} does not see the directory node 0 made")
 
         t0 = time.monotonic()
         dcp_tool.save(dirs[0], RANKS, MB, True, SEED, timeout=120, dirs=dirs)
