@@ -9,9 +9,7 @@
 
 namespace ckptfs::fs {
 
-bool Namespace::WrittenLocally(const std::string& path) {
-  MutexLock lock(&ns_mu_);
-  // Only the in-memory tree: a name this mount never loaded was not written through it.
+Node* Namespace::LoadedNodeAtLocked(const std::string& path) {
   Node* node = root_.get();
   size_t start = 0;
   while (node != nullptr && start <= path.size()) {
@@ -23,6 +21,12 @@ bool Namespace::WrittenLocally(const std::string& path) {
     if (slash == std::string::npos) break;
     start = slash + 1;
   }
+  return node;
+}
+
+bool Namespace::WrittenLocally(const std::string& path) {
+  MutexLock lock(&ns_mu_);
+  const Node* node = LoadedNodeAtLocked(path);
   return node != nullptr && node->write && node->write->needs_publish;
 }
 
@@ -33,17 +37,7 @@ bool Namespace::DeletedLocally(const std::string& path) {
 
 bool Namespace::PendingLocally(const std::string& path) {
   MutexLock lock(&ns_mu_);
-  Node* node = root_.get();
-  size_t start = 0;
-  while (node != nullptr && start <= path.size()) {
-    size_t slash = path.find('/', start);
-    std::string name = path.substr(start, slash == std::string::npos ? std::string::npos
-                                                                      : slash - start);
-    auto it = node->children.find(name);
-    node = it == node->children.end() ? nullptr : it->second.get();
-    if (slash == std::string::npos) break;
-    start = slash + 1;
-  }
+  const Node* node = LoadedNodeAtLocked(path);
   // Open for writing, or closed with its publish queued, applied ahead or being retried
   // (publishing_ holds it until the journal reports the outcome).
   return node != nullptr && node->write && !node->write->discarded &&

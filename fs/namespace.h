@@ -128,6 +128,9 @@ class Namespace final : public NamespaceView {
   // The commit gate's questions: is `path` open for writing here, its publish not queued?
   // Was its pending publish dropped because the application deleted it while halted?
   bool WrittenLocally(const std::string& path) EXCLUDES(ns_mu_);
+  // The node at `path` (relative to the root) in the in-memory tree, or null: no I/O, so a
+  // name this mount never loaded was not written through it.
+  Node* LoadedNodeAtLocked(const std::string& path) REQUIRES(ns_mu_);
   // A peer's commit query: is `path` open for writing here or its publish not yet done?
   bool PendingLocally(const std::string& path) EXCLUDES(ns_mu_);
   bool DeletedLocally(const std::string& path) EXCLUDES(dropped_mu_);
