@@ -446,7 +446,9 @@ std::string ControlTree::MetricsText() {
 
 void ControlTree::Resume() {
   spdlog::info("operator: resume");
-  pipeline_->RetryNow();
+  // The parked chunks first: the journal's retry of a publication fails at once while one
+  // of its chunks still waits for its own retry.
+  pipeline_->RetryNowAndWait(std::chrono::seconds(5));
   journal_->Resume();
 }
 

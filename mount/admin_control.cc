@@ -35,31 +35,51 @@ int RunResume(AdminEnv* env, const std::string& path, bool as_json, std::ostream
     err << kPrefix << root.status().message() << '\n';
     return kExitError;
   }
+  // Where publication stands: the halt (seq, failed attempts so far), or none.
+  auto read_halt = [&]() -> Result<json> {
+    CKPT_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(internal::StatsPath(*root)));
+    CKPT_ASSIGN_OR_RETURN(json stats, internal::ParseJson(text, ".ckptfs/stats"));
+    auto halted = stats.find("journal_halted");
+    return halted != stats.end() && halted->is_object() ? *halted : json(nullptr);
+  };
+  auto before = read_halt();
+  if (!before.ok()) {
+    err << kPrefix << before.status().message() << '\n';
+    return kExitError;
+  }
   Status st = env->SetXattr(path, kResumeXattr, "1");
   if (!st.ok()) {
     err << kPrefix << st.message() << '\n';
     return kExitError;
   }
-  // Give the retry a moment, then report where publication stands.
-  env->Sleep(0.5);
-  auto text = ReadWholeFile(internal::StatsPath(*root));
-  if (!text.ok()) {
-    err << kPrefix << text.status().message() << '\n';
-    return kExitError;
+  // Wait for the retry this starts: until publication runs again, or the halted entry
+  // failed once more (or publication halted at a later entry), for 10 s at most. Under
+  // load a retry can take seconds (parked chunks are rewritten first), and a `wait` run
+  // right after must see where it went.
+  const auto attempts_of = [](const json& h) { return h.value("attempts", uint64_t{0}); };
+  const auto seq_of = [](const json& h) { return h.value("seq", uint64_t{0}); };
+  json halted = nullptr;
+  for (int i = 0; i < 100; ++i) {
+    env->Sleep(0.1);
+    auto now = read_halt();
+    if (!now.ok()) {
+      err << kPrefix << now.status().message() << '\n';
+      return kExitError;
+    }
+    halted = std::move(now).value();
+    if (halted.is_null()) break;
+    if (before->is_null() || seq_of(halted) != seq_of(*before) ||
+        attempts_of(halted) > attempts_of(*before)) {
+      break;
+    }
   }
-  auto stats = internal::ParseJson(*text, ".ckptfs/stats");
-  if (!stats.ok()) {
-    err << kPrefix << stats.status().message() << '\n';
-    return kExitError;
-  }
-  auto halted = stats->find("journal_halted");
-  const bool still = halted != stats->end() && halted->is_object();
+  const bool still = !halted.is_null();
   if (as_json) {
-    json j = {{"resumed", true}, {"halted", still ? *halted : json(nullptr)}};
+    json j = {{"resumed", true}, {"halted", halted}};
     out << j.dump(-1, ' ', false, json::error_handler_t::replace) << '\n';
   } else if (still) {
-    out << "still halted at " << halted->value("entry", "?") << ": "
-        << halted->value("error", "?") << '\n';
+    out << "still halted at " << halted.value("entry", "?") << ": "
+        << halted.value("error", "?") << '\n';
   } else {
     out << "publication runs\n";
   }

@@ -196,6 +196,25 @@ void FlushPipeline::RetryNow() {
   work_cv_.notify_all();
 }
 
+void FlushPipeline::RetryNowAndWait(std::chrono::milliseconds timeout) {
+  const uint64_t start = retries_.load();
+  size_t want = 0;
+  {
+    MutexLock lock(&mu_);
+    want = parked_.size();
+    for (Parked& p : parked_) p.retry_at = std::chrono::steady_clock::now();
+  }
+  work_cv_.notify_all();
+  if (want == 0) return;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  MutexLock lock(&mu_);
+  // Started (retries_) and none running (active_): each has been written or parked again.
+  while (retries_.load() < start + want || active_ > 0) {
+    if (std::chrono::steady_clock::now() >= deadline) return;
+    drained_cv_.wait_for(lock.native(), std::chrono::milliseconds(20));
+  }
+}
+
 uint64_t FlushPipeline::DropParked(const Status& why) {
   std::deque<Parked> dropped;
   {

@@ -160,6 +160,10 @@ class FlushPipeline {
   void Drain();
   // Retries every parked chunk now (an operator's `resume`).
   void RetryNow();
+  // RetryNow, then waits (at most `timeout`) until each of those retries has ended: written
+  // or parked again. So a publication retried right after sees where the bytes went, not
+  // the error of a chunk whose retry had not started yet.
+  void RetryNowAndWait(std::chrono::milliseconds timeout);
   // Drops every parked chunk (their targets become lost): the daemon is stopping.
   // Returns how many were dropped.
   uint64_t DropParked(const Status& why);

@@ -604,7 +604,8 @@ void Journal::Run() {
     JournalEntry e = q.e;  // a copy: Abort() may reshape the queue meanwhile
     const bool at_head = step.it == queue_.begin();
     const bool commit = IsCommitEntry(e);
-    if (!q.error.ok()) ++retries_;
+    const bool failed_before = !q.error.ok();
+    if (failed_before) ++retries_;
     lock.Unlock();
 
     if (step.kind == Step::kGate) {
@@ -634,9 +635,15 @@ void Journal::Run() {
     Status st = Process(e);
     if (st.ok()) {
       Finalize(e, st, /*applied=*/true);
+      if (failed_before) {
+        // Before the entry leaves the queue: whoever sees the halt gone (ckptfs-admin
+        // resume, then wait) must not still see its checkpoint failed.
+        spdlog::info("journal: {} applied after {} retries; publication resumes", e.Describe(),
+                     retries());
+        if (hooks_.on_halt) hooks_.on_halt(e, Status::Ok());
+      }
       lock.Lock();
       auto it = FindLocked(e.seq);
-      bool failed_before = !it->error.ok();
       queue_.erase(it);
       if (!at_head) {
         done_ahead_.insert(e.seq);
@@ -647,11 +654,6 @@ void Journal::Run() {
       failures_.erase(e.seq);
       AdvanceDoneLocked();
       lock.Unlock();
-      if (failed_before) {
-        spdlog::info("journal: {} applied after {} retries; publication resumes", e.Describe(),
-                     retries());
-        if (hooks_.on_halt) hooks_.on_halt(e, Status::Ok());
-      }
       done_cv_.notify_all();
       lock.Lock();
       continue;

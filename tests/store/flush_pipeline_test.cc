@@ -290,9 +290,11 @@ TEST_F(FlushPipelineTest, EnospcIsReportedAndTheChunkIsKeptUntilARetryPasses) {
     std::lock_guard lock(mu);
     full = false;
   }
-  pipeline->RetryNow();
-  DrainWithRetries(pipeline.get());
+  // An operator's resume: when RetryNowAndWait returns, the retry has ended, so a Sync
+  // (the journal's retry of the publication) right after sees the bytes written.
+  pipeline->RetryNowAndWait(std::chrono::seconds(30));
   EXPECT_TRUE(done_a[2].ok()) << done_a[2].ToString();
+  EXPECT_EQ(pipeline->parked(), 0u);
   EXPECT_TRUE(a->Sync(dir_.get()).ok());
   EXPECT_TRUE(a->synced());
   EXPECT_EQ(a->Error().code(), Code::kNoSpace) << "the application was told once; it stays told";
