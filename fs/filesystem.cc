@@ -322,10 +322,10 @@ Result<std::optional<size_t>> Filesystem::ReadInPlace(Handle* h, size_t len, uin
   return got;
 }
 
-Status Filesystem::Write(Handle* h, const char* data, size_t len, uint64_t offset) {
+Status Filesystem::Write(Handle* h, ByteSource& src, uint64_t offset) {
   FileHandle* f = h->file();
   if (f == nullptr) return Status(Code::kPermission, "not open for writing");
-  return LogIfIo("write", h->ino(), offset, ns_->WriteData(f, data, len, offset));
+  return LogIfIo("write", h->ino(), offset, ns_->WriteData(f, src, offset));
 }
 
 Status Filesystem::Flush(Handle* h) {

@@ -113,7 +113,12 @@ class Filesystem {
   // (ReadPath::ReadBackingInPlace): `use` gets the pinned blocks; nullopt: use Read().
   Result<std::optional<size_t>> ReadInPlace(Handle* h, size_t len, uint64_t offset,
                                             const store::BlockCache::InPlaceUse& use);
-  Status Write(Handle* h, const char* data, size_t len, uint64_t offset);
+  // Write() with the bytes in `src` (a buffer, or the pipe libfuse spliced them into).
+  Status Write(Handle* h, ByteSource& src, uint64_t offset);
+  Status Write(Handle* h, const char* data, size_t len, uint64_t offset) {
+    MemorySource src(data, len);
+    return Write(h, src, offset);
+  }
   Status Flush(Handle* h);
   Status Fsync(Handle* h);
   void Release(Handle* h);

@@ -74,22 +74,63 @@ void ReplyEntry(fuse_req_t req, const Entry& e) {
   fuse_reply_entry(req, &p);
 }
 
+// libfuse splices a request only into a pipe that holds all of it (max_write plus a
+// 4 KiB header); growing a pipe past fs.pipe-max-size (1 MiB by default) takes
+// CAP_SYS_RESOURCE. Where that fails libfuse falls back to read() thread by thread,
+// silently: probe once and say so.
+bool PipeHoldsRequest(size_t bytes) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return false;
+  const int got = fcntl(fds[0], F_SETPIPE_SZ, static_cast<int>(bytes));
+  close(fds[0]);
+  close(fds[1]);
+  return got >= static_cast<int>(bytes);
+}
+
+std::string PipeMaxSize() {
+  char text[32] = {0};
+  FILE* f = std::fopen("/proc/sys/fs/pipe-max-size", "r");
+  if (f == nullptr) return "?";
+  const bool got = std::fgets(text, sizeof(text), f) != nullptr;
+  std::fclose(f);
+  std::string v = got ? text : "?";
+  while (!v.empty() && (v.back() == '\n' || v.back() == ' ')) v.pop_back();
+  return v;
+}
+
 void OpInit(void* userdata, struct fuse_conn_info* conn) {
   const FuseServer::Context* context = static_cast<FuseServer::Context*>(userdata);
   const uint64_t read_ahead = context->tuning.read_ahead_bytes;
   conn->max_write = kMaxWrite;
   // The kernel takes min(the bdi's read-ahead, this): SetReadAhead raised the former.
   conn->max_readahead = static_cast<unsigned>(std::max<uint64_t>(read_ahead, kMaxWrite));
-  // Writes must arrive as plain buffers (to copy into staging), and the kernel must
-  // not cache writes behind our back (read-your-writes is ours to keep).
-  conn->want &= ~(FUSE_CAP_WRITEBACK_CACHE | FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE |
-                  FUSE_CAP_SPLICE_MOVE);
+  // The kernel must not cache writes behind our back (read-your-writes is ours to keep).
+  // Replies are written from our buffers or pinned cache blocks (no splice to /dev/fuse).
+  conn->want &= ~(FUSE_CAP_WRITEBACK_CACHE | FUSE_CAP_SPLICE_WRITE | FUSE_CAP_SPLICE_MOVE);
+  // Requests spliced off /dev/fuse into a pipe: a write's payload pages are referenced,
+  // not copied, and OpWriteBuf reads them once, into staging (bench_write: staged dd).
+  // Every other request costs a second syscall (the pipe's read).
+  const size_t request = size_t{conn->max_write} + 4096;
+  bool splice = context->tuning.splice_writes && (conn->capable & FUSE_CAP_SPLICE_READ);
+  if (splice && !PipeHoldsRequest(request)) {
+    splice = false;
+    spdlog::warn("fuse: splice off: a pipe cannot grow to {} bytes (fs.pipe-max-size is {} and "
+                 "this process lacks CAP_SYS_RESOURCE); write payloads are copied twice. "
+                 "`sysctl fs.pipe-max-size=2097152` turns it on for the next mount",
+                 request, PipeMaxSize());
+  }
+  if (splice) {
+    conn->want |= FUSE_CAP_SPLICE_READ;
+  } else {
+    conn->want &= ~FUSE_CAP_SPLICE_READ;
+  }
   if (conn->capable & FUSE_CAP_PARALLEL_DIROPS) conn->want |= FUSE_CAP_PARALLEL_DIROPS;
   if (conn->capable & FUSE_CAP_ASYNC_READ) conn->want |= FUSE_CAP_ASYNC_READ;
   conn->max_background = 64;
   conn->congestion_threshold = 48;
-  spdlog::info("fuse: protocol {}.{}, max_write {}", conn->proto_major, conn->proto_minor,
-               conn->max_write);
+  spdlog::info("fuse: protocol {}.{}, max_write {}, splice {}", conn->proto_major,
+               conn->proto_minor, conn->max_write,
+               (conn->want & FUSE_CAP_SPLICE_READ) ? "on" : "off");
 }
 
 void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
@@ -255,6 +296,39 @@ void OpWrite(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t off
   fuse_reply_write(req, size);
 }
 
+// A write's payload as libfuse hands it to write_buf: one memory buffer, or (with
+// FUSE_CAP_SPLICE_READ) the per-thread pipe the request was spliced into, which
+// CopyTo reads straight into the staging chunk. libfuse empties the pipe if a write
+// fails before consuming it all.
+class FuseBufSource final : public ByteSource {
+ public:
+  explicit FuseBufSource(struct fuse_bufvec* bufv) : bufv_(bufv), left_(fuse_buf_size(bufv)) {}
+  size_t size() const override { return left_; }
+  Status CopyTo(char* out, size_t n) override {
+    struct fuse_bufvec dst = FUSE_BUFVEC_INIT(n);
+    dst.buf[0].mem = out;
+    const ssize_t got = fuse_buf_copy(&dst, bufv_, static_cast<enum fuse_buf_copy_flags>(0));
+    if (got < 0) return Status(Code::kIo, std::string("reading the write payload: ") + std::strerror(static_cast<int>(-got)));
+    if (static_cast<size_t>(got) != n) return Status(Code::kIo, "short write payload from /dev/fuse");
+    left_ -= n;
+    return Status::Ok();
+  }
+
+ private:
+  struct fuse_bufvec* bufv_;
+  size_t left_;
+};
+
+void OpWriteBuf(fuse_req_t req, fuse_ino_t, struct fuse_bufvec* bufv, off_t off,
+                struct fuse_file_info* fi) {
+  OpTimer timer(FuseOp::kWrite);
+  FuseBufSource src(bufv);
+  const size_t size = src.size();
+  Status st = Fs(req)->Write(H(fi), src, static_cast<uint64_t>(off));
+  if (!st.ok()) return ReplyErr(req, st);
+  fuse_reply_write(req, size);
+}
+
 void OpFlush(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
   OpTimer timer(FuseOp::kFlush);
   fuse_reply_err(req, Fs(req)->Flush(H(fi)).ToErrno());
@@ -409,6 +483,7 @@ const struct fuse_lowlevel_ops kOps = [] {
   ops.open = Guarded<OpOpen>::Call;
   ops.read = Guarded<OpRead>::Call;
   ops.write = Guarded<OpWrite>::Call;
+  ops.write_buf = Guarded<OpWriteBuf>::Call;
   ops.flush = Guarded<OpFlush>::Call;
   ops.release = Guarded<OpRelease>::Call;
   ops.fsync = Guarded<OpFsync>::Call;

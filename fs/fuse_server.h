@@ -19,6 +19,9 @@ struct FuseTuning {
   // reaches the daemon as several 1 MiB requests in flight instead of 128 KiB ones one
   // after another. 0 keeps the kernel's default.
   uint64_t read_ahead_bytes = 0;
+  // Splice requests off /dev/fuse so a write's payload is copied once, into staging
+  // (FUSE_CAP_SPLICE_READ; libfuse falls back to read() where the pipe cannot grow).
+  bool splice_writes = true;
   // The mount's source as df and /proc/mounts show it (the backing dir); empty: "ckptfs".
   std::string fsname;
 };

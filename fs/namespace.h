@@ -108,8 +108,7 @@ class Namespace final : public NamespaceView {
       EXCLUDES(ns_mu_);
   Result<Handle*> NodeOpen(uint64_t ino, int flags) EXCLUDES(ns_mu_);
   Result<Handle*> NodeOpenDir(uint64_t ino) EXCLUDES(ns_mu_);
-  Status WriteData(FileHandle* h, const char* data, size_t len, uint64_t offset)
-      EXCLUDES(ns_mu_);
+  Status WriteData(FileHandle* h, ByteSource& src, uint64_t offset) EXCLUDES(ns_mu_);
   Status FlushData(FileHandle* h) EXCLUDES(ns_mu_);
   void ReleaseFile(FileHandle* h) EXCLUDES(ns_mu_);
   // The attribute timeout of a getattr/setattr reply for `ino` (0 for hard-linked names).

@@ -67,7 +67,15 @@ void StagedFile::SealLocked() {
   ctx_.pipeline->Submit(std::move(sealed));
 }
 
-Status StagedFile::Write(const char* data, size_t len, uint64_t offset) {
+Status MemorySource::CopyTo(char* out, size_t n) {
+  std::memcpy(out, data_, n);
+  data_ += n;
+  len_ -= n;
+  return Status::Ok();
+}
+
+Status StagedFile::Write(ByteSource& src, uint64_t offset) {
+  size_t len = src.size();
   MutexLock write_lock(&write_mu_);
   if (frozen_) return Status(Code::kAborted, "file is frozen for publication");
   CKPT_RETURN_IF_ERROR(target_->Error());
@@ -87,10 +95,10 @@ Status StagedFile::Write(const char* data, size_t len, uint64_t offset) {
         SealLocked();
         continue;
       }
-      std::memcpy(active_->buffer.data() + pos, data, n);
+      // A pipe source reads here under mu_: its bytes are already in the pipe.
+      CKPT_RETURN_IF_ERROR(src.CopyTo(reinterpret_cast<char*>(active_->buffer.data()) + pos, n));
       active_->length = std::max(active_->length, pos + n);
       size_ = std::max<uint64_t>(size_, offset + n);
-      data += n;
       len -= n;
       offset += n;
       if (active_->length == cap) SealLocked();

@@ -32,6 +32,29 @@ struct StagedChunk {
   size_t length = 0;  // bytes of `buffer` that hold data
 };
 
+// Where a write's bytes come from. The FUSE server hands the payload either as a buffer
+// or, when libfuse spliced the request off /dev/fuse, as a pipe: CopyTo then reads the
+// pipe straight into the staging chunk, one copy per byte instead of two (read into
+// libfuse's buffer, then memcpy). Consumed front to back.
+class ByteSource {
+ public:
+  virtual ~ByteSource() = default;
+  virtual size_t size() const = 0;
+  // Copies the next `n` bytes (n <= what is left) into `out`.
+  virtual Status CopyTo(char* out, size_t n) = 0;
+};
+
+class MemorySource final : public ByteSource {
+ public:
+  MemorySource(const char* data, size_t len) : data_(data), len_(len) {}
+  size_t size() const override { return len_; }
+  Status CopyTo(char* out, size_t n) override;
+
+ private:
+  const char* data_;
+  size_t len_;
+};
+
 struct StagingContext {
   gpu::StagingPool* pool;         // must outlive
   store::FlushPipeline* pipeline; // must outlive
@@ -45,9 +68,14 @@ class StagedFile : public std::enable_shared_from_this<StagedFile> {
   StagedFile(const StagedFile&) = delete;
   StagedFile& operator=(const StagedFile&) = delete;
 
-  // Copies `len` bytes into staging. Blocks while the pool is full (G6). Returns the
-  // file's sticky error, if any.
-  Status Write(const char* data, size_t len, uint64_t offset);
+  // Copies all of `src` into staging at `offset`. Blocks while the pool is full (G6).
+  // Returns the file's sticky error, if any; kAborted (frozen by a publish) comes before
+  // any byte of `src` is consumed.
+  Status Write(ByteSource& src, uint64_t offset);
+  Status Write(const char* data, size_t len, uint64_t offset) {
+    MemorySource src(data, len);
+    return Write(src, offset);
+  }
   // Reads up to `len` bytes at `offset`; returns how many (short at end of file).
   Result<size_t> Read(char* out, size_t len, uint64_t offset);
   // Changes the size: waits for in-flight flushes, then truncates the temp file.

@@ -431,7 +431,8 @@ Result<std::shared_ptr<StagedFile>> Namespace::WritableStaged(FileHandle* h) {
   }
 }
 
-Status Namespace::WriteData(FileHandle* h, const char* data, size_t len, uint64_t offset) {
+Status Namespace::WriteData(FileHandle* h, ByteSource& src, uint64_t offset) {
+  const size_t len = src.size();
   if (!h->writable) return Status(Code::kPermission, "not open for writing");
   Node* node = h->node.get();
   for (int attempt = 0;; ++attempt) {
@@ -447,8 +448,9 @@ Status Namespace::WriteData(FileHandle* h, const char* data, size_t len, uint64_
     if (!staged) {
       CKPT_ASSIGN_OR_RETURN(staged, WritableStaged(h));
     }
-    Status st = staged->Write(data, len, offset);
-    if (st.code() == Code::kAborted && attempt < 3) continue;  // frozen by a publish
+    Status st = staged->Write(src, offset);
+    // Frozen by a publish (before any byte of `src` was consumed): write into the copy.
+    if (st.code() == Code::kAborted && attempt < 3) continue;
     if (!st.ok()) {
       NoteError("write " + std::to_string(node->ino) + ": " + st.ToString());
       return st;

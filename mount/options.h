@@ -32,6 +32,7 @@ struct DaemonOptions {
   std::string staging_backend = "auto";
   bool staging_hugepages = false;  // --staging-hugepages=on|off
   bool flush_direct_io = true;     // --flush-direct-io=on|off
+  bool fuse_splice = true;         // --fuse-splice=on|off (FuseTuning::splice_writes)
   bool write_checksums = true;  // --write-checksums=on|off
   std::string log_level = "info";
   std::string log_file;

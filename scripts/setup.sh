@@ -38,3 +38,16 @@ if [ ! -e /dev/fuse ]; then
   echo "setup: /dev/fuse is missing; ckptfs cannot mount on this machine" >&2
   exit 1
 fi
+
+# Pipes large enough for a whole FUSE request, so ckptfs splices write payloads
+# (contrib/sysctl/90-ckptfs.conf; the package installs it to /usr/lib/sysctl.d). Only
+# raised, never lowered; where the sysctl is read-only ckptfs copies twice and says so.
+want_pipe=$(sed -n 's/^fs.pipe-max-size *= *//p' "$(dirname "$0")/../contrib/sysctl/90-ckptfs.conf")
+have_pipe=$(cat /proc/sys/fs/pipe-max-size 2>/dev/null || echo 0)
+if [ "$have_pipe" -lt "$want_pipe" ]; then
+  if [ "$(id -u)" -eq 0 ] && echo "$want_pipe" > /proc/sys/fs/pipe-max-size 2>/dev/null; then
+    echo "setup: fs.pipe-max-size $have_pipe -> $want_pipe (ckptfs splices FUSE writes)"
+  else
+    echo "setup: fs.pipe-max-size is $have_pipe (< $want_pipe): ckptfs will copy write payloads twice"
+  fi
+fi

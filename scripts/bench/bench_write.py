@@ -23,6 +23,7 @@ bench_write.json into --out.
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,8 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--staging-mem", default="2G")
     ap.add_argument("--flush-threads", type=int, default=None)
+    ap.add_argument("--daemon-args", default="",
+                    help="extra daemon flags, e.g. '--fuse-splice off' (one string)")
     ap.add_argument("--fio-mb", type=int, default=256, help="bytes per fio run (MiB)")
     ap.add_argument("--work", default=os.path.join(bl.REPO, "build-bench", "write-work"),
                     help="scratch dir on the backing file system (wiped)")
@@ -113,6 +116,7 @@ def main():
     extra = ["--durability", "async"]
     if a.flush_threads:
         extra += ["--flush-threads", str(a.flush_threads)]
+    extra += shlex.split(a.daemon_args)
     can_drop = bl.drop_caches()
     if not can_drop:
         bl.log("cannot drop the page cache (not root): cold_read is skipped")

@@ -122,6 +122,7 @@ class DebInstallTest(unittest.TestCase):
             self.assertRegex(r.stdout, rf"^{prog} \d+\.\d+\.\d+ ")
         for path in ("usr/sbin/mount.fuse.ckptfs", "usr/sbin/mount.ckptfs",
                      "usr/lib/systemd/system/ckptfs@.service",
+                     "usr/lib/sysctl.d/90-ckptfs.conf",
                      "usr/share/man/man8/ckptfs.8.gz", "usr/share/man/man1/ckptfs-admin.1.gz",
                      "usr/share/doc/ckptfs/SEMANTICS.md", "usr/share/doc/ckptfs/integration.md",
                      "usr/share/doc/ckptfs/examples/slurm/prolog.sh"):
