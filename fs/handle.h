@@ -30,7 +30,8 @@ struct FileHandle {
   std::shared_ptr<const UniqueFd> fd;
   store::BlockId block;                // its backing path and version at open (block cache)
   std::string ckpt, file;              // checkpoint dir and file name, when in a checkpoint
-  std::atomic<uint64_t> prefetched_end{0};  // end of the last item prefetched by this handle
+  std::atomic<uint64_t> prefetched_end{0};  // end of the last item (or read-ahead) prefetched
+  std::atomic<uint64_t> read_end{0};        // furthest end of a read (ReadPath::ReadAhead)
   bool keep_cache = false;             // a committed checkpoint's file
   bool indexed = false;                // its checkpoint was indexed when it was opened
 };

@@ -60,6 +60,8 @@ Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint6
   if (!h->ckpt.empty()) {
     if (peers_ && !h->indexed && h->file != ".metadata") WaitForPlan(h->ckpt);
     PrefetchItem(h, id, offset);
+  } else {
+    ReadAhead(h, id, offset, len);
   }
   Result<size_t> got = cache_->Read(id, out, len, offset);
   if (!got.ok() && (got.status().code() == Code::kAborted ||
@@ -84,6 +86,8 @@ Result<std::optional<size_t>> ReadPath::ReadBackingInPlace(
   if (!h->ckpt.empty()) {
     if (peers_ && h->file != ".metadata") WaitForPlan(h->ckpt);
     PrefetchItem(h, id, offset);
+  } else {
+    ReadAhead(h, id, offset, len);
   }
   auto got = cache_->ReadInPlace(id, len, offset, use);
   if (!got.ok() && (got.status().code() == Code::kAborted ||
@@ -267,6 +271,24 @@ void ReadPath::PrefetchItem(FileHandle* h, const store::BlockId& id, uint64_t of
   // node's share, which takes the whole load on a throttled store: queued behind it, the
   // item's blocks came from their owners one FUSE request at a time.
   if (from < end) cache_->Prefetch(id, from, end - from, /*urgent=*/peers_ != nullptr);
+}
+
+void ReadPath::ReadAhead(FileHandle* h, const store::BlockId& id, uint64_t offset, size_t len) {
+  const uint64_t end = offset + len;
+  // Sequential: this read starts at or before the furthest end read so far (the kernel
+  // sends its read-ahead requests in parallel, so they arrive a little out of order) and
+  // not far behind it. A reader that jumps gets no read-ahead.
+  uint64_t seen = h->read_end.load(std::memory_order_relaxed);
+  while (seen < end && !h->read_end.compare_exchange_weak(seen, end, std::memory_order_relaxed)) {
+  }
+  if (offset > seen + cache_->block_bytes() || end + kReadAheadBytes < seen) return;
+  // A window at a time: refill once the reader is half a window from its end.
+  uint64_t ahead = h->prefetched_end.load(std::memory_order_relaxed);
+  if (ahead >= id.size || ahead > end + kReadAheadBytes / 2) return;
+  const uint64_t until = std::min<uint64_t>(id.size, end + kReadAheadBytes);
+  if (until <= ahead || !h->prefetched_end.compare_exchange_strong(ahead, until)) return;
+  const uint64_t from = std::max(ahead, end);
+  if (from < until) cache_->Prefetch(id, from, until - from);
 }
 
 void ReadPath::Run() {

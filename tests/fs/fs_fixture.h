@@ -30,7 +30,7 @@ class FaultyFsTest : public ::testing::Test {
     config.strict = strict;
     config.staging_bytes = 8u << 20;
     config.chunk_bytes = 1u << 20;
-    config.cache_bytes = 4u << 20;
+    config.cache_bytes = cache_bytes_;
     config.staging_backend = "host";
     auto dir = store::FaultyBackingDir::Open(backing_.path());
     ASSERT_NE(dir, nullptr);
@@ -107,6 +107,7 @@ class FaultyFsTest : public ::testing::Test {
     return n;
   }
 
+  uint64_t cache_bytes_ = 4u << 20;  // set before Start()
   store::ScopedTempDir backing_{"ckptfs-faultyfs-backing"};
   store::ScopedTempDir state_{"ckptfs-faultyfs-state"};
   store::FaultyBackingDir* dir_ = nullptr;  // owned by fs_
