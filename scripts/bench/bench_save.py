@@ -20,6 +20,7 @@ into --out.
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -40,6 +41,8 @@ def main():
     ap.add_argument("--modes", default="1,0", help="single_file_per_rank values to run")
     ap.add_argument("--staging-mem", default="2G")
     ap.add_argument("--flush-threads", type=int, default=None)
+    ap.add_argument("--daemon-args", default="",
+                    help="extra daemon flags, e.g. '--staging-hugepages on' (one string)")
     ap.add_argument("--work", default=os.path.join(bl.REPO, "build-bench", "save-work"),
                     help="scratch dir on the backing file system (wiped)")
     ap.add_argument("--out", default=os.path.join(bl.REPO, "build-bench"))
@@ -52,6 +55,7 @@ def main():
     extra = ["--durability", "async"]
     if a.flush_threads:
         extra += ["--flush-threads", str(a.flush_threads)]
+    extra += shlex.split(a.daemon_args)
     modes = [int(x) for x in a.modes.split(",") if x != ""]
     raw = {"args": vars(a), "runs": []}
     cases = []
