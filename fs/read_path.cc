@@ -78,18 +78,29 @@ Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint6
 
 Result<std::optional<size_t>> ReadPath::ReadBackingInPlace(
     FileHandle* h, size_t len, uint64_t offset, const store::BlockCache::InPlaceUse& use) {
-  // Checksums of first full reads are taken over the bytes copied out: those take the copy.
-  if (!cache_ || h->indexed) return std::optional<size_t>();
+  if (!cache_) return std::optional<size_t>();
   CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(h->fd->get()));
   const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
   Adopt(id, h->fd, st);
   if (!h->ckpt.empty()) {
-    if (peers_ && h->file != ".metadata") WaitForPlan(h->ckpt);
+    if (peers_ && !h->indexed && h->file != ".metadata") WaitForPlan(h->ckpt);
     PrefetchItem(h, id, offset);
   } else {
     ReadAhead(h, id, offset, len);
   }
-  auto got = cache_->ReadInPlace(id, len, offset, use);
+  if (!h->indexed) return cache_->ReadInPlace(id, len, offset, use);
+  // An indexed shard: checksums of first full reads are taken over the pinned blocks, run
+  // by run, before they are replied (ReadChecksums takes pieces in any order).
+  const store::FileKey version = store::FileKeyFromStat(st);
+  auto got = cache_->ReadInPlace(id, len, offset, [&](std::span<const struct iovec> runs) {
+    uint64_t at = offset;
+    for (const struct iovec& run : runs) {
+      read_sums_->OnRead(h->ckpt, h->file, version, at, static_cast<const char*>(run.iov_base),
+                         run.iov_len);
+      at += run.iov_len;
+    }
+    use(runs);
+  });
   if (!got.ok() && (got.status().code() == Code::kAborted ||
                     got.status().code() == Code::kNotFound)) {
     return std::optional<size_t>();  // ReadBacking() reads the descriptor itself
