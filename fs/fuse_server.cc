@@ -288,15 +288,8 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
   fuse_reply_buf(req, buf.data(), *r);
 }
 
-void OpWrite(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t off,
-             struct fuse_file_info* fi) {
-  OpTimer timer(FuseOp::kWrite);
-  Status st = Fs(req)->Write(H(fi), buf, size, static_cast<uint64_t>(off));
-  if (!st.ok()) return ReplyErr(req, st);
-  fuse_reply_write(req, size);
-}
-
-// A write's payload as libfuse hands it to write_buf: one memory buffer, or (with
+// Every write arrives here (libfuse calls write_buf, never write, when both are set).
+// Its payload as libfuse hands it over: one memory buffer, or (with
 // FUSE_CAP_SPLICE_READ) the per-thread pipe the request was spliced into, which
 // CopyTo reads straight into the staging chunk. libfuse empties the pipe if a write
 // fails before consuming it all.
@@ -308,8 +301,13 @@ class FuseBufSource final : public ByteSource {
     struct fuse_bufvec dst = FUSE_BUFVEC_INIT(n);
     dst.buf[0].mem = out;
     const ssize_t got = fuse_buf_copy(&dst, bufv_, static_cast<enum fuse_buf_copy_flags>(0));
-    if (got < 0) return Status(Code::kIo, std::string("reading the write payload: ") + std::strerror(static_cast<int>(-got)));
-    if (static_cast<size_t>(got) != n) return Status(Code::kIo, "short write payload from /dev/fuse");
+    if (got < 0) {
+      return Status(Code::kIo, std::string("reading the write payload: ") +
+                                   std::strerror(static_cast<int>(-got)));
+    }
+    if (static_cast<size_t>(got) != n) {
+      return Status(Code::kIo, "short write payload from /dev/fuse");
+    }
     left_ -= n;
     return Status::Ok();
   }
@@ -482,7 +480,6 @@ const struct fuse_lowlevel_ops kOps = [] {
   ops.create = Guarded<OpCreate>::Call;
   ops.open = Guarded<OpOpen>::Call;
   ops.read = Guarded<OpRead>::Call;
-  ops.write = Guarded<OpWrite>::Call;
   ops.write_buf = Guarded<OpWriteBuf>::Call;
   ops.flush = Guarded<OpFlush>::Call;
   ops.release = Guarded<OpRelease>::Call;
