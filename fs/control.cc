@@ -253,6 +253,7 @@ std::string ControlTree::StatsJson() {
   const NamespaceView::Counts counts = ns_->CountNodes();
   j["files_pending"] = counts.files_pending;
   j["inodes"] = counts.inodes;
+  NoteForeignCommits();
   j["checkpoints"] = checkpoints_->CountByState();
   j["errors"] = stats_->errors.load() + pipeline_->errors();
   j["last_error"] = stats_->last_error();
@@ -283,8 +284,25 @@ void ControlTree::ForgetVanishedCheckpoints() {
   }
 }
 
+void ControlTree::NoteForeignCommits() {
+  if (!config_.peers) return;
+  for (const auto& info : checkpoints_->List()) {
+    // Shards written here, every one published, of a checkpoint whose `.metadata` another
+    // node publishes: this node never queues that commit, so it looks for it.
+    if (info.state != store::CkptState::kWriting || info.commit_queued || info.files == 0 ||
+        info.bytes_published < info.bytes) {
+      continue;
+    }
+    if (CommittedElsewhere(backing_, info.path, info.created)) {
+      spdlog::info("checkpoint {}: its .metadata was published by another node", info.path);
+      checkpoints_->OnCommitted(info.path);
+    }
+  }
+}
+
 std::string ControlTree::CheckpointsJson() {
   ForgetVanishedCheckpoints();
+  NoteForeignCommits();
   nlohmann::json arr = nlohmann::json::array();
   std::set<std::string> listed;
   for (const auto& info : checkpoints_->List()) {

@@ -54,6 +54,9 @@ class ControlTree {
   // index, whose `.metadata`) is gone from the backing store, removed by someone else.
   // Does nothing while journal entries are pending (the backing store lags the mount).
   void ForgetVanishedCheckpoints();
+  // With peers: checkpoints this node wrote shards of, all published, whose `.metadata`
+  // another node has since published (CommittedElsewhere) become committed here too.
+  void NoteForeignCommits();
   std::string CheckpointsJson();
   std::string MetricsText();
 

@@ -51,6 +51,7 @@ std::string Namespace::ProgressJson(uint64_t ino) {
   if (ino < kFirstNodeIno && ino != kRootIno) return JsonText(j);
   bool foreign_commit = false;
   std::string dir_path;
+  double since = 0;  // when this node began writing the checkpoint (0: unknown)
   {
     MutexLock lock(&ns_mu_);
     auto node = NodeLocked(ino);
@@ -101,6 +102,7 @@ std::string Namespace::ProgressJson(uint64_t ino) {
         return JsonText(j);
       }
       foreign_commit = true;
+      since = info->created;
     } else if (config_.peers && node->loaded) {
       // A DCP checkpoint whose shards were written here and whose `.metadata` another node
       // publishes: done only once that `.metadata` is on the backing store (checked below,
@@ -146,8 +148,9 @@ std::string Namespace::ProgressJson(uint64_t ino) {
   if (foreign_commit && (j["state"] == "published" || j["state"] == "writing")) {
     // Everything written here is published; the checkpoint is committed once the node of
     // its coordinator rank has published `.metadata` (G5: only after every shard).
-    if (backing_->Stat(dir_path + "/.metadata").ok()) {
+    if (CommittedElsewhere(backing_, dir_path, since)) {
       j["state"] = "committed";
+      if (since != 0) checkpoints_->OnCommitted(dir_path);  // its record says so from now on
     } else {
       j["state"] = "pending";
       j["waiting_for"] = ".metadata from another node";

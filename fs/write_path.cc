@@ -122,6 +122,11 @@ void Namespace::InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws) {
   node->write = std::move(ws);
   node->attr.st_mtim = node->attr.st_ctim = Now();
   SyncDataLocked(node);
+  // A checkpoint file made, or written again in place (a second save into the same
+  // directory opens its shards with O_TRUNC): its checkpoint is being written.
+  if (node->parent != nullptr && store::CheckpointRegistry::IsCheckpointFile(node->name)) {
+    checkpoints_->OnFileCreated(PathLocked(node->parent));
+  }
 }
 
 Status Namespace::BeginWriteLocked(Node* node, bool truncate, const UniqueFd* src) {
@@ -253,9 +258,6 @@ Result<std::pair<Entry, Handle*>> Namespace::Create(uint64_t parent, const std::
         {
           MutexLock dropped_lock(&dropped_mu_);
           if (!dropped_paths_.empty()) dropped_paths_.erase(PathLocked(node.get()));
-        }
-        if (store::CheckpointRegistry::IsCheckpointFile(name)) {
-          checkpoints_->OnFileCreated(PathLocked(dir.get()));
         }
         auto handle = std::make_unique<Handle>();
         FileHandle& fh = handle->kind.emplace<FileHandle>();

@@ -17,6 +17,10 @@ For each durability mode (async, strict):
   * loads through all mounts verify every value: own shards, replicated (every rank reads
     everything), reshard (2 ranks);
   * the backing dir alone loads (G2);
+  * every node lists the checkpoint as committed, also those that wrote only shards; a
+    second save into the same directory (a shard rewritten in place through node 1) is
+    not committed on node 1 by the first save's `.metadata`, and is once node 0
+    publishes the new one;
   * the coordinator's commit asked the other daemons over UCX (the commit query,
     docs/PEERS.md) instead of polling the backing store: its stats show
     peer_commit_queries > 0 and no commit poll (commit_gate.commit_polls == 0).
@@ -184,8 +188,54 @@ class MultiNodeDcp(unittest.TestCase):
         self.assertEqual(leftovers, [])
         # G2: the backing dir alone, one rank reading every chunk.
         dcp_tool.load(backing_ckpt, 1, "own", SEED, timeout=120)
+        self.check_resave_states(c, backing_ckpt)
         print(f"\nK={k} {durability}: save {save_s:.1f} s, 3 loads {load_s:.1f} s",
               file=sys.stderr)
+
+    @staticmethod
+    def ckpt_state(n):
+        with open(os.path.join(n.mnt, ".ckptfs", "checkpoints")) as f:
+            return {x["path"]: x for x in json.load(f)}.get(CKPT, {}).get("state")
+
+    @staticmethod
+    def progress(n, path):
+        return json.loads(os.getxattr(os.path.join(n.mnt, path), "user.ckptfs.progress"))
+
+    def check_resave_states(self, c, backing_ckpt):
+        """Every node lists the checkpoint as committed, also those that only wrote shards
+        (their daemon never publishes its .metadata). Then a second save into the same
+        directory, by hand: node 1 rewrites its shard in place while the first save's
+        .metadata is still on the backing store. Node 1 must not call the checkpoint
+        committed before node 0 publishes the new .metadata, and must after."""
+        for n in c.nodes:
+            self.assertEqual(self.ckpt_state(n), "committed", f"node {n.index}")
+        n0, n1 = c.nodes[0], c.nodes[1]
+        shard = os.path.join(CKPT, "__1_0.distcp")  # rank 1 saves through mount 1
+        with open(os.path.join(c.backing, shard), "rb") as f:
+            shard_bytes = f.read()
+        with open(os.path.join(backing_ckpt, ".metadata"), "rb") as f:
+            metadata = f.read()
+        with open(os.path.join(n1.mnt, shard), "wb") as f:  # O_TRUNC of an existing shard
+            f.write(shard_bytes)
+            f.flush()
+            self.assertEqual(self.ckpt_state(n1), "writing")
+        r = subprocess.run([ADMIN, "wait", os.path.join(n1.mnt, shard), "--timeout", "60"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=90)
+        self.assertEqual(r.returncode, 0, r.stdout)
+        self.assertEqual(self.ckpt_state(n1), "writing",
+                         "the first save's .metadata does not commit the second")
+        p = self.progress(n1, CKPT)
+        self.assertEqual((p["state"], p.get("waiting_for")),
+                         ("pending", ".metadata from another node"), p)
+        with open(os.path.join(n0.mnt, CKPT, ".metadata"), "wb") as f:
+            f.write(metadata)
+        r = subprocess.run([ADMIN, "wait", os.path.join(n1.mnt, CKPT), "--timeout", "60"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=90)
+        self.assertEqual(r.returncode, 0, r.stdout)
+        self.assertEqual(self.ckpt_state(n1), "committed")
+        self.assertEqual(self.progress(n1, CKPT)["state"], "committed")
 
     def test_tracker_and_delete_wait_for_a_commit_on_another_node(self):
         # Deterministic: node 1 publishes a shard of run/ck, then writes a tracker and
