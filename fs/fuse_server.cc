@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/mutex.h"
+#include "common/thread_name.h"
 #include "fs/op_metrics.h"
 
 namespace ckptfs::fs {
@@ -31,6 +32,9 @@ namespace {
 constexpr unsigned kMaxWrite = 1u << 20;
 
 Filesystem* Fs(fuse_req_t req) {
+  // Every request passes here: libfuse's worker threads get their name on their first one.
+  thread_local const bool named = (NameThisThread("ckptfs-fuse"), true);
+  (void)named;
   return static_cast<FuseServer::Context*>(fuse_req_userdata(req))->fs;
 }
 Handle* H(struct fuse_file_info* fi) { return reinterpret_cast<Handle*>(fi->fh); }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "common/thread_name.h"
 #include "fs/fs_util.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/metadata_file.h"
@@ -38,7 +39,10 @@ void ReadPath::StopServingPeers() {
 #endif
 }
 
-void ReadPath::Start() { worker_ = std::thread([this] { Run(); }); }
+void ReadPath::Start() { worker_ = std::thread([this] {
+    NameThisThread("ckptfs-readpath");
+    Run();
+  }); }
 
 void ReadPath::Stop() {
   {
@@ -49,8 +53,7 @@ void ReadPath::Stop() {
   if (worker_.joinable()) worker_.join();
 }
 
-Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint64_t offset) {
-  if (!cache_) return backing_->PRead(h->fd->get(), out, len, static_cast<off_t>(offset));
+Result<struct stat> ReadPath::BeginRead(FileHandle* h, size_t len, uint64_t offset) {
   // The file's version now, not at open: someone may have rewritten it in place. Its name
   // for the cache is the backing path it was opened under; the open descriptor is lent to
   // the cache's source, so a miss reads the very inode the application opened.
@@ -63,6 +66,13 @@ Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint6
   } else {
     ReadAhead(h, id, offset, len);
   }
+  return st;
+}
+
+Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint64_t offset) {
+  if (!cache_) return backing_->PRead(h->fd->get(), out, len, static_cast<off_t>(offset));
+  CKPT_ASSIGN_OR_RETURN(struct stat st, BeginRead(h, len, offset));
+  const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
   Result<size_t> got = cache_->Read(id, out, len, offset);
   if (!got.ok() && (got.status().code() == Code::kAborted ||
                     got.status().code() == Code::kNotFound)) {
@@ -79,15 +89,8 @@ Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint6
 Result<std::optional<size_t>> ReadPath::ReadBackingInPlace(
     FileHandle* h, size_t len, uint64_t offset, const store::BlockCache::InPlaceUse& use) {
   if (!cache_) return std::optional<size_t>();
-  CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(h->fd->get()));
+  CKPT_ASSIGN_OR_RETURN(struct stat st, BeginRead(h, len, offset));
   const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
-  Adopt(id, h->fd, st);
-  if (!h->ckpt.empty()) {
-    if (peers_ && !h->indexed && h->file != ".metadata") WaitForPlan(h->ckpt);
-    PrefetchItem(h, id, offset);
-  } else {
-    ReadAhead(h, id, offset, len);
-  }
   if (!h->indexed) return cache_->ReadInPlace(id, len, offset, use);
   // An indexed shard: checksums of first full reads are taken over the pinned blocks, run
   // by run, before they are replied (ReadChecksums takes pieces in any order).

@@ -84,6 +84,9 @@ class ReadPath {
 
  private:
   void Run() EXCLUDES(mu_);
+  // What ReadBacking and ReadBackingInPlace do before the cache: the file's version now
+  // (fstat), lent to the cache (Adopt), then the item's prefetch or the read-ahead.
+  Result<struct stat> BeginRead(FileHandle* h, size_t len, uint64_t offset);
   void PrefetchCheckpoint(const std::string& ckpt) EXCLUDES(mu_);
   // With peers: waits (at most kPlanWait) while `ckpt` is in planning_.
   void WaitForPlan(const std::string& ckpt) EXCLUDES(mu_);

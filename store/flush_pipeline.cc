@@ -7,6 +7,8 @@
 
 #include <chrono>
 
+#include "common/thread_name.h"
+
 namespace ckptfs::store {
 
 Status FlushTarget::Error() const {
@@ -132,7 +134,10 @@ std::shared_ptr<BlockCrcMap> FlushTarget::CrcMap(const BlockCrcOptions& options)
 
 FlushPipeline::FlushPipeline(BackingDir* dir, const FlushOptions& options)
     : dir_(dir), options_(options) {
-  for (int i = 0; i < options.threads; ++i) threads_.emplace_back([this] { Run(); });
+  for (int i = 0; i < options.threads; ++i) threads_.emplace_back([this] {
+      NameThisThread("ckptfs-flush");
+      Run();
+    });
 }
 
 Result<std::unique_ptr<FlushPipeline>> FlushPipeline::Create(BackingDir* dir,

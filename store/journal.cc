@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "common/path.h"
+#include "common/thread_name.h"
 #include "store/record_codec.h"
 
 namespace ckptfs::store {
@@ -168,9 +169,15 @@ Result<RecoveryReport> Journal::Recover(BackingDir* dir, StateDb* db) {
 Journal::Journal(BackingDir* dir, StateDb* db, Hooks hooks, uint64_t next_seq, uint64_t next_id)
     : dir_(dir), db_(db), hooks_(std::move(hooks)), next_seq_(next_seq), done_seq_(next_seq - 1),
       next_file_id_(next_id) {
-  thread_ = std::thread([this] { Run(); });
+  thread_ = std::thread([this] {
+    NameThisThread("ckptfs-journal");
+    Run();
+  });
   for (int i = 0; i < hooks_.presync_threads; ++i) {
-    presync_threads_.emplace_back([this] { RunPresync(); });
+    presync_threads_.emplace_back([this] {
+      NameThisThread("ckptfs-presync");
+      RunPresync();
+    });
   }
 }
 

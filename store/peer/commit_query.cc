@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/thread_name.h"
+
 namespace ckptfs::store::peer {
 namespace {
 
@@ -34,7 +36,10 @@ void CommitQuerier::Merge(const ShardStatus& from_peer, PeerShardAnswer* into) {
 
 CommitQuerier::CommitQuerier(CommitQueryOptions options)
     : options_(std::move(options)), peers_(options_.nodes.size()) {
-  thread_ = std::thread([this] { Loop(); });
+  thread_ = std::thread([this] {
+    NameThisThread("ckptfs-cquery");
+    Loop();
+  });
 }
 
 CommitQuerier::~CommitQuerier() {

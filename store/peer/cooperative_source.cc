@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <atomic>
 
+#include "common/thread_name.h"
+
 namespace ckptfs::store::peer {
 
 using Clock = std::chrono::steady_clock;
@@ -51,7 +53,10 @@ Result<std::unique_ptr<CooperativeSource>> CooperativeSource::Create(
     s->peers_[i] = std::move(p);
   }
   if (options.connect_in_background && options.nodes.size() > 1) {
-    s->connector_ = std::thread([c = s.get()] { c->ConnectLoop(); });
+    s->connector_ = std::thread([c = s.get()] {
+      NameThisThread("ckptfs-connect");
+      c->ConnectLoop();
+    });
   }
   return s;
 }

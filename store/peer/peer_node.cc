@@ -8,6 +8,7 @@
 #include <charconv>
 #include <system_error>
 
+#include "common/thread_name.h"
 #include "store/cache/backing_source.h"
 #include "store/dcp/metadata_file.h"
 #include "store/peer/protocol.h"
@@ -89,7 +90,10 @@ Status PeerNode::StartServing(BlockCache* cache) {
   cache_ = cache;
   serving_source_ = std::make_unique<ServingSource>(this, cache);
   try {
-    planner_ = std::thread([this] { PlannerLoop(); });
+    planner_ = std::thread([this] {
+      NameThisThread("ckptfs-planner");
+      PlannerLoop();
+    });
   } catch (const std::system_error& e) {
     return Status(Code::kInternal, std::string("peers: cannot start a thread: ") + e.what());
   }

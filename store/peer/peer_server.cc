@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "common/mutex.h"
+#include "common/thread_name.h"
 #include "store/crc32c.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/peer/buffer_pool.h"
@@ -162,10 +163,16 @@ Status PeerServer::Impl::Init() {
   if (!w.ok()) return w.status();
   worker_ = std::move(w).value();
   for (int i = 0; i < options_.serve_threads; ++i) {
-    serve_threads_.emplace_back([this] { ServeLoop(); });
+    serve_threads_.emplace_back([this] {
+      NameThisThread("ckptfs-pserve");
+      ServeLoop();
+    });
   }
   if (options_.shard_states != nullptr) {
-    query_thread_ = std::thread([this] { QueryLoop(); });
+    query_thread_ = std::thread([this] {
+      NameThisThread("ckptfs-pquery");
+      QueryLoop();
+    });
     options_.shard_states->SetListener([this] {
       {
         MutexLock lock(&query_mu_);

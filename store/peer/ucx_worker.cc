@@ -11,6 +11,8 @@
 #include <cstring>
 #include <future>
 
+#include "common/thread_name.h"
+
 namespace ckptfs::store::peer {
 
 std::string UcsError(ucs_status_t status) {
@@ -90,7 +92,10 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::Create(std::string name, Hooks hoo
   if (!w->epoll_fd_.valid()) return Status::FromErrno(errno, "peer: epoll_create1");
   std::promise<Status> started;
   std::future<Status> started_f = started.get_future();
-  w->thread_ = std::thread([raw = w.get(), &started] { raw->Run(&started); });
+  w->thread_ = std::thread([raw = w.get(), &started] {
+    NameThisThread("ckptfs-ucx");
+    raw->Run(&started);
+  });
   Status st = started_f.get();
   if (!st.ok()) {
     w->thread_.join();  // Run() returns after a failed start, having destroyed what it made
