@@ -6,7 +6,8 @@ gloo ranks, separate processes, are spread over the nodes: rank r saves and load
 mount r % K. So the coordinator's mount makes the checkpoint directory and publishes
 `.metadata`, while the other mounts write shards into a directory they did not make.
 
-For each durability mode (async, strict):
+For each durability mode (async, strict), with one file per rank, and once (K=3, async) with
+torch 1.13's default of one file per item:
   * the save through all mounts succeeds, and the directory made through one mount is
     usable (mkdir from every mount too: idempotent, nothing halts publication; a mkdir
     behind a queued 32 MiB publication is visible through the other mounts when it returns);
@@ -75,14 +76,14 @@ class MultiNodeDcp(unittest.TestCase):
                 return
             time.sleep(0.002)
 
-    def run_case(self, k, durability):
+    def run_case(self, k, durability, per_rank=True):
         c = self.cluster(k, durability)
         try:
-            self._run_case(c, durability)
+            self._run_case(c, durability, per_rank)
         except BaseException as e:
             raise AssertionError(f"{e}\n{self.logs(c)}") from e
 
-    def _run_case(self, c, durability):
+    def _run_case(self, c, durability, per_rank):
         k = c.k
         dirs = [os.path.join(n.mnt, CKPT) for n in c.nodes]
         backing_ckpt = os.path.join(c.backing, CKPT)
@@ -116,7 +117,7 @@ class MultiNodeDcp(unittest.TestCase):
                             f"node {n.index} does not see the directory node 0 made")
 
         t0 = time.monotonic()
-        dcp_tool.save(dirs[0], RANKS, MB, True, SEED, timeout=120, dirs=dirs)
+        dcp_tool.save(dirs[0], RANKS, MB, per_rank, SEED, timeout=120, dirs=dirs)
         save_s = time.monotonic() - t0
 
         stop, violations = threading.Event(), []
@@ -347,6 +348,11 @@ class MultiNodeDcp(unittest.TestCase):
 
     def test_k3_strict(self):
         self.run_case(3, "strict")
+
+    def test_k3_async_per_item(self):
+        # torch 1.13's default layout: one file per item (__<rank>_<n>.distcp), so each
+        # node publishes many shards and the commit query asks about many paths.
+        self.run_case(3, "async", per_rank=False)
 
 
 if __name__ == "__main__":
