@@ -11,6 +11,10 @@ load runs on a freshly started daemon (cold block cache).
 Cases (one JSON line each, medians over BENCH_REPS repetitions):
   load_{own,replicated,reshard}_sfpr{1,0}
     ckptfs_s, direct_s   max over ranks of load_state_dict (dcp_tool load_s_max)
+    setup_s              median over reps of the slowest rank's setup before it: reading
+                         `.metadata` and allocating the state to load into (not timed in
+                         ckptfs_s/direct_s; the daemon's checkpoint prefetch, started by
+                         the `.metadata` open, already runs during it)
     ratio                ckptfs_s / direct_s
     backing_bytes        bytes the daemon read from the backing store during the
                          load (stats backing_bytes_read, index reads included)
@@ -58,7 +62,7 @@ def load_direct(ckpt, ranks, mode, seed):
     if not bl.drop_caches():
         raise SystemExit("drop_caches failed: run as root")
     r = dcp_tool.load(ckpt, ranks, mode, seed, timeout=1800)
-    return r["load_s_max"]
+    return r["load_s_max"], r["setup_s_max"]
 
 
 def load_ckptfs(root, name, ranks, mode, seed, daemon_args, staging, fresh_state):
@@ -77,6 +81,7 @@ def load_ckptfs(root, name, ranks, mode, seed, daemon_args, staging, fresh_state
         rc = d.unmount(timeout=120)
     return {
         "load_s": r["load_s_max"],
+        "setup_s": r["setup_s_max"],
         "wall_s": r["wall_s"],
         "backing_bytes": s1["backing_bytes_read"] - s0["backing_bytes_read"],
         "cache_backing_bytes": s1.get("cache_backing_bytes_read", 0)
@@ -174,7 +179,7 @@ def main():
                 case = f"{'throttled_' if throttled else ''}load_{mode}_sfpr{sfpr}"
                 throttle = (bl.BlkioThrottle(backing, a.throttle_mbps * 1e6) if throttled
                             else contextlib.nullcontext())
-                direct, runs, ok, xok = [], [], True, True
+                direct, direct_setup, runs, ok, xok = [], [], [], True, True
                 for rep in range(a.reps):
                     # alternate the order so that drift on a shared machine cancels out
                     order = ("direct", "ckptfs") if rep % 2 == 0 else ("ckptfs", "direct")
@@ -182,7 +187,9 @@ def main():
                         with throttle:
                             try:
                                 if side == "direct":
-                                    direct.append(load_direct(ckpt, a.ranks, mode, a.seed))
+                                    load_s, setup_s = load_direct(ckpt, a.ranks, mode, a.seed)
+                                    direct.append(load_s)
+                                    direct_setup.append(setup_s)
                                 else:
                                     r = load_ckptfs(root, name, a.ranks, mode, a.seed,
                                                     daemon_args, a.staging_mem, not a.keep_state)
@@ -205,6 +212,8 @@ def main():
                      "direct_s": di_s and round(di_s, 3), "ratio": bl.ratio(ck_s, di_s),
                      "backing_bytes": bb and int(bb), "io_read_bytes": io and int(io),
                      "checkpoint_bytes": ckpt_bytes,
+                     "setup_s": {"ckptfs": bl.median([r["setup_s"] for r in runs]),
+                                 "direct": bl.median(direct_setup)},
                      "backing_ratio": bl.ratio(bb, ckpt_bytes),
                      "cache_backing_bytes": int(bl.median(
                          [r["cache_backing_bytes"] for r in runs]) or 0),

@@ -208,6 +208,7 @@ def load(dir, ranks=4, mode="own", seed=0, timeout=600, dirs=None):
     per_rank = _run_ranks(job, ranks, timeout)
     return {"op": "load", "dir": job["dir"], "ranks": ranks, "mode": mode, "seed": seed,
             "load_s_max": max(r["load_s"] for r in per_rank),
+            "setup_s_max": max(r["setup_s"] for r in per_rank),
             "bytes_verified": sum(r["bytes_verified"] for r in per_rank),
             "wall_s": time.monotonic() - t0, "per_rank": per_rank}
 
