@@ -77,8 +77,7 @@ inline bool SameTime(const struct timespec& a, const struct timespec& b) {
 inline bool CommittedElsewhere(store::BackingDir* backing, const std::string& dir, double since) {
   Result<struct stat> st = backing->Stat(dir + "/.metadata");
   if (!st.ok()) return false;
-  const double ctime = static_cast<double>(st->st_ctim.tv_sec) + st->st_ctim.tv_nsec * 1e-9;
-  return ctime >= since;
+  return store::CtimeSeconds(*st) >= since;
 }
 
 }  // namespace ckptfs::fs

@@ -36,6 +36,14 @@
 
 namespace ckptfs::store {
 
+// A stat's ctime, and a time given as seconds and nanoseconds, as epoch seconds.
+inline double EpochSeconds(int64_t sec, int64_t nsec) {
+  return static_cast<double>(sec) + static_cast<double>(nsec) * 1e-9;
+}
+inline double CtimeSeconds(const struct stat& st) {
+  return EpochSeconds(st.st_ctim.tv_sec, st.st_ctim.tv_nsec);
+}
+
 struct DirEntry {
   std::string name;
   unsigned char type;  // DT_* value

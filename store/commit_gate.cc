@@ -68,7 +68,15 @@ void CommitGate::NoteApplied(const JournalEntry& e, const Status& st) {
   if (!st.ok() || (e.op != OpType::kPublish && e.op != OpType::kRename)) return;
   MutexLock lock(&mu_);
   if (IsShardName(e.path)) {
-    foreign_.insert(path::Parent(e.path));
+    // The shard's last write, on this node's clock, is before any `.metadata` that
+    // commits it and after one left by an earlier save into the same directory. The
+    // earliest shard of the round counts: the widest margin against clocks that differ.
+    // A rename carries no time (0): any `.metadata` then counts, as before.
+    const double since = e.op == OpType::kPublish && e.mtime_sec > 0
+                              ? EpochSeconds(e.mtime_sec, e.mtime_nsec)
+                              : 0;
+    auto [it, made] = foreign_.try_emplace(path::Parent(e.path), since);
+    if (!made) it->second = std::min(it->second, since);
   } else if (IsCommitName(e.path)) {
     foreign_.erase(path::Parent(e.path));
   }
@@ -83,33 +91,38 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e) {
     ordered_.deadline = now + options_.timeout;
   }
   for (auto it = foreign_.begin(); it != foreign_.end();) {
+    const std::string& ckpt = it->first;
     // The checkpoint itself or inside it (its `.metadata.tmp`, written before the rename
     // that commits it; the deletion of a checkpoint that never committed): no order to
     // keep.
-    if (e.path.compare(0, it->size(), *it) == 0 &&
-        (e.path.size() == it->size() || e.path[it->size()] == '/')) {
+    if (e.path.compare(0, ckpt.size(), ckpt) == 0 &&
+        (e.path.size() == ckpt.size() || e.path[ckpt.size()] == '/')) {
       ++it;
       continue;
     }
     ++stats_.ordered_polls;
-    if (dir_->Stat(path::Join(*it, ".metadata")).ok()) {
+    // Only a `.metadata` made since this node's shards: one from an earlier save into the
+    // same directory does not commit this one.
+    if (Result<struct stat> md = dir_->Stat(path::Join(ckpt, ".metadata"));
+        md.ok() && CtimeSeconds(*md) >= it->second) {
       it = foreign_.erase(it);
       continue;
     }
     // A directory gone from the backing store (deleted by its writer) has nothing left
     // to commit.
-    if (dir_->Stat(*it).status().code() == Code::kNotFound) {
+    if (dir_->Stat(ckpt).status().code() == Code::kNotFound) {
       it = foreign_.erase(it);
       continue;
     }
     if (now > ordered_.deadline) {
-      const std::string dir = *it;
+      const std::string dir = ckpt;
       ordered_.seq = 0;
       return Status(Code::kTimeout, e.Describe() + " waits for checkpoint " + dir +
-                                        ", whose .metadata never appeared on the backing store");
+                                        ", whose .metadata never appeared on the backing store (or only one older "
+                                        "than this node's shards of it)");
     }
     spdlog::debug("journal: {} waits for the .metadata of {}, published by another node",
-                  e.Describe(), *it);
+                  e.Describe(), ckpt);
     CommitCheck check = CommitCheck::Wait({}, ordered_.backoff);
     ordered_.backoff = std::min(kMaxBackoff, ordered_.backoff * 2);
     // A synchronous caller (strict mode) must not wait: it may be the one whose later

@@ -34,7 +34,11 @@
 // gate remembers each directory where this mount published a `*.distcp` and no
 // `.metadata` (NoteApplied), and an ordered entry (IsOrderedEntry: a tracker, any other
 // non-shard file, a rename, a delete) waits until the backing store shows every such
-// directory's `.metadata`, polled with the same backoff and timeout; on timeout it is
+// directory's `.metadata`, polled with the same backoff and timeout. A `.metadata` counts
+// only with a ctime at or after the last write of this mount's first shard there: an
+// earlier save's `.metadata`, still in place while a second save into the same directory
+// runs, does not (the backing store's clock against this node's: wrong only where they
+// differ by more than a save takes); on timeout it is
 // refused (the journal halts there, or skips it in strict mode). These polls (counted in
 // ordered_polls; remote_polls() is commit_polls + ordered_polls) do not ask the peers
 // yet: the commit is a single `.metadata` per directory and the 2 s backoff cap bounds how
@@ -155,7 +159,9 @@ class CommitGate {
   std::map<std::string, PeerShardAnswer> answers_ GUARDED_BY(mu_);
   // Checkpoint dirs with shards published here and no `.metadata` seen yet, and the
   // ordered entry waiting for them.
-  std::set<std::string> foreign_ GUARDED_BY(mu_);
+  // Each with the time (epoch seconds, this node's clock) of the earliest such shard's
+  // last write: only a `.metadata` whose ctime is at or after it commits the directory.
+  std::map<std::string, double> foreign_ GUARDED_BY(mu_);
   Pending ordered_ GUARDED_BY(mu_);  // seq, deadline, backoff only
 };
 

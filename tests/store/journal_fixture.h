@@ -222,10 +222,13 @@ class JournalTest : public ::testing::Test {
     }
   }
 
-  uint64_t Publish(const TempFile& f, const std::string& path) {
+  // `mtime`: the file's last write as the mount shows it (0: none given).
+  uint64_t Publish(const TempFile& f, const std::string& path, struct timespec mtime = {}) {
     JournalEntry e;
     e.op = OpType::kPublish;
     e.path = path;
+    e.mtime_sec = mtime.tv_sec;
+    e.mtime_nsec = mtime.tv_nsec;
     e.from = f.temp;
     e.file_id = f.id;
     e.size = f.bytes->size();

@@ -164,6 +164,41 @@ TEST_F(JournalTest, TrackerAndDeleteWaitForACheckpointCommittedElsewhere) {
   EXPECT_GT(gate.remote_polls(), 0u);
 }
 
+// A second save into the same directory: the first save's `.metadata` is still on the
+// backing store while this node's new shard is published. The tracker written after it
+// must wait for the new `.metadata`, not pass on the old one.
+TEST_F(JournalTest, AnEarlierSavesMetadataDoesNotReleaseATrackerOfTheNextSave) {
+  CommitGateOptions options;
+  options.timeout = std::chrono::seconds(30);
+  CommitGate gate(dir_.get(), options);
+  Journal::Hooks hooks;
+  hooks.commit_gate = [&](const JournalEntry& e, const QueuedFn& queued) {
+    return gate.Check(e, queued);
+  };
+  hooks.gated = [](const JournalEntry& e) { return CommitGate::IsOrderedEntry(e); };
+  hooks.on_done = [&](const JournalEntry& e, const Status& st) { gate.NoteApplied(e, st); };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  { std::ofstream(root_ + "/ck/.metadata") << "the first save"; }
+  // Past the file system's timestamp granularity (a jiffy).
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  TempFile shard = StartFile("ck"), tracker = StartFile("");
+  Write(&shard, std::string(10000, 's'), 1000);
+  struct timespec written {};
+  clock_gettime(CLOCK_REALTIME, &written);
+  ASSERT_TRUE(journal_->Wait(Publish(shard, "ck/__1_0.distcp", written)).ok());
+  Write(&tracker, "ck", 2);
+  const uint64_t t = Publish(tracker, "latest.txt");
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  EXPECT_FALSE(Exists("latest.txt")) << "released by the first save's .metadata";
+  EXPECT_LT(journal_->applied(), t);
+  // The other node commits the second save: a new `.metadata` replaces the old one.
+  { std::ofstream(root_ + "/ck/.metadata.new") << "the second save"; }
+  std::filesystem::rename(root_ + "/ck/.metadata.new", root_ + "/ck/.metadata");
+  ASSERT_TRUE(journal_->Wait(t).ok());
+  EXPECT_EQ(Read("latest.txt"), "ck");
+}
+
 TEST(CommitGate, OrderedEntriesAreTrackersRenamesAndDeletesNotShardsOrCommits) {
   auto entry = [](OpType op, const std::string& path) {
     JournalEntry e;
