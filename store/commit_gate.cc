@@ -71,10 +71,15 @@ void CommitGate::NoteApplied(const JournalEntry& e, const Status& st) {
     // The shard's last write, on this node's clock, is before any `.metadata` that
     // commits it and after one left by an earlier save into the same directory. The
     // earliest shard of the round counts: the widest margin against clocks that differ.
-    // A rename carries no time (0): any `.metadata` then counts, as before.
-    const double since = e.op == OpType::kPublish && e.mtime_sec > 0
-                              ? EpochSeconds(e.mtime_sec, e.mtime_nsec)
-                              : 0;
+    // A rename carries no time (0), and a time in the future (a utimens) cannot be
+    // trusted: any `.metadata` then counts, as before.
+    double since = e.op == OpType::kPublish && e.mtime_sec > 0
+                       ? EpochSeconds(e.mtime_sec, e.mtime_nsec)
+                       : 0;
+    const double now = std::chrono::duration<double>(
+                           std::chrono::system_clock::now().time_since_epoch())
+                           .count();
+    if (since > now) since = 0;
     auto [it, made] = foreign_.try_emplace(path::Parent(e.path), since);
     if (!made) it->second = std::min(it->second, since);
   } else if (IsCommitName(e.path)) {
