@@ -125,20 +125,28 @@ TEST_F(JournalTest, AShardAheadOfItsCommitWaitsForAnEntryThatTouchesItsName) {
   EXPECT_EQ(journal_->Wait(commit).code(), Code::kAborted);
 }
 
+// The gate wired into the journal as the daemon does with --peers (cross-node order).
+CommitGateOptions GateOptions() {
+  CommitGateOptions options;
+  options.timeout = std::chrono::seconds(30);
+  return options;
+}
+Journal::Hooks GatedHooks(CommitGate* gate) {
+  Journal::Hooks hooks;
+  hooks.commit_gate = [gate](const JournalEntry& e, const QueuedFn& queued) {
+    return gate->Check(e, queued);
+  };
+  hooks.gated = [](const JournalEntry& e) { return CommitGate::IsOrderedEntry(e); };
+  hooks.on_done = [gate](const JournalEntry& e, const Status& st) { gate->NoteApplied(e, st); };
+  return hooks;
+}
+
 // A node that published a shard of a checkpoint whose `.metadata` another node writes
 // (the gate wired as the daemon does with --peers) holds its later tracker and delete until
 // that `.metadata` shows on the backing store; files inside the checkpoint are not held.
 TEST_F(JournalTest, TrackerAndDeleteWaitForACheckpointCommittedElsewhere) {
-  CommitGateOptions options;
-  options.timeout = std::chrono::seconds(30);
-  CommitGate gate(dir_.get(), options);
-  Journal::Hooks hooks;
-  hooks.commit_gate = [&](const JournalEntry& e, const QueuedFn& queued) {
-    return gate.Check(e, queued);
-  };
-  hooks.gated = [](const JournalEntry& e) { return CommitGate::IsOrderedEntry(e); };
-  hooks.on_done = [&](const JournalEntry& e, const Status& st) { gate.NoteApplied(e, st); };
-  MakeJournal(std::move(hooks));
+  CommitGate gate(dir_.get(), GateOptions());
+  MakeJournal(GatedHooks(&gate));
   ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
   TempFile old = StartFile(""), shard = StartFile("ck"), tracker = StartFile("");
   TempFile inside = StartFile("ck");
@@ -168,16 +176,8 @@ TEST_F(JournalTest, TrackerAndDeleteWaitForACheckpointCommittedElsewhere) {
 // backing store while this node's new shard is published. The tracker written after it
 // must wait for the new `.metadata`, not pass on the old one.
 TEST_F(JournalTest, AnEarlierSavesMetadataDoesNotReleaseATrackerOfTheNextSave) {
-  CommitGateOptions options;
-  options.timeout = std::chrono::seconds(30);
-  CommitGate gate(dir_.get(), options);
-  Journal::Hooks hooks;
-  hooks.commit_gate = [&](const JournalEntry& e, const QueuedFn& queued) {
-    return gate.Check(e, queued);
-  };
-  hooks.gated = [](const JournalEntry& e) { return CommitGate::IsOrderedEntry(e); };
-  hooks.on_done = [&](const JournalEntry& e, const Status& st) { gate.NoteApplied(e, st); };
-  MakeJournal(std::move(hooks));
+  CommitGate gate(dir_.get(), GateOptions());
+  MakeJournal(GatedHooks(&gate));
   ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
   { std::ofstream(root_ + "/ck/.metadata") << "the first save"; }
   // Past the file system's timestamp granularity (a jiffy).
