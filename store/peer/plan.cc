@@ -189,23 +189,60 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
   };
 
   if (plan.mode_ == PlanMode::kBalanced) {
-    std::vector<uint32_t> order(items.size());
+    // Units to assign: whole items, except that an item any node may own and larger than
+    // kPiecesPerNode pieces per node would allow is cut into block-aligned pieces of about
+    // that size. Without the cut, a checkpoint with few large items (fewer than nodes, or
+    // one huge embedding) leaves most nodes idle and one node reading far more than the
+    // mean. Items with readers stay whole: they go to a reader.
+    struct Unit {
+      uint32_t item;
+      uint64_t offset, length;
+    };
+    uint64_t free_bytes = 0;
+    for (const PlanItem& it : items) {
+      if (it.readers.empty()) free_bytes += it.length;
+    }
+    const uint64_t per_piece = free_bytes / (uint64_t{kPiecesPerNode} * node_count) + 1;
+    const uint64_t piece = std::max<uint64_t>(bb, (per_piece + bb - 1) / bb * bb);
+    std::vector<Unit> units;
+    units.reserve(items.size());
+    for (uint32_t i = 0; i < items.size(); ++i) {
+      const PlanItem& it = items[i];
+      if (!it.readers.empty() || it.length <= piece) {
+        units.push_back({i, it.offset, it.length});
+        continue;
+      }
+      // Cuts at block boundaries: the first at the item's first block boundary plus one
+      // piece, then every piece, so no block but an item edge is shared by two pieces.
+      const uint64_t end = it.offset + it.length;
+      uint64_t at = it.offset;
+      uint64_t cut = (it.offset + bb - 1) / bb * bb;  // no overflow: validated above
+      while (end - cut > piece) {
+        cut += piece;
+        units.push_back({i, at, cut - at});
+        at = cut;
+      }
+      units.push_back({i, at, end - at});
+    }
+    std::vector<uint32_t> order(units.size());
     std::iota(order.begin(), order.end(), 0u);
     std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-      const PlanItem& x = items[a];
-      const PlanItem& y = items[b];
+      const Unit& x = units[a];
+      const Unit& y = units[b];
       if (x.length != y.length) return x.length > y.length;
-      if (item_file[a] != item_file[b]) return item_file[a] < item_file[b];
+      if (item_file[x.item] != item_file[y.item]) return item_file[x.item] < item_file[y.item];
       if (x.offset != y.offset) return x.offset < y.offset;
       return a < b;
     });
-    // Min-heap of (load, node) for items any node may own; its top may be stale after a
+    // Min-heap of (load, node) for units any node may own; its top may be stale after a
     // reader-restricted assignment, so entries are checked against the live load.
     using Entry = std::pair<uint64_t, uint32_t>;
     std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap;
     for (uint32_t n = 0; n < node_count; ++n) heap.push({0, n});
-    for (uint32_t i : order) {
-      const PlanItem& it = items[i];
+    std::vector<uint32_t> unit_owner(units.size());
+    for (uint32_t u : order) {
+      const Unit& unit = units[u];
+      const PlanItem& it = items[unit.item];
       uint32_t owner;
       if (it.readers.empty()) {
         while (heap.top().first != plan.node_bytes_[heap.top().second]) {
@@ -215,7 +252,7 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
         }
         owner = heap.top().second;
         heap.pop();
-        heap.push({plan.node_bytes_[owner] + it.length, owner});
+        heap.push({plan.node_bytes_[owner] + unit.length, owner});
       } else {
         owner = it.readers[0];
         for (uint32_t r : it.readers) {
@@ -225,14 +262,15 @@ Result<OwnershipPlan> BuildPlan(std::span<const PlanItem> items, std::span<const
           }
         }
       }
-      plan.item_owner_[i] = owner;
-      plan.node_bytes_[owner] += it.length;
+      unit_owner[u] = owner;
+      if (unit.offset == it.offset) plan.item_owner_[unit.item] = owner;  // its first piece
+      plan.node_bytes_[owner] += unit.length;
     }
     plan.spans_.resize(plan.files_.size());
-    for (size_t i = 0; i < items.size(); ++i) {
-      if (items[i].length == 0) continue;  // touches no block
-      plan.spans_[item_file[i]].push_back(
-          {items[i].offset, items[i].offset + items[i].length, plan.item_owner_[i], 0});
+    for (size_t u = 0; u < units.size(); ++u) {
+      if (units[u].length == 0) continue;  // touches no block
+      plan.spans_[item_file[units[u].item]].push_back(
+          {units[u].offset, units[u].offset + units[u].length, unit_owner[u], 0});
     }
     for (auto& spans : plan.spans_) {
       // Ties keep input order (stable), so the first item is the same on every node.

@@ -157,8 +157,10 @@ TEST_P(PlanBothModes, MoreNodesThanItems) {
   auto plan = Build(items, Nodes(16), GetParam());
   EXPECT_EQ(plan.Balance().total_bytes, 15 * kMiB);
   if (GetParam() == PlanMode::kBalanced) {
+    // Cut into 1 MiB pieces (a block; a quarter of the mean share is less): 15 pieces,
+    // one per node, the 16th node idle.
     EXPECT_NE(plan.ItemOwner(0), plan.ItemOwner(1));
-    EXPECT_EQ(plan.node_bytes()[plan.ItemOwner(0)], 10 * kMiB);
+    EXPECT_EQ(plan.Balance().max_node_bytes, kMiB);
   }
   uint32_t idle = 0;
   for (uint64_t b : plan.node_bytes()) idle += b == 0;
@@ -188,19 +190,56 @@ TEST(PlanBalanced, LoadStaysWithinOneItemOfTheMean) {
   }
 }
 
+TEST(PlanBalanced, LargeItemsAreCutIntoBlockAlignedPiecesAcrossNodes) {
+  // Three 100 MiB items and a small one on 8 nodes, 1 MiB blocks: the mean share is about
+  // 37.6 MiB, so pieces of at most ceil(37.6 / 4) = 10 MiB (whole blocks). Whole items would
+  // leave 5 nodes idle and put 100 MiB on 3 of them.
+  std::vector<PlanItem> items = {{"a", 0, 100 * kMiB, {}},
+                                 {"a", 100 * kMiB + 12345, 100 * kMiB, {}},
+                                 {"b", 7, 100 * kMiB, {}},
+                                 {"b", 200 * kMiB, 1000, {}}};
+  auto plan = Build(items, Nodes(8), PlanMode::kBalanced);
+  PlanBalance b = plan.Balance();
+  EXPECT_EQ(b.total_bytes, 300 * kMiB + 1000);
+  EXPECT_LE(b.max_over_mean, 1.1) << b.max_node_bytes;
+  for (uint64_t n : plan.node_bytes()) EXPECT_GT(n, 0u);
+  // Every block has one owner, and a piece's edge inside an item falls on a block boundary:
+  // the blocks of one item carry at most one owner change per piece (at most 11 pieces).
+  for (const char* f : {"a", "b"}) {
+    uint32_t changes = 0;
+    auto prev = plan.BlockOwner(f, 0);
+    ASSERT_TRUE(prev.ok());
+    for (uint64_t blk = 1; blk < 100; ++blk) {
+      auto o = plan.BlockOwner(f, blk);
+      ASSERT_TRUE(o.ok()) << f << " " << blk;
+      changes += *o != *prev;
+      prev = o;
+    }
+    EXPECT_GE(changes, 9u) << f;
+    EXPECT_LE(changes, 11u) << f;
+  }
+  // Items with readers stay whole, with their reader.
+  items.push_back({"c", 0, 500 * kMiB, {3}});
+  plan = Build(items, Nodes(8), PlanMode::kBalanced);
+  for (uint64_t blk = 0; blk < 500; ++blk) EXPECT_EQ(*plan.BlockOwner("c", blk), 3u) << blk;
+}
+
 TEST(PlanBalanced, EqualItemsSpreadEvenlyWithTiesToTheLowestNode) {
   std::vector<PlanItem> items;
-  for (int i = 0; i < 10; ++i) items.push_back({"f", uint64_t(i) * 100, 100, {}});
+  for (int i = 0; i < 41; ++i) items.push_back({"f", uint64_t(i) * 100, 100, {}});
   auto plan = Build(items, Nodes(4), PlanMode::kBalanced, 1);
-  // 10 equal items on 4 nodes: loads 3,3,2,2 in node order; item 0 on node 0.
-  EXPECT_EQ(plan.node_bytes(), (std::vector<uint64_t>{300, 300, 200, 200}));
+  // 41 equal items on 4 nodes (each under a quarter of the mean share: none is cut):
+  // loads 11,10,10,10 in node order; item 0 on node 0.
+  EXPECT_EQ(plan.node_bytes(), (std::vector<uint64_t>{1100, 1000, 1000, 1000}));
   EXPECT_EQ(plan.ItemOwner(0), 0u);
   EXPECT_EQ(plan.ItemOwner(1), 1u);
 }
 
 TEST(PlanBalanced, BlockOwnerFollowsTheItemAtTheBlockStart) {
-  // Blocks of 100 bytes: items [0,150) [150,300) and, after a gap, [420,500).
-  std::vector<PlanItem> items = {{"f", 0, 150, {}}, {"f", 150, 150, {}}, {"f", 420, 80, {}}};
+  // Blocks of 100 bytes: items [0,150) [150,300) and, after a gap, [420,500). A large item
+  // in another file keeps them far under a quarter of the mean share, so they stay whole.
+  std::vector<PlanItem> items = {
+      {"f", 0, 150, {}}, {"f", 150, 150, {}}, {"f", 420, 80, {}}, {"h", 0, 6000, {}}};
   auto plan = Build(items, Nodes(3), PlanMode::kBalanced, 100);
   EXPECT_EQ(*plan.BlockOwner("f", 0), plan.ItemOwner(0));
   EXPECT_EQ(*plan.BlockOwner("f", 1), plan.ItemOwner(0));  // starts inside item 0
