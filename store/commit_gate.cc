@@ -122,9 +122,10 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e) {
     if (now > ordered_.deadline) {
       const std::string dir = ckpt;
       ordered_.seq = 0;
-      return Status(Code::kTimeout, e.Describe() + " waits for checkpoint " + dir +
-                                        ", whose .metadata never appeared on the backing store (or only one older "
-                                        "than this node's shards of it)");
+      return Status(Code::kTimeout,
+                    e.Describe() + " waits for checkpoint " + dir +
+                        ", whose .metadata never appeared on the backing store (or only one "
+                        "older than this node's shards of it)");
     }
     spdlog::debug("journal: {} waits for the .metadata of {}, published by another node",
                   e.Describe(), ckpt);

@@ -1,6 +1,7 @@
 #include "store/peer/cooperative_source.h"
 
 #include <spdlog/spdlog.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -44,6 +45,9 @@ Result<std::unique_ptr<CooperativeSource>> CooperativeSource::Create(
   }
   std::unique_ptr<CooperativeSource> s(new CooperativeSource(options, fallback));
   s->peers_.resize(options.nodes.size());
+  for (const std::string& n : options.nodes) {
+    s->node_hash_.push_back(XXH3_64bits(n.data(), n.size()));
+  }
   for (uint32_t i = 0; i < options.nodes.size(); ++i) {
     if (i == options.self) continue;
     auto p = std::make_unique<Peer>();
@@ -124,7 +128,8 @@ std::shared_ptr<PeerClient> CooperativeSource::ClientFor(uint32_t node) {
     if (p.client && Clock::now() >= p.down_until) return p.client;
   }
   if (lost) {
-    spdlog::warn("peer {}: connection lost; reading from the backing store instead", p.node);
+    spdlog::warn("peer {}: connection lost; its blocks go to their stand-ins or the backing store",
+                 p.node);
   }
   return nullptr;
 }
@@ -155,11 +160,11 @@ void CooperativeSource::PeerFailed(uint32_t node, const Status& status,
     }
   }
   if (first) {
-    spdlog::warn("peer {}: {}; reading from the backing store instead{}", p.node,
+    spdlog::warn("peer {}: {}; its blocks go to their stand-ins or the backing store{}", p.node,
                  status.ToString(),
                  pause.count() > 0 ? fmt::format(" (peer skipped for {} ms)", pause.count()) : "");
   } else {
-    spdlog::debug("peer {}: {}; fallback to the backing store", p.node, status.ToString());
+    spdlog::debug("peer {}: {}; to a stand-in or the backing store", p.node, status.ToString());
   }
 }
 
@@ -178,8 +183,16 @@ std::optional<BlockRead> CooperativeSource::TryPeers(const BlockId& id, uint64_t
   if (!client) {
     fb_down_.fetch_add(1, std::memory_order_relaxed);
     peers_[*owner]->failures.fetch_add(1, std::memory_order_relaxed);
-    return std::nullopt;
+    return TryStandIn(id, offset, out, *owner);
   }
+  if (auto r = Fetch(*owner, client, id, offset, out)) return r;
+  return TryStandIn(id, offset, out, *owner);
+}
+
+std::optional<BlockRead> CooperativeSource::Fetch(uint32_t node,
+                                                  const std::shared_ptr<PeerClient>& client,
+                                                  const BlockId& id, uint64_t offset,
+                                                  std::span<char> out) {
   Result<size_t> got = client->Fetch(id, offset, out);
   if (!got.ok()) {
     switch (got.status().code()) {
@@ -188,10 +201,10 @@ std::optional<BlockRead> CooperativeSource::TryPeers(const BlockId& id, uint64_t
       case Code::kIo: fb_conn_.fetch_add(1); break;
       default: fb_error_.fetch_add(1); break;
     }
-    PeerFailed(*owner, got.status(), client);
+    PeerFailed(node, got.status(), client);
     return std::nullopt;
   }
-  Peer& p = *peers_[*owner];
+  Peer& p = *peers_[node];
   p.fetched_bytes.fetch_add(*got, std::memory_order_relaxed);
   peer_bytes_.fetch_add(*got, std::memory_order_relaxed);
   peer_blocks_.fetch_add(1, std::memory_order_relaxed);
@@ -203,6 +216,47 @@ std::optional<BlockRead> CooperativeSource::TryPeers(const BlockId& id, uint64_t
     }
   }
   return BlockRead{*got, std::nullopt};
+}
+
+bool CooperativeSource::Reachable(uint32_t node) {
+  if (node == options_.self) return true;
+  Peer& p = *peers_[node];
+  std::lock_guard lock(p.mu);
+  return p.client && p.client->healthy() && Clock::now() >= p.down_until;
+}
+
+uint32_t CooperativeSource::StandIn(const std::string& path, uint64_t offset, uint32_t owner) {
+  // Rendezvous over the nodes this node sees up: the same key on every node, so nodes that
+  // agree on who is down agree on the stand-in.
+  const uint64_t key = XXH3_64bits_withSeed(path.data(), path.size(), offset);
+  uint32_t best = options_.self;
+  uint64_t best_weight = 0;
+  for (uint32_t n = 0; n < node_hash_.size(); ++n) {
+    if (n == owner || !Reachable(n)) continue;
+    uint64_t w = key ^ node_hash_[n];
+    w = (w ^ (w >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    w = (w ^ (w >> 27)) * 0x94d049bb133111ebULL;
+    w ^= w >> 31;
+    if (w > best_weight || (w == best_weight && n < best)) {
+      best_weight = w;
+      best = n;
+    }
+  }
+  return best;
+}
+
+std::optional<BlockRead> CooperativeSource::TryStandIn(const BlockId& id, uint64_t offset,
+                                                       std::span<char> out, uint32_t owner) {
+  const uint32_t stand_in = StandIn(id.path, offset, owner);
+  if (stand_in == options_.self) {
+    stand_in_local_.fetch_add(1, std::memory_order_relaxed);
+    return std::nullopt;
+  }
+  std::shared_ptr<PeerClient> client = ClientFor(stand_in);
+  if (!client) return std::nullopt;
+  std::optional<BlockRead> r = Fetch(stand_in, client, id, offset, out);
+  if (r) stand_in_.fetch_add(1, std::memory_order_relaxed);
+  return r;
 }
 
 Result<BlockRead> CooperativeSource::ReadBlock(const BlockId& id, uint64_t offset,
@@ -276,6 +330,8 @@ CooperativeStats CooperativeSource::Stats() const {
   s.peer_bytes = peer_bytes_.load();
   s.peer_blocks = peer_blocks_.load();
   s.local_owned_reads = local_owned_.load();
+  s.stand_in_blocks = stand_in_.load();
+  s.stand_in_local = stand_in_local_.load();
   s.unplanned_reads = unplanned_.load();
   s.fallbacks.peer_down = fb_down_.load();
   s.fallbacks.timeout = fb_timeout_.load();

@@ -9,10 +9,15 @@
 // never fails because of a peer.
 //
 // Failure handling. A peer that refuses the connection, drops it, times out or returns a bad
-// checksum is skipped: that read falls back, the event is counted by kind and logged (warn on
-// the first failure of a streak, debug after), and the peer is *down* for `down_backoff`
-// (doubling per consecutive failure, at most `max_down_backoff`): reads owned by it fall back
-// at once, without waiting on it again. A connector thread (re)connects to peers that are
+// checksum is skipped: the event is counted by kind and logged (warn on the first failure of
+// a streak, debug after), and the peer is *down* for `down_backoff` (doubling per
+// consecutive failure, at most `max_down_backoff`): reads owned by it no longer wait on it.
+// Such a read goes to the block's *stand-in*: of every node but the owner that this node
+// does not see down (itself included), the one of highest rendezvous weight for (path,
+// offset). Every survivor that sees the same nodes down picks the same stand-in, with no
+// communication, so a dead owner's share is still read from the backing store once, spread
+// over the survivors, instead of once per node. When the stand-in is this node, or fails
+// too, the read goes to the fallback. A connector thread (re)connects to peers that are
 // not down; the read path never connects or waits for a connection, so a hung peer costs at
 // most one `request_timeout` per read in flight when it hangs.
 //
@@ -76,6 +81,8 @@ struct CooperativeStats {
   uint64_t peer_bytes = 0;       // bytes fetched from owners
   uint64_t peer_blocks = 0;
   uint64_t local_owned_reads = 0;   // reads this node owns (went to the fallback by design)
+  uint64_t stand_in_blocks = 0;     // blocks of a failed owner fetched from their stand-in
+  uint64_t stand_in_local = 0;      // ... read here, this node being their stand-in
   uint64_t unplanned_reads = 0;     // reads of files no plan covers
   FallbackCounts fallbacks;
   std::vector<PeerState> peers;  // every node but self, in node order
@@ -115,6 +122,10 @@ class CooperativeSource : public BlockSource {
   // (this node owns it, no plan covers it, or the owner failed: counted and logged).
   std::optional<BlockRead> TryPeers(const BlockId& id, uint64_t offset, std::span<char> out);
 
+  // The stand-in for the block at `offset` of `path` whose owner `owner` failed: the node
+  // of highest rendezvous weight among all but `owner` and the peers this node sees down.
+  uint32_t StandIn(const std::string& path, uint64_t offset, uint32_t owner);
+
   // TryPeers, else the fallback source.
   Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override;
 
@@ -131,6 +142,13 @@ class CooperativeSource : public BlockSource {
   void ConnectLoop();
   bool TryConnect(Peer& peer);
   std::shared_ptr<PeerClient> ClientFor(uint32_t node);
+  bool Reachable(uint32_t node);  // connected and not in a backoff pause (self: true)
+  // A read owned by a peer that failed: from the block's stand-in; nullopt: read locally.
+  std::optional<BlockRead> TryStandIn(const BlockId& id, uint64_t offset, std::span<char> out,
+                                      uint32_t owner);
+  // Fetches from `node`; on failure counts it by kind, marks the peer failed, and nullopt.
+  std::optional<BlockRead> Fetch(uint32_t node, const std::shared_ptr<PeerClient>& client,
+                                 const BlockId& id, uint64_t offset, std::span<char> out);
   void PeerFailed(uint32_t node, const Status& status, const std::shared_ptr<PeerClient>& client);
 
   const CooperativeOptions options_;
@@ -147,6 +165,8 @@ class CooperativeSource : public BlockSource {
   std::unordered_map<std::string, std::shared_ptr<const OwnershipPlan>> by_ckpt_;
 
   std::atomic<uint64_t> peer_bytes_{0}, peer_blocks_{0}, local_owned_{0}, unplanned_{0};
+  std::atomic<uint64_t> stand_in_{0}, stand_in_local_{0};
+  std::vector<uint64_t> node_hash_;  // XXH3 of each node's name, for StandIn
   std::atomic<uint64_t> fb_down_{0}, fb_timeout_{0}, fb_crc_{0}, fb_conn_{0}, fb_error_{0};
 
   std::mutex stop_mu_;

@@ -312,6 +312,8 @@ void PeerNodeStats::AppendJson(nlohmann::json* out) const {
         {"connection", coop.fallbacks.connection},
         {"error_reply", coop.fallbacks.error_reply}}},
       {"local_owned_reads", coop.local_owned_reads},
+      {"stand_in_blocks", coop.stand_in_blocks},
+      {"stand_in_local", coop.stand_in_local},
       {"unplanned_reads", coop.unplanned_reads},
       {"server",
        {{"connections", server.connections},

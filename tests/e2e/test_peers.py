@@ -162,7 +162,8 @@ class PeersTest(unittest.TestCase):
         s = survivor.stats()
         self.assertGreater(s["peer_fallbacks"], 0, s["peers"])
         self.assertEqual(s["peers_connected"], 0)
-        self.assertIn("reading from the backing store instead", survivor.log_text(100000))
+        self.assertIn("its blocks go to their stand-ins or the backing store",
+                      survivor.log_text(100000))
 
     def test_link_cut_mid_load_falls_back_on_the_other_nodes(self):
         # Node 2's cable is pulled while nodes 0 and 1 load replicated: its TCP connections
@@ -195,6 +196,14 @@ class PeersTest(unittest.TestCase):
         self.assertGreater(sum(s["peer_fallbacks"] for s in stats), 0, fallbacks)
         self.assertGreater(sum(f.get("timeout", 0) + f.get("connection", 0) for f in fallbacks),
                            0, fallbacks)
+        # Node 2's blocks went to their stand-ins: each survivor read its half of them from
+        # the backing store and fetched the other half from the other survivor (the same
+        # choice on both, with no message), instead of both reading all of them.
+        stand_ins = [(s["peers"]["stand_in_blocks"], s["peers"]["stand_in_local"]) for s in stats]
+        print(f"stand-in blocks (fetched from the other survivor, read here): {stand_ins}",
+              file=sys.stderr)
+        self.assertGreater(sum(f for f, _ in stand_ins), 0, stand_ins)
+        self.assertGreater(sum(h for _, h in stand_ins), 0, stand_ins)
         self.assertLess(took, 100)
 
     def test_hung_peer_times_out_and_falls_back(self):
@@ -217,7 +226,8 @@ class PeersTest(unittest.TestCase):
         self.assertEqual(s["peer_bytes_read"], 0)
         # One request timeout, then the peer is skipped: far below one timeout per block.
         self.assertLess(took, 30)
-        self.assertIn("reading from the backing store instead", survivor.log_text(100000))
+        self.assertIn("its blocks go to their stand-ins or the backing store",
+                      survivor.log_text(100000))
 
     def test_wrong_secret_is_refused_and_the_load_uses_the_backing_store(self):
         c = self.cluster(2)

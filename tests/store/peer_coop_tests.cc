@@ -4,6 +4,7 @@
 // are counted, and never fail the read.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -151,6 +152,72 @@ TEST_F(CoopTest, DeadOwnerFallsBackAndIsSkippedForItsBackoff) {
   ASSERT_EQ(s.peers.size(), 1u);
   EXPECT_EQ(s.peers[0].failures, 7u);
   EXPECT_FALSE(s.peers[0].last_error.empty());
+  EXPECT_EQ(s.stand_in_local, 7u);  // two nodes: the only stand-in is this one
+  EXPECT_EQ(s.stand_in_blocks, 0u);
+}
+
+// Three nodes: this one, the owner of __1_0 and a third. With the owner dead, each of its
+// blocks goes to its stand-in (rendezvous among the nodes still up): the third node serves
+// the blocks it stands in for, this node reads the others itself, and nothing is read twice.
+TEST_F(CoopTest, ADeadOwnersBlocksGoToTheirStandInsAmongTheSurvivors) {
+  StartServer();  // node 1: the owner
+  PeerServerOptions so;
+  so.listen = "127.0.0.1:0";
+  so.node_id = "third";
+  so.secret = kSecret;
+  so.allowed_peers = {kSelf};
+  SyntheticProvider third_bytes{Files()};
+  auto third = PeerServer::Create(so, &third_bytes);
+  ASSERT_TRUE(third.ok()) << third.status().ToString();
+  CooperativeOptions o;
+  o.nodes = {kSelf, "127.0.0.1:" + std::to_string(server_->port()),
+             "127.0.0.1:" + std::to_string((*third)->port())};
+  o.self = 0;
+  o.secret = kSecret;
+  o.request_timeout = 2s;
+  o.connect_in_background = false;
+  auto c = CooperativeSource::Create(o, &fallback_);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  coop_ = std::move(c).value();
+  std::vector<PlanItem> items = {{"__0_0.distcp", 0, kFileSize, {0}},
+                                 {"__1_0.distcp", 0, kFileSize, {1}}};
+  PlanOptions po;
+  po.mode = PlanMode::kBalanced;
+  po.block_bytes = kBlock;
+  auto plan = BuildPlan(items, o.nodes, po);
+  ASSERT_TRUE(plan.ok());
+  coop_->SetPlan("ckpt", std::make_shared<const OwnershipPlan>(std::move(plan).value()));
+  coop_->ConnectNow();
+  ASSERT_EQ(coop_->Stats().peers_connected, 2u);
+
+  // While everyone is up, the stand-ins of node 1's blocks are spread over nodes 0 and 2.
+  std::vector<uint32_t> stand_in;
+  for (uint64_t b = 0; b < 8; ++b) {
+    stand_in.push_back(coop_->StandIn("ckpt/__1_0.distcp", b * kBlock, 1));
+  }
+  const auto on_third = std::count(stand_in.begin(), stand_in.end(), 2u);
+  EXPECT_GT(on_third, 0);
+  EXPECT_LT(on_third, 8);
+  for (uint32_t n : stand_in) EXPECT_NE(n, 1u);
+
+  server_.reset();  // the owner dies
+  std::this_thread::sleep_for(200ms);
+  for (uint64_t b = 0; b < 8; ++b) ExpectRead("ckpt/__1_0.distcp", b * kBlock);
+  CooperativeStats s = coop_->Stats();
+  EXPECT_EQ(s.stand_in_blocks, static_cast<uint64_t>(on_third));
+  EXPECT_EQ(s.stand_in_local, static_cast<uint64_t>(8 - on_third));
+  EXPECT_EQ((*third)->stats().bytes_served, static_cast<uint64_t>(on_third) * kBlock);
+  EXPECT_EQ(fallback_.reads.load(), 8 - on_third);
+  // Each stand-in is the same as before the death: the choice depends on the nodes up.
+  for (uint64_t b = 0; b < 8; ++b) {
+    EXPECT_EQ(coop_->StandIn("ckpt/__1_0.distcp", b * kBlock, 1), stand_in[b]) << b;
+  }
+  // With the third node gone too, this node stands in for everything.
+  third->reset();
+  std::this_thread::sleep_for(200ms);
+  ExpectRead("ckpt/__1_0.distcp", 0);
+  ExpectRead("ckpt/__1_0.distcp", 0);  // the first read saw the lost connection
+  EXPECT_EQ(coop_->StandIn("ckpt/__1_0.distcp", 0, 1), 0u);
 }
 
 TEST_F(CoopTest, BadChecksumFallsBackWithTheRightBytes) {
