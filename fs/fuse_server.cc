@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/sysmacros.h>
+#include <sys/utsname.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/mutex.h"
@@ -102,8 +104,53 @@ std::string PipeMaxSize() {
   return v;
 }
 
+// This kernel's version as (major, minor), from uname; (0, 0) when it cannot be read.
+std::pair<int, int> KernelVersion() {
+  struct utsname u {};
+  int major = 0, minor = 0;
+  if (uname(&u) != 0 || std::sscanf(u.release, "%d.%d", &major, &minor) != 2) return {0, 0};
+  return {major, minor};
+}
+
+// FuseTuning::direct_writes against this kernel: a direct write invalidates the range in the
+// page cache of other descriptors only from Linux 6.6 ("fuse: invalidate page cache pages
+// before direct write").
+bool ResolveDirectWrites(FuseTuning::DirectWrites want, std::string* why) {
+  const auto [major, minor] = KernelVersion();
+  const std::string kernel = std::to_string(major) + "." + std::to_string(minor);
+  switch (want) {
+    case FuseTuning::DirectWrites::kOn:
+      *why = "--fuse-direct-writes on";
+      return true;
+    case FuseTuning::DirectWrites::kOff:
+      *why = "--fuse-direct-writes off";
+      return false;
+    case FuseTuning::DirectWrites::kAuto:
+      break;
+  }
+  const bool recent = std::make_pair(major, minor) >= std::make_pair(6, 6);
+  *why = "Linux " + kernel + (recent ? " keeps readers coherent" : " is older than 6.6");
+  return recent;
+}
+
+// Whether the handle being opened gets FOPEN_DIRECT_IO: write-only, on a mount with direct
+// writes (see FuseTuning::direct_writes), of a file whose mode a write would not change. A
+// write clears setuid, and setgid with group execute, of a file (the kernel's
+// file_remove_privs) on the cached path only; such files keep it.
+bool DirectWriteOpen(fuse_req_t req, const struct fuse_file_info* fi, mode_t mode) {
+  const auto* context = static_cast<const FuseServer::Context*>(fuse_req_userdata(req));
+  const bool kills_privs = (mode & S_ISUID) || ((mode & S_ISGID) && (mode & S_IXGRP));
+  return context->direct_writes && (fi->flags & O_ACCMODE) == O_WRONLY && !kills_privs;
+}
+
+// The file's mode now; 0 when it cannot be had (then nothing marks it setuid or setgid).
+mode_t ModeOf(fuse_req_t req, fuse_ino_t ino) {
+  auto st = Fs(req)->GetAttr(ino);
+  return st.ok() ? st->st_mode : 0;
+}
+
 void OpInit(void* userdata, struct fuse_conn_info* conn) {
-  const FuseServer::Context* context = static_cast<FuseServer::Context*>(userdata);
+  FuseServer::Context* context = static_cast<FuseServer::Context*>(userdata);
   const uint64_t read_ahead = context->tuning.read_ahead_bytes;
   conn->max_write = kMaxWrite;
   // The kernel takes min(the bdi's read-ahead, this): SetReadAhead raised the former.
@@ -132,9 +179,12 @@ void OpInit(void* userdata, struct fuse_conn_info* conn) {
   if (conn->capable & FUSE_CAP_ASYNC_READ) conn->want |= FUSE_CAP_ASYNC_READ;
   conn->max_background = 64;
   conn->congestion_threshold = 48;
-  spdlog::info("fuse: protocol {}.{}, max_write {}, splice {}", conn->proto_major,
-               conn->proto_minor, conn->max_write,
-               (conn->want & FUSE_CAP_SPLICE_READ) ? "on" : "off");
+  std::string why;
+  context->direct_writes = ResolveDirectWrites(context->tuning.direct_writes, &why);
+  spdlog::info("fuse: protocol {}.{}, max_write {}, splice {}, direct writes {} ({})",
+               conn->proto_major, conn->proto_minor, conn->max_write,
+               (conn->want & FUSE_CAP_SPLICE_READ) ? "on" : "off",
+               context->direct_writes ? "on" : "off", why);
 }
 
 void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
@@ -250,6 +300,7 @@ void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode,
   if (!r.ok()) return ReplyErr(req, r.status());
   auto [entry, handle] = *r;
   fi->fh = reinterpret_cast<uint64_t>(handle);
+  if (DirectWriteOpen(req, fi, entry.attr.st_mode)) fi->direct_io = 1;
   struct fuse_entry_param p;
   std::memset(&p, 0, sizeof(p));
   p.ino = entry.ino;
@@ -268,6 +319,8 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   const FileHandle* f = h->file();
   if (f == nullptr) {
     fi->direct_io = 1;  // control files: generated content, size unknown to the kernel
+  } else if (DirectWriteOpen(req, fi, ModeOf(req, ino))) {
+    fi->direct_io = 1;  // a writer: its payload reaches staging with one copy
   } else if (f->keep_cache) {
     fi->keep_cache = 1;  // a committed checkpoint's file: share the page cache
   }

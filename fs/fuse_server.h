@@ -22,6 +22,14 @@ struct FuseTuning {
   // Splice requests off /dev/fuse so a write's payload is copied once, into staging
   // (FUSE_CAP_SPLICE_READ; libfuse falls back to read() where the pipe cannot grow).
   bool splice_writes = true;
+  // Write-only opens bypass the page cache (FOPEN_DIRECT_IO): the kernel hands the daemon
+  // the writer's own pages instead of first copying them into the file's page cache, so a
+  // write payload is copied once in all (into staging) instead of twice, and a 2 GiB save
+  // leaves no 2 GiB of the file's pages behind. A write-only descriptor cannot be mmapped,
+  // and since Linux 6.6 a direct write invalidates the pages other descriptors cached, so
+  // readers stay coherent. kAuto: on from Linux 6.6, off before.
+  enum class DirectWrites { kAuto, kOn, kOff };
+  DirectWrites direct_writes = DirectWrites::kAuto;
   // The mount's source as df and /proc/mounts show it (the backing dir); empty: "ckptfs".
   std::string fsname;
 };
@@ -45,6 +53,7 @@ class FuseServer {
   struct Context {
     Filesystem* fs = nullptr;
     FuseTuning tuning;
+    bool direct_writes = false;  // tuning.direct_writes resolved against this kernel
     struct fuse_session* session = nullptr;  // for notifications (attribute invalidation)
   };
 

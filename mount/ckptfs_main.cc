@@ -221,6 +221,10 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   ckptfs::fs::FuseTuning tuning;
   tuning.read_ahead_bytes = o.read_ahead_bytes;
   tuning.splice_writes = o.fuse_splice;
+  using DirectWrites = ckptfs::fs::FuseTuning::DirectWrites;
+  tuning.direct_writes = o.fuse_direct_writes == "on"    ? DirectWrites::kOn
+                         : o.fuse_direct_writes == "off" ? DirectWrites::kOff
+                                                         : DirectWrites::kAuto;
   tuning.fsname = o.backing_dir;
   auto server_or = ckptfs::fs::FuseServer::Mount(fs.get(), o.mountpoint, o.fuse_options, tuning);
   if (!server_or.ok()) {

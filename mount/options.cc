@@ -132,6 +132,11 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   app.add_option("--fuse-splice", fuse_splice,
                  "Splice requests off /dev/fuse so write payloads are copied once: on|off")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--fuse-direct-writes", o.fuse_direct_writes,
+                 "Write-only opens bypass the page cache, so a write's payload is copied "
+                 "once: auto (default: on from Linux 6.6, whose direct writes keep other "
+                 "readers' cache coherent), on or off")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
   app.add_option("--flush-threads", o.flush_threads, "Flush threads (default 2)")
       ->check(CLI::Range(1, 256));
   app.add_option("--fuse-threads", o.fuse_threads, "Max FUSE worker threads (default 32)")

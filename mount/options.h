@@ -33,6 +33,8 @@ struct DaemonOptions {
   bool staging_hugepages = false;  // --staging-hugepages=on|off
   bool flush_direct_io = true;     // --flush-direct-io=on|off
   bool fuse_splice = true;         // --fuse-splice=on|off (FuseTuning::splice_writes)
+  // --fuse-direct-writes=auto|on|off (FuseTuning::direct_writes)
+  std::string fuse_direct_writes = "auto";
   bool write_checksums = true;  // --write-checksums=on|off
   std::string log_level = "info";
   std::string log_file;

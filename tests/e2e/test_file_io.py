@@ -283,6 +283,38 @@ class FileIOTest(MountedTest):
         self.drain()
         self.assertEqual(read_file(self.b("ryw")), bytes(model))
 
+    def test_read_your_writes_through_a_write_only_fd(self):
+        """A write-only descriptor bypasses the page cache (direct writes, on from Linux
+        6.6): another descriptor that cached the file's pages before must still read every
+        new byte at once (the kernel invalidates the range it cached)."""
+        size = 16 * MiB
+        model = bytearray(rand_bytes(77, size))
+        write_file(self.p("wo"), bytes(model))
+        rfd = os.open(self.p("wo"), os.O_RDONLY)
+        wfd = os.open(self.p("wo"), os.O_WRONLY)
+        rng = random.Random(78)
+        try:
+            self.assertEqual(os.pread(rfd, size, 0), bytes(model))  # now in rfd's page cache
+            for i in range(40):
+                off = rng.randrange(0, size - 1)
+                n = min(rng.choice([1, 4096, 65536 + 3, MiB, 2 * MiB + 5]), size - off)
+                data = rand_bytes(3000 + i, n)
+                self.assertEqual(os.pwrite(wfd, data, off), n)
+                model[off:off + n] = data
+                lo = max(0, off - 4096)
+                hi = min(size, off + n + 4096)
+                self.assertEqual(os.pread(rfd, hi - lo, lo), bytes(model[lo:hi]),
+                                 f"op {i}: the caching fd reads stale data at {off}+{n}")
+        finally:
+            os.close(wfd)
+            os.close(rfd)
+        self.assertEqual(read_file(self.p("wo")), bytes(model))
+        if not PLAIN:  # the log is flushed every second
+            deadline = time.monotonic() + 5
+            while "direct writes" not in self.m.log_text() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self.assertIn("direct writes on", self.m.log_text())
+
     def test_concurrent_writers_on_different_files(self):
         n_threads, per_file = 8, 24 * MiB
         os.makedirs(self.p("conc", "shared"))
