@@ -155,6 +155,18 @@ TEST(ParseDaemonOptions, EveryOptionIsParsed) {
   EXPECT_EQ(o->mountpoint, "/m");
 }
 
+TEST(ParseDaemonOptions, DirectWritesDefaultToAutoAndTakeOnOffAsFlagOrDashO) {
+  auto o = Parse({"/b", "/m"});
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->fuse_direct_writes, "auto");
+  o = Parse({"--fuse-direct-writes", "off", "/b", "/m"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->fuse_direct_writes, "off");
+  o = Parse({"-o", "fuse_direct_writes=on", "/b", "/m"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->fuse_direct_writes, "on");
+}
+
 TEST(ParseDaemonOptions, AsyncDurabilityIsNotStrict) {
   auto o = Parse({"--durability", "async", "/b", "/m"});
   ASSERT_TRUE(o.ok());
@@ -198,6 +210,7 @@ TEST(ParseDaemonOptions, EveryBadInputIsInvalidWithAMessage) {
       {"--commit-timeout", "0", "/b", "/m"},
       {"--staging-backend", "gpu", "/b", "/m"},
       {"--write-checksums", "maybe", "/b", "/m"},
+      {"--fuse-direct-writes", "sometimes", "/b", "/m"},
       {"--log-level", "verbose", "/b", "/m"},
   };
   for (const auto& args : bad) {
