@@ -3,8 +3,10 @@
 // A minimal low-level FUSE server with one regular file, /null, that accepts every
 // write and discards it, configured as ckptfs configures its session (max_write 1 MiB,
 // no writeback cache, no splice, multithreaded loop). `dd bs=1M` into it measures
-// what the FUSE transport alone allows on this kernel: ckptfs cannot stage writes
-// faster than that. Like libfuse's example/null.c, which Debian does not ship built.
+// what the FUSE transport allows on this kernel on its cached write path (the
+// kernel copies into the file's page cache, the server's read copies again). ckptfs
+// opens writers with FOPEN_DIRECT_IO (one copy) and can beat it. Like libfuse's
+// example/null.c, which Debian does not ship built.
 //
 //   ckptfs-null-fuse MOUNTPOINT [-f] [--threads N]     (unmount: fusermount3 -u)
 #define FUSE_USE_VERSION 312
