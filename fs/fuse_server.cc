@@ -133,17 +133,22 @@ bool ResolveDirectWrites(FuseTuning::DirectWrites want, std::string* why) {
   return recent;
 }
 
-// Whether the handle being opened gets FOPEN_DIRECT_IO: write-only, on a mount with direct
-// writes (see FuseTuning::direct_writes), of a file whose mode a write would not change. A
-// write clears setuid, and setgid with group execute, of a file (the kernel's
-// file_remove_privs) on the cached path only; such files keep it.
-bool DirectWriteOpen(fuse_req_t req, const struct fuse_file_info* fi, mode_t mode) {
+// Whether the handle being opened may get FOPEN_DIRECT_IO: write-only, on a mount with
+// direct writes (see FuseTuning::direct_writes).
+bool DirectWriteOpen(fuse_req_t req, const struct fuse_file_info* fi) {
   const auto* context = static_cast<const FuseServer::Context*>(fuse_req_userdata(req));
-  const bool kills_privs = (mode & S_ISUID) || ((mode & S_ISGID) && (mode & S_IXGRP));
-  return context->direct_writes && (fi->flags & O_ACCMODE) == O_WRONLY && !kills_privs;
+  return context->direct_writes && (fi->flags & O_ACCMODE) == O_WRONLY;
+}
+
+// Whether a write changes this mode: it clears setuid, and setgid with group execute (the
+// kernel's file_remove_privs), but on the cached path only. Such files do not get
+// FOPEN_DIRECT_IO.
+bool WriteKillsPrivs(mode_t mode) {
+  return (mode & S_ISUID) || ((mode & S_ISGID) && (mode & S_IXGRP));
 }
 
 // The file's mode now; 0 when it cannot be had (then nothing marks it setuid or setgid).
+// Asked only of write-only opens on a direct-writes mount (DirectWriteOpen), never of reads.
 mode_t ModeOf(fuse_req_t req, fuse_ino_t ino) {
   auto st = Fs(req)->GetAttr(ino);
   return st.ok() ? st->st_mode : 0;
@@ -300,7 +305,7 @@ void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode,
   if (!r.ok()) return ReplyErr(req, r.status());
   auto [entry, handle] = *r;
   fi->fh = reinterpret_cast<uint64_t>(handle);
-  if (DirectWriteOpen(req, fi, entry.attr.st_mode)) fi->direct_io = 1;
+  if (DirectWriteOpen(req, fi) && !WriteKillsPrivs(entry.attr.st_mode)) fi->direct_io = 1;
   struct fuse_entry_param p;
   std::memset(&p, 0, sizeof(p));
   p.ino = entry.ino;
@@ -319,7 +324,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   const FileHandle* f = h->file();
   if (f == nullptr) {
     fi->direct_io = 1;  // control files: generated content, size unknown to the kernel
-  } else if (DirectWriteOpen(req, fi, ModeOf(req, ino))) {
+  } else if (DirectWriteOpen(req, fi) && !WriteKillsPrivs(ModeOf(req, ino))) {
     fi->direct_io = 1;  // a writer: its payload reaches staging with one copy
   } else if (f->keep_cache) {
     fi->keep_cache = 1;  // a committed checkpoint's file: share the page cache

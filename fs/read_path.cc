@@ -39,10 +39,12 @@ void ReadPath::StopServingPeers() {
 #endif
 }
 
-void ReadPath::Start() { worker_ = std::thread([this] {
+void ReadPath::Start() {
+  worker_ = std::thread([this] {
     NameThisThread("ckptfs-readpath");
     Run();
-  }); }
+  });
+}
 
 void ReadPath::Stop() {
   {

@@ -134,10 +134,12 @@ std::shared_ptr<BlockCrcMap> FlushTarget::CrcMap(const BlockCrcOptions& options)
 
 FlushPipeline::FlushPipeline(BackingDir* dir, const FlushOptions& options)
     : dir_(dir), options_(options) {
-  for (int i = 0; i < options.threads; ++i) threads_.emplace_back([this] {
+  for (int i = 0; i < options.threads; ++i) {
+    threads_.emplace_back([this] {
       NameThisThread("ckptfs-flush");
       Run();
     });
+  }
 }
 
 Result<std::unique_ptr<FlushPipeline>> FlushPipeline::Create(BackingDir* dir,

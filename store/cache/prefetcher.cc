@@ -13,10 +13,12 @@ Result<std::unique_ptr<Prefetcher>> Prefetcher::Create(int threads, size_t max_q
   if (!fetch) return Invalid("prefetcher: no fetch function");
   std::unique_ptr<Prefetcher> p(new Prefetcher(max_queued, std::move(fetch)));
   try {
-    for (int i = 0; i < threads; ++i) p->threads_.emplace_back([raw = p.get()] {
-      NameThisThread("ckptfs-prefetch");
-      raw->Loop();
-    });
+    for (int i = 0; i < threads; ++i) {
+      p->threads_.emplace_back([raw = p.get()] {
+        NameThisThread("ckptfs-prefetch");
+        raw->Loop();
+      });
+    }
   } catch (const std::system_error& e) {
     return Status(Code::kInternal, std::string("prefetcher: cannot start threads: ") + e.what());
   }

@@ -226,23 +226,13 @@ bool CooperativeSource::Reachable(uint32_t node) {
 }
 
 uint32_t CooperativeSource::StandIn(const std::string& path, uint64_t offset, uint32_t owner) {
-  // Rendezvous over the nodes this node sees up: the same key on every node, so nodes that
-  // agree on who is down agree on the stand-in.
-  const uint64_t key = XXH3_64bits_withSeed(path.data(), path.size(), offset);
-  uint32_t best = options_.self;
-  uint64_t best_weight = 0;
+  // Rendezvous over the nodes this node sees up (itself always): the same key on every
+  // node, so nodes that agree on who is down agree on the stand-in.
+  std::vector<uint32_t> up;
   for (uint32_t n = 0; n < node_hash_.size(); ++n) {
-    if (n == owner || !Reachable(n)) continue;
-    uint64_t w = key ^ node_hash_[n];
-    w = (w ^ (w >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    w = (w ^ (w >> 27)) * 0x94d049bb133111ebULL;
-    w ^= w >> 31;
-    if (w > best_weight || (w == best_weight && n < best)) {
-      best_weight = w;
-      best = n;
-    }
+    if (n != owner && Reachable(n)) up.push_back(n);
   }
-  return best;
+  return Rendezvous(XXH3_64bits_withSeed(path.data(), path.size(), offset), node_hash_, up);
 }
 
 std::optional<BlockRead> CooperativeSource::TryStandIn(const BlockId& id, uint64_t offset,

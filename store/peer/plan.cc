@@ -11,7 +11,6 @@
 #include <unordered_set>
 
 namespace ckptfs::store::peer {
-namespace {
 
 // splitmix64's finalizer: a bijective 64-bit mixer, so weights of distinct (node, block)
 // pairs are independent enough for rendezvous hashing.
@@ -24,10 +23,14 @@ uint64_t Mix(uint64_t x) {
   return x;
 }
 
+namespace {
+
 // One past the last byte of block `b`, saturating at 2^64 - 1.
 uint64_t BlockEnd(uint64_t b, uint64_t bb) { return b * bb + std::min(bb, UINT64_MAX - b * bb); }
 
 uint64_t BlockKey(uint64_t file_hash, uint64_t block) { return Mix(file_hash ^ Mix(block + 1)); }
+
+}  // namespace
 
 // Highest random weight among `candidates` (all nodes when empty); ties (64-bit, never in
 // practice) to the lower index.
@@ -51,8 +54,6 @@ uint32_t Rendezvous(uint64_t key, const std::vector<uint64_t>& node_hash,
   }
   return best;
 }
-
-}  // namespace
 
 Result<PlanMode> ParsePlanMode(std::string_view name) {
   if (name == "balanced") return PlanMode::kBalanced;

@@ -66,6 +66,13 @@ inline constexpr size_t kAutoFastAboveItems = 200000;
 inline constexpr uint32_t kPiecesPerNode = 4;
 inline constexpr uint32_t kAutoFastMaxNodes = 48;
 
+// Rendezvous hashing, shared by fast plans and CooperativeSource's stand-ins. Mix is
+// splitmix64's finalizer; Rendezvous returns the node of highest weight Mix(key ^
+// node_hash[n]) among `candidates` (all nodes when empty), ties to the lower index.
+uint64_t Mix(uint64_t x);
+uint32_t Rendezvous(uint64_t key, const std::vector<uint64_t>& node_hash,
+                    std::span<const uint32_t> candidates);
+
 struct PlanItem {
   std::string file;  // relative to the checkpoint directory, e.g. "__0_0.distcp"
   uint64_t offset = 0;

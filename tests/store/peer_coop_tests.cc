@@ -55,21 +55,27 @@ class CountingFallback : public BlockSource {
 
 class CoopTest : public ::testing::Test {
  protected:
-  void StartServer(const std::string& secret = kSecret) {
+  // A peer daemon's server, serving `bytes`, that lets this node (kSelf) in.
+  static void MakeServer(const std::string& node_id, SyntheticProvider* bytes,
+                         const std::string& secret, std::unique_ptr<PeerServer>* out) {
     PeerServerOptions so;
     so.listen = "127.0.0.1:0";
-    so.node_id = "owner";
+    so.node_id = node_id;
     so.secret = secret;
     so.allowed_peers = {kSelf};
-    auto s = PeerServer::Create(so, &owner_);
+    auto s = PeerServer::Create(so, bytes);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
-    server_ = std::move(s).value();
+    *out = std::move(s).value();
   }
-  // Node 0 is this node, node 1 the server. __0_0 is read by node 0 only (owned here),
-  // __1_0 by node 1 only (owned there).
-  void MakeSource() {
+  void StartServer(const std::string& secret = kSecret) {
+    MakeServer("owner", &owner_, secret, &server_);
+  }
+  // Node 0 is this node, node 1 the server, then `more` (servers of further nodes). __0_0
+  // is read by node 0 only (owned here), __1_0 by node 1 only (owned there).
+  void MakeSource(const std::vector<const PeerServer*>& more = {}) {
     CooperativeOptions o;
     o.nodes = {kSelf, "127.0.0.1:" + std::to_string(server_->port())};
+    for (const PeerServer* m : more) o.nodes.push_back("127.0.0.1:" + std::to_string(m->port()));
     o.self = 0;
     o.secret = kSecret;
     o.request_timeout = 2s;
@@ -161,33 +167,10 @@ TEST_F(CoopTest, DeadOwnerFallsBackAndIsSkippedForItsBackoff) {
 // the blocks it stands in for, this node reads the others itself, and nothing is read twice.
 TEST_F(CoopTest, ADeadOwnersBlocksGoToTheirStandInsAmongTheSurvivors) {
   StartServer();  // node 1: the owner
-  PeerServerOptions so;
-  so.listen = "127.0.0.1:0";
-  so.node_id = "third";
-  so.secret = kSecret;
-  so.allowed_peers = {kSelf};
   SyntheticProvider third_bytes{Files()};
-  auto third = PeerServer::Create(so, &third_bytes);
-  ASSERT_TRUE(third.ok()) << third.status().ToString();
-  CooperativeOptions o;
-  o.nodes = {kSelf, "127.0.0.1:" + std::to_string(server_->port()),
-             "127.0.0.1:" + std::to_string((*third)->port())};
-  o.self = 0;
-  o.secret = kSecret;
-  o.request_timeout = 2s;
-  o.connect_in_background = false;
-  auto c = CooperativeSource::Create(o, &fallback_);
-  ASSERT_TRUE(c.ok()) << c.status().ToString();
-  coop_ = std::move(c).value();
-  std::vector<PlanItem> items = {{"__0_0.distcp", 0, kFileSize, {0}},
-                                 {"__1_0.distcp", 0, kFileSize, {1}}};
-  PlanOptions po;
-  po.mode = PlanMode::kBalanced;
-  po.block_bytes = kBlock;
-  auto plan = BuildPlan(items, o.nodes, po);
-  ASSERT_TRUE(plan.ok());
-  coop_->SetPlan("ckpt", std::make_shared<const OwnershipPlan>(std::move(plan).value()));
-  coop_->ConnectNow();
+  std::unique_ptr<PeerServer> third;
+  MakeServer("third", &third_bytes, kSecret, &third);
+  MakeSource({third.get()});
   ASSERT_EQ(coop_->Stats().peers_connected, 2u);
 
   // While everyone is up, the stand-ins of node 1's blocks are spread over nodes 0 and 2.
@@ -206,14 +189,14 @@ TEST_F(CoopTest, ADeadOwnersBlocksGoToTheirStandInsAmongTheSurvivors) {
   CooperativeStats s = coop_->Stats();
   EXPECT_EQ(s.stand_in_blocks, static_cast<uint64_t>(on_third));
   EXPECT_EQ(s.stand_in_local, static_cast<uint64_t>(8 - on_third));
-  EXPECT_EQ((*third)->stats().bytes_served, static_cast<uint64_t>(on_third) * kBlock);
+  EXPECT_EQ(third->stats().bytes_served, static_cast<uint64_t>(on_third) * kBlock);
   EXPECT_EQ(fallback_.reads.load(), 8 - on_third);
   // Each stand-in is the same as before the death: the choice depends on the nodes up.
   for (uint64_t b = 0; b < 8; ++b) {
     EXPECT_EQ(coop_->StandIn("ckpt/__1_0.distcp", b * kBlock, 1), stand_in[b]) << b;
   }
   // With the third node gone too, this node stands in for everything.
-  third->reset();
+  third.reset();
   std::this_thread::sleep_for(200ms);
   ExpectRead("ckpt/__1_0.distcp", 0);
   ExpectRead("ckpt/__1_0.distcp", 0);  // the first read saw the lost connection
