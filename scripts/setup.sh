@@ -4,17 +4,31 @@
 set -euo pipefail
 
 PACKAGES=(
-  build-essential g++ cmake pkg-config ninja-build clang libclang-rt-14-dev
+  # Build: the daemon, ckptfs-admin, the unit tests; clang for scripts/sanitize.sh and
+  # scripts/fuzz.sh (libFuzzer and the sanitizer runtimes: libclang-rt-14-dev); git for
+  # the commit that --version reports (CMakeLists.txt).
+  build-essential g++ cmake pkg-config ninja-build clang libclang-rt-14-dev git
   libfuse3-dev fuse3
   librocksdb-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev
   nlohmann-json3-dev libcli11-dev libxxhash-dev
   libucx-dev libssl-dev
-  python3-torch python3-numpy python3-matplotlib
-  util-linux e2fsprogs xfsprogs coreutils procps psmisc attr
   libcpp-httplib-dev libsystemd-dev libmount-dev
-  help2man dpkg-dev debootstrap curl python3-prometheus-client
-  fio  # scripts/bench/bench_write.py: 4 KiB and 1 MiB write ratios
+  # Python: tests/e2e, scripts/bench (numpy, torch DCP, matplotlib plots, Prometheus
+  # text format in test_metrics_http).
+  python3 python3-torch python3-numpy python3-matplotlib python3-prometheus-client
+  # Programs the scripts and the e2e tests run:
+  #   util-linux: setpriv (test_multiuser, test_unprivileged), nsenter (netns.py),
+  #     prlimit (test_exhaustion), setarch (sanitize.sh), mountpoint; mount: mount, umount
+  #   iproute2: ip (netns.py: test_peers, test_multinode_dcp, demo.sh step 9)
+  #   procps: pgrep (test_mount_helper); psmisc; attr: getfattr (demo.sh, test_file_io)
+  #   xfsprogs: mkfs.xfs (test_attr_stability); e2fsprogs; diffutils: cmp (bench, tests)
+  #   curl (test_deb_install, test_metrics_http); debootstrap (test_deb_install)
+  #   dpkg-dev: dpkg-shlibdeps; file: CPack's DEB generator (package.sh, test_deb_install);
+  #   help2man: the man pages (package.sh)
+  #   strace: scripts/bench/profile_ops.py; fio: scripts/bench/bench_write.py
+  util-linux mount iproute2 coreutils procps psmisc attr e2fsprogs xfsprogs diffutils
+  curl debootstrap dpkg-dev file help2man strace fio
 )
 
 missing=()
@@ -31,6 +45,21 @@ if ((${#missing[@]})); then
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 else
   echo "setup: all packages present"
+fi
+
+# The programs that scripts/ and tests/e2e run, by name: a package that is installed but
+# lacks one (renamed, diverted, a PATH without /usr/sbin) is reported here rather than
+# as a skipped or failed test later.
+TOOLS=(cmake cpack ctest c++ clang++ git python3 fusermount3 mount umount setpriv nsenter
+       prlimit setarch mountpoint ip pgrep getfattr mkfs.xfs cmp curl debootstrap chroot
+       dpkg-deb dpkg-shlibdeps file help2man strace fio)
+absent=()
+for t in "${TOOLS[@]}"; do
+  PATH="$PATH:/usr/sbin:/sbin" command -v "$t" > /dev/null || absent+=("$t")
+done
+if ((${#absent[@]})); then
+  echo "setup: installed, yet not found on PATH: ${absent[*]}" >&2
+  exit 1
 fi
 
 # FUSE needs the device node; containers sometimes lack it.

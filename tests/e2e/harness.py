@@ -332,6 +332,38 @@ class MountedTest(unittest.TestCase):
                          "temporary files left on the backing store after drain")
 
 
+def copy_for_others(test, *paths, prefix="ckptfs-e2e-shared-"):
+    """Copies `paths` (programs, helper scripts) into a fresh directory that every uid can
+    read and run from, removed at `test`'s cleanup; returns {basename: copied path}.
+
+    Tests that run something as another uid (setpriv) run these copies: the checkout and
+    the build tree may sit under a directory only their owner can enter (/root is 0700 on
+    Debian), where the other uid gets EACCES before the program even starts."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    test.addCleanup(shutil.rmtree, d, True)
+    os.chmod(d, 0o755)
+    blocked = [a for a in _ancestors(d) if os.stat(a).st_mode & 0o001 == 0]
+    if blocked:
+        test.fail(f"{d}: others cannot enter {blocked[0]}; point TMPDIR at a directory "
+                  "every uid can reach")
+    out = {}
+    for src in paths:
+        dst = os.path.join(d, os.path.basename(src))
+        shutil.copyfile(src, dst)
+        os.chmod(dst, 0o755 if os.access(src, os.X_OK) else 0o644)
+        out[os.path.basename(src)] = dst
+    return out
+
+
+def _ancestors(path):
+    path = os.path.dirname(os.path.realpath(path))
+    while True:
+        yield path
+        if path == "/":
+            return
+        path = os.path.dirname(path)
+
+
 def make_tmpfs(test, mb, prefix):
     """A `mb` MiB tmpfs on a fresh temp dir, unmounted and removed at `test`'s cleanup;
     skips `test` where tmpfs cannot be mounted (not root)."""
@@ -349,3 +381,35 @@ def remove_tmpfs(d):
     if subprocess.run(["umount", d], capture_output=True).returncode != 0:
         subprocess.run(["umount", "-l", d], capture_output=True)
     shutil.rmtree(d, ignore_errors=True)
+
+
+# ctest's SKIP_RETURN_CODE for the e2e files (tests/e2e/CMakeLists.txt): a file none of
+# whose cases ran is reported as skipped, not as passed.
+SKIP_EXIT = 77
+
+
+def run_e2e_file(name):
+    """Runs the unittest module `name` as `python3 -m unittest -v name` would, and returns
+    the exit code for ctest: 1 when anything failed (or nothing was found), SKIP_EXIT when
+    every case was skipped (the reasons are printed last), otherwise 0."""
+    suite = unittest.defaultTestLoader.loadTestsFromName(name)
+    result = unittest.TextTestRunner(verbosity=2).run(suite)
+    # Whole cases skipped (a skipTest in a subTest leaves its case run; a skip raised in
+    # setUpClass/setUpModule stands for cases that were never started and never counted).
+    whole = [(t, why) for t, why in result.skipped
+             if isinstance(t, unittest.TestCase) and not isinstance(t, unittest.case._SubTest)]
+    ran = result.testsRun - len(whole)
+    reasons = sorted({why for _, why in result.skipped})
+    if not result.wasSuccessful():
+        return 1
+    if ran == 0 and not result.skipped:
+        sys.stderr.write(f"{name}: no test cases found\n")
+        return 1
+    if ran == 0:
+        sys.stderr.write(f"{name}: SKIPPED, every case skipped itself: "
+                         f"{'; '.join(reasons)}\n")
+        return SKIP_EXIT
+    if result.skipped:
+        sys.stderr.write(f"{name}: {len(result.skipped)} skipped, {ran} ran: "
+                         f"{'; '.join(reasons)}\n")
+    return 0
