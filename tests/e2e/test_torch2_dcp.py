@@ -1,0 +1,83 @@
+"""PyTorch 2.x's own DCP tests pass with their TMPDIR on a ckptfs mount (issue 19).
+
+scripts/bench/torch_dcp_suite.py runs test/distributed/checkpoint/
+test_file_system_checkpoint_cpu.py of the torch 2.6 release, unmodified, inside a cached
+Debian trixie root (scripts/torch_root.sh: debootstrap once, then python3-torch from the
+archive; the tests from the release's source tarball), 2 rounds each against a mount in
+--durability async and in --durability strict (the two modes at the same time, each with
+its own daemon and mount inside the root). Every round must pass (no failure, no
+timeout), the daemon must stay up with its journal not halted after each round, and
+`ckptfs-admin unmount` must end it with exit code 0.
+
+Bounded: building the root (first run only) up to 900 s by itself, each file and round
+300 s (a hang shows as a timeout naming the test that was running). Skips, saying why,
+when not root, or when the Debian archive cannot be reached to build the root.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+from harness import BIN_DIR
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+TORCH_ROOT = os.path.join(REPO, "scripts", "torch_root.sh")
+SUITE = os.path.join(REPO, "scripts", "bench", "torch_dcp_suite.py")
+FILE = "test_file_system_checkpoint_cpu.py"
+ROUNDS = 2
+
+
+class Torch2DcpTest(unittest.TestCase):
+    def setUp(self):
+        if os.geteuid() != 0:
+            self.skipTest("chroot and mount need root")
+        if shutil.which("debootstrap") is None:
+            self.skipTest("debootstrap is not installed (scripts/setup.sh)")
+        r = subprocess.run([TORCH_ROOT, "trixie"], capture_output=True, text=True, timeout=900)
+        if r.returncode == 2:
+            self.skipTest(f"cannot build the torch 2.x root: {r.stderr.strip()[-300:]}")
+        self.assertEqual(r.returncode, 0, f"torch_root.sh trixie:\n{r.stderr[-3000:]}")
+        self.tmp = tempfile.mkdtemp(prefix="ckptfs-e2e-torch2-", dir="/var/tmp")
+        self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
+
+    def test_pytorch_dcp_tests_pass_on_the_mount_in_both_durability_modes(self):
+        out = os.path.join(self.tmp, "out")
+        env = dict(os.environ, CKPTFS_BIN_DIR=os.path.realpath(BIN_DIR))
+        r = subprocess.run(
+            [sys.executable, SUITE, "--torch", "trixie", "--modes", "async,strict",
+             "--rounds", str(ROUNDS), "--files", FILE, "--timeout", "300", "--parallel",
+             "--work", os.path.join(self.tmp, "work"), "--out", out],
+            capture_output=True, text=True, timeout=2 * 2 * 330 + 120, env=env)
+        report = os.path.join(out, "torch_dcp_suite.json")
+        self.assertTrue(os.path.exists(report), f"no report\n{r.stdout}\n{r.stderr[-4000:]}")
+        with open(report) as f:
+            res = json.load(f)
+        problems = []
+        for m in res["modes"]:
+            fo = m["files"][FILE]
+            if fo["passed"] != ROUNDS:
+                for rnd in fo["rounds"]:
+                    if rnd["status"] != "passed":
+                        problems.append(
+                            f"{m['mode']} round {rnd['round']}: {rnd['status']} "
+                            f"failed={rnd['failed_tests']} "
+                            f"running={rnd.get('running_at_timeout')}\n{rnd.get('tail', '')[-1500:]}")
+            if m["stopped_early"]:
+                problems.append(f"{m['mode']}: {m['stopped_early']}")
+            rc = m.get("unmount", {}).get("daemon_rc")
+            if rc != 0:
+                problems.append(f"{m['mode']}: daemon exit code {rc} after ckptfs-admin unmount "
+                                f"{m.get('unmount')}")
+            if problems and m.get("daemon_log_lines"):
+                problems.append(f"{m['mode']} daemon log:\n" +
+                                "\n".join(m["daemon_log_lines"][-20:]))
+        self.assertEqual(problems, [], "\n".join(problems))
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr[-3000:])
+        self.assertEqual([m["mode"] for m in res["modes"]], ["async", "strict"])
+
+
+if __name__ == "__main__":
+    unittest.main()
