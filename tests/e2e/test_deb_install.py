@@ -74,6 +74,10 @@ class DebInstallTest(unittest.TestCase):
         return ROOT_CACHE
 
     def build_deb(self):
+        # CPack's DEB generator runs dpkg-shlibdeps, and `file` to find what to strip and scan;
+        # without them it fails with a terse "file utility is not available".
+        for tool in ("cpack", "dpkg-shlibdeps", "file"):
+            self.assertIsNotNone(shutil.which(tool), f"{tool} is missing: run scripts/setup.sh")
         build = os.path.dirname(os.path.realpath(BIN_DIR))
         out = os.path.join(self.tmp, "dist")
         r = run(["cpack", "-G", "DEB", "--config", os.path.join(build, "CPackConfig.cmake"),

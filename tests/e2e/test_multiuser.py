@@ -11,6 +11,8 @@ after a remount. The few documented differences (docs/SEMANTICS.md, "Multi-user
 POSIX") are listed in KNOWN_DIFFERENCES; any other difference fails.
 
 No user is created: setpriv switches to bare uids and gids, which need no passwd entry.
+The other uids run a copy of multiuser_ops.py in a directory everyone can read
+(harness.copy_for_others): the checkout may sit under a 0700 directory such as /root.
 """
 import hashlib
 import json
@@ -181,13 +183,14 @@ def who_name(who):
     return "root" if who is None else f"uid {who[0]}"
 
 
-def run_ops(who, root, ops):
-    cmd = [PY, RUNNER, root]
+def run_ops(who, root, ops, runner=RUNNER):
+    cmd = [PY, runner, root]
     if who is not None:
         uid, gid, groups = who
         grp = [f"--groups={','.join(map(str, groups))}"] if groups else ["--clear-groups"]
         cmd = ["setpriv", f"--reuid={uid}", f"--regid={gid}"] + grp + ["--"] + cmd
-    r = subprocess.run(cmd, input=json.dumps(ops), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cmd, input=json.dumps(ops), capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(runner))
     if r.returncode != 0:
         raise RuntimeError(f"runner as {who_name(who)} failed: {r.stderr}")
     return json.loads(r.stdout)
@@ -250,6 +253,7 @@ class MultiUserTest(harness.MountedTest):
             self.skipTest("needs root (allow_other mount, setpriv)")
         if shutil.which("setpriv") is None:
             self.skipTest("needs setpriv (util-linux)")
+        self.runner = harness.copy_for_others(self, RUNNER)["multiuser_ops.py"]
         self.m = self.mount(self.MOUNT_ARGS, start=False)
         os.chmod(self.m.root, 0o755)
         os.chmod(self.m.backing, 0o755)
@@ -260,7 +264,7 @@ class MultiUserTest(harness.MountedTest):
     def run_sequence(self, root):
         results = []
         for who, ops in SEQUENCE:
-            got = run_ops(who, root, ops)
+            got = run_ops(who, root, ops, self.runner)
             results.extend(zip([who_name(who)] * len(ops), ops, got))
         return results
 

@@ -9,6 +9,9 @@ name), mounts through the setuid fusermount3, and must:
 Whatever an unprivileged process cannot have (pinned staging past RLIMIT_MEMLOCK, the
 backing disk's read-ahead setting) may only cost a warning, never the mount.
 
+The user runs copies of ckptfs and ckptfs-admin in a directory everyone can read
+(harness.copy_for_others): the build tree may sit under a 0700 directory such as /root.
+
 This sandbox's /dev/fuse is 0600; the test opens it to others for its duration (as udev
 does on a stock Debian, 0666) and puts the mode back.
 """
@@ -23,7 +26,7 @@ import tempfile
 import time
 import unittest
 
-from harness import ADMIN, CKPTFS, is_mounted
+from harness import ADMIN, CKPTFS, copy_for_others, is_mounted
 
 USER = "nobody"
 
@@ -52,7 +55,7 @@ class Unprivileged(unittest.TestCase):
                 "--"] + list(cmd)
 
     def run_as_user(self, *cmd, timeout=120):
-        return subprocess.run(self.as_user(*cmd), stdout=subprocess.PIPE,
+        return subprocess.run(self.as_user(*cmd), stdout=subprocess.PIPE, cwd="/",
                               stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
     def open_dev_fuse(self):
@@ -73,11 +76,13 @@ class Unprivileged(unittest.TestCase):
         log = os.path.join(paths["work"], "ckptfs.log")
         mnt = paths["mnt"]
         self.open_dev_fuse()
+        progs = copy_for_others(self, CKPTFS, ADMIN)
+        ckptfs, admin = progs[os.path.basename(CKPTFS)], progs[os.path.basename(ADMIN)]
 
-        proc = subprocess.Popen(self.as_user(CKPTFS, "-f", "--staging-mem", "64M",
+        proc = subprocess.Popen(self.as_user(ckptfs, "-f", "--staging-mem", "64M",
                                              "--state-dir", paths["state"], "--log-file", log,
                                              paths["backing"], mnt),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd="/")
 
         def stop():
             if proc.poll() is None:
@@ -107,7 +112,7 @@ class Unprivileged(unittest.TestCase):
         src = os.path.join(paths["work"], "src.bin")
         script = (f"set -e; dd if=/dev/urandom of={src} bs=1M count=64 status=none; "
                   f"cp {src} {mnt}/f; cmp {src} {mnt}/f; "
-                  f"{ADMIN} wait {mnt}/f --timeout 60")
+                  f"{admin} wait {mnt}/f --timeout 60")
         r = self.run_as_user("sh", "-c", script)
         self.assertEqual(r.returncode, 0, r.stdout + "\n" + log_text())
         r = self.run_as_user("cat", os.path.join(mnt, ".ckptfs", "stats"))
