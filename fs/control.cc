@@ -237,6 +237,8 @@ std::string ControlTree::StatsJson() {
   j["journal_presyncs"] = journal_->presyncs();
   j["state_db_writes"] = db_->writes();
   j["state_db_synced_writes"] = db_->synced_writes();
+  // What publication waits for (a halt, or a commit waiting at the gate); "" when nothing.
+  j["journal_waiting"] = journal_->WaitingFor();
   j["journal_halted"] = nullptr;
   if (auto halt = journal_->halted()) {
     j["journal_halted"] = {{"seq", halt->seq},

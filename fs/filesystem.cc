@@ -44,6 +44,9 @@ Status Filesystem::Init(FsDeps deps) {
   }
   CKPT_ASSIGN_OR_RETURN(store::RecoveryReport report, store::Journal::Recover(backing_.get(),
                                                                               db_.get()));
+  // Entries the last stop left for this start: queued once the namespace exists (their
+  // hooks report to it), before the mount serves.
+  std::vector<store::JournalEntry> left = std::move(report.resumed);
   if (report.entries_discarded > 0 || report.temps_removed > 0) {
     spdlog::warn("recovery: discarded {} unapplied journal entries, removed {} temp files",
                  report.entries_discarded, report.temps_removed);
@@ -166,6 +169,15 @@ Status Filesystem::Init(FsDeps deps) {
                       .stats = &stats_};
   CKPT_ASSIGN_OR_RETURN(ns_, Namespace::Create(config_, parts));
   pool_->SetPressureCallback([this] { ns_->RelieveStagingPressure(); });
+  if (!left.empty()) {
+    // The mount shows the backing store as the last daemon left it; give what it left a
+    // moment to be published before serving (docs/SEMANTICS.md, "Stopping").
+    const size_t n = left.size();
+    journal_->QueueLeft(std::move(left));
+    const bool done = journal_->WaitLeft(std::chrono::seconds(2));
+    spdlog::info("resumed {} journal entries left by the last stop: {}", n,
+                 done ? "all published" : "still pending: " + journal_->WaitingFor());
+  }
   control_ = std::make_unique<ControlTree>(config_, parts, ns_.get());
   // Peers are served once the namespace exists: their commit queries ask it (PendingLocally).
 #ifdef CKPTFS_HAVE_UCX
@@ -355,7 +367,7 @@ std::string Filesystem::ListXattr(uint64_t ino) { return control_->ListXattr(ino
 
 Result<struct statvfs> Filesystem::StatFs() { return backing_->StatFs(); }
 
-uint64_t Filesystem::Shutdown() {
+uint64_t Filesystem::Shutdown(const std::function<void(const std::string&)>& waiting) {
   if (shut_down_.exchange(true)) return 0;
   if (read_) read_->StopServingPeers();
   if (!journal_ || !pipeline_) {  // Create() failed part way: nothing was served
@@ -365,14 +377,18 @@ uint64_t Filesystem::Shutdown() {
   // Files still open (a lazy unmount) are published as they are now (G8).
   uint64_t unpublished = ns_ ? ns_->PublishOpenFiles() : 0;
   spdlog::info("draining: {} journal entries pending", journal_->pending());
-  // A halted journal gets one more attempt; then the failed entry and everything after it
-  // are dropped, never applied (G4), and the bytes parked for a retry are let go.
-  unpublished += journal_->Close();
+  // A halted journal gets one more attempt; while publication progresses the stop waits.
+  // Halted or waiting at the gate with no progress for stop_timeout, what is queued is
+  // left for the next start, its bytes durable (G10, G11); only bytes that cannot be made
+  // durable are dropped, never applied (G4), and the bytes parked for a retry let go.
+  stop_ = journal_->CloseWithin(config_.stop_timeout, waiting);
+  unpublished += stop_.dropped_publishes;
   pipeline_->DropParked(Status(Code::kAborted, "daemon stopped before the retry passed"));
   pipeline_->Drain();
   unpublished += journal_->skipped();
-  spdlog::info("drained: {} files published, {} not published", stats_.files_published.load(),
-               unpublished);
+  spdlog::info("drained: {} files published, {} not published, {} journal entries left for "
+               "the next start",
+               stats_.files_published.load(), unpublished, stop_.left);
   read_->Stop();
   return unpublished;
 }

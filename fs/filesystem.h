@@ -130,9 +130,17 @@ class Filesystem {
   Status SetXattr(uint64_t ino, const std::string& name, const std::string& value);
   std::string ListXattr(uint64_t ino);
 
-  // Publishes everything still staged and waits until the journal is empty (G8).
-  // Returns how many files could not be published.
-  uint64_t Shutdown();
+  // Publishes everything still staged and waits until the journal is empty (G8), as long
+  // as publication progresses: when it is halted, or a commit waits at the gate, with no
+  // progress for `config.stop_timeout`, what is queued is left for the next start
+  // (store::Journal::CloseWithin; left_for_resume(), stop_reason()). `waiting` (may be
+  // empty) gets what publication waits for each time that changes, "" when it no longer
+  // waits. Returns how many files could not be published (lost, not left).
+  uint64_t Shutdown(const std::function<void(const std::string&)>& waiting = {});
+  // After Shutdown(): journal entries left for the next start, and what publication waited
+  // for when the stop gave up on it.
+  uint64_t left_for_resume() const { return stop_.left; }
+  const std::string& stop_reason() const { return stop_.waiting_for; }
 
   // Operator controls (ckptfs-admin resume / abort): see ControlTree.
   void Resume() { control_->Resume(); }
@@ -182,6 +190,7 @@ class Filesystem {
   std::atomic<store::peer::PeerNode*> peer_node_{nullptr};
 
   std::atomic<bool> shut_down_{false};
+  store::StopReport stop_;  // what Shutdown() left for the next start
 };
 
 }  // namespace ckptfs::fs

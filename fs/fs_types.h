@@ -46,6 +46,9 @@ struct FsConfig {
   bool write_checksums = true;
   // How long a `.metadata` publication waits for shards from other writers to appear.
   std::chrono::milliseconds commit_timeout{std::chrono::minutes(10)};
+  // How long a stop waits without progress while publication is halted or a commit waits
+  // at the gate, before it leaves what is queued for the next start (Shutdown()).
+  std::chrono::milliseconds stop_timeout{std::chrono::seconds(30)};
   // Cooperating peer daemons (issue 12); null: this daemon works alone.
   std::shared_ptr<const store::peer::PeerNodeOptions> peers;
 };

@@ -543,10 +543,39 @@ int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& 
   report_json["mountpoint"] = *root;
   report_json["pid"] = pid;
 
-  // 1. Drain: the root is published once everything under it is.
-  WaitOutcome drained = WaitForPath(env, *root, options, err);
-  if (drained.exit_code == kExitError) return fail(kExitError, drained.message);
-  if (drained.exit_code == kExitFailed) {
+  // 1. Drain: the root is published once everything under it is. Not while publication
+  // waits for something that may never come (halted, or a commit waiting for shards from
+  // elsewhere for 2 s): the daemon's own stop bounds that wait (--stop-timeout) and leaves
+  // the rest for its next start.
+  WaitOptions drain = options;
+  std::string seen;
+  double seen_since = 0;
+  drain.stalled = [&]() -> std::optional<std::string> {
+    auto now_text = ReadWholeFile(StatsPath(*root));
+    if (!now_text.ok()) return std::nullopt;
+    auto now_stats = ParseJson(*now_text, StatsPath(*root));
+    if (!now_stats.ok()) return std::nullopt;
+    const std::string waiting = GetString(*now_stats, "journal_waiting").value_or("");
+    const bool halted = now_stats->contains("journal_halted") &&
+                        (*now_stats)["journal_halted"].is_object();
+    if (waiting != seen) {
+      seen = waiting;
+      seen_since = env->MonotonicSeconds();
+    }
+    if (waiting.empty() || (!halted && env->MonotonicSeconds() - seen_since < 2)) {
+      return std::nullopt;
+    }
+    return waiting;
+  };
+  WaitOutcome drained = WaitForPath(env, *root, drain, err);
+  if (drained.stalled) {
+    err << kPrefix << *root << ": publication waits: " << drained.message
+        << "; unmounting: the daemon waits up to its --stop-timeout without progress, then "
+           "leaves the rest for its next start\n";
+    report_json["waiting_for"] = drained.message;
+  } else if (drained.exit_code == kExitError) {
+    return fail(kExitError, drained.message);
+  } else if (drained.exit_code == kExitFailed) {
     // Nothing more will be published; the daemon's exit report says what was lost.
     err << kPrefix << "warning: " << drained.message << "; unmounting anyway\n";
   }
@@ -555,8 +584,25 @@ int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& 
   Status unmounted = env->FuseUnmount(*root);
   if (!unmounted.ok()) return fail(kExitError, unmounted.message());
 
-  // 3. Wait for the daemon to go away, within what is left of the timeout.
+  // 3. Wait for the daemon to go away, within what is left of the timeout, saying what its
+  // stop waits for (STATE_DIR/stopping.json) each time that changes.
+  const std::string stopping_path = Join(*state_dir, "stopping.json");
+  std::string stop_said;
   while (env->ProcessAlive(pid)) {
+    if (auto stopping = ReadWholeFile(stopping_path); stopping.ok()) {
+      auto j = ParseJson(*stopping, stopping_path);
+      const std::string what = j.ok() && GetU64(*j, "pid") == static_cast<uint64_t>(pid)
+                                   ? GetString(*j, "waiting_for").value_or("")
+                                   : "";
+      if (!what.empty() && what != stop_said) {
+        err << kPrefix << "daemon pid " << pid << " is stopping and waits for: " << what
+            << " (it leaves the rest for its next start after "
+            << CountOrDash(GetU64(*j, "stop_timeout_s")) << " s without progress)\n"
+            << std::flush;
+        report_json["waiting_for"] = what;
+      }
+      stop_said = what;
+    }
     double waited = env->MonotonicSeconds() - start;
     double nap = options.interval_s;
     if (options.timeout_s) {
@@ -588,7 +634,9 @@ int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& 
   auto clean = GetBool(*report, "clean");
   auto unpublished = GetU64(*report, "unpublished_files");
   auto error = GetString(*report, "error");
+  auto left = GetU64(*report, "left_for_resume");
   report_json["clean"] = clean.value_or(false);
+  if (left) report_json["left_for_resume"] = *left;
   if (unpublished) report_json["unpublished_files"] = *unpublished;
   if (error && !error->empty()) report_json["error"] = *error;
   if (clean == true && unpublished == 0u) {
@@ -596,6 +644,16 @@ int RunUnmount(AdminEnv* env, const std::string& mountpoint, const WaitOptions& 
         "unmounted " + *root + " (daemon pid " + std::to_string(pid) + " exited cleanly)";
     if (!options.json) out << message << '\n';
     return finish(kExitOk, message);
+  }
+  if (left.value_or(0) > 0 && unpublished.value_or(0) == 0) {
+    // Nothing lost: the next start publishes them (exit status 3 of the daemon).
+    const std::string waited = GetString(*report, "waiting_for").value_or("");
+    return fail(kExitFailed, *root + ": daemon pid " + std::to_string(pid) + " stopped with " +
+                                 std::to_string(*left) +
+                                 " journal entries left for its next start (publication "
+                                 "waited for: " +
+                                 (waited.empty() ? "-" : waited) +
+                                 "); start ckptfs again on this state dir to publish them");
   }
   std::string reason = clean == true ? "daemon exited" : "daemon exited uncleanly";
   if (unpublished != 0u) {
@@ -676,8 +734,11 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
       app.add_subcommand("unmount", "Drain and unmount a ckptfs mount, and check its exit.");
   unmount->footer(
       "Waits until everything is published, runs fusermount3 -u, waits for the daemon to "
-      "exit and reads its exit report. Exit status: 0 clean exit with nothing unpublished, "
-      "1 unclean exit or unpublished files, 2 timeout or error.");
+      "exit and reads its exit report. When publication is halted or a commit waits for "
+      "shards, it says so and unmounts at once; the daemon then waits up to its "
+      "--stop-timeout without progress and leaves the rest for its next start. Exit "
+      "status: 0 clean exit with nothing unpublished, 1 unclean exit, unpublished files or "
+      "entries left for the next start, 2 timeout or error.");
   unmount->add_option("MOUNTPOINT", path, "The mountpoint of the ckptfs mount")->required();
   CLI::Option* unmount_timeout =
       unmount->add_option("--timeout", timeout_s, "Give up after S seconds (default: never)")

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <memory>
 #include <optional>
@@ -165,12 +166,17 @@ struct WaitOptions {
   // wait, when stderr is not a terminal: one plain progress line this often.
   double plain_every_s = 5;
   bool json = false;  // print the outcome as JSON on stdout
+  // unmount: asked at each poll while the path is in progress; a message means publication
+  // no longer progresses by itself (halted, or a commit waiting for shards), and the wait
+  // stops there (WaitOutcome::stalled). May be empty.
+  std::function<std::optional<std::string>()> stalled;
 };
 
 struct WaitOutcome {
   int exit_code = kExitError;
   Progress last;        // The last progress read, if any.
   std::string message;  // Why it stopped, naming `path`, when not succeeded.
+  bool stalled = false;  // WaitOptions::stalled said so; `message` is what it said
 };
 
 // Polls `path`'s progress xattr until it reaches a terminal state or the timeout passes.

@@ -84,6 +84,13 @@ WaitOutcome WaitForPath(AdminEnv* env, const std::string& path, const WaitOption
       case StateKind::kInProgress:
         break;
     }
+    if (options.stalled) {
+      if (std::optional<std::string> why = options.stalled()) {
+        WaitOutcome& o = outcome;
+        o.stalled = true;
+        return stop(kExitFailed, std::move(*why));
+      }
+    }
 
     double waited = now - start;
     double nap = options.interval_s;

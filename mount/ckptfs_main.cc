@@ -6,9 +6,12 @@
 // Returns once the mount is ready and keeps serving in the background (-f: in the
 // foreground, and under systemd Type=notify it reports READY=1 with sd_notify). On
 // unmount, SIGTERM or SIGINT it publishes everything staged before it exits (G8), and
-// writes STATE_DIR/exit.json. SIGHUP reopens the log file. Exit codes: 0 clean, 1
-// failure while running or unpublished data at exit, 2 bad usage or mount failure (then
-// nothing is left mounted, and a state dir this run created is removed again).
+// writes STATE_DIR/exit.json. While the stop waits for a halted or waiting publication it
+// says what for in STATE_DIR/stopping.json (ckptfs-admin unmount prints it); with no
+// progress for --stop-timeout it leaves the rest for the next start. SIGHUP reopens the log
+// file. Exit codes: 0 clean, 1 failure while running or unpublished data at exit, 2 bad
+// usage or mount failure (then nothing is left mounted, and a state dir this run created is
+// removed again), 3 stopped with journal entries left for the next start (nothing lost).
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
@@ -19,6 +22,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -101,11 +105,17 @@ class SighupReopener {
   std::thread thread_;
 };
 
+// Exit code 3: the stop left journal entries for the next start (nothing lost).
+constexpr int kExitLeftForResume = 3;
+
 void WriteExitReport(const std::string& state_dir, bool clean, uint64_t unpublished,
-                     const std::string& error) {
+                     const std::string& error, uint64_t left = 0,
+                     const std::string& waiting_for = "") {
   nlohmann::json j = {{"pid", ::getpid()},
                       {"clean", clean},
                       {"unpublished_files", unpublished},
+                      {"left_for_resume", left},
+                      {"waiting_for", waiting_for},
                       {"error", error}};
   std::string path = state_dir + "/exit.json";
   std::ofstream out(path + ".tmp");
@@ -161,6 +171,7 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   const bool new_state_dir = !std::filesystem::exists(o.state_dir, ec);
   std::filesystem::create_directories(o.state_dir, ec);
   std::remove((o.state_dir + "/exit.json").c_str());
+  std::remove((o.state_dir + "/stopping.json").c_str());
   std::string log_file = o.log_file;
   if (log_file.empty() && !o.foreground) log_file = o.state_dir + "/ckptfs.log";
   ckptfs::LogRotation rotation;
@@ -198,6 +209,7 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   config.flush_direct_io = o.flush_direct_io;
   config.write_checksums = o.write_checksums;
   config.commit_timeout = std::chrono::seconds(o.commit_timeout_s);
+  config.stop_timeout = std::chrono::seconds(o.stop_timeout_s);
   config.peers = std::move(peers);
   if (config.peers) {
     spdlog::info("peers: node {} of {} ({}), listening on {}, plan {}", o.node_rank,
@@ -243,15 +255,38 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   sd_notify(0, "STOPPING=1\nSTATUS=draining: publishing everything staged");
   spdlog::info("unmounting {}", o.mountpoint);
   server->Unmount();
-  uint64_t unpublished = fs->Shutdown();
+  // What the stop waits for, for ckptfs-admin unmount (the mount is gone by now).
+  const std::string stopping = o.state_dir + "/stopping.json";
+  uint64_t unpublished = fs->Shutdown([&](const std::string& what) {
+    nlohmann::json j = {{"pid", ::getpid()},
+                        {"waiting_for", what},
+                        {"stop_timeout_s", o.stop_timeout_s},
+                        {"since", static_cast<double>(::time(nullptr))}};
+    std::ofstream out(stopping + ".tmp");
+    out << ckptfs::JsonText(j) << "\n";
+    out.close();
+    std::rename((stopping + ".tmp").c_str(), stopping.c_str());
+    if (!what.empty()) {
+      sd_notifyf(0, "STATUS=draining: waiting for %s", what.c_str());
+    }
+  });
+  std::remove(stopping.c_str());
+  const uint64_t left = fs->left_for_resume();
   metrics.reset();
   reopener.Stop();  // nothing may log after spdlog::shutdown()
-  bool clean = run.ok() && unpublished == 0;
-  WriteExitReport(o.state_dir, clean, unpublished, run.ok() ? "" : run.ToString());
-  spdlog::info("ckptfs exits: {} ({} files not published)", clean ? "clean" : "NOT clean",
-               unpublished);
+  bool clean = run.ok() && unpublished == 0 && left == 0;
+  std::string error = run.ok() ? "" : run.ToString();
+  if (left > 0 && error.empty()) {
+    error = std::to_string(left) + " journal entries left for the next start; publication " +
+            "waited for: " + fs->stop_reason();
+  }
+  WriteExitReport(o.state_dir, clean, unpublished, error, left, fs->stop_reason());
+  spdlog::info("ckptfs exits: {} ({} files not published, {} journal entries left for the "
+               "next start)",
+               clean ? "clean" : "NOT clean", unpublished, left);
   spdlog::shutdown();
-  return clean ? 0 : 1;
+  if (clean) return 0;
+  return run.ok() && unpublished == 0 ? kExitLeftForResume : 1;
 }
 
 }  // namespace

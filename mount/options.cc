@@ -144,6 +144,10 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   app.add_option("--commit-timeout", o.commit_timeout_s,
                  "Seconds a .metadata waits for its shards (default 600)")
       ->check(CLI::Range(1, 86400));
+  app.add_option("--stop-timeout", o.stop_timeout_s,
+                 "Seconds a stop waits without progress for a halted or waiting publication "
+                 "before it leaves the rest for the next start and exits 3 (default 30)")
+      ->check(CLI::Range(1, 86400));
   app.add_option("--staging-backend", o.staging_backend, "auto, host or cuda")
       ->check(CLI::IsMember({"auto", "host", "cuda"}));
   app.add_option("--staging-hugepages", staging_hugepages,

@@ -29,6 +29,9 @@ struct DaemonOptions {
   int flush_threads = 2;
   int fuse_threads = 32;
   int commit_timeout_s = 600;
+  // A stop waits this long without progress for a halted or waiting publication, then
+  // leaves the rest for the next start (FsConfig::stop_timeout).
+  int stop_timeout_s = 30;
   std::string staging_backend = "auto";
   bool staging_hugepages = false;  // --staging-hugepages=on|off
   bool flush_direct_io = true;     // --flush-direct-io=on|off

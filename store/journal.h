@@ -21,8 +21,18 @@
 // outcome. Close(final) gives up on a halted journal: the failed entry and everything
 // after it are dropped, never applied, and counted.
 //
+// Bounded stop (G10, G11). CloseWithin() waits while publication progresses; once it is
+// halted, or a commit waits at the gate, with no progress for the bound, it hands the rest
+// over to the next start instead of dropping it: every queued entry's bytes are fsynced in
+// their temp file, and the entries, with a "left for resume" marker, are written synced.
+// Recover() of the next start sees the marker and returns those entries (RecoveryReport::
+// resumed) instead of discarding them; QueueLeft() queues them again, in order, and they
+// are published as any entry (a publish fsyncs its temp file by path: no FlushTarget is
+// left). Without the marker (a crash) recovery discards, as above.
+//
 // Entries and temp-file records are kept in RocksDB, so a restarted daemon knows which
-// temp files were never published and removes them (Recover()). Only the temp records
+// temp files were never published and removes them (Recover()), unless a bounded stop
+// left them for it (above). Only the temp records
 // guard anything (a temp file that a crash leaves behind), so only they are written
 // synced, before the temp file is created; entry records and the removal of finished
 // records are written unsynced (see Append and Finalize for why recovery allows that).
@@ -139,6 +149,17 @@ struct RecoveryReport {
   uint64_t entries_discarded = 0;
   uint64_t temps_removed = 0;
   std::vector<std::string> discarded_paths;  // publish targets that never appeared
+  // What a bounded stop of the previous run left for this one (CloseWithin), in order:
+  // hand them to QueueLeft(). Their records, temp files and the marker stay until each
+  // is done.
+  std::vector<JournalEntry> resumed;
+};
+
+// What a bounded stop (CloseWithin) did.
+struct StopReport {
+  uint64_t dropped_publishes = 0;  // as Close(): never applied, their bytes gone
+  uint64_t left = 0;               // entries handed over to the next start
+  std::string waiting_for;         // what publication waited for when the bound ran out
 };
 
 class Journal {
@@ -174,7 +195,8 @@ class Journal {
   };
 
   // Removes the temp files of a previous run that were never published and clears its
-  // pending entries. Call before Create() on the same StateDb.
+  // pending entries, except those a bounded stop left for this run (the marker): those are
+  // returned in `resumed`. Call before Create() on the same StateDb.
   static Result<RecoveryReport> Recover(BackingDir* dir, StateDb* db);
 
   static Result<std::unique_ptr<Journal>> Create(BackingDir* dir,  // must outlive
@@ -211,6 +233,25 @@ class Journal {
   // Final drain (shutdown): waits for every entry; a halted entry gets one more attempt,
   // then it and every entry after it are dropped. Returns the publishes dropped.
   uint64_t Close();
+  // Final drain with a bound (a daemon's stop): waits while publication progresses, a
+  // halted entry getting one more attempt at once. When it is halted, or a commit waits at
+  // the gate, with no progress for `stall`, it stops the publisher and hands every queued
+  // entry over to the next start (see the top of this file); from the first entry whose
+  // bytes cannot be made durable (still only in staging, or lost) on, entries are dropped
+  // as Close() drops them. `waiting` (may be empty) gets what publication waits for, each
+  // time that changes. After it, the journal is empty; the destructor does nothing more.
+  StopReport CloseWithin(std::chrono::milliseconds stall,
+                         const std::function<void(const std::string&)>& waiting = {});
+  // Queues the entries Recover() returned in `resumed`, before anything else is appended,
+  // with their own sequence numbers; they are applied in order, before every later entry.
+  void QueueLeft(std::vector<JournalEntry> left);
+  // Waits until the entries of QueueLeft() are done, or publication halts, or nothing is
+  // done for `stall`. True if they are all done.
+  bool WaitLeft(std::chrono::milliseconds stall);
+  // What publication waits for now: the halted entry and its error, or a commit waiting
+  // at the gate and the shards it waits for, with how many entries are queued behind;
+  // empty when it is not waiting on either.
+  std::string WaitingFor() const;
 
   // Retries a halted entry (and parked flush chunks, via the caller) now.
   void Resume();
@@ -266,6 +307,11 @@ class Journal {
   void HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, bool at_head);
   // Syncs the data (publish) and applies one entry; false with `st` on failure.
   Status Process(const JournalEntry& e);
+  std::string WaitingForLocked() const REQUIRES(mu_);
+  // An entry a bounded stop of the previous run left for this one.
+  bool Resumed(uint64_t seq) const {
+    return seq <= resumed_until_.load(std::memory_order_acquire);
+  }
   // Removes the entry's records (and, if not applied, its temp file) and runs on_done.
   void Finalize(const JournalEntry& e, const Status& st, bool applied);
   void AdvanceDoneLocked() REQUIRES(mu_);
@@ -310,6 +356,13 @@ class Journal {
   // Entries taken off queue_ whose Finalize() (records, hooks) has not returned yet.
   uint64_t finalizing_ GUARDED_BY(mu_) = 0;
   bool stop_ GUARDED_BY(mu_) = false;
+  // CloseWithin() gave up: the publisher exits at its next step and leaves the queue.
+  bool leaving_ GUARDED_BY(mu_) = false;
+  bool publisher_exited_ GUARDED_BY(mu_) = false;
+  // Entries left by the previous run (QueueLeft): every seq up to resumed_until_, of which
+  // resumed_left_ are not done yet (the marker goes with the last).
+  std::atomic<uint64_t> resumed_until_{0};
+  uint64_t resumed_left_ GUARDED_BY(mu_) = 0;
   std::thread thread_;
 
   // Early syncs. presync_mu_ is never held together with mu_, nor during an fsync.

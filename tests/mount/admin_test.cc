@@ -760,6 +760,35 @@ TEST(RunUnmount, FailedDrainStillUnmountsAndTheReportDecides) {
   EXPECT_EQ(env.unmounted.size(), 1u);
 }
 
+TEST(RunUnmount, AHaltedPublicationIsNamedUnmountedAtOnceAndWhatTheStopLeftIsReported) {
+  FakeMount m;
+  const std::string halt =
+      "halted at publish #993 ckpt/.metadata: timeout: shard ckpt/__3_0.distcp never became "
+      "durable (retrying with backoff); 2 more entries queued";
+  std::string stats = m.StatsJson(4242);
+  stats.insert(stats.rfind('}'), R"(,"journal_waiting":")" + halt +
+                                     R"(","journal_halted":{"seq":993,"entry":"publish #993"})");
+  m.Write("mnt/.ckptfs/stats", stats);
+  FakeEnv env;
+  env.xattrs = {ProgressJson("staged", 10, 5)};  // never published by itself
+  env.alive_polls = 2;
+  env.on_unmount = [&] {
+    // The daemon's stop says what it waits for, then leaves the rest (exit 3).
+    m.Write("state/stopping.json",
+            R"({"pid":4242,"waiting_for":")" + halt + R"(","stop_timeout_s":30})");
+    m.Write("state/exit.json",
+            R"({"pid":4242,"clean":false,"unpublished_files":0,"left_for_resume":3,)"
+            R"("waiting_for":")" + halt + R"(","error":"3 journal entries left"})");
+  };
+  std::string out, err;
+  EXPECT_EQ(Admin({"unmount", m.mount()}, &env, &out, &err), kExitFailed);
+  EXPECT_EQ(env.unmounted, std::vector<std::string>{m.mount()}) << "no wait for the drain";
+  EXPECT_THAT(err, HasSubstr("publication waits: " + halt));
+  EXPECT_THAT(err, HasSubstr("daemon pid 4242 is stopping and waits for: " + halt));
+  EXPECT_THAT(err, HasSubstr("3 journal entries left for its next start"));
+  EXPECT_LT(env.now, 1000.0 + 5) << "it did not wait for the drain";
+}
+
 TEST(RunUnmount, RefusesAPathBelowTheMountpoint) {
   FakeMount m;
   fs::create_directories(m.Path("mnt/sub"));

@@ -120,12 +120,22 @@ TEST(ParseDaemonOptions, TwoPositionalsAndDefaults) {
   EXPECT_EQ(o->flush_threads, 2);
   EXPECT_EQ(o->fuse_threads, 32);
   EXPECT_EQ(o->commit_timeout_s, 600);
+  EXPECT_EQ(o->stop_timeout_s, 30);
   EXPECT_EQ(o->staging_backend, "auto");
   EXPECT_TRUE(o->write_checksums);
   EXPECT_EQ(o->log_level, "info");
   EXPECT_TRUE(o->log_file.empty());
   EXPECT_TRUE(o->fuse_options.empty());
   EXPECT_FALSE(o->help);
+}
+
+TEST(ParseDaemonOptions, StopTimeoutAsAnOptionAndAsDashO) {
+  auto o = Parse({"--stop-timeout", "5", "/b", "/m"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->stop_timeout_s, 5);
+  o = Parse({"-o", "stop_timeout=7", "/b", "/m"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->stop_timeout_s, 7);
 }
 
 TEST(ParseDaemonOptions, EveryOptionIsParsed) {
@@ -208,6 +218,8 @@ TEST(ParseDaemonOptions, EveryBadInputIsInvalidWithAMessage) {
       {"--flush-threads", "two", "/b", "/m"},
       {"--fuse-threads", "1", "/b", "/m"},
       {"--commit-timeout", "0", "/b", "/m"},
+      {"--stop-timeout", "0", "/b", "/m"},
+      {"--stop-timeout", "soon", "/b", "/m"},
       {"--staging-backend", "gpu", "/b", "/m"},
       {"--write-checksums", "maybe", "/b", "/m"},
       {"--fuse-direct-writes", "sometimes", "/b", "/m"},
