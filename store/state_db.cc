@@ -6,7 +6,10 @@
 #include <rocksdb/listener.h>
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <spdlog/spdlog.h>
@@ -16,6 +19,10 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <thread>
 
 #include "common/unique_fd.h"
 
@@ -172,6 +179,119 @@ Status Unavailable(const std::string& dir) {
   return Status(Code::kIo, "state db " + dir + " is closed after a failed write; reopening");
 }
 
+std::string ReadSmallFile(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream out;
+  out << in.rdbuf();
+  return out.str();
+}
+
+// The pid that /proc/locks lists as holding a lock on `path` (RocksDB's LOCK is a POSIX
+// fcntl lock): nullopt when none is listed, 0 when the holder is not visible from this pid
+// namespace. /proc/locks rather than F_GETLK: opening and closing the file here would drop
+// any lock this process holds on it (POSIX locks go with the first close).
+std::optional<pid_t> LockHolder(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+  char want[64];
+  std::snprintf(want, sizeof(want), "%02x:%02x:%lu", major(st.st_dev), minor(st.st_dev),
+                static_cast<unsigned long>(st.st_ino));
+  std::istringstream locks(ReadSmallFile("/proc/locks"));
+  std::string line;
+  while (std::getline(locks, line)) {
+    // "1: POSIX  ADVISORY  WRITE 1234 fd:00:5678 0 EOF"; waiters have "->" after the id.
+    std::istringstream in(line);
+    std::string id, type, mode, access, dev;
+    long pid = 0;
+    if (!(in >> id >> type) || type == "->") continue;
+    if (!(in >> mode >> access >> pid >> dev)) continue;
+    if (dev == want) return static_cast<pid_t>(pid < 0 ? 0 : pid);
+  }
+  return std::nullopt;
+}
+
+enum class Holder { kGone, kExiting, kLive };
+
+// Whether `pid` is on its way out. A process killed while one of its threads waits for
+// uninterruptible I/O lives on until that returns: its leader is a zombie (or has
+// PF_EXITING set) and the threads still in the kernel have SIGKILL pending.
+Holder ProbeHolder(pid_t pid) {
+  const std::string base = "/proc/" + std::to_string(pid);
+  std::string stat = ReadSmallFile(base + "/stat");
+  size_t paren = stat.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= stat.size()) return Holder::kGone;
+  // After "(comm) ": state ppid pgrp session tty_nr tpgid flags ...
+  std::istringstream fields(stat.substr(paren + 2));
+  char state = 0;
+  long skip = 0;
+  unsigned long flags = 0;
+  fields >> state >> skip >> skip >> skip >> skip >> skip >> flags;
+  constexpr unsigned long kPfExiting = 0x4;
+  if (state == 'Z' || state == 'X' || state == 'x' || (flags & kPfExiting) != 0) {
+    return Holder::kExiting;
+  }
+  constexpr unsigned long long kSigKillBit = 1ull << (SIGKILL - 1);
+  std::error_code ec;
+  for (const auto& task : std::filesystem::directory_iterator(base + "/task", ec)) {
+    std::istringstream status(ReadSmallFile(task.path().string() + "/status"));
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("SigPnd:", 0) != 0 && line.rfind("ShdPnd:", 0) != 0) continue;
+      unsigned long long mask = std::strtoull(line.c_str() + 7, nullptr, 16);
+      if ((mask & kSigKillBit) != 0) return Holder::kExiting;
+    }
+  }
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return Holder::kGone;
+  return Holder::kLive;
+}
+
+// Opens the database, waiting up to `wait` while its lock is held by an exiting process.
+Result<std::unique_ptr<rocksdb::DB>> OpenRocksWaitingForExitingHolder(
+    const std::string& dir, std::chrono::milliseconds wait) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::string lock_path = dir + "/LOCK";
+  pid_t waited_for = 0;
+  for (int free_tries = 0;;) {
+    Result<std::unique_ptr<rocksdb::DB>> db = OpenRocks(dir);
+    if (db.ok() || db.status().code() != Code::kBusy) {
+      if (db.ok() && waited_for != 0) {
+        spdlog::info(
+            "state dir {}: pid {} released it after {:.1f} s", dir, waited_for,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+      return db;
+    }
+    std::optional<pid_t> pid = LockHolder(lock_path);
+    // Not listed: released since (or held where /proc/locks cannot tell); a few tries.
+    if (!pid.has_value() && ++free_tries < 5) continue;
+    Holder holder =
+        !pid.has_value() || *pid == 0 || *pid == ::getpid() ? Holder::kLive : ProbeHolder(*pid);
+    if (holder == Holder::kLive) {
+      if (!pid.has_value() || *pid == 0) return db.status();
+      return Status(Code::kBusy, "open state db " + dir + ": its LOCK is held by pid " +
+                                     std::to_string(*pid) +
+                                     " (is another ckptfs using this --state-dir?)");
+    }
+    auto waited = std::chrono::steady_clock::now() - start;
+    if (waited >= wait) {
+      return Status(
+          Code::kBusy,
+          "open state db " + dir + ": its LOCK is still held by pid " + std::to_string(*pid) +
+              ", which is exiting, after " +
+              std::to_string(std::chrono::duration_cast<std::chrono::seconds>(waited).count()) +
+              " s (a killed ckptfs stuck in I/O?)");
+    }
+    if (holder == Holder::kExiting && waited_for != *pid) {
+      waited_for = *pid;
+      spdlog::warn(
+          "state dir {}: its lock is still held by pid {}, which is exiting (a "
+          "killed ckptfs finishing its I/O); waiting up to {} s for it",
+          dir, *pid, std::chrono::duration_cast<std::chrono::seconds>(wait).count());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(holder == Holder::kGone ? 5 : 50));
+  }
+}
+
 }  // namespace
 
 StateDb::StateDb(std::unique_ptr<rocksdb::DB> db, std::string dir,
@@ -184,7 +304,8 @@ Result<std::unique_ptr<StateDb>> StateDb::Open(const std::string& dir,
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::FromErrno(ec.value(), "create state dir " + dir);
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<rocksdb::DB> db, OpenRocks(dir));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<rocksdb::DB> db,
+                        OpenRocksWaitingForExitingHolder(dir, options.exiting_holder_wait));
   std::unique_ptr<StateDb> state(new StateDb(std::move(db), dir, options));
   Result<uint64_t> free_bytes = state->FreeBytes();
   if (free_bytes.ok() && *free_bytes < options.min_free_bytes) {

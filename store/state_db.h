@@ -52,12 +52,19 @@ struct StateDbOptions {
   // than this. The reserve leaves room for RocksDB's own work (memtable flushes,
   // MANIFEST updates, compactions), so those do not fail half-way.
   uint64_t min_free_bytes = 16ull << 20;
+  // How long Open() waits while the state dir is locked by a process that is exiting:
+  // a daemon killed with SIGKILL keeps RocksDB's lock until its last thread has finished
+  // the I/O it was in (a direct write to a slow disk takes seconds), so a restart at once
+  // (G11) would otherwise fail. A live holder fails Open() at once.
+  std::chrono::milliseconds exiting_holder_wait{30000};
 };
 
 class StateDb {
  public:
-  // Opens or creates the database in `dir` (created if missing). Fails with kBusy
-  // when another daemon holds it.
+  // Opens or creates the database in `dir` (created if missing). Fails with kBusy, at
+  // once and naming its pid, when another live process (or this one) holds it; waits up
+  // to `options.exiting_holder_wait`, with a log line naming the pid, when the holder is
+  // exiting (killed, a zombie, or with SIGKILL pending).
   static Result<std::unique_ptr<StateDb>> Open(const std::string& dir,
                                                const StateDbOptions& options = {});
   ~StateDb();

@@ -5,7 +5,10 @@
 #include "store/state_db.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mount.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -13,6 +16,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -228,6 +234,131 @@ TEST(StateDb, RocksDbRunningOutOfSpaceFailsWritesCleanlyAndRecovers) {
     EXPECT_EQ(*got, v) << k;
   }
   EXPECT_TRUE((*reopened)->Put("after-reopen", "1").ok());
+}
+
+// A child process that holds a POSIX lock on DIR/LOCK, as RocksDB takes it. With
+// `exiting`, the child's main thread ends (its leader is a zombie) while another thread
+// keeps the process, and the lock, for `hold` more: the shape of a daemon killed while a
+// flush thread finishes a direct write. Without, the child lives until killed.
+class LockHoldingChild {
+ public:
+  LockHoldingChild(const std::string& dir, bool exiting, std::chrono::milliseconds hold) {
+    std::filesystem::create_directories(dir);
+    int ready[2];
+    if (::pipe(ready) != 0) return;
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::close(ready[0]);
+      int fd = ::open((dir + "/LOCK").c_str(), O_RDWR | O_CREAT, 0644);
+      struct flock fl{};
+      fl.l_type = F_WRLCK;
+      fl.l_whence = SEEK_SET;
+      if (fd < 0 || ::fcntl(fd, F_SETLK, &fl) != 0) ::_exit(3);
+      if (!exiting) {
+        [[maybe_unused]] ssize_t n = ::write(ready[1], "r", 1);
+        while (true) ::pause();
+      }
+      std::thread([hold] {
+        std::this_thread::sleep_for(hold);
+        ::_exit(0);
+      }).detach();
+      [[maybe_unused]] ssize_t n = ::write(ready[1], "r", 1);
+      ::syscall(SYS_exit, 0);  // this thread only
+    }
+    ::close(ready[1]);
+    char c;
+    ready_ = pid_ > 0 && ::read(ready[0], &c, 1) == 1;
+    ::close(ready[0]);
+    if (ready_ && exiting) {  // until the leader is a zombie
+      const std::string stat = "/proc/" + std::to_string(pid_) + "/stat";
+      for (int i = 0; i < 200; ++i) {
+        std::ifstream in(stat);
+        std::string text((std::istreambuf_iterator<char>(in)), {});
+        size_t paren = text.rfind(')');
+        if (paren != std::string::npos && text.substr(paren + 2, 1) == "Z") break;
+        std::this_thread::sleep_for(5ms);
+      }
+    }
+  }
+  ~LockHoldingChild() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+  }
+  bool ready() const { return ready_; }
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = -1;
+  bool ready_ = false;
+};
+
+double SecondsSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+TEST(StateDb, ASecondOpenInTheSameProcessFailsAtOnceAndKeepsTheFirst) {
+  ScopedTempDir dir{"ckptfs-statedb-test"};
+  auto first = StateDb::Open(dir.path() + "/state");
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  auto t0 = std::chrono::steady_clock::now();
+  auto second = StateDb::Open(dir.path() + "/state");  // default wait: 30 s
+  EXPECT_LT(SecondsSince(t0), 2.0);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), Code::kBusy);
+  EXPECT_NE(second.status().message().find("another ckptfs"), std::string::npos)
+      << second.status().ToString();
+  // Looking for the holder did not drop the first instance's lock (a POSIX lock goes
+  // with any close of the file by its process).
+  ASSERT_TRUE((*first)->Put("k", "v").ok());
+  LockHoldingChild other(dir.path() + "/state", /*exiting=*/false, 0ms);
+  EXPECT_FALSE(other.ready()) << "another process could lock the open state dir";
+}
+
+TEST(StateDb, ALiveHolderInAnotherProcessFailsOpenAtOnceNamingItsPid) {
+  ScopedTempDir dir{"ckptfs-statedb-test"};
+  LockHoldingChild holder(dir.path() + "/state", /*exiting=*/false, 0ms);
+  ASSERT_TRUE(holder.ready());
+  auto t0 = std::chrono::steady_clock::now();
+  auto db = StateDb::Open(dir.path() + "/state");
+  EXPECT_LT(SecondsSince(t0), 2.0);
+  ASSERT_FALSE(db.ok());
+  EXPECT_EQ(db.status().code(), Code::kBusy);
+  EXPECT_NE(db.status().message().find("held by pid " + std::to_string(holder.pid())),
+            std::string::npos)
+      << db.status().ToString();
+  EXPECT_NE(db.status().message().find("another ckptfs"), std::string::npos);
+}
+
+TEST(StateDb, OpenWaitsForAnExitingHolderToLetGo) {
+  ScopedTempDir dir{"ckptfs-statedb-test"};
+  LockHoldingChild holder(dir.path() + "/state", /*exiting=*/true, 1500ms);
+  ASSERT_TRUE(holder.ready());
+  auto t0 = std::chrono::steady_clock::now();
+  auto db = StateDb::Open(dir.path() + "/state");
+  double took = SecondsSince(t0);
+  ASSERT_TRUE(db.ok()) << db.status().ToString();
+  EXPECT_GT(took, 0.5);
+  EXPECT_LT(took, 15.0);
+  EXPECT_TRUE((*db)->Put("k", "v").ok());
+}
+
+TEST(StateDb, OpenGivesUpOnAnExitingHolderAfterItsWait) {
+  ScopedTempDir dir{"ckptfs-statedb-test"};
+  LockHoldingChild holder(dir.path() + "/state", /*exiting=*/true, 60s);
+  ASSERT_TRUE(holder.ready());
+  StateDbOptions options;
+  options.exiting_holder_wait = 400ms;
+  auto t0 = std::chrono::steady_clock::now();
+  auto db = StateDb::Open(dir.path() + "/state", options);
+  double took = SecondsSince(t0);
+  ASSERT_FALSE(db.ok());
+  EXPECT_EQ(db.status().code(), Code::kBusy);
+  const std::string want = "pid " + std::to_string(holder.pid()) + ", which is exiting";
+  EXPECT_NE(db.status().message().find(want), std::string::npos)
+      << db.status().ToString();
+  EXPECT_GE(took, 0.35);
+  EXPECT_LT(took, 5.0);
 }
 
 }  // namespace
