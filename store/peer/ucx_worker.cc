@@ -155,6 +155,13 @@ Status UcxWorker::Init() {
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return Internal("peer " + name_ + ": ucp_config_read: " + UcsError(s));
+  // The listener binds with SO_REUSEADDR (UCX's connection-manager option REUSEADDR, off by
+  // default). A daemon started again at once (G11) finds the last one's connections on its
+  // --peer-listen port in TIME_WAIT for a minute, on whichever side closed first, and a
+  // plain bind() fails with EADDRINUSE until then. A port some process still listens on is
+  // refused all the same. UCX keeps the key for its connection managers (TCP, RDMA CM).
+  s = ucp_config_modify(config, "CM_REUSEADDR", "y");
+  if (s != UCS_OK) spdlog::debug("peer {}: CM_REUSEADDR: {}", name_, UcsError(s));
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <future>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "store/crc32c.h"
@@ -321,6 +322,48 @@ TEST_F(PeerInProcess, SeveralClientsShareOneServer) {
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(server_->stats().authenticated, 3u);
   EXPECT_EQ(server_->stats().blocks_served, 120u);
+}
+
+// Connections on local port `port` that /proc/net/tcp shows in TIME_WAIT.
+int TimeWaitOnPort(uint16_t port) {
+  std::ifstream in("/proc/net/tcp");
+  std::string line;
+  int n = 0;
+  char want[16];
+  std::snprintf(want, sizeof(want), ":%04X", port);
+  while (std::getline(in, line)) {
+    std::istringstream f(line);
+    std::string slot, local, remote, state;
+    f >> slot >> local >> remote >> state;
+    if (state == "06" && local.size() > 5 && local.substr(local.size() - 5) == want) ++n;
+  }
+  return n;
+}
+
+// G11: the last connections on a server's port sit in TIME_WAIT for a minute on the side
+// that closed first; a server started again at once on that port must still listen.
+TEST(PeerServerCreate, ANewServerListensAtOnceOnThePortOfOneThatJustClosed) {
+  SyntheticProvider provider(TestFiles());
+  auto first = PeerServer::Create(ServerOptions(), &provider);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  const uint16_t port = (*first)->port();
+  {
+    auto client = PeerClient::Connect(ClientOptions(port));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    std::vector<char> buf(4096);
+    ASSERT_TRUE((*client)->Fetch(Id("ckpt/.metadata"), 0, buf).ok());
+    (*first).reset();  // the server closes first: TIME_WAIT lands on its port
+  }
+  for (int i = 0; i < 100 && TimeWaitOnPort(port) == 0; ++i) std::this_thread::sleep_for(20ms);
+  EXPECT_GT(TimeWaitOnPort(port), 0) << "nothing in TIME_WAIT: the test checks nothing";
+  PeerServerOptions same = ServerOptions();
+  same.listen = "127.0.0.1:" + std::to_string(port);
+  auto second = PeerServer::Create(same, &provider);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  auto client = PeerClient::Connect(ClientOptions(port));
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  std::vector<char> buf(4096);
+  EXPECT_TRUE((*client)->Fetch(Id("ckpt/.metadata"), 0, buf).ok());
 }
 
 TEST(PeerServerCreate, BusyPortAndBadOptionsFailClearly) {
