@@ -112,8 +112,8 @@ class RestartTest(unittest.TestCase):
         old.stdout.close()
         os.kill(old.pid, signal.SIGKILL)
         t_kill = time.monotonic()
-        # Detach the dead daemon's mount without a path lookup through it (fusermount3
-        # stats it first, a FUSE request that a dying daemon may take and never answer).
+        # Detach the dead daemon's mount without a lookup through it: fusermount3 -u -z
+        # run right after the kill was seen to wait until the dying process was gone.
         subprocess.run(["umount", "-l", "-c", m.mnt], check=True)
         lingering = old.poll() is None
         m2, took = self.restart(m, "ckptfs2.log")
