@@ -48,6 +48,7 @@ cleanup() {
   done
 }
 trap cleanup EXIT
+trap 'exit 143' TERM INT  # so that the EXIT trap undoes the mounts
 
 # A leftover .part from an interrupted run: start over (debootstrap refuses half-made roots).
 if [[ -d "$PART" && ! -f "$PART/.ckptfs-debootstrap-done" ]]; then

@@ -36,23 +36,45 @@ class Torch2DcpTest(unittest.TestCase):
             self.skipTest("chroot and mount need root")
         if shutil.which("debootstrap") is None:
             self.skipTest("debootstrap is not installed (scripts/setup.sh)")
-        r = subprocess.run([TORCH_ROOT, "trixie"], capture_output=True, text=True, timeout=900)
-        if r.returncode == 2:
-            self.skipTest(f"cannot build the torch 2.x root: {r.stderr.strip()[-300:]}")
-        self.assertEqual(r.returncode, 0, f"torch_root.sh trixie:\n{r.stderr[-3000:]}")
+        p = subprocess.Popen([TORCH_ROOT, "trixie"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = p.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            p.terminate()  # its EXIT trap undoes the mounts it made
+            _, err = p.communicate(timeout=120)
+            self.fail(f"torch_root.sh trixie took over 900 s:\n{err[-3000:]}")
+        if p.returncode == 2:
+            self.skipTest(f"cannot build the torch 2.x root: {err.strip()[-300:]}")
+        self.assertEqual(p.returncode, 0, f"torch_root.sh trixie:\n{err[-3000:]}")
         self.tmp = tempfile.mkdtemp(prefix="ckptfs-e2e-torch2-", dir="/var/tmp")
         self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
 
     def test_pytorch_dcp_tests_pass_on_the_mount_in_both_durability_modes(self):
         out = os.path.join(self.tmp, "out")
         env = dict(os.environ, CKPTFS_BIN_DIR=os.path.realpath(BIN_DIR))
-        r = subprocess.run(
-            [sys.executable, SUITE, "--torch", "trixie", "--modes", "async,strict",
-             "--rounds", str(ROUNDS), "--files", FILE, "--timeout", "300", "--parallel",
-             "--work", os.path.join(self.tmp, "work"), "--out", out],
-            capture_output=True, text=True, timeout=2 * 2 * 330 + 120, env=env)
+        log = os.path.join(self.tmp, "suite.log")
+        with open(log, "w") as logf:
+            p = subprocess.Popen(
+                [sys.executable, SUITE, "--torch", "trixie", "--modes", "async,strict",
+                 "--rounds", str(ROUNDS), "--files", FILE, "--timeout", "300", "--parallel",
+                 "--work", os.path.join(self.tmp, "work"), "--out", out],
+                stdout=logf, stderr=subprocess.STDOUT, text=True, env=env)
+            try:
+                p.wait(timeout=ROUNDS * 330 + 300)
+            finally:
+                if p.poll() is None:  # SIGTERM: the suite stops its daemons and unmounts
+                    p.terminate()
+                    try:
+                        p.wait(timeout=120)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+        with open(log, errors="replace") as f:
+            suite_out = f.read()
+        sys.stderr.write(suite_out[-4000:])
         report = os.path.join(out, "torch_dcp_suite.json")
-        self.assertTrue(os.path.exists(report), f"no report\n{r.stdout}\n{r.stderr[-4000:]}")
+        self.assertTrue(os.path.exists(report), f"no report\n{suite_out[-4000:]}")
         with open(report) as f:
             res = json.load(f)
         problems = []
@@ -75,7 +97,7 @@ class Torch2DcpTest(unittest.TestCase):
                 problems.append(f"{m['mode']} daemon log:\n" +
                                 "\n".join(m["daemon_log_lines"][-20:]))
         self.assertEqual(problems, [], "\n".join(problems))
-        self.assertEqual(r.returncode, 0, r.stdout + r.stderr[-3000:])
+        self.assertEqual(p.returncode, 0, suite_out[-3000:])
         self.assertEqual([m["mode"] for m in res["modes"]], ["async", "strict"])
 
 
