@@ -68,6 +68,18 @@ if [ ! -e /dev/fuse ]; then
   exit 1
 fi
 
+# fusermount3 -u run by a user (not root) checks the mount in /etc/mtab. A booted Debian
+# links it to /proc/self/mounts (systemd-tmpfiles); bare roots (debootstrap, containers)
+# have none, and every unprivileged unmount fails there.
+if [ ! -e /etc/mtab ] && [ ! -L /etc/mtab ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    ln -s ../proc/self/mounts /etc/mtab
+    echo "setup: /etc/mtab -> ../proc/self/mounts (fusermount3 -u as a user needs it)"
+  else
+    echo "setup: /etc/mtab is missing: users cannot unmount with fusermount3 -u" >&2
+  fi
+fi
+
 # Pipes large enough for a whole FUSE request, so ckptfs splices write payloads
 # (contrib/sysctl/90-ckptfs.conf; the package installs it to /usr/lib/sysctl.d). Only
 # raised, never lowered; where the sysctl is read-only ckptfs copies twice and says so.
