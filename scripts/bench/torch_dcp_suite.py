@@ -146,8 +146,53 @@ def parse_unittest(out):
     return res
 
 
-def run_file(root, fname, tmpdir_in_root, timeout, runner, log_path, select=()):
-    """Runs one test file in the root; returns the round's record."""
+def group_pids(pgid):
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid:
+                    pids.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return sorted(pids)
+
+
+def native_stacks(root, pgid):
+    """What every process of the hung run is doing: gdb's native backtraces (named frames
+    only), and a diagnosis where the pattern is known."""
+    out = {}
+    if shutil.which("gdb") is None:
+        return {"error": "no gdb"}, None
+    for pid in group_pids(pgid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+            r = sh(["gdb", "-p", str(pid), "-batch", "-ex", f"set sysroot {root}",
+                    "-ex", "thread apply all bt 16"], timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        frames = [re.sub(r"^#\d+\s+0x[0-9a-f]+ in ", "", ln).split(" (")[0]
+                  for ln in r.stdout.splitlines()
+                  if ln.startswith("Thread ") or (ln.startswith("#") and " in ?? " not in ln)]
+        out[str(pid)] = {"cmd": cmd, "frames": frames[:120]}
+    text = "\n".join(f for v in out.values() for f in v["frames"])
+    diagnosis = None
+    if "ProcessGroupGloo::~ProcessGroupGloo" in text and "std::thread::join" in text:
+        # Python 3.12+/torch 2.x: the process group's destructor joins a worker thread while
+        # holding the GIL, and the worker waits for the GIL to free a tensor's PyObject.
+        diagnosis = "torch: ProcessGroupGloo destructor joins a worker that waits for the GIL"
+    return out, diagnosis
+
+
+def run_file(root, fname, tmpdir_in_root, timeout, runner, log_path, select=(), stall=0,
+             on_hang=None):
+    """Runs one test file in the root; returns the round's record. A run is hung when it
+    passes `timeout` seconds, or `stall` seconds with no test started or finished; then the
+    native stacks of its processes and on_hang() (the daemon's view) are recorded before
+    its process group is killed."""
     ks = "".join(f" -k {shlex.quote(k)}" for k in select)
     if runner == "pytest":
         cmd = f"python3 -m pytest -q -p no:cacheprovider {fname}{ks}"
@@ -159,20 +204,37 @@ def run_file(root, fname, tmpdir_in_root, timeout, runner, log_path, select=()):
     argv = ["chroot", root, "env", "-i", *[f"{k}={v}" for k, v in env.items()],
             "sh", "-c", f"cd {TESTS_IN_ROOT} && exec {cmd}"]
     t0 = time.monotonic()
+    hang = None
     with open(log_path, "w") as logf:
         p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-        timed_out = False
         try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-            rc = None
+            progress, last = -1, t0
+            while True:
+                try:
+                    rc = p.wait(timeout=2)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                now = time.monotonic()
+                with open(log_path, errors="replace") as f:
+                    text = f.read()
+                n = len(START.findall(text)) + len(RESULT.findall(text))
+                if n != progress:
+                    progress, last = n, now
+                if now - t0 > timeout or (stall and now - last > stall):
+                    hang = {"kind": "timeout" if now - t0 > timeout else "stall",
+                            "after_s": round(now - t0, 1),
+                            "no_progress_s": round(now - last, 1)}
+                    hang["stacks"], hang["diagnosis"] = native_stacks(root, p.pid)
+                    if on_hang is not None:
+                        hang["daemon"] = on_hang()
+                    os.killpg(p.pid, signal.SIGTERM)
+                    try:
+                        p.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    rc = None
+                    break
         finally:
             # Ranks that outlived their parent (its process group) go too, also when this
             # script is interrupted.
@@ -185,12 +247,13 @@ def run_file(root, fname, tmpdir_in_root, timeout, runner, log_path, select=()):
     with open(log_path, errors="replace") as f:
         out = f.read()
     res = parse_unittest(out)
-    status = "timeout" if timed_out else ("passed" if rc == 0 else "failed")
+    status = "timeout" if hang else ("passed" if rc == 0 else "failed")
     rec = {"status": status, "rc": rc, "wall_s": wall, "ran": res["ran"], "ok": res["ok"],
            "skipped": res["skipped"], "failed_tests": res["failed"], "tests": res["tests"],
            "log": log_path}
-    if timed_out:
+    if hang:
         rec["running_at_timeout"] = res["running"]
+        rec["hang"] = hang
     if status != "passed":
         rec["tail"] = out[-3000:]
     return rec
@@ -232,7 +295,8 @@ def run_mode(a, root, mode, files):
     out = {"mode": mode, "rounds_asked": a.rounds, "rounds_run": 0, "files": {},
            "stopped_early": None}
     for f in files:
-        out["files"][f] = {"passed": 0, "failed": 0, "timeouts": 0, "rounds": []}
+        out["files"][f] = {"passed": 0, "failed": 0, "timeouts": 0, "torch_deadlocks": 0,
+                           "rounds": []}
     logs = os.path.join(a.work, f"logs-{mode}")
     os.makedirs(logs, exist_ok=True)
     daemon = None
@@ -257,20 +321,41 @@ def run_mode(a, root, mode, files):
         tmp_in_root = mnt_in_root + "/tmp"
         tmp_host = os.path.join(daemon.mnt, "tmp")
         os.makedirs(tmp_host)
+    def on_hang():  # the daemon's side of a hang: anything pending, halted, waiting?
+        if daemon is None:
+            return None
+        st, err = admin_stats(daemon.mnt)
+        keep = {k: v for k, v in (st or {}).items()
+                if k.startswith(("journal_", "files_", "gate", "publication", "staging_used"))}
+        return {"stats": keep, "stats_error": err, "alive": daemon.proc.poll() is None,
+                "log": log_lines(daemon.log, 40)}
+
     t_mode = time.monotonic()
     try:
         for rnd in range(a.rounds):
             for f in files:
-                rec = run_file(root, f, tmp_in_root, a.timeout, a.runner,
-                               os.path.join(logs, f"{f[:-3]}.r{rnd}.log"), a.select)
-                rec["round"] = rnd
                 fo = out["files"][f]
+                rec = run_file(root, f, tmp_in_root, a.timeout, a.runner,
+                               os.path.join(logs, f"{f[:-3]}.r{rnd}.log"), a.select, a.stall,
+                               on_hang)
+                if a.retry_torch_deadlock and torch_deadlock(rec):
+                    # torch's own deadlock with the daemon idle: once more, both recorded
+                    fo["torch_deadlocks"] += 1
+                    bl.log(f"{mode} round {rnd + 1} {f}: {rec['hang']['diagnosis']} in "
+                           f"{rec.get('running_at_timeout')} (daemon idle); running it again")
+                    first = rec
+                    rec = run_file(root, f, tmp_in_root, a.timeout, a.runner,
+                                   os.path.join(logs, f"{f[:-3]}.r{rnd}.retry.log"), a.select,
+                                   a.stall, on_hang)
+                    rec["retried_after"] = first
+                rec["round"] = rnd
                 fo["rounds"].append(rec)
                 fo[{"passed": "passed", "failed": "failed", "timeout": "timeouts"}[rec["status"]]] += 1
                 extra = ""
                 if rec["status"] == "timeout":
                     extra = f" (running: {rec.get('running_at_timeout')})"
-                    rec["daemon_log_at_timeout"] = log_lines(daemon.log, 40) if daemon else []
+                    if rec["hang"].get("diagnosis"):
+                        extra += f" [{rec['hang']['diagnosis']}]"
                 elif rec["failed_tests"]:
                     extra = f" ({', '.join(rec['failed_tests'][:4])})"
                 bl.log(f"{mode} round {rnd + 1}/{a.rounds} {f}: {rec['status']} "
@@ -302,6 +387,19 @@ def run_mode(a, root, mode, files):
     if out["stopped_early"]:
         bl.log(f"{mode}: stopped early: {out['stopped_early']}")
     return out
+
+
+def torch_deadlock(rec):
+    """A hang that is torch's own (a known stack) while the daemon had nothing pending."""
+    h = rec.get("hang")
+    if not h or not h.get("diagnosis"):
+        return False
+    d = h.get("daemon")
+    if d is None:
+        return True
+    st = d.get("stats") or {}
+    return d.get("alive") and not st.get("journal_halted") and not st.get("journal_pending") \
+        and not st.get("files_pending")
 
 
 def stop_daemon(daemon, timeout):
@@ -383,6 +481,11 @@ def main():
                     help="only tests matching this pattern (the runner's -k; repeatable)")
     ap.add_argument("--parallel", action="store_true",
                     help="run the modes at the same time (each its own daemon and mount)")
+    ap.add_argument("--stall", type=int, default=180,
+                    help="a file that starts or finishes no test for this long is hung (0: off)")
+    ap.add_argument("--retry-torch-deadlock", action="store_true",
+                    help="run a file again once when it hung in torch's own deadlock (known "
+                    "stack) with the daemon idle; both are recorded")
     ap.add_argument("--runner", default="unittest", choices=["unittest", "pytest"])
     ap.add_argument("--staging-mem", default="1G")
     ap.add_argument("--log-level", default="debug",
@@ -461,8 +564,9 @@ def main():
     bl.log(f"wrote {json_path}")
     try:
         plot(os.path.join(a.out, "torch_dcp_suite.png"),
-             f"PyTorch {info.get('torch')} test/distributed/checkpoint, TMPDIR per mode "
-             f"({a.rounds} rounds)", raw["modes"], files)
+             f"torch {info.get('torch')} running the tests of {info.get('tests')}, "
+             f"TMPDIR per mode ({a.rounds} rounds{', modes at once' if a.parallel else ''})",
+             raw["modes"], files)
     except ImportError as e:
         bl.log(f"no PNG: {e}")
     return 0 if ok else 1
