@@ -24,6 +24,7 @@ std::string_view CodeName(Code code) {
     case Code::kTooManyOpenFiles: return "TooManyOpenFiles";
     case Code::kNotPermitted: return "NotPermitted";
     case Code::kTooManyLinks: return "TooManyLinks";
+    case Code::kSuperseded: return "Superseded";
   }
   return "Unknown";
 }

@@ -41,6 +41,9 @@ enum class Code {
   kNotPermitted,
   // EMLINK: a file with several hard links cannot be rewritten (see docs/SEMANTICS.md).
   kTooManyLinks,
+  // A commit that a later save into the same directory replaced before it could be
+  // published (docs/SEMANTICS.md, "Superseded saves"): not a failure of anything.
+  kSuperseded,
 };
 
 std::string_view CodeName(Code code);

@@ -193,6 +193,7 @@ std::string ControlTree::StatsJson() {
   j["bytes_flushed"] = pipeline_->bytes_flushed();
   j["bytes_published"] = stats_->bytes_published.load();
   j["files_published"] = stats_->files_published.load();
+  j["commits_superseded"] = stats_->commits_superseded.load();
   j["staging_used"] = pool_->used_bytes();
   j["staging_limit"] = pool_->limit_bytes();
   j["staging_backend"] = pool_->backend();
@@ -385,6 +386,9 @@ std::string ControlTree::MetricsText() {
        "bytes_published"},
       {"published_files_total", "counter", "Files published on the backing store.",
        "files_published"},
+      {"superseded_commits_total", "counter",
+       "Commits replaced by a later save into the same directory before their shards were in.",
+       "commits_superseded"},
       {"backing_read_bytes_total", "counter", "Bytes read from the backing store.",
        "backing_bytes_read"},
       {"backing_written_bytes_total", "counter", "Bytes written to the backing store.",

@@ -73,7 +73,12 @@ Status Filesystem::Init(FsDeps deps) {
   }
   store::CommitGateOptions gate_options;
   gate_options.timeout = config_.commit_timeout;
-  gate_options.written_locally = [this](const std::string& path) { return ns_->WrittenLocally(path); };
+  gate_options.written_locally = [this](const std::string& path) {
+    return ns_->WrittenLocally(path);
+  };
+  gate_options.rewritten_since = [this](const std::string& path, uint64_t seq) {
+    return ns_->RewrittenSince(path, seq);
+  };
   gate_options.deleted_locally = [this](const std::string& path) {
     return ns_->DeletedLocally(path);
   };

@@ -18,6 +18,9 @@ struct FsStats {
   std::atomic<uint64_t> bytes_published{0};
   std::atomic<uint64_t> bytes_read{0};
   std::atomic<uint64_t> files_published{0};
+  // `.metadata` entries a later save into the same directory replaced before they could
+  // commit (docs/SEMANTICS.md, "Superseded saves").
+  std::atomic<uint64_t> commits_superseded{0};
   std::atomic<uint64_t> errors{0};
 
   // Counts an error and keeps it as the last one (stats' last_error).

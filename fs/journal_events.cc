@@ -30,6 +30,14 @@ bool Namespace::WrittenLocally(const std::string& path) {
   return node != nullptr && node->write && node->write->needs_publish;
 }
 
+bool Namespace::RewrittenSince(const std::string& path, uint64_t seq) {
+  MutexLock lock(&ns_mu_);
+  const Node* node = LoadedNodeAtLocked(path);
+  // The write state lives until its version is published (open, or its publish queued).
+  return node != nullptr && node->write && !node->write->discarded &&
+         node->write->began_after >= seq;
+}
+
 bool Namespace::DeletedLocally(const std::string& path) {
   MutexLock lock(&dropped_mu_);
   return dropped_paths_.count(path) > 0;
@@ -75,7 +83,11 @@ void Namespace::OnJournalDone(const store::JournalEntry& e, const Status& st) {
     checkpoints_->OnFilePublished(dir, e.size, e.seq);
     HandOverBlockCrcs(e);
   }
-  if (!st.ok()) {
+  if (st.code() == Code::kSuperseded) {
+    // A later save into the same directory commits it; nothing failed. The registry keeps
+    // the state that later save gave the directory.
+    stats_->commits_superseded.fetch_add(1);
+  } else if (!st.ok()) {
     NoteError(e.Describe() + ": " + st.ToString());
     if (e.op == store::OpType::kPublish || commit) {
       if (st.code() == Code::kAborted) {
@@ -103,7 +115,9 @@ uint64_t Namespace::NodePublishDone(const store::JournalEntry& e, const Status& 
   std::shared_ptr<Node> node = it->second;
   publishing_.erase(it);
   if (st.ok()) node->halt_error.clear();  // published after retries
-  if (!st.ok()) {
+  // A superseded `.metadata` (torch 1.13 writes it in place): its file lives on in the
+  // later version that replaced it.
+  if (!st.ok() && st.code() != Code::kSuperseded) {
     node->error = "publication failed: " + st.ToString();
     node->on_backing = false;
     SyncDataLocked(node.get());

@@ -316,7 +316,11 @@ Result<uint64_t> Namespace::AppendLocked(store::JournalEntry entry, Node* node) 
 Status Namespace::WaitIfStrict(Result<uint64_t> seq) {
   if (!seq.ok()) return seq.status();
   if (!config_.strict) return Status::Ok();
-  return journal_->WaitUnlessHalted(*seq);
+  Status st = journal_->WaitUnlessHalted(*seq);
+  // The application saved into the same directory again before this commit's shards were
+  // in: its own later save commits the directory (docs/SEMANTICS.md, "Superseded saves").
+  if (st.code() == Code::kSuperseded) return Status::Ok();
+  return st;
 }
 
 Status Namespace::WaitForAncestorsUnlocked(uint64_t ino) {

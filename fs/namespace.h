@@ -125,8 +125,11 @@ class Namespace final : public NamespaceView {
   void OnJournalDone(const store::JournalEntry& e, const Status& st) EXCLUDES(ns_mu_);
   void OnJournalHalt(const store::JournalEntry& e, const Status& st) EXCLUDES(ns_mu_);
   // The commit gate's questions: is `path` open for writing here, its publish not queued?
-  // Was its pending publish dropped because the application deleted it while halted?
+  // Is a version of `path` being written or published here whose writes began after
+  // journal entry `seq` (a commit) was appended? Was its pending publish dropped because
+  // the application deleted it while halted?
   bool WrittenLocally(const std::string& path) EXCLUDES(ns_mu_);
+  bool RewrittenSince(const std::string& path, uint64_t seq) EXCLUDES(ns_mu_);
   // The node at `path` (relative to the root) in the in-memory tree, or null: no I/O, so a
   // name this mount never loaded was not written through it.
   Node* LoadedNodeAtLocked(const std::string& path) REQUIRES(ns_mu_);

@@ -32,6 +32,10 @@ struct WriteState {
   bool needs_publish = true;     // changed since its last publish entry
   uint64_t publish_seq = 0;      // last publish entry of this file, 0 if none
   bool discarded = false;        // unlinked before publication: never published
+  // The journal's last sequence number when this version's writes began (made, or cut to
+  // zero by O_TRUNC): a commit appended at or before it names an earlier version, and
+  // never waits for this one (G10).
+  uint64_t began_after = 0;
 };
 
 // What read() and write() of an open file need of its node: a copy of the write state's

@@ -119,6 +119,7 @@ void Namespace::InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws) {
     live_staged_.insert(ws->staged);
   }
   if (node->write) ws->publish_seq = node->write->publish_seq;
+  ws->began_after = journal_->last_appended();
   node->write = std::move(ws);
   node->attr.st_mtim = node->attr.st_ctim = Now();
   SyncDataLocked(node);
@@ -336,6 +337,8 @@ Result<Handle*> Namespace::NodeOpen(uint64_t ino, int flags) {
         CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), /*truncate=*/true));
         // Being written through another handle: cut what it holds (waits for its flushes).
         CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(0));
+        // A new version: no commit appended before now names it.
+        node->write->began_after = journal_->last_appended();
       }
     }
     // Without O_TRUNC, opening for writing starts nothing: the first write does (Write).

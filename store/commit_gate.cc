@@ -161,14 +161,25 @@ CommitCheck CommitGate::Check(const JournalEntry& e,
     const auto now = std::chrono::steady_clock::now();
     const bool poll = now >= p.next_poll;
     bool remote = false;     // waits for a shard not queued or open here
+    bool open_here = false;  // ... or for one open for writing here, not yet closed
     bool polling = false;    // ... judged by polling the backing store
     bool on_peers = false;   // ... waiting for a peer's answer
     std::vector<std::string> waiting;
     for (auto it = p.need.begin(); it != p.need.end();) {
       const std::string& path = it->first;
       const uint64_t min_len = it->second;
-      bool mine = (queued && queued(path)) ||
-                  (options_.written_locally && options_.written_locally(path));
+      // The next save's rewrite, over a version published here that this commit names.
+      bool replaced = false;
+      if (options_.rewritten_since && options_.local_durable &&
+          options_.rewritten_since(path, e.seq)) {
+        std::optional<uint64_t> len = options_.local_durable(path);
+        replaced = len && *len >= min_len;
+      }
+      const bool is_queued = !replaced && queued && queued(path);
+      const bool is_open =
+          !replaced && !is_queued && options_.written_locally && options_.written_locally(path);
+      const bool mine = is_queued || is_open;
+      open_here = open_here || is_open;
       if (!mine && options_.deleted_locally && options_.deleted_locally(path)) {
         current_.seq = 0;
         return Status(Code::kAborted, "shard " + path + " was deleted before it was published");
@@ -276,7 +287,9 @@ CommitCheck CommitGate::Check(const JournalEntry& e,
     }
     if (on_peers) recheck = std::min(recheck, options_.peer_recheck);
     check = CommitCheck::Wait(std::move(waiting), std::max(recheck, std::chrono::milliseconds(1)));
-    check.waits_for_unwritten = remote;
+    // Only the application can close what it holds open: a strict close() or fsync() of
+    // the `.metadata` must not wait for that (G10).
+    check.waits_for_unwritten = remote || open_here;
   }
   if (round != 0) {
     std::vector<std::string> paths = to_ask;

@@ -8,6 +8,15 @@
 //      journal applies it ahead of the `.metadata`);
 //   2. a shard being written through this mount and not yet closed (written_locally):
 //      wait for its close;
+//   Except for a rewrite: a shard whose version here began after the `.metadata` entry was
+//   appended (the next save into the same directory rewrites it, as torch's overwrite
+//   does) while an earlier version published through this mount has the length the
+//   `.metadata` needs is judged by that earlier version (3a), which is what the
+//   `.metadata` names, never by the rewrite (G10: no wait for a version a later write
+//   replaced). A first write of a shard after its `.metadata` (`cp -r`) is waited for.
+//   A synchronous caller (strict mode) is not held by 2 either (waits_for_unwritten): it
+//   may be the process holding the shard open.
+
 //   3. otherwise it was written elsewhere (another node, or before this mount), or
 //      published already through this mount. Only these can time out. In that order:
 //      a. published through this mount (local_durable) with at least the required length:
@@ -71,6 +80,9 @@ struct CommitGateOptions {
   // True while `path` (relative to the backing root) is open for writing through this
   // mount and its publication is not yet queued. May be empty (nothing is).
   std::function<bool(const std::string&)> written_locally;
+  // True while a version of `path` is being written or published through this mount whose
+  // writes began after journal entry `seq` (the commit) was appended. May be empty.
+  std::function<bool(const std::string&, uint64_t seq)> rewritten_since;
   // True if the application deleted `path` through this mount before it was published
   // (its publish was dropped): a `.metadata` naming it is refused at once. May be empty.
   std::function<bool(const std::string&)> deleted_locally;

@@ -821,6 +821,13 @@ Journal::Step Journal::NextStepLocked() {
   return step;
 }
 
+bool Journal::SupersededLocked(const JournalEntry& commit) const {
+  for (const Queued& q : queue_) {
+    if (q.e.seq > commit.seq && q.e.path == commit.path && IsCommitEntry(q.e)) return true;
+  }
+  return false;
+}
+
 void Journal::Run() {
   const std::function<bool(const std::string&)> queued = [this](const std::string& path) {
     MutexLock lock(&mu_);
@@ -879,6 +886,15 @@ void Journal::Run() {
       if (st.ok() && hooks_.commit_gate) check = hooks_.commit_gate(e, queued);
       lock.Lock();
       FindLocked(e.seq)->busy = false;
+      if (check.status.ok() && !check.ready && check.waits_for_unwritten && commit &&
+          SupersededLocked(e)) {
+        // It waits for shards that are not here to wait for, and the application has made
+        // the same `.metadata` again since: that later save commits the directory. This one
+        // is decided now instead of at the commit timeout, and holds up nothing.
+        check.status = Status(Code::kSuperseded,
+                              "a later save into " + e.path + " replaced it before its shards "
+                              "were durable");
+      }
       if (!check.status.ok()) {
         lock.Unlock();
         HaltOrSkip(e, check.status, commit, at_head);
@@ -936,8 +952,9 @@ std::deque<Journal::Queued>::iterator Journal::FindLocked(uint64_t seq) {
 
 void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, bool at_head) {
   MutexLock lock(&mu_);
-  const bool halts =
-      hooks_.halt_on_failure && (e.op == OpType::kPublish || commit || IsTransient(st));
+  // A superseded commit failed nothing: it is skipped in either mode.
+  const bool halts = hooks_.halt_on_failure && st.code() != Code::kSuperseded &&
+                     (e.op == OpType::kPublish || commit || IsTransient(st));
   if (!halts) {
     // A namespace entry the backing store refuses for good (someone else changed it),
     // skipped as it carries no data; or any failure in strict mode, where the operation
@@ -949,7 +966,11 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     AdvanceDoneLocked();
     ++finalizing_;
     lock.Unlock();
-    spdlog::error("journal: {} skipped: {}", e.Describe(), st.ToString());
+    if (st.code() == Code::kSuperseded) {
+      spdlog::info("journal: {} superseded: {}", e.Describe(), st.message());
+    } else {
+      spdlog::error("journal: {} skipped: {}", e.Describe(), st.ToString());
+    }
     Finalize(e, st, /*applied=*/false);
     lock.Lock();
     --finalizing_;

@@ -305,6 +305,9 @@ class Journal {
   // or skips it (namespace entries refused for good), or, when closing, drops it and
   // everything after it.
   void HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, bool at_head);
+  // A later entry makes the same `.metadata` appear as `commit` (a later save into the
+  // same directory).
+  bool SupersededLocked(const JournalEntry& commit) const REQUIRES(mu_);
   // Syncs the data (publish) and applies one entry; false with `st` on failure.
   Status Process(const JournalEntry& e);
   std::string WaitingForLocked() const REQUIRES(mu_);

@@ -194,6 +194,16 @@ def save(dir, ranks=4, mb=64, single_file_per_rank=True, seed=0, dtypes=DEFAULT_
             "wall_s": time.monotonic() - t0, "per_rank": per_rank}
 
 
+def resave(dir, ranks, seeds, mbs, single_file_per_rank=True, dtypes=DEFAULT_DTYPES,
+           timeout=600):
+    """Saves the states of `seeds` (sizes `mbs`, MiB) one after another into the same `dir`
+    with no pause between them; returns the ranks' per-save times."""
+    job = {"op": "resave", "dir": os.path.abspath(dir), "seeds": list(seeds),
+           "mbs": list(mbs), "dtypes": list(dtypes),
+           "single_file_per_rank": bool(single_file_per_rank)}
+    return _run_ranks(job, ranks, timeout)
+
+
 def load(dir, ranks=4, mode="own", seed=0, timeout=600, dirs=None):
     """Loads `dir` with DCP on `ranks` gloo ranks and checks every value; raises on mismatch.
 
@@ -369,6 +379,23 @@ def _worker_save(job, rank, world):
     return {"rank": rank, "gen_s": round(gen_s, 4), "save_s": round(save_s, 4)}
 
 
+def _worker_resave(job, rank, world):
+    """Saves into the same directory again and again, as fast as DCP's own collectives let
+    it (torch's overwrite): save i holds the state of seeds[i] at size mbs[i]."""
+    import torch.distributed as dist
+    import torch.distributed._shard.checkpoint as dcp
+    states = [_state(seed, mb, job["dtypes"], world) for seed, mb in zip(job["seeds"], job["mbs"])]
+    dist.barrier()
+    save_s = []
+    for state in states:
+        t0 = time.monotonic()
+        dcp.save_state_dict(state, dcp.FileSystemWriter(
+            _rank_dir(job, rank), single_file_per_rank=job["single_file_per_rank"]))
+        save_s.append(round(time.monotonic() - t0, 4))
+    dist.barrier()
+    return {"rank": rank, "save_s": save_s}
+
+
 def _worker_train(job, rank, world):
     import shutil
     import torch.distributed as dist
@@ -489,7 +516,7 @@ def _worker_main(rank, job):
                             timeout=datetime.timedelta(seconds=job.get("pg_timeout", 300)))
     try:
         result = {"save": _worker_save, "load": _worker_load,
-                  "train": _worker_train}[job["op"]](job, rank, world)
+                  "train": _worker_train, "resave": _worker_resave}[job["op"]](job, rank, world)
     finally:
         dist.destroy_process_group()
     print(RESULT_PREFIX + json.dumps(result), flush=True)

@@ -31,6 +31,7 @@ class FaultyFsTest : public ::testing::Test {
     config.staging_bytes = 8u << 20;
     config.chunk_bytes = 1u << 20;
     config.cache_bytes = cache_bytes_;
+    config.commit_timeout = commit_timeout_;
     config.staging_backend = "host";
     auto dir = store::FaultyBackingDir::Open(backing_.path());
     ASSERT_NE(dir, nullptr);
@@ -108,6 +109,7 @@ class FaultyFsTest : public ::testing::Test {
   }
 
   uint64_t cache_bytes_ = 4u << 20;  // set before Start()
+  std::chrono::milliseconds commit_timeout_{std::chrono::minutes(10)};  // set before Start()
   store::ScopedTempDir backing_{"ckptfs-faultyfs-backing"};
   store::ScopedTempDir state_{"ckptfs-faultyfs-state"};
   store::FaultyBackingDir* dir_ = nullptr;  // owned by fs_

@@ -1,5 +1,7 @@
 // Journal: the commit gate (a `.metadata` waits for its shards, G5) and recovery of a
 // previous run's temp files. Fixture: journal_fixture.h.
+#include <future>
+
 #include "tests/store/journal_fixture.h"
 
 namespace ckptfs::store {
@@ -46,6 +48,59 @@ TEST_F(JournalTest, ARefusedCommitHaltsTheJournalUntilItsCheckpointIsAborted) {
   std::lock_guard lock(mu);
   EXPECT_EQ(gated, (std::vector<std::string>{"ck/.metadata", "ck2/.metadata"}))
       << "the gate runs exactly for entries that make a .metadata appear";
+}
+
+// G10: a `.metadata` that waits for shards written elsewhere (another node, or nobody),
+// while the application has since made the same `.metadata` again (a second save into the
+// same directory), is decided at once as superseded: skipped, never published, no halt,
+// in either mode; the entries behind it and the later save's commit go on. On HEAD
+// 6f2c1b5 it waited for the commit timeout, then halted the journal (async mode).
+class SupersedeTest : public JournalTest {
+ protected:
+  void Run(bool halt_on_failure) {
+    std::atomic<uint64_t> stuck{0};
+    Journal::Hooks hooks;
+    hooks.halt_on_failure = halt_on_failure;
+    hooks.commit_gate = [&](const JournalEntry& e, const QueuedFn&) -> CommitCheck {
+      if (e.seq != stuck.load()) return Status::Ok();
+      CommitCheck wait = CommitCheck::Wait({}, std::chrono::milliseconds(20));
+      wait.waits_for_unwritten = true;  // a shard nobody here writes
+      return wait;
+    };
+    MakeJournal(std::move(hooks));
+    ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+    TempFile md1 = StartFile("ck"), md2 = StartFile("ck");
+    Write(&md1, "save 1");
+    Write(&md2, "save 2");
+    // The gate is asked only once the rename reaches the head: mark it stuck first.
+    stuck = journal_->last_appended() + 2;
+    ASSERT_EQ(Publish(md1, "ck/.metadata.tmp") + 1, stuck.load());
+    const uint64_t commit1 = Op(OpType::kRename, "ck/.metadata", "ck/.metadata.tmp");
+    const uint64_t between = Op(OpType::kMkdir, "between");
+    auto first = std::async(std::launch::async, [&] { return journal_->Wait(commit1); });
+    // Still waiting (nothing replaced it yet): not decided by itself.
+    EXPECT_EQ(first.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+    Publish(md2, "ck/.metadata.tmp");
+    const uint64_t commit2 = Op(OpType::kRename, "ck/.metadata", "ck/.metadata.tmp");
+    if (first.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+      journal_->Abort("ck");  // so that the test ends
+      FAIL() << "the superseded commit still waits";
+    }
+    EXPECT_EQ(first.get().code(), Code::kSuperseded);
+    EXPECT_TRUE(journal_->Wait(between).ok());
+    EXPECT_TRUE(journal_->Wait(commit2).ok());
+    EXPECT_FALSE(journal_->halted().has_value());
+    EXPECT_EQ(Read("ck/.metadata"), "save 2");
+    EXPECT_TRUE(Exists("between"));
+  }
+};
+
+TEST_F(SupersedeTest, ACommitWaitingForShardsFromElsewhereIsSupersededByTheNextSaveAsync) {
+  Run(/*halt_on_failure=*/true);
+}
+
+TEST_F(SupersedeTest, ACommitWaitingForShardsFromElsewhereIsSupersededByTheNextSaveStrict) {
+  Run(/*halt_on_failure=*/false);
 }
 
 TEST_F(JournalTest, AMetadataQueuedBeforeItsShardsCommitsOnceTheyArePublishedAheadOfIt) {
