@@ -279,6 +279,27 @@ def log_lines(path, limit=200):
         if len(hits) > limit else hits
 
 
+def uncommitted(log_path):
+    """Checkpoints the daemon's log shows pending (or written again) and not committed
+    since, with the time they went pending."""
+    state = {}
+    pat = re.compile(r"^\[([^\]]+)\].*? checkpoint (\S+?):? (pending|committed|failed|removed|"
+                     r"is being written again|aborted)")
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                m = pat.search(line)
+                if m:
+                    t, ck, what = m.groups()
+                    if what == "pending" and ck not in state:
+                        state[ck] = t
+                    elif what in ("committed", "failed", "aborted"):
+                        state.pop(ck, None)
+    except OSError:
+        return []
+    return [f"{ck} (pending since {t})" for ck, t in state.items()]
+
+
 def clear_dir(d):
     for n in os.listdir(d):
         p = os.path.join(d, n)
@@ -366,10 +387,28 @@ def run_mode(a, root, mode, files):
                 if daemon.proc.poll() is not None:
                     out["stopped_early"] = f"daemon exited {daemon.proc.returncode} after round {rnd}"
                     break
-                st, err = admin_stats(daemon.mnt)
-                if err or st.get("journal_halted"):
-                    out["stopped_early"] = (f"after round {rnd}: " +
-                                            (err or f"journal halted {st['journal_halted']}"))
+                # Everything the round wrote must be published: the journal drains to 0
+                # within --drain-wait s (a commit gate stuck behind a checkpoint leaves it
+                # pending, not halted, until --commit-timeout).
+                t_drain = time.monotonic()
+                while True:
+                    st, err = admin_stats(daemon.mnt)
+                    if err or st.get("journal_halted") or \
+                            (not st.get("journal_pending") and not st.get("files_pending")) or \
+                            time.monotonic() - t_drain > a.drain_wait:
+                        break
+                    time.sleep(1)
+                out.setdefault("drain_s", []).append(round(time.monotonic() - t_drain, 1))
+                problem = err or (st.get("journal_halted") and
+                                  f"journal halted {st['journal_halted']}")
+                if not problem and (st.get("journal_pending") or st.get("files_pending")):
+                    problem = (f"journal not drained {a.drain_wait} s after the round: "
+                               f"journal_pending {st.get('journal_pending')}, files_pending "
+                               f"{st.get('files_pending')}; never committed: "
+                               f"{uncommitted(daemon.log)[:5]}")
+                if problem:
+                    out["stopped_early"] = f"after round {rnd}: {problem}"
+                    out["stats_at_stop"] = st
                     break
             clear_dir(tmp_host)
     finally:
@@ -384,6 +423,7 @@ def run_mode(a, root, mode, files):
                 pass
             out["unmount"] = stop_daemon(daemon, a.drain_timeout)
             out["daemon_log_lines"] = log_lines(daemon.log)
+            out["never_committed"] = uncommitted(daemon.log)
     if out["stopped_early"]:
         bl.log(f"{mode}: stopped early: {out['stopped_early']}")
     return out
@@ -414,8 +454,8 @@ def stop_daemon(daemon, timeout):
             res["admin_out"] = (r.stdout + r.stderr).strip()[-500:]
         except subprocess.TimeoutExpired:
             res["admin_rc"] = "timeout"
-    try:
-        res["daemon_rc"] = daemon.proc.wait(timeout=timeout)
+    try:  # after a clean unmount it exits at once; after a failed one it is not waited for
+        res["daemon_rc"] = daemon.proc.wait(timeout=timeout if res["admin_rc"] == 0 else 10)
     except subprocess.TimeoutExpired:
         res["killed"] = True
     if daemon.proc.poll() is None or bl.is_mounted(daemon.mnt):
@@ -491,6 +531,8 @@ def main():
     ap.add_argument("--log-level", default="debug",
                     help="daemon log level (debug shows the commit gate's waits)")
     ap.add_argument("--daemon-args", default="", help="extra daemon flags (one string)")
+    ap.add_argument("--drain-wait", type=int, default=60,
+                    help="after a round the journal must drain within this many seconds")
     ap.add_argument("--drain-timeout", type=int, default=300)
     ap.add_argument("--work", default="/var/tmp/ckptfs-torch-suite",
                     help="backing/state dirs and logs, on the host disk (wiped per mode)")

@@ -1,12 +1,15 @@
 """PyTorch 2.x's own DCP tests pass with their TMPDIR on a ckptfs mount (issue 19).
 
 scripts/bench/torch_dcp_suite.py runs test/distributed/checkpoint/
-test_file_system_checkpoint_cpu.py of the torch 2.6 release, unmodified, inside a cached
-Debian trixie root (scripts/torch_root.sh: debootstrap once, then python3-torch from the
-archive; the tests from the release's source tarball), 2 rounds each against a mount in
+test_file_system_checkpoint_cpu.py of the torch 2.6 release (10 of its 12 tests: see
+SELECT), unmodified, inside a cached Debian trixie root (scripts/torch_root.sh: debootstrap
+once, then python3-torch from the archive; the tests from the release's source tarball),
+2 rounds each against a mount in
 --durability async and in --durability strict (the two modes at the same time, each with
 its own daemon and mount inside the root). Every round must pass (no failure, no
-timeout), the daemon must stay up with its journal not halted after each round, and
+timeout), after each round the daemon must be up and its journal drained within 60 s
+(not halted, nothing pending: on the daemon before the G10 gate fix a second save into
+test_load_with_different_shard_plan_thread_count_2's directory stayed pending forever), and
 `ckptfs-admin unmount` must end it with exit code 0.
 
 A hang (no test started or finished for 150 s) fails the test with the test that was
@@ -33,6 +36,12 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TORCH_ROOT = os.path.join(REPO, "scripts", "torch_root.sh")
 SUITE = os.path.join(REPO, "scripts", "bench", "torch_dcp_suite.py")
 FILE = "test_file_system_checkpoint_cpu.py"
+# All of FILE's tests but test_load_rowwise_to_colwise_*, which hangs in torch itself about
+# every other run, on a plain directory too (its Gloo process group's destructor joins a
+# worker that waits for the GIL); the benchmark (torch_dcp_suite.py) still runs it.
+SELECT = ["test_load_with_different_shard_plan", "test_save_load_bytes",
+          "test_switch_between_sharded_tensor_to_tensor", "test_read_write_only_tensor",
+          "test_read_write_shard_tensor"]
 ROUNDS = 2
 
 
@@ -64,7 +73,7 @@ class Torch2DcpTest(unittest.TestCase):
             p = subprocess.Popen(
                 [sys.executable, SUITE, "--torch", "trixie", "--modes", "async,strict",
                  "--rounds", str(ROUNDS), "--files", FILE, "--timeout", "600", "--stall", "150",
-                 "--parallel", "--retry-torch-deadlock",
+                 "--parallel", "--retry-torch-deadlock", *[f"-k{k}" for k in SELECT],
                  "--work", os.path.join(self.tmp, "work"), "--out", out],
                 stdout=logf, stderr=subprocess.STDOUT, text=True, env=env)
             try:
