@@ -25,6 +25,7 @@ are killed, by their process group.
 """
 import argparse
 import concurrent.futures
+import fcntl
 import json
 import os
 import re
@@ -490,17 +491,20 @@ def plot(png, title, modes, files):
     ax = axes[1]
     for i, f in enumerate(files):
         for j, m in enumerate(modes):
-            walls = [r["wall_s"] for r in m["files"][f]["rounds"]]
+            rounds = m["files"][f]["rounds"]
+            walls = [r["wall_s"] for r in rounds if r["status"] == "passed"]
+            x = j + i * width
             if walls:
-                x = j + i * width
                 ax.bar(x, bl.median(walls), width * 0.9, color="tab:blue",
-                       label="median" if (i, j) == (0, 0) else None)
-                ax.scatter([x] * len(walls), walls, s=10, color="black", zorder=3,
-                           label="each round" if (i, j) == (0, 0) else None)
+                       label="median of passed rounds" if (i, j) == (0, 0) else None)
+            for r in rounds:
+                ax.scatter([x], [r["wall_s"]], s=12, zorder=3,
+                           color="black" if r["status"] == "passed" else colors.get(
+                               "timeouts" if r["status"] == "timeout" else "failed"))
     ax.set_xticks([j + width * (len(files) - 1) / 2 for j in range(len(modes))])
     ax.set_xticklabels(names)
     ax.set_ylabel("seconds per file and round")
-    ax.set_title("wall time")
+    ax.set_title("wall time (dots: each round; orange: hung, red: failed)")
     ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -576,6 +580,12 @@ def main():
            "kernel": os.uname().release, "modes": []}
     json_path = os.path.join(a.out, "torch_dcp_suite.json")
     ok = True
+    # One run per root at a time (its proc/sys/dev mounts and mount points are shared).
+    lock = open(root + ".use.lock", "w")
+    t_lock = time.monotonic()
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if time.monotonic() - t_lock > 1:
+        bl.log(f"waited {time.monotonic() - t_lock:.0f} s for another run on {root}")
     with RootMounts(root):
         if a.parallel and len(modes) > 1:
             # One thread per mode, each with its own daemon and mount: the modes' rounds
