@@ -281,8 +281,9 @@ def log_lines(path, limit=200):
 
 
 def uncommitted(log_path):
-    """Checkpoints the daemon's log shows pending (or written again) and not committed
-    since, with the time they went pending."""
+    """Checkpoints the daemon's log shows pending and neither committed nor removed since
+    (a test's TemporaryDirectory may delete one before it commits), with the time they went
+    pending."""
     state = {}
     pat = re.compile(r"^\[([^\]]+)\].*? checkpoint (\S+?):? (pending|committed|failed|removed|"
                      r"is being written again|aborted)")
@@ -294,7 +295,7 @@ def uncommitted(log_path):
                     t, ck, what = m.groups()
                     if what == "pending" and ck not in state:
                         state[ck] = t
-                    elif what in ("committed", "failed", "aborted"):
+                    elif what in ("committed", "failed", "aborted", "removed"):
                         state.pop(ck, None)
     except OSError:
         return []
