@@ -34,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import benchlib as bl
@@ -48,6 +49,8 @@ CPU_FILES = ["test_file_system_checkpoint_cpu.py", "test_compatibility.py", "tes
 TESTS_IN_ROOT = "/opt/torch-tests/test/distributed/checkpoint"
 MNT_IN_ROOT = "/mnt/ckptfs"  # + "-async" / "-strict"
 PLAIN_IN_ROOT = "/var/tmp/ckptfs-suite-plain"
+STOP = threading.Event()     # SIGTERM/SIGINT once the root is mounted: wind down
+MOUNTED = threading.Event()
 LOG_PATTERN = re.compile(r"halted|waits|still halted|\[error\]|\[critical\]", re.I)
 
 
@@ -222,6 +225,11 @@ def run_file(root, fname, tmpdir_in_root, timeout, runner, log_path, select=(), 
                 n = len(START.findall(text)) + len(RESULT.findall(text))
                 if n != progress:
                     progress, last = n, now
+                if STOP.is_set():
+                    hang = {"kind": "interrupted", "after_s": round(now - t0, 1)}
+                    os.killpg(p.pid, signal.SIGTERM)
+                    rc = None
+                    break
                 if now - t0 > timeout or (stall and now - last > stall):
                     hang = {"kind": "timeout" if now - t0 > timeout else "stall",
                             "after_s": round(now - t0, 1),
@@ -248,7 +256,8 @@ def run_file(root, fname, tmpdir_in_root, timeout, runner, log_path, select=(), 
     with open(log_path, errors="replace") as f:
         out = f.read()
     res = parse_unittest(out)
-    status = "timeout" if hang else ("passed" if rc == 0 else "failed")
+    status = ("interrupted" if hang["kind"] == "interrupted" else "timeout") if hang else \
+        ("passed" if rc == 0 else "failed")
     rec = {"status": status, "rc": rc, "wall_s": wall, "ran": res["ran"], "ok": res["ok"],
            "skipped": res["skipped"], "failed_tests": res["failed"], "tests": res["tests"],
            "log": log_path}
@@ -356,6 +365,9 @@ def run_mode(a, root, mode, files):
     t_mode = time.monotonic()
     try:
         for rnd in range(a.rounds):
+            if STOP.is_set():
+                out["stopped_early"] = out["stopped_early"] or f"interrupted before round {rnd}"
+                break
             for f in files:
                 fo = out["files"][f]
                 rec = run_file(root, f, tmp_in_root, a.timeout, a.runner,
@@ -373,6 +385,9 @@ def run_mode(a, root, mode, files):
                     rec["retried_after"] = first
                 rec["round"] = rnd
                 fo["rounds"].append(rec)
+                if rec["status"] == "interrupted":
+                    out["stopped_early"] = f"interrupted in round {rnd}"
+                    break
                 fo[{"passed": "passed", "failed": "failed", "timeout": "timeouts"}[rec["status"]]] += 1
                 extra = ""
                 if rec["status"] == "timeout":
@@ -556,9 +571,16 @@ def main():
         print("needs root (chroot, mounts)", file=sys.stderr)
         return 1
 
-    def on_term(signum, _frame):  # unwind: stop the daemons, undo the mounts
+    def on_term(signum, _frame):
+        # Before the mounts: just exit. After: every mode stops its running file (its
+        # process group killed), stops its daemon, and the report is written as far as it got.
+        if not STOP.is_set() and MOUNTED.is_set():
+            STOP.set()
+            bl.log(f"signal {signum}: stopping after the running files")
+            return
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
     r = subprocess.run([os.path.join(bl.REPO, "scripts", "torch_root.sh"), a.torch],
                        stdout=subprocess.PIPE, text=True, timeout=3600)
     if r.returncode != 0:
@@ -588,6 +610,7 @@ def main():
     if time.monotonic() - t_lock > 1:
         bl.log(f"waited {time.monotonic() - t_lock:.0f} s for another run on {root}")
     with RootMounts(root):
+        MOUNTED.set()
         if a.parallel and len(modes) > 1:
             # One thread per mode, each with its own daemon and mount: the modes' rounds
             # overlap (for a CI machine with cores to spare; timings are then not comparable).
