@@ -302,6 +302,8 @@ Result<Handle*> Namespace::NodeOpen(uint64_t ino, int flags) {
       lock.Unlock();
       Status st = journal_->WaitUnlessHalted(seq);  // the outcome belongs to its entry...
       if (!st.ok() && journal_->halted()) return st;  // ...unless publication is halted
+      // Let go early behind a commit that waits for unwritten shards: no busy loop.
+      if (st.ok()) journal_->WaitDoneFor(seq, std::chrono::milliseconds(50));
       lock.Lock();
     }
     if (node->type == NodeType::kDir) return Status(Code::kIsDir, "open of a directory");

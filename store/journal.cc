@@ -41,6 +41,24 @@ bool Touches(const JournalEntry& a, const JournalEntry& b) {
   return false;
 }
 
+// An entry left behind a waiting commit that keeps `e` (a shard's publish or a rename onto
+// it) from going ahead of the commit: one on its own names, or one that moves, removes or
+// makes a directory above it. A chmod, chown or utimens of a directory above it does not:
+// the shard can land first with no state the application did not pass through (the
+// directory's attributes are set by the later entry either way), and waiting for it would
+// hold the commit until the commit itself is applied (G10: `touch ckpt/` between a
+// `.metadata` copied first and its shards).
+bool BlocksAhead(const JournalEntry& e, const JournalEntry& b) {
+  if (!Touches(e, b)) return false;
+  const bool attributes_only =
+      b.op == OpType::kChmod || b.op == OpType::kChown || b.op == OpType::kUtimens;
+  if (!attributes_only) return true;
+  for (const std::string* x : {&e.path, &e.from}) {
+    if (!x->empty() && IsAtOrBelow(b.path, *x)) return true;  // its own name, or below it
+  }
+  return false;
+}
+
 bool IsCommitEntry(const JournalEntry& e) {
   return (e.op == OpType::kPublish || e.op == OpType::kRename) && IsCommitName(e.path);
 }
@@ -363,9 +381,7 @@ Status Journal::WaitUnlessHalted(uint64_t seq) {
   done_cv_.wait(lock.native(), [&] {
     mu_.AssertHeld();  // the predicate runs under the lock
     if (done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0) return true;
-    // A commit whose gate waits for shards not written yet: the caller may be the one to
-    // write them (a copy in sorted order), so it must not wait for the commit itself.
-    if (gate_seq_ != 0 && gate_seq_ <= seq && !gate_ready_ && gate_unwritten_) return true;
+    // A halt before it first: the early return below must not hide it.
     halt = nullptr;
     for (const Queued& q : queue_) {
       if (q.e.seq >= seq) break;
@@ -374,13 +390,24 @@ Status Journal::WaitUnlessHalted(uint64_t seq) {
         break;
       }
     }
-    return halt != nullptr;
+    if (halt != nullptr) return true;
+    // A commit whose gate waits for shards not written yet: the caller may be the one to
+    // write them (a copy in sorted order), so it must not wait for the commit itself.
+    return gate_seq_ != 0 && gate_seq_ <= seq && !gate_ready_ && gate_unwritten_;
   });
   auto it = failures_.find(seq);
   if (it != failures_.end()) return it->second;
   if (done_seq_ >= seq || done_ahead_.count(seq) > 0 || halt == nullptr) return Status::Ok();
   return Status(halt->error.code(),
                 "publication is halted at " + halt->e.Describe() + ": " + halt->error.ToString());
+}
+
+bool Journal::WaitDoneFor(uint64_t seq, std::chrono::milliseconds max) {
+  MutexLock lock(&mu_);
+  return done_cv_.wait_for(lock.native(), max, [&] {
+    mu_.AssertHeld();  // the predicate runs under the lock
+    return done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0;
+  });
 }
 
 void Journal::Drain() {
@@ -800,7 +827,7 @@ Journal::Step Journal::NextStepLocked() {
     bool eligible = (e.op == OpType::kPublish || e.op == OpType::kRename) &&
                     (gate_shard_set_.count(e.path) > 0 || feeders.count(e.path) > 0);
     for (const JournalEntry* b : left_behind) {
-      if (eligible && Touches(e, *b)) eligible = false;
+      if (eligible && BlocksAhead(e, *b)) eligible = false;
     }
     if (!it->error.ok()) {
       if (eligible && now >= it->retry_at) {

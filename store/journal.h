@@ -228,6 +228,11 @@ class Journal {
   // write the shards (a copy in sorted order); the commit follows the last shard, and the
   // entries behind it follow the commit, in order.
   Status WaitUnlessHalted(uint64_t seq);
+  // Waits up to `max` for entry `seq` to be done (applied, skipped or failed); returns
+  // whether it is. For a caller that WaitUnlessHalted() let go early (a commit waiting for
+  // shards nobody has written) and that must still see the entry done: it polls without
+  // spinning.
+  bool WaitDoneFor(uint64_t seq, std::chrono::milliseconds max);
   // Blocks until every appended entry is done.
   void Drain();
   // Final drain (shutdown): waits for every entry; a halted entry gets one more attempt,

@@ -180,6 +180,70 @@ TEST_F(JournalTest, AShardAheadOfItsCommitWaitsForAnEntryThatTouchesItsName) {
   EXPECT_EQ(journal_->Wait(commit).code(), Code::kAborted);
 }
 
+// G10: a chmod, chown or utimens of the checkpoint directory queued between a `.metadata`
+// copied first and its shard (`touch ckpt/`, `cp -p`, `chmod -R`) does not keep the shard
+// from going ahead: before, the commit waited for a publish that could only follow it, for
+// ever (the shard counts as queued here, so no timeout applied).
+TEST_F(JournalTest, AnAttributeChangeOfTheDirectoryDoesNotKeepAShardBehindItsCommit) {
+  Journal::Hooks hooks;
+  hooks.commit_gate = [&](const JournalEntry&, const QueuedFn& queued) -> CommitCheck {
+    const std::string shard = "ck/__0_0.distcp";
+    if (!queued(shard) && Exists(shard)) return Status::Ok();
+    return CommitCheck::Wait({shard}, std::chrono::milliseconds(20));
+  };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  TempFile md = StartFile(""), a = StartFile("");
+  Write(&md, "metadata");
+  Write(&a, "shard");
+  const uint64_t commit = Publish(md, "ck/.metadata");
+  const uint64_t chmod = Op(OpType::kChmod, "ck", "", 0755);
+  const uint64_t times = Op(OpType::kUtimens, "ck");
+  const uint64_t shard = Publish(a, "ck/__0_0.distcp");
+  auto done = std::async(std::launch::async, [&] { return journal_->Wait(commit); });
+  if (done.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+    journal_->Abort("ck");  // so that the test ends
+    FAIL() << "the commit waits for a shard kept behind a chmod/utimens of its directory";
+  }
+  EXPECT_TRUE(done.get().ok());
+  EXPECT_TRUE(journal_->Wait(chmod).ok());
+  EXPECT_TRUE(journal_->Wait(times).ok());
+  EXPECT_TRUE(journal_->Wait(shard).ok());
+  EXPECT_EQ(Read("ck/__0_0.distcp"), "shard");
+}
+
+// Strict callers behind a commit that waits for unwritten shards are let go early; a halt
+// before their entry must still reach them (it was hidden by that early return, and the
+// namespace's wait for a pending rename spun on it at full CPU).
+TEST_F(JournalTest, WaitUnlessHaltedReportsAHaltEvenBehindACommitWaitingForUnwrittenShards) {
+  Journal::Hooks hooks;
+  std::atomic<bool> refuse{false};
+  hooks.commit_gate = [&](const JournalEntry&, const QueuedFn&) -> CommitCheck {
+    if (refuse) return Status(Code::kTimeout, "shard never became durable");
+    CommitCheck wait = CommitCheck::Wait({}, std::chrono::milliseconds(20));
+    wait.waits_for_unwritten = true;
+    return wait;
+  };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  TempFile md = StartFile("");
+  Write(&md, "metadata");
+  Publish(md, "ck/.metadata");
+  const uint64_t behind = Op(OpType::kMkdir, "behind");
+  EXPECT_TRUE(journal_->WaitUnlessHalted(behind).ok()) << "let go early, as before";
+  EXPECT_FALSE(journal_->WaitDoneFor(behind, std::chrono::milliseconds(50)));
+  refuse = true;  // the commit times out: the journal halts at it
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!journal_->halted() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_TRUE(journal_->halted().has_value());
+  EXPECT_EQ(journal_->WaitUnlessHalted(behind).code(), Code::kTimeout)
+      << "a halt before the entry is hidden by the early return";
+  journal_->Abort("ck");
+  EXPECT_TRUE(journal_->Wait(behind).ok());
+}
+
 // The gate wired into the journal as the daemon does with --peers (cross-node order).
 CommitGateOptions GateOptions() {
   CommitGateOptions options;
