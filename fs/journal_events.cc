@@ -5,6 +5,8 @@
 
 #include "fs/namespace.h"
 #include "fs/fs_util.h"
+#include "common/path.h"
+#include "store/commit_names.h"
 #include "store/dcp/dcp_metadata.h"
 
 namespace ckptfs::fs {
@@ -36,6 +38,24 @@ bool Namespace::RewrittenSince(const std::string& path, uint64_t seq) {
   // The write state lives until its version is published (open, or its publish queued).
   return node != nullptr && node->write && !node->write->discarded &&
          node->write->began_after >= seq;
+}
+
+bool Namespace::OtherRankCommitPending(const std::string& path, uint64_t seq) {
+  const std::string dir = ParentOf(path);
+  const std::string_view self = path::Basename(path);
+  MutexLock lock(&ns_mu_);
+  const Node* node = dir.empty() ? root_.get() : LoadedNodeAtLocked(dir);
+  if (node == nullptr) return false;
+  for (const auto& [name, child] : node->children) {
+    if (name == self) continue;
+    const store::CommitKind kind = store::CommitKindOf(name);
+    const bool tmp = name.ends_with(".metadata.tmp") &&
+                     store::CommitKindOf(name.substr(0, name.size() - 4)) ==
+                         store::CommitKind::kDcpRank;
+    if (kind != store::CommitKind::kDcpRank && !tmp) continue;
+    if (child->write || child->pending_seq > seq) return true;
+  }
+  return false;
 }
 
 bool Namespace::DeletedLocally(const std::string& path) {
@@ -97,8 +117,16 @@ void Namespace::OnJournalDone(const store::JournalEntry& e, const Status& st) {
       }
     }
   } else if (commit) {
-    checkpoints_->OnCommitted(dir, e.seq);
-    read_->QueueIndexBuild(dir);
+    const store::CommitKind kind = store::CommitKindOf(e.path);
+    if (kind != store::CommitKind::kDcpRank) {
+      checkpoints_->OnCommitted(dir, e.seq);
+    } else if (!OtherRankCommitPending(e.path, e.seq)) {
+      // A no-collectives save: each rank's `__{rank}.metadata` is gated on its own shards;
+      // the directory is committed once none of them is pending any more.
+      checkpoints_->OnCommitted(dir, e.seq, /*last_part=*/true);
+    }
+    // The key index reads `.metadata` (safetensors and per-rank metadata: not yet).
+    if (kind == store::CommitKind::kDcp) read_->QueueIndexBuild(dir);
   }
   // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
   checkpoints_->OnApplied(journal_->applied());

@@ -133,6 +133,10 @@ class Namespace final : public NamespaceView {
   // The node at `path` (relative to the root) in the in-memory tree, or null: no I/O, so a
   // name this mount never loaded was not written through it.
   Node* LoadedNodeAtLocked(const std::string& path) REQUIRES(ns_mu_);
+  // No-collectives DCP (`__{rank}.metadata`): is another rank's commit file of `path`'s
+  // directory (or its `.tmp`) still being written here, its publish not done, or renamed
+  // by an entry after `seq` (the one of `path`, being applied)?
+  bool OtherRankCommitPending(const std::string& path, uint64_t seq) EXCLUDES(ns_mu_);
   // A peer's commit query: is `path` open for writing here or its publish not yet done?
   bool PendingLocally(const std::string& path) EXCLUDES(ns_mu_);
   bool DeletedLocally(const std::string& path) EXCLUDES(dropped_mu_);

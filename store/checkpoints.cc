@@ -5,6 +5,7 @@
 #include <chrono>
 
 #include "common/path.h"
+#include "store/commit_names.h"
 #include "store/record_codec.h"
 
 namespace ckptfs::store {
@@ -16,10 +17,6 @@ constexpr uint8_t kRecordVersion = 2;  // 1 was JSON
 double Now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-bool EndsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 CkptState StateFromName(const std::string& s) {
@@ -119,7 +116,7 @@ Result<std::unique_ptr<CheckpointRegistry>> CheckpointRegistry::Load(StateDb* db
 }
 
 bool CheckpointRegistry::IsCheckpointFile(const std::string& name) {
-  return EndsWith(name, ".distcp") || name == ".metadata" || name == ".metadata.tmp";
+  return IsCheckpointFileName(name);
 }
 
 CheckpointInfo& CheckpointRegistry::Touch(const std::string& dir) {
@@ -206,11 +203,14 @@ void CheckpointRegistry::OnCommitQueued(const std::string& dir) {
   }
 }
 
-void CheckpointRegistry::OnCommitted(const std::string& dir, uint64_t seq) {
+void CheckpointRegistry::OnCommitted(const std::string& dir, uint64_t seq, bool last_part) {
   MutexLock lock(&mu_);
   std::optional<std::string> now = ResolveLocked(dir, seq);
   if (!now) return;  // removed before its commit was applied: no record comes back
   CheckpointInfo* found = FindLocked(*now, kNow);
+  // A rank's part of a save whose other part failed (strict mode goes on past a failure)
+  // does not make the directory committed.
+  if (last_part && found != nullptr && found->state == CkptState::kFailed) return;
   if (found == nullptr) {
     // A commit whose queueing this registry did not see.
     found = &ckpts_[*now];

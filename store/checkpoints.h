@@ -1,11 +1,16 @@
 // CheckpointRegistry: the state of every checkpoint directory this daemon has seen.
 //
-// A directory becomes a checkpoint when a DCP file (`*.distcp`, `.metadata`,
-// `.metadata.tmp`) is created in it through the mount. States:
+// A directory becomes a checkpoint when a checkpoint file (store/commit_names.h: DCP's
+// `*.distcp`, `.metadata`, `.metadata.tmp`, `__{rank}.metadata[.tmp]`; Hugging Face's
+// `*.safetensors.index.json`, `model.safetensors`, `*-NNNNN-of-NNNNN.safetensors`) is
+// created in it through the mount. "The commit file" below is `.metadata`, a
+// `*.safetensors.index.json` or `model.safetensors`; a no-collectives DCP save has one per
+// rank, and the directory is committed when the last of them that is pending (queued or
+// being written through the mount) is applied (docs/SEMANTICS.md, rule 2). States:
 //   writing   - files are being written
-//   pending   - `.metadata` was written by the application; publication is queued
-//   committed - `.metadata` is on the backing store (every shard durable before it)
-//   failed    - a flush or publish failed; its `.metadata` will never be published
+//   pending   - the commit file was written by the application; publication is queued
+//   committed - the commit file is on the backing store (every shard durable before it)
+//   failed    - a flush or publish failed; its commit file will never be published
 //   aborted   - the daemon stopped (crash) before the checkpoint committed
 // Records live in RocksDB, so states survive restarts; on load, writing/pending
 // records become aborted.
@@ -74,7 +79,10 @@ class CheckpointRegistry {
   void OnFileQueued(const std::string& dir, uint64_t bytes);
   void OnFilePublished(const std::string& dir, uint64_t bytes, uint64_t seq = kNow);
   void OnCommitQueued(const std::string& dir);
-  void OnCommitted(const std::string& dir, uint64_t seq = kNow);
+  // `last_part`: the last pending per-rank commit file of a no-collectives DCP save
+  // (`__{rank}.metadata`, store/commit_names.h) was applied; a record already failed by
+  // another rank's part stays failed.
+  void OnCommitted(const std::string& dir, uint64_t seq = kNow, bool last_part = false);
   void OnFailed(const std::string& dir, const std::string& error, uint64_t seq = kNow);
   // An entry of `dir` halted publication (async): failed, and it stays failed, even while
   // more of its files are written, until OnResumed or OnAborted.

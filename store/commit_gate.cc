@@ -8,6 +8,8 @@
 #include "common/path.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/metadata_file.h"
+#include "store/commit_names.h"
+#include "store/safetensors_index.h"
 
 namespace ckptfs::store {
 namespace {
@@ -24,14 +26,38 @@ Status CommitGate::Load(const JournalEntry& e, Pending* p) {
   p->deadline = std::chrono::steady_clock::now() + options_.timeout;
   p->next_poll = {};
   p->polled.clear();
+  const CommitKind kind = CommitKindOf(e.path);
+  if (kind == CommitKind::kSafetensorsSingle) {
+    // The whole checkpoint is this one file: its own durable bytes are all it needs.
+    p->by_order = true;
+    return Status::Ok();
+  }
   // A publish reads its durable temp file; a rename reads the name being renamed, which
   // every earlier entry (its own publish among them) has already put in place.
   Result<std::string> bytes = ReadMetadataBytes(dir_, e.from);
   if (!bytes.ok()) return bytes.status();
-  auto md = ParseDcpMetadata(*bytes);
   const std::string dir = path::Parent(e.path);
+  const std::string_view name = path::Basename(e.path);
+  if (kind == CommitKind::kSafetensorsIndex) {
+    // A shard counts once it is durable under its real name; its length is its own
+    // header's business (the index names no lengths), so any valid file is long enough.
+    auto files = ParseSafetensorsIndex(*bytes);
+    if (!files.ok()) {
+      spdlog::warn("checkpoint {}: {} not understood ({}); committing by order only", dir, name,
+                   files.status().ToString());
+      p->by_order = true;
+      return Status::Ok();
+    }
+    for (const std::string& file : *files) {
+      p->need[path::Join(dir, file)] = kMinSafetensorsBytes;
+    }
+    return Status::Ok();
+  }
+  // `.metadata`, or a rank's own `__{rank}.metadata` (no-collectives save), which names
+  // that rank's shards only.
+  auto md = ParseDcpMetadata(*bytes);
   if (!md.ok()) {
-    spdlog::warn("checkpoint {}: .metadata not understood ({}); committing by order only", dir,
+    spdlog::warn("checkpoint {}: {} not understood ({}); committing by order only", dir, name,
                  md.status().ToString());
     p->by_order = true;
     return Status::Ok();

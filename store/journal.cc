@@ -10,6 +10,7 @@
 
 #include "common/path.h"
 #include "common/thread_name.h"
+#include "store/commit_names.h"
 #include "store/record_codec.h"
 
 namespace ckptfs::store {
@@ -98,12 +99,7 @@ const char* OpName(OpType op) {
   return "?";
 }
 
-bool IsCommitName(const std::string& path) {
-  auto slash = path.rfind('/');
-  std::string_view name = slash == std::string::npos ? std::string_view(path)
-                                                     : std::string_view(path).substr(slash + 1);
-  return name == ".metadata";
-}
+bool IsCommitName(const std::string& path) { return CommitKindOf(path) != CommitKind::kNone; }
 
 // Binary record (store/record_codec.h): names are bytes, any bytes a client may use.
 // Version 2; version 1 records were JSON (a daemon never reads another run's entries

@@ -382,7 +382,9 @@ class Journal {
   std::vector<std::thread> presync_threads_;
 };
 
-// True if `path`'s last component is `.metadata` (the DCP commit file).
+// True if `path`'s last component commits a checkpoint directory: `.metadata`, a per-rank
+// `__{rank}.metadata`, a `*.safetensors.index.json` or `model.safetensors`
+// (store/commit_names.h).
 bool IsCommitName(const std::string& path);
 
 }  // namespace ckptfs::store
