@@ -200,6 +200,10 @@ Status Filesystem::Init(FsDeps deps) {
 
 Filesystem::~Filesystem() { Shutdown(); }
 
+void Filesystem::OnStopRequested() {
+  if (journal_) journal_->ReleaseWaiters();
+}
+
 // ---------------------------------------------------------------- routing
 
 Result<Entry> Filesystem::Lookup(uint64_t parent, const std::string& name) {

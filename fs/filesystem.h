@@ -137,6 +137,10 @@ class Filesystem {
   // empty) gets what publication waits for each time that changes, "" when it no longer
   // waits. Returns how many files could not be published (lost, not left).
   uint64_t Shutdown(const std::function<void(const std::string&)>& waiting = {});
+  // The FUSE session has ended (a stop): operations still blocked in a journal wait return
+  // an error now (store::Journal::ReleaseWaiters), so that the loop can end and Shutdown()
+  // hand publication over. Publication itself goes on.
+  void OnStopRequested();
   // After Shutdown(): journal entries left for the next start, and what publication waited
   // for when the stop gave up on it.
   uint64_t left_for_resume() const { return stop_.left; }

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
 #include <mutex>
@@ -728,7 +729,33 @@ Status FuseServer::Run(int max_threads) {
   struct fuse_loop_config* cfg = fuse_loop_cfg_create();
   fuse_loop_cfg_set_max_threads(cfg, static_cast<unsigned>(max_threads));
   fuse_loop_cfg_set_idle_threads(cfg, 8);
+  // A stop (SIGTERM, SIGINT, unmount) ends the loop only once every worker has finished
+  // its request, and the stop's own hand-over runs after that (G10). A worker blocked in a
+  // journal wait (a strict operation behind a commit that waits for shards) would keep the
+  // daemon alive for ever: once the session has exited, such waits are released with an
+  // error that says what publication waits for.
+  std::mutex watch_mu;
+  std::condition_variable watch_cv;
+  bool loop_done = false;
+  std::thread watcher([&] {
+    NameThisThread("ckptfs-stopwatch");
+    std::unique_lock lock(watch_mu);
+    while (!loop_done) {
+      if (fuse_session_exited(session_)) {
+        lock.unlock();
+        context_.fs->OnStopRequested();
+        return;
+      }
+      watch_cv.wait_for(lock, std::chrono::milliseconds(100));
+    }
+  });
   int rc = fuse_session_loop_mt(session_, cfg);
+  {
+    std::lock_guard lock(watch_mu);
+    loop_done = true;
+  }
+  watch_cv.notify_all();
+  watcher.join();
   fuse_loop_cfg_destroy(cfg);
   if (rc < 0) return Status::FromErrno(-rc, "fuse loop");
   return Status::Ok();

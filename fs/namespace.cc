@@ -343,7 +343,7 @@ Status Namespace::WaitForAncestorsUnlocked(uint64_t ino) {
     // The backing path is stale until the rename is applied. If publication is halted
     // before it, say so rather than wait for an operator.
     Status st = journal_->WaitUnlessHalted(need);
-    if (!st.ok() && journal_->halted()) return st;
+    if (!st.ok() && (journal_->halted() || journal_->releasing())) return st;
     // Let go early (a commit before it waits for shards nobody has written yet): wait for
     // the rename itself, a slice at a time, so that a halt or a stop is seen.
     if (st.ok()) journal_->WaitDoneFor(need, std::chrono::milliseconds(50));

@@ -301,7 +301,8 @@ Result<Handle*> Namespace::NodeOpen(uint64_t ino, int flags) {
       if (seq == 0) break;
       lock.Unlock();
       Status st = journal_->WaitUnlessHalted(seq);  // the outcome belongs to its entry...
-      if (!st.ok() && journal_->halted()) return st;  // ...unless publication is halted
+      // ...unless publication is halted, or the daemon is stopping.
+      if (!st.ok() && (journal_->halted() || journal_->releasing())) return st;
       // Let go early behind a commit that waits for unwritten shards: no busy loop.
       if (st.ok()) journal_->WaitDoneFor(seq, std::chrono::milliseconds(50));
       lock.Lock();

@@ -361,14 +361,36 @@ Result<uint64_t> Journal::Append(JournalEntry entry) {
   return seq;
 }
 
+void Journal::ReleaseWaiters() {
+  {
+    MutexLock lock(&mu_);
+    releasing_ = true;
+  }
+  done_cv_.notify_all();
+}
+
+bool Journal::releasing() const {
+  MutexLock lock(&mu_);
+  return releasing_;
+}
+
+Status Journal::ReleasedLocked() const {
+  std::string what = WaitingForLocked();
+  return Status(Code::kAborted, "ckptfs is stopping; publication waits" +
+                                    (what.empty() ? std::string() : ": " + what));
+}
+
 Status Journal::Wait(uint64_t seq) {
   MutexLock lock(&mu_);
   done_cv_.wait(lock.native(), [&] {
     mu_.AssertHeld();  // the predicate runs under the lock
-    return done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0;
+    return done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0 ||
+           releasing_;
   });
   auto it = failures_.find(seq);
-  return it == failures_.end() ? Status::Ok() : it->second;
+  if (it != failures_.end()) return it->second;
+  if (done_seq_ >= seq || done_ahead_.count(seq) > 0) return Status::Ok();
+  return ReleasedLocked();
 }
 
 Status Journal::WaitUnlessHalted(uint64_t seq) {
@@ -377,6 +399,7 @@ Status Journal::WaitUnlessHalted(uint64_t seq) {
   done_cv_.wait(lock.native(), [&] {
     mu_.AssertHeld();  // the predicate runs under the lock
     if (done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0) return true;
+    if (releasing_) return true;
     // A halt before it first: the early return below must not hide it.
     halt = nullptr;
     for (const Queued& q : queue_) {
@@ -393,7 +416,9 @@ Status Journal::WaitUnlessHalted(uint64_t seq) {
   });
   auto it = failures_.find(seq);
   if (it != failures_.end()) return it->second;
-  if (done_seq_ >= seq || done_ahead_.count(seq) > 0 || halt == nullptr) return Status::Ok();
+  if (done_seq_ >= seq || done_ahead_.count(seq) > 0) return Status::Ok();
+  if (releasing_) return ReleasedLocked();
+  if (halt == nullptr) return Status::Ok();
   return Status(halt->error.code(),
                 "publication is halted at " + halt->e.Describe() + ": " + halt->error.ToString());
 }
@@ -402,8 +427,10 @@ bool Journal::WaitDoneFor(uint64_t seq, std::chrono::milliseconds max) {
   MutexLock lock(&mu_);
   return done_cv_.wait_for(lock.native(), max, [&] {
     mu_.AssertHeld();  // the predicate runs under the lock
-    return done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0;
-  });
+    return done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0 ||
+           releasing_;
+  }) && !(releasing_ && done_seq_ < seq && done_ahead_.count(seq) == 0 &&
+          failures_.count(seq) == 0);
 }
 
 void Journal::Drain() {

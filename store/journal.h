@@ -233,6 +233,12 @@ class Journal {
   // shards nobody has written) and that must still see the entry done: it polls without
   // spinning.
   bool WaitDoneFor(uint64_t seq, std::chrono::milliseconds max);
+  // A stop has begun: every Wait(), WaitUnlessHalted() and WaitDoneFor() of an entry not
+  // yet done returns now, and from now on, with kAborted "ckptfs is stopping; publication
+  // waits: ..." (the entries stay queued; the stop publishes or leaves them). Publication
+  // goes on.
+  void ReleaseWaiters() EXCLUDES(mu_);
+  bool releasing() const EXCLUDES(mu_);
   // Blocks until every appended entry is done.
   void Drain();
   // Final drain (shutdown): waits for every entry; a halted entry gets one more attempt,
@@ -350,7 +356,9 @@ class Journal {
   std::unordered_set<std::string> gate_shard_set_ GUARDED_BY(mu_);
   std::chrono::steady_clock::time_point gate_recheck_ GUARDED_BY(mu_) = {};
   bool gate_dirty_ GUARDED_BY(mu_) = true;  // something changed since the gate last said wait
-  bool closing_ GUARDED_BY(mu_) = false;  // Close(): give up on a halted entry
+  bool closing_ GUARDED_BY(mu_) = false;
+  bool releasing_ GUARDED_BY(mu_) = false;  // ReleaseWaiters(): waits return at once
+  Status ReleasedLocked() const REQUIRES(mu_);  // Close(): give up on a halted entry
   uint64_t dropped_publishes_ GUARDED_BY(mu_) = 0;
   uint64_t applied_ahead_ GUARDED_BY(mu_) = 0;
   uint64_t retries_ GUARDED_BY(mu_) = 0;

@@ -244,6 +244,37 @@ TEST_F(JournalTest, WaitUnlessHaltedReportsAHaltEvenBehindACommitWaitingForUnwri
   EXPECT_TRUE(journal_->Wait(behind).ok());
 }
 
+// G10, a stop: a FUSE worker blocked in a journal wait (here a strict caller behind a
+// commit that waits for a shard queued here) kept libfuse's loop, and so the whole stop,
+// from ending. ReleaseWaiters() (the FUSE session has exited) lets every such wait return
+// with an error naming what publication waits for; the entries stay queued.
+TEST_F(JournalTest, ReleaseWaitersLetsBlockedCallersGoAndSaysWhatPublicationWaitsFor) {
+  Journal::Hooks hooks;
+  hooks.commit_gate = [&](const JournalEntry&, const QueuedFn&) -> CommitCheck {
+    return CommitCheck::Wait({"ck/__0_0.distcp"}, std::chrono::milliseconds(20));
+  };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  TempFile md = StartFile("");
+  Write(&md, "metadata");
+  Publish(md, "ck/.metadata");
+  const uint64_t behind = Op(OpType::kMkdir, "behind");
+  auto strict = std::async(std::launch::async, [&] { return journal_->WaitUnlessHalted(behind); });
+  auto plain = std::async(std::launch::async, [&] { return journal_->Wait(behind); });
+  EXPECT_EQ(strict.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+  journal_->ReleaseWaiters();
+  ASSERT_EQ(strict.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  ASSERT_EQ(plain.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  const Status st = strict.get();
+  EXPECT_EQ(st.code(), Code::kAborted);
+  EXPECT_NE(st.message().find("stopping"), std::string::npos) << st.ToString();
+  EXPECT_NE(st.message().find("ck/__0_0.distcp"), std::string::npos) << st.ToString();
+  EXPECT_EQ(plain.get().code(), Code::kAborted);
+  EXPECT_FALSE(journal_->WaitDoneFor(behind, std::chrono::milliseconds(10)));
+  EXPECT_EQ(journal_->pending(), 2u) << "releasing the waiters drops nothing";
+  journal_->Abort("ck");
+}
+
 // The gate wired into the journal as the daemon does with --peers (cross-node order).
 CommitGateOptions GateOptions() {
   CommitGateOptions options;
