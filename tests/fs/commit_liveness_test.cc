@@ -171,8 +171,8 @@ TEST_P(CommitLivenessTest, ASaveIntoTheSameDirectoryDoesNotHoldUpThePreviousComm
   EXPECT_TRUE(Within(kPrompt, [&] { return State(".metadata") == "published"; }))
       << State(".metadata");
   for (const auto& [file, len] : need_) {
-    EXPECT_TRUE(Within(kPrompt, [&] { return BackingHas("ck/" + file, std::string(len, 'b')); }))
-        << file;
+    const std::string rel = "ck/" + file, want(len, 'b');  // clang 14: no captured bindings
+    EXPECT_TRUE(Within(kPrompt, [&] { return BackingHas(rel, want); })) << file;
   }
   EXPECT_TRUE(BackingHas("ck/.metadata", metadata_));
   EXPECT_EQ(fs_->Shutdown(), 0u);
