@@ -1,7 +1,7 @@
 """PyTorch 2.x's own DCP tests pass with their TMPDIR on a ckptfs mount (issue 19).
 
 scripts/bench/torch_dcp_suite.py runs test/distributed/checkpoint/
-test_file_system_checkpoint_cpu.py of the torch 2.6 release (10 of its 12 tests: see
+test_file_system_checkpoint_cpu.py of the torch 2.6 release (8 of its 12 tests: see
 SELECT), unmodified, inside a cached Debian trixie root (scripts/torch_root.sh: debootstrap
 once, then python3-torch from the archive; the tests from the release's source tarball),
 2 rounds each against a mount in
@@ -37,10 +37,12 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TORCH_ROOT = os.path.join(REPO, "scripts", "torch_root.sh")
 SUITE = os.path.join(REPO, "scripts", "bench", "torch_dcp_suite.py")
 FILE = "test_file_system_checkpoint_cpu.py"
-# All of FILE's tests but test_load_rowwise_to_colwise_*, which hangs in torch itself about
-# every other run, on a plain directory too (its Gloo process group's destructor joins a
-# worker that waits for the GIL); the benchmark (torch_dcp_suite.py) still runs it.
-SELECT = ["test_load_with_different_shard_plan", "test_save_load_bytes",
+# FILE's tests but test_load_rowwise_to_colwise_* and test_save_load_bytes_*, which hang in
+# torch itself (about every other run of the first, often twice in a row for the second),
+# on a plain directory too: the Gloo process group's destructor joins a worker that waits
+# for the GIL. The benchmark (torch_dcp_suite.py) still runs them, with that deadlock
+# recognised from the ranks' stacks and retried.
+SELECT = ["test_load_with_different_shard_plan",
           "test_switch_between_sharded_tensor_to_tensor", "test_read_write_only_tensor",
           "test_read_write_shard_tensor"]
 ROUNDS = 2
