@@ -42,6 +42,32 @@ def backing_disk(path):
     return majmin
 
 
+def throttle_writes(test, pid, path, bps, name):
+    """Puts process `pid` (every thread) into a new blkio cgroup that throttles its writes to
+    the disk holding `path` to `bps` bytes/s: a slow store for a daemon's direct flushes.
+    The cgroup is removed by a cleanup registered on `test` (once its process has left)."""
+    cgroup = f"/sys/fs/cgroup/blkio/{name}-{os.getpid()}-{pid}"
+    os.makedirs(cgroup, exist_ok=True)
+    test.addCleanup(remove_cgroup, cgroup)
+    with open(os.path.join(cgroup, "blkio.throttle.write_bps_device"), "w") as f:
+        f.write(f"{backing_disk(path)} {bps}\n")
+    with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+        f.write(str(pid))
+    return cgroup
+
+
+def remove_cgroup(cgroup):
+    """Removes a cgroup, waiting (up to 10 s) for its processes to leave it."""
+    for _ in range(100):
+        try:
+            os.rmdir(cgroup)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
 class Node:
     def __init__(self, cluster, index):
         self.cluster = cluster

@@ -24,23 +24,13 @@ import unittest
 
 import dcp_tool
 import harness
+import netns
 
 RANKS = 4
 SEEDS = [101, 102, 103, 104, 105, 106]
 MBS = [2, 1, 2, 1, 3, 2]
 COMMIT_TIMEOUT_S = 90
 THROTTLE_BPS = 8 << 20
-
-
-def remove_cgroup(cgroup):
-    for _ in range(100):
-        try:
-            os.rmdir(cgroup)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:  # its daemon has not left it yet
-            time.sleep(0.1)
 
 
 @unittest.skipUnless(os.geteuid() == 0 and os.path.isdir("/sys/fs/cgroup/blkio"),
@@ -92,14 +82,7 @@ class OverwriteSaves(harness.MountedTest):
         return stats
 
     def throttle(self, m):
-        from netns import backing_disk
-        cgroup = f"/sys/fs/cgroup/blkio/ckptfs-overwrite-{os.getpid()}-{id(m)}"
-        os.makedirs(cgroup, exist_ok=True)
-        self.addCleanup(remove_cgroup, cgroup)
-        with open(os.path.join(cgroup, "blkio.throttle.write_bps_device"), "w") as f:
-            f.write(f"{backing_disk(m.backing)} {THROTTLE_BPS}\n")
-        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-            f.write(str(m.proc.pid))  # every thread of the daemon
+        netns.throttle_writes(self, m.proc.pid, m.backing, THROTTLE_BPS, "ckptfs-overwrite")
 
     def test_async_one_file_per_rank(self):
         self.run_case("async", True)

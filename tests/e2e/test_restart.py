@@ -92,15 +92,9 @@ class RestartTest(unittest.TestCase):
     @unittest.skipUnless(os.geteuid() == 0 and os.path.isdir("/sys/fs/cgroup/blkio"),
                          "needs root and the cgroup v1 blkio controller")
     def test_sigkill_during_direct_flushes_then_start_at_once(self):
-        from netns import backing_disk
+        from netns import throttle_writes
         m = self.mount(staging="64M", args=["--flush-direct-io", "on"]).start()
-        cgroup = f"/sys/fs/cgroup/blkio/ckptfs-restart-{os.getpid()}"
-        os.makedirs(cgroup, exist_ok=True)
-        self.addCleanup(self.remove_cgroup, cgroup)
-        with open(os.path.join(cgroup, "blkio.throttle.write_bps_device"), "w") as f:
-            f.write(f"{backing_disk(m.backing)} {2 * MiB}\n")
-        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-            f.write(str(m.proc.pid))  # every thread of the daemon
+        throttle_writes(self, m.proc.pid, m.backing, 2 * MiB, "ckptfs-restart")
         dd = subprocess.Popen(["dd", "if=/dev/zero", f"of={os.path.join(m.mnt, 'big')}",
                                "bs=4M", "count=64"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -134,17 +128,6 @@ class RestartTest(unittest.TestCase):
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=60)
-
-    @staticmethod
-    def remove_cgroup(cgroup):
-        for _ in range(100):
-            try:
-                os.rmdir(cgroup)
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.1)
 
     def test_a_live_holder_of_the_state_dir_fails_at_once(self):
         m = self.mount().start()
