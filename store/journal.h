@@ -129,8 +129,9 @@ struct CommitCheck {
   bool ready = true;                   // false: not yet; ask again
   std::vector<std::string> shards;     // paths whose queued publishes may go ahead of it
   std::chrono::milliseconds recheck{0};  // when not ready: ask again after this at the latest
-  // Not ready because of shards nobody has written yet (not queued, not open here): a
-  // synchronous caller must not wait for this commit, it may be the one to write them.
+  // Not ready because of shards not queued here (nobody has written them yet, or another
+  // node writes them) or still open for writing here: a synchronous caller must not wait
+  // for this commit, it may be the one to write or close them (G10).
   bool waits_for_unwritten = false;
 };
 
@@ -223,10 +224,12 @@ class Journal {
   // As Wait(), but also returns (with that failure) as soon as the journal is halted at
   // an earlier entry: a synchronous caller (strict mode) gets the error instead of waiting
   // for an operator. Its entry stays queued. And it returns ok for a commit that is
-  // durable and next in line but waits for shards nobody has written yet, and for entries
-  // queued behind such a commit: whoever closes a `.metadata` first may be the one to
-  // write the shards (a copy in sorted order); the commit follows the last shard, and the
-  // entries behind it follow the commit, in order.
+  // durable and next in line but waits for shards nobody has written yet or that are still
+  // open here (CommitCheck::waits_for_unwritten), and for entries queued behind such a
+  // commit: whoever closes a `.metadata` first may be the one to write or close the shards
+  // (a copy in sorted order); the commit follows the last shard, and the entries behind it
+  // follow the commit, in order. A halt before the entry is reported even then. Returns
+  // kAborted at once after ReleaseWaiters() (a stop).
   Status WaitUnlessHalted(uint64_t seq);
   // Waits up to `max` for entry `seq` to be done (applied, skipped or failed); returns
   // whether it is. For a caller that WaitUnlessHalted() let go early (a commit waiting for
