@@ -18,7 +18,7 @@
 #include "common/control_names.h"
 #include "fs/control_tree.h"
 
-#include "store/commit_gate.h"
+#include "store/publish/commit_gate.h"
 #include "fs/fs_util.h"
 #ifdef CKPTFS_HAVE_UCX
 #include "store/peer/peer_node.h"
@@ -87,11 +87,11 @@ ControlTree::ControlTree(const FsConfig& config, const FsParts& parts, Namespace
       ns_(ns),
       backing_(parts.backing),
       db_(parts.db),
-      checkpoints_(parts.checkpoints),
+      checkpoints_(parts.publication->registry()),
       pool_(parts.pool),
       pipeline_(parts.pipeline),
-      journal_(parts.journal),
-      gate_(parts.gate),
+      publication_(parts.publication),
+      journal_(parts.publication->journal()),
       index_(parts.index),
       read_(parts.read),
       tensors_(parts.tensors) {}
@@ -231,7 +231,7 @@ std::string ControlTree::StatsJson() {
     read_->peers()->Stats().AppendJson(&j);
   }
 #endif
-  gate_->stats().AppendJson(&j);  // remote_polls, peer_commit_queries, "commit_gate"
+  publication_->gate().stats().AppendJson(&j);  // remote_polls, peer_commit_queries, "commit_gate"
   j["journal_pending"] = journal_->pending();
   j["journal_applied_ahead"] = journal_->applied_ahead();
   j["journal_retries"] = journal_->retries();
@@ -473,14 +473,12 @@ void ControlTree::Resume() {
   // The parked chunks first: the journal's retry of a publication fails at once while one
   // of its chunks still waits for its own retry.
   pipeline_->RetryNowAndWait(std::chrono::seconds(5));
-  journal_->Resume();
+  publication_->Resume();
 }
 
 std::vector<std::string> ControlTree::Abort(const std::string& path) {
   spdlog::warn("operator: abort {}", path.empty() ? "/" : path);
-  std::vector<std::string> dropped = journal_->Abort(path);
-  checkpoints_->OnAborted(path, "aborted by the operator");
-  return dropped;
+  return publication_->Abort(path);
 }
 
 Status ControlTree::SetXattr(uint64_t ino, const std::string& name, const std::string&) {

@@ -24,9 +24,10 @@
 #include "fs/tensor_view.h"
 #include "gpu/staging_pool.h"
 #include "store/backing_dir.h"
-#include "store/checkpoints.h"
+#include "store/publish/checkpoints.h"
 #include "store/flush_pipeline.h"
-#include "store/journal.h"
+#include "store/publish/journal.h"
+#include "store/publish/publication.h"
 #include "store/dcp/key_index.h"
 #include "store/state_db.h"
 
@@ -81,8 +82,8 @@ class ControlTree {
   store::CheckpointRegistry* const checkpoints_;
   gpu::StagingPool* const pool_;
   store::FlushPipeline* const pipeline_;
-  store::Journal* const journal_;
-  const store::CommitGate* const gate_;
+  store::Publication* const publication_;
+  store::Journal* const journal_;  // publication_'s, for reports
   store::KeyIndex* const index_;
   ReadPath* const read_;
   TensorView* const tensors_;

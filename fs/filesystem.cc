@@ -42,16 +42,6 @@ Status Filesystem::Init(FsDeps deps) {
   } else {
     CKPT_ASSIGN_OR_RETURN(db_, store::StateDb::Open(config_.state_dir));
   }
-  CKPT_ASSIGN_OR_RETURN(store::RecoveryReport report, store::Journal::Recover(backing_.get(),
-                                                                              db_.get()));
-  // Entries the last stop left for this start: queued once the namespace exists (their
-  // hooks report to it), before the mount serves.
-  std::vector<store::JournalEntry> left = std::move(report.resumed);
-  if (report.entries_discarded > 0 || report.temps_removed > 0) {
-    spdlog::warn("recovery: discarded {} unapplied journal entries, removed {} temp files",
-                 report.entries_discarded, report.temps_removed);
-  }
-  CKPT_ASSIGN_OR_RETURN(checkpoints_, store::CheckpointRegistry::Load(db_.get()));
   gpu::StagingOptions pool_options;
   pool_options.total_bytes = config_.staging_bytes;
   pool_options.chunk_bytes = config_.chunk_bytes;
@@ -71,66 +61,32 @@ Status Filesystem::Init(FsDeps deps) {
   } else {
     CKPT_ASSIGN_OR_RETURN(pipeline_, store::FlushPipeline::Create(backing_.get(), flush_options));
   }
-  store::CommitGateOptions gate_options;
-  gate_options.timeout = config_.commit_timeout;
-  gate_options.written_locally = [this](const std::string& path) {
-    return ns_->WrittenLocally(path);
-  };
-  gate_options.rewritten_since = [this](const std::string& path, uint64_t seq) {
-    return ns_->RewrittenSince(path, seq);
-  };
-  gate_options.deleted_locally = [this](const std::string& path) {
-    return ns_->DeletedLocally(path);
-  };
-  store::LocalShardStatesOptions states_options;
-  states_options.pending = [this](const std::string& path) { return ns_->PendingLocally(path); };
-  states_options.dropped = [this](const std::string& path) { return ns_->DeletedLocally(path); };
-  shard_states_ = std::make_unique<store::LocalShardStates>(std::move(states_options));
-  gate_options.local_durable = [this](const std::string& path) {
-    return shard_states_->Durable(path);
-  };
-#ifdef CKPTFS_HAVE_UCX
-  if (config_.peers) {
-    // Shards written through other mounts: ask their daemons (docs/PEERS.md, "Commit query").
-    gate_options.ask_peers = [this](std::vector<std::string> paths,
-                                    store::CommitGateOptions::AnswersFn done) {
-      store::peer::PeerNode* peers = peer_node_.load(std::memory_order_acquire);
-      return peers != nullptr &&
-             peers->AskShardStates(std::move(paths), kCommitQueryHold, std::move(done));
-    };
-    gate_options.wake = [this] {
-      if (journal_) journal_->RecheckGate();
-    };
-  }
-#endif
-  gate_ = std::make_unique<store::CommitGate>(backing_.get(), std::move(gate_options));
-  store::Journal::Hooks hooks;
-  hooks.commit_gate = [this](const store::JournalEntry& e,
-                             const std::function<bool(const std::string&)>& queued) {
-    return gate_->Check(e, queued);
-  };
-  // Cross-node order only where other nodes write: with peers configured.
-  if (config_.peers) {
-    hooks.gated = [](const store::JournalEntry& e) { return store::CommitGate::IsOrderedEntry(e); };
-  }
-  hooks.on_done = [this](const store::JournalEntry& e, const Status& st) {
-    if (config_.peers) gate_->NoteApplied(e, st);
-    ns_->OnJournalDone(e, st);
-    shard_states_->NoteDone(e, st);  // after the namespace let go of a published path
-  };
-  hooks.on_halt = [this](const store::JournalEntry& e, const Status& st) { ns_->OnJournalHalt(e, st); };
-  // Strict mode returns every failure to the operation that caused it: nothing waits.
-  hooks.halt_on_failure = !config_.strict;
-  // Temp files live at the backing root (BeginWriteLocked): their records can be written
-  // ahead, several per synced write.
-  hooks.temp_path = [this](uint64_t id) { return ns_->TempName(id); };
-  CKPT_ASSIGN_OR_RETURN(journal_, store::Journal::Create(backing_.get(), db_.get(), hooks));
-
   if (deps.index) {
     index_ = std::move(deps.index);
   } else {
     CKPT_ASSIGN_OR_RETURN(index_, store::KeyIndex::Create(backing_.get(), db_.get()));
   }
+  store::PublicationOptions pub_options;
+  pub_options.gate.timeout = config_.commit_timeout;
+  // Cross-node order only where other nodes write: with peers configured.
+  pub_options.cross_node_order = config_.peers != nullptr;
+  // Strict mode returns every failure to the operation that caused it: nothing waits.
+  pub_options.halt_on_failure = !config_.strict;
+  pub_options.temp_prefix = Namespace::TempPrefix(config_);
+#ifdef CKPTFS_HAVE_UCX
+  if (config_.peers) {
+    // Shards written through other mounts: ask their daemons (docs/PEERS.md, "Commit query").
+    pub_options.gate.ask_peers = [this](std::vector<std::string> paths,
+                                        store::CommitGateOptions::AnswersFn done) {
+      store::peer::PeerNode* peers = peer_node_.load(std::memory_order_acquire);
+      return peers != nullptr &&
+             peers->AskShardStates(std::move(paths), kCommitQueryHold, std::move(done));
+    };
+  }
+#endif
+  CKPT_ASSIGN_OR_RETURN(publication_, store::Publication::Create(backing_.get(), db_.get(),
+                                                                 index_.get(),
+                                                                 std::move(pub_options)));
   tensors_ = std::make_unique<TensorView>(backing_.get(), index_.get());
   std::unique_ptr<store::BackingSource> cache_source = std::move(deps.cache_source);
   std::shared_ptr<store::peer::PeerNode> peers;
@@ -167,27 +123,20 @@ Status Filesystem::Init(FsDeps deps) {
                                      std::move(peers), std::move(cache));
   read_->Start();
 
-  const FsParts parts{.backing = backing_.get(), .db = db_.get(),
-                      .checkpoints = checkpoints_.get(), .pool = pool_.get(),
-                      .pipeline = pipeline_.get(), .journal = journal_.get(), .gate = gate_.get(),
+  const FsParts parts{.backing = backing_.get(), .db = db_.get(), .pool = pool_.get(),
+                      .pipeline = pipeline_.get(), .publication = publication_.get(),
                       .index = index_.get(), .read = read_.get(), .tensors = tensors_.get(),
                       .stats = &stats_};
   CKPT_ASSIGN_OR_RETURN(ns_, Namespace::Create(config_, parts));
   pool_->SetPressureCallback([this] { ns_->RelieveStagingPressure(); });
-  if (!left.empty()) {
-    // The mount shows the backing store as the last daemon left it; give what it left a
-    // moment to be published before serving (docs/SEMANTICS.md, "Stopping").
-    const size_t n = left.size();
-    journal_->QueueLeft(std::move(left));
-    const bool done = journal_->WaitLeft(std::chrono::seconds(2));
-    spdlog::info("resumed {} journal entries left by the last stop: {}", n,
-                 done ? "all published" : "still pending: " + journal_->WaitingFor());
-  }
+  // Publication reports to the namespace from here on: the entries the last stop left go
+  // first, before the mount serves.
+  publication_->Start(ns_.get());
   control_ = std::make_unique<ControlTree>(config_, parts, ns_.get());
   // Peers are served once the namespace exists: their commit queries ask it (PendingLocally).
 #ifdef CKPTFS_HAVE_UCX
   if (read_->peers()) {
-    read_->peers()->SetShardStateProvider(shard_states_.get());
+    read_->peers()->SetShardStateProvider(publication_->shard_states());
     CKPT_RETURN_IF_ERROR(read_->peers()->StartServing(read_->cache()));
     peer_node_.store(read_->peers(), std::memory_order_release);
   }
@@ -201,7 +150,7 @@ Status Filesystem::Init(FsDeps deps) {
 Filesystem::~Filesystem() { Shutdown(); }
 
 void Filesystem::OnStopRequested() {
-  if (journal_) journal_->ReleaseWaiters();
+  if (publication_) publication_->journal()->ReleaseWaiters();
 }
 
 // ---------------------------------------------------------------- routing
@@ -379,22 +328,23 @@ Result<struct statvfs> Filesystem::StatFs() { return backing_->StatFs(); }
 uint64_t Filesystem::Shutdown(const std::function<void(const std::string&)>& waiting) {
   if (shut_down_.exchange(true)) return 0;
   if (read_) read_->StopServingPeers();
-  if (!journal_ || !pipeline_) {  // Create() failed part way: nothing was served
+  if (!publication_ || !pipeline_) {  // Create() failed part way: nothing was served
     if (read_) read_->Stop();
     return 0;
   }
   // Files still open (a lazy unmount) are published as they are now (G8).
   uint64_t unpublished = ns_ ? ns_->PublishOpenFiles() : 0;
-  spdlog::info("draining: {} journal entries pending", journal_->pending());
+  store::Journal* journal = publication_->journal();
+  spdlog::info("draining: {} journal entries pending", journal->pending());
   // A halted journal gets one more attempt; while publication progresses the stop waits.
   // Halted or waiting at the gate with no progress for stop_timeout, what is queued is
   // left for the next start, its bytes durable (G10, G11); only bytes that cannot be made
   // durable are dropped, never applied (G4), and the bytes parked for a retry let go.
-  stop_ = journal_->CloseWithin(config_.stop_timeout, waiting);
+  stop_ = journal->CloseWithin(config_.stop_timeout, waiting);
   unpublished += stop_.dropped_publishes;
   pipeline_->DropParked(Status(Code::kAborted, "daemon stopped before the retry passed"));
   pipeline_->Drain();
-  unpublished += journal_->skipped();
+  unpublished += journal->skipped();
   spdlog::info("drained: {} files published, {} not published, {} journal entries left for "
                "the next start",
                stats_.files_published.load(), unpublished, stop_.left);

@@ -37,10 +37,8 @@
 #include "fs/tensor_view.h"
 #include "gpu/staging_pool.h"
 #include "store/backing_dir.h"
-#include "store/checkpoints.h"
-#include "store/commit_gate.h"
 #include "store/flush_pipeline.h"
-#include "store/journal.h"
+#include "store/publish/publication.h"
 #include "store/dcp/key_index.h"
 #include "store/state_db.h"
 
@@ -177,14 +175,11 @@ class Filesystem {
   FsStats stats_;
   std::unique_ptr<store::BackingDir> backing_;
   std::unique_ptr<store::StateDb> db_;
-  std::unique_ptr<store::CheckpointRegistry> checkpoints_;
   std::unique_ptr<gpu::StagingPool> pool_;
   std::unique_ptr<store::FlushPipeline> pipeline_;
-  // What this mount wrote, for peers' commit queries (outlives the peer server in read_).
-  std::unique_ptr<store::LocalShardStates> shard_states_;
-  std::unique_ptr<store::CommitGate> gate_;
-  std::unique_ptr<store::Journal> journal_;
   std::unique_ptr<store::KeyIndex> index_;
+  // Journal, commit gate, shard states (which outlive the peer server in read_), registry.
+  std::unique_ptr<store::Publication> publication_;
   std::unique_ptr<ReadPath> read_;
   std::unique_ptr<TensorView> tensors_;
   // ------------------------------------------------------------ the units it routes to

@@ -13,11 +13,9 @@
 
 namespace ckptfs::store {
 class BackingDir;
-class CheckpointRegistry;
-class CommitGate;
 class FlushPipeline;
-class Journal;
 class KeyIndex;
+class Publication;
 class StateDb;
 namespace peer {
 struct PeerNodeOptions;
@@ -68,11 +66,9 @@ struct FsStats;
 struct FsParts {
   store::BackingDir* backing = nullptr;
   store::StateDb* db = nullptr;
-  store::CheckpointRegistry* checkpoints = nullptr;
   gpu::StagingPool* pool = nullptr;
   store::FlushPipeline* pipeline = nullptr;
-  store::Journal* journal = nullptr;
-  const store::CommitGate* gate = nullptr;
+  store::Publication* publication = nullptr;
   store::KeyIndex* index = nullptr;
   ReadPath* read = nullptr;
   TensorView* tensors = nullptr;

@@ -1,13 +1,14 @@
-// Journal events: what the namespace, the checkpoint registry, the key index and the
-// stats learn when the journal applies an entry or halts at one. Runs on the journal's
-// thread; takes ns_mu_ only to update the nodes, after the registry and index calls.
+// The mount's side of publication (store::PublicationObserver): what the commit gate and
+// the shard states ask about files written here, and what the namespace, the stats and
+// the read path learn when an entry is done or publication halts. Runs on the journal's
+// thread (questions also on a peer's query thread); takes ns_mu_ briefly, never calls
+// back into publication.
 #include <spdlog/spdlog.h>
 
 #include "fs/namespace.h"
 #include "fs/fs_util.h"
 #include "common/path.h"
-#include "store/commit_names.h"
-#include "store/dcp/dcp_metadata.h"
+#include "store/publish/commit_names.h"
 
 namespace ckptfs::fs {
 
@@ -40,7 +41,7 @@ bool Namespace::RewrittenSince(const std::string& path, uint64_t seq) {
          node->write->began_after >= seq;
 }
 
-bool Namespace::OtherRankCommitPending(const std::string& path, uint64_t seq) {
+bool Namespace::RankCommitPending(const std::string& path, uint64_t seq) {
   const std::string dir = ParentOf(path);
   const std::string_view self = path::Basename(path);
   MutexLock lock(&ns_mu_);
@@ -58,11 +59,6 @@ bool Namespace::OtherRankCommitPending(const std::string& path, uint64_t seq) {
   return false;
 }
 
-bool Namespace::DeletedLocally(const std::string& path) {
-  MutexLock lock(&dropped_mu_);
-  return dropped_paths_.count(path) > 0;
-}
-
 bool Namespace::PendingLocally(const std::string& path) {
   MutexLock lock(&ns_mu_);
   const Node* node = LoadedNodeAtLocked(path);
@@ -72,14 +68,8 @@ bool Namespace::PendingLocally(const std::string& path) {
          (node->write->needs_publish || publishing_.count(node->write->file_id) > 0);
 }
 
-void Namespace::OnJournalHalt(const store::JournalEntry& e, const Status& st) {
-  const std::string dir = ParentOf(e.path);
-  if (st.ok()) {
-    checkpoints_->OnResumed(dir);
-  } else {
-    NoteError("publication halted at " + e.Describe() + ": " + st.ToString());
-    checkpoints_->OnHalted(dir, st.ToString());
-  }
+void Namespace::OnHalted(const store::JournalEntry& e, const Status& st) {
+  if (!st.ok()) NoteError("publication halted at " + e.Describe() + ": " + st.ToString());
   if (e.op != store::OpType::kPublish) return;
   MutexLock lock(&ns_mu_);
   auto it = publishing_.find(e.file_id);
@@ -89,49 +79,18 @@ void Namespace::OnJournalHalt(const store::JournalEntry& e, const Status& st) {
   }
 }
 
-void Namespace::OnJournalDone(const store::JournalEntry& e, const Status& st) {
-  const std::string dir = ParentOf(e.path);
-  const bool commit = (e.op == store::OpType::kPublish || e.op == store::OpType::kRename) &&
-                      store::IsCommitName(e.path);
+void Namespace::OnOutcome(const store::JournalEntry& e, const Status& st,
+                          const store::PublishOutcome& outcome) {
   if (e.op == store::OpType::kPublish && st.ok()) {
-    if (e.atime_sec || e.atime_nsec || e.mtime_sec || e.mtime_nsec) {
-      struct timespec ts[2] = {{e.atime_sec, e.atime_nsec}, {e.mtime_sec, e.mtime_nsec}};
-      (void)backing_->Utimens(e.path, ts);
-    }
     stats_->bytes_published.fetch_add(e.size);
     stats_->files_published.fetch_add(1);
-    checkpoints_->OnFilePublished(dir, e.size, e.seq);
-    HandOverBlockCrcs(e);
   }
   if (st.code() == Code::kSuperseded) {
-    // A later save into the same directory commits it; nothing failed. The registry keeps
-    // the state that later save gave the directory.
     stats_->commits_superseded.fetch_add(1);
   } else if (!st.ok()) {
     NoteError(e.Describe() + ": " + st.ToString());
-    if (e.op == store::OpType::kPublish || commit) {
-      if (st.code() == Code::kAborted) {
-        checkpoints_->OnAborted(dir, st.ToString());
-      } else {
-        checkpoints_->OnFailed(dir, st.ToString(), e.seq);
-      }
-    }
-  } else if (commit) {
-    const store::CommitKind kind = store::CommitKindOf(e.path);
-    if (kind != store::CommitKind::kDcpRank) {
-      checkpoints_->OnCommitted(dir, e.seq);
-    } else if (!OtherRankCommitPending(e.path, e.seq)) {
-      // A no-collectives save: each rank's `__{rank}.metadata` is gated on its own shards;
-      // the directory is committed once none of them is pending any more.
-      checkpoints_->OnCommitted(dir, e.seq, /*last_part=*/true);
-    }
-    // The key index reads `.metadata` (safetensors and per-rank metadata: not yet).
-    if (kind == store::CommitKind::kDcp) read_->QueueIndexBuild(dir);
   }
-  // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
-  checkpoints_->OnApplied(journal_->applied());
-  if (st.ok() && e.op == store::OpType::kRename) index_->OnRenamed(e.from, e.path);
-  if (st.ok() && e.op == store::OpType::kRmdir) index_->Forget(e.path);
+  if (!outcome.committed_dcp_dir.empty()) read_->QueueIndexBuild(outcome.committed_dcp_dir);
   if (e.op != store::OpType::kPublish) return;
   if (uint64_t dropped = NodePublishDone(e, st)) RefreshAttr(dropped);
 }
@@ -158,18 +117,6 @@ uint64_t Namespace::NodePublishDone(const store::JournalEntry& e, const Status& 
   }
   if (node->parent == nullptr && node->nlookup == 0 && !node->write) inodes_.erase(node->ino);
   return dropped;
-}
-
-void Namespace::HandOverBlockCrcs(const store::JournalEntry& e) {
-  if (!e.target) return;  // replayed after a restart: nothing was recorded
-  std::shared_ptr<store::BlockCrcMap> crcs = e.target->TakeBlockCrcs();
-  if (!crcs) return;
-  crcs->Finish(e.size);
-  // The identity after the rename and the times set above: a later change by anyone makes
-  // the key index ignore these CRCs.
-  Result<struct stat> st = backing_->Stat(e.path);
-  if (!st.ok()) return;
-  index_->AddBlockCrcs(e.path, store::FileKeyFromStat(*st), std::move(crcs));
 }
 
 }  // namespace ckptfs::fs

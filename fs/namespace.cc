@@ -15,9 +15,8 @@ namespace ckptfs::fs {
 Namespace::Namespace(const FsConfig& config, const FsParts& parts)
     : config_(config),
       backing_(parts.backing),
-      checkpoints_(parts.checkpoints),
       pipeline_(parts.pipeline),
-      journal_(parts.journal),
+      publication_(parts.publication),
       index_(parts.index),
       read_(parts.read),
       stats_(parts.stats),
@@ -86,11 +85,11 @@ std::string Namespace::TempPathLocked(const WriteState& ws) const {
 uint64_t Namespace::PendingRenameLocked(const Node* node) const {
   uint64_t need = 0;
   for (const Node* n = node; n != nullptr; n = n->parent) need = std::max(need, n->rename_seq);
-  return need > journal_->applied() ? need : 0;
+  return need > publication_->applied() ? need : 0;
 }
 
 bool Namespace::QuiescentLocked(const Node* node) const {
-  uint64_t applied = journal_->applied();
+  uint64_t applied = publication_->applied();
   for (const Node* n = node; n != nullptr; n = n->parent) {
     if (n->pending_seq > applied) return false;
   }
@@ -299,7 +298,7 @@ void Namespace::DetachLocked(const std::shared_ptr<Node>& node) {
 }
 
 Result<uint64_t> Namespace::AppendLocked(store::JournalEntry entry, Node* node) {
-  CKPT_ASSIGN_OR_RETURN(uint64_t seq, journal_->Append(std::move(entry)));
+  CKPT_ASSIGN_OR_RETURN(uint64_t seq, publication_->Append(std::move(entry)));
   if (node != nullptr) {
     // The name and its directory's listing differ from the backing store until `seq`
     // is applied: neither may be refreshed from it meanwhile.
@@ -316,7 +315,7 @@ Result<uint64_t> Namespace::AppendLocked(store::JournalEntry entry, Node* node) 
 Status Namespace::WaitIfStrict(Result<uint64_t> seq) {
   if (!seq.ok()) return seq.status();
   if (!config_.strict) return Status::Ok();
-  Status st = journal_->WaitUnlessHalted(*seq);
+  Status st = publication_->WaitUnlessHalted(*seq);
   // The application saved into the same directory again before this commit's shards were
   // in: its own later save commits the directory (docs/SEMANTICS.md, "Superseded saves").
   if (st.code() == Code::kSuperseded) return Status::Ok();
@@ -338,15 +337,11 @@ Status Namespace::WaitForAncestorsUnlocked(uint64_t ino) {
       for (const Node* n = node.get(); n != nullptr; n = n->parent) {
         need = std::max(need, n->rename_seq);
       }
-      if (need <= journal_->applied()) return Status::Ok();
+      if (need <= publication_->applied()) return Status::Ok();
     }
     // The backing path is stale until the rename is applied. If publication is halted
     // before it, say so rather than wait for an operator.
-    Status st = journal_->WaitUnlessHalted(need);
-    if (!st.ok() && (journal_->halted() || journal_->releasing())) return st;
-    // Let go early (a commit before it waits for shards nobody has written yet): wait for
-    // the rename itself, a slice at a time, so that a halt or a stop is seen.
-    if (st.ok()) journal_->WaitDoneFor(need, std::chrono::milliseconds(50));
+    CKPT_RETURN_IF_ERROR(publication_->AwaitApplied(need));
   }
 }
 
@@ -369,7 +364,7 @@ bool Namespace::CommittedDirLocked(const Node* dir) const {
   auto it = dir->children.find(".metadata");
   if (it == dir->children.end()) return false;
   const Node& md = *it->second;
-  const uint64_t applied = journal_->applied();
+  const uint64_t applied = publication_->applied();
   return md.on_backing && !md.write && md.pending_seq <= applied && dir->pending_seq <= applied;
 }
 
@@ -626,7 +621,7 @@ Result<Entry> Namespace::MakeNode(uint64_t parent, const std::string& name, Node
 // halted journal does not fail it: it exists here, the others see it on resume.
 void Namespace::WaitForOtherNodes(uint64_t seq) {
   if (seq == 0) return;
-  Status st = journal_->WaitUnlessHalted(seq);
+  Status st = publication_->WaitUnlessHalted(seq);
   if (!st.ok()) {
     spdlog::warn("mkdir (journal seq {}) is not on the backing store yet, other nodes do not "
                  "see it: {}", seq, st.ToString());
@@ -672,10 +667,7 @@ Status Namespace::Unlink(uint64_t parent, const std::string& name, const Caller&
     // Publication is halted before this name's pending publish: deleting it drops that
     // publish (so `rm -r` of a failed checkpoint lets the rest go on), and a `.metadata`
     // that names it will not wait for it.
-    if (journal_->DropIfHalted(path)) {
-      MutexLock dropped_lock(&dropped_mu_);
-      dropped_paths_.insert(path);
-    }
+    (void)publication_->DropIfHalted(path);
     if (node->on_backing) {
       store::JournalEntry e;
       e.op = store::OpType::kUnlink;
@@ -709,7 +701,6 @@ Status Namespace::Rmdir(uint64_t parent, const std::string& name, const Caller& 
     e.op = store::OpType::kRmdir;
     e.path = path;
     seq = AppendLocked(std::move(e), node.get());
-    checkpoints_->OnRemoved(path, seq.ok() ? *seq : 0);
     TouchDirLocked(dir.get(), -1);
     node->on_backing = false;
     DetachLocked(node);
@@ -771,6 +762,8 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
       e.op = store::OpType::kRename;
       e.from = from;
       e.path = to;
+      // The type tells publication that a directory moves (its checkpoint records move).
+      if (node->type == NodeType::kDir) e.mode = S_IFDIR;
       seq = AppendLocked(std::move(e), node.get());
       if (seq.ok()) node->rename_seq = *seq;
     } else if (victim && victim->on_backing) {
@@ -778,12 +771,12 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
       store::JournalEntry e;
       e.op = store::OpType::kUnlink;
       e.path = to;
+      if (victim->type == NodeType::kDir) e.mode = S_IFDIR;
       seq = AppendLocked(std::move(e), victim.get());
     }
     if (victim) {
       UnlinkPeersLocked(victim.get(), seq.ok() ? *seq : 0);
       victim->on_backing = false;
-      if (victim->type == NodeType::kDir) checkpoints_->OnRemoved(to, seq.ok() ? *seq : 0);
       DetachLocked(victim);
     }
     if (seq.ok() && *seq != 0) dst_dir->pending_seq = std::max(dst_dir->pending_seq, *seq);
@@ -796,13 +789,6 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
     node->name = new_name;
     dst_dir->children[new_name] = node;
     node->attr.st_ctim = Now();
-    if (node->type == NodeType::kDir) {
-      checkpoints_->OnRenamed(from, to, seq.ok() ? *seq : 0);
-    } else if (store::IsCommitName(to) && node->write == nullptr && node->on_backing) {
-      checkpoints_->OnCommitQueued(ParentOf(to));
-    } else if (store::IsCommitName(to) && node->write) {
-      checkpoints_->OnCommitQueued(ParentOf(to));
-    }
   }
   return WaitIfStrict(seq);
 }

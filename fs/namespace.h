@@ -63,14 +63,14 @@
 #include "fs/staged_file.h"
 #include "gpu/staging_pool.h"
 #include "store/backing_dir.h"
-#include "store/checkpoints.h"
 #include "store/flush_pipeline.h"
-#include "store/journal.h"
+#include "store/publish/journal.h"
+#include "store/publish/publication.h"
 #include "store/dcp/key_index.h"
 
 namespace ckptfs::fs {
 
-class Namespace final : public NamespaceView {
+class Namespace final : public NamespaceView, public store::PublicationObserver {
  public:
   // Stats the backing root for the root node. `config` and the parts must outlive it; it
   // uses their backing, checkpoints, pool, pipeline, journal, index, read and stats.
@@ -121,27 +121,22 @@ class Namespace final : public NamespaceView {
   // unmount); returns how many could not be queued.
   uint64_t PublishOpenFiles() EXCLUDES(ns_mu_);
 
-  // ------------------------------------------------------------ journal (journal_events.cc)
-  void OnJournalDone(const store::JournalEntry& e, const Status& st) EXCLUDES(ns_mu_);
-  void OnJournalHalt(const store::JournalEntry& e, const Status& st) EXCLUDES(ns_mu_);
-  // The commit gate's questions: is `path` open for writing here, its publish not queued?
-  // Is a version of `path` being written or published here whose writes began after
-  // journal entry `seq` (a commit) was appended? Was its pending publish dropped because
-  // the application deleted it while halted?
-  bool WrittenLocally(const std::string& path) EXCLUDES(ns_mu_);
-  bool RewrittenSince(const std::string& path, uint64_t seq) EXCLUDES(ns_mu_);
+  // ------------------------------------------------------------ PublicationObserver
+  // (journal_events.cc) What publication asks about files written here and tells about
+  // their entries; see store/publish/publication.h.
+  bool WrittenLocally(const std::string& path) override EXCLUDES(ns_mu_);
+  bool RewrittenSince(const std::string& path, uint64_t seq) override EXCLUDES(ns_mu_);
+  bool PendingLocally(const std::string& path) override EXCLUDES(ns_mu_);
+  bool RankCommitPending(const std::string& path, uint64_t seq) override EXCLUDES(ns_mu_);
+  void OnOutcome(const store::JournalEntry& e, const Status& st,
+                 const store::PublishOutcome& outcome) override EXCLUDES(ns_mu_);
+  void OnHalted(const store::JournalEntry& e, const Status& st) override EXCLUDES(ns_mu_);
   // The node at `path` (relative to the root) in the in-memory tree, or null: no I/O, so a
   // name this mount never loaded was not written through it.
   Node* LoadedNodeAtLocked(const std::string& path) REQUIRES(ns_mu_);
-  // No-collectives DCP (`__{rank}.metadata`): is another rank's commit file of `path`'s
-  // directory (or its `.tmp`) still being written here, its publish not done, or renamed
-  // by an entry after `seq` (the one of `path`, being applied)?
-  bool OtherRankCommitPending(const std::string& path, uint64_t seq) EXCLUDES(ns_mu_);
-  // A peer's commit query: is `path` open for writing here or its publish not yet done?
-  bool PendingLocally(const std::string& path) EXCLUDES(ns_mu_);
-  bool DeletedLocally(const std::string& path) EXCLUDES(dropped_mu_);
-  // ".ckptfs-tmp.[n<node rank>.]<id>": unique among the daemons sharing the backing dir.
-  std::string TempName(uint64_t id) const;
+  // ".ckptfs-tmp.[n<node rank>.]": temp names unique among the daemons sharing the
+  // backing dir (store::PublicationOptions::temp_prefix).
+  static std::string TempPrefix(const FsConfig& config);
   // The staging pool's pressure callback: seals idle staged files.
   void RelieveStagingPressure() EXCLUDES(staged_mu_);
 
@@ -292,15 +287,12 @@ class Namespace final : public NamespaceView {
   // The node's side of a publish entry's outcome; returns the inode whose write state
   // was dropped (to RefreshAttr), or 0.
   uint64_t NodePublishDone(const store::JournalEntry& e, const Status& st) EXCLUDES(ns_mu_);
-  // Gives a just-published file's block CRCs (recorded by the flush pipeline) to the index.
-  void HandOverBlockCrcs(const store::JournalEntry& e);
 
   // ------------------------------------------------------------ dependencies (borrowed)
   const FsConfig& config_;
   store::BackingDir* const backing_;
-  store::CheckpointRegistry* const checkpoints_;
   store::FlushPipeline* const pipeline_;
-  store::Journal* const journal_;
+  store::Publication* const publication_;
   store::KeyIndex* const index_;
   ReadPath* const read_;
   FsStats* const stats_;
@@ -309,7 +301,7 @@ class Namespace final : public NamespaceView {
   // ------------------------------------------------------------ state
   // Held across namespace work on the backing store; never by read()/write() of a file
   // whose data source is set (see the locking rule at the top).
-  mutable Mutex ns_mu_ ACQUIRED_BEFORE(staged_mu_, dropped_mu_);
+  mutable Mutex ns_mu_ ACQUIRED_BEFORE(staged_mu_);
   std::unordered_map<uint64_t, std::shared_ptr<Node>> inodes_ GUARDED_BY(ns_mu_);
   std::shared_ptr<Node> root_;  // set by Create, never changed
   uint64_t next_ino_ GUARDED_BY(ns_mu_) = kFirstNodeIno;
@@ -328,11 +320,6 @@ class Namespace final : public NamespaceView {
   Mutex staged_mu_;
   std::set<std::weak_ptr<StagedFile>, std::owner_less<std::weak_ptr<StagedFile>>> live_staged_
       GUARDED_BY(staged_mu_);
-
-  // Names whose pending publish was dropped because the application deleted them while
-  // publication was halted: a `.metadata` naming one is refused at once.
-  Mutex dropped_mu_;
-  std::set<std::string> dropped_paths_ GUARDED_BY(dropped_mu_);
 
   // LogIfIo's rate limit.
   std::atomic<int64_t> io_log_second_{0};

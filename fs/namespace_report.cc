@@ -33,7 +33,7 @@ Result<std::string> Namespace::DirPathOf(uint64_t ino) {
 }
 
 NamespaceView::Counts Namespace::CountNodes() {
-  const uint64_t applied = journal_->applied();
+  const uint64_t applied = publication_->applied();
   MutexLock lock(&ns_mu_);
   Counts counts;
   for (const auto& [_, node] : inodes_) {
@@ -56,7 +56,7 @@ std::string Namespace::ProgressJson(uint64_t ino) {
     MutexLock lock(&ns_mu_);
     auto node = NodeLocked(ino);
     if (!node) return JsonText(j);
-    const uint64_t applied = journal_->applied();
+    const uint64_t applied = publication_->applied();
     if (node->type == NodeType::kFile) {
       if (!node->error.empty() || (!node->halt_error.empty() && !node->halt_transient)) {
         j["state"] = "failed";
@@ -89,7 +89,7 @@ std::string Namespace::ProgressJson(uint64_t ino) {
       return JsonText(j);
     }
     const std::string path = PathLocked(node.get());
-    if (auto info = checkpoints_->Get(path)) {
+    if (auto info = publication_->registry()->Get(path)) {
       j["state"] = store::CkptStateName(info->state);
       j["bytes_total"] = info->bytes;
       j["bytes_done"] = info->bytes_published;
@@ -119,7 +119,7 @@ std::string Namespace::ProgressJson(uint64_t ino) {
     // Any other directory: published once no entry made so far is pending. (Entries
     // are applied in order, so this covers everything below it.) Its bytes are those of
     // the unpublished files below it: total staged, done durable on the backing store.
-    const uint64_t last = journal_->last_appended();
+    const uint64_t last = publication_->last_appended();
     if (last > applied) {
       j["state"] = "staged";
       // Below it: `node` is an ancestor (a parent walk, no path strings under the lock).
@@ -150,7 +150,7 @@ std::string Namespace::ProgressJson(uint64_t ino) {
     // its coordinator rank has published `.metadata` (G5: only after every shard).
     if (CommittedElsewhere(backing_, dir_path, since)) {
       j["state"] = "committed";
-      if (since != 0) checkpoints_->OnCommitted(dir_path);  // its record says so from now on
+      if (since != 0) publication_->registry()->OnCommitted(dir_path);  // its record says so from now on
     } else {
       j["state"] = "pending";
       j["waiting_for"] = ".metadata from another node";

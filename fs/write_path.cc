@@ -15,24 +15,24 @@
 
 namespace ckptfs::fs {
 
-std::string Namespace::TempName(uint64_t id) const {
+std::string Namespace::TempPrefix(const FsConfig& config) {
   // With peers, other daemons write temp files into the same backing root with their own
   // counters: the node rank keeps the names apart.
   std::string name = kTempPrefix;
 #ifdef CKPTFS_HAVE_UCX
-  if (config_.peers) name += "n" + std::to_string(config_.peers->self) + ".";
+  if (config.peers) name += "n" + std::to_string(config.peers->self) + ".";
 #endif
-  return name + std::to_string(id);
+  return name;
 }
 
 Namespace::WritePlan Namespace::PlanWriteLocked(Node* node, bool truncate,
                                                   const UniqueFd* src) {
   FoldWriteTimeLocked(node);
   WritePlan plan;
-  plan.id = journal_->NextFileId();
+  plan.id = publication_->NextFileId();
   // Temp files live at the backing root, not beside their name: the name's directory
   // may itself still be a pending mkdir, and a root temp never moves with renames.
-  plan.temp_name = TempName(plan.id);
+  plan.temp_name = publication_->TempName(plan.id);
   plan.uid = node->attr.st_uid;
   plan.gid = node->attr.st_gid;
   plan.mode = node->attr.st_mode & 07777;
@@ -53,15 +53,15 @@ Namespace::WritePlan Namespace::PlanWriteLocked(Node* node, bool truncate,
 
 Result<std::unique_ptr<WriteState>> Namespace::PrepareWrite(const WritePlan& plan) {
   const std::string& temp_path = plan.temp_name;  // at the root
-  CKPT_RETURN_IF_ERROR(journal_->RegisterTemp(plan.id, temp_path));
+  CKPT_RETURN_IF_ERROR(publication_->RegisterTemp(plan.id, temp_path));
   auto fail = [&](Status st) {
     (void)backing_->Unlink(temp_path);
-    (void)journal_->ForgetTemp(plan.id);
+    (void)publication_->ForgetTemp(plan.id);
     return st;
   };
   auto fd = backing_->OpenFile(temp_path, O_RDWR | O_CREAT | O_EXCL, 0600);
   if (!fd.ok()) {
-    (void)journal_->ForgetTemp(plan.id);
+    (void)publication_->ForgetTemp(plan.id);
     return fd.status();
   }
   // The file's owner and exact mode (the daemon's umask must not change it), from the
@@ -110,7 +110,7 @@ Result<std::unique_ptr<WriteState>> Namespace::PrepareWrite(const WritePlan& pla
 void Namespace::AbandonWrite(const WriteState& ws) {
   // Nothing was written into it or journaled about it: remove it as a failed begin does.
   (void)backing_->Unlink(ws.temp_name);
-  (void)journal_->ForgetTemp(ws.file_id);
+  (void)publication_->ForgetTemp(ws.file_id);
 }
 
 void Namespace::InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws) {
@@ -119,15 +119,13 @@ void Namespace::InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws) {
     live_staged_.insert(ws->staged);
   }
   if (node->write) ws->publish_seq = node->write->publish_seq;
-  ws->began_after = journal_->last_appended();
+  ws->began_after = publication_->last_appended();
   node->write = std::move(ws);
   node->attr.st_mtim = node->attr.st_ctim = Now();
   SyncDataLocked(node);
-  // A checkpoint file made, or written again in place (a second save into the same
-  // directory opens its shards with O_TRUNC): its checkpoint is being written.
-  if (node->parent != nullptr && store::CheckpointRegistry::IsCheckpointFile(node->name)) {
-    checkpoints_->OnFileCreated(PathLocked(node->parent));
-  }
+  // A file made, or written again in place (a second save into the same directory opens
+  // its shards with O_TRUNC): a checkpoint file's checkpoint is being written.
+  if (node->parent != nullptr) publication_->NoteWriteBegun(PathLocked(node->parent), node->name);
 }
 
 Status Namespace::BeginWriteLocked(Node* node, bool truncate, const UniqueFd* src) {
@@ -189,17 +187,12 @@ Result<uint64_t> Namespace::PublishLocked(Node* node) {
   // not those of the flushes.
   e.atime_sec = node->attr.st_atim.tv_sec, e.atime_nsec = node->attr.st_atim.tv_nsec;
   e.mtime_sec = node->attr.st_mtim.tv_sec, e.mtime_nsec = node->attr.st_mtim.tv_nsec;
-  const std::string dir = ParentOf(e.path);
-  const bool commit = store::IsCommitName(e.path);
-  const uint64_t size = e.size;
   publishing_[ws.file_id] = inodes_[node->ino];
   CKPT_ASSIGN_OR_RETURN(uint64_t seq, AppendLocked(std::move(e), node));
   ws.publish_seq = seq;
   ws.needs_publish = false;
   SyncDataLocked(node);
   node->on_backing = true;
-  checkpoints_->OnFileQueued(dir, size);
-  if (commit) checkpoints_->OnCommitQueued(dir);
   return seq;
 }
 
@@ -237,8 +230,8 @@ Result<std::pair<Entry, Handle*>> Namespace::Create(uint64_t parent, const std::
       const bool fits = ready.ws && ready.plan.uid == owner.uid &&
                         ready.plan.gid == owner.gid && ready.plan.mode == (owner.mode & 07777);
       if (!fits && attempt < 3) {
-        plan.id = journal_->NextFileId();
-        plan.temp_name = TempName(plan.id);
+        plan.id = publication_->NextFileId();
+        plan.temp_name = publication_->TempName(plan.id);
         plan.uid = owner.uid;
         plan.gid = owner.gid;
         plan.mode = owner.mode & 07777;
@@ -256,10 +249,6 @@ Result<std::pair<Entry, Handle*>> Namespace::Create(uint64_t parent, const std::
           return st;
         }
         TouchDirLocked(dir.get(), 0);
-        {
-          MutexLock dropped_lock(&dropped_mu_);
-          if (!dropped_paths_.empty()) dropped_paths_.erase(PathLocked(node.get()));
-        }
         auto handle = std::make_unique<Handle>();
         FileHandle& fh = handle->kind.emplace<FileHandle>();
         fh.node = node;
@@ -300,11 +289,7 @@ Result<Handle*> Namespace::NodeOpen(uint64_t ino, int flags) {
       const uint64_t seq = PendingRenameLocked(node.get());
       if (seq == 0) break;
       lock.Unlock();
-      Status st = journal_->WaitUnlessHalted(seq);  // the outcome belongs to its entry...
-      // ...unless publication is halted, or the daemon is stopping.
-      if (!st.ok() && (journal_->halted() || journal_->releasing())) return st;
-      // Let go early behind a commit that waits for unwritten shards: no busy loop.
-      if (st.ok()) journal_->WaitDoneFor(seq, std::chrono::milliseconds(50));
+      CKPT_RETURN_IF_ERROR(publication_->AwaitApplied(seq));
       lock.Lock();
     }
     if (node->type == NodeType::kDir) return Status(Code::kIsDir, "open of a directory");
@@ -341,7 +326,7 @@ Result<Handle*> Namespace::NodeOpen(uint64_t ino, int flags) {
         // Being written through another handle: cut what it holds (waits for its flushes).
         CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(0));
         // A new version: no commit appended before now names it.
-        node->write->began_after = journal_->last_appended();
+        node->write->began_after = publication_->last_appended();
       }
     }
     // Without O_TRUNC, opening for writing starts nothing: the first write does (Write).
@@ -505,7 +490,7 @@ bool Namespace::ReleaseFileLocked(FileHandle* h) {
       auto seq = PublishLocked(node);
       if (!seq.ok()) NoteError("publish " + PathLocked(node) + ": " + seq.status().ToString());
     }
-    if (node->open_files == 0 && !ws.needs_publish && ws.publish_seq <= journal_->applied() &&
+    if (node->open_files == 0 && !ws.needs_publish && ws.publish_seq <= publication_->applied() &&
         publishing_.count(ws.file_id) == 0) {
       DropWriteStateLocked(node);  // fully published: the backing file is the truth again
       dropped = true;

@@ -30,7 +30,7 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "store/peer/peer_client.h"
-#include "store/shard_state.h"
+#include "store/publish/shard_state.h"
 
 namespace ckptfs::store::peer {
 

@@ -29,7 +29,7 @@
 
 #include "common/status.h"
 #include "store/cache/block_source.h"
-#include "store/shard_state.h"
+#include "store/publish/shard_state.h"
 
 namespace ckptfs::store::peer {
 

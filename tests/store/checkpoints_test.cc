@@ -1,6 +1,6 @@
 // CheckpointRegistry: state transitions, persistence across a restart (an unfinished
 // checkpoint becomes aborted), renames and removal of checkpoint directories.
-#include "store/checkpoints.h"
+#include "store/publish/checkpoints.h"
 
 #include <gtest/gtest.h>
 

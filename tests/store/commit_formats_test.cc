@@ -3,10 +3,10 @@
 // `*.safetensors.index.json` naming its shards, or a single `model.safetensors`). Their
 // commit files are gated like `.metadata` (G5), and a malformed one commits by order.
 // Fixture: journal_fixture.h (a real backing dir, journal and pipeline).
-#include "store/commit_names.h"
+#include "store/publish/commit_names.h"
 #include "store/safetensors_index.h"
 
-#include "store/checkpoints.h"
+#include "store/publish/checkpoints.h"
 #include "tests/store/journal_fixture.h"
 
 #include "store/dcp/dcp_metadata.h"

@@ -2,7 +2,7 @@
 // FaultyBackingDir that counts the backing-store stats of each shard: a pending answer
 // waits without a stat, a durable one counts after exactly one, and anything a peer cannot
 // vouch for falls back to polling.
-#include "store/commit_gate.h"
+#include "store/publish/commit_gate.h"
 
 #include <gtest/gtest.h>
 

@@ -3,7 +3,7 @@
 // See journal_test.cc for how a crash is simulated.
 #pragma once
 
-#include "store/journal.h"
+#include "store/publish/journal.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -27,7 +27,7 @@
 #include <thread>
 #include <vector>
 
-#include "store/commit_gate.h"
+#include "store/publish/commit_gate.h"
 #include "store/flush_pipeline.h"
 #include "store/state_db.h"
 #include "tests/store/faulty_backing_dir.h"

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "store/backing_dir.h"
-#include "store/journal.h"
+#include "store/publish/journal.h"
 #include "store/state_db.h"
 #include "tests/store/faulty_backing_dir.h"
 

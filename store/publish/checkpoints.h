@@ -1,6 +1,6 @@
 // CheckpointRegistry: the state of every checkpoint directory this daemon has seen.
 //
-// A directory becomes a checkpoint when a checkpoint file (store/commit_names.h: DCP's
+// A directory becomes a checkpoint when a checkpoint file (store/publish/commit_names.h: DCP's
 // `*.distcp`, `.metadata`, `.metadata.tmp`, `__{rank}.metadata[.tmp]`; Hugging Face's
 // `*.safetensors.index.json`, `model.safetensors`, `*-NNNNN-of-NNNNN.safetensors`) is
 // created in it through the mount. "The commit file" below is `.metadata`, a
@@ -80,7 +80,7 @@ class CheckpointRegistry {
   void OnFilePublished(const std::string& dir, uint64_t bytes, uint64_t seq = kNow);
   void OnCommitQueued(const std::string& dir);
   // `last_part`: the last pending per-rank commit file of a no-collectives DCP save
-  // (`__{rank}.metadata`, store/commit_names.h) was applied; a record already failed by
+  // (`__{rank}.metadata`, store/publish/commit_names.h) was applied; a record already failed by
   // another rank's part stays failed.
   void OnCommitted(const std::string& dir, uint64_t seq = kNow, bool last_part = false);
   void OnFailed(const std::string& dir, const std::string& error, uint64_t seq = kNow);

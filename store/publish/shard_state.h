@@ -14,9 +14,10 @@
 //   kUnknown  none of these (never written here, or forgotten: the record is bounded).
 // A path open for writing again after a publish is kPending: pending wins over a record.
 //
-// LocalShardStates is the daemon's provider: the pending/dropped questions go to hooks into
-// the namespace (fs/), the outcomes come from the journal's on_done (NoteDone), kept in a
-// bounded record of the most recent `max_records` paths.
+// LocalShardStates is the daemon's provider: Publication (publication.h) answers the
+// pending/dropped questions (the mount's observer, its dropped paths) and gives it the
+// journal's outcomes (NoteDone), kept in a bounded record of the most recent `max_records`
+// paths.
 //
 // Thread-safe.
 #pragma once
@@ -30,7 +31,7 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
-#include "store/journal.h"
+#include "store/publish/journal.h"
 
 namespace ckptfs::store {
 

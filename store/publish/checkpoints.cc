@@ -1,11 +1,11 @@
-#include "store/checkpoints.h"
+#include "store/publish/checkpoints.h"
 
 #include <spdlog/spdlog.h>
 
 #include <chrono>
 
 #include "common/path.h"
-#include "store/commit_names.h"
+#include "store/publish/commit_names.h"
 #include "store/record_codec.h"
 
 namespace ckptfs::store {

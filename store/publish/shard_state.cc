@@ -1,4 +1,4 @@
-#include "store/shard_state.h"
+#include "store/publish/shard_state.h"
 
 #include <vector>
 

@@ -96,6 +96,8 @@ struct JournalEntry {
   std::string path;
   std::string from;
   std::string link_target;
+  // kMkdir/kMknod/kChmod: the mode. kRename/kUnlink: S_IFDIR when a directory moves or
+  // goes (the checkpoint registry follows it, store/publish/publication.h); not applied.
   uint32_t mode = 0;
   int64_t atime_sec = 0, atime_nsec = 0, mtime_sec = 0, mtime_nsec = 0;
   uint64_t file_id = 0;
@@ -395,7 +397,7 @@ class Journal {
 
 // True if `path`'s last component commits a checkpoint directory: `.metadata`, a per-rank
 // `__{rank}.metadata`, a `*.safetensors.index.json` or `model.safetensors`
-// (store/commit_names.h).
+// (store/publish/commit_names.h).
 bool IsCommitName(const std::string& path);
 
 }  // namespace ckptfs::store

@@ -69,8 +69,8 @@
 #include <vector>
 
 #include "store/backing_dir.h"
-#include "store/journal.h"
-#include "store/shard_state.h"
+#include "store/publish/journal.h"
+#include "store/publish/shard_state.h"
 
 namespace ckptfs::store {
 

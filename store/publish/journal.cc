@@ -1,4 +1,4 @@
-#include "store/journal.h"
+#include "store/publish/journal.h"
 
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
@@ -10,7 +10,7 @@
 
 #include "common/path.h"
 #include "common/thread_name.h"
-#include "store/commit_names.h"
+#include "store/publish/commit_names.h"
 #include "store/record_codec.h"
 
 namespace ckptfs::store {

@@ -1,4 +1,4 @@
-#include "store/commit_gate.h"
+#include "store/publish/commit_gate.h"
 
 #include <spdlog/spdlog.h>
 
@@ -8,7 +8,7 @@
 #include "common/path.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/metadata_file.h"
-#include "store/commit_names.h"
+#include "store/publish/commit_names.h"
 #include "store/safetensors_index.h"
 
 namespace ckptfs::store {

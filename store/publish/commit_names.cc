@@ -1,4 +1,4 @@
-#include "store/commit_names.h"
+#include "store/publish/commit_names.h"
 
 namespace ckptfs::store {
 namespace {

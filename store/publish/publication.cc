@@ -1,0 +1,235 @@
+#include "store/publish/publication.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+
+#include "common/path.h"
+#include "store/file_key.h"
+#include "store/flush_pipeline.h"
+#include "store/publish/commit_names.h"
+
+namespace ckptfs::store {
+
+Publication::Publication(BackingDir* dir, KeyIndex* index, PublicationOptions options)
+    : dir_(dir), index_(index), options_(std::move(options)) {}
+
+Publication::~Publication() = default;
+
+Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateDb* db,
+                                                         KeyIndex* index,
+                                                         PublicationOptions options) {
+  CKPT_ASSIGN_OR_RETURN(RecoveryReport report, Journal::Recover(dir, db));
+  if (report.entries_discarded > 0 || report.temps_removed > 0) {
+    spdlog::warn("recovery: discarded {} unapplied journal entries, removed {} temp files",
+                 report.entries_discarded, report.temps_removed);
+  }
+  std::unique_ptr<Publication> p(new Publication(dir, index, std::move(options)));
+  Publication* self = p.get();
+  // Entries the last stop left for this start: queued by Start(), once the observer exists.
+  p->left_ = std::move(report.resumed);
+  CKPT_ASSIGN_OR_RETURN(p->registry_, CheckpointRegistry::Load(db));
+
+  LocalShardStatesOptions states;
+  states.pending = [self](const std::string& path) {
+    return self->observer_->PendingLocally(path);
+  };
+  states.dropped = [self](const std::string& path) { return self->DeletedLocally(path); };
+  p->shard_states_ = std::make_unique<LocalShardStates>(std::move(states));
+
+  CommitGateOptions gate = p->options_.gate;
+  gate.written_locally = [self](const std::string& path) {
+    return self->observer_->WrittenLocally(path);
+  };
+  gate.rewritten_since = [self](const std::string& path, uint64_t seq) {
+    return self->observer_->RewrittenSince(path, seq);
+  };
+  gate.deleted_locally = [self](const std::string& path) { return self->DeletedLocally(path); };
+  gate.local_durable = [self](const std::string& path) {
+    return self->shard_states_->Durable(path);
+  };
+  if (gate.ask_peers) {
+    gate.wake = [self] { self->journal_->RecheckGate(); };
+  }
+  p->gate_ = std::make_unique<CommitGate>(dir, std::move(gate));
+
+  Journal::Hooks hooks;
+  hooks.commit_gate = [self](const JournalEntry& e,
+                             const std::function<bool(const std::string&)>& queued) {
+    return self->gate_->Check(e, queued);
+  };
+  if (p->options_.cross_node_order) {
+    hooks.gated = [](const JournalEntry& e) { return CommitGate::IsOrderedEntry(e); };
+  }
+  hooks.on_done = [self](const JournalEntry& e, const Status& st) { self->OnDone(e, st); };
+  hooks.on_halt = [self](const JournalEntry& e, const Status& st) { self->OnHalt(e, st); };
+  hooks.halt_on_failure = p->options_.halt_on_failure;
+  // Temp files live at the backing root: their records can be written ahead, several
+  // per synced write.
+  hooks.temp_path = [self](uint64_t id) { return self->TempName(id); };
+  CKPT_ASSIGN_OR_RETURN(p->journal_, Journal::Create(dir, db, std::move(hooks)));
+  return p;
+}
+
+void Publication::Start(PublicationObserver* observer) {
+  observer_ = observer;
+  if (left_.empty()) return;
+  // The mount shows the backing store as the last daemon left it; give what it left a
+  // moment to be published before serving (docs/SEMANTICS.md, "Stopping").
+  const size_t n = left_.size();
+  journal_->QueueLeft(std::move(left_));
+  left_.clear();
+  const bool done = journal_->WaitLeft(std::chrono::seconds(2));
+  spdlog::info("resumed {} journal entries left by the last stop: {}", n,
+               done ? "all published" : "still pending: " + journal_->WaitingFor());
+}
+
+std::string Publication::TempName(uint64_t id) const {
+  return options_.temp_prefix + std::to_string(id);
+}
+
+Result<uint64_t> Publication::Append(JournalEntry e) {
+  const OpType op = e.op;
+  const std::string path = e.path;
+  const std::string from = e.from;
+  const uint64_t size = e.size;
+  const bool dir = S_ISDIR(e.mode);
+  CKPT_ASSIGN_OR_RETURN(uint64_t seq, journal_->Append(std::move(e)));
+  // The registry follows the application's order: what this entry queues, as it is
+  // queued (a rename or removal of a directory moves its records before the backing store
+  // does; the outcomes of earlier entries are resolved through it, CheckpointRegistry).
+  switch (op) {
+    case OpType::kPublish:
+      registry_->OnFileQueued(path::Parent(path), size);
+      if (IsCommitName(path)) registry_->OnCommitQueued(path::Parent(path));
+      break;
+    case OpType::kRename:
+      if (dir) {
+        registry_->OnRemoved(path, seq);  // a directory it replaces (empty) goes
+        registry_->OnRenamed(from, path, seq);
+      } else if (IsCommitName(path)) {
+        registry_->OnCommitQueued(path::Parent(path));
+      }
+      break;
+    case OpType::kRmdir:
+      registry_->OnRemoved(path, seq);
+      break;
+    case OpType::kUnlink:
+      if (dir) registry_->OnRemoved(path, seq);  // a directory a rename replaces
+      break;
+    default:
+      break;
+  }
+  return seq;
+}
+
+void Publication::NoteWriteBegun(const std::string& dir, const std::string& name) {
+  if (CheckpointRegistry::IsCheckpointFile(name)) registry_->OnFileCreated(dir);
+  MutexLock lock(&dropped_mu_);
+  if (!dropped_paths_.empty()) dropped_paths_.erase(path::Join(dir, name));
+}
+
+bool Publication::DropIfHalted(const std::string& path) {
+  if (!journal_->DropIfHalted(path)) return false;
+  MutexLock lock(&dropped_mu_);
+  dropped_paths_.insert(path);
+  return true;
+}
+
+bool Publication::DeletedLocally(const std::string& path) {
+  MutexLock lock(&dropped_mu_);
+  return dropped_paths_.count(path) > 0;
+}
+
+Status Publication::AwaitApplied(uint64_t seq) {
+  Status st = journal_->WaitUnlessHalted(seq);  // the outcome belongs to its entry...
+  // ...unless publication is halted, or the daemon is stopping.
+  if (!st.ok() && (journal_->halted() || journal_->releasing())) return st;
+  // Let go early behind a commit that waits for unwritten shards: wait for the entry
+  // itself a slice at a time, so that a halt or a stop is seen; no busy loop.
+  if (st.ok()) journal_->WaitDoneFor(seq, std::chrono::milliseconds(50));
+  return Status::Ok();
+}
+
+std::vector<std::string> Publication::Abort(const std::string& path) {
+  std::vector<std::string> dropped = journal_->Abort(path);
+  registry_->OnAborted(path, "aborted by the operator");
+  return dropped;
+}
+
+void Publication::OnHalt(const JournalEntry& e, const Status& st) {
+  const std::string dir = path::Parent(e.path);
+  if (st.ok()) {
+    registry_->OnResumed(dir);
+  } else {
+    registry_->OnHalted(dir, st.ToString());
+  }
+  observer_->OnHalted(e, st);
+}
+
+void Publication::OnDone(const JournalEntry& e, const Status& st) {
+  if (options_.cross_node_order) gate_->NoteApplied(e, st);
+  PublishOutcome outcome;
+  outcome.committed_dcp_dir = NoteApplied(e, st);
+  observer_->OnOutcome(e, st, outcome);
+  shard_states_->NoteDone(e, st);  // after the mount let go of a published path
+}
+
+std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
+  const std::string dir = path::Parent(e.path);
+  const bool commit = (e.op == OpType::kPublish || e.op == OpType::kRename) &&
+                      IsCommitName(e.path);
+  std::string committed_dcp;
+  if (e.op == OpType::kPublish && st.ok()) {
+    SetFileTimes(e);
+    registry_->OnFilePublished(dir, e.size, e.seq);
+    HandOverBlockCrcs(e);
+  }
+  if (st.code() == Code::kSuperseded) {
+    // A later save into the same directory commits it; nothing failed. The registry keeps
+    // the state that later save gave the directory.
+  } else if (!st.ok()) {
+    if (e.op == OpType::kPublish || commit) {
+      if (st.code() == Code::kAborted) {
+        registry_->OnAborted(dir, st.ToString());
+      } else {
+        registry_->OnFailed(dir, st.ToString(), e.seq);
+      }
+    }
+  } else if (commit) {
+    const CommitKind kind = CommitKindOf(e.path);
+    if (kind != CommitKind::kDcpRank) {
+      registry_->OnCommitted(dir, e.seq);
+    } else if (!observer_->RankCommitPending(e.path, e.seq)) {
+      // A no-collectives save: each rank's `__{rank}.metadata` is gated on its own shards;
+      // the directory is committed once none of them is pending any more.
+      registry_->OnCommitted(dir, e.seq, /*last_part=*/true);
+    }
+    // The key index reads `.metadata` (safetensors and per-rank metadata: not yet).
+    if (kind == CommitKind::kDcp) committed_dcp = dir;
+  }
+  // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
+  registry_->OnApplied(journal_->applied());
+  if (st.ok() && e.op == OpType::kRename) index_->OnRenamed(e.from, e.path);
+  if (st.ok() && e.op == OpType::kRmdir) index_->Forget(e.path);
+  return committed_dcp;
+}
+
+void Publication::SetFileTimes(const JournalEntry& e) {
+  if (!(e.atime_sec || e.atime_nsec || e.mtime_sec || e.mtime_nsec)) return;
+  struct timespec ts[2] = {{e.atime_sec, e.atime_nsec}, {e.mtime_sec, e.mtime_nsec}};
+  (void)dir_->Utimens(e.path, ts);
+}
+
+void Publication::HandOverBlockCrcs(const JournalEntry& e) {
+  if (!e.target) return;  // replayed after a restart: nothing was recorded
+  std::shared_ptr<BlockCrcMap> crcs = e.target->TakeBlockCrcs();
+  if (!crcs) return;
+  crcs->Finish(e.size);
+  // The identity after the rename and the times set above: a later change by anyone makes
+  // the key index ignore these CRCs.
+  Result<struct stat> st = dir_->Stat(e.path);
+  if (!st.ok()) return;
+  index_->AddBlockCrcs(e.path, FileKeyFromStat(*st), std::move(crcs));
+}
+
+}  // namespace ckptfs::store

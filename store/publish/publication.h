@@ -1,0 +1,170 @@
+// Publication: one owner for a file's life on the backing store, from the journal entry
+// that queues it to its outcome (G4, G5, G7, G10, G11).
+//
+// It owns the journal (journal.h: order, apply, halt, bounded stop), the commit gate
+// (commit_gate.h: when a `.metadata` may appear), what this mount knows of its shards for
+// peers (shard_state.h) and the checkpoint registry (checkpoints.h), and it is the only
+// place that wires them together. Applying an entry stays here from append to outcome:
+//   Append(entry)            the registry notes what the entry queues (a file of a
+//                            checkpoint, its commit, a rename or removal of a directory);
+//   journal publisher        fsync, gate, rename/unlink/... (journal.cc, commit_gate.cc);
+//   OnDone (publisher)       file times of a publish, the registry's outcome, the key
+//                            index (renames, removals, a published file's block CRCs),
+//                            the gate's cross-node notes, then the observer, then the
+//                            shard states.
+// The mount (fs/) sees a narrow interface: it appends entries and asks what is applied;
+// it answers the gate's questions and is told outcomes through one observer
+// (PublicationObserver), which it implements. Nothing here calls into fs/ otherwise.
+//
+// Thread-safe. Create(), then Start() with the observer before anything is appended.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/mutex.h"
+#include "common/status.h"
+#include "store/backing_dir.h"
+#include "store/dcp/key_index.h"
+#include "store/publish/checkpoints.h"
+#include "store/publish/commit_gate.h"
+#include "store/publish/journal.h"
+#include "store/publish/shard_state.h"
+#include "store/state_db.h"
+
+namespace ckptfs::store {
+
+// What publication tells the mount about an entry beside its status.
+struct PublishOutcome {
+  // A DCP checkpoint directory this entry committed (its `.metadata` landed): the mount
+  // builds its key index for reads. Empty otherwise.
+  std::string committed_dcp_dir;
+};
+
+// The mount's side of publication: what it knows of files written through it, and what it
+// is told happened. Implemented by fs/ (the write states); held here, borrowed.
+// The questions run on the publisher thread and on a peer's query thread: in memory only,
+// brief, and they never call back into Publication. Paths are relative to the backing root.
+class PublicationObserver {
+ public:
+  virtual ~PublicationObserver() = default;
+  // Written locally: `path` is open for writing through this mount and its publish is not
+  // queued yet.
+  virtual bool WrittenLocally(const std::string& path) = 0;
+  // A version of `path` is being written or published here whose writes began after
+  // journal entry `seq` (a commit) was appended.
+  virtual bool RewrittenSince(const std::string& path, uint64_t seq) = 0;
+  // Pending locally: open for writing here, or its publish queued and its outcome not yet
+  // told (OnOutcome).
+  virtual bool PendingLocally(const std::string& path) = 0;
+  // No-collectives DCP: another rank's `__{rank}.metadata` of `path`'s directory (or its
+  // `.tmp`) is being written here or renamed by an entry after `seq`.
+  virtual bool RankCommitPending(const std::string& path, uint64_t seq) = 0;
+  // Outcome: entry `e` was applied, skipped or dropped (st), after the store side is done
+  // (registry, key index, file times) and before the shard states hear of it.
+  virtual void OnOutcome(const JournalEntry& e, const Status& st,
+                         const PublishOutcome& outcome) = 0;
+  // Halted: publication stopped at `e` with `st` (each attempt), or passed it (ok). The
+  // registry has been told already.
+  virtual void OnHalted(const JournalEntry& e, const Status& st) = 0;
+};
+
+struct PublicationOptions {
+  // The commit gate's timeout, peers (ask_peers) and peer_recheck; its questions about
+  // local files are answered by the observer (left empty here).
+  CommitGateOptions gate;
+  // Other nodes write into the same backing dir (peers): entries that must follow a
+  // checkpoint another node commits wait at the gate, and the gate notes applied shards.
+  bool cross_node_order = false;
+  // false (strict mode): a failed entry is skipped, never halts (Journal::Hooks).
+  bool halt_on_failure = true;
+  // Temp files are "<temp_prefix><id>" at the backing root (TempName).
+  std::string temp_prefix = ".ckptfs-tmp.";
+};
+
+class Publication {
+ public:
+  // Recovers what the last run left (Journal::Recover), loads the registry and makes the
+  // parts. `dir`, `db` and `index` must outlive it.
+  static Result<std::unique_ptr<Publication>> Create(BackingDir* dir, StateDb* db,
+                                                     KeyIndex* index,
+                                                     PublicationOptions options);
+  ~Publication();  // the journal drains and joins (Journal's destructor)
+  Publication(const Publication&) = delete;
+  Publication& operator=(const Publication&) = delete;
+
+  // Sets the observer (must outlive every entry's outcome) and queues the entries a
+  // bounded stop of the last run left, giving them a moment (2 s) before the mount serves.
+  void Start(PublicationObserver* observer);
+
+  // ------------------------------------------------------------ the mount's interface
+  // Persists (unsynced) and queues `entry`; the registry notes what it queues.
+  Result<uint64_t> Append(JournalEntry entry);
+  uint64_t NextFileId() { return journal_->NextFileId(); }
+  std::string TempName(uint64_t id) const;
+  // Journal::RegisterTemp / ForgetTemp: a synced write (RegisterTemp) unless written ahead.
+  Status RegisterTemp(uint64_t id, const std::string& temp_path) {
+    return journal_->RegisterTemp(id, temp_path);
+  }
+  Status ForgetTemp(uint64_t id) { return journal_->ForgetTemp(id); }
+  // File `name` in directory `dir` began a new version through the mount (created, or
+  // written again in place): its checkpoint, if it is one, is being written, and a delete
+  // while halted (DropIfHalted) no longer refuses a `.metadata` that names it.
+  void NoteWriteBegun(const std::string& dir, const std::string& name) EXCLUDES(dropped_mu_);
+  // The application deleted `path` while publication is halted before its pending publish
+  // (Journal::DropIfHalted); a `.metadata` naming it is then refused at once.
+  bool DropIfHalted(const std::string& path) EXCLUDES(dropped_mu_);
+  uint64_t last_appended() const { return journal_->last_appended(); }
+  uint64_t applied() const { return journal_->applied(); }
+  Status WaitUnlessHalted(uint64_t seq) { return journal_->WaitUnlessHalted(seq); }
+  // One slice of waiting for entry `seq`: an error only when publication is halted before
+  // it or the daemon stops; ok otherwise, when it is done or after a short while (a commit
+  // before it waits for shards nobody has written yet). The caller checks and calls again.
+  Status AwaitApplied(uint64_t seq);
+
+  // ------------------------------------------------------------ operator, reports, stop
+  void Resume() { journal_->Resume(); }
+  // Drops every queued entry at or below `path` and marks its checkpoints aborted.
+  std::vector<std::string> Abort(const std::string& path);
+  Journal* journal() { return journal_.get(); }
+  CheckpointRegistry* registry() { return registry_.get(); }
+  const CommitGate& gate() const { return *gate_; }
+  // What this mount wrote, for peers' commit queries (outlives the peer server).
+  ShardStateProvider* shard_states() { return shard_states_.get(); }
+
+ private:
+  Publication(BackingDir* dir, KeyIndex* index, PublicationOptions options);
+  bool DeletedLocally(const std::string& path) EXCLUDES(dropped_mu_);
+  // The journal's hooks (publisher thread).
+  void OnDone(const JournalEntry& e, const Status& st);
+  void OnHalt(const JournalEntry& e, const Status& st);
+  // The registry's and the key index's side of an applied entry; returns the directory
+  // of a DCP checkpoint it committed, or "".
+  std::string NoteApplied(const JournalEntry& e, const Status& st);
+  // A published file keeps the times the mount showed (its last write, or a utimens).
+  void SetFileTimes(const JournalEntry& e);
+  // Gives a just-published file's block CRCs (recorded by the flush pipeline) to the index.
+  void HandOverBlockCrcs(const JournalEntry& e);
+
+  BackingDir* const dir_;
+  KeyIndex* const index_;
+  const PublicationOptions options_;
+  PublicationObserver* observer_ = nullptr;  // set by Start(), before any entry
+  std::vector<JournalEntry> left_;           // from Recover(), for Start()
+  std::unique_ptr<CheckpointRegistry> registry_;
+  std::unique_ptr<LocalShardStates> shard_states_;
+  std::unique_ptr<CommitGate> gate_;
+  std::unique_ptr<Journal> journal_;  // last: its publisher calls into the parts above
+
+  // Names whose pending publish was dropped because the application deleted them while
+  // publication was halted: a `.metadata` naming one is refused at once.
+  Mutex dropped_mu_;
+  std::set<std::string> dropped_paths_ GUARDED_BY(dropped_mu_);
+};
+
+}  // namespace ckptfs::store
