@@ -472,6 +472,12 @@ Result<struct stat> Namespace::SetAttr(uint64_t ino, const struct stat& in, int 
   if (ino < kFirstNodeIno && ino != kRootIno) return Status(Code::kPermission, "control file");
   CKPT_RETURN_IF_ERROR(WaitForAncestorsUnlocked(ino));
   Result<uint64_t> last_seq = uint64_t{0};
+  // The I/O of a change runs after the lock: the temp file's owner and mode, and a
+  // truncate (the copy it may begin, its wait for flushes, the ftruncate).
+  std::shared_ptr<StagedFile> follow_temp;
+  bool follow_owner = false;
+  const FileHandle* resize_from = nullptr;
+  bool resize = false;
   {
     MutexLock lock(&ns_mu_);
     auto node = NodeLocked(ino);
@@ -502,25 +508,23 @@ Result<struct stat> Namespace::SetAttr(uint64_t ino, const struct stat& in, int 
       if (node->attr.st_nlink > 1) {
         return Status(Code::kTooManyLinks, "truncate of a file with several hard links");
       }
-      // ftruncate through a handle opened before any write: copy from its descriptor.
-      const FileHandle* fh = handle != nullptr ? handle->file() : nullptr;
-      const UniqueFd* src =
-          !node->write && fh != nullptr && fh->node == node ? fh->fd.get() : nullptr;
-      CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), in.st_size == 0, src));
-      CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(static_cast<uint64_t>(in.st_size)));
-      if (node->open_writers == 0) last_seq = PublishLocked(node.get());
-      node->attr.st_mtim = node->attr.st_ctim = Now();
+      resize = true;
+      resize_from = handle != nullptr ? handle->file() : nullptr;
     }
     // The owner before the mode: a chown clears setuid/setgid, on the backing store too.
     if (to_set & (kUid | kGid)) {
       last_seq = ChownLocked(node.get(), new_uid, new_gid);
       if (!last_seq.ok()) return last_seq.status();
+      if (node->write) {
+        follow_temp = node->write->staged;
+        follow_owner = true;
+      }
     }
     if (to_set & kMode) {
       node->attr.st_mode = (node->attr.st_mode & S_IFMT) | new_mode;
       node->attr.st_ctim = Now();
       if (node->write) {
-        CKPT_RETURN_IF_ERROR(backing_->Fchmod(node->write->staged->target()->fd(), new_mode));
+        follow_temp = node->write->staged;
       } else if (node->on_backing) {
         store::JournalEntry e;
         e.op = store::OpType::kChmod;
@@ -549,6 +553,14 @@ Result<struct stat> Namespace::SetAttr(uint64_t ino, const struct stat& in, int 
     }
     if (to_set & kCtime) node->attr.st_ctim = in.st_ctim;
     SyncPeersLocked(node.get(), last_seq.ok() ? *last_seq : 0);
+  }
+  if (follow_temp) {
+    CKPT_RETURN_IF_ERROR(FollowOwnerInTemp(ino, std::move(follow_temp), follow_owner));
+  }
+  if (resize && last_seq.ok()) {
+    Result<uint64_t> published = Resize(ino, static_cast<uint64_t>(in.st_size), resize_from);
+    if (!published.ok()) return published.status();
+    if (*published != 0) last_seq = published;
   }
   if (last_seq.ok() && *last_seq != 0) CKPT_RETURN_IF_ERROR(WaitIfStrict(last_seq));
   if (!last_seq.ok()) return last_seq.status();

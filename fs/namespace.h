@@ -2,7 +2,8 @@
 //
 // It owns the inode table, the overlay (the application's view = backing store + pending
 // journal entries), link groups, the write states of files being written (begin, publish,
-// discard, release; staging pressure) and the journal's callbacks into all of these. The
+// discard, release; staging pressure) and publication's observer (what it asks about
+// files written here and tells about their entries: store/publish/publication.h). The
 // facade (fs/filesystem.h) routes every call on a namespace inode or file handle here.
 // Its code is spread by concern:
 //   fs/namespace.cc       inodes, the overlay, lookup/getattr/setattr, mkdir, unlink,
@@ -10,32 +11,34 @@
 //   fs/posix_ops.cc       ownership, mknod, hard links, fallocate;
 //   fs/write_path.cc      copy-on-write begin, create/open, write, flush, publish, discard,
 //                         release, staging pressure (fs/staged_file.h holds the bytes);
-//   fs/journal_events.cc  the journal's callbacks: registry, key index, write states;
-//   fs/progress.cc        what it tells the control tree (fs/namespace_view.h).
+//   fs/journal_events.cc  store::PublicationObserver: the write states' side of an entry;
+//   fs/namespace_report.cc what it tells the control tree (fs/namespace_view.h).
 // The namespace and the write path share one lock and the write states of the nodes by
 // design: a write begins a copy, a publish freezes it, a rename moves it, all in the
 // journal's order.
 //
 // Thread-safe. Locking rule (written on the members below):
 //   * ns_mu_ guards the namespace (inode table, tree, write states, link groups). It is
-//     held for in-memory work, for the journal append that orders a namespace change
-//     (the journal's order must be the namespace's: a RocksDB Put, not synced), and for
-//     the checkpoint registry's notes of that change. Backing-store I/O runs without it:
-//     stats and listings (ProbeName, LoadDir, RefreshAttr, NodeOpenDir), the open of a
-//     backing file (NodeOpen), the temp file and copy a write or a create begins with
-//     (PlanWriteLocked / PrepareWrite / InstallWriteLocked), each re-checked under the lock
-//     before its result is used. Still under it: the fallbacks after a few lost races,
-//     the rare operations on a staged file (truncate, fallocate, chmod and chown of its
-//     temp file, an O_TRUNC open of a file another handle is writing), the readlink a hard
-//     link of a symlink makes, and PublishOpenFiles at shutdown.
+//     held for in-memory work and for the journal append that orders a namespace change
+//     (the journal's order must be the namespace's: a RocksDB Put, not synced; the
+//     checkpoint registry's notes of the entry, store::Publication::Append). Backing-store
+//     I/O runs without it: stats and listings (ProbeName, LoadDir, RefreshAttr,
+//     NodeOpenDir), the open of a backing file (NodeOpen), the temp file and copy a write,
+//     a create or a truncate begins with (PlanWriteLocked / PrepareWrite /
+//     InstallWriteLocked), a truncate's wait for flushes and ftruncate (Resize), fallocate,
+//     and the owner and mode of a staged file's temp (FollowOwnerInTemp), each re-checked
+//     under the lock before its result is used (RaceRetry, fs/fs_util.h). Still under it:
+//     the fallbacks after kRaceTries lost races (a write's or a create's copy, an open),
+//     an O_TRUNC open of a file another handle is writing, the readlink a hard link of a
+//     symlink makes, and PublishOpenFiles at shutdown.
 //   * read() and write() of an open file never take ns_mu_ unless the write begins a new
 //     copy of the file (its first write, or the first after a publish froze it): they take
 //     its node's data_mu (fs/node.h), a leaf held to copy a few fields.
 //   * Nothing waits on the pipeline or the journal (Settled, WaitUnlessHalted) with
 //     ns_mu_ held, except a publish freezing a file whose writer waits for staging space
 //     (StagedFile::SealAll takes the writer lock) and the fallbacks above.
-//   Lock order: ns_mu_ -> Node::data_mu -> StagedFile locks -> staged_mu_; dropped_mu_ and
-//   FsStats::error_mu are leaves.
+//   Lock order: ns_mu_ -> Node::data_mu -> StagedFile locks -> staged_mu_; publication's
+//   locks (its journal's Append, the registry) after ns_mu_; FsStats::error_mu is a leaf.
 #pragma once
 
 #include <sys/stat.h>
@@ -164,8 +167,11 @@ class Namespace final : public NamespaceView, public store::PublicationObserver 
   // Journals a chown of `node` (and applies it to its temp file when staged), then the
   // mode a chown leaves.
   Result<uint64_t> ChownLocked(Node* node, uid_t uid, gid_t gid) REQUIRES(ns_mu_);
-  // Sets the temp file's owner and mode from node->attr.
-  Status OwnTempLocked(Node* node, int fd) REQUIRES(ns_mu_);
+  // Gives the temp file of `staged` (the write state of `ino`) the node's owner (with
+  // `owner`) and mode, without ns_mu_; again if they changed meanwhile. Nothing when the
+  // node has moved on to another version (made with the node's attributes).
+  Status FollowOwnerInTemp(uint64_t ino, std::shared_ptr<StagedFile> staged, bool owner)
+      EXCLUDES(ns_mu_);
   // `node` loses a name: the other names of its link group count one link less. Journal
   // entry `seq` makes that true on the backing store: until then the others' attributes
   // are not refreshed from it.
@@ -280,6 +286,14 @@ class Namespace final : public NamespaceView, public store::PublicationObserver 
   Result<uint64_t> PublishLocked(Node* node) REQUIRES(ns_mu_);
   // The staged file a write through `h` goes to, beginning a copy when needed.
   Result<std::shared_ptr<StagedFile>> WritableStaged(FileHandle* h) EXCLUDES(ns_mu_);
+  // Truncate (or extend) file `ino` to `size`: a new version first if its contents are
+  // not being written (a copy from `from`'s descriptor, if it is an ftruncate of a handle
+  // opened before any write, else from its backing path), all I/O without ns_mu_
+  // (RaceRetry). Publishes it when no handle writes it; returns that entry's seq, or 0.
+  Result<uint64_t> Resize(uint64_t ino, uint64_t size, const FileHandle* from) EXCLUDES(ns_mu_);
+  // The node is still as `plan` found it: same version, not being written meanwhile, same
+  // owner and mode, no error. Else the prepared write is abandoned.
+  bool PlanHoldsLocked(const Node& node, const WritePlan& plan) const REQUIRES(ns_mu_);
   // Returns whether the node's write state was dropped (then RefreshAttr it).
   bool ReleaseFileLocked(FileHandle* h) REQUIRES(ns_mu_);
 

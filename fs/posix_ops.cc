@@ -26,8 +26,31 @@ struct timespec NowTs() {
 
 }  // namespace
 
-Status Namespace::OwnTempLocked(Node* node, int fd) {
-  return OwnTemp(node->attr.st_uid, node->attr.st_gid, node->attr.st_mode & 07777, fd);
+Status Namespace::FollowOwnerInTemp(uint64_t ino, std::shared_ptr<StagedFile> staged,
+                                    bool owner) {
+  mode_t applied_mode = 0;
+  uid_t applied_uid = 0;
+  gid_t applied_gid = 0;
+  for (bool first = true;; first = false) {
+    {
+      MutexLock lock(&ns_mu_);
+      std::shared_ptr<Node> node = NodeLocked(ino);
+      // Replaced by another version (which took the node's attributes when it was made)
+      // or gone: nothing of this temp file is published.
+      if (!node || !node->write || node->write->staged != staged) return Status::Ok();
+      const mode_t mode = node->attr.st_mode & 07777;
+      if (!first && mode == applied_mode && node->attr.st_uid == applied_uid &&
+          node->attr.st_gid == applied_gid) {
+        return Status::Ok();  // nothing changed meanwhile: the temp file shows the node
+      }
+      applied_mode = mode;
+      applied_uid = node->attr.st_uid;
+      applied_gid = node->attr.st_gid;
+    }
+    const int fd = staged->target()->fd();
+    CKPT_RETURN_IF_ERROR(owner ? OwnTemp(applied_uid, applied_gid, applied_mode, fd)
+                               : backing_->Fchmod(fd, applied_mode));
+  }
 }
 
 Status Namespace::OwnTemp(uid_t uid, gid_t gid, mode_t mode, int fd) {
@@ -50,11 +73,9 @@ Result<uint64_t> Namespace::ChownLocked(Node* node, uid_t uid, gid_t gid) {
   if (gid != static_cast<gid_t>(-1)) node->attr.st_gid = gid;
   node->attr.st_mode = ModeAfterChown(node->attr);
   node->attr.st_ctim = NowTs();
-  if (node->write) {
-    // Staged: its temp file is what gets published (or already was, under the real name).
-    CKPT_RETURN_IF_ERROR(OwnTempLocked(node, node->write->staged->target()->fd()));
-    return uint64_t{0};
-  }
+  // Staged: its temp file is what gets published (or already was, under the real name);
+  // the caller gives it the new owner after the lock (FollowOwnerInTemp).
+  if (node->write) return uint64_t{0};
   if (!node->on_backing) return uint64_t{0};
   store::JournalEntry e;
   e.op = store::OpType::kChown;
@@ -251,21 +272,19 @@ Status Namespace::Fallocate(Handle* handle, int mode, uint64_t offset, uint64_t 
   if (h == nullptr || !h->writable) return Status(Code::kPermission, "not open for writing");
   if (length == 0) return Invalid("fallocate of 0 bytes");
   const uint64_t end = offset + length;
-  for (int attempt = 0;; ++attempt) {
-    MutexLock lock(&ns_mu_);
-    Node* node = h->node.get();
-    if (node->type != NodeType::kFile) return Invalid("fallocate of a non-regular file");
-    FoldWriteTimeLocked(node);
-    if (!node->error.empty()) return Status(Code::kIo, node->error);
-    if (node->attr.st_nlink > 1) {
-      return Status(Code::kTooManyLinks, "a file with several hard links cannot be rewritten");
+  Node* node = h->node.get();
+  for (RaceRetry race;; race.Lose()) {
+    {
+      MutexLock lock(&ns_mu_);
+      if (node->type != NodeType::kFile) return Invalid("fallocate of a non-regular file");
+      FoldWriteTimeLocked(node);
+      if (!node->error.empty()) return Status(Code::kIo, node->error);
+      if (node->attr.st_nlink > 1) {
+        return Status(Code::kTooManyLinks, "a file with several hard links cannot be rewritten");
+      }
     }
-    if (!(node->write && node->write->discarded)) {
-      CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node, /*truncate=*/false));
-      // Unlinked after its last publication: the copy lives on, unnamed, until closed.
-      if (node->parent == nullptr) CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
-    }
-    std::shared_ptr<StagedFile> staged = node->write->staged;
+    // The copy it may begin, the reservation and the truncate: all without ns_mu_.
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<StagedFile> staged, WritableStaged(h));
     // Reserve the blocks in the temp file first, so ENOSPC comes back here and not at
     // the flush; then extend the file as mode 0 does (the new bytes read as zeros).
     CKPT_RETURN_IF_ERROR(backing_->Fallocate(staged->target()->fd(), FALLOC_FL_KEEP_SIZE,
@@ -273,8 +292,9 @@ Status Namespace::Fallocate(Handle* handle, int mode, uint64_t offset, uint64_t 
                                              static_cast<off_t>(length)));
     if (end <= staged->size()) return Status::Ok();
     Status st = staged->Truncate(end);
-    if (st.code() == Code::kAborted && attempt < 3) continue;  // frozen by a publish
+    if (st.code() == Code::kAborted && race.may_retry()) continue;  // frozen by a publish
     if (!st.ok()) return st;
+    MutexLock lock(&ns_mu_);
     node->attr.st_mtim = node->attr.st_ctim = NowTs();
     return Status::Ok();
   }

@@ -214,7 +214,7 @@ Result<std::pair<Entry, Handle*>> Namespace::Create(uint64_t parent, const std::
     }
   } ready{this, nullptr, {}};
   uint64_t existing = 0;
-  for (int attempt = 0;; ++attempt) {
+  for (RaceRetry race;; race.Lose()) {
     WritePlan plan;
     {
       MutexLock lock(&ns_mu_);
@@ -229,7 +229,7 @@ Result<std::pair<Entry, Handle*>> Namespace::Create(uint64_t parent, const std::
       const NewOwner owner = OwnerOfNew(caller, dir->attr, S_IFREG, mode);
       const bool fits = ready.ws && ready.plan.uid == owner.uid &&
                         ready.plan.gid == owner.gid && ready.plan.mode == (owner.mode & 07777);
-      if (!fits && attempt < 3) {
+      if (!fits && race.may_retry()) {
         plan.id = publication_->NextFileId();
         plan.temp_name = publication_->TempName(plan.id);
         plan.uid = owner.uid;
@@ -280,7 +280,7 @@ Result<Handle*> Namespace::NodeOpen(uint64_t ino, int flags) {
   std::shared_ptr<Node> node;
   // The backing file is opened without ns_mu_; if the name moved, was unlinked or began
   // a write meanwhile, the open starts over (after a few tries it is done under the lock).
-  for (int attempt = 0;; ++attempt) {
+  for (RaceRetry race;; race.Lose()) {
     node = NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     // Its staged bytes may have been published since the wait above: then the backing
@@ -301,18 +301,15 @@ Result<Handle*> Namespace::NodeOpen(uint64_t ino, int flags) {
       return Status(Code::kTooManyLinks, "a file with several hard links cannot be rewritten");
     }
     if (writable && (flags & O_TRUNC)) {
-      if ((!node->write || !node->write->needs_publish) && attempt < 3) {
+      if ((!node->write || !node->write->needs_publish) && race.may_retry()) {
         // A new, empty copy: its temp file is made without ns_mu_ (as a first write's).
         WritePlan plan = PlanWriteLocked(node.get(), /*truncate=*/true, nullptr);
         lock.Unlock();
         Result<std::unique_ptr<WriteState>> ws = PrepareWrite(plan);
         lock.Lock();
         if (!ws.ok()) return ws.status();
-        const uint64_t now_id = node->write ? node->write->file_id : 0;
-        if (NodeLocked(ino) != node || now_id != plan.prev_file_id ||
-            (node->write && node->write->needs_publish) || !node->error.empty() ||
-            (!node->write && node->parent == nullptr) || node->attr.st_uid != plan.uid ||
-            node->attr.st_gid != plan.gid || (node->attr.st_mode & 07777) != plan.mode) {
+        if (NodeLocked(ino) != node || !PlanHoldsLocked(*node, plan) ||
+            (!node->write && node->parent == nullptr)) {
           lock.Unlock();
           AbandonWrite(**ws);  // changed meanwhile: start over from what it is now
           lock.Lock();
@@ -343,7 +340,7 @@ Result<Handle*> Namespace::NodeOpen(uint64_t ino, int flags) {
     };
     const Status not_yet(Code::kInternal, "not opened");
     std::pair<Result<UniqueFd>, Result<struct stat>> opened{not_yet, not_yet};
-    if (attempt < 3) {
+    if (race.may_retry()) {
       lock.Unlock();
       opened = open_backing();
       lock.Lock();
@@ -381,7 +378,7 @@ Result<Handle*> Namespace::NodeOpen(uint64_t ino, int flags) {
 
 Result<std::shared_ptr<StagedFile>> Namespace::WritableStaged(FileHandle* h) {
   Node* node = h->node.get();
-  for (int attempt = 0;; ++attempt) {
+  for (RaceRetry race;; race.Lose()) {
     WritePlan plan;
     {
       MutexLock lock(&ns_mu_);
@@ -394,7 +391,7 @@ Result<std::shared_ptr<StagedFile>> Namespace::WritableStaged(FileHandle* h) {
       // publication and frozen: continue in a copy, published again later. With no write
       // state, `h->fd` is the current version (a write state lives while any handle is
       // open). After a few races lost, the copy is made under the lock.
-      if (attempt >= 3) {
+      if (!race.may_retry()) {
         CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node, false, node->write ? nullptr : h->fd.get()));
         if (node->parent == nullptr) CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
         return node->write->staged;
@@ -405,10 +402,7 @@ Result<std::shared_ptr<StagedFile>> Namespace::WritableStaged(FileHandle* h) {
     // version's flushes and the copy: all without ns_mu_.
     CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WriteState> ws, PrepareWrite(plan));
     MutexLock lock(&ns_mu_);
-    const uint64_t now_id = node->write ? node->write->file_id : 0;
-    if (now_id != plan.prev_file_id || (node->write && node->write->needs_publish) ||
-        !node->error.empty() || node->attr.st_uid != plan.uid || node->attr.st_gid != plan.gid ||
-        (node->attr.st_mode & 07777) != plan.mode) {
+    if (!PlanHoldsLocked(*node, plan)) {
       lock.Unlock();
       AbandonWrite(*ws);  // the file changed meanwhile: plan again from what it is now
       continue;
@@ -424,11 +418,65 @@ Result<std::shared_ptr<StagedFile>> Namespace::WritableStaged(FileHandle* h) {
   }
 }
 
+bool Namespace::PlanHoldsLocked(const Node& node, const WritePlan& plan) const {
+  const uint64_t now_id = node.write ? node.write->file_id : 0;
+  return now_id == plan.prev_file_id && !(node.write && node.write->needs_publish) &&
+         node.error.empty() && node.attr.st_uid == plan.uid && node.attr.st_gid == plan.gid &&
+         (node.attr.st_mode & 07777) == plan.mode;
+}
+
+Result<uint64_t> Namespace::Resize(uint64_t ino, uint64_t size, const FileHandle* from) {
+  for (RaceRetry race;; race.Lose()) {
+    std::shared_ptr<StagedFile> staged;
+    WritePlan plan;
+    {
+      MutexLock lock(&ns_mu_);
+      std::shared_ptr<Node> node = NodeLocked(ino);
+      if (!node) return NotFound("stale inode");
+      if (!node->error.empty()) return Status(Code::kIo, node->error);
+      if (node->write && node->write->needs_publish) {
+        staged = node->write->staged;
+      } else {
+        // ftruncate through a handle opened before any write: copy from its descriptor.
+        const UniqueFd* src =
+            !node->write && from != nullptr && from->node == node ? from->fd.get() : nullptr;
+        plan = PlanWriteLocked(node.get(), /*truncate=*/size == 0, src);
+      }
+    }
+    if (!staged) {
+      // The temp file, its registration and the copy: without ns_mu_, as a first write's.
+      CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WriteState> ws, PrepareWrite(plan));
+      MutexLock lock(&ns_mu_);
+      std::shared_ptr<Node> node = NodeLocked(ino);
+      if (!node || !PlanHoldsLocked(*node, plan)) {
+        lock.Unlock();
+        AbandonWrite(*ws);  // changed meanwhile: plan again from what it is now
+        if (!race.may_retry()) return Status(Code::kAborted, "file changed during truncate");
+        continue;
+      }
+      InstallWriteLocked(node.get(), std::move(ws));
+      node->write->needs_publish = true;
+      SyncDataLocked(node.get());
+      staged = node->write->staged;
+    }
+    // Waits for the flushes in flight, then cuts the temp file: without ns_mu_.
+    Status st = staged->Truncate(size);
+    if (st.code() == Code::kAborted && race.may_retry()) continue;  // frozen by a publish
+    CKPT_RETURN_IF_ERROR(st);
+    MutexLock lock(&ns_mu_);
+    std::shared_ptr<Node> node = NodeLocked(ino);
+    if (!node || !node->write || node->write->staged != staged) return uint64_t{0};
+    node->attr.st_mtim = node->attr.st_ctim = Now();
+    if (node->open_writers == 0 && node->write->needs_publish) return PublishLocked(node.get());
+    return uint64_t{0};
+  }
+}
+
 Status Namespace::WriteData(FileHandle* h, ByteSource& src, uint64_t offset) {
   const size_t len = src.size();
   if (!h->writable) return Status(Code::kPermission, "not open for writing");
   Node* node = h->node.get();
-  for (int attempt = 0;; ++attempt) {
+  for (RaceRetry race;; race.Lose()) {
     // The data path: the node's data_mu only. The namespace is needed only to begin a
     // copy (the first write, or the first after a publish froze the contents).
     std::shared_ptr<StagedFile> staged;
@@ -443,7 +491,7 @@ Status Namespace::WriteData(FileHandle* h, ByteSource& src, uint64_t offset) {
     }
     Status st = staged->Write(src, offset);
     // Frozen by a publish (before any byte of `src` was consumed): write into the copy.
-    if (st.code() == Code::kAborted && attempt < 3) continue;
+    if (st.code() == Code::kAborted && race.may_retry()) continue;
     if (!st.ok()) {
       NoteError("write " + std::to_string(node->ino) + ": " + st.ToString());
       return st;

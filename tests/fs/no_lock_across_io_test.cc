@@ -1,8 +1,8 @@
 // No lock spans slow I/O: a backing-store call that hangs on one path (a stat on a loaded
-// parallel file system, an open, an fsync) must not delay reads and writes of other open
-// files. Each test hangs one call on a latch, checks that reads and writes of other
-// files, a first write that starts a rewrite among them, finish within a bounded wait
-// while it hangs, then releases the latch.
+// parallel file system, an open, an fsync, a copy, a truncate, a chmod, a fallocate) must
+// not delay reads, writes, creates and lookups of other files. Each test hangs one call on
+// a latch, checks that those of other files, a first write that starts a rewrite among
+// them, finish within a bounded wait while it hangs, then releases the latch.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 
@@ -18,6 +18,8 @@ namespace ckptfs::fs {
 namespace {
 
 constexpr auto kBound = std::chrono::seconds(10);
+// FUSE_SET_ATTR_* (fs/ keeps its tests free of libfuse).
+constexpr int kSetMode = 1 << 0, kSetSize = 1 << 3;
 
 class NoLockAcrossIo : public FaultyFsTest {
  protected:
@@ -56,6 +58,15 @@ class NoLockAcrossIo : public FaultyFsTest {
     EXPECT_EQ(ReadAll(c_), "Cccc");
     EXPECT_TRUE(fs_->Write(c_, "D", 1, 1).ok());
     EXPECT_EQ(ReadAll(c_), "CDcc");
+    // A create (its temp file, owner, registration) and a lookup of other names.
+    const std::string name = "other" + std::to_string(++others_);
+    auto made = fs_->Create(kRootIno, name, 0644, O_WRONLY | O_CREAT | O_EXCL);
+    EXPECT_TRUE(made.ok()) << made.status().ToString();
+    if (made.ok()) {
+      EXPECT_TRUE(fs_->Write(made->second, "o", 1, 0).ok());
+      fs_->Release(made->second);
+    }
+    EXPECT_TRUE(fs_->Lookup(kRootIno, "b").ok());
   }
 
   // Starts `hang` on its own thread, waits until it is blocked in the backing store,
@@ -79,6 +90,7 @@ class NoLockAcrossIo : public FaultyFsTest {
   Handle* b_ = nullptr;
   Handle* c_ = nullptr;
   uint64_t slow_file_ = 0;
+  int others_ = 0;
 };
 
 TEST_F(NoLockAcrossIo, HungStatOfOnePathDelaysNoReadOrWriteOfOtherFiles) {
@@ -183,6 +195,88 @@ TEST_F(NoLockAcrossIo, HungTempFileOfATruncatingOpenDelaysNoReadOrWriteOfOtherFi
     Handle* h = OpenOk(slow_file_, O_WRONLY | O_TRUNC);  // a re-save over a file
     ASSERT_NE(h, nullptr);
     EXPECT_TRUE(fs_->Write(h, "t", 1, 0).ok());
+    fs_->Release(h);
+  });
+}
+
+// A truncate to a nonzero size of a file not written yet begins its copy (temp file,
+// registration, copy_file_range) like a first write.
+TEST_F(NoLockAcrossIo, HungCopyOfATruncateDelaysNoOtherFile) {
+  std::atomic<bool> first{true};
+  dir_->SetPosixHook([this, &first](const std::string& op, const std::string&) {
+    if (op == "copy_file_range" && first.exchange(false)) latch_.Wait();
+    return 0;
+  });
+  ExpectDataPathWhileHung([this] {
+    struct stat in {};
+    in.st_size = 2;
+    auto st = fs_->SetAttr(slow_file_, in, kSetSize, nullptr);
+    ASSERT_TRUE(st.ok()) << st.status().ToString();
+    EXPECT_EQ(st->st_size, 2);
+  });
+  Handle* h = OpenOk(slow_file_, O_RDONLY);
+  ASSERT_NE(h, nullptr);
+  EXPECT_EQ(ReadAll(h), "ss");
+  fs_->Release(h);
+}
+
+// A truncate of a file being written waits for its flushes in flight, then cuts its temp
+// file: the cut hangs here.
+TEST_F(NoLockAcrossIo, HungTruncateOfAStagedFileDelaysNoOtherFile) {
+  auto made = fs_->Create(kRootIno, "staged", 0644, O_RDWR | O_CREAT);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  Handle* h = made->second;
+  ASSERT_TRUE(fs_->Write(h, "staged", 6, 0).ok());
+  const uint64_t ino = made->first.ino;
+  std::atomic<bool> first{true};
+  dir_->SetPosixHook([this, &first](const std::string& op, const std::string&) {
+    if (op == "ftruncate" && first.exchange(false)) latch_.Wait();
+    return 0;
+  });
+  ExpectDataPathWhileHung([this, ino, h] {
+    struct stat in {};
+    in.st_size = 3;
+    auto st = fs_->SetAttr(ino, in, kSetSize, h);
+    EXPECT_TRUE(st.ok()) << st.status().ToString();
+  });
+  EXPECT_EQ(ReadAll(h), "sta");
+  fs_->Release(h);
+}
+
+// A chmod of a file being written sets the mode of its temp file (what gets published).
+TEST_F(NoLockAcrossIo, HungChmodOfAStagedFileDelaysNoOtherFile) {
+  auto made = fs_->Create(kRootIno, "staged", 0644, O_RDWR | O_CREAT);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  Handle* h = made->second;
+  ASSERT_TRUE(fs_->Write(h, "s", 1, 0).ok());
+  const uint64_t ino = made->first.ino;
+  std::atomic<bool> first{true};
+  dir_->SetPosixHook([this, &first](const std::string& op, const std::string&) {
+    if (op == "fchmod" && first.exchange(false)) latch_.Wait();  // a create's own passes
+    return 0;
+  });
+  ExpectDataPathWhileHung([this, ino] {
+    struct stat in {};
+    in.st_mode = 0600;
+    auto st = fs_->SetAttr(ino, in, kSetMode, nullptr);
+    ASSERT_TRUE(st.ok()) << st.status().ToString();
+    EXPECT_EQ(st->st_mode & 07777, 0600u);
+  });
+  fs_->Release(h);
+}
+
+// fallocate reserves blocks in the temp file (after the copy it may begin).
+TEST_F(NoLockAcrossIo, HungFallocateDelaysNoOtherFile) {
+  std::atomic<bool> first{true};
+  dir_->SetPosixHook([this, &first](const std::string& op, const std::string&) {
+    if (op == "fallocate" && first.exchange(false)) latch_.Wait();
+    return 0;
+  });
+  ExpectDataPathWhileHung([this] {
+    Handle* h = OpenOk(slow_file_, O_RDWR);
+    ASSERT_NE(h, nullptr);
+    EXPECT_TRUE(fs_->Fallocate(h, 0, 0, 8).ok());
+    EXPECT_EQ(ReadAll(h), std::string("ssss") + std::string(4, '\0'));
     fs_->Release(h);
   });
 }
