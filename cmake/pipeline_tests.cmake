@@ -14,8 +14,8 @@
 # without its header being included anywhere on the way would show up as an undefined
 # reference when pipeline_tests links; add its header's include or the file here.
 set(CKPTFS_PIPELINE_TEST_FILES
-    tests/store/flush_pipeline_test.cc
-    tests/store/journal_test.cc
+    tests/store/flush/flush_pipeline_test.cc
+    tests/store/publish/journal_test.cc
     tests/store/block_cache_test.cc
     tests/fs/staged_file_test.cc
     tests/gpu/staging_pool_test.cc

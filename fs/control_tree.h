@@ -23,13 +23,13 @@
 #include "fs/read_path.h"
 #include "fs/tensor_view.h"
 #include "gpu/staging_pool.h"
-#include "store/backing_dir.h"
+#include "store/primitives/backing_dir.h"
 #include "store/publish/checkpoints.h"
-#include "store/flush_pipeline.h"
+#include "store/flush/flush_pipeline.h"
 #include "store/publish/journal.h"
 #include "store/publish/publication.h"
 #include "store/dcp/key_index.h"
-#include "store/state_db.h"
+#include "store/primitives/state_db.h"
 
 namespace ckptfs::fs {
 

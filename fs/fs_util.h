@@ -12,7 +12,7 @@
 #include "common/status.h"
 #include "fs/fs_types.h"
 #include "fs/node.h"
-#include "store/backing_dir.h"
+#include "store/primitives/backing_dir.h"
 
 namespace ckptfs::fs {
 

@@ -26,7 +26,7 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "fs/handle.h"
-#include "store/backing_dir.h"
+#include "store/primitives/backing_dir.h"
 #include "store/cache/backing_source.h"
 #include "store/cache/block_cache.h"
 #include "store/dcp/dcp_metadata.h"

@@ -21,8 +21,8 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "gpu/staging_pool.h"
-#include "store/backing_dir.h"
-#include "store/flush_pipeline.h"
+#include "store/primitives/backing_dir.h"
+#include "store/flush/flush_pipeline.h"
 
 namespace ckptfs::fs {
 

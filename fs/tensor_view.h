@@ -23,7 +23,7 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
-#include "store/backing_dir.h"
+#include "store/primitives/backing_dir.h"
 #include "store/dcp/key_index.h"
 
 namespace ckptfs::fs {

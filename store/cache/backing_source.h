@@ -42,7 +42,7 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
-#include "store/backing_dir.h"
+#include "store/primitives/backing_dir.h"
 #include "store/cache/block_source.h"
 
 namespace ckptfs::store {

@@ -13,8 +13,8 @@
 #include <string>
 
 #include "common/mutex.h"
-#include "store/block_crc_map.h"
-#include "store/file_key.h"
+#include "store/flush/block_crc_map.h"
+#include "store/primitives/file_key.h"
 
 namespace ckptfs::store {
 

@@ -1,6 +1,6 @@
 #include "store/dcp/index_codec.h"
 
-#include "store/record_codec.h"
+#include "store/primitives/record_codec.h"
 
 namespace ckptfs::store::keyidx {
 namespace {

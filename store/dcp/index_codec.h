@@ -1,5 +1,5 @@
 // The key index's RocksDB records: keys, and the binary encoding of items in blocks of up
-// to kItemsPerBlock (store/record_codec.h primitives). See key_index.h for the layout.
+// to kItemsPerBlock (store/primitives/record_codec.h primitives). See key_index.h for the layout.
 #pragma once
 
 #include <sys/stat.h>

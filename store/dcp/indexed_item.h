@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "store/crc32c.h"
+#include "store/primitives/crc32c.h"
 #include "store/dcp/dcp_metadata.h"
 
 namespace ckptfs::store {

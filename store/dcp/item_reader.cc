@@ -7,7 +7,7 @@
 #include <cstring>
 #include <unordered_map>
 
-#include "store/crc32c.h"
+#include "store/primitives/crc32c.h"
 
 namespace ckptfs::store::keyidx {
 

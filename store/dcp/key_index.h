@@ -61,14 +61,14 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
-#include "store/backing_dir.h"
-#include "store/block_crc_map.h"
+#include "store/primitives/backing_dir.h"
+#include "store/flush/block_crc_map.h"
 #include "store/dcp/block_crc_cache.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/fqn_names.h"
 #include "store/dcp/indexed_item.h"
-#include "store/file_key.h"
-#include "store/state_db.h"
+#include "store/primitives/file_key.h"
+#include "store/primitives/state_db.h"
 
 namespace ckptfs::store {
 

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "common/status.h"
-#include "store/backing_dir.h"
+#include "store/primitives/backing_dir.h"
 
 namespace ckptfs::store {
 

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "store/crc32c.h"
+#include "store/primitives/crc32c.h"
 
 namespace ckptfs::store {
 

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "store/dcp/key_index.h"
-#include "store/file_key.h"
+#include "store/primitives/file_key.h"
 
 namespace ckptfs::store {
 

@@ -8,7 +8,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "store/crc32c.h"
+#include "store/primitives/crc32c.h"
 #include "store/peer/buffer_pool.h"
 #include "store/peer/protocol.h"
 #include "store/peer/ucx_worker.h"

@@ -45,7 +45,7 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
-#include "store/backing_dir.h"
+#include "store/primitives/backing_dir.h"
 #include "store/cache/block_cache.h"
 #include "store/cache/block_source.h"
 #include "store/dcp/dcp_metadata.h"

@@ -13,7 +13,7 @@
 
 #include "common/mutex.h"
 #include "common/thread_name.h"
-#include "store/crc32c.h"
+#include "store/primitives/crc32c.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/peer/buffer_pool.h"
 #include "store/peer/protocol.h"

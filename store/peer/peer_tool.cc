@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "common/logging.h"
-#include "store/crc32c.h"
+#include "store/primitives/crc32c.h"
 #include "store/peer/peer_client.h"
 #include "store/peer/peer_server.h"
 #include "store/peer/plan.h"

@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "store/crc32c.h"
+#include "store/primitives/crc32c.h"
 #include "store/cache/block_source.h"
 
 namespace ckptfs::store::peer {

@@ -6,7 +6,7 @@
 
 #include "common/path.h"
 #include "store/publish/commit_names.h"
-#include "store/record_codec.h"
+#include "store/primitives/record_codec.h"
 
 namespace ckptfs::store {
 namespace {

@@ -39,7 +39,7 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
-#include "store/state_db.h"
+#include "store/primitives/state_db.h"
 
 namespace ckptfs::store {
 

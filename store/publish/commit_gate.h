@@ -68,7 +68,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "store/backing_dir.h"
+#include "store/primitives/backing_dir.h"
 #include "store/publish/journal.h"
 #include "store/publish/shard_state.h"
 

@@ -11,7 +11,7 @@
 #include "common/path.h"
 #include "common/thread_name.h"
 #include "store/publish/commit_names.h"
-#include "store/record_codec.h"
+#include "store/primitives/record_codec.h"
 
 namespace ckptfs::store {
 namespace {
@@ -101,7 +101,7 @@ const char* OpName(OpType op) {
 
 bool IsCommitName(const std::string& path) { return CommitKindOf(path) != CommitKind::kNone; }
 
-// Binary record (store/record_codec.h): names are bytes, any bytes a client may use.
+// Binary record (store/primitives/record_codec.h): names are bytes, any bytes a client may use.
 // Version 2; version 1 records were JSON (a daemon never reads another run's entries
 // except in Recover(), which treats an unreadable record as a discarded entry).
 constexpr uint8_t kEntryVersion = 2;

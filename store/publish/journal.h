@@ -64,9 +64,9 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
-#include "store/backing_dir.h"
-#include "store/flush_pipeline.h"
-#include "store/state_db.h"
+#include "store/primitives/backing_dir.h"
+#include "store/flush/flush_pipeline.h"
+#include "store/primitives/state_db.h"
 
 namespace ckptfs::store {
 

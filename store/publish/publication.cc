@@ -4,8 +4,8 @@
 #include <sys/stat.h>
 
 #include "common/path.h"
-#include "store/file_key.h"
-#include "store/flush_pipeline.h"
+#include "store/primitives/file_key.h"
+#include "store/flush/flush_pipeline.h"
 #include "store/publish/commit_names.h"
 
 namespace ckptfs::store {

@@ -29,13 +29,13 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
-#include "store/backing_dir.h"
+#include "store/primitives/backing_dir.h"
 #include "store/dcp/key_index.h"
 #include "store/publish/checkpoints.h"
 #include "store/publish/commit_gate.h"
 #include "store/publish/journal.h"
 #include "store/publish/shard_state.h"
-#include "store/state_db.h"
+#include "store/primitives/state_db.h"
 
 namespace ckptfs::store {
 

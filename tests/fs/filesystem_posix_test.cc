@@ -12,7 +12,7 @@
 
 #include <string>
 
-#include "tests/store/faulty_backing_dir.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::fs {
 namespace {

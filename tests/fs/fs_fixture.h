@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "fs/filesystem.h"
-#include "tests/store/faulty_backing_dir.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::fs {
 

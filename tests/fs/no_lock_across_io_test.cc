@@ -84,6 +84,24 @@ class NoLockAcrossIo : public FaultyFsTest {
     EXPECT_TRUE(done) << "reads and writes of other files waited for the hung call";
   }
 
+  // A file created and written through the mount, still open: its bytes are staged.
+  Handle* CreateStaged(const std::string& data, uint64_t* ino) {
+    auto made = fs_->Create(kRootIno, "staged", 0644, O_RDWR | O_CREAT);
+    EXPECT_TRUE(made.ok()) << made.status().ToString();
+    if (!made.ok()) return nullptr;
+    EXPECT_TRUE(fs_->Write(made->second, data.data(), data.size(), 0).ok());
+    *ino = made->first.ino;
+    return made->second;
+  }
+  // Hangs the first backing-store call named `op` (FaultyBackingDir's posix hook) on the
+  // latch; later ones (the data path's own) pass.
+  void HangFirst(const std::string& op) {
+    dir_->SetPosixHook([this, op](const std::string& called, const std::string&) {
+      if (called == op && hang_first_.exchange(false)) latch_.Wait();
+      return 0;
+    });
+  }
+
   store::Latch latch_;
   std::thread hung_;
   Handle* a_ = nullptr;
@@ -91,6 +109,7 @@ class NoLockAcrossIo : public FaultyFsTest {
   Handle* c_ = nullptr;
   uint64_t slow_file_ = 0;
   int others_ = 0;
+  std::atomic<bool> hang_first_{true};
 };
 
 TEST_F(NoLockAcrossIo, HungStatOfOnePathDelaysNoReadOrWriteOfOtherFiles) {
@@ -151,11 +170,7 @@ TEST_F(NoLockAcrossIo, HungListingOfOneDirectoryDelaysNoReadOrWriteOfOtherFiles)
 TEST_F(NoLockAcrossIo, HungCopyOfARewriteDelaysNoReadOrWriteOfOtherFiles) {
   uint64_t e = WriteFile(kRootIno, "e", "eeee");
   ASSERT_NE(e, 0u);
-  std::atomic<bool> first{true};
-  dir_->SetPosixHook([this, &first](const std::string& op, const std::string&) {
-    if (op == "copy_file_range" && first.exchange(false)) latch_.Wait();  // e's copy only
-    return 0;
-  });
+  HangFirst("copy_file_range");  // e's copy only
   ExpectDataPathWhileHung([this, e] {
     Handle* h = OpenOk(e, O_RDWR);
     ASSERT_NE(h, nullptr);
@@ -202,11 +217,7 @@ TEST_F(NoLockAcrossIo, HungTempFileOfATruncatingOpenDelaysNoReadOrWriteOfOtherFi
 // A truncate to a nonzero size of a file not written yet begins its copy (temp file,
 // registration, copy_file_range) like a first write.
 TEST_F(NoLockAcrossIo, HungCopyOfATruncateDelaysNoOtherFile) {
-  std::atomic<bool> first{true};
-  dir_->SetPosixHook([this, &first](const std::string& op, const std::string&) {
-    if (op == "copy_file_range" && first.exchange(false)) latch_.Wait();
-    return 0;
-  });
+  HangFirst("copy_file_range");
   ExpectDataPathWhileHung([this] {
     struct stat in {};
     in.st_size = 2;
@@ -223,16 +234,10 @@ TEST_F(NoLockAcrossIo, HungCopyOfATruncateDelaysNoOtherFile) {
 // A truncate of a file being written waits for its flushes in flight, then cuts its temp
 // file: the cut hangs here.
 TEST_F(NoLockAcrossIo, HungTruncateOfAStagedFileDelaysNoOtherFile) {
-  auto made = fs_->Create(kRootIno, "staged", 0644, O_RDWR | O_CREAT);
-  ASSERT_TRUE(made.ok()) << made.status().ToString();
-  Handle* h = made->second;
-  ASSERT_TRUE(fs_->Write(h, "staged", 6, 0).ok());
-  const uint64_t ino = made->first.ino;
-  std::atomic<bool> first{true};
-  dir_->SetPosixHook([this, &first](const std::string& op, const std::string&) {
-    if (op == "ftruncate" && first.exchange(false)) latch_.Wait();
-    return 0;
-  });
+  uint64_t ino = 0;
+  Handle* h = CreateStaged("staged", &ino);
+  ASSERT_NE(h, nullptr);
+  HangFirst("ftruncate");
   ExpectDataPathWhileHung([this, ino, h] {
     struct stat in {};
     in.st_size = 3;
@@ -245,16 +250,10 @@ TEST_F(NoLockAcrossIo, HungTruncateOfAStagedFileDelaysNoOtherFile) {
 
 // A chmod of a file being written sets the mode of its temp file (what gets published).
 TEST_F(NoLockAcrossIo, HungChmodOfAStagedFileDelaysNoOtherFile) {
-  auto made = fs_->Create(kRootIno, "staged", 0644, O_RDWR | O_CREAT);
-  ASSERT_TRUE(made.ok()) << made.status().ToString();
-  Handle* h = made->second;
-  ASSERT_TRUE(fs_->Write(h, "s", 1, 0).ok());
-  const uint64_t ino = made->first.ino;
-  std::atomic<bool> first{true};
-  dir_->SetPosixHook([this, &first](const std::string& op, const std::string&) {
-    if (op == "fchmod" && first.exchange(false)) latch_.Wait();  // a create's own passes
-    return 0;
-  });
+  uint64_t ino = 0;
+  Handle* h = CreateStaged("s", &ino);
+  ASSERT_NE(h, nullptr);
+  HangFirst("fchmod");  // the data path's creates set their temps' modes too
   ExpectDataPathWhileHung([this, ino] {
     struct stat in {};
     in.st_mode = 0600;
@@ -267,11 +266,7 @@ TEST_F(NoLockAcrossIo, HungChmodOfAStagedFileDelaysNoOtherFile) {
 
 // fallocate reserves blocks in the temp file (after the copy it may begin).
 TEST_F(NoLockAcrossIo, HungFallocateDelaysNoOtherFile) {
-  std::atomic<bool> first{true};
-  dir_->SetPosixHook([this, &first](const std::string& op, const std::string&) {
-    if (op == "fallocate" && first.exchange(false)) latch_.Wait();
-    return 0;
-  });
+  HangFirst("fallocate");
   ExpectDataPathWhileHung([this] {
     Handle* h = OpenOk(slow_file_, O_RDWR);
     ASSERT_NE(h, nullptr);

@@ -26,8 +26,8 @@
 #include <vector>
 
 #include "gpu/staging_pool.h"
-#include "store/flush_pipeline.h"
-#include "tests/store/faulty_backing_dir.h"
+#include "store/flush/flush_pipeline.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::fs {
 namespace {

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "tests/store/faulty_backing_dir.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::store {
 namespace {

@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#include "tests/store/faulty_backing_dir.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::store {
 namespace {

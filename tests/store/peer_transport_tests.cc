@@ -18,7 +18,7 @@
 #include <sstream>
 #include <thread>
 
-#include "store/crc32c.h"
+#include "store/primitives/crc32c.h"
 #include "common/mutex.h"
 #include "store/peer/buffer_pool.h"
 #include "store/peer/commit_query.h"

@@ -9,10 +9,10 @@
 #include <random>
 #include <string>
 
-#include "store/backing_dir.h"
-#include "store/crc32c.h"
-#include "store/state_db.h"
-#include "tests/store/faulty_backing_dir.h"
+#include "store/primitives/backing_dir.h"
+#include "store/primitives/crc32c.h"
+#include "store/primitives/state_db.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::store {
 namespace {

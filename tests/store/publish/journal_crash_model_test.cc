@@ -1,6 +1,6 @@
 // Journal: the randomized crash model (G4/G5), described below. Fixture and helpers:
 // journal_fixture.h.
-#include "tests/store/journal_fixture.h"
+#include "tests/store/publish/journal_fixture.h"
 
 namespace ckptfs::store {
 namespace {

@@ -7,7 +7,7 @@
 #include "store/safetensors_index.h"
 
 #include "store/publish/checkpoints.h"
-#include "tests/store/journal_fixture.h"
+#include "tests/store/publish/journal_fixture.h"
 
 #include "store/dcp/dcp_metadata.h"
 

@@ -1,4 +1,4 @@
-#include "store/state_db.h"
+#include "store/primitives/state_db.h"
 
 #include <fcntl.h>
 #include <rocksdb/db.h>

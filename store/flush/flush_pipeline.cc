@@ -1,4 +1,4 @@
-#include "store/flush_pipeline.h"
+#include "store/flush/flush_pipeline.h"
 
 #include <fcntl.h>
 #include <spdlog/spdlog.h>

@@ -28,9 +28,9 @@
 #include <vector>
 
 #include "store/publish/commit_gate.h"
-#include "store/flush_pipeline.h"
-#include "store/state_db.h"
-#include "tests/store/faulty_backing_dir.h"
+#include "store/flush/flush_pipeline.h"
+#include "store/primitives/state_db.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 
 namespace ckptfs::store {

@@ -1,4 +1,4 @@
-#include "store/block_crc_map.h"
+#include "store/flush/block_crc_map.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "store/crc32c.h"
+#include "store/primitives/crc32c.h"
 
 namespace ckptfs::store {
 namespace {

@@ -2,7 +2,7 @@
 // queued for the next start, its bytes durable, and the next start (Recover, QueueLeft)
 // publishes it in order, byte-exact (G10, G11). A crash keeps the old rule (discard), see
 // journal_crash_model_test.cc. Fixture: journal_fixture.h.
-#include "tests/store/journal_fixture.h"
+#include "tests/store/publish/journal_fixture.h"
 
 namespace ckptfs::store {
 namespace {

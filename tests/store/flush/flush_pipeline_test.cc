@@ -2,7 +2,7 @@
 // lifecycle (on_done once, keepalive held during the write and released after), Drain.
 //
 // Races are ordered with FaultyBackingDir hooks and latches, never with sleeps.
-#include "store/flush_pipeline.h"
+#include "store/flush/flush_pipeline.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -23,8 +23,8 @@
 #include <thread>
 #include <vector>
 
-#include "store/crc32c.h"
-#include "tests/store/faulty_backing_dir.h"
+#include "store/primitives/crc32c.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::store {
 namespace {

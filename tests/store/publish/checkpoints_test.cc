@@ -7,8 +7,8 @@
 #include <memory>
 #include <string>
 
-#include "store/state_db.h"
-#include "tests/store/faulty_backing_dir.h"
+#include "store/primitives/state_db.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::store {
 namespace {

@@ -1,9 +1,9 @@
-#include "store/block_crc_map.h"
+#include "store/flush/block_crc_map.h"
 
 #include <algorithm>
 #include <memory>
 
-#include "store/crc32c.h"
+#include "store/primitives/crc32c.h"
 
 namespace ckptfs::store {
 namespace {

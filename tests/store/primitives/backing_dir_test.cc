@@ -5,7 +5,7 @@
 // point out (absolute, relative, ../../), and checks that no call reaches outside: the
 // call fails or acts on the link itself, and the outside tree is byte-for-byte, mode and
 // mtime unchanged afterwards.
-#include "store/backing_dir.h"
+#include "store/primitives/backing_dir.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -27,7 +27,7 @@
 #include <thread>
 #include <vector>
 
-#include "tests/store/faulty_backing_dir.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::store {
 namespace {

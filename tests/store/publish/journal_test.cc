@@ -9,7 +9,7 @@
 //
 // This file: entries, ordering and failures; journal_gate_recovery_test.cc: the commit
 // gate and recovery; journal_crash_model_test.cc: the randomized crash model.
-#include "tests/store/journal_fixture.h"
+#include "tests/store/publish/journal_fixture.h"
 
 namespace ckptfs::store {
 namespace {

@@ -2,7 +2,7 @@
 // previous run's temp files. Fixture: journal_fixture.h.
 #include <future>
 
-#include "tests/store/journal_fixture.h"
+#include "tests/store/publish/journal_fixture.h"
 
 namespace ckptfs::store {
 namespace {

@@ -1,4 +1,4 @@
-#include "store/crc32c.h"
+#include "store/primitives/crc32c.h"
 
 #include <gtest/gtest.h>
 

@@ -2,7 +2,7 @@
 // running out of space (no abort, a clear kNoSpace), recovery once space is freed, and
 // nothing acknowledged lost across a reopen. The state dir is a small tmpfs (needs
 // root; skipped otherwise), so "full" is the real ENOSPC of a real file system.
-#include "store/state_db.h"
+#include "store/primitives/state_db.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#include "tests/store/faulty_backing_dir.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::store {
 namespace {

@@ -51,7 +51,7 @@
 
 #include "common/status.h"
 #include "common/unique_fd.h"
-#include "store/backing_dir.h"
+#include "store/primitives/backing_dir.h"
 
 namespace ckptfs::store {
 

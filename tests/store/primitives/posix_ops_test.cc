@@ -12,10 +12,10 @@
 #include <filesystem>
 #include <string>
 
-#include "store/backing_dir.h"
+#include "store/primitives/backing_dir.h"
 #include "store/publish/journal.h"
-#include "store/state_db.h"
-#include "tests/store/faulty_backing_dir.h"
+#include "store/primitives/state_db.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::store {
 namespace {

@@ -1,4 +1,4 @@
-#include "store/backing_dir.h"
+#include "store/primitives/backing_dir.h"
 
 #include <dirent.h>
 #include <fcntl.h>

@@ -15,7 +15,7 @@
 
 #include "common/mutex.h"
 #include "store/dcp/dcp_metadata.h"
-#include "tests/store/faulty_backing_dir.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::store {
 namespace {
