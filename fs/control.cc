@@ -283,7 +283,10 @@ void ControlTree::ForgetVanishedCheckpoints() {
     }
   }
   for (const auto& path : index_->IndexedCheckpoints()) {
-    if (!checkpoints_->Get(path) && gone(JoinPath(path, ".metadata"))) index_->Forget(path);
+    if (!checkpoints_->Get(path) && journal_->last_appended() == last &&
+        store::FindCheckpointSource(backing_, path).status().code() == Code::kNotFound) {
+      index_->Forget(path);
+    }
   }
 }
 

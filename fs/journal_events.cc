@@ -125,8 +125,8 @@ void Namespace::OnJournalDone(const store::JournalEntry& e, const Status& st) {
       // the directory is committed once none of them is pending any more.
       checkpoints_->OnCommitted(dir, e.seq, /*last_part=*/true);
     }
-    // The key index reads `.metadata` (safetensors and per-rank metadata: not yet).
-    if (kind == store::CommitKind::kDcp) read_->QueueIndexBuild(dir);
+    // The key index reads every commit format (store/dcp/checkpoint_source.h).
+    read_->QueueIndexBuild(dir);
   }
   // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
   checkpoints_->OnApplied(journal_->applied());

@@ -8,6 +8,8 @@
 
 #include "common/thread_name.h"
 #include "fs/fs_util.h"
+#include "store/commit_names.h"
+#include "store/dcp/checkpoint_source.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/metadata_file.h"
 
@@ -63,7 +65,9 @@ Result<struct stat> ReadPath::BeginRead(FileHandle* h, size_t len, uint64_t offs
   const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
   Adopt(id, h->fd, st);
   if (!h->ckpt.empty()) {
-    if (peers_ && !h->indexed && h->file != ".metadata") WaitForPlan(h->ckpt);
+    if (peers_ && !h->indexed && store::CommitKindOf(h->file) == store::CommitKind::kNone) {
+      WaitForPlan(h->ckpt);
+    }
     PrefetchItem(h, id, offset);
   } else {
     ReadAhead(h, id, offset, len);
@@ -173,16 +177,15 @@ void ReadPath::WaitForPlan(const std::string& ckpt) {
 }
 
 void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
-  // Straight from `.metadata`: building the index here would read every item's header
-  // outside the cache, before the data itself.
+  // Straight from the commit files (`.metadata`, per-rank metadata, a safetensors index
+  // and headers): building the index here would read every DCP item's header outside the
+  // cache, before the data itself.
   struct Done {  // however it ends, reads waiting for the plan go on
     ReadPath* self;
     const std::string& ckpt;
     ~Done() { self->PlanDone(ckpt); }
   } done{this, ckpt};
-  auto bytes = store::ReadMetadataBytes(backing_, JoinPath(ckpt, ".metadata"));
-  if (!bytes.ok()) return;
-  auto md = store::ParseDcpMetadata(*bytes);
+  auto md = store::ReadCheckpointItems(backing_, ckpt);
   if (!md.ok()) {
     spdlog::debug("prefetch of {}: {}", ckpt, md.status().ToString());
     return;

@@ -10,7 +10,7 @@
 
 #include "common/thread_name.h"
 #include "store/cache/backing_source.h"
-#include "store/dcp/metadata_file.h"
+#include "store/dcp/checkpoint_source.h"
 #include "store/peer/protocol.h"
 
 namespace ckptfs::store::peer {
@@ -148,15 +148,11 @@ void PeerNode::PlannerLoop() {
 void PeerNode::PrefetchOwnShare(const std::string& ckpt) {
   if (coop_->HasPlan(ckpt)) return;  // a local load planned it meanwhile
   const std::string prefix = ckpt.empty() ? "" : ckpt + "/";
-  auto bytes = ReadMetadataBytes(dir_, prefix + ".metadata");
-  if (!bytes.ok()) {
-    spdlog::debug("peers: a peer reads {}, which has no readable .metadata here: {}", ckpt,
-                  bytes.status().ToString());
-    return;
-  }
-  auto md = ParseDcpMetadata(*bytes);
+  // `.metadata`, per-rank metadata or safetensors headers (checkpoint_source.h).
+  auto md = ReadCheckpointItems(dir_, ckpt);
   if (!md.ok()) {
-    spdlog::warn("peers: cannot parse {}.metadata: {}", prefix, md.status().ToString());
+    spdlog::debug("peers: a peer reads {}, which has no readable checkpoint here: {}", ckpt,
+                  md.status().ToString());
     return;
   }
   std::vector<std::pair<std::string, BlockId>> ids;
