@@ -94,10 +94,12 @@ class SafetensorsCheckpoint(harness.MountedTest):
 
         # The tensor view: each tensor's bytes, and its meta.json.
         for fqn, raw in tensors.items():
-            with open(os.path.join(view_dir(m, "hf", fqn), "0_0"), "rb") as f:
-                self.assertEqual(f.read(), raw, fqn)
             with open(os.path.join(view_dir(m, "hf", fqn), "meta.json")) as f:
                 meta = json.load(f)
+            chunk = meta["chunks"][0]["file"]  # "0_0" for a 2-d tensor, "0" for 1-d
+            self.assertEqual(chunk, "_".join("0" * len(want[fqn][1])))
+            with open(os.path.join(view_dir(m, "hf", fqn), chunk), "rb") as f:
+                self.assertEqual(f.read(), raw, fqn)
             self.assertEqual(meta["dtype"], want[fqn][0])
             self.assertIsNotNone(meta["chunks"][0]["checksum"], "checksummed on the write path")
 
