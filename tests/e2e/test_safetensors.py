@@ -103,6 +103,30 @@ class SafetensorsCheckpoint(harness.MountedTest):
             self.assertEqual(meta["dtype"], want[fqn][0])
             self.assertIsNotNone(meta["chunks"][0]["checksum"], "checksummed on the write path")
 
+        # diff against a later save that changed one tensor and added one.
+        files2, _ = hf_checkpoint("st")
+        blob = bytearray(files2["model-00001-of-00002.safetensors"])
+        blob[-1] ^= 0xff  # the last byte of shard 1's last tensor
+        files2["model-00001-of-00002.safetensors"] = bytes(blob)
+        n = int.from_bytes(blob[:8], "little")
+        header = json.loads(blob[8:8 + n])
+        last = max((k for k in header if k != "__metadata__"),
+                   key=lambda k: header[k]["data_offsets"][1])
+        files2["model-00003-of-00003.safetensors"] = safetensors_bytes(
+            {"extra": ("F32", [4], bytes(16))})
+        index2 = json.loads(files2["model.safetensors.index.json"])
+        index2["weight_map"]["extra"] = "model-00003-of-00003.safetensors"
+        files2["model.safetensors.index.json"] = json.dumps(index2).encode()
+        os.mkdir(os.path.join(m.mnt, "hf2"))
+        for name in sorted(files2, key=lambda n: n.endswith(".json")):
+            write(os.path.join(m.mnt, "hf2", name), files2[name])
+        self.committed(m, "hf2")
+        out = admin("diff", os.path.join(m.mnt, "hf"), os.path.join(m.mnt, "hf2"))
+        sys.stderr.write("$ ckptfs-admin diff MNT/hf MNT/hf2\n" + out.stdout + out.stderr)
+        self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+        self.assertEqual(sorted(out.stdout.splitlines()[:-1]), sorted([f"M {last}", "+ extra"]))
+        self.assertIn("2 of 5 entries differ", out.stdout)
+
         # verify: clean, every item checked, then one flipped byte in a backing shard.
         out = admin("verify", os.path.join(m.mnt, "hf"))
         sys.stderr.write("$ ckptfs-admin verify MNT/hf\n" + out.stdout + out.stderr)
