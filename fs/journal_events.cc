@@ -118,15 +118,18 @@ void Namespace::OnJournalDone(const store::JournalEntry& e, const Status& st) {
     }
   } else if (commit) {
     const store::CommitKind kind = store::CommitKindOf(e.path);
+    // The key index reads every commit format (store/dcp/checkpoint_source.h); it is
+    // built once the directory is committed, not once per rank (a build takes the
+    // write path's block CRCs of the shards it covers and releases them).
     if (kind != store::CommitKind::kDcpRank) {
       checkpoints_->OnCommitted(dir, e.seq);
+      read_->QueueIndexBuild(dir);
     } else if (!OtherRankCommitPending(e.path, e.seq)) {
       // A no-collectives save: each rank's `__{rank}.metadata` is gated on its own shards;
       // the directory is committed once none of them is pending any more.
       checkpoints_->OnCommitted(dir, e.seq, /*last_part=*/true);
+      read_->QueueIndexBuild(dir);
     }
-    // The key index reads every commit format (store/dcp/checkpoint_source.h).
-    read_->QueueIndexBuild(dir);
   }
   // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
   checkpoints_->OnApplied(journal_->applied());

@@ -189,7 +189,13 @@ class SafetensorsCheckpoint(harness.MountedTest):
         out = admin("verify", ck)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn(f"{len(items)} items", out.stdout)
+        self.assertIn("0 bad, 0 unchecked", out.stdout)
         self.assertEqual(m.unmount(), 0, m.log_text())
+        # Indexed once, when the last rank's metadata committed the directory (the log is
+        # complete once the daemon has exited).
+        with open(m.log, errors="replace") as f:
+            log = f.read()
+        self.assertEqual(log.count("key index: indexed 'nodist'"), 1, log[-3000:])
 
     @unittest.skipUnless(os.geteuid() == 0 and os.path.isdir("/sys/fs/cgroup/blkio"),
                          "needs root and the cgroup v1 blkio controller")
