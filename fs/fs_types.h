@@ -51,6 +51,9 @@ struct FsConfig {
   std::chrono::milliseconds stop_timeout{std::chrono::seconds(30)};
   // Cooperating peer daemons (issue 12); null: this daemon works alone.
   std::shared_ptr<const store::peer::PeerNodeOptions> peers;
+  // Reads of published files go through the kernel's FUSE passthrough where it can
+  // (fs/passthrough.h); false: the daemon serves every read.
+  bool passthrough = true;
 };
 
 struct Entry {

@@ -204,6 +204,7 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   config.flush_threads = o.flush_threads;
   config.cache_bytes = o.cache_bytes;
   config.cache_direct_io = o.cache_direct_io;
+  config.passthrough = o.passthrough;
   config.staging_backend = o.staging_backend;
   config.staging_hugepages = o.staging_hugepages;
   config.flush_direct_io = o.flush_direct_io;
