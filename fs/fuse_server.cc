@@ -877,8 +877,6 @@ FuseServer::~FuseServer() {
 }
 
 void FuseServer::Unmount() {
-  // The session's descriptor goes with the mount: no backing id is closed on it after.
-  if (context_.fs != nullptr) context_.fs->passthrough()->Enable(nullptr, "unmounted");
   if (signals_) {
     fuse_remove_signal_handlers(session_);
     signals_ = false;

@@ -84,12 +84,9 @@ bool InitPatcher::OnReply(struct iovec* iov, int count) {
 PassthroughTable::PassthroughTable(Options options, PassthroughStats* stats)
     : options_(options), stats_(stats) {}
 
-PassthroughTable::~PassthroughTable() {
-  MutexLock lock(&mu_);
-  for (auto& [ino, m] : inodes_) {
-    if (m.backing_id >= 0 && device_) device_->Close(m.backing_id);
-  }
-}
+// Backing ids still registered go with the FUSE connection (the kernel frees them when the
+// session's descriptor closes); the descriptor may be closed already, so no ioctl here.
+PassthroughTable::~PassthroughTable() = default;
 
 void PassthroughTable::Enable(std::unique_ptr<BackingDevice> device, const std::string& why) {
   MutexLock lock(&mu_);

@@ -128,7 +128,7 @@ class PassthroughTable {
     std::chrono::milliseconds conflict_wait{1000};
   };
   PassthroughTable(Options options, PassthroughStats* stats);  // stats: must outlive
-  ~PassthroughTable();  // closes the backing ids still registered
+  ~PassthroughTable();  // leaves the ids still registered to the connection's end
   PassthroughTable(const PassthroughTable&) = delete;
   PassthroughTable& operator=(const PassthroughTable&) = delete;
 

@@ -84,6 +84,7 @@ class PassthroughTest(unittest.TestCase):
         s2 = m.stats()
         self.assertEqual(s2["passthrough_open_now"], 0)
         self.assertEqual(s2["errors"], 0)
+        self.assertEqual(m.unmount(), 0, "the daemon exits cleanly with backing ids registered")
 
     def test_read_your_writes_after_rewrite(self):
         m = self.start()
