@@ -341,7 +341,9 @@ std::optional<Filesystem::PassthroughSource> Filesystem::PassthroughSourceOf(Han
     if (!f->node->data.error.empty() || f->node->data.staged) return std::nullopt;
   }
   auto st = backing_->Fstat(f->fd->get());
-  if (!st.ok()) return std::nullopt;
+  if (!st.ok() || static_cast<uint64_t>(st->st_size) < config_.passthrough_min_bytes) {
+    return std::nullopt;
+  }
   return PassthroughSource{f->fd->get(), *st};
 }
 

@@ -58,7 +58,7 @@ class PassthroughTest(unittest.TestCase):
             self.skipTest(f"passthrough is {state!r} on this kernel")
 
     def test_reads_pass_through(self):
-        m = self.start()
+        m = self.start(["--passthrough-min-size", "0"])  # .metadata passes through too
         self.require_on(m)
         data = os.urandom(8 * MiB + 123)
         with open(os.path.join(m.backing, "plain.bin"), "wb") as f:
@@ -87,7 +87,7 @@ class PassthroughTest(unittest.TestCase):
         self.assertEqual(m.unmount(), 0, "the daemon exits cleanly with backing ids registered")
 
     def test_read_your_writes_after_rewrite(self):
-        m = self.start()
+        m = self.start(["--passthrough-min-size", "0"])  # this small file passes through too
         self.require_on(m)
         path = os.path.join(m.mnt, "tracker.txt")
         with open(os.path.join(m.backing, "tracker.txt"), "w") as f:
