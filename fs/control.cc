@@ -207,6 +207,17 @@ std::string ControlTree::StatsJson() {
   j["checksums_on_read"] = read_->read_sums().recorded();
   j["backing_bytes_written"] = backing_->bytes_written();
   j["bytes_served"] = stats_->bytes_read.load();
+  // Reads the kernel passes through never reach the daemon: counted by open, and their
+  // bytes estimated by the sizes of the files opened (an upper bound).
+  const PassthroughStats& pt = stats_->passthrough;
+  j["passthrough"] = pt.state();
+  j["passthrough_opens"] = pt.opens.load();
+  j["passthrough_open_now"] = pt.open_now.load();
+  j["passthrough_bytes_opened_estimate"] = pt.bytes_opened.load();
+  j["passthrough_backing_ids"] = pt.backing_opens.load();
+  j["passthrough_refused"] = pt.refused.load();
+  j["passthrough_conflict_waits"] = pt.conflict_waits.load();
+  j["passthrough_conflict_busy"] = pt.conflict_busy.load();
   if (store::BlockCache* cache = read_->cache()) {
     store::BlockCacheStats c = cache->Stats();
     j["cache_hits"] = c.hits;

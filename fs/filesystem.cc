@@ -23,7 +23,10 @@ namespace {
 
 }  // namespace
 
-Filesystem::Filesystem(const FsConfig& config) : config_(config) {}
+Filesystem::Filesystem(const FsConfig& config)
+    : config_(config),
+      passthrough_(std::make_unique<PassthroughTable>(PassthroughTable::Options{},
+                                                      &stats_.passthrough)) {}
 
 Result<std::unique_ptr<Filesystem>> Filesystem::Create(const FsConfig& config, FsDeps deps) {
   std::unique_ptr<Filesystem> fs(new Filesystem(config));
@@ -329,6 +332,25 @@ Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t o
 
 // The read side (ReadData's FileHandle branch) without its copy: only a file with no write
 // state has backing bytes in the block cache; everything else takes Read().
+std::optional<Filesystem::PassthroughSource> Filesystem::PassthroughSourceOf(Handle* h) {
+  FileHandle* f = h->file();
+  if (f == nullptr || f->writable || !f->fd) return std::nullopt;
+  if (config_.peers && !f->ckpt.empty()) return std::nullopt;
+  {
+    MutexLock lock(&f->node->data_mu);
+    if (!f->node->data.error.empty() || f->node->data.staged) return std::nullopt;
+  }
+  auto st = backing_->Fstat(f->fd->get());
+  if (!st.ok() || static_cast<uint64_t>(st->st_size) < config_.passthrough_min_bytes) {
+    return std::nullopt;
+  }
+  return PassthroughSource{f->fd->get(), *st};
+}
+
+void Filesystem::OnPassthroughNegotiated(bool on) {
+  if (on && !config_.peers) read_->SetPrefetch(false);
+}
+
 Result<std::optional<size_t>> Filesystem::ReadInPlace(Handle* h, size_t len, uint64_t offset,
                                                       const store::BlockCache::InPlaceUse& use) {
   FileHandle* f = h->file();

@@ -143,7 +143,7 @@ void ReadPath::QueueIndexBuild(const std::string& ckpt) {
 }
 
 void ReadPath::QueuePrefetch(const std::string& ckpt) {
-  if (!cache_) return;
+  if (!cache_ || !prefetch_.load()) return;
   {
     MutexLock lock(&mu_);
     for (const auto& queued : prefetch_queue_) {

@@ -11,6 +11,7 @@
 // takes no lock of the namespace.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -75,6 +76,10 @@ class ReadPath {
   // Does nothing without a block cache.
   void QueuePrefetch(const std::string& ckpt) EXCLUDES(mu_);
 
+  // Off: QueuePrefetch does nothing (the kernel passes this node's reads through, and a
+  // prefetch into the block cache would read every byte a second time).
+  void SetPrefetch(bool on) { prefetch_.store(on); }
+
   store::BlockCache* cache() const { return cache_.get(); }
   store::BackingSource* cache_source() const { return source_.get(); }
   store::peer::PeerNode* peers() const { return peers_.get(); }
@@ -130,6 +135,7 @@ class ReadPath {
   std::set<std::string> planning_ GUARDED_BY(mu_);
   std::condition_variable planned_cv_;  // a checkpoint left planning_
   bool stop_ GUARDED_BY(mu_) = false;
+  std::atomic<bool> prefetch_{true};
   std::thread worker_;
 
   // Item ranges by checkpoint, then file, sorted by offset: (offset, end). A leaf lock.

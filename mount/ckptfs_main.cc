@@ -204,6 +204,8 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   config.flush_threads = o.flush_threads;
   config.cache_bytes = o.cache_bytes;
   config.cache_direct_io = o.cache_direct_io;
+  config.passthrough = o.passthrough;
+  config.passthrough_min_bytes = o.passthrough_min_bytes;
   config.staging_backend = o.staging_backend;
   config.staging_hugepages = o.staging_hugepages;
   config.flush_direct_io = o.flush_direct_io;
