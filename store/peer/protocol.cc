@@ -312,42 +312,6 @@ Result<Nonce> RandomNonce() {
   return n;
 }
 
-Result<std::string> ReadSecretFile(const std::string& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) return Status::FromErrno(errno, "peer secret file " + path);
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) return Status::FromErrno(errno, "peer secret file " + path);
-  if (!S_ISREG(st.st_mode)) return Invalid("peer secret file " + path + " is not a regular file");
-  if (st.st_mode & (S_IRWXG | S_IRWXO)) {
-    spdlog::warn(
-        "peer secret file {} is accessible to group or others (mode {:o}); "
-        "chmod 600 it",
-        path, st.st_mode & 07777);
-  }
-  std::string secret(kMaxSecretBytes + 1, '\0');
-  size_t got = 0;
-  while (got < secret.size()) {
-    ssize_t n = ::read(fd.get(), secret.data() + got, secret.size() - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return Status::FromErrno(errno, "peer secret file " + path);
-    if (n == 0) break;
-    got += static_cast<size_t>(n);
-  }
-  if (got > kMaxSecretBytes) {
-    return Invalid("peer secret file " + path + " is longer than " +
-                   std::to_string(kMaxSecretBytes) + " bytes");
-  }
-  secret.resize(got);
-  while (!secret.empty() && std::isspace(static_cast<unsigned char>(secret.back()))) {
-    secret.pop_back();
-  }
-  if (secret.size() < kMinSecretBytes) {
-    return Invalid("peer secret file " + path + " holds fewer than " +
-                   std::to_string(kMinSecretBytes) + " bytes of secret");
-  }
-  return secret;
-}
-
 Result<std::pair<std::string, uint16_t>> SplitHostPort(std::string_view address) {
   size_t colon = address.rfind(':');
   if (colon == std::string_view::npos || colon == 0 || colon + 1 == address.size()) {

@@ -52,7 +52,7 @@ inline constexpr size_t kProofBytes = 32;  // SHA-256
 inline constexpr size_t kMaxNodeIdBytes = 256;
 inline constexpr size_t kMaxPathBytes = 4096;
 inline constexpr size_t kMinSecretBytes = 16;
-inline constexpr size_t kMaxSecretBytes = 4096;
+inline constexpr size_t kMaxSecretBytes = 4096;  // ReadSecretFile (peers.h)
 
 using Nonce = std::array<unsigned char, kNonceBytes>;
 using Proof = std::array<unsigned char, kProofBytes>;
@@ -135,10 +135,6 @@ Proof ComputeProof(std::string_view secret, ProofRole role, std::string_view nod
 bool ProofEquals(const Proof& a, const Proof& b);
 // Cryptographically random nonce (OpenSSL RAND_bytes); Internal error if the RNG fails.
 Result<Nonce> RandomNonce();
-
-// Reads the shared secret: the file's bytes without trailing whitespace, kMinSecretBytes to
-// kMaxSecretBytes long. Warns (once per call) when the file is readable by group or others.
-Result<std::string> ReadSecretFile(const std::string& path);
 
 // Splits "host:port" ("[v6]:port" too). Invalid on a missing or out-of-range port; port 0
 // (any free port) is accepted, for listening.
