@@ -36,7 +36,6 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <span>
@@ -91,16 +90,16 @@ class PeerNode : public Peers {
   // Starts the PeerServer, reading through `cache` (must outlive StopServing()).
   Status StartServing(BlockCache* cache) override;
   // Stops serving (closes peer connections, joins the server and the planner). Idempotent.
-  void StopServing() override;
+  void StopServing() override EXCLUDES(planner_mu_);
 
   // Plans checkpoint `ckpt` (relative to the backing dir) from its parsed `.metadata`;
   // `files` are its data files (name in the checkpoint, BlockId now). Returns this node's
   // share. A plan already built for the same file versions is reused.
   Result<std::vector<OwnedRange>> PlanCheckpoint(
       const std::string& ckpt, const DcpMetadata& metadata,
-      const std::vector<std::pair<std::string, BlockId>>& files) override;
+      const std::vector<std::pair<std::string, BlockId>>& files) override EXCLUDES(mu_);
 
-  PeerNodeStats Stats() const;
+  PeerNodeStats Stats() const EXCLUDES(mu_);
   void AppendStats(nlohmann::json* stats) const override { Stats().AppendJson(stats); }
   const PeerNodeOptions& options() const { return options_; }
 
@@ -122,8 +121,8 @@ class PeerNode : public Peers {
   class ServingSource;
   PeerNode(const PeerNodeOptions& options, BackingDir* dir);
   // Queues `ckpt` for the planner thread (a peer asked for one of its blocks).
-  void LoadStartedElsewhere(const std::string& ckpt);
-  void PlannerLoop();
+  void LoadStartedElsewhere(const std::string& ckpt) EXCLUDES(planner_mu_);
+  void PlannerLoop() EXCLUDES(planner_mu_);
   // Plans `ckpt` from its .metadata and prefetches this node's share into the cache.
   void PrefetchOwnShare(const std::string& ckpt);
 
@@ -134,20 +133,20 @@ class PeerNode : public Peers {
   std::unique_ptr<PeerServer> server_;
   BlockCache* cache_ = nullptr;  // set by StartServing
 
-  std::mutex planner_mu_;
+  Mutex planner_mu_;
   std::condition_variable planner_cv_;
-  std::vector<std::string> planner_queue_;  // GUARDED_BY(planner_mu_)
-  std::set<std::string> planner_seen_;      // GUARDED_BY(planner_mu_): queued once each
-  bool planner_stop_ = false;               // GUARDED_BY(planner_mu_)
+  std::vector<std::string> planner_queue_ GUARDED_BY(planner_mu_);
+  std::set<std::string> planner_seen_ GUARDED_BY(planner_mu_);  // queued once each
+  bool planner_stop_ GUARDED_BY(planner_mu_) = false;
   std::thread planner_;
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   struct Planned {
     std::vector<std::pair<std::string, BlockId>> files;
     std::vector<OwnedRange> owned;
   };
-  std::map<std::string, Planned> planned_;  // GUARDED_BY(mu_)
-  PeerNodeStats plan_stats_;                // GUARDED_BY(mu_): the plan fields only
+  std::map<std::string, Planned> planned_ GUARDED_BY(mu_);
+  PeerNodeStats plan_stats_ GUARDED_BY(mu_);  // the plan fields only
 };
 
 // The writer rank of a DCP data file named "__<rank>_<n>.distcp", or nullopt.
