@@ -3,7 +3,8 @@
 // Every message is a UCP active message. Small control messages carry their fields in the
 // AM data; a block reply carries a fixed ResponseHeader as the AM header and the block bytes
 // as the AM data (UCX sends large data by rendezvous, zero-copy on RDMA fabrics).
-// Integers are little-endian; strings are length-prefixed bytes (names are bytes, not UTF-8).
+// Messages are records of store/record_codec.h's fixed-width fields: integers are
+// little-endian; strings are length-prefixed bytes (names are bytes, not UTF-8).
 //
 // Connection handshake (mutual challenge-response over a shared secret, before any block):
 //   client -> server  kHello      {magic, version, node_id, client_nonce[32]}
