@@ -20,9 +20,7 @@
 
 #include "store/commit_gate.h"
 #include "fs/fs_util.h"
-#ifdef CKPTFS_HAVE_UCX
-#include "store/peer/peer_node.h"
-#endif
+#include "store/peer/peers.h"
 #include "fs/op_metrics.h"
 
 namespace ckptfs::fs {
@@ -237,11 +235,7 @@ std::string ControlTree::StatsJson() {
                            ? 0.0
                            : static_cast<double>(c.bytes_served) / c.backing_bytes_read;
   }
-#ifdef CKPTFS_HAVE_UCX
-  if (read_->peers()) {
-    read_->peers()->Stats().AppendJson(&j);
-  }
-#endif
+  if (read_->peers()) read_->peers()->AppendStats(&j);
   gate_->stats().AppendJson(&j);  // remote_polls, peer_commit_queries, "commit_gate"
   j["journal_pending"] = journal_->pending();
   j["journal_applied_ahead"] = journal_->applied_ahead();

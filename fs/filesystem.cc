@@ -2,9 +2,7 @@
 // (a namespace node, a /.ckptfs control file, the tensor view) or of its handle.
 #include "fs/filesystem.h"
 
-#ifdef CKPTFS_HAVE_UCX
-#include "store/peer/peer_node.h"
-#endif
+#include "store/peer/peers.h"
 
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
@@ -19,7 +17,7 @@ namespace ckptfs::fs {
 namespace {
 
 // How long a peer may hold its answer to a commit query while a shard is pending there.
-[[maybe_unused]] constexpr std::chrono::milliseconds kCommitQueryHold{1500};
+constexpr std::chrono::milliseconds kCommitQueryHold{1500};
 
 }  // namespace
 
@@ -92,12 +90,11 @@ Status Filesystem::Init(FsDeps deps) {
   gate_options.local_durable = [this](const std::string& path) {
     return shard_states_->Durable(path);
   };
-#ifdef CKPTFS_HAVE_UCX
   if (config_.peers) {
     // Shards written through other mounts: ask their daemons (docs/PEERS.md, "Commit query").
     gate_options.ask_peers = [this](std::vector<std::string> paths,
                                     store::CommitGateOptions::AnswersFn done) {
-      store::peer::PeerNode* peers = peer_node_.load(std::memory_order_acquire);
+      store::peer::Peers* peers = peer_node_.load(std::memory_order_acquire);
       return peers != nullptr &&
              peers->AskShardStates(std::move(paths), kCommitQueryHold, std::move(done));
     };
@@ -105,7 +102,6 @@ Status Filesystem::Init(FsDeps deps) {
       if (journal_) journal_->RecheckGate();
     };
   }
-#endif
   gate_ = std::make_unique<store::CommitGate>(backing_.get(), std::move(gate_options));
   store::Journal::Hooks hooks;
   hooks.commit_gate = [this](const store::JournalEntry& e,
@@ -136,7 +132,7 @@ Status Filesystem::Init(FsDeps deps) {
   }
   tensors_ = std::make_unique<TensorView>(backing_.get(), index_.get());
   std::unique_ptr<store::BackingSource> cache_source = std::move(deps.cache_source);
-  std::shared_ptr<store::peer::PeerNode> peers;
+  std::shared_ptr<store::peer::Peers> peers;
   std::unique_ptr<store::BlockCache> cache = std::move(deps.cache);
   if (!cache && config_.cache_bytes > 0) {
     if (!cache_source) {
@@ -149,15 +145,12 @@ Status Filesystem::Init(FsDeps deps) {
     cache_options.budget_bytes = config_.cache_bytes;
     store::BlockSource* source = cache_source.get();
     if (config_.peers) {
-#ifdef CKPTFS_HAVE_UCX
       // Misses of blocks owned by another node go to that node; the rest, and every peer
       // failure, to the backing store.
-      CKPT_ASSIGN_OR_RETURN(peers, store::peer::PeerNode::Create(*config_.peers, backing_.get(),
-                                                                 cache_source.get()));
+      auto made = store::peer::Peers::Create(*config_.peers, backing_.get(), cache_source.get());
+      if (!made.ok()) return Status(made.status().code(), "--peers: " + made.status().message());
+      peers = std::move(made).value();
       source = peers->source();
-#else
-      return Status(Code::kUnsupported, "--peers: this ckptfs was built without UCX");
-#endif
     }
     CKPT_ASSIGN_OR_RETURN(cache, store::BlockCache::Create(source, cache_options));
   } else if (config_.peers) {
@@ -188,13 +181,11 @@ Status Filesystem::Init(FsDeps deps) {
   }
   control_ = std::make_unique<ControlTree>(config_, parts, ns_.get());
   // Peers are served once the namespace exists: their commit queries ask it (PendingLocally).
-#ifdef CKPTFS_HAVE_UCX
   if (read_->peers()) {
     read_->peers()->SetShardStateProvider(shard_states_.get());
     CKPT_RETURN_IF_ERROR(read_->peers()->StartServing(read_->cache()));
     peer_node_.store(read_->peers(), std::memory_order_release);
   }
-#endif
   spdlog::info("ckptfs ready: backing {} staging {} MiB ({}), {} flush threads, {} mode",
                config_.backing_dir, pool_->limit_bytes() >> 20, pool_->backend(),
                config_.flush_threads, config_.strict ? "strict" : "async");

@@ -209,7 +209,7 @@ class Filesystem {
   std::unique_ptr<Namespace> ns_;
   std::unique_ptr<ControlTree> control_;
   // read_->peers() for the commit gate's queries, set once the peers serve (Init).
-  std::atomic<store::peer::PeerNode*> peer_node_{nullptr};
+  std::atomic<store::peer::Peers*> peer_node_{nullptr};
 
   std::atomic<bool> shut_down_{false};
   store::StopReport stop_;  // what Shutdown() left for the next start

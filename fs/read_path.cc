@@ -13,15 +13,13 @@
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/metadata_file.h"
 
-#ifdef CKPTFS_HAVE_UCX
-#include "store/peer/peer_node.h"
-#endif
+#include "store/peer/peers.h"
 
 namespace ckptfs::fs {
 
 ReadPath::ReadPath(store::BackingDir* backing, store::KeyIndex* index,
                    std::unique_ptr<store::BackingSource> source,
-                   std::shared_ptr<store::peer::PeerNode> peers,
+                   std::shared_ptr<store::peer::Peers> peers,
                    std::unique_ptr<store::BlockCache> cache)
     : backing_(backing),
       index_(index),
@@ -36,9 +34,7 @@ ReadPath::~ReadPath() {
 }
 
 void ReadPath::StopServingPeers() {
-#ifdef CKPTFS_HAVE_UCX
   if (peers_) peers_->StopServing();
-#endif
 }
 
 void ReadPath::Start() {
@@ -205,7 +201,6 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
     Adopt(id, std::make_shared<const UniqueFd>(std::move(*fd)), *st);
     files.push_back(File{file, std::min<uint64_t>(length, static_cast<uint64_t>(st->st_size)), id});
   }
-#ifdef CKPTFS_HAVE_UCX
   // With peers, this node prefetches its share only: the blocks others will ask it for.
   // Everything else this node's readers need comes from its owner item by item as they
   // reach it (PrefetchItem): prefetching the whole checkpoint here pulled the other
@@ -227,7 +222,6 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
     }
     spdlog::warn("peers: cannot plan {}: {}", ckpt, owned.status().ToString());
   }
-#endif
   for (const File& f : files) cache_->Prefetch(f.id, 0, f.length);
   spdlog::debug("prefetch of {}: {} files queued", ckpt, files.size());
 }

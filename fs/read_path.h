@@ -35,7 +35,7 @@
 #include "store/dcp/read_checksums.h"
 
 namespace ckptfs::store::peer {
-class PeerNode;
+class Peers;
 }  // namespace ckptfs::store::peer
 
 namespace ckptfs::fs {
@@ -47,7 +47,7 @@ class ReadPath {
   ReadPath(store::BackingDir* backing,  // must outlive
            store::KeyIndex* index,      // must outlive
            std::unique_ptr<store::BackingSource> source,
-           std::shared_ptr<store::peer::PeerNode> peers,  // null: this daemon works alone
+           std::shared_ptr<store::peer::Peers> peers,  // null: this daemon works alone
            std::unique_ptr<store::BlockCache> cache);
   ~ReadPath();  // Stop()s the worker.
   ReadPath(const ReadPath&) = delete;
@@ -82,7 +82,7 @@ class ReadPath {
 
   store::BlockCache* cache() const { return cache_.get(); }
   store::BackingSource* cache_source() const { return source_.get(); }
-  store::peer::PeerNode* peers() const { return peers_.get(); }
+  store::peer::Peers* peers() const { return peers_.get(); }
   // Stops serving blocks to peer daemons (before the cache they read goes). Idempotent.
   void StopServingPeers();
   const store::ReadChecksums& read_sums() const { return *read_sums_; }
@@ -121,7 +121,7 @@ class ReadPath {
   // Peer daemons (issue 12): the cache's source when on (peers first, then source_) and
   // the server of this node's blocks. Between source_ and cache_: the cache reads through
   // it and it falls back to source_.
-  const std::shared_ptr<store::peer::PeerNode> peers_;
+  const std::shared_ptr<store::peer::Peers> peers_;
   const std::unique_ptr<store::BlockCache> cache_;
   const std::unique_ptr<store::ReadChecksums> read_sums_;  // checksums on first full read
 

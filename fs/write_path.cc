@@ -11,9 +11,7 @@
 #include "store/commit_names.h"
 #include "store/dcp/checkpoint_source.h"
 #include "store/dcp/dcp_metadata.h"
-#ifdef CKPTFS_HAVE_UCX
-#include "store/peer/peer_node.h"
-#endif
+#include "store/peer/peers.h"
 
 namespace ckptfs::fs {
 
@@ -21,9 +19,7 @@ std::string Namespace::TempName(uint64_t id) const {
   // With peers, other daemons write temp files into the same backing root with their own
   // counters: the node rank keeps the names apart.
   std::string name = kTempPrefix;
-#ifdef CKPTFS_HAVE_UCX
   if (config_.peers) name += "n" + std::to_string(config_.peers->self) + ".";
-#endif
   return name + std::to_string(id);
 }
 

@@ -116,7 +116,7 @@ Status PeerNode::StartServing(BlockCache* cache) {
 void PeerNode::StopServing() {
   server_.reset();  // no more requests, so nothing queues for the planner
   {
-    std::lock_guard lock(planner_mu_);
+    MutexLock lock(&planner_mu_);
     planner_stop_ = true;
   }
   planner_cv_.notify_all();
@@ -125,7 +125,7 @@ void PeerNode::StopServing() {
 
 void PeerNode::LoadStartedElsewhere(const std::string& ckpt) {
   {
-    std::lock_guard lock(planner_mu_);
+    MutexLock lock(&planner_mu_);
     if (planner_stop_ || !planner_seen_.insert(ckpt).second) return;
     planner_queue_.push_back(ckpt);
   }
@@ -133,15 +133,15 @@ void PeerNode::LoadStartedElsewhere(const std::string& ckpt) {
 }
 
 void PeerNode::PlannerLoop() {
-  std::unique_lock lock(planner_mu_);
+  MutexLock lock(&planner_mu_);
   while (true) {
-    planner_cv_.wait(lock, [this] { return planner_stop_ || !planner_queue_.empty(); });
+    while (!planner_stop_ && planner_queue_.empty()) planner_cv_.wait(lock.native());
     if (planner_stop_) return;
     std::string ckpt = std::move(planner_queue_.front());
     planner_queue_.erase(planner_queue_.begin());
-    lock.unlock();
+    lock.Unlock();
     PrefetchOwnShare(ckpt);
-    lock.lock();
+    lock.Lock();
   }
 }
 
@@ -182,7 +182,7 @@ Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
     const std::string& ckpt, const DcpMetadata& metadata,
     const std::vector<std::pair<std::string, BlockId>>& files) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = planned_.find(ckpt);
     if (it != planned_.end() && it->second.files == files) return it->second.owned;
   }
@@ -243,7 +243,7 @@ Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
   const PlanBalance balance = plan->Balance();
   const uint64_t mine = plan->node_bytes()[options_.self];
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     planned_[ckpt] = Planned{files, owned};
     ++plan_stats_.plans;
     plan_stats_.last_plan_ms = ms;
@@ -331,7 +331,7 @@ void PeerNodeStats::AppendJson(nlohmann::json* out) const {
 PeerNodeStats PeerNode::Stats() const {
   PeerNodeStats s;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     s = plan_stats_;
   }
   s.coop = coop_->Stats();
