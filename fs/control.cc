@@ -20,9 +20,7 @@
 
 #include "store/publish/commit_gate.h"
 #include "fs/fs_util.h"
-#ifdef CKPTFS_HAVE_UCX
-#include "store/peer/peer_node.h"
-#endif
+#include "store/peer/peers.h"
 #include "fs/op_metrics.h"
 
 namespace ckptfs::fs {
@@ -207,6 +205,17 @@ std::string ControlTree::StatsJson() {
   j["checksums_on_read"] = read_->read_sums().recorded();
   j["backing_bytes_written"] = backing_->bytes_written();
   j["bytes_served"] = stats_->bytes_read.load();
+  // Reads the kernel passes through never reach the daemon: counted by open, and their
+  // bytes estimated by the sizes of the files opened (an upper bound).
+  const PassthroughStats& pt = stats_->passthrough;
+  j["passthrough"] = pt.state();
+  j["passthrough_opens"] = pt.opens.load();
+  j["passthrough_open_now"] = pt.open_now.load();
+  j["passthrough_bytes_opened_estimate"] = pt.bytes_opened.load();
+  j["passthrough_backing_ids"] = pt.backing_opens.load();
+  j["passthrough_refused"] = pt.refused.load();
+  j["passthrough_conflict_waits"] = pt.conflict_waits.load();
+  j["passthrough_conflict_busy"] = pt.conflict_busy.load();
   if (store::BlockCache* cache = read_->cache()) {
     store::BlockCacheStats c = cache->Stats();
     j["cache_hits"] = c.hits;
@@ -226,11 +235,7 @@ std::string ControlTree::StatsJson() {
                            ? 0.0
                            : static_cast<double>(c.bytes_served) / c.backing_bytes_read;
   }
-#ifdef CKPTFS_HAVE_UCX
-  if (read_->peers()) {
-    read_->peers()->Stats().AppendJson(&j);
-  }
-#endif
+  if (read_->peers()) read_->peers()->AppendStats(&j);
   publication_->gate().stats().AppendJson(&j);  // remote_polls, peer_commit_queries, "commit_gate"
   j["journal_pending"] = journal_->pending();
   j["journal_applied_ahead"] = journal_->applied_ahead();
@@ -283,7 +288,10 @@ void ControlTree::ForgetVanishedCheckpoints() {
     }
   }
   for (const auto& path : index_->IndexedCheckpoints()) {
-    if (!checkpoints_->Get(path) && gone(JoinPath(path, ".metadata"))) index_->Forget(path);
+    if (!checkpoints_->Get(path) && journal_->last_appended() == last &&
+        store::FindCheckpointSource(backing_, path).status().code() == Code::kNotFound) {
+      index_->Forget(path);
+    }
   }
 }
 

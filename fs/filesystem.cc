@@ -2,9 +2,7 @@
 // (a namespace node, a /.ckptfs control file, the tensor view) or of its handle.
 #include "fs/filesystem.h"
 
-#ifdef CKPTFS_HAVE_UCX
-#include "store/peer/peer_node.h"
-#endif
+#include "store/peer/peers.h"
 
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
@@ -19,11 +17,14 @@ namespace ckptfs::fs {
 namespace {
 
 // How long a peer may hold its answer to a commit query while a shard is pending there.
-[[maybe_unused]] constexpr std::chrono::milliseconds kCommitQueryHold{1500};
+constexpr std::chrono::milliseconds kCommitQueryHold{1500};
 
 }  // namespace
 
-Filesystem::Filesystem(const FsConfig& config) : config_(config) {}
+Filesystem::Filesystem(const FsConfig& config)
+    : config_(config),
+      passthrough_(std::make_unique<PassthroughTable>(PassthroughTable::Options{},
+                                                      &stats_.passthrough)) {}
 
 Result<std::unique_ptr<Filesystem>> Filesystem::Create(const FsConfig& config, FsDeps deps) {
   std::unique_ptr<Filesystem> fs(new Filesystem(config));
@@ -73,23 +74,21 @@ Status Filesystem::Init(FsDeps deps) {
   // Strict mode returns every failure to the operation that caused it: nothing waits.
   pub_options.halt_on_failure = !config_.strict;
   pub_options.temp_prefix = Namespace::TempPrefix(config_);
-#ifdef CKPTFS_HAVE_UCX
   if (config_.peers) {
     // Shards written through other mounts: ask their daemons (docs/PEERS.md, "Commit query").
     pub_options.gate.ask_peers = [this](std::vector<std::string> paths,
                                         store::CommitGateOptions::AnswersFn done) {
-      store::peer::PeerNode* peers = peer_node_.load(std::memory_order_acquire);
+      store::peer::Peers* peers = peer_node_.load(std::memory_order_acquire);
       return peers != nullptr &&
              peers->AskShardStates(std::move(paths), kCommitQueryHold, std::move(done));
     };
   }
-#endif
   CKPT_ASSIGN_OR_RETURN(publication_, store::Publication::Create(backing_.get(), db_.get(),
                                                                  index_.get(),
                                                                  std::move(pub_options)));
   tensors_ = std::make_unique<TensorView>(backing_.get(), index_.get());
   std::unique_ptr<store::BackingSource> cache_source = std::move(deps.cache_source);
-  std::shared_ptr<store::peer::PeerNode> peers;
+  std::shared_ptr<store::peer::Peers> peers;
   std::unique_ptr<store::BlockCache> cache = std::move(deps.cache);
   if (!cache && config_.cache_bytes > 0) {
     if (!cache_source) {
@@ -102,15 +101,12 @@ Status Filesystem::Init(FsDeps deps) {
     cache_options.budget_bytes = config_.cache_bytes;
     store::BlockSource* source = cache_source.get();
     if (config_.peers) {
-#ifdef CKPTFS_HAVE_UCX
       // Misses of blocks owned by another node go to that node; the rest, and every peer
       // failure, to the backing store.
-      CKPT_ASSIGN_OR_RETURN(peers, store::peer::PeerNode::Create(*config_.peers, backing_.get(),
-                                                                 cache_source.get()));
+      auto made = store::peer::Peers::Create(*config_.peers, backing_.get(), cache_source.get());
+      if (!made.ok()) return Status(made.status().code(), "--peers: " + made.status().message());
+      peers = std::move(made).value();
       source = peers->source();
-#else
-      return Status(Code::kUnsupported, "--peers: this ckptfs was built without UCX");
-#endif
     }
     CKPT_ASSIGN_OR_RETURN(cache, store::BlockCache::Create(source, cache_options));
   } else if (config_.peers) {
@@ -134,13 +130,11 @@ Status Filesystem::Init(FsDeps deps) {
   publication_->Start(ns_.get());
   control_ = std::make_unique<ControlTree>(config_, parts, ns_.get());
   // Peers are served once the namespace exists: their commit queries ask it (PendingLocally).
-#ifdef CKPTFS_HAVE_UCX
   if (read_->peers()) {
     read_->peers()->SetShardStateProvider(publication_->shard_states());
     CKPT_RETURN_IF_ERROR(read_->peers()->StartServing(read_->cache()));
     peer_node_.store(read_->peers(), std::memory_order_release);
   }
-#endif
   spdlog::info("ckptfs ready: backing {} staging {} MiB ({}), {} flush threads, {} mode",
                config_.backing_dir, pool_->limit_bytes() >> 20, pool_->backend(),
                config_.flush_threads, config_.strict ? "strict" : "async");
@@ -278,6 +272,25 @@ Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t o
 
 // The read side (ReadData's FileHandle branch) without its copy: only a file with no write
 // state has backing bytes in the block cache; everything else takes Read().
+std::optional<Filesystem::PassthroughSource> Filesystem::PassthroughSourceOf(Handle* h) {
+  FileHandle* f = h->file();
+  if (f == nullptr || f->writable || !f->fd) return std::nullopt;
+  if (config_.peers && !f->ckpt.empty()) return std::nullopt;
+  {
+    MutexLock lock(&f->node->data_mu);
+    if (!f->node->data.error.empty() || f->node->data.staged) return std::nullopt;
+  }
+  auto st = backing_->Fstat(f->fd->get());
+  if (!st.ok() || static_cast<uint64_t>(st->st_size) < config_.passthrough_min_bytes) {
+    return std::nullopt;
+  }
+  return PassthroughSource{f->fd->get(), *st};
+}
+
+void Filesystem::OnPassthroughNegotiated(bool on) {
+  if (on && !config_.peers) read_->SetPrefetch(false);
+}
+
 Result<std::optional<size_t>> Filesystem::ReadInPlace(Handle* h, size_t len, uint64_t offset,
                                                       const store::BlockCache::InPlaceUse& use) {
   FileHandle* f = h->file();

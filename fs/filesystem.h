@@ -32,6 +32,7 @@
 #include "fs/fs_types.h"
 #include "fs/handle.h"
 #include "fs/namespace.h"
+#include "fs/passthrough.h"
 #include "fs/posix_access.h"
 #include "fs/read_path.h"
 #include "fs/tensor_view.h"
@@ -154,6 +155,22 @@ class Filesystem {
   std::string CheckpointsJson() { return control_->CheckpointsJson(); }
   std::string MetricsText() { return control_->MetricsText(); }
 
+  // FUSE passthrough (fs/passthrough.h): the io mode of each inode, kept by fs/fuse_server.cc.
+  PassthroughTable* passthrough() { return passthrough_.get(); }
+  // The backing file a read-only open may be passed through to (its descriptor, borrowed
+  // from `h`, and its stat), or nullopt when the daemon must serve it: a writable handle,
+  // a file with staged bytes (read-your-writes) or a failed publication, a control file or
+  // tensor view, or a checkpoint's file while peers share the load (blocks come from the
+  // peer that owns them).
+  struct PassthroughSource {
+    int fd;
+    struct stat st;
+  };
+  std::optional<PassthroughSource> PassthroughSourceOf(Handle* h);
+  // The INIT exchange is done: `on` when the kernel will pass reads through. A load then
+  // no longer prefetches into the block cache (without peers): the kernel reads the bytes.
+  void OnPassthroughNegotiated(bool on);
+
   bool strict() const { return config_.strict; }
   const FsConfig& config() const { return config_; }
   uint64_t errors() const { return stats_.errors.load(); }
@@ -182,11 +199,12 @@ class Filesystem {
   std::unique_ptr<store::Publication> publication_;
   std::unique_ptr<ReadPath> read_;
   std::unique_ptr<TensorView> tensors_;
+  std::unique_ptr<PassthroughTable> passthrough_;
   // ------------------------------------------------------------ the units it routes to
   std::unique_ptr<Namespace> ns_;
   std::unique_ptr<ControlTree> control_;
   // read_->peers() for the commit gate's queries, set once the peers serve (Init).
-  std::atomic<store::peer::PeerNode*> peer_node_{nullptr};
+  std::atomic<store::peer::Peers*> peer_node_{nullptr};
 
   std::atomic<bool> shut_down_{false};
   store::StopReport stop_;  // what Shutdown() left for the next start

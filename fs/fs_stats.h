@@ -12,7 +12,34 @@
 
 namespace ckptfs::fs {
 
+// FUSE passthrough (fs/passthrough.h). The kernel serves those reads: the daemon never sees
+// them, so their bytes are estimated by the sizes of the files opened.
+struct PassthroughStats {
+  std::atomic<uint64_t> opens{0};           // opens replied with FOPEN_PASSTHROUGH
+  std::atomic<uint64_t> bytes_opened{0};    // sizes of those files (an upper bound of
+                                            // the bytes the kernel read for them)
+  std::atomic<uint64_t> backing_opens{0};   // backing ids registered
+  std::atomic<uint64_t> refused{0};         // opens the kernel refused to pass through
+  std::atomic<uint64_t> conflict_waits{0};  // changes that waited for readers to close
+  std::atomic<uint64_t> conflict_busy{0};   // changes failed with EBUSY after the wait
+  std::atomic<int64_t> open_now{0};         // passthrough opens now
+
+  void SetState(const std::string& s) EXCLUDES(state_mu) {
+    MutexLock lock(&state_mu);
+    state_ = s;
+  }
+  std::string state() const EXCLUDES(state_mu) {
+    MutexLock lock(&state_mu);
+    return state_;
+  }
+  mutable Mutex state_mu;
+
+ private:
+  std::string state_ GUARDED_BY(state_mu) = "off: not negotiated yet";
+};
+
 struct FsStats {
+  PassthroughStats passthrough;
   const std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   std::atomic<uint64_t> bytes_written{0};
   std::atomic<uint64_t> bytes_published{0};

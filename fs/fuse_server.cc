@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/sysmacros.h>
+#include <sys/uio.h>
 #include <sys/utsname.h>
 #include <unistd.h>
 
@@ -155,6 +156,30 @@ mode_t ModeOf(fuse_req_t req, fuse_ino_t ino) {
   return st.ok() ? st->st_mode : 0;
 }
 
+// Whether the kernel will pass reads through: the INIT request was read (InitPatcher saw
+// it) and its reply is written right after this returns, patched.
+void ResolvePassthrough(FuseServer::Context* context, struct fuse_conn_info* conn) {
+  PassthroughTable* table = context->fs->passthrough();
+  std::string off;
+  if (!context->fs->config().passthrough) {
+    off = "--passthrough off";
+  } else if (context->init == nullptr) {
+    off = "libfuse custom I/O unavailable";
+  } else if (!context->init->offered()) {
+    off = "this kernel does not offer FUSE passthrough (Linux 6.9+, CONFIG_FUSE_PASSTHROUGH)";
+  } else if (conn->want & FUSE_CAP_WRITEBACK_CACHE) {
+    off = "the writeback cache is on";
+  }
+  if (off.empty()) {
+    table->Enable(MakeFuseBackingDevice(fuse_session_fd(context->session)), "");
+  } else {
+    table->Enable(nullptr, off);
+  }
+  context->fs->OnPassthroughNegotiated(off.empty());
+  spdlog::info("fuse: passthrough {} (kernel protocol 7.{})", off.empty() ? "on" : "off: " + off,
+               context->init ? context->init->kernel_minor() : 0);
+}
+
 void OpInit(void* userdata, struct fuse_conn_info* conn) {
   FuseServer::Context* context = static_cast<FuseServer::Context*>(userdata);
   const uint64_t read_ahead = context->tuning.read_ahead_bytes;
@@ -187,6 +212,7 @@ void OpInit(void* userdata, struct fuse_conn_info* conn) {
   conn->congestion_threshold = 48;
   std::string why;
   context->direct_writes = ResolveDirectWrites(context->tuning.direct_writes, &why);
+  ResolvePassthrough(context, conn);
   spdlog::info("fuse: protocol {}.{}, max_write {}, splice {}, direct writes {} ({})",
                conn->proto_major, conn->proto_minor, conn->max_write,
                (conn->want & FUSE_CAP_SPLICE_READ) ? "on" : "off",
@@ -222,7 +248,15 @@ void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
   OpTimer timer(FuseOp::kSetattr);
   // Every ownership rule of a setattr may turn on group membership (chgrp, setgid,
   // write permission through a supplementary group); setattr is rare next to I/O.
+  // A truncate changes bytes that passthrough readers would not see: it waits for them
+  // like a writer's open (a writable handle's own truncate never finds any).
+  const bool truncates = (to_set & FUSE_SET_ATTR_SIZE) != 0;
+  if (truncates) {
+    Status st = Fs(req)->passthrough()->AcquireOther(ino, /*changes=*/true);
+    if (!st.ok()) return ReplyErr(req, st);
+  }
   auto r = Fs(req)->SetAttr(ino, *attr, to_set, fi ? H(fi) : nullptr, CallerOf(req, true));
+  if (truncates) Fs(req)->passthrough()->Release(ino, /*passthrough=*/false);
   if (!r.ok()) return ReplyErr(req, r.status());
   fuse_reply_attr(req, &*r, Fs(req)->AttrTimeout(ino));
 }
@@ -298,6 +332,14 @@ void OpRename(fuse_req_t req, fuse_ino_t parent, const char* name, fuse_ino_t ne
                                       CallerOf(req, false)).ToErrno());
 }
 
+// Ends a handle: its io mode in the passthrough table, then the handle itself.
+void ReleaseHandle(fuse_req_t req, Handle* h) {
+  if (FileHandle* f = h->file(); f != nullptr && f->io_counted) {
+    Fs(req)->passthrough()->Release(f->io_ino, f->passthrough);
+  }
+  Fs(req)->Release(h);
+}
+
 void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode,
               struct fuse_file_info* fi) {
   OpTimer timer(FuseOp::kCreate);
@@ -305,6 +347,16 @@ void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode,
                            CallerOf(req, (mode & S_ISGID) != 0));
   if (!r.ok()) return ReplyErr(req, r.status());
   auto [entry, handle] = *r;
+  // A new file, or an existing one opened for writing: no passthrough reader may hold it.
+  if (FileHandle* f = handle->file()) {
+    Status st = Fs(req)->passthrough()->AcquireOther(entry.ino, /*changes=*/true);
+    if (!st.ok()) {
+      Fs(req)->Release(handle);
+      return ReplyErr(req, st);
+    }
+    f->io_counted = true;
+    f->io_ino = entry.ino;
+  }
   fi->fh = reinterpret_cast<uint64_t>(handle);
   if (DirectWriteOpen(req, fi) && !WriteKillsPrivs(entry.attr.st_mode)) fi->direct_io = 1;
   struct fuse_entry_param p;
@@ -313,16 +365,85 @@ void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode,
   p.generation = 1;
   p.attr = entry.attr;
   p.attr_timeout = p.entry_timeout = entry.timeout;
-  if (fuse_reply_create(req, &p, fi) != 0) Fs(req)->Release(handle);
+  if (fuse_reply_create(req, &p, fi) != 0) ReleaseHandle(req, handle);
+}
+
+// Opens that change the bytes a passthrough reader would not see.
+bool ChangesBytes(int flags) { return (flags & O_ACCMODE) != O_RDONLY || (flags & O_TRUNC); }
+
+// Replies to a read-only open with FOPEN_PASSTHROUGH and `backing_id`: libfuse 3.14's
+// fuse_reply_open cannot say either, so the fuse_open_out is written here. KEEP_CACHE and
+// the other cache flags are refused with passthrough; NOFLUSH spares close() a round trip
+// (a read-only handle has nothing to flush).
+int ReplyPassthroughOpen(fuse_req_t req, const struct fuse_file_info* fi, int32_t backing_id) {
+  fuse_uapi::OpenOut out{};
+  out.fh = fi->fh;
+  out.open_flags = fuse_uapi::kFopenPassthrough | fuse_uapi::kFopenNoFlush;
+  out.backing_id = backing_id;
+  return fuse_reply_buf(req, reinterpret_cast<const char*>(&out), sizeof(out));
+}
+
+// Takes a read-only open's io mode: passthrough where it can (the backing id), else a
+// daemon-served open (-1); kBusy when neither can be had.
+Result<int32_t> TakeReadMode(fuse_req_t req, fuse_ino_t ino, Handle* h) {
+  Filesystem* fs = Fs(req);
+  PassthroughTable* table = fs->passthrough();
+  FileHandle* f = h->file();
+  if (table->enabled()) {
+    if (auto src = fs->PassthroughSourceOf(h)) {
+      CKPT_ASSIGN_OR_RETURN(int32_t id, table->AcquireRead(ino, src->fd, src->st.st_dev,
+                                                           src->st.st_ino,
+                                                           static_cast<uint64_t>(src->st.st_size)));
+      if (id >= 0) {
+        f->io_counted = f->passthrough = true;
+        f->io_ino = ino;
+        // A write may have begun between the check and the count; the count now keeps new
+        // ones out, so a second look settles it.
+        if (fs->PassthroughSourceOf(h)) return id;
+        table->Release(ino, /*passthrough=*/true);
+        f->io_counted = f->passthrough = false;
+      }
+    }
+  }
+  CKPT_RETURN_IF_ERROR(table->AcquireOther(ino, /*changes=*/false));
+  f->io_counted = true;
+  f->io_ino = ino;
+  return -1;
 }
 
 void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   OpTimer timer(FuseOp::kOpen);
+  const bool changes = ChangesBytes(fi->flags) && !ControlTree::IsControl(ino) &&
+                       !TensorView::Owns(ino);
+  // A writer (or O_TRUNC) waits for passthrough readers before anything changes.
+  if (changes) {
+    Status st = Fs(req)->passthrough()->AcquireOther(ino, /*changes=*/true);
+    if (!st.ok()) return ReplyErr(req, st);
+  }
   auto r = Fs(req)->Open(ino, fi->flags);
-  if (!r.ok()) return ReplyErr(req, r.status());
+  if (!r.ok()) {
+    if (changes) Fs(req)->passthrough()->Release(ino, /*passthrough=*/false);
+    return ReplyErr(req, r.status());
+  }
   Handle* h = *r;
   fi->fh = reinterpret_cast<uint64_t>(h);
-  const FileHandle* f = h->file();
+  FileHandle* f = h->file();
+  if (f != nullptr && changes) {
+    f->io_counted = true;
+    f->io_ino = ino;
+  } else if (f != nullptr) {
+    Result<int32_t> mode = TakeReadMode(req, ino, h);
+    if (!mode.ok()) {
+      Fs(req)->Release(h);
+      return ReplyErr(req, mode.status());
+    }
+    if (*mode >= 0) {
+      if (ReplyPassthroughOpen(req, fi, *mode) != 0) ReleaseHandle(req, h);
+      return;
+    }
+  } else if (changes) {
+    Fs(req)->passthrough()->Release(ino, /*passthrough=*/false);  // not a namespace file
+  }
   if (f == nullptr) {
     fi->direct_io = 1;  // control files: generated content, size unknown to the kernel
   } else if (DirectWriteOpen(req, fi) && !WriteKillsPrivs(ModeOf(req, ino))) {
@@ -330,7 +451,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   } else if (f->keep_cache) {
     fi->keep_cache = 1;  // a committed checkpoint's file: share the page cache
   }
-  if (fuse_reply_open(req, fi) != 0) Fs(req)->Release(h);
+  if (fuse_reply_open(req, fi) != 0) ReleaseHandle(req, h);
 }
 
 void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
@@ -409,7 +530,7 @@ int ReleaseDelayMs() {
 void OpRelease(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
   OpTimer timer(FuseOp::kRelease);
   if (ReleaseDelayMs() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ReleaseDelayMs()));
-  Fs(req)->Release(H(fi));
+  ReleaseHandle(req, H(fi));
   fuse_reply_err(req, 0);
 }
 
@@ -600,6 +721,30 @@ void SetReadAhead(const std::string& mountpoint, uint64_t bytes) {
   if (fd >= 0) ::close(fd);
 }
 
+// Custom I/O on /dev/fuse (fuse_session_custom_io): plain read/writev/splice, with the
+// INIT exchange shown to the InitPatcher (fs/passthrough.h). `userdata` is the session's.
+ssize_t IoRead(int fd, void* buf, size_t len, void* userdata) {
+  const ssize_t n = ::read(fd, buf, len);
+  auto* context = static_cast<FuseServer::Context*>(userdata);
+  if (n > 0 && context->init != nullptr) {
+    const int saved = errno;
+    context->init->OnRequest(buf, static_cast<size_t>(n));
+    errno = saved;
+  }
+  return n;
+}
+
+ssize_t IoWritev(int fd, struct iovec* iov, int count, void* userdata) {
+  auto* context = static_cast<FuseServer::Context*>(userdata);
+  if (context->init != nullptr) context->init->OnReply(iov, count);
+  return ::writev(fd, iov, count);
+}
+
+ssize_t IoSpliceReceive(int fdin, off_t* offin, int fdout, off_t* offout, size_t len,
+                        unsigned int flags, void*) {
+  return ::splice(fdin, offin, fdout, offout, len, flags);
+}
+
 // libfuse's own messages (e.g. "fuse: unknown option(s): `-o foo'"), kept so that a failed
 // mount can say why, and logged.
 Mutex g_fuse_log_mu;
@@ -697,6 +842,23 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
     return Status(Code::kIo, WithFuseLog("fuse: cannot mount on " + mountpoint));
   }
   server->mounted_ = true;
+  // The loop has not started, so INIT is not read yet: custom I/O on the session's own
+  // descriptor lets the InitPatcher ask for passthrough (libfuse 3.14 cannot). Splice
+  // stays as it was (splice_receive); replies are never spliced (OpInit).
+  if (fs->config().passthrough) {
+    server->init_ = std::make_unique<InitPatcher>(true);
+    struct fuse_custom_io io;
+    std::memset(&io, 0, sizeof(io));
+    io.read = IoRead;
+    io.writev = IoWritev;
+    io.splice_receive = IoSpliceReceive;
+    const int rc = fuse_session_custom_io(server->session_, &io, fuse_session_fd(server->session_));
+    if (rc == 0) {
+      server->context_.init = server->init_.get();
+    } else {
+      spdlog::warn("fuse: custom I/O not installed ({}); passthrough off", rc);
+    }
+  }
   // The loop has not started, so INIT is not answered yet (see SetReadAhead).
   if (tuning.read_ahead_bytes > 0) SetReadAhead(mountpoint, tuning.read_ahead_bytes);
   // libfuse ends the loop on SIGTERM, SIGINT and SIGHUP. SIGHUP is the program's (it

@@ -55,11 +55,15 @@ class FuseServer {
     FuseTuning tuning;
     bool direct_writes = false;  // tuning.direct_writes resolved against this kernel
     struct fuse_session* session = nullptr;  // for notifications (attribute invalidation)
+    // Watches and patches the INIT exchange for passthrough (fs/passthrough.h); null when
+    // passthrough is off or custom I/O could not be installed.
+    InitPatcher* init = nullptr;
   };
 
  private:
   FuseServer() = default;
   Context context_;
+  std::unique_ptr<InitPatcher> init_;
   struct fuse_session* session_ = nullptr;
   bool mounted_ = false;
   bool signals_ = false;

@@ -34,6 +34,11 @@ struct FileHandle {
   std::atomic<uint64_t> read_end{0};        // furthest end of a read (ReadPath::ReadAhead)
   bool keep_cache = false;             // a committed checkpoint's file
   bool indexed = false;                // its checkpoint was indexed when it was opened
+  // Its io mode in the PassthroughTable (set by fs/fuse_server.cc once the open is taken
+  // there): counted (released with the handle), and passed through the kernel.
+  bool io_counted = false;
+  bool passthrough = false;
+  uint64_t io_ino = 0;  // the FUSE inode it was counted under
 };
 
 // A control file or a tensor view's meta.json: generated at open.

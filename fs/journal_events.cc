@@ -90,7 +90,7 @@ void Namespace::OnOutcome(const store::JournalEntry& e, const Status& st,
   } else if (!st.ok()) {
     NoteError(e.Describe() + ": " + st.ToString());
   }
-  if (!outcome.committed_dcp_dir.empty()) read_->QueueIndexBuild(outcome.committed_dcp_dir);
+  if (!outcome.committed_dir.empty()) read_->QueueIndexBuild(outcome.committed_dir);
   if (e.op != store::OpType::kPublish) return;
   if (uint64_t dropped = NodePublishDone(e, st)) RefreshAttr(dropped);
 }

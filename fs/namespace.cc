@@ -359,9 +359,16 @@ Entry Namespace::EntryLocked(Node* node) {
 }
 
 bool Namespace::CommittedDirLocked(const Node* dir) const {
-  // A checkpoint is committed once its `.metadata` is published and nothing in the
-  // directory is pending; the registry knows the ones saved through this mount.
-  auto it = dir->children.find(".metadata");
+  // A checkpoint is committed once its commit file is published and nothing in the
+  // directory is pending; the registry knows the ones saved through this mount. The commit
+  // file: `.metadata`, a no-collectives save's `__0.metadata` (rank 0 always writes one), a
+  // Hugging Face index or single file under the names transformers and torch give them.
+  auto it = dir->children.end();
+  for (const char* name : {".metadata", "model.safetensors.index.json", "model.safetensors",
+                           "__0.metadata"}) {
+    it = dir->children.find(name);
+    if (it != dir->children.end()) break;
+  }
   if (it == dir->children.end()) return false;
   const Node& md = *it->second;
   const uint64_t applied = publication_->applied();

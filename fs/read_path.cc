@@ -8,18 +8,18 @@
 
 #include "common/thread_name.h"
 #include "fs/fs_util.h"
+#include "store/publish/commit_names.h"
+#include "store/dcp/checkpoint_source.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/metadata_file.h"
 
-#ifdef CKPTFS_HAVE_UCX
-#include "store/peer/peer_node.h"
-#endif
+#include "store/peer/peers.h"
 
 namespace ckptfs::fs {
 
 ReadPath::ReadPath(store::BackingDir* backing, store::KeyIndex* index,
                    std::unique_ptr<store::BackingSource> source,
-                   std::shared_ptr<store::peer::PeerNode> peers,
+                   std::shared_ptr<store::peer::Peers> peers,
                    std::unique_ptr<store::BlockCache> cache)
     : backing_(backing),
       index_(index),
@@ -34,9 +34,7 @@ ReadPath::~ReadPath() {
 }
 
 void ReadPath::StopServingPeers() {
-#ifdef CKPTFS_HAVE_UCX
   if (peers_) peers_->StopServing();
-#endif
 }
 
 void ReadPath::Start() {
@@ -63,7 +61,9 @@ Result<struct stat> ReadPath::BeginRead(FileHandle* h, size_t len, uint64_t offs
   const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
   Adopt(id, h->fd, st);
   if (!h->ckpt.empty()) {
-    if (peers_ && !h->indexed && h->file != ".metadata") WaitForPlan(h->ckpt);
+    if (peers_ && !h->indexed && store::CommitKindOf(h->file) == store::CommitKind::kNone) {
+      WaitForPlan(h->ckpt);
+    }
     PrefetchItem(h, id, offset);
   } else {
     ReadAhead(h, id, offset, len);
@@ -139,7 +139,7 @@ void ReadPath::QueueIndexBuild(const std::string& ckpt) {
 }
 
 void ReadPath::QueuePrefetch(const std::string& ckpt) {
-  if (!cache_) return;
+  if (!cache_ || !prefetch_.load()) return;
   {
     MutexLock lock(&mu_);
     for (const auto& queued : prefetch_queue_) {
@@ -173,16 +173,15 @@ void ReadPath::WaitForPlan(const std::string& ckpt) {
 }
 
 void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
-  // Straight from `.metadata`: building the index here would read every item's header
-  // outside the cache, before the data itself.
+  // Straight from the commit files (`.metadata`, per-rank metadata, a safetensors index
+  // and headers): building the index here would read every DCP item's header outside the
+  // cache, before the data itself.
   struct Done {  // however it ends, reads waiting for the plan go on
     ReadPath* self;
     const std::string& ckpt;
     ~Done() { self->PlanDone(ckpt); }
   } done{this, ckpt};
-  auto bytes = store::ReadMetadataBytes(backing_, JoinPath(ckpt, ".metadata"));
-  if (!bytes.ok()) return;
-  auto md = store::ParseDcpMetadata(*bytes);
+  auto md = store::ReadCheckpointItems(backing_, ckpt);
   if (!md.ok()) {
     spdlog::debug("prefetch of {}: {}", ckpt, md.status().ToString());
     return;
@@ -202,7 +201,6 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
     Adopt(id, std::make_shared<const UniqueFd>(std::move(*fd)), *st);
     files.push_back(File{file, std::min<uint64_t>(length, static_cast<uint64_t>(st->st_size)), id});
   }
-#ifdef CKPTFS_HAVE_UCX
   // With peers, this node prefetches its share only: the blocks others will ask it for.
   // Everything else this node's readers need comes from its owner item by item as they
   // reach it (PrefetchItem): prefetching the whole checkpoint here pulled the other
@@ -224,7 +222,6 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
     }
     spdlog::warn("peers: cannot plan {}: {}", ckpt, owned.status().ToString());
   }
-#endif
   for (const File& f : files) cache_->Prefetch(f.id, 0, f.length);
   spdlog::debug("prefetch of {}: {} files queued", ckpt, files.size());
 }

@@ -11,6 +11,7 @@
 // takes no lock of the namespace.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -34,7 +35,7 @@
 #include "store/dcp/read_checksums.h"
 
 namespace ckptfs::store::peer {
-class PeerNode;
+class Peers;
 }  // namespace ckptfs::store::peer
 
 namespace ckptfs::fs {
@@ -46,7 +47,7 @@ class ReadPath {
   ReadPath(store::BackingDir* backing,  // must outlive
            store::KeyIndex* index,      // must outlive
            std::unique_ptr<store::BackingSource> source,
-           std::shared_ptr<store::peer::PeerNode> peers,  // null: this daemon works alone
+           std::shared_ptr<store::peer::Peers> peers,  // null: this daemon works alone
            std::unique_ptr<store::BlockCache> cache);
   ~ReadPath();  // Stop()s the worker.
   ReadPath(const ReadPath&) = delete;
@@ -75,9 +76,13 @@ class ReadPath {
   // Does nothing without a block cache.
   void QueuePrefetch(const std::string& ckpt) EXCLUDES(mu_);
 
+  // Off: QueuePrefetch does nothing (the kernel passes this node's reads through, and a
+  // prefetch into the block cache would read every byte a second time).
+  void SetPrefetch(bool on) { prefetch_.store(on); }
+
   store::BlockCache* cache() const { return cache_.get(); }
   store::BackingSource* cache_source() const { return source_.get(); }
-  store::peer::PeerNode* peers() const { return peers_.get(); }
+  store::peer::Peers* peers() const { return peers_.get(); }
   // Stops serving blocks to peer daemons (before the cache they read goes). Idempotent.
   void StopServingPeers();
   const store::ReadChecksums& read_sums() const { return *read_sums_; }
@@ -116,7 +121,7 @@ class ReadPath {
   // Peer daemons (issue 12): the cache's source when on (peers first, then source_) and
   // the server of this node's blocks. Between source_ and cache_: the cache reads through
   // it and it falls back to source_.
-  const std::shared_ptr<store::peer::PeerNode> peers_;
+  const std::shared_ptr<store::peer::Peers> peers_;
   const std::unique_ptr<store::BlockCache> cache_;
   const std::unique_ptr<store::ReadChecksums> read_sums_;  // checksums on first full read
 
@@ -130,6 +135,7 @@ class ReadPath {
   std::set<std::string> planning_ GUARDED_BY(mu_);
   std::condition_variable planned_cv_;  // a checkpoint left planning_
   bool stop_ GUARDED_BY(mu_) = false;
+  std::atomic<bool> prefetch_{true};
   std::thread worker_;
 
   // Item ranges by checkpoint, then file, sorted by offset: (offset, end). A leaf lock.

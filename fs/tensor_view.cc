@@ -63,8 +63,8 @@ std::shared_ptr<TensorView::VNode> TensorView::Intern(Kind kind, const std::stri
 }
 
 bool TensorView::IsCheckpoint(const std::string& path) {
-  auto st = backing_->Stat(Join(path, ".metadata"));
-  return st.ok() && S_ISREG(st->st_mode);
+  // `.metadata`, per-rank metadata or safetensors (store/dcp/checkpoint_source.h).
+  return store::FindCheckpointSource(backing_, path).ok();
 }
 
 Result<std::vector<store::IndexedItem>> TensorView::ItemsOf(const std::string& ckpt,

@@ -4,7 +4,8 @@
 // Each fqn directory holds one file per chunk with its raw bytes (exact size; the dtype
 // and shape in meta.json turn it into the tensor), `meta.json`, and bytes items as
 // files. Directories above a checkpoint mirror the backing store's directories; a
-// directory holding a `.metadata` is a checkpoint and is indexed on first look.
+// directory holding a commit file (`.metadata`, `__{rank}.metadata`, a safetensors index or
+// model.safetensors: store/dcp/checkpoint_source.h) is a checkpoint, indexed on first look.
 //
 // Thread-safe. Inode numbers are allocated from kFirstIno upwards and stay stable for the
 // life of the daemon.

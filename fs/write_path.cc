@@ -8,10 +8,10 @@
 
 #include "fs/namespace.h"
 #include "fs/fs_util.h"
+#include "store/publish/commit_names.h"
+#include "store/dcp/checkpoint_source.h"
 #include "store/dcp/dcp_metadata.h"
-#ifdef CKPTFS_HAVE_UCX
-#include "store/peer/peer_node.h"
-#endif
+#include "store/peer/peers.h"
 
 namespace ckptfs::fs {
 
@@ -19,9 +19,7 @@ std::string Namespace::TempPrefix(const FsConfig& config) {
   // With peers, other daemons write temp files into the same backing root with their own
   // counters: the node rank keeps the names apart.
   std::string name = kTempPrefix;
-#ifdef CKPTFS_HAVE_UCX
   if (config.peers) name += "n" + std::to_string(config.peers->self) + ".";
-#endif
   return name;
 }
 
@@ -370,8 +368,11 @@ Result<Handle*> Namespace::NodeOpen(uint64_t ino, int flags) {
   if (!fh.ckpt.empty()) {
     // A prefix scan of the key index: without ns_mu_ (the handle is not yet anyone's).
     fh.indexed = index_->IsIndexed(fh.ckpt);
-    // Reading `.metadata` is how every DCP load starts: fetch the checkpoint ahead.
-    if (node->name == ".metadata" && !writable) read_->QueuePrefetch(fh.ckpt);
+    // Reading a commit file is how every load starts (`.metadata` for DCP, the index or
+    // model.safetensors for Hugging Face): fetch the checkpoint ahead.
+    if (!writable && store::CommitKindOf(node->name) != store::CommitKind::kNone) {
+      read_->QueuePrefetch(fh.ckpt);
+    }
   }
   return handle.release();
 }

@@ -34,10 +34,7 @@
 #include "fs/fuse_server.h"
 #include "mount/metrics_server.h"
 #include "mount/options.h"
-#ifdef CKPTFS_HAVE_UCX
-#include "store/peer/peer_node.h"
-#include "store/peer/protocol.h"
-#endif
+#include "store/peer/peers.h"
 
 namespace {
 
@@ -140,8 +137,10 @@ using PeerOptionsPtr = std::shared_ptr<const ckptfs::store::peer::PeerNodeOption
 // The peer options from the command line, with the secret read; null without --peers.
 ckptfs::Result<PeerOptionsPtr> PeerOptions(const ckptfs::DaemonOptions& o) {
   if (o.peers.empty()) return PeerOptionsPtr();
-#ifdef CKPTFS_HAVE_UCX
   namespace peer = ckptfs::store::peer;
+  if (ckptfs::Status st = peer::PeerTransportAvailable(); !st.ok()) {
+    return ckptfs::Status(st.code(), "--peers: " + st.message());
+  }
   auto p = std::make_shared<peer::PeerNodeOptions>();
   p->nodes = o.peers;
   p->self = static_cast<uint32_t>(o.node_rank);
@@ -159,10 +158,6 @@ ckptfs::Result<PeerOptionsPtr> PeerOptions(const ckptfs::DaemonOptions& o) {
   p->request_timeout = std::chrono::milliseconds(o.peer_timeout_ms);
   p->connect_timeout = std::chrono::milliseconds(std::min(o.peer_timeout_ms, 3000));
   return PeerOptionsPtr(std::move(p));
-#else
-  return ckptfs::Status(ckptfs::Code::kUnsupported,
-                        "--peers: this ckptfs was built without UCX (libucx-dev)");
-#endif
 }
 
 int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready) {
@@ -204,6 +199,8 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   config.flush_threads = o.flush_threads;
   config.cache_bytes = o.cache_bytes;
   config.cache_direct_io = o.cache_direct_io;
+  config.passthrough = o.passthrough;
+  config.passthrough_min_bytes = o.passthrough_min_bytes;
   config.staging_backend = o.staging_backend;
   config.staging_hugepages = o.staging_hugepages;
   config.flush_direct_io = o.flush_direct_io;

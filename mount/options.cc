@@ -116,6 +116,7 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   std::string durability = "async", staging = "1G", chunk = "4M", cache = "1G";
   std::string read_ahead = "4M", direct_io = "on", write_checksums = "on", log_max = "100M";
   std::string staging_hugepages = "off", flush_direct_io = "on", fuse_splice = "on";
+  std::string passthrough = "on", passthrough_min = "1M";
   app.add_option("backing_dir", o.backing_dir, "Directory that stores the files")->required();
   app.add_option("mountpoint", o.mountpoint, "Where to mount")->required();
   app.add_flag("-f,--foreground", o.foreground, "Stay in the foreground");
@@ -129,6 +130,13 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   app.add_option("--cache-direct-io", direct_io,
                  "Block cache reads the backing store with O_DIRECT where it can: on|off")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--passthrough", passthrough,
+                 "Reads of published files go through the kernel's FUSE passthrough (Linux "
+                 "6.9+, root) where it can: on (default) or off (the daemon serves every read)")
+      ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--passthrough-min-size", passthrough_min,
+                 "Smaller files are served by the daemon: a writer next to a reader of a "
+                 "passed-through file waits (default 1M; 0 passes every file through)");
   app.add_option("--fuse-splice", fuse_splice,
                  "Splice requests off /dev/fuse so write payloads are copied once: on|off")
       ->check(CLI::IsMember({"on", "off"}));
@@ -251,10 +259,12 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   o.staging_hugepages = staging_hugepages == "on";
   o.flush_direct_io = flush_direct_io == "on";
   o.fuse_splice = fuse_splice == "on";
+  o.passthrough = passthrough == "on";
   CKPT_ASSIGN_OR_RETURN(o.staging_bytes, ParseSize(staging));
   CKPT_ASSIGN_OR_RETURN(o.chunk_bytes, ParseSize(chunk));
   CKPT_ASSIGN_OR_RETURN(o.cache_bytes, ParseSize(cache));
   CKPT_ASSIGN_OR_RETURN(o.read_ahead_bytes, ParseSize(read_ahead));
+  CKPT_ASSIGN_OR_RETURN(o.passthrough_min_bytes, ParseSize(passthrough_min));
   CKPT_ASSIGN_OR_RETURN(o.log_max_bytes, ParseSize(log_max));
   if (o.log_max_bytes < (64u << 10)) return Invalid("--log-max-size must be at least 64K");
   if (o.read_ahead_bytes % 4096 != 0 || o.read_ahead_bytes > (uint64_t{1} << 30)) {

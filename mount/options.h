@@ -35,6 +35,8 @@ struct DaemonOptions {
   std::string staging_backend = "auto";
   bool staging_hugepages = false;  // --staging-hugepages=on|off
   bool flush_direct_io = true;     // --flush-direct-io=on|off
+  bool passthrough = true;         // --passthrough=on|off (FsConfig::passthrough)
+  uint64_t passthrough_min_bytes = uint64_t{1} << 20;  // --passthrough-min-size
   bool fuse_splice = true;         // --fuse-splice=on|off (FuseTuning::splice_writes)
   // --fuse-direct-writes=auto|on|off (FuseTuning::direct_writes)
   std::string fuse_direct_writes = "auto";

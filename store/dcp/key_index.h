@@ -1,5 +1,10 @@
 // KeyIndex: which byte range of which shard file holds which DCP key, per checkpoint.
 //
+// Every checkpoint format of checkpoint_source.h is indexed the same way: a DCP `.metadata`,
+// a no-collectives save's `__{rank}.metadata` files, or Hugging Face safetensors (index and
+// shard headers; an item is a tensor's raw bytes, there is no archive to read). Below,
+// ".metadata" stands for whichever commit files the checkpoint has.
+//
 // A checkpoint directory's `.metadata` (dcp_metadata.h) and each item's torch.save archive
 // (torch_zip.h) are read from the backing store and turned into one IndexedItem per key
 // (checkpoint dir, fqn, chunk offsets); bytes items have no offsets. The index lives in
@@ -64,6 +69,7 @@
 #include "store/primitives/backing_dir.h"
 #include "store/flush/block_crc_map.h"
 #include "store/dcp/block_crc_cache.h"
+#include "store/dcp/checkpoint_source.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/fqn_names.h"
 #include "store/dcp/indexed_item.h"
@@ -207,6 +213,7 @@ class KeyIndex {
   struct CkptIndex {
     State state = State::kOk;
     std::string error;
+    SourceKind source = SourceKind::kDcp;               // what the items were read from
     std::vector<IndexedItem> items;                     // ordinal order
     std::vector<FileMap> maps;                          // by file name
     std::unordered_map<std::string, uint32_t> files;    // name -> index into maps
@@ -282,7 +289,7 @@ auto KeyIndex::WithIndex(const std::string& ckpt, Fn fn)
   auto it = ckpts_.find(ckpt);
   if (it == ckpts_.end()) return Internal("index of '" + ckpt + "' vanished");
   const CkptIndex& index = *it->second;
-  if (index.state == State::kMissing) return NotFound("no .metadata in '" + ckpt + "'");
+  if (index.state == State::kMissing) return NotFound("no checkpoint files in '" + ckpt + "'");
   if (index.state == State::kFailed) return Corrupt(index.error);
   return fn(index);
 }

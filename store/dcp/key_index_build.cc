@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/path.h"
+#include "store/dcp/checkpoint_source.h"
 #include "store/dcp/index_codec.h"
 #include "store/dcp/item_reader.h"
 #include "store/dcp/key_index.h"
@@ -69,11 +70,13 @@ struct ResolveStats {
   std::vector<std::string> used_block_crcs;  // paths whose block CRC maps were used
 };
 
-// Resolves each item of `items` against its shard file (tensor archives), and gives it a
-// checksum where one is known (`known_sums`), follows from the write path's block CRCs, or,
+// Resolves each item of `items` against its shard file (tensor archives, unless `archives`
+// is false: safetensors items are raw bytes, resolved from the header already), and gives it
+// a checksum where one is known (`known_sums`), follows from the write path's block CRCs, or,
 // with `checksums`, by reading it. Each shard file is opened once and read forward.
 ResolveStats ResolveItems(BackingDir* dir, BlockCrcCache* block_crcs, const std::string& ckpt,
-                          std::vector<IndexedItem>* items, KnownSums& known_sums, bool checksums) {
+                          std::vector<IndexedItem>* items, KnownSums& known_sums, bool checksums,
+                          bool archives) {
   ResolveStats r;
   auto note = [&](const IndexedItem& it, const std::string& why) {
     if (r.unresolved++ == 0) r.first_error = KeyName(it) + ": " + why;
@@ -102,7 +105,7 @@ ResolveStats ResolveItems(BackingDir* dir, BlockCrcCache* block_crcs, const std:
         note(it, "item range past the end of " + file + " (" + std::to_string(f->size) + " bytes)");
         continue;
       }
-      if (it.kind == ItemKind::kTensor) {
+      if (it.kind == ItemKind::kTensor && archives) {
         std::string error;
         keyidx::ResolveTensor(&reader, &it, &error, &pickle_cache);
         if (!error.empty()) note(it, error);
@@ -173,22 +176,27 @@ Status KeyIndex::BuildFrom(const std::string& ckpt, const DcpMetadata& md, bool 
 
 Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, bool checksums) {
   const Clock::time_point start = Clock::now();
-  const std::string md_path = path::Join(ckpt, ".metadata");
   auto index = std::make_unique<CkptIndex>();
-  keyidx::MetadataId id;
-  Result<struct stat> st = dir_->Stat(md_path);
-  if (st.ok()) {
-    id = keyidx::MetadataIdOf(*st);
+  // The commit file(s): `.metadata`, per-rank metadata or a safetensors index.
+  Result<CheckpointSource> source = FindCheckpointSource(dir_, ckpt);
+  if (source.ok()) {
+    index->source = source->kind;
   } else if (given == nullptr) {
-    if (st.status().code() != Code::kNotFound) return st.status();
+    if (source.status().code() != Code::kNotFound) return source.status();
     // Not (or no longer) a checkpoint: drop any stale index, remember for a while.
     Forget(ckpt);
     index->state = State::kMissing;
     index->retry_after = Clock::now() + kMissingRetry;
     MutexLock persist_lock(&persist_mu_);
     Install(ckpt, std::move(index));
-    return NotFound("no .metadata in '" + ckpt + "'");
+    return NotFound("no checkpoint (.metadata, __{rank}.metadata, safetensors) in '" + ckpt +
+                    "'");
   }
+  // `given` is a `.metadata` parsed by the caller.
+  if (given != nullptr) index->source = SourceKind::kDcp;
+  const keyidx::MetadataId id = source.ok() ? source->id : keyidx::MetadataId{};
+  const std::string what =
+      source.ok() && index->source != SourceKind::kDcp ? source->files.front() : ".metadata";
 
   // Checksums handed over (RecordChecksums) before this build.
   KnownSums known_sums;
@@ -203,17 +211,14 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
 
   // The items, from the .metadata.
   Result<DcpMetadata> parsed = DcpMetadata{};
-  if (given == nullptr) {
-    Result<std::string> bytes = ReadMetadataBytes(dir_, md_path);
-    parsed = bytes.ok() ? ParseDcpMetadata(*bytes) : Result<DcpMetadata>(bytes.status());
-  }
+  if (given == nullptr) parsed = ReadCheckpointItems(dir_, ckpt, *source);
   const DcpMetadata* md = given != nullptr ? given : (parsed.ok() ? &*parsed : nullptr);
   const double parse_ms = MsSince(start);
   Clock::time_point phase = Clock::now();
   Status result = Status::Ok();
   if (md == nullptr) {
     index->state = State::kFailed;
-    index->error = ".metadata: " + parsed.status().ToString();
+    index->error = what + ": " + parsed.status().ToString();
     result = Status(Code::kCorrupt, "index of '" + ckpt + "': " + index->error);
   } else {
     index->items.reserve(md->items.size());
@@ -231,14 +236,15 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
     ptrdiff_t dup = FirstDuplicateKey(index->items);
     if (dup >= 0) {
       index->state = State::kFailed;
-      index->error = ".metadata: duplicate key " + KeyName(index->items[dup]);
+      index->error = what + ": duplicate key " + KeyName(index->items[dup]);
       index->items.clear();
       result = Status(Code::kCorrupt, "index of '" + ckpt + "': " + index->error);
     }
   }
 
   // The items, from their shard files.
-  ResolveStats r = ResolveItems(dir_, &block_crcs_, ckpt, &index->items, known_sums, checksums);
+  ResolveStats r = ResolveItems(dir_, &block_crcs_, ckpt, &index->items, known_sums, checksums,
+                                /*archives=*/index->source != SourceKind::kSafetensors);
   if (checksums) {
     // Every item of those files now has its checksum in the index: the maps are done.
     for (const std::string& used : r.used_block_crcs) block_crcs_.Drop(used);
@@ -253,6 +259,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
 
   const double build_ms = MsSince(start);
   json info = {{"format", keyidx::kFormat},
+               {"source", SourceKindName(index->source)},
                {"state", StateName(index->state)},
                {"error", index->error},
                {"build_ms", build_ms},

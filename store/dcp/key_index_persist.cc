@@ -89,6 +89,12 @@ Status KeyIndex::LoadFromDb(const std::string& ckpt, bool* found) {
       return Status::Ok();
     }
     index->error = info.value("error", "");
+    const std::string source = info.value("source", "dcp");
+    if (source == SourceKindName(SourceKind::kDcpRanks)) {
+      index->source = SourceKind::kDcpRanks;
+    } else if (source == SourceKindName(SourceKind::kSafetensors)) {
+      index->source = SourceKind::kSafetensors;
+    }
     count = info.value("items", uint64_t{0});
     const json& m = info.at("metadata");
     recorded = {m.at("size").get<uint64_t>(), m.at("mtime_ns").get<uint64_t>(),
@@ -97,8 +103,8 @@ Status KeyIndex::LoadFromDb(const std::string& ckpt, bool* found) {
     return Status::Ok();  // unreadable record: rebuild
   }
   // The checkpoint may have been rewritten (by another node, or before a restart).
-  Result<struct stat> st = dir_->Stat(path::Join(ckpt, ".metadata"));
-  if (!st.ok() || !(keyidx::MetadataIdOf(*st) == recorded)) return Status::Ok();
+  Result<CheckpointSource> now = FindCheckpointSource(dir_, ckpt);
+  if (!now.ok() || now->kind != index->source || !(now->id == recorded)) return Status::Ok();
 
   // Blocks hold items in file order; each item's ordinal says where it goes.
   bool bad = false;

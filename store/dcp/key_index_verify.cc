@@ -3,6 +3,7 @@
 #include <unordered_map>
 
 #include "common/path.h"
+#include "store/dcp/checkpoint_source.h"
 #include "store/dcp/item_reader.h"
 #include "store/dcp/key_index.h"
 #include "store/dcp/metadata_file.h"
@@ -33,24 +34,34 @@ std::string ItemSuffix(const IndexedItem& item) {
 Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
   CKPT_RETURN_IF_ERROR(Ensure(ckpt, /*checksums=*/false));
   std::vector<IndexedItem> items;
+  SourceKind source_kind = SourceKind::kDcp;
   {
     ReaderLock lock(&mu_);
     auto it = ckpts_.find(ckpt);
     if (it == ckpts_.end()) return Internal("index of '" + ckpt + "' vanished");
-    if (it->second->state == State::kMissing) return NotFound("no .metadata in '" + ckpt + "'");
+    if (it->second->state == State::kMissing) {
+      return NotFound("no checkpoint files in '" + ckpt + "'");
+    }
     items = it->second->items;
+    source_kind = it->second->source;
   }
   VerifyReport report;
   auto bad = [&](std::string key, std::string why) {
     report.bad.emplace_back(std::move(key), std::move(why));
   };
 
-  // The .metadata itself, and whether the index still describes it.
-  Result<std::string> bytes = ReadMetadataBytes(dir_, path::Join(ckpt, ".metadata"));
-  Result<DcpMetadata> md =
-      bytes.ok() ? ParseDcpMetadata(*bytes) : Result<DcpMetadata>(bytes.status());
-  if (!md.ok()) {
-    bad(".metadata", md.status().ToString());
+  // The commit files (.metadata, per-rank metadata, safetensors index and headers), and
+  // whether the index still describes them.
+  CheckpointSource source;
+  Result<DcpMetadata> md = ReadCheckpointItems(dir_, ckpt, &source);
+  const std::string what = md.ok() && source.kind != SourceKind::kDcp
+                               ? source.files.front()
+                               : std::string(".metadata");
+  if (md.ok() && source.kind != source_kind) {
+    bad(what, std::string("the checkpoint is ") + SourceKindName(source.kind) +
+                  " now, indexed as " + SourceKindName(source_kind));
+  } else if (!md.ok()) {
+    bad(what, md.status().ToString());
   } else {
     std::unordered_map<std::string, const IndexedItem*> by_key;
     for (const IndexedItem& it : items) by_key[ItemSuffix(it)] = &it;
@@ -58,18 +69,20 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
       IndexedItem want = keyidx::FromDcp(md->items[i], i);
       auto found = by_key.find(ItemSuffix(want));
       if (found == by_key.end()) {
-        bad(KeyName(want), "in .metadata but not in the index");
+        bad(KeyName(want), "in " + what + " but not in the index");
         continue;
       }
       const IndexedItem& have = *found->second;
       if (have.file != want.file || have.offset != want.offset || have.length != want.length ||
           have.dtype != want.dtype || have.chunk_sizes != want.chunk_sizes ||
-          have.global_size != want.global_size || have.transforms != want.transforms) {
-        bad(KeyName(want), "the index differs from .metadata");
+          have.global_size != want.global_size || have.transforms != want.transforms ||
+          (source_kind == SourceKind::kSafetensors &&
+           (have.raw_offset != want.raw_offset || have.raw_nbytes != want.raw_nbytes))) {
+        bad(KeyName(want), "the index differs from " + what);
       }
       by_key.erase(found);
     }
-    for (const auto& [key, it] : by_key) bad(KeyName(*it), "in the index but not in .metadata");
+    for (const auto& [key, it] : by_key) bad(KeyName(*it), "in the index but not in " + what);
   }
 
   TorchPickleCache pickle_cache;
@@ -88,8 +101,9 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
         bad(KeyName(it), "item range past the end of " + file);
         continue;
       }
-      // Structure: the archive still reads as what the index says.
-      if (it.kind == ItemKind::kTensor) {
+      // Structure: the archive still reads as what the index says (a safetensors item has
+      // no archive: its header was compared above).
+      if (it.kind == ItemKind::kTensor && source_kind != SourceKind::kSafetensors) {
         IndexedItem again = it;
         std::string error;
         keyidx::ResolveTensor(&reader, &again, &error, &pickle_cache);
@@ -103,7 +117,7 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
           bad(KeyName(it), "archive no longer agrees with the index");
           continue;
         }
-      } else if (it.is_bytes && it.transforms.empty()) {
+      } else if (it.is_bytes && it.transforms.empty() && source_kind != SourceKind::kSafetensors) {
         Result<ZipDirectory> zd =
             ReadZipDirectory(reader.ItemReader(it.offset, it.length), it.length);
         if (!zd.ok()) {

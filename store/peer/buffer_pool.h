@@ -15,8 +15,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <vector>
+
+#include "common/mutex.h"
 
 namespace ckptfs::store::peer {
 
@@ -55,7 +56,7 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   }
 
   // A buffer of at least `n` bytes (at least 1), contents undefined.
-  Buffer Take(size_t n) {
+  Buffer Take(size_t n) EXCLUDES(mu_) {
     Buffer b;
     if (n < kMinPooledBytes) {
       b.capacity_ = n == 0 ? 1 : n;
@@ -65,7 +66,7 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
     b.capacity_ = std::bit_ceil(n);
     b.pool_ = shared_from_this();
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       auto it = free_.find(b.capacity_);
       if (it != free_.end() && !it->second.empty()) {
         b.data_ = std::move(it->second.back());
@@ -78,25 +79,25 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
     return b;
   }
 
-  uint64_t cached_bytes() const {
-    std::lock_guard lock(mu_);
+  uint64_t cached_bytes() const EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     return cached_bytes_;
   }
 
  private:
   explicit BufferPool(uint64_t max_cached_bytes) : max_cached_bytes_(max_cached_bytes) {}
 
-  void Give(std::unique_ptr<char[]> data, size_t capacity) {
-    std::lock_guard lock(mu_);
+  void Give(std::unique_ptr<char[]> data, size_t capacity) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     if (cached_bytes_ + capacity > max_cached_bytes_) return;  // freed on return
     free_[capacity].push_back(std::move(data));
     cached_bytes_ += capacity;
   }
 
   const uint64_t max_cached_bytes_;
-  mutable std::mutex mu_;
-  std::map<size_t, std::vector<std::unique_ptr<char[]>>> free_;  // GUARDED_BY(mu_)
-  uint64_t cached_bytes_ = 0;                                    // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::map<size_t, std::vector<std::unique_ptr<char[]>>> free_ GUARDED_BY(mu_);
+  uint64_t cached_bytes_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace ckptfs::store::peer

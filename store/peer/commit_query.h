@@ -30,11 +30,10 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "store/peer/peer_client.h"
+#include "store/peer/peers.h"  // ShardAnswersFn
 #include "store/publish/shard_state.h"
 
 namespace ckptfs::store::peer {
-
-using ShardAnswersFn = std::function<void(std::vector<PeerShardAnswer>)>;
 
 struct CommitQueryOptions {
   std::vector<std::string> nodes;  // "host:port" of every daemon, same order everywhere

@@ -21,14 +21,17 @@ ServingScope::~ServingScope() { --serving_depth; }
 bool ServingScope::Active() { return serving_depth > 0; }
 
 struct CooperativeSource::Peer {
-  uint32_t index = 0;
-  std::string node;
-  std::mutex mu;
-  std::shared_ptr<PeerClient> client;  // GUARDED_BY(mu): null when not connected
-  Clock::time_point down_until{};      // GUARDED_BY(mu)
-  std::chrono::milliseconds backoff{0};  // GUARDED_BY(mu): next pause after a failure
-  bool streak = false;                 // GUARDED_BY(mu): failing since the last success
-  std::string last_error;              // GUARDED_BY(mu)
+  Peer(uint32_t index, std::string node, std::chrono::milliseconds backoff)
+      : index(index), node(std::move(node)), backoff(backoff) {}
+
+  const uint32_t index;
+  const std::string node;
+  Mutex mu;
+  std::shared_ptr<PeerClient> client GUARDED_BY(mu);  // null when not connected
+  Clock::time_point down_until GUARDED_BY(mu) = {};
+  std::chrono::milliseconds backoff GUARDED_BY(mu);  // next pause after a failure
+  bool streak GUARDED_BY(mu) = false;                // failing since the last success
+  std::string last_error GUARDED_BY(mu);
   std::atomic<uint64_t> fetched_bytes{0}, failures{0};
 };
 
@@ -50,11 +53,7 @@ Result<std::unique_ptr<CooperativeSource>> CooperativeSource::Create(
   }
   for (uint32_t i = 0; i < options.nodes.size(); ++i) {
     if (i == options.self) continue;
-    auto p = std::make_unique<Peer>();
-    p->index = i;
-    p->node = options.nodes[i];
-    p->backoff = options.down_backoff;
-    s->peers_[i] = std::move(p);
+    s->peers_[i] = std::make_unique<Peer>(i, options.nodes[i], options.down_backoff);
   }
   if (options.connect_in_background && options.nodes.size() > 1) {
     s->connector_ = std::thread([c = s.get()] {
@@ -67,7 +66,7 @@ Result<std::unique_ptr<CooperativeSource>> CooperativeSource::Create(
 
 CooperativeSource::~CooperativeSource() {
   {
-    std::lock_guard lock(stop_mu_);
+    MutexLock lock(&stop_mu_);
     stop_ = true;
   }
   stop_cv_.notify_all();
@@ -76,7 +75,7 @@ CooperativeSource::~CooperativeSource() {
     if (!p) continue;
     std::shared_ptr<PeerClient> c;
     {
-      std::lock_guard lock(p->mu);
+      MutexLock lock(&p->mu);
       c = std::move(p->client);
     }
     c.reset();  // the last reference: joins that client's progress thread
@@ -84,7 +83,7 @@ CooperativeSource::~CooperativeSource() {
 }
 
 void CooperativeSource::SetPlan(const std::string& ckpt, std::shared_ptr<const OwnershipPlan> plan) {
-  std::lock_guard lock(plans_mu_);
+  MutexLock lock(&plans_mu_);
   const std::string prefix = ckpt.empty() ? "" : ckpt + "/";
   if (auto old = by_ckpt_.find(ckpt); old != by_ckpt_.end()) {
     for (const std::string& f : old->second->files()) by_path_.erase(prefix + f);
@@ -94,14 +93,14 @@ void CooperativeSource::SetPlan(const std::string& ckpt, std::shared_ptr<const O
 }
 
 bool CooperativeSource::HasPlan(const std::string& ckpt) const {
-  std::lock_guard lock(plans_mu_);
+  MutexLock lock(&plans_mu_);
   return by_ckpt_.count(ckpt) > 0;
 }
 
 std::optional<uint32_t> CooperativeSource::Owner(const std::string& path, uint64_t offset) const {
   PlanRef ref;
   {
-    std::lock_guard lock(plans_mu_);
+    MutexLock lock(&plans_mu_);
     auto it = by_path_.find(path);
     if (it == by_path_.end()) return std::nullopt;
     ref = it->second;
@@ -115,7 +114,7 @@ std::shared_ptr<PeerClient> CooperativeSource::ClientFor(uint32_t node) {
   Peer& p = *peers_[node];
   bool lost = false;
   {
-    std::lock_guard lock(p.mu);
+    MutexLock lock(&p.mu);
     if (p.client && !p.client->healthy()) {
       // The connection died between reads (the peer exited or the link broke).
       lost = !p.streak;
@@ -141,7 +140,7 @@ void CooperativeSource::PeerFailed(uint32_t node, const Status& status,
   bool first = false;
   std::chrono::milliseconds pause{0};
   {
-    std::lock_guard lock(p.mu);
+    MutexLock lock(&p.mu);
     first = !p.streak;
     p.streak = true;
     p.last_error = status.ToString();
@@ -209,7 +208,7 @@ std::optional<BlockRead> CooperativeSource::Fetch(uint32_t node,
   peer_bytes_.fetch_add(*got, std::memory_order_relaxed);
   peer_blocks_.fetch_add(1, std::memory_order_relaxed);
   {
-    std::lock_guard lock(p.mu);
+    MutexLock lock(&p.mu);
     if (p.streak) {
       p.streak = false;
       p.backoff = options_.down_backoff;
@@ -221,7 +220,7 @@ std::optional<BlockRead> CooperativeSource::Fetch(uint32_t node,
 bool CooperativeSource::Reachable(uint32_t node) {
   if (node == options_.self) return true;
   Peer& p = *peers_[node];
-  std::lock_guard lock(p.mu);
+  MutexLock lock(&p.mu);
   return p.client && p.client->healthy() && Clock::now() >= p.down_until;
 }
 
@@ -257,7 +256,7 @@ Result<BlockRead> CooperativeSource::ReadBlock(const BlockId& id, uint64_t offse
 
 bool CooperativeSource::TryConnect(Peer& p) {
   {
-    std::lock_guard lock(p.mu);
+    MutexLock lock(&p.mu);
     if (p.client && p.client->healthy()) return true;
     if (Clock::now() < p.down_until) return false;
   }
@@ -268,7 +267,7 @@ bool CooperativeSource::TryConnect(Peer& p) {
   co.connect_timeout = options_.connect_timeout;
   co.request_timeout = options_.request_timeout;
   auto c = PeerClient::Connect(co);
-  std::lock_guard lock(p.mu);
+  MutexLock lock(&p.mu);
   if (!c.ok()) {
     const std::string err = c.status().ToString();
     if (!p.streak || p.last_error != err) {
@@ -295,21 +294,25 @@ void CooperativeSource::ConnectNow() {
 }
 
 void CooperativeSource::ConnectLoop() {
-  std::unique_lock lock(stop_mu_);
+  MutexLock lock(&stop_mu_);
   while (!stop_) {
-    lock.unlock();
+    lock.Unlock();
     for (auto& p : peers_) {
       if (!p) continue;
       {
-        std::lock_guard stop_lock(stop_mu_);
+        MutexLock stop_lock(&stop_mu_);
         if (stop_) return;
       }
       TryConnect(*p);
     }
-    lock.lock();
-    stop_cv_.wait_for(lock, std::min<std::chrono::milliseconds>(options_.down_backoff,
-                                                                 std::chrono::milliseconds(1000)),
-                      [this] { return stop_; });
+    lock.Lock();
+    stop_cv_.wait_for(lock.native(),
+                      std::min<std::chrono::milliseconds>(options_.down_backoff,
+                                                          std::chrono::milliseconds(1000)),
+                      [this] {
+                        stop_mu_.AssertHeld();  // the predicate runs under the lock
+                        return stop_;
+                      });
   }
 }
 
@@ -333,7 +336,7 @@ CooperativeStats CooperativeSource::Stats() const {
     PeerState st;
     st.node = p->node;
     {
-      std::lock_guard lock(p->mu);
+      MutexLock lock(&p->mu);
       st.connected = p->client && p->client->healthy();
       st.last_error = p->last_error;
     }

@@ -30,7 +30,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -38,6 +37,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "store/cache/block_source.h"
 #include "store/peer/peer_client.h"
@@ -111,12 +111,14 @@ class CooperativeSource : public BlockSource {
 
   // Registers (or replaces) the plan of checkpoint `ckpt` (relative to the backing dir,
   // "" for its root); `plan` names files relative to the checkpoint.
-  void SetPlan(const std::string& ckpt, std::shared_ptr<const OwnershipPlan> plan);
-  bool HasPlan(const std::string& ckpt) const;
+  void SetPlan(const std::string& ckpt, std::shared_ptr<const OwnershipPlan> plan)
+      EXCLUDES(plans_mu_);
+  bool HasPlan(const std::string& ckpt) const EXCLUDES(plans_mu_);
 
   // The owner of the block at `offset` of `path` (relative to the backing dir), or nullopt
   // when no plan covers it.
-  std::optional<uint32_t> Owner(const std::string& path, uint64_t offset) const;
+  std::optional<uint32_t> Owner(const std::string& path, uint64_t offset) const
+      EXCLUDES(plans_mu_);
 
   // Fetches the block from its owner when that is another node. nullopt: read it locally
   // (this node owns it, no plan covers it, or the owner failed: counted and logged).
@@ -139,7 +141,7 @@ class CooperativeSource : public BlockSource {
  private:
   struct Peer;
   CooperativeSource(const CooperativeOptions& options, BlockSource* fallback);
-  void ConnectLoop();
+  void ConnectLoop() EXCLUDES(stop_mu_);
   bool TryConnect(Peer& peer);
   std::shared_ptr<PeerClient> ClientFor(uint32_t node);
   bool Reachable(uint32_t node);  // connected and not in a backoff pause (self: true)
@@ -155,23 +157,24 @@ class CooperativeSource : public BlockSource {
   BlockSource* const fallback_;
   std::vector<std::unique_ptr<Peer>> peers_;  // by node index; null for self
 
-  mutable std::mutex plans_mu_;
+  mutable Mutex plans_mu_;
   struct PlanRef {
     std::shared_ptr<const OwnershipPlan> plan;
     std::string file;  // name inside the checkpoint
   };
-  // GUARDED_BY(plans_mu_): backing path -> its plan; checkpoints registered.
-  std::unordered_map<std::string, PlanRef> by_path_;
-  std::unordered_map<std::string, std::shared_ptr<const OwnershipPlan>> by_ckpt_;
+  // Backing path -> its plan; checkpoints registered.
+  std::unordered_map<std::string, PlanRef> by_path_ GUARDED_BY(plans_mu_);
+  std::unordered_map<std::string, std::shared_ptr<const OwnershipPlan>> by_ckpt_
+      GUARDED_BY(plans_mu_);
 
   std::atomic<uint64_t> peer_bytes_{0}, peer_blocks_{0}, local_owned_{0}, unplanned_{0};
   std::atomic<uint64_t> stand_in_{0}, stand_in_local_{0};
   std::vector<uint64_t> node_hash_;  // XXH3 of each node's name, for StandIn
   std::atomic<uint64_t> fb_down_{0}, fb_timeout_{0}, fb_crc_{0}, fb_conn_{0}, fb_error_{0};
 
-  std::mutex stop_mu_;
+  Mutex stop_mu_;
   std::condition_variable stop_cv_;
-  bool stop_ = false;  // GUARDED_BY(stop_mu_)
+  bool stop_ GUARDED_BY(stop_mu_) = false;
   std::thread connector_;
 };
 

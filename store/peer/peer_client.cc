@@ -5,9 +5,10 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
-#include <mutex>
+
 #include <unordered_map>
 
+#include "common/mutex.h"
 #include "store/primitives/crc32c.h"
 #include "store/peer/buffer_pool.h"
 #include "store/peer/protocol.h"
@@ -25,14 +26,14 @@ struct Pending {
   size_t len = 0;
   uint32_t crc = 0;
 
-  std::mutex mu;
+  Mutex mu;
   std::condition_variable cv;
-  bool done = false;  // GUARDED_BY(mu)
-  Status status;      // GUARDED_BY(mu)
+  bool done GUARDED_BY(mu) = false;
+  Status status GUARDED_BY(mu);
 
-  void Complete(Status st) {
+  void Complete(Status st) EXCLUDES(mu) {
     {
-      std::lock_guard lock(mu);
+      MutexLock lock(&mu);
       if (done) return;
       done = true;
       status = std::move(st);
@@ -48,14 +49,15 @@ struct PeerClient::QueryCall {
   uint64_t id = 0;
   size_t count = 0;  // paths asked
   std::chrono::steady_clock::time_point deadline;
-  std::mutex mu;
+  Mutex mu;
   std::condition_variable cv;
-  bool done = false;  // GUARDED_BY(mu)
-  Result<std::vector<ShardStatus>> result{Status(Code::kInternal, "query not answered")};
+  bool done GUARDED_BY(mu) = false;
+  Result<std::vector<ShardStatus>> result GUARDED_BY(mu){
+      Status(Code::kInternal, "query not answered")};
 
-  void Complete(Result<std::vector<ShardStatus>> r) {
+  void Complete(Result<std::vector<ShardStatus>> r) EXCLUDES(mu) {
     {
-      std::lock_guard lock(mu);
+      MutexLock lock(&mu);
       if (done) return;
       done = true;
       result = std::move(r);
@@ -76,8 +78,8 @@ class PeerClient::Impl {
   std::shared_ptr<QueryCall> StartShardQuery(const std::vector<std::string>& paths,
                                              std::chrono::milliseconds hold);
   Result<std::vector<ShardStatus>> WaitShardQuery(const std::shared_ptr<QueryCall>& call);
-  bool healthy() const {
-    std::lock_guard lock(mu_);
+  bool healthy() const EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     return state_ == State::kReady;
   }
 
@@ -120,10 +122,10 @@ class PeerClient::Impl {
   std::unordered_map<uint64_t, std::shared_ptr<Pending>> pending_;
   std::unordered_map<uint64_t, std::shared_ptr<QueryCall>> queries_;
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;
-  State state_ = State::kConnecting;  // GUARDED_BY(mu_)
-  Status failure_;                    // GUARDED_BY(mu_); set when state_ is kFailed
+  State state_ GUARDED_BY(mu_) = State::kConnecting;
+  Status failure_ GUARDED_BY(mu_);  // set when state_ is kFailed
 };
 
 Status PeerClient::Impl::Connect() {
@@ -142,9 +144,12 @@ Status PeerClient::Impl::Connect() {
        }});
   if (!w.ok()) return w.status();
   worker_ = std::move(w).value();
-  std::unique_lock lock(mu_);
-  if (!cv_.wait_for(lock, options_.connect_timeout, [&] { return state_ != State::kConnecting; })) {
-    lock.unlock();
+  MutexLock lock(&mu_);
+  if (!cv_.wait_for(lock.native(), options_.connect_timeout, [&] {
+        mu_.AssertHeld();  // the predicate runs under the lock
+        return state_ != State::kConnecting;
+      })) {
+    lock.Unlock();
     Status st =
         PeerStatus(Code::kTimeout, "no authenticated connection within " +
                                        std::to_string(options_.connect_timeout.count()) + " ms");
@@ -200,7 +205,7 @@ Status PeerClient::Impl::StartOnWorker(UcxWorker& w) {
 
 void PeerClient::Impl::Fail(const Status& status) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (state_ == State::kFailed) return;
     state_ = State::kFailed;
     failure_ = status;
@@ -251,7 +256,7 @@ void PeerClient::Impl::OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
   auto* self = static_cast<Impl*>(arg);
   bool connecting;
   {
-    std::lock_guard lock(self->mu_);
+    MutexLock lock(&self->mu_);
     connecting = self->state_ == State::kConnecting;
   }
   std::string what = connecting ? "connection failed during the handshake (" + UcsError(status) +
@@ -307,7 +312,7 @@ ucs_status_t PeerClient::Impl::OnAuthResult(void* arg, const void*, size_t, void
     return UCS_OK;
   }
   {
-    std::lock_guard lock(self->mu_);
+    MutexLock lock(&self->mu_);
     if (self->state_ == State::kConnecting) self->state_ = State::kReady;
   }
   self->cv_.notify_all();
@@ -378,7 +383,7 @@ void PeerClient::Impl::OnRecvDone(void* request, ucs_status_t status, size_t, vo
 
 Result<size_t> PeerClient::Impl::Fetch(const BlockId& id, uint64_t offset, std::span<char> out) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (state_ == State::kFailed) return failure_;
   }
   if (out.empty()) return Invalid("peer fetch: empty buffer");
@@ -393,7 +398,7 @@ Result<size_t> PeerClient::Impl::Fetch(const BlockId& id, uint64_t offset, std::
   auto deadline = std::chrono::steady_clock::now() + options_.request_timeout;
   worker_->Post([this, p, msg = EncodeRequest(req)]() mutable {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       if (state_ == State::kFailed) {
         p->Complete(failure_);
         return;
@@ -402,20 +407,23 @@ Result<size_t> PeerClient::Impl::Fetch(const BlockId& id, uint64_t offset, std::
     pending_[p->id] = p;
     SendSmall(kAmRequest, std::move(msg));
   });
-  std::unique_lock lock(p->mu);
-  if (!p->cv.wait_until(lock, deadline, [&] { return p->done; })) {
+  MutexLock lock(&p->mu);
+  if (!p->cv.wait_until(lock.native(), deadline, [&] {
+        p->mu.AssertHeld();  // the predicate runs under the lock
+        return p->done;
+      })) {
     p->done = true;  // a late reply is dropped
     p->status =
         PeerStatus(Code::kTimeout,
                    "no reply within " + std::to_string(options_.request_timeout.count()) + " ms");
-    lock.unlock();
+    Status timed_out = p->status;
+    lock.Unlock();
     timeouts_.fetch_add(1, std::memory_order_relaxed);
     worker_->Post([this, rid = p->id] { pending_.erase(rid); });
-    std::lock_guard relock(p->mu);
-    return p->status;
+    return timed_out;
   }
   if (!p->status.ok()) return p->status;
-  lock.unlock();
+  lock.Unlock();
   uint32_t crc = Crc32c(p->buf.data(), p->len);
   if (crc != p->crc) {
     bad_checksums_.fetch_add(1, std::memory_order_relaxed);
@@ -479,7 +487,7 @@ std::shared_ptr<PeerClient::QueryCall> PeerClient::Impl::StartShardQuery(
   q->count = paths.size();
   q->deadline = std::chrono::steady_clock::now() + hold + options_.request_timeout;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (state_ == State::kFailed) {
       q->Complete(failure_);
       return q;
@@ -500,7 +508,7 @@ std::shared_ptr<PeerClient::QueryCall> PeerClient::Impl::StartShardQuery(
   }
   worker_->Post([this, q, msg = std::move(msg)]() mutable {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       if (state_ == State::kFailed) {
         q->Complete(failure_);
         return;
@@ -514,14 +522,17 @@ std::shared_ptr<PeerClient::QueryCall> PeerClient::Impl::StartShardQuery(
 
 Result<std::vector<ShardStatus>> PeerClient::Impl::WaitShardQuery(
     const std::shared_ptr<QueryCall>& q) {
-  std::unique_lock lock(q->mu);
-  if (!q->cv.wait_until(lock, q->deadline, [&] { return q->done; })) {
+  MutexLock lock(&q->mu);
+  if (!q->cv.wait_until(lock.native(), q->deadline, [&] {
+        q->mu.AssertHeld();  // the predicate runs under the lock
+        return q->done;
+      })) {
     q->done = true;  // a late answer is dropped
     q->result = PeerStatus(Code::kTimeout, "no answer to a shard query in time");
-    lock.unlock();
+    lock.Unlock();
     timeouts_.fetch_add(1, std::memory_order_relaxed);
     worker_->Post([this, rid = q->id] { queries_.erase(rid); });
-    lock.lock();
+    lock.Lock();
   }
   return q->result;
 }

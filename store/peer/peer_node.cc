@@ -10,7 +10,7 @@
 
 #include "common/thread_name.h"
 #include "store/cache/backing_source.h"
-#include "store/dcp/metadata_file.h"
+#include "store/dcp/checkpoint_source.h"
 #include "store/peer/protocol.h"
 
 namespace ckptfs::store::peer {
@@ -116,7 +116,7 @@ Status PeerNode::StartServing(BlockCache* cache) {
 void PeerNode::StopServing() {
   server_.reset();  // no more requests, so nothing queues for the planner
   {
-    std::lock_guard lock(planner_mu_);
+    MutexLock lock(&planner_mu_);
     planner_stop_ = true;
   }
   planner_cv_.notify_all();
@@ -125,7 +125,7 @@ void PeerNode::StopServing() {
 
 void PeerNode::LoadStartedElsewhere(const std::string& ckpt) {
   {
-    std::lock_guard lock(planner_mu_);
+    MutexLock lock(&planner_mu_);
     if (planner_stop_ || !planner_seen_.insert(ckpt).second) return;
     planner_queue_.push_back(ckpt);
   }
@@ -133,30 +133,26 @@ void PeerNode::LoadStartedElsewhere(const std::string& ckpt) {
 }
 
 void PeerNode::PlannerLoop() {
-  std::unique_lock lock(planner_mu_);
+  MutexLock lock(&planner_mu_);
   while (true) {
-    planner_cv_.wait(lock, [this] { return planner_stop_ || !planner_queue_.empty(); });
+    while (!planner_stop_ && planner_queue_.empty()) planner_cv_.wait(lock.native());
     if (planner_stop_) return;
     std::string ckpt = std::move(planner_queue_.front());
     planner_queue_.erase(planner_queue_.begin());
-    lock.unlock();
+    lock.Unlock();
     PrefetchOwnShare(ckpt);
-    lock.lock();
+    lock.Lock();
   }
 }
 
 void PeerNode::PrefetchOwnShare(const std::string& ckpt) {
   if (coop_->HasPlan(ckpt)) return;  // a local load planned it meanwhile
   const std::string prefix = ckpt.empty() ? "" : ckpt + "/";
-  auto bytes = ReadMetadataBytes(dir_, prefix + ".metadata");
-  if (!bytes.ok()) {
-    spdlog::debug("peers: a peer reads {}, which has no readable .metadata here: {}", ckpt,
-                  bytes.status().ToString());
-    return;
-  }
-  auto md = ParseDcpMetadata(*bytes);
+  // `.metadata`, per-rank metadata or safetensors headers (checkpoint_source.h).
+  auto md = ReadCheckpointItems(dir_, ckpt);
   if (!md.ok()) {
-    spdlog::warn("peers: cannot parse {}.metadata: {}", prefix, md.status().ToString());
+    spdlog::debug("peers: a peer reads {}, which has no readable checkpoint here: {}", ckpt,
+                  md.status().ToString());
     return;
   }
   std::vector<std::pair<std::string, BlockId>> ids;
@@ -186,7 +182,7 @@ Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
     const std::string& ckpt, const DcpMetadata& metadata,
     const std::vector<std::pair<std::string, BlockId>>& files) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = planned_.find(ckpt);
     if (it != planned_.end() && it->second.files == files) return it->second.owned;
   }
@@ -247,7 +243,7 @@ Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
   const PlanBalance balance = plan->Balance();
   const uint64_t mine = plan->node_bytes()[options_.self];
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     planned_[ckpt] = Planned{files, owned};
     ++plan_stats_.plans;
     plan_stats_.last_plan_ms = ms;
@@ -335,7 +331,7 @@ void PeerNodeStats::AppendJson(nlohmann::json* out) const {
 PeerNodeStats PeerNode::Stats() const {
   PeerNodeStats s;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     s = plan_stats_;
   }
   s.coop = coop_->Stats();

@@ -1,4 +1,5 @@
-// PeerNode: the daemon's part in a cluster of ckptfs daemons (issue 12, docs/PEERS.md).
+// PeerNode: the daemon's part in a cluster of ckptfs daemons over UCX (issue 12,
+// docs/PEERS.md); the daemon holds it as a Peers (peers.h), made by Peers::Create.
 //
 // It ties the pieces of store/peer/ to the daemon's block cache:
 //   * source(): a CooperativeSource, the block cache's source of misses. It fetches blocks
@@ -35,7 +36,6 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <span>
@@ -52,31 +52,10 @@
 #include "store/peer/commit_query.h"
 #include "store/peer/cooperative_source.h"
 #include "store/peer/peer_server.h"
+#include "store/peer/peers.h"
 #include "store/peer/plan.h"
 
 namespace ckptfs::store::peer {
-
-struct PeerNodeOptions {
-  std::vector<std::string> nodes;  // "host:port" of every daemon, same order everywhere
-  uint32_t self = 0;               // this node's index (--node-rank)
-  std::string listen;              // ADDR:PORT the server binds (--peer-listen)
-  std::string secret;              // shared secret bytes (--peer-secret-file)
-  PlanMode plan_mode = PlanMode::kAuto;
-  uint64_t block_bytes = 1ull << 20;  // must equal the block cache's
-  bool writer_locality = true;
-  double locality_max_imbalance = 1.5;
-  bool check_source_address = true;
-  std::chrono::milliseconds connect_timeout{3000};
-  std::chrono::milliseconds request_timeout{5000};
-};
-
-// This node's share of a planned checkpoint: byte ranges of its files (relative to the
-// checkpoint), block aligned, merged.
-struct OwnedRange {
-  std::string file;
-  uint64_t offset = 0;
-  uint64_t length = 0;
-};
 
 struct PeerNodeStats {
   CooperativeStats coop;
@@ -95,42 +74,43 @@ struct PeerNodeStats {
   void AppendJson(nlohmann::json* j) const;
 };
 
-class PeerNode {
+class PeerNode : public Peers {
  public:
   static Result<std::unique_ptr<PeerNode>> Create(const PeerNodeOptions& options,
                                                   BackingDir* dir,          // must outlive
                                                   BlockSource* fallback);  // must outlive
-  ~PeerNode();
+  ~PeerNode() override;
   PeerNode(const PeerNode&) = delete;
   PeerNode& operator=(const PeerNode&) = delete;
 
   // The block cache's source: blocks owned elsewhere from their owner, the rest from the
   // fallback.
-  BlockSource* source() const { return coop_.get(); }
+  BlockSource* source() const override { return coop_.get(); }
 
   // Starts the PeerServer, reading through `cache` (must outlive StopServing()).
-  Status StartServing(BlockCache* cache);
+  Status StartServing(BlockCache* cache) override;
   // Stops serving (closes peer connections, joins the server and the planner). Idempotent.
-  void StopServing();
+  void StopServing() override EXCLUDES(planner_mu_);
 
   // Plans checkpoint `ckpt` (relative to the backing dir) from its parsed `.metadata`;
   // `files` are its data files (name in the checkpoint, BlockId now). Returns this node's
   // share. A plan already built for the same file versions is reused.
   Result<std::vector<OwnedRange>> PlanCheckpoint(
       const std::string& ckpt, const DcpMetadata& metadata,
-      const std::vector<std::pair<std::string, BlockId>>& files);
+      const std::vector<std::pair<std::string, BlockId>>& files) override EXCLUDES(mu_);
 
-  PeerNodeStats Stats() const;
+  PeerNodeStats Stats() const EXCLUDES(mu_);
+  void AppendStats(nlohmann::json* stats) const override { Stats().AppendJson(stats); }
   const PeerNodeOptions& options() const { return options_; }
 
   // ---- Commit queries (docs/PEERS.md, "Commit query"; commit_query.h). A separate block.
   // The server answers peers' shard-state queries from `provider` (must outlive
   // StopServing()). Call before StartServing(); without it queries get Unsupported.
-  void SetShardStateProvider(ShardStateProvider* provider) { shard_states_ = provider; }
+  void SetShardStateProvider(ShardStateProvider* provider) override { shard_states_ = provider; }
   // Asks every other node about `paths` (relative to the backing dir), asynchronously:
   // `done` runs once on the querier's thread (commit_query.h). False: stopped, not asked.
   bool AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
-                      ShardAnswersFn done) EXCLUDES(querier_mu_);
+                      ShardAnswersFn done) override EXCLUDES(querier_mu_);
 
  private:
   ShardStateProvider* shard_states_ = nullptr;
@@ -141,8 +121,8 @@ class PeerNode {
   class ServingSource;
   PeerNode(const PeerNodeOptions& options, BackingDir* dir);
   // Queues `ckpt` for the planner thread (a peer asked for one of its blocks).
-  void LoadStartedElsewhere(const std::string& ckpt);
-  void PlannerLoop();
+  void LoadStartedElsewhere(const std::string& ckpt) EXCLUDES(planner_mu_);
+  void PlannerLoop() EXCLUDES(planner_mu_);
   // Plans `ckpt` from its .metadata and prefetches this node's share into the cache.
   void PrefetchOwnShare(const std::string& ckpt);
 
@@ -153,20 +133,20 @@ class PeerNode {
   std::unique_ptr<PeerServer> server_;
   BlockCache* cache_ = nullptr;  // set by StartServing
 
-  std::mutex planner_mu_;
+  Mutex planner_mu_;
   std::condition_variable planner_cv_;
-  std::vector<std::string> planner_queue_;  // GUARDED_BY(planner_mu_)
-  std::set<std::string> planner_seen_;      // GUARDED_BY(planner_mu_): queued once each
-  bool planner_stop_ = false;               // GUARDED_BY(planner_mu_)
+  std::vector<std::string> planner_queue_ GUARDED_BY(planner_mu_);
+  std::set<std::string> planner_seen_ GUARDED_BY(planner_mu_);  // queued once each
+  bool planner_stop_ GUARDED_BY(planner_mu_) = false;
   std::thread planner_;
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   struct Planned {
     std::vector<std::pair<std::string, BlockId>> files;
     std::vector<OwnedRange> owned;
   };
-  std::map<std::string, Planned> planned_;  // GUARDED_BY(mu_)
-  PeerNodeStats plan_stats_;                // GUARDED_BY(mu_): the plan fields only
+  std::map<std::string, Planned> planned_ GUARDED_BY(mu_);
+  PeerNodeStats plan_stats_ GUARDED_BY(mu_);  // the plan fields only
 };
 
 // The writer rank of a DCP data file named "__<rank>_<n>.distcp", or nullopt.

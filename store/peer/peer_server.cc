@@ -6,7 +6,6 @@
 #include <condition_variable>
 #include <deque>
 #include <map>
-#include <mutex>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -106,7 +105,7 @@ class PeerServer::Impl {
   void SweepHandshakes();
 
   // Serving threads.
-  void ServeLoop();
+  void ServeLoop() EXCLUDES(jobs_mu_);
   void Serve(Job job);
 
   // Query thread.
@@ -129,10 +128,10 @@ class PeerServer::Impl {
   std::map<uint64_t, Conn> conns_;
   std::unordered_map<ucp_ep_h, uint64_t> conn_by_ep_;
 
-  std::mutex jobs_mu_;
+  Mutex jobs_mu_;
   std::condition_variable jobs_cv_;
-  std::deque<Job> jobs_;    // GUARDED_BY(jobs_mu_)
-  bool jobs_stop_ = false;  // GUARDED_BY(jobs_mu_)
+  std::deque<Job> jobs_ GUARDED_BY(jobs_mu_);
+  bool jobs_stop_ GUARDED_BY(jobs_mu_) = false;
   std::vector<std::thread> serve_threads_;
 
   Mutex query_mu_;
@@ -196,7 +195,7 @@ void PeerServer::Impl::Stop() {
   query_cv_.notify_all();
   if (query_thread_.joinable()) query_thread_.join();
   {
-    std::lock_guard lock(jobs_mu_);
+    MutexLock lock(&jobs_mu_);
     jobs_stop_ = true;
     jobs_.clear();
   }
@@ -525,7 +524,7 @@ ucs_status_t PeerServer::Impl::OnRequest(void* arg, const void*, size_t, void* d
     return UCS_OK;
   }
   {
-    std::lock_guard lock(self->jobs_mu_);
+    MutexLock lock(&self->jobs_mu_);
     self->jobs_.push_back(Job{conn->id, std::move(req).value()});
   }
   self->jobs_cv_.notify_one();
@@ -678,8 +677,8 @@ void PeerServer::Impl::ServeLoop() {
   while (true) {
     Job job;
     {
-      std::unique_lock lock(jobs_mu_);
-      jobs_cv_.wait(lock, [&] { return jobs_stop_ || !jobs_.empty(); });
+      MutexLock lock(&jobs_mu_);
+      while (!jobs_stop_ && jobs_.empty()) jobs_cv_.wait(lock.native());
       if (jobs_stop_) return;
       job = std::move(jobs_.front());
       jobs_.pop_front();

@@ -31,6 +31,7 @@
 #include "store/primitives/crc32c.h"
 #include "store/peer/peer_client.h"
 #include "store/peer/peer_server.h"
+#include "store/peer/peers.h"
 #include "store/peer/plan.h"
 #include "store/peer/protocol.h"
 #include "store/peer/synthetic_provider.h"

@@ -1,103 +1,59 @@
 #include "store/peer/protocol.h"
 
-#include <fcntl.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
-#include <spdlog/spdlog.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
-#include <cctype>
 #include <cstring>
 
-#include "common/unique_fd.h"
+#include "store/primitives/record_codec.h"
 
 namespace ckptfs::store::peer {
 namespace {
 
-class Writer {
- public:
-  void U8(uint8_t v) { out_.push_back(static_cast<char>(v)); }
-  void U16(uint16_t v) { Le(v, 2); }
-  void U32(uint32_t v) { Le(v, 4); }
-  void U64(uint64_t v) { Le(v, 8); }
-  void Bytes(const void* p, size_t n) { out_.append(static_cast<const char*>(p), n); }
-  std::string Take() { return std::move(out_); }
+// The messages are records (store/primitives/record_codec.h) of fixed-width fields, so that the
+// response header has one size. A decoder checks once, at the end, that the message was
+// neither short nor longer than its fields.
+Status Finish(const Decoder& d, std::string_view what) {
+  if (!d.ok()) return Corrupt("peer protocol: truncated " + std::string(what));
+  if (!d.done()) return Corrupt("peer protocol: trailing bytes after " + std::string(what));
+  return Status::Ok();
+}
 
- private:
-  void Le(uint64_t v, int n) {
-    for (int i = 0; i < n; ++i) out_.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-  }
-  std::string out_;
-};
+template <size_t N>
+void ReadArray(Decoder* d, std::array<unsigned char, N>* a) {
+  std::string_view v = d->Bytes(N);
+  if (v.size() == N) std::memcpy(a->data(), v.data(), N);
+}
 
-// Bounds-checked reader: after the first short read every getter returns zeros and ok()
-// is false, so decoders check once at the end.
-class Reader {
- public:
-  explicit Reader(std::string_view in) : in_(in) {}
-  uint64_t Le(int n) {
-    if (!Need(n)) return 0;
-    uint64_t v = 0;
-    for (int i = 0; i < n; ++i) v |= uint64_t(static_cast<unsigned char>(in_[pos_ + i])) << (8 * i);
-    pos_ += n;
-    return v;
+// A byte string with a fixed-width length of `len_bytes` (2 or 4) before it.
+void PutBytes(StringWriter* w, std::string_view s, int len_bytes) {
+  if (len_bytes == 2) {
+    w->Fixed16(static_cast<uint16_t>(s.size()));
+  } else {
+    w->Fixed32(static_cast<uint32_t>(s.size()));
   }
-  uint8_t U8() { return static_cast<uint8_t>(Le(1)); }
-  uint16_t U16() { return static_cast<uint16_t>(Le(2)); }
-  uint32_t U32() { return static_cast<uint32_t>(Le(4)); }
-  uint64_t U64() { return Le(8); }
-  std::string_view Bytes(size_t n) {
-    if (!Need(n)) return {};
-    std::string_view v = in_.substr(pos_, n);
-    pos_ += n;
-    return v;
-  }
-  template <size_t N>
-  void Array(std::array<unsigned char, N>* a) {
-    std::string_view v = Bytes(N);
-    if (v.size() == N) std::memcpy(a->data(), v.data(), N);
-  }
-  Status Finish(std::string_view what) const {
-    if (!ok_) return Corrupt(std::string("peer protocol: truncated ") + std::string(what));
-    if (pos_ != in_.size()) {
-      return Corrupt(std::string("peer protocol: trailing bytes after ") + std::string(what));
-    }
-    return Status::Ok();
-  }
-
- private:
-  bool Need(size_t n) {
-    if (!ok_ || in_.size() - pos_ < n) {
-      ok_ = false;
-      return false;
-    }
-    return true;
-  }
-  std::string_view in_;
-  size_t pos_ = 0;
-  bool ok_ = true;
-};
+  w->Raw(s.data(), s.size());
+}
 
 }  // namespace
 
 std::string EncodeHello(const Hello& m) {
-  Writer w;
-  w.U32(kProtocolMagic);
-  w.U16(kProtocolVersion);
-  w.U16(static_cast<uint16_t>(m.node_id.size()));
-  w.Bytes(m.node_id.data(), m.node_id.size());
-  w.Bytes(m.client_nonce.data(), m.client_nonce.size());
-  return w.Take();
+  std::string out;
+  StringWriter w(&out);
+  w.Fixed32(kProtocolMagic);
+  w.Fixed16(kProtocolVersion);
+  PutBytes(&w, m.node_id, 2);
+  w.Raw(m.client_nonce.data(), m.client_nonce.size());
+  return out;
 }
 
 Result<Hello> DecodeHello(std::string_view bytes) {
-  Reader r(bytes);
-  uint32_t magic = r.U32();
-  uint16_t version = r.U16();
-  uint16_t id_len = r.U16();
+  Decoder d(bytes);
+  uint32_t magic = d.Fixed32();
+  uint16_t version = d.Fixed16();
+  uint16_t id_len = d.Fixed16();
   if (magic != kProtocolMagic) return Corrupt("peer protocol: hello has a bad magic number");
   if (version != kProtocolVersion) {
     return Unsupported("peer protocol: version " + std::to_string(version) + " (this is " +
@@ -105,41 +61,40 @@ Result<Hello> DecodeHello(std::string_view bytes) {
   }
   if (id_len == 0 || id_len > kMaxNodeIdBytes) return Invalid("peer protocol: bad node id length");
   Hello m;
-  m.node_id = std::string(r.Bytes(id_len));
-  r.Array(&m.client_nonce);
-  CKPT_RETURN_IF_ERROR(r.Finish("hello"));
+  m.node_id = std::string(d.Bytes(id_len));
+  ReadArray(&d, &m.client_nonce);
+  CKPT_RETURN_IF_ERROR(Finish(d, "hello"));
   return m;
 }
 
 std::string EncodeChallenge(const Challenge& m) {
-  Writer w;
-  w.Bytes(m.server_nonce.data(), m.server_nonce.size());
-  return w.Take();
+  return std::string(reinterpret_cast<const char*>(m.server_nonce.data()), m.server_nonce.size());
 }
 
 Result<Challenge> DecodeChallenge(std::string_view bytes) {
-  Reader r(bytes);
+  Decoder d(bytes);
   Challenge m;
-  r.Array(&m.server_nonce);
-  CKPT_RETURN_IF_ERROR(r.Finish("challenge"));
+  ReadArray(&d, &m.server_nonce);
+  CKPT_RETURN_IF_ERROR(Finish(d, "challenge"));
   return m;
 }
 
 std::string EncodeAuthResult(const AuthResult& m) {
-  Writer w;
-  w.U8(m.accepted ? 1 : 0);
-  if (m.accepted) w.Bytes(m.server_proof.data(), m.server_proof.size());
-  return w.Take();
+  std::string out;
+  StringWriter w(&out);
+  w.Byte(m.accepted ? 1 : 0);
+  if (m.accepted) w.Raw(m.server_proof.data(), m.server_proof.size());
+  return out;
 }
 
 Result<AuthResult> DecodeAuthResult(std::string_view bytes) {
-  Reader r(bytes);
+  Decoder d(bytes);
   AuthResult m;
-  uint8_t accepted = r.U8();
+  uint8_t accepted = d.Byte();
   if (accepted > 1) return Corrupt("peer protocol: bad auth result");
   m.accepted = accepted == 1;
-  if (m.accepted) r.Array(&m.server_proof);
-  CKPT_RETURN_IF_ERROR(r.Finish("auth result"));
+  if (m.accepted) ReadArray(&d, &m.server_proof);
+  CKPT_RETURN_IF_ERROR(Finish(d, "auth result"));
   return m;
 }
 
@@ -148,151 +103,148 @@ std::string EncodeAuth(const AuthMsg& m) {
 }
 
 Result<AuthMsg> DecodeAuth(std::string_view bytes) {
-  Reader r(bytes);
+  Decoder d(bytes);
   AuthMsg m;
-  r.Array(&m.client_proof);
-  CKPT_RETURN_IF_ERROR(r.Finish("auth"));
+  ReadArray(&d, &m.client_proof);
+  CKPT_RETURN_IF_ERROR(Finish(d, "auth"));
   return m;
 }
 
 std::string EncodeRequest(const BlockRequest& m) {
-  Writer w;
-  w.U64(m.request_id);
-  w.U64(m.offset);
-  w.U64(m.length);
-  w.U64(m.id.size);
-  w.U64(static_cast<uint64_t>(m.id.mtime_ns));
-  w.U32(static_cast<uint32_t>(m.id.path.size()));
-  w.Bytes(m.id.path.data(), m.id.path.size());
-  return w.Take();
+  std::string out;
+  StringWriter w(&out);
+  w.Fixed64(m.request_id);
+  w.Fixed64(m.offset);
+  w.Fixed64(m.length);
+  w.Fixed64(m.id.size);
+  w.Fixed64(static_cast<uint64_t>(m.id.mtime_ns));
+  PutBytes(&w, m.id.path, 4);
+  return out;
 }
 
 Result<BlockRequest> DecodeRequest(std::string_view bytes) {
-  Reader r(bytes);
+  Decoder d(bytes);
   BlockRequest m;
-  m.request_id = r.U64();
-  m.offset = r.U64();
-  m.length = r.U64();
-  m.id.size = r.U64();
-  m.id.mtime_ns = static_cast<int64_t>(r.U64());
-  uint32_t path_len = r.U32();
+  m.request_id = d.Fixed64();
+  m.offset = d.Fixed64();
+  m.length = d.Fixed64();
+  m.id.size = d.Fixed64();
+  m.id.mtime_ns = static_cast<int64_t>(d.Fixed64());
+  uint32_t path_len = d.Fixed32();
   if (path_len > kMaxPathBytes) return Invalid("peer protocol: request path too long");
-  m.id.path = std::string(r.Bytes(path_len));
-  CKPT_RETURN_IF_ERROR(r.Finish("request"));
+  m.id.path = std::string(d.Bytes(path_len));
+  CKPT_RETURN_IF_ERROR(Finish(d, "request"));
   return m;
 }
 
 std::array<char, kResponseHeaderBytes> EncodeResponseHeader(const ResponseHeader& m) {
-  Writer w;
-  w.U64(m.request_id);
-  w.U32(m.code);
-  w.U32(m.crc32c);
-  w.U64(m.length);
-  std::string s = w.Take();
+  std::string s;
+  StringWriter w(&s);
+  w.Fixed64(m.request_id);
+  w.Fixed32(m.code);
+  w.Fixed32(m.crc32c);
+  w.Fixed64(m.length);
   std::array<char, kResponseHeaderBytes> out{};
   std::memcpy(out.data(), s.data(), out.size());
   return out;
 }
 
 Result<ResponseHeader> DecodeResponseHeader(std::string_view bytes) {
-  Reader r(bytes);
+  Decoder d(bytes);
   ResponseHeader m;
-  m.request_id = r.U64();
-  m.code = r.U32();
-  m.crc32c = r.U32();
-  m.length = r.U64();
-  CKPT_RETURN_IF_ERROR(r.Finish("response header"));
+  m.request_id = d.Fixed64();
+  m.code = d.Fixed32();
+  m.crc32c = d.Fixed32();
+  m.length = d.Fixed64();
+  CKPT_RETURN_IF_ERROR(Finish(d, "response header"));
   return m;
 }
 
 std::string EncodeShardQuery(const ShardQuery& m) {
-  Writer w;
-  w.U64(m.query_id);
-  w.U32(m.hold_ms);
-  w.U32(static_cast<uint32_t>(m.paths.size()));
-  for (const std::string& p : m.paths) {
-    w.U32(static_cast<uint32_t>(p.size()));
-    w.Bytes(p.data(), p.size());
-  }
-  return w.Take();
+  std::string out;
+  StringWriter w(&out);
+  w.Fixed64(m.query_id);
+  w.Fixed32(m.hold_ms);
+  w.Fixed32(static_cast<uint32_t>(m.paths.size()));
+  for (const std::string& p : m.paths) PutBytes(&w, p, 4);
+  return out;
 }
 
 Result<ShardQuery> DecodeShardQuery(std::string_view bytes) {
   if (bytes.size() > kMaxQueryBytes) return Invalid("peer protocol: shard query too large");
-  Reader r(bytes);
+  Decoder d(bytes);
   ShardQuery m;
-  m.query_id = r.U64();
-  m.hold_ms = r.U32();
-  uint32_t count = r.U32();
+  m.query_id = d.Fixed64();
+  m.hold_ms = d.Fixed32();
+  uint32_t count = d.Fixed32();
   if (count > kMaxQueryPaths) return Invalid("peer protocol: shard query names too many paths");
   // Each path takes at least its 4-byte length: a count the bytes cannot hold is truncated.
   if (uint64_t{count} * 4 > bytes.size()) return Corrupt("peer protocol: truncated shard query");
   m.paths.reserve(count);
   for (uint32_t i = 0; i < count; ++i) {
-    uint32_t len = r.U32();
+    uint32_t len = d.Fixed32();
     if (len > kMaxPathBytes) return Invalid("peer protocol: shard query path too long");
-    m.paths.emplace_back(r.Bytes(len));
+    m.paths.emplace_back(d.Bytes(len));
   }
-  CKPT_RETURN_IF_ERROR(r.Finish("shard query"));
+  CKPT_RETURN_IF_ERROR(Finish(d, "shard query"));
   return m;
 }
 
 std::string EncodeShardAnswer(const ShardAnswer& m) {
-  Writer w;
-  w.U64(m.query_id);
-  w.U32(m.code);
+  std::string out;
+  StringWriter w(&out);
+  w.Fixed64(m.query_id);
+  w.Fixed32(m.code);
   if (m.code != static_cast<uint32_t>(Code::kOk)) {
-    w.U32(0);
-    w.U32(static_cast<uint32_t>(m.error.size()));
-    w.Bytes(m.error.data(), m.error.size());
-    return w.Take();
+    w.Fixed32(0);
+    PutBytes(&w, m.error, 4);
+    return out;
   }
-  w.U32(static_cast<uint32_t>(m.states.size()));
+  w.Fixed32(static_cast<uint32_t>(m.states.size()));
   for (const ShardStatus& s : m.states) {
-    w.U8(static_cast<uint8_t>(s.state));
-    w.U64(s.length);
+    w.Byte(static_cast<uint8_t>(s.state));
+    w.Fixed64(s.length);
   }
-  return w.Take();
+  return out;
 }
 
 Result<ShardAnswer> DecodeShardAnswer(std::string_view bytes) {
-  Reader r(bytes);
+  Decoder d(bytes);
   ShardAnswer m;
-  m.query_id = r.U64();
-  m.code = r.U32();
-  uint32_t count = r.U32();
+  m.query_id = d.Fixed64();
+  m.code = d.Fixed32();
+  uint32_t count = d.Fixed32();
   if (m.code != static_cast<uint32_t>(Code::kOk)) {
     if (count != 0) return Corrupt("peer protocol: error shard answer with states");
-    uint32_t len = r.U32();
+    uint32_t len = d.Fixed32();
     if (len > kMaxPathBytes) return Corrupt("peer protocol: shard answer error too long");
-    m.error = std::string(r.Bytes(len));
-    CKPT_RETURN_IF_ERROR(r.Finish("shard answer"));
+    m.error = std::string(d.Bytes(len));
+    CKPT_RETURN_IF_ERROR(Finish(d, "shard answer"));
     return m;
   }
   if (count > kMaxQueryPaths) return Corrupt("peer protocol: shard answer too long");
   if (uint64_t{count} * 9 > bytes.size()) return Corrupt("peer protocol: truncated shard answer");
   m.states.reserve(count);
   for (uint32_t i = 0; i < count; ++i) {
-    uint8_t state = r.U8();
-    uint64_t length = r.U64();
+    uint8_t state = d.Byte();
+    uint64_t length = d.Fixed64();
     if (state > kMaxShardState) return Corrupt("peer protocol: bad shard state");
     m.states.push_back(ShardStatus{static_cast<ShardState>(state), length});
   }
-  CKPT_RETURN_IF_ERROR(r.Finish("shard answer"));
+  CKPT_RETURN_IF_ERROR(Finish(d, "shard answer"));
   return m;
 }
 
 Proof ComputeProof(std::string_view secret, ProofRole role, std::string_view node_id,
                    const Nonce& client_nonce, const Nonce& server_nonce) {
-  Writer w;
+  std::string msg;
+  StringWriter w(&msg);
   std::string_view label =
       role == ProofRole::kServer ? "ckptfs-peer-v1 server" : "ckptfs-peer-v1 client";
-  w.Bytes(label.data(), label.size());
-  w.U16(static_cast<uint16_t>(node_id.size()));
-  w.Bytes(node_id.data(), node_id.size());
-  w.Bytes(client_nonce.data(), client_nonce.size());
-  w.Bytes(server_nonce.data(), server_nonce.size());
-  std::string msg = w.Take();
+  w.Raw(label.data(), label.size());
+  PutBytes(&w, node_id, 2);
+  w.Raw(client_nonce.data(), client_nonce.size());
+  w.Raw(server_nonce.data(), server_nonce.size());
   Proof out{};
   unsigned int out_len = 0;
   HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
@@ -310,42 +262,6 @@ Result<Nonce> RandomNonce() {
     return Internal("peer: the OpenSSL random generator failed");
   }
   return n;
-}
-
-Result<std::string> ReadSecretFile(const std::string& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) return Status::FromErrno(errno, "peer secret file " + path);
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) return Status::FromErrno(errno, "peer secret file " + path);
-  if (!S_ISREG(st.st_mode)) return Invalid("peer secret file " + path + " is not a regular file");
-  if (st.st_mode & (S_IRWXG | S_IRWXO)) {
-    spdlog::warn(
-        "peer secret file {} is accessible to group or others (mode {:o}); "
-        "chmod 600 it",
-        path, st.st_mode & 07777);
-  }
-  std::string secret(kMaxSecretBytes + 1, '\0');
-  size_t got = 0;
-  while (got < secret.size()) {
-    ssize_t n = ::read(fd.get(), secret.data() + got, secret.size() - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return Status::FromErrno(errno, "peer secret file " + path);
-    if (n == 0) break;
-    got += static_cast<size_t>(n);
-  }
-  if (got > kMaxSecretBytes) {
-    return Invalid("peer secret file " + path + " is longer than " +
-                   std::to_string(kMaxSecretBytes) + " bytes");
-  }
-  secret.resize(got);
-  while (!secret.empty() && std::isspace(static_cast<unsigned char>(secret.back()))) {
-    secret.pop_back();
-  }
-  if (secret.size() < kMinSecretBytes) {
-    return Invalid("peer secret file " + path + " holds fewer than " +
-                   std::to_string(kMinSecretBytes) + " bytes of secret");
-  }
-  return secret;
 }
 
 Result<std::pair<std::string, uint16_t>> SplitHostPort(std::string_view address) {

@@ -3,7 +3,8 @@
 // Every message is a UCP active message. Small control messages carry their fields in the
 // AM data; a block reply carries a fixed ResponseHeader as the AM header and the block bytes
 // as the AM data (UCX sends large data by rendezvous, zero-copy on RDMA fabrics).
-// Integers are little-endian; strings are length-prefixed bytes (names are bytes, not UTF-8).
+// Messages are records of store/primitives/record_codec.h's fixed-width fields: integers are
+// little-endian; strings are length-prefixed bytes (names are bytes, not UTF-8).
 //
 // Connection handshake (mutual challenge-response over a shared secret, before any block):
 //   client -> server  kHello      {magic, version, node_id, client_nonce[32]}
@@ -52,7 +53,7 @@ inline constexpr size_t kProofBytes = 32;  // SHA-256
 inline constexpr size_t kMaxNodeIdBytes = 256;
 inline constexpr size_t kMaxPathBytes = 4096;
 inline constexpr size_t kMinSecretBytes = 16;
-inline constexpr size_t kMaxSecretBytes = 4096;
+inline constexpr size_t kMaxSecretBytes = 4096;  // ReadSecretFile (peers.h)
 
 using Nonce = std::array<unsigned char, kNonceBytes>;
 using Proof = std::array<unsigned char, kProofBytes>;
@@ -135,10 +136,6 @@ Proof ComputeProof(std::string_view secret, ProofRole role, std::string_view nod
 bool ProofEquals(const Proof& a, const Proof& b);
 // Cryptographically random nonce (OpenSSL RAND_bytes); Internal error if the RNG fails.
 Result<Nonce> RandomNonce();
-
-// Reads the shared secret: the file's bytes without trailing whitespace, kMinSecretBytes to
-// kMaxSecretBytes long. Warns (once per call) when the file is readable by group or others.
-Result<std::string> ReadSecretFile(const std::string& path);
 
 // Splits "host:port" ("[v6]:port" too). Invalid on a missing or out-of-range port; port 0
 // (any free port) is accepted, for listening.

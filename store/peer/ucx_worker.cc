@@ -99,7 +99,7 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::Create(std::string name, Hooks hoo
   Status st = started_f.get();
   if (!st.ok()) {
     w->thread_.join();  // Run() returns after a failed start, having destroyed what it made
-    std::lock_guard lock(w->mu_);
+    MutexLock lock(&w->mu_);
     w->joined_ = true;
     return st;
   }
@@ -110,7 +110,7 @@ UcxWorker::~UcxWorker() { Shutdown(); }
 
 void UcxWorker::Post(std::function<void()> task) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (stop_requested_) return;
     tasks_.push_back(std::move(task));
   }
@@ -120,16 +120,16 @@ void UcxWorker::Post(std::function<void()> task) {
 }
 
 void UcxWorker::Shutdown() {
-  std::lock_guard serial(shutdown_mu_);
+  MutexLock serial(&shutdown_mu_);
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (joined_) return;
     stop_requested_ = true;
   }
   uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
   if (thread_.joinable()) thread_.join();
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   joined_ = true;
   tasks_.clear();
 }
@@ -198,7 +198,7 @@ bool UcxWorker::RunPosted() {
   std::deque<std::function<void()>> batch;
   bool stop;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     batch.swap(tasks_);
     stop = stop_requested_;
   }
@@ -213,7 +213,7 @@ void UcxWorker::Loop() {
     {
       // Shutdown was requested while posted tasks ran: its wakeup may have been consumed
       // already, so never sleep now; the next RunPosted() finds the queue drained and ends.
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       if (stop_requested_) continue;
     }
     ucs_status_t s = ucp_worker_arm(worker_);

@@ -23,11 +23,11 @@
 #include <functional>
 #include <future>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 
@@ -52,10 +52,10 @@ class UcxWorker {
 
   // Runs `task` on the progress thread, in posting order. After shutdown began, tasks are
   // dropped unrun (their captured state is destroyed on the posting or progress thread).
-  void Post(std::function<void()> task);
+  void Post(std::function<void()> task) EXCLUDES(mu_);
   // Runs hooks.stop on the progress thread, then destroys the worker and joins. Idempotent;
   // must not be called from the progress thread.
-  void Shutdown();
+  void Shutdown() EXCLUDES(shutdown_mu_, mu_);
 
   // Progress-thread only.
   ucp_worker_h worker() const { return worker_; }
@@ -69,9 +69,9 @@ class UcxWorker {
   UcxWorker(std::string name, Hooks hooks);
   void Run(std::promise<Status>* started);
   Status Init();
-  void Loop();
+  void Loop() EXCLUDES(mu_);
   void Destroy();
-  bool RunPosted();  // false once shutdown was requested and the queue is drained
+  bool RunPosted() EXCLUDES(mu_);  // false once shutdown was requested and the queue is drained
 
   const std::string name_;
   Hooks hooks_;
@@ -82,11 +82,11 @@ class UcxWorker {
   UniqueFd wake_fd_;  // eventfd: Post() and Shutdown() write it
   std::atomic<bool> stopping_{false};
 
-  std::mutex mu_;
-  std::deque<std::function<void()>> tasks_;  // GUARDED_BY(mu_)
-  bool stop_requested_ = false;              // GUARDED_BY(mu_)
-  bool joined_ = false;                      // GUARDED_BY(mu_) ; Shutdown() ran to the end
-  std::mutex shutdown_mu_;                   // serializes Shutdown() callers
+  Mutex shutdown_mu_ ACQUIRED_BEFORE(mu_);  // serializes Shutdown() callers
+  Mutex mu_;
+  std::deque<std::function<void()>> tasks_ GUARDED_BY(mu_);
+  bool stop_requested_ GUARDED_BY(mu_) = false;
+  bool joined_ GUARDED_BY(mu_) = false;  // Shutdown() ran to the end
 };
 
 // "UCX error <name>" for logs and Status messages.

@@ -1,9 +1,11 @@
-// Binary record codec: varints, zigzag integers and length-prefixed byte strings.
+// Binary record codec: varints, zigzag integers, fixed-width little-endian integers and
+// length-prefixed byte strings.
 //
 // Every record ckptfs keeps in RocksDB (journal entries, checkpoint records, index items)
-// is encoded with these, never as JSON: Linux names are bytes, not UTF-8, and a record
-// must hold any name a client can create. Decoders never throw and never read past the
-// input; a malformed record makes ok() false.
+// and every peer protocol message (store/peer/protocol.h) is encoded with these, never as
+// JSON: Linux names are bytes, not UTF-8, and a record must hold any name a client can
+// create. Decoders never throw and never read past the input; a malformed record makes
+// ok() false.
 //
 // Not thread-safe (one object per record).
 #pragma once
@@ -66,8 +68,17 @@ class StringWriter {
     Varint(s.size());
     out_->append(s.data(), s.size());
   }
+  // Fixed-width little-endian integers, for fields a reader must find at a known offset.
+  void Fixed16(uint16_t v) { Fixed(v, 2); }
+  void Fixed32(uint32_t v) { Fixed(v, 4); }
+  void Fixed64(uint64_t v) { Fixed(v, 8); }
+  // Bytes as they are, with no length (the reader knows it).
+  void Raw(const void* p, size_t n) { out_->append(static_cast<const char*>(p), n); }
 
  private:
+  void Fixed(uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) out_->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  }
   std::string* out_;
 };
 
@@ -108,6 +119,9 @@ class Decoder {
     return v;
   }
   int64_t Signed() { return UnZigZag(Varint()); }
+  uint16_t Fixed16() { return static_cast<uint16_t>(Fixed(2)); }
+  uint32_t Fixed32() { return static_cast<uint32_t>(Fixed(4)); }
+  uint64_t Fixed64() { return Fixed(8); }
   std::vector<int64_t> Ints() {
     uint64_t n = Varint();
     if (n > in_.size()) return (Fail(), std::vector<int64_t>());
@@ -117,6 +131,13 @@ class Decoder {
   }
 
  private:
+  uint64_t Fixed(size_t n) {
+    if (n > in_.size()) return Fail();
+    uint64_t v = 0;
+    for (size_t i = 0; i < n; ++i) v |= uint64_t{static_cast<uint8_t>(in_[i])} << (8 * i);
+    in_.remove_prefix(n);
+    return v;
+  }
   uint8_t Fail() {
     ok_ = false;
     in_ = {};

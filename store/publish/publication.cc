@@ -169,7 +169,7 @@ void Publication::OnHalt(const JournalEntry& e, const Status& st) {
 void Publication::OnDone(const JournalEntry& e, const Status& st) {
   if (options_.cross_node_order) gate_->NoteApplied(e, st);
   PublishOutcome outcome;
-  outcome.committed_dcp_dir = NoteApplied(e, st);
+  outcome.committed_dir = NoteApplied(e, st);
   observer_->OnOutcome(e, st, outcome);
   shard_states_->NoteDone(e, st);  // after the mount let go of a published path
 }
@@ -178,7 +178,7 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
   const std::string dir = path::Parent(e.path);
   const bool commit = (e.op == OpType::kPublish || e.op == OpType::kRename) &&
                       IsCommitName(e.path);
-  std::string committed_dcp;
+  std::string committed;
   if (e.op == OpType::kPublish && st.ok()) {
     SetFileTimes(e);
     registry_->OnFilePublished(dir, e.size, e.seq);
@@ -196,22 +196,24 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
       }
     }
   } else if (commit) {
-    const CommitKind kind = CommitKindOf(e.path);
-    if (kind != CommitKind::kDcpRank) {
+    // The key index reads every commit format (store/dcp/checkpoint_source.h); it is
+    // built once the directory is committed, not once per rank (a build takes the write
+    // path's block CRCs of the shards it covers and releases them).
+    if (CommitKindOf(e.path) != CommitKind::kDcpRank) {
       registry_->OnCommitted(dir, e.seq);
+      committed = dir;
     } else if (!observer_->RankCommitPending(e.path, e.seq)) {
       // A no-collectives save: each rank's `__{rank}.metadata` is gated on its own shards;
       // the directory is committed once none of them is pending any more.
       registry_->OnCommitted(dir, e.seq, /*last_part=*/true);
+      committed = dir;
     }
-    // The key index reads `.metadata` (safetensors and per-rank metadata: not yet).
-    if (kind == CommitKind::kDcp) committed_dcp = dir;
   }
   // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
   registry_->OnApplied(journal_->applied());
   if (st.ok() && e.op == OpType::kRename) index_->OnRenamed(e.from, e.path);
   if (st.ok() && e.op == OpType::kRmdir) index_->Forget(e.path);
-  return committed_dcp;
+  return committed;
 }
 
 void Publication::SetFileTimes(const JournalEntry& e) {

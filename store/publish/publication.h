@@ -41,9 +41,9 @@ namespace ckptfs::store {
 
 // What publication tells the mount about an entry beside its status.
 struct PublishOutcome {
-  // A DCP checkpoint directory this entry committed (its `.metadata` landed): the mount
-  // builds its key index for reads. Empty otherwise.
-  std::string committed_dcp_dir;
+  // A checkpoint directory this entry committed (its commit file landed; for per-rank
+  // metadata, the last rank's): the mount builds its key index for reads. Empty otherwise.
+  std::string committed_dir;
 };
 
 // The mount's side of publication: what it knows of files written through it, and what it
@@ -144,7 +144,7 @@ class Publication {
   void OnDone(const JournalEntry& e, const Status& st);
   void OnHalt(const JournalEntry& e, const Status& st);
   // The registry's and the key index's side of an applied entry; returns the directory
-  // of a DCP checkpoint it committed, or "".
+  // of a checkpoint it committed, or "".
   std::string NoteApplied(const JournalEntry& e, const Status& st);
   // A published file keeps the times the mount showed (its last write, or a utimens).
   void SetFileTimes(const JournalEntry& e);

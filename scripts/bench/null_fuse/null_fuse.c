@@ -1,4 +1,4 @@
-// ckptfs-null-fuse: the FUSE ceiling for the write benchmarks (bench only).
+// ckptfs-null-fuse: the FUSE ceiling for the write and read benchmarks (bench only).
 //
 // A minimal low-level FUSE server with one regular file, /null, that accepts every
 // write and discards it, configured as ckptfs configures its session (max_write 1 MiB,
@@ -8,7 +8,12 @@
 // opens writers with FOPEN_DIRECT_IO (one copy) and can beat it. Like libfuse's
 // example/null.c, which Debian does not ship built.
 //
-//   ckptfs-null-fuse MOUNTPOINT [-f] [--threads N]     (unmount: fusermount3 -u)
+// A second file, /zero (--zero-size bytes, 2 GiB by default), reads as zeros served from
+// memory: `dd` or an mmap read of it measures the daemon-served FUSE read ceiling (the
+// kernel's requests, one copy out of the daemon, no storage) for bench_reads.py.
+//
+//   ckptfs-null-fuse MOUNTPOINT [-f] [--threads N] [--zero-size BYTES]
+//   (unmount: fusermount3 -u)
 #define FUSE_USE_VERSION 312
 #include <fuse3/fuse_lowlevel.h>
 
@@ -19,7 +24,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-enum { kRootIno = 1, kNullIno = 2 };
+enum { kRootIno = 1, kNullIno = 2, kZeroIno = 3 };
+static long long g_zero_size = 2LL << 30;
+static char g_zeros[4 << 20];  // the largest read the kernel sends with max_readahead 4 MiB
 
 static void FillAttr(fuse_ino_t ino, struct stat* st) {
   memset(st, 0, sizeof(*st));
@@ -32,32 +39,37 @@ static void FillAttr(fuse_ino_t ino, struct stat* st) {
   } else {
     st->st_mode = S_IFREG | 0666;
     st->st_nlink = 1;
+    if (ino == kZeroIno) st->st_size = g_zero_size;
   }
 }
 
 static void OpInit(void* userdata, struct fuse_conn_info* conn) {
   (void)userdata;
   conn->max_write = 1u << 20;
+  conn->max_readahead = 4u << 20;
   conn->want &= ~(FUSE_CAP_WRITEBACK_CACHE | FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE |
                   FUSE_CAP_SPLICE_MOVE);
 }
 
 static void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
-  if (parent != kRootIno || strcmp(name, "null") != 0) {
+  fuse_ino_t ino = 0;
+  if (parent == kRootIno && strcmp(name, "null") == 0) ino = kNullIno;
+  if (parent == kRootIno && strcmp(name, "zero") == 0) ino = kZeroIno;
+  if (ino == 0) {
     fuse_reply_err(req, ENOENT);
     return;
   }
   struct fuse_entry_param e;
   memset(&e, 0, sizeof(e));
-  e.ino = kNullIno;
+  e.ino = ino;
   e.attr_timeout = e.entry_timeout = 3600;
-  FillAttr(kNullIno, &e.attr);
+  FillAttr(ino, &e.attr);
   fuse_reply_entry(req, &e);
 }
 
 static void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   (void)fi;
-  if (ino != kRootIno && ino != kNullIno) {
+  if (ino != kRootIno && ino != kNullIno && ino != kZeroIno) {
     fuse_reply_err(req, ENOENT);
     return;
   }
@@ -74,7 +86,7 @@ static void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_
 }
 
 static void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
-  if (ino != kNullIno) {
+  if (ino != kNullIno && ino != kZeroIno) {
     fuse_reply_err(req, EISDIR);
     return;
   }
@@ -83,11 +95,14 @@ static void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
 
 static void OpRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                    struct fuse_file_info* fi) {
-  (void)ino;
-  (void)size;
-  (void)off;
   (void)fi;
-  fuse_reply_buf(req, NULL, 0);
+  if (ino != kZeroIno || off >= g_zero_size) {
+    fuse_reply_buf(req, NULL, 0);
+    return;
+  }
+  if ((long long)size > g_zero_size - off) size = (size_t)(g_zero_size - off);
+  if (size > sizeof(g_zeros)) size = sizeof(g_zeros);
+  fuse_reply_buf(req, g_zeros, size);
 }
 
 static void OpWrite(fuse_req_t req, fuse_ino_t ino, const char* buf, size_t size, off_t off,
@@ -119,15 +134,17 @@ int main(int argc, char** argv) {
       foreground = 1;
     } else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
       threads = (unsigned)atoi(argv[++i]);
+    } else if (strcmp(argv[i], "--zero-size") == 0 && i + 1 < argc) {
+      g_zero_size = atoll(argv[++i]);
     } else if (mountpoint == NULL) {
       mountpoint = argv[i];
     } else {
-      fprintf(stderr, "usage: %s MOUNTPOINT [-f] [--threads N]\n", argv[0]);
+      fprintf(stderr, "usage: %s MOUNTPOINT [-f] [--threads N] [--zero-size BYTES]\n", argv[0]);
       return 2;
     }
   }
   if (mountpoint == NULL) {
-    fprintf(stderr, "usage: %s MOUNTPOINT [-f] [--threads N]\n", argv[0]);
+    fprintf(stderr, "usage: %s MOUNTPOINT [-f] [--threads N] [--zero-size BYTES]\n", argv[0]);
     return 2;
   }
   static const struct fuse_lowlevel_ops ops = {

@@ -24,6 +24,7 @@
 #include "store/peer/commit_query.h"
 #include "store/peer/peer_client.h"
 #include "store/peer/peer_server.h"
+#include "store/peer/peers.h"
 #include "store/peer/protocol.h"
 #include "store/peer/synthetic_provider.h"
 #include "store/peer/ucx_worker.h"

@@ -1,0 +1,388 @@
+#!/usr/bin/env python3
+"""Cold reads through ckptfs against the disk, side by side in one run (issue 21): plain
+files by dd and by mmap, the FUSE read ceiling, whole DCP loads with torch 1.13 and a
+torch 2.x (Debian sid root), and a throttled store (see ../../../shared/BENCHMARKS.md).
+
+Sides of the plain-file part (a 2 GiB file of random bytes in the backing dir), each rep in
+a rotated order (the host caches the disk: whoever reads first in a round can pay for the
+others), each read cold (page cache dropped, a freshly mounted daemon) and then warm:
+  direct        the backing file itself
+  ckptfs        through a mount with passthrough (the default)
+  ckptfs_daemon through a mount with --passthrough off (the daemon serves every read)
+  fuse_ceiling  /zero of ckptfs-null-fuse: a FUSE server that serves zeros from memory
+                (no storage at all): the most a daemon-served FUSE read can do here
+Reads: `dd bs=1M` and a page-by-page mmap read (one byte per 4 KiB page, as safetensors'
+safe_open touches a mapping).
+
+Loads (the whole load_state_dict, 4 gloo ranks, fresh daemon, caches dropped, both sides
+alternating first): torch 1.13 (tests/e2e/dcp_tool.py: ShardedTensors) in both layouts and
+own/replicated/reshard, the own load again with reads of the backing disk throttled
+(--throttle-mbps, blkio cgroup, both sides), and torch 2.x DTensors (t2_dcp.py, inside the
+root by chroot with /proc /sys /dev bound, the mount and the backing dir inside the root).
+
+Bytes read from the disk: each side runs in its own blkio cgroup (v1) and reports
+blkio.throttle.io_service_bytes Read of the backing disk (`device_bytes`): passthrough
+reads are the readers' own, so the daemon's counters (`daemon_backing_bytes`, kept) no
+longer see them. The disk is shared with other users of the machine: their reads do not
+land in this cgroup.
+
+Output: one JSON line per case (ratio = ckptfs / direct, medians over --reps), and
+bench_reads.json, bench_reads.png in --out. Needs root.
+"""
+import argparse
+import contextlib
+import fcntl
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import benchlib as bl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, bl.E2E_DIR)
+import bench_load  # noqa: E402
+import dcp_tool  # noqa: E402
+from torch_dcp_suite import RootMounts  # noqa: E402
+
+NULL_FUSE = os.path.join(bl.BIN_DIR, "ckptfs-null-fuse")
+T2_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "t2_dcp.py")
+
+
+class Cgroup:
+    """This process and its later children in a blkio cgroup; reads of `dev` are counted
+    (and throttled to `bps` when given). Removed on exit."""
+    ROOT = "/sys/fs/cgroup/blkio"
+
+    def __init__(self, dev, bps=0, name="acct"):
+        self.dev, self.bps = dev, int(bps)
+        self.dir = os.path.join(self.ROOT, f"ckptfs-reads-{name}-{os.getpid()}")
+
+    def read_bytes(self):
+        with open(os.path.join(self.dir, "blkio.throttle.io_service_bytes")) as f:
+            for line in f:
+                p = line.split()
+                if len(p) == 3 and p[0] == self.dev and p[1] == "Read":
+                    return int(p[2])
+        return 0
+
+    def __enter__(self):
+        os.makedirs(self.dir, exist_ok=True)
+        if self.bps:
+            with open(os.path.join(self.dir, "blkio.throttle.read_bps_device"), "w") as f:
+                f.write(f"{self.dev} {self.bps}\n")
+        with open(os.path.join(self.dir, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        self.start = self.read_bytes()
+        return self
+
+    def bytes(self):
+        return self.read_bytes() - self.start
+
+    def __exit__(self, *exc):
+        with open(os.path.join(self.ROOT, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        for _ in range(100):
+            try:
+                os.rmdir(self.dir)
+                break
+            except OSError:
+                time.sleep(0.1)
+        return False
+
+
+def drop():
+    if not bl.drop_caches():
+        raise SystemExit("drop_caches failed: run as root")
+
+
+def dd(path):
+    t0 = time.monotonic()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.monotonic() - t0
+
+
+def mmap_read(path):
+    t0 = time.monotonic()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+            s = 0
+            for off in range(0, size, 4096):
+                s += m[off]
+    return time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def null_fuse(mnt, size):
+    os.makedirs(mnt, exist_ok=True)
+    p = subprocess.Popen([NULL_FUSE, mnt, "-f", "--zero-size", str(size)])
+    try:
+        for _ in range(200):
+            if bl.is_mounted(mnt):
+                break
+            time.sleep(0.05)
+        yield os.path.join(mnt, "zero")
+    finally:
+        subprocess.run(["fusermount3", "-u", mnt], check=False)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def plain_side(side, work, plain_rel, size, dev):
+    """Cold and warm dd, then cold and warm mmap, of one side; returns its numbers."""
+    r = {}
+    root = os.path.join(work, "ckptfs")
+    for read, fn in (("dd", dd), ("mmap", mmap_read)):
+        # The cgroup first: the daemon started in it counts its own reads there.
+        with Cgroup(dev, name=side) as cg, contextlib.ExitStack() as stack:
+            if side == "direct":
+                path = os.path.join(root, "backing", plain_rel)
+            elif side == "fuse_ceiling":
+                path = stack.enter_context(null_fuse(os.path.join(work, "null-mnt"), size))
+            else:
+                args = [] if side == "ckptfs" else ["--passthrough", "off"]
+                d = stack.enter_context(bl.Daemon(root, staging="256M", args=args))
+                path = os.path.join(d.mnt, plain_rel)
+            drop()
+            cg.start = cg.read_bytes()
+            r[f"{read}_cold_s"] = fn(path)
+            r[f"{read}_device_bytes"] = cg.bytes()
+            r[f"{read}_warm_s"] = fn(path)
+            if side in ("ckptfs", "ckptfs_daemon"):
+                s = d.stats()
+                r[f"{read}_passthrough_opens"] = s.get("passthrough_opens")
+                r[f"{read}_daemon_bytes_served"] = s.get("bytes_served")
+    return r
+
+
+def run_plain(a, work, dev, cases, raw):
+    backing = os.path.join(work, "ckptfs", "backing")
+    os.makedirs(backing, exist_ok=True)
+    size = a.plain_mb << 20
+    path = os.path.join(backing, "plain.bin")
+    bl.log(f"writing a {a.plain_mb} MiB plain file")
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 64 << 20)
+            f.write(os.urandom(n))
+            left -= n
+    bl.sync()
+    sides = ["direct", "ckptfs", "ckptfs_daemon", "fuse_ceiling"]
+    runs = {s: [] for s in sides}
+    for rep in range(a.reps):
+        order = sides[rep % len(sides):] + sides[:rep % len(sides)]
+        for side in order:
+            r = plain_side(side, work, "plain.bin", size, dev)
+            runs[side].append(r)
+            raw["plain"].append(dict(r, side=side, rep=rep))
+            bl.log(f"plain rep {rep} {side}: " + json.dumps({k: round(v, 3) if isinstance(
+                v, float) else v for k, v in r.items()}))
+    med = {s: {k: bl.median([r[k] for r in runs[s] if r.get(k) is not None])
+               for k in runs[s][0]} for s in sides}
+    for read in ("dd", "mmap"):
+        for temp in ("cold", "warm"):
+            k = f"{read}_{temp}_s"
+            c = {"case": f"plain_{read}_{temp}", "direct_s": med["direct"][k],
+                 "ckptfs_s": med["ckptfs"][k], "ratio": bl.ratio(med["ckptfs"][k],
+                                                                 med["direct"][k]),
+                 "ckptfs_daemon_s": med["ckptfs_daemon"][k],
+                 "daemon_ratio": bl.ratio(med["ckptfs_daemon"][k], med["direct"][k]),
+                 "fuse_ceiling_s": med["fuse_ceiling"][k],
+                 "ceiling_ratio": bl.ratio(med["fuse_ceiling"][k], med["direct"][k]),
+                 "mib": a.plain_mb}
+            if temp == "cold":
+                c["device_bytes"] = {s: med[s][f"{read}_device_bytes"] for s in sides}
+                c["passthrough_opens"] = med["ckptfs"].get(f"{read}_passthrough_opens")
+            cases.append(c)
+            bl.emit(c)
+    os.remove(path)
+
+
+def run_loads(a, work, dev, cases, raw):
+    root = os.path.join(work, "ckptfs")
+    backing = os.path.join(root, "backing")
+    for sfpr in [int(x) for x in a.sfpr.split(",") if x]:
+        name = f"ckpt_sfpr{sfpr}"
+        ckpt = os.path.join(backing, name)
+        bl.log(f"torch 1.13: saving {a.mb} MiB, sfpr={sfpr}, directly into the backing dir")
+        dcp_tool.save(ckpt, a.ranks, a.mb, bool(sfpr), a.seed, timeout=1800)
+        ckpt_bytes = bl.tree_bytes(ckpt)
+        plan = [(m, 0) for m in a.modes.split(",") if m]
+        if a.throttle_mbps > 0:
+            plan.append(("own", a.throttle_mbps))
+        for mode, mbps in plan:
+            case = f"{'throttled_' if mbps else ''}t113_{mode}_sfpr{sfpr}"
+            got = {"direct": [], "ckptfs": []}
+            ok = True
+            for rep in range(a.reps):
+                order = ("direct", "ckptfs") if rep % 2 == 0 else ("ckptfs", "direct")
+                for side in order:
+                    with Cgroup(dev, bps=mbps * 1e6, name=side) as cg:
+                        if side == "direct":
+                            load_s, _ = bench_load.load_direct(ckpt, a.ranks, mode, a.seed)
+                            r = {"load_s": load_s}
+                        else:
+                            r = bench_load.load_ckptfs(root, name, a.ranks, mode, a.seed, [],
+                                                       "256M", True)
+                            ok = ok and not r["errors"] and r["exit"] == 0
+                        r["device_bytes"] = cg.bytes()
+                    got[side].append(r)
+                    raw["loads"].append(dict(r, case=case, side=side, rep=rep))
+                    bl.log(f"{case} rep {rep} {side}: {r['load_s']:.2f} s, "
+                           f"{r['device_bytes'] / 2**20:.0f} MiB from the disk")
+            c = {"case": case, "ckptfs_s": bl.median([r["load_s"] for r in got["ckptfs"]]),
+                 "direct_s": bl.median([r["load_s"] for r in got["direct"]])}
+            c["ratio"] = bl.ratio(c["ckptfs_s"], c["direct_s"])
+            c["device_bytes"] = int(bl.median([r["device_bytes"] for r in got["ckptfs"]]))
+            c["direct_device_bytes"] = int(bl.median([r["device_bytes"] for r in got["direct"]]))
+            c["backing_bytes_ratio"] = bl.ratio(c["device_bytes"], c["direct_device_bytes"])
+            c["daemon_backing_bytes"] = int(bl.median(
+                [r["backing_bytes"] for r in got["ckptfs"]]))
+            c["checkpoint_bytes"] = ckpt_bytes
+            c["throttle_mbps"] = mbps or None
+            c["ok"] = ok
+            cases.append(c)
+            bl.emit(c)
+        shutil.rmtree(ckpt, ignore_errors=True)
+
+
+def chroot_py(root, args, timeout=1800):
+    r = subprocess.run(["chroot", root, "python3", *args], capture_output=True, text=True,
+                       timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"chroot python3 {args}: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run_torch2(a, work, dev, cases, raw):
+    troot = a.torch2_root
+    if not troot or not os.path.isdir(troot):
+        bl.log(f"no torch 2.x root at {troot!r}: torch 2.x loads skipped")
+        return
+    lock = open(troot + ".use.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    tag = f"ckptfs-reads-{os.getpid()}"
+    droot = os.path.join(work, "t2")
+    backing = os.path.join(droot, "backing")
+    os.makedirs(backing, exist_ok=True)
+    inside_direct = os.path.join(troot, "mnt", tag + "-direct")
+    inside_mnt = os.path.join(troot, "mnt", tag + "-ckptfs")
+    script = os.path.join(troot, "tmp", tag + "-t2_dcp.py")
+    shutil.copy(T2_SCRIPT, script)
+    os.makedirs(inside_direct, exist_ok=True)
+    os.makedirs(inside_mnt, exist_ok=True)
+    bound = False
+    try:
+        with RootMounts(troot):
+            subprocess.run(["mount", "--bind", backing, inside_direct], check=True)
+            bound = True
+            rel = lambda p: "/" + os.path.relpath(p, troot)  # noqa: E731
+            bl.log(f"torch 2.x ({troot}): saving {a.mb} MiB of DTensors")
+            chroot_py(troot, [rel(script), "save", rel(inside_direct) + "/ckpt_t2",
+                              str(a.mb), str(a.ranks)])
+            got = {"direct": [], "ckptfs": []}
+            version = None
+            for rep in range(a.reps):
+                order = ("direct", "ckptfs") if rep % 2 == 0 else ("ckptfs", "direct")
+                for side in order:
+                    with Cgroup(dev, name="t2" + side) as cg:
+                        if side == "direct":
+                            drop()
+                            r = chroot_py(troot, [rel(script), "load",
+                                                  rel(inside_direct) + "/ckpt_t2", str(a.mb),
+                                                  str(a.ranks)])
+                        else:
+                            d = bl.Daemon(droot, staging="256M")
+                            d.mnt = inside_mnt
+                            with d:
+                                drop()
+                                r = chroot_py(troot, [rel(script), "load",
+                                                      rel(inside_mnt) + "/ckpt_t2", str(a.mb),
+                                                      str(a.ranks)])
+                                r["passthrough_opens"] = d.stats().get("passthrough_opens")
+                                d.unmount(timeout=120)
+                        r["device_bytes"] = cg.bytes()
+                    version = r.get("torch")
+                    got[side].append(r)
+                    raw["loads"].append(dict(r, case="t2_own", side=side, rep=rep))
+                    bl.log(f"torch {version} own rep {rep} {side}: {r['load_s_max']:.2f} s")
+            c = {"case": "t2_own_dtensor",
+                 "ckptfs_s": bl.median([r["load_s_max"] for r in got["ckptfs"]]),
+                 "direct_s": bl.median([r["load_s_max"] for r in got["direct"]]),
+                 "torch": version}
+            c["ratio"] = bl.ratio(c["ckptfs_s"], c["direct_s"])
+            c["device_bytes"] = int(bl.median([r["device_bytes"] for r in got["ckptfs"]]))
+            c["direct_device_bytes"] = int(bl.median([r["device_bytes"] for r in got["direct"]]))
+            c["ok"] = True
+            cases.append(c)
+            bl.emit(c)
+    finally:
+        if bl.is_mounted(inside_mnt):
+            subprocess.run(["fusermount3", "-u", "-z", inside_mnt], check=False)
+        if bound:
+            subprocess.run(["umount", inside_direct], check=False)
+        for p in (inside_direct, inside_mnt):
+            with contextlib.suppress(OSError):
+                os.rmdir(p)
+        with contextlib.suppress(OSError):
+            os.remove(script)
+        lock.close()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plain-mb", type=int, default=2048)
+    ap.add_argument("--mb", type=int, default=int(os.environ.get("BENCH_MB", 1024)))
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=int(os.environ.get("BENCH_REPS", 3)))
+    ap.add_argument("--sfpr", default="1,0")
+    ap.add_argument("--modes", default="own,replicated,reshard")
+    ap.add_argument("--seed", type=int, default=4242)
+    ap.add_argument("--throttle-mbps", type=float, default=300)
+    ap.add_argument("--torch2-root", default="/var/cache/ckptfs/torchroot-sid")
+    ap.add_argument("--parts", default="plain,loads,torch2")
+    ap.add_argument("--work", default=os.path.join(bl.REPO, "build-bench", "reads-work"))
+    ap.add_argument("--out", default=os.path.join(bl.REPO, "build-bench"))
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("needs root (drop_caches, cgroups, chroot)")
+    os.makedirs(a.out, exist_ok=True)
+    shutil.rmtree(a.work, ignore_errors=True)
+    os.makedirs(a.work)
+    dev = bl.BlkioThrottle(a.work, 0).device()
+    raw = {"args": vars(a), "kernel": os.uname().release, "plain": [], "loads": [],
+           "loadavg_start": os.getloadavg()}
+    cases = []
+    parts = a.parts.split(",")
+    try:
+        if "plain" in parts:
+            run_plain(a, a.work, dev, cases, raw)
+        if "loads" in parts:
+            run_loads(a, a.work, dev, cases, raw)
+        if "torch2" in parts:
+            run_torch2(a, a.work, dev, cases, raw)
+    finally:
+        raw["loadavg_end"] = os.getloadavg()
+        raw["cases"] = cases
+        with open(os.path.join(a.out, "bench_reads.json"), "w") as f:
+            json.dump(raw, f, indent=1)
+        if cases:
+            try:
+                bl.plot(os.path.join(a.out, "bench_reads.png"),
+                        "cold reads: ckptfs / direct (medians, one run)", cases)
+            except ImportError:
+                bl.log("matplotlib missing: no plot")
+        shutil.rmtree(a.work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+// Peers: what the daemon (fs/, mount/) holds of its cluster of ckptfs daemons (issue 12,
+// docs/PEERS.md). fs/ and mount/ see this interface and the options below only, never the
+// transport: the UCX implementation (PeerNode, peer_node.h) is chosen by Peers::Create, the
+// one place that knows whether this ckptfs was built with it.
+//
+//   * source(): the block cache's source of misses. Blocks owned by other nodes come from
+//     them; the rest, and every peer failure, from the `fallback` given to Create.
+//   * StartServing()/StopServing(): serve this node's blocks (and commit queries) to peers.
+//   * PlanCheckpoint(): the ownership plan of a committed checkpoint, with this node's share.
+//   * AskShardStates(): the commit gate's questions about shards written through other mounts.
+//
+// Thread-safe. StopServing() must run before the block cache is destroyed; the Peers must
+// outlive the cache (the cache reads through source()).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "store/cache/block_source.h"
+#include "store/dcp/dcp_metadata.h"
+#include "store/peer/plan.h"
+#include "store/publish/shard_state.h"
+
+namespace ckptfs::store {
+class BackingDir;
+class BlockCache;
+}  // namespace ckptfs::store
+
+namespace ckptfs::store::peer {
+
+struct PeerNodeOptions {
+  std::vector<std::string> nodes;  // "host:port" of every daemon, same order everywhere
+  uint32_t self = 0;               // this node's index (--node-rank)
+  std::string listen;              // ADDR:PORT the server binds (--peer-listen)
+  std::string secret;              // shared secret bytes (--peer-secret-file)
+  PlanMode plan_mode = PlanMode::kAuto;
+  uint64_t block_bytes = 1ull << 20;  // must equal the block cache's
+  bool writer_locality = true;
+  double locality_max_imbalance = 1.5;
+  bool check_source_address = true;
+  std::chrono::milliseconds connect_timeout{3000};
+  std::chrono::milliseconds request_timeout{5000};
+};
+
+// This node's share of a planned checkpoint: byte ranges of its files (relative to the
+// checkpoint), block aligned, merged.
+struct OwnedRange {
+  std::string file;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// Answers of one commit-query round, one per asked path (commit_query.h).
+using ShardAnswersFn = std::function<void(std::vector<PeerShardAnswer>)>;
+
+// Ok when this ckptfs has the peer transport; Unsupported, naming what it was built
+// without, when not.
+Status PeerTransportAvailable();
+
+// Reads the shared secret: the file's bytes without trailing whitespace, kMinSecretBytes to
+// kMaxSecretBytes long (protocol.h). Warns (once per call) when the file is readable by
+// group or others.
+Result<std::string> ReadSecretFile(const std::string& path);
+
+class Peers {
+ public:
+  // The UCX peer node; Unsupported (PeerTransportAvailable) when built without it.
+  static Result<std::unique_ptr<Peers>> Create(const PeerNodeOptions& options,
+                                               BackingDir* dir,         // must outlive
+                                               BlockSource* fallback);  // must outlive
+  virtual ~Peers() = default;
+
+  // The block cache's source: blocks owned elsewhere from their owner, the rest from the
+  // fallback.
+  virtual BlockSource* source() const = 0;
+
+  // The server answers peers' shard-state queries from `provider` (must outlive
+  // StopServing()). Call before StartServing(); without it queries get Unsupported.
+  virtual void SetShardStateProvider(ShardStateProvider* provider) = 0;
+  // Serves this node's blocks, reading through `cache` (must outlive StopServing()).
+  virtual Status StartServing(BlockCache* cache) = 0;
+  // Stops serving (closes peer connections, joins the server's threads). Idempotent.
+  virtual void StopServing() = 0;
+
+  // Plans checkpoint `ckpt` (relative to the backing dir) from its parsed `.metadata`;
+  // `files` are its data files (name in the checkpoint, BlockId now). Returns this node's
+  // share. A plan already built for the same file versions is reused.
+  virtual Result<std::vector<OwnedRange>> PlanCheckpoint(
+      const std::string& ckpt, const DcpMetadata& metadata,
+      const std::vector<std::pair<std::string, BlockId>>& files) = 0;
+
+  // Asks every other node about `paths` (relative to the backing dir), asynchronously:
+  // `done` runs once, on another thread, with the answers. False: stopped, not asked.
+  virtual bool AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
+                              ShardAnswersFn done) = 0;
+
+  // Adds the peer statistics to /.ckptfs/stats: flat top-level fields (peers_connected,
+  // peer_bytes_read, peer_fallbacks, ...) and a "peers" object with the detail.
+  virtual void AppendStats(nlohmann::json* stats) const = 0;
+};
+
+}  // namespace ckptfs::store::peer
