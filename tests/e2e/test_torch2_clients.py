@@ -8,7 +8,8 @@ second save over the same directory, dcp.async_save with the thread checkpointer
 process checkpointer, resharded loads (other placements, a 2x2 mesh), a Hugging Face save
 and load (HuggingFaceStorageWriter with consolidation, HuggingFaceStorageReader), a
 collective-less save (use_collectives=False: __{rank}.metadata per rank, no .metadata),
-no_dist saves (every rank alone) and dcp_to_torch_save. Every tensor loaded is checked
+no_dist saves (every rank alone), dcp_to_torch_save, and the tensor view (/.ckptfs/tensors)
+of the overwritten and the async checkpoints. Every tensor loaded is checked
 exactly in the ranks. What a torch lacks is skipped by the program and must be exactly
 what that torch is known to lack (EXPECTED_SKIPS), so that a new failure cannot hide as a
 skip.
@@ -39,7 +40,7 @@ EXPECTED_SKIPS = {
     "sid": set(),
 }
 ALL_CASES = {"sync", "async_thread", "async_process", "reshard", "hf", "per_rank", "no_dist",
-             "to_torch_save"}
+             "to_torch_save", "tensor_view"}
 
 
 class Torch2Clients(harness.MountedTest):

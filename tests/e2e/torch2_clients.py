@@ -19,6 +19,8 @@ Cases (each skipped, with the reason, where this torch lacks the API):
               __{rank}.metadata in one directory (no .metadata); loaded back per rank
   no_dist     dcp.save(no_dist=True) by every rank alone into its own directory
   to_torch_save  dcp_to_torch_save of the sync checkpoint, checked with torch.load
+  tensor_view ckptfs's /.ckptfs/tensors view of the sync (overwritten) and async_thread
+              checkpoints, once the daemon is idle: every chunk's bytes, read with torch
 
 Writes --out (JSON, by rank 0): per base the checkpoint directories that must be committed,
 the cases run and skipped (with reasons), and the torch version. Exit 0 when every check
@@ -245,6 +247,49 @@ def run_base(rank, base, record):
             got = torch.load(p("sync.pt"), weights_only=False)
             check_sd(got, 2, "dcp_to_torch_save")
     c.run("to_torch_save", to_torch_save)
+
+    def tensor_view():
+        """ckptfs's /.ckptfs/tensors view of two checkpoints, read by torch: every chunk of
+        every tensor in .metadata has a file there whose bytes are that chunk."""
+        mnt = os.path.dirname(base)
+        control = os.path.join(mnt, ".ckptfs")
+        if not os.path.isdir(control):
+            return "not a ckptfs mount"
+        if rank != 0:
+            return None
+        deadline = time.monotonic() + 120  # everything published, the overwrite included
+        while True:
+            with open(os.path.join(control, "stats")) as f:
+                st = json.load(f)
+            if not st.get("journal_pending") and not st.get("files_pending"):
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"daemon never idle: {st}")
+            time.sleep(0.05)
+        rel = os.path.relpath(base, mnt)
+        for ckpt, seed in (("sync", 2), ("async_thread", 3)):
+            md = dcp.FileSystemReader(p(ckpt)).read_metadata()
+            view = os.path.join(control, "tensors", rel, ckpt)
+            full = {k: v for k, (v, _) in global_tensors(seed).items()}
+            full["optim.step"] = torch.tensor(1000 + seed, dtype=torch.int64)
+            for fqn, want in full.items():
+                with open(os.path.join(view, fqn, "meta.json")) as f:
+                    meta = json.load(f)
+                chunks = {tuple(ch["offsets"]): ch for ch in meta["chunks"]}
+                if meta["dtype"] != str(want.dtype).replace("torch.", ""):
+                    raise AssertionError(f"view {ckpt}/{fqn}: dtype {meta['dtype']}")
+                if set(chunks) != {tuple(c.offsets) for c in md.state_dict_metadata[fqn].chunks}:
+                    raise AssertionError(f"view {ckpt}/{fqn}: chunks {sorted(chunks)}")
+                for off, ch in chunks.items():
+                    with open(os.path.join(view, fqn, ch["file"]), "rb") as f:
+                        raw = f.read()
+                    got = torch.frombuffer(bytearray(raw), dtype=want.dtype).as_strided(
+                        ch["sizes"], ch["stride"], ch["storage_offset"])
+                    exp = want[tuple(slice(o, o + n) for o, n in zip(off, ch["sizes"]))]
+                    if not torch.equal(got.float(), exp.float()):
+                        raise AssertionError(f"view {ckpt}/{fqn} chunk {off} differs")
+        return None
+    c.run("tensor_view", tensor_view)
 
 
 def stop_checkpoint_process():
