@@ -11,7 +11,8 @@
 # once complete. core_v0.16.1 is the newest release whose `import megatron.core` does not
 # need triton (0.17 and later import it at package import: megatron.core ->
 # pipeline_parallel -> transformer.moe.paged_stash), and Debian has no triton package.
-# Exit 2: GitHub cannot be reached and nothing is cached (callers skip).
+# MEGATRON_URL overrides the tarball's address (a mirror). Exit 2: it cannot be downloaded and
+# nothing is cached (callers skip).
 set -euo pipefail
 
 TAG=${MEGATRON_TAG:-core_v0.16.1}
@@ -26,7 +27,7 @@ fi
 DEST="$CACHE/megatron-$TAG"
 if [[ -f "$DEST/.ckptfs-ready" ]]; then echo "$DEST"; exit 0; fi
 
-URL="https://github.com/NVIDIA/Megatron-LM/archive/refs/tags/$TAG.tar.gz"
+URL=${MEGATRON_URL:-https://github.com/NVIDIA/Megatron-LM/archive/refs/tags/$TAG.tar.gz}
 mkdir -p "$CACHE"
 exec 9>"$DEST.lock"
 flock 9

@@ -43,8 +43,8 @@ ITERS = (10, 20, 30)
 def megatron_src(test):
     r = subprocess.run([SRC_SCRIPT], capture_output=True, text=True, timeout=900)
     if r.returncode == 2:
-        test.skipTest("Megatron-LM source not available (no network, no MEGATRON_SRC): "
-                      f"{r.stderr.strip()[-300:]}")
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        test.skipTest(f"Megatron-LM source not available (no MEGATRON_SRC, no download): {last}")
     test.assertEqual(r.returncode, 0, r.stderr)
     return r.stdout.strip().splitlines()[-1]
 
