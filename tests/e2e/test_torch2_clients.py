@@ -19,6 +19,9 @@ On the host, every checkpoint directory the program reports must then be `commit
 must equal the backing store's copy after a clean unmount (exit 0, no temporary names
 left).
 
+On the daemon of 6f2c1b5 (before per-rank metadata commits) the sid case fails: `ckptfs-admin
+wait run/per_rank` never succeeds in the async mount.
+
 Skips, saying why, when not root, without debootstrap, or when a root cannot be built (the
 Debian archive is unreachable). About 1 min per root once the roots are cached (torch
 imports dominate), plus a few minutes to build a root on a fresh machine.
