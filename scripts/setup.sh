@@ -92,3 +92,11 @@ if [ "$have_pipe" -lt "$want_pipe" ]; then
     echo "setup: fs.pipe-max-size is $have_pipe (< $want_pipe): ckptfs will copy write payloads twice"
   fi
 fi
+
+# Megatron-LM's megatron/core at a pinned release, for tests/e2e/test_megatron_dcp.py
+# (the release tarball from GitHub into /var/cache/ckptfs; MEGATRON_SRC=DIR uses a checkout
+# instead). Not fatal: without network the test skips and says why.
+if [ "$(id -u)" -eq 0 ]; then
+  "$(dirname "$0")/megatron_src.sh" >/dev/null \
+    || echo "setup: Megatron-LM source not fetched (test_megatron_dcp will skip)" >&2
+fi

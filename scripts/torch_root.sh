@@ -75,7 +75,7 @@ APTLOG="$CACHE/torchroot-$SUITE.apt.log"
 echo "deb-src $MIRROR $SUITE main" >"$PART/etc/apt/sources.list.d/ckptfs-src.list"
 log "apt-get update (log: $APTLOG)"
 in_root "${APT[@]}" update >>"$APTLOG" 2>&1 || { log "apt-get update failed, see $APTLOG"; exit 1; }
-PKGS=(python3-torch python3-safetensors python3-setuptools python3-psutil python3-numpy
+PKGS=(python3-torch python3-safetensors python3-setuptools python3-psutil python3-numpy python3-zstandard
       python3-pytest python3-expecttest python3-hypothesis)
 # Install what the archive has of these (python3-expecttest etc. are not in every suite).
 HAVE=()

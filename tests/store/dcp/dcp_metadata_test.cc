@@ -196,19 +196,25 @@ void ExpectRejected(const Spec& spec, std::string_view message_part) {
 
 TEST(DcpMetadata, EveryFixtureMatchesItsManifest) {
   std::vector<Fixture> fixtures = AllFixtures();
-  ASSERT_GE(fixtures.size(), 11u) << "fixtures missing under " << kFixtures;
+  ASSERT_GE(fixtures.size(), 14u) << "fixtures missing under " << kFixtures;
   const std::set<std::string> kKnownFields = {
       "kind",   "fqn",    "chunk_offsets", "chunk_sizes", "global_size", "dtype",         "file",
-      "offset", "length", "raw_offset",    "raw_nbytes",  "stride",      "storage_offset"};
+      "offset", "length", "raw_offset",    "raw_nbytes",  "stride",      "storage_offset",
+      "transforms"};
   for (const Fixture& f : fixtures) {
     SCOPED_TRACE(f.name);
     std::string bytes = ReadFile(f.metadata);
     ASSERT_FALSE(bytes.empty());
     Result<DcpMetadata> md = ParseDcpMetadata(bytes);
     ASSERT_TRUE(md.ok()) << md.status().ToString();
-    EXPECT_EQ(md->flavor, f.name.find("megatron") != std::string::npos    ? "mcore"
-                          : f.name.find("synthetic") != std::string::npos ? "torch2"
-                                                                          : "torch1");
+    // Real torch 2.x and Megatron fixtures name their flavor (Megatron-core 0.16 writes a
+    // plain torch Metadata with an extra all_local_plans field, not MCoreMetadata), and
+    // what torch read back from them: version and storage_meta.checkpoint_id.
+    EXPECT_EQ(md->flavor, f.manifest.value("flavor", "torch1"));
+    if (f.manifest.contains("version")) EXPECT_EQ(md->version, f.manifest["version"]);
+    if (f.manifest.contains("checkpoint_id")) {
+      EXPECT_EQ(md->checkpoint_id, f.manifest["checkpoint_id"]);
+    }
     std::map<std::string, const DcpItem*> by_key;
     for (const DcpItem& item : md->items) {
       std::optional<std::vector<int64_t>> offsets;
@@ -221,7 +227,8 @@ TEST(DcpMetadata, EveryFixtureMatchesItsManifest) {
       for (const auto& [field, _] : want.items()) {
         EXPECT_TRUE(kKnownFields.count(field)) << "manifest field not checked: " << field;
       }
-      bool bytes_item = want["kind"] == "bytes";
+      // Bytes items have no chunk fields, also when a transform makes them opaque.
+      bool bytes_item = !want.contains("chunk_offsets");
       std::optional<std::vector<int64_t>> offsets;
       if (!bytes_item) offsets = want["chunk_offsets"].get<std::vector<int64_t>>();
       std::string key = ItemKey(want["fqn"], offsets);
@@ -233,7 +240,9 @@ TEST(DcpMetadata, EveryFixtureMatchesItsManifest) {
       EXPECT_EQ(got.file, want["file"]);
       EXPECT_EQ(got.offset, want["offset"].get<uint64_t>());
       EXPECT_EQ(got.length, want["length"].get<uint64_t>());
-      EXPECT_TRUE(got.transforms.empty());
+      // Transformed items (a stream extension such as zstd) are opaque and keep their
+      // descriptors.
+      EXPECT_EQ(got.transforms, want.value("transforms", std::vector<std::string>{}));
       if (bytes_item) {
         EXPECT_TRUE(got.is_bytes);
         EXPECT_TRUE(got.chunk_offsets.empty() && got.chunk_sizes.empty() &&
@@ -252,7 +261,9 @@ TEST(DcpMetadata, EveryFixtureMatchesItsManifest) {
     if (f.manifest.contains("files")) {
       std::vector<std::pair<std::string, uint64_t>> want_files;
       for (const auto& [file, info] : f.manifest["files"].items()) {
-        if (file != ".metadata") want_files.emplace_back(file, info["size"].get<uint64_t>());
+        // The metadata file itself: .metadata, or __{rank}.metadata of a per-rank save.
+        bool is_metadata = file.size() >= 9 && file.compare(file.size() - 9, 9, ".metadata") == 0;
+        if (!is_metadata) want_files.emplace_back(file, info["size"].get<uint64_t>());
       }
       std::sort(want_files.begin(), want_files.end());
       EXPECT_EQ(RequiredFileLengths(*md), want_files);
@@ -261,15 +272,29 @@ TEST(DcpMetadata, EveryFixtureMatchesItsManifest) {
 }
 
 TEST(DcpMetadata, Torch2ExtrasAreRead) {
-  std::string bytes = ReadFile(kFixtures / "synthetic/default_2x.metadata.p4");
-  Result<DcpMetadata> md = ParseDcpMetadata(bytes);
+  // torch 2.14 (Python 3.14, pickle protocol 5): version, and checkpoint_id a PosixPath.
+  Result<DcpMetadata> md = ParseDcpMetadata(ReadFile(kFixtures / "torch214_dtensor_4rank/.metadata"));
   ASSERT_TRUE(md.ok()) << md.status().ToString();
+  EXPECT_EQ(md->flavor, "torch2");
   EXPECT_EQ(md->version, "1.0.0");
-  EXPECT_EQ(md->checkpoint_id, "/ckpt/step_100");  // a pickled PosixPath
-  bytes = ReadFile(kFixtures / "synthetic/megatron015.metadata.p5");
-  md = ParseDcpMetadata(bytes);
+  EXPECT_EQ(md->checkpoint_id, "/ckpt/torch214_dtensor_4rank");
+  EXPECT_EQ(md->other_fields, (std::vector<std::string>{"planner_data", "storage_meta", "version"}));
+  // torch 2.6 (Python 3.13, protocol 4) writes no version.
+  md = ParseDcpMetadata(ReadFile(kFixtures / "torch26_dtensor_4rank/.metadata"));
   ASSERT_TRUE(md.ok()) << md.status().ToString();
-  EXPECT_EQ(md->checkpoint_id, "/ckpt/iter_0000100");
+  EXPECT_EQ(md->version, "");
+  EXPECT_EQ(md->checkpoint_id, "/ckpt/torch26_dtensor_4rank");
+  // Megatron-core 0.16: checkpoint_id a plain str, all_local_plans on a plain Metadata.
+  md = ParseDcpMetadata(ReadFile(kFixtures / "megatron016_torch_dist/.metadata"));
+  ASSERT_TRUE(md.ok()) << md.status().ToString();
+  EXPECT_EQ(md->checkpoint_id, "/ckpt/megatron016_torch_dist");
+  EXPECT_EQ(md->other_fields,
+            (std::vector<std::string>{"all_local_plans", "storage_meta", "version"}));
+  // A collective-less save: each rank's __{rank}.metadata describes its own file only.
+  md = ParseDcpMetadata(ReadFile(kFixtures / "torch214_per_rank/__2.metadata"));
+  ASSERT_TRUE(md.ok()) << md.status().ToString();
+  EXPECT_EQ(RequiredFileLengths(*md).size(), 1u);
+  EXPECT_EQ(RequiredFileLengths(*md)[0].first, "__2_0.distcp");
 }
 
 TEST(DcpMetadata, ItemsFollowStateDictOrderAndChunkOrder) {
@@ -470,8 +495,8 @@ TEST(DcpMetadata, SharedChunkListBombFailsFast) {
 
 TEST(DcpMetadata, EveryPrefixAndByteFlipOfRealMetadataIsSafe) {
   for (const char* name :
-       {"torch113_4rank_single_file/.metadata", "synthetic/default_2x.metadata.p4",
-        "synthetic/megatron015.metadata.p4"}) {
+       {"torch113_4rank_single_file/.metadata", "torch26_dtensor_4rank/.metadata",
+        "megatron016_torch_dist/.metadata"}) {
     SCOPED_TRACE(name);
     std::string bytes = ReadFile(kFixtures / name);
     ASSERT_TRUE(ParseDcpMetadata(bytes).ok());

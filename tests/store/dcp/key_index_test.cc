@@ -40,7 +40,10 @@ const char* const kRealFixtures[] = {"torch113_basic_per_item",
                                      "torch113_4rank_per_item",
                                      "torch113_4rank_single_file",
                                      "torch113_basic_single_file_pickle_proto2",
-                                     "torch113_basic_single_file_pickle_proto3"};
+                                     "torch113_basic_single_file_pickle_proto3",
+                                     "torch26_dtensor_4rank",
+                                     "torch214_dtensor_4rank",
+                                     "megatron016_torch_dist"};
 
 std::string ReadFile(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -191,20 +194,20 @@ TEST(KeyIndex, EveryFixtureIndexesToItsManifestWithChecksums) {
     EXPECT_FALSE(env.index->Resolve(ckpt, "__9_9.distcp", 0).has_value());
     EXPECT_FALSE(env.index->Resolve(ckpt, ".metadata", 0).has_value());
   }
-  EXPECT_EQ(items_seen, 60);
+  EXPECT_EQ(items_seen, 105);
   std::vector<std::string> listed = env.index->IndexedCheckpoints();
   EXPECT_EQ(listed.size(), std::size(kRealFixtures));
 }
 
-TEST(KeyIndex, SyntheticMetadataWithoutDataFilesIsPartialWithOpaqueItems) {
-  for (const char* name : {"default_2x.metadata.p4", "default_2x.metadata.p5",
-                           "megatron015.metadata.p4", "megatron015.metadata.p5"}) {
+TEST(KeyIndex, Torch2MetadataWithoutDataFilesIsPartialWithOpaqueItems) {
+  // Real torch 2.6 / 2.14 / Megatron-core .metadata files, copied without their shards.
+  for (const char* name :
+       {"torch26_dtensor_4rank", "torch214_dtensor_4rank", "megatron016_torch_dist"}) {
     SCOPED_TRACE(name);
     Env env;
     fs::create_directories(env.Backing("c"));
-    fs::copy_file(kFixtures / "synthetic" / name, env.Backing("c/.metadata"));
-    json manifest =
-        json::parse(ReadFile(kFixtures / "synthetic" / (std::string(name) + ".manifest.json")));
+    fs::copy_file(kFixtures / name / ".metadata", env.Backing("c/.metadata"));
+    json manifest = json::parse(ReadFile(kFixtures / (std::string(name) + ".manifest.json")));
     ASSERT_TRUE(env.index->Build("c", /*checksums=*/true).ok());
     EXPECT_NE(env.index->IndexError("c"), "");  // the shard files are not there
     Result<std::vector<IndexedItem>> items = env.index->Items("c");
