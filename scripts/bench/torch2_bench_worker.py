@@ -2,7 +2,8 @@
 """The torch 2.x side of torch2_save_load.py: runs inside the sid root, 4 gloo ranks, a
 state dict of DTensor shards (--mib in total, fp32, Shard(0) over the 4 ranks, 8 tensors).
 
-  --phase save: for --reps repetitions, each case once per repetition in turn:
+  --phase save: for --reps repetitions, each case once per repetition in turn (--per-item:
+  every save with FileSystemWriter(single_file_per_rank=False), one file per item):
       ckptfs_save          dcp.save into the ckptfs mount (--mnt, --durability async)
       plain_save           dcp.save into a plain directory (--plain), fsynced by DCP
       plain_async_thread   dcp.async_save into the plain directory, thread checkpointer
@@ -121,14 +122,15 @@ def save_phase(rank, a, mesh, res):
         path = os.path.join(top, rel)
         dist.barrier()
         t0 = time.monotonic()
+        writer = dcp.FileSystemWriter(path, single_file_per_rank=not a.per_item)
         if case.endswith("_save"):
-            dcp.save(sd, checkpoint_id=path)
+            dcp.save(sd, storage_writer=writer)
             stall = time.monotonic() - t0
             fut = None
         else:
             kind = (AsyncCheckpointerType.PROCESS if case.endswith("process")
                     else AsyncCheckpointerType.THREAD)
-            fut = dcp.async_save(sd, checkpoint_id=path, async_checkpointer_type=kind)
+            fut = dcp.async_save(sd, storage_writer=writer, async_checkpointer_type=kind)
             stall = time.monotonic() - t0
             fut.result()
         done = time.monotonic() - t0
@@ -221,6 +223,8 @@ def main():
     ap.add_argument("--plain")
     ap.add_argument("--target")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--per-item", action="store_true",
+                    help="FileSystemWriter(single_file_per_rank=False): a file per item")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     mp.start_processes(rank_main, args=(a, free_port()), nprocs=WORLD, start_method="spawn")

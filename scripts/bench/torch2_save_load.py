@@ -59,6 +59,9 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=4, help="thread_count of the second load")
     ap.add_argument("--staging-mem", default="2G")
+    ap.add_argument("--per-item", action="store_true",
+                    help="save with single_file_per_rank=False (a file per item); the outputs "
+                    "are named torch2_save_load_per_item.*")
     ap.add_argument("--work", default="/var/tmp/ckptfs-bench-torch2")
     ap.add_argument("--out", default=os.path.join(bl.REPO, "build-bench"))
     a = ap.parse_args()
@@ -88,7 +91,9 @@ def main():
     os.rmdir(daemon.mnt)
     daemon.mnt = os.path.join(root, mnt_in_root.lstrip("/"))
     os.makedirs(daemon.mnt, exist_ok=True)
+    stem = "torch2_save_load_per_item" if a.per_item else "torch2_save_load"
     raw = {"mib": a.mib, "reps": a.reps, "ranks": 4, "staging_mem": a.staging_mem,
+           "single_file_per_rank": not a.per_item,
            "kernel": os.uname().release, "ckptfs_bin": os.path.realpath(bl.CKPTFS)}
     try:
         with RootMounts(root):
@@ -97,6 +102,7 @@ def main():
             run_worker(root, prog_in_root, ["--phase", "save", "--mib", str(a.mib),
                                             "--reps", str(a.reps), "--mnt", mnt_in_root,
                                             "--plain", plain_in_root,
+                                            *(["--per-item"] if a.per_item else []),
                                             "--out", f"{prog_in_root}/save.json"])
             with open(os.path.join(prog, "save.json")) as f:
                 save = json.load(f)
@@ -183,14 +189,14 @@ def main():
                       "direct_s": p, "ratio": bl.ratio(c, p), "ckptfs_samples": ck["load_s"],
                       "direct_samples": pl["load_s"], "ok": True})
     raw["cases"] = cases
-    path = os.path.join(a.out, "torch2_save_load.json")
+    path = os.path.join(a.out, stem + ".json")
     with open(path, "w") as f:
         json.dump(raw, f, indent=1)
     for c in cases:
         print(json.dumps({k: v for k, v in c.items() if "samples" not in k}))
     bl.log(f"wrote {path}")
     try:
-        plot(os.path.join(a.out, "torch2_save_load.png"), raw, med)
+        plot(os.path.join(a.out, stem + ".png"), raw, med)
     except ImportError as e:
         bl.log(f"no PNG: {e}")
     return 0 if raw.get("daemon_rc") == 0 else 1
@@ -209,7 +215,8 @@ def plot(png, raw, med):
     ax1.set_xticks(list(x))
     ax1.set_xticklabels([n.replace("_", "\n", 1) for n in names], fontsize=8)
     ax1.set_ylabel("seconds (median)")
-    ax1.set_title(f"save, {raw['mib']} MiB DTensor shards, 4 ranks")
+    layout = "a file per rank" if raw.get("single_file_per_rank", True) else "a file per item"
+    ax1.set_title(f"save, {raw['mib']} MiB DTensor shards, 4 ranks, {layout}")
     ax1.legend()
     loads = [(k, bl.median(v["load_s"])) for k, v in raw["load_samples"].items()
              if v.get("load_s")]
