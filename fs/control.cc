@@ -216,6 +216,7 @@ std::string ControlTree::StatsJson() {
   j["passthrough_refused"] = pt.refused.load();
   j["passthrough_conflict_waits"] = pt.conflict_waits.load();
   j["passthrough_conflict_busy"] = pt.conflict_busy.load();
+  j["passthrough_page_cache_prefetched"] = pt.page_cache_prefetched.load();
   if (store::BlockCache* cache = read_->cache()) {
     store::BlockCacheStats c = cache->Stats();
     j["cache_hits"] = c.hits;

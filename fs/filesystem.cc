@@ -288,7 +288,13 @@ std::optional<Filesystem::PassthroughSource> Filesystem::PassthroughSourceOf(Han
 }
 
 void Filesystem::OnPassthroughNegotiated(bool on) {
-  if (on && !config_.peers) read_->SetPrefetch(false);
+  // The kernel passes this node's reads through: a prefetch into the block cache would
+  // read every byte a second time, so a load's prefetch goes to the backing files' page
+  // cache instead, which the passthrough readers read.
+  if (on && !config_.peers) {
+    read_->SetPageCachePrefetch(config_.passthrough_min_bytes,
+                                &stats_.passthrough.page_cache_prefetched);
+  }
 }
 
 Result<std::optional<size_t>> Filesystem::ReadInPlace(Handle* h, size_t len, uint64_t offset,

@@ -23,6 +23,9 @@ struct PassthroughStats {
   std::atomic<uint64_t> conflict_waits{0};  // changes that waited for readers to close
   std::atomic<uint64_t> conflict_busy{0};   // changes failed with EBUSY after the wait
   std::atomic<int64_t> open_now{0};         // passthrough opens now
+  // Bytes of checkpoint files the daemon asked the kernel to read ahead into the backing
+  // files' page cache (a load began: ReadPath's page-cache prefetch).
+  std::atomic<uint64_t> page_cache_prefetched{0};
 
   void SetState(const std::string& s) EXCLUDES(state_mu) {
     MutexLock lock(&state_mu);

@@ -1,6 +1,10 @@
 #include "fs/read_path.h"
 
 #include <fcntl.h>
+#include <unistd.h>
+
+#include <cinttypes>
+#include <cstdio>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -139,7 +143,7 @@ void ReadPath::QueueIndexBuild(const std::string& ckpt) {
 }
 
 void ReadPath::QueuePrefetch(const std::string& ckpt) {
-  if (!cache_ || !prefetch_.load()) return;
+  if (!prefetch_.load() || (!cache_ && !page_cache_.load())) return;
   {
     MutexLock lock(&mu_);
     for (const auto& queued : prefetch_queue_) {
@@ -224,6 +228,102 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
   }
   for (const File& f : files) cache_->Prefetch(f.id, 0, f.length);
   spdlog::debug("prefetch of {}: {} files queued", ckpt, files.size());
+}
+
+bool ReadPath::Stopping() {
+  MutexLock lock(&mu_);
+  return stop_;
+}
+
+namespace {
+// MemAvailable of /proc/meminfo in bytes; 0 when it cannot be read.
+uint64_t MemAvailableBytes() {
+  FILE* f = std::fopen("/proc/meminfo", "re");
+  if (f == nullptr) return 0;
+  char line[256];
+  uint64_t kb = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "MemAvailable: %" SCNu64 " kB", &kb) == 1) break;
+  }
+  std::fclose(f);
+  return kb << 10;
+}
+}  // namespace
+
+// Passthrough readers read the backing files' page cache: the kernel is asked to read the
+// checkpoint into it (POSIX_FADV_WILLNEED) while the ranks set up and deserialize, so their
+// reads find it there. Bytes are read from the disk once however many ranks read them (the
+// page cache is shared), as the block cache's prefetch did. Round-robin over the files,
+// kWindow of each at a time (ranks read their files side by side), paced by waiting for the
+// previous window of each file: at most two windows per file in flight, so demand reads of
+// other files are not queued behind the whole checkpoint.
+void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
+  constexpr uint64_t kWindow = uint64_t{8} << 20;
+  constexpr uint64_t kStep = uint64_t{1} << 20;
+  constexpr auto kRecent = std::chrono::seconds(30);
+  const auto started = std::chrono::steady_clock::now();
+  {
+    // Every rank opens `.metadata`: one prefetch per load is enough.
+    MutexLock lock(&mu_);
+    auto it = page_cache_done_.find(ckpt);
+    if (it != page_cache_done_.end() && started - it->second < kRecent) return;
+    if (page_cache_done_.size() > 64) page_cache_done_.clear();
+    page_cache_done_[ckpt] = started;
+  }
+  auto md = store::ReadCheckpointItems(backing_, ckpt);
+  if (!md.ok()) {
+    spdlog::debug("page-cache prefetch of {}: {}", ckpt, md.status().ToString());
+    return;
+  }
+  struct File {
+    UniqueFd fd;
+    uint64_t length = 0, pos = 0, last_end = 0;
+  };
+  std::vector<File> files;
+  uint64_t total = 0;
+  for (const auto& [file, length] : store::RequiredFileLengths(*md)) {
+    auto fd = backing_->OpenFile(JoinPath(ckpt, file), O_RDONLY);
+    if (!fd.ok()) continue;
+    auto st = backing_->Fstat(fd->get());
+    if (!st.ok()) continue;
+    const uint64_t len = std::min<uint64_t>(length, static_cast<uint64_t>(st->st_size));
+    if (static_cast<uint64_t>(st->st_size) < page_cache_min_bytes_ || len == 0) continue;
+    files.push_back(File{std::move(*fd), len});
+    total += len;
+  }
+  // A checkpoint larger than memory would push its own first bytes out before they are
+  // read: at most half of what is available now.
+  uint64_t budget = MemAvailableBytes() / 2;
+  uint64_t asked = 0;
+  bool more = true;
+  while (more && asked < budget && !Stopping()) {
+    more = false;
+    for (File& f : files) {
+      if (f.pos >= f.length || asked >= budget) continue;
+      const uint64_t n = std::min(kWindow, f.length - f.pos);
+      // The kernel caps one WILLNEED at the device's read-ahead or request size (8 MiB
+      // on this machine's disk, 1.25 MiB and up on most): asked for in steps below both.
+      for (uint64_t at = 0; at < n; at += kStep) {
+        ::posix_fadvise(f.fd.get(), static_cast<off_t>(f.pos + at),
+                        static_cast<off_t>(std::min(kStep, n - at)), POSIX_FADV_WILLNEED);
+      }
+      asked += n;
+      if (page_cache_counter_ != nullptr) page_cache_counter_->fetch_add(n);
+      // Wait for this file's previous window: its last page is read once it is in.
+      if (f.last_end > 0) {
+        char byte;
+        (void)::pread(f.fd.get(), &byte, 1, static_cast<off_t>(f.last_end - 1));
+      }
+      f.last_end = f.pos + n;
+      f.pos += n;
+      more = more || f.pos < f.length;
+    }
+  }
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  spdlog::info("page-cache prefetch of {}: {} of {} bytes in {} files asked for in {:.3f} s{}",
+               ckpt, asked, total, files.size(), secs,
+               asked < total ? " (memory budget or stop)" : "");
 }
 
 void ReadPath::KeepItems(const std::string& ckpt, const store::DcpMetadata& md) {
@@ -328,7 +428,11 @@ void ReadPath::Run() {
       }
     }
     if (prefetch) {
-      PrefetchCheckpoint(ckpt);
+      if (page_cache_.load()) {
+        PrefetchIntoPageCache(ckpt);
+      } else {
+        PrefetchCheckpoint(ckpt);
+      }
       continue;
     }
     auto started = std::chrono::steady_clock::now();

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -79,6 +80,16 @@ class ReadPath {
   // Off: QueuePrefetch does nothing (the kernel passes this node's reads through, and a
   // prefetch into the block cache would read every byte a second time).
   void SetPrefetch(bool on) { prefetch_.store(on); }
+  // The checkpoint prefetch reads ahead into the backing files' page cache instead of the
+  // block cache (passthrough readers read that cache): files of `min_bytes` or more (the
+  // smaller ones are the daemon's to serve), round-robin over the files in windows, at
+  // most half the memory available when it starts. Bytes asked for add to `counter`.
+  // Once, before the first QueuePrefetch (at INIT).
+  void SetPageCachePrefetch(uint64_t min_bytes, std::atomic<uint64_t>* counter) {
+    page_cache_min_bytes_ = min_bytes;
+    page_cache_counter_ = counter;
+    page_cache_.store(true);
+  }
 
   store::BlockCache* cache() const { return cache_.get(); }
   store::BackingSource* cache_source() const { return source_.get(); }
@@ -93,6 +104,8 @@ class ReadPath {
   // (fstat), lent to the cache (Adopt), then the item's prefetch or the read-ahead.
   Result<struct stat> BeginRead(FileHandle* h, size_t len, uint64_t offset);
   void PrefetchCheckpoint(const std::string& ckpt) EXCLUDES(mu_);
+  void PrefetchIntoPageCache(const std::string& ckpt) EXCLUDES(mu_);
+  bool Stopping() EXCLUDES(mu_);
   // With peers: waits (at most kPlanWait) while `ckpt` is in planning_.
   void WaitForPlan(const std::string& ckpt) EXCLUDES(mu_);
   void PlanDone(const std::string& ckpt) EXCLUDES(mu_);
@@ -135,7 +148,12 @@ class ReadPath {
   std::set<std::string> planning_ GUARDED_BY(mu_);
   std::condition_variable planned_cv_;  // a checkpoint left planning_
   bool stop_ GUARDED_BY(mu_) = false;
+  // Checkpoints prefetched into the page cache, and when (PrefetchIntoPageCache).
+  std::map<std::string, std::chrono::steady_clock::time_point> page_cache_done_ GUARDED_BY(mu_);
   std::atomic<bool> prefetch_{true};
+  std::atomic<bool> page_cache_{false};  // SetPageCachePrefetch
+  uint64_t page_cache_min_bytes_ = 0;
+  std::atomic<uint64_t>* page_cache_counter_ = nullptr;
   std::thread worker_;
 
   // Item ranges by checkpoint, then file, sorted by offset: (offset, end). A leaf lock.

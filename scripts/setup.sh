@@ -27,7 +27,8 @@ PACKAGES=(
   #   dpkg-dev: dpkg-shlibdeps; file: CPack's DEB generator (package.sh, test_deb_install);
   #   help2man: the man pages (package.sh)
   #   strace: scripts/bench/profile_ops.py; fio: scripts/bench/bench_write.py
-  util-linux mount iproute2 coreutils procps psmisc attr e2fsprogs xfsprogs diffutils
+  #   util-linux-extra: fincore (bench_reads.py: checkpoint bytes in the page cache)
+  util-linux-extra util-linux mount iproute2 coreutils procps psmisc attr e2fsprogs xfsprogs diffutils
   curl debootstrap dpkg-dev file help2man strace fio
 )
 
@@ -52,7 +53,7 @@ fi
 # as a skipped or failed test later.
 TOOLS=(cmake cpack ctest c++ clang++ git python3 fusermount3 mount umount setpriv nsenter
        prlimit setarch mountpoint ip pgrep getfattr mkfs.xfs cmp curl debootstrap chroot
-       dpkg-deb dpkg-shlibdeps file help2man strace fio)
+       dpkg-deb dpkg-shlibdeps file help2man strace fio fincore)
 absent=()
 for t in "${TOOLS[@]}"; do
   PATH="$PATH:/usr/sbin:/sbin" command -v "$t" > /dev/null || absent+=("$t")

@@ -20,6 +20,13 @@ own/replicated/reshard, the own load again with reads of the backing disk thrott
 (--throttle-mbps, blkio cgroup, both sides), and torch 2.x DTensors (t2_dcp.py, inside the
 root by chroot with /proc /sys /dev bound, the mount and the backing dir inside the root).
 
+Loads are timed whole: max over ranks of the setup (reading `.metadata`, allocating the
+state) plus max over ranks of `load_state_dict` (the ranks meet at a barrier between them):
+`ratio`; `load_only_ratio` is load_state_dict alone. `ckpt_bytes_read`: the checkpoint's
+bytes in the page cache after the cold load (fincore) plus the bytes the daemon read
+itself (O_DIRECT, past the page cache): the checkpoint bytes read from the disk, without
+the torch libraries the ranks load (those land in `device_bytes` too).
+
 Bytes read from the disk: each side runs in its own blkio cgroup (v1) and reports
 blkio.throttle.io_service_bytes Read of the backing disk (`device_bytes`): passthrough
 reads are the readers' own, so the daemon's counters (`daemon_backing_bytes`, kept) no
@@ -92,6 +99,19 @@ class Cgroup:
             except OSError:
                 time.sleep(0.1)
         return False
+
+
+def resident_bytes(dir):
+    """Bytes of the files under `dir` in the page cache now (fincore): after a cold load,
+    the checkpoint bytes its readers (and a page-cache prefetch) read from the disk. The
+    blkio counter of the side's cgroup also counts the torch libraries its ranks load,
+    which drop_caches evicted too; this counts the checkpoint's bytes alone."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(dir) for f in fs]
+    if not files:
+        return 0
+    r = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES"] + files,
+                       capture_output=True, text=True, check=True)
+    return sum(int(x) for x in r.stdout.split())
 
 
 def drop():
@@ -228,20 +248,36 @@ def run_loads(a, work, dev, cases, raw):
                 for side in order:
                     with Cgroup(dev, bps=mbps * 1e6, name=side) as cg:
                         if side == "direct":
-                            load_s, _ = bench_load.load_direct(ckpt, a.ranks, mode, a.seed)
-                            r = {"load_s": load_s}
+                            load_s, setup_s = bench_load.load_direct(ckpt, a.ranks, mode,
+                                                                     a.seed)
+                            r = {"load_s": load_s, "setup_s": setup_s, "backing_bytes": 0}
                         else:
                             r = bench_load.load_ckptfs(root, name, a.ranks, mode, a.seed, [],
                                                        "256M", True)
                             ok = ok and not r["errors"] and r["exit"] == 0
                         r["device_bytes"] = cg.bytes()
+                        # The checkpoint's bytes read: what landed in the page cache plus
+                        # what the daemon read itself (O_DIRECT, past the page cache).
+                        r["ckpt_bytes_read"] = resident_bytes(ckpt) + r["backing_bytes"]
+                        # A restart waits for reading .metadata and allocating the state
+                        # (setup) and load_state_dict: both timed (max over ranks each; the
+                        # ranks meet at a barrier between them).
+                        r["whole_s"] = r["setup_s"] + r["load_s"]
                     got[side].append(r)
                     raw["loads"].append(dict(r, case=case, side=side, rep=rep))
-                    bl.log(f"{case} rep {rep} {side}: {r['load_s']:.2f} s, "
-                           f"{r['device_bytes'] / 2**20:.0f} MiB from the disk")
-            c = {"case": case, "ckptfs_s": bl.median([r["load_s"] for r in got["ckptfs"]]),
-                 "direct_s": bl.median([r["load_s"] for r in got["direct"]])}
+                    bl.log(f"{case} rep {rep} {side}: {r['whole_s']:.2f} s "
+                           f"(load_state_dict {r['load_s']:.2f} s), "
+                           f"{r['ckpt_bytes_read'] / 2**20:.0f} MiB of the checkpoint read, "
+                           f"{r['device_bytes'] / 2**20:.0f} MiB from the disk in all")
+            c = {"case": case, "ckptfs_s": bl.median([r["whole_s"] for r in got["ckptfs"]]),
+                 "direct_s": bl.median([r["whole_s"] for r in got["direct"]])}
             c["ratio"] = bl.ratio(c["ckptfs_s"], c["direct_s"])
+            c["load_only_ratio"] = bl.ratio(bl.median([r["load_s"] for r in got["ckptfs"]]),
+                                            bl.median([r["load_s"] for r in got["direct"]]))
+            c["ckpt_bytes_read"] = int(bl.median([r["ckpt_bytes_read"] for r in got["ckptfs"]]))
+            c["direct_ckpt_bytes_read"] = int(bl.median(
+                [r["ckpt_bytes_read"] for r in got["direct"]]))
+            c["ckpt_bytes_ratio"] = bl.ratio(c["ckpt_bytes_read"], c["direct_ckpt_bytes_read"])
             c["device_bytes"] = int(bl.median([r["device_bytes"] for r in got["ckptfs"]]))
             c["direct_device_bytes"] = int(bl.median([r["device_bytes"] for r in got["direct"]]))
             c["backing_bytes_ratio"] = bl.ratio(c["device_bytes"], c["direct_device_bytes"])
@@ -308,9 +344,13 @@ def run_torch2(a, work, dev, cases, raw):
                                 r = chroot_py(troot, [rel(script), "load",
                                                       rel(inside_mnt) + "/ckpt_t2", str(a.mb),
                                                       str(a.ranks)])
-                                r["passthrough_opens"] = d.stats().get("passthrough_opens")
+                                st = d.stats()
+                                r["passthrough_opens"] = st.get("passthrough_opens")
+                                r["backing_bytes"] = st.get("backing_bytes_read", 0)
                                 d.unmount(timeout=120)
                         r["device_bytes"] = cg.bytes()
+                        r["ckpt_bytes_read"] = (resident_bytes(os.path.join(backing, "ckpt_t2"))
+                                                + r.get("backing_bytes", 0))
                     version = r.get("torch")
                     got[side].append(r)
                     raw["loads"].append(dict(r, case="t2_own", side=side, rep=rep))
@@ -322,6 +362,10 @@ def run_torch2(a, work, dev, cases, raw):
             c["ratio"] = bl.ratio(c["ckptfs_s"], c["direct_s"])
             c["device_bytes"] = int(bl.median([r["device_bytes"] for r in got["ckptfs"]]))
             c["direct_device_bytes"] = int(bl.median([r["device_bytes"] for r in got["direct"]]))
+            c["ckpt_bytes_read"] = int(bl.median([r["ckpt_bytes_read"] for r in got["ckptfs"]]))
+            c["direct_ckpt_bytes_read"] = int(bl.median(
+                [r["ckpt_bytes_read"] for r in got["direct"]]))
+            c["ckpt_bytes_ratio"] = bl.ratio(c["ckpt_bytes_read"], c["direct_ckpt_bytes_read"])
             c["ok"] = True
             cases.append(c)
             bl.emit(c)

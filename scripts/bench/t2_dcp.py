@@ -32,7 +32,8 @@ def shard_of(i, rows, rank, ranks):
 
 
 def worker(rank, ranks, port, op, path, mb, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Torch builds without libuv (Debian sid's 2.x) refuse the default TCPStore backend.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0")
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     mesh = init_device_mesh("cpu", (ranks,))
     rows = (mb << 20) // (4 * COLS * N_TENSORS) // ranks * ranks

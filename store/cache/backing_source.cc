@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <tuple>
 #include <utility>
@@ -173,9 +174,16 @@ std::shared_ptr<const UniqueFd> BackingSource::DirectFd(const BlockId& id, const
   }
   // Reopen the very inode `use.fd` refers to: no path is looked up, so confinement holds.
   const std::string self = "/proc/self/fd/" + std::to_string(use.fd->get());
-  int direct = ::open(self.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW);
-  if (direct < 0 && errno == ELOOP) {
-    // /proc/self/fd entries are magic links; O_NOFOLLOW refuses them on some kernels.
+  // /proc/self/fd entries are magic links; O_NOFOLLOW refuses them on some kernels (6.x:
+  // ELOOP). Once refused it is not asked for again: a twin of a borrowed descriptor is
+  // opened for every block read, and the refused open was a third of that cost.
+  static std::atomic<bool> nofollow_refused{false};
+  int direct = -1;
+  if (!nofollow_refused.load(std::memory_order_relaxed)) {
+    direct = ::open(self.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW);
+    if (direct < 0 && errno == ELOOP) nofollow_refused.store(true, std::memory_order_relaxed);
+  }
+  if (direct < 0 && nofollow_refused.load(std::memory_order_relaxed)) {
     direct = ::open(self.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
   }
   const int open_errno = errno;

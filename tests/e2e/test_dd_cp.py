@@ -75,9 +75,10 @@ class DdCpBase(harness.MountedTest):
         r = subprocess.run(["cmp", expected_path, path], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, f"{what}: {r.stdout}{r.stderr}".strip())
 
-    def remount(self):
+    def remount(self, args=()):
         """A fresh daemon over the same backing store and state dir."""
-        m2 = harness.make_mount(plain_ok=True, root=self.m.root, staging=self.STAGING)
+        m2 = harness.make_mount(plain_ok=True, root=self.m.root, staging=self.STAGING,
+                                **({"args": list(args)} if args else {}))
         self.addCleanup(m2.stop if hasattr(m2, "stop") else (lambda: None))
         return m2.start()
 
@@ -165,9 +166,21 @@ class DdBigFileTest(DdCpBase):
         self.assertSameBytes(src("big.bin"), os.path.join(m2.mnt, "ckpt", "big.bin"),
                              "through a fresh mount")
         if not PLAIN:
-            # Not a DCP checkpoint (no .metadata), read front to back: the daemon's
+            # Not a DCP checkpoint (no .metadata), read front to back: served by the
+            # kernel (passthrough); through a daemon that serves reads itself, its
             # read-ahead fetched blocks before cmp asked for them.
             s2 = m2.stats()
+            if s2.get("passthrough") == "on":
+                # A published 2 GiB file opened read-only: the kernel reads it from the
+                # backing file (passthrough), the daemon serves none of it.
+                self.assertGreaterEqual(s2["passthrough_opens"], 1, s2)
+                self.assertEqual(s2["bytes_served"], 0, s2)
+                self.assertEqual(m2.unmount(timeout=120), 0)
+                # And the daemon's own read path: a mount that serves every read.
+                m2 = self.remount(["--passthrough", "off"])
+                self.assertSameBytes(src("big.bin"), os.path.join(m2.mnt, "ckpt", "big.bin"),
+                                     "through a fresh mount, --passthrough off")
+                s2 = m2.stats()
             self.assertGreater(s2["prefetched_bytes"], 0, s2)
             self.assertGreater(s2["prefetch_hits"], 0, s2)
         self.assertEqual(m2.unmount(timeout=120), 0)
