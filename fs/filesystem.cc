@@ -66,6 +66,13 @@ Status Filesystem::Init(FsDeps deps) {
   flush_options.threads = config_.flush_threads;
   flush_options.block_crcs = config_.write_checksums;
   flush_options.direct_io = config_.flush_direct_io;
+  // Issue 23: the retained tier copies what the flush threads wrote (never waits).
+  if (config_.retain_bytes > 0 && config_.cache_bytes > 0 && !deps.cache) {
+    store::RetainedTierOptions retain_options;
+    retain_options.budget_bytes = config_.retain_bytes;
+    retained_ = std::make_unique<store::RetainedTier>(backing_.get(), retain_options);
+    flush_options.on_written = [tier = retained_.get()](auto&&... a) { tier->OnWritten(a...); };
+  }
   if (deps.pipeline) {
     pipeline_ = std::move(deps.pipeline);
   } else {
@@ -116,6 +123,7 @@ Status Filesystem::Init(FsDeps deps) {
   hooks.on_done = [this](const store::JournalEntry& e, const Status& st) {
     if (config_.peers) gate_->NoteApplied(e, st);
     ns_->OnJournalDone(e, st);
+    if (retained_) retained_->OnJournalDone(e, st);  // issue 23, after the publish's times
     shard_states_->NoteDone(e, st);  // after the namespace let go of a published path
   };
   hooks.on_halt = [this](const store::JournalEntry& e, const Status& st) { ns_->OnJournalHalt(e, st); };
@@ -156,6 +164,10 @@ Status Filesystem::Init(FsDeps deps) {
       return Status(Code::kUnsupported, "--peers: this ckptfs was built without UCX");
 #endif
     }
+    if (retained_) {  // issue 23: this node's retained copy first
+      retained_source_ = std::make_unique<store::RetainedSource>(retained_.get(), source);
+      source = retained_source_.get();
+    }
     CKPT_ASSIGN_OR_RETURN(cache, store::BlockCache::Create(source, cache_options));
   } else if (config_.peers) {
     return Status(Code::kInvalid, "--peers needs the block cache (--cache-mem > 0)");
@@ -171,7 +183,7 @@ Status Filesystem::Init(FsDeps deps) {
                       .checkpoints = checkpoints_.get(), .pool = pool_.get(),
                       .pipeline = pipeline_.get(), .journal = journal_.get(), .gate = gate_.get(),
                       .index = index_.get(), .read = read_.get(), .tensors = tensors_.get(),
-                      .stats = &stats_};
+                      .stats = &stats_, .retained = retained_.get()};
   CKPT_ASSIGN_OR_RETURN(ns_, Namespace::Create(config_, parts));
   pool_->SetPressureCallback([this] { ns_->RelieveStagingPressure(); });
   if (!left.empty()) {
@@ -379,6 +391,7 @@ Result<struct statvfs> Filesystem::StatFs() { return backing_->StatFs(); }
 uint64_t Filesystem::Shutdown(const std::function<void(const std::string&)>& waiting) {
   if (shut_down_.exchange(true)) return 0;
   if (read_) read_->StopServingPeers();
+  if (retained_) retained_->DropAll();  // issue 23: a stop drops the memory tier
   if (!journal_ || !pipeline_) {  // Create() failed part way: nothing was served
     if (read_) read_->Stop();
     return 0;

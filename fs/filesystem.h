@@ -37,6 +37,7 @@
 #include "fs/tensor_view.h"
 #include "gpu/staging_pool.h"
 #include "store/backing_dir.h"
+#include "store/cache/retained_tier.h"
 #include "store/checkpoints.h"
 #include "store/commit_gate.h"
 #include "store/flush_pipeline.h"
@@ -178,6 +179,9 @@ class Filesystem {
   std::unique_ptr<store::BackingDir> backing_;
   std::unique_ptr<store::StateDb> db_;
   std::unique_ptr<store::CheckpointRegistry> checkpoints_;
+  // Issue 23: outlive the flush threads (pipeline_) and the block cache (read_) that call them.
+  std::unique_ptr<store::RetainedTier> retained_;
+  std::unique_ptr<store::RetainedSource> retained_source_;
   std::unique_ptr<gpu::StagingPool> pool_;
   std::unique_ptr<store::FlushPipeline> pipeline_;
   // What this mount wrote, for peers' commit queries (outlives the peer server in read_).
