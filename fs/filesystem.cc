@@ -4,6 +4,7 @@
 
 #ifdef CKPTFS_HAVE_UCX
 #include "store/peer/peer_node.h"
+#include "store/peer/replica.h"
 #endif
 
 #include <fcntl.h>
@@ -160,6 +161,24 @@ Status Filesystem::Init(FsDeps deps) {
       CKPT_ASSIGN_OR_RETURN(peers, store::peer::PeerNode::Create(*config_.peers, backing_.get(),
                                                                  cache_source.get()));
       source = peers->source();
+      if (retained_ && config_.retain_replicas > 0) {  // issue 23: store/peer/replica.h
+        store::peer::ReplicatorOptions ro;
+        ro.nodes = config_.peers->nodes;
+        ro.self = config_.peers->self;
+        ro.secret = config_.peers->secret;
+        ro.block_bytes = cache_options.block_bytes;
+        ro.connect_timeout = config_.peers->connect_timeout;
+        ro.request_timeout = config_.peers->request_timeout;
+        // PeerNode::source() is its CooperativeSource (the plan's owner of a block).
+        auto* coop = static_cast<store::peer::CooperativeSource*>(peers->source());
+        CKPT_ASSIGN_OR_RETURN(replicator_, store::peer::Replicator::Create(
+                                               ro, retained_.get(), backing_.get(), coop));
+        replica_source_ =
+            std::make_unique<store::peer::ReplicaSource>(retained_.get(), replicator_.get(), source);
+        source = replica_source_.get();
+        retained_->SetExtraStats(
+            [r = replicator_.get()](nlohmann::json* j) { r->Stats().AppendJson(j); });
+      }
 #else
       return Status(Code::kUnsupported, "--peers: this ckptfs was built without UCX");
 #endif
@@ -391,6 +410,9 @@ Result<struct statvfs> Filesystem::StatFs() { return backing_->StatFs(); }
 uint64_t Filesystem::Shutdown(const std::function<void(const std::string&)>& waiting) {
   if (shut_down_.exchange(true)) return 0;
   if (read_) read_->StopServingPeers();
+#ifdef CKPTFS_HAVE_UCX
+  if (replicator_) replicator_->Stop();
+#endif
   if (retained_) retained_->DropAll();  // issue 23: a stop drops the memory tier
   if (!journal_ || !pipeline_) {  // Create() failed part way: nothing was served
     if (read_) read_->Stop();

@@ -45,6 +45,11 @@
 #include "store/dcp/key_index.h"
 #include "store/state_db.h"
 
+namespace ckptfs::store::peer {  // issue 23: store/peer/replica.h
+class Replicator;
+class ReplicaSource;
+}  // namespace ckptfs::store::peer
+
 namespace ckptfs::fs {
 
 // Dependencies a caller may inject instead of having Create() make them from the
@@ -182,6 +187,10 @@ class Filesystem {
   // Issue 23: outlive the flush threads (pipeline_) and the block cache (read_) that call them.
   std::unique_ptr<store::RetainedTier> retained_;
   std::unique_ptr<store::RetainedSource> retained_source_;
+#ifdef CKPTFS_HAVE_UCX
+  std::unique_ptr<store::peer::Replicator> replicator_;      // with peers and replicas
+  std::unique_ptr<store::peer::ReplicaSource> replica_source_;
+#endif
   std::unique_ptr<gpu::StagingPool> pool_;
   std::unique_ptr<store::FlushPipeline> pipeline_;
   // What this mount wrote, for peers' commit queries (outlives the peer server in read_).

@@ -172,6 +172,23 @@ void ReadPath::WaitForPlan(const std::string& ckpt) {
                        });
 }
 
+// Issue 23: `.metadata` through the block cache, so a checkpoint held in the retained tier
+// (or by a peer) is planned without reading the backing store; without a cache, directly.
+Result<std::string> ReadPath::ReadMetadataCached(const std::string& path) {
+  if (!cache_) return store::ReadMetadataBytes(backing_, path);
+  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, backing_->OpenFile(path, O_RDONLY));
+  CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(fd.get()));
+  if (static_cast<uint64_t>(st.st_size) > store::kMaxMetadataBytes) {
+    return store::ReadMetadataBytes(backing_, path);  // reports the limit
+  }
+  const store::BlockId id = store::BlockIdFromStat(path, st);
+  Adopt(id, std::make_shared<const UniqueFd>(std::move(fd)), st);
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  CKPT_ASSIGN_OR_RETURN(size_t got, cache_->Read(id, out.data(), out.size(), 0));
+  out.resize(got);
+  return out;
+}
+
 void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
   // Straight from `.metadata`: building the index here would read every item's header
   // outside the cache, before the data itself.
@@ -180,7 +197,7 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
     const std::string& ckpt;
     ~Done() { self->PlanDone(ckpt); }
   } done{this, ckpt};
-  auto bytes = store::ReadMetadataBytes(backing_, JoinPath(ckpt, ".metadata"));
+  auto bytes = ReadMetadataCached(JoinPath(ckpt, ".metadata"));  // issue 23: via the cache
   if (!bytes.ok()) return;
   auto md = store::ParseDcpMetadata(*bytes);
   if (!md.ok()) {

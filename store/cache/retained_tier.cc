@@ -479,7 +479,8 @@ std::optional<BlockRead> RetainedTier::Lookup(const BlockId& id, uint64_t offset
     if (!st.ok() || BlockIdFromStat("", *st).mtime_ns < newest) return std::nullopt;
     OnCommitted(check_dir);
   }
-  if (out.size() != h->len) return std::nullopt;
+  // The block cache passes its whole aligned buffer (for O_DIRECT): at least the block.
+  if (out.size() < h->len) return std::nullopt;
   std::memcpy(out.data(), h->buf->p, h->len);
   if (Crc32c(out.data(), h->len) != h->crc) {
     MutexLock lock(&mu_);
@@ -553,6 +554,30 @@ std::vector<std::pair<BlockId, uint64_t>> RetainedTier::OwnBlocksOf(const std::s
     if (h->ckpt == dir && !h->replica) out.emplace_back(k.id, k.index);
   }
   return out;
+}
+
+void RetainedTier::CheckPendingCommits() {
+  if (!enabled() || backing_ == nullptr) return;
+  std::vector<std::pair<std::string, int64_t>> pending;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [dir, c] : ckpts_) {
+      if (!c.committed && c.own_bytes > 0) pending.emplace_back(dir, c.newest_mtime_ns);
+    }
+  }
+  for (const auto& [dir, newest] : pending) {
+    Result<struct stat> st = backing_->Stat(path::Join(dir, ".metadata"));
+    if (st.ok() && BlockIdFromStat("", *st).mtime_ns >= newest) OnCommitted(dir);
+  }
+}
+
+bool RetainedTier::HoldsRunOf(const std::string& path) const {
+  const std::string run = path::Parent(path::Parent(path));
+  MutexLock lock(&mu_);
+  for (const auto& [dir, c] : ckpts_) {
+    if (c.committed && c.own_bytes + c.replica_bytes > 0 && path::Parent(dir) == run) return true;
+  }
+  return false;
 }
 
 std::vector<RetainedCheckpoint> RetainedTier::Checkpoints() const {
@@ -633,6 +658,7 @@ nlohmann::json RetainedTier::StatsJson() const {
                     {"replica_of", c.origin}});
   }
   j["checkpoints"] = std::move(list);
+  if (extra_stats_) extra_stats_(&j);
   return j;
 }
 

@@ -121,7 +121,7 @@ class RetainedTier {
   void OnCommitted(const std::string& dir) EXCLUDES(mu_);
 
   // Copies block `offset / block_bytes` of `id` into `out` when a committed checkpoint holds
-  // it with exactly out.size() bytes and they match its CRC. nullopt: not served.
+  // it, out.size() is at least its length, and its bytes match its CRC. nullopt: not served.
   std::optional<BlockRead> Lookup(const BlockId& id, uint64_t offset, std::span<char> out)
       EXCLUDES(mu_);
 
@@ -134,6 +134,11 @@ class RetainedTier {
   // The own blocks of committed checkpoint `dir`: (id, block index), for replication.
   std::vector<std::pair<BlockId, uint64_t>> OwnBlocksOf(const std::string& dir) const
       EXCLUDES(mu_);
+  // Runs the lazy commit check (Lookup) now for every pending checkpoint held.
+  void CheckPendingCommits() EXCLUDES(mu_);
+  // Whether a committed checkpoint of the run of `path` (the parent of its directory) is
+  // held: false on a daemon that started fresh or lost its copy (ask the replica holder).
+  bool HoldsRunOf(const std::string& path) const EXCLUDES(mu_);
   // Committed checkpoints, newest commit first.
   std::vector<RetainedCheckpoint> Checkpoints() const EXCLUDES(mu_);
 
@@ -142,6 +147,8 @@ class RetainedTier {
 
   RetainedTierStats Stats() const EXCLUDES(mu_);
   nlohmann::json StatsJson() const EXCLUDES(mu_);
+  // Adds more fields to StatsJson() (the replication's); set once, before serving.
+  void SetExtraStats(std::function<void(nlohmann::json*)> extra) { extra_stats_ = std::move(extra); }
 
   // Tests: flips a byte of a held block, as a memory error would.
   bool CorruptForTest(const BlockId& id, uint64_t index) EXCLUDES(mu_);
@@ -180,6 +187,7 @@ class RetainedTier {
   BackingDir* const backing_;
   const RetainedTierOptions opts_;
   std::function<std::chrono::steady_clock::time_point()> clock_;
+  std::function<void(nlohmann::json*)> extra_stats_;
 
   mutable Mutex mu_;
   bool stopped_ GUARDED_BY(mu_) = false;
