@@ -672,6 +672,12 @@ bool RetainedTier::CorruptForTest(const BlockId& id, uint64_t index) {
 
 Result<BlockRead> RetainedSource::ReadBlock(const BlockId& id, uint64_t offset,
                                             std::span<char> out) {
+  if (id.path.starts_with(kRetainedOnlyPrefix)) {
+    BlockId real = id;
+    real.path.erase(0, kRetainedOnlyPrefix.size());
+    if (std::optional<BlockRead> hit = tier_->Lookup(real, offset, out)) return *hit;
+    return Status(Code::kNotFound, "not held in memory: " + real.path);
+  }
   if (std::optional<BlockRead> hit = tier_->Lookup(id, offset, out)) return *hit;
   return inner_->ReadBlock(id, offset, out);
 }

@@ -199,6 +199,12 @@ class RetainedTier {
   RetainedTierStats stats_ GUARDED_BY(mu_);
 };
 
+// A peer asks for a block "only if held in memory" by prefixing its path with this (a name
+// the mount never shows): RetainedSource answers it from the tier or with NotFound, and
+// never passes it on, so such a request never reads the backing store (replica pulls and
+// the replica holder's reads, store/peer/replica.h).
+inline constexpr std::string_view kRetainedOnlyPrefix = ".ckptfs-retained/";
+
 // A BlockSource that serves from the tier first, then from `inner`.
 class RetainedSource final : public BlockSource {
  public:

@@ -18,6 +18,13 @@ bool IsDcpFile(const std::string& path) {
   return base == ".metadata" || DcpWriterRank(base).has_value();
 }
 
+// The name under which a peer serves `id` only from its retained tier (kRetainedOnlyPrefix).
+BlockId MemoryOnly(const BlockId& id) {
+  BlockId m = id;
+  m.path.insert(0, kRetainedOnlyPrefix);
+  return m;
+}
+
 // A failure that means the connection is gone, not that this one block was refused.
 bool ConnectionLost(const Status& st) {
   return st.code() == Code::kIo || st.code() == Code::kTimeout || st.code() == Code::kAborted;
@@ -177,7 +184,8 @@ bool Replicator::Pull(const std::string& ckpt) {
       }
       if (tier_->Holds(id, i)) continue;
       const size_t want = static_cast<size_t>(std::min(bs, id.size - i * bs));
-      Result<size_t> got = client->Fetch(id, i * bs, std::span<char>(buf.data(), want));
+      Result<size_t> got =
+          client->Fetch(MemoryOnly(id), i * bs, std::span<char>(buf.data(), want));
       if (!got.ok()) {
         {
           std::lock_guard l(mu_);
@@ -211,7 +219,7 @@ std::optional<BlockRead> Replicator::TryHolder(const BlockId& id, uint64_t offse
                                                std::span<char> out) {
   std::shared_ptr<PeerClient> client = ClientOf(holder_link_);
   if (!client) return std::nullopt;
-  Result<size_t> got = client->Fetch(id, offset, out);
+  Result<size_t> got = client->Fetch(MemoryOnly(id), offset, out);
   std::lock_guard l(mu_);
   if (!got.ok()) {
     ++stats_.holder_fallbacks;

@@ -5,6 +5,10 @@
 // Who holds whose copy. Node n's replica is held by ReplicaHolderOf(n) = (n + 1) mod N, over
 // the peer list every daemon has in the same order: survivors agree on it without a message.
 //
+// Both directions ask for blocks "from memory only" (kRetainedOnlyPrefix, retained_tier.h):
+// a peer that does not hold a block answers NotFound at once instead of reading it from the
+// backing store, so replication and read-back never add backing-store reads.
+//
 // Replication is a pull over the existing block protocol (no new message). In the background,
 // a Replicator thread of the holder H looks at the checkpoints its own tier holds committed
 // (its ranks wrote shards of them; the lazy `.metadata` check runs here too), lists each one

@@ -94,8 +94,6 @@ class RetainedTier(harness.MountedTest):
         with open(os.path.join(d, "__0_0.distcp"), "r+b") as f:
             f.write(new)
         self.assertEqual(m.wait(os.path.join(d, "__0_0.distcp")), 0)
-        os.posix_fadvise(os.open(os.path.join(d, "__0_0.distcp"), os.O_RDONLY), 0, 0,
-                         os.POSIX_FADV_DONTNEED)
         with open(os.path.join(d, "__0_0.distcp"), "rb") as f:
             self.assertEqual(f.read(), new, "old bytes served after a rewrite")
         with open(os.path.join(m.backing, "run", "step1", "__0_0.distcp"), "rb") as f:

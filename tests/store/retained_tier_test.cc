@@ -273,6 +273,34 @@ TEST_F(RetainedTierTest, CorruptedBlockIsCaughtByItsCrcAndReadFromTheBackingStor
   EXPECT_FALSE(tier->PutReplica(Id(path), 0, bad, crc, "node1"));
 }
 
+TEST_F(RetainedTierTest, MemoryOnlyRequestsNeverReachTheBackingStore) {
+  auto tier = MakeTier(16);
+  const std::string path = "run/step1/__0_0.distcp";
+  const std::string data = Pattern(kBlock, 18);
+  Save(tier.get(), path, data);
+  auto bs = BackingSource::Create(backing_.get(), {});
+  ASSERT_TRUE(bs.ok());
+  CountingSource counting(bs->get());
+  RetainedSource source(tier.get(), &counting);
+  BlockId probe = Id(path);
+  probe.path = std::string(kRetainedOnlyPrefix) + probe.path;
+  std::string out(kBlock, '\0');
+  // Held but not committed yet: not served, and not read elsewhere either.
+  auto r = source.ReadBlock(probe, 0, std::span<char>(out.data(), out.size()));
+  EXPECT_EQ(r.status().code(), Code::kNotFound);
+  Commit(tier.get(), "run/step1");
+  r = source.ReadBlock(probe, 0, std::span<char>(out.data(), out.size()));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(out, data);
+  // Not held at all (another file): NotFound at once.
+  WriteBacking("run/step1/__1_0.distcp", data);
+  BlockId other = Id("run/step1/__1_0.distcp");
+  other.path = std::string(kRetainedOnlyPrefix) + other.path;
+  r = source.ReadBlock(other, 0, std::span<char>(out.data(), out.size()));
+  EXPECT_EQ(r.status().code(), Code::kNotFound);
+  EXPECT_EQ(counting.reads.load(), 0);
+}
+
 TEST_F(RetainedTierTest, ShardsOfAnotherNodesCommitAreServedOnceMetadataIsOnTheStore) {
   auto tier = MakeTier(16);
   const std::string path = "run/step1/__1_0.distcp";
