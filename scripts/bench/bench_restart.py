@@ -84,7 +84,7 @@ def rss(c):
 
 
 def cluster(a, root, backing, retain):
-    args = ["--retain-mem", retain, "--cache-mem", a.cache_mem, "--staging-mem", a.staging_mem]
+    args = ["--retain-mem", retain, "--cache-mem", a.cache_mem]  # staging: netns.Node's 64M
     c = Cluster(a.nodes, root=root, backing=backing, throttle_bps=a.pfs_mbps << 20,
                 daemon_args=args)
     c.setup()
@@ -208,7 +208,7 @@ def main():
     ap.add_argument("--pfs-mbps", type=int, default=40, help="backing disk read throttle")
     ap.add_argument("--retain-mem", default="384M")
     ap.add_argument("--cache-mem", default="256M")
-    ap.add_argument("--staging-mem", default="128M")
+    ap.add_argument("--staging-mem", default="64M", help="what tests/e2e/netns.py gives a node")
     ap.add_argument("--layouts", default="1,0", help="single_file_per_rank values")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
