@@ -12,7 +12,9 @@ value checked by dcp_tool) four ways, measured side by side in one run:
                          dir): its share comes from its replica holder
   c  direct             no ckptfs: the ranks read the backing dir, in the throttled cgroup
   d  --retain-mem 0      ckptfs as before this issue (fresh save, same load)
-Every load starts with the page cache dropped. Reported per case: the median load time
+Every load starts with the page cache dropped, once no daemon has read the backing store
+for 3 s (the coordinator's key index checksums other nodes' shards after a commit; those
+bytes are reported as background_backing_bytes, apart from the load's). Reported per case: the median load time
 (max over ranks of load_state_dict, `.metadata` included), its ratio to (c), the bytes the
 daemons read from the backing store during the load, and the daemons' peak RSS against
 staging + cache + retain budgets. Writes bench_restart.json and bench_restart.png to --out.
@@ -69,6 +71,23 @@ def wait_until(cond, timeout, what):
     return False
 
 
+def quiesce(c, quiet_s=3.0, timeout=180):
+    """Waits until no daemon reads the backing store for `quiet_s` (after a commit, the
+    coordinator's key index reads the shards other nodes wrote to checksum them: background
+    work of the save, not of the load). Returns the bytes read meanwhile."""
+    start = last = backing_reads(c)
+    quiet_since = time.monotonic()
+    deadline = quiet_since + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = backing_reads(c)
+        if now != last:
+            last, quiet_since = now, time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            break
+    return [x - y for x, y in zip(last, start)]
+
+
 def load(c, a, sfpr, seed, nodes=None):
     if not bl.drop_caches():
         raise RuntimeError("cannot drop the page cache (needs root)")
@@ -121,6 +140,7 @@ def one_rep(a, sfpr, rep, root, backing):
                                     0.9 * share for n in c.nodes), 120, "replicas")
         t_rep = time.monotonic()
         out["replicas_ready"] = ok
+        out["background_backing_bytes"] = quiesce(c)
         t, b = load(c, a, sfpr, seed)
         out["a"] = {"load_s": t, "backing_bytes": b,
                     "retained_hit_bytes": [n.stats()["retained"]["hit_bytes"] for n in c.nodes]}
@@ -162,6 +182,7 @@ def one_rep(a, sfpr, rep, root, backing):
     c = cluster(a, os.path.join(root, f"off-{sfpr}-{rep}"), backing, "0")
     try:
         save(c, a, sfpr, seed)
+        quiesce(c)
         t, b = load(c, a, sfpr, seed)
         out["d"] = {"load_s": t, "backing_bytes": b}
         out["rss_d"] = rss(c)

@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 
 #include "common/path.h"
@@ -145,6 +146,15 @@ void RetainedTier::EraseHeldLocked(std::map<Key, std::shared_ptr<Held>, KeyLess>
 }
 
 void RetainedTier::DropPathLocked(const std::string& path, bool subtree) {
+  if (!subtree) {  // the blocks of one path are adjacent (KeyLess orders by path first)
+    Key first;
+    first.id.path = path;
+    first.id.mtime_ns = INT64_MIN;
+    for (auto it = held_.lower_bound(first); it != held_.end() && it->first.id.path == path;) {
+      EraseHeldLocked(it++, &stats_.dropped_bytes);
+    }
+    return;
+  }
   for (auto it = held_.begin(); it != held_.end();) {
     const std::string& p = it->first.id.path;
     if (p == path || (subtree && path::IsAtOrBelow(p, path))) {
@@ -333,7 +343,10 @@ void RetainedTier::Publish(const JournalEntry& e) {
   std::vector<std::pair<Key, std::shared_ptr<Held>>> good;
   uint64_t unverified = 0;
   const std::string ckpt = path::Parent(e.path);
-  if (st.ok() && S_ISREG(st->st_mode) && cap->crcs) {
+  // Only files of a checkpoint (shards, `.metadata` and its temp name): anything else
+  // written through the mount would hold memory that no commit ever makes servable.
+  if (st.ok() && S_ISREG(st->st_mode) && cap->crcs &&
+      IsCheckpointFileName(path::Basename(e.path))) {
     const BlockId id = BlockIdFromStat(e.path, *st);
     BlockCrcMap& crcs = *cap->crcs;
     if (!crcs.finished() && id.size == e.size) crcs.Finish(e.size);

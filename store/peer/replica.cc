@@ -111,6 +111,8 @@ void Replicator::Drop(Link& link, const std::shared_ptr<PeerClient>& client) {
 
 void Replicator::Connect(Link& link) {
   if (ClientOf(link)) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (now < link.retry_at) return;
   PeerClientOptions co;
   co.server = link.node;
   co.node_id = options_.nodes[options_.self];
@@ -120,8 +122,11 @@ void Replicator::Connect(Link& link) {
   auto c = PeerClient::Connect(co);
   if (!c.ok()) {
     spdlog::debug("replication: cannot connect to {}: {}", link.node, c.status().ToString());
+    link.retry_at = now + link.backoff;
+    link.backoff = std::min(link.backoff * 2, std::chrono::milliseconds(30000));
     return;
   }
+  link.backoff = std::chrono::milliseconds(1000);
   spdlog::info("replication: connected to {}", link.node);
   std::lock_guard lock(link.mu);
   link.client = std::shared_ptr<PeerClient>(std::move(c).value());
@@ -240,7 +245,7 @@ ReplicatorStats Replicator::Stats() const {
   std::lock_guard lock(mu_);
   ReplicatorStats s = stats_;
   auto connected = [](const Link& l) {
-    std::lock_guard lk(const_cast<Link&>(l).mu);
+    std::lock_guard lk(l.mu);
     return l.client != nullptr && l.client->healthy();
   };
   s.pred_connected = connected(pred_link_);

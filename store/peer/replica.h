@@ -108,8 +108,11 @@ class Replicator {
  private:
   struct Link {
     std::string node;
-    std::mutex mu;
+    mutable std::mutex mu;
     std::shared_ptr<PeerClient> client;  // GUARDED_BY(mu)
+    // Connect attempts after a failure wait (1 s doubling to 30 s): each makes a UCX worker.
+    std::chrono::steady_clock::time_point retry_at{};  // replicator thread only
+    std::chrono::milliseconds backoff{1000};
   };
   Replicator(const ReplicatorOptions& options, RetainedTier* tier, BackingDir* dir,
              CooperativeSource* coop);

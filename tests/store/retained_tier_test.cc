@@ -329,6 +329,16 @@ TEST_F(RetainedTierTest, StalePendingCheckpointsMakeRoomButFreshOnesAreKept) {
   EXPECT_LE(tier->Stats().peak_used_bytes, 4 * kBlock);
 }
 
+TEST_F(RetainedTierTest, OnlyCheckpointFilesAreKept) {
+  auto tier = MakeTier(16);
+  Save(tier.get(), "run/step1/notes.txt", Pattern(kBlock, 19));
+  Save(tier.get(), "run/step1/__0_0.distcp", Pattern(kBlock, 20));
+  Commit(tier.get(), "run/step1");
+  EXPECT_FALSE(Get(tier.get(), "run/step1/notes.txt", 0));
+  EXPECT_TRUE(Get(tier.get(), "run/step1/__0_0.distcp", 0));
+  EXPECT_EQ(tier->Stats().used_bytes, kBlock) << "the other file's capture was freed";
+}
+
 TEST_F(RetainedTierTest, RenamedFilesAndDropAll) {
   auto tier = MakeTier(16);
   Save(tier.get(), "run/step1/.metadata.tmp", "meta");
