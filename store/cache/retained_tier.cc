@@ -536,6 +536,7 @@ bool RetainedTier::PutReplica(const BlockId& id, uint64_t index, std::span<const
   lock.Unlock();
   std::memcpy(h->buf->p, bytes.data(), bytes.size());
   lock.Lock();
+  if (stopped_) return false;  // DropAll() ran meanwhile and reset the account
   h->len = bytes.size();
   h->crc = crc;
   h->ckpt = path::Parent(id.path);
