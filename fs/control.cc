@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -18,6 +19,7 @@
 #include "common/control_names.h"
 #include "fs/control_tree.h"
 
+#include "store/cache/retained_tier.h"
 #include "store/publish/commit_gate.h"
 #include "fs/fs_util.h"
 #include "store/peer/peers.h"
@@ -92,7 +94,8 @@ ControlTree::ControlTree(const FsConfig& config, const FsParts& parts, Namespace
       journal_(parts.publication->journal()),
       index_(parts.index),
       read_(parts.read),
-      tensors_(parts.tensors) {}
+      tensors_(parts.tensors),
+      retained_(parts.retained) {}
 
 // ---------------------------------------------------------------- the tree
 
@@ -237,6 +240,16 @@ std::string ControlTree::StatsJson() {
                            : static_cast<double>(c.bytes_served) / c.backing_bytes_read;
   }
   if (read_->peers()) read_->peers()->AppendStats(&j);
+  if (retained_) {  // issue 23: the memory tier; hits by tier: retained, peers, backing
+    j["retained"] = retained_->StatsJson();
+    j["retained_bytes"] = j["retained"]["retained_bytes"];
+    j["retained_replica_bytes"] = j["retained"]["replica_bytes"];
+    j["retained_used"] = j["retained"]["used_bytes"];
+    j["retained_limit"] = j["retained"]["budget_bytes"];
+    j["retained_hits"] = j["retained"]["hits"];
+    j["retained_hit_bytes"] = j["retained"]["hit_bytes"];
+    j["retained_crc_errors"] = j["retained"]["crc_errors"];
+  }
   publication_->gate().stats().AppendJson(&j);  // remote_polls, peer_commit_queries, "commit_gate"
   j["journal_pending"] = journal_->pending();
   j["journal_applied_ahead"] = journal_->applied_ahead();
@@ -339,7 +352,33 @@ std::string ControlTree::CheckpointsJson() {
     j["origin"] = "backing store";
     arr.push_back(std::move(j));
   }
+  AddRetained(&arr);
   return JsonText(arr, 1) + "\n";
+}
+
+// Issue 23: which checkpoints this node holds in memory (its own blocks, replicas of
+// another node's). Those held only as replicas are listed too.
+void ControlTree::AddRetained(nlohmann::json* arr) {
+  if (retained_ == nullptr) return;
+  std::map<std::string, store::RetainedCheckpoint> held;
+  for (store::RetainedCheckpoint& c : retained_->Checkpoints()) held[c.dir] = std::move(c);
+  auto describe = [](const store::RetainedCheckpoint& c) {
+    return nlohmann::json{{"state", c.committed ? "committed" : "pending"},
+                          {"own_bytes", c.own_bytes},
+                          {"replica_bytes", c.replica_bytes},
+                          {"replica_of", c.origin}};
+  };
+  for (nlohmann::json& j : *arr) {
+    auto it = held.find(j.value("path", std::string()));
+    if (it == held.end()) continue;
+    j["in_memory"] = describe(it->second);
+    held.erase(it);
+  }
+  for (const auto& [dir, c] : held) {
+    arr->push_back({{"path", dir}, {"state", c.committed ? "committed" : "pending"},
+                    {"origin", c.origin.empty() ? "this node" : "replica"},
+                    {"in_memory", describe(c)}});
+  }
 }
 
 // Prometheus text exposition (version 0.0.4). Names follow Prometheus conventions
@@ -413,6 +452,16 @@ std::string ControlTree::MetricsText() {
        "prefetched_bytes"},
       {"dedup_ratio", "gauge",
        "Bytes served from the cache per byte read from the backing store.", "dedup_ratio"},
+      {"retained_bytes", "gauge", "Bytes of committed checkpoints this node wrote kept in memory.",
+       "retained_bytes"},
+      {"retained_replica_bytes", "gauge", "Bytes held in memory for other nodes (replicas).",
+       "retained_replica_bytes"},
+      {"retained_used_bytes", "gauge", "Retained tier memory in use.", "retained_used"},
+      {"retained_limit_bytes", "gauge", "Retained tier budget (--retain-mem).", "retained_limit"},
+      {"retained_hit_bytes_total", "counter", "Block bytes served from the retained tier.",
+       "retained_hit_bytes"},
+      {"retained_crc_errors_total", "counter",
+       "Retained blocks that failed their checksum (read elsewhere).", "retained_crc_errors"},
       {"peers_connected", "gauge", "Peer daemons connected and authenticated.",
        "peers_connected"},
       {"peer_read_bytes_total", "counter", "Block bytes fetched from peer daemons.",

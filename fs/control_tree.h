@@ -11,6 +11,9 @@
 #include <sys/stat.h>
 
 #include <cstdint>
+#include <map>
+
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -58,6 +61,7 @@ class ControlTree {
   // With peers: checkpoints this node wrote shards of, all published, whose `.metadata`
   // another node has since published (CommittedElsewhere) become committed here too.
   void NoteForeignCommits();
+  void AddRetained(nlohmann::json* arr);  // issue 23: the in-memory copies
   std::string CheckpointsJson();
   std::string MetricsText();
 
@@ -87,6 +91,7 @@ class ControlTree {
   store::KeyIndex* const index_;
   ReadPath* const read_;
   TensorView* const tensors_;
+  store::RetainedTier* const retained_;  // issue 23; null when off
 
   Mutex abort_mu_;
   std::string last_abort_report_ GUARDED_BY(abort_mu_);

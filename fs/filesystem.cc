@@ -57,6 +57,13 @@ Status Filesystem::Init(FsDeps deps) {
   flush_options.threads = config_.flush_threads;
   flush_options.block_crcs = config_.write_checksums;
   flush_options.direct_io = config_.flush_direct_io;
+  // Issue 23: the retained tier copies what the flush threads wrote (never waits).
+  if (config_.retain_bytes > 0 && config_.cache_bytes > 0 && !deps.cache) {
+    store::RetainedTierOptions retain_options;
+    retain_options.budget_bytes = config_.retain_bytes;
+    retained_ = std::make_unique<store::RetainedTier>(backing_.get(), retain_options);
+    flush_options.on_written = [tier = retained_.get()](auto&&... a) { tier->OnWritten(a...); };
+  }
   if (deps.pipeline) {
     pipeline_ = std::move(deps.pipeline);
   } else {
@@ -74,6 +81,7 @@ Status Filesystem::Init(FsDeps deps) {
   // Strict mode returns every failure to the operation that caused it: nothing waits.
   pub_options.halt_on_failure = !config_.strict;
   pub_options.temp_prefix = Namespace::TempPrefix(config_);
+  pub_options.retained = retained_.get();
   if (config_.peers) {
     // Shards written through other mounts: ask their daemons (docs/PEERS.md, "Commit query").
     pub_options.gate.ask_peers = [this](std::vector<std::string> paths,
@@ -107,6 +115,15 @@ Status Filesystem::Init(FsDeps deps) {
       if (!made.ok()) return Status(made.status().code(), "--peers: " + made.status().message());
       peers = std::move(made).value();
       source = peers->source();
+      if (retained_ && config_.retain_replicas > 0) {  // issue 23: replicas on the next node
+        CKPT_ASSIGN_OR_RETURN(source,
+                              peers->StartReplicas(retained_.get(), cache_options.block_bytes,
+                                                   source));
+      }
+    }
+    if (retained_) {  // issue 23: this node's retained copy first
+      retained_source_ = std::make_unique<store::RetainedSource>(retained_.get(), source);
+      source = retained_source_.get();
     }
     CKPT_ASSIGN_OR_RETURN(cache, store::BlockCache::Create(source, cache_options));
   } else if (config_.peers) {
@@ -122,7 +139,7 @@ Status Filesystem::Init(FsDeps deps) {
   const FsParts parts{.backing = backing_.get(), .db = db_.get(), .pool = pool_.get(),
                       .pipeline = pipeline_.get(), .publication = publication_.get(),
                       .index = index_.get(), .read = read_.get(), .tensors = tensors_.get(),
-                      .stats = &stats_};
+                      .stats = &stats_, .retained = retained_.get()};
   CKPT_ASSIGN_OR_RETURN(ns_, Namespace::Create(config_, parts));
   pool_->SetPressureCallback([this] { ns_->RelieveStagingPressure(); });
   // Publication reports to the namespace from here on: the entries the last stop left go
@@ -347,6 +364,8 @@ Result<struct statvfs> Filesystem::StatFs() { return backing_->StatFs(); }
 uint64_t Filesystem::Shutdown(const std::function<void(const std::string&)>& waiting) {
   if (shut_down_.exchange(true)) return 0;
   if (read_) read_->StopServingPeers();
+  if (read_ && read_->peers()) read_->peers()->StopReplicas();
+  if (retained_) retained_->DropAll();  // issue 23: a stop drops the memory tier
   if (!publication_ || !pipeline_) {  // Create() failed part way: nothing was served
     if (read_) read_->Stop();
     return 0;

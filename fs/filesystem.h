@@ -37,8 +37,9 @@
 #include "fs/read_path.h"
 #include "fs/tensor_view.h"
 #include "gpu/staging_pool.h"
-#include "store/primitives/backing_dir.h"
+#include "store/cache/retained_tier.h"
 #include "store/flush/flush_pipeline.h"
+#include "store/primitives/backing_dir.h"
 #include "store/publish/publication.h"
 #include "store/dcp/key_index.h"
 #include "store/primitives/state_db.h"
@@ -192,6 +193,9 @@ class Filesystem {
   FsStats stats_;
   std::unique_ptr<store::BackingDir> backing_;
   std::unique_ptr<store::StateDb> db_;
+  // Issue 23: outlive the flush threads (pipeline_) and the block cache (read_) that call them.
+  std::unique_ptr<store::RetainedTier> retained_;
+  std::unique_ptr<store::RetainedSource> retained_source_;
   std::unique_ptr<gpu::StagingPool> pool_;
   std::unique_ptr<store::FlushPipeline> pipeline_;
   std::unique_ptr<store::KeyIndex> index_;

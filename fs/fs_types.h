@@ -16,6 +16,7 @@ class BackingDir;
 class FlushPipeline;
 class KeyIndex;
 class Publication;
+class RetainedTier;
 class StateDb;
 namespace peer {
 struct PeerNodeOptions;
@@ -37,6 +38,10 @@ struct FsConfig {
   int flush_threads = 2;
   uint64_t cache_bytes = uint64_t{1} << 30;  // block cache budget for reads; 0 disables
   bool cache_direct_io = true;  // block cache reads with O_DIRECT where the backing fs allows
+  // Issue 23: memory that keeps the newest committed checkpoint this node wrote
+  // (store/cache/retained_tier.h); 0: off. Needs write_checksums and the block cache.
+  uint64_t retain_bytes = 0;
+  int retain_replicas = 0;  // with peers: copies kept on another node (0 or 1)
   std::string staging_backend = "auto";
   bool staging_hugepages = false;  // gpu::StagingOptions::hugepages
   bool flush_direct_io = true;     // store::FlushOptions::direct_io
@@ -80,6 +85,7 @@ struct FsParts {
   ReadPath* read = nullptr;
   TensorView* tensors = nullptr;
   FsStats* stats = nullptr;
+  store::RetainedTier* retained = nullptr;  // issue 23; null when off
 };
 
 // Fixed inode numbers of the control tree.

@@ -176,6 +176,23 @@ void ReadPath::WaitForPlan(const std::string& ckpt) {
                        });
 }
 
+// Issue 23: `.metadata` through the block cache, so a checkpoint held in the retained tier
+// (or by a peer) is planned without reading the backing store; without a cache, directly.
+Result<std::string> ReadPath::ReadMetadataCached(const std::string& path) {
+  if (!cache_) return store::ReadMetadataBytes(backing_, path);
+  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, backing_->OpenFile(path, O_RDONLY));
+  CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(fd.get()));
+  if (static_cast<uint64_t>(st.st_size) > store::kMaxMetadataBytes) {
+    return store::ReadMetadataBytes(backing_, path);  // reports the limit
+  }
+  const store::BlockId id = store::BlockIdFromStat(path, st);
+  Adopt(id, std::make_shared<const UniqueFd>(std::move(fd)), st);
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  CKPT_ASSIGN_OR_RETURN(size_t got, cache_->Read(id, out.data(), out.size(), 0));
+  out.resize(got);
+  return out;
+}
+
 void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
   // Straight from the commit files (`.metadata`, per-rank metadata, a safetensors index
   // and headers): building the index here would read every DCP item's header outside the
@@ -185,7 +202,15 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
     const std::string& ckpt;
     ~Done() { self->PlanDone(ckpt); }
   } done{this, ckpt};
-  auto md = store::ReadCheckpointItems(backing_, ckpt);
+  // A DCP `.metadata` through the block cache (issue 23: a checkpoint held in the retained
+  // tier or by a peer is planned without reading the backing store); other formats from
+  // their commit files.
+  Result<store::DcpMetadata> md = Status(Code::kNotFound, "no .metadata");
+  if (auto bytes = ReadMetadataCached(JoinPath(ckpt, ".metadata")); bytes.ok()) {
+    md = store::ParseDcpMetadata(*bytes);
+  } else {
+    md = store::ReadCheckpointItems(backing_, ckpt);
+  }
   if (!md.ok()) {
     spdlog::debug("prefetch of {}: {}", ckpt, md.status().ToString());
     return;

@@ -127,6 +127,7 @@ class ReadPath {
   // Lends an open backing file to the cache's source under its BlockId; drops the blocks
   // cached for another file that had the same name, size and mtime.
   void Adopt(const store::BlockId& id, std::shared_ptr<const UniqueFd> fd, const struct stat& st);
+  Result<std::string> ReadMetadataCached(const std::string& path);  // issue 23
 
   store::BackingDir* const backing_;
   store::KeyIndex* const index_;

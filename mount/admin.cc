@@ -386,6 +386,22 @@ Result<std::string> FormatStats(std::string_view stats_json) {
                                            CountOrDash(GetU64(j, "peer_refused")) +
                                            " connections refused"});
   }
+  // The retained tier (issue 23), when this daemon keeps committed checkpoints in memory.
+  if (auto r = j.find("retained"); r != j.end() && r->is_object()) {
+    size_t held = 0;
+    if (auto c = r->find("checkpoints"); c != r->end() && c->is_array()) held = c->size();
+    rows.push_back({"in memory", BytesOrDash(GetU64(*r, "retained_bytes")) + " own, " +
+                                     BytesOrDash(GetU64(*r, "replica_bytes")) +
+                                     " replicas for others, " + std::to_string(held) +
+                                     " checkpoints (" + BytesOrDash(GetU64(*r, "used_bytes")) +
+                                     " of " + BytesOrDash(GetU64(*r, "budget_bytes")) + ")"});
+    std::string hits = BytesOrDash(GetU64(*r, "hit_bytes")) + " from memory";
+    if (auto rep = r->find("replication"); rep != r->end() && rep->is_object()) {
+      hits += ", " + BytesOrDash(GetU64(*rep, "holder_bytes")) + " from the replica holder";
+    }
+    hits += ", " + CountOrDash(GetU64(*r, "crc_errors")) + " checksum errors";
+    rows.push_back({"restart reads", hits});
+  }
   return FormatKeyValues(rows);
 }
 
@@ -403,6 +419,10 @@ Result<std::string> FormatCheckpoints(std::string_view checkpoints_json, double 
     return GetDouble(*a, "created").value_or(0) < GetDouble(*b, "created").value_or(0);
   });
 
+  // Issue 23: a column for checkpoints held in memory, only when the daemon reports any.
+  const bool memory = std::any_of(entries.begin(), entries.end(), [](const json* e) {
+    return e->contains("in_memory");
+  });
   std::vector<std::vector<std::string>> rows;
   for (const json* e : entries) {
     auto bytes = GetU64(*e, "bytes");
@@ -421,16 +441,24 @@ Result<std::string> FormatCheckpoints(std::string_view checkpoints_json, double 
         committed ? FormatLocalTime(*committed) : "-",
         OrDash(GetString(*e, "error")),
     });
+    if (memory) {
+      std::string cell = "-";
+      if (auto m = e->find("in_memory"); m != e->end() && m->is_object()) {
+        cell = "here: " + BytesOrDash(GetU64(*m, "own_bytes")) + " own";
+        if (GetU64(*m, "replica_bytes").value_or(0) > 0) {
+          cell += ", " + BytesOrDash(GetU64(*m, "replica_bytes")) + " replica of " +
+                  OrDash(GetString(*m, "replica_of"));
+        }
+        if (GetString(*m, "state").value_or("") != "committed") cell += " (not served: pending)";
+      }
+      rows.back().push_back(cell);
+    }
   }
-  return FormatTable({{"PATH"},
-                      {"STATE"},
-                      {"SIZE", true},
-                      {"PUBLISHED", true},
-                      {"FILES", true},
-                      {"AGE", true},
-                      {"COMMITTED"},
-                      {"ERROR"}},
-                     rows);
+  std::vector<Column> columns = {{"PATH"},      {"STATE"}, {"SIZE", true},
+                                 {"PUBLISHED", true}, {"FILES", true}, {"AGE", true},
+                                 {"COMMITTED"}, {"ERROR"}};
+  if (memory) columns.push_back({"IN MEMORY"});
+  return FormatTable(columns, rows);
 }
 
 std::string RenderProgressLine(const Progress& progress, int bar_width, double rate) {

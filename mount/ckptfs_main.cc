@@ -198,6 +198,8 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   config.chunk_bytes = o.chunk_bytes;
   config.flush_threads = o.flush_threads;
   config.cache_bytes = o.cache_bytes;
+  config.retain_bytes = o.retain_bytes;  // issue 23
+  config.retain_replicas = o.retain_replicas >= 0 ? o.retain_replicas : (o.peers.empty() ? 0 : 1);
   config.cache_direct_io = o.cache_direct_io;
   config.passthrough = o.passthrough;
   config.passthrough_min_bytes = o.passthrough_min_bytes;

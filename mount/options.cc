@@ -125,6 +125,14 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   app.add_option("--staging-mem", staging, "Staging memory budget, e.g. 2G (default 1G)");
   app.add_option("--chunk-size", chunk, "Staging chunk size (default 4M)");
   app.add_option("--cache-mem", cache, "Read block cache budget (default 1G; 0 disables)");
+  std::string retain_mem;  // issue 23
+  app.add_option("--retain-mem", retain_mem,
+                 "Memory that keeps the newest committed checkpoint this node wrote, to serve a "
+                 "restart (default: half of --staging-mem; 0 disables)");
+  app.add_option("--retain-replicas", o.retain_replicas,
+                 "Copies of the retained checkpoint kept on another node: 0 or 1 (default 1 "
+                 "with --peers)")
+      ->check(CLI::Range(0, 1));
   app.add_option("--read-ahead", read_ahead,
                  "Kernel read-ahead of the mount, e.g. 8M (default 4M; 0 keeps the kernel's)");
   app.add_option("--cache-direct-io", direct_io,
@@ -263,6 +271,11 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   CKPT_ASSIGN_OR_RETURN(o.staging_bytes, ParseSize(staging));
   CKPT_ASSIGN_OR_RETURN(o.chunk_bytes, ParseSize(chunk));
   CKPT_ASSIGN_OR_RETURN(o.cache_bytes, ParseSize(cache));
+  if (!retain_mem.empty()) {  // issue 23
+    CKPT_ASSIGN_OR_RETURN(o.retain_bytes, ParseSize(retain_mem));
+    o.retain_bytes_set = true;
+  }
+  if (!o.retain_bytes_set) o.retain_bytes = o.staging_bytes / 2;
   CKPT_ASSIGN_OR_RETURN(o.read_ahead_bytes, ParseSize(read_ahead));
   CKPT_ASSIGN_OR_RETURN(o.passthrough_min_bytes, ParseSize(passthrough_min));
   CKPT_ASSIGN_OR_RETURN(o.log_max_bytes, ParseSize(log_max));

@@ -24,6 +24,11 @@ struct DaemonOptions {
   uint64_t staging_bytes = uint64_t{1} << 30;
   uint64_t chunk_bytes = uint64_t{4} << 20;
   uint64_t cache_bytes = uint64_t{1} << 30;
+  // Issue 23: --retain-mem (memory tier for the newest committed checkpoint; 0 off) and
+  // --retain-replicas. retain_bytes_set: given on the command line (else staging / 2).
+  uint64_t retain_bytes = 0;
+  bool retain_bytes_set = false;
+  int retain_replicas = -1;  // -1: 1 with --peers, else 0
   uint64_t read_ahead_bytes = uint64_t{4} << 20;  // the mount's kernel read-ahead; 0: default
   bool cache_direct_io = true;
   int flush_threads = 2;

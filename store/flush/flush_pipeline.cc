@@ -292,6 +292,8 @@ bool FlushPipeline::WriteChunk(SealedChunk& chunk, int attempts) {
                                                     .count()),
                           std::memory_order_relaxed);
         crc_bytes_.fetch_add(chunk.length, std::memory_order_relaxed);
+        // Issue 23: the retained tier keeps a copy (never blocks).
+        if (options_.on_written) options_.on_written(chunk.target, crcs, chunk.offset, chunk.data, chunk.length);
       }
     }
     if (st.ok()) {

@@ -144,6 +144,13 @@ struct FlushOptions {
   bool block_crcs = true;  // record block CRCs of every chunk written (see above)
   bool direct_io = true;   // aligned chunks bypass the page cache (see above)
   BlockCrcOptions crc_options;
+  // Issue 23 (retained tier, store/cache/retained_tier.h): called on the flush thread after
+  // a chunk was written and recorded into its target's block CRCs, while the bytes are still
+  // in staging. Must not block (the tier copies or skips); unset: nothing is called.
+  std::function<void(const std::shared_ptr<FlushTarget>& target,
+                     const std::shared_ptr<BlockCrcMap>& crcs, uint64_t offset,
+                     const uint8_t* data, size_t length)>
+      on_written;
 };
 
 class FlushPipeline {

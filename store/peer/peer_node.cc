@@ -63,8 +63,32 @@ PeerNode::PeerNode(const PeerNodeOptions& options, BackingDir* dir)
     : options_(options), dir_(dir) {}
 
 PeerNode::~PeerNode() {
+  StopReplicas();
   StopServing();
+  replica_source_.reset();
+  replicator_.reset();
   coop_.reset();
+}
+
+Result<BlockSource*> PeerNode::StartReplicas(RetainedTier* tier, uint64_t block_bytes,
+                                             BlockSource* fallback) {
+  if (tier == nullptr || fallback == nullptr) return Invalid("replicas: no tier or source");
+  if (replicator_) return Invalid("replicas: already started");
+  ReplicatorOptions ro;
+  ro.nodes = options_.nodes;
+  ro.self = options_.self;
+  ro.secret = options_.secret;
+  ro.block_bytes = block_bytes;
+  ro.connect_timeout = options_.connect_timeout;
+  ro.request_timeout = options_.request_timeout;
+  CKPT_ASSIGN_OR_RETURN(replicator_, Replicator::Create(ro, tier, dir_, coop_.get()));
+  replica_source_ = std::make_unique<ReplicaSource>(tier, replicator_.get(), fallback);
+  tier->SetExtraStats([r = replicator_.get()](nlohmann::json* j) { r->Stats().AppendJson(j); });
+  return replica_source_.get();
+}
+
+void PeerNode::StopReplicas() {
+  if (replicator_) replicator_->Stop();
 }
 
 Result<std::unique_ptr<PeerNode>> PeerNode::Create(const PeerNodeOptions& options,

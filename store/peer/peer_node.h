@@ -54,6 +54,7 @@
 #include "store/peer/peer_server.h"
 #include "store/peer/peers.h"
 #include "store/peer/plan.h"
+#include "store/peer/replica.h"
 
 namespace ckptfs::store::peer {
 
@@ -103,6 +104,12 @@ class PeerNode : public Peers {
   void AppendStats(nlohmann::json* stats) const override { Stats().AppendJson(stats); }
   const PeerNodeOptions& options() const { return options_; }
 
+  // Replicas of the retained tier (replica.h): a Replicator and the ReplicaSource before
+  // `fallback`.
+  Result<BlockSource*> StartReplicas(RetainedTier* tier, uint64_t block_bytes,
+                                     BlockSource* fallback) override;
+  void StopReplicas() override;
+
   // ---- Commit queries (docs/PEERS.md, "Commit query"; commit_query.h). A separate block.
   // The server answers peers' shard-state queries from `provider` (must outlive
   // StopServing()). Call before StartServing(); without it queries get Unsupported.
@@ -132,6 +139,8 @@ class PeerNode : public Peers {
   std::unique_ptr<ServingSource> serving_source_;
   std::unique_ptr<PeerServer> server_;
   BlockCache* cache_ = nullptr;  // set by StartServing
+  std::unique_ptr<Replicator> replicator_;       // StartReplicas
+  std::unique_ptr<ReplicaSource> replica_source_;
 
   Mutex planner_mu_;
   std::condition_variable planner_cv_;

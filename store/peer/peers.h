@@ -31,6 +31,7 @@
 namespace ckptfs::store {
 class BackingDir;
 class BlockCache;
+class RetainedTier;
 }  // namespace ckptfs::store
 
 namespace ckptfs::store::peer {
@@ -104,6 +105,15 @@ class Peers {
   // Adds the peer statistics to /.ckptfs/stats: flat top-level fields (peers_connected,
   // peer_bytes_read, peer_fallbacks, ...) and a "peers" object with the detail.
   virtual void AppendStats(nlohmann::json* stats) const = 0;
+
+  // Replicas of the retained tier (issue 23; docs/PEERS.md, "Replicas"): pulls the previous
+  // node's committed share into `tier` (must outlive StopReplicas()) and returns the source
+  // that serves this node's own share from its replica holder before `fallback` (must
+  // outlive StopReplicas()). The tier's stats gain the replicator's. Once per node.
+  virtual Result<BlockSource*> StartReplicas(RetainedTier* tier, uint64_t block_bytes,
+                                             BlockSource* fallback) = 0;
+  // Stops the replicator (joins its thread). Idempotent; nothing to do without replicas.
+  virtual void StopReplicas() = 0;
 };
 
 }  // namespace ckptfs::store::peer

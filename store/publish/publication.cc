@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include "common/path.h"
+#include "store/cache/retained_tier.h"
 #include "store/primitives/file_key.h"
 #include "store/flush/flush_pipeline.h"
 #include "store/publish/commit_names.h"
@@ -171,6 +172,7 @@ void Publication::OnDone(const JournalEntry& e, const Status& st) {
   PublishOutcome outcome;
   outcome.committed_dir = NoteApplied(e, st);
   observer_->OnOutcome(e, st, outcome);
+  if (options_.retained) options_.retained->OnJournalDone(e, st);
   shard_states_->NoteDone(e, st);  // after the mount let go of a published path
 }
 

@@ -39,6 +39,8 @@
 
 namespace ckptfs::store {
 
+class RetainedTier;  // store/cache/retained_tier.h
+
 // What publication tells the mount about an entry beside its status.
 struct PublishOutcome {
   // A checkpoint directory this entry committed (its commit file landed; for per-rank
@@ -85,6 +87,10 @@ struct PublicationOptions {
   bool halt_on_failure = true;
   // Temp files are "<temp_prefix><id>" at the backing root (TempName).
   std::string temp_prefix = ".ckptfs-tmp.";
+  // The retained memory tier (store/cache/retained_tier.h; issue 23), told every outcome
+  // after the publish's file times are set, so that it keys blocks by the published mtime.
+  // Optional; must outlive the Publication.
+  RetainedTier* retained = nullptr;
 };
 
 class Publication {

@@ -229,6 +229,34 @@ TEST(FormatCheckpoints, ListsOldestFirstWithStateSizeAgeAndError) {
   EXPECT_EQ(header.find("STATE"), second.find("failed"));
 }
 
+TEST(FormatCheckpoints, SaysWhichCheckpointsAreHeldInMemory) {
+  const double now = 1700000000;
+  std::string json = R"([
+    {"path":"run/step_100","state":"committed","bytes":2048,"bytes_published":2048,
+     "files":2,"created":1,"committed":2,"error":null},
+    {"path":"run/step_200","state":"committed","bytes":4096,"bytes_published":4096,
+     "files":2,"created":3,"committed":4,"error":null,
+     "in_memory":{"state":"committed","own_bytes":4096,"replica_bytes":1048576,
+                  "replica_of":"10.0.0.1:7470"}}])";
+  auto table = FormatCheckpoints(json, now);
+  ASSERT_TRUE(table.ok()) << table.status().ToString();
+  EXPECT_THAT(*table, HasSubstr("IN MEMORY"));
+  EXPECT_THAT(*table, HasSubstr("here: 4.00 KiB own, 1.00 MiB replica of 10.0.0.1:7470"));
+  // Without any checkpoint in memory the table is as before (no column).
+  auto plain = FormatCheckpoints(R"([{"path":"a","state":"committed"}])", now);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_THAT(*plain, Not(HasSubstr("IN MEMORY")));
+}
+
+TEST(FormatStats, ShowsTheRetainedTier) {
+  auto text = FormatStats(R"({"retained":{"retained_bytes":1048576,"replica_bytes":2097152,
+    "used_bytes":3145728,"budget_bytes":4194304,"hit_bytes":5242880,"crc_errors":0,
+    "checkpoints":[{"path":"run/s"}],"replication":{"holder_bytes":1048576}}})");
+  ASSERT_TRUE(text.ok()) << text.status().ToString();
+  EXPECT_THAT(*text, HasSubstr("1.00 MiB own, 2.00 MiB replicas for others, 1 checkpoints"));
+  EXPECT_THAT(*text, HasSubstr("5.00 MiB from memory, 1.00 MiB from the replica holder"));
+}
+
 TEST(FormatCheckpoints, SaysSoWhenThereAreNone) {
   EXPECT_EQ(*FormatCheckpoints("[]", 0), "no checkpoints\n");
   EXPECT_FALSE(FormatCheckpoints("{}", 0).ok());

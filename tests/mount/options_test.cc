@@ -129,6 +129,19 @@ TEST(ParseDaemonOptions, TwoPositionalsAndDefaults) {
   EXPECT_FALSE(o->help);
 }
 
+TEST(ParseDaemonOptions, RetainMemDefaultsToHalfOfStagingAndTakesZero) {
+  auto o = Parse({"/backing", "/mnt", "--staging-mem", "2G"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->retain_bytes, uint64_t{1} << 30);
+  EXPECT_EQ(o->retain_replicas, -1);  // decided with --peers
+  o = Parse({"/backing", "/mnt", "--retain-mem", "0", "--retain-replicas", "0"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->retain_bytes, 0u);
+  EXPECT_EQ(o->retain_replicas, 0);
+  EXPECT_FALSE(Parse({"/backing", "/mnt", "--retain-replicas", "2"}).ok());
+  EXPECT_FALSE(Parse({"/backing", "/mnt", "--retain-mem", "lots"}).ok());
+}
+
 TEST(ParseDaemonOptions, StopTimeoutAsAnOptionAndAsDashO) {
   auto o = Parse({"--stop-timeout", "5", "/b", "/m"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();

@@ -1,0 +1,699 @@
+#include "store/cache/retained_tier.h"
+
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+
+#include "common/path.h"
+#include "store/cache/backing_source.h"
+#include "store/publish/commit_names.h"
+#include "store/primitives/crc32c.h"
+
+namespace ckptfs::store {
+
+struct RetainedTier::Buffer {
+  explicit Buffer(size_t n) {
+    void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m != MAP_FAILED) {
+      p = static_cast<char*>(m);
+      cap = n;
+    }
+  }
+  ~Buffer() {
+    if (p != nullptr) munmap(p, cap);
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  char* p = nullptr;
+  size_t cap = 0;
+};
+
+// One block of a capture. `ranges` (sorted, disjoint, within the block) are the bytes
+// copied; a second copy of any byte poisons the block (a rewrite: the file order of the two
+// writes is not the order the copies were made in).
+struct RetainedTier::CaptureBlock {
+  std::shared_ptr<Buffer> buf;  // null: skipped (no room) or poisoned and freed
+  bool poisoned = false;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+};
+
+struct RetainedTier::Capture {
+  std::weak_ptr<FlushTarget> target;  // expired: the file was never published
+  std::shared_ptr<BlockCrcMap> crcs;
+  std::map<uint64_t, std::shared_ptr<CaptureBlock>> blocks;
+};
+
+struct RetainedTier::Held {
+  std::shared_ptr<Buffer> buf;
+  uint64_t len = 0;
+  uint32_t crc = 0;
+  std::string ckpt;  // the directory it belongs to
+  bool replica = false;
+};
+
+struct RetainedTier::Ckpt {
+  bool committed = false;
+  uint64_t created = 0;       // order first seen
+  uint64_t commit_order = 0;  // order committed
+  uint64_t own_bytes = 0;
+  uint64_t replica_bytes = 0;
+  uint64_t files = 0;
+  int64_t newest_mtime_ns = 0;
+  std::string origin;
+  std::chrono::steady_clock::time_point last_publish{};
+  std::chrono::steady_clock::time_point last_check{};
+};
+
+bool RetainedTier::KeyLess::operator()(const Key& a, const Key& b) const {
+  if (int c = a.id.path.compare(b.id.path); c != 0) return c < 0;
+  if (a.id.size != b.id.size) return a.id.size < b.id.size;
+  if (a.id.mtime_ns != b.id.mtime_ns) return a.id.mtime_ns < b.id.mtime_ns;
+  return a.index < b.index;
+}
+
+RetainedTier::RetainedTier(BackingDir* backing, const RetainedTierOptions& options)
+    : backing_(backing), opts_(options) {
+  MutexLock lock(&mu_);
+  stats_.budget_bytes = opts_.budget_bytes;
+}
+
+RetainedTier::~RetainedTier() { DropAll(); }
+
+std::chrono::steady_clock::time_point RetainedTier::Now() const {
+  return clock_ ? clock_() : std::chrono::steady_clock::now();
+}
+
+void RetainedTier::SetClockForTest(std::function<std::chrono::steady_clock::time_point()> now) {
+  clock_ = std::move(now);
+}
+
+RetainedTier::Ckpt& RetainedTier::CkptLocked(const std::string& dir) {
+  auto [it, inserted] = ckpts_.try_emplace(dir);
+  if (inserted) {
+    it->second.created = ++order_;
+    it->second.last_publish = Now();
+  }
+  return it->second;
+}
+
+void RetainedTier::ReleaseLocked(uint64_t bytes) { used_ -= std::min(used_, bytes); }
+
+bool RetainedTier::ReserveLocked(uint64_t bytes, const std::string& keep) {
+  while (used_ + bytes > opts_.budget_bytes) {
+    // Victim: a stale pending checkpoint (oldest first), else the oldest committed one.
+    const auto now = Now();
+    const std::string* victim = nullptr;
+    bool victim_stale = false;
+    uint64_t victim_order = 0;
+    for (const auto& [dir, c] : ckpts_) {
+      if (c.own_bytes + c.replica_bytes == 0 || (!keep.empty() && dir == keep)) continue;
+      const bool stale = !c.committed && now - c.last_publish > opts_.stale_pending;
+      if (!c.committed && !stale) continue;
+      const uint64_t order = stale ? c.created : c.commit_order;
+      if (victim == nullptr || (stale && !victim_stale) ||
+          (stale == victim_stale && order < victim_order)) {
+        victim = &dir;
+        victim_stale = stale;
+        victim_order = order;
+      }
+    }
+    if (victim == nullptr) return false;
+    const std::string dir = *victim;
+    spdlog::debug("retained tier: evicting {} for room", dir);
+    DropCkptLocked(dir, &stats_.evicted_bytes);
+  }
+  used_ += bytes;
+  stats_.peak_used_bytes = std::max(stats_.peak_used_bytes, used_);
+  return true;
+}
+
+void RetainedTier::EraseHeldLocked(std::map<Key, std::shared_ptr<Held>, KeyLess>::iterator it,
+                                   uint64_t* counter) {
+  const Held& h = *it->second;
+  auto c = ckpts_.find(h.ckpt);
+  if (c != ckpts_.end()) {
+    uint64_t& bytes = h.replica ? c->second.replica_bytes : c->second.own_bytes;
+    bytes -= std::min(bytes, h.len);
+  }
+  if (counter != nullptr) *counter += h.len;
+  ReleaseLocked(opts_.block_bytes);
+  held_.erase(it);
+}
+
+void RetainedTier::DropPathLocked(const std::string& path, bool subtree) {
+  if (!subtree) {  // the blocks of one path are adjacent (KeyLess orders by path first)
+    Key first;
+    first.id.path = path;
+    first.id.mtime_ns = INT64_MIN;
+    for (auto it = held_.lower_bound(first); it != held_.end() && it->first.id.path == path;) {
+      EraseHeldLocked(it++, &stats_.dropped_bytes);
+    }
+    return;
+  }
+  for (auto it = held_.begin(); it != held_.end();) {
+    const std::string& p = it->first.id.path;
+    if (p == path || (subtree && path::IsAtOrBelow(p, path))) {
+      EraseHeldLocked(it++, &stats_.dropped_bytes);
+    } else {
+      ++it;
+    }
+  }
+  if (subtree) {
+    for (auto it = ckpts_.begin(); it != ckpts_.end();) {
+      it = path::IsAtOrBelow(it->first, path) ? ckpts_.erase(it) : std::next(it);
+    }
+  }
+}
+
+void RetainedTier::DropCkptLocked(const std::string& dir, uint64_t* counter) {
+  for (auto it = held_.begin(); it != held_.end();) {
+    if (it->second->ckpt == dir) {
+      EraseHeldLocked(it++, counter);
+    } else {
+      ++it;
+    }
+  }
+  ckpts_.erase(dir);
+}
+
+void RetainedTier::RenameLocked(const std::string& from, const std::string& to) {
+  DropPathLocked(to, /*subtree=*/true);  // renamed over
+  std::vector<std::pair<Key, std::shared_ptr<Held>>> moved;
+  for (auto it = held_.begin(); it != held_.end();) {
+    if (auto np = path::Rebase(it->first.id.path, from, to)) {
+      Key k = it->first;
+      k.id.path = *np;
+      moved.emplace_back(std::move(k), std::move(it->second));
+      it = held_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  std::vector<std::pair<std::string, Ckpt>> dirs;
+  for (auto it = ckpts_.begin(); it != ckpts_.end();) {
+    if (auto nd = path::Rebase(it->first, from, to)) {
+      dirs.emplace_back(*nd, std::move(it->second));
+      it = ckpts_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto& [d, c] : dirs) ckpts_[d] = std::move(c);
+  for (auto& [k, h] : moved) {
+    // A file moved into another directory leaves its checkpoint for the new one.
+    const std::string ckpt = path::Parent(k.id.path);
+    if (ckpt != h->ckpt) {
+      auto old = ckpts_.find(h->ckpt);
+      if (old != ckpts_.end()) {
+        uint64_t& b = h->replica ? old->second.replica_bytes : old->second.own_bytes;
+        b -= std::min(b, h->len);
+      }
+      Ckpt& c = CkptLocked(ckpt);
+      (h->replica ? c.replica_bytes : c.own_bytes) += h->len;
+      c.newest_mtime_ns = std::max(c.newest_mtime_ns, k.id.mtime_ns);
+      h->ckpt = ckpt;
+    }
+    held_[std::move(k)] = std::move(h);
+  }
+}
+
+void RetainedTier::CommitLocked(const std::string& dir) {
+  Ckpt& c = CkptLocked(dir);
+  if (c.committed) return;
+  c.committed = true;
+  c.commit_order = ++order_;
+  ++stats_.commits;
+  const uint64_t created = c.created;
+  const std::string run = path::Parent(dir);
+  std::vector<std::string> older;
+  for (const auto& [d, o] : ckpts_) {
+    if (d == dir || path::Parent(d) != run) continue;
+    if (o.committed || o.created < created) older.push_back(d);
+  }
+  for (const std::string& d : older) DropCkptLocked(d, &stats_.dropped_bytes);
+  spdlog::debug("retained tier: {} committed ({} bytes held; {} older dropped)", dir,
+                ckpts_[dir].own_bytes + ckpts_[dir].replica_bytes, older.size());
+}
+
+void RetainedTier::SweepCapturesLocked() {
+  for (auto it = captures_.begin(); it != captures_.end();) {
+    if (it->second->target.expired()) {
+      for (const auto& [i, b] : it->second->blocks) {
+        if (b->buf) ReleaseLocked(opts_.block_bytes);
+      }
+      it = captures_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void RetainedTier::OnWritten(const std::shared_ptr<FlushTarget>& target,
+                             const std::shared_ptr<BlockCrcMap>& crcs, uint64_t offset,
+                             const uint8_t* data, size_t length) {
+  if (!enabled() || length == 0 || !target) return;
+  struct Piece {
+    std::shared_ptr<Buffer> buf;
+    uint64_t at;
+    const uint8_t* src;
+    size_t n;
+  };
+  std::vector<Piece> pieces;
+  const uint64_t bs = opts_.block_bytes;
+  {
+    MutexLock lock(&mu_);
+    if (stopped_) return;
+    std::shared_ptr<Capture>& cap = captures_[target->id()];
+    if (!cap) {
+      cap = std::make_shared<Capture>();
+      cap->target = target;
+      cap->crcs = crcs;
+    }
+    const uint64_t end = offset + length;
+    for (uint64_t i = offset / bs; i * bs < end; ++i) {
+      const uint64_t b = std::max(offset, i * bs), e = std::min(end, (i + 1) * bs);
+      std::shared_ptr<CaptureBlock>& blk = cap->blocks[i];
+      if (!blk) {
+        blk = std::make_shared<CaptureBlock>();
+        if (ReserveLocked(bs)) {
+          auto buf = std::make_shared<Buffer>(bs);
+          if (buf->p != nullptr) {
+            blk->buf = std::move(buf);
+          } else {
+            ReleaseLocked(bs);
+          }
+        }
+      }
+      if (!blk->buf) {
+        if (!blk->poisoned) stats_.skipped_bytes += e - b;
+        continue;
+      }
+      const uint64_t lo = b - i * bs, hi = e - i * bs;
+      auto pos = std::lower_bound(blk->ranges.begin(), blk->ranges.end(),
+                                  std::make_pair(lo, hi));
+      const bool overlaps = (pos != blk->ranges.end() && pos->first < hi) ||
+                            (pos != blk->ranges.begin() && std::prev(pos)->second > lo);
+      if (overlaps) {
+        blk->poisoned = true;
+        blk->buf.reset();
+        blk->ranges.clear();
+        ReleaseLocked(bs);
+        continue;
+      }
+      pos = blk->ranges.insert(pos, {lo, hi});
+      // Merge with neighbours so a fully covered block is one range.
+      if (pos + 1 != blk->ranges.end() && (pos + 1)->first == pos->second) {
+        pos->second = (pos + 1)->second;
+        blk->ranges.erase(pos + 1);
+      }
+      if (pos != blk->ranges.begin() && std::prev(pos)->second == pos->first) {
+        std::prev(pos)->second = pos->second;
+        blk->ranges.erase(pos);
+      }
+      pieces.push_back({blk->buf, lo, data + (b - offset), static_cast<size_t>(e - b)});
+      stats_.captured_bytes += e - b;
+    }
+  }
+  // Chunks of one target in flight are disjoint (FlushPipeline), so these copies never
+  // race with each other; the shared buffer outlives a concurrent drop.
+  for (const Piece& p : pieces) std::memcpy(p.buf->p + p.at, p.src, p.n);
+}
+
+void RetainedTier::Publish(const JournalEntry& e) {
+  std::shared_ptr<Capture> cap;
+  {
+    MutexLock lock(&mu_);
+    DropPathLocked(e.path, /*subtree=*/false);  // an earlier version of the name
+    auto it = captures_.find(e.target->id());
+    if (it == captures_.end()) return;
+    cap = std::move(it->second);
+    captures_.erase(it);
+  }
+  uint64_t charged = 0;
+  for (const auto& [i, b] : cap->blocks) {
+    if (b->buf) charged += opts_.block_bytes;
+  }
+  Result<struct stat> st = backing_ != nullptr ? backing_->Stat(e.path)
+                                               : Result<struct stat>(Status(Code::kNotFound, ""));
+  std::vector<std::pair<Key, std::shared_ptr<Held>>> good;
+  uint64_t unverified = 0;
+  const std::string ckpt = path::Parent(e.path);
+  // Only files of a checkpoint (shards, `.metadata` and its temp name): anything else
+  // written through the mount would hold memory that no commit ever makes servable.
+  if (st.ok() && S_ISREG(st->st_mode) && cap->crcs &&
+      IsCheckpointFileName(path::Basename(e.path))) {
+    const BlockId id = BlockIdFromStat(e.path, *st);
+    BlockCrcMap& crcs = *cap->crcs;
+    if (!crcs.finished() && id.size == e.size) crcs.Finish(e.size);
+    const bool sized = crcs.finished() && crcs.size() == id.size;
+    const uint64_t bs = opts_.block_bytes;
+    for (auto& [i, b] : cap->blocks) {
+      if (!b->buf) continue;
+      const uint64_t len = i * bs < id.size ? std::min(bs, id.size - i * bs) : 0;
+      std::optional<uint32_t> crc;
+      if (sized && len > 0 && b->ranges.size() == 1 && b->ranges[0].first == 0 &&
+          b->ranges[0].second == len) {
+        crc = crcs.RangeCrc(i * bs, i * bs + len);
+      }
+      if (!crc) {
+        ++unverified;
+        continue;
+      }
+      auto h = std::make_shared<Held>();
+      h->buf = std::move(b->buf);
+      h->len = len;
+      h->crc = *crc;
+      h->ckpt = ckpt;
+      good.emplace_back(Key{id, i}, std::move(h));
+    }
+  } else {
+    unverified = cap->blocks.size();
+  }
+  MutexLock lock(&mu_);
+  stats_.unverified_blocks += unverified;
+  ReleaseLocked(charged - good.size() * opts_.block_bytes);
+  if (stopped_) {
+    ReleaseLocked(good.size() * opts_.block_bytes);
+    return;
+  }
+  if (good.empty()) return;
+  Ckpt& c = CkptLocked(ckpt);
+  c.files += 1;
+  c.last_publish = Now();
+  for (auto& [k, h] : good) {
+    c.own_bytes += h->len;
+    c.newest_mtime_ns = std::max(c.newest_mtime_ns, k.id.mtime_ns);
+    auto [it, inserted] = held_.try_emplace(k, h);
+    if (!inserted) {
+      uint64_t& b = it->second->replica ? c.replica_bytes : c.own_bytes;
+      b -= std::min(b, it->second->len);
+      it->second = std::move(h);
+      ReleaseLocked(opts_.block_bytes);
+    }
+  }
+}
+
+void RetainedTier::OnJournalDone(const JournalEntry& e, const Status& st) {
+  if (!enabled()) return;
+  const bool dcp_commit = CommitKindOf(e.path) == CommitKind::kDcp;
+  if (!st.ok()) {
+    if (e.op == OpType::kPublish && e.target) {
+      MutexLock lock(&mu_);
+      auto it = captures_.find(e.target->id());
+      if (it != captures_.end()) {
+        for (const auto& [i, b] : it->second->blocks) {
+          if (b->buf) ReleaseLocked(opts_.block_bytes);
+        }
+        captures_.erase(it);
+      }
+    }
+    return;
+  }
+  switch (e.op) {
+    case OpType::kPublish:
+      if (e.target) {
+        Publish(e);
+      } else {
+        MutexLock lock(&mu_);
+        DropPathLocked(e.path, false);
+      }
+      break;
+    case OpType::kRename: {
+      MutexLock lock(&mu_);
+      RenameLocked(e.from, e.path);
+      break;
+    }
+    case OpType::kUnlink:
+    case OpType::kUtimens:
+    case OpType::kLink: {
+      MutexLock lock(&mu_);
+      DropPathLocked(e.path, false);
+      break;
+    }
+    case OpType::kRmdir: {
+      MutexLock lock(&mu_);
+      DropPathLocked(e.path, true);
+      break;
+    }
+    default:
+      break;
+  }
+  if ((e.op == OpType::kPublish || e.op == OpType::kRename) && dcp_commit) {
+    OnCommitted(path::Parent(e.path));
+  }
+  MutexLock lock(&mu_);
+  SweepCapturesLocked();
+}
+
+void RetainedTier::OnCommitted(const std::string& dir) {
+  if (!enabled()) return;
+  MutexLock lock(&mu_);
+  if (stopped_) return;
+  CommitLocked(dir);
+}
+
+std::optional<BlockRead> RetainedTier::Lookup(const BlockId& id, uint64_t offset,
+                                              std::span<char> out) {
+  if (!enabled() || offset % opts_.block_bytes != 0) return std::nullopt;
+  const Key key{id, offset / opts_.block_bytes};
+  std::shared_ptr<Held> h;
+  std::string check_dir;
+  int64_t newest = 0;
+  {
+    MutexLock lock(&mu_);
+    auto it = held_.find(key);
+    if (it == held_.end()) {
+      auto c = ckpts_.find(path::Parent(id.path));
+      if (c != ckpts_.end() && c->second.committed) ++stats_.misses_committed;
+      return std::nullopt;
+    }
+    h = it->second;
+    Ckpt& c = ckpts_[h->ckpt];
+    if (!c.committed) {
+      const auto now = Now();
+      if (backing_ == nullptr || now - c.last_check < opts_.commit_check_interval) {
+        return std::nullopt;
+      }
+      c.last_check = now;
+      check_dir = h->ckpt;
+      newest = c.newest_mtime_ns;
+      ++stats_.lazy_commit_checks;
+    }
+  }
+  if (!check_dir.empty()) {
+    // This node wrote shards only: the checkpoint is committed once its `.metadata` is on
+    // the backing store (G5), no older than the newest file retained of it.
+    Result<struct stat> st = backing_->Stat(path::Join(check_dir, ".metadata"));
+    if (!st.ok() || BlockIdFromStat("", *st).mtime_ns < newest) return std::nullopt;
+    OnCommitted(check_dir);
+  }
+  // The block cache passes its whole aligned buffer (for O_DIRECT): at least the block.
+  if (out.size() < h->len) return std::nullopt;
+  std::memcpy(out.data(), h->buf->p, h->len);
+  if (Crc32c(out.data(), h->len) != h->crc) {
+    MutexLock lock(&mu_);
+    ++stats_.crc_errors;
+    auto it = held_.find(key);
+    if (it != held_.end() && it->second == h) EraseHeldLocked(it, &stats_.dropped_bytes);
+    spdlog::warn("retained tier: block {} of {} does not match its checksum; dropped, read "
+                 "elsewhere",
+                 key.index, id.path);
+    return std::nullopt;
+  }
+  MutexLock lock(&mu_);
+  ++stats_.hits;
+  stats_.hit_bytes += h->len;
+  return BlockRead{.bytes = h->len, .crc32c = h->crc};
+}
+
+bool RetainedTier::PutReplica(const BlockId& id, uint64_t index, std::span<const char> bytes,
+                              uint32_t crc, const std::string& origin) {
+  if (!enabled() || bytes.empty() || bytes.size() > opts_.block_bytes) return false;
+  if (Crc32c(bytes.data(), bytes.size()) != crc) {
+    MutexLock lock(&mu_);
+    ++stats_.crc_errors;
+    return false;
+  }
+  const Key key{id, index};
+  {
+    MutexLock lock(&mu_);
+    if (stopped_) return false;
+    if (held_.count(key) > 0) return true;
+    if (!ReserveLocked(opts_.block_bytes, path::Parent(id.path))) return false;
+  }
+  auto h = std::make_shared<Held>();
+  h->buf = std::make_shared<Buffer>(opts_.block_bytes);
+  MutexLock lock(&mu_);
+  if (h->buf->p == nullptr || stopped_ || held_.count(key) > 0) {
+    ReleaseLocked(opts_.block_bytes);
+    return !stopped_ && h->buf->p != nullptr;
+  }
+  lock.Unlock();
+  std::memcpy(h->buf->p, bytes.data(), bytes.size());
+  lock.Lock();
+  if (stopped_) return false;  // DropAll() ran meanwhile and reset the account
+  h->len = bytes.size();
+  h->crc = crc;
+  h->ckpt = path::Parent(id.path);
+  h->replica = true;
+  Ckpt& c = CkptLocked(h->ckpt);
+  if (!c.committed) CommitLocked(h->ckpt);  // only committed checkpoints are replicated
+  Ckpt& cc = ckpts_[h->ckpt];
+  cc.replica_bytes += h->len;
+  cc.origin = origin;
+  auto [it, inserted] = held_.try_emplace(key, std::move(h));
+  if (!inserted) {
+    cc.replica_bytes -= std::min(cc.replica_bytes, bytes.size());
+    ReleaseLocked(opts_.block_bytes);
+  }
+  return true;
+}
+
+bool RetainedTier::Holds(const BlockId& id, uint64_t index) const {
+  MutexLock lock(&mu_);
+  return held_.count(Key{id, index}) > 0;
+}
+
+std::vector<std::pair<BlockId, uint64_t>> RetainedTier::OwnBlocksOf(const std::string& dir) const {
+  std::vector<std::pair<BlockId, uint64_t>> out;
+  MutexLock lock(&mu_);
+  auto c = ckpts_.find(dir);
+  if (c == ckpts_.end() || !c->second.committed) return out;
+  for (const auto& [k, h] : held_) {
+    if (h->ckpt == dir && !h->replica) out.emplace_back(k.id, k.index);
+  }
+  return out;
+}
+
+void RetainedTier::CheckPendingCommits() {
+  if (!enabled() || backing_ == nullptr) return;
+  std::vector<std::pair<std::string, int64_t>> pending;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [dir, c] : ckpts_) {
+      if (!c.committed && c.own_bytes > 0) pending.emplace_back(dir, c.newest_mtime_ns);
+    }
+  }
+  for (const auto& [dir, newest] : pending) {
+    Result<struct stat> st = backing_->Stat(path::Join(dir, ".metadata"));
+    if (st.ok() && BlockIdFromStat("", *st).mtime_ns >= newest) OnCommitted(dir);
+  }
+}
+
+bool RetainedTier::HoldsRunOf(const std::string& path) const {
+  const std::string run = path::Parent(path::Parent(path));
+  MutexLock lock(&mu_);
+  for (const auto& [dir, c] : ckpts_) {
+    if (c.committed && c.own_bytes + c.replica_bytes > 0 && path::Parent(dir) == run) return true;
+  }
+  return false;
+}
+
+std::vector<RetainedCheckpoint> RetainedTier::Checkpoints() const {
+  std::vector<std::pair<uint64_t, RetainedCheckpoint>> v;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [dir, c] : ckpts_) {
+      if (c.own_bytes + c.replica_bytes == 0) continue;
+      v.push_back({c.committed ? c.commit_order : 0,
+                   RetainedCheckpoint{dir, c.committed, c.own_bytes, c.replica_bytes, c.files,
+                                      c.origin}});
+    }
+  }
+  std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<RetainedCheckpoint> out;
+  for (auto& [o, c] : v) out.push_back(std::move(c));
+  return out;
+}
+
+void RetainedTier::DropAll() {
+  std::map<uint64_t, std::shared_ptr<Capture>> captures;
+  std::map<Key, std::shared_ptr<Held>, KeyLess> held;
+  {
+    MutexLock lock(&mu_);
+    stopped_ = true;
+    captures.swap(captures_);
+    held.swap(held_);
+    ckpts_.clear();
+    used_ = 0;
+  }
+  // Buffers are unmapped here, outside the lock (a reader still copying keeps its own).
+}
+
+RetainedTierStats RetainedTier::Stats() const {
+  MutexLock lock(&mu_);
+  RetainedTierStats s = stats_;
+  s.used_bytes = used_;
+  uint64_t capture = 0;
+  for (const auto& [id, c] : captures_) {
+    for (const auto& [i, b] : c->blocks) {
+      if (b->buf) capture += opts_.block_bytes;
+    }
+  }
+  s.capture_bytes = capture;
+  for (const auto& [dir, c] : ckpts_) {
+    s.retained_bytes += c.own_bytes;
+    s.replica_bytes += c.replica_bytes;
+  }
+  return s;
+}
+
+nlohmann::json RetainedTier::StatsJson() const {
+  const RetainedTierStats s = Stats();
+  nlohmann::json j = {{"budget_bytes", s.budget_bytes},
+                      {"used_bytes", s.used_bytes},
+                      {"peak_used_bytes", s.peak_used_bytes},
+                      {"capture_bytes", s.capture_bytes},
+                      {"retained_bytes", s.retained_bytes},
+                      {"replica_bytes", s.replica_bytes},
+                      {"captured_bytes", s.captured_bytes},
+                      {"skipped_bytes", s.skipped_bytes},
+                      {"unverified_blocks", s.unverified_blocks},
+                      {"evicted_bytes", s.evicted_bytes},
+                      {"dropped_bytes", s.dropped_bytes},
+                      {"hits", s.hits},
+                      {"hit_bytes", s.hit_bytes},
+                      {"misses_committed", s.misses_committed},
+                      {"crc_errors", s.crc_errors},
+                      {"lazy_commit_checks", s.lazy_commit_checks},
+                      {"commits", s.commits}};
+  nlohmann::json list = nlohmann::json::array();
+  for (const RetainedCheckpoint& c : Checkpoints()) {
+    list.push_back({{"path", c.dir},
+                    {"state", c.committed ? "committed" : "pending"},
+                    {"own_bytes", c.own_bytes},
+                    {"replica_bytes", c.replica_bytes},
+                    {"files", c.files},
+                    {"replica_of", c.origin}});
+  }
+  j["checkpoints"] = std::move(list);
+  if (extra_stats_) extra_stats_(&j);
+  return j;
+}
+
+bool RetainedTier::CorruptForTest(const BlockId& id, uint64_t index) {
+  MutexLock lock(&mu_);
+  auto it = held_.find(Key{id, index});
+  if (it == held_.end() || it->second->len == 0) return false;
+  it->second->buf->p[it->second->len / 2] ^= 0x5a;
+  return true;
+}
+
+Result<BlockRead> RetainedSource::ReadBlock(const BlockId& id, uint64_t offset,
+                                            std::span<char> out) {
+  if (id.path.starts_with(kRetainedOnlyPrefix)) {
+    BlockId real = id;
+    real.path.erase(0, kRetainedOnlyPrefix.size());
+    if (std::optional<BlockRead> hit = tier_->Lookup(real, offset, out)) return *hit;
+    return Status(Code::kNotFound, "not held in memory: " + real.path);
+  }
+  if (std::optional<BlockRead> hit = tier_->Lookup(id, offset, out)) return *hit;
+  return inner_->ReadBlock(id, offset, out);
+}
+
+}  // namespace ckptfs::store
