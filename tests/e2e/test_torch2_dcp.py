@@ -32,9 +32,9 @@ import tempfile
 import unittest
 
 from harness import BIN_DIR
+import torch_roots  # noqa: E402  (builds the cached torch 2.x roots)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-TORCH_ROOT = os.path.join(REPO, "scripts", "torch_root.sh")
 SUITE = os.path.join(REPO, "scripts", "bench", "torch_dcp_suite.py")
 FILE = "test_file_system_checkpoint_cpu.py"
 # FILE's tests but test_load_rowwise_to_colwise_* and test_save_load_bytes_*, which hang in
@@ -50,21 +50,7 @@ ROUNDS = 2
 
 class Torch2DcpTest(unittest.TestCase):
     def setUp(self):
-        if os.geteuid() != 0:
-            self.skipTest("chroot and mount need root")
-        if shutil.which("debootstrap") is None:
-            self.skipTest("debootstrap is not installed (scripts/setup.sh)")
-        p = subprocess.Popen([TORCH_ROOT, "trixie"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-        try:
-            _, err = p.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            p.terminate()  # its EXIT trap undoes the mounts it made
-            _, err = p.communicate(timeout=120)
-            self.fail(f"torch_root.sh trixie took over 600 s:\n{err[-3000:]}")
-        if p.returncode == 2:
-            self.skipTest(f"cannot build the torch 2.x root: {err.strip()[-300:]}")
-        self.assertEqual(p.returncode, 0, f"torch_root.sh trixie:\n{err[-3000:]}")
+        torch_roots.build_root(self, "trixie")  # skips, saying why, where it cannot be built
         self.tmp = tempfile.mkdtemp(prefix="ckptfs-e2e-torch2-", dir="/var/tmp")
         self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
 

@@ -14,7 +14,7 @@
 
 #include "store/cache/backing_source.h"
 #include "store/primitives/crc32c.h"
-#include "tests/store/faulty_backing_dir.h"
+#include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::store {
 namespace {
