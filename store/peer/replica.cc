@@ -84,7 +84,7 @@ Replicator::~Replicator() { Stop(); }
 
 void Replicator::Stop() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
   cv_.notify_all();
@@ -92,20 +92,20 @@ void Replicator::Stop() {
   for (Link* l : {&pred_link_, &holder_link_}) {
     std::shared_ptr<PeerClient> c;
     {
-      std::lock_guard lock(l->mu);
+      MutexLock lock(&l->mu);
       c = std::move(l->client);
     }
   }
 }
 
 std::shared_ptr<PeerClient> Replicator::ClientOf(Link& link) {
-  std::lock_guard lock(link.mu);
+  MutexLock lock(&link.mu);
   if (link.client && !link.client->healthy()) link.client.reset();
   return link.client;
 }
 
 void Replicator::Drop(Link& link, const std::shared_ptr<PeerClient>& client) {
-  std::lock_guard lock(link.mu);
+  MutexLock lock(&link.mu);
   if (link.client == client) link.client.reset();
 }
 
@@ -128,14 +128,14 @@ void Replicator::Connect(Link& link) {
   }
   link.backoff = std::chrono::milliseconds(1000);
   spdlog::info("replication: connected to {}", link.node);
-  std::lock_guard lock(link.mu);
+  MutexLock lock(&link.mu);
   link.client = std::shared_ptr<PeerClient>(std::move(c).value());
 }
 
 void Replicator::Loop() {
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   while (!stop_) {
-    lock.unlock();
+    lock.Unlock();
     Connect(pred_link_);
     Connect(holder_link_);
     tier_->CheckPendingCommits();
@@ -144,21 +144,24 @@ void Replicator::Loop() {
       if (!c.committed || c.own_bytes == 0) continue;
       live.insert(c.dir);
       {
-        std::lock_guard l(mu_);
+        MutexLock l(&mu_);
         if (stop_ || done_.count(c.dir) > 0) continue;
       }
       if (Pull(c.dir)) {
-        std::lock_guard l(mu_);
+        MutexLock l(&mu_);
         done_.insert(c.dir);
         ++stats_.checkpoints_replicated;
         stats_.last_checkpoint = c.dir;
       }
     }
-    lock.lock();
+    lock.Lock();
     for (auto it = done_.begin(); it != done_.end();) {
       it = live.count(*it) > 0 ? std::next(it) : done_.erase(it);
     }
-    cv_.wait_for(lock, options_.interval, [this] { return stop_; });
+    cv_.wait_for(lock.native(), options_.interval, [this] {
+      mu_.AssertHeld();  // the predicate runs under the lock
+      return stop_;
+    });
   }
 }
 
@@ -184,7 +187,7 @@ bool Replicator::Pull(const std::string& ckpt) {
     const BlockId id = BlockIdFromStat(p, *st);
     for (uint64_t i = 0; i * bs < id.size; ++i) {
       {
-        std::lock_guard l(mu_);
+        MutexLock l(&mu_);
         if (stop_) return false;
       }
       if (tier_->Holds(id, i)) continue;
@@ -193,7 +196,7 @@ bool Replicator::Pull(const std::string& ckpt) {
           client->Fetch(MemoryOnly(id), i * bs, std::span<char>(buf.data(), want));
       if (!got.ok()) {
         {
-          std::lock_guard l(mu_);
+          MutexLock l(&mu_);
           ++stats_.pull_failures;
         }
         if (ConnectionLost(got.status())) {
@@ -207,11 +210,11 @@ bool Replicator::Pull(const std::string& ckpt) {
       const std::span<const char> bytes(buf.data(), *got);
       if (!tier_->PutReplica(id, i, bytes, Crc32c(bytes.data(), bytes.size()),
                              pred_link_.node)) {
-        std::lock_guard l(mu_);
+        MutexLock l(&mu_);
         ++stats_.pull_refused;
         return true;  // no room (or stopping): keep what fits, do not retry in a loop
       }
-      std::lock_guard l(mu_);
+      MutexLock l(&mu_);
       ++stats_.pulled_blocks;
       stats_.pulled_bytes += *got;
     }
@@ -225,7 +228,7 @@ std::optional<BlockRead> Replicator::TryHolder(const BlockId& id, uint64_t offse
   std::shared_ptr<PeerClient> client = ClientOf(holder_link_);
   if (!client) return std::nullopt;
   Result<size_t> got = client->Fetch(MemoryOnly(id), offset, out);
-  std::lock_guard l(mu_);
+  MutexLock l(&mu_);
   if (!got.ok()) {
     ++stats_.holder_fallbacks;
     spdlog::debug("replica holder {}: {} at {}: {}", holder_link_.node, id.path, offset,
@@ -242,10 +245,10 @@ std::optional<BlockRead> Replicator::TryHolder(const BlockId& id, uint64_t offse
 }
 
 ReplicatorStats Replicator::Stats() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   ReplicatorStats s = stats_;
   auto connected = [](const Link& l) {
-    std::lock_guard lk(l.mu);
+    MutexLock lk(&l.mu);
     return l.client != nullptr && l.client->healthy();
   };
   s.pred_connected = connected(pred_link_);

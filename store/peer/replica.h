@@ -35,7 +35,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <span>
@@ -45,6 +44,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "store/primitives/backing_dir.h"
 #include "store/cache/block_source.h"
@@ -97,31 +97,32 @@ class Replicator {
   Replicator& operator=(const Replicator&) = delete;
 
   // The block from this node's replica holder when it is connected; nullopt otherwise.
-  std::optional<BlockRead> TryHolder(const BlockId& id, uint64_t offset, std::span<char> out);
+  std::optional<BlockRead> TryHolder(const BlockId& id, uint64_t offset, std::span<char> out)
+      EXCLUDES(mu_);
   // Stops pulling and drops both connections (the daemon is stopping); TryHolder then gives
   // nothing. Idempotent.
-  void Stop();
-  ReplicatorStats Stats() const;
+  void Stop() EXCLUDES(mu_);
+  ReplicatorStats Stats() const EXCLUDES(mu_);
   const ReplicatorOptions& options() const { return options_; }
   CooperativeSource* coop() const { return coop_; }
 
  private:
   struct Link {
     std::string node;
-    mutable std::mutex mu;
-    std::shared_ptr<PeerClient> client;  // GUARDED_BY(mu)
+    mutable Mutex mu;  // a leaf: taken after Replicator::mu_, never before
+    std::shared_ptr<PeerClient> client GUARDED_BY(mu);
     // Connect attempts after a failure wait (1 s doubling to 30 s): each makes a UCX worker.
     std::chrono::steady_clock::time_point retry_at{};  // replicator thread only
     std::chrono::milliseconds backoff{1000};
   };
   Replicator(const ReplicatorOptions& options, RetainedTier* tier, BackingDir* dir,
              CooperativeSource* coop);
-  void Loop();
-  void Connect(Link& link);
-  std::shared_ptr<PeerClient> ClientOf(Link& link);
-  void Drop(Link& link, const std::shared_ptr<PeerClient>& client);
+  void Loop() EXCLUDES(mu_);
+  void Connect(Link& link) EXCLUDES(mu_, link.mu);
+  std::shared_ptr<PeerClient> ClientOf(Link& link) EXCLUDES(link.mu);
+  void Drop(Link& link, const std::shared_ptr<PeerClient>& client) EXCLUDES(link.mu);
   // Pulls the predecessor's share of committed checkpoint `dir`; true when complete.
-  bool Pull(const std::string& dir);
+  bool Pull(const std::string& dir) EXCLUDES(mu_);
 
   const ReplicatorOptions options_;
   RetainedTier* const tier_;
@@ -131,11 +132,11 @@ class Replicator {
   const uint32_t holder_;  // who holds this node's replica
   Link pred_link_, holder_link_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;                 // GUARDED_BY(mu_)
-  std::set<std::string> done_;        // GUARDED_BY(mu_): checkpoints pulled completely
-  ReplicatorStats stats_;             // GUARDED_BY(mu_)
+  mutable Mutex mu_ ACQUIRED_BEFORE(pred_link_.mu, holder_link_.mu);
+  std::condition_variable cv_;  // stop_ set; waited on with mu_
+  bool stop_ GUARDED_BY(mu_) = false;
+  std::set<std::string> done_ GUARDED_BY(mu_);  // checkpoints pulled completely
+  ReplicatorStats stats_ GUARDED_BY(mu_);
   std::thread thread_;
 };
 
