@@ -357,7 +357,7 @@ std::string ControlTree::CheckpointsJson() {
 }
 
 // Issue 23: which checkpoints this node holds in memory (its own blocks, replicas of
-// another node's). Those held only as replicas are listed too.
+// another node's). Those held only as replicas of another node's are listed too.
 void ControlTree::AddRetained(nlohmann::json* arr) {
   if (retained_ == nullptr) return;
   std::map<std::string, store::RetainedCheckpoint> held;
@@ -375,8 +375,11 @@ void ControlTree::AddRetained(nlohmann::json* arr) {
     held.erase(it);
   }
   for (const auto& [dir, c] : held) {
+    // This node's own checkpoints are listed by the registry; one it no longer lists (removed,
+    // also behind the mount's back) is not shown from the tier's leftovers either.
+    if (c.origin.empty()) continue;
     arr->push_back({{"path", dir}, {"state", c.committed ? "committed" : "pending"},
-                    {"origin", c.origin.empty() ? "this node" : "replica"},
+                    {"origin", "replica"},
                     {"in_memory", describe(c)}});
   }
 }

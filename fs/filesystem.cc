@@ -2,6 +2,7 @@
 // (a namespace node, a /.ckptfs control file, the tensor view) or of its handle.
 #include "fs/filesystem.h"
 
+#include "store/cache/backing_source.h"
 #include "store/peer/peers.h"
 
 #include <fcntl.h>
@@ -134,6 +135,7 @@ Status Filesystem::Init(FsDeps deps) {
   }
   read_ = std::make_unique<ReadPath>(backing_.get(), index_.get(), std::move(cache_source),
                                      std::move(peers), std::move(cache));
+  read_->SetRetainedTier(retained_.get());
   read_->Start();
 
   const FsParts parts{.backing = backing_.get(), .db = db_.get(), .pool = pool_.get(),
@@ -299,6 +301,11 @@ std::optional<Filesystem::PassthroughSource> Filesystem::PassthroughSourceOf(Han
   }
   auto st = backing_->Fstat(f->fd->get());
   if (!st.ok() || static_cast<uint64_t>(st->st_size) < config_.passthrough_min_bytes) {
+    return std::nullopt;
+  }
+  // This version is held in the retained tier (issue 23): the daemon serves it from memory,
+  // where the kernel would read the backing store.
+  if (retained_ && retained_->Holds(store::BlockIdFromStat(f->block.path, *st), 0)) {
     return std::nullopt;
   }
   return PassthroughSource{f->fd->get(), *st};

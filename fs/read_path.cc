@@ -1,5 +1,7 @@
 #include "fs/read_path.h"
 
+#include "store/cache/retained_tier.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -282,6 +284,14 @@ uint64_t MemAvailableBytes() {
 // kWindow of each at a time (ranks read their files side by side), paced by waiting for the
 // previous window of each file: at most two windows per file in flight, so demand reads of
 // other files are not queued behind the whole checkpoint.
+bool ReadPath::HeldInMemory(const std::string& ckpt) const {
+  if (retained_ == nullptr) return false;
+  for (const store::RetainedCheckpoint& c : retained_->Checkpoints()) {
+    if (c.dir == ckpt && c.committed) return true;
+  }
+  return false;
+}
+
 void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
   constexpr uint64_t kWindow = uint64_t{8} << 20;
   constexpr uint64_t kStep = uint64_t{1} << 20;
@@ -453,6 +463,7 @@ void ReadPath::Run() {
       }
     }
     if (prefetch) {
+      if (HeldInMemory(ckpt)) continue;  // the retained tier serves it: nothing to read ahead
       if (page_cache_.load()) {
         PrefetchIntoPageCache(ckpt);
       } else {

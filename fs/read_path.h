@@ -39,6 +39,10 @@ namespace ckptfs::store::peer {
 class Peers;
 }  // namespace ckptfs::store::peer
 
+namespace ckptfs::store {
+class RetainedTier;
+}  // namespace ckptfs::store
+
 namespace ckptfs::fs {
 
 class ReadPath {
@@ -90,6 +94,10 @@ class ReadPath {
     page_cache_counter_ = counter;
     page_cache_.store(true);
   }
+  // The retained memory tier (issue 23; must outlive Stop()): a checkpoint it holds
+  // committed is served from memory, so a load of it prefetches nothing from the backing
+  // store. Call before Start().
+  void SetRetainedTier(store::RetainedTier* tier) { retained_ = tier; }
 
   store::BlockCache* cache() const { return cache_.get(); }
   store::BackingSource* cache_source() const { return source_.get(); }
@@ -104,6 +112,7 @@ class ReadPath {
   // (fstat), lent to the cache (Adopt), then the item's prefetch or the read-ahead.
   Result<struct stat> BeginRead(FileHandle* h, size_t len, uint64_t offset);
   void PrefetchCheckpoint(const std::string& ckpt) EXCLUDES(mu_);
+  bool HeldInMemory(const std::string& ckpt) const;
   void PrefetchIntoPageCache(const std::string& ckpt) EXCLUDES(mu_);
   bool Stopping() EXCLUDES(mu_);
   // With peers: waits (at most kPlanWait) while `ckpt` is in planning_.
@@ -152,6 +161,7 @@ class ReadPath {
   // Checkpoints prefetched into the page cache, and when (PrefetchIntoPageCache).
   std::map<std::string, std::chrono::steady_clock::time_point> page_cache_done_ GUARDED_BY(mu_);
   std::atomic<bool> prefetch_{true};
+  store::RetainedTier* retained_ = nullptr;  // SetRetainedTier
   std::atomic<bool> page_cache_{false};  // SetPageCachePrefetch
   uint64_t page_cache_min_bytes_ = 0;
   std::atomic<uint64_t>* page_cache_counter_ = nullptr;
