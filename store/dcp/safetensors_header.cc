@@ -105,7 +105,10 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view text, uint64_t
     }
   }
 
-  for (const auto& [name, v] : j.items()) {
+  for (const auto& item : j.items()) {
+    // Not a structured binding: clang 14 (the sanitizer trees) cannot capture one in a lambda.
+    const std::string& name = item.key();
+    const nlohmann::json& v = item.value();
     if (name == "__metadata__") continue;
     auto t_bad = [&](const std::string& why) { return bad("tensor \"" + name + "\": " + why); };
     if (name.empty()) return bad("a tensor has an empty name");
