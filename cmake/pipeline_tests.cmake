@@ -21,8 +21,19 @@ set(CKPTFS_PIPELINE_TEST_FILES
     tests/gpu/staging_pool_test.cc
     CACHE STRING "Test files (relative to the source root) that pipeline_tests compiles")
 
+# Store sources the peer library needs (ckptfs_fs links it whole, so its objects that the
+# linker pulls must find these in the trimmed ckptfs_store).
+set(CKPTFS_PIPELINE_EXTRA_SOURCES
+    store/cache/retained_tier.cc
+    store/dcp/checkpoint_source.cc)
+
 set(_queue)
 set(_tests)
+foreach(f IN LISTS CKPTFS_PIPELINE_EXTRA_SOURCES)
+  if(EXISTS ${CMAKE_SOURCE_DIR}/${f})
+    list(APPEND _queue ${CMAKE_SOURCE_DIR}/${f})
+  endif()
+endforeach()
 foreach(f IN LISTS CKPTFS_PIPELINE_TEST_FILES)
   if(EXISTS ${CMAKE_SOURCE_DIR}/${f})
     list(APPEND _queue ${CMAKE_SOURCE_DIR}/${f})
