@@ -5,7 +5,8 @@
 # reproducer is kept under build-fuzz/fuzz-work/.
 #
 # Environment: FUZZ_SECONDS (per target), FUZZ_JOBS (build parallelism, default 2),
-# FUZZ_BUILD_DIR (default <repo>/build-fuzz).
+# FUZZ_BUILD_DIR (default <repo>/build-fuzz). FUZZ_SECONDS=0 skips (exit 77).
+# FUZZ_RESULT and CKPTFS_SIDE_LOCK: report the run scripts/test.sh made beside the tests.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,6 +15,22 @@ seconds="${FUZZ_SECONDS:-30}"
 jobs="${FUZZ_JOBS:-2}"
 fixtures="$root/tests/fixtures/dcp"
 targets=(pickle_fuzz metadata_fuzz zip_fuzz)
+
+if [[ "$seconds" == 0 ]]; then
+  echo "fuzz.sh: FUZZ_SECONDS=0, skipped"; exit 77
+fi
+# ctest's fuzz.smoke under scripts/test.sh, which runs this step beside the tests holding
+# CKPTFS_SIDE_LOCK and leaves its exit code in FUZZ_RESULT (its output in FUZZ_RESULT.log):
+# wait for it and report that run instead of fuzzing again.
+if [[ -n "${FUZZ_RESULT:-}" && -n "${CKPTFS_SIDE_LOCK:-}" && -e "$CKPTFS_SIDE_LOCK" ]]; then
+  flock "$CKPTFS_SIDE_LOCK" true
+  if [[ -f "$FUZZ_RESULT" ]]; then
+    cat "$FUZZ_RESULT.log" 2>/dev/null
+    rc=$(cat "$FUZZ_RESULT")
+    echo "fuzz.sh: the run beside the tests exited $rc"
+    exit "$rc"
+  fi
+fi
 
 CC=clang CXX=clang++ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCKPTFS_FUZZ=ON -DCKPTFS_BUILD_TESTS=ON >/dev/null

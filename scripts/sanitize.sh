@@ -36,6 +36,8 @@
 #   ASAN_FILTER           gtest filter for the ASan run (default all but the two tests
 #                         that assert a wall-clock bound, see below)
 #   TSAN_FILTER           gtest filter for pipeline_tests (default all of them)
+#   CKPTFS_SIDE_LOCK      `run` first waits for the lock on this file (scripts/test.sh
+#                         builds the trees beside the tests while holding it)
 #   SAN_GTEST_ARGS        extra arguments for every test binary (e.g. --gtest_repeat=3)
 set -uo pipefail
 
@@ -55,6 +57,11 @@ for arg in "$@"; do
 done
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# A ctest entry (run) under scripts/test.sh: its side job may still be building the trees;
+# wait until it is done (CKPTFS_SIDE_LOCK, held by that job) instead of racing it.
+if [[ "$mode" == run && -n "${CKPTFS_SIDE_LOCK:-}" && -e "$CKPTFS_SIDE_LOCK" ]]; then
+  flock "$CKPTFS_SIDE_LOCK" true
+fi
 jobs="${SAN_JOBS:-2}"
 per_binary="${SAN_TIMEOUT:-600}"
 shards="${SAN_SHARDS:-$jobs}"

@@ -17,10 +17,18 @@
 # sanitize.tsan, so ctest's summary and exit code cover them. When ctest gets arguments
 # (a filter) the trees are not built up front; a selected sanitize.* entry builds its own.
 #
-# The output ends with ctest's summary and the exit code is ctest's. The bounded
-# fuzz step (scripts/fuzz.sh, when present) runs before ctest; if it (or the sanitizer
-# build) failed while ctest passed, the exit code is that step's, so neither failure
-# ever passes CI.
+# Side work of a full run (no arguments) runs beside the build and the tests, not before
+# them: on a 2-core machine the suite mostly waits on mounts, sleeps and torch start-up.
+#  * The caches the e2e tests need (the torch 2.x Debian roots, Megatron's source) are
+#    fetched while the build compiles (network and dpkg, nice 10; <build>/prefetch.log).
+#    Each script holds its own lock, so a test that needs one before it is ready waits.
+#  * The instrumented trees (scripts/sanitize.sh build) and the bounded fuzz step
+#    (scripts/fuzz.sh) run at nice 19 while ctest runs the unit and e2e tests, holding
+#    <build>-side.lock (log: <build>-side.log). The ctest entries sanitize.asan,
+#    sanitize.tsan and fuzz.smoke run after every e2e test (DEPENDS), wait for that lock
+#    and report: a failed build, a sanitizer report or a fuzz crash fails its entry.
+# The output ends with ctest's summary and the exit code is ctest's, so no failure of a
+# side step ever passes CI. SANITIZE=0 leaves out the sanitizer and fuzz entries.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -28,12 +36,23 @@ BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-2}
 FUZZ_SECONDS=${FUZZ_SECONDS:-20}
 DEBUG_FLAGS=${DEBUG_FLAGS:--g1}
+export FUZZ_SECONDS
 
 scripts/setup.sh || exit $?
 
 SANITIZE=${SANITIZE:-1}
 san_tests=ON
 [ "$SANITIZE" = 0 ] && san_tests=OFF
+
+mkdir -p "$BUILD_DIR"
+build_abs="$(cd "$BUILD_DIR" && pwd)"
+if [ $# -eq 0 ]; then
+  (
+    nice -n 10 scripts/torch_root.sh trixie
+    nice -n 10 scripts/torch_root.sh sid
+    scripts/megatron_src.sh
+  ) >"$build_abs/prefetch.log" 2>&1 </dev/null &
+fi
 
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 $DEBUG_FLAGS -DNDEBUG" \
@@ -42,34 +61,31 @@ cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 cmake --build "$BUILD_DIR" -j"$JOBS" || exit $?
 echo "test.sh: setup and build took ${SECONDS}s"
 
-san_rc=0
+side_pid=""
 if [ "$san_tests" = ON ] && [ $# -eq 0 ]; then
-  # The instrumented trees sit next to the build tree, where the ctest entries look.
-  build_abs="$(cd "$BUILD_DIR" && pwd)"
-  ASAN_BUILD_DIR="$build_abs-asan" TSAN_BUILD_DIR="$build_abs-tsan" SAN_JOBS="$JOBS" \
-    scripts/sanitize.sh build
-  san_rc=$?
-  [ "$san_rc" -ne 0 ] && echo "test.sh: SANITIZER BUILD FAILED (exit $san_rc)" >&2
-  echo "test.sh: sanitizer builds done at ${SECONDS}s"
-fi
-
-fuzz_rc=0
-if [ -x scripts/fuzz.sh ] && [ "$FUZZ_SECONDS" != 0 ]; then
-  echo "test.sh: fuzz step, FUZZ_SECONDS=$FUZZ_SECONDS per target"
-  FUZZ_SECONDS=$FUZZ_SECONDS timeout --kill-after=30 900 scripts/fuzz.sh
-  fuzz_rc=$?
-  if [ "$fuzz_rc" -ne 0 ]; then
-    echo "test.sh: FUZZ STEP FAILED (exit $fuzz_rc); see above" >&2
-  fi
-  echo "test.sh: fuzz step done at ${SECONDS}s"
+  rm -f "$build_abs-fuzz.result" "$build_abs-fuzz.result.log"
+  # Taken here, before ctest starts, so that no entry can miss it; the subshell keeps it
+  # until its work is done.
+  exec 8>"$build_abs-side.lock"
+  flock 8
+  (
+    ASAN_BUILD_DIR="$build_abs-asan" TSAN_BUILD_DIR="$build_abs-tsan" SAN_JOBS="$JOBS" \
+      nice -n 19 scripts/sanitize.sh build
+    echo "test.sh side: sanitizer builds exit $? at ${SECONDS}s"
+    if [ "$FUZZ_SECONDS" != 0 ]; then
+      FUZZ_BUILD_DIR="$build_abs-fuzz" nice -n 19 timeout --kill-after=30 900 scripts/fuzz.sh \
+        >"$build_abs-fuzz.result.log" 2>&1
+      echo $? >"$build_abs-fuzz.result"
+      echo "test.sh side: fuzz step exit $(cat "$build_abs-fuzz.result") at ${SECONDS}s"
+    fi
+  ) >"$build_abs-side.log" 2>&1 </dev/null &
+  side_pid=$!
+  exec 8>&-
+  echo "test.sh: sanitizer builds and the fuzz step run beside the tests ($build_abs-side.log)"
 fi
 
 ctest --test-dir "$BUILD_DIR" --output-on-failure "$@"
 ctest_rc=$?
-if [ "$ctest_rc" -eq 0 ] && [ "$fuzz_rc" -ne 0 ]; then
-  exit "$fuzz_rc"
-fi
-if [ "$ctest_rc" -eq 0 ] && [ "$san_rc" -ne 0 ]; then
-  exit "$san_rc"
-fi
+# A filtered run may not have waited for the side job: stop it.
+[ -n "$side_pid" ] && kill -- "$side_pid" 2>/dev/null
 exit "$ctest_rc"
