@@ -22,9 +22,12 @@
 //     I/O runs without it: stats and listings (ProbeName, LoadDir, RefreshAttr), the open
 //     of a backing file, the temp file and copy a write, a create or a truncate begins
 //     with, a truncate's wait for flushes and ftruncate, fallocate, the owner and mode of
-//     a staged file's temp, the freeze of a file being written for its publish: each
-//     re-checked under the lock before its result is used (RaceRetry, fs/fs_util.h). What
-//     is still under it is listed in fs/write_states.h.
+//     a staged file's temp, a publish's wait for a writer to let it freeze the file, the
+//     readlink of a symlink: each re-checked under the lock before its result is used
+//     (RaceRetry, fs/fs_util.h). Still under it: the fallbacks after kRaceTries lost
+//     races (fs/write_states.h, fs/posix_ops.h).
+//   * Nothing waits on the pipeline or the journal (Settled, WaitUnlessHalted,
+//     AwaitApplied) with `mu` held, except in those fallbacks.
 //   * read() and write() of an open file never take `mu` unless the write begins a new copy
 //     of the file (its first write, or the first after a publish froze it): they take its
 //     node's data_mu (fs/node.h), a leaf held to copy a few fields.

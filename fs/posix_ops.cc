@@ -187,7 +187,9 @@ Result<Entry> PosixOps::Link(uint64_t ino, uint64_t new_parent, const std::strin
   CKPT_RETURN_IF_ERROR(table_.ProbeName(new_parent, new_name));
   Entry out;
   Result<uint64_t> seq = uint64_t{0};
-  {
+  // A publish the link needs first, or the readlink of a symlink, runs without the lock
+  // (PublishLocked may drop it): then everything is checked again.
+  for (RaceRetry race;; race.Lose()) {
     MutexLock lock(&table_.mu);
     auto node = table_.NodeLocked(ino);
     if (!node) return NotFound("stale inode");
@@ -208,11 +210,23 @@ Result<Entry> PosixOps::Link(uint64_t ino, uint64_t new_parent, const std::strin
       writes_.AssertTable(table_);
       if (node->write->needs_publish) {
         CKPT_RETURN_IF_ERROR(writes_.PublishLocked(node.get()).status());
+        continue;
       }
     }
     if (!node->on_backing) return NotFound("link source is not published");
     if (node->type == NodeType::kSymlink && node->link_target.empty()) {
-      CKPT_ASSIGN_OR_RETURN(node->link_target, backing_->Readlink(table_.PathLocked(node.get())));
+      const std::string path = table_.PathLocked(node.get());
+      if (!race.may_retry()) {
+        CKPT_ASSIGN_OR_RETURN(node->link_target, backing_->Readlink(path));  // keeps moving
+      } else {
+        lock.Unlock();
+        Result<std::string> target = backing_->Readlink(path);
+        lock.Lock();
+        if (!target.ok()) return target.status();
+        // A symlink's target never changes: kept if the name is still where it was read.
+        if (table_.PathLocked(node.get()) == path) node->link_target = *target;
+        continue;
+      }
     }
     const std::string from = table_.PathLocked(node.get());
     const std::string to = JoinPath(table_.PathLocked(dir.get()), new_name);
@@ -250,6 +264,7 @@ Result<Entry> PosixOps::Link(uint64_t ino, uint64_t new_parent, const std::strin
     link->rename_seq = *seq;
     node->pending_seq = std::max(node->pending_seq, *seq);
     out = table_.EntryLocked(link.get());
+    break;
   }
   CKPT_RETURN_IF_ERROR(table_.WaitIfStrict(seq));
   return out;

@@ -7,9 +7,9 @@
 // first, and the copy a fallocate begins. Permission rules are fs/posix_access.h's.
 //
 // Thread-safe. Takes `table.mu` for in-memory work and the journal append (the rule is
-// in fs/node_table.h); the temp file's owner and mode, a truncate and a fallocate run
-// without it and are re-checked under it. Still under it: the readlink a hard link of a
-// symlink whose target was never read makes.
+// in fs/node_table.h); the temp file's owner and mode, a truncate, a fallocate, the
+// publish a link needs first and the readlink of a symlink a link names run without it
+// and are re-checked under it. Still under it: that readlink after kRaceTries lost races.
 #pragma once
 
 #include <sys/stat.h>

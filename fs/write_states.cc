@@ -187,16 +187,45 @@ Status WriteStates::EnsureWritableLocked(Node* node, bool truncate, const Unique
   return Status::Ok();
 }
 
+void WriteStates::AwaitFreezeLocked(const Node* node, MutexLock& lock) {
+  table_.frozen_cv.wait(lock.native(),
+                        [node] { return !(node->write && node->write->freezing); });
+}
+
 Result<uint64_t> WriteStates::PublishLocked(Node* node) {
-  table_.FoldWriteTimeLocked(node);  // the published file keeps the time of its last write
-  WriteState& ws = *node->write;
   {
     // Writers stop taking this copy before it is frozen: one that took it already gets
     // kAborted and retries through WritableStaged, which waits for this publish.
     MutexLock lock(&node->data_mu);
     node->data.accepting = false;
   }
-  auto target = ws.staged->SealAll();
+  if (!node->write->staged->TrySealAll()) {
+    // A write or a truncate of this copy is in progress (a writer may be waiting for
+    // staging space): wait for it to let go without the lock. Meanwhile `freezing` holds
+    // off whoever would change the write state (AwaitFreezeLocked); an unlink may still
+    // discard it, a rename move it, another publish queue it.
+    const std::shared_ptr<StagedFile> staged = node->write->staged;
+    node->write->freezing = true;
+    table_.mu.Unlock();
+    staged->SealAll();
+    table_.mu.Lock();
+    const bool same = node->write && node->write->staged == staged;
+    if (same) node->write->freezing = false;
+    table_.frozen_cv.notify_all();
+    // Published and dropped meanwhile by a concurrent publish: nothing left to queue.
+    if (!same) {
+      if (!node->error.empty()) return Status(Code::kIo, node->error);
+      return uint64_t{0};
+    }
+    if (node->write->discarded) {
+      staged->Thaw();  // unlinked meanwhile: never published, written on as it is
+      return uint64_t{0};
+    }
+    if (!node->write->needs_publish) return node->write->publish_seq;  // queued meanwhile
+  }
+  table_.FoldWriteTimeLocked(node);  // the published file keeps the time of its last write
+  WriteState& ws = *node->write;
+  auto target = ws.staged->target();
   store::JournalEntry e;
   e.op = store::OpType::kPublish;
   e.path = table_.PathLocked(node);
@@ -304,6 +333,11 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
   for (RaceRetry race;; race.Lose()) {
     node = table_.NodeLocked(ino);
     if (!node) return NotFound("stale inode");
+    if (writable && (flags & O_TRUNC) && node->write && node->write->freezing) {
+      AwaitFreezeLocked(node.get(), lock);  // then it is published: cut the next copy
+      node = table_.NodeLocked(ino);
+      if (!node) return NotFound("stale inode");
+    }
     // Its staged bytes may have been published since the wait above: then the backing
     // path must be current before it is opened (a rename may still be pending).
     while (!node->write && node->on_backing) {
@@ -322,7 +356,27 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
       return Status(Code::kTooManyLinks, "a file with several hard links cannot be rewritten");
     }
     if (writable && (flags & O_TRUNC)) {
-      if ((!node->write || !node->write->needs_publish) && race.may_retry()) {
+      if (node->write && node->write->needs_publish) {
+        // Being written through another handle: cut what it holds. The cut waits for the
+        // file's flushes: without the lock, unless races were lost a few times.
+        const std::shared_ptr<StagedFile> staged = node->write->staged;
+        Status cut;
+        if (race.may_retry()) {
+          lock.Unlock();
+          cut = staged->Truncate(0);
+          lock.Lock();
+          // Frozen by a publish, or published and copied, meanwhile: start over.
+          if (cut.code() == Code::kAborted) continue;
+          if (table_.NodeLocked(ino) != node || !node->write || node->write->staged != staged) {
+            continue;
+          }
+        } else {
+          cut = staged->Truncate(0);
+        }
+        CKPT_RETURN_IF_ERROR(cut);
+        // A new version: no commit appended before now names it.
+        node->write->began_after = publication_->last_appended();
+      } else if (race.may_retry()) {
         // A new, empty copy: its temp file is made without table_.mu (as a first write's).
         WritePlan plan = PlanWriteLocked(node.get(), /*truncate=*/true, nullptr);
         lock.Unlock();
@@ -340,11 +394,8 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
         node->write->needs_publish = true;
         table_.SyncDataLocked(node.get());
       } else {
+        // The name keeps changing: a new, empty copy under the lock.
         CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), /*truncate=*/true));
-        // Being written through another handle: cut what it holds (waits for its flushes).
-        CKPT_RETURN_IF_ERROR(node->write->staged->Truncate(0));
-        // A new version: no commit appended before now names it.
-        node->write->began_after = publication_->last_appended();
       }
     }
     // Without O_TRUNC, opening for writing starts nothing: the first write does (Write).
@@ -406,6 +457,7 @@ Result<std::shared_ptr<StagedFile>> WriteStates::WritableStaged(FileHandle* h) {
     WritePlan plan;
     {
       MutexLock lock(&table_.mu);
+      AwaitFreezeLocked(node, lock);  // a publish freezing this copy: write into the next
       if (!node->error.empty()) return Status(Code::kIo, node->error);
       if (node->write && (node->write->discarded || node->write->needs_publish)) {
         // Unlinked (keeps its bytes, never published), or a copy another write began.
@@ -458,6 +510,7 @@ Result<uint64_t> WriteStates::Resize(uint64_t ino, uint64_t size, const FileHand
       MutexLock lock(&table_.mu);
       std::shared_ptr<Node> node = table_.NodeLocked(ino);
       if (!node) return NotFound("stale inode");
+      AwaitFreezeLocked(node.get(), lock);  // then it is published: truncate the next copy
       if (!node->error.empty()) return Status(Code::kIo, node->error);
       if (node->write && node->write->needs_publish) {
         staged = node->write->staged;
@@ -556,15 +609,16 @@ bool WriteStates::ReleaseFileLocked(FileHandle* h) {
   Node* node = h->node.get();
   node->open_files--;
   if (h->writable) node->open_writers--;
-  if (node->write) {
-    WriteState& ws = *node->write;
-    // The last writer publishes (a file made by O_RDONLY|O_CREAT: its only handle).
-    if (node->open_writers == 0 && ws.needs_publish && node->parent != nullptr) {
-      auto seq = PublishLocked(node);
-      if (!seq.ok()) {
-        table_.NoteError("publish " + table_.PathLocked(node) + ": " + seq.status().ToString());
-      }
+  // The last writer publishes (a file made by O_RDONLY|O_CREAT: its only handle).
+  if (node->write && node->open_writers == 0 && node->write->needs_publish &&
+      node->parent != nullptr) {
+    auto seq = PublishLocked(node);  // may drop the lock: what follows reads the node again
+    if (!seq.ok()) {
+      table_.NoteError("publish " + table_.PathLocked(node) + ": " + seq.status().ToString());
     }
+  }
+  if (node->write) {
+    const WriteState& ws = *node->write;
     if (node->open_files == 0 && !ws.needs_publish && ws.publish_seq <= publication_->applied() &&
         table_.publishing.count(ws.file_id) == 0) {
       DropWriteStateLocked(node);  // fully published: the backing file is the truth again
@@ -578,7 +632,10 @@ bool WriteStates::ReleaseFileLocked(FileHandle* h) {
 uint64_t WriteStates::PublishOpenFiles() {
   uint64_t unpublished = 0;
   MutexLock lock(&table_.mu);
-  for (auto& [ino, node] : table_.inodes) {
+  // A publish may drop the lock (PublishLocked): the table may change meanwhile.
+  std::vector<std::shared_ptr<Node>> nodes;
+  for (const auto& [ino, node] : table_.inodes) nodes.push_back(node);
+  for (const auto& node : nodes) {
     if (node->write && node->write->needs_publish && node->parent != nullptr) {
       auto seq = PublishLocked(node.get());
       if (!seq.ok()) ++unpublished;

@@ -9,12 +9,15 @@
 // files) and the key index and read path (an open of a committed checkpoint's file).
 //
 // Thread-safe. Takes the table's lock, `table.mu`, for in-memory work and the journal
-// append (the rule is in fs/node_table.h); helpers named *Locked require it. Still under
-// it: the fallbacks after kRaceTries lost races (a write's, a create's or a truncate's
-// copy, an open of a backing file), an O_TRUNC open of a file another handle is
-// writing (the cut waits for that file's flushes), a publish freezing a file whose writer
-// waits for staging space (StagedFile::SealAll takes the writer lock), and
-// PublishOpenFiles at shutdown. staged_mu_ (the live staged files) is a leaf.
+// append (the rule is in fs/node_table.h); helpers named *Locked require it. Without it:
+// the temp file and copy a write, a create, an O_TRUNC open or a truncate begins with
+// (plan, PrepareWrite, install), the cut of an O_TRUNC open or a truncate of a file being
+// written (it waits for the file's flushes), and a publish's freeze of a file whose
+// writer is inside a write (StagedFile::SealAll waits for it; WriteState::freezing holds
+// off other changes of that write state meanwhile, AwaitFreezeLocked). Still under it:
+// the fallbacks after kRaceTries lost races (a write's, a create's or an O_TRUNC open's
+// copy, an O_TRUNC open's cut, an open of a backing file). staged_mu_ (the live staged
+// files) is a leaf.
 #pragma once
 
 #include <sys/types.h>
@@ -91,7 +94,11 @@ class WriteStates {
   Result<uint64_t> DiscardLocked(Node* node, const std::string& path) REQUIRES(table_.mu);
   // Forgets the write state of a fully published file, keeping its size.
   void DropWriteStateLocked(Node* node) REQUIRES(table_.mu);
-  // Queues the publication of `node`'s staged contents; returns the entry's seq.
+  // Queues the publication of `node`'s staged contents (node->write->needs_publish);
+  // returns the entry's seq. Freezing the contents may wait for a write in progress: then
+  // the lock is released meanwhile (the caller re-checks what it read before), and the
+  // result is the seq of a publish queued meanwhile, or 0 if the file was unlinked
+  // (discarded) or published and dropped meanwhile.
   Result<uint64_t> PublishLocked(Node* node) REQUIRES(table_.mu);
   // The staged file a write through `h` goes to, beginning a copy when needed.
   Result<std::shared_ptr<StagedFile>> WritableStaged(FileHandle* h) EXCLUDES(table_.mu);
@@ -129,6 +136,9 @@ class WriteStates {
   bool PlanHoldsLocked(const Node& node, const WritePlan& plan) const REQUIRES(table_.mu);
   // Returns whether the node's write state was dropped (then RefreshAttr it).
   bool ReleaseFileLocked(FileHandle* h) REQUIRES(table_.mu);
+  // Waits, the lock released meanwhile, while a publish freezes `node`'s write state
+  // (WriteState::freezing); the caller re-checks the node after.
+  void AwaitFreezeLocked(const Node* node, MutexLock& lock) REQUIRES(table_.mu);
 
   // ------------------------------------------------------------ dependencies (borrowed)
   const FsConfig& config_;
