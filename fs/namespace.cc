@@ -328,6 +328,7 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
     table_.TouchDirLocked(dst_dir.get(), (moves_dir ? 1 : 0) -
                                       (victim && victim->type == NodeType::kDir ? 1 : 0));
     src_dir->children.erase(name);
+    src_dir->names_removed++;
     node->parent = dst_dir.get();
     node->name = new_name;
     dst_dir->children[new_name] = node;

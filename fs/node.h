@@ -83,6 +83,7 @@ struct Node {
   // Directories.
   bool loaded = false;
   std::map<std::string, std::shared_ptr<Node>> children;
+  uint64_t names_removed = 0;  // children that left through the mount (NodeTable::ProbeName)
   // Files being written; null when the backing file is the whole truth. Kept while any
   // handle of the file is open, so no handle ever loses the bytes it reads (the backing
   // file a handle opened before the write state existed is an older inode once the new

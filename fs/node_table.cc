@@ -120,6 +120,7 @@ std::shared_ptr<Node> NodeTable::ChildLocked(Node* dir, const std::string& name)
 void NodeTable::DetachLocked(const std::shared_ptr<Node>& node) {
   if (node->parent != nullptr) {
     node->parent->children.erase(node->name);
+    node->parent->names_removed++;
     node->parent = nullptr;
   }
   ForgetIfUnusedLocked(node.get());
@@ -234,6 +235,7 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
   // from the backing store (nothing of it pending), else nothing.
   std::shared_ptr<Node> child;
   std::string path;
+  uint64_t removed = 0;  // the directory's names_removed when the stat was planned
   auto probe_path = [&](Node* dir) REQUIRES(mu) -> std::string {
     if (child) {
       const bool fresh = child->on_backing && !child->write && QuiescentLocked(child.get());
@@ -250,6 +252,7 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
     if (it != dir->children.end()) child = it->second;
     path = probe_path(dir.get());
     if (path.empty()) return Status::Ok();
+    removed = dir->names_removed;
   }
   Result<struct stat> st = backing_->Stat(path);  // without mu
   MutexLock lock(&mu);
@@ -257,8 +260,16 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
   if (!dir || dir->type != NodeType::kDir || !dir->loaded) return Status::Ok();
   auto it = dir->children.find(name);
   const std::shared_ptr<Node> now = it == dir->children.end() ? nullptr : it->second;
-  // Changed through the mount meanwhile: its view is the truth, not this stat.
-  if (now != child || probe_path(dir.get()) != path) return Status::Ok();
+  // Changed through the mount meanwhile: its view is the truth, not this stat. A name
+  // absent from the view before and after the stat was not touched through the mount if
+  // no name left the directory meanwhile (making it would have left it in the view): its
+  // stat stands even if the directory has other entries pending since.
+  if (now != child) return Status::Ok();
+  if (child ? probe_path(dir.get()) != path
+            : !dir->on_backing || dir->names_removed != removed ||
+                  JoinPath(PathLocked(dir.get()), name) != path) {
+    return Status::Ok();
+  }
   if (child) {
     // Freshness: a published name that someone removed from the backing store is gone.
     if (!st.ok() && st.status().code() == Code::kNotFound) {
