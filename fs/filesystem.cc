@@ -266,7 +266,7 @@ Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t o
     std::memcpy(out, c->content.data() + offset, n);
     return n;
   } else if (FileHandle* f = h->file()) {
-    // The data path: the node's data_mu only, never ns_mu_.
+    // The data path: the node's data_mu only, never the table's lock.
     std::shared_ptr<StagedFile> staged;
     {
       MutexLock lock(&f->node->data_mu);
