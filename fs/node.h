@@ -37,9 +37,9 @@ struct WriteState {
   bool needs_publish = true;     // changed since its last publish entry
   uint64_t publish_seq = 0;      // last publish entry of this file, 0 if none
   bool discarded = false;        // unlinked before publication: never published
-  // A publish waits, without the table's lock, for a write in progress to let it freeze
-  // `staged` (WriteStates::PublishLocked); whoever would change this state waits too.
-  bool freezing = false;
+  // Publishes waiting, without the table's lock, for a write in progress to let them
+  // freeze `staged` (WriteStates::PublishLocked); whoever would change this state waits.
+  int freezing = 0;
   // The journal's last sequence number when this version's writes began (made, or cut to
   // zero by O_TRUNC): a commit appended at or before it names an earlier version, and
   // never waits for this one (G10).

@@ -189,7 +189,7 @@ Status WriteStates::EnsureWritableLocked(Node* node, bool truncate, const Unique
 
 void WriteStates::AwaitFreezeLocked(const Node* node, MutexLock& lock) {
   table_.frozen_cv.wait(lock.native(),
-                        [node] { return !(node->write && node->write->freezing); });
+                        [node] { return !(node->write && node->write->freezing > 0); });
 }
 
 Result<uint64_t> WriteStates::PublishLocked(Node* node) {
@@ -205,12 +205,12 @@ Result<uint64_t> WriteStates::PublishLocked(Node* node) {
     // off whoever would change the write state (AwaitFreezeLocked); an unlink may still
     // discard it, a rename move it, another publish queue it.
     const std::shared_ptr<StagedFile> staged = node->write->staged;
-    node->write->freezing = true;
+    node->write->freezing++;
     table_.mu.Unlock();
     staged->SealAll();
     table_.mu.Lock();
     const bool same = node->write && node->write->staged == staged;
-    if (same) node->write->freezing = false;
+    if (same) node->write->freezing--;
     table_.frozen_cv.notify_all();
     // Published and dropped meanwhile by a concurrent publish: nothing left to queue.
     if (!same) {
@@ -333,7 +333,7 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
   for (RaceRetry race;; race.Lose()) {
     node = table_.NodeLocked(ino);
     if (!node) return NotFound("stale inode");
-    if (writable && (flags & O_TRUNC) && node->write && node->write->freezing) {
+    if (writable && (flags & O_TRUNC) && node->write && node->write->freezing > 0) {
       AwaitFreezeLocked(node.get(), lock);  // then it is published: cut the next copy
       node = table_.NodeLocked(ino);
       if (!node) return NotFound("stale inode");
