@@ -81,7 +81,7 @@ Status Filesystem::Init(FsDeps deps) {
   pub_options.cross_node_order = config_.peers != nullptr;
   // Strict mode returns every failure to the operation that caused it: nothing waits.
   pub_options.halt_on_failure = !config_.strict;
-  pub_options.temp_prefix = Namespace::TempPrefix(config_);
+  pub_options.temp_prefix = WriteStates::TempPrefix(config_);
   pub_options.retained = retained_.get();
   if (config_.peers) {
     // Shards written through other mounts: ask their daemons (docs/PEERS.md, "Commit query").
@@ -143,11 +143,11 @@ Status Filesystem::Init(FsDeps deps) {
                       .index = index_.get(), .read = read_.get(), .tensors = tensors_.get(),
                       .stats = &stats_, .retained = retained_.get()};
   CKPT_ASSIGN_OR_RETURN(ns_, Namespace::Create(config_, parts));
-  pool_->SetPressureCallback([this] { ns_->RelieveStagingPressure(); });
+  pool_->SetPressureCallback([this] { ns_->writes().RelieveStagingPressure(); });
   // Publication reports to the namespace from here on: the entries the last stop left go
   // first, before the mount serves.
-  publication_->Start(ns_.get());
-  control_ = std::make_unique<ControlTree>(config_, parts, ns_.get());
+  publication_->Start(&ns_->events());
+  control_ = std::make_unique<ControlTree>(config_, parts, &ns_->report());
   // Peers are served once the namespace exists: their commit queries ask it (PendingLocally).
   if (read_->peers()) {
     read_->peers()->SetShardStateProvider(publication_->shard_states());
@@ -182,14 +182,14 @@ Result<Entry> Filesystem::Lookup(uint64_t parent, const std::string& name) {
 Result<struct stat> Filesystem::GetAttr(uint64_t ino) {
   if (TensorView::Owns(ino)) return tensors_->GetAttr(ino);
   if (ControlTree::IsControl(ino)) return control_->CtlGetAttr(ino);
-  return ns_->NodeGetAttr(ino);
+  return ns_->table().GetAttr(ino);
 }
 
 void Filesystem::Forget(uint64_t ino, uint64_t nlookup) { ns_->Forget(ino, nlookup); }
 
 Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int to_set,
                                         Handle* handle, const Caller& caller) {
-  return ns_->SetAttr(ino, in, to_set, handle, caller);
+  return ns_->posix().SetAttr(ino, in, to_set, handle, caller);
 }
 
 Result<Entry> Filesystem::Mkdir(uint64_t parent, const std::string& name, mode_t mode,
@@ -209,11 +209,11 @@ Result<Entry> Filesystem::Mknod(uint64_t parent, const std::string& name, mode_t
 
 Result<Entry> Filesystem::Link(uint64_t ino, uint64_t new_parent, const std::string& new_name,
                                const Caller& caller) {
-  return ns_->Link(ino, new_parent, new_name, caller);
+  return ns_->posix().Link(ino, new_parent, new_name, caller);
 }
 
 Status Filesystem::Fallocate(Handle* h, int mode, uint64_t offset, uint64_t length) {
-  return ns_->Fallocate(h, mode, offset, length);
+  return ns_->posix().Fallocate(h, mode, offset, length);
 }
 
 Result<std::string> Filesystem::Readlink(uint64_t ino) { return ns_->Readlink(ino); }
@@ -234,13 +234,13 @@ Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new
 Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std::string& name,
                                                      mode_t mode, int flags,
                                                      const Caller& caller) {
-  return ns_->Create(parent, name, mode, flags, caller);
+  return ns_->writes().Create(parent, name, mode, flags, caller);
 }
 
 Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
   Result<Handle*> h = ControlTree::IsControl(ino) || TensorView::Owns(ino)
                            ? control_->CtlOpen(ino, flags)
-                           : ns_->NodeOpen(ino, flags);
+                           : ns_->writes().NodeOpen(ino, flags);
   if (!h.ok()) return LogIfIo("open", ino, 0, h.status());
   return h;
 }
@@ -266,7 +266,7 @@ Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t o
     std::memcpy(out, c->content.data() + offset, n);
     return n;
   } else if (FileHandle* f = h->file()) {
-    // The data path: the node's data_mu only, never ns_mu_.
+    // The data path: the node's data_mu only, never the table's lock.
     std::shared_ptr<StagedFile> staged;
     {
       MutexLock lock(&f->node->data_mu);
@@ -338,20 +338,20 @@ Result<std::optional<size_t>> Filesystem::ReadInPlace(Handle* h, size_t len, uin
 Status Filesystem::Write(Handle* h, ByteSource& src, uint64_t offset) {
   FileHandle* f = h->file();
   if (f == nullptr) return Status(Code::kPermission, "not open for writing");
-  return LogIfIo("write", h->ino(), offset, ns_->WriteData(f, src, offset));
+  return LogIfIo("write", h->ino(), offset, ns_->writes().WriteData(f, src, offset));
 }
 
 Status Filesystem::Flush(Handle* h) {
   FileHandle* f = h->file();
   if (f == nullptr) return Status::Ok();
-  return LogIfIo("flush", h->ino(), 0, ns_->FlushData(f));
+  return LogIfIo("flush", h->ino(), 0, ns_->writes().FlushData(f));
 }
 
 Status Filesystem::Fsync(Handle* h) { return Flush(h); }
 
 void Filesystem::Release(Handle* h) {
   std::unique_ptr<Handle> owned(h);
-  if (FileHandle* f = h->file()) ns_->ReleaseFile(f);
+  if (FileHandle* f = h->file()) ns_->writes().ReleaseFile(f);
 }
 
 void Filesystem::ReleaseDir(Handle* h) { delete h; }
@@ -378,7 +378,7 @@ uint64_t Filesystem::Shutdown(const std::function<void(const std::string&)>& wai
     return 0;
   }
   // Files still open (a lazy unmount) are published as they are now (G8).
-  uint64_t unpublished = ns_ ? ns_->PublishOpenFiles() : 0;
+  uint64_t unpublished = ns_ ? ns_->writes().PublishOpenFiles() : 0;
   store::Journal* journal = publication_->journal();
   spdlog::info("draining: {} journal entries pending", journal->pending());
   // A halted journal gets one more attempt; while publication progresses the stop waits.

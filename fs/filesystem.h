@@ -4,15 +4,18 @@
 // Status into a reply. The facade makes the dependencies (Create), drains at shutdown,
 // and routes each call by the kind of its inode or handle (fs/handle.h) to the unit that
 // owns it:
-//   Namespace    fs/namespace.h: inode table, the overlay (the application's view =
-//                backing store + pending journal entries), the namespace operations, the
-//                write path (begin, publish, discard, release, staging pressure) and the
-//                journal's callbacks; its lock, ns_mu_, and the locking rule are there;
+//   Namespace    fs/namespace.h: the operations on names, and the parts it builds over
+//                one node table: NodeTable (fs/node_table.h: inodes, the overlay = backing
+//                store + pending journal entries, getattr; its lock and the locking rule
+//                are there), WriteStates (fs/write_states.h: create, open, write, flush,
+//                release, publish), PosixOps (fs/posix_ops.h: setattr, link, fallocate),
+//                JournalEvents (publication's observer), NamespaceReport (the control
+//                tree's view);
 //   ReadPath     fs/read_path.h: block cache, prefetch, read checksums;
 //   ControlTree  fs/control_tree.h: the /.ckptfs tree and the user.ckptfs.* xattrs;
 //   TensorView   fs/tensor_view.h: the tensors/ view below /.ckptfs.
 // The facade holds no lock of its own. Read and Write of a file take no namespace lock
-// (see the locking rule in fs/namespace.h).
+// (see the locking rule in fs/node_table.h).
 #pragma once
 
 #include <sys/stat.h>
@@ -185,7 +188,7 @@ class Filesystem {
   // bytes (read-your-writes) or its backing file through the block cache.
   Result<size_t> ReadData(Handle* h, char* out, size_t len, uint64_t offset);
   Status LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status st) {
-    return ns_->LogIfIo(op, ino, offset, std::move(st));
+    return ns_->table().LogIfIo(op, ino, offset, std::move(st));
   }
 
   // ------------------------------------------------------------ dependencies

@@ -29,7 +29,7 @@ inline Status CheckName(const std::string& name) {
   return Status::Ok();
 }
 
-// The retry rule of work planned under ns_mu_, done without it and checked again under it
+// The retry rule of work planned under NodeTable::mu, done without it and checked again under it
 // (the copy a write begins, the backing open of a file, a truncate of a staged file): a
 // change of the node in between (a rename, a publish freezing its contents, another
 // handle's copy) loses the race, and the work starts over from what the node is now.

@@ -1,60 +1,58 @@
-// What the namespace reports: the NamespaceView the control tree reads (names of inodes,
-// counts, the progress of a path's publication) and the EIO log line of a failed call.
-#include <spdlog/spdlog.h>
+// What the namespace reports (fs/namespace_report.h): the NamespaceView the control tree
+// reads (names of inodes, counts, the progress of a path's publication).
+#include "fs/namespace_report.h"
 
 #include <algorithm>
-#include <chrono>
 #include <nlohmann/json.hpp>
 
 #include "common/json_text.h"
 #include "fs/fs_util.h"
-#include "fs/namespace.h"
 
 namespace ckptfs::fs {
-namespace {
 
-// EIO lines logged per second at most; the rest are counted and reported with the next.
-constexpr int kIoLogsPerSecond = 20;
+NamespaceReport::NamespaceReport(const FsConfig& config, const FsParts& parts, NodeTable& table)
+    : config_(config),
+      table_(table),
+      backing_(parts.backing),
+      publication_(parts.publication) {}
 
-}  // namespace
-
-Result<std::string> Namespace::PathOf(uint64_t ino) {
-  MutexLock lock(&ns_mu_);
-  auto node = NodeLocked(ino);
+Result<std::string> NamespaceReport::PathOf(uint64_t ino) {
+  MutexLock lock(&table_.mu);
+  auto node = table_.NodeLocked(ino);
   if (!node) return NotFound("stale inode");
-  return PathLocked(node.get());
+  return table_.PathLocked(node.get());
 }
 
-Result<std::string> Namespace::DirPathOf(uint64_t ino) {
-  MutexLock lock(&ns_mu_);
-  auto node = NodeLocked(ino);
+Result<std::string> NamespaceReport::DirPathOf(uint64_t ino) {
+  MutexLock lock(&table_.mu);
+  auto node = table_.NodeLocked(ino);
   if (!node || node->type != NodeType::kDir) return Invalid("not a directory");
-  return PathLocked(node.get());
+  return table_.PathLocked(node.get());
 }
 
-NamespaceView::Counts Namespace::CountNodes() {
+NamespaceView::Counts NamespaceReport::CountNodes() {
   const uint64_t applied = publication_->applied();
-  MutexLock lock(&ns_mu_);
+  MutexLock lock(&table_.mu);
   Counts counts;
-  for (const auto& [_, node] : inodes_) {
+  for (const auto& [_, node] : table_.inodes) {
     if (node->write &&
         (node->write->needs_publish || node->write->publish_seq > applied)) {
       ++counts.files_pending;
     }
   }
-  counts.inodes = inodes_.size();
+  counts.inodes = table_.inodes.size();
   return counts;
 }
 
-std::string Namespace::ProgressJson(uint64_t ino) {
+std::string NamespaceReport::ProgressJson(uint64_t ino) {
   nlohmann::json j = {{"state", "published"}, {"bytes_total", 0}, {"bytes_done", 0}, {"error", ""}};
   if (ino < kFirstNodeIno && ino != kRootIno) return JsonText(j);
   bool foreign_commit = false;
   std::string dir_path;
   double since = 0;  // when this node began writing the checkpoint (0: unknown)
   {
-    MutexLock lock(&ns_mu_);
-    auto node = NodeLocked(ino);
+    MutexLock lock(&table_.mu);
+    auto node = table_.NodeLocked(ino);
     if (!node) return JsonText(j);
     const uint64_t applied = publication_->applied();
     if (node->type == NodeType::kFile) {
@@ -88,7 +86,7 @@ std::string Namespace::ProgressJson(uint64_t ino) {
       }
       return JsonText(j);
     }
-    const std::string path = PathLocked(node.get());
+    const std::string path = table_.PathLocked(node.get());
     if (auto info = publication_->registry()->Get(path)) {
       j["state"] = store::CkptStateName(info->state);
       j["bytes_total"] = info->bytes;
@@ -130,7 +128,7 @@ std::string Namespace::ProgressJson(uint64_t ino) {
         return false;
       };
       uint64_t total = 0, done = 0;
-      for (const auto& [_, n] : inodes_) {
+      for (const auto& [_, n] : table_.inodes) {
         if (n->type != NodeType::kFile || !n->write) continue;
         const WriteState& ws = *n->write;
         if (!ws.needs_publish && ws.publish_seq <= applied) continue;
@@ -150,39 +148,14 @@ std::string Namespace::ProgressJson(uint64_t ino) {
     // its coordinator rank has published `.metadata` (G5: only after every shard).
     if (CommittedElsewhere(backing_, dir_path, since)) {
       j["state"] = "committed";
-      if (since != 0) publication_->registry()->OnCommitted(dir_path);  // its record says so from now on
+      // Its record says so from now on.
+      if (since != 0) publication_->registry()->OnCommitted(dir_path);
     } else {
       j["state"] = "pending";
       j["waiting_for"] = ".metadata from another node";
     }
   }
   return JsonText(j);
-}
-
-Status Namespace::LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status st) {
-  if (st.ok() || st.ToErrno() != EIO) return st;
-  const int64_t second = std::chrono::duration_cast<std::chrono::seconds>(
-                             std::chrono::steady_clock::now().time_since_epoch())
-                             .count();
-  if (io_log_second_.exchange(second) != second) io_logged_ = 0;
-  if (io_logged_.fetch_add(1) >= kIoLogsPerSecond) {
-    io_suppressed_.fetch_add(1);
-    return st;
-  }
-  std::string path = "(control file)";
-  if (ino == kRootIno || ino >= kFirstNodeIno) {
-    MutexLock lock(&ns_mu_);
-    auto node = NodeLocked(ino);
-    path = !node                      ? "(forgotten)"
-           : node->ino == kRootIno    ? ""
-           : node->parent != nullptr  ? PathLocked(node.get())
-                                      : "(unlinked) " + node->name;
-  }
-  const uint64_t suppressed = io_suppressed_.exchange(0);
-  spdlog::warn("EIO to the application: {} ino {} path '{}' offset {}: {}{}", op, ino, path,
-               offset, st.ToString(),
-               suppressed ? fmt::format(" ({} more not logged)", suppressed) : std::string());
-  return st;
 }
 
 }  // namespace ckptfs::fs

@@ -3,9 +3,14 @@
 // The view is the backing store plus every journal entry not yet applied. A directory
 // is loaded from the backing store on first use; from then on its `children` are the
 // truth for the mount, and journal entries change the backing store to match in order.
-// All fields are guarded by Namespace::ns_mu_ unless noted. (Clang cannot name another
-// object's mutex on these fields; the Namespace helpers that touch them are REQUIRES(ns_mu_).)
-// `data` is the exception: the data path reads it under the node's own `data_mu`.
+// Locking: every field of Node and WriteState but Node::data is guarded by the node
+// table's lock, NodeTable::mu (fs/node_table.h). They carry no GUARDED_BY: clang's
+// analysis names a mutex by the expression that reaches it from the guarded field's
+// object, and a node has no member that reaches its table (one pointer per node would
+// name a different expression per node, `child->mu` vs `table_.mu`, which the analysis
+// cannot prove equal). What the analysis does check instead: every function that touches
+// these fields is a NodeTable/part method annotated REQUIRES(table_.mu) or takes it.
+// `data` is guarded by the node's own `data_mu` (annotated): the data path reads it.
 #pragma once
 
 #include <sys/stat.h>
@@ -32,6 +37,9 @@ struct WriteState {
   bool needs_publish = true;     // changed since its last publish entry
   uint64_t publish_seq = 0;      // last publish entry of this file, 0 if none
   bool discarded = false;        // unlinked before publication: never published
+  // Publishes waiting, without the table's lock, for a write in progress to let them
+  // freeze `staged` (WriteStates::PublishLocked); whoever would change this state waits.
+  int freezing = 0;
   // The journal's last sequence number when this version's writes began (made, or cut to
   // zero by O_TRUNC): a commit appended at or before it names an earlier version, and
   // never waits for this one (G10).
@@ -39,9 +47,9 @@ struct WriteState {
 };
 
 // What read() and write() of an open file need of its node: a copy of the write state's
-// current contents and the file's error, kept by the namespace (Namespace::SyncDataLocked
+// current contents and the file's error, kept by the table (NodeTable::SyncDataLocked
 // after every change of Node::write or Node::error), so the data path never takes
-// Namespace::ns_mu_, which namespace work holds across backing-store I/O.
+// NodeTable::mu, which namespace work holds.
 struct NodeData {
   std::shared_ptr<StagedFile> staged;  // Node::write->staged, or null
   bool accepting = false;              // writes go to `staged` (needs_publish or discarded)
@@ -80,6 +88,7 @@ struct Node {
   // Directories.
   bool loaded = false;
   std::map<std::string, std::shared_ptr<Node>> children;
+  uint64_t names_removed = 0;  // children that left through the mount (NodeTable::ProbeName)
   // Files being written; null when the backing file is the whole truth. Kept while any
   // handle of the file is open, so no handle ever loses the bytes it reads (the backing
   // file a handle opened before the write state existed is an older inode once the new
@@ -92,7 +101,7 @@ struct Node {
   // its bytes are still served from staging and its temp file.
   std::string halt_error;
   bool halt_transient = false;  // retried by itself
-  // Lock order: Namespace::ns_mu_ before data_mu. A leaf: held only to copy NodeData.
+  // Lock order: NodeTable::mu before data_mu. A leaf: held only to copy NodeData.
   mutable Mutex data_mu;
   NodeData data GUARDED_BY(data_mu);
 };

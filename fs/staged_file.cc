@@ -77,7 +77,10 @@ Status MemorySource::CopyTo(char* out, size_t n) {
 Status StagedFile::Write(ByteSource& src, uint64_t offset) {
   size_t len = src.size();
   MutexLock write_lock(&write_mu_);
-  if (frozen_) return Status(Code::kAborted, "file is frozen for publication");
+  {
+    MutexLock lock(&mu_);
+    if (frozen_) return Status(Code::kAborted, "file is frozen for publication");
+  }
   CKPT_RETURN_IF_ERROR(target_->Error());
   const size_t cap = ctx_.pool->chunk_bytes();
   while (len > 0) {
@@ -173,9 +176,9 @@ Result<size_t> StagedFile::Read(char* out, size_t len, uint64_t offset) {
 
 Status StagedFile::Truncate(uint64_t size) {
   MutexLock write_lock(&write_mu_);
-  if (frozen_) return Status(Code::kAborted, "file is frozen for publication");
   {
     MutexLock lock(&mu_);
+    if (frozen_) return Status(Code::kAborted, "file is frozen for publication");
     SealLocked();
   }
   target_->WaitIdle();
@@ -191,11 +194,29 @@ Status StagedFile::Truncate(uint64_t size) {
 }
 
 std::shared_ptr<store::FlushTarget> StagedFile::SealAll() {
+  freezes_waiting_.fetch_add(1);
   MutexLock write_lock(&write_mu_);
-  frozen_ = true;
+  freezes_waiting_.fetch_sub(1);
   MutexLock lock(&mu_);
+  frozen_ = true;
   SealLocked();
   return target_;
+}
+
+bool StagedFile::TrySealAll() {
+  if (!write_mu_.TryLock()) return false;
+  {
+    MutexLock lock(&mu_);
+    frozen_ = true;
+    SealLocked();
+  }
+  write_mu_.Unlock();
+  return true;
+}
+
+void StagedFile::Thaw() {
+  MutexLock lock(&mu_);
+  frozen_ = false;
 }
 
 void StagedFile::SealIfIdle() {

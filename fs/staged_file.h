@@ -13,6 +13,7 @@
 // pool or the pipeline.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -81,9 +82,18 @@ class StagedFile : public std::enable_shared_from_this<StagedFile> {
   // Changes the size: waits for in-flight flushes, then truncates the temp file.
   Status Truncate(uint64_t size);
   // Seals the active chunk so that every byte written so far is on its way to the
-  // backing temp file, and freezes the file: later writes fail with kAborted, so the
-  // caller continues in a new copy. Returns the flush target to publish.
+  // backing temp file, and freezes the file: later writes and truncates fail with
+  // kAborted, so the caller continues in a new copy. Waits for a write or truncate in
+  // progress (a writer may wait for staging space): never call it under a lock that such
+  // a writer may need. Returns the flush target to publish.
   std::shared_ptr<store::FlushTarget> SealAll();
+  // SealAll if no write or truncate is in progress (never blocks); false if one is.
+  bool TrySealAll();
+  // Lets writes in again after SealAll: the frozen bytes will not be published after all
+  // (the file was unlinked while its publish waited to freeze it).
+  void Thaw();
+  // Callers of SealAll waiting for a write in progress (for tests).
+  int freezes_waiting() const { return freezes_waiting_.load(); }
   // Seals the active chunk if there is one (staging pressure); never blocks on I/O.
   void SealIfIdle();
 
@@ -99,8 +109,11 @@ class StagedFile : public std::enable_shared_from_this<StagedFile> {
   const StagingContext ctx_;
   const std::shared_ptr<store::FlushTarget> target_;
   Mutex write_mu_ ACQUIRED_BEFORE(mu_);  // serializes writers, held while waiting for staging
-  bool frozen_ GUARDED_BY(write_mu_) = false;
+  std::atomic<int> freezes_waiting_{0};
   mutable Mutex mu_;
+  // Set only with write_mu_ held too (SealAll), so it never becomes true under a write or
+  // truncate in progress.
+  bool frozen_ GUARDED_BY(mu_) = false;
   uint64_t size_ GUARDED_BY(mu_);
   std::shared_ptr<StagedChunk> active_ GUARDED_BY(mu_);
   std::map<uint64_t, std::shared_ptr<StagedChunk>> sealed_ GUARDED_BY(mu_);

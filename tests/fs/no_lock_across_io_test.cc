@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -274,6 +275,66 @@ TEST_F(NoLockAcrossIo, HungFallocateDelaysNoOtherFile) {
     EXPECT_EQ(ReadAll(h), std::string("ssss") + std::string(4, '\0'));
     fs_->Release(h);
   });
+}
+
+// An O_TRUNC open of a file another handle is writing cuts its staged bytes: the cut
+// waits for the file's flushes, then truncates its temp file, which hangs here.
+TEST_F(NoLockAcrossIo, HungCutOfATruncatingOpenOfAFileBeingWrittenDelaysNoOtherFile) {
+  uint64_t ino = 0;
+  Handle* h = CreateStaged("staged", &ino);
+  ASSERT_NE(h, nullptr);
+  HangFirst("ftruncate");
+  ExpectDataPathWhileHung([this, ino] {
+    Handle* t = OpenOk(ino, O_WRONLY | O_TRUNC);
+    ASSERT_NE(t, nullptr);
+    EXPECT_TRUE(fs_->Write(t, "T", 1, 0).ok());
+    fs_->Release(t);
+  });
+  EXPECT_EQ(ReadAll(h), "T");
+  fs_->Release(h);
+}
+
+// The last writer's close publishes the file: its freeze waits for a write or truncate
+// of that file in progress (here a truncate by path, hung in its ftruncate, holding the
+// file's writer lock as a writer waiting for staging space would).
+TEST_F(NoLockAcrossIo, PublishWaitingToFreezeAFileDelaysNoOtherFile) {
+  uint64_t ino = 0;
+  Handle* h = CreateStaged("staged", &ino);
+  ASSERT_NE(h, nullptr);
+  std::shared_ptr<StagedFile> staged;
+  {
+    Node* node = h->file()->node.get();
+    MutexLock lock(&node->data_mu);
+    staged = node->data.staged;
+  }
+  ASSERT_NE(staged, nullptr);
+  HangFirst("ftruncate");
+  hung_ = std::thread([this, ino] {
+    struct stat in {};
+    in.st_size = 3;
+    auto st = fs_->SetAttr(ino, in, kSetSize, nullptr);
+    EXPECT_TRUE(st.ok()) << st.status().ToString();
+  });
+  latch_.AwaitWaiters(1);
+  std::thread closer([this, h] { fs_->Release(h); });  // the publish waits to freeze it
+  const auto deadline = std::chrono::steady_clock::now() + kBound;
+  while (staged->freezes_waiting() == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::yield();
+  }
+  const bool waiting = staged->freezes_waiting() > 0;
+  EXPECT_TRUE(waiting) << "the publish did not wait for the truncate";
+  auto data = std::async(std::launch::async, [this] { DataPath(); });
+  const bool done = waiting && data.wait_for(kBound) == std::future_status::ready;
+  EXPECT_FALSE(latch_.is_open());
+  latch_.Open();
+  hung_.join();
+  closer.join();
+  data.get();
+  EXPECT_TRUE(done) << "reads and writes of other files waited for the publish's freeze";
+  Handle* r = OpenOk(ino, O_RDONLY);
+  ASSERT_NE(r, nullptr);
+  EXPECT_EQ(ReadAll(r), "sta");
+  fs_->Release(r);
 }
 
 }  // namespace

@@ -6,9 +6,13 @@
 #include <sys/stat.h>
 
 #include <atomic>
+#include <chrono>
 #include <filesystem>
+#include <future>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/fs/fs_fixture.h"
@@ -123,6 +127,54 @@ TEST_F(WritePathTest, RewriteCopiesThePublishedBytesAndPublishesOverTheName) {
   want[(2 << 20) + 5] = 'N';
   EXPECT_EQ(BackingBytes("big"), want);
   EXPECT_EQ(TempFiles(), 0u);
+}
+
+// A strict fsync publishes the file while another call holds its writer lock (a truncate
+// by path, hung in its ftruncate): the publish waits to freeze it without the namespace
+// lock, and the file is unlinked meanwhile. It is never published, and its open handle
+// goes on writing into the bytes it keeps (the freeze is undone).
+TEST_F(WritePathTest, FileUnlinkedWhileItsPublishWaitsToFreezeItTakesWritesAndIsNotPublished) {
+  Start(/*strict=*/true);
+  auto made = fs_->Create(kRootIno, "f", 0644, O_RDWR | O_CREAT);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  const uint64_t ino = made->first.ino;
+  Handle* h = made->second;
+  ASSERT_TRUE(fs_->Write(h, "abc", 3, 0).ok());
+  std::shared_ptr<StagedFile> staged;
+  {
+    Node* node = h->file()->node.get();
+    MutexLock lock(&node->data_mu);
+    staged = node->data.staged;
+  }
+  ASSERT_NE(staged, nullptr);
+  store::Latch latch;
+  std::atomic<bool> first{true};
+  dir_->SetPosixHook([&](const std::string& op, const std::string&) {
+    if (op == "ftruncate" && first.exchange(false)) latch.Wait();
+    return 0;
+  });
+  std::thread truncate([&] {
+    struct stat in {};
+    in.st_size = 2;
+    EXPECT_TRUE(fs_->SetAttr(ino, in, 1 << 3 /* FUSE_SET_ATTR_SIZE */, nullptr).ok());
+  });
+  latch.AwaitWaiters(1);
+  std::thread fsync([&] { EXPECT_TRUE(fs_->Fsync(h).ok()); });
+  while (staged->freezes_waiting() == 0) std::this_thread::yield();
+  // The namespace lock is free while the publish waits: the unlink goes through.
+  auto unlinked = std::async(std::launch::async, [&] { return fs_->Unlink(kRootIno, "f"); });
+  const bool in_time = unlinked.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  latch.Open();
+  truncate.join();
+  fsync.join();
+  EXPECT_TRUE(in_time) << "the unlink waited for the publish's freeze";
+  EXPECT_TRUE(unlinked.get().ok());
+  dir_->SetPosixHook(nullptr);
+  EXPECT_TRUE(fs_->Write(h, "x", 1, 2).ok());
+  EXPECT_EQ(ReadAll(h), "abx");
+  EXPECT_EQ(fs_->Lookup(kRootIno, "f").status().code(), Code::kNotFound);
+  fs_->Release(h);
+  EXPECT_FALSE(std::filesystem::exists(BackingPath("f")));
 }
 
 }  // namespace
