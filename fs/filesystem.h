@@ -152,7 +152,7 @@ class Filesystem {
 
   // The control files' contents (ControlTree).
   std::string StatsJson() { return control_->StatsJson(); }
-  void ForgetVanishedCheckpoints() { control_->ForgetVanishedCheckpoints(); }
+  void ForgetVanishedCheckpoints() { publication_->ForgetVanishedCheckpoints(); }
   std::string CheckpointsJson() { return control_->CheckpointsJson(); }
   std::string MetricsText() { return control_->MetricsText(); }
 
@@ -207,8 +207,14 @@ class Filesystem {
   // ------------------------------------------------------------ the units it routes to
   std::unique_ptr<Namespace> ns_;
   std::unique_ptr<ControlTree> control_;
-  // read_->peers() for the commit gate's queries, set once the peers serve (Init).
-  std::atomic<store::peer::Peers*> peer_node_{nullptr};
+  // The staging pool's pressure listener, which forwards to the namespace's write states
+  // until fs::Namespace implements gpu::StagingPressureListener itself (its split; then
+  // Init passes ns_.get() and this goes).
+  struct PressureRelief final : gpu::StagingPressureListener {
+    Namespace* ns = nullptr;
+    void RelieveStagingPressure() override { ns->RelieveStagingPressure(); }
+  };
+  PressureRelief pressure_relief_;
 
   std::atomic<bool> shut_down_{false};
   store::StopReport stop_;  // what Shutdown() left for the next start

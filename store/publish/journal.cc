@@ -214,8 +214,14 @@ Result<RecoveryReport> Journal::Recover(BackingDir* dir, StateDb* db) {
   return report;
 }
 
-Journal::Journal(BackingDir* dir, StateDb* db, Hooks hooks, uint64_t next_seq, uint64_t next_id)
-    : dir_(dir), db_(db), hooks_(std::move(hooks)), next_seq_(next_seq), done_seq_(next_seq - 1),
+Journal::Journal(BackingDir* dir, StateDb* db, JournalDelegate* delegate, JournalOptions options,
+                 uint64_t next_seq, uint64_t next_id)
+    : dir_(dir),
+      db_(db),
+      delegate_(delegate),
+      options_(std::move(options)),
+      next_seq_(next_seq),
+      done_seq_(next_seq - 1),
       next_file_id_(next_id) {
   thread_ = std::thread([this] {
     NameThisThread("ckptfs-journal");
@@ -226,7 +232,7 @@ Journal::Journal(BackingDir* dir, StateDb* db, Hooks hooks, uint64_t next_seq, u
     }
     done_cv_.notify_all();
   });
-  for (int i = 0; i < hooks_.presync_threads; ++i) {
+  for (int i = 0; i < options_.presync_threads; ++i) {
     presync_threads_.emplace_back([this] {
       NameThisThread("ckptfs-presync");
       RunPresync();
@@ -259,14 +265,17 @@ void Journal::RunPresync() {
   }
 }
 
-Result<std::unique_ptr<Journal>> Journal::Create(BackingDir* dir, StateDb* db, Hooks hooks) {
+Result<std::unique_ptr<Journal>> Journal::Create(BackingDir* dir, StateDb* db,
+                                                 JournalDelegate* delegate,
+                                                 JournalOptions options) {
   // File ids are (epoch << 32 | n): unique across restarts, so a temp name of an
   // earlier run can never be reused by this one.
   uint64_t epoch = 1;
   auto prev = db->Get(kEpochKey);
   if (prev.ok()) epoch = std::strtoull(prev->c_str(), nullptr, 10) + 1;
   CKPT_RETURN_IF_ERROR(db->Put(kEpochKey, std::to_string(epoch)));
-  return std::unique_ptr<Journal>(new Journal(dir, db, std::move(hooks), 1, epoch << 32));
+  return std::unique_ptr<Journal>(
+      new Journal(dir, db, delegate, std::move(options), 1, epoch << 32));
 }
 
 Journal::~Journal() {
@@ -290,14 +299,14 @@ Journal::~Journal() {
 uint64_t Journal::NextFileId() {
   MutexLock lock(&mu_);
   const uint64_t id = ++next_file_id_;
-  if (hooks_.temp_path && (id < reserved_from_ || id > reserved_until_)) {
+  if (!options_.temp_prefix.empty() && (id < reserved_from_ || id > reserved_until_)) {
     // One synced write for the temp records of the next kTempsAhead files, instead of one
     // per file (each while the caller holds the namespace lock). Should it fail, each
     // RegisterTemp writes its own record, and reports the failure.
     constexpr uint64_t kTempsAhead = 64;
     std::vector<std::pair<std::string, std::string>> puts;
     for (uint64_t i = id; i < id + kTempsAhead; ++i) {
-      puts.emplace_back(Key(kTempPrefix, i), hooks_.temp_path(i));
+      puts.emplace_back(Key(kTempPrefix, i), options_.temp_prefix + std::to_string(i));
     }
     if (db_->Write(puts, {}).ok()) {
       reserved_from_ = id;
@@ -310,8 +319,9 @@ uint64_t Journal::NextFileId() {
 Status Journal::RegisterTemp(uint64_t file_id, const std::string& temp_path) {
   {
     MutexLock lock(&mu_);
-    if (file_id >= reserved_from_ && file_id <= reserved_until_ && hooks_.temp_path &&
-        hooks_.temp_path(file_id) == temp_path) {
+    if (file_id >= reserved_from_ && file_id <= reserved_until_ &&
+        !options_.temp_prefix.empty() &&
+        options_.temp_prefix + std::to_string(file_id) == temp_path) {
       temps_[file_id] = temp_path;  // its record is on disk already
       return Status::Ok();
     }
@@ -822,7 +832,8 @@ Journal::Step Journal::NextStepLocked() {
     step.until = head->retry_at;
     return step;
   }
-  const bool gated = IsCommitEntry(head->e) || (hooks_.gated && hooks_.gated(head->e));
+  const bool gated =
+      IsCommitEntry(head->e) || (delegate_ != nullptr && delegate_->Gated(head->e));
   if (!gated || (gate_seq_ == head->e.seq && gate_ready_)) {
     step.kind = Step::kProcess;
     step.it = head;
@@ -878,14 +889,15 @@ bool Journal::SupersededLocked(const JournalEntry& commit) const {
   return false;
 }
 
+bool Journal::PublishQueued(const std::string& path) const {
+  MutexLock lock(&mu_);
+  for (const Queued& q : queue_) {
+    if (q.e.op == OpType::kPublish && q.e.path == path) return true;
+  }
+  return false;
+}
+
 void Journal::Run() {
-  const std::function<bool(const std::string&)> queued = [this](const std::string& path) {
-    MutexLock lock(&mu_);
-    for (const Queued& q : queue_) {
-      if (q.e.op == OpType::kPublish && q.e.path == path) return true;
-    }
-    return false;
-  };
   MutexLock lock(&mu_);
   while (true) {
     Step step = NextStepLocked();
@@ -933,7 +945,7 @@ void Journal::Run() {
       // Data first: the gate reads this very file.
       Status st = e.op == OpType::kPublish && e.target ? e.target->Sync(dir_) : Status::Ok();
       CommitCheck check = st;
-      if (st.ok() && hooks_.commit_gate) check = hooks_.commit_gate(e, queued);
+      if (st.ok() && delegate_ != nullptr) check = delegate_->CheckCommit(e, *this);
       lock.Lock();
       FindLocked(e.seq)->busy = false;
       if (check.status.ok() && !check.ready && check.waits_for_unwritten && commit &&
@@ -970,7 +982,7 @@ void Journal::Run() {
         // resume, then wait) must not still see its checkpoint failed.
         spdlog::info("journal: {} applied after {} retries; publication resumes", e.Describe(),
                      retries());
-        if (hooks_.on_halt) hooks_.on_halt(e, Status::Ok());
+        if (delegate_ != nullptr) delegate_->OnHalt(e, Status::Ok());
       }
       lock.Lock();
       auto it = FindLocked(e.seq);
@@ -1003,7 +1015,7 @@ std::deque<Journal::Queued>::iterator Journal::FindLocked(uint64_t seq) {
 void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, bool at_head) {
   MutexLock lock(&mu_);
   // A superseded commit failed nothing: it is skipped in either mode.
-  const bool halts = hooks_.halt_on_failure && st.code() != Code::kSuperseded &&
+  const bool halts = options_.halt_on_failure && st.code() != Code::kSuperseded &&
                      (e.op == OpType::kPublish || commit || IsTransient(st));
   if (!halts) {
     // A namespace entry the backing store refuses for good (someone else changed it),
@@ -1082,7 +1094,7 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     spdlog::warn("journal: still halted at {} after {} attempts: {}", e.Describe(), attempts,
                  st.ToString());
   }
-  if (hooks_.on_halt) hooks_.on_halt(e, st);
+  if (delegate_ != nullptr) delegate_->OnHalt(e, st);
   done_cv_.notify_all();
 }
 
@@ -1146,7 +1158,7 @@ void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
     MutexLock lock(&mu_);
     temps_.erase(e.file_id);
   }
-  if (hooks_.on_done) hooks_.on_done(e, st);
+  if (delegate_ != nullptr) delegate_->OnDone(e, st);
 }
 
 Status Journal::ApplyPublish(const JournalEntry& e) {
