@@ -80,12 +80,11 @@ class CrashModel {
       if (it->second > 0) --it->second;
       return EIO;
     });
-    Journal::Hooks hooks;
-    hooks.commit_gate = [this](const JournalEntry& e, const QueuedFn& queued) {
+    hooks_.commit_gate = [this](const JournalEntry& e, const QueuedFn& queued) {
       return Gate(e, queued);
     };
-    hooks.on_done = [this](const JournalEntry& e, const Status& st) { OnDone(e, st); };
-    journal_ = std::move(Journal::Create(dir_.get(), db_, hooks)).value();
+    hooks_.on_done = [this](const JournalEntry& e, const Status& st) { OnDone(e, st); };
+    journal_ = std::move(Journal::Create(dir_.get(), db_, &hooks_, hooks_.options)).value();
 
     Drive();
     // Let transient faults pass (retries are pushed rather than waited for), then stop
@@ -467,6 +466,7 @@ class CrashModel {
   StateDb* const db_after_crash_;  // the records a crash left behind
   std::unique_ptr<FaultyBackingDir> dir_;
   std::unique_ptr<FlushPipeline> pipeline_;
+  TestHooks hooks_;  // outlives journal_
   std::unique_ptr<Journal> journal_;
   std::vector<std::shared_ptr<FlushTarget>> targets_;
   bool faulty_schedule_ = false;
