@@ -377,7 +377,7 @@ uint64_t Filesystem::Shutdown(const std::function<void(const std::string&)>& wai
   unpublished += stop_.dropped_publishes;
   pipeline_->DropParked(Status(Code::kAborted, "daemon stopped before the retry passed"));
   pipeline_->Drain();
-  unpublished += journal->skipped();
+  unpublished += journal->counts().skipped;
   spdlog::info("drained: {} files published, {} not published, {} journal entries left for "
                "the next start",
                stats_.files_published.load(), unpublished, stop_.left);

@@ -146,15 +146,9 @@ class Filesystem {
   uint64_t left_for_resume() const { return stop_.left; }
   const std::string& stop_reason() const { return stop_.waiting_for; }
 
-  // Operator controls (ckptfs-admin resume / abort): see ControlTree.
-  void Resume() { control_->Resume(); }
-  std::vector<std::string> Abort(const std::string& path) { return control_->Abort(path); }
-
-  // The control files' contents (ControlTree).
-  std::string StatsJson() { return control_->StatsJson(); }
-  void ForgetVanishedCheckpoints() { publication_->ForgetVanishedCheckpoints(); }
-  std::string CheckpointsJson() { return control_->CheckpointsJson(); }
-  std::string MetricsText() { return control_->MetricsText(); }
+  // The /.ckptfs tree: the control files' contents (stats, checkpoints, metrics) and the
+  // operator controls (ckptfs-admin resume / abort).
+  ControlTree* control() { return control_.get(); }
 
   // FUSE passthrough (fs/passthrough.h): the io mode of each inode, kept by fs/fuse_server.cc.
   PassthroughTable* passthrough() { return passthrough_.get(); }
@@ -172,9 +166,7 @@ class Filesystem {
   // no longer prefetches into the block cache (without peers): the kernel reads the bytes.
   void OnPassthroughNegotiated(bool on);
 
-  bool strict() const { return config_.strict; }
   const FsConfig& config() const { return config_; }
-  uint64_t errors() const { return stats_.errors.load(); }
   // The attribute timeout of a getattr/setattr reply for `ino` (0 for hard-linked names).
   double AttrTimeout(uint64_t ino) { return ns_->AttrTimeout(ino); }
 

@@ -67,6 +67,8 @@
 #include "store/primitives/backing_dir.h"
 #include "store/flush/flush_pipeline.h"
 #include "store/primitives/state_db.h"
+#include "store/publish/early_sync.h"
+#include "store/publish/temp_records.h"
 
 namespace ckptfs::store {
 
@@ -205,11 +207,19 @@ struct JournalOptions {
   bool halt_on_failure = true;
   // Threads that fsync published files ahead of the publisher (0: none).
   int presync_threads = 4;
-  // The owner names the temp file of file `id` "<temp_prefix><id>" (RegisterTemp), if it
-  // can say in advance (empty: it cannot). Then NextFileId() writes the temp records of
-  // the next ids ahead, several in one synced write, and RegisterTemp() of such a path
+  // The owner names the temp file of file `id` "<temp_prefix><id>" (TempRecords), if it
+  // can say in advance (empty: it cannot). Then TempRecords::NextId() writes the records of
+  // the next ids ahead, several in one synced write, and Register() of such a path
   // writes nothing.
   std::string temp_prefix;
+};
+
+// Counters for reports (/.ckptfs/stats).
+struct JournalCounts {
+  uint64_t skipped = 0;        // entries skipped or dropped, never applied
+  uint64_t applied_ahead = 0;  // publishes applied ahead of a waiting commit
+  uint64_t retries = 0;        // attempts at a halted entry
+  uint64_t presyncs = 0;       // early syncs that succeeded (EarlySyncs)
 };
 
 class Journal final : public QueuedPublishes {
@@ -228,14 +238,10 @@ class Journal final : public QueuedPublishes {
   Journal(const Journal&) = delete;
   Journal& operator=(const Journal&) = delete;
 
-  // Records a temp file before it is created, so a crash cannot leak it. The record is
-  // synced before this returns (or was, ahead of time: JournalOptions::temp_prefix). A record
-  // written ahead for an id that is never used costs recovery one unlink that finds
-  // nothing.
-  Status RegisterTemp(uint64_t file_id, const std::string& temp_path);
-  // Forgets a temp file that was removed without ever being journaled.
-  Status ForgetTemp(uint64_t file_id);
-  uint64_t NextFileId();
+  // The records of the owner's temp files (file ids, Register before a temp is created,
+  // Forget): a crash cannot leak one. A record written ahead for an id that is never used
+  // costs recovery one unlink that finds nothing.
+  TempRecords* temps() { return &temps_; }
 
   // Persists (unsynced) and queues `entry`; returns its sequence number. A publish's
   // file is handed to the early-sync threads.
@@ -313,10 +319,7 @@ class Journal final : public QueuedPublishes {
   uint64_t last_appended() const;
   // Every entry with a sequence number up to this one is done.
   uint64_t applied() const;
-  uint64_t skipped() const;
-  uint64_t applied_ahead() const;  // publishes applied ahead of a waiting commit
-  uint64_t retries() const;
-  uint64_t presyncs() const { return presyncs_.load(std::memory_order_relaxed); }
+  JournalCounts counts() const EXCLUDES(mu_);
 
  private:
   Journal(BackingDir* dir, StateDb* db, JournalDelegate* delegate, JournalOptions options,
@@ -356,18 +359,13 @@ class Journal final : public QueuedPublishes {
   // Removes the entry's records (and, if not applied, its temp file) and runs on_done.
   void Finalize(const JournalEntry& e, const Status& st, bool applied);
   void AdvanceDoneLocked() REQUIRES(mu_);
-  Status Apply(const JournalEntry& e);
-  Status ApplyPublish(const JournalEntry& e);
-  // The owner and exact mode of a name kMkdir/kSymlink/kMknod just made.
-  Status ApplyOwner(const JournalEntry& e);
-  // Keeps temp records right when a directory holding temps is renamed.
-  void MoveTempRecords(const std::string& from, const std::string& to);
-  void RunPresync() EXCLUDES(presync_mu_);  // an early-sync thread
 
   BackingDir* const dir_;
   StateDb* const db_;
   JournalDelegate* const delegate_;
   const JournalOptions options_;
+  TempRecords temps_;
+  EarlySyncs presync_;
 
   mutable Mutex mu_;
   std::condition_variable work_cv_;
@@ -391,11 +389,6 @@ class Journal final : public QueuedPublishes {
   uint64_t applied_ahead_ GUARDED_BY(mu_) = 0;
   uint64_t retries_ GUARDED_BY(mu_) = 0;
   std::map<uint64_t, Status> failures_ GUARDED_BY(mu_);  // outcomes of skipped entries
-  std::map<uint64_t, std::string> temps_ GUARDED_BY(mu_);  // file id -> temp path
-  uint64_t next_file_id_ GUARDED_BY(mu_);
-  // Ids [reserved_from_, reserved_until_] have a synced temp record for temp_path(id).
-  uint64_t reserved_from_ GUARDED_BY(mu_) = 1;
-  uint64_t reserved_until_ GUARDED_BY(mu_) = 0;
   uint64_t skipped_ GUARDED_BY(mu_) = 0;
   // Entries taken off queue_ whose Finalize() (records, delegate) has not returned yet.
   uint64_t finalizing_ GUARDED_BY(mu_) = 0;
@@ -408,14 +401,6 @@ class Journal final : public QueuedPublishes {
   std::atomic<uint64_t> resumed_until_{0};
   uint64_t resumed_left_ GUARDED_BY(mu_) = 0;
   std::thread thread_;
-
-  // Early syncs. presync_mu_ is never held together with mu_, nor during an fsync.
-  Mutex presync_mu_;
-  std::condition_variable presync_cv_;
-  std::deque<std::shared_ptr<FlushTarget>> presync_queue_ GUARDED_BY(presync_mu_);
-  bool presync_stop_ GUARDED_BY(presync_mu_) = false;
-  std::atomic<uint64_t> presyncs_{0};
-  std::vector<std::thread> presync_threads_;
 };
 
 // True if `path`'s last component commits a checkpoint directory: `.metadata`, a per-rank

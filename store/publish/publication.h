@@ -116,13 +116,13 @@ class Publication final : private JournalDelegate,
   // ------------------------------------------------------------ the mount's interface
   // Persists (unsynced) and queues `entry`; the registry notes what it queues.
   Result<uint64_t> Append(JournalEntry entry);
-  uint64_t NextFileId() { return journal_->NextFileId(); }
+  uint64_t NextFileId() { return journal_->temps()->NextId(); }
   std::string TempName(uint64_t id) const;
-  // Journal::RegisterTemp / ForgetTemp: a synced write (RegisterTemp) unless written ahead.
+  // TempRecords::Register / Forget: a synced write (Register) unless written ahead.
   Status RegisterTemp(uint64_t id, const std::string& temp_path) {
-    return journal_->RegisterTemp(id, temp_path);
+    return journal_->temps()->Register(id, temp_path);
   }
-  Status ForgetTemp(uint64_t id) { return journal_->ForgetTemp(id); }
+  Status ForgetTemp(uint64_t id) { return journal_->temps()->Forget(id); }
   // File `name` in directory `dir` began a new version through the mount (created, or
   // written again in place): its checkpoint, if it is one, is being written, and a delete
   // while halted (DropIfHalted) no longer refuses a `.metadata` that names it.

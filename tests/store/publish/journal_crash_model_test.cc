@@ -161,9 +161,9 @@ class CrashModel {
   bool WriteAndPublish(const std::string& dir, const std::string& path, const std::string& bytes,
                        Fault fault) {
     if (crashed_.load()) return false;
-    const uint64_t id = journal_->NextFileId();
+    const uint64_t id = journal_->temps()->NextId();
     const std::string temp = Join(dir, kTempPrefix + std::to_string(id));
-    if (!journal_->RegisterTemp(id, temp).ok()) return false;
+    if (!journal_->temps()->Register(id, temp).ok()) return false;
     auto fd = dir_->OpenFile(temp, O_RDWR | O_CREAT | O_EXCL, 0644);
     if (!fd.ok()) return false;  // only after the crash
     auto target = std::make_shared<FlushTarget>(id, std::move(*fd));

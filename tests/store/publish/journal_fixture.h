@@ -233,9 +233,9 @@ class JournalTest : public ::testing::Test {
   // Registers and creates a temp file in `dir`, as the write path does.
   TempFile StartFile(const std::string& dir) {
     TempFile f;
-    f.id = journal_->NextFileId();
+    f.id = journal_->temps()->NextId();
     f.temp = Join(dir, kTempPrefix + std::to_string(f.id));
-    EXPECT_TRUE(journal_->RegisterTemp(f.id, f.temp).ok());
+    EXPECT_TRUE(journal_->temps()->Register(f.id, f.temp).ok());
     auto fd = dir_->OpenFile(f.temp, O_RDWR | O_CREAT | O_EXCL, 0644);
     EXPECT_TRUE(fd.ok()) << fd.status().ToString();
     if (fd.ok()) f.target = std::make_shared<FlushTarget>(f.id, std::move(*fd));

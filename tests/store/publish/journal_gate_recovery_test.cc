@@ -143,7 +143,7 @@ TEST_F(JournalTest, AMetadataQueuedBeforeItsShardsCommitsOnceTheyArePublishedAhe
   EXPECT_TRUE(journal_->Wait(chmod).ok());
   EXPECT_TRUE(journal_->Wait(tracker).ok());
   EXPECT_TRUE(journal_->Wait(sb).ok());
-  EXPECT_EQ(journal_->applied_ahead(), 2u);
+  EXPECT_EQ(journal_->counts().applied_ahead, 2u);
   std::lock_guard lock(mu);
   EXPECT_EQ(order, (std::vector<std::string>{"ck", "ck/__0_0.distcp", "ck/__1_0.distcp",
                                              "ck/.metadata", "ck/.metadata", "tracker"}));
@@ -414,7 +414,7 @@ TEST_F(JournalTest, UnlinkRmdirAndMkdirOfAnAlreadyReachedStateSucceed) {
   EXPECT_TRUE(journal_->Wait(Op(OpType::kRmdir, "never-existed-dir")).ok());
   ASSERT_EQ(::mkdir((root_ + "/d").c_str(), 0755), 0);
   EXPECT_TRUE(journal_->Wait(Op(OpType::kMkdir, "d")).ok());
-  EXPECT_EQ(journal_->skipped(), 0u);
+  EXPECT_EQ(journal_->counts().skipped, 0u);
 }
 
 // ------------------------------------------------------------------------- recovery
@@ -434,8 +434,8 @@ TEST_F(JournalTest, RecoverRemovesTheRegisteredTempsOfACrashedRunAndClearsItsEnt
   TempFile shard = StartFile("ck");
   Write(&shard, std::string(30000, 's'));
   Publish(shard, "ck/__0_0.distcp");
-  const uint64_t never_created = journal_->NextFileId();
-  ASSERT_TRUE(journal_->RegisterTemp(never_created, "ck/.ckptfs-tmp.never").ok());
+  const uint64_t never_created = journal_->temps()->NextId();
+  ASSERT_TRUE(journal_->temps()->Register(never_created, "ck/.ckptfs-tmp.never").ok());
   gate.AwaitWaiters(1);
   pipeline_->Drain();
   std::vector<uint64_t> ids_before = {md.id, shard.id, never_created};
@@ -473,7 +473,7 @@ TEST_F(JournalTest, RecoverRemovesTheRegisteredTempsOfACrashedRunAndClearsItsEnt
   // The next run never reuses a file id (and so a temp name) of the crashed one.
   auto next = Journal::Create(backing->get(), after_crash.get(), nullptr);
   ASSERT_TRUE(next.ok());
-  const uint64_t id = (*next)->NextFileId();
+  const uint64_t id = (*next)->temps()->NextId();
   for (uint64_t old : ids_before) EXPECT_GT(id, old);
 }
 
@@ -487,8 +487,8 @@ TEST_F(JournalTest, TempRecordsWrittenAheadCostOneSyncForManyFilesAndRecoverySti
   EXPECT_EQ(db_->synced_writes() - synced_before, 1u)
       << "the temp records of 10 files should take one synced write";
   // A path other than the announced one is registered on its own, synced.
-  const uint64_t odd = journal_->NextFileId();
-  ASSERT_TRUE(journal_->RegisterTemp(odd, "sub/.ckptfs-tmp.odd").ok());
+  const uint64_t odd = journal_->temps()->NextId();
+  ASSERT_TRUE(journal_->temps()->Register(odd, "sub/.ckptfs-tmp.odd").ok());
   EXPECT_EQ(db_->synced_writes() - synced_before, 2u);
   for (auto& f : files) Write(&f, "bytes of " + f.temp);
   pipeline_->Drain();
@@ -540,7 +540,7 @@ TEST_F(JournalTest, PublishedFilesAreFsyncedAheadOfTheBlockedPublisher) {
     EXPECT_FALSE(dir_->HasUnsyncedData(f.target->fd()));
     EXPECT_FALSE(Exists("shard" + std::to_string(&f - shards.data())));
   }
-  EXPECT_GE(journal_->presyncs(), 3u);
+  EXPECT_GE(journal_->counts().presyncs, 3u);
   gate.Open();
   ASSERT_TRUE(journal_->Wait(commit).ok());
   journal_->Drain();

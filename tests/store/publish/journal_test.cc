@@ -121,7 +121,7 @@ TEST_F(JournalTest, AppliesEntriesStrictlyInOrderAndEachStepIsVisibleInTurn) {
 
   EXPECT_EQ(journal_->pending(), 0u);
   EXPECT_EQ(journal_->applied(), seqs.back());
-  EXPECT_EQ(journal_->skipped(), 0u);
+  EXPECT_EQ(journal_->counts().skipped, 0u);
   std::lock_guard lock(mu);
   ASSERT_EQ(order.size(), seqs.size() + 1);
   for (size_t i = 0; i < order.size(); ++i) EXPECT_EQ(order[i], i + 1) << "out of order";
@@ -282,7 +282,7 @@ TEST_F(JournalTest, AFailedPublishHaltsEverythingAfterItUntilSpaceReturns) {
   EXPECT_EQ(Read("latest_checkpointed_iteration.txt"), "100");
   EXPECT_TRUE(Exists("d/later"));
   EXPECT_FALSE(journal_->halted().has_value());
-  EXPECT_EQ(journal_->skipped(), 0u);
+  EXPECT_EQ(journal_->counts().skipped, 0u);
   journal_->Drain();
   EXPECT_TRUE(KeysWithPrefix(db_.get(), "t/").empty());
   EXPECT_TRUE(Tree(root_).temps.empty());

@@ -252,9 +252,9 @@ std::string ControlTree::StatsJson() {
   }
   publication_->gate().stats().AppendJson(&j);  // remote_polls, peer_commit_queries, "commit_gate"
   j["journal_pending"] = journal_->pending();
-  j["journal_applied_ahead"] = journal_->applied_ahead();
-  j["journal_retries"] = journal_->retries();
-  j["journal_presyncs"] = journal_->presyncs();
+  j["journal_applied_ahead"] = journal_->counts().applied_ahead;
+  j["journal_retries"] = journal_->counts().retries;
+  j["journal_presyncs"] = journal_->counts().presyncs;
   j["state_db_writes"] = db_->writes();
   j["state_db_synced_writes"] = db_->synced_writes();
   // What publication waits for (a halt, or a commit waiting at the gate); "" when nothing.
