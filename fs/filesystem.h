@@ -6,8 +6,8 @@
 // owns it:
 //   Namespace    fs/namespace.h: inode table, the overlay (the application's view =
 //                backing store + pending journal entries), the namespace operations, the
-//                write path (begin, publish, discard, release, staging pressure) and the
-//                journal's callbacks; its lock, ns_mu_, and the locking rule are there;
+//                write path (begin, publish, discard, release, staging pressure) and
+//                publication's observer; its lock, ns_mu_, and the locking rule are there;
 //   ReadPath     fs/read_path.h: block cache, prefetch, read checksums;
 //   ControlTree  fs/control_tree.h: the /.ckptfs tree and the user.ckptfs.* xattrs;
 //   TensorView   fs/tensor_view.h: the tensors/ view below /.ckptfs.
@@ -49,8 +49,8 @@ namespace ckptfs::fs {
 // Dependencies a caller may inject instead of having Create() make them from the
 // config (each one left null is made from it): tests drive the namespace and the write
 // path on a FaultyBackingDir this way. The pipeline, key index and cache must be made over
-// the injected `backing` (and `db`). The journal is always made here: its hooks are the
-// namespace's (fs/journal_events.cc).
+// the injected `backing` (and `db`). Publication (journal, gate, registry) is always made
+// here; the namespace is its observer (fs/journal_events.cc).
 struct FsDeps {
   std::unique_ptr<store::BackingDir> backing;    // else BackingDir::Open(config.backing_dir)
   std::unique_ptr<store::StateDb> db;            // else StateDb::Open(config.state_dir)

@@ -145,16 +145,31 @@ def main():
     ap.add_argument("--over", type=int, default=40)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--all", action="store_true", help="print every class")
+    ap.add_argument("--flags-root", default=None,
+                    help="the source root the compile commands name, when they were made "
+                         "for another checkout (its -I paths are pointed here)")
     opts = ap.parse_args()
     commands = json.load(open(os.path.join(opts.build, "compile_commands.json")))
     tus, flags = [], None
     for c in commands:
-        rel = ours(c["file"])
+        rel = ours(c["file"].replace(opts.flags_root, ROOT) if opts.flags_root else c["file"])
         if rel and rel.endswith(".cc"):
             f = flags_for(c["command"], c["file"])
+            if opts.flags_root:
+                f = [a.replace(opts.flags_root, ROOT) for a in f]
             tus.append((rel, f))
             if rel.startswith("fs/"):
                 flags = f  # the widest include set (fs links store and common)
+    # Sources of these folders that the compile commands do not name (another checkout):
+    # compiled with the fs/ flags.
+    listed = {rel for rel, _ in tus}
+    for d in DIRS:
+        for dirpath, _, names in os.walk(os.path.join(ROOT, d)):
+            for n in names:
+                rel = os.path.relpath(os.path.join(dirpath, n), ROOT)
+                if n.endswith(".cc") and rel not in listed and flags:
+                    tus.append((rel, flags))
+    tus = [(rel, f) for rel, f in tus if os.path.exists(os.path.join(ROOT, rel))]
     classes, defs = {}, []
     seen_files = set()
 
