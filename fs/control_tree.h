@@ -54,13 +54,6 @@ class ControlTree {
 
   // The control files' contents.
   std::string StatsJson();
-  // Forgets finished checkpoints whose directory (or, for those known only from the
-  // index, whose `.metadata`) is gone from the backing store, removed by someone else.
-  // Does nothing while journal entries are pending (the backing store lags the mount).
-  void ForgetVanishedCheckpoints();
-  // With peers: checkpoints this node wrote shards of, all published, whose `.metadata`
-  // another node has since published (CommittedElsewhere) become committed here too.
-  void NoteForeignCommits();
   void AddRetained(nlohmann::json* arr);  // issue 23: the in-memory copies
   std::string CheckpointsJson();
   std::string MetricsText();

@@ -15,12 +15,6 @@
 #include "fs/fs_util.h"
 
 namespace ckptfs::fs {
-namespace {
-
-// How long a peer may hold its answer to a commit query while a shard is pending there.
-constexpr std::chrono::milliseconds kCommitQueryHold{1500};
-
-}  // namespace
 
 Filesystem::Filesystem(const FsConfig& config)
     : config_(config),
@@ -75,27 +69,6 @@ Status Filesystem::Init(FsDeps deps) {
   } else {
     CKPT_ASSIGN_OR_RETURN(index_, store::KeyIndex::Create(backing_.get(), db_.get()));
   }
-  store::PublicationOptions pub_options;
-  pub_options.gate.timeout = config_.commit_timeout;
-  // Cross-node order only where other nodes write: with peers configured.
-  pub_options.cross_node_order = config_.peers != nullptr;
-  // Strict mode returns every failure to the operation that caused it: nothing waits.
-  pub_options.halt_on_failure = !config_.strict;
-  pub_options.temp_prefix = WriteStates::TempPrefix(config_);
-  pub_options.retained = retained_.get();
-  if (config_.peers) {
-    // Shards written through other mounts: ask their daemons (docs/PEERS.md, "Commit query").
-    pub_options.gate.ask_peers = [this](std::vector<std::string> paths,
-                                        store::CommitGateOptions::AnswersFn done) {
-      store::peer::Peers* peers = peer_node_.load(std::memory_order_acquire);
-      return peers != nullptr &&
-             peers->AskShardStates(std::move(paths), kCommitQueryHold, std::move(done));
-    };
-  }
-  CKPT_ASSIGN_OR_RETURN(publication_, store::Publication::Create(backing_.get(), db_.get(),
-                                                                 index_.get(),
-                                                                 std::move(pub_options)));
-  tensors_ = std::make_unique<TensorView>(backing_.get(), index_.get());
   std::unique_ptr<store::BackingSource> cache_source = std::move(deps.cache_source);
   std::shared_ptr<store::peer::Peers> peers;
   std::unique_ptr<store::BlockCache> cache = std::move(deps.cache);
@@ -133,6 +106,21 @@ Status Filesystem::Init(FsDeps deps) {
   if (cache && !cache_source) {
     return Status(Code::kInvalid, "FsDeps: a block cache needs its cache_source");
   }
+  store::PublicationOptions pub_options;
+  pub_options.gate.timeout = config_.commit_timeout;
+  // Cross-node order only where other nodes write: with peers configured.
+  pub_options.cross_node_order = config_.peers != nullptr;
+  // Strict mode returns every failure to the operation that caused it: nothing waits.
+  pub_options.halt_on_failure = !config_.strict;
+  pub_options.temp_prefix = WriteStates::TempPrefix(config_);
+  pub_options.retained = retained_.get();
+  // Shards written through other mounts: the gate asks their daemons (docs/PEERS.md,
+  // "Commit query"), once the peers serve.
+  pub_options.peers = peers.get();
+  CKPT_ASSIGN_OR_RETURN(publication_, store::Publication::Create(backing_.get(), db_.get(),
+                                                                 index_.get(),
+                                                                 std::move(pub_options)));
+  tensors_ = std::make_unique<TensorView>(backing_.get(), index_.get());
   read_ = std::make_unique<ReadPath>(backing_.get(), index_.get(), std::move(cache_source),
                                      std::move(peers), std::move(cache));
   read_->SetRetainedTier(retained_.get());
@@ -143,7 +131,8 @@ Status Filesystem::Init(FsDeps deps) {
                       .index = index_.get(), .read = read_.get(), .tensors = tensors_.get(),
                       .stats = &stats_, .retained = retained_.get()};
   CKPT_ASSIGN_OR_RETURN(ns_, Namespace::Create(config_, parts));
-  pool_->SetPressureCallback([this] { ns_->writes().RelieveStagingPressure(); });
+  pressure_relief_.ns = ns_.get();
+  pool_->SetPressureListener(&pressure_relief_);
   // Publication reports to the namespace from here on: the entries the last stop left go
   // first, before the mount serves.
   publication_->Start(&ns_->events());
@@ -152,7 +141,6 @@ Status Filesystem::Init(FsDeps deps) {
   if (read_->peers()) {
     read_->peers()->SetShardStateProvider(publication_->shard_states());
     CKPT_RETURN_IF_ERROR(read_->peers()->StartServing(read_->cache()));
-    peer_node_.store(read_->peers(), std::memory_order_release);
   }
   spdlog::info("ckptfs ready: backing {} staging {} MiB ({}), {} flush threads, {} mode",
                config_.backing_dir, pool_->limit_bytes() >> 20, pool_->backend(),
@@ -389,7 +377,7 @@ uint64_t Filesystem::Shutdown(const std::function<void(const std::string&)>& wai
   unpublished += stop_.dropped_publishes;
   pipeline_->DropParked(Status(Code::kAborted, "daemon stopped before the retry passed"));
   pipeline_->Drain();
-  unpublished += journal->skipped();
+  unpublished += journal->counts().skipped;
   spdlog::info("drained: {} files published, {} not published, {} journal entries left for "
                "the next start",
                stats_.files_published.load(), unpublished, stop_.left);

@@ -52,8 +52,8 @@ namespace ckptfs::fs {
 // Dependencies a caller may inject instead of having Create() make them from the
 // config (each one left null is made from it): tests drive the namespace and the write
 // path on a FaultyBackingDir this way. The pipeline, key index and cache must be made over
-// the injected `backing` (and `db`). The journal is always made here: its hooks are the
-// namespace's (fs/journal_events.cc).
+// the injected `backing` (and `db`). Publication (journal, gate, registry) is always made
+// here; the namespace is its observer (fs/journal_events.cc).
 struct FsDeps {
   std::unique_ptr<store::BackingDir> backing;    // else BackingDir::Open(config.backing_dir)
   std::unique_ptr<store::StateDb> db;            // else StateDb::Open(config.state_dir)
@@ -149,15 +149,9 @@ class Filesystem {
   uint64_t left_for_resume() const { return stop_.left; }
   const std::string& stop_reason() const { return stop_.waiting_for; }
 
-  // Operator controls (ckptfs-admin resume / abort): see ControlTree.
-  void Resume() { control_->Resume(); }
-  std::vector<std::string> Abort(const std::string& path) { return control_->Abort(path); }
-
-  // The control files' contents (ControlTree).
-  std::string StatsJson() { return control_->StatsJson(); }
-  void ForgetVanishedCheckpoints() { control_->ForgetVanishedCheckpoints(); }
-  std::string CheckpointsJson() { return control_->CheckpointsJson(); }
-  std::string MetricsText() { return control_->MetricsText(); }
+  // The /.ckptfs tree: the control files' contents (stats, checkpoints, metrics) and the
+  // operator controls (ckptfs-admin resume / abort).
+  ControlTree* control() { return control_.get(); }
 
   // FUSE passthrough (fs/passthrough.h): the io mode of each inode, kept by fs/fuse_server.cc.
   PassthroughTable* passthrough() { return passthrough_.get(); }
@@ -175,9 +169,7 @@ class Filesystem {
   // no longer prefetches into the block cache (without peers): the kernel reads the bytes.
   void OnPassthroughNegotiated(bool on);
 
-  bool strict() const { return config_.strict; }
   const FsConfig& config() const { return config_; }
-  uint64_t errors() const { return stats_.errors.load(); }
   // The attribute timeout of a getattr/setattr reply for `ino` (0 for hard-linked names).
   double AttrTimeout(uint64_t ino) { return ns_->AttrTimeout(ino); }
 
@@ -210,8 +202,14 @@ class Filesystem {
   // ------------------------------------------------------------ the units it routes to
   std::unique_ptr<Namespace> ns_;
   std::unique_ptr<ControlTree> control_;
-  // read_->peers() for the commit gate's queries, set once the peers serve (Init).
-  std::atomic<store::peer::Peers*> peer_node_{nullptr};
+  // The staging pool's pressure listener, which forwards to the namespace's write states
+  // until fs::Namespace implements gpu::StagingPressureListener itself (its split; then
+  // Init passes ns_.get() and this goes).
+  struct PressureRelief final : gpu::StagingPressureListener {
+    Namespace* ns = nullptr;
+    void RelieveStagingPressure() override { ns->writes().RelieveStagingPressure(); }
+  };
+  PressureRelief pressure_relief_;
 
   std::atomic<bool> shut_down_{false};
   store::StopReport stop_;  // what Shutdown() left for the next start

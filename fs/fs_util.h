@@ -13,6 +13,7 @@
 #include "fs/fs_types.h"
 #include "fs/node.h"
 #include "store/primitives/backing_dir.h"
+#include "store/publish/commit_names.h"
 
 namespace ckptfs::fs {
 
@@ -86,16 +87,7 @@ inline bool SameTime(const struct timespec& a, const struct timespec& b) {
   return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec;
 }
 
-// Whether another node has committed the checkpoint in `dir` that this node began writing
-// shards for at `since` (epoch seconds, this node's clock): its `.metadata` is on the
-// backing store, and was made at or after `since`. A `.metadata` from before, that of an
-// earlier save into the same directory, does not count. The comparison crosses clocks (the
-// backing store stamps ctime), so it is wrong only where they differ by more than the time
-// between two saves into one directory. `since` 0: any `.metadata` counts.
-inline bool CommittedElsewhere(store::BackingDir* backing, const std::string& dir, double since) {
-  Result<struct stat> st = backing->Stat(dir + "/.metadata");
-  if (!st.ok()) return false;
-  return store::CtimeSeconds(*st) >= since;
-}
+// CommittedElsewhere(backing, dir, since): store/publish/commit_names.h.
+using store::CommittedElsewhere;
 
 }  // namespace ckptfs::fs

@@ -299,16 +299,16 @@ StagingPool::~StagingPool() {
   if (free_memory_) free_memory_();
 }
 
-// Both acquire paths call the pressure callback once, and count a wait, only when they are
+// Both acquire paths tell the pressure listener once, and count a wait, only when they are
 // about to block; TryAcquireFor with a zero timeout never blocks and does neither.
 ChunkBuffer StagingPool::Acquire() {
   MutexLock lock(&mu_);
   if (free_.empty()) {
     waits_.fetch_add(1, std::memory_order_relaxed);
     const auto wait_start = std::chrono::steady_clock::now();
-    if (std::function<void()> pressure = pressure_) {
+    if (StagingPressureListener* pressure = pressure_) {
       lock.Unlock();
-      pressure();
+      pressure->RelieveStagingPressure();
       lock.Lock();
     }
     while (free_.empty()) cv_.wait(lock.native());
@@ -327,9 +327,9 @@ ChunkBuffer StagingPool::TryAcquireFor(std::chrono::milliseconds timeout) {
     if (timeout <= std::chrono::milliseconds::zero()) return ChunkBuffer();
     waits_.fetch_add(1, std::memory_order_relaxed);
     const auto wait_start = std::chrono::steady_clock::now();
-    if (std::function<void()> pressure = pressure_) {
+    if (StagingPressureListener* pressure = pressure_) {
       lock.Unlock();
-      pressure();
+      pressure->RelieveStagingPressure();
       lock.Lock();
     }
     while (free_.empty()) {
@@ -345,9 +345,9 @@ ChunkBuffer StagingPool::TryAcquireFor(std::chrono::milliseconds timeout) {
   return ChunkBuffer(this, data, chunk_bytes_);
 }
 
-void StagingPool::SetPressureCallback(std::function<void()> callback) {
+void StagingPool::SetPressureListener(StagingPressureListener* listener) {
   MutexLock lock(&mu_);
-  pressure_ = std::move(callback);
+  pressure_ = listener;
 }
 
 size_t StagingPool::used_bytes() const {

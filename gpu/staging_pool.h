@@ -66,6 +66,17 @@ struct StagingOptions {
   bool hugepages = false;
 };
 
+// The owner of the staged bytes (fs::Namespace): told when a writer is about to wait for
+// a free chunk, so that it seals partly filled chunks of idle files and lets them flush.
+class StagingPressureListener {
+ public:
+  // On the waiting writer's thread, no pool lock held; must not wait for a chunk itself.
+  virtual void RelieveStagingPressure() = 0;
+
+ protected:
+  ~StagingPressureListener() = default;
+};
+
 class StagingPool {
  public:
   // Allocates the whole pool. Fails if total_bytes < chunk_bytes or memory is short.
@@ -74,13 +85,14 @@ class StagingPool {
   StagingPool(const StagingPool&) = delete;
   StagingPool& operator=(const StagingPool&) = delete;
 
-  // Blocks until a chunk is free. Before blocking it calls the pressure callback once,
-  // so that the owner can seal partly filled chunks and let them flush.
+  // Blocks until a chunk is free. Before blocking it tells the pressure listener once, so
+  // that the owner can seal partly filled chunks and let them flush.
   ChunkBuffer Acquire();
   // Returns an empty ChunkBuffer if none frees up within `timeout`.
   ChunkBuffer TryAcquireFor(std::chrono::milliseconds timeout);
-  // Called (without pool locks held) when Acquire() would block.
-  void SetPressureCallback(std::function<void()> callback);
+  // Told (without pool locks held) when Acquire() would block. Borrowed: must outlive every
+  // Acquire(); null removes it.
+  void SetPressureListener(StagingPressureListener* listener) EXCLUDES(mu_);
 
   size_t chunk_bytes() const { return chunk_bytes_; }
   size_t total_chunks() const { return total_chunks_; }
@@ -105,7 +117,7 @@ class StagingPool {
   mutable Mutex mu_;
   std::condition_variable cv_;
   std::vector<uint8_t*> free_ GUARDED_BY(mu_);
-  std::function<void()> pressure_ GUARDED_BY(mu_);
+  StagingPressureListener* pressure_ GUARDED_BY(mu_) = nullptr;
   std::atomic<uint64_t> waits_{0};
 };
 

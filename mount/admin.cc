@@ -105,6 +105,14 @@ class SystemEnvImpl final : public AdminEnv {
 
 }  // namespace
 
+Status AdminEnv::SetXattr(const std::string& path, const std::string& name,
+                          const std::string& value) {
+  if (::setxattr(path.c_str(), name.c_str(), value.data(), value.size(), 0) != 0) {
+    return Status::FromErrno(errno, path + ": setxattr " + name);
+  }
+  return Status::Ok();
+}
+
 AdminEnv* SystemEnv() {
   static SystemEnvImpl* env = new SystemEnvImpl();
   return env;
@@ -459,6 +467,16 @@ Result<std::string> FormatCheckpoints(std::string_view checkpoints_json, double 
                                  {"COMMITTED"}, {"ERROR"}};
   if (memory) columns.push_back({"IN MEMORY"});
   return FormatTable(columns, rows);
+}
+
+double RateMeter::Add(double now, uint64_t bytes) {
+  samples_.emplace_back(now, bytes);
+  while (samples_.size() > 2 && now - samples_.front().first > 10) {
+    samples_.erase(samples_.begin());
+  }
+  const auto& [t0, b0] = samples_.front();
+  if (now - t0 < 0.5) return -1;
+  return bytes >= b0 ? static_cast<double>(bytes - b0) / (now - t0) : 0;
 }
 
 std::string RenderProgressLine(const Progress& progress, int bar_width, double rate) {

@@ -20,14 +20,6 @@ using json = nlohmann::json;
 
 }  // namespace
 
-Status AdminEnv::SetXattr(const std::string& path, const std::string& name,
-                          const std::string& value) {
-  if (::setxattr(path.c_str(), name.c_str(), value.data(), value.size(), 0) != 0) {
-    return Status::FromErrno(errno, path + ": setxattr " + name);
-  }
-  return Status::Ok();
-}
-
 int RunResume(AdminEnv* env, const std::string& path, bool as_json, std::ostream& out,
               std::ostream& err) {
   auto root = FindMountRoot(path);

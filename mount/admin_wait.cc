@@ -14,16 +14,6 @@ namespace ckptfs::admin {
 
 using namespace internal;  // NOLINT: the helpers of admin_internal.h
 
-double RateMeter::Add(double now, uint64_t bytes) {
-  samples_.emplace_back(now, bytes);
-  while (samples_.size() > 2 && now - samples_.front().first > 10) {
-    samples_.erase(samples_.begin());
-  }
-  const auto& [t0, b0] = samples_.front();
-  if (now - t0 < 0.5) return -1;
-  return bytes >= b0 ? static_cast<double>(bytes - b0) / (now - t0) : 0;
-}
-
 WaitOutcome WaitForPath(AdminEnv* env, const std::string& path, const WaitOptions& options,
                         std::ostream& err) {
   WaitOutcome outcome;

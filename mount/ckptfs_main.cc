@@ -222,7 +222,7 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   if (!o.metrics_listen.empty()) {
     ckptfs::fs::Filesystem* raw = fs.get();
     auto m = ckptfs::MetricsServer::Start(o.metrics_host, o.metrics_port,
-                                          [raw] { return raw->MetricsText(); });
+                                          [raw] { return raw->control()->MetricsText(); });
     if (!m.ok()) {
       fs.reset();
       return fail_start("start failed", m.status());

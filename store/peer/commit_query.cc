@@ -55,16 +55,16 @@ CommitQuerier::~CommitQuerier() {
   for (Job& job : left) {
     std::vector<PeerShardAnswer> none(job.paths.size());
     for (PeerShardAnswer& a : none) a.unreachable = true;
-    job.done(std::move(none));
+    job.sink->OnPeerShardAnswers(job.round, std::move(none));
   }
 }
 
 bool CommitQuerier::Ask(std::vector<std::string> paths, std::chrono::milliseconds hold,
-                        ShardAnswersFn done) {
+                        PeerShardAnswerSink* sink, uint64_t round) {
   {
     MutexLock lock(&mu_);
     if (stop_) return false;
-    jobs_.push_back(Job{std::move(paths), hold, std::move(done)});
+    jobs_.push_back(Job{std::move(paths), hold, sink, round});
   }
   cv_.notify_all();
   return true;
@@ -85,7 +85,7 @@ void CommitQuerier::Loop() {
       job = std::move(jobs_.front());
       jobs_.pop_front();
     }
-    job.done(RunRound(job));
+    job.sink->OnPeerShardAnswers(job.round, RunRound(job));
   }
   // Clients go on this thread, which made them; a round's calls are all waited for.
   peers_.clear();

@@ -30,7 +30,7 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "store/peer/peer_client.h"
-#include "store/peer/peers.h"  // ShardAnswersFn
+#include "store/publish/shard_state.h"
 #include "store/publish/shard_state.h"
 
 namespace ckptfs::store::peer {
@@ -56,9 +56,10 @@ class CommitQuerier {
   CommitQuerier(const CommitQuerier&) = delete;
   CommitQuerier& operator=(const CommitQuerier&) = delete;
 
-  // Queues a round about `paths`; false (done is not called) once stopping.
-  bool Ask(std::vector<std::string> paths, std::chrono::milliseconds hold, ShardAnswersFn done)
-      EXCLUDES(mu_);
+  // Queues a round about `paths`; `sink` (must outlive the round) gets its answers with
+  // `round`, on the querier's thread. False (sink is not called) once stopping.
+  bool Ask(std::vector<std::string> paths, std::chrono::milliseconds hold,
+           PeerShardAnswerSink* sink, uint64_t round) EXCLUDES(mu_);
   CommitQueryStats Stats() const EXCLUDES(mu_);
 
   // How one path's answers from several peers combine (exposed for tests).
@@ -68,7 +69,8 @@ class CommitQuerier {
   struct Job {
     std::vector<std::string> paths;
     std::chrono::milliseconds hold{0};
-    ShardAnswersFn done;
+    PeerShardAnswerSink* sink = nullptr;
+    uint64_t round = 0;
   };
   struct Peer {
     std::shared_ptr<PeerClient> client;

@@ -134,6 +134,11 @@ Status PeerNode::StartServing(BlockCache* cache) {
                   "peers: cannot listen on " + options_.listen + ": " + server.status().message());
   }
   server_ = std::move(server).value();
+  {
+    // This node asks its peers about shards from the moment it answers theirs.
+    MutexLock lock(&querier_mu_);
+    asking_ = true;
+  }
   return Status::Ok();
 }
 
@@ -288,8 +293,9 @@ Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
 
 // ---- Commit queries (see peer_node.h).
 bool PeerNode::AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
-                              ShardAnswersFn done) {
+                              PeerShardAnswerSink* sink, uint64_t round) {
   MutexLock lock(&querier_mu_);
+  if (!asking_) return false;
   if (!querier_) {
     CommitQueryOptions qo;
     qo.nodes = options_.nodes;
@@ -299,7 +305,7 @@ bool PeerNode::AskShardStates(std::vector<std::string> paths, std::chrono::milli
     qo.request_timeout = options_.request_timeout;
     querier_ = std::make_unique<CommitQuerier>(qo);
   }
-  return querier_->Ask(std::move(paths), hold, std::move(done));
+  return querier_->Ask(std::move(paths), hold, sink, round);
 }
 // ---- end of the commit-query block.
 

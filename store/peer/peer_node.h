@@ -115,14 +115,16 @@ class PeerNode : public Peers {
   // StopServing()). Call before StartServing(); without it queries get Unsupported.
   void SetShardStateProvider(ShardStateProvider* provider) override { shard_states_ = provider; }
   // Asks every other node about `paths` (relative to the backing dir), asynchronously:
-  // `done` runs once on the querier's thread (commit_query.h). False: stopped, not asked.
+  // `sink` gets the answers once, on the querier's thread (commit_query.h). False: not
+  // serving yet (StartServing), or stopped; not asked.
   bool AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
-                      ShardAnswersFn done) override EXCLUDES(querier_mu_);
+                      PeerShardAnswerSink* sink, uint64_t round) override EXCLUDES(querier_mu_);
 
  private:
   ShardStateProvider* shard_states_ = nullptr;
   Mutex querier_mu_;
   std::unique_ptr<CommitQuerier> querier_ GUARDED_BY(querier_mu_);  // made on first use
+  bool asking_ GUARDED_BY(querier_mu_) = false;  // StartServing() succeeded
   // ---- end of the commit-query block.
 
   class ServingSource;

@@ -66,7 +66,7 @@ struct SendCtx {
 
 }  // namespace
 
-class PeerServer::Impl {
+class PeerServer::Impl : private ShardStateListener {
  public:
   Impl(const PeerServerOptions& options, BlockSource* provider)
       : options_(options), provider_(provider) {}
@@ -110,6 +110,14 @@ class PeerServer::Impl {
 
   // Query thread.
   void QueryLoop();
+  // The shard states changed (the journal's thread): held queries are looked at again.
+  void OnShardStatesChanged() override EXCLUDES(query_mu_) {
+    {
+      MutexLock lock(&query_mu_);
+      query_changed_ = true;
+    }
+    query_cv_.notify_all();
+  }
   // Looks at `q`'s paths; true (with the answer in `out`) when it is to be answered now.
   bool Evaluate(HeldQuery& q, Clock::time_point now, bool force, std::string* out);
 
@@ -172,13 +180,7 @@ Status PeerServer::Impl::Init() {
       NameThisThread("ckptfs-pquery");
       QueryLoop();
     });
-    options_.shard_states->SetListener([this] {
-      {
-        MutexLock lock(&query_mu_);
-        query_changed_ = true;
-      }
-      query_cv_.notify_all();
-    });
+    options_.shard_states->SetListener(this);
   }
   spdlog::info("peer server {} listening on port {} ({} allowed peers)", options_.node_id, port_,
                allowed_.size());
@@ -186,7 +188,7 @@ Status PeerServer::Impl::Init() {
 }
 
 void PeerServer::Impl::Stop() {
-  if (options_.shard_states != nullptr) options_.shard_states->SetListener({});
+  if (options_.shard_states != nullptr) options_.shard_states->SetListener(nullptr);
   {
     MutexLock lock(&query_mu_);
     query_stop_ = true;

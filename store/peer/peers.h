@@ -15,7 +15,6 @@
 
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
@@ -58,9 +57,6 @@ struct OwnedRange {
   uint64_t length = 0;
 };
 
-// Answers of one commit-query round, one per asked path (commit_query.h).
-using ShardAnswersFn = std::function<void(std::vector<PeerShardAnswer>)>;
-
 // Ok when this ckptfs has the peer transport; Unsupported, naming what it was built
 // without, when not.
 Status PeerTransportAvailable();
@@ -70,7 +66,7 @@ Status PeerTransportAvailable();
 // group or others.
 Result<std::string> ReadSecretFile(const std::string& path);
 
-class Peers {
+class Peers : public PeerShardAsker {
  public:
   // The UCX peer node; Unsupported (PeerTransportAvailable) when built without it.
   static Result<std::unique_ptr<Peers>> Create(const PeerNodeOptions& options,
@@ -97,10 +93,9 @@ class Peers {
       const std::string& ckpt, const DcpMetadata& metadata,
       const std::vector<std::pair<std::string, BlockId>>& files) = 0;
 
-  // Asks every other node about `paths` (relative to the backing dir), asynchronously:
-  // `done` runs once, on another thread, with the answers. False: stopped, not asked.
-  virtual bool AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
-                              ShardAnswersFn done) = 0;
+  // As a PeerShardAsker (store/publish/shard_state.h; the commit gate holds it), a Peers
+  // asks every other node about shards once this node serves (StartServing), and refuses
+  // (false) before that and once stopped.
 
   // Adds the peer statistics to /.ckptfs/stats: flat top-level fields (peers_connected,
   // peer_bytes_read, peer_fallbacks, ...) and a "peers" object with the detail.

@@ -166,8 +166,7 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e) {
   return Status::Ok();
 }
 
-CommitCheck CommitGate::Check(const JournalEntry& e,
-                              const std::function<bool(const std::string&)>& queued) {
+CommitCheck CommitGate::Check(const JournalEntry& e, const QueuedPublishes* queued) {
   std::vector<std::string> to_ask;  // a round to start, once mu_ is released
   uint64_t round = 0;
   CommitCheck check;
@@ -196,17 +195,16 @@ CommitCheck CommitGate::Check(const JournalEntry& e,
       const uint64_t min_len = it->second;
       // The next save's rewrite, over a version published here that this commit names.
       bool replaced = false;
-      if (options_.rewritten_since && options_.local_durable &&
-          options_.rewritten_since(path, e.seq)) {
-        std::optional<uint64_t> len = options_.local_durable(path);
+      if (host_ != nullptr && host_->RewrittenSince(path, e.seq)) {
+        std::optional<uint64_t> len = host_->PublishedLength(path);
         replaced = len && *len >= min_len;
       }
-      const bool is_queued = !replaced && queued && queued(path);
+      const bool is_queued = !replaced && queued != nullptr && queued->PublishQueued(path);
       const bool is_open =
-          !replaced && !is_queued && options_.written_locally && options_.written_locally(path);
+          !replaced && !is_queued && host_ != nullptr && host_->WrittenLocally(path);
       const bool mine = is_queued || is_open;
       open_here = open_here || is_open;
-      if (!mine && options_.deleted_locally && options_.deleted_locally(path)) {
+      if (!mine && host_ != nullptr && host_->DeletedLocally(path)) {
         current_.seq = 0;
         return Status(Code::kAborted, "shard " + path + " was deleted before it was published");
       }
@@ -218,8 +216,8 @@ CommitCheck CommitGate::Check(const JournalEntry& e,
       remote = true;
       bool polled = p.polled.count(path) > 0;
       // a. Published through this mount.
-      if (!polled && options_.local_durable) {
-        std::optional<uint64_t> len = options_.local_durable(path);
+      if (!polled && host_ != nullptr) {
+        std::optional<uint64_t> len = host_->PublishedLength(path);
         if (len && *len >= min_len) {
           if (Confirm(path, min_len)) {
             it = p.need.erase(it);
@@ -230,7 +228,7 @@ CommitCheck CommitGate::Check(const JournalEntry& e,
         }
       }
       // b. The other daemons.
-      if (!polled && options_.ask_peers) {
+      if (!polled && peers_ != nullptr) {
         auto a = answers_.find(path);
         if (a == answers_.end()) {
           // Not asked yet (or the round is still out): no backing-store access meanwhile.
@@ -301,6 +299,7 @@ CommitCheck CommitGate::Check(const JournalEntry& e,
       round = ++round_;
       round_seq_ = e.seq;
       round_out_ = true;
+      round_paths_ = to_ask;
       ++stats_.peer_commit_queries;
       stats_.peer_commit_paths += to_ask.size();
     }
@@ -318,11 +317,7 @@ CommitCheck CommitGate::Check(const JournalEntry& e,
     check.waits_for_unwritten = remote || open_here;
   }
   if (round != 0) {
-    std::vector<std::string> paths = to_ask;
-    const bool asked = options_.ask_peers(
-        paths, [this, round, paths](std::vector<PeerShardAnswer> answers) mutable {
-          OnAnswers(round, std::move(paths), std::move(answers));
-        });
+    const bool asked = peers_->AskShardStates(to_ask, options_.peer_hold, this, round);
     if (!asked) {
       // No peers to ask: those shards are polled, from the next check on (now).
       MutexLock lock(&mu_);
@@ -342,12 +337,13 @@ bool CommitGate::Confirm(const std::string& path, uint64_t min_len) {
   return st.ok() && static_cast<uint64_t>(st->st_size) >= min_len;
 }
 
-void CommitGate::OnAnswers(uint64_t round, std::vector<std::string> paths,
-                           std::vector<PeerShardAnswer> answers) {
+void CommitGate::OnPeerShardAnswers(uint64_t round, std::vector<PeerShardAnswer> answers) {
   {
     MutexLock lock(&mu_);
     if (round != round_) return;  // a later round replaced it (another commit)
     round_out_ = false;
+    const std::vector<std::string> paths = std::move(round_paths_);
+    round_paths_.clear();
     for (size_t i = 0; i < paths.size(); ++i) {
       PeerShardAnswer a = i < answers.size() ? answers[i] : PeerShardAnswer{{}, true};
       switch (a.status.state) {
@@ -370,7 +366,7 @@ void CommitGate::OnAnswers(uint64_t round, std::vector<std::string> paths,
       if (round_seq_ == current_.seq) answers_[paths[i]] = a;
     }
   }
-  if (options_.wake) options_.wake();
+  if (host_ != nullptr) host_->WakeGate();
 }
 
 uint64_t CommitGate::remote_polls() const {

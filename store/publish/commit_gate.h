@@ -1,12 +1,12 @@
 // CommitGate: decides when a DCP checkpoint's `.metadata` may appear on the backing store
 // (G5): only once every shard it names is durable there with at least the referenced
-// length. It is the journal's commit_gate hook (Journal::Hooks) and never blocks: it
+// length. Publication asks it for the journal (JournalDelegate::CheckCommit) and it never blocks: it
 // answers "ready", "refused" or "not yet, these shards are missing, ask again by then".
 //
 // Shards are judged in this order:
 //   1. a publish of the shard still queued in this mount's journal: wait for it (the
 //      journal applies it ahead of the `.metadata`);
-//   2. a shard being written through this mount and not yet closed (written_locally):
+//   2. a shard being written through this mount and not yet closed (WrittenLocally):
 //      wait for its close;
 //   Except for a rewrite: a shard whose version here began after the `.metadata` entry was
 //   appended (the next save into the same directory rewrites it, as torch's overwrite
@@ -19,11 +19,11 @@
 
 //   3. otherwise it was written elsewhere (another node, or before this mount), or
 //      published already through this mount. Only these can time out. In that order:
-//      a. published through this mount (local_durable) with at least the required length:
+//      a. published through this mount (PublishedLength) with at least the required length:
 //         it counts after one confirming stat of the backing file;
-//      b. with peers (ask_peers), the other daemons are asked (docs/PEERS.md, "Commit
-//         query"), asynchronously: the gate answers "not yet" while a round is out and is
-//         woken (wake) when it ends. A peer's answer, per path:
+//      b. with peers (PeerShardAsker), the other daemons are asked (docs/PEERS.md, "Commit
+//         query"), asynchronously: the gate answers "not yet" while a round is out and
+//         wakes the journal (CommitGateHost::WakeGate) when it ends. A peer's answer, per path:
 //           durable with length L >= required: counts after ONE confirming stat of the
 //             backing file (cheap; keeps G5 even if a peer is wrong or the store shows
 //             a rename late: a failed confirmation sends the path to polling);
@@ -31,7 +31,7 @@
 //             holds its answer until the state changes, so a round ends about when the
 //             shard becomes durable);
 //           dropped (deleted before publication on its writer) with every peer
-//             reachable: refused at once, as for a shard deleted here (deleted_locally);
+//             reachable: refused at once, as for a shard deleted here (DeletedLocally);
 //           failed (its publication failed for good there), unknown to every peer, some
 //             peer unreachable, or shorter than required: polled as below;
 //      c. polled: it counts once the backing store shows it with the required length,
@@ -58,7 +58,6 @@
 
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <optional>
 #include <mutex>
@@ -77,28 +76,34 @@ namespace ckptfs::store {
 struct CommitGateOptions {
   // How long a `.metadata` waits for shards written elsewhere.
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
-  // True while `path` (relative to the backing root) is open for writing through this
-  // mount and its publication is not yet queued. May be empty (nothing is).
-  std::function<bool(const std::string&)> written_locally;
-  // True while a version of `path` is being written or published through this mount whose
-  // writes began after journal entry `seq` (the commit) was appended. May be empty.
-  std::function<bool(const std::string&, uint64_t seq)> rewritten_since;
-  // True if the application deleted `path` through this mount before it was published
-  // (its publish was dropped): a `.metadata` naming it is refused at once. May be empty.
-  std::function<bool(const std::string&)> deleted_locally;
-  // The size `path` was published with through this mount, if this mount published it.
-  // May be empty.
-  std::function<std::optional<uint64_t>(const std::string&)> local_durable;
-  // Asks the other daemons about `paths` (see above): returns false if it cannot (no peers,
-  // stopping); else `done` runs exactly once, later, on another thread, with one answer per
-  // path, and may not call back into the gate's caller. Must not block. May be empty.
-  using AnswersFn = std::function<void(std::vector<PeerShardAnswer>)>;
-  std::function<bool(std::vector<std::string> paths, AnswersFn done)> ask_peers;
-  // Wakes the journal so that it asks the gate again now (a round of answers arrived).
-  // May be empty (the gate then says when to ask again: `peer_recheck`).
-  std::function<void()> wake;
-  // Bound on the wait for a round, as the gate's recheck (wake normally comes first).
+  // How long a peer may hold its answer to a commit query while a shard is pending there.
+  std::chrono::milliseconds peer_hold{1500};
+  // Bound on the wait for a round, as the gate's recheck (the host's WakeGate normally
+  // comes first).
   std::chrono::milliseconds peer_recheck{1000};
+};
+
+// The gate's owner (Publication): what it knows of the files of this mount, and the journal
+// to wake. Called on the publisher thread, and WakeGate on a peer querier's thread; in
+// memory only, brief, never back into the gate.
+class CommitGateHost {
+ public:
+  // True while `path` (relative to the backing root) is open for writing through this
+  // mount and its publication is not yet queued.
+  virtual bool WrittenLocally(const std::string& path) = 0;
+  // True while a version of `path` is being written or published through this mount whose
+  // writes began after journal entry `seq` (the commit) was appended.
+  virtual bool RewrittenSince(const std::string& path, uint64_t seq) = 0;
+  // True if the application deleted `path` through this mount before it was published
+  // (its publish was dropped): a `.metadata` naming it is refused at once.
+  virtual bool DeletedLocally(const std::string& path) = 0;
+  // The size `path` was published with through this mount, if this mount published it.
+  virtual std::optional<uint64_t> PublishedLength(const std::string& path) = 0;
+  // A round of peer answers arrived: the journal asks the gate again now.
+  virtual void WakeGate() = 0;
+
+ protected:
+  ~CommitGateHost() = default;
 };
 
 struct CommitGateStats {
@@ -119,15 +124,19 @@ struct CommitGateStats {
   void AppendJson(nlohmann::json* j) const;
 };
 
-class CommitGate {
+class CommitGate final : private PeerShardAnswerSink {
  public:
-  CommitGate(BackingDir* dir, CommitGateOptions options)  // dir must outlive
-      : dir_(dir), options_(std::move(options)) {}
+  // `dir` must outlive it; `host` (nothing written here, no wake: the gate says when to ask
+  // again) and `peers` (no commit queries) may be null, else must outlive it and every
+  // round it starts.
+  CommitGate(BackingDir* dir, CommitGateOptions options, CommitGateHost* host = nullptr,
+             PeerShardAsker* peers = nullptr)
+      : dir_(dir), options_(options), host_(host), peers_(peers) {}
   CommitGate(const CommitGate&) = delete;
   CommitGate& operator=(const CommitGate&) = delete;
 
-  CommitCheck Check(const JournalEntry& e,
-                    const std::function<bool(const std::string&)>& queued);
+  // `queued` (may be null: nothing is) tells which shards' publishes are still queued.
+  CommitCheck Check(const JournalEntry& e, const QueuedPublishes* queued);
 
   uint64_t remote_polls() const;
   CommitGateStats stats() const;
@@ -153,13 +162,15 @@ class CommitGate {
   // One stat: `path` on the backing store with at least `min_len` bytes.
   bool Confirm(const std::string& path, uint64_t min_len) REQUIRES(mu_);
   // Stores a round's answers (the querier's thread).
-  void OnAnswers(uint64_t round, std::vector<std::string> paths,
-                 std::vector<PeerShardAnswer> answers) EXCLUDES(mu_);
+  void OnPeerShardAnswers(uint64_t round, std::vector<PeerShardAnswer> answers) override
+      EXCLUDES(mu_);
   Status Load(const JournalEntry& e, Pending* p);
   CommitCheck CheckOrdered(const JournalEntry& e) REQUIRES(mu_);
 
   BackingDir* const dir_;
   const CommitGateOptions options_;
+  CommitGateHost* const host_;
+  PeerShardAsker* const peers_;
   mutable Mutex mu_;
   Pending current_ GUARDED_BY(mu_);  // the commit being judged
   CommitGateStats stats_ GUARDED_BY(mu_);
@@ -168,6 +179,7 @@ class CommitGate {
   uint64_t round_ GUARDED_BY(mu_) = 0;       // last round started
   uint64_t round_seq_ GUARDED_BY(mu_) = 0;   // the commit it was for
   bool round_out_ GUARDED_BY(mu_) = false;
+  std::vector<std::string> round_paths_ GUARDED_BY(mu_);  // what round_ asked
   std::map<std::string, PeerShardAnswer> answers_ GUARDED_BY(mu_);
   // Checkpoint dirs with shards published here and no `.metadata` seen yet, and the
   // ordered entry waiting for them.

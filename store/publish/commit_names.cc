@@ -1,5 +1,7 @@
 #include "store/publish/commit_names.h"
 
+#include "store/primitives/backing_dir.h"
+
 namespace ckptfs::store {
 namespace {
 
@@ -52,6 +54,12 @@ CommitKind CommitKindOf(std::string_view path) {
 bool IsCheckpointFileName(std::string_view name) {
   return CommitKindOf(name) != CommitKind::kNone || name.ends_with(".distcp") ||
          name == ".metadata.tmp" || IsRankName(name, ".metadata.tmp") || IsHfShardName(name);
+}
+
+bool CommittedElsewhere(BackingDir* backing, const std::string& dir, double since) {
+  Result<struct stat> st = backing->Stat(dir + "/.metadata");
+  if (!st.ok()) return false;
+  return CtimeSeconds(*st) >= since;
 }
 
 }  // namespace ckptfs::store

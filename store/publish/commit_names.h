@@ -11,13 +11,15 @@
 //                            shard files.
 //   model.safetensors        a single-file safetensors checkpoint: it commits on its own
 //                            publish, by order.
-// Pure functions of the name; thread-safe.
+// Pure functions of the name, and one stat (CommittedElsewhere); thread-safe.
 #pragma once
 
 #include <string>
 #include <string_view>
 
 namespace ckptfs::store {
+
+class BackingDir;  // store/primitives/backing_dir.h
 
 enum class CommitKind {
   kNone,
@@ -34,5 +36,13 @@ CommitKind CommitKindOf(std::string_view path);
 // above: a commit file, its temp name (`.metadata.tmp`, `__{rank}.metadata.tmp`), a DCP
 // shard (`*.distcp`) or a Hugging Face shard (`*-NNNNN-of-NNNNN.safetensors`).
 bool IsCheckpointFileName(std::string_view name);
+
+// Whether another node has committed the checkpoint in `dir` that this node began writing
+// shards for at `since` (epoch seconds, this node's clock): its `.metadata` is on the
+// backing store, and was made at or after `since`. A `.metadata` from before, that of an
+// earlier save into the same directory, does not count. The comparison crosses clocks (the
+// backing store stamps ctime), so it is wrong only where they differ by more than the time
+// between two saves into one directory. `since` 0: any `.metadata` counts.
+bool CommittedElsewhere(BackingDir* backing, const std::string& dir, double since);
 
 }  // namespace ckptfs::store

@@ -11,13 +11,13 @@
 #include "common/path.h"
 #include "common/thread_name.h"
 #include "store/publish/commit_names.h"
+#include "store/publish/entry_apply.h"
 #include "store/primitives/record_codec.h"
 
 namespace ckptfs::store {
 namespace {
 
 constexpr char kEntryPrefix[] = "j/";
-constexpr char kTempPrefix[] = "t/";
 constexpr char kEpochKey[] = "m/epoch";
 // Written (synced) by a bounded stop that left entries for the next start: the highest
 // sequence number it left. Entry records up to it are resumed, not discarded.
@@ -188,8 +188,8 @@ Result<RecoveryReport> Journal::Recover(BackingDir* dir, StateDb* db) {
     ++report.entries_discarded;
     if (e.ok() && e->op == OpType::kPublish) report.discarded_paths.push_back(e->path);
   }));
-  CKPT_RETURN_IF_ERROR(db->Scan(kTempPrefix, [&](std::string_view k, std::string_view v) {
-    const uint64_t id = std::strtoull(std::string(k.substr(sizeof(kTempPrefix) - 1)).c_str(),
+  CKPT_RETURN_IF_ERROR(db->Scan(TempRecords::kPrefix, [&](std::string_view k, std::string_view v) {
+    const uint64_t id = std::strtoull(std::string(k.substr(sizeof(TempRecords::kPrefix) - 1)).c_str(),
                                       nullptr, 16);
     if (resumed_ids.count(id) > 0) return;  // published by this run
     deletes.emplace_back(k);
@@ -214,9 +214,16 @@ Result<RecoveryReport> Journal::Recover(BackingDir* dir, StateDb* db) {
   return report;
 }
 
-Journal::Journal(BackingDir* dir, StateDb* db, Hooks hooks, uint64_t next_seq, uint64_t next_id)
-    : dir_(dir), db_(db), hooks_(std::move(hooks)), next_seq_(next_seq), done_seq_(next_seq - 1),
-      next_file_id_(next_id) {
+Journal::Journal(BackingDir* dir, StateDb* db, JournalDelegate* delegate, JournalOptions options,
+                 uint64_t next_seq, uint64_t next_id)
+    : dir_(dir),
+      db_(db),
+      delegate_(delegate),
+      options_(std::move(options)),
+      temps_(db, options_.temp_prefix, next_id),
+      presync_(dir, options_.presync_threads),
+      next_seq_(next_seq),
+      done_seq_(next_seq - 1) {
   thread_ = std::thread([this] {
     NameThisThread("ckptfs-journal");
     Run();
@@ -226,108 +233,29 @@ Journal::Journal(BackingDir* dir, StateDb* db, Hooks hooks, uint64_t next_seq, u
     }
     done_cv_.notify_all();
   });
-  for (int i = 0; i < hooks_.presync_threads; ++i) {
-    presync_threads_.emplace_back([this] {
-      NameThisThread("ckptfs-presync");
-      RunPresync();
-    });
-  }
 }
 
-void Journal::RunPresync() {
-  MutexLock lock(&presync_mu_);
-  for (;;) {
-    presync_cv_.wait(lock.native(), [&] {
-      presync_mu_.AssertHeld();  // the predicate runs under the lock
-      return presync_stop_ || !presync_queue_.empty();
-    });
-    if (presync_stop_) return;
-    std::shared_ptr<FlushTarget> target = std::move(presync_queue_.front());
-    presync_queue_.pop_front();
-    lock.Unlock();
-    // The outcome is the publisher's to act on: its own Sync() of this target returns
-    // the same failure (a failed fsync marks the target lost), or finds the bytes
-    // already on disk.
-    Status st = target->Sync(dir_);
-    if (st.ok()) {
-      presyncs_.fetch_add(1, std::memory_order_relaxed);
-    } else {
-      spdlog::debug("journal: early sync of file {}: {}", target->id(), st.ToString());
-    }
-    target.reset();
-    lock.Lock();
-  }
-}
-
-Result<std::unique_ptr<Journal>> Journal::Create(BackingDir* dir, StateDb* db, Hooks hooks) {
+Result<std::unique_ptr<Journal>> Journal::Create(BackingDir* dir, StateDb* db,
+                                                 JournalDelegate* delegate,
+                                                 JournalOptions options) {
   // File ids are (epoch << 32 | n): unique across restarts, so a temp name of an
   // earlier run can never be reused by this one.
   uint64_t epoch = 1;
   auto prev = db->Get(kEpochKey);
   if (prev.ok()) epoch = std::strtoull(prev->c_str(), nullptr, 10) + 1;
   CKPT_RETURN_IF_ERROR(db->Put(kEpochKey, std::to_string(epoch)));
-  return std::unique_ptr<Journal>(new Journal(dir, db, std::move(hooks), 1, epoch << 32));
+  return std::unique_ptr<Journal>(
+      new Journal(dir, db, delegate, std::move(options), 1, epoch << 32));
 }
 
 Journal::~Journal() {
   Close();
-  {
-    // Every publish is done, so every file queued for an early sync is synced already.
-    MutexLock lock(&presync_mu_);
-    presync_stop_ = true;
-    presync_queue_.clear();
-  }
-  presync_cv_.notify_all();
-  for (auto& t : presync_threads_) t.join();
   {
     MutexLock lock(&mu_);
     stop_ = true;
   }
   work_cv_.notify_all();
   thread_.join();
-}
-
-uint64_t Journal::NextFileId() {
-  MutexLock lock(&mu_);
-  const uint64_t id = ++next_file_id_;
-  if (hooks_.temp_path && (id < reserved_from_ || id > reserved_until_)) {
-    // One synced write for the temp records of the next kTempsAhead files, instead of one
-    // per file (each while the caller holds the namespace lock). Should it fail, each
-    // RegisterTemp writes its own record, and reports the failure.
-    constexpr uint64_t kTempsAhead = 64;
-    std::vector<std::pair<std::string, std::string>> puts;
-    for (uint64_t i = id; i < id + kTempsAhead; ++i) {
-      puts.emplace_back(Key(kTempPrefix, i), hooks_.temp_path(i));
-    }
-    if (db_->Write(puts, {}).ok()) {
-      reserved_from_ = id;
-      reserved_until_ = id + kTempsAhead - 1;
-    }
-  }
-  return id;
-}
-
-Status Journal::RegisterTemp(uint64_t file_id, const std::string& temp_path) {
-  {
-    MutexLock lock(&mu_);
-    if (file_id >= reserved_from_ && file_id <= reserved_until_ && hooks_.temp_path &&
-        hooks_.temp_path(file_id) == temp_path) {
-      temps_[file_id] = temp_path;  // its record is on disk already
-      return Status::Ok();
-    }
-  }
-  CKPT_RETURN_IF_ERROR(db_->Put(Key(kTempPrefix, file_id), temp_path));
-  MutexLock lock(&mu_);
-  temps_[file_id] = temp_path;
-  return Status::Ok();
-}
-
-Status Journal::ForgetTemp(uint64_t file_id) {
-  {
-    MutexLock lock(&mu_);
-    temps_.erase(file_id);
-  }
-  return db_->Delete(Key(kTempPrefix, file_id));
 }
 
 Result<uint64_t> Journal::Append(JournalEntry entry) {
@@ -344,20 +272,13 @@ Result<uint64_t> Journal::Append(JournalEntry entry) {
     spdlog::warn("journal: could not persist {}: {}", entry.Describe(), st.ToString());
   }
   uint64_t seq = entry.seq;
-  std::shared_ptr<FlushTarget> presync =
-      entry.op == OpType::kPublish && !presync_threads_.empty() ? entry.target : nullptr;
+  std::shared_ptr<FlushTarget> presync = entry.op == OpType::kPublish ? entry.target : nullptr;
   Queued q;
   q.e = std::move(entry);
   queue_.push_back(std::move(q));
   lock.Unlock();
   work_cv_.notify_one();
-  if (presync) {
-    {
-      MutexLock plock(&presync_mu_);
-      presync_queue_.push_back(std::move(presync));
-    }
-    presync_cv_.notify_one();
-  }
+  presync_.Submit(std::move(presync));
   return seq;
 }
 
@@ -613,7 +534,7 @@ void Journal::QueueLeft(std::vector<JournalEntry> left) {
     resumed_left_ = left.size();
     resumed_until_.store(left.back().seq, std::memory_order_release);
     for (JournalEntry& e : left) {
-      if (e.op == OpType::kPublish || e.op == OpType::kDiscard) temps_[e.file_id] = e.from;
+      if (e.op == OpType::kPublish || e.op == OpType::kDiscard) temps_.Note(e.file_id, e.from);
       Queued q;
       q.e = std::move(e);
       queue_.push_back(std::move(q));
@@ -776,19 +697,14 @@ uint64_t Journal::applied() const {
   return done_seq_;
 }
 
-uint64_t Journal::skipped() const {
+JournalCounts Journal::counts() const {
+  JournalCounts c;
+  c.presyncs = presync_.done();
   MutexLock lock(&mu_);
-  return skipped_;
-}
-
-uint64_t Journal::applied_ahead() const {
-  MutexLock lock(&mu_);
-  return applied_ahead_;
-}
-
-uint64_t Journal::retries() const {
-  MutexLock lock(&mu_);
-  return retries_;
+  c.skipped = skipped_;
+  c.applied_ahead = applied_ahead_;
+  c.retries = retries_;
+  return c;
 }
 
 void Journal::AdvanceDoneLocked() {
@@ -822,7 +738,8 @@ Journal::Step Journal::NextStepLocked() {
     step.until = head->retry_at;
     return step;
   }
-  const bool gated = IsCommitEntry(head->e) || (hooks_.gated && hooks_.gated(head->e));
+  const bool gated =
+      IsCommitEntry(head->e) || (delegate_ != nullptr && delegate_->Gated(head->e));
   if (!gated || (gate_seq_ == head->e.seq && gate_ready_)) {
     step.kind = Step::kProcess;
     step.it = head;
@@ -878,14 +795,15 @@ bool Journal::SupersededLocked(const JournalEntry& commit) const {
   return false;
 }
 
+bool Journal::PublishQueued(const std::string& path) const {
+  MutexLock lock(&mu_);
+  for (const Queued& q : queue_) {
+    if (q.e.op == OpType::kPublish && q.e.path == path) return true;
+  }
+  return false;
+}
+
 void Journal::Run() {
-  const std::function<bool(const std::string&)> queued = [this](const std::string& path) {
-    MutexLock lock(&mu_);
-    for (const Queued& q : queue_) {
-      if (q.e.op == OpType::kPublish && q.e.path == path) return true;
-    }
-    return false;
-  };
   MutexLock lock(&mu_);
   while (true) {
     Step step = NextStepLocked();
@@ -933,7 +851,7 @@ void Journal::Run() {
       // Data first: the gate reads this very file.
       Status st = e.op == OpType::kPublish && e.target ? e.target->Sync(dir_) : Status::Ok();
       CommitCheck check = st;
-      if (st.ok() && hooks_.commit_gate) check = hooks_.commit_gate(e, queued);
+      if (st.ok() && delegate_ != nullptr) check = delegate_->CheckCommit(e, *this);
       lock.Lock();
       FindLocked(e.seq)->busy = false;
       if (check.status.ok() && !check.ready && check.waits_for_unwritten && commit &&
@@ -969,8 +887,8 @@ void Journal::Run() {
         // Before the entry leaves the queue: whoever sees the halt gone (ckptfs-admin
         // resume, then wait) must not still see its checkpoint failed.
         spdlog::info("journal: {} applied after {} retries; publication resumes", e.Describe(),
-                     retries());
-        if (hooks_.on_halt) hooks_.on_halt(e, Status::Ok());
+                     counts().retries);
+        if (delegate_ != nullptr) delegate_->OnHalt(e, Status::Ok());
       }
       lock.Lock();
       auto it = FindLocked(e.seq);
@@ -1003,7 +921,7 @@ std::deque<Journal::Queued>::iterator Journal::FindLocked(uint64_t seq) {
 void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, bool at_head) {
   MutexLock lock(&mu_);
   // A superseded commit failed nothing: it is skipped in either mode.
-  const bool halts = hooks_.halt_on_failure && st.code() != Code::kSuperseded &&
+  const bool halts = options_.halt_on_failure && st.code() != Code::kSuperseded &&
                      (e.op == OpType::kPublish || commit || IsTransient(st));
   if (!halts) {
     // A namespace entry the backing store refuses for good (someone else changed it),
@@ -1082,13 +1000,19 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     spdlog::warn("journal: still halted at {} after {} attempts: {}", e.Describe(), attempts,
                  st.ToString());
   }
-  if (hooks_.on_halt) hooks_.on_halt(e, st);
+  if (delegate_ != nullptr) delegate_->OnHalt(e, st);
   done_cv_.notify_all();
 }
 
 Status Journal::Process(const JournalEntry& e) {
+  auto apply = [&] {
+    bool renamed = false;
+    Status st = ApplyEntry(dir_, e, &renamed);
+    if (renamed) temps_.Move(e.from, e.path);  // temps below a renamed directory
+    return st;
+  };
   if (e.op == OpType::kPublish && e.target) CKPT_RETURN_IF_ERROR(e.target->Sync(dir_));
-  if (e.target || !Resumed(e.seq)) return Apply(e);
+  if (e.target || !Resumed(e.seq)) return apply();
   // Left by the previous run: its bytes were fsynced then; fsync again by path (cheap)
   // so that nothing rests on that. A crash of this run after applying it and before its
   // record was removed leaves it applied already: then its source is gone and its name
@@ -1103,7 +1027,7 @@ Status Journal::Process(const JournalEntry& e) {
     if (st.code() == Code::kNotFound && applied_before()) return Status::Ok();
     CKPT_RETURN_IF_ERROR(st);
   }
-  Status st = Apply(e);
+  Status st = apply();
   if (st.code() == Code::kNotFound && e.op == OpType::kRename && applied_before()) {
     return Status::Ok();
   }
@@ -1125,7 +1049,7 @@ void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
   }
   std::vector<std::string> deletes{Key(kEntryPrefix, e.seq)};
   if (e.op == OpType::kPublish || e.op == OpType::kDiscard) {
-    deletes.push_back(Key(kTempPrefix, e.file_id));
+    deletes.push_back(TempRecords::Key(e.file_id));
   }
   // An entry the previous run left: its record is removed synced, so that a crash now
   // never resumes it twice; the marker goes with the last one.
@@ -1142,127 +1066,8 @@ void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
   Status db_st =
       db_->Write({}, deletes, resumed ? WriteMode::kSynced : WriteMode::kUnsynced);
   if (!db_st.ok()) spdlog::warn("journal: state db: {}", db_st.ToString());
-  if (e.op == OpType::kPublish || e.op == OpType::kDiscard) {
-    MutexLock lock(&mu_);
-    temps_.erase(e.file_id);
-  }
-  if (hooks_.on_done) hooks_.on_done(e, st);
-}
-
-Status Journal::ApplyPublish(const JournalEntry& e) {
-  // Over an existing file, exchange the two names: if the directory cannot be made
-  // durable, exchanging back restores exactly the old state (G4); otherwise the temp
-  // name now holds the old file, which is removed.
-  constexpr unsigned kExchange = 2;  // RENAME_EXCHANGE
-  const bool replacing = dir_->Stat(e.path).ok();
-  CKPT_RETURN_IF_ERROR(dir_->Rename(e.from, e.path, replacing ? kExchange : 0));
-  Status st = dir_->SyncParent(e.path);
-  if (!st.ok()) {
-    // Not durable, so it must not count as published: put the names back.
-    Status undo = dir_->Rename(e.path, e.from, replacing ? kExchange : 0);
-    if (!undo.ok()) {
-      spdlog::error("journal: cannot withdraw {} after a failed sync: {}", e.path,
-                    undo.ToString());
-    }
-    return st;
-  }
-  if (replacing) {
-    Status rm = dir_->Unlink(e.from);
-    if (!rm.ok()) spdlog::warn("journal: cannot remove replaced {}: {}", e.from, rm.ToString());
-  }
-  return Status::Ok();
-}
-
-Status Journal::Apply(const JournalEntry& e) {
-  switch (e.op) {
-    case OpType::kPublish:
-      return ApplyPublish(e);
-    case OpType::kRename: {
-      CKPT_RETURN_IF_ERROR(dir_->Rename(e.from, e.path));
-      Status st = dir_->SyncParent(e.path);
-      if (!st.ok() && IsCommitName(e.path)) {
-        // A commit that is not durable must not stay visible (G5): withdraw it.
-        Status undo = dir_->Rename(e.path, e.from);
-        if (!undo.ok()) {
-          spdlog::error("journal: cannot withdraw {}: {}", e.path, undo.ToString());
-        }
-        return st;
-      }
-      MoveTempRecords(e.from, e.path);
-      return st;
-    }
-    case OpType::kUnlink: {
-      Status st = dir_->Unlink(e.path);
-      if (st.code() == Code::kNotFound) return Status::Ok();  // already gone: same state
-      return st;
-    }
-    case OpType::kDiscard: {
-      Status st = dir_->Unlink(e.from);
-      return st.code() == Code::kNotFound ? Status::Ok() : st;
-    }
-    case OpType::kRmdir: {
-      Status st = dir_->Rmdir(e.path);
-      if (st.code() == Code::kNotFound) return Status::Ok();
-      return st;
-    }
-    case OpType::kMkdir: {
-      Status st = dir_->Mkdir(e.path, e.mode);
-      if (st.code() == Code::kExists) return Status::Ok();
-      CKPT_RETURN_IF_ERROR(st);
-      return ApplyOwner(e);
-    }
-    case OpType::kSymlink:
-      CKPT_RETURN_IF_ERROR(dir_->Symlink(e.link_target, e.path));
-      return ApplyOwner(e);
-    case OpType::kMknod:
-      CKPT_RETURN_IF_ERROR(dir_->Mknod(e.path, e.mode, static_cast<dev_t>(e.rdev)));
-      return ApplyOwner(e);
-    case OpType::kChown:
-      return dir_->Chown(e.path, e.uid, e.gid);
-    case OpType::kLink:
-      CKPT_RETURN_IF_ERROR(dir_->Link(e.from, e.path));
-      return dir_->SyncParent(e.path);
-    case OpType::kChmod:
-      return dir_->Chmod(e.path, e.mode);
-    case OpType::kUtimens: {
-      struct timespec ts[2] = {{e.atime_sec, e.atime_nsec}, {e.mtime_sec, e.mtime_nsec}};
-      return dir_->Utimens(e.path, ts);
-    }
-  }
-  return Internal("unknown journal op");
-}
-
-Status Journal::ApplyOwner(const JournalEntry& e) {
-  if (e.uid == kNoOwner && e.gid == kNoOwner) return Status::Ok();  // an entry of old
-  // The caller's owner, then the exact mode: the daemon's umask shaped the mode it was
-  // made with, and a chown clears setuid/setgid bits.
-  Status owned = dir_->Chown(e.path, e.uid, e.gid);
-  if (!owned.ok()) {
-    // The name exists as the application made it; only its owner is the daemon's (a
-    // daemon that is not root, NFS root_squash). Refusing the entry would hold back
-    // publication for an owner the backing store does not allow.
-    spdlog::warn("journal: {}: owner {}:{} not set: {}", e.Describe(), e.uid, e.gid,
-                 owned.ToString());
-  }
-  if (e.op == OpType::kSymlink) return Status::Ok();
-  return dir_->Chmod(e.path, e.mode & 07777);
-}
-
-void Journal::MoveTempRecords(const std::string& from, const std::string& to) {
-  std::vector<std::pair<std::string, std::string>> puts;
-  {
-    MutexLock lock(&mu_);
-    for (auto& [id, temp] : temps_) {
-      std::optional<std::string> moved = path::Rebase(temp, from, to);
-      if (!moved) continue;
-      temp = std::move(*moved);
-      puts.emplace_back(Key(kTempPrefix, id), temp);
-    }
-  }
-  if (!puts.empty()) {
-    Status st = db_->Write(puts, {});
-    if (!st.ok()) spdlog::warn("journal: cannot update temp records: {}", st.ToString());
-  }
+  if (e.op == OpType::kPublish || e.op == OpType::kDiscard) temps_.Drop(e.file_id);
+  if (delegate_ != nullptr) delegate_->OnDone(e, st);
 }
 
 }  // namespace ckptfs::store

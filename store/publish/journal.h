@@ -67,6 +67,8 @@
 #include "store/primitives/backing_dir.h"
 #include "store/flush/flush_pipeline.h"
 #include "store/primitives/state_db.h"
+#include "store/publish/early_sync.h"
+#include "store/publish/temp_records.h"
 
 namespace ckptfs::store {
 
@@ -165,58 +167,81 @@ struct StopReport {
   std::string waiting_for;         // what publication waited for when the bound ran out
 };
 
-class Journal {
+// Whether a publish of a path is still queued (the commit gate's question; the Journal
+// answers it).
+class QueuedPublishes {
  public:
-  struct Hooks {
-    // Runs on the publisher thread before an entry that makes a name `.metadata` appear,
-    // after the entry's own bytes are durable, and again until it is ready or refuses.
-    // `queued(path)` tells whether a publish of `path` is still queued in this journal.
-    // It must not block for long: it says when to ask again instead.
-    std::function<CommitCheck(const JournalEntry&,
-                              const std::function<bool(const std::string&)>& queued)>
-        commit_gate;
-    // Entries other than a `.metadata` that commit_gate is asked about too, before they
-    // are applied (a tracker or a delete that must wait for a checkpoint another node
-    // commits). Called under the journal's lock: it must look at the entry only.
-    std::function<bool(const JournalEntry&)> gated;
-    // Runs on the publisher thread after each entry is applied, skipped or dropped
-    // (aborted: Code::kAborted).
-    std::function<void(const JournalEntry&, const Status&)> on_done;
-    // Runs on the publisher thread when an entry fails and the journal halts at it (each
-    // attempt), and with an ok status when a halted entry finally passes.
-    std::function<void(const JournalEntry&, const Status&)> on_halt;
-    // false (strict mode, where every failure is returned to the operation that caused
-    // it): a failed entry is skipped and dropped, never halts; nothing waits for an
-    // operator.
-    bool halt_on_failure = true;
-    // Threads that fsync published files ahead of the publisher (0: none).
-    int presync_threads = 4;
-    // The temp path the owner will give file `id` (RegisterTemp), if it can say in
-    // advance. Then NextFileId() writes the temp records of the next ids ahead, several
-    // in one synced write, and RegisterTemp() of such a path writes nothing.
-    std::function<std::string(uint64_t id)> temp_path;
-  };
+  virtual bool PublishQueued(const std::string& path) const = 0;
 
+ protected:
+  ~QueuedPublishes() = default;
+};
+
+// The journal's owner (Publication): asked about commits and told every outcome, on the
+// publisher thread.
+class JournalDelegate {
+ public:
+  // Before an entry that makes a name `.metadata` appear (or a Gated() one), after the
+  // entry's own bytes are durable, and again until it is ready or refuses. `queued` tells
+  // whether a publish of a path is still queued in this journal. It must not block for
+  // long: it says when to ask again instead.
+  virtual CommitCheck CheckCommit(const JournalEntry& e, const QueuedPublishes& queued) = 0;
+  // Entries other than a `.metadata` that CheckCommit is asked about too, before they are
+  // applied (a tracker or a delete that must wait for a checkpoint another node commits).
+  // Called under the journal's lock: it must look at the entry only.
+  virtual bool Gated(const JournalEntry& e) = 0;
+  // After each entry is applied, skipped or dropped (aborted: Code::kAborted).
+  virtual void OnDone(const JournalEntry& e, const Status& st) = 0;
+  // When an entry fails and the journal halts at it (each attempt), and with an ok status
+  // when a halted entry finally passes.
+  virtual void OnHalt(const JournalEntry& e, const Status& st) = 0;
+
+ protected:
+  ~JournalDelegate() = default;
+};
+
+struct JournalOptions {
+  // false (strict mode, where every failure is returned to the operation that caused
+  // it): a failed entry is skipped and dropped, never halts; nothing waits for an
+  // operator.
+  bool halt_on_failure = true;
+  // Threads that fsync published files ahead of the publisher (0: none).
+  int presync_threads = 4;
+  // The owner names the temp file of file `id` "<temp_prefix><id>" (TempRecords), if it
+  // can say in advance (empty: it cannot). Then TempRecords::NextId() writes the records of
+  // the next ids ahead, several in one synced write, and Register() of such a path
+  // writes nothing.
+  std::string temp_prefix;
+};
+
+// Counters for reports (/.ckptfs/stats).
+struct JournalCounts {
+  uint64_t skipped = 0;        // entries skipped or dropped, never applied
+  uint64_t applied_ahead = 0;  // publishes applied ahead of a waiting commit
+  uint64_t retries = 0;        // attempts at a halted entry
+  uint64_t presyncs = 0;       // early syncs that succeeded (EarlySyncs)
+};
+
+class Journal final : public QueuedPublishes {
+ public:
   // Removes the temp files of a previous run that were never published and clears its
   // pending entries, except those a bounded stop left for this run (the marker): those are
   // returned in `resumed`. Call before Create() on the same StateDb.
   static Result<RecoveryReport> Recover(BackingDir* dir, StateDb* db);
 
+  // `delegate` may be null (every commit is ready, nothing is told), else must outlive it.
   static Result<std::unique_ptr<Journal>> Create(BackingDir* dir,  // must outlive
                                                  StateDb* db,      // must outlive
-                                                 Hooks hooks);
+                                                 JournalDelegate* delegate,
+                                                 JournalOptions options = {});
   ~Journal();
   Journal(const Journal&) = delete;
   Journal& operator=(const Journal&) = delete;
 
-  // Records a temp file before it is created, so a crash cannot leak it. The record is
-  // synced before this returns (or was, ahead of time: Hooks::temp_path). A record
-  // written ahead for an id that is never used costs recovery one unlink that finds
-  // nothing.
-  Status RegisterTemp(uint64_t file_id, const std::string& temp_path);
-  // Forgets a temp file that was removed without ever being journaled.
-  Status ForgetTemp(uint64_t file_id);
-  uint64_t NextFileId();
+  // The records of the owner's temp files (file ids, Register before a temp is created,
+  // Forget): a crash cannot leak one. A record written ahead for an id that is never used
+  // costs recovery one unlink that finds nothing.
+  TempRecords* temps() { return &temps_; }
 
   // Persists (unsynced) and queues `entry`; returns its sequence number. A publish's
   // file is handed to the early-sync threads.
@@ -287,18 +312,18 @@ class Journal {
   bool DropIfHalted(const std::string& path);
   // The entry the journal is halted at, if any.
   std::optional<HaltInfo> halted() const;
+  // A publish of `path` is queued and not yet done.
+  bool PublishQueued(const std::string& path) const override EXCLUDES(mu_);
 
   uint64_t pending() const;
   uint64_t last_appended() const;
   // Every entry with a sequence number up to this one is done.
   uint64_t applied() const;
-  uint64_t skipped() const;
-  uint64_t applied_ahead() const;  // publishes applied ahead of a waiting commit
-  uint64_t retries() const;
-  uint64_t presyncs() const { return presyncs_.load(std::memory_order_relaxed); }
+  JournalCounts counts() const EXCLUDES(mu_);
 
  private:
-  Journal(BackingDir* dir, StateDb* db, Hooks hooks, uint64_t next_seq, uint64_t next_id);
+  Journal(BackingDir* dir, StateDb* db, JournalDelegate* delegate, JournalOptions options,
+          uint64_t next_seq, uint64_t next_id);
   struct Queued {
     JournalEntry e;
     bool busy = false;         // being processed by the publisher thread
@@ -334,17 +359,13 @@ class Journal {
   // Removes the entry's records (and, if not applied, its temp file) and runs on_done.
   void Finalize(const JournalEntry& e, const Status& st, bool applied);
   void AdvanceDoneLocked() REQUIRES(mu_);
-  Status Apply(const JournalEntry& e);
-  Status ApplyPublish(const JournalEntry& e);
-  // The owner and exact mode of a name kMkdir/kSymlink/kMknod just made.
-  Status ApplyOwner(const JournalEntry& e);
-  // Keeps temp records right when a directory holding temps is renamed.
-  void MoveTempRecords(const std::string& from, const std::string& to);
-  void RunPresync() EXCLUDES(presync_mu_);  // an early-sync thread
 
   BackingDir* const dir_;
   StateDb* const db_;
-  const Hooks hooks_;
+  JournalDelegate* const delegate_;
+  const JournalOptions options_;
+  TempRecords temps_;
+  EarlySyncs presync_;
 
   mutable Mutex mu_;
   std::condition_variable work_cv_;
@@ -368,13 +389,8 @@ class Journal {
   uint64_t applied_ahead_ GUARDED_BY(mu_) = 0;
   uint64_t retries_ GUARDED_BY(mu_) = 0;
   std::map<uint64_t, Status> failures_ GUARDED_BY(mu_);  // outcomes of skipped entries
-  std::map<uint64_t, std::string> temps_ GUARDED_BY(mu_);  // file id -> temp path
-  uint64_t next_file_id_ GUARDED_BY(mu_);
-  // Ids [reserved_from_, reserved_until_] have a synced temp record for temp_path(id).
-  uint64_t reserved_from_ GUARDED_BY(mu_) = 1;
-  uint64_t reserved_until_ GUARDED_BY(mu_) = 0;
   uint64_t skipped_ GUARDED_BY(mu_) = 0;
-  // Entries taken off queue_ whose Finalize() (records, hooks) has not returned yet.
+  // Entries taken off queue_ whose Finalize() (records, delegate) has not returned yet.
   uint64_t finalizing_ GUARDED_BY(mu_) = 0;
   bool stop_ GUARDED_BY(mu_) = false;
   // CloseWithin() gave up: the publisher exits at its next step and leaves the queue.
@@ -385,14 +401,6 @@ class Journal {
   std::atomic<uint64_t> resumed_until_{0};
   uint64_t resumed_left_ GUARDED_BY(mu_) = 0;
   std::thread thread_;
-
-  // Early syncs. presync_mu_ is never held together with mu_, nor during an fsync.
-  Mutex presync_mu_;
-  std::condition_variable presync_cv_;
-  std::deque<std::shared_ptr<FlushTarget>> presync_queue_ GUARDED_BY(presync_mu_);
-  bool presync_stop_ GUARDED_BY(presync_mu_) = false;
-  std::atomic<uint64_t> presyncs_{0};
-  std::vector<std::thread> presync_threads_;
 };
 
 // True if `path`'s last component commits a checkpoint directory: `.metadata`, a per-rank

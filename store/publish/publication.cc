@@ -5,6 +5,7 @@
 
 #include "common/path.h"
 #include "store/cache/retained_tier.h"
+#include "store/dcp/checkpoint_source.h"
 #include "store/primitives/file_key.h"
 #include "store/flush/flush_pipeline.h"
 #include "store/publish/commit_names.h"
@@ -30,44 +31,17 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
   p->left_ = std::move(report.resumed);
   CKPT_ASSIGN_OR_RETURN(p->registry_, CheckpointRegistry::Load(db));
 
-  LocalShardStatesOptions states;
-  states.pending = [self](const std::string& path) {
-    return self->observer_->PendingLocally(path);
-  };
-  states.dropped = [self](const std::string& path) { return self->DeletedLocally(path); };
-  p->shard_states_ = std::make_unique<LocalShardStates>(std::move(states));
-
-  CommitGateOptions gate = p->options_.gate;
-  gate.written_locally = [self](const std::string& path) {
-    return self->observer_->WrittenLocally(path);
-  };
-  gate.rewritten_since = [self](const std::string& path, uint64_t seq) {
-    return self->observer_->RewrittenSince(path, seq);
-  };
-  gate.deleted_locally = [self](const std::string& path) { return self->DeletedLocally(path); };
-  gate.local_durable = [self](const std::string& path) {
-    return self->shard_states_->Durable(path);
-  };
-  if (gate.ask_peers) {
-    gate.wake = [self] { self->journal_->RecheckGate(); };
-  }
-  p->gate_ = std::make_unique<CommitGate>(dir, std::move(gate));
-
-  Journal::Hooks hooks;
-  hooks.commit_gate = [self](const JournalEntry& e,
-                             const std::function<bool(const std::string&)>& queued) {
-    return self->gate_->Check(e, queued);
-  };
-  if (p->options_.cross_node_order) {
-    hooks.gated = [](const JournalEntry& e) { return CommitGate::IsOrderedEntry(e); };
-  }
-  hooks.on_done = [self](const JournalEntry& e, const Status& st) { self->OnDone(e, st); };
-  hooks.on_halt = [self](const JournalEntry& e, const Status& st) { self->OnHalt(e, st); };
-  hooks.halt_on_failure = p->options_.halt_on_failure;
+  // The parts ask Publication what the mount knows (its private bases).
+  p->shard_states_ = std::make_unique<LocalShardStates>(static_cast<LocalShardQuestions*>(self));
+  p->gate_ = std::make_unique<CommitGate>(dir, p->options_.gate,
+                                          static_cast<CommitGateHost*>(self), p->options_.peers);
+  JournalOptions journal;
+  journal.halt_on_failure = p->options_.halt_on_failure;
   // Temp files live at the backing root: their records can be written ahead, several
   // per synced write.
-  hooks.temp_path = [self](uint64_t id) { return self->TempName(id); };
-  CKPT_ASSIGN_OR_RETURN(p->journal_, Journal::Create(dir, db, std::move(hooks)));
+  journal.temp_prefix = p->options_.temp_prefix;
+  CKPT_ASSIGN_OR_RETURN(p->journal_, Journal::Create(dir, db, static_cast<JournalDelegate*>(self),
+                                                     std::move(journal)));
   return p;
 }
 
@@ -141,6 +115,34 @@ bool Publication::DeletedLocally(const std::string& path) {
   return dropped_paths_.count(path) > 0;
 }
 
+// ------------------------------------------------------------ the parts' questions
+
+CommitCheck Publication::CheckCommit(const JournalEntry& e, const QueuedPublishes& queued) {
+  return gate_->Check(e, &queued);
+}
+
+bool Publication::Gated(const JournalEntry& e) {
+  return options_.cross_node_order && CommitGate::IsOrderedEntry(e);
+}
+
+bool Publication::WrittenLocally(const std::string& path) {
+  return observer_->WrittenLocally(path);
+}
+
+bool Publication::RewrittenSince(const std::string& path, uint64_t seq) {
+  return observer_->RewrittenSince(path, seq);
+}
+
+bool Publication::PendingLocally(const std::string& path) {
+  return observer_->PendingLocally(path);
+}
+
+std::optional<uint64_t> Publication::PublishedLength(const std::string& path) {
+  return shard_states_->Durable(path);
+}
+
+void Publication::WakeGate() { journal_->RecheckGate(); }
+
 Status Publication::AwaitApplied(uint64_t seq) {
   Status st = journal_->WaitUnlessHalted(seq);  // the outcome belongs to its entry...
   // ...unless publication is halted, or the daemon is stopping.
@@ -149,6 +151,47 @@ Status Publication::AwaitApplied(uint64_t seq) {
   // itself a slice at a time, so that a halt or a stop is seen; no busy loop.
   if (st.ok()) journal_->WaitDoneFor(seq, std::chrono::milliseconds(50));
   return Status::Ok();
+}
+
+void Publication::ForgetVanishedCheckpoints() {
+  const uint64_t last = journal_->last_appended();
+  if (journal_->applied() < last) return;
+  // A removal counts only if no entry was queued meanwhile (a rename moves the record
+  // before the backing store).
+  auto gone = [&](const std::string& path) {
+    Result<struct stat> st = dir_->Stat(path);
+    return !st.ok() && st.status().code() == Code::kNotFound && journal_->last_appended() == last;
+  };
+  for (const auto& info : registry_->List()) {
+    if (info.state == CkptState::kWriting || info.state == CkptState::kPending) continue;
+    if (gone(info.path)) {
+      spdlog::info("checkpoint {}: gone from the backing store", info.path);
+      registry_->OnRemoved(info.path);
+      index_->Forget(info.path);
+    }
+  }
+  for (const auto& path : index_->IndexedCheckpoints()) {
+    if (!registry_->Get(path) && journal_->last_appended() == last &&
+        FindCheckpointSource(dir_, path).status().code() == Code::kNotFound) {
+      index_->Forget(path);
+    }
+  }
+}
+
+void Publication::NoteForeignCommits() {
+  if (!options_.cross_node_order) return;
+  for (const auto& info : registry_->List()) {
+    // Shards written here, every one published, of a checkpoint whose `.metadata` another
+    // node publishes: this node never queues that commit, so it looks for it.
+    if (info.state != CkptState::kWriting || info.commit_queued || info.files == 0 ||
+        info.bytes_published < info.bytes) {
+      continue;
+    }
+    if (CommittedElsewhere(dir_, info.path, info.created)) {
+      spdlog::info("checkpoint {}: its .metadata was published by another node", info.path);
+      registry_->OnCommitted(info.path);
+    }
+  }
 }
 
 std::vector<std::string> Publication::Abort(const std::string& path) {

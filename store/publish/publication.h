@@ -77,13 +77,16 @@ class PublicationObserver {
 };
 
 struct PublicationOptions {
-  // The commit gate's timeout, peers (ask_peers) and peer_recheck; its questions about
-  // local files are answered by the observer (left empty here).
+  // The commit gate's timeout and peer timings; its questions about local files are
+  // answered by the observer.
   CommitGateOptions gate;
+  // Asks the other daemons about shards written through their mounts (store::peer::Peers;
+  // docs/PEERS.md, "Commit query"). Optional; must outlive the Publication.
+  PeerShardAsker* peers = nullptr;
   // Other nodes write into the same backing dir (peers): entries that must follow a
   // checkpoint another node commits wait at the gate, and the gate notes applied shards.
   bool cross_node_order = false;
-  // false (strict mode): a failed entry is skipped, never halts (Journal::Hooks).
+  // false (strict mode): a failed entry is skipped, never halts (JournalOptions).
   bool halt_on_failure = true;
   // Temp files are "<temp_prefix><id>" at the backing root (TempName).
   std::string temp_prefix = ".ckptfs-tmp.";
@@ -93,7 +96,9 @@ struct PublicationOptions {
   RetainedTier* retained = nullptr;
 };
 
-class Publication {
+class Publication final : private JournalDelegate,
+                          private CommitGateHost,
+                          private LocalShardQuestions {
  public:
   // Recovers what the last run left (Journal::Recover), loads the registry and makes the
   // parts. `dir`, `db` and `index` must outlive it.
@@ -111,13 +116,13 @@ class Publication {
   // ------------------------------------------------------------ the mount's interface
   // Persists (unsynced) and queues `entry`; the registry notes what it queues.
   Result<uint64_t> Append(JournalEntry entry);
-  uint64_t NextFileId() { return journal_->NextFileId(); }
+  uint64_t NextFileId() { return journal_->temps()->NextId(); }
   std::string TempName(uint64_t id) const;
-  // Journal::RegisterTemp / ForgetTemp: a synced write (RegisterTemp) unless written ahead.
+  // TempRecords::Register / Forget: a synced write (Register) unless written ahead.
   Status RegisterTemp(uint64_t id, const std::string& temp_path) {
-    return journal_->RegisterTemp(id, temp_path);
+    return journal_->temps()->Register(id, temp_path);
   }
-  Status ForgetTemp(uint64_t id) { return journal_->ForgetTemp(id); }
+  Status ForgetTemp(uint64_t id) { return journal_->temps()->Forget(id); }
   // File `name` in directory `dir` began a new version through the mount (created, or
   // written again in place): its checkpoint, if it is one, is being written, and a delete
   // while halted (DropIfHalted) no longer refuses a `.metadata` that names it.
@@ -133,6 +138,18 @@ class Publication {
   // before it waits for shards nobody has written yet). The caller checks and calls again.
   Status AwaitApplied(uint64_t seq);
 
+  // ------------------------------------------------------------ what the backing store shows
+  // The registry kept true to the backing store beyond this mount's entries (the control
+  // tree calls these before it reports). Finished checkpoints whose directory (or, for
+  // those known only from the key index, whose checkpoint files) is gone from the backing
+  // store, removed by someone else, are forgotten, record and key index; nothing while
+  // entries are pending (the backing store lags the mount).
+  void ForgetVanishedCheckpoints();
+  // With cross-node order (peers): checkpoints this node wrote shards of, all published,
+  // whose `.metadata` another node has since published (CommittedElsewhere) become
+  // committed here too.
+  void NoteForeignCommits();
+
   // ------------------------------------------------------------ operator, reports, stop
   void Resume() { journal_->Resume(); }
   // Drops every queued entry at or below `path` and marks its checkpoints aborted.
@@ -145,10 +162,19 @@ class Publication {
 
  private:
   Publication(BackingDir* dir, KeyIndex* index, PublicationOptions options);
-  bool DeletedLocally(const std::string& path) EXCLUDES(dropped_mu_);
-  // The journal's hooks (publisher thread).
-  void OnDone(const JournalEntry& e, const Status& st);
-  void OnHalt(const JournalEntry& e, const Status& st);
+  // JournalDelegate (publisher thread): the gate's answer, and the outcome of every entry.
+  CommitCheck CheckCommit(const JournalEntry& e, const QueuedPublishes& queued) override;
+  bool Gated(const JournalEntry& e) override;
+  void OnDone(const JournalEntry& e, const Status& st) override;
+  void OnHalt(const JournalEntry& e, const Status& st) override;
+  // CommitGateHost and LocalShardQuestions: the observer's answers, the dropped names, the
+  // shard states' record, and the journal to wake.
+  bool WrittenLocally(const std::string& path) override;
+  bool RewrittenSince(const std::string& path, uint64_t seq) override;
+  bool PendingLocally(const std::string& path) override;
+  bool DeletedLocally(const std::string& path) override EXCLUDES(dropped_mu_);
+  std::optional<uint64_t> PublishedLength(const std::string& path) override;
+  void WakeGate() override;
   // The registry's and the key index's side of an applied entry; returns the directory
   // of a checkpoint it committed, or "".
   std::string NoteApplied(const JournalEntry& e, const Status& st);

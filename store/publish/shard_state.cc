@@ -25,13 +25,13 @@ const char* ShardStateName(ShardState s) {
 ShardStatus LocalShardStates::Query(const std::string& path) {
   // The namespace first (it may take the namespace lock): a path written again is pending
   // whatever an older publish left in the record.
-  if (options_.pending && options_.pending(path)) return {ShardState::kPending, 0};
+  if (local_ != nullptr && local_->PendingLocally(path)) return {ShardState::kPending, 0};
   {
     MutexLock lock(&mu_);
     auto it = records_.find(path);
     if (it != records_.end()) return it->second.status;
   }
-  if (options_.dropped && options_.dropped(path)) return {ShardState::kDropped, 0};
+  if (local_ != nullptr && local_->DeletedLocally(path)) return {ShardState::kDropped, 0};
   return {};
 }
 
@@ -42,16 +42,16 @@ std::optional<uint64_t> LocalShardStates::Durable(const std::string& path) const
   return it->second.status.length;
 }
 
-void LocalShardStates::SetListener(std::function<void()> changed) {
+void LocalShardStates::SetListener(ShardStateListener* listener) {
   MutexLock lock(&listener_mu_);
-  listener_ = std::move(changed);
+  listener_ = listener;
 }
 
 void LocalShardStates::PutLocked(const std::string& path, ShardStatus status) {
   const uint64_t stamp = next_stamp_++;
   records_[path] = Record{status, stamp};
   order_.emplace_back(path, stamp);
-  while (records_.size() > options_.max_records && !order_.empty()) {
+  while (records_.size() > max_records_ && !order_.empty()) {
     auto [old, old_stamp] = std::move(order_.front());
     order_.pop_front();
     auto it = records_.find(old);
@@ -59,7 +59,7 @@ void LocalShardStates::PutLocked(const std::string& path, ShardStatus status) {
   }
   // Stale order entries (paths recorded again, moved or erased) are dropped as they reach
   // the front; keep the deque from growing without bound when the same paths repeat.
-  if (order_.size() > 2 * options_.max_records + 16) {
+  if (order_.size() > 2 * max_records_ + 16) {
     std::deque<std::pair<std::string, uint64_t>> live;
     for (auto& [p, s] : order_) {
       auto it = records_.find(p);
@@ -121,7 +121,7 @@ void LocalShardStates::NoteDone(const JournalEntry& e, const Status& st) {
   }
   if (!notify) return;
   MutexLock lock(&listener_mu_);
-  if (listener_) listener_();
+  if (listener_ != nullptr) listener_->OnShardStatesChanged();
 }
 
 }  // namespace ckptfs::store

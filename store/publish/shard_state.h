@@ -15,7 +15,7 @@
 // A path open for writing again after a publish is kPending: pending wins over a record.
 //
 // LocalShardStates is the daemon's provider: Publication (publication.h) answers the
-// pending/dropped questions (the mount's observer, its dropped paths) and gives it the
+// pending/deleted questions (LocalShardQuestions: the mount's observer, its dropped paths) and gives it the
 // journal's outcomes (NoteDone), kept in a bounded record of the most recent `max_records`
 // paths.
 //
@@ -24,10 +24,11 @@
 
 #include <cstdint>
 #include <deque>
-#include <functional>
+#include <chrono>
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/mutex.h"
 #include "common/status.h"
@@ -59,35 +60,75 @@ struct PeerShardAnswer {
   bool unreachable = false;
 };
 
+// Told that some path may have left kPending (ShardStateProvider::SetListener).
+class ShardStateListener {
+ public:
+  // On the journal's thread, shortly; never under the provider's lock order with anything
+  // else.
+  virtual void OnShardStatesChanged() = 0;
+
+ protected:
+  ~ShardStateListener() = default;
+};
+
 class ShardStateProvider {
  public:
   virtual ~ShardStateProvider() = default;
   // In memory only: never touches the backing store, never waits for long (it may take
   // the namespace lock briefly).
   virtual ShardStatus Query(const std::string& path) = 0;
-  // `changed` runs (on the journal's thread, shortly, never under the provider's lock
-  // order with anything else) whenever some path may have left kPending. One listener;
-  // an empty function removes it, and returns only once no call to the old one is running.
-  virtual void SetListener(std::function<void()> changed) = 0;
+  // One listener (borrowed); null removes it, and returns only once no call to the old one
+  // is running.
+  virtual void SetListener(ShardStateListener* listener) = 0;
 };
 
-struct LocalShardStatesOptions {
-  // Open for writing through this mount or its publish queued and not yet done. May be
-  // empty.
-  std::function<bool(const std::string&)> pending;
-  // Deleted through this mount before it was published. May be empty.
-  std::function<bool(const std::string&)> dropped;
-  size_t max_records = 65536;
+// Receives the answers of one commit-query round (PeerShardAsker), on the asker's thread.
+class PeerShardAnswerSink {
+ public:
+  // `round` as given to AskShardStates; one answer per asked path, in order.
+  virtual void OnPeerShardAnswers(uint64_t round, std::vector<PeerShardAnswer> answers) = 0;
+
+ protected:
+  ~PeerShardAnswerSink() = default;
+};
+
+// Asks the other daemons about shards written through their mounts (docs/PEERS.md, "Commit
+// query"). store::peer::Peers implements it; the commit gate holds it.
+class PeerShardAsker {
+ public:
+  // Asks about `paths` (relative to the backing root), each peer holding its answer up to
+  // `hold` while a path is pending there; returns false if it cannot (not serving yet,
+  // stopping). Else, later and exactly once, `sink` (must outlive the round) gets the
+  // answers with `round`. Never blocks.
+  virtual bool AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
+                              PeerShardAnswerSink* sink, uint64_t round) = 0;
+
+ protected:
+  ~PeerShardAsker() = default;
+};
+
+// What the mount knows of a path, for LocalShardStates (Publication answers it).
+class LocalShardQuestions {
+ public:
+  // Open for writing through this mount, or its publish queued and not yet done.
+  virtual bool PendingLocally(const std::string& path) = 0;
+  // Deleted through this mount before it was published.
+  virtual bool DeletedLocally(const std::string& path) = 0;
+
+ protected:
+  ~LocalShardQuestions() = default;
 };
 
 class LocalShardStates : public ShardStateProvider {
  public:
-  explicit LocalShardStates(LocalShardStatesOptions options) : options_(std::move(options)) {}
+  // `local` may be null (nothing is pending or deleted here) and must outlive it.
+  explicit LocalShardStates(LocalShardQuestions* local, size_t max_records = 65536)
+      : local_(local), max_records_(max_records) {}
   LocalShardStates(const LocalShardStates&) = delete;
   LocalShardStates& operator=(const LocalShardStates&) = delete;
 
   ShardStatus Query(const std::string& path) override;
-  void SetListener(std::function<void()> changed) override EXCLUDES(listener_mu_);
+  void SetListener(ShardStateListener* listener) override EXCLUDES(listener_mu_);
 
   // The size `path` was published with through this mount, if it is in the record as
   // durable (no pending check).
@@ -105,7 +146,8 @@ class LocalShardStates : public ShardStateProvider {
   void PutLocked(const std::string& path, ShardStatus status) REQUIRES(mu_);
   void EraseAtOrBelowLocked(const std::string& dir) REQUIRES(mu_);
 
-  const LocalShardStatesOptions options_;
+  LocalShardQuestions* const local_;
+  const size_t max_records_;
   mutable Mutex mu_;
   std::map<std::string, Record> records_ GUARDED_BY(mu_);
   // (path, stamp) in insertion order; an entry whose stamp differs from the record's is
@@ -114,7 +156,7 @@ class LocalShardStates : public ShardStateProvider {
   uint64_t next_stamp_ GUARDED_BY(mu_) = 1;
 
   Mutex listener_mu_;
-  std::function<void()> listener_ GUARDED_BY(listener_mu_);
+  ShardStateListener* listener_ GUARDED_BY(listener_mu_) = nullptr;
 };
 
 }  // namespace ckptfs::store

@@ -227,7 +227,7 @@ TEST_F(FileHandles, FailedPublicationReadsAsEioAndIsLoggedWithPathAndOffset) {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   // Publication halts at it (nothing after it applies) until the operator drops it.
-  EXPECT_EQ(fs_->Abort("lost").size(), 1u);
+  EXPECT_EQ(fs_->control()->Abort("lost").size(), 1u);
   char buf[16];
   auto got = fs_->Read(reader, buf, sizeof(buf), 2);
   ASSERT_FALSE(got.ok());

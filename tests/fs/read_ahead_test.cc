@@ -21,7 +21,7 @@ class ReadAheadTest : public FaultyFsTest {
     Start();
   }
   uint64_t Prefetched() {
-    return nlohmann::json::parse(fs_->StatsJson()).value("prefetched_bytes", uint64_t{0});
+    return nlohmann::json::parse(fs_->control()->StatsJson()).value("prefetched_bytes", uint64_t{0});
   }
   // Waits (up to 5 s) until the prefetched bytes reach `at_least`; returns them.
   uint64_t PrefetchedAtLeast(uint64_t at_least) {

@@ -44,7 +44,7 @@ class SafetensorsCheckpointTest : public FaultyFsTest {
     Start();
   }
   uint64_t Prefetched() {
-    return json::parse(fs_->StatsJson()).value("prefetched_bytes", uint64_t{0});
+    return json::parse(fs_->control()->StatsJson()).value("prefetched_bytes", uint64_t{0});
   }
   // Polls `fn` for up to 10 s until it returns true.
   template <typename Fn>

@@ -36,6 +36,13 @@ using store::FaultyBackingDir;
 using store::Latch;
 using store::ScopedTempDir;
 
+// The pool's pressure listener as a function, for tests.
+struct OnPressure final : gpu::StagingPressureListener {
+  explicit OnPressure(std::function<void()> fn) : fn(std::move(fn)) {}
+  void RelieveStagingPressure() override { fn(); }
+  std::function<void()> fn;
+};
+
 constexpr size_t kChunk = size_t{64} << 10;
 
 // Aborts the test binary if a test hangs (a backpressure deadlock) instead of letting
@@ -125,7 +132,7 @@ class StagedFileTest : public ::testing::Test {
 
   // Pressure relief as the filesystem does it: seal every file's idle chunk.
   void SealIdleOnPressure() {
-    pool_->SetPressureCallback([this] {
+    pressure_ = std::make_unique<OnPressure>([this] {
       std::vector<std::shared_ptr<StagedFile>> files;
       {
         std::lock_guard lock(files_mu_);
@@ -133,6 +140,7 @@ class StagedFileTest : public ::testing::Test {
       }
       for (auto& f : files) f->SealIfIdle();
     });
+    pool_->SetPressureListener(pressure_.get());
   }
 
   std::shared_ptr<StagedFile> MakeFile(const std::string& name) {
@@ -183,6 +191,7 @@ class StagedFileTest : public ::testing::Test {
 
   ScopedTempDir tmp_{"ckptfs-staged-test"};
   std::unique_ptr<gpu::StagingPool> pool_;  // outlives everything that holds its chunks
+  std::unique_ptr<OnPressure> pressure_;  // the pool's listener, when a test sets one
   std::unique_ptr<FaultyBackingDir> dir_;
   std::unique_ptr<store::FlushPipeline> pipeline_;
   std::mutex files_mu_;
@@ -328,7 +337,7 @@ TEST_F(StagedFileTest, AFullPoolMakesWritesWaitAndTheyCompleteOnceChunksReturn) 
   std::atomic<int> pressure_calls{0};
   std::atomic<size_t> used_at_pressure{0};
   std::atomic<bool> disk_empty_at_pressure{false};
-  pool_->SetPressureCallback([&] {
+  pressure_ = std::make_unique<OnPressure>([&] {
     if (pressure_calls.fetch_add(1) == 0) {
       used_at_pressure = pool_->used_bytes();
       disk_empty_at_pressure = OnDisk("f").empty();
@@ -341,6 +350,7 @@ TEST_F(StagedFileTest, AFullPoolMakesWritesWaitAndTheyCompleteOnceChunksReturn) 
     for (auto& f : files) f->SealIfIdle();
     flushes.Open();
   });
+  pool_->SetPressureListener(pressure_.get());
   auto f = MakeFile("f");
   std::mt19937 rng(4);
   Model model;

@@ -24,6 +24,13 @@ namespace {
 
 using std::chrono::milliseconds;
 
+// The pool's pressure listener as a function, for tests.
+struct OnPressure final : gpu::StagingPressureListener {
+  explicit OnPressure(std::function<void()> fn) : fn(std::move(fn)) {}
+  void RelieveStagingPressure() override { fn(); }
+  std::function<void()> fn;
+};
+
 constexpr size_t kChunk = size_t{64} << 10;
 
 std::unique_ptr<StagingPool> MakePool(size_t chunks, const std::string& backend = "host") {
@@ -168,9 +175,10 @@ TEST(StagingPool, AcquireBlocksWhenExhaustedAndWakesWhenChunkReturned) {
   // waiter has found the pool empty. The TryAcquireFor below calls it again.
   std::promise<void> about_to_block;
   std::atomic<int> pressure_calls{0};
-  pool->SetPressureCallback([&] {
+  OnPressure on_pressure([&] {
     if (pressure_calls.fetch_add(1) == 0) about_to_block.set_value();
   });
+  pool->SetPressureListener(&on_pressure);
   std::atomic<bool> acquired{false};
   std::thread waiter([&] {
     ChunkBuffer chunk = pool->Acquire();
@@ -196,7 +204,8 @@ TEST(StagingPool, TryAcquireForWakesWhenChunkReturnedBeforeTimeout) {
   ASSERT_NE(pool, nullptr);
   ChunkBuffer held = pool->Acquire();
   std::promise<void> about_to_block;
-  pool->SetPressureCallback([&] { about_to_block.set_value(); });
+  OnPressure on_pressure([&] { about_to_block.set_value(); });
+  pool->SetPressureListener(&on_pressure);
   std::thread waiter([&] {
     // Far longer than the test can take, so success means it was woken.
     ChunkBuffer chunk = pool->TryAcquireFor(milliseconds(60'000));
@@ -215,10 +224,11 @@ TEST(StagingPool, PressureCallbackIsCalledOnceWhenExhaustedAndMayReturnChunks) {
   std::vector<ChunkBuffer> sealed;
   // Like the write path sealing partly filled chunks: the callback frees one. It runs
   // without pool locks, so returning a chunk from inside it must not deadlock.
-  pool->SetPressureCallback([&] {
+  OnPressure on_pressure([&] {
     ++calls;
     sealed.pop_back();
   });
+  pool->SetPressureListener(&on_pressure);
   sealed.push_back(pool->Acquire());
   sealed.push_back(pool->Acquire());
   EXPECT_EQ(calls, 0) << "not called while chunks are free";
@@ -229,7 +239,7 @@ TEST(StagingPool, PressureCallbackIsCalledOnceWhenExhaustedAndMayReturnChunks) {
   EXPECT_EQ(pool->waits(), 1u);
   EXPECT_EQ(pool->used_bytes(), 2 * kChunk);
 
-  pool->SetPressureCallback(nullptr);
+  pool->SetPressureListener(nullptr);
   sealed.clear();
 }
 
@@ -278,7 +288,8 @@ TEST(StagingPool, ConcurrentAcquireReleaseNeverExceedsTotalChunks) {
   auto pool = MakePool(kChunks);
   ASSERT_NE(pool, nullptr);
   std::atomic<int> pressure_calls{0};
-  pool->SetPressureCallback([&] { pressure_calls.fetch_add(1); });
+  OnPressure on_pressure([&] { pressure_calls.fetch_add(1); });
+  pool->SetPressureListener(&on_pressure);
 
   std::atomic<size_t> in_use{0};
   std::atomic<size_t> high_water{0};

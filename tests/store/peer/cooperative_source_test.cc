@@ -315,5 +315,28 @@ TEST(PeerNodeLocality, DcpWriterRankParsesDcpFileNames) {
   EXPECT_FALSE(DcpWriterRank("__3_0.distcpx").has_value());
 }
 
+// As the commit gate's PeerShardAsker, a node asks its peers about shards only once it
+// serves them too (StartServing); before that it refuses, and the gate polls the backing
+// store instead. The sink is never called for a refused round.
+TEST(PeerNodeCommitQuery, RefusesToAskBeforeItServes) {
+  auto dir = BackingDir::Open(::testing::TempDir());
+  ASSERT_TRUE(dir.ok());
+  PeerNodeOptions o;
+  o.nodes = {"127.0.0.1:1", "127.0.0.1:2"};
+  o.self = 0;
+  o.secret = kSecret;
+  SyntheticProvider fallback{Files()};
+  auto node = PeerNode::Create(o, dir->get(), &fallback);
+  ASSERT_TRUE(node.ok()) << node.status().ToString();
+  struct NeverAnswered final : PeerShardAnswerSink {
+    void OnPeerShardAnswers(uint64_t, std::vector<PeerShardAnswer>) override {
+      ADD_FAILURE() << "a refused round was answered";
+    }
+  } sink;
+  PeerShardAsker* asker = node->get();
+  EXPECT_FALSE(asker->AskShardStates({"ck/__1_0.distcp"}, std::chrono::milliseconds(10), &sink,
+                                     1));
+}
+
 }  // namespace
 }  // namespace ckptfs::store::peer

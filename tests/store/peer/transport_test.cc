@@ -693,25 +693,37 @@ class FakeShardStates : public ShardStateProvider {
     auto it = states_.find(path);
     return it == states_.end() ? ShardStatus{} : it->second;
   }
-  void SetListener(std::function<void()> changed) override {
+  void SetListener(ShardStateListener* listener) override {
     MutexLock lock(&mu_);
-    listener_ = std::move(changed);
+    listener_ = listener;
   }
   void Set(const std::string& path, ShardStatus st) {
-    std::function<void()> listener;
+    ShardStateListener* listener = nullptr;
     {
       MutexLock lock(&mu_);
       states_[path] = st;
       listener = listener_;
     }
-    if (listener) listener();
+    if (listener != nullptr) listener->OnShardStatesChanged();
   }
 
  private:
   Mutex mu_;
   std::map<std::string, ShardStatus> states_ GUARDED_BY(mu_);
-  std::function<void()> listener_ GUARDED_BY(mu_);
+  ShardStateListener* listener_ GUARDED_BY(mu_) = nullptr;
   uint64_t queries_ GUARDED_BY(mu_) = 0;
+};
+
+// A round's answers, for the test to wait on.
+class AnswersPromise final : public PeerShardAnswerSink {
+ public:
+  void OnPeerShardAnswers(uint64_t, std::vector<PeerShardAnswer> answers) override {
+    promise_.set_value(std::move(answers));
+  }
+  std::vector<PeerShardAnswer> Get() { return promise_.get_future().get(); }
+
+ private:
+  std::promise<std::vector<PeerShardAnswer>> promise_;
 };
 
 class PeerShardQuery : public ::testing::Test {
@@ -820,16 +832,14 @@ TEST_F(PeerShardQuery, QuerierMergesTwoPeersWithArbitraryShardPlacement) {
   CommitQuerier querier(qo);
   const std::vector<std::string> paths = {"ck/__0_0.distcp", "ck/__1_0.distcp",
                                           "ck/__2_0.distcp", "ck/__3_0.distcp"};
-  std::promise<std::vector<PeerShardAnswer>> p1;
+  AnswersPromise p1;
   std::thread later([&] {
     std::this_thread::sleep_for(200ms);
     two.Set("ck/__1_0.distcp", {ShardState::kDurable, 200});
   });
   const auto start = Clock::now();
-  ASSERT_TRUE(querier.Ask(paths, 1500ms, [&](std::vector<PeerShardAnswer> a) {
-    p1.set_value(std::move(a));
-  }));
-  auto answers = p1.get_future().get();
+  ASSERT_TRUE(querier.Ask(paths, 1500ms, &p1, 1));
+  auto answers = p1.Get();
   const auto took = Clock::now() - start;
   later.join();
   ASSERT_EQ(answers.size(), 4u);
@@ -842,12 +852,10 @@ TEST_F(PeerShardQuery, QuerierMergesTwoPeersWithArbitraryShardPlacement) {
   EXPECT_LT(took, 1400ms) << "node 2's change should end its hold; node 1 answered at once";
   // Node 2 goes away: its shards are unknown-and-unreachable, node 1's still answered.
   s2.reset();
-  std::promise<std::vector<PeerShardAnswer>> p2;
+  AnswersPromise p2;
   one.Set("ck/__3_0.distcp", {ShardState::kDurable, 300});
-  ASSERT_TRUE(querier.Ask(paths, 500ms, [&](std::vector<PeerShardAnswer> a) {
-    p2.set_value(std::move(a));
-  }));
-  answers = p2.get_future().get();
+  ASSERT_TRUE(querier.Ask(paths, 500ms, &p2, 2));
+  answers = p2.Get();
   EXPECT_EQ(answers[3].status, (ShardStatus{ShardState::kDurable, 300}));
   EXPECT_EQ(answers[1].status.state, ShardState::kUnknown);
   EXPECT_TRUE(answers[1].unreachable);

@@ -188,7 +188,7 @@ class JournalPosixTest : public PosixOpsTest {
     auto db = StateDb::Open(tmp_.Sub("state", false));
     ASSERT_TRUE(db.ok()) << db.status().ToString();
     db_ = std::move(db).value();
-    auto j = Journal::Create(dir_.get(), db_.get(), {});
+    auto j = Journal::Create(dir_.get(), db_.get(), nullptr);
     ASSERT_TRUE(j.ok());
     journal_ = std::move(j).value();
   }

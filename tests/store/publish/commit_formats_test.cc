@@ -109,10 +109,11 @@ CommitGateOptions GateOptions() {
   return options;
 }
 
-Journal::Hooks GatedHooks(CommitGate* gate, std::function<void(const JournalEntry&)> done = {}) {
-  Journal::Hooks hooks;
+TestHooks GatedHooks(CommitGate* gate, std::function<void(const JournalEntry&)> done = {}) {
+  TestHooks hooks;
   hooks.commit_gate = [gate](const JournalEntry& e, const QueuedFn& queued) {
-    return gate->Check(e, queued);
+    const QueuedIf q(queued);
+    return gate->Check(e, &q);
   };
   hooks.on_done = [gate, done](const JournalEntry& e, const Status& st) {
     gate->NoteApplied(e, st);
@@ -197,7 +198,7 @@ TEST_F(CommitFormatsGateTest, AnIndexWaitsForEveryShardItNamesOnTheBackingStore)
   CommitGate gate(dir_.get(), GateOptions());
   Put("ck/index.tmp", kIndex);
   const JournalEntry e = CommitEntry("ck/model.safetensors.index.json", "ck/index.tmp");
-  CommitCheck c = gate.Check(e, {});
+  CommitCheck c = gate.Check(e, nullptr);
   ASSERT_TRUE(c.status.ok()) << c.status.ToString();
   EXPECT_FALSE(c.ready);
   EXPECT_EQ(c.shards, (std::vector<std::string>{"ck/model-00001-of-00002.safetensors",
@@ -206,12 +207,12 @@ TEST_F(CommitFormatsGateTest, AnIndexWaitsForEveryShardItNamesOnTheBackingStore)
   Put("ck/model-00001-of-00002.safetensors", Safetensors("x"));
   Put("ck/model-00002-of-00002.safetensors", "short");  // not even a length prefix yet
   std::this_thread::sleep_for(120ms);                   // past the poll backoff
-  c = gate.Check(e, {});
+  c = gate.Check(e, nullptr);
   EXPECT_FALSE(c.ready);
   EXPECT_EQ(c.shards, (std::vector<std::string>{"ck/model-00002-of-00002.safetensors"}));
   Put("ck/model-00002-of-00002.safetensors", Safetensors("y"));
   std::this_thread::sleep_for(250ms);
-  c = gate.Check(e, {});
+  c = gate.Check(e, nullptr);
   EXPECT_TRUE(c.status.ok());
   EXPECT_TRUE(c.ready);
 }
@@ -222,13 +223,13 @@ TEST_F(CommitFormatsGateTest, AQueuedShardOfAnIndexIsWaitedForAndMayGoAhead) {
   Put("ck/model-00001-of-00002.safetensors", Safetensors("x"));
   Put("ck/model-00002-of-00002.safetensors", Safetensors("old"));  // an earlier save's
   const JournalEntry e = CommitEntry("ck/model.safetensors.index.json", "ck/index.tmp");
-  CommitCheck c = gate.Check(e, [](const std::string& p) {
-    return p == "ck/model-00002-of-00002.safetensors";
-  });
+  const QueuedIf shard2_queued(
+      [](const std::string& p) { return p == "ck/model-00002-of-00002.safetensors"; });
+  CommitCheck c = gate.Check(e, &shard2_queued);
   EXPECT_FALSE(c.ready);
   EXPECT_EQ(c.shards, (std::vector<std::string>{"ck/model-00002-of-00002.safetensors"}));
   std::this_thread::sleep_for(120ms);  // past the poll backoff
-  c = gate.Check(e, [](const std::string&) { return false; });
+  c = gate.Check(e, nullptr);
   EXPECT_TRUE(c.ready);
 }
 
@@ -237,7 +238,7 @@ TEST_F(CommitFormatsGateTest, AMalformedIndexCommitsByOrderAlone) {
   for (const std::string& bad : {std::string("not json"), std::string(R"({"weight_map": 3})"),
                                  std::string(R"({"weight_map": {"a": "../escape"}})")}) {
     Put("ck/index.tmp", bad);
-    CommitCheck c = gate.Check(CommitEntry("ck/model.safetensors.index.json", "ck/index.tmp"), {});
+    CommitCheck c = gate.Check(CommitEntry("ck/model.safetensors.index.json", "ck/index.tmp"), nullptr);
     EXPECT_TRUE(c.status.ok()) << bad << ": " << c.status.ToString();
     EXPECT_TRUE(c.ready) << bad;
   }
@@ -246,7 +247,7 @@ TEST_F(CommitFormatsGateTest, AMalformedIndexCommitsByOrderAlone) {
 TEST_F(CommitFormatsGateTest, ASingleModelSafetensorsCommitsOnItsOwnPublishWithoutBeingRead) {
   CommitGate gate(dir_.get(), GateOptions());
   // Its temp is not even there: the gate must not read a file that may be many GiB.
-  CommitCheck c = gate.Check(CommitEntry("ck/model.safetensors", "ck/.ckptfs-tmp.7"), {});
+  CommitCheck c = gate.Check(CommitEntry("ck/model.safetensors", "ck/.ckptfs-tmp.7"), nullptr);
   EXPECT_TRUE(c.status.ok()) << c.status.ToString();
   EXPECT_TRUE(c.ready);
 }
@@ -264,17 +265,17 @@ TEST_F(CommitFormatsGateTest, APerRankMetadataWaitsForTheShardsItNames) {
   ASSERT_EQ(need.size(), 4u);
   CommitGate gate(dir_.get(), GateOptions());
   const JournalEntry e = CommitEntry("ck/__1.metadata", "ck/__1.metadata.tmp");
-  CommitCheck c = gate.Check(e, {});
+  CommitCheck c = gate.Check(e, nullptr);
   ASSERT_TRUE(c.status.ok()) << c.status.ToString();
   EXPECT_FALSE(c.ready);
   EXPECT_EQ(c.shards.size(), 4u);
   for (const auto& [path, len] : need) Put(path, std::string(len, 's'));
   std::this_thread::sleep_for(120ms);
-  c = gate.Check(e, {});
+  c = gate.Check(e, nullptr);
   EXPECT_TRUE(c.ready);
   // Garbage under a rank's name commits by order, as a bad `.metadata` does.
   Put("ck/__2.metadata.tmp", "not a pickle");
-  c = gate.Check(CommitEntry("ck/__2.metadata", "ck/__2.metadata.tmp", 10), {});
+  c = gate.Check(CommitEntry("ck/__2.metadata", "ck/__2.metadata.tmp", 10), nullptr);
   EXPECT_TRUE(c.status.ok());
   EXPECT_TRUE(c.ready);
 }

@@ -1,4 +1,4 @@
-// CommitGate with a fake ask_peers hook (the commit query, docs/PEERS.md) over a
+// CommitGate with a fake PeerShardAsker (the commit query, docs/PEERS.md) over a
 // FaultyBackingDir that counts the backing-store stats of each shard: a pending answer
 // waits without a stat, a durable one counts after exactly one, and anything a peer cannot
 // vouch for falls back to polling.
@@ -26,8 +26,23 @@ namespace sfs = std::filesystem;
 const sfs::path kFixture =
     sfs::path(CKPTFS_SOURCE_DIR) / "tests/fixtures/dcp/torch113_4rank_single_file";
 
-class CommitGateTest : public ::testing::Test {
+// The fixture is the gate's peers (rounds are kept for the test to answer) and its host
+// (nothing written here; wakes counted).
+class CommitGateTest : public ::testing::Test, public PeerShardAsker, public CommitGateHost {
  protected:
+  bool AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds,
+                      PeerShardAnswerSink* sink, uint64_t round) override {
+    MutexLock lock(&mu_);
+    if (!peers_available_) return false;
+    rounds_.push_back(Round{std::move(paths), sink, round});
+    return true;
+  }
+  bool WrittenLocally(const std::string&) override { return false; }
+  bool RewrittenSince(const std::string&, uint64_t) override { return false; }
+  bool DeletedLocally(const std::string&) override { return false; }
+  std::optional<uint64_t> PublishedLength(const std::string&) override { return std::nullopt; }
+  void WakeGate() override { wakes_.fetch_add(1); }
+
   void SetUp() override {
     root_ = tmp_.Sub("root");
     sfs::create_directories(root_ + "/ck");
@@ -56,21 +71,14 @@ class CommitGateTest : public ::testing::Test {
   std::unique_ptr<CommitGate> MakeGate(std::chrono::milliseconds timeout = 30s) {
     CommitGateOptions o;
     o.timeout = timeout;
-    o.ask_peers = [this](std::vector<std::string> paths, CommitGateOptions::AnswersFn done) {
-      MutexLock lock(&mu_);
-      if (!peers_available_) return false;
-      rounds_.push_back({std::move(paths), std::move(done)});
-      return true;
-    };
-    o.wake = [this] { wakes_.fetch_add(1); };
-    return std::make_unique<CommitGate>(dir_.get(), o);
+    return std::make_unique<CommitGate>(dir_.get(), o, this, this);
   }
 
-  CommitCheck Check(CommitGate& gate) { return gate.Check(commit_, {}); }
+  CommitCheck Check(CommitGate& gate) { return gate.Check(commit_, nullptr); }
 
   // Answers the oldest open round with `status` for every path.
   std::vector<std::string> Answer(ShardStatus status, bool unreachable = false) {
-    std::pair<std::vector<std::string>, CommitGateOptions::AnswersFn> round;
+    Round round;
     {
       MutexLock lock(&mu_);
       EXPECT_FALSE(rounds_.empty());
@@ -78,10 +86,10 @@ class CommitGateTest : public ::testing::Test {
       round = std::move(rounds_.front());
       rounds_.erase(rounds_.begin());
     }
-    std::vector<PeerShardAnswer> answers(round.first.size());
+    std::vector<PeerShardAnswer> answers(round.paths.size());
     for (auto& a : answers) a = PeerShardAnswer{status, unreachable};
-    round.second(std::move(answers));
-    return round.first;
+    round.sink->OnPeerShardAnswers(round.round, std::move(answers));
+    return round.paths;
   }
   size_t OpenRounds() {
     MutexLock lock(&mu_);
@@ -106,8 +114,12 @@ class CommitGateTest : public ::testing::Test {
   JournalEntry commit_;
   Mutex mu_;
   std::map<std::string, uint64_t> stats_ GUARDED_BY(mu_);
-  std::vector<std::pair<std::vector<std::string>, CommitGateOptions::AnswersFn>> rounds_
-      GUARDED_BY(mu_);
+  struct Round {
+    std::vector<std::string> paths;
+    PeerShardAnswerSink* sink = nullptr;
+    uint64_t round = 0;
+  };
+  std::vector<Round> rounds_ GUARDED_BY(mu_);
   bool peers_available_ GUARDED_BY(mu_) = true;
   std::atomic<int> wakes_{0};
 };
@@ -257,13 +269,20 @@ TEST_F(CommitGateTest, ARoundAnsweredForAnEarlierCommitIsIgnored) {
 }
 
 TEST_F(CommitGateTest, PublishedThroughThisMountCountsAfterOneStatWithoutAsking) {
-  CommitGateOptions o;
-  o.local_durable = [](const std::string&) -> std::optional<uint64_t> { return 1ull << 40; };
-  o.ask_peers = [this](std::vector<std::string>, CommitGateOptions::AnswersFn) {
-    ADD_FAILURE() << "asked the peers about shards published here";
-    return false;
-  };
-  CommitGate gate(dir_.get(), o);
+  // Every shard published here, long enough; peers that fail the test if asked.
+  struct PublishedHere final : CommitGateHost, PeerShardAsker {
+    bool WrittenLocally(const std::string&) override { return false; }
+    bool RewrittenSince(const std::string&, uint64_t) override { return false; }
+    bool DeletedLocally(const std::string&) override { return false; }
+    std::optional<uint64_t> PublishedLength(const std::string&) override { return 1ull << 40; }
+    void WakeGate() override {}
+    bool AskShardStates(std::vector<std::string>, std::chrono::milliseconds,
+                        PeerShardAnswerSink*, uint64_t) override {
+      ADD_FAILURE() << "asked the peers about shards published here";
+      return false;
+    }
+  } here;
+  CommitGate gate(dir_.get(), CommitGateOptions{}, &here, &here);
   WriteShards();
   EXPECT_TRUE(Check(gate).ready);
   EXPECT_EQ(ShardStats(), 4u);

@@ -80,12 +80,11 @@ class CrashModel {
       if (it->second > 0) --it->second;
       return EIO;
     });
-    Journal::Hooks hooks;
-    hooks.commit_gate = [this](const JournalEntry& e, const QueuedFn& queued) {
+    hooks_.commit_gate = [this](const JournalEntry& e, const QueuedFn& queued) {
       return Gate(e, queued);
     };
-    hooks.on_done = [this](const JournalEntry& e, const Status& st) { OnDone(e, st); };
-    journal_ = std::move(Journal::Create(dir_.get(), db_, hooks)).value();
+    hooks_.on_done = [this](const JournalEntry& e, const Status& st) { OnDone(e, st); };
+    journal_ = std::move(Journal::Create(dir_.get(), db_, &hooks_, hooks_.options)).value();
 
     Drive();
     // Let transient faults pass (retries are pushed rather than waited for), then stop
@@ -162,9 +161,9 @@ class CrashModel {
   bool WriteAndPublish(const std::string& dir, const std::string& path, const std::string& bytes,
                        Fault fault) {
     if (crashed_.load()) return false;
-    const uint64_t id = journal_->NextFileId();
+    const uint64_t id = journal_->temps()->NextId();
     const std::string temp = Join(dir, kTempPrefix + std::to_string(id));
-    if (!journal_->RegisterTemp(id, temp).ok()) return false;
+    if (!journal_->temps()->Register(id, temp).ok()) return false;
     auto fd = dir_->OpenFile(temp, O_RDWR | O_CREAT | O_EXCL, 0644);
     if (!fd.ok()) return false;  // only after the crash
     auto target = std::make_shared<FlushTarget>(id, std::move(*fd));
@@ -467,6 +466,7 @@ class CrashModel {
   StateDb* const db_after_crash_;  // the records a crash left behind
   std::unique_ptr<FaultyBackingDir> dir_;
   std::unique_ptr<FlushPipeline> pipeline_;
+  TestHooks hooks_;  // outlives journal_
   std::unique_ptr<Journal> journal_;
   std::vector<std::shared_ptr<FlushTarget>> targets_;
   bool faulty_schedule_ = false;

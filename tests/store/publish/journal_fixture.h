@@ -39,6 +39,38 @@ namespace ckptfs::store {
 namespace fs = std::filesystem;  // NOLINT: the tests' shorthand
 using QueuedFn = std::function<bool(const std::string&)>;
 
+// The queued-publish question of a commit check as a function, for tests that call
+// CommitGate::Check directly.
+struct QueuedIf final : QueuedPublishes {
+  explicit QueuedIf(QueuedFn fn) : fn(std::move(fn)) {}
+  bool PublishQueued(const std::string& path) const override { return fn && fn(path); }
+  QueuedFn fn;
+};
+
+// A JournalDelegate whose answers the test sets as functions, and the journal's options.
+// Empty ones: a commit is ready, nothing is gated, outcomes are not looked at.
+struct TestHooks final : JournalDelegate {
+  std::function<CommitCheck(const JournalEntry&, const QueuedFn&)> commit_gate;
+  std::function<bool(const JournalEntry&)> gated;
+  std::function<void(const JournalEntry&, const Status&)> on_done;
+  std::function<void(const JournalEntry&, const Status&)> on_halt;
+  JournalOptions options;
+
+  CommitCheck CheckCommit(const JournalEntry& e, const QueuedPublishes& queued) override {
+    if (!commit_gate) return Status::Ok();
+    return commit_gate(e, [&queued](const std::string& path) {
+      return queued.PublishQueued(path);
+    });
+  }
+  bool Gated(const JournalEntry& e) override { return gated && gated(e); }
+  void OnDone(const JournalEntry& e, const Status& st) override {
+    if (on_done) on_done(e, st);
+  }
+  void OnHalt(const JournalEntry& e, const Status& st) override {
+    if (on_halt) on_halt(e, st);
+  }
+};
+
 inline constexpr char kTempPrefix[] = ".ckptfs-tmp.";
 
 inline std::string Join(const std::string& dir, const std::string& name) {
@@ -174,11 +206,13 @@ class JournalTest : public ::testing::Test {
     pipeline_ = std::move(p).value();
   }
 
-  // Early syncs (Hooks::presync_threads) are off unless a test asks for them: with them
-  // on, which fsync an injected fault hits depends on thread timing.
-  void MakeJournal(Journal::Hooks hooks = {}, bool early_syncs = false) {
-    if (!early_syncs) hooks.presync_threads = 0;
-    auto j = Journal::Create(dir_.get(), db_.get(), std::move(hooks));
+  // Early syncs (JournalOptions::presync_threads) are off unless a test asks for them: with
+  // them on, which fsync an injected fault hits depends on thread timing.
+  void MakeJournal(TestHooks hooks = {}, bool early_syncs = false) {
+    if (!early_syncs) hooks.options.presync_threads = 0;
+    journal_.reset();  // before the hooks it holds
+    hooks_ = std::make_unique<TestHooks>(std::move(hooks));
+    auto j = Journal::Create(dir_.get(), db_.get(), hooks_.get(), hooks_->options);
     ASSERT_TRUE(j.ok()) << j.status().ToString();
     journal_ = std::move(j).value();
   }
@@ -187,7 +221,7 @@ class JournalTest : public ::testing::Test {
   // `.metadata` bytes in a temp file, not yet queued.
   TempFile StartMetadataWithFailingDirSync() {
     dir_->SetSyncParentHook([](const std::string& path) { return IsCommitName(path) ? EIO : 0; });
-    Journal::Hooks hooks;
+    TestHooks hooks;
     hooks.commit_gate = [](const JournalEntry&, const QueuedFn&) { return Status::Ok(); };
     MakeJournal(std::move(hooks));
     EXPECT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
@@ -199,9 +233,9 @@ class JournalTest : public ::testing::Test {
   // Registers and creates a temp file in `dir`, as the write path does.
   TempFile StartFile(const std::string& dir) {
     TempFile f;
-    f.id = journal_->NextFileId();
+    f.id = journal_->temps()->NextId();
     f.temp = Join(dir, kTempPrefix + std::to_string(f.id));
-    EXPECT_TRUE(journal_->RegisterTemp(f.id, f.temp).ok());
+    EXPECT_TRUE(journal_->temps()->Register(f.id, f.temp).ok());
     auto fd = dir_->OpenFile(f.temp, O_RDWR | O_CREAT | O_EXCL, 0644);
     EXPECT_TRUE(fd.ok()) << fd.status().ToString();
     if (fd.ok()) f.target = std::make_shared<FlushTarget>(f.id, std::move(*fd));
@@ -261,6 +295,7 @@ class JournalTest : public ::testing::Test {
   std::unique_ptr<FaultyBackingDir> dir_;
   std::unique_ptr<StateDb> db_;
   std::unique_ptr<FlushPipeline> pipeline_;
+  std::unique_ptr<TestHooks> hooks_;  // outlives journal_
   std::unique_ptr<Journal> journal_;
 };
 

@@ -12,7 +12,7 @@ namespace {
 TEST_F(JournalTest, ARefusedCommitHaltsTheJournalUntilItsCheckpointIsAborted) {
   std::mutex mu;
   std::vector<std::string> gated;
-  Journal::Hooks hooks;
+  TestHooks hooks;
   hooks.commit_gate = [&](const JournalEntry& e, const QueuedFn&) {
     std::lock_guard lock(mu);
     gated.push_back(e.path);
@@ -59,8 +59,8 @@ class SupersedeTest : public JournalTest {
  protected:
   void Run(bool halt_on_failure) {
     std::atomic<uint64_t> stuck{0};
-    Journal::Hooks hooks;
-    hooks.halt_on_failure = halt_on_failure;
+    TestHooks hooks;
+    hooks.options.halt_on_failure = halt_on_failure;
     hooks.commit_gate = [&](const JournalEntry& e, const QueuedFn&) -> CommitCheck {
       if (e.seq != stuck.load()) return Status::Ok();
       CommitCheck wait = CommitCheck::Wait({}, std::chrono::milliseconds(20));
@@ -107,7 +107,7 @@ TEST_F(JournalTest, AMetadataQueuedBeforeItsShardsCommitsOnceTheyArePublishedAhe
   // As `cp -r` or `rsync` copy a checkpoint: `.metadata` sorts first.
   std::mutex mu;
   std::vector<std::string> order;
-  Journal::Hooks hooks;
+  TestHooks hooks;
   const std::vector<std::string> shards = {"ck/__0_0.distcp", "ck/__1_0.distcp"};
   hooks.commit_gate = [&](const JournalEntry&, const QueuedFn& queued) -> CommitCheck {
     std::vector<std::string> waiting;
@@ -143,7 +143,7 @@ TEST_F(JournalTest, AMetadataQueuedBeforeItsShardsCommitsOnceTheyArePublishedAhe
   EXPECT_TRUE(journal_->Wait(chmod).ok());
   EXPECT_TRUE(journal_->Wait(tracker).ok());
   EXPECT_TRUE(journal_->Wait(sb).ok());
-  EXPECT_EQ(journal_->applied_ahead(), 2u);
+  EXPECT_EQ(journal_->counts().applied_ahead, 2u);
   std::lock_guard lock(mu);
   EXPECT_EQ(order, (std::vector<std::string>{"ck", "ck/__0_0.distcp", "ck/__1_0.distcp",
                                              "ck/.metadata", "ck/.metadata", "tracker"}));
@@ -152,7 +152,7 @@ TEST_F(JournalTest, AMetadataQueuedBeforeItsShardsCommitsOnceTheyArePublishedAhe
 TEST_F(JournalTest, AShardAheadOfItsCommitWaitsForAnEntryThatTouchesItsName) {
   // A rename of the checkpoint directory queued between the commit and the shard: the
   // shard's publish may not overtake it.
-  Journal::Hooks hooks;
+  TestHooks hooks;
   std::atomic<int> gate_calls{0};
   hooks.commit_gate = [&](const JournalEntry&, const QueuedFn& queued) -> CommitCheck {
     // The shard is still to come when the gate is first asked (the test queues it after
@@ -185,7 +185,7 @@ TEST_F(JournalTest, AShardAheadOfItsCommitWaitsForAnEntryThatTouchesItsName) {
 // from going ahead: before, the commit waited for a publish that could only follow it, for
 // ever (the shard counts as queued here, so no timeout applied).
 TEST_F(JournalTest, AnAttributeChangeOfTheDirectoryDoesNotKeepAShardBehindItsCommit) {
-  Journal::Hooks hooks;
+  TestHooks hooks;
   hooks.commit_gate = [&](const JournalEntry&, const QueuedFn& queued) -> CommitCheck {
     const std::string shard = "ck/__0_0.distcp";
     if (!queued(shard) && Exists(shard)) return Status::Ok();
@@ -216,7 +216,7 @@ TEST_F(JournalTest, AnAttributeChangeOfTheDirectoryDoesNotKeepAShardBehindItsCom
 // before their entry must still reach them (it was hidden by that early return, and the
 // namespace's wait for a pending rename spun on it at full CPU).
 TEST_F(JournalTest, WaitUnlessHaltedReportsAHaltEvenBehindACommitWaitingForUnwrittenShards) {
-  Journal::Hooks hooks;
+  TestHooks hooks;
   std::atomic<bool> refuse{false};
   hooks.commit_gate = [&](const JournalEntry&, const QueuedFn&) -> CommitCheck {
     if (refuse) return Status(Code::kTimeout, "shard never became durable");
@@ -249,7 +249,7 @@ TEST_F(JournalTest, WaitUnlessHaltedReportsAHaltEvenBehindACommitWaitingForUnwri
 // from ending. ReleaseWaiters() (the FUSE session has exited) lets every such wait return
 // with an error naming what publication waits for; the entries stay queued.
 TEST_F(JournalTest, ReleaseWaitersLetsBlockedCallersGoAndSaysWhatPublicationWaitsFor) {
-  Journal::Hooks hooks;
+  TestHooks hooks;
   hooks.commit_gate = [&](const JournalEntry&, const QueuedFn&) -> CommitCheck {
     return CommitCheck::Wait({"ck/__0_0.distcp"}, std::chrono::milliseconds(20));
   };
@@ -281,10 +281,11 @@ CommitGateOptions GateOptions() {
   options.timeout = std::chrono::seconds(30);
   return options;
 }
-Journal::Hooks GatedHooks(CommitGate* gate) {
-  Journal::Hooks hooks;
+TestHooks GatedHooks(CommitGate* gate) {
+  TestHooks hooks;
   hooks.commit_gate = [gate](const JournalEntry& e, const QueuedFn& queued) {
-    return gate->Check(e, queued);
+    const QueuedIf q(queued);
+    return gate->Check(e, &q);
   };
   hooks.gated = [](const JournalEntry& e) { return CommitGate::IsOrderedEntry(e); };
   hooks.on_done = [gate](const JournalEntry& e, const Status& st) { gate->NoteApplied(e, st); };
@@ -367,7 +368,7 @@ TEST(CommitGate, OrderedEntriesAreTrackersRenamesAndDeletesNotShardsOrCommits) {
 
 TEST_F(JournalTest, TheCommitGateSeesEveryEarlierShardDurableAndTheCommitFileComplete) {
   std::string gate_problem;
-  Journal::Hooks hooks;
+  TestHooks hooks;
   hooks.commit_gate = [&](const JournalEntry& e, const QueuedFn&) {
     // Every shard published before the commit is under its real name, fsynced.
     for (const char* shard : {"ck/__0_0.distcp", "ck/__1_0.distcp"}) {
@@ -413,14 +414,14 @@ TEST_F(JournalTest, UnlinkRmdirAndMkdirOfAnAlreadyReachedStateSucceed) {
   EXPECT_TRUE(journal_->Wait(Op(OpType::kRmdir, "never-existed-dir")).ok());
   ASSERT_EQ(::mkdir((root_ + "/d").c_str(), 0755), 0);
   EXPECT_TRUE(journal_->Wait(Op(OpType::kMkdir, "d")).ok());
-  EXPECT_EQ(journal_->skipped(), 0u);
+  EXPECT_EQ(journal_->counts().skipped, 0u);
 }
 
 // ------------------------------------------------------------------------- recovery
 
 TEST_F(JournalTest, RecoverRemovesTheRegisteredTempsOfACrashedRunAndClearsItsEntries) {
   Latch gate;
-  Journal::Hooks hooks;
+  TestHooks hooks;
   hooks.commit_gate = [&](const JournalEntry&, const QueuedFn&) {
     gate.Wait();
     return Status::Ok();
@@ -433,8 +434,8 @@ TEST_F(JournalTest, RecoverRemovesTheRegisteredTempsOfACrashedRunAndClearsItsEnt
   TempFile shard = StartFile("ck");
   Write(&shard, std::string(30000, 's'));
   Publish(shard, "ck/__0_0.distcp");
-  const uint64_t never_created = journal_->NextFileId();
-  ASSERT_TRUE(journal_->RegisterTemp(never_created, "ck/.ckptfs-tmp.never").ok());
+  const uint64_t never_created = journal_->temps()->NextId();
+  ASSERT_TRUE(journal_->temps()->Register(never_created, "ck/.ckptfs-tmp.never").ok());
   gate.AwaitWaiters(1);
   pipeline_->Drain();
   std::vector<uint64_t> ids_before = {md.id, shard.id, never_created};
@@ -470,15 +471,15 @@ TEST_F(JournalTest, RecoverRemovesTheRegisteredTempsOfACrashedRunAndClearsItsEnt
   EXPECT_EQ(again->entries_discarded, 0u);
 
   // The next run never reuses a file id (and so a temp name) of the crashed one.
-  auto next = Journal::Create(backing->get(), after_crash.get(), {});
+  auto next = Journal::Create(backing->get(), after_crash.get(), nullptr);
   ASSERT_TRUE(next.ok());
-  const uint64_t id = (*next)->NextFileId();
+  const uint64_t id = (*next)->temps()->NextId();
   for (uint64_t old : ids_before) EXPECT_GT(id, old);
 }
 
 TEST_F(JournalTest, TempRecordsWrittenAheadCostOneSyncForManyFilesAndRecoveryStillRemovesTemps) {
-  Journal::Hooks hooks;
-  hooks.temp_path = [](uint64_t id) { return kTempPrefix + std::to_string(id); };
+  TestHooks hooks;
+  hooks.options.temp_prefix = kTempPrefix;
   MakeJournal(std::move(hooks));
   const uint64_t synced_before = db_->synced_writes();
   std::vector<TempFile> files;
@@ -486,8 +487,8 @@ TEST_F(JournalTest, TempRecordsWrittenAheadCostOneSyncForManyFilesAndRecoverySti
   EXPECT_EQ(db_->synced_writes() - synced_before, 1u)
       << "the temp records of 10 files should take one synced write";
   // A path other than the announced one is registered on its own, synced.
-  const uint64_t odd = journal_->NextFileId();
-  ASSERT_TRUE(journal_->RegisterTemp(odd, "sub/.ckptfs-tmp.odd").ok());
+  const uint64_t odd = journal_->temps()->NextId();
+  ASSERT_TRUE(journal_->temps()->Register(odd, "sub/.ckptfs-tmp.odd").ok());
   EXPECT_EQ(db_->synced_writes() - synced_before, 2u);
   for (auto& f : files) Write(&f, "bytes of " + f.temp);
   pipeline_->Drain();
@@ -510,7 +511,7 @@ TEST_F(JournalTest, TempRecordsWrittenAheadCostOneSyncForManyFilesAndRecoverySti
 
 TEST_F(JournalTest, PublishedFilesAreFsyncedAheadOfTheBlockedPublisher) {
   Latch gate;
-  Journal::Hooks hooks;
+  TestHooks hooks;
   hooks.commit_gate = [&](const JournalEntry&, const QueuedFn&) {
     gate.Wait();
     return Status::Ok();
@@ -539,7 +540,7 @@ TEST_F(JournalTest, PublishedFilesAreFsyncedAheadOfTheBlockedPublisher) {
     EXPECT_FALSE(dir_->HasUnsyncedData(f.target->fd()));
     EXPECT_FALSE(Exists("shard" + std::to_string(&f - shards.data())));
   }
-  EXPECT_GE(journal_->presyncs(), 3u);
+  EXPECT_GE(journal_->counts().presyncs, 3u);
   gate.Open();
   ASSERT_TRUE(journal_->Wait(commit).ok());
   journal_->Drain();

@@ -21,8 +21,8 @@ CommitCheck WaitForMissingShard(const std::string& root, const JournalEntry&, co
 class JournalResumeTest : public JournalTest {
  protected:
   // Every outcome reported by on_done, in order.
-  Journal::Hooks Recording(bool gate) {
-    Journal::Hooks hooks;
+  TestHooks Recording(bool gate) {
+    TestHooks hooks;
     if (gate) {
       hooks.commit_gate = [root = root_](const JournalEntry& e, const QueuedFn& q) {
         return WaitForMissingShard(root, e, q);

@@ -90,7 +90,7 @@ TEST_F(JournalTest, AppliesEntriesStrictlyInOrderAndEachStepIsVisibleInTurn) {
   std::mutex mu;
   std::vector<uint64_t> order;
   std::vector<TreeState> states;
-  Journal::Hooks hooks;
+  TestHooks hooks;
   hooks.on_done = [&](const JournalEntry& e, const Status& st) {
     EXPECT_TRUE(st.ok()) << e.Describe() << ": " << st.ToString();
     std::lock_guard lock(mu);
@@ -121,7 +121,7 @@ TEST_F(JournalTest, AppliesEntriesStrictlyInOrderAndEachStepIsVisibleInTurn) {
 
   EXPECT_EQ(journal_->pending(), 0u);
   EXPECT_EQ(journal_->applied(), seqs.back());
-  EXPECT_EQ(journal_->skipped(), 0u);
+  EXPECT_EQ(journal_->counts().skipped, 0u);
   std::lock_guard lock(mu);
   ASSERT_EQ(order.size(), seqs.size() + 1);
   for (size_t i = 0; i < order.size(); ++i) EXPECT_EQ(order[i], i + 1) << "out of order";
@@ -183,7 +183,7 @@ TEST_F(JournalTest, PublishRenamesOnlyDurableDataAndSyncsTheDirectoryEntry) {
     return 0;
   });
   uint64_t sync_parent_at_done = 0;
-  Journal::Hooks hooks;
+  TestHooks hooks;
   hooks.on_done = [&](const JournalEntry&, const Status&) {
     sync_parent_at_done = dir_->sync_parent_calls();
   };
@@ -198,7 +198,7 @@ TEST_F(JournalTest, PublishRenamesOnlyDurableDataAndSyncsTheDirectoryEntry) {
 }
 
 TEST_F(JournalTest, APublishedFileSurvivesACrashRightAfterPublication) {
-  Journal::Hooks hooks;
+  TestHooks hooks;
   hooks.on_done = [&](const JournalEntry& e, const Status& st) {
     if (e.op == OpType::kPublish && st.ok()) dir_->SimulateCrash();
   };
@@ -236,7 +236,7 @@ TEST_F(JournalTest, AFailedPublishHaltsEverythingAfterItUntilSpaceReturns) {
     return full.load() && failing_fds.count(fd) ? ENOSPC : 0;
   });
   std::vector<Status> halts;
-  Journal::Hooks hooks;
+  TestHooks hooks;
   hooks.on_halt = [&](const JournalEntry&, const Status& st) {
     std::lock_guard lock(mu);
     halts.push_back(st);
@@ -282,7 +282,7 @@ TEST_F(JournalTest, AFailedPublishHaltsEverythingAfterItUntilSpaceReturns) {
   EXPECT_EQ(Read("latest_checkpointed_iteration.txt"), "100");
   EXPECT_TRUE(Exists("d/later"));
   EXPECT_FALSE(journal_->halted().has_value());
-  EXPECT_EQ(journal_->skipped(), 0u);
+  EXPECT_EQ(journal_->counts().skipped, 0u);
   journal_->Drain();
   EXPECT_TRUE(KeysWithPrefix(db_.get(), "t/").empty());
   EXPECT_TRUE(Tree(root_).temps.empty());

@@ -252,9 +252,9 @@ std::string ControlTree::StatsJson() {
   }
   publication_->gate().stats().AppendJson(&j);  // remote_polls, peer_commit_queries, "commit_gate"
   j["journal_pending"] = journal_->pending();
-  j["journal_applied_ahead"] = journal_->applied_ahead();
-  j["journal_retries"] = journal_->retries();
-  j["journal_presyncs"] = journal_->presyncs();
+  j["journal_applied_ahead"] = journal_->counts().applied_ahead;
+  j["journal_retries"] = journal_->counts().retries;
+  j["journal_presyncs"] = journal_->counts().presyncs;
   j["state_db_writes"] = db_->writes();
   j["state_db_synced_writes"] = db_->synced_writes();
   // What publication waits for (a halt, or a commit waiting at the gate); "" when nothing.
@@ -275,59 +275,16 @@ std::string ControlTree::StatsJson() {
   const NamespaceView::Counts counts = ns_->CountNodes();
   j["files_pending"] = counts.files_pending;
   j["inodes"] = counts.inodes;
-  NoteForeignCommits();
+  publication_->NoteForeignCommits();
   j["checkpoints"] = checkpoints_->CountByState();
   j["errors"] = stats_->errors.load() + pipeline_->errors();
   j["last_error"] = stats_->last_error();
   return JsonText(j, 1) + "\n";
 }
 
-void ControlTree::ForgetVanishedCheckpoints() {
-  const uint64_t last = journal_->last_appended();
-  if (journal_->applied() < last) return;
-  // A removal counts only if no entry was queued meanwhile (a rename moves the record
-  // before the backing store).
-  auto gone = [&](const std::string& path) {
-    Result<struct stat> st = backing_->Stat(path);
-    return !st.ok() && st.status().code() == Code::kNotFound && journal_->last_appended() == last;
-  };
-  for (const auto& info : checkpoints_->List()) {
-    if (info.state == store::CkptState::kWriting || info.state == store::CkptState::kPending) {
-      continue;
-    }
-    if (gone(info.path)) {
-      spdlog::info("checkpoint {}: gone from the backing store", info.path);
-      checkpoints_->OnRemoved(info.path);
-      index_->Forget(info.path);
-    }
-  }
-  for (const auto& path : index_->IndexedCheckpoints()) {
-    if (!checkpoints_->Get(path) && journal_->last_appended() == last &&
-        store::FindCheckpointSource(backing_, path).status().code() == Code::kNotFound) {
-      index_->Forget(path);
-    }
-  }
-}
-
-void ControlTree::NoteForeignCommits() {
-  if (!config_.peers) return;
-  for (const auto& info : checkpoints_->List()) {
-    // Shards written here, every one published, of a checkpoint whose `.metadata` another
-    // node publishes: this node never queues that commit, so it looks for it.
-    if (info.state != store::CkptState::kWriting || info.commit_queued || info.files == 0 ||
-        info.bytes_published < info.bytes) {
-      continue;
-    }
-    if (CommittedElsewhere(backing_, info.path, info.created)) {
-      spdlog::info("checkpoint {}: its .metadata was published by another node", info.path);
-      checkpoints_->OnCommitted(info.path);
-    }
-  }
-}
-
 std::string ControlTree::CheckpointsJson() {
-  ForgetVanishedCheckpoints();
-  NoteForeignCommits();
+  publication_->ForgetVanishedCheckpoints();
+  publication_->NoteForeignCommits();
   nlohmann::json arr = nlohmann::json::array();
   std::set<std::string> listed;
   for (const auto& info : checkpoints_->List()) {

@@ -1,0 +1,112 @@
+#include "store/publish/entry_apply.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+
+#include "store/publish/commit_names.h"
+
+namespace ckptfs::store {
+namespace {
+
+Status ApplyPublish(BackingDir* dir, const JournalEntry& e) {
+  // Over an existing file, exchange the two names: if the directory cannot be made
+  // durable, exchanging back restores exactly the old state (G4); otherwise the temp
+  // name now holds the old file, which is removed.
+  constexpr unsigned kExchange = 2;  // RENAME_EXCHANGE
+  const bool replacing = dir->Stat(e.path).ok();
+  CKPT_RETURN_IF_ERROR(dir->Rename(e.from, e.path, replacing ? kExchange : 0));
+  Status st = dir->SyncParent(e.path);
+  if (!st.ok()) {
+    // Not durable, so it must not count as published: put the names back.
+    Status undo = dir->Rename(e.path, e.from, replacing ? kExchange : 0);
+    if (!undo.ok()) {
+      spdlog::error("journal: cannot withdraw {} after a failed sync: {}", e.path,
+                    undo.ToString());
+    }
+    return st;
+  }
+  if (replacing) {
+    Status rm = dir->Unlink(e.from);
+    if (!rm.ok()) spdlog::warn("journal: cannot remove replaced {}: {}", e.from, rm.ToString());
+  }
+  return Status::Ok();
+}
+
+Status ApplyOwner(BackingDir* dir, const JournalEntry& e) {
+  if (e.uid == kNoOwner && e.gid == kNoOwner) return Status::Ok();  // an entry of old
+  // The caller's owner, then the exact mode: the daemon's umask shaped the mode it was
+  // made with, and a chown clears setuid/setgid bits.
+  Status owned = dir->Chown(e.path, e.uid, e.gid);
+  if (!owned.ok()) {
+    // The name exists as the application made it; only its owner is the daemon's (a
+    // daemon that is not root, NFS root_squash). Refusing the entry would hold back
+    // publication for an owner the backing store does not allow.
+    spdlog::warn("journal: {}: owner {}:{} not set: {}", e.Describe(), e.uid, e.gid,
+                 owned.ToString());
+  }
+  if (e.op == OpType::kSymlink) return Status::Ok();
+  return dir->Chmod(e.path, e.mode & 07777);
+}
+
+}  // namespace
+
+Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed) {
+  switch (e.op) {
+    case OpType::kPublish:
+      return ApplyPublish(dir, e);
+    case OpType::kRename: {
+      CKPT_RETURN_IF_ERROR(dir->Rename(e.from, e.path));
+      Status st = dir->SyncParent(e.path);
+      if (!st.ok() && IsCommitName(e.path)) {
+        // A commit that is not durable must not stay visible (G5): withdraw it.
+        Status undo = dir->Rename(e.path, e.from);
+        if (!undo.ok()) {
+          spdlog::error("journal: cannot withdraw {}: {}", e.path, undo.ToString());
+        }
+        return st;
+      }
+      if (renamed != nullptr) *renamed = true;
+      return st;
+    }
+    case OpType::kUnlink: {
+      Status st = dir->Unlink(e.path);
+      if (st.code() == Code::kNotFound) return Status::Ok();  // already gone: same state
+      return st;
+    }
+    case OpType::kDiscard: {
+      Status st = dir->Unlink(e.from);
+      return st.code() == Code::kNotFound ? Status::Ok() : st;
+    }
+    case OpType::kRmdir: {
+      Status st = dir->Rmdir(e.path);
+      if (st.code() == Code::kNotFound) return Status::Ok();
+      return st;
+    }
+    case OpType::kMkdir: {
+      Status st = dir->Mkdir(e.path, e.mode);
+      if (st.code() == Code::kExists) return Status::Ok();
+      CKPT_RETURN_IF_ERROR(st);
+      return ApplyOwner(dir, e);
+    }
+    case OpType::kSymlink:
+      CKPT_RETURN_IF_ERROR(dir->Symlink(e.link_target, e.path));
+      return ApplyOwner(dir, e);
+    case OpType::kMknod:
+      CKPT_RETURN_IF_ERROR(dir->Mknod(e.path, e.mode, static_cast<dev_t>(e.rdev)));
+      return ApplyOwner(dir, e);
+    case OpType::kChown:
+      return dir->Chown(e.path, e.uid, e.gid);
+    case OpType::kLink:
+      CKPT_RETURN_IF_ERROR(dir->Link(e.from, e.path));
+      return dir->SyncParent(e.path);
+    case OpType::kChmod:
+      return dir->Chmod(e.path, e.mode);
+    case OpType::kUtimens: {
+      struct timespec ts[2] = {{e.atime_sec, e.atime_nsec}, {e.mtime_sec, e.mtime_nsec}};
+      return dir->Utimens(e.path, ts);
+    }
+  }
+  return Internal("unknown journal op");
+}
+
+}  // namespace ckptfs::store

@@ -1,0 +1,19 @@
+// How one journal entry changes the backing store (Journal's publisher applies it, in
+// order, once its turn and its bytes are there). Each op is made durable where the
+// guarantees need it: a publish or a commit rename that cannot be synced is withdrawn
+// (G4, G5), a new name's owner and exact mode follow it (multi-user POSIX).
+//
+// Stateless; called without any journal lock.
+#pragma once
+
+#include "common/status.h"
+#include "store/primitives/backing_dir.h"
+#include "store/publish/journal.h"
+
+namespace ckptfs::store {
+
+// Applies `e` to `dir`. `renamed` (may be null) is set when a kRename left its source
+// under its new name (the temp records below it follow: TempRecords::Move).
+Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed);
+
+}  // namespace ckptfs::store
