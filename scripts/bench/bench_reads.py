@@ -378,7 +378,7 @@ def run_torch2(a, work, dev, cases, raw):
             subprocess.run(["mount", "--bind", backing, inside_direct], check=True)
             bound = True
             rel = lambda p: "/" + os.path.relpath(p, troot)  # noqa: E731
-            for sfpr in [int(x) for x in a.sfpr.split(",") if x]:
+            for sfpr in [int(x) for x in a.t2_sfpr.split(",") if x]:
                 name = f"ckpt_t2_sfpr{sfpr}"
                 bl.log(f"torch 2.x ({troot}): saving {a.mb} MiB of DTensors, sfpr={sfpr}")
                 chroot_py(troot, [rel(script), "save", rel(inside_direct) + "/" + name,
@@ -407,6 +407,7 @@ def main():
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--reps", type=int, default=int(os.environ.get("BENCH_REPS", 3)))
     ap.add_argument("--sfpr", default="1,0")
+    ap.add_argument("--t2-sfpr", default="1,0", help="torch 2.x layouts (1: a file per rank)")
     ap.add_argument("--modes", default="own,replicated,reshard")
     ap.add_argument("--seed", type=int, default=4242)
     ap.add_argument("--throttle-mbps", type=float, default=300)
