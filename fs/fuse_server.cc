@@ -451,6 +451,10 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   } else if (f->keep_cache) {
     fi->keep_cache = 1;  // a committed checkpoint's file: share the page cache
   }
+  // A read-only handle has nothing to flush (Filesystem::Flush answers at once), and the
+  // kernel keeps POSIX locks itself (no lock ops): close() skips the FLUSH round trip, as
+  // a passthrough open does (ReplyPassthroughOpen).
+  if (f != nullptr && !f->writable) fi->noflush = 1;
   if (fuse_reply_open(req, fi) != 0) ReleaseHandle(req, h);
 }
 

@@ -201,7 +201,9 @@ def run_plain(a, work, dev, cases, raw):
     for rep in range(a.reps):
         order = sides[rep % len(sides):] + sides[:rep % len(sides)]
         for side in order:
+            la = os.getloadavg()[0]
             r = plain_side(side, work, "plain.bin", size, dev)
+            r["loadavg"] = la
             runs[side].append(r)
             raw["plain"].append(dict(r, side=side, rep=rep))
             bl.log(f"plain rep {rep} {side}: " + json.dumps({k: round(v, 3) if isinstance(
@@ -218,7 +220,8 @@ def run_plain(a, work, dev, cases, raw):
                  "daemon_ratio": bl.ratio(med["ckptfs_daemon"][k], med["direct"][k]),
                  "fuse_ceiling_s": med["fuse_ceiling"][k],
                  "ceiling_ratio": bl.ratio(med["fuse_ceiling"][k], med["direct"][k]),
-                 "mib": a.plain_mb}
+                 "mib": a.plain_mb,
+                 "loadavg": bl.median([r["loadavg"] for s in sides for r in runs[s]])}
             if temp == "cold":
                 c["device_bytes"] = {s: med[s][f"{read}_device_bytes"] for s in sides}
                 c["passthrough_opens"] = med["ckptfs"].get(f"{read}_passthrough_opens")
@@ -246,6 +249,7 @@ def run_loads(a, work, dev, cases, raw):
             for rep in range(a.reps):
                 order = ("direct", "ckptfs") if rep % 2 == 0 else ("ckptfs", "direct")
                 for side in order:
+                    la = os.getloadavg()[0]
                     with Cgroup(dev, bps=mbps * 1e6, name=side) as cg:
                         if side == "direct":
                             load_s, setup_s = bench_load.load_direct(ckpt, a.ranks, mode,
@@ -263,6 +267,7 @@ def run_loads(a, work, dev, cases, raw):
                         # (setup) and load_state_dict: both timed (max over ranks each; the
                         # ranks meet at a barrier between them).
                         r["whole_s"] = r["setup_s"] + r["load_s"]
+                    r["loadavg"] = la
                     got[side].append(r)
                     raw["loads"].append(dict(r, case=case, side=side, rep=rep))
                     bl.log(f"{case} rep {rep} {side}: {r['whole_s']:.2f} s "
@@ -272,6 +277,7 @@ def run_loads(a, work, dev, cases, raw):
             c = {"case": case, "ckptfs_s": bl.median([r["whole_s"] for r in got["ckptfs"]]),
                  "direct_s": bl.median([r["whole_s"] for r in got["direct"]])}
             c["ratio"] = bl.ratio(c["ckptfs_s"], c["direct_s"])
+            c["loadavg"] = bl.median([r["loadavg"] for r in got["ckptfs"] + got["direct"]])
             c["load_only_ratio"] = bl.ratio(bl.median([r["load_s"] for r in got["ckptfs"]]),
                                             bl.median([r["load_s"] for r in got["direct"]]))
             c["ckpt_bytes_read"] = int(bl.median([r["ckpt_bytes_read"] for r in got["ckptfs"]]))
@@ -299,6 +305,56 @@ def chroot_py(root, args, timeout=1800):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def t2_case(a, troot, script, rel, inside_direct, inside_mnt, droot, backing, dev, name, mode,
+            sfpr, cases, raw):
+    """One torch 2.x load case, both sides alternating first, medians over --reps."""
+    case = f"t2_{mode}_sfpr{sfpr}"
+    got = {"direct": [], "ckptfs": []}
+    version = None
+    for rep in range(a.reps):
+        order = ("direct", "ckptfs") if rep % 2 == 0 else ("ckptfs", "direct")
+        for side in order:
+            la = os.getloadavg()[0]
+            with Cgroup(dev, name="t2" + side) as cg:
+                if side == "direct":
+                    drop()
+                    r = chroot_py(troot, [rel(script), "load", rel(inside_direct) + "/" + name,
+                                          str(a.mb), str(a.ranks), mode])
+                else:
+                    d = bl.Daemon(droot, staging="256M")
+                    d.mnt = inside_mnt
+                    with d:
+                        drop()
+                        r = chroot_py(troot, [rel(script), "load", rel(inside_mnt) + "/" + name,
+                                              str(a.mb), str(a.ranks), mode])
+                        st = d.stats()
+                        r["passthrough_opens"] = st.get("passthrough_opens")
+                        r["backing_bytes"] = st.get("backing_bytes_read", 0)
+                        d.unmount(timeout=120)
+                r["device_bytes"] = cg.bytes()
+                r["ckpt_bytes_read"] = (resident_bytes(os.path.join(backing, name))
+                                        + r.get("backing_bytes", 0))
+            r["loadavg"] = la
+            version = r.get("torch")
+            got[side].append(r)
+            raw["loads"].append(dict(r, case=case, side=side, rep=rep))
+            bl.log(f"torch {version} {case} rep {rep} {side}: {r['load_s_max']:.2f} s "
+                   f"(load {la:.1f})")
+    c = {"case": case, "ckptfs_s": bl.median([r["load_s_max"] for r in got["ckptfs"]]),
+         "direct_s": bl.median([r["load_s_max"] for r in got["direct"]]), "torch": version,
+         "loadavg": bl.median([r["loadavg"] for r in got["ckptfs"] + got["direct"]])}
+    c["ratio"] = bl.ratio(c["ckptfs_s"], c["direct_s"])
+    c["device_bytes"] = int(bl.median([r["device_bytes"] for r in got["ckptfs"]]))
+    c["direct_device_bytes"] = int(bl.median([r["device_bytes"] for r in got["direct"]]))
+    c["ckpt_bytes_read"] = int(bl.median([r["ckpt_bytes_read"] for r in got["ckptfs"]]))
+    c["direct_ckpt_bytes_read"] = int(bl.median([r["ckpt_bytes_read"] for r in got["direct"]]))
+    c["ckpt_bytes_ratio"] = bl.ratio(c["ckpt_bytes_read"], c["direct_ckpt_bytes_read"])
+    c["checkpoint_bytes"] = bl.tree_bytes(os.path.join(backing, name))
+    c["ok"] = True
+    cases.append(c)
+    bl.emit(c)
+
+
 def run_torch2(a, work, dev, cases, raw):
     troot = a.torch2_root
     if not troot or not os.path.isdir(troot):
@@ -322,53 +378,15 @@ def run_torch2(a, work, dev, cases, raw):
             subprocess.run(["mount", "--bind", backing, inside_direct], check=True)
             bound = True
             rel = lambda p: "/" + os.path.relpath(p, troot)  # noqa: E731
-            bl.log(f"torch 2.x ({troot}): saving {a.mb} MiB of DTensors")
-            chroot_py(troot, [rel(script), "save", rel(inside_direct) + "/ckpt_t2",
-                              str(a.mb), str(a.ranks)])
-            got = {"direct": [], "ckptfs": []}
-            version = None
-            for rep in range(a.reps):
-                order = ("direct", "ckptfs") if rep % 2 == 0 else ("ckptfs", "direct")
-                for side in order:
-                    with Cgroup(dev, name="t2" + side) as cg:
-                        if side == "direct":
-                            drop()
-                            r = chroot_py(troot, [rel(script), "load",
-                                                  rel(inside_direct) + "/ckpt_t2", str(a.mb),
-                                                  str(a.ranks)])
-                        else:
-                            d = bl.Daemon(droot, staging="256M")
-                            d.mnt = inside_mnt
-                            with d:
-                                drop()
-                                r = chroot_py(troot, [rel(script), "load",
-                                                      rel(inside_mnt) + "/ckpt_t2", str(a.mb),
-                                                      str(a.ranks)])
-                                st = d.stats()
-                                r["passthrough_opens"] = st.get("passthrough_opens")
-                                r["backing_bytes"] = st.get("backing_bytes_read", 0)
-                                d.unmount(timeout=120)
-                        r["device_bytes"] = cg.bytes()
-                        r["ckpt_bytes_read"] = (resident_bytes(os.path.join(backing, "ckpt_t2"))
-                                                + r.get("backing_bytes", 0))
-                    version = r.get("torch")
-                    got[side].append(r)
-                    raw["loads"].append(dict(r, case="t2_own", side=side, rep=rep))
-                    bl.log(f"torch {version} own rep {rep} {side}: {r['load_s_max']:.2f} s")
-            c = {"case": "t2_own_dtensor",
-                 "ckptfs_s": bl.median([r["load_s_max"] for r in got["ckptfs"]]),
-                 "direct_s": bl.median([r["load_s_max"] for r in got["direct"]]),
-                 "torch": version}
-            c["ratio"] = bl.ratio(c["ckptfs_s"], c["direct_s"])
-            c["device_bytes"] = int(bl.median([r["device_bytes"] for r in got["ckptfs"]]))
-            c["direct_device_bytes"] = int(bl.median([r["device_bytes"] for r in got["direct"]]))
-            c["ckpt_bytes_read"] = int(bl.median([r["ckpt_bytes_read"] for r in got["ckptfs"]]))
-            c["direct_ckpt_bytes_read"] = int(bl.median(
-                [r["ckpt_bytes_read"] for r in got["direct"]]))
-            c["ckpt_bytes_ratio"] = bl.ratio(c["ckpt_bytes_read"], c["direct_ckpt_bytes_read"])
-            c["ok"] = True
-            cases.append(c)
-            bl.emit(c)
+            for sfpr in [int(x) for x in a.t2_sfpr.split(",") if x]:
+                name = f"ckpt_t2_sfpr{sfpr}"
+                bl.log(f"torch 2.x ({troot}): saving {a.mb} MiB of DTensors, sfpr={sfpr}")
+                chroot_py(troot, [rel(script), "save", rel(inside_direct) + "/" + name,
+                                  str(a.mb), str(a.ranks), "" if sfpr else "per_item"])
+                for mode in [m for m in a.modes.split(",") if m]:
+                    t2_case(a, troot, script, rel, inside_direct, inside_mnt, droot, backing,
+                            dev, name, mode, sfpr, cases, raw)
+                shutil.rmtree(os.path.join(backing, name), ignore_errors=True)
     finally:
         if bl.is_mounted(inside_mnt):
             subprocess.run(["fusermount3", "-u", "-z", inside_mnt], check=False)
@@ -389,6 +407,7 @@ def main():
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--reps", type=int, default=int(os.environ.get("BENCH_REPS", 3)))
     ap.add_argument("--sfpr", default="1,0")
+    ap.add_argument("--t2-sfpr", default="1,0", help="torch 2.x layouts (1: a file per rank)")
     ap.add_argument("--modes", default="own,replicated,reshard")
     ap.add_argument("--seed", type=int, default=4242)
     ap.add_argument("--throttle-mbps", type=float, default=300)

@@ -2,10 +2,17 @@
 """torch 2.x DTensor DCP save/load on N gloo ranks, for bench_reads.py (runs inside a torch
 2.x Debian root, chroot; needs only torch).
 
-  t2_dcp.py save DIR MB RANKS      16 row-sharded float32 DTensors, MB MiB in all
-  t2_dcp.py load DIR MB RANKS      the whole dcp.load timed (state allocated before),
-                                   every value checked; prints one JSON line
-Values are a cheap function of the global index, so each rank builds only its own shard.
+  t2_dcp.py save DIR MB RANKS [per_item]
+                                   16 row-sharded float32 DTensors, MB MiB in all;
+                                   per_item: FileSystemWriter(single_file_per_rank=False)
+  t2_dcp.py load DIR MB RANKS [MODE]
+                                   the whole dcp.load timed (state allocated before),
+                                   every value checked; prints one JSON line. MODE:
+                                   own (default): the saved row shards, Shard(0);
+                                   replicated: every rank loads every tensor whole (plain
+                                   tensors); reshard: column shards, Shard(1), so every
+                                   rank reads a slice of every saved shard
+Values are a cheap function of the global index, so each rank builds only what it loads.
 """
 import json
 import os
@@ -31,7 +38,28 @@ def shard_of(i, rows, rank, ranks):
     return (base * 1e-3 + i).reshape(per, COLS)
 
 
-def worker(rank, ranks, port, op, path, mb, out):
+def value(i, rows, cols):
+    """Rows `rows` (a range) and columns `cols` (a range) of tensor i."""
+    r = torch.arange(rows.start, rows.stop, dtype=torch.float64).reshape(-1, 1)
+    c = torch.arange(cols.start, cols.stop, dtype=torch.float64).reshape(1, -1)
+    return ((r * COLS + c).to(torch.float32) * 1e-3 + i)
+
+
+def load_target(mode, i, rows, rank, ranks, mesh):
+    """(state entry to load into, the values it must hold after the load)."""
+    if mode == "own":
+        return (DTensor.from_local(torch.zeros(rows // ranks, COLS), mesh, [Shard(0)]),
+                shard_of(i, rows, rank, ranks))
+    if mode == "replicated":
+        return torch.zeros(rows, COLS), value(i, range(0, rows), range(0, COLS))
+    if mode == "reshard":
+        per = COLS // ranks
+        return (DTensor.from_local(torch.zeros(rows, per), mesh, [Shard(1)]),
+                value(i, range(0, rows), range(rank * per, (rank + 1) * per)))
+    raise SystemExit(f"unknown mode {mode}")
+
+
+def worker(rank, ranks, port, op, path, mb, out, arg):
     # Torch builds without libuv (Debian sid's 2.x) refuse the default TCPStore backend.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0")
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
@@ -40,11 +68,13 @@ def worker(rank, ranks, port, op, path, mb, out):
     if op == "save":
         state = {f"t{i}": DTensor.from_local(shard_of(i, rows, rank, ranks), mesh, [Shard(0)])
                  for i in range(N_TENSORS)}
-        dcp.save(state, checkpoint_id=path)
+        writer = dcp.FileSystemWriter(path, single_file_per_rank=(arg != "per_item"))
+        dcp.save(state, storage_writer=writer)
         dist.barrier()
         out.put((rank, {}))
     else:
-        state = {f"t{i}": DTensor.from_local(torch.zeros(rows // ranks, COLS), mesh, [Shard(0)])
+        mode = arg or "own"
+        state = {f"t{i}": load_target(mode, i, rows, rank, ranks, mesh)[0]
                  for i in range(N_TENSORS)}
         dist.barrier()
         t0 = time.monotonic()
@@ -52,21 +82,24 @@ def worker(rank, ranks, port, op, path, mb, out):
         dist.barrier()
         load_s = time.monotonic() - t0
         for i in range(N_TENSORS):
-            if not torch.equal(state[f"t{i}"].to_local(), shard_of(i, rows, rank, ranks)):
-                raise SystemExit(f"rank {rank}: t{i} differs")
+            got = state[f"t{i}"]
+            got = got.to_local() if isinstance(got, DTensor) else got
+            if not torch.equal(got, load_target(mode, i, rows, rank, ranks, mesh)[1]):
+                raise SystemExit(f"rank {rank}: t{i} differs ({mode})")
         out.put((rank, {"load_s": load_s}))
     dist.destroy_process_group()
 
 
 def main():
     op, path, mb, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    arg = sys.argv[5] if len(sys.argv) > 5 else ""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     t0 = time.monotonic()
-    procs = [ctx.Process(target=worker, args=(r, ranks, port, op, path, mb, out))
+    procs = [ctx.Process(target=worker, args=(r, ranks, port, op, path, mb, out, arg))
              for r in range(ranks)]
     for p in procs:
         p.start()
@@ -75,7 +108,7 @@ def main():
         p.join()
         if p.exitcode != 0:
             raise SystemExit(f"a rank exited {p.exitcode}")
-    r = {"op": op, "torch": torch.__version__, "wall_s": time.monotonic() - t0}
+    r = {"op": op, "torch": torch.__version__, "wall_s": time.monotonic() - t0, "mode": arg}
     if op == "load":
         r["load_s_max"] = max(v["load_s"] for v in results.values())
     print(json.dumps(r))

@@ -10,7 +10,8 @@
     passthrough reader holds it fails with EBUSY after the bounded wait (no hang), and
     succeeds once the reader closed.
   * test_fallback_when_disabled: --passthrough off: every read is the daemon's, bytes
-    are the same, stats say why it is off.
+    are the same, stats say why it is off; closing a read-only open sends no FLUSH
+    (FOPEN_NOFLUSH, as passthrough opens), closing a writable one does.
 Skips when this kernel or this process cannot pass through (stats say "off: ...").
 """
 import errno
@@ -32,6 +33,15 @@ def sha(path):
         for block in iter(lambda: f.read(MiB), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def flush_ops(m):
+    """FLUSH requests the daemon answered so far (its op histogram in /.ckptfs/metrics)."""
+    with open(os.path.join(m.mnt, ".ckptfs", "metrics")) as f:
+        for line in f:
+            if line.startswith("ckptfs_fuse_op_duration_seconds_count") and 'op="flush"' in line:
+                return int(float(line.split()[-1]))
+    raise AssertionError("no flush histogram in /.ckptfs/metrics")
 
 
 def mmap_sha(path):
@@ -149,6 +159,18 @@ class PassthroughTest(unittest.TestCase):
             f.write(b"x")
         self.assertEqual(os.pread(reader, 1, 0), b"x")
         os.close(reader)
+        # Read-only closes skip the FLUSH round trip; writable ones keep it (G7: a flush
+        # error reaches close()). The metrics read's own close adds one FLUSH.
+        before = flush_ops(m)
+        for _ in range(10):
+            with open(path, "rb") as f:
+                f.read(1)
+        self.assertLessEqual(flush_ops(m) - before, 1, "read-only closes sent FLUSH")
+        before = flush_ops(m)
+        for _ in range(10):
+            with open(path, "r+b") as f:
+                f.write(b"y")
+        self.assertGreaterEqual(flush_ops(m) - before, 10, "writable closes skipped FLUSH")
 
 
 if __name__ == "__main__":
