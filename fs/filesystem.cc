@@ -57,7 +57,7 @@ Status Filesystem::Init(FsDeps deps) {
     store::RetainedTierOptions retain_options;
     retain_options.budget_bytes = config_.retain_bytes;
     retained_ = std::make_unique<store::RetainedTier>(backing_.get(), retain_options);
-    flush_options.on_written = [tier = retained_.get()](auto&&... a) { tier->OnWritten(a...); };
+    flush_options.on_written = retained_.get();
   }
   if (deps.pipeline) {
     pipeline_ = std::move(deps.pipeline);

@@ -98,7 +98,7 @@ struct RetainedTierStats {
   uint64_t commits = 0;
 };
 
-class RetainedTier {
+class RetainedTier final : public FlushWriteListener {
  public:
   // `backing` (may be null in tests: no stat after publish means nothing is retained) must
   // outlive the tier.
@@ -110,10 +110,11 @@ class RetainedTier {
   bool enabled() const { return opts_.budget_bytes > 0; }
   uint64_t block_bytes() const { return opts_.block_bytes; }
 
-  // FlushOptions::on_written: copies [offset, offset+length) of `target`, or skips it.
+  // FlushWriteListener (FlushOptions::on_written): copies [offset, offset+length) of
+  // `target`, or skips it.
   void OnWritten(const std::shared_ptr<FlushTarget>& target,
                  const std::shared_ptr<BlockCrcMap>& crcs, uint64_t offset, const uint8_t* data,
-                 size_t length) EXCLUDES(mu_);
+                 size_t length) override EXCLUDES(mu_);
   // The journal applied `e` (after the namespace saw it: its publish set the times and
   // finished the block CRCs).
   void OnJournalDone(const JournalEntry& e, const Status& st) EXCLUDES(mu_);

@@ -293,7 +293,10 @@ bool FlushPipeline::WriteChunk(SealedChunk& chunk, int attempts) {
                           std::memory_order_relaxed);
         crc_bytes_.fetch_add(chunk.length, std::memory_order_relaxed);
         // Issue 23: the retained tier keeps a copy (never blocks).
-        if (options_.on_written) options_.on_written(chunk.target, crcs, chunk.offset, chunk.data, chunk.length);
+        if (options_.on_written != nullptr) {
+          options_.on_written->OnWritten(chunk.target, crcs, chunk.offset, chunk.data,
+                                         chunk.length);
+        }
       }
     }
     if (st.ok()) {

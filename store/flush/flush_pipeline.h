@@ -136,6 +136,20 @@ struct SealedChunk {
 // bytes are kept and the write or publication is retried.
 bool IsTransient(const Status& status);
 
+// Told of each chunk a flush thread wrote (issue 23: the retained tier copies it,
+// store/cache/retained_tier.h).
+class FlushWriteListener {
+ public:
+  // On the flush thread after a chunk was written and recorded into its target's block
+  // CRCs, while the bytes are still in staging. Must not block (the tier copies or skips).
+  virtual void OnWritten(const std::shared_ptr<FlushTarget>& target,
+                         const std::shared_ptr<BlockCrcMap>& crcs, uint64_t offset,
+                         const uint8_t* data, size_t length) = 0;
+
+ protected:
+  ~FlushWriteListener() = default;
+};
+
 struct FlushOptions {
   int threads = 4;
   // Backoff of retries after a transient failure: first delay, doubled up to the max.
@@ -144,13 +158,8 @@ struct FlushOptions {
   bool block_crcs = true;  // record block CRCs of every chunk written (see above)
   bool direct_io = true;   // aligned chunks bypass the page cache (see above)
   BlockCrcOptions crc_options;
-  // Issue 23 (retained tier, store/cache/retained_tier.h): called on the flush thread after
-  // a chunk was written and recorded into its target's block CRCs, while the bytes are still
-  // in staging. Must not block (the tier copies or skips); unset: nothing is called.
-  std::function<void(const std::shared_ptr<FlushTarget>& target,
-                     const std::shared_ptr<BlockCrcMap>& crcs, uint64_t offset,
-                     const uint8_t* data, size_t length)>
-      on_written;
+  // Told of every chunk written (FlushWriteListener). Optional; must outlive the pipeline.
+  FlushWriteListener* on_written = nullptr;
 };
 
 class FlushPipeline {
