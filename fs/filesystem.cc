@@ -131,8 +131,7 @@ Status Filesystem::Init(FsDeps deps) {
                       .index = index_.get(), .read = read_.get(), .tensors = tensors_.get(),
                       .stats = &stats_, .retained = retained_.get()};
   CKPT_ASSIGN_OR_RETURN(ns_, Namespace::Create(config_, parts));
-  pressure_relief_.ns = ns_.get();
-  pool_->SetPressureListener(&pressure_relief_);
+  pool_->SetPressureListener(&ns_->writes());
   // Publication reports to the namespace from here on: the entries the last stop left go
   // first, before the mount serves.
   publication_->Start(&ns_->events());
@@ -148,7 +147,10 @@ Status Filesystem::Init(FsDeps deps) {
   return Status::Ok();
 }
 
-Filesystem::~Filesystem() { Shutdown(); }
+Filesystem::~Filesystem() {
+  Shutdown();
+  if (pool_) pool_->SetPressureListener(nullptr);  // the write states go first
+}
 
 void Filesystem::OnStopRequested() {
   if (publication_) publication_->journal()->ReleaseWaiters();

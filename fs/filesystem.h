@@ -202,14 +202,6 @@ class Filesystem {
   // ------------------------------------------------------------ the units it routes to
   std::unique_ptr<Namespace> ns_;
   std::unique_ptr<ControlTree> control_;
-  // The staging pool's pressure listener, which forwards to the namespace's write states
-  // until fs::Namespace implements gpu::StagingPressureListener itself (its split; then
-  // Init passes ns_.get() and this goes).
-  struct PressureRelief final : gpu::StagingPressureListener {
-    Namespace* ns = nullptr;
-    void RelieveStagingPressure() override { ns->writes().RelieveStagingPressure(); }
-  };
-  PressureRelief pressure_relief_;
 
   std::atomic<bool> shut_down_{false};
   store::StopReport stop_;  // what Shutdown() left for the next start

@@ -13,7 +13,6 @@
 #include "fs/fs_types.h"
 #include "fs/node.h"
 #include "store/primitives/backing_dir.h"
-#include "store/publish/commit_names.h"
 
 namespace ckptfs::fs {
 
@@ -86,8 +85,5 @@ inline struct timespec Now() {
 inline bool SameTime(const struct timespec& a, const struct timespec& b) {
   return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec;
 }
-
-// CommittedElsewhere(backing, dir, since): store/publish/commit_names.h.
-using store::CommittedElsewhere;
 
 }  // namespace ckptfs::fs

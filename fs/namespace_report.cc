@@ -13,7 +13,6 @@ namespace ckptfs::fs {
 NamespaceReport::NamespaceReport(const FsConfig& config, const FsParts& parts, NodeTable& table)
     : config_(config),
       table_(table),
-      backing_(parts.backing),
       publication_(parts.publication) {}
 
 Result<std::string> NamespaceReport::PathOf(uint64_t ino) {
@@ -146,10 +145,8 @@ std::string NamespaceReport::ProgressJson(uint64_t ino) {
   if (foreign_commit && (j["state"] == "published" || j["state"] == "writing")) {
     // Everything written here is published; the checkpoint is committed once the node of
     // its coordinator rank has published `.metadata` (G5: only after every shard).
-    if (CommittedElsewhere(backing_, dir_path, since)) {
-      j["state"] = "committed";
-      // Its record says so from now on.
-      if (since != 0) publication_->registry()->OnCommitted(dir_path);
+    if (publication_->NoteCommittedElsewhere(dir_path, since)) {
+      j["state"] = "committed";  // and its record says so from now on
     } else {
       j["state"] = "pending";
       j["waiting_for"] = ".metadata from another node";

@@ -16,7 +16,6 @@
 #include "fs/fs_types.h"
 #include "fs/namespace_view.h"
 #include "fs/node_table.h"
-#include "store/primitives/backing_dir.h"
 #include "store/publish/publication.h"
 
 namespace ckptfs::fs {
@@ -37,7 +36,6 @@ class NamespaceReport final : public NamespaceView {
  private:
   const FsConfig& config_;
   NodeTable& table_;
-  store::BackingDir* const backing_;
   store::Publication* const publication_;
 };
 

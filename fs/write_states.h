@@ -39,13 +39,14 @@
 #include "fs/posix_access.h"
 #include "fs/read_path.h"
 #include "fs/staged_file.h"
+#include "gpu/staging_pool.h"
 #include "store/dcp/key_index.h"
 #include "store/primitives/backing_dir.h"
 #include "store/publish/publication.h"
 
 namespace ckptfs::fs {
 
-class WriteStates {
+class WriteStates final : public gpu::StagingPressureListener {
  public:
   // `config`, the parts and `table` must outlive it; it uses their backing, pool,
   // pipeline, publication, index, read and stats.
@@ -68,8 +69,9 @@ class WriteStates {
   // Shutdown (G8): queues the publication of every file still open for writing (a lazy
   // unmount); returns how many could not be queued.
   uint64_t PublishOpenFiles() EXCLUDES(table_.mu);
-  // The staging pool's pressure callback: seals idle staged files.
-  void RelieveStagingPressure() EXCLUDES(staged_mu_);
+  // gpu::StagingPressureListener: the staging pool is short of chunks; seals idle staged
+  // files.
+  void RelieveStagingPressure() override EXCLUDES(staged_mu_);
 
   // ------------------------------------------------------------ for the other parts
   // The parts share one table and its lock, but the analysis names a lock by the path to

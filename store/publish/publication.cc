@@ -194,6 +194,12 @@ void Publication::NoteForeignCommits() {
   }
 }
 
+bool Publication::NoteCommittedElsewhere(const std::string& dir, uint64_t since) {
+  if (!CommittedElsewhere(dir_, dir, since)) return false;
+  if (since != 0) registry_->OnCommitted(dir);
+  return true;
+}
+
 std::vector<std::string> Publication::Abort(const std::string& path) {
   std::vector<std::string> dropped = journal_->Abort(path);
   registry_->OnAborted(path, "aborted by the operator");

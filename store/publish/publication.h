@@ -149,6 +149,10 @@ class Publication final : private JournalDelegate,
   // whose `.metadata` another node has since published (CommittedElsewhere) become
   // committed here too.
   void NoteForeignCommits();
+  // Whether another node published the `.metadata` of `dir` after `since`
+  // (CommittedElsewhere); if so, and the registry knows the checkpoint (`since` != 0), its
+  // record says committed from now on.
+  bool NoteCommittedElsewhere(const std::string& dir, uint64_t since);
 
   // ------------------------------------------------------------ operator, reports, stop
   void Resume() { journal_->Resume(); }
