@@ -171,11 +171,11 @@ void ReadPath::WaitForPlan(const std::string& ckpt) {
   constexpr auto kPlanWait = std::chrono::seconds(1);
   MutexLock lock(&mu_);
   if (planning_.count(ckpt) == 0) return;
-  planned_cv_.wait_for(lock.native(), kPlanWait,
-                       [&] {
-                         mu_.AssertHeld();  // the predicate runs under the lock
-                         return stop_ || planning_.count(ckpt) == 0;
-                       });
+  const bool planned = planned_cv_.wait_for(lock.native(), kPlanWait, [&] {
+    mu_.AssertHeld();  // the predicate runs under the lock
+    return stop_ || planning_.count(ckpt) == 0;
+  });
+  if (!planned) plan_wait_timeouts_.fetch_add(1, std::memory_order_relaxed);
 }
 
 // Issue 23: `.metadata` through the block cache, so a checkpoint held in the retained tier
@@ -463,7 +463,12 @@ void ReadPath::Run() {
       }
     }
     if (prefetch) {
-      if (HeldInMemory(ckpt)) continue;  // the retained tier serves it: nothing to read ahead
+      if (HeldInMemory(ckpt)) {
+        // The retained tier serves it: nothing to read ahead, and no plan to wait for (a
+        // reader left waiting for one would wait kPlanWait on every read).
+        PlanDone(ckpt);
+        continue;
+      }
       if (page_cache_.load()) {
         PrefetchIntoPageCache(ckpt);
       } else {

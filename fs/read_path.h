@@ -105,6 +105,9 @@ class ReadPath {
   // Stops serving blocks to peer daemons (before the cache they read goes). Idempotent.
   void StopServingPeers();
   const store::ReadChecksums& read_sums() const { return *read_sums_; }
+  // Reads that waited the whole kPlanWait for their checkpoint's plan (a slow worker, or a
+  // plan never finished: each such read was held a second).
+  uint64_t plan_wait_timeouts() const { return plan_wait_timeouts_.load(); }
 
  private:
   void Run() EXCLUDES(mu_);
@@ -161,6 +164,7 @@ class ReadPath {
   // Checkpoints prefetched into the page cache, and when (PrefetchIntoPageCache).
   std::map<std::string, std::chrono::steady_clock::time_point> page_cache_done_ GUARDED_BY(mu_);
   std::atomic<bool> prefetch_{true};
+  std::atomic<uint64_t> plan_wait_timeouts_{0};
   store::RetainedTier* retained_ = nullptr;  // SetRetainedTier
   std::atomic<bool> page_cache_{false};  // SetPageCachePrefetch
   uint64_t page_cache_min_bytes_ = 0;
