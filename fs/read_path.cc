@@ -59,11 +59,17 @@ void ReadPath::Stop() {
   if (worker_.joinable()) worker_.join();
 }
 
-Result<struct stat> ReadPath::BeginRead(FileHandle* h, size_t len, uint64_t offset) {
+Result<struct stat> ReadPath::BeginRead(FileHandle* h, size_t len, uint64_t offset,
+                                        const struct stat* known) {
   // The file's version now, not at open: someone may have rewritten it in place. Its name
   // for the cache is the backing path it was opened under; the open descriptor is lent to
   // the cache's source, so a miss reads the very inode the application opened.
-  CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(h->fd->get()));
+  struct stat st;
+  if (known != nullptr) {
+    st = *known;
+  } else {
+    CKPT_ASSIGN_OR_RETURN(st, backing_->Fstat(h->fd->get()));
+  }
   const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
   Adopt(id, h->fd, st);
   if (!h->ckpt.empty()) {
@@ -97,21 +103,31 @@ Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint6
 Result<std::optional<size_t>> ReadPath::ReadBackingInPlace(
     FileHandle* h, size_t len, uint64_t offset, const store::BlockCache::InPlaceUse& use) {
   if (!cache_) return std::optional<size_t>();
-  CKPT_ASSIGN_OR_RETURN(struct stat st, BeginRead(h, len, offset));
+  CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(h->fd->get()));
   const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
-  if (!h->indexed) return cache_->ReadInPlace(id, len, offset, use);
   // An indexed shard: checksums of first full reads are taken over the pinned blocks, run
   // by run, before they are replied (ReadChecksums takes pieces in any order).
   const store::FileKey version = store::FileKeyFromStat(st);
-  auto got = cache_->ReadInPlace(id, len, offset, [&](std::span<const struct iovec> runs) {
-    uint64_t at = offset;
-    for (const struct iovec& run : runs) {
-      read_sums_->OnRead(h->ckpt, h->file, version, at, static_cast<const char*>(run.iov_base),
-                         run.iov_len);
-      at += run.iov_len;
-    }
-    use(runs);
-  });
+  store::BlockCache::InPlaceUse checksummed;
+  if (h->indexed) {
+    checksummed = [&](std::span<const struct iovec> runs) {
+      uint64_t at = offset;
+      for (const struct iovec& run : runs) {
+        read_sums_->OnRead(h->ckpt, h->file, version, at, static_cast<const char*>(run.iov_base),
+                           run.iov_len);
+        at += run.iov_len;
+      }
+      use(runs);
+    };
+  }
+  const store::BlockCache::InPlaceUse& reply = h->indexed ? checksummed : use;
+  // Issue 23: a committed checkpoint's file that the retained tier holds is replied from
+  // the tier's blocks themselves: no copy into the block cache, no prefetch, no plan.
+  if (retained_ != nullptr && !h->ckpt.empty()) {
+    if (std::optional<size_t> got = retained_->ReadInPlace(id, len, offset, reply)) return got;
+  }
+  CKPT_RETURN_IF_ERROR(BeginRead(h, len, offset, &st).status());
+  auto got = cache_->ReadInPlace(id, len, offset, reply);
   if (!got.ok() && (got.status().code() == Code::kAborted ||
                     got.status().code() == Code::kNotFound)) {
     return std::optional<size_t>();  // ReadBacking() reads the descriptor itself

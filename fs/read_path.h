@@ -113,7 +113,9 @@ class ReadPath {
   void Run() EXCLUDES(mu_);
   // What ReadBacking and ReadBackingInPlace do before the cache: the file's version now
   // (fstat), lent to the cache (Adopt), then the item's prefetch or the read-ahead.
-  Result<struct stat> BeginRead(FileHandle* h, size_t len, uint64_t offset);
+  // `known`: the fstat the caller just took, if any.
+  Result<struct stat> BeginRead(FileHandle* h, size_t len, uint64_t offset,
+                                const struct stat* known = nullptr);
   void PrefetchCheckpoint(const std::string& ckpt) EXCLUDES(mu_);
   bool HeldInMemory(const std::string& ckpt) const;
   void PrefetchIntoPageCache(const std::string& ckpt) EXCLUDES(mu_);

@@ -52,6 +52,8 @@ struct RetainedTier::Held {
   std::shared_ptr<Buffer> buf;
   uint64_t len = 0;
   uint32_t crc = 0;
+  // CRCs of its kSubBlockBytes pieces, learned (under mu_) by its first ReadInPlace.
+  std::vector<uint32_t> sub_crcs;
   std::string ckpt;  // the directory it belongs to
   bool replica = false;
 };
@@ -457,6 +459,40 @@ void RetainedTier::OnCommitted(const std::string& dir) {
   CommitLocked(dir);
 }
 
+bool RetainedTier::CommittedLocked(const std::string& dir, std::string* check_dir,
+                                   int64_t* newest) {
+  Ckpt& c = ckpts_[dir];
+  if (c.committed) return true;
+  const auto now = Now();
+  if (backing_ == nullptr || now - c.last_check < opts_.commit_check_interval) return false;
+  c.last_check = now;
+  *check_dir = dir;
+  *newest = c.newest_mtime_ns;
+  ++stats_.lazy_commit_checks;
+  return false;
+}
+
+bool RetainedTier::CheckCommitNow(const std::string& dir, int64_t newest) {
+  // This node wrote shards only: the checkpoint is committed once its `.metadata` is on
+  // the backing store (G5), no older than the newest file retained of it.
+  Result<struct stat> st = backing_->Stat(path::Join(dir, ".metadata"));
+  if (!st.ok() || BlockIdFromStat("", *st).mtime_ns < newest) return false;
+  OnCommitted(dir);
+  return true;
+}
+
+void RetainedTier::DropCorrupt(const Key& key, const std::shared_ptr<Held>& h) {
+  {
+    MutexLock lock(&mu_);
+    ++stats_.crc_errors;
+    auto it = held_.find(key);
+    if (it != held_.end() && it->second == h) EraseHeldLocked(it, &stats_.dropped_bytes);
+  }
+  spdlog::warn("retained tier: block {} of {} does not match its checksum; dropped, read "
+               "elsewhere",
+               key.index, key.id.path);
+}
+
 std::optional<BlockRead> RetainedTier::Lookup(const BlockId& id, uint64_t offset,
                                               std::span<char> out) {
   if (!enabled() || offset % opts_.block_bytes != 0) return std::nullopt;
@@ -473,42 +509,97 @@ std::optional<BlockRead> RetainedTier::Lookup(const BlockId& id, uint64_t offset
       return std::nullopt;
     }
     h = it->second;
-    Ckpt& c = ckpts_[h->ckpt];
-    if (!c.committed) {
-      const auto now = Now();
-      if (backing_ == nullptr || now - c.last_check < opts_.commit_check_interval) {
-        return std::nullopt;
-      }
-      c.last_check = now;
-      check_dir = h->ckpt;
-      newest = c.newest_mtime_ns;
-      ++stats_.lazy_commit_checks;
+    if (!CommittedLocked(h->ckpt, &check_dir, &newest) && check_dir.empty()) {
+      return std::nullopt;
     }
   }
-  if (!check_dir.empty()) {
-    // This node wrote shards only: the checkpoint is committed once its `.metadata` is on
-    // the backing store (G5), no older than the newest file retained of it.
-    Result<struct stat> st = backing_->Stat(path::Join(check_dir, ".metadata"));
-    if (!st.ok() || BlockIdFromStat("", *st).mtime_ns < newest) return std::nullopt;
-    OnCommitted(check_dir);
-  }
+  if (!check_dir.empty() && !CheckCommitNow(check_dir, newest)) return std::nullopt;
   // The block cache passes its whole aligned buffer (for O_DIRECT): at least the block.
   if (out.size() < h->len) return std::nullopt;
   std::memcpy(out.data(), h->buf->p, h->len);
   if (Crc32c(out.data(), h->len) != h->crc) {
-    MutexLock lock(&mu_);
-    ++stats_.crc_errors;
-    auto it = held_.find(key);
-    if (it != held_.end() && it->second == h) EraseHeldLocked(it, &stats_.dropped_bytes);
-    spdlog::warn("retained tier: block {} of {} does not match its checksum; dropped, read "
-                 "elsewhere",
-                 key.index, id.path);
+    DropCorrupt(key, h);
     return std::nullopt;
   }
   MutexLock lock(&mu_);
   ++stats_.hits;
   stats_.hit_bytes += h->len;
   return BlockRead{.bytes = h->len, .crc32c = h->crc};
+}
+
+std::optional<size_t> RetainedTier::ReadInPlace(const BlockId& id, size_t len, uint64_t offset,
+                                                const InPlaceUse& use) {
+  if (!enabled() || len == 0 || offset >= id.size) return std::nullopt;
+  const uint64_t bs = opts_.block_bytes;
+  const uint64_t end = std::min<uint64_t>(id.size, offset + len);
+  const uint64_t first = offset / bs;
+  struct Use {
+    Key key;
+    std::shared_ptr<Held> h;
+    std::vector<uint32_t> subs;  // empty: not yet learned
+  };
+  std::vector<Use> blocks;
+  std::string check_dir;
+  int64_t newest = 0;
+  {
+    MutexLock lock(&mu_);
+    for (uint64_t i = first; i * bs < end; ++i) {
+      Key key{id, i};
+      auto it = held_.find(key);
+      if (it == held_.end()) return std::nullopt;  // the block cache's source says why
+      blocks.push_back({std::move(key), it->second, it->second->sub_crcs});
+    }
+    // The blocks of one file belong to one checkpoint (its directory).
+    if (!CommittedLocked(blocks.front().h->ckpt, &check_dir, &newest) && check_dir.empty()) {
+      return std::nullopt;
+    }
+  }
+  if (!check_dir.empty() && !CheckCommitNow(check_dir, newest)) return std::nullopt;
+  constexpr uint64_t kSub = kSubBlockBytes;
+  std::vector<struct iovec> iov;
+  iov.reserve(blocks.size());
+  std::vector<size_t> learned;
+  for (size_t k = 0; k < blocks.size(); ++k) {
+    Use& u = blocks[k];
+    const Held& h = *u.h;
+    const uint64_t base = (first + k) * bs;
+    const uint64_t lo = std::max(offset, base) - base, hi = std::min(end, base + bs) - base;
+    if (hi > h.len) return std::nullopt;  // cannot be: the id's size fixes every length
+    if (u.subs.empty()) {
+      // First serve: hash it whole, piece by piece; the pieces must make up its CRC.
+      uint32_t whole = 0;
+      for (uint64_t at = 0; at < h.len; at += kSub) {
+        const uint64_t n = std::min(kSub, h.len - at);
+        const uint32_t c = Crc32c(h.buf->p + at, n);
+        whole = at == 0 ? c : Crc32cCombine(whole, c, n);
+        u.subs.push_back(c);
+      }
+      if (whole != h.crc) {
+        DropCorrupt(u.key, u.h);
+        return std::nullopt;
+      }
+      learned.push_back(k);
+    } else {
+      for (uint64_t s = lo / kSub; s * kSub < hi; ++s) {
+        const uint64_t n = std::min(kSub, h.len - s * kSub);
+        if (Crc32c(h.buf->p + s * kSub, n) != u.subs[s]) {
+          DropCorrupt(u.key, u.h);
+          return std::nullopt;
+        }
+      }
+    }
+    iov.push_back({h.buf->p + lo, static_cast<size_t>(hi - lo)});
+  }
+  {
+    MutexLock lock(&mu_);
+    for (size_t k : learned) {
+      if (blocks[k].h->sub_crcs.empty()) blocks[k].h->sub_crcs = std::move(blocks[k].subs);
+    }
+    stats_.hits += blocks.size();
+    stats_.hit_bytes += end - offset;
+  }
+  use(iov);
+  return static_cast<size_t>(end - offset);
 }
 
 bool RetainedTier::PutReplica(const BlockId& id, uint64_t index, std::span<const char> bytes,

@@ -48,6 +48,8 @@
 #include <string>
 #include <vector>
 
+#include <sys/uio.h>
+
 #include <nlohmann/json.hpp>
 
 #include "common/mutex.h"
@@ -90,8 +92,8 @@ struct RetainedTierStats {
   uint64_t unverified_blocks = 0;  // captured blocks dropped at publish (not provably exact)
   uint64_t evicted_bytes = 0;
   uint64_t dropped_bytes = 0;     // dropped by a newer checkpoint, a rewrite, unlink...
-  uint64_t hits = 0;              // blocks served
-  uint64_t hit_bytes = 0;
+  uint64_t hits = 0;              // blocks served (whole or in part)
+  uint64_t hit_bytes = 0;         // bytes served
   uint64_t misses_committed = 0;  // lookups of committed checkpoints' files not held
   uint64_t crc_errors = 0;        // blocks whose bytes did not match their CRC (dropped)
   uint64_t lazy_commit_checks = 0;
@@ -124,6 +126,18 @@ class RetainedTier {
   // it, out.size() is at least its length, and its bytes match its CRC. nullopt: not served.
   std::optional<BlockRead> Lookup(const BlockId& id, uint64_t offset, std::span<char> out)
       EXCLUDES(mu_);
+
+  // Serves [offset, offset+len) of `id` (clamped to id.size) with no copy: `use` gets
+  // iovecs over the held blocks, and is called exactly once when this returns a count (the
+  // blocks stay mapped until it returns, whatever a concurrent drop does). Every piece is
+  // checked before `use` sees it: a block's first serve hashes it whole against its CRC and
+  // keeps the CRCs of its kSubBlockBytes pieces, later serves hash only the pieces they
+  // reply. nullopt (`use` not called): a block of the range is not held by a committed
+  // checkpoint, or failed its check (then dropped and counted, as in Lookup).
+  using InPlaceUse = std::function<void(std::span<const struct iovec>)>;
+  std::optional<size_t> ReadInPlace(const BlockId& id, size_t len, uint64_t offset,
+                                    const InPlaceUse& use) EXCLUDES(mu_);
+  static constexpr uint64_t kSubBlockBytes = 64 << 10;
 
   // Keeps a copy of a block of a committed checkpoint received from node `origin` (a
   // replica), if `crc` matches the bytes and the budget has room. False when not kept.
@@ -170,6 +184,15 @@ class RetainedTier {
   };
 
   std::chrono::steady_clock::time_point Now() const;
+  // Whether checkpoint `dir` is committed. When it is not and its lazy `.metadata` check is
+  // due, sets `*check_dir` and `*newest` for CheckCommitNow (run without the lock).
+  bool CommittedLocked(const std::string& dir, std::string* check_dir, int64_t* newest)
+      REQUIRES(mu_);
+  // The lazy check: commits `dir` when its `.metadata` is on the backing store, no older
+  // than `newest` (the newest file retained of it). Returns whether it is committed.
+  bool CheckCommitNow(const std::string& dir, int64_t newest) EXCLUDES(mu_);
+  // A held block's bytes no longer match its CRC: drops it (if still held) and logs.
+  void DropCorrupt(const Key& key, const std::shared_ptr<Held>& h) EXCLUDES(mu_);
   // Reserves `bytes`, evicting what may be evicted but checkpoint `keep`. False when there
   // is no room.
   bool ReserveLocked(uint64_t bytes, const std::string& keep = {}) REQUIRES(mu_);

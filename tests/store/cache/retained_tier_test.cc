@@ -273,6 +273,49 @@ TEST_F(RetainedTierTest, CorruptedBlockIsCaughtByItsCrcAndReadFromTheBackingStor
   EXPECT_FALSE(tier->PutReplica(Id(path), 0, bad, crc, "node1"));
 }
 
+TEST_F(RetainedTierTest, InPlaceReadsAreServedFromTheBlocksAndEveryPieceIsChecked) {
+  auto tier = MakeTier(16);
+  const std::string path = "run/step1/__0_0.distcp";
+  const std::string data = Pattern(3 * kBlock + 5000, 11);
+  Save(tier.get(), path, data);
+  const BlockId id = Id(path);
+  std::string got;
+  int calls = 0;
+  auto collect = [&](std::span<const struct iovec> iov) {
+    ++calls;
+    got.clear();
+    for (const struct iovec& v : iov) got.append(static_cast<const char*>(v.iov_base), v.iov_len);
+  };
+  EXPECT_FALSE(tier->ReadInPlace(id, 4096, 0, collect)) << "served before the commit";
+  Commit(tier.get(), "run/step1");
+  // Across a block boundary: two blocks, one reply.
+  auto n = tier->ReadInPlace(id, 5000, kBlock - 1000, collect);
+  ASSERT_TRUE(n);
+  EXPECT_EQ(*n, 5000u);
+  EXPECT_EQ(got, data.substr(kBlock - 1000, 5000));
+  // Past the end: clamped to the file's size.
+  n = tier->ReadInPlace(id, 1 << 20, 3 * kBlock, collect);
+  ASSERT_TRUE(n);
+  EXPECT_EQ(got, data.substr(3 * kBlock));
+  EXPECT_EQ(calls, 2);
+  // A block corrupted after its first serve: the piece replied is checked again.
+  ASSERT_TRUE(tier->CorruptForTest(id, 1));  // flips a byte in its second 64 KiB piece
+  EXPECT_FALSE(tier->ReadInPlace(id, 4096, kBlock + kBlock / 2, collect));
+  EXPECT_EQ(tier->Stats().crc_errors, 1u);
+  EXPECT_FALSE(tier->Holds(id, 1)) << "a corrupted block is dropped";
+  // A block corrupted before any serve: its first serve hashes it whole, so even a piece
+  // that is intact is refused.
+  ASSERT_TRUE(tier->CorruptForTest(id, 2));
+  EXPECT_FALSE(tier->ReadInPlace(id, 4096, 2 * kBlock, collect));
+  EXPECT_EQ(tier->Stats().crc_errors, 2u);
+  EXPECT_EQ(calls, 2) << "nothing corrupted reached a reply";
+  // Block 0 is still whole and still served; a range that needs a dropped block is not.
+  n = tier->ReadInPlace(id, kBlock, 0, collect);
+  ASSERT_TRUE(n);
+  EXPECT_EQ(got, data.substr(0, kBlock));
+  EXPECT_FALSE(tier->ReadInPlace(id, 2 * kBlock, 0, collect));
+}
+
 TEST_F(RetainedTierTest, MemoryOnlyRequestsNeverReachTheBackingStore) {
   auto tier = MakeTier(16);
   const std::string path = "run/step1/__0_0.distcp";
