@@ -162,13 +162,16 @@ void ReadPath::QueueIndexBuild(const std::string& ckpt) {
 
 void ReadPath::QueuePrefetch(const std::string& ckpt) {
   if (!prefetch_.load() || (!cache_ && !page_cache_.load())) return;
+  // A checkpoint the retained tier holds has nothing to plan: its readers must not wait
+  // for a worker that may be busy for seconds (an index build) to say so.
+  const bool plan = peers_ && !HeldInMemory(ckpt);
   {
     MutexLock lock(&mu_);
     for (const auto& queued : prefetch_queue_) {
       if (queued == ckpt) return;
     }
     prefetch_queue_.push_back(ckpt);
-    if (peers_) planning_.insert(ckpt);
+    if (plan) planning_.insert(ckpt);
   }
   cv_.notify_one();
 }

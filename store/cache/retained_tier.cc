@@ -18,7 +18,9 @@ namespace ckptfs::store {
 
 struct RetainedTier::Buffer {
   explicit Buffer(size_t n) {
-    void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    // Populated: the copy that follows would otherwise fault in (and zero) every page.
+    void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                   -1, 0);
     if (m != MAP_FAILED) {
       p = static_cast<char*>(m);
       cap = n;
@@ -105,33 +107,59 @@ RetainedTier::Ckpt& RetainedTier::CkptLocked(const std::string& dir) {
 
 void RetainedTier::ReleaseLocked(uint64_t bytes) { used_ -= std::min(used_, bytes); }
 
-bool RetainedTier::ReserveLocked(uint64_t bytes, const std::string& keep) {
-  while (used_ + bytes > opts_.budget_bytes) {
-    // Victim: a stale pending checkpoint (oldest first), else the oldest committed one.
-    const auto now = Now();
-    const std::string* victim = nullptr;
-    bool victim_stale = false;
-    uint64_t victim_order = 0;
-    for (const auto& [dir, c] : ckpts_) {
-      if (c.own_bytes + c.replica_bytes == 0 || (!keep.empty() && dir == keep)) continue;
-      const bool stale = !c.committed && now - c.last_publish > opts_.stale_pending;
-      if (!c.committed && !stale) continue;
-      const uint64_t order = stale ? c.created : c.commit_order;
-      if (victim == nullptr || (stale && !victim_stale) ||
-          (stale == victim_stale && order < victim_order)) {
-        victim = &dir;
-        victim_stale = stale;
-        victim_order = order;
-      }
+bool RetainedTier::EvictOneLocked(const std::string& keep) {
+  // Victim: a stale pending checkpoint (oldest first), else the oldest committed one.
+  const auto now = Now();
+  const std::string* victim = nullptr;
+  bool victim_stale = false;
+  uint64_t victim_order = 0;
+  for (const auto& [dir, c] : ckpts_) {
+    if (c.own_bytes + c.replica_bytes == 0 || (!keep.empty() && dir == keep)) continue;
+    const bool stale = !c.committed && now - c.last_publish > opts_.stale_pending;
+    if (!c.committed && !stale) continue;
+    const uint64_t order = stale ? c.created : c.commit_order;
+    if (victim == nullptr || (stale && !victim_stale) ||
+        (stale == victim_stale && order < victim_order)) {
+      victim = &dir;
+      victim_stale = stale;
+      victim_order = order;
     }
-    if (victim == nullptr) return false;
-    const std::string dir = *victim;
-    spdlog::debug("retained tier: evicting {} for room", dir);
-    DropCkptLocked(dir, &stats_.evicted_bytes);
   }
-  used_ += bytes;
-  stats_.peak_used_bytes = std::max(stats_.peak_used_bytes, used_);
+  if (victim == nullptr) return false;
+  const std::string dir = *victim;
+  spdlog::debug("retained tier: evicting {} for room", dir);
+  DropCkptLocked(dir, &stats_.evicted_bytes);
   return true;
+}
+
+std::shared_ptr<RetainedTier::Buffer> RetainedTier::TakeBufferLocked(const std::string& keep) {
+  const uint64_t bs = opts_.block_bytes;
+  while (spare_.empty() && used_ + bs > opts_.budget_bytes) {
+    if (!EvictOneLocked(keep)) return nullptr;
+  }
+  if (!spare_.empty()) {  // already counted in used_
+    std::shared_ptr<Buffer> buf = std::move(spare_.back());
+    spare_.pop_back();
+    return buf;
+  }
+  used_ += bs;
+  stats_.peak_used_bytes = std::max(stats_.peak_used_bytes, used_);
+  auto buf = std::make_shared<Buffer>(bs);
+  if (buf->p == nullptr) {
+    ReleaseLocked(bs);
+    return nullptr;
+  }
+  return buf;
+}
+
+void RetainedTier::RecycleLocked(std::shared_ptr<Buffer> buf) {
+  // Only a buffer nobody else holds (a reader replying from it, a copy in progress) can be
+  // written again; any other is freed by its last holder and leaves the account now.
+  if (buf && buf.use_count() == 1 && !stopped_) {
+    spare_.push_back(std::move(buf));
+  } else {
+    ReleaseLocked(opts_.block_bytes);
+  }
 }
 
 void RetainedTier::EraseHeldLocked(std::map<Key, std::shared_ptr<Held>, KeyLess>::iterator it,
@@ -143,8 +171,10 @@ void RetainedTier::EraseHeldLocked(std::map<Key, std::shared_ptr<Held>, KeyLess>
     bytes -= std::min(bytes, h.len);
   }
   if (counter != nullptr) *counter += h.len;
-  ReleaseLocked(opts_.block_bytes);
+  std::shared_ptr<Buffer> buf;
+  if (it->second.use_count() == 1) buf = std::move(it->second->buf);
   held_.erase(it);
+  RecycleLocked(std::move(buf));
 }
 
 void RetainedTier::DropPathLocked(const std::string& path, bool subtree) {
@@ -282,14 +312,7 @@ void RetainedTier::OnWritten(const std::shared_ptr<FlushTarget>& target,
       std::shared_ptr<CaptureBlock>& blk = cap->blocks[i];
       if (!blk) {
         blk = std::make_shared<CaptureBlock>();
-        if (ReserveLocked(bs)) {
-          auto buf = std::make_shared<Buffer>(bs);
-          if (buf->p != nullptr) {
-            blk->buf = std::move(buf);
-          } else {
-            ReleaseLocked(bs);
-          }
-        }
+        blk->buf = TakeBufferLocked();
       }
       if (!blk->buf) {
         if (!blk->poisoned) stats_.skipped_bytes += e - b;
@@ -302,9 +325,8 @@ void RetainedTier::OnWritten(const std::shared_ptr<FlushTarget>& target,
                             (pos != blk->ranges.begin() && std::prev(pos)->second > lo);
       if (overlaps) {
         blk->poisoned = true;
-        blk->buf.reset();
         blk->ranges.clear();
-        ReleaseLocked(bs);
+        RecycleLocked(std::move(blk->buf));
         continue;
       }
       pos = blk->ranges.insert(pos, {lo, hi});
@@ -611,19 +633,12 @@ bool RetainedTier::PutReplica(const BlockId& id, uint64_t index, std::span<const
     return false;
   }
   const Key key{id, index};
-  {
-    MutexLock lock(&mu_);
-    if (stopped_) return false;
-    if (held_.count(key) > 0) return true;
-    if (!ReserveLocked(opts_.block_bytes, path::Parent(id.path))) return false;
-  }
   auto h = std::make_shared<Held>();
-  h->buf = std::make_shared<Buffer>(opts_.block_bytes);
   MutexLock lock(&mu_);
-  if (h->buf->p == nullptr || stopped_ || held_.count(key) > 0) {
-    ReleaseLocked(opts_.block_bytes);
-    return !stopped_ && h->buf->p != nullptr;
-  }
+  if (stopped_) return false;
+  if (held_.count(key) > 0) return true;
+  h->buf = TakeBufferLocked(path::Parent(id.path));
+  if (!h->buf) return false;
   lock.Unlock();
   std::memcpy(h->buf->p, bytes.data(), bytes.size());
   lock.Lock();
@@ -638,9 +653,9 @@ bool RetainedTier::PutReplica(const BlockId& id, uint64_t index, std::span<const
   cc.replica_bytes += h->len;
   cc.origin = origin;
   auto [it, inserted] = held_.try_emplace(key, std::move(h));
-  if (!inserted) {
+  if (!inserted) {  // another pull of the same block won the race; `h` was not moved
     cc.replica_bytes -= std::min(cc.replica_bytes, bytes.size());
-    ReleaseLocked(opts_.block_bytes);
+    RecycleLocked(std::move(h->buf));
   }
   return true;
 }
@@ -705,11 +720,13 @@ std::vector<RetainedCheckpoint> RetainedTier::Checkpoints() const {
 void RetainedTier::DropAll() {
   std::map<uint64_t, std::shared_ptr<Capture>> captures;
   std::map<Key, std::shared_ptr<Held>, KeyLess> held;
+  std::vector<std::shared_ptr<Buffer>> spare;
   {
     MutexLock lock(&mu_);
     stopped_ = true;
     captures.swap(captures_);
     held.swap(held_);
+    spare.swap(spare_);
     ckpts_.clear();
     used_ = 0;
   }
@@ -727,6 +744,7 @@ RetainedTierStats RetainedTier::Stats() const {
     }
   }
   s.capture_bytes = capture;
+  s.spare_bytes = spare_.size() * opts_.block_bytes;
   for (const auto& [dir, c] : ckpts_) {
     s.retained_bytes += c.own_bytes;
     s.replica_bytes += c.replica_bytes;
@@ -740,6 +758,7 @@ nlohmann::json RetainedTier::StatsJson() const {
                       {"used_bytes", s.used_bytes},
                       {"peak_used_bytes", s.peak_used_bytes},
                       {"capture_bytes", s.capture_bytes},
+                      {"spare_bytes", s.spare_bytes},
                       {"retained_bytes", s.retained_bytes},
                       {"replica_bytes", s.replica_bytes},
                       {"captured_bytes", s.captured_bytes},

@@ -24,10 +24,11 @@
 // checkpoints are served. When a checkpoint commits, the other committed checkpoints of
 // its run (the parent directory), and pending ones of the run seen before it, are dropped.
 //
-// Budget. Captures, retained blocks and replicas count against `budget_bytes`. Room is made
-// by evicting, in order: checkpoints pending for longer than `stale_pending` (a save that
-// never committed), then committed ones, oldest commit first. Fresh pending checkpoints
-// and captures in progress are never evicted.
+// Budget. Captures, retained blocks, replicas and spare buffers count against
+// `budget_bytes`. A capture or replica takes a spare buffer (one of a dropped block, kept
+// mapped) first; else room is made by evicting, in order: checkpoints pending for longer
+// than `stale_pending` (a save that never committed), then committed ones, oldest commit
+// first. Fresh pending checkpoints and captures in progress are never evicted.
 //
 // Serve. Lookup() copies a committed block into the caller's buffer and checks it against
 // its stored CRC; a mismatch drops the block (counted) and reports a miss, so the caller
@@ -85,6 +86,7 @@ struct RetainedTierStats {
   uint64_t used_bytes = 0;       // captures + retained blocks + replicas
   uint64_t peak_used_bytes = 0;
   uint64_t capture_bytes = 0;    // block buffers of captures not yet published
+  uint64_t spare_bytes = 0;      // buffers of dropped blocks kept for reuse (in used_)
   uint64_t retained_bytes = 0;   // own blocks, any checkpoint state
   uint64_t replica_bytes = 0;    // blocks held for other nodes
   uint64_t captured_bytes = 0;   // bytes copied from staging, total
@@ -193,9 +195,14 @@ class RetainedTier {
   bool CheckCommitNow(const std::string& dir, int64_t newest) EXCLUDES(mu_);
   // A held block's bytes no longer match its CRC: drops it (if still held) and logs.
   void DropCorrupt(const Key& key, const std::shared_ptr<Held>& h) EXCLUDES(mu_);
-  // Reserves `bytes`, evicting what may be evicted but checkpoint `keep`. False when there
-  // is no room.
-  bool ReserveLocked(uint64_t bytes, const std::string& keep = {}) REQUIRES(mu_);
+  // Drops one checkpoint that may be evicted, other than `keep`. False when none may.
+  bool EvictOneLocked(const std::string& keep) REQUIRES(mu_);
+  // A block buffer within the budget: a spare one, else a new mapping, evicting what may be
+  // evicted but checkpoint `keep`. Null when there is no room (the caller skips the block).
+  std::shared_ptr<Buffer> TakeBufferLocked(const std::string& keep = {}) REQUIRES(mu_);
+  // The buffer of a dropped block (null: none): kept as a spare when nobody else holds it,
+  // so the next save or replica reuses its pages; else it leaves the account.
+  void RecycleLocked(std::shared_ptr<Buffer> buf) REQUIRES(mu_);
   void ReleaseLocked(uint64_t bytes) REQUIRES(mu_);
   Ckpt& CkptLocked(const std::string& dir) REQUIRES(mu_);
   void EraseHeldLocked(std::map<Key, std::shared_ptr<Held>, KeyLess>::iterator it,
@@ -219,6 +226,10 @@ class RetainedTier {
   std::map<uint64_t, std::shared_ptr<Capture>> captures_ GUARDED_BY(mu_);  // by target id
   std::map<Key, std::shared_ptr<Held>, KeyLess> held_ GUARDED_BY(mu_);
   std::map<std::string, Ckpt> ckpts_ GUARDED_BY(mu_);  // by directory
+  // Buffers of dropped blocks, still mapped and counted in used_: a save's capture (and a
+  // replica) reuses them before mapping new memory, so a steady run of saves copies into
+  // pages that are already there (no page faults, no zeroing on the flush threads).
+  std::vector<std::shared_ptr<Buffer>> spare_ GUARDED_BY(mu_);
   RetainedTierStats stats_ GUARDED_BY(mu_);
 };
 

@@ -273,6 +273,44 @@ TEST_F(RetainedTierTest, CorruptedBlockIsCaughtByItsCrcAndReadFromTheBackingStor
   EXPECT_FALSE(tier->PutReplica(Id(path), 0, bad, crc, "node1"));
 }
 
+TEST_F(RetainedTierTest, DroppedBlocksBuffersAreReusedByTheNextSaveWithinTheBudget) {
+  auto tier = MakeTier(8);
+  const std::string a = Pattern(3 * kBlock, 20), b = Pattern(3 * kBlock - 777, 21);
+  Save(tier.get(), "run/step1/__0_0.distcp", a);
+  Commit(tier.get(), "run/step1");
+  Save(tier.get(), "run/step2/__0_0.distcp", b);
+  Commit(tier.get(), "run/step2");  // drops step1: its three buffers become spares
+  RetainedTierStats s = tier->Stats();
+  EXPECT_EQ(s.spare_bytes, 3 * kBlock);
+  EXPECT_EQ(s.used_bytes, 6 * kBlock) << "spares stay counted";
+  // The next save copies into the spares (their old bytes are never served) and maps only
+  // what they lack.
+  const std::string c = Pattern(4 * kBlock, 22);
+  Save(tier.get(), "run/step3/__0_0.distcp", c);
+  s = tier->Stats();
+  EXPECT_EQ(s.spare_bytes, 0u) << "the spares were taken first";
+  EXPECT_EQ(s.used_bytes, 7 * kBlock);
+  EXPECT_LE(s.peak_used_bytes, 8 * kBlock);
+  Commit(tier.get(), "run/step3");
+  EXPECT_EQ(tier->Stats().spare_bytes, 3 * kBlock) << "step2's buffers";
+  for (uint64_t i = 0; i < 4; ++i) {
+    auto got = Get(tier.get(), "run/step3/__0_0.distcp", i);
+    ASSERT_TRUE(got) << i;
+    EXPECT_EQ(*got, c.substr(i * kBlock, kBlock)) << i;
+  }
+  EXPECT_FALSE(Get(tier.get(), "run/step2/__0_0.distcp", 0));
+  // A replica takes a spare too, and its short last block serves only its own bytes.
+  const std::string tail = Pattern(1000, 23);
+  const BlockId other{.path = "run/step3/__1_0.distcp", .size = 1000, .mtime_ns = 1};
+  ASSERT_TRUE(tier->PutReplica(other, 0, tail, Crc32c(tail.data(), tail.size()), "node1"));
+  EXPECT_EQ(tier->Stats().spare_bytes, 2 * kBlock);
+  EXPECT_LE(tier->Stats().used_bytes, 8 * kBlock);
+  std::string out(kBlock, '\0');
+  auto r = tier->Lookup(other, 0, std::span<char>(out.data(), out.size()));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(out.substr(0, r->bytes), tail);
+}
+
 TEST_F(RetainedTierTest, InPlaceReadsAreServedFromTheBlocksAndEveryPieceIsChecked) {
   auto tier = MakeTier(16);
   const std::string path = "run/step1/__0_0.distcp";
