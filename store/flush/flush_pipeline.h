@@ -144,9 +144,13 @@ struct FlushOptions {
   bool block_crcs = true;  // record block CRCs of every chunk written (see above)
   bool direct_io = true;   // aligned chunks bypass the page cache (see above)
   BlockCrcOptions crc_options;
-  // Issue 23 (retained tier, store/cache/retained_tier.h): called on the flush thread after
-  // a chunk was written and recorded into its target's block CRCs, while the bytes are still
-  // in staging. Must not block (the tier copies or skips); unset: nothing is called.
+  // Issue 23 (retained tier, store/cache/retained_tier.h): called for every chunk a flush
+  // thread writes, while the bytes are in staging, on that flush thread's side thread and
+  // at the same time as the chunk's pwrite (both only read the chunk): the flush thread
+  // waits for it only where the copy outlasts the write, before the chunk is released.
+  // A chunk whose write fails has still been passed (its retry is passed again: the tier
+  // then keeps none of those blocks). Must not block (the tier copies or skips); unset:
+  // nothing is called.
   std::function<void(const std::shared_ptr<FlushTarget>& target,
                      const std::shared_ptr<BlockCrcMap>& crcs, uint64_t offset,
                      const uint8_t* data, size_t length)>
@@ -187,9 +191,11 @@ class FlushPipeline {
 
  private:
   FlushPipeline(BackingDir* dir, const FlushOptions& options);
+  class SideThread;
   void Run();
-  // Writes one chunk; returns false if it was parked for a retry (still owned).
-  bool WriteChunk(SealedChunk& chunk, int attempts);
+  // Writes one chunk; returns false if it was parked for a retry (still owned). `side`
+  // (null without on_written) runs on_written during the write.
+  bool WriteChunk(SealedChunk& chunk, int attempts, SideThread* side);
   // Releases a chunk that will not be retried.
   void Finish(SealedChunk& chunk, const Status& st, bool was_parked);
 
