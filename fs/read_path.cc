@@ -304,11 +304,7 @@ uint64_t MemAvailableBytes() {
 // previous window of each file: at most two windows per file in flight, so demand reads of
 // other files are not queued behind the whole checkpoint.
 bool ReadPath::HeldInMemory(const std::string& ckpt) const {
-  if (retained_ == nullptr) return false;
-  for (const store::RetainedCheckpoint& c : retained_->Checkpoints()) {
-    if (c.dir == ckpt && c.committed) return true;
-  }
-  return false;
+  return retained_ != nullptr && retained_->HoldsCommitted(ckpt);
 }
 
 void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {

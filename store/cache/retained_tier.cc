@@ -700,6 +700,14 @@ bool RetainedTier::HoldsRunOf(const std::string& path) const {
   return false;
 }
 
+bool RetainedTier::HoldsCommitted(const std::string& dir) const {
+  if (!enabled()) return false;
+  MutexLock lock(&mu_);
+  auto it = ckpts_.find(dir);
+  return it != ckpts_.end() && it->second.committed &&
+         it->second.own_bytes + it->second.replica_bytes > 0;
+}
+
 std::vector<RetainedCheckpoint> RetainedTier::Checkpoints() const {
   std::vector<std::pair<uint64_t, RetainedCheckpoint>> v;
   {

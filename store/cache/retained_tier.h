@@ -155,6 +155,9 @@ class RetainedTier {
   // Whether a committed checkpoint of the run of `path` (the parent of its directory) is
   // held: false on a daemon that started fresh or lost its copy (ask the replica holder).
   bool HoldsRunOf(const std::string& path) const EXCLUDES(mu_);
+  // Whether checkpoint `dir` is held (any bytes) and committed: its reads are served from
+  // memory, so there is nothing to plan or read ahead for it.
+  bool HoldsCommitted(const std::string& dir) const EXCLUDES(mu_);
   // Committed checkpoints, newest commit first.
   std::vector<RetainedCheckpoint> Checkpoints() const EXCLUDES(mu_);
 

@@ -112,6 +112,9 @@ class RetainReplicas(unittest.TestCase):
         d1 = n1.stats()["backing_bytes_read"] - b1
         d0 = n0.stats()["backing_bytes_read"] - b0
         self.assertLess(d1 + d0, share // 4, (d0, d1, self.logs()))
+        # The survivor holds its own share and node 1's replica: it plans nothing from the
+        # backing store either (not even `.metadata`) when node 1 asks it for blocks.
+        self.assertEqual(d0, 0, self.logs())
 
         # The replica holder dies as well: node 1 falls back to the backing store.
         n1.kill(signal.SIGKILL)
