@@ -239,7 +239,10 @@ std::string ControlTree::StatsJson() {
                            ? 0.0
                            : static_cast<double>(c.bytes_served) / c.backing_bytes_read;
   }
-  if (read_->peers()) read_->peers()->AppendStats(&j);
+  if (read_->peers()) {
+    read_->peers()->AppendStats(&j);
+    j["plan_wait_timeouts"] = read_->plan_wait_timeouts();
+  }
   if (retained_) {  // issue 23: the memory tier; hits by tier: retained, peers, backing
     j["retained"] = retained_->StatsJson();
     j["retained_bytes"] = j["retained"]["retained_bytes"];

@@ -59,11 +59,17 @@ void ReadPath::Stop() {
   if (worker_.joinable()) worker_.join();
 }
 
-Result<struct stat> ReadPath::BeginRead(FileHandle* h, size_t len, uint64_t offset) {
+Result<struct stat> ReadPath::BeginRead(FileHandle* h, size_t len, uint64_t offset,
+                                        const struct stat* known) {
   // The file's version now, not at open: someone may have rewritten it in place. Its name
   // for the cache is the backing path it was opened under; the open descriptor is lent to
   // the cache's source, so a miss reads the very inode the application opened.
-  CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(h->fd->get()));
+  struct stat st;
+  if (known != nullptr) {
+    st = *known;
+  } else {
+    CKPT_ASSIGN_OR_RETURN(st, backing_->Fstat(h->fd->get()));
+  }
   const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
   Adopt(id, h->fd, st);
   if (!h->ckpt.empty()) {
@@ -97,21 +103,31 @@ Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint6
 Result<std::optional<size_t>> ReadPath::ReadBackingInPlace(
     FileHandle* h, size_t len, uint64_t offset, const store::BlockCache::InPlaceUse& use) {
   if (!cache_) return std::optional<size_t>();
-  CKPT_ASSIGN_OR_RETURN(struct stat st, BeginRead(h, len, offset));
+  CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(h->fd->get()));
   const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
-  if (!h->indexed) return cache_->ReadInPlace(id, len, offset, use);
   // An indexed shard: checksums of first full reads are taken over the pinned blocks, run
   // by run, before they are replied (ReadChecksums takes pieces in any order).
   const store::FileKey version = store::FileKeyFromStat(st);
-  auto got = cache_->ReadInPlace(id, len, offset, [&](std::span<const struct iovec> runs) {
-    uint64_t at = offset;
-    for (const struct iovec& run : runs) {
-      read_sums_->OnRead(h->ckpt, h->file, version, at, static_cast<const char*>(run.iov_base),
-                         run.iov_len);
-      at += run.iov_len;
-    }
-    use(runs);
-  });
+  store::BlockCache::InPlaceUse checksummed;
+  if (h->indexed) {
+    checksummed = [&](std::span<const struct iovec> runs) {
+      uint64_t at = offset;
+      for (const struct iovec& run : runs) {
+        read_sums_->OnRead(h->ckpt, h->file, version, at, static_cast<const char*>(run.iov_base),
+                           run.iov_len);
+        at += run.iov_len;
+      }
+      use(runs);
+    };
+  }
+  const store::BlockCache::InPlaceUse& reply = h->indexed ? checksummed : use;
+  // Issue 23: a committed checkpoint's file that the retained tier holds is replied from
+  // the tier's blocks themselves: no copy into the block cache, no prefetch, no plan.
+  if (retained_ != nullptr && !h->ckpt.empty()) {
+    if (std::optional<size_t> got = retained_->ReadInPlace(id, len, offset, reply)) return got;
+  }
+  CKPT_RETURN_IF_ERROR(BeginRead(h, len, offset, &st).status());
+  auto got = cache_->ReadInPlace(id, len, offset, reply);
   if (!got.ok() && (got.status().code() == Code::kAborted ||
                     got.status().code() == Code::kNotFound)) {
     return std::optional<size_t>();  // ReadBacking() reads the descriptor itself
@@ -146,13 +162,16 @@ void ReadPath::QueueIndexBuild(const std::string& ckpt) {
 
 void ReadPath::QueuePrefetch(const std::string& ckpt) {
   if (!prefetch_.load() || (!cache_ && !page_cache_.load())) return;
+  // A checkpoint the retained tier holds has nothing to plan: its readers must not wait
+  // for a worker that may be busy for seconds (an index build) to say so.
+  const bool plan = peers_ && !HeldInMemory(ckpt);
   {
     MutexLock lock(&mu_);
     for (const auto& queued : prefetch_queue_) {
       if (queued == ckpt) return;
     }
     prefetch_queue_.push_back(ckpt);
-    if (peers_) planning_.insert(ckpt);
+    if (plan) planning_.insert(ckpt);
   }
   cv_.notify_one();
 }
@@ -171,11 +190,11 @@ void ReadPath::WaitForPlan(const std::string& ckpt) {
   constexpr auto kPlanWait = std::chrono::seconds(1);
   MutexLock lock(&mu_);
   if (planning_.count(ckpt) == 0) return;
-  planned_cv_.wait_for(lock.native(), kPlanWait,
-                       [&] {
-                         mu_.AssertHeld();  // the predicate runs under the lock
-                         return stop_ || planning_.count(ckpt) == 0;
-                       });
+  const bool planned = planned_cv_.wait_for(lock.native(), kPlanWait, [&] {
+    mu_.AssertHeld();  // the predicate runs under the lock
+    return stop_ || planning_.count(ckpt) == 0;
+  });
+  if (!planned) plan_wait_timeouts_.fetch_add(1, std::memory_order_relaxed);
 }
 
 // Issue 23: `.metadata` through the block cache, so a checkpoint held in the retained tier
@@ -285,11 +304,7 @@ uint64_t MemAvailableBytes() {
 // previous window of each file: at most two windows per file in flight, so demand reads of
 // other files are not queued behind the whole checkpoint.
 bool ReadPath::HeldInMemory(const std::string& ckpt) const {
-  if (retained_ == nullptr) return false;
-  for (const store::RetainedCheckpoint& c : retained_->Checkpoints()) {
-    if (c.dir == ckpt && c.committed) return true;
-  }
-  return false;
+  return retained_ != nullptr && retained_->HoldsCommitted(ckpt);
 }
 
 void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
@@ -463,7 +478,12 @@ void ReadPath::Run() {
       }
     }
     if (prefetch) {
-      if (HeldInMemory(ckpt)) continue;  // the retained tier serves it: nothing to read ahead
+      if (HeldInMemory(ckpt)) {
+        // The retained tier serves it: nothing to read ahead, and no plan to wait for (a
+        // reader left waiting for one would wait kPlanWait on every read).
+        PlanDone(ckpt);
+        continue;
+      }
       if (page_cache_.load()) {
         PrefetchIntoPageCache(ckpt);
       } else {

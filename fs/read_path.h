@@ -105,12 +105,17 @@ class ReadPath {
   // Stops serving blocks to peer daemons (before the cache they read goes). Idempotent.
   void StopServingPeers();
   const store::ReadChecksums& read_sums() const { return *read_sums_; }
+  // Reads that waited the whole kPlanWait for their checkpoint's plan (a slow worker, or a
+  // plan never finished: each such read was held a second).
+  uint64_t plan_wait_timeouts() const { return plan_wait_timeouts_.load(); }
 
  private:
   void Run() EXCLUDES(mu_);
   // What ReadBacking and ReadBackingInPlace do before the cache: the file's version now
   // (fstat), lent to the cache (Adopt), then the item's prefetch or the read-ahead.
-  Result<struct stat> BeginRead(FileHandle* h, size_t len, uint64_t offset);
+  // `known`: the fstat the caller just took, if any.
+  Result<struct stat> BeginRead(FileHandle* h, size_t len, uint64_t offset,
+                                const struct stat* known = nullptr);
   void PrefetchCheckpoint(const std::string& ckpt) EXCLUDES(mu_);
   bool HeldInMemory(const std::string& ckpt) const;
   void PrefetchIntoPageCache(const std::string& ckpt) EXCLUDES(mu_);
@@ -161,6 +166,7 @@ class ReadPath {
   // Checkpoints prefetched into the page cache, and when (PrefetchIntoPageCache).
   std::map<std::string, std::chrono::steady_clock::time_point> page_cache_done_ GUARDED_BY(mu_);
   std::atomic<bool> prefetch_{true};
+  std::atomic<uint64_t> plan_wait_timeouts_{0};
   store::RetainedTier* retained_ = nullptr;  // SetRetainedTier
   std::atomic<bool> page_cache_{false};  // SetPageCachePrefetch
   uint64_t page_cache_min_bytes_ = 0;

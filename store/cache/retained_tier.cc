@@ -18,7 +18,9 @@ namespace ckptfs::store {
 
 struct RetainedTier::Buffer {
   explicit Buffer(size_t n) {
-    void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    // Populated: the copy that follows would otherwise fault in (and zero) every page.
+    void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                   -1, 0);
     if (m != MAP_FAILED) {
       p = static_cast<char*>(m);
       cap = n;
@@ -52,6 +54,8 @@ struct RetainedTier::Held {
   std::shared_ptr<Buffer> buf;
   uint64_t len = 0;
   uint32_t crc = 0;
+  // CRCs of its kSubBlockBytes pieces, learned (under mu_) by its first ReadInPlace.
+  std::vector<uint32_t> sub_crcs;
   std::string ckpt;  // the directory it belongs to
   bool replica = false;
 };
@@ -103,33 +107,59 @@ RetainedTier::Ckpt& RetainedTier::CkptLocked(const std::string& dir) {
 
 void RetainedTier::ReleaseLocked(uint64_t bytes) { used_ -= std::min(used_, bytes); }
 
-bool RetainedTier::ReserveLocked(uint64_t bytes, const std::string& keep) {
-  while (used_ + bytes > opts_.budget_bytes) {
-    // Victim: a stale pending checkpoint (oldest first), else the oldest committed one.
-    const auto now = Now();
-    const std::string* victim = nullptr;
-    bool victim_stale = false;
-    uint64_t victim_order = 0;
-    for (const auto& [dir, c] : ckpts_) {
-      if (c.own_bytes + c.replica_bytes == 0 || (!keep.empty() && dir == keep)) continue;
-      const bool stale = !c.committed && now - c.last_publish > opts_.stale_pending;
-      if (!c.committed && !stale) continue;
-      const uint64_t order = stale ? c.created : c.commit_order;
-      if (victim == nullptr || (stale && !victim_stale) ||
-          (stale == victim_stale && order < victim_order)) {
-        victim = &dir;
-        victim_stale = stale;
-        victim_order = order;
-      }
+bool RetainedTier::EvictOneLocked(const std::string& keep) {
+  // Victim: a stale pending checkpoint (oldest first), else the oldest committed one.
+  const auto now = Now();
+  const std::string* victim = nullptr;
+  bool victim_stale = false;
+  uint64_t victim_order = 0;
+  for (const auto& [dir, c] : ckpts_) {
+    if (c.own_bytes + c.replica_bytes == 0 || (!keep.empty() && dir == keep)) continue;
+    const bool stale = !c.committed && now - c.last_publish > opts_.stale_pending;
+    if (!c.committed && !stale) continue;
+    const uint64_t order = stale ? c.created : c.commit_order;
+    if (victim == nullptr || (stale && !victim_stale) ||
+        (stale == victim_stale && order < victim_order)) {
+      victim = &dir;
+      victim_stale = stale;
+      victim_order = order;
     }
-    if (victim == nullptr) return false;
-    const std::string dir = *victim;
-    spdlog::debug("retained tier: evicting {} for room", dir);
-    DropCkptLocked(dir, &stats_.evicted_bytes);
   }
-  used_ += bytes;
-  stats_.peak_used_bytes = std::max(stats_.peak_used_bytes, used_);
+  if (victim == nullptr) return false;
+  const std::string dir = *victim;
+  spdlog::debug("retained tier: evicting {} for room", dir);
+  DropCkptLocked(dir, &stats_.evicted_bytes);
   return true;
+}
+
+std::shared_ptr<RetainedTier::Buffer> RetainedTier::TakeBufferLocked(const std::string& keep) {
+  const uint64_t bs = opts_.block_bytes;
+  while (spare_.empty() && used_ + bs > opts_.budget_bytes) {
+    if (!EvictOneLocked(keep)) return nullptr;
+  }
+  if (!spare_.empty()) {  // already counted in used_
+    std::shared_ptr<Buffer> buf = std::move(spare_.back());
+    spare_.pop_back();
+    return buf;
+  }
+  used_ += bs;
+  stats_.peak_used_bytes = std::max(stats_.peak_used_bytes, used_);
+  auto buf = std::make_shared<Buffer>(bs);
+  if (buf->p == nullptr) {
+    ReleaseLocked(bs);
+    return nullptr;
+  }
+  return buf;
+}
+
+void RetainedTier::RecycleLocked(std::shared_ptr<Buffer> buf) {
+  // Only a buffer nobody else holds (a reader replying from it, a copy in progress) can be
+  // written again; any other is freed by its last holder and leaves the account now.
+  if (buf && buf.use_count() == 1 && !stopped_) {
+    spare_.push_back(std::move(buf));
+  } else {
+    ReleaseLocked(opts_.block_bytes);
+  }
 }
 
 void RetainedTier::EraseHeldLocked(std::map<Key, std::shared_ptr<Held>, KeyLess>::iterator it,
@@ -141,8 +171,10 @@ void RetainedTier::EraseHeldLocked(std::map<Key, std::shared_ptr<Held>, KeyLess>
     bytes -= std::min(bytes, h.len);
   }
   if (counter != nullptr) *counter += h.len;
-  ReleaseLocked(opts_.block_bytes);
+  std::shared_ptr<Buffer> buf;
+  if (it->second.use_count() == 1) buf = std::move(it->second->buf);
   held_.erase(it);
+  RecycleLocked(std::move(buf));
 }
 
 void RetainedTier::DropPathLocked(const std::string& path, bool subtree) {
@@ -280,14 +312,7 @@ void RetainedTier::OnWritten(const std::shared_ptr<FlushTarget>& target,
       std::shared_ptr<CaptureBlock>& blk = cap->blocks[i];
       if (!blk) {
         blk = std::make_shared<CaptureBlock>();
-        if (ReserveLocked(bs)) {
-          auto buf = std::make_shared<Buffer>(bs);
-          if (buf->p != nullptr) {
-            blk->buf = std::move(buf);
-          } else {
-            ReleaseLocked(bs);
-          }
-        }
+        blk->buf = TakeBufferLocked();
       }
       if (!blk->buf) {
         if (!blk->poisoned) stats_.skipped_bytes += e - b;
@@ -300,9 +325,8 @@ void RetainedTier::OnWritten(const std::shared_ptr<FlushTarget>& target,
                             (pos != blk->ranges.begin() && std::prev(pos)->second > lo);
       if (overlaps) {
         blk->poisoned = true;
-        blk->buf.reset();
         blk->ranges.clear();
-        ReleaseLocked(bs);
+        RecycleLocked(std::move(blk->buf));
         continue;
       }
       pos = blk->ranges.insert(pos, {lo, hi});
@@ -457,6 +481,40 @@ void RetainedTier::OnCommitted(const std::string& dir) {
   CommitLocked(dir);
 }
 
+bool RetainedTier::CommittedLocked(const std::string& dir, std::string* check_dir,
+                                   int64_t* newest) {
+  Ckpt& c = ckpts_[dir];
+  if (c.committed) return true;
+  const auto now = Now();
+  if (backing_ == nullptr || now - c.last_check < opts_.commit_check_interval) return false;
+  c.last_check = now;
+  *check_dir = dir;
+  *newest = c.newest_mtime_ns;
+  ++stats_.lazy_commit_checks;
+  return false;
+}
+
+bool RetainedTier::CheckCommitNow(const std::string& dir, int64_t newest) {
+  // This node wrote shards only: the checkpoint is committed once its `.metadata` is on
+  // the backing store (G5), no older than the newest file retained of it.
+  Result<struct stat> st = backing_->Stat(path::Join(dir, ".metadata"));
+  if (!st.ok() || BlockIdFromStat("", *st).mtime_ns < newest) return false;
+  OnCommitted(dir);
+  return true;
+}
+
+void RetainedTier::DropCorrupt(const Key& key, const std::shared_ptr<Held>& h) {
+  {
+    MutexLock lock(&mu_);
+    ++stats_.crc_errors;
+    auto it = held_.find(key);
+    if (it != held_.end() && it->second == h) EraseHeldLocked(it, &stats_.dropped_bytes);
+  }
+  spdlog::warn("retained tier: block {} of {} does not match its checksum; dropped, read "
+               "elsewhere",
+               key.index, key.id.path);
+}
+
 std::optional<BlockRead> RetainedTier::Lookup(const BlockId& id, uint64_t offset,
                                               std::span<char> out) {
   if (!enabled() || offset % opts_.block_bytes != 0) return std::nullopt;
@@ -473,42 +531,97 @@ std::optional<BlockRead> RetainedTier::Lookup(const BlockId& id, uint64_t offset
       return std::nullopt;
     }
     h = it->second;
-    Ckpt& c = ckpts_[h->ckpt];
-    if (!c.committed) {
-      const auto now = Now();
-      if (backing_ == nullptr || now - c.last_check < opts_.commit_check_interval) {
-        return std::nullopt;
-      }
-      c.last_check = now;
-      check_dir = h->ckpt;
-      newest = c.newest_mtime_ns;
-      ++stats_.lazy_commit_checks;
+    if (!CommittedLocked(h->ckpt, &check_dir, &newest) && check_dir.empty()) {
+      return std::nullopt;
     }
   }
-  if (!check_dir.empty()) {
-    // This node wrote shards only: the checkpoint is committed once its `.metadata` is on
-    // the backing store (G5), no older than the newest file retained of it.
-    Result<struct stat> st = backing_->Stat(path::Join(check_dir, ".metadata"));
-    if (!st.ok() || BlockIdFromStat("", *st).mtime_ns < newest) return std::nullopt;
-    OnCommitted(check_dir);
-  }
+  if (!check_dir.empty() && !CheckCommitNow(check_dir, newest)) return std::nullopt;
   // The block cache passes its whole aligned buffer (for O_DIRECT): at least the block.
   if (out.size() < h->len) return std::nullopt;
   std::memcpy(out.data(), h->buf->p, h->len);
   if (Crc32c(out.data(), h->len) != h->crc) {
-    MutexLock lock(&mu_);
-    ++stats_.crc_errors;
-    auto it = held_.find(key);
-    if (it != held_.end() && it->second == h) EraseHeldLocked(it, &stats_.dropped_bytes);
-    spdlog::warn("retained tier: block {} of {} does not match its checksum; dropped, read "
-                 "elsewhere",
-                 key.index, id.path);
+    DropCorrupt(key, h);
     return std::nullopt;
   }
   MutexLock lock(&mu_);
   ++stats_.hits;
   stats_.hit_bytes += h->len;
   return BlockRead{.bytes = h->len, .crc32c = h->crc};
+}
+
+std::optional<size_t> RetainedTier::ReadInPlace(const BlockId& id, size_t len, uint64_t offset,
+                                                const InPlaceUse& use) {
+  if (!enabled() || len == 0 || offset >= id.size) return std::nullopt;
+  const uint64_t bs = opts_.block_bytes;
+  const uint64_t end = std::min<uint64_t>(id.size, offset + len);
+  const uint64_t first = offset / bs;
+  struct Use {
+    Key key;
+    std::shared_ptr<Held> h;
+    std::vector<uint32_t> subs;  // empty: not yet learned
+  };
+  std::vector<Use> blocks;
+  std::string check_dir;
+  int64_t newest = 0;
+  {
+    MutexLock lock(&mu_);
+    for (uint64_t i = first; i * bs < end; ++i) {
+      Key key{id, i};
+      auto it = held_.find(key);
+      if (it == held_.end()) return std::nullopt;  // the block cache's source says why
+      blocks.push_back({std::move(key), it->second, it->second->sub_crcs});
+    }
+    // The blocks of one file belong to one checkpoint (its directory).
+    if (!CommittedLocked(blocks.front().h->ckpt, &check_dir, &newest) && check_dir.empty()) {
+      return std::nullopt;
+    }
+  }
+  if (!check_dir.empty() && !CheckCommitNow(check_dir, newest)) return std::nullopt;
+  constexpr uint64_t kSub = kSubBlockBytes;
+  std::vector<struct iovec> iov;
+  iov.reserve(blocks.size());
+  std::vector<size_t> learned;
+  for (size_t k = 0; k < blocks.size(); ++k) {
+    Use& u = blocks[k];
+    const Held& h = *u.h;
+    const uint64_t base = (first + k) * bs;
+    const uint64_t lo = std::max(offset, base) - base, hi = std::min(end, base + bs) - base;
+    if (hi > h.len) return std::nullopt;  // cannot be: the id's size fixes every length
+    if (u.subs.empty()) {
+      // First serve: hash it whole, piece by piece; the pieces must make up its CRC.
+      uint32_t whole = 0;
+      for (uint64_t at = 0; at < h.len; at += kSub) {
+        const uint64_t n = std::min(kSub, h.len - at);
+        const uint32_t c = Crc32c(h.buf->p + at, n);
+        whole = at == 0 ? c : Crc32cCombine(whole, c, n);
+        u.subs.push_back(c);
+      }
+      if (whole != h.crc) {
+        DropCorrupt(u.key, u.h);
+        return std::nullopt;
+      }
+      learned.push_back(k);
+    } else {
+      for (uint64_t s = lo / kSub; s * kSub < hi; ++s) {
+        const uint64_t n = std::min(kSub, h.len - s * kSub);
+        if (Crc32c(h.buf->p + s * kSub, n) != u.subs[s]) {
+          DropCorrupt(u.key, u.h);
+          return std::nullopt;
+        }
+      }
+    }
+    iov.push_back({h.buf->p + lo, static_cast<size_t>(hi - lo)});
+  }
+  {
+    MutexLock lock(&mu_);
+    for (size_t k : learned) {
+      if (blocks[k].h->sub_crcs.empty()) blocks[k].h->sub_crcs = std::move(blocks[k].subs);
+    }
+    stats_.hits += blocks.size();
+    stats_.hit_bytes += end - offset;
+  }
+  use(iov);
+  return static_cast<size_t>(end - offset);
 }
 
 bool RetainedTier::PutReplica(const BlockId& id, uint64_t index, std::span<const char> bytes,
@@ -520,19 +633,12 @@ bool RetainedTier::PutReplica(const BlockId& id, uint64_t index, std::span<const
     return false;
   }
   const Key key{id, index};
-  {
-    MutexLock lock(&mu_);
-    if (stopped_) return false;
-    if (held_.count(key) > 0) return true;
-    if (!ReserveLocked(opts_.block_bytes, path::Parent(id.path))) return false;
-  }
   auto h = std::make_shared<Held>();
-  h->buf = std::make_shared<Buffer>(opts_.block_bytes);
   MutexLock lock(&mu_);
-  if (h->buf->p == nullptr || stopped_ || held_.count(key) > 0) {
-    ReleaseLocked(opts_.block_bytes);
-    return !stopped_ && h->buf->p != nullptr;
-  }
+  if (stopped_) return false;
+  if (held_.count(key) > 0) return true;
+  h->buf = TakeBufferLocked(path::Parent(id.path));
+  if (!h->buf) return false;
   lock.Unlock();
   std::memcpy(h->buf->p, bytes.data(), bytes.size());
   lock.Lock();
@@ -547,9 +653,9 @@ bool RetainedTier::PutReplica(const BlockId& id, uint64_t index, std::span<const
   cc.replica_bytes += h->len;
   cc.origin = origin;
   auto [it, inserted] = held_.try_emplace(key, std::move(h));
-  if (!inserted) {
+  if (!inserted) {  // another pull of the same block won the race; `h` was not moved
     cc.replica_bytes -= std::min(cc.replica_bytes, bytes.size());
-    ReleaseLocked(opts_.block_bytes);
+    RecycleLocked(std::move(h->buf));
   }
   return true;
 }
@@ -594,6 +700,14 @@ bool RetainedTier::HoldsRunOf(const std::string& path) const {
   return false;
 }
 
+bool RetainedTier::HoldsCommitted(const std::string& dir) const {
+  if (!enabled()) return false;
+  MutexLock lock(&mu_);
+  auto it = ckpts_.find(dir);
+  return it != ckpts_.end() && it->second.committed &&
+         it->second.own_bytes + it->second.replica_bytes > 0;
+}
+
 std::vector<RetainedCheckpoint> RetainedTier::Checkpoints() const {
   std::vector<std::pair<uint64_t, RetainedCheckpoint>> v;
   {
@@ -614,11 +728,13 @@ std::vector<RetainedCheckpoint> RetainedTier::Checkpoints() const {
 void RetainedTier::DropAll() {
   std::map<uint64_t, std::shared_ptr<Capture>> captures;
   std::map<Key, std::shared_ptr<Held>, KeyLess> held;
+  std::vector<std::shared_ptr<Buffer>> spare;
   {
     MutexLock lock(&mu_);
     stopped_ = true;
     captures.swap(captures_);
     held.swap(held_);
+    spare.swap(spare_);
     ckpts_.clear();
     used_ = 0;
   }
@@ -636,6 +752,7 @@ RetainedTierStats RetainedTier::Stats() const {
     }
   }
   s.capture_bytes = capture;
+  s.spare_bytes = spare_.size() * opts_.block_bytes;
   for (const auto& [dir, c] : ckpts_) {
     s.retained_bytes += c.own_bytes;
     s.replica_bytes += c.replica_bytes;
@@ -649,6 +766,7 @@ nlohmann::json RetainedTier::StatsJson() const {
                       {"used_bytes", s.used_bytes},
                       {"peak_used_bytes", s.peak_used_bytes},
                       {"capture_bytes", s.capture_bytes},
+                      {"spare_bytes", s.spare_bytes},
                       {"retained_bytes", s.retained_bytes},
                       {"replica_bytes", s.replica_bytes},
                       {"captured_bytes", s.captured_bytes},

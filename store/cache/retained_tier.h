@@ -24,10 +24,11 @@
 // checkpoints are served. When a checkpoint commits, the other committed checkpoints of
 // its run (the parent directory), and pending ones of the run seen before it, are dropped.
 //
-// Budget. Captures, retained blocks and replicas count against `budget_bytes`. Room is made
-// by evicting, in order: checkpoints pending for longer than `stale_pending` (a save that
-// never committed), then committed ones, oldest commit first. Fresh pending checkpoints
-// and captures in progress are never evicted.
+// Budget. Captures, retained blocks, replicas and spare buffers count against
+// `budget_bytes`. A capture or replica takes a spare buffer (one of a dropped block, kept
+// mapped) first; else room is made by evicting, in order: checkpoints pending for longer
+// than `stale_pending` (a save that never committed), then committed ones, oldest commit
+// first. Fresh pending checkpoints and captures in progress are never evicted.
 //
 // Serve. Lookup() copies a committed block into the caller's buffer and checks it against
 // its stored CRC; a mismatch drops the block (counted) and reports a miss, so the caller
@@ -47,6 +48,8 @@
 #include <span>
 #include <string>
 #include <vector>
+
+#include <sys/uio.h>
 
 #include <nlohmann/json.hpp>
 
@@ -83,6 +86,7 @@ struct RetainedTierStats {
   uint64_t used_bytes = 0;       // captures + retained blocks + replicas
   uint64_t peak_used_bytes = 0;
   uint64_t capture_bytes = 0;    // block buffers of captures not yet published
+  uint64_t spare_bytes = 0;      // buffers of dropped blocks kept for reuse (in used_)
   uint64_t retained_bytes = 0;   // own blocks, any checkpoint state
   uint64_t replica_bytes = 0;    // blocks held for other nodes
   uint64_t captured_bytes = 0;   // bytes copied from staging, total
@@ -90,8 +94,8 @@ struct RetainedTierStats {
   uint64_t unverified_blocks = 0;  // captured blocks dropped at publish (not provably exact)
   uint64_t evicted_bytes = 0;
   uint64_t dropped_bytes = 0;     // dropped by a newer checkpoint, a rewrite, unlink...
-  uint64_t hits = 0;              // blocks served
-  uint64_t hit_bytes = 0;
+  uint64_t hits = 0;              // blocks served (whole or in part)
+  uint64_t hit_bytes = 0;         // bytes served
   uint64_t misses_committed = 0;  // lookups of committed checkpoints' files not held
   uint64_t crc_errors = 0;        // blocks whose bytes did not match their CRC (dropped)
   uint64_t lazy_commit_checks = 0;
@@ -126,6 +130,18 @@ class RetainedTier final : public FlushWriteListener {
   std::optional<BlockRead> Lookup(const BlockId& id, uint64_t offset, std::span<char> out)
       EXCLUDES(mu_);
 
+  // Serves [offset, offset+len) of `id` (clamped to id.size) with no copy: `use` gets
+  // iovecs over the held blocks, and is called exactly once when this returns a count (the
+  // blocks stay mapped until it returns, whatever a concurrent drop does). Every piece is
+  // checked before `use` sees it: a block's first serve hashes it whole against its CRC and
+  // keeps the CRCs of its kSubBlockBytes pieces, later serves hash only the pieces they
+  // reply. nullopt (`use` not called): a block of the range is not held by a committed
+  // checkpoint, or failed its check (then dropped and counted, as in Lookup).
+  using InPlaceUse = std::function<void(std::span<const struct iovec>)>;
+  std::optional<size_t> ReadInPlace(const BlockId& id, size_t len, uint64_t offset,
+                                    const InPlaceUse& use) EXCLUDES(mu_);
+  static constexpr uint64_t kSubBlockBytes = 64 << 10;
+
   // Keeps a copy of a block of a committed checkpoint received from node `origin` (a
   // replica), if `crc` matches the bytes and the budget has room. False when not kept.
   bool PutReplica(const BlockId& id, uint64_t index, std::span<const char> bytes, uint32_t crc,
@@ -140,6 +156,9 @@ class RetainedTier final : public FlushWriteListener {
   // Whether a committed checkpoint of the run of `path` (the parent of its directory) is
   // held: false on a daemon that started fresh or lost its copy (ask the replica holder).
   bool HoldsRunOf(const std::string& path) const EXCLUDES(mu_);
+  // Whether checkpoint `dir` is held (any bytes) and committed: its reads are served from
+  // memory, so there is nothing to plan or read ahead for it.
+  bool HoldsCommitted(const std::string& dir) const EXCLUDES(mu_);
   // Committed checkpoints, newest commit first.
   std::vector<RetainedCheckpoint> Checkpoints() const EXCLUDES(mu_);
 
@@ -171,9 +190,23 @@ class RetainedTier final : public FlushWriteListener {
   };
 
   std::chrono::steady_clock::time_point Now() const;
-  // Reserves `bytes`, evicting what may be evicted but checkpoint `keep`. False when there
-  // is no room.
-  bool ReserveLocked(uint64_t bytes, const std::string& keep = {}) REQUIRES(mu_);
+  // Whether checkpoint `dir` is committed. When it is not and its lazy `.metadata` check is
+  // due, sets `*check_dir` and `*newest` for CheckCommitNow (run without the lock).
+  bool CommittedLocked(const std::string& dir, std::string* check_dir, int64_t* newest)
+      REQUIRES(mu_);
+  // The lazy check: commits `dir` when its `.metadata` is on the backing store, no older
+  // than `newest` (the newest file retained of it). Returns whether it is committed.
+  bool CheckCommitNow(const std::string& dir, int64_t newest) EXCLUDES(mu_);
+  // A held block's bytes no longer match its CRC: drops it (if still held) and logs.
+  void DropCorrupt(const Key& key, const std::shared_ptr<Held>& h) EXCLUDES(mu_);
+  // Drops one checkpoint that may be evicted, other than `keep`. False when none may.
+  bool EvictOneLocked(const std::string& keep) REQUIRES(mu_);
+  // A block buffer within the budget: a spare one, else a new mapping, evicting what may be
+  // evicted but checkpoint `keep`. Null when there is no room (the caller skips the block).
+  std::shared_ptr<Buffer> TakeBufferLocked(const std::string& keep = {}) REQUIRES(mu_);
+  // The buffer of a dropped block (null: none): kept as a spare when nobody else holds it,
+  // so the next save or replica reuses its pages; else it leaves the account.
+  void RecycleLocked(std::shared_ptr<Buffer> buf) REQUIRES(mu_);
   void ReleaseLocked(uint64_t bytes) REQUIRES(mu_);
   Ckpt& CkptLocked(const std::string& dir) REQUIRES(mu_);
   void EraseHeldLocked(std::map<Key, std::shared_ptr<Held>, KeyLess>::iterator it,
@@ -197,6 +230,10 @@ class RetainedTier final : public FlushWriteListener {
   std::map<uint64_t, std::shared_ptr<Capture>> captures_ GUARDED_BY(mu_);  // by target id
   std::map<Key, std::shared_ptr<Held>, KeyLess> held_ GUARDED_BY(mu_);
   std::map<std::string, Ckpt> ckpts_ GUARDED_BY(mu_);  // by directory
+  // Buffers of dropped blocks, still mapped and counted in used_: a save's capture (and a
+  // replica) reuses them before mapping new memory, so a steady run of saves copies into
+  // pages that are already there (no page faults, no zeroing on the flush threads).
+  std::vector<std::shared_ptr<Buffer>> spare_ GUARDED_BY(mu_);
   RetainedTierStats stats_ GUARDED_BY(mu_);
 };
 

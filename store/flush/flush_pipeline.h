@@ -140,8 +140,12 @@ bool IsTransient(const Status& status);
 // store/cache/retained_tier.h).
 class FlushWriteListener {
  public:
-  // On the flush thread after a chunk was written and recorded into its target's block
-  // CRCs, while the bytes are still in staging. Must not block (the tier copies or skips).
+  // For every chunk a flush thread writes, while the bytes are in staging: on that flush
+  // thread's side thread, at the same time as the chunk's pwrite (both only read the
+  // chunk); the flush thread waits for it only where the copy outlasts the write, before
+  // the chunk is released. A chunk whose write fails has still been passed (its retry is
+  // passed again: the tier then keeps none of those blocks). Must not block (the tier
+  // copies or skips).
   virtual void OnWritten(const std::shared_ptr<FlushTarget>& target,
                          const std::shared_ptr<BlockCrcMap>& crcs, uint64_t offset,
                          const uint8_t* data, size_t length) = 0;
@@ -158,7 +162,8 @@ struct FlushOptions {
   bool block_crcs = true;  // record block CRCs of every chunk written (see above)
   bool direct_io = true;   // aligned chunks bypass the page cache (see above)
   BlockCrcOptions crc_options;
-  // Told of every chunk written (FlushWriteListener). Optional; must outlive the pipeline.
+  // Issue 23 (the retained tier, store/cache/retained_tier.h): told of every chunk a flush
+  // thread writes (FlushWriteListener). Optional; must outlive the pipeline.
   FlushWriteListener* on_written = nullptr;
 };
 
@@ -196,9 +201,11 @@ class FlushPipeline {
 
  private:
   FlushPipeline(BackingDir* dir, const FlushOptions& options);
+  class SideThread;
   void Run();
-  // Writes one chunk; returns false if it was parked for a retry (still owned).
-  bool WriteChunk(SealedChunk& chunk, int attempts);
+  // Writes one chunk; returns false if it was parked for a retry (still owned). `side`
+  // (null without on_written) runs on_written during the write.
+  bool WriteChunk(SealedChunk& chunk, int attempts, SideThread* side);
   // Releases a chunk that will not be retried.
   void Finish(SealedChunk& chunk, const Status& st, bool was_parked);
 

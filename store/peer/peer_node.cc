@@ -10,6 +10,7 @@
 
 #include "common/thread_name.h"
 #include "store/cache/backing_source.h"
+#include "store/cache/retained_tier.h"
 #include "store/dcp/checkpoint_source.h"
 #include "store/peer/protocol.h"
 
@@ -82,6 +83,7 @@ Result<BlockSource*> PeerNode::StartReplicas(RetainedTier* tier, uint64_t block_
   ro.connect_timeout = options_.connect_timeout;
   ro.request_timeout = options_.request_timeout;
   CKPT_ASSIGN_OR_RETURN(replicator_, Replicator::Create(ro, tier, dir_, coop_.get()));
+  tier_.store(tier);
   replica_source_ = std::make_unique<ReplicaSource>(tier, replicator_.get(), fallback);
   tier->SetExtraStats([r = replicator_.get()](nlohmann::json* j) { r->Stats().AppendJson(j); });
   return replica_source_.get();
@@ -176,6 +178,10 @@ void PeerNode::PlannerLoop() {
 
 void PeerNode::PrefetchOwnShare(const std::string& ckpt) {
   if (coop_->HasPlan(ckpt)) return;  // a local load planned it meanwhile
+  // Issue 23: a checkpoint this node's retained tier holds committed is served from memory
+  // (its own blocks and the replicas it holds): nothing to read ahead, and its `.metadata`
+  // is not read from the backing store (a replaced node's load read nothing else there).
+  if (RetainedTier* tier = tier_.load(); tier != nullptr && tier->HoldsCommitted(ckpt)) return;
   const std::string prefix = ckpt.empty() ? "" : ckpt + "/";
   // `.metadata`, per-rank metadata or safetensors headers (checkpoint_source.h).
   auto md = ReadCheckpointItems(dir_, ckpt);

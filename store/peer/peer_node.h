@@ -29,6 +29,7 @@
 // must outlive the cache (the cache reads through source()).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -137,6 +138,7 @@ class PeerNode : public Peers {
 
   const PeerNodeOptions options_;
   BackingDir* const dir_;
+  std::atomic<RetainedTier*> tier_{nullptr};  // StartReplicas: checkpoints held in memory
   std::unique_ptr<CooperativeSource> coop_;
   std::unique_ptr<ServingSource> serving_source_;
   std::unique_ptr<PeerServer> server_;

@@ -82,6 +82,19 @@ class RetainReplicas(unittest.TestCase):
                       dirs=self.dirs(self.c.nodes))
         after = self.backing_read()
         self.assertEqual([a - b for a, b in zip(after, before)], [0, 0], self.logs())
+        # Every rank reads every tensor: this node's copy and the peer's replica serve it all.
+        hits = [retained(n)["hit_bytes"] for n in self.c.nodes]
+        dcp_tool.load(os.path.join(n0.mnt, CKPT), RANKS, "replicated", SEED, timeout=300,
+                      dirs=self.dirs(self.c.nodes))
+        self.assertEqual([a - b for a, b in zip(self.backing_read(), after)], [0, 0],
+                         self.logs())
+        for n, h in zip(self.c.nodes, hits):
+            # At least the other node's share (this node's own may sit in the page cache
+            # since the load above).
+            self.assertGreaterEqual(retained(n)["hit_bytes"] - h, share * 0.9)
+            # A checkpoint held in memory has no plan to wait for: no read waited for one
+            # (each such wait held a read for a whole second).
+            self.assertEqual(n.stats()["plan_wait_timeouts"], 0, self.logs())
 
         # (b) node 1 is replaced: a fresh daemon with an empty tier and a new state dir.
         n1.kill(signal.SIGKILL)
@@ -99,6 +112,9 @@ class RetainReplicas(unittest.TestCase):
         d1 = n1.stats()["backing_bytes_read"] - b1
         d0 = n0.stats()["backing_bytes_read"] - b0
         self.assertLess(d1 + d0, share // 4, (d0, d1, self.logs()))
+        # The survivor holds its own share and node 1's replica: it plans nothing from the
+        # backing store either (not even `.metadata`) when node 1 asks it for blocks.
+        self.assertEqual(d0, 0, self.logs())
 
         # The replica holder dies as well: node 1 falls back to the backing store.
         n1.kill(signal.SIGKILL)

@@ -273,6 +273,87 @@ TEST_F(RetainedTierTest, CorruptedBlockIsCaughtByItsCrcAndReadFromTheBackingStor
   EXPECT_FALSE(tier->PutReplica(Id(path), 0, bad, crc, "node1"));
 }
 
+TEST_F(RetainedTierTest, DroppedBlocksBuffersAreReusedByTheNextSaveWithinTheBudget) {
+  auto tier = MakeTier(8);
+  const std::string a = Pattern(3 * kBlock, 20), b = Pattern(3 * kBlock - 777, 21);
+  Save(tier.get(), "run/step1/__0_0.distcp", a);
+  Commit(tier.get(), "run/step1");
+  Save(tier.get(), "run/step2/__0_0.distcp", b);
+  Commit(tier.get(), "run/step2");  // drops step1: its three buffers become spares
+  RetainedTierStats s = tier->Stats();
+  EXPECT_EQ(s.spare_bytes, 3 * kBlock);
+  EXPECT_EQ(s.used_bytes, 6 * kBlock) << "spares stay counted";
+  // The next save copies into the spares (their old bytes are never served) and maps only
+  // what they lack.
+  const std::string c = Pattern(4 * kBlock, 22);
+  Save(tier.get(), "run/step3/__0_0.distcp", c);
+  s = tier->Stats();
+  EXPECT_EQ(s.spare_bytes, 0u) << "the spares were taken first";
+  EXPECT_EQ(s.used_bytes, 7 * kBlock);
+  EXPECT_LE(s.peak_used_bytes, 8 * kBlock);
+  Commit(tier.get(), "run/step3");
+  EXPECT_EQ(tier->Stats().spare_bytes, 3 * kBlock) << "step2's buffers";
+  for (uint64_t i = 0; i < 4; ++i) {
+    auto got = Get(tier.get(), "run/step3/__0_0.distcp", i);
+    ASSERT_TRUE(got) << i;
+    EXPECT_EQ(*got, c.substr(i * kBlock, kBlock)) << i;
+  }
+  EXPECT_FALSE(Get(tier.get(), "run/step2/__0_0.distcp", 0));
+  // A replica takes a spare too, and its short last block serves only its own bytes.
+  const std::string tail = Pattern(1000, 23);
+  const BlockId other{.path = "run/step3/__1_0.distcp", .size = 1000, .mtime_ns = 1};
+  ASSERT_TRUE(tier->PutReplica(other, 0, tail, Crc32c(tail.data(), tail.size()), "node1"));
+  EXPECT_EQ(tier->Stats().spare_bytes, 2 * kBlock);
+  EXPECT_LE(tier->Stats().used_bytes, 8 * kBlock);
+  std::string out(kBlock, '\0');
+  auto r = tier->Lookup(other, 0, std::span<char>(out.data(), out.size()));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(out.substr(0, r->bytes), tail);
+}
+
+TEST_F(RetainedTierTest, InPlaceReadsAreServedFromTheBlocksAndEveryPieceIsChecked) {
+  auto tier = MakeTier(16);
+  const std::string path = "run/step1/__0_0.distcp";
+  const std::string data = Pattern(3 * kBlock + 5000, 11);
+  Save(tier.get(), path, data);
+  const BlockId id = Id(path);
+  std::string got;
+  int calls = 0;
+  auto collect = [&](std::span<const struct iovec> iov) {
+    ++calls;
+    got.clear();
+    for (const struct iovec& v : iov) got.append(static_cast<const char*>(v.iov_base), v.iov_len);
+  };
+  EXPECT_FALSE(tier->ReadInPlace(id, 4096, 0, collect)) << "served before the commit";
+  Commit(tier.get(), "run/step1");
+  // Across a block boundary: two blocks, one reply.
+  auto n = tier->ReadInPlace(id, 5000, kBlock - 1000, collect);
+  ASSERT_TRUE(n);
+  EXPECT_EQ(*n, 5000u);
+  EXPECT_EQ(got, data.substr(kBlock - 1000, 5000));
+  // Past the end: clamped to the file's size.
+  n = tier->ReadInPlace(id, 1 << 20, 3 * kBlock, collect);
+  ASSERT_TRUE(n);
+  EXPECT_EQ(got, data.substr(3 * kBlock));
+  EXPECT_EQ(calls, 2);
+  // A block corrupted after its first serve: the piece replied is checked again.
+  ASSERT_TRUE(tier->CorruptForTest(id, 1));  // flips a byte in its second 64 KiB piece
+  EXPECT_FALSE(tier->ReadInPlace(id, 4096, kBlock + kBlock / 2, collect));
+  EXPECT_EQ(tier->Stats().crc_errors, 1u);
+  EXPECT_FALSE(tier->Holds(id, 1)) << "a corrupted block is dropped";
+  // A block corrupted before any serve: its first serve hashes it whole, so even a piece
+  // that is intact is refused.
+  ASSERT_TRUE(tier->CorruptForTest(id, 2));
+  EXPECT_FALSE(tier->ReadInPlace(id, 4096, 2 * kBlock, collect));
+  EXPECT_EQ(tier->Stats().crc_errors, 2u);
+  EXPECT_EQ(calls, 2) << "nothing corrupted reached a reply";
+  // Block 0 is still whole and still served; a range that needs a dropped block is not.
+  n = tier->ReadInPlace(id, kBlock, 0, collect);
+  ASSERT_TRUE(n);
+  EXPECT_EQ(got, data.substr(0, kBlock));
+  EXPECT_FALSE(tier->ReadInPlace(id, 2 * kBlock, 0, collect));
+}
+
 TEST_F(RetainedTierTest, MemoryOnlyRequestsNeverReachTheBackingStore) {
   auto tier = MakeTier(16);
   const std::string path = "run/step1/__0_0.distcp";

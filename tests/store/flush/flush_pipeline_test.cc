@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -465,6 +466,61 @@ TEST_F(FlushPipelineTest, KeepaliveIsHeldDuringTheWriteAndReleasedRightAfter) {
   t->WaitIdle();
   EXPECT_TRUE(weak.expired()) << "keepalive must be released once the write finished";
   EXPECT_EQ(t->inflight(), 0u);
+}
+
+TEST_F(FlushPipelineTest, OnWrittenCopiesBesideTheWriteAndTheChunkIsHeldUntilItReturns) {
+  auto t = MakeTarget("f", 1);
+  Latch in_write, release_write, in_copy, release_copy;
+  dir_->SetPWriteHook([&](int, off_t, size_t) {
+    in_write.Open();
+    release_write.Wait();
+    return 0;
+  });
+  auto bytes = RandomBytes(8192, 9);
+  const std::string want = *bytes;
+  std::weak_ptr<std::string> weak = bytes;
+  std::string copied;
+  std::atomic<bool> held_during_copy{false}, copy_done{false}, done_after_copy{false};
+  FlushOptions options;
+  options.threads = 1;
+  options.direct_io = false;
+  struct Copier final : FlushWriteListener {
+    std::function<void(const std::shared_ptr<BlockCrcMap>&, uint64_t, const uint8_t*, size_t)>
+        fn;
+    void OnWritten(const std::shared_ptr<FlushTarget>&, const std::shared_ptr<BlockCrcMap>& crcs,
+                   uint64_t offset, const uint8_t* data, size_t length) override {
+      fn(crcs, offset, data, length);
+    }
+  } copier;
+  copier.fn = [&](const std::shared_ptr<BlockCrcMap>& crcs, uint64_t offset, const uint8_t* data,
+                  size_t length) {
+    in_copy.Open();
+    release_copy.Wait();
+    held_during_copy = !weak.expired() && crcs != nullptr && offset == 0;
+    copied.assign(reinterpret_cast<const char*>(data), length);
+    copy_done = true;
+  };
+  options.on_written = &copier;
+  auto p = FlushPipeline::Create(dir_.get(), options);
+  ASSERT_TRUE(p.ok());
+  auto pipeline = std::move(p).value();
+  pipeline->Submit(Chunk(t, bytes, 0, 8192, [&](const Status&) { done_after_copy = copy_done.load(); }));
+  bytes.reset();  // the chunk now owns the only reference
+  in_write.Wait();
+  // The copy starts while the write is still in progress (bounded: a serial copy would
+  // only start after release_write).
+  for (int i = 0; i < 5000 && !in_copy.is_open(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(in_copy.is_open()) << "the copy waited for the write";
+  release_write.Open();
+  release_copy.Open();
+  t->WaitIdle();
+  EXPECT_TRUE(held_during_copy.load()) << "the staging memory was released during the copy";
+  EXPECT_TRUE(done_after_copy.load()) << "the chunk was finished before its copy returned";
+  EXPECT_EQ(copied, want);
+  EXPECT_TRUE(weak.expired()) << "released once both were done";
+  EXPECT_EQ(ReadFile("f"), want);
 }
 
 TEST_F(FlushPipelineTest, DrainWaitsForQueuedAndActiveChunks) {
