@@ -14,7 +14,7 @@
 // RocksDB layout (the index is a cache: deleting the state dir loses nothing, it is rebuilt
 // from the backing store on first use):
 //   "k/" + ckpt + '\0' + file + '\0' + block (4 bytes, big-endian) -> the binary IndexedItems
-//     (see key_index.cc) of up to 256 items of `file`, in (offset, ordinal) order: block b
+//     (index_codec.h) of up to 256 items of `file`, in (offset, ordinal) order: block b
 //     holds that file's items b*256 to b*256+255. A 100,000-chunk checkpoint is ~400 values,
 //     not 100,000 keys, and a checksum recorded later rewrites one block.
 //   "i/" + ckpt -> JSON {format, state: ok|partial|failed, error, build_ms, built_at, items,
