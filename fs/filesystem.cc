@@ -16,10 +16,7 @@
 
 namespace ckptfs::fs {
 
-Filesystem::Filesystem(const FsConfig& config)
-    : config_(config),
-      passthrough_(std::make_unique<PassthroughTable>(PassthroughTable::Options{},
-                                                      &stats_.passthrough)) {}
+Filesystem::Filesystem(const FsConfig& config) : config_(config) {}
 
 Result<std::unique_ptr<Filesystem>> Filesystem::Create(const FsConfig& config, FsDeps deps) {
   std::unique_ptr<Filesystem> fs(new Filesystem(config));
@@ -125,6 +122,8 @@ Status Filesystem::Init(FsDeps deps) {
                                      std::move(peers), std::move(cache));
   read_->SetRetainedTier(retained_.get());
   read_->Start();
+  passthrough_ = std::make_unique<PassthroughReads>(config_, backing_.get(), retained_.get(),
+                                                    read_.get(), &stats_.passthrough);
 
   const FsParts parts{.backing = backing_.get(), .db = db_.get(), .pool = pool_.get(),
                       .pipeline = pipeline_.get(), .publication = publication_.get(),
@@ -231,7 +230,7 @@ Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
   Result<Handle*> h = ControlTree::IsControl(ino) || TensorView::Owns(ino)
                            ? control_->CtlOpen(ino, flags)
                            : ns_->writes().NodeOpen(ino, flags);
-  if (!h.ok()) return LogIfIo("open", ino, 0, h.status());
+  if (!h.ok()) return ns_->table().LogIfIo("open", ino, 0, h.status());
   return h;
 }
 
@@ -242,7 +241,7 @@ Result<Handle*> Filesystem::OpenDir(uint64_t ino) {
 
 Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offset) {
   Result<size_t> got = ReadData(h, out, len, offset);
-  if (!got.ok()) return LogIfIo("read", h->ino(), offset, got.status());
+  if (!got.ok()) return ns_->table().LogIfIo("read", h->ino(), offset, got.status());
   return got;
 }
 
@@ -279,38 +278,6 @@ Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t o
   return got;
 }
 
-// The read side (ReadData's FileHandle branch) without its copy: only a file with no write
-// state has backing bytes in the block cache; everything else takes Read().
-std::optional<Filesystem::PassthroughSource> Filesystem::PassthroughSourceOf(Handle* h) {
-  FileHandle* f = h->file();
-  if (f == nullptr || f->writable || !f->fd) return std::nullopt;
-  if (config_.peers && !f->ckpt.empty()) return std::nullopt;
-  {
-    MutexLock lock(&f->node->data_mu);
-    if (!f->node->data.error.empty() || f->node->data.staged) return std::nullopt;
-  }
-  auto st = backing_->Fstat(f->fd->get());
-  if (!st.ok() || static_cast<uint64_t>(st->st_size) < config_.passthrough_min_bytes) {
-    return std::nullopt;
-  }
-  // This version is held in the retained tier (issue 23): the daemon serves it from memory,
-  // where the kernel would read the backing store.
-  if (retained_ && retained_->Holds(store::BlockIdFromStat(f->block.path, *st), 0)) {
-    return std::nullopt;
-  }
-  return PassthroughSource{f->fd->get(), *st};
-}
-
-void Filesystem::OnPassthroughNegotiated(bool on) {
-  // The kernel passes this node's reads through: a prefetch into the block cache would
-  // read every byte a second time, so a load's prefetch goes to the backing files' page
-  // cache instead, which the passthrough readers read.
-  if (on && !config_.peers) {
-    read_->SetPageCachePrefetch(config_.passthrough_min_bytes,
-                                &stats_.passthrough.page_cache_prefetched);
-  }
-}
-
 Result<std::optional<size_t>> Filesystem::ReadInPlace(Handle* h, size_t len, uint64_t offset,
                                                       const store::BlockCache::InPlaceUse& use) {
   FileHandle* f = h->file();
@@ -320,7 +287,7 @@ Result<std::optional<size_t>> Filesystem::ReadInPlace(Handle* h, size_t len, uin
     if (!f->node->data.error.empty() || f->node->data.staged) return std::optional<size_t>();
   }
   auto got = read_->ReadBackingInPlace(f, len, offset, use);
-  if (!got.ok()) return LogIfIo("read", h->ino(), offset, got.status());
+  if (!got.ok()) return ns_->table().LogIfIo("read", h->ino(), offset, got.status());
   if (*got) stats_.bytes_read.fetch_add(**got, std::memory_order_relaxed);
   return got;
 }
@@ -328,13 +295,13 @@ Result<std::optional<size_t>> Filesystem::ReadInPlace(Handle* h, size_t len, uin
 Status Filesystem::Write(Handle* h, ByteSource& src, uint64_t offset) {
   FileHandle* f = h->file();
   if (f == nullptr) return Status(Code::kPermission, "not open for writing");
-  return LogIfIo("write", h->ino(), offset, ns_->writes().WriteData(f, src, offset));
+  return ns_->table().LogIfIo("write", h->ino(), offset, ns_->writes().WriteData(f, src, offset));
 }
 
 Status Filesystem::Flush(Handle* h) {
   FileHandle* f = h->file();
   if (f == nullptr) return Status::Ok();
-  return LogIfIo("flush", h->ino(), 0, ns_->writes().FlushData(f));
+  return ns_->table().LogIfIo("flush", h->ino(), 0, ns_->writes().FlushData(f));
 }
 
 Status Filesystem::Fsync(Handle* h) { return Flush(h); }

@@ -35,7 +35,7 @@
 #include "fs/fs_types.h"
 #include "fs/handle.h"
 #include "fs/namespace.h"
-#include "fs/passthrough.h"
+#include "fs/passthrough_reads.h"
 #include "fs/posix_access.h"
 #include "fs/read_path.h"
 #include "fs/tensor_view.h"
@@ -136,7 +136,7 @@ class Filesystem {
   // Publishes everything still staged and waits until the journal is empty (G8), as long
   // as publication progresses: when it is halted, or a commit waits at the gate, with no
   // progress for `config.stop_timeout`, what is queued is left for the next start
-  // (store::Journal::CloseWithin; left_for_resume(), stop_reason()). `waiting` (may be
+  // (store::Journal::CloseWithin; stop_report()). `waiting` (may be
   // empty) gets what publication waits for each time that changes, "" when it no longer
   // waits. Returns how many files could not be published (lost, not left).
   uint64_t Shutdown(const std::function<void(const std::string&)>& waiting = {});
@@ -144,30 +144,17 @@ class Filesystem {
   // an error now (store::Journal::ReleaseWaiters), so that the loop can end and Shutdown()
   // hand publication over. Publication itself goes on.
   void OnStopRequested();
-  // After Shutdown(): journal entries left for the next start, and what publication waited
-  // for when the stop gave up on it.
-  uint64_t left_for_resume() const { return stop_.left; }
-  const std::string& stop_reason() const { return stop_.waiting_for; }
+  // After Shutdown(): journal entries left for the next start (`left`), and what
+  // publication waited for when the stop gave up on it (`waiting_for`).
+  const store::StopReport& stop_report() const { return stop_; }
 
   // The /.ckptfs tree: the control files' contents (stats, checkpoints, metrics) and the
   // operator controls (ckptfs-admin resume / abort).
   ControlTree* control() { return control_.get(); }
 
-  // FUSE passthrough (fs/passthrough.h): the io mode of each inode, kept by fs/fuse_server.cc.
-  PassthroughTable* passthrough() { return passthrough_.get(); }
-  // The backing file a read-only open may be passed through to (its descriptor, borrowed
-  // from `h`, and its stat), or nullopt when the daemon must serve it: a writable handle,
-  // a file with staged bytes (read-your-writes) or a failed publication, a control file or
-  // tensor view, or a checkpoint's file while peers share the load (blocks come from the
-  // peer that owns them).
-  struct PassthroughSource {
-    int fd;
-    struct stat st;
-  };
-  std::optional<PassthroughSource> PassthroughSourceOf(Handle* h);
-  // The INIT exchange is done: `on` when the kernel will pass reads through. A load then
-  // no longer prefetches into the block cache (without peers): the kernel reads the bytes.
-  void OnPassthroughNegotiated(bool on);
+  // FUSE passthrough (fs/passthrough_reads.h): the io mode of each inode (kept by
+  // fs/fuse_server.cc) and which opens the kernel may serve itself.
+  PassthroughReads* passthrough() { return passthrough_.get(); }
 
   const FsConfig& config() const { return config_; }
   // The attribute timeout of a getattr/setattr reply for `ino` (0 for hard-linked names).
@@ -179,9 +166,6 @@ class Filesystem {
   // Read by handle kind: a tensor view range, a control file's contents, a file's staged
   // bytes (read-your-writes) or its backing file through the block cache.
   Result<size_t> ReadData(Handle* h, char* out, size_t len, uint64_t offset);
-  Status LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status st) {
-    return ns_->table().LogIfIo(op, ino, offset, std::move(st));
-  }
 
   // ------------------------------------------------------------ dependencies
   const FsConfig config_;
@@ -198,7 +182,7 @@ class Filesystem {
   std::unique_ptr<store::Publication> publication_;
   std::unique_ptr<ReadPath> read_;
   std::unique_ptr<TensorView> tensors_;
-  std::unique_ptr<PassthroughTable> passthrough_;
+  std::unique_ptr<PassthroughReads> passthrough_;  // made over read_ and retained_
   // ------------------------------------------------------------ the units it routes to
   std::unique_ptr<Namespace> ns_;
   std::unique_ptr<ControlTree> control_;

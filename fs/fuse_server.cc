@@ -159,7 +159,7 @@ mode_t ModeOf(fuse_req_t req, fuse_ino_t ino) {
 // Whether the kernel will pass reads through: the INIT request was read (InitPatcher saw
 // it) and its reply is written right after this returns, patched.
 void ResolvePassthrough(FuseServer::Context* context, struct fuse_conn_info* conn) {
-  PassthroughTable* table = context->fs->passthrough();
+  PassthroughTable* table = context->fs->passthrough()->table();
   std::string off;
   if (!context->fs->config().passthrough) {
     off = "--passthrough off";
@@ -175,7 +175,7 @@ void ResolvePassthrough(FuseServer::Context* context, struct fuse_conn_info* con
   } else {
     table->Enable(nullptr, off);
   }
-  context->fs->OnPassthroughNegotiated(off.empty());
+  context->fs->passthrough()->OnNegotiated(off.empty());
   spdlog::info("fuse: passthrough {} (kernel protocol 7.{})", off.empty() ? "on" : "off: " + off,
                context->init ? context->init->kernel_minor() : 0);
 }
@@ -252,11 +252,11 @@ void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
   // like a writer's open (a writable handle's own truncate never finds any).
   const bool truncates = (to_set & FUSE_SET_ATTR_SIZE) != 0;
   if (truncates) {
-    Status st = Fs(req)->passthrough()->AcquireOther(ino, /*changes=*/true);
+    Status st = Fs(req)->passthrough()->table()->AcquireOther(ino, /*changes=*/true);
     if (!st.ok()) return ReplyErr(req, st);
   }
   auto r = Fs(req)->SetAttr(ino, *attr, to_set, fi ? H(fi) : nullptr, CallerOf(req, true));
-  if (truncates) Fs(req)->passthrough()->Release(ino, /*passthrough=*/false);
+  if (truncates) Fs(req)->passthrough()->table()->Release(ino, /*passthrough=*/false);
   if (!r.ok()) return ReplyErr(req, r.status());
   fuse_reply_attr(req, &*r, Fs(req)->AttrTimeout(ino));
 }
@@ -335,7 +335,7 @@ void OpRename(fuse_req_t req, fuse_ino_t parent, const char* name, fuse_ino_t ne
 // Ends a handle: its io mode in the passthrough table, then the handle itself.
 void ReleaseHandle(fuse_req_t req, Handle* h) {
   if (FileHandle* f = h->file(); f != nullptr && f->io_counted) {
-    Fs(req)->passthrough()->Release(f->io_ino, f->passthrough);
+    Fs(req)->passthrough()->table()->Release(f->io_ino, f->passthrough);
   }
   Fs(req)->Release(h);
 }
@@ -349,7 +349,7 @@ void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode,
   auto [entry, handle] = *r;
   // A new file, or an existing one opened for writing: no passthrough reader may hold it.
   if (FileHandle* f = handle->file()) {
-    Status st = Fs(req)->passthrough()->AcquireOther(entry.ino, /*changes=*/true);
+    Status st = Fs(req)->passthrough()->table()->AcquireOther(entry.ino, /*changes=*/true);
     if (!st.ok()) {
       Fs(req)->Release(handle);
       return ReplyErr(req, st);
@@ -387,10 +387,10 @@ int ReplyPassthroughOpen(fuse_req_t req, const struct fuse_file_info* fi, int32_
 // daemon-served open (-1); kBusy when neither can be had.
 Result<int32_t> TakeReadMode(fuse_req_t req, fuse_ino_t ino, Handle* h) {
   Filesystem* fs = Fs(req);
-  PassthroughTable* table = fs->passthrough();
+  PassthroughTable* table = fs->passthrough()->table();
   FileHandle* f = h->file();
   if (table->enabled()) {
-    if (auto src = fs->PassthroughSourceOf(h)) {
+    if (auto src = fs->passthrough()->SourceOf(h)) {
       CKPT_ASSIGN_OR_RETURN(int32_t id, table->AcquireRead(ino, src->fd, src->st.st_dev,
                                                            src->st.st_ino,
                                                            static_cast<uint64_t>(src->st.st_size)));
@@ -399,7 +399,7 @@ Result<int32_t> TakeReadMode(fuse_req_t req, fuse_ino_t ino, Handle* h) {
         f->io_ino = ino;
         // A write may have begun between the check and the count; the count now keeps new
         // ones out, so a second look settles it.
-        if (fs->PassthroughSourceOf(h)) return id;
+        if (fs->passthrough()->SourceOf(h)) return id;
         table->Release(ino, /*passthrough=*/true);
         f->io_counted = f->passthrough = false;
       }
@@ -417,12 +417,12 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
                        !TensorView::Owns(ino);
   // A writer (or O_TRUNC) waits for passthrough readers before anything changes.
   if (changes) {
-    Status st = Fs(req)->passthrough()->AcquireOther(ino, /*changes=*/true);
+    Status st = Fs(req)->passthrough()->table()->AcquireOther(ino, /*changes=*/true);
     if (!st.ok()) return ReplyErr(req, st);
   }
   auto r = Fs(req)->Open(ino, fi->flags);
   if (!r.ok()) {
-    if (changes) Fs(req)->passthrough()->Release(ino, /*passthrough=*/false);
+    if (changes) Fs(req)->passthrough()->table()->Release(ino, /*passthrough=*/false);
     return ReplyErr(req, r.status());
   }
   Handle* h = *r;
@@ -442,7 +442,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
       return;
     }
   } else if (changes) {
-    Fs(req)->passthrough()->Release(ino, /*passthrough=*/false);  // not a namespace file
+    Fs(req)->passthrough()->table()->Release(ino, /*passthrough=*/false);  // not a namespace file
   }
   if (f == nullptr) {
     fi->direct_io = 1;  // control files: generated content, size unknown to the kernel

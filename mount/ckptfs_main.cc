@@ -270,16 +270,16 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
     }
   });
   std::remove(stopping.c_str());
-  const uint64_t left = fs->left_for_resume();
+  const uint64_t left = fs->stop_report().left;
   metrics.reset();
   reopener.Stop();  // nothing may log after spdlog::shutdown()
   bool clean = run.ok() && unpublished == 0 && left == 0;
   std::string error = run.ok() ? "" : run.ToString();
   if (left > 0 && error.empty()) {
     error = std::to_string(left) + " journal entries left for the next start; publication " +
-            "waited for: " + fs->stop_reason();
+            "waited for: " + fs->stop_report().waiting_for;
   }
-  WriteExitReport(o.state_dir, clean, unpublished, error, left, fs->stop_reason());
+  WriteExitReport(o.state_dir, clean, unpublished, error, left, fs->stop_report().waiting_for);
   spdlog::info("ckptfs exits: {} ({} files not published, {} journal entries left for the "
                "next start)",
                clean ? "clean" : "NOT clean", unpublished, left);

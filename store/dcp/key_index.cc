@@ -2,20 +2,14 @@
 
 #include <spdlog/spdlog.h>
 
-#include <nlohmann/json.hpp>
 #include <set>
 
 #include "common/path.h"
-#include "store/dcp/index_codec.h"
-#include "store/dcp/item_reader.h"
 
 namespace ckptfs::store {
 namespace {
 
-using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
-using keyidx::FileGroup;
-using keyidx::GroupByFile;
 
 // Moves the entries of `map` whose key `moved` maps to a new name (path::Rebase) there.
 template <typename Map, typename Moved>
@@ -41,62 +35,8 @@ Result<std::unique_ptr<KeyIndex>> KeyIndex::Create(BackingDir* dir, StateDb* db,
 
 KeyIndex::~KeyIndex() = default;
 
-void KeyIndex::BuildFileMaps(CkptIndex* index) {
-  index->maps.clear();
-  index->files.clear();
-  index->by_fqn.resize(index->items.size());
-  for (uint32_t i = 0; i < index->by_fqn.size(); ++i) index->by_fqn[i] = i;
-  std::stable_sort(index->by_fqn.begin(), index->by_fqn.end(), [&](uint32_t a, uint32_t b) {
-    return index->items[a].fqn < index->items[b].fqn;
-  });
-  index->places.assign(index->items.size(), Place{});
-  std::vector<FileGroup> groups = GroupByFile(index->items);
-  index->maps.reserve(groups.size());
-  index->files.reserve(groups.size());
-  for (FileGroup& g : groups) {
-    const uint32_t m = static_cast<uint32_t>(index->maps.size());
-    FileMap& map = index->maps.emplace_back();
-    map.name = std::string(g.name);
-    index->files.emplace(map.name, m);
-    map.all = std::move(g.idx);
-    map.begins.reserve(map.all.size());
-    map.spans.reserve(map.all.size());
-    for (uint32_t pos = 0; pos < map.all.size(); ++pos) {
-      const uint32_t i = map.all[pos];
-      const IndexedItem& it = index->items[i];
-      index->places[i] = Place{m, pos, -1};
-      if (it.length == 0) continue;  // owns no byte
-      if (!map.spans.empty() && it.offset - map.spans.back().offset < map.spans.back().length &&
-          index->error.empty()) {
-        index->state = State::kPartial;
-        index->error = "items overlap in " + map.name + ": " +
-                       KeyName(index->items[map.spans.back().ordinal]) + " and " + KeyName(it);
-      }
-      index->places[i].span = static_cast<int32_t>(map.spans.size());
-      map.begins.push_back(it.offset);
-      map.spans.push_back(Located{i, it.kind, it.has_checksum, it.offset, it.length, it.raw_offset,
-                                  it.raw_nbytes, it.checksum});
-    }
-    for (size_t k = 0; k < map.begins.size(); k += FileMap::kSample) {
-      map.sample.push_back(map.begins[k]);
-    }
-  }
-}
-
-void KeyIndex::SetChecksum(CkptIndex* index, uint32_t ordinal, uint64_t checksum) {
-  IndexedItem& it = index->items[ordinal];
-  it.checksum = checksum;
-  it.has_checksum = true;
-  const Place& p = index->places[ordinal];
-  if (p.span >= 0) {
-    Located& l = index->maps[p.map].spans[p.span];
-    l.checksum = checksum;
-    l.has_checksum = true;
-  }
-}
-
 void KeyIndex::Install(const std::string& ckpt, std::unique_ptr<CkptIndex> index) {
-  std::vector<std::pair<std::string, std::string>> puts;
+  KeyIndexStore::Puts puts;
   {
     WriterLock lock(&mu_);
     // Checksums recorded while this index was being built.
@@ -108,18 +48,15 @@ void KeyIndex::Install(const std::string& ckpt, std::unique_ptr<CkptIndex> index
         if (f == pending->second.end()) continue;
         auto s = f->second.find({it.offset, it.length});
         if (s == f->second.end()) continue;
-        SetChecksum(index.get(), it.ordinal, s->second);
+        index->SetChecksum(it.ordinal, s->second);
         changed.push_back(it.ordinal);
       }
       pending_sums_.erase(pending);
-      if (!changed.empty()) puts = EncodeBlocksOf(ckpt, *index, changed);
+      if (!changed.empty()) puts = KeyIndexStore::EncodeBlocksOf(ckpt, *index, changed);
     }
     ckpts_[ckpt] = std::move(index);
   }
-  if (!puts.empty()) {
-    Status st = db_->Write(puts, {});
-    if (!st.ok()) spdlog::warn("key index: persist checksums of '{}': {}", ckpt, st.ToString());
-  }
+  store_.WriteBlocks(ckpt, puts);
 }
 
 Status KeyIndex::Ensure(const std::string& ckpt, bool checksums) {
@@ -223,12 +160,7 @@ std::string KeyIndex::IndexError(const std::string& ckpt) {
     auto it = ckpts_.find(ckpt);
     if (it != ckpts_.end()) return it->second->error;
   }
-  Result<std::string> raw = db_->Get(keyidx::InfoKey(ckpt));
-  if (!raw.ok()) return "";
-  json info = json::parse(*raw, nullptr, false);
-  if (!info.is_object()) return "";
-  auto e = info.find("error");
-  return e != info.end() && e->is_string() ? e->get<std::string>() : "";
+  return store_.IndexError(ckpt);
 }
 
 void KeyIndex::AddBlockCrcs(const std::string& path, const FileKey& id,
@@ -240,7 +172,7 @@ uint64_t KeyIndex::block_crc_bytes() { return block_crcs_.bytes(); }
 
 void KeyIndex::RecordChecksums(const std::string& ckpt, const std::string& file,
                                const std::vector<RangeChecksum>& sums) {
-  std::vector<std::pair<std::string, std::string>> puts;
+  KeyIndexStore::Puts puts;
   // Held until the write, so that blocks reach RocksDB in the order they were encoded.
   MutexLock persist_lock(&persist_mu_);
   {
@@ -262,14 +194,13 @@ void KeyIndex::RecordChecksums(const std::string& ckpt, const std::string& file,
       const Located& l = map.spans[i];
       if (l.offset != s.offset || l.length != s.length) continue;
       if (l.has_checksum && l.checksum == s.checksum) continue;
-      SetChecksum(&index, l.ordinal, s.checksum);
+      index.SetChecksum(l.ordinal, s.checksum);
       changed.push_back(l.ordinal);
     }
     if (changed.empty()) return;
-    puts = EncodeBlocksOf(ckpt, index, changed);
+    puts = KeyIndexStore::EncodeBlocksOf(ckpt, index, changed);
   }
-  Status st = db_->Write(puts, {});
-  if (!st.ok()) spdlog::warn("key index: persist checksums of '{}': {}", ckpt, st.ToString());
+  store_.WriteBlocks(ckpt, puts);
 }
 
 void KeyIndex::Forget(const std::string& ckpt) {
@@ -279,10 +210,7 @@ void KeyIndex::Forget(const std::string& ckpt) {
     pending_sums_.erase(ckpt);
   }
   block_crcs_.DropFilesIn(ckpt);
-  std::vector<std::string> deletes{keyidx::InfoKey(ckpt)};
-  Status st = db_->Scan(keyidx::ItemPrefix(ckpt),
-                        [&](std::string_view key, std::string_view) { deletes.emplace_back(key); });
-  if (st.ok()) st = db_->Write({}, deletes);
+  Status st = store_.Forget(ckpt);
   if (!st.ok()) spdlog::warn("key index: forget '{}': {}", ckpt, st.ToString());
 }
 
@@ -300,30 +228,7 @@ void KeyIndex::OnRenamed(const std::string& from, const std::string& to) {
   }
   block_crcs_.OnRenamed(from, to);
   // RocksDB: values name files relative to the checkpoint, so only keys change.
-  std::vector<std::string> persisted;
-  Status st = db_->Scan("i/", [&](std::string_view key, std::string_view) {
-    std::string ckpt(key.substr(2));
-    if (moved(ckpt)) persisted.push_back(ckpt);
-  });
-  for (const std::string& ckpt : persisted) {
-    if (!st.ok()) break;
-    std::string dest = *moved(ckpt);
-    std::vector<std::pair<std::string, std::string>> puts;
-    std::vector<std::string> deletes;
-    const std::string old_prefix = keyidx::ItemPrefix(ckpt), new_prefix = keyidx::ItemPrefix(dest);
-    st = db_->Scan(old_prefix, [&](std::string_view key, std::string_view value) {
-      puts.emplace_back(new_prefix + std::string(key.substr(old_prefix.size())),
-                        std::string(value));
-      deletes.emplace_back(key);
-    });
-    if (!st.ok()) break;
-    Result<std::string> info = db_->Get(keyidx::InfoKey(ckpt));
-    if (info.ok()) {
-      puts.emplace_back(keyidx::InfoKey(dest), *info);
-      deletes.push_back(keyidx::InfoKey(ckpt));
-    }
-    st = db_->Write(puts, deletes);
-  }
+  Status st = store_.Rename(moved);
   if (!st.ok()) spdlog::warn("key index: rename '{}' -> '{}': {}", from, to, st.ToString());
 }
 
@@ -333,19 +238,138 @@ bool KeyIndex::IsIndexed(const std::string& ckpt) {
     auto it = ckpts_.find(ckpt);
     if (it != ckpts_.end() && it->second->state != State::kMissing) return true;
   }
-  return db_->Get(keyidx::InfoKey(ckpt)).ok();
+  return store_.Has(ckpt);
 }
 
 std::vector<std::string> KeyIndex::IndexedCheckpoints() {
   std::set<std::string> out;
-  Status st =
-      db_->Scan("i/", [&](std::string_view key, std::string_view) { out.emplace(key.substr(2)); });
+  Status st = store_.List(&out);
   if (!st.ok()) spdlog::warn("key index: list checkpoints: {}", st.ToString());
   ReaderLock lock(&mu_);
   for (const auto& [ckpt, index] : ckpts_) {
     if (index->state != State::kMissing) out.insert(ckpt);
   }
   return {out.begin(), out.end()};
+}
+
+Status KeyIndex::LoadFromDb(const std::string& ckpt, bool* found) {
+  *found = false;
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CkptIndex> index, store_.Load(ckpt));
+  if (index == nullptr) return Status::Ok();
+  {
+    MutexLock persist_lock(&persist_mu_);
+    Install(ckpt, std::move(index));
+  }
+  *found = true;
+  return Status::Ok();
+}
+
+std::shared_ptr<std::mutex> KeyIndex::BuildMutex(const std::string& ckpt) {
+  MutexLock lock(&build_mus_mu_);
+  std::weak_ptr<std::mutex>& weak = build_mus_[ckpt];
+  std::shared_ptr<std::mutex> m = weak.lock();
+  if (!m) {
+    m = std::make_shared<std::mutex>();
+    weak = m;
+  }
+  if (build_mus_.size() > 1024) {  // drop entries nobody holds any more
+    std::erase_if(build_mus_, [](const auto& kv) { return kv.second.expired(); });
+  }
+  return m;
+}
+
+Status KeyIndex::Build(const std::string& ckpt, bool checksums) {
+  std::shared_ptr<std::mutex> m = BuildMutex(ckpt);
+  std::lock_guard lock(*m);
+  return BuildLocked(ckpt, nullptr, checksums);
+}
+
+Status KeyIndex::BuildFrom(const std::string& ckpt, const DcpMetadata& md, bool checksums) {
+  std::shared_ptr<std::mutex> m = BuildMutex(ckpt);
+  std::lock_guard lock(*m);
+  return BuildLocked(ckpt, &md, checksums);
+}
+
+Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, bool checksums) {
+  // Checksums handed over (RecordChecksums) before this build.
+  auto take_pending = [&] {
+    KnownSums known;
+    WriterLock lock(&mu_);
+    auto it = pending_sums_.find(ckpt);
+    if (it != pending_sums_.end()) {
+      known = std::move(it->second);
+      pending_sums_.erase(it);
+    }
+    return known;
+  };
+  CKPT_ASSIGN_OR_RETURN(KeyIndexBuilder::Built built,
+                        builder_.Build(ckpt, given, checksums, take_pending));
+  if (built.index->state == State::kMissing) {
+    // Not (or no longer) a checkpoint: drop any stale index, remember for a while.
+    Forget(ckpt);
+    MutexLock persist_lock(&persist_mu_);
+    Install(ckpt, std::move(built.index));
+    return built.result;
+  }
+  const State state = built.index->state;
+  const std::string error = built.index->error;
+  const size_t n = built.index->items.size();
+  double persist_ms = 0;
+  {
+    // Checksums recorded from now on wait, so that they reach RocksDB after these blocks.
+    const Clock::time_point start = Clock::now();
+    MutexLock persist_lock(&persist_mu_);
+    Status persisted = store_.Persist(ckpt, *built.index, built.info);
+    persist_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    if (!persisted.ok()) {
+      spdlog::warn("key index: cannot persist the index of '{}': {}", ckpt, persisted.ToString());
+    }
+    Install(ckpt, std::move(built.index));
+  }
+  if (state == State::kOk) {
+    spdlog::info(
+        "key index: indexed '{}': {} items in {:.1f} ms (metadata {:.1f}, items {:.1f}, "
+        "persist {:.1f}); checksums: {} from write-path blocks, {} read ({} bytes), {} none",
+        ckpt, n, built.build_ms + persist_ms, built.parse_ms, built.items_ms, persist_ms,
+        built.from_blocks, built.read_items, built.read_bytes, n - built.with_sum);
+  } else {
+    spdlog::warn("key index: '{}' indexed as {}: {}", ckpt, IndexStateName(state), error);
+  }
+  return built.result;
+}
+
+Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
+  CKPT_RETURN_IF_ERROR(Ensure(ckpt, /*checksums=*/false));
+  std::vector<IndexedItem> items;
+  SourceKind source_kind = SourceKind::kDcp;
+  {
+    ReaderLock lock(&mu_);
+    auto it = ckpts_.find(ckpt);
+    if (it == ckpts_.end()) return Internal("index of '" + ckpt + "' vanished");
+    if (it->second->state == State::kMissing) {
+      return NotFound("no checkpoint files in '" + ckpt + "'");
+    }
+    items = it->second->items;
+    source_kind = it->second->source;
+  }
+  return verifier_.Verify(ckpt, items, source_kind);
+}
+
+Result<uint64_t> KeyIndex::FillChecksums(const std::string& ckpt) {
+  // The items without a checksum, copied out of the lock: the reads take a while.
+  CKPT_ASSIGN_OR_RETURN(
+      std::vector<IndexedItem> items,
+      WithIndex(ckpt, [](const CkptIndex& index) -> Result<std::vector<IndexedItem>> {
+        std::vector<IndexedItem> out;
+        for (const IndexedItem& item : index.items) {
+          if (!item.has_checksum) out.push_back(item);
+        }
+        return out;
+      }));
+  return verifier_.ChecksumItems(
+      ckpt, items, [&](const std::string& file, const std::vector<RangeChecksum>& sums) {
+        RecordChecksums(ckpt, file, sums);
+      });
 }
 
 }  // namespace ckptfs::store

@@ -14,7 +14,7 @@
 // RocksDB layout (the index is a cache: deleting the state dir loses nothing, it is rebuilt
 // from the backing store on first use):
 //   "k/" + ckpt + '\0' + file + '\0' + block (4 bytes, big-endian) -> the binary IndexedItems
-//     (see key_index.cc) of up to 256 items of `file`, in (offset, ordinal) order: block b
+//     (index_codec.h) of up to 256 items of `file`, in (offset, ordinal) order: block b
 //     holds that file's items b*256 to b*256+255. A 100,000-chunk checkpoint is ~400 values,
 //     not 100,000 keys, and a checksum recorded later rewrites one block.
 //   "i/" + ckpt -> JSON {format, state: ok|partial|failed, error, build_ms, built_at, items,
@@ -41,12 +41,18 @@
 // contradicts the metadata is kept as kOpaque (its bytes stay servable), and the checkpoint
 // is "partial" with an IndexError() naming the first such key.
 //
-// Files: key_index.cc (lookups, checksums recorded later, forget/rename), key_index_build.cc
-// (Build), key_index_persist.cc (RocksDB), key_index_verify.cc (Verify, FillChecksums);
-// index_codec (records), item_reader (reading items), block_crc_cache, fqn_names.
+// Parts. KeyIndex owns the in-memory indexes (CkptIndex, ckpt_index.h), the lookups, the
+// checksums recorded later, forget/rename, and when each checkpoint is built or loaded. It
+// owns and uses: KeyIndexBuilder (key_index_builder.h: commit and shard files -> CkptIndex),
+// KeyIndexStore (key_index_store.h: the RocksDB records), KeyIndexVerifier
+// (key_index_verifier.h: re-reading items for Verify and FillChecksums) and the BlockCrcCache.
+// None of the parts has a lock of its own but the block CRC cache; index_codec (records),
+// item_reader (reading items) and fqn_names are below them.
 //
 // Thread-safe. Lock order: a checkpoint's build mutex, then persist_mu_, then mu_ (the block
-// CRC cache's lock is a leaf). No I/O under mu_.
+// CRC cache's lock is a leaf). No I/O under mu_: the builder and the verifier read with no
+// lock of KeyIndex held (a build under its checkpoint's build mutex), the store writes under
+// persist_mu_ only.
 #pragma once
 
 #include <algorithm>
@@ -70,29 +76,22 @@
 #include "store/flush/block_crc_map.h"
 #include "store/dcp/block_crc_cache.h"
 #include "store/dcp/checkpoint_source.h"
+#include "store/dcp/ckpt_index.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/fqn_names.h"
 #include "store/dcp/indexed_item.h"
+#include "store/dcp/key_index_builder.h"
+#include "store/dcp/key_index_store.h"
+#include "store/dcp/key_index_verifier.h"
 #include "store/primitives/file_key.h"
 #include "store/primitives/state_db.h"
 
 namespace ckptfs::store {
 
-struct VerifyReport {
-  uint64_t items = 0, bytes = 0;  // items checked, bytes re-read
-  uint64_t unchecked = 0;         // items re-read but without a checksum to compare with
-  std::vector<std::pair<std::string, std::string>> bad;  // (KeyName or file, reason)
-};
-
 struct KeyIndexOptions {
   // Memory for block CRC maps handed over by the write path and not used by a build yet;
   // the oldest are dropped beyond it (their items are then read to be checksummed).
   uint64_t max_block_crc_bytes = uint64_t{128} << 20;
-};
-
-// A checksum of the byte range [offset, offset+length) of a shard file, computed elsewhere.
-struct RangeChecksum {
-  uint64_t offset = 0, length = 0, checksum = 0;
 };
 
 class KeyIndex {
@@ -134,12 +133,7 @@ class KeyIndex {
 
   // What a read path needs of the resolved item, without copying names and shapes: Resolve()
   // without allocation. Same lookup and laziness as Resolve().
-  struct Located {
-    uint32_t ordinal;  // index into Items()
-    ItemKind kind;
-    bool has_checksum;
-    uint64_t offset, length, raw_offset, raw_nbytes, checksum;
-  };
+  using Located = ItemSpan;  // ordinal: index into Items()
   std::optional<Located> Locate(const std::string& ckpt, const std::string& file, uint64_t offset);
 
   // "" when `ckpt` is indexed without error, or is not indexed (yet).
@@ -182,49 +176,14 @@ class KeyIndex {
   bool IsIndexed(const std::string& ckpt) EXCLUDES(mu_);
 
  private:
-  // The items of one shard file. `all` is every item of the file by (offset, ordinal), the
-  // order they are persisted in. The items with a non-empty range, by offset, are in parallel
-  // arrays, so that the binary search touches only the dense `begins` (and a sample of every
-  // kSample-th of them, which stays in L1), and a lookup then reads one Located record,
-  // never the IndexedItem with its names and shapes.
-  struct FileMap {
-    static constexpr size_t kSample = 32;
-    std::string name;
-    std::vector<uint32_t> all;
-    std::vector<uint64_t> begins, sample;
-    std::vector<Located> spans;  // spans[i].offset == begins[i]
-    // Index of the span containing `offset`, or -1.
-    ptrdiff_t Find(uint64_t offset) const {
-      auto s = std::upper_bound(sample.begin(), sample.end(), offset);
-      if (s == sample.begin()) return -1;
-      size_t lo = (s - sample.begin() - 1) * kSample;
-      size_t hi = std::min(lo + kSample, begins.size());
-      auto it = std::upper_bound(begins.begin() + lo, begins.begin() + hi, offset);
-      ptrdiff_t i = it - begins.begin() - 1;
-      return offset - spans[i].offset < spans[i].length ? i : -1;
-    }
-  };
-  // Where item `ordinal` is: maps[map], position `pos` in its `all`, span `span` (or -1).
-  struct Place {
-    uint32_t map = 0, pos = 0;
-    int32_t span = -1;
-  };
-  enum class State { kOk, kPartial, kFailed, kMissing };
-  struct CkptIndex {
-    State state = State::kOk;
-    std::string error;
-    SourceKind source = SourceKind::kDcp;               // what the items were read from
-    std::vector<IndexedItem> items;                     // ordinal order
-    std::vector<FileMap> maps;                          // by file name
-    std::unordered_map<std::string, uint32_t> files;    // name -> index into maps
-    std::vector<Place> places;                          // by ordinal
-    std::vector<uint32_t> by_fqn;                       // ordinals by (fqn, ordinal)
-    std::chrono::steady_clock::time_point retry_after;  // kMissing only
-  };
-  static const char* StateName(State s);
+  using State = IndexState;
+  using FileMap = CkptIndex::FileMap;
 
   KeyIndex(BackingDir* dir, StateDb* db, const KeyIndexOptions& options)
-      : dir_(dir), db_(db), block_crcs_(options.max_block_crc_bytes) {}
+      : block_crcs_(options.max_block_crc_bytes),
+        builder_(dir, &block_crcs_),
+        store_(dir, db),
+        verifier_(dir) {}
 
   // Calls fn(const CkptIndex&, const Located*) under a shared lock of mu_ with the item
   // containing `offset`, or nullptr; loads or builds the index first when needed.
@@ -248,21 +207,11 @@ class KeyIndex {
   // persist_mu_ so that those checksums reach RocksDB after the index itself.
   void Install(const std::string& ckpt, std::unique_ptr<CkptIndex> index) REQUIRES(persist_mu_)
       EXCLUDES(mu_);
-  // Writes every block of `index` and its "i/" record in one batch, deleting blocks of an
-  // earlier build.
-  Status Persist(const std::string& ckpt, const CkptIndex& index, const std::string& info)
-      REQUIRES(persist_mu_);
-  // The blocks of `index` that hold `ordinals`, encoded, under their keys.
-  static std::vector<std::pair<std::string, std::string>> EncodeBlocksOf(
-      const std::string& ckpt, const CkptIndex& index, const std::vector<uint32_t>& ordinals);
-  // Sets item `ordinal`'s checksum in the item and its span.
-  static void SetChecksum(CkptIndex* index, uint32_t ordinal, uint64_t checksum);
-  // Fills maps, files, places and by_fqn from items; marks the index partial when items
-  // overlap.
-  static void BuildFileMaps(CkptIndex* index);
 
-  BackingDir* const dir_;
-  StateDb* const db_;
+  BlockCrcCache block_crcs_;  // by backing path
+  KeyIndexBuilder builder_;   // uses block_crcs_
+  KeyIndexStore store_;       // writes ordered by persist_mu_
+  KeyIndexVerifier verifier_;
 
   Mutex build_mus_mu_;
   std::map<std::string, std::weak_ptr<std::mutex>> build_mus_ GUARDED_BY(build_mus_mu_);
@@ -274,13 +223,10 @@ class KeyIndex {
   SharedMutex mu_;
   std::unordered_map<std::string, std::unique_ptr<CkptIndex>> ckpts_ GUARDED_BY(mu_);
   // ckpt -> file -> (offset, length) -> checksum, for checkpoints not indexed yet.
-  std::map<std::string, std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, uint64_t>>>
-      pending_sums_ GUARDED_BY(mu_);
-
-  BlockCrcCache block_crcs_;  // by backing path
+  std::map<std::string, KnownSums> pending_sums_ GUARDED_BY(mu_);
 };
 
-// Defined here: the lookups and FillChecksums (key_index_verify.cc) instantiate it.
+// Defined here beside the class (the lookups and FillChecksums instantiate it).
 template <typename Fn>
 auto KeyIndex::WithIndex(const std::string& ckpt, Fn fn)
     -> decltype(fn(std::declval<const CkptIndex&>())) {

@@ -1,11 +1,11 @@
-// KeyIndex::Verify and KeyIndex::FillChecksums: re-reading a checkpoint's items.
+#include "store/dcp/key_index_verifier.h"
+
 #include <cstdio>
 #include <unordered_map>
 
 #include "common/path.h"
 #include "store/dcp/checkpoint_source.h"
 #include "store/dcp/item_reader.h"
-#include "store/dcp/key_index.h"
 #include "store/dcp/metadata_file.h"
 
 namespace ckptfs::store {
@@ -31,20 +31,9 @@ std::string ItemSuffix(const IndexedItem& item) {
 
 }  // namespace
 
-Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
-  CKPT_RETURN_IF_ERROR(Ensure(ckpt, /*checksums=*/false));
-  std::vector<IndexedItem> items;
-  SourceKind source_kind = SourceKind::kDcp;
-  {
-    ReaderLock lock(&mu_);
-    auto it = ckpts_.find(ckpt);
-    if (it == ckpts_.end()) return Internal("index of '" + ckpt + "' vanished");
-    if (it->second->state == State::kMissing) {
-      return NotFound("no checkpoint files in '" + ckpt + "'");
-    }
-    items = it->second->items;
-    source_kind = it->second->source;
-  }
+VerifyReport KeyIndexVerifier::Verify(const std::string& ckpt,
+                                      const std::vector<IndexedItem>& items,
+                                      SourceKind source_kind) {
   VerifyReport report;
   auto bad = [&](std::string key, std::string why) {
     report.bad.emplace_back(std::move(key), std::move(why));
@@ -144,17 +133,9 @@ Result<VerifyReport> KeyIndex::Verify(const std::string& ckpt) {
   return report;
 }
 
-Result<uint64_t> KeyIndex::FillChecksums(const std::string& ckpt) {
-  // The items without a checksum, copied out of the lock: the reads take a while.
-  CKPT_ASSIGN_OR_RETURN(
-      std::vector<IndexedItem> items,
-      WithIndex(ckpt, [](const CkptIndex& index) -> Result<std::vector<IndexedItem>> {
-        std::vector<IndexedItem> out;
-        for (const IndexedItem& item : index.items) {
-          if (!item.has_checksum) out.push_back(item);
-        }
-        return out;
-      }));
+Result<uint64_t> KeyIndexVerifier::ChecksumItems(const std::string& ckpt,
+                                                 const std::vector<IndexedItem>& items,
+                                                 const Record& record) {
   uint64_t filled = 0;
   Status first_error;
   for (const keyidx::FileGroup& g : keyidx::GroupByFile(items)) {
@@ -177,7 +158,7 @@ Result<uint64_t> KeyIndex::FillChecksums(const std::string& ckpt) {
       sums.push_back({it.offset, it.length, *h});
     }
     filled += sums.size();
-    RecordChecksums(ckpt, file, sums);
+    record(file, sums);
   }
   if (!first_error.ok() && filled == 0) return first_error;
   return filled;

@@ -1,5 +1,5 @@
-// KeyIndex::Build: from a checkpoint's .metadata and its shard files to an installed,
-// persisted index.
+#include "store/dcp/key_index_builder.h"
+
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 #include <xxhash.h>
@@ -11,7 +11,6 @@
 #include "store/dcp/checkpoint_source.h"
 #include "store/dcp/index_codec.h"
 #include "store/dcp/item_reader.h"
-#include "store/dcp/key_index.h"
 #include "store/dcp/metadata_file.h"
 
 namespace ckptfs::store {
@@ -59,9 +58,6 @@ ptrdiff_t FirstDuplicateKey(const std::vector<IndexedItem>& items) {
   }
   return -1;
 }
-
-// file -> (offset, length) -> checksum
-using KnownSums = std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, uint64_t>>;
 
 struct ResolveStats {
   uint64_t unresolved = 0;
@@ -143,54 +139,25 @@ ResolveStats ResolveItems(BackingDir* dir, BlockCrcCache* block_crcs, const std:
 
 }  // namespace
 
-const char* KeyIndex::StateName(State s) {
-  static const char* kNames[] = {"ok", "partial", "failed", "missing"};
-  return kNames[static_cast<int>(s)];
-}
-
-std::shared_ptr<std::mutex> KeyIndex::BuildMutex(const std::string& ckpt) {
-  MutexLock lock(&build_mus_mu_);
-  std::weak_ptr<std::mutex>& weak = build_mus_[ckpt];
-  std::shared_ptr<std::mutex> m = weak.lock();
-  if (!m) {
-    m = std::make_shared<std::mutex>();
-    weak = m;
-  }
-  if (build_mus_.size() > 1024) {  // drop entries nobody holds any more
-    std::erase_if(build_mus_, [](const auto& kv) { return kv.second.expired(); });
-  }
-  return m;
-}
-
-Status KeyIndex::Build(const std::string& ckpt, bool checksums) {
-  std::shared_ptr<std::mutex> m = BuildMutex(ckpt);
-  std::lock_guard lock(*m);
-  return BuildLocked(ckpt, nullptr, checksums);
-}
-
-Status KeyIndex::BuildFrom(const std::string& ckpt, const DcpMetadata& md, bool checksums) {
-  std::shared_ptr<std::mutex> m = BuildMutex(ckpt);
-  std::lock_guard lock(*m);
-  return BuildLocked(ckpt, &md, checksums);
-}
-
-Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, bool checksums) {
+Result<KeyIndexBuilder::Built> KeyIndexBuilder::Build(
+    const std::string& ckpt, const DcpMetadata* given, bool checksums,
+    const std::function<KnownSums()>& take_known_sums) {
   const Clock::time_point start = Clock::now();
-  auto index = std::make_unique<CkptIndex>();
+  Built built;
+  built.index = std::make_unique<CkptIndex>();
+  CkptIndex* index = built.index.get();
   // The commit file(s): `.metadata`, per-rank metadata or a safetensors index.
   Result<CheckpointSource> source = FindCheckpointSource(dir_, ckpt);
   if (source.ok()) {
     index->source = source->kind;
   } else if (given == nullptr) {
     if (source.status().code() != Code::kNotFound) return source.status();
-    // Not (or no longer) a checkpoint: drop any stale index, remember for a while.
-    Forget(ckpt);
-    index->state = State::kMissing;
+    // Not (or no longer) a checkpoint: remembered for a while.
+    index->state = IndexState::kMissing;
     index->retry_after = Clock::now() + kMissingRetry;
-    MutexLock persist_lock(&persist_mu_);
-    Install(ckpt, std::move(index));
-    return NotFound("no checkpoint (.metadata, __{rank}.metadata, safetensors) in '" + ckpt +
-                    "'");
+    built.result = NotFound("no checkpoint (.metadata, __{rank}.metadata, safetensors) in '" +
+                            ckpt + "'");
+    return built;
   }
   // `given` is a `.metadata` parsed by the caller.
   if (given != nullptr) index->source = SourceKind::kDcp;
@@ -199,15 +166,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
       source.ok() && index->source != SourceKind::kDcp ? source->files.front() : ".metadata";
 
   // Checksums handed over (RecordChecksums) before this build.
-  KnownSums known_sums;
-  {
-    WriterLock lock(&mu_);
-    auto it = pending_sums_.find(ckpt);
-    if (it != pending_sums_.end()) {
-      known_sums = std::move(it->second);
-      pending_sums_.erase(it);
-    }
-  }
+  KnownSums known_sums = take_known_sums();
 
   // The items, from the .metadata.
   Result<DcpMetadata> parsed = DcpMetadata{};
@@ -217,7 +176,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
   Clock::time_point phase = Clock::now();
   Status result = Status::Ok();
   if (md == nullptr) {
-    index->state = State::kFailed;
+    index->state = IndexState::kFailed;
     index->error = what + ": " + parsed.status().ToString();
     result = Status(Code::kCorrupt, "index of '" + ckpt + "': " + index->error);
   } else {
@@ -235,7 +194,7 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
     }
     ptrdiff_t dup = FirstDuplicateKey(index->items);
     if (dup >= 0) {
-      index->state = State::kFailed;
+      index->state = IndexState::kFailed;
       index->error = what + ": duplicate key " + KeyName(index->items[dup]);
       index->items.clear();
       result = Status(Code::kCorrupt, "index of '" + ckpt + "': " + index->error);
@@ -243,24 +202,23 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
   }
 
   // The items, from their shard files.
-  ResolveStats r = ResolveItems(dir_, &block_crcs_, ckpt, &index->items, known_sums, checksums,
+  ResolveStats r = ResolveItems(dir_, block_crcs_, ckpt, &index->items, known_sums, checksums,
                                 /*archives=*/index->source != SourceKind::kSafetensors);
   if (checksums) {
     // Every item of those files now has its checksum in the index: the maps are done.
-    for (const std::string& used : r.used_block_crcs) block_crcs_.Drop(used);
+    for (const std::string& used : r.used_block_crcs) block_crcs_->Drop(used);
   }
   if (r.unresolved > 0) {
-    index->state = State::kPartial;
+    index->state = IndexState::kPartial;
     index->error = std::to_string(r.unresolved) + " item(s) not resolved; first: " + r.first_error;
   }
-  BuildFileMaps(index.get());
+  index->BuildFileMaps();
   const double items_ms = MsSince(phase);
-  phase = Clock::now();
 
   const double build_ms = MsSince(start);
   json info = {{"format", keyidx::kFormat},
                {"source", SourceKindName(index->source)},
-               {"state", StateName(index->state)},
+               {"state", IndexStateName(index->state)},
                {"error", index->error},
                {"build_ms", build_ms},
                {"built_at", static_cast<int64_t>(std::time(nullptr))},
@@ -272,30 +230,16 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
                  {"read_items", r.read_items},
                  {"read_bytes", r.read_bytes}}},
                {"metadata", {{"size", id.size}, {"mtime_ns", id.mtime_ns}, {"ino", id.ino}}}};
-  const State state = index->state;
-  const std::string error = index->error;
-  const size_t n = index->items.size();
-  double persist_ms = 0;
-  {
-    // Checksums recorded from now on wait, so that they reach RocksDB after these blocks.
-    MutexLock persist_lock(&persist_mu_);
-    Status persisted = Persist(ckpt, *index, info.dump());
-    persist_ms = MsSince(phase);
-    if (!persisted.ok()) {
-      spdlog::warn("key index: cannot persist the index of '{}': {}", ckpt, persisted.ToString());
-    }
-    Install(ckpt, std::move(index));
-  }
-  if (state == State::kOk) {
-    spdlog::info(
-        "key index: indexed '{}': {} items in {:.1f} ms (metadata {:.1f}, items {:.1f}, "
-        "persist {:.1f}); checksums: {} from write-path blocks, {} read ({} bytes), {} none",
-        ckpt, n, build_ms + persist_ms, parse_ms, items_ms, persist_ms, r.from_blocks, r.read_items,
-        r.read_bytes, n - r.with_sum);
-  } else {
-    spdlog::warn("key index: '{}' indexed as {}: {}", ckpt, StateName(state), error);
-  }
-  return result;
+  built.info = info.dump();
+  built.parse_ms = parse_ms;
+  built.items_ms = items_ms;
+  built.build_ms = build_ms;
+  built.with_sum = r.with_sum;
+  built.from_blocks = r.from_blocks;
+  built.read_items = r.read_items;
+  built.read_bytes = r.read_bytes;
+  built.result = result;
+  return built;
 }
 
 }  // namespace ckptfs::store
