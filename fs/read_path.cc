@@ -14,6 +14,7 @@
 
 #include "common/thread_name.h"
 #include "fs/fs_util.h"
+#include "fs/prefetch_order.h"
 #include "store/publish/commit_names.h"
 #include "store/dcp/checkpoint_source.h"
 #include "store/dcp/dcp_metadata.h"
@@ -172,6 +173,11 @@ void ReadPath::QueuePrefetch(const std::string& ckpt) {
     }
     prefetch_queue_.push_back(ckpt);
     if (plan) planning_.insert(ckpt);
+    if (queued_at_.size() > 64) {
+      queued_at_.clear();
+      data_opened_.clear();
+    }
+    queued_at_[ckpt] = std::chrono::steady_clock::now();
   }
   cv_.notify_one();
 }
@@ -296,20 +302,22 @@ uint64_t MemAvailableBytes() {
 }
 }  // namespace
 
-// Passthrough readers read the backing files' page cache: the kernel is asked to read the
-// checkpoint into it (POSIX_FADV_WILLNEED) while the ranks set up and deserialize, so their
-// reads find it there. Bytes are read from the disk once however many ranks read them (the
-// page cache is shared), as the block cache's prefetch did. Round-robin over the files,
-// kWindow of each at a time (ranks read their files side by side), paced by waiting for the
-// previous window of each file: at most two windows per file in flight, so demand reads of
-// other files are not queued behind the whole checkpoint.
 bool ReadPath::HeldInMemory(const std::string& ckpt) const {
   return retained_ != nullptr && retained_->HoldsCommitted(ckpt);
 }
 
+// Passthrough readers read the backing files' page cache: the kernel is asked to read the
+// checkpoint into it (POSIX_FADV_WILLNEED) while the ranks plan and allocate, so their
+// reads find it there. Bytes are read from the disk once however many ranks read them (the
+// page cache is shared). Windows come in PrefetchOrder (each writer rank's next bytes in
+// turn; in name order, torch 2.x's per-item files put all of rank 0's first), at most
+// kInFlight bytes of them asked for and not yet read, so a demand read queues behind that
+// much at most, never behind the whole checkpoint. It stops once a rank opens a data file
+// (NoteDataOpen).
 void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
   constexpr uint64_t kWindow = uint64_t{8} << 20;
   constexpr uint64_t kStep = uint64_t{1} << 20;
+  constexpr uint64_t kInFlight = uint64_t{32} << 20;
   constexpr auto kRecent = std::chrono::seconds(30);
   const auto started = std::chrono::steady_clock::now();
   {
@@ -325,11 +333,8 @@ void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
     spdlog::debug("page-cache prefetch of {}: {}", ckpt, md.status().ToString());
     return;
   }
-  struct File {
-    UniqueFd fd;
-    uint64_t length = 0, pos = 0, last_end = 0;
-  };
-  std::vector<File> files;
+  std::vector<UniqueFd> fds;
+  std::vector<std::pair<std::string, uint64_t>> files;
   uint64_t total = 0;
   for (const auto& [file, length] : store::RequiredFileLengths(*md)) {
     auto fd = backing_->OpenFile(JoinPath(ckpt, file), O_RDONLY);
@@ -338,42 +343,68 @@ void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
     if (!st.ok()) continue;
     const uint64_t len = std::min<uint64_t>(length, static_cast<uint64_t>(st->st_size));
     if (static_cast<uint64_t>(st->st_size) < page_cache_min_bytes_ || len == 0) continue;
-    files.push_back(File{std::move(*fd), len});
+    fds.push_back(std::move(*fd));
+    files.emplace_back(file, len);
     total += len;
   }
   // A checkpoint larger than memory would push its own first bytes out before they are
   // read: at most half of what is available now.
-  uint64_t budget = MemAvailableBytes() / 2;
-  uint64_t asked = 0;
-  bool more = true;
-  while (more && asked < budget && !Stopping()) {
-    more = false;
-    for (File& f : files) {
-      if (f.pos >= f.length || asked >= budget) continue;
-      const uint64_t n = std::min(kWindow, f.length - f.pos);
-      // The kernel caps one WILLNEED at the device's read-ahead or request size (8 MiB
-      // on this machine's disk, 1.25 MiB and up on most): asked for in steps below both.
-      for (uint64_t at = 0; at < n; at += kStep) {
-        ::posix_fadvise(f.fd.get(), static_cast<off_t>(f.pos + at),
-                        static_cast<off_t>(std::min(kStep, n - at)), POSIX_FADV_WILLNEED);
-      }
-      asked += n;
-      if (page_cache_counter_ != nullptr) page_cache_counter_->fetch_add(n);
-      // Wait for this file's previous window: its last page is read once it is in.
-      if (f.last_end > 0) {
-        char byte;
-        (void)::pread(f.fd.get(), &byte, 1, static_cast<off_t>(f.last_end - 1));
-      }
-      f.last_end = f.pos + n;
-      f.pos += n;
-      more = more || f.pos < f.length;
+  const uint64_t budget = MemAvailableBytes() / 2;
+  uint64_t asked = 0, in_flight = 0;
+  std::deque<PrefetchWindow> pending;  // asked for, oldest first
+  // Waits for the oldest window: its last page is read once the window is in.
+  auto wait_oldest = [&] {
+    const PrefetchWindow& w = pending.front();
+    char byte;
+    (void)::pread(fds[w.file].get(), &byte, 1, static_cast<off_t>(w.offset + w.length - 1));
+    in_flight -= w.length;
+    pending.pop_front();
+  };
+  const char* stopped = "";
+  for (const PrefetchWindow& w : PrefetchOrder(files, kWindow)) {
+    if (Stopping()) {
+      stopped = " (unmounting)";
+      break;
     }
+    if (asked + w.length > budget) {
+      stopped = " (memory budget)";
+      break;
+    }
+    if (RanksReading(ckpt)) {
+      stopped = " (the ranks read)";
+      break;
+    }
+    while (!pending.empty() && in_flight + w.length > kInFlight) wait_oldest();
+    // The kernel caps one WILLNEED at the device's read-ahead or request size (8 MiB
+    // on this machine's disk, 1.25 MiB and up on most): asked for in steps below both.
+    for (uint64_t at = 0; at < w.length; at += kStep) {
+      ::posix_fadvise(fds[w.file].get(), static_cast<off_t>(w.offset + at),
+                      static_cast<off_t>(std::min(kStep, w.length - at)), POSIX_FADV_WILLNEED);
+    }
+    asked += w.length;
+    in_flight += w.length;
+    pending.push_back(w);
+    if (page_cache_counter_ != nullptr) page_cache_counter_->fetch_add(w.length);
   }
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   spdlog::info("page-cache prefetch of {}: {} of {} bytes in {} files asked for in {:.3f} s{}",
-               ckpt, asked, total, files.size(), secs,
-               asked < total ? " (memory budget or stop)" : "");
+               ckpt, asked, total, files.size(), secs, stopped);
+}
+
+void ReadPath::NoteDataOpen(const std::string& ckpt) {
+  if (!page_cache_.load()) return;
+  const auto now = std::chrono::steady_clock::now();
+  MutexLock lock(&mu_);
+  if (queued_at_.count(ckpt) == 0) return;  // no load of it began
+  data_opened_[ckpt] = now;
+}
+
+bool ReadPath::RanksReading(const std::string& ckpt) {
+  MutexLock lock(&mu_);
+  auto q = queued_at_.find(ckpt);
+  auto o = data_opened_.find(ckpt);
+  return q != queued_at_.end() && o != data_opened_.end() && o->second >= q->second;
 }
 
 void ReadPath::KeepItems(const std::string& ckpt, const store::DcpMetadata& md) {

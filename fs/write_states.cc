@@ -446,6 +446,8 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
     // model.safetensors for Hugging Face): fetch the checkpoint ahead.
     if (!writable && store::CommitKindOf(node->name) != store::CommitKind::kNone) {
       read_->QueuePrefetch(fh.ckpt);
+    } else if (!writable) {
+      read_->NoteDataOpen(fh.ckpt);
     }
   }
   return handle.release();
