@@ -313,11 +313,16 @@ bool ReadPath::HeldInMemory(const std::string& ckpt) const {
 // turn; in name order, torch 2.x's per-item files put all of rank 0's first), at most
 // kInFlight bytes of them asked for and not yet read, so a demand read queues behind that
 // much at most, never behind the whole checkpoint. It stops once a rank opens a data file
-// (NoteDataOpen).
+// (NoteDataOpen), and asks for nothing when one does within kReadersStartWithin of the
+// load's start: the ranks read at once, and the prefetch's order-0 pages would only slow
+// their reads (see NoteDataOpen).
 void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
   constexpr uint64_t kWindow = uint64_t{8} << 20;
   constexpr uint64_t kStep = uint64_t{1} << 20;
   constexpr uint64_t kInFlight = uint64_t{32} << 20;
+  // torch 2.14's ranks open their first data file ~20 ms after `.metadata`; torch 1.13's
+  // plan and allocate for 0.2 s and more first.
+  constexpr auto kReadersStartWithin = std::chrono::milliseconds(50);
   constexpr auto kRecent = std::chrono::seconds(30);
   const auto started = std::chrono::steady_clock::now();
   {
@@ -346,6 +351,22 @@ void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
     fds.push_back(std::move(*fd));
     files.emplace_back(file, len);
     total += len;
+  }
+  // Ranks that read right after `.metadata` (torch 2.x) leave no gap to fill: wait a
+  // moment for their first data open before asking for anything.
+  {
+    MutexLock lock(&mu_);
+    auto q = queued_at_.find(ckpt);
+    const auto deadline =
+        (q != queued_at_.end() ? q->second : started) + kReadersStartWithin;
+    cv_.wait_until(lock.native(), deadline, [&] {
+      mu_.AssertHeld();  // the predicate runs under the lock
+      return stop_;
+    });
+  }
+  if (RanksReading(ckpt)) {
+    spdlog::info("page-cache prefetch of {}: none, the ranks read at once", ckpt);
+    return;
   }
   // A checkpoint larger than memory would push its own first bytes out before they are
   // read: at most half of what is available now.

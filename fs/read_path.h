@@ -97,8 +97,8 @@ class ReadPath {
   // The checkpoint prefetch reads ahead into the backing files' page cache instead of the
   // block cache (passthrough readers read that cache): files of `min_bytes` or more (the
   // smaller ones are the daemon's to serve), in windows in PrefetchOrder, until the ranks
-  // read (NoteDataOpen), at most half the memory available when it starts. Bytes asked
-  // for add to `counter`.
+  // read (NoteDataOpen; none at all when they read within 50 ms of the load's start), at
+  // most half the memory available when it starts. Bytes asked for add to `counter`.
   // Once, before the first QueuePrefetch (at INIT).
   void SetPageCachePrefetch(uint64_t min_bytes, std::atomic<uint64_t>* counter) {
     page_cache_min_bytes_ = min_bytes;

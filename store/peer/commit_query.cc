@@ -97,13 +97,7 @@ std::shared_ptr<PeerClient> CommitQuerier::ClientFor(uint32_t node) {
   const auto now = std::chrono::steady_clock::now();
   if (now < peer.down_until) return nullptr;
   peer.client.reset();
-  PeerClientOptions co;
-  co.server = options_.nodes[node];
-  co.node_id = options_.nodes[options_.self];
-  co.secret = options_.secret;
-  co.connect_timeout = options_.connect_timeout;
-  co.request_timeout = options_.request_timeout;
-  auto client = PeerClient::Connect(co);
+  auto client = PeerClient::Connect(ClientOptionsFor(options_.nodes[node], options_));
   if (!client.ok()) {
     spdlog::warn(
         "commit query: cannot reach peer {} ({}); its shards are checked on the "

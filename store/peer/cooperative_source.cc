@@ -260,13 +260,7 @@ bool CooperativeSource::TryConnect(Peer& p) {
     if (p.client && p.client->healthy()) return true;
     if (Clock::now() < p.down_until) return false;
   }
-  PeerClientOptions co;
-  co.server = p.node;
-  co.node_id = options_.nodes[options_.self];
-  co.secret = options_.secret;
-  co.connect_timeout = options_.connect_timeout;
-  co.request_timeout = options_.request_timeout;
-  auto c = PeerClient::Connect(co);
+  auto c = PeerClient::Connect(ClientOptionsFor(p.node, options_));
   MutexLock lock(&p.mu);
   if (!c.ok()) {
     const std::string err = c.status().ToString();

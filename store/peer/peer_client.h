@@ -41,6 +41,20 @@ struct PeerClientOptions {
   std::chrono::milliseconds request_timeout{10000};
 };
 
+// The options to reach `server` as this node: any of the peer modules' options (they all
+// carry the peer list `nodes`, this node's index `self` in it, the shared `secret` and the
+// two timeouts).
+template <typename PeerModuleOptions>
+PeerClientOptions ClientOptionsFor(const std::string& server, const PeerModuleOptions& o) {
+  PeerClientOptions co;
+  co.server = server;
+  co.node_id = o.nodes[o.self];
+  co.secret = o.secret;
+  co.connect_timeout = o.connect_timeout;
+  co.request_timeout = o.request_timeout;
+  return co;
+}
+
 struct PeerClientStats {
   uint64_t fetched_blocks = 0;
   uint64_t fetched_bytes = 0;

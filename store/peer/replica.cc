@@ -113,13 +113,7 @@ void Replicator::Connect(Link& link) {
   if (ClientOf(link)) return;
   const auto now = std::chrono::steady_clock::now();
   if (now < link.retry_at) return;
-  PeerClientOptions co;
-  co.server = link.node;
-  co.node_id = options_.nodes[options_.self];
-  co.secret = options_.secret;
-  co.connect_timeout = options_.connect_timeout;
-  co.request_timeout = options_.request_timeout;
-  auto c = PeerClient::Connect(co);
+  auto c = PeerClient::Connect(ClientOptionsFor(link.node, options_));
   if (!c.ok()) {
     spdlog::debug("replication: cannot connect to {}: {}", link.node, c.status().ToString());
     link.retry_at = now + link.backoff;
