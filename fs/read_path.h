@@ -85,8 +85,9 @@ class ReadPath {
   // ranks read now, and the page-cache prefetch of this load stops. It is for the time
   // the ranks spend between `.metadata` and their reads (planning, allocating the state);
   // once they read, the kernel's own read-ahead keeps the disk busy for them, and the
-  // prefetch would only compete with them for the CPU (torch 2.14, whose ranks read at
-  // once: 1.1-1.4x the direct load with it, 1.0x without).
+  // prefetch would only compete with them for the CPU and leave order-0 pages that read
+  // slower than the read path's large folios (torch 2.14, whose ranks read at once:
+  // 1.04-1.38x the direct load with it, 0.95-1.08x without).
   void NoteDataOpen(const std::string& ckpt) EXCLUDES(mu_);
   // Whether a data file of `ckpt` was opened since its load's prefetch was queued.
   bool RanksReading(const std::string& ckpt) EXCLUDES(mu_);
