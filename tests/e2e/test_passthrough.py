@@ -12,6 +12,10 @@
   * test_fallback_when_disabled: --passthrough off: every read is the daemon's, bytes
     are the same, stats say why it is off; closing a read-only open sends no FLUSH
     (FOPEN_NOFLUSH, as passthrough opens), closing a writable one does.
+  * test_prefetch_fills_only_the_setup_gap: the page-cache prefetch that opening
+    `.metadata` starts asks for nothing when a rank opens a data file right away (torch
+    2.x), and for some of the checkpoint, never more than it, when the ranks take their
+    time first (torch 1.13 plans and allocates); both read back byte-exact.
 Skips when this kernel or this process cannot pass through (stats say "off: ...").
 """
 import errno
@@ -95,6 +99,43 @@ class PassthroughTest(unittest.TestCase):
         self.assertEqual(s2["passthrough_open_now"], 0)
         self.assertEqual(s2["errors"], 0)
         self.assertEqual(m.unmount(), 0, "the daemon exits cleanly with backing ids registered")
+
+    def test_prefetch_fills_only_the_setup_gap(self):
+        m = self.start()
+        self.require_on(m)
+        for name in ("at_once", "after_setup"):
+            dcp_tool.save(os.path.join(m.backing, name), 4, 64, True, 7)
+
+        def prefetched():
+            return m.stats()["passthrough_page_cache_prefetched"]
+
+        def data_bytes(name):
+            d = os.path.join(m.backing, name)
+            return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)
+                       if f.endswith(".distcp"))
+
+        # A rank that reads right after `.metadata`: no prefetch at all.
+        p0 = prefetched()
+        with open(os.path.join(m.mnt, "at_once", ".metadata"), "rb") as md, \
+                open(os.path.join(m.mnt, "at_once", "__0_0.distcp"), "rb") as f:
+            md.read()
+            f.read(1)
+        time.sleep(1.0)
+        self.assertEqual(prefetched(), p0, "prefetched beside ranks that read at once")
+        # Ranks that plan for a while first: the prefetch fills that time.
+        with open(os.path.join(m.mnt, "after_setup", ".metadata"), "rb") as md:
+            md.read()
+        deadline = time.monotonic() + 10
+        while prefetched() == p0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = prefetched() - p0
+        self.assertGreater(got, 0, "nothing prefetched in the setup gap")
+        self.assertLessEqual(got, data_bytes("after_setup"))
+        for name in ("at_once", "after_setup"):
+            for f in sorted(os.listdir(os.path.join(m.backing, name))):
+                self.assertEqual(sha(os.path.join(m.mnt, name, f)),
+                                 sha(os.path.join(m.backing, name, f)), f)
+        self.assertEqual(m.stats()["errors"], 0)
 
     def test_read_your_writes_after_rewrite(self):
         m = self.start(["--passthrough-min-size", "0"])  # this small file passes through too
