@@ -192,7 +192,7 @@ std::shared_ptr<Node> NodeTable::AddBackingChildLocked(Node* dir, const std::str
   auto child = NewNodeLocked(dir, name, TypeOf(st.st_mode));
   child->attr = st;
   child->attr.st_ino = child->ino;
-  child->attr.st_blksize = kBlockSize;
+  child->attr.st_blksize = BackingBlockSize(st);
   child->on_backing = true;
   AdoptLinkGroupLocked(child.get(), st);
   return child;
@@ -337,7 +337,7 @@ void NodeTable::ApplyBackingStatLocked(Node* node, const struct stat& st) {
   const struct stat shown = node->attr;
   node->attr = st;
   node->attr.st_ino = node->ino;
-  node->attr.st_blksize = kBlockSize;
+  node->attr.st_blksize = BackingBlockSize(st);
   if (node->ino == kRootIno) {
     // Every temp file is made and renamed away in the backing root: its times move with
     // any write anywhere. Through the mount they move only with the root's own entries.

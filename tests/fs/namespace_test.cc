@@ -2,6 +2,7 @@
 // names created and removed by others on the backing store, and what a failing
 // lookup call of the backing store does to the mount's view.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -10,6 +11,7 @@
 #include <set>
 #include <string>
 
+#include "fs/fs_util.h"
 #include "tests/fs/fs_fixture.h"
 
 namespace ckptfs::fs {
@@ -32,6 +34,30 @@ TEST_F(NamespaceTest, LookupGoesThroughTheInjectedBackingDir) {
   EXPECT_EQ(e->attr.st_size, 17);
   std::lock_guard lock(mu);
   EXPECT_TRUE(seen.count("stat:external")) << "the lookup did not stat through BackingDir";
+}
+
+// A reader buffers a file on the backing store as it would reading the store directly
+// (Python sizes its buffer by st_blksize); a file being written through the mount shows
+// kBlockSize, so buffered writers send large requests.
+TEST_F(NamespaceTest, BlockSizeIsTheStoresForItsFilesAndLargeForFilesBeingWritten) {
+  Start();
+  PutBacking("theirs", "from the store");
+  struct stat backing {};
+  ASSERT_EQ(::stat(BackingPath("theirs").c_str(), &backing), 0);
+  ASSERT_NE(backing.st_blksize, kBlockSize) << "this test needs a store whose block size is not 1 MiB";
+  auto theirs = fs_->Lookup(kRootIno, "theirs");
+  ASSERT_TRUE(theirs.ok()) << theirs.status().ToString();
+  EXPECT_EQ(theirs->attr.st_blksize, backing.st_blksize);
+
+  auto made = fs_->Create(kRootIno, "mine", 0644, O_WRONLY | O_CREAT | O_TRUNC);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  auto [entry, h] = *made;
+  EXPECT_EQ(entry.attr.st_blksize, kBlockSize);
+  ASSERT_TRUE(fs_->Write(h, "abc", 3, 0).ok());
+  auto open_mine = fs_->Lookup(kRootIno, "mine");
+  ASSERT_TRUE(open_mine.ok()) << open_mine.status().ToString();
+  EXPECT_EQ(open_mine->attr.st_blksize, kBlockSize);
+  fs_->Release(h);
 }
 
 TEST_F(NamespaceTest, FailedListingFailsTheLookupAndIsRetriedNextTime) {
