@@ -3,12 +3,10 @@
 #include "store/cache/retained_tier.h"
 
 #include <fcntl.h>
-#include <sys/sendfile.h>
 #include <unistd.h>
 
 #include <cinttypes>
 #include <cstdio>
-#include <cstring>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -175,6 +173,11 @@ void ReadPath::QueuePrefetch(const std::string& ckpt) {
     }
     prefetch_queue_.push_back(ckpt);
     if (plan) planning_.insert(ckpt);
+    if (queued_at_.size() > 64) {
+      queued_at_.clear();
+      data_opened_.clear();
+    }
+    queued_at_[ckpt] = std::chrono::steady_clock::now();
   }
   cv_.notify_one();
 }
@@ -303,25 +306,30 @@ bool ReadPath::HeldInMemory(const std::string& ckpt) const {
   return retained_ != nullptr && retained_->HoldsCommitted(ckpt);
 }
 
-// Passthrough readers read the backing files' page cache: the daemon reads the checkpoint
-// into it, so the ranks' reads find it there. Bytes are read from the disk once however
-// many ranks read them (the page cache is shared). Windows come in PrefetchOrder (each
-// writer rank's next bytes in turn). A file a rank has opened (NoteDataOpen) is left to
-// that rank's kernel read-ahead, which streams one open file well; what it cannot do is
-// read the next file before the rank opens it, and that is the prefetch's part: the whole
-// checkpoint while the ranks plan (torch 1.13 takes 0.2-0.4 s), the files not yet opened
-// once they read (a file per item). A window is read by sendfile() into /dev/null: the page
-// cache's own read path fills it with large folios and nothing is copied (POSIX_FADV_WILLNEED
-// left 4 KiB pages that the ranks then copied 1.3-4x slower; a read() pass copies every byte
-// once more).
+// Passthrough readers read the backing files' page cache: the kernel is asked to read the
+// checkpoint into it (POSIX_FADV_WILLNEED) while the ranks plan and allocate, so their
+// reads find it there. Bytes are read from the disk once however many ranks read them (the
+// page cache is shared). Windows come in PrefetchOrder (each writer rank's next bytes in
+// turn; in name order, torch 2.x's per-item files put all of rank 0's first), at most
+// kInFlight bytes of them asked for and not yet read, so a demand read queues behind that
+// much at most, never behind the whole checkpoint. It stops once a rank opens a data file
+// (NoteDataOpen), and asks for nothing when one does within kReadersStartWithin of the
+// load's start: the ranks read at once, and the prefetch's order-0 pages would only slow
+// their reads (see NoteDataOpen).
 void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
   constexpr uint64_t kWindow = uint64_t{8} << 20;
+  constexpr uint64_t kStep = uint64_t{1} << 20;
+  constexpr uint64_t kInFlight = uint64_t{32} << 20;
+  // torch 2.14's ranks open their first data file ~20 ms after `.metadata`; torch 1.13's
+  // plan and allocate for 0.2 s and more first.
+  constexpr auto kReadersStartWithin = std::chrono::milliseconds(50);
+  constexpr auto kRecent = std::chrono::seconds(30);
   const auto started = std::chrono::steady_clock::now();
   {
     // Every rank opens `.metadata`: one prefetch per load is enough.
     MutexLock lock(&mu_);
     auto it = page_cache_done_.find(ckpt);
-    if (it != page_cache_done_.end() && started - it->second < kOpenedRecently) return;
+    if (it != page_cache_done_.end() && started - it->second < kRecent) return;
     if (page_cache_done_.size() > 64) page_cache_done_.clear();
     page_cache_done_[ckpt] = started;
   }
@@ -344,64 +352,80 @@ void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
     files.emplace_back(file, len);
     total += len;
   }
-  UniqueFd sink(::open("/dev/null", O_WRONLY | O_CLOEXEC));
-  if (!sink.valid()) {
-    spdlog::warn("page-cache prefetch of {}: /dev/null: {}", ckpt, std::strerror(errno));
+  // Ranks that read right after `.metadata` (torch 2.x) leave no gap to fill: wait a
+  // moment for their first data open before asking for anything.
+  {
+    MutexLock lock(&mu_);
+    auto q = queued_at_.find(ckpt);
+    const auto deadline =
+        (q != queued_at_.end() ? q->second : started) + kReadersStartWithin;
+    cv_.wait_until(lock.native(), deadline, [&] {
+      mu_.AssertHeld();  // the predicate runs under the lock
+      return stop_;
+    });
+  }
+  if (RanksReading(ckpt)) {
+    spdlog::info("page-cache prefetch of {}: none, the ranks read at once", ckpt);
     return;
   }
   // A checkpoint larger than memory would push its own first bytes out before they are
   // read: at most half of what is available now.
   const uint64_t budget = MemAvailableBytes() / 2;
-  uint64_t read = 0, left_to_ranks = 0;
+  uint64_t asked = 0, in_flight = 0;
+  std::deque<PrefetchWindow> pending;  // asked for, oldest first
+  // Waits for the oldest window: its last page is read once the window is in.
+  auto wait_oldest = [&] {
+    const PrefetchWindow& w = pending.front();
+    char byte;
+    (void)::pread(fds[w.file].get(), &byte, 1, static_cast<off_t>(w.offset + w.length - 1));
+    in_flight -= w.length;
+    pending.pop_front();
+  };
   const char* stopped = "";
   for (const PrefetchWindow& w : PrefetchOrder(files, kWindow)) {
     if (Stopping()) {
       stopped = " (unmounting)";
       break;
     }
-    if (read + w.length > budget) {
+    if (asked + w.length > budget) {
       stopped = " (memory budget)";
       break;
     }
-    if (OpenedByRanks(ckpt, files[w.file].first)) {
-      left_to_ranks += w.length;
-      continue;
+    if (RanksReading(ckpt)) {
+      stopped = " (the ranks read)";
+      break;
     }
-    off_t at = static_cast<off_t>(w.offset);
-    const off_t end = static_cast<off_t>(w.offset + w.length);
-    while (at < end) {
-      const ssize_t n = ::sendfile(sink.get(), fds[w.file].get(), &at,
-                                   static_cast<size_t>(end - at));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) break;  // an error or the file's end: the ranks' reads will say which
+    while (!pending.empty() && in_flight + w.length > kInFlight) wait_oldest();
+    // The kernel caps one WILLNEED at the device's read-ahead or request size (8 MiB
+    // on this machine's disk, 1.25 MiB and up on most): asked for in steps below both.
+    for (uint64_t at = 0; at < w.length; at += kStep) {
+      ::posix_fadvise(fds[w.file].get(), static_cast<off_t>(w.offset + at),
+                      static_cast<off_t>(std::min(kStep, w.length - at)), POSIX_FADV_WILLNEED);
     }
-    const uint64_t done = static_cast<uint64_t>(at) - w.offset;
-    read += done;
-    if (page_cache_counter_ != nullptr) page_cache_counter_->fetch_add(done);
+    asked += w.length;
+    in_flight += w.length;
+    pending.push_back(w);
+    if (page_cache_counter_ != nullptr) page_cache_counter_->fetch_add(w.length);
   }
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  spdlog::info(
-      "page-cache prefetch of {}: {} of {} bytes in {} files read in {:.3f} s, {} left to the "
-      "ranks' own read-ahead{}",
-      ckpt, read, total, files.size(), secs, left_to_ranks, stopped);
+  spdlog::info("page-cache prefetch of {}: {} of {} bytes in {} files asked for in {:.3f} s{}",
+               ckpt, asked, total, files.size(), secs, stopped);
 }
 
-void ReadPath::NoteDataOpen(const std::string& ckpt, const std::string& file) {
+void ReadPath::NoteDataOpen(const std::string& ckpt) {
   if (!page_cache_.load()) return;
   const auto now = std::chrono::steady_clock::now();
   MutexLock lock(&mu_);
-  if (opened_.size() >= 64 && opened_.count(ckpt) == 0) opened_.clear();
-  opened_[ckpt][file] = now;
+  if (queued_at_.count(ckpt) == 0) return;  // no load of it began
+  data_opened_[ckpt] = now;
 }
 
-bool ReadPath::OpenedByRanks(const std::string& ckpt, const std::string& file) {
-  const auto now = std::chrono::steady_clock::now();
+bool ReadPath::RanksReading(const std::string& ckpt) {
   MutexLock lock(&mu_);
-  auto load = opened_.find(ckpt);
-  if (load == opened_.end()) return false;
-  auto f = load->second.find(std::string(path::Basename(file)));
-  return f != load->second.end() && now - f->second < kOpenedRecently;
+  auto q = queued_at_.find(ckpt);
+  auto o = data_opened_.find(ckpt);
+  return q != queued_at_.end() && o != data_opened_.end() && o->second >= q->second;
 }
 
 void ReadPath::KeepItems(const std::string& ckpt, const store::DcpMetadata& md) {

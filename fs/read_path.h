@@ -81,23 +81,25 @@ class ReadPath {
   // Does nothing without a block cache.
   void QueuePrefetch(const std::string& ckpt) EXCLUDES(mu_);
 
-  // A reader opened data file `file` (its name, not a commit file) of committed checkpoint
-  // `ckpt`: the page-cache prefetch of this load leaves that file to the reader's own
-  // kernel read-ahead. Prefetching a file its rank streams only competed with it: torch
-  // 2.14, a file per rank, 1.35x the direct load with it, 0.9x without.
-  void NoteDataOpen(const std::string& ckpt, const std::string& file) EXCLUDES(mu_);
-  // Whether a reader opened a file of `ckpt` named like `file`'s last component within
-  // kOpenedRecently.
-  bool OpenedByRanks(const std::string& ckpt, const std::string& file) EXCLUDES(mu_);
+  // A reader opened a data file (not a commit file) of committed checkpoint `ckpt`: the
+  // ranks read now, and the page-cache prefetch of this load stops. It is for the time
+  // the ranks spend between `.metadata` and their reads (planning, allocating the state);
+  // once they read, the kernel's own read-ahead keeps the disk busy for them, and the
+  // prefetch would only compete with them for the CPU and leave order-0 pages that read
+  // slower than the read path's large folios (torch 2.14, whose ranks read at once:
+  // 1.04-1.38x the direct load with it, 0.95-1.08x without).
+  void NoteDataOpen(const std::string& ckpt) EXCLUDES(mu_);
+  // Whether a data file of `ckpt` was opened since its load's prefetch was queued.
+  bool RanksReading(const std::string& ckpt) EXCLUDES(mu_);
 
   // Off: QueuePrefetch does nothing (the kernel passes this node's reads through, and a
   // prefetch into the block cache would read every byte a second time).
   void SetPrefetch(bool on) { prefetch_.store(on); }
   // The checkpoint prefetch reads ahead into the backing files' page cache instead of the
   // block cache (passthrough readers read that cache): files of `min_bytes` or more (the
-  // smaller ones are the daemon's to serve), in windows in PrefetchOrder, skipping the files
-  // the ranks have opened (NoteDataOpen), at most half the memory available when it starts.
-  // Bytes read add to `counter`.
+  // smaller ones are the daemon's to serve), in windows in PrefetchOrder, until the ranks
+  // read (NoteDataOpen; none at all when they read within 50 ms of the load's start), at
+  // most half the memory available when it starts. Bytes asked for add to `counter`.
   // Once, before the first QueuePrefetch (at INIT).
   void SetPageCachePrefetch(uint64_t min_bytes, std::atomic<uint64_t>* counter) {
     page_cache_min_bytes_ = min_bytes;
@@ -175,13 +177,10 @@ class ReadPath {
   bool stop_ GUARDED_BY(mu_) = false;
   // Checkpoints prefetched into the page cache, and when (PrefetchIntoPageCache).
   std::map<std::string, std::chrono::steady_clock::time_point> page_cache_done_ GUARDED_BY(mu_);
-  // Per checkpoint: its data files readers opened, by name, and when (NoteDataOpen). At
-  // most 64 checkpoints (cleared, then refilled by the next opens).
-  std::map<std::string, std::map<std::string, std::chrono::steady_clock::time_point>> opened_
-      GUARDED_BY(mu_);
-  // A load's ranks open their files within this of each other; one prefetch per checkpoint
-  // in this time too (page_cache_done_).
-  static constexpr auto kOpenedRecently = std::chrono::seconds(30);
+  // Per checkpoint: when its load was queued for prefetch (QueuePrefetch) and when a reader
+  // last opened one of its data files (NoteDataOpen). Bounded like page_cache_done_.
+  std::map<std::string, std::chrono::steady_clock::time_point> queued_at_ GUARDED_BY(mu_);
+  std::map<std::string, std::chrono::steady_clock::time_point> data_opened_ GUARDED_BY(mu_);
   std::atomic<bool> prefetch_{true};
   std::atomic<uint64_t> plan_wait_timeouts_{0};
   store::RetainedTier* retained_ = nullptr;  // SetRetainedTier

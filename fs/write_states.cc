@@ -444,10 +444,10 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
     fh.indexed = index_->IsIndexed(fh.ckpt);
     // Reading a commit file is how every load starts (`.metadata` for DCP, the index or
     // model.safetensors for Hugging Face): fetch the checkpoint ahead.
-    if (!writable && store::CommitKindOf(fh.file) != store::CommitKind::kNone) {
+    if (!writable && store::CommitKindOf(node->name) != store::CommitKind::kNone) {
       read_->QueuePrefetch(fh.ckpt);
     } else if (!writable) {
-      read_->NoteDataOpen(fh.ckpt, fh.file);
+      read_->NoteDataOpen(fh.ckpt);
     }
   }
   return handle.release();
