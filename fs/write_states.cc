@@ -141,6 +141,7 @@ void WriteStates::InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws)
   ws->began_after = publication_->last_appended();
   node->write = std::move(ws);
   node->attr.st_mtim = node->attr.st_ctim = Now();
+  node->attr.st_blksize = kBlockSize;  // written through the mount: large write requests
   table_.SyncDataLocked(node);
   // A file made, or written again in place (a second save into the same directory opens
   // its shards with O_TRUNC): a checkpoint file's checkpoint is being written.

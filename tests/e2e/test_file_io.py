@@ -52,6 +52,24 @@ class FileIOTest(MountedTest):
         self.assertEqual(read_file(self.b("new")), b"second")
         self.assertEqual(read_file(self.b("existing.bin")), b"recreated")
 
+    def test_block_size(self):
+        """st_blksize: a file of the store shows the store's (a reader buffers as it would
+        reading the store directly); a file written through the mount shows 1 MiB (Python's
+        buffered writes send large requests), made new or written again in place."""
+        if PLAIN:
+            self.skipTest("ckptfs's block sizes")
+        store = os.stat(self.b("existing.bin")).st_blksize
+        self.assertNotEqual(store, MiB, "this test needs a store whose block size is not 1 MiB")
+        self.assertEqual(os.stat(self.p("existing.bin")).st_blksize, store)
+        with open(self.p("made.bin"), "wb") as f:
+            f.write(b"new")
+            self.assertEqual(os.fstat(f.fileno()).st_blksize, MiB)
+        with open(self.p("existing.bin"), "wb") as f:
+            f.write(b"again")
+            f.flush()
+            self.assertEqual(os.fstat(f.fileno()).st_blksize, MiB)
+        self.assertEqual(read_file(self.p("existing.bin")), b"again")
+
     def test_o_trunc(self):
         big = rand_bytes(51, 3 * MiB)
         write_file(self.p("pub"), big)

@@ -58,6 +58,16 @@ TEST_F(NamespaceTest, BlockSizeIsTheStoresForItsFilesAndLargeForFilesBeingWritte
   ASSERT_TRUE(open_mine.ok()) << open_mine.status().ToString();
   EXPECT_EQ(open_mine->attr.st_blksize, kBlockSize);
   fs_->Release(h);
+
+  // A file of the store written again in place (a second save into the same directory
+  // opens its shards with O_TRUNC) shows kBlockSize while it is written.
+  auto rewrite = fs_->Open(theirs->ino, O_WRONLY | O_TRUNC);
+  ASSERT_TRUE(rewrite.ok()) << rewrite.status().ToString();
+  ASSERT_TRUE(fs_->Write(*rewrite, "again", 5, 0).ok());
+  auto rewritten = fs_->Lookup(kRootIno, "theirs");
+  ASSERT_TRUE(rewritten.ok()) << rewritten.status().ToString();
+  EXPECT_EQ(rewritten->attr.st_blksize, kBlockSize);
+  fs_->Release(*rewrite);
 }
 
 TEST_F(NamespaceTest, FailedListingFailsTheLookupAndIsRetriedNextTime) {
