@@ -19,6 +19,7 @@ alternating first): torch 1.13 (tests/e2e/dcp_tool.py: ShardedTensors) in both l
 own/replicated/reshard, the own load again with reads of the backing disk throttled
 (--throttle-mbps, blkio cgroup, both sides), and torch 2.x DTensors (t2_dcp.py, inside the
 root by chroot with /proc /sys /dev bound, the mount and the backing dir inside the root).
+Every rank of both torch versions runs one intra-op thread, as torchrun starts them.
 
 Loads are timed whole: max over ranks of the setup (reading `.metadata`, allocating the
 state) plus max over ranks of `load_state_dict` (the ranks meet at a barrier between them):

@@ -62,6 +62,11 @@ def load_target(mode, i, rows, rank, ranks, mesh):
 def worker(rank, ranks, port, op, path, mb, out, arg):
     # Torch builds without libuv (Debian sid's 2.x) refuse the default TCPStore backend.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0")
+    # One intra-op thread per rank, as torchrun starts ranks (OMP_NUM_THREADS=1 when it runs
+    # more than one per node) and as the torch 1.13 side of this benchmark runs them. With
+    # torch's default (a thread per core), 4 ranks on 2 cores spent half the CPU in libgomp's
+    # spinning workers, and both sides timed that rather than the reads.
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     mesh = init_device_mesh("cpu", (ranks,))
     rows = (mb << 20) // (4 * COLS * N_TENSORS) // ranks * ranks
