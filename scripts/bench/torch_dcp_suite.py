@@ -54,6 +54,15 @@ MOUNTED = threading.Event()
 LOG_PATTERN = re.compile(r"halted|waits|still halted|\[error\]|\[critical\]", re.I)
 
 
+def register_mount(path):
+    """Tells the e2e tests' guardian (tests/e2e/reaper.py) of a mount, when a test runs this."""
+    try:
+        import reaper
+    except ImportError:
+        return  # a benchmark, not a test: nothing guards it
+    reaper.register_mount(path)
+
+
 def sh(cmd, timeout=60, **kw):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
 
@@ -71,6 +80,7 @@ class RootMounts:
         r = sh(["mount", *args, target])
         if r.returncode != 0:
             raise RuntimeError(f"mount {args} {target}: {r.stderr.strip()}")
+        register_mount(target)
         self.done.append(target)
         return target
 

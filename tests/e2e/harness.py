@@ -2,7 +2,9 @@
 
 Mount() starts a real ckptfs daemon in the foreground (so the test owns its PID)
 over a fresh backing directory, waits until the mount answers, and on exit always
-unmounts and kills exactly that PID, even when the test failed.
+unmounts and kills exactly that PID, even when the test failed. When the test process
+itself is killed (ctest's TIMEOUT), the guardian run_e2e_file starts (reaper.py) does
+both for what was registered.
 """
 import faulthandler
 import hashlib
@@ -16,6 +18,8 @@ import tempfile
 import threading
 import time
 import unittest
+
+import reaper
 
 BIN_DIR = os.environ.get(
     "CKPTFS_BIN_DIR",
@@ -70,12 +74,14 @@ class Mount:
                "--log-file", self.log, "--log-level", "debug"] + self.args + [
                    self.backing, self.mnt]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        reaper.register_pid(self.proc.pid)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 out = self.proc.stdout.read().decode(errors="replace")
                 raise RuntimeError(f"ckptfs exited {self.proc.returncode}: {out}\n{self.log_text()}")
             if is_mounted(self.mnt) and os.path.exists(os.path.join(self.mnt, ".ckptfs", "stats")):
+                reaper.register_mount(self.mnt)
                 return self
             time.sleep(0.05)
         self.stop()
@@ -373,6 +379,7 @@ def make_tmpfs(test, mb, prefix):
     if r.returncode != 0:
         os.rmdir(d)
         test.skipTest(f"cannot mount a tmpfs (needs root): {r.stderr.strip()}")
+    reaper.register_mount(d)
     test.addCleanup(remove_tmpfs, d)
     return d
 
@@ -391,7 +398,9 @@ SKIP_EXIT = 77
 def run_e2e_file(name):
     """Runs the unittest module `name` as `python3 -m unittest -v name` would, and returns
     the exit code for ctest: 1 when anything failed (or nothing was found), SKIP_EXIT when
-    every case was skipped (the reasons are printed last), otherwise 0."""
+    every case was skipped (the reasons are printed last), otherwise 0. A guardian
+    (reaper.py) undoes what the tests registered if this process is killed first."""
+    reaper.start_guardian()
     suite = unittest.defaultTestLoader.loadTestsFromName(name)
     result = unittest.TextTestRunner(verbosity=2).run(suite)
     # Whole cases skipped (a skipTest in a subTest leaves its case run; a skip raised in

@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 import time
 
+import reaper
 from harness import CKPTFS, is_mounted, unmount
 
 SECRET = "ckptfs-e2e shared secret 0123456789"
@@ -47,6 +48,7 @@ def throttle_writes(test, pid, path, bps, name):
     the disk holding `path` to `bps` bytes/s: a slow store for a daemon's direct flushes.
     The cgroup is removed by a cleanup registered on `test` (once its process has left)."""
     cgroup = f"/sys/fs/cgroup/blkio/{name}-{os.getpid()}-{pid}"
+    reaper.register("cgroup", cgroup)
     os.makedirs(cgroup, exist_ok=True)
     test.addCleanup(remove_cgroup, cgroup)
     with open(os.path.join(cgroup, "blkio.throttle.write_bps_device"), "w") as f:
@@ -102,6 +104,7 @@ class Node:
         env["NS"] = self.ns
         self.proc = subprocess.Popen(wrapper + cmd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT)
+        reaper.register_pid(self.proc.pid)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -109,6 +112,7 @@ class Node:
                 raise RuntimeError(f"node {self.index}: ckptfs exited {self.proc.returncode}: "
                                    f"{out}\n{self.log_text()}")
             if is_mounted(self.mnt) and os.path.exists(os.path.join(self.mnt, ".ckptfs", "stats")):
+                reaper.register_mount(self.mnt)
                 return self
             time.sleep(0.05)
         raise RuntimeError(f"node {self.index}: no mount in time\n" + self.log_text())
@@ -170,14 +174,17 @@ class Cluster:
 
     def setup(self):
         try:
+            reaper.register("link", self.bridge)
             _run("ip", "link", "add", self.bridge, "type", "bridge")
             self._made_bridge = True
             _run("ip", "link", "set", self.bridge, "up")
             for i in range(self.k):
                 node = Node(self, i)
                 self.nodes.append(node)
+                reaper.register("netns", node.ns)
                 _run("ip", "netns", "add", node.ns)
                 self._made_ns.append(node.ns)
+                reaper.register("link", node.veth_host)
                 _run("ip", "link", "add", node.veth_host, "type", "veth", "peer", "name",
                      node.veth_ns)
                 self._made_veth.append(node.veth_host)
@@ -198,6 +205,7 @@ class Cluster:
                     f.write(n.address + "\n")
             if self.throttle_bps:
                 self.cgroup = f"/sys/fs/cgroup/blkio/ckptfs-peers-{os.getpid()}"
+                reaper.register("cgroup", self.cgroup)
                 os.makedirs(self.cgroup, exist_ok=True)
                 with open(os.path.join(self.cgroup, "blkio.throttle.read_bps_device"), "w") as f:
                     f.write(f"{backing_disk(self.backing)} {int(self.throttle_bps)}\n")
