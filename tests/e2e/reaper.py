@@ -158,14 +158,20 @@ def read_registry(path):
 
 
 def guard(owner, path):
+    owner_started = start_time(owner)
     try:
         pidfd = os.pidfd_open(owner)
     except ProcessLookupError:
         pidfd = None  # already gone
+    except OSError:
+        pidfd = -1  # no pidfd_open (a kernel before 5.3): poll /proc instead
     if os.fork() != 0:
         os._exit(0)  # the first child: its exit reparents the guardian
     os.setsid()
-    if pidfd is not None:
+    if pidfd == -1:
+        while owner_started is not None and start_time(owner) == owner_started:
+            time.sleep(0.5)
+    elif pidfd is not None:
         import select
         select.select([pidfd], [], [])  # readable once the owner has exited
         os.close(pidfd)
