@@ -136,7 +136,8 @@ def main():
                   f, indent=1)
     try:
         bl.plot(os.path.join(a.out, "bench_uring_probe.png"),
-                "open round trips: io_uring / /dev/fuse (medians)", cases)
+                "open round trips: io_uring / /dev/fuse (medians)", cases,
+                ylabel="io_uring / /dev/fuse, whole time (lower is better)")
     except ImportError:
         bl.log("matplotlib missing: no plot")
 

@@ -278,7 +278,8 @@ def emit(case):
     print(json.dumps(case), flush=True)
 
 
-def plot(png, title, cases, progress=None, progress_title="", markers=()):
+def plot(png, title, cases, progress=None, progress_title="", markers=(),
+         ylabel="ckptfs / direct (lower is better)"):
     """Bar chart of ratios per case, plus (optionally) flush progress over
     time: progress = {"t": [...], name: [bytes...]}, markers = [(t, label)]."""
     import matplotlib
@@ -296,7 +297,7 @@ def plot(png, title, cases, progress=None, progress_title="", markers=()):
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(vals)))
     ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
-    ax.set_ylabel("ckptfs / direct (lower is better)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     for b, v in zip(bars, vals):
         ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{v:.2f}", ha="center",
