@@ -89,6 +89,20 @@ def run_readers(base, names, readers, rounds, layout):
             "opens": len(lat)}
 
 
+def open_case(case, runs, base, other):
+    """The summary of one case: medians over reps of each side's whole time and open()
+    latency; ratio = other / base of the whole time. runs: {side: [run_readers results]}."""
+    med = {s: {k: statistics.median(x[k] for x in v)
+               for k in ("whole_s", "open_us_median", "open_us_p90")}
+           for s, v in runs.items()}
+    out = {"case": case, "ratio": bl.ratio(med[other]["whole_s"], med[base]["whole_s"])}
+    for s in (base, other):
+        out[f"{s}_s"] = med[s]["whole_s"]
+        out[f"{s}_open_us"] = round(med[s]["open_us_median"], 1)
+        out[f"{s}_open_us_p90"] = round(med[s]["open_us_p90"], 1)
+    return out
+
+
 class Burners:
     """n CPU-bound processes, killed by PID on exit."""
 
@@ -156,30 +170,16 @@ def main():
                             bl.log(f"{case} rep {rep} {side}: {r['whole_s']:.3f} s, open "
                                    f"median {r['open_us_median']:.0f} us, p90 "
                                    f"{r['open_us_p90']:.0f} us")
-                med = {s: {k: statistics.median(x[k] for x in v)
-                           for k in ("whole_s", "open_us_median", "open_us_p90")}
-                       for s, v in runs.items()}
-                out = {"case": case, "readers": a.readers, "files": a.files,
-                       "burners": burners, "rounds": a.rounds,
-                       "direct_s": med["direct"]["whole_s"], "ckptfs_s": med["ckptfs"]["whole_s"],
-                       "ratio": bl.ratio(med["ckptfs"]["whole_s"], med["direct"]["whole_s"]),
-                       "direct_open_us": round(med["direct"]["open_us_median"], 1),
-                       "ckptfs_open_us": round(med["ckptfs"]["open_us_median"], 1),
-                       "direct_open_us_p90": round(med["direct"]["open_us_p90"], 1),
-                       "ckptfs_open_us_p90": round(med["ckptfs"]["open_us_p90"], 1),
-                       "round_trips_per_open": {op: round(statistics.median(t[op] for t in trips), 2)
-                                                for op in OPS}}
+                out = open_case(case, runs, "direct", "ckptfs")
+                out.update(readers=a.readers, files=a.files, burners=burners, rounds=a.rounds,
+                           round_trips_per_open={op: round(statistics.median(t[op] for t in trips), 2)
+                                                 for op in OPS})
                 bl.emit(out)
                 cases.append(out)
         d.unmount()
-    with open(os.path.join(a.out, "bench_opens.json"), "w") as f:
-        json.dump({"args": vars(a), "kernel": os.uname().release, "cases": cases, "runs": raw},
-                  f, indent=1)
-    try:
-        bl.plot(os.path.join(a.out, "bench_opens.png"),
-                "open + 64 KiB read + close: ckptfs / direct (medians)", cases)
-    except ImportError:
-        bl.log("matplotlib missing: no plot")
+    bl.save_results(a.out, "bench_opens",
+                    {"args": vars(a), "kernel": os.uname().release, "cases": cases, "runs": raw},
+                    "open + 64 KiB read + close: ckptfs / direct (medians)", cases)
     shutil.rmtree(a.work, ignore_errors=True)
 
 

@@ -437,14 +437,8 @@ def main():
     finally:
         raw["loadavg_end"] = os.getloadavg()
         raw["cases"] = cases
-        with open(os.path.join(a.out, "bench_reads.json"), "w") as f:
-            json.dump(raw, f, indent=1)
-        if cases:
-            try:
-                bl.plot(os.path.join(a.out, "bench_reads.png"),
+        bl.save_results(a.out, "bench_reads", raw,
                         "cold reads: ckptfs / direct (medians, one run)", cases)
-            except ImportError:
-                bl.log("matplotlib missing: no plot")
         shutil.rmtree(a.work, ignore_errors=True)
 
 

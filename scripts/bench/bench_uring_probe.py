@@ -18,12 +18,10 @@ the readers' whole time, medians over --reps), bench_uring_probe.json and .png i
 Needs root (mount, the module parameter).
 """
 import argparse
-import json
 import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import tempfile
 import time
@@ -113,16 +111,7 @@ def main():
                     bl.log(f"{case} rep {rep} {mode}: open median {r['open_us_median']:.0f} us, "
                            f"p90 {r['open_us_p90']:.0f} us, whole {r['whole_s'] * 1000:.1f} ms, "
                            f"requests {p.counts}")
-            med = {s: {k: statistics.median(x[k] for x in v)
-                       for k in ("whole_s", "open_us_median", "open_us_p90")}
-                   for s, v in runs.items()}
-            out = {"case": case, "classic_s": med["classic"]["whole_s"],
-                   "uring_s": med["uring"]["whole_s"],
-                   "ratio": bl.ratio(med["uring"]["whole_s"], med["classic"]["whole_s"]),
-                   "classic_open_us": round(med["classic"]["open_us_median"], 1),
-                   "uring_open_us": round(med["uring"]["open_us_median"], 1),
-                   "classic_open_us_p90": round(med["classic"]["open_us_p90"], 1),
-                   "uring_open_us_p90": round(med["uring"]["open_us_p90"], 1)}
+            out = bench_opens.open_case(case, runs, "classic", "uring")
             bl.emit(out)
             cases.append(out)
     finally:
@@ -131,16 +120,10 @@ def main():
         if bl.is_mounted(mnt):
             subprocess.run(["umount", "-l", mnt], check=False)
         shutil.rmtree(mnt, ignore_errors=True)
-    with open(os.path.join(a.out, "bench_uring_probe.json"), "w") as f:
-        json.dump({"args": vars(a), "kernel": os.uname().release, "cases": cases, "runs": raw},
-                  f, indent=1)
-    try:
-        bl.plot(os.path.join(a.out, "bench_uring_probe.png"),
-                "open round trips: io_uring / /dev/fuse (medians)", cases,
-                ylabel="io_uring / /dev/fuse, whole time (lower is better)")
-    except ImportError:
-        bl.log("matplotlib missing: no plot")
-
+    bl.save_results(a.out, "bench_uring_probe",
+                    {"args": vars(a), "kernel": os.uname().release, "cases": cases, "runs": raw},
+                    "open round trips: io_uring / /dev/fuse (medians)", cases,
+                    ylabel="io_uring / /dev/fuse, whole time (lower is better)")
 
 if __name__ == "__main__":
     main()

@@ -274,6 +274,18 @@ class StatsPoller:
         return out
 
 
+def save_results(out_dir, name, raw, title, cases, **plot_args):
+    """Writes NAME.json (raw) and, when there are cases, NAME.png (plot) into out_dir."""
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+    if not cases:
+        return
+    try:
+        plot(os.path.join(out_dir, f"{name}.png"), title, cases, **plot_args)
+    except ImportError:
+        log("matplotlib missing: no plot")
+
+
 def emit(case):
     print(json.dumps(case), flush=True)
 
