@@ -62,7 +62,7 @@ tail -5 "$M/ckptfs.log"; cp "$M/ckptfs.log" "$OUT/mount.log" 2>/dev/null
 
 step "3. torch DCP of CUDA tensors: ckptfs against a plain directory"
 PYTHONUNBUFFERED=1 timeout "${GPU_DCP_TIMEOUT:-300}" python3 "$REPO/scripts/bench/gpu_dcp.py" \
-  --device "${GPU_DCP_DEVICE:-cuda}" --ranks "${GPU_DCP_RANKS:-4}" --mib "${GPU_DCP_MIB:-512}" --rounds "${GPU_DCP_ROUNDS:-3}" \
+  --device "${GPU_DCP_DEVICE:-cuda}" --ranks "${GPU_DCP_RANKS:-4}" --mib "${GPU_DCP_MIB:-512}" --rounds "${GPU_DCP_ROUNDS:-3}" ${GPU_DCP_ARGS:-} \
   --out "$OUT/gpu_dcp.json" --png "$OUT/gpu_dcp.png" 2>&1 | tee "$OUT/gpu_dcp.log" | tail -30
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "gpu_dcp FAILED"; fail=1; }
 for d in /var/tmp/ckptfs-gpu-dcp/*/mnt "$M/mnt"; do

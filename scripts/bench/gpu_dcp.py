@@ -8,10 +8,12 @@ own items). Per round, in an order that alternates between rounds:
   plain_async  dcp.async_save (thread checkpointer) there, then sync(1)
   ckptfs       dcp.save through an async-durability mount, then `ckptfs-admin wait`
   strict       dcp.save through a strict mount (close returns once durable)
+  NAME         (--mount NAME=ARG,ARG) another ckptfs mount with these daemon arguments
 stall = until every rank's save call returned (training resumes); durable = until the bytes
-are on the backing disk (sync finished / the checkpoint committed). Then every checkpoint is
-loaded back into CUDA tensors with caches dropped and fresh daemons (cold), and compared
-exactly. Prints one JSON object (medians and ratios to plain), writes it and a PNG.
+are on the backing disk (sync finished / the checkpoint committed). Each checkpoint is loaded
+back at once from the same daemons with caches kept (load_warm: a job restarted in place, which
+ckptfs serves from its retained tier), then again into CUDA tensors with caches dropped and
+fresh daemons (cold); every load is compared exactly. Prints one JSON object (medians and ratios to plain), writes it and a PNG.
 """
 import argparse
 import json
@@ -138,6 +140,9 @@ def main():
     ap.add_argument("--staging", default="4G")
     ap.add_argument("--out", default=None, help="JSON path (default ROOT/gpu_dcp.json)")
     ap.add_argument("--png", default=None, help="PNG path (default ROOT/gpu_dcp.png)")
+    ap.add_argument("--mount", action="append", default=[], metavar="NAME=ARG,ARG",
+                    help="one more ckptfs case with these daemon arguments, e.g. "
+                         "noretain=--durability,async,--retain-mem,0 (repeatable)")
     args = ap.parse_args()
 
     shutil.rmtree(args.root, ignore_errors=True)
@@ -145,6 +150,11 @@ def main():
     plain_dir = os.path.join(args.root, "plain")
     os.makedirs(plain_dir)
     mounts = {"ckptfs": ["--durability", "async"], "strict": ["--durability", "strict"]}
+    for spec in args.mount:
+        name, _, extra = spec.partition("=")
+        if not name or name in mounts or name.startswith("plain"):
+            ap.error(f"--mount {spec}: give a new case name, NAME=ARG,ARG")
+        mounts[name] = [a for a in extra.split(",") if a]
 
     def start_daemons():
         ds = {}
@@ -153,13 +163,22 @@ def main():
                                        args=extra).start()
         return ds
 
-    cases = ["plain", "plain_async", "ckptfs", "strict"]
+    cases = ["plain", "plain_async"] + list(mounts)
     saves = {c: {"stall": [], "durable": []} for c in cases}
     loads = {c: [] for c in cases}
+    warm_loads = {c: [] for c in cases}
     exact = True
     staging_backend = None
     ranks = Ranks(args.ranks, args.mib, args.device, args.root)
     daemons = {}
+
+    def timed_load(label, path, times):
+        res = ranks.do("load", path)
+        times.append(max(r[2] for r in res))
+        ok = all(r[3] for r in res)
+        log(f"{label}: {times[-1]:.2f} s exact={ok}")
+        return ok
+
     try:
         log(f"{args.ranks} ranks on {ranks.device}, torch {ranks.torch_version}, "
             f"{args.mib} MiB each")
@@ -187,6 +206,9 @@ def main():
                 saves[case]["stall"].append(stall)
                 saves[case]["durable"].append(durable)
                 log(f"round {rnd} save {case}: stall {stall:.2f} s, durable {durable:.2f} s")
+            for case in order:  # a job restarted in place: same daemons, caches kept
+                exact &= timed_load(f"round {rnd} warm load {case}", paths[case],
+                                    warm_loads[case])
             for d in daemons.values():  # drain, then cold loads from fresh daemons
                 d.unmount()
             benchlib.drop_caches()
@@ -195,12 +217,7 @@ def main():
                 path = paths[case]
                 if not case.startswith("plain"):
                     path = os.path.join(daemons[case].mnt, f"ckpt-{rnd}")
-                res = ranks.do("load", path)
-                took = max(r[2] for r in res)
-                ok = all(r[3] for r in res)
-                exact = exact and ok
-                loads[case].append(took)
-                log(f"round {rnd} load {case}: {took:.2f} s exact={ok}")
+                exact &= timed_load(f"round {rnd} load {case}", path, loads[case])
             for d in daemons.values():
                 d.unmount()
             daemons = {}
@@ -218,13 +235,16 @@ def main():
         "staging_backend": staging_backend, "exact": exact,
         "save": {c: {k: round(median(v), 3) for k, v in saves[c].items()} for c in cases},
         "load": {c: round(median(loads[c]), 3) for c in cases},
-        "raw": {"save": saves, "load": loads},
+        "load_warm": {c: round(median(warm_loads[c]), 3) for c in cases},
+        "raw": {"save": saves, "load": loads, "load_warm": warm_loads},
     }
     base = result["save"]["plain"]
     result["ratios"] = {
         c: {"stall": ratio(result["save"][c]["stall"], base["stall"]),
             "durable": ratio(result["save"][c]["durable"], base["durable"]),
-            "load": ratio(result["load"][c], result["load"]["plain"])} for c in cases}
+            "load": ratio(result["load"][c], result["load"]["plain"]),
+            "load_warm": ratio(result["load_warm"][c], result["load_warm"]["plain"])}
+        for c in cases}
     out = args.out or os.path.join(args.root, "gpu_dcp.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
@@ -234,12 +254,12 @@ def main():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(8, 4))
-        width = 0.27
-        for i, metric in enumerate(["stall", "durable", "load"]):
-            vals = [result["save"][c][metric] if metric != "load" else result["load"][c]
+        width = 0.2
+        for i, metric in enumerate(["stall", "durable", "load", "load_warm"]):
+            vals = [result[metric][c] if metric.startswith("load") else result["save"][c][metric]
                     for c in cases]
             ax.bar([x + i * width for x in range(len(cases))], vals, width, label=metric)
-        ax.set_xticks([x + width for x in range(len(cases))], cases)
+        ax.set_xticks([x + 1.5 * width for x in range(len(cases))], cases)
         ax.set_ylabel("seconds (median)")
         ax.set_title(f"DCP, {args.ranks} ranks x {args.mib} MiB CUDA tensors, {ranks.device}")
         ax.legend()
