@@ -210,6 +210,12 @@ std::string ControlTree::StatsJson() {
   j["bytes_served"] = stats_->bytes_read.load();
   // Reads the kernel passes through never reach the daemon: counted by open, and their
   // bytes estimated by the sizes of the files opened (an upper bound).
+  const FuseTransportStats& ft = stats_->fuse;
+  j["fuse_transport"] = ft.state();
+  j["fuse_uring_requests"] = ft.uring_requests.load();
+  j["fuse_uring_threads"] = ft.uring_threads.load();
+  j["fuse_uring_queues"] = ft.uring_queues.load();
+  j["fuse_uring_errors"] = ft.uring_errors.load();
   const PassthroughStats& pt = stats_->passthrough;
   j["passthrough"] = pt.state();
   j["passthrough_opens"] = pt.opens.load();

@@ -157,6 +157,8 @@ class Filesystem {
   PassthroughReads* passthrough() { return passthrough_.get(); }
 
   const FsConfig& config() const { return config_; }
+  // How requests reach the daemon (fs/fuse_server.cc keeps it; stats report it).
+  FuseTransportStats* fuse_transport() { return &stats_.fuse; }
   // The attribute timeout of a getattr/setattr reply for `ino` (0 for hard-linked names).
   double AttrTimeout(uint64_t ino) { return ns_->AttrTimeout(ino); }
 

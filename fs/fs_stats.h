@@ -41,8 +41,30 @@ struct PassthroughStats {
   std::string state_ GUARDED_BY(state_mu) = "off: not negotiated yet";
 };
 
+// How requests reach the daemon (fs/fuse_uring.h): over /dev/fuse, or FUSE over io_uring.
+struct FuseTransportStats {
+  std::atomic<uint64_t> uring_requests{0};    // requests served from a ring entry
+  std::atomic<uint64_t> uring_threads{0};     // ring threads started (all queues)
+  std::atomic<uint64_t> uring_queues{0};      // queues with a registered entry
+  std::atomic<uint64_t> uring_errors{0};      // requests answered EIO, entries refused
+
+  void SetState(const std::string& s) EXCLUDES(state_mu) {
+    MutexLock lock(&state_mu);
+    state_ = s;
+  }
+  std::string state() const EXCLUDES(state_mu) {
+    MutexLock lock(&state_mu);
+    return state_;
+  }
+  mutable Mutex state_mu;
+
+ private:
+  std::string state_ GUARDED_BY(state_mu) = "/dev/fuse";
+};
+
 struct FsStats {
   PassthroughStats passthrough;
+  FuseTransportStats fuse;
   const std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   std::atomic<uint64_t> bytes_written{0};
   std::atomic<uint64_t> bytes_published{0};

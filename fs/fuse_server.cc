@@ -738,10 +738,42 @@ ssize_t IoRead(int fd, void* buf, size_t len, void* userdata) {
   return n;
 }
 
+// The INIT reply was written (`ok`) or not: FUSE over io_uring starts if it asked for it,
+// and the kernel's switch goes back off if this mount turned it on.
+void AfterInitReply(FuseServer::Context* context, bool ok) {
+  if (context->restore_kernel_uring) {
+    context->restore_kernel_uring = false;
+    if (Status st = FuseUring::SetKernelEnabled(false); !st.ok()) {
+      spdlog::warn("fuse: io_uring: cannot turn fuse.enable_uring back off: {}", st.message());
+    }
+  }
+  FuseTransportStats* transport = context->fs->fuse_transport();
+  if (context->uring == nullptr) return;
+  if (!context->init->uring_offered()) {
+    transport->SetState("/dev/fuse: this kernel does not offer io_uring (fuse.enable_uring "
+                        "is off, or Linux before 6.14)");
+  } else if (!ok) {
+    transport->SetState("/dev/fuse: the INIT reply failed");
+  } else if (context->init->uring_patched()) {
+    context->uring->Start(context->init->max_payload());
+  }
+}
+
 ssize_t IoWritev(int fd, struct iovec* iov, int count, void* userdata) {
   auto* context = static_cast<FuseServer::Context*>(userdata);
-  if (context->init != nullptr) context->init->OnReply(iov, count);
-  return ::writev(fd, iov, count);
+  if (context->uring != nullptr && context->uring->TakeReply(iov, count)) {
+    size_t n = 0;
+    for (int i = 0; i < count; ++i) n += iov[i].iov_len;
+    return static_cast<ssize_t>(n);
+  }
+  const bool init = context->init != nullptr && context->init->OnReply(iov, count);
+  const ssize_t n = ::writev(fd, iov, count);
+  if (init) {
+    const int saved = errno;
+    AfterInitReply(context, n >= 0);
+    errno = saved;
+  }
+  return n;
 }
 
 ssize_t IoSpliceReceive(int fdin, off_t* offin, int fdout, off_t* offout, size_t len,
@@ -842,15 +874,38 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
     return Invalid(WithFuseLog("fuse: cannot create session (bad -o option?)"));
   }
   server->context_.session = server->session_;
-  if (fuse_session_mount(server->session_, mountpoint.c_str()) != 0) {
+  // The kernel decides what INIT offers when the mount is made: kOn turns its io_uring
+  // switch on first, and AfterInitReply turns it back off.
+  bool want_uring = tuning.uring != FuseTuning::Uring::kOff;
+  if (tuning.uring == FuseTuning::Uring::kOn) {
+    Result<bool> enabled = FuseUring::KernelEnabled();
+    if (!enabled.ok()) {
+      spdlog::warn("fuse: io_uring: {}; requests come over /dev/fuse", enabled.status().message());
+      fs->fuse_transport()->SetState("/dev/fuse: " + enabled.status().message());
+      want_uring = false;
+    } else if (!*enabled) {
+      if (Status st = FuseUring::SetKernelEnabled(true); st.ok()) {
+        server->context_.restore_kernel_uring = true;
+      } else {
+        spdlog::warn("fuse: io_uring: cannot turn fuse.enable_uring on ({}); requests come "
+                     "over /dev/fuse", st.message());
+      }
+    }
+  }
+  const int mounted = fuse_session_mount(server->session_, mountpoint.c_str());
+  if (server->context_.restore_kernel_uring && mounted != 0) {
+    server->context_.restore_kernel_uring = false;
+    (void)FuseUring::SetKernelEnabled(false);
+  }
+  if (mounted != 0) {
     return Status(Code::kIo, WithFuseLog("fuse: cannot mount on " + mountpoint));
   }
   server->mounted_ = true;
   // The loop has not started, so INIT is not read yet: custom I/O on the session's own
-  // descriptor lets the InitPatcher ask for passthrough (libfuse 3.14 cannot). Splice
-  // stays as it was (splice_receive); replies are never spliced (OpInit).
-  if (fs->config().passthrough) {
-    server->init_ = std::make_unique<InitPatcher>(true);
+  // descriptor lets the InitPatcher ask for passthrough and io_uring (libfuse 3.14 can do
+  // neither). Splice stays as it was (splice_receive); replies are never spliced (OpInit).
+  if (fs->config().passthrough || want_uring) {
+    server->init_ = std::make_unique<InitPatcher>(fs->config().passthrough, want_uring);
     struct fuse_custom_io io;
     std::memset(&io, 0, sizeof(io));
     io.read = IoRead;
@@ -860,8 +915,36 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
     if (rc == 0) {
       server->context_.init = server->init_.get();
     } else {
-      spdlog::warn("fuse: custom I/O not installed ({}); passthrough off", rc);
+      spdlog::warn("fuse: custom I/O not installed ({}); passthrough and io_uring off", rc);
+      fs->fuse_transport()->SetState("/dev/fuse: libfuse custom I/O unavailable");
+      want_uring = false;
     }
+  }
+  if (want_uring) {
+    FuseUringOptions uo;
+    const int queues = FuseUring::PossibleCpus();
+    uo.max_threads_per_queue = std::max(uo.min_threads_per_queue, tuning.uring_max_threads / queues);
+    struct fuse_session* session = server->session_;
+    FuseServer* self = server.get();
+    server->uring_ = std::make_unique<FuseUring>(
+        fuse_session_fd(session), uo,
+        [session](char* request, size_t size) {
+          struct fuse_buf buf;
+          std::memset(&buf, 0, sizeof(buf));
+          buf.size = size;
+          buf.mem = request;
+          fuse_session_process_buf(session, &buf);
+        },
+        [session, self](const std::string& why) {
+          // As on SIGTERM: the loop ends, publication is handed over, the mount goes. The
+          // signal wakes libfuse's loop, whose workers wait on /dev/fuse, where no request
+          // comes any more.
+          spdlog::error("fuse: {}; stopping", why);
+          fuse_session_exit(session);
+          if (self->signals_) ::kill(::getpid(), SIGTERM);
+        },
+        fs->fuse_transport());
+    server->context_.uring = server->uring_.get();
   }
   // The loop has not started, so INIT is not answered yet (see SetReadAhead).
   if (tuning.read_ahead_bytes > 0) SetReadAhead(mountpoint, tuning.read_ahead_bytes);
@@ -877,6 +960,7 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
 
 FuseServer::~FuseServer() {
   Unmount();
+  if (uring_) uring_->Stop();  // before the session's descriptor goes
   if (session_ != nullptr) fuse_session_destroy(session_);
 }
 
@@ -922,6 +1006,12 @@ Status FuseServer::Run(int max_threads) {
   }
   watch_cv.notify_all();
   watcher.join();
+  if (uring_) {
+    // Ring threads finish the request each serves, as libfuse's workers did: release
+    // those in a journal wait first (the watcher may have missed the exit).
+    context_.fs->OnStopRequested();
+    uring_->Stop();
+  }
   fuse_loop_cfg_destroy(cfg);
   if (rc < 0) return Status::FromErrno(-rc, "fuse loop");
   return Status::Ok();

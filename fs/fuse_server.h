@@ -9,6 +9,7 @@
 
 #include "common/status.h"
 #include "fs/filesystem.h"
+#include "fs/fuse_uring.h"
 
 struct fuse_session;
 
@@ -32,6 +33,13 @@ struct FuseTuning {
   DirectWrites direct_writes = DirectWrites::kAuto;
   // The mount's source as df and /proc/mounts show it (the backing dir); empty: "ckptfs".
   std::string fsname;
+  // FUSE over io_uring (fs/fuse_uring.h), Linux 6.14+ built with CONFIG_FUSE_IO_URING.
+  // kAuto: where the kernel offers it (its fuse.enable_uring parameter is on). kOn: also
+  // turns that parameter on for this mount's INIT (root) and back off right after, so no
+  // other FUSE server is offered it. kOff: /dev/fuse only.
+  enum class Uring { kAuto, kOn, kOff };
+  Uring uring = Uring::kAuto;
+  int uring_max_threads = 32;  // over all queues, as --fuse-threads for /dev/fuse
 };
 
 class FuseServer {
@@ -55,15 +63,20 @@ class FuseServer {
     FuseTuning tuning;
     bool direct_writes = false;  // tuning.direct_writes resolved against this kernel
     struct fuse_session* session = nullptr;  // for notifications (attribute invalidation)
-    // Watches and patches the INIT exchange for passthrough (fs/passthrough.h); null when
-    // passthrough is off or custom I/O could not be installed.
+    // Watches and patches the INIT exchange for passthrough and io_uring (fs/passthrough.h);
+    // null when both are off or custom I/O could not be installed.
     InitPatcher* init = nullptr;
+    // FUSE over io_uring, started once the INIT reply asked for it; null when not wanted.
+    FuseUring* uring = nullptr;
+    // enable_uring was turned on for this mount's INIT (kOn): turned off after the reply.
+    bool restore_kernel_uring = false;
   };
 
  private:
   FuseServer() = default;
   Context context_;
   std::unique_ptr<InitPatcher> init_;
+  std::unique_ptr<FuseUring> uring_;
   struct fuse_session* session_ = nullptr;
   bool mounted_ = false;
   bool signals_ = false;

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 #include <sys/ioctl.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -41,7 +42,7 @@ std::unique_ptr<BackingDevice> MakeFuseBackingDevice(int dev_fd) {
 // ------------------------------------------------------------------ InitPatcher
 
 void InitPatcher::OnRequest(const void* buf, size_t n) {
-  if (init_unique_.load(std::memory_order_relaxed) != 0 || patched_.load()) return;
+  if (init_unique_.load(std::memory_order_relaxed) != 0 || max_payload_.load() != 0) return;
   fuse_uapi::InHeader h;
   if (n < sizeof(h)) return;
   std::memcpy(&h, buf, sizeof(h));
@@ -53,29 +54,40 @@ void InitPatcher::OnRequest(const void* buf, size_t n) {
   // flags2 exists only in an extended INIT (FUSE_INIT_EXT, from 7.36).
   const bool ext = (in.flags & fuse_uapi::kInitExt) != 0 && n >= sizeof(h) + sizeof(in);
   offered_.store(ext && (in.flags2 & fuse_uapi::kFlags2Passthrough) != 0);
+  uring_offered_.store(ext && (in.flags2 & fuse_uapi::kFlags2OverIoUring) != 0);
   init_unique_.store(h.unique);
 }
 
 bool InitPatcher::OnReply(struct iovec* iov, int count) {
   const uint64_t unique = init_unique_.load(std::memory_order_relaxed);
-  if (unique == 0 || count < 2 || iov[0].iov_len < sizeof(fuse_uapi::OutHeader)) return false;
+  if (unique == 0 || count < 1 || iov[0].iov_len < sizeof(fuse_uapi::OutHeader)) return false;
   fuse_uapi::OutHeader h;
   std::memcpy(&h, iov[0].iov_base, sizeof(h));
   if (h.unique != unique) return false;
   init_unique_.store(0);
-  if (!want_ || !offered_.load() || h.error != 0) return false;
   // libfuse writes the whole fuse_init_out as the second iovec (the compat sizes are only
-  // for protocol minors below 23, which never offer passthrough).
-  if (iov[1].iov_len < sizeof(fuse_uapi::InitOut)) return false;
+  // for protocol minors below 23, which offer neither passthrough nor io_uring).
+  if (h.error != 0 || count < 2 || iov[1].iov_len < sizeof(fuse_uapi::InitOut)) return true;
   fuse_uapi::InitOut out;
   std::memcpy(&out, iov[1].iov_base, sizeof(out));
-  out.flags |= fuse_uapi::kInitExt;
-  out.flags2 |= fuse_uapi::kFlags2Passthrough;
-  // Backing files on a plain file system (stack depth 0). The kernel refuses passthrough
-  // together with the writeback cache, which ckptfs never asks for (OpInit).
-  out.max_stack_depth = 1;
+  if (want_ && offered_.load()) {
+    out.flags |= fuse_uapi::kInitExt;
+    out.flags2 |= fuse_uapi::kFlags2Passthrough;
+    // Backing files on a plain file system (stack depth 0). The kernel refuses passthrough
+    // together with the writeback cache, which ckptfs never asks for (OpInit).
+    out.max_stack_depth = 1;
+    patched_.store(true);
+  }
+  if (want_uring_ && uring_offered_.load()) {
+    out.flags |= fuse_uapi::kInitExt;
+    out.flags2 |= fuse_uapi::kFlags2OverIoUring;
+    uring_patched_.store(true);
+  }
   std::memcpy(iov[1].iov_base, &out, sizeof(out));
-  patched_.store(true);
+  // The kernel's own rule (fuse_uring_create): 8 KiB at least, max_pages pages (32 by
+  // default), max_write.
+  const uint32_t pages = (out.flags & fuse_uapi::kFlagMaxPages) ? out.max_pages : 32;
+  max_payload_.store(std::max({uint32_t{8192}, out.max_write, pages * 4096u}));
   return true;
 }
 

@@ -8,7 +8,8 @@
 //     max_stack_depth. It sees every request read off /dev/fuse and every reply written to
 //     it (fuse_session_custom_io, installed by fs/fuse_server.cc), notes the INIT request
 //     and whether this kernel offers passthrough, and patches the INIT reply: FUSE_INIT_EXT,
-//     the FUSE_PASSTHROUGH bit of flags2, max_stack_depth 1.
+//     the FUSE_PASSTHROUGH bit of flags2, max_stack_depth 1. It also asks for FUSE over
+//     io_uring (FUSE_OVER_IO_URING) when wanted and offered (fs/fuse_uring.h).
 //   * BackingDevice: the two ioctls on /dev/fuse (an interface, so tests fake the kernel).
 //   * PassthroughTable: the per-inode io mode. The kernel runs an inode either cached
 //     (daemon-served opens) or passthrough, never both: a non-passthrough open of an inode
@@ -45,71 +46,35 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "fs/fs_stats.h"
+#include "fs/fuse_uapi.h"
 
 namespace ckptfs::fs {
-
-// The uapi of linux/fuse.h 7.40 that Debian 12's linux-libc-dev (6.1) lacks, spelled here.
-namespace fuse_uapi {
-constexpr uint32_t kOpInit = 26;
-constexpr uint32_t kInitExt = 1u << 30;           // FUSE_INIT_EXT: flags2 is valid
-constexpr uint32_t kFlags2Passthrough = 1u << 5;  // FUSE_PASSTHROUGH (1ULL << 37) >> 32
-constexpr uint32_t kFopenKeepCache = 1u << 1;
-constexpr uint32_t kFopenNoFlush = 1u << 5;
-constexpr uint32_t kFopenPassthrough = 1u << 7;
-struct InHeader {
-  uint32_t len, opcode;
-  uint64_t unique, nodeid;
-  uint32_t uid, gid, pid;
-  uint16_t total_extlen, padding;
-};
-struct InitIn {
-  uint32_t major, minor, max_readahead, flags, flags2, unused[11];
-};
-struct OutHeader {
-  uint32_t len;
-  int32_t error;
-  uint64_t unique;
-};
-struct InitOut {
-  uint32_t major, minor, max_readahead, flags;
-  uint16_t max_background, congestion_threshold;
-  uint32_t max_write, time_gran;
-  uint16_t max_pages, map_alignment;
-  uint32_t flags2, max_stack_depth;
-  uint16_t request_timeout, unused[11];
-};
-struct OpenOut {
-  uint64_t fh;
-  uint32_t open_flags;
-  int32_t backing_id;
-};
-struct BackingMap {
-  int32_t fd;
-  uint32_t flags;
-  uint64_t padding;
-};
-static_assert(sizeof(InHeader) == 40 && sizeof(InitIn) == 64 && sizeof(OutHeader) == 16);
-static_assert(sizeof(InitOut) == 64 && sizeof(OpenOut) == 16 && sizeof(BackingMap) == 16);
-}  // namespace fuse_uapi
 
 // Watches the INIT exchange (see the file comment). Thread-safe.
 class InitPatcher {
  public:
-  explicit InitPatcher(bool want) : want_(want) {}
+  explicit InitPatcher(bool want_passthrough, bool want_uring = false)
+      : want_(want_passthrough), want_uring_(want_uring) {}
   // Every request read off /dev/fuse (`n` bytes at `buf`).
   void OnRequest(const void* buf, size_t n);
-  // Every reply about to be written: patches the INIT reply in place when the kernel
-  // offered passthrough and it is wanted. Returns true when it patched this one.
+  // Every reply about to be written: patches the INIT reply in place with what is wanted
+  // and the kernel offered. Returns true when this was the INIT reply (patched or not).
   bool OnReply(struct iovec* iov, int count);
   bool offered() const { return offered_.load(); }  // the kernel's INIT had FUSE_PASSTHROUGH
   bool patched() const { return patched_.load(); }  // our INIT reply asked for it
+  bool uring_offered() const { return uring_offered_.load(); }  // FUSE_OVER_IO_URING offered
+  bool uring_patched() const { return uring_patched_.load(); }  // and our reply asked for it
   uint32_t kernel_minor() const { return minor_.load(); }
+  // The largest request or reply payload the INIT reply allows: max(max_write, max_pages
+  // pages); 0 before the reply.
+  uint32_t max_payload() const { return max_payload_.load(); }
 
  private:
-  const bool want_;
+  const bool want_, want_uring_;
   std::atomic<uint64_t> init_unique_{0};
   std::atomic<bool> offered_{false}, patched_{false};
-  std::atomic<uint32_t> minor_{0};
+  std::atomic<bool> uring_offered_{false}, uring_patched_{false};
+  std::atomic<uint32_t> minor_{0}, max_payload_{0};
 };
 
 // FUSE_DEV_IOC_BACKING_OPEN / _CLOSE. Open returns the backing id (>= 0) or -errno.

@@ -237,6 +237,9 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
                          : o.fuse_direct_writes == "off" ? DirectWrites::kOff
                                                          : DirectWrites::kAuto;
   tuning.fsname = o.backing_dir;
+  using Uring = ckptfs::fs::FuseTuning::Uring;
+  tuning.uring = o.fuse_uring == "on" ? Uring::kOn : o.fuse_uring == "off" ? Uring::kOff : Uring::kAuto;
+  tuning.uring_max_threads = o.fuse_threads;
   auto server_or = ckptfs::fs::FuseServer::Mount(fs.get(), o.mountpoint, o.fuse_options, tuning);
   if (!server_or.ok()) {
     metrics.reset();

@@ -153,6 +153,11 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
                  "once: auto (default: on from Linux 6.6, whose direct writes keep other "
                  "readers' cache coherent), on or off")
       ->check(CLI::IsMember({"auto", "on", "off"}));
+  app.add_option("--fuse-uring", o.fuse_uring,
+                 "Requests come over FUSE over io_uring (Linux 6.14+), a queue per CPU: auto "
+                 "(default: where the kernel's fuse.enable_uring is on), on (also turns that "
+                 "switch on for this mount's start, root, and back off) or off (/dev/fuse)")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
   app.add_option("--flush-threads", o.flush_threads, "Flush threads (default 2)")
       ->check(CLI::Range(1, 256));
   app.add_option("--fuse-threads", o.fuse_threads, "Max FUSE worker threads (default 32)")

@@ -45,6 +45,8 @@ struct DaemonOptions {
   bool fuse_splice = true;         // --fuse-splice=on|off (FuseTuning::splice_writes)
   // --fuse-direct-writes=auto|on|off (FuseTuning::direct_writes)
   std::string fuse_direct_writes = "auto";
+  // --fuse-uring=auto|on|off (FuseTuning::uring)
+  std::string fuse_uring = "auto";
   bool write_checksums = true;  // --write-checksums=on|off
   std::string log_level = "info";
   std::string log_file;
