@@ -9,6 +9,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/sysmacros.h>
 #include <sys/uio.h>
 #include <sys/utsname.h>
@@ -738,15 +739,54 @@ ssize_t IoRead(int fd, void* buf, size_t len, void* userdata) {
   return n;
 }
 
-// The INIT reply was written (`ok`) or not: FUSE over io_uring starts if it asked for it,
-// and the kernel's switch goes back off if this mount turned it on.
-void AfterInitReply(FuseServer::Context* context, bool ok) {
+// The kernel's io_uring switch is global, and what INIT offers is fixed when mount(2) runs:
+// a daemon that turns it on for its own INIT (FuseTuning::Uring::kOn) holds this lock from
+// before its mount to its INIT reply, so that daemons starting together neither see each
+// other's switch nor turn it off under each other. Waits at most 10 s; false without it.
+constexpr char kUringLock[] = "/run/lock/ckptfs-fuse-uring.lock";
+bool TakeKernelUring(FuseServer::Context* context) {
+  int fd = ::open(kUringLock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) fd = ::open("/tmp/ckptfs-fuse-uring.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) return false;
+  for (int i = 0; ::flock(fd, LOCK_EX | LOCK_NB) != 0; ++i) {
+    if (errno != EWOULDBLOCK || i >= 1000) {
+      ::close(fd);
+      return false;
+    }
+    ::usleep(10000);
+  }
+  context->uring_lock_fd = fd;
+  Result<bool> enabled = FuseUring::KernelEnabled();
+  if (enabled.ok() && !*enabled) {
+    if (Status st = FuseUring::SetKernelEnabled(true); st.ok()) {
+      context->restore_kernel_uring = true;
+    } else {
+      spdlog::warn("fuse: io_uring: cannot turn fuse.enable_uring on ({}); requests come "
+                   "over /dev/fuse",
+                   st.message());
+    }
+  }
+  return true;
+}
+
+// Puts the switch back as it was and lets the next daemon take the lock.
+void ReleaseKernelUring(FuseServer::Context* context) {
   if (context->restore_kernel_uring) {
     context->restore_kernel_uring = false;
     if (Status st = FuseUring::SetKernelEnabled(false); !st.ok()) {
       spdlog::warn("fuse: io_uring: cannot turn fuse.enable_uring back off: {}", st.message());
     }
   }
+  if (context->uring_lock_fd >= 0) {
+    ::close(context->uring_lock_fd);  // releases the flock
+    context->uring_lock_fd = -1;
+  }
+}
+
+// The INIT reply was written (`ok`) or not: FUSE over io_uring starts if it asked for it,
+// and the kernel's switch goes back off if this mount turned it on.
+void AfterInitReply(FuseServer::Context* context, bool ok) {
+  ReleaseKernelUring(context);
   FuseTransportStats* transport = context->fs->fuse_transport();
   if (context->uring == nullptr) return;
   if (!context->init->uring_offered()) {
@@ -877,27 +917,21 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
   // The kernel decides what INIT offers when the mount is made: kOn turns its io_uring
   // switch on first, and AfterInitReply turns it back off.
   bool want_uring = tuning.uring != FuseTuning::Uring::kOff;
-  if (tuning.uring == FuseTuning::Uring::kOn) {
+  if (want_uring) {
     Result<bool> enabled = FuseUring::KernelEnabled();
     if (!enabled.ok()) {
-      spdlog::warn("fuse: io_uring: {}; requests come over /dev/fuse", enabled.status().message());
+      spdlog::info("fuse: io_uring: {}; requests come over /dev/fuse", enabled.status().message());
       fs->fuse_transport()->SetState("/dev/fuse: " + enabled.status().message());
       want_uring = false;
-    } else if (!*enabled) {
-      if (Status st = FuseUring::SetKernelEnabled(true); st.ok()) {
-        server->context_.restore_kernel_uring = true;
-      } else {
-        spdlog::warn("fuse: io_uring: cannot turn fuse.enable_uring on ({}); requests come "
-                     "over /dev/fuse", st.message());
-      }
+    } else if (tuning.uring == FuseTuning::Uring::kOn && ::geteuid() == 0 &&
+               !TakeKernelUring(&server->context_)) {
+      spdlog::warn("fuse: io_uring: another daemon holds {} for its start; this mount asks "
+                   "only if the switch is on", kUringLock);
     }
   }
   const int mounted = fuse_session_mount(server->session_, mountpoint.c_str());
-  if (server->context_.restore_kernel_uring && mounted != 0) {
-    server->context_.restore_kernel_uring = false;
-    (void)FuseUring::SetKernelEnabled(false);
-  }
   if (mounted != 0) {
+    ReleaseKernelUring(&server->context_);
     return Status(Code::kIo, WithFuseLog("fuse: cannot mount on " + mountpoint));
   }
   server->mounted_ = true;
@@ -918,6 +952,7 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
       spdlog::warn("fuse: custom I/O not installed ({}); passthrough and io_uring off", rc);
       fs->fuse_transport()->SetState("/dev/fuse: libfuse custom I/O unavailable");
       want_uring = false;
+      ReleaseKernelUring(&server->context_);
     }
   }
   if (want_uring) {
@@ -959,6 +994,7 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
 }
 
 FuseServer::~FuseServer() {
+  ReleaseKernelUring(&context_);  // when no INIT reply came
   Unmount();
   if (uring_) uring_->Stop();  // before the session's descriptor goes
   if (session_ != nullptr) fuse_session_destroy(session_);

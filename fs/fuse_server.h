@@ -34,11 +34,12 @@ struct FuseTuning {
   // The mount's source as df and /proc/mounts show it (the backing dir); empty: "ckptfs".
   std::string fsname;
   // FUSE over io_uring (fs/fuse_uring.h), Linux 6.14+ built with CONFIG_FUSE_IO_URING.
-  // kAuto: where the kernel offers it (its fuse.enable_uring parameter is on). kOn: also
-  // turns that parameter on for this mount's INIT (root) and back off right after, so no
-  // other FUSE server is offered it. kOff: /dev/fuse only.
+  // kOn: where the kernel has it; if its switch (module parameter fuse.enable_uring) is
+  // off, turns it on for this mount's INIT alone (root) and back off right after, under a
+  // lock that daemons starting together take in turn, so no other FUSE server is offered
+  // it. kAuto: only where the switch is already on. kOff: /dev/fuse only.
   enum class Uring { kAuto, kOn, kOff };
-  Uring uring = Uring::kAuto;
+  Uring uring = Uring::kOn;
   int uring_max_threads = 32;  // over all queues, as --fuse-threads for /dev/fuse
 };
 
@@ -70,6 +71,8 @@ class FuseServer {
     FuseUring* uring = nullptr;
     // enable_uring was turned on for this mount's INIT (kOn): turned off after the reply.
     bool restore_kernel_uring = false;
+    // The lock held from before the mount to the INIT reply (kOn); -1 when not held.
+    int uring_lock_fd = -1;
   };
 
  private:
