@@ -131,10 +131,12 @@ def main():
     ap.add_argument("--burners", type=int, default=os.cpu_count())
     ap.add_argument("--work", default=os.path.join(bl.REPO, "build-bench", "opens-work"))
     ap.add_argument("--out", default=os.path.join(bl.REPO, "build-bench"))
+    ap.add_argument("--ckptfs-args", default="", help="more daemon arguments, e.g. "
+                    "'--fuse-uring on'")
     a = ap.parse_args()
     shutil.rmtree(a.work, ignore_errors=True)
     os.makedirs(a.out, exist_ok=True)
-    d = bl.Daemon(a.work, staging="256M")
+    d = bl.Daemon(a.work, staging="256M", args=a.ckptfs_args.split())
     data = os.path.join(d.backing, "opens")
     os.makedirs(data)
     names = [f"item_{i:03d}.bin" for i in range(a.files)]
