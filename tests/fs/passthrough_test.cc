@@ -74,9 +74,11 @@ TEST(InitPatcher, LeavesTheReplyAloneWhenNotOfferedOrNotWanted) {
     p.OnRequest(req.data(), req.size());
     EXPECT_FALSE(p.offered());
     Reply r(3);
-    EXPECT_FALSE(p.OnReply(r.iov, 2));
+    EXPECT_TRUE(p.OnReply(r.iov, 2));  // INIT's reply, seen but not patched
+    EXPECT_FALSE(p.patched());
     EXPECT_EQ(r.out.flags2, 0u);
     EXPECT_EQ(r.out.flags, 1u << 2);
+    EXPECT_EQ(r.out.max_stack_depth, 0u);
   }
   {
     InitPatcher p(true);
@@ -89,9 +91,125 @@ TEST(InitPatcher, LeavesTheReplyAloneWhenNotOfferedOrNotWanted) {
     InitPatcher p(false);
     auto req = InitRequest(3, fuse_uapi::kInitExt, fuse_uapi::kFlags2Passthrough);
     p.OnRequest(req.data(), req.size());
+    EXPECT_TRUE(p.offered());
     Reply r(3);
-    EXPECT_FALSE(p.OnReply(r.iov, 2));
+    EXPECT_TRUE(p.OnReply(r.iov, 2));  // INIT's reply, seen but not patched
+    EXPECT_FALSE(p.patched());
+    EXPECT_EQ(r.out.flags2, 0u);
+    EXPECT_EQ(r.out.flags, 1u << 2);
     EXPECT_EQ(r.out.max_stack_depth, 0u);
+  }
+}
+
+TEST(InitPatcher, AsksForFuseOverIoUringOnlyWhenWantedAndOffered) {
+  const uint32_t uring = fuse_uapi::kFlags2OverIoUring;
+  {
+    InitPatcher p(/*want_passthrough=*/false, /*want_uring=*/true);
+    auto req = InitRequest(5, fuse_uapi::kInitExt, uring);
+    p.OnRequest(req.data(), req.size());
+    EXPECT_TRUE(p.uring_offered());
+    EXPECT_FALSE(p.offered());
+    EXPECT_FALSE(p.uring_patched());  // not before the reply
+    Reply r(5);
+    EXPECT_TRUE(p.OnReply(r.iov, 2));
+    EXPECT_TRUE(p.uring_patched());
+    EXPECT_FALSE(p.patched());
+    EXPECT_EQ(r.out.flags, (1u << 2) | fuse_uapi::kInitExt);
+    EXPECT_EQ(r.out.flags2, uring);
+    EXPECT_EQ(r.out.max_stack_depth, 0u);  // passthrough was not asked for
+  }
+  {
+    // Offered, not wanted: the reply is seen and left alone.
+    InitPatcher p(/*want_passthrough=*/false, /*want_uring=*/false);
+    auto req = InitRequest(5, fuse_uapi::kInitExt, uring);
+    p.OnRequest(req.data(), req.size());
+    EXPECT_TRUE(p.uring_offered());
+    Reply r(5);
+    EXPECT_TRUE(p.OnReply(r.iov, 2));
+    EXPECT_FALSE(p.uring_patched());
+    EXPECT_EQ(r.out.flags, 1u << 2);
+    EXPECT_EQ(r.out.flags2, 0u);
+  }
+  {
+    // Wanted, not offered (a kernel without it, or enable_uring=N).
+    InitPatcher p(/*want_passthrough=*/false, /*want_uring=*/true);
+    auto req = InitRequest(5, fuse_uapi::kInitExt, fuse_uapi::kFlags2Passthrough);
+    p.OnRequest(req.data(), req.size());
+    EXPECT_FALSE(p.uring_offered());
+    Reply r(5);
+    EXPECT_TRUE(p.OnReply(r.iov, 2));
+    EXPECT_FALSE(p.uring_patched());
+    EXPECT_EQ(r.out.flags, 1u << 2);
+    EXPECT_EQ(r.out.flags2, 0u);
+  }
+}
+
+TEST(InitPatcher, AsksForPassthroughAndIoUringTogether) {
+  InitPatcher p(/*want_passthrough=*/true, /*want_uring=*/true);
+  auto req = InitRequest(9, fuse_uapi::kInitExt,
+                         fuse_uapi::kFlags2Passthrough | fuse_uapi::kFlags2OverIoUring);
+  p.OnRequest(req.data(), req.size());
+  EXPECT_TRUE(p.offered());
+  EXPECT_TRUE(p.uring_offered());
+  Reply r(9);
+  EXPECT_TRUE(p.OnReply(r.iov, 2));
+  EXPECT_TRUE(p.patched());
+  EXPECT_TRUE(p.uring_patched());
+  EXPECT_EQ(r.out.flags, (1u << 2) | fuse_uapi::kInitExt);
+  EXPECT_EQ(r.out.flags2, fuse_uapi::kFlags2Passthrough | fuse_uapi::kFlags2OverIoUring);
+  EXPECT_EQ(r.out.max_stack_depth, 1u);
+}
+
+TEST(InitPatcher, IgnoresTheIoUringBitOfAnInitRequestThatIsNotExtended) {
+  InitPatcher p(/*want_passthrough=*/true, /*want_uring=*/true);
+  // flags2 without FUSE_INIT_EXT means nothing.
+  auto req = InitRequest(4, 0, fuse_uapi::kFlags2OverIoUring | fuse_uapi::kFlags2Passthrough);
+  p.OnRequest(req.data(), req.size());
+  EXPECT_FALSE(p.uring_offered());
+  EXPECT_FALSE(p.offered());
+  Reply r(4);
+  EXPECT_TRUE(p.OnReply(r.iov, 2));
+  EXPECT_FALSE(p.uring_patched());
+  EXPECT_FALSE(p.patched());
+  EXPECT_EQ(r.out.flags, 1u << 2);
+  EXPECT_EQ(r.out.flags2, 0u);
+}
+
+TEST(InitPatcher, MaxPayloadFollowsTheKernelsRuleFromTheInitReply) {
+  struct Case {
+    uint32_t flags, max_write;
+    uint16_t max_pages;
+    uint32_t want;
+  };
+  const Case cases[] = {
+      // FUSE_MAX_PAGES: max_pages pages, or max_write if larger.
+      {fuse_uapi::kFlagMaxPages, 1u << 20, 256, 1u << 20},
+      {fuse_uapi::kFlagMaxPages, 128u << 10, 256, 256u * 4096},
+      {fuse_uapi::kFlagMaxPages, 1u << 20, 16, 1u << 20},
+      // Without it max_pages means nothing: 32 pages, or max_write if larger.
+      {0, 128u << 10, 256, 128u << 10},
+      {0, 4096, 0, 32u * 4096},
+      {0, 4096, 256, 32u * 4096},
+      {0, 1u << 20, 0, 1u << 20},
+      // 8 KiB at least.
+      {fuse_uapi::kFlagMaxPages, 4096, 1, 8192},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << "flags " << c.flags << " max_write " << c.max_write
+                                    << " max_pages " << c.max_pages);
+    InitPatcher p(/*want_passthrough=*/false, /*want_uring=*/true);
+    EXPECT_EQ(p.max_payload(), 0u);  // before the reply
+    auto req = InitRequest(6, fuse_uapi::kInitExt, fuse_uapi::kFlags2OverIoUring);
+    p.OnRequest(req.data(), req.size());
+    Reply r(6);
+    r.out.flags |= c.flags;
+    r.out.max_write = c.max_write;
+    r.out.max_pages = c.max_pages;
+    ASSERT_TRUE(p.OnReply(r.iov, 2));
+    EXPECT_EQ(p.max_payload(), c.want);
+    // The patch leaves the sizes alone.
+    EXPECT_EQ(r.out.max_write, c.max_write);
+    EXPECT_EQ(r.out.max_pages, c.max_pages);
   }
 }
 
@@ -170,9 +288,8 @@ TEST(PassthroughTable, AWriterWaitsForReadersThenFailsBusyInsteadOfWaitingForIts
 TEST(PassthroughTable, AWriterProceedsOnceTheReadersReleaseArrives) {
   TableFixture f(std::chrono::milliseconds(60000));
   ASSERT_GE(*f.table.AcquireRead(10, 3, 1, 100, 1), 1);
-  auto writer = std::async(std::launch::async, [&] {
-    return f.table.AcquireOther(10, /*changes=*/true);
-  });
+  auto writer =
+      std::async(std::launch::async, [&] { return f.table.AcquireOther(10, /*changes=*/true); });
   // The writer is blocked (it cannot pass while the reader is counted) until the release.
   while (f.stats.conflict_waits.load() == 0) std::this_thread::yield();
   f.table.Release(10, true);
