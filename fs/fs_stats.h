@@ -45,7 +45,7 @@ struct PassthroughStats {
 struct FuseTransportStats {
   std::atomic<uint64_t> uring_requests{0};    // requests served from a ring entry
   std::atomic<uint64_t> uring_threads{0};     // ring threads started (all queues)
-  std::atomic<uint64_t> uring_queues{0};      // queues with a registered entry
+  std::atomic<uint64_t> uring_queues{0};      // queues started (one per possible CPU)
   std::atomic<uint64_t> uring_errors{0};      // requests answered EIO, entries refused
 
   void SetState(const std::string& s) EXCLUDES(state_mu) {

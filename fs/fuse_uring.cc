@@ -230,6 +230,11 @@ void FuseUring::Start(uint32_t max_payload) {
   MutexLock lock(&mu_);
   if (started_ || stopping_.load()) return;
   started_ = true;
+  if (stop_fd_ < 0) {
+    stats_->SetState("/dev/fuse: io_uring not started (eventfd failed)");
+    spdlog::warn("fuse: io_uring not started: its stop eventfd could not be made");
+    return;
+  }
   max_payload_ = std::max<uint32_t>(max_payload, 8192);
   const int n = PossibleCpus();
   for (int q = 0; q < n; ++q) {
@@ -413,7 +418,10 @@ void FuseUring::Serve(Queue* q) {
     if (err != 0) {
       if (ConnectionGone(err)) break;  // unmounted: nothing left to serve
       // EAGAIN: the connection is not initialized yet. Anything else: the kernel refused
-      // this entry (it keeps no state for it); register it again a few times.
+      // this entry; register the buffers again as a new entry, a few times in a row (an
+      // entry the kernel refused after a request, e.g. an unknown commit id, may stay
+      // with the kernel until the connection ends: a leak of its bookkeeping, not of a
+      // request).
       if (++register_tries > kRegisterTries) {
         why = std::string("the kernel refused a ring entry: ") + std::strerror(err);
         break;
@@ -428,9 +436,9 @@ void FuseUring::Serve(Queue* q) {
       continue;
     }
     if (!request) continue;
+    register_tries = 0;
     if (!served) {
       served = true;
-      register_tries = 0;
       if (stats_->uring_requests.load() == 0) {
         stats_->SetState("io_uring: " + std::to_string(queues_.size()) + " queues");
         spdlog::info("fuse: requests now come over io_uring");

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 #include <sys/ioctl.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -87,7 +88,8 @@ bool InitPatcher::OnReply(struct iovec* iov, int count) {
   // The kernel's own rule (fuse_uring_create): 8 KiB at least, max_pages pages (32 by
   // default), max_write.
   const uint32_t pages = (out.flags & fuse_uapi::kFlagMaxPages) ? out.max_pages : 32;
-  max_payload_.store(std::max({uint32_t{8192}, out.max_write, pages * 4096u}));
+  const auto page = static_cast<uint32_t>(::sysconf(_SC_PAGESIZE));
+  max_payload_.store(std::max({uint32_t{8192}, out.max_write, pages * page}));
   return true;
 }
 
