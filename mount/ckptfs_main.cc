@@ -29,6 +29,7 @@
 #include <thread>
 
 #include "common/json_text.h"
+#include "common/lock_code.h"
 #include "common/logging.h"
 #include "fs/filesystem.h"
 #include "fs/fuse_server.h"
@@ -247,6 +248,16 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
     return fail_start("mount failed", server_or.status());
   }
   server = std::move(server_or).value();
+  // Every request waits on the daemon's code: keep it from being paged out (common/lock_code.h).
+  const ckptfs::CodeLock code = ckptfs::LockCodeInMemory();
+  if (code.failed == 0) {
+    spdlog::info("code locked in memory: {} MiB of the executable and {} libraries",
+                 code.bytes >> 20, code.objects - 1);
+  } else {
+    spdlog::warn("code not all locked in memory ({} MiB locked, {} MiB refused: {}); under "
+                 "memory pressure requests may wait for the daemon's code to be paged in",
+                 code.bytes >> 20, code.failed >> 20, code.error);
+  }
   SighupReopener reopener;
   reopener.Start();
   ready->Report("OK");

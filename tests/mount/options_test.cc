@@ -190,6 +190,18 @@ TEST(ParseDaemonOptions, DirectWritesDefaultToAutoAndTakeOnOffAsFlagOrDashO) {
   EXPECT_EQ(o->fuse_direct_writes, "on");
 }
 
+TEST(ParseDaemonOptions, FuseUringDefaultsToOnAndTakesAutoOffAsFlagOrDashO) {
+  auto o = Parse({"/b", "/m"});
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->fuse_uring, "on");
+  o = Parse({"--fuse-uring", "off", "/b", "/m"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->fuse_uring, "off");
+  o = Parse({"-o", "fuse_uring=auto", "/b", "/m"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->fuse_uring, "auto");
+}
+
 TEST(ParseDaemonOptions, AsyncDurabilityIsNotStrict) {
   auto o = Parse({"--durability", "async", "/b", "/m"});
   ASSERT_TRUE(o.ok());
@@ -236,6 +248,7 @@ TEST(ParseDaemonOptions, EveryBadInputIsInvalidWithAMessage) {
       {"--staging-backend", "gpu", "/b", "/m"},
       {"--write-checksums", "maybe", "/b", "/m"},
       {"--fuse-direct-writes", "sometimes", "/b", "/m"},
+      {"--fuse-uring", "yes", "/b", "/m"},
       {"--log-level", "verbose", "/b", "/m"},
   };
   for (const auto& args : bad) {
