@@ -34,12 +34,12 @@ struct FuseTuning {
   // The mount's source as df and /proc/mounts show it (the backing dir); empty: "ckptfs".
   std::string fsname;
   // FUSE over io_uring (fs/fuse_uring.h), Linux 6.14+ built with CONFIG_FUSE_IO_URING.
-  // kOn: where the kernel has it; if its switch (module parameter fuse.enable_uring) is
-  // off, turns it on for this mount's INIT alone (root) and back off right after, under a
-  // lock that daemons starting together take in turn, so no other FUSE server is offered
-  // it. kAuto: only where the switch is already on. kOff: /dev/fuse only.
+  // kAuto (default): where the kernel offers it, i.e. its switch (module parameter
+  // fuse.enable_uring) is on. kOn: also where the switch is off: turns it on for this
+  // mount's INIT alone (root) and back off right after, under a lock that daemons starting
+  // together take in turn, so no other FUSE server is offered it. kOff: /dev/fuse only.
   enum class Uring { kAuto, kOn, kOff };
-  Uring uring = Uring::kOn;
+  Uring uring = Uring::kAuto;
   int uring_max_threads = 32;  // over all queues, as --fuse-threads for /dev/fuse
 };
 

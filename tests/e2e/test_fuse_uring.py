@@ -1,7 +1,7 @@
 """FUSE over io_uring (issue 21), over real mounts: requests come over the kernel's rings, a
 queue per CPU, and everything works as over /dev/fuse.
 
-  * test_requests_come_over_the_ring: a default mount serves over io_uring (stats
+  * test_requests_come_over_the_ring: a --fuse-uring on mount serves over io_uring (stats
     fuse_transport, fuse_uring_requests) and leaves the kernel's switch
     (fuse.enable_uring) as it found it. Files written in 1 MiB and odd-sized writes,
     read back staged (daemon) and published (passthrough), renames, directories,
@@ -85,7 +85,7 @@ class FuseUringTest(unittest.TestCase):
     def check_switch(self):
         self.assertEqual(switch(), self.switch_before, "fuse.enable_uring was left changed")
 
-    def start(self, args=(), **kw):
+    def start(self, args=("--fuse-uring", "on"), **kw):
         m = Mount(args=args, **kw)
         m.start()
         self.addCleanup(m.cleanup)
@@ -153,7 +153,7 @@ class FuseUringTest(unittest.TestCase):
 
     def test_off_and_auto(self):
         for mode in ("off", "auto"):
-            m = self.start(["--fuse-uring", mode])
+            m = self.start(["--fuse-uring", mode])  # the switch is off here, as by default
             s = m.stats()
             if mode == "auto" and switch() == "Y":
                 self.assertTrue(s["fuse_transport"].startswith("io_uring"), s["fuse_transport"])
@@ -261,7 +261,7 @@ class FuseUringTest(unittest.TestCase):
         self.assertEqual(m2.unmount(), 0)
 
     def test_daemons_starting_together(self):
-        mounts = [Mount() for _ in range(4)]
+        mounts = [Mount(args=["--fuse-uring", "on"]) for _ in range(4)]
         for mo in mounts:
             self.addCleanup(mo.cleanup)
         starters = [threading.Thread(target=mo.start) for mo in mounts]

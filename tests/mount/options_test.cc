@@ -190,16 +190,16 @@ TEST(ParseDaemonOptions, DirectWritesDefaultToAutoAndTakeOnOffAsFlagOrDashO) {
   EXPECT_EQ(o->fuse_direct_writes, "on");
 }
 
-TEST(ParseDaemonOptions, FuseUringDefaultsToOnAndTakesAutoOffAsFlagOrDashO) {
+TEST(ParseDaemonOptions, FuseUringDefaultsToAutoAndTakesOnOffAsFlagOrDashO) {
   auto o = Parse({"/b", "/m"});
   ASSERT_TRUE(o.ok());
-  EXPECT_EQ(o->fuse_uring, "on");
+  EXPECT_EQ(o->fuse_uring, "auto");
   o = Parse({"--fuse-uring", "off", "/b", "/m"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
   EXPECT_EQ(o->fuse_uring, "off");
-  o = Parse({"-o", "fuse_uring=auto", "/b", "/m"});
+  o = Parse({"-o", "fuse_uring=on", "/b", "/m"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
-  EXPECT_EQ(o->fuse_uring, "auto");
+  EXPECT_EQ(o->fuse_uring, "on");
 }
 
 TEST(ParseDaemonOptions, AsyncDurabilityIsNotStrict) {
