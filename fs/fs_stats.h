@@ -7,10 +7,29 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "common/mutex.h"
 
 namespace ckptfs::fs {
+
+// A line of text one thread sets and the stats read (a leaf lock).
+class StateText {
+ public:
+  explicit StateText(std::string initial) : text_(std::move(initial)) {}
+  void Set(const std::string& s) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    text_ = s;
+  }
+  std::string Get() const EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    return text_;
+  }
+
+ private:
+  mutable Mutex mu_;
+  std::string text_ GUARDED_BY(mu_);
+};
 
 // FUSE passthrough (fs/passthrough.h). The kernel serves those reads: the daemon never sees
 // them, so their bytes are estimated by the sizes of the files opened.
@@ -27,18 +46,11 @@ struct PassthroughStats {
   // files' page cache (a load began: ReadPath's page-cache prefetch).
   std::atomic<uint64_t> page_cache_prefetched{0};
 
-  void SetState(const std::string& s) EXCLUDES(state_mu) {
-    MutexLock lock(&state_mu);
-    state_ = s;
-  }
-  std::string state() const EXCLUDES(state_mu) {
-    MutexLock lock(&state_mu);
-    return state_;
-  }
-  mutable Mutex state_mu;
+  void SetState(const std::string& s) { state_.Set(s); }
+  std::string state() const { return state_.Get(); }
 
  private:
-  std::string state_ GUARDED_BY(state_mu) = "off: not negotiated yet";
+  StateText state_{"off: not negotiated yet"};
 };
 
 // How requests reach the daemon (fs/fuse_uring.h): over /dev/fuse, or FUSE over io_uring.
@@ -48,18 +60,11 @@ struct FuseTransportStats {
   std::atomic<uint64_t> uring_queues{0};      // queues started (one per possible CPU)
   std::atomic<uint64_t> uring_errors{0};      // requests answered EIO, entries refused
 
-  void SetState(const std::string& s) EXCLUDES(state_mu) {
-    MutexLock lock(&state_mu);
-    state_ = s;
-  }
-  std::string state() const EXCLUDES(state_mu) {
-    MutexLock lock(&state_mu);
-    return state_;
-  }
-  mutable Mutex state_mu;
+  void SetState(const std::string& s) { state_.Set(s); }
+  std::string state() const { return state_.Get(); }
 
  private:
-  std::string state_ GUARDED_BY(state_mu) = "/dev/fuse";
+  StateText state_{"/dev/fuse"};
 };
 
 struct FsStats {

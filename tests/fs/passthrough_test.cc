@@ -118,24 +118,14 @@ TEST(InitPatcher, AsksForFuseOverIoUringOnlyWhenWantedAndOffered) {
     EXPECT_EQ(r.out.flags2, uring);
     EXPECT_EQ(r.out.max_stack_depth, 0u);  // passthrough was not asked for
   }
-  {
-    // Offered, not wanted: the reply is seen and left alone.
-    InitPatcher p(/*want_passthrough=*/false, /*want_uring=*/false);
-    auto req = InitRequest(5, fuse_uapi::kInitExt, uring);
+  // The reply is seen and left alone when io_uring is offered but not wanted, or wanted
+  // but not offered (a kernel without it, or enable_uring=N).
+  for (const bool want : {false, true}) {
+    const uint32_t offer = want ? fuse_uapi::kFlags2Passthrough : uring;
+    InitPatcher p(/*want_passthrough=*/false, /*want_uring=*/want);
+    auto req = InitRequest(5, fuse_uapi::kInitExt, offer);
     p.OnRequest(req.data(), req.size());
-    EXPECT_TRUE(p.uring_offered());
-    Reply r(5);
-    EXPECT_TRUE(p.OnReply(r.iov, 2));
-    EXPECT_FALSE(p.uring_patched());
-    EXPECT_EQ(r.out.flags, 1u << 2);
-    EXPECT_EQ(r.out.flags2, 0u);
-  }
-  {
-    // Wanted, not offered (a kernel without it, or enable_uring=N).
-    InitPatcher p(/*want_passthrough=*/false, /*want_uring=*/true);
-    auto req = InitRequest(5, fuse_uapi::kInitExt, fuse_uapi::kFlags2Passthrough);
-    p.OnRequest(req.data(), req.size());
-    EXPECT_FALSE(p.uring_offered());
+    EXPECT_EQ(p.uring_offered(), !want);
     Reply r(5);
     EXPECT_TRUE(p.OnReply(r.iov, 2));
     EXPECT_FALSE(p.uring_patched());
