@@ -65,7 +65,8 @@ class ReaperTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, root, True)
         self.addCleanup(harness.unmount, mnt)
         self.addCleanup(lambda: reaper.start_time(pid) == started and os.kill(pid, signal.SIGKILL))
-        self.assertTrue(harness.is_mounted(mnt))
+        if not clean:  # a clean child unmounts right after it printed the line
+            self.assertTrue(harness.is_mounted(mnt))
         return p, mnt, pid, started, registry, fields[4:]
 
     def assert_reaped(self, mnt, pid, started, registry):
