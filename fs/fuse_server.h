@@ -34,12 +34,13 @@ struct FuseTuning {
   // The mount's source as df and /proc/mounts show it (the backing dir); empty: "ckptfs".
   std::string fsname;
   // FUSE over io_uring (fs/fuse_uring.h), Linux 6.14+ built with CONFIG_FUSE_IO_URING.
-  // kAuto (default): where the kernel offers it, i.e. its switch (module parameter
-  // fuse.enable_uring) is on. kOn: also where the switch is off: turns it on for this
-  // mount's INIT alone (root) and back off right after, under a lock that daemons starting
-  // together take in turn, so no other FUSE server is offered it. kOff: /dev/fuse only.
+  // kOn (default): also where the kernel's switch (module parameter fuse.enable_uring) is
+  // off: a root daemon turns it on for this mount's INIT alone and back off right after,
+  // under a lock that daemons starting together take in turn, so no other FUSE server is
+  // offered it; a daemon that cannot (not root, a read-only /sys, Linux before 6.14) serves
+  // over /dev/fuse. kAuto: only where the switch is already on. kOff: /dev/fuse only.
   enum class Uring { kAuto, kOn, kOff };
-  Uring uring = Uring::kAuto;
+  Uring uring = Uring::kOn;
   int uring_max_threads = 32;  // over all queues, as --fuse-threads for /dev/fuse
 };
 
