@@ -308,11 +308,11 @@ def chroot_py(root, args, timeout=1800):
 
 def t2_case(a, troot, script, rel, inside_direct, inside_mnt, droot, backing, dev, name, mode,
             sfpr, cases, raw):
-    """One torch 2.x load case, both sides alternating first, medians over --reps."""
+    """One torch 2.x load case, both sides alternating first, medians over --t2-reps."""
     case = f"t2_{mode}_sfpr{sfpr}"
     got = {"direct": [], "ckptfs": []}
     version = None
-    for rep in range(a.reps):
+    for rep in range(a.t2_reps or a.reps):
         order = ("direct", "ckptfs") if rep % 2 == 0 else ("ckptfs", "direct")
         for side in order:
             la = os.getloadavg()[0]
@@ -407,6 +407,9 @@ def main():
     ap.add_argument("--mb", type=int, default=int(os.environ.get("BENCH_MB", 1024)))
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--reps", type=int, default=int(os.environ.get("BENCH_REPS", 3)))
+    ap.add_argument("--t2-reps", type=int, default=0,
+                    help="reps of each torch 2.x case (default --reps): its loads are "
+                    "CPU-bound on 2 cores, and one case spreads 10-25%% between reps")
     ap.add_argument("--sfpr", default="1,0")
     ap.add_argument("--t2-sfpr", default="1,0", help="torch 2.x layouts (1: a file per rank)")
     ap.add_argument("--modes", default="own,replicated,reshard")
