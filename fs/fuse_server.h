@@ -34,13 +34,15 @@ struct FuseTuning {
   // The mount's source as df and /proc/mounts show it (the backing dir); empty: "ckptfs".
   std::string fsname;
   // FUSE over io_uring (fs/fuse_uring.h), Linux 6.14+ built with CONFIG_FUSE_IO_URING.
-  // kOn (default): also where the kernel's switch (module parameter fuse.enable_uring) is
-  // off: a root daemon turns it on for this mount's INIT alone and back off right after,
-  // under a lock that daemons starting together take in turn, so no other FUSE server is
-  // offered it; a daemon that cannot (not root, a read-only /sys, Linux before 6.14) serves
-  // over /dev/fuse. kAuto: only where the switch is already on. kOff: /dev/fuse only.
+  // kAuto (default): only where the kernel's switch (module parameter fuse.enable_uring)
+  // is already on. kOn: also where it is off: a root daemon turns it on for this mount's
+  // INIT alone and back off right after, under a lock that daemons starting together take
+  // in turn, so no other FUSE server is offered it; a daemon that cannot (not root, a
+  // read-only /sys, Linux before 6.14) serves over /dev/fuse. kOff: /dev/fuse only.
+  // Not on by default: reads the daemon serves itself (the retained tier, staged files)
+  // were slower over io_uring on a 16-CPU machine (docs/bench/bench_reads.md).
   enum class Uring { kAuto, kOn, kOff };
-  Uring uring = Uring::kOn;
+  Uring uring = Uring::kAuto;
   int uring_max_threads = 32;  // over all queues, as --fuse-threads for /dev/fuse
 };
 

@@ -155,10 +155,10 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
       ->check(CLI::IsMember({"auto", "on", "off"}));
   app.add_option("--fuse-uring", o.fuse_uring,
                  "Requests come over FUSE over io_uring (Linux 6.14+ with "
-                 "CONFIG_FUSE_IO_URING), a queue per CPU: on (default; as root, turns the "
-                 "kernel's fuse.enable_uring switch on for this mount's start alone and back "
-                 "off; /dev/fuse where it cannot), auto (only where that switch is already on) "
-                 "or off (/dev/fuse)")
+                 "CONFIG_FUSE_IO_URING), a queue per CPU: auto (default: only where the "
+                 "kernel's fuse.enable_uring switch is already on), on (as root, also turns that "
+                 "switch on for this mount's start alone and back off; /dev/fuse where it "
+                 "cannot) or off (/dev/fuse)")
       ->check(CLI::IsMember({"auto", "on", "off"}));
   app.add_option("--flush-threads", o.flush_threads, "Flush threads (default 2)")
       ->check(CLI::Range(1, 256));

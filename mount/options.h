@@ -46,7 +46,7 @@ struct DaemonOptions {
   // --fuse-direct-writes=auto|on|off (FuseTuning::direct_writes)
   std::string fuse_direct_writes = "auto";
   // --fuse-uring=auto|on|off (FuseTuning::uring)
-  std::string fuse_uring = "on";
+  std::string fuse_uring = "auto";
   bool write_checksums = true;  // --write-checksums=on|off
   std::string log_level = "info";
   std::string log_file;

@@ -169,6 +169,7 @@ def main():
     warm_loads = {c: [] for c in cases}
     exact = True
     staging_backend = None
+    transports = {}  # how each mount's requests arrive (fuse_transport)
     ranks = Ranks(args.ranks, args.mib, args.device, args.root)
     daemons = {}
 
@@ -186,6 +187,7 @@ def main():
             order = cases if rnd % 2 == 0 else list(reversed(cases))
             daemons = start_daemons()
             staging_backend = daemons["ckptfs"].stats().get("staging_backend")
+            transports = {name: d.stats().get("fuse_transport") for name, d in daemons.items()}
             paths = {}
             for case in order:
                 if case.startswith("plain"):
@@ -232,7 +234,7 @@ def main():
     result = {
         "bench": "gpu_dcp", "device": ranks.device, "torch": ranks.torch_version,
         "ranks": args.ranks, "gib": gib, "rounds": args.rounds,
-        "staging_backend": staging_backend, "exact": exact,
+        "staging_backend": staging_backend, "fuse_transport": transports, "exact": exact,
         "save": {c: {k: round(median(v), 3) for k, v in saves[c].items()} for c in cases},
         "load": {c: round(median(loads[c]), 3) for c in cases},
         "load_warm": {c: round(median(warm_loads[c]), 3) for c in cases},

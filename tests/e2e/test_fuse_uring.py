@@ -1,8 +1,7 @@
 """FUSE over io_uring (issue 21), over real mounts: requests come over the kernel's rings, a
 queue per CPU, and everything works as over /dev/fuse.
 
-  * test_requests_come_over_the_ring: a mount started with no --fuse-uring flag (on by
-    default) serves over io_uring (stats
+  * test_requests_come_over_the_ring: a --fuse-uring on mount serves over io_uring (stats
     fuse_transport, fuse_uring_requests) and leaves the kernel's switch
     (fuse.enable_uring) as it found it. Files written in 1 MiB and odd-sized writes,
     read back staged (daemon) and published (passthrough), renames, directories,
@@ -86,7 +85,7 @@ class FuseUringTest(unittest.TestCase):
     def check_switch(self):
         self.assertEqual(switch(), self.switch_before, "fuse.enable_uring was left changed")
 
-    def start(self, args=(), **kw):  # no flag: --fuse-uring on, the default
+    def start(self, args=("--fuse-uring", "on"), **kw):
         m = Mount(args=args, **kw)
         m.start()
         self.addCleanup(m.cleanup)

@@ -190,12 +190,9 @@ TEST(ParseDaemonOptions, DirectWritesDefaultToAutoAndTakeOnOffAsFlagOrDashO) {
   EXPECT_EQ(o->fuse_direct_writes, "on");
 }
 
-TEST(ParseDaemonOptions, FuseUringDefaultsToOnAndTakesAutoOffAsFlagOrDashO) {
+TEST(ParseDaemonOptions, FuseUringDefaultsToAutoAndTakesOnOffAsFlagOrDashO) {
   auto o = Parse({"/b", "/m"});
   ASSERT_TRUE(o.ok());
-  EXPECT_EQ(o->fuse_uring, "on");
-  o = Parse({"--fuse-uring", "auto", "/b", "/m"});
-  ASSERT_TRUE(o.ok()) << o.status().ToString();
   EXPECT_EQ(o->fuse_uring, "auto");
   o = Parse({"--fuse-uring", "off", "/b", "/m"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
