@@ -229,6 +229,15 @@ def run_plain(a, work, dev, cases, raw):
                  "ceiling_ratio": bl.ratio(med["fuse_ceiling"][k], med["direct"][k]),
                  "mib": a.plain_mb,
                  "loadavg": bl.median([r["loadavg"] for s in sides for r in runs[s]])}
+            # The median of all reps mixes reads that went first with reads that went second
+            # (the host's cache, see above): the same ratio within each position too.
+            c["by_position"] = {}
+            for d_first, label in ((True, "first"), (False, "second")):
+                ck = [r[k] for i, r in enumerate(runs["ckptfs"]) if (i % 2 == 1) == d_first]
+                di = [r[k] for i, r in enumerate(runs["direct"]) if (i % 2 == 0) == d_first]
+                if ck and di:
+                    c["by_position"][label] = {"ckptfs_s": bl.median(ck), "direct_s": bl.median(di),
+                                               "ratio": bl.ratio(bl.median(ck), bl.median(di))}
             if temp == "cold":
                 c["device_bytes"] = {s: med[s][f"{read}_device_bytes"] for s in sides}
                 c["passthrough_opens"] = med["ckptfs"].get(f"{read}_passthrough_opens")
