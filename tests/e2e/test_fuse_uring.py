@@ -8,8 +8,9 @@ queue per CPU, and everything works as over /dev/fuse.
     symlinks, xattrs (a request with a payload whose reply also carries bytes), error
     replies, truncation; a 4-rank torch DCP save and verified loads in both layouts. No request
     was answered EIO by the ring code (fuse_uring_errors 0), the daemon exits 0.
-  * test_off_and_auto: --fuse-uring off serves over /dev/fuse, and auto does so while
-    the switch is off, saying why; the same files read back exact.
+  * test_off_and_auto: --fuse-uring off serves over /dev/fuse, and auto (also given by no
+    flag, the default) does so while the switch is off, saying why; the same files read
+    back exact.
   * test_waiting_handler_leaves_its_cpu_served: three writers on CPU 0 wait in their
     handlers (a write open of a file a passthrough reader holds waits up to 1 s, then
     EBUSY). Meanwhile a reader on CPU 0 stats, opens and reads other files: each takes
@@ -152,14 +153,15 @@ class FuseUringTest(unittest.TestCase):
                                                  range(0, 300000, 7777))[:1000]).hexdigest())
 
     def test_off_and_auto(self):
-        for mode in ("off", "auto"):
-            m = self.start(["--fuse-uring", mode])  # the switch is off here, as by default
-            s = m.stats()
-            if mode == "auto" and switch() == "Y":
+        # None: no --fuse-uring flag at all, which must behave as auto (the default).
+        for mode in ("off", "auto", None):
+            m = self.start(["--fuse-uring", mode] if mode else [])  # the switch is off here,
+            s = m.stats()                                           # as by default
+            if mode != "off" and switch() == "Y":
                 self.assertTrue(s["fuse_transport"].startswith("io_uring"), s["fuse_transport"])
                 continue
             self.assertTrue(s["fuse_transport"].startswith("/dev/fuse"), s["fuse_transport"])
-            if mode == "auto":
+            if mode != "off":
                 self.assertIn("does not offer io_uring", s["fuse_transport"])
             data = os.urandom(3 * MiB + 5)
             with open(os.path.join(m.mnt, "f"), "wb") as f:
