@@ -3,9 +3,9 @@
 files by dd and by mmap, the FUSE read ceiling, whole DCP loads with torch 1.13 and a
 torch 2.x (Debian sid root), and a throttled store (see ../../../shared/BENCHMARKS.md).
 
-Sides of the plain-file part (a 2 GiB file of random bytes in the backing dir), each rep in
-a rotated order (the host caches the disk: whoever reads first in a round can pay for the
-others), each read cold (page cache dropped, a freshly mounted daemon) and then warm:
+Sides of the plain-file part (a 2 GiB file of random bytes in the backing dir), direct and
+ckptfs taking turns going first, each read cold (page cache dropped, a freshly mounted
+daemon) and then warm:
   direct        the backing file itself
   ckptfs        through a mount with passthrough (the default)
   ckptfs_daemon through a mount with --passthrough off (the daemon serves every read)
@@ -13,6 +13,24 @@ others), each read cold (page cache dropped, a freshly mounted daemon) and then 
                 (no storage at all): the most a daemon-served FUSE read can do here
 Reads: `dd bs=1M` and a page-by-page mmap read (one byte per 4 KiB page, as safetensors'
 safe_open touches a mapping).
+
+Every cold read of the plain part is primed, the same way for every side (--plain-prime,
+on by default): right before it, the backing file is read once directly and the page cache
+dropped again. Two things outside both sides decide a cold read on this machine, and the
+prime holds both the same for every read:
+  * The host caches the VM's disk: whoever reads the file first in a round pays for the
+    others (a first cold dd took 2.8-4.6 s, a second one 0.9-1.8 s).
+  * The VM reports free memory to its host (virtio-balloon free page reporting,
+    page_reporting_order 9: free 2 MiB blocks, 2 s after they are freed), and the host takes
+    those pages back. A page cache that lands on them pays a host fault on its first touch,
+    which the guest sees as its reader's own CPU time: a 2 GiB mmap read took 0.59 s or
+    1.1-2.1 s with the same I/O (530 requests of 3.9 MiB, 1430 faults) and 0.02 s or 0.6-1.8 s
+    of user time, for either side, by how long ago the memory it got was freed (3 s of sleep
+    after the drop made every read of both sides slow). A daemon's start between the drop
+    and the read was enough to tip it. With the prime, the read gets the pages the prime's
+    drop has just freed, before they are reported.
+--plain-prime off measures the unprimed order: the medians then mix both effects (the
+`by_position` medians split them by who read first).
 
 Loads (the whole load_state_dict, 4 gloo ranks, fresh daemon, caches dropped, both sides
 alternating first): torch 1.13 (tests/e2e/dcp_tool.py: ShardedTensors) in both layouts and
@@ -43,6 +61,7 @@ import fcntl
 import json
 import mmap
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -78,6 +97,12 @@ class Cgroup:
         return 0
 
     def __enter__(self):
+        # Since kernel 6.9 the v1 throttle counts nothing on a disk until some rule has been
+        # written for it (blk-throttle is set up per disk on first use): a freshly booted
+        # machine reported 0 bytes for every read. A rule of 0 (no limit) in the root
+        # cgroup sets it up and limits nothing.
+        with open(os.path.join(self.ROOT, "blkio.throttle.read_bps_device"), "w") as f:
+            f.write(f"{self.dev} 0\n")
         os.makedirs(self.dir, exist_ok=True)
         if self.bps:
             with open(os.path.join(self.dir, "blkio.throttle.read_bps_device"), "w") as f:
@@ -127,6 +152,12 @@ def dd(path):
     return time.monotonic() - t0
 
 
+def user_cpu():
+    """User CPU seconds of this process and its waited-for children (dd)."""
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_utime +
+            resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime)
+
+
 def mmap_read(path):
     t0 = time.monotonic()
     with open(path, "rb") as f:
@@ -157,7 +188,7 @@ def null_fuse(mnt, size):
             p.wait()
 
 
-def plain_side(side, work, plain_rel, size, dev):
+def plain_side(side, work, plain_rel, size, dev, prime):
     """Cold and warm dd, then cold and warm mmap, of one side; returns its numbers."""
     r = {}
     root = os.path.join(work, "ckptfs")
@@ -173,8 +204,17 @@ def plain_side(side, work, plain_rel, size, dev):
                 d = stack.enter_context(bl.Daemon(root, staging="256M", args=args))
                 path = os.path.join(d.mnt, plain_rel)
             drop()
+            if prime:
+                # The same host cache and the same just-freed memory for every side's cold
+                # read (see the docstring): read the backing file once, drop it again.
+                dd(os.path.join(root, "backing", plain_rel))
+                drop()
             cg.start = cg.read_bytes()
+            u0 = user_cpu()
             r[f"{read}_cold_s"] = fn(path)
+            # The reader's user time: a few hundredths of a second for a read that got
+            # memory its host still backs, 0.5-1.8 s for one that did not (see the docstring).
+            r[f"{read}_cold_user_s"] = user_cpu() - u0
             r[f"{read}_device_bytes"] = cg.bytes()
             r[f"{read}_warm_s"] = fn(path)
             if side in ("ckptfs", "ckptfs_daemon"):
@@ -204,12 +244,12 @@ def run_plain(a, work, dev, cases, raw):
     # ckptfs take turns going first, each right before the other, so neither gets the
     # host's cache more often (a rotation of the four put ckptfs right after direct in 3
     # reps of 4: its cold dd then read at 0.46x direct and its warm dd at 1.45x).
-    for rep in range(a.reps):
+    for rep in range(a.plain_reps):
         order = (["direct", "ckptfs", "ckptfs_daemon", "fuse_ceiling"] if rep % 2 == 0 else
                  ["ckptfs", "direct", "fuse_ceiling", "ckptfs_daemon"])
         for side in order:
             la = os.getloadavg()[0]
-            r = plain_side(side, work, "plain.bin", size, dev)
+            r = plain_side(side, work, "plain.bin", size, dev, a.plain_prime == "on")
             r["loadavg"] = la
             runs[side].append(r)
             raw["plain"].append(dict(r, side=side, rep=rep))
@@ -241,6 +281,7 @@ def run_plain(a, work, dev, cases, raw):
             if temp == "cold":
                 c["device_bytes"] = {s: med[s][f"{read}_device_bytes"] for s in sides}
                 c["passthrough_opens"] = med["ckptfs"].get(f"{read}_passthrough_opens")
+                c["cold_user_s"] = {s: med[s][f"{read}_cold_user_s"] for s in sides}
             cases.append(c)
             bl.emit(c)
     os.remove(path)
@@ -419,6 +460,12 @@ def run_torch2(a, work, dev, cases, raw):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plain-mb", type=int, default=2048)
+    ap.add_argument("--plain-reps", type=int, default=16,
+                    help="reps of the plain-file part (about 40 s each): one cold read in "
+                         "three or four lands on memory the host took back, whichever side")
+    ap.add_argument("--plain-prime", choices=("on", "off"), default="on",
+                    help="read the plain file directly and drop it right before every "
+                         "cold read of every side (see the docstring)")
     ap.add_argument("--mb", type=int, default=int(os.environ.get("BENCH_MB", 1024)))
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--reps", type=int, default=int(os.environ.get("BENCH_REPS", 3)))
