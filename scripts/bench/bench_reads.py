@@ -188,7 +188,7 @@ def null_fuse(mnt, size):
             p.wait()
 
 
-def plain_side(side, work, plain_rel, size, dev, prime):
+def plain_side(side, work, plain_rel, size, dev, prime, staging):
     """Cold and warm dd, then cold and warm mmap, of one side; returns its numbers."""
     r = {}
     root = os.path.join(work, "ckptfs")
@@ -201,7 +201,7 @@ def plain_side(side, work, plain_rel, size, dev, prime):
                 path = stack.enter_context(null_fuse(os.path.join(work, "null-mnt"), size))
             else:
                 args = [] if side == "ckptfs" else ["--passthrough", "off"]
-                d = stack.enter_context(bl.Daemon(root, staging="256M", args=args))
+                d = stack.enter_context(bl.Daemon(root, staging=staging, args=args))
                 path = os.path.join(d.mnt, plain_rel)
             drop()
             if prime:
@@ -249,7 +249,7 @@ def run_plain(a, work, dev, cases, raw):
                  ["ckptfs", "direct", "fuse_ceiling", "ckptfs_daemon"])
         for side in order:
             la = os.getloadavg()[0]
-            r = plain_side(side, work, "plain.bin", size, dev, a.plain_prime == "on")
+            r = plain_side(side, work, "plain.bin", size, dev, a.plain_prime == "on", a.staging)
             r["loadavg"] = la
             runs[side].append(r)
             raw["plain"].append(dict(r, side=side, rep=rep))
@@ -378,7 +378,7 @@ def t2_case(a, troot, script, rel, inside_direct, inside_mnt, droot, backing, de
                     r = chroot_py(troot, [rel(script), "load", rel(inside_direct) + "/" + name,
                                           str(a.mb), str(a.ranks), mode])
                 else:
-                    d = bl.Daemon(droot, staging="256M")
+                    d = bl.Daemon(droot, staging=a.staging)
                     d.mnt = inside_mnt
                     with d:
                         drop()
@@ -387,6 +387,7 @@ def t2_case(a, troot, script, rel, inside_direct, inside_mnt, droot, backing, de
                         st = d.stats()
                         r["passthrough_opens"] = st.get("passthrough_opens")
                         r["backing_bytes"] = st.get("backing_bytes_read", 0)
+                        r["page_cache_prefetched"] = st.get("passthrough_page_cache_prefetched")
                         d.unmount(timeout=120)
                 r["device_bytes"] = cg.bytes()
                 r["ckpt_bytes_read"] = (resident_bytes(os.path.join(backing, name))
@@ -460,6 +461,8 @@ def run_torch2(a, work, dev, cases, raw):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plain-mb", type=int, default=2048)
+    ap.add_argument("--staging", default="256M",
+                    help="--staging-mem of every ckptfs daemon (pinned at mount)")
     ap.add_argument("--plain-reps", type=int, default=16,
                     help="reps of the plain-file part (about 40 s each): one cold read in "
                          "three or four lands on memory the host took back, whichever side")
