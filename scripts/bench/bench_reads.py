@@ -97,7 +97,7 @@ class Cgroup:
         return 0
 
     def __enter__(self):
-        # Since kernel 6.9 the v1 throttle counts nothing on a disk until some rule has been
+        # On this kernel (6.18) the v1 throttle counts nothing on a disk until some rule has been
         # written for it (blk-throttle is set up per disk on first use): a freshly booted
         # machine reported 0 bytes for every read. A rule of 0 (no limit) in the root
         # cgroup sets it up and limits nothing.
