@@ -27,8 +27,10 @@ prime holds both the same for every read:
     1.1-2.1 s with the same I/O (530 requests of 3.9 MiB, 1430 faults) and 0.02 s or 0.6-1.8 s
     of user time, for either side, by how long ago the memory it got was freed (3 s of sleep
     after the drop made every read of both sides slow). A daemon's start between the drop
-    and the read was enough to tip it. With the prime, the read gets the pages the prime's
-    drop has just freed, before they are reported.
+    and the read was enough to tip it. With the prime, the read is more likely to get the
+    pages the prime's drop has just freed, before they are reported. It is not certain to:
+    in 16 primed reps, 5 of direct's cold mmap reads and 8 of ckptfs's were still slow or
+    partly slow (docs/bench/bench_reads.md); `*_cold_user_s` shows which.
 --plain-prime off measures the unprimed order: the medians then mix both effects (the
 `by_position` medians split them by who read first).
 
@@ -272,9 +274,11 @@ def run_plain(a, work, dev, cases, raw):
             # The median of all reps mixes reads that went first with reads that went second
             # (the host's cache, see above): the same ratio within each position too.
             c["by_position"] = {}
-            for d_first, label in ((True, "first"), (False, "second")):
-                ck = [r[k] for i, r in enumerate(runs["ckptfs"]) if (i % 2 == 1) == d_first]
-                di = [r[k] for i, r in enumerate(runs["direct"]) if (i % 2 == 0) == d_first]
+            # "first": each side's reads in the reps it went first (ckptfs in odd reps,
+            # direct in even ones); "second": the others.
+            for going_first, label in ((True, "first"), (False, "second")):
+                ck = [r[k] for i, r in enumerate(runs["ckptfs"]) if (i % 2 == 1) == going_first]
+                di = [r[k] for i, r in enumerate(runs["direct"]) if (i % 2 == 0) == going_first]
                 if ck and di:
                     c["by_position"][label] = {"ckptfs_s": bl.median(ck), "direct_s": bl.median(di),
                                                "ratio": bl.ratio(bl.median(ck), bl.median(di))}
@@ -464,8 +468,8 @@ def main():
     ap.add_argument("--staging", default="256M",
                     help="--staging-mem of every ckptfs daemon (pinned at mount)")
     ap.add_argument("--plain-reps", type=int, default=16,
-                    help="reps of the plain-file part (about 40 s each): one cold read in "
-                         "three or four lands on memory the host took back, whichever side")
+                    help="reps of the plain-file part (about 22 s each at 2 GiB): a cold "
+                         "read can land on memory the host took back, whichever side")
     ap.add_argument("--plain-prime", choices=("on", "off"), default="on",
                     help="read the plain file directly and drop it right before every "
                          "cold read of every side (see the docstring)")
