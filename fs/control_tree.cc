@@ -198,6 +198,9 @@ std::string ControlTree::StatsJson() {
   j["staging_used"] = pool_->used_bytes();
   j["staging_limit"] = pool_->limit_bytes();
   j["staging_backend"] = pool_->backend();
+  j["staging_resident"] = pool_->resident_bytes();  // pinned now: used and kept for reuse
+  j["staging_pins"] = pool_->pins();
+  j["staging_releases"] = pool_->releases();
   j["staging_waits"] = pool_->waits();
   j["backing_bytes_read"] = backing_->bytes_read();
   j["write_checksums"] = config_.write_checksums;

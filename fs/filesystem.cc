@@ -40,6 +40,7 @@ Status Filesystem::Init(FsDeps deps) {
   pool_options.chunk_bytes = config_.chunk_bytes;
   pool_options.backend = config_.staging_backend;
   pool_options.hugepages = config_.staging_hugepages;
+  pool_options.release_idle = std::chrono::seconds(config_.staging_release_after_s);
   if (deps.pool) {
     pool_ = std::move(deps.pool);
   } else {

@@ -44,6 +44,7 @@ struct FsConfig {
   int retain_replicas = 0;  // with peers: copies kept on another node (0 or 1)
   std::string staging_backend = "auto";
   bool staging_hugepages = false;  // gpu::StagingOptions::hugepages
+  int staging_release_after_s = 0;  // gpu::StagingOptions::release_idle; 0 keeps it pinned
   bool flush_direct_io = true;     // store::FlushOptions::direct_io
   // Block CRCs of every flushed chunk, so the index checksums items without re-reading them.
   bool write_checksums = true;

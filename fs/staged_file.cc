@@ -119,9 +119,12 @@ Status StagedFile::Write(ByteSource& src, uint64_t offset) {
     // Waits while the pool is full; the pool's pressure callback seals idle chunks. When
     // the pool is full of chunks the backing store refused (parked for a retry, G7), no
     // chunk comes back until the condition clears: this write fails as the store's
-    // would, instead of hanging.
+    // would, instead of hanging. A chunk whose memory cannot be pinned (the system is
+    // out of memory) fails it too.
     gpu::ChunkBuffer buffer;
-    while (!(buffer = ctx_.pool->TryAcquireFor(std::chrono::milliseconds(200)))) {
+    Status pin_error;
+    while (!(buffer = ctx_.pool->TryAcquireFor(std::chrono::milliseconds(200), &pin_error))) {
+      CKPT_RETURN_IF_ERROR(pin_error);
       if (ctx_.pipeline->parked() > 0) {
         return Status(Code::kNoSpace,
                       "staging is full of bytes the backing store refused (kept for a retry)");

@@ -1,7 +1,9 @@
 #include "gpu/staging_pool.h"
 
 #include <spdlog/spdlog.h>
+#include <linux/capability.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -9,6 +11,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iterator>
 #include <utility>
 
@@ -29,7 +32,7 @@ constexpr size_t kHugePageBytes = size_t{2} << 20;
 // The pool's memory, before it is split into chunks.
 struct Memory {
   uint8_t* base = nullptr;
-  std::string backend;
+  bool cuda = false;           // cudaHostAlloc'd, pinned whole; else reserved host memory
   std::function<void()> free;  // releases `base` the way it was allocated
 };
 
@@ -54,7 +57,7 @@ std::string FormatBytes(size_t bytes) {
 }
 
 // Faults in every page of [base, base+bytes) for writing, so the memory is charged to the
-// process now rather than on the first write() of a checkpoint.
+// process when a chunk is pinned rather than on the write() that fills it.
 Status Populate(uint8_t* base, size_t bytes) {
 #ifdef MADV_POPULATE_WRITE
   if (madvise(base, bytes, MADV_POPULATE_WRITE) == 0) return Status::Ok();
@@ -67,13 +70,42 @@ Status Populate(uint8_t* base, size_t bytes) {
   return Status::Ok();
 }
 
-// Anonymous private memory, aligned to 2 MiB so transparent hugepages can back all of it
-// (when `hugepages`), populated up front and locked when RLIMIT_MEMLOCK allows.
-Result<Memory> AllocateHost(size_t bytes, bool hugepages) {
+// Whether this process may lock `bytes` more: the kernel allows it with CAP_IPC_LOCK, or
+// while the process's locked memory stays within RLIMIT_MEMLOCK. Sets `why` when not.
+bool MlockWouldFit(size_t bytes, std::string* why) {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_MEMLOCK, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return true;
+  uint64_t cap_eff = 0, locked_kib = 0;
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("CapEff:", 0) == 0) cap_eff = std::strtoull(line.c_str() + 7, nullptr, 16);
+    if (line.rfind("VmLck:", 0) == 0) locked_kib = std::strtoull(line.c_str() + 6, nullptr, 10);
+  }
+  if (cap_eff & (uint64_t{1} << CAP_IPC_LOCK)) return true;
+  const uint64_t locked = locked_kib << 10;
+  if (locked + bytes <= limit.rlim_cur) return true;
+  *why = fmt::format("RLIMIT_MEMLOCK is {} and {} is locked already", FormatBytes(limit.rlim_cur),
+                     FormatBytes(locked));
+  return false;
+}
+
+void WarnUnlocked(size_t bytes, const std::string& why) {
+  static std::atomic<bool> warned{false};
+  if (warned.exchange(true)) return;
+  spdlog::warn(
+      "staging pool: {} cannot be locked ({}); using unlocked memory. Raise RLIMIT_MEMLOCK "
+      "(ulimit -l) or grant CAP_IPC_LOCK to pin it",
+      FormatBytes(bytes), why);
+}
+
+// Anonymous private address space, aligned to 2 MiB so transparent hugepages can back all
+// of it (when `hugepages`). Nothing is faulted in: chunks are pinned as they are first used.
+Result<Memory> ReserveHost(size_t bytes, bool hugepages) {
   if (bytes > SIZE_MAX - kHugePageBytes) return AllocFailed("mmap", bytes, ENOMEM);
   // Over-map by one hugepage and trim, since mmap only guarantees page alignment.
   const size_t mapped = bytes + kHugePageBytes;
-  void* raw = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* raw = mmap(nullptr, mapped, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED) return AllocFailed("mmap", bytes, errno);
   const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
   const uintptr_t aligned = (start + kHugePageBytes - 1) & ~uintptr_t{kHugePageBytes - 1};
@@ -90,26 +122,6 @@ Result<Memory> AllocateHost(size_t bytes, bool hugepages) {
   Memory memory;
   memory.base = base;
   memory.free = [base, bytes] { munmap(base, bytes); };
-  if (mlock(base, bytes) == 0) {
-    memory.backend = "host-locked";
-  } else {
-    const int err = errno;
-    (void)munlock(base, bytes);  // mlock may have locked a prefix before failing
-    static std::atomic<bool> warned{false};
-    if (!warned.exchange(true)) {
-      spdlog::warn(
-          "staging pool: mlock of {} failed ({}); using unlocked memory. Raise "
-          "RLIMIT_MEMLOCK (ulimit -l) or grant CAP_IPC_LOCK to pin it",
-          FormatBytes(bytes), std::strerror(err));
-    }
-    memory.backend = "host";
-  }
-  // A successful mlock has faulted every page in already, which makes this a cheap page-table
-  // walk; it matters when mlock failed, or is a no-op as under ASan and TSan.
-  if (Status st = Populate(base, bytes); !st.ok()) {
-    memory.free();
-    return st;
-  }
   return memory;
 }
 
@@ -184,7 +196,7 @@ Result<Memory> AllocateCuda(const CudaRuntime& rt, size_t bytes) {
   }
   Memory memory;
   memory.base = static_cast<uint8_t*>(ptr);
-  memory.backend = "cuda-pinned";
+  memory.cuda = true;
   memory.free = [&rt, ptr] {
     if (cudaError_t err = rt.free_host(ptr); err != cudaSuccess) {
       spdlog::error("staging pool: cudaFreeHost failed: {}", rt.ErrorName(err));
@@ -198,7 +210,7 @@ Result<Memory> AllocateCuda(const CudaRuntime& rt, size_t bytes) {
 // Picks the backend and allocates. `note` receives why "auto" did not use CUDA.
 Result<Memory> Allocate(const std::string& backend, size_t bytes, bool hugepages,
                         std::string* note) {
-  if (backend == "host") return AllocateHost(bytes, hugepages);
+  if (backend == "host") return ReserveHost(bytes, hugepages);
 #if defined(CKPTFS_HAVE_CUDA)
   std::string why;
   const CudaRuntime* rt = UsableCuda(&why);
@@ -208,7 +220,7 @@ Result<Memory> Allocate(const std::string& backend, size_t bytes, bool hugepages
     // auto: host memory without CUDA registration is still better than no mount.
     spdlog::warn("staging pool: {}; falling back to host memory", memory.status().message());
     *note = "cudaHostAlloc failed";
-    return AllocateHost(bytes, hugepages);
+    return ReserveHost(bytes, hugepages);
   }
   if (backend == "cuda") return Unsupported("staging backend \"cuda\" is unavailable: " + why);
   *note = "CUDA unavailable: " + why;
@@ -218,7 +230,7 @@ Result<Memory> Allocate(const std::string& backend, size_t bytes, bool hugepages
   }
   *note = "built without CUDA";
 #endif
-  return AllocateHost(bytes, hugepages);
+  return ReserveHost(bytes, hugepages);
 }
 
 }  // namespace
@@ -262,6 +274,7 @@ Result<std::unique_ptr<StagingPool>> StagingPool::Create(const StagingOptions& o
   if (backend != "auto" && backend != "host" && backend != "cuda") {
     return Invalid("unknown staging backend \"" + backend + "\" (expected auto, host or cuda)");
   }
+  if (options.release_idle.count() < 0) return Invalid("staging release_idle is negative");
 
   std::string note;
   CKPT_ASSIGN_OR_RETURN(Memory memory, Allocate(backend, chunks * chunk, options.hugepages, &note));
@@ -270,26 +283,53 @@ Result<std::unique_ptr<StagingPool>> StagingPool::Create(const StagingOptions& o
   pool->chunk_bytes_ = chunk;
   pool->total_chunks_ = chunks;
   pool->base_ = memory.base;
-  pool->backend_ = std::move(memory.backend);
+  pool->cuda_ = memory.cuda;
   pool->free_memory_ = std::move(memory.free);
-  // Reserved once, so Return() never allocates. Reversed so the lowest chunk goes out first.
+  if (!pool->cuda_) {
+    std::string why;
+    const bool fits = MlockWouldFit(chunks * chunk, &why);
+    if (!fits) WarnUnlocked(chunks * chunk, why);
+    pool->lock_memory_.store(fits);
+    pool->release_idle_ = options.release_idle;
+  }
   {
     MutexLock lock(&pool->mu_);  // nobody else has the pool yet; taken for the analysis
-    pool->free_.reserve(chunks);
-    for (size_t i = chunks; i-- > 0;) pool->free_.push_back(memory.base + i * chunk);
+    // Reserved once, so Return() never allocates. Reversed so the lowest chunk goes out first.
+    std::vector<uint8_t*>& initial = pool->cuda_ ? pool->free_pinned_ : pool->free_unpinned_;
+    pool->free_pinned_.reserve(chunks);
+    pool->free_unpinned_.reserve(chunks);
+    for (size_t i = chunks; i-- > 0;) initial.push_back(memory.base + i * chunk);
+    pool->last_return_ = std::chrono::steady_clock::now();
   }
+  if (pool->cuda_) pool->resident_chunks_.store(chunks);
 
-  spdlog::info("staging pool: {} as {} chunks of {}, backend {}{}", FormatBytes(chunks * chunk),
-               chunks, FormatBytes(chunk), pool->backend_, note.empty() ? "" : " (" + note + ")");
+  std::string pinning = "allocated pinned";
+  if (!pool->cuda_) {
+    pinning = "each chunk pinned on first use";
+    if (pool->release_idle_.count() > 0) {
+      pinning += fmt::format(", given back after {:.3g} s with none in use",
+                             pool->release_idle_.count() / 1000.0);
+      pool->releaser_ = std::thread([p = pool.get()] { p->ReleaseIdleChunks(); });
+    }
+  }
+  spdlog::info("staging pool: {} as {} chunks of {}, backend {}{}, {}", FormatBytes(chunks * chunk),
+               chunks, FormatBytes(chunk), pool->backend(), note.empty() ? "" : " (" + note + ")",
+               pinning);
   return pool;
 }
 
 StagingPool::~StagingPool() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+    release_cv_.notify_all();
+  }
+  if (releaser_.joinable()) releaser_.join();
   size_t out;
   {
     // Taken so that a Return() still finishing on another thread completes first.
     MutexLock lock(&mu_);
-    out = total_chunks_ - free_.size();
+    out = total_chunks_ - FreeLocked();
   }
   if (out != 0) {
     spdlog::critical("staging pool destroyed with {} of {} chunks still in use", out,
@@ -299,50 +339,117 @@ StagingPool::~StagingPool() {
   if (free_memory_) free_memory_();
 }
 
-// Both acquire paths tell the pressure listener once, and count a wait, only when they are
-// about to block; TryAcquireFor with a zero timeout never blocks and does neither.
-ChunkBuffer StagingPool::Acquire() {
+std::string StagingPool::backend() const {
+  if (cuda_) return "cuda-pinned";
+  return lock_memory_.load(std::memory_order_relaxed) ? "host-locked" : "host";
+}
+
+ChunkBuffer StagingPool::Acquire(Status* error) { return AcquireUntil(nullptr, error); }
+
+ChunkBuffer StagingPool::TryAcquireFor(std::chrono::milliseconds timeout, Status* error) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  return AcquireUntil(&deadline, error);
+}
+
+// Both acquire paths tell the pressure listener once, and count a wait, only when every
+// chunk is out and they are about to block; a zero timeout never blocks and does neither.
+// A chunk the release thread is unpinning is on its way back: waiting for it is neither.
+ChunkBuffer StagingPool::AcquireUntil(const std::chrono::steady_clock::time_point* deadline,
+                                      Status* error) {
   MutexLock lock(&mu_);
-  if (free_.empty()) {
-    waits_.fetch_add(1, std::memory_order_relaxed);
+  if (FreeLocked() == 0) {
+    const bool full = releasing_ == 0;
     const auto wait_start = std::chrono::steady_clock::now();
-    if (StagingPressureListener* pressure = pressure_) {
-      lock.Unlock();
-      pressure->RelieveStagingPressure();
-      lock.Lock();
+    if (full && deadline != nullptr && *deadline <= wait_start) return ChunkBuffer();
+    if (full) {
+      waits_.fetch_add(1, std::memory_order_relaxed);
+      if (StagingPressureListener* pressure = pressure_) {
+        lock.Unlock();
+        pressure->RelieveStagingPressure();
+        lock.Lock();
+      }
     }
-    while (free_.empty()) cv_.wait(lock.native());
-    StagingWaitHistogram().Observe(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count());
+    while (FreeLocked() == 0) {
+      if (deadline == nullptr) {
+        cv_.wait(lock.native());
+      } else if (cv_.wait_until(lock.native(), *deadline) == std::cv_status::timeout) {
+        break;
+      }
+    }
+    if (full) {
+      StagingWaitHistogram().Observe(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count());
+    }
+    if (FreeLocked() == 0) return ChunkBuffer();
   }
-  uint8_t* data = free_.back();
-  free_.pop_back();
+  const bool pinned = !free_pinned_.empty();
+  std::vector<uint8_t*>& from = pinned ? free_pinned_ : free_unpinned_;
+  uint8_t* data = from.back();
+  from.pop_back();
+  if (!pinned) {
+    // Out of the lock: pinning faults in a whole chunk. The chunk counts as used meanwhile.
+    lock.Unlock();
+    Status st = Pin(data);
+    if (!st.ok()) {
+      lock.Lock();
+      free_unpinned_.push_back(data);
+      cv_.notify_one();
+      spdlog::error("staging pool: {}", st.message());
+      if (error != nullptr) *error = std::move(st);
+      return ChunkBuffer();
+    }
+  }
   return ChunkBuffer(this, data, chunk_bytes_);
 }
 
-ChunkBuffer StagingPool::TryAcquireFor(std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  MutexLock lock(&mu_);
-  if (free_.empty()) {
-    if (timeout <= std::chrono::milliseconds::zero()) return ChunkBuffer();
-    waits_.fetch_add(1, std::memory_order_relaxed);
-    const auto wait_start = std::chrono::steady_clock::now();
-    if (StagingPressureListener* pressure = pressure_) {
-      lock.Unlock();
-      pressure->RelieveStagingPressure();
-      lock.Lock();
+Status StagingPool::Pin(uint8_t* data) {
+  if (lock_memory_.load(std::memory_order_relaxed)) {
+    // mlock faults every page in, so this is the whole pin.
+    if (mlock(data, chunk_bytes_) == 0) {
+      resident_chunks_.fetch_add(1, std::memory_order_relaxed);
+      pins_.fetch_add(1, std::memory_order_relaxed);
+      return Status::Ok();
     }
-    while (free_.empty()) {
-      if (cv_.wait_until(lock.native(), deadline) == std::cv_status::timeout) break;
+    const int err = errno;
+    (void)munlock(data, chunk_bytes_);  // mlock may have locked a prefix before failing
+    if (lock_memory_.exchange(false)) {
+      WarnUnlocked(limit_bytes(), fmt::format("mlock of a {} chunk: {}", FormatBytes(chunk_bytes_),
+                                              std::strerror(err)));
     }
-    const bool got = !free_.empty();
-    StagingWaitHistogram().Observe(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count());
-    if (!got) return ChunkBuffer();
   }
-  uint8_t* data = free_.back();
-  free_.pop_back();
-  return ChunkBuffer(this, data, chunk_bytes_);
+  CKPT_RETURN_IF_ERROR(Populate(data, chunk_bytes_));
+  resident_chunks_.fetch_add(1, std::memory_order_relaxed);
+  pins_.fetch_add(1, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
+void StagingPool::ReleaseIdleChunks() {
+  MutexLock lock(&mu_);
+  while (!stopping_) {
+    if (FreeLocked() != total_chunks_ || free_pinned_.empty()) {
+      release_cv_.wait(lock.native());  // Return() tells when the last chunk is back
+      continue;
+    }
+    const auto due = last_return_ + release_idle_;
+    if (std::chrono::steady_clock::now() < due) {
+      release_cv_.wait_until(lock.native(), due);
+      continue;
+    }
+    // One chunk at a time, out of the lock, so that an Acquire() meanwhile takes another
+    // pinned chunk (and ends the release) instead of waiting for the whole pool.
+    uint8_t* data = free_pinned_.back();
+    free_pinned_.pop_back();
+    ++releasing_;
+    lock.Unlock();
+    (void)munlock(data, chunk_bytes_);
+    (void)madvise(data, chunk_bytes_, MADV_DONTNEED);
+    resident_chunks_.fetch_sub(1, std::memory_order_relaxed);
+    releases_.fetch_add(1, std::memory_order_relaxed);
+    lock.Lock();
+    --releasing_;
+    free_unpinned_.push_back(data);
+    cv_.notify_one();  // an Acquire() may be waiting for this very chunk
+  }
 }
 
 void StagingPool::SetPressureListener(StagingPressureListener* listener) {
@@ -352,7 +459,7 @@ void StagingPool::SetPressureListener(StagingPressureListener* listener) {
 
 size_t StagingPool::used_bytes() const {
   MutexLock lock(&mu_);
-  return (total_chunks_ - free_.size()) * chunk_bytes_;
+  return (total_chunks_ - FreeLocked() - releasing_) * chunk_bytes_;
 }
 
 void StagingPool::Return(uint8_t* data) {
@@ -364,14 +471,16 @@ void StagingPool::Return(uint8_t* data) {
     std::abort();
   }
   MutexLock lock(&mu_);
-  if (free_.size() >= total_chunks_) {
+  if (FreeLocked() + releasing_ >= total_chunks_) {
     spdlog::critical("staging pool: chunk at offset {} returned twice", offset);
     std::abort();
   }
-  free_.push_back(data);
+  free_pinned_.push_back(data);  // it was pinned when it went out
+  last_return_ = std::chrono::steady_clock::now();
   // Notified under the lock: once the last chunk is back, the owner may destroy the pool
   // (and cv_) as soon as it can take mu_.
   cv_.notify_one();
+  if (FreeLocked() == total_chunks_) release_cv_.notify_one();
 }
 
 }  // namespace ckptfs::gpu

@@ -1,10 +1,13 @@
-// StagingPool: a fixed pool of equal-sized staging chunks, allocated once at mount.
+// StagingPool: a fixed pool of equal-sized staging chunks.
 //
-// The memory is pinned: cudaHostAlloc when a CUDA runtime and device are present,
-// otherwise page-locked anonymous memory (mlock; transparent hugepages only when asked:
-// StagingOptions::hugepages).
+// The memory is pinned: cudaHostAlloc when a CUDA runtime and device are present, allocated
+// whole at Create(); otherwise page-locked anonymous memory (mlock; transparent hugepages
+// only when asked: StagingOptions::hugepages). Host memory is reserved whole at Create() but
+// each chunk is pinned on its first Acquire(), so a daemon that only reads holds none of it,
+// and it may be given back after an idle period (StagingOptions::release_idle).
 // Locking is best effort; an mlock failure is logged once and the pool still works.
-// The pool never allocates after Create(), so it never holds more than its budget (G6).
+// The pool never reserves after Create() and never pins more than its chunks, so it never
+// holds more than its budget (G6).
 //
 // Thread-safe. Acquire() blocks while every chunk is in use (backpressure).
 #pragma once
@@ -18,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/mutex.h"
@@ -64,6 +68,11 @@ struct StagingOptions {
   // pool into the page cache ran at half the speed (1 GiB published in 4.8 s against
   // 2.3 s, medians of 6); copying into the pool was no faster either way.
   bool hugepages = false;
+  // Host memory: once no chunk has been out for this long, the pinned chunks are unlocked
+  // and given back to the system, to be pinned again on their next Acquire(). Zero (the
+  // default) keeps a chunk pinned from its first Acquire() until the pool is destroyed.
+  // CUDA memory is always kept.
+  std::chrono::milliseconds release_idle{0};
 };
 
 // The owner of the staged bytes (fs::Namespace): told when a writer is about to wait for
@@ -86,10 +95,12 @@ class StagingPool {
   StagingPool& operator=(const StagingPool&) = delete;
 
   // Blocks until a chunk is free. Before blocking it tells the pressure listener once, so
-  // that the owner can seal partly filled chunks and let them flush.
-  ChunkBuffer Acquire();
-  // Returns an empty ChunkBuffer if none frees up within `timeout`.
-  ChunkBuffer TryAcquireFor(std::chrono::milliseconds timeout);
+  // that the owner can seal partly filled chunks and let them flush. Empty only when the
+  // chunk's memory could not be pinned (the system is out of memory); `error` then says why.
+  ChunkBuffer Acquire(Status* error = nullptr);
+  // Returns an empty ChunkBuffer if none frees up within `timeout`, or, with `error` set,
+  // when the chunk's memory could not be pinned.
+  ChunkBuffer TryAcquireFor(std::chrono::milliseconds timeout, Status* error = nullptr);
   // Told (without pool locks held) when Acquire() would block. Borrowed: must outlive every
   // Acquire(); null removes it.
   void SetPressureListener(StagingPressureListener* listener) EXCLUDES(mu_);
@@ -98,27 +109,54 @@ class StagingPool {
   size_t total_chunks() const { return total_chunks_; }
   size_t limit_bytes() const { return chunk_bytes_ * total_chunks_; }
   size_t used_bytes() const;
-  // "cuda-pinned", "host-locked" or "host" (locking failed).
-  const std::string& backend() const { return backend_; }
+  // Memory pinned now: the chunks out and those kept pinned for the next Acquire().
+  size_t resident_bytes() const {
+    return resident_chunks_.load(std::memory_order_relaxed) * chunk_bytes_;
+  }
+  // "cuda-pinned", "host-locked" or "host" (locking failed, or will: RLIMIT_MEMLOCK).
+  std::string backend() const;
   // How many Acquire() calls had to wait.
   uint64_t waits() const { return waits_.load(std::memory_order_relaxed); }
+  // Chunks pinned on an Acquire() (each first use, and each use after a release), and
+  // chunks given back after release_idle.
+  uint64_t pins() const { return pins_.load(std::memory_order_relaxed); }
+  uint64_t releases() const { return releases_.load(std::memory_order_relaxed); }
 
  private:
   friend class ChunkBuffer;
   StagingPool() = default;
+  ChunkBuffer AcquireUntil(const std::chrono::steady_clock::time_point* deadline,
+                           Status* error) EXCLUDES(mu_);
+  size_t FreeLocked() const REQUIRES(mu_) { return free_pinned_.size() + free_unpinned_.size(); }
+  // Outside mu_, on a chunk taken from free_unpinned_: locks (or populates) its memory.
+  Status Pin(uint8_t* data);
+  // The release_idle thread: gives pinned chunks back while no chunk is out.
+  void ReleaseIdleChunks() EXCLUDES(mu_);
   void Return(uint8_t* data) EXCLUDES(mu_);
 
   size_t chunk_bytes_ = 0;
   size_t total_chunks_ = 0;
   uint8_t* base_ = nullptr;
-  std::string backend_;
+  bool cuda_ = false;                  // cudaHostAlloc'd whole: every chunk pinned always
+  std::atomic<bool> lock_memory_{false};  // host: mlock chunks as they are pinned
+  std::chrono::milliseconds release_idle_{0};
   std::function<void()> free_memory_;  // releases base_ the way it was allocated
 
   mutable Mutex mu_;
   std::condition_variable cv_;
-  std::vector<uint8_t*> free_ GUARDED_BY(mu_);
+  // Free chunks, pinned (taken first, last returned first) and not (lowest first).
+  std::vector<uint8_t*> free_pinned_ GUARDED_BY(mu_);
+  std::vector<uint8_t*> free_unpinned_ GUARDED_BY(mu_);
+  size_t releasing_ GUARDED_BY(mu_) = 0;  // taken by the release thread, being unpinned
+  std::chrono::steady_clock::time_point last_return_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::condition_variable release_cv_;
+  std::thread releaser_;
   StagingPressureListener* pressure_ GUARDED_BY(mu_) = nullptr;
   std::atomic<uint64_t> waits_{0};
+  std::atomic<size_t> resident_chunks_{0};
+  std::atomic<uint64_t> pins_{0};
+  std::atomic<uint64_t> releases_{0};
 };
 
 }  // namespace ckptfs::gpu

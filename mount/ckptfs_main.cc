@@ -206,6 +206,7 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   config.passthrough_min_bytes = o.passthrough_min_bytes;
   config.staging_backend = o.staging_backend;
   config.staging_hugepages = o.staging_hugepages;
+  config.staging_release_after_s = o.staging_release_after_s;
   config.flush_direct_io = o.flush_direct_io;
   config.write_checksums = o.write_checksums;
   config.commit_timeout = std::chrono::seconds(o.commit_timeout_s);

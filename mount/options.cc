@@ -177,6 +177,11 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
                  "on: back host staging memory with transparent hugepages; off (default): "
                  "small pages, which the flush threads copy out of faster on the VMs measured")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--staging-release-after", o.staging_release_after_s,
+                 "Host staging memory is pinned a chunk at a time as writes first need it; "
+                 "give it back after this many seconds with nothing staged (default 0: keep "
+                 "it pinned until unmount)")
+      ->check(CLI::Range(0, 86400));
   app.add_option("--flush-direct-io", flush_direct_io,
                  "on (default): flush 4 KiB-aligned staged data with O_DIRECT, no page-cache "
                  "copy; off: through the page cache")

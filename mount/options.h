@@ -39,6 +39,7 @@ struct DaemonOptions {
   int stop_timeout_s = 30;
   std::string staging_backend = "auto";
   bool staging_hugepages = false;  // --staging-hugepages=on|off
+  int staging_release_after_s = 0;  // --staging-release-after (0: keep pinned)
   bool flush_direct_io = true;     // --flush-direct-io=on|off
   bool passthrough = true;         // --passthrough=on|off (FsConfig::passthrough)
   uint64_t passthrough_min_bytes = uint64_t{1} << 20;  // --passthrough-min-size

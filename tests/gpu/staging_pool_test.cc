@@ -135,19 +135,128 @@ TEST(StagingPool, ChunksArePageAlignedDisjointAndWritable) {
   }
 }
 
-TEST(StagingPool, HostMemoryIsResidentRightAfterCreate) {
+bool AllResident(const uint8_t* data, size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident(bytes / page);
+  EXPECT_EQ(mincore(const_cast<uint8_t*>(data), bytes, resident.data()), 0) << strerror(errno);
+  return std::all_of(resident.begin(), resident.end(), [](unsigned char v) { return v & 1; });
+}
+
+bool NoneResident(const uint8_t* data, size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident(bytes / page);
+  EXPECT_EQ(mincore(const_cast<uint8_t*>(data), bytes, resident.data()), 0) << strerror(errno);
+  return std::none_of(resident.begin(), resident.end(), [](unsigned char v) { return v & 1; });
+}
+
+TEST(StagingPool, AcquiredChunksAreResident) {
   auto pool = MakePool(16);
   ASSERT_NE(pool, nullptr);
   std::vector<ChunkBuffer> held;
   for (int i = 0; i < 16; ++i) held.push_back(pool->Acquire());
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  std::vector<unsigned char> resident(kChunk / page);
   for (const ChunkBuffer& chunk : held) {
-    ASSERT_EQ(mincore(chunk.data(), chunk.capacity(), resident.data()), 0) << strerror(errno);
-    const bool all_resident =
-        std::all_of(resident.begin(), resident.end(), [](unsigned char v) { return v & 1; });
-    EXPECT_TRUE(all_resident) << "pages of the pool were not populated at Create()";
+    EXPECT_TRUE(AllResident(chunk.data(), chunk.capacity()))
+        << "a chunk's pages were not populated when it was acquired";
   }
+  EXPECT_EQ(pool->resident_bytes(), 16 * kChunk);
+  EXPECT_EQ(pool->pins(), 16u);
+}
+
+// A daemon that only reads must hold no staging memory: chunks are pinned as first used,
+// and a returned chunk stays pinned and goes out again before an unpinned one.
+TEST(StagingPool, HostChunksArePinnedOnFirstUseAndKept) {
+  auto pool = MakePool(16);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->resident_bytes(), 0u);
+  EXPECT_EQ(pool->pins(), 0u);
+  uint8_t* first = nullptr;
+  {
+    ChunkBuffer chunk = pool->Acquire();
+    first = chunk.data();
+    EXPECT_EQ(pool->resident_bytes(), kChunk);
+    EXPECT_EQ(pool->pins(), 1u);
+  }
+  EXPECT_EQ(pool->resident_bytes(), kChunk) << "a returned chunk stays pinned";
+  ChunkBuffer again = pool->Acquire();
+  EXPECT_EQ(again.data(), first) << "the pinned chunk goes out before an unpinned one";
+  EXPECT_EQ(pool->pins(), 1u);
+  ChunkBuffer second = pool->Acquire();
+  EXPECT_EQ(pool->pins(), 2u);
+  EXPECT_EQ(pool->resident_bytes(), 2 * kChunk);
+  EXPECT_EQ(pool->releases(), 0u);
+}
+
+std::unique_ptr<StagingPool> MakeReleasingPool(size_t chunks, milliseconds release_idle) {
+  StagingOptions options;
+  options.chunk_bytes = kChunk;
+  options.total_bytes = chunks * kChunk;
+  options.backend = "host";
+  options.release_idle = release_idle;
+  auto pool = StagingPool::Create(options);
+  EXPECT_TRUE(pool.ok()) << pool.status().ToString();
+  return pool.ok() ? std::move(pool).value() : nullptr;
+}
+
+template <typename Pred>
+bool WaitFor(Pred pred, milliseconds limit = milliseconds(10000)) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  return true;
+}
+
+TEST(StagingPool, IdleChunksAreGivenBackAfterReleaseIdleAndPinnedAgainOnUse) {
+  auto pool = MakeReleasingPool(4, milliseconds(100));
+  ASSERT_NE(pool, nullptr);
+  std::vector<uint8_t*> addresses;
+  {
+    std::vector<ChunkBuffer> held;
+    for (int i = 0; i < 3; ++i) {
+      held.push_back(pool->Acquire());
+      std::memset(held.back().data(), 0x5a, kChunk);
+      addresses.push_back(held.back().data());
+    }
+    // Held longer than release_idle: nothing is given back while a chunk is out.
+    std::this_thread::sleep_for(milliseconds(300));
+    EXPECT_EQ(pool->resident_bytes(), 3 * kChunk);
+    EXPECT_EQ(pool->releases(), 0u);
+  }
+  ASSERT_TRUE(WaitFor([&] { return pool->resident_bytes() == 0; }))
+      << pool->resident_bytes() << " bytes still pinned";
+  EXPECT_EQ(pool->releases(), 3u);
+  EXPECT_EQ(pool->used_bytes(), 0u);
+  for (uint8_t* address : addresses) {
+    EXPECT_TRUE(NoneResident(address, kChunk)) << "a released chunk kept its pages";
+  }
+  ChunkBuffer chunk = pool->Acquire();
+  EXPECT_EQ(pool->pins(), 4u);
+  EXPECT_TRUE(AllResident(chunk.data(), kChunk));
+  EXPECT_EQ(chunk.data()[0], 0) << "given-back memory comes back zeroed";
+  std::memset(chunk.data(), 0x33, kChunk);
+  EXPECT_EQ(chunk.data()[kChunk - 1], 0x33);
+  EXPECT_EQ(pool->waits(), 0u);
+}
+
+// Acquires racing the release thread, with a pool of one chunk so that an Acquire() often
+// finds its only chunk being unpinned: it gets it without counting a wait, and the pool's
+// accounting stays whole.
+TEST(StagingPool, AcquireRacingTheReleaseThreadNeitherWaitsNorLosesAChunk) {
+  auto pool = MakeReleasingPool(1, milliseconds(1));
+  ASSERT_NE(pool, nullptr);
+  for (int i = 0; i < 300; ++i) {
+    ChunkBuffer chunk = pool->TryAcquireFor(milliseconds(5000));
+    ASSERT_TRUE(chunk) << "round " << i;
+    std::memset(chunk.data(), i & 0xff, 4096);
+    EXPECT_EQ(pool->used_bytes(), kChunk);
+    chunk = ChunkBuffer();
+    std::this_thread::sleep_for(std::chrono::microseconds(i % 3 == 0 ? 1500 : 200));
+  }
+  EXPECT_EQ(pool->waits(), 0u);
+  EXPECT_EQ(pool->used_bytes(), 0u);
+  EXPECT_GE(pool->pins(), 1u);
+  EXPECT_LE(pool->releases(), pool->pins());
 }
 
 TEST(StagingPool, TryAcquireForReturnsEmptyWhenExhausted) {
@@ -398,6 +507,56 @@ TEST(StagingPoolDeathTest, MlockFailureFallsBackToPopulatedUnlockedMemory) {
 #endif
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(std::exit(CreatePoolWhereMlockFails()), testing::ExitedWithCode(0), "");
+}
+
+// Runs in a child process: RLIMIT_MEMLOCK fits each of two pools alone but not both, so a
+// later chunk's mlock fails. That pool goes on with populated, unlocked memory and says so.
+int PinWhereALaterMlockFails() {
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct caps[_LINUX_CAPABILITY_U32S_3] = {};
+  if (syscall(SYS_capget, &header, caps) != 0) return 10;
+  caps[CAP_IPC_LOCK / 32].effective &= ~(1u << (CAP_IPC_LOCK % 32));
+  caps[CAP_IPC_LOCK / 32].permitted &= ~(1u << (CAP_IPC_LOCK % 32));
+  if (syscall(SYS_capset, &header, caps) != 0) return 11;
+  size_t locked_kib = 0;
+  if (FILE* f = std::fopen("/proc/self/status", "r")) {
+    char line[256];
+    while (std::fgets(line, sizeof line, f) != nullptr) {
+      std::sscanf(line, "VmLck: %zu kB", &locked_kib);
+    }
+    std::fclose(f);
+  }
+  rlimit limit{};
+  if (getrlimit(RLIMIT_MEMLOCK, &limit) != 0) return 12;
+  limit.rlim_cur = (locked_kib << 10) + 3 * kChunk;
+  if (setrlimit(RLIMIT_MEMLOCK, &limit) != 0) return 13;
+
+  auto a = MakePool(2);
+  auto b = MakePool(2);
+  if (a == nullptr || b == nullptr) return 14;
+  if (a->backend() != "host-locked" || b->backend() != "host-locked") return 15;
+  std::vector<ChunkBuffer> held;
+  for (int i = 0; i < 2; ++i) held.push_back(a->Acquire());
+  for (int i = 0; i < 2; ++i) held.push_back(b->Acquire());
+  for (const ChunkBuffer& chunk : held) {
+    if (!chunk || !AllResident(chunk.data(), chunk.capacity())) return 16;
+    std::memset(chunk.data(), 0x5a, chunk.capacity());
+  }
+  if (a->backend() != "host-locked") return 17;
+  if (b->backend() != "host") {
+    std::fprintf(stderr, "backend %s\n", b->backend().c_str());
+    return 18;
+  }
+  if (b->resident_bytes() != 2 * kChunk) return 19;
+  return 0;
+}
+
+TEST(StagingPoolDeathTest, ALaterMlockFailureFallsBackToUnlockedMemoryAndSaysSo) {
+#ifdef CKPTFS_TEST_MLOCK_IS_FAKED
+  GTEST_SKIP() << "ASan and TSan replace mlock with a no-op that succeeds";
+#endif
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(std::exit(PinWhereALaterMlockFails()), testing::ExitedWithCode(0), "");
 }
 
 // Consistent on machines with and without a GPU: "cuda" either works or fails with

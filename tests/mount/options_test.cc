@@ -202,6 +202,22 @@ TEST(ParseDaemonOptions, FuseUringDefaultsToAutoAndTakesOnOffAsFlagOrDashO) {
   EXPECT_EQ(o->fuse_uring, "on");
 }
 
+TEST(ParseDaemonOptions, StagingReleaseAfterDefaultsToKeepingItPinnedAndTakesSeconds) {
+  auto o = Parse({"/b", "/m"});
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->staging_release_after_s, 0);
+  o = Parse({"--staging-release-after", "30", "/b", "/m"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->staging_release_after_s, 30);
+  o = Parse({"-o", "staging_release_after=5", "/b", "/m"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->staging_release_after_s, 5);
+  for (const char* bad : {"-1", "soon", "86401"}) {
+    EXPECT_EQ(Parse({"--staging-release-after", bad, "/b", "/m"}).status().code(), Code::kInvalid)
+        << bad;
+  }
+}
+
 TEST(ParseDaemonOptions, AsyncDurabilityIsNotStrict) {
   auto o = Parse({"--durability", "async", "/b", "/m"});
   ASSERT_TRUE(o.ok());
