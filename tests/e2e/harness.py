@@ -222,6 +222,42 @@ def sha256_file(path):
             h.update(b)
 
 
+def write_file(path, data, fsync=False, step=1 << 20):
+    """Writes `data` to `path` (created or truncated) in `step`-sized write() calls."""
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    try:
+        for off in range(0, len(data), step):
+            os.write(fd, data[off:off + step])
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def wait_for(pred, timeout, step=0.05):
+    """Polls pred() until it is true or `timeout` seconds pass; returns its last value."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+def proc_status_bytes(pid, field):
+    """A kB field of /proc/PID/status (VmHWM, VmLck, VmRSS...) in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
 def errno_of(fn, *args, **kw):
     """Runs fn; returns 0 or the errno of the OSError it raised."""
     try:

@@ -46,20 +46,8 @@ MiB = 1 << 20
 HANG_S = 120
 
 
-def write_file(path, data, fsync=False):
-    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-    try:
-        for off in range(0, len(data), MiB):
-            os.write(fd, data[off:off + MiB])
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_file(path):
-    with open(path, "rb") as f:
-        return f.read()
+write_file = harness.write_file
+read_file = harness.read_file
 
 
 

@@ -49,13 +49,7 @@ def tree(root):
     return out
 
 
-def wait_for(pred, timeout, step=0.05):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
+wait_for = harness.wait_for
 
 
 def copy_file(src, dst):

@@ -35,6 +35,7 @@ import time
 import unittest
 
 import dcp_tool
+import harness
 from harness import Mount
 
 MiB = 1 << 20
@@ -55,11 +56,7 @@ def drop_caches():
 
 
 def vm_hwm(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
+    return harness.proc_status_bytes(pid, "VmHWM")
 
 
 def pattern_bytes(tag, size):

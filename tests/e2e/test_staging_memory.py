@@ -27,36 +27,15 @@ STAGING = 32 * MiB
 
 
 def vm_locked(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmLck:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmLck in /proc/PID/status")
+    return harness.proc_status_bytes(pid, "VmLck")
 
 
-def write_file(path, data, fsync=False):
-    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-    try:
-        for off in range(0, len(data), MiB):
-            os.write(fd, data[off:off + MiB])
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+write_file = harness.write_file
+read_file = harness.read_file
 
 
-def read_file(path):
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def wait_until(pred, timeout=30, step=0.1):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
+def wait_until(pred, timeout=30):
+    return harness.wait_for(pred, timeout, step=0.1)
 
 
 class StagingMemoryTest(unittest.TestCase):

@@ -30,13 +30,7 @@ STOP_S = 3
 COMMIT_S = 2
 
 
-def wait_for(pred, timeout, step=0.05):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
+wait_for = harness.wait_for
 
 
 def read(path):

@@ -452,15 +452,21 @@ TEST(StagingPool, SmallHostPoolIsLockedWhenMemlockLimitAllows) {
   EXPECT_EQ(pool->backend(), "host-locked");
 }
 
-// Runs in a child process: drops CAP_IPC_LOCK and lowers RLIMIT_MEMLOCK so that mlock must
-// fail, then checks that the pool still works on populated, unlocked memory.
-int CreatePoolWhereMlockFails() {
+// In a death-test child: gives up CAP_IPC_LOCK, so RLIMIT_MEMLOCK binds. 0, or an exit code.
+int DropIpcLock() {
   __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
   __user_cap_data_struct caps[_LINUX_CAPABILITY_U32S_3] = {};
   if (syscall(SYS_capget, &header, caps) != 0) return 10;
   caps[CAP_IPC_LOCK / 32].effective &= ~(1u << (CAP_IPC_LOCK % 32));
   caps[CAP_IPC_LOCK / 32].permitted &= ~(1u << (CAP_IPC_LOCK % 32));
   if (syscall(SYS_capset, &header, caps) != 0) return 11;
+  return 0;
+}
+
+// Runs in a child process: drops CAP_IPC_LOCK and lowers RLIMIT_MEMLOCK so that mlock must
+// fail, then checks that the pool still works on populated, unlocked memory.
+int CreatePoolWhereMlockFails() {
+  if (int rc = DropIpcLock(); rc != 0) return rc;
   rlimit limit{};
   if (getrlimit(RLIMIT_MEMLOCK, &limit) != 0) return 12;
   limit.rlim_cur = kChunk;
@@ -512,12 +518,7 @@ TEST(StagingPoolDeathTest, MlockFailureFallsBackToPopulatedUnlockedMemory) {
 // Runs in a child process: RLIMIT_MEMLOCK fits each of two pools alone but not both, so a
 // later chunk's mlock fails. That pool goes on with populated, unlocked memory and says so.
 int PinWhereALaterMlockFails() {
-  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
-  __user_cap_data_struct caps[_LINUX_CAPABILITY_U32S_3] = {};
-  if (syscall(SYS_capget, &header, caps) != 0) return 10;
-  caps[CAP_IPC_LOCK / 32].effective &= ~(1u << (CAP_IPC_LOCK % 32));
-  caps[CAP_IPC_LOCK / 32].permitted &= ~(1u << (CAP_IPC_LOCK % 32));
-  if (syscall(SYS_capset, &header, caps) != 0) return 11;
+  if (int rc = DropIpcLock(); rc != 0) return rc;
   size_t locked_kib = 0;
   if (FILE* f = std::fopen("/proc/self/status", "r")) {
     char line[256];
