@@ -4,6 +4,7 @@
 #include <linux/capability.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -87,6 +88,36 @@ bool MlockWouldFit(size_t bytes, std::string* why) {
   *why = fmt::format("RLIMIT_MEMLOCK is {} and {} is locked already", FormatBytes(limit.rlim_cur),
                      FormatBytes(locked));
   return false;
+}
+
+// A number from a cgroup file; "max" (v2) and v1's "unlimited" (2^63 rounded to a page)
+// read as nullopt, as does a file that cannot be read.
+std::optional<uint64_t> ReadCgroupNumber(const std::string& path) {
+  std::ifstream in(path);
+  std::string text;
+  if (!(in >> text) || text == "max") return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long value = std::strtoull(text.c_str(), &end, 10);
+  if (errno != 0 || end == text.c_str() || *end != '\0') return std::nullopt;
+  if (value >= (uint64_t{1} << 62)) return std::nullopt;
+  return value;
+}
+
+// One "KEY VALUE" line of a memory.stat file; 0 when absent.
+uint64_t ReadCgroupStat(const std::string& path, std::string_view key) {
+  std::ifstream in(path);
+  std::string name;
+  uint64_t value = 0;
+  while (in >> name >> value) {
+    if (name == key) return value;
+  }
+  return 0;
+}
+
+bool IsDir(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
 void WarnUnlocked(size_t bytes, const std::string& why) {
@@ -235,6 +266,69 @@ Result<Memory> Allocate(const std::string& backend, size_t bytes, bool hugepages
 
 }  // namespace
 
+std::optional<uint64_t> MemoryCgroupHeadroom(std::string_view self_cgroup,
+                                             const std::string& root) {
+  std::string v1_path, v2_path;
+  bool have_v2 = false;
+  size_t start = 0;
+  while (start < self_cgroup.size()) {
+    size_t end = self_cgroup.find('\n', start);
+    if (end == std::string_view::npos) end = self_cgroup.size();
+    const std::string_view line = self_cgroup.substr(start, end - start);
+    start = end + 1;
+    // "ID:CONTROLLERS:PATH"; v2's line is "0::PATH".
+    const size_t a = line.find(':');
+    const size_t b = a == std::string_view::npos ? a : line.find(':', a + 1);
+    if (b == std::string_view::npos) continue;
+    const std::string_view controllers = line.substr(a + 1, b - a - 1);
+    const std::string path(line.substr(b + 1));
+    if (controllers.empty()) {
+      v2_path = path;
+      have_v2 = true;
+      continue;
+    }
+    for (size_t c = 0; c <= controllers.size();) {
+      size_t comma = controllers.find(',', c);
+      if (comma == std::string_view::npos) comma = controllers.size();
+      if (controllers.substr(c, comma - c) == "memory") v1_path = path;
+      c = comma + 1;
+    }
+  }
+  std::string base, dir;
+  const char* limit_file;
+  const char* usage_file;
+  const char* cache_key;  // memory.stat's page cache, reclaimable: not counted as used
+  if (!v1_path.empty()) {
+    base = root + "/memory";
+    dir = base + v1_path;
+    limit_file = "memory.limit_in_bytes";
+    usage_file = "memory.usage_in_bytes";
+    cache_key = "total_cache";
+  } else if (have_v2) {
+    base = IsDir(root + "/unified") ? root + "/unified" : root;
+    dir = base + v2_path;
+    limit_file = "memory.max";
+    usage_file = "memory.current";
+    cache_key = "file";
+  } else {
+    return std::nullopt;
+  }
+  while (!dir.empty() && dir.back() == '/') dir.pop_back();
+  std::optional<uint64_t> headroom;
+  // From the process's own cgroup up to (not including) the hierarchy's root, which has no
+  // limit of its own.
+  while (dir.size() > base.size() && dir.compare(0, base.size(), base) == 0) {
+    if (std::optional<uint64_t> limit = ReadCgroupNumber(dir + "/" + limit_file)) {
+      uint64_t usage = ReadCgroupNumber(dir + "/" + usage_file).value_or(0);
+      usage -= std::min(usage, ReadCgroupStat(dir + "/memory.stat", cache_key));
+      const uint64_t left = usage >= *limit ? 0 : *limit - usage;
+      headroom = headroom ? std::min(*headroom, left) : left;
+    }
+    dir.resize(dir.rfind('/'));
+  }
+  return headroom;
+}
+
 ChunkBuffer::~ChunkBuffer() { Release(); }
 
 ChunkBuffer::ChunkBuffer(ChunkBuffer&& other) noexcept
@@ -278,6 +372,23 @@ Result<std::unique_ptr<StagingPool>> StagingPool::Create(const StagingOptions& o
 
   std::string note;
   CKPT_ASSIGN_OR_RETURN(Memory memory, Allocate(backend, chunks * chunk, options.hugepages, &note));
+  if (!memory.cuda) {
+    std::string cgroups;
+    if (std::ifstream in("/proc/self/cgroup"); in) {
+      cgroups.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    }
+    if (std::optional<uint64_t> headroom = MemoryCgroupHeadroom(cgroups, "/sys/fs/cgroup");
+        headroom && *headroom < chunks * chunk) {
+      memory.free();
+      return Status(Code::kNoSpace,
+                    fmt::format("the staging pool ({}) does not fit this process's memory "
+                                "cgroup, which can charge {} more; its chunks are pinned as "
+                                "writes need them, and past the limit the daemon would be "
+                                "OOM-killed mid-save. Lower --staging-mem or raise the "
+                                "cgroup's memory limit",
+                                FormatBytes(chunks * chunk), FormatBytes(*headroom)));
+    }
+  }
 
   std::unique_ptr<StagingPool> pool(new StagingPool());
   pool->chunk_bytes_ = chunk;

@@ -20,7 +20,9 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -86,9 +88,19 @@ class StagingPressureListener {
   ~StagingPressureListener() = default;
 };
 
+// What this process's memory cgroup and its ancestors can still charge: the least of
+// limit - (usage - page cache) over the levels that have a limit (the page cache is
+// reclaimed for pinned memory); nullopt when none has one or their files cannot be read. `self_cgroup` is the text of /proc/self/cgroup; `root` is where the
+// cgroup file systems are mounted (/sys/fs/cgroup): cgroup v1's memory hierarchy under
+// root/memory, else the v2 hierarchy at root (or root/unified).
+std::optional<uint64_t> MemoryCgroupHeadroom(std::string_view self_cgroup,
+                                             const std::string& root);
+
 class StagingPool {
  public:
-  // Allocates the whole pool. Fails if total_bytes < chunk_bytes or memory is short.
+  // Allocates (CUDA) or reserves (host) the whole pool. Fails if total_bytes < chunk_bytes,
+  // if memory is short, or if a host pool would not fit the memory cgroup's limit: its
+  // chunks are pinned later, and pinning past that limit would get the daemon OOM-killed.
   static Result<std::unique_ptr<StagingPool>> Create(const StagingOptions& options);
   ~StagingPool();  // All ChunkBuffers must have been returned.
   StagingPool(const StagingPool&) = delete;

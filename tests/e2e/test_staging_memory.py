@@ -13,10 +13,15 @@ VmLck (root: every pinned chunk is locked).
     so (no release by default);
   * with --staging-release-after 1, strict and async: after publication, resident and
     VmLck fall back; a second save into the same path works on the re-pinned memory and
-    both files read back byte-exact, their bytes never the zeroes a released page holds.
+    both files read back byte-exact, their bytes never the zeroes a released page holds;
+  * in a memory cgroup (v1) limited to 160 MiB: a 256 MiB pool is refused at mount with an
+    error that names the cgroup (pinning it later would get the daemon OOM-killed
+    mid-save), and a 32 MiB pool mounts and saves a file larger than itself.
 """
 import hashlib
 import os
+import subprocess
+import tempfile
 import time
 import unittest
 
@@ -116,6 +121,71 @@ class StagingMemoryTest(unittest.TestCase):
 
     def test_release_after_idle_strict(self):
         self.check_release_and_repin("strict")
+
+MEMCG_V1 = "/sys/fs/cgroup/memory"
+
+
+class MemoryCgroupTest(unittest.TestCase):
+    """The daemon started inside a fresh v1 memory cgroup with a 160 MiB limit."""
+
+    def setUp(self):
+        if not os.path.exists(os.path.join(MEMCG_V1, "memory.limit_in_bytes")):
+            self.skipTest("no cgroup v1 memory hierarchy at " + MEMCG_V1)
+        self.cgroup = os.path.join(MEMCG_V1, f"ckptfs-e2e-{os.getpid()}")
+        os.mkdir(self.cgroup)
+        self.addCleanup(self.remove_cgroup)
+        with open(os.path.join(self.cgroup, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(160 * MiB))
+        self.root = tempfile.mkdtemp(prefix="ckptfs-e2e-memcg-")
+
+    def remove_cgroup(self):
+        # Every process that ran in it has exited (the daemon is waited for or killed).
+        for _ in range(50):
+            try:
+                os.rmdir(self.cgroup)
+                return
+            except OSError:
+                time.sleep(0.1)
+        os.rmdir(self.cgroup)
+
+    def start_in_cgroup(self, staging):
+        """Starts the daemon as the cgroup's member from its first instruction on."""
+        mount = harness.Mount(args=["--chunk-size", "1M"], staging=staging, root=self.root)
+        procs = os.path.join(self.cgroup, "cgroup.procs")
+        cmd = [harness.CKPTFS, "-f", "--staging-mem", staging, "--chunk-size", "1M",
+               "--state-dir", mount.state, "--log-file", mount.log, mount.backing, mount.mnt]
+        proc = subprocess.Popen(["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh"] + cmd,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        harness.reaper.register_pid(proc.pid)
+        mount.proc = proc
+        self.addCleanup(mount.cleanup)
+        return mount
+
+    def test_a_pool_past_the_limit_is_refused_at_mount_and_one_within_it_saves(self):
+        m = self.start_in_cgroup("256M")
+        try:
+            rc = m.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.fail("a 256 MiB pool in a 160 MiB memory cgroup was not refused")
+        out = m.proc.stdout.read().decode(errors="replace") + m.log_text()
+        self.assertNotEqual(rc, 0, out)
+        self.assertIn("memory cgroup", out)
+        self.assertIn("--staging-mem", out)
+        self.assertFalse(harness.is_mounted(m.mnt))
+        m.proc.stdout.close()
+        m.proc = None
+
+        m = self.start_in_cgroup("32M")
+        self.assertTrue(wait_until(lambda: harness.is_mounted(m.mnt) and os.path.exists(
+            os.path.join(m.mnt, ".ckptfs", "stats")), timeout=30), m.log_text())
+        harness.reaper.register_mount(m.mnt)
+        data = os.urandom(80 * MiB)
+        write_file(os.path.join(m.mnt, "big.bin"), data, fsync=True)
+        self.assertEqual(m.wait(os.path.join(m.mnt, "big.bin")), 0)
+        self.assertEqual(read_file(os.path.join(m.backing, "big.bin")), data)
+        with open(os.path.join(self.cgroup, "memory.failcnt")) as f:
+            failcnt = int(f.read())
+        self.assertEqual(m.unmount(), 0, f"{m.log_text()}\nmemory.failcnt {failcnt}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <future>
+#include <iterator>
+#include <optional>
+#include <string>
 #include <set>
 #include <thread>
 #include <utility>
@@ -582,6 +587,90 @@ TEST(StagingPool, CudaBackendFailsCleanlyWithoutGpuAndAutoFallsBackToHost) {
     const std::string& backend = (*automatic)->backend();
     EXPECT_TRUE(backend == "host" || backend == "host-locked") << backend;
   }
+}
+
+// A cgroup tree in a temporary directory, for MemoryCgroupHeadroom.
+class CgroupTree {
+ public:
+  CgroupTree() {
+    char tmpl[] = "/tmp/ckptfs-cgroup-test-XXXXXX";
+    root_ = ::mkdtemp(tmpl);
+  }
+  ~CgroupTree() { std::filesystem::remove_all(root_); }
+  const std::string& root() const { return root_; }
+  void Write(const std::string& rel, const std::string& text) {
+    const std::filesystem::path path = root_ + "/" + rel;
+    std::filesystem::create_directories(path.parent_path());
+    std::ofstream(path) << text;
+  }
+
+ private:
+  std::string root_;
+};
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+TEST(MemoryCgroupHeadroom, V1TakesTheLeastHeadroomOverTheCgroupAndItsAncestorsLessPageCache) {
+  CgroupTree tree;
+  // The job's cgroup: 1 GiB limit, 700 MiB used of which 500 MiB page cache: 824 MiB left.
+  tree.Write("memory/jobs/job1/memory.limit_in_bytes", std::to_string(1024 * kMiB) + "\n");
+  tree.Write("memory/jobs/job1/memory.usage_in_bytes", std::to_string(700 * kMiB) + "\n");
+  tree.Write("memory/jobs/job1/memory.stat",
+             "cache 1\nrss 2\ntotal_cache " + std::to_string(500 * kMiB) + "\ntotal_rss 3\n");
+  // Its parent: unlimited (v1 writes 2^63 rounded down to a page).
+  tree.Write("memory/jobs/memory.limit_in_bytes", "9223372036854771712\n");
+  tree.Write("memory/jobs/memory.usage_in_bytes", std::to_string(900 * kMiB) + "\n");
+  const std::string self = "12:pids:/jobs/job1\n4:cpu,memory:/jobs/job1\n0::/\n";
+  EXPECT_EQ(MemoryCgroupHeadroom(self, tree.root()), 824 * kMiB);
+
+  // A tighter parent wins.
+  tree.Write("memory/jobs/memory.limit_in_bytes", std::to_string(1000 * kMiB));
+  EXPECT_EQ(MemoryCgroupHeadroom(self, tree.root()), 100 * kMiB);
+
+  // Used past the limit: nothing left, never a wrapped-around number.
+  tree.Write("memory/jobs/job1/memory.stat", "total_cache 0\n");
+  tree.Write("memory/jobs/job1/memory.usage_in_bytes", std::to_string(1100 * kMiB));
+  EXPECT_EQ(MemoryCgroupHeadroom(self, tree.root()), 0u);
+}
+
+TEST(MemoryCgroupHeadroom, V2ReadsMemoryMaxAndTreatsMaxAsNoLimit) {
+  CgroupTree tree;
+  tree.Write("svc/ckptfs/memory.max", "max\n");
+  tree.Write("svc/ckptfs/memory.current", "12345\n");
+  tree.Write("svc/memory.max", std::to_string(2048 * kMiB) + "\n");
+  tree.Write("svc/memory.current", std::to_string(1024 * kMiB) + "\n");
+  tree.Write("svc/memory.stat", "anon 1\nfile " + std::to_string(512 * kMiB) + "\n");
+  EXPECT_EQ(MemoryCgroupHeadroom("0::/svc/ckptfs\n", tree.root()), 1536 * kMiB);
+  tree.Write("svc/memory.max", "max\n");
+  EXPECT_EQ(MemoryCgroupHeadroom("0::/svc/ckptfs\n", tree.root()), std::nullopt);
+}
+
+TEST(MemoryCgroupHeadroom, NoLimitAnywhereOrNothingReadableIsNoHeadroomToCheck) {
+  CgroupTree tree;
+  EXPECT_EQ(MemoryCgroupHeadroom("", tree.root()), std::nullopt);
+  EXPECT_EQ(MemoryCgroupHeadroom("4:memory:/\n", tree.root()), std::nullopt);
+  EXPECT_EQ(MemoryCgroupHeadroom("4:memory:/gone\n", tree.root()), std::nullopt);
+  EXPECT_EQ(MemoryCgroupHeadroom("garbage without colons\n", tree.root()), std::nullopt);
+  tree.Write("memory/a/memory.limit_in_bytes", "not a number\n");
+  EXPECT_EQ(MemoryCgroupHeadroom("4:memory:/a\n", tree.root()), std::nullopt);
+}
+
+// This process's own cgroup, as the pool reads it: a pool far larger than any machine's
+// memory is refused only where a limit applies, and then with a message naming it.
+TEST(MemoryCgroupHeadroom, APoolPastTheLimitIsRefusedAtCreate) {
+  std::ifstream in("/proc/self/cgroup");
+  const std::string self((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::optional<uint64_t> headroom = MemoryCgroupHeadroom(self, "/sys/fs/cgroup");
+  if (!headroom) GTEST_SKIP() << "no memory cgroup limit applies to this process";
+  StagingOptions options;
+  options.chunk_bytes = size_t{4} << 20;
+  options.total_bytes = (*headroom + (size_t{64} << 20)) & ~(options.chunk_bytes - 1);
+  options.backend = "host";
+  auto pool = StagingPool::Create(options);
+  ASSERT_FALSE(pool.ok());
+  EXPECT_EQ(pool.status().code(), Code::kNoSpace);
+  EXPECT_NE(pool.status().message().find("memory cgroup"), std::string::npos)
+      << pool.status().message();
 }
 
 TEST(StagingPoolDeathTest, DestroyingPoolWithChunkOutstandingAborts) {
