@@ -466,7 +466,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plain-mb", type=int, default=2048)
     ap.add_argument("--staging", default="256M",
-                    help="--staging-mem of every ckptfs daemon (pinned at mount)")
+                    help="--staging-mem of every ckptfs daemon (host memory is pinned as "
+                         "writes need it; a load pins none)")
     ap.add_argument("--plain-reps", type=int, default=16,
                     help="reps of the plain-file part (about 22 s each at 2 GiB): a cold "
                          "read can land on memory the host took back, whichever side")
@@ -489,6 +490,7 @@ def main():
     ap.add_argument("--work", default=os.path.join(bl.REPO, "build-bench", "reads-work"))
     ap.add_argument("--out", default=os.path.join(bl.REPO, "build-bench"))
     a = ap.parse_args()
+    bl.exit_cleanly_on_sigterm()
     if os.geteuid() != 0:
         raise SystemExit("needs root (drop_caches, cgroups, chroot)")
     os.makedirs(a.out, exist_ok=True)
