@@ -90,9 +90,10 @@ class StagingPressureListener {
 
 // What this process's memory cgroup and its ancestors can still charge: the least of
 // limit - (usage - page cache) over the levels that have a limit (the page cache is
-// reclaimed for pinned memory); nullopt when none has one or their files cannot be read. `self_cgroup` is the text of /proc/self/cgroup; `root` is where the
-// cgroup file systems are mounted (/sys/fs/cgroup): cgroup v1's memory hierarchy under
-// root/memory, else the v2 hierarchy at root (or root/unified).
+// reclaimed for pinned memory); nullopt when none has one or their files cannot be read.
+// `self_cgroup` is the text of /proc/self/cgroup; `root` is where the cgroup file systems
+// are mounted (/sys/fs/cgroup): cgroup v1's memory hierarchy under root/memory, else the
+// v2 hierarchy at root (or root/unified).
 std::optional<uint64_t> MemoryCgroupHeadroom(std::string_view self_cgroup,
                                              const std::string& root);
 

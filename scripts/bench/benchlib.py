@@ -24,7 +24,6 @@ MiB = 1 << 20
 def exit_cleanly_on_sigterm():
     """`kill PID` of a benchmark raises SystemExit instead of ending it at once, so its
     finally blocks and context managers unmount, unbind and stop what it started."""
-    import signal
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
