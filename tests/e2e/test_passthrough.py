@@ -63,7 +63,7 @@ class PassthroughTest(unittest.TestCase):
     def start(self, args=()):
         m = Mount(args=args)
         m.start()
-        self.addCleanup(m.unmount)
+        self.addCleanup(m.cleanup)
         return m
 
     def require_on(self, m):
