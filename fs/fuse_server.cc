@@ -959,7 +959,7 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
     FuseUringOptions uo;
     const int queues = FuseUring::PossibleCpus();
     // Many queues (a big machine, or hot-plug CPUs counted as possible): one thread each to
-    // begin with; a queue's first request starts its second (FuseUring::Spawn).
+    // begin with; a queue's first request starts more (FuseUringOptions::spare_entries).
     if (queues > 16) uo.min_threads_per_queue = 1;
     uo.max_threads_per_queue = std::max(uo.min_threads_per_queue, tuning.uring_max_threads / queues);
     struct fuse_session* session = server->session_;

@@ -90,6 +90,14 @@ class Ring {
   }
 
   // Submits what is queued and waits for one completion: 0 or -errno (EINTR included).
+  // Submits what is queued without waiting: a FUSE register command is issued (and the
+  // entry made available to the kernel) before this returns.
+  int Submit() {
+    const unsigned pending = tail_ - __atomic_load_n(sq_head_, __ATOMIC_ACQUIRE);
+    const long rc = ::syscall(__NR_io_uring_enter, fd_, pending, 0, 0, nullptr, 0);
+    return rc < 0 ? -errno : 0;
+  }
+
   int SubmitAndWait() {
     const unsigned pending = tail_ - __atomic_load_n(sq_head_, __ATOMIC_ACQUIRE);
     const long rc =
@@ -393,6 +401,13 @@ void FuseUring::Serve(Queue* q) {
     sqe->poll32_events = POLLIN;
     sqe->user_data = kTagStop;
     command(fuse_uapi::kUringCmdRegister, 0);
+    // Counted idle only once the kernel has the entry: a request that arrives while a
+    // queue has no registered entry waits for the next commit on that queue, and a
+    // registration does not take it (the kernel's rule), so the spawn below must see an
+    // entry that is not there yet as missing.
+    if (const int rc = ring.Submit(); rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
+      why = std::string("io_uring_enter: ") + std::strerror(-rc);
+    }
   }
   bool served = false;
   int register_tries = 0;
@@ -444,9 +459,13 @@ void FuseUring::Serve(Queue* q) {
         spdlog::info("fuse: requests now come over io_uring");
       }
     }
-    // The last idle thread of this queue took a request: start another, so a handler
-    // that waits never leaves this CPU's next request without a server.
-    if (q->idle.fetch_sub(1) == 1) Spawn(q);
+    // Fewer than spare_entries registered entries are left idle on this queue: start
+    // another thread, so a handler that waits never leaves this CPU's next request
+    // without a server. Spawning before the last one is taken matters: a request that
+    // finds no registered entry stays queued in the kernel until one of this queue's
+    // entries commits, which a waiting handler may not do for seconds; a new entry that
+    // registers meanwhile does not take it.
+    if (q->idle.fetch_sub(1) - 1 < options_.spare_entries) Spawn(q);
     Answer(e.get());
     q->idle.fetch_add(1);
     command(fuse_uapi::kUringCmdCommitAndFetch, e->header.ent.commit_id);

@@ -19,10 +19,15 @@
 //     `dispatch` (fuse_session_process_buf). The reply libfuse writes comes back through
 //     the session's custom writev, which calls TakeReply: a reply to the request this
 //     thread is serving is copied into the entry and committed with the next fetch.
-//   * A thread serves one request at a time, like a libfuse worker. When a queue's last
-//     idle thread takes a request, another thread is started for that queue (up to
-//     max_threads_per_queue), so a handler that waits (a strict close, a conflict wait)
-//     never leaves the requests of its CPU without a server (G10).
+//   * A thread serves one request at a time, like a libfuse worker. When a thread takes a
+//     request and leaves its queue fewer than spare_entries idle registered entries,
+//     another thread is started for that queue (up to max_threads_per_queue), so a handler
+//     that waits (a strict close, a conflict wait) never leaves the requests of its CPU
+//     without a server (G10). The spare is kept ahead because of a kernel rule (6.14 to
+//     6.18): a request that finds no registered entry is queued and taken only by the next
+//     COMMIT_AND_FETCH on that queue; an entry registered later does not take it. A burst
+//     of more waiting requests than spare entries, within the time a new thread takes to
+//     register, can still leave one queued until a handler of that queue replies.
 //
 // Errors never hang clients: a request that cannot be laid out or got no reply is answered
 // EIO; an entry the kernel refuses is registered again; a queue left with no thread ends the
@@ -53,6 +58,9 @@ namespace ckptfs::fs {
 struct FuseUringOptions {
   int min_threads_per_queue = 2;
   int max_threads_per_queue = 16;
+  // Idle registered entries each queue keeps ahead of its requests: a thread that takes a
+  // request and leaves fewer starts another.
+  int spare_entries = 2;
 };
 
 class FuseUring {
