@@ -389,6 +389,7 @@ def t2_case(a, troot, script, rel, inside_direct, inside_mnt, droot, backing, de
                         r = chroot_py(troot, [rel(script), "load", rel(inside_mnt) + "/" + name,
                                               str(a.mb), str(a.ranks), mode])
                         st = d.stats()
+                        r["daemon_ops"] = d.op_profile()
                         r["passthrough_opens"] = st.get("passthrough_opens")
                         r["backing_bytes"] = st.get("backing_bytes_read", 0)
                         r["page_cache_prefetched"] = st.get("passthrough_page_cache_prefetched")

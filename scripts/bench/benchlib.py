@@ -188,6 +188,22 @@ class Daemon:
         with open(os.path.join(self.mnt, ".ckptfs", "stats")) as f:
             return json.load(f)
 
+    def op_profile(self):
+        """{op: [count, seconds]} the daemon spent serving each FUSE op so far (its op
+        histograms in /.ckptfs/metrics; reading them adds the reads of that file)."""
+        ops = {}
+        with open(os.path.join(self.mnt, ".ckptfs", "metrics")) as f:
+            for line in f:
+                if not line.startswith("ckptfs_fuse_op_duration_seconds_"):
+                    continue
+                name, value = line.rsplit(None, 1)
+                kind = name.split("{")[0].rsplit("_", 1)[-1]
+                if kind not in ("count", "sum") or 'op="' not in name:
+                    continue
+                op = name.split('op="', 1)[1].split('"', 1)[0]
+                ops.setdefault(op, [0, 0.0])[0 if kind == "count" else 1] += float(value)
+        return {op: [int(c), round(s, 6)] for op, (c, s) in ops.items() if c}
+
     def checkpoints(self):
         with open(os.path.join(self.mnt, ".ckptfs", "checkpoints")) as f:
             return json.load(f)
