@@ -270,6 +270,8 @@ def run_plain(a, work, dev, cases, raw):
                  "fuse_ceiling_s": med["fuse_ceiling"][k],
                  "ceiling_ratio": bl.ratio(med["fuse_ceiling"][k], med["direct"][k]),
                  "mib": a.plain_mb,
+                 "paired": bl.paired_ratio([r.get(k) for r in runs["ckptfs"]],
+                                           [r.get(k) for r in runs["direct"]]),
                  "loadavg": bl.median([r["loadavg"] for s in sides for r in runs[s]])}
             # The median of all reps mixes reads that went first with reads that went second
             # (the host's cache, see above): the same ratio within each position too.
@@ -338,6 +340,8 @@ def run_loads(a, work, dev, cases, raw):
             c = {"case": case, "ckptfs_s": bl.median([r["whole_s"] for r in got["ckptfs"]]),
                  "direct_s": bl.median([r["whole_s"] for r in got["direct"]])}
             c["ratio"] = bl.ratio(c["ckptfs_s"], c["direct_s"])
+            c["paired"] = bl.paired_ratio([r["whole_s"] for r in got["ckptfs"]],
+                                          [r["whole_s"] for r in got["direct"]])
             c["loadavg"] = bl.median([r["loadavg"] for r in got["ckptfs"] + got["direct"]])
             c["load_only_ratio"] = bl.ratio(bl.median([r["load_s"] for r in got["ckptfs"]]),
                                             bl.median([r["load_s"] for r in got["direct"]]))
@@ -407,6 +411,8 @@ def t2_case(a, troot, script, rel, inside_direct, inside_mnt, droot, backing, de
          "direct_s": bl.median([r["load_s_max"] for r in got["direct"]]), "torch": version,
          "loadavg": bl.median([r["loadavg"] for r in got["ckptfs"] + got["direct"]])}
     c["ratio"] = bl.ratio(c["ckptfs_s"], c["direct_s"])
+    c["paired"] = bl.paired_ratio([r["load_s_max"] for r in got["ckptfs"]],
+                                  [r["load_s_max"] for r in got["direct"]])
     c["device_bytes"] = int(bl.median([r["device_bytes"] for r in got["ckptfs"]]))
     c["direct_device_bytes"] = int(bl.median([r["device_bytes"] for r in got["direct"]]))
     c["ckpt_bytes_read"] = int(bl.median([r["ckpt_bytes_read"] for r in got["ckptfs"]]))

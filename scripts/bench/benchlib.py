@@ -46,6 +46,28 @@ def ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
 
 
+def paired_ratio(ours, theirs, level=0.90, resamples=2000, seed=1):
+    """The ratio of paired runs (ours[i] / theirs[i], the two sides of one rep, run one
+    right after the other) as {"median": m, "ci": [lo, hi]}: m is the median of the
+    per-rep ratios and [lo, hi] a bootstrap interval of that median at `level` (percentile
+    method, a fixed seed so a run's JSON is reproducible). Pairing takes out what moves
+    both sides of a rep together (the host's cache, other tenants); the interval says how
+    far the median could be from the one this machine would give over many reps. None
+    with fewer than 3 pairs."""
+    import random
+    pairs = [a / b for a, b in zip(ours, theirs) if a is not None and b]
+    if len(pairs) < 3:
+        return None
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(pairs, k=len(pairs)))
+                  for _ in range(resamples))
+    tail = (1 - level) / 2
+    lo = meds[int(tail * (resamples - 1))]
+    hi = meds[int((1 - tail) * (resamples - 1))]
+    return {"median": round(statistics.median(pairs), 3), "ci": [round(lo, 3), round(hi, 3)],
+            "level": level, "pairs": len(pairs)}
+
+
 def sync():
     subprocess.run(["sync"], check=False)
 
@@ -324,10 +346,18 @@ def plot(png, title, cases, progress=None, progress_title="", markers=(),
     fig, axes = plt.subplots(1, n, figsize=(7 * n, 4.5))
     axes = [axes] if n == 1 else list(axes)
     ax = axes[0]
-    names = [c["case"] for c in cases if c.get("ratio") is not None]
-    vals = [c["ratio"] for c in cases if c.get("ratio") is not None]
+    shown = [c for c in cases if c.get("ratio") is not None]
+    names = [c["case"] for c in shown]
+    vals = [c["ratio"] for c in shown]
     colors = ["tab:green" if v <= 1 else "tab:red" for v in vals]
     bars = ax.bar(range(len(vals)), vals, color=colors)
+    # A case with paired reps (paired_ratio) shows the interval of its paired median.
+    for i, c in enumerate(shown):
+        p = c.get("paired")
+        if p:
+            ax.errorbar(i, p["median"], yerr=[[p["median"] - p["ci"][0]],
+                                              [p["ci"][1] - p["median"]]],
+                        fmt="o", color="black", markersize=3, capsize=3, linewidth=0.8)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(vals)))
     ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
