@@ -55,8 +55,14 @@ void KeyIndex::Install(const std::string& ckpt, std::unique_ptr<CkptIndex> index
       if (!changed.empty()) puts = KeyIndexStore::EncodeBlocksOf(ckpt, *index, changed);
     }
     ckpts_[ckpt] = std::move(index);
+    ForgetNotIndexedLocked();
   }
   store_.WriteBlocks(ckpt, puts);
+}
+
+void KeyIndex::ForgetNotIndexedLocked() {
+  not_indexed_.clear();
+  ++not_indexed_gen_;
 }
 
 Status KeyIndex::Ensure(const std::string& ckpt, bool checksums) {
@@ -230,15 +236,28 @@ void KeyIndex::OnRenamed(const std::string& from, const std::string& to) {
   // RocksDB: values name files relative to the checkpoint, so only keys change.
   Status st = store_.Rename(moved);
   if (!st.ok()) spdlog::warn("key index: rename '{}' -> '{}': {}", from, to, st.ToString());
+  WriterLock lock(&mu_);
+  ForgetNotIndexedLocked();  // a name known unindexed may now hold a moved index
 }
 
 bool KeyIndex::IsIndexed(const std::string& ckpt) {
+  uint64_t gen = 0;
   {
     ReaderLock lock(&mu_);
     auto it = ckpts_.find(ckpt);
     if (it != ckpts_.end() && it->second->state != State::kMissing) return true;
+    if (not_indexed_.contains(ckpt)) return false;
+    gen = not_indexed_gen_;
   }
-  return store_.Has(ckpt);
+  if (store_.Has(ckpt)) return true;
+  // Remembered only if no index was installed or moved since the lookup began (each
+  // bumps the generation), so a build that finished meanwhile is never hidden.
+  WriterLock lock(&mu_);
+  if (gen == not_indexed_gen_) {
+    if (not_indexed_.size() >= kMaxNotIndexed) not_indexed_.clear();
+    not_indexed_.insert(ckpt);
+  }
+  return false;
 }
 
 std::vector<std::string> KeyIndex::IndexedCheckpoints() {

@@ -251,7 +251,9 @@ TEST(SafetensorsKeyIndex, IndexesEveryTensorFromHeadersAloneWithoutReadingData) 
     EXPECT_EQ(it.raw_offset, it.offset);
     EXPECT_EQ(it.raw_nbytes, t.data.size());
     EXPECT_EQ(c.shard_bytes.at(it.file).substr(it.raw_offset, it.raw_nbytes), t.data);
-    if (!it.stride.empty()) EXPECT_EQ(it.stride.back(), 1);
+    if (!it.stride.empty()) {
+      EXPECT_EQ(it.stride.back(), 1);
+    }
     if (it.length > 0) {
       auto r = env.index->Resolve("hf", it.file, it.offset + it.length - 1);
       ASSERT_TRUE(r.has_value());

@@ -660,6 +660,36 @@ TEST(KeyIndex, RenameMovesNestedCheckpointsAndForgetDropsThem) {
   EXPECT_EQ(env.index->IndexedCheckpoints(), (std::vector<std::string>{"other", "renamed/step2"}));
 }
 
+TEST(KeyIndex, IsIndexedRemembersNoIndexButNeverHidesOneBuiltOrMovedLater) {
+  Env env;
+  CopyFixture("torch113_basic_single_file", env.Backing("ck"));
+  CopyFixture("torch113_basic_per_item", env.Backing("a/x"));
+  // Asked again and again, as every open of the checkpoint's files asks.
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(env.index->IsIndexed("ck"));
+  ASSERT_TRUE(env.index->Build("ck", false).ok());
+  EXPECT_TRUE(env.index->IsIndexed("ck"));
+
+  // Indexed in RocksDB only (a restarted daemon), and its future name known unindexed.
+  ASSERT_TRUE(env.index->Build("a/x", false).ok());
+  env.Reopen();
+  EXPECT_TRUE(env.index->IsIndexed("a/x"));
+  EXPECT_FALSE(env.index->IsIndexed("b/x"));
+  fs::rename(env.Backing("a"), env.Backing("b"));
+  env.index->OnRenamed("a", "b");
+  EXPECT_TRUE(env.index->IsIndexed("b/x"));
+  EXPECT_FALSE(env.index->IsIndexed("a/x"));
+
+  env.index->Forget("ck");
+  EXPECT_FALSE(env.index->IsIndexed("ck"));
+  // A missing checkpoint's build installs a state too: the memory never answers for it.
+  fs::remove_all(env.Backing("ck"));
+  (void)env.index->Build("ck", false);
+  EXPECT_FALSE(env.index->IsIndexed("ck"));
+  CopyFixture("torch113_basic_single_file", env.Backing("ck"));
+  ASSERT_TRUE(env.index->Build("ck", false).ok());
+  EXPECT_TRUE(env.index->IsIndexed("ck"));
+}
+
 TEST(KeyIndex, FqnsAndItemsOfAgreeWithTheWholeIndexWithoutCopyingIt) {
   Env env;
   CopyFixture("torch113_tricky_single_file", env.Backing("ck"));
