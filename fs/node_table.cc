@@ -297,7 +297,7 @@ Status NodeTable::LoadChildDir(uint64_t dir_ino, const std::string& name) {
   return LoadDir(ino);
 }
 
-void NodeTable::RefreshAttr(uint64_t ino) {
+void NodeTable::RefreshAttr(uint64_t ino, bool unless_committed) {
   // The stat runs without mu; it is applied only if the node's backing path is still
   // the one stat'ed and nothing of it is pending.
   auto refreshable = [this](const Node* node) REQUIRES(mu) {
@@ -308,6 +308,7 @@ void NodeTable::RefreshAttr(uint64_t ino) {
     MutexLock lock(&mu);
     auto node = NodeLocked(ino);
     if (!node || !refreshable(node.get())) return;
+    if (unless_committed && TimeoutFor(*node) >= kCommittedTimeout) return;
     path = PathLocked(node.get());
   }
   Result<struct stat> backing = backing_->Stat(path);
@@ -531,7 +532,7 @@ Status NodeTable::LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status 
 }
 
 Result<struct stat> NodeTable::GetAttr(uint64_t ino) {
-  RefreshAttr(ino);
+  RefreshAttr(ino, /*unless_committed=*/true);
   MutexLock lock(&mu);
   auto node = NodeLocked(ino);
   if (!node) return NotFound("stale inode");

@@ -101,7 +101,11 @@ class NodeTable {
   // Entry/attr timeout for `node` (long for files of committed checkpoints).
   double TimeoutFor(const Node& node) const REQUIRES(mu);
   bool CommittedDirLocked(const Node* dir) const REQUIRES(mu);
-  // The attributes of `ino` for a getattr reply, refreshed first (RefreshAttr).
+  // The attributes of `ino` for a getattr reply, refreshed first (RefreshAttr), except a
+  // committed checkpoint's file: the kernel keeps its attributes kCommittedTimeout, and asks
+  // again before that only because a passthrough read invalidated its atime (the kernel
+  // does so after every read of a writable mount). A replicated per-item load sent one
+  // such GETATTR per file and rank; each cost four syscalls on the backing store.
   Result<struct stat> GetAttr(uint64_t ino) EXCLUDES(mu);
 
   // ------------------------------------------------------------ the overlay
@@ -122,7 +126,8 @@ class NodeTable {
                                               const struct stat& st) REQUIRES(mu);
   // Refreshes the attributes of `ino` from a stat of its backing path (taken without `mu`)
   // while nothing of it is pending.
-  void RefreshAttr(uint64_t ino) EXCLUDES(mu);
+  // `unless_committed`: not a committed checkpoint's file (GetAttr).
+  void RefreshAttr(uint64_t ino, bool unless_committed = false) EXCLUDES(mu);
   // Takes the attributes of `node` from a stat of its backing path, keeping the ones the
   // mount owns (Node::own_attrs) while the backing inode shows only this mount's changes.
   void ApplyBackingStatLocked(Node* node, const struct stat& st) REQUIRES(mu);

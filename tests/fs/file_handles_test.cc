@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "fs/filesystem.h"
+#include "fs/fs_util.h"
 #include "tests/fs/fs_fixture.h"
 
 namespace ckptfs::fs {
@@ -245,6 +246,42 @@ TEST_F(FileHandles, FailedPublicationReadsAsEioAndIsLoggedWithPathAndOffset) {
   EXPECT_TRUE(logged);
   EXPECT_EQ(fs_->Shutdown(), 1u);  // the one file that could not be published
   fs_.reset();
+}
+
+// A committed checkpoint's files are cached by the kernel for kCommittedTimeout, and a
+// GETATTR before that comes only from a passthrough read invalidating the atime: it is
+// answered from the node, without the four backing-store syscalls of a refresh. Other
+// files, and the checkpoint's while a save rewrites its `.metadata` (not committed), are
+// refreshed from the backing store as before.
+TEST_F(FileHandles, CommittedCheckpointFilesAnswerGetattrWithoutTheBackingStore) {
+  ASSERT_TRUE(std::filesystem::create_directory(BackingPath("ck")));
+  PutBacking("ck/.metadata", "meta");
+  PutBacking("ck/__0_0.distcp", "shard bytes");
+  PutBacking("plain.bin", "plain");
+  auto ck = fs_->Lookup(kRootIno, "ck");
+  ASSERT_TRUE(ck.ok());
+  ASSERT_TRUE(fs_->Lookup(ck->ino, ".metadata").ok());
+  auto shard = fs_->Lookup(ck->ino, "__0_0.distcp");
+  auto plain = fs_->Lookup(kRootIno, "plain.bin");
+  ASSERT_TRUE(shard.ok() && plain.ok());
+  EXPECT_GE(shard->timeout, kCommittedTimeout);
+  EXPECT_LT(plain->timeout, kCommittedTimeout);
+
+  ASSERT_EQ(::chmod(BackingPath("ck/__0_0.distcp").c_str(), 0600), 0);
+  ASSERT_EQ(::chmod(BackingPath("plain.bin").c_str(), 0600), 0);
+  EXPECT_EQ(fs_->GetAttr(shard->ino)->st_mode & 07777, shard->attr.st_mode & 07777);
+  EXPECT_EQ(fs_->GetAttr(plain->ino)->st_mode & 07777, 0600u);
+
+  // Its `.metadata` being rewritten through the mount: a save into the same directory,
+  // which is not committed until that is published.
+  auto md = fs_->Lookup(ck->ino, ".metadata");
+  ASSERT_TRUE(md.ok());
+  Handle* rewrite = OpenOk(md->ino, O_WRONLY | O_TRUNC);
+  ASSERT_TRUE(rewrite);
+  ASSERT_TRUE(fs_->Write(rewrite, "meta2", 5, 0).ok());
+  EXPECT_EQ(fs_->GetAttr(shard->ino)->st_mode & 07777, 0600u);
+  fs_->Release(rewrite);
+  WaitPublished(md->ino);
 }
 
 }  // namespace
