@@ -390,8 +390,10 @@ def t2_case(a, troot, script, rel, inside_direct, inside_mnt, droot, backing, de
                     d.mnt = inside_mnt
                     with d:
                         drop()
+                        cpu0 = d.cpu_s()
                         r = chroot_py(troot, [rel(script), "load", rel(inside_mnt) + "/" + name,
                                               str(a.mb), str(a.ranks), mode])
+                        r["daemon_cpu_s"] = round(d.cpu_s() - cpu0, 3)
                         st = d.stats()
                         r["daemon_ops"] = d.op_profile()
                         r["passthrough_opens"] = st.get("passthrough_opens")

@@ -210,6 +210,12 @@ class Daemon:
         with open(os.path.join(self.mnt, ".ckptfs", "stats")) as f:
             return json.load(f)
 
+    def cpu_s(self):
+        """CPU seconds (user + system, all threads) the daemon used so far (clock ticks)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def op_profile(self):
         """{op: [count, seconds]} the daemon spent serving each FUSE op so far (its op
         histograms in /.ckptfs/metrics; reading them adds the reads of that file)."""
@@ -352,12 +358,18 @@ def plot(png, title, cases, progress=None, progress_title="", markers=(),
     colors = ["tab:green" if v <= 1 else "tab:red" for v in vals]
     bars = ax.bar(range(len(vals)), vals, color=colors)
     # A case with paired reps (paired_ratio) shows the interval of its paired median.
+    labelled = False
     for i, c in enumerate(shown):
         p = c.get("paired")
         if p:
             ax.errorbar(i, p["median"], yerr=[[p["median"] - p["ci"][0]],
                                               [p["ci"][1] - p["median"]]],
-                        fmt="o", color="black", markersize=3, capsize=3, linewidth=0.8)
+                        fmt="o", color="black", markersize=3, capsize=3, linewidth=0.8,
+                        label=None if labelled else
+                        f"median of per-rep ratios, {int(p['level'] * 100)}% interval")
+            labelled = True
+    if labelled:
+        ax.legend(loc="lower right", fontsize=8)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(vals)))
     ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
