@@ -56,9 +56,11 @@ class RestartTest(unittest.TestCase):
         m = Mount(root=root, **kw)
         if log:
             m.log = log
-        self.addCleanup(m.stop)
+        # Cleanups run last-registered first: the directory goes after the stop, so that
+        # a mount still up is not left holding an empty mnt/ behind.
         if root is None:
             self.addCleanup(shutil.rmtree, m.root, True)
+        self.addCleanup(m.stop)
         return m
 
     def restart(self, old, log_name):
