@@ -28,7 +28,6 @@ needs CAP_SYS_ADMIN.
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -59,13 +58,8 @@ OPS = ("open", "getattr", "lookup")
 
 
 def op_counts(mnt):
-    with open(os.path.join(mnt, ".ckptfs", "metrics")) as f:
-        text = f.read()
-    out = {}
-    for op in OPS:
-        m = re.search(r'op_duration_seconds_count\{[^}]*op="%s"\} (\d+)' % op, text)
-        out[op] = int(m.group(1)) if m else 0
-    return out
+    ops, _ = bl.op_histograms(mnt)
+    return {op: int(ops.get(op, {}).get("count", 0)) for op in OPS}
 
 
 def run_readers(base, names, readers, rounds, layout):

@@ -6,6 +6,7 @@ one JSON object per case. Nothing here is a test; it only measures.
 """
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -66,6 +67,32 @@ def paired_ratio(ours, theirs, level=0.90, resamples=2000, seed=1):
     hi = meds[int((1 - tail) * (resamples - 1))]
     return {"median": round(statistics.median(pairs), 3), "ci": [round(lo, 3), round(hi, 3)],
             "level": level, "pairs": len(pairs)}
+
+
+OP_LINE = re.compile(r'^ckptfs_fuse_op_duration_seconds_(bucket|sum|count)\{([^}]*)\} (\S+)$')
+
+
+def op_histograms(mnt):
+    """The daemon's per-op latency histograms from /.ckptfs/metrics: ({op: {"buckets":
+    [(le, cumulative count)], "sum": seconds, "count": n}}, the metrics text). Reading
+    them is itself a few requests to the daemon."""
+    with open(os.path.join(mnt, ".ckptfs", "metrics")) as f:
+        text = f.read()
+    ops = {}
+    for line in text.splitlines():
+        m = OP_LINE.match(line)
+        if not m:
+            continue
+        kind, labels, value = m.groups()
+        lab = dict(kv.split("=", 1) for kv in labels.split(","))
+        op = lab["op"].strip('"')
+        h = ops.setdefault(op, {"buckets": []})
+        if kind == "bucket":
+            le = lab["le"].strip('"')
+            h["buckets"].append((float("inf") if le == "+Inf" else float(le), float(value)))
+        else:
+            h[kind] = float(value)
+    return ops, text
 
 
 def sync():
@@ -217,20 +244,11 @@ class Daemon:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def op_profile(self):
-        """{op: [count, seconds]} the daemon spent serving each FUSE op so far (its op
-        histograms in /.ckptfs/metrics; reading them adds the reads of that file)."""
-        ops = {}
-        with open(os.path.join(self.mnt, ".ckptfs", "metrics")) as f:
-            for line in f:
-                if not line.startswith("ckptfs_fuse_op_duration_seconds_"):
-                    continue
-                name, value = line.rsplit(None, 1)
-                kind = name.split("{")[0].rsplit("_", 1)[-1]
-                if kind not in ("count", "sum") or 'op="' not in name:
-                    continue
-                op = name.split('op="', 1)[1].split('"', 1)[0]
-                ops.setdefault(op, [0, 0.0])[0 if kind == "count" else 1] += float(value)
-        return {op: [int(c), round(s, 6)] for op, (c, s) in ops.items() if c}
+        """{op: [count, seconds]} the daemon spent serving each FUSE op so far
+        (op_histograms)."""
+        ops, _ = op_histograms(self.mnt)
+        return {op: [int(h.get("count", 0)), round(h.get("sum", 0.0), 6)]
+                for op, h in ops.items() if h.get("count")}
 
     def checkpoints(self):
         with open(os.path.join(self.mnt, ".ckptfs", "checkpoints")) as f:

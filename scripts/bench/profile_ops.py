@@ -25,29 +25,6 @@ import benchlib as bl
 sys.path.insert(0, bl.E2E_DIR)
 import dcp_tool  # noqa: E402
 
-LINE = re.compile(r'^ckptfs_fuse_op_duration_seconds_(bucket|sum|count)\{([^}]*)\} (\S+)$')
-
-
-def op_histograms(mnt):
-    with open(os.path.join(mnt, ".ckptfs", "metrics")) as f:
-        text = f.read()
-    ops = {}
-    for line in text.splitlines():
-        m = LINE.match(line)
-        if not m:
-            continue
-        kind, labels, value = m.groups()
-        lab = dict(kv.split("=", 1) for kv in labels.split(","))
-        op = lab["op"].strip('"')
-        h = ops.setdefault(op, {"buckets": []})
-        if kind == "bucket":
-            le = lab["le"].strip('"')
-            h["buckets"].append((float("inf") if le == "+Inf" else float(le), float(value)))
-        else:
-            h[kind] = float(value)
-    return ops, text
-
-
 def diff(before, after):
     out = {}
     for op, h in after.items():
@@ -94,7 +71,7 @@ KEEP = ("bytes_written", "bytes_flushed", "bytes_published", "backing_bytes_read
 
 
 def phase(name, d, fn, use_strace, out):
-    before, _ = op_histograms(d.mnt)
+    before, _ = bl.op_histograms(d.mnt)
     s0 = d.stats()
     st = strace_start(d.pid, os.path.join(out, f"strace_{name}.txt")) if use_strace else None
     if st:
@@ -103,7 +80,7 @@ def phase(name, d, fn, use_strace, out):
     info = fn()
     wall = time.monotonic() - t0
     sys_calls = strace_stop(st, os.path.join(out, f"strace_{name}.txt")) if st else None
-    after, text = op_histograms(d.mnt)
+    after, text = bl.op_histograms(d.mnt)
     s1 = d.stats()
     with open(os.path.join(out, f"metrics_{name}.txt"), "w") as f:
         f.write(text)
