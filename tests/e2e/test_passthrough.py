@@ -39,13 +39,17 @@ def sha(path):
     return h.hexdigest()
 
 
-def flush_ops(m):
-    """FLUSH requests the daemon answered so far (its op histogram in /.ckptfs/metrics)."""
+def op_count(m, op):
+    """`op` requests the daemon answered so far (its op histogram in /.ckptfs/metrics)."""
     with open(os.path.join(m.mnt, ".ckptfs", "metrics")) as f:
         for line in f:
-            if line.startswith("ckptfs_fuse_op_duration_seconds_count") and 'op="flush"' in line:
+            if line.startswith("ckptfs_fuse_op_duration_seconds_count") and f'op="{op}"' in line:
                 return int(float(line.split()[-1]))
-    raise AssertionError("no flush histogram in /.ckptfs/metrics")
+    raise AssertionError(f"no {op} histogram in /.ckptfs/metrics")
+
+
+def flush_ops(m):
+    return op_count(m, "flush")
 
 
 def mmap_sha(path):
@@ -181,6 +185,42 @@ class PassthroughTest(unittest.TestCase):
         with open(path) as f:
             self.assertEqual(f.read(), "2")
         self.assertEqual(m.stats()["errors"], 0)
+
+    def test_committed_checkpoint_attributes_stay_cached(self):
+        """A passthrough read invalidates the file's atime in the kernel, so the next stat
+        is a GETATTR. For a committed checkpoint's file (attributes kept 3600 s) the
+        daemon answers it from what it holds; a plain file is refreshed from the backing
+        store, so a change made there shows at once."""
+        m = self.start(["--passthrough-min-size", "0"])
+        self.require_on(m)
+        ck = os.path.join(m.backing, "ck")
+        os.makedirs(ck)
+        for name, size in ((".metadata", 4096), ("__0_0.distcp", MiB)):
+            with open(os.path.join(ck, name), "wb") as f:
+                f.write(os.urandom(size))
+        with open(os.path.join(m.backing, "plain.bin"), "wb") as f:
+            f.write(os.urandom(MiB))
+        shard, plain = os.path.join(m.mnt, "ck", "__0_0.distcp"), os.path.join(m.mnt, "plain.bin")
+        with open(os.path.join(m.mnt, "ck", ".metadata"), "rb") as f:
+            f.read()  # a load starts here: the checkpoint is committed
+        modes = {p: os.stat(p).st_mode & 0o7777 for p in (shard, plain)}
+        self.assertEqual(modes[shard], 0o644)
+        for p in (shard, plain):
+            os.chmod(os.path.join(m.backing, os.path.relpath(p, m.mnt)), 0o600)
+        opens = m.stats()["passthrough_opens"]
+        for p in (shard, plain):
+            with open(p, "rb") as f:
+                f.read(4096)  # through the kernel: the atime is invalidated
+        self.assertEqual(m.stats()["passthrough_opens"], opens + 2)
+        # Reading the metrics costs GETATTRs of its own: counted once, then taken off.
+        g0 = op_count(m, "getattr")
+        g1 = op_count(m, "getattr")
+        self.assertEqual(os.stat(plain).st_mode & 0o7777, 0o600)
+        self.assertEqual(os.stat(shard).st_mode & 0o7777, modes[shard])
+        # The kernel did ask: both stats were GETATTRs.
+        self.assertEqual(op_count(m, "getattr") - g1 - (g1 - g0), 2)
+        self.assertEqual(m.stats()["errors"], 0)
+        self.assertEqual(m.unmount(), 0)
 
     def test_fallback_when_disabled(self):
         m = self.start(["--passthrough", "off"])
