@@ -123,8 +123,8 @@ Status Filesystem::Init(FsDeps deps) {
                                      std::move(peers), std::move(cache));
   read_->SetRetainedTier(retained_.get());
   read_->Start();
-  passthrough_ = std::make_unique<PassthroughReads>(config_, backing_.get(), retained_.get(),
-                                                    read_.get(), &stats_.passthrough);
+  passthrough_ = std::make_unique<PassthroughReads>(config_, retained_.get(), read_.get(),
+                                                    &stats_.passthrough);
 
   const FsParts parts{.backing = backing_.get(), .db = db_.get(), .pool = pool_.get(),
                       .pipeline = pipeline_.get(), .publication = publication_.get(),

@@ -392,9 +392,8 @@ Result<int32_t> TakeReadMode(fuse_req_t req, fuse_ino_t ino, Handle* h) {
   FileHandle* f = h->file();
   if (table->enabled()) {
     if (auto src = fs->passthrough()->SourceOf(h)) {
-      CKPT_ASSIGN_OR_RETURN(int32_t id, table->AcquireRead(ino, src->fd, src->st.st_dev,
-                                                           src->st.st_ino,
-                                                           static_cast<uint64_t>(src->st.st_size)));
+      CKPT_ASSIGN_OR_RETURN(int32_t id,
+                            table->AcquireRead(ino, src->fd, src->dev, src->ino, src->size));
       if (id >= 0) {
         f->io_counted = f->passthrough = true;
         f->io_ino = ino;

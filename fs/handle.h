@@ -29,6 +29,8 @@ struct FileHandle {
   // long as it has none (a write state lives until every handle is closed). Set at open only.
   std::shared_ptr<const UniqueFd> fd;
   store::BlockId block;                // its backing path and version at open (block cache)
+  dev_t backing_dev = 0;               // the backing file's identity, from the open's fstat
+  ino_t backing_ino = 0;
   std::string ckpt, file;              // checkpoint dir and file name, when in a checkpoint
   std::atomic<uint64_t> prefetched_end{0};  // end of the last item (or read-ahead) prefetched
   std::atomic<uint64_t> read_end{0};        // furthest end of a read (ReadPath::ReadAhead)

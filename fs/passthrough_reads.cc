@@ -1,14 +1,10 @@
 #include "fs/passthrough_reads.h"
 
-#include "store/cache/backing_source.h"
-
 namespace ckptfs::fs {
 
-PassthroughReads::PassthroughReads(const FsConfig& config, store::BackingDir* backing,
-                                   store::RetainedTier* retained, ReadPath* read,
-                                   PassthroughStats* stats)
+PassthroughReads::PassthroughReads(const FsConfig& config, store::RetainedTier* retained,
+                                   ReadPath* read, PassthroughStats* stats)
     : config_(config),
-      backing_(backing),
       retained_(retained),
       read_(read),
       stats_(stats),
@@ -24,16 +20,13 @@ std::optional<PassthroughReads::Source> PassthroughReads::SourceOf(Handle* h) {
     MutexLock lock(&f->node->data_mu);
     if (!f->node->data.error.empty() || f->node->data.staged) return std::nullopt;
   }
-  auto st = backing_->Fstat(f->fd->get());
-  if (!st.ok() || static_cast<uint64_t>(st->st_size) < config_.passthrough_min_bytes) {
-    return std::nullopt;
-  }
+  // The open's fstat (FileHandle::block) is this version: an OPEN asks twice within its
+  // request (fs/fuse_server.cc), and a second fstat would only repeat it.
+  if (f->block.size < config_.passthrough_min_bytes) return std::nullopt;
   // This version is held in the retained tier (issue 23): the daemon serves it from memory,
   // where the kernel would read the backing store.
-  if (retained_ && retained_->Holds(store::BlockIdFromStat(f->block.path, *st), 0)) {
-    return std::nullopt;
-  }
-  return Source{f->fd->get(), *st};
+  if (retained_ && retained_->Holds(f->block, 0)) return std::nullopt;
+  return Source{f->fd->get(), f->backing_dev, f->backing_ino, f->block.size};
 }
 
 void PassthroughReads::OnNegotiated(bool on) {

@@ -7,8 +7,9 @@
 // table has its own leaf lock. No lock of its own.
 #pragma once
 
-#include <sys/stat.h>
+#include <sys/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 
@@ -18,29 +19,31 @@
 #include "fs/passthrough.h"
 #include "fs/read_path.h"
 #include "store/cache/retained_tier.h"
-#include "store/primitives/backing_dir.h"
 
 namespace ckptfs::fs {
 
 class PassthroughReads {
  public:
   // All must outlive; `retained` may be null (no retained tier).
-  PassthroughReads(const FsConfig& config, store::BackingDir* backing,
-                   store::RetainedTier* retained, ReadPath* read, PassthroughStats* stats);
+  PassthroughReads(const FsConfig& config, store::RetainedTier* retained, ReadPath* read,
+                   PassthroughStats* stats);
   PassthroughReads(const PassthroughReads&) = delete;
   PassthroughReads& operator=(const PassthroughReads&) = delete;
 
   PassthroughTable* table() { return &table_; }
 
   // The backing file a read-only open may be passed through to (its descriptor, borrowed
-  // from `h`, and its stat), or nullopt when the daemon must serve it: a writable handle,
+  // from `h`, and its identity and size as the open found them: no syscall), or nullopt
+  // when the daemon must serve it: a writable handle,
   // a file with staged bytes (read-your-writes) or a failed publication, a control file or
   // tensor view, a file below passthrough_min_bytes, a version the retained tier holds, or
   // a checkpoint's file while peers share the load (blocks come from the peer that owns
   // them).
   struct Source {
     int fd;
-    struct stat st;
+    dev_t dev;
+    ino_t ino;
+    uint64_t size;
   };
   std::optional<Source> SourceOf(Handle* h);
 
@@ -50,7 +53,6 @@ class PassthroughReads {
 
  private:
   const FsConfig& config_;
-  store::BackingDir* const backing_;
   store::RetainedTier* const retained_;
   ReadPath* const read_;
   PassthroughStats* const stats_;

@@ -427,6 +427,8 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
     auto& [fd, st] = opened;
     if (!st.ok()) return st.status();
     fh.block = store::BlockIdFromStat(path, *st);
+    fh.backing_dev = st->st_dev;
+    fh.backing_ino = st->st_ino;
     fh.fd = std::make_shared<const UniqueFd>(std::move(*fd));
     fh.keep_cache = !writable && table_.TimeoutFor(*node) > kDefaultTimeout;
     if (node->parent != nullptr && table_.CommittedDirLocked(node->parent)) {

@@ -374,10 +374,14 @@ def t2_case(a, troot, script, rel, inside_direct, inside_mnt, droot, backing, de
             sfpr, cases, raw):
     """One torch 2.x load case, both sides alternating first, medians over --t2-reps."""
     case = f"t2_{mode}_sfpr{sfpr}"
-    got = {"direct": [], "ckptfs": []}
+    sides = ["direct", "ckptfs"] + (["alt"] if a.alt_args else [])
+    got = {side: [] for side in sides}
     version = None
     for rep in range(a.t2_reps or a.reps):
-        order = ("direct", "ckptfs") if rep % 2 == 0 else ("ckptfs", "direct")
+        # Each side goes first as often as the others: the host's cache of this VM's disk
+        # favours whoever reads second.
+        k = rep % len(sides)
+        order = sides[k:] + sides[:k]
         for side in order:
             la = os.getloadavg()[0]
             with Cgroup(dev, name="t2" + side) as cg:
@@ -386,7 +390,8 @@ def t2_case(a, troot, script, rel, inside_direct, inside_mnt, droot, backing, de
                     r = chroot_py(troot, [rel(script), "load", rel(inside_direct) + "/" + name,
                                           str(a.mb), str(a.ranks), mode])
                 else:
-                    d = bl.Daemon(droot, staging=a.staging)
+                    d = bl.Daemon(droot, staging=a.staging,
+                                  args=a.alt_args.split() if side == "alt" else ())
                     d.mnt = inside_mnt
                     with d:
                         drop()
@@ -415,6 +420,14 @@ def t2_case(a, troot, script, rel, inside_direct, inside_mnt, droot, backing, de
     c["ratio"] = bl.ratio(c["ckptfs_s"], c["direct_s"])
     c["paired"] = bl.paired_ratio([r["load_s_max"] for r in got["ckptfs"]],
                                   [r["load_s_max"] for r in got["direct"]])
+    if a.alt_args:
+        # The variant against direct and against the default daemon, paired the same way.
+        c["alt_args"] = a.alt_args
+        c["alt_s"] = bl.median([r["load_s_max"] for r in got["alt"]])
+        c["alt_paired"] = bl.paired_ratio([r["load_s_max"] for r in got["alt"]],
+                                          [r["load_s_max"] for r in got["direct"]])
+        c["alt_vs_ckptfs"] = bl.paired_ratio([r["load_s_max"] for r in got["alt"]],
+                                             [r["load_s_max"] for r in got["ckptfs"]])
     c["device_bytes"] = int(bl.median([r["device_bytes"] for r in got["ckptfs"]]))
     c["direct_device_bytes"] = int(bl.median([r["device_bytes"] for r in got["direct"]]))
     c["ckpt_bytes_read"] = int(bl.median([r["ckpt_bytes_read"] for r in got["ckptfs"]]))
@@ -495,6 +508,9 @@ def main():
     ap.add_argument("--seed", type=int, default=4242)
     ap.add_argument("--throttle-mbps", type=float, default=300)
     ap.add_argument("--torch2-root", default="/var/cache/ckptfs/torchroot-sid")
+    ap.add_argument("--alt-args", default="",
+                    help="torch 2.x loads only: a third side, a daemon started with these "
+                         "arguments (e.g. '--fuse-uring on'), in the same rotation")
     ap.add_argument("--parts", default="plain,loads,torch2")
     ap.add_argument("--work", default=os.path.join(bl.REPO, "build-bench", "reads-work"))
     ap.add_argument("--out", default=os.path.join(bl.REPO, "build-bench"))
