@@ -18,7 +18,11 @@
 //     (in_header, op struct, payload, contiguous: the payload is not copied) and handed to
 //     `dispatch` (fuse_session_process_buf). The reply libfuse writes comes back through
 //     the session's custom writev, which calls TakeReply: a reply to the request this
-//     thread is serving is copied into the entry and committed with the next fetch.
+//     thread is serving is copied into the entry and committed with the next fetch. So a
+//     read the daemon serves itself (block cache, retained tier, peers) is copied twice:
+//     into the entry, then by the kernel into the reader's pages; over /dev/fuse the
+//     kernel copies straight from the cache's blocks (fuse_reply_iov). Passthrough reads
+//     never reach the daemon either way.
 //   * A thread serves one request at a time, like a libfuse worker. When a thread takes a
 //     request and leaves its queue fewer than spare_entries idle registered entries,
 //     another thread is started for that queue (up to max_threads_per_queue), so a handler
