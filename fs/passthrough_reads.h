@@ -34,11 +34,10 @@ class PassthroughReads {
 
   // The backing file a read-only open may be passed through to (its descriptor, borrowed
   // from `h`, and its identity and size as the open found them: no syscall), or nullopt
-  // when the daemon must serve it: a writable handle,
-  // a file with staged bytes (read-your-writes) or a failed publication, a control file or
-  // tensor view, a file below passthrough_min_bytes, a version the retained tier holds, or
-  // a checkpoint's file while peers share the load (blocks come from the peer that owns
-  // them).
+  // when the daemon must serve it: a writable handle, a file with staged bytes
+  // (read-your-writes) or a failed publication, a control file or tensor view, a file
+  // below passthrough_min_bytes, a version the retained tier holds, or a checkpoint's file
+  // while peers share the load (blocks come from the peer that owns them).
   struct Source {
     int fd;
     dev_t dev;

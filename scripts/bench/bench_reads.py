@@ -372,7 +372,8 @@ def chroot_py(root, args, timeout=1800):
 
 def t2_case(a, troot, script, rel, inside_direct, inside_mnt, droot, backing, dev, name, mode,
             sfpr, cases, raw):
-    """One torch 2.x load case, both sides alternating first, medians over --t2-reps."""
+    """One torch 2.x load case: direct, ckptfs and (with --alt-args) a third daemon, each
+    going first in turn, medians and paired ratios over --t2-reps."""
     case = f"t2_{mode}_sfpr{sfpr}"
     sides = ["direct", "ckptfs"] + (["alt"] if a.alt_args else [])
     got = {side: [] for side in sides}
