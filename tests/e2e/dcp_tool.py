@@ -37,6 +37,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,8 +116,12 @@ def _run_ranks(job, ranks, timeout, grace=30):
     for attempt in range(3):
         port = free_port()
         tmp = tempfile.mkdtemp(prefix="dcp-tool-")
+        # The ranks' temporary files go in `tmp`, removed below: torch 1.13 makes a
+        # directory at import (torch.distributed.nn's instantiator) that only its interpreter's
+        # teardown removes, and a rank ends with os._exit (see main), so each rank left one
+        # in /tmp.
         env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                         "WORLD_SIZE": str(ranks)})
+                         "WORLD_SIZE": str(ranks), "TMPDIR": tmp})
         procs, outs, errs = [], [], []
         try:
             for r in range(ranks):
@@ -159,12 +164,7 @@ def _run_ranks(job, ranks, timeout, grace=30):
             return results
         finally:
             _kill(procs)
-            for path in outs + errs:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-            os.rmdir(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
     raise DcpToolError("no free port found")
 
 
