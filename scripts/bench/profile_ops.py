@@ -14,7 +14,6 @@ bench_save.py / bench_load.py for ratios); it explains them.
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
