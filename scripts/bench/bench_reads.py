@@ -75,7 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, bl.E2E_DIR)
 import bench_load  # noqa: E402
 import dcp_tool  # noqa: E402
-from torch_dcp_suite import RootMounts  # noqa: E402
+from torch_dcp_suite import RootMounts, root_tmpdir  # noqa: E402
 
 NULL_FUSE = os.path.join(bl.BIN_DIR, "ckptfs-null-fuse")
 T2_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "t2_dcp.py")
@@ -363,8 +363,9 @@ def run_loads(a, work, dev, cases, raw):
 
 
 def chroot_py(root, args, timeout=1800):
-    r = subprocess.run(["chroot", root, "python3", *args], capture_output=True, text=True,
-                       timeout=timeout)
+    with root_tmpdir(root) as tmp:
+        r = subprocess.run(["chroot", root, "env", f"TMPDIR={tmp}", "python3", *args],
+                           capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"chroot python3 {args}: {r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])

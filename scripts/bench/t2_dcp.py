@@ -59,6 +59,13 @@ def load_target(mode, i, rows, rank, ranks, mesh):
     raise SystemExit(f"unknown mode {mode}")
 
 
+def machine_idle_s():
+    """Idle and iowait seconds of all CPUs since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+
+
 def worker(rank, ranks, port, op, path, mb, out, arg):
     # Torch builds without libuv (Debian sid's 2.x) refuse the default TCPStore backend.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0")
@@ -83,15 +90,19 @@ def worker(rank, ranks, port, op, path, mb, out, arg):
                  for i in range(N_TENSORS)}
         dist.barrier()
         t0 = time.monotonic()
+        cpu0, idle0 = os.times(), machine_idle_s()
         dcp.load(state, checkpoint_id=path)
         dist.barrier()
         load_s = time.monotonic() - t0
+        cpu1, idle1 = os.times(), machine_idle_s()
         for i in range(N_TENSORS):
             got = state[f"t{i}"]
             got = got.to_local() if isinstance(got, DTensor) else got
             if not torch.equal(got, load_target(mode, i, rows, rank, ranks, mesh)[1]):
                 raise SystemExit(f"rank {rank}: t{i} differs ({mode})")
-        out.put((rank, {"load_s": load_s}))
+        out.put((rank, {"load_s": load_s,
+                        "cpu_s": cpu1.user + cpu1.system - cpu0.user - cpu0.system,
+                        "idle_s": idle1 - idle0}))
     dist.destroy_process_group()
 
 
@@ -116,6 +127,11 @@ def main():
     r = {"op": op, "torch": torch.__version__, "wall_s": time.monotonic() - t0, "mode": arg}
     if op == "load":
         r["load_s_max"] = max(v["load_s"] for v in results.values())
+        # The ranks' own CPU during load_state_dict, and the machine's idle CPU-seconds in
+        # rank 0's window (idle and iowait of every CPU): whether the load waited for the
+        # CPUs or for the disk.
+        r["ranks_cpu_s"] = round(sum(v["cpu_s"] for v in results.values()), 3)
+        r["idle_cpu_s"] = round(results[0]["idle_s"], 3)
     print(json.dumps(r))
 
 

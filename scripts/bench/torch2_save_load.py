@@ -25,26 +25,27 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import benchlib as bl
-from torch_dcp_suite import RootMounts
+from torch_dcp_suite import RootMounts, root_tmpdir
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch2_bench_worker.py")
 
 
 def run_worker(root, prog_in_root, args, timeout=1800):
-    cmd = ["chroot", root, "env", "-i", "PATH=/usr/bin:/bin", "HOME=/root", "LANG=C.UTF-8",
-           "PYTHONWARNINGS=ignore", "python3", f"{prog_in_root}/torch2_bench_worker.py", *args]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    finally:
+    with root_tmpdir(root) as tmp:
+        cmd = ["chroot", root, "env", "-i", "PATH=/usr/bin:/bin", "HOME=/root", "LANG=C.UTF-8",
+               "PYTHONWARNINGS=ignore", f"TMPDIR={tmp}", "python3",
+               f"{prog_in_root}/torch2_bench_worker.py", *args]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
         try:
-            os.killpg(p.pid, 9)  # its own group only: leftovers of the program
-        except ProcessLookupError:
-            pass
+            out, _ = p.communicate(timeout=timeout)
+        finally:
+            try:
+                os.killpg(p.pid, 9)  # its own group only: leftovers of the program
+            except ProcessLookupError:
+                pass
     for line in out.splitlines():
         if "rep " in line and "stall" in line:
             bl.log(line)

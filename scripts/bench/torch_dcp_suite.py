@@ -25,6 +25,7 @@ are killed, by their process group.
 """
 import argparse
 import concurrent.futures
+import contextlib
 import fcntl
 import json
 import os
@@ -34,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -114,6 +116,19 @@ class RootMounts:
     def __exit__(self, *exc):
         self.undo()
         return False
+
+
+@contextlib.contextmanager
+def root_tmpdir(root):
+    """A fresh directory in the root's /tmp, as the root sees it, for one program's TMPDIR;
+    removed afterwards. A torch 2.x program's multiprocessing makes `pymp-*` directories in
+    its TMPDIR that only a clean interpreter exit removes: a rank that ends with os._exit,
+    or a process group killed after its run, left them in the cached root's /tmp."""
+    d = tempfile.mkdtemp(prefix="ckptfs-run-", dir=os.path.join(root, "tmp"))
+    try:
+        yield "/" + os.path.relpath(d, root)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 START = re.compile(r"^(test\w*) \(([\w.]+)\)", re.M)  # "... ok" may follow a docstring line

@@ -29,13 +29,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
-import time
 import unittest
 
 import harness
 from harness import ADMIN, Mount
 from test_formats import hf_checkpoint, per_rank_metadata, safetensors_bytes, settle, write
+from torch_roots import RootMounts, root_tmpdir  # the cached roots' mounts and TMPDIRs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -324,35 +323,6 @@ print("consolidated:", sorted(os.listdir(cons)))
 """
 
 
-class RootMounts:
-    """proc, sys and dev bind-mounted into the root (private), undone in reverse."""
-
-    def __init__(self, root):
-        self.root, self.done = root, []
-
-    def __enter__(self):
-        try:
-            for args, rel in ((["-t", "proc", "proc"], "proc"), (["--bind", "/sys"], "sys"),
-                              (["--bind", "/dev"], "dev")):
-                target = os.path.join(self.root, rel)
-                subprocess.run(["mount", *args, target], check=True, capture_output=True)
-                self.done.append(target)
-                if rel != "proc":
-                    subprocess.run(["mount", "--make-private", target], check=True,
-                                   capture_output=True)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        while self.done:
-            t = self.done.pop()
-            if subprocess.run(["umount", t], capture_output=True).returncode != 0:
-                subprocess.run(["umount", "-l", t], capture_output=True)
-        return False
-
-
 class TorchHfWriter(unittest.TestCase):
     def setUp(self):
         if os.geteuid() != 0:
@@ -376,10 +346,11 @@ class TorchHfWriter(unittest.TestCase):
             f.write(CHECK)
 
     def chroot(self, *argv, timeout=300):
-        env = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8",
-               "OMP_NUM_THREADS=1", "PYTHONDONTWRITEBYTECODE=1"]
-        return subprocess.run(["chroot", self.root, "env", "-i", *env, *argv],
-                              capture_output=True, text=True, timeout=timeout)
+        with root_tmpdir(self.root) as tmp:
+            env = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8",
+                   "OMP_NUM_THREADS=1", "PYTHONDONTWRITEBYTECODE=1", f"TMPDIR={tmp}"]
+            return subprocess.run(["chroot", self.root, "env", "-i", *env, *argv],
+                                  capture_output=True, text=True, timeout=timeout)
 
     def test_hf_storage_writer_checkpoint_through_the_mount(self):
         m = Mount(args=["--durability", "async"], root=self.tmp)

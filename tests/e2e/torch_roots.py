@@ -16,7 +16,7 @@ import harness
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))
-from torch_dcp_suite import RootMounts  # noqa: E402  (proc, sys, dev, /dev/shm in a root)
+from torch_dcp_suite import RootMounts, root_tmpdir  # noqa: E402  (proc, sys, dev, /dev/shm)
 
 TORCH_ROOT = os.path.join(REPO, "scripts", "torch_root.sh")
 
@@ -85,25 +85,28 @@ def program_dir(test, root, *files):
 def run_in_root(test, root, argv, env=(), timeout=600):
     """Runs argv in the root (chroot, a clean environment plus `env`) in its own process
     group, which is killed afterwards whatever happened (helpers a program leaves behind,
-    such as checkpoint worker processes, go with it); returns (output, seconds). Fails the
+    such as checkpoint worker processes, go with it), with a TMPDIR of its own that is
+    removed afterwards; returns (output, seconds). Fails the
     test on a nonzero exit or a timeout."""
-    cmd = ["chroot", root, "env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root",
-           "LANG=C.UTF-8", "PYTHONWARNINGS=ignore", *[f"{k}={v}" for k, v in env], *argv]
-    t0 = time.monotonic()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    timed_out = False
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-    finally:
+    with root_tmpdir(root) as tmp:
+        cmd = ["chroot", root, "env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root",
+               "LANG=C.UTF-8", "PYTHONWARNINGS=ignore", f"TMPDIR={tmp}",
+               *[f"{k}={v}" for k, v in env], *argv]
+        t0 = time.monotonic()
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        timed_out = False
         try:
-            os.killpg(p.pid, signal.SIGKILL)  # the program's group only: its leftovers
-        except ProcessLookupError:
-            pass
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the program's group only: its leftovers
+            except ProcessLookupError:
+                pass
     wall = time.monotonic() - t0
     test.assertFalse(timed_out, f"{argv} ran over {timeout} s:\n{out[-6000:]}")
     test.assertEqual(p.returncode, 0, f"{argv} failed:\n{out[-8000:]}")
