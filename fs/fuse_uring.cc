@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <linux/io_uring.h>
 #include <poll.h>
-#include <sched.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -354,14 +353,12 @@ void FuseUring::Answer(Entry* e) {
 void FuseUring::Serve(Queue* q) {
   const std::string name = "ckptfs-uring" + std::to_string(q->qid);
   NameThisThread(name.c_str());
-  // The kernel hands this queue the requests made on CPU qid: serving them there spares a
-  // migration (a CPU that is not online just leaves the thread unpinned).
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (q->qid < CPU_SETSIZE) {
-    CPU_SET(q->qid, &set);
-    (void)::sched_setaffinity(0, sizeof(set), &set);
-  }
+  // Not pinned to CPU qid, whose requests this queue gets. The scheduler mostly runs the
+  // thread there anyway (where it last ran, or beside the reader that woke it), and where
+  // another CPU is idle it can serve there: a reply the daemon copies itself (retained
+  // tier, block cache) is then copied beside the reader's own work instead of between it.
+  // Pinned, one rank's retained-tier load of 512 MiB took 0.518 s against 0.388 s over
+  // /dev/fuse on a 2-CPU VM; unpinned 0.408 s. An open() costs the same either way.
   std::string why;
   Ring ring;
   auto e = std::make_unique<Entry>();

@@ -10,10 +10,12 @@
 //   * INIT still comes over /dev/fuse; the InitPatcher (fs/passthrough.h) adds
 //     FUSE_OVER_IO_URING to the reply where the kernel offered it. Once that reply is
 //     written, Start() runs the queues: a queue per possible CPU (the kernel's rule), each
-//     with threads pinned to that CPU, each thread with its own small ring and one entry.
+//     with its own threads, each thread with its own small ring and one entry.
 //     The kernel moves every request but FORGET and INTERRUPT to the rings once every
 //     queue has an entry; until then, and for ever if a queue cannot register, requests
-//     keep coming over /dev/fuse, which libfuse's loop serves as before.
+//     keep coming over /dev/fuse, which libfuse's loop serves as before. The threads are
+//     not pinned: the scheduler keeps them near their CPU, and moves them to an idle one
+//     when the reader's own CPU is busy (see Serve()).
 //   * A request that arrives in an entry is laid out as libfuse reads one off /dev/fuse
 //     (in_header, op struct, payload, contiguous: the payload is not copied) and handed to
 //     `dispatch` (fuse_session_process_buf). The reply libfuse writes comes back through

@@ -430,6 +430,11 @@ def t2_case(a, troot, script, rel, inside_direct, inside_mnt, droot, backing, de
                                           [r["load_s_max"] for r in got["direct"]])
         c["alt_vs_ckptfs"] = bl.paired_ratio([r["load_s_max"] for r in got["alt"]],
                                              [r["load_s_max"] for r in got["ckptfs"]])
+    # Whether the loads waited for the CPUs or for the disk: the ranks' CPU seconds and the
+    # machine's idle CPU seconds during load_state_dict (t2_dcp.py), medians per side.
+    for key in ("ranks_cpu_s", "idle_cpu_s"):
+        c[key] = {side: round(bl.median([r[key] for r in got[side]]), 3) for side in sides
+                  if all(key in r for r in got[side])}
     c["device_bytes"] = int(bl.median([r["device_bytes"] for r in got["ckptfs"]]))
     c["direct_device_bytes"] = int(bl.median([r["device_bytes"] for r in got["direct"]]))
     c["ckpt_bytes_read"] = int(bl.median([r["ckpt_bytes_read"] for r in got["ckptfs"]]))
