@@ -92,6 +92,7 @@ class SupersedeTest : public JournalTest {
     EXPECT_FALSE(journal_->halted().has_value());
     EXPECT_EQ(Read("ck/.metadata"), "save 2");
     EXPECT_TRUE(Exists("between"));
+    journal_.reset();  // its gate refers to `stuck`, which goes now
   }
 };
 
