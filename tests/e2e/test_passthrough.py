@@ -22,7 +22,6 @@ import errno
 import hashlib
 import mmap
 import os
-import socket
 import time
 import unittest
 import urllib.request
@@ -48,12 +47,6 @@ def op_count(m, op):
             if line.startswith("ckptfs_fuse_op_duration_seconds_count") and f'op="{op}"' in line:
                 return int(float(line.split()[-1]))
     raise AssertionError(f"no {op} histogram in /.ckptfs/metrics")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_op_count(port, op):
@@ -209,7 +202,7 @@ class PassthroughTest(unittest.TestCase):
         is a GETATTR. For a committed checkpoint's file (attributes kept 3600 s) the
         daemon answers it from what it holds; a plain file is refreshed from the backing
         store, so a change made there shows at once."""
-        port = free_port()
+        port = dcp_tool.free_port()
         m = self.start(["--passthrough-min-size", "0", "--metrics-listen", f"127.0.0.1:{port}"])
         self.require_on(m)
         ck = os.path.join(m.backing, "ck")

@@ -68,6 +68,11 @@ class SupersedeTest : public JournalTest {
       return wait;
     };
     MakeJournal(std::move(hooks));
+    // The journal stops before `stuck`, which its gate reads, goes: on every way out.
+    struct StopJournal {
+      std::unique_ptr<Journal>& journal;
+      ~StopJournal() { journal.reset(); }
+    } stop_journal{journal_};
     ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
     TempFile md1 = StartFile("ck"), md2 = StartFile("ck");
     Write(&md1, "save 1");
@@ -92,7 +97,6 @@ class SupersedeTest : public JournalTest {
     EXPECT_FALSE(journal_->halted().has_value());
     EXPECT_EQ(Read("ck/.metadata"), "save 2");
     EXPECT_TRUE(Exists("between"));
-    journal_.reset();  // its gate refers to `stuck`, which goes now
   }
 };
 
