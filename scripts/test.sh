@@ -38,6 +38,13 @@ FUZZ_SECONDS=${FUZZ_SECONDS:-20}
 DEBUG_FLAGS=${DEBUG_FLAGS:--g1}
 export FUZZ_SECONDS
 
+# CI cannot reach GitHub: Megatron-LM's source comes from the tarball beside the checkout
+# (../shared/third_party), checked against the sha256 scripts/megatron_src.sh pins.
+megatron_tarball="$(pwd)/../shared/third_party/Megatron-LM-core_v0.16.1.tar.gz"
+if [ -z "${MEGATRON_TARBALL:-}" ] && [ -f "$megatron_tarball" ]; then
+  export MEGATRON_TARBALL="$megatron_tarball"
+fi
+
 scripts/setup.sh || exit $?
 
 SANITIZE=${SANITIZE:-1}
