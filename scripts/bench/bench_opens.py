@@ -3,7 +3,7 @@
 
 A DCP load with a file per item opens every file it reads: torch 2.14, 4 ranks, 64 files,
 where every rank reads every file, came out 1.07x (replicated) and 1.11x (reshard) direct,
-all of it in open() (docs/bench/bench_reads.md). This benchmark times that cost alone.
+all of it in open() (docs/BENCHMARKS.md). This benchmark times that cost alone.
 
 Each case runs --readers reader processes, started together. Each opens each of --files
 files of 1 MiB with Python's open() (openat + fstat), reads the first 64 KiB and closes it,

@@ -30,7 +30,7 @@ prime holds both the same for every read:
     and the read was enough to tip it. With the prime, the read is more likely to get the
     pages the prime's drop has just freed, before they are reported. It is not certain to:
     in 16 primed reps, 5 of direct's cold mmap reads and 8 of ckptfs's were still slow or
-    partly slow (docs/bench/bench_reads.md); `*_cold_user_s` shows which.
+    partly slow (`git show 736072d:docs/bench/bench_reads.md`); `*_cold_user_s` shows which.
 --plain-prime off measures the unprimed order: the medians then mix both effects (the
 `by_position` medians split them by who read first).
 
