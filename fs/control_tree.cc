@@ -266,6 +266,9 @@ std::string ControlTree::StatsJson() {
   j["journal_pending"] = journal_->pending();
   j["journal_applied_ahead"] = journal_->counts().applied_ahead;
   j["journal_retries"] = journal_->counts().retries;
+  // Entries never applied (skipped, dropped, superseded): the application's view and the
+  // backing store may differ by what each one did.
+  j["journal_skipped"] = journal_->counts().skipped;
   j["journal_presyncs"] = journal_->counts().presyncs;
   j["state_db_writes"] = db_->writes();
   j["state_db_synced_writes"] = db_->synced_writes();
@@ -452,6 +455,8 @@ std::string ControlTree::MetricsText() {
        "staging_waits"},
       {"journal_pending_entries", "gauge", "Journal entries not yet applied.",
        "journal_pending"},
+      {"journal_skipped_entries_total", "counter",
+       "Journal entries never applied (skipped, dropped or superseded).", "journal_skipped"},
       {"pending_files", "gauge", "Files not yet published.", "files_pending"},
       {"flush_queue_chunks", "gauge", "Sealed chunks waiting for a flush thread.",
        "flush_queue"},

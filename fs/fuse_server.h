@@ -40,7 +40,7 @@ struct FuseTuning {
   // in turn, so no other FUSE server is offered it; a daemon that cannot (not root, a
   // read-only /sys, Linux before 6.14) serves over /dev/fuse. kOff: /dev/fuse only.
   // Not on by default: reads the daemon serves itself (the retained tier, staged files)
-  // were slower over io_uring on a 16-CPU machine (docs/bench/bench_reads.md).
+  // were slower over io_uring on a 16-CPU machine (docs/BENCHMARKS.md).
   enum class Uring { kAuto, kOn, kOff };
   Uring uring = Uring::kAuto;
   int uring_max_threads = 32;  // over all queues, as --fuse-threads for /dev/fuse

@@ -4,7 +4,7 @@
 // read() (two system calls when spliced) and a writev(). Over io_uring the kernel hands a
 // request to a ring entry of the queue of the CPU that made it, and one io_uring_enter both
 // answers a request and waits for the next (FUSE_IO_URING_CMD_COMMIT_AND_FETCH). On this
-// project's 2-core VM an open() costs about 30% less (docs/bench/bench_uring_probe.md).
+// project's 2-core VM an open() costs about 30% less (docs/BENCHMARKS.md).
 //
 // How it fits libfuse 3.14, which knows nothing of it:
 //   * INIT still comes over /dev/fuse; the InitPatcher (fs/passthrough.h) adds

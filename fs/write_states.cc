@@ -234,6 +234,7 @@ Result<uint64_t> WriteStates::PublishLocked(Node* node) {
   e.file_id = ws.file_id;
   e.size = ws.staged->size();
   e.target = target;
+  e.began_after = ws.began_after;
   // The published file keeps the times the mount showed (its last write, or a utimens),
   // not those of the flushes.
   e.atime_sec = node->attr.st_atim.tv_sec, e.atime_nsec = node->attr.st_atim.tv_nsec;

@@ -185,23 +185,35 @@ CommitCheck CommitGate::Check(const JournalEntry& e, const QueuedPublishes* queu
     if (p.by_order) return Status::Ok();
     const auto now = std::chrono::steady_clock::now();
     const bool poll = now >= p.next_poll;
-    bool remote = false;     // waits for a shard not queued or open here
+    bool remote = false;     // waits for a shard not queued or open here (set after the loop)
     bool open_here = false;  // ... or for one open for writing here, not yet closed
     bool polling = false;    // ... judged by polling the backing store
     bool on_peers = false;   // ... waiting for a peer's answer
     std::vector<std::string> waiting;
+    // The application removed or moved this directory after the commit (rm -r, mkdir, a
+    // save into the new one): the mount's files at these names now belong to another
+    // incarnation of it. Only this incarnation's own queued publishes are waited for (as
+    // the journal's queue tells them apart), never a file open or rewritten there.
+    size_t mine_waiting = 0;  // of `waiting`, those queued or open here
+    const DirectoryEnd end = queued != nullptr
+                                 ? queued->DirectoryEndsAfter(e.seq, path::Parent(e.path))
+                                 : DirectoryEnd{};
     for (auto it = p.need.begin(); it != p.need.end();) {
       const std::string& path = it->first;
       const uint64_t min_len = it->second;
       // The next save's rewrite, over a version published here that this commit names.
       bool replaced = false;
-      if (host_ != nullptr && host_->RewrittenSince(path, e.seq)) {
-        std::optional<uint64_t> len = host_->PublishedLength(path);
-        replaced = len && *len >= min_len;
+      bool is_queued = false, is_open = false;
+      if (end.seq != 0) {
+        is_queued = queued->VersionQueued(path, e.seq, end.seq);
+      } else {
+        if (host_ != nullptr && host_->RewrittenSince(path, e.seq)) {
+          std::optional<uint64_t> len = host_->PublishedLength(path);
+          replaced = len && *len >= min_len;
+        }
+        is_queued = !replaced && queued != nullptr && queued->PublishQueued(path);
+        is_open = !replaced && !is_queued && host_ != nullptr && host_->WrittenLocally(path);
       }
-      const bool is_queued = !replaced && queued != nullptr && queued->PublishQueued(path);
-      const bool is_open =
-          !replaced && !is_queued && host_ != nullptr && host_->WrittenLocally(path);
       const bool mine = is_queued || is_open;
       open_here = open_here || is_open;
       if (!mine && host_ != nullptr && host_->DeletedLocally(path)) {
@@ -210,10 +222,10 @@ CommitCheck CommitGate::Check(const JournalEntry& e, const QueuedPublishes* queu
       }
       if (mine) {
         waiting.push_back(path);
+        ++mine_waiting;
         ++it;
         continue;
       }
-      remote = true;
       bool polled = p.polled.count(path) > 0;
       // a. Published through this mount.
       if (!polled && host_ != nullptr) {
@@ -285,6 +297,9 @@ CommitCheck CommitGate::Check(const JournalEntry& e, const QueuedPublishes* queu
       current_.seq = 0;
       return Status::Ok();
     }
+    // Only a shard still missing counts: one confirmed on the backing store this round
+    // (a rewrite's earlier version) waits for nobody.
+    remote = waiting.size() > mine_waiting;
     if (remote && now > p.deadline) {
       std::string first = waiting.front();
       current_.seq = 0;

@@ -1,6 +1,7 @@
 #include "store/publish/journal.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -789,8 +790,51 @@ Journal::Step Journal::NextStepLocked() {
 }
 
 bool Journal::SupersededLocked(const JournalEntry& commit) const {
+  // A save into a directory of the same name made again after an rmdir (PyTorch's
+  // test_load_with_different_shard_plan), or into the one a rename put there, is another
+  // checkpoint: it supersedes nothing of this one.
+  const DirectoryEnd end = DirectoryEndsAfterLocked(commit.seq, path::Parent(commit.path));
   for (const Queued& q : queue_) {
+    if (end.seq != 0 && q.e.seq >= end.seq) break;
     if (q.e.seq > commit.seq && q.e.path == commit.path && IsCommitEntry(q.e)) return true;
+  }
+  return false;
+}
+
+DirectoryEnd Journal::DirectoryEndsAfterLocked(uint64_t seq, const std::string& dir) const {
+  if (dir.empty()) return {};
+  for (const Queued& q : queue_) {
+    const JournalEntry& e = q.e;
+    if (e.seq <= seq) continue;
+    switch (e.op) {
+      case OpType::kRmdir:
+        if (IsAtOrBelow(dir, e.path)) return {e.seq, true};
+        break;
+      case OpType::kUnlink:  // a directory a rename replaced
+        if (S_ISDIR(e.mode) && IsAtOrBelow(dir, e.path)) return {e.seq, true};
+        break;
+      case OpType::kRename:
+        if (!S_ISDIR(e.mode)) break;
+        if (IsAtOrBelow(dir, e.path)) return {e.seq, true};   // replaced (it was empty)
+        if (IsAtOrBelow(dir, e.from)) return {e.seq, false};  // moved away
+        break;
+      default:
+        break;
+    }
+  }
+  return {};
+}
+
+DirectoryEnd Journal::DirectoryEndsAfter(uint64_t seq, const std::string& dir) const {
+  MutexLock lock(&mu_);
+  return DirectoryEndsAfterLocked(seq, dir);
+}
+
+bool Journal::VersionQueued(const std::string& path, uint64_t seq, uint64_t before) const {
+  MutexLock lock(&mu_);
+  for (const Queued& q : queue_) {
+    if (q.e.seq >= before) break;
+    if (q.e.op == OpType::kPublish && q.e.path == path && q.e.began_after < seq) return true;
   }
   return false;
 }
@@ -801,6 +845,20 @@ bool Journal::PublishQueued(const std::string& path) const {
     if (q.e.op == OpType::kPublish && q.e.path == path) return true;
   }
   return false;
+}
+
+void Journal::RemoveSkippedCommit(const JournalEntry& e) {
+  // A publish's temp file goes with its records (Finalize). A rename's source is the
+  // application's own file (its `.metadata.tmp`), published under that name by an earlier
+  // entry; the application's rename took it away, so it goes now, before any later entry.
+  if (e.op != OpType::kRename || e.from.empty()) return;
+  Status st = dir_->Unlink(e.from);
+  if (st.ok()) {
+    (void)dir_->SyncParent(e.from);
+  } else if (st.code() != Code::kNotFound) {
+    spdlog::warn("journal: {}: the source of the commit not applied stays: {}", e.Describe(),
+                 st.ToString());
+  }
 }
 
 void Journal::Run() {
@@ -854,14 +912,22 @@ void Journal::Run() {
       if (st.ok() && delegate_ != nullptr) check = delegate_->CheckCommit(e, *this);
       lock.Lock();
       FindLocked(e.seq)->busy = false;
-      if (check.status.ok() && !check.ready && check.waits_for_unwritten && commit &&
-          SupersededLocked(e)) {
-        // It waits for shards that are not here to wait for, and the application has made
-        // the same `.metadata` again since: that later save commits the directory. This one
-        // is decided now instead of at the commit timeout, and holds up nothing.
-        check.status = Status(Code::kSuperseded,
-                              "a later save into " + e.path + " replaced it before its shards "
-                              "were durable");
+      if (check.status.ok() && !check.ready && check.waits_for_unwritten && commit) {
+        // It waits for shards that are not here to wait for, and the application has since
+        // made the same `.metadata` again in the same directory (that later save commits
+        // the directory), or removed the directory: decided now instead of at the commit
+        // timeout; it holds up nothing and leaves nothing of itself (RemoveSkippedCommit).
+        const DirectoryEnd end = DirectoryEndsAfterLocked(e.seq, path::Parent(e.path));
+        if (SupersededLocked(e)) {
+          check.status = Status(Code::kSuperseded,
+                                "a later save into " + e.path + " replaced it before its "
+                                "shards were durable");
+        } else if (end.removed) {
+          check.status = Status(Code::kSuperseded,
+                                "the application removed " + path::Parent(e.path) +
+                                    " (entry #" + std::to_string(end.seq) +
+                                    ") before its shards were durable");
+        }
       }
       if (!check.status.ok()) {
         lock.Unlock();
@@ -919,6 +985,7 @@ std::deque<Journal::Queued>::iterator Journal::FindLocked(uint64_t seq) {
 }
 
 void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, bool at_head) {
+  if (st.code() == Code::kSuperseded) RemoveSkippedCommit(e);
   MutexLock lock(&mu_);
   // A superseded commit failed nothing: it is skipped in either mode.
   const bool halts = options_.halt_on_failure && st.code() != Code::kSuperseded &&

@@ -111,6 +111,10 @@ struct JournalEntry {
   uint64_t rdev = 0;
   // In memory only: the file whose bytes a publish waits for.
   std::shared_ptr<FlushTarget> target;
+  // In memory only, kPublish: the last sequence number appended when this version's writes
+  // began (a version written for a commit appended after it has began_after >= its seq).
+  // 0 for entries a previous run left: they count as older than any commit.
+  uint64_t began_after = 0;
 
   std::string Serialize() const;
   static Result<JournalEntry> Parse(std::string_view text);
@@ -167,11 +171,25 @@ struct StopReport {
   std::string waiting_for;         // what publication waited for when the bound ran out
 };
 
-// Whether a publish of a path is still queued (the commit gate's question; the Journal
-// answers it).
+// Where a directory's life ends in the queue (QueuedPublishes::DirectoryEndsAfter).
+struct DirectoryEnd {
+  uint64_t seq = 0;      // the entry; 0: the directory lives on past every queued entry
+  bool removed = false;  // an rmdir (or a rename replacing it), not a move of it
+};
+
+// What the journal's queue holds (the commit gate's questions; the Journal answers them).
 class QueuedPublishes {
  public:
   virtual bool PublishQueued(const std::string& path) const = 0;
+  // The first entry queued after `seq` that removes or moves `dir` or a directory above it
+  // (an rmdir, a rename from or onto it). From there on, a name below `dir` belongs to
+  // another incarnation of the directory (one the application made again, or the one it
+  // moved away): a commit in `dir` appended at `seq` never judges, waits for or is
+  // superseded by what happens past it. A root (`dir` empty) never ends.
+  virtual DirectoryEnd DirectoryEndsAfter(uint64_t seq, const std::string& dir) const = 0;
+  // A publish of `path` queued before entry `before` whose writes began before entry `seq`
+  // was appended: a version the commit appended at `seq` names.
+  virtual bool VersionQueued(const std::string& path, uint64_t seq, uint64_t before) const = 0;
 
  protected:
   ~QueuedPublishes() = default;
@@ -314,6 +332,10 @@ class Journal final : public QueuedPublishes {
   std::optional<HaltInfo> halted() const;
   // A publish of `path` is queued and not yet done.
   bool PublishQueued(const std::string& path) const override EXCLUDES(mu_);
+  DirectoryEnd DirectoryEndsAfter(uint64_t seq, const std::string& dir) const override
+      EXCLUDES(mu_);
+  bool VersionQueued(const std::string& path, uint64_t seq, uint64_t before) const override
+      EXCLUDES(mu_);
 
   uint64_t pending() const;
   uint64_t last_appended() const;
@@ -347,8 +369,15 @@ class Journal final : public QueuedPublishes {
   // everything after it.
   void HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, bool at_head);
   // A later entry makes the same `.metadata` appear as `commit` (a later save into the
-  // same directory).
+  // same directory), before anything removes or moves that directory.
   bool SupersededLocked(const JournalEntry& commit) const REQUIRES(mu_);
+  DirectoryEnd DirectoryEndsAfterLocked(uint64_t seq, const std::string& dir) const
+      REQUIRES(mu_);
+  // A commit decided without being applied (superseded, or its directory removed later):
+  // the source of its rename goes as the application's rename took it away, so that
+  // nothing of it stays on the backing store and the entries after it (an rmdir of the
+  // directory) apply as the application made them.
+  void RemoveSkippedCommit(const JournalEntry& e);
   // Syncs the data (publish) and applies one entry; false with `st` on failure.
   Status Process(const JournalEntry& e);
   std::string WaitingForLocked() const REQUIRES(mu_);

@@ -195,12 +195,19 @@ def save(dir, ranks=4, mb=64, single_file_per_rank=True, seed=0, dtypes=DEFAULT_
 
 
 def resave(dir, ranks, seeds, mbs, single_file_per_rank=True, dtypes=DEFAULT_DTYPES,
-           timeout=600):
+           timeout=600, recreate=False, dtypes_per_save=None):
     """Saves the states of `seeds` (sizes `mbs`, MiB) one after another into the same `dir`
-    with no pause between them; returns the ranks' per-save times."""
+    with no pause between them; returns the ranks' per-save times.
+
+    recreate: before each save rank 0 removes the directory (shutil.rmtree) and makes it
+    again (os.makedirs), as PyTorch's test_load_with_different_shard_plan does.
+    dtypes_per_save: save i uses dtypes_per_save[i] (another shard plan: with a file per
+    item, another number of shard files) instead of `dtypes`."""
     job = {"op": "resave", "dir": os.path.abspath(dir), "seeds": list(seeds),
            "mbs": list(mbs), "dtypes": list(dtypes),
-           "single_file_per_rank": bool(single_file_per_rank)}
+           "single_file_per_rank": bool(single_file_per_rank), "recreate": bool(recreate)}
+    if dtypes_per_save is not None:
+        job["dtypes_per_save"] = [list(d) for d in dtypes_per_save]
     return _run_ranks(job, ranks, timeout)
 
 
@@ -384,10 +391,18 @@ def _worker_resave(job, rank, world):
     it (torch's overwrite): save i holds the state of seeds[i] at size mbs[i]."""
     import torch.distributed as dist
     import torch.distributed._shard.checkpoint as dcp
-    states = [_state(seed, mb, job["dtypes"], world) for seed, mb in zip(job["seeds"], job["mbs"])]
+    per_save = job.get("dtypes_per_save") or [job["dtypes"]] * len(job["seeds"])
+    states = [_state(seed, mb, dts, world)
+              for seed, mb, dts in zip(job["seeds"], job["mbs"], per_save)]
     dist.barrier()
     save_s = []
     for state in states:
+        if job.get("recreate"):
+            if rank == 0:
+                import shutil
+                shutil.rmtree(_rank_dir(job, rank), ignore_errors=True)
+                os.makedirs(_rank_dir(job, rank))
+            dist.barrier()
         t0 = time.monotonic()
         dcp.save_state_dict(state, dcp.FileSystemWriter(
             _rank_dir(job, rank), single_file_per_rank=job["single_file_per_rank"]))

@@ -44,6 +44,11 @@ using QueuedFn = std::function<bool(const std::string&)>;
 struct QueuedIf final : QueuedPublishes {
   explicit QueuedIf(QueuedFn fn) : fn(std::move(fn)) {}
   bool PublishQueued(const std::string& path) const override { return fn && fn(path); }
+  // No directory ends in these tests' queues; every queued publish is the commit's version.
+  DirectoryEnd DirectoryEndsAfter(uint64_t, const std::string&) const override { return {}; }
+  bool VersionQueued(const std::string& path, uint64_t, uint64_t) const override {
+    return PublishQueued(path);
+  }
   QueuedFn fn;
 };
 
