@@ -145,6 +145,22 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e) {
       it = foreign_.erase(it);
       continue;
     }
+    // A node is declared dead and the `.metadata` is not there: the save failed with it (its
+    // ranks could not finish, so no coordinator publishes it). Given up now instead of at
+    // the commit timeout; a tracker naming it is withheld (Publication), everything else
+    // goes on. Not asked of the live nodes yet: a live coordinator slower than a node's
+    // death is taken as failed too (docs/PEERS.md, "Not done yet").
+    if (peers_ != nullptr) {
+      if (std::string lost = peers_->LostPeers(); !lost.empty()) {
+        const std::string dir = ckpt;
+        it = foreign_.erase(it);
+        ++stats_.given_up;
+        spdlog::error("checkpoint {}: given up: its .metadata never appeared and a node was "
+                      "declared dead: {}", dir, lost);
+        if (host_ != nullptr) host_->GaveUp(dir, "declared dead: " + lost);
+        continue;
+      }
+    }
     if (now > ordered_.deadline) {
       const std::string dir = ckpt;
       ordered_.seq = 0;
@@ -290,6 +306,17 @@ CommitCheck CommitGate::Check(const JournalEntry& e, const QueuedPublishes* queu
         it = p.need.erase(it);
         continue;
       }
+      // No live node writes it or has published it, the backing store does not show it,
+      // and a node is declared dead: it was that node's. The checkpoint is given up now,
+      // not at the commit timeout, and nothing halts (docs/SEMANTICS.md, "A lost node").
+      if (peers_ != nullptr) {
+        if (std::string lost = peers_->LostPeers(); !lost.empty()) {
+          current_.seq = 0;
+          ++stats_.given_up;
+          return Status(Code::kNodeLost, "shard " + path + " is on no live node and not on "
+                                         "the backing store; declared dead: " + lost);
+        }
+      }
       waiting.push_back(path);
       ++it;
     }
@@ -412,6 +439,7 @@ void CommitGateStats::AppendJson(nlohmann::json* out) const {
                         {"unknown", answers_unknown},
                         {"unreachable", answers_unreachable}}},
                       {"peer_confirmed", peer_confirmed},
+                      {"given_up", given_up},
                       {"peer_refused", peer_refused}};
 }
 

@@ -101,6 +101,9 @@ class CommitGateHost {
   virtual std::optional<uint64_t> PublishedLength(const std::string& path) = 0;
   // A round of peer answers arrived: the journal asks the gate again now.
   virtual void WakeGate() = 0;
+  // Checkpoint `dir`, whose `.metadata` another node was to publish, is given up: a node
+  // was declared dead and the `.metadata` never appeared (docs/SEMANTICS.md, "A lost node").
+  virtual void GaveUp(const std::string& dir, const std::string& why) { (void)dir, (void)why; }
 
  protected:
   ~CommitGateHost() = default;
@@ -120,6 +123,7 @@ struct CommitGateStats {
   uint64_t answers_unreachable = 0;  // unknown while some peer could not be asked
   uint64_t peer_confirmed = 0;       // shards counted on a peer's word (+ a stat)
   uint64_t peer_refused = 0;         // commits refused on a peer's "dropped"
+  uint64_t given_up = 0;             // commits given up: their shards were a dead node's
   // Under "commit_gate" in /.ckptfs/stats, plus flat peer_commit_queries, remote_polls.
   void AppendJson(nlohmann::json* j) const;
 };

@@ -102,6 +102,11 @@ class PeerShardAsker {
   // answers with `round`. Never blocks.
   virtual bool AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
                               PeerShardAnswerSink* sink, uint64_t round) = 0;
+  // The peers declared dead now (no authenticated connection for --peer-dead-after), for a
+  // log line and a checkpoint's failure reason; empty when none. A shard that no live
+  // node is writing or has published, and that the backing store does not show, belongs to
+  // one of them: its commit is given up (docs/SEMANTICS.md, "A lost node").
+  virtual std::string LostPeers() { return {}; }
 
  protected:
   ~PeerShardAsker() = default;
