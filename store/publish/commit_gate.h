@@ -101,6 +101,13 @@ class CommitGateHost {
   virtual std::optional<uint64_t> PublishedLength(const std::string& path) = 0;
   // A round of peer answers arrived: the journal asks the gate again now.
   virtual void WakeGate() = 0;
+  // A peer answered `path` durable with its block CRCs (the commit query): whoever indexes
+  // the checkpoint may use them for that very file version. Called outside the gate's lock.
+  virtual void OnPeerChecksums(const std::string& path,
+                               std::shared_ptr<const ShardChecksums> checksums) {
+    (void)path;
+    (void)checksums;
+  }
 
  protected:
   ~CommitGateHost() = default;
@@ -117,6 +124,7 @@ struct CommitGateStats {
   // Per path answered, by the gathered state.
   uint64_t answers_durable = 0, answers_pending = 0, answers_dropped = 0, answers_failed = 0,
            answers_unknown = 0;
+  uint64_t peer_checksums = 0;  // durable answers that came with the shard's block CRCs
   uint64_t answers_unreachable = 0;  // unknown while some peer could not be asked
   uint64_t peer_confirmed = 0;       // shards counted on a peer's word (+ a stat)
   uint64_t peer_refused = 0;         // commits refused on a peer's "dropped"
