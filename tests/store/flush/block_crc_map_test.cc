@@ -224,9 +224,6 @@ TEST(BlockCrcMap, WritesAfterFinishPoisonAndMemoryIsBounded) {
   EXPECT_EQ(bounded.known_blocks(), 2u);
 }
 
-}  // namespace
-}  // namespace ckptfs::store
-
 // Issue 39: what a writer hands to another node (BlockCrcs) rebuilds, there, a map that gives
 // the same item CRCs; a list that does not describe a file of that size is refused, and an
 // unfinished or incomplete map vouches for nothing.
@@ -265,3 +262,6 @@ TEST(BlockCrcMap, BlockCrcsRoundTripToAnotherNodeAndBadListsAreRefused) {
   holey.Finish(file.size());
   EXPECT_FALSE(holey.BlockCrcs().has_value()) << "a block never written is vouched for";
 }
+
+}  // namespace
+}  // namespace ckptfs::store
