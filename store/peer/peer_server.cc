@@ -680,6 +680,16 @@ bool PeerServer::Impl::Evaluate(HeldQuery& q, Clock::time_point now, bool force,
     }
   }
   if (!answer) return false;
+  if (q.query.want_checksums) {
+    // Durable shards written here go with their block CRCs, for the exact version
+    // published (the asker checks it against the backing store before using them).
+    for (size_t i = 0; i < states.size(); ++i) {
+      if (states[i].state != ShardState::kDurable) continue;
+      std::shared_ptr<const ShardChecksums> sums =
+          options_.shard_states->Checksums(q.query.paths[i]);
+      if (sums && sums->id.size == states[i].length) states[i].checksums = std::move(sums);
+    }
+  }
   ShardAnswer a;
   a.query_id = q.query.query_id;
   a.code = static_cast<uint32_t>(Code::kOk);

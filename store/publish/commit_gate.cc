@@ -380,6 +380,8 @@ bool CommitGate::Confirm(const std::string& path, uint64_t min_len) {
 }
 
 void CommitGate::OnPeerShardAnswers(uint64_t round, std::vector<PeerShardAnswer> answers) {
+  // Block CRCs that came with durable answers, handed on after the lock.
+  std::vector<std::pair<std::string, std::shared_ptr<const ShardChecksums>>> sums;
   {
     MutexLock lock(&mu_);
     if (round != round_) return;  // a later round replaced it (another commit)
@@ -391,6 +393,10 @@ void CommitGate::OnPeerShardAnswers(uint64_t round, std::vector<PeerShardAnswer>
       switch (a.status.state) {
         case ShardState::kDurable:
           ++stats_.answers_durable;
+          if (a.status.checksums) {
+            ++stats_.peer_checksums;
+            sums.emplace_back(paths[i], a.status.checksums);
+          }
           break;
         case ShardState::kPending:
           ++stats_.answers_pending;
@@ -405,10 +411,15 @@ void CommitGate::OnPeerShardAnswers(uint64_t round, std::vector<PeerShardAnswer>
           ++(a.unreachable ? stats_.answers_unreachable : stats_.answers_unknown);
           break;
       }
+      a.status.checksums.reset();  // handed on below; the gate needs the state only
       if (round_seq_ == current_.seq) answers_[paths[i]] = a;
     }
   }
-  if (host_ != nullptr) host_->WakeGate();
+  if (host_ != nullptr) {
+    // Before the wake: the commit this round gates is built from them once applied.
+    for (auto& [path, checksums] : sums) host_->OnPeerChecksums(path, std::move(checksums));
+    host_->WakeGate();
+  }
 }
 
 uint64_t CommitGate::remote_polls() const {
@@ -438,6 +449,7 @@ void CommitGateStats::AppendJson(nlohmann::json* out) const {
                         {"failed", answers_failed},
                         {"unknown", answers_unknown},
                         {"unreachable", answers_unreachable}}},
+                      {"peer_checksums", peer_checksums},
                       {"peer_confirmed", peer_confirmed},
                       {"given_up", given_up},
                       {"peer_refused", peer_refused}};

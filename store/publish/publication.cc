@@ -36,7 +36,13 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
   CKPT_ASSIGN_OR_RETURN(p->registry_, CheckpointRegistry::Load(db));
 
   // The parts ask Publication what the mount knows (its private bases).
-  p->shard_states_ = std::make_unique<LocalShardStates>(static_cast<LocalShardQuestions*>(self));
+  // Peers asking about a shard durable here get its block CRCs with the answer, so the
+  // node indexing the checkpoint need not read it back (docs/PEERS.md).
+  p->shard_states_ = std::make_unique<LocalShardStates>(
+      static_cast<LocalShardQuestions*>(self), 65536,
+      [index](const std::string& path) {
+        return index != nullptr ? index->ShardChecksumsOf(path) : nullptr;
+      });
   p->gate_ = std::make_unique<CommitGate>(dir, p->options_.gate,
                                           static_cast<CommitGateHost*>(self), p->options_.peers);
   JournalOptions journal;
@@ -365,6 +371,11 @@ void Publication::SetFileTimes(const JournalEntry& e) {
   if (!(e.atime_sec || e.atime_nsec || e.mtime_sec || e.mtime_nsec)) return;
   struct timespec ts[2] = {{e.atime_sec, e.atime_nsec}, {e.mtime_sec, e.mtime_nsec}};
   (void)dir_->Utimens(e.path, ts);
+}
+
+void Publication::OnPeerChecksums(const std::string& path,
+                                  std::shared_ptr<const ShardChecksums> checksums) {
+  index_->AddPeerBlockCrcs(path, *checksums);
 }
 
 void Publication::HandOverBlockCrcs(const JournalEntry& e) {

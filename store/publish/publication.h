@@ -182,6 +182,8 @@ class Publication final : private JournalDelegate,
   void GaveUp(const std::string& dir, const std::string& why) override EXCLUDES(lost_mu_);
   std::optional<uint64_t> PublishedLength(const std::string& path) override;
   void WakeGate() override;
+  void OnPeerChecksums(const std::string& path,
+                       std::shared_ptr<const ShardChecksums> checksums) override;
   // The registry's and the key index's side of an applied entry; returns the directory
   // of a checkpoint it committed, or "".
   std::string NoteApplied(const JournalEntry& e, const Status& st);
