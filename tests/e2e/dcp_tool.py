@@ -543,7 +543,10 @@ def _worker_verify(job, rank, world):
             r = _worker_load({"dir": d, "mode": "own", "seed": seed}, rank, world)
             results.append({"dir": d, "ok": not r["errors"], "seed": r["seed"],
                             "bytes": r["bytes_verified"], "errors": r["errors"]})
-        except Exception as e:  # a missing or torn file: the load itself fails
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a missing or torn file (torch 1.13's
+            # CheckpointException is a BaseException)
             results.append({"dir": d, "ok": False, "seed": seed, "bytes": 0,
                             "errors": [f"{type(e).__name__}: {str(e)[:500]}"]})
     return {"rank": rank, "results": results}
