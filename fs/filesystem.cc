@@ -208,6 +208,15 @@ Status Filesystem::Fallocate(Handle* h, int mode, uint64_t offset, uint64_t leng
 
 Result<std::string> Filesystem::Readlink(uint64_t ino) { return ns_->Readlink(ino); }
 
+Status Filesystem::UpdatePeers(const std::vector<std::string>& nodes) {
+  if (!read_ || !read_->peers()) return Invalid("this daemon runs without --peers");
+  return read_->peers()->UpdateMembership(nodes);
+}
+
+void Filesystem::NotePeersRejected(const std::string& why) {
+  if (read_ && read_->peers()) read_->peers()->NoteMembershipRejected(why);
+}
+
 Status Filesystem::Unlink(uint64_t parent, const std::string& name, const Caller& caller) {
   return ns_->Unlink(parent, name, caller);
 }

@@ -151,6 +151,11 @@ class Filesystem {
   // The /.ckptfs tree: the control files' contents (stats, checkpoints, metrics) and the
   // operator controls (ckptfs-admin resume / abort).
   ControlTree* control() { return control_.get(); }
+  // The scheduler's new peer list (mount/peers_watch.h: --peers-file changed, or SIGHUP):
+  // store::peer::Peers::UpdateMembership. Invalid without --peers.
+  Status UpdatePeers(const std::vector<std::string>& nodes);
+  // A new peer list that could not be read or parsed: counted with the membership.
+  void NotePeersRejected(const std::string& why);
 
   // FUSE passthrough (fs/passthrough_reads.h): the io mode of each inode (kept by
   // fs/fuse_server.cc) and which opens the kernel may serve itself.

@@ -15,6 +15,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <map>
+#include <sstream>
 #include <cstdlib>
 #include <ctime>
 #include <functional>
@@ -541,6 +543,55 @@ int RunStats(const std::string& path, bool as_json, std::ostream& out, std::ostr
   return PrintControlFile(path, StatsPath, as_json, FormatStats, out, err);
 }
 
+Result<std::string> FormatPeers(std::string_view text) {
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return Invalid("not a JSON object");
+  auto p = j.find("peers");
+  if (p == j.end() || !p->is_object()) return std::string("peers: off (no --peers)\n");
+  std::ostringstream out;
+  const nlohmann::json members = p->value("membership", nlohmann::json::object());
+  const auto self = p->value("node_rank", uint64_t{0});
+  out << "membership epoch " << members.value("epoch", uint64_t{0}) << ", "
+      << members.value("updates", uint64_t{0}) << " change(s) taken, "
+      << members.value("rejected", uint64_t{0}) << " refused";
+  if (auto why = members.value("last_rejection", std::string()); !why.empty()) {
+    out << " (last: " << why << ")";
+  }
+  out << "\n";
+  // Per peer: connected or not, from the block source's view.
+  std::map<std::string, nlohmann::json> state;
+  for (const auto& peer : p->value("peers", nlohmann::json::array())) {
+    state[peer.value("node", std::string())] = peer;
+  }
+  out << "rank  address                     state\n";
+  const auto nodes = members.value("nodes", nlohmann::json::array());
+  for (size_t r = 0; r < nodes.size(); ++r) {
+    const std::string address = nodes[r].is_string() ? nodes[r].get<std::string>() : "?";
+    std::string what = "this node";
+    if (r != self) {
+      auto it = state.find(address);
+      if (it == state.end()) {
+        what = "unknown";
+      } else if (it->second.value("connected", false)) {
+        what = "connected";
+      } else {
+        what = "not connected";
+        if (auto e = it->second.value("last_error", std::string()); !e.empty()) {
+          what += ": " + e;
+        }
+      }
+    }
+    char line[64];
+    std::snprintf(line, sizeof(line), "%-5zu %-27s ", r, address.c_str());
+    out << line << what << "\n";
+  }
+  return out.str();
+}
+
+int RunPeers(const std::string& path, bool as_json, std::ostream& out, std::ostream& err) {
+  return PrintControlFile(path, StatsPath, as_json, FormatPeers, out, err);
+}
+
 int RunCheckpoints(AdminEnv* env, const std::string& path, bool as_json, std::ostream& out,
                    std::ostream& err) {
   return PrintControlFile(
@@ -747,6 +798,11 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
   stats->add_option("PATH", path, path_help)->required();
   stats->add_flag("--json", as_json, "Print the raw JSON of .ckptfs/stats");
 
+  CLI::App* peers = app.add_subcommand(
+      "peers", "Show the peer membership: its epoch, the rank -> address map, each peer's state.");
+  peers->add_option("PATH", path, path_help)->required();
+  peers->add_flag("--json", as_json, "Print the raw JSON of .ckptfs/stats");
+
   CLI::App* checkpoints =
       app.add_subcommand("checkpoints", "List checkpoints with their state, size and age.");
   checkpoints->add_option("PATH", path, path_help)->required();
@@ -855,6 +911,7 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
   options.json = as_json;
   if (stats->parsed()) return RunStats(path, as_json, out, err);
   if (checkpoints->parsed()) return RunCheckpoints(env, path, as_json, out, err);
+  if (peers->parsed()) return RunPeers(path, as_json, out, err);
   if (wait->parsed()) {
     if (wait_timeout->count() > 0) options.timeout_s = timeout_s;
     return RunWait(env, path, options, out, err);

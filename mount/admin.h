@@ -191,6 +191,10 @@ std::string WaitOutcomeJson(const std::string& path, const WaitOutcome& outcome,
                             double elapsed_s);
 
 int RunStats(const std::string& path, bool json, std::ostream& out, std::ostream& err);
+// `ckptfs-admin peers`: the membership (epoch, rank -> address, each peer's state) from the
+// stats JSON.
+Result<std::string> FormatPeers(std::string_view stats_json);
+int RunPeers(const std::string& path, bool json, std::ostream& out, std::ostream& err);
 int RunCheckpoints(AdminEnv* env, const std::string& path, bool json, std::ostream& out,
                    std::ostream& err);
 int RunWait(AdminEnv* env, const std::string& path, const WaitOptions& options, std::ostream& out,

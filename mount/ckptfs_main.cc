@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -32,6 +33,7 @@
 #include "common/lock_code.h"
 #include "common/logging.h"
 #include "fs/filesystem.h"
+#include "mount/peers_watch.h"
 #include "fs/fuse_server.h"
 #include "mount/metrics_server.h"
 #include "mount/options.h"
@@ -71,7 +73,9 @@ class SighupReopener {
     sigaddset(&set, SIGHUP);
     pthread_sigmask(SIG_BLOCK, &set, nullptr);
   }
-  void Start() {
+  // `also` runs on each SIGHUP after the log is reopened (the peers file is read again).
+  void Start(std::function<void()> also = {}) {
+    also_ = std::move(also);
     thread_ = std::thread([this] {
       sigset_t set;
       sigemptyset(&set);
@@ -86,6 +90,7 @@ class SighupReopener {
         } else {
           spdlog::error("SIGHUP: {}", st.ToString());
         }
+        if (also_) also_();
       }
     });
   }
@@ -100,6 +105,7 @@ class SighupReopener {
 
  private:
   std::atomic<bool> stop_{false};
+  std::function<void()> also_;
   std::thread thread_;
 };
 
@@ -259,13 +265,27 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
                  "memory pressure requests may wait for the daemon's code to be paged in",
                  code.bytes >> 20, code.failed >> 20, code.error);
   }
+  // Membership follows the scheduler: --peers-file is read again when it changes and on
+  // SIGHUP (docs/PEERS.md, "Membership").
+  std::unique_ptr<ckptfs::PeersFileWatcher> peers_watch;
+  if (!o.peers.empty() && !o.peers_file.empty()) {
+    peers_watch = std::make_unique<ckptfs::PeersFileWatcher>(
+        o.peers_file,
+        [&fs](const std::vector<std::string>& nodes) { return fs->UpdatePeers(nodes); },
+        [&fs](const std::string& why) { fs->NotePeersRejected(why); });
+    peers_watch->Start();
+  }
   SighupReopener reopener;
-  reopener.Start();
+  reopener.Start([&peers_watch] {
+    if (peers_watch) peers_watch->Poke();
+  });
   ready->Report("OK");
   if (!o.foreground) DetachStdio();
   sd_notifyf(0, "READY=1\nMAINPID=%d\nSTATUS=serving %s", static_cast<int>(::getpid()),
              o.mountpoint.c_str());
   ckptfs::Status run = server->Run(o.fuse_threads);
+  reopener.Stop();  // before the watcher it pokes goes
+  if (peers_watch) peers_watch->Stop();
   sd_notify(0, "STOPPING=1\nSTATUS=draining: publishing everything staged");
   spdlog::info("unmounting {}", o.mountpoint);
   server->Unmount();

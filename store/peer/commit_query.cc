@@ -35,7 +35,7 @@ void CommitQuerier::Merge(const ShardStatus& from_peer, PeerShardAnswer* into) {
 }
 
 CommitQuerier::CommitQuerier(CommitQueryOptions options)
-    : options_(std::move(options)), peers_(options_.nodes.size()) {
+    : options_(std::move(options)), peers_(options_.nodes.size()), nodes_(options_.nodes) {
   thread_ = std::thread([this] {
     NameThisThread("ckptfs-cquery");
     Loop();
@@ -91,18 +91,35 @@ void CommitQuerier::Loop() {
   peers_.clear();
 }
 
+std::string CommitQuerier::AddressOf(uint32_t node) const {
+  MutexLock lock(&mu_);
+  return nodes_[node];
+}
+
+void CommitQuerier::MoveNode(uint32_t rank, const std::string& address) {
+  MutexLock lock(&mu_);
+  if (rank < nodes_.size()) nodes_[rank] = address;
+}
+
 std::shared_ptr<PeerClient> CommitQuerier::ClientFor(uint32_t node) {
   Peer& peer = peers_[node];
+  const std::string address = AddressOf(node);
+  if (peer.connected_to != address) {
+    // The node moved (a membership change): no pause carried over from the old address.
+    peer.client.reset();
+    peer.down_until = {};
+  }
   if (peer.client && peer.client->healthy()) return peer.client;
   const auto now = std::chrono::steady_clock::now();
   if (now < peer.down_until) return nullptr;
   peer.client.reset();
-  auto client = PeerClient::Connect(ClientOptionsFor(options_.nodes[node], options_));
+  peer.connected_to = address;
+  auto client = PeerClient::Connect(ClientOptionsFor(address, options_));
   if (!client.ok()) {
     spdlog::warn(
         "commit query: cannot reach peer {} ({}); its shards are checked on the "
         "backing store for {} ms",
-        options_.nodes[node], client.status().ToString(), options_.down_backoff.count());
+        address, client.status().ToString(), options_.down_backoff.count());
     peer.down_until = std::chrono::steady_clock::now() + options_.down_backoff;
     return nullptr;
   }
@@ -129,7 +146,7 @@ std::vector<PeerShardAnswer> CommitQuerier::RunRound(const Job& job) {
     Result<std::vector<ShardStatus>> states = peers_[node].client->WaitShardQuery(call);
     if (!states.ok()) {
       ++errors;
-      spdlog::debug("commit query: peer {}: {}", options_.nodes[node], states.status().ToString());
+      spdlog::debug("commit query: peer {}: {}", AddressOf(node), states.status().ToString());
       if (states.status().code() != Code::kUnsupported) {
         peers_[node].down_until = std::chrono::steady_clock::now() + options_.down_backoff;
         if (states.status().code() == Code::kTimeout) peers_[node].client.reset();

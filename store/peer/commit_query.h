@@ -61,6 +61,9 @@ class CommitQuerier {
   bool Ask(std::vector<std::string> paths, std::chrono::milliseconds hold,
            PeerShardAnswerSink* sink, uint64_t round) EXCLUDES(mu_);
   CommitQueryStats Stats() const EXCLUDES(mu_);
+  // Rank `rank` listens at `address` from now on (a membership change): the next round
+  // connects there.
+  void MoveNode(uint32_t rank, const std::string& address) EXCLUDES(mu_);
 
   // How one path's answers from several peers combine (exposed for tests).
   static void Merge(const ShardStatus& from_peer, PeerShardAnswer* into);
@@ -75,7 +78,9 @@ class CommitQuerier {
   struct Peer {
     std::shared_ptr<PeerClient> client;
     std::chrono::steady_clock::time_point down_until{};
+    std::string connected_to;  // the address `client` was made for
   };
+  std::string AddressOf(uint32_t node) const EXCLUDES(mu_);
   void Loop();
   std::vector<PeerShardAnswer> RunRound(const Job& job);
   std::shared_ptr<PeerClient> ClientFor(uint32_t node);
@@ -88,6 +93,7 @@ class CommitQuerier {
   std::deque<Job> jobs_ GUARDED_BY(mu_);
   bool stop_ GUARDED_BY(mu_) = false;
   CommitQueryStats stats_ GUARDED_BY(mu_);
+  std::vector<std::string> nodes_ GUARDED_BY(mu_);  // where each rank listens now
   std::thread thread_;
 };
 

@@ -7,6 +7,7 @@
 #include <atomic>
 
 #include "common/thread_name.h"
+#include "store/peer/membership.h"
 
 namespace ckptfs::store::peer {
 
@@ -23,10 +24,14 @@ bool ServingScope::Active() { return serving_depth > 0; }
 struct CooperativeSource::Peer {
   Peer(uint32_t index, std::string node, std::chrono::milliseconds backoff)
       : index(index), node(std::move(node)), backoff(backoff) {}
+  std::string Node() EXCLUDES(mu) {
+    MutexLock lock(&mu);
+    return node;
+  }
 
   const uint32_t index;
-  const std::string node;
   Mutex mu;
+  std::string node GUARDED_BY(mu);  // its address now (MoveNode)
   std::shared_ptr<PeerClient> client GUARDED_BY(mu);  // null when not connected
   Clock::time_point down_until GUARDED_BY(mu) = {};
   std::chrono::milliseconds backoff GUARDED_BY(mu);  // next pause after a failure
@@ -48,7 +53,9 @@ Result<std::unique_ptr<CooperativeSource>> CooperativeSource::Create(
   }
   std::unique_ptr<CooperativeSource> s(new CooperativeSource(options, fallback));
   s->peers_.resize(options.nodes.size());
-  for (const std::string& n : options.nodes) {
+  // By rank, not address: a node that moves keeps the blocks it stands in for.
+  for (uint32_t i = 0; i < options.nodes.size(); ++i) {
+    const std::string n = RankName(i);
     s->node_hash_.push_back(XXH3_64bits(n.data(), n.size()));
   }
   for (uint32_t i = 0; i < options.nodes.size(); ++i) {
@@ -128,7 +135,7 @@ std::shared_ptr<PeerClient> CooperativeSource::ClientFor(uint32_t node) {
   }
   if (lost) {
     spdlog::warn("peer {}: connection lost; its blocks go to their stand-ins or the backing store",
-                 p.node);
+                 p.Node());
   }
   return nullptr;
 }
@@ -159,11 +166,11 @@ void CooperativeSource::PeerFailed(uint32_t node, const Status& status,
     }
   }
   if (first) {
-    spdlog::warn("peer {}: {}; its blocks go to their stand-ins or the backing store{}", p.node,
+    spdlog::warn("peer {}: {}; its blocks go to their stand-ins or the backing store{}", p.Node(),
                  status.ToString(),
                  pause.count() > 0 ? fmt::format(" (peer skipped for {} ms)", pause.count()) : "");
   } else {
-    spdlog::debug("peer {}: {}; to a stand-in or the backing store", p.node, status.ToString());
+    spdlog::debug("peer {}: {}; to a stand-in or the backing store", p.Node(), status.ToString());
   }
 }
 
@@ -255,17 +262,20 @@ Result<BlockRead> CooperativeSource::ReadBlock(const BlockId& id, uint64_t offse
 }
 
 bool CooperativeSource::TryConnect(Peer& p) {
+  std::string node;
   {
     MutexLock lock(&p.mu);
     if (p.client && p.client->healthy()) return true;
     if (Clock::now() < p.down_until) return false;
+    node = p.node;
   }
-  auto c = PeerClient::Connect(ClientOptionsFor(p.node, options_));
+  auto c = PeerClient::Connect(ClientOptionsFor(node, options_));
   MutexLock lock(&p.mu);
+  if (p.node != node) return false;  // moved meanwhile: the next round connects there
   if (!c.ok()) {
     const std::string err = c.status().ToString();
     if (!p.streak || p.last_error != err) {
-      spdlog::warn("peer {}: cannot connect: {}", p.node, err);
+      spdlog::warn("peer {}: cannot connect: {}", node, err);
     }
     p.streak = true;
     p.last_error = err;
@@ -273,12 +283,31 @@ bool CooperativeSource::TryConnect(Peer& p) {
     p.backoff = std::min(p.backoff * 2, options_.max_down_backoff);
     return false;
   }
-  spdlog::info("peer {}: connected and authenticated", p.node);
+  spdlog::info("peer {}: connected and authenticated", node);
   p.client = std::shared_ptr<PeerClient>(std::move(c).value());
   p.streak = false;
   p.backoff = options_.down_backoff;
   p.down_until = {};
   return true;
+}
+
+void CooperativeSource::MoveNode(uint32_t rank, const std::string& address) {
+  if (rank >= peers_.size() || !peers_[rank]) return;
+  Peer& p = *peers_[rank];
+  std::shared_ptr<PeerClient> old;
+  {
+    MutexLock lock(&p.mu);
+    if (p.node == address) return;
+    p.node = address;
+    old = std::move(p.client);
+    // A fresh start at the new address: no pause carried over from the old one.
+    p.streak = false;
+    p.last_error.clear();
+    p.backoff = options_.down_backoff;
+    p.down_until = {};
+  }
+  old.reset();  // reads holding it finish or fail over; this was the last other reference
+  stop_cv_.notify_all();  // the connector tries the new address now
 }
 
 void CooperativeSource::ConnectNow() {
@@ -328,9 +357,9 @@ CooperativeStats CooperativeSource::Stats() const {
   for (const auto& p : peers_) {
     if (!p) continue;
     PeerState st;
-    st.node = p->node;
     {
       MutexLock lock(&p->mu);
+      st.node = p->node;
       st.connected = p->client && p->client->healthy();
       st.last_error = p->last_error;
     }

@@ -135,6 +135,11 @@ class CooperativeSource : public BlockSource {
   // connector thread does this every `down_backoff`).
   void ConnectNow();
 
+  // Rank `rank` listens at `address` from now on (a membership change): its connection is
+  // dropped and the connector makes one to the new address within a second. Reads in flight on the
+  // old connection fail over to the stand-in or the backing store, as for a dead peer.
+  void MoveNode(uint32_t rank, const std::string& address);
+
   CooperativeStats Stats() const;
   const CooperativeOptions& options() const { return options_; }
 
@@ -169,7 +174,7 @@ class CooperativeSource : public BlockSource {
 
   std::atomic<uint64_t> peer_bytes_{0}, peer_blocks_{0}, local_owned_{0}, unplanned_{0};
   std::atomic<uint64_t> stand_in_{0}, stand_in_local_{0};
-  std::vector<uint64_t> node_hash_;  // XXH3 of each node's name, for StandIn
+  std::vector<uint64_t> node_hash_;  // XXH3 of each rank's RankName, for StandIn
   std::atomic<uint64_t> fb_down_{0}, fb_timeout_{0}, fb_crc_{0}, fb_conn_{0}, fb_error_{0};
 
   Mutex stop_mu_;

@@ -61,7 +61,33 @@ class PeerNode::ServingSource : public BlockSource {
 };
 
 PeerNode::PeerNode(const PeerNodeOptions& options, BackingDir* dir)
-    : options_(options), dir_(dir) {}
+    : options_(options), dir_(dir), membership_(options.nodes, options.self) {}
+
+Status PeerNode::UpdateMembership(const std::vector<std::string>& nodes) {
+  MutexLock lock(&members_mu_);
+  CKPT_ASSIGN_OR_RETURN(MembershipChange change, membership_.Update(nodes));
+  if (change.moved.empty()) return Status::Ok();
+  if (server_) {
+    if (Status st = server_->SetAllowedPeers(nodes); !st.ok()) {
+      // The list itself is taken (its hosts did not resolve now): connections from the
+      // moved node are refused until a later change resolves them.
+      spdlog::error("peers: membership epoch {}: the server cannot resolve the new list: {}",
+                    change.epoch, st.ToString());
+    }
+  }
+  for (uint32_t rank : change.moved) {
+    coop_->MoveNode(rank, nodes[rank]);
+    if (replicator_) replicator_->MoveNode(rank, nodes[rank]);
+  }
+  {
+    MutexLock qlock(&querier_mu_);
+    if (querier_) {
+      for (uint32_t rank : change.moved) querier_->MoveNode(rank, nodes[rank]);
+    }
+  }
+  spdlog::info("peers: membership epoch {}: {} node(s) moved", change.epoch, change.moved.size());
+  return Status::Ok();
+}
 
 PeerNode::~PeerNode() {
   StopReplicas();
@@ -76,7 +102,7 @@ Result<BlockSource*> PeerNode::StartReplicas(RetainedTier* tier, uint64_t block_
   if (tier == nullptr || fallback == nullptr) return Invalid("replicas: no tier or source");
   if (replicator_) return Invalid("replicas: already started");
   ReplicatorOptions ro;
-  ro.nodes = options_.nodes;
+  ro.nodes = membership_.View().nodes;
   ro.self = options_.self;
   ro.secret = options_.secret;
   ro.block_bytes = block_bytes;
@@ -123,11 +149,12 @@ Status PeerNode::StartServing(BlockCache* cache) {
   } catch (const std::system_error& e) {
     return Status(Code::kInternal, std::string("peers: cannot start a thread: ") + e.what());
   }
+  MutexLock members_lock(&members_mu_);
   PeerServerOptions so;
   so.listen = options_.listen;
   so.node_id = options_.nodes[options_.self];
   so.secret = options_.secret;
-  so.allowed_peers = options_.nodes;
+  so.allowed_peers = membership_.View().nodes;
   so.check_source_address = options_.check_source_address;
   so.shard_states = shard_states_;  // commit queries
   auto server = PeerServer::Create(so, serving_source_.get());
@@ -145,7 +172,10 @@ Status PeerNode::StartServing(BlockCache* cache) {
 }
 
 void PeerNode::StopServing() {
-  server_.reset();  // no more requests, so nothing queues for the planner
+  {
+    MutexLock members_lock(&members_mu_);
+    server_.reset();  // no more requests, so nothing queues for the planner
+  }
   {
     MutexLock lock(&planner_mu_);
     planner_stop_ = true;
@@ -260,7 +290,10 @@ Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
   po.mode = options_.plan_mode;
   po.block_bytes = options_.block_bytes;
   po.seed = ckpt;
-  CKPT_ASSIGN_OR_RETURN(OwnershipPlan built, BuildPlan(items, options_.nodes, po));
+  // Ranks, not addresses: every node plans the same whatever address it knows for each.
+  std::vector<std::string> ranks;
+  for (uint32_t r = 0; r < options_.nodes.size(); ++r) ranks.push_back(RankName(r));
+  CKPT_ASSIGN_OR_RETURN(OwnershipPlan built, BuildPlan(items, ranks, po));
   auto plan = std::make_shared<const OwnershipPlan>(std::move(built));
   std::vector<OwnedRange> owned;
   for (const OwnedBlock& b : plan->BlocksOwnedBy(options_.self)) {
@@ -304,7 +337,7 @@ bool PeerNode::AskShardStates(std::vector<std::string> paths, std::chrono::milli
   if (!asking_) return false;
   if (!querier_) {
     CommitQueryOptions qo;
-    qo.nodes = options_.nodes;
+    qo.nodes = membership_.View().nodes;
     qo.self = options_.self;
     qo.secret = options_.secret;
     qo.connect_timeout = options_.connect_timeout;
@@ -333,8 +366,16 @@ void PeerNodeStats::AppendJson(nlohmann::json* out) const {
                      {"failures", p.failures},
                      {"last_error", p.last_error}});
   }
+  j["peers_epoch"] = membership.epoch;
+  j["peers_membership_rejected"] = membership.rejected;
   j["peers"] = {
       {"node_rank", coop.self},
+      {"membership",
+       {{"epoch", membership.epoch},
+        {"nodes", membership.nodes},
+        {"updates", membership.updates},
+        {"rejected", membership.rejected},
+        {"last_rejection", membership.last_rejection}}},
       {"listen", listen},
       {"peers", std::move(peers)},
       {"fallbacks",
@@ -371,6 +412,8 @@ PeerNodeStats PeerNode::Stats() const {
     s = plan_stats_;
   }
   s.coop = coop_->Stats();
+  s.membership = membership_.View();
+  MutexLock members_lock(&members_mu_);
   if (server_) {
     s.server = server_->stats();
     s.listen = options_.listen;

@@ -52,6 +52,7 @@
 #include "store/dcp/dcp_metadata.h"
 #include "store/peer/commit_query.h"
 #include "store/peer/cooperative_source.h"
+#include "store/peer/membership.h"
 #include "store/peer/peer_server.h"
 #include "store/peer/peers.h"
 #include "store/peer/plan.h"
@@ -62,6 +63,7 @@ namespace ckptfs::store::peer {
 struct PeerNodeStats {
   CooperativeStats coop;
   PeerServerStats server;
+  MembershipView membership;
   std::string listen;  // the address actually listened on
   uint64_t plans = 0;  // plans built
   double last_plan_ms = 0;
@@ -101,7 +103,12 @@ class PeerNode : public Peers {
       const std::string& ckpt, const DcpMetadata& metadata,
       const std::vector<std::pair<std::string, BlockId>>& files) override EXCLUDES(mu_);
 
-  PeerNodeStats Stats() const EXCLUDES(mu_);
+  PeerNodeStats Stats() const EXCLUDES(mu_, members_mu_);
+  // The scheduler's new peer list (membership.h): ranks that moved are reached at their new
+  // address by the block source, the commit querier and the replicator, and the server
+  // accepts them there. Refused (the old membership kept) as Membership::Update says.
+  Status UpdateMembership(const std::vector<std::string>& nodes) override EXCLUDES(members_mu_);
+  void NoteMembershipRejected(const std::string& why) override { membership_.NoteRejected(why); }
   void AppendStats(nlohmann::json* stats) const override { Stats().AppendJson(stats); }
   const PeerNodeOptions& options() const { return options_; }
 
@@ -141,7 +148,10 @@ class PeerNode : public Peers {
   std::atomic<RetainedTier*> tier_{nullptr};  // StartReplicas: checkpoints held in memory
   std::unique_ptr<CooperativeSource> coop_;
   std::unique_ptr<ServingSource> serving_source_;
-  std::unique_ptr<PeerServer> server_;
+  Membership membership_;
+  // Serializes membership changes with the server's start and stop.
+  mutable Mutex members_mu_;
+  std::unique_ptr<PeerServer> server_;  // written under members_mu_
   BlockCache* cache_ = nullptr;  // set by StartServing
   std::unique_ptr<Replicator> replicator_;       // StartReplicas
   std::unique_ptr<ReplicaSource> replica_source_;

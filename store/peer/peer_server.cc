@@ -73,6 +73,7 @@ class PeerServer::Impl : private ShardStateListener {
 
   Status Init();
   void Stop();
+  Status SetAllowedPeers(const std::vector<std::string>& peers) EXCLUDES(allowed_mu_);
 
   uint16_t port_ = 0;
   std::atomic<uint64_t> connections_{0}, authenticated_{0}, refused_{0}, blocks_served_{0},
@@ -123,7 +124,12 @@ class PeerServer::Impl : private ShardStateListener {
 
   const PeerServerOptions options_;
   BlockSource* const provider_;
-  std::map<std::string, std::vector<std::string>> allowed_;  // node id -> IPs of its host
+  // Node id -> IPs of its host (the peer list, resolved; replaced by SetAllowedPeers).
+  Mutex allowed_mu_;
+  std::map<std::string, std::vector<std::string>> allowed_ GUARDED_BY(allowed_mu_);
+  // Resolves `peers` (host names again: a pod keeps its name, not its address).
+  Result<std::map<std::string, std::vector<std::string>>> ResolveAllowed(
+      const std::vector<std::string>& peers) const;
   // Reply buffers, reused (declared before worker_: outlives replies still in flight).
   std::shared_ptr<BufferPool> pool_ = BufferPool::Create(kBufferCacheBytes);
   std::unique_ptr<UcxWorker> worker_;
@@ -156,14 +162,7 @@ Status PeerServer::Impl::Init() {
                    std::to_string(kMinSecretBytes) + " bytes");
   }
   if (options_.serve_threads < 1) return Invalid("peer server: serve_threads must be >= 1");
-  for (const std::string& peer : options_.allowed_peers) {
-    CKPT_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(peer));
-    std::vector<std::string> ips;
-    if (options_.check_source_address) {
-      CKPT_ASSIGN_OR_RETURN(ips, ResolveHostIps(host_port.first));
-    }
-    allowed_[peer] = std::move(ips);
-  }
+  CKPT_RETURN_IF_ERROR(SetAllowedPeers(options_.allowed_peers));
   auto w = UcxWorker::Create("server " + options_.node_id,
                              {[this](UcxWorker& w) { return StartOnWorker(w); },
                               [this](UcxWorker& w) { StopOnWorker(w); }});
@@ -183,7 +182,28 @@ Status PeerServer::Impl::Init() {
     options_.shard_states->SetListener(this);
   }
   spdlog::info("peer server {} listening on port {} ({} allowed peers)", options_.node_id, port_,
-               allowed_.size());
+               options_.allowed_peers.size());
+  return Status::Ok();
+}
+
+Result<std::map<std::string, std::vector<std::string>>> PeerServer::Impl::ResolveAllowed(
+    const std::vector<std::string>& peers) const {
+  std::map<std::string, std::vector<std::string>> allowed;
+  for (const std::string& peer : peers) {
+    CKPT_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(peer));
+    std::vector<std::string> ips;
+    if (options_.check_source_address) {
+      CKPT_ASSIGN_OR_RETURN(ips, ResolveHostIps(host_port.first));
+    }
+    allowed[peer] = std::move(ips);
+  }
+  return allowed;
+}
+
+Status PeerServer::Impl::SetAllowedPeers(const std::vector<std::string>& peers) {
+  CKPT_ASSIGN_OR_RETURN(auto allowed, ResolveAllowed(peers));  // no lock across DNS
+  MutexLock lock(&allowed_mu_);
+  allowed_ = std::move(allowed);
   return Status::Ok();
 }
 
@@ -416,17 +436,22 @@ ucs_status_t PeerServer::Impl::OnHello(void* arg, const void*, size_t, void* dat
     return UCS_OK;
   }
   conn->node_id = hello->node_id;
-  auto allowed = self->allowed_.find(conn->node_id);
-  if (allowed == self->allowed_.end()) {
-    self->Refuse(conn, "node is not in the peer list");
-    return UCS_OK;
-  }
-  if (self->options_.check_source_address) {
-    const auto& ips = allowed->second;
-    if (std::find(ips.begin(), ips.end(), conn->ip) == ips.end()) {
-      self->Refuse(conn, "source address is not an address of the listed host");
-      return UCS_OK;
+  const char* refusal = nullptr;
+  {
+    MutexLock lock(&self->allowed_mu_);
+    auto allowed = self->allowed_.find(conn->node_id);
+    if (allowed == self->allowed_.end()) {
+      refusal = "node is not in the peer list";
+    } else if (self->options_.check_source_address) {
+      const auto& ips = allowed->second;
+      if (std::find(ips.begin(), ips.end(), conn->ip) == ips.end()) {
+        refusal = "source address is not an address of the listed host";
+      }
     }
+  }
+  if (refusal != nullptr) {
+    self->Refuse(conn, refusal);
+    return UCS_OK;
   }
   auto nonce = RandomNonce();
   if (!nonce.ok()) {
@@ -753,6 +778,10 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Create(const PeerServerOptions& 
 PeerServer::~PeerServer() { impl_->Stop(); }
 
 uint16_t PeerServer::port() const { return impl_->port_; }
+
+Status PeerServer::SetAllowedPeers(const std::vector<std::string>& peers) {
+  return impl_->SetAllowedPeers(peers);
+}
 
 PeerServerStats PeerServer::stats() const {
   PeerServerStats s;

@@ -78,6 +78,10 @@ class PeerServer {
 
   uint16_t port() const;  // the port listened on
   PeerServerStats stats() const;
+  // The peers allowed from now on (a membership change): node ids and, with
+  // check_source_address, their hosts resolved again. Connections already authenticated
+  // stay; a node no longer listed cannot make a new one.
+  Status SetAllowedPeers(const std::vector<std::string>& peers);
 
   class Impl;
 

@@ -109,6 +109,12 @@ class Peers : public PeerShardAsker {
                                              BlockSource* fallback) = 0;
   // Stops the replicator (joins its thread). Idempotent; nothing to do without replicas.
   virtual void StopReplicas() = 0;
+  // Membership (docs/PEERS.md, "Membership"): the scheduler's new peer list, re-read from
+  // --peers-file. A rank may move to a new address; anything else is refused with the
+  // reason, the old membership kept and the refusal counted.
+  virtual Status UpdateMembership(const std::vector<std::string>& nodes) = 0;
+  // A new list that could not be read or parsed: counted and shown with the membership.
+  virtual void NoteMembershipRejected(const std::string& why) = 0;
 };
 
 }  // namespace ckptfs::store::peer

@@ -76,8 +76,14 @@ Replicator::Replicator(const ReplicatorOptions& options, RetainedTier* tier, Bac
       coop_(coop),
       pred_(static_cast<uint32_t>((options.self + options.nodes.size() - 1) % options.nodes.size())),
       holder_(ReplicaHolderOf(options.self, static_cast<uint32_t>(options.nodes.size()))) {
-  pred_link_.node = options_.nodes[pred_];
-  holder_link_.node = options_.nodes[holder_];
+  {
+    MutexLock lock(&pred_link_.mu);
+    pred_link_.node = options_.nodes[pred_];
+  }
+  {
+    MutexLock lock(&holder_link_.mu);
+    holder_link_.node = options_.nodes[holder_];
+  }
 }
 
 Replicator::~Replicator() { Stop(); }
@@ -110,20 +116,47 @@ void Replicator::Drop(Link& link, const std::shared_ptr<PeerClient>& client) {
 }
 
 void Replicator::Connect(Link& link) {
+  std::string node;
+  {
+    MutexLock lock(&link.mu);
+    if (link.moved) {
+      link.moved = false;
+      link.retry_at = {};
+      link.backoff = std::chrono::milliseconds(1000);
+    }
+    node = link.node;
+  }
   if (ClientOf(link)) return;
   const auto now = std::chrono::steady_clock::now();
   if (now < link.retry_at) return;
-  auto c = PeerClient::Connect(ClientOptionsFor(link.node, options_));
+  auto c = PeerClient::Connect(ClientOptionsFor(node, options_));
   if (!c.ok()) {
-    spdlog::debug("replication: cannot connect to {}: {}", link.node, c.status().ToString());
+    spdlog::debug("replication: cannot connect to {}: {}", node, c.status().ToString());
     link.retry_at = now + link.backoff;
     link.backoff = std::min(link.backoff * 2, std::chrono::milliseconds(30000));
     return;
   }
   link.backoff = std::chrono::milliseconds(1000);
-  spdlog::info("replication: connected to {}", link.node);
   MutexLock lock(&link.mu);
+  if (link.node != node) return;  // moved meanwhile: the next round connects there
+  spdlog::info("replication: connected to {}", node);
   link.client = std::shared_ptr<PeerClient>(std::move(c).value());
+}
+
+void Replicator::MoveNode(uint32_t rank, const std::string& address) {
+  for (auto [link, linked] : {std::pair{&pred_link_, pred_}, std::pair{&holder_link_, holder_}}) {
+    if (linked != rank) continue;
+    std::shared_ptr<PeerClient> old;
+    {
+      MutexLock lock(&link->mu);
+      if (link->node == address) continue;
+      link->node = address;
+      link->moved = true;
+      old = std::move(link->client);
+    }
+    spdlog::info("replication: rank {} moved to {}", rank, address);
+  }
+  cv_.notify_all();
 }
 
 void Replicator::Loop() {
@@ -194,7 +227,7 @@ bool Replicator::Pull(const std::string& ckpt) {
           ++stats_.pull_failures;
         }
         if (ConnectionLost(got.status())) {
-          spdlog::info("replication of {} from {}: {}; retried later", ckpt, pred_link_.node,
+          spdlog::info("replication of {} from {}: {}; retried later", ckpt, NodeOf(pred_link_),
                        got.status().ToString());
           Drop(pred_link_, client);
           return false;
@@ -203,7 +236,7 @@ bool Replicator::Pull(const std::string& ckpt) {
       }
       const std::span<const char> bytes(buf.data(), *got);
       if (!tier_->PutReplica(id, i, bytes, Crc32c(bytes.data(), bytes.size()),
-                             pred_link_.node)) {
+                             NodeOf(pred_link_))) {
         MutexLock l(&mu_);
         ++stats_.pull_refused;
         return true;  // no room (or stopping): keep what fits, do not retry in a loop
@@ -213,7 +246,7 @@ bool Replicator::Pull(const std::string& ckpt) {
       stats_.pulled_bytes += *got;
     }
   }
-  spdlog::debug("replication: {} of {} held", ckpt, pred_link_.node);
+  spdlog::debug("replication: {} of {} held", ckpt, NodeOf(pred_link_));
   return true;
 }
 
@@ -225,7 +258,7 @@ std::optional<BlockRead> Replicator::TryHolder(const BlockId& id, uint64_t offse
   MutexLock l(&mu_);
   if (!got.ok()) {
     ++stats_.holder_fallbacks;
-    spdlog::debug("replica holder {}: {} at {}: {}", holder_link_.node, id.path, offset,
+    spdlog::debug("replica holder {}: {} at {}: {}", NodeOf(holder_link_), id.path, offset,
                   got.status().ToString());
     if (ConnectionLost(got.status())) {
       // Not under mu_ in Drop (link.mu is a leaf): fine either way.

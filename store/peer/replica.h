@@ -102,14 +102,18 @@ class Replicator {
   // Stops pulling and drops both connections (the daemon is stopping); TryHolder then gives
   // nothing. Idempotent.
   void Stop() EXCLUDES(mu_);
+  // Rank `rank` listens at `address` from now on (a membership change): a link to it (the
+  // previous node, or this node's replica holder) reconnects there.
+  void MoveNode(uint32_t rank, const std::string& address);
   ReplicatorStats Stats() const EXCLUDES(mu_);
   const ReplicatorOptions& options() const { return options_; }
   CooperativeSource* coop() const { return coop_; }
 
  private:
   struct Link {
-    std::string node;
     mutable Mutex mu;  // a leaf: taken after Replicator::mu_, never before
+    std::string node GUARDED_BY(mu);  // where the linked rank listens now (MoveNode)
+    bool moved GUARDED_BY(mu) = false;  // since the last Connect: no backoff carried over
     std::shared_ptr<PeerClient> client GUARDED_BY(mu);
     // Connect attempts after a failure wait (1 s doubling to 30 s): each makes a UCX worker.
     std::chrono::steady_clock::time_point retry_at{};  // replicator thread only
@@ -120,6 +124,10 @@ class Replicator {
   void Loop() EXCLUDES(mu_);
   void Connect(Link& link) EXCLUDES(mu_, link.mu);
   std::shared_ptr<PeerClient> ClientOf(Link& link) EXCLUDES(link.mu);
+  static std::string NodeOf(const Link& link) EXCLUDES(link.mu) {
+    MutexLock lock(&link.mu);
+    return link.node;
+  }
   void Drop(Link& link, const std::shared_ptr<PeerClient>& client) EXCLUDES(link.mu);
   // Pulls the predecessor's share of committed checkpoint `dir`; true when complete.
   bool Pull(const std::string& dir) EXCLUDES(mu_);

@@ -875,5 +875,24 @@ TEST(RunProgram, ReturnsTheExitStatusWithoutAShell) {
   EXPECT_FALSE(RunProgram({}).ok());
 }
 
+TEST(FormatPeers, ShowsTheMembershipAndEachPeersState) {
+  const char* stats = R"({"peers": {"node_rank": 0,
+    "membership": {"epoch": 2, "nodes": ["10.0.0.1:7470", "10.0.0.12:7471", "10.0.0.3:7470"],
+                   "updates": 1, "rejected": 1, "last_rejection": "n is listed twice"},
+    "peers": [{"node": "10.0.0.12:7471", "connected": true, "last_error": ""},
+              {"node": "10.0.0.3:7470", "connected": false, "last_error": "Timeout: x"}]}})";
+  auto text = FormatPeers(stats);
+  ASSERT_TRUE(text.ok()) << text.status().ToString();
+  EXPECT_NE(text->find("membership epoch 2, 1 change(s) taken, 1 refused (last: n is listed "
+                       "twice)"),
+            std::string::npos)
+      << *text;
+  EXPECT_NE(text->find("0     10.0.0.1:7470               this node"), std::string::npos) << *text;
+  EXPECT_NE(text->find("1     10.0.0.12:7471              connected"), std::string::npos) << *text;
+  EXPECT_NE(text->find("not connected: Timeout: x"), std::string::npos) << *text;
+  EXPECT_EQ(*FormatPeers("{}"), "peers: off (no --peers)\n");
+  EXPECT_FALSE(FormatPeers("[1]").ok());
+}
+
 }  // namespace
 }  // namespace ckptfs::admin

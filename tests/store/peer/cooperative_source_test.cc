@@ -346,5 +346,42 @@ TEST(PeerNodeCommitQuery, RefusesToAskBeforeItServes) {
                                      1));
 }
 
+TEST_F(CoopTest, ANodeThatMovesIsReachedAtItsNewAddress) {
+  // Node 1 was listed at an address where nothing listens (a replaced node's old one): its
+  // blocks go to the fallback. Then the membership moves it to where its server listens.
+  StartServer();
+  const std::string real = "127.0.0.1:" + std::to_string(server_->port());
+  CooperativeOptions o;
+  o.nodes = {kSelf, "127.0.0.1:9"};
+  o.self = 0;
+  o.secret = kSecret;
+  o.request_timeout = 2s;
+  o.down_backoff = 50ms;
+  o.connect_in_background = false;
+  auto c = CooperativeSource::Create(o, &fallback_);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  coop_ = std::move(c).value();
+  std::vector<PlanItem> items = {{"__0_0.distcp", 0, kFileSize, {0}},
+                                 {"__1_0.distcp", 0, kFileSize, {1}}};
+  PlanOptions po;
+  po.mode = PlanMode::kBalanced;
+  po.block_bytes = kBlock;
+  auto plan = BuildPlan(items, std::vector<std::string>{RankName(0), RankName(1)}, po);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  coop_->SetPlan("ckpt", std::make_shared<const OwnershipPlan>(std::move(plan).value()));
+  coop_->ConnectNow();
+  EXPECT_EQ(coop_->Stats().peers_connected, 0u);
+  ExpectRead("ckpt/__1_0.distcp", 0);
+  EXPECT_EQ(fallback_.reads.load(), 1);
+
+  coop_->MoveNode(1, real);
+  coop_->ConnectNow();  // no pause carried over from the old address
+  ASSERT_EQ(coop_->Stats().peers_connected, 1u) << coop_->Stats().peers[0].last_error;
+  EXPECT_EQ(coop_->Stats().peers[0].node, real);
+  ExpectRead("ckpt/__1_0.distcp", kBlock);
+  EXPECT_EQ(fallback_.reads.load(), 1) << "the moved node's block came from the backing store";
+  EXPECT_EQ(coop_->Stats().peer_blocks, 1u);
+}
+
 }  // namespace
 }  // namespace ckptfs::store::peer
