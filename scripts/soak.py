@@ -52,10 +52,10 @@ and the journal's backlog, plotted against saves done (OUT/soak-<mode>.png). Whi
 is slower than the saves, fds and RSS follow the backlog; so the leak bound compares two
 points where publication had caught up (the application held still between two saves,
 `ckptfs-admin wait` on the mount): after the quiet daemon's first 50 saves and after the
-run. Bound: RSS less the retained tier and the block cache (each filled on purpose up to
-its own budget, which stats report) within 10 %, fds at most +4, threads at most +2, the state dir at most
-twice plus 64 MiB. A quiet phase with fewer than 50 saves leaves the bound unchecked (the
-report says so).
+run. Bound: RSS less resident staging, the retained tier and the block cache (each filled
+on purpose up to its own budget, which stats report) within 10 %, fds at most +4, threads
+at most +2, the state dir at most twice plus 64 MiB. A quiet phase with fewer than 50 saves
+leaves the bound unchecked (the report says so).
 
 OUT/soak.json holds the figures, every failure with the seed, mode and time, and the
 events; exit status 0 only when every invariant held. Every process the soak starts is
@@ -190,6 +190,13 @@ def fd_kinds(pid, root):
             k = t.split(":")[0] if ":" in t else "other"
         kinds[k] = kinds.get(k, 0) + 1
     return kinds
+
+
+def held_bytes(stats):
+    """Memory the daemon fills on purpose up to a budget of its own: resident staging
+    chunks, the retained tier, the block cache."""
+    return sum(stats.get(k, 0) or 0 for k in ("staging_resident", "retained_used",
+                                               "cache_used"))
 
 
 def tree(d):
@@ -338,7 +345,8 @@ class ModeRun:
         self.halt_since = None
         self.counts = {k: 0 for k in (
             "daemon_kills", "kills_after_step", "saves_train", "saves_resave", "saves_recreate",
-            "torn_attempts", "torn_rank_kills", "torn_committed", "loads_mount", "loads_failed_by_kill",
+            "torn_attempts", "torn_rank_kills", "torn_committed", "loads_mount",
+            "loads_failed_by_kill",
             "verify_loads", "verify_bytes", "verify_inconclusive", "rotations", "checks",
             "restart_checks", "files_checked", "small_files", "renames", "appends", "deletes",
             "halts_seen", "throttle_switches", "train_restarts", "double_publish_checked")}
@@ -774,7 +782,7 @@ class ModeRun:
     def stats_sample(self):
         st = self.stats() or {}
         return {"journal_pending": st.get("journal_pending"),
-                "held_mb": (st.get("retained_used", 0) + st.get("cache_used", 0)) / 2 ** 20}
+                "held_mb": held_bytes(st) / 2 ** 20}
 
     # ------------------------------------------------------------------ checks
     def poll_reported(self):
@@ -1085,7 +1093,8 @@ class ModeRun:
                                  if files.get(k) != (now_files or {}).get(k))
                 self.fail("a file of a committed checkpoint was published again (or lost) "
                           "though the application never touched it",
-                          f"{context}: {n}: {changed[:6]} before {[files.get(k) for k in changed[:3]]}"
+                          f"{context}: {n}: {changed[:6]} before "
+                          f"{[files.get(k) for k in changed[:3]]}"
                           f" now {[(now_files or {}).get(k) for k in changed[:3]]}")
 
     def checker(self):
@@ -1240,14 +1249,16 @@ class ModeRun:
                 st[k] = v.split()
         stats = self.stats() or {}
         rss_mb = int(st["VmRSS"][0]) / 1024
-        # Memory the daemon budgets and fills on purpose: the retained tier (--retain-mem,
-        # half the staging by default) and the block cache. What is left is what must not
-        # grow.
-        held_mb = (stats.get("retained_used", 0) + stats.get("cache_used", 0)) / 2 ** 20
+        # Memory the daemon budgets and fills on purpose: staging chunks pinned on first use
+        # and kept (--staging-mem), the retained tier (--retain-mem, half the staging by
+        # default) and the block cache. What is left is what must not grow.
+        held_mb = held_bytes(stats) / 2 ** 20
         self.drained[label] = {"t": self.t(), "saves": self.saves_done(),
                                "rss_mb": round(rss_mb, 1),
                                "retained_mb": round(stats.get("retained_used", 0) / 2 ** 20, 1),
                                "cache_mb": round(stats.get("cache_used", 0) / 2 ** 20, 1),
+                               "staging_mb": round(stats.get("staging_resident", 0) / 2 ** 20,
+                                                   1),
                                "rss_other_mb": round(rss_mb - held_mb, 1),
                                "threads": int(st["Threads"][0]),
                                "fds": len(os.listdir(f"/proc/{pid}/fd")),
@@ -1291,9 +1302,9 @@ class ModeRun:
 
     def leak_check(self):
         """The quiet daemon's resources after its first 50 saves and after the run, both
-        once publication caught up: RSS less what the retained tier and the block cache hold
-        (bounded by their own budgets) within 10 %, fds +4, threads +2, state dir at most
-        twice plus 64 MiB."""
+        once publication caught up: RSS less what resident staging, the retained tier and the
+        block cache hold (bounded by their own budgets) within 10 %, fds +4, threads +2,
+        state dir at most twice plus 64 MiB."""
         self.leak = {"checked": False}
         base, end = self.drained.get("base"), self.drained.get("end")
         if base is None or end is None:
@@ -1303,7 +1314,7 @@ class ModeRun:
         self.leak.update(checked=True, saves_between=end["saves"] - base["saves"],
                          base=base, end=end)
         if end["rss_other_mb"] > base["rss_other_mb"] * 1.10:
-            self.fail("leak: daemon RSS (less the retained tier and the block cache) grew "
+            self.fail("leak: daemon RSS (less staging, retained tier and block cache) grew "
                       "more than 10 %", json.dumps(self.leak))
         if end["fds"] > base["fds"] + 4:
             self.fail("leak: open fds grew", json.dumps(self.leak))
@@ -1358,7 +1369,7 @@ def plot(rep, path):
         ax.plot(x, [s[key] for s in ss], ".", markersize=2)
         if key == "rss_mb":
             ax.plot(x, [s["rss_mb"] - s.get("held_mb", 0) for s in ss], ".", markersize=2,
-                    label="less retained tier + block cache")
+                    label="less staging, retained tier, block cache")
             ax.legend(loc="upper left", fontsize=8)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
