@@ -25,6 +25,7 @@ std::string_view CodeName(Code code) {
     case Code::kNotPermitted: return "NotPermitted";
     case Code::kTooManyLinks: return "TooManyLinks";
     case Code::kSuperseded: return "Superseded";
+    case Code::kNodeLost: return "NodeLost";
   }
   return "Unknown";
 }

@@ -44,6 +44,10 @@ enum class Code {
   // A commit that a later save into the same directory replaced before it could be
   // published (docs/SEMANTICS.md, "Superseded saves"): not a failure of anything.
   kSuperseded,
+  // Given up because a node it waits for was declared dead (issue 39, docs/SEMANTICS.md,
+  // "A lost node"): a commit whose shards were that node's, a tracker naming such a
+  // checkpoint. Skipped without halting publication; the checkpoint is failed.
+  kNodeLost,
 };
 
 std::string_view CodeName(Code code);

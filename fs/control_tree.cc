@@ -269,6 +269,9 @@ std::string ControlTree::StatsJson() {
   // Entries never applied (skipped, dropped, superseded): the application's view and the
   // backing store may differ by what each one did.
   j["journal_skipped"] = journal_->counts().skipped;
+  j["journal_superseded"] = journal_->counts().superseded;
+  // Commits whose shards a dead node held, and trackers naming them (docs/SEMANTICS.md).
+  j["journal_given_up"] = journal_->counts().given_up;
   j["journal_presyncs"] = journal_->counts().presyncs;
   j["state_db_writes"] = db_->writes();
   j["state_db_synced_writes"] = db_->synced_writes();
@@ -456,7 +459,11 @@ std::string ControlTree::MetricsText() {
       {"journal_pending_entries", "gauge", "Journal entries not yet applied.",
        "journal_pending"},
       {"journal_skipped_entries_total", "counter",
-       "Journal entries never applied (skipped, dropped or superseded).", "journal_skipped"},
+       "Journal entries never applied (skipped, dropped, given up for a lost node).",
+       "journal_skipped"},
+      {"journal_given_up_entries_total", "counter",
+       "Commits and trackers given up because a node they wait for was declared dead.",
+       "journal_given_up"},
       {"pending_files", "gauge", "Files not yet published.", "files_pending"},
       {"flush_queue_chunks", "gauge", "Sealed chunks waiting for a flush thread.",
        "flush_queue"},

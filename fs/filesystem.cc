@@ -65,7 +65,12 @@ Status Filesystem::Init(FsDeps deps) {
   if (deps.index) {
     index_ = std::move(deps.index);
   } else {
-    CKPT_ASSIGN_OR_RETURN(index_, store::KeyIndex::Create(backing_.get(), db_.get()));
+    store::KeyIndexOptions index_options;
+    // With peers, other nodes' shards come with their writers' block CRCs (the commit
+    // query); what nobody vouched for is checksummed on its first full read, not read back.
+    index_options.read_unvouched_items = config_.peers == nullptr;
+    CKPT_ASSIGN_OR_RETURN(index_,
+                          store::KeyIndex::Create(backing_.get(), db_.get(), index_options));
   }
   std::unique_ptr<store::BackingSource> cache_source = std::move(deps.cache_source);
   std::shared_ptr<store::peer::Peers> peers;

@@ -91,7 +91,10 @@ uint64_t JournalEvents::NodePublishDone(const store::JournalEntry& e, const Stat
   if (st.ok()) node->halt_error.clear();  // published after retries
   // A superseded `.metadata` (torch 1.13 writes it in place): its file lives on in the
   // later version that replaced it.
-  if (!st.ok() && st.code() != Code::kSuperseded) {
+  // A tracker withheld for a lost node's checkpoint (kNodeLost) failed nothing of its
+  // own: the mount shows what the backing store keeps (the tracker before it), and the
+  // next write replaces it as usual.
+  if (!st.ok() && st.code() != Code::kSuperseded && st.code() != Code::kNodeLost) {
     node->error = "publication failed: " + st.ToString();
     node->on_backing = false;
     table_.SyncDataLocked(node.get());

@@ -163,6 +163,7 @@ ckptfs::Result<PeerOptionsPtr> PeerOptions(const ckptfs::DaemonOptions& o) {
   if (!mode.ok()) return mode.status();
   p->plan_mode = *mode;
   p->request_timeout = std::chrono::milliseconds(o.peer_timeout_ms);
+  p->dead_after = std::chrono::milliseconds(o.peer_dead_after_ms);
   p->connect_timeout = std::chrono::milliseconds(std::min(o.peer_timeout_ms, 3000));
   return PeerOptionsPtr(std::move(p));
 }

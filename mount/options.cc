@@ -223,6 +223,10 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
                  "Milliseconds a block request to a peer may take before the read falls back to "
                  "the backing store (default 5000)")
       ->check(CLI::Range(10, 600000));
+  app.add_option("--peer-dead-after", o.peer_dead_after_ms,
+                 "Milliseconds without an authenticated connection after which a peer is "
+                 "declared dead and what waits for it is given up (default 15000)")
+      ->check(CLI::Range(1000, 3600000));
   std::vector<std::string> o_groups;
   app.add_option("-o", o_groups,
                  "Options, comma separated: ckptfs options as key=value, the rest for FUSE")

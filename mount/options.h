@@ -65,6 +65,7 @@ struct DaemonOptions {
   std::string peer_secret_file;
   std::string plan;                      // balanced|fast|auto; default $CKPTFS_PLAN or auto
   int peer_timeout_ms = 5000;            // one block request to a peer
+  int peer_dead_after_ms = 15000;        // silence after which a peer is declared dead
   std::vector<std::string> fuse_options;
   bool help = false;
   bool version = false;     // --version: print help_text (the version) and exit

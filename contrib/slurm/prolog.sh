@@ -21,7 +21,16 @@ mkdir -p "$MNT" "$STATE" "$BACKING"
 if [ -n "${SLURM_JOB_UID:-}" ]; then
   chown "$SLURM_JOB_UID" "$MNT" "$BACKING" 2>/dev/null || true
 fi
+# Peers (optional): with CKPTFS_PEER_SECRET_FILE set, the daemons of the job's nodes
+# cooperate (docs/PEERS.md). The peers file is written from the job's node list; rewriting
+# it later (contrib/slurm/peers.sh) moves a replaced node's rank to its spare while the
+# daemons run.
+PEER_OPTS=""
+if [ -n "${CKPTFS_PEER_SECRET_FILE:-}" ]; then
+  "$(dirname "$0")/peers.sh" "$STATE/peers" "$SLURM_JOB_NODELIST" "${CKPTFS_PEERS_PORT:-7470}"
+  PEER_OPTS=",peers_file=$STATE/peers,peer_secret_file=$CKPTFS_PEER_SECRET_FILE"
+fi
 # allow_other: the job runs as the user, the daemon as root.
 mount -t fuse.ckptfs "$BACKING" "$MNT" \
-  -o "allow_other,durability=async,staging_mem=$STAGING,state_dir=$STATE,log_file=$STATE/ckptfs.log"
+  -o "allow_other,durability=async,staging_mem=$STAGING,state_dir=$STATE,log_file=$STATE/ckptfs.log$PEER_OPTS"
 logger -t ckptfs-prolog "job $SLURM_JOB_ID: mounted $BACKING on $MNT"

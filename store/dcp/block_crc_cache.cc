@@ -11,10 +11,11 @@
 namespace ckptfs::store {
 
 void BlockCrcCache::Add(const std::string& path, const FileKey& id,
-                        std::shared_ptr<const BlockCrcMap> map) {
+                        std::shared_ptr<const BlockCrcMap> map, bool from_peer) {
   if (!map || !map->finished() || map->size() != id.size) return;
   const size_t bytes = map->MemoryBytes();
   MutexLock lock(&mu_);
+  if (from_peer && by_path_.count(path) > 0) return;
   DropLocked(path);
   if (bytes > max_bytes_) return;
   // Oldest first: a build normally follows its shards' publication within seconds.
@@ -24,7 +25,7 @@ void BlockCrcCache::Add(const std::string& path, const FileKey& id,
     DropLocked(victim);
   }
   const uint64_t seq = ++seq_;
-  by_path_[path] = Entry{id, std::move(map), seq, bytes};
+  by_path_[path] = Entry{id, std::move(map), seq, bytes, from_peer};
   by_age_[seq] = path;
   total_ += bytes;
 }
@@ -33,6 +34,14 @@ std::shared_ptr<const BlockCrcMap> BlockCrcCache::For(const std::string& path, c
   MutexLock lock(&mu_);
   auto it = by_path_.find(path);
   if (it == by_path_.end() || !(it->second.id == id)) return nullptr;
+  return it->second.map;
+}
+
+std::shared_ptr<const BlockCrcMap> BlockCrcCache::Latest(const std::string& path, FileKey* id) {
+  MutexLock lock(&mu_);
+  auto it = by_path_.find(path);
+  if (it == by_path_.end() || it->second.from_peer) return nullptr;
+  *id = it->second.id;
   return it->second.map;
 }
 

@@ -24,10 +24,16 @@ class BlockCrcCache {
 
   // Keeps `map`, the CRCs of `path` finished at its final size, for the version `id`
   // (replacing any earlier one of `path`). Ignored when unfinished or of another size.
-  void Add(const std::string& path, const FileKey& id, std::shared_ptr<const BlockCrcMap> map)
-      EXCLUDES(mu_);
+  // `from_peer`: the map is what another node vouched for (KeyIndex::AddPeerBlockCrcs); it
+  // never displaces a map kept for `path` already (of any version), and Latest() never
+  // hands it on.
+  void Add(const std::string& path, const FileKey& id, std::shared_ptr<const BlockCrcMap> map,
+           bool from_peer = false) EXCLUDES(mu_);
   // The map of `path` if it describes the version `id`, else nullptr.
   std::shared_ptr<const BlockCrcMap> For(const std::string& path, const FileKey& id) EXCLUDES(mu_);
+  // The map this node recorded for `path`, of whichever version (set in `*id`), or nullptr
+  // (also when the map kept came from a peer).
+  std::shared_ptr<const BlockCrcMap> Latest(const std::string& path, FileKey* id) EXCLUDES(mu_);
   void Drop(const std::string& path) EXCLUDES(mu_);
   // Drops the maps of the files directly in directory `dir` (not of nested directories).
   void DropFilesIn(const std::string& dir) EXCLUDES(mu_);
@@ -42,6 +48,7 @@ class BlockCrcCache {
     std::shared_ptr<const BlockCrcMap> map;
     uint64_t seq = 0;  // age, for eviction
     size_t bytes = 0;
+    bool from_peer = false;
   };
   void DropLocked(const std::string& path) REQUIRES(mu_);
 

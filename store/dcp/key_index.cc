@@ -176,6 +176,35 @@ void KeyIndex::AddBlockCrcs(const std::string& path, const FileKey& id,
 
 uint64_t KeyIndex::block_crc_bytes() { return block_crcs_.bytes(); }
 
+bool KeyIndex::AddPeerBlockCrcs(const std::string& path, const ShardChecksums& sums) {
+  Result<struct stat> st = dir_->Stat(path);
+  if (!st.ok()) return false;
+  const FileKey here = FileKeyFromStat(*st);
+  if (here.ino != sums.id.ino || here.size != sums.id.size ||
+      here.mtime_ns != sums.id.mtime_ns) {
+    spdlog::debug("key index: a peer's block CRCs of {} describe another version", path);
+    return false;
+  }
+  std::shared_ptr<BlockCrcMap> map =
+      BlockCrcMap::FromBlockCrcs(sums.block_bytes, sums.id.size, sums.block_crcs);
+  if (!map) return false;
+  block_crcs_.Add(path, here, std::move(map), /*from_peer=*/true);
+  return true;
+}
+
+std::shared_ptr<const ShardChecksums> KeyIndex::ShardChecksumsOf(const std::string& path) {
+  FileKey id;
+  std::shared_ptr<const BlockCrcMap> map = block_crcs_.Latest(path, &id);
+  if (!map) return nullptr;
+  std::optional<std::vector<uint32_t>> crcs = map->BlockCrcs();
+  if (!crcs || map->size() != id.size) return nullptr;
+  auto sums = std::make_shared<ShardChecksums>();
+  sums->id = id;
+  sums->block_bytes = map->block_bytes();
+  sums->block_crcs = std::move(*crcs);
+  return sums;
+}
+
 void KeyIndex::RecordChecksums(const std::string& ckpt, const std::string& file,
                                const std::vector<RangeChecksum>& sums) {
   KeyIndexStore::Puts puts;

@@ -93,6 +93,11 @@ struct KeyIndexOptions {
   // Memory for block CRC maps handed over by the write path and not used by a build yet;
   // the oldest are dropped beyond it (their items are then read to be checksummed).
   uint64_t max_block_crc_bytes = uint64_t{128} << 20;
+  // The build after a commit reads the items nobody vouched for (no block CRCs of that file
+  // version, no checksum recorded) to checksum them. False with peers: those are other
+  // nodes' shards (G12: no node reads another node's data back after a save); they stay
+  // unchecked until their first full read (ReadChecksums) or FillChecksums.
+  bool read_unvouched_items = true;
 };
 
 class KeyIndex {
@@ -158,6 +163,16 @@ class KeyIndex {
                     std::shared_ptr<const BlockCrcMap> map);
   uint64_t block_crc_bytes();  // memory held by those maps now
 
+  // Block CRCs that a peer vouched for (the commit query) for the file `path`. Kept as
+  // AddBlockCrcs keeps this node's own, but only when the backing store shows that very
+  // version now (ino, size and mtime: the peer's device number is its own), and never in
+  // place of a map kept already. A wrong CRC from an authenticated peer makes a wrong
+  // checksum, which Verify (a re-read) reports. False when not taken.
+  bool AddPeerBlockCrcs(const std::string& path, const ShardChecksums& sums);
+  // The block CRCs this node recorded for `path` (its latest version published here), every
+  // block known, for a peer; null when there are none. In memory only.
+  std::shared_ptr<const ShardChecksums> ShardChecksumsOf(const std::string& path);
+
   // Records checksums computed elsewhere (e.g. by the read path from the bytes of an item
   // read in full) for `file` of `ckpt`. A range equal to an indexed item's range sets its
   // checksum (persisted); ranges of a checkpoint not indexed yet are kept in memory for its
@@ -184,8 +199,9 @@ class KeyIndex {
   using FileMap = CkptIndex::FileMap;
 
   KeyIndex(BackingDir* dir, StateDb* db, const KeyIndexOptions& options)
-      : block_crcs_(options.max_block_crc_bytes),
-        builder_(dir, &block_crcs_),
+      : dir_(dir),
+        block_crcs_(options.max_block_crc_bytes),
+        builder_(dir, &block_crcs_, options.read_unvouched_items),
         store_(dir, db),
         verifier_(dir) {}
 
@@ -214,6 +230,7 @@ class KeyIndex {
   void Install(const std::string& ckpt, std::unique_ptr<CkptIndex> index) REQUIRES(persist_mu_)
       EXCLUDES(mu_);
 
+  BackingDir* const dir_;
   BlockCrcCache block_crcs_;  // by backing path
   KeyIndexBuilder builder_;   // uses block_crcs_
   KeyIndexStore store_;       // writes ordered by persist_mu_

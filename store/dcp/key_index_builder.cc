@@ -202,7 +202,8 @@ Result<KeyIndexBuilder::Built> KeyIndexBuilder::Build(
   }
 
   // The items, from their shard files.
-  ResolveStats r = ResolveItems(dir_, block_crcs_, ckpt, &index->items, known_sums, checksums,
+  ResolveStats r = ResolveItems(dir_, block_crcs_, ckpt, &index->items, known_sums,
+                                /*read_rest=*/checksums && read_unvouched_,
                                 /*archives=*/index->source != SourceKind::kSafetensors);
   if (checksums) {
     // Every item of those files now has its checksum in the index: the maps are done.

@@ -27,8 +27,11 @@ using KnownSums = std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, 
 
 class KeyIndexBuilder {
  public:
-  KeyIndexBuilder(BackingDir* dir, BlockCrcCache* block_crcs)  // both must outlive
-      : dir_(dir), block_crcs_(block_crcs) {}
+  // With `read_unvouched` false, Build with `checksums` reads no item to checksum it: an
+  // item without a known checksum or block CRCs stays unchecked.
+  KeyIndexBuilder(BackingDir* dir, BlockCrcCache* block_crcs,  // both must outlive
+                  bool read_unvouched = true)
+      : dir_(dir), block_crcs_(block_crcs), read_unvouched_(read_unvouched) {}
 
   struct Built {
     std::unique_ptr<CkptIndex> index;
@@ -51,6 +54,7 @@ class KeyIndexBuilder {
  private:
   BackingDir* const dir_;
   BlockCrcCache* const block_crcs_;
+  const bool read_unvouched_;
 };
 
 }  // namespace ckptfs::store

@@ -223,6 +223,42 @@ std::optional<uint32_t> BlockCrcMap::RangeCrc(uint64_t begin, uint64_t end) cons
   return crc;
 }
 
+std::optional<std::vector<uint32_t>> BlockCrcMap::BlockCrcs() const {
+  MutexLock lock(&mu_);
+  if (!finished_) return std::nullopt;
+  const uint64_t bs = opts_.block_bytes;
+  const uint64_t n = (size_ + bs - 1) / bs;
+  if (n > state_.size()) return std::nullopt;
+  for (uint64_t b = 0; b < n; ++b) {
+    if (state_[b] != kKnown) return std::nullopt;
+  }
+  return std::vector<uint32_t>(crc_.begin(), crc_.begin() + static_cast<ptrdiff_t>(n));
+}
+
+std::shared_ptr<BlockCrcMap> BlockCrcMap::FromBlockCrcs(uint32_t block_bytes, uint64_t size,
+                                                        const std::vector<uint32_t>& crcs,
+                                                        uint64_t max_blocks) {
+  if (block_bytes < kMinBlockBytes || block_bytes > kMaxBlockBytes ||
+      (block_bytes & (block_bytes - 1)) != 0) {
+    return nullptr;
+  }
+  const uint64_t n = size / block_bytes + (size % block_bytes != 0 ? 1 : 0);
+  if (crcs.size() != n || n > max_blocks) return nullptr;
+  BlockCrcOptions options;
+  options.block_bytes = block_bytes;
+  options.max_blocks = max_blocks;
+  auto map = std::make_shared<BlockCrcMap>(options);
+  {
+    MutexLock lock(&map->mu_);
+    map->crc_ = crcs;
+    map->state_.assign(n, kKnown);
+    map->known_ = n;
+    map->finished_ = true;
+    map->size_ = size;
+  }
+  return map;
+}
+
 bool BlockCrcMap::finished() const {
   MutexLock lock(&mu_);
   return finished_;

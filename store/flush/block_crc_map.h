@@ -22,11 +22,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <vector>
 
 #include "common/mutex.h"
+#include "store/primitives/file_key.h"
 
 namespace ckptfs::store {
 
@@ -34,6 +36,19 @@ struct BlockCrcOptions {
   uint32_t block_bytes = 64u << 10;     // a power of two
   uint64_t max_blocks = uint64_t{1} << 22;  // 256 GiB of file at 64 KiB blocks
   size_t max_partial_blocks = 4096;
+};
+
+// The write path's block CRCs of one finished shard file, as its writer vouches for them to
+// another node over the commit query (docs/PEERS.md, "Checksums with the commit"): CRC32C
+// of every `block_bytes` block of the file version `id` (the last block short), all known.
+// `id` is that version as the writer saw it: its `dev` is the writer's own, so a reader on
+// another node compares ino, size and mtime only (KeyIndex::AddPeerBlockCrcs) and never
+// uses the CRCs for any other version.
+struct ShardChecksums {
+  FileKey id;
+  uint32_t block_bytes = 0;
+  std::vector<uint32_t> block_crcs;  // ceil(id.size / block_bytes)
+  bool operator==(const ShardChecksums&) const = default;
 };
 
 class BlockCrcMap {
@@ -55,6 +70,18 @@ class BlockCrcMap {
   // CRC32C of [begin, end), or nullopt when a block in it is unknown. `begin` must be a
   // multiple of block_bytes, `end` too or equal to the finished size; otherwise nullopt.
   std::optional<uint32_t> RangeCrc(uint64_t begin, uint64_t end) const;
+
+  // The CRC of every block of a finished map (the last one over its short length), or
+  // nullopt when the map is unfinished or a block is unknown. What a writer vouches for.
+  std::optional<std::vector<uint32_t>> BlockCrcs() const;
+  // A finished map of a `size`-byte file whose blocks have the CRCs `crcs` (as BlockCrcs()
+  // gives them, e.g. from a peer); null when they do not describe such a file: a block size
+  // that is not a power of two in [kMinBlockBytes, kMaxBlockBytes], a count other than
+  // ceil(size / block_bytes), or more than max_blocks.
+  static std::shared_ptr<BlockCrcMap> FromBlockCrcs(uint32_t block_bytes, uint64_t size,
+                                                    const std::vector<uint32_t>& crcs,
+                                                    uint64_t max_blocks = uint64_t{1} << 22);
+  static constexpr uint32_t kMinBlockBytes = 4u << 10, kMaxBlockBytes = 16u << 20;
 
   uint32_t block_bytes() const { return opts_.block_bytes; }
   bool finished() const;

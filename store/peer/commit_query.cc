@@ -30,7 +30,11 @@ void CommitQuerier::Merge(const ShardStatus& from_peer, PeerShardAnswer* into) {
   if (got > have) {
     into->status = from_peer;
   } else if (got == have && from_peer.state == ShardState::kDurable) {
-    into->status.length = std::max(into->status.length, from_peer.length);
+    // The longest wins, with its writer's block CRCs (if it sent them).
+    if (from_peer.length > into->status.length ||
+        (from_peer.length == into->status.length && !into->status.checksums)) {
+      into->status = from_peer;
+    }
   }
 }
 

@@ -37,6 +37,15 @@ struct CooperativeSource::Peer {
   std::chrono::milliseconds backoff GUARDED_BY(mu);  // next pause after a failure
   bool streak GUARDED_BY(mu) = false;                // failing since the last success
   std::string last_error GUARDED_BY(mu);
+  // Silence: since when it has had no working connection (the start counts: a peer that
+  // never comes up is silent from the start); epoch () while connected.
+  Clock::time_point down_since GUARDED_BY(mu) = Clock::now();
+  bool dead GUARDED_BY(mu) = false;   // declared dead (DeadPeers)
+  bool moved GUARDED_BY(mu) = false;  // since it was declared dead: a spare, not a revival
+  // The peer has no working connection from now: its silence starts, unless it had begun.
+  void NoteDown() REQUIRES(mu) {
+    if (down_since == Clock::time_point{}) down_since = Clock::now();
+  }
   std::atomic<uint64_t> fetched_bytes{0}, failures{0};
 };
 
@@ -128,6 +137,7 @@ std::shared_ptr<PeerClient> CooperativeSource::ClientFor(uint32_t node) {
       p.streak = true;
       p.last_error = "connection lost";
       p.client.reset();
+      p.NoteDown();
       p.down_until = Clock::now() + p.backoff;
       p.backoff = std::min(p.backoff * 2, options_.max_down_backoff);
     }
@@ -162,7 +172,10 @@ void CooperativeSource::PeerFailed(uint32_t node, const Status& status,
         p.backoff = std::min(p.backoff * 2, options_.max_down_backoff);
       }
       // A dead or hung connection is dropped; the connector makes a new one after the pause.
-      if (p.client == client && (code != Code::kCorrupt)) p.client.reset();
+      if (p.client == client && (code != Code::kCorrupt)) {
+        p.client.reset();
+        p.NoteDown();
+      }
     }
   }
   if (first) {
@@ -279,12 +292,24 @@ bool CooperativeSource::TryConnect(Peer& p) {
     }
     p.streak = true;
     p.last_error = err;
+    p.NoteDown();
     p.down_until = Clock::now() + p.backoff;
     p.backoff = std::min(p.backoff * 2, options_.max_down_backoff);
     return false;
   }
   spdlog::info("peer {}: connected and authenticated", node);
   p.client = std::shared_ptr<PeerClient>(std::move(c).value());
+  if (p.dead) {
+    if (!p.moved) {
+      revived_.fetch_add(1, std::memory_order_relaxed);
+      spdlog::warn("peer {}: answers again after it was declared dead ({:.1f} s of silence): "
+                   "counted as a false positive",
+                   node, std::chrono::duration<double>(Clock::now() - p.down_since).count());
+    }
+    p.dead = false;
+  }
+  p.moved = false;
+  p.down_since = {};
   p.streak = false;
   p.backoff = options_.down_backoff;
   p.down_until = {};
@@ -300,6 +325,9 @@ void CooperativeSource::MoveNode(uint32_t rank, const std::string& address) {
     if (p.node == address) return;
     p.node = address;
     old = std::move(p.client);
+    // The spare's silence counts from now; a rank declared dead stays dead until it answers.
+    p.down_since = Clock::now();
+    if (p.dead) p.moved = true;
     // A fresh start at the new address: no pause carried over from the old one.
     p.streak = false;
     p.last_error.clear();
@@ -328,6 +356,7 @@ void CooperativeSource::ConnectLoop() {
       }
       TryConnect(*p);
     }
+    (void)DeadPeers();  // declares those whose silence reached dead_after
     lock.Lock();
     stop_cv_.wait_for(lock.native(),
                       std::min<std::chrono::milliseconds>(options_.down_backoff,
@@ -339,6 +368,37 @@ void CooperativeSource::ConnectLoop() {
   }
 }
 
+std::vector<CooperativeSource::DeadPeer> CooperativeSource::DeadPeers() {
+  std::vector<DeadPeer> dead;
+  const auto now = Clock::now();
+  for (auto& p : peers_) {
+    if (!p) continue;
+    bool declared = false;
+    DeadPeer d;
+    {
+      MutexLock lock(&p->mu);
+      const bool up = p->client && p->client->healthy();
+      if (up) continue;
+      p->NoteDown();
+      d.rank = p->index;
+      d.address = p->node;
+      d.silent_s = std::chrono::duration<double>(now - p->down_since).count();
+      if (!p->dead && now - p->down_since >= options_.dead_after) {
+        p->dead = declared = true;
+      }
+      if (!p->dead) continue;
+    }
+    if (declared) {
+      declared_dead_.fetch_add(1, std::memory_order_relaxed);
+      spdlog::error("peer {} (rank {}) declared dead: no authenticated connection for {:.1f} s; "
+                    "what waits for it is given up",
+                    d.address, d.rank, d.silent_s);
+    }
+    dead.push_back(std::move(d));
+  }
+  return dead;
+}
+
 CooperativeStats CooperativeSource::Stats() const {
   CooperativeStats s;
   s.nodes = static_cast<uint32_t>(options_.nodes.size());
@@ -348,6 +408,8 @@ CooperativeStats CooperativeSource::Stats() const {
   s.local_owned_reads = local_owned_.load();
   s.stand_in_blocks = stand_in_.load();
   s.stand_in_local = stand_in_local_.load();
+  s.declared_dead = declared_dead_.load();
+  s.revived = revived_.load();
   s.unplanned_reads = unplanned_.load();
   s.fallbacks.peer_down = fb_down_.load();
   s.fallbacks.timeout = fb_timeout_.load();
@@ -362,10 +424,12 @@ CooperativeStats CooperativeSource::Stats() const {
       st.node = p->node;
       st.connected = p->client && p->client->healthy();
       st.last_error = p->last_error;
+      st.dead = p->dead;
     }
     st.fetched_bytes = p->fetched_bytes.load();
     st.failures = p->failures.load();
     if (st.connected) ++s.peers_connected;
+    if (st.dead) ++s.peers_dead;
     s.peers.push_back(std::move(st));
   }
   return s;

@@ -54,6 +54,9 @@ struct CooperativeOptions {
   std::chrono::milliseconds down_backoff{1000};      // first pause after a failure
   std::chrono::milliseconds max_down_backoff{30000};  // cap of the doubling pause
   bool connect_in_background = true;  // false: only tests connect, with ConnectNow()
+  // A peer with no authenticated connection for this long is declared dead (docs/PEERS.md,
+  // "A lost node"): what waits for it (a commit of its shards) is given up at once.
+  std::chrono::milliseconds dead_after{10000};
 };
 
 // Why a read owned by a peer went to the fallback instead.
@@ -72,12 +75,14 @@ struct PeerState {
   uint64_t fetched_bytes = 0;
   uint64_t failures = 0;     // fallbacks caused by this peer
   std::string last_error;    // empty when none yet
+  bool dead = false;         // declared dead (no authenticated connection for dead_after)
 };
 
 struct CooperativeStats {
   uint32_t nodes = 0;
   uint32_t self = 0;
   uint32_t peers_connected = 0;
+  uint32_t peers_dead = 0;
   uint64_t peer_bytes = 0;       // bytes fetched from owners
   uint64_t peer_blocks = 0;
   uint64_t local_owned_reads = 0;   // reads this node owns (went to the fallback by design)
@@ -86,6 +91,8 @@ struct CooperativeStats {
   uint64_t unplanned_reads = 0;     // reads of files no plan covers
   FallbackCounts fallbacks;
   std::vector<PeerState> peers;  // every node but self, in node order
+  uint64_t declared_dead = 0;    // peers declared dead (each time)
+  uint64_t revived = 0;          // ... that answered again at the same address: false positives
 };
 
 // Marks the reads of this thread, while it lives, as serving a peer's request: a
@@ -141,6 +148,14 @@ class CooperativeSource : public BlockSource {
   void MoveNode(uint32_t rank, const std::string& address);
 
   CooperativeStats Stats() const;
+  // Ranks declared dead now (docs/PEERS.md, "A lost node"), each with its address and how
+  // long it has been silent. Also declares those whose silence reached dead_after.
+  struct DeadPeer {
+    uint32_t rank = 0;
+    std::string address;
+    double silent_s = 0;
+  };
+  std::vector<DeadPeer> DeadPeers();
   const CooperativeOptions& options() const { return options_; }
 
  private:
@@ -174,6 +189,7 @@ class CooperativeSource : public BlockSource {
 
   std::atomic<uint64_t> peer_bytes_{0}, peer_blocks_{0}, local_owned_{0}, unplanned_{0};
   std::atomic<uint64_t> stand_in_{0}, stand_in_local_{0};
+  std::atomic<uint64_t> declared_dead_{0}, revived_{0};
   std::vector<uint64_t> node_hash_;  // XXH3 of each rank's RankName, for StandIn
   std::atomic<uint64_t> fb_down_{0}, fb_timeout_{0}, fb_crc_{0}, fb_conn_{0}, fb_error_{0};
 

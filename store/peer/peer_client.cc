@@ -499,7 +499,9 @@ std::shared_ptr<PeerClient::QueryCall> PeerClient::Impl::StartShardQuery(
   }
   ShardQuery query;
   query.query_id = q->id;
-  query.hold_ms = static_cast<uint32_t>(std::max<int64_t>(0, hold.count()));
+  query.hold_ms = static_cast<uint32_t>(
+      std::min<int64_t>(std::max<int64_t>(0, hold.count()), kQueryWantsChecksums - 1));
+  query.want_checksums = true;  // durable shards come with their block CRCs
   query.paths = paths;
   std::string msg = EncodeShardQuery(query);
   if (msg.size() > kMaxQueryBytes) {

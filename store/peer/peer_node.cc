@@ -130,6 +130,7 @@ Result<std::unique_ptr<PeerNode>> PeerNode::Create(const PeerNodeOptions& option
   co.secret = options.secret;
   co.connect_timeout = options.connect_timeout;
   co.request_timeout = options.request_timeout;
+  co.dead_after = options.dead_after;
   CKPT_ASSIGN_OR_RETURN(node->coop_, CooperativeSource::Create(co, fallback));
   return node;
 }
@@ -346,6 +347,15 @@ bool PeerNode::AskShardStates(std::vector<std::string> paths, std::chrono::milli
   }
   return querier_->Ask(std::move(paths), hold, sink, round);
 }
+
+std::string PeerNode::LostPeers() {
+  std::string out;
+  for (const CooperativeSource::DeadPeer& d : coop_->DeadPeers()) {
+    if (!out.empty()) out += ", ";
+    out += fmt::format("node rank {} ({}, silent for {:.0f} s)", d.rank, d.address, d.silent_s);
+  }
+  return out;
+}
 // ---- end of the commit-query block.
 
 void PeerNodeStats::AppendJson(nlohmann::json* out) const {
@@ -362,11 +372,15 @@ void PeerNodeStats::AppendJson(nlohmann::json* out) const {
   for (const PeerState& p : coop.peers) {
     peers.push_back({{"node", p.node},
                      {"connected", p.connected},
+                     {"dead", p.dead},
                      {"fetched_bytes", p.fetched_bytes},
                      {"failures", p.failures},
                      {"last_error", p.last_error}});
   }
   j["peers_epoch"] = membership.epoch;
+  j["peers_dead"] = coop.peers_dead;
+  j["peers_declared_dead"] = coop.declared_dead;
+  j["peers_false_dead"] = coop.revived;
   j["peers_membership_rejected"] = membership.rejected;
   j["peers"] = {
       {"node_rank", coop.self},

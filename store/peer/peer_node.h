@@ -127,6 +127,7 @@ class PeerNode : public Peers {
   // serving yet (StartServing), or stopped; not asked.
   bool AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
                       PeerShardAnswerSink* sink, uint64_t round) override EXCLUDES(querier_mu_);
+  std::string LostPeers() override;
 
  private:
   ShardStateProvider* shard_states_ = nullptr;

@@ -74,6 +74,10 @@ class PeerServer::Impl : private ShardStateListener {
   Status Init();
   void Stop();
   Status SetAllowedPeers(const std::vector<std::string>& peers) EXCLUDES(allowed_mu_);
+  // A listed node connecting from an address its host name did not resolve to (a pod keeps
+  // its name, not its address): the name is resolved again, at most every 2 s per node;
+  // true if `ip` is one of its addresses now.
+  bool ResolvedAgain(const std::string& node_id, const std::string& ip) EXCLUDES(allowed_mu_);
 
   uint16_t port_ = 0;
   std::atomic<uint64_t> connections_{0}, authenticated_{0}, refused_{0}, blocks_served_{0},
@@ -127,6 +131,8 @@ class PeerServer::Impl : private ShardStateListener {
   // Node id -> IPs of its host (the peer list, resolved; replaced by SetAllowedPeers).
   Mutex allowed_mu_;
   std::map<std::string, std::vector<std::string>> allowed_ GUARDED_BY(allowed_mu_);
+  std::map<std::string, std::chrono::steady_clock::time_point> resolved_at_
+      GUARDED_BY(allowed_mu_);
   // Resolves `peers` (host names again: a pod keeps its name, not its address).
   Result<std::map<std::string, std::vector<std::string>>> ResolveAllowed(
       const std::vector<std::string>& peers) const;
@@ -198,6 +204,29 @@ Result<std::map<std::string, std::vector<std::string>>> PeerServer::Impl::Resolv
     allowed[peer] = std::move(ips);
   }
   return allowed;
+}
+
+bool PeerServer::Impl::ResolvedAgain(const std::string& node_id, const std::string& ip) {
+  if (!options_.check_source_address) return false;
+  {
+    MutexLock lock(&allowed_mu_);
+    if (allowed_.count(node_id) == 0) return false;  // not listed: never
+    auto& at = resolved_at_[node_id];
+    const auto now = std::chrono::steady_clock::now();
+    if (now - at < std::chrono::seconds(2)) return false;
+    at = now;
+  }
+  auto host_port = SplitHostPort(node_id);
+  if (!host_port.ok()) return false;
+  auto ips = ResolveHostIps(host_port->first);  // no lock across DNS
+  if (!ips.ok()) return false;
+  const bool found = std::find(ips->begin(), ips->end(), ip) != ips->end();
+  MutexLock lock(&allowed_mu_);
+  auto it = allowed_.find(node_id);
+  if (it == allowed_.end()) return false;
+  it->second = std::move(*ips);
+  if (found) spdlog::info("peer server {}: {} now resolves to {}", options_.node_id, node_id, ip);
+  return found;
 }
 
 Status PeerServer::Impl::SetAllowedPeers(const std::vector<std::string>& peers) {
@@ -449,6 +478,7 @@ ucs_status_t PeerServer::Impl::OnHello(void* arg, const void*, size_t, void* dat
       }
     }
   }
+  if (refusal != nullptr && self->ResolvedAgain(conn->node_id, conn->ip)) refusal = nullptr;
   if (refusal != nullptr) {
     self->Refuse(conn, refusal);
     return UCS_OK;
@@ -650,6 +680,16 @@ bool PeerServer::Impl::Evaluate(HeldQuery& q, Clock::time_point now, bool force,
     }
   }
   if (!answer) return false;
+  if (q.query.want_checksums) {
+    // Durable shards written here go with their block CRCs, for the exact version
+    // published (the asker checks it against the backing store before using them).
+    for (size_t i = 0; i < states.size(); ++i) {
+      if (states[i].state != ShardState::kDurable) continue;
+      std::shared_ptr<const ShardChecksums> sums =
+          options_.shard_states->Checksums(q.query.paths[i]);
+      if (sums && sums->id.size == states[i].length) states[i].checksums = std::move(sums);
+    }
+  }
   ShardAnswer a;
   a.query_id = q.query.query_id;
   a.code = static_cast<uint32_t>(Code::kOk);

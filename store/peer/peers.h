@@ -47,6 +47,8 @@ struct PeerNodeOptions {
   bool check_source_address = true;
   std::chrono::milliseconds connect_timeout{3000};
   std::chrono::milliseconds request_timeout{5000};
+  // No authenticated connection for this long: the peer is declared dead (a lost node).
+  std::chrono::milliseconds dead_after{15000};
 };
 
 // This node's share of a planned checkpoint: byte ranges of its files (relative to the

@@ -12,6 +12,9 @@
 namespace ckptfs::store::peer {
 namespace {
 
+// A checksum record's fixed part: index, dev, ino, size, mtime, block size, count.
+constexpr size_t kChecksumRecordBytes = 4 + 8 * 4 + 4 + 4;
+
 // The messages are records (store/primitives/record_codec.h) of fixed-width fields, so that the
 // response header has one size. A decoder checks once, at the end, that the message was
 // neither short nor longer than its fields.
@@ -164,7 +167,7 @@ std::string EncodeShardQuery(const ShardQuery& m) {
   std::string out;
   StringWriter w(&out);
   w.Fixed64(m.query_id);
-  w.Fixed32(m.hold_ms);
+  w.Fixed32((m.hold_ms & ~kQueryWantsChecksums) | (m.want_checksums ? kQueryWantsChecksums : 0));
   w.Fixed32(static_cast<uint32_t>(m.paths.size()));
   for (const std::string& p : m.paths) PutBytes(&w, p, 4);
   return out;
@@ -176,6 +179,8 @@ Result<ShardQuery> DecodeShardQuery(std::string_view bytes) {
   ShardQuery m;
   m.query_id = d.Fixed64();
   m.hold_ms = d.Fixed32();
+  m.want_checksums = (m.hold_ms & kQueryWantsChecksums) != 0;
+  m.hold_ms &= ~kQueryWantsChecksums;
   uint32_t count = d.Fixed32();
   if (count > kMaxQueryPaths) return Invalid("peer protocol: shard query names too many paths");
   // Each path takes at least its 4-byte length: a count the bytes cannot hold is truncated.
@@ -205,8 +210,91 @@ std::string EncodeShardAnswer(const ShardAnswer& m) {
     w.Byte(static_cast<uint8_t>(s.state));
     w.Fixed64(s.length);
   }
+  // The checksum section: durable states' block CRCs, within the byte bound.
+  std::vector<uint32_t> with;
+  size_t section = 0;
+  for (uint32_t i = 0; i < m.states.size(); ++i) {
+    const ShardStatus& s = m.states[i];
+    if (s.state != ShardState::kDurable || !s.checksums) continue;
+    const size_t bytes = kChecksumRecordBytes + 4 * s.checksums->block_crcs.size();
+    if (section + bytes > kMaxAnswerChecksumBytes) continue;
+    section += bytes;
+    with.push_back(i);
+  }
+  if (with.empty()) return out;
+  w.Byte(kChecksumSectionVersion);
+  w.Fixed32(static_cast<uint32_t>(with.size()));
+  for (uint32_t i : with) {
+    const ShardChecksums& c = *m.states[i].checksums;
+    w.Fixed32(i);
+    w.Fixed64(c.id.dev);
+    w.Fixed64(c.id.ino);
+    w.Fixed64(c.id.size);
+    w.Fixed64(static_cast<uint64_t>(c.id.mtime_ns));
+    w.Fixed32(c.block_bytes);
+    w.Fixed32(static_cast<uint32_t>(c.block_crcs.size()));
+    for (uint32_t crc : c.block_crcs) w.Fixed32(crc);
+  }
   return out;
 }
+
+namespace {
+
+// The checksum section of an Ok shard answer (see protocol.h), into `states`. `*skipped`:
+// a section of a later version, left unread (the answer stands without checksums).
+Status DecodeChecksumSection(Decoder* d, size_t total_bytes, std::vector<ShardStatus>* states,
+                             bool* skipped) {
+  *skipped = false;
+  if (d->done()) return Status::Ok();  // an older server: none
+  const uint8_t version = d->Byte();
+  if (version != kChecksumSectionVersion) {
+    *skipped = d->ok();
+    return Status::Ok();
+  }
+  const uint32_t n = d->Fixed32();
+  if (n > states->size()) return Corrupt("peer protocol: more checksum records than paths");
+  if (uint64_t{n} * kChecksumRecordBytes > total_bytes) {
+    return Corrupt("peer protocol: truncated checksum section");
+  }
+  for (uint32_t r = 0; r < n; ++r) {
+    const uint32_t index = d->Fixed32();
+    auto c = std::make_shared<ShardChecksums>();
+    c->id.dev = d->Fixed64();
+    c->id.ino = d->Fixed64();
+    c->id.size = d->Fixed64();
+    c->id.mtime_ns = static_cast<int64_t>(d->Fixed64());
+    c->block_bytes = d->Fixed32();
+    const uint32_t count = d->Fixed32();
+    if (!d->ok()) return Corrupt("peer protocol: truncated checksum section");
+    if (index >= states->size()) return Corrupt("peer protocol: checksum of no path");
+    ShardStatus& s = (*states)[index];
+    if (s.state != ShardState::kDurable || s.checksums) {
+      return Corrupt("peer protocol: checksums of a path not durable, or twice");
+    }
+    const uint32_t bs = c->block_bytes;
+    if (bs < BlockCrcMap::kMinBlockBytes || bs > BlockCrcMap::kMaxBlockBytes ||
+        (bs & (bs - 1)) != 0) {
+      return Corrupt("peer protocol: bad checksum block size");
+    }
+    if (c->id.size != s.length ||
+        count != c->id.size / bs + (c->id.size % bs != 0 ? 1 : 0)) {
+      return Corrupt("peer protocol: checksum count does not fit the shard's size");
+    }
+    if (uint64_t{count} * 4 > total_bytes) return Corrupt("peer protocol: truncated checksums");
+    std::string_view crcs = d->Bytes(uint64_t{count} * 4);
+    if (!d->ok()) return Corrupt("peer protocol: truncated checksums");
+    c->block_crcs.resize(count);
+    for (uint32_t b = 0; b < count; ++b) {
+      uint32_t v = 0;
+      for (int k = 3; k >= 0; --k) v = (v << 8) | static_cast<uint8_t>(crcs[4 * b + k]);
+      c->block_crcs[b] = v;
+    }
+    s.checksums = std::move(c);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
 
 Result<ShardAnswer> DecodeShardAnswer(std::string_view bytes) {
   Decoder d(bytes);
@@ -229,8 +317,12 @@ Result<ShardAnswer> DecodeShardAnswer(std::string_view bytes) {
     uint8_t state = d.Byte();
     uint64_t length = d.Fixed64();
     if (state > kMaxShardState) return Corrupt("peer protocol: bad shard state");
-    m.states.push_back(ShardStatus{static_cast<ShardState>(state), length});
+    m.states.push_back(ShardStatus{static_cast<ShardState>(state), length, nullptr});
   }
+  if (!d.ok()) return Corrupt("peer protocol: truncated shard answer");
+  bool skipped = false;
+  CKPT_RETURN_IF_ERROR(DecodeChecksumSection(&d, bytes.size(), &m.states, &skipped));
+  if (skipped) return m;
   CKPT_RETURN_IF_ERROR(Finish(d, "shard answer"));
   return m;
 }

@@ -98,18 +98,35 @@ inline constexpr size_t kResponseHeaderBytes = 24;
 //                  (code != Ok: count is 0 and an error message of u32 len + bytes follows)
 // Added in protocol version 1 without a bump: a daemon that does not know these ids drops
 // the query (UCX logs it) and the asker's timeout falls back to the backing store.
+//
+// Checksums with the commit (docs/PEERS.md): the asker sets kQueryWantsChecksums in hold_ms
+// (an older server reads a long hold and caps it, then answers as before); a server that
+// knows the flag may append to an Ok answer, after the states, a versioned section with the
+// block CRCs of durable shards it wrote:
+//   u8 version (1), u32 n, n x {u32 path index, u64 dev, u64 ino, u64 size, u64 mtime_ns,
+//                               u32 block_bytes, u32 count, count x u32 crc32c}
+// An answer that ends after its states (an older server) has none; a section of a version
+// the asker does not know is skipped whole. Each record's count is ceil(size / block_bytes)
+// with block_bytes a power of two in [4 KiB, 16 MiB]; at most kMaxAnswerChecksumBytes of
+// records per answer (the shards past it go without: they stay unchecked there).
 inline constexpr size_t kMaxQueryPaths = 16384;
 inline constexpr size_t kMaxQueryBytes = 1u << 20;  // an encoded query, at most
+inline constexpr uint32_t kQueryWantsChecksums = 1u << 31;
+inline constexpr uint8_t kChecksumSectionVersion = 1;
+inline constexpr size_t kMaxAnswerChecksumBytes = 1u << 20;
 struct ShardQuery {
   uint64_t query_id = 0;
-  uint32_t hold_ms = 0;
+  uint32_t hold_ms = 0;  // below kQueryWantsChecksums
+  bool want_checksums = false;
   std::vector<std::string> paths;
 };
 struct ShardAnswer {
   uint64_t query_id = 0;
   uint32_t code = 0;  // ckptfs::Code
-  std::vector<ShardStatus> states;  // one per queried path, in order (code Ok)
-  std::string error;                // code != Ok
+  // One per queried path, in order (code Ok); a durable state may carry its shard's block
+  // CRCs (encoded within kMaxAnswerChecksumBytes, the rest dropped).
+  std::vector<ShardStatus> states;
+  std::string error;  // code != Ok
 };
 std::string EncodeShardQuery(const ShardQuery& m);
 Result<ShardQuery> DecodeShardQuery(std::string_view bytes);

@@ -145,6 +145,22 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e) {
       it = foreign_.erase(it);
       continue;
     }
+    // A node is declared dead and the `.metadata` is not there: the save failed with it (its
+    // ranks could not finish, so no coordinator publishes it). Given up now instead of at
+    // the commit timeout; a tracker naming it is withheld (Publication), everything else
+    // goes on. Not asked of the live nodes yet: a live coordinator slower than a node's
+    // death is taken as failed too (docs/PEERS.md, "Not done yet").
+    if (peers_ != nullptr) {
+      if (std::string lost = peers_->LostPeers(); !lost.empty()) {
+        const std::string dir = ckpt;
+        it = foreign_.erase(it);
+        ++stats_.given_up;
+        spdlog::error("checkpoint {}: given up: its .metadata never appeared and a node was "
+                      "declared dead: {}", dir, lost);
+        if (host_ != nullptr) host_->GaveUp(dir, "declared dead: " + lost);
+        continue;
+      }
+    }
     if (now > ordered_.deadline) {
       const std::string dir = ckpt;
       ordered_.seq = 0;
@@ -290,6 +306,17 @@ CommitCheck CommitGate::Check(const JournalEntry& e, const QueuedPublishes* queu
         it = p.need.erase(it);
         continue;
       }
+      // No live node writes it or has published it, the backing store does not show it,
+      // and a node is declared dead: it was that node's. The checkpoint is given up now,
+      // not at the commit timeout, and nothing halts (docs/SEMANTICS.md, "A lost node").
+      if (peers_ != nullptr) {
+        if (std::string lost = peers_->LostPeers(); !lost.empty()) {
+          current_.seq = 0;
+          ++stats_.given_up;
+          return Status(Code::kNodeLost, "shard " + path + " is on no live node and not on "
+                                         "the backing store; declared dead: " + lost);
+        }
+      }
       waiting.push_back(path);
       ++it;
     }
@@ -353,6 +380,8 @@ bool CommitGate::Confirm(const std::string& path, uint64_t min_len) {
 }
 
 void CommitGate::OnPeerShardAnswers(uint64_t round, std::vector<PeerShardAnswer> answers) {
+  // Block CRCs that came with durable answers, handed on after the lock.
+  std::vector<std::pair<std::string, std::shared_ptr<const ShardChecksums>>> sums;
   {
     MutexLock lock(&mu_);
     if (round != round_) return;  // a later round replaced it (another commit)
@@ -364,6 +393,10 @@ void CommitGate::OnPeerShardAnswers(uint64_t round, std::vector<PeerShardAnswer>
       switch (a.status.state) {
         case ShardState::kDurable:
           ++stats_.answers_durable;
+          if (a.status.checksums) {
+            ++stats_.peer_checksums;
+            sums.emplace_back(paths[i], a.status.checksums);
+          }
           break;
         case ShardState::kPending:
           ++stats_.answers_pending;
@@ -378,10 +411,15 @@ void CommitGate::OnPeerShardAnswers(uint64_t round, std::vector<PeerShardAnswer>
           ++(a.unreachable ? stats_.answers_unreachable : stats_.answers_unknown);
           break;
       }
+      a.status.checksums.reset();  // handed on below; the gate needs the state only
       if (round_seq_ == current_.seq) answers_[paths[i]] = a;
     }
   }
-  if (host_ != nullptr) host_->WakeGate();
+  if (host_ != nullptr) {
+    // Before the wake: the commit this round gates is built from them once applied.
+    for (auto& [path, checksums] : sums) host_->OnPeerChecksums(path, std::move(checksums));
+    host_->WakeGate();
+  }
 }
 
 uint64_t CommitGate::remote_polls() const {
@@ -411,7 +449,9 @@ void CommitGateStats::AppendJson(nlohmann::json* out) const {
                         {"failed", answers_failed},
                         {"unknown", answers_unknown},
                         {"unreachable", answers_unreachable}}},
+                      {"peer_checksums", peer_checksums},
                       {"peer_confirmed", peer_confirmed},
+                      {"given_up", given_up},
                       {"peer_refused", peer_refused}};
 }
 

@@ -101,6 +101,16 @@ class CommitGateHost {
   virtual std::optional<uint64_t> PublishedLength(const std::string& path) = 0;
   // A round of peer answers arrived: the journal asks the gate again now.
   virtual void WakeGate() = 0;
+  // Checkpoint `dir`, whose `.metadata` another node was to publish, is given up: a node
+  // was declared dead and the `.metadata` never appeared (docs/SEMANTICS.md, "A lost node").
+  virtual void GaveUp(const std::string& dir, const std::string& why) { (void)dir, (void)why; }
+  // A peer answered `path` durable with its block CRCs (the commit query): whoever indexes
+  // the checkpoint may use them for that very file version. Called outside the gate's lock.
+  virtual void OnPeerChecksums(const std::string& path,
+                               std::shared_ptr<const ShardChecksums> checksums) {
+    (void)path;
+    (void)checksums;
+  }
 
  protected:
   ~CommitGateHost() = default;
@@ -117,9 +127,11 @@ struct CommitGateStats {
   // Per path answered, by the gathered state.
   uint64_t answers_durable = 0, answers_pending = 0, answers_dropped = 0, answers_failed = 0,
            answers_unknown = 0;
+  uint64_t peer_checksums = 0;  // durable answers that came with the shard's block CRCs
   uint64_t answers_unreachable = 0;  // unknown while some peer could not be asked
   uint64_t peer_confirmed = 0;       // shards counted on a peer's word (+ a stat)
   uint64_t peer_refused = 0;         // commits refused on a peer's "dropped"
+  uint64_t given_up = 0;             // commits given up: their shards were a dead node's
   // Under "commit_gate" in /.ckptfs/stats, plus flat peer_commit_queries, remote_polls.
   void AppendJson(nlohmann::json* j) const;
 };

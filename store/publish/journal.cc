@@ -703,6 +703,8 @@ JournalCounts Journal::counts() const {
   c.presyncs = presync_.done();
   MutexLock lock(&mu_);
   c.skipped = skipped_;
+  c.superseded = superseded_;
+  c.given_up = given_up_;
   c.applied_ahead = applied_ahead_;
   c.retries = retries_;
   return c;
@@ -985,10 +987,12 @@ std::deque<Journal::Queued>::iterator Journal::FindLocked(uint64_t seq) {
 }
 
 void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, bool at_head) {
-  if (st.code() == Code::kSuperseded) RemoveSkippedCommit(e);
+  if (st.code() == Code::kSuperseded || st.code() == Code::kNodeLost) RemoveSkippedCommit(e);
   MutexLock lock(&mu_);
-  // A superseded commit failed nothing: it is skipped in either mode.
-  const bool halts = options_.halt_on_failure && st.code() != Code::kSuperseded &&
+  // A superseded commit failed nothing: it is skipped in either mode. One given up for a
+  // lost node failed its checkpoint, never the rest: skipped in either mode too.
+  const bool decided = st.code() == Code::kSuperseded || st.code() == Code::kNodeLost;
+  const bool halts = options_.halt_on_failure && !decided &&
                      (e.op == OpType::kPublish || commit || IsTransient(st));
   if (!halts) {
     // A namespace entry the backing store refuses for good (someone else changed it),
@@ -996,13 +1000,20 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     // that made the entry returns it to the application.
     queue_.erase(FindLocked(e.seq));
     failures_[e.seq] = st;
-    ++skipped_;
+    if (st.code() == Code::kSuperseded) {
+      ++superseded_;  // the later save commits the directory: nothing is missing
+    } else {
+      ++skipped_;
+      if (st.code() == Code::kNodeLost) ++given_up_;
+    }
     if (!at_head) done_ahead_.insert(e.seq);
     AdvanceDoneLocked();
     ++finalizing_;
     lock.Unlock();
     if (st.code() == Code::kSuperseded) {
       spdlog::info("journal: {} superseded: {}", e.Describe(), st.message());
+    } else if (st.code() == Code::kNodeLost) {
+      spdlog::error("journal: {} given up: {}", e.Describe(), st.message());
     } else {
       spdlog::error("journal: {} skipped: {}", e.Describe(), st.ToString());
     }

@@ -234,7 +234,9 @@ struct JournalOptions {
 
 // Counters for reports (/.ckptfs/stats).
 struct JournalCounts {
-  uint64_t skipped = 0;        // entries skipped or dropped, never applied
+  uint64_t skipped = 0;        // entries skipped or dropped, never applied (not superseded)
+  uint64_t superseded = 0;     // commits a later save replaced (not a failure)
+  uint64_t given_up = 0;       // of `skipped`: commits and trackers given up for a lost node
   uint64_t applied_ahead = 0;  // publishes applied ahead of a waiting commit
   uint64_t retries = 0;        // attempts at a halted entry
   uint64_t presyncs = 0;       // early syncs that succeeded (EarlySyncs)
@@ -419,6 +421,8 @@ class Journal final : public QueuedPublishes {
   uint64_t retries_ GUARDED_BY(mu_) = 0;
   std::map<uint64_t, Status> failures_ GUARDED_BY(mu_);  // outcomes of skipped entries
   uint64_t skipped_ GUARDED_BY(mu_) = 0;
+  uint64_t superseded_ GUARDED_BY(mu_) = 0;
+  uint64_t given_up_ GUARDED_BY(mu_) = 0;
   // Entries taken off queue_ whose Finalize() (records, delegate) has not returned yet.
   uint64_t finalizing_ GUARDED_BY(mu_) = 0;
   bool stop_ GUARDED_BY(mu_) = false;

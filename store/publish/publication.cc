@@ -3,9 +3,13 @@
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
+#include <algorithm>
+#include <cctype>
+
 #include "common/path.h"
 #include "store/cache/retained_tier.h"
 #include "store/dcp/checkpoint_source.h"
+#include "store/dcp/metadata_file.h"
 #include "store/primitives/file_key.h"
 #include "store/flush/flush_pipeline.h"
 #include "store/publish/commit_names.h"
@@ -32,7 +36,13 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
   CKPT_ASSIGN_OR_RETURN(p->registry_, CheckpointRegistry::Load(db));
 
   // The parts ask Publication what the mount knows (its private bases).
-  p->shard_states_ = std::make_unique<LocalShardStates>(static_cast<LocalShardQuestions*>(self));
+  // Peers asking about a shard durable here get its block CRCs with the answer, so the
+  // node indexing the checkpoint need not read it back (docs/PEERS.md).
+  p->shard_states_ = std::make_unique<LocalShardStates>(
+      static_cast<LocalShardQuestions*>(self), 65536,
+      [index](const std::string& path) {
+        return index != nullptr ? index->ShardChecksumsOf(path) : nullptr;
+      });
   p->gate_ = std::make_unique<CommitGate>(dir, p->options_.gate,
                                           static_cast<CommitGateHost*>(self), p->options_.peers);
   JournalOptions journal;
@@ -118,11 +128,88 @@ bool Publication::DeletedLocally(const std::string& path) {
 // ------------------------------------------------------------ the parts' questions
 
 CommitCheck Publication::CheckCommit(const JournalEntry& e, const QueuedPublishes& queued) {
-  return gate_->Check(e, &queued);
+  CommitCheck check = gate_->Check(e, &queued);  // may give up a checkpoint (GaveUp)
+  if (check.status.ok() && check.ready && !IsCommitName(e.path) && IsTrackerCandidate(e)) {
+    if (auto lost = NamesLostCheckpoint(e)) {
+      // G4 over G8: the tracker would name a checkpoint that never commits. The backing
+      // store keeps the tracker before it (naming the last committed one).
+      return Status(Code::kNodeLost, "it names checkpoint " + lost->first +
+                                         ", which was given up: " + lost->second);
+    }
+  }
+  return check;
+}
+
+void Publication::GaveUp(const std::string& dir, const std::string& why) {
+  registry_->OnFailed(dir, "given up: " + why);
+  MutexLock lock(&lost_mu_);
+  if (lost_.size() >= 1024) lost_.erase(lost_.begin());
+  lost_[dir] = why;
 }
 
 bool Publication::Gated(const JournalEntry& e) {
-  return options_.cross_node_order && CommitGate::IsOrderedEntry(e);
+  if (options_.cross_node_order && CommitGate::IsOrderedEntry(e)) return true;
+  if (!IsTrackerCandidate(e)) return false;
+  MutexLock lock(&lost_mu_);
+  return !lost_.empty();
+}
+
+bool Publication::IsTrackerCandidate(const JournalEntry& e) {
+  if (e.op != OpType::kPublish && e.op != OpType::kRename) return false;
+  if (S_ISDIR(e.mode) || IsCommitName(e.path)) return false;
+  const std::string_view name = path::Basename(e.path);
+  return !name.ends_with(".distcp") && !name.ends_with(".tmp") &&
+         !name.starts_with(".ckptfs-tmp.") && (e.op != OpType::kPublish || e.size <= 4096);
+}
+
+namespace {
+
+// The integer a name ends with ("iter_0000100" -> 100), if it ends with digits.
+std::optional<uint64_t> TrailingNumber(std::string_view s) {
+  size_t i = s.size();
+  while (i > 0 && s[i - 1] >= '0' && s[i - 1] <= '9') --i;
+  if (i == s.size() || s.size() - i > 18) return std::nullopt;
+  return std::stoull(std::string(s.substr(i)));
+}
+
+}  // namespace
+
+std::optional<std::pair<std::string, std::string>> Publication::NamesLostCheckpoint(
+    const JournalEntry& e) {
+  std::map<std::string, std::string> lost;
+  {
+    MutexLock lock(&lost_mu_);
+    if (lost_.empty()) return std::nullopt;
+    lost = lost_;
+  }
+  // Its bytes: a publish's are durable in its temp file; a rename's are in its source.
+  Result<struct stat> st = dir_->Stat(e.from);
+  if (!st.ok() || st->st_size > 4096) return std::nullopt;
+  Result<std::string> bytes = ReadMetadataBytes(dir_, e.from);
+  if (!bytes.ok()) return std::nullopt;
+  std::string_view text = *bytes;
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) {
+    text.remove_suffix(1);
+  }
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) {
+    text.remove_prefix(1);
+  }
+  if (text.empty()) return std::nullopt;
+  const std::string parent = path::Parent(e.path);
+  for (const auto& [dir, why] : lost) {
+    if (path::Parent(dir) != parent) continue;
+    const std::string_view base = path::Basename(dir);
+    bool names = text == base || text == dir ||
+                 (text.size() > base.size() && text.ends_with(base) &&
+                  text[text.size() - base.size() - 1] == '/');
+    if (!names && std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
+        text.size() <= 18) {
+      // Megatron: the tracker holds the iteration, the directory is iter_0000100.
+      names = TrailingNumber(base) == std::stoull(std::string(text));
+    }
+    if (names) return std::make_pair(dir, why);
+  }
+  return std::nullopt;
 }
 
 bool Publication::WrittenLocally(const std::string& path) {
@@ -238,6 +325,13 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
   if (st.code() == Code::kSuperseded) {
     // A later save into the same directory commits it; nothing failed. The registry keeps
     // the state that later save gave the directory.
+  } else if (st.code() == Code::kNodeLost && commit) {
+    registry_->OnFailed(dir, st.ToString(), e.seq);
+    MutexLock lock(&lost_mu_);
+    if (lost_.size() >= 1024) lost_.erase(lost_.begin());
+    lost_[dir] = st.message();
+  } else if (st.code() == Code::kNodeLost) {
+    // A tracker withheld: nothing of its checkpoint changes.
   } else if (!st.ok()) {
     if (e.op == OpType::kPublish || commit) {
       if (st.code() == Code::kAborted) {
@@ -263,7 +357,13 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
   // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
   registry_->OnApplied(journal_->applied());
   if (st.ok() && e.op == OpType::kRename) index_->OnRenamed(e.from, e.path);
-  if (st.ok() && e.op == OpType::kRmdir) index_->Forget(e.path);
+  if (st.ok() && e.op == OpType::kRmdir) {
+    index_->Forget(e.path);
+    MutexLock lock(&lost_mu_);
+    for (auto it = lost_.lower_bound(e.path); it != lost_.end() && it->first.starts_with(e.path);) {
+      it = path::IsAtOrBelow(it->first, e.path) ? lost_.erase(it) : std::next(it);
+    }
+  }
   return committed;
 }
 
@@ -271,6 +371,11 @@ void Publication::SetFileTimes(const JournalEntry& e) {
   if (!(e.atime_sec || e.atime_nsec || e.mtime_sec || e.mtime_nsec)) return;
   struct timespec ts[2] = {{e.atime_sec, e.atime_nsec}, {e.mtime_sec, e.mtime_nsec}};
   (void)dir_->Utimens(e.path, ts);
+}
+
+void Publication::OnPeerChecksums(const std::string& path,
+                                  std::shared_ptr<const ShardChecksums> checksums) {
+  index_->AddPeerBlockCrcs(path, *checksums);
 }
 
 void Publication::HandOverBlockCrcs(const JournalEntry& e) {

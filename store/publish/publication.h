@@ -21,10 +21,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/mutex.h"
@@ -177,8 +179,11 @@ class Publication final : private JournalDelegate,
   bool RewrittenSince(const std::string& path, uint64_t seq) override;
   bool PendingLocally(const std::string& path) override;
   bool DeletedLocally(const std::string& path) override EXCLUDES(dropped_mu_);
+  void GaveUp(const std::string& dir, const std::string& why) override EXCLUDES(lost_mu_);
   std::optional<uint64_t> PublishedLength(const std::string& path) override;
   void WakeGate() override;
+  void OnPeerChecksums(const std::string& path,
+                       std::shared_ptr<const ShardChecksums> checksums) override;
   // The registry's and the key index's side of an applied entry; returns the directory
   // of a checkpoint it committed, or "".
   std::string NoteApplied(const JournalEntry& e, const Status& st);
@@ -201,6 +206,17 @@ class Publication final : private JournalDelegate,
   // publication was halted: a `.metadata` naming one is refused at once.
   Mutex dropped_mu_;
   std::set<std::string> dropped_paths_ GUARDED_BY(dropped_mu_);
+
+  // Checkpoints given up because a node they waited for was declared dead (dir -> reason),
+  // for the trackers that name them (docs/SEMANTICS.md, "A lost node"); bounded.
+  mutable Mutex lost_mu_;
+  std::map<std::string, std::string> lost_ GUARDED_BY(lost_mu_);
+  // A small file that may name a checkpoint (Megatron's latest_checkpointed_iteration.txt):
+  // published or renamed onto its name, not a shard, commit or `*.tmp` file.
+  static bool IsTrackerCandidate(const JournalEntry& e);
+  // The given-up checkpoint the tracker `e` names, if any, with the reason it was given up.
+  std::optional<std::pair<std::string, std::string>> NamesLostCheckpoint(const JournalEntry& e)
+      EXCLUDES(lost_mu_);
 };
 
 }  // namespace ckptfs::store

@@ -22,16 +22,19 @@
 // Thread-safe.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
-#include <chrono>
+#include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "common/mutex.h"
 #include "common/status.h"
+#include "store/flush/block_crc_map.h"
 #include "store/publish/journal.h"
 
 namespace ckptfs::store {
@@ -49,7 +52,10 @@ const char* ShardStateName(ShardState s);
 struct ShardStatus {
   ShardState state = ShardState::kUnknown;
   uint64_t length = 0;  // kDurable: the published size
-  bool operator==(const ShardStatus&) const = default;
+  // kDurable, when the writer has them and the asker wants them: the shard's block CRCs.
+  // Not part of the status's identity (operator==).
+  std::shared_ptr<const ShardChecksums> checksums;
+  bool operator==(const ShardStatus& o) const { return state == o.state && length == o.length; }
 };
 
 // One path's answer gathered from every peer (CommitQuerier): the most useful state any
@@ -77,6 +83,12 @@ class ShardStateProvider {
   // In memory only: never touches the backing store, never waits for long (it may take
   // the namespace lock briefly).
   virtual ShardStatus Query(const std::string& path) = 0;
+  // The block CRCs this node recorded while writing `path` (its latest published version),
+  // or null. In memory only, like Query.
+  virtual std::shared_ptr<const ShardChecksums> Checksums(const std::string& path) {
+    (void)path;
+    return nullptr;
+  }
   // One listener (borrowed); null removes it, and returns only once no call to the old one
   // is running.
   virtual void SetListener(ShardStateListener* listener) = 0;
@@ -102,6 +114,11 @@ class PeerShardAsker {
   // answers with `round`. Never blocks.
   virtual bool AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
                               PeerShardAnswerSink* sink, uint64_t round) = 0;
+  // The peers declared dead now (no authenticated connection for --peer-dead-after), for a
+  // log line and a checkpoint's failure reason; empty when none. A shard that no live
+  // node is writing or has published, and that the backing store does not show, belongs to
+  // one of them: its commit is given up (docs/SEMANTICS.md, "A lost node").
+  virtual std::string LostPeers() { return {}; }
 
  protected:
   ~PeerShardAsker() = default;
@@ -121,13 +138,19 @@ class LocalShardQuestions {
 
 class LocalShardStates : public ShardStateProvider {
  public:
+  using ChecksumsFn = std::function<std::shared_ptr<const ShardChecksums>(const std::string&)>;
   // `local` may be null (nothing is pending or deleted here) and must outlive it.
-  explicit LocalShardStates(LocalShardQuestions* local, size_t max_records = 65536)
-      : local_(local), max_records_(max_records) {}
+  // `checksums` answers Checksums() (null: none); it must be in memory and quick.
+  explicit LocalShardStates(LocalShardQuestions* local, size_t max_records = 65536,
+                            ChecksumsFn checksums = nullptr)
+      : local_(local), max_records_(max_records), checksums_(std::move(checksums)) {}
   LocalShardStates(const LocalShardStates&) = delete;
   LocalShardStates& operator=(const LocalShardStates&) = delete;
 
   ShardStatus Query(const std::string& path) override;
+  std::shared_ptr<const ShardChecksums> Checksums(const std::string& path) override {
+    return checksums_ ? checksums_(path) : nullptr;
+  }
   void SetListener(ShardStateListener* listener) override EXCLUDES(listener_mu_);
 
   // The size `path` was published with through this mount, if it is in the record as
@@ -148,6 +171,7 @@ class LocalShardStates : public ShardStateProvider {
 
   LocalShardQuestions* const local_;
   const size_t max_records_;
+  const ChecksumsFn checksums_;
   mutable Mutex mu_;
   std::map<std::string, Record> records_ GUARDED_BY(mu_);
   // (path, stamp) in insertion order; an entry whose stamp differs from the record's is

@@ -94,7 +94,7 @@ struct Env {
     auto s = StateDb::Open(state_path);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     db = std::move(s).value();
-    auto k = KeyIndex::Create(dir.get(), db.get());
+    auto k = KeyIndex::Create(dir.get(), db.get(), options);
     ASSERT_TRUE(k.ok());
     index = std::move(k).value();
   }
@@ -105,6 +105,7 @@ struct Env {
     std::string Path(const std::string& rel) const { return path() + "/" + rel; }
   } tmp;
   std::string backing_path, state_path;
+  KeyIndexOptions options;  // for Reopen
   std::unique_ptr<BackingDir> dir;
   std::unique_ptr<StateDb> db;
   std::unique_ptr<KeyIndex> index;
@@ -579,6 +580,96 @@ TEST(KeyIndex, BlockCrcsOfAnotherFileVersionAreNeverUsed) {
   ASSERT_TRUE(env.index->BuildFrom("ck", w.md, /*checksums=*/true).ok());
   for (const IndexedItem& it : env.index->Items("ck").value()) {
     EXPECT_EQ(it.checksum, RefCrc32c(changed.data() + it.offset, it.length)) << KeyName(it);
+  }
+}
+
+// Issue 39: the node indexing a checkpoint builds it from the block CRCs each shard's writer
+// vouched for over the commit query, reading no bulk of another node's shard; a shard
+// nobody vouched for stays unchecked; a peer's CRCs count only for the version they describe
+// and never displace this node's own; a wrong one is caught by Verify.
+TEST(KeyIndex, PeerBlockCrcsChecksumItemsAtCommitAndNeverWidenTrust) {
+  Env writer;  // the shard's writer node: its own map, handed out as ShardChecksums
+  WrittenShard w = WriteShard(&writer, "ck", 8, 7);
+  const fs::path shard = writer.Backing("ck/__0_0.distcp");
+  writer.index->AddBlockCrcs("ck/__0_0.distcp", KeyOf(shard), w.crcs);
+  std::shared_ptr<const ShardChecksums> vouched = writer.index->ShardChecksumsOf("ck/__0_0.distcp");
+  ASSERT_NE(vouched, nullptr);
+  EXPECT_EQ(vouched->id, KeyOf(shard));
+  EXPECT_EQ(vouched->block_bytes, w.crcs->block_bytes());
+  EXPECT_EQ(vouched->block_crcs.size(),
+            (w.bytes.size() + vouched->block_bytes - 1) / vouched->block_bytes);
+  EXPECT_EQ(writer.index->ShardChecksumsOf("ck/none"), nullptr);
+
+  // The indexing node: same backing files, its own state; peers' shards are not read back.
+  Env indexer;
+  indexer.options.read_unvouched_items = false;
+  indexer.Reopen();
+  fs::create_directories(indexer.Backing("ck"));
+  fs::copy_file(shard, indexer.Backing("ck/__0_0.distcp"));
+  const FileKey here = KeyOf(indexer.Backing("ck/__0_0.distcp"));
+  ShardChecksums sums = *vouched;
+  sums.id = here;
+  sums.id.dev = here.dev + 1;  // the writer's device number is its own: not compared
+  ShardChecksums other_version = sums;
+  other_version.id.mtime_ns += 1;
+  EXPECT_FALSE(indexer.index->AddPeerBlockCrcs("ck/__0_0.distcp", other_version));
+  EXPECT_FALSE(indexer.index->AddPeerBlockCrcs("ck/absent", sums));
+  ShardChecksums short_list = sums;
+  short_list.block_crcs.pop_back();
+  EXPECT_FALSE(indexer.index->AddPeerBlockCrcs("ck/__0_0.distcp", short_list));
+  ASSERT_TRUE(indexer.index->AddPeerBlockCrcs("ck/__0_0.distcp", sums));
+  // What a peer said is never handed on as this node's word.
+  EXPECT_EQ(indexer.index->ShardChecksumsOf("ck/__0_0.distcp"), nullptr);
+
+  uint64_t before = indexer.dir->bytes_read();
+  ASSERT_TRUE(indexer.index->BuildFrom("ck", w.md, /*checksums=*/true).ok());
+  uint64_t read = indexer.dir->bytes_read() - before;
+  EXPECT_LT(read * 8, w.bytes.size()) << "read the bulk of a shard its writer vouched for";
+  for (const IndexedItem& it : indexer.index->Items("ck").value()) {
+    ASSERT_TRUE(it.has_checksum) << KeyName(it);
+    EXPECT_EQ(it.checksum, RefCrc32c(w.bytes.data() + it.offset, it.length)) << KeyName(it);
+  }
+  EXPECT_EQ(indexer.index->block_crc_bytes(), 0u) << "used maps are released";
+
+  // A shard nobody vouched for: unchecked after the commit, nothing read to checksum it.
+  fs::create_directories(indexer.Backing("ck2"));
+  fs::copy_file(shard, indexer.Backing("ck2/__0_0.distcp"));
+  before = indexer.dir->bytes_read();
+  ASSERT_TRUE(indexer.index->BuildFrom("ck2", w.md, /*checksums=*/true).ok());
+  read = indexer.dir->bytes_read() - before;
+  EXPECT_LT(read * 8, w.bytes.size());
+  for (const IndexedItem& it : indexer.index->Items("ck2").value()) {
+    EXPECT_FALSE(it.has_checksum) << KeyName(it);
+  }
+
+  // A wrong CRC from an (authenticated) peer makes a wrong checksum, which Verify catches.
+  fs::create_directories(indexer.Backing("ck3"));
+  fs::copy_file(shard, indexer.Backing("ck3/__0_0.distcp"));
+  ShardChecksums wrong = *vouched;
+  wrong.id = KeyOf(indexer.Backing("ck3/__0_0.distcp"));
+  wrong.block_crcs[w.md.items[0].length / 2 / wrong.block_bytes] ^= 1;  // inside item 0
+  ASSERT_TRUE(indexer.index->AddPeerBlockCrcs("ck3/__0_0.distcp", wrong));
+  ASSERT_TRUE(indexer.index->BuildFrom("ck3", w.md, /*checksums=*/true).ok());
+  // (Verify, a full re-read, compares each recorded checksum with the bytes:
+  // VerifyPassesPristineAndListsExactlyTheFlippedKey.) Exactly the item over that block:
+  size_t wrong_items = 0;
+  for (const IndexedItem& it : indexer.index->Items("ck3").value()) {
+    ASSERT_TRUE(it.has_checksum) << KeyName(it);
+    if (it.checksum != RefCrc32c(w.bytes.data() + it.offset, it.length)) ++wrong_items;
+  }
+  EXPECT_EQ(wrong_items, 1u);
+
+  // This node's own map is never displaced by a peer's (wrong) one.
+  fs::create_directories(indexer.Backing("ck4"));
+  fs::copy_file(shard, indexer.Backing("ck4/__0_0.distcp"));
+  const FileKey mine = KeyOf(indexer.Backing("ck4/__0_0.distcp"));
+  indexer.index->AddBlockCrcs("ck4/__0_0.distcp", mine, w.crcs);
+  wrong.id = mine;
+  (void)indexer.index->AddPeerBlockCrcs("ck4/__0_0.distcp", wrong);  // ignored
+  ASSERT_TRUE(indexer.index->BuildFrom("ck4", w.md, /*checksums=*/true).ok());
+  for (const IndexedItem& it : indexer.index->Items("ck4").value()) {
+    ASSERT_TRUE(it.has_checksum) << KeyName(it);
+    EXPECT_EQ(it.checksum, RefCrc32c(w.bytes.data() + it.offset, it.length)) << KeyName(it);
   }
 }
 

@@ -224,5 +224,44 @@ TEST(BlockCrcMap, WritesAfterFinishPoisonAndMemoryIsBounded) {
   EXPECT_EQ(bounded.known_blocks(), 2u);
 }
 
+// Issue 39: what a writer hands to another node (BlockCrcs) rebuilds, there, a map that gives
+// the same item CRCs; a list that does not describe a file of that size is refused, and an
+// unfinished or incomplete map vouches for nothing.
+TEST(BlockCrcMap, BlockCrcsRoundTripToAnotherNodeAndBadListsAreRefused) {
+  const std::string file = RandomBytes(5 * kBlock + 123, 31);
+  BlockCrcOptions o;
+  o.block_bytes = kBlock;
+  BlockCrcMap map(o);
+  std::mt19937_64 rng(5);
+  for (auto [off, len] : RandomChunks(file.size(), rng)) map.Record(off, file.data() + off, len);
+  EXPECT_FALSE(map.BlockCrcs().has_value()) << "unfinished";
+  map.Finish(file.size());
+  std::optional<std::vector<uint32_t>> crcs = map.BlockCrcs();
+  ASSERT_TRUE(crcs.has_value());
+  ASSERT_EQ(crcs->size(), 6u);
+  std::shared_ptr<BlockCrcMap> there = BlockCrcMap::FromBlockCrcs(kBlock, file.size(), *crcs);
+  ASSERT_NE(there, nullptr);
+  EXPECT_TRUE(there->finished());
+  EXPECT_EQ(there->size(), file.size());
+  for (int i = 0; i < 200; ++i) {
+    uint64_t off = rng() % file.size();
+    uint64_t len = rng() % (file.size() - off);
+    EXPECT_EQ(ItemCrc(*there, file, off, len), Crc32c(file.data() + off, len)) << off << "+" << len;
+  }
+  crcs->pop_back();
+  EXPECT_EQ(BlockCrcMap::FromBlockCrcs(kBlock, file.size(), *crcs), nullptr);  // count
+  crcs->push_back(0);
+  EXPECT_EQ(BlockCrcMap::FromBlockCrcs(kBlock + 1, file.size(), *crcs), nullptr);
+  EXPECT_EQ(BlockCrcMap::FromBlockCrcs(1024, file.size(), *crcs), nullptr);  // too small
+  EXPECT_EQ(BlockCrcMap::FromBlockCrcs(kBlock, file.size(), *crcs, /*max_blocks=*/5), nullptr);
+  EXPECT_NE(BlockCrcMap::FromBlockCrcs(kBlock, 0, {}), nullptr);  // an empty file
+
+  BlockCrcMap holey(o);
+  holey.Record(0, file.data(), kBlock);
+  holey.Record(2 * kBlock, file.data() + 2 * kBlock, file.size() - 2 * kBlock);
+  holey.Finish(file.size());
+  EXPECT_FALSE(holey.BlockCrcs().has_value()) << "a block never written is vouched for";
+}
+
 }  // namespace
 }  // namespace ckptfs::store

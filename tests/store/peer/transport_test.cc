@@ -682,6 +682,102 @@ TEST(PeerProtocol, ShardQueryAndAnswerRoundTripAndBadInputIsRejected) {
   }
 }
 
+// Issue 39: durable answers carry their writer's block CRCs in a versioned, bounded section
+// after the states, asked for by a flag an older server ignores; an answer without it (an
+// older server) and one with a later version's section still parse.
+TEST(PeerProtocol, ShardAnswerChecksumSectionIsVersionedBoundedAndChecked) {
+  ShardQuery q;
+  q.query_id = 9;
+  q.hold_ms = 1500;
+  q.want_checksums = true;
+  q.paths = {"ck/__0_0.distcp"};
+  std::string qe = EncodeShardQuery(q);
+  auto qb = DecodeShardQuery(qe);
+  ASSERT_TRUE(qb.ok());
+  EXPECT_TRUE(qb->want_checksums);
+  EXPECT_EQ(qb->hold_ms, 1500u);
+  // An older server reads the flag as a long hold (and caps it): nothing else changes.
+  EXPECT_EQ(static_cast<uint8_t>(qe[11]) & 0x80, 0x80);
+  q.want_checksums = false;
+  EXPECT_FALSE(DecodeShardQuery(EncodeShardQuery(q))->want_checksums);
+
+  auto sums = std::make_shared<ShardChecksums>();
+  sums->id = FileKey{7, 8, (1u << 20) + 5, 123456789};
+  sums->block_bytes = 64u << 10;
+  for (uint32_t i = 0; i < 17; ++i) sums->block_crcs.push_back(0x01020304u * (i + 1));
+  ShardAnswer a;
+  a.query_id = 10;
+  a.code = static_cast<uint32_t>(Code::kOk);
+  a.states = {{ShardState::kPending, 0, nullptr},
+              {ShardState::kDurable, sums->id.size, sums},
+              {ShardState::kDurable, 5, nullptr}};
+  const std::string plain_prefix = [&] {
+    ShardAnswer p = a;
+    p.states[1].checksums.reset();
+    return EncodeShardAnswer(p);
+  }();
+  EXPECT_EQ(plain_prefix.size(), 16u + 3 * 9) << "no checksums: the format of before";
+  std::string enc = EncodeShardAnswer(a);
+  ASSERT_GT(enc.size(), plain_prefix.size());
+  EXPECT_EQ(enc.substr(0, plain_prefix.size()), plain_prefix);
+  auto ab = DecodeShardAnswer(enc);
+  ASSERT_TRUE(ab.ok()) << ab.status().ToString();
+  EXPECT_EQ(ab->states, a.states);
+  ASSERT_NE(ab->states[1].checksums, nullptr);
+  EXPECT_EQ(*ab->states[1].checksums, *sums);
+  EXPECT_EQ(ab->states[0].checksums, nullptr);
+  EXPECT_EQ(ab->states[2].checksums, nullptr);
+  // An older server's answer ends after the states: it parses, without checksums.
+  auto old = DecodeShardAnswer(plain_prefix);
+  ASSERT_TRUE(old.ok());
+  EXPECT_EQ(old->states[1].checksums, nullptr);
+  // A later version's section is skipped whole.
+  std::string later = plain_prefix + std::string(1, '\x02') + "whatever comes in v2";
+  auto lb = DecodeShardAnswer(later);
+  ASSERT_TRUE(lb.ok()) << lb.status().ToString();
+  EXPECT_EQ(lb->states[1].checksums, nullptr);
+  // Every cut inside the section is refused.
+  for (size_t cut = plain_prefix.size() + 1; cut < enc.size(); ++cut) {
+    EXPECT_FALSE(DecodeShardAnswer(enc.substr(0, cut)).ok()) << cut;
+  }
+  EXPECT_FALSE(DecodeShardAnswer(enc + "x").ok());
+  auto corrupt = [&](size_t at, char v) {
+    std::string e = enc;
+    e[at] = v;
+    return DecodeShardAnswer(e).ok();
+  };
+  const size_t sec = plain_prefix.size();  // version, n, then the record
+  EXPECT_FALSE(corrupt(sec + 1, 9)) << "more records than paths";
+  EXPECT_FALSE(corrupt(sec + 5, 0)) << "a record for a pending path";
+  EXPECT_FALSE(corrupt(sec + 5, 3)) << "a record for no path";
+  EXPECT_FALSE(corrupt(sec + 9 + 8 + 8, 6)) << "a size other than the durable length";
+  EXPECT_FALSE(corrupt(sec + 9 + 32, 1)) << "a block size that is no power of two";
+  EXPECT_FALSE(corrupt(sec + 9 + 36, 16)) << "a count that does not fit the size";
+  // Bounded: records past kMaxAnswerChecksumBytes are left out, the states stay.
+  auto big = std::make_shared<ShardChecksums>();
+  big->block_bytes = 4096;
+  big->block_crcs.assign(kMaxAnswerChecksumBytes / 4 / 2, 1);
+  big->id.size = uint64_t{4096} * big->block_crcs.size();
+  ShardAnswer many;
+  many.code = static_cast<uint32_t>(Code::kOk);
+  for (int i = 0; i < 3; ++i) many.states.push_back({ShardState::kDurable, big->id.size, big});
+  std::string me = EncodeShardAnswer(many);
+  EXPECT_LE(me.size(), 16 + 3 * 9 + 5 + kMaxAnswerChecksumBytes);
+  auto mb = DecodeShardAnswer(me);
+  ASSERT_TRUE(mb.ok()) << mb.status().ToString();
+  ASSERT_EQ(mb->states.size(), 3u);
+  EXPECT_NE(mb->states[0].checksums, nullptr);
+  EXPECT_EQ(mb->states[2].checksums, nullptr);
+  // Random garbage after a valid answer never crashes the section's decoder.
+  std::mt19937 rng(39);
+  for (int i = 0; i < 2000; ++i) {
+    std::string g = plain_prefix + std::string(1, '\x01');
+    g.resize(g.size() + rng() % 80);
+    for (size_t k = plain_prefix.size() + 1; k < g.size(); ++k) g[k] = static_cast<char>(rng());
+    (void)DecodeShardAnswer(g);
+  }
+}
+
 // ---- Commit query over real UCX. ----
 
 // A provider whose states the test sets; a change calls the server's listener.
@@ -697,6 +793,15 @@ class FakeShardStates : public ShardStateProvider {
     MutexLock lock(&mu_);
     listener_ = listener;
   }
+  std::shared_ptr<const ShardChecksums> Checksums(const std::string& path) override {
+    MutexLock lock(&mu_);
+    auto it = sums_.find(path);
+    return it == sums_.end() ? nullptr : it->second;
+  }
+  void SetChecksums(const std::string& path, std::shared_ptr<const ShardChecksums> sums) {
+    MutexLock lock(&mu_);
+    sums_[path] = std::move(sums);
+  }
   void Set(const std::string& path, ShardStatus st) {
     ShardStateListener* listener = nullptr;
     {
@@ -710,6 +815,7 @@ class FakeShardStates : public ShardStateProvider {
  private:
   Mutex mu_;
   std::map<std::string, ShardStatus> states_ GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<const ShardChecksums>> sums_ GUARDED_BY(mu_);
   ShardStateListener* listener_ GUARDED_BY(mu_) = nullptr;
   uint64_t queries_ GUARDED_BY(mu_) = 0;
 };
@@ -769,6 +875,31 @@ TEST_F(PeerShardQuery, AnswersAtOnceWhenNothingIsPendingThere) {
   ASSERT_EQ(big->size(), many.size());
   EXPECT_EQ(big->back(), (ShardStatus{ShardState::kDurable, 4096}));
   EXPECT_EQ(big->front().state, ShardState::kUnknown);
+}
+
+TEST_F(PeerShardQuery, DurableShardsComeWithTheirWritersBlockCrcsOverUcx) {
+  FakeShardStates states;
+  auto sums = std::make_shared<ShardChecksums>();
+  sums->id = FileKey{1, 2, 70000, 3};
+  sums->block_bytes = 64u << 10;
+  sums->block_crcs = {0xdeadbeef, 0x12345678};
+  states.Set("ck/__0_0.distcp", {ShardState::kDurable, 70000, nullptr});
+  states.SetChecksums("ck/__0_0.distcp", sums);
+  states.Set("ck/__1_0.distcp", {ShardState::kDurable, 99, nullptr});
+  states.SetChecksums("ck/__1_0.distcp", sums);  // of another size: not sent
+  states.SetChecksums("ck/__2_0.distcp", sums);  // not durable: not sent
+  auto server = Serve(&states, "127.0.0.1:7000");
+  ASSERT_NE(server, nullptr);
+  auto client = PeerClient::Connect(ClientOptions(server->port()));
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto got = (*client)->QueryShards({"ck/__0_0.distcp", "ck/__1_0.distcp", "ck/__2_0.distcp"},
+                                    1000ms);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->size(), 3u);
+  ASSERT_NE((*got)[0].checksums, nullptr);
+  EXPECT_EQ(*(*got)[0].checksums, *sums);
+  EXPECT_EQ((*got)[1].checksums, nullptr);
+  EXPECT_EQ((*got)[2].checksums, nullptr);
 }
 
 TEST_F(PeerShardQuery, APendingShardIsAnsweredWhenItBecomesDurableOrTheHoldEnds) {
