@@ -4,6 +4,7 @@ async then strict, with a fixed seed (CKPTFS_SOAK_SEED, default 4101), kills eve
 and its work directories are kept); see docs/RELIABILITY.md for the long form."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,7 @@ class Soak(unittest.TestCase):
             self.assertGreater(c["daemon_kills"], 0, f"{run['mode']}: no daemon kill")
             self.assertGreater(c["saves_train"], 0, f"{run['mode']}: no save")
             self.assertGreater(c["verify_loads"], 0, f"{run['mode']}: nothing verified")
+        shutil.rmtree(out, ignore_errors=True)   # kept when anything failed
 
 
 if __name__ == "__main__":
