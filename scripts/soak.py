@@ -586,7 +586,7 @@ class ModeRun:
                                    "timeout": HANG_S}, f"{name}{n}")
         rc = job.wait(stop=self.stop_ev)
         job.kill()
-        if rc is None:
+        if rc is None or (rc != 0 and self.stop_ev.is_set()):   # the soak's own stop
             return
         if rc != 0:
             if self.inc == inc and self.up.is_set():
@@ -673,7 +673,7 @@ class ModeRun:
                                  "mode": mode, "seed": t, "timeout": HANG_S}, f"load{n}")
         rc = job.wait(stop=self.stop_ev)
         job.kill()
-        if rc is None:
+        if rc is None or self.stop_ev.is_set():   # the soak's own stop killed it
             return
         if rc == 0:
             self.counts["loads_mount"] += 1
