@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets (pickle_fuzz, metadata_fuzz, zip_fuzz) with clang in
-# build-fuzz and runs each for FUZZ_SECONDS (default 30), seeded from tests/fixtures/dcp.
+# Builds the libFuzzer targets (pickle_fuzz, metadata_fuzz, zip_fuzz, safetensors_fuzz) with
+# clang in build-fuzz and runs each for FUZZ_SECONDS (default 30), seeded from
+# tests/fixtures/dcp (safetensors_fuzz: tests/fixtures/safetensors, its files and index).
 # Exits non-zero if any target crashes, leaks, times out or runs out of memory; the
 # reproducer is kept under build-fuzz/fuzz-work/.
 #
@@ -14,7 +15,7 @@ build="${FUZZ_BUILD_DIR:-$root/build-fuzz}"
 seconds="${FUZZ_SECONDS:-30}"
 jobs="${FUZZ_JOBS:-2}"
 fixtures="$root/tests/fixtures/dcp"
-targets=(pickle_fuzz metadata_fuzz zip_fuzz)
+targets=(pickle_fuzz metadata_fuzz zip_fuzz safetensors_fuzz)
 
 if [[ "$seconds" == 0 ]]; then
   echo "fuzz.sh: FUZZ_SECONDS=0, skipped"; exit 77
@@ -38,7 +39,7 @@ cmake --build "$build" -j"$jobs" --target "${targets[@]}"
 
 work="$build/fuzz-work"
 rm -rf "$work"
-mkdir -p "$work/seeds-pickle" "$work/seeds-zip"
+mkdir -p "$work/seeds-pickle" "$work/seeds-zip" "$work/seeds-safetensors"
 # Pickle seeds: every .metadata (protocols 2 to 5). Zip seeds: every .distcp; per-item
 # checkpoints hold exactly one torch.save archive per file.
 n=0
@@ -48,11 +49,17 @@ done < <(find "$fixtures" \( -name .metadata -o -name '*.metadata.p[0-9]' \) -pr
 while IFS= read -r -d '' f; do
   cp "$f" "$work/seeds-zip/seed$((n++))"
 done < <(find "$fixtures" -name '*.distcp' -print0)
+# Safetensors seeds: every captured safetensors file (small) and index JSON.
+while IFS= read -r -d '' f; do
+  cp "$f" "$work/seeds-safetensors/seed$((n++))"
+done < <(find "$root/tests/fixtures/safetensors" \( -name '*.safetensors' -o -name '*.index.json' \) \
+         -print0)
 
 status=0
 for target in "${targets[@]}"; do
   seeds="$work/seeds-pickle"
   [[ "$target" == zip_fuzz ]] && seeds="$work/seeds-zip"
+  [[ "$target" == safetensors_fuzz ]] && seeds="$work/seeds-safetensors"
   corpus="$work/corpus-$target"
   mkdir -p "$corpus"
   echo "== $target for ${seconds}s"

@@ -8,6 +8,7 @@ CLI:
   dcp_tool.py train  --parent P [--ranks 4] [--mb 16] [--start N] [--iters K] [--keep 2]
                      [--single-file-per-rank 0|1] [--oplog FILE]
   dcp_tool.py sha256 --dir D
+(verify(dirs, seeds) is importable only: one rank loads several checkpoints and reports each.)
 Each prints one JSON object on stdout; save/load exit non-zero when any rank fails, and load
 exits non-zero when a tensor differs from its expected value.
 
@@ -209,6 +210,17 @@ def resave(dir, ranks, seeds, mbs, single_file_per_rank=True, dtypes=DEFAULT_DTY
     if dtypes_per_save is not None:
         job["dtypes_per_save"] = [list(d) for d in dtypes_per_save]
     return _run_ranks(job, ranks, timeout)
+
+
+def verify(dirs, seeds=None, timeout=600):
+    """Loads each of `dirs` on one rank (one torch start for all) and checks every value
+    against the state of its seed: seeds[i], or, where that is None, the seed the
+    checkpoint's own manifest names. Never raises for a checkpoint that fails: returns
+    [{"dir", "ok", "seed", "errors"}] in order, a failed load's exception among the errors."""
+    seeds = list(seeds) if seeds is not None else [None] * len(dirs)
+    job = {"op": "verify", "dirs_to_verify": [os.path.abspath(d) for d in dirs],
+           "seeds": seeds}
+    return _run_ranks(job, 1, timeout)[0]["results"]
 
 
 def load(dir, ranks=4, mode="own", seed=0, timeout=600, dirs=None):
@@ -455,7 +467,7 @@ def _worker_load(job, rank, world):
     import torch.distributed as dist
     import torch.distributed._shard.checkpoint as dcp
     from torch.distributed._shard.sharded_tensor import ShardedTensor
-    seed, mode = job["seed"], job["mode"]
+    seed, mode = job["seed"], job["mode"]   # seed None: the one the manifest names
     t0 = time.monotonic()
     metadata = dcp.FileSystemReader(_rank_dir(job, rank)).read_metadata()
     md = metadata.state_dict_metadata
@@ -484,6 +496,8 @@ def _worker_load(job, rank, world):
     t2 = time.monotonic()
     errors = []
     manifest = state.get("manifest")
+    if seed is None and isinstance(manifest, dict):
+        seed = manifest.get("seed")
     if not isinstance(manifest, dict) or manifest.get("tag") != MANIFEST_TAG:
         errors.append(f"bad manifest item: {manifest!r}")
         want_layout = []
@@ -516,8 +530,26 @@ def _worker_load(job, rank, world):
             verified += t.numel() * t.element_size()
     verify_s = time.monotonic() - t2
     return {"rank": rank, "setup_s": round(setup_s, 4), "load_s": round(load_s, 4),
-            "verify_s": round(verify_s, 4), "bytes_verified": verified,
+            "verify_s": round(verify_s, 4), "bytes_verified": verified, "seed": seed,
             "errors": errors[:20]}
+
+
+def _worker_verify(job, rank, world):
+    """verify(): every directory in turn on this one rank; a failure is a result, not an
+    exit code (the caller decides which failures count)."""
+    results = []
+    for d, seed in zip(job["dirs_to_verify"], job["seeds"]):
+        try:
+            r = _worker_load({"dir": d, "mode": "own", "seed": seed}, rank, world)
+            results.append({"dir": d, "ok": not r["errors"], "seed": r["seed"],
+                            "bytes": r["bytes_verified"], "errors": r["errors"]})
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a missing or torn file (torch 1.13's
+            # CheckpointException is a BaseException)
+            results.append({"dir": d, "ok": False, "seed": seed, "bytes": 0,
+                            "errors": [f"{type(e).__name__}: {str(e)[:500]}"]})
+    return {"rank": rank, "results": results}
 
 
 def _worker_main(rank, job):
@@ -531,7 +563,8 @@ def _worker_main(rank, job):
                             timeout=datetime.timedelta(seconds=job.get("pg_timeout", 300)))
     try:
         result = {"save": _worker_save, "load": _worker_load,
-                  "train": _worker_train, "resave": _worker_resave}[job["op"]](job, rank, world)
+                  "train": _worker_train, "resave": _worker_resave,
+                  "verify": _worker_verify}[job["op"]](job, rank, world)
     finally:
         dist.destroy_process_group()
     print(RESULT_PREFIX + json.dumps(result), flush=True)
