@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
 #include <chrono>
 
 #include "common/path.h"
@@ -191,10 +193,11 @@ void CheckpointRegistry::OnFilePublished(const std::string& dir, uint64_t bytes,
   info->updated = Now();
 }
 
-void CheckpointRegistry::OnCommitQueued(const std::string& dir) {
+void CheckpointRegistry::OnCommitQueued(const std::string& dir, uint64_t seq) {
   MutexLock lock(&mu_);
   CheckpointInfo& info = ckpts_.count(dir) ? ckpts_[dir] : Touch(dir);
   info.commit_queued = true;
+  info.commit_seq = std::max(info.commit_seq, seq);
   if (info.state == CkptState::kWriting) {
     info.state = CkptState::kPending;
     info.updated = Now();
@@ -218,6 +221,14 @@ void CheckpointRegistry::OnCommitted(const std::string& dir, uint64_t seq, bool 
     found->created = Now();
   }
   CheckpointInfo& info = *found;
+  if (seq != kNow && info.commit_seq > seq) {
+    // The save this commit closes is on the backing store, but the application has since
+    // queued another save's commit of the same directory: until that one is applied, the
+    // directory is that later save's, pending (`ckptfs-admin wait` waits for it).
+    spdlog::info("checkpoint {}: an earlier save committed; the next one (entry #{}) is "
+                 "pending", info.path, info.commit_seq);
+    return;
+  }
   info.state = CkptState::kCommitted;
   info.committed = info.updated = Now();
   Persist(info);

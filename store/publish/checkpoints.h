@@ -55,6 +55,10 @@ struct CheckpointInfo {
   double created = 0, updated = 0, committed = 0;
   std::string error;
   bool commit_queued = false;  // its `.metadata` was written (in memory only)
+  // The journal entry of the last commit file queued for it (in memory only): an earlier
+  // save's commit applied while a later save's is queued leaves it pending (a re-save
+  // into the same directory is not committed until its own `.metadata` is).
+  uint64_t commit_seq = 0;
   // Its failure holds publication (an async halt) until resumed or aborted (in memory
   // only): files written into it meanwhile belong to the same, still failed, save.
   bool halted = false;
@@ -78,7 +82,8 @@ class CheckpointRegistry {
   void OnFileCreated(const std::string& dir);
   void OnFileQueued(const std::string& dir, uint64_t bytes);
   void OnFilePublished(const std::string& dir, uint64_t bytes, uint64_t seq = kNow);
-  void OnCommitQueued(const std::string& dir);
+  // `seq`: the commit entry (0: unknown, as in tests that do not care).
+  void OnCommitQueued(const std::string& dir, uint64_t seq = 0);
   // `last_part`: the last pending per-rank commit file of a no-collectives DCP save
   // (`__{rank}.metadata`, store/publish/commit_names.h) was applied; a record already failed by
   // another rank's part stays failed.

@@ -85,14 +85,14 @@ Result<uint64_t> Publication::Append(JournalEntry e) {
   switch (op) {
     case OpType::kPublish:
       registry_->OnFileQueued(path::Parent(path), size);
-      if (IsCommitName(path)) registry_->OnCommitQueued(path::Parent(path));
+      if (IsCommitName(path)) registry_->OnCommitQueued(path::Parent(path), seq);
       break;
     case OpType::kRename:
       if (dir) {
         registry_->OnRemoved(path, seq);  // a directory it replaces (empty) goes
         registry_->OnRenamed(from, path, seq);
       } else if (IsCommitName(path)) {
-        registry_->OnCommitQueued(path::Parent(path));
+        registry_->OnCommitQueued(path::Parent(path), seq);
       }
       break;
     case OpType::kRmdir:

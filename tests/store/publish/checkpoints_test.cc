@@ -267,6 +267,21 @@ TEST_F(CheckpointRegistryTest, ACheckpointMadeAgainUnderARemovedNameKeepsOnlyIts
   EXPECT_EQ(registry_->Get("ckpt")->bytes_published, 7u);
 }
 
+TEST_F(CheckpointRegistryTest, AnEarlierSavesCommitLeavesALaterQueuedSavePending) {
+  // Found by the soak (seed 41001 and CI's 4101, async): two saves into one directory, both
+  // returned, `ckptfs-admin wait` returned 0 once the first save's commit was applied while
+  // the second's was still queued.
+  registry_->OnFileCreated("resave");
+  registry_->OnCommitQueued("resave", 2);
+  registry_->OnFileCreated("resave");  // the next save, before the first commit is applied
+  registry_->OnFileQueued("resave", 7);
+  registry_->OnCommitQueued("resave", 5);
+  registry_->OnCommitted("resave", 2);
+  EXPECT_EQ(StateOf("resave"), CkptState::kPending) << "the second save is not committed yet";
+  registry_->OnCommitted("resave", 5);
+  EXPECT_EQ(StateOf("resave"), CkptState::kCommitted);
+}
+
 TEST_F(CheckpointRegistryTest, EntriesAppliedAfterARenameCountForTheNewName) {
   registry_->OnFileCreated("run/iter_1");
   registry_->OnFileQueued("run/iter_1", 10);  // entry 1
