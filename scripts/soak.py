@@ -1311,8 +1311,15 @@ class ModeRun:
             self.leak["why"] = ("the quiet phase did not reach 50 saves" if base is None
                                 else "no clean end")
             return
-        self.leak.update(checked=True, saves_between=end["saves"] - base["saves"],
-                         base=base, end=end)
+        between = end["saves"] - base["saves"]
+        if between < 50:
+            # Growth over a few dozen saves is the allocator's and the async backlog's
+            # warm-up, not a leak (the 3-minute CI form often gets there): the bound is
+            # judged over at least 50 saves, as issue 41 states it (after 50 vs after 1,000).
+            self.leak.update(why=f"only {between} saves between the drained samples (< 50)",
+                             base=base, end=end)
+            return
+        self.leak.update(checked=True, saves_between=between, base=base, end=end)
         if end["rss_other_mb"] > base["rss_other_mb"] * 1.10:
             self.fail("leak: daemon RSS (less staging, retained tier and block cache) grew "
                       "more than 10 %", json.dumps(self.leak))
