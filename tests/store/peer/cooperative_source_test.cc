@@ -70,11 +70,13 @@ class CoopTest : public ::testing::Test {
   void StartServer(const std::string& secret = kSecret) {
     MakeServer("owner", &owner_, secret, &server_);
   }
-  // Node 0 is this node, node 1 the server, then `more` (servers of further nodes). __0_0
-  // is read by node 0 only (owned here), __1_0 by node 1 only (owned there).
-  void MakeSource(const std::vector<const PeerServer*>& more = {}) {
+  // Node 0 is this node, node 1 the server (or `node1`, an address where it is listed
+  // instead), then `more` (servers of further nodes). __0_0 is read by node 0 only (owned
+  // here), __1_0 by node 1 only (owned there).
+  void MakeSource(const std::vector<const PeerServer*>& more = {},
+                  const std::string& node1 = "") {
     CooperativeOptions o;
-    o.nodes = {kSelf, "127.0.0.1:" + std::to_string(server_->port())};
+    o.nodes = {kSelf, node1.empty() ? "127.0.0.1:" + std::to_string(server_->port()) : node1};
     for (const PeerServer* m : more) o.nodes.push_back("127.0.0.1:" + std::to_string(m->port()));
     o.self = 0;
     o.secret = kSecret;
@@ -351,25 +353,7 @@ TEST_F(CoopTest, ANodeThatMovesIsReachedAtItsNewAddress) {
   // blocks go to the fallback. Then the membership moves it to where its server listens.
   StartServer();
   const std::string real = "127.0.0.1:" + std::to_string(server_->port());
-  CooperativeOptions o;
-  o.nodes = {kSelf, "127.0.0.1:9"};
-  o.self = 0;
-  o.secret = kSecret;
-  o.request_timeout = 2s;
-  o.down_backoff = 50ms;
-  o.connect_in_background = false;
-  auto c = CooperativeSource::Create(o, &fallback_);
-  ASSERT_TRUE(c.ok()) << c.status().ToString();
-  coop_ = std::move(c).value();
-  std::vector<PlanItem> items = {{"__0_0.distcp", 0, kFileSize, {0}},
-                                 {"__1_0.distcp", 0, kFileSize, {1}}};
-  PlanOptions po;
-  po.mode = PlanMode::kBalanced;
-  po.block_bytes = kBlock;
-  auto plan = BuildPlan(items, std::vector<std::string>{RankName(0), RankName(1)}, po);
-  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
-  coop_->SetPlan("ckpt", std::make_shared<const OwnershipPlan>(std::move(plan).value()));
-  coop_->ConnectNow();
+  MakeSource({}, "127.0.0.1:9");
   EXPECT_EQ(coop_->Stats().peers_connected, 0u);
   ExpectRead("ckpt/__1_0.distcp", 0);
   EXPECT_EQ(fallback_.reads.load(), 1);
