@@ -164,6 +164,8 @@ ckptfs::Result<PeerOptionsPtr> PeerOptions(const ckptfs::DaemonOptions& o) {
   p->plan_mode = *mode;
   p->request_timeout = std::chrono::milliseconds(o.peer_timeout_ms);
   p->dead_after = std::chrono::milliseconds(o.peer_dead_after_ms);
+  p->heartbeat = std::chrono::milliseconds(o.peer_heartbeat_ms);
+  p->max_links = static_cast<size_t>(o.peer_max_links);
   p->connect_timeout = std::chrono::milliseconds(std::min(o.peer_timeout_ms, 3000));
   return PeerOptionsPtr(std::move(p));
 }

@@ -224,9 +224,17 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
                  "the backing store (default 5000)")
       ->check(CLI::Range(10, 600000));
   app.add_option("--peer-dead-after", o.peer_dead_after_ms,
-                 "Milliseconds without an authenticated connection after which a peer is "
-                 "declared dead and what waits for it is given up (default 15000)")
+                 "Milliseconds a peer may stay down (no connection, no heartbeat answer) before "
+                 "it is declared dead and what waits for it is given up (default 15000)")
       ->check(CLI::Range(1000, 3600000));
+  app.add_option("--peer-heartbeat", o.peer_heartbeat_ms,
+                 "Milliseconds of idleness after which an open peer connection is pinged; a "
+                 "ping unanswered within --peer-timeout marks the peer down (default 2000)")
+      ->check(CLI::Range(100, 600000));
+  app.add_option("--peer-max-links", o.peer_max_links,
+                 "Peer connections kept open at most; past it the least recently used closes "
+                 "(reads never wait for a slot). Connections are made on demand (default 64)")
+      ->check(CLI::Range(1, 100000));
   std::vector<std::string> o_groups;
   app.add_option("-o", o_groups,
                  "Options, comma separated: ckptfs options as key=value, the rest for FUSE")

@@ -66,6 +66,8 @@ struct DaemonOptions {
   std::string plan;                      // balanced|fast|auto; default $CKPTFS_PLAN or auto
   int peer_timeout_ms = 5000;            // one block request to a peer
   int peer_dead_after_ms = 15000;        // silence after which a peer is declared dead
+  int peer_heartbeat_ms = 2000;          // an idle peer connection is pinged after this
+  int peer_max_links = 64;               // peer connections kept open at most
   std::vector<std::string> fuse_options;
   bool help = false;
   bool version = false;     // --version: print help_text (the version) and exit

@@ -38,8 +38,24 @@ void CommitQuerier::Merge(const ShardStatus& from_peer, PeerShardAnswer* into) {
   }
 }
 
-CommitQuerier::CommitQuerier(CommitQueryOptions options)
-    : options_(std::move(options)), peers_(options_.nodes.size()), nodes_(options_.nodes) {
+CommitQuerier::CommitQuerier(CommitQueryOptions options, PeerLinks* links)
+    : options_(std::move(options)), links_(links) {
+  if (links_ == nullptr) {
+    PeerLinksOptions lo;
+    lo.nodes = options_.nodes;
+    lo.self = options_.self;
+    lo.secret = options_.secret;
+    lo.connect_timeout = options_.connect_timeout;
+    lo.request_timeout = options_.request_timeout;
+    lo.down_backoff = options_.down_backoff;
+    lo.watch = false;
+    if (auto made = PeerLinks::Create(lo); made.ok()) {
+      own_links_ = std::move(made).value();
+      links_ = own_links_.get();
+    } else {
+      spdlog::error("commit query: {}", made.status().ToString());
+    }
+  }
   thread_ = std::thread([this] {
     NameThisThread("ckptfs-cquery");
     Loop();
@@ -64,11 +80,11 @@ CommitQuerier::~CommitQuerier() {
 }
 
 bool CommitQuerier::Ask(std::vector<std::string> paths, std::chrono::milliseconds hold,
-                        PeerShardAnswerSink* sink, uint64_t round) {
+                        PeerShardAnswerSink* sink, uint64_t round, std::vector<uint32_t> ranks) {
   {
     MutexLock lock(&mu_);
-    if (stop_) return false;
-    jobs_.push_back(Job{std::move(paths), hold, sink, round});
+    if (stop_ || links_ == nullptr) return false;
+    jobs_.push_back(Job{std::move(paths), hold, sink, round, std::move(ranks)});
   }
   cv_.notify_all();
   return true;
@@ -91,75 +107,50 @@ void CommitQuerier::Loop() {
     }
     job.sink->OnPeerShardAnswers(job.round, RunRound(job));
   }
-  // Clients go on this thread, which made them; a round's calls are all waited for.
-  peers_.clear();
-}
-
-std::string CommitQuerier::AddressOf(uint32_t node) const {
-  MutexLock lock(&mu_);
-  return nodes_[node];
-}
-
-void CommitQuerier::MoveNode(uint32_t rank, const std::string& address) {
-  MutexLock lock(&mu_);
-  if (rank < nodes_.size()) nodes_[rank] = address;
-}
-
-std::shared_ptr<PeerClient> CommitQuerier::ClientFor(uint32_t node) {
-  Peer& peer = peers_[node];
-  const std::string address = AddressOf(node);
-  if (peer.connected_to != address) {
-    // The node moved (a membership change): no pause carried over from the old address.
-    peer.client.reset();
-    peer.down_until = {};
-  }
-  if (peer.client && peer.client->healthy()) return peer.client;
-  const auto now = std::chrono::steady_clock::now();
-  if (now < peer.down_until) return nullptr;
-  peer.client.reset();
-  peer.connected_to = address;
-  auto client = PeerClient::Connect(ClientOptionsFor(address, options_));
-  if (!client.ok()) {
-    spdlog::warn(
-        "commit query: cannot reach peer {} ({}); its shards are checked on the "
-        "backing store for {} ms",
-        address, client.status().ToString(), options_.down_backoff.count());
-    peer.down_until = std::chrono::steady_clock::now() + options_.down_backoff;
-    return nullptr;
-  }
-  peer.client = std::move(client).value();
-  return peer.client;
 }
 
 std::vector<PeerShardAnswer> CommitQuerier::RunRound(const Job& job) {
   std::vector<PeerShardAnswer> out(job.paths.size());
   uint64_t errors = 0;
+  std::vector<uint32_t> ranks = job.ranks;
+  if (ranks.empty()) {
+    for (uint32_t node = 0; node < options_.nodes.size(); ++node) {
+      if (node != options_.self) ranks.push_back(node);
+    }
+  }
   // Every query goes out before any answer is waited for: peers hold their answers.
-  std::vector<std::pair<uint32_t, std::shared_ptr<PeerClient::QueryCall>>> calls;
-  for (uint32_t node = 0; node < options_.nodes.size(); ++node) {
-    if (node == options_.self) continue;
-    std::shared_ptr<PeerClient> client = ClientFor(node);
+  struct Call {
+    uint32_t node;
+    std::shared_ptr<PeerClient> client;
+    std::shared_ptr<PeerClient::QueryCall> call;
+  };
+  std::vector<Call> calls;
+  for (uint32_t node : ranks) {
+    if (node == options_.self || node >= options_.nodes.size()) continue;
+    std::shared_ptr<PeerClient> client = links_->Get(node);
     if (!client) {
       ++errors;
       for (PeerShardAnswer& a : out) a.unreachable = true;
       continue;
     }
-    calls.emplace_back(node, client->StartShardQuery(job.paths, job.hold));
+    calls.push_back(Call{node, client, client->StartShardQuery(job.paths, job.hold)});
   }
-  for (auto& [node, call] : calls) {
-    Result<std::vector<ShardStatus>> states = peers_[node].client->WaitShardQuery(call);
+  for (Call& c : calls) {
+    Result<std::vector<ShardStatus>> states = c.client->WaitShardQuery(c.call);
     if (!states.ok()) {
       ++errors;
-      spdlog::debug("commit query: peer {}: {}", AddressOf(node), states.status().ToString());
+      spdlog::debug("commit query: peer {}: {}", links_->AddressOf(c.node),
+                    states.status().ToString());
       if (states.status().code() != Code::kUnsupported) {
-        peers_[node].down_until = std::chrono::steady_clock::now() + options_.down_backoff;
-        if (states.status().code() == Code::kTimeout) peers_[node].client.reset();
+        links_->Failed(c.node, c.client, states.status());
       }
       for (PeerShardAnswer& a : out) a.unreachable = true;
       continue;
     }
+    links_->Succeeded(c.node);
     for (size_t i = 0; i < out.size(); ++i) Merge((*states)[i], &out[i]);
   }
+  calls.clear();
   MutexLock lock(&mu_);
   ++stats_.rounds;
   stats_.peer_errors += errors;

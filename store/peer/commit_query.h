@@ -9,9 +9,10 @@
 // or it answered with an error). Peers hold their answer while a path is pending there
 // (long-poll, `hold`), so a round ends about when a pending shard becomes durable.
 //
-// Rounds run one at a time on the querier's own thread, which connects lazily (a
-// PeerClient per peer, made on the first round that needs it; a peer that fails is skipped
-// for `down_backoff`). `done` runs on that thread, exactly once per accepted Ask(): with the
+// Rounds run one at a time on the querier's own thread, over the daemon's PeerLinks
+// (connections on demand, bounded, shared with reads; a peer that fails is skipped for its
+// pause, and its silence counts towards declaring it dead). A round asks `ranks` when the
+// caller names them (the nodes whose ranks wrote the paths), else every other node. `done` runs on that thread, exactly once per accepted Ask(): with the
 // answers, or, when the querier stops first, with every path unreachable.
 //
 // Thread-safe. The destructor stops and joins the thread.
@@ -30,7 +31,7 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "store/peer/peer_client.h"
-#include "store/publish/shard_state.h"
+#include "store/peer/peer_links.h"
 #include "store/publish/shard_state.h"
 
 namespace ckptfs::store::peer {
@@ -51,7 +52,8 @@ struct CommitQueryStats {
 
 class CommitQuerier {
  public:
-  explicit CommitQuerier(CommitQueryOptions options);
+  // `links`: the daemon's (must outlive); null: the querier makes its own (no watcher).
+  explicit CommitQuerier(CommitQueryOptions options, PeerLinks* links = nullptr);
   ~CommitQuerier();
   CommitQuerier(const CommitQuerier&) = delete;
   CommitQuerier& operator=(const CommitQuerier&) = delete;
@@ -59,11 +61,9 @@ class CommitQuerier {
   // Queues a round about `paths`; `sink` (must outlive the round) gets its answers with
   // `round`, on the querier's thread. False (sink is not called) once stopping.
   bool Ask(std::vector<std::string> paths, std::chrono::milliseconds hold,
-           PeerShardAnswerSink* sink, uint64_t round) EXCLUDES(mu_);
+           PeerShardAnswerSink* sink, uint64_t round, std::vector<uint32_t> ranks = {})
+      EXCLUDES(mu_);
   CommitQueryStats Stats() const EXCLUDES(mu_);
-  // Rank `rank` listens at `address` from now on (a membership change): the next round
-  // connects there.
-  void MoveNode(uint32_t rank, const std::string& address) EXCLUDES(mu_);
 
   // How one path's answers from several peers combine (exposed for tests).
   static void Merge(const ShardStatus& from_peer, PeerShardAnswer* into);
@@ -74,26 +74,20 @@ class CommitQuerier {
     std::chrono::milliseconds hold{0};
     PeerShardAnswerSink* sink = nullptr;
     uint64_t round = 0;
+    std::vector<uint32_t> ranks;  // empty: every other node
   };
-  struct Peer {
-    std::shared_ptr<PeerClient> client;
-    std::chrono::steady_clock::time_point down_until{};
-    std::string connected_to;  // the address `client` was made for
-  };
-  std::string AddressOf(uint32_t node) const EXCLUDES(mu_);
   void Loop();
   std::vector<PeerShardAnswer> RunRound(const Job& job);
-  std::shared_ptr<PeerClient> ClientFor(uint32_t node);
 
   const CommitQueryOptions options_;
-  std::vector<Peer> peers_;  // by node index; querier thread only
+  std::unique_ptr<PeerLinks> own_links_;
+  PeerLinks* links_ = nullptr;
 
   mutable Mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> jobs_ GUARDED_BY(mu_);
   bool stop_ GUARDED_BY(mu_) = false;
   CommitQueryStats stats_ GUARDED_BY(mu_);
-  std::vector<std::string> nodes_ GUARDED_BY(mu_);  // where each rank listens now
   std::thread thread_;
 };
 

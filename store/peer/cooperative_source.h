@@ -8,21 +8,21 @@
 // plan covers, and every failure go to the `fallback` source (the backing store). A read
 // never fails because of a peer.
 //
-// Failure handling. A peer that refuses the connection, drops it, times out or returns a bad
-// checksum is skipped: the event is counted by kind and logged (warn on the first failure of
-// a streak, debug after), and the peer is *down* for `down_backoff` (doubling per
-// consecutive failure, at most `max_down_backoff`): reads owned by it no longer wait on it.
+// Failure handling. Connections are PeerLinks' (peer_links.h): made on demand, bounded,
+// shared with the commit querier and the replicator, with one view of which peers are down.
+// A peer that refuses the connection, drops it, times out or returns a bad checksum is
+// skipped: the event is counted by kind and logged (warn on the first failure of a streak,
+// debug after), and the peer is *down* for its pause: reads owned by it no longer wait on it.
 // Such a read goes to the block's *stand-in*: of every node but the owner that this node
 // does not see down (itself included), the one of highest rendezvous weight for (path,
 // offset). Every survivor that sees the same nodes down picks the same stand-in, with no
 // communication, so a dead owner's share is still read from the backing store once, spread
 // over the survivors, instead of once per node. When the stand-in is this node, or fails
-// too, the read goes to the fallback. A connector thread (re)connects to peers that are
-// not down; the read path never connects or waits for a connection, so a hung peer costs at
-// most one `request_timeout` per read in flight when it hangs.
+// too, the read goes to the fallback. The first read of a block a peer owns connects to it
+// (once: concurrent reads share the connect); a peer in its pause costs a read nothing.
 //
-// Thread-safe. The destructor joins the connector and drops the clients; no ReadBlock may be
-// in progress once it runs.
+// Thread-safe. The destructor drops the links it made itself; no ReadBlock may be in
+// progress once it runs.
 #pragma once
 
 #include <atomic>
@@ -41,6 +41,7 @@
 #include "common/status.h"
 #include "store/cache/block_source.h"
 #include "store/peer/peer_client.h"
+#include "store/peer/peer_links.h"
 #include "store/peer/plan.h"
 
 namespace ckptfs::store::peer {
@@ -53,10 +54,14 @@ struct CooperativeOptions {
   std::chrono::milliseconds request_timeout{5000};
   std::chrono::milliseconds down_backoff{1000};      // first pause after a failure
   std::chrono::milliseconds max_down_backoff{30000};  // cap of the doubling pause
-  bool connect_in_background = true;  // false: only tests connect, with ConnectNow()
+  // Links made by the source itself (no PeerLinks given): false runs no watcher thread
+  // (tests drive it).
+  bool connect_in_background = true;
   // A peer with no authenticated connection for this long is declared dead (docs/PEERS.md,
   // "A lost node"): what waits for it (a commit of its shards) is given up at once.
   std::chrono::milliseconds dead_after{10000};
+  std::chrono::milliseconds heartbeat{2000};  // ping a link idle this long (peer_links.h)
+  size_t max_links = 64;                      // open connections kept at most
 };
 
 // Why a read owned by a peer went to the fallback instead.
@@ -71,6 +76,7 @@ struct FallbackCounts {
 
 struct PeerState {
   std::string node;
+  std::string state;  // unknown | up | down | dead (LinkStateName)
   bool connected = false;
   uint64_t fetched_bytes = 0;
   uint64_t failures = 0;     // fallbacks caused by this peer
@@ -93,6 +99,7 @@ struct CooperativeStats {
   std::vector<PeerState> peers;  // every node but self, in node order
   uint64_t declared_dead = 0;    // peers declared dead (each time)
   uint64_t revived = 0;          // ... that answered again at the same address: false positives
+  PeerLinksStats links;          // connections: open, bound, connects, evictions, heartbeats
 };
 
 // Marks the reads of this thread, while it lives, as serving a peer's request: a
@@ -110,8 +117,11 @@ class ServingScope {
 
 class CooperativeSource : public BlockSource {
  public:
+  // `links`: the daemon's shared links (must outlive); null: the source makes its own from
+  // `options`.
   static Result<std::unique_ptr<CooperativeSource>> Create(const CooperativeOptions& options,
-                                                           BlockSource* fallback);  // must outlive
+                                                           BlockSource* fallback,  // must outlive
+                                                           PeerLinks* links = nullptr);
   ~CooperativeSource() override;
   CooperativeSource(const CooperativeSource&) = delete;
   CooperativeSource& operator=(const CooperativeSource&) = delete;
@@ -138,12 +148,12 @@ class CooperativeSource : public BlockSource {
   // TryPeers, else the fallback source.
   Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override;
 
-  // Connects every peer that is not connected, now, on this thread (tests; the daemon's
-  // connector thread does this every `down_backoff`).
+  // Connects every peer that is not connected, now, on this thread (tests, bench; the
+  // daemon connects on demand).
   void ConnectNow();
 
   // Rank `rank` listens at `address` from now on (a membership change): its connection is
-  // dropped and the connector makes one to the new address within a second. Reads in flight on the
+  // dropped and the next read it owns connects to the new address. Reads in flight on the
   // old connection fail over to the stand-in or the backing store, as for a dead peer.
   void MoveNode(uint32_t rank, const std::string& address);
 
@@ -157,14 +167,12 @@ class CooperativeSource : public BlockSource {
   };
   std::vector<DeadPeer> DeadPeers();
   const CooperativeOptions& options() const { return options_; }
+  PeerLinks* links() const { return links_; }
 
  private:
   struct Peer;
   CooperativeSource(const CooperativeOptions& options, BlockSource* fallback);
-  void ConnectLoop() EXCLUDES(stop_mu_);
-  bool TryConnect(Peer& peer);
-  std::shared_ptr<PeerClient> ClientFor(uint32_t node);
-  bool Reachable(uint32_t node);  // connected and not in a backoff pause (self: true)
+  bool Reachable(uint32_t node);  // not known down, not in a pause (self: true)
   // A read owned by a peer that failed: from the block's stand-in; nullopt: read locally.
   std::optional<BlockRead> TryStandIn(const BlockId& id, uint64_t offset, std::span<char> out,
                                       uint32_t owner);
@@ -175,7 +183,9 @@ class CooperativeSource : public BlockSource {
 
   const CooperativeOptions options_;
   BlockSource* const fallback_;
-  std::vector<std::unique_ptr<Peer>> peers_;  // by node index; null for self
+  std::unique_ptr<PeerLinks> own_links_;  // when Create() got none
+  PeerLinks* links_ = nullptr;
+  std::vector<std::unique_ptr<Peer>> peers_;  // by node index; null for self: counters
 
   mutable Mutex plans_mu_;
   struct PlanRef {
@@ -189,14 +199,11 @@ class CooperativeSource : public BlockSource {
 
   std::atomic<uint64_t> peer_bytes_{0}, peer_blocks_{0}, local_owned_{0}, unplanned_{0};
   std::atomic<uint64_t> stand_in_{0}, stand_in_local_{0};
-  std::atomic<uint64_t> declared_dead_{0}, revived_{0};
   std::vector<uint64_t> node_hash_;  // XXH3 of each rank's RankName, for StandIn
   std::atomic<uint64_t> fb_down_{0}, fb_timeout_{0}, fb_crc_{0}, fb_conn_{0}, fb_error_{0};
-
-  Mutex stop_mu_;
-  std::condition_variable stop_cv_;
-  bool stop_ GUARDED_BY(stop_mu_) = false;
-  std::thread connector_;
 };
+
+// The links a source makes for itself from its options.
+PeerLinksOptions LinksOptionsFor(const CooperativeOptions& options);
 
 }  // namespace ckptfs::store::peer

@@ -75,15 +75,10 @@ Status PeerNode::UpdateMembership(const std::vector<std::string>& nodes) {
                     change.epoch, st.ToString());
     }
   }
+  // One place knows where each rank listens: the links every part talks through.
   for (uint32_t rank : change.moved) {
-    coop_->MoveNode(rank, nodes[rank]);
+    links_->MoveNode(rank, nodes[rank]);
     if (replicator_) replicator_->MoveNode(rank, nodes[rank]);
-  }
-  {
-    MutexLock qlock(&querier_mu_);
-    if (querier_) {
-      for (uint32_t rank : change.moved) querier_->MoveNode(rank, nodes[rank]);
-    }
   }
   spdlog::info("peers: membership epoch {}: {} node(s) moved", change.epoch, change.moved.size());
   return Status::Ok();
@@ -94,7 +89,12 @@ PeerNode::~PeerNode() {
   StopServing();
   replica_source_.reset();
   replicator_.reset();
+  {
+    MutexLock lock(&querier_mu_);
+    querier_.reset();
+  }
   coop_.reset();
+  links_.reset();  // last: every part above talked through it
 }
 
 Result<BlockSource*> PeerNode::StartReplicas(RetainedTier* tier, uint64_t block_bytes,
@@ -131,7 +131,10 @@ Result<std::unique_ptr<PeerNode>> PeerNode::Create(const PeerNodeOptions& option
   co.connect_timeout = options.connect_timeout;
   co.request_timeout = options.request_timeout;
   co.dead_after = options.dead_after;
-  CKPT_ASSIGN_OR_RETURN(node->coop_, CooperativeSource::Create(co, fallback));
+  co.heartbeat = options.heartbeat;
+  co.max_links = options.max_links;
+  CKPT_ASSIGN_OR_RETURN(node->links_, PeerLinks::Create(LinksOptionsFor(co)));
+  CKPT_ASSIGN_OR_RETURN(node->coop_, CooperativeSource::Create(co, fallback, node->links_.get()));
   return node;
 }
 
@@ -343,7 +346,7 @@ bool PeerNode::AskShardStates(std::vector<std::string> paths, std::chrono::milli
     qo.secret = options_.secret;
     qo.connect_timeout = options_.connect_timeout;
     qo.request_timeout = options_.request_timeout;
-    querier_ = std::make_unique<CommitQuerier>(qo);
+    querier_ = std::make_unique<CommitQuerier>(qo, links_.get());
   }
   return querier_->Ask(std::move(paths), hold, sink, round);
 }
@@ -371,6 +374,7 @@ void PeerNodeStats::AppendJson(nlohmann::json* out) const {
   nlohmann::json peers = nlohmann::json::array();
   for (const PeerState& p : coop.peers) {
     peers.push_back({{"node", p.node},
+                     {"state", p.state},
                      {"connected", p.connected},
                      {"dead", p.dead},
                      {"fetched_bytes", p.fetched_bytes},
@@ -382,6 +386,16 @@ void PeerNodeStats::AppendJson(nlohmann::json* out) const {
   j["peers_declared_dead"] = coop.declared_dead;
   j["peers_false_dead"] = coop.revived;
   j["peers_membership_rejected"] = membership.rejected;
+  // Connections (peer_links.h): made on demand, at most peers_links_max open.
+  j["peers_links_open"] = coop.links.open;
+  j["peers_links_max"] = coop.links.max_links;
+  j["peers_links_connects"] = coop.links.connects;
+  j["peers_links_connect_failures"] = coop.links.connect_failures;
+  j["peers_links_evicted"] = coop.links.evicted;
+  j["peers_heartbeats"] = coop.links.heartbeats;
+  j["peers_heartbeat_failures"] = coop.links.heartbeat_failures;
+  j["peers_up"] = coop.links.up;
+  j["peers_down"] = coop.links.down;
   j["peers"] = {
       {"node_rank", coop.self},
       {"membership",

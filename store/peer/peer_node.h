@@ -53,6 +53,7 @@
 #include "store/peer/commit_query.h"
 #include "store/peer/cooperative_source.h"
 #include "store/peer/membership.h"
+#include "store/peer/peer_links.h"
 #include "store/peer/peer_server.h"
 #include "store/peer/peers.h"
 #include "store/peer/plan.h"
@@ -147,6 +148,7 @@ class PeerNode : public Peers {
   const PeerNodeOptions options_;
   BackingDir* const dir_;
   std::atomic<RetainedTier*> tier_{nullptr};  // StartReplicas: checkpoints held in memory
+  std::unique_ptr<PeerLinks> links_;  // before coop_, querier_, replicator_: they use it
   std::unique_ptr<CooperativeSource> coop_;
   std::unique_ptr<ServingSource> serving_source_;
   Membership membership_;

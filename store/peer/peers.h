@@ -49,6 +49,9 @@ struct PeerNodeOptions {
   std::chrono::milliseconds request_timeout{5000};
   // No authenticated connection for this long: the peer is declared dead (a lost node).
   std::chrono::milliseconds dead_after{15000};
+  // Connections (peer_links.h): a link idle this long is pinged; at most max_links open.
+  std::chrono::milliseconds heartbeat{2000};
+  size_t max_links = 64;
 };
 
 // This node's share of a planned checkpoint: byte ranges of its files (relative to the

@@ -75,16 +75,8 @@ Replicator::Replicator(const ReplicatorOptions& options, RetainedTier* tier, Bac
       dir_(dir),
       coop_(coop),
       pred_(static_cast<uint32_t>((options.self + options.nodes.size() - 1) % options.nodes.size())),
-      holder_(ReplicaHolderOf(options.self, static_cast<uint32_t>(options.nodes.size()))) {
-  {
-    MutexLock lock(&pred_link_.mu);
-    pred_link_.node = options_.nodes[pred_];
-  }
-  {
-    MutexLock lock(&holder_link_.mu);
-    holder_link_.node = options_.nodes[holder_];
-  }
-}
+      holder_(ReplicaHolderOf(options.self, static_cast<uint32_t>(options.nodes.size()))),
+      links_(coop->links()) {}
 
 Replicator::~Replicator() { Stop(); }
 
@@ -95,67 +87,11 @@ void Replicator::Stop() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
-  for (Link* l : {&pred_link_, &holder_link_}) {
-    std::shared_ptr<PeerClient> c;
-    {
-      MutexLock lock(&l->mu);
-      c = std::move(l->client);
-    }
-  }
-}
-
-std::shared_ptr<PeerClient> Replicator::ClientOf(Link& link) {
-  MutexLock lock(&link.mu);
-  if (link.client && !link.client->healthy()) link.client.reset();
-  return link.client;
-}
-
-void Replicator::Drop(Link& link, const std::shared_ptr<PeerClient>& client) {
-  MutexLock lock(&link.mu);
-  if (link.client == client) link.client.reset();
-}
-
-void Replicator::Connect(Link& link) {
-  std::string node;
-  {
-    MutexLock lock(&link.mu);
-    if (link.moved) {
-      link.moved = false;
-      link.retry_at = {};
-      link.backoff = std::chrono::milliseconds(1000);
-    }
-    node = link.node;
-  }
-  if (ClientOf(link)) return;
-  const auto now = std::chrono::steady_clock::now();
-  if (now < link.retry_at) return;
-  auto c = PeerClient::Connect(ClientOptionsFor(node, options_));
-  if (!c.ok()) {
-    spdlog::debug("replication: cannot connect to {}: {}", node, c.status().ToString());
-    link.retry_at = now + link.backoff;
-    link.backoff = std::min(link.backoff * 2, std::chrono::milliseconds(30000));
-    return;
-  }
-  link.backoff = std::chrono::milliseconds(1000);
-  MutexLock lock(&link.mu);
-  if (link.node != node) return;  // moved meanwhile: the next round connects there
-  spdlog::info("replication: connected to {}", node);
-  link.client = std::shared_ptr<PeerClient>(std::move(c).value());
 }
 
 void Replicator::MoveNode(uint32_t rank, const std::string& address) {
-  for (auto [link, linked] : {std::pair{&pred_link_, pred_}, std::pair{&holder_link_, holder_}}) {
-    if (linked != rank) continue;
-    std::shared_ptr<PeerClient> old;
-    {
-      MutexLock lock(&link->mu);
-      if (link->node == address) continue;
-      link->node = address;
-      link->moved = true;
-      old = std::move(link->client);
-    }
-    spdlog::info("replication: rank {} moved to {}", rank, address);
-  }
+  if (rank != pred_ && rank != holder_) return;
+  spdlog::info("replication: rank {} moved to {}", rank, address);
   cv_.notify_all();
 }
 
@@ -163,8 +99,10 @@ void Replicator::Loop() {
   MutexLock lock(&mu_);
   while (!stop_) {
     lock.Unlock();
-    Connect(pred_link_);
-    Connect(holder_link_);
+    // Both links stay made (and recently used, so not the first closed): TryHolder's reads
+    // find the holder's open.
+    (void)links_->Get(pred_);
+    (void)links_->Get(holder_);
     tier_->CheckPendingCommits();
     std::set<std::string> live;
     for (const RetainedCheckpoint& c : tier_->Checkpoints()) {
@@ -200,7 +138,7 @@ bool Replicator::Pull(const std::string& ckpt) {
     if (std::optional<uint32_t> r = DcpWriterRank(e.name)) world = std::max(world, *r + 1);
   }
   if (world == 0) return true;  // not a DCP checkpoint: nothing to replicate
-  std::shared_ptr<PeerClient> client = ClientOf(pred_link_);
+  std::shared_ptr<PeerClient> client = links_->Get(pred_);
   if (!client) return false;
   const uint32_t nodes = static_cast<uint32_t>(options_.nodes.size());
   const uint64_t bs = options_.block_bytes;
@@ -227,16 +165,16 @@ bool Replicator::Pull(const std::string& ckpt) {
           ++stats_.pull_failures;
         }
         if (ConnectionLost(got.status())) {
-          spdlog::info("replication of {} from {}: {}; retried later", ckpt, NodeOf(pred_link_),
-                       got.status().ToString());
-          Drop(pred_link_, client);
+          spdlog::info("replication of {} from {}: {}; retried later", ckpt,
+                       links_->AddressOf(pred_), got.status().ToString());
+          links_->Failed(pred_, client, got.status());
           return false;
         }
         break;  // this file changed or is not there: the next one
       }
       const std::span<const char> bytes(buf.data(), *got);
       if (!tier_->PutReplica(id, i, bytes, Crc32c(bytes.data(), bytes.size()),
-                             NodeOf(pred_link_))) {
+                             links_->AddressOf(pred_))) {
         MutexLock l(&mu_);
         ++stats_.pull_refused;
         return true;  // no room (or stopping): keep what fits, do not retry in a loop
@@ -246,24 +184,25 @@ bool Replicator::Pull(const std::string& ckpt) {
       stats_.pulled_bytes += *got;
     }
   }
-  spdlog::debug("replication: {} of {} held", ckpt, NodeOf(pred_link_));
+  spdlog::debug("replication: {} of {} held", ckpt, links_->AddressOf(pred_));
   return true;
 }
 
 std::optional<BlockRead> Replicator::TryHolder(const BlockId& id, uint64_t offset,
                                                std::span<char> out) {
-  std::shared_ptr<PeerClient> client = ClientOf(holder_link_);
+  {
+    MutexLock l(&mu_);
+    if (stop_) return std::nullopt;
+  }
+  std::shared_ptr<PeerClient> client = links_->Get(holder_);
   if (!client) return std::nullopt;
   Result<size_t> got = client->Fetch(MemoryOnly(id), offset, out);
   MutexLock l(&mu_);
   if (!got.ok()) {
     ++stats_.holder_fallbacks;
-    spdlog::debug("replica holder {}: {} at {}: {}", NodeOf(holder_link_), id.path, offset,
+    spdlog::debug("replica holder {}: {} at {}: {}", links_->AddressOf(holder_), id.path, offset,
                   got.status().ToString());
-    if (ConnectionLost(got.status())) {
-      // Not under mu_ in Drop (link.mu is a leaf): fine either way.
-      Drop(holder_link_, client);
-    }
+    if (ConnectionLost(got.status())) links_->Failed(holder_, client, got.status());
     return std::nullopt;
   }
   ++stats_.holder_blocks;
@@ -274,12 +213,8 @@ std::optional<BlockRead> Replicator::TryHolder(const BlockId& id, uint64_t offse
 ReplicatorStats Replicator::Stats() const {
   MutexLock lock(&mu_);
   ReplicatorStats s = stats_;
-  auto connected = [](const Link& l) {
-    MutexLock lk(&l.mu);
-    return l.client != nullptr && l.client->healthy();
-  };
-  s.pred_connected = connected(pred_link_);
-  s.holder_connected = connected(holder_link_);
+  s.pred_connected = links_->IsOpen(pred_);
+  s.holder_connected = links_->IsOpen(holder_);
   return s;
 }
 

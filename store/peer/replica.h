@@ -102,33 +102,17 @@ class Replicator {
   // Stops pulling and drops both connections (the daemon is stopping); TryHolder then gives
   // nothing. Idempotent.
   void Stop() EXCLUDES(mu_);
-  // Rank `rank` listens at `address` from now on (a membership change): a link to it (the
-  // previous node, or this node's replica holder) reconnects there.
+  // Rank `rank` listens at `address` from now on (a membership change): the shared links
+  // (PeerLinks::MoveNode) reconnect there; this logs it and wakes the puller.
   void MoveNode(uint32_t rank, const std::string& address);
   ReplicatorStats Stats() const EXCLUDES(mu_);
   const ReplicatorOptions& options() const { return options_; }
   CooperativeSource* coop() const { return coop_; }
 
  private:
-  struct Link {
-    mutable Mutex mu;  // a leaf: taken after Replicator::mu_, never before
-    std::string node GUARDED_BY(mu);  // where the linked rank listens now (MoveNode)
-    bool moved GUARDED_BY(mu) = false;  // since the last Connect: no backoff carried over
-    std::shared_ptr<PeerClient> client GUARDED_BY(mu);
-    // Connect attempts after a failure wait (1 s doubling to 30 s): each makes a UCX worker.
-    std::chrono::steady_clock::time_point retry_at{};  // replicator thread only
-    std::chrono::milliseconds backoff{1000};
-  };
   Replicator(const ReplicatorOptions& options, RetainedTier* tier, BackingDir* dir,
              CooperativeSource* coop);
   void Loop() EXCLUDES(mu_);
-  void Connect(Link& link) EXCLUDES(mu_, link.mu);
-  std::shared_ptr<PeerClient> ClientOf(Link& link) EXCLUDES(link.mu);
-  static std::string NodeOf(const Link& link) EXCLUDES(link.mu) {
-    MutexLock lock(&link.mu);
-    return link.node;
-  }
-  void Drop(Link& link, const std::shared_ptr<PeerClient>& client) EXCLUDES(link.mu);
   // Pulls the predecessor's share of committed checkpoint `dir`; true when complete.
   bool Pull(const std::string& dir) EXCLUDES(mu_);
 
@@ -138,9 +122,9 @@ class Replicator {
   CooperativeSource* const coop_;
   const uint32_t pred_;    // whose replica this node holds
   const uint32_t holder_;  // who holds this node's replica
-  Link pred_link_, holder_link_;
+  PeerLinks* const links_;  // the daemon's (coop's): connections on demand, shared
 
-  mutable Mutex mu_ ACQUIRED_BEFORE(pred_link_.mu, holder_link_.mu);
+  mutable Mutex mu_;
   std::condition_variable cv_;  // stop_ set; waited on with mu_
   bool stop_ GUARDED_BY(mu_) = false;
   std::set<std::string> done_ GUARDED_BY(mu_);  // checkpoints pulled completely

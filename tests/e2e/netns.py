@@ -222,11 +222,28 @@ class Cluster:
         return self
 
     def wait_connected(self, want=None, timeout=20):
-        want = self.k - 1 if want is None else want
+        """Waits until every live node serves its peers (its server listens). Connections
+        are made on demand (docs/PEERS.md, "Connections"), so nothing is connected before
+        the first read or commit query; `want` > 0 also waits for that many open links on
+        every node (after traffic made them)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if all(n.stats().get("peers_connected", 0) >= want for n in self.nodes
-                   if n.proc and n.proc.poll() is None):
+            ready = True
+            for n in self.nodes:
+                if not n.proc or n.proc.poll() is not None:
+                    continue
+                try:
+                    s = n.stats()
+                except OSError:
+                    ready = False
+                    break
+                # The peer server starts before the mount answers: a node whose stats
+                # show its peers object serves them.
+                if not s.get("peers"):
+                    ready = False
+                elif want and s.get("peers_connected", 0) < want:
+                    ready = False
+            if ready:
                 return True
             time.sleep(0.1)
         return False

@@ -66,7 +66,10 @@ class LostNode(unittest.TestCase):
             time.sleep(0.25)
         self.fail(f"{what}\n{self.logs()}")
 
-    def run_case(self, durability):
+    def run_case(self, durability, hang=False):
+        """hang: node 1's daemon is stopped (SIGSTOP: alive, its connections open, silent)
+        instead of killed; the survivors find it by their heartbeat (--peer-heartbeat) and
+        declare it dead the same way."""
         self.start_cluster(durability)
         n0, n1 = self.c.nodes
         run0, run1, backing = (os.path.join(n0.mnt, "run"), os.path.join(n1.mnt, "run"),
@@ -87,9 +90,18 @@ class LostNode(unittest.TestCase):
         # their node gone, and the save fails, so no `.metadata` is ever written.
         os.makedirs(it_dir(run0, 2))
         t0 = time.monotonic()
-        n1.kill(signal.SIGKILL)
-        with self.assertRaises(Exception):
-            dcp_tool.save(it_dir(run0, 2), RANKS, 8, True, 2, timeout=120, dirs=spread(2))
+        if hang:
+            os.kill(n1.proc.pid, signal.SIGSTOP)
+            self.addCleanup(lambda: n1.proc.poll() is None and os.kill(n1.proc.pid,
+                                                                       signal.SIGCONT))
+            # Ranks 2-3 block in node 1's mount; the save is killed at its timeout.
+            with self.assertRaises(Exception):
+                dcp_tool.save(it_dir(run0, 2), RANKS, 8, True, 2, timeout=30, dirs=spread(2))
+        else:
+            n1.kill(signal.SIGKILL)
+            with self.assertRaises(Exception):
+                dcp_tool.save(it_dir(run0, 2), RANKS, 8, True, 2, timeout=120,
+                              dirs=spread(2))
 
         # The job goes on with node 0's ranks only.
         # A naive trainer: this tracker must never reach the backing store. In strict mode its
@@ -123,8 +135,26 @@ class LostNode(unittest.TestCase):
         self.assertEqual(states["run/iter_0000002"]["state"], "failed", states)
         self.assertFalse(os.path.exists(os.path.join(it_dir(backing, 2), ".metadata")))
         dcp_tool.load(it_dir(backing, 3), 2, "own", 3, timeout=300)
-        print(f"{durability}: node 1 killed; iteration 3 and its tracker published "
-              f"{took:.1f} s later; given up {stats['journal_given_up']}")
+        print(f"{durability}: node 1 {'hung' if hang else 'killed'}; iteration 3 and its "
+              f"tracker published {took:.1f} s later; given up {stats['journal_given_up']}; "
+              f"heartbeats {stats.get('peers_heartbeats')} "
+              f"(failed {stats.get('peers_heartbeat_failures')})")
+        if hang:
+            self.assertGreaterEqual(stats["peers_heartbeat_failures"] +
+                                    stats["peers_links_connect_failures"], 1, stats)
+            # It wakes up: a live member again, counted as a false positive; nothing of
+            # iteration 2 is committed by it.
+            os.kill(n1.proc.pid, signal.SIGCONT)
+            self.eventually(lambda: n0.stats()["peers_false_dead"] >= 1,
+                            "the woken node was not counted as a false positive", 60)
+            time.sleep(2)
+            self.assertFalse(os.path.exists(os.path.join(it_dir(backing, 2), ".metadata")))
+            with open(os.path.join(backing, TRACKER)) as f:
+                self.assertEqual(f.read(), "3")
+            n1.stop()
+            n0.stop()
+            self.assertEqual(n0.proc.returncode, 1, self.logs())
+            return
 
         # Node 1 comes back on its old state dir: nothing of iteration 2 is published.
         n1.start()
@@ -142,9 +172,9 @@ class LostNode(unittest.TestCase):
                  if f.startswith(".ckptfs-tmp.")]
         self.assertEqual(temps, [], "temp files left after clean stops")
 
-    def run_logged(self, durability):
+    def run_logged(self, durability, hang=False):
         try:
-            self.run_case(durability)
+            self.run_case(durability, hang)
         except BaseException:
             if getattr(self, "c", None) is not None:
                 print(self.logs())
@@ -155,6 +185,9 @@ class LostNode(unittest.TestCase):
 
     def test_strict(self):
         self.run_logged("strict")
+
+    def test_async_hung_node(self):
+        self.run_logged("async", hang=True)
 
 
 if __name__ == "__main__":
