@@ -335,10 +335,7 @@ Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
 }
 
 // ---- Commit queries (see peer_node.h).
-bool PeerNode::AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
-                              PeerShardAnswerSink* sink, uint64_t round) {
-  MutexLock lock(&querier_mu_);
-  if (!asking_) return false;
+CommitQuerier* PeerNode::QuerierLocked() {
   if (!querier_) {
     CommitQueryOptions qo;
     qo.nodes = membership_.View().nodes;
@@ -348,7 +345,26 @@ bool PeerNode::AskShardStates(std::vector<std::string> paths, std::chrono::milli
     qo.request_timeout = options_.request_timeout;
     querier_ = std::make_unique<CommitQuerier>(qo, links_.get());
   }
+  return querier_.get();
+}
+
+bool PeerNode::AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
+                              PeerShardAnswerSink* sink, uint64_t round) {
+  MutexLock lock(&querier_mu_);
+  if (!asking_) return false;
+  QuerierLocked();
   return querier_->Ask(std::move(paths), hold, sink, round);
+}
+
+bool PeerNode::AskCoordinator(std::vector<std::string> paths, std::chrono::milliseconds hold,
+                              PeerShardAnswerSink* sink, uint64_t round) {
+  // DCP's coordinator is rank 0, on the first node of the list (writer locality).
+  constexpr uint32_t kCoordinator = 0;
+  if (options_.self == kCoordinator) return false;
+  MutexLock lock(&querier_mu_);
+  if (!asking_) return false;
+  QuerierLocked();
+  return querier_->Ask(std::move(paths), hold, sink, round, {kCoordinator});
 }
 
 std::string PeerNode::LostPeers() {

@@ -129,12 +129,15 @@ class PeerNode : public Peers {
   bool AskShardStates(std::vector<std::string> paths, std::chrono::milliseconds hold,
                       PeerShardAnswerSink* sink, uint64_t round) override EXCLUDES(querier_mu_);
   std::string LostPeers() override;
+  bool AskCoordinator(std::vector<std::string> paths, std::chrono::milliseconds hold,
+                      PeerShardAnswerSink* sink, uint64_t round) override EXCLUDES(querier_mu_);
 
  private:
   ShardStateProvider* shard_states_ = nullptr;
   Mutex querier_mu_;
   std::unique_ptr<CommitQuerier> querier_ GUARDED_BY(querier_mu_);  // made on first use
   bool asking_ GUARDED_BY(querier_mu_) = false;  // StartServing() succeeded
+  CommitQuerier* QuerierLocked() REQUIRES(querier_mu_);  // made on first use
   // ---- end of the commit-query block.
 
   class ServingSource;

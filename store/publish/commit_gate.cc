@@ -113,7 +113,31 @@ void CommitGate::NoteApplied(const JournalEntry& e, const Status& st) {
   }
 }
 
-CommitCheck CommitGate::CheckOrdered(const JournalEntry& e) {
+CommitCheck CommitGate::Check(const JournalEntry& e, const QueuedPublishes* queued) {
+  if (IsCommitName(e.path)) return CheckCommit(e, queued);
+  std::vector<std::string> to_ask;
+  uint64_t round = 0;
+  CommitCheck check;
+  {
+    MutexLock lock(&mu_);
+    check = CheckOrdered(e, &to_ask);
+    if (!to_ask.empty()) {
+      round = ++ordered_round_ | kOrderedRound;
+      ordered_round_ = round & ~kOrderedRound;
+      ordered_round_out_ = true;
+      ordered_round_paths_ = to_ask;
+    }
+  }
+  if (round != 0 && !peers_->AskCoordinator(to_ask, options_.peer_hold, this, round)) {
+    // This node is the coordinator (or cannot ask): the backing store alone tells.
+    MutexLock lock(&mu_);
+    ordered_round_out_ = false;
+    no_coordinator_ = true;
+  }
+  return check;
+}
+
+CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, std::vector<std::string>* to_ask) {
   // mu_ held by Check().
   const auto now = std::chrono::steady_clock::now();
   if (ordered_.seq != e.seq) {
@@ -145,11 +169,40 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e) {
       it = foreign_.erase(it);
       continue;
     }
+    // The coordinator (the node that writes `.metadata`) is asked, not only the backing
+    // store: it knows the commit failed (given up there, its `.metadata` dropped) before
+    // this node could, as this node may never have talked to the node that died; and its
+    // answer is held while the `.metadata` is pending there, so the wait ends when it
+    // lands, not at the next poll.
+    if (peers_ != nullptr && !no_coordinator_) {
+      const std::string md = path::Join(ckpt, ".metadata");
+      if (auto a = ordered_answers_.find(md); a != ordered_answers_.end()) {
+        const PeerShardAnswer answer = a->second;
+        ordered_answers_.erase(a);
+        const ShardState state = answer.status.state;
+        if (!answer.unreachable && (state == ShardState::kFailed || state == ShardState::kDropped)) {
+          const std::string dir = ckpt;
+          it = foreign_.erase(it);
+          ++stats_.given_up;
+          ++stats_.coordinator_failed;
+          spdlog::error("checkpoint {}: given up: its .metadata {} on the node that commits it",
+                        dir, state == ShardState::kFailed ? "failed" : "was deleted");
+          if (host_ != nullptr) {
+            host_->GaveUp(dir, std::string("its .metadata ") +
+                                   (state == ShardState::kFailed ? "failed" : "was deleted") +
+                                   " on the node that commits it");
+          }
+          continue;
+        }
+      }
+      if (!ordered_round_out_ && now >= ordered_next_ask_) {
+        to_ask->push_back(md);
+      }
+    }
     // A node is declared dead and the `.metadata` is not there: the save failed with it (its
     // ranks could not finish, so no coordinator publishes it). Given up now instead of at
     // the commit timeout; a tracker naming it is withheld (Publication), everything else
-    // goes on. Not asked of the live nodes yet: a live coordinator slower than a node's
-    // death is taken as failed too (docs/PEERS.md, "Not done yet").
+    // goes on. A live coordinator slower than a node's death is taken as failed too.
     if (peers_ != nullptr) {
       if (std::string lost = peers_->LostPeers(); !lost.empty()) {
         const std::string dir = ckpt;
@@ -171,6 +224,10 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e) {
     }
     spdlog::debug("journal: {} waits for the .metadata of {}, published by another node",
                   e.Describe(), ckpt);
+    if (!to_ask->empty()) {
+      ++stats_.coordinator_queries;
+      ordered_next_ask_ = now + ordered_.backoff;
+    }
     CommitCheck check = CommitCheck::Wait({}, ordered_.backoff);
     ordered_.backoff = std::min(kMaxBackoff, ordered_.backoff * 2);
     // A synchronous caller (strict mode) must not wait: it may be the one whose later
@@ -182,13 +239,12 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e) {
   return Status::Ok();
 }
 
-CommitCheck CommitGate::Check(const JournalEntry& e, const QueuedPublishes* queued) {
+CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes* queued) {
   std::vector<std::string> to_ask;  // a round to start, once mu_ is released
   uint64_t round = 0;
   CommitCheck check;
   {
     MutexLock lock(&mu_);
-    if (!IsCommitName(e.path)) return CheckOrdered(e);
     if (current_.seq != e.seq) {
       answers_.clear();  // another commit's
       Status st = Load(e, &current_);
@@ -384,6 +440,17 @@ void CommitGate::OnPeerShardAnswers(uint64_t round, std::vector<PeerShardAnswer>
   std::vector<std::pair<std::string, std::shared_ptr<const ShardChecksums>>> sums;
   {
     MutexLock lock(&mu_);
+    if ((round & kOrderedRound) != 0) {
+      // The coordinator's answers about other nodes' `.metadata` (CheckOrdered).
+      if ((round & ~kOrderedRound) != ordered_round_) return;
+      ordered_round_out_ = false;
+      const std::vector<std::string> paths = std::move(ordered_round_paths_);
+      ordered_round_paths_.clear();
+      for (size_t i = 0; i < paths.size(); ++i) {
+        ordered_answers_[paths[i]] = i < answers.size() ? answers[i] : PeerShardAnswer{{}, true};
+        ordered_answers_[paths[i]].status.checksums.reset();
+      }
+    } else {
     if (round != round_) return;  // a later round replaced it (another commit)
     round_out_ = false;
     const std::vector<std::string> paths = std::move(round_paths_);
@@ -413,6 +480,7 @@ void CommitGate::OnPeerShardAnswers(uint64_t round, std::vector<PeerShardAnswer>
       }
       a.status.checksums.reset();  // handed on below; the gate needs the state only
       if (round_seq_ == current_.seq) answers_[paths[i]] = a;
+    }
     }
   }
   if (host_ != nullptr) {
@@ -452,6 +520,8 @@ void CommitGateStats::AppendJson(nlohmann::json* out) const {
                       {"peer_checksums", peer_checksums},
                       {"peer_confirmed", peer_confirmed},
                       {"given_up", given_up},
+                      {"coordinator_queries", coordinator_queries},
+                      {"coordinator_failed", coordinator_failed},
                       {"peer_refused", peer_refused}};
 }
 

@@ -129,6 +129,8 @@ struct CommitGateStats {
            answers_unknown = 0;
   uint64_t peer_checksums = 0;  // durable answers that came with the shard's block CRCs
   uint64_t answers_unreachable = 0;  // unknown while some peer could not be asked
+  uint64_t coordinator_queries = 0;  // rounds asking the coordinator about a `.metadata`
+  uint64_t coordinator_failed = 0;   // ... that it said failed or deleted: given up
   uint64_t peer_confirmed = 0;       // shards counted on a peer's word (+ a stat)
   uint64_t peer_refused = 0;         // commits refused on a peer's "dropped"
   uint64_t given_up = 0;             // commits given up: their shards were a dead node's
@@ -177,7 +179,12 @@ class CommitGate final : private PeerShardAnswerSink {
   void OnPeerShardAnswers(uint64_t round, std::vector<PeerShardAnswer> answers) override
       EXCLUDES(mu_);
   Status Load(const JournalEntry& e, Pending* p);
-  CommitCheck CheckOrdered(const JournalEntry& e) REQUIRES(mu_);
+  // A `.metadata` or index: waits for its shards.
+  CommitCheck CheckCommit(const JournalEntry& e, const QueuedPublishes* queued) EXCLUDES(mu_);
+  // An ordered entry: waits for other nodes' `.metadata` (foreign_); `to_ask` gets the
+  // `.metadata` paths to ask the coordinator about.
+  CommitCheck CheckOrdered(const JournalEntry& e, std::vector<std::string>* to_ask)
+      REQUIRES(mu_);
 
   BackingDir* const dir_;
   const CommitGateOptions options_;
@@ -199,6 +206,16 @@ class CommitGate final : private PeerShardAnswerSink {
   // last write: only a `.metadata` whose ctime is at or after it commits the directory.
   std::map<std::string, double> foreign_ GUARDED_BY(mu_);
   Pending ordered_ GUARDED_BY(mu_);  // seq, deadline, backoff only
+  // The coordinator round for foreign_ (AskCoordinator): one out at a time, numbered with
+  // kOrderedRound set so its answers are told from a commit round's; answers by `.metadata`
+  // path wait in ordered_answers_ for the next CheckOrdered.
+  static constexpr uint64_t kOrderedRound = 1ull << 63;
+  uint64_t ordered_round_ GUARDED_BY(mu_) = 0;
+  bool ordered_round_out_ GUARDED_BY(mu_) = false;
+  bool no_coordinator_ GUARDED_BY(mu_) = false;  // AskCoordinator said no: poll only
+  std::chrono::steady_clock::time_point ordered_next_ask_ GUARDED_BY(mu_){};
+  std::vector<std::string> ordered_round_paths_ GUARDED_BY(mu_);
+  std::map<std::string, PeerShardAnswer> ordered_answers_ GUARDED_BY(mu_);
 };
 
 }  // namespace ckptfs::store

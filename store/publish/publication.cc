@@ -220,6 +220,11 @@ bool Publication::RewrittenSince(const std::string& path, uint64_t seq) {
   return observer_->RewrittenSince(path, seq);
 }
 
+bool Publication::GivenUpLocally(const std::string& dir) {
+  MutexLock lock(&lost_mu_);
+  return lost_.count(dir) > 0;
+}
+
 bool Publication::PendingLocally(const std::string& path) {
   return observer_->PendingLocally(path);
 }
@@ -341,6 +346,11 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
       }
     }
   } else if (commit) {
+    {
+      // A later save into a directory given up earlier commits it: no longer lost.
+      MutexLock lock(&lost_mu_);
+      lost_.erase(dir);
+    }
     // The key index reads every commit format (store/dcp/checkpoint_source.h); it is
     // built once the directory is committed, not once per rank (a build takes the write
     // path's block CRCs of the shards it covers and releases them).

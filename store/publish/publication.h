@@ -179,6 +179,7 @@ class Publication final : private JournalDelegate,
   bool RewrittenSince(const std::string& path, uint64_t seq) override;
   bool PendingLocally(const std::string& path) override;
   bool DeletedLocally(const std::string& path) override EXCLUDES(dropped_mu_);
+  bool GivenUpLocally(const std::string& dir) override EXCLUDES(lost_mu_);
   void GaveUp(const std::string& dir, const std::string& why) override EXCLUDES(lost_mu_);
   std::optional<uint64_t> PublishedLength(const std::string& path) override;
   void WakeGate() override;

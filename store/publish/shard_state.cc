@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "common/path.h"
+#include "store/publish/commit_names.h"
 
 namespace ckptfs::store {
 
@@ -32,6 +33,9 @@ ShardStatus LocalShardStates::Query(const std::string& path) {
     if (it != records_.end()) return it->second.status;
   }
   if (local_ != nullptr && local_->DeletedLocally(path)) return {ShardState::kDropped, 0};
+  if (local_ != nullptr && IsCommitName(path) && local_->GivenUpLocally(path::Parent(path))) {
+    return {ShardState::kFailed, 0};
+  }
   return {};
 }
 
@@ -88,6 +92,8 @@ void LocalShardStates::NoteDone(const JournalEntry& e, const Status& st) {
       case OpType::kPublish:
         if (st.ok()) {
           PutLocked(e.path, {ShardState::kDurable, e.size});
+        } else if (st.code() == Code::kSuperseded) {
+          break;  // a later save into the directory commits it: nothing failed
         } else if (st.code() == Code::kAborted) {
           PutLocked(e.path, {ShardState::kDropped, 0});
         } else {
@@ -96,7 +102,16 @@ void LocalShardStates::NoteDone(const JournalEntry& e, const Status& st) {
         notify = true;
         break;
       case OpType::kRename: {
-        if (!st.ok()) break;
+        if (!st.ok()) {
+          // A commit renamed into place (`.metadata.tmp` -> `.metadata`) and given up or
+          // failed here: the nodes waiting for it learn it failed (CommitGate's
+          // coordinator round) instead of waiting for their own verdict.
+          if (st.code() != Code::kSuperseded && IsCommitName(e.path)) {
+            PutLocked(e.path, {ShardState::kFailed, 0});
+            notify = true;
+          }
+          break;
+        }
         // The records at or below `from` move with it; whatever was at `path` is replaced.
         std::vector<std::pair<std::string, ShardStatus>> moved;
         for (auto it = records_.lower_bound(e.from);

@@ -119,6 +119,16 @@ class PeerShardAsker {
   // node is writing or has published, and that the backing store does not show, belongs to
   // one of them: its commit is given up (docs/SEMANTICS.md, "A lost node").
   virtual std::string LostPeers() { return {}; }
+  // AskShardStates, of the node that commits the job's checkpoints only (the node of DCP
+  // rank 0, the coordinator that writes `.metadata`: the first node of the peer list, as the
+  // writer-locality rule places ranks). False when this node is that node, or it cannot ask.
+  // One message per wait, not one per peer: at 1,000 nodes, every node asking every other
+  // about each `.metadata` would be a million messages per save.
+  virtual bool AskCoordinator(std::vector<std::string> paths, std::chrono::milliseconds hold,
+                              PeerShardAnswerSink* sink, uint64_t round) {
+    (void)paths, (void)hold, (void)sink, (void)round;
+    return false;
+  }
 
  protected:
   ~PeerShardAsker() = default;
@@ -131,6 +141,12 @@ class LocalShardQuestions {
   virtual bool PendingLocally(const std::string& path) = 0;
   // Deleted through this mount before it was published.
   virtual bool DeletedLocally(const std::string& path) = 0;
+  // Checkpoint `dir` was given up here (a lost node): its `.metadata` is answered failed, so
+  // the nodes waiting for it learn it from the coordinator (CommitGate).
+  virtual bool GivenUpLocally(const std::string& dir) {
+    (void)dir;
+    return false;
+  }
 
  protected:
   ~LocalShardQuestions() = default;

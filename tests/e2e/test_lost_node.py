@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import tempfile
+import sys
 import time
 import unittest
 
@@ -188,6 +189,78 @@ class LostNode(unittest.TestCase):
 
     def test_async_hung_node(self):
         self.run_logged("async", hang=True)
+
+
+@unittest.skipUnless(os.geteuid() == 0, "needs root for network namespaces")
+class LostNodeThreeNodes(unittest.TestCase):
+    """Connections are made on demand: node 1 never talks to node 2. When node 2 dies
+    mid-save, node 1 holds shards of the failed checkpoint and a log file written after
+    them (an ordered entry); node 1 must learn that the checkpoint failed from the
+    coordinator (node 0, which gave it up), not wait for its own verdict on node 2 (it has
+    none: it never met it) or for --commit-timeout. The retained tier is off here: its
+    replication links each node to its ring neighbours (node 1 to node 2)."""
+
+    def test_a_node_that_never_met_the_dead_one_learns_it_from_the_coordinator(self):
+        root = tempfile.mkdtemp(prefix="ckptfs-lost3-")
+        self.addCleanup(shutil.rmtree, root, True)
+        c = Cluster(3, root=root, daemon_args=[
+            "--durability", "async", "--peer-dead-after", str(DEAD_AFTER_MS),
+            "--commit-timeout", "600", "--cache-mem", "256M", "--retain-mem", "0"])
+        self.addCleanup(c.cleanup)
+        c.setup()
+        c.start()
+        self.assertTrue(c.wait_connected())
+        n0, n1, n2 = c.nodes
+        runs = [os.path.join(n.mnt, "run") for n in c.nodes]
+        backing = os.path.join(c.backing, "run")
+        os.makedirs(runs[0])
+        ranks = 6
+
+        def logs():
+            return "\n".join(f"--- node {n.index} ---\n{n.log_text(4000)}" for n in c.nodes)
+
+        def spread(n):
+            return [it_dir(runs[r * 3 // ranks], n) for r in range(ranks)]
+
+        def eventually(cond, what, timeout):
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                if cond():
+                    return
+                time.sleep(0.25)
+            self.fail(f"{what}\n{logs()}")
+
+        dcp_tool.save(it_dir(runs[0], 1), ranks, 4, True, 1, timeout=300, dirs=spread(1))
+        eventually(lambda: os.path.exists(os.path.join(it_dir(backing, 1), ".metadata")),
+                   "iteration 1 not committed", 60)
+        os.makedirs(it_dir(runs[0], 2))
+        t0 = time.monotonic()
+        n2.kill(signal.SIGKILL)
+        with self.assertRaises(Exception):
+            dcp_tool.save(it_dir(runs[0], 2), ranks, 4, True, 2, timeout=120, dirs=spread(2))
+        # Node 1: a log line written after its shards of iteration 2 (a TensorBoard-like
+        # writer); node 0: the trainer's tracker, which must never name iteration 2.
+        os.makedirs(os.path.join(runs[1], "logs"), exist_ok=True)
+        with open(os.path.join(runs[1], "logs", "events.node1"), "w") as f:
+            f.write("step 2 failed\n")
+        with open(os.path.join(runs[0], TRACKER), "w") as f:
+            f.write("2")
+        eventually(lambda: os.path.exists(os.path.join(backing, "logs", "events.node1")),
+                   "node 1's log file was held behind the failed checkpoint", 60)
+        took = time.monotonic() - t0
+        s1 = n1.stats()
+        gate = s1["commit_gate"]
+        print(f"node 1 published its log {took:.1f} s after node 2 died; coordinator "
+              f"queries {gate['coordinator_queries']}, said failed {gate['coordinator_failed']}; "
+              f"links open {s1['peers_links_open']}, node 1 declared dead "
+              f"{s1['peers_declared_dead']}", file=sys.stderr)
+        self.assertEqual(s1["peers_declared_dead"], 0, s1["peers"])
+        self.assertGreaterEqual(gate["coordinator_failed"], 1, gate)
+        self.assertEqual([p["state"] for p in s1["peers"]["peers"]][1], "unknown",
+                         s1["peers"]["peers"])
+        self.assertFalse(os.path.exists(os.path.join(it_dir(backing, 2), ".metadata")))
+        # The tracker naming the failed checkpoint is withheld (G4 over G8).
+        self.assertFalse(os.path.exists(os.path.join(backing, TRACKER)))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,14 @@ class CommitGateTest : public ::testing::Test, public PeerShardAsker, public Com
     rounds_.push_back(Round{std::move(paths), sink, round});
     return true;
   }
+  bool AskCoordinator(std::vector<std::string> paths, std::chrono::milliseconds hold,
+                      PeerShardAnswerSink* sink, uint64_t round) override {
+    return AskShardStates(std::move(paths), hold, sink, round);
+  }
+  void GaveUp(const std::string& dir, const std::string& why) override {
+    MutexLock lock(&mu_);
+    gave_up_[dir] = why;
+  }
   bool WrittenLocally(const std::string&) override { return false; }
   bool RewrittenSince(const std::string&, uint64_t) override { return false; }
   bool DeletedLocally(const std::string&) override { return false; }
@@ -120,6 +128,7 @@ class CommitGateTest : public ::testing::Test, public PeerShardAsker, public Com
     uint64_t round = 0;
   };
   std::vector<Round> rounds_ GUARDED_BY(mu_);
+  std::map<std::string, std::string> gave_up_ GUARDED_BY(mu_);
   bool peers_available_ GUARDED_BY(mu_) = true;
   std::atomic<int> wakes_{0};
 };
@@ -287,6 +296,68 @@ TEST_F(CommitGateTest, PublishedThroughThisMountCountsAfterOneStatWithoutAsking)
   EXPECT_TRUE(Check(gate).ready);
   EXPECT_EQ(ShardStats(), 4u);
   EXPECT_EQ(gate.stats().commit_polls, 0u);
+}
+
+// A tracker published here after this node published shards of "ck", whose `.metadata` is
+// another node's to write: the gate asks that node (the coordinator), once per round, holds
+// while it answers, and gives the checkpoint up at once when the coordinator says its
+// `.metadata` failed, with no node declared dead here (this node may never have talked to
+// the node that died).
+TEST_F(CommitGateTest, AForeignCheckpointTheCoordinatorFailedIsGivenUpAtOnce) {
+  auto gate = MakeGate();
+  JournalEntry shard;
+  shard.seq = 3;
+  shard.op = OpType::kPublish;
+  shard.path = "ck/__0_0.distcp";
+  gate->NoteApplied(shard, Status::Ok());
+  JournalEntry tracker;
+  tracker.seq = 4;
+  tracker.op = OpType::kPublish;
+  tracker.path = "latest_checkpointed_iteration.txt";
+  ASSERT_TRUE(CommitGate::IsOrderedEntry(tracker));
+
+  CommitCheck c = gate->Check(tracker, nullptr);
+  EXPECT_FALSE(c.ready);
+  ASSERT_EQ(OpenRounds(), 1u);
+  EXPECT_EQ(gate->Check(tracker, nullptr).ready, false);
+  EXPECT_EQ(OpenRounds(), 1u) << "a second round while one is out";
+  EXPECT_EQ(Answer({ShardState::kPending, 0}), std::vector<std::string>{"ck/.metadata"});
+  EXPECT_FALSE(gate->Check(tracker, nullptr).ready);  // pending there: still waits
+
+  std::this_thread::sleep_for(120ms);  // past the round's backoff
+  EXPECT_FALSE(gate->Check(tracker, nullptr).ready);
+  ASSERT_EQ(OpenRounds(), 1u);
+  Answer({ShardState::kFailed, 0});
+  EXPECT_TRUE(gate->Check(tracker, nullptr).ready);
+  {
+    MutexLock lock(&mu_);
+    ASSERT_EQ(gave_up_.count("ck"), 1u);
+    EXPECT_NE(gave_up_["ck"].find("failed on the node that commits it"), std::string::npos);
+  }
+  EXPECT_EQ(gate->stats().given_up, 1u);
+  EXPECT_EQ(gate->stats().coordinator_failed, 1u);
+}
+
+// Unknown and unreachable answers never give a checkpoint up: the coordinator may not have
+// reached its `.metadata` yet; the backing store still tells when it lands.
+TEST_F(CommitGateTest, AnUnknownCoordinatorAnswerKeepsWaitingForTheBackingStore) {
+  auto gate = MakeGate();
+  JournalEntry shard;
+  shard.seq = 3;
+  shard.op = OpType::kPublish;
+  shard.path = "ck/__0_0.distcp";
+  gate->NoteApplied(shard, Status::Ok());
+  JournalEntry tracker;
+  tracker.seq = 4;
+  tracker.op = OpType::kPublish;
+  tracker.path = "latest_checkpointed_iteration.txt";
+  EXPECT_FALSE(gate->Check(tracker, nullptr).ready);
+  Answer({ShardState::kUnknown, 0}, /*unreachable=*/true);
+  EXPECT_FALSE(gate->Check(tracker, nullptr).ready);
+  sfs::copy_file(kFixture / ".metadata", root_ + "/ck/.metadata");
+  EXPECT_TRUE(gate->Check(tracker, nullptr).ready);
+  MutexLock lock(&mu_);
+  EXPECT_TRUE(gave_up_.empty());
 }
 
 }  // namespace
