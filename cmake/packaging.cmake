@@ -22,7 +22,7 @@ endif()
 
 install(FILES ${CMAKE_SOURCE_DIR}/contrib/systemd/ckptfs@.service
         DESTINATION ${CKPTFS_SYSTEMD_UNIT_DIR})
-# Lets a pipe hold a whole FUSE request, so write payloads are spliced (fs/fuse_server.cc).
+# Lets a pipe hold a whole FUSE request, so write payloads are spliced (fs/transport/fuse_ops.cc, OpInit).
 install(FILES ${CMAKE_SOURCE_DIR}/contrib/sysctl/90-ckptfs.conf DESTINATION lib/sysctl.d)
 install(FILES ${CMAKE_SOURCE_DIR}/contrib/systemd/ckptfs.conf.example
               ${CMAKE_SOURCE_DIR}/contrib/prometheus-alerts.yaml

@@ -1,21 +1,21 @@
 // Filesystem: the facade of the ckptfs namespace and data paths, independent of FUSE.
 //
-// fs/fuse_server.cc translates each FUSE request into one call here and turns the
+// fs/transport/fuse_ops.cc translates each FUSE request into one call here and turns the
 // Status into a reply. The facade makes the dependencies (Create), drains at shutdown,
 // and routes each call by the kind of its inode or handle (fs/handle.h) to the unit that
 // owns it:
-//   Namespace    fs/namespace.h: the operations on names, and the parts it builds over
-//                one node table: NodeTable (fs/node_table.h: inodes, the overlay = backing
-//                store + pending journal entries, getattr; its lock and the locking rule
-//                are there), WriteStates (fs/write_states.h: create, open, write, flush,
-//                release, publish), PosixOps (fs/posix_ops.h: setattr, link, fallocate),
+//   Namespace    fs/namespace/namespace.h: the operations on names, and the parts it builds
+//                over one node table: NodeTable (fs/namespace/node_table.h: inodes, the
+//                overlay = backing store + pending journal entries, getattr; its lock and
+//                the locking rule are there), WriteStates (fs/namespace/write_states.h: create, open, write, flush,
+//                release, publish), PosixOps (fs/namespace/posix_ops.h: setattr, link, fallocate),
 //                JournalEvents (publication's observer), NamespaceReport (the control
 //                tree's view);
 //   ReadPath     fs/read_path.h: block cache, prefetch, read checksums;
-//   ControlTree  fs/control_tree.h: the /.ckptfs tree and the user.ckptfs.* xattrs;
-//   TensorView   fs/tensor_view.h: the tensors/ view below /.ckptfs.
+//   ControlTree  fs/control/control_tree.h: the /.ckptfs tree and the user.ckptfs.* xattrs;
+//   TensorView   fs/control/tensor_view.h: the tensors/ view below /.ckptfs.
 // The facade holds no lock of its own. Read and Write of a file take no namespace lock
-// (see the locking rule in fs/node_table.h).
+// (see the locking rule in fs/namespace/node_table.h).
 #pragma once
 
 #include <sys/stat.h>
@@ -30,15 +30,15 @@
 #include <vector>
 
 #include "common/status.h"
-#include "fs/control_tree.h"
+#include "fs/control/control_tree.h"
 #include "fs/fs_stats.h"
 #include "fs/fs_types.h"
 #include "fs/handle.h"
-#include "fs/namespace.h"
-#include "fs/passthrough_reads.h"
-#include "fs/posix_access.h"
+#include "fs/namespace/namespace.h"
+#include "fs/transport/passthrough_reads.h"
+#include "fs/namespace/posix_access.h"
 #include "fs/read_path.h"
-#include "fs/tensor_view.h"
+#include "fs/control/tensor_view.h"
 #include "gpu/staging_pool.h"
 #include "store/cache/retained_tier.h"
 #include "store/flush/flush_pipeline.h"
@@ -53,7 +53,7 @@ namespace ckptfs::fs {
 // config (each one left null is made from it): tests drive the namespace and the write
 // path on a FaultyBackingDir this way. The pipeline, key index and cache must be made over
 // the injected `backing` (and `db`). Publication (journal, gate, registry) is always made
-// here; the namespace is its observer (fs/journal_events.cc).
+// here; the namespace is its observer (fs/namespace/journal_events.cc).
 struct FsDeps {
   std::unique_ptr<store::BackingDir> backing;    // else BackingDir::Open(config.backing_dir)
   std::unique_ptr<store::StateDb> db;            // else StateDb::Open(config.state_dir)
@@ -75,7 +75,7 @@ class Filesystem {
 
   // Operations that create names or check ownership take the `caller` (root when left
   // out: the daemon itself). New names belong to the caller on the mount at once and on
-  // the backing store when published; see fs/posix_access.h for the rules.
+  // the backing store when published; see fs/namespace/posix_access.h for the rules.
   Result<Entry> Lookup(uint64_t parent, const std::string& name);
   void Forget(uint64_t ino, uint64_t nlookup);
   Result<struct stat> GetAttr(uint64_t ino);
@@ -157,12 +157,12 @@ class Filesystem {
   // A new peer list that could not be read or parsed: counted with the membership.
   void NotePeersRejected(const std::string& why);
 
-  // FUSE passthrough (fs/passthrough_reads.h): the io mode of each inode (kept by
-  // fs/fuse_server.cc) and which opens the kernel may serve itself.
+  // FUSE passthrough (fs/transport/passthrough_reads.h): the io mode of each inode (kept by
+  // fs/transport/fuse_ops.cc) and which opens the kernel may serve itself.
   PassthroughReads* passthrough() { return passthrough_.get(); }
 
   const FsConfig& config() const { return config_; }
-  // How requests reach the daemon (fs/fuse_server.cc keeps it; stats report it).
+  // How requests reach the daemon (fs/transport/fuse_server.cc keeps it; stats report it).
   FuseTransportStats* fuse_transport() { return &stats_.fuse; }
   // The attribute timeout of a getattr/setattr reply for `ino` (0 for hard-linked names).
   double AttrTimeout(uint64_t ino) { return ns_->AttrTimeout(ino); }

@@ -31,8 +31,8 @@ class StateText {
   std::string text_ GUARDED_BY(mu_);
 };
 
-// FUSE passthrough (fs/passthrough.h). The kernel serves those reads: the daemon never sees
-// them, so their bytes are estimated by the sizes of the files opened.
+// FUSE passthrough (fs/transport/passthrough.h). The kernel serves those reads: the daemon
+// never sees them, so their bytes are estimated by the sizes of the files opened.
 struct PassthroughStats {
   std::atomic<uint64_t> opens{0};           // opens replied with FOPEN_PASSTHROUGH
   std::atomic<uint64_t> bytes_opened{0};    // sizes of those files (an upper bound of
@@ -53,7 +53,7 @@ struct PassthroughStats {
   StateText state_{"off: not negotiated yet"};
 };
 
-// How requests reach the daemon (fs/fuse_uring.h): over /dev/fuse, or FUSE over io_uring.
+// How requests reach the daemon (fs/transport/fuse_uring.h): over /dev/fuse, or FUSE over io_uring.
 struct FuseTransportStats {
   std::atomic<uint64_t> uring_requests{0};    // requests served from a ring entry
   std::atomic<uint64_t> uring_threads{0};     // ring threads started (all queues)

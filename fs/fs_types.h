@@ -56,11 +56,11 @@ struct FsConfig {
   // Cooperating peer daemons (issue 12); null: this daemon works alone.
   std::shared_ptr<const store::peer::PeerNodeOptions> peers;
   // Reads of published files go through the kernel's FUSE passthrough where it can
-  // (fs/passthrough.h); false: the daemon serves every read.
+  // (fs/transport/passthrough.h); false: the daemon serves every read.
   bool passthrough = true;
   // Files smaller than this are served by the daemon even so: small files are where
   // a writer next to a reader is common (trackers, torch's FileStore), which passthrough
-  // would make wait (fs/passthrough.h); their reads gain little from it.
+  // would make wait (fs/transport/passthrough.h); their reads gain little from it.
   uint64_t passthrough_min_bytes = uint64_t{1} << 20;
 };
 

@@ -11,7 +11,7 @@
 #include "common/path.h"
 #include "common/status.h"
 #include "fs/fs_types.h"
-#include "fs/node.h"
+#include "fs/namespace/node.h"
 #include "store/primitives/backing_dir.h"
 
 namespace ckptfs::fs {

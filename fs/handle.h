@@ -15,12 +15,12 @@
 
 #include "common/unique_fd.h"
 #include "store/cache/backing_source.h"
-#include "fs/node.h"
+#include "fs/namespace/node.h"
 #include "store/cache/block_cache.h"
 
 namespace ckptfs::fs {
 
-// A file of the namespace (fs/node.h). Its data source is the node's staged contents
+// A file of the namespace (fs/namespace/node.h). Its data source is the node's staged contents
 // while it has a write state (Node::data), else `fd`.
 struct FileHandle {
   std::shared_ptr<Node> node;
@@ -36,7 +36,7 @@ struct FileHandle {
   std::atomic<uint64_t> read_end{0};        // furthest end of a read (ReadPath::ReadAhead)
   bool keep_cache = false;             // a committed checkpoint's file
   bool indexed = false;                // its checkpoint was indexed when it was opened
-  // Its io mode in the PassthroughTable (set by fs/fuse_server.cc once the open is taken
+  // Its io mode in the PassthroughTable (set by fs/transport/fuse_ops.cc once the open is taken
   // there): counted (released with the handle), and passed through the kernel.
   bool io_counted = false;
   bool passthrough = false;

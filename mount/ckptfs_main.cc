@@ -34,7 +34,7 @@
 #include "common/logging.h"
 #include "fs/filesystem.h"
 #include "mount/peers_watch.h"
-#include "fs/fuse_server.h"
+#include "fs/transport/fuse_server.h"
 #include "mount/metrics_server.h"
 #include "mount/options.h"
 #include "store/peer/peers.h"

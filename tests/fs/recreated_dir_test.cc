@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#include "fs/control_tree.h"
+#include "fs/control/control_tree.h"
 #include "store/dcp/dcp_metadata.h"
 #include "tests/fs/fs_fixture.h"
 

@@ -1,0 +1,115 @@
+// The mount's side of publication (fs/namespace/journal_events.h): what the commit gate and the
+// shard states ask about files written here, and what the namespace, the stats and the
+// read path learn when an entry is done or publication halts.
+#include "fs/namespace/journal_events.h"
+
+#include <spdlog/spdlog.h>
+
+#include "common/path.h"
+#include "fs/fs_util.h"
+#include "store/publish/commit_names.h"
+
+namespace ckptfs::fs {
+
+JournalEvents::JournalEvents(const FsParts& parts, NodeTable& table, WriteStates& writes)
+    : table_(table), writes_(writes), read_(parts.read), stats_(parts.stats) {}
+
+bool JournalEvents::WrittenLocally(const std::string& path) {
+  MutexLock lock(&table_.mu);
+  const Node* node = table_.LoadedNodeAtLocked(path);
+  return node != nullptr && node->write && node->write->needs_publish;
+}
+
+bool JournalEvents::RewrittenSince(const std::string& path, uint64_t seq) {
+  MutexLock lock(&table_.mu);
+  const Node* node = table_.LoadedNodeAtLocked(path);
+  // The write state lives until its version is published (open, or its publish queued).
+  return node != nullptr && node->write && !node->write->discarded &&
+         node->write->began_after >= seq;
+}
+
+bool JournalEvents::RankCommitPending(const std::string& path, uint64_t seq) {
+  const std::string dir = ParentOf(path);
+  const std::string_view self = path::Basename(path);
+  MutexLock lock(&table_.mu);
+  const Node* node = dir.empty() ? table_.root().get() : table_.LoadedNodeAtLocked(dir);
+  if (node == nullptr) return false;
+  for (const auto& [name, child] : node->children) {
+    if (name == self) continue;
+    const store::CommitKind kind = store::CommitKindOf(name);
+    const bool tmp = name.ends_with(".metadata.tmp") &&
+                     store::CommitKindOf(name.substr(0, name.size() - 4)) ==
+                         store::CommitKind::kDcpRank;
+    if (kind != store::CommitKind::kDcpRank && !tmp) continue;
+    if (child->write || child->pending_seq > seq) return true;
+  }
+  return false;
+}
+
+bool JournalEvents::PendingLocally(const std::string& path) {
+  MutexLock lock(&table_.mu);
+  const Node* node = table_.LoadedNodeAtLocked(path);
+  // Open for writing, or closed with its publish queued, applied ahead or being retried
+  // (NodeTable::publishing holds it until the journal reports the outcome).
+  return node != nullptr && node->write && !node->write->discarded &&
+         (node->write->needs_publish || table_.publishing.count(node->write->file_id) > 0);
+}
+
+void JournalEvents::OnHalted(const store::JournalEntry& e, const Status& st) {
+  if (!st.ok()) table_.NoteError("publication halted at " + e.Describe() + ": " + st.ToString());
+  if (e.op != store::OpType::kPublish) return;
+  MutexLock lock(&table_.mu);
+  auto it = table_.publishing.find(e.file_id);
+  if (it != table_.publishing.end()) {
+    it->second->halt_error = st.ok() ? "" : st.ToString();
+    it->second->halt_transient = store::IsTransient(st);
+  }
+}
+
+void JournalEvents::OnOutcome(const store::JournalEntry& e, const Status& st,
+                          const store::PublishOutcome& outcome) {
+  if (e.op == store::OpType::kPublish && st.ok()) {
+    stats_->bytes_published.fetch_add(e.size);
+    stats_->files_published.fetch_add(1);
+  }
+  if (st.code() == Code::kSuperseded) {
+    stats_->commits_superseded.fetch_add(1);
+  } else if (!st.ok()) {
+    table_.NoteError(e.Describe() + ": " + st.ToString());
+  }
+  if (!outcome.committed_dir.empty()) read_->QueueIndexBuild(outcome.committed_dir);
+  if (e.op != store::OpType::kPublish) return;
+  if (uint64_t dropped = NodePublishDone(e, st)) table_.RefreshAttr(dropped);
+}
+
+uint64_t JournalEvents::NodePublishDone(const store::JournalEntry& e, const Status& st) {
+  MutexLock lock(&table_.mu);
+  auto it = table_.publishing.find(e.file_id);
+  if (it == table_.publishing.end()) return 0;
+  std::shared_ptr<Node> node = it->second;
+  table_.publishing.erase(it);
+  if (st.ok()) node->halt_error.clear();  // published after retries
+  // A superseded `.metadata` (torch 1.13 writes it in place): its file lives on in the
+  // later version that replaced it.
+  // A tracker withheld for a lost node's checkpoint (kNodeLost) failed nothing of its
+  // own: the mount shows what the backing store keeps (the tracker before it), and the
+  // next write replaces it as usual.
+  if (!st.ok() && st.code() != Code::kSuperseded && st.code() != Code::kNodeLost) {
+    node->error = "publication failed: " + st.ToString();
+    node->on_backing = false;
+    table_.SyncDataLocked(node.get());
+  }
+  uint64_t dropped = 0;
+  if (node->write && node->write->file_id == e.file_id && node->open_files == 0 &&
+      !node->write->needs_publish) {
+    writes_.AssertTable(table_);
+    writes_.DropWriteStateLocked(node.get());
+    dropped = node->ino;
+  }
+  if (node->parent == nullptr && node->nlookup == 0 && !node->write) {
+    table_.inodes.erase(node->ino);
+  }
+  return dropped;
+}
+
+}  // namespace ckptfs::fs

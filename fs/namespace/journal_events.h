@@ -1,0 +1,54 @@
+// JournalEvents: the mount's side of publication (store::PublicationObserver).
+//
+// What the commit gate and the shard states ask about files written here (written or
+// pending locally, rewritten since an entry, a rank's commit pending), and what the node
+// table, the write states, the stats and the read path learn when an entry is done or
+// publication halts (store/publish/publication.h). It owns no state: it reads and changes
+// nodes of the table (fs/namespace/node_table.h) and drops the write state of a published file
+// (fs/namespace/write_states.h).
+//
+// Thread-safe. Runs on the journal's thread (questions also on a peer's query thread);
+// takes `table.mu` briefly, never calls back into publication.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+#include "fs/fs_stats.h"
+#include "fs/fs_types.h"
+#include "fs/namespace/node_table.h"
+#include "fs/read_path.h"
+#include "fs/namespace/write_states.h"
+#include "store/publish/journal.h"
+#include "store/publish/publication.h"
+
+namespace ckptfs::fs {
+
+class JournalEvents final : public store::PublicationObserver {
+ public:
+  // The parts, `table` and `writes` must outlive it; it uses the parts' read path and stats.
+  JournalEvents(const FsParts& parts, NodeTable& table, WriteStates& writes);
+  JournalEvents(const JournalEvents&) = delete;
+  JournalEvents& operator=(const JournalEvents&) = delete;
+
+  bool WrittenLocally(const std::string& path) override EXCLUDES(table_.mu);
+  bool RewrittenSince(const std::string& path, uint64_t seq) override EXCLUDES(table_.mu);
+  bool PendingLocally(const std::string& path) override EXCLUDES(table_.mu);
+  bool RankCommitPending(const std::string& path, uint64_t seq) override EXCLUDES(table_.mu);
+  void OnOutcome(const store::JournalEntry& e, const Status& st,
+                 const store::PublishOutcome& outcome) override EXCLUDES(table_.mu);
+  void OnHalted(const store::JournalEntry& e, const Status& st) override EXCLUDES(table_.mu);
+
+ private:
+  // The node's side of a publish entry's outcome; returns the inode whose write state
+  // was dropped (to RefreshAttr), or 0.
+  uint64_t NodePublishDone(const store::JournalEntry& e, const Status& st) EXCLUDES(table_.mu);
+
+  NodeTable& table_;
+  WriteStates& writes_;
+  ReadPath* const read_;
+  FsStats* const stats_;
+};
+
+}  // namespace ckptfs::fs

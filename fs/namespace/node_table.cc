@@ -1,0 +1,547 @@
+// The inode table and the overlay of pending journal entries on the backing store
+// (fs/namespace/node_table.h): nodes and paths, loading and probing names, the journal append that
+// orders a change, link groups, and the EIO log line of a failed call.
+#include "fs/namespace/node_table.h"
+
+#include <fcntl.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "fs/fs_util.h"
+
+namespace ckptfs::fs {
+namespace {
+
+// EIO lines logged per second at most; the rest are counted and reported with the next.
+constexpr int kIoLogsPerSecond = 20;
+
+}  // namespace
+
+NodeTable::NodeTable(const FsConfig& config, const FsParts& parts)
+    : config_(config),
+      backing_(parts.backing),
+      publication_(parts.publication),
+      stats_(parts.stats) {}
+
+Result<std::unique_ptr<NodeTable>> NodeTable::Create(const FsConfig& config,
+                                                     const FsParts& parts) {
+  std::unique_ptr<NodeTable> table(new NodeTable(config, parts));
+  CKPT_ASSIGN_OR_RETURN(struct stat root_attr, table->backing_->Stat(""));
+  table->root_ = std::make_shared<Node>();
+  table->root_->ino = kRootIno;
+  table->root_->type = NodeType::kDir;
+  table->root_->attr = root_attr;
+  table->root_->attr.st_ino = kRootIno;
+  table->root_->on_backing = true;
+  {
+    MutexLock lock(&table->mu);
+    table->inodes[kRootIno] = table->root_;
+  }
+  return table;
+}
+
+void NodeTable::ForgetIfUnusedLocked(const Node* node) {
+  if (node->parent == nullptr && node->nlookup == 0 && node->open_files == 0) {
+    inodes.erase(node->ino);
+  }
+}
+
+void NodeTable::JoinLinkGroupLocked(uint64_t group, const std::shared_ptr<Node>& node) {
+  link_groups_[group].members.push_back(node);
+}
+
+std::shared_ptr<Node> NodeTable::NodeLocked(uint64_t ino) {
+  auto it = inodes.find(ino);
+  return it == inodes.end() ? nullptr : it->second;
+}
+
+Result<std::shared_ptr<Node>> NodeTable::LoadedDirLocked(uint64_t ino, const std::string& name) {
+  auto dir = NodeLocked(ino);
+  if (!dir || dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
+  CKPT_RETURN_IF_ERROR(EnsureLoadedLocked(dir.get()));
+  return dir;
+}
+
+std::string NodeTable::PathLocked(const Node* node) const {
+  std::vector<const std::string*> parts;
+  for (const Node* n = node; n != nullptr && n->ino != kRootIno; n = n->parent) {
+    parts.push_back(&n->name);
+  }
+  std::string path;
+  for (auto it = parts.rbegin(); it != parts.rend(); ++it) {
+    if (!path.empty()) path += '/';
+    path += **it;
+  }
+  return path;
+}
+
+std::string NodeTable::TempPathLocked(const WriteState& ws) const {
+  return JoinPath(PathLocked(ws.temp_dir), ws.temp_name);
+}
+
+Node* NodeTable::LoadedNodeAtLocked(const std::string& path) {
+  Node* node = root_.get();
+  size_t start = 0;
+  while (node != nullptr && start <= path.size()) {
+    size_t slash = path.find('/', start);
+    std::string name = path.substr(start, slash == std::string::npos ? std::string::npos
+                                                                      : slash - start);
+    auto it = node->children.find(name);
+    node = it == node->children.end() ? nullptr : it->second.get();
+    if (slash == std::string::npos) break;
+    start = slash + 1;
+  }
+  return node;
+}
+
+std::shared_ptr<Node> NodeTable::NewNodeLocked(Node* parent, const std::string& name,
+                                                NodeType type) {
+  auto node = std::make_shared<Node>();
+  node->ino = next_ino_++;
+  node->type = type;
+  node->parent = parent;
+  node->name = name;
+  node->attr.st_ino = node->ino;
+  node->attr.st_nlink = type == NodeType::kDir ? 2 : 1;
+  node->attr.st_blksize = kBlockSize;
+  if (parent != nullptr) parent->children[name] = node;
+  inodes[node->ino] = node;
+  return node;
+}
+
+std::shared_ptr<Node> NodeTable::ChildLocked(Node* dir, const std::string& name) {
+  // The mount's view only: ProbeName refreshed it from the backing store before the lock.
+  auto it = dir->children.find(name);
+  return it == dir->children.end() ? nullptr : it->second;
+}
+
+void NodeTable::DetachLocked(const std::shared_ptr<Node>& node) {
+  if (node->parent != nullptr) {
+    node->parent->children.erase(node->name);
+    node->parent->names_removed++;
+    node->parent = nullptr;
+  }
+  ForgetIfUnusedLocked(node.get());
+}
+
+Entry NodeTable::EntryLocked(Node* node) {
+  FoldWriteTimeLocked(node);
+  node->nlookup++;
+  Entry e;
+  e.ino = node->ino;
+  e.attr = node->attr;
+  if (node->link_group != 0) e.attr.st_ino = node->link_group;  // one inode, one st_ino
+  if (node->write) e.attr.st_size = static_cast<off_t>(node->write->staged->size());
+  e.attr.st_blocks = (e.attr.st_size + 511) / 512;
+  e.timeout = TimeoutFor(*node);
+  return e;
+}
+
+double NodeTable::TimeoutFor(const Node& node) const {
+  // Names of one inode are separate FUSE inodes: a change through one name reaches the
+  // others' cached attributes only if the kernel keeps none.
+  if (node.type != NodeType::kDir && node.attr.st_nlink > 1) return 0.0;
+  // Files of a committed checkpoint do not change: let the kernel keep their entries,
+  // attributes and pages (ranks on one node share the page cache).
+  if (node.type != NodeType::kFile || node.write || node.parent == nullptr) {
+    return kDefaultTimeout;
+  }
+  return CommittedDirLocked(node.parent) ? kCommittedTimeout : kDefaultTimeout;
+}
+
+bool NodeTable::CommittedDirLocked(const Node* dir) const {
+  // A checkpoint is committed once its commit file is published and nothing in the
+  // directory is pending; the registry knows the ones saved through this mount. The commit
+  // file: `.metadata`, a no-collectives save's `__0.metadata` (rank 0 always writes one), a
+  // Hugging Face index or single file under the names transformers and torch give them.
+  auto it = dir->children.end();
+  for (const char* name : {".metadata", "model.safetensors.index.json", "model.safetensors",
+                           "__0.metadata"}) {
+    it = dir->children.find(name);
+    if (it != dir->children.end()) break;
+  }
+  if (it == dir->children.end()) return false;
+  const Node& md = *it->second;
+  const uint64_t applied = publication_->applied();
+  return md.on_backing && !md.write && md.pending_seq <= applied && dir->pending_seq <= applied;
+}
+
+Status NodeTable::EnsureLoadedLocked(Node* dir) {
+  if (dir->loaded) return Status::Ok();
+  if (!dir->on_backing) {
+    dir->loaded = true;  // made through the mount: nothing on the backing store yet
+    return Status::Ok();
+  }
+  const std::string path = PathLocked(dir);
+  CKPT_ASSIGN_OR_RETURN(auto entries, backing_->List(path));
+  for (const auto& e : entries) {
+    if (IsTempName(e.name) || dir->children.count(e.name)) continue;
+    if (dir->ino == kRootIno && e.name == kCtlDirName) continue;
+    auto st = backing_->Stat(JoinPath(path, e.name));
+    if (!st.ok()) continue;  // raced with an external delete
+    AddBackingChildLocked(dir, e.name, *st);
+  }
+  dir->loaded = true;
+  return Status::Ok();
+}
+
+std::shared_ptr<Node> NodeTable::AddBackingChildLocked(Node* dir, const std::string& name,
+                                                        const struct stat& st) {
+  auto child = NewNodeLocked(dir, name, TypeOf(st.st_mode));
+  child->attr = st;
+  child->attr.st_ino = child->ino;
+  child->attr.st_blksize = BackingBlockSize(st);
+  child->on_backing = true;
+  AdoptLinkGroupLocked(child.get(), st);
+  return child;
+}
+
+Status NodeTable::LoadDir(uint64_t ino) {
+  std::string path;
+  {
+    MutexLock lock(&mu);
+    auto dir = NodeLocked(ino);
+    if (!dir || dir->type != NodeType::kDir || dir->loaded) return Status::Ok();
+    if (!dir->on_backing) {
+      dir->loaded = true;  // made through the mount: nothing on the backing store yet
+      return Status::Ok();
+    }
+    path = PathLocked(dir.get());
+  }
+  // The listing and the stats, without mu.
+  CKPT_ASSIGN_OR_RETURN(auto entries, backing_->List(path));
+  std::vector<std::pair<std::string, struct stat>> found;
+  for (const auto& e : entries) {
+    if (IsTempName(e.name) || (ino == kRootIno && e.name == kCtlDirName)) continue;
+    auto st = backing_->Stat(JoinPath(path, e.name));
+    if (st.ok()) found.emplace_back(e.name, *st);  // else raced with an external delete
+  }
+  MutexLock lock(&mu);
+  auto dir = NodeLocked(ino);
+  // Moved meanwhile: the listing is of another path; the operation loads it under the lock.
+  if (!dir || dir->loaded || PathLocked(dir.get()) != path) return Status::Ok();
+  for (const auto& [name, st] : found) {
+    if (!dir->children.count(name)) AddBackingChildLocked(dir.get(), name, st);
+  }
+  dir->loaded = true;
+  return Status::Ok();
+}
+
+Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
+  CKPT_RETURN_IF_ERROR(LoadDir(dir_ino));
+  // What to stat: the name's backing path while the mount's view of it may be refreshed
+  // from the backing store (nothing of it pending), else nothing.
+  std::shared_ptr<Node> child;
+  std::string path;
+  uint64_t removed = 0;  // the directory's names_removed when the stat was planned
+  auto probe_path = [&](Node* dir) REQUIRES(mu) -> std::string {
+    if (child) {
+      const bool fresh = child->on_backing && !child->write && QuiescentLocked(child.get());
+      return fresh ? PathLocked(child.get()) : std::string();
+    }
+    const bool fresh = dir->on_backing && QuiescentLocked(dir) && !IsTempName(name);
+    return fresh ? JoinPath(PathLocked(dir), name) : std::string();
+  };
+  {
+    MutexLock lock(&mu);
+    auto dir = NodeLocked(dir_ino);
+    if (!dir || dir->type != NodeType::kDir || !dir->loaded) return Status::Ok();
+    auto it = dir->children.find(name);
+    if (it != dir->children.end()) child = it->second;
+    path = probe_path(dir.get());
+    if (path.empty()) return Status::Ok();
+    removed = dir->names_removed;
+  }
+  Result<struct stat> st = backing_->Stat(path);  // without mu
+  MutexLock lock(&mu);
+  auto dir = NodeLocked(dir_ino);
+  if (!dir || dir->type != NodeType::kDir || !dir->loaded) return Status::Ok();
+  auto it = dir->children.find(name);
+  const std::shared_ptr<Node> now = it == dir->children.end() ? nullptr : it->second;
+  // Changed through the mount meanwhile: its view is the truth, not this stat. A name
+  // absent from the view before and after the stat was not touched through the mount if
+  // no name left the directory meanwhile (making it would have left it in the view): its
+  // stat stands even if the directory has other entries pending since.
+  if (now != child) return Status::Ok();
+  if (child ? probe_path(dir.get()) != path
+            : !dir->on_backing || dir->names_removed != removed ||
+                  JoinPath(PathLocked(dir.get()), name) != path) {
+    return Status::Ok();
+  }
+  if (child) {
+    // Freshness: a published name that someone removed from the backing store is gone.
+    if (!st.ok() && st.status().code() == Code::kNotFound) {
+      DetachLocked(child);
+    } else if (st.ok()) {
+      ApplyBackingStatLocked(child.get(), *st);
+    }
+  } else if (st.ok()) {
+    // A name created on the backing store by someone else since the directory was loaded.
+    AddBackingChildLocked(dir.get(), name, *st);
+  }
+  return Status::Ok();
+}
+
+Status NodeTable::LoadChildDir(uint64_t dir_ino, const std::string& name) {
+  uint64_t ino = 0;
+  {
+    MutexLock lock(&mu);
+    auto dir = NodeLocked(dir_ino);
+    if (!dir || dir->type != NodeType::kDir) return Status::Ok();
+    auto it = dir->children.find(name);
+    if (it == dir->children.end() || it->second->type != NodeType::kDir) return Status::Ok();
+    ino = it->second->ino;
+  }
+  return LoadDir(ino);
+}
+
+void NodeTable::RefreshAttr(uint64_t ino, bool unless_committed) {
+  // The stat runs without mu; it is applied only if the node's backing path is still
+  // the one stat'ed and nothing of it is pending.
+  auto refreshable = [this](const Node* node) REQUIRES(mu) {
+    return !node->write && node->on_backing && QuiescentLocked(node);
+  };
+  std::string path;
+  {
+    MutexLock lock(&mu);
+    auto node = NodeLocked(ino);
+    if (!node || !refreshable(node.get())) return;
+    if (unless_committed && TimeoutFor(*node) >= kCommittedTimeout) return;
+    path = PathLocked(node.get());
+  }
+  Result<struct stat> backing = backing_->Stat(path);
+  if (!backing.ok()) return;
+  MutexLock lock(&mu);
+  auto node = NodeLocked(ino);
+  if (node && refreshable(node.get()) && PathLocked(node.get()) == path) {
+    ApplyBackingStatLocked(node.get(), *backing);
+  }
+}
+
+void NodeTable::ApplyBackingStatLocked(Node* node, const struct stat& st) {
+  FoldWriteTimeLocked(node);
+  if ((st.st_mode & S_IFMT) != (node->attr.st_mode & S_IFMT)) {
+    // Replaced on the backing store by another kind of object. A file keeps its
+    // attributes: it may be open, and its descriptors still read the file it was (were
+    // the type to change, the kernel would mark the inode bad and fail every operation
+    // on it, reads of those descriptors included, with EIO). A directory takes the new
+    // type, so the kernel refuses every operation through it (EIO) rather than serve
+    // names it no longer has.
+    spdlog::warn("ino {} path '{}': replaced on the backing store by mode {:o}{}", node->ino,
+                 PathLocked(node), st.st_mode & S_IFMT,
+                 node->type == NodeType::kFile ? "; kept as the file it was"
+                                               : "; the kernel fails operations on it (EIO)");
+    if (node->type == NodeType::kFile) return;
+  }
+  const struct stat shown = node->attr;
+  node->attr = st;
+  node->attr.st_ino = node->ino;
+  node->attr.st_blksize = BackingBlockSize(st);
+  if (node->ino == kRootIno) {
+    // Every temp file is made and renamed away in the backing root: its times move with
+    // any write anywhere. Through the mount they move only with the root's own entries.
+    node->own_attrs = true;
+    node->stamped = false;
+  } else if (!node->own_attrs) {
+    return;
+  } else if (!node->stamped) {
+    node->stamp_mtime = st.st_mtim;
+    node->stamp_ctime = st.st_ctim;
+    node->stamped = true;
+  } else if (!SameTime(st.st_mtim, node->stamp_mtime) || !SameTime(st.st_ctim, node->stamp_ctime)) {
+    node->own_attrs = false;  // changed on the backing store by someone else
+    return;
+  }
+  node->attr.st_mtim = shown.st_mtim;
+  node->attr.st_ctim = shown.st_ctim;
+  if (node->type == NodeType::kDir) {
+    node->attr.st_size = shown.st_size;
+    node->attr.st_nlink = shown.st_nlink;
+  }
+}
+
+void NodeTable::OwnAttrsLocked(Node* node) {
+  node->own_attrs = true;
+  node->stamped = false;
+}
+
+void NodeTable::TouchDirLocked(Node* dir, int links) {
+  dir->attr.st_mtim = dir->attr.st_ctim = Now();
+  dir->attr.st_nlink = static_cast<nlink_t>(static_cast<int64_t>(dir->attr.st_nlink) + links);
+  OwnAttrsLocked(dir);
+}
+
+bool NodeTable::QuiescentLocked(const Node* node) const {
+  uint64_t applied = publication_->applied();
+  for (const Node* n = node; n != nullptr; n = n->parent) {
+    if (n->pending_seq > applied) return false;
+  }
+  return true;
+}
+
+uint64_t NodeTable::PendingRenameLocked(const Node* node) const {
+  uint64_t need = 0;
+  for (const Node* n = node; n != nullptr; n = n->parent) need = std::max(need, n->rename_seq);
+  return need > publication_->applied() ? need : 0;
+}
+
+void NodeTable::SyncDataLocked(Node* node) {
+  MutexLock lock(&node->data_mu);
+  node->data.staged = node->write ? node->write->staged : nullptr;
+  node->data.accepting = node->write && (node->write->needs_publish || node->write->discarded);
+  node->data.error = node->error;
+}
+
+void NodeTable::FoldWriteTimeLocked(Node* node) {
+  MutexLock lock(&node->data_mu);
+  if (!node->data.written) return;
+  node->attr.st_mtim = node->attr.st_ctim = node->data.write_time;
+  node->data.written = false;
+}
+
+Result<uint64_t> NodeTable::AppendLocked(store::JournalEntry entry, Node* node) {
+  CKPT_ASSIGN_OR_RETURN(uint64_t seq, publication_->Append(std::move(entry)));
+  if (node != nullptr) {
+    // The name and its directory's listing differ from the backing store until `seq`
+    // is applied: neither may be refreshed from it meanwhile.
+    node->pending_seq = seq;
+    OwnAttrsLocked(node);
+    if (node->parent != nullptr) {
+      node->parent->pending_seq = seq;
+      OwnAttrsLocked(node->parent);
+    }
+  }
+  return seq;
+}
+
+Status NodeTable::WaitForAncestorsUnlocked(uint64_t ino) {
+  while (true) {
+    uint64_t need = 0;
+    {
+      MutexLock lock(&mu);
+      auto node = NodeLocked(ino);
+      if (!node) return Status::Ok();
+      // Only an operation that reaches the backing store by path must wait: loading a
+      // directory, or opening a file that is not being written.
+      const bool by_path = node->on_backing && (node->type == NodeType::kDir ? !node->loaded
+                                                                             : !node->write);
+      if (!by_path) return Status::Ok();
+      for (const Node* n = node.get(); n != nullptr; n = n->parent) {
+        need = std::max(need, n->rename_seq);
+      }
+      if (need <= publication_->applied()) return Status::Ok();
+    }
+    // The backing path is stale until the rename is applied. If publication is halted
+    // before it, say so rather than wait for an operator.
+    CKPT_RETURN_IF_ERROR(publication_->AwaitApplied(need));
+  }
+}
+
+Status NodeTable::WaitIfStrict(Result<uint64_t> seq) {
+  if (!seq.ok()) return seq.status();
+  if (!config_.strict) return Status::Ok();
+  Status st = publication_->WaitUnlessHalted(*seq);
+  // The application saved into the same directory again before this commit's shards were
+  // in: its own later save commits the directory (docs/SEMANTICS.md, "Superseded saves").
+  if (st.code() == Code::kSuperseded) return Status::Ok();
+  return st;
+}
+
+void NodeTable::AdoptLinkGroupLocked(Node* node, const struct stat& st) {
+  if (node->type == NodeType::kDir || st.st_nlink <= 1 || node->link_group != 0) return;
+  const std::pair<dev_t, ino_t> key{st.st_dev, st.st_ino};
+  auto [it, fresh] = backing_links_.emplace(key, node->ino);
+  // A group whose names all went away may have left its key behind.
+  if (!fresh && link_groups_.count(it->second) == 0) it->second = node->ino;
+  node->link_group = it->second;
+  LinkGroup& group = link_groups_[node->link_group];
+  group.backing = key;
+  group.members.push_back(inodes[node->ino]);
+}
+
+std::vector<std::shared_ptr<Node>> NodeTable::LinkPeersLocked(uint64_t group,
+                                                               const Node* except) {
+  std::vector<std::shared_ptr<Node>> peers;
+  auto it = link_groups_.find(group);
+  if (it == link_groups_.end()) return peers;
+  auto& members = it->second.members;
+  for (auto m = members.begin(); m != members.end();) {
+    std::shared_ptr<Node> node = m->lock();
+    if (!node) {
+      m = members.erase(m);
+      continue;
+    }
+    if (node.get() != except && node->parent != nullptr) peers.push_back(std::move(node));
+    ++m;
+  }
+  if (members.empty()) {
+    if (it->second.backing.second != 0) backing_links_.erase(it->second.backing);
+    link_groups_.erase(it);
+  }
+  return peers;
+}
+
+void NodeTable::UnlinkPeersLocked(Node* node, uint64_t seq) {
+  if (node->link_group == 0) return;
+  for (const auto& other : LinkPeersLocked(node->link_group, node)) {
+    if (other->attr.st_nlink > 1) other->attr.st_nlink--;
+    other->attr.st_ctim = Now();
+    other->pending_seq = std::max(other->pending_seq, seq);
+  }
+}
+
+void NodeTable::SyncPeersLocked(const Node* node, uint64_t seq) {
+  if (node->link_group == 0) return;
+  for (const auto& other : LinkPeersLocked(node->link_group, node)) {
+    other->pending_seq = std::max(other->pending_seq, seq);
+    other->attr.st_mode = node->attr.st_mode;
+    other->attr.st_uid = node->attr.st_uid;
+    other->attr.st_gid = node->attr.st_gid;
+    other->attr.st_atim = node->attr.st_atim;
+    other->attr.st_mtim = node->attr.st_mtim;
+    other->attr.st_ctim = node->attr.st_ctim;
+  }
+}
+
+Status NodeTable::LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status st) {
+  if (st.ok() || st.ToErrno() != EIO) return st;
+  const int64_t second = std::chrono::duration_cast<std::chrono::seconds>(
+                             std::chrono::steady_clock::now().time_since_epoch())
+                             .count();
+  if (io_log_second_.exchange(second) != second) io_logged_ = 0;
+  if (io_logged_.fetch_add(1) >= kIoLogsPerSecond) {
+    io_suppressed_.fetch_add(1);
+    return st;
+  }
+  std::string path = "(control file)";
+  if (ino == kRootIno || ino >= kFirstNodeIno) {
+    MutexLock lock(&mu);
+    auto node = NodeLocked(ino);
+    path = !node                      ? "(forgotten)"
+           : node->ino == kRootIno    ? ""
+           : node->parent != nullptr  ? PathLocked(node.get())
+                                      : "(unlinked) " + node->name;
+  }
+  const uint64_t suppressed = io_suppressed_.exchange(0);
+  spdlog::warn("EIO to the application: {} ino {} path '{}' offset {}: {}{}", op, ino, path,
+               offset, st.ToString(),
+               suppressed ? fmt::format(" ({} more not logged)", suppressed) : std::string());
+  return st;
+}
+
+Result<struct stat> NodeTable::GetAttr(uint64_t ino) {
+  RefreshAttr(ino, /*unless_committed=*/true);
+  MutexLock lock(&mu);
+  auto node = NodeLocked(ino);
+  if (!node) return NotFound("stale inode");
+  FoldWriteTimeLocked(node.get());
+  struct stat st = node->attr;
+  if (node->link_group != 0) st.st_ino = node->link_group;  // one inode, one st_ino
+  if (node->write) st.st_size = static_cast<off_t>(node->write->staged->size());
+  st.st_blocks = (st.st_size + 511) / 512;
+  return st;
+}
+
+}  // namespace ckptfs::fs

@@ -1,0 +1,210 @@
+// NodeTable: the inode table and the overlay, and the one lock of the namespace.
+//
+// Owns every Node (fs/namespace/node.h) of the mount's view (the backing store plus the journal
+// entries not yet applied): the inode table, the tree, link groups, the files whose
+// publish entry awaits its outcome, and the loading and probing of directories and names
+// from the backing store. The parts of the namespace share it and its lock by design: a
+// write begins a copy, a publish freezes it, a rename moves it, all in the journal's order.
+// The parts (each holds a reference and annotates its helpers REQUIRES(table.mu)):
+//   namespace.h        the namespace operations (lookup, mkdir, unlink, rename, opendir);
+//   write_states.h     the write states of files (begin, publish, discard, release);
+//   posix_ops.h        ownership and permissions (setattr, chown, links, fallocate);
+//   journal_events.h   publication's observer (store::PublicationObserver);
+//   namespace_report.h what the control tree reads (NamespaceView);
+// all in fs/namespace/.
+// It calls only publication (append an entry, ask what is applied), the backing store
+// (stat, list, readlink) and the stats; never a part.
+//
+// Thread-safe. Locking rule:
+//   * `mu` guards the tables here and the fields of every Node but its `data`
+//     (fs/namespace/node.h).
+//     It is held for in-memory work and for the journal append that orders a namespace
+//     change (the journal's order must be the namespace's: a RocksDB Put, not synced; the
+//     checkpoint registry's notes of the entry, store::Publication::Append). Backing-store
+//     I/O runs without it: stats and listings (ProbeName, LoadDir, RefreshAttr), the open
+//     of a backing file, the temp file and copy a write, a create or a truncate begins
+//     with, a truncate's wait for flushes and ftruncate, fallocate, the owner and mode of
+//     a staged file's temp, a publish's wait for a writer to let it freeze the file, the
+//     readlink of a symlink: each re-checked under the lock before its result is used
+//     (RaceRetry, fs/fs_util.h). Still under it: the fallbacks after kRaceTries lost
+//     races (fs/namespace/write_states.h, fs/namespace/posix_ops.h).
+//   * Nothing waits on the pipeline or the journal (Settled, WaitUnlessHalted,
+//     AwaitApplied) with `mu` held, except in those fallbacks.
+//   * read() and write() of an open file never take `mu` unless the write begins a new copy
+//     of the file (its first write, or the first after a publish froze it): they take its
+//     node's data_mu (fs/namespace/node.h), a leaf held to copy a few fields.
+//   Lock order: mu -> Node::data_mu -> StagedFile locks -> WriteStates' staged_mu_;
+//   publication's locks (its journal's Append, the registry) after mu; FsStats::error_mu
+//   is a leaf.
+#pragma once
+
+#include <sys/stat.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "common/mutex.h"
+#include "common/status.h"
+#include "fs/fs_stats.h"
+#include "fs/fs_types.h"
+#include "fs/namespace/node.h"
+#include "store/primitives/backing_dir.h"
+#include "store/publish/journal.h"
+#include "store/publish/publication.h"
+
+namespace ckptfs::fs {
+
+class NodeTable {
+ public:
+  // Stats the backing root for the root node. `config` and the parts must outlive it; it
+  // uses their backing, publication and stats.
+  static Result<std::unique_ptr<NodeTable>> Create(const FsConfig& config, const FsParts& parts);
+  NodeTable(const NodeTable&) = delete;
+  NodeTable& operator=(const NodeTable&) = delete;
+
+  // ------------------------------------------------------------ the tables
+  // Held across namespace work, never across backing-store I/O (see the rule above).
+  mutable Mutex mu;
+  // Every inode the kernel or an open handle may still name.
+  std::unordered_map<uint64_t, std::shared_ptr<Node>> inodes GUARDED_BY(mu);
+  // File id -> node, from its publish entry until the journal reports its outcome.
+  std::unordered_map<uint64_t, std::shared_ptr<Node>> publishing GUARDED_BY(mu);
+  // Signalled when a file's freeze for publication ends (WriteState::freezing).
+  std::condition_variable frozen_cv;
+  const std::shared_ptr<Node>& root() const { return root_; }  // never changes
+
+  // ------------------------------------------------------------ nodes and paths
+  std::shared_ptr<Node> NodeLocked(uint64_t ino) REQUIRES(mu);
+  // Directory `ino`, loaded (EnsureLoadedLocked); kNotDir, naming `name`, for anything else.
+  Result<std::shared_ptr<Node>> LoadedDirLocked(uint64_t ino, const std::string& name)
+      REQUIRES(mu);
+  std::string PathLocked(const Node* node) const REQUIRES(mu);
+  std::string TempPathLocked(const WriteState& ws) const REQUIRES(mu);
+  // The node at `path` (relative to the root) in the in-memory tree, or null: no I/O, so a
+  // name this mount never loaded was not written through it.
+  Node* LoadedNodeAtLocked(const std::string& path) REQUIRES(mu);
+  std::shared_ptr<Node> NewNodeLocked(Node* parent, const std::string& name, NodeType type)
+      REQUIRES(mu);
+  // The child `name` of `dir` in the mount's view; no I/O (ProbeName refreshes it first).
+  std::shared_ptr<Node> ChildLocked(Node* dir, const std::string& name) REQUIRES(mu);
+  // Takes `node` out of the tree; forgets it when nothing names it any more.
+  void DetachLocked(const std::shared_ptr<Node>& node) REQUIRES(mu);
+  // Forgets an unlinked `node` that no kernel reference nor open handle names.
+  void ForgetIfUnusedLocked(const Node* node) REQUIRES(mu);
+  // The entry of a lookup reply for `node` (counts a kernel reference).
+  Entry EntryLocked(Node* node) REQUIRES(mu);
+  // Entry/attr timeout for `node` (long for files of committed checkpoints).
+  double TimeoutFor(const Node& node) const REQUIRES(mu);
+  bool CommittedDirLocked(const Node* dir) const REQUIRES(mu);
+  // The attributes of `ino` for a getattr reply, refreshed first (RefreshAttr), except a
+  // committed checkpoint's file: the kernel keeps its attributes kCommittedTimeout, and asks
+  // again before that only because a passthrough read invalidated its atime (the kernel
+  // does so after every read of a writable mount). A replicated per-item load sent one
+  // such GETATTR per file and rank; each cost four syscalls on the backing store.
+  Result<struct stat> GetAttr(uint64_t ino) EXCLUDES(mu);
+
+  // ------------------------------------------------------------ the overlay
+  Status EnsureLoadedLocked(Node* dir) REQUIRES(mu);
+  // Loads directory `ino` from the backing store if it is not loaded yet: the listing and
+  // the stats run without `mu`, the result is merged under it if the directory is still
+  // at the path listed. EnsureLoadedLocked is the fallback, under the lock, for a
+  // directory that was moved meanwhile or that no operation loaded first.
+  Status LoadDir(uint64_t ino) EXCLUDES(mu);
+  // LoadDir of the child directory `name` of `dir_ino`, if there is one.
+  Status LoadChildDir(uint64_t dir_ino, const std::string& name) EXCLUDES(mu);
+  // Before an operation on `dir_ino`/`name` takes `mu`: loads the directory and brings the
+  // mount's view of the name up to date with the backing store (a published name removed
+  // there is gone; a name created there appears), with the stat outside the lock. The
+  // result is applied only if nothing changed meanwhile through the mount.
+  Status ProbeName(uint64_t dir_ino, const std::string& name) EXCLUDES(mu);
+  std::shared_ptr<Node> AddBackingChildLocked(Node* dir, const std::string& name,
+                                              const struct stat& st) REQUIRES(mu);
+  // Refreshes the attributes of `ino` from a stat of its backing path (taken without `mu`)
+  // while nothing of it is pending.
+  // `unless_committed`: not a committed checkpoint's file (GetAttr).
+  void RefreshAttr(uint64_t ino, bool unless_committed = false) EXCLUDES(mu);
+  // Takes the attributes of `node` from a stat of its backing path, keeping the ones the
+  // mount owns (Node::own_attrs) while the backing inode shows only this mount's changes.
+  void ApplyBackingStatLocked(Node* node, const struct stat& st) REQUIRES(mu);
+  // The mount changed `node` on the backing store (a journal entry): its backing times
+  // will move, its attributes through the mount stay as they are.
+  void OwnAttrsLocked(Node* node) REQUIRES(mu);
+  // A user operation changed the entries of `dir`: mtime and ctime now, nlink by `links`.
+  void TouchDirLocked(Node* dir, int links) REQUIRES(mu);
+  bool QuiescentLocked(const Node* node) const REQUIRES(mu);
+  // The last pending rename of `node` or an ancestor (its backing path is stale until
+  // then), or 0.
+  uint64_t PendingRenameLocked(const Node* node) const REQUIRES(mu);
+  // Mirrors node->write and node->error into node->data for the data path; called after
+  // every change of either.
+  void SyncDataLocked(Node* node) REQUIRES(mu);
+  // Takes the time of the latest write (recorded by the data path) into node->attr;
+  // called before node->attr's times are read or set.
+  void FoldWriteTimeLocked(Node* node) REQUIRES(mu);
+
+  // ------------------------------------------------------------ the journal
+  // Appends `entry`, which changes `node` (or nothing in the tree, if null): its name and
+  // directory are pending until the entry is applied.
+  Result<uint64_t> AppendLocked(store::JournalEntry entry, Node* node) REQUIRES(mu);
+  // Waits (without locks) until every pending rename among `node`'s ancestors is applied.
+  // Fails (with the halt's error) if publication is halted before that rename.
+  Status WaitForAncestorsUnlocked(uint64_t ino) EXCLUDES(mu);
+  // In strict mode, waits until entry `seq` is applied (or fails with its error).
+  Status WaitIfStrict(Result<uint64_t> seq) EXCLUDES(mu);
+
+  // ------------------------------------------------------------ link groups
+  // A name loaded from the backing store with several links joins the group of the
+  // other names of its backing inode.
+  void AdoptLinkGroupLocked(Node* node, const struct stat& st) REQUIRES(mu);
+  // Adds `node` to link group `group` (made for a new hard link).
+  void JoinLinkGroupLocked(uint64_t group, const std::shared_ptr<Node>& node) REQUIRES(mu);
+  // The live names of `group` other than `except`; forgets dead ones.
+  std::vector<std::shared_ptr<Node>> LinkPeersLocked(uint64_t group, const Node* except)
+      REQUIRES(mu);
+  // `node` loses a name: the other names of its link group count one link less. Journal
+  // entry `seq` makes that true on the backing store: until then the others' attributes
+  // are not refreshed from it.
+  void UnlinkPeersLocked(Node* node, uint64_t seq) REQUIRES(mu);
+  // Gives the other names of `node`'s link group its inode attributes (one inode), as
+  // entry `seq` will on the backing store.
+  void SyncPeersLocked(const Node* node, uint64_t seq) REQUIRES(mu);
+
+  // ------------------------------------------------------------ errors
+  void NoteError(const std::string& msg) { stats_->NoteError(msg); }
+  // Logs `st` when it reaches the application as EIO (ino, path, offset; rate-limited) and
+  // returns it.
+  Status LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status st) EXCLUDES(mu);
+
+ private:
+  NodeTable(const FsConfig& config, const FsParts& parts);
+
+  const FsConfig& config_;
+  store::BackingDir* const backing_;
+  store::Publication* const publication_;
+  FsStats* const stats_;
+
+  std::shared_ptr<Node> root_;  // set by Create, never changed
+  uint64_t next_ino_ GUARDED_BY(mu) = kFirstNodeIno;
+  // Link group -> its names (Node::link_group), so a link or chmod touches only those,
+  // and the backing inode it was found under, if any.
+  struct LinkGroup {
+    std::vector<std::weak_ptr<Node>> members;
+    std::pair<dev_t, ino_t> backing{0, 0};
+  };
+  std::unordered_map<uint64_t, LinkGroup> link_groups_ GUARDED_BY(mu);
+  std::map<std::pair<dev_t, ino_t>, uint64_t> backing_links_ GUARDED_BY(mu);
+
+  // LogIfIo's rate limit.
+  std::atomic<int64_t> io_log_second_{0};
+  std::atomic<int> io_logged_{0};
+  std::atomic<uint64_t> io_suppressed_{0};
+};
+
+}  // namespace ckptfs::fs
