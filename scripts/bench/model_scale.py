@@ -63,7 +63,10 @@ def model(n, p, b_peer):
 # K measured (16) and extrapolated to 100 and 1,000. g(K) says what the figure grows with:
 #   "K"      the number of ranks/items (one rank per node: a checkpoint of K shards per tensor)
 #            or the nodes sharing one machine's CPUs or store;
-#   "K-1"    the peers a daemon knows (eager all-to-all connections: sockets, UCX threads);
+#   "K-1"    the peers a daemon knows or receives from;
+#   "links"  open connections (sockets, UCX threads): min(K-1, --peer-max-links = 64) since
+#            connections are made on demand and bounded (docs/PEERS.md, "Connections");
+#            measured with eager all-to-all connections before that, where it was K-1;
 #   "K^2"    K daemons each reading a `.metadata` that lists K shards per tensor (the store
 #            bytes of a load beyond the checkpoint: K x M(K), M growing with the ranks);
 #   "1"      nothing: own-shard loads read the checkpoint once from the store whatever K is
@@ -72,6 +75,8 @@ def model(n, p, b_peer):
 # Times on one machine grow with K because all K daemons and ranks share its 2 cores and one
 # throttled store; "cluster" is the same figure for separate nodes (each its own cores): the
 # fitted per-peer-transfer cost applied to a node's own (K-1)/K share, the store's part fixed.
+MAX_LINKS = 64  # --peer-max-links default
+
 FIT_FORMS = {
     "direct_replicated_s": "K",
     "replicated_s": "K-1",
@@ -85,11 +90,11 @@ FIT_FORMS = {
     "replicated_backing_total_over_ckpt": "K^2",
     "own_backing_total_over_ckpt": "K^2",
     "direct_replicated_backing_total_over_ckpt": "K",
-    "tcp_established_mean": "K-1",
-    "threads_idle_mean": "K-1",
-    "threads_coordinator_after_save": "K-1",
-    "tcp_established_coordinator_after_save": "K-1",
-    "threads_after_load_max": "K-1",
+    "tcp_established_mean": "links",
+    "threads_idle_mean": "links",
+    "threads_coordinator_after_save": "links",
+    "tcp_established_coordinator_after_save": "links",
+    "threads_after_load_max": "links",
     "rss_idle_mean_mb": "K-1",
     "rss_after_load_mean_mb": "K-1",
     "hwm_after_load_max_mb": "K-1",
@@ -97,7 +102,8 @@ FIT_FORMS = {
 
 
 def _g(form, k):
-    return {"K": k, "K-1": k - 1, "K^2": k * k, "1-1/K": (k - 1) / k, "1": 0.0}[form]
+    return {"K": k, "K-1": k - 1, "links": min(k - 1, MAX_LINKS), "K^2": k * k,
+            "1-1/K": (k - 1) / k, "1": 0.0}[form]
 
 
 def predict(f, k):
