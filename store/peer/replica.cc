@@ -99,10 +99,6 @@ void Replicator::Loop() {
   MutexLock lock(&mu_);
   while (!stop_) {
     lock.Unlock();
-    // Both links stay made (and recently used, so not the first closed): TryHolder's reads
-    // find the holder's open.
-    (void)links_->Get(pred_);
-    (void)links_->Get(holder_);
     tier_->CheckPendingCommits();
     std::set<std::string> live;
     for (const RetainedCheckpoint& c : tier_->Checkpoints()) {

@@ -23,9 +23,10 @@
 // read of a DCP file of this node's own share (the plan's owner is this node, or no plan
 // covers it) while this node's tier holds no committed checkpoint of that run (it started
 // fresh) asks this node's holder first; anything the holder cannot give (down, not
-// connected, error, bad checksum) falls through to the cooperative source as before. The read
-// path never connects: the Replicator thread keeps both clients (predecessor and holder)
-// connected. A read made to serve a peer is never forwarded (ServingScope).
+// connected, error, bad checksum) falls through to the cooperative source as before. Links
+// are the daemon's PeerLinks (on demand, shared): a pull connects to the predecessor when it
+// has something to pull, a cold read to the holder the first time it asks it (once, for all
+// concurrent reads). A read made to serve a peer is never forwarded (ServingScope).
 //
 // Thread-safe. The destructor stops and joins the thread; no ReadBlock may be in progress.
 #pragma once

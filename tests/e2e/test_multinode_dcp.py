@@ -332,7 +332,7 @@ class MultiNodeDcp(unittest.TestCase):
             gate = json.load(f)["commit_gate"]
         print(f"\npending shard: .metadata on the backing store {latency * 1000:.0f} ms after "
               f"the last shard's close; node 0 commit gate: {json.dumps(gate)}", file=sys.stderr)
-        self.assertGreater(gate["peer_commit_answers"]["pending"], 0, gate)
+        self.assertGreater(gate["peer_commit_answers"]["pending"], 0, (gate, self.logs(c)))
         self.assertEqual(gate["commit_polls"], 0, gate)
         self.assertEqual(gate["peer_confirmed"], 4, gate)
         self.assertLess(latency, 10, gate)
