@@ -17,7 +17,7 @@ set(CKPTFS_PIPELINE_TEST_FILES
     tests/store/flush/flush_pipeline_test.cc
     tests/store/publish/journal_test.cc
     tests/store/cache/block_cache_test.cc
-    tests/fs/namespace/staged_file_test.cc
+    tests/store/flush/staged_file_test.cc
     tests/gpu/staging_pool_test.cc
     CACHE STRING "Test files (relative to the source root) that pipeline_tests compiles")
 

@@ -109,6 +109,11 @@ Status Filesystem::Init(FsDeps deps) {
   if (cache && !cache_source) {
     return Status(Code::kInvalid, "FsDeps: a block cache needs its cache_source");
   }
+  // The loader before publication: publication queues the index build of each commit on it.
+  loader_ = std::make_unique<store::Loader>(backing_.get(), index_.get(), std::move(cache_source),
+                                            std::move(peers), std::move(cache));
+  loader_->SetRetainedTier(retained_.get());
+  loader_->Start();
   store::PublicationOptions pub_options;
   pub_options.gate.timeout = config_.commit_timeout;
   // Cross-node order only where other nodes write: with peers configured.
@@ -119,21 +124,16 @@ Status Filesystem::Init(FsDeps deps) {
   pub_options.retained = retained_.get();
   // Shards written through other mounts: the gate asks their daemons (docs/PEERS.md,
   // "Commit query"), once the peers serve.
-  pub_options.peers = peers.get();
+  pub_options.peers = loader_->peers();
+  pub_options.index_builds = loader_.get();
   CKPT_ASSIGN_OR_RETURN(publication_, store::Publication::Create(backing_.get(), db_.get(),
                                                                  index_.get(),
                                                                  std::move(pub_options)));
   tensors_ = std::make_unique<TensorView>(backing_.get(), index_.get());
-  read_ = std::make_unique<ReadPath>(backing_.get(), index_.get(), std::move(cache_source),
-                                     std::move(peers), std::move(cache));
-  read_->SetRetainedTier(retained_.get());
-  read_->Start();
-  passthrough_ = std::make_unique<PassthroughReads>(config_, retained_.get(), read_.get(),
-                                                    &stats_.passthrough);
 
   const FsParts parts{.backing = backing_.get(), .db = db_.get(), .pool = pool_.get(),
                       .pipeline = pipeline_.get(), .publication = publication_.get(),
-                      .index = index_.get(), .read = read_.get(), .tensors = tensors_.get(),
+                      .index = index_.get(), .loader = loader_.get(), .tensors = tensors_.get(),
                       .stats = &stats_, .retained = retained_.get()};
   CKPT_ASSIGN_OR_RETURN(ns_, Namespace::Create(config_, parts));
   pool_->SetPressureListener(&ns_->writes());
@@ -142,9 +142,9 @@ Status Filesystem::Init(FsDeps deps) {
   publication_->Start(&ns_->events());
   control_ = std::make_unique<ControlTree>(config_, parts, &ns_->report());
   // Peers are served once the namespace exists: their commit queries ask it (PendingLocally).
-  if (read_->peers()) {
-    read_->peers()->SetShardStateProvider(publication_->shard_states());
-    CKPT_RETURN_IF_ERROR(read_->peers()->StartServing(read_->cache()));
+  if (loader_->peers()) {
+    loader_->peers()->SetShardStateProvider(publication_->shard_states());
+    CKPT_RETURN_IF_ERROR(loader_->peers()->StartServing(loader_->cache()));
   }
   spdlog::info("ckptfs ready: backing {} staging {} MiB ({}), {} flush threads, {} mode",
                config_.backing_dir, pool_->limit_bytes() >> 20, pool_->backend(),
@@ -214,12 +214,12 @@ Status Filesystem::Fallocate(Handle* h, int mode, uint64_t offset, uint64_t leng
 Result<std::string> Filesystem::Readlink(uint64_t ino) { return ns_->Readlink(ino); }
 
 Status Filesystem::UpdatePeers(const std::vector<std::string>& nodes) {
-  if (!read_ || !read_->peers()) return Invalid("this daemon runs without --peers");
-  return read_->peers()->UpdateMembership(nodes);
+  if (!loader_ || !loader_->peers()) return Invalid("this daemon runs without --peers");
+  return loader_->peers()->UpdateMembership(nodes);
 }
 
 void Filesystem::NotePeersRejected(const std::string& why) {
-  if (read_ && read_->peers()) read_->peers()->NoteMembershipRejected(why);
+  if (loader_ && loader_->peers()) loader_->peers()->NoteMembershipRejected(why);
 }
 
 Status Filesystem::Unlink(uint64_t parent, const std::string& name, const Caller& caller) {
@@ -263,7 +263,7 @@ Result<size_t> Filesystem::Read(Handle* h, char* out, size_t len, uint64_t offse
 Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t offset) {
   Result<size_t> got = size_t{0};
   if (ViewHandle* v = h->view()) {
-    got = read_->ReadView(*v, out, len, offset);
+    got = loader_->ReadWindow(v->fd->get(), v->base, v->size, out, len, offset);
   } else if (ContentHandle* c = h->content()) {
     if (offset >= c->content.size()) return size_t{0};
     size_t n = std::min<size_t>(len, c->content.size() - offset);
@@ -271,7 +271,7 @@ Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t o
     return n;
   } else if (FileHandle* f = h->file()) {
     // The data path: the node's data_mu only, never the table's lock.
-    std::shared_ptr<StagedFile> staged;
+    std::shared_ptr<store::StagedFile> staged;
     {
       MutexLock lock(&f->node->data_mu);
       if (!f->node->data.error.empty()) return Status(Code::kIo, f->node->data.error);
@@ -279,12 +279,12 @@ Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t o
     }
     if (staged) {
       got = staged->Read(out, len, offset);
-    } else if (!f->fd) {
+    } else if (!f->backing.fd) {
       // Opened while the file was being written: its write state lives until this handle
       // is closed (Release), so this is a broken invariant, not a backing-store error.
       return Status(Code::kInternal, "handle lost its data source (write state dropped early)");
     } else {
-      got = read_->ReadBacking(f, out, len, offset);
+      got = loader_->ReadBacking(&f->backing, out, len, offset);
     }
   } else {
     return Status(Code::kIsDir, "read of a directory");
@@ -293,21 +293,49 @@ Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t o
   return got;
 }
 
+std::optional<PassthroughSource> Filesystem::PassthroughSourceOf(Handle* h) {
+  FileHandle* f = h->file();
+  if (f == nullptr || f->writable || !f->backing.fd) return std::nullopt;
+  if (config_.peers && !f->backing.ckpt.empty()) return std::nullopt;
+  {
+    MutexLock lock(&f->node->data_mu);
+    if (!f->node->data.error.empty() || f->node->data.staged) return std::nullopt;
+  }
+  // The open's fstat (LoadFile::block) is this version: an OPEN asks twice within its
+  // request (fs/transport/fuse_ops.cc), and a second fstat would only repeat it.
+  if (f->backing.block.size < config_.passthrough_min_bytes) return std::nullopt;
+  // This version is held in the retained tier (issue 23): the daemon serves it from memory,
+  // where the kernel would read the backing store.
+  if (retained_ && retained_->Holds(f->backing.block, 0)) return std::nullopt;
+  return PassthroughSource{f->backing.fd->get(), f->backing.dev, f->backing.ino,
+                           f->backing.block.size};
+}
+
+void Filesystem::OnPassthroughNegotiated(bool on) {
+  // The kernel passes this node's reads through: a prefetch into the block cache would
+  // read every byte a second time, so a load's prefetch goes to the backing files' page
+  // cache instead, which the passthrough readers read.
+  if (on && !config_.peers) {
+    loader_->SetPageCachePrefetch(config_.passthrough_min_bytes,
+                                  &stats_.passthrough.page_cache_prefetched);
+  }
+}
+
 Result<std::optional<size_t>> Filesystem::ReadInPlace(Handle* h, size_t len, uint64_t offset,
                                                       const store::BlockCache::InPlaceUse& use) {
   FileHandle* f = h->file();
-  if (f == nullptr || !f->fd) return std::optional<size_t>();
+  if (f == nullptr || !f->backing.fd) return std::optional<size_t>();
   {
     MutexLock lock(&f->node->data_mu);
     if (!f->node->data.error.empty() || f->node->data.staged) return std::optional<size_t>();
   }
-  auto got = read_->ReadBackingInPlace(f, len, offset, use);
+  auto got = loader_->ReadBackingInPlace(&f->backing, len, offset, use);
   if (!got.ok()) return ns_->table().LogIfIo("read", h->ino(), offset, got.status());
   if (*got) stats_.bytes_read.fetch_add(**got, std::memory_order_relaxed);
   return got;
 }
 
-Status Filesystem::Write(Handle* h, ByteSource& src, uint64_t offset) {
+Status Filesystem::Write(Handle* h, store::ByteSource& src, uint64_t offset) {
   FileHandle* f = h->file();
   if (f == nullptr) return Status(Code::kPermission, "not open for writing");
   return ns_->table().LogIfIo("write", h->ino(), offset, ns_->writes().WriteData(f, src, offset));
@@ -342,11 +370,11 @@ Result<struct statvfs> Filesystem::StatFs() { return backing_->StatFs(); }
 
 uint64_t Filesystem::Shutdown(const std::function<void(const std::string&)>& waiting) {
   if (shut_down_.exchange(true)) return 0;
-  if (read_) read_->StopServingPeers();
-  if (read_ && read_->peers()) read_->peers()->StopReplicas();
+  if (loader_) loader_->StopServingPeers();
+  if (loader_ && loader_->peers()) loader_->peers()->StopReplicas();
   if (retained_) retained_->DropAll();  // issue 23: a stop drops the memory tier
   if (!publication_ || !pipeline_) {  // Create() failed part way: nothing was served
-    if (read_) read_->Stop();
+    if (loader_) loader_->Stop();
     return 0;
   }
   // Files still open (a lazy unmount) are published as they are now (G8).
@@ -365,7 +393,7 @@ uint64_t Filesystem::Shutdown(const std::function<void(const std::string&)>& wai
   spdlog::info("drained: {} files published, {} not published, {} journal entries left for "
                "the next start",
                stats_.files_published.load(), unpublished, stop_.left);
-  read_->Stop();
+  loader_->Stop();
   return unpublished;
 }
 

@@ -2,7 +2,7 @@
 //
 // fs/transport/fuse_ops.cc translates each FUSE request into one call here and turns the
 // Status into a reply. The facade makes the dependencies (Create), drains at shutdown,
-// and routes each call by the kind of its inode or handle (fs/handle.h) to the unit that
+// and routes each call by the kind of its inode or handle (fs/namespace/handle.h) to the unit that
 // owns it:
 //   Namespace    fs/namespace/namespace.h: the operations on names, and the parts it builds
 //                over one node table: NodeTable (fs/namespace/node_table.h: inodes, the
@@ -11,7 +11,8 @@
 //                release, publish), PosixOps (fs/namespace/posix_ops.h: setattr, link, fallocate),
 //                JournalEvents (publication's observer), NamespaceReport (the control
 //                tree's view);
-//   ReadPath     fs/read_path.h: block cache, prefetch, read checksums;
+//   Loader       store/load/loader.h: reads of backing files (block cache, prefetch, read
+//                checksums): the facade hands it a handle's LoadFile and asks for bytes;
 //   ControlTree  fs/control/control_tree.h: the /.ckptfs tree and the user.ckptfs.* xattrs;
 //   TensorView   fs/control/tensor_view.h: the tensors/ view below /.ckptfs.
 // The facade holds no lock of its own. Read and Write of a file take no namespace lock
@@ -31,21 +32,20 @@
 
 #include "common/status.h"
 #include "fs/control/control_tree.h"
+#include "fs/control/tensor_view.h"
 #include "fs/fs_stats.h"
 #include "fs/fs_types.h"
-#include "fs/handle.h"
+#include "fs/namespace/handle.h"
 #include "fs/namespace/namespace.h"
-#include "fs/transport/passthrough_reads.h"
 #include "fs/namespace/posix_access.h"
-#include "fs/read_path.h"
-#include "fs/control/tensor_view.h"
 #include "gpu/staging_pool.h"
 #include "store/cache/retained_tier.h"
-#include "store/flush/flush_pipeline.h"
-#include "store/primitives/backing_dir.h"
-#include "store/publish/publication.h"
 #include "store/dcp/key_index.h"
+#include "store/flush/flush_pipeline.h"
+#include "store/load/loader.h"
+#include "store/primitives/backing_dir.h"
 #include "store/primitives/state_db.h"
+#include "store/publish/publication.h"
 
 namespace ckptfs::fs {
 
@@ -113,13 +113,13 @@ class Filesystem {
   // Open/Read/Write/Flush/Fsync log every error they return as EIO with ino, path, offset.
   Result<size_t> Read(Handle* h, char* out, size_t len, uint64_t offset);
   // Read() of a backing file from the block cache without a copy
-  // (ReadPath::ReadBackingInPlace): `use` gets the pinned blocks; nullopt: use Read().
+  // (store::Loader::ReadBackingInPlace): `use` gets the pinned blocks; nullopt: use Read().
   Result<std::optional<size_t>> ReadInPlace(Handle* h, size_t len, uint64_t offset,
                                             const store::BlockCache::InPlaceUse& use);
   // Write() with the bytes in `src` (a buffer, or the pipe libfuse spliced them into).
-  Status Write(Handle* h, ByteSource& src, uint64_t offset);
+  Status Write(Handle* h, store::ByteSource& src, uint64_t offset);
   Status Write(Handle* h, const char* data, size_t len, uint64_t offset) {
-    MemorySource src(data, len);
+    store::MemorySource src(data, len);
     return Write(h, src, offset);
   }
   Status Flush(Handle* h);
@@ -157,9 +157,18 @@ class Filesystem {
   // A new peer list that could not be read or parsed: counted with the membership.
   void NotePeersRejected(const std::string& why);
 
-  // FUSE passthrough (fs/transport/passthrough_reads.h): the io mode of each inode (kept by
-  // fs/transport/fuse_ops.cc) and which opens the kernel may serve itself.
-  PassthroughReads* passthrough() { return passthrough_.get(); }
+  // FUSE passthrough (fs/transport/passthrough.h; the transport keeps each inode's io
+  // mode). The backing file a read-only open may be passed through to (no syscall), or
+  // nullopt when the daemon must serve it: a writable handle, a file with staged bytes
+  // (read-your-writes) or a failed publication, a control file or tensor view, a file below
+  // passthrough_min_bytes, a version the retained tier holds, or a checkpoint's file while
+  // peers share the load (blocks come from the peer that owns them).
+  std::optional<PassthroughSource> PassthroughSourceOf(Handle* h);
+  // The INIT exchange is done: `on` when the kernel will pass reads through. A load then
+  // no longer prefetches into the block cache (without peers): the kernel reads the bytes.
+  void OnPassthroughNegotiated(bool on);
+  // What passthrough opens count (the transport's PassthroughTable adds to them).
+  PassthroughStats* passthrough_stats() { return &stats_.passthrough; }
 
   const FsConfig& config() const { return config_; }
   // How requests reach the daemon (fs/transport/fuse_server.cc keeps it; stats report it).
@@ -179,17 +188,18 @@ class Filesystem {
   FsStats stats_;
   std::unique_ptr<store::BackingDir> backing_;
   std::unique_ptr<store::StateDb> db_;
-  // Issue 23: outlive the flush threads (pipeline_) and the block cache (read_) that call them.
+  // Issue 23: outlive the flush threads (pipeline_) and the block cache (loader_) that call
+  // them.
   std::unique_ptr<store::RetainedTier> retained_;
   std::unique_ptr<store::RetainedSource> retained_source_;
   std::unique_ptr<gpu::StagingPool> pool_;
   std::unique_ptr<store::FlushPipeline> pipeline_;
   std::unique_ptr<store::KeyIndex> index_;
-  // Journal, commit gate, shard states (which outlive the peer server in read_), registry.
+  // Journal, commit gate, shard states (which outlive the peer server in loader_),
+  // registry; it queues index builds on loader_ until Shutdown() closed the journal.
   std::unique_ptr<store::Publication> publication_;
-  std::unique_ptr<ReadPath> read_;
+  std::unique_ptr<store::Loader> loader_;
   std::unique_ptr<TensorView> tensors_;
-  std::unique_ptr<PassthroughReads> passthrough_;  // made over read_ and retained_
   // ------------------------------------------------------------ the units it routes to
   std::unique_ptr<Namespace> ns_;
   std::unique_ptr<ControlTree> control_;

@@ -43,7 +43,7 @@ struct PassthroughStats {
   std::atomic<uint64_t> conflict_busy{0};   // changes failed with EBUSY after the wait
   std::atomic<int64_t> open_now{0};         // passthrough opens now
   // Bytes of checkpoint files the daemon asked the kernel to read ahead into the backing
-  // files' page cache (a load began: ReadPath's page-cache prefetch).
+  // files' page cache (a load began: the loader's page-cache prefetch).
   std::atomic<uint64_t> page_cache_prefetched{0};
 
   void SetState(const std::string& s) { state_.Set(s); }

@@ -15,6 +15,7 @@ namespace ckptfs::store {
 class BackingDir;
 class FlushPipeline;
 class KeyIndex;
+class Loader;
 class Publication;
 class RetainedTier;
 class StateDb;
@@ -64,13 +65,22 @@ struct FsConfig {
   uint64_t passthrough_min_bytes = uint64_t{1} << 20;
 };
 
+// A backing file the kernel may serve a read-only open from itself (FUSE passthrough,
+// fs/transport/passthrough.h): its descriptor, borrowed from the open handle, and its
+// identity and size as the open found them.
+struct PassthroughSource {
+  int fd;
+  dev_t dev;
+  ino_t ino;
+  uint64_t size;
+};
+
 struct Entry {
   uint64_t ino = 0;
   struct stat attr {};
   double timeout = 1.0;
 };
 
-class ReadPath;
 class TensorView;
 struct FsStats;
 
@@ -83,7 +93,7 @@ struct FsParts {
   store::FlushPipeline* pipeline = nullptr;
   store::Publication* publication = nullptr;
   store::KeyIndex* index = nullptr;
-  ReadPath* read = nullptr;
+  store::Loader* loader = nullptr;
   TensorView* tensors = nullptr;
   FsStats* stats = nullptr;
   store::RetainedTier* retained = nullptr;  // issue 23; null when off

@@ -11,7 +11,6 @@
 #include "common/path.h"
 #include "common/status.h"
 #include "fs/fs_types.h"
-#include "fs/namespace/node.h"
 #include "store/primitives/backing_dir.h"
 
 namespace ckptfs::fs {
@@ -68,21 +67,6 @@ inline Status CheckNewName(uint64_t parent, const std::string& name) {
   }
   return Status::Ok();
 }
-
-// The node type of a backing store entry. FIFOs, sockets and devices are kSpecial: the
-// daemon never opens them (an open of a FIFO would block a FUSE thread).
-inline NodeType TypeOf(mode_t mode) {
-  if (S_ISDIR(mode)) return NodeType::kDir;
-  if (S_ISLNK(mode)) return NodeType::kSymlink;
-  if (S_ISREG(mode)) return NodeType::kFile;
-  return NodeType::kSpecial;
-}
-
-// The backing-relative path helpers of common/path.h, under the names fs/ uses.
-inline std::string JoinPath(const std::string& dir, const std::string& name) {
-  return path::Join(dir, name);
-}
-inline std::string ParentOf(const std::string& p) { return path::Parent(p); }
 
 inline struct timespec Now() {
   struct timespec ts;

@@ -1,7 +1,7 @@
 #include "gpu/staging_pool.h"
 
-#include <spdlog/spdlog.h>
 #include <linux/capability.h>
+#include <spdlog/spdlog.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>

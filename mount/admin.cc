@@ -1,8 +1,8 @@
 #include "mount/admin.h"
 
 #include <fcntl.h>
-#include <signal.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -15,13 +15,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <map>
-#include <sstream>
 #include <cstdlib>
 #include <ctime>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <ostream>
+#include <sstream>
 #include <thread>
 #include <utility>
 

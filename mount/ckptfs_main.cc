@@ -24,8 +24,8 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -33,10 +33,10 @@
 #include "common/lock_code.h"
 #include "common/logging.h"
 #include "fs/filesystem.h"
-#include "mount/peers_watch.h"
 #include "fs/transport/fuse_server.h"
 #include "mount/metrics_server.h"
 #include "mount/options.h"
+#include "mount/peers_watch.h"
 #include "store/peer/peers.h"
 
 namespace {

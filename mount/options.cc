@@ -4,16 +4,16 @@
 #include <libmount/libmount.h>
 #include <netdb.h>
 #include <netinet/in.h>
-#include <unistd.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cctype>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <set>
 #include <memory>
+#include <set>
 #include <sstream>
 
 #include "ckptfs_version.h"

@@ -6,8 +6,9 @@ set -euo pipefail
 PACKAGES=(
   # Build: the daemon, ckptfs-admin, the unit tests; clang for scripts/sanitize.sh and
   # scripts/fuzz.sh (libFuzzer and the sanitizer runtimes: libclang-rt-14-dev); git for
-  # the commit that --version reports (CMakeLists.txt).
-  build-essential g++ cmake pkg-config ninja-build clang libclang-rt-14-dev git
+  # the commit that --version reports (CMakeLists.txt); clang-format for the include
+  # order check (scripts/check_includes.py, ctest style.includes).
+  build-essential g++ cmake pkg-config ninja-build clang libclang-rt-14-dev git clang-format
   libfuse3-dev fuse3
   librocksdb-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev
@@ -51,7 +52,7 @@ fi
 # The programs that scripts/ and tests/e2e run, by name: a package that is installed but
 # lacks one (renamed, diverted, a PATH without /usr/sbin) is reported here rather than
 # as a skipped or failed test later.
-TOOLS=(cmake cpack ctest c++ clang++ git python3 fusermount3 mount umount setpriv nsenter
+TOOLS=(cmake cpack ctest c++ clang++ clang-format git python3 fusermount3 mount umount setpriv nsenter
        prlimit setarch mountpoint ip pgrep getfattr mkfs.xfs cmp curl debootstrap chroot
        dpkg-deb dpkg-shlibdeps file help2man strace fio fincore)
 absent=()

@@ -4,26 +4,26 @@
 #include <sys/xattr.h>
 #include <unistd.h>
 
+#include <spdlog/spdlog.h>
 #include <algorithm>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <spdlog/spdlog.h>
 #include <set>
 #include <sstream>
 #include <utility>
 
-#include "common/json_text.h"
 #include "ckptfs_version.h"
-#include "common/histogram.h"
 #include "common/control_names.h"
+#include "common/histogram.h"
+#include "common/json_text.h"
 #include "fs/control/control_tree.h"
 
-#include "store/cache/retained_tier.h"
-#include "store/publish/commit_gate.h"
 #include "fs/fs_util.h"
-#include "store/peer/peers.h"
 #include "fs/op_metrics.h"
+#include "store/cache/retained_tier.h"
+#include "store/peer/peers.h"
+#include "store/publish/commit_gate.h"
 
 namespace ckptfs::fs {
 namespace {
@@ -93,7 +93,7 @@ ControlTree::ControlTree(const FsConfig& config, const FsParts& parts, Namespace
       publication_(parts.publication),
       journal_(parts.publication->journal()),
       index_(parts.index),
-      read_(parts.read),
+      loader_(parts.loader),
       tensors_(parts.tensors),
       retained_(parts.retained) {}
 
@@ -208,7 +208,7 @@ std::string ControlTree::StatsJson() {
   j["checksum_bytes_hashed"] = pipeline_->crc_bytes();  // by the flush threads, in staging
   j["checksum_hash_s"] = pipeline_->crc_ns() / 1e9;
   j["checksum_block_maps_bytes"] = index_->block_crc_bytes();
-  j["checksums_on_read"] = read_->read_sums().recorded();
+  j["checksums_on_read"] = loader_->read_sums().recorded();
   j["backing_bytes_written"] = backing_->bytes_written();
   j["bytes_served"] = stats_->bytes_read.load();
   // Reads the kernel passes through never reach the daemon: counted by open, and their
@@ -229,7 +229,7 @@ std::string ControlTree::StatsJson() {
   j["passthrough_conflict_waits"] = pt.conflict_waits.load();
   j["passthrough_conflict_busy"] = pt.conflict_busy.load();
   j["passthrough_page_cache_prefetched"] = pt.page_cache_prefetched.load();
-  if (store::BlockCache* cache = read_->cache()) {
+  if (store::BlockCache* cache = loader_->cache()) {
     store::BlockCacheStats c = cache->Stats();
     j["cache_hits"] = c.hits;
     j["cache_misses"] = c.misses;
@@ -238,7 +238,7 @@ std::string ControlTree::StatsJson() {
     j["cache_limit"] = c.budget_bytes;
     j["cache_peak"] = c.peak_used_bytes;
     j["cache_backing_bytes_read"] = c.backing_bytes_read;
-    j["cache_direct_bytes_read"] = read_->cache_source()->Stats().direct_bytes_read;
+    j["cache_direct_bytes_read"] = loader_->cache_source()->Stats().direct_bytes_read;
     j["cache_free_buffers"] = c.free_buffer_bytes;
     j["cache_bytes_served"] = c.bytes_served;
     j["prefetched_bytes"] = c.prefetched_bytes;
@@ -248,9 +248,9 @@ std::string ControlTree::StatsJson() {
                            ? 0.0
                            : static_cast<double>(c.bytes_served) / c.backing_bytes_read;
   }
-  if (read_->peers()) {
-    read_->peers()->AppendStats(&j);
-    j["plan_wait_timeouts"] = read_->plan_wait_timeouts();
+  if (loader_->peers()) {
+    loader_->peers()->AppendStats(&j);
+    j["plan_wait_timeouts"] = loader_->plan_wait_timeouts();
   }
   if (retained_) {  // issue 23: the memory tier; hits by tier: retained, peers, backing
     j["retained"] = retained_->StatsJson();

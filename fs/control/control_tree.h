@@ -19,20 +19,20 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
+#include "fs/control/tensor_view.h"
 #include "fs/fs_stats.h"
 #include "fs/fs_types.h"
-#include "fs/handle.h"
+#include "fs/namespace/handle.h"
 #include "fs/namespace/namespace_view.h"
-#include "fs/read_path.h"
-#include "fs/control/tensor_view.h"
 #include "gpu/staging_pool.h"
-#include "store/primitives/backing_dir.h"
-#include "store/publish/checkpoints.h"
+#include "store/dcp/key_index.h"
 #include "store/flush/flush_pipeline.h"
+#include "store/load/loader.h"
+#include "store/primitives/backing_dir.h"
+#include "store/primitives/state_db.h"
+#include "store/publish/checkpoints.h"
 #include "store/publish/journal.h"
 #include "store/publish/publication.h"
-#include "store/dcp/key_index.h"
-#include "store/primitives/state_db.h"
 
 namespace ckptfs::fs {
 
@@ -82,7 +82,7 @@ class ControlTree {
   store::Publication* const publication_;
   store::Journal* const journal_;  // publication_'s, for reports
   store::KeyIndex* const index_;
-  ReadPath* const read_;
+  store::Loader* const loader_;
   TensorView* const tensors_;
   store::RetainedTier* const retained_;  // issue 23; null when off
 

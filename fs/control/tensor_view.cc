@@ -1,6 +1,6 @@
+#include "fs/control/tensor_view.h"
 #include "common/json_text.h"
 #include "common/path.h"
-#include "fs/control/tensor_view.h"
 
 #include <fcntl.h>
 

@@ -24,8 +24,8 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
-#include "store/primitives/backing_dir.h"
 #include "store/dcp/key_index.h"
+#include "store/primitives/backing_dir.h"
 
 namespace ckptfs::fs {
 

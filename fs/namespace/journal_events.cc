@@ -1,18 +1,18 @@
 // The mount's side of publication (fs/namespace/journal_events.h): what the commit gate and the
-// shard states ask about files written here, and what the namespace, the stats and the
-// read path learn when an entry is done or publication halts.
+// shard states ask about files written here, and what the namespace and the stats learn
+// when an entry is done or publication halts.
 #include "fs/namespace/journal_events.h"
 
 #include <spdlog/spdlog.h>
 
 #include "common/path.h"
 #include "fs/fs_util.h"
-#include "store/publish/commit_names.h"
+#include "store/dcp/commit_names.h"
 
 namespace ckptfs::fs {
 
 JournalEvents::JournalEvents(const FsParts& parts, NodeTable& table, WriteStates& writes)
-    : table_(table), writes_(writes), read_(parts.read), stats_(parts.stats) {}
+    : table_(table), writes_(writes), stats_(parts.stats) {}
 
 bool JournalEvents::WrittenLocally(const std::string& path) {
   MutexLock lock(&table_.mu);
@@ -29,7 +29,7 @@ bool JournalEvents::RewrittenSince(const std::string& path, uint64_t seq) {
 }
 
 bool JournalEvents::RankCommitPending(const std::string& path, uint64_t seq) {
-  const std::string dir = ParentOf(path);
+  const std::string dir = path::Parent(path);
   const std::string_view self = path::Basename(path);
   MutexLock lock(&table_.mu);
   const Node* node = dir.empty() ? table_.root().get() : table_.LoadedNodeAtLocked(dir);
@@ -66,8 +66,7 @@ void JournalEvents::OnHalted(const store::JournalEntry& e, const Status& st) {
   }
 }
 
-void JournalEvents::OnOutcome(const store::JournalEntry& e, const Status& st,
-                          const store::PublishOutcome& outcome) {
+void JournalEvents::OnOutcome(const store::JournalEntry& e, const Status& st) {
   if (e.op == store::OpType::kPublish && st.ok()) {
     stats_->bytes_published.fetch_add(e.size);
     stats_->files_published.fetch_add(1);
@@ -77,7 +76,6 @@ void JournalEvents::OnOutcome(const store::JournalEntry& e, const Status& st,
   } else if (!st.ok()) {
     table_.NoteError(e.Describe() + ": " + st.ToString());
   }
-  if (!outcome.committed_dir.empty()) read_->QueueIndexBuild(outcome.committed_dir);
   if (e.op != store::OpType::kPublish) return;
   if (uint64_t dropped = NodePublishDone(e, st)) table_.RefreshAttr(dropped);
 }

@@ -2,8 +2,8 @@
 //
 // What the commit gate and the shard states ask about files written here (written or
 // pending locally, rewritten since an entry, a rank's commit pending), and what the node
-// table, the write states, the stats and the read path learn when an entry is done or
-// publication halts (store/publish/publication.h). It owns no state: it reads and changes
+// table, the write states and the stats learn when an entry is done or publication halts
+// (store/publish/publication.h). It owns no state: it reads and changes
 // nodes of the table (fs/namespace/node_table.h) and drops the write state of a published file
 // (fs/namespace/write_states.h).
 //
@@ -18,7 +18,6 @@
 #include "fs/fs_stats.h"
 #include "fs/fs_types.h"
 #include "fs/namespace/node_table.h"
-#include "fs/read_path.h"
 #include "fs/namespace/write_states.h"
 #include "store/publish/journal.h"
 #include "store/publish/publication.h"
@@ -27,7 +26,7 @@ namespace ckptfs::fs {
 
 class JournalEvents final : public store::PublicationObserver {
  public:
-  // The parts, `table` and `writes` must outlive it; it uses the parts' read path and stats.
+  // The parts, `table` and `writes` must outlive it; it uses the parts' stats.
   JournalEvents(const FsParts& parts, NodeTable& table, WriteStates& writes);
   JournalEvents(const JournalEvents&) = delete;
   JournalEvents& operator=(const JournalEvents&) = delete;
@@ -36,8 +35,7 @@ class JournalEvents final : public store::PublicationObserver {
   bool RewrittenSince(const std::string& path, uint64_t seq) override EXCLUDES(table_.mu);
   bool PendingLocally(const std::string& path) override EXCLUDES(table_.mu);
   bool RankCommitPending(const std::string& path, uint64_t seq) override EXCLUDES(table_.mu);
-  void OnOutcome(const store::JournalEntry& e, const Status& st,
-                 const store::PublishOutcome& outcome) override EXCLUDES(table_.mu);
+  void OnOutcome(const store::JournalEntry& e, const Status& st) override EXCLUDES(table_.mu);
   void OnHalted(const store::JournalEntry& e, const Status& st) override EXCLUDES(table_.mu);
 
  private:
@@ -47,7 +45,6 @@ class JournalEvents final : public store::PublicationObserver {
 
   NodeTable& table_;
   WriteStates& writes_;
-  ReadPath* const read_;
   FsStats* const stats_;
 };
 

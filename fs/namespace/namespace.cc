@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <set>
 
+#include "common/path.h"
 #include "fs/fs_util.h"
 
 namespace ckptfs::fs {
@@ -295,7 +296,7 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
       }
     }
     const std::string from = table_.PathLocked(node.get());
-    const std::string to = JoinPath(table_.PathLocked(dst_dir.get()), new_name);
+    const std::string to = path::Join(table_.PathLocked(dst_dir.get()), new_name);
     if (victim && victim->write && victim->write->needs_publish) {
       writes_.AssertTable(table_);
       seq = writes_.DiscardLocked(victim.get(), to);
@@ -372,7 +373,7 @@ Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
             (ino == kRootIno && e.name == kCtlDirName)) {
           continue;
         }
-        auto st = backing_->Stat(JoinPath(path, e.name));
+        auto st = backing_->Stat(path::Join(path, e.name));
         if (st.ok()) found.emplace_back(e.name, *st);
       }
     }

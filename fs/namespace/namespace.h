@@ -28,7 +28,7 @@
 
 #include "common/status.h"
 #include "fs/fs_types.h"
-#include "fs/handle.h"
+#include "fs/namespace/handle.h"
 #include "fs/namespace/journal_events.h"
 #include "fs/namespace/namespace_report.h"
 #include "fs/namespace/node_table.h"

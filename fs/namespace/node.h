@@ -21,16 +21,25 @@
 #include <string>
 
 #include "common/mutex.h"
-#include "fs/namespace/staged_file.h"
+#include "store/flush/staged_file.h"
 
 namespace ckptfs::fs {
 
 // kSpecial: a FIFO, socket or device node; the kernel serves its I/O, never the daemon.
 enum class NodeType { kDir, kFile, kSymlink, kSpecial };
 
+// The node type of a backing store entry. FIFOs, sockets and devices are kSpecial: the
+// daemon never opens them (an open of a FIFO would block a FUSE thread).
+inline NodeType TypeOf(mode_t mode) {
+  if (S_ISDIR(mode)) return NodeType::kDir;
+  if (S_ISLNK(mode)) return NodeType::kSymlink;
+  if (S_ISREG(mode)) return NodeType::kFile;
+  return NodeType::kSpecial;
+}
+
 // Where a file being written stands on the backing store.
 struct WriteState {
-  std::shared_ptr<StagedFile> staged;
+  std::shared_ptr<store::StagedFile> staged;
   uint64_t file_id = 0;
   std::string temp_name;         // ".ckptfs-tmp.<id>" inside `temp_dir`
   struct Node* temp_dir = nullptr;  // the directory that holds the temp file
@@ -51,7 +60,7 @@ struct WriteState {
 // after every change of Node::write or Node::error), so the data path never takes
 // NodeTable::mu, which namespace work holds.
 struct NodeData {
-  std::shared_ptr<StagedFile> staged;  // Node::write->staged, or null
+  std::shared_ptr<store::StagedFile> staged;  // Node::write->staged, or null
   bool accepting = false;              // writes go to `staged` (needs_publish or discarded)
   std::string error;                   // Node::error
   // The time of the latest write, not yet taken into Node::attr (FoldWriteTimeLocked).

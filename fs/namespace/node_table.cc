@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "common/path.h"
 #include "fs/fs_util.h"
 
 namespace ckptfs::fs {
@@ -78,7 +79,7 @@ std::string NodeTable::PathLocked(const Node* node) const {
 }
 
 std::string NodeTable::TempPathLocked(const WriteState& ws) const {
-  return JoinPath(PathLocked(ws.temp_dir), ws.temp_name);
+  return path::Join(PathLocked(ws.temp_dir), ws.temp_name);
 }
 
 Node* NodeTable::LoadedNodeAtLocked(const std::string& path) {
@@ -179,7 +180,7 @@ Status NodeTable::EnsureLoadedLocked(Node* dir) {
   for (const auto& e : entries) {
     if (IsTempName(e.name) || dir->children.count(e.name)) continue;
     if (dir->ino == kRootIno && e.name == kCtlDirName) continue;
-    auto st = backing_->Stat(JoinPath(path, e.name));
+    auto st = backing_->Stat(path::Join(path, e.name));
     if (!st.ok()) continue;  // raced with an external delete
     AddBackingChildLocked(dir, e.name, *st);
   }
@@ -215,7 +216,7 @@ Status NodeTable::LoadDir(uint64_t ino) {
   std::vector<std::pair<std::string, struct stat>> found;
   for (const auto& e : entries) {
     if (IsTempName(e.name) || (ino == kRootIno && e.name == kCtlDirName)) continue;
-    auto st = backing_->Stat(JoinPath(path, e.name));
+    auto st = backing_->Stat(path::Join(path, e.name));
     if (st.ok()) found.emplace_back(e.name, *st);  // else raced with an external delete
   }
   MutexLock lock(&mu);
@@ -242,7 +243,7 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
       return fresh ? PathLocked(child.get()) : std::string();
     }
     const bool fresh = dir->on_backing && QuiescentLocked(dir) && !IsTempName(name);
-    return fresh ? JoinPath(PathLocked(dir), name) : std::string();
+    return fresh ? path::Join(PathLocked(dir), name) : std::string();
   };
   {
     MutexLock lock(&mu);
@@ -267,7 +268,7 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
   if (now != child) return Status::Ok();
   if (child ? probe_path(dir.get()) != path
             : !dir->on_backing || dir->names_removed != removed ||
-                  JoinPath(PathLocked(dir.get()), name) != path) {
+                  path::Join(PathLocked(dir.get()), name) != path) {
     return Status::Ok();
   }
   if (child) {

@@ -33,7 +33,7 @@
 //   * read() and write() of an open file never take `mu` unless the write begins a new copy
 //     of the file (its first write, or the first after a publish froze it): they take its
 //     node's data_mu (fs/namespace/node.h), a leaf held to copy a few fields.
-//   Lock order: mu -> Node::data_mu -> StagedFile locks -> WriteStates' staged_mu_;
+//   Lock order: mu -> Node::data_mu -> store::StagedFile locks -> WriteStates' staged_mu_;
 //   publication's locks (its journal's Append, the registry) after mu; FsStats::error_mu
 //   is a leaf.
 #pragma once

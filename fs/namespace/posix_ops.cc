@@ -9,6 +9,7 @@
 
 #include <algorithm>
 
+#include "common/path.h"
 #include "fs/fs_util.h"
 
 namespace ckptfs::fs {
@@ -26,7 +27,7 @@ Result<struct stat> PosixOps::SetAttr(uint64_t ino, const struct stat& in, int t
   Result<uint64_t> last_seq = uint64_t{0};
   // The I/O of a change runs after the lock: the temp file's owner and mode, and a
   // truncate (the copy it may begin, its wait for flushes, the ftruncate).
-  std::shared_ptr<StagedFile> follow_temp;
+  std::shared_ptr<store::StagedFile> follow_temp;
   bool follow_owner = false;
   const FileHandle* resize_from = nullptr;
   bool resize = false;
@@ -147,7 +148,7 @@ Result<uint64_t> PosixOps::ChownLocked(Node* node, uid_t uid, gid_t gid) {
   return seq;
 }
 
-Status PosixOps::FollowOwnerInTemp(uint64_t ino, std::shared_ptr<StagedFile> staged,
+Status PosixOps::FollowOwnerInTemp(uint64_t ino, std::shared_ptr<store::StagedFile> staged,
                                     bool owner) {
   mode_t applied_mode = 0;
   uid_t applied_uid = 0;
@@ -229,7 +230,7 @@ Result<Entry> PosixOps::Link(uint64_t ino, uint64_t new_parent, const std::strin
       }
     }
     const std::string from = table_.PathLocked(node.get());
-    const std::string to = JoinPath(table_.PathLocked(dir.get()), new_name);
+    const std::string to = path::Join(table_.PathLocked(dir.get()), new_name);
     auto link = table_.NewNodeLocked(dir.get(), new_name, node->type);
     if (node->link_group == 0) {
       node->link_group = node->ino;
@@ -290,7 +291,7 @@ Status PosixOps::Fallocate(Handle* handle, int mode, uint64_t offset, uint64_t l
       }
     }
     // The copy it may begin, the reservation and the truncate: all without table_.mu.
-    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<StagedFile> staged, writes_.WritableStaged(h));
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<store::StagedFile> staged, writes_.WritableStaged(h));
     // Reserve the blocks in the temp file first, so ENOSPC comes back here and not at
     // the flush; then extend the file as mode 0 does (the new bytes read as zeros).
     CKPT_RETURN_IF_ERROR(backing_->Fallocate(staged->target()->fd(), FALLOC_FL_KEEP_SIZE,

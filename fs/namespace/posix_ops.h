@@ -20,11 +20,11 @@
 
 #include "common/status.h"
 #include "fs/fs_types.h"
-#include "fs/handle.h"
+#include "fs/namespace/handle.h"
 #include "fs/namespace/node_table.h"
 #include "fs/namespace/posix_access.h"
-#include "fs/namespace/staged_file.h"
 #include "fs/namespace/write_states.h"
+#include "store/flush/staged_file.h"
 #include "store/primitives/backing_dir.h"
 
 namespace ckptfs::fs {
@@ -51,7 +51,7 @@ class PosixOps {
   // Gives the temp file of `staged` (the write state of `ino`) the node's owner (with
   // `owner`) and mode, without the lock; again if they changed meanwhile. Nothing when
   // the node has moved on to another version (made with the node's attributes).
-  Status FollowOwnerInTemp(uint64_t ino, std::shared_ptr<StagedFile> staged, bool owner)
+  Status FollowOwnerInTemp(uint64_t ino, std::shared_ptr<store::StagedFile> staged, bool owner)
       EXCLUDES(table_.mu);
 
   NodeTable& table_;

@@ -12,7 +12,6 @@
 #include <utility>
 
 #include "fs/fs_util.h"
-#include "store/publish/commit_names.h"
 #include "store/dcp/checkpoint_source.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/peer/peers.h"
@@ -24,8 +23,7 @@ WriteStates::WriteStates(const FsConfig& config, const FsParts& parts, NodeTable
       table_(table),
       backing_(parts.backing),
       publication_(parts.publication),
-      index_(parts.index),
-      read_(parts.read),
+      loader_(parts.loader),
       stats_(parts.stats),
       staging_ctx_{parts.pool, parts.pipeline, parts.backing} {}
 
@@ -122,7 +120,7 @@ Result<std::unique_ptr<WriteState>> WriteStates::PrepareWrite(const WritePlan& p
   ws->temp_name = plan.temp_name;
   ws->temp_dir = table_.root().get();
   auto target = std::make_shared<store::FlushTarget>(plan.id, std::move(*fd));
-  ws->staged = std::make_shared<StagedFile>(staging_ctx_, std::move(target), size);
+  ws->staged = std::make_shared<store::StagedFile>(staging_ctx_, std::move(target), size);
   return ws;
 }
 
@@ -205,7 +203,7 @@ Result<uint64_t> WriteStates::PublishLocked(Node* node) {
     // staging space): wait for it to let go without the lock. Meanwhile `freezing` holds
     // off whoever would change the write state (AwaitFreezeLocked); an unlink may still
     // discard it, a rename move it, another publish queue it.
-    const std::shared_ptr<StagedFile> staged = node->write->staged;
+    const std::shared_ptr<store::StagedFile> staged = node->write->staged;
     node->write->freezing++;
     table_.mu.Unlock();
     staged->SealAll();
@@ -361,7 +359,7 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
       if (node->write && node->write->needs_publish) {
         // Being written through another handle: cut what it holds. The cut waits for the
         // file's flushes: without the lock, unless races were lost a few times.
-        const std::shared_ptr<StagedFile> staged = node->write->staged;
+        const std::shared_ptr<store::StagedFile> staged = node->write->staged;
         Status cut;
         if (race.may_retry()) {
           lock.Unlock();
@@ -427,14 +425,14 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
     }
     auto& [fd, st] = opened;
     if (!st.ok()) return st.status();
-    fh.block = store::BlockIdFromStat(path, *st);
-    fh.backing_dev = st->st_dev;
-    fh.backing_ino = st->st_ino;
-    fh.fd = std::make_shared<const UniqueFd>(std::move(*fd));
+    fh.backing.block = store::BlockIdFromStat(path, *st);
+    fh.backing.dev = st->st_dev;
+    fh.backing.ino = st->st_ino;
+    fh.backing.fd = std::make_shared<const UniqueFd>(std::move(*fd));
     fh.keep_cache = !writable && table_.TimeoutFor(*node) > kDefaultTimeout;
     if (node->parent != nullptr && table_.CommittedDirLocked(node->parent)) {
-      fh.ckpt = table_.PathLocked(node->parent);
-      fh.file = node->name;
+      fh.backing.ckpt = table_.PathLocked(node->parent);
+      fh.backing.file = node->name;
     }
     break;
   }
@@ -443,21 +441,13 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
   node->open_files++;
   if (writable) node->open_writers++;
   lock.Unlock();
-  if (!fh.ckpt.empty()) {
-    // A prefix scan of the key index: without table_.mu (the handle is not yet anyone's).
-    fh.indexed = index_->IsIndexed(fh.ckpt);
-    // Reading a commit file is how every load starts (`.metadata` for DCP, the index or
-    // model.safetensors for Hugging Face): fetch the checkpoint ahead.
-    if (!writable && store::CommitKindOf(node->name) != store::CommitKind::kNone) {
-      read_->QueuePrefetch(fh.ckpt);
-    } else if (!writable) {
-      read_->NoteDataOpen(fh.ckpt);
-    }
-  }
+  // Without table_.mu (the handle is not yet anyone's): the loader looks the checkpoint up
+  // in the key index and decides what the open means for a load.
+  if (fh.backing.fd) loader_->Opened(&fh.backing, writable);
   return handle.release();
 }
 
-Result<std::shared_ptr<StagedFile>> WriteStates::WritableStaged(FileHandle* h) {
+Result<std::shared_ptr<store::StagedFile>> WriteStates::WritableStaged(FileHandle* h) {
   Node* node = h->node.get();
   for (RaceRetry race;; race.Lose()) {
     WritePlan plan;
@@ -474,12 +464,12 @@ Result<std::shared_ptr<StagedFile>> WriteStates::WritableStaged(FileHandle* h) {
       // state, `h->fd` is the current version (a write state lives while any handle is
       // open). After a few races lost, the copy is made under the lock.
       if (!race.may_retry()) {
-        const UniqueFd* src = node->write ? nullptr : h->fd.get();
+        const UniqueFd* src = node->write ? nullptr : h->backing.fd.get();
         CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node, false, src));
         if (node->parent == nullptr) CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
         return node->write->staged;
       }
-      plan = PlanWriteLocked(node, false, node->write ? nullptr : h->fd.get());
+      plan = PlanWriteLocked(node, false, node->write ? nullptr : h->backing.fd.get());
     }
     // The temp file, its registration (a synced RocksDB write), the wait for the previous
     // version's flushes and the copy: all without table_.mu.
@@ -510,7 +500,7 @@ bool WriteStates::PlanHoldsLocked(const Node& node, const WritePlan& plan) const
 
 Result<uint64_t> WriteStates::Resize(uint64_t ino, uint64_t size, const FileHandle* from) {
   for (RaceRetry race;; race.Lose()) {
-    std::shared_ptr<StagedFile> staged;
+    std::shared_ptr<store::StagedFile> staged;
     WritePlan plan;
     {
       MutexLock lock(&table_.mu);
@@ -523,7 +513,7 @@ Result<uint64_t> WriteStates::Resize(uint64_t ino, uint64_t size, const FileHand
       } else {
         // ftruncate through a handle opened before any write: copy from its descriptor.
         const UniqueFd* src =
-            !node->write && from != nullptr && from->node == node ? from->fd.get() : nullptr;
+            !node->write && from != nullptr && from->node == node ? from->backing.fd.get() : nullptr;
         plan = PlanWriteLocked(node.get(), /*truncate=*/size == 0, src);
       }
     }
@@ -556,14 +546,14 @@ Result<uint64_t> WriteStates::Resize(uint64_t ino, uint64_t size, const FileHand
   }
 }
 
-Status WriteStates::WriteData(FileHandle* h, ByteSource& src, uint64_t offset) {
+Status WriteStates::WriteData(FileHandle* h, store::ByteSource& src, uint64_t offset) {
   const size_t len = src.size();
   if (!h->writable) return Status(Code::kPermission, "not open for writing");
   Node* node = h->node.get();
   for (RaceRetry race;; race.Lose()) {
     // The data path: the node's data_mu only. The namespace is needed only to begin a
     // copy (the first write, or the first after a publish froze the contents).
-    std::shared_ptr<StagedFile> staged;
+    std::shared_ptr<store::StagedFile> staged;
     {
       MutexLock lock(&node->data_mu);
       if (node->data.accepting) staged = node->data.staged;
@@ -651,7 +641,7 @@ uint64_t WriteStates::PublishOpenFiles() {
 }
 
 void WriteStates::RelieveStagingPressure() {
-  std::vector<std::shared_ptr<StagedFile>> files;
+  std::vector<std::shared_ptr<store::StagedFile>> files;
   {
     MutexLock lock(&staged_mu_);
     for (auto it = live_staged_.begin(); it != live_staged_.end();) {

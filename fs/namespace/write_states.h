@@ -2,7 +2,7 @@
 //
 // Owns the write state of every file being written (Node::write, fs/namespace/node.h): the
 // copy-on-write begin of a rewrite (plan under the lock, temp file and copy without it,
-// install under it), create and open, writes into staging (fs/namespace/staged_file.h holds the
+// install under it), create and open, writes into staging (store/flush/staged_file.h holds the
 // bytes), publish, discard of unpublished bytes, release of a file handle, truncate, and
 // the live staged files for staging pressure. It may call the node table
 // (fs/namespace/node_table.h), publication (temp files, appends), the backing store (the temp
@@ -13,7 +13,7 @@
 // the temp file and copy a write, a create, an O_TRUNC open or a truncate begins with
 // (plan, PrepareWrite, install), the cut of an O_TRUNC open or a truncate of a file being
 // written (it waits for the file's flushes), and a publish's freeze of a file whose
-// writer is inside a write (StagedFile::SealAll waits for it; WriteState::freezing holds
+// writer is inside a write (store::StagedFile::SealAll waits for it; WriteState::freezing holds
 // off other changes of that write state meanwhile, AwaitFreezeLocked). Still under it:
 // the fallbacks after kRaceTries lost races (a write's, a create's or an O_TRUNC open's
 // copy, an O_TRUNC open's cut, an open of a backing file). staged_mu_ (the live staged
@@ -33,14 +33,13 @@
 #include "common/unique_fd.h"
 #include "fs/fs_stats.h"
 #include "fs/fs_types.h"
-#include "fs/handle.h"
+#include "fs/namespace/handle.h"
 #include "fs/namespace/node.h"
 #include "fs/namespace/node_table.h"
 #include "fs/namespace/posix_access.h"
-#include "fs/read_path.h"
-#include "fs/namespace/staged_file.h"
 #include "gpu/staging_pool.h"
 #include "store/dcp/key_index.h"
+#include "store/flush/staged_file.h"
 #include "store/primitives/backing_dir.h"
 #include "store/publish/publication.h"
 
@@ -63,7 +62,7 @@ class WriteStates final : public gpu::StagingPressureListener {
                                            int flags, const Caller& caller = {})
       EXCLUDES(table_.mu);
   Result<Handle*> NodeOpen(uint64_t ino, int flags) EXCLUDES(table_.mu);
-  Status WriteData(FileHandle* h, ByteSource& src, uint64_t offset) EXCLUDES(table_.mu);
+  Status WriteData(FileHandle* h, store::ByteSource& src, uint64_t offset) EXCLUDES(table_.mu);
   Status FlushData(FileHandle* h) EXCLUDES(table_.mu);
   void ReleaseFile(FileHandle* h) EXCLUDES(table_.mu);
   // Shutdown (G8): queues the publication of every file still open for writing (a lazy
@@ -103,7 +102,7 @@ class WriteStates final : public gpu::StagingPressureListener {
   // (discarded) or published and dropped meanwhile.
   Result<uint64_t> PublishLocked(Node* node) REQUIRES(table_.mu);
   // The staged file a write through `h` goes to, beginning a copy when needed.
-  Result<std::shared_ptr<StagedFile>> WritableStaged(FileHandle* h) EXCLUDES(table_.mu);
+  Result<std::shared_ptr<store::StagedFile>> WritableStaged(FileHandle* h) EXCLUDES(table_.mu);
   // Truncate (or extend) file `ino` to `size`: a new version first if its contents are
   // not being written (a copy from `from`'s descriptor, if it is an ftruncate of a handle
   // opened before any write, else from its backing path), all I/O without the lock
@@ -125,7 +124,7 @@ class WriteStates final : public gpu::StagingPressureListener {
     mode_t mode = 0;
     bool truncate = false;
     uint64_t prev_file_id = 0;          // the write state it starts from, 0 if none
-    std::shared_ptr<StagedFile> prev;   // copy from its (settled) temp file,
+    std::shared_ptr<store::StagedFile> prev;   // copy from its (settled) temp file,
     int src_fd = -1;                    // or from this open backing file (borrowed),
     std::string src_path;               // or from this backing path
   };
@@ -147,14 +146,13 @@ class WriteStates final : public gpu::StagingPressureListener {
   NodeTable& table_;
   store::BackingDir* const backing_;
   store::Publication* const publication_;
-  store::KeyIndex* const index_;
-  ReadPath* const read_;
+  store::Loader* const loader_;
   FsStats* const stats_;
-  const StagingContext staging_ctx_;
+  const store::StagingContext staging_ctx_;
 
   // Every staged file not yet destroyed, for staging pressure.
   Mutex staged_mu_;
-  std::set<std::weak_ptr<StagedFile>, std::owner_less<std::weak_ptr<StagedFile>>> live_staged_
+  std::set<std::weak_ptr<store::StagedFile>, std::owner_less<std::weak_ptr<store::StagedFile>>> live_staged_
       GUARDED_BY(staged_mu_);
 };
 

@@ -33,6 +33,10 @@ Filesystem* Fs(fuse_req_t req) {
   return static_cast<FuseServer::Context*>(fuse_req_userdata(req))->fs;
 }
 Handle* H(struct fuse_file_info* fi) { return reinterpret_cast<Handle*>(fi->fh); }
+// The io mode of each inode under FUSE passthrough (FuseServer keeps it).
+PassthroughTable* Table(fuse_req_t req) {
+  return static_cast<FuseServer::Context*>(fuse_req_userdata(req))->passthrough;
+}
 
 void ReplyErr(fuse_req_t req, const Status& st) { fuse_reply_err(req, st.ToErrno()); }
 
@@ -150,7 +154,7 @@ mode_t ModeOf(fuse_req_t req, fuse_ino_t ino) {
 // Whether the kernel will pass reads through: the INIT request was read (InitPatcher saw
 // it) and its reply is written right after this returns, patched.
 void ResolvePassthrough(FuseServer::Context* context, struct fuse_conn_info* conn) {
-  PassthroughTable* table = context->fs->passthrough()->table();
+  PassthroughTable* table = context->passthrough;
   std::string off;
   if (!context->fs->config().passthrough) {
     off = "--passthrough off";
@@ -166,7 +170,7 @@ void ResolvePassthrough(FuseServer::Context* context, struct fuse_conn_info* con
   } else {
     table->Enable(nullptr, off);
   }
-  context->fs->passthrough()->OnNegotiated(off.empty());
+  context->fs->OnPassthroughNegotiated(off.empty());
   spdlog::info("fuse: passthrough {} (kernel protocol 7.{})", off.empty() ? "on" : "off: " + off,
                context->init ? context->init->kernel_minor() : 0);
 }
@@ -243,11 +247,11 @@ void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
   // like a writer's open (a writable handle's own truncate never finds any).
   const bool truncates = (to_set & FUSE_SET_ATTR_SIZE) != 0;
   if (truncates) {
-    Status st = Fs(req)->passthrough()->table()->AcquireOther(ino, /*changes=*/true);
+    Status st = Table(req)->AcquireOther(ino, /*changes=*/true);
     if (!st.ok()) return ReplyErr(req, st);
   }
   auto r = Fs(req)->SetAttr(ino, *attr, to_set, fi ? H(fi) : nullptr, CallerOf(req, true));
-  if (truncates) Fs(req)->passthrough()->table()->Release(ino, /*passthrough=*/false);
+  if (truncates) Table(req)->Release(ino, /*passthrough=*/false);
   if (!r.ok()) return ReplyErr(req, r.status());
   fuse_reply_attr(req, &*r, Fs(req)->AttrTimeout(ino));
 }
@@ -326,7 +330,7 @@ void OpRename(fuse_req_t req, fuse_ino_t parent, const char* name, fuse_ino_t ne
 // Ends a handle: its io mode in the passthrough table, then the handle itself.
 void ReleaseHandle(fuse_req_t req, Handle* h) {
   if (FileHandle* f = h->file(); f != nullptr && f->io_counted) {
-    Fs(req)->passthrough()->table()->Release(f->io_ino, f->passthrough);
+    Table(req)->Release(f->io_ino, f->passthrough);
   }
   Fs(req)->Release(h);
 }
@@ -340,7 +344,7 @@ void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode,
   auto [entry, handle] = *r;
   // A new file, or an existing one opened for writing: no passthrough reader may hold it.
   if (FileHandle* f = handle->file()) {
-    Status st = Fs(req)->passthrough()->table()->AcquireOther(entry.ino, /*changes=*/true);
+    Status st = Table(req)->AcquireOther(entry.ino, /*changes=*/true);
     if (!st.ok()) {
       Fs(req)->Release(handle);
       return ReplyErr(req, st);
@@ -378,10 +382,10 @@ int ReplyPassthroughOpen(fuse_req_t req, const struct fuse_file_info* fi, int32_
 // daemon-served open (-1); kBusy when neither can be had.
 Result<int32_t> TakeReadMode(fuse_req_t req, fuse_ino_t ino, Handle* h) {
   Filesystem* fs = Fs(req);
-  PassthroughTable* table = fs->passthrough()->table();
+  PassthroughTable* table = Table(req);
   FileHandle* f = h->file();
   if (table->enabled()) {
-    if (auto src = fs->passthrough()->SourceOf(h)) {
+    if (auto src = fs->PassthroughSourceOf(h)) {
       CKPT_ASSIGN_OR_RETURN(int32_t id,
                             table->AcquireRead(ino, src->fd, src->dev, src->ino, src->size));
       if (id >= 0) {
@@ -389,7 +393,7 @@ Result<int32_t> TakeReadMode(fuse_req_t req, fuse_ino_t ino, Handle* h) {
         f->io_ino = ino;
         // A write may have begun between the check and the count; the count now keeps new
         // ones out, so a second look settles it.
-        if (fs->passthrough()->SourceOf(h)) return id;
+        if (fs->PassthroughSourceOf(h)) return id;
         table->Release(ino, /*passthrough=*/true);
         f->io_counted = f->passthrough = false;
       }
@@ -407,12 +411,12 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
                        !TensorView::Owns(ino);
   // A writer (or O_TRUNC) waits for passthrough readers before anything changes.
   if (changes) {
-    Status st = Fs(req)->passthrough()->table()->AcquireOther(ino, /*changes=*/true);
+    Status st = Table(req)->AcquireOther(ino, /*changes=*/true);
     if (!st.ok()) return ReplyErr(req, st);
   }
   auto r = Fs(req)->Open(ino, fi->flags);
   if (!r.ok()) {
-    if (changes) Fs(req)->passthrough()->table()->Release(ino, /*passthrough=*/false);
+    if (changes) Table(req)->Release(ino, /*passthrough=*/false);
     return ReplyErr(req, r.status());
   }
   Handle* h = *r;
@@ -432,7 +436,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
       return;
     }
   } else if (changes) {
-    Fs(req)->passthrough()->table()->Release(ino, /*passthrough=*/false);  // not a namespace file
+    Table(req)->Release(ino, /*passthrough=*/false);  // not a namespace file
   }
   if (f == nullptr) {
     fi->direct_io = 1;  // control files: generated content, size unknown to the kernel
@@ -471,7 +475,7 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
 // FUSE_CAP_SPLICE_READ) the per-thread pipe the request was spliced into, which
 // CopyTo reads straight into the staging chunk. libfuse empties the pipe if a write
 // fails before consuming it all.
-class FuseBufSource final : public ByteSource {
+class FuseBufSource final : public store::ByteSource {
  public:
   explicit FuseBufSource(struct fuse_bufvec* bufv) : bufv_(bufv), left_(fuse_buf_size(bufv)) {}
   size_t size() const override { return left_; }

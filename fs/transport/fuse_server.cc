@@ -19,9 +19,9 @@
 #include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
-#include <mutex>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -258,6 +258,9 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
   std::unique_ptr<FuseServer> server(new FuseServer());
   server->context_.fs = fs;
   server->context_.tuning = tuning;
+  server->passthrough_ =
+      std::make_unique<PassthroughTable>(PassthroughTable::Options{}, fs->passthrough_stats());
+  server->context_.passthrough = server->passthrough_.get();
   server->session_ = fuse_session_new(&args, &FuseOps(), sizeof(FuseOps()), &server->context_);
   if (server->session_ == nullptr) {
     return Invalid(WithFuseLog("fuse: cannot create session (bad -o option?)"));

@@ -11,6 +11,7 @@
 #include "common/status.h"
 #include "fs/filesystem.h"
 #include "fs/transport/fuse_uring.h"
+#include "fs/transport/passthrough.h"
 
 struct fuse_session;
 
@@ -68,6 +69,8 @@ class FuseServer {
     FuseTuning tuning;
     bool direct_writes = false;  // tuning.direct_writes resolved against this kernel
     struct fuse_session* session = nullptr;  // for notifications (attribute invalidation)
+    // The io mode of each inode under FUSE passthrough: a passthrough open, or the daemon's.
+    PassthroughTable* passthrough = nullptr;
     // Watches and patches the INIT exchange for passthrough and io_uring
     // (fs/transport/passthrough.h); null when both are off or custom I/O could not be installed.
     InitPatcher* init = nullptr;
@@ -82,6 +85,7 @@ class FuseServer {
  private:
   FuseServer() = default;
   Context context_;
+  std::unique_ptr<PassthroughTable> passthrough_;  // outlives the session and its handles
   std::unique_ptr<InitPatcher> init_;
   std::unique_ptr<FuseUring> uring_;
   struct fuse_session* session_ = nullptr;

@@ -42,8 +42,8 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
-#include "store/primitives/backing_dir.h"
 #include "store/cache/block_source.h"
+#include "store/primitives/backing_dir.h"
 
 namespace ckptfs::store {
 

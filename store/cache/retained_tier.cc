@@ -11,7 +11,7 @@
 
 #include "common/path.h"
 #include "store/cache/backing_source.h"
-#include "store/publish/commit_names.h"
+#include "store/dcp/commit_names.h"
 #include "store/primitives/crc32c.h"
 
 namespace ckptfs::store {

@@ -55,11 +55,12 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
-#include "store/primitives/backing_dir.h"
-#include "store/flush/block_crc_map.h"
 #include "store/cache/block_source.h"
+#include "store/flush/block_crc_map.h"
 #include "store/flush/flush_pipeline.h"
+#include "store/primitives/backing_dir.h"
 #include "store/publish/journal.h"
+#include "store/publish/publication.h"
 
 namespace ckptfs::store {
 
@@ -102,7 +103,7 @@ struct RetainedTierStats {
   uint64_t commits = 0;
 };
 
-class RetainedTier final : public FlushWriteListener {
+class RetainedTier final : public FlushWriteListener, public JournalOutcomeListener {
  public:
   // `backing` (may be null in tests: no stat after publish means nothing is retained) must
   // outlive the tier.
@@ -119,9 +120,9 @@ class RetainedTier final : public FlushWriteListener {
   void OnWritten(const std::shared_ptr<FlushTarget>& target,
                  const std::shared_ptr<BlockCrcMap>& crcs, uint64_t offset, const uint8_t* data,
                  size_t length) override EXCLUDES(mu_);
-  // The journal applied `e` (after the namespace saw it: its publish set the times and
-  // finished the block CRCs).
-  void OnJournalDone(const JournalEntry& e, const Status& st) EXCLUDES(mu_);
+  // JournalOutcomeListener (PublicationOptions::retained): the journal applied `e` (after
+  // the namespace saw it: its publish set the times and finished the block CRCs).
+  void OnJournalDone(const JournalEntry& e, const Status& st) override EXCLUDES(mu_);
   // Marks checkpoint `dir` committed (its `.metadata` is on the backing store).
   void OnCommitted(const std::string& dir) EXCLUDES(mu_);
 

@@ -10,7 +10,7 @@
 #include <tuple>
 
 #include "common/path.h"
-#include "store/publish/commit_names.h"
+#include "store/dcp/commit_names.h"
 #include "store/dcp/metadata_file.h"
 #include "store/dcp/safetensors_header.h"
 #include "store/safetensors_index.h"

@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "common/status.h"
-#include "store/primitives/backing_dir.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/index_codec.h"
+#include "store/primitives/backing_dir.h"
 
 namespace ckptfs::store {
 

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "store/primitives/crc32c.h"
 #include "store/dcp/dcp_metadata.h"
+#include "store/primitives/crc32c.h"
 
 namespace ckptfs::store {
 

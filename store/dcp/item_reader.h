@@ -15,11 +15,11 @@
 
 #include "common/status.h"
 #include "common/unique_fd.h"
-#include "store/primitives/backing_dir.h"
-#include "store/flush/block_crc_map.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/indexed_item.h"
 #include "store/dcp/torch_zip.h"
+#include "store/flush/block_crc_map.h"
+#include "store/primitives/backing_dir.h"
 #include "store/primitives/file_key.h"
 
 namespace ckptfs::store::keyidx {

@@ -73,8 +73,6 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
-#include "store/primitives/backing_dir.h"
-#include "store/flush/block_crc_map.h"
 #include "store/dcp/block_crc_cache.h"
 #include "store/dcp/checkpoint_source.h"
 #include "store/dcp/ckpt_index.h"
@@ -84,10 +82,22 @@
 #include "store/dcp/key_index_builder.h"
 #include "store/dcp/key_index_store.h"
 #include "store/dcp/key_index_verifier.h"
+#include "store/flush/block_crc_map.h"
+#include "store/primitives/backing_dir.h"
 #include "store/primitives/file_key.h"
 #include "store/primitives/state_db.h"
 
 namespace ckptfs::store {
+
+// Builds the index of a checkpoint that was just committed, in the background, so that
+// the journal that committed it never waits for the build. Publication queues one per
+// commit (PublicationOptions::index_builds); the loader (store/load/loader.h) runs them on
+// its worker. Thread-safe; never blocks.
+class KeyIndexBuilds {
+ public:
+  virtual ~KeyIndexBuilds() = default;
+  virtual void QueueBuild(const std::string& ckpt) = 0;
+};
 
 struct KeyIndexOptions {
   // Memory for block CRC maps handed over by the write path and not used by a build yet;

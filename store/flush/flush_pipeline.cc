@@ -10,6 +10,7 @@
 #include <memory>
 #include <thread>
 
+#include "common/backoff.h"
 #include "common/thread_name.h"
 
 namespace ckptfs::store {
@@ -393,8 +394,8 @@ bool FlushPipeline::WriteChunk(SealedChunk& chunk, int attempts, SideThread* sid
         // Keep the bytes in staging and try again later (G7: nothing is lost when the
         // condition clears). Chunks of one target in flight are disjoint, so a retry
         // can never land over newer bytes.
-        auto delay = options_.retry_min * (1LL << std::min(attempts, 16));
-        if (delay > options_.retry_max) delay = options_.retry_max;
+        const auto delay =
+            Backoff{options_.retry_min, options_.retry_max}.Delay(static_cast<uint64_t>(attempts));
         if (attempts == 0) {
           spdlog::error("flush of file {} at offset {} ({} bytes) failed: {}; kept for a retry",
                         target.id(), chunk.offset, chunk.length, st.ToString());

@@ -44,8 +44,8 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
-#include "store/primitives/backing_dir.h"
 #include "store/flush/block_crc_map.h"
+#include "store/primitives/backing_dir.h"
 
 namespace ckptfs::store {
 

@@ -9,10 +9,10 @@
 #include <unordered_map>
 
 #include "common/mutex.h"
-#include "store/primitives/crc32c.h"
 #include "store/peer/buffer_pool.h"
 #include "store/peer/protocol.h"
 #include "store/peer/ucx_worker.h"
+#include "store/primitives/crc32c.h"
 
 namespace ckptfs::store::peer {
 namespace {

@@ -8,6 +8,7 @@
 #include <charconv>
 #include <system_error>
 
+#include "common/path.h"
 #include "common/thread_name.h"
 #include "store/cache/backing_source.h"
 #include "store/cache/retained_tier.h"
@@ -15,15 +16,6 @@
 #include "store/peer/protocol.h"
 
 namespace ckptfs::store::peer {
-namespace {
-
-std::string ParentOf(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? std::string() : path.substr(0, slash);
-}
-
-}  // namespace
-
 std::optional<uint32_t> DcpWriterRank(std::string_view file) {
   const size_t slash = file.rfind('/');
   if (slash != std::string_view::npos) file = file.substr(slash + 1);
@@ -47,7 +39,7 @@ class PeerNode::ServingSource : public BlockSource {
   ServingSource(PeerNode* node, BlockCache* cache) : node_(node), cache_(cache) {}
 
   Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override {
-    const std::string ckpt = ParentOf(id.path);
+    const std::string ckpt = path::Parent(id.path);
     if (!node_->coop_->HasPlan(ckpt)) node_->LoadStartedElsewhere(ckpt);
     // Through the cache (single flight with local readers); the cache's source checks the
     // version and confines the path (G9). Never forwarded: this node is asked as the owner.

@@ -12,11 +12,11 @@
 
 #include "common/mutex.h"
 #include "common/thread_name.h"
-#include "store/primitives/crc32c.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/peer/buffer_pool.h"
 #include "store/peer/protocol.h"
 #include "store/peer/ucx_worker.h"
+#include "store/primitives/crc32c.h"
 
 namespace ckptfs::store::peer {
 namespace {

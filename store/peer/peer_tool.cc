@@ -28,7 +28,6 @@
 #include <vector>
 
 #include "common/logging.h"
-#include "store/primitives/crc32c.h"
 #include "store/peer/peer_client.h"
 #include "store/peer/peer_server.h"
 #include "store/peer/peers.h"
@@ -36,6 +35,7 @@
 #include "store/peer/protocol.h"
 #include "store/peer/synthetic_provider.h"
 #include "store/peer/ucx_worker.h"
+#include "store/primitives/crc32c.h"
 
 namespace ckptfs::store::peer {
 namespace {

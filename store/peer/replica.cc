@@ -6,8 +6,8 @@
 
 #include "common/path.h"
 #include "store/cache/backing_source.h"
-#include "store/primitives/crc32c.h"
 #include "store/peer/peer_node.h"
+#include "store/primitives/crc32c.h"
 
 namespace ckptfs::store::peer {
 

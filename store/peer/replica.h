@@ -47,11 +47,11 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
-#include "store/primitives/backing_dir.h"
 #include "store/cache/block_source.h"
 #include "store/cache/retained_tier.h"
 #include "store/peer/cooperative_source.h"
 #include "store/peer/peer_client.h"
+#include "store/primitives/backing_dir.h"
 
 namespace ckptfs::store::peer {
 

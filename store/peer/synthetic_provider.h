@@ -16,8 +16,8 @@
 #include <thread>
 #include <vector>
 
-#include "store/primitives/crc32c.h"
 #include "store/cache/block_source.h"
+#include "store/primitives/crc32c.h"
 
 namespace ckptfs::store::peer {
 

@@ -407,6 +407,14 @@ Status BackingDir::Fallocate(int fd, int mode, off_t offset, off_t len) {
   return Status::Ok();
 }
 
+Status BackingDir::WillNeed(int fd, off_t offset, off_t len) {
+  // posix_fadvise returns the error number; it does not set errno.
+  if (int rc = ::posix_fadvise(fd, offset, len, POSIX_FADV_WILLNEED); rc != 0) {
+    return OsError(rc, "posix_fadvise");
+  }
+  return Status::Ok();
+}
+
 Status BackingDir::Fchmod(int fd, mode_t mode) {
   if (::fchmod(fd, mode) != 0) return OsError(errno, "fchmod");
   return Status::Ok();

@@ -96,6 +96,9 @@ class BackingDir {
   virtual Status Fchmod(int fd, mode_t mode);
   virtual Status Ftruncate(int fd, off_t size);
   virtual Result<struct stat> Fstat(int fd);
+  // Asks the kernel to read [offset, offset + len) of an fd opened above into the page
+  // cache (posix_fadvise POSIX_FADV_WILLNEED): advice, it starts the reads and returns.
+  virtual Status WillNeed(int fd, off_t offset, off_t len);
   // Copies `len` bytes from offset 0 of `in_fd` to offset 0 of `out_fd` with
   // copy_file_range(2): a reflink where the file system shares extents (XFS, btrfs).
   virtual Status CopyFileRange(int in_fd, int out_fd, uint64_t len);

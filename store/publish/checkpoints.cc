@@ -7,7 +7,7 @@
 #include <chrono>
 
 #include "common/path.h"
-#include "store/publish/commit_names.h"
+#include "store/dcp/commit_names.h"
 #include "store/primitives/record_codec.h"
 
 namespace ckptfs::store {

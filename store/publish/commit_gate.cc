@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "common/path.h"
+#include "store/dcp/commit_names.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/metadata_file.h"
-#include "store/publish/commit_names.h"
 #include "store/safetensors_index.h"
 
 namespace ckptfs::store {

@@ -59,8 +59,8 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 

@@ -3,7 +3,7 @@
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
-#include "store/publish/commit_names.h"
+#include "store/dcp/commit_names.h"
 
 namespace ckptfs::store {
 namespace {

@@ -1,8 +1,8 @@
 #include "store/publish/journal.h"
 
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cinttypes>
@@ -11,9 +11,9 @@
 
 #include "common/path.h"
 #include "common/thread_name.h"
-#include "store/publish/commit_names.h"
-#include "store/publish/entry_apply.h"
+#include "store/dcp/commit_names.h"
 #include "store/primitives/record_codec.h"
+#include "store/publish/entry_apply.h"
 
 namespace ckptfs::store {
 namespace {

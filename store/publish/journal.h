@@ -64,8 +64,8 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
-#include "store/primitives/backing_dir.h"
 #include "store/flush/flush_pipeline.h"
+#include "store/primitives/backing_dir.h"
 #include "store/primitives/state_db.h"
 #include "store/publish/early_sync.h"
 #include "store/publish/temp_records.h"

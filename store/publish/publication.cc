@@ -7,12 +7,11 @@
 #include <cctype>
 
 #include "common/path.h"
-#include "store/cache/retained_tier.h"
 #include "store/dcp/checkpoint_source.h"
+#include "store/dcp/commit_names.h"
 #include "store/dcp/metadata_file.h"
-#include "store/primitives/file_key.h"
 #include "store/flush/flush_pipeline.h"
-#include "store/publish/commit_names.h"
+#include "store/primitives/file_key.h"
 
 namespace ckptfs::store {
 
@@ -310,9 +309,11 @@ void Publication::OnHalt(const JournalEntry& e, const Status& st) {
 
 void Publication::OnDone(const JournalEntry& e, const Status& st) {
   if (options_.cross_node_order) gate_->NoteApplied(e, st);
-  PublishOutcome outcome;
-  outcome.committed_dir = NoteApplied(e, st);
-  observer_->OnOutcome(e, st, outcome);
+  const std::string committed_dir = NoteApplied(e, st);
+  if (!committed_dir.empty() && options_.index_builds) {
+    options_.index_builds->QueueBuild(committed_dir);
+  }
+  observer_->OnOutcome(e, st);
   if (options_.retained) options_.retained->OnJournalDone(e, st);
   shard_states_->NoteDone(e, st);  // after the mount let go of a published path
 }

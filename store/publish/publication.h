@@ -31,24 +31,16 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
-#include "store/primitives/backing_dir.h"
 #include "store/dcp/key_index.h"
+#include "store/primitives/backing_dir.h"
+#include "store/primitives/state_db.h"
 #include "store/publish/checkpoints.h"
 #include "store/publish/commit_gate.h"
 #include "store/publish/journal.h"
 #include "store/publish/shard_state.h"
-#include "store/primitives/state_db.h"
 
 namespace ckptfs::store {
 
-class RetainedTier;  // store/cache/retained_tier.h
-
-// What publication tells the mount about an entry beside its status.
-struct PublishOutcome {
-  // A checkpoint directory this entry committed (its commit file landed; for per-rank
-  // metadata, the last rank's): the mount builds its key index for reads. Empty otherwise.
-  std::string committed_dir;
-};
 
 // The mount's side of publication: what it knows of files written through it, and what it
 // is told happened. Implemented by fs/ (the write states); held here, borrowed.
@@ -71,11 +63,20 @@ class PublicationObserver {
   virtual bool RankCommitPending(const std::string& path, uint64_t seq) = 0;
   // Outcome: entry `e` was applied, skipped or dropped (st), after the store side is done
   // (registry, key index, file times) and before the shard states hear of it.
-  virtual void OnOutcome(const JournalEntry& e, const Status& st,
-                         const PublishOutcome& outcome) = 0;
+  virtual void OnOutcome(const JournalEntry& e, const Status& st) = 0;
   // Halted: publication stopped at `e` with `st` (each attempt), or passed it (ok). The
   // registry has been told already.
   virtual void OnHalted(const JournalEntry& e, const Status& st) = 0;
+};
+
+// Told every entry's outcome after the publish's file times are set (so that it can key
+// blocks by the published mtime) and before the shard states hear of it. Implemented by
+// the retained memory tier (store/cache/retained_tier.h; issue 23); runs on the publisher
+// thread.
+class JournalOutcomeListener {
+ public:
+  virtual ~JournalOutcomeListener() = default;
+  virtual void OnJournalDone(const JournalEntry& e, const Status& st) = 0;
 };
 
 struct PublicationOptions {
@@ -92,10 +93,14 @@ struct PublicationOptions {
   bool halt_on_failure = true;
   // Temp files are "<temp_prefix><id>" at the backing root (TempName).
   std::string temp_prefix = ".ckptfs-tmp.";
-  // The retained memory tier (store/cache/retained_tier.h; issue 23), told every outcome
-  // after the publish's file times are set, so that it keys blocks by the published mtime.
+  // The retained memory tier (store/cache/retained_tier.h; issue 23): told every outcome.
   // Optional; must outlive the Publication.
-  RetainedTier* retained = nullptr;
+  JournalOutcomeListener* retained = nullptr;
+  // Where the key index of each checkpoint an entry commits (its commit file landed; for
+  // per-rank metadata, the last rank's) is built, in the background: the loader
+  // (store/load/loader.h). Optional (no builds at commit: the index is built lazily on
+  // first use); must outlive the journal's last outcome.
+  KeyIndexBuilds* index_builds = nullptr;
 };
 
 class Publication final : private JournalDelegate,

@@ -1,5 +1,6 @@
-// ReadPath::ReadAhead: a file outside any checkpoint read front to back gets blocks
-// fetched ahead of the reader; one read at a jump gets none.
+// Loader::ReadAhead (store/load/loader.h), through the facade: a file outside any
+// checkpoint read front to back gets blocks fetched ahead of the reader; one read at a jump
+// gets none.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 

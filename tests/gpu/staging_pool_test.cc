@@ -18,8 +18,8 @@
 #include <future>
 #include <iterator>
 #include <optional>
-#include <string>
 #include <set>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>

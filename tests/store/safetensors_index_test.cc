@@ -11,12 +11,12 @@
 #include <sstream>
 #include <string>
 
-#include "store/primitives/backing_dir.h"
-#include "store/flush/block_crc_map.h"
-#include "store/primitives/crc32c.h"
 #include "store/dcp/checkpoint_source.h"
 #include "store/dcp/key_index.h"
 #include "store/dcp/safetensors_header.h"
+#include "store/flush/block_crc_map.h"
+#include "store/primitives/backing_dir.h"
+#include "store/primitives/crc32c.h"
 #include "store/primitives/state_db.h"
 #include "tests/store/primitives/faulty_backing_dir.h"
 

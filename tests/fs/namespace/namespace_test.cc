@@ -2,8 +2,8 @@
 // names created and removed by others on the backing store, and what a failing
 // lookup call of the backing store does to the mount's view.
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <filesystem>

@@ -301,7 +301,7 @@ TEST_F(NoLockAcrossIo, PublishWaitingToFreezeAFileDelaysNoOtherFile) {
   uint64_t ino = 0;
   Handle* h = CreateStaged("staged", &ino);
   ASSERT_NE(h, nullptr);
-  std::shared_ptr<StagedFile> staged;
+  std::shared_ptr<store::StagedFile> staged;
   {
     Node* node = h->file()->node.get();
     MutexLock lock(&node->data_mu);

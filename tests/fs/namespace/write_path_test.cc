@@ -140,7 +140,7 @@ TEST_F(WritePathTest, FileUnlinkedWhileItsPublishWaitsToFreezeItTakesWritesAndIs
   const uint64_t ino = made->first.ino;
   Handle* h = made->second;
   ASSERT_TRUE(fs_->Write(h, "abc", 3, 0).ok());
-  std::shared_ptr<StagedFile> staged;
+  std::shared_ptr<store::StagedFile> staged;
   {
     Node* node = h->file()->node.get();
     MutexLock lock(&node->data_mu);

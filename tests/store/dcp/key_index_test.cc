@@ -19,10 +19,10 @@
 #include <string>
 #include <thread>
 
-#include "store/primitives/backing_dir.h"
-#include "store/flush/block_crc_map.h"
-#include "store/primitives/crc32c.h"
 #include "store/dcp/dcp_metadata.h"
+#include "store/flush/block_crc_map.h"
+#include "store/primitives/backing_dir.h"
+#include "store/primitives/crc32c.h"
 #include "store/primitives/state_db.h"
 #include "tests/store/primitives/faulty_backing_dir.h"
 

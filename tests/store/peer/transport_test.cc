@@ -18,7 +18,6 @@
 #include <sstream>
 #include <thread>
 
-#include "store/primitives/crc32c.h"
 #include "common/mutex.h"
 #include "store/peer/buffer_pool.h"
 #include "store/peer/commit_query.h"
@@ -28,6 +27,7 @@
 #include "store/peer/protocol.h"
 #include "store/peer/synthetic_provider.h"
 #include "store/peer/ucx_worker.h"
+#include "store/primitives/crc32c.h"
 
 extern char** environ;
 

@@ -13,8 +13,8 @@
 #include <string>
 
 #include "store/primitives/backing_dir.h"
-#include "store/publish/journal.h"
 #include "store/primitives/state_db.h"
+#include "store/publish/journal.h"
 #include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::store {

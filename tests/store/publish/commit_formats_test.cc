@@ -3,7 +3,7 @@
 // `*.safetensors.index.json` naming its shards, or a single `model.safetensors`). Their
 // commit files are gated like `.metadata` (G5), and a malformed one commits by order.
 // Fixture: journal_fixture.h (a real backing dir, journal and pipeline).
-#include "store/publish/commit_names.h"
+#include "store/dcp/commit_names.h"
 #include "store/safetensors_index.h"
 
 #include "store/publish/checkpoints.h"

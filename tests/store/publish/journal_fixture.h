@@ -27,11 +27,10 @@
 #include <thread>
 #include <vector>
 
-#include "store/publish/commit_gate.h"
 #include "store/flush/flush_pipeline.h"
 #include "store/primitives/state_db.h"
+#include "store/publish/commit_gate.h"
 #include "tests/store/primitives/faulty_backing_dir.h"
-
 
 namespace ckptfs::store {
 

@@ -5,7 +5,7 @@
 // A real StagingPool (host memory, 64 KiB chunks), a real FlushPipeline and a
 // FaultyBackingDir on a temporary directory. Every check compares against an in-memory
 // model of the file.
-#include "fs/namespace/staged_file.h"
+#include "store/flush/staged_file.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -29,7 +29,7 @@
 #include "store/flush/flush_pipeline.h"
 #include "tests/store/primitives/faulty_backing_dir.h"
 
-namespace ckptfs::fs {
+namespace ckptfs::store {
 namespace {
 
 using store::FaultyBackingDir;
@@ -120,7 +120,7 @@ class StagedFileTest : public ::testing::Test {
   void MakePipeline(int threads) {
     store::FlushOptions options;
     options.threads = threads;
-    auto p = store::FlushPipeline::Create(dir_.get(), options);
+    auto p = FlushPipeline::Create(dir_.get(), options);
     ASSERT_TRUE(p.ok());
     pipeline_ = std::move(p).value();
   }
@@ -146,7 +146,7 @@ class StagedFileTest : public ::testing::Test {
   std::shared_ptr<StagedFile> MakeFile(const std::string& name) {
     auto fd = dir_->OpenFile(name, O_RDWR | O_CREAT | O_TRUNC, 0644);
     EXPECT_TRUE(fd.ok()) << fd.status().ToString();
-    auto target = std::make_shared<store::FlushTarget>(++next_id_, std::move(*fd));
+    auto target = std::make_shared<FlushTarget>(++next_id_, std::move(*fd));
     StagingContext ctx{pool_.get(), pipeline_.get(), dir_.get()};
     auto file = std::make_shared<StagedFile>(ctx, std::move(target), 0);
     std::lock_guard lock(files_mu_);
@@ -193,7 +193,7 @@ class StagedFileTest : public ::testing::Test {
   std::unique_ptr<gpu::StagingPool> pool_;  // outlives everything that holds its chunks
   std::unique_ptr<OnPressure> pressure_;  // the pool's listener, when a test sets one
   std::unique_ptr<FaultyBackingDir> dir_;
-  std::unique_ptr<store::FlushPipeline> pipeline_;
+  std::unique_ptr<FlushPipeline> pipeline_;
   std::mutex files_mu_;
   std::vector<std::shared_ptr<StagedFile>> files_;
   uint64_t next_id_ = 0;
@@ -632,4 +632,4 @@ TEST_F(StagedFileTest, StagedBytesDropAsChunksAreFlushed) {
 }
 
 }  // namespace
-}  // namespace ckptfs::fs
+}  // namespace ckptfs::store

@@ -1,4 +1,5 @@
-// Which file names commit a checkpoint directory, and which formats they belong to. The
+// Which file names commit a checkpoint directory, and which formats they belong to: a rule
+// of the DCP and safetensors formats, used by publication and by the readers. The
 // journal gates an entry that makes such a name appear (CommitGate), the registry lists
 // the directory as committed once it is applied (docs/SEMANTICS.md, rule 2).
 //

@@ -1,57 +1,51 @@
-#include "fs/read_path.h"
-
-#include "store/cache/retained_tier.h"
+#include "store/load/loader.h"
 
 #include <fcntl.h>
-#include <unistd.h>
-
-#include <cinttypes>
-#include <cstdio>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cinttypes>
+#include <cstdio>
 
+#include "common/path.h"
 #include "common/thread_name.h"
-#include "fs/fs_util.h"
-#include "fs/prefetch_order.h"
-#include "store/publish/commit_names.h"
+#include "store/cache/retained_tier.h"
 #include "store/dcp/checkpoint_source.h"
+#include "store/dcp/commit_names.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/metadata_file.h"
-
+#include "store/load/prefetch_order.h"
 #include "store/peer/peers.h"
 
-namespace ckptfs::fs {
+namespace ckptfs::store {
 
-ReadPath::ReadPath(store::BackingDir* backing, store::KeyIndex* index,
-                   std::unique_ptr<store::BackingSource> source,
-                   std::shared_ptr<store::peer::Peers> peers,
-                   std::unique_ptr<store::BlockCache> cache)
+Loader::Loader(BackingDir* backing, KeyIndex* index, std::unique_ptr<BackingSource> source,
+               std::shared_ptr<peer::Peers> peers, std::unique_ptr<BlockCache> cache)
     : backing_(backing),
       index_(index),
       source_(std::move(source)),
       peers_(std::move(peers)),
       cache_(std::move(cache)),
-      read_sums_(std::make_unique<store::ReadChecksums>(index)) {}
+      read_sums_(std::make_unique<ReadChecksums>(index)) {}
 
-ReadPath::~ReadPath() {
+Loader::~Loader() {
   StopServingPeers();
   Stop();
 }
 
-void ReadPath::StopServingPeers() {
+void Loader::StopServingPeers() {
   if (peers_) peers_->StopServing();
 }
 
-void ReadPath::Start() {
+void Loader::Start() {
   worker_ = std::thread([this] {
-    NameThisThread("ckptfs-readpath");
+    NameThisThread("ckptfs-loader");
     Run();
   });
 }
 
-void ReadPath::Stop() {
+void Loader::Stop() {
   {
     MutexLock lock(&mu_);
     stop_ = true;
@@ -60,7 +54,21 @@ void ReadPath::Stop() {
   if (worker_.joinable()) worker_.join();
 }
 
-Result<struct stat> ReadPath::BeginRead(FileHandle* h, size_t len, uint64_t offset,
+void Loader::Opened(LoadFile* f, bool writable) {
+  if (f->ckpt.empty()) return;
+  // A prefix scan of the key index.
+  f->indexed = index_->IsIndexed(f->ckpt);
+  if (writable) return;
+  // Reading a commit file is how every load starts (`.metadata` for DCP, the index or
+  // model.safetensors for Hugging Face): fetch the checkpoint ahead.
+  if (CommitKindOf(f->file) != CommitKind::kNone) {
+    QueuePrefetch(f->ckpt);
+  } else {
+    NoteDataOpen(f->ckpt);
+  }
+}
+
+Result<struct stat> Loader::BeginRead(LoadFile* f, size_t len, uint64_t offset,
                                         const struct stat* known) {
   // The file's version now, not at open: someone may have rewritten it in place. Its name
   // for the cache is the backing path it was opened under; the open descriptor is lent to
@@ -69,65 +77,65 @@ Result<struct stat> ReadPath::BeginRead(FileHandle* h, size_t len, uint64_t offs
   if (known != nullptr) {
     st = *known;
   } else {
-    CKPT_ASSIGN_OR_RETURN(st, backing_->Fstat(h->fd->get()));
+    CKPT_ASSIGN_OR_RETURN(st, backing_->Fstat(f->fd->get()));
   }
-  const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
-  Adopt(id, h->fd, st);
-  if (!h->ckpt.empty()) {
-    if (peers_ && !h->indexed && store::CommitKindOf(h->file) == store::CommitKind::kNone) {
-      WaitForPlan(h->ckpt);
+  const BlockId id = BlockIdFromStat(f->block.path, st);
+  Adopt(id, f->fd, st);
+  if (!f->ckpt.empty()) {
+    if (peers_ && !f->indexed && CommitKindOf(f->file) == CommitKind::kNone) {
+      WaitForPlan(f->ckpt);
     }
-    PrefetchItem(h, id, offset);
+    PrefetchItem(f, id, offset);
   } else {
-    ReadAhead(h, id, offset, len);
+    ReadAhead(f, id, offset, len);
   }
   return st;
 }
 
-Result<size_t> ReadPath::ReadBacking(FileHandle* h, char* out, size_t len, uint64_t offset) {
-  if (!cache_) return backing_->PRead(h->fd->get(), out, len, static_cast<off_t>(offset));
-  CKPT_ASSIGN_OR_RETURN(struct stat st, BeginRead(h, len, offset));
-  const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
+Result<size_t> Loader::ReadBacking(LoadFile* f, char* out, size_t len, uint64_t offset) {
+  if (!cache_) return backing_->PRead(f->fd->get(), out, len, static_cast<off_t>(offset));
+  CKPT_ASSIGN_OR_RETURN(struct stat st, BeginRead(f, len, offset));
+  const BlockId id = BlockIdFromStat(f->block.path, st);
   Result<size_t> got = cache_->Read(id, out, len, offset);
   if (!got.ok() && (got.status().code() == Code::kAborted ||
                     got.status().code() == Code::kNotFound)) {
     // The source lost the descriptor (its bound was reached) and the path now names
     // another file, or none: this handle's file is still readable directly.
-    got = backing_->PRead(h->fd->get(), out, len, static_cast<off_t>(offset));
+    got = backing_->PRead(f->fd->get(), out, len, static_cast<off_t>(offset));
   }
-  if (got.ok() && h->indexed) {
-    read_sums_->OnRead(h->ckpt, h->file, store::FileKeyFromStat(st), offset, out, *got);
+  if (got.ok() && f->indexed) {
+    read_sums_->OnRead(f->ckpt, f->file, FileKeyFromStat(st), offset, out, *got);
   }
   return got;
 }
 
-Result<std::optional<size_t>> ReadPath::ReadBackingInPlace(
-    FileHandle* h, size_t len, uint64_t offset, const store::BlockCache::InPlaceUse& use) {
+Result<std::optional<size_t>> Loader::ReadBackingInPlace(
+    LoadFile* f, size_t len, uint64_t offset, const BlockCache::InPlaceUse& use) {
   if (!cache_) return std::optional<size_t>();
-  CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(h->fd->get()));
-  const store::BlockId id = store::BlockIdFromStat(h->block.path, st);
+  CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(f->fd->get()));
+  const BlockId id = BlockIdFromStat(f->block.path, st);
   // An indexed shard: checksums of first full reads are taken over the pinned blocks, run
   // by run, before they are replied (ReadChecksums takes pieces in any order).
-  const store::FileKey version = store::FileKeyFromStat(st);
-  store::BlockCache::InPlaceUse checksummed;
-  if (h->indexed) {
+  const FileKey version = FileKeyFromStat(st);
+  BlockCache::InPlaceUse checksummed;
+  if (f->indexed) {
     checksummed = [&](std::span<const struct iovec> runs) {
       uint64_t at = offset;
       for (const struct iovec& run : runs) {
-        read_sums_->OnRead(h->ckpt, h->file, version, at, static_cast<const char*>(run.iov_base),
+        read_sums_->OnRead(f->ckpt, f->file, version, at, static_cast<const char*>(run.iov_base),
                            run.iov_len);
         at += run.iov_len;
       }
       use(runs);
     };
   }
-  const store::BlockCache::InPlaceUse& reply = h->indexed ? checksummed : use;
+  const BlockCache::InPlaceUse& reply = f->indexed ? checksummed : use;
   // Issue 23: a committed checkpoint's file that the retained tier holds is replied from
   // the tier's blocks themselves: no copy into the block cache, no prefetch, no plan.
-  if (retained_ != nullptr && !h->ckpt.empty()) {
+  if (retained_ != nullptr && !f->ckpt.empty()) {
     if (std::optional<size_t> got = retained_->ReadInPlace(id, len, offset, reply)) return got;
   }
-  CKPT_RETURN_IF_ERROR(BeginRead(h, len, offset, &st).status());
+  CKPT_RETURN_IF_ERROR(BeginRead(f, len, offset, &st).status());
   auto got = cache_->ReadInPlace(id, len, offset, reply);
   if (!got.ok() && (got.status().code() == Code::kAborted ||
                     got.status().code() == Code::kNotFound)) {
@@ -136,16 +144,16 @@ Result<std::optional<size_t>> ReadPath::ReadBackingInPlace(
   return got;
 }
 
-void ReadPath::Adopt(const store::BlockId& id, std::shared_ptr<const UniqueFd> fd,
+void Loader::Adopt(const BlockId& id, std::shared_ptr<const UniqueFd> fd,
                      const struct stat& st) {
   source_->Adopt(id, std::move(fd), st, [this](const std::string& p) { cache_->Invalidate(p); });
 }
 
-Result<size_t> ReadPath::ReadView(const ViewHandle& v, char* out, size_t len, uint64_t offset) {
-  if (offset >= v.size) return size_t{0};
-  size_t n = static_cast<size_t>(std::min<uint64_t>(len, v.size - offset));
-  CKPT_ASSIGN_OR_RETURN(size_t got,
-                        backing_->PRead(v.fd->get(), out, n, static_cast<off_t>(v.base + offset)));
+Result<size_t> Loader::ReadWindow(int fd, uint64_t base, uint64_t size, char* out, size_t len,
+                                  uint64_t offset) {
+  if (offset >= size) return size_t{0};
+  size_t n = static_cast<size_t>(std::min<uint64_t>(len, size - offset));
+  CKPT_ASSIGN_OR_RETURN(size_t got, backing_->PRead(fd, out, n, static_cast<off_t>(base + offset)));
   if (got < n) {
     // The index says these bytes exist; a short shard file must not pass as a short tensor.
     return Status(Code::kIo, "tensor chunk extends past the end of its shard file");
@@ -153,7 +161,7 @@ Result<size_t> ReadPath::ReadView(const ViewHandle& v, char* out, size_t len, ui
   return got;
 }
 
-void ReadPath::QueueIndexBuild(const std::string& ckpt) {
+void Loader::QueueBuild(const std::string& ckpt) {
   {
     MutexLock lock(&mu_);
     index_queue_.push_back(ckpt);
@@ -161,7 +169,7 @@ void ReadPath::QueueIndexBuild(const std::string& ckpt) {
   cv_.notify_one();
 }
 
-void ReadPath::QueuePrefetch(const std::string& ckpt) {
+void Loader::QueuePrefetch(const std::string& ckpt) {
   if (!prefetch_.load() || (!cache_ && !page_cache_.load())) return;
   // A checkpoint the retained tier holds has nothing to plan: its readers must not wait
   // for a worker that may be busy for seconds (an index build) to say so.
@@ -182,7 +190,7 @@ void ReadPath::QueuePrefetch(const std::string& ckpt) {
   cv_.notify_one();
 }
 
-void ReadPath::PlanDone(const std::string& ckpt) {
+void Loader::PlanDone(const std::string& ckpt) {
   {
     MutexLock lock(&mu_);
     if (planning_.erase(ckpt) == 0) return;
@@ -190,7 +198,7 @@ void ReadPath::PlanDone(const std::string& ckpt) {
   planned_cv_.notify_all();
 }
 
-void ReadPath::WaitForPlan(const std::string& ckpt) {
+void Loader::WaitForPlan(const std::string& ckpt) {
   // Planning takes milliseconds (a second for a million items); a worker busy elsewhere
   // (an index build) must not hold reads for long: past the bound they read unplanned.
   constexpr auto kPlanWait = std::chrono::seconds(1);
@@ -205,14 +213,14 @@ void ReadPath::WaitForPlan(const std::string& ckpt) {
 
 // Issue 23: `.metadata` through the block cache, so a checkpoint held in the retained tier
 // (or by a peer) is planned without reading the backing store; without a cache, directly.
-Result<std::string> ReadPath::ReadMetadataCached(const std::string& path) {
-  if (!cache_) return store::ReadMetadataBytes(backing_, path);
+Result<std::string> Loader::ReadMetadataCached(const std::string& path) {
+  if (!cache_) return ReadMetadataBytes(backing_, path);
   CKPT_ASSIGN_OR_RETURN(UniqueFd fd, backing_->OpenFile(path, O_RDONLY));
   CKPT_ASSIGN_OR_RETURN(struct stat st, backing_->Fstat(fd.get()));
-  if (static_cast<uint64_t>(st.st_size) > store::kMaxMetadataBytes) {
-    return store::ReadMetadataBytes(backing_, path);  // reports the limit
+  if (static_cast<uint64_t>(st.st_size) > kMaxMetadataBytes) {
+    return ReadMetadataBytes(backing_, path);  // reports the limit
   }
-  const store::BlockId id = store::BlockIdFromStat(path, st);
+  const BlockId id = BlockIdFromStat(path, st);
   Adopt(id, std::make_shared<const UniqueFd>(std::move(fd)), st);
   std::string out(static_cast<size_t>(st.st_size), '\0');
   CKPT_ASSIGN_OR_RETURN(size_t got, cache_->Read(id, out.data(), out.size(), 0));
@@ -220,23 +228,23 @@ Result<std::string> ReadPath::ReadMetadataCached(const std::string& path) {
   return out;
 }
 
-void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
+void Loader::PrefetchCheckpoint(const std::string& ckpt) {
   // Straight from the commit files (`.metadata`, per-rank metadata, a safetensors index
   // and headers): building the index here would read every DCP item's header outside the
   // cache, before the data itself.
   struct Done {  // however it ends, reads waiting for the plan go on
-    ReadPath* self;
+    Loader* self;
     const std::string& ckpt;
     ~Done() { self->PlanDone(ckpt); }
   } done{this, ckpt};
   // A DCP `.metadata` through the block cache (issue 23: a checkpoint held in the retained
   // tier or by a peer is planned without reading the backing store); other formats from
   // their commit files.
-  Result<store::DcpMetadata> md = Status(Code::kNotFound, "no .metadata");
-  if (auto bytes = ReadMetadataCached(JoinPath(ckpt, ".metadata")); bytes.ok()) {
-    md = store::ParseDcpMetadata(*bytes);
+  Result<DcpMetadata> md = Status(Code::kNotFound, "no .metadata");
+  if (auto bytes = ReadMetadataCached(path::Join(ckpt, ".metadata")); bytes.ok()) {
+    md = ParseDcpMetadata(*bytes);
   } else {
-    md = store::ReadCheckpointItems(backing_, ckpt);
+    md = ReadCheckpointItems(backing_, ckpt);
   }
   if (!md.ok()) {
     spdlog::debug("prefetch of {}: {}", ckpt, md.status().ToString());
@@ -245,15 +253,15 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
   struct File {
     std::string name;
     uint64_t length;
-    store::BlockId id;
+    BlockId id;
   };
   std::vector<File> files;
-  for (const auto& [file, length] : store::RequiredFileLengths(*md)) {
-    auto fd = backing_->OpenFile(JoinPath(ckpt, file), O_RDONLY);
+  for (const auto& [file, length] : RequiredFileLengths(*md)) {
+    auto fd = backing_->OpenFile(path::Join(ckpt, file), O_RDONLY);
     if (!fd.ok()) continue;
     auto st = backing_->Fstat(fd->get());
     if (!st.ok()) continue;
-    const store::BlockId id = store::BlockIdFromStat(JoinPath(ckpt, file), *st);
+    const BlockId id = BlockIdFromStat(path::Join(ckpt, file), *st);
     Adopt(id, std::make_shared<const UniqueFd>(std::move(*fd)), *st);
     files.push_back(File{file, std::min<uint64_t>(length, static_cast<uint64_t>(st->st_size)), id});
   }
@@ -263,7 +271,7 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
   // nodes' shares over the network even in own-shard loads, where nobody here reads them.
   if (peers_) {
     KeepItems(ckpt, *md);
-    std::vector<std::pair<std::string, store::BlockId>> ids;
+    std::vector<std::pair<std::string, BlockId>> ids;
     for (const File& f : files) ids.emplace_back(f.name, f.id);
     auto owned = peers_->PlanCheckpoint(ckpt, *md, ids);
     PlanDone(ckpt);
@@ -282,7 +290,7 @@ void ReadPath::PrefetchCheckpoint(const std::string& ckpt) {
   spdlog::debug("prefetch of {}: {} files queued", ckpt, files.size());
 }
 
-bool ReadPath::Stopping() {
+bool Loader::Stopping() {
   MutexLock lock(&mu_);
   return stop_;
 }
@@ -302,7 +310,7 @@ uint64_t MemAvailableBytes() {
 }
 }  // namespace
 
-bool ReadPath::HeldInMemory(const std::string& ckpt) const {
+bool Loader::HeldInMemory(const std::string& ckpt) const {
   return retained_ != nullptr && retained_->HoldsCommitted(ckpt);
 }
 
@@ -316,7 +324,7 @@ bool ReadPath::HeldInMemory(const std::string& ckpt) const {
 // (NoteDataOpen), and asks for nothing when one does within kReadersStartWithin of the
 // load's start: the ranks read at once, and the prefetch's order-0 pages would only slow
 // their reads (see NoteDataOpen).
-void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
+void Loader::PrefetchIntoPageCache(const std::string& ckpt) {
   constexpr uint64_t kWindow = uint64_t{8} << 20;
   constexpr uint64_t kStep = uint64_t{1} << 20;
   constexpr uint64_t kInFlight = uint64_t{32} << 20;
@@ -333,7 +341,7 @@ void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
     if (page_cache_done_.size() > 64) page_cache_done_.clear();
     page_cache_done_[ckpt] = started;
   }
-  auto md = store::ReadCheckpointItems(backing_, ckpt);
+  auto md = ReadCheckpointItems(backing_, ckpt);
   if (!md.ok()) {
     spdlog::debug("page-cache prefetch of {}: {}", ckpt, md.status().ToString());
     return;
@@ -341,8 +349,8 @@ void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
   std::vector<UniqueFd> fds;
   std::vector<std::pair<std::string, uint64_t>> files;
   uint64_t total = 0;
-  for (const auto& [file, length] : store::RequiredFileLengths(*md)) {
-    auto fd = backing_->OpenFile(JoinPath(ckpt, file), O_RDONLY);
+  for (const auto& [file, length] : RequiredFileLengths(*md)) {
+    auto fd = backing_->OpenFile(path::Join(ckpt, file), O_RDONLY);
     if (!fd.ok()) continue;
     auto st = backing_->Fstat(fd->get());
     if (!st.ok()) continue;
@@ -377,7 +385,8 @@ void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
   auto wait_oldest = [&] {
     const PrefetchWindow& w = pending.front();
     char byte;
-    (void)::pread(fds[w.file].get(), &byte, 1, static_cast<off_t>(w.offset + w.length - 1));
+    (void)backing_->PRead(fds[w.file].get(), &byte, 1,
+                          static_cast<off_t>(w.offset + w.length - 1));
     in_flight -= w.length;
     pending.pop_front();
   };
@@ -399,8 +408,8 @@ void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
     // The kernel caps one WILLNEED at the device's read-ahead or request size (8 MiB
     // on this machine's disk, 1.25 MiB and up on most): asked for in steps below both.
     for (uint64_t at = 0; at < w.length; at += kStep) {
-      ::posix_fadvise(fds[w.file].get(), static_cast<off_t>(w.offset + at),
-                      static_cast<off_t>(std::min(kStep, w.length - at)), POSIX_FADV_WILLNEED);
+      (void)backing_->WillNeed(fds[w.file].get(), static_cast<off_t>(w.offset + at),
+                               static_cast<off_t>(std::min(kStep, w.length - at)));
     }
     asked += w.length;
     in_flight += w.length;
@@ -413,7 +422,7 @@ void ReadPath::PrefetchIntoPageCache(const std::string& ckpt) {
                ckpt, asked, total, files.size(), secs, stopped);
 }
 
-void ReadPath::NoteDataOpen(const std::string& ckpt) {
+void Loader::NoteDataOpen(const std::string& ckpt) {
   if (!page_cache_.load()) return;
   const auto now = std::chrono::steady_clock::now();
   MutexLock lock(&mu_);
@@ -421,16 +430,16 @@ void ReadPath::NoteDataOpen(const std::string& ckpt) {
   data_opened_[ckpt] = now;
 }
 
-bool ReadPath::RanksReading(const std::string& ckpt) {
+bool Loader::RanksReading(const std::string& ckpt) {
   MutexLock lock(&mu_);
   auto q = queued_at_.find(ckpt);
   auto o = data_opened_.find(ckpt);
   return q != queued_at_.end() && o != data_opened_.end() && o->second >= q->second;
 }
 
-void ReadPath::KeepItems(const std::string& ckpt, const store::DcpMetadata& md) {
+void Loader::KeepItems(const std::string& ckpt, const DcpMetadata& md) {
   FileItems items;
-  for (const store::DcpItem& it : md.items) {
+  for (const DcpItem& it : md.items) {
     if (it.length == 0) continue;
     items[it.file].emplace_back(it.offset, it.offset + it.length);
   }
@@ -446,7 +455,7 @@ void ReadPath::KeepItems(const std::string& ckpt, const store::DcpMetadata& md) 
   items_[ckpt] = std::move(items);
 }
 
-std::optional<std::pair<uint64_t, uint64_t>> ReadPath::KeptItem(const std::string& ckpt,
+std::optional<std::pair<uint64_t, uint64_t>> Loader::KeptItem(const std::string& ckpt,
                                                                 const std::string& file,
                                                                 uint64_t at) {
   MutexLock lock(&items_mu_);
@@ -464,23 +473,23 @@ std::optional<std::pair<uint64_t, uint64_t>> ReadPath::KeptItem(const std::strin
   return *it;
 }
 
-void ReadPath::PrefetchItem(FileHandle* h, const store::BlockId& id, uint64_t offset) {
-  if (offset < h->prefetched_end.load(std::memory_order_relaxed)) return;
+void Loader::PrefetchItem(LoadFile* f, const BlockId& id, uint64_t offset) {
+  if (offset < f->prefetched_end.load(std::memory_order_relaxed)) return;
   uint64_t end = 0;
-  if (h->indexed) {
-    auto item = index_->Locate(h->ckpt, h->file, offset);
+  if (f->indexed) {
+    auto item = index_->Locate(f->ckpt, f->file, offset);
     if (!item || item->offset + item->length <= offset) return;
     end = item->offset + item->length;
   } else if (peers_) {
     // Never build an index inside a read; the items of `.metadata` kept by the checkpoint
     // prefetch say as much (they are there once that prefetch has parsed it).
-    auto item = KeptItem(h->ckpt, h->file, offset);
+    auto item = KeptItem(f->ckpt, f->file, offset);
     if (!item) return;
     end = item->second;
   } else {
     return;  // the checkpoint prefetch fetches every item
   }
-  if (h->prefetched_end.exchange(end) >= end) return;  // another read got there first
+  if (f->prefetched_end.exchange(end) >= end) return;  // another read got there first
   uint64_t from = offset + cache_->block_bytes();
   // With peers, an item a reader is in goes ahead of the `.metadata` prefetch of this
   // node's share, which takes the whole load on a throttled store: queued behind it, the
@@ -488,25 +497,25 @@ void ReadPath::PrefetchItem(FileHandle* h, const store::BlockId& id, uint64_t of
   if (from < end) cache_->Prefetch(id, from, end - from, /*urgent=*/peers_ != nullptr);
 }
 
-void ReadPath::ReadAhead(FileHandle* h, const store::BlockId& id, uint64_t offset, size_t len) {
+void Loader::ReadAhead(LoadFile* f, const BlockId& id, uint64_t offset, size_t len) {
   const uint64_t end = offset + len;
   // Sequential: this read starts at or before the furthest end read so far (the kernel
   // sends its read-ahead requests in parallel, so they arrive a little out of order) and
   // not far behind it. A reader that jumps gets no read-ahead.
-  uint64_t seen = h->read_end.load(std::memory_order_relaxed);
-  while (seen < end && !h->read_end.compare_exchange_weak(seen, end, std::memory_order_relaxed)) {
+  uint64_t seen = f->read_end.load(std::memory_order_relaxed);
+  while (seen < end && !f->read_end.compare_exchange_weak(seen, end, std::memory_order_relaxed)) {
   }
   if (offset > seen + cache_->block_bytes() || end + kReadAheadBytes < seen) return;
   // A window at a time: refill once the reader is half a window from its end.
-  uint64_t ahead = h->prefetched_end.load(std::memory_order_relaxed);
+  uint64_t ahead = f->prefetched_end.load(std::memory_order_relaxed);
   if (ahead >= id.size || ahead > end + kReadAheadBytes / 2) return;
   const uint64_t until = std::min<uint64_t>(id.size, end + kReadAheadBytes);
-  if (until <= ahead || !h->prefetched_end.compare_exchange_strong(ahead, until)) return;
+  if (until <= ahead || !f->prefetched_end.compare_exchange_strong(ahead, until)) return;
   const uint64_t from = std::max(ahead, end);
   if (from < until) cache_->Prefetch(id, from, until - from);
 }
 
-void ReadPath::Run() {
+void Loader::Run() {
   while (true) {
     std::string ckpt;
     bool prefetch = false;
@@ -554,4 +563,4 @@ void ReadPath::Run() {
   }
 }
 
-}  // namespace ckptfs::fs
+}  // namespace ckptfs::store

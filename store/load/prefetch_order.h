@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-namespace ckptfs::fs {
+namespace ckptfs::store {
 
 struct PrefetchWindow {
   size_t file = 0;  // index into the files given to PrefetchOrder
@@ -36,4 +36,4 @@ std::optional<std::pair<uint64_t, uint64_t>> DcpWriterFile(std::string_view name
 std::vector<PrefetchWindow> PrefetchOrder(
     const std::vector<std::pair<std::string, uint64_t>>& files, uint64_t window);
 
-}  // namespace ckptfs::fs
+}  // namespace ckptfs::store

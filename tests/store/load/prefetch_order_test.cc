@@ -1,5 +1,5 @@
 // PrefetchOrder: a load's page-cache prefetch takes each writer rank's next window in turn.
-#include "fs/prefetch_order.h"
+#include "store/load/prefetch_order.h"
 
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-namespace ckptfs::fs {
+namespace ckptfs::store {
 namespace {
 
 constexpr uint64_t kMiB = uint64_t{1} << 20;
@@ -72,4 +72,4 @@ TEST(PrefetchOrder, OtherNamesAreSequencesOfTheirOwnAfterTheRanks) {
 }
 
 }  // namespace
-}  // namespace ckptfs::fs
+}  // namespace ckptfs::store

@@ -14,28 +14,22 @@
 #include <vector>
 
 #include "common/unique_fd.h"
-#include "store/cache/backing_source.h"
 #include "fs/namespace/node.h"
-#include "store/cache/block_cache.h"
+#include "store/load/loader.h"
 
 namespace ckptfs::fs {
 
-// A file of the namespace (fs/namespace/node.h). Its data source is the node's staged contents
-// while it has a write state (Node::data), else `fd`.
+// A file of the namespace (fs/namespace/node.h). Its data source is the node's staged
+// contents while it has a write state (Node::data), else its backing file, read by the
+// loader (store/load/loader.h).
 struct FileHandle {
   std::shared_ptr<Node> node;
   bool writable = false;
-  // The backing file, opened when the file had no write state: the current version for as
-  // long as it has none (a write state lives until every handle is closed). Set at open only.
-  std::shared_ptr<const UniqueFd> fd;
-  store::BlockId block;                // its backing path and version at open (block cache)
-  dev_t backing_dev = 0;               // the backing file's identity, from the open's fstat
-  ino_t backing_ino = 0;
-  std::string ckpt, file;              // checkpoint dir and file name, when in a checkpoint
-  std::atomic<uint64_t> prefetched_end{0};  // end of the last item (or read-ahead) prefetched
-  std::atomic<uint64_t> read_end{0};        // furthest end of a read (ReadPath::ReadAhead)
+  // The backing file, opened when the file had no write state (`backing.fd` is null
+  // otherwise): the current version for as long as it has none (a write state lives until
+  // every handle is closed). Set at open only, but for the loader's read-ahead state.
+  store::LoadFile backing;
   bool keep_cache = false;             // a committed checkpoint's file
-  bool indexed = false;                // its checkpoint was indexed when it was opened
   // Its io mode in the PassthroughTable (set by fs/transport/fuse_ops.cc once the open is taken
   // there): counted (released with the handle), and passed through the kernel.
   bool io_counted = false;

@@ -1,4 +1,4 @@
-#include "fs/namespace/staged_file.h"
+#include "store/flush/staged_file.h"
 
 #include <chrono>
 
@@ -8,9 +8,9 @@
 #include <cstring>
 #include <vector>
 
-namespace ckptfs::fs {
+namespace ckptfs::store {
 
-StagedFile::StagedFile(const StagingContext& ctx, std::shared_ptr<store::FlushTarget> target,
+StagedFile::StagedFile(const StagingContext& ctx, std::shared_ptr<FlushTarget> target,
                        uint64_t size)
     : ctx_(ctx), target_(std::move(target)), size_(size) {}
 
@@ -196,7 +196,7 @@ Status StagedFile::Truncate(uint64_t size) {
   return Status::Ok();
 }
 
-std::shared_ptr<store::FlushTarget> StagedFile::SealAll() {
+std::shared_ptr<FlushTarget> StagedFile::SealAll() {
   freezes_waiting_.fetch_add(1);
   MutexLock write_lock(&write_mu_);
   freezes_waiting_.fetch_sub(1);
@@ -228,4 +228,4 @@ void StagedFile::SealIfIdle() {
   SealLocked();
 }
 
-}  // namespace ckptfs::fs
+}  // namespace ckptfs::store

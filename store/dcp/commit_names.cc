@@ -1,4 +1,4 @@
-#include "store/publish/commit_names.h"
+#include "store/dcp/commit_names.h"
 
 #include "store/primitives/backing_dir.h"
 

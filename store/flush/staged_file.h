@@ -22,10 +22,10 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "gpu/staging_pool.h"
-#include "store/primitives/backing_dir.h"
 #include "store/flush/flush_pipeline.h"
+#include "store/primitives/backing_dir.h"
 
-namespace ckptfs::fs {
+namespace ckptfs::store {
 
 struct StagedChunk {
   gpu::ChunkBuffer buffer;
@@ -58,13 +58,13 @@ class MemorySource final : public ByteSource {
 
 struct StagingContext {
   gpu::StagingPool* pool;         // must outlive
-  store::FlushPipeline* pipeline; // must outlive
-  store::BackingDir* backing;     // must outlive
+  FlushPipeline* pipeline; // must outlive
+  BackingDir* backing;     // must outlive
 };
 
 class StagedFile : public std::enable_shared_from_this<StagedFile> {
  public:
-  StagedFile(const StagingContext& ctx, std::shared_ptr<store::FlushTarget> target,
+  StagedFile(const StagingContext& ctx, std::shared_ptr<FlushTarget> target,
              uint64_t size);
   StagedFile(const StagedFile&) = delete;
   StagedFile& operator=(const StagedFile&) = delete;
@@ -86,7 +86,7 @@ class StagedFile : public std::enable_shared_from_this<StagedFile> {
   // kAborted, so the caller continues in a new copy. Waits for a write or truncate in
   // progress (a writer may wait for staging space): never call it under a lock that such
   // a writer may need. Returns the flush target to publish.
-  std::shared_ptr<store::FlushTarget> SealAll();
+  std::shared_ptr<FlushTarget> SealAll();
   // SealAll if no write or truncate is in progress (never blocks); false if one is.
   bool TrySealAll();
   // Lets writes in again after SealAll: the frozen bytes will not be published after all
@@ -100,14 +100,14 @@ class StagedFile : public std::enable_shared_from_this<StagedFile> {
   uint64_t size() const;
   uint64_t staged_bytes() const;  // bytes in chunks not yet flushed
   Status error() const { return target_->Error(); }
-  const std::shared_ptr<store::FlushTarget>& target() const { return target_; }
+  const std::shared_ptr<FlushTarget>& target() const { return target_; }
 
  private:
   void SealLocked() REQUIRES(mu_);
   bool OverlapsSealedLocked(uint64_t offset, size_t len) const REQUIRES(mu_);
 
   const StagingContext ctx_;
-  const std::shared_ptr<store::FlushTarget> target_;
+  const std::shared_ptr<FlushTarget> target_;
   Mutex write_mu_ ACQUIRED_BEFORE(mu_);  // serializes writers, held while waiting for staging
   std::atomic<int> freezes_waiting_{0};
   mutable Mutex mu_;
@@ -119,4 +119,4 @@ class StagedFile : public std::enable_shared_from_this<StagedFile> {
   std::map<uint64_t, std::shared_ptr<StagedChunk>> sealed_ GUARDED_BY(mu_);
 };
 
-}  // namespace ckptfs::fs
+}  // namespace ckptfs::store

@@ -1,11 +1,11 @@
-#include "fs/prefetch_order.h"
+#include "store/load/prefetch_order.h"
 
 #include <algorithm>
 #include <charconv>
 #include <map>
 #include <tuple>
 
-namespace ckptfs::fs {
+namespace ckptfs::store {
 
 namespace {
 std::optional<uint64_t> Decimal(std::string_view s) {
@@ -75,4 +75,4 @@ std::vector<PrefetchWindow> PrefetchOrder(
   return out;
 }
 
-}  // namespace ckptfs::fs
+}  // namespace ckptfs::store

@@ -1,15 +1,22 @@
-// ReadPath: read() of files that are not being written, and loading ahead.
+// Loader: reads of committed files from the backing store, and loading ahead.
 //
-// A file opened with no write state reads its backing file through the block cache
-// (when there is one): the one call into the cache is here (ReadBacking). Reads of a
-// checkpoint that was indexed prefetch the whole DCP item they fall in, and record
-// checksums of first full reads (store::ReadChecksums). A background worker, owned and
-// joined here, prefetches a checkpoint whose `.metadata` was opened and builds the key
-// index of checkpoints as they are committed.
+// A file opened with no write state (a LoadFile, which the opener keeps in its handle)
+// reads its backing file through the block cache (when there is one): the one call into
+// the cache is here (ReadBacking). The loader decides what to fetch ahead: an open of a
+// checkpoint's commit file (`.metadata`, a safetensors index) starts a load, whose
+// checkpoint it fetches into the block cache (or, under FUSE passthrough, into the backing
+// files' page cache, in PrefetchOrder); reads of a checkpoint that was indexed prefetch the
+// whole DCP item they fall in, and record checksums of first full reads
+// (store::ReadChecksums). A background worker, owned and joined here, runs those
+// checkpoint prefetches and builds the key index of checkpoints as they are committed
+// (KeyIndexBuilds, queued by Publication). Every backing-store call goes through BackingDir.
 //
 // Thread-safe. mu_ guards only the worker's queues and is never held across I/O. It
-// takes no lock of the namespace.
+// takes no lock of its callers.
 #pragma once
+
+#include <sys/stat.h>
+#include <sys/types.h>
 
 #include <atomic>
 #include <chrono>
@@ -18,63 +25,87 @@
 #include <deque>
 #include <map>
 #include <memory>
-#include <string>
 #include <optional>
 #include <set>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "common/mutex.h"
 #include "common/status.h"
-#include "fs/handle.h"
-#include "store/primitives/backing_dir.h"
+#include "common/unique_fd.h"
 #include "store/cache/backing_source.h"
 #include "store/cache/block_cache.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/key_index.h"
 #include "store/dcp/read_checksums.h"
+#include "store/primitives/backing_dir.h"
 
 namespace ckptfs::store::peer {
 class Peers;
 }  // namespace ckptfs::store::peer
 
 namespace ckptfs::store {
+
 class RetainedTier;
-}  // namespace ckptfs::store
 
-namespace ckptfs::fs {
+// One open of a backing file, as the loader reads it: what the open found, and where its
+// reads have got to. The opener fills the first fields, hands it to Loader::Opened once,
+// then to every read; reads of one open may run at once (atomics). Never moved.
+struct LoadFile {
+  // The backing file, opened when the file had no write state: the version this open
+  // reads. Set at open only.
+  std::shared_ptr<const UniqueFd> fd;
+  BlockId block;                       // its backing path and version at open (block cache)
+  dev_t dev = 0;                       // its identity, from the open's fstat
+  ino_t ino = 0;
+  std::string ckpt, file;              // checkpoint dir and file name, when in a committed one
+  bool indexed = false;                // its checkpoint was indexed when it was opened (Opened)
+  std::atomic<uint64_t> prefetched_end{0};  // end of the last item (or read-ahead) prefetched
+  std::atomic<uint64_t> read_end{0};        // furthest end of a read (ReadAhead)
+};
 
-class ReadPath {
+class Loader final : public KeyIndexBuilds {
  public:
   // `cache` may be null (no block cache: reads go to the backing file); when it is not, it
   // reads its misses through `source`.
-  ReadPath(store::BackingDir* backing,  // must outlive
-           store::KeyIndex* index,      // must outlive
-           std::unique_ptr<store::BackingSource> source,
-           std::shared_ptr<store::peer::Peers> peers,  // null: this daemon works alone
-           std::unique_ptr<store::BlockCache> cache);
-  ~ReadPath();  // Stop()s the worker.
-  ReadPath(const ReadPath&) = delete;
-  ReadPath& operator=(const ReadPath&) = delete;
+  Loader(BackingDir* backing,  // must outlive
+         KeyIndex* index,      // must outlive
+         std::unique_ptr<BackingSource> source,
+         std::shared_ptr<peer::Peers> peers,  // null: this daemon works alone
+         std::unique_ptr<BlockCache> cache);
+  ~Loader() override;  // Stop()s the worker.
+  Loader(const Loader&) = delete;
+  Loader& operator=(const Loader&) = delete;
 
   void Start();
   // Joins the worker; queued work is dropped (the index is a cache, built lazily later).
   void Stop() EXCLUDES(mu_);
 
-  // Reads the backing file `h->fd`: through the block cache when there is one.
-  Result<size_t> ReadBacking(FileHandle* h, char* out, size_t len, uint64_t offset);
+  // `f` was opened (its fd, block, dev, ino, and ckpt and file when it lies in a committed
+  // checkpoint, are set): notes whether its checkpoint is indexed, and what the open says
+  // of a load. A read-only open of a commit file starts one (its checkpoint is fetched
+  // ahead); of a data file, the ranks read (see NoteDataOpen). `f` must outlive its reads.
+  void Opened(LoadFile* f, bool writable) EXCLUDES(mu_);
+
+  // Reads the backing file `f->fd`: through the block cache when there is one.
+  Result<size_t> ReadBacking(LoadFile* f, char* out, size_t len, uint64_t offset);
   // ReadBacking() without copying: `use` gets iovecs over the cache's blocks (see
   // BlockCache::ReadInPlace) and is called exactly once when this returns a count.
   // nullopt (and `use` not called): read with ReadBacking() instead (no cache, checksums
   // to record, a range the cache cannot pin at once, a lost descriptor).
-  Result<std::optional<size_t>> ReadBackingInPlace(FileHandle* h, size_t len, uint64_t offset,
-                                                   const store::BlockCache::InPlaceUse& use);
-  // Reads a tensor-view chunk: a window of a shard file.
-  Result<size_t> ReadView(const ViewHandle& v, char* out, size_t len, uint64_t offset);
+  Result<std::optional<size_t>> ReadBackingInPlace(LoadFile* f, size_t len, uint64_t offset,
+                                                   const BlockCache::InPlaceUse& use);
+  // Reads [offset, offset + len) of the window [base, base + size) of the open file `fd`
+  // (a tensor-view chunk: a window of a shard file). A window that extends past the end
+  // of its file is an error, not a short read.
+  Result<size_t> ReadWindow(int fd, uint64_t base, uint64_t size, char* out, size_t len,
+                            uint64_t offset);
 
-  // Indexes committed checkpoint `ckpt` in the background (the journal never waits).
-  void QueueIndexBuild(const std::string& ckpt) EXCLUDES(mu_);
+  // KeyIndexBuilds: indexes committed checkpoint `ckpt` in the background (the journal
+  // never waits).
+  void QueueBuild(const std::string& ckpt) override EXCLUDES(mu_);
   // Fetches a checkpoint's items into the block cache in file order (a load started).
   // With peers, only this node's share of the plan: the rest is fetched item by item as
   // this node's readers reach it, so no block nobody here reads crosses the network.
@@ -109,14 +140,14 @@ class ReadPath {
   // The retained memory tier (issue 23; must outlive Stop()): a checkpoint it holds
   // committed is served from memory, so a load of it prefetches nothing from the backing
   // store. Call before Start().
-  void SetRetainedTier(store::RetainedTier* tier) { retained_ = tier; }
+  void SetRetainedTier(RetainedTier* tier) { retained_ = tier; }
 
-  store::BlockCache* cache() const { return cache_.get(); }
-  store::BackingSource* cache_source() const { return source_.get(); }
-  store::peer::Peers* peers() const { return peers_.get(); }
+  BlockCache* cache() const { return cache_.get(); }
+  BackingSource* cache_source() const { return source_.get(); }
+  peer::Peers* peers() const { return peers_.get(); }
   // Stops serving blocks to peer daemons (before the cache they read goes). Idempotent.
   void StopServingPeers();
-  const store::ReadChecksums& read_sums() const { return *read_sums_; }
+  const ReadChecksums& read_sums() const { return *read_sums_; }
   // Reads that waited the whole kPlanWait for their checkpoint's plan (a slow worker, or a
   // plan never finished: each such read was held a second).
   uint64_t plan_wait_timeouts() const { return plan_wait_timeouts_.load(); }
@@ -126,7 +157,7 @@ class ReadPath {
   // What ReadBacking and ReadBackingInPlace do before the cache: the file's version now
   // (fstat), lent to the cache (Adopt), then the item's prefetch or the read-ahead.
   // `known`: the fstat the caller just took, if any.
-  Result<struct stat> BeginRead(FileHandle* h, size_t len, uint64_t offset,
+  Result<struct stat> BeginRead(LoadFile* f, size_t len, uint64_t offset,
                                 const struct stat* known = nullptr);
   void PrefetchCheckpoint(const std::string& ckpt) EXCLUDES(mu_);
   bool HeldInMemory(const std::string& ckpt) const;
@@ -138,32 +169,32 @@ class ReadPath {
   // Prefetches the whole DCP item that `offset` falls in, once per item and handle: from the
   // key index when the checkpoint was indexed, else (with peers) from the items of its
   // `.metadata` that PrefetchCheckpoint() kept.
-  void PrefetchItem(FileHandle* h, const store::BlockId& id, uint64_t offset);
+  void PrefetchItem(LoadFile* f, const BlockId& id, uint64_t offset);
   // A file outside any checkpoint read front to back (cp, dd, torch.load of a torch.save
   // file): keeps kReadAheadBytes of blocks fetching past the reader. The kernel's FUSE
   // read-ahead alone left the backing store idle between its requests (cold dd of 2 GiB
   // at half the speed of reading the backing file).
-  void ReadAhead(FileHandle* h, const store::BlockId& id, uint64_t offset, size_t len);
+  void ReadAhead(LoadFile* f, const BlockId& id, uint64_t offset, size_t len);
   // The item [offset, end) of `file` of `ckpt` that `at` falls in, from the kept items.
   std::optional<std::pair<uint64_t, uint64_t>> KeptItem(const std::string& ckpt,
                                                         const std::string& file, uint64_t at)
       EXCLUDES(items_mu_);
   // Keeps `md`'s item ranges for KeptItem(); at most kKeptCheckpoints checkpoints.
-  void KeepItems(const std::string& ckpt, const store::DcpMetadata& md) EXCLUDES(items_mu_);
+  void KeepItems(const std::string& ckpt, const DcpMetadata& md) EXCLUDES(items_mu_);
   // Lends an open backing file to the cache's source under its BlockId; drops the blocks
   // cached for another file that had the same name, size and mtime.
-  void Adopt(const store::BlockId& id, std::shared_ptr<const UniqueFd> fd, const struct stat& st);
+  void Adopt(const BlockId& id, std::shared_ptr<const UniqueFd> fd, const struct stat& st);
   Result<std::string> ReadMetadataCached(const std::string& path);  // issue 23
 
-  store::BackingDir* const backing_;
-  store::KeyIndex* const index_;
-  const std::unique_ptr<store::BackingSource> source_;  // before cache_: outlives it
+  BackingDir* const backing_;
+  KeyIndex* const index_;
+  const std::unique_ptr<BackingSource> source_;  // before cache_: outlives it
   // Peer daemons (issue 12): the cache's source when on (peers first, then source_) and
   // the server of this node's blocks. Between source_ and cache_: the cache reads through
   // it and it falls back to source_.
-  const std::shared_ptr<store::peer::Peers> peers_;
-  const std::unique_ptr<store::BlockCache> cache_;
-  const std::unique_ptr<store::ReadChecksums> read_sums_;  // checksums on first full read
+  const std::shared_ptr<peer::Peers> peers_;
+  const std::unique_ptr<BlockCache> cache_;
+  const std::unique_ptr<ReadChecksums> read_sums_;  // checksums on first full read
 
   Mutex mu_;
   std::condition_variable cv_;
@@ -183,7 +214,7 @@ class ReadPath {
   std::map<std::string, std::chrono::steady_clock::time_point> data_opened_ GUARDED_BY(mu_);
   std::atomic<bool> prefetch_{true};
   std::atomic<uint64_t> plan_wait_timeouts_{0};
-  store::RetainedTier* retained_ = nullptr;  // SetRetainedTier
+  RetainedTier* retained_ = nullptr;  // SetRetainedTier
   std::atomic<bool> page_cache_{false};  // SetPageCachePrefetch
   uint64_t page_cache_min_bytes_ = 0;
   std::atomic<uint64_t>* page_cache_counter_ = nullptr;
@@ -198,4 +229,4 @@ class ReadPath {
   std::deque<std::string> items_order_ GUARDED_BY(items_mu_);  // oldest first
 };
 
-}  // namespace ckptfs::fs
+}  // namespace ckptfs::store
