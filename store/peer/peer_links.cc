@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "common/backoff.h"
 #include "common/thread_name.h"
 
 namespace ckptfs::store::peer {
@@ -104,7 +105,7 @@ void PeerLinks::MarkDownLocked(Link& l, const std::string& why) {
   l.last_error = why;
   if (now >= l.down_until) {
     l.down_until = now + l.backoff;
-    l.backoff = std::min(l.backoff * 2, options_.max_down_backoff);
+    l.backoff = Backoff{options_.down_backoff, options_.max_down_backoff}.After(l.backoff);
   }
 }
 
@@ -260,7 +261,7 @@ bool PeerLinks::Failed(uint32_t rank, const std::shared_ptr<PeerClient>& client,
     const auto now = Clock::now();
     if (now >= l.down_until) {
       l.down_until = now + l.backoff;
-      l.backoff = std::min(l.backoff * 2, options_.max_down_backoff);
+      l.backoff = Backoff{options_.down_backoff, options_.max_down_backoff}.After(l.backoff);
     }
   }
   return first;

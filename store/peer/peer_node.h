@@ -35,8 +35,8 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <span>
@@ -46,7 +46,6 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
-#include "store/primitives/backing_dir.h"
 #include "store/cache/block_cache.h"
 #include "store/cache/block_source.h"
 #include "store/dcp/dcp_metadata.h"
@@ -58,6 +57,7 @@
 #include "store/peer/peers.h"
 #include "store/peer/plan.h"
 #include "store/peer/replica.h"
+#include "store/primitives/backing_dir.h"
 
 namespace ckptfs::store::peer {
 

@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "common/path.h"
-#include "store/publish/commit_names.h"
+#include "store/dcp/commit_names.h"
 
 namespace ckptfs::store {
 
