@@ -75,6 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from soaklib.report import plot  # noqa: E402
 from soaklib.run import ModeRun  # noqa: E402
+from soaklib.nodes import DEFAULT_FAULTS  # noqa: E402
 from soaklib.util import harness, reaper  # noqa: E402
 
 
@@ -84,7 +85,18 @@ def main(argv=None):
     ap.add_argument("--minutes", type=float, default=10, help="total, split over the modes")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--modes", default="async,strict")
-    ap.add_argument("--nodes", type=int, choices=(1, 2), default=1)
+    ap.add_argument("--nodes", default="1",
+                    help="1, 2 (two daemons in network namespaces over one backing dir, the "
+                         "second one killed too) or 1,2 (both, the time split)")
+    ap.add_argument("--runs", default=None,
+                    help="explicit MODE:NODES pairs instead of --modes x --nodes, e.g. "
+                         "async:1,strict:2 (what CI runs)")
+    ap.add_argument("--faults", default=DEFAULT_FAULTS,
+                    help="the fault layer's rates for every daemon incarnation (seeded per "
+                         "incarnation; docs/RELIABILITY.md), or none (default: %(default)s)")
+    ap.add_argument("--commit-timeout", type=int, default=60,
+                    help="two nodes: the daemons' --commit-timeout, s (a killed peer's shards "
+                         "never come)")
     ap.add_argument("--out", default=None, help="report dir (default: a new temp dir)")
     ap.add_argument("--mb", type=int, default=2, help="checkpoint size of the trainer (MiB)")
     ap.add_argument("--kill-min", type=float, default=5, help="seconds between kills, at least")
@@ -94,9 +106,12 @@ def main(argv=None):
     ap.add_argument("--keep", action="store_true", help="keep the work dirs even on success")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
-    if a.nodes != 1:
-        print("soak.py: --nodes 2 is not implemented yet (see docs/RELIABILITY.md)",
-              file=sys.stderr)
+    try:
+        node_counts = [int(x) for x in a.nodes.split(",") if x]
+    except ValueError:
+        node_counts = []
+    if not node_counts or any(k not in (1, 2) for k in node_counts):
+        print(f"soak.py: --nodes {a.nodes}: want 1, 2 or 1,2", file=sys.stderr)
         return 2
     if os.geteuid() != 0:
         print("soak.py: needs root (FUSE mounts, blkio cgroups)", file=sys.stderr)
@@ -108,14 +123,26 @@ def main(argv=None):
     modes = [m for m in a.modes.split(",") if m]
     out = a.out or tempfile.mkdtemp(prefix="ckptfs-soak-out-")
     os.makedirs(out, exist_ok=True)
-    print(f"soak: seed {seed}, modes {modes}, {a.minutes} min, report in {out}", flush=True)
+    runs = [(mode, k) for k in node_counts for mode in modes]
+    if a.runs:
+        try:
+            runs = [(x.split(":")[0], int(x.split(":")[1])) for x in a.runs.split(",") if x]
+        except (IndexError, ValueError):
+            runs = []
+        if not runs or any(m not in ("async", "strict") or k not in (1, 2) for m, k in runs):
+            print(f"soak.py: --runs {a.runs}: want MODE:NODES,...", file=sys.stderr)
+            return 2
+        modes = sorted({m for m, _ in runs})
+        node_counts = sorted({k for _, k in runs})
+    print(f"soak: seed {seed}, modes {modes}, nodes {node_counts}, {a.minutes} min, faults "
+          f"{a.faults}, report in {out}", flush=True)
     reaper.start_guardian()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     reports, ok = [], True
-    for mode in modes:
-        run = ModeRun(a, mode, seed, out)
+    for mode, nodes in runs:
+        run = ModeRun(a, mode, seed, out, nodes)
         try:
-            run.run(a.minutes * 60 / len(modes))
+            run.run(a.minutes * 60 / len(runs))
         except BaseException as e:
             run.fail("the soak was interrupted or raised", repr(e))
             if not isinstance(e, Exception):
@@ -127,16 +154,19 @@ def main(argv=None):
         rep = run.report()
         reports.append(rep)
         ok = ok and not rep["failures"]
-        plot(rep, os.path.join(out, f"soak-{mode}.png"))
+        plot(rep, os.path.join(out, f"soak-{mode}-{nodes}n.png"))
         c = rep["counts"]
-        print(f"== {mode}: {c['daemon_kills']} daemon kills, "
+        print(f"== {mode}, {nodes} node(s): {c['daemon_kills']} daemon kills "
+              f"({c['peer_kills']} of the peer), {c['faults_injected']} faults injected, "
+              f"{c['operator_aborts']} aborts, "
               f"{c['saves_train']} train saves, {c['saves_resave']} + {c['saves_recreate']} "
               f"re-saves, {c['rotations']} rotations, {c['torn_rank_kills']} rank kills, "
               f"{c['loads_mount']} loads, {c['verify_loads']} verified loads, "
               f"{len(rep['failures'])} failures; leak {rep['leak']}", flush=True)
-    ok = ok and all(not r["failures"] for r in reports) and len(reports) == len(modes)
+    ok = ok and all(not r["failures"] for r in reports) and len(reports) == len(runs)
     with open(os.path.join(out, "soak.json"), "w") as f:
-        json.dump({"seed": seed, "minutes": a.minutes, "modes": modes, "ok": ok,
+        json.dump({"seed": seed, "minutes": a.minutes, "modes": modes, "nodes": node_counts,
+                   "faults": a.faults, "ok": ok,
                    "argv": sys.argv, "runs": reports}, f, indent=1)
     print(f"soak: {'PASS' if ok else 'FAIL'}, seed {seed}; report {out}/soak.json", flush=True)
     return 0 if ok else 1

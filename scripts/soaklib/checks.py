@@ -15,6 +15,17 @@ from soaklib.util import *  # noqa: F401,F403
 from soaklib.util import dcp_tool, harness, netns, reaper  # noqa: F401
 
 
+def abort_target(path):
+    """What an operator aborts for a publication halted at `path`: its checkpoint
+    directory (iter_N, torn/t_N, resave, recreate), else the file itself."""
+    parts = path.split("/")
+    if parts[0] == "torn" and len(parts) > 2:
+        return "/".join(parts[:2])
+    if len(parts) > 1 and (parts[0].startswith("iter_") or parts[0] in ("resave", "recreate")):
+        return parts[0]
+    return path
+
+
 class Checks:
     """Mixin of ModeRun (soaklib/run.py): the checks and the verifiers."""
 
@@ -43,23 +54,52 @@ class Checks:
                         self.fail("a checkpoint failed without a reason", json.dumps(c))
         return committed
 
-    def check_halt(self):
-        st = self.stats()
-        if st is None:
-            return
-        h = st.get("journal_halted")
-        if not h:
-            self.halt_since = None
-            return
-        if self.halt_since is None:
-            self.halt_since = now()
-            self.counts["halts_seen"] += 1
-            self.event("halt", **h)
-        if not str(h.get("error", "")).strip():
-            self.fail("journal halted without a reason", json.dumps(h))
-        elif now() - self.halt_since > HALT_S:
-            self.fail(f"journal halted for over {HALT_S} s", json.dumps(h))
-            self.halt_since = now() + 10 ** 6     # once
+    def check_halt(self, act=True):
+        """Every node's journal halt: one needs a reason; one that retries by itself must
+        clear within HALT_S; one halted for good (an fsync failed: the bytes may be lost) is
+        what an operator aborts (docs/USAGE.md), 0.5 to 3 s after it is seen, when `act`."""
+        for d in self.daemons:
+            st = self.stats(d.index) if d.alive() else None
+            h = (st or {}).get("journal_halted")
+            key = d.index
+            if not h:
+                self.halt_since.pop(key, None)
+                continue
+            first = key not in self.halt_since or self.halt_since[key][1] != h.get("seq")
+            if first:
+                self.halt_since[key] = (now(), h.get("seq"), self.rng.uniform(0.5, 3.0))
+                self.counts["halts_seen"] += 1
+                self.counts["halts_permanent"] += not h.get("retrying")
+                self.event("halt", node=d.index, **h)
+            since, _, delay = self.halt_since[key]
+            if not str(h.get("error", "")).strip():
+                self.fail("journal halted without a reason", json.dumps(h))
+            elif h.get("retrying"):
+                if now() - since > HALT_S:
+                    self.fail(f"node {d.index}: a transient halt lasted over {HALT_S} s",
+                              json.dumps(h))
+                    self.halt_since[key] = (now() + 10 ** 6, h.get("seq"), delay)   # once
+            elif act and now() - since >= delay:
+                self.abort(d, abort_target(h.get("path", "")), h)
+
+    def abort(self, d, target, halt):
+        r = subprocess.run([harness.ADMIN, "abort", os.path.join(d.mnt, target)],
+                           capture_output=True, text=True)
+        self.counts["operator_aborts"] += 1
+        with self.lock:
+            self.aborted[target] = self.t()
+        self.event("operator abort", node=d.index, path=target, rc=r.returncode,
+                   error=halt.get("error"), out=(r.stdout + r.stderr)[-300:])
+        if r.returncode != 0 and d.alive():
+            self.fail(f"ckptfs-admin abort {target} -> {r.returncode}", r.stdout + r.stderr)
+
+    def operator(self):
+        while not self.stop_ev.is_set():
+            if self.sleep(0.5):
+                return
+            self.check_halt(act=True)
+            if self.faults_on:
+                self.counts["faults_injected"] = self.faults_seen()
 
     def cheap_checks(self, context, strict_ops=None):
         """Stat-only checks of the backing dir (no torch); strict_ops: the trainer ops that
@@ -338,7 +378,6 @@ class Checks:
                 continue
             self.poll_oplog()
             self.poll_reported()
-            self.check_halt()
             self.cheap_checks("periodic")
             self.verify_snaps()
             self.check_double_publish("periodic")

@@ -31,7 +31,7 @@ def plot(rep, path):
             ax.axvline(near["saves"], color="red", alpha=0.15, linewidth=0.6)
     axes[-1].set_xlabel("saves done (red: a daemon SIGKILL and restart)")
     c = rep["counts"]
-    fig.suptitle(f"ckptfs soak, {rep['mode']}, seed {rep['seed']}: {c['daemon_kills']} kills, "
+    fig.suptitle(f"ckptfs soak, {rep['mode']}, {rep.get('nodes', 1)} node(s), seed {rep['seed']}: {c['daemon_kills']} kills, "
                  f"{c['saves_train'] + c['saves_resave'] + c['saves_recreate']} saves, "
                  f"{len(rep['failures'])} failures")
     fig.tight_layout()

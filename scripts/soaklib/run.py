@@ -15,31 +15,37 @@ from soaklib.util import *  # noqa: F401,F403
 from soaklib.util import dcp_tool, harness, netns, reaper  # noqa: F401
 
 from soaklib.checks import Checks
+from soaklib.nodes import make_daemons
 from soaklib.workloads import Workloads
 
 
 class ModeRun(Workloads, Checks):
-    """One durability mode: one backing dir, one daemon restarted after every kill."""
+    """One durability mode: one backing dir, its daemon(s) restarted after every kill."""
 
-    def __init__(self, args, mode, seed, out_dir):
+    def __init__(self, args, mode, seed, out_dir, nodes=1):
         self.args = args
         self.mode = mode
+        self.nodes = nodes
         self.seed = seed
         self.out_dir = out_dir
-        self.rng = random.Random(f"{seed}/{mode}")
-        self.root = tempfile.mkdtemp(prefix=f"ckptfs-soak-{mode}-")
+        self.rng = random.Random(f"{seed}/{mode}" + (f"/{nodes}n" if nodes > 1 else ""))
+        self.root = tempfile.mkdtemp(prefix=f"ckptfs-soak-{mode}-{nodes}n-")
         self.backing = os.path.join(self.root, "backing")
-        self.mnt = os.path.join(self.root, "mnt")
-        self.state = os.path.join(self.root, "state")
         self.oplog = os.path.join(self.root, "train-ops.jsonl")
-        for d in (self.backing, self.mnt):
-            os.makedirs(d)
+        os.makedirs(self.backing)
+        self.cluster = None
+        self.faults_on = args.faults != "none"
+        self.faults_before = 0     # injected by the incarnations that are gone
+        self.aborted = {}          # path -> t: what the operator aborted
+        self.daemons = make_daemons(self)
+        # Node 0's mount is the application's: tracker, rotation, side jobs, traffic.
+        self.mnt = self.daemons[0].mnt
+        self.state = self.daemons[0].state
         self.lock = threading.RLock()
         self.stop_ev = threading.Event()
         self.up = threading.Event()
         self.jobs = set()
-        self.proc = None
-        self.inc = 0               # daemon incarnation; +1 at every start
+        self.inc = 0               # daemon incarnations of all nodes; +1 at every start
         self.t0 = now()
         self.failures = []
         self.events = []
@@ -71,14 +77,16 @@ class ModeRun(Workloads, Checks):
         self.drained = {}                       # label -> resources once publication caught up
         self.rotated_unverified = set()
         self.max_backing_tracker = 0
-        self.halt_since = None
+        self.halt_since = {}           # node -> (first seen, seq, abort delay)
         self.counts = {k: 0 for k in (
             "daemon_kills", "kills_after_step", "saves_train", "saves_resave", "saves_recreate",
             "torn_attempts", "torn_rank_kills", "torn_committed", "loads_mount",
             "loads_failed_by_kill",
             "verify_loads", "verify_bytes", "verify_inconclusive", "rotations", "checks",
             "restart_checks", "files_checked", "small_files", "renames", "appends", "deletes",
-            "halts_seen", "throttle_switches", "train_restarts", "double_publish_checked")}
+            "halts_seen", "throttle_switches", "train_restarts", "double_publish_checked",
+            "peer_kills", "faults_injected", "halts_permanent", "operator_aborts",
+            "failed_by_fault")}
         self.down_s = []
 
     # ------------------------------------------------------------------ bookkeeping
@@ -93,7 +101,8 @@ class ModeRun(Workloads, Checks):
             print(f"[{self.mode} {e['t']:8.1f}] {what} {kw if kw else ''}", flush=True)
 
     def fail(self, what, detail=""):
-        f = {"t": self.t(), "mode": self.mode, "seed": self.seed, "inc": self.inc,
+        f = {"t": self.t(), "mode": self.mode, "nodes": self.nodes, "seed": self.seed,
+             "inc": self.inc,
              "what": what, "detail": str(detail)[-4000:]}
         with self.lock:
             self.failures.append(f)
@@ -151,47 +160,54 @@ class ModeRun(Workloads, Checks):
         return c["saves_train"] + c["saves_resave"] + c["saves_recreate"]
 
     # ------------------------------------------------------------------ the daemon
-    def start_daemon(self):
-        self.inc += 1
-        log = os.path.join(self.root, f"ckptfs.{self.inc}.log")
-        cmd = [harness.CKPTFS, "-f", "--staging-mem", "128M", "--state-dir", self.state,
-               "--log-file", log, "--log-level", "info", "--durability", self.mode,
-               "--flush-direct-io", "on", self.backing, self.mnt]
-        with open(os.path.join(self.root, f"ckptfs.{self.inc}.out"), "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
-        reaper.register_pid(self.proc.pid)
-        deadline = now() + 60
-        while now() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ckptfs exited {self.proc.returncode} at start:\n"
-                                   f"{(read_text(log) or '')[-3000:]}")
-            if harness.is_mounted(self.mnt) and os.path.exists(
-                    os.path.join(self.mnt, ".ckptfs", "stats")):
-                reaper.register_mount(self.mnt)
-                break
-            time.sleep(0.02)
-        else:
-            raise RuntimeError("ckptfs did not mount in 60 s:\n" + (read_text(log) or "")[-3000:])
-        if self.cgroup:
-            with open(os.path.join(self.cgroup, "cgroup.procs"), "w") as f:
-                f.write(str(self.proc.pid))
-        self.up.set()
+    @property
+    def proc(self):
+        return self.daemons[0].proc
 
-    def kill_daemon(self):
-        self.up.clear()
-        p = self.proc
-        if p is not None and p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
-        harness.unmount(self.mnt)
+    def start_daemon(self, i=None):
+        """Starts node `i` (None: every node that is down); `up` once node 0 serves."""
+        for d in self.daemons if i is None else [self.daemons[i]]:
+            if d.alive():
+                continue
+            self.inc += 1
+            d.start()
+        if self.daemons[0].alive():
+            self.up.set()
 
-    def stats(self):
+    def kill_daemon(self, i=None):
+        """SIGKILL of node `i` (None: every node)."""
+        for d in self.daemons if i is None else [self.daemons[i]]:
+            if d.index == 0:
+                self.up.clear()
+            if d.alive():
+                self.faults_before += d.faults_injected()
+            d.kill()
+
+    def faults_seen(self):
+        """Faults injected so far, by every incarnation of every node."""
+        return self.faults_before + sum(d.faults_injected() for d in self.daemons if d.alive())
+
+    def excused(self, inc, faults):
+        """A job that failed since incarnation `inc` and fault count `faults` was broken by
+        the soak itself: a daemon kill, or a fault injected meanwhile."""
+        if self.inc != inc or not all(d.alive() for d in self.daemons):
+            return True
+        if self.faults_seen() > faults:
+            self.counts["failed_by_fault"] += 1
+            return True
+        return False
+
+    def stats(self, i=0):
         try:
-            with open(os.path.join(self.mnt, ".ckptfs", "stats")) as f:
+            with open(os.path.join(self.daemons[i].mnt, ".ckptfs", "stats")) as f:
                 return json.load(f)
         except (OSError, ValueError):
             return None
+
+    def was_aborted(self, rel):
+        """`rel` (backing-relative) is at or below what the operator aborted."""
+        with self.lock:
+            return any(rel == a or rel.startswith(a + "/") for a in self.aborted)
 
     def checkpoints(self):
         try:
@@ -225,36 +241,46 @@ class ModeRun(Workloads, Checks):
                     if self.oplog_off != seen:
                         break
                     time.sleep(0.005)
-            self.poll_oplog()
-            self.poll_reported()
-            with self.lock:
-                ops = [o for o in self.ops_before_kill]
-            t_kill = now()
-            self.kill_daemon()
-            self.counts["daemon_kills"] += 1
-            # A traffic op in flight failed with the mount; the next one must see the restart.
-            self.traffic_lock.acquire()
+            # Two nodes: the peer (node 1, one trainer rank's mount) 40 % of the time.
+            victim = 1 if len(self.daemons) > 1 and self.rng.random() < 0.4 else 0
             self.counts["kills_after_step"] += after_step
-            # The backing store stands still while no daemon runs: check it now.
+            self.restart(victim, "kill")
+
+    def restart(self, i, why):
+        """SIGKILL of node `i` and a start at once, as systemd would; the checks a kill
+        calls for. why: "kill", or "faults off" (the quiet phase begins)."""
+        self.poll_oplog()
+        self.poll_reported()
+        with self.lock:
+            ops = [o for o in self.ops_before_kill]
+        t_kill = now()
+        self.kill_daemon(i)
+        if why == "kill":
+            self.counts["daemon_kills"] += 1
+            self.counts["peer_kills"] += i != 0
+        kills = self.counts["daemon_kills"]
+        # A traffic op in flight failed with the mount; the next one must see the restart.
+        self.traffic_lock.acquire()
+        try:
+            # With one node the backing store stands still now: check it. (With two, the
+            # other node goes on; the checks hold as well.)
             self.poll_oplog()
-            self.cheap_checks(f"after kill {self.counts['daemon_kills']}",
+            self.cheap_checks(f"after kill {kills} (node {i})",
                               strict_ops=ops if self.mode == "strict" else None)
-            try:
-                self.start_daemon()
-            finally:
-                self.traffic_lock.release()
-            self.down_s.append(now() - t_kill)
-            self.event("restart", kills=self.counts["daemon_kills"],
-                       down_s=round(self.down_s[-1], 2))
-            # Recovery done (or 5 s): nothing of a verified checkpoint published again.
-            deadline = now() + 5
-            while now() < deadline:
-                s = self.stats()
-                if s is not None and s.get("journal_pending", 1) == 0:
-                    break
-                time.sleep(0.2)
-            self.counts["restart_checks"] += 1
-            self.check_double_publish(f"after restart {self.counts['daemon_kills']}")
+            self.start_daemon(i)
+        finally:
+            self.traffic_lock.release()
+        self.down_s.append(now() - t_kill)
+        self.event("restart", node=i, why=why, kills=kills, down_s=round(self.down_s[-1], 2))
+        # Recovery done (or 5 s): nothing of a verified checkpoint published again.
+        deadline = now() + 5
+        while now() < deadline:
+            s = self.stats(i)
+            if s is not None and s.get("journal_pending", 1) == 0:
+                break
+            time.sleep(0.2)
+        self.counts["restart_checks"] += 1
+        self.check_double_publish(f"after restart {kills} (node {i})")
 
     def setup_cgroup(self):
         if not os.path.isdir("/sys/fs/cgroup/blkio"):
@@ -271,7 +297,7 @@ class ModeRun(Workloads, Checks):
         self.start_daemon()
         threads = [threading.Thread(target=getattr(self, n), name=n, daemon=True)
                    for n in ("trainer", "rotator", "side", "traffic", "throttler", "sampler",
-                             "capturer", "checker")]
+                             "capturer", "checker", "operator")]
         for th in threads:
             th.start()
         end = self.t0 + seconds
@@ -279,6 +305,12 @@ class ModeRun(Workloads, Checks):
         self.quiet_inc = None
         try:
             self.killer(quiet_at)
+            if self.faults_on and not self.stop_ev.is_set():
+                # The quiet phase measures the leak bound and ends in a clean stop: no
+                # faults either. One last restart of every node without them.
+                self.faults_on = False
+                for i in range(len(self.daemons)):
+                    self.restart(i, "faults off")
             self.quiet_inc = self.inc
             s0 = self.saves_done()
             self.event("quiet phase: no more kills", saves=s0)
@@ -309,21 +341,30 @@ class ModeRun(Workloads, Checks):
             self.poll_reported()
             self.resources("end")
             view = tree(self.mnt)
-        subprocess.run(["fusermount3", "-u", self.mnt], capture_output=True)
-        try:
-            rc = self.proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-            self.kill_daemon()
+        # Every other node first: node 0's stop may wait for their shards.
+        for d in reversed(self.daemons):
+            if not d.alive():
+                continue
+            subprocess.run(["fusermount3", "-u", d.mnt], capture_output=True)
+            try:
+                rc = d.proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+                self.kill_daemon(d.index)
+            if rc != 0:
+                self.fail(f"node {d.index}: the daemon did not exit 0 on a clean unmount",
+                          f"rc {rc}\n{(read_text(d.log) or '')[-3000:]}")
         self.up.clear()
-        log = read_text(os.path.join(self.root, f"ckptfs.{self.inc}.log")) or ""
-        if rc != 0:
-            self.fail("the daemon did not exit 0 on a clean unmount", f"rc {rc}\n{log[-3000:]}")
         temps = harness.tmp_names(self.backing)
         if temps:
             self.fail("temp files left after a clean stop", temps[:20])
         if view is not None:
             backing = tree(self.backing)
+            # What the operator aborted is in the application's view, never published.
+            for part in (backing, view):
+                for k in [k for k in part[0] if self.was_aborted(k)]:
+                    del part[0][k]
+                part[1].difference_update({k for k in part[1] if self.was_aborted(k)})
             if backing[1] != view[1] or backing[0] != view[0]:
                 diff = sorted(k for k in set(backing[0]) | set(view[0])
                               if backing[0].get(k) != view[0].get(k))
@@ -437,6 +478,8 @@ class ModeRun(Workloads, Checks):
             self.kill_daemon()
         except Exception:
             pass
+        if self.cluster is not None:
+            self.cluster.cleanup()       # namespaces, veths, the bridge
         if self.cgroup:
             netns.remove_cgroup(self.cgroup)
         if not keep:
@@ -444,7 +487,8 @@ class ModeRun(Workloads, Checks):
 
     def report(self):
         kills_per_min = self.counts["daemon_kills"] / max(1e-9, self.t() / 60)
-        return {"mode": self.mode, "seed": self.seed, "seconds": self.t(), "root": self.root,
+        return {"mode": self.mode, "nodes": self.nodes, "seed": self.seed, "seconds": self.t(),
+                "root": self.root, "faults": self.args.faults,
                 "counts": self.counts, "kills_per_min": round(kills_per_min, 2),
                 "reported_committed": len(self.reported),
                 "reported_committed_verified": len(self.reported_verified),
@@ -453,5 +497,6 @@ class ModeRun(Workloads, Checks):
                 "down_s_max": round(max(self.down_s), 2) if self.down_s else None,
                 "down_s_mean": round(sum(self.down_s) / len(self.down_s), 2)
                 if self.down_s else None,
+                "aborted": self.aborted,
                 "leak": getattr(self, "leak", None), "failures": self.failures,
                 "samples": self.samples, "events": self.events}

@@ -18,9 +18,22 @@ from soaklib.util import dcp_tool, harness, netns, reaper  # noqa: F401
 class Workloads:
     """Mixin of ModeRun (soaklib/run.py): the threads that act as the application."""
 
+    def mounts(self, name=None):
+        """Each node's mount (of `name` in it), for jobs whose rank r works through
+        mounts[r % nodes]; None with one node."""
+        if len(self.daemons) == 1:
+            return None
+        return [d.mnt if name is None else os.path.join(d.mnt, name) for d in self.daemons]
+
+    def state_of(self, name):
+        for c in self.checkpoints() or []:
+            if c.get("path") == name:
+                return c.get("state")
+        return None
+
     def trainer(self):
         while self.wait_up():
-            inc = self.inc
+            inc, faults = self.inc, self.faults_seen()
             t = tracker_value(self.mnt)
             if t is None and os.path.exists(os.path.join(self.mnt, TRACKER)):
                 self.sleep(0.5)        # a dead mount, read before up was cleared
@@ -33,7 +46,8 @@ class Workloads:
             job = Job(self, "train", {
                 "parent": self.mnt, "ranks": TRAIN_RANKS, "mb": self.args.mb,
                 "start": start, "iters": 10 ** 7, "keep": 10 ** 9,
-                "single_file_per_rank": sfpr, "oplog": self.oplog, "timeout": 10 ** 7},
+                "single_file_per_rank": sfpr, "oplog": self.oplog, "timeout": 10 ** 7,
+                "parents": self.mounts()},
                 f"train{self.counts['train_restarts']}")
             self.train_job = job
             self.event("train_start", start=start, single_file_per_rank=sfpr)
@@ -52,8 +66,8 @@ class Workloads:
             job.kill()
             if self.stop_ev.is_set():
                 return
-            if rc not in (0, None) and self.inc == inc and self.up.is_set():
-                self.fail("trainer failed with no daemon kill", job.tail())
+            if rc not in (0, None) and self.up.is_set() and not self.excused(inc, faults):
+                self.fail("trainer failed with no daemon kill and no fault injected", job.tail())
                 self.sleep(5)
 
     def rotator(self):
@@ -111,7 +125,7 @@ class Workloads:
         plans = [PLANS[self.rng.randrange(len(PLANS))] for _ in range(k)]
         sfpr = self.rng.random() < 0.5
         d = os.path.join(self.mnt, name)
-        inc = self.inc
+        inc, faults = self.inc, self.faults_seen()
         try:
             os.makedirs(d, exist_ok=True)
         except OSError:
@@ -126,8 +140,8 @@ class Workloads:
         if rc is None or (rc != 0 and self.stop_ev.is_set()):   # the soak's own stop
             return
         if rc != 0:
-            if self.inc == inc and self.up.is_set():
-                self.fail(f"{name} failed with no daemon kill", job.tail())
+            if self.up.is_set() and not self.excused(inc, faults):
+                self.fail(f"{name} failed with no daemon kill and no fault injected", job.tail())
             else:
                 self.app_op(name, "resave_torn_by_kill")
             return
@@ -140,8 +154,10 @@ class Workloads:
         if self.inc != inc:
             return
         if r.returncode != 0:
-            if self.up.is_set():
-                self.fail(f"ckptfs-admin wait {name} -> {r.returncode}", r.stdout + r.stderr)
+            # A fault failed the save after it returned (async), or the operator aborted it.
+            if self.up.is_set() and not self.excused(inc, faults):
+                self.fail(f"ckptfs-admin wait {name} -> {r.returncode} with no fault injected",
+                          r.stdout + r.stderr)
             return
         self.verify_dirs([name], {name: seeds[-1]}, reason=f"{name} after wait")
 
@@ -160,7 +176,7 @@ class Workloads:
         job = Job(self, "save", {"dir": os.path.join(self.mnt, name), "ranks": SIDE_RANKS,
                                  "mb": self.args.mb, "seed": seed,
                                  "single_file_per_rank": self.rng.random() < 0.5,
-                                 "timeout": HANG_S}, f"torn{n}")
+                                 "timeout": HANG_S, "dirs": self.mounts(name)}, f"torn{n}")
         victim = self.rng.randrange(SIDE_RANKS)
         delay = self.rng.uniform(1.0, 8.0)       # torch start-up is most of the first seconds
         if job.wait(timeout=delay, stop=self.stop_ev) is None and not self.stop_ev.is_set():
@@ -207,7 +223,8 @@ class Workloads:
             ev = self.ev
         mode = self.rng.choice(["own", "reshard", "replicated"])
         job = Job(self, "load", {"dir": os.path.join(self.mnt, name), "ranks": SIDE_RANKS,
-                                 "mode": mode, "seed": t, "timeout": HANG_S}, f"load{n}")
+                                 "mode": mode, "seed": t, "timeout": HANG_S,
+                                 "dirs": self.mounts(name)}, f"load{n}")
         rc = job.wait(stop=self.stop_ev)
         job.kill()
         if rc is None or self.stop_ev.is_set():   # the soak's own stop killed it
@@ -216,6 +233,10 @@ class Workloads:
             self.counts["loads_mount"] += 1
         elif self.inc != inc or self.mutated_since(name, ev):
             self.counts["loads_failed_by_kill"] += 1
+        elif self.was_aborted(name) or self.state_of(name) in ("failed", "aborted"):
+            # A fault failed the save after it returned (async); the application's view
+            # of it is gone or partial, as its failed state says.
+            self.counts["failed_by_fault"] += 1
         else:
             self.fail(f"load of the tracker's {name} through the mount failed", job.tail())
 
