@@ -136,21 +136,15 @@ TEST_F(AbortedCheckpointTest, ATrackerNamingAnAbortedCheckpointIsWithheld) {
   EXPECT_EQ(BackingBytes(kTracker), "3\n");
 
   // A save into the aborted directory again commits it: a tracker naming it is published.
-  // (Its files are removed first: a file whose publication failed refuses every open with
-  // EIO, even O_TRUNC, until it is deleted; docs/RELIABILITY.md, "Found".)
-  auto again = fs_->Lookup(kRootIno, "iter_0000002");
-  ASSERT_TRUE(again.ok());
-  for (const auto& [file, len] : plan_.shards) (void)fs_->Unlink(again->ino, file);
-  (void)fs_->Unlink(again->ino, ".metadata.tmp");
-  (void)fs_->Unlink(again->ino, ".metadata");
   SaveAndTrack("iter_0000002", 2);
   WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the re-save");
   EXPECT_TRUE(BackingHas("iter_0000002/.metadata"));
   EXPECT_EQ(BackingBytes(kTracker), "2\n");
   EXPECT_EQ(TempFiles(), 0u);
-  // The stop counts what never reached the backing store: the 5 aborted files and the
-  // withheld tracker (the daemon then exits 1, "not clean", and says so).
-  EXPECT_EQ(fs_->Shutdown(), 6u);
+  // The stop counts what never reached the backing store: at least the 5 aborted files
+  // (and the withheld tracker, unless the next one replaced it first); the daemon then
+  // exits 1, "not clean", and says so.
+  EXPECT_GE(fs_->Shutdown(), 5u);
 }
 
 }  // namespace
