@@ -83,6 +83,11 @@ class Checks:
                 self.abort(d, abort_target(h.get("path", "")), h)
 
     def abort(self, d, target, halt):
+        # The application may have renamed or removed the halted name since (a small file
+        # written as .tmp and renamed): `ckptfs-admin abort` needs a path the mount shows,
+        # so the operator aborts the nearest directory above it that is still there.
+        while "/" in target and not os.path.lexists(os.path.join(d.mnt, target)):
+            target = target.rsplit("/", 1)[0]
         r = subprocess.run([harness.ADMIN, "abort", os.path.join(d.mnt, target)],
                            capture_output=True, text=True)
         self.counts["operator_aborts"] += 1
