@@ -20,7 +20,7 @@
 #include <string>
 #include <thread>
 
-#include "fs/control_tree.h"
+#include "fs/control/control_tree.h"
 #include "store/dcp/dcp_metadata.h"
 #include "tests/fs/fs_fixture.h"
 

@@ -14,7 +14,7 @@
 #include <string>
 #include <thread>
 
-#include "fs/control_tree.h"
+#include "fs/control/control_tree.h"
 #include "tests/fs/fs_fixture.h"
 
 namespace ckptfs::fs {
