@@ -38,6 +38,7 @@
 #include "mount/options.h"
 #include "mount/peers_watch.h"
 #include "store/peer/peers.h"
+#include "store/primitives/fault_injection.h"
 
 namespace {
 
@@ -227,7 +228,15 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   }
   std::unique_ptr<ckptfs::MetricsServer> metrics;
   std::unique_ptr<ckptfs::fs::FuseServer> server;
-  auto fs_or = ckptfs::fs::Filesystem::Create(config);
+  ckptfs::fs::FsDeps deps;
+  if (!o.fault_inject.empty()) {  // test only: parsed (and refused if bad) in main()
+    auto spec = ckptfs::store::FaultSpec::Parse(o.fault_inject);
+    if (!spec.ok()) return fail_start("start failed", spec.status());
+    auto faulty = ckptfs::store::FaultInjectingBackingDir::Open(o.backing_dir, *spec);
+    if (!faulty.ok()) return fail_start("start failed", faulty.status());
+    deps.backing = std::move(faulty).value();
+  }
+  auto fs_or = ckptfs::fs::Filesystem::Create(config, std::move(deps));
   if (!fs_or.ok()) return fail_start("start failed", fs_or.status());
   std::unique_ptr<ckptfs::fs::Filesystem> fs = std::move(fs_or).value();
   if (!o.metrics_listen.empty()) {
@@ -342,6 +351,11 @@ int main(int argc, char** argv) {
   if (auto st = ckptfs::ValidateDaemonOptions(&o); !st.ok()) return Fail(st.message());
   auto peers = PeerOptions(o);
   if (!peers.ok()) return Fail(peers.status().message());
+  if (!o.fault_inject.empty()) {
+    if (auto spec = ckptfs::store::FaultSpec::Parse(o.fault_inject); !spec.ok()) {
+      return Fail(spec.status().message());
+    }
+  }
   if (o.fake) return 0;  // mount -f
 
   ReadyPipe ready;

@@ -235,6 +235,11 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
                  "Peer connections kept open at most; past it the least recently used closes "
                  "(reads never wait for a slot). Connections are made on demand (default 64)")
       ->check(CLI::Range(1, 100000));
+  // Test only (the soak, tests/e2e/test_fault_inject.py): hidden from --help; the spec is
+  // parsed by store::FaultSpec::Parse at start.
+  app.add_option("--fault-inject", o.fault_inject,
+                 "TEST ONLY: inject EIO/ENOSPC into backing-store writes, fsyncs and renames")
+      ->group("");
   std::vector<std::string> o_groups;
   app.add_option("-o", o_groups,
                  "Options, comma separated: ckptfs options as key=value, the rest for FUSE")

@@ -68,6 +68,9 @@ struct DaemonOptions {
   int peer_dead_after_ms = 15000;        // silence after which a peer is declared dead
   int peer_heartbeat_ms = 2000;          // an idle peer connection is pinged after this
   int peer_max_links = 64;               // peer connections kept open at most
+  // Test only, hidden from --help (issue 41): faults injected under the backing dir,
+  // store/primitives/fault_injection.h. Empty: none.
+  std::string fault_inject;
   std::vector<std::string> fuse_options;
   bool help = false;
   bool version = false;     // --version: print help_text (the version) and exit

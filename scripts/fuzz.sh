@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets (pickle_fuzz, metadata_fuzz, zip_fuzz, safetensors_fuzz) with
-# clang in build-fuzz and runs each for FUZZ_SECONDS (default 30), seeded from
-# tests/fixtures/dcp (safetensors_fuzz: tests/fixtures/safetensors, its files and index).
+# Builds the libFuzzer targets (pickle_fuzz, metadata_fuzz, zip_fuzz, safetensors_fuzz,
+# rank_metadata_fuzz, peers_fuzz, control_fuzz) with clang in build-fuzz and runs each for
+# FUZZ_SECONDS (default 30), seeded from real captures: tests/fixtures/dcp (the pickles and
+# zips; rank_metadata_fuzz: each no_dist save's __{rank}.metadata files joined as the target
+# splits them), tests/fixtures/safetensors, tests/fixtures/peers (peers files as a
+# scheduler's prolog writes them) and tests/fixtures/control (/.ckptfs/stats, checkpoints
+# and progress xattrs read from real mounts).
 # Exits non-zero if any target crashes, leaks, times out or runs out of memory; the
 # reproducer is kept under build-fuzz/fuzz-work/.
 #
@@ -15,7 +19,10 @@ build="${FUZZ_BUILD_DIR:-$root/build-fuzz}"
 seconds="${FUZZ_SECONDS:-30}"
 jobs="${FUZZ_JOBS:-2}"
 fixtures="$root/tests/fixtures/dcp"
-targets=(pickle_fuzz metadata_fuzz zip_fuzz safetensors_fuzz)
+targets=(pickle_fuzz metadata_fuzz zip_fuzz safetensors_fuzz rank_metadata_fuzz peers_fuzz
+         control_fuzz)
+# FUZZ_TARGETS: a subset, space-separated (e.g. FUZZ_TARGETS="peers_fuzz control_fuzz").
+if [[ -n "${FUZZ_TARGETS:-}" ]]; then read -r -a targets <<<"$FUZZ_TARGETS"; fi
 
 if [[ "$seconds" == 0 ]]; then
   echo "fuzz.sh: FUZZ_SECONDS=0, skipped"; exit 77
@@ -39,7 +46,8 @@ cmake --build "$build" -j"$jobs" --target "${targets[@]}"
 
 work="$build/fuzz-work"
 rm -rf "$work"
-mkdir -p "$work/seeds-pickle" "$work/seeds-zip" "$work/seeds-safetensors"
+mkdir -p "$work/seeds-pickle" "$work/seeds-zip" "$work/seeds-safetensors" "$work/seeds-ranks" \
+  "$work/seeds-peers" "$work/seeds-control"
 # Pickle seeds: every .metadata (protocols 2 to 5). Zip seeds: every .distcp; per-item
 # checkpoints hold exactly one torch.save archive per file.
 n=0
@@ -55,11 +63,29 @@ while IFS= read -r -d '' f; do
 done < <(find "$root/tests/fixtures/safetensors" \( -name '*.safetensors' -o -name '*.index.json' \) \
          -print0)
 
+# No_dist seeds: every directory's __{rank}.metadata files, in rank order, joined by the
+# separator line rank_metadata_fuzz splits at; and each file alone.
+while IFS= read -r -d '' d; do
+  out="$work/seeds-ranks/seed$((n++))"
+  first=1
+  for f in $(ls "$d" | grep -E '^__[0-9]+\.metadata$' | sort -t_ -k3 -n); do
+    [[ $first == 1 ]] || printf '\n@@RANK@@\n' >>"$out"
+    cat "$d/$f" >>"$out"
+    cp "$d/$f" "$work/seeds-ranks/seed$((n++))"
+    first=0
+  done
+done < <(find "$fixtures" -name '__0.metadata' -printf '%h\0')
+cp "$root"/tests/fixtures/peers/* "$work/seeds-peers/"
+cp "$root"/tests/fixtures/control/* "$work/seeds-control/"
+
 status=0
 for target in "${targets[@]}"; do
   seeds="$work/seeds-pickle"
   [[ "$target" == zip_fuzz ]] && seeds="$work/seeds-zip"
   [[ "$target" == safetensors_fuzz ]] && seeds="$work/seeds-safetensors"
+  [[ "$target" == rank_metadata_fuzz ]] && seeds="$work/seeds-ranks"
+  [[ "$target" == peers_fuzz ]] && seeds="$work/seeds-peers"
+  [[ "$target" == control_fuzz ]] && seeds="$work/seeds-control"
   corpus="$work/corpus-$target"
   mkdir -p "$corpus"
   echo "== $target for ${seconds}s"

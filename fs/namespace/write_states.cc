@@ -350,6 +350,14 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
     if (node->type == NodeType::kDir) return Status(Code::kIsDir, "open of a directory");
     // The kernel serves FIFOs, sockets and devices itself; never block a thread on one.
     if (node->type == NodeType::kSpecial) return Status(Code::kInvalid, "open of a special file");
+    if (!node->error.empty() && writable && (flags & O_TRUNC) && !node->write &&
+        node->parent != nullptr) {
+      // A file whose publication failed, rewritten from nothing (a save tried again after
+      // EIO): the new, empty version owes nothing to the failed one. Anything else still
+      // gets the failure (a read, an append, a handle still open on the failed version).
+      node->error.clear();
+      table_.SyncDataLocked(node.get());
+    }
     if (!node->error.empty()) return Status(Code::kIo, node->error);
     if (!node->write && node->parent == nullptr) return NotFound("unlinked file");
     if (writable && node->attr.st_nlink > 1 && node->type == NodeType::kFile) {

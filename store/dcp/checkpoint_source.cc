@@ -12,6 +12,7 @@
 #include "common/path.h"
 #include "store/dcp/commit_names.h"
 #include "store/dcp/metadata_file.h"
+#include "store/dcp/rank_metadata.h"
 #include "store/dcp/safetensors_header.h"
 #include "store/safetensors_index.h"
 
@@ -38,25 +39,12 @@ Status AddIdentity(BackingDir* dir, const std::string& path, keyidx::MetadataId*
 
 Result<DcpMetadata> FromRanks(BackingDir* dir, const std::string& ckpt,
                               const std::vector<std::string>& files) {
-  DcpMetadata out;
-  std::set<std::tuple<bool, std::string, std::vector<int64_t>>> keys;
+  RankMetadataMerger merger;
   for (const std::string& f : files) {
     CKPT_ASSIGN_OR_RETURN(std::string bytes, ReadMetadataBytes(dir, path::Join(ckpt, f)));
-    Result<DcpMetadata> md = ParseDcpMetadata(bytes);
-    if (!md.ok()) return Status(md.status().code(), f + ": " + md.status().message());
-    if (out.flavor.empty()) {
-      out.flavor = md->flavor;
-      out.version = md->version;
-      out.checkpoint_id = md->checkpoint_id;
-      out.other_fields = md->other_fields;
-    }
-    for (DcpItem& item : md->items) {
-      if (keys.emplace(item.is_bytes, item.fqn, item.chunk_offsets).second) {
-        out.items.push_back(std::move(item));
-      }
-    }
+    CKPT_RETURN_IF_ERROR(merger.Add(f, bytes));
   }
-  return out;
+  return merger.Take();
 }
 
 // The tensor names the index's weight_map assigns to each file.

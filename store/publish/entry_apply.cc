@@ -8,13 +8,32 @@
 namespace ckptfs::store {
 namespace {
 
+// True when the real name already holds this entry's file: an earlier attempt renamed it
+// in, its directory fsync failed, and the rename that should have taken it back failed
+// too (two faults in a row). Renaming again would exchange the replaced file back over it,
+// or fail for good on the missing temp; the retry only has to finish the entry.
+bool AlreadyInPlace(BackingDir* dir, const JournalEntry& e) {
+  if (!e.target) return false;  // a resumed entry: Journal::Process checks it by name
+  auto mine = dir->Fstat(e.target->fd());
+  auto there = dir->Stat(e.path);
+  return mine.ok() && there.ok() && mine->st_dev == there->st_dev &&
+         mine->st_ino == there->st_ino;
+}
+
 Status ApplyPublish(BackingDir* dir, const JournalEntry& e) {
   // Over an existing file, exchange the two names: if the directory cannot be made
   // durable, exchanging back restores exactly the old state (G4); otherwise the temp
   // name now holds the old file, which is removed.
   constexpr unsigned kExchange = 2;  // RENAME_EXCHANGE
-  const bool replacing = dir->Stat(e.path).ok();
-  CKPT_RETURN_IF_ERROR(dir->Rename(e.from, e.path, replacing ? kExchange : 0));
+  bool replacing = false;
+  if (AlreadyInPlace(dir, e)) {
+    replacing = dir->Stat(e.from).ok();  // the replaced file, left under the temp name
+    spdlog::warn("journal: {} is in place from an attempt that could not be taken back; "
+                 "finishing it", e.Describe());
+  } else {
+    replacing = dir->Stat(e.path).ok();
+    CKPT_RETURN_IF_ERROR(dir->Rename(e.from, e.path, replacing ? kExchange : 0));
+  }
   Status st = dir->SyncParent(e.path);
   if (!st.ok()) {
     // Not durable, so it must not count as published: put the names back.
@@ -50,12 +69,24 @@ Status ApplyOwner(BackingDir* dir, const JournalEntry& e) {
 
 }  // namespace
 
-Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed) {
+Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed, bool retry) {
   switch (e.op) {
     case OpType::kPublish:
       return ApplyPublish(dir, e);
     case OpType::kRename: {
-      CKPT_RETURN_IF_ERROR(dir->Rename(e.from, e.path));
+      Status moved = dir->Rename(e.from, e.path);
+      // On a retry, the source gone and the target there: the failed attempt renamed it
+      // and then failed (its directory fsync, and for a commit name the rename back too).
+      // Only the directory fsync is left to do. (Journal::Process decides the same way for
+      // an entry the previous run left.) On a first attempt a missing source is an error.
+      const bool done_before = retry && moved.code() == Code::kNotFound &&
+                               dir->Stat(e.from).status().code() == Code::kNotFound &&
+                               dir->Stat(e.path).ok();
+      if (!moved.ok() && !done_before) return moved;
+      if (done_before) {
+        spdlog::warn("journal: {} is in place from an earlier attempt; finishing it",
+                     e.Describe());
+      }
       Status st = dir->SyncParent(e.path);
       if (!st.ok() && IsCommitName(e.path)) {
         // A commit that is not durable must not stay visible (G5): withdraw it.

@@ -13,7 +13,9 @@
 namespace ckptfs::store {
 
 // Applies `e` to `dir`. `renamed` (may be null) is set when a kRename left its source
-// under its new name (the temp records below it follow: TempRecords::Move).
-Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed);
+// under its new name (the temp records below it follow: TempRecords::Move). `retry`: an
+// earlier attempt of this entry failed, so a kRename whose source is gone and whose target
+// is there was done by it (its directory fsync failed, and the rename back too).
+Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed, bool retry = false);
 
 }  // namespace ckptfs::store

@@ -948,7 +948,7 @@ void Journal::Run() {
       continue;
     }
 
-    Status st = Process(e);
+    Status st = Process(e, failed_before);
     if (st.ok()) {
       Finalize(e, st, /*applied=*/true);
       if (failed_before) {
@@ -1082,10 +1082,10 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
   done_cv_.notify_all();
 }
 
-Status Journal::Process(const JournalEntry& e) {
+Status Journal::Process(const JournalEntry& e, bool retry) {
   auto apply = [&] {
     bool renamed = false;
-    Status st = ApplyEntry(dir_, e, &renamed);
+    Status st = ApplyEntry(dir_, e, &renamed, retry);
     if (renamed) temps_.Move(e.from, e.path);  // temps below a renamed directory
     return st;
   };

@@ -380,8 +380,9 @@ class Journal final : public QueuedPublishes {
   // nothing of it stays on the backing store and the entries after it (an rmdir of the
   // directory) apply as the application made them.
   void RemoveSkippedCommit(const JournalEntry& e);
-  // Syncs the data (publish) and applies one entry; false with `st` on failure.
-  Status Process(const JournalEntry& e);
+  // Syncs the data (publish) and applies one entry; false with `st` on failure. `retry`:
+  // an earlier attempt of this entry failed (ApplyEntry).
+  Status Process(const JournalEntry& e, bool retry);
   std::string WaitingForLocked() const REQUIRES(mu_);
   // An entry a bounded stop of the previous run left for this one.
   bool Resumed(uint64_t seq) const {

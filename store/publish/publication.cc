@@ -292,8 +292,27 @@ bool Publication::NoteCommittedElsewhere(const std::string& dir, uint64_t since)
 }
 
 std::vector<std::string> Publication::Abort(const std::string& path) {
+  // What is aborted never commits: a tracker queued behind it that names it is withheld,
+  // as one naming a lost node's checkpoint (G4), until a save commits it again. Marked
+  // before the journal drops the entries, so the publisher cannot reach such a tracker
+  // first; not for a checkpoint that is committed (an abort with nothing pending).
+  const std::optional<CheckpointInfo> info = registry_->Get(path);
+  const bool committed = info && info->state == CkptState::kCommitted;
+  bool marked = false;
+  if (!committed) {
+    MutexLock lock(&lost_mu_);
+    if (lost_.count(path) == 0) {
+      if (lost_.size() >= 1024) lost_.erase(lost_.begin());
+      lost_[path] = "aborted by the operator";
+      marked = true;
+    }
+  }
   std::vector<std::string> dropped = journal_->Abort(path);
   registry_->OnAborted(path, "aborted by the operator");
+  if (dropped.empty() && marked) {
+    MutexLock lock(&lost_mu_);
+    lost_.erase(path);  // nothing was pending: no tracker can wait for it
+  }
   return dropped;
 }
 
@@ -364,6 +383,11 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
       registry_->OnCommitted(dir, e.seq, /*last_part=*/true);
       committed = dir;
     }
+  }
+  if (!committed.empty()) {
+    // Committed again after it was given up or aborted: trackers may name it.
+    MutexLock lock(&lost_mu_);
+    lost_.erase(committed);
   }
   // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
   registry_->OnApplied(journal_->applied());

@@ -250,12 +250,17 @@ def iter_dir(parent, n):
 
 
 def train(parent, ranks=4, mb=16, start=1, iters=1000, keep=2, single_file_per_rank=True,
-          dtypes=DEFAULT_DTYPES, oplog=None, timeout=3600):
-    """Runs the checkpoint/tracker/rotate loop (see the module doc) on `ranks` gloo ranks."""
+          dtypes=DEFAULT_DTYPES, oplog=None, timeout=3600, parents=None):
+    """Runs the checkpoint/tracker/rotate loop (see the module doc) on `ranks` gloo ranks.
+
+    parents: rank r saves through parents[r % len(parents)] instead (mounts of one backing
+    dir on several nodes); rank 0, which writes the tracker and rotates, uses parents[0]."""
     job = {"op": "train", "parent": os.path.abspath(parent), "mb": mb, "start": start,
            "iters": iters, "keep": keep, "dtypes": list(dtypes),
            "single_file_per_rank": bool(single_file_per_rank),
            "oplog": os.path.abspath(oplog) if oplog else None}
+    if parents:
+        job["parents"] = [os.path.abspath(p) for p in parents]
     t0 = time.monotonic()
     per_rank = _run_ranks(job, ranks, timeout)
     return {"op": "train", "parent": job["parent"], "ranks": ranks, "start": start,
@@ -427,7 +432,8 @@ def _worker_train(job, rank, world):
     import shutil
     import torch.distributed as dist
     import torch.distributed._shard.checkpoint as dcp
-    parent = job["parent"]
+    parents = job.get("parents")
+    parent = parents[rank % len(parents)] if parents else job["parent"]
     oplog = open(job["oplog"], "a") if rank == 0 and job["oplog"] else None
 
     def log(op, n):

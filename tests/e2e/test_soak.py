@@ -1,7 +1,10 @@
 """The short soak in CI (issue 41): scripts/soak.py for CKPTFS_SOAK_MINUTES (default 3),
-async then strict, with a fixed seed (CKPTFS_SOAK_SEED, default 4101), kills every 5 to
-20 s. It fails when any invariant of the soak broke (its report, soak.json, says which,
-and its work directories are kept); see docs/RELIABILITY.md for the long form."""
+async then strict on one node, with a fixed seed (CKPTFS_SOAK_SEED, default 4101), kills
+every 5 to 20 s and the fault layer's seeded EIO bursts (CKPTFS_SOAK_RUNS overrides the mix,
+e.g. async:1,strict:2 for two daemons in network namespaces, the peer killed too: not in
+CI while its findings are open, docs/RELIABILITY.md). It
+fails when any invariant of the soak broke (its report, soak.json, says which, and its work
+directories are kept); see docs/RELIABILITY.md for the long form."""
 import json
 import os
 import shutil
@@ -14,6 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOAK = os.path.join(HERE, "..", "..", "scripts", "soak.py")
 MINUTES = os.environ.get("CKPTFS_SOAK_MINUTES", "3")
 SEED = os.environ.get("CKPTFS_SOAK_SEED", "4101")
+RUNS = os.environ.get("CKPTFS_SOAK_RUNS", "async:1,strict:1")
 
 
 @unittest.skipUnless(os.geteuid() == 0, "needs root (FUSE mounts, blkio cgroups)")
@@ -23,13 +27,13 @@ class Soak(unittest.TestCase):
         # The soak registers what it starts with this process's guardian (reaper.py), so
         # ctest's TIMEOUT kill still leaves nothing behind.
         r = subprocess.run([sys.executable, SOAK, "--minutes", MINUTES, "--seed", SEED,
-                            "--modes", "async,strict", "--kill-min", "5", "--kill-max", "20",
+                            "--runs", RUNS, "--kill-min", "5", "--kill-max", "20",
                             "--out", out], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, timeout=float(MINUTES) * 60 + 600)
         print(r.stdout[-6000:])
         with open(os.path.join(out, "soak.json")) as f:
             rep = json.load(f)
-        fails = [f"{x['mode']} t={x['t']}: {x['what']}: {x['detail'][:600]}"
+        fails = [f"{x['mode']}/{x.get('nodes', 1)}n t={x['t']}: {x['what']}: {x['detail'][:600]}"
                  for run in rep["runs"] for x in run["failures"]]
         self.assertEqual(fails, [], f"soak seed {rep['seed']} (report {out}/soak.json)")
         self.assertEqual(r.returncode, 0, r.stdout[-3000:])
@@ -38,6 +42,7 @@ class Soak(unittest.TestCase):
             self.assertGreater(c["daemon_kills"], 0, f"{run['mode']}: no daemon kill")
             self.assertGreater(c["saves_train"], 0, f"{run['mode']}: no save")
             self.assertGreater(c["verify_loads"], 0, f"{run['mode']}: nothing verified")
+            self.assertGreater(c["faults_injected"], 0, f"{run['mode']}: no fault injected")
         shutil.rmtree(out, ignore_errors=True)   # kept when anything failed
 
 

@@ -1,0 +1,1 @@
+"""The pieces of scripts/soak.py (issue 41)."""
