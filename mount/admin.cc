@@ -257,6 +257,9 @@ std::string HumanDuration(double seconds) {
 }
 
 std::string FormatLocalTime(double epoch_seconds) {
+  // A time the daemon (or whatever answers at that path) reports beyond what time_t holds,
+  // or NaN, is shown as unknown; the cast would be undefined (found by control_fuzz).
+  if (!(epoch_seconds > -9.2e18 && epoch_seconds < 9.2e18)) return "-";
   time_t t = static_cast<time_t>(epoch_seconds);
   struct tm tm;
   if (::localtime_r(&t, &tm) == nullptr) return "-";

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -148,6 +149,19 @@ TEST(HumanDuration, PicksTheTwoLargestUnits) {
   EXPECT_EQ(HumanDuration(7380), "2h 03m");
   EXPECT_EQ(HumanDuration(3 * 86400 + 5 * 3600 + 59), "3d 05h");
   EXPECT_EQ(HumanDuration(-5), "0s");
+}
+
+// control_fuzz found it (issue 41): a "committed" time of 1.8e25 in /.ckptfs/checkpoints
+// made FormatLocalTime cast a double beyond time_t (undefined behaviour, UBSan aborts).
+TEST(FormatLocalTime, ShowsATimeBeyondTimeTOrNanAsUnknown) {
+  EXPECT_EQ(FormatLocalTime(1.79589e25), "-");
+  EXPECT_EQ(FormatLocalTime(-1e300), "-");
+  EXPECT_EQ(FormatLocalTime(std::nan("")), "-");
+  EXPECT_NE(FormatLocalTime(1.7e9), "-");
+  auto table = FormatCheckpoints(
+      R"([{"path": "ck", "state": "committed", "bytes": 1, "created": 1.7e9,
+           "committed": 1.79589e25}])", 1.7e9);
+  ASSERT_TRUE(table.ok()) << table.status().ToString();
 }
 
 TEST(FormatTable, AlignsColumnsAndRightAlignsNumbers) {
