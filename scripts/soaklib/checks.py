@@ -80,14 +80,25 @@ class Checks:
                               json.dumps(h))
                     self.halt_since[key] = (now() + 10 ** 6, h.get("seq"), delay)   # once
             elif act and now() - since >= delay:
-                self.abort(d, abort_target(h.get("path", "")), h)
+                self.abort(d, abort_target(h.get("path", "")), h, since)
 
-    def abort(self, d, target, halt):
+    def abort(self, d, target, halt, since):
         # The application may have renamed or removed the halted name since (a small file
         # written as .tmp and renamed): `ckptfs-admin abort` needs a path the mount shows,
         # so the operator aborts the nearest directory above it that is still there.
         while "/" in target and not os.path.lexists(os.path.join(d.mnt, target)):
             target = target.rsplit("/", 1)[0]
+        if not os.path.lexists(os.path.join(d.mnt, target)):
+            # Gone from the mount altogether (the rotation's rm -r of the halted checkpoint):
+            # there is nothing left to abort, and the application's delete drops the halted
+            # entries. Only a halt that outlives that by HALT_S is a failure.
+            self.event("operator abort skipped: the halted name is gone", node=d.index,
+                       path=target, error=halt.get("error"))
+            if now() - since > HALT_S:
+                self.fail(f"node {d.index}: halted at {target}, which is gone, for over "
+                          f"{HALT_S} s", json.dumps(halt))
+                self.halt_since[d.index] = (now() + 10 ** 6, halt.get("seq"), 0)  # once
+            return
         r = subprocess.run([harness.ADMIN, "abort", os.path.join(d.mnt, target)],
                            capture_output=True, text=True)
         self.counts["operator_aborts"] += 1

@@ -242,7 +242,13 @@ class Publication(harness.MountedTest):
         report = json.loads(r.stdout)
         self.assertEqual(report["path"], "ckpt")
         self.assertTrue(any(".metadata" in d for d in report["dropped"]), report)
-        self.assertEqual(m.wait(os.path.join(m.mnt, TRACKER), timeout=30), 0, self.diag(m))
+        # The tracker names the aborted checkpoint: it is withheld, never published (G4),
+        # and what comes after it goes on.
+        self.assertNotEqual(m.wait(os.path.join(m.mnt, TRACKER), timeout=30), 0, self.diag(m))
+        with open(os.path.join(m.mnt, "after.txt"), "w") as f:
+            f.write("later work\n")
+        self.assertEqual(m.wait(os.path.join(m.mnt, "after.txt"), timeout=30), 0, self.diag(m))
+        self.assertFalse(os.path.exists(os.path.join(m.backing, TRACKER)))
         self.assertIsNone(m.stats().get("journal_halted"))
         state = {c["path"]: c for c in m.checkpoints()}.get("ckpt", {})
         self.assertEqual(state.get("state"), "aborted", state)
