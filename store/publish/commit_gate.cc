@@ -123,7 +123,6 @@ CommitCheck CommitGate::Check(const JournalEntry& e, const QueuedPublishes* queu
     check = CheckOrdered(e, &to_ask);
     if (!to_ask.empty()) {
       round = ++ordered_round_ | kOrderedRound;
-      ordered_round_ = round & ~kOrderedRound;
       ordered_round_out_ = true;
       ordered_round_paths_ = to_ask;
     }

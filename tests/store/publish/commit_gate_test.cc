@@ -84,6 +84,21 @@ class CommitGateTest : public ::testing::Test, public PeerShardAsker, public Com
 
   CommitCheck Check(CommitGate& gate) { return gate.Check(commit_, nullptr); }
 
+  // A shard of "ck" published here (its `.metadata` is another node's), then a tracker:
+  // the tracker, an ordered entry, waits for that `.metadata`.
+  static JournalEntry ShardThenTracker(CommitGate& gate) {
+    JournalEntry shard;
+    shard.seq = 3;
+    shard.op = OpType::kPublish;
+    shard.path = "ck/__0_0.distcp";
+    gate.NoteApplied(shard, Status::Ok());
+    JournalEntry tracker;
+    tracker.seq = 4;
+    tracker.op = OpType::kPublish;
+    tracker.path = "latest_checkpointed_iteration.txt";
+    return tracker;
+  }
+
   // Answers the oldest open round with `status` for every path.
   std::vector<std::string> Answer(ShardStatus status, bool unreachable = false) {
     Round round;
@@ -305,15 +320,7 @@ TEST_F(CommitGateTest, PublishedThroughThisMountCountsAfterOneStatWithoutAsking)
 // the node that died).
 TEST_F(CommitGateTest, AForeignCheckpointTheCoordinatorFailedIsGivenUpAtOnce) {
   auto gate = MakeGate();
-  JournalEntry shard;
-  shard.seq = 3;
-  shard.op = OpType::kPublish;
-  shard.path = "ck/__0_0.distcp";
-  gate->NoteApplied(shard, Status::Ok());
-  JournalEntry tracker;
-  tracker.seq = 4;
-  tracker.op = OpType::kPublish;
-  tracker.path = "latest_checkpointed_iteration.txt";
+  const JournalEntry tracker = ShardThenTracker(*gate);
   ASSERT_TRUE(CommitGate::IsOrderedEntry(tracker));
 
   CommitCheck c = gate->Check(tracker, nullptr);
@@ -342,15 +349,7 @@ TEST_F(CommitGateTest, AForeignCheckpointTheCoordinatorFailedIsGivenUpAtOnce) {
 // reached its `.metadata` yet; the backing store still tells when it lands.
 TEST_F(CommitGateTest, AnUnknownCoordinatorAnswerKeepsWaitingForTheBackingStore) {
   auto gate = MakeGate();
-  JournalEntry shard;
-  shard.seq = 3;
-  shard.op = OpType::kPublish;
-  shard.path = "ck/__0_0.distcp";
-  gate->NoteApplied(shard, Status::Ok());
-  JournalEntry tracker;
-  tracker.seq = 4;
-  tracker.op = OpType::kPublish;
-  tracker.path = "latest_checkpointed_iteration.txt";
+  const JournalEntry tracker = ShardThenTracker(*gate);
   EXPECT_FALSE(gate->Check(tracker, nullptr).ready);
   Answer({ShardState::kUnknown, 0}, /*unreachable=*/true);
   EXPECT_FALSE(gate->Check(tracker, nullptr).ready);
