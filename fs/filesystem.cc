@@ -50,12 +50,15 @@ Status Filesystem::Init(FsDeps deps) {
   flush_options.threads = config_.flush_threads;
   flush_options.block_crcs = config_.write_checksums;
   flush_options.direct_io = config_.flush_direct_io;
-  // Issue 23: the retained tier copies what the flush threads wrote (never waits).
+  // Issue 23: the retained tier keeps what the flush threads wrote (never waits); issue 42:
+  // the chunks themselves, lent by the pool, which puts spares in their place.
   if (config_.retain_bytes > 0 && config_.cache_bytes > 0 && !deps.cache) {
     store::RetainedTierOptions retain_options;
     retain_options.budget_bytes = config_.retain_bytes;
+    retain_options.lender = pool_.get();
     retained_ = std::make_unique<store::RetainedTier>(backing_.get(), retain_options);
     flush_options.on_written = retained_.get();
+    pool_->SetLendLimit(config_.retain_bytes);
   }
   if (deps.pipeline) {
     pipeline_ = std::move(deps.pipeline);

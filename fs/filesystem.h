@@ -188,11 +188,12 @@ class Filesystem {
   FsStats stats_;
   std::unique_ptr<store::BackingDir> backing_;
   std::unique_ptr<store::StateDb> db_;
+  // Outlives the retained tier, which holds chunks lent from it (issue 42).
+  std::unique_ptr<gpu::StagingPool> pool_;
   // Issue 23: outlive the flush threads (pipeline_) and the block cache (loader_) that call
   // them.
   std::unique_ptr<store::RetainedTier> retained_;
   std::unique_ptr<store::RetainedSource> retained_source_;
-  std::unique_ptr<gpu::StagingPool> pool_;
   std::unique_ptr<store::FlushPipeline> pipeline_;
   std::unique_ptr<store::KeyIndex> index_;
   // Journal, commit gate, shard states (which outlive the peer server in loader_),

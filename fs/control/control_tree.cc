@@ -202,6 +202,11 @@ std::string ControlTree::StatsJson() {
   j["staging_pins"] = pool_->pins();
   j["staging_releases"] = pool_->releases();
   j["staging_waits"] = pool_->waits();
+  // Issue 42: chunks lent to the retained tier (spares took their place) and spares kept.
+  j["staging_lent"] = pool_->lent_bytes();
+  j["staging_spare"] = pool_->spare_bytes();
+  j["staging_lends"] = pool_->lends();
+  j["staging_lend_allocs"] = pool_->lend_allocs();
   j["backing_bytes_read"] = backing_->bytes_read();
   j["write_checksums"] = config_.write_checksums;
   j["bytes_flushed_direct"] = pipeline_->direct_bytes();  // O_DIRECT, no page-cache copy

@@ -54,6 +54,7 @@ WriteStates::WritePlan WriteStates::PlanWriteLocked(Node* node, bool truncate,
   plan.gid = node->attr.st_gid;
   plan.mode = node->attr.st_mode & 07777;
   plan.truncate = truncate;
+  plan.retainable = store::IsCheckpointFileName(node->name);
   plan.prev_file_id = node->write ? node->write->file_id : 0;
   if (!truncate) {
     // Copy-on-write: the real name keeps its old bytes until the new ones are published.
@@ -119,7 +120,7 @@ Result<std::unique_ptr<WriteState>> WriteStates::PrepareWrite(const WritePlan& p
   ws->file_id = plan.id;
   ws->temp_name = plan.temp_name;
   ws->temp_dir = table_.root().get();
-  auto target = std::make_shared<store::FlushTarget>(plan.id, std::move(*fd));
+  auto target = std::make_shared<store::FlushTarget>(plan.id, std::move(*fd), plan.retainable);
   ws->staged = std::make_shared<store::StagedFile>(staging_ctx_, std::move(target), size);
   return ws;
 }
