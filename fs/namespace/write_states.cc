@@ -287,6 +287,7 @@ Result<std::pair<Entry, Handle*>> WriteStates::Create(uint64_t parent, const std
         plan.gid = owner.gid;
         plan.mode = owner.mode & 07777;
         plan.truncate = true;
+        plan.retainable = store::IsCheckpointFileName(name);
       } else {
         node = table_.NewNodeLocked(dir.get(), name, NodeType::kFile);
         node->attr.st_mode = S_IFREG | owner.mode;
