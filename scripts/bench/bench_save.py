@@ -19,7 +19,8 @@ into --out.
 
 --mount NAME=ARG,ARG (repeatable) runs more mounts side by side, each with its
 own daemon (the same flags plus ARGs), e.g. noretain=--retain-mem,0 for the
-retained tier's A/B (issue 42). Every rep saves into each side once, the
+retained tier's A/B (issue 42); --bin-dir NAME=DIR runs mount NAME from another
+build (ckptfs=DIR for the main one), so two commits can be compared in one run. Every rep saves into each side once, the
 sides' order rotating from rep to rep; each extra mount gets its own stall and
 durable cases (NAME suffix) and `stall_ckptfs_vs_NAME`, the paired per-rep
 ratio of the main mount's stall to NAME's (ratio < 1: the main mount stalls
@@ -89,6 +90,9 @@ def main():
     ap.add_argument("--mount", action="append", default=[], metavar="NAME=ARG,ARG",
                     help="one more mount side by side with these extra daemon flags, e.g. "
                          "noretain=--retain-mem,0 (repeatable)")
+    ap.add_argument("--bin-dir", action="append", default=[], metavar="NAME=DIR",
+                    help="mount NAME runs the programs in DIR (another build: two commits "
+                         "side by side); repeatable")
     ap.add_argument("--work", default=os.path.join(bl.REPO, "build-bench", "save-work"),
                     help="scratch dir on the backing file system (wiped)")
     ap.add_argument("--out", default=os.path.join(bl.REPO, "build-bench"))
@@ -108,6 +112,10 @@ def main():
         if not mname or mname in mounts or mname == "direct":
             ap.error(f"--mount {spec}: give a new name, NAME=ARG,ARG")
         mounts[mname] = [x for x in margs.split(",") if x]
+    bins = dict(spec.partition("=")[::2] for spec in a.bin_dir)
+    for mname in bins:
+        if mname not in mounts:
+            ap.error(f"--bin-dir {mname}=...: no such mount")
     modes = [int(x) for x in a.modes.split(",") if x != ""]
     raw = {"args": vars(a), "mounts": mounts, "runs": []}
     cases = []
@@ -116,7 +124,7 @@ def main():
     try:
         for mname, margs in mounts.items():
             d = bl.Daemon(os.path.join(a.work, mname), staging=a.staging_mem,
-                          args=extra + margs).start()
+                          args=extra + margs, bin_dir=bins.get(mname)).start()
             daemons[mname] = d
             bl.log(f"{mname}: ckptfs pid {d.pid} at {d.mnt}, staging {a.staging_mem} {margs}")
         io0 = {m: bl.proc_io(d.pid) for m, d in daemons.items()}
@@ -235,11 +243,14 @@ def main():
     with open(os.path.join(a.out, "bench_save.json"), "w") as f:
         json.dump(raw, f, indent=1)
     time_cases = [c for c in cases if not c["case"].startswith("peak_rss")]
-    bl.plot(os.path.join(a.out, "bench_save.png"),
-            f"DCP save, {a.ranks} ranks, {a.mb} MiB (median of {a.reps})", time_cases,
-            progress=plotted and plotted["progress"],
-            progress_title=f"flush progress, {plotted['name']}" if plotted else "",
-            markers=plotted["markers"] if plotted else ())
+    try:
+        bl.plot(os.path.join(a.out, "bench_save.png"),
+                f"DCP save, {a.ranks} ranks, {a.mb} MiB (median of {a.reps})", time_cases,
+                progress=plotted and plotted["progress"],
+                progress_title=f"flush progress, {plotted['name']}" if plotted else "",
+                markers=plotted["markers"] if plotted else ())
+    except ImportError:
+        bl.log("matplotlib missing: no plot")
     return 0 if all(c["ok"] for c in cases) else 1
 
 
