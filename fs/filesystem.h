@@ -36,10 +36,12 @@
 #include "fs/fs_stats.h"
 #include "fs/fs_types.h"
 #include "fs/namespace/handle.h"
+#include "fs/namespace/memory_view.h"
 #include "fs/namespace/namespace.h"
 #include "fs/namespace/posix_access.h"
 #include "gpu/staging_pool.h"
 #include "store/cache/retained_tier.h"
+#include "store/memory/memory_tier.h"
 #include "store/dcp/key_index.h"
 #include "store/flush/flush_pipeline.h"
 #include "store/load/loader.h"
@@ -194,6 +196,7 @@ class Filesystem {
   // them.
   std::unique_ptr<store::RetainedTier> retained_;
   std::unique_ptr<store::RetainedSource> retained_source_;
+  std::unique_ptr<store::MemoryTier> memory_tier_;  // issue 42: memory-only directories
   std::unique_ptr<store::FlushPipeline> pipeline_;
   std::unique_ptr<store::KeyIndex> index_;
   // Journal, commit gate, shard states (which outlive the peer server in loader_),
@@ -203,6 +206,7 @@ class Filesystem {
   std::unique_ptr<TensorView> tensors_;
   // ------------------------------------------------------------ the units it routes to
   std::unique_ptr<Namespace> ns_;
+  std::unique_ptr<MemoryView> memory_;  // over ns_'s table and memory_tier_
   std::unique_ptr<ControlTree> control_;
 
   std::atomic<bool> shut_down_{false};

@@ -22,6 +22,7 @@
 #include "fs/fs_util.h"
 #include "fs/op_metrics.h"
 #include "store/cache/retained_tier.h"
+#include "store/memory/memory_tier.h"
 #include "store/peer/peers.h"
 #include "store/publish/commit_gate.h"
 
@@ -95,7 +96,8 @@ ControlTree::ControlTree(const FsConfig& config, const FsParts& parts, Namespace
       index_(parts.index),
       loader_(parts.loader),
       tensors_(parts.tensors),
-      retained_(parts.retained) {}
+      retained_(parts.retained),
+      memory_tier_(parts.memory_tier) {}
 
 // ---------------------------------------------------------------- the tree
 
@@ -257,6 +259,7 @@ std::string ControlTree::StatsJson() {
     loader_->peers()->AppendStats(&j);
     j["plan_wait_timeouts"] = loader_->plan_wait_timeouts();
   }
+  if (memory_tier_ != nullptr) j["memory_ckpt"] = memory_tier_->StatsJson();  // issue 42
   if (retained_) {  // issue 23: the memory tier; hits by tier: retained, peers, backing
     j["retained"] = retained_->StatsJson();
     j["retained_bytes"] = j["retained"]["retained_bytes"];
@@ -333,6 +336,12 @@ std::string ControlTree::CheckpointsJson() {
     arr.push_back(std::move(j));
   }
   AddRetained(&arr);
+  if (memory_tier_ != nullptr) {  // issue 42: memory-only checkpoints, never on the backing store
+    for (const store::MemCheckpoint& c : memory_tier_->Checkpoints()) {
+      arr.push_back({{"path", c.path}, {"state", c.state}, {"tier", "memory"},
+                     {"bytes", c.bytes}, {"replicas", c.where}});
+    }
+  }
   return JsonText(arr, 1) + "\n";
 }
 
