@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "fs/staged_file.h"
+#include "fs/namespace/staged_file.h"
 #include "gpu/staging_pool.h"
 #include "store/cache/backing_source.h"
 #include "store/cache/retained_tier.h"
