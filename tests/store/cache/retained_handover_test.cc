@@ -17,17 +17,16 @@
 #include <string>
 #include <vector>
 
-#include "fs/namespace/staged_file.h"
 #include "gpu/staging_pool.h"
 #include "store/cache/backing_source.h"
 #include "store/cache/retained_tier.h"
 #include "store/flush/flush_pipeline.h"
+#include "store/flush/staged_file.h"
 #include "tests/store/primitives/faulty_backing_dir.h"
 
-namespace ckptfs::fs {
+namespace ckptfs::store {
 namespace {
 
-using store::ScopedTempDir;
 
 constexpr size_t kChunk = size_t{128} << 10;  // a staging chunk holds two tier blocks
 constexpr size_t kBlock = size_t{64} << 10;
@@ -46,7 +45,7 @@ std::string Pattern(size_t n, int seed) {
 class RetainedHandoverTest : public ::testing::Test {
  protected:
   void Make(size_t budget_chunks) {
-    auto dir = store::BackingDir::Open(tmp_.path());
+    auto dir = BackingDir::Open(tmp_.path());
     ASSERT_TRUE(dir.ok());
     backing_ = std::move(dir).value();
     gpu::StagingOptions po;
@@ -56,17 +55,17 @@ class RetainedHandoverTest : public ::testing::Test {
     auto pool = gpu::StagingPool::Create(po);
     ASSERT_TRUE(pool.ok()) << pool.status().ToString();
     pool_ = std::move(pool).value();
-    store::RetainedTierOptions to;
+    RetainedTierOptions to;
     to.budget_bytes = budget_chunks * kChunk;
     to.block_bytes = kBlock;
     to.lender = pool_.get();
-    tier_ = std::make_unique<store::RetainedTier>(backing_.get(), to);
+    tier_ = std::make_unique<RetainedTier>(backing_.get(), to);
     pool_->SetLendLimit(to.budget_bytes);
-    store::FlushOptions fo;
+    FlushOptions fo;
     fo.threads = 1;  // chunks flushed in file order: which ones fit the budget is known
     fo.direct_io = false;
     fo.on_written = tier_.get();
-    auto pipeline = store::FlushPipeline::Create(backing_.get(), fo);
+    auto pipeline = FlushPipeline::Create(backing_.get(), fo);
     ASSERT_TRUE(pipeline.ok());
     pipeline_ = std::move(pipeline).value();
   }
@@ -83,12 +82,12 @@ class RetainedHandoverTest : public ::testing::Test {
   // Writes `data` as the application would (`piece` bytes per write) into a new staged
   // file; `seal_at`: the staging pressure seals the active chunk once that many bytes are
   // in. Returns its flush target once every chunk was flushed.
-  std::shared_ptr<store::FlushTarget> Stage(const std::string& data, bool retainable = true,
+  std::shared_ptr<FlushTarget> Stage(const std::string& data, bool retainable = true,
                                             size_t piece = 48 << 10, size_t seal_at = 0) {
     const std::string temp = ".ckptfs-tmp." + std::to_string(++next_id_);
     auto fd = backing_->OpenFile(temp, O_RDWR | O_CREAT | O_EXCL, 0644);
     EXPECT_TRUE(fd.ok());
-    auto target = std::make_shared<store::FlushTarget>(next_id_, std::move(*fd), retainable);
+    auto target = std::make_shared<FlushTarget>(next_id_, std::move(*fd), retainable);
     auto file = std::make_shared<StagedFile>(
         StagingContext{pool_.get(), pipeline_.get(), backing_.get()}, target, 0);
     for (size_t off = 0; off < data.size(); off += piece) {
@@ -104,14 +103,14 @@ class RetainedHandoverTest : public ::testing::Test {
 
   // What the journal does: the temp file renamed to its name, then the tier told.
   void Publish(const std::string& path, uint64_t size,
-               const std::shared_ptr<store::FlushTarget>& target) {
+               const std::shared_ptr<FlushTarget>& target) {
     std::filesystem::create_directories(
         std::filesystem::path(tmp_.path() + "/" + path).parent_path());
     ASSERT_EQ(::rename((tmp_.path() + "/" + temps_[target->id()]).c_str(),
                        (tmp_.path() + "/" + path).c_str()),
               0);
-    store::JournalEntry e;
-    e.op = store::OpType::kPublish;
+    JournalEntry e;
+    e.op = OpType::kPublish;
     e.path = path;
     e.size = size;
     e.target = target;
@@ -125,22 +124,22 @@ class RetainedHandoverTest : public ::testing::Test {
 
   void Commit(const std::string& dir) {
     std::ofstream(tmp_.path() + "/" + dir + "/.metadata") << "meta";
-    store::JournalEntry e;
-    e.op = store::OpType::kPublish;
+    JournalEntry e;
+    e.op = OpType::kPublish;
     e.path = dir + "/.metadata";
     e.size = 4;
     tier_->OnJournalDone(e, Status::Ok());
   }
 
-  store::BlockId Id(const std::string& path) {
+  BlockId Id(const std::string& path) {
     struct stat st {};
     EXPECT_EQ(::stat((tmp_.path() + "/" + path).c_str(), &st), 0);
-    return store::BlockIdFromStat(path, st);
+    return BlockIdFromStat(path, st);
   }
 
   // The whole file as the tier serves it in place, or "" when any block is not served.
   std::string ReadAll(const std::string& path) {
-    const store::BlockId id = Id(path);
+    const BlockId id = Id(path);
     std::string got;
     auto n = tier_->ReadInPlace(id, id.size, 0, [&](std::span<const struct iovec> iov) {
       for (const struct iovec& v : iov) got.append(static_cast<const char*>(v.iov_base), v.iov_len);
@@ -158,10 +157,10 @@ class RetainedHandoverTest : public ::testing::Test {
   }
 
   ScopedTempDir tmp_{"ckptfs-handover-test"};
-  std::unique_ptr<store::BackingDir> backing_;
+  std::unique_ptr<BackingDir> backing_;
   std::unique_ptr<gpu::StagingPool> pool_;
-  std::unique_ptr<store::RetainedTier> tier_;
-  std::unique_ptr<store::FlushPipeline> pipeline_;
+  std::unique_ptr<RetainedTier> tier_;
+  std::unique_ptr<FlushPipeline> pipeline_;
   uint64_t next_id_ = 0;
   std::map<uint64_t, std::string> temps_;
 };
@@ -170,7 +169,7 @@ TEST_F(RetainedHandoverTest, FlushedChunksAreKeptWithoutACopyAndStagingKeepsEver
   Make(/*budget_chunks=*/16);
   const std::string data = Pattern(6 * kChunk + 5000, 1);  // six full chunks and a tail
   Save("run/step1/__0_0.distcp", data);
-  store::RetainedTierStats s = tier_->Stats();
+  RetainedTierStats s = tier_->Stats();
   EXPECT_EQ(s.loans, 6u);
   EXPECT_EQ(s.kept_bytes, 6 * kChunk) << "the full chunks are the retained blocks";
   EXPECT_EQ(s.captured_bytes, 5000u) << "only the tail (a chunk mostly empty) is copied";
@@ -208,7 +207,7 @@ TEST_F(RetainedHandoverTest, AChunkTheTierRefusesGoesBackToThePool) {
   // Fresh pending saves are never evicted: past two chunks the tier has no room.
   const std::string data = Pattern(5 * kChunk, 4);
   Save("run/step1/__0_0.distcp", data);
-  store::RetainedTierStats s = tier_->Stats();
+  RetainedTierStats s = tier_->Stats();
   EXPECT_EQ(s.loans, 2u);
   EXPECT_GT(s.skipped_bytes, 0u);
   EXPECT_EQ(pool_->lent_bytes(), 2 * kChunk);
@@ -216,7 +215,7 @@ TEST_F(RetainedHandoverTest, AChunkTheTierRefusesGoesBackToThePool) {
   EXPECT_EQ(FreeStagingChunks(), kStagingChunks) << "a refused chunk did not come back";
   Commit("run/step1");
   EXPECT_EQ(ReadAll("run/step1/__0_0.distcp"), "") << "partly held: not served whole";
-  const store::BlockId id = Id("run/step1/__0_0.distcp");
+  const BlockId id = Id("run/step1/__0_0.distcp");
   for (uint64_t i = 0; i < 4; ++i) EXPECT_TRUE(tier_->Holds(id, i)) << i;
   EXPECT_FALSE(tier_->Holds(id, 4));
   std::string block(kBlock, '\0');
@@ -237,7 +236,7 @@ TEST_F(RetainedHandoverTest, AChunkSealedMidBlockIsCompletedByACopyAndServedExac
   // Sealed at 96 KiB (staging pressure): block 1 starts in that chunk and ends in the next.
   const std::string data = Pattern(4 * kChunk, 6);
   Save("run/step1/__0_0.distcp", data, /*seal_at=*/96 << 10);
-  const store::RetainedTierStats s = tier_->Stats();
+  const RetainedTierStats s = tier_->Stats();
   EXPECT_GT(s.captured_bytes, 0u) << "block 1 became a copy";
   EXPECT_GT(s.kept_bytes, s.captured_bytes);
   Commit("run/step1");
@@ -249,7 +248,7 @@ TEST_F(RetainedHandoverTest, AReaderKeepsItsChunkOutOfThePoolUntilItsReplyReturn
   const std::string data = Pattern(2 * kChunk, 7);
   Save("run/step1/__0_0.distcp", data);
   Commit("run/step1");
-  const store::BlockId id = Id("run/step1/__0_0.distcp");
+  const BlockId id = Id("run/step1/__0_0.distcp");
   std::string got;
   size_t lent_during = 0, spare_during = 0;
   auto n = tier_->ReadInPlace(id, kBlock, 0, [&](std::span<const struct iovec> iov) {
@@ -269,4 +268,4 @@ TEST_F(RetainedHandoverTest, AReaderKeepsItsChunkOutOfThePoolUntilItsReplyReturn
 }
 
 }  // namespace
-}  // namespace ckptfs::fs
+}  // namespace ckptfs::store
