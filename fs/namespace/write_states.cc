@@ -13,6 +13,7 @@
 
 #include "fs/fs_util.h"
 #include "store/dcp/checkpoint_source.h"
+#include "store/dcp/commit_names.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/peer/peers.h"
 

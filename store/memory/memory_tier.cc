@@ -8,8 +8,8 @@
 #include <ctime>
 
 #include "common/path.h"
+#include "store/dcp/commit_names.h"
 #include "store/dcp/dcp_metadata.h"
-#include "store/publish/commit_names.h"
 
 namespace ckptfs::store {
 namespace {

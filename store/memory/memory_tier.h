@@ -9,7 +9,7 @@
 // kNoSpace and changes nothing; nothing is evicted for it.
 //
 // Checkpoints. A directory of a tree is a checkpoint once it holds a checkpoint file; it is
-// *committed* when its commit file (`.metadata`, store/publish/commit_names.h) appears, by
+// *committed* when its commit file (`.metadata`, store/dcp/commit_names.h) appears, by
 // rename or by the close of a handle that wrote it, and every file the `.metadata` names is
 // there with at least the length it needs (else the commit is refused, kept `writing`). This
 // node is the only one: committed in memory alone (no peer holds a replica), and the log
