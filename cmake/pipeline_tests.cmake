@@ -25,6 +25,7 @@ set(CKPTFS_PIPELINE_TEST_FILES
 # linker pulls must find these in the trimmed ckptfs_store).
 set(CKPTFS_PIPELINE_EXTRA_SOURCES
     store/cache/retained_tier.cc
+    store/cache/retained_tier_report.cc
     store/dcp/checkpoint_source.cc)
 
 set(_queue)

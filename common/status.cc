@@ -26,6 +26,7 @@ std::string_view CodeName(Code code) {
     case Code::kTooManyLinks: return "TooManyLinks";
     case Code::kSuperseded: return "Superseded";
     case Code::kNodeLost: return "NodeLost";
+    case Code::kCrossDevice: return "CrossDevice";
   }
   return "Unknown";
 }
@@ -81,6 +82,7 @@ int Status::ToErrno() const {
     case Code::kTooManyOpenFiles: return EMFILE;
     case Code::kNotPermitted: return EPERM;
     case Code::kTooManyLinks: return EMLINK;
+    case Code::kCrossDevice: return EXDEV;
     default: return EIO;
   }
 }

@@ -48,6 +48,8 @@ enum class Code {
   // "A lost node"): a commit whose shards were that node's, a tracker naming such a
   // checkpoint. Skipped without halting publication; the checkpoint is failed.
   kNodeLost,
+  // EXDEV: a rename between a memory-only tree (issue 42) and the rest of the mount.
+  kCrossDevice,
 };
 
 std::string_view CodeName(Code code);

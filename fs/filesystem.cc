@@ -50,12 +50,15 @@ Status Filesystem::Init(FsDeps deps) {
   flush_options.threads = config_.flush_threads;
   flush_options.block_crcs = config_.write_checksums;
   flush_options.direct_io = config_.flush_direct_io;
-  // Issue 23: the retained tier copies what the flush threads wrote (never waits).
+  // Issue 23: the retained tier keeps what the flush threads wrote (never waits); issue 42:
+  // the chunks themselves, lent by the pool, which puts spares in their place.
   if (config_.retain_bytes > 0 && config_.cache_bytes > 0 && !deps.cache) {
     store::RetainedTierOptions retain_options;
     retain_options.budget_bytes = config_.retain_bytes;
+    retain_options.lender = pool_.get();
     retained_ = std::make_unique<store::RetainedTier>(backing_.get(), retain_options);
     flush_options.on_written = retained_.get();
+    pool_->SetLendLimit(config_.retain_bytes);
   }
   if (deps.pipeline) {
     pipeline_ = std::move(deps.pipeline);
@@ -130,12 +133,18 @@ Status Filesystem::Init(FsDeps deps) {
                                                                  index_.get(),
                                                                  std::move(pub_options)));
   tensors_ = std::make_unique<TensorView>(backing_.get(), index_.get());
+  store::MemoryTierOptions memory_options;  // issue 42: memory-only directories
+  memory_options.budget_bytes = config_.memory_ckpt_bytes;
+  memory_tier_ = std::make_unique<store::MemoryTier>(memory_options);
 
   const FsParts parts{.backing = backing_.get(), .db = db_.get(), .pool = pool_.get(),
                       .pipeline = pipeline_.get(), .publication = publication_.get(),
                       .index = index_.get(), .loader = loader_.get(), .tensors = tensors_.get(),
-                      .stats = &stats_, .retained = retained_.get()};
+                      .stats = &stats_, .retained = retained_.get(),
+                      .memory_tier = memory_tier_.get()};
   CKPT_ASSIGN_OR_RETURN(ns_, Namespace::Create(config_, parts));
+  memory_ = std::make_unique<MemoryView>(memory_tier_.get(), backing_.get(), &ns_->table(),
+                                         publication_.get());
   pool_->SetPressureListener(&ns_->writes());
   // Publication reports to the namespace from here on: the entries the last stop left go
   // first, before the mount serves.
@@ -171,47 +180,68 @@ Result<Entry> Filesystem::Lookup(uint64_t parent, const std::string& name) {
   if (ControlTree::IsControl(parent) || (parent == kRootIno && name == kCtlDirName)) {
     return control_->CtlLookup(parent, name);
   }
+  if (auto dir = memory_->DirOf(parent)) return memory_->Lookup(*dir, name);  // issue 42
   return ns_->NodeLookup(parent, name);
 }
 
 Result<struct stat> Filesystem::GetAttr(uint64_t ino) {
   if (TensorView::Owns(ino)) return tensors_->GetAttr(ino);
   if (ControlTree::IsControl(ino)) return control_->CtlGetAttr(ino);
+  if (MemoryView::Owns(ino)) return memory_->GetAttr(ino);
   return ns_->table().GetAttr(ino);
 }
 
-void Filesystem::Forget(uint64_t ino, uint64_t nlookup) { ns_->Forget(ino, nlookup); }
+void Filesystem::Forget(uint64_t ino, uint64_t nlookup) {
+  if (!MemoryView::Owns(ino)) ns_->Forget(ino, nlookup);
+}
 
 Result<struct stat> Filesystem::SetAttr(uint64_t ino, const struct stat& in, int to_set,
                                         Handle* handle, const Caller& caller) {
+  if (MemoryView::Owns(ino)) return memory_->SetAttr(ino, in, to_set);
   return ns_->posix().SetAttr(ino, in, to_set, handle, caller);
 }
 
 Result<Entry> Filesystem::Mkdir(uint64_t parent, const std::string& name, mode_t mode,
                                 const Caller& caller) {
+  if (auto dir = memory_->DirOf(parent)) return memory_->Mkdir(*dir, name, mode, caller);
   return ns_->Mkdir(parent, name, mode, caller);
+}
+
+// Memory-only trees hold directories and regular files only.
+static Status NotInMemoryTree(const char* what) {
+  return Unsupported(std::string(what) + " in a memory-only directory");
 }
 
 Result<Entry> Filesystem::Symlink(const std::string& target, uint64_t parent,
                                   const std::string& name, const Caller& caller) {
+  if (memory_->DirOf(parent)) return NotInMemoryTree("a symlink");
   return ns_->Symlink(target, parent, name, caller);
 }
 
 Result<Entry> Filesystem::Mknod(uint64_t parent, const std::string& name, mode_t mode,
                                 dev_t rdev, const Caller& caller) {
+  if (memory_->DirOf(parent)) return NotInMemoryTree("mknod");
   return ns_->Mknod(parent, name, mode, rdev, caller);
 }
 
 Result<Entry> Filesystem::Link(uint64_t ino, uint64_t new_parent, const std::string& new_name,
                                const Caller& caller) {
+  if (MemoryView::Owns(ino) != memory_->DirOf(new_parent).has_value()) {
+    return Status(Code::kCrossDevice, "a link across a memory-only directory");
+  }
+  if (MemoryView::Owns(ino)) return NotInMemoryTree("a hard link");
   return ns_->posix().Link(ino, new_parent, new_name, caller);
 }
 
 Status Filesystem::Fallocate(Handle* h, int mode, uint64_t offset, uint64_t length) {
+  if (h->memory() != nullptr) return NotInMemoryTree("fallocate");
   return ns_->posix().Fallocate(h, mode, offset, length);
 }
 
-Result<std::string> Filesystem::Readlink(uint64_t ino) { return ns_->Readlink(ino); }
+Result<std::string> Filesystem::Readlink(uint64_t ino) {
+  if (MemoryView::Owns(ino)) return Invalid("not a symlink");
+  return ns_->Readlink(ino);
+}
 
 Status Filesystem::UpdatePeers(const std::vector<std::string>& nodes) {
   if (!loader_ || !loader_->peers()) return Invalid("this daemon runs without --peers");
@@ -223,25 +253,40 @@ void Filesystem::NotePeersRejected(const std::string& why) {
 }
 
 Status Filesystem::Unlink(uint64_t parent, const std::string& name, const Caller& caller) {
+  if (auto dir = memory_->DirOf(parent)) return memory_->Unlink(*dir, name);
   return ns_->Unlink(parent, name, caller);
 }
 
 Status Filesystem::Rmdir(uint64_t parent, const std::string& name, const Caller& caller) {
+  if (auto dir = memory_->DirOf(parent)) return memory_->Rmdir(*dir, name);
+  // A marked directory is empty on the backing store; its names are in memory.
+  if (Result<Entry> child = ns_->NodeLookup(parent, name); child.ok()) {
+    const bool busy = memory_->MarkedAndBusy(child->ino);
+    ns_->Forget(child->ino, 1);
+    if (busy) return Status(Code::kNotEmpty, name + " (a memory-only directory)");
+  }
   return ns_->Rmdir(parent, name, caller);
 }
 
 Status Filesystem::Rename(uint64_t parent, const std::string& name, uint64_t new_parent,
                           const std::string& new_name, unsigned flags, const Caller& caller) {
+  const std::optional<uint64_t> from = memory_->DirOf(parent), to = memory_->DirOf(new_parent);
+  if (from.has_value() != to.has_value()) {
+    return Status(Code::kCrossDevice, "a rename across a memory-only directory's boundary");
+  }
+  if (from) return memory_->Rename(*from, name, *to, new_name, flags);
   return ns_->Rename(parent, name, new_parent, new_name, flags, caller);
 }
 
 Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std::string& name,
                                                      mode_t mode, int flags,
                                                      const Caller& caller) {
+  if (auto dir = memory_->DirOf(parent)) return memory_->Create(*dir, name, mode, flags, caller);
   return ns_->writes().Create(parent, name, mode, flags, caller);
 }
 
 Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
+  if (MemoryView::Owns(ino)) return memory_->Open(ino, flags);
   Result<Handle*> h = ControlTree::IsControl(ino) || TensorView::Owns(ino)
                            ? control_->CtlOpen(ino, flags)
                            : ns_->writes().NodeOpen(ino, flags);
@@ -251,6 +296,7 @@ Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
 
 Result<Handle*> Filesystem::OpenDir(uint64_t ino) {
   if (ControlTree::IsControl(ino) || TensorView::Owns(ino)) return control_->CtlOpenDir(ino);
+  if (memory_->DirOf(ino)) return memory_->OpenDir(ino);
   return ns_->NodeOpenDir(ino);
 }
 
@@ -264,6 +310,8 @@ Result<size_t> Filesystem::ReadData(Handle* h, char* out, size_t len, uint64_t o
   Result<size_t> got = size_t{0};
   if (ViewHandle* v = h->view()) {
     got = loader_->ReadWindow(v->fd->get(), v->base, v->size, out, len, offset);
+  } else if (MemoryHandle* m = h->memory()) {
+    got = memory_->Read(*m, out, len, offset);
   } else if (ContentHandle* c = h->content()) {
     if (offset >= c->content.size()) return size_t{0};
     size_t n = std::min<size_t>(len, c->content.size() - offset);
@@ -336,6 +384,7 @@ Result<std::optional<size_t>> Filesystem::ReadInPlace(Handle* h, size_t len, uin
 }
 
 Status Filesystem::Write(Handle* h, store::ByteSource& src, uint64_t offset) {
+  if (MemoryHandle* m = h->memory()) return memory_->Write(m, src, offset);
   FileHandle* f = h->file();
   if (f == nullptr) return Status(Code::kPermission, "not open for writing");
   return ns_->table().LogIfIo("write", h->ino(), offset, ns_->writes().WriteData(f, src, offset));
@@ -351,20 +400,30 @@ Status Filesystem::Fsync(Handle* h) { return Flush(h); }
 
 void Filesystem::Release(Handle* h) {
   std::unique_ptr<Handle> owned(h);
+  if (MemoryHandle* m = h->memory()) memory_->Release(*m);
   if (FileHandle* f = h->file()) ns_->writes().ReleaseFile(f);
 }
 
 void Filesystem::ReleaseDir(Handle* h) { delete h; }
 
 Result<std::string> Filesystem::GetXattr(uint64_t ino, const std::string& name) {
+  if (name == kTierXattr) {  // issue 42: on a marked directory and everything below it
+    if (memory_->DirOf(ino) || MemoryView::Owns(ino)) return std::string("memory");
+    return NotFound(name);
+  }
   return control_->GetXattr(ino, name);
 }
 
 Status Filesystem::SetXattr(uint64_t ino, const std::string& name, const std::string& value) {
+  if (name == kTierXattr) return memory_->Mark(ino, value);  // issue 42
   return control_->SetXattr(ino, name, value);
 }
 
-std::string Filesystem::ListXattr(uint64_t ino) { return control_->ListXattr(ino); }
+std::string Filesystem::ListXattr(uint64_t ino) {
+  std::string names = control_->ListXattr(ino);
+  if (memory_->DirOf(ino) || MemoryView::Owns(ino)) names.append(kTierXattr, sizeof(kTierXattr));
+  return names;
+}
 
 Result<struct statvfs> Filesystem::StatFs() { return backing_->StatFs(); }
 
@@ -373,6 +432,7 @@ uint64_t Filesystem::Shutdown(const std::function<void(const std::string&)>& wai
   if (loader_) loader_->StopServingPeers();
   if (loader_ && loader_->peers()) loader_->peers()->StopReplicas();
   if (retained_) retained_->DropAll();  // issue 23: a stop drops the memory tier
+  if (memory_tier_) memory_tier_->DropAll();  // issue 42: memory-only checkpoints are lost
   if (!publication_ || !pipeline_) {  // Create() failed part way: nothing was served
     if (loader_) loader_->Stop();
     return 0;

@@ -36,6 +36,7 @@
 #include "fs/fs_stats.h"
 #include "fs/fs_types.h"
 #include "fs/namespace/handle.h"
+#include "fs/namespace/memory_view.h"
 #include "fs/namespace/namespace.h"
 #include "fs/namespace/posix_access.h"
 #include "gpu/staging_pool.h"
@@ -43,6 +44,7 @@
 #include "store/dcp/key_index.h"
 #include "store/flush/flush_pipeline.h"
 #include "store/load/loader.h"
+#include "store/memory/memory_tier.h"
 #include "store/primitives/backing_dir.h"
 #include "store/primitives/state_db.h"
 #include "store/publish/publication.h"
@@ -188,11 +190,13 @@ class Filesystem {
   FsStats stats_;
   std::unique_ptr<store::BackingDir> backing_;
   std::unique_ptr<store::StateDb> db_;
+  // Outlives the retained tier, which holds chunks lent from it (issue 42).
+  std::unique_ptr<gpu::StagingPool> pool_;
   // Issue 23: outlive the flush threads (pipeline_) and the block cache (loader_) that call
   // them.
   std::unique_ptr<store::RetainedTier> retained_;
   std::unique_ptr<store::RetainedSource> retained_source_;
-  std::unique_ptr<gpu::StagingPool> pool_;
+  std::unique_ptr<store::MemoryTier> memory_tier_;  // issue 42: memory-only directories
   std::unique_ptr<store::FlushPipeline> pipeline_;
   std::unique_ptr<store::KeyIndex> index_;
   // Journal, commit gate, shard states (which outlive the peer server in loader_),
@@ -202,6 +206,7 @@ class Filesystem {
   std::unique_ptr<TensorView> tensors_;
   // ------------------------------------------------------------ the units it routes to
   std::unique_ptr<Namespace> ns_;
+  std::unique_ptr<MemoryView> memory_;  // over ns_'s table and memory_tier_
   std::unique_ptr<ControlTree> control_;
 
   std::atomic<bool> shut_down_{false};

@@ -18,6 +18,7 @@ class KeyIndex;
 class Loader;
 class Publication;
 class RetainedTier;
+class MemoryTier;
 class StateDb;
 namespace peer {
 struct PeerNodeOptions;
@@ -43,6 +44,9 @@ struct FsConfig {
   // (store/cache/retained_tier.h); 0: off. Needs write_checksums and the block cache.
   uint64_t retain_bytes = 0;
   int retain_replicas = 0;  // with peers: copies kept on another node (0 or 1)
+  // Issue 42: memory for the files of memory-only directories (store/memory/memory_tier.h);
+  // 0: a write there fails with ENOSPC.
+  uint64_t memory_ckpt_bytes = 0;
   std::string staging_backend = "auto";
   bool staging_hugepages = false;  // gpu::StagingOptions::hugepages
   int staging_release_after_s = 0;  // gpu::StagingOptions::release_idle; 0 keeps it pinned
@@ -97,6 +101,7 @@ struct FsParts {
   TensorView* tensors = nullptr;
   FsStats* stats = nullptr;
   store::RetainedTier* retained = nullptr;  // issue 23; null when off
+  store::MemoryTier* memory_tier = nullptr;  // issue 42
 };
 
 // Fixed inode numbers of the control tree.

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
@@ -264,6 +265,21 @@ Result<Memory> Allocate(const std::string& backend, size_t bytes, bool hugepages
   return ReserveHost(bytes, hugepages);
 }
 
+// One more chunk's memory, allocated the way the pool's was (a spare for a loan).
+Result<Memory> AllocateLike(bool cuda, size_t bytes, bool hugepages) {
+#if defined(CKPTFS_HAVE_CUDA)
+  if (cuda) {
+    std::string why;
+    const CudaRuntime* rt = UsableCuda(&why);
+    if (rt == nullptr) return Unsupported("CUDA is gone: " + why);
+    return AllocateCuda(*rt, bytes);
+  }
+#else
+  (void)cuda;
+#endif
+  return ReserveHost(bytes, hugepages);
+}
+
 }  // namespace
 
 std::optional<uint64_t> MemoryCgroupHeadroom(std::string_view self_cgroup,
@@ -395,6 +411,7 @@ Result<std::unique_ptr<StagingPool>> StagingPool::Create(const StagingOptions& o
   pool->total_chunks_ = chunks;
   pool->base_ = memory.base;
   pool->cuda_ = memory.cuda;
+  pool->hugepages_ = options.hugepages;
   pool->free_memory_ = std::move(memory.free);
   if (!pool->cuda_) {
     std::string why;
@@ -436,17 +453,21 @@ StagingPool::~StagingPool() {
     release_cv_.notify_all();
   }
   if (releaser_.joinable()) releaser_.join();
-  size_t out;
+  size_t out, lent;
+  std::unordered_map<const uint8_t*, std::function<void()>> extra;
   {
     // Taken so that a Return() still finishing on another thread completes first.
     MutexLock lock(&mu_);
     out = total_chunks_ - FreeLocked();
+    lent = lent_.size();
+    extra.swap(extra_);
   }
-  if (out != 0) {
-    spdlog::critical("staging pool destroyed with {} of {} chunks still in use", out,
-                     total_chunks_);
+  if (out != 0 || lent != 0) {
+    spdlog::critical("staging pool destroyed with {} of {} chunks still in use and {} lent",
+                     out, total_chunks_, lent);
     std::abort();
   }
+  for (auto& [data, free] : extra) free();
   if (free_memory_) free_memory_();
 }
 
@@ -514,6 +535,13 @@ ChunkBuffer StagingPool::AcquireUntil(const std::chrono::steady_clock::time_poin
 }
 
 Status StagingPool::Pin(uint8_t* data) {
+  CKPT_RETURN_IF_ERROR(LockChunk(data));
+  resident_chunks_.fetch_add(1, std::memory_order_relaxed);
+  pins_.fetch_add(1, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
+Status StagingPool::LockChunk(uint8_t* data) {
   if (lock_memory_.load(std::memory_order_relaxed) && mlock(data, chunk_bytes_) != 0) {
     const int err = errno;
     (void)munlock(data, chunk_bytes_);  // mlock may have locked a prefix before failing
@@ -524,10 +552,7 @@ Status StagingPool::Pin(uint8_t* data) {
   }
   // After a successful mlock every page is in, which makes this a cheap page-table walk; it
   // matters when mlock failed or is a no-op, as under ASan and TSan.
-  CKPT_RETURN_IF_ERROR(Populate(data, chunk_bytes_));
-  resident_chunks_.fetch_add(1, std::memory_order_relaxed);
-  pins_.fetch_add(1, std::memory_order_relaxed);
-  return Status::Ok();
+  return Populate(data, chunk_bytes_);
 }
 
 void StagingPool::ReleaseIdleChunks() {
@@ -569,17 +594,27 @@ size_t StagingPool::used_bytes() const {
   return (total_chunks_ - FreeLocked() - releasing_) * chunk_bytes_;
 }
 
-void StagingPool::Return(uint8_t* data) {
+bool StagingPool::IsChunkLocked(const uint8_t* data) const {
   // Unsigned wrap-around makes a pointer below base_ fail the range check too.
   const size_t offset = reinterpret_cast<uintptr_t>(data) - reinterpret_cast<uintptr_t>(base_);
-  if (offset >= limit_bytes() || offset % chunk_bytes_ != 0) {
+  if (offset < limit_bytes()) return offset % chunk_bytes_ == 0;
+  return extra_.count(data) > 0;
+}
+
+void StagingPool::Return(uint8_t* data) {
+  MutexLock lock(&mu_);
+  if (!IsChunkLocked(data)) {
     spdlog::critical("staging pool: returned pointer {} is not a chunk of this pool",
                      static_cast<void*>(data));
     std::abort();
   }
-  MutexLock lock(&mu_);
+  if (lent_.erase(data) > 0) {
+    // A lent chunk's last holder let go: a spare for the next loan (reserved: no allocation).
+    spares_.push_back(data);
+    return;
+  }
   if (FreeLocked() + releasing_ >= total_chunks_) {
-    spdlog::critical("staging pool: chunk at offset {} returned twice", offset);
+    spdlog::critical("staging pool: chunk {} returned twice", static_cast<void*>(data));
     std::abort();
   }
   free_pinned_.push_back(data);  // it was pinned when it went out
@@ -588,6 +623,109 @@ void StagingPool::Return(uint8_t* data) {
   // (and cv_) as soon as it can take mu_.
   cv_.notify_one();
   if (FreeLocked() == total_chunks_) release_cv_.notify_one();
+}
+
+void StagingPool::SetLendLimit(size_t bytes) {
+  MutexLock lock(&mu_);
+  lend_limit_chunks_ = bytes / chunk_bytes_;
+  // Chunks out of staging never outnumber the highest limit: Return() and TrimSpares() file
+  // them without allocating.
+  spares_.reserve(std::max(spares_.capacity(), lend_limit_chunks_));
+  bare_spares_.reserve(std::max(bare_spares_.capacity(), lend_limit_chunks_));
+}
+
+bool StagingPool::Lend(const void* chunk) {
+  const auto* data = static_cast<const uint8_t*>(chunk);
+  MutexLock lock(&mu_);
+  if (!IsChunkLocked(data)) {
+    spdlog::critical("staging pool: lent pointer {} is not a chunk of this pool", chunk);
+    std::abort();
+  }
+  if (lent_.count(data) > 0) return true;
+  uint8_t* spare = nullptr;
+  if (!spares_.empty()) {
+    spare = spares_.back();
+    spares_.pop_back();
+  } else {
+    if (lent_.size() + allocating_ >= lend_limit_chunks_) return false;
+    uint8_t* bare = nullptr;
+    if (!bare_spares_.empty()) {
+      bare = bare_spares_.back();
+      bare_spares_.pop_back();
+    }
+    ++allocating_;
+    lock.Unlock();
+    // Out of the lock: mapping and pinning a chunk faults in all of it.
+    Memory memory;
+    Status st;
+    if (bare != nullptr) {
+      st = LockChunk(bare);
+    } else if (Result<Memory> made = AllocateLike(cuda_, chunk_bytes_, hugepages_); made.ok()) {
+      memory = std::move(made).value();
+      if (!memory.cuda) st = LockChunk(memory.base);
+      if (!st.ok()) memory.free();
+    } else {
+      st = made.status();
+    }
+    lock.Lock();
+    --allocating_;
+    if (!st.ok()) {
+      if (bare != nullptr) bare_spares_.push_back(bare);
+      spdlog::debug("staging pool: no spare chunk for a loan: {}", st.ToString());
+      return false;
+    }
+    spare = bare != nullptr ? bare : memory.base;
+    if (bare == nullptr) extra_.emplace(memory.base, std::move(memory.free));
+    lend_allocs_.fetch_add(1, std::memory_order_relaxed);
+  }
+  lent_.insert(data);
+  free_pinned_.push_back(spare);  // staging is whole again: the lent chunk was out
+  lends_.fetch_add(1, std::memory_order_relaxed);
+  cv_.notify_one();
+  return true;
+}
+
+uint64_t StagingPool::spare_bytes() const {
+  MutexLock lock(&mu_);
+  return spares_.size() * chunk_bytes_;
+}
+
+size_t StagingPool::lent_bytes() const {
+  MutexLock lock(&mu_);
+  return lent_.size() * chunk_bytes_;
+}
+
+void StagingPool::TrimSpares(uint64_t keep_bytes) {
+  std::vector<uint8_t*> bare;
+  std::vector<std::function<void()>> frees;
+  {
+    MutexLock lock(&mu_);
+    const size_t keep = keep_bytes / chunk_bytes_;
+    if (cuda_) {
+      // Only spares allocated for loans can be freed; the pool's own allocation is one.
+      for (size_t i = spares_.size(); i-- > 0 && spares_.size() > keep;) {
+        auto it = extra_.find(spares_[i]);
+        if (it == extra_.end()) continue;
+        frees.push_back(std::move(it->second));
+        extra_.erase(it);
+        spares_.erase(spares_.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+    } else {
+      while (spares_.size() > keep) {
+        bare.push_back(spares_.back());
+        spares_.pop_back();
+      }
+    }
+  }
+  for (uint8_t* data : bare) {
+    (void)munlock(data, chunk_bytes_);
+    (void)madvise(data, chunk_bytes_, MADV_DONTNEED);
+  }
+  for (auto& free : frees) free();
+  if (!bare.empty()) {
+    MutexLock lock(&mu_);
+    bare_spares_.insert(bare_spares_.end(), bare.begin(), bare.end());
+  }
 }
 
 }  // namespace ckptfs::gpu

@@ -9,6 +9,12 @@
 // The pool never reserves after Create() and never pins more than its chunks, so it never
 // holds more than its budget (G6).
 //
+// Lending (issue 42, common/chunk_lender.h): a flushed chunk may leave staging for good as a
+// retained block. A spare chunk of the same size takes its place at once (a spare kept from an
+// earlier loan, else newly allocated the way the pool was), so the chunks staging can use never
+// fall below total_chunks() (G6); the lent chunk comes back as a spare when released. Lent
+// and spare memory together stay within SetLendLimit() (0, the default: nothing is lent).
+//
 // Thread-safe. Acquire() blocks while every chunk is in use (backpressure).
 #pragma once
 
@@ -24,8 +30,11 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
+#include "common/chunk_lender.h"
 #include "common/mutex.h"
 #include "common/status.h"
 
@@ -97,13 +106,13 @@ class StagingPressureListener {
 std::optional<uint64_t> MemoryCgroupHeadroom(std::string_view self_cgroup,
                                              const std::string& root);
 
-class StagingPool {
+class StagingPool final : public ChunkLender {
  public:
   // Allocates (CUDA) or reserves (host) the whole pool. Fails if total_bytes < chunk_bytes,
   // if memory is short, or if a host pool would not fit the memory cgroup's limit: its
   // chunks are pinned later, and pinning past that limit would get the daemon OOM-killed.
   static Result<std::unique_ptr<StagingPool>> Create(const StagingOptions& options);
-  ~StagingPool();  // All ChunkBuffers must have been returned.
+  ~StagingPool();  // All ChunkBuffers, lent ones too, must have been returned.
   StagingPool(const StagingPool&) = delete;
   StagingPool& operator=(const StagingPool&) = delete;
 
@@ -128,6 +137,20 @@ class StagingPool {
   }
   // "cuda-pinned", "host-locked" or "host" (locking failed, or will: RLIMIT_MEMLOCK).
   std::string backend() const;
+  // Lending (see above). At most `bytes` of lent and spare memory together; lowering it
+  // lends no more until what is out comes back under it.
+  void SetLendLimit(size_t bytes) EXCLUDES(mu_);
+  bool Lend(const void* chunk) override EXCLUDES(mu_);
+  uint64_t spare_bytes() const override EXCLUDES(mu_);
+  // Host memory: spares are unlocked and their pages given back (the address stays, pinned
+  // again by the loan that takes it). CUDA memory: spares allocated for a loan are freed;
+  // chunks of the pool's own allocation cannot be and stay.
+  void TrimSpares(uint64_t keep_bytes) override EXCLUDES(mu_);
+  size_t lent_bytes() const EXCLUDES(mu_);
+  uint64_t lends() const { return lends_.load(std::memory_order_relaxed); }
+  // Loans whose spare had to be allocated (or pinned again after a trim).
+  uint64_t lend_allocs() const { return lend_allocs_.load(std::memory_order_relaxed); }
+
   // How many Acquire() calls had to wait.
   uint64_t waits() const { return waits_.load(std::memory_order_relaxed); }
   // Chunks pinned on an Acquire() (each first use, and each use after a release), and
@@ -143,6 +166,10 @@ class StagingPool {
   size_t FreeLocked() const REQUIRES(mu_) { return free_pinned_.size() + free_unpinned_.size(); }
   // Outside mu_, on a chunk taken from free_unpinned_: locks (or populates) its memory.
   Status Pin(uint8_t* data);
+  // Locks (or populates) one chunk's memory; Pin() without the counters.
+  Status LockChunk(uint8_t* data);
+  // Whether `data` is a chunk of this pool: of the first allocation, or a spare added later.
+  bool IsChunkLocked(const uint8_t* data) const REQUIRES(mu_);
   // The release_idle thread: gives pinned chunks back while no chunk is out.
   void ReleaseIdleChunks() EXCLUDES(mu_);
   void Return(uint8_t* data) EXCLUDES(mu_);
@@ -151,6 +178,7 @@ class StagingPool {
   size_t total_chunks_ = 0;
   uint8_t* base_ = nullptr;
   bool cuda_ = false;                  // cudaHostAlloc'd whole: every chunk pinned always
+  bool hugepages_ = false;
   std::atomic<bool> lock_memory_{false};  // host: mlock chunks as they are pinned
   std::chrono::milliseconds release_idle_{0};
   std::function<void()> free_memory_;  // releases base_ the way it was allocated
@@ -166,6 +194,17 @@ class StagingPool {
   std::condition_variable release_cv_;
   std::thread releaser_;
   StagingPressureListener* pressure_ GUARDED_BY(mu_) = nullptr;
+  // Lending. Every chunk address is in exactly one place: staging (free or out), lent_,
+  // spares_ (pinned) or bare_spares_ (host: address only, pages given back).
+  size_t lend_limit_chunks_ GUARDED_BY(mu_) = 0;
+  size_t allocating_ GUARDED_BY(mu_) = 0;  // spares being allocated or pinned for a loan
+  std::unordered_set<const uint8_t*> lent_ GUARDED_BY(mu_);
+  std::vector<uint8_t*> spares_ GUARDED_BY(mu_);
+  std::vector<uint8_t*> bare_spares_ GUARDED_BY(mu_);
+  // Chunks allocated after Create() for loans, with how to free each.
+  std::unordered_map<const uint8_t*, std::function<void()>> extra_ GUARDED_BY(mu_);
+  std::atomic<uint64_t> lends_{0};
+  std::atomic<uint64_t> lend_allocs_{0};
   std::atomic<uint64_t> waits_{0};
   std::atomic<size_t> resident_chunks_{0};
   std::atomic<uint64_t> pins_{0};

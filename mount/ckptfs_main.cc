@@ -210,6 +210,7 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   config.flush_threads = o.flush_threads;
   config.cache_bytes = o.cache_bytes;
   config.retain_bytes = o.retain_bytes;  // issue 23
+  config.memory_ckpt_bytes = o.memory_ckpt_bytes;  // issue 42
   config.retain_replicas = o.retain_replicas >= 0 ? o.retain_replicas : (o.peers.empty() ? 0 : 1);
   config.cache_direct_io = o.cache_direct_io;
   config.passthrough = o.passthrough;

@@ -125,6 +125,11 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   app.add_option("--staging-mem", staging, "Staging memory budget, e.g. 2G (default 1G)");
   app.add_option("--chunk-size", chunk, "Staging chunk size (default 4M)");
   app.add_option("--cache-mem", cache, "Read block cache budget (default 1G; 0 disables)");
+  std::string memory_ckpt_mem = "0";  // issue 42
+  app.add_option("--memory-ckpt-mem", memory_ckpt_mem,
+                 "Memory for memory-only directories (user.ckptfs.tier=memory): their "
+                 "checkpoints never reach the backing store; a save that does not fit fails "
+                 "with ENOSPC (default 0: none fit)");
   std::string retain_mem;  // issue 23
   app.add_option("--retain-mem", retain_mem,
                  "Memory that keeps the newest committed checkpoint this node wrote, to serve a "
@@ -300,6 +305,7 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   CKPT_ASSIGN_OR_RETURN(o.staging_bytes, ParseSize(staging));
   CKPT_ASSIGN_OR_RETURN(o.chunk_bytes, ParseSize(chunk));
   CKPT_ASSIGN_OR_RETURN(o.cache_bytes, ParseSize(cache));
+  CKPT_ASSIGN_OR_RETURN(o.memory_ckpt_bytes, ParseSize(memory_ckpt_mem));  // issue 42
   if (!retain_mem.empty()) {  // issue 23
     CKPT_ASSIGN_OR_RETURN(o.retain_bytes, ParseSize(retain_mem));
     o.retain_bytes_set = true;

@@ -28,6 +28,8 @@ struct DaemonOptions {
   // --retain-replicas. retain_bytes_set: given on the command line (else staging / 2).
   uint64_t retain_bytes = 0;
   bool retain_bytes_set = false;
+  // Issue 42: --memory-ckpt-mem, the files of memory-only directories (0: none fit).
+  uint64_t memory_ckpt_bytes = 0;
   int retain_replicas = -1;  // -1: 1 with --peers, else 0
   uint64_t read_ahead_bytes = uint64_t{4} << 20;  // the mount's kernel read-ahead; 0: default
   bool cache_direct_io = true;

@@ -22,6 +22,7 @@
 #include "fs/fs_util.h"
 #include "fs/op_metrics.h"
 #include "store/cache/retained_tier.h"
+#include "store/memory/memory_tier.h"
 #include "store/peer/peers.h"
 #include "store/publish/commit_gate.h"
 
@@ -95,7 +96,8 @@ ControlTree::ControlTree(const FsConfig& config, const FsParts& parts, Namespace
       index_(parts.index),
       loader_(parts.loader),
       tensors_(parts.tensors),
-      retained_(parts.retained) {}
+      retained_(parts.retained),
+      memory_tier_(parts.memory_tier) {}
 
 // ---------------------------------------------------------------- the tree
 
@@ -202,6 +204,11 @@ std::string ControlTree::StatsJson() {
   j["staging_pins"] = pool_->pins();
   j["staging_releases"] = pool_->releases();
   j["staging_waits"] = pool_->waits();
+  // Issue 42: chunks lent to the retained tier (spares took their place) and spares kept.
+  j["staging_lent"] = pool_->lent_bytes();
+  j["staging_spare"] = pool_->spare_bytes();
+  j["staging_lends"] = pool_->lends();
+  j["staging_lend_allocs"] = pool_->lend_allocs();
   j["backing_bytes_read"] = backing_->bytes_read();
   j["write_checksums"] = config_.write_checksums;
   j["bytes_flushed_direct"] = pipeline_->direct_bytes();  // O_DIRECT, no page-cache copy
@@ -252,6 +259,7 @@ std::string ControlTree::StatsJson() {
     loader_->peers()->AppendStats(&j);
     j["plan_wait_timeouts"] = loader_->plan_wait_timeouts();
   }
+  if (memory_tier_ != nullptr) j["memory_ckpt"] = memory_tier_->StatsJson();  // issue 42
   if (retained_) {  // issue 23: the memory tier; hits by tier: retained, peers, backing
     j["retained"] = retained_->StatsJson();
     j["retained_bytes"] = j["retained"]["retained_bytes"];
@@ -328,6 +336,12 @@ std::string ControlTree::CheckpointsJson() {
     arr.push_back(std::move(j));
   }
   AddRetained(&arr);
+  if (memory_tier_ != nullptr) {  // issue 42: memory-only checkpoints, never on the backing store
+    for (const store::MemCheckpoint& c : memory_tier_->Checkpoints()) {
+      arr.push_back({{"path", c.path}, {"state", c.state}, {"tier", "memory"},
+                     {"bytes", c.bytes}, {"replicas", c.where}});
+    }
+  }
   return JsonText(arr, 1) + "\n";
 }
 

@@ -85,6 +85,7 @@ class ControlTree {
   store::Loader* const loader_;
   TensorView* const tensors_;
   store::RetainedTier* const retained_;  // issue 23; null when off
+  store::MemoryTier* const memory_tier_;  // issue 42
 
   Mutex abort_mu_;
   std::string last_abort_report_ GUARDED_BY(abort_mu_);

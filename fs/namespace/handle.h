@@ -48,6 +48,12 @@ struct ViewHandle {
   uint64_t base = 0, size = 0;
 };
 
+// A file of a memory-only tree (issue 42, fs/namespace/memory_view.h): the tier's node id.
+struct MemoryHandle {
+  uint64_t id = 0;
+  bool wrote = false;  // its close may commit a checkpoint (store::MemoryTier::Closed)
+};
+
 // A directory, listed at opendir (`node` is null for the virtual ones).
 struct DirHandle {
   struct Ent {
@@ -60,13 +66,14 @@ struct DirHandle {
 };
 
 struct Handle {
-  std::variant<FileHandle, ContentHandle, ViewHandle, DirHandle> kind;
+  std::variant<FileHandle, ContentHandle, ViewHandle, DirHandle, MemoryHandle> kind;
 
   FileHandle* file() { return std::get_if<FileHandle>(&kind); }
   const FileHandle* file() const { return std::get_if<FileHandle>(&kind); }
   ContentHandle* content() { return std::get_if<ContentHandle>(&kind); }
   ViewHandle* view() { return std::get_if<ViewHandle>(&kind); }
   DirHandle* dir() { return std::get_if<DirHandle>(&kind); }
+  MemoryHandle* memory() { return std::get_if<MemoryHandle>(&kind); }
   const DirHandle* dir() const { return std::get_if<DirHandle>(&kind); }
   // The inode of a namespace file or directory, 0 for the virtual kinds (for logs).
   uint64_t ino() const;

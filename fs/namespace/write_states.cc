@@ -13,6 +13,7 @@
 
 #include "fs/fs_util.h"
 #include "store/dcp/checkpoint_source.h"
+#include "store/dcp/commit_names.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/peer/peers.h"
 
@@ -54,6 +55,7 @@ WriteStates::WritePlan WriteStates::PlanWriteLocked(Node* node, bool truncate,
   plan.gid = node->attr.st_gid;
   plan.mode = node->attr.st_mode & 07777;
   plan.truncate = truncate;
+  plan.retainable = store::IsCheckpointFileName(node->name);
   plan.prev_file_id = node->write ? node->write->file_id : 0;
   if (!truncate) {
     // Copy-on-write: the real name keeps its old bytes until the new ones are published.
@@ -119,7 +121,7 @@ Result<std::unique_ptr<WriteState>> WriteStates::PrepareWrite(const WritePlan& p
   ws->file_id = plan.id;
   ws->temp_name = plan.temp_name;
   ws->temp_dir = table_.root().get();
-  auto target = std::make_shared<store::FlushTarget>(plan.id, std::move(*fd));
+  auto target = std::make_shared<store::FlushTarget>(plan.id, std::move(*fd), plan.retainable);
   ws->staged = std::make_shared<store::StagedFile>(staging_ctx_, std::move(target), size);
   return ws;
 }
@@ -286,6 +288,7 @@ Result<std::pair<Entry, Handle*>> WriteStates::Create(uint64_t parent, const std
         plan.gid = owner.gid;
         plan.mode = owner.mode & 07777;
         plan.truncate = true;
+        plan.retainable = store::IsCheckpointFileName(name);
       } else {
         node = table_.NewNodeLocked(dir.get(), name, NodeType::kFile);
         node->attr.st_mode = S_IFREG | owner.mode;

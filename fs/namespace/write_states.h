@@ -123,6 +123,7 @@ class WriteStates final : public gpu::StagingPressureListener {
     gid_t gid = 0;
     mode_t mode = 0;
     bool truncate = false;
+    bool retainable = false;            // a checkpoint file's name: the retained tier may keep it
     uint64_t prev_file_id = 0;          // the write state it starts from, 0 if none
     std::shared_ptr<store::StagedFile> prev;   // copy from its (settled) temp file,
     int src_fd = -1;                    // or from this open backing file (borrowed),

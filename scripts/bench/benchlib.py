@@ -199,8 +199,11 @@ class Daemon:
     """A foreground ckptfs this process owns; stop() always unmounts and
     kills exactly its PID."""
 
-    def __init__(self, root, staging="2G", args=(), log_level="info"):
+    def __init__(self, root, staging="2G", args=(), log_level="info", bin_dir=None):
         self.root = root
+        # Another build's programs (an A/B of two commits side by side); default BIN_DIR.
+        self.ckptfs = os.path.join(bin_dir, "ckptfs") if bin_dir else CKPTFS
+        self.admin = os.path.join(bin_dir, "ckptfs-admin") if bin_dir else ADMIN
         self.backing = os.path.join(root, "backing")
         self.mnt = os.path.join(root, "mnt")
         self.state = os.path.join(root, "state")
@@ -217,7 +220,7 @@ class Daemon:
         return self.proc.pid if self.proc else None
 
     def start(self, timeout=60):
-        cmd = [CKPTFS, "-f", "--staging-mem", self.staging, "--state-dir", self.state,
+        cmd = [self.ckptfs, "-f", "--staging-mem", self.staging, "--state-dir", self.state,
                "--log-file", self.log, "--log-level", self.log_level] + self.args + [
                    self.backing, self.mnt]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -257,7 +260,7 @@ class Daemon:
     def wait(self, path, timeout=600):
         """ckptfs-admin wait PATH; returns (ok, seconds)."""
         t0 = time.monotonic()
-        r = subprocess.run([ADMIN, "wait", path, "--timeout", str(timeout)],
+        r = subprocess.run([self.admin, "wait", path, "--timeout", str(timeout)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if r.returncode != 0:
             log(f"ckptfs-admin wait {path} -> {r.returncode}: {r.stderr.strip()[-500:]}")

@@ -11,67 +11,11 @@
 
 #include "common/path.h"
 #include "store/cache/backing_source.h"
+#include "store/cache/retained_tier_parts.h"
 #include "store/dcp/commit_names.h"
 #include "store/primitives/crc32c.h"
 
 namespace ckptfs::store {
-
-struct RetainedTier::Buffer {
-  explicit Buffer(size_t n) {
-    // Populated: the copy that follows would otherwise fault in (and zero) every page.
-    void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
-                   -1, 0);
-    if (m != MAP_FAILED) {
-      p = static_cast<char*>(m);
-      cap = n;
-    }
-  }
-  ~Buffer() {
-    if (p != nullptr) munmap(p, cap);
-  }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  char* p = nullptr;
-  size_t cap = 0;
-};
-
-// One block of a capture. `ranges` (sorted, disjoint, within the block) are the bytes
-// copied; a second copy of any byte poisons the block (a rewrite: the file order of the two
-// writes is not the order the copies were made in).
-struct RetainedTier::CaptureBlock {
-  std::shared_ptr<Buffer> buf;  // null: skipped (no room) or poisoned and freed
-  bool poisoned = false;
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-};
-
-struct RetainedTier::Capture {
-  std::weak_ptr<FlushTarget> target;  // expired: the file was never published
-  std::shared_ptr<BlockCrcMap> crcs;
-  std::map<uint64_t, std::shared_ptr<CaptureBlock>> blocks;
-};
-
-struct RetainedTier::Held {
-  std::shared_ptr<Buffer> buf;
-  uint64_t len = 0;
-  uint32_t crc = 0;
-  // CRCs of its kSubBlockBytes pieces, learned (under mu_) by its first ReadInPlace.
-  std::vector<uint32_t> sub_crcs;
-  std::string ckpt;  // the directory it belongs to
-  bool replica = false;
-};
-
-struct RetainedTier::Ckpt {
-  bool committed = false;
-  uint64_t created = 0;       // order first seen
-  uint64_t commit_order = 0;  // order committed
-  uint64_t own_bytes = 0;
-  uint64_t replica_bytes = 0;
-  uint64_t files = 0;
-  int64_t newest_mtime_ns = 0;
-  std::string origin;
-  std::chrono::steady_clock::time_point last_publish{};
-  std::chrono::steady_clock::time_point last_check{};
-};
 
 bool RetainedTier::KeyLess::operator()(const Key& a, const Key& b) const {
   if (int c = a.id.path.compare(b.id.path); c != 0) return c < 0;
@@ -132,9 +76,38 @@ bool RetainedTier::EvictOneLocked(const std::string& keep) {
   return true;
 }
 
+uint64_t RetainedTier::PoolSparesLocked() const {
+  return opts_.lender != nullptr ? opts_.lender->spare_bytes() : 0;
+}
+
+bool RetainedTier::ShrinkSparesLocked(uint64_t more) {
+  if (const uint64_t pool = PoolSparesLocked(); pool > 0) {
+    const uint64_t need = used_ + more;
+    opts_.lender->TrimSpares(opts_.budget_bytes > need ? opts_.budget_bytes - need : 0);
+    if (PoolSparesLocked() < pool) return true;
+  }
+  if (spare_.empty()) return false;
+  spare_.pop_back();  // unmapped here: an own buffer nobody else holds
+  ReleaseLocked(opts_.block_bytes);
+  return true;
+}
+
+bool RetainedTier::TakeLoanRoomLocked(uint64_t bytes) {
+  while (true) {
+    // The loan turns a pool spare, if there is one, into the lent chunk: no more memory.
+    const uint64_t pool = PoolSparesLocked();
+    if (used_ + bytes + (pool >= bytes ? pool - bytes : pool) <= opts_.budget_bytes) break;
+    if (!ShrinkSparesLocked(bytes) && !EvictOneLocked({})) return false;
+  }
+  used_ += bytes;
+  stats_.peak_used_bytes = std::max(stats_.peak_used_bytes, used_);
+  return true;
+}
+
 std::shared_ptr<RetainedTier::Buffer> RetainedTier::TakeBufferLocked(const std::string& keep) {
   const uint64_t bs = opts_.block_bytes;
-  while (spare_.empty() && used_ + bs > opts_.budget_bytes) {
+  while (spare_.empty() && used_ + PoolSparesLocked() + bs > opts_.budget_bytes) {
+    if (PoolSparesLocked() > 0 && ShrinkSparesLocked(bs)) continue;
     if (!EvictOneLocked(keep)) return nullptr;
   }
   if (!spare_.empty()) {  // already counted in used_
@@ -153,9 +126,19 @@ std::shared_ptr<RetainedTier::Buffer> RetainedTier::TakeBufferLocked(const std::
 }
 
 void RetainedTier::RecycleLocked(std::shared_ptr<Buffer> buf) {
+  if (!buf) return;
+  if (buf->loan) {
+    // The chunk leaves the account with its last block; its memory goes back to the
+    // staging pool with its last holder (a reader may still be replying from it).
+    if (--buf->loan->blocks == 0) {
+      ReleaseLocked(buf->loan->bytes);
+      stats_.lent_bytes -= std::min(stats_.lent_bytes, buf->loan->bytes);
+    }
+    return;
+  }
   // Only a buffer nobody else holds (a reader replying from it, a copy in progress) can be
   // written again; any other is freed by its last holder and leaves the account now.
-  if (buf && buf.use_count() == 1 && !stopped_) {
+  if (buf.use_count() == 1 && !stopped_) {
     spare_.push_back(std::move(buf));
   } else {
     ReleaseLocked(opts_.block_bytes);
@@ -171,8 +154,9 @@ void RetainedTier::EraseHeldLocked(std::map<Key, std::shared_ptr<Held>, KeyLess>
     bytes -= std::min(bytes, h.len);
   }
   if (counter != nullptr) *counter += h.len;
-  std::shared_ptr<Buffer> buf;
-  if (it->second.use_count() == 1) buf = std::move(it->second->buf);
+  // A reader holding the block keeps its buffer too: then it cannot become a spare.
+  std::shared_ptr<Buffer> buf =
+      it->second.use_count() == 1 ? std::move(it->second->buf) : it->second->buf;
   held_.erase(it);
   RecycleLocked(std::move(buf));
 }
@@ -275,9 +259,7 @@ void RetainedTier::CommitLocked(const std::string& dir) {
 void RetainedTier::SweepCapturesLocked() {
   for (auto it = captures_.begin(); it != captures_.end();) {
     if (it->second->target.expired()) {
-      for (const auto& [i, b] : it->second->blocks) {
-        if (b->buf) ReleaseLocked(opts_.block_bytes);
-      }
+      for (const auto& [i, b] : it->second->blocks) RecycleLocked(std::move(b->buf));
       it = captures_.erase(it);
     } else {
       ++it;
@@ -285,66 +267,126 @@ void RetainedTier::SweepCapturesLocked() {
   }
 }
 
-void RetainedTier::OnWritten(const std::shared_ptr<FlushTarget>& target,
-                             const std::shared_ptr<BlockCrcMap>& crcs, uint64_t offset,
-                             const uint8_t* data, size_t length) {
-  if (!enabled() || length == 0 || !target) return;
+void RetainedTier::OnWritten(const std::shared_ptr<BlockCrcMap>& crcs, const SealedChunk& chunk) {
+  const std::shared_ptr<FlushTarget>& target = chunk.target;
+  if (!enabled() || chunk.length == 0 || !target || !target->retainable()) return;
+  const uint64_t bs = opts_.block_bytes;
+  const uint64_t offset = chunk.offset, end = offset + chunk.length;
   struct Piece {
     std::shared_ptr<Buffer> buf;
     uint64_t at;
-    const uint8_t* src;
+    const void* src;
     size_t n;
+    std::shared_ptr<Buffer> src_buf;  // keeps `src` mapped when it is a lent chunk's block
   };
   std::vector<Piece> pieces;
-  const uint64_t bs = opts_.block_bytes;
-  {
-    MutexLock lock(&mu_);
-    if (stopped_) return;
-    std::shared_ptr<Capture>& cap = captures_[target->id()];
-    if (!cap) {
-      cap = std::make_shared<Capture>();
-      cap->target = target;
-      cap->crcs = crcs;
-    }
-    const uint64_t end = offset + length;
-    for (uint64_t i = offset / bs; i * bs < end; ++i) {
-      const uint64_t b = std::max(offset, i * bs), e = std::min(end, (i + 1) * bs);
-      std::shared_ptr<CaptureBlock>& blk = cap->blocks[i];
-      if (!blk) {
-        blk = std::make_shared<CaptureBlock>();
-        blk->buf = TakeBufferLocked();
+  MutexLock lock(&mu_);
+  if (stopped_) return;
+  // Issue 42: keep the chunk itself when the blocks that start in it (and are not held
+  // yet) make up at least half of it: a chunk of mostly other blocks' pieces would hold
+  // its whole size for a few bytes, and those pieces are copied instead.
+  std::shared_ptr<Loan> loan;
+  if (chunk.lender != nullptr && chunk.keepalive && chunk.capacity >= chunk.length) {
+    uint64_t starts = 0;
+    auto cap = captures_.find(target->id());
+    for (uint64_t i = (offset + bs - 1) / bs; i * bs < end; ++i) {
+      if (cap == captures_.end() || cap->second->blocks.count(i) == 0) {
+        starts += std::min(end, (i + 1) * bs) - i * bs;
       }
-      if (!blk->buf) {
-        if (!blk->poisoned) stats_.skipped_bytes += e - b;
+    }
+    if (starts > 0 && starts * 2 >= chunk.capacity && TakeLoanRoomLocked(chunk.capacity)) {
+      // The pool allocates a spare when it has none: out of the lock.
+      lock.Unlock();
+      const bool lent = chunk.lender->Lend(chunk.data);
+      lock.Lock();
+      if (!lent || stopped_) {
+        ReleaseLocked(chunk.capacity);
+        if (stopped_) return;  // DropAll() ran meanwhile and reset the account
+      } else {
+        loan = std::make_shared<Loan>();
+        loan->keep = chunk.keepalive;
+        loan->bytes = chunk.capacity;
+        ++stats_.loans;
+        stats_.lent_bytes += chunk.capacity;
+      }
+    }
+  }
+  std::shared_ptr<Capture>& cap = captures_[target->id()];
+  if (!cap) {
+    cap = std::make_shared<Capture>();
+    cap->target = target;
+    cap->crcs = crcs;
+  }
+  for (uint64_t i = offset / bs; i * bs < end; ++i) {
+    const uint64_t b = std::max(offset, i * bs), e = std::min(end, (i + 1) * bs);
+    const uint64_t lo = b - i * bs, hi = e - i * bs;
+    const uint8_t* src = chunk.data + (b - offset);
+    std::shared_ptr<CaptureBlock>& blk = cap->blocks[i];
+    if (!blk) {
+      blk = std::make_shared<CaptureBlock>();
+      if (loan && lo == 0) {  // kept where it is
+        // Read only, ever: a block that gets more bytes becomes a copy (below).
+        char* at = reinterpret_cast<char*>(const_cast<uint8_t*>(src));
+        blk->buf = std::make_shared<Buffer>(loan, at, static_cast<size_t>(e - b));
+        ++loan->blocks;
+        blk->ranges.emplace_back(lo, hi);
+        stats_.kept_bytes += e - b;
         continue;
       }
-      const uint64_t lo = b - i * bs, hi = e - i * bs;
-      auto pos = std::lower_bound(blk->ranges.begin(), blk->ranges.end(),
-                                  std::make_pair(lo, hi));
-      const bool overlaps = (pos != blk->ranges.end() && pos->first < hi) ||
-                            (pos != blk->ranges.begin() && std::prev(pos)->second > lo);
-      if (overlaps) {
-        blk->poisoned = true;
+      blk->buf = TakeBufferLocked();
+    }
+    if (!blk->buf) {
+      if (!blk->poisoned) stats_.skipped_bytes += e - b;
+      continue;
+    }
+    auto pos = std::lower_bound(blk->ranges.begin(), blk->ranges.end(), std::make_pair(lo, hi));
+    const bool overlaps = (pos != blk->ranges.end() && pos->first < hi) ||
+                          (pos != blk->ranges.begin() && std::prev(pos)->second > lo);
+    if (overlaps) {
+      blk->poisoned = true;
+      blk->ranges.clear();
+      RecycleLocked(std::move(blk->buf));
+      continue;
+    }
+    if (blk->buf->loan) {
+      // Kept in a chunk that ended inside it (sealed early): it gets more bytes from this
+      // one, so from here on it is a copy of its own.
+      std::shared_ptr<Buffer> own = TakeBufferLocked();
+      if (!own) {
+        blk->poisoned = true;  // no room: not retained, counted once
+        stats_.skipped_bytes += e - b;
+        for (const auto& [rl, rh] : blk->ranges) stats_.skipped_bytes += rh - rl;
         blk->ranges.clear();
         RecycleLocked(std::move(blk->buf));
         continue;
       }
-      pos = blk->ranges.insert(pos, {lo, hi});
-      // Merge with neighbours so a fully covered block is one range.
-      if (pos + 1 != blk->ranges.end() && (pos + 1)->first == pos->second) {
-        pos->second = (pos + 1)->second;
-        blk->ranges.erase(pos + 1);
+      for (const auto& [rl, rh] : blk->ranges) {
+        pieces.push_back({own, rl, blk->buf->p + rl, static_cast<size_t>(rh - rl), blk->buf});
+        stats_.captured_bytes += rh - rl;
       }
-      if (pos != blk->ranges.begin() && std::prev(pos)->second == pos->first) {
-        std::prev(pos)->second = pos->second;
-        blk->ranges.erase(pos);
-      }
-      pieces.push_back({blk->buf, lo, data + (b - offset), static_cast<size_t>(e - b)});
-      stats_.captured_bytes += e - b;
+      RecycleLocked(std::exchange(blk->buf, own));
+      pos = std::lower_bound(blk->ranges.begin(), blk->ranges.end(), std::make_pair(lo, hi));
     }
+    pos = blk->ranges.insert(pos, {lo, hi});
+    // Merge with neighbours so a fully covered block is one range.
+    if (pos + 1 != blk->ranges.end() && (pos + 1)->first == pos->second) {
+      pos->second = (pos + 1)->second;
+      blk->ranges.erase(pos + 1);
+    }
+    if (pos != blk->ranges.begin() && std::prev(pos)->second == pos->first) {
+      std::prev(pos)->second = pos->second;
+      blk->ranges.erase(pos);
+    }
+    pieces.push_back({blk->buf, lo, src, static_cast<size_t>(e - b), nullptr});
+    stats_.captured_bytes += e - b;
   }
+  if (loan && loan->blocks == 0) {  // every block it started was poisoned meanwhile
+    ReleaseLocked(loan->bytes);
+    stats_.lent_bytes -= std::min(stats_.lent_bytes, loan->bytes);
+  }
+  lock.Unlock();
   // Chunks of one target in flight are disjoint (FlushPipeline), so these copies never
-  // race with each other; the shared buffer outlives a concurrent drop.
+  // race with each other; the shared buffers outlive a concurrent drop.
   for (const Piece& p : pieces) std::memcpy(p.buf->p + p.at, p.src, p.n);
 }
 
@@ -357,10 +399,6 @@ void RetainedTier::Publish(const JournalEntry& e) {
     if (it == captures_.end()) return;
     cap = std::move(it->second);
     captures_.erase(it);
-  }
-  uint64_t charged = 0;
-  for (const auto& [i, b] : cap->blocks) {
-    if (b->buf) charged += opts_.block_bytes;
   }
   Result<struct stat> st = backing_ != nullptr ? backing_->Stat(e.path)
                                                : Result<struct stat>(Status(Code::kNotFound, ""));
@@ -400,11 +438,8 @@ void RetainedTier::Publish(const JournalEntry& e) {
   }
   MutexLock lock(&mu_);
   stats_.unverified_blocks += unverified;
-  ReleaseLocked(charged - good.size() * opts_.block_bytes);
-  if (stopped_) {
-    ReleaseLocked(good.size() * opts_.block_bytes);
-    return;
-  }
+  if (stopped_) return;  // DropAll() reset the account
+  for (auto& [i, b] : cap->blocks) RecycleLocked(std::move(b->buf));  // those not kept
   if (good.empty()) return;
   Ckpt& c = CkptLocked(ckpt);
   c.files += 1;
@@ -416,8 +451,8 @@ void RetainedTier::Publish(const JournalEntry& e) {
     if (!inserted) {
       uint64_t& b = it->second->replica ? c.replica_bytes : c.own_bytes;
       b -= std::min(b, it->second->len);
-      it->second = std::move(h);
-      ReleaseLocked(opts_.block_bytes);
+      std::shared_ptr<Held> old = std::exchange(it->second, std::move(h));
+      RecycleLocked(old.use_count() == 1 ? std::move(old->buf) : old->buf);
     }
   }
 }
@@ -430,9 +465,7 @@ void RetainedTier::OnJournalDone(const JournalEntry& e, const Status& st) {
       MutexLock lock(&mu_);
       auto it = captures_.find(e.target->id());
       if (it != captures_.end()) {
-        for (const auto& [i, b] : it->second->blocks) {
-          if (b->buf) ReleaseLocked(opts_.block_bytes);
-        }
+        for (const auto& [i, b] : it->second->blocks) RecycleLocked(std::move(b->buf));
         captures_.erase(it);
       }
     }
@@ -708,23 +741,6 @@ bool RetainedTier::HoldsCommitted(const std::string& dir) const {
          it->second.own_bytes + it->second.replica_bytes > 0;
 }
 
-std::vector<RetainedCheckpoint> RetainedTier::Checkpoints() const {
-  std::vector<std::pair<uint64_t, RetainedCheckpoint>> v;
-  {
-    MutexLock lock(&mu_);
-    for (const auto& [dir, c] : ckpts_) {
-      if (c.own_bytes + c.replica_bytes == 0) continue;
-      v.push_back({c.committed ? c.commit_order : 0,
-                   RetainedCheckpoint{dir, c.committed, c.own_bytes, c.replica_bytes, c.files,
-                                      c.origin}});
-    }
-  }
-  std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-  std::vector<RetainedCheckpoint> out;
-  for (auto& [o, c] : v) out.push_back(std::move(c));
-  return out;
-}
-
 void RetainedTier::DropAll() {
   std::map<uint64_t, std::shared_ptr<Capture>> captures;
   std::map<Key, std::shared_ptr<Held>, KeyLess> held;
@@ -737,81 +753,9 @@ void RetainedTier::DropAll() {
     spare.swap(spare_);
     ckpts_.clear();
     used_ = 0;
+    stats_.lent_bytes = 0;
   }
   // Buffers are unmapped here, outside the lock (a reader still copying keeps its own).
-}
-
-RetainedTierStats RetainedTier::Stats() const {
-  MutexLock lock(&mu_);
-  RetainedTierStats s = stats_;
-  s.used_bytes = used_;
-  uint64_t capture = 0;
-  for (const auto& [id, c] : captures_) {
-    for (const auto& [i, b] : c->blocks) {
-      if (b->buf) capture += opts_.block_bytes;
-    }
-  }
-  s.capture_bytes = capture;
-  s.spare_bytes = spare_.size() * opts_.block_bytes;
-  for (const auto& [dir, c] : ckpts_) {
-    s.retained_bytes += c.own_bytes;
-    s.replica_bytes += c.replica_bytes;
-  }
-  return s;
-}
-
-nlohmann::json RetainedTier::StatsJson() const {
-  const RetainedTierStats s = Stats();
-  nlohmann::json j = {{"budget_bytes", s.budget_bytes},
-                      {"used_bytes", s.used_bytes},
-                      {"peak_used_bytes", s.peak_used_bytes},
-                      {"capture_bytes", s.capture_bytes},
-                      {"spare_bytes", s.spare_bytes},
-                      {"retained_bytes", s.retained_bytes},
-                      {"replica_bytes", s.replica_bytes},
-                      {"captured_bytes", s.captured_bytes},
-                      {"skipped_bytes", s.skipped_bytes},
-                      {"unverified_blocks", s.unverified_blocks},
-                      {"evicted_bytes", s.evicted_bytes},
-                      {"dropped_bytes", s.dropped_bytes},
-                      {"hits", s.hits},
-                      {"hit_bytes", s.hit_bytes},
-                      {"misses_committed", s.misses_committed},
-                      {"crc_errors", s.crc_errors},
-                      {"lazy_commit_checks", s.lazy_commit_checks},
-                      {"commits", s.commits}};
-  nlohmann::json list = nlohmann::json::array();
-  for (const RetainedCheckpoint& c : Checkpoints()) {
-    list.push_back({{"path", c.dir},
-                    {"state", c.committed ? "committed" : "pending"},
-                    {"own_bytes", c.own_bytes},
-                    {"replica_bytes", c.replica_bytes},
-                    {"files", c.files},
-                    {"replica_of", c.origin}});
-  }
-  j["checkpoints"] = std::move(list);
-  if (extra_stats_) extra_stats_(&j);
-  return j;
-}
-
-bool RetainedTier::CorruptForTest(const BlockId& id, uint64_t index) {
-  MutexLock lock(&mu_);
-  auto it = held_.find(Key{id, index});
-  if (it == held_.end() || it->second->len == 0) return false;
-  it->second->buf->p[it->second->len / 2] ^= 0x5a;
-  return true;
-}
-
-Result<BlockRead> RetainedSource::ReadBlock(const BlockId& id, uint64_t offset,
-                                            std::span<char> out) {
-  if (id.path.starts_with(kRetainedOnlyPrefix)) {
-    BlockId real = id;
-    real.path.erase(0, kRetainedOnlyPrefix.size());
-    if (std::optional<BlockRead> hit = tier_->Lookup(real, offset, out)) return *hit;
-    return Status(Code::kNotFound, "not held in memory: " + real.path);
-  }
-  if (std::optional<BlockRead> hit = tier_->Lookup(id, offset, out)) return *hit;
-  return inner_->ReadBlock(id, offset, out);
 }
 
 }  // namespace ckptfs::store

@@ -1,11 +1,19 @@
 // RetainedTier (issue 23): the newest committed checkpoint stays in the daemon's memory, so a
 // restarted training job reads it back from memory instead of the backing store.
 //
-// Capture. The flush pipeline hands every chunk it wrote (OnWritten, on a flush thread,
-// while the bytes are still in staging) and the tier copies it into block buffers of the
-// block cache's size, per flush target (the backing temp file). It never waits: when the
-// budget has no room (after evicting what may be evicted, below) the block is skipped
-// and simply not retained. A save never waits for the tier.
+// Capture. The flush pipeline hands every chunk it wrote (OnWritten, on the flush thread,
+// after the write, while the bytes are still in staging), per flush target (the backing
+// temp file). Issue 42: the tier keeps the staging chunk itself, no copy: the staging pool
+// lends it (SealedChunk::lender, common/chunk_lender.h) and puts a spare chunk in its
+// place, and the blocks that start in the chunk point into it; the chunk goes back to the
+// pool (as a spare) when the last of its blocks is dropped and no reader holds it. Only
+// the pieces of blocks that start in another chunk (a chunk sealed early, mid-block) are
+// copied, into block buffers of the block cache's size; a chunk mostly of such pieces, a
+// chunk the pool will not lend, and a chunk without a lender (tests) are copied or skipped.
+// Files whose name at open is not a checkpoint file's are passed over (FlushTarget::
+// retainable). It never waits: when the budget has no room (after evicting what may be
+// evicted, below) the block is skipped and simply not retained. A save never waits for
+// the tier.
 //
 // Publish. When the journal publishes the target under its real name (OnJournalDone), each
 // captured block is kept only if it is provably the file's bytes: its capture covers the
@@ -24,11 +32,14 @@
 // checkpoints are served. When a checkpoint commits, the other committed checkpoints of
 // its run (the parent directory), and pending ones of the run seen before it, are dropped.
 //
-// Budget. Captures, retained blocks, replicas and spare buffers count against
-// `budget_bytes`. A capture or replica takes a spare buffer (one of a dropped block, kept
-// mapped) first; else room is made by evicting, in order: checkpoints pending for longer
-// than `stale_pending` (a save that never committed), then committed ones, oldest commit
-// first. Fresh pending checkpoints and captures in progress are never evicted.
+// Budget. Captures, retained blocks, replicas, spare buffers, the lent chunks (their whole
+// size, once, however many of their blocks are kept) and the staging pool's spares (memory
+// it keeps for the next loan, `lender`) count against `budget_bytes`. A loan turns a pool
+// spare into the lent chunk; a copy or replica takes a spare buffer (one of a dropped block,
+// kept mapped) first. Else room is made by giving pool spares back, then evicting, in order:
+// checkpoints pending for longer than `stale_pending` (a save that never committed), then
+// committed ones, oldest commit first. Fresh pending checkpoints and captures in progress
+// are never evicted.
 //
 // Serve. Lookup() copies a committed block into the caller's buffer and checks it against
 // its stored CRC; a mismatch drops the block (counted) and reports a miss, so the caller
@@ -67,6 +78,9 @@ namespace ckptfs::store {
 struct RetainedTierOptions {
   uint64_t budget_bytes = 0;          // 0: the tier is off
   uint64_t block_bytes = 1ull << 20;  // the block cache's block size
+  // The staging pool whose chunks are lent to the tier: its spares count against the
+  // budget. Optional (null: none counted); must outlive the tier.
+  ChunkLender* lender = nullptr;
   // A pending checkpoint not committed after this long may be evicted for room.
   std::chrono::milliseconds stale_pending{60000};
   // At most one lazy `.metadata` check per pending checkpoint per this interval.
@@ -91,6 +105,9 @@ struct RetainedTierStats {
   uint64_t retained_bytes = 0;   // own blocks, any checkpoint state
   uint64_t replica_bytes = 0;    // blocks held for other nodes
   uint64_t captured_bytes = 0;   // bytes copied from staging, total
+  uint64_t kept_bytes = 0;       // bytes kept in lent staging chunks, no copy, total
+  uint64_t loans = 0;            // staging chunks lent to the tier, total
+  uint64_t lent_bytes = 0;       // memory of lent chunks held now (in used_bytes)
   uint64_t skipped_bytes = 0;    // bytes not captured: no room within the budget
   uint64_t unverified_blocks = 0;  // captured blocks dropped at publish (not provably exact)
   uint64_t evicted_bytes = 0;
@@ -115,11 +132,10 @@ class RetainedTier final : public FlushWriteListener, public JournalOutcomeListe
   bool enabled() const { return opts_.budget_bytes > 0; }
   uint64_t block_bytes() const { return opts_.block_bytes; }
 
-  // FlushWriteListener (FlushOptions::on_written): copies [offset, offset+length) of
-  // `target`, or skips it.
-  void OnWritten(const std::shared_ptr<FlushTarget>& target,
-                 const std::shared_ptr<BlockCrcMap>& crcs, uint64_t offset, const uint8_t* data,
-                 size_t length) override EXCLUDES(mu_);
+  // FlushWriteListener (FlushOptions::on_written): keeps the chunk (a loan), copies the
+  // pieces it must, or skips it.
+  void OnWritten(const std::shared_ptr<BlockCrcMap>& crcs, const SealedChunk& chunk) override
+      EXCLUDES(mu_);
   // JournalOutcomeListener (PublicationOptions::retained): the journal applied `e` (after
   // the namespace saw it: its publish set the times and finished the block CRCs).
   void OnJournalDone(const JournalEntry& e, const Status& st) override EXCLUDES(mu_);
@@ -177,7 +193,8 @@ class RetainedTier final : public FlushWriteListener, public JournalOutcomeListe
   void SetClockForTest(std::function<std::chrono::steady_clock::time_point()> now);
 
  private:
-  struct Buffer;  // one block's memory (its own anonymous mapping)
+  struct Loan;    // a lent staging chunk
+  struct Buffer;  // one block's memory: its own anonymous mapping, or within a Loan
   struct CaptureBlock;
   struct Capture;
   struct Held;  // a retained block
@@ -205,8 +222,15 @@ class RetainedTier final : public FlushWriteListener, public JournalOutcomeListe
   // A block buffer within the budget: a spare one, else a new mapping, evicting what may be
   // evicted but checkpoint `keep`. Null when there is no room (the caller skips the block).
   std::shared_ptr<Buffer> TakeBufferLocked(const std::string& keep = {}) REQUIRES(mu_);
-  // The buffer of a dropped block (null: none): kept as a spare when nobody else holds it,
-  // so the next save or replica reuses its pages; else it leaves the account.
+  // Room for a loan of `bytes` (charged to used_ when true), evicting what may be evicted.
+  bool TakeLoanRoomLocked(uint64_t bytes) REQUIRES(mu_);
+  // One step towards room: gives back the pool's spares beyond what fits `more` bytes, else
+  // one spare buffer. False when neither had anything to give.
+  bool ShrinkSparesLocked(uint64_t more) REQUIRES(mu_);
+  uint64_t PoolSparesLocked() const REQUIRES(mu_);
+  // A buffer leaves a block (null: none): an own buffer nobody else holds stays as a spare,
+  // so the next save or replica reuses its pages; any other leaves the account (a lent
+  // chunk once its last block left).
   void RecycleLocked(std::shared_ptr<Buffer> buf) REQUIRES(mu_);
   void ReleaseLocked(uint64_t bytes) REQUIRES(mu_);
   Ckpt& CkptLocked(const std::string& dir) REQUIRES(mu_);

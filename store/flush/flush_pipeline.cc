@@ -136,71 +136,6 @@ std::shared_ptr<BlockCrcMap> FlushTarget::CrcMap(const BlockCrcOptions& options)
   return crcs_;
 }
 
-// One job at a time beside a flush thread, which owns it (and joins it on return from
-// Run): on_written's copy of a chunk runs here while the flush thread writes that chunk.
-class FlushPipeline::SideThread {
- public:
-  SideThread()
-      : thread_([this] {
-          NameThisThread("ckptfs-flush-side");
-          Loop();
-        }) {}
-  ~SideThread() {
-    {
-      MutexLock lock(&mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  SideThread(const SideThread&) = delete;
-  SideThread& operator=(const SideThread&) = delete;
-
-  // Starts `job`; the previous one must have been waited for.
-  void Start(std::function<void()> job) {
-    {
-      MutexLock lock(&mu_);
-      job_ = std::move(job);
-      busy_ = true;
-    }
-    cv_.notify_all();
-  }
-  // Returns once the started job has run.
-  void Wait() {
-    MutexLock lock(&mu_);
-    cv_.wait(lock.native(), [this] {
-      mu_.AssertHeld();  // the predicate runs under the lock
-      return !busy_;
-    });
-  }
-
- private:
-  void Loop() {
-    MutexLock lock(&mu_);
-    while (true) {
-      cv_.wait(lock.native(), [this] {
-        mu_.AssertHeld();  // the predicate runs under the lock
-        return stop_ || job_ != nullptr;
-      });
-      if (job_ == nullptr) return;  // stop_, nothing started
-      std::function<void()> job = std::move(job_);
-      job_ = nullptr;
-      lock.Unlock();
-      job();
-      lock.Lock();
-      busy_ = false;
-      cv_.notify_all();
-    }
-  }
-
-  Mutex mu_;
-  std::condition_variable cv_;
-  std::function<void()> job_ GUARDED_BY(mu_);
-  bool busy_ GUARDED_BY(mu_) = false;
-  bool stop_ GUARDED_BY(mu_) = false;
-  std::thread thread_;  // last: starts once the members above exist
-};
-
 FlushPipeline::FlushPipeline(BackingDir* dir, const FlushOptions& options)
     : dir_(dir), options_(options) {
   for (int i = 0; i < options.threads; ++i) {
@@ -321,30 +256,13 @@ void FlushPipeline::Finish(SealedChunk& chunk, const Status& st, bool was_parked
   chunk.target.reset();
 }
 
-bool FlushPipeline::WriteChunk(SealedChunk& chunk, int attempts, SideThread* side) {
+bool FlushPipeline::WriteChunk(SealedChunk& chunk, int attempts) {
   FlushTarget& target = *chunk.target;
   Status st;
   {
     MutexLock lock(&target.mu_);
     st = target.lost_;
   }
-  // Issue 23: the retained tier's copy, beside the write (see FlushOptions::on_written).
-  std::shared_ptr<BlockCrcMap> side_crcs;
-  if (st.ok() && side != nullptr && options_.block_crcs) {
-    side_crcs = target.CrcMap(options_.crc_options);
-  }
-  if (side_crcs) {
-    side->Start([this, &chunk, &side_crcs] {
-      options_.on_written->OnWritten(chunk.target, side_crcs, chunk.offset, chunk.data,
-                                     chunk.length);
-    });
-  }
-  struct WaitSide {  // before the chunk is released, parked or returned, whatever happens
-    SideThread* side;
-    ~WaitSide() {
-      if (side != nullptr) side->Wait();
-    }
-  } wait_side{side_crcs ? side : nullptr};
   if (st.ok()) {
     constexpr uint64_t kAlign = 4096;
     int direct = -1;
@@ -378,11 +296,9 @@ bool FlushPipeline::WriteChunk(SealedChunk& chunk, int attempts, SideThread* sid
                                                     .count()),
                           std::memory_order_relaxed);
         crc_bytes_.fetch_add(chunk.length, std::memory_order_relaxed);
+        // Issue 23/42: the retained tier keeps the chunk (or skips it); never a wait.
+        if (options_.on_written != nullptr) options_.on_written->OnWritten(crcs, chunk);
       }
-    }
-    if (side_crcs) {
-      side->Wait();
-      wait_side.side = nullptr;
     }
     if (st.ok()) {
       target.bytes_flushed_.fetch_add(chunk.length, std::memory_order_relaxed);
@@ -421,8 +337,6 @@ bool FlushPipeline::WriteChunk(SealedChunk& chunk, int attempts, SideThread* sid
 }
 
 void FlushPipeline::Run() {
-  std::unique_ptr<SideThread> side;
-  if (options_.on_written) side = std::make_unique<SideThread>();
   while (true) {
     SealedChunk chunk;
     int attempts = 0;
@@ -466,7 +380,7 @@ void FlushPipeline::Run() {
       MutexLock tlock(&chunk.target->mu_);
       --chunk.target->parked_;
     }
-    WriteChunk(chunk, attempts, side.get());
+    WriteChunk(chunk, attempts);
     {
       MutexLock lock(&mu_);
       --active_;

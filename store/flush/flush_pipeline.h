@@ -41,6 +41,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/chunk_lender.h"
 #include "common/mutex.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
@@ -51,11 +52,15 @@ namespace ckptfs::store {
 
 class FlushTarget {
  public:
-  FlushTarget(uint64_t id, UniqueFd fd) : id_(id), fd_(std::move(fd)) {}
+  // `retainable`: the file may be kept in the retained tier (its name at open is a
+  // checkpoint file's); the tier passes over the chunks of any other.
+  FlushTarget(uint64_t id, UniqueFd fd, bool retainable = true)
+      : id_(id), retainable_(retainable), fd_(std::move(fd)) {}
   FlushTarget(const FlushTarget&) = delete;
   FlushTarget& operator=(const FlushTarget&) = delete;
 
   uint64_t id() const { return id_; }
+  bool retainable() const { return retainable_; }
   int fd() const { return fd_.get(); }
   // The O_DIRECT descriptor of the same file, opened on first use; -1 where the file
   // system refuses it (then always -1).
@@ -100,6 +105,7 @@ class FlushTarget {
   std::shared_ptr<BlockCrcMap> CrcMap(const BlockCrcOptions& options);
 
   const uint64_t id_;
+  const bool retainable_;
   UniqueFd fd_;
   Mutex crc_mu_;
   std::shared_ptr<BlockCrcMap> crcs_ GUARDED_BY(crc_mu_);
@@ -122,6 +128,7 @@ class FlushTarget {
 // One sealed run of bytes for one file. `keepalive` owns the memory behind `data`
 // (a staging chunk) and is released once the write finished. `on_done` runs on the
 // flush thread after the write, with its result, before `keepalive` is released.
+// The bytes are never changed once sealed, so whoever holds `keepalive` may read them.
 struct SealedChunk {
   std::shared_ptr<FlushTarget> target;
   uint64_t offset = 0;
@@ -129,6 +136,11 @@ struct SealedChunk {
   size_t length = 0;
   std::shared_ptr<void> keepalive;
   std::function<void(const Status&)> on_done;
+  // Issue 42: set when `data` is the start of a chunk of `lender` (the staging pool) and
+  // `capacity` its size: a listener may keep the memory (lender->Lend(data), then hold
+  // `keepalive`) instead of copying it. Null: copy what is to be kept.
+  ChunkLender* lender = nullptr;
+  size_t capacity = 0;
 };
 
 // True for failures that may clear by themselves or by an operator (a full or over-quota
@@ -136,19 +148,15 @@ struct SealedChunk {
 // bytes are kept and the write or publication is retried.
 bool IsTransient(const Status& status);
 
-// Told of each chunk a flush thread wrote (issue 23: the retained tier copies it,
+// Told of each chunk a flush thread wrote (issue 23: the retained tier keeps it,
 // store/cache/retained_tier.h).
 class FlushWriteListener {
  public:
-  // For every chunk a flush thread writes, while the bytes are in staging: on that flush
-  // thread's side thread, at the same time as the chunk's pwrite (both only read the
-  // chunk); the flush thread waits for it only where the copy outlasts the write, before
-  // the chunk is released. A chunk whose write fails has still been passed (its retry is
-  // passed again: the tier then keeps none of those blocks). Must not block (the tier
-  // copies or skips).
-  virtual void OnWritten(const std::shared_ptr<FlushTarget>& target,
-                         const std::shared_ptr<BlockCrcMap>& crcs, uint64_t offset,
-                         const uint8_t* data, size_t length) = 0;
+  // For every chunk a flush thread wrote successfully, on that thread, after the write and
+  // its block CRCs, before the chunk is finished and released (`crcs` is the target's map).
+  // A failed write is not passed; its retry is, once it succeeds. Must not block: the
+  // tier keeps the chunk itself (SealedChunk::lender), copies a few bytes, or skips it.
+  virtual void OnWritten(const std::shared_ptr<BlockCrcMap>& crcs, const SealedChunk& chunk) = 0;
 
  protected:
   ~FlushWriteListener() = default;
@@ -163,7 +171,7 @@ struct FlushOptions {
   bool direct_io = true;   // aligned chunks bypass the page cache (see above)
   BlockCrcOptions crc_options;
   // Issue 23 (the retained tier, store/cache/retained_tier.h): told of every chunk a flush
-  // thread writes (FlushWriteListener). Optional; must outlive the pipeline.
+  // thread wrote (FlushWriteListener). Optional; must outlive the pipeline.
   FlushWriteListener* on_written = nullptr;
 };
 
@@ -201,11 +209,9 @@ class FlushPipeline {
 
  private:
   FlushPipeline(BackingDir* dir, const FlushOptions& options);
-  class SideThread;
   void Run();
-  // Writes one chunk; returns false if it was parked for a retry (still owned). `side`
-  // (null without on_written) runs on_written during the write.
-  bool WriteChunk(SealedChunk& chunk, int attempts, SideThread* side);
+  // Writes one chunk; returns false if it was parked for a retry (still owned).
+  bool WriteChunk(SealedChunk& chunk, int attempts);
   // Releases a chunk that will not be retried.
   void Finish(SealedChunk& chunk, const Status& st, bool was_parked);
 

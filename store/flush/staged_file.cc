@@ -53,6 +53,8 @@ void StagedFile::SealLocked() {
   sealed.data = chunk->buffer.data();
   sealed.length = chunk->length;
   sealed.keepalive = chunk;
+  sealed.lender = ctx_.pool;  // issue 42: the retained tier may keep the chunk itself
+  sealed.capacity = chunk->buffer.capacity();
   const uint64_t key = chunk->file_offset;
   StagedChunk* raw = chunk.get();
   sealed.on_done = [weak, key, raw](const Status&) {

@@ -5,6 +5,7 @@
 #include <linux/openat2.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <spdlog/spdlog.h>
@@ -245,6 +246,34 @@ Status BackingDir::Unlink(const std::string& path) {
 
 Status BackingDir::Symlink(const std::string& target, const std::string& path) {
   CKPT_AT_OP("symlink", ::symlinkat(target.c_str(), dir.get(), name.c_str()));
+}
+
+Result<std::string> BackingDir::GetDirXattr(const std::string& path, const std::string& name) {
+  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
+  char buf[256];
+  const ssize_t n = ::fgetxattr(fd.get(), name.c_str(), buf, sizeof(buf));
+  if (n < 0) {
+    if (errno == ENODATA || errno == ENOTSUP) return Status(Code::kNotFound, name);
+    return OsError(errno, Ctx("getxattr", path));
+  }
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+Status BackingDir::SetDirXattr(const std::string& path, const std::string& name,
+                               const std::string& value) {
+  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
+  if (::fsetxattr(fd.get(), name.c_str(), value.data(), value.size(), 0) != 0) {
+    return OsError(errno, Ctx("setxattr", path));
+  }
+  return Status::Ok();
+}
+
+Status BackingDir::RemoveDirXattr(const std::string& path, const std::string& name) {
+  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
+  if (::fremovexattr(fd.get(), name.c_str()) != 0 && errno != ENODATA) {
+    return OsError(errno, Ctx("removexattr", path));
+  }
+  return Status::Ok();
 }
 
 Status BackingDir::Chmod(const std::string& path, mode_t mode) {

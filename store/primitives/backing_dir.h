@@ -85,6 +85,12 @@ class BackingDir {
   virtual Result<struct statvfs> StatFs();
   // Makes the directory entry of `path` durable (fsync of its parent directory).
   virtual Status SyncParent(const std::string& path);
+  // Extended attributes of the directory `path` (never through a symlink). Get: kNotFound
+  // when it has no attribute `name` (or attributes are unsupported there).
+  virtual Result<std::string> GetDirXattr(const std::string& path, const std::string& name);
+  virtual Status SetDirXattr(const std::string& path, const std::string& name,
+                             const std::string& value);
+  virtual Status RemoveDirXattr(const std::string& path, const std::string& name);
 
   // Data I/O on files opened above. `PWrite` writes all of `len` or fails.
   virtual Status PWrite(int fd, const void* buf, size_t len, off_t offset);

@@ -1,0 +1,555 @@
+#include "store/memory/memory_tier.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+#include <ctime>
+
+#include "common/path.h"
+#include "store/dcp/commit_names.h"
+#include "store/dcp/dcp_metadata.h"
+
+namespace ckptfs::store {
+namespace {
+
+struct timespec Now() {
+  struct timespec ts {};
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return ts;
+}
+
+// What a tracker file may say about checkpoint directory `name`: its name, or for
+// Megatron's `iter_NNNNNNN` directories the iteration number.
+bool NamesCheckpoint(std::string content, const std::string& name) {
+  while (!content.empty() && (content.back() == '\n' || content.back() == ' ' ||
+                              content.back() == '\r' || content.back() == '\t')) {
+    content.pop_back();
+  }
+  if (content.empty()) return false;
+  if (content == name || path::Basename(content) == std::string_view(name)) return true;
+  if (name.rfind("iter_", 0) == 0 &&
+      content.find_first_not_of("0123456789") == std::string::npos && content.size() < 19) {
+    const std::string digits = name.substr(5);
+    if (!digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos) {
+      return std::stoull(digits) == std::stoull(content);
+    }
+  }
+  return false;
+}
+
+constexpr size_t kTrackerMax = 4096;  // a tracker is a small file
+
+}  // namespace
+
+// One block of a file's bytes: its own anonymous mapping, so the budget is what is mapped.
+struct MemoryTier::Block {
+  explicit Block(size_t n) {
+    void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m != MAP_FAILED) {
+      p = static_cast<char*>(m);
+      cap = n;
+    }
+  }
+  ~Block() {
+    if (p != nullptr) munmap(p, cap);
+  }
+  Block(const Block&) = delete;
+  Block& operator=(const Block&) = delete;
+  char* p = nullptr;
+  size_t cap = 0;
+};
+
+struct MemoryTier::Node {
+  uint64_t id = 0;
+  uint64_t tree = 0;  // the marked directory's key
+  Node* parent = nullptr;  // null for a tree's root
+  std::string name;
+  bool dir = false;
+  std::string tree_path;  // roots only: the marked directory's path
+  mode_t mode = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+  struct timespec mtime {};
+  struct timespec ctime {};
+  std::map<std::string, Node*, std::less<>> children;  // directories
+  uint64_t size = 0;                                   // files
+  std::map<uint64_t, std::shared_ptr<Block>> blocks;   // files, by index (holes: zeros)
+  uint64_t committed = 0;  // directories: commit order, 0 while not committed
+};
+
+MemoryTier::MemoryTier(const MemoryTierOptions& options) : opts_(options) {
+  MutexLock lock(&mu_);
+  stats_.budget_bytes = opts_.budget_bytes;
+}
+
+MemoryTier::~MemoryTier() = default;
+
+MemoryTier::Node* MemoryTier::NodeLocked(uint64_t id) const {
+  auto it = nodes_.find(id);
+  return it == nodes_.end() ? nullptr : it->second.get();
+}
+
+Result<MemoryTier::Node*> MemoryTier::DirLocked(uint64_t id) const {
+  Node* n = NodeLocked(id);
+  if (n == nullptr) return NotFound("memory-only directory is gone");
+  if (!n->dir) return Status(Code::kNotDir, n->name);
+  return n;
+}
+
+MemAttr MemoryTier::AttrLocked(const Node& n) const {
+  MemAttr a;
+  a.id = n.id;
+  a.dir = n.dir;
+  a.size = n.dir ? 4096 : n.size;
+  a.mode = n.mode;
+  a.uid = n.uid;
+  a.gid = n.gid;
+  a.mtime = n.mtime;
+  a.ctime = n.ctime;
+  a.nlink = n.dir ? 2 : 1;
+  if (n.dir) {
+    for (const auto& [name, c] : n.children) a.nlink += c->dir ? 1 : 0;
+  }
+  return a;
+}
+
+std::string MemoryTier::PathLocked(const Node& n) const {
+  if (n.parent == nullptr) return n.tree_path;
+  return path::Join(PathLocked(*n.parent), n.name);
+}
+
+uint64_t MemoryTier::TreeRoot(uint64_t key, const std::string& path) {
+  MutexLock lock(&mu_);
+  auto it = trees_.find(key);
+  if (it != trees_.end()) {
+    Node* root = NodeLocked(it->second);
+    if (root != nullptr && !path.empty()) root->tree_path = path;
+    return it->second;
+  }
+  auto root = std::make_unique<Node>();
+  root->id = next_id_++;
+  root->tree = key;
+  root->dir = true;
+  root->tree_path = path;
+  root->mode = 0755;
+  root->mtime = root->ctime = Now();
+  const uint64_t id = root->id;
+  nodes_.emplace(id, std::move(root));
+  trees_.emplace(key, id);
+  stats_.trees = trees_.size();
+  return id;
+}
+
+bool MemoryTier::TreeEmpty(uint64_t key) const {
+  MutexLock lock(&mu_);
+  auto it = trees_.find(key);
+  if (it == trees_.end()) return true;
+  const Node* root = NodeLocked(it->second);
+  return root == nullptr || root->children.empty();
+}
+
+void MemoryTier::DropTree(uint64_t key) {
+  MutexLock lock(&mu_);
+  auto it = trees_.find(key);
+  if (it == trees_.end()) return;
+  if (Node* root = NodeLocked(it->second)) RemoveLocked(root);
+  trees_.erase(it);
+  stats_.trees = trees_.size();
+}
+
+MemoryTier::Node* MemoryTier::NewNodeLocked(Node* parent, std::string_view name, bool dir,
+                                            mode_t mode, uid_t uid, gid_t gid) {
+  auto n = std::make_unique<Node>();
+  n->id = next_id_++;
+  n->tree = parent->tree;
+  n->parent = parent;
+  n->name = std::string(name);
+  n->dir = dir;
+  n->mode = mode & 07777;
+  n->uid = uid;
+  n->gid = gid;
+  n->mtime = n->ctime = Now();
+  Node* raw = n.get();
+  nodes_.emplace(raw->id, std::move(n));
+  parent->children.emplace(raw->name, raw);
+  parent->mtime = parent->ctime = raw->mtime;
+  return raw;
+}
+
+void MemoryTier::RemoveLocked(Node* n) {
+  std::vector<Node*> below;
+  for (const auto& [name, c] : n->children) below.push_back(c);
+  for (Node* c : below) RemoveLocked(c);
+  used_ -= std::min<uint64_t>(used_, n->blocks.size() * opts_.block_bytes);
+  if (n->parent != nullptr) {
+    n->parent->children.erase(n->name);
+    n->parent->mtime = n->parent->ctime = Now();
+  }
+  nodes_.erase(n->id);  // blocks a reader still copies from live on with it
+}
+
+uint64_t MemoryTier::TreeBytesLocked(const Node& n) const {
+  uint64_t b = n.size;
+  for (const auto& [name, c] : n.children) b += TreeBytesLocked(*c);
+  return b;
+}
+
+Result<MemAttr> MemoryTier::Lookup(uint64_t dir, std::string_view name) const {
+  MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(Node * d, DirLocked(dir));
+  auto it = d->children.find(name);
+  if (it == d->children.end()) return NotFound(std::string(name));
+  return AttrLocked(*it->second);
+}
+
+Result<MemAttr> MemoryTier::GetAttr(uint64_t id) const {
+  MutexLock lock(&mu_);
+  const Node* n = NodeLocked(id);
+  if (n == nullptr) return NotFound("memory-only node is gone");
+  return AttrLocked(*n);
+}
+
+void MemoryTier::ResizeLocked(Node* n, uint64_t size) {
+  const uint64_t bs = opts_.block_bytes;
+  for (auto it = n->blocks.lower_bound((size + bs - 1) / bs); it != n->blocks.end();) {
+    it = n->blocks.erase(it);
+    used_ -= std::min<uint64_t>(used_, bs);
+  }
+  if (size < n->size && size % bs != 0) {
+    // The kept part of the last block: zero past the new end, so a later extension reads
+    // zeros there.
+    auto last = n->blocks.find(size / bs);
+    if (last != n->blocks.end()) {
+      std::memset(last->second->p + size % bs, 0, bs - size % bs);
+    }
+  }
+  n->size = size;
+}
+
+Result<MemAttr> MemoryTier::SetAttr(uint64_t id, const Change& change) {
+  MutexLock lock(&mu_);
+  Node* n = NodeLocked(id);
+  if (n == nullptr) return NotFound("memory-only node is gone");
+  if (change.size != nullptr) {
+    if (n->dir) return Status(Code::kIsDir, n->name);
+    ResizeLocked(n, *change.size);
+    n->mtime = Now();
+  }
+  if (change.mode != nullptr) n->mode = *change.mode & 07777;
+  if (change.uid != nullptr) n->uid = *change.uid;
+  if (change.gid != nullptr) n->gid = *change.gid;
+  if (change.mtime != nullptr) n->mtime = *change.mtime;
+  n->ctime = Now();
+  return AttrLocked(*n);
+}
+
+Result<MemAttr> MemoryTier::Mkdir(uint64_t dir, std::string_view name, mode_t mode, uid_t uid,
+                                  gid_t gid) {
+  MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(Node * d, DirLocked(dir));
+  if (d->children.count(name) > 0) return Status(Code::kExists, std::string(name));
+  return AttrLocked(*NewNodeLocked(d, name, true, mode, uid, gid));
+}
+
+Result<MemAttr> MemoryTier::Create(uint64_t dir, std::string_view name, mode_t mode, uid_t uid,
+                                   gid_t gid, bool exclusive) {
+  MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(Node * d, DirLocked(dir));
+  if (auto it = d->children.find(name); it != d->children.end()) {
+    if (exclusive) return Status(Code::kExists, std::string(name));
+    if (it->second->dir) return Status(Code::kIsDir, std::string(name));
+    return AttrLocked(*it->second);
+  }
+  return AttrLocked(*NewNodeLocked(d, name, false, mode, uid, gid));
+}
+
+Status MemoryTier::Write(uint64_t id, uint64_t offset, size_t len, const Fill& fill) {
+  if (len == 0) return Status::Ok();
+  const uint64_t bs = opts_.block_bytes;
+  const uint64_t end = offset + len;
+  std::vector<std::shared_ptr<Block>> blocks;
+  {
+    MutexLock lock(&mu_);
+    Node* n = NodeLocked(id);
+    if (n == nullptr) return NotFound("memory-only file is gone");
+    if (n->dir) return Status(Code::kIsDir, n->name);
+    uint64_t missing = 0;
+    for (uint64_t i = offset / bs; i * bs < end; ++i) missing += n->blocks.count(i) == 0;
+    if (used_ + missing * bs > opts_.budget_bytes) {
+      ++stats_.nospace_writes;
+      return Status(Code::kNoSpace,
+                    fmt::format("memory-only checkpoints: --memory-ckpt-mem is full ({} of {} "
+                                "bytes in use, {} more needed for {})",
+                                used_, opts_.budget_bytes, missing * bs, PathLocked(*n)));
+    }
+    for (uint64_t i = offset / bs; i * bs < end; ++i) {
+      std::shared_ptr<Block>& b = n->blocks[i];
+      if (!b) {
+        b = std::make_shared<Block>(bs);
+        if (b->p == nullptr) {
+          n->blocks.erase(i);
+          ++stats_.nospace_writes;
+          return Status(Code::kNoSpace, "memory-only checkpoints: out of memory");
+        }
+        used_ += bs;
+      }
+      blocks.push_back(b);
+    }
+    stats_.peak_used_bytes = std::max(stats_.peak_used_bytes, used_);
+  }
+  // The copy, without the lock: the blocks are this write's until it returns.
+  uint64_t at = offset;
+  for (const std::shared_ptr<Block>& b : blocks) {
+    const uint64_t in = at % bs;
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(bs - in, end - at));
+    CKPT_RETURN_IF_ERROR(fill(b->p + in, n));
+    at += n;
+  }
+  MutexLock lock(&mu_);
+  if (Node* n = NodeLocked(id)) {
+    n->size = std::max(n->size, end);
+    n->mtime = n->ctime = Now();
+  }
+  return Status::Ok();
+}
+
+Result<size_t> MemoryTier::Read(uint64_t id, char* out, size_t len, uint64_t offset) const {
+  const uint64_t bs = opts_.block_bytes;
+  std::vector<std::pair<uint64_t, std::shared_ptr<Block>>> blocks;
+  uint64_t end = 0;
+  {
+    MutexLock lock(&mu_);
+    const Node* n = NodeLocked(id);
+    if (n == nullptr) return NotFound("memory-only file is gone");
+    if (n->dir) return Status(Code::kIsDir, n->name);
+    if (offset >= n->size) return size_t{0};
+    end = std::min<uint64_t>(n->size, offset + len);
+    for (auto it = n->blocks.lower_bound(offset / bs); it != n->blocks.end() && it->first * bs < end;
+         ++it) {
+      blocks.emplace_back(it->first, it->second);
+    }
+  }
+  const size_t got = static_cast<size_t>(end - offset);
+  std::memset(out, 0, got);  // holes
+  for (const auto& [i, b] : blocks) {
+    const uint64_t lo = std::max(offset, i * bs), hi = std::min(end, (i + 1) * bs);
+    std::memcpy(out + (lo - offset), b->p + (lo - i * bs), hi - lo);
+  }
+  return got;
+}
+
+std::string MemoryTier::ContentLocked(const Node& n, size_t max) const {
+  const uint64_t bs = opts_.block_bytes;
+  std::string s(std::min<uint64_t>(n.size, max), '\0');
+  for (const auto& [i, b] : n.blocks) {
+    if (i * bs >= s.size()) break;
+    std::memcpy(s.data() + i * bs, b->p, std::min<uint64_t>(bs, s.size() - i * bs));
+  }
+  return s;
+}
+
+void MemoryTier::MaybeCommitLocked(Node* file) {
+  Node* dir = file->parent;
+  if (dir == nullptr || file->dir || dir->committed != 0 ||
+      CommitKindOf(file->name) != CommitKind::kDcp) {
+    return;
+  }
+  const std::string where = PathLocked(*dir);
+  // G5 within memory: every file the `.metadata` names is here, long enough.
+  Result<DcpMetadata> md = ParseDcpMetadata(ContentLocked(*file, file->size));
+  if (!md.ok()) {
+    ++stats_.refused_commits;
+    spdlog::error("memory-only checkpoint {}: .metadata unreadable ({}); not committed", where,
+                  md.status().ToString());
+    return;
+  }
+  for (const auto& [name, need] : RequiredFileLengths(*md)) {
+    const Node* at = dir;
+    for (size_t start = 0; at != nullptr && start <= name.size();) {
+      size_t slash = name.find('/', start);
+      if (slash == std::string::npos) slash = name.size();
+      auto it = at->children.find(std::string_view(name).substr(start, slash - start));
+      at = it == at->children.end() ? nullptr : it->second;
+      start = slash + 1;
+    }
+    if (at == nullptr || at->dir || at->size < need) {
+      ++stats_.refused_commits;
+      spdlog::error("memory-only checkpoint {}: its .metadata names {} ({} bytes) which is {}; "
+                    "not committed", where, name, need, at == nullptr ? "missing" : "short");
+      return;
+    }
+  }
+  dir->committed = ++order_;
+  ++stats_.commits;
+  spdlog::info("memory-only checkpoint {} committed in memory on this node only (no peers: "
+               "not replicated; lost if this daemon stops)", where);
+  EvictOlderLocked(dir);
+}
+
+void MemoryTier::EvictOlderLocked(Node* committed) {
+  Node* root = committed;
+  while (root->parent != nullptr) root = root->parent;
+  std::vector<Node*> older;
+  for (const auto& [id, n] : nodes_) {
+    if (n->tree == committed->tree && n->dir && n->committed != 0 && n.get() != committed) {
+      older.push_back(n.get());
+    }
+  }
+  for (Node* old : older) {
+    // An ancestor or descendant of the new one (a checkpoint saved inside another): kept.
+    bool related = false;
+    for (const Node* a = committed; a != nullptr; a = a->parent) related |= a == old;
+    for (const Node* a = old; a != nullptr; a = a->parent) related |= a == committed;
+    if (related || nodes_.count(old->id) == 0) continue;
+    const std::string name = old->name, where = PathLocked(*old);
+    const uint64_t bytes = TreeBytesLocked(*old);
+    RemoveLocked(old);
+    ++stats_.evicted_checkpoints;
+    stats_.evicted_bytes += bytes;
+    // Trackers that name it vanish with it: files of the tree outside any checkpoint.
+    std::vector<Node*> trackers;
+    for (const auto& [id, n] : nodes_) {
+      if (n->tree != committed->tree || n->dir || n->size == 0 || n->size > kTrackerMax) continue;
+      bool in_ckpt = false;
+      for (const Node* a = n->parent; a != nullptr; a = a->parent) in_ckpt |= a->committed != 0;
+      if (!in_ckpt && CommitKindOf(n->name) == CommitKind::kNone &&
+          NamesCheckpoint(ContentLocked(*n, kTrackerMax), name)) {
+        trackers.push_back(n.get());
+      }
+    }
+    for (Node* t : trackers) {
+      spdlog::info("memory-only tracker {} named {}: dropped with it", PathLocked(*t), where);
+      RemoveLocked(t);
+      ++stats_.trackers_dropped;
+    }
+    spdlog::info("memory-only checkpoint {} evicted by the newer commit of {} ({} bytes)", where,
+                 PathLocked(*committed), bytes);
+  }
+}
+
+void MemoryTier::Closed(uint64_t id) {
+  MutexLock lock(&mu_);
+  if (Node* n = NodeLocked(id)) MaybeCommitLocked(n);
+}
+
+Status MemoryTier::Unlink(uint64_t dir, std::string_view name) {
+  MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(Node * d, DirLocked(dir));
+  auto it = d->children.find(name);
+  if (it == d->children.end()) return NotFound(std::string(name));
+  if (it->second->dir) return Status(Code::kIsDir, std::string(name));
+  RemoveLocked(it->second);
+  return Status::Ok();
+}
+
+Status MemoryTier::Rmdir(uint64_t dir, std::string_view name) {
+  MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(Node * d, DirLocked(dir));
+  auto it = d->children.find(name);
+  if (it == d->children.end()) return NotFound(std::string(name));
+  if (!it->second->dir) return Status(Code::kNotDir, std::string(name));
+  if (!it->second->children.empty()) return Status(Code::kNotEmpty, std::string(name));
+  RemoveLocked(it->second);
+  return Status::Ok();
+}
+
+Status MemoryTier::Rename(uint64_t dir, std::string_view name, uint64_t new_dir,
+                          std::string_view new_name, bool noreplace) {
+  MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(Node * from, DirLocked(dir));
+  CKPT_ASSIGN_OR_RETURN(Node * to, DirLocked(new_dir));
+  if (from->tree != to->tree) return Status(Code::kCrossDevice, "another memory-only tree");
+  auto it = from->children.find(name);
+  if (it == from->children.end()) return NotFound(std::string(name));
+  Node* n = it->second;
+  for (const Node* a = to; a != nullptr; a = a->parent) {
+    if (a == n) return Invalid("a directory cannot move below itself");
+  }
+  if (auto old = to->children.find(new_name); old != to->children.end()) {
+    if (old->second == n) return Status::Ok();
+    if (noreplace) return Status(Code::kExists, std::string(new_name));
+    Node* victim = old->second;
+    if (victim->dir != n->dir) return Status(victim->dir ? Code::kIsDir : Code::kNotDir, "");
+    if (victim->dir && !victim->children.empty()) return Status(Code::kNotEmpty, "");
+    RemoveLocked(victim);
+  }
+  from->children.erase(n->name);
+  from->mtime = from->ctime = Now();
+  n->name = std::string(new_name);
+  n->parent = to;
+  to->children.emplace(n->name, n);
+  to->mtime = to->ctime = n->ctime = Now();
+  MaybeCommitLocked(n);  // `.metadata.tmp` -> `.metadata`
+  return Status::Ok();
+}
+
+Result<std::vector<std::pair<std::string, MemAttr>>> MemoryTier::List(uint64_t dir) const {
+  MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(Node * d, DirLocked(dir));
+  std::vector<std::pair<std::string, MemAttr>> out;
+  for (const auto& [name, c] : d->children) out.emplace_back(name, AttrLocked(*c));
+  return out;
+}
+
+std::vector<MemCheckpoint> MemoryTier::Checkpoints() const {
+  MutexLock lock(&mu_);
+  std::vector<MemCheckpoint> out;
+  for (const auto& [id, n] : nodes_) {
+    if (!n->dir || n->parent == nullptr) continue;
+    bool holds = n->committed != 0;
+    for (const auto& [name, c] : n->children) {
+      holds |= !c->dir && (IsCheckpointFileName(name) || CommitKindOf(name) != CommitKind::kNone);
+    }
+    if (!holds) continue;
+    out.push_back({PathLocked(*n), n->committed != 0 ? "committed" : "writing",
+                   TreeBytesLocked(*n), "memory (this node only, no peers)"});
+  }
+  return out;
+}
+
+MemoryTierStats MemoryTier::Stats() const {
+  MutexLock lock(&mu_);
+  MemoryTierStats s = stats_;
+  s.used_bytes = used_;
+  return s;
+}
+
+nlohmann::json MemoryTier::StatsJson() const {
+  const MemoryTierStats s = Stats();
+  nlohmann::json j = {{"budget_bytes", s.budget_bytes},
+                      {"used_bytes", s.used_bytes},
+                      {"peak_used_bytes", s.peak_used_bytes},
+                      {"trees", s.trees},
+                      {"commits", s.commits},
+                      {"refused_commits", s.refused_commits},
+                      {"evicted_checkpoints", s.evicted_checkpoints},
+                      {"evicted_bytes", s.evicted_bytes},
+                      {"trackers_dropped", s.trackers_dropped},
+                      {"nospace_writes", s.nospace_writes},
+                      {"lost_checkpoints", s.lost_checkpoints}};
+  nlohmann::json list = nlohmann::json::array();
+  for (const MemCheckpoint& c : Checkpoints()) {
+    list.push_back({{"path", c.path}, {"state", c.state}, {"bytes", c.bytes},
+                    {"tier", "memory"}, {"where", c.where}});
+  }
+  j["checkpoints"] = std::move(list);
+  return j;
+}
+
+void MemoryTier::DropAll() {
+  std::vector<MemCheckpoint> held = Checkpoints();
+  MutexLock lock(&mu_);
+  for (const MemCheckpoint& c : held) {
+    if (c.state != "committed") continue;
+    ++stats_.lost_checkpoints;
+    spdlog::warn("memory-only checkpoint {} lost: the daemon stops and no peer holds it", c.path);
+  }
+  nodes_.clear();
+  trees_.clear();
+  used_ = 0;
+  stats_.trees = 0;
+}
+
+}  // namespace ckptfs::store

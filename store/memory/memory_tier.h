@@ -1,0 +1,170 @@
+// MemoryTier (issue 42): the files of memory-only trees, kept in the daemon's memory and
+// never written to the backing store.
+//
+// A tree is a directory marked `user.ckptfs.tier=memory` (the mark is an xattr of the
+// backing directory, kept there by the caller) and everything below it. Every name below
+// the marked directory is a node of this tier: directories and regular files, their bytes
+// in blocks of `block_bytes` within one budget (`--memory-ckpt-mem`), apart from staging, so
+// a save to the backing store never waits for it. A write that does not fit fails with
+// kNoSpace and changes nothing; nothing is evicted for it.
+//
+// Checkpoints. A directory of a tree is a checkpoint once it holds a checkpoint file; it is
+// *committed* when its commit file (`.metadata`, store/dcp/commit_names.h) appears, by
+// rename or by the close of a handle that wrote it, and every file the `.metadata` names is
+// there with at least the length it needs (else the commit is refused, kept `writing`). This
+// node is the only one: committed in memory alone (no peer holds a replica), and the log
+// says so. A commit drops the other committed checkpoints of its tree (the newest evicts the
+// older ones), and with them every tracker of the tree that names one: a small file whose
+// content is a dropped checkpoint's directory name, or the iteration of an `iter_NNNNNNN`
+// directory (Megatron's latest_checkpointed_iteration.txt). So the budget must hold two
+// checkpoints of a tree: the newest committed one stays whole while the next is written.
+//
+// Node ids are never reused. Open files hold ids: a node that is gone (unlinked, dropped)
+// answers kNotFound. Stop (DropAll) drops every tree: without peers nothing else holds
+// them (docs/SEMANTICS.md, "Memory-only directories").
+//
+// Thread-safe. One mutex guards the tree and the budget; file bytes are copied without it
+// (blocks are shared_ptrs, so a concurrent drop cannot free them under a copy).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/mutex.h"
+#include "common/status.h"
+
+namespace ckptfs::store {
+
+struct MemoryTierOptions {
+  uint64_t budget_bytes = 0;          // 0: every write into a memory-only tree is kNoSpace
+  uint64_t block_bytes = 1ull << 20;
+};
+
+struct MemAttr {
+  uint64_t id = 0;
+  bool dir = false;
+  uint64_t size = 0;
+  mode_t mode = 0;  // permission bits
+  uid_t uid = 0;
+  gid_t gid = 0;
+  struct timespec mtime {};
+  struct timespec ctime {};
+  uint64_t nlink = 1;
+};
+
+struct MemCheckpoint {
+  std::string path;  // the marked directory's path (as last told) + the path in the tree
+  std::string state;  // "writing" or "committed"
+  uint64_t bytes = 0;
+  std::string where;  // "memory (this node only, no peers)"
+};
+
+struct MemoryTierStats {
+  uint64_t budget_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t peak_used_bytes = 0;
+  uint64_t trees = 0;
+  uint64_t commits = 0;
+  uint64_t refused_commits = 0;  // a `.metadata` naming files missing or short
+  uint64_t evicted_checkpoints = 0;
+  uint64_t evicted_bytes = 0;
+  uint64_t trackers_dropped = 0;
+  uint64_t nospace_writes = 0;
+  uint64_t lost_checkpoints = 0;  // dropped by a stop
+};
+
+class MemoryTier {
+ public:
+  explicit MemoryTier(const MemoryTierOptions& options);
+  ~MemoryTier();
+  MemoryTier(const MemoryTier&) = delete;
+  MemoryTier& operator=(const MemoryTier&) = delete;
+
+  // The root node of the tree of marked directory `key` (an id the caller keeps for that
+  // directory while the daemon runs), made on first use; `path` names it in listings and
+  // logs (relative to the backing root; call again after a rename to update it; empty:
+  // keep the one it has).
+  uint64_t TreeRoot(uint64_t key, const std::string& path) EXCLUDES(mu_);
+  // Whether the tree of `key` has no names (an unmarked or unknown key has none).
+  bool TreeEmpty(uint64_t key) const EXCLUDES(mu_);
+  // Forgets the (empty) tree of `key`: its marked directory is gone.
+  void DropTree(uint64_t key) EXCLUDES(mu_);
+
+  Result<MemAttr> Lookup(uint64_t dir, std::string_view name) const EXCLUDES(mu_);
+  Result<MemAttr> GetAttr(uint64_t id) const EXCLUDES(mu_);
+  // Unset fields are left as they are; `size` truncates or extends (with zeros) a file.
+  struct Change {
+    const mode_t* mode = nullptr;
+    const uid_t* uid = nullptr;
+    const gid_t* gid = nullptr;
+    const uint64_t* size = nullptr;
+    const struct timespec* mtime = nullptr;
+  };
+  Result<MemAttr> SetAttr(uint64_t id, const Change& change) EXCLUDES(mu_);
+  Result<MemAttr> Mkdir(uint64_t dir, std::string_view name, mode_t mode, uid_t uid, gid_t gid)
+      EXCLUDES(mu_);
+  // A new empty file, or (not `exclusive`) the existing file of that name.
+  Result<MemAttr> Create(uint64_t dir, std::string_view name, mode_t mode, uid_t uid, gid_t gid,
+                         bool exclusive) EXCLUDES(mu_);
+
+  // Writes [offset, offset+len) of file `id`: `fill(out, n)` copies the next n bytes of the
+  // payload into `out` (without the tier's lock). kNoSpace, nothing written, when the
+  // blocks it needs do not fit the budget.
+  using Fill = std::function<Status(char* out, size_t n)>;
+  Status Write(uint64_t id, uint64_t offset, size_t len, const Fill& fill) EXCLUDES(mu_);
+  Result<size_t> Read(uint64_t id, char* out, size_t len, uint64_t offset) const EXCLUDES(mu_);
+  // A handle that wrote `id` was closed: a commit file commits its checkpoint.
+  void Closed(uint64_t id) EXCLUDES(mu_);
+
+  Status Unlink(uint64_t dir, std::string_view name) EXCLUDES(mu_);
+  Status Rmdir(uint64_t dir, std::string_view name) EXCLUDES(mu_);
+  // Within one tree (another tree: kCrossDevice). `noreplace`: kExists if `new_name` is.
+  Status Rename(uint64_t dir, std::string_view name, uint64_t new_dir, std::string_view new_name,
+                bool noreplace) EXCLUDES(mu_);
+  Result<std::vector<std::pair<std::string, MemAttr>>> List(uint64_t dir) const EXCLUDES(mu_);
+
+  std::vector<MemCheckpoint> Checkpoints() const EXCLUDES(mu_);
+  MemoryTierStats Stats() const EXCLUDES(mu_);
+  nlohmann::json StatsJson() const EXCLUDES(mu_);
+  // The daemon is stopping: every tree is dropped, each checkpoint logged as lost.
+  void DropAll() EXCLUDES(mu_);
+
+ private:
+  struct Block;
+  struct Node;
+  Node* NodeLocked(uint64_t id) const REQUIRES(mu_);
+  Result<Node*> DirLocked(uint64_t id) const REQUIRES(mu_);
+  MemAttr AttrLocked(const Node& n) const REQUIRES(mu_);
+  std::string PathLocked(const Node& n) const REQUIRES(mu_);
+  Node* NewNodeLocked(Node* parent, std::string_view name, bool dir, mode_t mode, uid_t uid,
+                      gid_t gid) REQUIRES(mu_);
+  // Frees `n` and everything below it (its bytes leave the budget).
+  void RemoveLocked(Node* n) REQUIRES(mu_);
+  void ResizeLocked(Node* n, uint64_t size) REQUIRES(mu_);
+  uint64_t TreeBytesLocked(const Node& n) const REQUIRES(mu_);
+  // `file` is a commit file that just appeared or was closed: commits its directory if every
+  // file its `.metadata` names is there and long enough, then evicts the older ones.
+  void MaybeCommitLocked(Node* file) REQUIRES(mu_);
+  void EvictOlderLocked(Node* committed) REQUIRES(mu_);
+  std::string ContentLocked(const Node& n, size_t max) const REQUIRES(mu_);
+
+  const MemoryTierOptions opts_;
+  mutable Mutex mu_;
+  uint64_t next_id_ GUARDED_BY(mu_) = 1;
+  uint64_t order_ GUARDED_BY(mu_) = 0;
+  uint64_t used_ GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, std::unique_ptr<Node>> nodes_ GUARDED_BY(mu_);  // by id
+  std::map<uint64_t, uint64_t> trees_ GUARDED_BY(mu_);  // marked dir key -> root node id
+  MemoryTierStats stats_ GUARDED_BY(mu_);
+};
+
+}  // namespace ckptfs::store
