@@ -94,6 +94,20 @@ class Mount:
         except OSError:
             return ""
 
+    def wait_log(self, text, timeout=10):
+        """The whole log once it holds `text` (the daemon flushes info lines every second),
+        or as it is after `timeout` s, for the caller's assertIn to report."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with open(self.log, errors="replace") as f:
+                    whole = f.read()
+            except OSError:
+                whole = ""
+            if text in whole or time.monotonic() > deadline:
+                return whole
+            time.sleep(0.1)
+
     def stats(self):
         with open(os.path.join(self.mnt, ".ckptfs", "stats")) as f:
             return json.load(f)

@@ -88,7 +88,7 @@ class Node:
 
     def start(self, extra_args=(), secret_file=None, timeout=30):
         c = self.cluster
-        cmd = [CKPTFS, "-f", "--staging-mem", "64M", "--state-dir", self.state,
+        cmd = [CKPTFS, "-f", "--staging-mem", c.staging, "--state-dir", self.state,
                "--log-file", self.log, "--log-level", "debug",
                "--peers-file", c.peers_file,
                "--peer-secret-file", secret_file or c.secret_file,
@@ -128,6 +128,16 @@ class Node:
         except OSError:
             return ""
 
+    def wait_log(self, text, timeout=10):
+        """The whole log once it holds `text` (info lines are flushed every second), or as
+        it is after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = self.log_text(1 << 30)
+            if text in out or time.monotonic() > deadline:
+                return out
+            time.sleep(0.1)
+
     def kill(self, sig=signal.SIGKILL):
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -148,7 +158,8 @@ class Node:
 class Cluster:
     """k nodes over one backing dir. Use as a context manager or call cleanup()."""
 
-    def __init__(self, k, root=None, backing=None, throttle_bps=None, daemon_args=()):
+    def __init__(self, k, root=None, backing=None, throttle_bps=None, daemon_args=(),
+                 write_throttle_bps=None, staging="64M"):
         self.k = k
         self.root = root or tempfile.mkdtemp(prefix="ckptfs-peers-")
         os.makedirs(self.root, exist_ok=True)
@@ -160,6 +171,8 @@ class Cluster:
         self.bridge = f"ckbr{self.tag}"
         self.daemon_args = list(daemon_args)
         self.throttle_bps = throttle_bps
+        self.write_throttle_bps = write_throttle_bps
+        self.staging = staging
         self.cgroup = None
         self.nodes = []
         self._made_ns, self._made_veth, self._made_bridge = [], [], False
@@ -203,12 +216,16 @@ class Cluster:
                 f.write("# written as a Slurm prolog would\n")
                 for n in self.nodes:
                     f.write(n.address + "\n")
-            if self.throttle_bps:
+            if self.throttle_bps or self.write_throttle_bps:
+                # One cgroup for every daemon: the throttles are the whole store's bandwidth.
                 self.cgroup = f"/sys/fs/cgroup/blkio/ckptfs-peers-{os.getpid()}"
                 reaper.register("cgroup", self.cgroup)
                 os.makedirs(self.cgroup, exist_ok=True)
-                with open(os.path.join(self.cgroup, "blkio.throttle.read_bps_device"), "w") as f:
-                    f.write(f"{backing_disk(self.backing)} {int(self.throttle_bps)}\n")
+                for name, bps in (("read", self.throttle_bps), ("write", self.write_throttle_bps)):
+                    if bps:
+                        with open(os.path.join(self.cgroup, f"blkio.throttle.{name}_bps_device"),
+                                  "w") as f:
+                            f.write(f"{backing_disk(self.backing)} {int(bps)}\n")
         except Exception:
             self.cleanup()
             raise

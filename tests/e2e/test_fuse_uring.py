@@ -145,8 +145,8 @@ class FuseUringTest(unittest.TestCase):
         self.assertEqual(s1["fuse_uring_errors"], 0)
         self.assertEqual(s1["errors"], 0, s1.get("last_error"))
         self.assertEqual(s1["fuse_uring_queues"], possible_cpus())
-        with open(m.log, errors="replace") as f:
-            self.assertIn("requests now come over io_uring", f.read())
+        self.assertIn("requests now come over io_uring",
+                      m.wait_log("requests now come over io_uring"))
         self.assertEqual(m.unmount(), 0)
         self.assertEqual(sha_file(os.path.join(m.backing, "d", "e", "moved.bin")),
                          hashlib.sha256(b"".join(data[o:o + 7777] for o in

@@ -53,7 +53,8 @@ class MemoryOnlyDirectory(harness.MountedTest):
         listed = {c["path"]: c for c in m.checkpoints()}
         self.assertEqual(listed["mem/iter_0000001"]["tier"], "memory", listed)
         self.assertEqual(listed["mem/iter_0000001"]["state"], "committed", listed)
-        self.assertIn("mem/iter_0000001 committed in memory on this node only", m.log_text())
+        self.assertIn("mem/iter_0000001 committed in memory on this node only",
+                      m.wait_log("committed in memory on this node only"))
         # Nothing of it on the backing store: the marked directory, empty, with its mark.
         self.assertEqual(backing_files(m.backing), [])
         self.assertEqual(os.listdir(os.path.join(m.backing, "mem")), [])

@@ -113,7 +113,7 @@ class StagingMemoryTest(unittest.TestCase):
             self.assertEqual(read_file(os.path.join(m.backing, "ckpt", "shard.bin")), data)
         s = m.stats()
         self.assertEqual(s["staging_pins"], s["staging_releases"], s)
-        self.assertIn("given back after 1 s", m.log_text())
+        self.assertIn("given back after 1 s", m.wait_log("given back after 1 s"))
         self.assertEqual(m.unmount(), 0)
 
     def test_release_after_idle_async(self):
