@@ -10,7 +10,10 @@
   syscall  no backing-store syscall in fs/ (`::pread`, `::pwrite`, `posix_fadvise`,
            `copy_file_range`, `::open`) outside fs/transport/, which opens the FUSE device
            and its io_uring and passthrough controls; every backing-store syscall goes
-           through store/'s BackingDir.
+           through store/'s BackingDir;
+  docs     docs/bench/ holds current results only: every file there is named in docs/ (its
+           benchmark's section of docs/BENCHMARKS.md) and no name carries a date; README.md
+           stays under 150 lines and names no path outside the repository.
 
 The class count reads the source as text (comments and literals removed, then the braces
 of each class body followed); scripts/class_size.py counts the same with clang's own parse,
@@ -33,6 +36,9 @@ MAX_METHODS = 40
 BOUNDARY = re.compile(r"(\.|->)\s*(journal|registry|gate)\s*\(\s*\)")
 SYSCALL = re.compile(r"::pread\b|::pwrite\b|\bposix_fadvise\b|\bcopy_file_range\b|::open\b")
 SYSCALL_ALLOWED = ("fs/transport/",)
+README_LINES = 150
+DATED = re.compile(r"(19|20)\d\d[-_]?[01]\d[-_]?[0-3]\d")
+OUTSIDE = re.compile(r"(^|[\s(`'\"])(\.\./|/work/|/home/)")
 
 
 def sources():
@@ -185,6 +191,31 @@ def classes(rel, text):
     return out
 
 
+def check_docs():
+    problems = []
+    bench = os.path.join(ROOT, "docs", "bench")
+    docs = ""
+    for name in sorted(os.listdir(os.path.join(ROOT, "docs"))):
+        if name.endswith(".md"):
+            with open(os.path.join(ROOT, "docs", name), encoding="utf-8") as f:
+                docs += f.read()
+    for name in sorted(os.listdir(bench)) if os.path.isdir(bench) else []:
+        stem = name.rsplit(".", 1)[0]
+        if DATED.search(name):
+            problems.append("docs: docs/bench/%s is dated; keep the current result under the "
+                            "benchmark's name (the history is in git)" % name)
+        if name not in docs and stem + ".{" not in docs:
+            problems.append("docs: docs/bench/%s is named nowhere in docs/" % name)
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read().split("\n")
+    if len(readme) > README_LINES:
+        problems.append("docs: README.md has %d lines (at most %d)" % (len(readme), README_LINES))
+    for i, line in enumerate(readme, 1):
+        if OUTSIDE.search(line):
+            problems.append("docs: README.md:%d names a path outside the repository" % i)
+    return problems
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--classes", action="store_true", help="print the ten largest classes")
@@ -210,6 +241,7 @@ def main():
                 for m in SYSCALL.finditer(text):
                     problems.append("syscall: %s:%d calls %s; go through store/ (BackingDir)" %
                                     (rel, text.count("\n", 0, m.start()) + 1, m.group(0)))
+    problems += check_docs()
     if args.classes:
         for methods, name, where in sorted(all_classes, reverse=True)[:10]:
             print("%4d  %s  (%s)" % (methods, name, where))
@@ -218,7 +250,7 @@ def main():
     if problems:
         print("check_house: %d problem(s)" % len(problems))
         return 1
-    print("check_house: sizes, classes and fs/'s boundary are in order")
+    print("check_house: sizes, classes, fs/'s boundary and docs/bench are in order")
     return 0
 
 
