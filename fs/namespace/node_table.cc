@@ -165,7 +165,7 @@ bool NodeTable::CommittedDirLocked(const Node* dir) const {
   }
   if (it == dir->children.end()) return false;
   const Node& md = *it->second;
-  const uint64_t applied = publication_->applied();
+  const uint64_t applied = publication_->view().applied();
   return md.on_backing && !md.write && md.pending_seq <= applied && dir->pending_seq <= applied;
 }
 
@@ -375,7 +375,7 @@ void NodeTable::TouchDirLocked(Node* dir, int links) {
 }
 
 bool NodeTable::QuiescentLocked(const Node* node) const {
-  uint64_t applied = publication_->applied();
+  uint64_t applied = publication_->view().applied();
   for (const Node* n = node; n != nullptr; n = n->parent) {
     if (n->pending_seq > applied) return false;
   }
@@ -385,7 +385,7 @@ bool NodeTable::QuiescentLocked(const Node* node) const {
 uint64_t NodeTable::PendingRenameLocked(const Node* node) const {
   uint64_t need = 0;
   for (const Node* n = node; n != nullptr; n = n->parent) need = std::max(need, n->rename_seq);
-  return need > publication_->applied() ? need : 0;
+  return need > publication_->view().applied() ? need : 0;
 }
 
 void NodeTable::SyncDataLocked(Node* node) {
@@ -432,7 +432,7 @@ Status NodeTable::WaitForAncestorsUnlocked(uint64_t ino) {
       for (const Node* n = node.get(); n != nullptr; n = n->parent) {
         need = std::max(need, n->rename_seq);
       }
-      if (need <= publication_->applied()) return Status::Ok();
+      if (need <= publication_->view().applied()) return Status::Ok();
     }
     // The backing path is stale until the rename is applied. If publication is halted
     // before it, say so rather than wait for an operator.

@@ -138,7 +138,7 @@ void WriteStates::InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws)
     live_staged_.insert(ws->staged);
   }
   if (node->write) ws->publish_seq = node->write->publish_seq;
-  ws->began_after = publication_->last_appended();
+  ws->began_after = publication_->view().last_appended();
   node->write = std::move(ws);
   node->attr.st_mtim = node->attr.st_ctim = Now();
   node->attr.st_blksize = kBlockSize;  // written through the mount: large write requests
@@ -386,7 +386,7 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
         }
         CKPT_RETURN_IF_ERROR(cut);
         // A new version: no commit appended before now names it.
-        node->write->began_after = publication_->last_appended();
+        node->write->began_after = publication_->view().last_appended();
       } else if (race.may_retry()) {
         // A new, empty copy: its temp file is made without table_.mu (as a first write's).
         WritePlan plan = PlanWriteLocked(node.get(), /*truncate=*/true, nullptr);
@@ -626,7 +626,7 @@ bool WriteStates::ReleaseFileLocked(FileHandle* h) {
   }
   if (node->write) {
     const WriteState& ws = *node->write;
-    if (node->open_files == 0 && !ws.needs_publish && ws.publish_seq <= publication_->applied() &&
+    if (node->open_files == 0 && !ws.needs_publish && ws.publish_seq <= publication_->view().applied() &&
         table_.publishing.count(ws.file_id) == 0) {
       DropWriteStateLocked(node);  // fully published: the backing file is the truth again
       dropped = true;

@@ -29,7 +29,7 @@ class NoLockAcrossIo : public FaultyFsTest {
     auto made = fs_->Create(kRootIno, "a", 0644, O_RDWR | O_CREAT);
     ASSERT_TRUE(made.ok()) << made.status().ToString();
     a_ = made->second;
-    ASSERT_TRUE(fs_->Write(a_, "aaaa", 4, 0).ok());
+    ASSERT_TRUE(WriteAt(*fs_, a_, "aaaa", 4, 0).ok());
     uint64_t b = WriteFile(kRootIno, "b", "bbbb");
     uint64_t c = WriteFile(kRootIno, "c", "cccc");
     slow_file_ = WriteFile(kRootIno, "slowfile", "ssss");
@@ -52,19 +52,19 @@ class NoLockAcrossIo : public FaultyFsTest {
 
   // Reads and writes of the other open files, as a trainer's ranks would make them.
   void DataPath() {
-    EXPECT_TRUE(fs_->Write(a_, "xyz", 3, 4).ok());
+    EXPECT_TRUE(WriteAt(*fs_, a_, "xyz", 3, 4).ok());
     EXPECT_EQ(ReadAll(a_), "aaaaxyz");
     EXPECT_EQ(ReadAll(b_), "bbbb");
-    EXPECT_TRUE(fs_->Write(c_, "C", 1, 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, c_, "C", 1, 0).ok());
     EXPECT_EQ(ReadAll(c_), "Cccc");
-    EXPECT_TRUE(fs_->Write(c_, "D", 1, 1).ok());
+    EXPECT_TRUE(WriteAt(*fs_, c_, "D", 1, 1).ok());
     EXPECT_EQ(ReadAll(c_), "CDcc");
     // A create (its temp file, owner, registration) and a lookup of other names.
     const std::string name = "other" + std::to_string(++others_);
     auto made = fs_->Create(kRootIno, name, 0644, O_WRONLY | O_CREAT | O_EXCL);
     EXPECT_TRUE(made.ok()) << made.status().ToString();
     if (made.ok()) {
-      EXPECT_TRUE(fs_->Write(made->second, "o", 1, 0).ok());
+      EXPECT_TRUE(WriteAt(*fs_, made->second, "o", 1, 0).ok());
       fs_->Release(made->second);
     }
     EXPECT_TRUE(fs_->Lookup(kRootIno, "b").ok());
@@ -90,7 +90,7 @@ class NoLockAcrossIo : public FaultyFsTest {
     auto made = fs_->Create(kRootIno, "staged", 0644, O_RDWR | O_CREAT);
     EXPECT_TRUE(made.ok()) << made.status().ToString();
     if (!made.ok()) return nullptr;
-    EXPECT_TRUE(fs_->Write(made->second, data.data(), data.size(), 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, made->second, data.data(), data.size(), 0).ok());
     *ino = made->first.ino;
     return made->second;
   }
@@ -146,7 +146,7 @@ TEST_F(NoLockAcrossIo, HungFsyncOfAPublicationDelaysNoReadOrWriteOfOtherFiles) {
   ExpectDataPathWhileHung([this] {
     auto made = fs_->Create(kRootIno, "d", 0644, O_WRONLY | O_CREAT);
     ASSERT_TRUE(made.ok()) << made.status().ToString();
-    EXPECT_TRUE(fs_->Write(made->second, "dddd", 4, 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, made->second, "dddd", 4, 0).ok());
     fs_->Release(made->second);  // queues the publication, whose fsync hangs
   });
 }
@@ -175,7 +175,7 @@ TEST_F(NoLockAcrossIo, HungCopyOfARewriteDelaysNoReadOrWriteOfOtherFiles) {
   ExpectDataPathWhileHung([this, e] {
     Handle* h = OpenOk(e, O_RDWR);
     ASSERT_NE(h, nullptr);
-    EXPECT_TRUE(fs_->Write(h, "E", 1, 0).ok());  // begins the rewrite: its copy hangs
+    EXPECT_TRUE(WriteAt(*fs_, h, "E", 1, 0).ok());  // begins the rewrite: its copy hangs
     EXPECT_EQ(ReadAll(h), "Eeee");
     fs_->Release(h);
   });
@@ -192,7 +192,7 @@ TEST_F(NoLockAcrossIo, HungTempFileOfACreateDelaysNoReadOrWriteOfOtherFiles) {
   ExpectDataPathWhileHung([this] {
     auto made = fs_->Create(kRootIno, "new", 0644, O_WRONLY | O_CREAT | O_EXCL);
     ASSERT_TRUE(made.ok()) << made.status().ToString();
-    EXPECT_TRUE(fs_->Write(made->second, "n", 1, 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, made->second, "n", 1, 0).ok());
     fs_->Release(made->second);
   });
   auto twice = fs_->Create(kRootIno, "new", 0644, O_WRONLY | O_CREAT | O_EXCL);
@@ -210,7 +210,7 @@ TEST_F(NoLockAcrossIo, HungTempFileOfATruncatingOpenDelaysNoReadOrWriteOfOtherFi
   ExpectDataPathWhileHung([this] {
     Handle* h = OpenOk(slow_file_, O_WRONLY | O_TRUNC);  // a re-save over a file
     ASSERT_NE(h, nullptr);
-    EXPECT_TRUE(fs_->Write(h, "t", 1, 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, h, "t", 1, 0).ok());
     fs_->Release(h);
   });
 }
@@ -287,7 +287,7 @@ TEST_F(NoLockAcrossIo, HungCutOfATruncatingOpenOfAFileBeingWrittenDelaysNoOtherF
   ExpectDataPathWhileHung([this, ino] {
     Handle* t = OpenOk(ino, O_WRONLY | O_TRUNC);
     ASSERT_NE(t, nullptr);
-    EXPECT_TRUE(fs_->Write(t, "T", 1, 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, t, "T", 1, 0).ok());
     fs_->Release(t);
   });
   EXPECT_EQ(ReadAll(h), "T");
