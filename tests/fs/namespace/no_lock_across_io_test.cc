@@ -1,6 +1,6 @@
 // No lock spans slow I/O: a backing-store call that hangs on one path (a stat on a loaded
 // parallel file system, an open, an fsync, a copy, a truncate, a chmod, a fallocate) must
-// not delay reads, writes, creates and lookups of other files. Each test hangs one call on
+// not delay reads, writes, creates, lookups, getattrs and mkdirs of other names. Each test hangs one call on
 // a latch, checks that those of other files, a first write that starts a rewrite among
 // them, finish within a bounded wait while it hangs, then releases the latch.
 #include <fcntl.h>
@@ -67,7 +67,14 @@ class NoLockAcrossIo : public FaultyFsTest {
       EXPECT_TRUE(WriteAt(*fs_, made->second, "o", 1, 0).ok());
       fs_->Release(made->second);
     }
-    EXPECT_TRUE(fs_->Lookup(kRootIno, "b").ok());
+    Result<Entry> b = fs_->Lookup(kRootIno, "b");
+    EXPECT_TRUE(b.ok());
+    // Namespace operations on other names: a getattr (a stat of its backing file), a mkdir
+    // and a lookup inside it.
+    if (b.ok()) EXPECT_TRUE(fs_->GetAttr(b->ino).ok());
+    auto dir = fs_->Mkdir(kRootIno, "dir" + std::to_string(others_), 0755);
+    EXPECT_TRUE(dir.ok()) << dir.status().ToString();
+    if (dir.ok()) EXPECT_EQ(fs_->Lookup(dir->ino, "none").status().code(), Code::kNotFound);
   }
 
   // Starts `hang` on its own thread, waits until it is blocked in the backing store,
