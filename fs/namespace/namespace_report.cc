@@ -33,13 +33,12 @@ NamespaceView::Counts NamespaceReport::CountNodes() {
   const uint64_t applied = publication_->view().applied();
   MutexLock lock(&table_.mu);
   Counts counts;
-  for (const auto& [_, node] : table_.inodes) {
-    if (node->write &&
-        (node->write->needs_publish || node->write->publish_seq > applied)) {
+  table_.ForEachNodeLocked([&](const std::shared_ptr<Node>& node) {
+    ++counts.inodes;
+    if (node->write && (node->write->needs_publish || node->write->publish_seq > applied)) {
       ++counts.files_pending;
     }
-  }
-  counts.inodes = table_.inodes.size();
+  });
   return counts;
 }
 
@@ -127,15 +126,15 @@ std::string NamespaceReport::ProgressJson(uint64_t ino) {
         return false;
       };
       uint64_t total = 0, done = 0;
-      for (const auto& [_, n] : table_.inodes) {
-        if (n->type != NodeType::kFile || !n->write) continue;
+      table_.ForEachNodeLocked([&](const std::shared_ptr<Node>& n) {
+        if (n->type != NodeType::kFile || !n->write) return;
         const WriteState& ws = *n->write;
-        if (!ws.needs_publish && ws.publish_seq <= applied) continue;
-        if (!below(n.get())) continue;
+        if (!ws.needs_publish && ws.publish_seq <= applied) return;
+        if (!below(n.get())) return;
         const uint64_t size = ws.staged->size();
         total += size;
         done += std::min<uint64_t>(size, ws.staged->target()->bytes_flushed());
-      }
+      });
       j["bytes_total"] = total;
       j["bytes_done"] = done;
       j["entries_pending"] = last - applied;
