@@ -10,7 +10,7 @@
 
 #include "common/status.h"
 #include "store/primitives/backing_dir.h"
-#include "store/publish/journal.h"
+#include "store/publish/journal_entry.h"
 
 namespace ckptfs::store {
 
