@@ -50,7 +50,7 @@ bool JournalEvents::PendingLocally(const std::string& path) {
   MutexLock lock(&table_.mu);
   const Node* node = table_.LoadedNodeAtLocked(path);
   // Open for writing, or closed with its publish queued, applied ahead or being retried
-  // (NodeTable::publishing holds it until the journal reports the outcome).
+  // (NodeTable::PublishingLocked finds it until the journal reports the outcome).
   return node != nullptr && node->write && !node->write->discarded &&
          (node->write->needs_publish || table_.PublishingLocked(node->write->file_id) != nullptr);
 }
