@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace ckptfs::path {
 
@@ -30,6 +31,27 @@ inline std::string Parent(std::string_view path) {
 inline std::string_view Basename(std::string_view path) {
   const size_t slash = path.rfind('/');
   return slash == std::string_view::npos ? path : path.substr(slash + 1);
+}
+
+// ("a/b", "c") for "a/b/c"; ("", "c") for a name in the root.
+inline std::pair<std::string, std::string> Split(std::string_view path) {
+  return {Parent(path), std::string(Basename(path))};
+}
+
+// A relative path that stays where it is put: not absolute, and no empty, "." or ".."
+// component. "" (the root itself) is one.
+inline bool IsConfined(std::string_view path) {
+  if (path.empty()) return true;
+  if (path.front() == '/') return false;
+  size_t start = 0;
+  while (start <= path.size()) {
+    size_t end = path.find('/', start);
+    if (end == std::string_view::npos) end = path.size();
+    std::string_view comp = path.substr(start, end - start);
+    if (comp.empty() || comp == "." || comp == "..") return false;
+    start = end + 1;
+  }
+  return true;
 }
 
 // `path` is `dir` or lies below it. "" is the root, above everything.

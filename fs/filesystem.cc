@@ -167,7 +167,7 @@ Filesystem::~Filesystem() {
 }
 
 void Filesystem::OnStopRequested() {
-  if (publication_) publication_->journal()->ReleaseWaiters();
+  if (publication_) publication_->ReleaseWaiters();
 }
 
 // ---------------------------------------------------------------- routing
@@ -243,13 +243,13 @@ Result<std::string> Filesystem::Readlink(uint64_t ino) {
   return ns_->Readlink(ino);
 }
 
-Status Filesystem::UpdatePeers(const std::vector<std::string>& nodes) {
+Status Filesystem::UpdatePeers(const Result<std::vector<std::string>>& nodes) {
   if (!loader_ || !loader_->peers()) return Invalid("this daemon runs without --peers");
-  return loader_->peers()->UpdateMembership(nodes);
-}
-
-void Filesystem::NotePeersRejected(const std::string& why) {
-  if (loader_ && loader_->peers()) loader_->peers()->NoteMembershipRejected(why);
+  if (!nodes.ok()) {
+    loader_->peers()->NoteMembershipRejected(nodes.status().message());
+    return nodes.status();
+  }
+  return loader_->peers()->UpdateMembership(*nodes);
 }
 
 Status Filesystem::Unlink(uint64_t parent, const std::string& name, const Caller& caller) {
@@ -396,8 +396,6 @@ Status Filesystem::Flush(Handle* h) {
   return ns_->table().LogIfIo("flush", h->ino(), 0, ns_->writes().FlushData(f));
 }
 
-Status Filesystem::Fsync(Handle* h) { return Flush(h); }
-
 void Filesystem::Release(Handle* h) {
   std::unique_ptr<Handle> owned(h);
   if (MemoryHandle* m = h->memory()) memory_->Release(*m);
@@ -427,34 +425,35 @@ std::string Filesystem::ListXattr(uint64_t ino) {
 
 Result<struct statvfs> Filesystem::StatFs() { return backing_->StatFs(); }
 
-uint64_t Filesystem::Shutdown(const std::function<void(const std::string&)>& waiting) {
-  if (shut_down_.exchange(true)) return 0;
+ShutdownReport Filesystem::Shutdown(const std::function<void(const std::string&)>& waiting) {
+  ShutdownReport report;
+  if (shut_down_.exchange(true)) return report;
   if (loader_) loader_->StopServingPeers();
   if (loader_ && loader_->peers()) loader_->peers()->StopReplicas();
   if (retained_) retained_->DropAll();  // issue 23: a stop drops the memory tier
   if (memory_tier_) memory_tier_->DropAll();  // issue 42: memory-only checkpoints are lost
   if (!publication_ || !pipeline_) {  // Create() failed part way: nothing was served
     if (loader_) loader_->Stop();
-    return 0;
+    return report;
   }
   // Files still open (a lazy unmount) are published as they are now (G8).
   uint64_t unpublished = ns_ ? ns_->writes().PublishOpenFiles() : 0;
-  store::Journal* journal = publication_->journal();
-  spdlog::info("draining: {} journal entries pending", journal->pending());
+  spdlog::info("draining: {} journal entries pending", publication_->view().counts().pending);
   // A halted journal gets one more attempt; while publication progresses the stop waits.
   // Halted or waiting at the gate with no progress for stop_timeout, what is queued is
   // left for the next start, its bytes durable (G10, G11); only bytes that cannot be made
   // durable are dropped, never applied (G4), and the bytes parked for a retry let go.
-  stop_ = journal->CloseWithin(config_.stop_timeout, waiting);
-  unpublished += stop_.dropped_publishes;
+  report.stop = publication_->Stop(config_.stop_timeout, waiting);
+  unpublished += report.stop.dropped_publishes;
   pipeline_->DropParked(Status(Code::kAborted, "daemon stopped before the retry passed"));
   pipeline_->Drain();
-  unpublished += journal->counts().skipped;
+  unpublished += publication_->view().counts().skipped;
   spdlog::info("drained: {} files published, {} not published, {} journal entries left for "
                "the next start",
-               stats_.files_published.load(), unpublished, stop_.left);
+               stats_.files_published.load(), unpublished, report.stop.left);
   loader_->Stop();
-  return unpublished;
+  report.unpublished = unpublished;
+  return report;
 }
 
 }  // namespace ckptfs::fs

@@ -68,6 +68,14 @@ struct FsDeps {
   std::unique_ptr<store::BlockCache> cache;
 };
 
+// What Shutdown() could not publish, and what it left for the next start.
+struct ShutdownReport {
+  uint64_t unpublished = 0;  // files that could not be published (lost, not left)
+  // Journal entries left for the next start (`left`), and what publication waited for
+  // when the stop gave up on it (`waiting_for`).
+  store::StopReport stop;
+};
+
 class Filesystem {
  public:
   static Result<std::unique_ptr<Filesystem>> Create(const FsConfig& config, FsDeps deps = {});
@@ -112,7 +120,7 @@ class Filesystem {
   // Opening for writing changes nothing: a file is copied for rewriting at its first write
   // (or O_TRUNC), so an open and close without a write leaves it, and its times, as they were.
   Result<Handle*> Open(uint64_t ino, int flags);
-  // Open/Read/Write/Flush/Fsync log every error they return as EIO with ino, path, offset.
+  // Open/Read/Write/Flush log every error they return as EIO with ino, path, offset.
   Result<size_t> Read(Handle* h, char* out, size_t len, uint64_t offset);
   // Read() of a backing file from the block cache without a copy
   // (store::Loader::ReadBackingInPlace): `use` gets the pinned blocks; nullopt: use Read().
@@ -120,12 +128,9 @@ class Filesystem {
                                             const store::BlockCache::InPlaceUse& use);
   // Write() with the bytes in `src` (a buffer, or the pipe libfuse spliced them into).
   Status Write(Handle* h, store::ByteSource& src, uint64_t offset);
-  Status Write(Handle* h, const char* data, size_t len, uint64_t offset) {
-    store::MemorySource src(data, len);
-    return Write(h, src, offset);
-  }
+  // flush(2) and fsync(2) of a handle alike: what the durability mode makes them wait for
+  // (fs/namespace/write_states.h, FlushData).
   Status Flush(Handle* h);
-  Status Fsync(Handle* h);
   void Release(Handle* h);
   Result<Handle*> OpenDir(uint64_t ino);
   void ReleaseDir(Handle* h);
@@ -138,26 +143,21 @@ class Filesystem {
   // Publishes everything still staged and waits until the journal is empty (G8), as long
   // as publication progresses: when it is halted, or a commit waits at the gate, with no
   // progress for `config.stop_timeout`, what is queued is left for the next start
-  // (store::Journal::CloseWithin; stop_report()). `waiting` (may be
-  // empty) gets what publication waits for each time that changes, "" when it no longer
-  // waits. Returns how many files could not be published (lost, not left).
-  uint64_t Shutdown(const std::function<void(const std::string&)>& waiting = {});
+  // (store::Journal::CloseWithin). `waiting` (may be empty) gets what publication waits
+  // for each time that changes, "" when it no longer waits. A second call reports nothing.
+  ShutdownReport Shutdown(const std::function<void(const std::string&)>& waiting = {});
   // The FUSE session has ended (a stop): operations still blocked in a journal wait return
   // an error now (store::Journal::ReleaseWaiters), so that the loop can end and Shutdown()
   // hand publication over. Publication itself goes on.
   void OnStopRequested();
-  // After Shutdown(): journal entries left for the next start (`left`), and what
-  // publication waited for when the stop gave up on it (`waiting_for`).
-  const store::StopReport& stop_report() const { return stop_; }
 
   // The /.ckptfs tree: the control files' contents (stats, checkpoints, metrics) and the
   // operator controls (ckptfs-admin resume / abort).
   ControlTree* control() { return control_.get(); }
-  // The scheduler's new peer list (mount/peers_watch.h: --peers-file changed, or SIGHUP):
-  // store::peer::Peers::UpdateMembership. Invalid without --peers.
-  Status UpdatePeers(const std::vector<std::string>& nodes);
-  // A new peer list that could not be read or parsed: counted with the membership.
-  void NotePeersRejected(const std::string& why);
+  // The scheduler's new peer list (mount/peers_watch.h: --peers-file changed, or SIGHUP),
+  // as read: the nodes (store::peer::Peers::UpdateMembership), or why the file could not be
+  // read or parsed (counted with the membership; returned). Invalid without --peers.
+  Status UpdatePeers(const Result<std::vector<std::string>>& nodes);
 
   // FUSE passthrough (fs/transport/passthrough.h; the transport keeps each inode's io
   // mode). The backing file a read-only open may be passed through to (no syscall), or
@@ -169,12 +169,11 @@ class Filesystem {
   // The INIT exchange is done: `on` when the kernel will pass reads through. A load then
   // no longer prefetches into the block cache (without peers): the kernel reads the bytes.
   void OnPassthroughNegotiated(bool on);
-  // What passthrough opens count (the transport's PassthroughTable adds to them).
-  PassthroughStats* passthrough_stats() { return &stats_.passthrough; }
 
   const FsConfig& config() const { return config_; }
-  // How requests reach the daemon (fs/transport/fuse_server.cc keeps it; stats report it).
-  FuseTransportStats* fuse_transport() { return &stats_.fuse; }
+  // The counters the transport keeps: how requests reach the daemon (`fuse`,
+  // fs/transport/fuse_server.cc) and passthrough opens (`passthrough`, its PassthroughTable).
+  FsStats* stats() { return &stats_; }
   // The attribute timeout of a getattr/setattr reply for `ino` (0 for hard-linked names).
   double AttrTimeout(uint64_t ino) { return ns_->AttrTimeout(ino); }
 
@@ -210,7 +209,12 @@ class Filesystem {
   std::unique_ptr<ControlTree> control_;
 
   std::atomic<bool> shut_down_{false};
-  store::StopReport stop_;  // what Shutdown() left for the next start
 };
+
+// Filesystem::Write of the bytes [data, data + len).
+inline Status WriteAt(Filesystem& fs, Handle* h, const char* data, size_t len, uint64_t offset) {
+  store::MemorySource src(data, len);
+  return fs.Write(h, src, offset);
+}
 
 }  // namespace ckptfs::fs

@@ -1,11 +1,13 @@
-// Helpers shared by the ckptfs-admin sources (admin.cc, admin_wait.cc): JSON access
-// that never throws (the daemon's output is input, not an invariant) and small
-// formatting pieces. Internal to mount/; not thread-safe state, none kept.
+// Helpers shared by the ckptfs-admin sources (mount/admin_*.cc): JSON access that never
+// throws (the daemon's output is input, not an invariant), small formatting pieces and
+// the printing of one control file. Internal to mount/; not thread-safe state, none kept.
 #pragma once
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <iosfwd>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -117,5 +119,13 @@ inline std::string DescribeProgress(const Progress& p) {
   if (p.state.empty()) return "no progress read";
   return p.state + ", " + HumanBytes(p.bytes_done) + " of " + HumanBytes(p.bytes_total) + " done";
 }
+
+// Prints the control file `file_of(root)` of the mount that holds `path`: as it is with
+// `as_json`, else through `format`. Anything that fails is one line on `err`. Returns the
+// exit code (admin_env.cc).
+int PrintControlFile(const std::string& path, std::string (*file_of)(const std::string&),
+                     bool as_json,
+                     const std::function<Result<std::string>(std::string_view)>& format,
+                     std::ostream& out, std::ostream& err);
 
 }  // namespace ckptfs::admin::internal

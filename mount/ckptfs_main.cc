@@ -285,7 +285,7 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
     peers_watch = std::make_unique<ckptfs::PeersFileWatcher>(
         o.peers_file,
         [&fs](const std::vector<std::string>& nodes) { return fs->UpdatePeers(nodes); },
-        [&fs](const std::string& why) { fs->NotePeersRejected(why); });
+        [&fs](const std::string& why) { (void)fs->UpdatePeers(ckptfs::Invalid(why)); });
     peers_watch->Start();
   }
   SighupReopener reopener;
@@ -304,7 +304,7 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   server->Unmount();
   // What the stop waits for, for ckptfs-admin unmount (the mount is gone by now).
   const std::string stopping = o.state_dir + "/stopping.json";
-  uint64_t unpublished = fs->Shutdown([&](const std::string& what) {
+  const ckptfs::fs::ShutdownReport stopped = fs->Shutdown([&](const std::string& what) {
     nlohmann::json j = {{"pid", ::getpid()},
                         {"waiting_for", what},
                         {"stop_timeout_s", o.stop_timeout_s},
@@ -318,16 +318,17 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
     }
   });
   std::remove(stopping.c_str());
-  const uint64_t left = fs->stop_report().left;
+  const uint64_t unpublished = stopped.unpublished;
+  const uint64_t left = stopped.stop.left;
   metrics.reset();
   reopener.Stop();  // nothing may log after spdlog::shutdown()
   bool clean = run.ok() && unpublished == 0 && left == 0;
   std::string error = run.ok() ? "" : run.ToString();
   if (left > 0 && error.empty()) {
     error = std::to_string(left) + " journal entries left for the next start; publication " +
-            "waited for: " + fs->stop_report().waiting_for;
+            "waited for: " + stopped.stop.waiting_for;
   }
-  WriteExitReport(o.state_dir, clean, unpublished, error, left, fs->stop_report().waiting_for);
+  WriteExitReport(o.state_dir, clean, unpublished, error, left, stopped.stop.waiting_for);
   spdlog::info("ckptfs exits: {} ({} files not published, {} journal entries left for the "
                "next start)",
                clean ? "clean" : "NOT clean", unpublished, left);

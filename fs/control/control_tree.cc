@@ -88,11 +88,10 @@ ControlTree::ControlTree(const FsConfig& config, const FsParts& parts, Namespace
       ns_(ns),
       backing_(parts.backing),
       db_(parts.db),
-      checkpoints_(parts.publication->registry()),
       pool_(parts.pool),
       pipeline_(parts.pipeline),
       publication_(parts.publication),
-      journal_(parts.publication->journal()),
+      view_(parts.publication->view()),
       index_(parts.index),
       loader_(parts.loader),
       tensors_(parts.tensors),
@@ -270,23 +269,24 @@ std::string ControlTree::StatsJson() {
     j["retained_hit_bytes"] = j["retained"]["hit_bytes"];
     j["retained_crc_errors"] = j["retained"]["crc_errors"];
   }
-  publication_->gate().stats().AppendJson(&j);  // remote_polls, peer_commit_queries, "commit_gate"
-  j["journal_pending"] = journal_->pending();
-  j["journal_applied_ahead"] = journal_->counts().applied_ahead;
-  j["journal_retries"] = journal_->counts().retries;
+  view_.gate_stats().AppendJson(&j);  // remote_polls, peer_commit_queries, "commit_gate"
+  const store::JournalCounts journal = view_.counts();
+  j["journal_pending"] = journal.pending;
+  j["journal_applied_ahead"] = journal.applied_ahead;
+  j["journal_retries"] = journal.retries;
   // Entries never applied (skipped, dropped, superseded): the application's view and the
   // backing store may differ by what each one did.
-  j["journal_skipped"] = journal_->counts().skipped;
-  j["journal_superseded"] = journal_->counts().superseded;
+  j["journal_skipped"] = journal.skipped;
+  j["journal_superseded"] = journal.superseded;
   // Commits whose shards a dead node held, and trackers naming them (docs/SEMANTICS.md).
-  j["journal_given_up"] = journal_->counts().given_up;
-  j["journal_presyncs"] = journal_->counts().presyncs;
+  j["journal_given_up"] = journal.given_up;
+  j["journal_presyncs"] = journal.presyncs;
   j["state_db_writes"] = db_->writes();
   j["state_db_synced_writes"] = db_->synced_writes();
   // What publication waits for (a halt, or a commit waiting at the gate); "" when nothing.
-  j["journal_waiting"] = journal_->WaitingFor();
+  j["journal_waiting"] = view_.WaitingFor();
   j["journal_halted"] = nullptr;
-  if (auto halt = journal_->halted()) {
+  if (auto halt = view_.halted()) {
     j["journal_halted"] = {{"seq", halt->seq},
                            {"entry", halt->what},
                            {"path", halt->path},
@@ -302,7 +302,7 @@ std::string ControlTree::StatsJson() {
   j["files_pending"] = counts.files_pending;
   j["inodes"] = counts.inodes;
   publication_->NoteForeignCommits();
-  j["checkpoints"] = checkpoints_->CountByState();
+  j["checkpoints"] = view_.CountByState();
   j["errors"] = stats_->errors.load() + pipeline_->errors();
   j["last_error"] = stats_->last_error();
   return JsonText(j, 1) + "\n";
@@ -313,7 +313,7 @@ std::string ControlTree::CheckpointsJson() {
   publication_->NoteForeignCommits();
   nlohmann::json arr = nlohmann::json::array();
   std::set<std::string> listed;
-  for (const auto& info : checkpoints_->List()) {
+  for (const auto& info : view_.Checkpoints()) {
     nlohmann::json j = info.ToJson();
     std::string index_error = index_->IndexError(info.path);
     j["index_error"] = index_error.empty() ? nlohmann::json() : nlohmann::json(index_error);
@@ -495,7 +495,7 @@ std::string ControlTree::MetricsText() {
     }
   }
 
-  const std::vector<store::CheckpointInfo> list = checkpoints_->List();
+  const std::vector<store::CheckpointInfo> list = view_.Checkpoints();
   double last_commit = 0;
   for (const auto& info : list) {
     if (info.state == store::CkptState::kCommitted) {

@@ -76,11 +76,10 @@ class ControlTree {
   NamespaceView* const ns_;
   store::BackingDir* const backing_;
   store::StateDb* const db_;
-  store::CheckpointRegistry* const checkpoints_;
   gpu::StagingPool* const pool_;
   store::FlushPipeline* const pipeline_;
   store::Publication* const publication_;
-  store::Journal* const journal_;  // publication_'s, for reports
+  const store::PublicationView view_;  // publication_'s, for reports
   store::KeyIndex* const index_;
   store::Loader* const loader_;
   TensorView* const tensors_;

@@ -50,19 +50,18 @@ bool JournalEvents::PendingLocally(const std::string& path) {
   MutexLock lock(&table_.mu);
   const Node* node = table_.LoadedNodeAtLocked(path);
   // Open for writing, or closed with its publish queued, applied ahead or being retried
-  // (NodeTable::publishing holds it until the journal reports the outcome).
+  // (NodeTable::PublishingLocked finds it until the journal reports the outcome).
   return node != nullptr && node->write && !node->write->discarded &&
-         (node->write->needs_publish || table_.publishing.count(node->write->file_id) > 0);
+         (node->write->needs_publish || table_.PublishingLocked(node->write->file_id) != nullptr);
 }
 
 void JournalEvents::OnHalted(const store::JournalEntry& e, const Status& st) {
   if (!st.ok()) table_.NoteError("publication halted at " + e.Describe() + ": " + st.ToString());
   if (e.op != store::OpType::kPublish) return;
   MutexLock lock(&table_.mu);
-  auto it = table_.publishing.find(e.file_id);
-  if (it != table_.publishing.end()) {
-    it->second->halt_error = st.ok() ? "" : st.ToString();
-    it->second->halt_transient = store::IsTransient(st);
+  if (std::shared_ptr<Node> node = table_.PublishingLocked(e.file_id)) {
+    node->halt_error = st.ok() ? "" : st.ToString();
+    node->halt_transient = store::IsTransient(st);
   }
 }
 
@@ -82,10 +81,8 @@ void JournalEvents::OnOutcome(const store::JournalEntry& e, const Status& st) {
 
 uint64_t JournalEvents::NodePublishDone(const store::JournalEntry& e, const Status& st) {
   MutexLock lock(&table_.mu);
-  auto it = table_.publishing.find(e.file_id);
-  if (it == table_.publishing.end()) return 0;
-  std::shared_ptr<Node> node = it->second;
-  table_.publishing.erase(it);
+  std::shared_ptr<Node> node = table_.PublishingLocked(e.file_id, /*take=*/true);
+  if (!node) return 0;
   if (st.ok()) node->halt_error.clear();  // published after retries
   // A superseded `.metadata` (torch 1.13 writes it in place): its file lives on in the
   // later version that replaced it.
@@ -105,7 +102,7 @@ uint64_t JournalEvents::NodePublishDone(const store::JournalEntry& e, const Stat
     dropped = node->ino;
   }
   if (node->parent == nullptr && node->nlookup == 0 && !node->write) {
-    table_.inodes.erase(node->ino);
+    table_.ForgetNodeLocked(node->ino);
   }
   return dropped;
 }

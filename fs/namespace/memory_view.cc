@@ -83,7 +83,7 @@ Status MemoryView::Mark(uint64_t ino, const std::string& value) {
     return Status(Code::kNotEmpty, "the memory-only tree still holds names");
   }
   // The mark is kept on the backing directory: it must be there under its name first.
-  CKPT_RETURN_IF_ERROR(publication_->AwaitApplied(publication_->last_appended()));
+  CKPT_RETURN_IF_ERROR(publication_->AwaitApplied(publication_->view().last_appended()));
   std::string path;
   {
     MutexLock lock(&table_->mu);

@@ -218,7 +218,7 @@ Status Namespace::Unlink(uint64_t parent, const std::string& name, const Caller&
       seq = table_.AppendLocked(std::move(e), node.get());
     }
     table_.TouchDirLocked(dir.get(), 0);
-    table_.UnlinkPeersLocked(node.get(), seq.ok() ? *seq : 0);
+    table_.links().Unlink(node.get(), seq.ok() ? *seq : 0);
     node->on_backing = false;
     table_.DetachLocked(node);
   }
@@ -319,7 +319,7 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
       seq = table_.AppendLocked(std::move(e), victim.get());
     }
     if (victim) {
-      table_.UnlinkPeersLocked(victim.get(), seq.ok() ? *seq : 0);
+      table_.links().Unlink(victim.get(), seq.ok() ? *seq : 0);
       victim->on_backing = false;
       table_.DetachLocked(victim);
     }

@@ -30,16 +30,15 @@ Result<std::string> NamespaceReport::DirPathOf(uint64_t ino) {
 }
 
 NamespaceView::Counts NamespaceReport::CountNodes() {
-  const uint64_t applied = publication_->applied();
+  const uint64_t applied = publication_->view().applied();
   MutexLock lock(&table_.mu);
   Counts counts;
-  for (const auto& [_, node] : table_.inodes) {
-    if (node->write &&
-        (node->write->needs_publish || node->write->publish_seq > applied)) {
+  table_.ForEachNodeLocked([&](const std::shared_ptr<Node>& node) {
+    ++counts.inodes;
+    if (node->write && (node->write->needs_publish || node->write->publish_seq > applied)) {
       ++counts.files_pending;
     }
-  }
-  counts.inodes = table_.inodes.size();
+  });
   return counts;
 }
 
@@ -53,7 +52,7 @@ std::string NamespaceReport::ProgressJson(uint64_t ino) {
     MutexLock lock(&table_.mu);
     auto node = table_.NodeLocked(ino);
     if (!node) return JsonText(j);
-    const uint64_t applied = publication_->applied();
+    const uint64_t applied = publication_->view().applied();
     if (node->type == NodeType::kFile) {
       if (!node->error.empty() || (!node->halt_error.empty() && !node->halt_transient)) {
         j["state"] = "failed";
@@ -86,7 +85,7 @@ std::string NamespaceReport::ProgressJson(uint64_t ino) {
       return JsonText(j);
     }
     const std::string path = table_.PathLocked(node.get());
-    if (auto info = publication_->registry()->Get(path)) {
+    if (auto info = publication_->view().Checkpoint(path)) {
       j["state"] = store::CkptStateName(info->state);
       j["bytes_total"] = info->bytes;
       j["bytes_done"] = info->bytes_published;
@@ -116,7 +115,7 @@ std::string NamespaceReport::ProgressJson(uint64_t ino) {
     // Any other directory: published once no entry made so far is pending. (Entries
     // are applied in order, so this covers everything below it.) Its bytes are those of
     // the unpublished files below it: total staged, done durable on the backing store.
-    const uint64_t last = publication_->last_appended();
+    const uint64_t last = publication_->view().last_appended();
     if (last > applied) {
       j["state"] = "staged";
       // Below it: `node` is an ancestor (a parent walk, no path strings under the lock).
@@ -127,15 +126,15 @@ std::string NamespaceReport::ProgressJson(uint64_t ino) {
         return false;
       };
       uint64_t total = 0, done = 0;
-      for (const auto& [_, n] : table_.inodes) {
-        if (n->type != NodeType::kFile || !n->write) continue;
+      table_.ForEachNodeLocked([&](const std::shared_ptr<Node>& n) {
+        if (n->type != NodeType::kFile || !n->write) return;
         const WriteState& ws = *n->write;
-        if (!ws.needs_publish && ws.publish_seq <= applied) continue;
-        if (!below(n.get())) continue;
+        if (!ws.needs_publish && ws.publish_seq <= applied) return;
+        if (!below(n.get())) return;
         const uint64_t size = ws.staged->size();
         total += size;
         done += std::min<uint64_t>(size, ws.staged->target()->bytes_flushed());
-      }
+      });
       j["bytes_total"] = total;
       j["bytes_done"] = done;
       j["entries_pending"] = last - applied;

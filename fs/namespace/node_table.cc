@@ -38,24 +38,28 @@ Result<std::unique_ptr<NodeTable>> NodeTable::Create(const FsConfig& config,
   table->root_->on_backing = true;
   {
     MutexLock lock(&table->mu);
-    table->inodes[kRootIno] = table->root_;
+    table->inodes_[kRootIno] = table->root_;
   }
   return table;
 }
 
 void NodeTable::ForgetIfUnusedLocked(const Node* node) {
   if (node->parent == nullptr && node->nlookup == 0 && node->open_files == 0) {
-    inodes.erase(node->ino);
+    inodes_.erase(node->ino);
   }
 }
 
-void NodeTable::JoinLinkGroupLocked(uint64_t group, const std::shared_ptr<Node>& node) {
-  link_groups_[group].members.push_back(node);
+std::shared_ptr<Node> NodeTable::PublishingLocked(uint64_t id, bool take) {
+  auto it = publishing_.find(id);
+  if (it == publishing_.end()) return nullptr;
+  std::shared_ptr<Node> node = it->second;
+  if (take) publishing_.erase(it);
+  return node;
 }
 
 std::shared_ptr<Node> NodeTable::NodeLocked(uint64_t ino) {
-  auto it = inodes.find(ino);
-  return it == inodes.end() ? nullptr : it->second;
+  auto it = inodes_.find(ino);
+  return it == inodes_.end() ? nullptr : it->second;
 }
 
 Result<std::shared_ptr<Node>> NodeTable::LoadedDirLocked(uint64_t ino, const std::string& name) {
@@ -108,7 +112,7 @@ std::shared_ptr<Node> NodeTable::NewNodeLocked(Node* parent, const std::string& 
   node->attr.st_nlink = type == NodeType::kDir ? 2 : 1;
   node->attr.st_blksize = kBlockSize;
   if (parent != nullptr) parent->children[name] = node;
-  inodes[node->ino] = node;
+  inodes_[node->ino] = node;
   return node;
 }
 
@@ -165,7 +169,7 @@ bool NodeTable::CommittedDirLocked(const Node* dir) const {
   }
   if (it == dir->children.end()) return false;
   const Node& md = *it->second;
-  const uint64_t applied = publication_->applied();
+  const uint64_t applied = publication_->view().applied();
   return md.on_backing && !md.write && md.pending_seq <= applied && dir->pending_seq <= applied;
 }
 
@@ -195,7 +199,7 @@ std::shared_ptr<Node> NodeTable::AddBackingChildLocked(Node* dir, const std::str
   child->attr.st_ino = child->ino;
   child->attr.st_blksize = BackingBlockSize(st);
   child->on_backing = true;
-  AdoptLinkGroupLocked(child.get(), st);
+  links_.Adopt(child, st);
   return child;
 }
 
@@ -375,7 +379,7 @@ void NodeTable::TouchDirLocked(Node* dir, int links) {
 }
 
 bool NodeTable::QuiescentLocked(const Node* node) const {
-  uint64_t applied = publication_->applied();
+  uint64_t applied = publication_->view().applied();
   for (const Node* n = node; n != nullptr; n = n->parent) {
     if (n->pending_seq > applied) return false;
   }
@@ -385,7 +389,7 @@ bool NodeTable::QuiescentLocked(const Node* node) const {
 uint64_t NodeTable::PendingRenameLocked(const Node* node) const {
   uint64_t need = 0;
   for (const Node* n = node; n != nullptr; n = n->parent) need = std::max(need, n->rename_seq);
-  return need > publication_->applied() ? need : 0;
+  return need > publication_->view().applied() ? need : 0;
 }
 
 void NodeTable::SyncDataLocked(Node* node) {
@@ -432,7 +436,7 @@ Status NodeTable::WaitForAncestorsUnlocked(uint64_t ino) {
       for (const Node* n = node.get(); n != nullptr; n = n->parent) {
         need = std::max(need, n->rename_seq);
       }
-      if (need <= publication_->applied()) return Status::Ok();
+      if (need <= publication_->view().applied()) return Status::Ok();
     }
     // The backing path is stale until the rename is applied. If publication is halted
     // before it, say so rather than wait for an operator.
@@ -448,62 +452,6 @@ Status NodeTable::WaitIfStrict(Result<uint64_t> seq) {
   // in: its own later save commits the directory (docs/SEMANTICS.md, "Superseded saves").
   if (st.code() == Code::kSuperseded) return Status::Ok();
   return st;
-}
-
-void NodeTable::AdoptLinkGroupLocked(Node* node, const struct stat& st) {
-  if (node->type == NodeType::kDir || st.st_nlink <= 1 || node->link_group != 0) return;
-  const std::pair<dev_t, ino_t> key{st.st_dev, st.st_ino};
-  auto [it, fresh] = backing_links_.emplace(key, node->ino);
-  // A group whose names all went away may have left its key behind.
-  if (!fresh && link_groups_.count(it->second) == 0) it->second = node->ino;
-  node->link_group = it->second;
-  LinkGroup& group = link_groups_[node->link_group];
-  group.backing = key;
-  group.members.push_back(inodes[node->ino]);
-}
-
-std::vector<std::shared_ptr<Node>> NodeTable::LinkPeersLocked(uint64_t group,
-                                                               const Node* except) {
-  std::vector<std::shared_ptr<Node>> peers;
-  auto it = link_groups_.find(group);
-  if (it == link_groups_.end()) return peers;
-  auto& members = it->second.members;
-  for (auto m = members.begin(); m != members.end();) {
-    std::shared_ptr<Node> node = m->lock();
-    if (!node) {
-      m = members.erase(m);
-      continue;
-    }
-    if (node.get() != except && node->parent != nullptr) peers.push_back(std::move(node));
-    ++m;
-  }
-  if (members.empty()) {
-    if (it->second.backing.second != 0) backing_links_.erase(it->second.backing);
-    link_groups_.erase(it);
-  }
-  return peers;
-}
-
-void NodeTable::UnlinkPeersLocked(Node* node, uint64_t seq) {
-  if (node->link_group == 0) return;
-  for (const auto& other : LinkPeersLocked(node->link_group, node)) {
-    if (other->attr.st_nlink > 1) other->attr.st_nlink--;
-    other->attr.st_ctim = Now();
-    other->pending_seq = std::max(other->pending_seq, seq);
-  }
-}
-
-void NodeTable::SyncPeersLocked(const Node* node, uint64_t seq) {
-  if (node->link_group == 0) return;
-  for (const auto& other : LinkPeersLocked(node->link_group, node)) {
-    other->pending_seq = std::max(other->pending_seq, seq);
-    other->attr.st_mode = node->attr.st_mode;
-    other->attr.st_uid = node->attr.st_uid;
-    other->attr.st_gid = node->attr.st_gid;
-    other->attr.st_atim = node->attr.st_atim;
-    other->attr.st_mtim = node->attr.st_mtim;
-    other->attr.st_ctim = node->attr.st_ctim;
-  }
 }
 
 Status NodeTable::LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status st) {

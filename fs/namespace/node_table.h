@@ -16,8 +16,9 @@
 // (stat, list, readlink) and the stats; never a part.
 //
 // Thread-safe. Locking rule:
-//   * `mu` guards the tables here and the fields of every Node but its `data`
-//     (fs/namespace/node.h).
+//   * `mu` guards the tables here (private: the inodes, the files being published, the
+//     link groups; the parts reach them through the *Locked methods and links()) and the
+//     fields of every Node but its `data` (fs/namespace/node.h).
 //     It is held for in-memory work and for the journal append that orders a namespace
 //     change (the journal's order must be the namespace's: a RocksDB Put, not synced; the
 //     checkpoint registry's notes of the entry, store::Publication::Append). Backing-store
@@ -54,6 +55,7 @@
 #include "common/status.h"
 #include "fs/fs_stats.h"
 #include "fs/fs_types.h"
+#include "fs/namespace/link_groups.h"
 #include "fs/namespace/node.h"
 #include "store/primitives/backing_dir.h"
 #include "store/publish/journal.h"
@@ -72,13 +74,23 @@ class NodeTable {
   // ------------------------------------------------------------ the tables
   // Held across namespace work, never across backing-store I/O (see the rule above).
   mutable Mutex mu;
-  // Every inode the kernel or an open handle may still name.
-  std::unordered_map<uint64_t, std::shared_ptr<Node>> inodes GUARDED_BY(mu);
-  // File id -> node, from its publish entry until the journal reports its outcome.
-  std::unordered_map<uint64_t, std::shared_ptr<Node>> publishing GUARDED_BY(mu);
-  // Signalled when a file's freeze for publication ends (WriteState::freezing).
-  std::condition_variable frozen_cv;
   const std::shared_ptr<Node>& root() const { return root_; }  // never changes
+  // Calls `f(node)` for every inode the kernel or an open handle may still name.
+  template <typename F>
+  void ForEachNodeLocked(F&& f) REQUIRES(mu) {
+    for (const auto& [ino, node] : inodes_) f(node);
+  }
+  // Forgets inode `ino` (no name, no kernel reference, no write state left).
+  void ForgetNodeLocked(uint64_t ino) REQUIRES(mu) { inodes_.erase(ino); }
+  // The file whose publish entry for file id `id` awaits its outcome: noted when the
+  // entry is appended (NotePublishingLocked), found while it is pending, taken when the
+  // journal reports its outcome (`take`). Null when none.
+  void NotePublishingLocked(uint64_t id, Node* node) REQUIRES(mu) {
+    publishing_[id] = NodeLocked(node->ino);
+  }
+  std::shared_ptr<Node> PublishingLocked(uint64_t id, bool take = false) REQUIRES(mu);
+  // The hard-link groups of the names (fs/namespace/link_groups.h).
+  LinkGroups& links() REQUIRES(mu) { return links_; }
 
   // ------------------------------------------------------------ nodes and paths
   std::shared_ptr<Node> NodeLocked(uint64_t ino) REQUIRES(mu);
@@ -159,23 +171,6 @@ class NodeTable {
   // In strict mode, waits until entry `seq` is applied (or fails with its error).
   Status WaitIfStrict(Result<uint64_t> seq) EXCLUDES(mu);
 
-  // ------------------------------------------------------------ link groups
-  // A name loaded from the backing store with several links joins the group of the
-  // other names of its backing inode.
-  void AdoptLinkGroupLocked(Node* node, const struct stat& st) REQUIRES(mu);
-  // Adds `node` to link group `group` (made for a new hard link).
-  void JoinLinkGroupLocked(uint64_t group, const std::shared_ptr<Node>& node) REQUIRES(mu);
-  // The live names of `group` other than `except`; forgets dead ones.
-  std::vector<std::shared_ptr<Node>> LinkPeersLocked(uint64_t group, const Node* except)
-      REQUIRES(mu);
-  // `node` loses a name: the other names of its link group count one link less. Journal
-  // entry `seq` makes that true on the backing store: until then the others' attributes
-  // are not refreshed from it.
-  void UnlinkPeersLocked(Node* node, uint64_t seq) REQUIRES(mu);
-  // Gives the other names of `node`'s link group its inode attributes (one inode), as
-  // entry `seq` will on the backing store.
-  void SyncPeersLocked(const Node* node, uint64_t seq) REQUIRES(mu);
-
   // ------------------------------------------------------------ errors
   void NoteError(const std::string& msg) { stats_->NoteError(msg); }
   // Logs `st` when it reaches the application as EIO (ino, path, offset; rate-limited) and
@@ -191,15 +186,14 @@ class NodeTable {
   FsStats* const stats_;
 
   std::shared_ptr<Node> root_;  // set by Create, never changed
+
+  // ------------------------------------------------------------ protected by mu
   uint64_t next_ino_ GUARDED_BY(mu) = kFirstNodeIno;
-  // Link group -> its names (Node::link_group), so a link or chmod touches only those,
-  // and the backing inode it was found under, if any.
-  struct LinkGroup {
-    std::vector<std::weak_ptr<Node>> members;
-    std::pair<dev_t, ino_t> backing{0, 0};
-  };
-  std::unordered_map<uint64_t, LinkGroup> link_groups_ GUARDED_BY(mu);
-  std::map<std::pair<dev_t, ino_t>, uint64_t> backing_links_ GUARDED_BY(mu);
+  // Every inode the kernel or an open handle may still name.
+  std::unordered_map<uint64_t, std::shared_ptr<Node>> inodes_ GUARDED_BY(mu);
+  // File id -> node, from its publish entry until the journal reports its outcome.
+  std::unordered_map<uint64_t, std::shared_ptr<Node>> publishing_ GUARDED_BY(mu);
+  LinkGroups links_ GUARDED_BY(mu);
 
   // LogIfIo's rate limit.
   std::atomic<int64_t> io_log_second_{0};

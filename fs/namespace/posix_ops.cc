@@ -105,7 +105,7 @@ Result<struct stat> PosixOps::SetAttr(uint64_t ino, const struct stat& in, int t
       }
     }
     if (to_set & kCtime) node->attr.st_ctim = in.st_ctim;
-    table_.SyncPeersLocked(node.get(), last_seq.ok() ? *last_seq : 0);
+    table_.links().Sync(node.get(), last_seq.ok() ? *last_seq : 0);
   }
   if (follow_temp) {
     CKPT_RETURN_IF_ERROR(FollowOwnerInTemp(ino, std::move(follow_temp), follow_owner));
@@ -234,11 +234,11 @@ Result<Entry> PosixOps::Link(uint64_t ino, uint64_t new_parent, const std::strin
     auto link = table_.NewNodeLocked(dir.get(), new_name, node->type);
     if (node->link_group == 0) {
       node->link_group = node->ino;
-      table_.JoinLinkGroupLocked(node->link_group, node);
+      table_.links().Join(node->link_group, node);
     }
     node->attr.st_nlink++;
     node->attr.st_ctim = Now();
-    for (const auto& other : table_.LinkPeersLocked(node->link_group, node.get())) {
+    for (const auto& other : table_.links().Peers(node->link_group, node.get())) {
       other->attr.st_nlink = node->attr.st_nlink;
       other->attr.st_ctim = node->attr.st_ctim;
     }
@@ -247,7 +247,7 @@ Result<Entry> PosixOps::Link(uint64_t ino, uint64_t new_parent, const std::strin
     if (node->write) link->attr.st_size = static_cast<off_t>(node->write->staged->size());
     link->link_target = node->link_target;
     link->link_group = node->link_group;
-    table_.JoinLinkGroupLocked(link->link_group, link);
+    table_.links().Join(link->link_group, link);
     link->on_backing = true;
     store::JournalEntry e;
     e.op = store::OpType::kLink;

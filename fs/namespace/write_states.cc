@@ -138,7 +138,7 @@ void WriteStates::InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws)
     live_staged_.insert(ws->staged);
   }
   if (node->write) ws->publish_seq = node->write->publish_seq;
-  ws->began_after = publication_->last_appended();
+  ws->began_after = publication_->view().last_appended();
   node->write = std::move(ws);
   node->attr.st_mtim = node->attr.st_ctim = Now();
   node->attr.st_blksize = kBlockSize;  // written through the mount: large write requests
@@ -189,8 +189,8 @@ Status WriteStates::EnsureWritableLocked(Node* node, bool truncate, const Unique
 }
 
 void WriteStates::AwaitFreezeLocked(const Node* node, MutexLock& lock) {
-  table_.frozen_cv.wait(lock.native(),
-                        [node] { return !(node->write && node->write->freezing > 0); });
+  frozen_cv_.wait(lock.native(),
+                  [node] { return !(node->write && node->write->freezing > 0); });
 }
 
 Result<uint64_t> WriteStates::PublishLocked(Node* node) {
@@ -212,7 +212,7 @@ Result<uint64_t> WriteStates::PublishLocked(Node* node) {
     table_.mu.Lock();
     const bool same = node->write && node->write->staged == staged;
     if (same) node->write->freezing--;
-    table_.frozen_cv.notify_all();
+    frozen_cv_.notify_all();
     // Published and dropped meanwhile by a concurrent publish: nothing left to queue.
     if (!same) {
       if (!node->error.empty()) return Status(Code::kIo, node->error);
@@ -239,7 +239,7 @@ Result<uint64_t> WriteStates::PublishLocked(Node* node) {
   // not those of the flushes.
   e.atime_sec = node->attr.st_atim.tv_sec, e.atime_nsec = node->attr.st_atim.tv_nsec;
   e.mtime_sec = node->attr.st_mtim.tv_sec, e.mtime_nsec = node->attr.st_mtim.tv_nsec;
-  table_.publishing[ws.file_id] = table_.inodes[node->ino];
+  table_.NotePublishingLocked(ws.file_id, node);
   CKPT_ASSIGN_OR_RETURN(uint64_t seq, table_.AppendLocked(std::move(e), node));
   ws.publish_seq = seq;
   ws.needs_publish = false;
@@ -386,7 +386,7 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
         }
         CKPT_RETURN_IF_ERROR(cut);
         // A new version: no commit appended before now names it.
-        node->write->began_after = publication_->last_appended();
+        node->write->began_after = publication_->view().last_appended();
       } else if (race.may_retry()) {
         // A new, empty copy: its temp file is made without table_.mu (as a first write's).
         WritePlan plan = PlanWriteLocked(node.get(), /*truncate=*/true, nullptr);
@@ -626,8 +626,8 @@ bool WriteStates::ReleaseFileLocked(FileHandle* h) {
   }
   if (node->write) {
     const WriteState& ws = *node->write;
-    if (node->open_files == 0 && !ws.needs_publish && ws.publish_seq <= publication_->applied() &&
-        table_.publishing.count(ws.file_id) == 0) {
+    if (node->open_files == 0 && !ws.needs_publish && ws.publish_seq <= publication_->view().applied() &&
+        table_.PublishingLocked(ws.file_id) == nullptr) {
       DropWriteStateLocked(node);  // fully published: the backing file is the truth again
       dropped = true;
     }
@@ -641,7 +641,7 @@ uint64_t WriteStates::PublishOpenFiles() {
   MutexLock lock(&table_.mu);
   // A publish may drop the lock (PublishLocked): the table may change meanwhile.
   std::vector<std::shared_ptr<Node>> nodes;
-  for (const auto& [ino, node] : table_.inodes) nodes.push_back(node);
+  table_.ForEachNodeLocked([&nodes](const std::shared_ptr<Node>& node) { nodes.push_back(node); });
   for (const auto& node : nodes) {
     if (node->write && node->write->needs_publish && node->parent != nullptr) {
       auto seq = PublishLocked(node.get());

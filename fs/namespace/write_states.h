@@ -22,6 +22,7 @@
 
 #include <sys/types.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <set>
@@ -150,6 +151,10 @@ class WriteStates final : public gpu::StagingPressureListener {
   store::Loader* const loader_;
   FsStats* const stats_;
   const store::StagingContext staging_ctx_;
+
+  // Signalled, with table_.mu held, when a file's freeze for publication ends
+  // (WriteState::freezing; AwaitFreezeLocked waits for it).
+  std::condition_variable frozen_cv_;
 
   // Every staged file not yet destroyed, for staging pressure.
   Mutex staged_mu_;

@@ -534,7 +534,7 @@ void OpRelease(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
 
 void OpFsync(fuse_req_t req, fuse_ino_t, int, struct fuse_file_info* fi) {
   OpTimer timer(FuseOp::kFsync);
-  fuse_reply_err(req, Fs(req)->Fsync(H(fi)).ToErrno());
+  fuse_reply_err(req, Fs(req)->Flush(H(fi)).ToErrno());
 }
 
 void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {

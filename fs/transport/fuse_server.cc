@@ -136,7 +136,7 @@ void ReleaseKernelUring(FuseServer::Context* context) {
 // and the kernel's switch goes back off if this mount turned it on.
 void AfterInitReply(FuseServer::Context* context, bool ok) {
   ReleaseKernelUring(context);
-  FuseTransportStats* transport = context->fs->fuse_transport();
+  FuseTransportStats* transport = &context->fs->stats()->fuse;
   if (context->uring == nullptr) return;
   if (!context->init->uring_offered()) {
     transport->SetState("/dev/fuse: this kernel does not offer io_uring (fuse.enable_uring "
@@ -259,7 +259,7 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
   server->context_.fs = fs;
   server->context_.tuning = tuning;
   server->passthrough_ =
-      std::make_unique<PassthroughTable>(PassthroughTable::Options{}, fs->passthrough_stats());
+      std::make_unique<PassthroughTable>(PassthroughTable::Options{}, &fs->stats()->passthrough);
   server->context_.passthrough = server->passthrough_.get();
   server->session_ = fuse_session_new(&args, &FuseOps(), sizeof(FuseOps()), &server->context_);
   if (server->session_ == nullptr) {
@@ -273,7 +273,7 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
     Result<bool> enabled = FuseUring::KernelEnabled();
     if (!enabled.ok()) {
       spdlog::info("fuse: io_uring: {}; requests come over /dev/fuse", enabled.status().message());
-      fs->fuse_transport()->SetState("/dev/fuse: " + enabled.status().message());
+      fs->stats()->fuse.SetState("/dev/fuse: " + enabled.status().message());
       want_uring = false;
     } else if (tuning.uring == FuseTuning::Uring::kOn && ::geteuid() == 0 &&
                !TakeKernelUring(&server->context_)) {
@@ -302,7 +302,7 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
       server->context_.init = server->init_.get();
     } else {
       spdlog::warn("fuse: custom I/O not installed ({}); passthrough and io_uring off", rc);
-      fs->fuse_transport()->SetState("/dev/fuse: libfuse custom I/O unavailable");
+      fs->stats()->fuse.SetState("/dev/fuse: libfuse custom I/O unavailable");
       want_uring = false;
       ReleaseKernelUring(&server->context_);
     }
@@ -333,7 +333,7 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
           fuse_session_exit(session);
           if (self->signals_) ::kill(::getpid(), SIGTERM);
         },
-        fs->fuse_transport());
+        &fs->stats()->fuse);
     server->context_.uring = server->uring_.get();
   }
   // The loop has not started, so INIT is not answered yet (see SetReadAhead).

@@ -16,6 +16,14 @@
 #include "store/primitives/crc32c.h"
 
 namespace ckptfs::store {
+namespace {
+
+// The spare chunks the staging pool keeps for its next loan: they count against the budget.
+uint64_t SparesOf(const ChunkLender* lender) {
+  return lender != nullptr ? lender->spare_bytes() : 0;
+}
+
+}  // namespace
 
 bool RetainedTier::KeyLess::operator()(const Key& a, const Key& b) const {
   if (int c = a.id.path.compare(b.id.path); c != 0) return c < 0;
@@ -76,15 +84,11 @@ bool RetainedTier::EvictOneLocked(const std::string& keep) {
   return true;
 }
 
-uint64_t RetainedTier::PoolSparesLocked() const {
-  return opts_.lender != nullptr ? opts_.lender->spare_bytes() : 0;
-}
-
 bool RetainedTier::ShrinkSparesLocked(uint64_t more) {
-  if (const uint64_t pool = PoolSparesLocked(); pool > 0) {
+  if (const uint64_t pool = SparesOf(opts_.lender); pool > 0) {
     const uint64_t need = used_ + more;
     opts_.lender->TrimSpares(opts_.budget_bytes > need ? opts_.budget_bytes - need : 0);
-    if (PoolSparesLocked() < pool) return true;
+    if (SparesOf(opts_.lender) < pool) return true;
   }
   if (spare_.empty()) return false;
   spare_.pop_back();  // unmapped here: an own buffer nobody else holds
@@ -95,7 +99,7 @@ bool RetainedTier::ShrinkSparesLocked(uint64_t more) {
 bool RetainedTier::TakeLoanRoomLocked(uint64_t bytes) {
   while (true) {
     // The loan turns a pool spare, if there is one, into the lent chunk: no more memory.
-    const uint64_t pool = PoolSparesLocked();
+    const uint64_t pool = SparesOf(opts_.lender);
     if (used_ + bytes + (pool >= bytes ? pool - bytes : pool) <= opts_.budget_bytes) break;
     if (!ShrinkSparesLocked(bytes) && !EvictOneLocked({})) return false;
   }
@@ -106,8 +110,8 @@ bool RetainedTier::TakeLoanRoomLocked(uint64_t bytes) {
 
 std::shared_ptr<RetainedTier::Buffer> RetainedTier::TakeBufferLocked(const std::string& keep) {
   const uint64_t bs = opts_.block_bytes;
-  while (spare_.empty() && used_ + PoolSparesLocked() + bs > opts_.budget_bytes) {
-    if (PoolSparesLocked() > 0 && ShrinkSparesLocked(bs)) continue;
+  while (spare_.empty() && used_ + SparesOf(opts_.lender) + bs > opts_.budget_bytes) {
+    if (SparesOf(opts_.lender) > 0 && ShrinkSparesLocked(bs)) continue;
     if (!EvictOneLocked(keep)) return nullptr;
   }
   if (!spare_.empty()) {  // already counted in used_

@@ -227,7 +227,6 @@ class RetainedTier final : public FlushWriteListener, public JournalOutcomeListe
   // One step towards room: gives back the pool's spares beyond what fits `more` bytes, else
   // one spare buffer. False when neither had anything to give.
   bool ShrinkSparesLocked(uint64_t more) REQUIRES(mu_);
-  uint64_t PoolSparesLocked() const REQUIRES(mu_);
   // A buffer leaves a block (null: none): an own buffer nobody else holds stays as a spare,
   // so the next save or replica reuses its pages; any other leaves the account (a lent
   // chunk once its last block left).

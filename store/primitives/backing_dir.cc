@@ -13,6 +13,8 @@
 #include <chrono>
 #include <cstring>
 
+#include "common/path.h"
+
 namespace ckptfs::store {
 namespace {
 
@@ -45,6 +47,14 @@ Status OsError(int err, const std::string& context) {
     }
   }
   return st;
+}
+
+// Refuses an absolute path and an empty, "." or ".." component (path::IsConfined): every
+// name stays beneath the root (G9).
+Status CheckConfined(const std::string& path) {
+  if (path::IsConfined(path)) return Status::Ok();
+  if (path.front() == '/') return Status(Code::kPermission, "absolute path refused: " + path);
+  return Status(Code::kPermission, "path component refused: " + path);
 }
 
 }  // namespace
@@ -104,12 +114,7 @@ Status BackingDir::CheckRoot() {
   struct stat st;
   // A removed directory keeps no links; one that was only moved keeps its link.
   if (::fstat(root_.get(), &st) == 0 && st.st_nlink > 0) return Status::Ok();
-  return ReopenRoot();
-}
-
-Status BackingDir::ReopenRoot() {
   MutexLock lock(&root_mu_);
-  struct stat st;
   if (::fstat(root_.get(), &st) == 0 && st.st_nlink > 0) return Status::Ok();  // raced
   auto gone = [&](const std::string& why) {
     root_mu_.AssertHeld();  // called below, under the lock
@@ -139,30 +144,8 @@ Status BackingDir::ReopenRoot() {
   return Status::Ok();
 }
 
-Status BackingDir::CheckRelative(const std::string& path) {
-  if (path.empty()) return Status::Ok();
-  if (path.front() == '/') return Status(Code::kPermission, "absolute path refused: " + path);
-  size_t start = 0;
-  while (start <= path.size()) {
-    size_t end = path.find('/', start);
-    if (end == std::string::npos) end = path.size();
-    std::string_view comp(path.data() + start, end - start);
-    if (comp.empty() || comp == "." || comp == "..") {
-      return Status(Code::kPermission, "path component refused: " + path);
-    }
-    start = end + 1;
-  }
-  return Status::Ok();
-}
-
-std::pair<std::string, std::string> BackingDir::SplitParent(const std::string& path) {
-  size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return {"", path};
-  return {path.substr(0, slash), path.substr(slash + 1)};
-}
-
 Result<UniqueFd> BackingDir::Resolve(const std::string& path, int flags, mode_t mode) {
-  CKPT_RETURN_IF_ERROR(CheckRelative(path));
+  CKPT_RETURN_IF_ERROR(CheckConfined(path));
   CKPT_RETURN_IF_ERROR(CheckRoot());
   const char* p = path.empty() ? "." : path.c_str();
   if (g_have_openat2.load(std::memory_order_relaxed)) {
@@ -214,8 +197,8 @@ Result<UniqueFd> BackingDir::OpenFile(const std::string& path, int flags, mode_t
 }
 
 Result<struct stat> BackingDir::Stat(const std::string& path) {
-  CKPT_RETURN_IF_ERROR(CheckRelative(path));
-  auto [parent, name] = SplitParent(path);
+  CKPT_RETURN_IF_ERROR(CheckConfined(path));
+  auto [parent, name] = path::Split(path);
   CKPT_ASSIGN_OR_RETURN(CallFd dir, OpenDir(parent));
   struct stat st;
   const char* n = name.empty() ? "" : name.c_str();
@@ -225,8 +208,8 @@ Result<struct stat> BackingDir::Stat(const std::string& path) {
 }
 
 #define CKPT_AT_OP(op_name, call)                                  \
-  CKPT_RETURN_IF_ERROR(CheckRelative(path));                       \
-  auto [parent, name] = SplitParent(path);                         \
+  CKPT_RETURN_IF_ERROR(CheckConfined(path));                       \
+  auto [parent, name] = path::Split(path);                         \
   if (name.empty()) return Invalid(std::string(op_name) + " of backing root"); \
   CKPT_ASSIGN_OR_RETURN(CallFd dir, OpenDir(parent));            \
   if ((call) != 0) return OsError(errno, Ctx(op_name, path)); \
@@ -309,10 +292,10 @@ Status BackingDir::Mknod(const std::string& path, mode_t mode, dev_t rdev) {
 #undef CKPT_AT_OP
 
 Status BackingDir::Link(const std::string& from, const std::string& to) {
-  CKPT_RETURN_IF_ERROR(CheckRelative(from));
-  CKPT_RETURN_IF_ERROR(CheckRelative(to));
-  auto [from_parent, from_name] = SplitParent(from);
-  auto [to_parent, to_name] = SplitParent(to);
+  CKPT_RETURN_IF_ERROR(CheckConfined(from));
+  CKPT_RETURN_IF_ERROR(CheckConfined(to));
+  auto [from_parent, from_name] = path::Split(from);
+  auto [to_parent, to_name] = path::Split(to);
   if (from_name.empty() || to_name.empty()) return Invalid("link of backing root");
   CKPT_ASSIGN_OR_RETURN(CallFd from_dir, OpenDir(from_parent));
   CKPT_ASSIGN_OR_RETURN(CallFd to_dir, OpenDir(to_parent));
@@ -330,10 +313,10 @@ Status BackingDir::Truncate(const std::string& path, off_t size) {
 }
 
 Status BackingDir::Rename(const std::string& from, const std::string& to, unsigned flags) {
-  CKPT_RETURN_IF_ERROR(CheckRelative(from));
-  CKPT_RETURN_IF_ERROR(CheckRelative(to));
-  auto [from_parent, from_name] = SplitParent(from);
-  auto [to_parent, to_name] = SplitParent(to);
+  CKPT_RETURN_IF_ERROR(CheckConfined(from));
+  CKPT_RETURN_IF_ERROR(CheckConfined(to));
+  auto [from_parent, from_name] = path::Split(from);
+  auto [to_parent, to_name] = path::Split(to);
   if (from_name.empty() || to_name.empty()) return Invalid("rename of backing root");
   CKPT_ASSIGN_OR_RETURN(CallFd from_dir, OpenDir(from_parent));
   CKPT_ASSIGN_OR_RETURN(CallFd to_dir, OpenDir(to_parent));
@@ -344,8 +327,8 @@ Status BackingDir::Rename(const std::string& from, const std::string& to, unsign
 }
 
 Result<std::string> BackingDir::Readlink(const std::string& path) {
-  CKPT_RETURN_IF_ERROR(CheckRelative(path));
-  auto [parent, name] = SplitParent(path);
+  CKPT_RETURN_IF_ERROR(CheckConfined(path));
+  auto [parent, name] = path::Split(path);
   CKPT_ASSIGN_OR_RETURN(CallFd dir, OpenDir(parent));
   char buf[4096];
   ssize_t n = ::readlinkat(dir.get(), name.c_str(), buf, sizeof(buf));
@@ -380,7 +363,7 @@ Result<struct statvfs> BackingDir::StatFs() {
 }
 
 Status BackingDir::SyncParent(const std::string& path) {
-  auto [parent, name] = SplitParent(path);
+  auto [parent, name] = path::Split(path);
   CKPT_ASSIGN_OR_RETURN(CallFd dir, OpenForCall(parent, O_RDONLY | O_DIRECTORY, 0));
   if (::fsync(dir.get()) != 0) return OsError(errno, Ctx("fsync dir", parent));
   return Status::Ok();

@@ -56,7 +56,6 @@ class BackingDir {
   BackingDir(const BackingDir&) = delete;
   BackingDir& operator=(const BackingDir&) = delete;
 
-  const std::string& root_path() const { return root_path_; }
   // The root's fd number never changes: a re-created root is dup3()ed onto it, so a
   // call already using it keeps the directory it started with.
   int root_fd() const { return root_.get(); }
@@ -112,11 +111,6 @@ class BackingDir {
   uint64_t bytes_read() const { return bytes_read_.load(std::memory_order_relaxed); }
   uint64_t bytes_written() const { return bytes_written_.load(std::memory_order_relaxed); }
 
-  // Splits "a/b/c" into ("a/b", "c"). Exposed for tests.
-  static std::pair<std::string, std::string> SplitParent(const std::string& path);
-  // Rejects absolute paths, empty components, "." and "..".
-  static Status CheckRelative(const std::string& path);
-
  protected:
   // An fd for the length of one call. If it was opened in the place of a spare fd (the
   // process had none left), it becomes a spare again when it goes out of scope.
@@ -147,14 +141,12 @@ class BackingDir {
   Status CheckRoot();
 
  private:
-  Status ReopenRoot();
-
   std::string root_path_;
   UniqueFd root_;
   dev_t root_dev_ = 0;       // the file system the daemon was started on
   Mutex spare_mu_;
   std::vector<UniqueFd> spares_ GUARDED_BY(spare_mu_);
-  Mutex root_mu_;       // serializes ReopenRoot
+  Mutex root_mu_;       // serializes the switch to a new root (CheckRoot)
   bool root_gone_ GUARDED_BY(root_mu_) = false;  // the removal was logged
   std::atomic<uint64_t> bytes_read_{0};
   std::atomic<uint64_t> bytes_written_{0};

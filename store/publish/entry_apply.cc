@@ -1,5 +1,6 @@
 #include "store/publish/entry_apply.h"
 
+#include <fcntl.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
@@ -138,6 +139,11 @@ Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed, bool re
     }
   }
   return Internal("unknown journal op");
+}
+
+Status SyncFileAt(BackingDir* dir, const std::string& path) {
+  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, dir->OpenFile(path, O_RDONLY | O_CLOEXEC));
+  return dir->Fsync(fd.get());
 }
 
 }  // namespace ckptfs::store

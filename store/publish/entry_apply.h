@@ -6,9 +6,11 @@
 // Stateless; called without any journal lock.
 #pragma once
 
+#include <string>
+
 #include "common/status.h"
 #include "store/primitives/backing_dir.h"
-#include "store/publish/journal.h"
+#include "store/publish/journal_entry.h"
 
 namespace ckptfs::store {
 
@@ -17,5 +19,9 @@ namespace ckptfs::store {
 // earlier attempt of this entry failed, so a kRename whose source is gone and whose target
 // is there was done by it (its directory fsync failed, and the rename back too).
 Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed, bool retry = false);
+
+// Fsyncs the file at `path` (a publish's temp file, by name: one that a previous run left
+// has no FlushTarget).
+Status SyncFileAt(BackingDir* dir, const std::string& path);
 
 }  // namespace ckptfs::store

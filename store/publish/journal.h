@@ -68,58 +68,10 @@
 #include "store/primitives/backing_dir.h"
 #include "store/primitives/state_db.h"
 #include "store/publish/early_sync.h"
+#include "store/publish/journal_entry.h"
 #include "store/publish/temp_records.h"
 
 namespace ckptfs::store {
-
-enum class OpType : int {
-  kPublish = 1,  // fsync `from` (a temp file), rename it onto `path`
-  kRename = 2,   // rename `from` onto `path`
-  kUnlink = 3,
-  kRmdir = 4,
-  kMkdir = 5,
-  kSymlink = 6,  // `link_target` -> `path`
-  kChmod = 7,
-  kUtimens = 8,
-  kDiscard = 9,  // unlink the temp file `from` of a file deleted before publication
-  kChown = 10,   // owner `uid` and/or group `gid` of `path` (kNoOwner leaves one alone)
-  kLink = 11,    // hard link `path` of the published name `from`
-  kMknod = 12,   // FIFO, socket or device `path` with `mode` (type bits too) and `rdev`
-};
-
-// "Leave unchanged" for JournalEntry::uid/gid, as (uid_t)-1 for chown(2).
-inline constexpr uint32_t kNoOwner = 0xffffffffu;
-
-const char* OpName(OpType op);
-
-struct JournalEntry {
-  uint64_t seq = 0;
-  OpType op = OpType::kPublish;
-  std::string path;
-  std::string from;
-  std::string link_target;
-  // kMkdir/kMknod/kChmod: the mode. kRename/kUnlink: S_IFDIR when a directory moves or
-  // goes (the checkpoint registry follows it, store/publish/publication.h); not applied.
-  uint32_t mode = 0;
-  int64_t atime_sec = 0, atime_nsec = 0, mtime_sec = 0, mtime_nsec = 0;
-  uint64_t file_id = 0;
-  uint64_t size = 0;
-  // Multi-user POSIX. kMkdir, kSymlink and kMknod make the new name owned by uid/gid
-  // (kNoOwner: left as the daemon made it, as entries from before these fields);
-  // kChown changes them. rdev: the device of a kMknod.
-  uint32_t uid = kNoOwner, gid = kNoOwner;
-  uint64_t rdev = 0;
-  // In memory only: the file whose bytes a publish waits for.
-  std::shared_ptr<FlushTarget> target;
-  // In memory only, kPublish: the last sequence number appended when this version's writes
-  // began (a version written for a commit appended after it has began_after >= its seq).
-  // 0 for entries a previous run left: they count as older than any commit.
-  uint64_t began_after = 0;
-
-  std::string Serialize() const;
-  static Result<JournalEntry> Parse(std::string_view text);
-  std::string Describe() const;
-};
 
 // What a commit gate says about an entry that makes a `.metadata` appear. Implicitly made
 // from a Status: ok means ready, anything else refuses the commit.
@@ -232,8 +184,11 @@ struct JournalOptions {
   std::string temp_prefix;
 };
 
-// Counters for reports (/.ckptfs/stats).
+// What the journal holds and has done (Journal::counts(), /.ckptfs/stats).
 struct JournalCounts {
+  uint64_t pending = 0;        // entries queued and not yet done
+  uint64_t last_appended = 0;  // the sequence number of the last entry appended
+  uint64_t applied = 0;        // every entry with a sequence number up to this one is done
   uint64_t skipped = 0;        // entries skipped or dropped, never applied (not superseded)
   uint64_t superseded = 0;     // commits a later save replaced (not a failure)
   uint64_t given_up = 0;       // of `skipped`: commits and trackers given up for a lost node
@@ -339,10 +294,7 @@ class Journal final : public QueuedPublishes {
   bool VersionQueued(const std::string& path, uint64_t seq, uint64_t before) const override
       EXCLUDES(mu_);
 
-  uint64_t pending() const;
-  uint64_t last_appended() const;
-  // Every entry with a sequence number up to this one is done.
-  uint64_t applied() const;
+  // What the journal holds and has done, in one look.
   JournalCounts counts() const EXCLUDES(mu_);
 
  private:
@@ -392,6 +344,10 @@ class Journal final : public QueuedPublishes {
   void Finalize(const JournalEntry& e, const Status& st, bool applied);
   void AdvanceDoneLocked() REQUIRES(mu_);
 
+  // Written (synced) by a bounded stop that left entries for the next start: the highest
+  // sequence number it left. Entry records up to it are resumed, not discarded.
+  static constexpr char kLeftKey[] = "m/left";
+
   BackingDir* const dir_;
   StateDb* const db_;
   JournalDelegate* const delegate_;
@@ -436,10 +392,5 @@ class Journal final : public QueuedPublishes {
   uint64_t resumed_left_ GUARDED_BY(mu_) = 0;
   std::thread thread_;
 };
-
-// True if `path`'s last component commits a checkpoint directory: `.metadata`, a per-rank
-// `__{rank}.metadata`, a `*.safetensors.index.json` or `model.safetensors`
-// (store/publish/commit_names.h).
-bool IsCommitName(const std::string& path);
 
 }  // namespace ckptfs::store

@@ -14,6 +14,34 @@
 #include "store/primitives/file_key.h"
 
 namespace ckptfs::store {
+namespace {
+
+// A small file that may name a checkpoint (Megatron's latest_checkpointed_iteration.txt):
+// published or renamed onto its name, not a shard, commit or `*.tmp` file.
+bool IsTrackerCandidate(const JournalEntry& e) {
+  if (e.op != OpType::kPublish && e.op != OpType::kRename) return false;
+  if (S_ISDIR(e.mode) || IsCommitName(e.path)) return false;
+  const std::string_view name = path::Basename(e.path);
+  return !name.ends_with(".distcp") && !name.ends_with(".tmp") &&
+         !name.starts_with(".ckptfs-tmp.") && (e.op != OpType::kPublish || e.size <= 4096);
+}
+
+// A published file keeps the times the mount showed (its last write, or a utimens).
+void SetFileTimes(BackingDir* dir, const JournalEntry& e) {
+  if (!(e.atime_sec || e.atime_nsec || e.mtime_sec || e.mtime_nsec)) return;
+  struct timespec ts[2] = {{e.atime_sec, e.atime_nsec}, {e.mtime_sec, e.mtime_nsec}};
+  (void)dir->Utimens(e.path, ts);
+}
+
+// The integer a name ends with ("iter_0000100" -> 100), if it ends with digits.
+std::optional<uint64_t> TrailingNumber(std::string_view s) {
+  size_t i = s.size();
+  while (i > 0 && s[i - 1] >= '0' && s[i - 1] <= '9') --i;
+  if (i == s.size() || s.size() - i > 18) return std::nullopt;
+  return std::stoull(std::string(s.substr(i)));
+}
+
+}  // namespace
 
 Publication::Publication(BackingDir* dir, KeyIndex* index, PublicationOptions options)
     : dir_(dir), index_(index), options_(std::move(options)) {}
@@ -153,26 +181,6 @@ bool Publication::Gated(const JournalEntry& e) {
   return !lost_.empty();
 }
 
-bool Publication::IsTrackerCandidate(const JournalEntry& e) {
-  if (e.op != OpType::kPublish && e.op != OpType::kRename) return false;
-  if (S_ISDIR(e.mode) || IsCommitName(e.path)) return false;
-  const std::string_view name = path::Basename(e.path);
-  return !name.ends_with(".distcp") && !name.ends_with(".tmp") &&
-         !name.starts_with(".ckptfs-tmp.") && (e.op != OpType::kPublish || e.size <= 4096);
-}
-
-namespace {
-
-// The integer a name ends with ("iter_0000100" -> 100), if it ends with digits.
-std::optional<uint64_t> TrailingNumber(std::string_view s) {
-  size_t i = s.size();
-  while (i > 0 && s[i - 1] >= '0' && s[i - 1] <= '9') --i;
-  if (i == s.size() || s.size() - i > 18) return std::nullopt;
-  return std::stoull(std::string(s.substr(i)));
-}
-
-}  // namespace
-
 std::optional<std::pair<std::string, std::string>> Publication::NamesLostCheckpoint(
     const JournalEntry& e) {
   std::map<std::string, std::string> lost;
@@ -245,13 +253,13 @@ Status Publication::AwaitApplied(uint64_t seq) {
 }
 
 void Publication::ForgetVanishedCheckpoints() {
-  const uint64_t last = journal_->last_appended();
-  if (journal_->applied() < last) return;
+  const uint64_t last = journal_->counts().last_appended;
+  if (journal_->counts().applied < last) return;
   // A removal counts only if no entry was queued meanwhile (a rename moves the record
   // before the backing store).
   auto gone = [&](const std::string& path) {
     Result<struct stat> st = dir_->Stat(path);
-    return !st.ok() && st.status().code() == Code::kNotFound && journal_->last_appended() == last;
+    return !st.ok() && st.status().code() == Code::kNotFound && journal_->counts().last_appended == last;
   };
   for (const auto& info : registry_->List()) {
     if (info.state == CkptState::kWriting || info.state == CkptState::kPending) continue;
@@ -262,7 +270,7 @@ void Publication::ForgetVanishedCheckpoints() {
     }
   }
   for (const auto& path : index_->IndexedCheckpoints()) {
-    if (!registry_->Get(path) && journal_->last_appended() == last &&
+    if (!registry_->Get(path) && journal_->counts().last_appended == last &&
         FindCheckpointSource(dir_, path).status().code() == Code::kNotFound) {
       index_->Forget(path);
     }
@@ -343,7 +351,7 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
                       IsCommitName(e.path);
   std::string committed;
   if (e.op == OpType::kPublish && st.ok()) {
-    SetFileTimes(e);
+    SetFileTimes(dir_, e);
     registry_->OnFilePublished(dir, e.size, e.seq);
     HandOverBlockCrcs(e);
   }
@@ -390,7 +398,7 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
     lost_.erase(committed);
   }
   // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
-  registry_->OnApplied(journal_->applied());
+  registry_->OnApplied(journal_->counts().applied);
   if (st.ok() && e.op == OpType::kRename) index_->OnRenamed(e.from, e.path);
   if (st.ok() && e.op == OpType::kRmdir) {
     index_->Forget(e.path);
@@ -400,12 +408,6 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
     }
   }
   return committed;
-}
-
-void Publication::SetFileTimes(const JournalEntry& e) {
-  if (!(e.atime_sec || e.atime_nsec || e.mtime_sec || e.mtime_nsec)) return;
-  struct timespec ts[2] = {{e.atime_sec, e.atime_nsec}, {e.mtime_sec, e.mtime_nsec}};
-  (void)dir_->Utimens(e.path, ts);
 }
 
 void Publication::OnPeerChecksums(const std::string& path,

@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -37,10 +38,10 @@
 #include "store/publish/checkpoints.h"
 #include "store/publish/commit_gate.h"
 #include "store/publish/journal.h"
+#include "store/publish/publication_view.h"
 #include "store/publish/shard_state.h"
 
 namespace ckptfs::store {
-
 
 // The mount's side of publication: what it knows of files written through it, and what it
 // is told happened. Implemented by fs/ (the write states); held here, borrowed.
@@ -137,8 +138,6 @@ class Publication final : private JournalDelegate,
   // The application deleted `path` while publication is halted before its pending publish
   // (Journal::DropIfHalted); a `.metadata` naming it is then refused at once.
   bool DropIfHalted(const std::string& path) EXCLUDES(dropped_mu_);
-  uint64_t last_appended() const { return journal_->last_appended(); }
-  uint64_t applied() const { return journal_->applied(); }
   Status WaitUnlessHalted(uint64_t seq) { return journal_->WaitUnlessHalted(seq); }
   // One slice of waiting for entry `seq`: an error only when publication is halted before
   // it or the daemon stops; ok otherwise, when it is done or after a short while (a commit
@@ -165,9 +164,16 @@ class Publication final : private JournalDelegate,
   void Resume() { journal_->Resume(); }
   // Drops every queued entry at or below `path` and marks its checkpoints aborted.
   std::vector<std::string> Abort(const std::string& path);
-  Journal* journal() { return journal_.get(); }
-  CheckpointRegistry* registry() { return registry_.get(); }
-  const CommitGate& gate() const { return *gate_; }
+  // What the mount may read: journal counts and waits, checkpoint records, gate counters.
+  PublicationView view() const { return PublicationView(journal_.get(), registry_.get(), gate_.get()); }
+  // A stop has begun: every wait for an entry returns now (Journal::ReleaseWaiters).
+  void ReleaseWaiters() { journal_->ReleaseWaiters(); }
+  // The daemon's final drain, bounded by `stall` without progress (Journal::CloseWithin):
+  // what is queued then is left for the next start.
+  StopReport Stop(std::chrono::milliseconds stall,
+                  const std::function<void(const std::string&)>& waiting = {}) {
+    return journal_->CloseWithin(stall, waiting);
+  }
   // What this mount wrote, for peers' commit queries (outlives the peer server).
   ShardStateProvider* shard_states() { return shard_states_.get(); }
 
@@ -193,8 +199,6 @@ class Publication final : private JournalDelegate,
   // The registry's and the key index's side of an applied entry; returns the directory
   // of a checkpoint it committed, or "".
   std::string NoteApplied(const JournalEntry& e, const Status& st);
-  // A published file keeps the times the mount showed (its last write, or a utimens).
-  void SetFileTimes(const JournalEntry& e);
   // Gives a just-published file's block CRCs (recorded by the flush pipeline) to the index.
   void HandOverBlockCrcs(const JournalEntry& e);
 
@@ -217,9 +221,6 @@ class Publication final : private JournalDelegate,
   // for the trackers that name them (docs/SEMANTICS.md, "A lost node"); bounded.
   mutable Mutex lost_mu_;
   std::map<std::string, std::string> lost_ GUARDED_BY(lost_mu_);
-  // A small file that may name a checkpoint (Megatron's latest_checkpointed_iteration.txt):
-  // published or renamed onto its name, not a shard, commit or `*.tmp` file.
-  static bool IsTrackerCandidate(const JournalEntry& e);
   // The given-up checkpoint the tracker `e` names, if any, with the reason it was given up.
   std::optional<std::pair<std::string, std::string>> NamesLostCheckpoint(const JournalEntry& e)
       EXCLUDES(lost_mu_);

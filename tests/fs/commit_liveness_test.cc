@@ -59,7 +59,7 @@ class CommitLivenessTest : public FaultyFsTest, public ::testing::WithParamInter
     auto made = fs_->Create(ck_, name, 0644, O_WRONLY | O_CREAT | O_TRUNC);
     EXPECT_TRUE(made.ok()) << made.status().ToString();
     if (!made.ok()) return nullptr;
-    EXPECT_TRUE(fs_->Write(made->second, bytes.data(), bytes.size(), 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, made->second, bytes.data(), bytes.size(), 0).ok());
     return made->second;
   }
   // close(2): FUSE flush, then release.
@@ -160,7 +160,7 @@ TEST_P(CommitLivenessTest, ASaveIntoTheSameDirectoryDoesNotHoldUpThePreviousComm
       << "save 1's shard must be the one on the backing store when its .metadata lands";
 
   // Save 2 completes: shards of exactly the needed lengths, a new `.metadata`.
-  ASSERT_TRUE(fs_->Write(held_open, std::string(need_[open_one], 'b').data(),
+  ASSERT_TRUE(WriteAt(*fs_, held_open, std::string(need_[open_one], 'b').data(),
                          need_[open_one], 0).ok());
   ASSERT_TRUE(Close(held_open).ok());
   for (const auto& [file, len] : need_) {
@@ -175,7 +175,7 @@ TEST_P(CommitLivenessTest, ASaveIntoTheSameDirectoryDoesNotHoldUpThePreviousComm
     EXPECT_TRUE(Within(kPrompt, [&] { return BackingHas(rel, want); })) << file;
   }
   EXPECT_TRUE(BackingHas("ck/.metadata", metadata_));
-  EXPECT_EQ(fs_->Shutdown(), 0u);
+  EXPECT_EQ(fs_->Shutdown().unpublished, 0u);
   fs_.reset();
 }
 
@@ -198,7 +198,7 @@ TEST_P(CommitLivenessTest, AMetadataClosedWhileItsCallerHoldsAShardOpenDoesNotWa
   EXPECT_FALSE(sfs::exists(BackingPath("ck/.metadata")))
       << "committed before its shards were closed (G5)";
   // fsync of a shard the caller holds: strict publishes it, and returns.
-  auto synced = std::async(std::launch::async, [&] { return fs_->Fsync(shards.front()); });
+  auto synced = std::async(std::launch::async, [&] { return fs_->Flush(shards.front()); });
   ASSERT_EQ(synced.wait_for(kPrompt), std::future_status::ready);
   EXPECT_TRUE(synced.get().ok());
   for (Handle* h : shards) ASSERT_TRUE(Close(h).ok());
@@ -206,7 +206,7 @@ TEST_P(CommitLivenessTest, AMetadataClosedWhileItsCallerHoldsAShardOpenDoesNotWa
   for (const auto& [file, len] : need_) {
     EXPECT_TRUE(BackingHas("ck/" + file, std::string(len, 'a'))) << file;
   }
-  EXPECT_EQ(fs_->Shutdown(), 0u);
+  EXPECT_EQ(fs_->Shutdown().unpublished, 0u);
   fs_.reset();
 }
 

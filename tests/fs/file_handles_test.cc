@@ -64,7 +64,7 @@ TEST_F(FileHandles, ReaderClosedDuringAnotherWriteLeavesLaterHandlesReadable) {
     EXPECT_EQ(ReadAll(reader), expect);
     fs_->Release(reader);
     const std::string more(1 + round, static_cast<char>('b' + round));
-    ASSERT_TRUE(fs_->Write(writer, more.data(), more.size(), expect.size()).ok());
+    ASSERT_TRUE(WriteAt(*fs_, writer, more.data(), more.size(), expect.size()).ok());
     expect += more;
     fs_->Release(writer);
     Handle* next = OpenOk(ino, O_RDWR);
@@ -84,7 +84,7 @@ TEST_F(FileHandles, DescriptorOpenedBeforeRewriteReadsTheNewBytesAfterPublicatio
   const std::string fresh(70000, 'n');
   auto rewrite = fs_->Open(ino, O_WRONLY | O_TRUNC);
   ASSERT_TRUE(rewrite.ok());
-  ASSERT_TRUE(fs_->Write(*rewrite, fresh.data(), fresh.size(), 0).ok());
+  ASSERT_TRUE(WriteAt(*fs_, *rewrite, fresh.data(), fresh.size(), 0).ok());
   fs_->Release(*rewrite);
   WaitPublished(ino);
   EXPECT_EQ(ReadAll(early), fresh);
@@ -124,7 +124,7 @@ TEST_F(FileHandles, FileAttributesStayAsShownWhenPublished) {
   auto made = fs_->Create(kRootIno, "f", 0644, O_WRONLY | O_CREAT);
   ASSERT_TRUE(made.ok());
   auto [entry, h] = *made;
-  ASSERT_TRUE(fs_->Write(h, "hello", 5, 0).ok());
+  ASSERT_TRUE(WriteAt(*fs_, h, "hello", 5, 0).ok());
   fs_->Release(h);
   auto before = fs_->GetAttr(entry.ino);
   ASSERT_TRUE(before.ok());
@@ -182,7 +182,7 @@ TEST_F(FileHandles, WriteThroughAHandleOpenedBeforeAnUnlinkKeepsTheFilesBytes) {
   Handle* h = OpenOk(ino, O_RDWR);
   ASSERT_TRUE(h);
   ASSERT_TRUE(fs_->Unlink(kRootIno, "doomed").ok());
-  ASSERT_TRUE(fs_->Write(h, "ab", 2, 4).ok());
+  ASSERT_TRUE(WriteAt(*fs_, h, "ab", 2, 4).ok());
   EXPECT_EQ(ReadAll(h), "0123ab6789");
   fs_->Release(h);
   EXPECT_FALSE(fs_->Lookup(kRootIno, "doomed").ok());
@@ -213,7 +213,7 @@ TEST_F(FileHandles, FailedPublicationReadsAsEioAndIsLoggedWithPathAndOffset) {
   auto made = fs_->Create(kRootIno, "lost", 0644, O_RDWR | O_CREAT);
   ASSERT_TRUE(made.ok());
   auto [entry, h] = *made;
-  ASSERT_TRUE(fs_->Write(h, "data", 4, 0).ok());
+  ASSERT_TRUE(WriteAt(*fs_, h, "data", 4, 0).ok());
   Handle* reader = OpenOk(entry.ino, O_RDONLY);
   // Its temp file vanishes before the publication: the rename fails.
   for (const auto& e : std::filesystem::directory_iterator(backing_.path())) {
@@ -244,7 +244,7 @@ TEST_F(FileHandles, FailedPublicationReadsAsEioAndIsLoggedWithPathAndOffset) {
     }
   }
   EXPECT_TRUE(logged);
-  EXPECT_EQ(fs_->Shutdown(), 1u);  // the one file that could not be published
+  EXPECT_EQ(fs_->Shutdown().unpublished, 1u);  // the one file that could not be published
   fs_.reset();
 }
 
@@ -278,7 +278,7 @@ TEST_F(FileHandles, CommittedCheckpointFilesAnswerGetattrWithoutTheBackingStore)
   ASSERT_TRUE(md.ok());
   Handle* rewrite = OpenOk(md->ino, O_WRONLY | O_TRUNC);
   ASSERT_TRUE(rewrite);
-  ASSERT_TRUE(fs_->Write(rewrite, "meta2", 5, 0).ok());
+  ASSERT_TRUE(WriteAt(*fs_, rewrite, "meta2", 5, 0).ok());
   EXPECT_EQ(fs_->GetAttr(shard->ino)->st_mode & 07777, 0600u);
   fs_->Release(rewrite);
   WaitPublished(md->ino);

@@ -69,7 +69,7 @@ class FilesystemPosixTest : public ::testing::TestWithParam<bool> {
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     if (!r.ok()) return {};
     auto [entry, h] = *r;
-    EXPECT_TRUE(fs_->Write(h, bytes.data(), bytes.size(), 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, h, bytes.data(), bytes.size(), 0).ok());
     EXPECT_TRUE(fs_->Flush(h).ok());
     fs_->Release(h);
     return entry;
@@ -85,7 +85,7 @@ class FilesystemPosixTest : public ::testing::TestWithParam<bool> {
     out.resize(n.ok() ? *n : 0);
     return out;
   }
-  void Drain() { EXPECT_EQ(fs_->Shutdown(), 0u); }
+  void Drain() { EXPECT_EQ(fs_->Shutdown().unpublished, 0u); }
 
   store::ScopedTempDir tmp_{"ckptfs-fs-posix-test"};
   std::string backing_;
@@ -99,7 +99,7 @@ TEST_P(FilesystemPosixTest, NewNamesBelongToTheCallerAtOnceAndOnTheBackingStoreW
   auto [entry, h] = *created;
   EXPECT_EQ(entry.attr.st_uid, kUser);
   EXPECT_EQ(entry.attr.st_gid, kGroup);
-  ASSERT_TRUE(fs_->Write(h, "abc", 3, 0).ok());
+  ASSERT_TRUE(WriteAt(*fs_, h, "abc", 3, 0).ok());
   // Staged: the temp file already counts against its owner.
   auto temps = Temps();
   ASSERT_EQ(temps.size(), 1u);
@@ -232,7 +232,7 @@ TEST_P(FilesystemPosixTest, FallocateExtendsWithZerosReservesBlocksAndRefusesOth
   auto created = fs_->Create(kRootIno, "f", 0644, O_CREAT | O_RDWR);
   ASSERT_TRUE(created.ok());
   Handle* h = created->second;
-  ASSERT_TRUE(fs_->Write(h, "xy", 2, 0).ok());
+  ASSERT_TRUE(WriteAt(*fs_, h, "xy", 2, 0).ok());
   ASSERT_TRUE(fs_->Fallocate(h, 0, 0, 3 << 20).ok());
   EXPECT_EQ(fs_->GetAttr(created->first.ino)->st_size, 3 << 20);
   ASSERT_TRUE(fs_->Fallocate(h, 0, 0, 10).ok());  // inside: the size stays

@@ -47,7 +47,7 @@ class FaultyFsTest : public ::testing::Test {
       dir_->SetLookupHook(nullptr);
       dir_->SetPosixHook(nullptr);
       dir_->SetFsyncHook(nullptr);
-      EXPECT_EQ(fs_->Shutdown(), 0u);
+      EXPECT_EQ(fs_->Shutdown().unpublished, 0u);
     }
   }
 
@@ -57,7 +57,7 @@ class FaultyFsTest : public ::testing::Test {
     EXPECT_TRUE(made.ok()) << made.status().ToString();
     if (!made.ok()) return 0;
     auto [entry, h] = *made;
-    EXPECT_TRUE(fs_->Write(h, data.data(), data.size(), 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, h, data.data(), data.size(), 0).ok());
     fs_->Release(h);
     WaitPublished(entry.ino);
     return entry.ino;

@@ -53,7 +53,7 @@ TEST_F(NamespaceTest, BlockSizeIsTheStoresForItsFilesAndLargeForFilesBeingWritte
   ASSERT_TRUE(made.ok()) << made.status().ToString();
   auto [entry, h] = *made;
   EXPECT_EQ(entry.attr.st_blksize, kBlockSize);
-  ASSERT_TRUE(fs_->Write(h, "abc", 3, 0).ok());
+  ASSERT_TRUE(WriteAt(*fs_, h, "abc", 3, 0).ok());
   auto open_mine = fs_->Lookup(kRootIno, "mine");
   ASSERT_TRUE(open_mine.ok()) << open_mine.status().ToString();
   EXPECT_EQ(open_mine->attr.st_blksize, kBlockSize);
@@ -63,7 +63,7 @@ TEST_F(NamespaceTest, BlockSizeIsTheStoresForItsFilesAndLargeForFilesBeingWritte
   // opens its shards with O_TRUNC) shows kBlockSize while it is written.
   auto rewrite = fs_->Open(theirs->ino, O_WRONLY | O_TRUNC);
   ASSERT_TRUE(rewrite.ok()) << rewrite.status().ToString();
-  ASSERT_TRUE(fs_->Write(*rewrite, "again", 5, 0).ok());
+  ASSERT_TRUE(WriteAt(*fs_, *rewrite, "again", 5, 0).ok());
   auto rewritten = fs_->Lookup(kRootIno, "theirs");
   ASSERT_TRUE(rewritten.ok()) << rewritten.status().ToString();
   EXPECT_EQ(rewritten->attr.st_blksize, kBlockSize);

@@ -1,6 +1,6 @@
 // No lock spans slow I/O: a backing-store call that hangs on one path (a stat on a loaded
 // parallel file system, an open, an fsync, a copy, a truncate, a chmod, a fallocate) must
-// not delay reads, writes, creates and lookups of other files. Each test hangs one call on
+// not delay reads, writes, creates, lookups, getattrs and mkdirs of other names. Each test hangs one call on
 // a latch, checks that those of other files, a first write that starts a rewrite among
 // them, finish within a bounded wait while it hangs, then releases the latch.
 #include <fcntl.h>
@@ -29,7 +29,7 @@ class NoLockAcrossIo : public FaultyFsTest {
     auto made = fs_->Create(kRootIno, "a", 0644, O_RDWR | O_CREAT);
     ASSERT_TRUE(made.ok()) << made.status().ToString();
     a_ = made->second;
-    ASSERT_TRUE(fs_->Write(a_, "aaaa", 4, 0).ok());
+    ASSERT_TRUE(WriteAt(*fs_, a_, "aaaa", 4, 0).ok());
     uint64_t b = WriteFile(kRootIno, "b", "bbbb");
     uint64_t c = WriteFile(kRootIno, "c", "cccc");
     slow_file_ = WriteFile(kRootIno, "slowfile", "ssss");
@@ -52,22 +52,29 @@ class NoLockAcrossIo : public FaultyFsTest {
 
   // Reads and writes of the other open files, as a trainer's ranks would make them.
   void DataPath() {
-    EXPECT_TRUE(fs_->Write(a_, "xyz", 3, 4).ok());
+    EXPECT_TRUE(WriteAt(*fs_, a_, "xyz", 3, 4).ok());
     EXPECT_EQ(ReadAll(a_), "aaaaxyz");
     EXPECT_EQ(ReadAll(b_), "bbbb");
-    EXPECT_TRUE(fs_->Write(c_, "C", 1, 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, c_, "C", 1, 0).ok());
     EXPECT_EQ(ReadAll(c_), "Cccc");
-    EXPECT_TRUE(fs_->Write(c_, "D", 1, 1).ok());
+    EXPECT_TRUE(WriteAt(*fs_, c_, "D", 1, 1).ok());
     EXPECT_EQ(ReadAll(c_), "CDcc");
     // A create (its temp file, owner, registration) and a lookup of other names.
     const std::string name = "other" + std::to_string(++others_);
     auto made = fs_->Create(kRootIno, name, 0644, O_WRONLY | O_CREAT | O_EXCL);
     EXPECT_TRUE(made.ok()) << made.status().ToString();
     if (made.ok()) {
-      EXPECT_TRUE(fs_->Write(made->second, "o", 1, 0).ok());
+      EXPECT_TRUE(WriteAt(*fs_, made->second, "o", 1, 0).ok());
       fs_->Release(made->second);
     }
-    EXPECT_TRUE(fs_->Lookup(kRootIno, "b").ok());
+    Result<Entry> b = fs_->Lookup(kRootIno, "b");
+    EXPECT_TRUE(b.ok());
+    // Namespace operations on other names: a getattr (a stat of its backing file), a mkdir
+    // and a lookup inside it.
+    if (b.ok()) EXPECT_TRUE(fs_->GetAttr(b->ino).ok());
+    auto dir = fs_->Mkdir(kRootIno, "dir" + std::to_string(others_), 0755);
+    EXPECT_TRUE(dir.ok()) << dir.status().ToString();
+    if (dir.ok()) EXPECT_EQ(fs_->Lookup(dir->ino, "none").status().code(), Code::kNotFound);
   }
 
   // Starts `hang` on its own thread, waits until it is blocked in the backing store,
@@ -90,7 +97,7 @@ class NoLockAcrossIo : public FaultyFsTest {
     auto made = fs_->Create(kRootIno, "staged", 0644, O_RDWR | O_CREAT);
     EXPECT_TRUE(made.ok()) << made.status().ToString();
     if (!made.ok()) return nullptr;
-    EXPECT_TRUE(fs_->Write(made->second, data.data(), data.size(), 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, made->second, data.data(), data.size(), 0).ok());
     *ino = made->first.ino;
     return made->second;
   }
@@ -146,7 +153,7 @@ TEST_F(NoLockAcrossIo, HungFsyncOfAPublicationDelaysNoReadOrWriteOfOtherFiles) {
   ExpectDataPathWhileHung([this] {
     auto made = fs_->Create(kRootIno, "d", 0644, O_WRONLY | O_CREAT);
     ASSERT_TRUE(made.ok()) << made.status().ToString();
-    EXPECT_TRUE(fs_->Write(made->second, "dddd", 4, 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, made->second, "dddd", 4, 0).ok());
     fs_->Release(made->second);  // queues the publication, whose fsync hangs
   });
 }
@@ -175,7 +182,7 @@ TEST_F(NoLockAcrossIo, HungCopyOfARewriteDelaysNoReadOrWriteOfOtherFiles) {
   ExpectDataPathWhileHung([this, e] {
     Handle* h = OpenOk(e, O_RDWR);
     ASSERT_NE(h, nullptr);
-    EXPECT_TRUE(fs_->Write(h, "E", 1, 0).ok());  // begins the rewrite: its copy hangs
+    EXPECT_TRUE(WriteAt(*fs_, h, "E", 1, 0).ok());  // begins the rewrite: its copy hangs
     EXPECT_EQ(ReadAll(h), "Eeee");
     fs_->Release(h);
   });
@@ -192,7 +199,7 @@ TEST_F(NoLockAcrossIo, HungTempFileOfACreateDelaysNoReadOrWriteOfOtherFiles) {
   ExpectDataPathWhileHung([this] {
     auto made = fs_->Create(kRootIno, "new", 0644, O_WRONLY | O_CREAT | O_EXCL);
     ASSERT_TRUE(made.ok()) << made.status().ToString();
-    EXPECT_TRUE(fs_->Write(made->second, "n", 1, 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, made->second, "n", 1, 0).ok());
     fs_->Release(made->second);
   });
   auto twice = fs_->Create(kRootIno, "new", 0644, O_WRONLY | O_CREAT | O_EXCL);
@@ -210,7 +217,7 @@ TEST_F(NoLockAcrossIo, HungTempFileOfATruncatingOpenDelaysNoReadOrWriteOfOtherFi
   ExpectDataPathWhileHung([this] {
     Handle* h = OpenOk(slow_file_, O_WRONLY | O_TRUNC);  // a re-save over a file
     ASSERT_NE(h, nullptr);
-    EXPECT_TRUE(fs_->Write(h, "t", 1, 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, h, "t", 1, 0).ok());
     fs_->Release(h);
   });
 }
@@ -287,7 +294,7 @@ TEST_F(NoLockAcrossIo, HungCutOfATruncatingOpenOfAFileBeingWrittenDelaysNoOtherF
   ExpectDataPathWhileHung([this, ino] {
     Handle* t = OpenOk(ino, O_WRONLY | O_TRUNC);
     ASSERT_NE(t, nullptr);
-    EXPECT_TRUE(fs_->Write(t, "T", 1, 0).ok());
+    EXPECT_TRUE(WriteAt(*fs_, t, "T", 1, 0).ok());
     fs_->Release(t);
   });
   EXPECT_EQ(ReadAll(h), "T");

@@ -35,12 +35,12 @@ TEST_F(WritePathTest, FailedCopyForRewriteFailsTheWriteAndLeavesTheFileAndNoTemp
   });
   Handle* h = OpenOk(ino, O_RDWR);
   ASSERT_NE(h, nullptr);
-  Status st = fs_->Write(h, "NEW", 3, 0);
+  Status st = WriteAt(*fs_, h, "NEW", 3, 0);
   EXPECT_EQ(st.code(), Code::kNoSpace) << st.ToString();
   EXPECT_EQ(copies.load(), 1);
   EXPECT_EQ(TempFiles(), 0u);  // the temp of the failed copy is removed at once
   dir_->SetPosixHook(nullptr);
-  ASSERT_TRUE(fs_->Write(h, "NEW", 3, 0).ok());  // the next write starts a new copy
+  ASSERT_TRUE(WriteAt(*fs_, h, "NEW", 3, 0).ok());  // the next write starts a new copy
   EXPECT_EQ(ReadAll(h), "NEW contents");
   fs_->Release(h);
   WaitPublished(ino);
@@ -52,7 +52,7 @@ TEST_F(WritePathTest, ChmodOfAStagedFileGoesThroughBackingDirAndReportsItsError)
   auto made = fs_->Create(kRootIno, "s", 0644, O_WRONLY | O_CREAT);
   ASSERT_TRUE(made.ok()) << made.status().ToString();
   auto [entry, h] = *made;
-  ASSERT_TRUE(fs_->Write(h, "x", 1, 0).ok());
+  ASSERT_TRUE(WriteAt(*fs_, h, "x", 1, 0).ok());
   std::vector<std::string> ops;
   std::mutex mu;
   dir_->SetPosixHook([&](const std::string& op, const std::string&) {
@@ -85,7 +85,7 @@ TEST_F(WritePathTest, FailedTruncateIsStickyOnTheFileAndNeverPublished) {
   auto made = fs_->Create(kRootIno, "t", 0644, O_RDWR | O_CREAT);
   ASSERT_TRUE(made.ok()) << made.status().ToString();
   auto [entry, h] = *made;
-  ASSERT_TRUE(fs_->Write(h, "0123456789", 10, 0).ok());
+  ASSERT_TRUE(WriteAt(*fs_, h, "0123456789", 10, 0).ok());
   dir_->SetPosixHook([](const std::string& op, const std::string&) {
     return op == "ftruncate" ? EIO : 0;
   });
@@ -96,7 +96,7 @@ TEST_F(WritePathTest, FailedTruncateIsStickyOnTheFileAndNeverPublished) {
   EXPECT_EQ(failed.status().ToErrno(), EIO);
   dir_->SetPosixHook(nullptr);
   // The file's error is sticky (G7): the next write and the flush return it.
-  EXPECT_FALSE(fs_->Write(h, "a", 1, 0).ok());
+  EXPECT_FALSE(WriteAt(*fs_, h, "a", 1, 0).ok());
   EXPECT_FALSE(fs_->Flush(h).ok());
   // Deleted before its close: its bytes are dropped, never published.
   ASSERT_TRUE(fs_->Unlink(kRootIno, "t").ok());
@@ -119,7 +119,7 @@ TEST_F(WritePathTest, RewriteCopiesThePublishedBytesAndPublishesOverTheName) {
   });
   Handle* h = OpenOk(ino, O_WRONLY);
   ASSERT_NE(h, nullptr);
-  ASSERT_TRUE(fs_->Write(h, "N", 1, (2 << 20) + 5).ok());
+  ASSERT_TRUE(WriteAt(*fs_, h, "N", 1, (2 << 20) + 5).ok());
   fs_->Release(h);
   WaitPublished(ino);
   EXPECT_EQ(copies.load(), 1);
@@ -139,7 +139,7 @@ TEST_F(WritePathTest, FileUnlinkedWhileItsPublishWaitsToFreezeItTakesWritesAndIs
   ASSERT_TRUE(made.ok()) << made.status().ToString();
   const uint64_t ino = made->first.ino;
   Handle* h = made->second;
-  ASSERT_TRUE(fs_->Write(h, "abc", 3, 0).ok());
+  ASSERT_TRUE(WriteAt(*fs_, h, "abc", 3, 0).ok());
   std::shared_ptr<store::StagedFile> staged;
   {
     Node* node = h->file()->node.get();
@@ -159,7 +159,7 @@ TEST_F(WritePathTest, FileUnlinkedWhileItsPublishWaitsToFreezeItTakesWritesAndIs
     EXPECT_TRUE(fs_->SetAttr(ino, in, 1 << 3 /* FUSE_SET_ATTR_SIZE */, nullptr).ok());
   });
   latch.AwaitWaiters(1);
-  std::thread fsync([&] { EXPECT_TRUE(fs_->Fsync(h).ok()); });
+  std::thread fsync([&] { EXPECT_TRUE(fs_->Flush(h).ok()); });
   while (staged->freezes_waiting() == 0) std::this_thread::yield();
   // The namespace lock is free while the publish waits: the unlink goes through.
   auto unlinked = std::async(std::launch::async, [&] { return fs_->Unlink(kRootIno, "f"); });
@@ -170,7 +170,7 @@ TEST_F(WritePathTest, FileUnlinkedWhileItsPublishWaitsToFreezeItTakesWritesAndIs
   EXPECT_TRUE(in_time) << "the unlink waited for the publish's freeze";
   EXPECT_TRUE(unlinked.get().ok());
   dir_->SetPosixHook(nullptr);
-  EXPECT_TRUE(fs_->Write(h, "x", 1, 2).ok());
+  EXPECT_TRUE(WriteAt(*fs_, h, "x", 1, 2).ok());
   EXPECT_EQ(ReadAll(h), "abx");
   EXPECT_EQ(fs_->Lookup(kRootIno, "f").status().code(), Code::kNotFound);
   fs_->Release(h);

@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/path.h"
 #include "tests/store/primitives/faulty_backing_dir.h"
 
 namespace ckptfs::store {
@@ -157,7 +158,7 @@ TEST_F(BackingDirConfinement, DotDotAbsoluteAndOddComponentsAreRefusedByEveryCal
   const struct timespec times[2] = {{1, 0}, {1, 0}};
   for (const auto& p : bad) {
     SCOPED_TRACE(p);
-    EXPECT_FALSE(BackingDir::CheckRelative(p).ok());
+    EXPECT_FALSE(path::IsConfined(p));
     EXPECT_FALSE(dir_->OpenFile(p, O_RDONLY).ok());
     EXPECT_FALSE(dir_->OpenFile(p, O_WRONLY | O_CREAT, 0644).ok());
     EXPECT_FALSE(dir_->Stat(p).ok());
@@ -300,6 +301,7 @@ class SwapAfterStatBackingDir : public BackingDir {
     if (fd < 0) return nullptr;
     auto d =
         std::unique_ptr<SwapAfterStatBackingDir>(new SwapAfterStatBackingDir(root, UniqueFd(fd)));
+    d->root_dir_ = root;
     d->swap_path_ = std::move(swap_path);
     d->link_target_ = std::move(link_target);
     return d;
@@ -308,7 +310,7 @@ class SwapAfterStatBackingDir : public BackingDir {
     auto st = BackingDir::Stat(path);
     if (path == swap_path_ && !swapped_) {
       swapped_ = true;
-      std::string full = root_path() + "/" + path;
+      std::string full = root_dir_ + "/" + path;
       ::unlink(full.c_str());
       if (::symlink(link_target_.c_str(), full.c_str()) != 0) std::abort();
     }
@@ -318,6 +320,7 @@ class SwapAfterStatBackingDir : public BackingDir {
  private:
   SwapAfterStatBackingDir(std::string root, UniqueFd fd)
       : BackingDir(std::move(root), std::move(fd)) {}
+  std::string root_dir_;
   std::string swap_path_;
   std::string link_target_;
   bool swapped_ = false;
@@ -355,18 +358,18 @@ TEST(BackingDir, OpenFailsForAMissingRootAndForAFile) {
   EXPECT_FALSE(BackingDir::Open(tmp.path() + "/file").ok());
 }
 
-TEST(BackingDir, SplitParentAndCheckRelative) {
+TEST(BackingDir, PathsSplitAndStayConfined) {
   using P = std::pair<std::string, std::string>;
-  EXPECT_EQ(BackingDir::SplitParent("a/b/c"), P("a/b", "c"));
-  EXPECT_EQ(BackingDir::SplitParent("c"), P("", "c"));
-  EXPECT_EQ(BackingDir::SplitParent(""), P("", ""));
-  EXPECT_TRUE(BackingDir::CheckRelative("").ok());
-  EXPECT_TRUE(BackingDir::CheckRelative("a").ok());
-  EXPECT_TRUE(BackingDir::CheckRelative("a/b.c/..d/.e").ok());
-  EXPECT_TRUE(BackingDir::CheckRelative("...").ok());
-  EXPECT_EQ(BackingDir::CheckRelative("a/../b").code(), Code::kPermission);
-  EXPECT_EQ(BackingDir::CheckRelative("/a").code(), Code::kPermission);
-  EXPECT_EQ(BackingDir::CheckRelative("a/").code(), Code::kPermission);
+  EXPECT_EQ(path::Split("a/b/c"), P("a/b", "c"));
+  EXPECT_EQ(path::Split("c"), P("", "c"));
+  EXPECT_EQ(path::Split(""), P("", ""));
+  EXPECT_TRUE(path::IsConfined(""));
+  EXPECT_TRUE(path::IsConfined("a"));
+  EXPECT_TRUE(path::IsConfined("a/b.c/..d/.e"));
+  EXPECT_TRUE(path::IsConfined("..."));
+  EXPECT_FALSE(path::IsConfined("a/../b"));
+  EXPECT_FALSE(path::IsConfined("/a"));
+  EXPECT_FALSE(path::IsConfined("a/"));
 }
 
 TEST_F(BackingDirOps, WritesAndReadsBackAtOffsetsAndCountsBytes) {

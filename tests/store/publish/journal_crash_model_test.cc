@@ -89,7 +89,7 @@ class CrashModel {
     Drive();
     // Let transient faults pass (retries are pushed rather than waited for), then stop
     // as a daemon does: a journal halted for good gives up at Close().
-    for (int i = 0; i < 5000 && !crashed_.load() && journal_->pending() > 0; ++i) {
+    for (int i = 0; i < 5000 && !crashed_.load() && journal_->counts().pending > 0; ++i) {
       auto halt = journal_->halted();
       if (halt && !IsLasting(halt->seq)) {
         pipeline_->RetryNow();
@@ -217,7 +217,7 @@ class CrashModel {
   bool WaitApplied(uint64_t seq) {
     for (int i = 0; i < 20000; ++i) {
       if (crashed_.load()) return false;
-      if (journal_->applied() >= seq) return true;
+      if (journal_->counts().applied >= seq) return true;
       auto halt = journal_->halted();
       if (halt && IsLasting(halt->seq)) return true;
       if (halt) {
@@ -227,7 +227,7 @@ class CrashModel {
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     auto halt = journal_->halted();
-    ADD_FAILURE() << "entry " << seq << " never applied; applied " << journal_->applied()
+    ADD_FAILURE() << "entry " << seq << " never applied; applied " << journal_->counts().applied
                   << ", halted at " << (halt ? halt->what + " " + halt->error.ToString() : "-");
     return false;
   }

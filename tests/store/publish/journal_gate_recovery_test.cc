@@ -78,7 +78,7 @@ class SupersedeTest : public JournalTest {
     Write(&md1, "save 1");
     Write(&md2, "save 2");
     // The gate is asked only once the rename reaches the head: mark it stuck first.
-    stuck = journal_->last_appended() + 2;
+    stuck = journal_->counts().last_appended + 2;
     ASSERT_EQ(Publish(md1, "ck/.metadata.tmp") + 1, stuck.load());
     const uint64_t commit1 = Op(OpType::kRename, "ck/.metadata", "ck/.metadata.tmp");
     const uint64_t between = Op(OpType::kMkdir, "between");
@@ -276,7 +276,7 @@ TEST_F(JournalTest, ReleaseWaitersLetsBlockedCallersGoAndSaysWhatPublicationWait
   EXPECT_NE(st.message().find("ck/__0_0.distcp"), std::string::npos) << st.ToString();
   EXPECT_EQ(plain.get().code(), Code::kAborted);
   EXPECT_FALSE(journal_->WaitDoneFor(behind, std::chrono::milliseconds(10)));
-  EXPECT_EQ(journal_->pending(), 2u) << "releasing the waiters drops nothing";
+  EXPECT_EQ(journal_->counts().pending, 2u) << "releasing the waiters drops nothing";
   journal_->Abort("ck");
 }
 
@@ -318,7 +318,7 @@ TEST_F(JournalTest, TrackerAndDeleteWaitForACheckpointCommittedElsewhere) {
   std::this_thread::sleep_for(std::chrono::milliseconds(400));
   EXPECT_FALSE(Exists("latest.txt"));
   EXPECT_TRUE(Exists("old.txt"));
-  EXPECT_LT(journal_->applied(), t);
+  EXPECT_LT(journal_->counts().applied, t);
   // The other node commits.
   { std::ofstream(root_ + "/ck/.metadata") << "committed elsewhere"; }
   ASSERT_TRUE(journal_->Wait(t).ok());
@@ -347,7 +347,7 @@ TEST_F(JournalTest, AnEarlierSavesMetadataDoesNotReleaseATrackerOfTheNextSave) {
   const uint64_t t = Publish(tracker, "latest.txt");
   std::this_thread::sleep_for(std::chrono::milliseconds(400));
   EXPECT_FALSE(Exists("latest.txt")) << "released by the first save's .metadata";
-  EXPECT_LT(journal_->applied(), t);
+  EXPECT_LT(journal_->counts().applied, t);
   // The other node commits the second save: a new `.metadata` replaces the old one.
   { std::ofstream(root_ + "/ck/.metadata.new") << "the second save"; }
   std::filesystem::rename(root_ + "/ck/.metadata.new", root_ + "/ck/.metadata");

@@ -119,8 +119,8 @@ TEST_F(JournalTest, AppliesEntriesStrictlyInOrderAndEachStepIsVisibleInTurn) {
   seqs.push_back(Op(OpType::kChmod, "d/sub/z", "", 0600));
   journal_->Drain();
 
-  EXPECT_EQ(journal_->pending(), 0u);
-  EXPECT_EQ(journal_->applied(), seqs.back());
+  EXPECT_EQ(journal_->counts().pending, 0u);
+  EXPECT_EQ(journal_->counts().applied, seqs.back());
   EXPECT_EQ(journal_->counts().skipped, 0u);
   std::lock_guard lock(mu);
   ASSERT_EQ(order.size(), seqs.size() + 1);
@@ -165,8 +165,8 @@ TEST_F(JournalTest, LaterEntriesWaitBehindAPublishWhoseDataIsStillInFlight) {
   gate.AwaitWaiters(1);
   EXPECT_FALSE(Exists("x")) << "published before its data was written";
   EXPECT_FALSE(Exists("after")) << "a later entry overtook a waiting publish";
-  EXPECT_LT(journal_->applied(), publish);
-  EXPECT_EQ(journal_->pending(), 2u);
+  EXPECT_LT(journal_->counts().applied, publish);
+  EXPECT_EQ(journal_->counts().pending, 2u);
   gate.Open();
   EXPECT_TRUE(journal_->Wait(mkdir).ok());
   EXPECT_TRUE(journal_->Wait(publish).ok());
@@ -270,7 +270,7 @@ TEST_F(JournalTest, AFailedPublishHaltsEverythingAfterItUntilSpaceReturns) {
   EXPECT_FALSE(Exists("d/later")) << "applied past a failure";
   EXPECT_EQ(Read("d/x"), "old bytes");
   EXPECT_TRUE(Exists(f.temp)) << "the bytes kept for the retry";
-  EXPECT_EQ(journal_->applied(), publish - 1);
+  EXPECT_EQ(journal_->counts().applied, publish - 1);
 
   // Space returns: the retry publishes everything, in order, nothing lost.
   full = false;

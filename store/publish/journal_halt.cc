@@ -1,0 +1,257 @@
+// When an entry fails (G7): the journal halts at it and retries with backoff, or skips it
+// (HaltOrSkip); the operator's answers (Resume, Abort), a file deleted through the mount
+// while halted (DropIfHalted), and what publication waits for (WaitingFor, halted).
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "common/backoff.h"
+#include "common/path.h"
+#include "store/publish/journal.h"
+
+namespace ckptfs::store {
+namespace {
+
+using path::IsAtOrBelow;
+
+double UnixNow() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// A transient failure is retried after 100 ms, doubling up to 5 s.
+constexpr Backoff kRetry{std::chrono::milliseconds(100), std::chrono::seconds(5)};
+// A permanent failure waits for Resume() or Abort(); this only bounds the wait.
+constexpr auto kPermanentRetry = std::chrono::hours(24);
+
+}  // namespace
+
+std::string Journal::WaitingFor() const {
+  MutexLock lock(&mu_);
+  return WaitingForLocked();
+}
+
+std::string Journal::WaitingForLocked() const {
+  const std::string behind =
+      queue_.size() > 1 ? "; " + std::to_string(queue_.size() - 1) + " more entries queued" : "";
+  for (const Queued& q : queue_) {
+    if (q.error.ok()) continue;
+    return "halted at " + q.e.Describe() + ": " + q.error.ToString() +
+           (IsTransient(q.error) ? " (retrying with backoff)" : " (waiting for resume or abort)") +
+           behind;
+  }
+  if (gate_seq_ == 0 || gate_ready_ || queue_.empty() || queue_.front().e.seq != gate_seq_) {
+    return "";
+  }
+  std::vector<std::string> shards(gate_shard_set_.begin(), gate_shard_set_.end());
+  std::sort(shards.begin(), shards.end());
+  std::string names;
+  for (size_t i = 0; i < shards.size() && i < 3; ++i) names += (i ? ", " : "") + shards[i];
+  if (shards.size() > 3) names += " and " + std::to_string(shards.size() - 3) + " more";
+  return "commit " + queue_.front().e.Describe() + " waits at the gate for " +
+         (shards.empty() ? std::string("its shards") : "shards " + names) + behind;
+}
+
+void Journal::Resume() {
+  {
+    MutexLock lock(&mu_);
+    for (Queued& q : queue_) {
+      if (!q.error.ok()) q.retry_at = std::chrono::steady_clock::now();
+    }
+    gate_dirty_ = true;
+  }
+  work_cv_.notify_all();
+}
+
+bool Journal::DropIfHalted(const std::string& path) {
+  bool marked = false;
+  {
+    MutexLock lock(&mu_);
+    bool behind_halt = false;
+    for (Queued& q : queue_) {
+      if (!q.error.ok()) behind_halt = true;
+      if (!behind_halt || q.drop || q.e.path != path) continue;
+      if (q.e.op == OpType::kPublish) {
+        // Being retried right now: the publisher drops it if the attempt fails.
+        q.drop = true;
+        marked = true;
+      } else if (q.e.op == OpType::kRename && !q.busy) {
+        // Its source stays where it is; the application removed the result.
+        if (q.e.seq == gate_seq_) gate_seq_ = 0;
+        q.e.op = OpType::kUnlink;
+        q.e.path = q.e.from;
+        q.e.from.clear();
+        q.error = Status::Ok();
+        marked = true;
+      }
+    }
+  }
+  if (marked) work_cv_.notify_all();
+  return marked;
+}
+
+std::optional<HaltInfo> Journal::halted() const {
+  MutexLock lock(&mu_);
+  for (const Queued& q : queue_) {
+    if (q.error.ok()) continue;
+    HaltInfo h;
+    h.seq = q.e.seq;
+    h.what = q.e.Describe();
+    h.path = q.e.path;
+    h.error = q.error;
+    h.attempts = q.attempts;
+    h.transient = IsTransient(q.error);
+    h.since = q.failed_since;
+    return h;
+  }
+  return std::nullopt;
+}
+
+std::vector<std::string> Journal::Abort(const std::string& path) {
+  std::vector<JournalEntry> dropped;
+  {
+    MutexLock lock(&mu_);
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      const JournalEntry& e = it->e;
+      bool below = IsAtOrBelow(e.path, path) || (!e.from.empty() && IsAtOrBelow(e.from, path));
+      if (!below || it->busy) {
+        ++it;
+        continue;
+      }
+      if (e.seq == gate_seq_) gate_seq_ = 0;
+      dropped.push_back(std::move(it->e));
+      it = queue_.erase(it);
+    }
+    gate_dirty_ = true;
+  }
+  std::vector<std::string> lines;
+  for (JournalEntry& e : dropped) {
+    lines.push_back(e.Describe());
+    spdlog::warn("journal: aborted by the operator: {}", e.Describe());
+    Finalize(e, Status(Code::kAborted, "aborted by the operator"), /*applied=*/false);
+  }
+  {
+    MutexLock lock(&mu_);
+    for (const JournalEntry& e : dropped) {
+      failures_[e.seq] = Status(Code::kAborted, "aborted by the operator");
+      if (e.op == OpType::kPublish) ++dropped_publishes_;
+      done_ahead_.insert(e.seq);
+    }
+    AdvanceDoneLocked();
+  }
+  done_cv_.notify_all();
+  work_cv_.notify_all();
+  return lines;
+}
+
+void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, bool at_head) {
+  if (st.code() == Code::kSuperseded || st.code() == Code::kNodeLost) RemoveSkippedCommit(e);
+  MutexLock lock(&mu_);
+  // A superseded commit failed nothing: it is skipped in either mode. One given up for a
+  // lost node failed its checkpoint, never the rest: skipped in either mode too.
+  const bool decided = st.code() == Code::kSuperseded || st.code() == Code::kNodeLost;
+  const bool halts = options_.halt_on_failure && !decided &&
+                     (e.op == OpType::kPublish || commit || IsTransient(st));
+  if (!halts) {
+    // A namespace entry the backing store refuses for good (someone else changed it),
+    // skipped as it carries no data; or any failure in strict mode, where the operation
+    // that made the entry returns it to the application.
+    queue_.erase(FindLocked(e.seq));
+    failures_[e.seq] = st;
+    if (st.code() == Code::kSuperseded) {
+      ++superseded_;  // the later save commits the directory: nothing is missing
+    } else {
+      ++skipped_;
+      if (st.code() == Code::kNodeLost) ++given_up_;
+    }
+    if (!at_head) done_ahead_.insert(e.seq);
+    AdvanceDoneLocked();
+    ++finalizing_;
+    lock.Unlock();
+    if (st.code() == Code::kSuperseded) {
+      spdlog::info("journal: {} superseded: {}", e.Describe(), st.message());
+    } else if (st.code() == Code::kNodeLost) {
+      spdlog::error("journal: {} given up: {}", e.Describe(), st.message());
+    } else {
+      spdlog::error("journal: {} skipped: {}", e.Describe(), st.ToString());
+    }
+    Finalize(e, st, /*applied=*/false);
+    lock.Lock();
+    --finalizing_;
+    lock.Unlock();
+    done_cv_.notify_all();
+    return;
+  }
+  if (closing_) {
+    // Shutting down with a failure at the head of the line: it and everything after it
+    // are dropped; the backing store keeps the prefix (G4).
+    std::vector<std::pair<JournalEntry, Status>> dropped;
+    // A shard applied ahead fails: the commit at the head waits for it, so it goes too.
+    auto from = at_head ? FindLocked(e.seq) : queue_.begin();
+    const Status behind(Code::kAborted, "not published: " + e.Describe() + " failed first");
+    for (auto it = from; it != queue_.end(); ++it) {
+      dropped.emplace_back(std::move(it->e), it->e.seq == e.seq ? st : behind);
+    }
+    queue_.erase(from, queue_.end());
+    for (const auto& [d, why] : dropped) {
+      failures_[d.seq] = why;
+      if (d.op == OpType::kPublish) ++dropped_publishes_;
+    }
+    gate_seq_ = 0;
+    AdvanceDoneLocked();
+    ++finalizing_;  // Close() returns once their records are gone too
+    lock.Unlock();
+    spdlog::error("journal: {} failed at shutdown ({}); {} entries after it not applied",
+                  e.Describe(), st.ToString(), dropped.size() - 1);
+    for (const auto& [d, why] : dropped) Finalize(d, why, /*applied=*/false);
+    lock.Lock();
+    --finalizing_;
+    lock.Unlock();
+    done_cv_.notify_all();
+    return;
+  }
+  auto it = FindLocked(e.seq);
+  it->busy = false;
+  if (it->drop) {
+    work_cv_.notify_all();  // deleted through the mount meanwhile: the publisher drops it
+    return;
+  }
+  const bool first = it->error.ok();
+  it->error = st;
+  ++it->attempts;
+  if (first) it->failed_since = UnixNow();
+  auto delay = IsTransient(st)
+                   ? kRetry.Delay(it->attempts - 1)
+                   : std::chrono::duration_cast<std::chrono::milliseconds>(kPermanentRetry);
+  it->retry_at = std::chrono::steady_clock::now() + delay;
+  failures_[e.seq] = st;
+  gate_dirty_ = true;
+  const uint64_t attempts = it->attempts;
+  lock.Unlock();
+  if (first) {
+    spdlog::error("journal: halted at {}: {} ({}); nothing after it is applied until it passes",
+                  e.Describe(), st.ToString(),
+                  IsTransient(st) ? "retrying with backoff" : "waiting for resume or abort");
+  } else if (attempts % 20 == 0) {
+    spdlog::warn("journal: still halted at {} after {} attempts: {}", e.Describe(), attempts,
+                 st.ToString());
+  }
+  if (delegate_ != nullptr) delegate_->OnHalt(e, st);
+  done_cv_.notify_all();
+}
+
+void Journal::RemoveSkippedCommit(const JournalEntry& e) {
+  // A publish's temp file goes with its records (Finalize). A rename's source is the
+  // application's own file (its `.metadata.tmp`), published under that name by an earlier
+  // entry; the application's rename took it away, so it goes now, before any later entry.
+  if (e.op != OpType::kRename || e.from.empty()) return;
+  Status st = dir_->Unlink(e.from);
+  if (st.ok()) {
+    (void)dir_->SyncParent(e.from);
+  } else if (st.code() != Code::kNotFound) {
+    spdlog::warn("journal: {}: the source of the commit not applied stays: {}", e.Describe(),
+                 st.ToString());
+  }
+}
+
+}  // namespace ckptfs::store
