@@ -152,6 +152,10 @@ Status Filesystem::Init(FsDeps deps) {
   control_ = std::make_unique<ControlTree>(config_, parts, &ns_->report());
   // Peers are served once the namespace exists: their commit queries ask it (PendingLocally).
   if (loader_->peers()) {
+    // Issue 42: memory-only checkpoints commit once a peer holds them; what peers keep for
+    // this node comes back now (the trees wait for it).
+    CKPT_RETURN_IF_ERROR(
+        loader_->peers()->StartMemoryReplicas(memory_tier_.get(), config_.state_dir));
     loader_->peers()->SetShardStateProvider(publication_->shard_states());
     CKPT_RETURN_IF_ERROR(loader_->peers()->StartServing(loader_->cache()));
   }
@@ -430,8 +434,10 @@ ShutdownReport Filesystem::Shutdown(const std::function<void(const std::string&)
   if (shut_down_.exchange(true)) return report;
   if (loader_) loader_->StopServingPeers();
   if (loader_ && loader_->peers()) loader_->peers()->StopReplicas();
+  if (loader_ && loader_->peers()) loader_->peers()->StopMemoryReplicas();
   if (retained_) retained_->DropAll();  // issue 23: a stop drops the memory tier
-  if (memory_tier_) memory_tier_->DropAll();  // issue 42: memory-only checkpoints are lost
+  // Issue 42: memory-only checkpoints leave this daemon; replicas stay on the peers.
+  if (memory_tier_) memory_tier_->DropAll();
   if (!publication_ || !pipeline_) {  // Create() failed part way: nothing was served
     if (loader_) loader_->Stop();
     return report;

@@ -27,6 +27,9 @@ Result<std::string> FormatCheckpoints(std::string_view checkpoints_json, double 
   // Issue 23: a column for checkpoints held in memory, only when the daemon reports any.
   const bool memory = std::any_of(entries.begin(), entries.end(),
                                   [](const json* e) { return e->contains("in_memory"); });
+  // Issue 42: a tier column once a memory-only checkpoint is listed, with its replica.
+  const bool tiers = std::any_of(entries.begin(), entries.end(),
+                                 [](const json* e) { return e->contains("tier"); });
   std::vector<std::vector<std::string>> rows;
   for (const json* e : entries) {
     auto bytes = GetU64(*e, "bytes");
@@ -57,11 +60,20 @@ Result<std::string> FormatCheckpoints(std::string_view checkpoints_json, double 
       }
       rows.back().push_back(cell);
     }
+    if (tiers) {
+      std::string tier = GetString(*e, "tier").value_or("backing");
+      if (tier == "memory") {
+        auto holder = GetString(*e, "replica_holder");
+        tier += holder ? ", replica on " + *holder : ", this node only";
+      }
+      rows.back().push_back(tier);
+    }
   }
   std::vector<Column> columns = {
       {"PATH"},        {"STATE"},     {"SIZE", true}, {"PUBLISHED", true},
       {"FILES", true}, {"AGE", true}, {"COMMITTED"},  {"ERROR"}};
   if (memory) columns.push_back({"IN MEMORY"});
+  if (tiers) columns.push_back({"TIER"});
   return FormatTable(columns, rows);
 }
 

@@ -258,7 +258,13 @@ std::string ControlTree::StatsJson() {
     loader_->peers()->AppendStats(&j);
     j["plan_wait_timeouts"] = loader_->plan_wait_timeouts();
   }
-  if (memory_tier_ != nullptr) j["memory_ckpt"] = memory_tier_->StatsJson();  // issue 42
+  if (memory_tier_ != nullptr) {  // issue 42; flat copies for the metrics
+    j["memory_ckpt"] = memory_tier_->StatsJson();
+    for (const char* f : {"used_bytes", "commits", "lost_checkpoints", "restored_checkpoints",
+                          "restored_bytes", "replica_bytes", "unreplicated_checkpoints"}) {
+      j[std::string("memory_ckpt_") + f] = j["memory_ckpt"][f];
+    }
+  }
   if (retained_) {  // issue 23: the memory tier; hits by tier: retained, peers, backing
     j["retained"] = retained_->StatsJson();
     j["retained_bytes"] = j["retained"]["retained_bytes"];
@@ -339,7 +345,8 @@ std::string ControlTree::CheckpointsJson() {
   if (memory_tier_ != nullptr) {  // issue 42: memory-only checkpoints, never on the backing store
     for (const store::MemCheckpoint& c : memory_tier_->Checkpoints()) {
       arr.push_back({{"path", c.path}, {"state", c.state}, {"tier", "memory"},
-                     {"bytes", c.bytes}, {"replicas", c.where}});
+                     {"bytes", c.bytes}, {"replicas", c.where},
+                     {"replica_holder", c.holder.empty() ? nlohmann::json() : nlohmann::json(c.holder)}});
     }
   }
   return JsonText(arr, 1) + "\n";
@@ -454,6 +461,21 @@ std::string ControlTree::MetricsText() {
        "retained_hit_bytes"},
       {"retained_crc_errors_total", "counter",
        "Retained blocks that failed their checksum (read elsewhere).", "retained_crc_errors"},
+      {"memory_ckpt_used_bytes", "gauge", "Memory-only checkpoint memory in use.",
+       "memory_ckpt_used_bytes"},
+      {"memory_ckpt_commits_total", "counter", "Memory-only checkpoints committed.",
+       "memory_ckpt_commits"},
+      {"memory_ckpt_lost_total", "counter",
+       "Memory-only checkpoints lost (a stop without a replica, or no peer gave them back).",
+       "memory_ckpt_lost_checkpoints"},
+      {"memory_ckpt_restored_total", "counter",
+       "Memory-only checkpoints given back by a peer after a restart.",
+       "memory_ckpt_restored_checkpoints"},
+      {"memory_ckpt_unreplicated_total", "counter",
+       "Memory-only checkpoints no peer took (not committed).",
+       "memory_ckpt_unreplicated_checkpoints"},
+      {"memory_ckpt_replica_bytes", "gauge", "Bytes of peers' memory-only checkpoints held here.",
+       "memory_ckpt_replica_bytes"},
       {"peers_connected", "gauge", "Peer daemons connected and authenticated.",
        "peers_connected"},
       {"peer_read_bytes_total", "counter", "Block bytes fetched from peer daemons.",

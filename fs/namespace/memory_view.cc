@@ -52,9 +52,15 @@ bool MemoryView::MarkedLocked(uint64_t ino) {
 std::optional<uint64_t> MemoryView::DirOf(uint64_t ino) {
   if (Owns(ino)) return IdOf(ino);
   if (ino < kFirstNodeIno) return std::nullopt;
-  MutexLock lock(&mu_);
-  if (!MarkedLocked(ino)) return std::nullopt;
-  return tier_->TreeRoot(ino, "");
+  uint64_t root = 0;
+  {
+    MutexLock lock(&mu_);
+    if (!MarkedLocked(ino)) return std::nullopt;
+    root = tier_->TreeRoot(ino, "");
+  }
+  // After a restart, a tree is served once what the peers keep for it is back (bounded).
+  tier_->WaitRestored(kRestoreWait);
+  return root;
 }
 
 bool MemoryView::MarkedAndBusy(uint64_t ino) {

@@ -14,6 +14,7 @@
 
 #include <sys/stat.h>
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -43,6 +44,8 @@ class MemoryView {
   // Below the tensor view's inodes (TensorView::kFirstIno = 2^48).
   static constexpr uint64_t kFirstIno = 1ull << 47;
   static bool Owns(uint64_t ino) { return ino >= kFirstIno && ino < (1ull << 48); }
+  // A tree's first look after a restart waits at most this for the peers' copies (issue 42).
+  static constexpr std::chrono::milliseconds kRestoreWait{60000};
 
   // All must outlive the view.
   MemoryView(store::MemoryTier* tier, store::BackingDir* backing, NodeTable* table,

@@ -10,6 +10,7 @@
 #include "common/path.h"
 #include "store/dcp/commit_names.h"
 #include "store/dcp/dcp_metadata.h"
+#include "store/memory/memory_tier_node.h"
 
 namespace ckptfs::store {
 namespace {
@@ -20,64 +21,16 @@ struct timespec Now() {
   return ts;
 }
 
-// What a tracker file may say about checkpoint directory `name`: its name, or for
-// Megatron's `iter_NNNNNNN` directories the iteration number.
-bool NamesCheckpoint(std::string content, const std::string& name) {
-  while (!content.empty() && (content.back() == '\n' || content.back() == ' ' ||
-                              content.back() == '\r' || content.back() == '\t')) {
-    content.pop_back();
-  }
-  if (content.empty()) return false;
-  if (content == name || path::Basename(content) == std::string_view(name)) return true;
-  if (name.rfind("iter_", 0) == 0 &&
-      content.find_first_not_of("0123456789") == std::string::npos && content.size() < 19) {
-    const std::string digits = name.substr(5);
-    if (!digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos) {
-      return std::stoull(digits) == std::stoull(content);
-    }
-  }
-  return false;
+uint64_t NowNs() {
+  const struct timespec ts = Now();
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
+
 
 constexpr size_t kTrackerMax = 4096;  // a tracker is a small file
 
 }  // namespace
 
-// One block of a file's bytes: its own anonymous mapping, so the budget is what is mapped.
-struct MemoryTier::Block {
-  explicit Block(size_t n) {
-    void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m != MAP_FAILED) {
-      p = static_cast<char*>(m);
-      cap = n;
-    }
-  }
-  ~Block() {
-    if (p != nullptr) munmap(p, cap);
-  }
-  Block(const Block&) = delete;
-  Block& operator=(const Block&) = delete;
-  char* p = nullptr;
-  size_t cap = 0;
-};
-
-struct MemoryTier::Node {
-  uint64_t id = 0;
-  uint64_t tree = 0;  // the marked directory's key
-  Node* parent = nullptr;  // null for a tree's root
-  std::string name;
-  bool dir = false;
-  std::string tree_path;  // roots only: the marked directory's path
-  mode_t mode = 0;
-  uid_t uid = 0;
-  gid_t gid = 0;
-  struct timespec mtime {};
-  struct timespec ctime {};
-  std::map<std::string, Node*, std::less<>> children;  // directories
-  uint64_t size = 0;                                   // files
-  std::map<uint64_t, std::shared_ptr<Block>> blocks;   // files, by index (holes: zeros)
-  uint64_t committed = 0;  // directories: commit order, 0 while not committed
-};
 
 MemoryTier::MemoryTier(const MemoryTierOptions& options) : opts_(options) {
   MutexLock lock(&mu_);
@@ -127,6 +80,17 @@ uint64_t MemoryTier::TreeRoot(uint64_t key, const std::string& path) {
     Node* root = NodeLocked(it->second);
     if (root != nullptr && !path.empty()) root->tree_path = path;
     return it->second;
+  }
+  if (Node* restored = path.empty() ? nullptr : TreeByPathLocked(path);
+      restored != nullptr && (restored->tree & kProvisionalTree) != 0) {
+    // A tree a restore made before the view looked at its marked directory: it is that one.
+    const uint64_t old_key = restored->tree;
+    for (auto& [id, n] : nodes_) {
+      if (n->tree == old_key) n->tree = key;
+    }
+    trees_.erase(old_key);
+    trees_.emplace(key, restored->id);
+    return restored->id;
   }
   auto root = std::make_unique<Node>();
   root->id = next_id_++;
@@ -381,10 +345,26 @@ void MemoryTier::MaybeCommitLocked(Node* file) {
       return;
     }
   }
-  dir->committed = ++order_;
-  ++stats_.commits;
+  if (replication_ != nullptr) {
+    // Committed once a peer holds it too (Replicated); the older ones stay until then.
+    dir->seq = std::max(NowNs(), dir->seq + 1);
+    dir->replicating = true;
+    dir->unreplicated = false;
+    spdlog::info("memory-only checkpoint {} is whole in memory here; replicating to a peer",
+                 where);
+    replication_->Replicate(RootOf(dir)->tree_path, TreePathLocked(*dir), true, dir->seq);
+    return;
+  }
   spdlog::info("memory-only checkpoint {} committed in memory on this node only (no peers: "
                "not replicated; lost if this daemon stops)", where);
+  CommitLocked(dir, "");
+}
+
+void MemoryTier::CommitLocked(Node* dir, const std::string& holder) {
+  dir->committed = ++order_;
+  dir->replicating = dir->unreplicated = false;
+  dir->holder = holder;
+  ++stats_.commits;
   EvictOlderLocked(dir);
 }
 
@@ -431,7 +411,13 @@ void MemoryTier::EvictOlderLocked(Node* committed) {
 
 void MemoryTier::Closed(uint64_t id) {
   MutexLock lock(&mu_);
-  if (Node* n = NodeLocked(id)) MaybeCommitLocked(n);
+  Node* n = NodeLocked(id);
+  if (n == nullptr) return;
+  MaybeCommitLocked(n);
+  if (replication_ != nullptr && IsTrackerLocked(*n)) {
+    n->seq = std::max(NowNs(), n->seq + 1);
+    replication_->Replicate(RootOf(n)->tree_path, TreePathLocked(*n), false, n->seq);
+  }
 }
 
 Status MemoryTier::Unlink(uint64_t dir, std::string_view name) {
@@ -503,9 +489,20 @@ std::vector<MemCheckpoint> MemoryTier::Checkpoints() const {
       holds |= !c->dir && (IsCheckpointFileName(name) || CommitKindOf(name) != CommitKind::kNone);
     }
     if (!holds) continue;
-    out.push_back({PathLocked(*n), n->committed != 0 ? "committed" : "writing",
-                   TreeBytesLocked(*n), "memory (this node only, no peers)"});
+    MemCheckpoint c{PathLocked(*n), "writing", TreeBytesLocked(*n), "", n->holder};
+    if (n->committed != 0) c.state = "committed";
+    if (n->replicating) c.state = "replicating";
+    if (n->unreplicated) c.state = "unreplicated";
+    if (replication_ == nullptr) {
+      c.where = "memory (this node only, no peers)";
+    } else if (!n->holder.empty()) {
+      c.where = "memory: this node + replica on " + n->holder;
+    } else {
+      c.where = "memory: this node only (no replica yet)";
+    }
+    out.push_back(std::move(c));
   }
+  for (const MemCheckpoint& c : lost_) out.push_back(c);
   return out;
 }
 
@@ -528,11 +525,16 @@ nlohmann::json MemoryTier::StatsJson() const {
                       {"evicted_bytes", s.evicted_bytes},
                       {"trackers_dropped", s.trackers_dropped},
                       {"nospace_writes", s.nospace_writes},
-                      {"lost_checkpoints", s.lost_checkpoints}};
+                      {"lost_checkpoints", s.lost_checkpoints},
+                      {"replicated_checkpoints", s.replicated_checkpoints},
+                      {"unreplicated_checkpoints", s.unreplicated_checkpoints},
+                      {"restored_checkpoints", s.restored_checkpoints},
+                      {"restored_bytes", s.restored_bytes},
+                      {"replica_bytes", s.replica_bytes}};
   nlohmann::json list = nlohmann::json::array();
   for (const MemCheckpoint& c : Checkpoints()) {
     list.push_back({{"path", c.path}, {"state", c.state}, {"bytes", c.bytes},
-                    {"tier", "memory"}, {"where", c.where}});
+                    {"tier", "memory"}, {"where", c.where}, {"holder", c.holder}});
   }
   j["checkpoints"] = std::move(list);
   return j;
@@ -542,7 +544,13 @@ void MemoryTier::DropAll() {
   std::vector<MemCheckpoint> held = Checkpoints();
   MutexLock lock(&mu_);
   for (const MemCheckpoint& c : held) {
-    if (c.state != "committed") continue;
+    if (c.state == "lost") continue;
+    if (!c.holder.empty()) {
+      spdlog::info("memory-only checkpoint {} dropped here; its replica stays on {} (a restart "
+                   "of this daemon gets it back)", c.path, c.holder);
+      continue;
+    }
+    if (c.state != "committed" && c.state != "replicating" && c.state != "unreplicated") continue;
     ++stats_.lost_checkpoints;
     spdlog::warn("memory-only checkpoint {} lost: the daemon stops and no peer holds it", c.path);
   }
@@ -550,6 +558,8 @@ void MemoryTier::DropAll() {
   trees_.clear();
   used_ = 0;
   stats_.trees = 0;
+  restoring_ = false;
+  restored_cv_.notify_all();
 }
 
 }  // namespace ckptfs::store

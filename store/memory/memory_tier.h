@@ -19,9 +19,16 @@
 // directory (Megatron's latest_checkpointed_iteration.txt). So the budget must hold two
 // checkpoints of a tree: the newest committed one stays whole while the next is written.
 //
+// With peers (SetReplication, store/peer/memory_replica.h), a checkpoint whose files are all
+// here is *replicating* until one peer holds a copy of it, and committed (evicting the older
+// ones) only then; a tracker (a small file outside any checkpoint) is copied to the peer on
+// each close. A restarted daemon gets its units back (Restore*), and a recorded checkpoint
+// that no peer gave back is *lost* (NoteLost): listed as such, never served.
+//
 // Node ids are never reused. Open files hold ids: a node that is gone (unlinked, dropped)
 // answers kNotFound. Stop (DropAll) drops every tree: without peers nothing else holds
-// them (docs/SEMANTICS.md, "Memory-only directories").
+// them; with peers the replicas stay in the peers' memory (docs/SEMANTICS.md,
+// "Memory-only directories").
 //
 // Thread-safe. One mutex guards the tree and the budget; file bytes are copied without it
 // (blocks are shared_ptrs, so a concurrent drop cannot free them under a copy).
@@ -29,6 +36,8 @@
 
 #include <sys/types.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -63,9 +72,40 @@ struct MemAttr {
 
 struct MemCheckpoint {
   std::string path;  // the marked directory's path (as last told) + the path in the tree
-  std::string state;  // "writing" or "committed"
+  // "writing", "replicating" (whole here, no peer holds it yet), "committed",
+  // "unreplicated" (whole here, no peer took it: not committed) or "lost".
+  std::string state;
   uint64_t bytes = 0;
-  std::string where;  // "memory (this node only, no peers)"
+  std::string where;  // "memory (this node only, no peers)", "this node + replica on ..."
+  std::string holder;  // the peer that holds its replica ("" when none)
+};
+
+// One unit of replication: a checkpoint directory of a tree, or a tracker file.
+struct MemUnitFile {
+  std::string name;  // relative to the unit's path ("" for a tracker: the unit is the file)
+  uint64_t size = 0;
+  uint32_t crc32c = 0;
+};
+struct MemUnit {
+  std::string tree;  // the marked directory's path
+  std::string path;  // in the tree
+  bool checkpoint = true;
+  uint64_t seq = 0;  // its version: the wall clock (ns) when it was handed to replication
+  std::vector<MemUnitFile> files;
+  uint64_t bytes() const {
+    uint64_t b = 0;
+    for (const MemUnitFile& f : files) b += f.size;
+    return b;
+  }
+};
+
+// Where replication is queued (store/peer/memory_replica.h). Replicate() runs under the
+// tier's lock: it must only queue, never call the tier.
+class MemoryReplication {
+ public:
+  virtual ~MemoryReplication() = default;
+  virtual void Replicate(const std::string& tree, const std::string& path, bool checkpoint,
+                         uint64_t seq) = 0;
 };
 
 struct MemoryTierStats {
@@ -79,7 +119,12 @@ struct MemoryTierStats {
   uint64_t evicted_bytes = 0;
   uint64_t trackers_dropped = 0;
   uint64_t nospace_writes = 0;
-  uint64_t lost_checkpoints = 0;  // dropped by a stop
+  uint64_t lost_checkpoints = 0;  // dropped by a stop without a replica, or not given back
+  uint64_t replicated_checkpoints = 0;  // committed once a peer held them
+  uint64_t unreplicated_checkpoints = 0;  // no peer took them: never committed
+  uint64_t restored_checkpoints = 0;  // given back by a peer after a restart
+  uint64_t restored_bytes = 0;
+  uint64_t replica_bytes = 0;  // peers' replicas held here (in the same budget)
 };
 
 class MemoryTier {
@@ -135,8 +180,47 @@ class MemoryTier {
   std::vector<MemCheckpoint> Checkpoints() const EXCLUDES(mu_);
   MemoryTierStats Stats() const EXCLUDES(mu_);
   nlohmann::json StatsJson() const EXCLUDES(mu_);
-  // The daemon is stopping: every tree is dropped, each checkpoint logged as lost.
+  // The daemon is stopping: every tree is dropped, each checkpoint without a replica
+  // logged as lost.
   void DropAll() EXCLUDES(mu_);
+
+  // --- Replication (with peers). `replication` must outlive the tier or be unset first.
+  void SetReplication(MemoryReplication* replication) EXCLUDES(mu_);
+  // The files of unit `path` of `tree` at version `seq`, with their CRC32C. kNotFound when
+  // it is gone or another version now (the peer wire carries codes up to kTooManyOpenFiles).
+  Result<MemUnit> Manifest(const std::string& tree, const std::string& path, uint64_t seq) const
+      EXCLUDES(mu_);
+  // Bytes of file `file` of that unit ("" for a tracker unit).
+  Result<size_t> ReadUnit(const std::string& tree, const std::string& path, uint64_t seq,
+                          const std::string& file, char* out, size_t len, uint64_t offset) const
+      EXCLUDES(mu_);
+  // The checkpoint `path` at version `seq` is held by `holder`: committed now (the older
+  // ones evicted). A unit gone or of another version by now: nothing.
+  void Replicated(const std::string& tree, const std::string& path, uint64_t seq,
+                  const std::string& holder) EXCLUDES(mu_);
+  // No peer took it: stays uncommitted ("unreplicated"), logged.
+  void NotReplicated(const std::string& tree, const std::string& path, uint64_t seq,
+                     const std::string& why) EXCLUDES(mu_);
+  // Peers' replicas held here count in the budget: kNoSpace when `bytes` do not fit.
+  Status Charge(uint64_t bytes) EXCLUDES(mu_);
+  void Uncharge(uint64_t bytes) EXCLUDES(mu_);
+
+  // --- Restore after a restart. Between BeginRestore and EndRestore, WaitRestored waits.
+  void BeginRestore() EXCLUDES(mu_);
+  void EndRestore() EXCLUDES(mu_);
+  // Waits (at most `max`) for the restore to end; the view calls it before it serves a tree.
+  void WaitRestored(std::chrono::milliseconds max) EXCLUDES(mu_);
+  // File `path` of `tree` (parents made), `size` bytes from `fill`. kNoSpace as Write.
+  Status RestoreFile(const std::string& tree, const std::string& path, uint64_t size,
+                     const Fill& fill) EXCLUDES(mu_);
+  // Checkpoint `path` of `tree` restored whole: committed, its replica on `holder`.
+  void RestoreCommitted(const std::string& tree, const std::string& path, uint64_t seq,
+                        const std::string& holder, uint64_t bytes) EXCLUDES(mu_);
+  // Removes what a failed restore of `path` left.
+  void RemovePath(const std::string& tree, const std::string& path) EXCLUDES(mu_);
+  // Checkpoint `path` of `tree` was committed before the restart and nobody gave it back.
+  void NoteLost(const std::string& tree, const std::string& path, const std::string& why)
+      EXCLUDES(mu_);
 
  private:
   struct Block;
@@ -156,6 +240,14 @@ class MemoryTier {
   void MaybeCommitLocked(Node* file) REQUIRES(mu_);
   void EvictOlderLocked(Node* committed) REQUIRES(mu_);
   std::string ContentLocked(const Node& n, size_t max) const REQUIRES(mu_);
+  Node* TreeByPathLocked(const std::string& tree) const REQUIRES(mu_);
+  // The node at `path` below `root` ("" is the root), or null.
+  Node* WalkLocked(Node* root, const std::string& path) const REQUIRES(mu_);
+  Result<const Node*> UnitLocked(const std::string& tree, const std::string& path,
+                                 uint64_t seq) const REQUIRES(mu_);
+  // A file of a tree, outside any checkpoint, small: a tracker.
+  bool IsTrackerLocked(const Node& n) const REQUIRES(mu_);
+  void CommitLocked(Node* dir, const std::string& holder) REQUIRES(mu_);
 
   const MemoryTierOptions opts_;
   mutable Mutex mu_;
@@ -165,6 +257,11 @@ class MemoryTier {
   std::map<uint64_t, std::unique_ptr<Node>> nodes_ GUARDED_BY(mu_);  // by id
   std::map<uint64_t, uint64_t> trees_ GUARDED_BY(mu_);  // marked dir key -> root node id
   MemoryTierStats stats_ GUARDED_BY(mu_);
+  MemoryReplication* replication_ GUARDED_BY(mu_) = nullptr;
+  uint64_t next_provisional_ GUARDED_BY(mu_) = 1;  // keys of trees restored before seen
+  bool restoring_ GUARDED_BY(mu_) = false;
+  std::condition_variable restored_cv_;  // restoring_ cleared; waited on with mu_
+  std::vector<MemCheckpoint> lost_ GUARDED_BY(mu_);  // reported since the restart
 };
 
 }  // namespace ckptfs::store

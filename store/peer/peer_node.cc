@@ -39,6 +39,11 @@ class PeerNode::ServingSource : public BlockSource {
   ServingSource(PeerNode* node, BlockCache* cache) : node_(node), cache_(cache) {}
 
   Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override {
+    if (id.path.starts_with(kMemoryPrefix)) {  // issue 42: memory-only checkpoints
+      MemoryReplicator* m = node_->memory_serving_.load();
+      if (m == nullptr) return NotFound("this node keeps no memory-only checkpoints");
+      return m->Serve(id, offset, out);
+    }
     const std::string ckpt = path::Parent(id.path);
     if (!node_->coop_->HasPlan(ckpt)) node_->LoadStartedElsewhere(ckpt);
     // Through the cache (single flight with local readers); the cache's source checks the
@@ -79,6 +84,8 @@ Status PeerNode::UpdateMembership(const std::vector<std::string>& nodes) {
 PeerNode::~PeerNode() {
   StopReplicas();
   StopServing();
+  StopMemoryReplicas();
+  memory_replicator_.reset();
   replica_source_.reset();
   replicator_.reset();
   {
@@ -109,6 +116,28 @@ Result<BlockSource*> PeerNode::StartReplicas(RetainedTier* tier, uint64_t block_
 
 void PeerNode::StopReplicas() {
   if (replicator_) replicator_->Stop();
+}
+
+Status PeerNode::StartMemoryReplicas(MemoryTier* tier, const std::string& state_dir) {
+  if (memory_replicator_) return Invalid("memory replicas: already started");
+  MemoryReplicatorOptions mo;
+  mo.self = options_.self;
+  mo.nodes = membership_.size();
+  mo.block_bytes = options_.block_bytes;
+  mo.state_dir = state_dir;
+  CKPT_ASSIGN_OR_RETURN(memory_replicator_, MemoryReplicator::Create(mo, tier, links_.get()));
+  memory_serving_.store(memory_replicator_.get());
+  return Status::Ok();
+}
+
+void PeerNode::StopMemoryReplicas() {
+  memory_serving_.store(nullptr);
+  if (memory_replicator_) memory_replicator_->Stop();
+}
+
+void PeerNode::AppendStats(nlohmann::json* stats) const {
+  Stats().AppendJson(stats);
+  if (MemoryReplicator* m = memory_serving_.load()) m->AppendJson(stats);
 }
 
 Result<std::unique_ptr<PeerNode>> PeerNode::Create(const PeerNodeOptions& options,

@@ -52,6 +52,7 @@
 #include "store/peer/commit_query.h"
 #include "store/peer/cooperative_source.h"
 #include "store/peer/membership.h"
+#include "store/peer/memory_replica.h"
 #include "store/peer/peer_links.h"
 #include "store/peer/peer_server.h"
 #include "store/peer/peers.h"
@@ -110,7 +111,7 @@ class PeerNode : public Peers {
   // accepts them there. Refused (the old membership kept) as Membership::Update says.
   Status UpdateMembership(const std::vector<std::string>& nodes) override EXCLUDES(members_mu_);
   void NoteMembershipRejected(const std::string& why) override { membership_.NoteRejected(why); }
-  void AppendStats(nlohmann::json* stats) const override { Stats().AppendJson(stats); }
+  void AppendStats(nlohmann::json* stats) const override;
   const PeerNodeOptions& options() const { return options_; }
 
   // Replicas of the retained tier (replica.h): a Replicator and the ReplicaSource before
@@ -118,6 +119,10 @@ class PeerNode : public Peers {
   Result<BlockSource*> StartReplicas(RetainedTier* tier, uint64_t block_bytes,
                                      BlockSource* fallback) override;
   void StopReplicas() override;
+  // Memory-only checkpoints (memory_replica.h): requests under kMemoryPrefix are served
+  // from the tier and the replicas, never through the cache.
+  Status StartMemoryReplicas(MemoryTier* tier, const std::string& state_dir) override;
+  void StopMemoryReplicas() override;
 
   // ---- Commit queries (docs/PEERS.md, "Commit query"; commit_query.h). A separate block.
   // The server answers peers' shard-state queries from `provider` (must outlive
@@ -161,6 +166,8 @@ class PeerNode : public Peers {
   BlockCache* cache_ = nullptr;  // set by StartServing
   std::unique_ptr<Replicator> replicator_;       // StartReplicas
   std::unique_ptr<ReplicaSource> replica_source_;
+  std::unique_ptr<MemoryReplicator> memory_replicator_;  // StartMemoryReplicas
+  std::atomic<MemoryReplicator*> memory_serving_{nullptr};  // what the server asks
 
   Mutex planner_mu_;
   std::condition_variable planner_cv_;

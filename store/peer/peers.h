@@ -30,6 +30,7 @@
 namespace ckptfs::store {
 class BackingDir;
 class BlockCache;
+class MemoryTier;
 class RetainedTier;
 }  // namespace ckptfs::store
 
@@ -114,6 +115,13 @@ class Peers : public PeerShardAsker {
                                              BlockSource* fallback) = 0;
   // Stops the replicator (joins its thread). Idempotent; nothing to do without replicas.
   virtual void StopReplicas() = 0;
+  // Replicas of memory-only checkpoints (issue 42; memory_replica.h): a checkpoint of
+  // `tier` (must outlive StopMemoryReplicas()) commits once a peer holds it, and what peers
+  // keep for this node comes back now (a restart); `state_dir` keeps the record of what was
+  // committed. Call before StartServing(). Once per node.
+  virtual Status StartMemoryReplicas(MemoryTier* tier, const std::string& state_dir) = 0;
+  // Stops them (joins their threads). Idempotent. After StopServing().
+  virtual void StopMemoryReplicas() = 0;
   // Membership (docs/PEERS.md, "Membership"): the scheduler's new peer list, re-read from
   // --peers-file. A rank may move to a new address; anything else is refused with the
   // reason, the old membership kept and the refusal counted.

@@ -262,6 +262,26 @@ TEST(FormatCheckpoints, SaysWhichCheckpointsAreHeldInMemory) {
   EXPECT_THAT(*plain, Not(HasSubstr("IN MEMORY")));
 }
 
+TEST(FormatCheckpoints, SaysTheTierAndWhereTheReplicaOfAMemoryOnlyCheckpointIs) {
+  std::string json = R"([
+    {"path":"run/persist/s1","state":"committed","bytes":2048,"created":1,"committed":2},
+    {"path":"run/mem/s2","state":"committed","tier":"memory","bytes":4096,
+     "replica_holder":"10.0.0.2:7470"},
+    {"path":"run/mem/s3","state":"replicating","tier":"memory","bytes":4096,
+     "replica_holder":null},
+    {"path":"run/mem/s0","state":"lost","tier":"memory","bytes":0,"replica_holder":null}])";
+  auto table = FormatCheckpoints(json, 1700000000);
+  ASSERT_TRUE(table.ok()) << table.status().ToString();
+  EXPECT_THAT(*table, HasSubstr("TIER"));
+  EXPECT_THAT(*table, HasSubstr("memory, replica on 10.0.0.2:7470"));
+  EXPECT_THAT(*table, HasSubstr("memory, this node only"));
+  EXPECT_THAT(*table, HasSubstr("backing"));
+  EXPECT_THAT(*table, HasSubstr("lost"));
+  auto plain = FormatCheckpoints(R"([{"path":"a","state":"committed"}])", 0);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_THAT(*plain, Not(HasSubstr("TIER")));
+}
+
 TEST(FormatStats, ShowsTheRetainedTier) {
   auto text = FormatStats(R"({"retained":{"retained_bytes":1048576,"replica_bytes":2097152,
     "used_bytes":3145728,"budget_bytes":4194304,"hit_bytes":5242880,"crc_errors":0,

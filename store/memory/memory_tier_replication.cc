@@ -1,0 +1,335 @@
+// MemoryTier's replication and restore (issue 42): the writer's side of replicating a unit
+// (a checkpoint directory or a tracker) to a peer, and what a restarted daemon is given
+// back. The peer talk lives in store/peer/memory_replica.cc; this file only reads and
+// changes the tree.
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/path.h"
+#include "store/dcp/commit_names.h"
+#include "store/memory/memory_tier.h"
+#include "store/memory/memory_tier_node.h"
+#include "store/primitives/crc32c.h"
+
+namespace ckptfs::store {
+namespace {
+
+constexpr size_t kTrackerMax = 4096;  // as in memory_tier.cc: a tracker is a small file
+
+std::vector<std::string> Components(const std::string& path) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start < path.size()) {
+    size_t slash = path.find('/', start);
+    if (slash == std::string::npos) slash = path.size();
+    if (slash > start) out.push_back(path.substr(start, slash - start));
+    start = slash + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+MemoryTier::Node* MemoryTier::TreeByPathLocked(const std::string& tree) const {
+  for (const auto& [key, id] : trees_) {
+    Node* root = NodeLocked(id);
+    if (root != nullptr && root->tree_path == tree) return root;
+  }
+  return nullptr;
+}
+
+MemoryTier::Node* MemoryTier::WalkLocked(Node* root, const std::string& path) const {
+  Node* at = root;
+  for (const std::string& c : Components(path)) {
+    if (at == nullptr || !at->dir) return nullptr;
+    auto it = at->children.find(c);
+    at = it == at->children.end() ? nullptr : it->second;
+  }
+  return at;
+}
+
+Result<const MemoryTier::Node*> MemoryTier::UnitLocked(const std::string& tree,
+                                                       const std::string& path,
+                                                       uint64_t seq) const {
+  Node* root = TreeByPathLocked(tree);
+  const Node* n = root == nullptr ? nullptr : WalkLocked(root, path);
+  if (n == nullptr || n == root) return NotFound("memory-only " + tree + "/" + path + " is gone");
+  if (n->seq != seq) return NotFound("memory-only " + path + ": another version now");
+  return n;
+}
+
+bool MemoryTier::IsTrackerLocked(const Node& n) const {
+  if (n.dir || n.parent == nullptr || n.size == 0 || n.size > kTrackerMax ||
+      CommitKindOf(n.name) != CommitKind::kNone || IsCheckpointFileName(n.name)) {
+    return false;
+  }
+  for (const Node* a = n.parent; a->parent != nullptr; a = a->parent) {
+    if (a->committed != 0 || a->replicating || a->unreplicated) return false;
+    for (const auto& [name, c] : a->children) {
+      if (!c->dir && (IsCheckpointFileName(name) || CommitKindOf(name) != CommitKind::kNone)) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+void MemoryTier::SetReplication(MemoryReplication* replication) {
+  MutexLock lock(&mu_);
+  replication_ = replication;
+}
+
+Result<MemUnit> MemoryTier::Manifest(const std::string& tree, const std::string& path,
+                                     uint64_t seq) const {
+  struct Pending {
+    MemUnitFile file;
+    std::vector<std::shared_ptr<Block>> blocks;  // by index, null for holes
+  };
+  std::vector<Pending> pending;
+  MemUnit unit;
+  {
+    MutexLock lock(&mu_);
+    CKPT_ASSIGN_OR_RETURN(const Node* n, UnitLocked(tree, path, seq));
+    unit.tree = tree;
+    unit.path = path;
+    unit.seq = seq;
+    unit.checkpoint = n->dir;
+    // Every file below it, depth first, with its blocks (shared: a drop cannot free them).
+    std::vector<std::pair<std::string, const Node*>> todo = {{"", n}};
+    while (!todo.empty()) {
+      auto [rel, at] = todo.back();
+      todo.pop_back();
+      if (at->dir) {
+        for (const auto& [name, c] : at->children) {
+          todo.emplace_back(rel.empty() ? name : rel + "/" + name, c);
+        }
+        continue;
+      }
+      Pending p;
+      p.file.name = rel;
+      p.file.size = at->size;
+      const uint64_t count = (at->size + opts_.block_bytes - 1) / opts_.block_bytes;
+      p.blocks.resize(count);
+      for (const auto& [i, b] : at->blocks) {
+        if (i < count) p.blocks[i] = b;
+      }
+      pending.push_back(std::move(p));
+    }
+  }
+  // The checksums, without the lock.
+  const uint64_t bs = opts_.block_bytes;
+  std::vector<char> zeros;
+  for (Pending& p : pending) {
+    uint32_t crc = 0;
+    for (uint64_t i = 0; i < p.blocks.size(); ++i) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(bs, p.file.size - i * bs));
+      if (p.blocks[i]) {
+        crc = Crc32cExtend(crc, p.blocks[i]->p, n);
+      } else {
+        zeros.resize(bs, 0);
+        crc = Crc32cExtend(crc, zeros.data(), n);
+      }
+    }
+    p.file.crc32c = crc;
+    unit.files.push_back(std::move(p.file));
+  }
+  std::sort(unit.files.begin(), unit.files.end(),
+            [](const MemUnitFile& a, const MemUnitFile& b) { return a.name < b.name; });
+  return unit;
+}
+
+Result<size_t> MemoryTier::ReadUnit(const std::string& tree, const std::string& path,
+                                    uint64_t seq, const std::string& file, char* out, size_t len,
+                                    uint64_t offset) const {
+  uint64_t id = 0;
+  {
+    MutexLock lock(&mu_);
+    CKPT_ASSIGN_OR_RETURN(const Node* n, UnitLocked(tree, path, seq));
+    const Node* f = file.empty() ? n : WalkLocked(const_cast<Node*>(n), file);
+    if (f == nullptr || f->dir) return NotFound("memory-only " + path + "/" + file + " is gone");
+    id = f->id;
+  }
+  return Read(id, out, len, offset);
+}
+
+void MemoryTier::Replicated(const std::string& tree, const std::string& path, uint64_t seq,
+                            const std::string& holder) {
+  MutexLock lock(&mu_);
+  Result<const Node*> u = UnitLocked(tree, path, seq);
+  if (!u.ok()) return;
+  Node* n = const_cast<Node*>(*u);
+  if (!n->dir) {  // a tracker
+    n->holder = holder;
+    return;
+  }
+  if (!n->replicating) return;
+  ++stats_.replicated_checkpoints;
+  spdlog::info("memory-only checkpoint {} committed: whole in memory here and replicated to {}",
+               PathLocked(*n), holder);
+  CommitLocked(n, holder);
+}
+
+void MemoryTier::NotReplicated(const std::string& tree, const std::string& path, uint64_t seq,
+                               const std::string& why) {
+  MutexLock lock(&mu_);
+  Result<const Node*> u = UnitLocked(tree, path, seq);
+  if (!u.ok()) return;
+  Node* n = const_cast<Node*>(*u);
+  if (!n->dir || !n->replicating) {
+    if (!n->dir) spdlog::warn("memory-only tracker {}: no peer holds it: {}", PathLocked(*n), why);
+    return;
+  }
+  n->replicating = false;
+  n->unreplicated = true;
+  ++stats_.unreplicated_checkpoints;
+  spdlog::error("memory-only checkpoint {} NOT committed: no peer took its replica ({}); the "
+                "older checkpoints of its tree stay", PathLocked(*n), why);
+}
+
+Status MemoryTier::Charge(uint64_t bytes) {
+  MutexLock lock(&mu_);
+  if (used_ + bytes > opts_.budget_bytes) {
+    ++stats_.nospace_writes;
+    return Status(Code::kNoSpace,
+                  fmt::format("memory-only checkpoints: --memory-ckpt-mem is full ({} of {} bytes "
+                              "in use, {} more needed for a peer's replica)",
+                              used_, opts_.budget_bytes, bytes));
+  }
+  used_ += bytes;
+  stats_.replica_bytes += bytes;
+  stats_.peak_used_bytes = std::max(stats_.peak_used_bytes, used_);
+  return Status::Ok();
+}
+
+void MemoryTier::Uncharge(uint64_t bytes) {
+  MutexLock lock(&mu_);
+  used_ -= std::min(used_, bytes);
+  stats_.replica_bytes -= std::min(stats_.replica_bytes, bytes);
+}
+
+void MemoryTier::BeginRestore() {
+  MutexLock lock(&mu_);
+  restoring_ = true;
+}
+
+void MemoryTier::EndRestore() {
+  {
+    MutexLock lock(&mu_);
+    restoring_ = false;
+  }
+  restored_cv_.notify_all();
+}
+
+void MemoryTier::WaitRestored(std::chrono::milliseconds max) {
+  MutexLock lock(&mu_);
+  restored_cv_.wait_for(lock.native(), max, [this] {
+    mu_.AssertHeld();
+    return !restoring_;
+  });
+}
+
+Status MemoryTier::RestoreFile(const std::string& tree, const std::string& path, uint64_t size,
+                               const Fill& fill) {
+  uint64_t id = 0;
+  {
+    MutexLock lock(&mu_);
+    Node* root = TreeByPathLocked(tree);
+    if (root == nullptr) {
+      // The view has not looked at this marked directory since the restart: a provisional
+      // tree, adopted by TreeRoot when it does.
+      auto r = std::make_unique<Node>();
+      r->id = next_id_++;
+      r->tree = kProvisionalTree | next_provisional_++;
+      r->dir = true;
+      r->tree_path = tree;
+      r->mode = 0755;
+      clock_gettime(CLOCK_REALTIME, &r->mtime);
+      r->ctime = r->mtime;
+      root = r.get();
+      trees_.emplace(r->tree, r->id);
+      nodes_.emplace(r->id, std::move(r));
+      stats_.trees = trees_.size();
+    }
+    const std::vector<std::string> parts = Components(path);
+    if (parts.empty()) return Invalid("restore: empty path");
+    Node* at = root;
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      auto it = at->children.find(parts[i]);
+      if (it == at->children.end()) {
+        at = NewNodeLocked(at, parts[i], true, 0755, 0, 0);
+      } else if (!it->second->dir) {
+        return Status(Code::kNotDir, "restore: " + parts[i] + " is a file here");
+      } else {
+        at = it->second;
+      }
+    }
+    if (auto it = at->children.find(parts.back()); it != at->children.end()) {
+      if (it->second->dir) return Status(Code::kIsDir, "restore: " + path);
+      RemoveLocked(it->second);  // an older copy of a tracker
+    }
+    id = NewNodeLocked(at, parts.back(), false, 0644, 0, 0)->id;
+  }
+  if (size == 0) return Status::Ok();
+  return Write(id, 0, size, fill);
+}
+
+void MemoryTier::RestoreCommitted(const std::string& tree, const std::string& path, uint64_t seq,
+                                  const std::string& holder, uint64_t bytes) {
+  MutexLock lock(&mu_);
+  Node* root = TreeByPathLocked(tree);
+  Node* n = root == nullptr ? nullptr : WalkLocked(root, path);
+  if (n == nullptr || n == root) return;
+  n->seq = seq;
+  if (!n->dir) {
+    n->holder = holder;
+    return;
+  }
+  ++stats_.restored_checkpoints;
+  stats_.restored_bytes += bytes;
+  CommitLocked(n, holder);
+  // A restored checkpoint is not a lost one any more.
+  const std::string where = PathLocked(*n);
+  std::erase_if(lost_, [&](const MemCheckpoint& c) { return c.path == where; });
+  spdlog::info("memory-only checkpoint {} restored from its replica on {} ({} bytes)", where,
+               holder, bytes);
+}
+
+void MemoryTier::RemovePath(const std::string& tree, const std::string& path) {
+  MutexLock lock(&mu_);
+  Node* root = TreeByPathLocked(tree);
+  Node* n = root == nullptr ? nullptr : WalkLocked(root, path);
+  if (n != nullptr && n != root) RemoveLocked(n);
+}
+
+void MemoryTier::NoteLost(const std::string& tree, const std::string& path,
+                          const std::string& why) {
+  MutexLock lock(&mu_);
+  const std::string where = tree.empty() ? path : tree + "/" + path;
+  for (const MemCheckpoint& c : lost_) {
+    if (c.path == where) return;
+  }
+  ++stats_.lost_checkpoints;
+  lost_.push_back({where, "lost", 0, "lost: " + why, ""});
+  // A tracker of its tree that names it (given back by another peer) vanishes with it.
+  if (Node* root = TreeByPathLocked(tree)) {
+    const std::string name(path::Basename(path));
+    std::vector<Node*> trackers;
+    for (const auto& [id, n] : nodes_) {
+      if (n->tree == root->tree && IsTrackerLocked(*n) &&
+          NamesCheckpoint(ContentLocked(*n, kTrackerMax), name)) {
+        trackers.push_back(n.get());
+      }
+    }
+    for (Node* t : trackers) {
+      spdlog::warn("memory-only tracker {} named the lost {}: dropped", PathLocked(*t), where);
+      RemoveLocked(t);
+      ++stats_.trackers_dropped;
+    }
+  }
+  spdlog::warn("memory-only checkpoint {} LOST: {}; it is not served (ENOENT), and trackers "
+               "naming it are gone with it", where, why);
+}
+
+}  // namespace ckptfs::store

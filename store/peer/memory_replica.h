@@ -1,0 +1,160 @@
+// Replicas of memory-only checkpoints (issue 42; docs/SEMANTICS.md, "Memory-only
+// directories"): with --peers, a memory-only checkpoint is committed when every file of it is
+// in memory on its writer node and one peer holds a copy, so that a daemon restarted on the
+// same node, or the node that replaces it, gets it back.
+//
+// Who holds it. The writer (rank w) hands each unit (a checkpoint directory once its
+// `.metadata` names only files that are here, or a tracker on its close) to the first node
+// of w+1, w+2, ... (mod N) over the peers list that is reachable now (PeerLinks): the next
+// node when it is up, as the retained tier's ring (replica.h), and the one after it when not.
+// A unit no node takes stays uncommitted ("unreplicated") and the older checkpoints stay.
+//
+// The wire is the block protocol over the daemon's PeerLinks (no new message, no new
+// connection): requests for names under `.ckptfs-memory/` are answered by Serve() from
+// memory, never from the backing store or the block cache. Names are hex ("x" + hex bytes)
+// per component; the version (seq) travels in the request's mtime field.
+//   pull/<origin>/<tree>/<path>/<c|t>   the writer asks the holder to take a unit: "P" while
+//                                       the holder pulls it, "D" once it holds it whole, an
+//                                       error (kNoSpace, ...) when it could not
+//   list/<tree>/<path>                  the writer's manifest of a unit (JSON, paged)
+//   file/<tree>/<path>/<file>           the writer's bytes of one file of it
+//   index/<origin>                      what the holder keeps for rank origin (JSON, paged)
+//   replica/<origin>/<tree>/<path>/<file>  the holder's bytes of one file of a replica
+// The holder checks every file against the manifest's CRC32C (each block also carries the
+// transport's), and keeps a unit only whole (store/memory/memory_replicas.h), in its own
+// --memory-ckpt-mem. The writer polls "pull" until "D", then commits (MemoryTier::Replicated).
+//
+// Restart. Create() starts a restore: the tier's trees wait (MemoryTier::WaitRestored) while
+// this node asks every other node, nearest first, for the units it keeps for this rank, and
+// rebuilds them from the newest. The checkpoints this node had committed are recorded in
+// `<state_dir>/memory_checkpoints.json` (rewritten at each commit); one that no peer gave back
+// is reported lost (MemoryTier::NoteLost: state, log line, counter). A replaced node (new
+// state dir) gets its units back the same way; it has no record, so it reports nothing lost.
+//
+// Thread-safe. Two threads: one for this node's own units (restore, then hand-overs) and one
+// for the pulls it makes as a holder, so two nodes handing units to each other never wait on
+// each other. Stop() (the destructor) joins them; Serve() must not be called after it.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/mutex.h"
+#include "common/status.h"
+#include "store/cache/block_source.h"
+#include "store/memory/memory_replicas.h"
+#include "store/memory/memory_tier.h"
+#include "store/peer/peer_links.h"
+
+namespace ckptfs::store::peer {
+
+inline constexpr std::string_view kMemoryPrefix = ".ckptfs-memory/";
+
+struct MemoryReplicatorOptions {
+  uint32_t self = 0;
+  uint32_t nodes = 0;
+  uint64_t block_bytes = 1ull << 20;  // bytes per request
+  std::string state_dir;              // where the record of committed checkpoints lives
+  std::chrono::milliseconds poll{50};               // the writer's look at a pull
+  std::chrono::milliseconds replicate_timeout{300000};  // a holder that takes longer: the next
+  std::chrono::milliseconds hand_over_wait{30000};  // no node up this long: not committed
+  std::chrono::milliseconds restore_wait{60000};    // trees wait at most this for the restore
+};
+
+struct MemoryReplicatorStats {
+  uint64_t handed = 0;           // units a peer took
+  uint64_t hand_failures = 0;    // hand-overs a peer refused or did not finish
+  uint64_t pulled_units = 0;     // units this node took as a holder
+  uint64_t pulled_bytes = 0;
+  uint64_t pull_failures = 0;
+  uint64_t restored_units = 0;
+  uint64_t restored_bytes = 0;
+  uint64_t restore_failures = 0;
+  double restore_s = 0;          // how long the restore at start took
+  bool restoring = false;
+};
+
+class MemoryReplicator final : public MemoryReplication {
+ public:
+  // `tier` and `links` must outlive the replicator. Starts the restore.
+  static Result<std::unique_ptr<MemoryReplicator>> Create(const MemoryReplicatorOptions& options,
+                                                          MemoryTier* tier, PeerLinks* links);
+  ~MemoryReplicator() override;
+  MemoryReplicator(const MemoryReplicator&) = delete;
+  MemoryReplicator& operator=(const MemoryReplicator&) = delete;
+
+  // Unsets the tier's replication, stops and joins both threads. Idempotent.
+  void Stop() EXCLUDES(mu_);
+  // MemoryReplication: queues the unit (runs under the tier's lock).
+  void Replicate(const std::string& tree, const std::string& path, bool checkpoint,
+                 uint64_t seq) override EXCLUDES(mu_);
+  // A peer's request for a name under kMemoryPrefix.
+  Result<BlockRead> Serve(const BlockId& id, uint64_t offset, std::span<char> out)
+      EXCLUDES(mu_);
+  // "memory_replication" in /.ckptfs/stats, beside the tier's "memory_ckpt".
+  void AppendJson(nlohmann::json* j) const EXCLUDES(mu_);
+
+ private:
+  struct Job {
+    uint32_t origin = 0;
+    std::string tree, path;
+    bool checkpoint = true;
+    uint64_t seq = 0;
+  };
+  struct Recorded {  // a committed checkpoint of a tree, as the record keeps it
+    std::string path;
+    uint64_t seq = 0;
+    std::string holder;
+  };
+  using PullKey = std::tuple<uint32_t, std::string, std::string, uint64_t>;
+  struct PullState {
+    bool done = false;
+    Status failed;  // not ok: the pull failed
+  };
+
+  MemoryReplicator(const MemoryReplicatorOptions& options, MemoryTier* tier, PeerLinks* links);
+  void OwnLoop() EXCLUDES(mu_);
+  void PullLoop() EXCLUDES(mu_);
+  // Hands `job` to a holder; the holder's address once it holds it whole.
+  Result<std::string> HandOver(const Job& job) EXCLUDES(mu_);
+  // As a holder: takes `job`'s unit from its origin.
+  Status Pull(const Job& job) EXCLUDES(mu_);
+  void Restore() EXCLUDES(mu_);
+  // Rebuilds `unit` from `rank`'s replica; the bytes restored.
+  Result<uint64_t> RestoreUnit(uint32_t rank, const MemUnit& unit) EXCLUDES(mu_);
+  // Every byte of `name` from `rank`, paged.
+  Result<std::string> FetchAll(uint32_t rank, const std::string& name, uint64_t seq);
+  Result<size_t> Fetch(uint32_t rank, const std::string& name, uint64_t seq, uint64_t offset,
+                       std::span<char> out);
+  void WriteRecord() EXCLUDES(mu_);
+  bool Stopping() const EXCLUDES(mu_);
+
+  const MemoryReplicatorOptions options_;
+  MemoryTier* const tier_;
+  PeerLinks* const links_;
+  MemoryReplicas replicas_;
+
+  mutable Mutex mu_;
+  std::condition_variable cv_;  // a job queued, or stop_; waited on with mu_
+  bool stop_ GUARDED_BY(mu_) = false;
+  std::deque<Job> own_ GUARDED_BY(mu_);    // this node's units to hand over
+  std::deque<Job> pulls_ GUARDED_BY(mu_);  // units to take as a holder
+  std::map<PullKey, PullState> pull_states_ GUARDED_BY(mu_);
+  MemoryReplicatorStats stats_ GUARDED_BY(mu_);
+  std::map<std::string, Recorded> record_ GUARDED_BY(mu_);  // by tree: its newest committed
+  std::thread own_thread_, pull_thread_;
+};
+
+}  // namespace ckptfs::store::peer
