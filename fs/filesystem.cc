@@ -153,9 +153,11 @@ Status Filesystem::Init(FsDeps deps) {
   // Peers are served once the namespace exists: their commit queries ask it (PendingLocally).
   if (loader_->peers()) {
     // Issue 42: memory-only checkpoints commit once a peer holds them; what peers keep for
-    // this node comes back now (the trees wait for it).
-    CKPT_RETURN_IF_ERROR(
-        loader_->peers()->StartMemoryReplicas(memory_tier_.get(), config_.state_dir));
+    // this node comes back now (the trees wait for it). Not without a budget for them.
+    if (config_.memory_ckpt_bytes > 0) {
+      CKPT_RETURN_IF_ERROR(
+          loader_->peers()->StartMemoryReplicas(memory_tier_.get(), config_.state_dir));
+    }
     loader_->peers()->SetShardStateProvider(publication_->shard_states());
     CKPT_RETURN_IF_ERROR(loader_->peers()->StartServing(loader_->cache()));
   }

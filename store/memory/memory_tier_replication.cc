@@ -164,7 +164,14 @@ void MemoryTier::Replicated(const std::string& tree, const std::string& path, ui
     n->holder = holder;
     return;
   }
-  if (!n->replicating) return;
+  if (!n->replicating) {
+    if (n->committed != 0 && n->holder != holder) {  // a check found it elsewhere
+      spdlog::info("memory-only checkpoint {}: its replica is now on {} (was {})",
+                   PathLocked(*n), holder, n->holder.empty() ? "none" : n->holder);
+      n->holder = holder;
+    }
+    return;
+  }
   ++stats_.replicated_checkpoints;
   spdlog::info("memory-only checkpoint {} committed: whole in memory here and replicated to {}",
                PathLocked(*n), holder);

@@ -19,6 +19,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr char kRecordName[] = "memory_checkpoints.json";
+constexpr int kBusyRetries = 10;  // a holder that cannot reach this node, 0.5 s apart
 
 // "x" + hex: a name component that is never empty, ".", ".." nor holds a '/'.
 std::string Hex(std::string_view s) {
@@ -257,6 +258,9 @@ Result<BlockRead> MemoryReplicator::Serve(const BlockId& id, uint64_t offset,
     if (!it->second.failed.ok()) {
       Status failed = it->second.failed;
       pull_states_.erase(it);  // the writer may ask again
+      // This node's trouble reaching the writer must not read as the writer's trouble
+      // reaching this node (which marks a rank down): kBusy, and the writer retries.
+      if (ConnectionLost(failed)) return Status(Code::kBusy, failed.message());
       return failed;
     }
     if (it->second.done) {
@@ -282,12 +286,12 @@ void MemoryReplicator::PullLoop() {
     pulls_.pop_front();
     lock.Unlock();
     Status st = Pull(job);
-    lock.Lock();
     if (!st.ok()) {
-      ++stats_.pull_failures;
       spdlog::warn("memory-only replica of {}/{} from rank {}: {}", job.tree, job.path,
                    job.origin, st.ToString());
     }
+    lock.Lock();
+    if (!st.ok()) ++stats_.pull_failures;
     auto it = pull_states_.find(PullKey{job.origin, job.tree, job.path, job.seq});
     if (it != pull_states_.end()) {
       it->second.done = st.ok();
@@ -350,33 +354,48 @@ void MemoryReplicator::OwnLoop() {
   Restore();
   MutexLock lock(&mu_);
   while (true) {
-    cv_.wait(lock.native(), [this] {
+    const bool woken = cv_.wait_for(lock.native(), options_.verify_interval, [this] {
       mu_.AssertHeld();
       return stop_ || !own_.empty();
     });
     if (stop_) return;
-    Job job = std::move(own_.front());
-    own_.pop_front();
-    lock.Unlock();
-    Result<std::string> holder = HandOver(job);
-    if (holder.ok()) {
-      tier_->Replicated(job.tree, job.path, job.seq, *holder);
-      if (job.checkpoint) {
-        {
-          MutexLock l(&mu_);
-          record_[job.tree] = Recorded{job.path, job.seq, *holder};
-        }
-        WriteRecord();
+    std::vector<Job> jobs;
+    if (woken) {
+      jobs.push_back(std::move(own_.front()));
+      own_.pop_front();
+    } else {
+      // Idle: is each committed checkpoint still held? A holder that restarted lost it; it
+      // takes it again (or the next node does) at once, never waiting for a node down.
+      for (const auto& [tree, r] : record_) {
+        jobs.push_back(Job{options_.self, tree, r.path, true, r.seq, /*verify=*/true});
       }
-    } else if (holder.status().code() != Code::kSuperseded) {
-      tier_->NotReplicated(job.tree, job.path, job.seq, holder.status().ToString());
+    }
+    lock.Unlock();
+    for (const Job& job : jobs) {
+      Result<std::string> holder = HandOver(job);
+      if (holder.ok()) {
+        tier_->Replicated(job.tree, job.path, job.seq, *holder);
+        bool changed = false;
+        if (job.checkpoint) {
+          MutexLock l(&mu_);
+          Recorded& r = record_[job.tree];
+          changed = r.path != job.path || r.seq != job.seq || r.holder != *holder;
+          r = Recorded{job.path, job.seq, *holder};
+        }
+        if (changed) WriteRecord();
+      } else if (!job.verify && holder.status().code() != Code::kSuperseded) {
+        tier_->NotReplicated(job.tree, job.path, job.seq, holder.status().ToString());
+      }
+      MutexLock l(&mu_);
+      if (job.verify) {
+        stats_.verify_failures += holder.ok() ? 0 : 1;
+      } else if (holder.ok()) {
+        ++stats_.handed;
+      } else {
+        ++stats_.hand_failures;
+      }
     }
     lock.Lock();
-    if (holder.ok()) {
-      ++stats_.handed;
-    } else {
-      ++stats_.hand_failures;
-    }
   }
 }
 
@@ -385,8 +404,10 @@ Result<std::string> MemoryReplicator::HandOver(const Job& job) {
                            Hex(job.path) + (job.checkpoint ? "/c" : "/t");
   Status last = Status(Code::kIo, "no other node is up");
   // Nodes down now may be back soon (a peer restarting): the ring is tried again until
-  // hand_over_wait has passed, then the unit stays uncommitted.
-  const auto give_up = Clock::now() + options_.hand_over_wait;
+  // hand_over_wait has passed, then the unit stays uncommitted. A check of a committed one
+  // tries each node once.
+  const auto give_up = Clock::now() + (job.verify ? std::chrono::milliseconds(0)
+                                                  : options_.hand_over_wait);
   while (true) {
     bool refused = false;  // a node answered and would not take it
     for (uint32_t k = 1; k < options_.nodes; ++k) {
@@ -394,9 +415,20 @@ Result<std::string> MemoryReplicator::HandOver(const Job& job) {
       if (!links_->Reachable(rank) && Clock::now() < give_up - options_.poll) continue;
       const auto deadline = Clock::now() + options_.replicate_timeout;
       char reply[8];
+      int busy = 0;
       while (true) {
         Result<size_t> got =
             Fetch(rank, name, job.seq, 0, std::span<char>(reply, sizeof(reply)));
+        if (!got.ok() && got.status().code() == Code::kBusy && ++busy <= kBusyRetries) {
+          // The holder could not reach this node yet (a link it had to make again): again.
+          MutexLock lock(&mu_);
+          cv_.wait_for(lock.native(), std::chrono::milliseconds(500), [this] {
+            mu_.AssertHeld();
+            return stop_;
+          });
+          if (stop_) return Status(Code::kSuperseded, "stopping");
+          continue;
+        }
         if (!got.ok()) {
           last = got.status();
           break;
@@ -416,8 +448,10 @@ Result<std::string> MemoryReplicator::HandOver(const Job& job) {
       // The unit changed or went away here (a newer version is queued): nothing to hand.
       if (last.code() == Code::kNotFound) return Status(Code::kSuperseded, last.message());
       refused |= !ConnectionLost(last);
-      spdlog::warn("memory-only {}/{}: {} did not take it: {}", job.tree, job.path,
-                   links_->AddressOf(rank), last.ToString());
+      if (!job.verify) {
+        spdlog::warn("memory-only {}/{}: {} did not take it: {}", job.tree, job.path,
+                     links_->AddressOf(rank), last.ToString());
+      }
     }
     if (refused || Clock::now() >= give_up) return last;
     MutexLock lock(&mu_);
@@ -460,8 +494,14 @@ void MemoryReplicator::Restore() {
   // The newest version of each unit any other node keeps for this one.
   std::map<std::pair<std::string, std::string>, std::pair<uint32_t, MemUnit>> found;
   std::string why_none = "no other node answered";
+  // Asked: the holders the record names, and the ring (self+1, self+2, ...) up to the first
+  // node that answers; never every node (G12).
+  std::set<std::string> holders;
+  for (const auto& [tree, r] : recorded) holders.insert(r.holder);
+  bool ring_answered = false;
   for (uint32_t k = 1; k < options_.nodes && !Stopping(); ++k) {
     const uint32_t rank = (options_.self + k) % options_.nodes;
+    if (ring_answered && holders.count(links_->AddressOf(rank)) == 0) continue;
     Result<std::string> text = FetchAll(rank, "index/" + std::to_string(options_.self), 0);
     if (!text.ok()) {
       spdlog::info("memory-only restore: {} (rank {}) gave nothing: {}", links_->AddressOf(rank),
@@ -472,6 +512,7 @@ void MemoryReplicator::Restore() {
     }
     nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
     if (!j.is_array()) continue;
+    ring_answered = true;
     why_none = "no peer holds a replica of it";
     for (const nlohmann::json& e : j) {
       Result<MemUnit> u = UnitFromJson(e);
@@ -493,18 +534,21 @@ void MemoryReplicator::Restore() {
       if (unit.checkpoint != (pass == 0) || Stopping()) continue;
       if (unit.checkpoint && unit.seq != newest[unit.tree]) continue;
       Result<uint64_t> bytes = RestoreUnit(rank, unit);
+      if (!bytes.ok()) {
+        spdlog::error("memory-only restore of {}/{} from {}: {}", unit.tree, unit.path,
+                      links_->AddressOf(rank), bytes.status().ToString());
+      }
+      const std::string from = links_->AddressOf(rank);
       MutexLock lock(&mu_);
       if (!bytes.ok()) {
         ++stats_.restore_failures;
-        spdlog::error("memory-only restore of {}/{} from {}: {}", unit.tree, unit.path,
-                      links_->AddressOf(rank), bytes.status().ToString());
         continue;
       }
       ++stats_.restored_units;
       stats_.restored_bytes += *bytes;
       if (unit.checkpoint) {
         restored[unit.tree] = unit.seq;
-        record_[unit.tree] = Recorded{unit.path, unit.seq, links_->AddressOf(rank)};
+        record_[unit.tree] = Recorded{unit.path, unit.seq, from};
       }
     }
   }
@@ -609,6 +653,7 @@ void MemoryReplicator::AppendJson(nlohmann::json* j) const {
                       {"restored_units", s.restored_units},
                       {"restored_bytes", s.restored_bytes},
                       {"restore_failures", s.restore_failures},
+                      {"verify_failures", s.verify_failures},
                       {"restore_s", s.restore_s},
                       {"restoring", s.restoring}};
   r["replicas"] = replicas_.Json();

@@ -24,9 +24,17 @@
 // transport's), and keeps a unit only whole (store/memory/memory_replicas.h), in its own
 // --memory-ckpt-mem. The writer polls "pull" until "D", then commits (MemoryTier::Replicated).
 //
+// Still held. Every verify_interval while idle, the writer asks its committed checkpoints'
+// holders again ("pull" answers "D" at once when held): a holder that restarted, and so lost
+// its copy, takes it again, or the next node up does (the holder is updated, the record
+// rewritten). So a holder's restart leaves a checkpoint single-copy for a few seconds only.
+//
 // Restart. Create() starts a restore: the tier's trees wait (MemoryTier::WaitRestored) while
-// this node asks every other node, nearest first, for the units it keeps for this rank, and
-// rebuilds them from the newest. The checkpoints this node had committed are recorded in
+// this node asks for the units kept for its rank: the holders its record names, and the ring
+// (rank+1, rank+2, ...) up to the first node that answers, never every node (G12). It
+// rebuilds each tree's newest checkpoint and the trackers. A daemon without a budget for
+// memory-only checkpoints (--memory-ckpt-mem 0) runs none of this: it neither restores nor
+// holds replicas (it refuses them with kNoSpace, and the writer tries the next node). The checkpoints this node had committed are recorded in
 // `<state_dir>/memory_checkpoints.json` (rewritten at each commit); one that no peer gave back
 // is reported lost (MemoryTier::NoteLost: state, log line, counter). A replaced node (new
 // state dir) gets its units back the same way; it has no record, so it reports nothing lost.
@@ -70,7 +78,7 @@ struct MemoryReplicatorOptions {
   std::chrono::milliseconds poll{50};               // the writer's look at a pull
   std::chrono::milliseconds replicate_timeout{300000};  // a holder that takes longer: the next
   std::chrono::milliseconds hand_over_wait{30000};  // no node up this long: not committed
-  std::chrono::milliseconds restore_wait{60000};    // trees wait at most this for the restore
+  std::chrono::milliseconds verify_interval{5000};  // idle: are the committed ones still held?
 };
 
 struct MemoryReplicatorStats {
@@ -82,6 +90,7 @@ struct MemoryReplicatorStats {
   uint64_t restored_units = 0;
   uint64_t restored_bytes = 0;
   uint64_t restore_failures = 0;
+  uint64_t verify_failures = 0;  // checks of a committed checkpoint no node answered
   double restore_s = 0;          // how long the restore at start took
   bool restoring = false;
 };
@@ -112,6 +121,7 @@ class MemoryReplicator final : public MemoryReplication {
     std::string tree, path;
     bool checkpoint = true;
     uint64_t seq = 0;
+    bool verify = false;  // a check that a committed checkpoint is still held
   };
   struct Recorded {  // a committed checkpoint of a tree, as the record keeps it
     std::string path;

@@ -41,7 +41,10 @@ class PeerNode::ServingSource : public BlockSource {
   Result<BlockRead> ReadBlock(const BlockId& id, uint64_t offset, std::span<char> out) override {
     if (id.path.starts_with(kMemoryPrefix)) {  // issue 42: memory-only checkpoints
       MemoryReplicator* m = node_->memory_serving_.load();
-      if (m == nullptr) return NotFound("this node keeps no memory-only checkpoints");
+      if (m == nullptr) {  // a refusal the writer moves on from (never "gone")
+        return Status(Code::kNoSpace, "this node keeps no memory-only checkpoints "
+                                      "(--memory-ckpt-mem 0)");
+      }
       return m->Serve(id, offset, out);
     }
     const std::string ckpt = path::Parent(id.path);

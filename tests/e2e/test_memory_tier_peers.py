@@ -14,7 +14,8 @@ torch 1.13 DCP job writes through node 0 (the writer); node 1 is its replica hol
     is reported lost (state, log line, counter, metric), its files and the tracker naming it
     are ENOENT, and the persistent checkpoint saved before it loads exactly;
   * a writer replaced by a spare on a new address (new state dir, peers file rewritten) gets
-    its memory-only checkpoint back from node 1 too.
+    its memory-only checkpoint back from node 1 too; when node 1 then restarts empty, the
+    writer hands its newest checkpoint over again within seconds.
 """
 import os
 import re
@@ -115,20 +116,23 @@ class MemoryTierPeers(unittest.TestCase):
         return n, time.monotonic() - t0
 
     def direct_load(self, ckpt):
-        """Seconds of the same load read by the ranks from the backing dir itself, in the
-        cluster's throttled cgroup (this process joins it while the ranks run), with the page
-        cache dropped first (as test_membership.py)."""
+        """Seconds to read a checkpoint of the same size from the backing dir itself, in the
+        cluster's throttled cgroup (this process joins it meanwhile), with the page cache
+        dropped first (as test_membership.py); and, with CKPTFS_MEMTIER_TORCH_DIRECT=1, of
+        the 4-rank torch load of it (about 60 s at 4 MiB/s: off by default)."""
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
         with open(os.path.join(self.c.cgroup, "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
         try:
-            t0 = time.monotonic()
-            dcp_tool.load(ckpt, RANKS, "own", 1, timeout=300)
-            load_s = time.monotonic() - t0
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
             n, read_s = self.read_all(ckpt)
+            load_s = None
+            if os.environ.get("CKPTFS_MEMTIER_TORCH_DIRECT") == "1":
+                with open("/proc/sys/vm/drop_caches", "w") as f:
+                    f.write("3\n")
+                t0 = time.monotonic()
+                dcp_tool.load(ckpt, RANKS, "own", 1, timeout=300)
+                load_s = time.monotonic() - t0
             return load_s, read_s, n
         finally:
             with open("/sys/fs/cgroup/blkio/cgroup.procs", "w") as f:
@@ -169,13 +173,16 @@ class MemoryTierPeers(unittest.TestCase):
         print(f"\nmemory-only restart: restore {restore_s:.3f} s; daemon start to every byte "
               f"read {restart_read_s:.3f} s ({got} bytes; {read_s:.3f} s of it reading); "
               f"torch load {load_s:.2f} s.\ndirect from the store throttled to "
-              f"{THROTTLE_BPS >> 20} MiB/s: read {direct_read_s:.3f} s ({direct_n} bytes), "
-              f"torch load {direct_load_s:.2f} s.\nratios: bytes {read_s / direct_read_s:.3f}x, "
-              f"start+restore+bytes {restart_read_s / direct_read_s:.3f}x, torch load "
-              f"{load_s / direct_load_s:.3f}x")
-        self.assertLessEqual(read_s, 0.1 * direct_read_s)
-        # Both sides start 4 torch ranks, whose start-up dominates on a busy machine.
-        self.assertLessEqual(load_s, 0.5 * direct_load_s)
+              f"{THROTTLE_BPS >> 20} MiB/s: read {direct_read_s:.3f} s ({direct_n} bytes)"
+              + (f", torch load {direct_load_s:.2f} s" if direct_load_s else "") +
+              f".\nratios: bytes {read_s / direct_read_s:.3f}x, start+restore+bytes "
+              f"{restart_read_s / direct_read_s:.3f}x"
+              + (f", torch load {load_s / direct_load_s:.3f}x" if direct_load_s else ""))
+        # The issue asks for 0.1x; start, restore and every byte read together make it.
+        self.assertLessEqual(restart_read_s, 0.1 * direct_read_s)
+        if direct_load_s:
+            # Both sides start 4 torch ranks, whose start-up dominates on a busy machine.
+            self.assertLessEqual(load_s, 0.5 * direct_load_s)
 
         # Writer and replica holder both lost.
         n1.kill(signal.SIGKILL)
@@ -231,6 +238,14 @@ class MemoryTierPeers(unittest.TestCase):
                         "the next save was not committed")
         with self.assertRaises(FileNotFoundError):
             os.stat(ckpt)
+        # The holder restarts (its copies gone): the writer's check hands step3 over again
+        # within seconds, so it is not left single-copy.
+        n1.kill(signal.SIGKILL)
+        n1.start()
+        self.eventually(lambda: n1.stats()["memory_replication"]["replicas"]["held_bytes"]
+                        >= MB << 20, "the writer did not hand its checkpoint over again",
+                        timeout=40)
+        self.assertEqual(listed(n0, "run/mem/step3")["holder"], n1.address)
 
 
 if __name__ == "__main__":
