@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/path.h"
+#include "store/memory/memory_tier_node.h"
+
 namespace ckptfs::store {
 
 MemoryReplicas::~MemoryReplicas() {
@@ -16,12 +19,33 @@ void MemoryReplicas::Put(MemReplica r) {
   std::vector<MemReplica> dropped;
   {
     MutexLock lock(&mu_);
+    // The same unit's older version; for a checkpoint, the older checkpoints of its tree.
+    std::vector<std::string> evicted;  // their names
     for (auto it = held_.begin(); it != held_.end();) {
       const MemReplica& old = it->second;
       const bool same_tree = old.origin == r.origin && old.unit.tree == r.unit.tree;
       const bool replaced = same_tree && (old.unit.path == r.unit.path ||
                                           (r.unit.checkpoint && old.unit.checkpoint));
       if (replaced) {
+        if (old.unit.checkpoint && old.unit.path != r.unit.path) {
+          evicted.emplace_back(path::Basename(old.unit.path));
+        }
+        dropped.push_back(std::move(it->second));
+        it = held_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    // And the trackers naming those, as on the writer (memory_tier.h): a restore never
+    // brings back a tracker that names a checkpoint it cannot bring back.
+    for (auto it = held_.begin(); it != held_.end();) {
+      const MemReplica& t = it->second;
+      bool names = false;
+      if (!t.unit.checkpoint && t.origin == r.origin && t.unit.tree == r.unit.tree &&
+          !t.data.empty() && t.data[0]->size() <= 4096) {
+        for (const std::string& e : evicted) names |= NamesCheckpoint(*t.data[0], e);
+      }
+      if (names) {
         dropped.push_back(std::move(it->second));
         it = held_.erase(it);
       } else {

@@ -201,6 +201,9 @@ class MemoryTier {
   // No peer took it: stays uncommitted ("unreplicated"), logged.
   void NotReplicated(const std::string& tree, const std::string& path, uint64_t seq,
                      const std::string& why) EXCLUDES(mu_);
+  // Whether tracker `path` of `tree` names a checkpoint of the tree that is not committed
+  // (replicating, or no peer took it): its hand-over waits (G4 on the replica).
+  bool NamesUncommitted(const std::string& tree, const std::string& path) const EXCLUDES(mu_);
   // Peers' replicas held here count in the budget: kNoSpace when `bytes` do not fit.
   Status Charge(uint64_t bytes) EXCLUDES(mu_);
   void Uncharge(uint64_t bytes) EXCLUDES(mu_);

@@ -195,6 +195,21 @@ void MemoryTier::NotReplicated(const std::string& tree, const std::string& path,
                 "older checkpoints of its tree stay", PathLocked(*n), why);
 }
 
+bool MemoryTier::NamesUncommitted(const std::string& tree, const std::string& path) const {
+  MutexLock lock(&mu_);
+  Node* root = TreeByPathLocked(tree);
+  const Node* t = root == nullptr ? nullptr : WalkLocked(root, path);
+  if (t == nullptr || t->dir) return false;
+  const std::string content = ContentLocked(*t, kTrackerMax);
+  for (const auto& [id, n] : nodes_) {
+    if (n->tree == root->tree && n->dir && n->committed == 0 &&
+        (n->replicating || n->unreplicated) && NamesCheckpoint(content, n->name)) {
+      return true;
+    }
+  }
+  return false;
+}
+
 Status MemoryTier::Charge(uint64_t bytes) {
   MutexLock lock(&mu_);
   if (used_ + bytes > opts_.budget_bytes) {

@@ -372,6 +372,13 @@ void MemoryReplicator::OwnLoop() {
     }
     lock.Unlock();
     for (const Job& job : jobs) {
+      if (!job.checkpoint && tier_->NamesUncommitted(job.tree, job.path)) {
+        // G4 on the replica: a tracker is handed over only once what it names is committed
+        // (the checkpoints queued before it were handed first). Its next close tries again.
+        spdlog::warn("memory-only tracker {}/{} names a checkpoint no peer holds: not "
+                     "replicated", job.tree, job.path);
+        continue;
+      }
       Result<std::string> holder = HandOver(job);
       if (holder.ok()) {
         tier_->Replicated(job.tree, job.path, job.seq, *holder);

@@ -1,8 +1,9 @@
 // MemoryTier with replication (issue 42): with a replication set, a whole checkpoint waits
 // for a peer before it commits (and before it evicts the older ones); trackers are handed
-// over on close; the manifest and bytes a holder pulls; what a restart is given back
-// (adopted by the tree when the view first looks at it) and what it reports lost. And
-// MemoryReplicas, the holder's store of other nodes' units. Real torch 1.13 checkpoint files.
+// over on close, unless they name a checkpoint no peer holds; the manifest and bytes a
+// holder pulls; what a restart is given back (adopted by the tree when the view first looks
+// at it) and what it reports lost. And MemoryReplicas, the holder's store of other nodes'
+// units. Real torch 1.13 checkpoint files.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -163,6 +164,17 @@ TEST_F(MemoryTierReplicationTest, ATrackerIsHandedOverOnEachCloseAShardIsNot) {
   EXPECT_GT(handed_.units[1].seq, handed_.units[0].seq);
 }
 
+TEST_F(MemoryTierReplicationTest, ATrackerNamingACheckpointNoPeerHoldsYetWaits) {
+  tier_->SetReplication(&handed_);
+  Save("step1");
+  ASSERT_TRUE(Put(root_, "latest", "step1").ok());
+  EXPECT_TRUE(tier_->NamesUncommitted("run/mem", "latest")) << "step1 is still replicating";
+  tier_->Replicated("run/mem", "step1", handed_.units[0].seq, "peer");
+  EXPECT_FALSE(tier_->NamesUncommitted("run/mem", "latest"));
+  ASSERT_TRUE(Put(root_, "other", "not a checkpoint").ok());
+  EXPECT_FALSE(tier_->NamesUncommitted("run/mem", "other"));
+}
+
 TEST_F(MemoryTierReplicationTest, ARestoreIsAdoptedByItsTreeAndALostOneTakesItsTracker) {
   MemoryTierOptions o;
   o.budget_bytes = 64 * kBlock;
@@ -228,21 +240,24 @@ TEST(MemoryReplicas, AReplicaIsReplacedByTheNewerCheckpointOfItsTreeAndOriginOnl
   };
   {
     MemoryReplicas r(&tier);
-    auto put = [&](uint32_t origin, MemUnit u) {
+    auto put = [&](uint32_t origin, MemUnit u, std::string content = "") {
       ASSERT_TRUE(r.Reserve(u.bytes()).ok());
       MemReplica rep;
       rep.origin = origin;
-      rep.data.push_back(std::make_shared<std::string>(u.bytes(), 'x'));
+      if (content.empty()) content = std::string(u.bytes(), 'x');
+      rep.data.push_back(std::make_shared<std::string>(content));
       rep.unit = std::move(u);
       r.Put(std::move(rep));
     };
     put(0, unit("t", "s1", true, 1, 300));
     put(1, unit("t", "s1", true, 1, 300));  // another origin: kept apart
     put(0, unit("t", "latest", false, 2, 5));
-    EXPECT_EQ(tier.Stats().replica_bytes, 605u);
+    put(0, unit("t", "names_s1", false, 2, 3), "s1\n");  // a tracker naming s1
+    EXPECT_EQ(tier.Stats().replica_bytes, 608u);
     EXPECT_EQ(r.Reserve(400).code(), Code::kNoSpace) << "replicas share the tier's budget";
-    put(0, unit("t", "s2", true, 3, 300));  // replaces origin 0's s1 only
+    put(0, unit("t", "s2", true, 3, 300));  // replaces origin 0's s1 only, and its tracker
     EXPECT_EQ(tier.Stats().replica_bytes, 605u);
+    EXPECT_FALSE(r.Has(0, "t", "names_s1", 2)) << "a tracker naming an evicted one goes too";
     EXPECT_FALSE(r.Has(0, "t", "s1", 1));
     EXPECT_TRUE(r.Has(1, "t", "s1", 1));
     EXPECT_TRUE(r.Has(0, "t", "s2", 3));
