@@ -24,8 +24,8 @@ void MemoryReplicas::Put(MemReplica r) {
     for (auto it = held_.begin(); it != held_.end();) {
       const MemReplica& old = it->second;
       const bool same_tree = old.origin == r.origin && old.unit.tree == r.unit.tree;
-      const bool replaced = same_tree && (old.unit.path == r.unit.path ||
-                                          (r.unit.checkpoint && old.unit.checkpoint));
+      const bool replaced =
+          same_tree && (old.unit.path == r.unit.path || (r.unit.checkpoint && old.unit.checkpoint));
       if (replaced) {
         if (old.unit.checkpoint && old.unit.path != r.unit.path) {
           evicted.emplace_back(path::Basename(old.unit.path));
@@ -83,16 +83,14 @@ std::vector<MemUnit> MemoryReplicas::Index(uint32_t origin) const {
 }
 
 Result<size_t> MemoryReplicas::Read(uint32_t origin, const std::string& tree,
-                                    const std::string& path, uint64_t seq,
-                                    const std::string& file, char* out, size_t len,
-                                    uint64_t offset) const {
+                                    const std::string& path, uint64_t seq, const std::string& file,
+                                    char* out, size_t len, uint64_t offset) const {
   std::shared_ptr<const std::string> data;
   {
     MutexLock lock(&mu_);
     auto it = held_.find(Key{origin, tree, path});
     if (it == held_.end() || it->second.unit.seq != seq) {
-      return NotFound("no replica of " + tree + "/" + path + " for rank " +
-                      std::to_string(origin));
+      return NotFound("no replica of " + tree + "/" + path + " for rank " + std::to_string(origin));
     }
     const MemReplica& r = it->second;
     for (size_t i = 0; i < r.unit.files.size(); ++i) {

@@ -30,8 +30,8 @@ inline bool NamesCheckpoint(std::string content, const std::string& name) {
   }
   if (content.empty()) return false;
   if (content == name || path::Basename(content) == std::string_view(name)) return true;
-  if (name.rfind("iter_", 0) == 0 &&
-      content.find_first_not_of("0123456789") == std::string::npos && content.size() < 19) {
+  if (name.rfind("iter_", 0) == 0 && content.find_first_not_of("0123456789") == std::string::npos &&
+      content.size() < 19) {
     const std::string digits = name.substr(5);
     if (!digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos) {
       return std::stoull(digits) == std::stoull(content);
@@ -60,7 +60,7 @@ struct MemoryTier::Block {
 
 struct MemoryTier::Node {
   uint64_t id = 0;
-  uint64_t tree = 0;  // the marked directory's key
+  uint64_t tree = 0;       // the marked directory's key
   Node* parent = nullptr;  // null for a tree's root
   std::string name;
   bool dir = false;

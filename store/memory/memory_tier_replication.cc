@@ -140,8 +140,8 @@ Result<MemUnit> MemoryTier::Manifest(const std::string& tree, const std::string&
   return unit;
 }
 
-Result<size_t> MemoryTier::ReadUnit(const std::string& tree, const std::string& path,
-                                    uint64_t seq, const std::string& file, char* out, size_t len,
+Result<size_t> MemoryTier::ReadUnit(const std::string& tree, const std::string& path, uint64_t seq,
+                                    const std::string& file, char* out, size_t len,
                                     uint64_t offset) const {
   uint64_t id = 0;
   {
@@ -166,8 +166,8 @@ void MemoryTier::Replicated(const std::string& tree, const std::string& path, ui
   }
   if (!n->replicating) {
     if (n->committed != 0 && n->holder != holder) {  // a check found it elsewhere
-      spdlog::info("memory-only checkpoint {}: its replica is now on {} (was {})",
-                   PathLocked(*n), holder, n->holder.empty() ? "none" : n->holder);
+      spdlog::info("memory-only checkpoint {}: its replica is now on {} (was {})", PathLocked(*n),
+                   holder, n->holder.empty() ? "none" : n->holder);
       n->holder = holder;
     }
     return;
@@ -191,8 +191,10 @@ void MemoryTier::NotReplicated(const std::string& tree, const std::string& path,
   n->replicating = false;
   n->unreplicated = true;
   ++stats_.unreplicated_checkpoints;
-  spdlog::error("memory-only checkpoint {} NOT committed: no peer took its replica ({}); the "
-                "older checkpoints of its tree stay", PathLocked(*n), why);
+  spdlog::error(
+      "memory-only checkpoint {} NOT committed: no peer took its replica ({}); the "
+      "older checkpoints of its tree stay",
+      PathLocked(*n), why);
 }
 
 bool MemoryTier::NamesUncommitted(const std::string& tree, const std::string& path) const {
@@ -350,8 +352,10 @@ void MemoryTier::NoteLost(const std::string& tree, const std::string& path,
       ++stats_.trackers_dropped;
     }
   }
-  spdlog::warn("memory-only checkpoint {} LOST: {}; it is not served (ENOENT), and trackers "
-               "naming it are gone with it", where, why);
+  spdlog::warn(
+      "memory-only checkpoint {} LOST: {}; it is not served (ENOENT), and trackers "
+      "naming it are gone with it",
+      where, why);
 }
 
 }  // namespace ckptfs::store

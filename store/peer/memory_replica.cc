@@ -73,8 +73,11 @@ nlohmann::json UnitJson(const MemUnit& u) {
   for (const MemUnitFile& f : u.files) {
     files.push_back({{"name", Hex(f.name)}, {"size", f.size}, {"crc32c", f.crc32c}});
   }
-  return {{"tree", Hex(u.tree)}, {"path", Hex(u.path)}, {"checkpoint", u.checkpoint},
-          {"seq", u.seq}, {"files", std::move(files)}};
+  return {{"tree", Hex(u.tree)},
+          {"path", Hex(u.path)},
+          {"checkpoint", u.checkpoint},
+          {"seq", u.seq},
+          {"files", std::move(files)}};
 }
 
 Result<MemUnit> UnitFromJson(const nlohmann::json& j) {
@@ -163,8 +166,8 @@ bool MemoryReplicator::Stopping() const {
   return stop_;
 }
 
-void MemoryReplicator::Replicate(const std::string& tree, const std::string& path,
-                                 bool checkpoint, uint64_t seq) {
+void MemoryReplicator::Replicate(const std::string& tree, const std::string& path, bool checkpoint,
+                                 uint64_t seq) {
   {
     MutexLock lock(&mu_);
     if (stop_) return;
@@ -198,8 +201,7 @@ Result<std::string> MemoryReplicator::FetchAll(uint32_t rank, const std::string&
 
 // ---------------------------------------------------------------- serving
 
-Result<BlockRead> MemoryReplicator::Serve(const BlockId& id, uint64_t offset,
-                                          std::span<char> out) {
+Result<BlockRead> MemoryReplicator::Serve(const BlockId& id, uint64_t offset, std::span<char> out) {
   const uint64_t seq = static_cast<uint64_t>(id.mtime_ns);
   std::vector<std::string_view> parts =
       Split(std::string_view(id.path).substr(kMemoryPrefix.size()));
@@ -229,8 +231,8 @@ Result<BlockRead> MemoryReplicator::Serve(const BlockId& id, uint64_t offset,
     CKPT_ASSIGN_OR_RETURN(std::string tree, Unhex(parts[2]));
     CKPT_ASSIGN_OR_RETURN(std::string path, Unhex(parts[3]));
     CKPT_ASSIGN_OR_RETURN(std::string file, Unhex(parts[4]));
-    CKPT_ASSIGN_OR_RETURN(size_t n, replicas_.Read(origin, tree, path, seq, file, out.data(),
-                                                   out.size(), offset));
+    CKPT_ASSIGN_OR_RETURN(
+        size_t n, replicas_.Read(origin, tree, path, seq, file, out.data(), out.size(), offset));
     return BlockRead{.bytes = n, .crc32c = std::nullopt};
   }
   if (verb == "pull" && parts.size() == 5 && (parts[4] == "c" || parts[4] == "t")) {
@@ -247,9 +249,9 @@ Result<BlockRead> MemoryReplicator::Serve(const BlockId& id, uint64_t offset,
     if (stop_) return Status(Code::kBusy, "this daemon is stopping");
     auto it = pull_states_.find(key);
     if (it == pull_states_.end()) {
-      if (pull_states_.size() > 4096) std::erase_if(pull_states_, [](const auto& kv) {
-        return kv.second.done || !kv.second.failed.ok();
-      });
+      if (pull_states_.size() > 4096)
+        std::erase_if(pull_states_,
+                      [](const auto& kv) { return kv.second.done || !kv.second.failed.ok(); });
       pull_states_.emplace(key, PullState{});
       pulls_.push_back(Job{origin, tree, path, parts[4] == "c", seq});
       cv_.notify_all();
@@ -287,8 +289,8 @@ void MemoryReplicator::PullLoop() {
     lock.Unlock();
     Status st = Pull(job);
     if (!st.ok()) {
-      spdlog::warn("memory-only replica of {}/{} from rank {}: {}", job.tree, job.path,
-                   job.origin, st.ToString());
+      spdlog::warn("memory-only replica of {}/{} from rank {}: {}", job.tree, job.path, job.origin,
+                   st.ToString());
     }
     lock.Lock();
     if (!st.ok()) ++stats_.pull_failures;
@@ -324,8 +326,8 @@ Status MemoryReplicator::Pull(const Job& job) {
         return Status(Code::kBusy, "this daemon is stopping");
       }
       const size_t want = static_cast<size_t>(std::min(bs, f.size - at));
-      Result<size_t> got = Fetch(job.origin, "file/" + unit_name + "/" + Hex(f.name), job.seq,
-                                 at, std::span<char>(data->data() + at, want));
+      Result<size_t> got = Fetch(job.origin, "file/" + unit_name + "/" + Hex(f.name), job.seq, at,
+                                 std::span<char>(data->data() + at, want));
       if (got.ok() && *got != want) got = Corrupt("memory replica: " + f.name + " is short");
       if (!got.ok()) {
         replicas_.Unreserve(bytes);
@@ -375,8 +377,10 @@ void MemoryReplicator::OwnLoop() {
       if (!job.checkpoint && tier_->NamesUncommitted(job.tree, job.path)) {
         // G4 on the replica: a tracker is handed over only once what it names is committed
         // (the checkpoints queued before it were handed first). Its next close tries again.
-        spdlog::warn("memory-only tracker {}/{} names a checkpoint no peer holds: not "
-                     "replicated", job.tree, job.path);
+        spdlog::warn(
+            "memory-only tracker {}/{} names a checkpoint no peer holds: not "
+            "replicated",
+            job.tree, job.path);
         continue;
       }
       Result<std::string> holder = HandOver(job);
@@ -413,8 +417,8 @@ Result<std::string> MemoryReplicator::HandOver(const Job& job) {
   // Nodes down now may be back soon (a peer restarting): the ring is tried again until
   // hand_over_wait has passed, then the unit stays uncommitted. A check of a committed one
   // tries each node once.
-  const auto give_up = Clock::now() + (job.verify ? std::chrono::milliseconds(0)
-                                                  : options_.hand_over_wait);
+  const auto give_up =
+      Clock::now() + (job.verify ? std::chrono::milliseconds(0) : options_.hand_over_wait);
   while (true) {
     bool refused = false;  // a node answered and would not take it
     for (uint32_t k = 1; k < options_.nodes; ++k) {
@@ -424,8 +428,7 @@ Result<std::string> MemoryReplicator::HandOver(const Job& job) {
       char reply[8];
       int busy = 0;
       while (true) {
-        Result<size_t> got =
-            Fetch(rank, name, job.seq, 0, std::span<char>(reply, sizeof(reply)));
+        Result<size_t> got = Fetch(rank, name, job.seq, 0, std::span<char>(reply, sizeof(reply)));
         if (!got.ok() && got.status().code() == Code::kBusy && ++busy <= kBusyRetries) {
           // The holder could not reach this node yet (a link it had to make again): again.
           MutexLock lock(&mu_);
@@ -564,8 +567,9 @@ void MemoryReplicator::Restore() {
     if (it != restored.end() && it->second >= r.seq) continue;
     tier_->NoteLost(tree, r.path,
                     "this daemon restarted and " +
-                        (r.holder.empty() ? why_none : "its replica holder (" + r.holder +
-                                                           ") did not give it back: " + why_none));
+                        (r.holder.empty() ? why_none
+                                          : "its replica holder (" + r.holder +
+                                                ") did not give it back: " + why_none));
   }
   tier_->EndRestore();
   const double took = std::chrono::duration<double>(Clock::now() - start).count();
@@ -580,8 +584,8 @@ void MemoryReplicator::Restore() {
 }
 
 Result<uint64_t> MemoryReplicator::RestoreUnit(uint32_t rank, const MemUnit& unit) {
-  const std::string unit_name = std::to_string(options_.self) + "/" + Hex(unit.tree) + "/" +
-                                Hex(unit.path);
+  const std::string unit_name =
+      std::to_string(options_.self) + "/" + Hex(unit.tree) + "/" + Hex(unit.path);
   const uint64_t bs = options_.block_bytes;
   uint64_t total = 0;
   for (const MemUnitFile& f : unit.files) {
@@ -594,8 +598,8 @@ Result<uint64_t> MemoryReplicator::RestoreUnit(uint32_t rank, const MemUnit& uni
         unit.tree, JoinPath(unit.path, f.name), f.size, [&](char* out, size_t n) -> Status {
           for (size_t done = 0; done < n;) {
             const size_t want = static_cast<size_t>(std::min<uint64_t>(bs, n - done));
-            Result<size_t> got = Fetch(rank, "replica/" + unit_name + "/" + Hex(f.name),
-                                       unit.seq, at, std::span<char>(out + done, want));
+            Result<size_t> got = Fetch(rank, "replica/" + unit_name + "/" + Hex(f.name), unit.seq,
+                                       at, std::span<char>(out + done, want));
             if (got.ok() && *got != want) got = Corrupt("short replica of " + f.name);
             if (!got.ok()) return got.status();
             crc = Crc32cExtend(crc, out + done, want);
@@ -626,8 +630,11 @@ void MemoryReplicator::WriteRecord() {
     MutexLock lock(&mu_);
     for (const auto& [tree, r] : record_) {
       if (committed.count(path::Join(tree, r.path)) == 0) continue;
-      list.push_back({{"tree", Hex(tree)}, {"path", Hex(r.path)}, {"seq", r.seq},
-                      {"holder", r.holder}, {"name", path::Join(tree, r.path)}});
+      list.push_back({{"tree", Hex(tree)},
+                      {"path", Hex(r.path)},
+                      {"seq", r.seq},
+                      {"holder", r.holder},
+                      {"name", path::Join(tree, r.path)}});
     }
   }
   // Written whole then renamed: a crash leaves the old record or the new one.
@@ -635,14 +642,16 @@ void MemoryReplicator::WriteRecord() {
   const std::string tmp = final_path + ".tmp";
   const std::string text = list.dump(1) + "\n";
   UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-  bool ok = fd.get() >= 0 && write(fd.get(), text.data(), text.size()) ==
-                                 static_cast<ssize_t>(text.size()) &&
+  bool ok = fd.get() >= 0 &&
+            write(fd.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size()) &&
             fsync(fd.get()) == 0;
   fd.Reset();
   ok = ok && rename(tmp.c_str(), final_path.c_str()) == 0;
   if (!ok) {
-    spdlog::error("memory-only checkpoints: cannot write {}: {}; a restart cannot tell which "
-                  "were lost", final_path, std::strerror(errno));
+    spdlog::error(
+        "memory-only checkpoints: cannot write {}: {}; a restart cannot tell which "
+        "were lost",
+        final_path, std::strerror(errno));
   }
 }
 

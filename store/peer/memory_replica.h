@@ -32,12 +32,14 @@
 // Restart. Create() starts a restore: the tier's trees wait (MemoryTier::WaitRestored) while
 // this node asks for the units kept for its rank: the holders its record names, and the ring
 // (rank+1, rank+2, ...) up to the first node that answers, never every node (G12). It
-// rebuilds each tree's newest checkpoint and the trackers. A daemon without a budget for
-// memory-only checkpoints (--memory-ckpt-mem 0) runs none of this: it neither restores nor
-// holds replicas (it refuses them with kNoSpace, and the writer tries the next node). The checkpoints this node had committed are recorded in
-// `<state_dir>/memory_checkpoints.json` (rewritten at each commit); one that no peer gave back
-// is reported lost (MemoryTier::NoteLost: state, log line, counter). A replaced node (new
-// state dir) gets its units back the same way; it has no record, so it reports nothing lost.
+// rebuilds each tree's newest checkpoint and the trackers. The checkpoints this node had
+// committed are recorded in `<state_dir>/memory_checkpoints.json` (rewritten when they
+// change); one that no peer gave back is reported lost (MemoryTier::NoteLost: state, log
+// line, counter). A replaced node (new state dir) gets its units back the same way; it has
+// no record, so it reports nothing lost. A daemon without a budget for memory-only
+// checkpoints (--memory-ckpt-mem 0) runs none of this (fs/filesystem.cc): it neither
+// restores nor holds replicas (PeerNode refuses them with kNoSpace; the writer tries the next
+// node).
 //
 // Thread-safe. Two threads: one for this node's own units (restore, then hand-overs) and one
 // for the pulls it makes as a holder, so two nodes handing units to each other never wait on
@@ -73,18 +75,18 @@ inline constexpr std::string_view kMemoryPrefix = ".ckptfs-memory/";
 struct MemoryReplicatorOptions {
   uint32_t self = 0;
   uint32_t nodes = 0;
-  uint64_t block_bytes = 1ull << 20;  // bytes per request
-  std::string state_dir;              // where the record of committed checkpoints lives
-  std::chrono::milliseconds poll{50};               // the writer's look at a pull
+  uint64_t block_bytes = 1ull << 20;   // bytes per request
+  std::string state_dir;               // where the record of committed checkpoints lives
+  std::chrono::milliseconds poll{50};  // the writer's look at a pull
   std::chrono::milliseconds replicate_timeout{300000};  // a holder that takes longer: the next
-  std::chrono::milliseconds hand_over_wait{30000};  // no node up this long: not committed
-  std::chrono::milliseconds verify_interval{5000};  // idle: are the committed ones still held?
+  std::chrono::milliseconds hand_over_wait{30000};      // no node up this long: not committed
+  std::chrono::milliseconds verify_interval{5000};      // idle: are the committed ones still held?
 };
 
 struct MemoryReplicatorStats {
-  uint64_t handed = 0;           // units a peer took
-  uint64_t hand_failures = 0;    // hand-overs a peer refused or did not finish
-  uint64_t pulled_units = 0;     // units this node took as a holder
+  uint64_t handed = 0;         // units a peer took
+  uint64_t hand_failures = 0;  // hand-overs a peer refused or did not finish
+  uint64_t pulled_units = 0;   // units this node took as a holder
   uint64_t pulled_bytes = 0;
   uint64_t pull_failures = 0;
   uint64_t restored_units = 0;
@@ -110,8 +112,7 @@ class MemoryReplicator final : public MemoryReplication {
   void Replicate(const std::string& tree, const std::string& path, bool checkpoint,
                  uint64_t seq) override EXCLUDES(mu_);
   // A peer's request for a name under kMemoryPrefix.
-  Result<BlockRead> Serve(const BlockId& id, uint64_t offset, std::span<char> out)
-      EXCLUDES(mu_);
+  Result<BlockRead> Serve(const BlockId& id, uint64_t offset, std::span<char> out) EXCLUDES(mu_);
   // "memory_replication" in /.ckptfs/stats, beside the tier's "memory_ckpt".
   void AppendJson(nlohmann::json* j) const EXCLUDES(mu_);
 

@@ -182,8 +182,8 @@ TEST_F(MemoryTierReplicationTest, ARestoreIsAdoptedByItsTreeAndALostOneTakesItsT
   MemoryTier fresh(o);  // a restarted daemon: no tree looked at yet
   fresh.BeginRestore();
   const std::string shard = ReadFixture("__0_0.distcp"), md = ReadFixture(".metadata");
-  ASSERT_TRUE(fresh.RestoreFile("run/mem", "step2/__0_0.distcp", shard.size(), FillFrom(shard))
-                  .ok());
+  ASSERT_TRUE(
+      fresh.RestoreFile("run/mem", "step2/__0_0.distcp", shard.size(), FillFrom(shard)).ok());
   ASSERT_TRUE(fresh.RestoreFile("run/mem", "step2/.metadata", md.size(), FillFrom(md)).ok());
   fresh.RestoreCommitted("run/mem", "step2", 99, "peer:1", shard.size() + md.size());
   const std::string tracker = "step1";

@@ -67,8 +67,8 @@ class MemoryReplicaTest : public ::testing::Test {
   void SetUp() override { Init(); }
 
   void Init() {
-    state_dir_ = std::filesystem::temp_directory_path() /
-                 ("ckptfs-memrepl-" + std::to_string(::getpid()));
+    state_dir_ =
+        std::filesystem::temp_directory_path() / ("ckptfs-memrepl-" + std::to_string(::getpid()));
     std::filesystem::remove_all(state_dir_);
     std::filesystem::create_directories(state_dir_);
     for (Node& n : nodes_) {
@@ -190,8 +190,7 @@ TEST_F(MemoryReplicaTest, CommittedOnceThePeerHoldsItBackAfterARestartLostWithTh
     nodes_[1].replicator->AppendJson(&held);
     return held["memory_replication"]["pulled_units"] == 2;
   })) << held.dump();
-  EXPECT_EQ(held["memory_replication"]["replicas"]["held_bytes"],
-            shard.size() + md.size() + 5);
+  EXPECT_EQ(held["memory_replication"]["replicas"]["held_bytes"], shard.size() + md.size() + 5);
   EXPECT_TRUE(std::filesystem::exists(state_dir_ / "memory_checkpoints.json"));
 
   // The writer restarts: its trees wait for the restore, then serve it exactly.
