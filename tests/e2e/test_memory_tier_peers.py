@@ -202,6 +202,8 @@ class MemoryTierPeers(unittest.TestCase):
                         n0.log_text(200000), "the loss was not logged")
         with open(os.path.join(n0.mnt, ".ckptfs", "checkpoints")) as f:
             self.assertIn('"lost"', f.read())
+        with open(os.path.join(n0.mnt, ".ckptfs", "metrics")) as f:
+            self.assertRegex(f.read(), r"(?m)^ckptfs_memory_ckpt_lost_total\{[^}]*\} 1$")
         shown = subprocess.run([ADMIN, "checkpoints", n0.mnt], capture_output=True, text=True)
         self.assertRegex(shown.stdout, r"run/mem/step2 +lost ")
         # The trainer falls back to its persistent checkpoint.
