@@ -20,6 +20,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr char kRecordName[] = "memory_checkpoints.json";
 constexpr int kBusyRetries = 10;  // a holder that cannot reach this node, 0.5 s apart
+constexpr uint32_t kRingAsks = 3;  // a restore asks at most this many ring nodes (+ recorded)
 
 // "x" + hex: a name component that is never empty, ".", ".." nor holds a '/'.
 std::string Hex(std::string_view s) {
@@ -511,7 +512,8 @@ void MemoryReplicator::Restore() {
   bool ring_answered = false;
   for (uint32_t k = 1; k < options_.nodes && !Stopping(); ++k) {
     const uint32_t rank = (options_.self + k) % options_.nodes;
-    if (ring_answered && holders.count(links_->AddressOf(rank)) == 0) continue;
+    const bool ring_done = ring_answered || k > kRingAsks;
+    if (ring_done && holders.count(links_->AddressOf(rank)) == 0) continue;
     Result<std::string> text = FetchAll(rank, "index/" + std::to_string(options_.self), 0);
     if (!text.ok()) {
       spdlog::info("memory-only restore: {} (rank {}) gave nothing: {}", links_->AddressOf(rank),

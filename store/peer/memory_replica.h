@@ -31,7 +31,7 @@
 //
 // Restart. Create() starts a restore: the tier's trees wait (MemoryTier::WaitRestored) while
 // this node asks for the units kept for its rank: the holders its record names, and the ring
-// (rank+1, rank+2, ...) up to the first node that answers, never every node (G12). It
+// (rank+1, rank+2, rank+3) up to the first node that answers, never every node (G12). It
 // rebuilds each tree's newest checkpoint and the trackers. The checkpoints this node had
 // committed are recorded in `<state_dir>/memory_checkpoints.json` (rewritten when they
 // change); one that no peer gave back is reported lost (MemoryTier::NoteLost: state, log
