@@ -26,11 +26,9 @@ uint64_t NowNs() {
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
-
 constexpr size_t kTrackerMax = 4096;  // a tracker is a small file
 
 }  // namespace
-
 
 MemoryTier::MemoryTier(const MemoryTierOptions& options) : opts_(options) {
   MutexLock lock(&mu_);
