@@ -198,6 +198,13 @@ class MemoryTier {
   // ones evicted). A unit gone or of another version by now: nothing.
   void Replicated(const std::string& tree, const std::string& path, uint64_t seq,
                   const std::string& holder) EXCLUDES(mu_);
+  // The checkpoints no peer took yet ("unreplicated"): tree, path, version. The replicator
+  // offers them again while idle; Replicated() commits one a peer then takes.
+  struct PendingUnit {
+    std::string tree, path;
+    uint64_t seq = 0;
+  };
+  std::vector<PendingUnit> Unreplicated() const EXCLUDES(mu_);
   // No peer took it: stays uncommitted ("unreplicated"), logged.
   void NotReplicated(const std::string& tree, const std::string& path, uint64_t seq,
                      const std::string& why) EXCLUDES(mu_);

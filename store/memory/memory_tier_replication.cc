@@ -164,7 +164,7 @@ void MemoryTier::Replicated(const std::string& tree, const std::string& path, ui
     n->holder = holder;
     return;
   }
-  if (!n->replicating) {
+  if (!n->replicating && !n->unreplicated) {
     if (n->committed != 0 && n->holder != holder) {  // a check found it elsewhere
       spdlog::info("memory-only checkpoint {}: its replica is now on {} (was {})", PathLocked(*n),
                    holder, n->holder.empty() ? "none" : n->holder);
@@ -210,6 +210,17 @@ bool MemoryTier::NamesUncommitted(const std::string& tree, const std::string& pa
     }
   }
   return false;
+}
+
+std::vector<MemoryTier::PendingUnit> MemoryTier::Unreplicated() const {
+  MutexLock lock(&mu_);
+  std::vector<PendingUnit> out;
+  for (const auto& [id, n] : nodes_) {
+    if (n->dir && n->unreplicated) {
+      out.push_back({RootOf(n.get())->tree_path, TreePathLocked(*n), n->seq});
+    }
+  }
+  return out;
 }
 
 Status MemoryTier::Charge(uint64_t bytes) {

@@ -374,6 +374,12 @@ void MemoryReplicator::OwnLoop() {
       }
     }
     lock.Unlock();
+    if (!woken) {
+      // And those no node took before: a node back up takes them now, and they commit.
+      for (const MemoryTier::PendingUnit& u : tier_->Unreplicated()) {
+        jobs.push_back(Job{options_.self, u.tree, u.path, true, u.seq, /*verify=*/true});
+      }
+    }
     for (const Job& job : jobs) {
       if (!job.checkpoint && tier_->NamesUncommitted(job.tree, job.path)) {
         // G4 on the replica: a tracker is handed over only once what it names is committed

@@ -28,6 +28,8 @@
 // holders again ("pull" answers "D" at once when held): a holder that restarted, and so lost
 // its copy, takes it again, or the next node up does (the holder is updated, the record
 // rewritten). So a holder's restart leaves a checkpoint single-copy for a few seconds only.
+// A checkpoint no node took (unreplicated) is offered again the same way, and commits once a
+// node takes it.
 //
 // Restart. Create() starts a restore: the tier's trees wait (MemoryTier::WaitRestored) while
 // this node asks for the units kept for its rank: the holders its record names, and the ring

@@ -251,5 +251,21 @@ TEST_F(MemoryReplicaCheckTest, AHolderThatRestartedEmptyIsHandedTheCommittedChec
   EXPECT_EQ(Listed(a, "run/mem/step1").holder, nodes_[1].address);
 }
 
+TEST_F(MemoryReplicaCheckTest, ACheckpointNoNodeTookCommitsOnceANodeTakesIt) {
+  Stop(nodes_[1]);  // node 1 keeps no memory-only checkpoints now: it refuses (kNoSpace)
+  MemoryTier* a = nodes_[0].tier.get();
+  const uint64_t root = a->TreeRoot(42, "run/mem");
+  auto d = a->Mkdir(root, "step1", 0755, 0, 0);
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE(Put(a, d->id, "__0_0.distcp", ReadFixture("__0_0.distcp")).ok());
+  ASSERT_TRUE(Put(a, d->id, ".metadata", ReadFixture(".metadata")).ok());
+  ASSERT_TRUE(Eventually([&] { return Listed(a, "run/mem/step1").state == "unreplicated"; }))
+      << Listed(a, "run/mem/step1").state;
+  Start(1, "");
+  ASSERT_TRUE(Eventually([&] { return Listed(a, "run/mem/step1").state == "committed"; }))
+      << Listed(a, "run/mem/step1").state;
+  EXPECT_EQ(Listed(a, "run/mem/step1").holder, nodes_[1].address);
+}
+
 }  // namespace
 }  // namespace ckptfs::store::peer
