@@ -371,7 +371,9 @@ void MemoryTier::EvictOlderLocked(Node* committed) {
   while (root->parent != nullptr) root = root->parent;
   std::vector<Node*> older;
   for (const auto& [id, n] : nodes_) {
-    if (n->tree == committed->tree && n->dir && n->committed != 0 && n.get() != committed) {
+    // An older one no peer took (unreplicated) is superseded too: it never commits after.
+    const bool superseded = n->committed != 0 || (n->unreplicated && n->seq < committed->seq);
+    if (n->tree == committed->tree && n->dir && superseded && n.get() != committed) {
       older.push_back(n.get());
     }
   }

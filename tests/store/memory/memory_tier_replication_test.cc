@@ -142,6 +142,12 @@ TEST_F(MemoryTierReplicationTest, ACheckpointNoPeerTookStaysUncommittedWithTheOl
   // A late answer for a version that is gone changes nothing.
   tier_->Replicated("run/mem", "step2", handed_.units[1].seq + 7, "peer");
   EXPECT_EQ(StateOf("run/mem/step2"), "unreplicated");
+  // A newer checkpoint that commits supersedes it: it never commits after the newer one.
+  Save("step3");
+  tier_->Replicated("run/mem", "step3", handed_.units[2].seq, "peer");
+  EXPECT_EQ(StateOf("run/mem/step3"), "committed");
+  EXPECT_EQ(StateOf("run/mem/step2"), "<absent>");
+  EXPECT_EQ(StateOf("run/mem/step1"), "<absent>");
 }
 
 TEST_F(MemoryTierReplicationTest, ATrackerIsHandedOverOnEachCloseAShardIsNot) {
