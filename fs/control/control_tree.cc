@@ -259,7 +259,7 @@ std::string ControlTree::StatsJson() {
     j["plan_wait_timeouts"] = loader_->plan_wait_timeouts();
   }
   if (memory_tier_ != nullptr) {  // issue 42; flat copies for the metrics
-    j["memory_ckpt"] = memory_tier_->StatsJson();
+    j["memory_ckpt"] = store::MemoryTierJson(*memory_tier_);
     for (const char* f : {"used_bytes", "commits", "lost_checkpoints", "restored_checkpoints",
                           "restored_bytes", "replica_bytes", "unreplicated_checkpoints"}) {
       j[std::string("memory_ckpt_") + f] = j["memory_ckpt"][f];

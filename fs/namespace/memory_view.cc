@@ -59,7 +59,7 @@ std::optional<uint64_t> MemoryView::DirOf(uint64_t ino) {
     root = tier_->TreeRoot(ino, "");
   }
   // After a restart, a tree is served once what the peers keep for it is back (bounded).
-  tier_->WaitRestored(kRestoreWait);
+  tier_->restore_gate().Wait(kRestoreWait);
   return root;
 }
 

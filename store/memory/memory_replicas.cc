@@ -6,13 +6,12 @@
 #include <cstring>
 
 #include "common/path.h"
-#include "store/memory/memory_tier_node.h"
 
 namespace ckptfs::store {
 
 MemoryReplicas::~MemoryReplicas() {
   MutexLock lock(&mu_);
-  for (const auto& [key, r] : held_) tier_->Uncharge(r.unit.bytes());
+  for (const auto& [key, r] : held_) Unreserve(r.unit.bytes());
 }
 
 void MemoryReplicas::Put(MemReplica r) {
@@ -61,7 +60,7 @@ void MemoryReplicas::Put(MemReplica r) {
   for (const MemReplica& d : dropped) {
     spdlog::debug("memory-only replica of {}/{} from rank {} replaced", d.unit.tree, d.unit.path,
                   d.origin);
-    tier_->Uncharge(d.unit.bytes());
+    Unreserve(d.unit.bytes());
   }
 }
 

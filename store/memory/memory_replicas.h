@@ -42,8 +42,8 @@ class MemoryReplicas {
   ~MemoryReplicas();  // gives the budget back
 
   // `bytes` of the tier's budget for a replica about to be received (kNoSpace).
-  Status Reserve(uint64_t bytes) { return tier_->Charge(bytes); }
-  void Unreserve(uint64_t bytes) { tier_->Uncharge(bytes); }
+  Status Reserve(uint64_t bytes) { return tier_->ChargeReplicas(static_cast<int64_t>(bytes)); }
+  void Unreserve(uint64_t bytes) { (void)tier_->ChargeReplicas(-static_cast<int64_t>(bytes)); }
   // Keeps `r`, whose bytes were reserved; drops what it replaces (their budget given back).
   void Put(MemReplica r) EXCLUDES(mu_);
   // Whether unit `path` of `tree` from `origin` is held at version `seq`.

@@ -26,9 +26,26 @@ uint64_t NowNs() {
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
-constexpr size_t kTrackerMax = 4096;  // a tracker is a small file
-
 }  // namespace
+
+// What a tracker file may say about checkpoint directory `name`: its name, or for
+// Megatron's `iter_NNNNNNN` directories the iteration number.
+bool NamesCheckpoint(std::string content, const std::string& name) {
+  while (!content.empty() && (content.back() == '\n' || content.back() == ' ' ||
+                              content.back() == '\r' || content.back() == '\t')) {
+    content.pop_back();
+  }
+  if (content.empty()) return false;
+  if (content == name || path::Basename(content) == std::string_view(name)) return true;
+  if (name.rfind("iter_", 0) == 0 && content.find_first_not_of("0123456789") == std::string::npos &&
+      content.size() < 19) {
+    const std::string digits = name.substr(5);
+    if (!digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos) {
+      return std::stoull(digits) == std::stoull(content);
+    }
+  }
+  return false;
+}
 
 MemoryTier::MemoryTier(const MemoryTierOptions& options) : opts_(options) {
   MutexLock lock(&mu_);
@@ -47,28 +64,6 @@ Result<MemoryTier::Node*> MemoryTier::DirLocked(uint64_t id) const {
   if (n == nullptr) return NotFound("memory-only directory is gone");
   if (!n->dir) return Status(Code::kNotDir, n->name);
   return n;
-}
-
-MemAttr MemoryTier::AttrLocked(const Node& n) const {
-  MemAttr a;
-  a.id = n.id;
-  a.dir = n.dir;
-  a.size = n.dir ? 4096 : n.size;
-  a.mode = n.mode;
-  a.uid = n.uid;
-  a.gid = n.gid;
-  a.mtime = n.mtime;
-  a.ctime = n.ctime;
-  a.nlink = n.dir ? 2 : 1;
-  if (n.dir) {
-    for (const auto& [name, c] : n.children) a.nlink += c->dir ? 1 : 0;
-  }
-  return a;
-}
-
-std::string MemoryTier::PathLocked(const Node& n) const {
-  if (n.parent == nullptr) return n.tree_path;
-  return path::Join(PathLocked(*n.parent), n.name);
 }
 
 uint64_t MemoryTier::TreeRoot(uint64_t key, const std::string& path) {
@@ -152,25 +147,19 @@ void MemoryTier::RemoveLocked(Node* n) {
   nodes_.erase(n->id);  // blocks a reader still copies from live on with it
 }
 
-uint64_t MemoryTier::TreeBytesLocked(const Node& n) const {
-  uint64_t b = n.size;
-  for (const auto& [name, c] : n.children) b += TreeBytesLocked(*c);
-  return b;
-}
-
 Result<MemAttr> MemoryTier::Lookup(uint64_t dir, std::string_view name) const {
   MutexLock lock(&mu_);
   CKPT_ASSIGN_OR_RETURN(Node * d, DirLocked(dir));
   auto it = d->children.find(name);
   if (it == d->children.end()) return NotFound(std::string(name));
-  return AttrLocked(*it->second);
+  return AttrOf(*it->second);
 }
 
 Result<MemAttr> MemoryTier::GetAttr(uint64_t id) const {
   MutexLock lock(&mu_);
   const Node* n = NodeLocked(id);
   if (n == nullptr) return NotFound("memory-only node is gone");
-  return AttrLocked(*n);
+  return AttrOf(*n);
 }
 
 void MemoryTier::ResizeLocked(Node* n, uint64_t size) {
@@ -204,7 +193,7 @@ Result<MemAttr> MemoryTier::SetAttr(uint64_t id, const Change& change) {
   if (change.gid != nullptr) n->gid = *change.gid;
   if (change.mtime != nullptr) n->mtime = *change.mtime;
   n->ctime = Now();
-  return AttrLocked(*n);
+  return AttrOf(*n);
 }
 
 Result<MemAttr> MemoryTier::Mkdir(uint64_t dir, std::string_view name, mode_t mode, uid_t uid,
@@ -212,7 +201,7 @@ Result<MemAttr> MemoryTier::Mkdir(uint64_t dir, std::string_view name, mode_t mo
   MutexLock lock(&mu_);
   CKPT_ASSIGN_OR_RETURN(Node * d, DirLocked(dir));
   if (d->children.count(name) > 0) return Status(Code::kExists, std::string(name));
-  return AttrLocked(*NewNodeLocked(d, name, true, mode, uid, gid));
+  return AttrOf(*NewNodeLocked(d, name, true, mode, uid, gid));
 }
 
 Result<MemAttr> MemoryTier::Create(uint64_t dir, std::string_view name, mode_t mode, uid_t uid,
@@ -222,9 +211,9 @@ Result<MemAttr> MemoryTier::Create(uint64_t dir, std::string_view name, mode_t m
   if (auto it = d->children.find(name); it != d->children.end()) {
     if (exclusive) return Status(Code::kExists, std::string(name));
     if (it->second->dir) return Status(Code::kIsDir, std::string(name));
-    return AttrLocked(*it->second);
+    return AttrOf(*it->second);
   }
-  return AttrLocked(*NewNodeLocked(d, name, false, mode, uid, gid));
+  return AttrOf(*NewNodeLocked(d, name, false, mode, uid, gid));
 }
 
 Status MemoryTier::Write(uint64_t id, uint64_t offset, size_t len, const Fill& fill) {
@@ -244,7 +233,7 @@ Status MemoryTier::Write(uint64_t id, uint64_t offset, size_t len, const Fill& f
       return Status(Code::kNoSpace,
                     fmt::format("memory-only checkpoints: --memory-ckpt-mem is full ({} of {} "
                                 "bytes in use, {} more needed for {})",
-                                used_, opts_.budget_bytes, missing * bs, PathLocked(*n)));
+                                used_, opts_.budget_bytes, missing * bs, PathOf(*n)));
     }
     for (uint64_t i = offset / bs; i * bs < end; ++i) {
       std::shared_ptr<Block>& b = n->blocks[i];
@@ -302,25 +291,15 @@ Result<size_t> MemoryTier::Read(uint64_t id, char* out, size_t len, uint64_t off
   return got;
 }
 
-std::string MemoryTier::ContentLocked(const Node& n, size_t max) const {
-  const uint64_t bs = opts_.block_bytes;
-  std::string s(std::min<uint64_t>(n.size, max), '\0');
-  for (const auto& [i, b] : n.blocks) {
-    if (i * bs >= s.size()) break;
-    std::memcpy(s.data() + i * bs, b->p, std::min<uint64_t>(bs, s.size() - i * bs));
-  }
-  return s;
-}
-
 void MemoryTier::MaybeCommitLocked(Node* file) {
   Node* dir = file->parent;
   if (dir == nullptr || file->dir || dir->committed != 0 ||
       CommitKindOf(file->name) != CommitKind::kDcp) {
     return;
   }
-  const std::string where = PathLocked(*dir);
+  const std::string where = PathOf(*dir);
   // G5 within memory: every file the `.metadata` names is here, long enough.
-  Result<DcpMetadata> md = ParseDcpMetadata(ContentLocked(*file, file->size));
+  Result<DcpMetadata> md = ParseDcpMetadata(Content(*file, file->size, opts_.block_bytes));
   if (!md.ok()) {
     ++stats_.refused_commits;
     spdlog::error("memory-only checkpoint {}: .metadata unreadable ({}); not committed", where,
@@ -350,7 +329,7 @@ void MemoryTier::MaybeCommitLocked(Node* file) {
     dir->unreplicated = false;
     spdlog::info("memory-only checkpoint {} is whole in memory here; replicating to a peer",
                  where);
-    replication_->Replicate(RootOf(dir)->tree_path, TreePathLocked(*dir), true, dir->seq);
+    replication_->Replicate(RootOf(dir)->tree_path, TreePathOf(*dir), true, dir->seq);
     return;
   }
   spdlog::info("memory-only checkpoint {} committed in memory on this node only (no peers: "
@@ -383,8 +362,8 @@ void MemoryTier::EvictOlderLocked(Node* committed) {
     for (const Node* a = committed; a != nullptr; a = a->parent) related |= a == old;
     for (const Node* a = old; a != nullptr; a = a->parent) related |= a == committed;
     if (related || nodes_.count(old->id) == 0) continue;
-    const std::string name = old->name, where = PathLocked(*old);
-    const uint64_t bytes = TreeBytesLocked(*old);
+    const std::string name = old->name, where = PathOf(*old);
+    const uint64_t bytes = TreeBytes(*old);
     RemoveLocked(old);
     ++stats_.evicted_checkpoints;
     stats_.evicted_bytes += bytes;
@@ -395,17 +374,17 @@ void MemoryTier::EvictOlderLocked(Node* committed) {
       bool in_ckpt = false;
       for (const Node* a = n->parent; a != nullptr; a = a->parent) in_ckpt |= a->committed != 0;
       if (!in_ckpt && CommitKindOf(n->name) == CommitKind::kNone &&
-          NamesCheckpoint(ContentLocked(*n, kTrackerMax), name)) {
+          NamesCheckpoint(Content(*n, kTrackerMax, opts_.block_bytes), name)) {
         trackers.push_back(n.get());
       }
     }
     for (Node* t : trackers) {
-      spdlog::info("memory-only tracker {} named {}: dropped with it", PathLocked(*t), where);
+      spdlog::info("memory-only tracker {} named {}: dropped with it", PathOf(*t), where);
       RemoveLocked(t);
       ++stats_.trackers_dropped;
     }
     spdlog::info("memory-only checkpoint {} evicted by the newer commit of {} ({} bytes)", where,
-                 PathLocked(*committed), bytes);
+                 PathOf(*committed), bytes);
   }
 }
 
@@ -414,9 +393,9 @@ void MemoryTier::Closed(uint64_t id) {
   Node* n = NodeLocked(id);
   if (n == nullptr) return;
   MaybeCommitLocked(n);
-  if (replication_ != nullptr && IsTrackerLocked(*n)) {
+  if (replication_ != nullptr && IsTracker(*n)) {
     n->seq = std::max(NowNs(), n->seq + 1);
-    replication_->Replicate(RootOf(n)->tree_path, TreePathLocked(*n), false, n->seq);
+    replication_->Replicate(RootOf(n)->tree_path, TreePathOf(*n), false, n->seq);
   }
 }
 
@@ -475,7 +454,7 @@ Result<std::vector<std::pair<std::string, MemAttr>>> MemoryTier::List(uint64_t d
   MutexLock lock(&mu_);
   CKPT_ASSIGN_OR_RETURN(Node * d, DirLocked(dir));
   std::vector<std::pair<std::string, MemAttr>> out;
-  for (const auto& [name, c] : d->children) out.emplace_back(name, AttrLocked(*c));
+  for (const auto& [name, c] : d->children) out.emplace_back(name, AttrOf(*c));
   return out;
 }
 
@@ -489,7 +468,10 @@ std::vector<MemCheckpoint> MemoryTier::Checkpoints() const {
       holds |= !c->dir && (IsCheckpointFileName(name) || CommitKindOf(name) != CommitKind::kNone);
     }
     if (!holds) continue;
-    MemCheckpoint c{PathLocked(*n), "writing", TreeBytesLocked(*n), "", n->holder};
+    MemCheckpoint c{PathOf(*n), "writing", TreeBytes(*n), "", n->holder};
+    c.tree = RootOf(n.get())->tree_path;
+    c.in_tree = TreePathOf(*n);
+    c.seq = n->seq;
     if (n->committed != 0) c.state = "committed";
     if (n->replicating) c.state = "replicating";
     if (n->unreplicated) c.state = "unreplicated";
@@ -513,8 +495,8 @@ MemoryTierStats MemoryTier::Stats() const {
   return s;
 }
 
-nlohmann::json MemoryTier::StatsJson() const {
-  const MemoryTierStats s = Stats();
+nlohmann::json MemoryTierJson(const MemoryTier& tier) {
+  const MemoryTierStats s = tier.Stats();
   nlohmann::json j = {{"budget_bytes", s.budget_bytes},
                       {"used_bytes", s.used_bytes},
                       {"peak_used_bytes", s.peak_used_bytes},
@@ -532,7 +514,7 @@ nlohmann::json MemoryTier::StatsJson() const {
                       {"restored_bytes", s.restored_bytes},
                       {"replica_bytes", s.replica_bytes}};
   nlohmann::json list = nlohmann::json::array();
-  for (const MemCheckpoint& c : Checkpoints()) {
+  for (const MemCheckpoint& c : tier.Checkpoints()) {
     list.push_back({{"path", c.path}, {"state", c.state}, {"bytes", c.bytes},
                     {"tier", "memory"}, {"where", c.where}, {"holder", c.holder}});
   }
@@ -558,8 +540,7 @@ void MemoryTier::DropAll() {
   trees_.clear();
   used_ = 0;
   stats_.trees = 0;
-  restoring_ = false;
-  restored_cv_.notify_all();
+  gate_.Open();
 }
 
 }  // namespace ckptfs::store

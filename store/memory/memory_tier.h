@@ -78,6 +78,9 @@ struct MemCheckpoint {
   uint64_t bytes = 0;
   std::string where;  // "memory (this node only, no peers)", "this node + replica on ..."
   std::string holder;  // the peer that holds its replica ("" when none)
+  std::string tree;     // the marked directory's path
+  std::string in_tree;  // the checkpoint's path in the tree
+  uint64_t seq = 0;     // its version handed to replication (0: none)
 };
 
 // One unit of replication: a checkpoint directory of a tree, or a tracker file.
@@ -125,6 +128,21 @@ struct MemoryTierStats {
   uint64_t restored_checkpoints = 0;  // given back by a peer after a restart
   uint64_t restored_bytes = 0;
   uint64_t replica_bytes = 0;  // peers' replicas held here (in the same budget)
+};
+
+// Whether a restore is under way (issue 42): a tree's first look after a restart waits for
+// it (fs/namespace/memory_view.cc), bounded. Thread-safe.
+class MemoryRestoreGate {
+ public:
+  void Close() EXCLUDES(mu_);  // a restore starts
+  void Open() EXCLUDES(mu_);   // it ended, or was cut short
+  // Returns once open, or after `max`.
+  void Wait(std::chrono::milliseconds max) EXCLUDES(mu_);
+
+ private:
+  Mutex mu_;
+  std::condition_variable cv_;  // closed_ cleared; waited on with mu_
+  bool closed_ GUARDED_BY(mu_) = false;
 };
 
 class MemoryTier {
@@ -179,7 +197,6 @@ class MemoryTier {
 
   std::vector<MemCheckpoint> Checkpoints() const EXCLUDES(mu_);
   MemoryTierStats Stats() const EXCLUDES(mu_);
-  nlohmann::json StatsJson() const EXCLUDES(mu_);
   // The daemon is stopping: every tree is dropped, each checkpoint without a replica
   // logged as lost.
   void DropAll() EXCLUDES(mu_);
@@ -194,69 +211,50 @@ class MemoryTier {
   Result<size_t> ReadUnit(const std::string& tree, const std::string& path, uint64_t seq,
                           const std::string& file, char* out, size_t len, uint64_t offset) const
       EXCLUDES(mu_);
-  // The checkpoint `path` at version `seq` is held by `holder`: committed now (the older
-  // ones evicted). A unit gone or of another version by now: nothing.
-  void Replicated(const std::string& tree, const std::string& path, uint64_t seq,
-                  const std::string& holder) EXCLUDES(mu_);
-  // The checkpoints no peer took yet ("unreplicated"): tree, path, version. The replicator
-  // offers them again while idle; Replicated() commits one a peer then takes.
-  struct PendingUnit {
-    std::string tree, path;
-    uint64_t seq = 0;
-  };
-  std::vector<PendingUnit> Unreplicated() const EXCLUDES(mu_);
-  // No peer took it: stays uncommitted ("unreplicated"), logged.
-  void NotReplicated(const std::string& tree, const std::string& path, uint64_t seq,
-                     const std::string& why) EXCLUDES(mu_);
-  // Whether tracker `path` of `tree` names a checkpoint of the tree that is not committed
-  // (replicating, or no peer took it): its hand-over waits (G4 on the replica).
-  bool NamesUncommitted(const std::string& tree, const std::string& path) const EXCLUDES(mu_);
-  // Peers' replicas held here count in the budget: kNoSpace when `bytes` do not fit.
-  Status Charge(uint64_t bytes) EXCLUDES(mu_);
-  void Uncharge(uint64_t bytes) EXCLUDES(mu_);
+  // The hand-over of unit `path` at version `seq` ended: `holder` holds it (a checkpoint
+  // is committed now, the older ones evicted; one committed before takes the new holder),
+  // or no peer took it (it stays uncommitted, "unreplicated", logged). A unit gone or of
+  // another version by now: nothing. An unreplicated checkpoint is listed as such
+  // (Checkpoints(): tree, in_tree, seq) and may be handed over again.
+  void HandedOver(const std::string& tree, const std::string& path, uint64_t seq,
+                  const Result<std::string>& holder) EXCLUDES(mu_);
+  // Peers' replicas held here count in the budget: kNoSpace when `delta` > 0 bytes do not
+  // fit; a negative `delta` gives bytes back.
+  Status ChargeReplicas(int64_t delta) EXCLUDES(mu_);
 
-  // --- Restore after a restart. Between BeginRestore and EndRestore, WaitRestored waits.
-  void BeginRestore() EXCLUDES(mu_);
-  void EndRestore() EXCLUDES(mu_);
-  // Waits (at most `max`) for the restore to end; the view calls it before it serves a tree.
-  void WaitRestored(std::chrono::milliseconds max) EXCLUDES(mu_);
+  // --- Restore after a restart, while restore_gate() is closed.
+  MemoryRestoreGate& restore_gate() { return gate_; }
   // File `path` of `tree` (parents made), `size` bytes from `fill`. kNoSpace as Write.
   Status RestoreFile(const std::string& tree, const std::string& path, uint64_t size,
                      const Fill& fill) EXCLUDES(mu_);
-  // Checkpoint `path` of `tree` restored whole: committed, its replica on `holder`.
-  void RestoreCommitted(const std::string& tree, const std::string& path, uint64_t seq,
-                        const std::string& holder, uint64_t bytes) EXCLUDES(mu_);
-  // Removes what a failed restore of `path` left.
-  void RemovePath(const std::string& tree, const std::string& path) EXCLUDES(mu_);
+  // The restore of unit `path` of `tree` ended: `whole`, it is committed (a checkpoint), its
+  // replica on `holder`; else what it left is removed, never served partly.
+  void FinishRestore(const std::string& tree, const std::string& path, uint64_t seq,
+                     const std::string& holder, uint64_t bytes, bool whole) EXCLUDES(mu_);
   // Checkpoint `path` of `tree` was committed before the restart and nobody gave it back.
   void NoteLost(const std::string& tree, const std::string& path, const std::string& why)
       EXCLUDES(mu_);
 
- private:
+ public:
+  // The tier's nodes: defined in memory_tier_node.h, private to store/memory/.
   struct Block;
   struct Node;
+
+ private:
   Node* NodeLocked(uint64_t id) const REQUIRES(mu_);
   Result<Node*> DirLocked(uint64_t id) const REQUIRES(mu_);
-  MemAttr AttrLocked(const Node& n) const REQUIRES(mu_);
-  std::string PathLocked(const Node& n) const REQUIRES(mu_);
   Node* NewNodeLocked(Node* parent, std::string_view name, bool dir, mode_t mode, uid_t uid,
                       gid_t gid) REQUIRES(mu_);
   // Frees `n` and everything below it (its bytes leave the budget).
   void RemoveLocked(Node* n) REQUIRES(mu_);
   void ResizeLocked(Node* n, uint64_t size) REQUIRES(mu_);
-  uint64_t TreeBytesLocked(const Node& n) const REQUIRES(mu_);
   // `file` is a commit file that just appeared or was closed: commits its directory if every
   // file its `.metadata` names is there and long enough, then evicts the older ones.
   void MaybeCommitLocked(Node* file) REQUIRES(mu_);
   void EvictOlderLocked(Node* committed) REQUIRES(mu_);
-  std::string ContentLocked(const Node& n, size_t max) const REQUIRES(mu_);
   Node* TreeByPathLocked(const std::string& tree) const REQUIRES(mu_);
-  // The node at `path` below `root` ("" is the root), or null.
-  Node* WalkLocked(Node* root, const std::string& path) const REQUIRES(mu_);
   Result<const Node*> UnitLocked(const std::string& tree, const std::string& path,
                                  uint64_t seq) const REQUIRES(mu_);
-  // A file of a tree, outside any checkpoint, small: a tracker.
-  bool IsTrackerLocked(const Node& n) const REQUIRES(mu_);
   void CommitLocked(Node* dir, const std::string& holder) REQUIRES(mu_);
 
   const MemoryTierOptions opts_;
@@ -269,9 +267,15 @@ class MemoryTier {
   MemoryTierStats stats_ GUARDED_BY(mu_);
   MemoryReplication* replication_ GUARDED_BY(mu_) = nullptr;
   uint64_t next_provisional_ GUARDED_BY(mu_) = 1;  // keys of trees restored before seen
-  bool restoring_ GUARDED_BY(mu_) = false;
-  std::condition_variable restored_cv_;  // restoring_ cleared; waited on with mu_
   std::vector<MemCheckpoint> lost_ GUARDED_BY(mu_);  // reported since the restart
+  MemoryRestoreGate gate_;
 };
+
+// /.ckptfs/stats' "memory_ckpt": the stats and the checkpoints held.
+nlohmann::json MemoryTierJson(const MemoryTier& tier);
+
+// What a tracker file may say about checkpoint directory `name`: its name, or for
+// Megatron's `iter_NNNNNNN` directories the iteration number.
+bool NamesCheckpoint(std::string content, const std::string& name);
 
 }  // namespace ckptfs::store

@@ -6,13 +6,17 @@
 #include <sys/mman.h>
 #include <sys/types.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <ctime>
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "common/path.h"
+#include "store/dcp/commit_names.h"
 
 #include "store/memory/memory_tier.h"
 
@@ -20,25 +24,6 @@ namespace ckptfs::store {
 
 // Keys of trees a restore made before the view looked at their marked directory.
 inline constexpr uint64_t kProvisionalTree = 1ull << 63;
-
-// What a tracker file may say about checkpoint directory `name`: its name, or for
-// Megatron's `iter_NNNNNNN` directories the iteration number.
-inline bool NamesCheckpoint(std::string content, const std::string& name) {
-  while (!content.empty() && (content.back() == '\n' || content.back() == ' ' ||
-                              content.back() == '\r' || content.back() == '\t')) {
-    content.pop_back();
-  }
-  if (content.empty()) return false;
-  if (content == name || path::Basename(content) == std::string_view(name)) return true;
-  if (name.rfind("iter_", 0) == 0 && content.find_first_not_of("0123456789") == std::string::npos &&
-      content.size() < 19) {
-    const std::string digits = name.substr(5);
-    if (!digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos) {
-      return std::stoull(digits) == std::stoull(content);
-    }
-  }
-  return false;
-}
 
 // One block of a file's bytes: its own anonymous mapping, so the budget is what is mapped.
 struct MemoryTier::Block {
@@ -82,18 +67,95 @@ struct MemoryTier::Node {
   std::string holder;
 };
 
+// Helpers over nodes; the caller holds the tier's lock.
+
 // The root of `n`'s tree, and `n`'s path in it ("" for the root).
-template <typename N>
-N* RootOf(N* n) {
+inline MemoryTier::Node* RootOf(MemoryTier::Node* n) {
   while (n->parent != nullptr) n = n->parent;
   return n;
 }
 
-template <typename N>
-inline std::string TreePathLocked(const N& n) {
+inline std::string TreePathOf(const MemoryTier::Node& n) {
   if (n.parent == nullptr) return "";
-  const std::string up = TreePathLocked(*n.parent);
+  const std::string up = TreePathOf(*n.parent);
   return up.empty() ? n.name : up + "/" + n.name;
+}
+
+// The marked directory's path (as last told) + the path in the tree.
+inline std::string PathOf(const MemoryTier::Node& n) {
+  if (n.parent == nullptr) return n.tree_path;
+  return path::Join(PathOf(*n.parent), n.name);
+}
+
+inline MemAttr AttrOf(const MemoryTier::Node& n) {
+  MemAttr a;
+  a.id = n.id;
+  a.dir = n.dir;
+  a.size = n.dir ? 4096 : n.size;
+  a.mode = n.mode;
+  a.uid = n.uid;
+  a.gid = n.gid;
+  a.mtime = n.mtime;
+  a.ctime = n.ctime;
+  a.nlink = n.dir ? 2 : 1;
+  if (n.dir) {
+    for (const auto& [name, c] : n.children) a.nlink += c->dir ? 1 : 0;
+  }
+  return a;
+}
+
+// Bytes of the files at and below `n`.
+inline uint64_t TreeBytes(const MemoryTier::Node& n) {
+  uint64_t b = n.size;
+  for (const auto& [name, c] : n.children) b += TreeBytes(*c);
+  return b;
+}
+
+// The first `max` bytes of file `n` (blocks of `block_bytes`).
+inline std::string Content(const MemoryTier::Node& n, size_t max, uint64_t block_bytes) {
+  std::string s(std::min<uint64_t>(n.size, max), '\0');
+  for (const auto& [i, b] : n.blocks) {
+    if (i * block_bytes >= s.size()) break;
+    std::memcpy(s.data() + i * block_bytes, b->p,
+                std::min<uint64_t>(block_bytes, s.size() - i * block_bytes));
+  }
+  return s;
+}
+
+// The node at `path` below `root` ("" is the root), or null.
+inline MemoryTier::Node* Walk(MemoryTier::Node* root, const std::string& path) {
+  MemoryTier::Node* at = root;
+  size_t start = 0;
+  while (start < path.size()) {
+    size_t slash = path.find('/', start);
+    if (slash == std::string::npos) slash = path.size();
+    if (slash > start) {
+      if (at == nullptr || !at->dir) return nullptr;
+      auto it = at->children.find(std::string_view(path).substr(start, slash - start));
+      at = it == at->children.end() ? nullptr : it->second;
+    }
+    start = slash + 1;
+  }
+  return at;
+}
+
+inline constexpr size_t kTrackerMax = 4096;  // a tracker is a small file
+
+// A file of a tree, outside any checkpoint, small: a tracker.
+inline bool IsTracker(const MemoryTier::Node& n) {
+  if (n.dir || n.parent == nullptr || n.size == 0 || n.size > kTrackerMax ||
+      CommitKindOf(n.name) != CommitKind::kNone || IsCheckpointFileName(n.name)) {
+    return false;
+  }
+  for (const MemoryTier::Node* a = n.parent; a->parent != nullptr; a = a->parent) {
+    if (a->committed != 0 || a->replicating || a->unreplicated) return false;
+    for (const auto& [name, c] : a->children) {
+      if (!c->dir && (IsCheckpointFileName(name) || CommitKindOf(name) != CommitKind::kNone)) {
+        return false;
+      }
+    }
+  }
+  return true;
 }
 
 }  // namespace ckptfs::store

@@ -14,23 +14,6 @@
 #include "store/primitives/crc32c.h"
 
 namespace ckptfs::store {
-namespace {
-
-constexpr size_t kTrackerMax = 4096;  // as in memory_tier.cc: a tracker is a small file
-
-std::vector<std::string> Components(const std::string& path) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start < path.size()) {
-    size_t slash = path.find('/', start);
-    if (slash == std::string::npos) slash = path.size();
-    if (slash > start) out.push_back(path.substr(start, slash - start));
-    start = slash + 1;
-  }
-  return out;
-}
-
-}  // namespace
 
 MemoryTier::Node* MemoryTier::TreeByPathLocked(const std::string& tree) const {
   for (const auto& [key, id] : trees_) {
@@ -40,40 +23,14 @@ MemoryTier::Node* MemoryTier::TreeByPathLocked(const std::string& tree) const {
   return nullptr;
 }
 
-MemoryTier::Node* MemoryTier::WalkLocked(Node* root, const std::string& path) const {
-  Node* at = root;
-  for (const std::string& c : Components(path)) {
-    if (at == nullptr || !at->dir) return nullptr;
-    auto it = at->children.find(c);
-    at = it == at->children.end() ? nullptr : it->second;
-  }
-  return at;
-}
-
 Result<const MemoryTier::Node*> MemoryTier::UnitLocked(const std::string& tree,
                                                        const std::string& path,
                                                        uint64_t seq) const {
   Node* root = TreeByPathLocked(tree);
-  const Node* n = root == nullptr ? nullptr : WalkLocked(root, path);
+  const Node* n = root == nullptr ? nullptr : Walk(root, path);
   if (n == nullptr || n == root) return NotFound("memory-only " + tree + "/" + path + " is gone");
   if (n->seq != seq) return NotFound("memory-only " + path + ": another version now");
   return n;
-}
-
-bool MemoryTier::IsTrackerLocked(const Node& n) const {
-  if (n.dir || n.parent == nullptr || n.size == 0 || n.size > kTrackerMax ||
-      CommitKindOf(n.name) != CommitKind::kNone || IsCheckpointFileName(n.name)) {
-    return false;
-  }
-  for (const Node* a = n.parent; a->parent != nullptr; a = a->parent) {
-    if (a->committed != 0 || a->replicating || a->unreplicated) return false;
-    for (const auto& [name, c] : a->children) {
-      if (!c->dir && (IsCheckpointFileName(name) || CommitKindOf(name) != CommitKind::kNone)) {
-        return false;
-      }
-    }
-  }
-  return true;
 }
 
 void MemoryTier::SetReplication(MemoryReplication* replication) {
@@ -147,84 +104,61 @@ Result<size_t> MemoryTier::ReadUnit(const std::string& tree, const std::string& 
   {
     MutexLock lock(&mu_);
     CKPT_ASSIGN_OR_RETURN(const Node* n, UnitLocked(tree, path, seq));
-    const Node* f = file.empty() ? n : WalkLocked(const_cast<Node*>(n), file);
+    const Node* f = file.empty() ? n : Walk(const_cast<Node*>(n), file);
     if (f == nullptr || f->dir) return NotFound("memory-only " + path + "/" + file + " is gone");
     id = f->id;
   }
   return Read(id, out, len, offset);
 }
 
-void MemoryTier::Replicated(const std::string& tree, const std::string& path, uint64_t seq,
-                            const std::string& holder) {
+void MemoryTier::HandedOver(const std::string& tree, const std::string& path, uint64_t seq,
+                            const Result<std::string>& holder) {
   MutexLock lock(&mu_);
   Result<const Node*> u = UnitLocked(tree, path, seq);
   if (!u.ok()) return;
   Node* n = const_cast<Node*>(*u);
+  if (!holder.ok()) {
+    if (!n->dir) {
+      spdlog::warn("memory-only tracker {}: no peer holds it: {}", PathOf(*n),
+                   holder.status().ToString());
+    }
+    if (!n->dir || !n->replicating) return;
+    n->replicating = false;
+    n->unreplicated = true;
+    ++stats_.unreplicated_checkpoints;
+    spdlog::error(
+        "memory-only checkpoint {} NOT committed: no peer took its replica ({}); the "
+        "older checkpoints of its tree stay",
+        PathOf(*n), holder.status().ToString());
+    return;
+  }
   if (!n->dir) {  // a tracker
-    n->holder = holder;
+    n->holder = *holder;
     return;
   }
   if (!n->replicating && !n->unreplicated) {
-    if (n->committed != 0 && n->holder != holder) {  // a check found it elsewhere
-      spdlog::info("memory-only checkpoint {}: its replica is now on {} (was {})", PathLocked(*n),
-                   holder, n->holder.empty() ? "none" : n->holder);
-      n->holder = holder;
+    if (n->committed != 0 && n->holder != *holder) {  // a check found it elsewhere
+      spdlog::info("memory-only checkpoint {}: its replica is now on {} (was {})", PathOf(*n),
+                   *holder, n->holder.empty() ? "none" : n->holder);
+      n->holder = *holder;
     }
     return;
   }
   ++stats_.replicated_checkpoints;
   spdlog::info("memory-only checkpoint {} committed: whole in memory here and replicated to {}",
-               PathLocked(*n), holder);
-  CommitLocked(n, holder);
+               PathOf(*n), *holder);
+  CommitLocked(n, *holder);
 }
 
-void MemoryTier::NotReplicated(const std::string& tree, const std::string& path, uint64_t seq,
-                               const std::string& why) {
+Status MemoryTier::ChargeReplicas(int64_t delta) {
   MutexLock lock(&mu_);
-  Result<const Node*> u = UnitLocked(tree, path, seq);
-  if (!u.ok()) return;
-  Node* n = const_cast<Node*>(*u);
-  if (!n->dir || !n->replicating) {
-    if (!n->dir) spdlog::warn("memory-only tracker {}: no peer holds it: {}", PathLocked(*n), why);
-    return;
+  if (delta < 0) {
+    const uint64_t bytes = static_cast<uint64_t>(-delta);
+    used_ -= std::min(used_, bytes);
+    stats_.replica_bytes -= std::min(stats_.replica_bytes, bytes);
+    return Status::Ok();
   }
-  n->replicating = false;
-  n->unreplicated = true;
-  ++stats_.unreplicated_checkpoints;
-  spdlog::error(
-      "memory-only checkpoint {} NOT committed: no peer took its replica ({}); the "
-      "older checkpoints of its tree stay",
-      PathLocked(*n), why);
-}
-
-bool MemoryTier::NamesUncommitted(const std::string& tree, const std::string& path) const {
-  MutexLock lock(&mu_);
-  Node* root = TreeByPathLocked(tree);
-  const Node* t = root == nullptr ? nullptr : WalkLocked(root, path);
-  if (t == nullptr || t->dir) return false;
-  const std::string content = ContentLocked(*t, kTrackerMax);
-  for (const auto& [id, n] : nodes_) {
-    if (n->tree == root->tree && n->dir && n->committed == 0 &&
-        (n->replicating || n->unreplicated) && NamesCheckpoint(content, n->name)) {
-      return true;
-    }
-  }
-  return false;
-}
-
-std::vector<MemoryTier::PendingUnit> MemoryTier::Unreplicated() const {
-  MutexLock lock(&mu_);
-  std::vector<PendingUnit> out;
-  for (const auto& [id, n] : nodes_) {
-    if (n->dir && n->unreplicated) {
-      out.push_back({RootOf(n.get())->tree_path, TreePathLocked(*n), n->seq});
-    }
-  }
-  return out;
-}
-
-Status MemoryTier::Charge(uint64_t bytes) {
-  MutexLock lock(&mu_);
+  const uint64_t bytes = static_cast<uint64_t>(delta);
   if (used_ + bytes > opts_.budget_bytes) {
     ++stats_.nospace_writes;
     return Status(Code::kNoSpace,
@@ -238,30 +172,24 @@ Status MemoryTier::Charge(uint64_t bytes) {
   return Status::Ok();
 }
 
-void MemoryTier::Uncharge(uint64_t bytes) {
+void MemoryRestoreGate::Close() {
   MutexLock lock(&mu_);
-  used_ -= std::min(used_, bytes);
-  stats_.replica_bytes -= std::min(stats_.replica_bytes, bytes);
+  closed_ = true;
 }
 
-void MemoryTier::BeginRestore() {
-  MutexLock lock(&mu_);
-  restoring_ = true;
-}
-
-void MemoryTier::EndRestore() {
+void MemoryRestoreGate::Open() {
   {
     MutexLock lock(&mu_);
-    restoring_ = false;
+    closed_ = false;
   }
-  restored_cv_.notify_all();
+  cv_.notify_all();
 }
 
-void MemoryTier::WaitRestored(std::chrono::milliseconds max) {
+void MemoryRestoreGate::Wait(std::chrono::milliseconds max) {
   MutexLock lock(&mu_);
-  restored_cv_.wait_for(lock.native(), max, [this] {
+  cv_.wait_for(lock.native(), max, [this] {
     mu_.AssertHeld();
-    return !restoring_;
+    return !closed_;
   });
 }
 
@@ -287,7 +215,13 @@ Status MemoryTier::RestoreFile(const std::string& tree, const std::string& path,
       nodes_.emplace(r->id, std::move(r));
       stats_.trees = trees_.size();
     }
-    const std::vector<std::string> parts = Components(path);
+    std::vector<std::string> parts;
+    for (size_t start = 0; start < path.size();) {
+      size_t slash = path.find('/', start);
+      if (slash == std::string::npos) slash = path.size();
+      if (slash > start) parts.push_back(path.substr(start, slash - start));
+      start = slash + 1;
+    }
     if (parts.empty()) return Invalid("restore: empty path");
     Node* at = root;
     for (size_t i = 0; i + 1 < parts.size(); ++i) {
@@ -310,12 +244,16 @@ Status MemoryTier::RestoreFile(const std::string& tree, const std::string& path,
   return Write(id, 0, size, fill);
 }
 
-void MemoryTier::RestoreCommitted(const std::string& tree, const std::string& path, uint64_t seq,
-                                  const std::string& holder, uint64_t bytes) {
+void MemoryTier::FinishRestore(const std::string& tree, const std::string& path, uint64_t seq,
+                               const std::string& holder, uint64_t bytes, bool whole) {
   MutexLock lock(&mu_);
   Node* root = TreeByPathLocked(tree);
-  Node* n = root == nullptr ? nullptr : WalkLocked(root, path);
+  Node* n = root == nullptr ? nullptr : Walk(root, path);
   if (n == nullptr || n == root) return;
+  if (!whole) {
+    RemoveLocked(n);  // never served partly
+    return;
+  }
   n->seq = seq;
   if (!n->dir) {
     n->holder = holder;
@@ -325,17 +263,10 @@ void MemoryTier::RestoreCommitted(const std::string& tree, const std::string& pa
   stats_.restored_bytes += bytes;
   CommitLocked(n, holder);
   // A restored checkpoint is not a lost one any more.
-  const std::string where = PathLocked(*n);
+  const std::string where = PathOf(*n);
   std::erase_if(lost_, [&](const MemCheckpoint& c) { return c.path == where; });
   spdlog::info("memory-only checkpoint {} restored from its replica on {} ({} bytes)", where,
                holder, bytes);
-}
-
-void MemoryTier::RemovePath(const std::string& tree, const std::string& path) {
-  MutexLock lock(&mu_);
-  Node* root = TreeByPathLocked(tree);
-  Node* n = root == nullptr ? nullptr : WalkLocked(root, path);
-  if (n != nullptr && n != root) RemoveLocked(n);
 }
 
 void MemoryTier::NoteLost(const std::string& tree, const std::string& path,
@@ -352,13 +283,13 @@ void MemoryTier::NoteLost(const std::string& tree, const std::string& path,
     const std::string name(path::Basename(path));
     std::vector<Node*> trackers;
     for (const auto& [id, n] : nodes_) {
-      if (n->tree == root->tree && IsTrackerLocked(*n) &&
-          NamesCheckpoint(ContentLocked(*n, kTrackerMax), name)) {
+      if (n->tree == root->tree && IsTracker(*n) &&
+          NamesCheckpoint(Content(*n, kTrackerMax, opts_.block_bytes), name)) {
         trackers.push_back(n.get());
       }
     }
     for (Node* t : trackers) {
-      spdlog::warn("memory-only tracker {} named the lost {}: dropped", PathLocked(*t), where);
+      spdlog::warn("memory-only tracker {} named the lost {}: dropped", PathOf(*t), where);
       RemoveLocked(t);
       ++stats_.trackers_dropped;
     }

@@ -19,7 +19,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr char kRecordName[] = "memory_checkpoints.json";
-constexpr int kBusyRetries = 10;  // a holder that cannot reach this node, 0.5 s apart
+constexpr int kBusyRetries = 10;   // a holder that cannot reach this node, 0.5 s apart
 constexpr uint32_t kRingAsks = 3;  // a restore asks at most this many ring nodes (+ recorded)
 
 // "x" + hex: a name component that is never empty, ".", ".." nor holds a '/'.
@@ -131,7 +131,7 @@ Result<std::unique_ptr<MemoryReplicator>> MemoryReplicator::Create(
     return Invalid("memory replicas need at least two nodes and a valid self");
   }
   std::unique_ptr<MemoryReplicator> r(new MemoryReplicator(options, tier, links));
-  tier->BeginRestore();  // before the first look at a tree: it waits for the restore
+  tier->restore_gate().Close();  // before the first look at a tree: it waits for the restore
   tier->SetReplication(r.get());
   r->own_thread_ = std::thread([p = r.get()] {
     NameThisThread("ckptfs-memrepl");
@@ -159,7 +159,7 @@ void MemoryReplicator::Stop() {
   cv_.notify_all();
   if (own_thread_.joinable()) own_thread_.join();
   if (pull_thread_.joinable()) pull_thread_.join();
-  tier_->EndRestore();  // a restore cut short: nothing waits for it any more
+  tier_->restore_gate().Open();  // a restore cut short: nothing waits for it any more
 }
 
 bool MemoryReplicator::Stopping() const {
@@ -376,12 +376,13 @@ void MemoryReplicator::OwnLoop() {
     lock.Unlock();
     if (!woken) {
       // And those no node took before: a node back up takes them now, and they commit.
-      for (const MemoryTier::PendingUnit& u : tier_->Unreplicated()) {
-        jobs.push_back(Job{options_.self, u.tree, u.path, true, u.seq, /*verify=*/true});
+      for (const MemCheckpoint& c : tier_->Checkpoints()) {
+        if (c.state != "unreplicated") continue;
+        jobs.push_back(Job{options_.self, c.tree, c.in_tree, true, c.seq, /*verify=*/true});
       }
     }
     for (const Job& job : jobs) {
-      if (!job.checkpoint && tier_->NamesUncommitted(job.tree, job.path)) {
+      if (!job.checkpoint && NamesUncommitted(job)) {
         // G4 on the replica: a tracker is handed over only once what it names is committed
         // (the checkpoints queued before it were handed first). Its next close tries again.
         spdlog::warn(
@@ -391,8 +392,10 @@ void MemoryReplicator::OwnLoop() {
         continue;
       }
       Result<std::string> holder = HandOver(job);
+      if (holder.ok() || (!job.verify && holder.status().code() != Code::kSuperseded)) {
+        tier_->HandedOver(job.tree, job.path, job.seq, holder);
+      }
       if (holder.ok()) {
-        tier_->Replicated(job.tree, job.path, job.seq, *holder);
         bool changed = false;
         if (job.checkpoint) {
           MutexLock l(&mu_);
@@ -401,8 +404,6 @@ void MemoryReplicator::OwnLoop() {
           r = Recorded{job.path, job.seq, *holder};
         }
         if (changed) WriteRecord();
-      } else if (!job.verify && holder.status().code() != Code::kSuperseded) {
-        tier_->NotReplicated(job.tree, job.path, job.seq, holder.status().ToString());
       }
       MutexLock l(&mu_);
       if (job.verify) {
@@ -478,6 +479,21 @@ Result<std::string> MemoryReplicator::HandOver(const Job& job) {
     });
     if (stop_) return Status(Code::kSuperseded, "stopping");
   }
+}
+
+bool MemoryReplicator::NamesUncommitted(const Job& tracker) {
+  char buf[4096];
+  Result<size_t> n =
+      tier_->ReadUnit(tracker.tree, tracker.path, tracker.seq, "", buf, sizeof(buf), 0);
+  if (!n.ok()) return false;
+  const std::string content(buf, *n);
+  for (const MemCheckpoint& c : tier_->Checkpoints()) {
+    if (c.tree == tracker.tree && (c.state == "replicating" || c.state == "unreplicated") &&
+        NamesCheckpoint(content, std::string(path::Basename(c.in_tree)))) {
+      return true;
+    }
+  }
+  return false;
 }
 
 // ---------------------------------------------------------------- restore
@@ -579,7 +595,7 @@ void MemoryReplicator::Restore() {
                                           : "its replica holder (" + r.holder +
                                                 ") did not give it back: " + why_none));
   }
-  tier_->EndRestore();
+  tier_->restore_gate().Open();
   const double took = std::chrono::duration<double>(Clock::now() - start).count();
   {
     MutexLock lock(&mu_);
@@ -618,12 +634,13 @@ Result<uint64_t> MemoryReplicator::RestoreUnit(uint32_t rank, const MemUnit& uni
         });
     if (st.ok() && crc != f.crc32c) st = Corrupt("replica of " + f.name + " fails its checksum");
     if (!st.ok()) {
-      tier_->RemovePath(unit.tree, unit.path);  // never served partly
+      tier_->FinishRestore(unit.tree, unit.path, unit.seq, "", 0, /*whole=*/false);
       return st;
     }
     total += f.size;
   }
-  tier_->RestoreCommitted(unit.tree, unit.path, unit.seq, links_->AddressOf(rank), total);
+  tier_->FinishRestore(unit.tree, unit.path, unit.seq, links_->AddressOf(rank), total,
+                       /*whole=*/true);
   return total;
 }
 

@@ -31,7 +31,7 @@
 // A checkpoint no node took (unreplicated) is offered again the same way, and commits once a
 // node takes it.
 //
-// Restart. Create() starts a restore: the tier's trees wait (MemoryTier::WaitRestored) while
+// Restart. Create() starts a restore: the tier's trees wait (MemoryTier::restore_gate()) while
 // this node asks for the units kept for its rank: the holders its record names, and the ring
 // (rank+1, rank+2, rank+3) up to the first node that answers, never every node (G12). It
 // rebuilds each tree's newest checkpoint and the trackers. The checkpoints this node had
@@ -152,6 +152,9 @@ class MemoryReplicator final : public MemoryReplication {
   Result<size_t> Fetch(uint32_t rank, const std::string& name, uint64_t seq, uint64_t offset,
                        std::span<char> out);
   void WriteRecord() EXCLUDES(mu_);
+  // Whether `tracker` names a checkpoint of its tree that is not committed yet (G4 on the
+  // replica: the tracker is not handed over then).
+  bool NamesUncommitted(const Job& tracker);
   bool Stopping() const EXCLUDES(mu_);
 
   const MemoryReplicatorOptions options_;

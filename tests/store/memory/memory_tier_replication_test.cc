@@ -1,6 +1,6 @@
 // MemoryTier with replication (issue 42): with a replication set, a whole checkpoint waits
 // for a peer before it commits (and before it evicts the older ones); trackers are handed
-// over on close, unless they name a checkpoint no peer holds; the manifest and bytes a
+// over on close; the manifest and bytes a
 // holder pulls; what a restart is given back (adopted by the tree when the view first looks
 // at it) and what it reports lost. And MemoryReplicas, the holder's store of other nodes'
 // units. Real torch 1.13 checkpoint files.
@@ -119,7 +119,7 @@ TEST_F(MemoryTierReplicationTest, ACheckpointCommitsOnlyOnceAPeerHoldsItThenEvic
   EXPECT_EQ(tier_->Manifest(u.tree, u.path, u.seq + 1).status().code(), Code::kNotFound)
       << "another version is not served as this one";
 
-  tier_->Replicated(u.tree, u.path, u.seq, "10.0.0.2:7470");
+  tier_->HandedOver(u.tree, u.path, u.seq, std::string("10.0.0.2:7470"));
   EXPECT_EQ(StateOf("run/mem/step2"), "committed");
   EXPECT_EQ(StateOf("run/mem/step1"), "<absent>");
   EXPECT_EQ(tier_->Lookup(root_, "step1").status().code(), Code::kNotFound);
@@ -133,18 +133,19 @@ TEST_F(MemoryTierReplicationTest, ACheckpointCommitsOnlyOnceAPeerHoldsItThenEvic
 TEST_F(MemoryTierReplicationTest, ACheckpointNoPeerTookStaysUncommittedWithTheOlderOne) {
   tier_->SetReplication(&handed_);
   Save("step1");
-  tier_->Replicated("run/mem", "step1", handed_.units[0].seq, "peer");
+  tier_->HandedOver("run/mem", "step1", handed_.units[0].seq, std::string("peer"));
   Save("step2");
-  tier_->NotReplicated("run/mem", "step2", handed_.units[1].seq, "every other node is down");
+  tier_->HandedOver("run/mem", "step2", handed_.units[1].seq,
+                    Status(Code::kIo, "every other node is down"));
   EXPECT_EQ(StateOf("run/mem/step2"), "unreplicated");
   EXPECT_EQ(StateOf("run/mem/step1"), "committed");
   EXPECT_EQ(tier_->Stats().unreplicated_checkpoints, 1u);
   // A late answer for a version that is gone changes nothing.
-  tier_->Replicated("run/mem", "step2", handed_.units[1].seq + 7, "peer");
+  tier_->HandedOver("run/mem", "step2", handed_.units[1].seq + 7, std::string("peer"));
   EXPECT_EQ(StateOf("run/mem/step2"), "unreplicated");
   // A newer checkpoint that commits supersedes it: it never commits after the newer one.
   Save("step3");
-  tier_->Replicated("run/mem", "step3", handed_.units[2].seq, "peer");
+  tier_->HandedOver("run/mem", "step3", handed_.units[2].seq, std::string("peer"));
   EXPECT_EQ(StateOf("run/mem/step3"), "committed");
   EXPECT_EQ(StateOf("run/mem/step2"), "<absent>");
   EXPECT_EQ(StateOf("run/mem/step1"), "<absent>");
@@ -170,15 +171,22 @@ TEST_F(MemoryTierReplicationTest, ATrackerIsHandedOverOnEachCloseAShardIsNot) {
   EXPECT_GT(handed_.units[1].seq, handed_.units[0].seq);
 }
 
-TEST_F(MemoryTierReplicationTest, ATrackerNamingACheckpointNoPeerHoldsYetWaits) {
+TEST_F(MemoryTierReplicationTest, AnUnreplicatedCheckpointIsListedWithItsTreePathAndVersion) {
   tier_->SetReplication(&handed_);
   Save("step1");
-  ASSERT_TRUE(Put(root_, "latest", "step1").ok());
-  EXPECT_TRUE(tier_->NamesUncommitted("run/mem", "latest")) << "step1 is still replicating";
-  tier_->Replicated("run/mem", "step1", handed_.units[0].seq, "peer");
-  EXPECT_FALSE(tier_->NamesUncommitted("run/mem", "latest"));
-  ASSERT_TRUE(Put(root_, "other", "not a checkpoint").ok());
-  EXPECT_FALSE(tier_->NamesUncommitted("run/mem", "other"));
+  tier_->HandedOver("run/mem", "step1", handed_.units[0].seq, Status(Code::kNoSpace, "full"));
+  const std::vector<MemCheckpoint> list = tier_->Checkpoints();
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].state, "unreplicated");
+  EXPECT_EQ(list[0].tree, "run/mem");
+  EXPECT_EQ(list[0].in_tree, "step1");
+  EXPECT_EQ(list[0].seq, handed_.units[0].seq);
+  // Offered again and taken: committed.
+  tier_->HandedOver("run/mem", "step1", list[0].seq, std::string("peer"));
+  EXPECT_EQ(StateOf("run/mem/step1"), "committed");
+  EXPECT_TRUE(NamesCheckpoint("step1\n", "step1"));
+  EXPECT_TRUE(NamesCheckpoint("15", "iter_0000015"));
+  EXPECT_FALSE(NamesCheckpoint("step1", "step2"));
 }
 
 TEST_F(MemoryTierReplicationTest, ARestoreIsAdoptedByItsTreeAndALostOneTakesItsTracker) {
@@ -186,18 +194,18 @@ TEST_F(MemoryTierReplicationTest, ARestoreIsAdoptedByItsTreeAndALostOneTakesItsT
   o.budget_bytes = 64 * kBlock;
   o.block_bytes = kBlock;
   MemoryTier fresh(o);  // a restarted daemon: no tree looked at yet
-  fresh.BeginRestore();
+  fresh.restore_gate().Close();
   const std::string shard = ReadFixture("__0_0.distcp"), md = ReadFixture(".metadata");
   ASSERT_TRUE(
       fresh.RestoreFile("run/mem", "step2/__0_0.distcp", shard.size(), FillFrom(shard)).ok());
   ASSERT_TRUE(fresh.RestoreFile("run/mem", "step2/.metadata", md.size(), FillFrom(md)).ok());
-  fresh.RestoreCommitted("run/mem", "step2", 99, "peer:1", shard.size() + md.size());
+  fresh.FinishRestore("run/mem", "step2", 99, "peer:1", shard.size() + md.size(), true);
   const std::string tracker = "step1";
   ASSERT_TRUE(fresh.RestoreFile("run/mem", "latest", tracker.size(), FillFrom(tracker)).ok());
   ASSERT_TRUE(fresh.RestoreFile("other", "old/latest", tracker.size(), FillFrom(tracker)).ok());
   fresh.NoteLost("run/mem", "step1", "no peer holds it");
-  fresh.EndRestore();
-  fresh.WaitRestored(std::chrono::milliseconds(1));  // returns at once
+  fresh.restore_gate().Open();
+  fresh.restore_gate().Wait(std::chrono::milliseconds(1));  // returns at once
 
   // The view's first look at the marked directory: the restored tree is that one.
   const uint64_t root = fresh.TreeRoot(/*key=*/77, "run/mem");
@@ -224,8 +232,8 @@ TEST_F(MemoryTierReplicationTest, ARestoreIsAdoptedByItsTreeAndALostOneTakesItsT
   auto old = fresh.Lookup(other, "old");
   ASSERT_TRUE(old.ok());
   EXPECT_TRUE(fresh.Lookup(old->id, "latest").ok());
-  // Removing a partial restore leaves nothing of it.
-  fresh.RemovePath("run/mem", "step2");
+  // A restore that failed part way leaves nothing of it.
+  fresh.FinishRestore("run/mem", "step2", 99, "", 0, /*whole=*/false);
   EXPECT_EQ(fresh.Lookup(root, "step2").status().code(), Code::kNotFound);
 }
 

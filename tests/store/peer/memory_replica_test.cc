@@ -196,7 +196,7 @@ TEST_F(MemoryReplicaTest, CommittedOnceThePeerHoldsItBackAfterARestartLostWithTh
   // The writer restarts: its trees wait for the restore, then serve it exactly.
   Start(0, state_dir_.string());
   a = nodes_[0].tier.get();
-  a->WaitRestored(10s);
+  a->restore_gate().Wait(10s);
   const uint64_t root2 = a->TreeRoot(77, "run/mem");
   auto d2 = a->Lookup(root2, "step1");
   ASSERT_TRUE(d2.ok()) << d2.status().ToString();
@@ -217,7 +217,7 @@ TEST_F(MemoryReplicaTest, CommittedOnceThePeerHoldsItBackAfterARestartLostWithTh
   Start(1, "");
   Start(0, state_dir_.string());
   a = nodes_[0].tier.get();
-  a->WaitRestored(10s);
+  a->restore_gate().Wait(10s);
   const uint64_t root3 = a->TreeRoot(78, "run/mem");
   EXPECT_EQ(a->Lookup(root3, "step1").status().code(), Code::kNotFound);
   EXPECT_EQ(a->Lookup(root3, "latest").status().code(), Code::kNotFound);
