@@ -120,8 +120,8 @@ class MemoryTierPeers(unittest.TestCase):
     def direct_load(self, ckpt):
         """Seconds to read a checkpoint of the same size from the backing dir itself, in the
         cluster's throttled cgroup (this process joins it meanwhile), with the page cache
-        dropped first (as test_membership.py); and, with CKPTFS_MEMTIER_TORCH_DIRECT=1, of
-        the 4-rank torch load of it (about a minute at 3 MiB/s: off by default)."""
+        dropped first (as test_membership.py); and of the 4-rank torch load of it (cache
+        dropped again; CKPTFS_MEMTIER_TORCH_DIRECT=0 skips it)."""
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
         with open(os.path.join(self.c.cgroup, "cgroup.procs"), "w") as f:
@@ -129,7 +129,7 @@ class MemoryTierPeers(unittest.TestCase):
         try:
             n, read_s = self.read_all(ckpt)
             load_s = None
-            if os.environ.get("CKPTFS_MEMTIER_TORCH_DIRECT") == "1":
+            if os.environ.get("CKPTFS_MEMTIER_TORCH_DIRECT") != "0":
                 with open("/proc/sys/vm/drop_caches", "w") as f:
                     f.write("3\n")
                 t0 = time.monotonic()
@@ -183,8 +183,10 @@ class MemoryTierPeers(unittest.TestCase):
         # The issue asks for 0.1x; start, restore and every byte read together make it.
         self.assertLessEqual(restart_read_s, 0.1 * direct_read_s)
         if direct_load_s:
-            # Both sides start 4 torch ranks, whose start-up dominates on a busy machine.
-            self.assertLessEqual(load_s, 0.5 * direct_load_s)
+            # Both sides start 4 torch ranks (forked from one zygote), which a busy machine
+            # slows alike: CI fails it only above 0.25x (the issue asks for 0.1x; measured
+            # 0.04-0.07x on a quiet machine).
+            self.assertLessEqual(load_s, 0.25 * direct_load_s)
 
         # Writer and replica holder both lost.
         n1.kill(signal.SIGKILL)
