@@ -22,7 +22,8 @@
 // With peers (SetReplication, store/peer/memory_replica.h), a checkpoint whose files are all
 // here is *replicating* until one peer holds a copy of it, and committed (evicting the older
 // ones) only then; a tracker (a small file outside any checkpoint) is copied to the peer on
-// each close. A restarted daemon gets its units back (Restore*), and a recorded checkpoint
+// each close. A restarted daemon gets its units back (RestoreFile, FinishRestore, while
+// restore_gate() is closed), and a recorded checkpoint
 // that no peer gave back is *lost* (NoteLost): listed as such, never served.
 //
 // Node ids are never reused. Open files hold ids: a node that is gone (unlinked, dropped)

@@ -22,7 +22,7 @@
 //   replica/<origin>/<tree>/<path>/<file>  the holder's bytes of one file of a replica
 // The holder checks every file against the manifest's CRC32C (each block also carries the
 // transport's), and keeps a unit only whole (store/memory/memory_replicas.h), in its own
-// --memory-ckpt-mem. The writer polls "pull" until "D", then commits (MemoryTier::Replicated).
+// --memory-ckpt-mem. The writer polls "pull" until "D", then commits (MemoryTier::HandedOver).
 //
 // Still held. Every verify_interval while idle, the writer asks its committed checkpoints'
 // holders again ("pull" answers "D" at once when held): a holder that restarted, and so lost
