@@ -23,8 +23,8 @@
 // here is *replicating* until one peer holds a copy of it, and committed (evicting the older
 // ones) only then; a tracker (a small file outside any checkpoint) is copied to the peer on
 // each close. A restarted daemon gets its units back (RestoreFile, FinishRestore, while
-// restore_gate() is closed), and a recorded checkpoint
-// that no peer gave back is *lost* (NoteLost): listed as such, never served.
+// restore_gate() is closed), and a recorded checkpoint that no peer gave back is *lost*
+// (NoteLost): listed as such, never served.
 //
 // Node ids are never reused. Open files hold ids: a node that is gone (unlinked, dropped)
 // answers kNotFound. Stop (DropAll) drops every tree: without peers nothing else holds
