@@ -24,6 +24,8 @@ set(CKPTFS_PIPELINE_TEST_FILES
 # Store sources the peer library needs (ckptfs_fs links it whole, so its objects that the
 # linker pulls must find these in the trimmed ckptfs_store).
 set(CKPTFS_PIPELINE_EXTRA_SOURCES
+    store/publish/journal_halt.cc   # Journal's halts and its stop: no header of their own
+    store/publish/journal_stop.cc
     store/cache/retained_tier.cc
     store/cache/retained_tier_report.cc
     store/dcp/checkpoint_source.cc)
