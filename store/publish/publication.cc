@@ -141,7 +141,28 @@ void Publication::NoteWriteBegun(const std::string& dir, const std::string& name
 }
 
 bool Publication::DropIfHalted(const std::string& path) {
-  if (!journal_->DropIfHalted(path)) return false;
+  // A checkpoint whose queued publishes are dropped never commits: a tracker queued behind
+  // them that names it is withheld, as one naming an aborted checkpoint (Abort), until the
+  // directory is removed or committed again. Marked before the journal drops anything, so
+  // the publisher cannot reach such a tracker first.
+  const std::string dir = path::Parent(path);
+  const std::optional<CheckpointInfo> info = registry_->Get(dir);
+  bool marked = false;
+  if (info && info->state != CkptState::kCommitted) {
+    MutexLock lock(&lost_mu_);
+    if (lost_.count(dir) == 0) {
+      if (lost_.size() >= 1024) lost_.erase(lost_.begin());
+      lost_[dir] = "deleted through the mount before it was published";
+      marked = true;
+    }
+  }
+  if (!journal_->DropIfHalted(path)) {
+    if (marked) {
+      MutexLock lock(&lost_mu_);
+      lost_.erase(dir);
+    }
+    return false;
+  }
   MutexLock lock(&dropped_mu_);
   dropped_paths_.insert(path);
   return true;
@@ -156,6 +177,16 @@ bool Publication::DeletedLocally(const std::string& path) {
 
 CommitCheck Publication::CheckCommit(const JournalEntry& e, const QueuedPublishes& queued) {
   CommitCheck check = gate_->Check(e, &queued);  // may give up a checkpoint (GaveUp)
+  if (check.status.code() == Code::kAborted && IsCommitName(e.path)) {
+    // A shard of it was deleted before it was published, its publish dropped behind a
+    // halt (DropIfHalted marked the directory): it can never commit, and the application
+    // removed it. Decided, as a commit given up for a lost node is: skipped instead of a
+    // halt that waits for an operator, and a tracker naming it stays withheld.
+    MutexLock lock(&lost_mu_);
+    if (lost_.count(path::Parent(e.path)) > 0) {
+      return Status(Code::kNodeLost, check.status.message());
+    }
+  }
   if (check.status.ok() && check.ready && !IsCommitName(e.path) && IsTrackerCandidate(e)) {
     if (auto lost = NamesLostCheckpoint(e)) {
       // G4 over G8: the tracker would name a checkpoint that never commits. The backing
