@@ -1,10 +1,12 @@
 #include "store/publish/publication.h"
 
+#include <malloc.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 
 #include "common/path.h"
 #include "store/dcp/checkpoint_source.h"
@@ -374,6 +376,29 @@ void Publication::OnDone(const JournalEntry& e, const Status& st) {
   observer_->OnOutcome(e, st);
   if (options_.retained) options_.retained->OnJournalDone(e, st);
   shard_states_->NoteDone(e, st);  // after the mount let go of a published path
+  TrimHeapAfterBacklog();
+}
+
+void Publication::TrimHeapAfterBacklog() {
+  // A backlog (a slow or failing store while the application goes on) holds thousands of
+  // queued entries, each with its records, paths and write state; once they are done the
+  // allocator keeps their pages, spread between live objects, so RSS stayed at the
+  // backlog's peak (the soak's leak bound, issue 41). When publication has caught up after
+  // one (this entry is the last queued: the journal removes it after OnDone), the free
+  // pages go back to the system; at most every 5 s, on this thread, a few milliseconds.
+  const uint64_t pending = journal_->counts().pending;
+  {
+    MutexLock lock(&trim_mu_);
+    backlog_peak_ = std::max(backlog_peak_, pending);
+    if (pending > 1 || backlog_peak_ < 256) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_trim_ < std::chrono::seconds(5)) return;
+    last_trim_ = now;
+    backlog_peak_ = 0;
+  }
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
 }
 
 std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
