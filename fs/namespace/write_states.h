@@ -160,6 +160,7 @@ class WriteStates final : public gpu::StagingPressureListener {
   Mutex staged_mu_;
   std::set<std::weak_ptr<store::StagedFile>, std::owner_less<std::weak_ptr<store::StagedFile>>> live_staged_
       GUARDED_BY(staged_mu_);
+  size_t staged_sweep_at_ GUARDED_BY(staged_mu_) = 256;  // live_staged_'s size at the next sweep
 };
 
 }  // namespace ckptfs::fs

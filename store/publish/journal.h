@@ -278,12 +278,15 @@ class Journal final : public QueuedPublishes {
   // has not been applied: their temp files are removed and nothing of them reaches the
   // backing store. Returns what was dropped, one Describe() line each.
   std::vector<std::string> Abort(const std::string& path);
-  // The application deleted `path` through the mount while publication is halted before
-  // its pending publish (or rename onto it): that entry is dropped instead of waiting for
-  // the halt (a rename becomes the removal of its source, which the application's view no
-  // longer has either). Returns whether an entry was marked. Nothing of the entries before
-  // the halt changes, so the backing store still passes only through states the
-  // application passed through, less a file it deleted.
+  // The application deleted `path`, a name in the directory of the entry publication is
+  // halted at (a failed checkpoint it removes), through the mount while publication is
+  // halted before its pending publish (or rename onto it): that entry is dropped instead
+  // of waiting for the halt (a rename becomes the removal of its source, which the
+  // application's view no longer has either). Returns whether an entry was marked. Nothing
+  // of the entries before the halt changes, so the backing store still passes only through
+  // states the application passed through, less a file it deleted; a name elsewhere keeps
+  // its place (dropped, a tracker queued before its deletion could name a checkpoint that
+  // never commits).
   bool DropIfHalted(const std::string& path);
   // The entry the journal is halted at, if any.
   std::optional<HaltInfo> halted() const;

@@ -67,6 +67,13 @@ bool Journal::DropIfHalted(const std::string& path) {
   bool marked = false;
   {
     MutexLock lock(&mu_);
+    // Only names in the halted entry's directory (a failed checkpoint the application
+    // removes): what the halt itself holds up. Any other name behind the halt keeps its
+    // place and is published, then deleted, in the application's order; dropped, it would
+    // leave a tracker queued between naming a checkpoint that never commits (G4).
+    auto halt = std::find_if(queue_.begin(), queue_.end(),
+                             [](const Queued& q) { return !q.error.ok(); });
+    if (halt == queue_.end() || path::Parent(halt->e.path) != path::Parent(path)) return false;
     bool behind_halt = false;
     for (Queued& q : queue_) {
       if (!q.error.ok()) behind_halt = true;

@@ -1,10 +1,12 @@
 #include "store/publish/publication.h"
 
+#include <malloc.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 
 #include "common/path.h"
 #include "store/dcp/checkpoint_source.h"
@@ -141,7 +143,28 @@ void Publication::NoteWriteBegun(const std::string& dir, const std::string& name
 }
 
 bool Publication::DropIfHalted(const std::string& path) {
-  if (!journal_->DropIfHalted(path)) return false;
+  // A checkpoint whose queued publishes are dropped never commits: a tracker queued behind
+  // them that names it is withheld, as one naming an aborted checkpoint (Abort), until the
+  // directory is removed or committed again. Marked before the journal drops anything, so
+  // the publisher cannot reach such a tracker first.
+  const std::string dir = path::Parent(path);
+  const std::optional<CheckpointInfo> info = registry_->Get(dir);
+  bool marked = false;
+  if (info && info->state != CkptState::kCommitted) {
+    MutexLock lock(&lost_mu_);
+    if (lost_.count(dir) == 0) {
+      if (lost_.size() >= 1024) lost_.erase(lost_.begin());
+      lost_[dir] = "deleted through the mount before it was published";
+      marked = true;
+    }
+  }
+  if (!journal_->DropIfHalted(path)) {
+    if (marked) {
+      MutexLock lock(&lost_mu_);
+      lost_.erase(dir);
+    }
+    return false;
+  }
   MutexLock lock(&dropped_mu_);
   dropped_paths_.insert(path);
   return true;
@@ -156,6 +179,16 @@ bool Publication::DeletedLocally(const std::string& path) {
 
 CommitCheck Publication::CheckCommit(const JournalEntry& e, const QueuedPublishes& queued) {
   CommitCheck check = gate_->Check(e, &queued);  // may give up a checkpoint (GaveUp)
+  if (check.status.code() == Code::kAborted && IsCommitName(e.path)) {
+    // A shard of it was deleted before it was published, its publish dropped behind a
+    // halt (DropIfHalted marked the directory): it can never commit, and the application
+    // removed it. Decided, as a commit given up for a lost node is: skipped instead of a
+    // halt that waits for an operator, and a tracker naming it stays withheld.
+    MutexLock lock(&lost_mu_);
+    if (lost_.count(path::Parent(e.path)) > 0) {
+      return Status(Code::kNodeLost, check.status.message());
+    }
+  }
   if (check.status.ok() && check.ready && !IsCommitName(e.path) && IsTrackerCandidate(e)) {
     if (auto lost = NamesLostCheckpoint(e)) {
       // G4 over G8: the tracker would name a checkpoint that never commits. The backing
@@ -343,6 +376,29 @@ void Publication::OnDone(const JournalEntry& e, const Status& st) {
   observer_->OnOutcome(e, st);
   if (options_.retained) options_.retained->OnJournalDone(e, st);
   shard_states_->NoteDone(e, st);  // after the mount let go of a published path
+  TrimHeapAfterBacklog();
+}
+
+void Publication::TrimHeapAfterBacklog() {
+  // A backlog (a slow or failing store while the application goes on) holds thousands of
+  // queued entries, each with its records, paths and write state; once they are done the
+  // allocator keeps their pages, spread between live objects, so RSS stayed at the
+  // backlog's peak (the soak's leak bound, issue 41). When publication has caught up after
+  // one (this entry is the last queued: the journal removes it after OnDone), the free
+  // pages go back to the system; at most every 5 s, on this thread, a few milliseconds.
+  const uint64_t pending = journal_->counts().pending;
+  {
+    MutexLock lock(&trim_mu_);
+    backlog_peak_ = std::max(backlog_peak_, pending);
+    if (pending > 1 || backlog_peak_ < 256) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_trim_ < std::chrono::seconds(5)) return;
+    last_trim_ = now;
+    backlog_peak_ = 0;
+  }
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
 }
 
 std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {

@@ -201,6 +201,8 @@ class Publication final : private JournalDelegate,
   std::string NoteApplied(const JournalEntry& e, const Status& st);
   // Gives a just-published file's block CRCs (recorded by the flush pipeline) to the index.
   void HandOverBlockCrcs(const JournalEntry& e);
+  // After OnDone: returns the allocator's free pages once a backlog has drained.
+  void TrimHeapAfterBacklog() EXCLUDES(trim_mu_);
 
   BackingDir* const dir_;
   KeyIndex* const index_;
@@ -211,6 +213,12 @@ class Publication final : private JournalDelegate,
   std::unique_ptr<LocalShardStates> shard_states_;
   std::unique_ptr<CommitGate> gate_;
   std::unique_ptr<Journal> journal_;  // last: its publisher calls into the parts above
+
+  // The longest queue seen since the last trim, and when that was (TrimHeapAfterBacklog;
+  // OnDone runs on the publisher, an aborting or a stopping thread).
+  Mutex trim_mu_;
+  uint64_t backlog_peak_ GUARDED_BY(trim_mu_) = 0;
+  std::chrono::steady_clock::time_point last_trim_ GUARDED_BY(trim_mu_) = {};
 
   // Names whose pending publish was dropped because the application deleted them while
   // publication was halted: a `.metadata` naming one is refused at once.

@@ -62,8 +62,11 @@ void LocalShardStates::PutLocked(const std::string& path, ShardStatus status) {
     if (it != records_.end() && it->second.stamp == old_stamp) records_.erase(it);
   }
   // Stale order entries (paths recorded again, moved or erased) are dropped as they reach
-  // the front; keep the deque from growing without bound when the same paths repeat.
-  if (order_.size() > 2 * max_records_ + 16) {
+  // the front, which is far when the record stays small (files published, then deleted:
+  // a rotation): compact once stale entries outnumber live ones, so the deque follows
+  // the record's size, not the history (amortized O(1) per put; found by the soak's
+  // leak bound, issue 41).
+  if (order_.size() > 2 * records_.size() + 1024) {
     std::deque<std::pair<std::string, uint64_t>> live;
     for (auto& [p, s] : order_) {
       auto it = records_.find(p);

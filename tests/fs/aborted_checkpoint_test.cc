@@ -14,9 +14,12 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -101,7 +104,66 @@ class AbortedCheckpointTest : public FaultyFsTest {
 
   bool BackingHas(const std::string& rel) const { return sfs::exists(BackingPath(rel)); }
 
+  // rm -r of a checkpoint directory through the mount, as a rotation makes it: `.metadata`,
+  // then the shards in the reverse of the order they were written: the first one, where
+  // publication halts, goes last, so every delete meets the halt (a delete that lets
+  // publication run on before the next one is a race of its own, docs/RELIABILITY.md).
+  void RemoveTree(const std::string& name) {
+    auto dir = fs_->Lookup(kRootIno, name);
+    ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+    Status st = fs_->Unlink(dir->ino, ".metadata");
+    ASSERT_TRUE(st.ok()) << ".metadata: " << st.ToString();
+    for (auto it = plan_.shards.rbegin(); it != plan_.shards.rend(); ++it) {
+      const std::string& file = it->first;
+      st = fs_->Unlink(dir->ino, file);
+      ASSERT_TRUE(st.ok()) << file << ": " << st.ToString();
+    }
+    st = fs_->Rmdir(kRootIno, name);
+    ASSERT_TRUE(st.ok()) << name << ": " << st.ToString();
+  }
+
+  // Checks G4 at every publication of the tracker, as it happens: the iteration it names
+  // has its `.metadata` on the backing store. Records what each publication wrote. And
+  // fails every rename onto a name below FailRenamesBelow()'s directory (EIO, retried with
+  // backoff: publication halts at the first one until that is cleared or it is dropped).
+  void WatchTracker() {
+    dir_->SetRenameHook([this](const std::string& from, const std::string& to) {
+      {
+        std::lock_guard lock(tracker_mu_);
+        if (!fail_below_.empty() && to.rfind(fail_below_ + "/", 0) == 0) return EIO;
+      }
+      if (to != kTracker) return 0;
+      std::string text = BackingBytes(from);
+      while (!text.empty() && text.back() == '\n') text.pop_back();
+      char name[32];
+      std::snprintf(name, sizeof(name), "iter_%07d", std::atoi(text.c_str()));
+      std::lock_guard lock(tracker_mu_);
+      tracker_published_.push_back(text);
+      if (!BackingHas(std::string(name) + "/.metadata")) tracker_torn_.push_back(text);
+      return 0;
+    });
+  }
+  void FailRenamesBelow(const std::string& dir) {
+    std::lock_guard lock(tracker_mu_);
+    fail_below_ = dir;
+  }
+  std::vector<std::string> TrackersPublished() {
+    std::lock_guard lock(tracker_mu_);
+    return tracker_published_;
+  }
+  std::vector<std::string> TrackersNamingNoMetadata() {
+    std::lock_guard lock(tracker_mu_);
+    return tracker_torn_;
+  }
+  void TearDown() override {
+    if (dir_ != nullptr) dir_->SetRenameHook(nullptr);
+    FaultyFsTest::TearDown();
+  }
+
   Plan plan_;
+  std::mutex tracker_mu_;
+  std::vector<std::string> tracker_published_, tracker_torn_;
+  std::string fail_below_;
 };
 
 TEST_F(AbortedCheckpointTest, ATrackerNamingAnAbortedCheckpointIsWithheld) {
@@ -145,6 +207,79 @@ TEST_F(AbortedCheckpointTest, ATrackerNamingAnAbortedCheckpointIsWithheld) {
   // (and the withheld tracker, unless the next one replaced it first); the daemon then
   // exits 1, "not clean", and says so.
   EXPECT_GE(fs_->Shutdown().unpublished, 5u);
+}
+
+// Found by the soak (issue 41, async, seed 41101): publication halted at a checkpoint's
+// file, the trainer went on (saves and trackers queued behind the halt), and the rotation's
+// `rm -r` of a later checkpoint dropped its queued publishes (deleted before they were
+// published); the tracker naming it, queued before the removal, was then published naming a
+// checkpoint with no `.metadata`, a state the application never passed through. Only what
+// the halt itself holds up (the halted entry's directory) is dropped by a delete now; every
+// other checkpoint a delete meets behind a halt is published, its tracker after it, and
+// removed after that, in the application's order (G4).
+TEST_F(AbortedCheckpointTest, ADeleteBehindAHaltKeepsTheOrderOfOtherCheckpoints) {
+  WatchTracker();
+  SaveAndTrack("iter_0000001", 1);
+  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "the first save");
+
+  // The second save's files cannot be renamed onto their names: publication halts there.
+  FailRenamesBelow("iter_0000002");
+  SaveAndTrack("iter_0000002", 2);
+  WaitStats([](const nlohmann::json& j) { return !j["journal_halted"].is_null(); }, "the halt");
+  // The trainer goes on behind the halt; the rotation removes iter_0000003 once tracker 4
+  // was written.
+  SaveAndTrack("iter_0000003", 3);
+  SaveAndTrack("iter_0000004", 4);
+  RemoveTree("iter_0000003");
+  ASSERT_FALSE(Stats()["journal_halted"].is_null()) << "still halted at iter_0000002";
+
+  // The operator aborts the failed checkpoint; the rest is published in order. (The store
+  // heals too: an entry being retried at the abort's moment is not aborted.)
+  EXPECT_FALSE(fs_->control()->Abort("iter_0000002").empty());
+  FailRenamesBelow("");
+  WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the rest");
+  EXPECT_EQ(TrackersNamingNoMetadata(), std::vector<std::string>{})
+      << "a tracker was published naming a checkpoint whose .metadata was not there";
+  EXPECT_EQ(TrackersPublished(), (std::vector<std::string>{"1", "3", "4"}))
+      << "tracker 2 names the aborted save; tracker 3 its committed checkpoint, removed after";
+  EXPECT_FALSE(BackingHas("iter_0000003"));
+  EXPECT_TRUE(BackingHas("iter_0000004/.metadata"));
+  EXPECT_EQ(BackingBytes(kTracker), "4\n");
+  EXPECT_EQ(TempFiles(), 0u);
+  // The stop counts what never reached the backing store: the aborted save's files (and its
+  // withheld tracker, unless the next one replaced it first); nothing of iter_0000003
+  // (published, then removed).
+  const uint64_t lost = fs_->Shutdown().unpublished;
+  EXPECT_GE(lost, 1u);
+  EXPECT_LE(lost, plan_.shards.size() + 2);
+}
+
+// The halted checkpoint itself removed through the mount (rm -r instead of an operator's
+// abort: what the soak's rotation did with a save whose fsync failed, seed 41101): its
+// queued publishes are dropped so that publication goes on, it never commits, and a tracker
+// naming it is withheld as one naming an aborted checkpoint is.
+TEST_F(AbortedCheckpointTest, ATrackerNamingAHaltedCheckpointRemovedThroughTheMountIsWithheld) {
+  WatchTracker();
+  SaveAndTrack("iter_0000001", 1);
+  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "the first save");
+
+  FailRenamesBelow("iter_0000002");
+  SaveAndTrack("iter_0000002", 2);
+  WaitStats([](const nlohmann::json& j) { return !j["journal_halted"].is_null(); }, "the halt");
+  SaveAndTrack("iter_0000003", 3);
+  RemoveTree("iter_0000002");  // drops the halted entry: publication goes on
+  FailRenamesBelow("");  // the store heals (`.metadata.tmp`, not deleted, is renamed away)
+  WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the rest");
+  EXPECT_EQ(TrackersNamingNoMetadata(), std::vector<std::string>{})
+      << "a tracker was published naming a checkpoint whose .metadata was not there";
+  EXPECT_EQ(TrackersPublished(), (std::vector<std::string>{"1", "3"}));
+  EXPECT_FALSE(BackingHas("iter_0000002"));
+  EXPECT_TRUE(BackingHas("iter_0000003/.metadata"));
+  EXPECT_EQ(BackingBytes(kTracker), "3\n");
+  EXPECT_EQ(TempFiles(), 0u);
+  // The stop counts what never reached the backing store: the withheld tracker, and the
+  // removed save's files whose publishes were dropped.
+  EXPECT_GE(fs_->Shutdown().unpublished, 2u);
 }
 
 }  // namespace
