@@ -53,6 +53,11 @@ bool FlushTarget::lost() const {
   return !lost_.ok();
 }
 
+Status FlushTarget::Lost() const {
+  MutexLock lock(&mu_);
+  return lost_;
+}
+
 uint64_t FlushTarget::parked() const {
   MutexLock lock(&mu_);
   return parked_;

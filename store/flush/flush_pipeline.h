@@ -89,6 +89,7 @@ class FlushTarget {
   uint64_t inflight() const;
   uint64_t parked() const;
   bool lost() const;  // bytes were dropped: this file can never be published
+  Status Lost() const;  // why the bytes were dropped, or ok
   uint64_t bytes_flushed() const { return bytes_flushed_.load(std::memory_order_relaxed); }
   bool synced() const { return synced_.load(); }
 

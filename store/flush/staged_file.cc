@@ -59,7 +59,7 @@ void StagedFile::SealLocked() {
   StagedChunk* raw = chunk.get();
   sealed.on_done = [weak, key, raw](const Status&) {
     // Success or failure, the chunk leaves the overlay: on success the temp file has
-    // its bytes; on failure the file's sticky error makes reads fail.
+    // its bytes; on failure they are lost (a parked chunk stays until its retry).
     if (auto self = weak.lock()) {
       MutexLock lock(&self->mu_);
       auto it = self->sealed_.find(key);
@@ -164,7 +164,10 @@ Result<size_t> StagedFile::Read(char* out, size_t len, uint64_t offset) {
       overlay_len.push_back(active_->length);
     }
   }
-  CKPT_RETURN_IF_ERROR(target_->Error());
+  // A chunk parked for a retry (a transient write-back error) is still in `sealed_`, so
+  // every byte can be read; bytes the store lost for good, or any other error, fail it.
+  CKPT_RETURN_IF_ERROR(target_->Lost());
+  if (Status err = target_->Error(); !err.ok() && !IsTransient(err)) return err;
   // Bytes flushed before the snapshot are in the temp file; the rest are in `overlay`.
   CKPT_ASSIGN_OR_RETURN(size_t got, ctx_.backing->PRead(target_->fd(), out, len,
                                                         static_cast<off_t>(offset)));
