@@ -103,6 +103,10 @@ def main(argv=None):
     ap.add_argument("--kill-max", type=float, default=30, help="seconds between kills, at most")
     ap.add_argument("--quiet-frac", type=float, default=0.3,
                     help="last fraction of each mode without kills (the leak bound)")
+    ap.add_argument("--leak-report-only", action="store_true",
+                    help="report the RSS bound (soak.json's leak, a LEAK line) without failing "
+                         "on it: CI's 3-minute form, whose quiet phase is mostly the "
+                         "allocator's warm-up (the long soak judges it, docs/RELIABILITY.md)")
     ap.add_argument("--keep", action="store_true", help="keep the work dirs even on success")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)

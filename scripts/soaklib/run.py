@@ -108,11 +108,15 @@ class ModeRun(Workloads, Checks):
             self.failures.append(f)
         print(f"[{self.mode} {f['t']:8.1f}] FAIL {what}\n{f['detail'][-1500:]}", flush=True)
 
-    def app_op(self, name, op, seeds=None, mutates=True):
+    def app_op(self, name, op, seeds=None, mutates=True, history=None):
+        """history: every seed this op saves into the directory (a re-save job's), kept as
+        unconfirmed until confirm() (async: a kill may leave any of them, G4's prefix)."""
         with self.lock:
             self.ev += 1
             d = self.dirs.setdefault(name, {"op": None, "mut": 0, "done": 0, "begin": 0,
-                                            "seeds": set()})
+                                            "seeds": set(), "unconfirmed": set()})
+            if history is not None:
+                d["unconfirmed"].update(history)
             d["op"] = op
             if mutates:
                 d["mut"] = self.ev
@@ -123,6 +127,24 @@ class ModeRun(Workloads, Checks):
             if seeds is not None:
                 d["seeds"] = set(seeds)
             return self.ev
+
+    def confirm(self, name, seed):
+        """The daemon said `name`'s last save is published: no kill can take it back."""
+        with self.lock:
+            d = self.dirs.get(name)
+            if d is not None:
+                d["unconfirmed"] = {seed}
+
+    def widen_after_kill(self):
+        """Async: a SIGKILL leaves a prefix of the application's history on the backing
+        store (G4), so a re-saved directory whose last save was not yet confirmed published
+        may hold any save since the last confirmed one."""
+        if self.mode != "async":
+            return
+        with self.lock:
+            for d in self.dirs.values():
+                if d.get("unconfirmed"):
+                    d["seeds"] = d["seeds"] | d["unconfirmed"]
 
     def mutated_since(self, name, ev):
         with self.lock:
@@ -255,6 +277,7 @@ class ModeRun(Workloads, Checks):
             ops = [o for o in self.ops_before_kill]
         t_kill = now()
         self.kill_daemon(i)
+        self.widen_after_kill()
         if why == "kill":
             self.counts["daemon_kills"] += 1
             self.counts["peer_kills"] += i != 0
@@ -461,8 +484,14 @@ class ModeRun(Workloads, Checks):
             return
         self.leak.update(checked=True, saves_between=between, base=base, end=end)
         if end["rss_other_mb"] > base["rss_other_mb"] * 1.10:
-            self.fail("leak: daemon RSS (less staging, retained tier and block cache) grew "
-                      "more than 10 %", json.dumps(self.leak))
+            what = "leak: daemon RSS (less staging, retained tier and block cache) grew more than 10 %"
+            self.leak["over_bound"] = True
+            if getattr(self.args, "leak_report_only", False):
+                print(f"[{self.mode}] LEAK (reported only): {what}: "
+                      f"{base['rss_other_mb']} -> {end['rss_other_mb']} MiB over {between} saves",
+                      flush=True)
+            else:
+                self.fail(what, json.dumps(self.leak))
         if end["fds"] > base["fds"] + 4:
             self.fail("leak: open fds grew", json.dumps(self.leak))
         if end["threads"] > base["threads"] + 2:

@@ -130,7 +130,7 @@ class Workloads:
             os.makedirs(d, exist_ok=True)
         except OSError:
             return
-        self.app_op(name, "resave_begin", seeds=[seeds[-1]])
+        self.app_op(name, "resave_begin", seeds=[seeds[-1]], history=seeds)
         job = Job(self, "resave", {"dir": d, "ranks": SIDE_RANKS, "seeds": seeds,
                                    "mbs": [1] * k, "single_file_per_rank": sfpr,
                                    "recreate": recreate, "dtypes_per_save": plans,
@@ -159,6 +159,7 @@ class Workloads:
                 self.fail(f"ckptfs-admin wait {name} -> {r.returncode} with no fault injected",
                           r.stdout + r.stderr)
             return
+        self.confirm(name, seeds[-1])
         self.verify_dirs([name], {name: seeds[-1]}, reason=f"{name} after wait")
 
     def side_recreate(self, n):

@@ -4,7 +4,9 @@ every 5 to 20 s and the fault layer's seeded EIO bursts (CKPTFS_SOAK_RUNS overri
 e.g. async:1,strict:2 for two daemons in network namespaces, the peer killed too: not in
 CI while its findings are open, docs/RELIABILITY.md). It
 fails when any invariant of the soak broke (its report, soak.json, says which, and its work
-directories are kept); see docs/RELIABILITY.md for the long form."""
+directories are kept); the RSS bound is printed, not judged, in this short form (its quiet
+phase is a few hundred saves at most, mostly warm-up; the long form judges it, and fds,
+threads and the state dir are still judged here); see docs/RELIABILITY.md for the long form."""
 import json
 import os
 import shutil
@@ -28,7 +30,7 @@ class Soak(unittest.TestCase):
         # ctest's TIMEOUT kill still leaves nothing behind.
         r = subprocess.run([sys.executable, SOAK, "--minutes", MINUTES, "--seed", SEED,
                             "--runs", RUNS, "--kill-min", "5", "--kill-max", "20",
-                            "--out", out], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            "--leak-report-only", "--out", out], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, timeout=float(MINUTES) * 60 + 600)
         print(r.stdout[-6000:])
         with open(os.path.join(out, "soak.json")) as f:
