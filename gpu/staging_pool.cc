@@ -695,6 +695,11 @@ size_t StagingPool::lent_bytes() const {
   return lent_.size() * chunk_bytes_;
 }
 
+size_t StagingPool::lent_and_spare_bytes() const {
+  MutexLock lock(&mu_);
+  return (lent_.size() + spares_.size()) * chunk_bytes_;
+}
+
 void StagingPool::TrimSpares(uint64_t keep_bytes) {
   std::vector<uint8_t*> bare;
   std::vector<std::function<void()>> frees;

@@ -147,6 +147,9 @@ class StagingPool final : public ChunkLender {
   // chunks of the pool's own allocation cannot be and stay.
   void TrimSpares(uint64_t keep_bytes) override EXCLUDES(mu_);
   size_t lent_bytes() const EXCLUDES(mu_);
+  // lent_bytes() + spare_bytes() read at one instant (a chunk coming back moves from lent
+  // to spare: two separate reads can count it twice).
+  size_t lent_and_spare_bytes() const EXCLUDES(mu_);
   uint64_t lends() const { return lends_.load(std::memory_order_relaxed); }
   // Loans whose spare had to be allocated (or pinned again after a trim).
   uint64_t lend_allocs() const { return lend_allocs_.load(std::memory_order_relaxed); }
