@@ -37,6 +37,7 @@ class Daemon:
         self.inc = 0                 # this node's incarnation
         self.faulty = False
         self._count_log, self._count_off, self._count = None, 0, 0
+        self._full = False
         os.makedirs(mnt, exist_ok=True)
 
     def fault_spec(self):
@@ -108,6 +109,7 @@ class Daemon:
             return 0
         if self._count_log != self.log:
             self._count_log, self._count_off, self._count = self.log, 0, 0
+            self._full = False
         try:
             with open(self.log, "rb") as f:
                 f.seek(self._count_off)
@@ -115,11 +117,27 @@ class Daemon:
         except OSError:
             return self._count
         end = data.rfind(b"\n") + 1
-        # "fault-inject: Input/output error into rename #12 (...)"; not the full-disk notes.
-        self._count += sum(1 for line in data[:end].split(b"\n")
-                           if b"fault-inject: " in line and b" into " in line)
+        for line in data[:end].split(b"\n"):
+            if b"fault-inject: " not in line:
+                continue
+            # "fault-inject: Input/output error into rename #12 (...)"
+            if b" into " in line:
+                self._count += 1
+            # The full-disk window: the daemon answers ENOSPC (a create, a write that finds
+            # staging full of refused bytes) without a new injection while it lasts.
+            elif b"the disk is full" in line:
+                self._count += 1
+                self._full = True
+            elif b"the full disk clears" in line:
+                self._full = False
         self._count_off += end
         return self._count
+
+    def disk_full(self):
+        """This incarnation's injected full disk has not been seen to clear (the daemon logs
+        the clearing at its next write after the window, so this errs on the full side)."""
+        self.faults_injected()
+        return getattr(self, "_full", False)
 
 
 def make_daemons(run):

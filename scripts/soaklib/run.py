@@ -214,7 +214,7 @@ class ModeRun(Workloads, Checks):
         the soak itself: a daemon kill, or a fault injected meanwhile."""
         if self.inc != inc or not all(d.alive() for d in self.daemons):
             return True
-        if self.faults_seen() > faults:
+        if self.faults_seen() > faults or any(d.disk_full() for d in self.daemons if d.alive()):
             self.counts["failed_by_fault"] += 1
             return True
         return False
