@@ -144,7 +144,8 @@ Status Journal::Wait(uint64_t seq) {
   MutexLock lock(&mu_);
   done_cv_.wait(lock.native(), [&] {
     mu_.AssertHeld();  // the predicate runs under the lock
-    return done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0 ||
+    return ((done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0) &&
+            unsettled_.count(seq) == 0) ||
            releasing_;
   });
   auto it = failures_.find(seq);
@@ -158,6 +159,7 @@ Status Journal::WaitUnlessHalted(uint64_t seq) {
   const Queued* halt = nullptr;
   done_cv_.wait(lock.native(), [&] {
     mu_.AssertHeld();  // the predicate runs under the lock
+    if (unsettled_.count(seq) > 0) return false;  // its Finalize runs: the outcome follows
     if (done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0) return true;
     if (releasing_) return true;
     // A halt before it first: the early return below must not hide it.
@@ -187,7 +189,8 @@ bool Journal::WaitDoneFor(uint64_t seq, std::chrono::milliseconds max) {
   MutexLock lock(&mu_);
   return done_cv_.wait_for(lock.native(), max, [&] {
     mu_.AssertHeld();  // the predicate runs under the lock
-    return done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0 ||
+    return ((done_seq_ >= seq || done_ahead_.count(seq) > 0 || failures_.count(seq) > 0) &&
+            unsettled_.count(seq) == 0) ||
            releasing_;
   }) && !(releasing_ && done_seq_ < seq && done_ahead_.count(seq) == 0 &&
           failures_.count(seq) == 0);
@@ -380,11 +383,13 @@ void Journal::Run() {
       gate_dirty_ = true;
       AdvanceDoneLocked();
       ++finalizing_;
+      unsettled_.insert(e.seq);
       lock.Unlock();
       spdlog::warn("journal: {} dropped: {}", e.Describe(), why.ToString());
       Finalize(e, why, /*applied=*/false);
       lock.Lock();
       --finalizing_;
+      unsettled_.erase(e.seq);
       lock.Unlock();
       done_cv_.notify_all();
       lock.Lock();

@@ -385,6 +385,11 @@ class Journal final : public QueuedPublishes {
   uint64_t given_up_ GUARDED_BY(mu_) = 0;
   // Entries taken off queue_ whose Finalize() (records, delegate) has not returned yet.
   uint64_t finalizing_ GUARDED_BY(mu_) = 0;
+  // Of those, the ones failed or dropped: their outcome is recorded (failures_, the done
+  // mark) before Finalize runs, but a waiter for one of them (Wait, WaitUnlessHalted,
+  // WaitDoneFor) returns only after it, so that the delegate's OnDone (the file's failed
+  // state) is in place when the strict close that waited returns its error.
+  std::set<uint64_t> unsettled_ GUARDED_BY(mu_);
   bool stop_ GUARDED_BY(mu_) = false;
   // CloseWithin() gave up: the publisher exits at its next step and leaves the queue.
   bool leaving_ GUARDED_BY(mu_) = false;

@@ -174,6 +174,7 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     if (!at_head) done_ahead_.insert(e.seq);
     AdvanceDoneLocked();
     ++finalizing_;
+    unsettled_.insert(e.seq);
     lock.Unlock();
     if (st.code() == Code::kSuperseded) {
       spdlog::info("journal: {} superseded: {}", e.Describe(), st.message());
@@ -185,6 +186,7 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     Finalize(e, st, /*applied=*/false);
     lock.Lock();
     --finalizing_;
+    unsettled_.erase(e.seq);
     lock.Unlock();
     done_cv_.notify_all();
     return;
@@ -207,12 +209,14 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     gate_seq_ = 0;
     AdvanceDoneLocked();
     ++finalizing_;  // Close() returns once their records are gone too
+    for (const auto& dropped_entry : dropped) unsettled_.insert(dropped_entry.first.seq);
     lock.Unlock();
     spdlog::error("journal: {} failed at shutdown ({}); {} entries after it not applied",
                   e.Describe(), st.ToString(), dropped.size() - 1);
     for (const auto& [d, why] : dropped) Finalize(d, why, /*applied=*/false);
     lock.Lock();
     --finalizing_;
+    for (const auto& dropped_entry : dropped) unsettled_.erase(dropped_entry.first.seq);
     lock.Unlock();
     done_cv_.notify_all();
     return;
