@@ -131,7 +131,10 @@ def main():
         shutil.copy(os.path.join(HERE, f), prog)
     plain = os.path.join(work, "plain")
     os.makedirs(plain)
-    share = (a.mib << 20) // a.nodes
+    # Every rank writes through node 0 (a memory-only checkpoint is written through one
+    # node; the others hold its replica): node 0 holds the whole checkpoint, and so does
+    # its holder. Two of them (the newest and the one it replaces) and some room.
+    share = a.mib << 20
     mem_budget = a.memory_ckpt_mem or f"{(share * 5 // 2 >> 20) + 8}M"
     bps = a.store_mbps << 20
     cluster = netns.Cluster(a.nodes, root=os.path.join(work, "cluster"),

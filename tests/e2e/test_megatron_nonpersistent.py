@@ -70,7 +70,12 @@ class MegatronNonPersistent(harness.MountedTest):
         self.assertNotIn("iter_0000015", rec["nonpersistent_dirs"])
         err = rec["enospc_error"]
         self.assertIsNotNone(err, "the save past the memory budget did not fail")
-        self.assertTrue("No space left on device" in err or "Errno 28" in err, err)
+        # torch >= 2.x's zip writer (torch.save into DCP's stream) swallows the OSError of a
+        # failed write() and fails at its next record with "unexpected pos A vs B"; an
+        # ENOSPC that lands in the stream's own flush comes through as Errno 28. Either way
+        # the daemon's count below says the write was refused for the budget.
+        self.assertTrue("No space left on device" in err or "Errno 28" in err
+                        or "unexpected pos" in err, err)
         self.assertEqual(rec["tracker_after_enospc"], 20)
         self.assertGreater(m.stats()["memory_ckpt"]["nospace_writes"], 0)
         listed = {c["path"]: c for c in m.checkpoints()}
