@@ -37,7 +37,10 @@
 #                         that assert a wall-clock bound, see below)
 #   TSAN_FILTER           gtest filter for pipeline_tests (default all of them)
 #   CKPTFS_SIDE_LOCK      `run` first waits for the lock on this file (scripts/test.sh
-#                         builds the trees beside the tests while holding it)
+#                         builds the trees and runs their tests beside the e2e tests
+#                         while holding it)
+#   SAN_RESULT            with CKPTFS_SIDE_LOCK: `run KIND` reports that side run
+#                         (SAN_RESULT.KIND.result and .result.log) if there is one
 #   SAN_GTEST_ARGS        extra arguments for every test binary (e.g. --gtest_repeat=3)
 set -uo pipefail
 
@@ -61,6 +64,14 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # wait until it is done (CKPTFS_SIDE_LOCK, held by that job) instead of racing it.
 if [[ "$mode" == run && -n "${CKPTFS_SIDE_LOCK:-}" && -e "$CKPTFS_SIDE_LOCK" ]]; then
   flock "$CKPTFS_SIDE_LOCK" true
+  # That job also ran the tests (SAN_RESULT.<kind>.result holds the exit code, .result.log
+  # the output): report its run instead of running them again.
+  if [[ -n "${SAN_RESULT:-}" && -n "$only" && -f "$SAN_RESULT.$only.result" ]]; then
+    cat "$SAN_RESULT.$only.result.log" 2>/dev/null
+    rc=$(cat "$SAN_RESULT.$only.result")
+    echo "sanitize.sh: the $only run beside the tests exited $rc"
+    exit "$rc"
+  fi
 fi
 jobs="${SAN_JOBS:-2}"
 per_binary="${SAN_TIMEOUT:-600}"

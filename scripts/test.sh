@@ -22,11 +22,12 @@
 #  * The caches the e2e tests need (the torch 2.x Debian roots, Megatron's source) are
 #    fetched while the build compiles (network and dpkg, nice 10; <build>/prefetch.log).
 #    Each script holds its own lock, so a test that needs one before it is ready waits.
-#  * The instrumented trees (scripts/sanitize.sh build) and the bounded fuzz step
-#    (scripts/fuzz.sh) run at nice 19 while ctest runs the unit and e2e tests, holding
-#    <build>-side.lock (log: <build>-side.log). The ctest entries sanitize.asan,
-#    sanitize.tsan and fuzz.smoke run after every e2e test (DEPENDS), wait for that lock
-#    and report: a failed build, a sanitizer report or a fuzz crash fails its entry.
+#  * The instrumented trees (scripts/sanitize.sh build), then their unit tests beside the
+#    bounded fuzz step (scripts/fuzz.sh), run at nice 19 while ctest runs the unit and e2e
+#    tests, holding <build>-side.lock (log: <build>-side.log). The ctest entries
+#    sanitize.asan, sanitize.tsan and fuzz.smoke run after every e2e test (DEPENDS), wait
+#    for that lock and report those runs: a failed build, a failed test, a sanitizer report
+#    or a fuzz crash fails its entry.
 # The output ends with ctest's summary and the exit code is ctest's, so no failure of a
 # side step ever passes CI. SANITIZE=0 leaves out the sanitizer and fuzz entries.
 set -uo pipefail
@@ -70,7 +71,8 @@ echo "test.sh: setup and build took ${SECONDS}s"
 
 side_pid=""
 if [ "$san_tests" = ON ] && [ $# -eq 0 ]; then
-  rm -f "$build_abs-fuzz.result" "$build_abs-fuzz.result.log"
+  rm -f "$build_abs-fuzz.result" "$build_abs-fuzz.result.log" "$build_abs-san".*.result \
+    "$build_abs-san".*.result.log
   # Taken here, before ctest starts, so that no entry can miss it; the subshell keeps it
   # until its work is done.
   exec 8>"$build_abs-side.lock"
@@ -79,16 +81,29 @@ if [ "$san_tests" = ON ] && [ $# -eq 0 ]; then
     ASAN_BUILD_DIR="$build_abs-asan" TSAN_BUILD_DIR="$build_abs-tsan" SAN_JOBS="$JOBS" \
       nice -n 19 scripts/sanitize.sh build
     echo "test.sh side: sanitizer builds exit $? at ${SECONDS}s"
+    # The instrumented unit tests run here too, beside the fuzz step (which is bounded by
+    # time, not work): the ctest entries sanitize.asan and sanitize.tsan report these runs
+    # (SAN_RESULT) instead of running them after the e2e tests, on the suite's critical path.
+    (
+      for kind in asan tsan; do
+        ASAN_BUILD_DIR="$build_abs-asan" TSAN_BUILD_DIR="$build_abs-tsan" SAN_JOBS="$JOBS" \
+          nice -n 19 scripts/sanitize.sh run "$kind" >"$build_abs-san.$kind.result.log" 2>&1
+        echo $? >"$build_abs-san.$kind.result"
+        echo "test.sh side: $kind tests exit $(cat "$build_abs-san.$kind.result") at ${SECONDS}s"
+      done
+    ) &
+    san_pid=$!
     if [ "$FUZZ_SECONDS" != 0 ]; then
       FUZZ_BUILD_DIR="$build_abs-fuzz" nice -n 19 timeout --kill-after=30 900 scripts/fuzz.sh \
         >"$build_abs-fuzz.result.log" 2>&1
       echo $? >"$build_abs-fuzz.result"
       echo "test.sh side: fuzz step exit $(cat "$build_abs-fuzz.result") at ${SECONDS}s"
     fi
+    wait "$san_pid"
   ) >"$build_abs-side.log" 2>&1 </dev/null &
   side_pid=$!
   exec 8>&-
-  echo "test.sh: sanitizer builds and the fuzz step run beside the tests ($build_abs-side.log)"
+  echo "test.sh: sanitizer builds and tests and the fuzz step run beside the tests ($build_abs-side.log)"
 fi
 
 ctest --test-dir "$BUILD_DIR" --output-on-failure "$@"

@@ -103,7 +103,7 @@ def main():
     ap.add_argument("--store-mbps", type=int, default=32, help="store write and read throttle")
     ap.add_argument("--staging-mem", default="512M", help="per daemon")
     ap.add_argument("--memory-ckpt-mem", default=None,
-                    help="per daemon (default: 2.5 checkpoints of a node's share)")
+                    help="per daemon (default: 2.5 checkpoints: node 0 takes every rank)")
     ap.add_argument("--restart", action="store_true",
                     help="also time a restart after a daemon SIGKILL (needs peers' replicas)")
     ap.add_argument("--cases", default="disk,memory,async")
