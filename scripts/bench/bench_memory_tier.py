@@ -103,7 +103,7 @@ def main():
     ap.add_argument("--store-mbps", type=int, default=32, help="store write and read throttle")
     ap.add_argument("--staging-mem", default="512M", help="per daemon")
     ap.add_argument("--memory-ckpt-mem", default=None,
-                    help="per daemon (default: 2.5 checkpoints: node 0 takes every rank)")
+                    help="per daemon (default: 2.5 checkpoints, 3.5 with a replica: node 0 takes every rank)")
     ap.add_argument("--restart", action="store_true",
                     help="also time a restart after a daemon SIGKILL (needs peers' replicas)")
     ap.add_argument("--cases", default="disk,memory,async")
@@ -133,9 +133,13 @@ def main():
     os.makedirs(plain)
     # Every rank writes through node 0 (a memory-only checkpoint is written through one
     # node; the others hold its replica): node 0 holds the whole checkpoint, and so does
-    # its holder. Two of them (the newest and the one it replaces) and some room.
+    # its holder. One node: two of them (the newest and the one it replaces). With a
+    # replica: three, since the older one stays until the newer is replicated and the
+    # next save may begin before that (a smaller budget fails that save with ENOSPC,
+    # which torch 2.x reports as its zip writer's "unexpected pos").
     share = a.mib << 20
-    mem_budget = a.memory_ckpt_mem or f"{(share * 5 // 2 >> 20) + 8}M"
+    copies_x2 = 5 if a.nodes == 1 else 7
+    mem_budget = a.memory_ckpt_mem or f"{(share * copies_x2 // 2 >> 20) + 8}M"
     bps = a.store_mbps << 20
     cluster = netns.Cluster(a.nodes, root=os.path.join(work, "cluster"),
                             throttle_bps=bps, write_throttle_bps=bps, staging=a.staging_mem,

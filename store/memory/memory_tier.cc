@@ -230,10 +230,19 @@ Status MemoryTier::Write(uint64_t id, uint64_t offset, size_t len, const Fill& f
     for (uint64_t i = offset / bs; i * bs < end; ++i) missing += n->blocks.count(i) == 0;
     if (used_ + missing * bs > opts_.budget_bytes) {
       ++stats_.nospace_writes;
-      return Status(Code::kNoSpace,
-                    fmt::format("memory-only checkpoints: --memory-ckpt-mem is full ({} of {} "
-                                "bytes in use, {} more needed for {})",
-                                used_, opts_.budget_bytes, missing * bs, PathOf(*n)));
+      Status st(Code::kNoSpace,
+                fmt::format("memory-only checkpoints: --memory-ckpt-mem is full ({} of {} "
+                            "bytes in use, {} more needed for {})",
+                            used_, opts_.budget_bytes, missing * bs, PathOf(*n)));
+      const int64_t now_s = static_cast<int64_t>(NowNs() / 1000000000ull);
+      if (now_s != nospace_logged_s_) {
+        nospace_logged_s_ = now_s;
+        spdlog::warn("ENOSPC to the application: {} ({} refused writes so far; an older "
+                     "checkpoint of a tree stays until the newer one is replicated, so with "
+                     "--peers a save can need room for three)",
+                     st.message(), stats_.nospace_writes);
+      }
+      return st;
     }
     for (uint64_t i = offset / bs; i * bs < end; ++i) {
       std::shared_ptr<Block>& b = n->blocks[i];

@@ -263,6 +263,9 @@ class MemoryTier {
   uint64_t next_id_ GUARDED_BY(mu_) = 1;
   uint64_t order_ GUARDED_BY(mu_) = 0;
   uint64_t used_ GUARDED_BY(mu_) = 0;
+  // The last second a refused write was logged (one line a second: torch 2.x's zip writer
+  // reports a refused write() as "unexpected pos", so the log is where a user sees why).
+  int64_t nospace_logged_s_ GUARDED_BY(mu_) = 0;
   std::map<uint64_t, std::unique_ptr<Node>> nodes_ GUARDED_BY(mu_);  // by id
   std::map<uint64_t, uint64_t> trees_ GUARDED_BY(mu_);  // marked dir key -> root node id
   MemoryTierStats stats_ GUARDED_BY(mu_);
