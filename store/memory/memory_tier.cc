@@ -228,7 +228,7 @@ Status MemoryTier::Write(uint64_t id, uint64_t offset, size_t len, const Fill& f
     if (n->dir) return Status(Code::kIsDir, n->name);
     uint64_t missing = 0;
     for (uint64_t i = offset / bs; i * bs < end; ++i) missing += n->blocks.count(i) == 0;
-    if (used_ + missing * bs > opts_.budget_bytes) {
+    if (used_ + missing * bs > opts_.budget_bytes && !MakeRoomLocked(n, missing * bs)) {
       ++stats_.nospace_writes;
       Status st(Code::kNoSpace,
                 fmt::format("memory-only checkpoints: --memory-ckpt-mem is full ({} of {} "
@@ -355,8 +355,6 @@ void MemoryTier::CommitLocked(Node* dir, const std::string& holder) {
 }
 
 void MemoryTier::EvictOlderLocked(Node* committed) {
-  Node* root = committed;
-  while (root->parent != nullptr) root = root->parent;
   std::vector<Node*> older;
   for (const auto& [id, n] : nodes_) {
     // An older one no peer took (unreplicated) is superseded too: it never commits after.
@@ -365,36 +363,61 @@ void MemoryTier::EvictOlderLocked(Node* committed) {
       older.push_back(n.get());
     }
   }
-  for (Node* old : older) {
-    // An ancestor or descendant of the new one (a checkpoint saved inside another): kept.
-    bool related = false;
-    for (const Node* a = committed; a != nullptr; a = a->parent) related |= a == old;
-    for (const Node* a = old; a != nullptr; a = a->parent) related |= a == committed;
-    if (related || nodes_.count(old->id) == 0) continue;
-    const std::string name = old->name, where = PathOf(*old);
-    const uint64_t bytes = TreeBytes(*old);
-    RemoveLocked(old);
-    ++stats_.evicted_checkpoints;
-    stats_.evicted_bytes += bytes;
-    // Trackers that name it vanish with it: files of the tree outside any checkpoint.
-    std::vector<Node*> trackers;
-    for (const auto& [id, n] : nodes_) {
-      if (n->tree != committed->tree || n->dir || n->size == 0 || n->size > kTrackerMax) continue;
-      bool in_ckpt = false;
-      for (const Node* a = n->parent; a != nullptr; a = a->parent) in_ckpt |= a->committed != 0;
-      if (!in_ckpt && CommitKindOf(n->name) == CommitKind::kNone &&
-          NamesCheckpoint(Content(*n, kTrackerMax, opts_.block_bytes), name)) {
-        trackers.push_back(n.get());
-      }
+  for (Node* old : older) DropOlderLocked(old, committed, "evicted by the newer commit of");
+}
+
+bool MemoryTier::DropOlderLocked(Node* old, Node* newer, const char* why) {
+  // An ancestor or descendant of the new one (a checkpoint saved inside another): kept.
+  bool related = false;
+  for (const Node* a = newer; a != nullptr; a = a->parent) related |= a == old;
+  for (const Node* a = old; a != nullptr; a = a->parent) related |= a == newer;
+  if (related || nodes_.count(old->id) == 0) return false;
+  const std::string name = old->name, where = PathOf(*old);
+  const uint64_t bytes = TreeBytes(*old);
+  RemoveLocked(old);
+  ++stats_.evicted_checkpoints;
+  stats_.evicted_bytes += bytes;
+  // Trackers that name it vanish with it: files of the tree outside any checkpoint.
+  std::vector<Node*> trackers;
+  for (const auto& [id, n] : nodes_) {
+    if (n->tree != newer->tree || n->dir || n->size == 0 || n->size > kTrackerMax) continue;
+    bool in_ckpt = false;
+    for (const Node* a = n->parent; a != nullptr; a = a->parent) in_ckpt |= a->committed != 0;
+    if (!in_ckpt && CommitKindOf(n->name) == CommitKind::kNone &&
+        NamesCheckpoint(Content(*n, kTrackerMax, opts_.block_bytes), name)) {
+      trackers.push_back(n.get());
     }
-    for (Node* t : trackers) {
-      spdlog::info("memory-only tracker {} named {}: dropped with it", PathOf(*t), where);
-      RemoveLocked(t);
-      ++stats_.trackers_dropped;
-    }
-    spdlog::info("memory-only checkpoint {} evicted by the newer commit of {} ({} bytes)", where,
-                 PathOf(*committed), bytes);
   }
+  for (Node* t : trackers) {
+    spdlog::info("memory-only tracker {} named {}: dropped with it", PathOf(*t), where);
+    RemoveLocked(t);
+    ++stats_.trackers_dropped;
+  }
+  spdlog::info("memory-only checkpoint {} {} {} ({} bytes)", where, why, PathOf(*newer), bytes);
+  return true;
+}
+
+bool MemoryTier::MakeRoomLocked(Node* writing, uint64_t need) {
+  // A save that needs room drops the older checkpoints of its tree that still wait for a
+  // replica (replicating, or no peer took it), oldest first: the newer save supersedes
+  // them, as its commit would. The newest committed one is never dropped, so the tree
+  // always has one to load while the new one is written and replicated. Saves faster
+  // than replication thus keep the newest instead of failing with ENOSPC.
+  std::vector<Node*> waiting;
+  for (const auto& [id, n] : nodes_) {
+    if (n->tree == writing->tree && n->dir && n->committed == 0 &&
+        (n->replicating || n->unreplicated)) {
+      waiting.push_back(n.get());
+    }
+  }
+  std::sort(waiting.begin(), waiting.end(), [](const Node* a, const Node* b) { return a->seq < b->seq; });
+  for (Node* old : waiting) {
+    if (used_ + need <= opts_.budget_bytes) break;
+    if (DropOlderLocked(old, writing, "dropped for room (not replicated yet) by the newer save of")) {
+      ++stats_.superseded_for_room;
+    }
+  }
+  return used_ + need <= opts_.budget_bytes;
 }
 
 void MemoryTier::Closed(uint64_t id) {
@@ -516,6 +539,7 @@ nlohmann::json MemoryTierJson(const MemoryTier& tier) {
                       {"evicted_bytes", s.evicted_bytes},
                       {"trackers_dropped", s.trackers_dropped},
                       {"nospace_writes", s.nospace_writes},
+                      {"superseded_for_room", s.superseded_for_room},
                       {"lost_checkpoints", s.lost_checkpoints},
                       {"replicated_checkpoints", s.replicated_checkpoints},
                       {"unreplicated_checkpoints", s.unreplicated_checkpoints},

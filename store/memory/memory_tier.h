@@ -123,6 +123,8 @@ struct MemoryTierStats {
   uint64_t evicted_bytes = 0;
   uint64_t trackers_dropped = 0;
   uint64_t nospace_writes = 0;
+  // Checkpoints still waiting for a replica dropped to make room for a newer save.
+  uint64_t superseded_for_room = 0;
   uint64_t lost_checkpoints = 0;  // dropped by a stop without a replica, or not given back
   uint64_t replicated_checkpoints = 0;  // committed once a peer held them
   uint64_t unreplicated_checkpoints = 0;  // no peer took them: never committed
@@ -253,6 +255,12 @@ class MemoryTier {
   // file its `.metadata` names is there and long enough, then evicts the older ones.
   void MaybeCommitLocked(Node* file) REQUIRES(mu_);
   void EvictOlderLocked(Node* committed) REQUIRES(mu_);
+  // Removes checkpoint `old` (unless it holds or is inside `newer`) and the trackers naming
+  // it, logging "`old` `why` `newer`"; false if it was kept.
+  bool DropOlderLocked(Node* old, Node* newer, const char* why) REQUIRES(mu_);
+  // Drops the oldest checkpoints of `writing`'s tree still waiting for a replica until
+  // `need` more bytes fit the budget; whether they fit.
+  bool MakeRoomLocked(Node* writing, uint64_t need) REQUIRES(mu_);
   Node* TreeByPathLocked(const std::string& tree) const REQUIRES(mu_);
   Result<const Node*> UnitLocked(const std::string& tree, const std::string& path,
                                  uint64_t seq) const REQUIRES(mu_);

@@ -151,6 +151,41 @@ TEST_F(MemoryTierReplicationTest, ACheckpointNoPeerTookStaysUncommittedWithTheOl
   EXPECT_EQ(StateOf("run/mem/step1"), "<absent>");
 }
 
+TEST_F(MemoryTierReplicationTest, ASaveFasterThanReplicationDropsTheOneStillWaitingNotTheCommitted) {
+  // Room for two checkpoints and a bit: the committed one and the one being written.
+  const uint64_t one = ReadFixture("__0_0.distcp").size() + ReadFixture(".metadata").size();
+  MemoryTierOptions o;
+  o.block_bytes = kBlock;
+  o.budget_bytes = ((2 * one + 4 * kBlock) / kBlock + 2) * kBlock;
+  tier_ = std::make_unique<MemoryTier>(o);
+  root_ = tier_->TreeRoot(/*key=*/42, "run/mem");
+  tier_->SetReplication(&handed_);
+  Save("step1");
+  tier_->HandedOver("run/mem", "step1", handed_.units[0].seq, std::string("peer"));
+  Save("step2");  // its replica is still being pulled...
+  ASSERT_EQ(StateOf("run/mem/step2"), "replicating");
+  auto tracker = tier_->Create(root_, "latest", 0644, 0, 0, false);
+  ASSERT_TRUE(tracker.ok());
+  const std::string names = "step2";
+  ASSERT_TRUE(tier_->Write(tracker->id, 0, names.size(), FillFrom(names)).ok());
+  tier_->Closed(tracker->id);
+  // ...when the next save begins: it takes step2's room instead of failing with ENOSPC.
+  Save("step3");
+  EXPECT_EQ(StateOf("run/mem/step3"), "replicating");
+  EXPECT_EQ(StateOf("run/mem/step2"), "<absent>");
+  EXPECT_EQ(StateOf("run/mem/step1"), "committed") << "the tree always keeps one to load";
+  EXPECT_EQ(tier_->Lookup(root_, "latest").status().code(), Code::kNotFound)
+      << "a tracker naming the dropped one vanishes with it";
+  EXPECT_EQ(tier_->Stats().superseded_for_room, 1u);
+  EXPECT_EQ(tier_->Stats().nospace_writes, 0u);
+  // A late answer for the dropped one changes nothing; the newest commits as usual.
+  tier_->HandedOver("run/mem", "step2", handed_.units[1].seq, std::string("peer"));
+  EXPECT_EQ(StateOf("run/mem/step2"), "<absent>");
+  tier_->HandedOver("run/mem", "step3", handed_.units.back().seq, std::string("peer"));
+  EXPECT_EQ(StateOf("run/mem/step3"), "committed");
+  EXPECT_EQ(StateOf("run/mem/step1"), "<absent>");
+}
+
 TEST_F(MemoryTierReplicationTest, ATrackerIsHandedOverOnEachCloseAShardIsNot) {
   tier_->SetReplication(&handed_);
   auto d = tier_->Mkdir(root_, "step1", 0755, 0, 0);
