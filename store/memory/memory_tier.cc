@@ -228,7 +228,29 @@ Status MemoryTier::Write(uint64_t id, uint64_t offset, size_t len, const Fill& f
     if (n->dir) return Status(Code::kIsDir, n->name);
     uint64_t missing = 0;
     for (uint64_t i = offset / bs; i * bs < end; ++i) missing += n->blocks.count(i) == 0;
-    if (used_ + missing * bs > opts_.budget_bytes && !MakeRoomLocked(n, missing * bs)) {
+    if (used_ + missing * bs > opts_.budget_bytes) {
+      // A save that needs room drops the older checkpoints of its tree that still wait for
+      // a replica (replicating, or no peer took it), oldest first: this newer save
+      // supersedes them, as its commit would. The newest committed one is never dropped,
+      // so the tree always has one to load while this one is written and replicated.
+      // Saves faster than replication thus keep the newest instead of failing.
+      std::vector<Node*> waiting;
+      for (const auto& [other_id, m] : nodes_) {
+        if (m->tree == n->tree && m->dir && m->committed == 0 &&
+            (m->replicating || m->unreplicated)) {
+          waiting.push_back(m.get());
+        }
+      }
+      std::sort(waiting.begin(), waiting.end(),
+                [](const Node* a, const Node* b) { return a->seq < b->seq; });
+      for (Node* old : waiting) {
+        if (used_ + missing * bs <= opts_.budget_bytes) break;
+        if (DropOlderLocked(old, n, "dropped for room (not replicated yet) by the newer save of")) {
+          ++stats_.superseded_for_room;
+        }
+      }
+    }
+    if (used_ + missing * bs > opts_.budget_bytes) {
       ++stats_.nospace_writes;
       Status st(Code::kNoSpace,
                 fmt::format("memory-only checkpoints: --memory-ckpt-mem is full ({} of {} "
@@ -395,29 +417,6 @@ bool MemoryTier::DropOlderLocked(Node* old, Node* newer, const char* why) {
   }
   spdlog::info("memory-only checkpoint {} {} {} ({} bytes)", where, why, PathOf(*newer), bytes);
   return true;
-}
-
-bool MemoryTier::MakeRoomLocked(Node* writing, uint64_t need) {
-  // A save that needs room drops the older checkpoints of its tree that still wait for a
-  // replica (replicating, or no peer took it), oldest first: the newer save supersedes
-  // them, as its commit would. The newest committed one is never dropped, so the tree
-  // always has one to load while the new one is written and replicated. Saves faster
-  // than replication thus keep the newest instead of failing with ENOSPC.
-  std::vector<Node*> waiting;
-  for (const auto& [id, n] : nodes_) {
-    if (n->tree == writing->tree && n->dir && n->committed == 0 &&
-        (n->replicating || n->unreplicated)) {
-      waiting.push_back(n.get());
-    }
-  }
-  std::sort(waiting.begin(), waiting.end(), [](const Node* a, const Node* b) { return a->seq < b->seq; });
-  for (Node* old : waiting) {
-    if (used_ + need <= opts_.budget_bytes) break;
-    if (DropOlderLocked(old, writing, "dropped for room (not replicated yet) by the newer save of")) {
-      ++stats_.superseded_for_room;
-    }
-  }
-  return used_ + need <= opts_.budget_bytes;
 }
 
 void MemoryTier::Closed(uint64_t id) {

@@ -258,9 +258,6 @@ class MemoryTier {
   // Removes checkpoint `old` (unless it holds or is inside `newer`) and the trackers naming
   // it, logging "`old` `why` `newer`"; false if it was kept.
   bool DropOlderLocked(Node* old, Node* newer, const char* why) REQUIRES(mu_);
-  // Drops the oldest checkpoints of `writing`'s tree still waiting for a replica until
-  // `need` more bytes fit the budget; whether they fit.
-  bool MakeRoomLocked(Node* writing, uint64_t need) REQUIRES(mu_);
   Node* TreeByPathLocked(const std::string& tree) const REQUIRES(mu_);
   Result<const Node*> UnitLocked(const std::string& tree, const std::string& path,
                                  uint64_t seq) const REQUIRES(mu_);
