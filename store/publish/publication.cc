@@ -326,7 +326,7 @@ void Publication::NoteForeignCommits() {
   }
 }
 
-bool Publication::NoteCommittedElsewhere(const std::string& dir, uint64_t since) {
+bool Publication::NoteCommittedElsewhere(const std::string& dir, double since) {
   if (!CommittedElsewhere(dir_, dir, since)) return false;
   if (since != 0) registry_->OnCommitted(dir);
   return true;

@@ -158,7 +158,9 @@ class Publication final : private JournalDelegate,
   // Whether another node published the `.metadata` of `dir` after `since`
   // (CommittedElsewhere); if so, and the registry knows the checkpoint (`since` != 0), its
   // record says committed from now on.
-  bool NoteCommittedElsewhere(const std::string& dir, uint64_t since);
+  // `since` in seconds with its fraction: a whole second would let the previous save's
+  // `.metadata`, published in the same second, commit the next one.
+  bool NoteCommittedElsewhere(const std::string& dir, double since);
 
   // ------------------------------------------------------------ operator, reports, stop
   void Resume() { journal_->Resume(); }
