@@ -41,7 +41,16 @@ bool JournalEvents::RankCommitPending(const std::string& path, uint64_t seq) {
                      store::CommitKindOf(name.substr(0, name.size() - 4)) ==
                          store::CommitKind::kDcpRank;
     if (kind != store::CommitKind::kDcpRank && !tmp) continue;
-    if (child->write || child->pending_seq > seq) return true;
+    if (child->pending_seq > seq) return true;
+    // Still to be published: open with changes, or its publish entry awaiting its outcome.
+    // Not a write state that merely outlives its applied publish until the kernel's
+    // RELEASE of the rank's handle arrives: counted as pending, the last rank's commit
+    // left the directory `writing` for good (e2e test_torch2_clients, per_rank, in CI).
+    const WriteState* ws = child->write.get();
+    if (ws != nullptr && !ws->discarded &&
+        (ws->needs_publish || table_.PublishingLocked(ws->file_id) != nullptr)) {
+      return true;
+    }
   }
   return false;
 }
