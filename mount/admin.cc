@@ -64,7 +64,8 @@ int RunAdmin(const std::vector<std::string>& args, AdminEnv* env, std::ostream& 
       app.add_subcommand("wait", "Wait, with a progress bar, until PATH is published.");
   wait->footer(
       "A checkpoint directory is done when committed. Exit status: 0 published or committed, "
-      "1 failed or aborted, 2 timeout or error.");
+      "1 failed, aborted, withheld (a tracker naming a checkpoint that never commits) or gone "
+      "unpublished, 2 timeout or error.");
   wait->add_option("PATH", path, "The file or directory to wait for")->required();
   CLI::Option* wait_timeout =
       wait->add_option("--timeout", timeout_s, "Give up after S seconds (default: never)")

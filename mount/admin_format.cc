@@ -31,7 +31,7 @@ Result<Progress> ParseProgress(std::string_view text) {
 
 StateKind ClassifyState(std::string_view state) {
   if (state == "published" || state == "committed") return StateKind::kSucceeded;
-  if (state == "failed" || state == "aborted") return StateKind::kFailed;
+  if (state == "failed" || state == "aborted" || state == "withheld") return StateKind::kFailed;
   return StateKind::kInProgress;
 }
 

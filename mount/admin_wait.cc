@@ -29,9 +29,17 @@ WaitOutcome WaitForPath(AdminEnv* env, const std::string& path, const WaitOption
     return outcome;
   };
 
+  bool seen = false;
   while (true) {
     auto raw = env->GetXattr(path, kProgressXattr);
+    if (!raw.ok() && seen && raw.status().code() == Code::kNotFound) {
+      // It was there unpublished and is gone: deleted, or a withheld tracker the backing
+      // store never had (the mount shows what the store keeps). Either way never published.
+      return stop(kExitFailed, path + ": gone from the mount before it was published (" +
+                                   DescribeProgress(outcome.last) + ")");
+    }
     if (!raw.ok()) return stop(kExitError, raw.status().message());
+    seen = true;
     auto progress = ParseProgress(*raw);
     if (!progress.ok()) return stop(kExitError, path + ": " + progress.status().message());
     outcome.last = std::move(progress).value();

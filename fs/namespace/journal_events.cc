@@ -92,12 +92,16 @@ uint64_t JournalEvents::NodePublishDone(const store::JournalEntry& e, const Stat
   MutexLock lock(&table_.mu);
   std::shared_ptr<Node> node = table_.PublishingLocked(e.file_id, /*take=*/true);
   if (!node) return 0;
-  if (st.ok()) node->halt_error.clear();  // published after retries
+  if (st.ok()) {
+    node->halt_error.clear();  // published after retries
+    node->withheld.clear();
+  }
   // A superseded `.metadata` (torch 1.13 writes it in place): its file lives on in the
   // later version that replaced it.
   // A tracker withheld for a lost node's checkpoint (kNodeLost) failed nothing of its
   // own: the mount shows what the backing store keeps (the tracker before it), and the
   // next write replaces it as usual.
+  if (st.code() == Code::kNodeLost) node->withheld = st.message();
   if (!st.ok() && st.code() != Code::kSuperseded && st.code() != Code::kNodeLost) {
     node->error = "publication failed: " + st.ToString();
     node->on_backing = false;

@@ -61,6 +61,10 @@ std::string NamespaceReport::ProgressJson(uint64_t ino) {
         // Publication halts here on a transient error; the bytes are kept and retried.
         j["state"] = "retrying";
         j["error"] = node->halt_error;
+      } else if (!node->withheld.empty() && !node->write) {
+        // Never published: `ckptfs-admin wait` on it fails instead of reporting success.
+        j["state"] = "withheld";
+        j["error"] = node->withheld;
       } else if (node->write) {
         const WriteState& ws = *node->write;
         const uint64_t size = ws.staged->size();

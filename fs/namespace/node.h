@@ -110,6 +110,9 @@ struct Node {
   // its bytes are still served from staging and its temp file.
   std::string halt_error;
   bool halt_transient = false;  // retried by itself
+  // A tracker withheld (G4): it names a checkpoint that never commits, so the backing store
+  // keeps the one before it. Its progress says so until a later version is published.
+  std::string withheld;
   // Lock order: NodeTable::mu before data_mu. A leaf: held only to copy NodeData.
   mutable Mutex data_mu;
   NodeData data GUARDED_BY(data_mu);

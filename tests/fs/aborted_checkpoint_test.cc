@@ -190,12 +190,22 @@ TEST_F(AbortedCheckpointTest, ATrackerNamingAnAbortedCheckpointIsWithheld) {
   EXPECT_FALSE(BackingHas("iter_0000002/.metadata"));
   EXPECT_EQ(BackingBytes(kTracker), "1\n")
       << "the tracker names iter_0000002, which was aborted and never commits";
+  // `ckptfs-admin wait` on it fails with the reason instead of reporting it published.
+  auto tracker = fs_->Lookup(kRootIno, kTracker);
+  ASSERT_TRUE(tracker.ok()) << tracker.status().ToString();
+  EXPECT_EQ(*fs_->GetXattr(tracker->ino, kStateXattr), "withheld");
+  auto progress = nlohmann::json::parse(*fs_->GetXattr(tracker->ino, kProgressXattr));
+  EXPECT_NE(progress["error"].get<std::string>().find("iter_0000002"), std::string::npos)
+      << progress.dump();
 
   // The next save commits, and its tracker is published.
   SaveAndTrack("iter_0000003", 3);
   WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the third save");
   EXPECT_TRUE(BackingHas("iter_0000003/.metadata"));
   EXPECT_EQ(BackingBytes(kTracker), "3\n");
+  tracker = fs_->Lookup(kRootIno, kTracker);
+  ASSERT_TRUE(tracker.ok()) << tracker.status().ToString();
+  EXPECT_EQ(*fs_->GetXattr(tracker->ino, kStateXattr), "published");
 
   // A save into the aborted directory again commits it: a tracker naming it is published.
   SaveAndTrack("iter_0000002", 2);

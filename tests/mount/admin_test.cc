@@ -417,6 +417,29 @@ TEST(WaitForPath, FailedAndAbortedExitOneWithTheError) {
   }
 }
 
+TEST(WaitForPath, AWithheldTrackerExitsOneWithTheReason) {
+  FakeEnv env;
+  env.xattrs = {ProgressJson("staged", 4, 0),
+                ProgressJson("withheld", 4, 4, "it names checkpoint ckpt, which was given up")};
+  std::ostringstream err;
+  WaitOutcome w = WaitForPath(&env, "/m/latest", {}, err);
+  EXPECT_EQ(w.exit_code, kExitFailed);
+  EXPECT_THAT(w.message, HasSubstr("withheld: it names checkpoint ckpt"));
+}
+
+TEST(WaitForPath, APathGoneAfterItWasSeenExitsOneAndOneNeverSeenExitsTwo) {
+  // Gone unpublished: deleted, or a withheld tracker the backing store never had.
+  FakeEnv env;
+  env.xattrs = {ProgressJson("staged", 4, 0), Status::FromErrno(ENOENT, "/m/latest: getxattr")};
+  std::ostringstream err;
+  WaitOutcome w = WaitForPath(&env, "/m/latest", {}, err);
+  EXPECT_EQ(w.exit_code, kExitFailed);
+  EXPECT_THAT(w.message, HasSubstr("gone from the mount before it was published"));
+  FakeEnv never;
+  never.xattrs = {Status::FromErrno(ENOENT, "/m/latest: getxattr")};
+  EXPECT_EQ(WaitForPath(&never, "/m/latest", {}, err).exit_code, kExitError);
+}
+
 TEST(WaitForPath, TimesOutWithExitTwoWithoutSleepingPastTheDeadline) {
   FakeEnv env;
   env.xattrs = {ProgressJson("staged", 2048, 1024)};
