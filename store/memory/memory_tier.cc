@@ -400,17 +400,7 @@ bool MemoryTier::DropOlderLocked(Node* old, Node* newer, const char* why) {
   ++stats_.evicted_checkpoints;
   stats_.evicted_bytes += bytes;
   // Trackers that name it vanish with it: files of the tree outside any checkpoint.
-  std::vector<Node*> trackers;
-  for (const auto& [id, n] : nodes_) {
-    if (n->tree != newer->tree || n->dir || n->size == 0 || n->size > kTrackerMax) continue;
-    bool in_ckpt = false;
-    for (const Node* a = n->parent; a != nullptr; a = a->parent) in_ckpt |= a->committed != 0;
-    if (!in_ckpt && CommitKindOf(n->name) == CommitKind::kNone &&
-        NamesCheckpoint(Content(*n, kTrackerMax, opts_.block_bytes), name)) {
-      trackers.push_back(n.get());
-    }
-  }
-  for (Node* t : trackers) {
+  for (Node* t : TrackersNaming(nodes_, newer->tree, name, opts_.block_bytes)) {
     spdlog::info("memory-only tracker {} named {}: dropped with it", PathOf(*t), where);
     RemoveLocked(t);
     ++stats_.trackers_dropped;

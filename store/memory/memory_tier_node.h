@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/path.h"
 #include "store/dcp/commit_names.h"
@@ -156,6 +157,21 @@ inline bool IsTracker(const MemoryTier::Node& n) {
     }
   }
   return true;
+}
+
+// The trackers of tree `tree` naming checkpoint `name`: they go when it goes (evicted,
+// dropped for room, lost), so that none names what is no longer served (G4).
+inline std::vector<MemoryTier::Node*> TrackersNaming(
+    const std::map<uint64_t, std::unique_ptr<MemoryTier::Node>>& nodes, uint64_t tree,
+    std::string_view name, uint64_t block_bytes) {
+  std::vector<MemoryTier::Node*> trackers;
+  for (const auto& [id, n] : nodes) {
+    if (n->tree == tree && IsTracker(*n) &&
+        NamesCheckpoint(Content(*n, kTrackerMax, block_bytes), std::string(name))) {
+      trackers.push_back(n.get());
+    }
+  }
+  return trackers;
 }
 
 }  // namespace ckptfs::store

@@ -280,15 +280,7 @@ void MemoryTier::NoteLost(const std::string& tree, const std::string& path,
   lost_.push_back({where, "lost", 0, "lost: " + why, ""});
   // A tracker of its tree that names it (given back by another peer) vanishes with it.
   if (Node* root = TreeByPathLocked(tree)) {
-    const std::string name(path::Basename(path));
-    std::vector<Node*> trackers;
-    for (const auto& [id, n] : nodes_) {
-      if (n->tree == root->tree && IsTracker(*n) &&
-          NamesCheckpoint(Content(*n, kTrackerMax, opts_.block_bytes), name)) {
-        trackers.push_back(n.get());
-      }
-    }
-    for (Node* t : trackers) {
+    for (Node* t : TrackersNaming(nodes_, root->tree, path::Basename(path), opts_.block_bytes)) {
       spdlog::warn("memory-only tracker {} named the lost {}: dropped", PathOf(*t), where);
       RemoveLocked(t);
       ++stats_.trackers_dropped;
