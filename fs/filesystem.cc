@@ -123,6 +123,8 @@ Status Filesystem::Init(FsDeps deps) {
   pub_options.cross_node_order = config_.peers != nullptr;
   // Strict mode returns every failure to the operation that caused it: nothing waits.
   pub_options.halt_on_failure = !config_.strict;
+  // Strict callers wait for their own entries; async ones for room in the backlog.
+  pub_options.max_pending = config_.strict ? 0 : config_.max_pending;
   pub_options.temp_prefix = WriteStates::TempPrefix(config_);
   pub_options.retained = retained_.get();
   // Shards written through other mounts: the gate asks their daemons (docs/PEERS.md,
@@ -288,11 +290,16 @@ Result<std::pair<Entry, Handle*>> Filesystem::Create(uint64_t parent, const std:
                                                      mode_t mode, int flags,
                                                      const Caller& caller) {
   if (auto dir = memory_->DirOf(parent)) return memory_->Create(*dir, name, mode, flags, caller);
+  // Async: a new file waits while the backlog for the backing store is full (--max-pending).
+  publication_->AwaitBacklogRoom();
   return ns_->writes().Create(parent, name, mode, flags, caller);
 }
 
 Result<Handle*> Filesystem::Open(uint64_t ino, int flags) {
   if (MemoryView::Owns(ino)) return memory_->Open(ino, flags);
+  if ((flags & O_ACCMODE) != O_RDONLY && !ControlTree::IsControl(ino) && !TensorView::Owns(ino)) {
+    publication_->AwaitBacklogRoom();  // a new version of the file, as Create
+  }
   Result<Handle*> h = ControlTree::IsControl(ino) || TensorView::Owns(ino)
                            ? control_->CtlOpen(ino, flags)
                            : ns_->writes().NodeOpen(ino, flags);

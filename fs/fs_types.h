@@ -55,6 +55,8 @@ struct FsConfig {
   bool write_checksums = true;
   // How long a `.metadata` publication waits for shards from other writers to appear.
   std::chrono::milliseconds commit_timeout{std::chrono::minutes(10)};
+  // Async: entries queued for the backing store before a create waits for room (0: none).
+  size_t max_pending = 0;
   // How long a stop waits without progress while publication is halted or a commit waits
   // at the gate, before it leaves what is queued for the next start (Shutdown()).
   std::chrono::milliseconds stop_timeout{std::chrono::seconds(30)};

@@ -221,6 +221,7 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   config.flush_direct_io = o.flush_direct_io;
   config.write_checksums = o.write_checksums;
   config.commit_timeout = std::chrono::seconds(o.commit_timeout_s);
+  config.max_pending = static_cast<size_t>(o.max_pending);
   config.stop_timeout = std::chrono::seconds(o.stop_timeout_s);
   config.peers = std::move(peers);
   if (config.peers) {

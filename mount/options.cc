@@ -172,6 +172,13 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   app.add_option("--commit-timeout", o.commit_timeout_s,
                  "Seconds a .metadata waits for its shards (default 600)")
       ->check(CLI::Range(1, 86400));
+  app.add_option("--max-pending", o.max_pending,
+                 "Async mode: journal entries (a file's publish, a rename, a delete) that may "
+                 "wait for the backing store before a new file's create or truncating open "
+                 "waits for room, up to a minute, instead of the backlog growing without "
+                 "bound (each pending publish holds an open temp file; default 1024, 0: no "
+                 "bound). It does not wait while publication is halted.")
+      ->check(CLI::Range(0, 1 << 24));
   app.add_option("--stop-timeout", o.stop_timeout_s,
                  "Seconds a stop waits without progress for a halted or waiting publication "
                  "before it leaves the rest for the next start and exits 3 (default 30)")

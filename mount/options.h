@@ -36,6 +36,7 @@ struct DaemonOptions {
   int flush_threads = 2;
   int fuse_threads = 32;
   int commit_timeout_s = 600;
+  int max_pending = 1024;
   // A stop waits this long without progress for a halted or waiting publication, then
   // leaves the rest for the next start (FsConfig::stop_timeout).
   int stop_timeout_s = 30;

@@ -287,6 +287,9 @@ std::string ControlTree::StatsJson() {
   // Commits whose shards a dead node held, and trackers naming them (docs/SEMANTICS.md).
   j["journal_given_up"] = journal.given_up;
   j["journal_presyncs"] = journal.presyncs;
+  // Async backpressure (--max-pending): creates that waited for room, and how long in all.
+  j["journal_room_waits"] = journal.room_waits;
+  j["journal_room_wait_ms"] = journal.room_wait_ms;
   j["state_db_writes"] = db_->writes();
   j["state_db_synced_writes"] = db_->synced_writes();
   // What publication waits for (a halt, or a commit waiting at the gate); "" when nothing.

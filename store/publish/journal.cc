@@ -196,6 +196,24 @@ bool Journal::WaitDoneFor(uint64_t seq, std::chrono::milliseconds max) {
           failures_.count(seq) == 0);
 }
 
+void Journal::WaitForRoom(size_t limit, std::chrono::milliseconds max) {
+  if (limit == 0) return;
+  MutexLock lock(&mu_);
+  auto room = [&] {
+    mu_.AssertHeld();  // the predicate runs under the lock
+    if (queue_.size() < limit || releasing_ || closing_) return true;
+    if (gate_seq_ != 0 && !gate_ready_ && gate_unwritten_) return true;
+    return std::any_of(queue_.begin(), queue_.end(), [](const Queued& q) { return !q.error.ok(); });
+  };
+  if (room()) return;
+  const auto start = std::chrono::steady_clock::now();
+  done_cv_.wait_for(lock.native(), max, room);
+  ++room_waits_;
+  room_wait_ms_ += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                             std::chrono::steady_clock::now() - start)
+                                             .count());
+}
+
 void Journal::Drain() {
   MutexLock lock(&mu_);
   done_cv_.wait(lock.native(), [&] {
@@ -216,6 +234,8 @@ JournalCounts Journal::counts() const {
   c.given_up = given_up_;
   c.applied_ahead = applied_ahead_;
   c.retries = retries_;
+  c.room_waits = room_waits_;
+  c.room_wait_ms = room_wait_ms_;
   return c;
 }
 

@@ -195,6 +195,8 @@ struct JournalCounts {
   uint64_t applied_ahead = 0;  // publishes applied ahead of a waiting commit
   uint64_t retries = 0;        // attempts at a halted entry
   uint64_t presyncs = 0;       // early syncs that succeeded (EarlySyncs)
+  uint64_t room_waits = 0;     // WaitForRoom() calls that found the queue full and waited
+  uint64_t room_wait_ms = 0;   // their time, in all
 };
 
 class Journal final : public QueuedPublishes {
@@ -238,6 +240,11 @@ class Journal final : public QueuedPublishes {
   // shards nobody has written) and that must still see the entry done: it polls without
   // spinning.
   bool WaitDoneFor(uint64_t seq, std::chrono::milliseconds max);
+  // Backpressure for async writers: blocks while `limit` or more entries are queued, up to
+  // `max`. It returns at once when the journal is halted (the backlog is reported, and the
+  // operator resumes or aborts), when a commit waits for shards not written yet (the caller
+  // may be the one to write them) and after ReleaseWaiters(): no wait depends on the waiter.
+  void WaitForRoom(size_t limit, std::chrono::milliseconds max) EXCLUDES(mu_);
   // A stop has begun: every Wait(), WaitUnlessHalted() and WaitDoneFor() of an entry not
   // yet done returns now, and from now on, with kAborted "ckptfs is stopping; publication
   // waits: ..." (the entries stay queued; the stop publishes or leaves them). Publication
@@ -379,6 +386,8 @@ class Journal final : public QueuedPublishes {
   uint64_t dropped_publishes_ GUARDED_BY(mu_) = 0;
   uint64_t applied_ahead_ GUARDED_BY(mu_) = 0;
   uint64_t retries_ GUARDED_BY(mu_) = 0;
+  uint64_t room_waits_ GUARDED_BY(mu_) = 0;
+  uint64_t room_wait_ms_ GUARDED_BY(mu_) = 0;
   std::map<uint64_t, Status> failures_ GUARDED_BY(mu_);  // outcomes of skipped entries
   uint64_t skipped_ GUARDED_BY(mu_) = 0;
   uint64_t superseded_ GUARDED_BY(mu_) = 0;

@@ -102,6 +102,8 @@ struct PublicationOptions {
   // (store/load/loader.h). Optional (no builds at commit: the index is built lazily on
   // first use); must outlive the journal's last outcome.
   KeyIndexBuilds* index_builds = nullptr;
+  // Entries that may be queued before AwaitBacklogRoom() waits (0: no bound).
+  size_t max_pending = 0;
 };
 
 class Publication final : private JournalDelegate,
@@ -139,6 +141,9 @@ class Publication final : private JournalDelegate,
   // (Journal::DropIfHalted); a `.metadata` naming it is then refused at once.
   bool DropIfHalted(const std::string& path) EXCLUDES(dropped_mu_);
   Status WaitUnlessHalted(uint64_t seq) { return journal_->WaitUnlessHalted(seq); }
+  // Async backpressure before a new file version: waits (up to a minute) while
+  // `max_pending` entries are queued, unless publication is halted (Journal::WaitForRoom).
+  void AwaitBacklogRoom() { journal_->WaitForRoom(options_.max_pending, std::chrono::minutes(1)); }
   // One slice of waiting for entry `seq`: an error only when publication is halted before
   // it or the daemon stops; ok otherwise, when it is done or after a short while (a commit
   // before it waits for shards nobody has written yet). The caller checks and calls again.

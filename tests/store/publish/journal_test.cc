@@ -464,5 +464,54 @@ TEST_F(JournalTest, AFailedDirectorySyncNeverLosesTheFileItWasReplacing) {
   EXPECT_FALSE(Exists(f.temp));
 }
 
+
+// Async backpressure (--max-pending): a writer waits while the queue is full, and only as
+// long as publication makes progress; a halted journal lets it through at once (the
+// operator resumes or aborts; nothing the writer does can clear it).
+TEST_F(JournalTest, WaitForRoomWaitsWhileTheQueueIsFullButNeverBehindAHalt) {
+  Latch gate;
+  dir_->SetPWriteHook([&](int, off_t, size_t) {
+    gate.Wait();
+    return 0;
+  });
+  MakeJournal();
+  TempFile f = StartFile("");
+  Write(&f, std::string(10000, 'q'));
+  Publish(f, "x");
+  Op(OpType::kMkdir, "a");
+  Op(OpType::kMkdir, "b");
+  gate.AwaitWaiters(1);
+  ASSERT_EQ(journal_->counts().pending, 3u);
+  journal_->WaitForRoom(4, std::chrono::seconds(10));  // room: returns at once
+  EXPECT_EQ(journal_->counts().room_waits, 0u);
+  std::atomic<bool> returned{false};
+  std::thread writer([&] {
+    journal_->WaitForRoom(3, std::chrono::seconds(30));
+    returned = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(returned.load()) << "returned while 3 of 3 entries were queued";
+  gate.Open();
+  writer.join();
+  EXPECT_TRUE(returned.load());
+  EXPECT_EQ(journal_->counts().room_waits, 1u);
+  EXPECT_GE(journal_->counts().room_wait_ms, 150u);
+
+  // Halted at a rename the store refuses: a full queue does not hold the writer.
+  dir_->SetRenameHook([](const std::string&, const std::string& to) {
+    return to == "y" ? EIO : 0;
+  });
+  TempFile g = StartFile("");
+  Write(&g, "bytes");
+  Publish(g, "y");
+  Op(OpType::kMkdir, "c");
+  Op(OpType::kMkdir, "d");
+  const auto start = std::chrono::steady_clock::now();
+  journal_->WaitForRoom(2, std::chrono::seconds(30));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5))
+      << "waited behind a halt only the operator or the store can clear";
+  dir_->SetRenameHook(nullptr);
+}
+
 }  // namespace
 }  // namespace ckptfs::store
