@@ -316,8 +316,14 @@ class Checks:
                 # .metadata with some of the new save's shards, a state the application
                 # passed through. Only the .metadata the application sees now, published,
                 # proves its save is all there (G5).
+                # Nor is an equal .metadata enough: a re-save of the same iteration after a
+                # kill (same seed, same layout) writes the same bytes, and before its shards
+                # are published the backing store can hold the first save's .metadata with
+                # the shards a killed rank left (a state the application passed through).
+                # So the daemon must also call the directory committed, before and after.
                 want = read_bytes(os.path.join(self.mnt, name, ".metadata"))
-                if want is None or read_bytes(os.path.join(src, ".metadata")) != want:
+                if want is None or read_bytes(os.path.join(src, ".metadata")) != want or \
+                        not self.committed_in_mount(name):
                     continue
                 self.snap_n += 1
                 snap = os.path.join(self.snaps, f"{self.snap_n:07d}")
@@ -335,12 +341,20 @@ class Checks:
                     stats = None
                 self.poll_oplog()
                 if stats is None or self.mutated_since(name, ev0) or ".metadata" not in stats \
-                        or read_bytes(os.path.join(snap, ".metadata")) != want:
+                        or read_bytes(os.path.join(snap, ".metadata")) != want \
+                        or not self.committed_in_mount(name):
                     shutil.rmtree(snap, ignore_errors=True)
                     continue
                 with self.lock:
                     self.seen_complete[name] = ev0
                     self.snap_queue.append((name, snap, next(iter(seeds)), ev0, stats))
+
+    def committed_in_mount(self, name):
+        """The daemon's own word: the directory's state (user.ckptfs.state) is committed."""
+        try:
+            return os.getxattr(os.path.join(self.mnt, name), "user.ckptfs.state") == b"committed"
+        except OSError:
+            return False
 
     def verify_snaps(self):
         """Loads the copied checkpoints (one torch start for up to 64)."""
