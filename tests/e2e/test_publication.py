@@ -275,6 +275,26 @@ class Publication(harness.MountedTest):
         m.unmount()
         self.assertFalse(os.path.exists(os.path.join(m.backing, "ckpt")))
 
+    # ------------------------------------------------------------ backpressure
+
+    def test_async_creates_wait_for_room_in_a_bounded_backlog(self):
+        """--max-pending: a writer faster than publication waits at create instead of the
+        backlog (one open temp file per pending publish) growing without bound."""
+        m = self.mount("async", args=["--max-pending", "4"])
+        os.mkdir(os.path.join(m.mnt, "many"))
+        peak = 0
+        for i in range(150):
+            with open(os.path.join(m.mnt, "many", f"f{i:03d}"), "wb") as f:
+                f.write(os.urandom(4096))
+            peak = max(peak, m.stats()["journal_pending"])
+        self.assertEqual(m.wait(os.path.join(m.mnt, "many"), timeout=120), 0, self.diag(m))
+        s = m.stats()
+        self.assertGreater(s["journal_room_waits"], 0, f"never waited for room: {s}")
+        # The bound plus what one create and its publish add after the wait.
+        self.assertLessEqual(peak, 6, f"journal_pending reached {peak} with --max-pending 4")
+        self.assertEqual(m.unmount(), 0, self.diag(m))
+        self.assertEqual(len(os.listdir(os.path.join(m.backing, "many"))), 150)
+
     # ------------------------------------------------------------ byte names
 
     def byte_names(self, durability):
