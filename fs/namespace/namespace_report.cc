@@ -78,7 +78,9 @@ std::string NamespaceReport::ProgressJson(uint64_t ino) {
           j["error"] = flush_error.ToString();
         } else if (ws.needs_publish || ws.staged->staged_bytes() > 0) {
           j["state"] = "staged";
-        } else if (ws.publish_seq > applied) {
+        } else if (ws.publish_seq > applied ||
+                   (ws.publish_seq != 0 && table_.PublishingLocked(ws.file_id, /*take=*/false))) {
+          // Applied, but its outcome (published, withheld, failed) is not recorded yet.
           j["state"] = ws.staged->target()->synced() ? "durable" : "staged";
         }
       } else if (node->pending_seq > applied) {

@@ -227,6 +227,27 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     work_cv_.notify_all();  // deleted through the mount meanwhile: the publisher drops it
     return;
   }
+  if ((e.op == OpType::kPublish || e.op == OpType::kRename) && DeletedLater(it)) {
+    // The application removed the file (an rm -r, a rename then a delete) before this
+    // entry failed: a delete that came after the halt would have dropped it
+    // (DropIfHalted); one queued before it must too, or publication halts, for good on a
+    // permanent error, at a file no one can remove any more. A rename (a `.metadata.tmp`
+    // whose publish was dropped) becomes the removal of its source, as DropIfHalted makes it.
+    if (e.op == OpType::kPublish) {
+      it->drop = true;
+    } else {
+      if (it->e.seq == gate_seq_) gate_seq_ = 0;
+      it->e.op = OpType::kUnlink;
+      it->e.path = it->e.from;
+      it->e.from.clear();
+      gate_dirty_ = true;
+    }
+    lock.Unlock();
+    spdlog::warn("journal: {} failed ({}), and the application deleted it afterwards: "
+                 "dropped instead of halting", e.Describe(), st.ToString());
+    work_cv_.notify_all();
+    return;
+  }
   const bool first = it->error.ok();
   it->error = st;
   ++it->attempts;
@@ -249,6 +270,22 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
   }
   if (delegate_ != nullptr) delegate_->OnHalt(e, st);
   done_cv_.notify_all();
+}
+
+bool Journal::DeletedLater(std::deque<Queued>::const_iterator it) const {
+  // The name the file has as each later entry applies (a rename moves it), until one
+  // deletes it: its own unlink, or an rmdir of a directory it was in.
+  std::string name = it->e.path;
+  for (auto q = std::next(it); q != queue_.end(); ++q) {
+    const JournalEntry& later = q->e;
+    if (later.op == OpType::kRename && later.from == name) {
+      name = later.path;
+    } else if ((later.op == OpType::kUnlink && later.path == name) ||
+               (later.op == OpType::kRmdir && IsAtOrBelow(name, later.path))) {
+      return true;
+    }
+  }
+  return false;
 }
 
 void Journal::RemoveSkippedCommit(const JournalEntry& e) {

@@ -425,6 +425,14 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
     if (e.op == OpType::kPublish || commit) {
       if (st.code() == Code::kAborted) {
         registry_->OnAborted(dir, st.ToString());
+        // A file of it dropped (deleted before it was published, aborted): the directory
+        // never commits as the application wrote it, so its commit is given up rather than
+        // halted and a tracker naming it is withheld (G4), as for Abort and NoteDeleted.
+        MutexLock lock(&lost_mu_);
+        if (lost_.count(dir) == 0) {
+          if (lost_.size() >= 1024) lost_.erase(lost_.begin());
+          lost_[dir] = st.message();
+        }
       } else {
         registry_->OnFailed(dir, st.ToString(), e.seq);
       }
