@@ -236,22 +236,24 @@ FlushPipeline::RetryRound FlushPipeline::RetryParkedNow(std::chrono::millisecond
   MutexLock lock(&mu_);
   round.retried = parked_.size();
   if (round.retried == 0) return round;
+  retry_rounds_.fetch_add(1, std::memory_order_relaxed);
   const uint64_t released0 = retries_released_;
   const uint64_t refused0 = retries_refused_;
   const auto now = std::chrono::steady_clock::now();
   for (Parked& p : parked_) p.retry_at = now;
   work_cv_.notify_all();
   const auto deadline = now + timeout;
+  bool timed_out = false;
   while (true) {
     round.released = retries_released_ - released0;
     round.refused = retries_refused_ - refused0;
-    if (round.released > 0 || round.refused >= round.retried) return round;
-    if (drained_cv_.wait_until(lock.native(), deadline) == std::cv_status::timeout) {
-      round.released = retries_released_ - released0;
-      round.refused = retries_refused_ - refused0;
-      return round;
-    }
+    if (round.released > 0 || round.refused >= round.retried || timed_out) break;
+    timed_out = drained_cv_.wait_until(lock.native(), deadline) == std::cv_status::timeout;
   }
+  if (round.released == 0 && round.refused > 0) {
+    retry_rounds_refused_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return round;
 }
 
 uint64_t FlushPipeline::DropParked(const Status& why) {

@@ -216,6 +216,12 @@ class FlushPipeline {
   uint64_t queued() const;
   uint64_t errors() const { return errors_.load(std::memory_order_relaxed); }
   uint64_t retries() const { return retries_.load(std::memory_order_relaxed); }
+  // Rounds of RetryParkedNow that found parked chunks, and of those, the rounds in which
+  // the store refused every retry that ended (the writer then failed with ENOSPC).
+  uint64_t retry_rounds() const { return retry_rounds_.load(std::memory_order_relaxed); }
+  uint64_t retry_rounds_refused() const {
+    return retry_rounds_refused_.load(std::memory_order_relaxed);
+  }
   uint64_t parked() const;
   // Bytes hashed into block CRCs, and the flush threads' time spent hashing them.
   uint64_t crc_bytes() const { return crc_bytes_.load(std::memory_order_relaxed); }
@@ -249,6 +255,8 @@ class FlushPipeline {
   std::atomic<uint64_t> bytes_flushed_{0};
   std::atomic<uint64_t> errors_{0};
   std::atomic<uint64_t> retries_{0};
+  std::atomic<uint64_t> retry_rounds_{0};
+  std::atomic<uint64_t> retry_rounds_refused_{0};
   // Retries that ended (RetryParkedNow); changed under mu_, with drained_cv_ notified.
   uint64_t retries_released_ GUARDED_BY(mu_) = 0;
   uint64_t retries_refused_ GUARDED_BY(mu_) = 0;

@@ -654,6 +654,7 @@ TEST_F(StagedFileTest, AWriteIntoStagingFullOfRefusedChunksRetriesThemOnceTheSto
   EXPECT_TRUE(st.ok()) << "the store takes bytes again, but the write failed: " << st.ToString();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
   EXPECT_GE(pipeline_->retries(), 1u);
+  EXPECT_EQ(pipeline_->retry_rounds_refused(), 0u);
   // The refused file's bytes were kept and written by those retries (G7); its error stays
   // for its application, and every byte of both files reads back and lands.
   EXPECT_EQ(refused->error().code(), Code::kNoSpace);
@@ -688,6 +689,8 @@ TEST_F(StagedFileTest, AWriteIntoStagingFullOfRefusedChunksFailsWithNoSpaceWhile
   EXPECT_EQ(next->Write(data.data(), data.size(), 0).code(), Code::kNoSpace);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
   EXPECT_GE(pipeline_->retries(), 4u) << "failed on the old refusals without asking the store";
+  EXPECT_EQ(pipeline_->retry_rounds(), 1u);
+  EXPECT_EQ(pipeline_->retry_rounds_refused(), 1u);
   EXPECT_EQ(pipeline_->parked(), 4u) << "refused bytes must be kept for a later retry";
   EXPECT_TRUE(ReadAll(refused.get()) == old_bytes);
   full = false;
