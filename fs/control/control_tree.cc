@@ -307,6 +307,10 @@ std::string ControlTree::StatsJson() {
   j["flush_queue"] = pipeline_->queued();
   j["flush_retries"] = pipeline_->retries();
   j["flush_parked"] = pipeline_->parked();
+  // Writes that found staging full of parked chunks and made them retry at once; in the
+  // refused rounds the store still refused them and the write failed with ENOSPC.
+  j["flush_retry_rounds"] = pipeline_->retry_rounds();
+  j["flush_retry_rounds_refused"] = pipeline_->retry_rounds_refused();
   const NamespaceView::Counts counts = ns_->CountNodes();
   j["files_pending"] = counts.files_pending;
   j["inodes"] = counts.inodes;

@@ -231,6 +231,31 @@ void FlushPipeline::RetryNowAndWait(std::chrono::milliseconds timeout) {
   }
 }
 
+FlushPipeline::RetryRound FlushPipeline::RetryParkedNow(std::chrono::milliseconds timeout) {
+  RetryRound round;
+  MutexLock lock(&mu_);
+  round.retried = parked_.size();
+  if (round.retried == 0) return round;
+  retry_rounds_.fetch_add(1, std::memory_order_relaxed);
+  const uint64_t released0 = retries_released_;
+  const uint64_t refused0 = retries_refused_;
+  const auto now = std::chrono::steady_clock::now();
+  for (Parked& p : parked_) p.retry_at = now;
+  work_cv_.notify_all();
+  const auto deadline = now + timeout;
+  bool timed_out = false;
+  while (true) {
+    round.released = retries_released_ - released0;
+    round.refused = retries_refused_ - refused0;
+    if (round.released > 0 || round.refused >= round.retried || timed_out) break;
+    timed_out = drained_cv_.wait_until(lock.native(), deadline) == std::cv_status::timeout;
+  }
+  if (round.released == 0 && round.refused > 0) {
+    retry_rounds_refused_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return round;
+}
+
 uint64_t FlushPipeline::DropParked(const Status& why) {
   std::deque<Parked> dropped;
   {
@@ -385,11 +410,12 @@ void FlushPipeline::Run() {
       MutexLock tlock(&chunk.target->mu_);
       --chunk.target->parked_;
     }
-    WriteChunk(chunk, attempts);
+    const bool ended = WriteChunk(chunk, attempts);
     {
       MutexLock lock(&mu_);
       --active_;
-      if (queue_.empty() && active_ == 0) drained_cv_.notify_all();
+      if (retry) ++(ended ? retries_released_ : retries_refused_);
+      if (retry || (queue_.empty() && active_ == 0)) drained_cv_.notify_all();
     }
   }
 }

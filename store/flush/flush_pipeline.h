@@ -194,6 +194,20 @@ class FlushPipeline {
   // or parked again. So a publication retried right after sees where the bytes went, not
   // the error of a chunk whose retry had not started yet.
   void RetryNowAndWait(std::chrono::milliseconds timeout);
+  // What became of a round of retries (RetryParkedNow).
+  struct RetryRound {
+    uint64_t retried = 0;   // chunks parked when the round began, all made due at once
+    uint64_t released = 0;  // retries that ended with the chunk's memory back in the pool
+                            // (written, or dropped for good): the store took bytes again
+    uint64_t refused = 0;   // retries the store refused again: parked for a later one
+  };
+  // For a writer that finds staging full while chunks wait out their backoff: retries
+  // every parked chunk now and waits (at most `timeout`) until one retry released its
+  // memory or as many retries as there were parked chunks were refused (any retry that
+  // ends meanwhile counts, one on its own backoff too). Flush threads end them; the
+  // caller holds nothing they take. With `released` 0 and `refused` > 0, the store
+  // still refuses.
+  RetryRound RetryParkedNow(std::chrono::milliseconds timeout);
   // Drops every parked chunk (their targets become lost): the daemon is stopping.
   // Returns how many were dropped.
   uint64_t DropParked(const Status& why);
@@ -202,6 +216,12 @@ class FlushPipeline {
   uint64_t queued() const;
   uint64_t errors() const { return errors_.load(std::memory_order_relaxed); }
   uint64_t retries() const { return retries_.load(std::memory_order_relaxed); }
+  // Rounds of RetryParkedNow that found parked chunks, and of those, the rounds in which
+  // the store refused every retry that ended (the writer then failed with ENOSPC).
+  uint64_t retry_rounds() const { return retry_rounds_.load(std::memory_order_relaxed); }
+  uint64_t retry_rounds_refused() const {
+    return retry_rounds_refused_.load(std::memory_order_relaxed);
+  }
   uint64_t parked() const;
   // Bytes hashed into block CRCs, and the flush threads' time spent hashing them.
   uint64_t crc_bytes() const { return crc_bytes_.load(std::memory_order_relaxed); }
@@ -235,6 +255,11 @@ class FlushPipeline {
   std::atomic<uint64_t> bytes_flushed_{0};
   std::atomic<uint64_t> errors_{0};
   std::atomic<uint64_t> retries_{0};
+  std::atomic<uint64_t> retry_rounds_{0};
+  std::atomic<uint64_t> retry_rounds_refused_{0};
+  // Retries that ended (RetryParkedNow); changed under mu_, with drained_cv_ notified.
+  uint64_t retries_released_ GUARDED_BY(mu_) = 0;
+  uint64_t retries_refused_ GUARDED_BY(mu_) = 0;
   std::atomic<uint64_t> crc_bytes_{0};
   std::atomic<uint64_t> crc_ns_{0};
   std::atomic<uint64_t> direct_bytes_{0};

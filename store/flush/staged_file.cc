@@ -9,6 +9,13 @@
 #include <vector>
 
 namespace ckptfs::store {
+namespace {
+
+// How long a write that found staging full waits for the retries of refused chunks it
+// started (FlushPipeline::RetryParkedNow) before it looks at the pool again.
+constexpr std::chrono::seconds kRefusedRetryWait{5};
+
+}  // namespace
 
 StagedFile::StagedFile(const StagingContext& ctx, std::shared_ptr<FlushTarget> target,
                        uint64_t size)
@@ -118,18 +125,23 @@ Status StagedFile::Write(ByteSource& src, uint64_t offset) {
       continue;
     }
     lock.Unlock();
-    // Waits while the pool is full; the pool's pressure callback seals idle chunks. When
-    // the pool is full of chunks the backing store refused (parked for a retry, G7), no
-    // chunk comes back until the condition clears: this write fails as the store's
-    // would, instead of hanging. A chunk whose memory cannot be pinned (the system is
-    // out of memory) fails it too.
+    // Waits while the pool is full; the pool's pressure callback seals idle chunks. Part
+    // of the pool may be held by chunks the backing store refused, parked for a retry
+    // (G7) whose backoff has grown to seconds: the store may have room again long
+    // before. So they are retried now, by the flush threads; the write goes on waiting
+    // while retries free memory, and fails as the store's would (ENOSPC) only when the
+    // store refused them again and took none, instead of hanging. A chunk whose memory
+    // cannot be pinned (the system is out of memory) fails it too.
     gpu::ChunkBuffer buffer;
     Status pin_error;
     while (!(buffer = ctx_.pool->TryAcquireFor(std::chrono::milliseconds(200), &pin_error))) {
       CKPT_RETURN_IF_ERROR(pin_error);
-      if (ctx_.pipeline->parked() > 0) {
+      if (ctx_.pipeline->parked() == 0) continue;  // chunks in flight come back (G6)
+      const FlushPipeline::RetryRound round = ctx_.pipeline->RetryParkedNow(kRefusedRetryWait);
+      if (round.released == 0 && round.refused > 0) {
         return Status(Code::kNoSpace,
-                      "staging is full of bytes the backing store refused (kept for a retry)");
+                      "staging is full of bytes the backing store refused again on a retry "
+                      "(kept for a later one)");
       }
     }
     lock.Lock();

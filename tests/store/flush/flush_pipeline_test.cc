@@ -312,6 +312,45 @@ TEST_F(FlushPipelineTest, EnospcIsReportedAndTheChunkIsKeptUntilARetryPasses) {
   EXPECT_GE(pipeline->retries(), 1u);
 }
 
+// RetryParkedNow (a writer that finds staging full of refused chunks): every parked chunk
+// is retried at once, not after its backoff (an hour here); the round says whether the
+// store took bytes again, and refused chunks are kept for a later retry.
+TEST_F(FlushPipelineTest, RetryParkedNowRetriesAtOnceAndSaysWhetherTheStoreTookBytes) {
+  auto a = MakeTarget("a", 1);
+  std::atomic<bool> full{true};
+  dir_->SetPWriteHook([&](int, off_t, size_t) { return full.load() ? ENOSPC : 0; });
+  auto pipeline = MakePipeline(2, std::chrono::hours(1));
+  auto bytes = RandomBytes(3000, 7);
+  for (int i = 0; i < 3; ++i) pipeline->Submit(Chunk(a, bytes, i * 1000, 1000));
+  pipeline->Drain();
+  ASSERT_EQ(pipeline->parked(), 3u);
+
+  FlushPipeline::RetryRound round = pipeline->RetryParkedNow(std::chrono::minutes(1));
+  EXPECT_EQ(round.retried, 3u);
+  EXPECT_EQ(round.released, 0u);
+  EXPECT_EQ(round.refused, 3u);
+  EXPECT_EQ(pipeline->parked(), 3u) << "refused bytes must be kept";
+  EXPECT_EQ(pipeline->retries(), 3u);
+  EXPECT_EQ(pipeline->retry_rounds_refused(), 1u);
+
+  full = false;
+  round = pipeline->RetryParkedNow(std::chrono::minutes(1));
+  EXPECT_EQ(round.retried, 3u);
+  EXPECT_GE(round.released, 1u) << "the store has room: a retry must have written";
+  EXPECT_EQ(round.refused, 0u);
+  EXPECT_EQ(pipeline->retry_rounds(), 2u);
+  EXPECT_EQ(pipeline->retry_rounds_refused(), 1u);
+  DrainWithRetries(pipeline.get());  // the round returns at the first release
+  EXPECT_EQ(pipeline->parked(), 0u);
+  ASSERT_TRUE(a->Sync(dir_.get()).ok());
+  EXPECT_TRUE(ReadFile("a") == *bytes);
+
+  // Nothing parked: a round retries nothing and returns at once.
+  round = pipeline->RetryParkedNow(std::chrono::minutes(1));
+  EXPECT_EQ(round.retried, 0u);
+  EXPECT_EQ(pipeline->retry_rounds(), 2u);
+}
+
 TEST_F(FlushPipelineTest, DroppingParkedChunksLosesTheTargetForGood) {
   auto a = MakeTarget("a", 1);
   const int a_fd = a->fd();

@@ -117,17 +117,20 @@ class StagedFileTest : public ::testing::Test {
     pool_ = std::move(pool).value();
   }
 
-  void MakePipeline(int threads) {
+  // `retry`: the first backoff of a chunk the store refused (FlushOptions::retry_min);
+  // zero keeps the default.
+  void MakePipeline(int threads, std::chrono::milliseconds retry = {}) {
     store::FlushOptions options;
     options.threads = threads;
+    if (retry.count() > 0) options.retry_min = options.retry_max = retry;
     auto p = FlushPipeline::Create(dir_.get(), options);
     ASSERT_TRUE(p.ok());
     pipeline_ = std::move(p).value();
   }
 
-  void Setup(size_t chunks, int threads) {
+  void Setup(size_t chunks, int threads, std::chrono::milliseconds retry = {}) {
     MakePool(chunks);
-    MakePipeline(threads);
+    MakePipeline(threads, retry);
   }
 
   // Pressure relief as the filesystem does it: seal every file's idle chunk.
@@ -621,6 +624,80 @@ TEST_F(StagedFileTest, ATransientFlushFailureFailsWritesButReadsServeTheKeptByte
   ASSERT_TRUE(target->Sync(dir_.get()).ok());
   EXPECT_EQ(OnDisk("f"), data);
   EXPECT_EQ(ReadAll(f.get()), data);
+  spdlog::set_level(level);
+}
+
+// The soak's failure (seed 4101, async): a full disk for 4 s filled staging with refused
+// chunks whose backoff had grown to seconds; the disk had room again, but a new job's
+// write found staging full of parked chunks and failed with ENOSPC instead of making them
+// retry. Here their backoff is a minute: only the write itself can make them go now.
+TEST_F(StagedFileTest, AWriteIntoStagingFullOfRefusedChunksRetriesThemOnceTheStoreHasRoom) {
+  Watchdog watchdog("a write into staging full of refused chunks");
+  Setup(/*chunks=*/4, /*threads=*/2, /*retry=*/std::chrono::minutes(1));
+  std::atomic<bool> full{true};
+  dir_->SetPWriteHook([&](int, off_t, size_t) { return full.load() ? ENOSPC : 0; });
+  auto level = spdlog::get_level();
+  spdlog::set_level(spdlog::level::off);
+  auto refused = MakeFile("refused");
+  std::string old_bytes(4 * kChunk, 'o');
+  old_bytes[3 * kChunk + 5] = 'p';
+  ASSERT_TRUE(refused->Write(old_bytes.data(), old_bytes.size(), 0).ok());
+  pipeline_->Drain();
+  ASSERT_EQ(pipeline_->parked(), 4u);
+  ASSERT_EQ(pool_->used_bytes(), pool_->limit_bytes());
+  full = false;  // the disk has room again; the parked chunks wait a minute for their retry
+  auto next = MakeFile("next");
+  std::string data(kChunk + 100, 'n');
+  data[kChunk + 3] = 'q';
+  const auto t0 = std::chrono::steady_clock::now();
+  Status st = next->Write(data.data(), data.size(), 0);
+  EXPECT_TRUE(st.ok()) << "the store takes bytes again, but the write failed: " << st.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+  EXPECT_GE(pipeline_->retries(), 1u);
+  EXPECT_EQ(pipeline_->retry_rounds_refused(), 0u);
+  // The refused file's bytes were kept and written by those retries (G7); its error stays
+  // for its application, and every byte of both files reads back and lands.
+  EXPECT_EQ(refused->error().code(), Code::kNoSpace);
+  EXPECT_TRUE(ReadAll(next.get()) == data);
+  SealAndSync(next.get());
+  EXPECT_TRUE(OnDisk("next") == data);
+  auto target = refused->SealAll();
+  while (target->parked() > 0) pipeline_->RetryNowAndWait(std::chrono::seconds(5));
+  ASSERT_TRUE(target->Sync(dir_.get()).ok());
+  EXPECT_TRUE(OnDisk("refused") == old_bytes);
+  spdlog::set_level(level);
+}
+
+// While the store still refuses the retried chunks, the write fails as the store's would
+// (G7), at once and without waiting out a backoff: it never hangs on staging that only
+// the store's recovery can free.
+TEST_F(StagedFileTest, AWriteIntoStagingFullOfRefusedChunksFailsWithNoSpaceWhileTheStoreRefuses) {
+  Watchdog watchdog("a write into staging full of refused chunks");
+  Setup(/*chunks=*/4, /*threads=*/2, /*retry=*/std::chrono::minutes(1));
+  std::atomic<bool> full{true};
+  dir_->SetPWriteHook([&](int, off_t, size_t) { return full.load() ? ENOSPC : 0; });
+  auto level = spdlog::get_level();
+  spdlog::set_level(spdlog::level::off);
+  auto refused = MakeFile("refused");
+  std::string old_bytes(4 * kChunk, 'o');
+  ASSERT_TRUE(refused->Write(old_bytes.data(), old_bytes.size(), 0).ok());
+  pipeline_->Drain();
+  ASSERT_EQ(pipeline_->parked(), 4u);
+  auto next = MakeFile("next");
+  std::string data(100, 'n');
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(next->Write(data.data(), data.size(), 0).code(), Code::kNoSpace);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+  EXPECT_GE(pipeline_->retries(), 4u) << "failed on the old refusals without asking the store";
+  EXPECT_EQ(pipeline_->retry_rounds(), 1u);
+  EXPECT_EQ(pipeline_->retry_rounds_refused(), 1u);
+  EXPECT_EQ(pipeline_->parked(), 4u) << "refused bytes must be kept for a later retry";
+  EXPECT_TRUE(ReadAll(refused.get()) == old_bytes);
+  full = false;
+  auto target = refused->SealAll();
+  while (target->parked() > 0) pipeline_->RetryNowAndWait(std::chrono::seconds(5));
+  ASSERT_TRUE(target->Sync(dir_.get()).ok());
+  EXPECT_TRUE(OnDisk("refused") == old_bytes);
   spdlog::set_level(level);
 }
 
