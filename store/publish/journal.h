@@ -342,8 +342,6 @@ class Journal final : public QueuedPublishes {
   // nothing of it stays on the backing store and the entries after it (an rmdir of the
   // directory) apply as the application made them.
   void RemoveSkippedCommit(const JournalEntry& e);
-  // A later entry deletes the file entry `it` publishes (following renames of it).
-  bool DeletedLater(std::deque<Queued>::const_iterator it) const REQUIRES(mu_);
   // Syncs the data (publish) and applies one entry; false with `st` on failure. `retry`:
   // an earlier attempt of this entry failed (ApplyEntry).
   Status Process(const JournalEntry& e, bool retry);

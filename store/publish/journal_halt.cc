@@ -24,6 +24,23 @@ constexpr Backoff kRetry{std::chrono::milliseconds(100), std::chrono::seconds(5)
 // A permanent failure waits for Resume() or Abort(); this only bounds the wait.
 constexpr auto kPermanentRetry = std::chrono::hours(24);
 
+// A later entry of [it + 1, end) deletes the file `it` makes (following renames of it):
+// its own unlink, or an rmdir of a directory it was in.
+template <typename QueueIt>
+bool DeletedLater(QueueIt it, QueueIt end) {
+  std::string name = it->e.path;
+  for (auto q = std::next(it); q != end; ++q) {
+    const JournalEntry& later = q->e;
+    if (later.op == OpType::kRename && later.from == name) {
+      name = later.path;
+    } else if ((later.op == OpType::kUnlink && later.path == name) ||
+               (later.op == OpType::kRmdir && IsAtOrBelow(name, later.path))) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 std::string Journal::WaitingFor() const {
@@ -227,7 +244,7 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     work_cv_.notify_all();  // deleted through the mount meanwhile: the publisher drops it
     return;
   }
-  if ((e.op == OpType::kPublish || e.op == OpType::kRename) && DeletedLater(it)) {
+  if ((e.op == OpType::kPublish || e.op == OpType::kRename) && DeletedLater(it, queue_.end())) {
     // The application removed the file (an rm -r, a rename then a delete) before this
     // entry failed: a delete that came after the halt would have dropped it
     // (DropIfHalted); one queued before it must too, or publication halts, for good on a
@@ -270,22 +287,6 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
   }
   if (delegate_ != nullptr) delegate_->OnHalt(e, st);
   done_cv_.notify_all();
-}
-
-bool Journal::DeletedLater(std::deque<Queued>::const_iterator it) const {
-  // The name the file has as each later entry applies (a rename moves it), until one
-  // deletes it: its own unlink, or an rmdir of a directory it was in.
-  std::string name = it->e.path;
-  for (auto q = std::next(it); q != queue_.end(); ++q) {
-    const JournalEntry& later = q->e;
-    if (later.op == OpType::kRename && later.from == name) {
-      name = later.path;
-    } else if ((later.op == OpType::kUnlink && later.path == name) ||
-               (later.op == OpType::kRmdir && IsAtOrBelow(name, later.path))) {
-      return true;
-    }
-  }
-  return false;
 }
 
 void Journal::RemoveSkippedCommit(const JournalEntry& e) {
