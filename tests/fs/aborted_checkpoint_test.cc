@@ -105,6 +105,20 @@ class AbortedCheckpointTest : public FaultyFsTest {
 
   bool BackingHas(const std::string& rel) const { return sfs::exists(BackingPath(rel)); }
 
+  // The file's state once it is no longer on its way (staged, durable), or after 10 s.
+  std::string SettledState(uint64_t ino) {
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (true) {
+      Result<std::string> state = fs_->GetXattr(ino, kStateXattr);
+      if (!state.ok()) return state.status().ToString();
+      if ((*state != "staged" && *state != "durable") ||
+          std::chrono::steady_clock::now() > deadline) {
+        return *state;
+      }
+      std::this_thread::sleep_for(2ms);
+    }
+  }
+
   // rm -r of a checkpoint directory through the mount, as a rotation makes it: `.metadata`,
   // then the shards in the reverse of the order they were written: the first one, where
   // publication halts, goes last, so every delete meets the halt (a delete that lets
@@ -191,10 +205,11 @@ TEST_F(AbortedCheckpointTest, ATrackerNamingAnAbortedCheckpointIsWithheld) {
   EXPECT_FALSE(BackingHas("iter_0000002/.metadata"));
   EXPECT_EQ(BackingBytes(kTracker), "1\n")
       << "the tracker names iter_0000002, which was aborted and never commits";
-  // `ckptfs-admin wait` on it fails with the reason instead of reporting it published.
+  // `ckptfs-admin wait` on it fails with the reason instead of reporting it published
+  // (`durable` until the journal's outcome reaches the file, after the queue empties).
   auto tracker = fs_->Lookup(kRootIno, kTracker);
   ASSERT_TRUE(tracker.ok()) << tracker.status().ToString();
-  EXPECT_EQ(*fs_->GetXattr(tracker->ino, kStateXattr), "withheld");
+  EXPECT_EQ(SettledState(tracker->ino), "withheld");
   auto progress = nlohmann::json::parse(*fs_->GetXattr(tracker->ino, kProgressXattr));
   EXPECT_NE(progress["error"].get<std::string>().find("iter_0000002"), std::string::npos)
       << progress.dump();
@@ -206,7 +221,7 @@ TEST_F(AbortedCheckpointTest, ATrackerNamingAnAbortedCheckpointIsWithheld) {
   EXPECT_EQ(BackingBytes(kTracker), "3\n");
   tracker = fs_->Lookup(kRootIno, kTracker);
   ASSERT_TRUE(tracker.ok()) << tracker.status().ToString();
-  EXPECT_EQ(*fs_->GetXattr(tracker->ino, kStateXattr), "published");
+  EXPECT_EQ(SettledState(tracker->ino), "published");
 
   // A save into the aborted directory again commits it: a tracker naming it is published.
   SaveAndTrack("iter_0000002", 2);
