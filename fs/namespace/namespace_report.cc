@@ -71,7 +71,9 @@ std::string NamespaceReport::ProgressJson(uint64_t ino) {
         j["bytes_total"] = size;
         j["bytes_done"] = std::min<uint64_t>(size, ws.staged->target()->bytes_flushed());
         const Status flush_error = ws.staged->error();
-        if (!flush_error.ok()) {
+        // kNodeLost: the journal gave its publish up (a tracker naming a checkpoint that
+        // never commits): not a failure of the file; its outcome, withheld, follows.
+        if (!flush_error.ok() && flush_error.code() != Code::kNodeLost) {
           // Reported to the application either way; "failed" only once bytes are lost.
           const bool kept = store::IsTransient(flush_error) && !ws.staged->target()->lost();
           j["state"] = kept ? "retrying" : "failed";

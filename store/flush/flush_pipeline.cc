@@ -85,8 +85,9 @@ int FlushTarget::DirectFd() {
 
 void FlushTarget::DisableDirect() { direct_off_.store(true, std::memory_order_relaxed); }
 
-Status FlushTarget::Sync(BackingDir* dir) {
+Status FlushTarget::Sync(BackingDir* dir, bool unless_synced) {
   MutexLock sync_lock(&sync_mu_);
+  if (unless_synced && synced_.load()) return Status::Ok();
   {
     MutexLock lock(&mu_);
     idle_cv_.wait(lock.native(), [&] {

@@ -84,8 +84,9 @@ class FlushTarget {
   // with the permanent failure once bytes were lost. Calls are serialized: the kernel
   // reports a writeback error to one fsync of a file description only, so of two
   // concurrent fsyncs (an early sync and the publisher's) one could pass over lost
-  // bytes; one at a time, the second sees the first's failure (lost).
-  Status Sync(BackingDir* dir) EXCLUDES(sync_mu_);
+  // bytes; one at a time, the second sees the first's failure (lost). `unless_synced`:
+  // returns ok at once if a Sync() passed before (an early sync the publisher overtook).
+  Status Sync(BackingDir* dir, bool unless_synced = false) EXCLUDES(sync_mu_);
   uint64_t inflight() const;
   uint64_t parked() const;
   bool lost() const;  // bytes were dropped: this file can never be published

@@ -45,7 +45,9 @@ void EarlySyncs::Run() {
     std::shared_ptr<FlushTarget> target = std::move(queue_.front());
     queue_.pop_front();
     lock.Unlock();
-    Status st = target->Sync(dir_);
+    // The publisher may have synced it first (and published it): a second fsync would only
+    // cost a flush, and a failure of it would mark bytes lost that are published.
+    Status st = target->Sync(dir_, /*unless_synced=*/true);
     if (st.ok()) {
       done_.fetch_add(1, std::memory_order_relaxed);
     } else {
