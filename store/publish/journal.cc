@@ -155,6 +155,7 @@ Status Journal::Wait(uint64_t seq) {
 }
 
 Status Journal::WaitUnlessHalted(uint64_t seq) {
+  MkdirAhead(seq);
   MutexLock lock(&mu_);
   const Queued* halt = nullptr;
   done_cv_.wait(lock.native(), [&] {
@@ -183,6 +184,50 @@ Status Journal::WaitUnlessHalted(uint64_t seq) {
   if (halt == nullptr) return Status::Ok();
   return Status(halt->error.code(),
                 "publication is halted at " + halt->e.Describe() + ": " + halt->error.ToString());
+}
+
+void Journal::MkdirAhead(uint64_t seq) {
+  JournalEntry e;
+  {
+    MutexLock lock(&mu_);
+    if (releasing_ || closing_ || leaving_ || queue_.empty()) return;
+    auto it = queue_.begin();
+    while (it != queue_.end() && it->e.seq != seq) ++it;
+    // At the head the publisher takes it next; a failed attempt keeps its place (a halt).
+    if (it == queue_.end() || it == queue_.begin() || it->busy || it->drop ||
+        !it->error.ok() || it->e.op != OpType::kMkdir) {
+      return;
+    }
+    if (delegate_ != nullptr && delegate_->Gated(it->e)) return;
+    for (auto b = queue_.begin(); b != it; ++b) {
+      if (Touches(it->e, b->e)) return;  // its name, or a directory above it, changes first
+    }
+    it->busy = true;  // the publisher waits for it at the head (NextStepLocked)
+    ++finalizing_;    // and a stop, until it is done
+    e = it->e;
+  }
+  Status st = Process(e, /*retry=*/false);
+  if (st.ok()) Finalize(e, st, /*applied=*/true);
+  MutexLock lock(&mu_);
+  --finalizing_;
+  auto it = queue_.begin();
+  while (it != queue_.end() && it->e.seq != seq) ++it;
+  if (it != queue_.end()) {
+    if (st.ok()) {
+      queue_.erase(it);
+      if (seq > done_seq_) done_ahead_.insert(seq);
+      ++applied_ahead_;
+      gate_dirty_ = true;
+      AdvanceDoneLocked();
+    } else {
+      it->busy = false;  // not here (its parent failed to appear): it waits for its turn
+      spdlog::info("journal: {} not applied ahead ({}); it waits for its turn",
+                   e.Describe(), st.ToString());
+    }
+  }
+  lock.Unlock();
+  work_cv_.notify_all();
+  done_cv_.notify_all();
 }
 
 bool Journal::WaitDoneFor(uint64_t seq, std::chrono::milliseconds max) {
@@ -265,6 +310,10 @@ Journal::Step Journal::NextStepLocked() {
   }
   const auto now = std::chrono::steady_clock::now();
   auto head = queue_.begin();
+  if (head->busy) {  // a mkdir its waiter applies ahead (MkdirAhead): done, or back, soon
+    step.kind = Step::kIdle;
+    return step;
+  }
   if (!head->error.ok() && now < head->retry_at) {
     step.kind = Step::kWait;
     step.until = head->retry_at;
@@ -511,7 +560,7 @@ Status Journal::Process(const JournalEntry& e, bool retry) {
     return st;
   };
   if (e.op == OpType::kPublish && e.target) CKPT_RETURN_IF_ERROR(e.target->Sync(dir_));
-  if (e.target || !Resumed(e.seq)) return apply();
+  if (e.target || !resumed_.Covers(e.seq)) return apply();
   // Left by the previous run: its bytes were fsynced then; fsync again by path (cheap)
   // so that nothing rests on that. A crash of this run after applying it and before its
   // record was removed leaves it applied already: then its source is gone and its name
@@ -552,7 +601,7 @@ void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
   }
   // An entry the previous run left: its record is removed synced, so that a crash now
   // never resumes it twice; the marker goes with the last one.
-  const bool resumed = Resumed(e.seq);
+  const bool resumed = resumed_.Covers(e.seq);
   if (resumed) {
     MutexLock lock(&mu_);
     if (resumed_left_ > 0 && --resumed_left_ == 0) deletes.push_back(kLeftKey);

@@ -234,6 +234,11 @@ class Journal final : public QueuedPublishes {
   // (a copy in sorted order); the commit follows the last shard, and the entries behind it
   // follow the commit, in order. A halt before the entry is reported even then. Returns
   // kAborted at once after ReleaseWaiters() (a stop).
+  // A mkdir waited for is applied first, on the waiter's thread, ahead of the entries
+  // queued before it, where none of them touches its name or a directory above it and it
+  // was never tried (MkdirAhead): another node can see the directory at once, instead of
+  // after this node's backlog of publishes (a new empty directory appears early, as a
+  // waiting commit's shards do; it names no checkpoint).
   Status WaitUnlessHalted(uint64_t seq);
   // Waits up to `max` for entry `seq` to be done (applied, skipped or failed); returns
   // whether it is. For a caller that WaitUnlessHalted() let go early (a commit waiting for
@@ -312,7 +317,7 @@ class Journal final : public QueuedPublishes {
           uint64_t next_seq, uint64_t next_id);
   struct Queued {
     JournalEntry e;
-    bool busy = false;         // being processed by the publisher thread
+    bool busy = false;  // being processed (the publisher, or a mkdir's waiter)
     Status error;              // the last failure while the journal is halted at it
     uint64_t attempts = 0;
     double failed_since = 0;
@@ -342,14 +347,13 @@ class Journal final : public QueuedPublishes {
   // nothing of it stays on the backing store and the entries after it (an rmdir of the
   // directory) apply as the application made them.
   void RemoveSkippedCommit(const JournalEntry& e);
+  // WaitUnlessHalted() of a mkdir: applies it now if nothing queued before it touches its
+  // name or a directory above it; else (or if that fails) it keeps its place in line.
+  void MkdirAhead(uint64_t seq) EXCLUDES(mu_);
   // Syncs the data (publish) and applies one entry; false with `st` on failure. `retry`:
   // an earlier attempt of this entry failed (ApplyEntry).
   Status Process(const JournalEntry& e, bool retry);
   std::string WaitingForLocked() const REQUIRES(mu_);
-  // An entry a bounded stop of the previous run left for this one.
-  bool Resumed(uint64_t seq) const {
-    return seq <= resumed_until_.load(std::memory_order_acquire);
-  }
   // Removes the entry's records (and, if not applied, its temp file) and runs on_done.
   void Finalize(const JournalEntry& e, const Status& st, bool applied);
   void AdvanceDoneLocked() REQUIRES(mu_);
@@ -403,9 +407,14 @@ class Journal final : public QueuedPublishes {
   // CloseWithin() gave up: the publisher exits at its next step and leaves the queue.
   bool leaving_ GUARDED_BY(mu_) = false;
   bool publisher_exited_ GUARDED_BY(mu_) = false;
-  // Entries left by the previous run (QueueLeft): every seq up to resumed_until_, of which
-  // resumed_left_ are not done yet (the marker goes with the last).
-  std::atomic<uint64_t> resumed_until_{0};
+  // Entries left by the previous run (QueueLeft): every seq up to `resumed_.until`, of
+  // which resumed_left_ are not done yet (the marker goes with the last).
+  struct LeftMark {
+    std::atomic<uint64_t> until{0};
+    // An entry a bounded stop of the previous run left for this one.
+    bool Covers(uint64_t seq) const { return seq <= until.load(std::memory_order_acquire); }
+  };
+  LeftMark resumed_;
   uint64_t resumed_left_ GUARDED_BY(mu_) = 0;
   std::thread thread_;
 };

@@ -215,10 +215,14 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     // A shard applied ahead fails: the commit at the head waits for it, so it goes too.
     auto from = at_head ? FindLocked(e.seq) : queue_.begin();
     const Status behind(Code::kAborted, "not published: " + e.Describe() + " failed first");
-    for (auto it = from; it != queue_.end(); ++it) {
+    for (auto it = from; it != queue_.end();) {
+      if (it->busy && it->e.seq != e.seq) {  // a mkdir its waiter applies: its own outcome
+        ++it;
+        continue;
+      }
       dropped.emplace_back(std::move(it->e), it->e.seq == e.seq ? st : behind);
+      it = queue_.erase(it);
     }
-    queue_.erase(from, queue_.end());
     for (const auto& [d, why] : dropped) {
       failures_[d.seq] = why;
       if (d.op == OpType::kPublish) ++dropped_publishes_;

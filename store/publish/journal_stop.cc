@@ -183,7 +183,7 @@ StopReport Journal::CloseWithin(std::chrono::milliseconds stall,
   }
   // Records of an earlier hand-over are this one's now (or dropped below): their removal
   // must not take the new marker with it.
-  resumed_until_.store(0, std::memory_order_release);
+  resumed_.until.store(0, std::memory_order_release);
 
   std::vector<std::pair<JournalEntry, Status>> dropped;
   const Status behind(Code::kAborted, cut < all.size() ? "not published: " + all[cut].e.Describe() +
@@ -237,7 +237,7 @@ void Journal::QueueLeft(std::vector<JournalEntry> left) {
     next_seq_ = left.back().seq + 1;
     done_seq_ = left.front().seq - 1;
     resumed_left_ = left.size();
-    resumed_until_.store(left.back().seq, std::memory_order_release);
+    resumed_.until.store(left.back().seq, std::memory_order_release);
     for (JournalEntry& e : left) {
       if (e.op == OpType::kPublish || e.op == OpType::kDiscard) temps_.Note(e.file_id, e.from);
       Queued q;

@@ -234,7 +234,8 @@ TEST_F(JournalTest, WaitUnlessHaltedReportsAHaltEvenBehindACommitWaitingForUnwri
   TempFile md = StartFile("");
   Write(&md, "metadata");
   Publish(md, "ck/.metadata");
-  const uint64_t behind = Op(OpType::kMkdir, "behind");
+  // Not a mkdir: its waiter would apply that ahead (WaitUnlessHalted).
+  const uint64_t behind = Op(OpType::kMknod, "behind", "", S_IFIFO | 0644);
   EXPECT_TRUE(journal_->WaitUnlessHalted(behind).ok()) << "let go early, as before";
   EXPECT_FALSE(journal_->WaitDoneFor(behind, std::chrono::milliseconds(50)));
   refuse = true;  // the commit times out: the journal halts at it
@@ -263,7 +264,8 @@ TEST_F(JournalTest, ReleaseWaitersLetsBlockedCallersGoAndSaysWhatPublicationWait
   TempFile md = StartFile("");
   Write(&md, "metadata");
   Publish(md, "ck/.metadata");
-  const uint64_t behind = Op(OpType::kMkdir, "behind");
+  // Not a mkdir: its waiter would apply that ahead (WaitUnlessHalted).
+  const uint64_t behind = Op(OpType::kMknod, "behind", "", S_IFIFO | 0644);
   auto strict = std::async(std::launch::async, [&] { return journal_->WaitUnlessHalted(behind); });
   auto plain = std::async(std::launch::async, [&] { return journal_->Wait(behind); });
   EXPECT_EQ(strict.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);

@@ -9,6 +9,8 @@
 //
 // This file: entries, ordering and failures; journal_gate_recovery_test.cc: the commit
 // gate and recovery; journal_crash_model_test.cc: the randomized crash model.
+#include <future>
+
 #include "tests/store/publish/journal_fixture.h"
 
 namespace ckptfs::store {
@@ -172,6 +174,57 @@ TEST_F(JournalTest, LaterEntriesWaitBehindAPublishWhoseDataIsStillInFlight) {
   EXPECT_TRUE(journal_->Wait(publish).ok());
   EXPECT_EQ(Read("x"), std::string(10000, 'q'));
   EXPECT_TRUE(Exists("after"));
+}
+
+// With peers a mkdir returns once it is on the backing store (other nodes look the new
+// checkpoint directory up there). Behind a backlog of publishes whose data is still being
+// flushed, its waiter applies it ahead, so a save's mkdir does not wait for the last save's
+// flush; a mkdir whose name, or a directory above it, an earlier entry changes keeps its
+// place (a directory removed and made again).
+TEST_F(JournalTest, AWaitedMkdirGoesAheadOfPublishesStillInFlightButNeverPastItsOwnName) {
+  Latch gate;
+  dir_->SetPWriteHook([&](int, off_t, size_t) {
+    gate.Wait();
+    return 0;
+  });
+  MakeJournal();
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "old")).ok());
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "gone")).ok());
+  TempFile f = StartFile("");
+  Write(&f, std::string(10000, 'q'));
+  const uint64_t publish = Publish(f, "old/x");
+  const uint64_t rmdir = Op(OpType::kRmdir, "gone");
+  const uint64_t fresh = Op(OpType::kMkdir, "new");
+  const uint64_t again = Op(OpType::kMkdir, "gone");
+  const uint64_t below = Op(OpType::kMkdir, "new/sub");
+  gate.AwaitWaiters(1);
+
+  auto made = std::async(std::launch::async, [&] { return journal_->WaitUnlessHalted(fresh); });
+  const bool ahead = made.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  if (!ahead) gate.Open();  // the publish first, then the mkdir: the future can end
+  ASSERT_TRUE(ahead) << "the mkdir waited for the publishes queued before it";
+  EXPECT_TRUE(made.get().ok());
+  EXPECT_TRUE(Exists("new")) << "the waited mkdir went ahead";
+  EXPECT_FALSE(Exists("old/x")) << "the publish before it is still in flight";
+  EXPECT_EQ(journal_->counts().applied_ahead, 1u);
+  EXPECT_TRUE(journal_->WaitUnlessHalted(below).ok());
+  EXPECT_TRUE(Exists("new/sub")) << "its parent is there now: it goes ahead too";
+
+  // `gone` is removed by an entry before it: made ahead, the rmdir would remove it.
+  auto waiter = std::async(std::launch::async, [&] { return journal_->WaitUnlessHalted(again); });
+  EXPECT_EQ(waiter.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout)
+      << "a mkdir went ahead of the rmdir of its own name";
+  EXPECT_TRUE(Exists("gone")) << "the rmdir before it is not applied yet either";
+  gate.Open();
+  ASSERT_EQ(waiter.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_TRUE(waiter.get().ok());
+  EXPECT_TRUE(journal_->Wait(publish).ok());
+  EXPECT_TRUE(journal_->Wait(rmdir).ok());
+  EXPECT_TRUE(Exists("gone"));
+  EXPECT_EQ(Read("old/x"), std::string(10000, 'q'));
+  journal_->Drain();
+  EXPECT_EQ(journal_->counts().pending, 0u);
+  EXPECT_TRUE(KeysWithPrefix(db_.get(), "j/").empty()) << "applied entries must be forgotten";
 }
 
 TEST_F(JournalTest, PublishRenamesOnlyDurableDataAndSyncsTheDirectoryEntry) {
