@@ -465,9 +465,23 @@ void Journal::Run() {
       continue;
     }
 
-    Status st = Process(e, failed_before);
+    bool tried = false, kept = false;
+    Status st = Process(e, failed_before, &tried, &kept);
+    if (!st.ok() && tried && !e.in_place) e.in_place = LeftInPlace(dir_, e);
     if (st.ok()) {
+      if (kept) {
+        // The committed version it replaced, kept until this save commits or is aborted.
+        e.kept = true;
+        lock.Lock();
+        replaced_[path::Parent(e.path)].push_back(Replaced{e.path, e.from, e.file_id});
+        lock.Unlock();
+      }
       Finalize(e, st, /*applied=*/true);
+      if (commit) {
+        ReleaseReplaced(path::Parent(e.path), /*subtree=*/false);  // the rewrite committed
+      } else if (e.op == OpType::kRmdir || e.op == OpType::kUnlink || e.op == OpType::kRename) {
+        ReleaseReplaced(e.op == OpType::kRename ? e.from : e.path, /*subtree=*/true);
+      }
       if (failed_before) {
         // Before the entry leaves the queue: whoever sees the halt gone (ckptfs-admin
         // resume, then wait) must not still see its checkpoint failed.
@@ -484,7 +498,9 @@ void Journal::Run() {
       }
       if (commit) gate_seq_ = 0, gate_ready_ = false;
       gate_dirty_ = true;
-      failures_.erase(e.seq);
+      // A withdrawal or restore took the place of an aborted entry (Abort): that outcome
+      // stays.
+      if (!e.withdraw && !e.restore) failures_.erase(e.seq);
       AdvanceDoneLocked();
       lock.Unlock();
       done_cv_.notify_all();
@@ -503,10 +519,20 @@ std::deque<Journal::Queued>::iterator Journal::FindLocked(uint64_t seq) {
   std::abort();  // only the publisher removes busy entries
 }
 
-Status Journal::Process(const JournalEntry& e, bool retry) {
+Status Journal::Process(const JournalEntry& e, bool retry, bool* tried, bool* kept) {
+  if (e.restore) {
+    Status st = RestoreReplaced(e, retry);
+    if (!st.ok() || !e.withdraw) return st;  // else withdrawn too (shared_dirs)
+  }
   auto apply = [&] {
+    *tried = true;
     bool renamed = false;
-    Status st = ApplyEntry(dir_, e, &renamed, retry);
+    bool keep = false;
+    if (e.op == OpType::kPublish && !IsCommitName(e.path)) {
+      MutexLock lock(&mu_);
+      keep = !KeptLocked(e.path);  // the first version replaced is the committed one
+    }
+    Status st = ApplyEntry(dir_, e, &renamed, retry, keep, kept);
     if (renamed) temps_.Move(e.from, e.path);  // temps below a renamed directory
     return st;
   };
@@ -537,6 +563,80 @@ Status Journal::Process(const JournalEntry& e, bool retry) {
   return st;
 }
 
+bool Journal::KeptLocked(const std::string& path) const {
+  auto it = replaced_.find(path::Parent(path));
+  if (it == replaced_.end()) return false;
+  return std::any_of(it->second.begin(), it->second.end(),
+                     [&](const Replaced& r) { return r.path == path; });
+}
+
+Status Journal::RestoreReplaced(const JournalEntry& e, bool retry) {
+  const std::string dir = path::Parent(e.path);
+  std::vector<Replaced> kept;
+  {
+    MutexLock lock(&mu_);
+    auto it = replaced_.find(dir);
+    if (it != replaced_.end()) kept = it->second;
+  }
+  for (const Replaced& r : kept) {
+    // Over the aborted save's version, which goes with it.
+    Status st = dir_->Rename(r.temp, r.path);
+    if (!st.ok() && !(retry && st.code() == Code::kNotFound && dir_->Stat(r.path).ok())) {
+      return st;
+    }
+    {
+      MutexLock lock(&mu_);
+      auto it = replaced_.find(dir);
+      if (it != replaced_.end()) {
+        std::erase_if(it->second, [&](const Replaced& x) { return x.temp == r.temp; });
+        if (it->second.empty()) replaced_.erase(it);
+      }
+    }
+    Status db_st = db_->Write({}, {TempRecords::Key(r.file_id)}, WriteMode::kUnsynced);
+    if (!db_st.ok()) spdlog::warn("journal: state db: {}", db_st.ToString());
+    temps_.Drop(r.file_id);
+    spdlog::warn("journal: {} put back: the save that replaced it was aborted", r.path);
+  }
+  return dir_->SyncParent(e.path);
+}
+
+void Journal::ReleaseReplaced(const std::string& dir, bool subtree) {
+  std::vector<Replaced> gone;
+  {
+    MutexLock lock(&mu_);
+    for (auto it = replaced_.begin(); it != replaced_.end();) {
+      std::vector<Replaced>& list = it->second;
+      for (auto r = list.begin(); r != list.end();) {
+        if (subtree ? IsAtOrBelow(r->path, dir) : it->first == dir) {
+          gone.push_back(std::move(*r));
+          r = list.erase(r);
+        } else {
+          ++r;
+        }
+      }
+      it = list.empty() ? replaced_.erase(it) : std::next(it);
+    }
+  }
+  DropReplaced(gone);
+}
+
+void Journal::DropReplaced(const std::vector<Replaced>& gone) {
+  if (gone.empty()) return;
+  std::vector<std::string> deletes;
+  for (const Replaced& r : gone) {
+    Status rm = dir_->Unlink(r.temp);
+    if (!rm.ok() && rm.code() != Code::kNotFound) {
+      spdlog::warn("journal: cannot remove the replaced version of {} ({}): {}", r.path, r.temp,
+                   rm.ToString());
+    }
+    deletes.push_back(TempRecords::Key(r.file_id));
+  }
+  // Unsynced: a crash that loses it leaves recovery a record whose file is gone.
+  Status db_st = db_->Write({}, deletes, WriteMode::kUnsynced);
+  if (!db_st.ok()) spdlog::warn("journal: state db: {}", db_st.ToString());
+  for (const Replaced& r : gone) temps_.Drop(r.file_id);
+}
+
 void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
   if (!applied && (e.op == OpType::kPublish || e.op == OpType::kDiscard)) {
     if (e.target && e.op == OpType::kPublish) e.target->Cancel(st);
@@ -547,9 +647,9 @@ void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
     }
   }
   std::vector<std::string> deletes{JournalEntry::RecordKey(e.seq)};
-  if (e.op == OpType::kPublish || e.op == OpType::kDiscard) {
-    deletes.push_back(TempRecords::Key(e.file_id));
-  }
+  // A kept replaced file lives on under the temp name: its record stays (ReleaseReplaced).
+  const bool temp_done = (e.op == OpType::kPublish || e.op == OpType::kDiscard) && !e.kept;
+  if (temp_done) deletes.push_back(TempRecords::Key(e.file_id));
   // An entry the previous run left: its record is removed synced, so that a crash now
   // never resumes it twice; the marker goes with the last one.
   const bool resumed = Resumed(e.seq);
@@ -565,7 +665,7 @@ void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
   Status db_st =
       db_->Write({}, deletes, resumed ? WriteMode::kSynced : WriteMode::kUnsynced);
   if (!db_st.ok()) spdlog::warn("journal: state db: {}", db_st.ToString());
-  if (e.op == OpType::kPublish || e.op == OpType::kDiscard) temps_.Drop(e.file_id);
+  if (temp_done) temps_.Drop(e.file_id);
   if (delegate_ != nullptr) delegate_->OnDone(e, st);
 }
 

@@ -165,6 +165,12 @@ class JournalDelegate {
   // When an entry fails and the journal halts at it (each attempt), and with an ok status
   // when a halted entry finally passes.
   virtual void OnHalt(const JournalEntry& e, const Status& st) = 0;
+  // Abort() drops the queued files of a save into `dir` (its commit not in flight): true
+  // if something of that save may be on the backing store in `dir` already (`in_place`: a
+  // dropped entry's failed attempt left its name there), so that a `.metadata` of an
+  // earlier save there no longer describes the directory and is withdrawn. Called under
+  // the journal's lock: it must not call the journal.
+  virtual bool WithdrawOnAbort(const std::string& dir, bool in_place) { return false; }
 
  protected:
   ~JournalDelegate() = default;
@@ -177,6 +183,10 @@ struct JournalOptions {
   bool halt_on_failure = true;
   // Threads that fsync published files ahead of the publisher (0: none).
   int presync_threads = 4;
+  // Other nodes write into the same directories (--peers): putting back what an aborted
+  // rewrite replaced here cannot make a directory whole (Abort), so its `.metadata` is
+  // withdrawn after that too.
+  bool shared_dirs = false;
   // The owner names the temp file of file `id` "<temp_prefix><id>" (TempRecords), if it
   // can say in advance (empty: it cannot). Then TempRecords::NextId() writes the records of
   // the next ids ahead, several in one synced write, and Register() of such a path
@@ -283,8 +293,14 @@ class Journal final : public QueuedPublishes {
     { MutexLock lock(&mu_); gate_dirty_ = true; } work_cv_.notify_all(); }
   // Drops every queued entry at or below `path` (a checkpoint directory or a file) that
   // has not been applied: their temp files are removed and nothing of them reaches the
-  // backing store. Returns what was dropped, one Describe() line each.
-  std::vector<std::string> Abort(const std::string& path);
+  // backing store. An entry being applied at that moment is not dropped. Where the
+  // delegate says that part of a dropped save may already be in its directory
+  // (WithdrawOnAbort), the save's commit names (`.metadata` if none was queued) are
+  // withdrawn in its place, in order: unlinked, the directory synced (JournalEntry::
+  // withdraw). Returns what was dropped, one Describe() line each. `untouched` (may be
+  // null) gets the directories of dropped saves that the delegate found untouched.
+  std::vector<std::string> Abort(const std::string& path,
+                                 std::vector<std::string>* untouched = nullptr);
   // The application deleted `path`, a name in the directory of the entry publication is
   // halted at (a failed checkpoint it removes), through the mount while publication is
   // halted before its pending publish (or rename onto it): that entry is dropped instead
@@ -342,9 +358,28 @@ class Journal final : public QueuedPublishes {
   // nothing of it stays on the backing store and the entries after it (an rmdir of the
   // directory) apply as the application made them.
   void RemoveSkippedCommit(const JournalEntry& e);
+  // A commit given up (kNodeLost: its shards dropped or a node lost) closed a rewrite of a
+  // committed directory: what the rewrite replaced is put back (RestoreReplaced).
+  void PutBackForSkippedCommit(const JournalEntry& e) EXCLUDES(mu_);
   // Syncs the data (publish) and applies one entry; false with `st` on failure. `retry`:
-  // an earlier attempt of this entry failed (ApplyEntry).
-  Status Process(const JournalEntry& e, bool retry);
+  // an earlier attempt of this entry failed (ApplyEntry). `tried` is set once it changes
+  // (or tries to change) the backing store's names; `kept` when a publish kept the file
+  // it replaced (ApplyEntry's keep_replaced).
+  Status Process(const JournalEntry& e, bool retry, bool* tried, bool* kept);
+  // Files of a committed directory that a later save's publish replaced, kept under their
+  // temp names (JournalEntry::kept) so that an abort of that save can put them back.
+  struct Replaced {
+    std::string path;
+    std::string temp;
+    uint64_t file_id = 0;
+  };
+  bool KeptLocked(const std::string& path) const REQUIRES(mu_);
+  // A restore entry (JournalEntry::restore): puts the kept files of its directory back.
+  Status RestoreReplaced(const JournalEntry& e, bool retry) EXCLUDES(mu_);
+  // Removes the kept files of directory `dir` (`subtree`: every kept file at or below it),
+  // their temp files and records: their directory committed again, or went.
+  void ReleaseReplaced(const std::string& dir, bool subtree) EXCLUDES(mu_);
+  void DropReplaced(const std::vector<Replaced>& gone);
   std::string WaitingForLocked() const REQUIRES(mu_);
   // An entry a bounded stop of the previous run left for this one.
   bool Resumed(uint64_t seq) const {
@@ -389,6 +424,9 @@ class Journal final : public QueuedPublishes {
   uint64_t room_waits_ GUARDED_BY(mu_) = 0;
   uint64_t room_wait_ms_ GUARDED_BY(mu_) = 0;
   std::map<uint64_t, Status> failures_ GUARDED_BY(mu_);  // outcomes of skipped entries
+  // By directory: the files a rewrite of it replaced, until it commits, is aborted (then
+  // they are put back), or the directory goes, or the journal stops.
+  std::map<std::string, std::vector<Replaced>> replaced_ GUARDED_BY(mu_);
   uint64_t skipped_ GUARDED_BY(mu_) = 0;
   uint64_t superseded_ GUARDED_BY(mu_) = 0;
   uint64_t given_up_ GUARDED_BY(mu_) = 0;

@@ -3,17 +3,26 @@
 // while halted (DropIfHalted), and what publication waits for (WaitingFor, halted).
 #include <spdlog/spdlog.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <chrono>
+#include <map>
+#include <set>
 
 #include "common/backoff.h"
 #include "common/path.h"
+#include "store/publish/entry_apply.h"
 #include "store/publish/journal.h"
 
 namespace ckptfs::store {
 namespace {
 
 using path::IsAtOrBelow;
+
+bool IsCommitEntry(const JournalEntry& e) {
+  return (e.op == OpType::kPublish || e.op == OpType::kRename) && IsCommitName(e.path);
+}
 
 double UnixNow() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -131,22 +140,93 @@ std::optional<HaltInfo> Journal::halted() const {
   return std::nullopt;
 }
 
-std::vector<std::string> Journal::Abort(const std::string& path) {
+std::vector<std::string> Journal::Abort(const std::string& path,
+                                        std::vector<std::string>* untouched) {
   std::vector<JournalEntry> dropped;
+  std::set<uint64_t> reused;  // seqs of dropped entries a withdrawal took the place of
+  std::vector<std::string> withdrawn;
   {
     MutexLock lock(&mu_);
+    auto below = [&](const JournalEntry& e) {
+      return IsAtOrBelow(e.path, path) || (!e.from.empty() && IsAtOrBelow(e.from, path));
+    };
+    auto file_of_save = [](const JournalEntry& e) {
+      return (e.op == OpType::kPublish || e.op == OpType::kRename) && !S_ISDIR(e.mode);
+    };
+    // The saves it drops, by directory. An earlier save's `.metadata` there describes the
+    // directory only while nothing of the dropped save reached it. The files a rewrite
+    // replaced were kept (replaced_): they are put back, in the order of the dropped
+    // entries, and the directory is the earlier save again. What cannot be put back (a
+    // failed attempt left its name in place) has the `.metadata` withdrawn instead, so that
+    // no loader takes a mix of the two saves as complete. Not while that save's commit is
+    // in flight (being checked or applied): its outcome decides.
+    struct Save {
+      bool in_place = false;   // a dropped entry's failed attempt left its name in place
+      bool in_flight = false;  // its commit is being checked or applied
+      bool donor = false;      // an entry of it is dropped (its place takes the withdrawal)
+      std::set<std::string> commits;
+    };
+    std::map<std::string, Save> saves;
+    for (const Queued& q : queue_) {
+      if (!below(q.e) || !file_of_save(q.e)) continue;
+      Save& save = saves[path::Parent(q.e.path)];
+      if (q.busy) {
+        save.in_flight = save.in_flight || IsCommitEntry(q.e);
+        continue;
+      }
+      save.donor = true;
+      save.in_place = save.in_place || q.e.in_place;
+      if (IsCommitEntry(q.e)) save.commits.insert(q.e.path);
+    }
+    std::map<std::string, std::vector<std::string>> withdraw;  // directory -> commit names
+    std::set<std::string> restore;
+    for (auto& [dir, save] : saves) {
+      if (save.in_flight || !save.donor) continue;
+      if (!save.in_place && replaced_.count(dir) > 0) {
+        restore.insert(dir);
+        withdraw[dir] = {path::Join(dir, ".metadata")};
+        continue;
+      }
+      if (delegate_ == nullptr) continue;
+      if (!delegate_->WithdrawOnAbort(dir, save.in_place)) {
+        if (untouched != nullptr) untouched->push_back(dir);
+        continue;
+      }
+      if (save.commits.empty()) save.commits.insert(path::Join(dir, ".metadata"));
+      withdraw[dir].assign(save.commits.begin(), save.commits.end());
+    }
     for (auto it = queue_.begin(); it != queue_.end();) {
-      const JournalEntry& e = it->e;
-      bool below = IsAtOrBelow(e.path, path) || (!e.from.empty() && IsAtOrBelow(e.from, path));
-      if (!below || it->busy) {
+      // An earlier abort's own repair (a restore or withdrawal) is not dropped.
+      if (!below(it->e) || it->busy || it->e.restore || it->e.withdraw) {
         ++it;
         continue;
       }
-      if (e.seq == gate_seq_) gate_seq_ = 0;
+      if (it->e.seq == gate_seq_) gate_seq_ = 0;
+      auto w = file_of_save(it->e) ? withdraw.find(path::Parent(it->e.path)) : withdraw.end();
+      if (w == withdraw.end() || w->second.empty()) {
+        dropped.push_back(std::move(it->e));
+        it = queue_.erase(it);
+        continue;
+      }
+      // The withdrawal takes the place (and the sequence number) of a dropped entry.
+      Queued withdrawal;
+      withdrawal.e.seq = it->e.seq;
+      withdrawal.e.op = OpType::kUnlink;
+      withdrawal.e.path = w->second.back();
+      withdrawal.e.restore = restore.count(w->first) > 0;
+      withdrawal.e.withdraw = !withdrawal.e.restore || options_.shared_dirs;
+      w->second.pop_back();
+      reused.insert(it->e.seq);
+      if (withdrawal.e.withdraw) withdrawn.push_back(withdrawal.e.path);
       dropped.push_back(std::move(it->e));
-      it = queue_.erase(it);
+      *it = std::move(withdrawal);
+      ++it;
     }
     gate_dirty_ = true;
+  }
+  for (const std::string& name : withdrawn) {
+    spdlog::warn("journal: the abort of {} withdraws {} from the backing store: the directory "
+                 "holds part of the aborted save", path.empty() ? "/" : path, name);
   }
   std::vector<std::string> lines;
   for (JournalEntry& e : dropped) {
@@ -159,7 +239,7 @@ std::vector<std::string> Journal::Abort(const std::string& path) {
     for (const JournalEntry& e : dropped) {
       failures_[e.seq] = Status(Code::kAborted, "aborted by the operator");
       if (e.op == OpType::kPublish) ++dropped_publishes_;
-      done_ahead_.insert(e.seq);
+      if (reused.count(e.seq) == 0) done_ahead_.insert(e.seq);
     }
     AdvanceDoneLocked();
   }
@@ -201,6 +281,7 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
       spdlog::error("journal: {} skipped: {}", e.Describe(), st.ToString());
     }
     Finalize(e, st, /*applied=*/false);
+    if (commit && st.code() == Code::kNodeLost) PutBackForSkippedCommit(e);
     lock.Lock();
     --finalizing_;
     unsettled_.erase(e.seq);
@@ -214,6 +295,7 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     std::vector<std::pair<JournalEntry, Status>> dropped;
     // A shard applied ahead fails: the commit at the head waits for it, so it goes too.
     auto from = at_head ? FindLocked(e.seq) : queue_.begin();
+    FindLocked(e.seq)->e.in_place = e.in_place;
     const Status behind(Code::kAborted, "not published: " + e.Describe() + " failed first");
     for (auto it = from; it != queue_.end(); ++it) {
       dropped.emplace_back(std::move(it->e), it->e.seq == e.seq ? st : behind);
@@ -240,6 +322,7 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
   }
   auto it = FindLocked(e.seq);
   it->busy = false;
+  it->e.in_place = e.in_place;  // an abort that drops it withdraws what it left
   if (it->drop) {
     work_cv_.notify_all();  // deleted through the mount meanwhile: the publisher drops it
     return;
@@ -287,6 +370,30 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
   }
   if (delegate_ != nullptr) delegate_->OnHalt(e, st);
   done_cv_.notify_all();
+}
+
+void Journal::PutBackForSkippedCommit(const JournalEntry& e) {
+  const std::string dir = path::Parent(e.path);
+  {
+    MutexLock lock(&mu_);
+    if (replaced_.count(dir) == 0) return;
+  }
+  // The rewrite this commit closed never commits (its shards dropped, or a node lost): what
+  // it replaced goes back, at the commit's place, as an abort's restore does.
+  JournalEntry r;
+  r.seq = e.seq;
+  r.op = OpType::kUnlink;
+  r.path = path::Join(dir, ".metadata");
+  r.restore = true;
+  r.withdraw = options_.shared_dirs;
+  Status st = RestoreReplaced(r, /*retry=*/false);
+  if (st.ok() && r.withdraw) st = ApplyEntry(dir_, r, nullptr);
+  if (!st.ok()) {
+    spdlog::error("journal: cannot put back what the rewrite of {} replaced: {}", dir,
+                  st.ToString());
+    return;
+  }
+  if (delegate_ != nullptr) delegate_->OnDone(r, Status::Ok());
 }
 
 void Journal::RemoveSkippedCommit(const JournalEntry& e) {

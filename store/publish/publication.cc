@@ -76,6 +76,7 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
                                           static_cast<CommitGateHost*>(self), p->options_.peers);
   JournalOptions journal;
   journal.halt_on_failure = p->options_.halt_on_failure;
+  journal.shared_dirs = p->options_.cross_node_order;
   // Temp files live at the backing root: their records can be written ahead, several
   // per synced write.
   journal.temp_prefix = p->options_.temp_prefix;
@@ -348,17 +349,59 @@ std::vector<std::string> Publication::Abort(const std::string& path) {
       marked = true;
     }
   }
-  std::vector<std::string> dropped = journal_->Abort(path);
+  // Aborted first: a restore the journal queues may be applied before this returns, and
+  // it makes the record committed again (NoteApplied).
   registry_->OnAborted(path, "aborted by the operator");
+  std::vector<std::string> untouched;
+  std::vector<std::string> dropped = journal_->Abort(path, &untouched);
   if (dropped.empty() && marked) {
     MutexLock lock(&lost_mu_);
     lost_.erase(path);  // nothing was pending: no tracker can wait for it
   }
+  KeepEarlierCommits(untouched);
   return dropped;
+}
+
+bool Publication::WithdrawOnAbort(const std::string& dir, bool in_place) {
+  // The record is that of the save the abort drops (a rewrite starts it over). Committed:
+  // its own `.metadata` is on the backing store and names what is there. Else, if any file
+  // of it was published into the directory (or a failed attempt left one there), the
+  // directory is no longer what an earlier `.metadata` there names: a mix of two saves
+  // that a loader must not take as complete.
+  const std::optional<CheckpointInfo> info = registry_->Get(dir);
+  if (info && info->state == CkptState::kCommitted) return false;
+  MutexLock lock(&lost_mu_);
+  if (!in_place && !(info && info->bytes_published > 0) && withdrawn_.count(dir) == 0) return false;
+  if (withdrawn_.size() >= 1024) withdrawn_.erase(withdrawn_.begin());
+  withdrawn_.insert(dir);
+  return true;
+}
+
+void Publication::KeepEarlierCommits(const std::vector<std::string>& dirs) {
+  // Other nodes' files of the save may be there: this node cannot tell.
+  if (options_.cross_node_order) return;
+  for (const std::string& dir : dirs) {
+    {
+      MutexLock lock(&lost_mu_);
+      if (withdrawn_.count(dir) > 0) continue;  // an earlier abort's withdrawal is on its way
+    }
+    const std::optional<CheckpointInfo> info = registry_->Get(dir);
+    if (!info || info->state != CkptState::kAborted) continue;
+    if (!dir_->Stat(path::Join(dir, ".metadata")).ok()) continue;
+    registry_->OnEarlierCommitKept(dir, "a later save into it was aborted by the operator "
+                                        "before any of it reached the backing store");
+    MutexLock lock(&lost_mu_);
+    lost_.erase(dir);  // committed: a tracker may name it
+  }
 }
 
 void Publication::OnHalt(const JournalEntry& e, const Status& st) {
   const std::string dir = path::Parent(e.path);
+  if (e.withdraw || e.restore) {
+    // An abort's withdrawal or restore retried: the checkpoint stays aborted.
+    observer_->OnHalted(e, st);
+    return;
+  }
   if (st.ok()) {
     registry_->OnResumed(dir);
   } else {
@@ -452,6 +495,7 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
       // A later save into a directory given up earlier commits it: no longer lost.
       MutexLock lock(&lost_mu_);
       lost_.erase(dir);
+      withdrawn_.erase(dir);
     }
     // The key index reads every commit format (store/dcp/checkpoint_source.h); it is
     // built once the directory is committed, not once per rank (a build takes the write
@@ -470,6 +514,14 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
     // Committed again after it was given up or aborted: trackers may name it.
     MutexLock lock(&lost_mu_);
     lost_.erase(committed);
+  }
+  if (e.withdraw && st.ok()) index_->Forget(dir);  // no `.metadata` to read it from
+  if (e.restore && !e.withdraw && st.ok()) {
+    // The directory is the earlier save again, whole under its `.metadata`.
+    registry_->OnEarlierCommitKept(dir, "a later save into it was aborted by the operator; "
+                                        "the files it had replaced were put back");
+    MutexLock lock(&lost_mu_);
+    lost_.erase(dir);  // committed: a tracker may name it
   }
   // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
   registry_->OnApplied(journal_->counts().applied);

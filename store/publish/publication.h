@@ -169,7 +169,9 @@ class Publication final : private JournalDelegate,
 
   // ------------------------------------------------------------ operator, reports, stop
   void Resume() { journal_->Resume(); }
-  // Drops every queued entry at or below `path` and marks its checkpoints aborted.
+  // Drops every queued entry at or below `path` and marks its checkpoints aborted. A save
+  // of which something already reached its directory (a rewrite over an earlier save) has
+  // that earlier save's `.metadata` withdrawn from the backing store (Journal::Abort).
   std::vector<std::string> Abort(const std::string& path);
   // What the mount may read: journal counts and waits, checkpoint records, gate counters.
   PublicationView view() const { return PublicationView(journal_.get(), registry_.get(), gate_.get()); }
@@ -191,6 +193,7 @@ class Publication final : private JournalDelegate,
   bool Gated(const JournalEntry& e) override;
   void OnDone(const JournalEntry& e, const Status& st) override;
   void OnHalt(const JournalEntry& e, const Status& st) override;
+  bool WithdrawOnAbort(const std::string& dir, bool in_place) override;
   // CommitGateHost and LocalShardQuestions: the observer's answers, the dropped names, the
   // shard states' record, and the journal to wake.
   bool WrittenLocally(const std::string& path) override;
@@ -236,6 +239,12 @@ class Publication final : private JournalDelegate,
   // for the trackers that name them (docs/SEMANTICS.md, "A lost node"); bounded.
   mutable Mutex lost_mu_;
   std::map<std::string, std::string> lost_ GUARDED_BY(lost_mu_);
+  // Directories whose earlier `.metadata` an abort withdraws (WithdrawOnAbort), until a
+  // commit of theirs is applied again; bounded.
+  std::set<std::string> withdrawn_ GUARDED_BY(lost_mu_);
+  // Aborted saves into `dirs` of which nothing reached the backing store (Journal::Abort's
+  // `untouched`): where an earlier save's `.metadata` is there, its commit stands.
+  void KeepEarlierCommits(const std::vector<std::string>& dirs) EXCLUDES(lost_mu_);
   // The given-up checkpoint the tracker `e` names, if any, with the reason it was given up.
   std::optional<std::pair<std::string, std::string>> NamesLostCheckpoint(const JournalEntry& e)
       EXCLUDES(lost_mu_);
