@@ -60,6 +60,7 @@ Journal::Journal(BackingDir* dir, StateDb* db, JournalDelegate* delegate, Journa
       delegate_(delegate),
       options_(std::move(options)),
       temps_(db, options_.temp_prefix, next_id),
+      replaced_(dir, db, &temps_),
       presync_(dir, options_.presync_threads),
       next_seq_(next_seq),
       done_seq_(next_seq - 1) {
@@ -472,15 +473,13 @@ void Journal::Run() {
       if (kept) {
         // The committed version it replaced, kept until this save commits or is aborted.
         e.kept = true;
-        lock.Lock();
-        replaced_[path::Parent(e.path)].push_back(Replaced{e.path, e.from, e.file_id});
-        lock.Unlock();
+        replaced_.Keep(e.path, e.from, e.file_id);
       }
       Finalize(e, st, /*applied=*/true);
       if (commit) {
-        ReleaseReplaced(path::Parent(e.path), /*subtree=*/false);  // the rewrite committed
+        replaced_.Release(path::Parent(e.path), /*subtree=*/false);  // the rewrite committed
       } else if (e.op == OpType::kRmdir || e.op == OpType::kUnlink || e.op == OpType::kRename) {
-        ReleaseReplaced(e.op == OpType::kRename ? e.from : e.path, /*subtree=*/true);
+        replaced_.Release(e.op == OpType::kRename ? e.from : e.path, /*subtree=*/true);
       }
       if (failed_before) {
         // Before the entry leaves the queue: whoever sees the halt gone (ckptfs-admin
@@ -521,17 +520,15 @@ std::deque<Journal::Queued>::iterator Journal::FindLocked(uint64_t seq) {
 
 Status Journal::Process(const JournalEntry& e, bool retry, bool* tried, bool* kept) {
   if (e.restore) {
-    Status st = RestoreReplaced(e, retry);
+    Status st = replaced_.PutBack(path::Parent(e.path), retry);
     if (!st.ok() || !e.withdraw) return st;  // else withdrawn too (shared_dirs)
   }
   auto apply = [&] {
     *tried = true;
     bool renamed = false;
-    bool keep = false;
-    if (e.op == OpType::kPublish && !IsCommitName(e.path)) {
-      MutexLock lock(&mu_);
-      keep = !KeptLocked(e.path);  // the first version replaced is the committed one
-    }
+    // The first version replaced is the committed one.
+    const bool keep =
+        e.op == OpType::kPublish && !IsCommitName(e.path) && !replaced_.IsKept(e.path);
     Status st = ApplyEntry(dir_, e, &renamed, retry, keep, kept);
     if (renamed) temps_.Move(e.from, e.path);  // temps below a renamed directory
     return st;
@@ -563,80 +560,6 @@ Status Journal::Process(const JournalEntry& e, bool retry, bool* tried, bool* ke
   return st;
 }
 
-bool Journal::KeptLocked(const std::string& path) const {
-  auto it = replaced_.find(path::Parent(path));
-  if (it == replaced_.end()) return false;
-  return std::any_of(it->second.begin(), it->second.end(),
-                     [&](const Replaced& r) { return r.path == path; });
-}
-
-Status Journal::RestoreReplaced(const JournalEntry& e, bool retry) {
-  const std::string dir = path::Parent(e.path);
-  std::vector<Replaced> kept;
-  {
-    MutexLock lock(&mu_);
-    auto it = replaced_.find(dir);
-    if (it != replaced_.end()) kept = it->second;
-  }
-  for (const Replaced& r : kept) {
-    // Over the aborted save's version, which goes with it.
-    Status st = dir_->Rename(r.temp, r.path);
-    if (!st.ok() && !(retry && st.code() == Code::kNotFound && dir_->Stat(r.path).ok())) {
-      return st;
-    }
-    {
-      MutexLock lock(&mu_);
-      auto it = replaced_.find(dir);
-      if (it != replaced_.end()) {
-        std::erase_if(it->second, [&](const Replaced& x) { return x.temp == r.temp; });
-        if (it->second.empty()) replaced_.erase(it);
-      }
-    }
-    Status db_st = db_->Write({}, {TempRecords::Key(r.file_id)}, WriteMode::kUnsynced);
-    if (!db_st.ok()) spdlog::warn("journal: state db: {}", db_st.ToString());
-    temps_.Drop(r.file_id);
-    spdlog::warn("journal: {} put back: the save that replaced it was aborted", r.path);
-  }
-  return dir_->SyncParent(e.path);
-}
-
-void Journal::ReleaseReplaced(const std::string& dir, bool subtree) {
-  std::vector<Replaced> gone;
-  {
-    MutexLock lock(&mu_);
-    for (auto it = replaced_.begin(); it != replaced_.end();) {
-      std::vector<Replaced>& list = it->second;
-      for (auto r = list.begin(); r != list.end();) {
-        if (subtree ? IsAtOrBelow(r->path, dir) : it->first == dir) {
-          gone.push_back(std::move(*r));
-          r = list.erase(r);
-        } else {
-          ++r;
-        }
-      }
-      it = list.empty() ? replaced_.erase(it) : std::next(it);
-    }
-  }
-  DropReplaced(gone);
-}
-
-void Journal::DropReplaced(const std::vector<Replaced>& gone) {
-  if (gone.empty()) return;
-  std::vector<std::string> deletes;
-  for (const Replaced& r : gone) {
-    Status rm = dir_->Unlink(r.temp);
-    if (!rm.ok() && rm.code() != Code::kNotFound) {
-      spdlog::warn("journal: cannot remove the replaced version of {} ({}): {}", r.path, r.temp,
-                   rm.ToString());
-    }
-    deletes.push_back(TempRecords::Key(r.file_id));
-  }
-  // Unsynced: a crash that loses it leaves recovery a record whose file is gone.
-  Status db_st = db_->Write({}, deletes, WriteMode::kUnsynced);
-  if (!db_st.ok()) spdlog::warn("journal: state db: {}", db_st.ToString());
-  for (const Replaced& r : gone) temps_.Drop(r.file_id);
-}
-
 void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
   if (!applied && (e.op == OpType::kPublish || e.op == OpType::kDiscard)) {
     if (e.target && e.op == OpType::kPublish) e.target->Cancel(st);
@@ -647,7 +570,7 @@ void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
     }
   }
   std::vector<std::string> deletes{JournalEntry::RecordKey(e.seq)};
-  // A kept replaced file lives on under the temp name: its record stays (ReleaseReplaced).
+  // A kept replaced file lives on under the temp name: its record stays (ReplacedFiles).
   const bool temp_done = (e.op == OpType::kPublish || e.op == OpType::kDiscard) && !e.kept;
   if (temp_done) deletes.push_back(TempRecords::Key(e.file_id));
   // An entry the previous run left: its record is removed synced, so that a crash now

@@ -69,6 +69,7 @@
 #include "store/primitives/state_db.h"
 #include "store/publish/early_sync.h"
 #include "store/publish/journal_entry.h"
+#include "store/publish/replaced_files.h"
 #include "store/publish/temp_records.h"
 
 namespace ckptfs::store {
@@ -165,15 +166,25 @@ class JournalDelegate {
   // When an entry fails and the journal halts at it (each attempt), and with an ok status
   // when a halted entry finally passes.
   virtual void OnHalt(const JournalEntry& e, const Status& st) = 0;
-  // Abort() drops the queued files of a save into `dir` (its commit not in flight): true
-  // if something of that save may be on the backing store in `dir` already (`in_place`: a
-  // dropped entry's failed attempt left its name there), so that a `.metadata` of an
-  // earlier save there no longer describes the directory and is withdrawn. Called under
-  // the journal's lock: it must not call the journal.
-  virtual bool WithdrawOnAbort(const std::string& dir, bool in_place) { return false; }
 
  protected:
   ~JournalDelegate() = default;
+};
+
+// Journal::Abort()'s question about a save whose queued files it drops (Publication's
+// AbortedRewrites answers it).
+class AbortWithdrawals {
+ public:
+  // The queued files of a save into `dir` are dropped (its commit not in flight), and
+  // nothing it replaced there is kept (ReplacedFiles): true if something of that save may
+  // be on the backing store in `dir` already (`in_place`: a dropped entry's failed attempt
+  // left its name there), so that a `.metadata` of an earlier save there no longer
+  // describes the directory and is withdrawn. Called under the journal's lock: it must
+  // not call the journal.
+  virtual bool WithdrawOnAbort(const std::string& dir, bool in_place) = 0;
+
+ protected:
+  ~AbortWithdrawals() = default;
 };
 
 struct JournalOptions {
@@ -293,13 +304,16 @@ class Journal final : public QueuedPublishes {
     { MutexLock lock(&mu_); gate_dirty_ = true; } work_cv_.notify_all(); }
   // Drops every queued entry at or below `path` (a checkpoint directory or a file) that
   // has not been applied: their temp files are removed and nothing of them reaches the
-  // backing store. An entry being applied at that moment is not dropped. Where the
-  // delegate says that part of a dropped save may already be in its directory
-  // (WithdrawOnAbort), the save's commit names (`.metadata` if none was queued) are
+  // backing store. An entry being applied at that moment is not dropped. Where a dropped
+  // save replaced files of a committed directory (ReplacedFiles), a restore entry takes
+  // the place of one of its entries and puts them back (JournalEntry::restore). Else,
+  // where `withdraw` (may be empty: never) says that part of a dropped save may already
+  // be in its directory, the save's commit names (`.metadata` if none was queued) are
   // withdrawn in its place, in order: unlinked, the directory synced (JournalEntry::
   // withdraw). Returns what was dropped, one Describe() line each. `untouched` (may be
-  // null) gets the directories of dropped saves that the delegate found untouched.
+  // null) gets the directories of dropped saves that `withdraw` found untouched.
   std::vector<std::string> Abort(const std::string& path,
+                                 AbortWithdrawals* withdraw = nullptr,  // borrowed, may be null
                                  std::vector<std::string>* untouched = nullptr);
   // The application deleted `path`, a name in the directory of the entry publication is
   // halted at (a failed checkpoint it removes), through the mount while publication is
@@ -358,28 +372,12 @@ class Journal final : public QueuedPublishes {
   // nothing of it stays on the backing store and the entries after it (an rmdir of the
   // directory) apply as the application made them.
   void RemoveSkippedCommit(const JournalEntry& e);
-  // A commit given up (kNodeLost: its shards dropped or a node lost) closed a rewrite of a
-  // committed directory: what the rewrite replaced is put back (RestoreReplaced).
-  void PutBackForSkippedCommit(const JournalEntry& e) EXCLUDES(mu_);
   // Syncs the data (publish) and applies one entry; false with `st` on failure. `retry`:
   // an earlier attempt of this entry failed (ApplyEntry). `tried` is set once it changes
   // (or tries to change) the backing store's names; `kept` when a publish kept the file
-  // it replaced (ApplyEntry's keep_replaced).
+  // it replaced (ApplyEntry's keep_replaced). A restore entry (JournalEntry::restore)
+  // puts back what its directory's rewrite replaced (ReplacedFiles::PutBack).
   Status Process(const JournalEntry& e, bool retry, bool* tried, bool* kept);
-  // Files of a committed directory that a later save's publish replaced, kept under their
-  // temp names (JournalEntry::kept) so that an abort of that save can put them back.
-  struct Replaced {
-    std::string path;
-    std::string temp;
-    uint64_t file_id = 0;
-  };
-  bool KeptLocked(const std::string& path) const REQUIRES(mu_);
-  // A restore entry (JournalEntry::restore): puts the kept files of its directory back.
-  Status RestoreReplaced(const JournalEntry& e, bool retry) EXCLUDES(mu_);
-  // Removes the kept files of directory `dir` (`subtree`: every kept file at or below it),
-  // their temp files and records: their directory committed again, or went.
-  void ReleaseReplaced(const std::string& dir, bool subtree) EXCLUDES(mu_);
-  void DropReplaced(const std::vector<Replaced>& gone);
   std::string WaitingForLocked() const REQUIRES(mu_);
   // An entry a bounded stop of the previous run left for this one.
   bool Resumed(uint64_t seq) const {
@@ -398,6 +396,9 @@ class Journal final : public QueuedPublishes {
   JournalDelegate* const delegate_;
   const JournalOptions options_;
   TempRecords temps_;
+  // What rewrites of committed directories replaced, until each commits, is aborted (then
+  // it is put back), its directory goes, or the journal stops. Its own lock, a leaf.
+  ReplacedFiles replaced_;
   EarlySyncs presync_;
 
   mutable Mutex mu_;
@@ -424,9 +425,6 @@ class Journal final : public QueuedPublishes {
   uint64_t room_waits_ GUARDED_BY(mu_) = 0;
   uint64_t room_wait_ms_ GUARDED_BY(mu_) = 0;
   std::map<uint64_t, Status> failures_ GUARDED_BY(mu_);  // outcomes of skipped entries
-  // By directory: the files a rewrite of it replaced, until it commits, is aborted (then
-  // they are put back), or the directory goes, or the journal stops.
-  std::map<std::string, std::vector<Replaced>> replaced_ GUARDED_BY(mu_);
   uint64_t skipped_ GUARDED_BY(mu_) = 0;
   uint64_t superseded_ GUARDED_BY(mu_) = 0;
   uint64_t given_up_ GUARDED_BY(mu_) = 0;

@@ -8,11 +8,11 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "common/backoff.h"
 #include "common/path.h"
-#include "store/publish/entry_apply.h"
 #include "store/publish/journal.h"
 
 namespace ckptfs::store {
@@ -140,7 +140,7 @@ std::optional<HaltInfo> Journal::halted() const {
   return std::nullopt;
 }
 
-std::vector<std::string> Journal::Abort(const std::string& path,
+std::vector<std::string> Journal::Abort(const std::string& path, AbortWithdrawals* withdraw,
                                         std::vector<std::string>* untouched) {
   std::vector<JournalEntry> dropped;
   std::set<uint64_t> reused;  // seqs of dropped entries a withdrawal took the place of
@@ -155,7 +155,7 @@ std::vector<std::string> Journal::Abort(const std::string& path,
     };
     // The saves it drops, by directory. An earlier save's `.metadata` there describes the
     // directory only while nothing of the dropped save reached it. The files a rewrite
-    // replaced were kept (replaced_): they are put back, in the order of the dropped
+    // replaced were kept (ReplacedFiles): they are put back, in the order of the dropped
     // entries, and the directory is the earlier save again. What cannot be put back (a
     // failed attempt left its name in place) has the `.metadata` withdrawn instead, so that
     // no loader takes a mix of the two saves as complete. Not while that save's commit is
@@ -178,22 +178,22 @@ std::vector<std::string> Journal::Abort(const std::string& path,
       save.in_place = save.in_place || q.e.in_place;
       if (IsCommitEntry(q.e)) save.commits.insert(q.e.path);
     }
-    std::map<std::string, std::vector<std::string>> withdraw;  // directory -> commit names
+    std::map<std::string, std::vector<std::string>> to_withdraw;  // dir -> commit names
     std::set<std::string> restore;
     for (auto& [dir, save] : saves) {
       if (save.in_flight || !save.donor) continue;
-      if (!save.in_place && replaced_.count(dir) > 0) {
+      if (!save.in_place && replaced_.HasKept(dir)) {
         restore.insert(dir);
-        withdraw[dir] = {path::Join(dir, ".metadata")};
+        to_withdraw[dir] = {path::Join(dir, ".metadata")};
         continue;
       }
-      if (delegate_ == nullptr) continue;
-      if (!delegate_->WithdrawOnAbort(dir, save.in_place)) {
+      if (withdraw == nullptr) continue;
+      if (!withdraw->WithdrawOnAbort(dir, save.in_place)) {
         if (untouched != nullptr) untouched->push_back(dir);
         continue;
       }
       if (save.commits.empty()) save.commits.insert(path::Join(dir, ".metadata"));
-      withdraw[dir].assign(save.commits.begin(), save.commits.end());
+      to_withdraw[dir].assign(save.commits.begin(), save.commits.end());
     }
     for (auto it = queue_.begin(); it != queue_.end();) {
       // An earlier abort's own repair (a restore or withdrawal) is not dropped.
@@ -202,8 +202,8 @@ std::vector<std::string> Journal::Abort(const std::string& path,
         continue;
       }
       if (it->e.seq == gate_seq_) gate_seq_ = 0;
-      auto w = file_of_save(it->e) ? withdraw.find(path::Parent(it->e.path)) : withdraw.end();
-      if (w == withdraw.end() || w->second.empty()) {
+      auto w = file_of_save(it->e) ? to_withdraw.find(path::Parent(it->e.path)) : to_withdraw.end();
+      if (w == to_withdraw.end() || w->second.empty()) {
         dropped.push_back(std::move(it->e));
         it = queue_.erase(it);
         continue;
@@ -225,8 +225,10 @@ std::vector<std::string> Journal::Abort(const std::string& path,
     gate_dirty_ = true;
   }
   for (const std::string& name : withdrawn) {
-    spdlog::warn("journal: the abort of {} withdraws {} from the backing store: the directory "
-                 "holds part of the aborted save", path.empty() ? "/" : path, name);
+    spdlog::warn(
+        "journal: the abort of {} withdraws {} from the backing store: the directory "
+        "holds part of the aborted save",
+        path.empty() ? "/" : path, name);
   }
   std::vector<std::string> lines;
   for (JournalEntry& e : dropped) {
@@ -281,7 +283,13 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
       spdlog::error("journal: {} skipped: {}", e.Describe(), st.ToString());
     }
     Finalize(e, st, /*applied=*/false);
-    if (commit && st.code() == Code::kNodeLost) PutBackForSkippedCommit(e);
+    if (commit && st.code() == Code::kNodeLost) {
+      // The rewrite this commit closed never commits (its shards dropped, or a node lost):
+      // what it replaced goes back, at the commit's place, as an abort's restore does.
+      std::optional<JournalEntry> restored =
+          replaced_.PutBackForGivenUpCommit(e, options_.shared_dirs);
+      if (restored && delegate_ != nullptr) delegate_->OnDone(*restored, Status::Ok());
+    }
     lock.Lock();
     --finalizing_;
     unsettled_.erase(e.seq);
@@ -370,30 +378,6 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
   }
   if (delegate_ != nullptr) delegate_->OnHalt(e, st);
   done_cv_.notify_all();
-}
-
-void Journal::PutBackForSkippedCommit(const JournalEntry& e) {
-  const std::string dir = path::Parent(e.path);
-  {
-    MutexLock lock(&mu_);
-    if (replaced_.count(dir) == 0) return;
-  }
-  // The rewrite this commit closed never commits (its shards dropped, or a node lost): what
-  // it replaced goes back, at the commit's place, as an abort's restore does.
-  JournalEntry r;
-  r.seq = e.seq;
-  r.op = OpType::kUnlink;
-  r.path = path::Join(dir, ".metadata");
-  r.restore = true;
-  r.withdraw = options_.shared_dirs;
-  Status st = RestoreReplaced(r, /*retry=*/false);
-  if (st.ok() && r.withdraw) st = ApplyEntry(dir_, r, nullptr);
-  if (!st.ok()) {
-    spdlog::error("journal: cannot put back what the rewrite of {} replaced: {}", dir,
-                  st.ToString());
-    return;
-  }
-  if (delegate_ != nullptr) delegate_->OnDone(r, Status::Ok());
 }
 
 void Journal::RemoveSkippedCommit(const JournalEntry& e) {

@@ -81,7 +81,7 @@ uint64_t Journal::Close() {
   lock.Unlock();
   // Every entry is done: a rewrite that neither committed nor was aborted stays as the
   // application left it (G8); the versions it replaced go.
-  ReleaseReplaced("", /*subtree=*/true);
+  replaced_.ReleaseAll();
   return dropped;
 }
 
@@ -132,7 +132,7 @@ StopReport Journal::CloseWithin(std::chrono::milliseconds stall,
   if (queue_.empty() && finalizing_ == 0) {
     report.dropped_publishes = dropped_publishes_;
     lock.Unlock();
-    ReleaseReplaced("", /*subtree=*/true);  // as Close()
+    replaced_.ReleaseAll();  // as Close()
     return report;
   }
 

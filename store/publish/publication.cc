@@ -63,6 +63,8 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
   // Entries the last stop left for this start: queued by Start(), once the observer exists.
   p->left_ = std::move(report.resumed);
   CKPT_ASSIGN_OR_RETURN(p->registry_, CheckpointRegistry::Load(db));
+  p->aborted_rewrites_ =
+      std::make_unique<AbortedRewrites>(dir, p->registry_.get(), p->options_.cross_node_order);
 
   // The parts ask Publication what the mount knows (its private bases).
   // Peers asking about a shard durable here get its block CRCs with the answer, so the
@@ -353,46 +355,12 @@ std::vector<std::string> Publication::Abort(const std::string& path) {
   // it makes the record committed again (NoteApplied).
   registry_->OnAborted(path, "aborted by the operator");
   std::vector<std::string> untouched;
-  std::vector<std::string> dropped = journal_->Abort(path, &untouched);
-  if (dropped.empty() && marked) {
-    MutexLock lock(&lost_mu_);
-    lost_.erase(path);  // nothing was pending: no tracker can wait for it
-  }
-  KeepEarlierCommits(untouched);
-  return dropped;
-}
-
-bool Publication::WithdrawOnAbort(const std::string& dir, bool in_place) {
-  // The record is that of the save the abort drops (a rewrite starts it over). Committed:
-  // its own `.metadata` is on the backing store and names what is there. Else, if any file
-  // of it was published into the directory (or a failed attempt left one there), the
-  // directory is no longer what an earlier `.metadata` there names: a mix of two saves
-  // that a loader must not take as complete.
-  const std::optional<CheckpointInfo> info = registry_->Get(dir);
-  if (info && info->state == CkptState::kCommitted) return false;
+  std::vector<std::string> dropped = journal_->Abort(path, aborted_rewrites_.get(), &untouched);
+  const std::vector<std::string> kept = aborted_rewrites_->KeepEarlierCommits(untouched);
   MutexLock lock(&lost_mu_);
-  if (!in_place && !(info && info->bytes_published > 0) && withdrawn_.count(dir) == 0) return false;
-  if (withdrawn_.size() >= 1024) withdrawn_.erase(withdrawn_.begin());
-  withdrawn_.insert(dir);
-  return true;
-}
-
-void Publication::KeepEarlierCommits(const std::vector<std::string>& dirs) {
-  // Other nodes' files of the save may be there: this node cannot tell.
-  if (options_.cross_node_order) return;
-  for (const std::string& dir : dirs) {
-    {
-      MutexLock lock(&lost_mu_);
-      if (withdrawn_.count(dir) > 0) continue;  // an earlier abort's withdrawal is on its way
-    }
-    const std::optional<CheckpointInfo> info = registry_->Get(dir);
-    if (!info || info->state != CkptState::kAborted) continue;
-    if (!dir_->Stat(path::Join(dir, ".metadata")).ok()) continue;
-    registry_->OnEarlierCommitKept(dir, "a later save into it was aborted by the operator "
-                                        "before any of it reached the backing store");
-    MutexLock lock(&lost_mu_);
-    lost_.erase(dir);  // committed: a tracker may name it
-  }
+  if (dropped.empty() && marked) lost_.erase(path);      // nothing was pending: no tracker waits
+  for (const std::string& dir : kept) lost_.erase(dir);  // committed: a tracker may name it
+  return dropped;
 }
 
 void Publication::OnHalt(const JournalEntry& e, const Status& st) {
@@ -495,8 +463,8 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
       // A later save into a directory given up earlier commits it: no longer lost.
       MutexLock lock(&lost_mu_);
       lost_.erase(dir);
-      withdrawn_.erase(dir);
     }
+    aborted_rewrites_->OnCommitted(dir);
     // The key index reads every commit format (store/dcp/checkpoint_source.h); it is
     // built once the directory is committed, not once per rank (a build takes the write
     // path's block CRCs of the shards it covers and releases them).
@@ -518,8 +486,9 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
   if (e.withdraw && st.ok()) index_->Forget(dir);  // no `.metadata` to read it from
   if (e.restore && !e.withdraw && st.ok()) {
     // The directory is the earlier save again, whole under its `.metadata`.
-    registry_->OnEarlierCommitKept(dir, "a later save into it was aborted by the operator; "
-                                        "the files it had replaced were put back");
+    registry_->OnEarlierCommitKept(dir,
+                                   "a later save into it was aborted by the operator; "
+                                   "the files it had replaced were put back");
     MutexLock lock(&lost_mu_);
     lost_.erase(dir);  // committed: a tracker may name it
   }

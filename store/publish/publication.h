@@ -35,6 +35,7 @@
 #include "store/dcp/key_index.h"
 #include "store/primitives/backing_dir.h"
 #include "store/primitives/state_db.h"
+#include "store/publish/aborted_rewrites.h"
 #include "store/publish/checkpoints.h"
 #include "store/publish/commit_gate.h"
 #include "store/publish/journal.h"
@@ -193,7 +194,6 @@ class Publication final : private JournalDelegate,
   bool Gated(const JournalEntry& e) override;
   void OnDone(const JournalEntry& e, const Status& st) override;
   void OnHalt(const JournalEntry& e, const Status& st) override;
-  bool WithdrawOnAbort(const std::string& dir, bool in_place) override;
   // CommitGateHost and LocalShardQuestions: the observer's answers, the dropped names, the
   // shard states' record, and the journal to wake.
   bool WrittenLocally(const std::string& path) override;
@@ -220,6 +220,7 @@ class Publication final : private JournalDelegate,
   PublicationObserver* observer_ = nullptr;  // set by Start(), before any entry
   std::vector<JournalEntry> left_;           // from Recover(), for Start()
   std::unique_ptr<CheckpointRegistry> registry_;
+  std::unique_ptr<AbortedRewrites> aborted_rewrites_;  // over dir_ and registry_
   std::unique_ptr<LocalShardStates> shard_states_;
   std::unique_ptr<CommitGate> gate_;
   std::unique_ptr<Journal> journal_;  // last: its publisher calls into the parts above
@@ -239,12 +240,6 @@ class Publication final : private JournalDelegate,
   // for the trackers that name them (docs/SEMANTICS.md, "A lost node"); bounded.
   mutable Mutex lost_mu_;
   std::map<std::string, std::string> lost_ GUARDED_BY(lost_mu_);
-  // Directories whose earlier `.metadata` an abort withdraws (WithdrawOnAbort), until a
-  // commit of theirs is applied again; bounded.
-  std::set<std::string> withdrawn_ GUARDED_BY(lost_mu_);
-  // Aborted saves into `dirs` of which nothing reached the backing store (Journal::Abort's
-  // `untouched`): where an earlier save's `.metadata` is there, its commit stands.
-  void KeepEarlierCommits(const std::vector<std::string>& dirs) EXCLUDES(lost_mu_);
   // The given-up checkpoint the tracker `e` names, if any, with the reason it was given up.
   std::optional<std::pair<std::string, std::string>> NamesLostCheckpoint(const JournalEntry& e)
       EXCLUDES(lost_mu_);
