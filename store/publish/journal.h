@@ -305,8 +305,9 @@ class Journal final : public QueuedPublishes {
   // Drops every queued entry at or below `path` (a checkpoint directory or a file) that
   // has not been applied: their temp files are removed and nothing of them reaches the
   // backing store. An entry being applied at that moment is not dropped. Where a dropped
-  // save replaced files of a committed directory (ReplacedFiles), a restore entry takes
-  // the place of one of its entries and puts them back (JournalEntry::restore). Else,
+  // save replaced files of a committed directory (ReplacedFiles), or a file of it is being
+  // published at that moment (it may replace one yet), a restore entry takes the place of
+  // one of its entries and puts them back (JournalEntry::restore). Else,
   // where `withdraw` (may be empty: never) says that part of a dropped save may already
   // be in its directory, the save's commit names (`.metadata` if none was queued) are
   // withdrawn in its place, in order: unlinked, the directory synced (JournalEntry::

@@ -159,11 +159,13 @@ std::vector<std::string> Journal::Abort(const std::string& path, AbortWithdrawal
     // entries, and the directory is the earlier save again. What cannot be put back (a
     // failed attempt left its name in place) has the `.metadata` withdrawn instead, so that
     // no loader takes a mix of the two saves as complete. Not while that save's commit is
-    // in flight (being checked or applied): its outcome decides.
+    // in flight (being checked or applied): its outcome decides. A file of it being
+    // published (a retry) may replace one yet: what it keeps is put back after it.
     struct Save {
-      bool in_place = false;   // a dropped entry's failed attempt left its name in place
-      bool in_flight = false;  // its commit is being checked or applied
-      bool donor = false;      // an entry of it is dropped (its place takes the withdrawal)
+      bool in_place = false;    // a dropped entry's failed attempt left its name in place
+      bool in_flight = false;   // its commit is being checked or applied
+      bool publishing = false;  // a file of it is being published (not dropped)
+      bool donor = false;       // an entry of it is dropped (its place takes the withdrawal)
       std::set<std::string> commits;
     };
     std::map<std::string, Save> saves;
@@ -172,6 +174,7 @@ std::vector<std::string> Journal::Abort(const std::string& path, AbortWithdrawal
       Save& save = saves[path::Parent(q.e.path)];
       if (q.busy) {
         save.in_flight = save.in_flight || IsCommitEntry(q.e);
+        save.publishing = save.publishing || (q.e.op == OpType::kPublish && !IsCommitEntry(q.e));
         continue;
       }
       save.donor = true;
@@ -182,7 +185,7 @@ std::vector<std::string> Journal::Abort(const std::string& path, AbortWithdrawal
     std::set<std::string> restore;
     for (auto& [dir, save] : saves) {
       if (save.in_flight || !save.donor) continue;
-      if (!save.in_place && replaced_.HasKept(dir)) {
+      if (!save.in_place && (save.publishing || replaced_.HasKept(dir))) {
         restore.insert(dir);
         to_withdraw[dir] = {path::Join(dir, ".metadata")};
         continue;

@@ -484,8 +484,9 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
     lost_.erase(committed);
   }
   if (e.withdraw && st.ok()) index_->Forget(dir);  // no `.metadata` to read it from
-  if (e.restore && !e.withdraw && st.ok()) {
-    // The directory is the earlier save again, whole under its `.metadata`.
+  // The directory is the earlier save again, whole under its `.metadata`; unless it has no
+  // earlier save (nothing was replaced), or a later abort withdrew that `.metadata`.
+  if (e.restore && !e.withdraw && st.ok() && dir_->Stat(path::Join(dir, ".metadata")).ok()) {
     registry_->OnEarlierCommitKept(dir,
                                    "a later save into it was aborted by the operator; "
                                    "the files it had replaced were put back");

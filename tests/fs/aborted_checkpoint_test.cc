@@ -432,6 +432,60 @@ TEST_F(AbortedCheckpointTest, AnAbortedRewritePutsBackWhatItReplaced) {
   EXPECT_GE(fs_->Shutdown().unpublished, 1u);  // the aborted rewrite's files
 }
 
+// The abort meets the rewrite's first shard while it is being applied (a retry after a
+// transient failure: an entry in flight is not dropped), before it replaced anything: the
+// abort found nothing kept and nothing published, and the earlier commit was declared to
+// stand; then the shard landed, and save 1's `.metadata` named a mix of the two saves.
+// Such a save's files are put back too, after the entry in flight is done.
+TEST_F(AbortedCheckpointTest, AnAbortMeetingARewritesFirstShardInFlightPutsItBack) {
+  SaveAndTrack("iter_0000001", 1);
+  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "the first save");
+  ASSERT_EQ(StateOf("iter_0000001"), "committed");
+
+  // The first shard's rename fails once (EIO: retried with backoff); the retry waits in
+  // the rename until the abort has returned, then lands.
+  const auto first = plan_.shards.begin();
+  const std::string name = "iter_0000001/" + first->first;
+  std::mutex mu;
+  std::condition_variable cv;
+  int attempts = 0;
+  bool aborted = false;
+  dir_->SetRenameHook([&, name](const std::string&, const std::string& to) {
+    if (to != name) return 0;
+    std::unique_lock lock(mu);
+    if (++attempts == 1) return EIO;
+    cv.notify_all();
+    cv.wait_for(lock, 10s, [&] { return aborted; });
+    return 0;
+  });
+  SaveAndTrack("iter_0000001", 1, 't');
+  {
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return attempts >= 2; })) << "the retry";
+  }
+  EXPECT_FALSE(fs_->control()->Abort("iter_0000001").empty());
+  {
+    std::lock_guard lock(mu);
+    aborted = true;
+  }
+  cv.notify_all();
+  WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the rest");
+  dir_->SetRenameHook(nullptr);
+  EXPECT_TRUE(BackingHas("iter_0000001/.metadata"));
+  for (const auto& [file, len] : plan_.shards) {
+    EXPECT_EQ(BackingBytes("iter_0000001/" + file), std::string(len, 's'))
+        << file << ": the directory is save 1 again";
+  }
+  EXPECT_EQ(StateOf("iter_0000001"), "committed");
+  EXPECT_EQ(BackingBytes(kTracker), "1\n");
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (TempFiles() != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(2ms);
+  }
+  EXPECT_EQ(TempFiles(), 0u);
+  EXPECT_GE(fs_->Shutdown().unpublished, 1u);
+}
+
 // What cannot be put back: the rewrite's first shard was renamed into place, its directory
 // fsync failed, and so did the rename that should have taken it back (the replaced file is
 // then removed with the entry's temp name when the abort drops it). The abort withdraws
