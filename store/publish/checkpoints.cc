@@ -314,6 +314,18 @@ void CheckpointRegistry::OnAborted(const std::string& path, const std::string& w
   }
 }
 
+void CheckpointRegistry::OnEarlierCommitKept(const std::string& dir, const std::string& why) {
+  MutexLock lock(&mu_);
+  auto it = ckpts_.find(dir);
+  if (it == ckpts_.end() || it->second.state == CkptState::kCommitted) return;
+  CheckpointInfo& info = it->second;
+  info.state = CkptState::kCommitted;
+  info.error = why;
+  info.committed = info.updated = Now();
+  Persist(info);
+  spdlog::warn("checkpoint {}: committed (the earlier save): {}", dir, why);
+}
+
 void CheckpointRegistry::OnRemoved(const std::string& dir, uint64_t seq) {
   MutexLock lock(&mu_);
   if (seq != 0) moves_.push_back(Moved{seq, dir, ""});

@@ -99,6 +99,10 @@ class CheckpointRegistry {
   // The operator dropped the pending entries at or below `path`: checkpoints there that
   // had not committed become aborted.
   void OnAborted(const std::string& path, const std::string& why);
+  // A save into `dir`, a committed checkpoint, was aborted and nothing of it stays on the
+  // backing store (none of it reached it, or what it replaced was put back): the earlier
+  // save's commit stands there, and the record says so (committed, with `why`).
+  void OnEarlierCommitKept(const std::string& dir, const std::string& why);
   void OnRenamed(const std::string& from, const std::string& to, uint64_t seq = 0);
   void OnRemoved(const std::string& dir, uint64_t seq = 0);
   // Every journal entry up to `seq` has been applied.

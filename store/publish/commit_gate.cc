@@ -289,7 +289,8 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
       open_here = open_here || is_open;
       if (!mine && host_ != nullptr && host_->DeletedLocally(path)) {
         current_.seq = 0;
-        return Status(Code::kAborted, "shard " + path + " was deleted before it was published");
+        return Status(Code::kAborted,
+                      "shard " + path + " was deleted or aborted before it was published");
       }
       if (mine) {
         waiting.push_back(path);

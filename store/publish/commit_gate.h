@@ -94,8 +94,8 @@ class CommitGateHost {
   // True while a version of `path` is being written or published through this mount whose
   // writes began after journal entry `seq` (the commit) was appended.
   virtual bool RewrittenSince(const std::string& path, uint64_t seq) = 0;
-  // True if the application deleted `path` through this mount before it was published
-  // (its publish was dropped): a `.metadata` naming it is refused at once.
+  // True if the application deleted `path` through this mount before it was published, or
+  // the operator's abort dropped its publish: a `.metadata` naming it is refused at once.
   virtual bool DeletedLocally(const std::string& path) = 0;
   // The size `path` was published with through this mount, if this mount published it.
   virtual std::optional<uint64_t> PublishedLength(const std::string& path) = 0;

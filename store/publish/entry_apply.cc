@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
+#include "common/path.h"
 #include "store/dcp/commit_names.h"
 
 namespace ckptfs::store {
@@ -21,7 +22,7 @@ bool AlreadyInPlace(BackingDir* dir, const JournalEntry& e) {
          mine->st_ino == there->st_ino;
 }
 
-Status ApplyPublish(BackingDir* dir, const JournalEntry& e) {
+Status ApplyPublish(BackingDir* dir, const JournalEntry& e, bool keep_replaced, bool* kept) {
   // Over an existing file, exchange the two names: if the directory cannot be made
   // durable, exchanging back restores exactly the old state (G4); otherwise the temp
   // name now holds the old file, which is removed.
@@ -44,6 +45,11 @@ Status ApplyPublish(BackingDir* dir, const JournalEntry& e) {
                     undo.ToString());
     }
     return st;
+  }
+  if (replacing && keep_replaced &&
+      dir->Stat(path::Join(path::Parent(e.path), ".metadata")).ok()) {
+    if (kept != nullptr) *kept = true;  // the committed version, under the temp name
+    return Status::Ok();
   }
   if (replacing) {
     Status rm = dir->Unlink(e.from);
@@ -70,10 +76,11 @@ Status ApplyOwner(BackingDir* dir, const JournalEntry& e) {
 
 }  // namespace
 
-Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed, bool retry) {
+Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed, bool retry,
+                  bool keep_replaced, bool* kept) {
   switch (e.op) {
     case OpType::kPublish:
-      return ApplyPublish(dir, e);
+      return ApplyPublish(dir, e, keep_replaced, kept);
     case OpType::kRename: {
       Status moved = dir->Rename(e.from, e.path);
       // On a retry, the source gone and the target there: the failed attempt renamed it
@@ -102,8 +109,20 @@ Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed, bool re
     }
     case OpType::kUnlink: {
       Status st = dir->Unlink(e.path);
-      if (st.code() == Code::kNotFound) return Status::Ok();  // already gone: same state
-      return st;
+      if (!e.withdraw) {
+        if (st.code() == Code::kNotFound) return Status::Ok();  // already gone: same state
+        return st;
+      }
+      // A commit name withdrawn by an abort must stay gone after a crash: the directory is
+      // synced. Not there on a first attempt: nothing to withdraw. On a retry, the failed
+      // attempt unlinked it; its directory fsync is what is left.
+      if (st.code() == Code::kNotFound && !retry) return Status::Ok();
+      if (!st.ok() && st.code() != Code::kNotFound) return st;
+      if (st.ok()) {
+        spdlog::warn("journal: {} withdrawn from the backing store: its directory holds part "
+                     "of a save that was aborted", e.path);
+      }
+      return dir->SyncParent(e.path);
     }
     case OpType::kDiscard: {
       Status st = dir->Unlink(e.from);
@@ -139,6 +158,17 @@ Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed, bool re
     }
   }
   return Internal("unknown journal op");
+}
+
+bool LeftInPlace(BackingDir* dir, const JournalEntry& e) {
+  switch (e.op) {
+    case OpType::kPublish:
+      return AlreadyInPlace(dir, e);
+    case OpType::kRename:
+      return dir->Stat(e.from).status().code() == Code::kNotFound && dir->Stat(e.path).ok();
+    default:
+      return false;
+  }
 }
 
 Status SyncFileAt(BackingDir* dir, const std::string& path) {

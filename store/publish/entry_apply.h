@@ -1,7 +1,8 @@
 // How one journal entry changes the backing store (Journal's publisher applies it, in
 // order, once its turn and its bytes are there). Each op is made durable where the
 // guarantees need it: a publish or a commit rename that cannot be synced is withdrawn
-// (G4, G5), a new name's owner and exact mode follow it (multi-user POSIX).
+// (G4, G5), a commit name an abort withdraws (JournalEntry::withdraw) is unlinked and its
+// directory synced, a new name's owner and exact mode follow it (multi-user POSIX).
 //
 // Stateless; called without any journal lock.
 #pragma once
@@ -18,7 +19,16 @@ namespace ckptfs::store {
 // under its new name (the temp records below it follow: TempRecords::Move). `retry`: an
 // earlier attempt of this entry failed, so a kRename whose source is gone and whose target
 // is there was done by it (its directory fsync failed, and the rename back too).
-Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed, bool retry = false);
+// `keep_replaced`: a kPublish over an existing file in a directory that holds a `.metadata`
+// (a rewrite of a committed checkpoint) leaves the replaced file under its temp name
+// `from` instead of removing it, and sets `kept` (the journal puts it back if the rewrite
+// is aborted, removes it once the rewrite commits).
+Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed, bool retry = false,
+                  bool keep_replaced = false, bool* kept = nullptr);
+
+// After a failed attempt of `e`: whether its name holds what it would have put there (its
+// rename landed, then the directory fsync failed, and the rename back too).
+bool LeftInPlace(BackingDir* dir, const JournalEntry& e);
 
 // Fsyncs the file at `path` (a publish's temp file, by name: one that a previous run left
 // has no FlushTarget).

@@ -60,6 +60,7 @@ Journal::Journal(BackingDir* dir, StateDb* db, JournalDelegate* delegate, Journa
       delegate_(delegate),
       options_(std::move(options)),
       temps_(db, options_.temp_prefix, next_id),
+      replaced_(dir, db, &temps_),
       presync_(dir, options_.presync_threads),
       next_seq_(next_seq),
       done_seq_(next_seq - 1) {
@@ -514,9 +515,21 @@ void Journal::Run() {
       continue;
     }
 
-    Status st = Process(e, failed_before);
+    bool tried = false, kept = false;
+    Status st = Process(e, failed_before, &tried, &kept);
+    if (!st.ok() && tried && !e.in_place) e.in_place = LeftInPlace(dir_, e);
     if (st.ok()) {
+      if (kept) {
+        // The committed version it replaced, kept until this save commits or is aborted.
+        e.kept = true;
+        replaced_.Keep(e.path, e.from, e.file_id);
+      }
       Finalize(e, st, /*applied=*/true);
+      if (commit) {
+        replaced_.Release(path::Parent(e.path), /*subtree=*/false);  // the rewrite committed
+      } else if (e.op == OpType::kRmdir || e.op == OpType::kUnlink || e.op == OpType::kRename) {
+        replaced_.Release(e.op == OpType::kRename ? e.from : e.path, /*subtree=*/true);
+      }
       if (failed_before) {
         // Before the entry leaves the queue: whoever sees the halt gone (ckptfs-admin
         // resume, then wait) must not still see its checkpoint failed.
@@ -533,7 +546,9 @@ void Journal::Run() {
       }
       if (commit) gate_seq_ = 0, gate_ready_ = false;
       gate_dirty_ = true;
-      failures_.erase(e.seq);
+      // A withdrawal or restore took the place of an aborted entry (Abort): that outcome
+      // stays.
+      if (!e.withdraw && !e.restore) failures_.erase(e.seq);
       AdvanceDoneLocked();
       lock.Unlock();
       done_cv_.notify_all();
@@ -552,10 +567,18 @@ std::deque<Journal::Queued>::iterator Journal::FindLocked(uint64_t seq) {
   std::abort();  // only the publisher removes busy entries
 }
 
-Status Journal::Process(const JournalEntry& e, bool retry) {
+Status Journal::Process(const JournalEntry& e, bool retry, bool* tried, bool* kept) {
+  if (e.restore) {
+    Status st = replaced_.PutBack(path::Parent(e.path), retry);
+    if (!st.ok() || !e.withdraw) return st;  // else withdrawn too (shared_dirs)
+  }
   auto apply = [&] {
+    *tried = true;
     bool renamed = false;
-    Status st = ApplyEntry(dir_, e, &renamed, retry);
+    // The first version replaced is the committed one.
+    const bool keep =
+        e.op == OpType::kPublish && !IsCommitName(e.path) && !replaced_.IsKept(e.path);
+    Status st = ApplyEntry(dir_, e, &renamed, retry, keep, kept);
     if (renamed) temps_.Move(e.from, e.path);  // temps below a renamed directory
     return st;
   };
@@ -596,9 +619,9 @@ void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
     }
   }
   std::vector<std::string> deletes{JournalEntry::RecordKey(e.seq)};
-  if (e.op == OpType::kPublish || e.op == OpType::kDiscard) {
-    deletes.push_back(TempRecords::Key(e.file_id));
-  }
+  // A kept replaced file lives on under the temp name: its record stays (ReplacedFiles).
+  const bool temp_done = (e.op == OpType::kPublish || e.op == OpType::kDiscard) && !e.kept;
+  if (temp_done) deletes.push_back(TempRecords::Key(e.file_id));
   // An entry the previous run left: its record is removed synced, so that a crash now
   // never resumes it twice; the marker goes with the last one.
   const bool resumed = resumed_.Covers(e.seq);
@@ -614,7 +637,7 @@ void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
   Status db_st =
       db_->Write({}, deletes, resumed ? WriteMode::kSynced : WriteMode::kUnsynced);
   if (!db_st.ok()) spdlog::warn("journal: state db: {}", db_st.ToString());
-  if (e.op == OpType::kPublish || e.op == OpType::kDiscard) temps_.Drop(e.file_id);
+  if (temp_done) temps_.Drop(e.file_id);
   if (delegate_ != nullptr) delegate_->OnDone(e, st);
 }
 

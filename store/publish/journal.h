@@ -69,6 +69,7 @@
 #include "store/primitives/state_db.h"
 #include "store/publish/early_sync.h"
 #include "store/publish/journal_entry.h"
+#include "store/publish/replaced_files.h"
 #include "store/publish/temp_records.h"
 
 namespace ckptfs::store {
@@ -170,6 +171,22 @@ class JournalDelegate {
   ~JournalDelegate() = default;
 };
 
+// Journal::Abort()'s question about a save whose queued files it drops (Publication's
+// AbortedRewrites answers it).
+class AbortWithdrawals {
+ public:
+  // The queued files of a save into `dir` are dropped (its commit not in flight), and
+  // nothing it replaced there is kept (ReplacedFiles): true if something of that save may
+  // be on the backing store in `dir` already (`in_place`: a dropped entry's failed attempt
+  // left its name there), so that a `.metadata` of an earlier save there no longer
+  // describes the directory and is withdrawn. Called under the journal's lock: it must
+  // not call the journal.
+  virtual bool WithdrawOnAbort(const std::string& dir, bool in_place) = 0;
+
+ protected:
+  ~AbortWithdrawals() = default;
+};
+
 struct JournalOptions {
   // false (strict mode, where every failure is returned to the operation that caused
   // it): a failed entry is skipped and dropped, never halts; nothing waits for an
@@ -177,6 +194,10 @@ struct JournalOptions {
   bool halt_on_failure = true;
   // Threads that fsync published files ahead of the publisher (0: none).
   int presync_threads = 4;
+  // Other nodes write into the same directories (--peers): putting back what an aborted
+  // rewrite replaced here cannot make a directory whole (Abort), so its `.metadata` is
+  // withdrawn after that too.
+  bool shared_dirs = false;
   // The owner names the temp file of file `id` "<temp_prefix><id>" (TempRecords), if it
   // can say in advance (empty: it cannot). Then TempRecords::NextId() writes the records of
   // the next ids ahead, several in one synced write, and Register() of such a path
@@ -288,8 +309,18 @@ class Journal final : public QueuedPublishes {
     { MutexLock lock(&mu_); gate_dirty_ = true; } work_cv_.notify_all(); }
   // Drops every queued entry at or below `path` (a checkpoint directory or a file) that
   // has not been applied: their temp files are removed and nothing of them reaches the
-  // backing store. Returns what was dropped, one Describe() line each.
-  std::vector<std::string> Abort(const std::string& path);
+  // backing store. An entry being applied at that moment is not dropped. Where a dropped
+  // save replaced files of a committed directory (ReplacedFiles), or a file of it is being
+  // published at that moment (it may replace one yet), a restore entry takes the place of
+  // one of its entries and puts them back (JournalEntry::restore). Else,
+  // where `withdraw` (may be empty: never) says that part of a dropped save may already
+  // be in its directory, the save's commit names (`.metadata` if none was queued) are
+  // withdrawn in its place, in order: unlinked, the directory synced (JournalEntry::
+  // withdraw). Returns what was dropped, one Describe() line each. `untouched` (may be
+  // null) gets the directories of dropped saves that `withdraw` found untouched.
+  std::vector<std::string> Abort(const std::string& path,
+                                 AbortWithdrawals* withdraw = nullptr,  // borrowed, may be null
+                                 std::vector<std::string>* untouched = nullptr);
   // The application deleted `path`, a name in the directory of the entry publication is
   // halted at (a failed checkpoint it removes), through the mount while publication is
   // halted before its pending publish (or rename onto it): that entry is dropped instead
@@ -351,8 +382,11 @@ class Journal final : public QueuedPublishes {
   // name or a directory above it; else (or if that fails) it keeps its place in line.
   void MkdirAhead(uint64_t seq) EXCLUDES(mu_);
   // Syncs the data (publish) and applies one entry; false with `st` on failure. `retry`:
-  // an earlier attempt of this entry failed (ApplyEntry).
-  Status Process(const JournalEntry& e, bool retry);
+  // an earlier attempt of this entry failed (ApplyEntry). `tried` is set once it changes
+  // (or tries to change) the backing store's names; `kept` when a publish kept the file
+  // it replaced (ApplyEntry's keep_replaced). A restore entry (JournalEntry::restore)
+  // puts back what its directory's rewrite replaced (ReplacedFiles::PutBack).
+  Status Process(const JournalEntry& e, bool retry, bool* tried, bool* kept);
   std::string WaitingForLocked() const REQUIRES(mu_);
   // Removes the entry's records (and, if not applied, its temp file) and runs on_done.
   void Finalize(const JournalEntry& e, const Status& st, bool applied);
@@ -367,6 +401,9 @@ class Journal final : public QueuedPublishes {
   JournalDelegate* const delegate_;
   const JournalOptions options_;
   TempRecords temps_;
+  // What rewrites of committed directories replaced, until each commits, is aborted (then
+  // it is put back), its directory goes, or the journal stops. Its own lock, a leaf.
+  ReplacedFiles replaced_;
   EarlySyncs presync_;
 
   mutable Mutex mu_;

@@ -105,6 +105,8 @@ std::string JournalEntry::RecordKey(uint64_t seq) {
 std::string JournalEntry::Describe() const {
   std::string s = std::string(OpName(op)) + " #" + std::to_string(seq) + " " + path;
   if (!from.empty()) s += " (from " + from + ")";
+  if (withdraw) s += " (withdrawn: its save was aborted)";
+  if (restore) s += " (the files its aborted save replaced are put back)";
   return s;
 }
 

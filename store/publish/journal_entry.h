@@ -56,6 +56,20 @@ struct JournalEntry {
   // began (a version written for a commit appended after it has began_after >= its seq).
   // 0 for entries a previous run left: they count as older than any commit.
   uint64_t began_after = 0;
+  // In memory only: a failed attempt of this entry left its name in place (its rename
+  // landed, then the directory fsync failed, and the rename that should have taken it back
+  // too): an abort that drops it must withdraw what it left (Journal::Abort).
+  bool in_place = false;
+  // In memory only, kUnlink: the withdrawal of a commit name queued by an abort
+  // (Journal::Abort): unlinked and made durable (directory fsync), a missing name is fine.
+  bool withdraw = false;
+  // In memory only, kUnlink queued by an abort in place of the withdrawal of `path` (a
+  // commit name): the files of its directory that the aborted save replaced are put back
+  // (Journal::Abort), so the directory is again what that `.metadata` names.
+  bool restore = false;
+  // In memory only, kPublish applied: the file it replaced stays under its temp name
+  // `from`, kept by the journal (its directory was committed: ApplyEntry's keep_replaced).
+  bool kept = false;
 
   // The entry's record (a binary record, store/primitives/record_codec.h), kept in the
   // state db under RecordKey(seq).

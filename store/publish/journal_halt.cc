@@ -3,8 +3,13 @@
 // while halted (DropIfHalted), and what publication waits for (WaitingFor, halted).
 #include <spdlog/spdlog.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <chrono>
+#include <map>
+#include <optional>
+#include <set>
 
 #include "common/backoff.h"
 #include "common/path.h"
@@ -14,6 +19,10 @@ namespace ckptfs::store {
 namespace {
 
 using path::IsAtOrBelow;
+
+bool IsCommitEntry(const JournalEntry& e) {
+  return (e.op == OpType::kPublish || e.op == OpType::kRename) && IsCommitName(e.path);
+}
 
 double UnixNow() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -131,22 +140,98 @@ std::optional<HaltInfo> Journal::halted() const {
   return std::nullopt;
 }
 
-std::vector<std::string> Journal::Abort(const std::string& path) {
+std::vector<std::string> Journal::Abort(const std::string& path, AbortWithdrawals* withdraw,
+                                        std::vector<std::string>* untouched) {
   std::vector<JournalEntry> dropped;
+  std::set<uint64_t> reused;  // seqs of dropped entries a withdrawal took the place of
+  std::vector<std::string> withdrawn;
   {
     MutexLock lock(&mu_);
+    auto below = [&](const JournalEntry& e) {
+      return IsAtOrBelow(e.path, path) || (!e.from.empty() && IsAtOrBelow(e.from, path));
+    };
+    auto file_of_save = [](const JournalEntry& e) {
+      return (e.op == OpType::kPublish || e.op == OpType::kRename) && !S_ISDIR(e.mode);
+    };
+    // The saves it drops, by directory. An earlier save's `.metadata` there describes the
+    // directory only while nothing of the dropped save reached it. The files a rewrite
+    // replaced were kept (ReplacedFiles): they are put back, in the order of the dropped
+    // entries, and the directory is the earlier save again. What cannot be put back (a
+    // failed attempt left its name in place) has the `.metadata` withdrawn instead, so that
+    // no loader takes a mix of the two saves as complete. Not while that save's commit is
+    // in flight (being checked or applied): its outcome decides. A file of it being
+    // published (a retry) may replace one yet: what it keeps is put back after it.
+    struct Save {
+      bool in_place = false;    // a dropped entry's failed attempt left its name in place
+      bool in_flight = false;   // its commit is being checked or applied
+      bool publishing = false;  // a file of it is being published (not dropped)
+      bool donor = false;       // an entry of it is dropped (its place takes the withdrawal)
+      std::set<std::string> commits;
+    };
+    std::map<std::string, Save> saves;
+    for (const Queued& q : queue_) {
+      if (!below(q.e) || !file_of_save(q.e)) continue;
+      Save& save = saves[path::Parent(q.e.path)];
+      if (q.busy) {
+        save.in_flight = save.in_flight || IsCommitEntry(q.e);
+        save.publishing = save.publishing || (q.e.op == OpType::kPublish && !IsCommitEntry(q.e));
+        continue;
+      }
+      save.donor = true;
+      save.in_place = save.in_place || q.e.in_place;
+      if (IsCommitEntry(q.e)) save.commits.insert(q.e.path);
+    }
+    std::map<std::string, std::vector<std::string>> to_withdraw;  // dir -> commit names
+    std::set<std::string> restore;
+    for (auto& [dir, save] : saves) {
+      if (save.in_flight || !save.donor) continue;
+      if (!save.in_place && (save.publishing || replaced_.HasKept(dir))) {
+        restore.insert(dir);
+        to_withdraw[dir] = {path::Join(dir, ".metadata")};
+        continue;
+      }
+      if (withdraw == nullptr) continue;
+      if (!withdraw->WithdrawOnAbort(dir, save.in_place)) {
+        if (untouched != nullptr) untouched->push_back(dir);
+        continue;
+      }
+      if (save.commits.empty()) save.commits.insert(path::Join(dir, ".metadata"));
+      to_withdraw[dir].assign(save.commits.begin(), save.commits.end());
+    }
     for (auto it = queue_.begin(); it != queue_.end();) {
-      const JournalEntry& e = it->e;
-      bool below = IsAtOrBelow(e.path, path) || (!e.from.empty() && IsAtOrBelow(e.from, path));
-      if (!below || it->busy) {
+      // An earlier abort's own repair (a restore or withdrawal) is not dropped.
+      if (!below(it->e) || it->busy || it->e.restore || it->e.withdraw) {
         ++it;
         continue;
       }
-      if (e.seq == gate_seq_) gate_seq_ = 0;
+      if (it->e.seq == gate_seq_) gate_seq_ = 0;
+      auto w = file_of_save(it->e) ? to_withdraw.find(path::Parent(it->e.path)) : to_withdraw.end();
+      if (w == to_withdraw.end() || w->second.empty()) {
+        dropped.push_back(std::move(it->e));
+        it = queue_.erase(it);
+        continue;
+      }
+      // The withdrawal takes the place (and the sequence number) of a dropped entry.
+      Queued withdrawal;
+      withdrawal.e.seq = it->e.seq;
+      withdrawal.e.op = OpType::kUnlink;
+      withdrawal.e.path = w->second.back();
+      withdrawal.e.restore = restore.count(w->first) > 0;
+      withdrawal.e.withdraw = !withdrawal.e.restore || options_.shared_dirs;
+      w->second.pop_back();
+      reused.insert(it->e.seq);
+      if (withdrawal.e.withdraw) withdrawn.push_back(withdrawal.e.path);
       dropped.push_back(std::move(it->e));
-      it = queue_.erase(it);
+      *it = std::move(withdrawal);
+      ++it;
     }
     gate_dirty_ = true;
+  }
+  for (const std::string& name : withdrawn) {
+    spdlog::warn(
+        "journal: the abort of {} withdraws {} from the backing store: the directory "
+        "holds part of the aborted save",
+        path.empty() ? "/" : path, name);
   }
   std::vector<std::string> lines;
   for (JournalEntry& e : dropped) {
@@ -159,7 +244,7 @@ std::vector<std::string> Journal::Abort(const std::string& path) {
     for (const JournalEntry& e : dropped) {
       failures_[e.seq] = Status(Code::kAborted, "aborted by the operator");
       if (e.op == OpType::kPublish) ++dropped_publishes_;
-      done_ahead_.insert(e.seq);
+      if (reused.count(e.seq) == 0) done_ahead_.insert(e.seq);
     }
     AdvanceDoneLocked();
   }
@@ -201,6 +286,13 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
       spdlog::error("journal: {} skipped: {}", e.Describe(), st.ToString());
     }
     Finalize(e, st, /*applied=*/false);
+    if (commit && st.code() == Code::kNodeLost) {
+      // The rewrite this commit closed never commits (its shards dropped, or a node lost):
+      // what it replaced goes back, at the commit's place, as an abort's restore does.
+      std::optional<JournalEntry> restored =
+          replaced_.PutBackForGivenUpCommit(e, options_.shared_dirs);
+      if (restored && delegate_ != nullptr) delegate_->OnDone(*restored, Status::Ok());
+    }
     lock.Lock();
     --finalizing_;
     unsettled_.erase(e.seq);
@@ -214,6 +306,7 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
     std::vector<std::pair<JournalEntry, Status>> dropped;
     // A shard applied ahead fails: the commit at the head waits for it, so it goes too.
     auto from = at_head ? FindLocked(e.seq) : queue_.begin();
+    FindLocked(e.seq)->e.in_place = e.in_place;
     const Status behind(Code::kAborted, "not published: " + e.Describe() + " failed first");
     for (auto it = from; it != queue_.end();) {
       if (it->busy && it->e.seq != e.seq) {  // a mkdir its waiter applies: its own outcome
@@ -244,6 +337,7 @@ void Journal::HaltOrSkip(const JournalEntry& e, const Status& st, bool commit, b
   }
   auto it = FindLocked(e.seq);
   it->busy = false;
+  it->e.in_place = e.in_place;  // an abort that drops it withdraws what it left
   if (it->drop) {
     work_cv_.notify_all();  // deleted through the mount meanwhile: the publisher drops it
     return;

@@ -77,7 +77,12 @@ uint64_t Journal::Close() {
     mu_.AssertHeld();  // the predicate runs under the lock
     return queue_.empty() && finalizing_ == 0;
   });
-  return dropped_publishes_;
+  const uint64_t dropped = dropped_publishes_;
+  lock.Unlock();
+  // Every entry is done: a rewrite that neither committed nor was aborted stays as the
+  // application left it (G8); the versions it replaced go.
+  replaced_.ReleaseAll();
+  return dropped;
 }
 
 StopReport Journal::CloseWithin(std::chrono::milliseconds stall,
@@ -126,6 +131,8 @@ StopReport Journal::CloseWithin(std::chrono::milliseconds stall,
   }
   if (queue_.empty() && finalizing_ == 0) {
     report.dropped_publishes = dropped_publishes_;
+    lock.Unlock();
+    replaced_.ReleaseAll();  // as Close()
     return report;
   }
 

@@ -63,6 +63,8 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
   // Entries the last stop left for this start: queued by Start(), once the observer exists.
   p->left_ = std::move(report.resumed);
   CKPT_ASSIGN_OR_RETURN(p->registry_, CheckpointRegistry::Load(db));
+  p->aborted_rewrites_ =
+      std::make_unique<AbortedRewrites>(dir, p->registry_.get(), p->options_.cross_node_order);
 
   // The parts ask Publication what the mount knows (its private bases).
   // Peers asking about a shard durable here get its block CRCs with the answer, so the
@@ -76,6 +78,7 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
                                           static_cast<CommitGateHost*>(self), p->options_.peers);
   JournalOptions journal;
   journal.halt_on_failure = p->options_.halt_on_failure;
+  journal.shared_dirs = p->options_.cross_node_order;
   // Temp files live at the backing root: their records can be written ahead, several
   // per synced write.
   journal.temp_prefix = p->options_.temp_prefix;
@@ -348,17 +351,25 @@ std::vector<std::string> Publication::Abort(const std::string& path) {
       marked = true;
     }
   }
-  std::vector<std::string> dropped = journal_->Abort(path);
+  // Aborted first: a restore the journal queues may be applied before this returns, and
+  // it makes the record committed again (NoteApplied).
   registry_->OnAborted(path, "aborted by the operator");
-  if (dropped.empty() && marked) {
-    MutexLock lock(&lost_mu_);
-    lost_.erase(path);  // nothing was pending: no tracker can wait for it
-  }
+  std::vector<std::string> untouched;
+  std::vector<std::string> dropped = journal_->Abort(path, aborted_rewrites_.get(), &untouched);
+  const std::vector<std::string> kept = aborted_rewrites_->KeepEarlierCommits(untouched);
+  MutexLock lock(&lost_mu_);
+  if (dropped.empty() && marked) lost_.erase(path);      // nothing was pending: no tracker waits
+  for (const std::string& dir : kept) lost_.erase(dir);  // committed: a tracker may name it
   return dropped;
 }
 
 void Publication::OnHalt(const JournalEntry& e, const Status& st) {
   const std::string dir = path::Parent(e.path);
+  if (e.withdraw || e.restore) {
+    // An abort's withdrawal or restore retried: the checkpoint stays aborted.
+    observer_->OnHalted(e, st);
+    return;
+  }
   if (st.ok()) {
     registry_->OnResumed(dir);
   } else {
@@ -453,6 +464,7 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
       MutexLock lock(&lost_mu_);
       lost_.erase(dir);
     }
+    aborted_rewrites_->OnCommitted(dir);
     // The key index reads every commit format (store/dcp/checkpoint_source.h); it is
     // built once the directory is committed, not once per rank (a build takes the write
     // path's block CRCs of the shards it covers and releases them).
@@ -470,6 +482,16 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
     // Committed again after it was given up or aborted: trackers may name it.
     MutexLock lock(&lost_mu_);
     lost_.erase(committed);
+  }
+  if (e.withdraw && st.ok()) index_->Forget(dir);  // no `.metadata` to read it from
+  // The directory is the earlier save again, whole under its `.metadata`; unless it has no
+  // earlier save (nothing was replaced), or a later abort withdrew that `.metadata`.
+  if (e.restore && !e.withdraw && st.ok() && dir_->Stat(path::Join(dir, ".metadata")).ok()) {
+    registry_->OnEarlierCommitKept(dir,
+                                   "a later save into it was aborted by the operator; "
+                                   "the files it had replaced were put back");
+    MutexLock lock(&lost_mu_);
+    lost_.erase(dir);  // committed: a tracker may name it
   }
   // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
   registry_->OnApplied(journal_->counts().applied);

@@ -35,6 +35,7 @@
 #include "store/dcp/key_index.h"
 #include "store/primitives/backing_dir.h"
 #include "store/primitives/state_db.h"
+#include "store/publish/aborted_rewrites.h"
 #include "store/publish/checkpoints.h"
 #include "store/publish/commit_gate.h"
 #include "store/publish/journal.h"
@@ -169,7 +170,9 @@ class Publication final : private JournalDelegate,
 
   // ------------------------------------------------------------ operator, reports, stop
   void Resume() { journal_->Resume(); }
-  // Drops every queued entry at or below `path` and marks its checkpoints aborted.
+  // Drops every queued entry at or below `path` and marks its checkpoints aborted. A save
+  // of which something already reached its directory (a rewrite over an earlier save) has
+  // that earlier save's `.metadata` withdrawn from the backing store (Journal::Abort).
   std::vector<std::string> Abort(const std::string& path);
   // What the mount may read: journal counts and waits, checkpoint records, gate counters.
   PublicationView view() const { return PublicationView(journal_.get(), registry_.get(), gate_.get()); }
@@ -217,6 +220,7 @@ class Publication final : private JournalDelegate,
   PublicationObserver* observer_ = nullptr;  // set by Start(), before any entry
   std::vector<JournalEntry> left_;           // from Recover(), for Start()
   std::unique_ptr<CheckpointRegistry> registry_;
+  std::unique_ptr<AbortedRewrites> aborted_rewrites_;  // over dir_ and registry_
   std::unique_ptr<LocalShardStates> shard_states_;
   std::unique_ptr<CommitGate> gate_;
   std::unique_ptr<Journal> journal_;  // last: its publisher calls into the parts above

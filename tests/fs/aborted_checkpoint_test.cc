@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -73,18 +74,30 @@ class AbortedCheckpointTest : public FaultyFsTest {
     return st;
   }
 
-  // A DCP save into a new directory `name`, then the Megatron tracker naming `iter`, as a
-  // trainer makes them (async: every call returns once staged).
-  void SaveAndTrack(const std::string& name, int iter) {
+  // A DCP save into directory `name` (made if new; shards filled with `fill`), as torch
+  // makes it (async: every call returns once staged).
+  void Save(const std::string& name, char fill = 's') {
     auto made = fs_->Lookup(kRootIno, name);
     if (!made.ok()) made = fs_->Mkdir(kRootIno, name, 0755);
     ASSERT_TRUE(made.ok()) << made.status().ToString();
     for (const auto& [file, len] : plan_.shards) {
-      ASSERT_TRUE(WriteAndClose(made->ino, file, std::string(len, 's')).ok()) << file;
+      ASSERT_TRUE(WriteAndClose(made->ino, file, std::string(len, fill)).ok()) << file;
     }
     ASSERT_TRUE(WriteAndClose(made->ino, ".metadata.tmp", plan_.metadata).ok());
     ASSERT_TRUE(fs_->Rename(made->ino, ".metadata.tmp", made->ino, ".metadata", 0).ok());
+  }
+  // The save, then the Megatron tracker naming `iter`, as a trainer makes them.
+  void SaveAndTrack(const std::string& name, int iter, char fill = 's') {
+    Save(name, fill);
     ASSERT_TRUE(WriteAndClose(kRootIno, kTracker, std::to_string(iter) + "\n").ok());
+  }
+
+  // The registry's state of checkpoint `name` ("" if it has no record).
+  std::string StateOf(const std::string& name) {
+    for (const auto& c : nlohmann::json::parse(fs_->control()->CheckpointsJson())) {
+      if (c["path"] == name) return c["state"].get<std::string>();
+    }
+    return "";
   }
 
   nlohmann::json Stats() { return nlohmann::json::parse(fs_->control()->StatsJson()); }
@@ -357,6 +370,223 @@ TEST_F(AbortedCheckpointTest, ACheckpointRemovedBeforeItsPublishFailsIsDroppedNo
   // The stop counts what never reached the backing store: the removed save's dropped
   // files and the withheld tracker.
   EXPECT_EQ(fs_->Shutdown().unpublished, plan_.shards.size() + 2);
+}
+
+// Found by e2e test_fault_inject (async; the fresh-clone CI run of 2e20b61, and 4 of 250
+// runs here): the trainer saved iter_N again (it starts over after the tracker it reads
+// through the mount, and that read failed), into the directory of save N, committed; an
+// fsync of the rewrite failed and the operator aborted it. The rewrite's shards published
+// by then had replaced save N's (and were removed), yet save N's `.metadata` stayed on the
+// backing store: the registry said aborted, and a loader, or a tracker naming iter_N, took
+// the mix of the two saves for a complete checkpoint. Now a publish over a file of a
+// committed directory keeps the file it replaces until the rewrite commits, and the abort
+// puts those files back, in the order of the entries it drops (then syncs the directory:
+// that fsync fails once here and is retried): the directory is save N again, committed.
+TEST_F(AbortedCheckpointTest, AnAbortedRewritePutsBackWhatItReplaced) {
+  SaveAndTrack("iter_0000001", 1);
+  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "the first save");
+  ASSERT_TRUE(BackingHas("iter_0000001/.metadata"));
+  ASSERT_EQ(StateOf("iter_0000001"), "committed");
+
+  // The rewrite's first shard replaces save 1's; its second cannot be renamed into place
+  // (refused for good: publication halts there and waits for the operator).
+  const auto first = plan_.shards.begin();
+  const std::string second = "iter_0000001/" + std::next(first)->first;
+  dir_->SetRenameHook([second](const std::string&, const std::string& to) {
+    return to == second ? EACCES : 0;
+  });
+  std::atomic<int> restore_syncs{0};
+  dir_->SetSyncParentHook([&restore_syncs](const std::string& path) {
+    return path == "iter_0000001/.metadata" && restore_syncs++ == 0 ? EIO : 0;
+  });
+  SaveAndTrack("iter_0000001", 1, 't');
+  nlohmann::json s = WaitStats([](const nlohmann::json& j) { return !j["journal_halted"].is_null(); },
+                               "the halt");
+  ASSERT_EQ(s["journal_halted"]["path"], second) << s["journal_halted"];
+  ASSERT_EQ(BackingBytes("iter_0000001/" + first->first), std::string(first->second, 't'))
+      << "the rewrite's first shard is on the backing store";
+  // The temp files of the queued shards, `.metadata.tmp` and the tracker, and save 1's shard
+  // the first one replaced, kept.
+  EXPECT_EQ(TempFiles(), plan_.shards.size() - 1 + 2 + 1);
+
+  EXPECT_FALSE(fs_->control()->Abort("iter_0000001").empty());
+  WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the restore");
+  EXPECT_TRUE(BackingHas("iter_0000001/.metadata"));
+  for (const auto& [file, len] : plan_.shards) {
+    EXPECT_EQ(BackingBytes("iter_0000001/" + file), std::string(len, 's'))
+        << file << ": the directory is save 1 again";
+  }
+  EXPECT_EQ(restore_syncs.load(), 2) << "the restore's failed directory fsync is retried";
+  EXPECT_EQ(StateOf("iter_0000001"), "committed");
+  EXPECT_EQ(BackingBytes(kTracker), "1\n");
+  EXPECT_EQ(TempFiles(), 0u);
+  dir_->SetRenameHook(nullptr);
+  dir_->SetSyncParentHook(nullptr);
+
+  // A rewrite that commits removes what it replaced.
+  Save("iter_0000001", 'u');
+  WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the third save");
+  EXPECT_EQ(BackingBytes("iter_0000001/" + first->first), std::string(first->second, 'u'));
+  EXPECT_EQ(StateOf("iter_0000001"), "committed");
+  EXPECT_EQ(TempFiles(), 0u);
+  EXPECT_GE(fs_->Shutdown().unpublished, 1u);  // the aborted rewrite's files
+}
+
+// The abort meets the rewrite's first shard while it is being applied (a retry after a
+// transient failure: an entry in flight is not dropped), before it replaced anything: the
+// abort found nothing kept and nothing published, and the earlier commit was declared to
+// stand; then the shard landed, and save 1's `.metadata` named a mix of the two saves.
+// Such a save's files are put back too, after the entry in flight is done.
+TEST_F(AbortedCheckpointTest, AnAbortMeetingARewritesFirstShardInFlightPutsItBack) {
+  SaveAndTrack("iter_0000001", 1);
+  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "the first save");
+  ASSERT_EQ(StateOf("iter_0000001"), "committed");
+
+  // The first shard's rename fails once (EIO: retried with backoff); the retry waits in
+  // the rename until the abort has returned, then lands.
+  const auto first = plan_.shards.begin();
+  const std::string name = "iter_0000001/" + first->first;
+  std::mutex mu;
+  std::condition_variable cv;
+  int attempts = 0;
+  bool aborted = false;
+  dir_->SetRenameHook([&, name](const std::string&, const std::string& to) {
+    if (to != name) return 0;
+    std::unique_lock lock(mu);
+    if (++attempts == 1) return EIO;
+    cv.notify_all();
+    cv.wait_for(lock, 10s, [&] { return aborted; });
+    return 0;
+  });
+  SaveAndTrack("iter_0000001", 1, 't');
+  {
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return attempts >= 2; })) << "the retry";
+  }
+  EXPECT_FALSE(fs_->control()->Abort("iter_0000001").empty());
+  {
+    std::lock_guard lock(mu);
+    aborted = true;
+  }
+  cv.notify_all();
+  WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the rest");
+  dir_->SetRenameHook(nullptr);
+  EXPECT_TRUE(BackingHas("iter_0000001/.metadata"));
+  for (const auto& [file, len] : plan_.shards) {
+    EXPECT_EQ(BackingBytes("iter_0000001/" + file), std::string(len, 's'))
+        << file << ": the directory is save 1 again";
+  }
+  EXPECT_EQ(StateOf("iter_0000001"), "committed");
+  EXPECT_EQ(BackingBytes(kTracker), "1\n");
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (TempFiles() != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(2ms);
+  }
+  EXPECT_EQ(TempFiles(), 0u);
+  EXPECT_GE(fs_->Shutdown().unpublished, 1u);
+}
+
+// What cannot be put back: the rewrite's first shard was renamed into place, its directory
+// fsync failed, and so did the rename that should have taken it back (the replaced file is
+// then removed with the entry's temp name when the abort drops it). The abort withdraws
+// save 1's `.metadata` instead (unlinked, the directory synced), and the checkpoint stays
+// aborted: no loader takes the mix for a complete checkpoint.
+TEST_F(AbortedCheckpointTest, AnAbortedRewriteThatCannotBePutBackWithdrawsTheMetadata) {
+  Save("iter_0000001");
+  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "the first save");
+  ASSERT_TRUE(BackingHas("iter_0000001/.metadata"));
+
+  const auto first = plan_.shards.begin();
+  const std::string name = "iter_0000001/" + first->first;
+  dir_->SetSyncParentHook([name](const std::string& path) { return path == name ? EACCES : 0; });
+  dir_->SetRenameHook([name](const std::string& from, const std::string&) {
+    return from == name ? EACCES : 0;  // the rename back
+  });
+  Save("iter_0000001", 't');
+  nlohmann::json s = WaitStats([](const nlohmann::json& j) { return !j["journal_halted"].is_null(); },
+                               "the halt");
+  ASSERT_EQ(s["journal_halted"]["path"], name) << s["journal_halted"];
+  ASSERT_EQ(BackingBytes(name), std::string(first->second, 't')) << "left in place";
+
+  EXPECT_FALSE(fs_->control()->Abort("iter_0000001").empty());
+  dir_->SetRenameHook(nullptr);
+  dir_->SetSyncParentHook(nullptr);
+  WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the withdrawal");
+  EXPECT_FALSE(BackingHas("iter_0000001/.metadata"))
+      << "save 1's .metadata names a directory that holds part of the aborted rewrite";
+  EXPECT_EQ(StateOf("iter_0000001"), "aborted");
+  EXPECT_EQ(TempFiles(), 0u);
+  EXPECT_GE(fs_->Shutdown().unpublished, 1u);
+}
+
+// The same abort before anything of the rewrite reached the backing store (its first shard
+// is the one refused): the directory is still save 1, whole, under its `.metadata`. That
+// commit stands, and the registry says so, instead of `aborted` over a complete checkpoint;
+// a tracker naming it is published.
+TEST_F(AbortedCheckpointTest, AnAbortedRewriteThatReachedNothingKeepsTheEarlierCommit) {
+  SaveAndTrack("iter_0000001", 1);
+  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "the first save");
+  ASSERT_TRUE(BackingHas("iter_0000001/.metadata"));
+
+  const auto first = plan_.shards.begin();
+  const std::string name = "iter_0000001/" + first->first;
+  dir_->SetRenameHook([name](const std::string&, const std::string& to) {
+    return to == name ? EACCES : 0;
+  });
+  SaveAndTrack("iter_0000001", 1, 't');
+  nlohmann::json s = WaitStats([](const nlohmann::json& j) { return !j["journal_halted"].is_null(); },
+                               "the halt");
+  ASSERT_EQ(s["journal_halted"]["path"], name) << s["journal_halted"];
+
+  EXPECT_FALSE(fs_->control()->Abort("iter_0000001").empty());
+  dir_->SetRenameHook(nullptr);
+  WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the rest");
+  EXPECT_TRUE(BackingHas("iter_0000001/.metadata"));
+  EXPECT_EQ(BackingBytes(name), std::string(first->second, 's')) << "save 1's shard stays";
+  EXPECT_EQ(StateOf("iter_0000001"), "committed");
+  EXPECT_EQ(BackingBytes(kTracker), "1\n");
+  EXPECT_EQ(TempFiles(), 0u);
+  EXPECT_GE(fs_->Shutdown().unpublished, 1u);
+}
+
+// Also found by e2e test_fault_inject (1 of about 250 runs): the operator aborted a save
+// while it was still being written (publication halted at an early shard); the shards
+// queued then were dropped, the trainer went on, and the `.metadata` it wrote afterwards
+// waited at the gate for the dropped shards until the commit timeout (10 minutes), holding
+// up everything behind it. A `.metadata` naming a shard whose publish an abort dropped is
+// refused at once, as one naming a shard deleted through the mount: the checkpoint fails,
+// nothing halts, and the tracker naming it is withheld.
+TEST_F(AbortedCheckpointTest, ACommitNamingAnAbortedShardIsRefused) {
+  auto dir = fs_->Mkdir(kRootIno, "iter_0000001", 0755);
+  ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+  const std::string second = "iter_0000001/" + std::next(plan_.shards.begin())->first;
+  dir_->SetRenameHook([second](const std::string&, const std::string& to) {
+    return to == second ? EACCES : 0;
+  });
+  for (const auto& [file, len] : plan_.shards) {
+    ASSERT_TRUE(WriteAndClose(dir->ino, file, std::string(len, 's')).ok()) << file;
+  }
+  WaitStats([](const nlohmann::json& j) { return !j["journal_halted"].is_null(); }, "the halt");
+  EXPECT_FALSE(fs_->control()->Abort("iter_0000001").empty());
+  dir_->SetRenameHook(nullptr);
+  // The trainer goes on: its `.metadata` and tracker, after the abort.
+  ASSERT_TRUE(WriteAndClose(dir->ino, ".metadata.tmp", plan_.metadata).ok());
+  ASSERT_TRUE(fs_->Rename(dir->ino, ".metadata.tmp", dir->ino, ".metadata", 0).ok());
+  ASSERT_TRUE(WriteAndClose(kRootIno, kTracker, "1\n").ok());
+  nlohmann::json s =
+      WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the rest");
+  EXPECT_TRUE(s["journal_halted"].is_null()) << s["journal_halted"];
+  EXPECT_FALSE(BackingHas("iter_0000001/.metadata"));
+  EXPECT_FALSE(BackingHas(kTracker)) << "it names a checkpoint that never commits";
+  EXPECT_EQ(StateOf("iter_0000001"), "failed");
+  // The given-up tracker's temp file goes with its outcome (Journal::Finalize), a moment
+  // after it leaves the queue (2 of 30 runs read it still there).
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (TempFiles() != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(2ms);
+  }
+  EXPECT_EQ(TempFiles(), 0u);
+  EXPECT_GE(fs_->Shutdown().unpublished, 1u);
 }
 
 }  // namespace
