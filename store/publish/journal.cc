@@ -207,7 +207,8 @@ void Journal::MkdirAhead(uint64_t seq) {
     ++finalizing_;    // and a stop, until it is done
     e = it->e;
   }
-  Status st = Process(e, /*retry=*/false);
+  bool tried = false, kept = false;  // a mkdir keeps nothing (Process)
+  Status st = Process(e, /*retry=*/false, &tried, &kept);
   if (st.ok()) Finalize(e, st, /*applied=*/true);
   MutexLock lock(&mu_);
   --finalizing_;
