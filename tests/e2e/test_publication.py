@@ -13,6 +13,9 @@ Through a real mount, both durability modes where it applies:
     halts and says so in stats; when space is freed everything publishes, nothing lost;
   * the same, answered by `ckptfs-admin abort CKPT` (lists what it dropped; the rest goes
     on) and by `rm -r` of the failed checkpoint through the mount;
+  * a re-save into a committed directory, halted by a full disk after its first shard
+    replaced the committed one, then aborted: the directory is the committed save again,
+    byte for byte, and loads (the replaced file put back);
   * names that are not UTF-8 (mkdir, create, rename) work and survive a remount.
 """
 import hashlib
@@ -256,6 +259,61 @@ class Publication(harness.MountedTest):
         self.assertEqual(m.unmount(), 1, "an aborted checkpoint counts as not published")
         self.assertFalse(os.path.exists(os.path.join(m.backing, "ckpt", ".metadata")))
         self.assertFalse([n for n in os.listdir(m.backing) if n.startswith(".ckptfs-tmp.")])
+
+    def test_abort_of_a_rewrite_puts_the_committed_checkpoint_back(self):
+        """A job restarted from iteration N saves N again into its committed directory;
+        its first shards replace the committed ones on the backing store, then the disk
+        fills and publication halts; the operator aborts the re-save. The directory must be
+        the committed save again, byte for byte and loadable, not the earlier .metadata over
+        a mix of two saves (issue 41, test_fault_inject's "aborted but .metadata")."""
+        total = sum(os.path.getsize(os.path.join(self.src, n)) for n in self.names)
+        backing = harness.make_tmpfs(self, (2 * total >> 20) + 24, "ckptfs-pub-rewrite-")
+        m = self.mount("async", args=["--chunk-size", "64M"], backing=backing)
+        ckpt = os.path.join(m.mnt, "ckpt")
+        os.mkdir(ckpt)
+        for n in self.names:
+            copy_file(os.path.join(self.src, n), os.path.join(ckpt, n))
+        self.assertEqual(m.wait(ckpt, timeout=60), 0, self.diag(m))
+        committed = tree(os.path.join(m.backing, "ckpt"))
+        self.assertEqual(committed, tree(self.src))
+        shards = [n for n in self.names if n != ".metadata"]
+        shards.sort(key=lambda n: -os.path.getsize(os.path.join(self.src, n)))
+        first, second = shards[0], shards[1]
+
+        # The re-save's first shard reaches the backing store, over the committed one.
+        with open(os.path.join(ckpt, first), "wb") as f:
+            f.write(os.urandom(os.path.getsize(os.path.join(self.src, first))))
+        self.assertEqual(m.wait(os.path.join(ckpt, first), timeout=60), 0, self.diag(m))
+        self.assertNotEqual(sha256(os.path.join(m.backing, "ckpt", first)), committed[first])
+        # Then the disk fills: the next shard cannot be flushed, publication halts.
+        filler = os.path.join(backing, "filler")
+        st = os.statvfs(backing)
+        with open(filler, "wb") as f:
+            f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - (256 << 10)))
+        size = max(os.path.getsize(os.path.join(self.src, second)), 1 << 20)
+        with open(os.path.join(ckpt, second), "wb") as f:
+            f.write(os.urandom(size))
+        self.assertTrue(wait_for(lambda: m.stats().get("journal_halted"), 30),
+                        f"publication must halt on the full disk{self.diag(m)}")
+
+        r = subprocess.run([ADMIN, "abort", ckpt, "--json"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertTrue(any(second in d for d in json.loads(r.stdout)["dropped"]), r.stdout)
+        state = lambda: {c["path"]: c for c in m.checkpoints()}.get("ckpt", {}).get("state")
+        self.assertTrue(wait_for(lambda: state() == "committed", 30),
+                        f"the earlier save stands again: {state()}{self.diag(m)}")
+        self.assertEqual(tree(os.path.join(m.backing, "ckpt")), committed,
+                         "the backing directory is not the committed save again")
+        self.assertIn("put back", m.log_text())
+        os.unlink(filler)
+        with open(os.path.join(m.mnt, "after.txt"), "w") as f:
+            f.write("later work\n")
+        self.assertEqual(m.wait(os.path.join(m.mnt, "after.txt"), timeout=30), 0, self.diag(m))
+        self.assertIsNone(m.stats().get("journal_halted"))
+        self.assertEqual(m.unmount(), 1, "the aborted shard never reached the backing store")
+        self.assertEqual(tree(os.path.join(m.backing, "ckpt")), committed)
+        self.assertFalse([n for n in os.listdir(m.backing) if n.startswith(".ckptfs-tmp.")])
+        dcp_tool.load(os.path.join(m.backing, "ckpt"), RANKS, "own", 5, timeout=300)
 
     def test_rm_of_the_failed_checkpoint_lets_the_rest_go_on(self):
         m, ckpt, _ = self.full_backing_save()
