@@ -217,20 +217,13 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, std::vector<std::str
         continue;
       }
     }
-    // Waited the commit timeout: the save failed where its `.metadata` is written, with
-    // every node alive. Given up once, as for a dead node: this entry and every later one
-    // go on at once (each waited the whole timeout again, and was dropped: 5,000 entries
-    // behind one failed save in the two-node soak), a tracker naming it is withheld.
     if (now > ordered_.deadline) {
       const std::string dir = ckpt;
-      it = foreign_.erase(it);
-      ++stats_.given_up;
-      const std::string why = "its .metadata did not appear on the backing store within the "
-                              "commit timeout (" +
-                              std::to_string(options_.timeout.count() / 1000) + " s)";
-      spdlog::error("checkpoint {}: given up: {}; {} goes on", dir, why, e.Describe());
-      if (host_ != nullptr) host_->GaveUp(dir, why);
-      continue;
+      ordered_.seq = 0;
+      return Status(Code::kTimeout,
+                    e.Describe() + " waits for checkpoint " + dir +
+                        ", whose .metadata never appeared on the backing store (or only one "
+                        "older than this node's shards of it)");
     }
     spdlog::debug("journal: {} waits for the .metadata of {}, published by another node",
                   e.Describe(), ckpt);

@@ -359,39 +359,6 @@ TEST_F(CommitGateTest, AnUnknownCoordinatorAnswerKeepsWaitingForTheBackingStore)
   EXPECT_TRUE(gave_up_.empty());
 }
 
-// The commit timeout passes with every node alive and no `.metadata` (the save failed
-// where it is written): the checkpoint is given up once, the waiting entry goes on, and a
-// later ordered entry waits for it no more (each waited the whole timeout again, then was
-// dropped, in the two-node soak: 5,000 entries behind one failed save).
-TEST_F(CommitGateTest, AForeignCheckpointPastTheTimeoutIsGivenUpOnceAndHoldsNothingAfter) {
-  auto gate = MakeGate(/*timeout=*/150ms);
-  sfs::create_directories(root_ + "/ck");
-  const JournalEntry tracker = ShardThenTracker(*gate);
-  CommitCheck c = gate->Check(tracker, nullptr);
-  EXPECT_FALSE(c.ready);
-  const auto start = std::chrono::steady_clock::now();
-  while (c.status.ok() && !c.ready && std::chrono::steady_clock::now() - start < 5s) {
-    if (OpenRounds() > 0) Answer({ShardState::kUnknown, 0});
-    std::this_thread::sleep_for(20ms);
-    c = gate->Check(tracker, nullptr);
-  }
-  ASSERT_TRUE(c.status.ok()) << c.status.ToString();
-  EXPECT_TRUE(c.ready) << "the tracker waits past the timeout";
-  {
-    MutexLock lock(&mu_);
-    ASSERT_EQ(gave_up_.count("ck"), 1u);
-    EXPECT_NE(gave_up_["ck"].find("commit timeout"), std::string::npos) << gave_up_["ck"];
-  }
-  EXPECT_EQ(gate->stats().given_up, 1u);
-  JournalEntry later = tracker;
-  later.seq = 5;
-  later.op = OpType::kRename;
-  later.path = "logs/f.dat";
-  later.from = "logs/f.tmp";
-  c = gate->Check(later, nullptr);
-  EXPECT_TRUE(c.status.ok() && c.ready) << "a later entry waited for the given-up checkpoint";
-}
-
 // An `rm -r` of an older checkpoint unlinks its `.metadata`: an ordered entry, never a
 // commit (it was read as one: its `from` is empty, so the root directory was parsed as
 // the metadata, "IsDir: pread", and the unlink was dropped, leaving the `.metadata`).
