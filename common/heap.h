@@ -23,10 +23,12 @@ namespace ckptfs {
 // the hot paths allocate per operation (paths, journal records, 64 KiB I/O buffers),
 // below the 1-4 MiB buffers named above.
 inline constexpr size_t kHeapMmapThreshold = 256 << 10;
+// Free memory past this much at the top of an arena's heap goes back (glibc's default).
+inline constexpr size_t kHeapTrimThreshold = 128 << 10;
 
-// Fixes glibc's mmap threshold at kHeapMmapThreshold (and with it its trim threshold at
-// the default). Call once at daemon start, before threads exist. False when the
-// allocator refused it (or is not glibc's): the daemon runs on, as before.
+// Fixes glibc's mmap and trim thresholds at the values above. Call once at daemon start,
+// before threads exist. False when the allocator refused it (or is not glibc's): the
+// daemon runs on, as before.
 bool ConfigureHeap();
 
 struct HeapUsage {
