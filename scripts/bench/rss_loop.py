@@ -107,6 +107,9 @@ try:
                           "heap_free": round((s.get("heap_free_held") or 0) / 2**20, 2),
                           "inodes": s.get("inodes"),
                           "fds": len(os.listdir(f"/proc/{pid}/fd")),
+                          "cpu_s": round(sum(int(x) for x in open(f"/proc/{pid}/stat").read()
+                                             .rsplit(")", 1)[1].split()[11:13])
+                                         / os.sysconf("SC_CLK_TCK"), 1),
                           "threads": int(st["Threads"][0])}), flush=True)
     stop_traffic.set()
     if os.environ.get("TRIM_AT_END"):
