@@ -29,6 +29,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "common/heap.h"
 #include "common/json_text.h"
 #include "common/lock_code.h"
 #include "common/logging.h"
@@ -200,6 +201,9 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
     spdlog::info("{} starting: {} on {}", ckptfs::VersionLine("ckptfs"), o.backing_dir,
                  o.mountpoint);
   }
+  // Before the threads start: transient MiB-sized buffers are mapped and given back at
+  // free, not kept in the arenas' heaps (common/heap.h).
+  if (!ckptfs::ConfigureHeap()) spdlog::warn("heap: the fixed mmap threshold was refused");
   ckptfs::fs::FsConfig config;
   config.backing_dir = o.backing_dir;
   config.mountpoint = o.mountpoint;

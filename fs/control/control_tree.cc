@@ -15,6 +15,7 @@
 
 #include "ckptfs_version.h"
 #include "common/control_names.h"
+#include "common/heap.h"
 #include "common/histogram.h"
 #include "common/json_text.h"
 #include "fs/control/control_tree.h"
@@ -312,6 +313,11 @@ std::string ControlTree::StatsJson() {
   j["flush_retry_rounds"] = pipeline_->retry_rounds();
   j["flush_retry_rounds_refused"] = pipeline_->retry_rounds_refused();
   const NamespaceView::Counts counts = ns_->CountNodes();
+  // The heap: bytes in live allocations, and free bytes the allocator holds (what tells a
+  // leak from the allocator's retention when RSS grows; docs/RELIABILITY.md).
+  const HeapUsage heap = HeapNow();
+  j["heap_in_use"] = heap.in_use;
+  j["heap_free_held"] = heap.free_held;
   j["files_pending"] = counts.files_pending;
   j["inodes"] = counts.inodes;
   publication_->NoteForeignCommits();

@@ -549,18 +549,30 @@ void OpReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_f
   OpTimer timer(FuseOp::kReaddir);
   const DirHandle* d = H(fi)->dir();
   if (d == nullptr) return (void)fuse_reply_err(req, ENOTDIR);
-  std::vector<char> buf(size);
-  size_t used = 0;
-  for (size_t i = static_cast<size_t>(off); i < d->entries.size(); ++i) {
-    const auto& e = d->entries[i];
+  // The reply is as large as the entries that fit, not the kernel's `size` (up to 1 MiB):
+  // a buffer that large per readdir was freed on whichever worker thread took it, and the
+  // heap kept it (common/heap.h). With no buffer, fuse_add_direntry returns an entry's size.
+  const size_t first = static_cast<size_t>(off);
+  size_t end = first, used = 0;
+  auto stat_of = [](const DirHandle::Ent& e) {
     struct stat st;
     std::memset(&st, 0, sizeof(st));
     st.st_ino = e.ino;
     st.st_mode = e.type;
-    size_t n = fuse_add_direntry(req, buf.data() + used, size - used, e.name.c_str(), &st,
-                                 static_cast<off_t>(i + 1));
+    return st;
+  };
+  for (; end < d->entries.size(); ++end) {
+    const struct stat st = stat_of(d->entries[end]);
+    const size_t n = fuse_add_direntry(req, nullptr, 0, d->entries[end].name.c_str(), &st, 0);
     if (n > size - used) break;
     used += n;
+  }
+  std::vector<char> buf(used);
+  used = 0;
+  for (size_t i = first; i < end; ++i) {
+    const struct stat st = stat_of(d->entries[i]);
+    used += fuse_add_direntry(req, buf.data() + used, buf.size() - used,
+                              d->entries[i].name.c_str(), &st, static_cast<off_t>(i + 1));
   }
   fuse_reply_buf(req, buf.data(), used);
 }

@@ -11,18 +11,25 @@ gives the daemon's RSS, RssAnon, what staging, the retained tier and the block c
 Environment: BIN (binaries, default build/bin), HEAPTRACK=1 (run the daemon under
 heaptrack; with KILL_AT_END=1 it is SIGKILLed at the end, so heaptrack_print --print-leaks
 lists what was live), SMAPS=1 (copy /proc/PID/smaps after each chunk), TRIM_AT_END=1
-(malloc_trim(0) through gdb, then RSS again). The work dir (printed) is kept."""
+(malloc_trim(0) through gdb, then RSS again), TRAFFIC=1 (the soak's log-directory writer
+on the mount meanwhile, scripts/bench/rss_ops.py's `traffic`, at the soak's pace: appends,
+small files renamed into place and listed, the older ones removed). The work dir
+(printed) is kept."""
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 WT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.environ.get("BIN", os.path.join(WT, "build/bin"))
 sys.path.insert(0, os.path.join(WT, "tests/e2e"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rss_ops  # noqa: E402
 saves, chunk = int(sys.argv[1]), int(sys.argv[2])
 extra = sys.argv[3:]
 root = tempfile.mkdtemp(prefix="ckptfs-rss-loop-")
@@ -56,6 +63,17 @@ try:
         time.sleep(0.1)
     pid = daemon_pid()
     done, t0 = 0, time.time()
+    stop_traffic = threading.Event()
+    if os.environ.get("TRAFFIC"):
+        def traffic():
+            rng = random.Random(41)
+            logs = os.path.join(mnt, "logs")
+            os.makedirs(logs, exist_ok=True)
+            n = 0
+            while not stop_traffic.wait(rng.uniform(0.02, 0.3)):
+                rss_ops.traffic_op(rng, logs, n)
+                n += 1
+        threading.Thread(target=traffic, daemon=True).start()
     while done < saves:
         r = subprocess.run(["/usr/bin/python3", os.path.join(WT, "tests/e2e/dcp_tool.py"), "train",
                             "--parent", mnt, "--ranks", "2", "--mb", "2", "--start", str(done + 1),
@@ -85,8 +103,15 @@ try:
                           "staging": round((s.get("staging_resident") or 0) / 2**20, 1),
                           "retained": round((s.get("retained_used") or 0) / 2**20, 1),
                           "cache": round((s.get("cache_used") or 0) / 2**20, 1),
+                          "heap_in_use": round((s.get("heap_in_use") or 0) / 2**20, 2),
+                          "heap_free": round((s.get("heap_free_held") or 0) / 2**20, 2),
+                          "inodes": s.get("inodes"),
                           "fds": len(os.listdir(f"/proc/{pid}/fd")),
+                          "cpu_s": round(sum(int(x) for x in open(f"/proc/{pid}/stat").read()
+                                             .rsplit(")", 1)[1].split()[11:13])
+                                         / os.sysconf("SC_CLK_TCK"), 1),
                           "threads": int(st["Threads"][0])}), flush=True)
+    stop_traffic.set()
     if os.environ.get("TRIM_AT_END"):
         r = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "call (int)malloc_trim(0)"],
                            capture_output=True, text=True)

@@ -423,6 +423,12 @@ class ModeRun(Workloads, Checks):
                                "staging_mb": round(stats.get("staging_resident", 0) / 2 ** 20,
                                                    1),
                                "rss_other_mb": round(rss_mb - held_mb, 1),
+                               # glibc's heap: live allocations, and free bytes it holds
+                               "heap_in_use_mb": round(stats.get("heap_in_use", 0) / 2 ** 20,
+                                                       2),
+                               "heap_free_mb": round(stats.get("heap_free_held", 0) / 2 ** 20,
+                                                     2),
+                               "inodes": stats.get("inodes"),
                                "threads": int(st["Threads"][0]),
                                "fds": len(os.listdir(f"/proc/{pid}/fd")),
                                "fd_kinds": fd_kinds(pid, self.root),

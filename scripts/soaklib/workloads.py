@@ -341,4 +341,7 @@ class Workloads:
     def stats_sample(self):
         st = self.stats() or {}
         return {"journal_pending": st.get("journal_pending"),
-                "held_mb": held_bytes(st) / 2 ** 20}
+                "held_mb": held_bytes(st) / 2 ** 20,
+                "heap_in_use_mb": st.get("heap_in_use", 0) / 2 ** 20,
+                "heap_free_mb": st.get("heap_free_held", 0) / 2 ** 20,
+                "inodes": st.get("inodes")}

@@ -1,0 +1,31 @@
+#include "common/heap.h"
+
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
+namespace ckptfs {
+
+bool ConfigureHeap() {
+#ifdef __GLIBC__
+  // Setting M_MMAP_THRESHOLD is what turns the dynamic raising off (glibc's mallopt(3));
+  // the trim threshold is set too, in case a block was freed before this call.
+  const bool mmap = mallopt(M_MMAP_THRESHOLD, static_cast<int>(kHeapMmapThreshold)) == 1;
+  const bool trim = mallopt(M_TRIM_THRESHOLD, static_cast<int>(kHeapTrimThreshold)) == 1;
+  return mmap && trim;
+#else
+  return false;
+#endif
+}
+
+HeapUsage HeapNow() {
+  HeapUsage u;
+#ifdef __GLIBC__
+  const struct mallinfo2 mi = mallinfo2();
+  u.in_use = mi.uordblks + mi.hblkhd;
+  u.free_held = mi.fordblks;
+#endif
+  return u;
+}
+
+}  // namespace ckptfs
