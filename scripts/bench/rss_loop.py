@@ -31,19 +31,12 @@ sys.path.insert(0, os.path.join(WT, "tests/e2e"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rss_ops  # noqa: E402
 saves, chunk = int(sys.argv[1]), int(sys.argv[2])
-extra = sys.argv[3:]
-root = tempfile.mkdtemp(prefix="ckptfs-rss-loop-")
-backing, mnt, state, log = (os.path.join(root, x) for x in ("backing", "mnt", "state", "log"))
-os.makedirs(backing)
-os.makedirs(mnt)
-cmd = [os.path.join(BIN, "ckptfs"), "-f", "--staging-mem", "128M", "--state-dir", state,
-       "--log-file", log, "--log-level", "info", "--durability", "async",
-       "--flush-direct-io", "on"] + extra + [backing, mnt]
-if os.environ.get("HEAPTRACK"):
-    cmd = ["heaptrack", "-o", os.path.join(root, "heap")] + cmd
-out = open(os.path.join(root, "daemon.out"), "w")
-proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-print("root", root, "pid", proc.pid, flush=True)
+root, mnt, proc = rss_ops.start_daemon(
+    "ckptfs-rss-loop-", sys.argv[3:],
+    wrap=["heaptrack", "-o", os.path.join(tempfile.gettempdir(), "ckptfs-rss-heap")]
+    if os.environ.get("HEAPTRACK") else ())
+
+
 def daemon_pid():
     if not os.environ.get("HEAPTRACK"):
         return proc.pid
@@ -56,11 +49,9 @@ def daemon_pid():
             except OSError:
                 pass
     return None
+
+
 try:
-    for _ in range(600):
-        if os.path.exists(os.path.join(mnt, ".ckptfs", "stats")):
-            break
-        time.sleep(0.1)
     pid = daemon_pid()
     done, t0 = 0, time.time()
     stop_traffic = threading.Event()
@@ -84,33 +75,11 @@ try:
             print("train failed", r.stdout[-2000:], r.stderr[-2000:])
             break
         done += chunk
-        subprocess.run([os.path.join(BIN, "ckptfs-admin"), "wait", mnt, "--timeout", "300"],
-                       capture_output=True)
+        figs = rss_ops.figures(pid, mnt)
         if os.environ.get("SMAPS"):
             with open(f"/proc/{pid}/smaps") as f, open(os.path.join(root, f"smaps.{done}"), "w") as o:
                 o.write(f.read())
-        st = {}
-        for line in open(f"/proc/{pid}/status"):
-            k, _, v = line.partition(":")
-            st[k] = v.split()
-        s = json.load(open(os.path.join(mnt, ".ckptfs", "stats")))
-        held = sum((s.get(k) or 0) for k in ("staging_resident", "retained_used", "cache_used"))
-        rss = int(st["VmRSS"][0]) / 1024
-        print(json.dumps({"saves": done, "t": round(time.time() - t0), "rss_mb": round(rss, 1),
-                          "anon_mb": round(int(st["RssAnon"][0]) / 1024, 1),
-                          "held_mb": round(held / 2**20, 1),
-                          "other_mb": round(rss - held / 2**20, 1),
-                          "staging": round((s.get("staging_resident") or 0) / 2**20, 1),
-                          "retained": round((s.get("retained_used") or 0) / 2**20, 1),
-                          "cache": round((s.get("cache_used") or 0) / 2**20, 1),
-                          "heap_in_use": round((s.get("heap_in_use") or 0) / 2**20, 2),
-                          "heap_free": round((s.get("heap_free_held") or 0) / 2**20, 2),
-                          "inodes": s.get("inodes"),
-                          "fds": len(os.listdir(f"/proc/{pid}/fd")),
-                          "cpu_s": round(sum(int(x) for x in open(f"/proc/{pid}/stat").read()
-                                             .rsplit(")", 1)[1].split()[11:13])
-                                         / os.sysconf("SC_CLK_TCK"), 1),
-                          "threads": int(st["Threads"][0])}), flush=True)
+        print(json.dumps({"saves": done, "t": round(time.time() - t0), **figs}), flush=True)
     stop_traffic.set()
     if os.environ.get("TRIM_AT_END"):
         r = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "call (int)malloc_trim(0)"],
@@ -123,11 +92,4 @@ finally:
         os.kill(daemon_pid(), signal.SIGKILL)
         time.sleep(2)
         subprocess.run(["fusermount3", "-uz", mnt])
-    subprocess.run(["fusermount3", "-u", mnt])
-    try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        subprocess.run(["fusermount3", "-uz", mnt])
-    print("daemon exit", proc.returncode, flush=True)
+    rss_ops.stop_daemon(proc, mnt)

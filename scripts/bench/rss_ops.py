@@ -57,61 +57,80 @@ def traffic_op(rng, logs, n, what="traffic"):
         os.unlink(os.path.join(logs, dats[rng.randrange(len(dats) - 10)]))
 
 
-def main():
-    what, ops, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    extra = sys.argv[4:]
-    root = tempfile.mkdtemp(prefix="ckptfs-rss-ops-")
+def start_daemon(prefix, extra=(), wrap=()):
+    """An async daemon over a fresh work dir (printed, kept): (root, mnt, proc)."""
+    root = tempfile.mkdtemp(prefix=prefix)
     backing, mnt, state, log = (os.path.join(root, x) for x in ("backing", "mnt", "state", "log"))
     os.makedirs(backing)
     os.makedirs(mnt)
-    cmd = [os.path.join(BIN, "ckptfs"), "-f", "--staging-mem", "128M", "--state-dir", state,
-           "--log-file", log, "--log-level", "info", "--durability", "async",
-           "--flush-direct-io", "on"] + extra + [backing, mnt]
+    cmd = list(wrap) + [os.path.join(BIN, "ckptfs"), "-f", "--staging-mem", "128M",
+                        "--state-dir", state, "--log-file", log, "--log-level", "info",
+                        "--durability", "async", "--flush-direct-io", "on"] + list(extra) + \
+        [backing, mnt]
     out = open(os.path.join(root, "daemon.out"), "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     print("root", root, "pid", proc.pid, flush=True)
+    for _ in range(600):
+        if os.path.exists(os.path.join(mnt, ".ckptfs", "stats")):
+            break
+        time.sleep(0.1)
+    return root, mnt, proc
+
+
+def figures(pid, mnt):
+    """After `ckptfs-admin wait` on the mount: the daemon's RSS, RSS less staging, retained
+    tier and cache ("other_mb", the soak's leak measure), its heap, inodes, fds, threads."""
+    subprocess.run([os.path.join(BIN, "ckptfs-admin"), "wait", mnt, "--timeout", "300"],
+                   capture_output=True)
+    st = {}
+    for line in open(f"/proc/{pid}/status"):
+        k, _, v = line.partition(":")
+        st[k] = v.split()
+    s = json.load(open(os.path.join(mnt, ".ckptfs", "stats")))
+    held = sum((s.get(k) or 0) for k in ("staging_resident", "retained_used", "cache_used"))
+    rss = int(st["VmRSS"][0]) / 1024
+    return {"rss_mb": round(rss, 1), "anon_mb": round(int(st["RssAnon"][0]) / 1024, 1),
+            "held_mb": round(held / 2**20, 1), "other_mb": round(rss - held / 2**20, 1),
+            "staging": round((s.get("staging_resident") or 0) / 2**20, 1),
+            "retained": round((s.get("retained_used") or 0) / 2**20, 1),
+            "cache": round((s.get("cache_used") or 0) / 2**20, 1),
+            "heap_in_use_mb": round((s.get("heap_in_use") or 0) / 2**20, 2),
+            "heap_free_mb": round((s.get("heap_free_held") or 0) / 2**20, 2),
+            "inodes": s.get("inodes"), "pending": s.get("journal_pending"),
+            "fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "cpu_s": round(sum(int(x) for x in open(f"/proc/{pid}/stat").read()
+                               .rsplit(")", 1)[1].split()[11:13]) / os.sysconf("SC_CLK_TCK"), 1),
+            "threads": int(st["Threads"][0])}
+
+
+def stop_daemon(proc, mnt):
+    """A clean unmount; a daemon that does not exit in 2 minutes is killed (its PID)."""
+    subprocess.run(["fusermount3", "-u", mnt])
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        subprocess.run(["fusermount3", "-uz", mnt])
+    print("daemon exit", proc.returncode, flush=True)
+
+
+def main():
+    what, ops, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    root, mnt, proc = start_daemon("ckptfs-rss-ops-", sys.argv[4:])
     rng = random.Random(48)
     logs = os.path.join(mnt, "logs")
-
-    def sample(done, t0):
-        subprocess.run([os.path.join(BIN, "ckptfs-admin"), "wait", mnt, "--timeout", "300"],
-                       capture_output=True)
-        st = {}
-        for line in open(f"/proc/{proc.pid}/status"):
-            k, _, v = line.partition(":")
-            st[k] = v.split()
-        s = json.load(open(os.path.join(mnt, ".ckptfs", "stats")))
-        held = sum((s.get(k) or 0) for k in ("staging_resident", "retained_used", "cache_used"))
-        rss = int(st["VmRSS"][0]) / 1024
-        print(json.dumps({"ops": done, "t": round(time.time() - t0), "rss_mb": round(rss, 1),
-                          "other_mb": round(rss - held / 2**20, 1),
-                          "heap_in_use_mb": round((s.get("heap_in_use") or 0) / 2**20, 2),
-                          "heap_free_mb": round((s.get("heap_free_held") or 0) / 2**20, 2),
-                          "inodes": s.get("inodes"), "pending": s.get("journal_pending"),
-                          "fds": len(os.listdir(f"/proc/{proc.pid}/fd")),
-                          "threads": int(st["Threads"][0])}), flush=True)
-
     try:
-        for _ in range(600):
-            if os.path.exists(os.path.join(mnt, ".ckptfs", "stats")):
-                break
-            time.sleep(0.1)
         os.makedirs(logs, exist_ok=True)
         t0 = time.time()
-        sample(0, t0)
+        print(json.dumps({"ops": 0, "t": 0, **figures(proc.pid, mnt)}), flush=True)
         for done in range(1, ops + 1):
             traffic_op(rng, logs, done, what)
             if done % every == 0:
-                sample(done, t0)
+                print(json.dumps({"ops": done, "t": round(time.time() - t0),
+                                  **figures(proc.pid, mnt)}), flush=True)
     finally:
-        subprocess.run(["fusermount3", "-u", mnt])
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            subprocess.run(["fusermount3", "-uz", mnt])
-        print("daemon exit", proc.returncode, flush=True)
+        stop_daemon(proc, mnt)
 
 
 if __name__ == "__main__":
