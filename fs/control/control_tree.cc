@@ -287,6 +287,11 @@ std::string ControlTree::StatsJson() {
   j["journal_superseded"] = journal.superseded;
   // Commits whose shards a dead node held, and trackers naming them (docs/SEMANTICS.md).
   j["journal_given_up"] = journal.given_up;
+  // Deletions of committed checkpoints held behind a given-up one until a later commit
+  // (store/publish/deletion_hold.h): held now, ever, and dropped by a stop (left in place).
+  j["journal_held"] = journal.held;
+  j["journal_held_total"] = journal.held_total;
+  j["journal_held_dropped"] = journal.held_dropped;
   j["journal_presyncs"] = journal.presyncs;
   // Async backpressure (--max-pending): creates that waited for room, and how long in all.
   j["journal_room_waits"] = journal.room_waits;
@@ -513,6 +518,9 @@ std::string ControlTree::MetricsText() {
       {"journal_given_up_entries_total", "counter",
        "Commits and trackers given up because a node they wait for was declared dead.",
        "journal_given_up"},
+      {"journal_held_deletions", "gauge",
+       "Deletions of committed checkpoints held until a checkpoint after a given-up one commits.",
+       "journal_held"},
       {"pending_files", "gauge", "Files not yet published.", "files_pending"},
       {"flush_queue_chunks", "gauge", "Sealed chunks waiting for a flush thread.",
        "flush_queue"},

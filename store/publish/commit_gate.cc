@@ -69,6 +69,13 @@ Status CommitGate::Load(const JournalEntry& e, Pending* p) {
 }
 
 namespace {
+// DCP names rank r's files `[prefix]__{r}_{n}.distcp`, n counting from 0: this is rank 0's
+// first (rank 10's ends in `__10_0.distcp`).
+bool IsRankZeroFirstFile(const std::string& path) {
+  static constexpr std::string_view kName = "__0_0.distcp";
+  return std::string_view(path).ends_with(kName);
+}
+
 bool IsShardName(const std::string& path) {
   constexpr std::string_view kExt = ".distcp";
   return path.size() > kExt.size() &&
@@ -91,9 +98,24 @@ bool CommitGate::IsOrderedEntry(const JournalEntry& e) {
 }
 
 void CommitGate::NoteApplied(const JournalEntry& e, const Status& st) {
+  if (st.ok() && e.op == OpType::kRmdir) {  // nothing left there to wait for
+    MutexLock lock(&mu_);
+    std::erase_if(foreign_, [&](const auto& f) { return path::IsAtOrBelow(f.first, e.path); });
+    std::erase_if(commits_here_, [&](const auto& d) { return path::IsAtOrBelow(d, e.path); });
+    return;
+  }
   if (!st.ok() || (e.op != OpType::kPublish && e.op != OpType::kRename)) return;
   MutexLock lock(&mu_);
   if (IsShardName(e.path)) {
+    const std::string dir = path::Parent(e.path);
+    // Rank 0's first file: DCP's rank 0 writes the `.metadata` too, through this mount, so
+    // this journal orders it against every entry of this node (an entry the application
+    // made after the `.metadata` is appended after it here): no entry here waits for it
+    // (CheckOrdered), though a node declared dead still gives it up.
+    if (IsRankZeroFirstFile(e.path)) {
+      if (commits_here_.size() >= 4096) commits_here_.erase(commits_here_.begin());
+      commits_here_.insert(dir);
+    }
     // The shard's last write, on this node's clock, is before any `.metadata` that
     // commits it and after one left by an earlier save into the same directory. The
     // earliest shard of the round counts: the widest margin against clocks that differ.
@@ -106,10 +128,11 @@ void CommitGate::NoteApplied(const JournalEntry& e, const Status& st) {
                            std::chrono::system_clock::now().time_since_epoch())
                            .count();
     if (since > now) since = 0;
-    auto [it, made] = foreign_.try_emplace(path::Parent(e.path), since);
+    auto [it, made] = foreign_.try_emplace(dir, since);
     if (!made) it->second = std::min(it->second, since);
   } else if (IsCommitName(e.path)) {
     foreign_.erase(path::Parent(e.path));
+    commits_here_.erase(path::Parent(e.path));
   }
 }
 
@@ -124,7 +147,7 @@ CommitCheck CommitGate::Check(const JournalEntry& e, const QueuedPublishes* queu
   CommitCheck check;
   {
     MutexLock lock(&mu_);
-    check = CheckOrdered(e, &to_ask);
+    check = CheckOrdered(e, queued, &to_ask);
     if (!to_ask.empty()) {
       round = ++ordered_round_ | kOrderedRound;
       ordered_round_out_ = true;
@@ -140,7 +163,8 @@ CommitCheck CommitGate::Check(const JournalEntry& e, const QueuedPublishes* queu
   return check;
 }
 
-CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, std::vector<std::string>* to_ask) {
+CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, const QueuedPublishes* queued,
+                                     std::vector<std::string>* to_ask) {
   // mu_ held by Check().
   const auto now = std::chrono::steady_clock::now();
   if (ordered_.seq != e.seq) {
@@ -158,12 +182,26 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, std::vector<std::str
       ++it;
       continue;
     }
+    // Its `.metadata` is this node's to write (rank 0's first file was published here, or
+    // is queued behind this entry): this journal orders it, nothing waits for it.
+    // Only a dead node gives it up here (below), before its `.metadata` is written. A
+    // tracker still waits, as anywhere: one written before that `.metadata` (a save that
+    // failed) names a checkpoint that may never commit, and it is withheld if it is given
+    // up (G4).
+    const bool here =
+        !IsTrackerCandidate(e) && (commits_here_.count(ckpt) > 0 ||
+         (queued != nullptr && queued->PublishQueued(path::Join(ckpt, "__0_0.distcp"))));
+    if (here && (peers_ == nullptr || peers_->LostPeers().empty())) {
+      ++it;
+      continue;
+    }
     ++stats_.ordered_polls;
     // Only a `.metadata` made since this node's shards: one from an earlier save into the
     // same directory does not commit this one.
     if (Result<struct stat> md = dir_->Stat(path::Join(ckpt, ".metadata"));
         md.ok() && CtimeSeconds(*md) >= it->second) {
       it = foreign_.erase(it);
+      if (options_.hold != nullptr) options_.hold->Committed();  // held deletions may go
       continue;
     }
     // A directory gone from the backing store (deleted by its writer) has nothing left
@@ -177,7 +215,7 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, std::vector<std::str
     // this node could, as this node may never have talked to the node that died; and its
     // answer is held while the `.metadata` is pending there, so the wait ends when it
     // lands, not at the next poll.
-    if (peers_ != nullptr && !no_coordinator_) {
+    if (peers_ != nullptr && !no_coordinator_ && !here) {
       const std::string md = path::Join(ckpt, ".metadata");
       if (auto a = ordered_answers_.find(md); a != ordered_answers_.end()) {
         const PeerShardAnswer answer = a->second;
@@ -217,13 +255,26 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, std::vector<std::str
         continue;
       }
     }
+    // The `.metadata` did not come within the commit timeout (the save failed in the
+    // application: a rank killed or an exception between its shards and the commit): the
+    // checkpoint is given up once, as a dead node's is, instead of holding every later
+    // entry of this node for another timeout each. A tracker naming it is withheld, and
+    // deletions of committed checkpoints behind it wait for a later commit (DeletionHold).
     if (now > ordered_.deadline) {
       const std::string dir = ckpt;
-      ordered_.seq = 0;
-      return Status(Code::kTimeout,
-                    e.Describe() + " waits for checkpoint " + dir +
-                        ", whose .metadata never appeared on the backing store (or only one "
-                        "older than this node's shards of it)");
+      it = foreign_.erase(it);
+      ++stats_.given_up;
+      ++stats_.ordered_timeouts;
+      ordered_.deadline = now + options_.timeout;  // for what else it waits for
+      spdlog::error("checkpoint {}: given up: its .metadata did not appear on the backing "
+                    "store within the commit timeout ({} s; or only one older than this "
+                    "node's shards of it), while {} waited for it",
+                    dir, std::chrono::duration<double>(options_.timeout).count(),
+                    e.Describe());
+      if (host_ != nullptr) {
+        host_->GaveUp(dir, "its .metadata did not appear within the commit timeout");
+      }
+      continue;
     }
     spdlog::debug("journal: {} waits for the .metadata of {}, published by another node",
                   e.Describe(), ckpt);
@@ -524,6 +575,7 @@ void CommitGateStats::AppendJson(nlohmann::json* out) const {
                       {"peer_checksums", peer_checksums},
                       {"peer_confirmed", peer_confirmed},
                       {"given_up", given_up},
+                      {"ordered_timeouts", ordered_timeouts},
                       {"coordinator_queries", coordinator_queries},
                       {"coordinator_failed", coordinator_failed},
                       {"peer_refused", peer_refused}};

@@ -68,6 +68,7 @@
 #include <vector>
 
 #include "store/primitives/backing_dir.h"
+#include "store/publish/deletion_hold.h"
 #include "store/publish/journal.h"
 #include "store/publish/shard_state.h"
 
@@ -81,6 +82,8 @@ struct CommitGateOptions {
   // Bound on the wait for a round, as the gate's recheck (the host's WakeGate normally
   // comes first).
   std::chrono::milliseconds peer_recheck{1000};
+  // Told when another node's `.metadata` is seen (borrowed, may be null).
+  DeletionHold* hold = nullptr;
 };
 
 // The gate's owner (Publication): what it knows of the files of this mount, and the journal
@@ -134,6 +137,7 @@ struct CommitGateStats {
   uint64_t peer_confirmed = 0;       // shards counted on a peer's word (+ a stat)
   uint64_t peer_refused = 0;         // commits refused on a peer's "dropped"
   uint64_t given_up = 0;             // commits given up: their shards were a dead node's
+  uint64_t ordered_timeouts = 0;     // ... of them: another node's `.metadata` never came
   // Under "commit_gate" in /.ckptfs/stats, plus flat peer_commit_queries, remote_polls.
   void AppendJson(nlohmann::json* j) const;
 };
@@ -183,7 +187,8 @@ class CommitGate final : private PeerShardAnswerSink {
   CommitCheck CheckCommit(const JournalEntry& e, const QueuedPublishes* queued) EXCLUDES(mu_);
   // An ordered entry: waits for other nodes' `.metadata` (foreign_); `to_ask` gets the
   // `.metadata` paths to ask the coordinator about.
-  CommitCheck CheckOrdered(const JournalEntry& e, std::vector<std::string>* to_ask)
+  CommitCheck CheckOrdered(const JournalEntry& e, const QueuedPublishes* queued,
+                           std::vector<std::string>* to_ask)
       REQUIRES(mu_);
 
   BackingDir* const dir_;
@@ -205,6 +210,9 @@ class CommitGate final : private PeerShardAnswerSink {
   // Each with the time (epoch seconds, this node's clock) of the earliest such shard's
   // last write: only a `.metadata` whose ctime is at or after it commits the directory.
   std::map<std::string, double> foreign_ GUARDED_BY(mu_);
+  // Checkpoint dirs where this mount published rank 0's first file, whose `.metadata` this
+  // node writes: never waited for as foreign (bounded; a commit applied here ends one).
+  std::set<std::string> commits_here_ GUARDED_BY(mu_);
   Pending ordered_ GUARDED_BY(mu_);  // seq, deadline, backoff only
   // The coordinator round for foreign_ (AskCoordinator): one out at a time, numbered with
   // kOrderedRound set so its answers are told from a commit round's; answers by `.metadata`

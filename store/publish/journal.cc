@@ -51,6 +51,20 @@ bool IsCommitEntry(const JournalEntry& e) {
   return (e.op == OpType::kPublish || e.op == OpType::kRename) && IsCommitName(e.path);
 }
 
+bool IsDeletion(const JournalEntry& e) {
+  return e.op == OpType::kUnlink || e.op == OpType::kRmdir;
+}
+
+// Entry `e` must not go past the held deletion `held`: it changes a name the deletion
+// removes, or one below or above it, or it commits the directory the deletion empties (a
+// save into a directory removed and made again, its `.metadata` copied first).
+bool MeetsHeld(const JournalEntry& e, const JournalEntry& held) {
+  if (Touches(e, held)) return true;
+  if (!IsCommitEntry(e)) return false;
+  const std::string dir = path::Parent(e.path);
+  return IsAtOrBelow(dir, held.path) || IsAtOrBelow(held.path, dir);
+}
+
 }  // namespace
 
 Journal::Journal(BackingDir* dir, StateDb* db, JournalDelegate* delegate, JournalOptions options,
@@ -167,6 +181,9 @@ Status Journal::WaitUnlessHalted(uint64_t seq) {
     // A halt before it first: the early return below must not hide it.
     halt = nullptr;
     for (const Queued& q : queue_) {
+      // Held out of line behind a given-up checkpoint (DeletionHold): it follows a later
+      // commit, which may be this caller's to make.
+      if (q.e.seq == seq && q.held) return true;
       if (q.e.seq >= seq) break;
       if (!q.error.ok()) {
         halt = &q;
@@ -283,6 +300,9 @@ JournalCounts Journal::counts() const {
   c.retries = retries_;
   c.room_waits = room_waits_;
   c.room_wait_ms = room_wait_ms_;
+  for (auto it = queue_.begin(); it != queue_.end() && it->held; ++it) ++c.held;  // a prefix
+  c.held_total = held_total_;
+  c.held_dropped = held_dropped_;
   return c;
 }
 
@@ -312,6 +332,46 @@ Journal::Step Journal::NextStepLocked() {
   }
   const auto now = std::chrono::steady_clock::now();
   auto head = queue_.begin();
+  // Deletions held behind a given-up checkpoint (DeletionHold) are the first entries;
+  // publication goes on past them.
+  if (head->held) {
+    const auto first = head;
+    while (head != queue_.end() && head->held) ++head;
+    if (releasing_ || closing_ || stop_) {
+      step.kind = Step::kDrop;  // a stop: what they delete stays (deletion_hold.h)
+      step.it = first;
+      return step;
+    }
+    // A later checkpoint committed and its tracker is through (publication reached the
+    // next deletion, or nothing is left): they go now, before that next deletion. Or an
+    // entry that meets them comes up: they go first, in the application's order.
+    bool release = options_.hold == nullptr ||
+                   (options_.hold->commits() > first->held_at &&
+                    (head == queue_.end() || IsDeletion(head->e)));
+    // A deletion that may be held itself (the rest of an `rm -r`) is held behind them
+    // instead (the gate step).
+    const bool may_hold = head != queue_.end() && IsDeletion(head->e) && !head->e.unheld &&
+                          options_.hold != nullptr && options_.hold->active() &&
+                          delegate_ != nullptr &&
+                          delegate_->Gated(head->e);
+    for (auto it = first; !release && !may_hold && head != queue_.end() && it != head; ++it) {
+      release = MeetsHeld(head->e, it->e);
+    }
+    if (!release && head == queue_.end()) {
+      step.kind = Step::kIdle;
+      return step;
+    }
+    if (release) {
+      for (auto it = first; it != head; ++it) {
+        it->held = false;
+        it->e.unheld = true;
+      }
+      spdlog::info("journal: {} held deletion(s) from {} go now", std::distance(first, head),
+                   first->e.Describe());
+      gate_dirty_ = true;
+      head = first;
+    }
+  }
   if (head->busy) {  // a mkdir its waiter applies ahead (MkdirAhead): done, or back, soon
     step.kind = Step::kIdle;
     return step;
@@ -343,6 +403,7 @@ Journal::Step Journal::NextStepLocked() {
     }
   }
   std::vector<const JournalEntry*> left_behind;
+  for (auto it = queue_.begin(); it != head; ++it) left_behind.push_back(&it->e);  // held
   step.kind = Step::kWait;
   step.until = gate_recheck_;
   for (auto it = std::next(head); it != queue_.end(); ++it) {
@@ -446,8 +507,14 @@ void Journal::Run() {
       JournalEntry e = std::move(step.it->e);
       if (e.seq == gate_seq_) gate_seq_ = 0;
       const bool at_head = step.it == queue_.begin();
+      const bool held = step.it->held;
       queue_.erase(step.it);
-      const Status why(Code::kAborted, "deleted through the mount before it was published");
+      const Status why =
+          held ? Status(Code::kAborted,
+                        "not applied: held behind a given-up checkpoint until a later one "
+                        "commits, and ckptfs stopped first (what it deletes stays)")
+               : Status(Code::kAborted, "deleted through the mount before it was published");
+      if (held) ++held_dropped_;
       failures_[e.seq] = why;
       if (e.op == OpType::kPublish) ++dropped_publishes_;
       if (!at_head) done_ahead_.insert(e.seq);
@@ -502,6 +569,27 @@ void Journal::Run() {
       if (!check.status.ok()) {
         lock.Unlock();
         HaltOrSkip(e, check.status, commit, at_head);
+        lock.Lock();
+        continue;
+      }
+      const bool meets_held =
+          IsDeletion(e) && !e.unheld && !queue_.empty() && queue_.front().held &&
+          std::any_of(queue_.begin(), queue_.end(), [&](const Queued& q) {
+            return q.held && MeetsHeld(e, q.e);
+          });
+      if ((check.hold || meets_held) && !e.unheld && IsDeletion(e) && check.status.ok()) {
+        // Every entry before it is held too (it was the first one not held); a deletion of
+        // names a held one deletes too keeps its place behind it.
+        auto it = FindLocked(e.seq);
+        it->held = true;
+        it->held_at = options_.hold != nullptr ? options_.hold->commits() : 0;
+        ++held_total_;
+        if (gate_seq_ == e.seq) gate_seq_ = 0;
+        gate_dirty_ = true;
+        lock.Unlock();
+        spdlog::warn("journal: {} held: a checkpoint before it was given up; it is applied "
+                     "once a later checkpoint commits", e.Describe());
+        done_cv_.notify_all();  // its WaitUnlessHalted()
         lock.Lock();
         continue;
       }

@@ -67,6 +67,7 @@
 #include "store/flush/flush_pipeline.h"
 #include "store/primitives/backing_dir.h"
 #include "store/primitives/state_db.h"
+#include "store/publish/deletion_hold.h"
 #include "store/publish/early_sync.h"
 #include "store/publish/journal_entry.h"
 #include "store/publish/replaced_files.h"
@@ -94,6 +95,15 @@ struct CommitCheck {
   // node writes them) or still open for writing here: a synchronous caller must not wait
   // for this commit, it may be the one to write or close them (G10).
   bool waits_for_unwritten = false;
+  // A deletion of a committed checkpoint behind a given-up one (DeletionHold): it waits
+  // out of line, later entries go past it, and its synchronous caller returns now.
+  bool hold = false;
+  static CommitCheck Hold() {
+    CommitCheck c;
+    c.ready = false;
+    c.hold = true;
+    return c;
+  }
 };
 
 // The entry a halted journal stopped at.
@@ -203,6 +213,9 @@ struct JournalOptions {
   // the next ids ahead, several in one synced write, and Register() of such a path
   // writes nothing.
   std::string temp_prefix;
+  // Deletions held behind a given-up checkpoint until a later one commits (may be null:
+  // none is ever held). Borrowed; the delegate's CheckCommit says which (CommitCheck::hold).
+  const DeletionHold* hold = nullptr;
 };
 
 // What the journal holds and has done (Journal::counts(), /.ckptfs/stats).
@@ -218,6 +231,9 @@ struct JournalCounts {
   uint64_t presyncs = 0;       // early syncs that succeeded (EarlySyncs)
   uint64_t room_waits = 0;     // WaitForRoom() calls that found the queue full and waited
   uint64_t room_wait_ms = 0;   // their time, in all
+  uint64_t held = 0;           // deletions held behind a given-up checkpoint now
+  uint64_t held_total = 0;     // deletions ever held (DeletionHold)
+  uint64_t held_dropped = 0;   // of those, dropped by a stop: their files stay
 };
 
 class Journal final : public QueuedPublishes {
@@ -354,6 +370,11 @@ class Journal final : public QueuedPublishes {
     double failed_since = 0;
     std::chrono::steady_clock::time_point retry_at{};
     bool drop = false;  // DropIfHalted(): to be dropped by the publisher
+    // A deletion held behind a given-up checkpoint (CommitCheck::hold), out of line; the
+    // held entries are always the queue's first ones. `held_at`: DeletionHold::commits()
+    // when it was held.
+    bool held = false;
+    uint64_t held_at = 0;
   };
   // What the publisher does next.
   struct Step {
@@ -433,6 +454,8 @@ class Journal final : public QueuedPublishes {
   uint64_t skipped_ GUARDED_BY(mu_) = 0;
   uint64_t superseded_ GUARDED_BY(mu_) = 0;
   uint64_t given_up_ GUARDED_BY(mu_) = 0;
+  uint64_t held_total_ GUARDED_BY(mu_) = 0;
+  uint64_t held_dropped_ GUARDED_BY(mu_) = 0;
   // Entries taken off queue_ whose Finalize() (records, delegate) has not returned yet.
   uint64_t finalizing_ GUARDED_BY(mu_) = 0;
   // Of those, the ones failed or dropped: their outcome is recorded (failures_, the done

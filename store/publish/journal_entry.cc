@@ -1,8 +1,11 @@
 #include "store/publish/journal_entry.h"
 
+#include <sys/stat.h>
+
 #include <cinttypes>
 #include <cstdio>
 
+#include "common/path.h"
 #include "store/dcp/commit_names.h"
 #include "store/primitives/record_codec.h"
 
@@ -108,6 +111,14 @@ std::string JournalEntry::Describe() const {
   if (withdraw) s += " (withdrawn: its save was aborted)";
   if (restore) s += " (the files its aborted save replaced are put back)";
   return s;
+}
+
+bool IsTrackerCandidate(const JournalEntry& e) {
+  if (e.op != OpType::kPublish && e.op != OpType::kRename) return false;
+  if (S_ISDIR(e.mode) || IsCommitName(e.path)) return false;
+  const std::string_view name = path::Basename(e.path);
+  return !name.ends_with(".distcp") && !name.ends_with(".tmp") &&
+         !name.starts_with(".ckptfs-tmp.") && (e.op != OpType::kPublish || e.size <= 4096);
 }
 
 }  // namespace ckptfs::store

@@ -70,6 +70,9 @@ struct JournalEntry {
   // In memory only, kPublish applied: the file it replaced stays under its temp name
   // `from`, kept by the journal (its directory was committed: ApplyEntry's keep_replaced).
   bool kept = false;
+  // In memory only: a deletion the journal held behind a given-up checkpoint and then let
+  // go (DeletionHold): never held again.
+  bool unheld = false;
 
   // The entry's record (a binary record, store/primitives/record_codec.h), kept in the
   // state db under RecordKey(seq).
@@ -85,5 +88,9 @@ struct JournalEntry {
 // `__{rank}.metadata`, a `*.safetensors.index.json` or `model.safetensors`
 // (store/dcp/commit_names.h).
 bool IsCommitName(const std::string& path);
+
+// A small file that may name a checkpoint (Megatron's latest_checkpointed_iteration.txt):
+// published or renamed onto its name, not a shard, commit or `*.tmp` file.
+bool IsTrackerCandidate(const JournalEntry& e);
 
 }  // namespace ckptfs::store

@@ -18,16 +18,6 @@
 namespace ckptfs::store {
 namespace {
 
-// A small file that may name a checkpoint (Megatron's latest_checkpointed_iteration.txt):
-// published or renamed onto its name, not a shard, commit or `*.tmp` file.
-bool IsTrackerCandidate(const JournalEntry& e) {
-  if (e.op != OpType::kPublish && e.op != OpType::kRename) return false;
-  if (S_ISDIR(e.mode) || IsCommitName(e.path)) return false;
-  const std::string_view name = path::Basename(e.path);
-  return !name.ends_with(".distcp") && !name.ends_with(".tmp") &&
-         !name.starts_with(".ckptfs-tmp.") && (e.op != OpType::kPublish || e.size <= 4096);
-}
-
 // A published file keeps the times the mount showed (its last write, or a utimens).
 void SetFileTimes(BackingDir* dir, const JournalEntry& e) {
   if (!(e.atime_sec || e.atime_nsec || e.mtime_sec || e.mtime_nsec)) return;
@@ -41,6 +31,13 @@ std::optional<uint64_t> TrailingNumber(std::string_view s) {
   while (i > 0 && s[i - 1] >= '0' && s[i - 1] <= '9') --i;
   if (i == s.size() || s.size() - i > 18) return std::nullopt;
   return std::stoull(std::string(s.substr(i)));
+}
+
+// A deletion DeletionHold may hold: an unlink or rmdir the application made (not an
+// abort's withdrawal or restore, not a directory a rename replaced), never one let go.
+bool HeldDeletionCandidate(const JournalEntry& e) {
+  if (e.unheld || e.withdraw || e.restore) return false;
+  return e.op == OpType::kRmdir || (e.op == OpType::kUnlink && !S_ISDIR(e.mode));
 }
 
 }  // namespace
@@ -74,9 +71,12 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
       [index](const std::string& path) {
         return index != nullptr ? index->ShardChecksumsOf(path) : nullptr;
       });
-  p->gate_ = std::make_unique<CommitGate>(dir, p->options_.gate,
-                                          static_cast<CommitGateHost*>(self), p->options_.peers);
+  CommitGateOptions gate = p->options_.gate;
+  gate.hold = &p->hold_;  // another node's commit seen ends a hold of deletions
+  p->gate_ = std::make_unique<CommitGate>(dir, gate, static_cast<CommitGateHost*>(self),
+                                          p->options_.peers);
   JournalOptions journal;
+  journal.hold = &p->hold_;
   journal.halt_on_failure = p->options_.halt_on_failure;
   journal.shared_dirs = p->options_.cross_node_order;
   // Temp files live at the backing root: their records can be written ahead, several
@@ -192,6 +192,18 @@ CommitCheck Publication::CheckCommit(const JournalEntry& e, const QueuedPublishe
       return Status(Code::kNodeLost, check.status.message());
     }
   }
+  if (check.status.ok() && check.ready && hold_.active() && HeldDeletionCandidate(e)) {
+    // A checkpoint before it was given up and none has committed since: the deletion of a
+    // committed checkpoint waits for a later one (deletion_hold.h), unless it deletes the
+    // given-up checkpoint itself.
+    const std::string ckpt = e.op == OpType::kRmdir ? e.path : path::Parent(e.path);
+    bool lost = false;
+    {
+      MutexLock lock(&lost_mu_);
+      lost = lost_.count(ckpt) > 0;
+    }
+    if (!lost && dir_->Stat(path::Join(ckpt, ".metadata")).ok()) return CommitCheck::Hold();
+  }
   if (check.status.ok() && check.ready && !IsCommitName(e.path) && IsTrackerCandidate(e)) {
     if (auto lost = NamesLostCheckpoint(e)) {
       // G4 over G8: the tracker would name a checkpoint that never commits. The backing
@@ -205,6 +217,7 @@ CommitCheck Publication::CheckCommit(const JournalEntry& e, const QueuedPublishe
 
 void Publication::GaveUp(const std::string& dir, const std::string& why) {
   registry_->OnFailed(dir, "given up: " + why);
+  hold_.GaveUp();
   MutexLock lock(&lost_mu_);
   if (lost_.size() >= 1024) lost_.erase(lost_.begin());
   lost_[dir] = why;
@@ -212,6 +225,7 @@ void Publication::GaveUp(const std::string& dir, const std::string& why) {
 
 bool Publication::Gated(const JournalEntry& e) {
   if (options_.cross_node_order && CommitGate::IsOrderedEntry(e)) return true;
+  if (hold_.active() && HeldDeletionCandidate(e)) return true;  // CheckCommit may hold it
   if (!IsTrackerCandidate(e)) return false;
   MutexLock lock(&lost_mu_);
   return !lost_.empty();
@@ -427,6 +441,7 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
     // the state that later save gave the directory.
   } else if (st.code() == Code::kNodeLost && commit) {
     registry_->OnFailed(dir, st.ToString(), e.seq);
+    hold_.GaveUp();
     MutexLock lock(&lost_mu_);
     if (lost_.size() >= 1024) lost_.erase(lost_.begin());
     lost_[dir] = st.message();
@@ -479,6 +494,7 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
     }
   }
   if (!committed.empty()) {
+    hold_.Committed();  // held deletions may go (deletion_hold.h)
     // Committed again after it was given up or aborted: trackers may name it.
     MutexLock lock(&lost_mu_);
     lost_.erase(committed);

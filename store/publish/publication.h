@@ -38,6 +38,7 @@
 #include "store/publish/aborted_rewrites.h"
 #include "store/publish/checkpoints.h"
 #include "store/publish/commit_gate.h"
+#include "store/publish/deletion_hold.h"
 #include "store/publish/journal.h"
 #include "store/publish/publication_view.h"
 #include "store/publish/shard_state.h"
@@ -222,6 +223,9 @@ class Publication final : private JournalDelegate,
   std::unique_ptr<CheckpointRegistry> registry_;
   std::unique_ptr<AbortedRewrites> aborted_rewrites_;  // over dir_ and registry_
   std::unique_ptr<LocalShardStates> shard_states_;
+  // Deletions of committed checkpoints held while a given-up checkpoint is the newest
+  // (read by the journal and the gate, declared before both).
+  DeletionHold hold_;
   std::unique_ptr<CommitGate> gate_;
   std::unique_ptr<Journal> journal_;  // last: its publisher calls into the parts above
 

@@ -9,13 +9,17 @@ DCP, a Megatron-style loop in iter_NNNNNNN directories with a tracker file:
     and the save fails (no `.metadata` is ever written);
   * the job goes on without node 1 (2 ranks on node 0), as a trainer that lost a node
     restarts from its last checkpoint: first a naive tracker write naming the failed
-    iteration 2, then iteration 3 saved by node 0's ranks, then the tracker says 3;
+    iteration 2, then a rotation removing iteration 1, then iteration 3 saved by node 0's
+    ranks, then the tracker says 3;
 Then, in each durability mode, within 60 s (the commit timeout is 600 s: nothing may wait
 for it):
   * node 0 declares node 1 dead (--peer-dead-after 5000) and gives iteration 2 up: its
     state is `failed` with the reason;
   * iteration 3 is committed on the backing store and loads exactly; the tracker on the
     backing store says 3, never 2 (the tracker naming 2 is withheld and counted);
+  * the deletion of iteration 1 waits on the backing store until iteration 3 is committed
+    and its tracker published (sampled every 5 ms: there is always a committed checkpoint,
+    and the tracker names one that is there), then it is applied;
   * publication is not halted;
   * node 1 restarted on its old state dir publishes nothing of the failed save: no
     `.metadata` appears in iteration 2, no temp file is left;
@@ -28,6 +32,7 @@ import shutil
 import signal
 import tempfile
 import sys
+import threading
 import time
 import unittest
 
@@ -114,6 +119,29 @@ class LostNode(unittest.TestCase):
                 f.write("2")
         except OSError as e:
             self.assertEqual((durability, e.errno), ("strict", errno.EIO), e)
+        # Rotation, keeping one: iteration 1, the only committed checkpoint, is removed
+        # before iteration 3 is saved. Behind the given-up iteration 2 its deletion is held
+        # until iteration 3 commits and its tracker is published: the backing store keeps a
+        # committed checkpoint throughout, and the tracker never names a removed one.
+        holes = []
+        stop_sampling = threading.Event()
+
+        def sample():
+            while not stop_sampling.is_set():
+                have = [n for n in (1, 3)
+                        if os.path.exists(os.path.join(it_dir(backing, n), ".metadata"))]
+                try:
+                    with open(os.path.join(backing, TRACKER)) as f:
+                        named = int(f.read())
+                except (OSError, ValueError):
+                    named = None
+                if not have or (named is not None and named not in have):
+                    holes.append((round(time.monotonic() - t0, 2), have, named))
+                time.sleep(0.005)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        self.addCleanup(stop_sampling.set)
+        shutil.rmtree(it_dir(run0, 1))
         dcp_tool.save(it_dir(run0, 3), 2, 8, True, 3, timeout=300)
         with open(os.path.join(run0, TRACKER), "w") as f:
             f.write("3")
@@ -126,10 +154,18 @@ class LostNode(unittest.TestCase):
                 return False
         self.eventually(done, "the tracker of iteration 3 was not published", 60)
         took = time.monotonic() - t0
+        self.eventually(lambda: not os.path.exists(it_dir(backing, 1)),
+                        "the held deletion of iteration 1 was not applied after iteration 3 "
+                        "committed", 30)
+        stop_sampling.set()
+        sampler.join()
+        self.assertEqual(holes, [], "a moment with no committed checkpoint on the backing "
+                         "store, or the tracker naming a removed one: (s, committed, tracker)")
         stats = n0.stats()
         self.assertIsNone(stats.get("journal_halted"), stats.get("journal_halted"))
         self.assertGreaterEqual(stats["journal_given_up"], 1, self.logs())
         self.assertGreaterEqual(stats["peers_declared_dead"], 1)
+        self.assertGreaterEqual(stats["journal_held_total"], 1, self.logs())
         with open(os.path.join(n0.mnt, ".ckptfs", "checkpoints")) as f:
             states = {c["path"]: c for c in json.load(f)}
         self.assertEqual(states["run/iter_0000003"]["state"], "committed", states)

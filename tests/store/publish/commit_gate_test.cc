@@ -76,21 +76,24 @@ class CommitGateTest : public ::testing::Test, public PeerShardAsker, public Com
   }
 
   // The gate as the daemon wires it with peers; rounds are kept for the test to answer.
-  std::unique_ptr<CommitGate> MakeGate(std::chrono::milliseconds timeout = 30s) {
+  std::unique_ptr<CommitGate> MakeGate(std::chrono::milliseconds timeout = 30s,
+                                       DeletionHold* hold = nullptr) {
     CommitGateOptions o;
     o.timeout = timeout;
+    o.hold = hold;
     return std::make_unique<CommitGate>(dir_.get(), o, this, this);
   }
 
   CommitCheck Check(CommitGate& gate) { return gate.Check(commit_, nullptr); }
 
-  // A shard of "ck" published here (its `.metadata` is another node's), then a tracker:
-  // the tracker, an ordered entry, waits for that `.metadata`.
-  static JournalEntry ShardThenTracker(CommitGate& gate) {
+  // A shard of "ck" published here (rank 1's: its `.metadata` is rank 0's, another node's),
+  // then a tracker: the tracker, an ordered entry, waits for that `.metadata`.
+  static JournalEntry ShardThenTracker(CommitGate& gate, const std::string& shard_path =
+                                                             "ck/__1_0.distcp") {
     JournalEntry shard;
     shard.seq = 3;
     shard.op = OpType::kPublish;
-    shard.path = "ck/__0_0.distcp";
+    shard.path = shard_path;
     gate.NoteApplied(shard, Status::Ok());
     JournalEntry tracker;
     tracker.seq = 4;
@@ -372,6 +375,81 @@ TEST_F(CommitGateTest, TheUnlinkOfAMetadataIsNotACommit) {
   EXPECT_TRUE(c.status.ok()) << c.status.ToString();
   EXPECT_TRUE(c.ready);
   EXPECT_EQ(OpenRounds(), 0u) << "asked the peers about the shards of an unlink";
+}
+
+// Rank 0 writes the `.metadata` of a DCP save, so a node where rank 0's first file was
+// published (or is queued behind the entry) orders that commit in its own journal: its
+// later entries wait for nothing from another node (the soak's `rm -r`s of old
+// checkpoints), except a tracker, which may name the save before it commits.
+TEST_F(CommitGateTest, WhereRankZerosFileIsTheMetadataIsNotWaitedForAsForeign) {
+  JournalEntry rm;
+  rm.seq = 4;
+  rm.op = OpType::kUnlink;
+  rm.path = "old/.metadata";
+  auto gate = MakeGate();
+  const JournalEntry tracker = ShardThenTracker(*gate, "ck/__0_0.distcp");
+  EXPECT_TRUE(gate->Check(rm, nullptr).ready);
+  EXPECT_EQ(OpenRounds(), 0u);
+  EXPECT_FALSE(gate->Check(tracker, nullptr).ready) << "a tracker before the commit";
+
+  // Rank 1's file first, rank 0's still queued behind the deletion.
+  auto gate2 = MakeGate();
+  ShardThenTracker(*gate2);
+  struct RankZeroQueued final : QueuedPublishes {
+    bool PublishQueued(const std::string& path) const override {
+      return path == "ck/__0_0.distcp";
+    }
+    DirectoryEnd DirectoryEndsAfter(uint64_t, const std::string&) const override { return {}; }
+    bool VersionQueued(const std::string&, uint64_t, uint64_t) const override { return false; }
+  } queued;
+  EXPECT_TRUE(gate2->Check(rm, &queued).ready);
+  rm.seq = 5;
+  EXPECT_FALSE(gate2->Check(rm, nullptr).ready) << "rank 1's alone: waits";
+  // A prefixed name of rank 10 is not rank 0's.
+  auto gate3 = MakeGate();
+  ShardThenTracker(*gate3, "ck/x__10_0.distcp");
+  EXPECT_FALSE(gate3->Check(rm, nullptr).ready);
+}
+
+// A `.metadata` another node never publishes (a rank killed mid-save): at the commit
+// timeout the checkpoint is given up once, not refused entry after entry, each waiting a
+// whole timeout again (two-node soak, seed 4101: 5,226 entries behind one such save).
+TEST_F(CommitGateTest, AForeignCheckpointIsGivenUpOnceAtTheCommitTimeout) {
+  {
+    MutexLock lock(&mu_);
+    peers_available_ = false;  // the backing store alone tells
+  }
+  DeletionHold hold;
+  auto gate = MakeGate(60ms, &hold);
+  const JournalEntry tracker = ShardThenTracker(*gate);
+  EXPECT_FALSE(gate->Check(tracker, nullptr).ready);
+  std::this_thread::sleep_for(80ms);
+  CommitCheck c = gate->Check(tracker, nullptr);
+  EXPECT_TRUE(c.status.ok()) << c.status.ToString();
+  EXPECT_TRUE(c.ready);
+  {
+    MutexLock lock(&mu_);
+    ASSERT_EQ(gave_up_.count("ck"), 1u);
+    EXPECT_NE(gave_up_["ck"].find("commit timeout"), std::string::npos) << gave_up_["ck"];
+  }
+  EXPECT_EQ(gate->stats().ordered_timeouts, 1u);
+  JournalEntry next = tracker;
+  next.seq = 5;
+  EXPECT_TRUE(gate->Check(next, nullptr).ready) << "the next entry waited again";
+  EXPECT_EQ(hold.commits(), 0u);
+
+  // The next save's `.metadata`, published by the other node, is a commit the hold sees.
+  sfs::create_directories(root_ + "/ck2");
+  JournalEntry shard;
+  shard.seq = 6;
+  shard.op = OpType::kPublish;
+  shard.path = "ck2/__1_0.distcp";
+  gate->NoteApplied(shard, Status::Ok());
+  next.seq = 7;
+  EXPECT_FALSE(gate->Check(next, nullptr).ready);
+  sfs::copy_file(kFixture / ".metadata", root_ + "/ck2/.metadata");
+  EXPECT_TRUE(gate->Check(next, nullptr).ready);
+  EXPECT_EQ(hold.commits(), 1u);
 }
 
 }  // namespace

@@ -1,0 +1,53 @@
+// DeletionHold: while a checkpoint has been given up (it never commits: a node was lost,
+// or its `.metadata` never appeared within --commit-timeout) and no later checkpoint has
+// committed since, the deletion of a committed checkpoint waits: the backing store always
+// keeps a committed one (issue 39, docs/SEMANTICS.md "A lost node").
+//
+// A training loop rotates: save N, tracker N, `rm -r` N-k. When save N is given up, its
+// tracker is withheld (the backing store's tracker still names an older checkpoint), and
+// the `rm -r` of N-k would leave the backing store with one committed checkpoint fewer,
+// perhaps none, or the very one the tracker names gone (G4). So that deletion is held out
+// of the journal's line (Journal: a held entry; every later entry goes past it unless it
+// touches the held names), and it is applied once a later checkpoint has committed and
+// publication has reached the next deletion or emptied its queue (the later save's
+// tracker is then on the backing store first). A stop before that drops the held deletion:
+// the old checkpoint stays on the backing store, which the application had deleted (a
+// directory more, never a checkpoint fewer).
+//
+// Who tells it what: Publication (a commit applied here, a checkpoint given up), the
+// commit gate (another node's `.metadata` seen on the backing store, a foreign checkpoint
+// given up). The journal reads it on its publisher thread. Lock-free.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace ckptfs::store {
+
+class DeletionHold {
+ public:
+  // A checkpoint was given up: deletions of committed checkpoints are held from now until
+  // a checkpoint commits.
+  void GaveUp() {
+    gave_up_.fetch_add(1, std::memory_order_acq_rel);
+    active_.store(true, std::memory_order_release);
+  }
+  // A checkpoint committed (applied here, or another node's `.metadata` seen).
+  void Committed() {
+    commits_.fetch_add(1, std::memory_order_acq_rel);
+    active_.store(false, std::memory_order_release);
+  }
+  // Deletions of committed checkpoints are held now.
+  bool active() const { return active_.load(std::memory_order_acquire); }
+  // Commits seen so far: a held entry remembers the count when it was held and is let go
+  // once it has grown.
+  uint64_t commits() const { return commits_.load(std::memory_order_acquire); }
+  uint64_t given_up() const { return gave_up_.load(std::memory_order_acquire); }
+
+ private:
+  std::atomic<bool> active_{false};
+  std::atomic<uint64_t> commits_{0};
+  std::atomic<uint64_t> gave_up_{0};
+};
+
+}  // namespace ckptfs::store
