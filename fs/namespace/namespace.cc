@@ -341,6 +341,10 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
 Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
   auto handle = std::make_unique<Handle>();
   DirHandle& dh = handle->kind.emplace<DirHandle>();
+  auto relistable = [&](const Node* node) REQUIRES(table_.mu) {
+    return node->on_backing && node->pending_seq <= publication_->view().applied() &&
+           table_.PendingRenameLocked(node) == 0;
+  };
   CKPT_RETURN_IF_ERROR(table_.WaitForAncestorsUnlocked(ino));
   CKPT_RETURN_IF_ERROR(table_.LoadDir(ino));
   // Pick up names other writers created on the backing store since the load: listed and
@@ -352,7 +356,12 @@ Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
     auto node = table_.NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     if (node->type != NodeType::kDir) return Status(Code::kNotDir, "opendir");
-    if (node->loaded && node->on_backing && table_.QuiescentLocked(node.get())) {
+    // Nothing of the directory itself pending (a name it lost through the mount would
+    // come back) and no rename above it pending (the listing would be of another path).
+    // Entries pending for its siblings do not matter: in a training loop the parent holds
+    // the tracker and the next save, pending while an `rm -r` of an older checkpoint
+    // lists it, and without the listing that `rm -r` missed the shards other nodes wrote.
+    if (node->loaded && relistable(node.get())) {
       path = table_.PathLocked(node.get());
       relist = true;
     }
@@ -383,8 +392,7 @@ Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
   if (!node) return NotFound("stale inode");
   if (node->type != NodeType::kDir) return Status(Code::kNotDir, "opendir");
   CKPT_RETURN_IF_ERROR(table_.EnsureLoadedLocked(node.get()));
-  if (!found.empty() && node->on_backing && table_.QuiescentLocked(node.get()) &&
-      table_.PathLocked(node.get()) == path) {
+  if (!found.empty() && relistable(node.get()) && table_.PathLocked(node.get()) == path) {
     for (const auto& [name, st] : found) {
       if (!node->children.count(name)) table_.AddBackingChildLocked(node.get(), name, st);
     }

@@ -342,12 +342,23 @@ Journal::Step Journal::NextStepLocked() {
       step.it = first;
       return step;
     }
-    // A later checkpoint committed and its tracker is through (publication reached the
-    // next deletion, or nothing is left): they go now, before that next deletion. Or an
-    // entry that meets them comes up: they go first, in the application's order.
+    // A later checkpoint committed and its tracker is through: a tracker was applied
+    // since, or publication reached the next deletion (they go before it), or nothing
+    // came for JournalOptions::held_grace. Or an entry that meets them comes up: they go first, in the
+    // application's order.
+    const bool committed = options_.hold == nullptr || options_.hold->commits() > first->held_at;
     bool release = options_.hold == nullptr ||
-                   (options_.hold->commits() > first->held_at &&
-                    (head == queue_.end() || IsDeletion(head->e)));
+                   (committed && (tracker_commits_ > first->held_at ||
+                                  (head != queue_.end() && IsDeletion(head->e))));
+    if (committed && !release && head == queue_.end()) {
+      if (first->commit_seen == std::chrono::steady_clock::time_point{}) first->commit_seen = now;
+      release = now >= first->commit_seen + options_.held_grace;
+      if (!release) {
+        step.kind = Step::kWait;
+        step.until = first->commit_seen + options_.held_grace;
+        return step;
+      }
+    }
     // A deletion that may be held itself (the rest of an `rm -r`) is held behind them
     // instead (the gate step).
     const bool may_hold = head != queue_.end() && IsDeletion(head->e) && !head->e.unheld &&
@@ -627,6 +638,10 @@ void Journal::Run() {
         if (delegate_ != nullptr) delegate_->OnHalt(e, Status::Ok());
       }
       lock.Lock();
+      // A tracker through: deletions held for a commit before it may go (NextStepLocked).
+      if (options_.hold != nullptr && IsTrackerCandidate(e)) {
+        tracker_commits_ = options_.hold->commits();
+      }
       auto it = FindLocked(e.seq);
       queue_.erase(it);
       if (!at_head) {

@@ -216,6 +216,9 @@ struct JournalOptions {
   // Deletions held behind a given-up checkpoint until a later one commits (may be null:
   // none is ever held). Borrowed; the delegate's CheckCommit says which (CommitCheck::hold).
   const DeletionHold* hold = nullptr;
+  // How long held deletions wait, after a later commit, for its tracker when nothing else
+  // comes (a loop without trackers, or the last save of a run).
+  std::chrono::milliseconds held_grace{std::chrono::seconds(30)};
 };
 
 // What the journal holds and has done (Journal::counts(), /.ckptfs/stats).
@@ -375,6 +378,7 @@ class Journal final : public QueuedPublishes {
     // when it was held.
     bool held = false;
     uint64_t held_at = 0;
+    std::chrono::steady_clock::time_point commit_seen{};  // a later commit, first seen idle
   };
   // What the publisher does next.
   struct Step {
@@ -454,6 +458,8 @@ class Journal final : public QueuedPublishes {
   uint64_t skipped_ GUARDED_BY(mu_) = 0;
   uint64_t superseded_ GUARDED_BY(mu_) = 0;
   uint64_t given_up_ GUARDED_BY(mu_) = 0;
+  // DeletionHold::commits() when a tracker (IsTrackerCandidate) was last applied.
+  uint64_t tracker_commits_ GUARDED_BY(mu_) = 0;
   uint64_t held_total_ GUARDED_BY(mu_) = 0;
   uint64_t held_dropped_ GUARDED_BY(mu_) = 0;
   // Entries taken off queue_ whose Finalize() (records, delegate) has not returned yet.

@@ -28,6 +28,7 @@ class DeletionHoldTest : public JournalTest {
     std::ofstream(root_ + "/old/__0_0.distcp") << "shard";
     TestHooks hooks;
     hooks.options.hold = &hold_;
+    hooks.options.held_grace = 300ms;
     auto deletion = [](const JournalEntry& e) {
       return !e.unheld && (e.op == OpType::kUnlink || e.op == OpType::kRmdir);
     };
@@ -124,6 +125,20 @@ TEST_F(DeletionHoldTest, TheNextDeletionAfterACommitLetsTheHeldOnesGoFirst) {
   EXPECT_LT(DoneAt("old"), DoneAt("mid/.metadata")) << "held deletions keep their order";
   EXPECT_FALSE(Exists("old"));
   EXPECT_FALSE(Exists("mid/.metadata"));
+}
+
+// A commit with no tracker or deletion after it (a loop without trackers, the last save of
+// a run): the held deletions go once publication has been idle for the grace.
+TEST_F(DeletionHoldTest, WithNothingAfterTheCommitTheHeldDeletionsGoAfterTheGrace) {
+  hold_.GaveUp();
+  const std::vector<uint64_t> rm = RemoveOld();
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "new")).ok());
+  const auto committed_at = std::chrono::steady_clock::now();
+  ASSERT_TRUE(journal_->Wait(PublishBytes("new/.metadata", "md")).ok());
+  EXPECT_TRUE(Exists("old/.metadata")) << "went at once, before a tracker could follow";
+  ASSERT_TRUE(journal_->Wait(rm[2]).ok());
+  EXPECT_GE(std::chrono::steady_clock::now() - committed_at, 250ms);
+  EXPECT_FALSE(Exists("old"));
 }
 
 // The application makes `old` again and saves into it: the held `rm -r old` goes first,
