@@ -342,7 +342,7 @@ Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
   auto handle = std::make_unique<Handle>();
   DirHandle& dh = handle->kind.emplace<DirHandle>();
   auto relistable = [&](const Node* node) REQUIRES(table_.mu) {
-    return node->on_backing && node->pending_seq <= publication_->view().applied() &&
+    return node->on_backing && node->removed_seq <= publication_->view().applied() &&
            table_.PendingRenameLocked(node) == 0;
   };
   CKPT_RETURN_IF_ERROR(table_.WaitForAncestorsUnlocked(ino));
@@ -356,11 +356,12 @@ Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
     auto node = table_.NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     if (node->type != NodeType::kDir) return Status(Code::kNotDir, "opendir");
-    // Nothing of the directory itself pending (a name it lost through the mount would
-    // come back) and no rename above it pending (the listing would be of another path).
-    // Entries pending for its siblings do not matter: in a training loop the parent holds
-    // the tracker and the next save, pending while an `rm -r` of an older checkpoint
-    // lists it, and without the listing that `rm -r` missed the shards other nodes wrote.
+    // No removal of a name in it pending (the name would come back) and no rename above
+    // it pending (the listing would be of another path). Other pending entries do not
+    // matter (a name made through the mount is known): with two nodes, node 0's backlog
+    // (the next saves, the tracker) kept an `rm -r` of an older checkpoint from listing it,
+    // and that `rm -r` missed the shards other nodes wrote (the two-node soak: hundreds
+    // of directories left, "Directory not empty").
     if (node->loaded && relistable(node.get())) {
       path = table_.PathLocked(node.get());
       relist = true;

@@ -98,6 +98,10 @@ struct Node {
   bool loaded = false;
   std::map<std::string, std::shared_ptr<Node>> children;
   uint64_t names_removed = 0;  // children that left through the mount (NodeTable::ProbeName)
+  // The last journal entry that took a name out of this directory (an unlink, rmdir or
+  // rename from it): until it is applied the backing listing still shows that name, so
+  // the directory is not relisted (Namespace::NodeOpenDir).
+  uint64_t removed_seq = 0;
   // Files being written; null when the backing file is the whole truth. Kept while any
   // handle of the file is open, so no handle ever loses the bytes it reads (the backing
   // file a handle opened before the write state existed is an older inode once the new

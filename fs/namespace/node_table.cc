@@ -407,6 +407,7 @@ void NodeTable::FoldWriteTimeLocked(Node* node) {
 }
 
 Result<uint64_t> NodeTable::AppendLocked(store::JournalEntry entry, Node* node) {
+  const store::OpType entry_op = entry.op;
   CKPT_ASSIGN_OR_RETURN(uint64_t seq, publication_->Append(std::move(entry)));
   if (node != nullptr) {
     // The name and its directory's listing differ from the backing store until `seq`
@@ -415,6 +416,10 @@ Result<uint64_t> NodeTable::AppendLocked(store::JournalEntry entry, Node* node) 
     OwnAttrsLocked(node);
     if (node->parent != nullptr) {
       node->parent->pending_seq = seq;
+      if (entry_op == store::OpType::kUnlink || entry_op == store::OpType::kRmdir ||
+          entry_op == store::OpType::kRename) {
+        node->parent->removed_seq = seq;
+      }
       OwnAttrsLocked(node->parent);
     }
   }
