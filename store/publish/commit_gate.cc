@@ -3,12 +3,14 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "common/path.h"
 #include "store/dcp/commit_names.h"
 #include "store/dcp/dcp_metadata.h"
 #include "store/dcp/metadata_file.h"
+#include "store/publish/tracker_text.h"
 #include "store/safetensors_index.h"
 
 namespace ckptfs::store {
@@ -172,6 +174,15 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, const QueuedPublishe
     ordered_.backoff = std::chrono::milliseconds(50);
     ordered_.deadline = now + options_.timeout;
   }
+  // The text of a tracker candidate, read once (empty: unreadable, or not a tracker).
+  std::optional<std::string> text;
+  auto names = [&](const std::string& ckpt) {
+    if (!text) {
+      Result<std::string> t = TrackerText(dir_, e);
+      text = t.ok() ? *t : std::string();
+    }
+    return text->empty() || TrackerNames(*text, e.path, ckpt);
+  };
   for (auto it = foreign_.begin(); it != foreign_.end();) {
     const std::string& ckpt = it->first;
     // The checkpoint itself or inside it (its `.metadata.tmp`, written before the rename
@@ -185,12 +196,13 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, const QueuedPublishe
     // Its `.metadata` is this node's to write (rank 0's first file was published here, or
     // is queued behind this entry): this journal orders it, nothing waits for it.
     // Only a dead node gives it up here (below), before its `.metadata` is written. A
-    // tracker still waits, as anywhere: one written before that `.metadata` (a save that
-    // failed) names a checkpoint that may never commit, and it is withheld if it is given
-    // up (G4).
-    const bool here =
-        !IsTrackerCandidate(e) && (commits_here_.count(ckpt) > 0 ||
-         (queued != nullptr && queued->PublishQueued(path::Join(ckpt, "__0_0.distcp"))));
+    // tracker that names it still waits, as anywhere: written before that `.metadata` (a
+    // save that failed), it names a checkpoint that may never commit, and it is withheld
+    // if that is given up (G4). One that cannot be read waits too.
+    const bool here_dir =
+        commits_here_.count(ckpt) > 0 ||
+        (queued != nullptr && queued->PublishQueued(path::Join(ckpt, "__0_0.distcp")));
+    const bool here = here_dir && (!IsTrackerCandidate(e) || !names(ckpt));
     if (here && (peers_ == nullptr || peers_->LostPeers().empty())) {
       ++it;
       continue;

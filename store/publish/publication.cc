@@ -12,6 +12,7 @@
 #include "store/dcp/checkpoint_source.h"
 #include "store/dcp/commit_names.h"
 #include "store/dcp/metadata_file.h"
+#include "store/publish/tracker_text.h"
 #include "store/flush/flush_pipeline.h"
 #include "store/primitives/file_key.h"
 
@@ -23,14 +24,6 @@ void SetFileTimes(BackingDir* dir, const JournalEntry& e) {
   if (!(e.atime_sec || e.atime_nsec || e.mtime_sec || e.mtime_nsec)) return;
   struct timespec ts[2] = {{e.atime_sec, e.atime_nsec}, {e.mtime_sec, e.mtime_nsec}};
   (void)dir->Utimens(e.path, ts);
-}
-
-// The integer a name ends with ("iter_0000100" -> 100), if it ends with digits.
-std::optional<uint64_t> TrailingNumber(std::string_view s) {
-  size_t i = s.size();
-  while (i > 0 && s[i - 1] >= '0' && s[i - 1] <= '9') --i;
-  if (i == s.size() || s.size() - i > 18) return std::nullopt;
-  return std::stoull(std::string(s.substr(i)));
 }
 
 // A deletion DeletionHold may hold: an unlink or rmdir the application made (not an
@@ -239,31 +232,10 @@ std::optional<std::pair<std::string, std::string>> Publication::NamesLostCheckpo
     if (lost_.empty()) return std::nullopt;
     lost = lost_;
   }
-  // Its bytes: a publish's are durable in its temp file; a rename's are in its source.
-  Result<struct stat> st = dir_->Stat(e.from);
-  if (!st.ok() || st->st_size > 4096) return std::nullopt;
-  Result<std::string> bytes = ReadMetadataBytes(dir_, e.from);
-  if (!bytes.ok()) return std::nullopt;
-  std::string_view text = *bytes;
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) {
-    text.remove_suffix(1);
-  }
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) {
-    text.remove_prefix(1);
-  }
-  if (text.empty()) return std::nullopt;
-  const std::string parent = path::Parent(e.path);
+  Result<std::string> text = TrackerText(dir_, e);
+  if (!text.ok() || text->empty()) return std::nullopt;
   for (const auto& [dir, why] : lost) {
-    if (path::Parent(dir) != parent) continue;
-    const std::string_view base = path::Basename(dir);
-    bool names = text == base || text == dir ||
-                 (text.size() > base.size() && text.ends_with(base) &&
-                  text[text.size() - base.size() - 1] == '/');
-    if (!names && std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
-        text.size() <= 18) {
-      // Megatron: the tracker holds the iteration, the directory is iter_0000100.
-      names = TrailingNumber(base) == std::stoull(std::string(text));
-    }
+    const bool names = TrackerNames(*text, e.path, dir);
     if (names) return std::make_pair(dir, why);
   }
   return std::nullopt;

@@ -391,6 +391,18 @@ TEST_F(CommitGateTest, WhereRankZerosFileIsTheMetadataIsNotWaitedForAsForeign) {
   EXPECT_TRUE(gate->Check(rm, nullptr).ready);
   EXPECT_EQ(OpenRounds(), 0u);
   EXPECT_FALSE(gate->Check(tracker, nullptr).ready) << "a tracker before the commit";
+  // A small file whose text names another checkpoint (or none: an application log) goes.
+  std::ofstream(root_ + "/tracker.tmp") << "7\n";
+  JournalEntry other = tracker;
+  other.from = "tracker.tmp";
+  other.path = "log.txt";
+  EXPECT_TRUE(gate->Check(other, nullptr).ready);
+  JournalEntry names_ck = other;
+  sfs::create_directories(root_ + "/ck_tracker");
+  std::ofstream(root_ + "/named.tmp") << "ck\n";
+  names_ck.from = "named.tmp";
+  names_ck.path = "latest";
+  EXPECT_FALSE(gate->Check(names_ck, nullptr).ready) << "a tracker naming it waits";
 
   // Rank 1's file first, rank 0's still queued behind the deletion.
   auto gate2 = MakeGate();
