@@ -1,0 +1,130 @@
+"""Issue 42: one memory-only checkpoint written by ranks on two nodes.
+
+Two ckptfs daemons in network namespaces (tests/e2e/netns.py) over one backing dir, with
+--peers. A 4-rank torch 1.13 DCP job saves into a memory-only directory, rank r through node
+r % 2 (as test_multinode_dcp.py does for the backing store): the coordinator (rank 0, node 0)
+makes the checkpoint directory and writes `.metadata`; node 1's ranks write their shards into
+a directory they did not make. The checkpoint must then:
+  * be committed on both nodes: every shard in memory on the node that wrote it and that
+    node's part replicated to the other (each node's stats hold the other's part as a
+    replica), listed committed by `/.ckptfs/stats` and `ckptfs-admin checkpoints` on both;
+  * leave nothing on the backing store (the marked directory stays empty);
+  * load exactly through node 0 alone, node 1 alone and both (every value checked; own and
+    replicated reads), with 0 bytes read from the backing store;
+  * be evicted on both nodes (ENOENT) when the next two-node save of the tree commits.
+"""
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import unittest
+
+import dcp_tool
+from netns import Cluster
+from test_peers import built_with_ucx
+
+RANKS = 4
+MB = 16
+TIER = "user.ckptfs.tier"
+ADMIN = os.path.join(os.environ.get("CKPTFS_BIN_DIR", os.path.join(
+    os.path.dirname(__file__), "..", "..", "build", "bin")), "ckptfs-admin")
+
+
+def listed(n, path):
+    for c in n.stats()["memory_ckpt"]["checkpoints"]:
+        if c["path"] == path:
+            return c
+    return None
+
+
+@unittest.skipUnless(os.geteuid() == 0 and shutil.which("nsenter") and shutil.which("ip"),
+                     "needs root, ip and nsenter")
+@unittest.skipUnless(built_with_ucx(), "ckptfs was built without the UCX peer transport")
+class MemoryTierMultiNode(unittest.TestCase):
+    def setUp(self):
+        root = tempfile.mkdtemp(prefix="ckptfs-memmn-")
+        self.addCleanup(shutil.rmtree, root, True)
+        self.c = Cluster(2, root=root,
+                         daemon_args=["--memory-ckpt-mem", "160M", "--cache-mem", "64M"])
+        self.addCleanup(self.c.cleanup)
+        self.c.setup()
+        self.c.start()
+        self.assertTrue(self.c.wait_connected(), self.logs())
+
+    def logs(self):
+        return "\n".join(f"--- node {n.index} ---\n{n.log_text(12000)}" for n in self.c.nodes)
+
+    def eventually(self, cond, what, timeout=30):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if cond():
+                return
+            time.sleep(0.1)
+        self.fail(f"{what}\n{self.logs()}")
+
+    def save(self, name, seed):
+        n0, n1 = self.c.nodes
+        dirs = [os.path.join(n.mnt, "run", "mem", name) for n in (n0, n1)]
+        try:
+            dcp_tool.save(dirs[0], RANKS, MB, True, seed=seed, timeout=300, dirs=dirs)
+        except Exception as e:
+            raise AssertionError(f"the two-node save of {name} failed: {e}\n{self.logs()}")
+        path = f"run/mem/{name}"
+        for n in (n0, n1):
+            self.eventually(lambda n=n: (listed(n, path) or {}).get("state") == "committed",
+                            f"node {n.index} does not list {path} committed")
+        return dirs
+
+    def test_a_checkpoint_written_through_two_nodes(self):
+        n0, n1 = self.c.nodes
+        run = os.path.join(n0.mnt, "run", "mem")
+        os.makedirs(run)
+        os.setxattr(run, TIER, b"memory")
+        dirs = self.save("step2", 2)
+        path = "run/mem/step2"
+        whole = listed(n0, path)["bytes"]
+        self.assertGreaterEqual(whole, MB << 20)
+        for n, other in ((n0, n1), (n1, n0)):
+            c = listed(n, path)
+            self.assertEqual(c["bytes"], whole, c)
+            # Its own part is replicated to the other node, which holds it in memory.
+            self.assertIn(other.address, c["where"], c)
+            held = n.stats()["memory_replication"]["replicas"]
+            self.assertGreater(held["held_bytes"], 0, held)
+            shown = subprocess.run([ADMIN, "checkpoints", n.mnt], capture_output=True,
+                                   text=True)
+            self.assertEqual(shown.returncode, 0, shown.stderr)
+            self.assertRegex(shown.stdout, rf"{re.escape(path)} +committed .*memory")
+            # Every name of the checkpoint, on both nodes.
+            self.assertEqual(sorted(os.listdir(dirs[n.index])), sorted(os.listdir(dirs[0])))
+        self.assertIn(".metadata", os.listdir(dirs[1]))
+        for n, line in ((n0, f"memory-only checkpoint {path} committed: every part in memory "
+                             f"on its writer and replicated (this node's to {n1.address}"),
+                        (n1, f"memory-only checkpoint {path} committed by the node with its "
+                             f".metadata (this node's part replicated to {n0.address}")):
+            self.eventually(lambda n=n, line=line: line in n.log_text(1 << 24),
+                            f"node {n.index} did not log: {line}")
+        # Nothing of it on the backing store.
+        self.assertEqual(os.listdir(os.path.join(self.c.backing, "run", "mem")), [])
+
+        b0 = [n.stats()["backing_bytes_read"] for n in (n0, n1)]
+        for d in dirs:  # every rank through one node, then the other
+            dcp_tool.load(d, RANKS, "own", 2, timeout=300)
+            dcp_tool.load(d, RANKS, "replicated", 2, timeout=300)
+        dcp_tool.load(dirs[0], RANKS, "own", 2, timeout=300, dirs=dirs)
+        self.assertEqual([n.stats()["backing_bytes_read"] for n in (n0, n1)], b0, self.logs())
+
+        # The next two-node save evicts it on both nodes.
+        self.save("step3", 3)
+        for d in dirs:
+            self.eventually(lambda d=d: not os.path.exists(d), f"{d} was not evicted")
+        dcp_tool.load(os.path.join(n1.mnt, "run", "mem", "step3"), RANKS, "own", 3,
+                      timeout=300)
+        for n in (n0, n1):
+            self.assertIsNone(n.proc.poll(), f"node {n.index} died")
+
+
+if __name__ == "__main__":
+    unittest.main()
