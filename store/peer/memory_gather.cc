@@ -30,6 +30,8 @@ using wire::Page;
 using wire::ParseRank;
 using wire::Unhex;
 
+constexpr std::chrono::milliseconds kMirrorWait{2000};
+
 std::string UnitName(const std::string& tree, const std::string& path) {
   return Hex(tree) + "/" + Hex(path);
 }
@@ -62,13 +64,31 @@ void MemoryReplicator::Gather(const std::string& tree, const std::string& path, 
   cv_.notify_all();
 }
 
+Result<size_t> MemoryReplicator::FetchRetrying(uint32_t rank, const std::string& name,
+                                               uint64_t seq, std::span<char> out,
+                                               Clock::time_point until) {
+  while (true) {
+    Result<size_t> got = Fetch(rank, name, seq, 0, out);
+    if (got.ok() || !ConnectionLost(got.status()) || Clock::now() >= until) return got;
+    MutexLock lock(&mu_);
+    cv_.wait_for(lock.native(), std::chrono::milliseconds(100), [this] {
+      mu_.AssertHeld();
+      return stop_;
+    });
+    if (stop_) return got;
+  }
+}
+
 void MemoryReplicator::MirrorDir(const std::string& tree, const std::string& path) {
   const std::string name = "mkdir/" + UnitName(tree, path);
+  // A node down (or paused after a failure) is waited for at most kMirrorWait in all: a
+  // mkdir in a tree never waits longer for a node that is gone.
+  const auto until = Clock::now() + kMirrorWait;
   for (uint32_t k = 1; k < options_.nodes; ++k) {
     const uint32_t rank = (options_.self + k) % options_.nodes;
-    if (!links_->Reachable(rank)) continue;
     char reply[8];
-    Result<size_t> got = Fetch(rank, name, 0, 0, std::span<char>(reply, sizeof(reply)));
+    Result<size_t> got = FetchRetrying(rank, name, 0, std::span<char>(reply, sizeof(reply)),
+                                       until);
     if (!got.ok()) {
       spdlog::warn("memory-only mkdir {}/{}: {} did not make it: {} (ranks there cannot write "
                    "into it)", tree, path, links_->AddressOf(rank), got.status().ToString());
@@ -125,6 +145,9 @@ std::optional<Result<BlockRead>> MemoryReplicator::ServeParts(
       return Result<BlockRead>(Invalid("memory part: bad request"));
     }
     if (verb == "done") {
+      if (parts_.Whole(*tree, *path, seq, options_.self).ok()) {
+        return Page("D", offset, out);  // committed here at that version already
+      }
       {
         MutexLock lock(&mu_);
         if (stop_) return Result<BlockRead>(Status(Code::kBusy, "this daemon is stopping"));
@@ -175,8 +198,20 @@ void MemoryReplicator::GatherParts(const Job& job) {
   const auto deadline = Clock::now() + options_.hand_over_wait + options_.replicate_timeout;
   for (uint32_t k = 1; k < options_.nodes; ++k) {
     const uint32_t rank = (options_.self + k) % options_.nodes;
+    // A node down now may be back soon (a daemon restarting): asked again until
+    // hand_over_wait has passed, as a hand-over does.
+    const auto down_until = Clock::now() + options_.hand_over_wait;
     while (true) {
       Result<std::string> text = FetchAll(rank, name, job.seq);
+      if (!text.ok() && ConnectionLost(text.status()) && Clock::now() < down_until &&
+          !Stopping()) {
+        MutexLock lock(&mu_);
+        cv_.wait_for(lock.native(), std::chrono::milliseconds(100), [this] {
+          mu_.AssertHeld();
+          return stop_;
+        });
+        continue;
+      }
       if (!text.ok() && (text.status().code() == Code::kNotFound ||
                          ConnectionLost(text.status()))) {
         if (text.status().code() != Code::kNotFound) {
@@ -217,20 +252,26 @@ void MemoryReplicator::GatherParts(const Job& job) {
   if (!parts_.CommitGathered(job.tree, job.path, job.seq, parts).ok()) return;
   {
     MutexLock lock(&mu_);
-    record_[job.tree] = Recorded{job.path, job.seq, *own};
+    record_[job.tree] = Recorded{job.path, job.seq, *own, /*parts=*/true};
     ++stats_.handed;
   }
   WriteRecord();
+  TellCommitted(job.tree, job.path, job.seq);
+}
+
+void MemoryReplicator::TellCommitted(const std::string& tree, const std::string& path,
+                                     uint64_t seq) {
   // Every other node lists it too (its part committed, the others' files remote there).
-  const std::string done =
-      "done/" + std::to_string(options_.self) + "/" + UnitName(job.tree, job.path);
+  const std::string done = "done/" + std::to_string(options_.self) + "/" + UnitName(tree, path);
+  const auto until = Clock::now() + kMirrorWait;
   for (uint32_t k = 1; k < options_.nodes; ++k) {
     const uint32_t rank = (options_.self + k) % options_.nodes;
     char reply[8];
-    Result<size_t> got = Fetch(rank, done, job.seq, 0, std::span<char>(reply, sizeof(reply)));
+    Result<size_t> got = FetchRetrying(rank, done, seq, std::span<char>(reply, sizeof(reply)),
+                                       until);
     if (!got.ok()) {
-      spdlog::warn("memory-only checkpoint {}/{}: {} was not told of its commit: {}", job.tree,
-                   job.path, links_->AddressOf(rank), got.status().ToString());
+      spdlog::warn("memory-only checkpoint {}/{}: {} was not told of its commit: {}", tree,
+                   path, links_->AddressOf(rank), got.status().ToString());
     }
   }
 }

@@ -316,14 +316,17 @@ void MemoryReplicator::OwnLoop() {
         tier_->HandedOver(job.tree, job.path, job.seq, holder);
       }
       if (holder.ok()) {
-        bool changed = false;
+        bool changed = false, tell = false;
         if (job.checkpoint) {
           MutexLock l(&mu_);
           Recorded& r = record_[job.tree];
           changed = r.path != job.path || r.seq != job.seq || r.holder != *holder;
-          r = Recorded{job.path, job.seq, *holder};
+          const bool parts = r.parts && r.path == job.path && r.seq == job.seq;
+          r = Recorded{job.path, job.seq, *holder, parts};
+          tell = job.verify && parts;
         }
         if (changed) WriteRecord();
+        if (tell) TellCommitted(job.tree, job.path, job.seq);
       }
       MutexLock l(&mu_);
       if (job.verify) {
@@ -515,6 +518,21 @@ void MemoryReplicator::Restore() {
                                           : "its replica holder (" + r.holder +
                                                 ") did not give it back: " + why_none));
   }
+  // Checkpoints written through several nodes whose `.metadata` came back here: the other
+  // nodes' parts are gathered again before anything of the tree is served (never partly).
+  std::vector<Job> gathers;
+  {
+    MutexLock lock(&mu_);
+    for (auto it = own_.begin(); it != own_.end();) {
+      if (it->kind == Job::kGather) {
+        gathers.push_back(std::move(*it));
+        it = own_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const Job& g : gathers) GatherParts(g);
   tier_->restore_gate().Open();
   const double took = std::chrono::duration<double>(Clock::now() - start).count();
   {

@@ -141,6 +141,9 @@ class MemoryReplicator final : public MemoryReplication {
     std::string path;
     uint64_t seq = 0;
     std::string holder;
+    // Written through several nodes: the other nodes are told of its commit again while
+    // idle (a node restarted since gets its part committed and the others' files listed).
+    bool parts = false;
   };
   using PullKey = std::tuple<uint32_t, std::string, std::string, uint64_t>;
   struct PullState {
@@ -173,6 +176,12 @@ class MemoryReplicator final : public MemoryReplication {
       EXCLUDES(mu_);
   void GatherParts(const Job& job) EXCLUDES(mu_);
   Status ApplyFrom(const Job& job) EXCLUDES(mu_);
+  void TellCommitted(const std::string& tree, const std::string& path, uint64_t seq);
+  // Fetch, tried again while `rank` is down or paused after a failure (a daemon starting,
+  // a link made again), until `until`.
+  Result<size_t> FetchRetrying(uint32_t rank, const std::string& name, uint64_t seq,
+                               std::span<char> out, std::chrono::steady_clock::time_point until)
+      EXCLUDES(mu_);
   std::optional<uint32_t> RankOf(const std::string& address) const;
 
   const MemoryReplicatorOptions options_;

@@ -11,11 +11,15 @@ a directory they did not make. The checkpoint must then:
   * leave nothing on the backing store (the marked directory stays empty);
   * load exactly through node 0 alone, node 1 alone and both (every value checked; own and
     replicated reads), with 0 bytes read from the backing store;
-  * be evicted on both nodes (ENOENT) when the next two-node save of the tree commits.
+  * be evicted on both nodes (ENOENT) when the next two-node save of the tree commits;
+  * come back whole after a SIGKILL of either node: the `.metadata`'s node gets its part
+    back from node 1 and gathers node 1's part again before serving the tree; node 1 gets
+    its part back from node 0 and is told of the commit again; loads with 0 backing bytes.
 """
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -124,6 +128,42 @@ class MemoryTierMultiNode(unittest.TestCase):
                       timeout=300)
         for n in (n0, n1):
             self.assertIsNone(n.proc.poll(), f"node {n.index} died")
+
+    def test_either_node_restarted_gets_it_back_whole(self):
+        n0, n1 = self.c.nodes
+        run = os.path.join(n0.mnt, "run", "mem")
+        os.makedirs(run)
+        os.setxattr(run, TIER, b"memory")
+        dirs = self.save("step2", 2)
+        path = "run/mem/step2"
+        names = sorted(os.listdir(dirs[0]))
+        # The .metadata's node is SIGKILLed and restarted: it gets its part back from node
+        # 1 and gathers node 1's part again before the tree is served.
+        n0.kill(signal.SIGKILL)
+        n0.start()
+        self.assertEqual(sorted(os.listdir(dirs[0])), names)  # waits for the restore
+        self.assertEqual(listed(n0, path)["state"], "committed")
+        b0 = n0.stats()["backing_bytes_read"]
+        dcp_tool.load(dirs[0], RANKS, "replicated", 2, timeout=300)
+        self.assertEqual(n0.stats()["backing_bytes_read"], b0)
+        # Node 0's restart lost the replica of node 1's part it held: node 1 (checking its
+        # committed checkpoints every 5 s while idle) hands it over again.
+        self.eventually(lambda: n0.stats()["memory_replication"]["replicas"]["held_bytes"] > 0,
+                        "node 1 did not hand its part to node 0 again", timeout=40)
+        # Node 1 is SIGKILLed and restarted: its part comes back from node 0, and node 0 tells
+        # it of the commit again (while idle, every 5 s): it is committed there again.
+        n1.kill(signal.SIGKILL)
+        n1.start()
+        self.eventually(lambda: (listed(n1, path) or {}).get("state") == "committed",
+                        "node 1 did not get the checkpoint back", timeout=40)
+        self.assertEqual(sorted(os.listdir(dirs[1])), names)
+        b1 = n1.stats()["backing_bytes_read"]
+        dcp_tool.load(dirs[1], RANKS, "replicated", 2, timeout=300)
+        self.assertEqual(n1.stats()["backing_bytes_read"], b1)
+        # And each part is held by the other node again.
+        for n in (n0, n1):
+            self.eventually(lambda n=n: n.stats()["memory_replication"]["replicas"]
+                            ["held_bytes"] > 0, f"node {n.index} holds no replica", timeout=40)
 
 
 if __name__ == "__main__":
