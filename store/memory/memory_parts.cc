@@ -187,6 +187,19 @@ Status MemoryParts::CommitGathered(const std::string& tree, const std::string& p
   return Status::Ok();
 }
 
+void MemoryParts::Lose(const std::string& tree, const std::string& path, uint64_t seq,
+                       const std::string& why) {
+  {
+    MemoryTier* t = tier_;
+    MutexLock lock(&t->mu_);
+    Node* root = t->TreeByPathLocked(tree);
+    Node* n = root == nullptr ? nullptr : Walk(root, path);
+    if (n == nullptr || n == root || n->committed == 0 || n->seq != seq) return;
+    t->RemoveLocked(n);
+  }
+  tier_->NoteLost(tree, path, why);  // listed lost, counted, logged; its trackers go
+}
+
 void MemoryParts::GatherFailed(const std::string& tree, const std::string& path, uint64_t seq,
                                const Status& why) {
   MemoryTier* t = tier_;

@@ -158,6 +158,12 @@ std::optional<Result<BlockRead>> MemoryReplicator::ServeParts(
       cv_.notify_all();
       return Page("D", offset, out);
     }
+    {
+      MutexLock lock(&mu_);
+      if (stats_.restoring) {  // this node's part may be on its way back
+        return Result<BlockRead>(Status(Code::kBusy, "this daemon is restoring"));
+      }
+    }
     Result<MemPart> part = parts_.Seal(*tree, *path, seq);
     if (!part.ok()) return Result<BlockRead>(part.status());
     nlohmann::json files = nlohmann::json::array();
@@ -203,8 +209,9 @@ void MemoryReplicator::GatherParts(const Job& job) {
     const auto down_until = Clock::now() + options_.hand_over_wait;
     while (true) {
       Result<std::string> text = FetchAll(rank, name, job.seq);
-      if (!text.ok() && ConnectionLost(text.status()) && Clock::now() < down_until &&
-          !Stopping()) {
+      if (!text.ok() &&
+          (ConnectionLost(text.status()) || text.status().code() == Code::kBusy) &&
+          Clock::now() < down_until && !Stopping()) {
         MutexLock lock(&mu_);
         cv_.wait_for(lock.native(), std::chrono::milliseconds(100), [this] {
           mu_.AssertHeld();
@@ -252,11 +259,35 @@ void MemoryReplicator::GatherParts(const Job& job) {
   if (!parts_.CommitGathered(job.tree, job.path, job.seq, parts).ok()) return;
   {
     MutexLock lock(&mu_);
-    record_[job.tree] = Recorded{job.path, job.seq, *own, /*parts=*/true};
+    Recorded r{job.path, job.seq, *own, /*parts=*/true, {}};
+    for (const MemPart& p : parts) r.part_ranks.push_back(p.rank);
+    record_[job.tree] = std::move(r);
     ++stats_.handed;
   }
   WriteRecord();
   TellCommitted(job.tree, job.path, job.seq);
+}
+
+bool MemoryReplicator::PartsStillHeld(const std::string& tree, const Recorded& r) {
+  const std::string name = "part/" + std::to_string(options_.self) + "/" + UnitName(tree, r.path);
+  for (uint32_t rank : r.part_ranks) {
+    Result<std::string> text = FetchAll(rank, name, r.seq);
+    if (text.ok() || text.status().code() != Code::kNotFound) continue;  // held, or unknown
+    // Its writer answers and has no part of it: the writer restarted and no node gave its
+    // part back (the holder lost it too). What is left here is never served partly.
+    parts_.Lose(tree, r.path, r.seq,
+                "the part rank " + std::to_string(rank) + " (" + links_->AddressOf(rank) +
+                    ") wrote is gone from it and from its holder (" + text.status().ToString() +
+                    ")");
+    {
+      MutexLock lock(&mu_);
+      auto it = record_.find(tree);
+      if (it != record_.end() && it->second.seq == r.seq) record_.erase(it);
+    }
+    WriteRecord();
+    return false;
+  }
+  return true;
 }
 
 void MemoryReplicator::TellCommitted(const std::string& tree, const std::string& path,

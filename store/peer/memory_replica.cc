@@ -47,6 +47,10 @@ Result<std::unique_ptr<MemoryReplicator>> MemoryReplicator::Create(
   }
   std::unique_ptr<MemoryReplicator> r(new MemoryReplicator(options, tier, links));
   tier->restore_gate().Close();  // before the first look at a tree: it waits for the restore
+  {
+    MutexLock lock(&r->mu_);
+    r->stats_.restoring = true;  // a part/ ask meanwhile is answered "busy", never "none"
+  }
   tier->SetReplication(r.get());
   r->own_thread_ = std::thread([p = r.get()] {
     NameThisThread("ckptfs-memrepl");
@@ -316,17 +320,19 @@ void MemoryReplicator::OwnLoop() {
         tier_->HandedOver(job.tree, job.path, job.seq, holder);
       }
       if (holder.ok()) {
-        bool changed = false, tell = false;
+        bool changed = false;
+        std::optional<Recorded> told;
         if (job.checkpoint) {
           MutexLock l(&mu_);
           Recorded& r = record_[job.tree];
           changed = r.path != job.path || r.seq != job.seq || r.holder != *holder;
           const bool parts = r.parts && r.path == job.path && r.seq == job.seq;
-          r = Recorded{job.path, job.seq, *holder, parts};
-          tell = job.verify && parts;
+          r = Recorded{job.path, job.seq, *holder, parts, parts ? r.part_ranks
+                                                                : std::vector<uint32_t>{}};
+          if (job.verify && parts) told = r;
         }
         if (changed) WriteRecord();
-        if (tell) TellCommitted(job.tree, job.path, job.seq);
+        if (told && PartsStillHeld(job.tree, *told)) TellCommitted(job.tree, job.path, job.seq);
       }
       MutexLock l(&mu_);
       if (job.verify) {

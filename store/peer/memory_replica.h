@@ -144,6 +144,7 @@ class MemoryReplicator final : public MemoryReplication {
     // Written through several nodes: the other nodes are told of its commit again while
     // idle (a node restarted since gets its part committed and the others' files listed).
     bool parts = false;
+    std::vector<uint32_t> part_ranks;  // the other nodes that wrote parts of it
   };
   using PullKey = std::tuple<uint32_t, std::string, std::string, uint64_t>;
   struct PullState {
@@ -177,6 +178,9 @@ class MemoryReplicator final : public MemoryReplication {
   void GatherParts(const Job& job) EXCLUDES(mu_);
   Status ApplyFrom(const Job& job) EXCLUDES(mu_);
   void TellCommitted(const std::string& tree, const std::string& path, uint64_t seq);
+  // While idle: is every other part of committed `tree`/`r` still held by its writer or its
+  // holder? A part gone from both loses the checkpoint here (MemoryParts::Lose).
+  bool PartsStillHeld(const std::string& tree, const Recorded& r) EXCLUDES(mu_);
   // Fetch, tried again while `rank` is down or paused after a failure (a daemon starting,
   // a link made again), until `until`.
   Result<size_t> FetchRetrying(uint32_t rank, const std::string& name, uint64_t seq,

@@ -14,7 +14,9 @@ a directory they did not make. The checkpoint must then:
   * be evicted on both nodes (ENOENT) when the next two-node save of the tree commits;
   * come back whole after a SIGKILL of either node: the `.metadata`'s node gets its part
     back from node 1 and gathers node 1's part again before serving the tree; node 1 gets
-    its part back from node 0 and is told of the commit again; loads with 0 backing bytes.
+    its part back from node 0 and is told of the commit again; loads with 0 backing bytes;
+  * be reported lost on both nodes, and no longer served, when node 1's part is lost with
+    its holder (node 0 restarted, then node 1 killed before it handed its part over again).
 """
 import os
 import re
@@ -164,6 +166,33 @@ class MemoryTierMultiNode(unittest.TestCase):
         for n in (n0, n1):
             self.eventually(lambda n=n: n.stats()["memory_replication"]["replicas"]
                             ["held_bytes"] > 0, f"node {n.index} holds no replica", timeout=40)
+
+    def test_a_part_lost_with_its_holder_loses_the_checkpoint_on_both_nodes(self):
+        n0, n1 = self.c.nodes
+        run = os.path.join(n0.mnt, "run", "mem")
+        os.makedirs(run)
+        os.setxattr(run, TIER, b"memory")
+        dirs = self.save("step2", 2)
+        path = "run/mem/step2"
+        # Node 0 restarts: it held node 1's part, which is on node 1 alone until node 1
+        # hands it over again (within 5 s). Node 1 is killed before that: its part is gone
+        # from its writer and from its holder.
+        n0.kill(signal.SIGKILL)
+        n0.start()
+        os.listdir(dirs[0])  # waits for node 0's restore (its own part, from node 1)
+        self.assertEqual(listed(n0, path)["state"], "committed")
+        self.assertEqual(n0.stats()["memory_replication"]["replicas"]["held_bytes"], 0,
+                         "precondition: node 1's part is not held by node 0 yet")
+        n1.kill(signal.SIGKILL)
+        n1.start()
+        for n in (n0, n1):
+            self.eventually(lambda n=n: (listed(n, path) or {}).get("state") == "lost",
+                            f"node {n.index} does not list {path} lost", timeout=40)
+            self.assertFalse(os.path.exists(dirs[n.index]), f"node {n.index} still serves it")
+        self.eventually(lambda: "memory-only checkpoint run/mem/step2 LOST: the part rank 1" in
+                        n0.log_text(1 << 24), "node 0 did not log the loss")
+        for n in (n0, n1):
+            self.assertIsNone(n.proc.poll(), f"node {n.index} died")
 
 
 if __name__ == "__main__":
