@@ -155,6 +155,10 @@ def main():
                     help="per daemon (default: 2.5 checkpoints, 3.5 with a replica: node 0 takes every rank)")
     ap.add_argument("--restart", action="store_true",
                     help="also time a restart after a daemon SIGKILL (needs peers' replicas)")
+    ap.add_argument("--writers", type=int, default=1,
+                    help="nodes the ranks of the ckptfs cases write through (rank r through "
+                         "node r * writers // 4): 2 saves each memory-only checkpoint through "
+                         "two nodes, each node's part replicated to the other")
     ap.add_argument("--replace", action="store_true",
                     help="also time a whole-node replacement: node 0 killed, a spare on a new "
                          "address with an empty state dir takes its rank (peers file "
@@ -203,7 +207,7 @@ def main():
            "store_mbps": a.store_mbps, "staging_mem": a.staging_mem,
            "memory_ckpt_mem": mem_budget, "kernel": os.uname().release,
            "ckptfs_bin": os.path.realpath(bl.CKPTFS),
-           "daemon_args": a.daemon_arg,
+           "daemon_args": a.daemon_arg, "writers": min(a.writers, a.nodes),
            "samples": {c: {"rate_per_min": [], "stall_s": []} for c in a.cases.split(",")}}
 
     def in_root(path):
@@ -235,10 +239,12 @@ def main():
                         dirs = [os.path.join(plain, f"rep{rep}")]
                         os.makedirs(dirs[0])
                     else:
-                        # Every rank through node 0's mount: a memory-only checkpoint is
-                        # written through one node (docs/SEMANTICS.md), the others hold
-                        # its replica; the disk case runs the same way, side by side.
-                        dirs = [os.path.join(mnts[0], case, f"rep{rep}")]
+                        # Every rank through node 0's mount (--writers 1), the others hold
+                        # the memory-only checkpoint's replica; or the ranks spread over
+                        # --writers nodes, each node's part replicated to the next. The
+                        # disk case runs the same way, side by side.
+                        dirs = [os.path.join(mnts[i], case, f"rep{rep}")
+                                for i in range(min(a.writers, a.nodes))]
                         os.makedirs(dirs[0])
                     args = ["--phase", "rate", "--case", "async" if case == "async" else "ckptfs",
                             "--mib", str(a.mib), "--saves", str(a.saves),
