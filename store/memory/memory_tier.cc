@@ -430,7 +430,9 @@ void MemoryTier::EvictOlderLocked(Node* committed) {
   std::vector<Node*> older;
   for (const auto& [id, n] : nodes_) {
     // An older one no peer took (unreplicated) is superseded too: it never commits after.
-    const bool superseded = n->committed != 0 || (n->unreplicated && n->seq < committed->seq);
+    // So is a part of a checkpoint written through several nodes that never committed.
+    const bool superseded = n->committed != 0 ||
+                            ((n->unreplicated || n->part) && n->seq < committed->seq);
     if (n->tree == committed->tree && n->dir && superseded && n.get() != committed) {
       older.push_back(n.get());
     }

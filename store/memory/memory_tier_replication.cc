@@ -127,7 +127,16 @@ void MemoryTier::HandedOver(const std::string& tree, const std::string& path, ui
   if (!u.ok()) return;
   Node* n = const_cast<Node*>(*u);
   if (!holder.ok()) {
-    n->gathering = false;
+    if (n->gathering) {
+      // Its own part was not replicated: not committed (never offered again as a whole,
+      // which it is not here); a new save of it gathers again.
+      n->gathering = n->replicating = false;
+      ++stats_.refused_commits;
+      spdlog::error("memory-only checkpoint {} NOT committed: no peer took this node's part "
+                    "({}); the older checkpoints of its tree stay",
+                    PathOf(*n), holder.status().ToString());
+      return;
+    }
     if (!n->dir) {
       spdlog::warn("memory-only tracker {}: no peer holds it: {}", PathOf(*n),
                    holder.status().ToString());

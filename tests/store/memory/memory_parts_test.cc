@@ -232,5 +232,18 @@ TEST_F(MemoryPartsTest, AFileNoNodeHoldsRefusesTheCommitAndTheOlderOneStays) {
   EXPECT_EQ(parts_[0]->Seal("run/mem", "nothing", seq).status().code(), Code::kNotFound);
 }
 
+TEST_F(MemoryPartsTest, AnOwnPartNoPeerTookNeverCommitsTheWholeLaterOn) {
+  Write("step2");
+  const uint64_t seq = wire_[0].gathers.back().second;
+  tier_[0]->HandedOver("run/mem", "step2", seq, Status(Code::kIo, "no other node is up"));
+  EXPECT_EQ(Listed(0)["run/mem/step2"].state, "writing");
+  EXPECT_EQ(tier_[0]->Stats().refused_commits, 1u);
+  // A later success (the idle re-offer of unreplicated ones) must not commit it: it never
+  // gathered the other part.
+  tier_[0]->HandedOver("run/mem", "step2", seq, std::string("node1:7"));
+  EXPECT_NE(Listed(0)["run/mem/step2"].state, "committed");
+  EXPECT_FALSE(parts_[0]->CommitGathered("run/mem", "step2", seq, {}).ok());
+}
+
 }  // namespace
 }  // namespace ckptfs::store
