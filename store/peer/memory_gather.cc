@@ -15,6 +15,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include "store/peer/memory_replica.h"
@@ -249,11 +250,24 @@ void MemoryReplicator::GatherParts(const Job& job) {
                                                        " was not replicated in time"));
         return;
       }
-      MutexLock lock(&mu_);
-      cv_.wait_for(lock.native(), options_.poll, [this] {
-        mu_.AssertHeld();
-        return stop_;
-      });
+      // Meanwhile this node's own hand-overs go on (G10): another node gathering a
+      // checkpoint may be waiting for this node's part, handed over from this queue.
+      std::optional<Job> own_job;
+      {
+        MutexLock lock(&mu_);
+        auto it = std::find_if(own_.begin(), own_.end(),
+                               [](const Job& j) { return j.kind == Job::kHand; });
+        if (it != own_.end()) {
+          own_job = std::move(*it);
+          own_.erase(it);
+        } else {
+          cv_.wait_for(lock.native(), options_.poll, [this] {
+            mu_.AssertHeld();
+            return stop_;
+          });
+        }
+      }
+      if (own_job) RunOwn(*own_job);
     }
   }
   if (!parts_.CommitGathered(job.tree, job.path, job.seq, parts).ok()) return;

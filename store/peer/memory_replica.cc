@@ -301,49 +301,51 @@ void MemoryReplicator::OwnLoop() {
         jobs.push_back(Job{options_.self, c.tree, c.in_tree, true, c.seq, /*verify=*/true});
       }
     }
-    for (const Job& job : jobs) {
-      if (job.kind == Job::kGather) {
-        GatherParts(job);
-        continue;
-      }
-      if (!job.checkpoint && NamesUncommitted(job)) {
-        // G4 on the replica: a tracker is handed over only once what it names is committed
-        // (the checkpoints queued before it were handed first). Its next close tries again.
-        spdlog::warn(
-            "memory-only tracker {}/{} names a checkpoint no peer holds: not "
-            "replicated",
-            job.tree, job.path);
-        continue;
-      }
-      Result<std::string> holder = HandOver(job);
-      if (holder.ok() || (!job.verify && holder.status().code() != Code::kSuperseded)) {
-        tier_->HandedOver(job.tree, job.path, job.seq, holder);
-      }
-      if (holder.ok()) {
-        bool changed = false;
-        std::optional<Recorded> told;
-        if (job.checkpoint) {
-          MutexLock l(&mu_);
-          Recorded& r = record_[job.tree];
-          changed = r.path != job.path || r.seq != job.seq || r.holder != *holder;
-          const bool parts = r.parts && r.path == job.path && r.seq == job.seq;
-          r = Recorded{job.path, job.seq, *holder, parts, parts ? r.part_ranks
-                                                                : std::vector<uint32_t>{}};
-          if (job.verify && parts) told = r;
-        }
-        if (changed) WriteRecord();
-        if (told && PartsStillHeld(job.tree, *told)) TellCommitted(job.tree, job.path, job.seq);
-      }
-      MutexLock l(&mu_);
-      if (job.verify) {
-        stats_.verify_failures += holder.ok() ? 0 : 1;
-      } else if (holder.ok()) {
-        ++stats_.handed;
-      } else {
-        ++stats_.hand_failures;
-      }
-    }
+    for (const Job& job : jobs) RunOwn(job);
     lock.Lock();
+  }
+}
+
+void MemoryReplicator::RunOwn(const Job& job) {
+  if (job.kind == Job::kGather) {
+    GatherParts(job);
+    return;
+  }
+  if (!job.checkpoint && NamesUncommitted(job)) {
+    // G4 on the replica: a tracker is handed over only once what it names is committed
+    // (the checkpoints queued before it were handed first). Its next close tries again.
+    spdlog::warn(
+        "memory-only tracker {}/{} names a checkpoint no peer holds: not "
+        "replicated",
+        job.tree, job.path);
+    return;
+  }
+  Result<std::string> holder = HandOver(job);
+  if (holder.ok() || (!job.verify && holder.status().code() != Code::kSuperseded)) {
+    tier_->HandedOver(job.tree, job.path, job.seq, holder);
+  }
+  if (holder.ok()) {
+    bool changed = false;
+    std::optional<Recorded> told;
+    if (job.checkpoint) {
+      MutexLock l(&mu_);
+      Recorded& r = record_[job.tree];
+      changed = r.path != job.path || r.seq != job.seq || r.holder != *holder;
+      const bool parts = r.parts && r.path == job.path && r.seq == job.seq;
+      r = Recorded{job.path, job.seq, *holder, parts, parts ? r.part_ranks
+                                                            : std::vector<uint32_t>{}};
+      if (job.verify && parts) told = r;
+    }
+    if (changed) WriteRecord();
+    if (told && PartsStillHeld(job.tree, *told)) TellCommitted(job.tree, job.path, job.seq);
+  }
+  MutexLock l(&mu_);
+  if (job.verify) {
+    stats_.verify_failures += holder.ok() ? 0 : 1;
+  } else if (holder.ok()) {
+    ++stats_.handed;
+  } else {
+    ++stats_.hand_failures;
   }
 }
 

@@ -155,6 +155,8 @@ class MemoryReplicator final : public MemoryReplication {
   MemoryReplicator(const MemoryReplicatorOptions& options, MemoryTier* tier, PeerLinks* links);
   void OwnLoop() EXCLUDES(mu_);
   void PullLoop() EXCLUDES(mu_);
+  // One job of this node's own queue: a hand-over (and what follows it), or a gather.
+  void RunOwn(const Job& job) EXCLUDES(mu_);
   // Hands `job` to a holder; the holder's address once it holds it whole.
   Result<std::string> HandOver(const Job& job) EXCLUDES(mu_);
   // As a holder: takes `job`'s unit from its origin.
