@@ -81,8 +81,7 @@ Status MemoryParts::MakeDirs(const std::string& tree, const std::string& path) {
   return Status::Ok();
 }
 
-Result<MemPart> MemoryParts::Seal(const std::string& tree, const std::string& path,
-                                  uint64_t seq) {
+Result<MemPart> MemoryParts::Seal(const std::string& tree, const std::string& path, uint64_t seq) {
   MemoryTier* t = tier_;
   MutexLock lock(&t->mu_);
   Node* root = t->TreeByPathLocked(tree);
@@ -101,8 +100,10 @@ Result<MemPart> MemoryParts::Seal(const std::string& tree, const std::string& pa
     n->replicating = true;
     n->unreplicated = false;
     n->holder.clear();
-    spdlog::info("memory-only {}: this node's part ({} files) is asked for by the node with "
-                 "its .metadata; replicating it", PathOf(*n), files.size());
+    spdlog::info(
+        "memory-only {}: this node's part ({} files) is asked for by the node with "
+        "its .metadata; replicating it",
+        PathOf(*n), files.size());
     t->replication_->Replicate(tree, path, true, seq);
   }
   if (n->unreplicated) {
@@ -114,8 +115,8 @@ Result<MemPart> MemoryParts::Seal(const std::string& tree, const std::string& pa
   return part;
 }
 
-Status MemoryParts::CommitGathered(const std::string& tree, const std::string& path,
-                                   uint64_t seq, const std::vector<MemPart>& parts) {
+Status MemoryParts::CommitGathered(const std::string& tree, const std::string& path, uint64_t seq,
+                                   const std::vector<MemPart>& parts) {
   MemoryTier* t = tier_;
   MutexLock lock(&t->mu_);
   Node* root = t->TreeByPathLocked(tree);
@@ -143,9 +144,9 @@ Status MemoryParts::CommitGathered(const std::string& tree, const std::string& p
       if (here != nullptr && !here->dir && !here->remote && here->size >= need) continue;
       auto it = elsewhere.find(name);
       if (it != elsewhere.end() && it->second.first >= need) continue;
-      refused = NotFound(fmt::format("it names {} ({} bytes), which no node holds {}", name,
-                                     need, it == elsewhere.end() && here == nullptr
-                                         ? "(missing)" : "whole (short)"));
+      refused = NotFound(
+          fmt::format("it names {} ({} bytes), which no node holds {}", name, need,
+                      it == elsewhere.end() && here == nullptr ? "(missing)" : "whole (short)"));
       break;
     }
   }
@@ -167,8 +168,8 @@ Status MemoryParts::CommitGathered(const std::string& tree, const std::string& p
     for (size_t i = 0; at != nullptr && i + 1 < comps.size(); ++i) {
       auto it = at->children.find(comps[i]);
       at = it == at->children.end() ? t->NewNodeLocked(at, comps[i], true, 0755, 0, 0)
-           : it->second->dir         ? it->second
-                                     : nullptr;
+           : it->second->dir        ? it->second
+                                    : nullptr;
     }
     if (at == nullptr || comps.empty()) continue;
     Node* f = t->NewNodeLocked(at, comps.back(), false, 0644, 0, 0);
@@ -177,12 +178,13 @@ Status MemoryParts::CommitGathered(const std::string& tree, const std::string& p
     holders.insert("rank " + std::to_string(p->rank) + " (replica on " + p->holder + ")");
   }
   n->gathering = false;
-  n->parts_where = fmt::format("written by {} nodes; the others' parts: {}", parts.size() + 1,
-                               Joined(holders));
+  n->parts_where =
+      fmt::format("written by {} nodes; the others' parts: {}", parts.size() + 1, Joined(holders));
   ++t->stats_.replicated_checkpoints;
-  spdlog::info("memory-only checkpoint {} committed: every part in memory on its writer and "
-               "replicated (this node's to {}; {})",
-               PathOf(*n), n->holder, n->parts_where);
+  spdlog::info(
+      "memory-only checkpoint {} committed: every part in memory on its writer and "
+      "replicated (this node's to {}; {})",
+      PathOf(*n), n->holder, n->parts_where);
   t->CommitLocked(n, n->holder);
   return Status::Ok();
 }
@@ -209,9 +211,10 @@ void MemoryParts::GatherFailed(const std::string& tree, const std::string& path,
   if (n == nullptr || n == root || !n->gathering || n->seq != seq) return;
   n->gathering = n->replicating = false;
   ++t->stats_.refused_commits;
-  spdlog::error("memory-only checkpoint {} NOT committed: the parts other nodes wrote were not "
-                "all replicated ({}); the older checkpoints of its tree stay",
-                PathOf(*n), why.ToString());
+  spdlog::error(
+      "memory-only checkpoint {} NOT committed: the parts other nodes wrote were not "
+      "all replicated ({}); the older checkpoints of its tree stay",
+      PathOf(*n), why.ToString());
 }
 
 Result<std::vector<MemRemoteFile>> MemoryParts::Whole(const std::string& tree,
@@ -249,8 +252,10 @@ Status MemoryParts::ApplyCommit(const std::string& tree, const std::string& path
     Node* here = Walk(n, f.file);
     if (f.rank == self) {
       if (here == nullptr || here->remote || here->size < f.size) {
-        spdlog::error("memory-only checkpoint {}: {} is listed as this node's but is not here "
-                      "whole; not committed here", PathOf(*n), f.file);
+        spdlog::error(
+            "memory-only checkpoint {}: {} is listed as this node's but is not here "
+            "whole; not committed here",
+            PathOf(*n), f.file);
         return NotFound(f.file + " is not here");
       }
       continue;
@@ -262,8 +267,8 @@ Status MemoryParts::ApplyCommit(const std::string& tree, const std::string& path
     for (size_t i = 0; at != nullptr && i + 1 < comps.size(); ++i) {
       auto it = at->children.find(comps[i]);
       at = it == at->children.end() ? t->NewNodeLocked(at, comps[i], true, 0755, 0, 0)
-           : it->second->dir         ? it->second
-                                     : nullptr;
+           : it->second->dir        ? it->second
+                                    : nullptr;
     }
     if (at == nullptr || comps.empty()) continue;
     Node* r = t->NewNodeLocked(at, comps.back(), false, 0644, 0, 0);

@@ -46,8 +46,7 @@ class MemoryParts {
                         const std::vector<MemPart>& parts);
   // A part of committed checkpoint `path` (at `seq`) is gone from its writer and its holder
   // alike: the checkpoint is lost here (removed, never served partly; reported as lost).
-  void Lose(const std::string& tree, const std::string& path, uint64_t seq,
-            const std::string& why);
+  void Lose(const std::string& tree, const std::string& path, uint64_t seq, const std::string& why);
   // The gather failed (`why`): not committed, the older checkpoints stay.
   void GatherFailed(const std::string& tree, const std::string& path, uint64_t seq,
                     const Status& why);

@@ -65,9 +65,8 @@ void MemoryReplicator::Gather(const std::string& tree, const std::string& path, 
   cv_.notify_all();
 }
 
-Result<size_t> MemoryReplicator::FetchRetrying(uint32_t rank, const std::string& name,
-                                               uint64_t seq, std::span<char> out,
-                                               Clock::time_point until) {
+Result<size_t> MemoryReplicator::FetchRetrying(uint32_t rank, const std::string& name, uint64_t seq,
+                                               std::span<char> out, Clock::time_point until) {
   while (true) {
     Result<size_t> got = Fetch(rank, name, seq, 0, out);
     if (got.ok() || !ConnectionLost(got.status()) || Clock::now() >= until) return got;
@@ -88,11 +87,12 @@ void MemoryReplicator::MirrorDir(const std::string& tree, const std::string& pat
   for (uint32_t k = 1; k < options_.nodes; ++k) {
     const uint32_t rank = (options_.self + k) % options_.nodes;
     char reply[8];
-    Result<size_t> got = FetchRetrying(rank, name, 0, std::span<char>(reply, sizeof(reply)),
-                                       until);
+    Result<size_t> got = FetchRetrying(rank, name, 0, std::span<char>(reply, sizeof(reply)), until);
     if (!got.ok()) {
-      spdlog::warn("memory-only mkdir {}/{}: {} did not make it: {} (ranks there cannot write "
-                   "into it)", tree, path, links_->AddressOf(rank), got.status().ToString());
+      spdlog::warn(
+          "memory-only mkdir {}/{}: {} did not make it: {} (ranks there cannot write "
+          "into it)",
+          tree, path, links_->AddressOf(rank), got.status().ToString());
     }
   }
 }
@@ -114,16 +114,17 @@ Result<size_t> MemoryReplicator::ReadRemote(const MemRemoteFile& f, char* out, s
     if (n.ok()) return n;
   }
   // From the writer, then from the holder of its part.
-  Result<size_t> got = Fetch(f.rank, "file/" + UnitName(f.tree, f.unit) + "/" + Hex(f.file),
-                             f.seq, offset, std::span<char>(out, want));
+  Result<size_t> got = Fetch(f.rank, "file/" + UnitName(f.tree, f.unit) + "/" + Hex(f.file), f.seq,
+                             offset, std::span<char>(out, want));
   if (got.ok() || !holder || *holder == options_.self) return got;
-  Result<size_t> replica =
-      Fetch(*holder, "replica/" + std::to_string(f.rank) + "/" + UnitName(f.tree, f.unit) + "/" +
-                         Hex(f.file), f.seq, offset, std::span<char>(out, want));
+  Result<size_t> replica = Fetch(
+      *holder,
+      "replica/" + std::to_string(f.rank) + "/" + UnitName(f.tree, f.unit) + "/" + Hex(f.file),
+      f.seq, offset, std::span<char>(out, want));
   if (replica.ok()) return replica;
   return Status(Code::kIo, fmt::format("{}: neither its writer (rank {}: {}) nor the holder of its "
-                                       "part ({}: {}) gave it", f.file, f.rank,
-                                       got.status().ToString(), f.holder,
+                                       "part ({}: {}) gave it",
+                                       f.file, f.rank, got.status().ToString(), f.holder,
                                        replica.status().ToString()));
 }
 
@@ -181,8 +182,8 @@ std::optional<Result<BlockRead>> MemoryReplicator::ServeParts(
     if (!files.ok()) return Result<BlockRead>(files.status());
     nlohmann::json list = nlohmann::json::array();
     for (const MemRemoteFile& f : *files) {
-      list.push_back({{"name", Hex(f.file)}, {"size", f.size}, {"rank", f.rank},
-                      {"holder", f.holder}});
+      list.push_back(
+          {{"name", Hex(f.file)}, {"size", f.size}, {"rank", f.rank}, {"holder", f.holder}});
     }
     return Page(list.dump(), offset, out);
   }
@@ -210,8 +211,7 @@ void MemoryReplicator::GatherParts(const Job& job) {
     const auto down_until = Clock::now() + options_.hand_over_wait;
     while (true) {
       Result<std::string> text = FetchAll(rank, name, job.seq);
-      if (!text.ok() &&
-          (ConnectionLost(text.status()) || text.status().code() == Code::kBusy) &&
+      if (!text.ok() && (ConnectionLost(text.status()) || text.status().code() == Code::kBusy) &&
           Clock::now() < down_until && !Stopping()) {
         MutexLock lock(&mu_);
         cv_.wait_for(lock.native(), std::chrono::milliseconds(100), [this] {
@@ -220,12 +220,13 @@ void MemoryReplicator::GatherParts(const Job& job) {
         });
         continue;
       }
-      if (!text.ok() && (text.status().code() == Code::kNotFound ||
-                         ConnectionLost(text.status()))) {
+      if (!text.ok() &&
+          (text.status().code() == Code::kNotFound || ConnectionLost(text.status()))) {
         if (text.status().code() != Code::kNotFound) {
-          spdlog::warn("memory-only checkpoint {}/{}: {} is not reachable; its part, if any, is "
-                       "missing: {}", job.tree, job.path, links_->AddressOf(rank),
-                       text.status().ToString());
+          spdlog::warn(
+              "memory-only checkpoint {}/{}: {} is not reachable; its part, if any, is "
+              "missing: {}",
+              job.tree, job.path, links_->AddressOf(rank), text.status().ToString());
         }
         break;  // nothing of it there (or down): the commit checks what is missing
       }
@@ -312,11 +313,11 @@ void MemoryReplicator::TellCommitted(const std::string& tree, const std::string&
   for (uint32_t k = 1; k < options_.nodes; ++k) {
     const uint32_t rank = (options_.self + k) % options_.nodes;
     char reply[8];
-    Result<size_t> got = FetchRetrying(rank, done, seq, std::span<char>(reply, sizeof(reply)),
-                                       until);
+    Result<size_t> got =
+        FetchRetrying(rank, done, seq, std::span<char>(reply, sizeof(reply)), until);
     if (!got.ok()) {
-      spdlog::warn("memory-only checkpoint {}/{}: {} was not told of its commit: {}", tree,
-                   path, links_->AddressOf(rank), got.status().ToString());
+      spdlog::warn("memory-only checkpoint {}/{}: {} was not told of its commit: {}", tree, path,
+                   links_->AddressOf(rank), got.status().ToString());
     }
   }
 }

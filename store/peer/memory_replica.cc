@@ -12,8 +12,8 @@
 #include "common/path.h"
 #include "common/thread_name.h"
 #include "common/unique_fd.h"
-#include "store/primitives/crc32c.h"
 #include "store/peer/memory_wire.h"
+#include "store/primitives/crc32c.h"
 
 namespace ckptfs::store::peer {
 namespace {

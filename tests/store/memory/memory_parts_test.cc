@@ -190,8 +190,10 @@ TEST_F(MemoryPartsTest, CommittedOnlyWithEveryPartReplicatedThenListedAndReadOnB
   ASSERT_TRUE(p3.ok());
   p3->rank = 1;
   ASSERT_TRUE(parts_[0]->CommitGathered("run/mem", "step3", seq3, {*p3}).ok());
-  ASSERT_TRUE(parts_[1]->ApplyCommit("run/mem", "step3", seq3,
-                                     *parts_[0]->Whole("run/mem", "step3", seq3, 0), 1).ok());
+  ASSERT_TRUE(
+      parts_[1]
+          ->ApplyCommit("run/mem", "step3", seq3, *parts_[0]->Whole("run/mem", "step3", seq3, 0), 1)
+          .ok());
   for (int n = 0; n < 2; ++n) {
     EXPECT_EQ(Listed(n).count("run/mem/step2"), 0u) << "node " << n;
     EXPECT_EQ(Listed(n)["run/mem/step3"].state, "committed") << "node " << n;
@@ -204,8 +206,8 @@ TEST_F(MemoryPartsTest, AFileNoNodeHoldsRefusesTheCommitAndTheOlderOneStays) {
   // A committed single-node checkpoint first (every file on node 0).
   auto d = tier_[0]->Mkdir(root_[0], "step1", 0755, 0, 0);
   ASSERT_TRUE(d.ok());
-  for (const char* f : {"__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp",
-                        ".metadata"}) {
+  for (const char* f :
+       {"__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", ".metadata"}) {
     Put(0, d->id, f);
   }
   ASSERT_EQ(wire_[0].handed.size(), 1u);
