@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -24,6 +25,15 @@ std::vector<std::string> Components(const std::string& path) {
     start = slash + 1;
   }
   return parts;
+}
+
+// Whether a peer's file name is a plain relative path (no empty, "." or ".." component):
+// bad input is refused, never made into names.
+bool PlainName(const std::string& name) {
+  const std::vector<std::string> comps = Components(name);
+  if (comps.empty() || name.front() == '/') return false;
+  return std::none_of(comps.begin(), comps.end(),
+                      [](const std::string& c) { return c == "." || c == ".."; });
 }
 
 // The files below `n` (paths relative to it), depth first.
@@ -117,6 +127,11 @@ Result<MemPart> MemoryParts::Seal(const std::string& tree, const std::string& pa
 
 Status MemoryParts::CommitGathered(const std::string& tree, const std::string& path, uint64_t seq,
                                    const std::vector<MemPart>& parts) {
+  for (const MemPart& p : parts) {
+    for (const MemUnitFile& f : p.files) {
+      if (!PlainName(f.name)) return Invalid("memory-only part: bad file name " + f.name);
+    }
+  }
   MemoryTier* t = tier_;
   MutexLock lock(&t->mu_);
   Node* root = t->TreeByPathLocked(tree);
@@ -239,6 +254,9 @@ Result<std::vector<MemRemoteFile>> MemoryParts::Whole(const std::string& tree,
 
 Status MemoryParts::ApplyCommit(const std::string& tree, const std::string& path, uint64_t seq,
                                 const std::vector<MemRemoteFile>& files, uint32_t self) {
+  for (const MemRemoteFile& f : files) {
+    if (!PlainName(f.file)) return Invalid("memory-only listing: bad file name " + f.file);
+  }
   CKPT_RETURN_IF_ERROR(MakeDirs(tree, path));
   MemoryTier* t = tier_;
   MutexLock lock(&t->mu_);

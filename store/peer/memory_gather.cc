@@ -10,8 +10,9 @@
 //   whole/<tree>/<path>                 (seq) every file of it: JSON [{name, size, rank,
 //                                       holder}]
 // The node with the `.metadata` asks every other node (part/), so a commit costs it one
-// request per node and a poll per node whose part is being replicated; nodes down are
-// skipped (their files, if the `.metadata` names any, then refuse the commit).
+// request per node and a poll per node whose part is being replicated; a node down is asked
+// again for up to hand_over_wait, then skipped (its files, if the `.metadata` names any,
+// then refuse the commit).
 #include <spdlog/spdlog.h>
 
 #include <algorithm>

@@ -230,6 +230,13 @@ TEST_F(MemoryPartsTest, AFileNoNodeHoldsRefusesTheCommitAndTheOlderOneStays) {
   EXPECT_EQ(Listed(0)["run/mem/step1"].state, "committed") << "the older one stays";
   EXPECT_EQ(tier_[0]->Stats().refused_commits, 1u);
   EXPECT_FALSE(parts_[0]->Whole("run/mem", "step2", seq, 0).ok());
+  // A peer's bad names are refused, never made.
+  MemPart bad;
+  bad.rank = 1;
+  bad.files.push_back(MemUnitFile{"../escape", 1, 0});
+  EXPECT_EQ(parts_[0]->CommitGathered("run/mem", "step2", seq, {bad}).code(), Code::kInvalid);
+  MemRemoteFile dots{1, "node0:7", "run/mem", "step2", "a/./b", seq, 1};
+  EXPECT_EQ(parts_[1]->ApplyCommit("run/mem", "step2", seq, {dots}, 1).code(), Code::kInvalid);
   // A node that wrote nothing there has no part.
   EXPECT_EQ(parts_[0]->Seal("run/mem", "nothing", seq).status().code(), Code::kNotFound);
 }
