@@ -531,6 +531,9 @@ void MemoryReplicator::Restore() {
   std::vector<Job> gathers;
   {
     MutexLock lock(&mu_);
+    // This node's own units are back: a part/ ask from a gathering node is answered from now
+    // on (this node's own gathers below may wait for that node's part in turn).
+    stats_.restoring = false;
     for (auto it = own_.begin(); it != own_.end();) {
       if (it->kind == Job::kGather) {
         gathers.push_back(std::move(*it));
