@@ -19,7 +19,9 @@ future too) and the rate a job can sustain: saves x 60 / (first call until the l
 checkpoint is committed in its tier, or its future is done). Then a direct load of (c)'s
 last checkpoint from the throttled disk (page cache dropped) and, with --restart, the
 restart figure: node 0's daemon SIGKILLed and started again, then a load of the newest
-memory-only checkpoint through the mounts, timed, with the backing bytes it read.
+memory-only checkpoint through the mounts, timed, with the backing bytes it read; with
+--replace, the node replacement: node 0 lost, a spare on a new address with an empty state
+dir takes its rank, and the same load through it (kill to loaded, load, backing bytes).
 
 The daemons' state dirs are on a tmpfs each (a node's local disk), not on the store.
 Buffered writes of a plain directory are throttled where they are written back by the
@@ -94,6 +96,53 @@ def wait_idle(nodes, timeout=900):
     raise RuntimeError("daemons still have work pending")
 
 
+def replace_node(cluster, state_mounts, raw, root, prog, prog_in_root, a, newest, in_root):
+    """Node 0 is lost and a spare takes its rank: another address, an empty state dir (a
+    tmpfs of its own), the peers file rewritten (docs/PEERS.md, "Membership"). Timed from
+    the kill until the newest memory-only checkpoint is loaded through the spare, with the
+    bytes it read from the backing store (0: its rank's checkpoint came from node 1)."""
+    node, other = cluster.nodes[0], cluster.nodes[1]
+    epoch = other.stats()["peers"]["membership"]["epoch"]
+    node.kill(signal.SIGKILL)
+    t0 = time.monotonic()
+    new_ip = f"{cluster.subnet}.{node.index + 11}"
+    netns._run("ip", "-n", node.ns, "addr", "del", f"{node.ip}/24", "dev", node.veth_ns)
+    netns._run("ip", "-n", node.ns, "addr", "add", f"{new_ip}/24", "dev", node.veth_ns)
+    node.ip = new_ip
+    node.address = f"{new_ip}:{netns.PORT + 1}"
+    node.state = node.state + "-spare"
+    os.makedirs(node.state, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", node.state], check=True)
+    state_mounts.append(node.state)
+    tmp = cluster.peers_file + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(n.address + "\n" for n in cluster.nodes))
+    os.rename(tmp, cluster.peers_file)
+    deadline = time.monotonic() + 60
+    while other.stats()["peers"]["membership"]["epoch"] == epoch:
+        if time.monotonic() > deadline:
+            raise RuntimeError("node 1 kept the old peers list")
+        time.sleep(0.1)
+    node.start(extra_args=["--peer-listen", f"0.0.0.0:{netns.PORT + 1}"])
+    started = time.monotonic() - t0
+    bytes_before = backing_read_bytes(cluster.nodes)
+    try:
+        run_worker(root, prog_in_root, ["--phase", "load", "--mib", str(a.mib),
+                                        "--target", in_root(newest),
+                                        "--out", f"{prog_in_root}/load.json"])
+        raw["replace_load_s"] = read_json(prog, "load.json")["load_s"]
+        raw["replace_total_s"] = round(time.monotonic() - t0, 3)
+        raw["replace_start_s"] = round(started, 3)
+        raw["replace_backing_bytes"] = backing_read_bytes(cluster.nodes) - bytes_before
+        raw["replace_restored"] = node.stats()["memory_ckpt"]["restored_checkpoints"]
+        bl.log(f"after a node replacement: load {raw['replace_load_s']:.2f} s, kill to loaded "
+               f"{raw['replace_total_s']:.1f} s, {raw['replace_backing_bytes']} backing bytes, "
+               f"{raw['replace_restored']} checkpoint(s) restored")
+    except RuntimeError as e:
+        raw["replace_error"] = str(e)[-2000:]
+        bl.log("after a node replacement: the memory-only checkpoint did not load")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=2)
@@ -106,6 +155,14 @@ def main():
                     help="per daemon (default: 2.5 checkpoints, 3.5 with a replica: node 0 takes every rank)")
     ap.add_argument("--restart", action="store_true",
                     help="also time a restart after a daemon SIGKILL (needs peers' replicas)")
+    ap.add_argument("--writers", type=int, default=1,
+                    help="nodes the ranks of the ckptfs cases write through (rank r through "
+                         "node r * writers // 4): 2 saves each memory-only checkpoint through "
+                         "two nodes, each node's part replicated to the other")
+    ap.add_argument("--replace", action="store_true",
+                    help="also time a whole-node replacement: node 0 killed, a spare on a new "
+                         "address with an empty state dir takes its rank (peers file "
+                         "rewritten), then loads the newest memory-only checkpoint")
     ap.add_argument("--cases", default="disk,memory,async")
     ap.add_argument("--daemon-arg", action="append", default=[],
                     help="one more daemon argument (repeat), e.g. --daemon-arg=--retain-mem=0")
@@ -150,7 +207,7 @@ def main():
            "store_mbps": a.store_mbps, "staging_mem": a.staging_mem,
            "memory_ckpt_mem": mem_budget, "kernel": os.uname().release,
            "ckptfs_bin": os.path.realpath(bl.CKPTFS),
-           "daemon_args": a.daemon_arg,
+           "daemon_args": a.daemon_arg, "writers": min(a.writers, a.nodes),
            "samples": {c: {"rate_per_min": [], "stall_s": []} for c in a.cases.split(",")}}
 
     def in_root(path):
@@ -182,10 +239,12 @@ def main():
                         dirs = [os.path.join(plain, f"rep{rep}")]
                         os.makedirs(dirs[0])
                     else:
-                        # Every rank through node 0's mount: a memory-only checkpoint is
-                        # written through one node (docs/SEMANTICS.md), the others hold
-                        # its replica; the disk case runs the same way, side by side.
-                        dirs = [os.path.join(mnts[0], case, f"rep{rep}")]
+                        # Every rank through node 0's mount (--writers 1), the others hold
+                        # the memory-only checkpoint's replica; or the ranks spread over
+                        # --writers nodes, each node's part replicated to the next. The
+                        # disk case runs the same way, side by side.
+                        dirs = [os.path.join(mnts[i], case, f"rep{rep}")
+                                for i in range(min(a.writers, a.nodes))]
                         os.makedirs(dirs[0])
                     args = ["--phase", "rate", "--case", "async" if case == "async" else "ckptfs",
                             "--mib", str(a.mib), "--saves", str(a.saves),
@@ -250,6 +309,11 @@ def main():
                 except RuntimeError as e:
                     raw["restart_error"] = str(e)[-2000:]
                     bl.log("after a SIGKILL: the memory-only checkpoint did not load")
+            if a.replace and "memory" in raw["samples"] and a.nodes > 1:
+                newest_mem = os.path.join("memory", f"rep{a.reps - 1}",
+                                          f"step_{a.saves - 1:04d}")
+                replace_node(cluster, state_mounts, raw, root, prog, prog_in_root, a,
+                             os.path.join(mnts[0], newest_mem), in_root)
     finally:
         cluster.cleanup()
         for d in state_mounts:
@@ -274,6 +338,14 @@ def main():
         cases.append({"case": "stall: memory / disk",
                       "ratio": bl.ratio(med["memory"]["stall_s"], med["disk"]["stall_s"]),
                       "ok": med["memory"]["stall_s"] <= med["disk"]["stall_s"]})
+    if "replace_load_s" in raw and "direct_load_s" in raw:
+        cases.append({"case": "node replaced by a spare: load / direct load",
+                      "ckptfs_s": raw["replace_load_s"], "direct_s": raw["direct_load_s"],
+                      "ratio": bl.ratio(raw["replace_load_s"], raw["direct_load_s"]),
+                      "kill_to_loaded_s": raw["replace_total_s"],
+                      "backing_bytes": raw["replace_backing_bytes"],
+                      "ok": raw["replace_load_s"] <= 0.1 * raw["direct_load_s"]
+                      and raw["replace_backing_bytes"] == 0})
     if "restart_load_s" in raw and "direct_load_s" in raw:
         cases.append({"case": "restart after SIGKILL: load / direct load",
                       "ckptfs_s": raw["restart_load_s"], "direct_s": raw["direct_load_s"],

@@ -185,6 +185,7 @@ Result<MemAttr> MemoryTier::SetAttr(uint64_t id, const Change& change) {
   if (n == nullptr) return NotFound("memory-only node is gone");
   if (change.size != nullptr) {
     if (n->dir) return Status(Code::kIsDir, n->name);
+    if (n->remote) return Status(Code::kNotPermitted, n->name + " was written by another node");
     ResizeLocked(n, *change.size);
     n->mtime = Now();
   }
@@ -198,10 +199,29 @@ Result<MemAttr> MemoryTier::SetAttr(uint64_t id, const Change& change) {
 
 Result<MemAttr> MemoryTier::Mkdir(uint64_t dir, std::string_view name, mode_t mode, uid_t uid,
                                   gid_t gid) {
-  MutexLock lock(&mu_);
-  CKPT_ASSIGN_OR_RETURN(Node * d, DirLocked(dir));
-  if (d->children.count(name) > 0) return Status(Code::kExists, std::string(name));
-  return AttrOf(*NewNodeLocked(d, name, true, mode, uid, gid));
+  MemAttr a;
+  std::string tree, path;
+  MemoryReplication* mirror = nullptr;
+  {
+    MutexLock lock(&mu_);
+    CKPT_ASSIGN_OR_RETURN(Node * d, DirLocked(dir));
+    if (d->children.count(name) > 0) return Status(Code::kExists, std::string(name));
+    Node* n = NewNodeLocked(d, name, true, mode, uid, gid);
+    a = AttrOf(*n);
+    if (replication_ != nullptr) {
+      mirror = replication_;
+      ++calls_out_;
+      tree = RootOf(n)->tree_path;
+      path = TreePathOf(*n);
+    }
+  }
+  if (mirror != nullptr) {
+    // With peers the other nodes make it too, before this returns: DCP's coordinator makes
+    // the checkpoint directory, then ranks on other nodes create their shards in it.
+    CallOut out(this);
+    mirror->MirrorDir(tree, path);
+  }
+  return a;
 }
 
 Result<MemAttr> MemoryTier::Create(uint64_t dir, std::string_view name, mode_t mode, uid_t uid,
@@ -226,6 +246,7 @@ Status MemoryTier::Write(uint64_t id, uint64_t offset, size_t len, const Fill& f
     Node* n = NodeLocked(id);
     if (n == nullptr) return NotFound("memory-only file is gone");
     if (n->dir) return Status(Code::kIsDir, n->name);
+    if (n->remote) return Status(Code::kNotPermitted, n->name + " was written by another node");
     uint64_t missing = 0;
     for (uint64_t i = offset / bs; i * bs < end; ++i) missing += n->blocks.count(i) == 0;
     if (used_ + missing * bs > opts_.budget_bytes) {
@@ -301,6 +322,8 @@ Result<size_t> MemoryTier::Read(uint64_t id, char* out, size_t len, uint64_t off
   const uint64_t bs = opts_.block_bytes;
   std::vector<std::pair<uint64_t, std::shared_ptr<Block>>> blocks;
   uint64_t end = 0;
+  std::optional<MemRemoteFile> remote;
+  MemoryReplication* from = nullptr;
   {
     MutexLock lock(&mu_);
     const Node* n = NodeLocked(id);
@@ -308,12 +331,28 @@ Result<size_t> MemoryTier::Read(uint64_t id, char* out, size_t len, uint64_t off
     if (n->dir) return Status(Code::kIsDir, n->name);
     if (offset >= n->size) return size_t{0};
     end = std::min<uint64_t>(n->size, offset + len);
+    if (n->remote) {
+      if (replication_ == nullptr) return Status(Code::kIo, n->name + ": its writer is not reachable");
+      remote = n->remote;
+      from = replication_;
+      ++calls_out_;
+    }
     for (auto it = n->blocks.lower_bound(offset / bs); it != n->blocks.end() && it->first * bs < end;
          ++it) {
       blocks.emplace_back(it->first, it->second);
     }
   }
   const size_t got = static_cast<size_t>(end - offset);
+  if (remote) {  // another node wrote it: its bytes come from there (or its part's holder)
+    CallOut out_call(const_cast<MemoryTier*>(this));
+    for (size_t done = 0; done < got;) {
+      CKPT_ASSIGN_OR_RETURN(size_t n, from->ReadRemote(*remote, out + done, got - done,
+                                                       offset + done));
+      if (n == 0) return Status(Code::kIo, remote->file + ": short read from its writer");
+      done += n;
+    }
+    return got;
+  }
   std::memset(out, 0, got);  // holes
   for (const auto& [i, b] : blocks) {
     const uint64_t lo = std::max(offset, i * bs), hi = std::min(end, (i + 1) * bs);
@@ -345,6 +384,17 @@ void MemoryTier::MaybeCommitLocked(Node* file) {
       auto it = at->children.find(std::string_view(name).substr(start, slash - start));
       at = it == at->children.end() ? nullptr : it->second;
       start = slash + 1;
+    }
+    if (at == nullptr && replication_ != nullptr) {
+      // Not written here: with peers, ranks on other nodes may have written it. Their parts
+      // are gathered (memory_parts.h) and it is committed once every part is replicated.
+      dir->seq = std::max(NowNs(), dir->seq + 1);
+      dir->replicating = dir->gathering = true;
+      dir->unreplicated = false;
+      spdlog::info("memory-only checkpoint {}: its .metadata names {} which was not written "
+                   "here; gathering the parts other nodes wrote", where, name);
+      replication_->Gather(RootOf(dir)->tree_path, TreePathOf(*dir), dir->seq);
+      return;
     }
     if (at == nullptr || at->dir || at->size < need) {
       ++stats_.refused_commits;
@@ -380,7 +430,9 @@ void MemoryTier::EvictOlderLocked(Node* committed) {
   std::vector<Node*> older;
   for (const auto& [id, n] : nodes_) {
     // An older one no peer took (unreplicated) is superseded too: it never commits after.
-    const bool superseded = n->committed != 0 || (n->unreplicated && n->seq < committed->seq);
+    // So is a part of a checkpoint written through several nodes that never committed.
+    const bool superseded = n->committed != 0 ||
+                            ((n->unreplicated || n->part) && n->seq < committed->seq);
     if (n->tree == committed->tree && n->dir && superseded && n.get() != committed) {
       older.push_back(n.get());
     }
@@ -496,6 +548,7 @@ std::vector<MemCheckpoint> MemoryTier::Checkpoints() const {
     if (n->committed != 0) c.state = "committed";
     if (n->replicating) c.state = "replicating";
     if (n->unreplicated) c.state = "unreplicated";
+    if (n->part && n->committed == 0 && !n->replicating && !n->unreplicated) c.state = "part";
     if (replication_ == nullptr) {
       c.where = "memory (this node only, no peers)";
     } else if (!n->holder.empty()) {
@@ -503,6 +556,7 @@ std::vector<MemCheckpoint> MemoryTier::Checkpoints() const {
     } else {
       c.where = "memory: this node only (no replica yet)";
     }
+    if (!n->parts_where.empty()) c.where += "; " + n->parts_where;
     out.push_back(std::move(c));
   }
   for (const MemCheckpoint& c : lost_) out.push_back(c);

@@ -103,13 +103,44 @@ struct MemUnit {
   }
 };
 
-// Where replication is queued (store/peer/memory_replica.h). Replicate() runs under the
-// tier's lock: it must only queue, never call the tier.
+// A file of a checkpoint written by ranks on several nodes that another node wrote: this
+// node lists it and reads it from its writer (`rank`), or from the node holding the
+// writer's part (`holder`), never keeping its bytes.
+struct MemRemoteFile {
+  uint32_t rank = 0;   // the writer node
+  std::string holder;  // the address of the node holding the writer's part ("" unknown)
+  std::string tree;    // the marked directory's path
+  std::string unit;    // the checkpoint's path in the tree (the part's unit on the writer)
+  std::string file;    // the file's path in the checkpoint
+  uint64_t seq = 0;    // the part's version
+  uint64_t size = 0;
+};
+
+// What a node holds of a checkpoint written through several nodes (its part), as the
+// `.metadata`'s node gathers it.
+struct MemPart {
+  uint32_t rank = 0;
+  std::string holder;  // where the part is replicated
+  std::vector<MemUnitFile> files;
+};
+
+// Where replication is queued (store/peer/memory_replica.h). Replicate() and Gather() run
+// under the tier's lock: they must only queue, never call the tier. MirrorDir() and
+// ReadRemote() are called without it and may talk to peers (bounded by the peer timeout).
 class MemoryReplication {
  public:
   virtual ~MemoryReplication() = default;
   virtual void Replicate(const std::string& tree, const std::string& path, bool checkpoint,
                          uint64_t seq) = 0;
+  // Checkpoint `path` of `tree` (version `seq`) has its `.metadata` here but names files
+  // this node did not write: its own part is handed over and the other nodes' parts are
+  // gathered (CommitGathered), or it is refused (GatherFailed).
+  virtual void Gather(const std::string& tree, const std::string& path, uint64_t seq) = 0;
+  // Directory `path` of `tree` was made here: the other nodes make it too (ranks on other
+  // nodes write their shards into the directory DCP's coordinator made).
+  virtual void MirrorDir(const std::string& tree, const std::string& path) = 0;
+  virtual Result<size_t> ReadRemote(const MemRemoteFile& f, char* out, size_t len,
+                                    uint64_t offset) = 0;
 };
 
 struct MemoryTierStats {
@@ -147,6 +178,8 @@ class MemoryRestoreGate {
   std::condition_variable cv_;  // closed_ cleared; waited on with mu_
   bool closed_ GUARDED_BY(mu_) = false;
 };
+
+class MemoryParts;
 
 class MemoryTier {
  public:
@@ -242,6 +275,7 @@ class MemoryTier {
   // The tier's nodes: defined in memory_tier_node.h, private to store/memory/.
   struct Block;
   struct Node;
+  struct CallOut;
 
  private:
   Node* NodeLocked(uint64_t id) const REQUIRES(mu_);
@@ -263,8 +297,12 @@ class MemoryTier {
                                  uint64_t seq) const REQUIRES(mu_);
   void CommitLocked(Node* dir, const std::string& holder) REQUIRES(mu_);
 
+  friend class MemoryParts;  // checkpoints written through several nodes (memory_parts.h)
+
   const MemoryTierOptions opts_;
   mutable Mutex mu_;
+  mutable std::condition_variable calls_cv_;  // calls_out_ dropped to 0; waited on with mu_
+  mutable uint64_t calls_out_ GUARDED_BY(mu_) = 0;  // calls into replication_ made without mu_
   uint64_t next_id_ GUARDED_BY(mu_) = 1;
   uint64_t order_ GUARDED_BY(mu_) = 0;
   uint64_t used_ GUARDED_BY(mu_) = 0;

@@ -12,6 +12,7 @@
 #include <ctime>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -66,6 +67,28 @@ struct MemoryTier::Node {
   bool replicating = false;
   bool unreplicated = false;
   std::string holder;
+  // Checkpoints written through several nodes (memory_parts.h). `part`: this directory is
+  // this node's part of one whose `.metadata` another node holds (sealed at `seq`);
+  // `gathering`: its `.metadata` is here and the other nodes' parts are being gathered;
+  // `parts_where`: where the other parts are replicated, once committed.
+  bool part = false;
+  bool gathering = false;
+  std::string parts_where;
+  // Files: set when another node wrote it (read from there, no bytes here).
+  std::optional<MemRemoteFile> remote;
+};
+
+// A call into the tier's replication made without its lock (MirrorDir, ReadRemote): the
+// caller counted it in calls_out_ under the lock; SetReplication waits until none is out.
+struct MemoryTier::CallOut {
+  explicit CallOut(MemoryTier* t) : tier(t) {}
+  ~CallOut() {
+    MutexLock lock(&tier->mu_);
+    if (--tier->calls_out_ == 0) tier->calls_cv_.notify_all();
+  }
+  CallOut(const CallOut&) = delete;
+  CallOut& operator=(const CallOut&) = delete;
+  MemoryTier* const tier;
 };
 
 // Helpers over nodes; the caller holds the tier's lock.

@@ -9,6 +9,7 @@
 
 #include "common/path.h"
 #include "store/dcp/commit_names.h"
+#include "store/dcp/dcp_metadata.h"
 #include "store/memory/memory_tier.h"
 #include "store/memory/memory_tier_node.h"
 #include "store/primitives/crc32c.h"
@@ -36,6 +37,11 @@ Result<const MemoryTier::Node*> MemoryTier::UnitLocked(const std::string& tree,
 void MemoryTier::SetReplication(MemoryReplication* replication) {
   MutexLock lock(&mu_);
   replication_ = replication;
+  // Calls made into the old one without the lock end first (each bounded by a peer timeout).
+  calls_cv_.wait(lock.native(), [this] {
+    mu_.AssertHeld();
+    return calls_out_ == 0;
+  });
 }
 
 Result<MemUnit> MemoryTier::Manifest(const std::string& tree, const std::string& path,
@@ -64,6 +70,7 @@ Result<MemUnit> MemoryTier::Manifest(const std::string& tree, const std::string&
         }
         continue;
       }
+      if (at->remote) continue;  // another node's part: replicated by that node
       Pending p;
       p.file.name = rel;
       p.file.size = at->size;
@@ -105,7 +112,9 @@ Result<size_t> MemoryTier::ReadUnit(const std::string& tree, const std::string& 
     MutexLock lock(&mu_);
     CKPT_ASSIGN_OR_RETURN(const Node* n, UnitLocked(tree, path, seq));
     const Node* f = file.empty() ? n : Walk(const_cast<Node*>(n), file);
-    if (f == nullptr || f->dir) return NotFound("memory-only " + path + "/" + file + " is gone");
+    if (f == nullptr || f->dir || f->remote) {
+      return NotFound("memory-only " + path + "/" + file + " is gone");
+    }
     id = f->id;
   }
   return Read(id, out, len, offset);
@@ -118,6 +127,16 @@ void MemoryTier::HandedOver(const std::string& tree, const std::string& path, ui
   if (!u.ok()) return;
   Node* n = const_cast<Node*>(*u);
   if (!holder.ok()) {
+    if (n->gathering) {
+      // Its own part was not replicated: not committed (never offered again as a whole,
+      // which it is not here); a new save of it gathers again.
+      n->gathering = n->replicating = false;
+      ++stats_.refused_commits;
+      spdlog::error("memory-only checkpoint {} NOT committed: no peer took this node's part "
+                    "({}); the older checkpoints of its tree stay",
+                    PathOf(*n), holder.status().ToString());
+      return;
+    }
     if (!n->dir) {
       spdlog::warn("memory-only tracker {}: no peer holds it: {}", PathOf(*n),
                    holder.status().ToString());
@@ -134,6 +153,17 @@ void MemoryTier::HandedOver(const std::string& tree, const std::string& path, ui
   }
   if (!n->dir) {  // a tracker
     n->holder = *holder;
+    return;
+  }
+  if ((n->part || n->gathering) && n->committed == 0) {
+    // A part of a checkpoint written through several nodes: committed when the node with
+    // its `.metadata` has every part (memory_parts.h), not now.
+    n->holder = *holder;
+    n->unreplicated = false;
+    n->replicating = n->gathering;
+    spdlog::info("memory-only {} {}: this node's part is replicated to {}", PathOf(*n),
+                 n->gathering ? "(gathering the other nodes' parts)" : "(part of a checkpoint "
+                 "whose .metadata another node holds)", *holder);
     return;
   }
   if (!n->replicating && !n->unreplicated) {
@@ -261,6 +291,39 @@ void MemoryTier::FinishRestore(const std::string& tree, const std::string& path,
   }
   ++stats_.restored_checkpoints;
   stats_.restored_bytes += bytes;
+  // A checkpoint written through several nodes (memory_parts.h) is never served partly:
+  // this node's part without the `.metadata` waits for the `.metadata`'s node; with it, the
+  // other nodes' parts are gathered again (at the same version: held parts answer at once).
+  const Node* md = nullptr;
+  bool shards = false;
+  for (const auto& [name, c] : n->children) {
+    if (!c->dir && CommitKindOf(name) == CommitKind::kDcp) md = c;
+    shards |= !c->dir && IsCheckpointFileName(name);
+  }
+  if (md == nullptr && shards) {
+    n->part = true;
+    n->holder = holder;
+    spdlog::info("memory-only {}: this node's part restored from {} ({} bytes); its .metadata "
+                 "is on another node", PathOf(*n), holder, bytes);
+    return;
+  }
+  if (md != nullptr && replication_ != nullptr) {
+    Result<DcpMetadata> parsed = ParseDcpMetadata(Content(*md, md->size, opts_.block_bytes));
+    bool missing = false;
+    if (parsed.ok()) {
+      for (const auto& [name, need] : RequiredFileLengths(*parsed)) {
+        missing |= Walk(n, name) == nullptr;
+      }
+    }
+    if (missing) {
+      n->holder = holder;
+      n->replicating = n->gathering = true;
+      spdlog::info("memory-only {}: restored from {}; gathering the parts other nodes wrote",
+                   PathOf(*n), holder);
+      replication_->Gather(RootOf(n)->tree_path, TreePathOf(*n), seq);
+      return;
+    }
+  }
   CommitLocked(n, holder);
   // A restored checkpoint is not a lost one any more.
   const std::string where = PathOf(*n);

@@ -12,109 +12,24 @@
 #include "common/path.h"
 #include "common/thread_name.h"
 #include "common/unique_fd.h"
+#include "store/peer/memory_wire.h"
 #include "store/primitives/crc32c.h"
 
 namespace ckptfs::store::peer {
 namespace {
 
+using wire::ConnectionLost;
+using wire::Hex;
+using wire::Page;
+using wire::ParseRank;
+using wire::Split;
+using wire::UnitFromJson;
+using wire::UnitJson;
+using wire::Unhex;
 using Clock = std::chrono::steady_clock;
 constexpr char kRecordName[] = "memory_checkpoints.json";
 constexpr int kBusyRetries = 10;   // a holder that cannot reach this node, 0.5 s apart
 constexpr uint32_t kRingAsks = 3;  // a restore asks at most this many ring nodes (+ recorded)
-
-// "x" + hex: a name component that is never empty, ".", ".." nor holds a '/'.
-std::string Hex(std::string_view s) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string out = "x";
-  for (unsigned char c : s) {
-    out.push_back(kDigits[c >> 4]);
-    out.push_back(kDigits[c & 15]);
-  }
-  return out;
-}
-
-Result<std::string> Unhex(std::string_view s) {
-  if (s.empty() || s[0] != 'x' || s.size() % 2 != 1) return Invalid("memory replica: bad name");
-  std::string out;
-  for (size_t i = 1; i < s.size(); i += 2) {
-    auto digit = [](char c) -> int {
-      if (c >= '0' && c <= '9') return c - '0';
-      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-      return -1;
-    };
-    const int hi = digit(s[i]), lo = digit(s[i + 1]);
-    if (hi < 0 || lo < 0) return Invalid("memory replica: bad name");
-    out.push_back(static_cast<char>(hi << 4 | lo));
-  }
-  return out;
-}
-
-std::vector<std::string_view> Split(std::string_view s) {
-  std::vector<std::string_view> out;
-  size_t start = 0;
-  while (start <= s.size()) {
-    size_t slash = s.find('/', start);
-    if (slash == std::string_view::npos) slash = s.size();
-    out.push_back(s.substr(start, slash - start));
-    start = slash + 1;
-  }
-  return out;
-}
-
-Result<uint32_t> ParseRank(std::string_view s) {
-  if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string_view::npos) {
-    return Invalid("memory replica: bad rank");
-  }
-  return static_cast<uint32_t>(std::stoul(std::string(s)));
-}
-
-// Names are bytes: hex in JSON.
-nlohmann::json UnitJson(const MemUnit& u) {
-  nlohmann::json files = nlohmann::json::array();
-  for (const MemUnitFile& f : u.files) {
-    files.push_back({{"name", Hex(f.name)}, {"size", f.size}, {"crc32c", f.crc32c}});
-  }
-  return {{"tree", Hex(u.tree)},
-          {"path", Hex(u.path)},
-          {"checkpoint", u.checkpoint},
-          {"seq", u.seq},
-          {"files", std::move(files)}};
-}
-
-Result<MemUnit> UnitFromJson(const nlohmann::json& j) {
-  try {
-    MemUnit u;
-    CKPT_ASSIGN_OR_RETURN(u.tree, Unhex(j.at("tree").get<std::string>()));
-    CKPT_ASSIGN_OR_RETURN(u.path, Unhex(j.at("path").get<std::string>()));
-    u.checkpoint = j.at("checkpoint").get<bool>();
-    u.seq = j.at("seq").get<uint64_t>();
-    for (const nlohmann::json& f : j.at("files")) {
-      MemUnitFile file;
-      CKPT_ASSIGN_OR_RETURN(file.name, Unhex(f.at("name").get<std::string>()));
-      file.size = f.at("size").get<uint64_t>();
-      file.crc32c = f.at("crc32c").get<uint32_t>();
-      u.files.push_back(std::move(file));
-    }
-    if (u.path.empty() || (!u.checkpoint && u.files.size() != 1)) {
-      return Invalid("memory replica: malformed unit");
-    }
-    return u;
-  } catch (const nlohmann::json::exception& e) {
-    return Invalid(std::string("memory replica: malformed manifest: ") + e.what());
-  }
-}
-
-Result<BlockRead> Page(const std::string& text, uint64_t offset, std::span<char> out) {
-  if (offset > text.size()) return Invalid("memory replica: offset past the end");
-  const size_t n = std::min<uint64_t>(out.size(), text.size() - offset);
-  std::memcpy(out.data(), text.data() + offset, n);
-  return BlockRead{.bytes = n, .crc32c = std::nullopt};
-}
-
-// Only these mark the rank down; a refusal (kNoSpace, kSuperseded, ...) is an answer.
-bool ConnectionLost(const Status& st) {
-  return st.code() == Code::kIo || st.code() == Code::kTimeout;
-}
 
 std::string JoinPath(const std::string& a, const std::string& b) {
   if (a.empty()) return b;
@@ -132,6 +47,10 @@ Result<std::unique_ptr<MemoryReplicator>> MemoryReplicator::Create(
   }
   std::unique_ptr<MemoryReplicator> r(new MemoryReplicator(options, tier, links));
   tier->restore_gate().Close();  // before the first look at a tree: it waits for the restore
+  {
+    MutexLock lock(&r->mu_);
+    r->stats_.restoring = true;  // a part/ ask meanwhile is answered "busy", never "none"
+  }
   tier->SetReplication(r.get());
   r->own_thread_ = std::thread([p = r.get()] {
     NameThisThread("ckptfs-memrepl");
@@ -146,7 +65,7 @@ Result<std::unique_ptr<MemoryReplicator>> MemoryReplicator::Create(
 
 MemoryReplicator::MemoryReplicator(const MemoryReplicatorOptions& options, MemoryTier* tier,
                                    PeerLinks* links)
-    : options_(options), tier_(tier), links_(links), replicas_(tier) {}
+    : options_(options), tier_(tier), links_(links), replicas_(tier), parts_(tier) {}
 
 MemoryReplicator::~MemoryReplicator() { Stop(); }
 
@@ -207,6 +126,7 @@ Result<BlockRead> MemoryReplicator::Serve(const BlockId& id, uint64_t offset, st
   std::vector<std::string_view> parts =
       Split(std::string_view(id.path).substr(kMemoryPrefix.size()));
   const std::string_view verb = parts[0];
+  if (auto served = ServeParts(parts, seq, offset, out)) return *served;
   if (verb == "list" && parts.size() == 3) {
     CKPT_ASSIGN_OR_RETURN(std::string tree, Unhex(parts[1]));
     CKPT_ASSIGN_OR_RETURN(std::string path, Unhex(parts[2]));
@@ -288,7 +208,7 @@ void MemoryReplicator::PullLoop() {
     Job job = std::move(pulls_.front());
     pulls_.pop_front();
     lock.Unlock();
-    Status st = Pull(job);
+    Status st = job.kind == Job::kApply ? ApplyFrom(job) : Pull(job);
     if (!st.ok()) {
       spdlog::warn("memory-only replica of {}/{} from rank {}: {}", job.tree, job.path, job.origin,
                    st.ToString());
@@ -381,40 +301,51 @@ void MemoryReplicator::OwnLoop() {
         jobs.push_back(Job{options_.self, c.tree, c.in_tree, true, c.seq, /*verify=*/true});
       }
     }
-    for (const Job& job : jobs) {
-      if (!job.checkpoint && NamesUncommitted(job)) {
-        // G4 on the replica: a tracker is handed over only once what it names is committed
-        // (the checkpoints queued before it were handed first). Its next close tries again.
-        spdlog::warn(
-            "memory-only tracker {}/{} names a checkpoint no peer holds: not "
-            "replicated",
-            job.tree, job.path);
-        continue;
-      }
-      Result<std::string> holder = HandOver(job);
-      if (holder.ok() || (!job.verify && holder.status().code() != Code::kSuperseded)) {
-        tier_->HandedOver(job.tree, job.path, job.seq, holder);
-      }
-      if (holder.ok()) {
-        bool changed = false;
-        if (job.checkpoint) {
-          MutexLock l(&mu_);
-          Recorded& r = record_[job.tree];
-          changed = r.path != job.path || r.seq != job.seq || r.holder != *holder;
-          r = Recorded{job.path, job.seq, *holder};
-        }
-        if (changed) WriteRecord();
-      }
-      MutexLock l(&mu_);
-      if (job.verify) {
-        stats_.verify_failures += holder.ok() ? 0 : 1;
-      } else if (holder.ok()) {
-        ++stats_.handed;
-      } else {
-        ++stats_.hand_failures;
-      }
-    }
+    for (const Job& job : jobs) RunOwn(job);
     lock.Lock();
+  }
+}
+
+void MemoryReplicator::RunOwn(const Job& job) {
+  if (job.kind == Job::kGather) {
+    GatherParts(job);
+    return;
+  }
+  if (!job.checkpoint && NamesUncommitted(job)) {
+    // G4 on the replica: a tracker is handed over only once what it names is committed
+    // (the checkpoints queued before it were handed first). Its next close tries again.
+    spdlog::warn(
+        "memory-only tracker {}/{} names a checkpoint no peer holds: not "
+        "replicated",
+        job.tree, job.path);
+    return;
+  }
+  Result<std::string> holder = HandOver(job);
+  if (holder.ok() || (!job.verify && holder.status().code() != Code::kSuperseded)) {
+    tier_->HandedOver(job.tree, job.path, job.seq, holder);
+  }
+  if (holder.ok()) {
+    bool changed = false;
+    std::optional<Recorded> told;
+    if (job.checkpoint) {
+      MutexLock l(&mu_);
+      Recorded& r = record_[job.tree];
+      changed = r.path != job.path || r.seq != job.seq || r.holder != *holder;
+      const bool parts = r.parts && r.path == job.path && r.seq == job.seq;
+      r = Recorded{job.path, job.seq, *holder, parts, parts ? r.part_ranks
+                                                            : std::vector<uint32_t>{}};
+      if (job.verify && parts) told = r;
+    }
+    if (changed) WriteRecord();
+    if (told && PartsStillHeld(job.tree, *told)) TellCommitted(job.tree, job.path, job.seq);
+  }
+  MutexLock l(&mu_);
+  if (job.verify) {
+    stats_.verify_failures += holder.ok() ? 0 : 1;
+  } else if (holder.ok()) {
+    ++stats_.handed;
+  } else {
+    ++stats_.hand_failures;
   }
 }
 
@@ -595,6 +526,24 @@ void MemoryReplicator::Restore() {
                                           : "its replica holder (" + r.holder +
                                                 ") did not give it back: " + why_none));
   }
+  // Checkpoints written through several nodes whose `.metadata` came back here: the other
+  // nodes' parts are gathered again before anything of the tree is served (never partly).
+  std::vector<Job> gathers;
+  {
+    MutexLock lock(&mu_);
+    // This node's own units are back: a part/ ask from a gathering node is answered from now
+    // on (this node's own gathers below may wait for that node's part in turn).
+    stats_.restoring = false;
+    for (auto it = own_.begin(); it != own_.end();) {
+      if (it->kind == Job::kGather) {
+        gathers.push_back(std::move(*it));
+        it = own_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const Job& g : gathers) GatherParts(g);
   tier_->restore_gate().Open();
   const double took = std::chrono::duration<double>(Clock::now() - start).count();
   {

@@ -54,6 +54,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -66,6 +67,7 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "store/cache/block_source.h"
+#include "store/memory/memory_parts.h"
 #include "store/memory/memory_replicas.h"
 #include "store/memory/memory_tier.h"
 #include "store/peer/peer_links.h"
@@ -113,6 +115,12 @@ class MemoryReplicator final : public MemoryReplication {
   // MemoryReplication: queues the unit (runs under the tier's lock).
   void Replicate(const std::string& tree, const std::string& path, bool checkpoint,
                  uint64_t seq) override EXCLUDES(mu_);
+  // Checkpoints written through several nodes (store/memory/memory_parts.h; memory_gather.cc).
+  void Gather(const std::string& tree, const std::string& path, uint64_t seq) override
+      EXCLUDES(mu_);
+  void MirrorDir(const std::string& tree, const std::string& path) override EXCLUDES(mu_);
+  Result<size_t> ReadRemote(const MemRemoteFile& f, char* out, size_t len,
+                            uint64_t offset) override EXCLUDES(mu_);
   // A peer's request for a name under kMemoryPrefix.
   Result<BlockRead> Serve(const BlockId& id, uint64_t offset, std::span<char> out) EXCLUDES(mu_);
   // "memory_replication" in /.ckptfs/stats, beside the tier's "memory_ckpt".
@@ -125,11 +133,18 @@ class MemoryReplicator final : public MemoryReplication {
     bool checkpoint = true;
     uint64_t seq = 0;
     bool verify = false;  // a check that a committed checkpoint is still held
+    // kGather (own): gather the parts of a checkpoint written through several nodes;
+    // kApply (pulls): one the node `origin` committed, applied here.
+    enum Kind { kHand, kGather, kApply } kind = kHand;
   };
   struct Recorded {  // a committed checkpoint of a tree, as the record keeps it
     std::string path;
     uint64_t seq = 0;
     std::string holder;
+    // Written through several nodes: the other nodes are told of its commit again while
+    // idle (a node restarted since gets its part committed and the others' files listed).
+    bool parts = false;
+    std::vector<uint32_t> part_ranks;  // the other nodes that wrote parts of it
   };
   using PullKey = std::tuple<uint32_t, std::string, std::string, uint64_t>;
   struct PullState {
@@ -140,6 +155,8 @@ class MemoryReplicator final : public MemoryReplication {
   MemoryReplicator(const MemoryReplicatorOptions& options, MemoryTier* tier, PeerLinks* links);
   void OwnLoop() EXCLUDES(mu_);
   void PullLoop() EXCLUDES(mu_);
+  // One job of this node's own queue: a hand-over (and what follows it), or a gather.
+  void RunOwn(const Job& job) EXCLUDES(mu_);
   // Hands `job` to a holder; the holder's address once it holds it whole.
   Result<std::string> HandOver(const Job& job) EXCLUDES(mu_);
   // As a holder: takes `job`'s unit from its origin.
@@ -156,11 +173,28 @@ class MemoryReplicator final : public MemoryReplication {
   // replica: the tracker is not handed over then).
   bool NamesUncommitted(const Job& tracker);
   bool Stopping() const EXCLUDES(mu_);
+  // memory_gather.cc: the requests mkdir/, part/, done/ and whole/ (nullopt: not one).
+  std::optional<Result<BlockRead>> ServeParts(const std::vector<std::string_view>& parts,
+                                              uint64_t seq, uint64_t offset, std::span<char> out)
+      EXCLUDES(mu_);
+  void GatherParts(const Job& job) EXCLUDES(mu_);
+  Status ApplyFrom(const Job& job) EXCLUDES(mu_);
+  void TellCommitted(const std::string& tree, const std::string& path, uint64_t seq);
+  // While idle: is every other part of committed `tree`/`r` still held by its writer or its
+  // holder? A part gone from both loses the checkpoint here (MemoryParts::Lose).
+  bool PartsStillHeld(const std::string& tree, const Recorded& r) EXCLUDES(mu_);
+  // Fetch, tried again while `rank` is down or paused after a failure (a daemon starting,
+  // a link made again), until `until`.
+  Result<size_t> FetchRetrying(uint32_t rank, const std::string& name, uint64_t seq,
+                               std::span<char> out, std::chrono::steady_clock::time_point until)
+      EXCLUDES(mu_);
+  std::optional<uint32_t> RankOf(const std::string& address) const;
 
   const MemoryReplicatorOptions options_;
   MemoryTier* const tier_;
   PeerLinks* const links_;
   MemoryReplicas replicas_;
+  MemoryParts parts_;
 
   mutable Mutex mu_;
   std::condition_variable cv_;  // a job queued, or stop_; waited on with mu_

@@ -40,7 +40,18 @@ struct Handed : MemoryReplication {
                  uint64_t seq) override {
     units.push_back({tree, path, checkpoint, seq});
   }
+  void Gather(const std::string& tree, const std::string& path, uint64_t seq) override {
+    gathers.push_back({tree, path, true, seq});
+  }
+  void MirrorDir(const std::string& tree, const std::string& path) override {
+    mirrored.push_back(tree + "/" + path);
+  }
+  Result<size_t> ReadRemote(const MemRemoteFile& f, char*, size_t, uint64_t) override {
+    return Status(Code::kIo, "no peers in this test: " + f.file);
+  }
   std::vector<Unit> units;
+  std::vector<Unit> gathers;
+  std::vector<std::string> mirrored;
 };
 
 MemoryTier::Fill FillFrom(const std::string& bytes) {

@@ -267,5 +267,57 @@ TEST_F(MemoryReplicaCheckTest, ACheckpointNoNodeTookCommitsOnceANodeTakesIt) {
   EXPECT_EQ(Listed(a, "run/mem/step1").holder, nodes_[1].address);
 }
 
+// Issue 42, checkpoints written through several nodes (memory_gather.cc): two trees, each
+// saved by 4 ranks over both nodes, node 0 the coordinator of one and node 1 of the other,
+// both `.metadata`s at once. Each node gathers while the other waits for its part, which its
+// own queue hands over meanwhile: both commit on both nodes (G10: no gather waits on the
+// other's), and every file reads back exactly through either node.
+TEST_F(MemoryReplicaTest, TwoNodesGatheringAtOnceEachHandTheirPartToTheOther) {
+  const std::filesystem::path four =
+      std::filesystem::path(CKPTFS_SOURCE_DIR) / "tests/fixtures/dcp/torch113_4rank_single_file";
+  auto read = [&](const std::string& name) {
+    std::ifstream f(four / name, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  };
+  MemoryTier* t[2] = {nodes_[0].tier.get(), nodes_[1].tier.get()};
+  const char* trees[2] = {"run/a", "run/b"};  // coordinated by node 0 and node 1
+  uint64_t roots[2][2];
+  for (int n = 0; n < 2; ++n) {
+    for (int k = 0; k < 2; ++k) roots[n][k] = t[n]->TreeRoot(100 + k, trees[k]);
+  }
+  uint64_t dirs[2][2];
+  for (int k = 0; k < 2; ++k) {  // the coordinator makes it; the other node gets it too
+    auto d = t[k]->Mkdir(roots[k][k], "step1", 0755, 0, 0);
+    ASSERT_TRUE(d.ok());
+    dirs[k][k] = d->id;
+    auto o = t[1 - k]->Lookup(roots[1 - k][k], "step1");
+    ASSERT_TRUE(o.ok()) << "the mkdir was not mirrored";
+    dirs[1 - k][k] = o->id;
+  }
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(Put(t[k], dirs[k][k], "__0_0.distcp", read("__0_0.distcp")).ok());
+    for (const char* f : {"__1_0.distcp", "__2_0.distcp", "__3_0.distcp"}) {
+      ASSERT_TRUE(Put(t[1 - k], dirs[1 - k][k], f, read(f)).ok());
+    }
+  }
+  ASSERT_TRUE(Put(t[0], dirs[0][0], ".metadata", read(".metadata")).ok());
+  ASSERT_TRUE(Put(t[1], dirs[1][1], ".metadata", read(".metadata")).ok());
+  for (int n = 0; n < 2; ++n) {
+    for (int k = 0; k < 2; ++k) {
+      const std::string path = std::string(trees[k]) + "/step1";
+      ASSERT_TRUE(Eventually([&] { return Listed(t[n], path).state == "committed"; }))
+          << "node " << n << " " << path << ": " << Listed(t[n], path).state;
+      for (const char* f : {".metadata", "__0_0.distcp", "__2_0.distcp"}) {
+        auto a = t[n]->Lookup(dirs[n][k], f);
+        ASSERT_TRUE(a.ok()) << f;
+        std::string got(a->size, '\0');
+        auto r = t[n]->Read(a->id, got.data(), got.size(), 0);
+        ASSERT_TRUE(r.ok()) << r.status().ToString();
+        EXPECT_EQ(got, read(f)) << "node " << n << " " << path << "/" << f;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ckptfs::store::peer

@@ -1,0 +1,310 @@
+#include "store/memory/memory_parts.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "common/path.h"
+#include "store/dcp/commit_names.h"
+#include "store/dcp/dcp_metadata.h"
+#include "store/memory/memory_tier_node.h"
+
+namespace ckptfs::store {
+namespace {
+
+using Node = MemoryTier::Node;
+
+std::vector<std::string> Components(const std::string& path) {
+  std::vector<std::string> parts;
+  for (size_t start = 0; start < path.size();) {
+    size_t slash = path.find('/', start);
+    if (slash == std::string::npos) slash = path.size();
+    if (slash > start) parts.push_back(path.substr(start, slash - start));
+    start = slash + 1;
+  }
+  return parts;
+}
+
+// Whether a peer's file name is a plain relative path (no empty, "." or ".." component):
+// bad input is refused, never made into names.
+bool PlainName(const std::string& name) {
+  const std::vector<std::string> comps = Components(name);
+  if (comps.empty() || name.front() == '/') return false;
+  return std::none_of(comps.begin(), comps.end(),
+                      [](const std::string& c) { return c == "." || c == ".."; });
+}
+
+// The files below `n` (paths relative to it), depth first.
+void FilesBelow(Node* n, const std::string& rel, std::vector<std::pair<std::string, Node*>>* out) {
+  for (const auto& [name, c] : n->children) {
+    const std::string at = rel.empty() ? name : rel + "/" + name;
+    if (c->dir) {
+      FilesBelow(c, at, out);
+    } else {
+      out->emplace_back(at, c);
+    }
+  }
+}
+
+std::string Joined(const std::set<std::string>& items) {
+  std::string out;
+  for (const std::string& i : items) out += (out.empty() ? "" : ", ") + i;
+  return out;
+}
+
+}  // namespace
+
+Status MemoryParts::MakeDirs(const std::string& tree, const std::string& path) {
+  MemoryTier* t = tier_;
+  MutexLock lock(&t->mu_);
+  Node* root = t->TreeByPathLocked(tree);
+  if (root == nullptr) {
+    // The view has not looked at this marked directory here yet: a provisional tree, adopted
+    // by TreeRoot when it does (as a restore makes one).
+    auto r = std::make_unique<Node>();
+    r->id = t->next_id_++;
+    r->tree = kProvisionalTree | t->next_provisional_++;
+    r->dir = true;
+    r->tree_path = tree;
+    r->mode = 0755;
+    clock_gettime(CLOCK_REALTIME, &r->mtime);
+    r->ctime = r->mtime;
+    root = r.get();
+    t->trees_.emplace(r->tree, r->id);
+    t->nodes_.emplace(r->id, std::move(r));
+    t->stats_.trees = t->trees_.size();
+  }
+  Node* at = root;
+  for (const std::string& part : Components(path)) {
+    if (part == "." || part == "..") return Invalid("memory-only mkdir: bad path " + path);
+    auto it = at->children.find(part);
+    if (it == at->children.end()) {
+      at = t->NewNodeLocked(at, part, true, 0755, 0, 0);
+    } else if (!it->second->dir) {
+      return Status(Code::kNotDir, "memory-only mkdir: " + part + " is a file here");
+    } else {
+      at = it->second;
+    }
+  }
+  return Status::Ok();
+}
+
+Result<MemPart> MemoryParts::Seal(const std::string& tree, const std::string& path, uint64_t seq) {
+  MemoryTier* t = tier_;
+  MutexLock lock(&t->mu_);
+  Node* root = t->TreeByPathLocked(tree);
+  Node* n = root == nullptr ? nullptr : Walk(root, path);
+  if (n == nullptr || n == root || !n->dir) return NotFound("no part of " + path + " here");
+  std::vector<std::pair<std::string, Node*>> files;
+  FilesBelow(n, "", &files);
+  std::erase_if(files, [](const auto& f) { return f.second->remote.has_value(); });
+  if (files.empty()) return NotFound("no part of " + path + " here");
+  if (n->seq != seq || !(n->part || n->committed != 0)) {
+    if (t->replication_ == nullptr) return Status(Code::kAborted, "this node has no peers now");
+    // Sealed at the commit's version and handed to a holder; a re-save seals it again.
+    n->part = true;
+    n->committed = 0;
+    n->seq = seq;
+    n->replicating = true;
+    n->unreplicated = false;
+    n->holder.clear();
+    spdlog::info(
+        "memory-only {}: this node's part ({} files) is asked for by the node with "
+        "its .metadata; replicating it",
+        PathOf(*n), files.size());
+    t->replication_->Replicate(tree, path, true, seq);
+  }
+  if (n->unreplicated) {
+    return Status(Code::kAborted, "no peer took this node's part of " + PathOf(*n));
+  }
+  MemPart part;
+  part.holder = n->holder;  // empty while it is replicated
+  for (const auto& [rel, f] : files) part.files.push_back(MemUnitFile{rel, f->size, 0});
+  return part;
+}
+
+Status MemoryParts::CommitGathered(const std::string& tree, const std::string& path, uint64_t seq,
+                                   const std::vector<MemPart>& parts) {
+  for (const MemPart& p : parts) {
+    for (const MemUnitFile& f : p.files) {
+      if (!PlainName(f.name)) return Invalid("memory-only part: bad file name " + f.name);
+    }
+  }
+  MemoryTier* t = tier_;
+  MutexLock lock(&t->mu_);
+  Node* root = t->TreeByPathLocked(tree);
+  Node* n = root == nullptr ? nullptr : Walk(root, path);
+  if (n == nullptr || n == root || !n->gathering || n->seq != seq) {
+    return NotFound("memory-only " + path + ": gone or another version now");
+  }
+  const Node* md = nullptr;
+  for (const auto& [name, c] : n->children) {
+    if (!c->dir && !c->remote && CommitKindOf(name) == CommitKind::kDcp) md = c;
+  }
+  Status refused;
+  std::map<std::string, std::pair<uint64_t, const MemPart*>> elsewhere;
+  for (const MemPart& p : parts) {
+    for (const MemUnitFile& f : p.files) elsewhere[f.name] = {f.size, &p};
+  }
+  if (md == nullptr) {
+    refused = NotFound("its .metadata is gone");
+  } else {
+    Result<DcpMetadata> parsed = ParseDcpMetadata(Content(*md, md->size, t->opts_.block_bytes));
+    if (!parsed.ok()) refused = parsed.status();
+    for (const auto& [name, need] : parsed.ok() ? RequiredFileLengths(*parsed)
+                                                : std::vector<std::pair<std::string, uint64_t>>{}) {
+      const Node* here = Walk(n, name);
+      if (here != nullptr && !here->dir && !here->remote && here->size >= need) continue;
+      auto it = elsewhere.find(name);
+      if (it != elsewhere.end() && it->second.first >= need) continue;
+      refused = NotFound(
+          fmt::format("it names {} ({} bytes), which no node holds {}", name, need,
+                      it == elsewhere.end() && here == nullptr ? "(missing)" : "whole (short)"));
+      break;
+    }
+  }
+  if (!refused.ok()) {
+    n->gathering = n->replicating = false;
+    ++t->stats_.refused_commits;
+    spdlog::error("memory-only checkpoint {} NOT committed: {}", PathOf(*n), refused.message());
+    return refused;
+  }
+  // The other nodes' files, listed here: reads go to their writer (or its part's holder).
+  std::set<std::string> holders;
+  for (const auto& [name, v] : elsewhere) {
+    const auto& [size, p] = v;
+    Node* here = Walk(n, name);
+    if (here != nullptr && !here->remote) continue;  // written here too: this node's copy
+    if (here != nullptr) t->RemoveLocked(here);
+    const std::vector<std::string> comps = Components(name);
+    Node* at = n;
+    for (size_t i = 0; at != nullptr && i + 1 < comps.size(); ++i) {
+      auto it = at->children.find(comps[i]);
+      at = it == at->children.end() ? t->NewNodeLocked(at, comps[i], true, 0755, 0, 0)
+           : it->second->dir        ? it->second
+                                    : nullptr;
+    }
+    if (at == nullptr || comps.empty()) continue;
+    Node* f = t->NewNodeLocked(at, comps.back(), false, 0644, 0, 0);
+    f->size = size;
+    f->remote = MemRemoteFile{p->rank, p->holder, tree, path, name, seq, size};
+    holders.insert("rank " + std::to_string(p->rank) + " (replica on " + p->holder + ")");
+  }
+  n->gathering = false;
+  n->parts_where =
+      fmt::format("written by {} nodes; the others' parts: {}", parts.size() + 1, Joined(holders));
+  ++t->stats_.replicated_checkpoints;
+  spdlog::info(
+      "memory-only checkpoint {} committed: every part in memory on its writer and "
+      "replicated (this node's to {}; {})",
+      PathOf(*n), n->holder, n->parts_where);
+  t->CommitLocked(n, n->holder);
+  return Status::Ok();
+}
+
+void MemoryParts::Lose(const std::string& tree, const std::string& path, uint64_t seq,
+                       const std::string& why) {
+  {
+    MemoryTier* t = tier_;
+    MutexLock lock(&t->mu_);
+    Node* root = t->TreeByPathLocked(tree);
+    Node* n = root == nullptr ? nullptr : Walk(root, path);
+    if (n == nullptr || n == root || n->committed == 0 || n->seq != seq) return;
+    t->RemoveLocked(n);
+  }
+  tier_->NoteLost(tree, path, why);  // listed lost, counted, logged; its trackers go
+}
+
+void MemoryParts::GatherFailed(const std::string& tree, const std::string& path, uint64_t seq,
+                               const Status& why) {
+  MemoryTier* t = tier_;
+  MutexLock lock(&t->mu_);
+  Node* root = t->TreeByPathLocked(tree);
+  Node* n = root == nullptr ? nullptr : Walk(root, path);
+  if (n == nullptr || n == root || !n->gathering || n->seq != seq) return;
+  n->gathering = n->replicating = false;
+  ++t->stats_.refused_commits;
+  spdlog::error(
+      "memory-only checkpoint {} NOT committed: the parts other nodes wrote were not "
+      "all replicated ({}); the older checkpoints of its tree stay",
+      PathOf(*n), why.ToString());
+}
+
+Result<std::vector<MemRemoteFile>> MemoryParts::Whole(const std::string& tree,
+                                                      const std::string& path, uint64_t seq,
+                                                      uint32_t self) {
+  MemoryTier* t = tier_;
+  MutexLock lock(&t->mu_);
+  Node* root = t->TreeByPathLocked(tree);
+  Node* n = root == nullptr ? nullptr : Walk(root, path);
+  if (n == nullptr || n == root || n->committed == 0 || n->seq != seq) {
+    return NotFound("memory-only " + path + ": not committed at that version here");
+  }
+  std::vector<std::pair<std::string, Node*>> files;
+  FilesBelow(n, "", &files);
+  std::vector<MemRemoteFile> out;
+  for (const auto& [rel, f] : files) {
+    out.push_back(f->remote ? *f->remote
+                            : MemRemoteFile{self, n->holder, tree, path, rel, seq, f->size});
+  }
+  return out;
+}
+
+Status MemoryParts::ApplyCommit(const std::string& tree, const std::string& path, uint64_t seq,
+                                const std::vector<MemRemoteFile>& files, uint32_t self) {
+  for (const MemRemoteFile& f : files) {
+    if (!PlainName(f.file)) return Invalid("memory-only listing: bad file name " + f.file);
+  }
+  CKPT_RETURN_IF_ERROR(MakeDirs(tree, path));
+  MemoryTier* t = tier_;
+  MutexLock lock(&t->mu_);
+  Node* root = t->TreeByPathLocked(tree);
+  Node* n = root == nullptr ? nullptr : Walk(root, path);
+  if (n == nullptr || n == root || !n->dir) return NotFound("memory-only " + path + " is gone");
+  if (n->committed != 0 && n->seq == seq) return Status::Ok();  // told twice
+  std::set<std::string> holders;
+  std::set<uint32_t> ranks;
+  for (const MemRemoteFile& f : files) {
+    Node* here = Walk(n, f.file);
+    if (f.rank == self) {
+      if (here == nullptr || here->remote || here->size < f.size) {
+        spdlog::error(
+            "memory-only checkpoint {}: {} is listed as this node's but is not here "
+            "whole; not committed here",
+            PathOf(*n), f.file);
+        return NotFound(f.file + " is not here");
+      }
+      continue;
+    }
+    if (here != nullptr && !here->remote) continue;
+    if (here != nullptr) t->RemoveLocked(here);
+    const std::vector<std::string> comps = Components(f.file);
+    Node* at = n;
+    for (size_t i = 0; at != nullptr && i + 1 < comps.size(); ++i) {
+      auto it = at->children.find(comps[i]);
+      at = it == at->children.end() ? t->NewNodeLocked(at, comps[i], true, 0755, 0, 0)
+           : it->second->dir        ? it->second
+                                    : nullptr;
+    }
+    if (at == nullptr || comps.empty()) continue;
+    Node* r = t->NewNodeLocked(at, comps.back(), false, 0644, 0, 0);
+    r->size = f.size;
+    r->remote = f;
+    ranks.insert(f.rank);
+    holders.insert("rank " + std::to_string(f.rank) + " (replica on " + f.holder + ")");
+  }
+  const bool part = n->part && n->seq == seq;
+  n->seq = seq;
+  n->gathering = false;
+  n->parts_where = fmt::format("written by {} nodes; the others' parts: {}",
+                               ranks.size() + (part ? 1 : 0), Joined(holders));
+  spdlog::info("memory-only checkpoint {} committed by the node with its .metadata ({}{})",
+               PathOf(*n), part ? "this node's part replicated to " + n->holder + "; " : "",
+               n->parts_where);
+  t->CommitLocked(n, part ? n->holder : "");
+  return Status::Ok();
+}
+
+}  // namespace ckptfs::store

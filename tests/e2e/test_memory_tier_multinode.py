@@ -1,0 +1,199 @@
+"""Issue 42: one memory-only checkpoint written by ranks on two nodes.
+
+Two ckptfs daemons in network namespaces (tests/e2e/netns.py) over one backing dir, with
+--peers. A 4-rank torch 1.13 DCP job saves into a memory-only directory, rank r through node
+r % 2 (as test_multinode_dcp.py does for the backing store): the coordinator (rank 0, node 0)
+makes the checkpoint directory and writes `.metadata`; node 1's ranks write their shards into
+a directory they did not make. The checkpoint must then:
+  * be committed on both nodes: every shard in memory on the node that wrote it and that
+    node's part replicated to the other (each node's stats hold the other's part as a
+    replica), listed committed by `/.ckptfs/stats` and `ckptfs-admin checkpoints` on both;
+  * leave nothing on the backing store (the marked directory stays empty);
+  * load exactly through node 0 alone, node 1 alone and both (every value checked; own and
+    replicated reads), with 0 bytes read from the backing store;
+  * be evicted on both nodes (ENOENT) when the next two-node save of the tree commits;
+  * come back whole after a SIGKILL of either node: the `.metadata`'s node gets its part
+    back from node 1 and gathers node 1's part again before serving the tree; node 1 gets
+    its part back from node 0 and is told of the commit again; loads with 0 backing bytes;
+  * be reported lost on both nodes, and no longer served, when node 1's part is lost with
+    its holder (node 0 restarted, then node 1 killed before it handed its part over again).
+"""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+
+import dcp_tool
+from netns import Cluster
+from test_peers import built_with_ucx
+
+RANKS = 4
+MB = 16
+TIER = "user.ckptfs.tier"
+ADMIN = os.path.join(os.environ.get("CKPTFS_BIN_DIR", os.path.join(
+    os.path.dirname(__file__), "..", "..", "build", "bin")), "ckptfs-admin")
+
+
+def listed(n, path):
+    for c in n.stats()["memory_ckpt"]["checkpoints"]:
+        if c["path"] == path:
+            return c
+    return None
+
+
+@unittest.skipUnless(os.geteuid() == 0 and shutil.which("nsenter") and shutil.which("ip"),
+                     "needs root, ip and nsenter")
+@unittest.skipUnless(built_with_ucx(), "ckptfs was built without the UCX peer transport")
+class MemoryTierMultiNode(unittest.TestCase):
+    def setUp(self):
+        root = tempfile.mkdtemp(prefix="ckptfs-memmn-")
+        self.addCleanup(shutil.rmtree, root, True)
+        self.c = Cluster(2, root=root,
+                         daemon_args=["--memory-ckpt-mem", "160M", "--cache-mem", "64M"])
+        self.addCleanup(self.c.cleanup)
+        self.c.setup()
+        self.c.start()
+        self.assertTrue(self.c.wait_connected(), self.logs())
+
+    def logs(self):
+        return "\n".join(f"--- node {n.index} ---\n{n.log_text(12000)}" for n in self.c.nodes)
+
+    def eventually(self, cond, what, timeout=30):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if cond():
+                return
+            time.sleep(0.1)
+        self.fail(f"{what}\n{self.logs()}")
+
+    def save(self, name, seed):
+        n0, n1 = self.c.nodes
+        dirs = [os.path.join(n.mnt, "run", "mem", name) for n in (n0, n1)]
+        try:
+            dcp_tool.save(dirs[0], RANKS, MB, True, seed=seed, timeout=300, dirs=dirs)
+        except Exception as e:
+            raise AssertionError(f"the two-node save of {name} failed: {e}\n{self.logs()}")
+        path = f"run/mem/{name}"
+        for n in (n0, n1):
+            self.eventually(lambda n=n: (listed(n, path) or {}).get("state") == "committed",
+                            f"node {n.index} does not list {path} committed")
+        return dirs
+
+    def test_a_checkpoint_written_through_two_nodes(self):
+        n0, n1 = self.c.nodes
+        run = os.path.join(n0.mnt, "run", "mem")
+        os.makedirs(run)
+        os.setxattr(run, TIER, b"memory")
+        dirs = self.save("step2", 2)
+        path = "run/mem/step2"
+        whole = listed(n0, path)["bytes"]
+        self.assertGreaterEqual(whole, MB << 20)
+        for n, other in ((n0, n1), (n1, n0)):
+            c = listed(n, path)
+            self.assertEqual(c["bytes"], whole, c)
+            # Its own part is replicated to the other node, which holds it in memory.
+            self.assertIn(other.address, c["where"], c)
+            held = n.stats()["memory_replication"]["replicas"]
+            self.assertGreater(held["held_bytes"], 0, held)
+            shown = subprocess.run([ADMIN, "checkpoints", n.mnt], capture_output=True,
+                                   text=True)
+            self.assertEqual(shown.returncode, 0, shown.stderr)
+            self.assertRegex(shown.stdout, rf"{re.escape(path)} +committed .*memory")
+            # Every name of the checkpoint, on both nodes.
+            self.assertEqual(sorted(os.listdir(dirs[n.index])), sorted(os.listdir(dirs[0])))
+        self.assertIn(".metadata", os.listdir(dirs[1]))
+        for n, line in ((n0, f"memory-only checkpoint {path} committed: every part in memory "
+                             f"on its writer and replicated (this node's to {n1.address}"),
+                        (n1, f"memory-only checkpoint {path} committed by the node with its "
+                             f".metadata (this node's part replicated to {n0.address}")):
+            self.eventually(lambda n=n, line=line: line in n.log_text(1 << 24),
+                            f"node {n.index} did not log: {line}")
+        # Nothing of it on the backing store.
+        self.assertEqual(os.listdir(os.path.join(self.c.backing, "run", "mem")), [])
+
+        b0 = [n.stats()["backing_bytes_read"] for n in (n0, n1)]
+        for d in dirs:  # every rank through one node, then the other
+            dcp_tool.load(d, RANKS, "own", 2, timeout=300)
+            dcp_tool.load(d, RANKS, "replicated", 2, timeout=300)
+        dcp_tool.load(dirs[0], RANKS, "own", 2, timeout=300, dirs=dirs)
+        self.assertEqual([n.stats()["backing_bytes_read"] for n in (n0, n1)], b0, self.logs())
+
+        # The next two-node save evicts it on both nodes.
+        self.save("step3", 3)
+        for d in dirs:
+            self.eventually(lambda d=d: not os.path.exists(d), f"{d} was not evicted")
+        dcp_tool.load(os.path.join(n1.mnt, "run", "mem", "step3"), RANKS, "own", 3,
+                      timeout=300)
+        for n in (n0, n1):
+            self.assertIsNone(n.proc.poll(), f"node {n.index} died")
+
+    def test_either_node_restarted_gets_it_back_whole(self):
+        n0, n1 = self.c.nodes
+        run = os.path.join(n0.mnt, "run", "mem")
+        os.makedirs(run)
+        os.setxattr(run, TIER, b"memory")
+        dirs = self.save("step2", 2)
+        path = "run/mem/step2"
+        names = sorted(os.listdir(dirs[0]))
+        # The .metadata's node is SIGKILLed and restarted: it gets its part back from node
+        # 1 and gathers node 1's part again before the tree is served.
+        n0.kill(signal.SIGKILL)
+        n0.start()
+        self.assertEqual(sorted(os.listdir(dirs[0])), names)  # waits for the restore
+        self.assertEqual(listed(n0, path)["state"], "committed")
+        b0 = n0.stats()["backing_bytes_read"]
+        dcp_tool.load(dirs[0], RANKS, "replicated", 2, timeout=300)
+        self.assertEqual(n0.stats()["backing_bytes_read"], b0)
+        # Node 0's restart lost the replica of node 1's part it held: node 1 (checking its
+        # committed checkpoints every 5 s while idle) hands it over again.
+        self.eventually(lambda: n0.stats()["memory_replication"]["replicas"]["held_bytes"] > 0,
+                        "node 1 did not hand its part to node 0 again", timeout=40)
+        # Node 1 is SIGKILLed and restarted: its part comes back from node 0, and node 0 tells
+        # it of the commit again (while idle, every 5 s): it is committed there again.
+        n1.kill(signal.SIGKILL)
+        n1.start()
+        self.eventually(lambda: (listed(n1, path) or {}).get("state") == "committed",
+                        "node 1 did not get the checkpoint back", timeout=40)
+        self.assertEqual(sorted(os.listdir(dirs[1])), names)
+        b1 = n1.stats()["backing_bytes_read"]
+        dcp_tool.load(dirs[1], RANKS, "replicated", 2, timeout=300)
+        self.assertEqual(n1.stats()["backing_bytes_read"], b1)
+        # And each part is held by the other node again.
+        for n in (n0, n1):
+            self.eventually(lambda n=n: n.stats()["memory_replication"]["replicas"]
+                            ["held_bytes"] > 0, f"node {n.index} holds no replica", timeout=40)
+
+    def test_a_part_lost_with_its_holder_loses_the_checkpoint_on_both_nodes(self):
+        n0, n1 = self.c.nodes
+        run = os.path.join(n0.mnt, "run", "mem")
+        os.makedirs(run)
+        os.setxattr(run, TIER, b"memory")
+        dirs = self.save("step2", 2)
+        path = "run/mem/step2"
+        # Node 0 restarts: it held node 1's part, which is on node 1 alone until node 1
+        # hands it over again (within 5 s). Node 1 is killed before that: its part is gone
+        # from its writer and from its holder.
+        n0.kill(signal.SIGKILL)
+        n0.start()
+        os.listdir(dirs[0])  # waits for node 0's restore (its own part, from node 1)
+        self.assertEqual(listed(n0, path)["state"], "committed")
+        self.assertEqual(n0.stats()["memory_replication"]["replicas"]["held_bytes"], 0,
+                         "precondition: node 1's part is not held by node 0 yet")
+        n1.kill(signal.SIGKILL)
+        n1.start()
+        for n in (n0, n1):
+            self.eventually(lambda n=n: (listed(n, path) or {}).get("state") == "lost",
+                            f"node {n.index} does not list {path} lost", timeout=40)
+            self.assertFalse(os.path.exists(dirs[n.index]), f"node {n.index} still serves it")
+        self.eventually(lambda: "memory-only checkpoint run/mem/step2 LOST: the part rank 1" in
+                        n0.log_text(1 << 24), "node 0 did not log the loss")
+        for n in (n0, n1):
+            self.assertIsNone(n.proc.poll(), f"node {n.index} died")
+
+
+if __name__ == "__main__":
+    unittest.main()
