@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include "fs/namespace/node_table.h"
+#include "fs/namespace/table_lock.h"
 #include "store/publish/publication.h"
 
 namespace ckptfs::fs {
@@ -32,7 +33,7 @@ bool MemoryView::MarkedLocked(uint64_t ino) {
   if (auto it = marked_.find(ino); it != marked_.end()) return it->second;
   std::string path;
   {
-    MutexLock lock(&table_->mu);
+    TableLock lock(*table_);
     std::shared_ptr<Node> node = table_->NodeLocked(ino);
     if (!node) return false;
     if (node->type != NodeType::kDir || ino == kRootIno || !node->on_backing) {
@@ -74,7 +75,7 @@ Status MemoryView::Mark(uint64_t ino, const std::string& value) {
     return Invalid("user.ckptfs.tier takes \"memory\" (or is removed)");
   }
   {
-    MutexLock lock(&table_->mu);
+    TableLock lock(*table_);
     std::shared_ptr<Node> node = table_->NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     if (node->type != NodeType::kDir || ino == kRootIno) {
@@ -92,7 +93,7 @@ Status MemoryView::Mark(uint64_t ino, const std::string& value) {
   CKPT_RETURN_IF_ERROR(publication_->AwaitApplied(publication_->view().last_appended()));
   std::string path;
   {
-    MutexLock lock(&table_->mu);
+    TableLock lock(*table_);
     std::shared_ptr<Node> node = table_->NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     path = table_->PathLocked(node.get());

@@ -37,7 +37,7 @@ Result<std::unique_ptr<NodeTable>> NodeTable::Create(const FsConfig& config,
   table->root_->attr.st_ino = kRootIno;
   table->root_->on_backing = true;
   {
-    MutexLock lock(&table->mu);
+    MutexLock lock(&table->mu_);
     table->inodes_[kRootIno] = table->root_;
   }
   return table;
@@ -206,7 +206,7 @@ std::shared_ptr<Node> NodeTable::AddBackingChildLocked(Node* dir, const std::str
 Status NodeTable::LoadDir(uint64_t ino) {
   std::string path;
   {
-    MutexLock lock(&mu);
+    MutexLock lock(&mu_);
     auto dir = NodeLocked(ino);
     if (!dir || dir->type != NodeType::kDir || dir->loaded) return Status::Ok();
     if (!dir->on_backing) {
@@ -223,7 +223,7 @@ Status NodeTable::LoadDir(uint64_t ino) {
     auto st = backing_->Stat(path::Join(path, e.name));
     if (st.ok()) found.emplace_back(e.name, *st);  // else raced with an external delete
   }
-  MutexLock lock(&mu);
+  MutexLock lock(&mu_);
   auto dir = NodeLocked(ino);
   // Moved meanwhile: the listing is of another path; the operation loads it under the lock.
   if (!dir || dir->loaded || PathLocked(dir.get()) != path) return Status::Ok();
@@ -241,7 +241,7 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
   std::shared_ptr<Node> child;
   std::string path;
   uint64_t removed = 0;  // the directory's names_removed when the stat was planned
-  auto probe_path = [&](Node* dir) REQUIRES(mu) -> std::string {
+  auto probe_path = [&](Node* dir) REQUIRES(mu_) -> std::string {
     if (child) {
       const bool fresh = child->on_backing && !child->write && QuiescentLocked(child.get());
       return fresh ? PathLocked(child.get()) : std::string();
@@ -250,7 +250,7 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
     return fresh ? path::Join(PathLocked(dir), name) : std::string();
   };
   {
-    MutexLock lock(&mu);
+    MutexLock lock(&mu_);
     auto dir = NodeLocked(dir_ino);
     if (!dir || dir->type != NodeType::kDir || !dir->loaded) return Status::Ok();
     auto it = dir->children.find(name);
@@ -260,7 +260,7 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
     removed = dir->names_removed;
   }
   Result<struct stat> st = backing_->Stat(path);  // without mu
-  MutexLock lock(&mu);
+  MutexLock lock(&mu_);
   auto dir = NodeLocked(dir_ino);
   if (!dir || dir->type != NodeType::kDir || !dir->loaded) return Status::Ok();
   auto it = dir->children.find(name);
@@ -292,7 +292,7 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
 Status NodeTable::LoadChildDir(uint64_t dir_ino, const std::string& name) {
   uint64_t ino = 0;
   {
-    MutexLock lock(&mu);
+    MutexLock lock(&mu_);
     auto dir = NodeLocked(dir_ino);
     if (!dir || dir->type != NodeType::kDir) return Status::Ok();
     auto it = dir->children.find(name);
@@ -305,12 +305,12 @@ Status NodeTable::LoadChildDir(uint64_t dir_ino, const std::string& name) {
 void NodeTable::RefreshAttr(uint64_t ino, bool unless_committed) {
   // The stat runs without mu; it is applied only if the node's backing path is still
   // the one stat'ed and nothing of it is pending.
-  auto refreshable = [this](const Node* node) REQUIRES(mu) {
+  auto refreshable = [this](const Node* node) REQUIRES(mu_) {
     return !node->write && node->on_backing && QuiescentLocked(node);
   };
   std::string path;
   {
-    MutexLock lock(&mu);
+    MutexLock lock(&mu_);
     auto node = NodeLocked(ino);
     if (!node || !refreshable(node.get())) return;
     if (unless_committed && TimeoutFor(*node) >= kCommittedTimeout) return;
@@ -318,7 +318,7 @@ void NodeTable::RefreshAttr(uint64_t ino, bool unless_committed) {
   }
   Result<struct stat> backing = backing_->Stat(path);
   if (!backing.ok()) return;
-  MutexLock lock(&mu);
+  MutexLock lock(&mu_);
   auto node = NodeLocked(ino);
   if (node && refreshable(node.get()) && PathLocked(node.get()) == path) {
     ApplyBackingStatLocked(node.get(), *backing);
@@ -430,7 +430,7 @@ Status NodeTable::WaitForAncestorsUnlocked(uint64_t ino) {
   while (true) {
     uint64_t need = 0;
     {
-      MutexLock lock(&mu);
+      MutexLock lock(&mu_);
       auto node = NodeLocked(ino);
       if (!node) return Status::Ok();
       // Only an operation that reaches the backing store by path must wait: loading a
@@ -471,7 +471,7 @@ Status NodeTable::LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status 
   }
   std::string path = "(control file)";
   if (ino == kRootIno || ino >= kFirstNodeIno) {
-    MutexLock lock(&mu);
+    MutexLock lock(&mu_);
     auto node = NodeLocked(ino);
     path = !node                      ? "(forgotten)"
            : node->ino == kRootIno    ? ""
@@ -487,7 +487,7 @@ Status NodeTable::LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status 
 
 Result<struct stat> NodeTable::GetAttr(uint64_t ino) {
   RefreshAttr(ino, /*unless_committed=*/true);
-  MutexLock lock(&mu);
+  MutexLock lock(&mu_);
   auto node = NodeLocked(ino);
   if (!node) return NotFound("stale inode");
   FoldWriteTimeLocked(node.get());
