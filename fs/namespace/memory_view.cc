@@ -74,17 +74,21 @@ Status MemoryView::Mark(uint64_t ino, const std::string& value) {
   if (!value.empty() && value != "memory") {
     return Invalid("user.ckptfs.tier takes \"memory\" (or is removed)");
   }
-  {
+  CKPT_RETURN_IF_ERROR(table_->LoadDir(ino));  // the listing, without the table's lock
+  for (bool listed = false; !listed;) {
     TableLock lock(*table_);
     std::shared_ptr<Node> node = table_->NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     if (node->type != NodeType::kDir || ino == kRootIno) {
       return Status(Code::kNotDir, "only a directory below the mount's root can be marked");
     }
-    CKPT_RETURN_IF_ERROR(table_->EnsureLoadedLocked(node.get()));
+    Status loaded = table_->EnsureLoadedLocked(node.get());
+    if (LockDropped(loaded)) continue;  // listed without the lock: look again
+    CKPT_RETURN_IF_ERROR(loaded);
     if (!value.empty() && !node->children.empty()) {
       return Status(Code::kNotEmpty, "a memory-only directory must be empty when it is marked");
     }
+    listed = true;
   }
   if (value.empty() && MarkedAndBusy(ino)) {
     return Status(Code::kNotEmpty, "the memory-only tree still holds names");

@@ -37,14 +37,18 @@ Result<Entry> Namespace::NodeLookup(uint64_t parent, const std::string& name) {
   if (IsTempName(name)) return NotFound(name);
   CKPT_RETURN_IF_ERROR(table_.WaitForAncestorsUnlocked(parent));
   CKPT_RETURN_IF_ERROR(table_.ProbeName(parent, name));
-  TableLock lock(table_);
-  auto dir = table_.NodeLocked(parent);
-  if (!dir) return NotFound("stale parent");
-  if (dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
-  CKPT_RETURN_IF_ERROR(table_.EnsureLoadedLocked(dir.get()));
-  auto child = table_.ChildLocked(dir.get(), name);
-  if (!child) return NotFound(name);
-  return table_.EntryLocked(child.get());
+  for (;;) {
+    TableLock lock(table_);
+    auto dir = table_.NodeLocked(parent);
+    if (!dir) return NotFound("stale parent");
+    if (dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
+    Status loaded = table_.EnsureLoadedLocked(dir.get());
+    if (LockDropped(loaded)) continue;  // listed without the lock: look again
+    CKPT_RETURN_IF_ERROR(loaded);
+    auto child = table_.ChildLocked(dir.get(), name);
+    if (!child) return NotFound(name);
+    return table_.EntryLocked(child.get());
+  }
 }
 
 void Namespace::Forget(uint64_t ino, uint64_t nlookup) {
@@ -98,9 +102,11 @@ Result<Entry> Namespace::MakeNode(uint64_t parent, const std::string& name, Node
   CKPT_RETURN_IF_ERROR(table_.ProbeName(parent, name));
   Entry out;
   Result<uint64_t> seq = uint64_t{0};
-  {
+  for (;;) {
     TableLock lock(table_);
-    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, table_.LoadedDirLocked(parent, name));
+    Result<std::shared_ptr<Node>> loaded = table_.LoadedDirLocked(parent, name);
+    if (LockDropped(loaded.status())) continue;  // listed without the lock: start over
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, std::move(loaded));
     if (table_.ChildLocked(dir.get(), name)) return Status(Code::kExists, name);
     const NewOwner owner = OwnerOfNew(caller, dir->attr, mode & S_IFMT, mode);
     auto node = table_.NewNodeLocked(dir.get(), name, type);
@@ -131,6 +137,7 @@ Result<Entry> Namespace::MakeNode(uint64_t parent, const std::string& name, Node
     }
     seq = table_.AppendLocked(std::move(e), node.get());
     out = table_.EntryLocked(node.get());
+    break;
   }
   CKPT_RETURN_IF_ERROR(table_.WaitIfStrict(seq));
   if (type == NodeType::kDir && config_.peers && !config_.strict) WaitForOtherNodes(*seq);
@@ -196,9 +203,11 @@ Status Namespace::Unlink(uint64_t parent, const std::string& name, const Caller&
   CKPT_RETURN_IF_ERROR(table_.WaitForAncestorsUnlocked(parent));
   CKPT_RETURN_IF_ERROR(table_.ProbeName(parent, name));
   Result<uint64_t> seq = uint64_t{0};
-  {
+  for (;;) {
     TableLock lock(table_);
-    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, table_.LoadedDirLocked(parent, name));
+    Result<std::shared_ptr<Node>> loaded = table_.LoadedDirLocked(parent, name);
+    if (LockDropped(loaded.status())) continue;  // listed without the lock: start over
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, std::move(loaded));
     auto node = table_.ChildLocked(dir.get(), name);
     if (!node) return NotFound(name);
     if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
@@ -221,6 +230,7 @@ Status Namespace::Unlink(uint64_t parent, const std::string& name, const Caller&
     table_.links().Unlink(node.get(), seq.ok() ? *seq : 0);
     node->on_backing = false;
     table_.DetachLocked(node);
+    break;
   }
   return table_.WaitIfStrict(seq);
 }
@@ -230,14 +240,18 @@ Status Namespace::Rmdir(uint64_t parent, const std::string& name, const Caller& 
   CKPT_RETURN_IF_ERROR(table_.ProbeName(parent, name));
   CKPT_RETURN_IF_ERROR(table_.LoadChildDir(parent, name));  // is it empty?
   Result<uint64_t> seq = uint64_t{0};
-  {
+  for (;;) {
     TableLock lock(table_);
-    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, table_.LoadedDirLocked(parent, name));
+    Result<std::shared_ptr<Node>> loaded = table_.LoadedDirLocked(parent, name);
+    if (LockDropped(loaded.status())) continue;  // listed without the lock: start over
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, std::move(loaded));
     auto node = table_.ChildLocked(dir.get(), name);
     if (!node) return NotFound(name);
     if (node->type != NodeType::kDir) return Status(Code::kNotDir, name);
     CKPT_RETURN_IF_ERROR(CheckSticky(caller, dir->attr, node->attr));
-    CKPT_RETURN_IF_ERROR(table_.EnsureLoadedLocked(node.get()));
+    Status listed = table_.EnsureLoadedLocked(node.get());
+    if (LockDropped(listed)) continue;
+    CKPT_RETURN_IF_ERROR(listed);
     if (!node->children.empty()) return Status(Code::kNotEmpty, name);
     const std::string path = table_.PathLocked(node.get());
     store::JournalEntry e;
@@ -247,6 +261,7 @@ Status Namespace::Rmdir(uint64_t parent, const std::string& name, const Caller& 
     table_.TouchDirLocked(dir.get(), -1);
     node->on_backing = false;
     table_.DetachLocked(node);
+    break;
   }
   return table_.WaitIfStrict(seq);
 }
@@ -262,7 +277,7 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
   CKPT_RETURN_IF_ERROR(table_.ProbeName(new_parent, new_name));
   CKPT_RETURN_IF_ERROR(table_.LoadChildDir(new_parent, new_name));  // a replaced dir must be empty
   Result<uint64_t> seq = uint64_t{0};
-  {
+  for (;;) {
     TableLock lock(table_);
     auto src_dir = table_.NodeLocked(parent);
     auto dst_dir = table_.NodeLocked(new_parent);
@@ -270,8 +285,11 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
         dst_dir->type != NodeType::kDir) {
       return Status(Code::kNotDir, name);
     }
-    CKPT_RETURN_IF_ERROR(table_.EnsureLoadedLocked(src_dir.get()));
-    CKPT_RETURN_IF_ERROR(table_.EnsureLoadedLocked(dst_dir.get()));
+    // A directory listed without the lock: everything is looked at again.
+    Status listed = table_.EnsureLoadedLocked(src_dir.get());
+    if (listed.ok()) listed = table_.EnsureLoadedLocked(dst_dir.get());
+    if (LockDropped(listed)) continue;
+    CKPT_RETURN_IF_ERROR(listed);
     auto node = table_.ChildLocked(src_dir.get(), name);
     if (!node) return NotFound(name);
     CKPT_RETURN_IF_ERROR(CheckSticky(caller, src_dir->attr, node->attr));
@@ -291,7 +309,9 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
         return Status(Code::kIsDir, new_name);
       }
       if (victim->type == NodeType::kDir) {
-        CKPT_RETURN_IF_ERROR(table_.EnsureLoadedLocked(victim.get()));
+        Status victim_listed = table_.EnsureLoadedLocked(victim.get());
+        if (LockDropped(victim_listed)) continue;
+        CKPT_RETURN_IF_ERROR(victim_listed);
         if (!victim->children.empty()) return Status(Code::kNotEmpty, new_name);
       }
     }
@@ -333,6 +353,7 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
     node->name = new_name;
     dst_dir->children[new_name] = node;
     node->attr.st_ctim = Now();
+    break;
   }
   return table_.WaitIfStrict(seq);
 }
@@ -388,10 +409,17 @@ Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
     }
   }
   TableLock lock(table_);
-  auto node = table_.NodeLocked(ino);
-  if (!node) return NotFound("stale inode");
-  if (node->type != NodeType::kDir) return Status(Code::kNotDir, "opendir");
-  CKPT_RETURN_IF_ERROR(table_.EnsureLoadedLocked(node.get()));
+  std::shared_ptr<Node> node;
+  for (;;) {
+    node = table_.NodeLocked(ino);
+    if (!node) return NotFound("stale inode");
+    if (node->type != NodeType::kDir) return Status(Code::kNotDir, "opendir");
+    Status loaded = table_.EnsureLoadedLocked(node.get());
+    if (!LockDropped(loaded)) {
+      CKPT_RETURN_IF_ERROR(loaded);
+      break;
+    }
+  }
   if (!found.empty() && relistable(node.get()) && table_.PathLocked(node.get()) == path) {
     for (const auto& [name, st] : found) {
       if (!node->children.count(name)) table_.AddBackingChildLocked(node.get(), name, st);

@@ -11,6 +11,7 @@
 
 #include "common/path.h"
 #include "fs/fs_util.h"
+#include "fs/namespace/table_lock.h"
 
 namespace ckptfs::fs {
 namespace {
@@ -179,17 +180,11 @@ Status NodeTable::EnsureLoadedLocked(Node* dir) {
     dir->loaded = true;  // made through the mount: nothing on the backing store yet
     return Status::Ok();
   }
-  const std::string path = PathLocked(dir);
-  CKPT_ASSIGN_OR_RETURN(auto entries, backing_->List(path));
-  for (const auto& e : entries) {
-    if (IsTempName(e.name) || dir->children.count(e.name)) continue;
-    if (dir->ino == kRootIno && e.name == kCtlDirName) continue;
-    auto st = backing_->Stat(path::Join(path, e.name));
-    if (!st.ok()) continue;  // raced with an external delete
-    AddBackingChildLocked(dir, e.name, *st);
-  }
-  dir->loaded = true;
-  return Status::Ok();
+  // A directory no LoadDir loaded before the operation took the lock (one that appeared
+  // since): listed without the lock, then the operation starts over (LockDropped).
+  const uint64_t ino = dir->ino;
+  CKPT_RETURN_IF_ERROR(TableLock::WithoutLock(*this, [this, ino] { return LoadDir(ino); }));
+  return Status(Code::kAborted, "directory listed without the lock: start over");
 }
 
 std::shared_ptr<Node> NodeTable::AddBackingChildLocked(Node* dir, const std::string& name,
@@ -204,34 +199,37 @@ std::shared_ptr<Node> NodeTable::AddBackingChildLocked(Node* dir, const std::str
 }
 
 Status NodeTable::LoadDir(uint64_t ino) {
-  std::string path;
-  {
-    MutexLock lock(&mu_);
-    auto dir = NodeLocked(ino);
-    if (!dir || dir->type != NodeType::kDir || dir->loaded) return Status::Ok();
-    if (!dir->on_backing) {
-      dir->loaded = true;  // made through the mount: nothing on the backing store yet
-      return Status::Ok();
+  for (RaceRetry race;; race.Lose()) {
+    std::string path;
+    {
+      TableLock lock(*this);
+      race.Enter(*this, NodeLocked(ino));  // after races lost: the directory's I/O token
+      auto dir = NodeLocked(ino);
+      if (!dir || dir->type != NodeType::kDir || dir->loaded) return Status::Ok();
+      if (!dir->on_backing) {
+        dir->loaded = true;  // made through the mount: nothing on the backing store yet
+        return Status::Ok();
+      }
+      path = PathLocked(dir.get());
     }
-    path = PathLocked(dir.get());
+    // The listing and the stats, without the lock.
+    CKPT_ASSIGN_OR_RETURN(auto entries, backing_->List(path));
+    std::vector<std::pair<std::string, struct stat>> found;
+    for (const auto& e : entries) {
+      if (IsTempName(e.name) || (ino == kRootIno && e.name == kCtlDirName)) continue;
+      auto st = backing_->Stat(path::Join(path, e.name));
+      if (st.ok()) found.emplace_back(e.name, *st);  // else raced with an external delete
+    }
+    TableLock lock(*this);
+    auto dir = NodeLocked(ino);
+    if (!dir || dir->loaded) return Status::Ok();
+    if (PathLocked(dir.get()) != path) continue;  // moved meanwhile: list it where it is now
+    for (const auto& [name, st] : found) {
+      if (!dir->children.count(name)) AddBackingChildLocked(dir.get(), name, st);
+    }
+    dir->loaded = true;
+    return Status::Ok();
   }
-  // The listing and the stats, without mu.
-  CKPT_ASSIGN_OR_RETURN(auto entries, backing_->List(path));
-  std::vector<std::pair<std::string, struct stat>> found;
-  for (const auto& e : entries) {
-    if (IsTempName(e.name) || (ino == kRootIno && e.name == kCtlDirName)) continue;
-    auto st = backing_->Stat(path::Join(path, e.name));
-    if (st.ok()) found.emplace_back(e.name, *st);  // else raced with an external delete
-  }
-  MutexLock lock(&mu_);
-  auto dir = NodeLocked(ino);
-  // Moved meanwhile: the listing is of another path; the operation loads it under the lock.
-  if (!dir || dir->loaded || PathLocked(dir.get()) != path) return Status::Ok();
-  for (const auto& [name, st] : found) {
-    if (!dir->children.count(name)) AddBackingChildLocked(dir.get(), name, st);
-  }
-  dir->loaded = true;
-  return Status::Ok();
 }
 
 Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {

@@ -32,9 +32,9 @@
 //     a staged file's temp, a publish's wait for a writer to let it freeze the file, the
 //     readlink of a symlink: each re-checked under the lock before its result is used
 //     (RaceRetry, fs/namespace/table_lock.h). After kRaceTries lost races a call takes the
-//     node's I/O token and goes on without the lock: no fallback does I/O under it.
-//     The one exception left: EnsureLoadedLocked, the listing of a directory that no
-//     LoadDir loaded before the operation took the lock.
+//     node's I/O token and goes on without the lock: no fallback does I/O under it. A
+//     directory no LoadDir loaded before an operation took the lock is listed without it
+//     too (EnsureLoadedLocked), and the operation starts over (LockDropped).
 //   * Inside a scope the lock is dropped only by TableLock::WithoutLock (unlock, I/O or a
 //     wait, relock) and TableLock::Await (a condition variable). Nothing waits on the
 //     pipeline or the journal (Settled, WaitUnlessHalted, AwaitApplied) with it held.
@@ -103,7 +103,8 @@ class NodeTable {
 
   // ------------------------------------------------------------ nodes and paths
   std::shared_ptr<Node> NodeLocked(uint64_t ino) REQUIRES(mu_);
-  // Directory `ino`, loaded (EnsureLoadedLocked); kNotDir, naming `name`, for anything else.
+  // Directory `ino`, loaded (EnsureLoadedLocked: kAborted when it had to list it without
+  // the lock, LockDropped); kNotDir, naming `name`, for anything else.
   Result<std::shared_ptr<Node>> LoadedDirLocked(uint64_t ino, const std::string& name)
       REQUIRES(mu_);
   std::string PathLocked(const Node* node) const REQUIRES(mu_);
@@ -132,11 +133,15 @@ class NodeTable {
   Result<struct stat> GetAttr(uint64_t ino) EXCLUDES(mu_);
 
   // ------------------------------------------------------------ the overlay
+  // Ok when `dir` is loaded (or made through the mount). Else it lists it without the lock
+  // (LoadDir, TableLock::WithoutLock) and returns kAborted: the caller read the table
+  // before the lock was dropped, and starts its operation over (LockDropped,
+  // fs/namespace/table_lock.h). The listing is never done under the lock.
   Status EnsureLoadedLocked(Node* dir) REQUIRES(mu_);
   // Loads directory `ino` from the backing store if it is not loaded yet: the listing and
   // the stats run without the lock, the result is merged under it if the directory is still
-  // at the path listed. EnsureLoadedLocked is the fallback, under the lock, for a
-  // directory that was moved meanwhile or that no operation loaded first.
+  // at the path listed, else it is listed again where it is now (RaceRetry: after races
+  // lost, holding the directory's I/O token). Returns once it is loaded or gone.
   Status LoadDir(uint64_t ino) EXCLUDES(mu_);
   // LoadDir of the child directory `name` of `dir_ino`, if there is one.
   Status LoadChildDir(uint64_t dir_ino, const std::string& name) EXCLUDES(mu_);

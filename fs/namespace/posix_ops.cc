@@ -200,7 +200,9 @@ Result<Entry> PosixOps::Link(uint64_t ino, uint64_t new_parent, const std::strin
     if (node->type == NodeType::kDir) {
       return Status(Code::kNotPermitted, "hard link to a directory");
     }
-    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, table_.LoadedDirLocked(new_parent, new_name));
+    Result<std::shared_ptr<Node>> loaded = table_.LoadedDirLocked(new_parent, new_name);
+    if (LockDropped(loaded.status())) continue;  // listed without the lock: start over
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, std::move(loaded));
     if (table_.ChildLocked(dir.get(), new_name)) return Status(Code::kExists, new_name);
     if (node->parent == nullptr) return NotFound("link of an unlinked file");
     if (!node->error.empty()) return Status(Code::kIo, node->error);

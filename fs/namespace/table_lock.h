@@ -20,7 +20,13 @@
 // a race (no EAGAIN, no kAborted to the application).
 //
 // Lock order: Node::io_token -> the table's lock. A token is taken with the table's lock
-// released (TableLock::WithoutLock), and a thread holds one token at a time.
+// released (TableLock::WithoutLock), and a thread holds one token at a time: a RaceRetry
+// nested in a call that holds a token (a directory listed for an operation that holds a
+// file's) goes on trying without taking another, so no token holder waits for a token.
+//
+// A *Locked method that had to drop the lock to do I/O the operation did not do before it
+// took the lock (NodeTable::EnsureLoadedLocked: a directory to list) returns
+// kAborted after the I/O; LockDropped() tells the caller to start its operation over.
 #pragma once
 
 #include <condition_variable>
@@ -29,6 +35,7 @@
 #include <utility>
 
 #include "common/mutex.h"
+#include "common/status.h"
 #include "fs/namespace/node.h"
 #include "fs/namespace/node_table.h"
 
@@ -81,11 +88,17 @@ class SCOPED_CAPABILITY TableLock {
 
 inline constexpr int kRaceTries = 3;
 
+// The *Locked method dropped the lock to do I/O (see above): start the operation over.
+inline bool LockDropped(const Status& st) { return st.code() == Code::kAborted; }
+
 class RaceRetry {
  public:
   RaceRetry() = default;
   RaceRetry(const RaceRetry&) = delete;
   RaceRetry& operator=(const RaceRetry&) = delete;
+  ~RaceRetry() {
+    if (token_.owns_lock()) thread_token_ = nullptr;
+  }
 
   // The try now beginning lost its race: the caller starts over.
   void Lose() { ++lost_; }
@@ -96,20 +109,26 @@ class RaceRetry {
   // the node's I/O token, waiting for it without the lock (then what the caller read
   // before may have changed). Kept until this object goes; a call holds one token.
   void Enter(NodeTable& table, const std::shared_ptr<Node>& node) REQUIRES(table.mu()) {
-    if (lost_ < kRaceTries || token_.owns_lock() || !node) return;
+    if (lost_ < kRaceTries || token_.owns_lock() || !node || thread_token_ != nullptr) return;
     std::unique_lock<std::mutex> token(node->io_token, std::try_to_lock);
     if (!token.owns_lock()) TableLock::WithoutLock(table, [&token] { token.lock(); });
-    token_ = std::move(token);
-    token_node_ = node;
+    Took(std::move(token), node);
   }
   // The same, for a caller that does not hold the table's lock.
   void EnterUnlocked(NodeTable& table, const std::shared_ptr<Node>& node) EXCLUDES(table.mu()) {
-    if (lost_ < kRaceTries || token_.owns_lock() || !node) return;
-    token_ = std::unique_lock<std::mutex>(node->io_token);
-    token_node_ = node;
+    if (lost_ < kRaceTries || token_.owns_lock() || !node || thread_token_ != nullptr) return;
+    Took(std::unique_lock<std::mutex>(node->io_token), node);
   }
 
  private:
+  void Took(std::unique_lock<std::mutex> token, const std::shared_ptr<Node>& node) {
+    token_ = std::move(token);
+    token_node_ = node;
+    thread_token_ = node.get();
+  }
+
+  // The node whose token this thread holds, if any (one at a time).
+  static inline thread_local const Node* thread_token_ = nullptr;
   int lost_ = 0;
   std::shared_ptr<Node> token_node_;  // keeps the token's node alive while it is held
   std::unique_lock<std::mutex> token_;

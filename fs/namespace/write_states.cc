@@ -257,7 +257,9 @@ Result<std::pair<Entry, Handle*>> WriteStates::Create(uint64_t parent, const std
     {
       TableLock lock(table_);
       race.Enter(table_, table_.NodeLocked(parent));  // what races is the directory's owner
-      CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, table_.LoadedDirLocked(parent, name));
+      Result<std::shared_ptr<Node>> loaded = table_.LoadedDirLocked(parent, name);
+      if (LockDropped(loaded.status())) continue;  // listed without the lock: start over
+      CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, std::move(loaded));
       std::shared_ptr<Node> node = table_.ChildLocked(dir.get(), name);
       if (node) {
         if (flags & O_EXCL) return Status(Code::kExists, name);
