@@ -410,5 +410,36 @@ TEST_F(NoLockAcrossIo, HungCopyAfterRacesLostDelaysNoOtherFile) {
   fs_->Release(h);
 }
 
+// A truncate whose copy keeps losing its race (the file is chmod'ed during every copy, one
+// time more than kRaceTries) goes on holding the node's I/O token until a copy holds: it
+// never fails because it lost races (it returned kAborted, EIO, before).
+TEST_F(NoLockAcrossIo, TruncateNeverFailsForRacesLost) {
+  std::atomic<std::thread::id> truncater{};
+  std::atomic<int> copies{0};
+  dir_->SetPosixHook([&](const std::string& op, const std::string&) {
+    if (op != "copy_file_range" || std::this_thread::get_id() != truncater.load()) return 0;
+    const int n = ++copies;
+    if (n <= kRaceTries + 1) {
+      struct stat in {};
+      in.st_mode = (n % 2) ? 0600 : 0640;  // differs from the mode the copy was planned with
+      auto st = fs_->SetAttr(slow_file_, in, kSetMode, nullptr);
+      EXPECT_TRUE(st.ok()) << st.status().ToString();
+    }
+    return 0;
+  });
+  truncater = std::this_thread::get_id();
+  struct stat in {};
+  in.st_size = 2;
+  auto st = fs_->SetAttr(slow_file_, in, kSetSize, nullptr);
+  truncater = std::thread::id{};
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  EXPECT_EQ(st->st_size, 2);
+  EXPECT_EQ(copies.load(), kRaceTries + 2);
+  Handle* h = OpenOk(slow_file_, O_RDONLY);
+  ASSERT_NE(h, nullptr);
+  EXPECT_EQ(ReadAll(h), "ss");
+  fs_->Release(h);
+}
+
 }  // namespace
 }  // namespace ckptfs::fs
