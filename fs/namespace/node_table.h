@@ -194,11 +194,11 @@ class NodeTable {
  private:
   NodeTable(const FsConfig& config, const FsParts& parts);
 
+  // ------------------------------------------------------------ constant after construction
   const FsConfig& config_;
   store::BackingDir* const backing_;
   store::Publication* const publication_;
   FsStats* const stats_;
-
   std::shared_ptr<Node> root_;  // set by Create, never changed
 
   // The one lock of the namespace: taken by TableLock, dropped inside a scope only by
@@ -214,6 +214,7 @@ class NodeTable {
   std::unordered_map<uint64_t, std::shared_ptr<Node>> publishing_ GUARDED_BY(mu_);
   LinkGroups links_ GUARDED_BY(mu_);
 
+  // ------------------------------------------------------------ atomics (no lock)
   // LogIfIo's rate limit.
   std::atomic<int64_t> io_log_second_{0};
   std::atomic<int> io_logged_{0};

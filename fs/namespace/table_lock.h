@@ -17,7 +17,10 @@
 // until the call ends: the I/O of that node's racing calls is then done one at a time, as
 // the table's lock did before, but nothing else waits for it. The I/O itself still runs
 // without the table's lock, and the call goes on trying: it never fails because it lost
-// a race (no EAGAIN, no kAborted to the application).
+// a race (no EAGAIN, no kAborted to the application). The operations that make it lose
+// (a rename, a chmod, a publish) do not wait for the token: each further try follows one
+// of them having completed, so the namespace as a whole always moves on, though one call
+// on a node that another thread changes without pause tries for as long as that lasts.
 //
 // Lock order: Node::io_token -> the table's lock. A token is taken with the table's lock
 // released (TableLock::WithoutLock), and a thread holds one token at a time: a RaceRetry
