@@ -299,7 +299,8 @@ Status PosixOps::Fallocate(Handle* handle, int mode, uint64_t offset, uint64_t l
                                              static_cast<off_t>(length)));
     if (end <= staged->size()) return Status::Ok();
     Status st = staged->Truncate(end);
-    if (st.code() == Code::kAborted) continue;  // frozen by a publish: extend the next copy
+    // Frozen by a publish: extend the next copy.
+    if (st.code() == Code::kAborted && race.LostToFreeze(staged.get())) continue;
     if (!st.ok()) return st;
     TableLock lock(table_);
     node->attr.st_mtim = node->attr.st_ctim = Now();

@@ -107,6 +107,15 @@ class RaceRetry {
   void Lose() { ++lost_; }
   // Whether this call holds a node's I/O token (after kRaceTries lost races).
   bool holds_token() const { return token_.owns_lock(); }
+  // A try failed with kAborted on `staged`, a staged file a publish froze
+  // (store::StagedFile::Write, Truncate): a lost race, the next try goes to the next copy.
+  // Unless the try before failed so on the same file: then no publish moves it on (its
+  // entry failed to append and it stays frozen), and the caller returns the error.
+  bool LostToFreeze(const void* staged) {
+    const bool again = staged == last_frozen_;
+    last_frozen_ = staged;
+    return !again;
+  }
 
   // Before a try on `node`, with the table's lock held: after kRaceTries lost races, takes
   // the node's I/O token, waiting for it without the lock (then what the caller read
@@ -133,6 +142,7 @@ class RaceRetry {
   // The node whose token this thread holds, if any (one at a time).
   static inline thread_local const Node* thread_token_ = nullptr;
   int lost_ = 0;
+  const void* last_frozen_ = nullptr;  // LostToFreeze
   std::shared_ptr<Node> token_node_;  // keeps the token's node alive while it is held
   std::unique_lock<std::mutex> token_;
 };

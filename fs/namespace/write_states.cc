@@ -358,7 +358,7 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
         const std::shared_ptr<store::StagedFile> staged = node->write->staged;
         Status cut = TableLock::WithoutLock(table_, [&staged] { return staged->Truncate(0); });
         // Frozen by a publish, or published and copied, meanwhile: start over.
-        if (cut.code() == Code::kAborted) continue;
+        if (cut.code() == Code::kAborted && race.LostToFreeze(staged.get())) continue;
         if (table_.NodeLocked(ino) != node || !node->write || node->write->staged != staged) {
           continue;
         }
@@ -509,7 +509,8 @@ Result<uint64_t> WriteStates::Resize(uint64_t ino, uint64_t size, const FileHand
     }
     // Waits for the flushes in flight, then cuts the temp file: without the table's lock.
     Status st = staged->Truncate(size);
-    if (st.code() == Code::kAborted) continue;  // frozen by a publish: cut the next copy
+    // Frozen by a publish: cut the next copy.
+    if (st.code() == Code::kAborted && race.LostToFreeze(staged.get())) continue;
     CKPT_RETURN_IF_ERROR(st);
     TableLock lock(table_);
     std::shared_ptr<Node> node = table_.NodeLocked(ino);
@@ -542,7 +543,7 @@ Status WriteStates::WriteData(FileHandle* h, store::ByteSource& src, uint64_t of
     }
     Status st = staged->Write(src, offset);
     // Frozen by a publish (before any byte of `src` was consumed): write into the copy.
-    if (st.code() == Code::kAborted) continue;
+    if (st.code() == Code::kAborted && race.LostToFreeze(staged.get())) continue;
     if (!st.ok()) {
       table_.NoteError("write " + std::to_string(node->ino) + ": " + st.ToString());
       return st;
