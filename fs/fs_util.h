@@ -36,24 +36,6 @@ inline Status CheckName(const std::string& name) {
   return Status::Ok();
 }
 
-// The retry rule of work planned under NodeTable::mu, done without it and checked again under it
-// (the copy a write begins, the backing open of a file, a truncate of a staged file): a
-// change of the node in between (a rename, a publish freezing its contents, another
-// handle's copy) loses the race, and the work starts over from what the node is now.
-// After kRaceTries lost races in one call the caller stops racing: it takes its fallback
-// (the work under the lock where it has one) or returns the last error, so that a file
-// changed in a loop cannot hold one caller forever (G10).
-inline constexpr int kRaceTries = 3;
-class RaceRetry {
- public:
-  // Another try without the lock is allowed.
-  bool may_retry() const { return lost_ < kRaceTries; }
-  void Lose() { ++lost_; }
-
- private:
-  int lost_ = 0;
-};
-
 inline bool IsTempName(const std::string& name) {
   return name.compare(0, sizeof(kTempPrefix) - 1, kTempPrefix) == 0;
 }

@@ -7,6 +7,7 @@
 
 #include "common/path.h"
 #include "fs/fs_util.h"
+#include "fs/namespace/table_lock.h"
 #include "store/dcp/commit_names.h"
 
 namespace ckptfs::fs {
@@ -15,13 +16,13 @@ JournalEvents::JournalEvents(const FsParts& parts, NodeTable& table, WriteStates
     : table_(table), writes_(writes), stats_(parts.stats) {}
 
 bool JournalEvents::WrittenLocally(const std::string& path) {
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   const Node* node = table_.LoadedNodeAtLocked(path);
   return node != nullptr && node->write && node->write->needs_publish;
 }
 
 bool JournalEvents::RewrittenSince(const std::string& path, uint64_t seq) {
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   const Node* node = table_.LoadedNodeAtLocked(path);
   // The write state lives until its version is published (open, or its publish queued).
   return node != nullptr && node->write && !node->write->discarded &&
@@ -31,7 +32,7 @@ bool JournalEvents::RewrittenSince(const std::string& path, uint64_t seq) {
 bool JournalEvents::RankCommitPending(const std::string& path, uint64_t seq) {
   const std::string dir = path::Parent(path);
   const std::string_view self = path::Basename(path);
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   const Node* node = dir.empty() ? table_.root().get() : table_.LoadedNodeAtLocked(dir);
   if (node == nullptr) return false;
   for (const auto& [name, child] : node->children) {
@@ -56,7 +57,7 @@ bool JournalEvents::RankCommitPending(const std::string& path, uint64_t seq) {
 }
 
 bool JournalEvents::PendingLocally(const std::string& path) {
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   const Node* node = table_.LoadedNodeAtLocked(path);
   // Open for writing, or closed with its publish queued, applied ahead or being retried
   // (NodeTable::PublishingLocked finds it until the journal reports the outcome).
@@ -67,7 +68,7 @@ bool JournalEvents::PendingLocally(const std::string& path) {
 void JournalEvents::OnHalted(const store::JournalEntry& e, const Status& st) {
   if (!st.ok()) table_.NoteError("publication halted at " + e.Describe() + ": " + st.ToString());
   if (e.op != store::OpType::kPublish) return;
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   if (std::shared_ptr<Node> node = table_.PublishingLocked(e.file_id)) {
     node->halt_error = st.ok() ? "" : st.ToString();
     node->halt_transient = store::IsTransient(st);
@@ -89,7 +90,7 @@ void JournalEvents::OnOutcome(const store::JournalEntry& e, const Status& st) {
 }
 
 uint64_t JournalEvents::NodePublishDone(const store::JournalEntry& e, const Status& st) {
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   std::shared_ptr<Node> node = table_.PublishingLocked(e.file_id, /*take=*/true);
   if (!node) return 0;
   if (st.ok()) {
@@ -110,8 +111,7 @@ uint64_t JournalEvents::NodePublishDone(const store::JournalEntry& e, const Stat
   uint64_t dropped = 0;
   if (node->write && node->write->file_id == e.file_id && node->open_files == 0 &&
       !node->write->needs_publish) {
-    writes_.AssertTable(table_);
-    writes_.DropWriteStateLocked(node.get());
+    WriteStates::DropWriteStateLocked(table_, node.get());
     dropped = node->ino;
   }
   if (node->parent == nullptr && node->nlookup == 0 && !node->write) {

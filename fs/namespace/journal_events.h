@@ -8,7 +8,7 @@
 // (fs/namespace/write_states.h).
 //
 // Thread-safe. Runs on the journal's thread (questions also on a peer's query thread);
-// takes `table.mu` briefly, never calls back into publication.
+// takes the table's lock (TableLock) briefly, never calls back into publication.
 #pragma once
 
 #include <cstdint>
@@ -31,17 +31,17 @@ class JournalEvents final : public store::PublicationObserver {
   JournalEvents(const JournalEvents&) = delete;
   JournalEvents& operator=(const JournalEvents&) = delete;
 
-  bool WrittenLocally(const std::string& path) override EXCLUDES(table_.mu);
-  bool RewrittenSince(const std::string& path, uint64_t seq) override EXCLUDES(table_.mu);
-  bool PendingLocally(const std::string& path) override EXCLUDES(table_.mu);
-  bool RankCommitPending(const std::string& path, uint64_t seq) override EXCLUDES(table_.mu);
-  void OnOutcome(const store::JournalEntry& e, const Status& st) override EXCLUDES(table_.mu);
-  void OnHalted(const store::JournalEntry& e, const Status& st) override EXCLUDES(table_.mu);
+  bool WrittenLocally(const std::string& path) override EXCLUDES(table_.mu());
+  bool RewrittenSince(const std::string& path, uint64_t seq) override EXCLUDES(table_.mu());
+  bool PendingLocally(const std::string& path) override EXCLUDES(table_.mu());
+  bool RankCommitPending(const std::string& path, uint64_t seq) override EXCLUDES(table_.mu());
+  void OnOutcome(const store::JournalEntry& e, const Status& st) override EXCLUDES(table_.mu());
+  void OnHalted(const store::JournalEntry& e, const Status& st) override EXCLUDES(table_.mu());
 
  private:
   // The node's side of a publish entry's outcome; returns the inode whose write state
   // was dropped (to RefreshAttr), or 0.
-  uint64_t NodePublishDone(const store::JournalEntry& e, const Status& st) EXCLUDES(table_.mu);
+  uint64_t NodePublishDone(const store::JournalEntry& e, const Status& st) EXCLUDES(table_.mu());
 
   NodeTable& table_;
   WriteStates& writes_;

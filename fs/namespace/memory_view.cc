@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include "fs/namespace/node_table.h"
+#include "fs/namespace/table_lock.h"
 #include "store/publish/publication.h"
 
 namespace ckptfs::fs {
@@ -32,7 +33,7 @@ bool MemoryView::MarkedLocked(uint64_t ino) {
   if (auto it = marked_.find(ino); it != marked_.end()) return it->second;
   std::string path;
   {
-    MutexLock lock(&table_->mu);
+    TableLock lock(*table_);
     std::shared_ptr<Node> node = table_->NodeLocked(ino);
     if (!node) return false;
     if (node->type != NodeType::kDir || ino == kRootIno || !node->on_backing) {
@@ -73,17 +74,21 @@ Status MemoryView::Mark(uint64_t ino, const std::string& value) {
   if (!value.empty() && value != "memory") {
     return Invalid("user.ckptfs.tier takes \"memory\" (or is removed)");
   }
-  {
-    MutexLock lock(&table_->mu);
+  CKPT_RETURN_IF_ERROR(table_->LoadDir(ino));  // the listing, without the table's lock
+  for (bool listed = false; !listed;) {
+    TableLock lock(*table_);
     std::shared_ptr<Node> node = table_->NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     if (node->type != NodeType::kDir || ino == kRootIno) {
       return Status(Code::kNotDir, "only a directory below the mount's root can be marked");
     }
-    CKPT_RETURN_IF_ERROR(table_->EnsureLoadedLocked(node.get()));
+    Status loaded = table_->EnsureLoadedLocked(node.get());
+    if (LockDropped(loaded)) continue;  // listed without the lock: look again
+    CKPT_RETURN_IF_ERROR(loaded);
     if (!value.empty() && !node->children.empty()) {
       return Status(Code::kNotEmpty, "a memory-only directory must be empty when it is marked");
     }
+    listed = true;
   }
   if (value.empty() && MarkedAndBusy(ino)) {
     return Status(Code::kNotEmpty, "the memory-only tree still holds names");
@@ -92,7 +97,7 @@ Status MemoryView::Mark(uint64_t ino, const std::string& value) {
   CKPT_RETURN_IF_ERROR(publication_->AwaitApplied(publication_->view().last_appended()));
   std::string path;
   {
-    MutexLock lock(&table_->mu);
+    TableLock lock(*table_);
     std::shared_ptr<Node> node = table_->NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     path = table_->PathLocked(node.get());

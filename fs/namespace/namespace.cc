@@ -10,6 +10,7 @@
 
 #include "common/path.h"
 #include "fs/fs_util.h"
+#include "fs/namespace/table_lock.h"
 
 namespace ckptfs::fs {
 
@@ -36,18 +37,22 @@ Result<Entry> Namespace::NodeLookup(uint64_t parent, const std::string& name) {
   if (IsTempName(name)) return NotFound(name);
   CKPT_RETURN_IF_ERROR(table_.WaitForAncestorsUnlocked(parent));
   CKPT_RETURN_IF_ERROR(table_.ProbeName(parent, name));
-  MutexLock lock(&table_.mu);
-  auto dir = table_.NodeLocked(parent);
-  if (!dir) return NotFound("stale parent");
-  if (dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
-  CKPT_RETURN_IF_ERROR(table_.EnsureLoadedLocked(dir.get()));
-  auto child = table_.ChildLocked(dir.get(), name);
-  if (!child) return NotFound(name);
-  return table_.EntryLocked(child.get());
+  for (;;) {
+    TableLock lock(table_);
+    auto dir = table_.NodeLocked(parent);
+    if (!dir) return NotFound("stale parent");
+    if (dir->type != NodeType::kDir) return Status(Code::kNotDir, name);
+    Status loaded = table_.EnsureLoadedLocked(dir.get());
+    if (LockDropped(loaded)) continue;  // listed without the lock: look again
+    CKPT_RETURN_IF_ERROR(loaded);
+    auto child = table_.ChildLocked(dir.get(), name);
+    if (!child) return NotFound(name);
+    return table_.EntryLocked(child.get());
+  }
 }
 
 void Namespace::Forget(uint64_t ino, uint64_t nlookup) {
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   auto node = table_.NodeLocked(ino);
   if (!node || ino == kRootIno) return;
   node->nlookup -= std::min(node->nlookup, nlookup);
@@ -56,7 +61,7 @@ void Namespace::Forget(uint64_t ino, uint64_t nlookup) {
 
 double Namespace::AttrTimeout(uint64_t ino) {
   if (ino < kFirstNodeIno && ino != kRootIno) return 0.0;  // control files: generated
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   auto node = table_.NodeLocked(ino);
   return node ? std::min(table_.TimeoutFor(*node), kDefaultTimeout) : 0.0;
 }
@@ -97,9 +102,11 @@ Result<Entry> Namespace::MakeNode(uint64_t parent, const std::string& name, Node
   CKPT_RETURN_IF_ERROR(table_.ProbeName(parent, name));
   Entry out;
   Result<uint64_t> seq = uint64_t{0};
-  {
-    MutexLock lock(&table_.mu);
-    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, table_.LoadedDirLocked(parent, name));
+  for (;;) {
+    TableLock lock(table_);
+    Result<std::shared_ptr<Node>> loaded = table_.LoadedDirLocked(parent, name);
+    if (LockDropped(loaded.status())) continue;  // listed without the lock: start over
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, std::move(loaded));
     if (table_.ChildLocked(dir.get(), name)) return Status(Code::kExists, name);
     const NewOwner owner = OwnerOfNew(caller, dir->attr, mode & S_IFMT, mode);
     auto node = table_.NewNodeLocked(dir.get(), name, type);
@@ -130,6 +137,7 @@ Result<Entry> Namespace::MakeNode(uint64_t parent, const std::string& name, Node
     }
     seq = table_.AppendLocked(std::move(e), node.get());
     out = table_.EntryLocked(node.get());
+    break;
   }
   CKPT_RETURN_IF_ERROR(table_.WaitIfStrict(seq));
   if (type == NodeType::kDir && config_.peers && !config_.strict) WaitForOtherNodes(*seq);
@@ -147,7 +155,7 @@ Result<Entry> Namespace::MakeEmptyFile(uint64_t parent, const std::string& name,
   writes_.ReleaseFile(owned->file());
   uint64_t seq = 0;
   {
-    MutexLock lock(&table_.mu);
+    TableLock lock(table_);
     if (node->write) seq = node->write->publish_seq;
   }
   if (seq != 0) CKPT_RETURN_IF_ERROR(table_.WaitIfStrict(seq));
@@ -172,7 +180,7 @@ Result<std::string> Namespace::Readlink(uint64_t ino) {
   CKPT_RETURN_IF_ERROR(table_.WaitForAncestorsUnlocked(ino));
   std::string path;
   {
-    MutexLock lock(&table_.mu);
+    TableLock lock(table_);
     auto node = table_.NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     if (node->type != NodeType::kSymlink) return Invalid("not a symlink");
@@ -180,10 +188,10 @@ Result<std::string> Namespace::Readlink(uint64_t ino) {
     path = table_.PathLocked(node.get());
   }
   // The target is returned as text and resolved by the kernel inside the mount, never
-  // by the daemon (G9). Read without table_.mu; a symlink's target never changes, so it is
+  // by the daemon (G9). Read without the table's lock; a symlink's target never changes, so it is
   // kept if the name is still where it was read.
   CKPT_ASSIGN_OR_RETURN(std::string target, backing_->Readlink(path));
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   auto node = table_.NodeLocked(ino);
   if (node && node->link_target.empty() && table_.PathLocked(node.get()) == path) {
     node->link_target = target;
@@ -195,17 +203,18 @@ Status Namespace::Unlink(uint64_t parent, const std::string& name, const Caller&
   CKPT_RETURN_IF_ERROR(table_.WaitForAncestorsUnlocked(parent));
   CKPT_RETURN_IF_ERROR(table_.ProbeName(parent, name));
   Result<uint64_t> seq = uint64_t{0};
-  {
-    MutexLock lock(&table_.mu);
-    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, table_.LoadedDirLocked(parent, name));
+  for (;;) {
+    TableLock lock(table_);
+    Result<std::shared_ptr<Node>> loaded = table_.LoadedDirLocked(parent, name);
+    if (LockDropped(loaded.status())) continue;  // listed without the lock: start over
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, std::move(loaded));
     auto node = table_.ChildLocked(dir.get(), name);
     if (!node) return NotFound(name);
     if (node->type == NodeType::kDir) return Status(Code::kIsDir, name);
     CKPT_RETURN_IF_ERROR(CheckSticky(caller, dir->attr, node->attr));
     const std::string path = table_.PathLocked(node.get());
-    writes_.AssertTable(table_);
     if (node->write && node->write->needs_publish) {
-      seq = writes_.DiscardLocked(node.get(), path);
+      seq = WriteStates::DiscardLocked(table_, node.get(), path);
     }
     // Publication is halted before this name's pending publish: deleting it drops that
     // publish (so `rm -r` of a failed checkpoint lets the rest go on), and a `.metadata`
@@ -221,6 +230,7 @@ Status Namespace::Unlink(uint64_t parent, const std::string& name, const Caller&
     table_.links().Unlink(node.get(), seq.ok() ? *seq : 0);
     node->on_backing = false;
     table_.DetachLocked(node);
+    break;
   }
   return table_.WaitIfStrict(seq);
 }
@@ -230,14 +240,18 @@ Status Namespace::Rmdir(uint64_t parent, const std::string& name, const Caller& 
   CKPT_RETURN_IF_ERROR(table_.ProbeName(parent, name));
   CKPT_RETURN_IF_ERROR(table_.LoadChildDir(parent, name));  // is it empty?
   Result<uint64_t> seq = uint64_t{0};
-  {
-    MutexLock lock(&table_.mu);
-    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, table_.LoadedDirLocked(parent, name));
+  for (;;) {
+    TableLock lock(table_);
+    Result<std::shared_ptr<Node>> loaded = table_.LoadedDirLocked(parent, name);
+    if (LockDropped(loaded.status())) continue;  // listed without the lock: start over
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, std::move(loaded));
     auto node = table_.ChildLocked(dir.get(), name);
     if (!node) return NotFound(name);
     if (node->type != NodeType::kDir) return Status(Code::kNotDir, name);
     CKPT_RETURN_IF_ERROR(CheckSticky(caller, dir->attr, node->attr));
-    CKPT_RETURN_IF_ERROR(table_.EnsureLoadedLocked(node.get()));
+    Status listed = table_.EnsureLoadedLocked(node.get());
+    if (LockDropped(listed)) continue;
+    CKPT_RETURN_IF_ERROR(listed);
     if (!node->children.empty()) return Status(Code::kNotEmpty, name);
     const std::string path = table_.PathLocked(node.get());
     store::JournalEntry e;
@@ -247,6 +261,7 @@ Status Namespace::Rmdir(uint64_t parent, const std::string& name, const Caller& 
     table_.TouchDirLocked(dir.get(), -1);
     node->on_backing = false;
     table_.DetachLocked(node);
+    break;
   }
   return table_.WaitIfStrict(seq);
 }
@@ -262,16 +277,19 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
   CKPT_RETURN_IF_ERROR(table_.ProbeName(new_parent, new_name));
   CKPT_RETURN_IF_ERROR(table_.LoadChildDir(new_parent, new_name));  // a replaced dir must be empty
   Result<uint64_t> seq = uint64_t{0};
-  {
-    MutexLock lock(&table_.mu);
+  for (;;) {
+    TableLock lock(table_);
     auto src_dir = table_.NodeLocked(parent);
     auto dst_dir = table_.NodeLocked(new_parent);
     if (!src_dir || !dst_dir || src_dir->type != NodeType::kDir ||
         dst_dir->type != NodeType::kDir) {
       return Status(Code::kNotDir, name);
     }
-    CKPT_RETURN_IF_ERROR(table_.EnsureLoadedLocked(src_dir.get()));
-    CKPT_RETURN_IF_ERROR(table_.EnsureLoadedLocked(dst_dir.get()));
+    // A directory listed without the lock: everything is looked at again.
+    Status listed = table_.EnsureLoadedLocked(src_dir.get());
+    if (listed.ok()) listed = table_.EnsureLoadedLocked(dst_dir.get());
+    if (LockDropped(listed)) continue;
+    CKPT_RETURN_IF_ERROR(listed);
     auto node = table_.ChildLocked(src_dir.get(), name);
     if (!node) return NotFound(name);
     CKPT_RETURN_IF_ERROR(CheckSticky(caller, src_dir->attr, node->attr));
@@ -291,15 +309,16 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
         return Status(Code::kIsDir, new_name);
       }
       if (victim->type == NodeType::kDir) {
-        CKPT_RETURN_IF_ERROR(table_.EnsureLoadedLocked(victim.get()));
+        Status victim_listed = table_.EnsureLoadedLocked(victim.get());
+        if (LockDropped(victim_listed)) continue;
+        CKPT_RETURN_IF_ERROR(victim_listed);
         if (!victim->children.empty()) return Status(Code::kNotEmpty, new_name);
       }
     }
     const std::string from = table_.PathLocked(node.get());
     const std::string to = path::Join(table_.PathLocked(dst_dir.get()), new_name);
     if (victim && victim->write && victim->write->needs_publish) {
-      writes_.AssertTable(table_);
-      seq = writes_.DiscardLocked(victim.get(), to);
+      seq = WriteStates::DiscardLocked(table_, victim.get(), to);
     }
     if (node->on_backing) {
       store::JournalEntry e;
@@ -334,6 +353,7 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
     node->name = new_name;
     dst_dir->children[new_name] = node;
     node->attr.st_ctim = Now();
+    break;
   }
   return table_.WaitIfStrict(seq);
 }
@@ -341,18 +361,18 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
 Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
   auto handle = std::make_unique<Handle>();
   DirHandle& dh = handle->kind.emplace<DirHandle>();
-  auto relistable = [&](const Node* node) REQUIRES(table_.mu) {
+  auto relistable = [&](const Node* node) REQUIRES(table_.mu()) {
     return node->on_backing && node->removed_seq <= publication_->view().applied() &&
            table_.PendingRenameLocked(node) == 0;
   };
   CKPT_RETURN_IF_ERROR(table_.WaitForAncestorsUnlocked(ino));
   CKPT_RETURN_IF_ERROR(table_.LoadDir(ino));
   // Pick up names other writers created on the backing store since the load: listed and
-  // stat'ed without table_.mu, added if the directory is still where it was and quiescent.
+  // stat'ed without the table's lock, added if the directory is still where it was and quiescent.
   std::string path;
   bool relist = false;
   {
-    MutexLock lock(&table_.mu);
+    TableLock lock(table_);
     auto node = table_.NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     if (node->type != NodeType::kDir) return Status(Code::kNotDir, "opendir");
@@ -373,7 +393,7 @@ Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
     if (listed.ok()) {
       std::set<std::string> known;
       {
-        MutexLock lock(&table_.mu);
+        TableLock lock(table_);
         if (auto node = table_.NodeLocked(ino)) {
           for (const auto& [name, child] : node->children) known.insert(name);
         }
@@ -388,11 +408,18 @@ Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
       }
     }
   }
-  MutexLock lock(&table_.mu);
-  auto node = table_.NodeLocked(ino);
-  if (!node) return NotFound("stale inode");
-  if (node->type != NodeType::kDir) return Status(Code::kNotDir, "opendir");
-  CKPT_RETURN_IF_ERROR(table_.EnsureLoadedLocked(node.get()));
+  TableLock lock(table_);
+  std::shared_ptr<Node> node;
+  for (;;) {
+    node = table_.NodeLocked(ino);
+    if (!node) return NotFound("stale inode");
+    if (node->type != NodeType::kDir) return Status(Code::kNotDir, "opendir");
+    Status loaded = table_.EnsureLoadedLocked(node.get());
+    if (!LockDropped(loaded)) {
+      CKPT_RETURN_IF_ERROR(loaded);
+      break;
+    }
+  }
   if (!found.empty() && relistable(node.get()) && table_.PathLocked(node.get()) == path) {
     for (const auto& [name, st] : found) {
       if (!node->children.count(name)) table_.AddBackingChildLocked(node.get(), name, st);

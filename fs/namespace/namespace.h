@@ -4,7 +4,7 @@
 // (fs/filesystem.h) calls the part that owns an operation.
 //   fs/namespace/node_table.h       NodeTable: the inode table, the overlay (the application's
 //                         view = backing store + pending journal entries), link groups,
-//                         getattr; its lock `mu` and the locking rule are there;
+//                         getattr; its lock and the locking rule are there;
 //   fs/namespace/write_states.h     WriteStates: create, open, write, flush, release, truncate,
 //                         publish, discard, staging pressure;
 //   fs/namespace/posix_ops.h        PosixOps: setattr (ownership, permissions, times, size), hard
@@ -15,7 +15,7 @@
 // readlink, unlink, rmdir, rename, opendir. They may call the table and the write states
 // (the discard of an unlinked file's unpublished bytes; the empty file of a mknod).
 //
-// Thread-safe. Takes `table.mu` for in-memory work and the journal append, never across
+// Thread-safe. Takes the table's lock (TableLock) for in-memory work and the journal append, never across
 // backing-store I/O: listings and stats run before it (ProbeName, LoadDir), the readlink
 // of a symlink after it (see fs/namespace/node_table.h).
 #pragma once
@@ -53,25 +53,25 @@ class Namespace {
 
   // On namespace inodes only (the facade routes the others). Operations that create names
   // or check ownership take the `caller`; see fs/filesystem.h.
-  Result<Entry> NodeLookup(uint64_t parent, const std::string& name) EXCLUDES(table_.mu);
-  void Forget(uint64_t ino, uint64_t nlookup) EXCLUDES(table_.mu);
+  Result<Entry> NodeLookup(uint64_t parent, const std::string& name) EXCLUDES(table_.mu());
+  void Forget(uint64_t ino, uint64_t nlookup) EXCLUDES(table_.mu());
   // The attribute timeout of a getattr/setattr reply for `ino` (0 for hard-linked names).
-  double AttrTimeout(uint64_t ino) EXCLUDES(table_.mu);
+  double AttrTimeout(uint64_t ino) EXCLUDES(table_.mu());
   Result<Entry> Mkdir(uint64_t parent, const std::string& name, mode_t mode,
-                      const Caller& caller = {}) EXCLUDES(table_.mu);
+                      const Caller& caller = {}) EXCLUDES(table_.mu());
   Result<Entry> Symlink(const std::string& target, uint64_t parent, const std::string& name,
-                        const Caller& caller = {}) EXCLUDES(table_.mu);
+                        const Caller& caller = {}) EXCLUDES(table_.mu());
   Result<Entry> Mknod(uint64_t parent, const std::string& name, mode_t mode, dev_t rdev,
-                      const Caller& caller = {}) EXCLUDES(table_.mu);
-  Result<std::string> Readlink(uint64_t ino) EXCLUDES(table_.mu);
+                      const Caller& caller = {}) EXCLUDES(table_.mu());
+  Result<std::string> Readlink(uint64_t ino) EXCLUDES(table_.mu());
   Status Unlink(uint64_t parent, const std::string& name, const Caller& caller = {})
-      EXCLUDES(table_.mu);
+      EXCLUDES(table_.mu());
   Status Rmdir(uint64_t parent, const std::string& name, const Caller& caller = {})
-      EXCLUDES(table_.mu);
+      EXCLUDES(table_.mu());
   Status Rename(uint64_t parent, const std::string& name, uint64_t new_parent,
                 const std::string& new_name, unsigned flags, const Caller& caller = {})
-      EXCLUDES(table_.mu);
-  Result<Handle*> NodeOpenDir(uint64_t ino) EXCLUDES(table_.mu);
+      EXCLUDES(table_.mu());
+  Result<Handle*> NodeOpenDir(uint64_t ino) EXCLUDES(table_.mu());
 
  private:
   Namespace(const FsConfig& config, const FsParts& parts, std::unique_ptr<NodeTable> table);
@@ -79,12 +79,12 @@ class Namespace {
   // (and applied first in strict mode). `mode` holds the S_IF* type.
   Result<Entry> MakeNode(uint64_t parent, const std::string& name, NodeType type, mode_t mode,
                          const std::string& link_target, dev_t rdev, const Caller& caller)
-      EXCLUDES(table_.mu);
+      EXCLUDES(table_.mu());
   // Mknod of a regular file: an empty file, published like a created one.
   Result<Entry> MakeEmptyFile(uint64_t parent, const std::string& name, mode_t mode,
-                              const Caller& caller) EXCLUDES(table_.mu);
+                              const Caller& caller) EXCLUDES(table_.mu());
   // With peers: waits until journal entry `seq` (a mkdir) is applied (see MakeNode).
-  void WaitForOtherNodes(uint64_t seq) EXCLUDES(table_.mu);
+  void WaitForOtherNodes(uint64_t seq) EXCLUDES(table_.mu());
 
   const FsConfig& config_;
   store::BackingDir* const backing_;

@@ -7,6 +7,7 @@
 
 #include "common/json_text.h"
 #include "fs/fs_util.h"
+#include "fs/namespace/table_lock.h"
 
 namespace ckptfs::fs {
 
@@ -16,14 +17,14 @@ NamespaceReport::NamespaceReport(const FsConfig& config, const FsParts& parts, N
       publication_(parts.publication) {}
 
 Result<std::string> NamespaceReport::PathOf(uint64_t ino) {
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   auto node = table_.NodeLocked(ino);
   if (!node) return NotFound("stale inode");
   return table_.PathLocked(node.get());
 }
 
 Result<std::string> NamespaceReport::DirPathOf(uint64_t ino) {
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   auto node = table_.NodeLocked(ino);
   if (!node || node->type != NodeType::kDir) return Invalid("not a directory");
   return table_.PathLocked(node.get());
@@ -31,7 +32,7 @@ Result<std::string> NamespaceReport::DirPathOf(uint64_t ino) {
 
 NamespaceView::Counts NamespaceReport::CountNodes() {
   const uint64_t applied = publication_->view().applied();
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   Counts counts;
   table_.ForEachNodeLocked([&](const std::shared_ptr<Node>& node) {
     ++counts.inodes;
@@ -49,7 +50,7 @@ std::string NamespaceReport::ProgressJson(uint64_t ino) {
   std::string dir_path;
   double since = 0;  // when this node began writing the checkpoint (0: unknown)
   {
-    MutexLock lock(&table_.mu);
+    TableLock lock(table_);
     auto node = table_.NodeLocked(ino);
     if (!node) return JsonText(j);
     const uint64_t applied = publication_->view().applied();

@@ -6,7 +6,7 @@
 // seq and checkpoint registry, and, for a checkpoint another node commits, the backing
 // store (outside the lock).
 //
-// Thread-safe. Takes `table.mu` to read nodes, never across I/O.
+// Thread-safe. Takes the table's lock (TableLock) to read nodes, never across I/O.
 #pragma once
 
 #include <cstdint>
@@ -28,10 +28,10 @@ class NamespaceReport final : public NamespaceView {
   NamespaceReport(const NamespaceReport&) = delete;
   NamespaceReport& operator=(const NamespaceReport&) = delete;
 
-  Result<std::string> PathOf(uint64_t ino) override EXCLUDES(table_.mu);
-  Result<std::string> DirPathOf(uint64_t ino) override EXCLUDES(table_.mu);
-  Counts CountNodes() override EXCLUDES(table_.mu);
-  std::string ProgressJson(uint64_t ino) override EXCLUDES(table_.mu);
+  Result<std::string> PathOf(uint64_t ino) override EXCLUDES(table_.mu());
+  Result<std::string> DirPathOf(uint64_t ino) override EXCLUDES(table_.mu());
+  Counts CountNodes() override EXCLUDES(table_.mu());
+  std::string ProgressJson(uint64_t ino) override EXCLUDES(table_.mu());
 
  private:
   const FsConfig& config_;

@@ -3,13 +3,14 @@
 // The view is the backing store plus every journal entry not yet applied. A directory
 // is loaded from the backing store on first use; from then on its `children` are the
 // truth for the mount, and journal entries change the backing store to match in order.
-// Locking: every field of Node and WriteState but Node::data is guarded by the node
-// table's lock, NodeTable::mu (fs/namespace/node_table.h). They carry no GUARDED_BY: clang's
-// analysis names a mutex by the expression that reaches it from the guarded field's
-// object, and a node has no member that reaches its table (one pointer per node would
-// name a different expression per node, `child->mu` vs `table_.mu`, which the analysis
-// cannot prove equal). What the analysis does check instead: every function that touches
-// these fields is a NodeTable/part method annotated REQUIRES(table_.mu) or takes it.
+// Locking: every field of Node and WriteState but Node::data and Node::io_token is guarded
+// by the node table's lock, NodeTable::mu() (fs/namespace/node_table.h). They carry no
+// GUARDED_BY: clang's analysis names a mutex by the expression that reaches it from the
+// guarded field's object, and a node has no member that reaches its table (one pointer per
+// node would name a different expression per node, `child->mu` vs `table_.mu()`, which
+// the analysis cannot prove equal). What the analysis does check instead: every function
+// that touches these fields is a NodeTable/part method annotated REQUIRES(table.mu()) or
+// takes it (TableLock, fs/namespace/table_lock.h).
 // `data` is guarded by the node's own `data_mu` (annotated): the data path reads it.
 #pragma once
 
@@ -18,6 +19,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "common/mutex.h"
@@ -58,7 +60,7 @@ struct WriteState {
 // What read() and write() of an open file need of its node: a copy of the write state's
 // current contents and the file's error, kept by the table (NodeTable::SyncDataLocked
 // after every change of Node::write or Node::error), so the data path never takes
-// NodeTable::mu, which namespace work holds.
+// the table's lock, which namespace work holds.
 struct NodeData {
   std::shared_ptr<store::StagedFile> staged;  // Node::write->staged, or null
   bool accepting = false;              // writes go to `staged` (needs_publish or discarded)
@@ -117,9 +119,14 @@ struct Node {
   // A tracker withheld (G4): it names a checkpoint that never commits, so the backing store
   // keeps the one before it. Its progress says so until a later version is published.
   std::string withheld;
-  // Lock order: NodeTable::mu before data_mu. A leaf: held only to copy NodeData.
+  // Lock order: the table's lock before data_mu. A leaf: held only to copy NodeData.
   mutable Mutex data_mu;
   NodeData data GUARDED_BY(data_mu);
+  // The node's I/O token (RaceRetry, fs/namespace/table_lock.h): held, without the table's
+  // lock, by a call that lost kRaceTries races on this node, for the rest of that call, so
+  // that the racing I/O of this node is done one call at a time. Taken only with the table's
+  // lock released: io_token -> the table's lock.
+  mutable std::mutex io_token;
 };
 
 }  // namespace ckptfs::fs

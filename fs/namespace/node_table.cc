@@ -11,6 +11,7 @@
 
 #include "common/path.h"
 #include "fs/fs_util.h"
+#include "fs/namespace/table_lock.h"
 
 namespace ckptfs::fs {
 namespace {
@@ -37,7 +38,7 @@ Result<std::unique_ptr<NodeTable>> NodeTable::Create(const FsConfig& config,
   table->root_->attr.st_ino = kRootIno;
   table->root_->on_backing = true;
   {
-    MutexLock lock(&table->mu);
+    MutexLock lock(&table->mu_);
     table->inodes_[kRootIno] = table->root_;
   }
   return table;
@@ -179,17 +180,11 @@ Status NodeTable::EnsureLoadedLocked(Node* dir) {
     dir->loaded = true;  // made through the mount: nothing on the backing store yet
     return Status::Ok();
   }
-  const std::string path = PathLocked(dir);
-  CKPT_ASSIGN_OR_RETURN(auto entries, backing_->List(path));
-  for (const auto& e : entries) {
-    if (IsTempName(e.name) || dir->children.count(e.name)) continue;
-    if (dir->ino == kRootIno && e.name == kCtlDirName) continue;
-    auto st = backing_->Stat(path::Join(path, e.name));
-    if (!st.ok()) continue;  // raced with an external delete
-    AddBackingChildLocked(dir, e.name, *st);
-  }
-  dir->loaded = true;
-  return Status::Ok();
+  // A directory no LoadDir loaded before the operation took the lock (one that appeared
+  // since): listed without the lock, then the operation starts over (LockDropped).
+  const uint64_t ino = dir->ino;
+  CKPT_RETURN_IF_ERROR(TableLock::WithoutLock(*this, [this, ino] { return LoadDir(ino); }));
+  return Status(Code::kAborted, "directory listed without the lock: start over");
 }
 
 std::shared_ptr<Node> NodeTable::AddBackingChildLocked(Node* dir, const std::string& name,
@@ -204,34 +199,37 @@ std::shared_ptr<Node> NodeTable::AddBackingChildLocked(Node* dir, const std::str
 }
 
 Status NodeTable::LoadDir(uint64_t ino) {
-  std::string path;
-  {
-    MutexLock lock(&mu);
-    auto dir = NodeLocked(ino);
-    if (!dir || dir->type != NodeType::kDir || dir->loaded) return Status::Ok();
-    if (!dir->on_backing) {
-      dir->loaded = true;  // made through the mount: nothing on the backing store yet
-      return Status::Ok();
+  for (RaceRetry race;; race.Lose()) {
+    std::string path;
+    {
+      TableLock lock(*this);
+      race.Enter(*this, NodeLocked(ino));  // after races lost: the directory's I/O token
+      auto dir = NodeLocked(ino);
+      if (!dir || dir->type != NodeType::kDir || dir->loaded) return Status::Ok();
+      if (!dir->on_backing) {
+        dir->loaded = true;  // made through the mount: nothing on the backing store yet
+        return Status::Ok();
+      }
+      path = PathLocked(dir.get());
     }
-    path = PathLocked(dir.get());
+    // The listing and the stats, without the lock.
+    CKPT_ASSIGN_OR_RETURN(auto entries, backing_->List(path));
+    std::vector<std::pair<std::string, struct stat>> found;
+    for (const auto& e : entries) {
+      if (IsTempName(e.name) || (ino == kRootIno && e.name == kCtlDirName)) continue;
+      auto st = backing_->Stat(path::Join(path, e.name));
+      if (st.ok()) found.emplace_back(e.name, *st);  // else raced with an external delete
+    }
+    TableLock lock(*this);
+    auto dir = NodeLocked(ino);
+    if (!dir || dir->loaded) return Status::Ok();
+    if (PathLocked(dir.get()) != path) continue;  // moved meanwhile: list it where it is now
+    for (const auto& [name, st] : found) {
+      if (!dir->children.count(name)) AddBackingChildLocked(dir.get(), name, st);
+    }
+    dir->loaded = true;
+    return Status::Ok();
   }
-  // The listing and the stats, without mu.
-  CKPT_ASSIGN_OR_RETURN(auto entries, backing_->List(path));
-  std::vector<std::pair<std::string, struct stat>> found;
-  for (const auto& e : entries) {
-    if (IsTempName(e.name) || (ino == kRootIno && e.name == kCtlDirName)) continue;
-    auto st = backing_->Stat(path::Join(path, e.name));
-    if (st.ok()) found.emplace_back(e.name, *st);  // else raced with an external delete
-  }
-  MutexLock lock(&mu);
-  auto dir = NodeLocked(ino);
-  // Moved meanwhile: the listing is of another path; the operation loads it under the lock.
-  if (!dir || dir->loaded || PathLocked(dir.get()) != path) return Status::Ok();
-  for (const auto& [name, st] : found) {
-    if (!dir->children.count(name)) AddBackingChildLocked(dir.get(), name, st);
-  }
-  dir->loaded = true;
-  return Status::Ok();
 }
 
 Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
@@ -241,7 +239,7 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
   std::shared_ptr<Node> child;
   std::string path;
   uint64_t removed = 0;  // the directory's names_removed when the stat was planned
-  auto probe_path = [&](Node* dir) REQUIRES(mu) -> std::string {
+  auto probe_path = [&](Node* dir) REQUIRES(mu_) -> std::string {
     if (child) {
       const bool fresh = child->on_backing && !child->write && QuiescentLocked(child.get());
       return fresh ? PathLocked(child.get()) : std::string();
@@ -250,7 +248,7 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
     return fresh ? path::Join(PathLocked(dir), name) : std::string();
   };
   {
-    MutexLock lock(&mu);
+    MutexLock lock(&mu_);
     auto dir = NodeLocked(dir_ino);
     if (!dir || dir->type != NodeType::kDir || !dir->loaded) return Status::Ok();
     auto it = dir->children.find(name);
@@ -260,7 +258,7 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
     removed = dir->names_removed;
   }
   Result<struct stat> st = backing_->Stat(path);  // without mu
-  MutexLock lock(&mu);
+  MutexLock lock(&mu_);
   auto dir = NodeLocked(dir_ino);
   if (!dir || dir->type != NodeType::kDir || !dir->loaded) return Status::Ok();
   auto it = dir->children.find(name);
@@ -292,7 +290,7 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
 Status NodeTable::LoadChildDir(uint64_t dir_ino, const std::string& name) {
   uint64_t ino = 0;
   {
-    MutexLock lock(&mu);
+    MutexLock lock(&mu_);
     auto dir = NodeLocked(dir_ino);
     if (!dir || dir->type != NodeType::kDir) return Status::Ok();
     auto it = dir->children.find(name);
@@ -305,12 +303,12 @@ Status NodeTable::LoadChildDir(uint64_t dir_ino, const std::string& name) {
 void NodeTable::RefreshAttr(uint64_t ino, bool unless_committed) {
   // The stat runs without mu; it is applied only if the node's backing path is still
   // the one stat'ed and nothing of it is pending.
-  auto refreshable = [this](const Node* node) REQUIRES(mu) {
+  auto refreshable = [this](const Node* node) REQUIRES(mu_) {
     return !node->write && node->on_backing && QuiescentLocked(node);
   };
   std::string path;
   {
-    MutexLock lock(&mu);
+    MutexLock lock(&mu_);
     auto node = NodeLocked(ino);
     if (!node || !refreshable(node.get())) return;
     if (unless_committed && TimeoutFor(*node) >= kCommittedTimeout) return;
@@ -318,7 +316,7 @@ void NodeTable::RefreshAttr(uint64_t ino, bool unless_committed) {
   }
   Result<struct stat> backing = backing_->Stat(path);
   if (!backing.ok()) return;
-  MutexLock lock(&mu);
+  MutexLock lock(&mu_);
   auto node = NodeLocked(ino);
   if (node && refreshable(node.get()) && PathLocked(node.get()) == path) {
     ApplyBackingStatLocked(node.get(), *backing);
@@ -430,7 +428,7 @@ Status NodeTable::WaitForAncestorsUnlocked(uint64_t ino) {
   while (true) {
     uint64_t need = 0;
     {
-      MutexLock lock(&mu);
+      MutexLock lock(&mu_);
       auto node = NodeLocked(ino);
       if (!node) return Status::Ok();
       // Only an operation that reaches the backing store by path must wait: loading a
@@ -471,7 +469,7 @@ Status NodeTable::LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status 
   }
   std::string path = "(control file)";
   if (ino == kRootIno || ino >= kFirstNodeIno) {
-    MutexLock lock(&mu);
+    MutexLock lock(&mu_);
     auto node = NodeLocked(ino);
     path = !node                      ? "(forgotten)"
            : node->ino == kRootIno    ? ""
@@ -487,7 +485,7 @@ Status NodeTable::LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status 
 
 Result<struct stat> NodeTable::GetAttr(uint64_t ino) {
   RefreshAttr(ino, /*unless_committed=*/true);
-  MutexLock lock(&mu);
+  MutexLock lock(&mu_);
   auto node = NodeLocked(ino);
   if (!node) return NotFound("stale inode");
   FoldWriteTimeLocked(node.get());

@@ -5,20 +5,24 @@
 // publish entry awaits its outcome, and the loading and probing of directories and names
 // from the backing store. The parts of the namespace share it and its lock by design: a
 // write begins a copy, a publish freezes it, a rename moves it, all in the journal's order.
-// The parts (each holds a reference and annotates its helpers REQUIRES(table.mu)):
+// The parts (each holds a reference, takes the lock with TableLock and annotates its
+// helpers REQUIRES(table.mu()); fs/namespace/table_lock.h):
 //   namespace.h        the namespace operations (lookup, mkdir, unlink, rename, opendir);
 //   write_states.h     the write states of files (begin, publish, discard, release);
 //   posix_ops.h        ownership and permissions (setattr, chown, links, fallocate);
 //   journal_events.h   publication's observer (store::PublicationObserver);
 //   namespace_report.h what the control tree reads (NamespaceView);
-// all in fs/namespace/.
+// all in fs/namespace/. A part's *Locked helper that another part calls takes the table
+// whose lock its caller holds as a parameter (REQUIRES(table.mu())): the analysis names a
+// lock by the path to it, and proves it held at every call, with no run-time check.
 // It calls only publication (append an entry, ask what is applied), the backing store
 // (stat, list, readlink) and the stats; never a part.
 //
 // Thread-safe. Locking rule:
-//   * `mu` guards the tables here (private: the inodes, the files being published, the
-//     link groups; the parts reach them through the *Locked methods and links()) and the
-//     fields of every Node but its `data` (fs/namespace/node.h).
+//   * The lock (private `mu_`; `mu()` names it for the annotations) guards the tables
+//     here (the inodes, the files being published, the link groups; the parts reach them
+//     through the *Locked methods and links()) and the fields of every Node but its
+//     `data` and `io_token` (fs/namespace/node.h).
 //     It is held for in-memory work and for the journal append that orders a namespace
 //     change (the journal's order must be the namespace's: a RocksDB Put, not synced; the
 //     checkpoint registry's notes of the entry, store::Publication::Append). Backing-store
@@ -27,16 +31,19 @@
 //     with, a truncate's wait for flushes and ftruncate, fallocate, the owner and mode of
 //     a staged file's temp, a publish's wait for a writer to let it freeze the file, the
 //     readlink of a symlink: each re-checked under the lock before its result is used
-//     (RaceRetry, fs/fs_util.h). Still under it: the fallbacks after kRaceTries lost
-//     races (fs/namespace/write_states.h, fs/namespace/posix_ops.h).
-//   * Nothing waits on the pipeline or the journal (Settled, WaitUnlessHalted,
-//     AwaitApplied) with `mu` held, except in those fallbacks.
-//   * read() and write() of an open file never take `mu` unless the write begins a new copy
+//     (RaceRetry, fs/namespace/table_lock.h). After kRaceTries lost races a call takes the
+//     node's I/O token and goes on without the lock: no fallback does I/O under it. A
+//     directory no LoadDir loaded before an operation took the lock is listed without it
+//     too (EnsureLoadedLocked), and the operation starts over (LockDropped).
+//   * Inside a scope the lock is dropped only by TableLock::WithoutLock (unlock, I/O or a
+//     wait, relock) and TableLock::Await (a condition variable). Nothing waits on the
+//     pipeline or the journal (Settled, WaitUnlessHalted, AwaitApplied) with it held.
+//   * read() and write() of an open file never take it unless the write begins a new copy
 //     of the file (its first write, or the first after a publish froze it): they take its
 //     node's data_mu (fs/namespace/node.h), a leaf held to copy a few fields.
-//   Lock order: mu -> Node::data_mu -> store::StagedFile locks -> WriteStates' staged_mu_;
-//   publication's locks (its journal's Append, the registry) after mu; FsStats::error_mu
-//   is a leaf.
+//   Lock order: Node::io_token -> the table's lock -> Node::data_mu -> store::StagedFile
+//   locks -> WriteStates' staged_mu_; publication's locks (its journal's Append, the
+//   registry) after the table's lock; FsStats::error_mu is a leaf.
 #pragma once
 
 #include <sys/stat.h>
@@ -72,129 +79,142 @@ class NodeTable {
   NodeTable& operator=(const NodeTable&) = delete;
 
   // ------------------------------------------------------------ the tables
-  // Held across namespace work, never across backing-store I/O (see the rule above).
-  mutable Mutex mu;
+  // The table's lock, for annotations only: REQUIRES(table.mu()). Held across namespace
+  // work, never across backing-store I/O (see the rule above); the parts take it with
+  // TableLock (fs/namespace/table_lock.h), which a const reference cannot.
+  const Mutex& mu() const RETURN_CAPABILITY(mu_) { return mu_; }
   const std::shared_ptr<Node>& root() const { return root_; }  // never changes
   // Calls `f(node)` for every inode the kernel or an open handle may still name.
   template <typename F>
-  void ForEachNodeLocked(F&& f) REQUIRES(mu) {
+  void ForEachNodeLocked(F&& f) REQUIRES(mu_) {
     for (const auto& [ino, node] : inodes_) f(node);
   }
   // Forgets inode `ino` (no name, no kernel reference, no write state left).
-  void ForgetNodeLocked(uint64_t ino) REQUIRES(mu) { inodes_.erase(ino); }
+  void ForgetNodeLocked(uint64_t ino) REQUIRES(mu_) { inodes_.erase(ino); }
   // The file whose publish entry for file id `id` awaits its outcome: noted when the
   // entry is appended (NotePublishingLocked), found while it is pending, taken when the
   // journal reports its outcome (`take`). Null when none.
-  void NotePublishingLocked(uint64_t id, Node* node) REQUIRES(mu) {
+  void NotePublishingLocked(uint64_t id, Node* node) REQUIRES(mu_) {
     publishing_[id] = NodeLocked(node->ino);
   }
-  std::shared_ptr<Node> PublishingLocked(uint64_t id, bool take = false) REQUIRES(mu);
+  std::shared_ptr<Node> PublishingLocked(uint64_t id, bool take = false) REQUIRES(mu_);
   // The hard-link groups of the names (fs/namespace/link_groups.h).
-  LinkGroups& links() REQUIRES(mu) { return links_; }
+  LinkGroups& links() REQUIRES(mu_) { return links_; }
 
   // ------------------------------------------------------------ nodes and paths
-  std::shared_ptr<Node> NodeLocked(uint64_t ino) REQUIRES(mu);
-  // Directory `ino`, loaded (EnsureLoadedLocked); kNotDir, naming `name`, for anything else.
+  std::shared_ptr<Node> NodeLocked(uint64_t ino) REQUIRES(mu_);
+  // Directory `ino`, loaded (EnsureLoadedLocked: kAborted when it had to list it without
+  // the lock, LockDropped); kNotDir, naming `name`, for anything else.
   Result<std::shared_ptr<Node>> LoadedDirLocked(uint64_t ino, const std::string& name)
-      REQUIRES(mu);
-  std::string PathLocked(const Node* node) const REQUIRES(mu);
-  std::string TempPathLocked(const WriteState& ws) const REQUIRES(mu);
+      REQUIRES(mu_);
+  std::string PathLocked(const Node* node) const REQUIRES(mu_);
+  std::string TempPathLocked(const WriteState& ws) const REQUIRES(mu_);
   // The node at `path` (relative to the root) in the in-memory tree, or null: no I/O, so a
   // name this mount never loaded was not written through it.
-  Node* LoadedNodeAtLocked(const std::string& path) REQUIRES(mu);
+  Node* LoadedNodeAtLocked(const std::string& path) REQUIRES(mu_);
   std::shared_ptr<Node> NewNodeLocked(Node* parent, const std::string& name, NodeType type)
-      REQUIRES(mu);
+      REQUIRES(mu_);
   // The child `name` of `dir` in the mount's view; no I/O (ProbeName refreshes it first).
-  std::shared_ptr<Node> ChildLocked(Node* dir, const std::string& name) REQUIRES(mu);
+  std::shared_ptr<Node> ChildLocked(Node* dir, const std::string& name) REQUIRES(mu_);
   // Takes `node` out of the tree; forgets it when nothing names it any more.
-  void DetachLocked(const std::shared_ptr<Node>& node) REQUIRES(mu);
+  void DetachLocked(const std::shared_ptr<Node>& node) REQUIRES(mu_);
   // Forgets an unlinked `node` that no kernel reference nor open handle names.
-  void ForgetIfUnusedLocked(const Node* node) REQUIRES(mu);
+  void ForgetIfUnusedLocked(const Node* node) REQUIRES(mu_);
   // The entry of a lookup reply for `node` (counts a kernel reference).
-  Entry EntryLocked(Node* node) REQUIRES(mu);
+  Entry EntryLocked(Node* node) REQUIRES(mu_);
   // Entry/attr timeout for `node` (long for files of committed checkpoints).
-  double TimeoutFor(const Node& node) const REQUIRES(mu);
-  bool CommittedDirLocked(const Node* dir) const REQUIRES(mu);
+  double TimeoutFor(const Node& node) const REQUIRES(mu_);
+  bool CommittedDirLocked(const Node* dir) const REQUIRES(mu_);
   // The attributes of `ino` for a getattr reply, refreshed first (RefreshAttr), except a
   // committed checkpoint's file: the kernel keeps its attributes kCommittedTimeout, and asks
   // again before that only because a passthrough read invalidated its atime (the kernel
   // does so after every read of a writable mount). A replicated per-item load sent one
   // such GETATTR per file and rank; each cost four syscalls on the backing store.
-  Result<struct stat> GetAttr(uint64_t ino) EXCLUDES(mu);
+  Result<struct stat> GetAttr(uint64_t ino) EXCLUDES(mu_);
 
   // ------------------------------------------------------------ the overlay
-  Status EnsureLoadedLocked(Node* dir) REQUIRES(mu);
+  // Ok when `dir` is loaded (or made through the mount). Else it lists it without the lock
+  // (LoadDir, TableLock::WithoutLock) and returns kAborted: the caller read the table
+  // before the lock was dropped, and starts its operation over (LockDropped,
+  // fs/namespace/table_lock.h). The listing is never done under the lock.
+  Status EnsureLoadedLocked(Node* dir) REQUIRES(mu_);
   // Loads directory `ino` from the backing store if it is not loaded yet: the listing and
-  // the stats run without `mu`, the result is merged under it if the directory is still
-  // at the path listed. EnsureLoadedLocked is the fallback, under the lock, for a
-  // directory that was moved meanwhile or that no operation loaded first.
-  Status LoadDir(uint64_t ino) EXCLUDES(mu);
+  // the stats run without the lock, the result is merged under it if the directory is still
+  // at the path listed, else it is listed again where it is now (RaceRetry: after races
+  // lost, holding the directory's I/O token). Returns once it is loaded or gone.
+  Status LoadDir(uint64_t ino) EXCLUDES(mu_);
   // LoadDir of the child directory `name` of `dir_ino`, if there is one.
-  Status LoadChildDir(uint64_t dir_ino, const std::string& name) EXCLUDES(mu);
-  // Before an operation on `dir_ino`/`name` takes `mu`: loads the directory and brings the
+  Status LoadChildDir(uint64_t dir_ino, const std::string& name) EXCLUDES(mu_);
+  // Before an operation on `dir_ino`/`name` takes the lock: loads the directory and brings the
   // mount's view of the name up to date with the backing store (a published name removed
   // there is gone; a name created there appears), with the stat outside the lock. The
   // result is applied only if nothing changed meanwhile through the mount.
-  Status ProbeName(uint64_t dir_ino, const std::string& name) EXCLUDES(mu);
+  Status ProbeName(uint64_t dir_ino, const std::string& name) EXCLUDES(mu_);
   std::shared_ptr<Node> AddBackingChildLocked(Node* dir, const std::string& name,
-                                              const struct stat& st) REQUIRES(mu);
-  // Refreshes the attributes of `ino` from a stat of its backing path (taken without `mu`)
+                                              const struct stat& st) REQUIRES(mu_);
+  // Refreshes the attributes of `ino` from a stat of its backing path (taken without the lock)
   // while nothing of it is pending.
   // `unless_committed`: not a committed checkpoint's file (GetAttr).
-  void RefreshAttr(uint64_t ino, bool unless_committed = false) EXCLUDES(mu);
+  void RefreshAttr(uint64_t ino, bool unless_committed = false) EXCLUDES(mu_);
   // Takes the attributes of `node` from a stat of its backing path, keeping the ones the
   // mount owns (Node::own_attrs) while the backing inode shows only this mount's changes.
-  void ApplyBackingStatLocked(Node* node, const struct stat& st) REQUIRES(mu);
+  void ApplyBackingStatLocked(Node* node, const struct stat& st) REQUIRES(mu_);
   // The mount changed `node` on the backing store (a journal entry): its backing times
   // will move, its attributes through the mount stay as they are.
-  void OwnAttrsLocked(Node* node) REQUIRES(mu);
+  void OwnAttrsLocked(Node* node) REQUIRES(mu_);
   // A user operation changed the entries of `dir`: mtime and ctime now, nlink by `links`.
-  void TouchDirLocked(Node* dir, int links) REQUIRES(mu);
-  bool QuiescentLocked(const Node* node) const REQUIRES(mu);
+  void TouchDirLocked(Node* dir, int links) REQUIRES(mu_);
+  bool QuiescentLocked(const Node* node) const REQUIRES(mu_);
   // The last pending rename of `node` or an ancestor (its backing path is stale until
   // then), or 0.
-  uint64_t PendingRenameLocked(const Node* node) const REQUIRES(mu);
+  uint64_t PendingRenameLocked(const Node* node) const REQUIRES(mu_);
   // Mirrors node->write and node->error into node->data for the data path; called after
   // every change of either.
-  void SyncDataLocked(Node* node) REQUIRES(mu);
+  void SyncDataLocked(Node* node) REQUIRES(mu_);
   // Takes the time of the latest write (recorded by the data path) into node->attr;
   // called before node->attr's times are read or set.
-  void FoldWriteTimeLocked(Node* node) REQUIRES(mu);
+  void FoldWriteTimeLocked(Node* node) REQUIRES(mu_);
 
   // ------------------------------------------------------------ the journal
   // Appends `entry`, which changes `node` (or nothing in the tree, if null): its name and
   // directory are pending until the entry is applied.
-  Result<uint64_t> AppendLocked(store::JournalEntry entry, Node* node) REQUIRES(mu);
+  Result<uint64_t> AppendLocked(store::JournalEntry entry, Node* node) REQUIRES(mu_);
   // Waits (without locks) until every pending rename among `node`'s ancestors is applied.
   // Fails (with the halt's error) if publication is halted before that rename.
-  Status WaitForAncestorsUnlocked(uint64_t ino) EXCLUDES(mu);
+  Status WaitForAncestorsUnlocked(uint64_t ino) EXCLUDES(mu_);
   // In strict mode, waits until entry `seq` is applied (or fails with its error).
-  Status WaitIfStrict(Result<uint64_t> seq) EXCLUDES(mu);
+  Status WaitIfStrict(Result<uint64_t> seq) EXCLUDES(mu_);
 
   // ------------------------------------------------------------ errors
   void NoteError(const std::string& msg) { stats_->NoteError(msg); }
   // Logs `st` when it reaches the application as EIO (ino, path, offset; rate-limited) and
   // returns it.
-  Status LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status st) EXCLUDES(mu);
+  Status LogIfIo(const char* op, uint64_t ino, uint64_t offset, Status st) EXCLUDES(mu_);
 
  private:
   NodeTable(const FsConfig& config, const FsParts& parts);
 
+  // ------------------------------------------------------------ constant after construction
   const FsConfig& config_;
   store::BackingDir* const backing_;
   store::Publication* const publication_;
   FsStats* const stats_;
-
   std::shared_ptr<Node> root_;  // set by Create, never changed
 
-  // ------------------------------------------------------------ protected by mu
-  uint64_t next_ino_ GUARDED_BY(mu) = kFirstNodeIno;
-  // Every inode the kernel or an open handle may still name.
-  std::unordered_map<uint64_t, std::shared_ptr<Node>> inodes_ GUARDED_BY(mu);
-  // File id -> node, from its publish entry until the journal reports its outcome.
-  std::unordered_map<uint64_t, std::shared_ptr<Node>> publishing_ GUARDED_BY(mu);
-  LinkGroups links_ GUARDED_BY(mu);
+  // The one lock of the namespace: taken by TableLock, dropped inside a scope only by
+  // TableLock::WithoutLock and TableLock::Await.
+  friend class TableLock;
+  mutable Mutex mu_;
 
+  // ------------------------------------------------------------ protected by mu_
+  uint64_t next_ino_ GUARDED_BY(mu_) = kFirstNodeIno;
+  // Every inode the kernel or an open handle may still name.
+  std::unordered_map<uint64_t, std::shared_ptr<Node>> inodes_ GUARDED_BY(mu_);
+  // File id -> node, from its publish entry until the journal reports its outcome.
+  std::unordered_map<uint64_t, std::shared_ptr<Node>> publishing_ GUARDED_BY(mu_);
+  LinkGroups links_ GUARDED_BY(mu_);
+
+  // ------------------------------------------------------------ atomics (no lock)
   // LogIfIo's rate limit.
   std::atomic<int64_t> io_log_second_{0};
   std::atomic<int> io_logged_{0};

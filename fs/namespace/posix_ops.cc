@@ -11,6 +11,7 @@
 
 #include "common/path.h"
 #include "fs/fs_util.h"
+#include "fs/namespace/table_lock.h"
 
 namespace ckptfs::fs {
 
@@ -32,7 +33,7 @@ Result<struct stat> PosixOps::SetAttr(uint64_t ino, const struct stat& in, int t
   const FileHandle* resize_from = nullptr;
   bool resize = false;
   {
-    MutexLock lock(&table_.mu);
+    TableLock lock(table_);
     auto node = table_.NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     table_.FoldWriteTimeLocked(node.get());  // a write's time first: what follows may set it
@@ -155,7 +156,7 @@ Status PosixOps::FollowOwnerInTemp(uint64_t ino, std::shared_ptr<store::StagedFi
   gid_t applied_gid = 0;
   for (bool first = true;; first = false) {
     {
-      MutexLock lock(&table_.mu);
+      TableLock lock(table_);
       std::shared_ptr<Node> node = table_.NodeLocked(ino);
       // Replaced by another version (which took the node's attributes when it was made)
       // or gone: nothing of this temp file is published.
@@ -189,15 +190,19 @@ Result<Entry> PosixOps::Link(uint64_t ino, uint64_t new_parent, const std::strin
   Entry out;
   Result<uint64_t> seq = uint64_t{0};
   // A publish the link needs first, or the readlink of a symlink, runs without the lock
-  // (PublishLocked may drop it): then everything is checked again.
+  // (PublishLocked may drop it): then everything is checked again (after a few races lost,
+  // holding the node's I/O token).
   for (RaceRetry race;; race.Lose()) {
-    MutexLock lock(&table_.mu);
+    TableLock lock(table_);
+    race.Enter(table_, table_.NodeLocked(ino));
     auto node = table_.NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     if (node->type == NodeType::kDir) {
       return Status(Code::kNotPermitted, "hard link to a directory");
     }
-    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, table_.LoadedDirLocked(new_parent, new_name));
+    Result<std::shared_ptr<Node>> loaded = table_.LoadedDirLocked(new_parent, new_name);
+    if (LockDropped(loaded.status())) continue;  // listed without the lock: start over
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, std::move(loaded));
     if (table_.ChildLocked(dir.get(), new_name)) return Status(Code::kExists, new_name);
     if (node->parent == nullptr) return NotFound("link of an unlinked file");
     if (!node->error.empty()) return Status(Code::kIo, node->error);
@@ -208,26 +213,20 @@ Result<Entry> PosixOps::Link(uint64_t ino, uint64_t new_parent, const std::strin
       if (node->open_writers > 0) {
         return Status(Code::kBusy, "link of a file open for writing through the mount");
       }
-      writes_.AssertTable(table_);
       if (node->write->needs_publish) {
-        CKPT_RETURN_IF_ERROR(writes_.PublishLocked(node.get()).status());
+        CKPT_RETURN_IF_ERROR(writes_.PublishLocked(table_, node.get()).status());
         continue;
       }
     }
     if (!node->on_backing) return NotFound("link source is not published");
     if (node->type == NodeType::kSymlink && node->link_target.empty()) {
       const std::string path = table_.PathLocked(node.get());
-      if (!race.may_retry()) {
-        CKPT_ASSIGN_OR_RETURN(node->link_target, backing_->Readlink(path));  // keeps moving
-      } else {
-        lock.Unlock();
-        Result<std::string> target = backing_->Readlink(path);
-        lock.Lock();
-        if (!target.ok()) return target.status();
-        // A symlink's target never changes: kept if the name is still where it was read.
-        if (table_.PathLocked(node.get()) == path) node->link_target = *target;
-        continue;
-      }
+      Result<std::string> target =
+          TableLock::WithoutLock(table_, [this, &path] { return backing_->Readlink(path); });
+      if (!target.ok()) return target.status();
+      // A symlink's target never changes: kept if the name is still where it was read.
+      if (table_.PathLocked(node.get()) == path) node->link_target = *target;
+      continue;
     }
     const std::string from = table_.PathLocked(node.get());
     const std::string to = path::Join(table_.PathLocked(dir.get()), new_name);
@@ -281,8 +280,9 @@ Status PosixOps::Fallocate(Handle* handle, int mode, uint64_t offset, uint64_t l
   const uint64_t end = offset + length;
   Node* node = h->node.get();
   for (RaceRetry race;; race.Lose()) {
+    race.EnterUnlocked(table_, h->node);  // after races lost: the node's I/O token
     {
-      MutexLock lock(&table_.mu);
+      TableLock lock(table_);
       if (node->type != NodeType::kFile) return Invalid("fallocate of a non-regular file");
       table_.FoldWriteTimeLocked(node);
       if (!node->error.empty()) return Status(Code::kIo, node->error);
@@ -290,8 +290,8 @@ Status PosixOps::Fallocate(Handle* handle, int mode, uint64_t offset, uint64_t l
         return Status(Code::kTooManyLinks, "a file with several hard links cannot be rewritten");
       }
     }
-    // The copy it may begin, the reservation and the truncate: all without table_.mu.
-    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<store::StagedFile> staged, writes_.WritableStaged(h));
+    // The copy it may begin, the reservation and the truncate: all without the table's lock.
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<store::StagedFile> staged, writes_.WritableStaged(h, race));
     // Reserve the blocks in the temp file first, so ENOSPC comes back here and not at
     // the flush; then extend the file as mode 0 does (the new bytes read as zeros).
     CKPT_RETURN_IF_ERROR(backing_->Fallocate(staged->target()->fd(), FALLOC_FL_KEEP_SIZE,
@@ -299,9 +299,10 @@ Status PosixOps::Fallocate(Handle* handle, int mode, uint64_t offset, uint64_t l
                                              static_cast<off_t>(length)));
     if (end <= staged->size()) return Status::Ok();
     Status st = staged->Truncate(end);
-    if (st.code() == Code::kAborted && race.may_retry()) continue;  // frozen by a publish
+    // Frozen by a publish: extend the next copy.
+    if (st.code() == Code::kAborted && race.LostToFreeze(staged.get())) continue;
     if (!st.ok()) return st;
-    MutexLock lock(&table_.mu);
+    TableLock lock(table_);
     node->attr.st_mtim = node->attr.st_ctim = Now();
     return Status::Ok();
   }

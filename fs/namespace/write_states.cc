@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "fs/fs_util.h"
+#include "fs/namespace/table_lock.h"
 #include "store/dcp/checkpoint_source.h"
 #include "store/dcp/commit_names.h"
 #include "store/dcp/dcp_metadata.h"
@@ -27,13 +28,6 @@ WriteStates::WriteStates(const FsConfig& config, const FsParts& parts, NodeTable
       loader_(parts.loader),
       stats_(parts.stats),
       staging_ctx_{parts.pool, parts.pipeline, parts.backing} {}
-
-void WriteStates::AssertTable(const NodeTable& held) const {
-  if (&held != &table_) {
-    spdlog::critical("write states called under the lock of another node table");
-    std::abort();
-  }
-}
 
 std::string WriteStates::TempPrefix(const FsConfig& config) {
   // With peers, other daemons write temp files into the same backing root with their own
@@ -158,50 +152,35 @@ void WriteStates::InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws)
   }
 }
 
-Status WriteStates::BeginWriteLocked(Node* node, bool truncate, const UniqueFd* src) {
-  WritePlan plan = PlanWriteLocked(node, truncate, src);
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WriteState> ws, PrepareWrite(plan));
-  InstallWriteLocked(node, std::move(ws));
-  return Status::Ok();
-}
-
-Result<uint64_t> WriteStates::DiscardLocked(Node* node, const std::string& path) {
+Result<uint64_t> WriteStates::DiscardLocked(NodeTable& table, Node* node,
+                                            const std::string& path) {
   store::JournalEntry d;
   d.op = store::OpType::kDiscard;
-  d.from = table_.TempPathLocked(*node->write);
+  d.from = table.TempPathLocked(*node->write);
   d.path = path;
   d.file_id = node->write->file_id;
   node->write->needs_publish = false;
   node->write->discarded = true;
-  table_.SyncDataLocked(node);
-  return table_.AppendLocked(std::move(d), node);
+  table.SyncDataLocked(node);
+  return table.AppendLocked(std::move(d), node);
 }
 
-void WriteStates::DropWriteStateLocked(Node* node) {
+void WriteStates::DropWriteStateLocked(NodeTable& table, Node* node) {
   // The cached attributes must describe the published file: with pending entries around
   // it they are served as they are, without asking the backing store.
   node->attr.st_size = static_cast<off_t>(node->write->staged->size());
   node->write.reset();
-  table_.SyncDataLocked(node);
+  table.SyncDataLocked(node);
   // The caller refreshes the attributes from the backing store after the lock
-  // (RefreshAttr): a stat never runs under table_.mu.
+  // (RefreshAttr): a stat never runs under the table's lock.
 }
 
-Status WriteStates::EnsureWritableLocked(Node* node, bool truncate, const UniqueFd* src) {
-  if (!node->write || !node->write->needs_publish) {
-    CKPT_RETURN_IF_ERROR(BeginWriteLocked(node, truncate, src));
-  }
-  node->write->needs_publish = true;
-  table_.SyncDataLocked(node);
-  return Status::Ok();
+void WriteStates::AwaitFreezeLocked(const Node* node) {
+  TableLock::Await(table_, frozen_cv_,
+                   [node] { return !(node->write && node->write->freezing > 0); });
 }
 
-void WriteStates::AwaitFreezeLocked(const Node* node, MutexLock& lock) {
-  frozen_cv_.wait(lock.native(),
-                  [node] { return !(node->write && node->write->freezing > 0); });
-}
-
-Result<uint64_t> WriteStates::PublishLocked(Node* node) {
+Result<uint64_t> WriteStates::PublishLocked(NodeTable& table, Node* node) {
   {
     // Writers stop taking this copy before it is frozen: one that took it already gets
     // kAborted and retries through WritableStaged, which waits for this publish.
@@ -215,9 +194,7 @@ Result<uint64_t> WriteStates::PublishLocked(Node* node) {
     // discard it, a rename move it, another publish queue it.
     const std::shared_ptr<store::StagedFile> staged = node->write->staged;
     node->write->freezing++;
-    table_.mu.Unlock();
-    staged->SealAll();
-    table_.mu.Lock();
+    TableLock::WithoutLock(table, [&staged] { staged->SealAll(); });
     const bool same = node->write && node->write->staged == staged;
     if (same) node->write->freezing--;
     frozen_cv_.notify_all();
@@ -232,13 +209,13 @@ Result<uint64_t> WriteStates::PublishLocked(Node* node) {
     }
     if (!node->write->needs_publish) return node->write->publish_seq;  // queued meanwhile
   }
-  table_.FoldWriteTimeLocked(node);  // the published file keeps the time of its last write
+  table.FoldWriteTimeLocked(node);  // the published file keeps the time of its last write
   WriteState& ws = *node->write;
   auto target = ws.staged->target();
   store::JournalEntry e;
   e.op = store::OpType::kPublish;
-  e.path = table_.PathLocked(node);
-  e.from = table_.TempPathLocked(ws);
+  e.path = table.PathLocked(node);
+  e.from = table.TempPathLocked(ws);
   e.file_id = ws.file_id;
   e.size = ws.staged->size();
   e.target = target;
@@ -247,11 +224,11 @@ Result<uint64_t> WriteStates::PublishLocked(Node* node) {
   // not those of the flushes.
   e.atime_sec = node->attr.st_atim.tv_sec, e.atime_nsec = node->attr.st_atim.tv_nsec;
   e.mtime_sec = node->attr.st_mtim.tv_sec, e.mtime_nsec = node->attr.st_mtim.tv_nsec;
-  table_.NotePublishingLocked(ws.file_id, node);
-  CKPT_ASSIGN_OR_RETURN(uint64_t seq, table_.AppendLocked(std::move(e), node));
+  table.NotePublishingLocked(ws.file_id, node);
+  CKPT_ASSIGN_OR_RETURN(uint64_t seq, table.AppendLocked(std::move(e), node));
   ws.publish_seq = seq;
   ws.needs_publish = false;
-  table_.SyncDataLocked(node);
+  table.SyncDataLocked(node);
   node->on_backing = true;
   return seq;
 }
@@ -263,8 +240,9 @@ Result<std::pair<Entry, Handle*>> WriteStates::Create(uint64_t parent, const std
   CKPT_RETURN_IF_ERROR(table_.WaitForAncestorsUnlocked(parent));
   CKPT_RETURN_IF_ERROR(table_.ProbeName(parent, name));
   // The temp file of a new name is made (registered with a synced write, opened, owned)
-  // without table_.mu, then installed if the name is still free. One not installed is
-  // removed on the way out, after the lock.
+  // without the table's lock, then installed if the name is still free and its owner is
+  // still the one planned; else it is made again (after races lost, holding the
+  // directory's I/O token). One not installed is removed on the way out, after the lock.
   struct Ready {
     WriteStates* fs;
     std::unique_ptr<WriteState> ws;
@@ -277,8 +255,11 @@ Result<std::pair<Entry, Handle*>> WriteStates::Create(uint64_t parent, const std
   for (RaceRetry race;; race.Lose()) {
     WritePlan plan;
     {
-      MutexLock lock(&table_.mu);
-      CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, table_.LoadedDirLocked(parent, name));
+      TableLock lock(table_);
+      race.Enter(table_, table_.NodeLocked(parent));  // what races is the directory's owner
+      Result<std::shared_ptr<Node>> loaded = table_.LoadedDirLocked(parent, name);
+      if (LockDropped(loaded.status())) continue;  // listed without the lock: start over
+      CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Node> dir, std::move(loaded));
       std::shared_ptr<Node> node = table_.ChildLocked(dir.get(), name);
       if (node) {
         if (flags & O_EXCL) return Status(Code::kExists, name);
@@ -289,7 +270,7 @@ Result<std::pair<Entry, Handle*>> WriteStates::Create(uint64_t parent, const std
       const NewOwner owner = OwnerOfNew(caller, dir->attr, S_IFREG, mode);
       const bool fits = ready.ws && ready.plan.uid == owner.uid &&
                         ready.plan.gid == owner.gid && ready.plan.mode == (owner.mode & 07777);
-      if (!fits && race.may_retry()) {
+      if (!fits) {
         plan.id = publication_->NextFileId();
         plan.temp_name = publication_->TempName(plan.id);
         plan.uid = owner.uid;
@@ -303,12 +284,7 @@ Result<std::pair<Entry, Handle*>> WriteStates::Create(uint64_t parent, const std
         node->attr.st_uid = owner.uid;
         node->attr.st_gid = owner.gid;
         node->attr.st_atim = node->attr.st_mtim = node->attr.st_ctim = Now();
-        if (fits) {
-          InstallWriteLocked(node.get(), std::move(ready.ws));
-        } else if (Status st = BeginWriteLocked(node.get(), /*truncate=*/true); !st.ok()) {
-          table_.DetachLocked(node);  // after a few races lost, made under the lock
-          return st;
-        }
+        InstallWriteLocked(node.get(), std::move(ready.ws));
         table_.TouchDirLocked(dir.get(), 0);
         auto handle = std::make_unique<Handle>();
         FileHandle& fh = handle->kind.emplace<FileHandle>();
@@ -328,7 +304,7 @@ Result<std::pair<Entry, Handle*>> WriteStates::Create(uint64_t parent, const std
   Result<Handle*> opened = NodeOpen(existing, flags);
   if (!opened.ok()) return table_.LogIfIo("open", existing, 0, opened.status());
   Handle* handle = *opened;
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   return std::make_pair(table_.EntryLocked(handle->file()->node.get()), handle);
 }
 
@@ -337,15 +313,17 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
   FileHandle& fh = handle->kind.emplace<FileHandle>();
   const bool writable = (flags & O_ACCMODE) != O_RDONLY;
   CKPT_RETURN_IF_ERROR(table_.WaitForAncestorsUnlocked(ino));
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   std::shared_ptr<Node> node;
-  // The backing file is opened without table_.mu; if the name moved, was unlinked or began
-  // a write meanwhile, the open starts over (after a few tries it is done under the lock).
+  // The backing file is opened without the table's lock; if the name moved, was unlinked or
+  // began a write meanwhile, the open starts over (after a few tries holding the node's I/O
+  // token, still without the lock).
   for (RaceRetry race;; race.Lose()) {
+    race.Enter(table_, table_.NodeLocked(ino));
     node = table_.NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     if (writable && (flags & O_TRUNC) && node->write && node->write->freezing > 0) {
-      AwaitFreezeLocked(node.get(), lock);  // then it is published: cut the next copy
+      AwaitFreezeLocked(node.get());  // then it is published: cut the next copy
       node = table_.NodeLocked(ino);
       if (!node) return NotFound("stale inode");
     }
@@ -354,9 +332,8 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
     while (!node->write && node->on_backing) {
       const uint64_t seq = table_.PendingRenameLocked(node.get());
       if (seq == 0) break;
-      lock.Unlock();
-      CKPT_RETURN_IF_ERROR(publication_->AwaitApplied(seq));
-      lock.Lock();
+      CKPT_RETURN_IF_ERROR(
+          TableLock::WithoutLock(table_, [this, seq] { return publication_->AwaitApplied(seq); }));
     }
     if (node->type == NodeType::kDir) return Status(Code::kIsDir, "open of a directory");
     // The kernel serves FIFOs, sockets and devices itself; never block a thread on one.
@@ -377,44 +354,33 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
     if (writable && (flags & O_TRUNC)) {
       if (node->write && node->write->needs_publish) {
         // Being written through another handle: cut what it holds. The cut waits for the
-        // file's flushes: without the lock, unless races were lost a few times.
+        // file's flushes: without the lock.
         const std::shared_ptr<store::StagedFile> staged = node->write->staged;
-        Status cut;
-        if (race.may_retry()) {
-          lock.Unlock();
-          cut = staged->Truncate(0);
-          lock.Lock();
-          // Frozen by a publish, or published and copied, meanwhile: start over.
-          if (cut.code() == Code::kAborted) continue;
-          if (table_.NodeLocked(ino) != node || !node->write || node->write->staged != staged) {
-            continue;
-          }
-        } else {
-          cut = staged->Truncate(0);
+        Status cut = TableLock::WithoutLock(table_, [&staged] { return staged->Truncate(0); });
+        // Frozen by a publish, or published and copied, meanwhile: start over.
+        if (cut.code() == Code::kAborted && race.LostToFreeze(staged.get())) continue;
+        if (table_.NodeLocked(ino) != node || !node->write || node->write->staged != staged) {
+          continue;
         }
         CKPT_RETURN_IF_ERROR(cut);
         // A new version: no commit appended before now names it.
         node->write->began_after = publication_->view().last_appended();
-      } else if (race.may_retry()) {
-        // A new, empty copy: its temp file is made without table_.mu (as a first write's).
+      } else {
+        // A new, empty copy: its temp file is made without the table's lock (as a first
+        // write's).
         WritePlan plan = PlanWriteLocked(node.get(), /*truncate=*/true, nullptr);
-        lock.Unlock();
-        Result<std::unique_ptr<WriteState>> ws = PrepareWrite(plan);
-        lock.Lock();
+        Result<std::unique_ptr<WriteState>> ws =
+            TableLock::WithoutLock(table_, [this, &plan] { return PrepareWrite(plan); });
         if (!ws.ok()) return ws.status();
         if (table_.NodeLocked(ino) != node || !PlanHoldsLocked(*node, plan) ||
             (!node->write && node->parent == nullptr)) {
-          lock.Unlock();
-          AbandonWrite(**ws);  // changed meanwhile: start over from what it is now
-          lock.Lock();
+          // Changed meanwhile: start over from what it is now.
+          TableLock::WithoutLock(table_, [this, &ws] { AbandonWrite(**ws); });
           continue;
         }
         InstallWriteLocked(node.get(), std::move(*ws));
         node->write->needs_publish = true;
         table_.SyncDataLocked(node.get());
-      } else {
-        // The name keeps changing: a new, empty copy under the lock.
-        CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node.get(), /*truncate=*/true));
       }
     }
     // Without O_TRUNC, opening for writing starts nothing: the first write does (Write).
@@ -429,18 +395,11 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
       Result<struct stat> st = backing_->Fstat(fd->get());
       return {std::move(fd), std::move(st)};
     };
-    const Status not_yet(Code::kInternal, "not opened");
-    std::pair<Result<UniqueFd>, Result<struct stat>> opened{not_yet, not_yet};
-    if (race.may_retry()) {
-      lock.Unlock();
-      opened = open_backing();
-      lock.Lock();
-      if (table_.NodeLocked(ino) != node || node->write || node->parent == nullptr ||
-          table_.PathLocked(node.get()) != path || table_.PendingRenameLocked(node.get()) != 0) {
-        continue;  // changed meanwhile: what was opened may not be this file's current version
-      }
-    } else {
-      opened = open_backing();  // the name keeps changing: open it under the lock
+    std::pair<Result<UniqueFd>, Result<struct stat>> opened =
+        TableLock::WithoutLock(table_, open_backing);
+    if (table_.NodeLocked(ino) != node || node->write || node->parent == nullptr ||
+        table_.PathLocked(node.get()) != path || table_.PendingRenameLocked(node.get()) != 0) {
+      continue;  // changed meanwhile: what was opened may not be this file's current version
     }
     auto& [fd, st] = opened;
     if (!st.ok()) return st.status();
@@ -460,19 +419,21 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
   node->open_files++;
   if (writable) node->open_writers++;
   lock.Unlock();
-  // Without table_.mu (the handle is not yet anyone's): the loader looks the checkpoint up
+  // Without the table's lock (the handle is not yet anyone's): the loader looks the checkpoint up
   // in the key index and decides what the open means for a load.
   if (fh.backing.fd) loader_->Opened(&fh.backing, writable);
   return handle.release();
 }
 
-Result<std::shared_ptr<store::StagedFile>> WriteStates::WritableStaged(FileHandle* h) {
+Result<std::shared_ptr<store::StagedFile>> WriteStates::WritableStaged(FileHandle* h,
+                                                                       RaceRetry& race) {
   Node* node = h->node.get();
-  for (RaceRetry race;; race.Lose()) {
+  for (;; race.Lose()) {
     WritePlan plan;
     {
-      MutexLock lock(&table_.mu);
-      AwaitFreezeLocked(node, lock);  // a publish freezing this copy: write into the next
+      TableLock lock(table_);
+      race.Enter(table_, h->node);
+      AwaitFreezeLocked(node);  // a publish freezing this copy: write into the next
       if (!node->error.empty()) return Status(Code::kIo, node->error);
       if (node->write && (node->write->discarded || node->write->needs_publish)) {
         // Unlinked (keeps its bytes, never published), or a copy another write began.
@@ -481,19 +442,13 @@ Result<std::shared_ptr<store::StagedFile>> WriteStates::WritableStaged(FileHandl
       // Not yet written through this mount, or its previous contents are queued for
       // publication and frozen: continue in a copy, published again later. With no write
       // state, `h->fd` is the current version (a write state lives while any handle is
-      // open). After a few races lost, the copy is made under the lock.
-      if (!race.may_retry()) {
-        const UniqueFd* src = node->write ? nullptr : h->backing.fd.get();
-        CKPT_RETURN_IF_ERROR(EnsureWritableLocked(node, false, src));
-        if (node->parent == nullptr) CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
-        return node->write->staged;
-      }
+      // open). After a few races lost, the call holds the node's I/O token (RaceRetry).
       plan = PlanWriteLocked(node, false, node->write ? nullptr : h->backing.fd.get());
     }
     // The temp file, its registration (a synced RocksDB write), the wait for the previous
-    // version's flushes and the copy: all without table_.mu.
+    // version's flushes and the copy: all without the table's lock.
     CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WriteState> ws, PrepareWrite(plan));
-    MutexLock lock(&table_.mu);
+    TableLock lock(table_);
     if (!PlanHoldsLocked(*node, plan)) {
       lock.Unlock();
       AbandonWrite(*ws);  // the file changed meanwhile: plan again from what it is now
@@ -504,7 +459,7 @@ Result<std::shared_ptr<store::StagedFile>> WriteStates::WritableStaged(FileHandl
     table_.SyncDataLocked(node);
     if (node->parent == nullptr) {
       // Unlinked after its last publication: the copy lives on, unnamed, until closed.
-      CKPT_RETURN_IF_ERROR(DiscardLocked(node, "").status());
+      CKPT_RETURN_IF_ERROR(DiscardLocked(table_, node, "").status());
     }
     return node->write->staged;
   }
@@ -522,10 +477,11 @@ Result<uint64_t> WriteStates::Resize(uint64_t ino, uint64_t size, const FileHand
     std::shared_ptr<store::StagedFile> staged;
     WritePlan plan;
     {
-      MutexLock lock(&table_.mu);
+      TableLock lock(table_);
+      race.Enter(table_, table_.NodeLocked(ino));
       std::shared_ptr<Node> node = table_.NodeLocked(ino);
       if (!node) return NotFound("stale inode");
-      AwaitFreezeLocked(node.get(), lock);  // then it is published: truncate the next copy
+      AwaitFreezeLocked(node.get());  // then it is published: truncate the next copy
       if (!node->error.empty()) return Status(Code::kIo, node->error);
       if (node->write && node->write->needs_publish) {
         staged = node->write->staged;
@@ -537,14 +493,13 @@ Result<uint64_t> WriteStates::Resize(uint64_t ino, uint64_t size, const FileHand
       }
     }
     if (!staged) {
-      // The temp file, its registration and the copy: without table_.mu, as a first write's.
+      // The temp file, its registration and the copy: without the table's lock, as a first write's.
       CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WriteState> ws, PrepareWrite(plan));
-      MutexLock lock(&table_.mu);
+      TableLock lock(table_);
       std::shared_ptr<Node> node = table_.NodeLocked(ino);
       if (!node || !PlanHoldsLocked(*node, plan)) {
         lock.Unlock();
         AbandonWrite(*ws);  // changed meanwhile: plan again from what it is now
-        if (!race.may_retry()) return Status(Code::kAborted, "file changed during truncate");
         continue;
       }
       InstallWriteLocked(node.get(), std::move(ws));
@@ -552,15 +507,18 @@ Result<uint64_t> WriteStates::Resize(uint64_t ino, uint64_t size, const FileHand
       table_.SyncDataLocked(node.get());
       staged = node->write->staged;
     }
-    // Waits for the flushes in flight, then cuts the temp file: without table_.mu.
+    // Waits for the flushes in flight, then cuts the temp file: without the table's lock.
     Status st = staged->Truncate(size);
-    if (st.code() == Code::kAborted && race.may_retry()) continue;  // frozen by a publish
+    // Frozen by a publish: cut the next copy.
+    if (st.code() == Code::kAborted && race.LostToFreeze(staged.get())) continue;
     CKPT_RETURN_IF_ERROR(st);
-    MutexLock lock(&table_.mu);
+    TableLock lock(table_);
     std::shared_ptr<Node> node = table_.NodeLocked(ino);
     if (!node || !node->write || node->write->staged != staged) return uint64_t{0};
     node->attr.st_mtim = node->attr.st_ctim = Now();
-    if (node->open_writers == 0 && node->write->needs_publish) return PublishLocked(node.get());
+    if (node->open_writers == 0 && node->write->needs_publish) {
+      return PublishLocked(table_, node.get());
+    }
     return uint64_t{0};
   }
 }
@@ -570,6 +528,7 @@ Status WriteStates::WriteData(FileHandle* h, store::ByteSource& src, uint64_t of
   if (!h->writable) return Status(Code::kPermission, "not open for writing");
   Node* node = h->node.get();
   for (RaceRetry race;; race.Lose()) {
+    race.EnterUnlocked(table_, h->node);  // after races lost: the node's I/O token
     // The data path: the node's data_mu only. The namespace is needed only to begin a
     // copy (the first write, or the first after a publish froze the contents).
     std::shared_ptr<store::StagedFile> staged;
@@ -580,11 +539,11 @@ Status WriteStates::WriteData(FileHandle* h, store::ByteSource& src, uint64_t of
       node->data.written = true;
     }
     if (!staged) {
-      CKPT_ASSIGN_OR_RETURN(staged, WritableStaged(h));
+      CKPT_ASSIGN_OR_RETURN(staged, WritableStaged(h, race));
     }
     Status st = staged->Write(src, offset);
     // Frozen by a publish (before any byte of `src` was consumed): write into the copy.
-    if (st.code() == Code::kAborted && race.may_retry()) continue;
+    if (st.code() == Code::kAborted && race.LostToFreeze(staged.get())) continue;
     if (!st.ok()) {
       table_.NoteError("write " + std::to_string(node->ino) + ": " + st.ToString());
       return st;
@@ -598,13 +557,13 @@ Status WriteStates::FlushData(FileHandle* h) {
   if (!h->writable) return Status::Ok();
   Result<uint64_t> seq = uint64_t{0};
   {
-    MutexLock lock(&table_.mu);
+    TableLock lock(table_);
     Node* node = h->node.get();
     if (!node->error.empty()) return Status(Code::kIo, node->error);
     if (!node->write) return Status::Ok();
     CKPT_RETURN_IF_ERROR(node->write->staged->error());
     if (!config_.strict) return Status::Ok();
-    if (node->write->needs_publish && node->parent != nullptr) seq = PublishLocked(node);
+    if (node->write->needs_publish && node->parent != nullptr) seq = PublishLocked(table_, node);
     else seq = node->write->publish_seq;
   }
   return table_.WaitIfStrict(seq);
@@ -613,7 +572,7 @@ Status WriteStates::FlushData(FileHandle* h) {
 void WriteStates::ReleaseFile(FileHandle* h) {
   bool dropped = false;
   {
-    MutexLock lock(&table_.mu);
+    TableLock lock(table_);
     dropped = ReleaseFileLocked(h);
   }
   if (dropped) table_.RefreshAttr(h->node->ino);
@@ -627,7 +586,7 @@ bool WriteStates::ReleaseFileLocked(FileHandle* h) {
   // The last writer publishes (a file made by O_RDONLY|O_CREAT: its only handle).
   if (node->write && node->open_writers == 0 && node->write->needs_publish &&
       node->parent != nullptr) {
-    auto seq = PublishLocked(node);  // may drop the lock: what follows reads the node again
+    auto seq = PublishLocked(table_, node);  // may drop the lock: what follows reads the node again
     if (!seq.ok()) {
       table_.NoteError("publish " + table_.PathLocked(node) + ": " + seq.status().ToString());
     }
@@ -636,7 +595,7 @@ bool WriteStates::ReleaseFileLocked(FileHandle* h) {
     const WriteState& ws = *node->write;
     if (node->open_files == 0 && !ws.needs_publish && ws.publish_seq <= publication_->view().applied() &&
         table_.PublishingLocked(ws.file_id) == nullptr) {
-      DropWriteStateLocked(node);  // fully published: the backing file is the truth again
+      DropWriteStateLocked(table_, node);  // fully published: the backing file is the truth again
       dropped = true;
     }
   }
@@ -646,13 +605,13 @@ bool WriteStates::ReleaseFileLocked(FileHandle* h) {
 
 uint64_t WriteStates::PublishOpenFiles() {
   uint64_t unpublished = 0;
-  MutexLock lock(&table_.mu);
+  TableLock lock(table_);
   // A publish may drop the lock (PublishLocked): the table may change meanwhile.
   std::vector<std::shared_ptr<Node>> nodes;
   table_.ForEachNodeLocked([&nodes](const std::shared_ptr<Node>& node) { nodes.push_back(node); });
   for (const auto& node : nodes) {
     if (node->write && node->write->needs_publish && node->parent != nullptr) {
-      auto seq = PublishLocked(node.get());
+      auto seq = PublishLocked(table_, node.get());
       if (!seq.ok()) ++unpublished;
     }
   }

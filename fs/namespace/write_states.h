@@ -8,16 +8,16 @@
 // (fs/namespace/node_table.h), publication (temp files, appends), the backing store (the temp
 // files) and the key index and read path (an open of a committed checkpoint's file).
 //
-// Thread-safe. Takes the table's lock, `table.mu`, for in-memory work and the journal
-// append (the rule is in fs/namespace/node_table.h); helpers named *Locked require it. Without it:
-// the temp file and copy a write, a create, an O_TRUNC open or a truncate begins with
-// (plan, PrepareWrite, install), the cut of an O_TRUNC open or a truncate of a file being
-// written (it waits for the file's flushes), and a publish's freeze of a file whose
-// writer is inside a write (store::StagedFile::SealAll waits for it; WriteState::freezing holds
-// off other changes of that write state meanwhile, AwaitFreezeLocked). Still under it:
-// the fallbacks after kRaceTries lost races (a write's, a create's or an O_TRUNC open's
-// copy, an O_TRUNC open's cut, an open of a backing file). staged_mu_ (the live staged
-// files) is a leaf.
+// Thread-safe. Takes the table's lock (TableLock, fs/namespace/table_lock.h) for in-memory
+// work and the journal append (the rule is in fs/namespace/node_table.h); helpers named
+// *Locked require it. Without it, on every path: the temp file and copy a write, a create,
+// an O_TRUNC open or a truncate begins with (plan, PrepareWrite, install), the open of a
+// backing file, the cut of an O_TRUNC open or a truncate of a file being written (it waits
+// for the file's flushes), and a publish's freeze of a file whose writer is inside a write
+// (store::StagedFile::SealAll waits for it; WriteState::freezing holds off other changes of
+// that write state meanwhile, AwaitFreezeLocked). A call that lost kRaceTries races holds
+// the node's I/O token for its next tries (RaceRetry), never the table's lock, and never
+// fails for a lost race. staged_mu_ (the live staged files) is a leaf.
 #pragma once
 
 #include <sys/types.h>
@@ -37,6 +37,7 @@
 #include "fs/namespace/handle.h"
 #include "fs/namespace/node.h"
 #include "fs/namespace/node_table.h"
+#include "fs/namespace/table_lock.h"
 #include "fs/namespace/posix_access.h"
 #include "gpu/staging_pool.h"
 #include "store/dcp/key_index.h"
@@ -61,59 +62,50 @@ class WriteStates final : public gpu::StagingPressureListener {
   // ------------------------------------------------------------ FUSE-level operations
   Result<std::pair<Entry, Handle*>> Create(uint64_t parent, const std::string& name, mode_t mode,
                                            int flags, const Caller& caller = {})
-      EXCLUDES(table_.mu);
-  Result<Handle*> NodeOpen(uint64_t ino, int flags) EXCLUDES(table_.mu);
-  Status WriteData(FileHandle* h, store::ByteSource& src, uint64_t offset) EXCLUDES(table_.mu);
-  Status FlushData(FileHandle* h) EXCLUDES(table_.mu);
-  void ReleaseFile(FileHandle* h) EXCLUDES(table_.mu);
+      EXCLUDES(table_.mu());
+  Result<Handle*> NodeOpen(uint64_t ino, int flags) EXCLUDES(table_.mu());
+  Status WriteData(FileHandle* h, store::ByteSource& src, uint64_t offset) EXCLUDES(table_.mu());
+  Status FlushData(FileHandle* h) EXCLUDES(table_.mu());
+  void ReleaseFile(FileHandle* h) EXCLUDES(table_.mu());
   // Shutdown (G8): queues the publication of every file still open for writing (a lazy
   // unmount); returns how many could not be queued.
-  uint64_t PublishOpenFiles() EXCLUDES(table_.mu);
+  uint64_t PublishOpenFiles() EXCLUDES(table_.mu());
   // gpu::StagingPressureListener: the staging pool is short of chunks; seals idle staged
   // files.
   void RelieveStagingPressure() override EXCLUDES(staged_mu_);
 
   // ------------------------------------------------------------ for the other parts
   // The parts share one table and its lock, but the analysis names a lock by the path to
-  // it: a part holding `held.mu` calls this before a *Locked method here, which then finds
-  // its `table_.mu` held. Aborts if `held` is not this part's table.
-  void AssertTable(const NodeTable& held) const REQUIRES(held.mu) ASSERT_CAPABILITY(table_.mu);
+  // it: the *Locked methods other parts call take the table whose lock the caller holds
+  // (this part's table), so that the analysis proves it held at every call.
   // The temp file's owner and mode (without the lock).
   Status OwnTemp(uid_t uid, gid_t gid, mode_t mode, int fd);
-  // Starts writing a file: a new temp file, filled with the current contents unless
-  // `truncate`: those of its write state, else of `src` (an open backing file of the current
-  // version, or null), else of its backing path. The copy is copy_file_range, a reflink
-  // where the backing file system shares extents (XFS, btrfs), so only changed blocks
-  // are written. All under the lock: the fallback after races lost.
-  Status BeginWriteLocked(Node* node, bool truncate, const UniqueFd* src = nullptr)
-      REQUIRES(table_.mu);
-  // Makes `node` writable: a fresh copy when it is not being written or its contents
-  // are frozen for publication. Marks it as needing publication.
-  Status EnsureWritableLocked(Node* node, bool truncate, const UniqueFd* src = nullptr)
-      REQUIRES(table_.mu);
   // Drops the unpublished bytes of `node` (named `path`, or unnamed): its temp file is
   // removed in journal order; open handles keep reading them; it is never published.
-  Result<uint64_t> DiscardLocked(Node* node, const std::string& path) REQUIRES(table_.mu);
+  static Result<uint64_t> DiscardLocked(NodeTable& table, Node* node, const std::string& path)
+      REQUIRES(table.mu());
   // Forgets the write state of a fully published file, keeping its size.
-  void DropWriteStateLocked(Node* node) REQUIRES(table_.mu);
+  static void DropWriteStateLocked(NodeTable& table, Node* node) REQUIRES(table.mu());
   // Queues the publication of `node`'s staged contents (node->write->needs_publish);
   // returns the entry's seq. Freezing the contents may wait for a write in progress: then
   // the lock is released meanwhile (the caller re-checks what it read before), and the
   // result is the seq of a publish queued meanwhile, or 0 if the file was unlinked
   // (discarded) or published and dropped meanwhile.
-  Result<uint64_t> PublishLocked(Node* node) REQUIRES(table_.mu);
-  // The staged file a write through `h` goes to, beginning a copy when needed.
-  Result<std::shared_ptr<store::StagedFile>> WritableStaged(FileHandle* h) EXCLUDES(table_.mu);
+  Result<uint64_t> PublishLocked(NodeTable& table, Node* node) REQUIRES(table.mu());
+  // The staged file a write through `h` goes to, beginning a copy when needed; `race` is
+  // the caller's (its lost races count here too, and its I/O token is kept).
+  Result<std::shared_ptr<store::StagedFile>> WritableStaged(FileHandle* h, RaceRetry& race)
+      EXCLUDES(table_.mu());
   // Truncate (or extend) file `ino` to `size`: a new version first if its contents are
   // not being written (a copy from `from`'s descriptor, if it is an ftruncate of a handle
   // opened before any write, else from its backing path), all I/O without the lock
   // (RaceRetry). Publishes it when no handle writes it; returns that entry's seq, or 0.
   Result<uint64_t> Resize(uint64_t ino, uint64_t size, const FileHandle* from)
-      EXCLUDES(table_.mu);
+      EXCLUDES(table_.mu());
 
  private:
-  // BeginWriteLocked in three steps, so that a write can begin a copy without holding the
-  // lock across its I/O: what to copy (under the lock), the temp file and the copy (no
+  // A write's copy in three steps, so that it is begun without holding the lock across
+  // its I/O: what to copy (under the lock), the temp file and the copy (no
   // lock: RegisterTemp's synced write, open, owner, the wait for the previous version's
   // flushes, copy_file_range), and its installation (under the lock, after the caller
   // checked that the node is still as planned; else AbandonWrite).
@@ -130,18 +122,18 @@ class WriteStates final : public gpu::StagingPressureListener {
     int src_fd = -1;                    // or from this open backing file (borrowed),
     std::string src_path;               // or from this backing path
   };
-  WritePlan PlanWriteLocked(Node* node, bool truncate, const UniqueFd* src) REQUIRES(table_.mu);
+  WritePlan PlanWriteLocked(Node* node, bool truncate, const UniqueFd* src) REQUIRES(table_.mu());
   Result<std::unique_ptr<WriteState>> PrepareWrite(const WritePlan& plan);
   void AbandonWrite(const WriteState& ws);
-  void InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws) REQUIRES(table_.mu);
+  void InstallWriteLocked(Node* node, std::unique_ptr<WriteState> ws) REQUIRES(table_.mu());
   // The node is still as `plan` found it: same version, not being written meanwhile, same
   // owner and mode, no error. Else the prepared write is abandoned.
-  bool PlanHoldsLocked(const Node& node, const WritePlan& plan) const REQUIRES(table_.mu);
+  bool PlanHoldsLocked(const Node& node, const WritePlan& plan) const REQUIRES(table_.mu());
   // Returns whether the node's write state was dropped (then RefreshAttr it).
-  bool ReleaseFileLocked(FileHandle* h) REQUIRES(table_.mu);
+  bool ReleaseFileLocked(FileHandle* h) REQUIRES(table_.mu());
   // Waits, the lock released meanwhile, while a publish freezes `node`'s write state
   // (WriteState::freezing); the caller re-checks the node after.
-  void AwaitFreezeLocked(const Node* node, MutexLock& lock) REQUIRES(table_.mu);
+  void AwaitFreezeLocked(const Node* node) REQUIRES(table_.mu());
 
   // ------------------------------------------------------------ dependencies (borrowed)
   const FsConfig& config_;
@@ -152,7 +144,7 @@ class WriteStates final : public gpu::StagingPressureListener {
   FsStats* const stats_;
   const store::StagingContext staging_ctx_;
 
-  // Signalled, with table_.mu held, when a file's freeze for publication ends
+  // Signalled, with the table's lock held, when a file's freeze for publication ends
   // (WriteState::freezing; AwaitFreezeLocked waits for it).
   std::condition_variable frozen_cv_;
 

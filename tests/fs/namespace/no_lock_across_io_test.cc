@@ -2,7 +2,9 @@
 // parallel file system, an open, an fsync, a copy, a truncate, a chmod, a fallocate) must
 // not delay reads, writes, creates, lookups, getattrs and mkdirs of other names. Each test hangs one call on
 // a latch, checks that those of other files, a first write that starts a rewrite among
-// them, finish within a bounded wait while it hangs, then releases the latch.
+// them, finish within a bounded wait while it hangs, then releases the latch. The same
+// holds after a call lost kRaceTries races (fs/namespace/table_lock.h): its next try holds
+// the node's I/O token, never the table's lock, while its backing call hangs.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 
@@ -13,6 +15,7 @@
 #include <string>
 #include <thread>
 
+#include "fs/namespace/table_lock.h"
 #include "tests/fs/fs_fixture.h"
 
 namespace ckptfs::fs {
@@ -342,6 +345,100 @@ TEST_F(NoLockAcrossIo, PublishWaitingToFreezeAFileDelaysNoOtherFile) {
   ASSERT_NE(r, nullptr);
   EXPECT_EQ(ReadAll(r), "sta");
   fs_->Release(r);
+}
+
+// An open whose file is renamed while its backing open runs loses the race and starts
+// over; after kRaceTries lost races its next open holds the node's I/O token. That open
+// hangs here: namespace work on other names goes on (the table's lock is not held), and
+// the open finishes once released, never failing for the races it lost.
+TEST_F(NoLockAcrossIo, HungOpenAfterRacesLostDelaysNoOtherFile) {
+  std::atomic<int> opens{0};
+  dir_->SetLookupHook([this, &opens](const std::string& op, const std::string& path) {
+    if (op != "open" || path.rfind("slow", 0) != 0) return 0;
+    const int n = ++opens;
+    if (n <= kRaceTries) {
+      // The name moves while its backing open runs: the open just made is of a stale path.
+      const std::string to = "slow" + std::to_string(n);
+      EXPECT_TRUE(fs_->Rename(kRootIno, path, kRootIno, to, 0).ok());
+    } else if (n == kRaceTries + 1) {
+      latch_.Wait();
+    }
+    return 0;
+  });
+  ExpectDataPathWhileHung([this] {
+    auto h = fs_->Open(slow_file_, O_RDONLY);
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    EXPECT_EQ(ReadAll(*h), "ssss");
+    fs_->Release(*h);
+  });
+  EXPECT_EQ(opens.load(), kRaceTries + 1);
+  auto moved = fs_->Lookup(kRootIno, "slow" + std::to_string(kRaceTries));
+  ASSERT_TRUE(moved.ok()) << moved.status().ToString();
+  EXPECT_EQ(moved->ino, slow_file_);
+}
+
+// A first write whose file is chmod'ed while its copy is made loses the race (the copy has
+// the old mode) and makes it again; after kRaceTries lost races the next copy holds the
+// node's I/O token. That copy hangs here: namespace work on other names goes on, and the
+// write lands once released.
+TEST_F(NoLockAcrossIo, HungCopyAfterRacesLostDelaysNoOtherFile) {
+  uint64_t e = WriteFile(kRootIno, "e", "eeee");
+  ASSERT_NE(e, 0u);
+  Handle* h = OpenOk(e, O_RDWR);  // not written yet: its first write begins a copy
+  ASSERT_NE(h, nullptr);
+  std::atomic<std::thread::id> writer{};
+  std::atomic<int> copies{0};
+  dir_->SetPosixHook([&](const std::string& op, const std::string&) {
+    if (op != "copy_file_range" || std::this_thread::get_id() != writer.load()) return 0;
+    const int n = ++copies;
+    if (n <= kRaceTries) {
+      struct stat in {};
+      in.st_mode = (n % 2) ? 0600 : 0640;  // differs from the mode the copy was planned with
+      auto st = fs_->SetAttr(e, in, kSetMode, nullptr);
+      EXPECT_TRUE(st.ok()) << st.status().ToString();
+    } else if (n == kRaceTries + 1) {
+      latch_.Wait();
+    }
+    return 0;
+  });
+  ExpectDataPathWhileHung([&] {
+    writer = std::this_thread::get_id();
+    EXPECT_TRUE(WriteAt(*fs_, h, "E", 1, 0).ok());  // begins the rewrite: its copies race
+    EXPECT_EQ(ReadAll(h), "Eeee");
+  });
+  EXPECT_EQ(copies.load(), kRaceTries + 1);
+  fs_->Release(h);
+}
+
+// A truncate whose copy keeps losing its race (the file is chmod'ed during every copy, one
+// time more than kRaceTries) goes on holding the node's I/O token until a copy holds: it
+// never fails because it lost races (it returned kAborted, EIO, before).
+TEST_F(NoLockAcrossIo, TruncateNeverFailsForRacesLost) {
+  std::atomic<std::thread::id> truncater{};
+  std::atomic<int> copies{0};
+  dir_->SetPosixHook([&](const std::string& op, const std::string&) {
+    if (op != "copy_file_range" || std::this_thread::get_id() != truncater.load()) return 0;
+    const int n = ++copies;
+    if (n <= kRaceTries + 1) {
+      struct stat in {};
+      in.st_mode = (n % 2) ? 0600 : 0640;  // differs from the mode the copy was planned with
+      auto st = fs_->SetAttr(slow_file_, in, kSetMode, nullptr);
+      EXPECT_TRUE(st.ok()) << st.status().ToString();
+    }
+    return 0;
+  });
+  truncater = std::this_thread::get_id();
+  struct stat in {};
+  in.st_size = 2;
+  auto st = fs_->SetAttr(slow_file_, in, kSetSize, nullptr);
+  truncater = std::thread::id{};
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  EXPECT_EQ(st->st_size, 2);
+  EXPECT_EQ(copies.load(), kRaceTries + 2);
+  Handle* h = OpenOk(slow_file_, O_RDONLY);
+  ASSERT_NE(h, nullptr);
+  EXPECT_EQ(ReadAll(h), "ss");
+  fs_->Release(h);
 }
 
 }  // namespace
