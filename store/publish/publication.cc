@@ -12,9 +12,9 @@
 #include "store/dcp/checkpoint_source.h"
 #include "store/dcp/commit_names.h"
 #include "store/dcp/metadata_file.h"
-#include "store/publish/tracker_text.h"
 #include "store/flush/flush_pipeline.h"
 #include "store/primitives/file_key.h"
+#include "store/publish/tracker_text.h"
 
 namespace ckptfs::store {
 namespace {
