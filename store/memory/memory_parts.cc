@@ -56,6 +56,22 @@ std::string Joined(const std::set<std::string>& items) {
 
 }  // namespace
 
+Node* MemoryParts::PlaceRemoteLocked(MemoryTier* t, Node* n, const std::string& name,
+                                     uint64_t size) {
+  const std::vector<std::string> comps = Components(name);
+  Node* at = n;
+  for (size_t i = 0; at != nullptr && i + 1 < comps.size(); ++i) {
+    auto it = at->children.find(comps[i]);
+    at = it == at->children.end() ? t->NewNodeLocked(at, comps[i], true, 0755, 0, 0)
+         : it->second->dir        ? it->second
+                                  : nullptr;
+  }
+  if (at == nullptr || comps.empty()) return nullptr;
+  Node* f = t->NewNodeLocked(at, comps.back(), false, 0644, 0, 0);
+  f->size = size;
+  return f;
+}
+
 Status MemoryParts::MakeDirs(const std::string& tree, const std::string& path) {
   MemoryTier* t = tier_;
   MutexLock lock(&t->mu_);
@@ -178,17 +194,8 @@ Status MemoryParts::CommitGathered(const std::string& tree, const std::string& p
     Node* here = Walk(n, name);
     if (here != nullptr && !here->remote) continue;  // written here too: this node's copy
     if (here != nullptr) t->RemoveLocked(here);
-    const std::vector<std::string> comps = Components(name);
-    Node* at = n;
-    for (size_t i = 0; at != nullptr && i + 1 < comps.size(); ++i) {
-      auto it = at->children.find(comps[i]);
-      at = it == at->children.end() ? t->NewNodeLocked(at, comps[i], true, 0755, 0, 0)
-           : it->second->dir        ? it->second
-                                    : nullptr;
-    }
-    if (at == nullptr || comps.empty()) continue;
-    Node* f = t->NewNodeLocked(at, comps.back(), false, 0644, 0, 0);
-    f->size = size;
+    Node* f = PlaceRemoteLocked(t, n, name, size);
+    if (f == nullptr) continue;
     f->remote = MemRemoteFile{p->rank, p->holder, tree, path, name, seq, size};
     holders.insert("rank " + std::to_string(p->rank) + " (replica on " + p->holder + ")");
   }
@@ -280,17 +287,8 @@ Status MemoryParts::ApplyCommit(const std::string& tree, const std::string& path
     }
     if (here != nullptr && !here->remote) continue;
     if (here != nullptr) t->RemoveLocked(here);
-    const std::vector<std::string> comps = Components(f.file);
-    Node* at = n;
-    for (size_t i = 0; at != nullptr && i + 1 < comps.size(); ++i) {
-      auto it = at->children.find(comps[i]);
-      at = it == at->children.end() ? t->NewNodeLocked(at, comps[i], true, 0755, 0, 0)
-           : it->second->dir        ? it->second
-                                    : nullptr;
-    }
-    if (at == nullptr || comps.empty()) continue;
-    Node* r = t->NewNodeLocked(at, comps.back(), false, 0644, 0, 0);
-    r->size = f.size;
+    Node* r = PlaceRemoteLocked(t, n, f.file, f.size);
+    if (r == nullptr) continue;
     r->remote = f;
     ranks.insert(f.rank);
     holders.insert("rank " + std::to_string(f.rank) + " (replica on " + f.holder + ")");

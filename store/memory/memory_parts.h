@@ -59,6 +59,13 @@ class MemoryParts {
                      const std::vector<MemRemoteFile>& files, uint32_t self);
 
  private:
+  // A new file `name` (a path below checkpoint node `n`, not there now) of `size` bytes,
+  // with the directories on its way; null where one of them is a file. The caller makes
+  // it remote.
+  static MemoryTier::Node* PlaceRemoteLocked(MemoryTier* t, MemoryTier::Node* n,
+                                             const std::string& name, uint64_t size)
+      REQUIRES(t->mu_);
+
   MemoryTier* const tier_;
 };
 
