@@ -407,12 +407,22 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
           waiting.push_back(path);
           ++it;
           continue;
-        } else if (state == ShardState::kDropped && !answer.unreachable) {
+        } else if ((state == ShardState::kDropped || state == ShardState::kFailed) &&
+                   !answer.unreachable) {
+          // Its writer will never publish it: deleted before it was, or its publication
+          // failed for good there (strict mode: an EIO, ENOSPC after the caller's early
+          // return). Whatever the backing store shows at that name is another save's
+          // version or an unsynced one: the checkpoint is refused now, not polled until the
+          // commit timeout while the application saves on (a re-save of the shard answers
+          // pending or durable, and its own `.metadata` commits).
           ++stats_.peer_refused;
           current_.seq = 0;
-          return Status(Code::kAborted, "shard " + path +
-                                            " was deleted on the node that wrote it before it "
-                                            "was published");
+          return Status(Code::kAborted,
+                        "shard " + path +
+                            (state == ShardState::kFailed
+                                 ? " failed to publish on the node that wrote it"
+                                 : " was deleted on the node that wrote it before it was "
+                                   "published"));
         }
         p.polled.insert(path);
       }

@@ -206,9 +206,8 @@ TEST_F(CommitGateTest, DurableButNotOnTheBackingStoreIsPolled) {
   EXPECT_GT(gate->stats().commit_polls, 0u);
 }
 
-TEST_F(CommitGateTest, ShorterDurableUnknownAndFailedFallBackToPolling) {
-  for (ShardStatus st : {ShardStatus{ShardState::kUnknown, 0}, ShardStatus{ShardState::kFailed, 0},
-                         ShardStatus{ShardState::kDurable, 1}}) {
+TEST_F(CommitGateTest, ShorterDurableAndUnknownFallBackToPolling) {
+  for (ShardStatus st : {ShardStatus{ShardState::kUnknown, 0}, ShardStatus{ShardState::kDurable, 1}}) {
     SCOPED_TRACE(ShardStateName(st.state));
     auto gate = MakeGate();
     EXPECT_FALSE(Check(*gate).ready);
@@ -264,6 +263,33 @@ TEST_F(CommitGateTest, DroppedOnItsWriterIsRefusedAtOnce) {
   EXPECT_EQ(c.status.code(), Code::kAborted) << c.status.ToString();
   EXPECT_EQ(ShardStats(), 0u);
   EXPECT_EQ(gate->stats().peer_refused, 1u);
+}
+
+// A shard whose publication failed for good on its writer (strict mode) never comes: the
+// commit is refused at once, even though the backing store shows a file of that name and
+// size (an earlier save's version, or this one's unsynced), instead of polling it until
+// the commit timeout while the application saves on.
+TEST_F(CommitGateTest, FailedOnItsWriterIsRefusedAtOnceEvenIfTheStoreShowsTheName) {
+  auto gate = MakeGate();
+  EXPECT_FALSE(Check(*gate).ready);
+  WriteShards();
+  Answer({ShardState::kFailed, 0});
+  CommitCheck c = Check(*gate);
+  EXPECT_EQ(c.status.code(), Code::kAborted) << c.status.ToString();
+  EXPECT_NE(c.status.ToString().find("failed to publish"), std::string::npos)
+      << c.status.ToString();
+  EXPECT_EQ(ShardStats(), 0u);
+  EXPECT_EQ(gate->stats().peer_refused, 1u);
+
+  // A writer that cannot be asked: its "failed" from another node is not trusted; polled.
+  commit_.seq = 8;
+  auto gate2 = MakeGate();
+  EXPECT_FALSE(Check(*gate2).ready);
+  Answer({ShardState::kFailed, 0}, /*unreachable=*/true);
+  c = Check(*gate2);
+  EXPECT_TRUE(c.status.ok()) << c.status.ToString();
+  EXPECT_TRUE(c.ready);
+  EXPECT_EQ(gate2->stats().commit_polls, 4u);
 }
 
 TEST_F(CommitGateTest, PendingForeverStillTimesOut) {
