@@ -99,11 +99,14 @@ class Checks:
                           f"{HALT_S} s", json.dumps(halt))
                 self.halt_since[d.index] = (now() + 10 ** 6, halt.get("seq"), 0)  # once
             return
+        # Recorded before the command runs: the daemon acts on it (drops the entries, goes
+        # on publishing) before `ckptfs-admin` returns, and the checks on other threads must
+        # judge what they see then by it.
+        with self.lock:
+            self.aborted[target] = self.t()
         r = subprocess.run([harness.ADMIN, "abort", os.path.join(d.mnt, target)],
                            capture_output=True, text=True)
         self.counts["operator_aborts"] += 1
-        with self.lock:
-            self.aborted[target] = self.t()
         self.event("operator abort", node=d.index, path=target, rc=r.returncode,
                    error=halt.get("error"), out=(r.stdout + r.stderr)[-300:])
         if r.returncode != 0 and d.alive():

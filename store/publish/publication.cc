@@ -337,6 +337,12 @@ std::vector<std::string> Publication::Abort(const std::string& path) {
       marked = true;
     }
   }
+  // Deletions of committed checkpoints behind it wait for a later commit, as behind a
+  // checkpoint given up for a lost node (deletion_hold.h): the rotation's `rm -r` of an
+  // older one, queued after the aborted save's tracker, would otherwise leave the backing
+  // store one committed checkpoint short of what the application kept. Held before the
+  // journal drops the entries, so the publisher cannot reach such a deletion first.
+  if (marked) hold_.GaveUp();
   // Aborted first: a restore the journal queues may be applied before this returns, and
   // it makes the record committed again (NoteApplied).
   registry_->OnAborted(path, "aborted by the operator");

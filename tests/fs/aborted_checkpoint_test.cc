@@ -298,6 +298,52 @@ TEST_F(AbortedCheckpointTest, ADeleteBehindAHaltKeepsTheOrderOfOtherCheckpoints)
   EXPECT_LE(lost, plan_.shards.size() + 2);
 }
 
+// Found by the soak (issue 41, async, CI of 3c46fce: "a rotated checkpoint is gone before
+// the tracker KEEP ahead"): publication halted at a save (an injected fsync EIO), the
+// trainer wrote that save's tracker and its rotation removed an older checkpoint, then the
+// operator aborted the failed save. Its tracker is withheld, and the rotation's deletion
+// went on to the backing store: it kept one committed checkpoint fewer than the
+// application did, behind a tracker that names an older one. The deletion now waits, as
+// behind a checkpoint given up for a lost node (DeletionHold), until a later checkpoint
+// commits and its tracker is published.
+TEST_F(AbortedCheckpointTest, ADeletionBehindAnAbortedCheckpointWaitsForTheNextCommit) {
+  WatchTracker();
+  SaveAndTrack("iter_0000001", 1);
+  SaveAndTrack("iter_0000002", 2);
+  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "two saves");
+
+  FailRenamesBelow("iter_0000003");
+  SaveAndTrack("iter_0000003", 3);
+  WaitStats([](const nlohmann::json& j) { return !j["journal_halted"].is_null(); }, "the halt");
+  RemoveTree("iter_0000001");  // the rotation keeps two, once tracker 3 is written
+  EXPECT_FALSE(fs_->control()->Abort("iter_0000003").empty());
+  FailRenamesBelow("");
+  nlohmann::json s = WaitStats(
+      [](const nlohmann::json& j) {
+        return j["journal_held"].get<uint64_t>() > 0 && j["journal_pending"] == j["journal_held"];
+      },
+      "the deletion held, everything else published");
+  EXPECT_TRUE(BackingHas("iter_0000001/.metadata"))
+      << "deleted while the backing store's tracker still names iter_0000002";
+  EXPECT_EQ(BackingBytes(kTracker), "2\n");
+
+  // The next save commits and its tracker is published: the deletion goes after it.
+  SaveAndTrack("iter_0000004", 4);
+  s = WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the next save");
+  EXPECT_GE(s["journal_held_total"].get<uint64_t>(), 1u);
+  EXPECT_EQ(s["journal_held_dropped"].get<uint64_t>(), 0u);
+  EXPECT_FALSE(BackingHas("iter_0000001"));
+  EXPECT_TRUE(BackingHas("iter_0000002/.metadata"));
+  EXPECT_TRUE(BackingHas("iter_0000004/.metadata"));
+  EXPECT_EQ(BackingBytes(kTracker), "4\n");
+  EXPECT_EQ(TrackersNamingNoMetadata(), std::vector<std::string>{});
+  EXPECT_EQ(TrackersPublished(), (std::vector<std::string>{"1", "2", "4"}));
+  EXPECT_EQ(TempFiles(), 0u);
+  // The stop counts what never reached the backing store: the aborted save's files and its
+  // withheld tracker; nothing of the held deletion (applied).
+  EXPECT_GE(fs_->Shutdown().unpublished, 6u);
+}
+
 // The halted checkpoint itself removed through the mount (rm -r instead of an operator's
 // abort: what the soak's rotation did with a save whose fsync failed, seed 41101): its
 // queued publishes are dropped so that publication goes on, it never commits, and a tracker
