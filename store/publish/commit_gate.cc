@@ -157,10 +157,10 @@ CommitCheck CommitGate::Check(const JournalEntry& e, const QueuedPublishes* queu
     }
   }
   if (round != 0 && !peers_->AskCoordinator(to_ask, options_.peer_hold, this, round)) {
-    // This node is the coordinator (or cannot ask): the backing store alone tells.
+    // This node commits them, or cannot ask now: the backing store tells, and the next
+    // round asks again (the node learns who commits a checkpoint when it is asked).
     MutexLock lock(&mu_);
     ordered_round_out_ = false;
-    no_coordinator_ = true;
   }
   return check;
 }
@@ -199,9 +199,12 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, const QueuedPublishe
     // tracker that names it still waits, as anywhere: written before that `.metadata` (a
     // save that failed), it names a checkpoint that may never commit, and it is withheld
     // if that is given up (G4). One that cannot be read waits too.
-    const bool here_dir =
-        commits_here_.count(ckpt) > 0 ||
-        (queued != nullptr && queued->PublishQueued(path::Join(ckpt, "__0_0.distcp")));
+    // Or rank 0's first file was written here and deleted before it was published (an
+    // `rm -r` of the save in flight): this node was to commit it and never will.
+    const std::string rank0 = path::Join(ckpt, "__0_0.distcp");
+    const bool here_dir = commits_here_.count(ckpt) > 0 ||
+                          (queued != nullptr && queued->PublishQueued(rank0)) ||
+                          (host_ != nullptr && host_->DeletedLocally(rank0));
     const bool here = here_dir && (!IsTrackerCandidate(e) || !names(ckpt));
     if (here && (peers_ == nullptr || peers_->LostPeers().empty())) {
       ++it;
@@ -227,7 +230,7 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, const QueuedPublishe
     // this node could, as this node may never have talked to the node that died; and its
     // answer is held while the `.metadata` is pending there, so the wait ends when it
     // lands, not at the next poll.
-    if (peers_ != nullptr && !no_coordinator_ && !here) {
+    if (peers_ != nullptr && !here) {
       const std::string md = path::Join(ckpt, ".metadata");
       if (auto a = ordered_answers_.find(md); a != ordered_answers_.end()) {
         const PeerShardAnswer answer = a->second;

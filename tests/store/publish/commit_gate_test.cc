@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
+#include <string>
 #include <thread>
 
 #include "common/mutex.h"
@@ -47,7 +49,10 @@ class CommitGateTest : public ::testing::Test, public PeerShardAsker, public Com
   }
   bool WrittenLocally(const std::string&) override { return false; }
   bool RewrittenSince(const std::string&, uint64_t) override { return false; }
-  bool DeletedLocally(const std::string&) override { return false; }
+  bool DeletedLocally(const std::string& path) override {
+    MutexLock lock(&mu_);
+    return deleted_here_.count(path) > 0;
+  }
   std::optional<uint64_t> PublishedLength(const std::string&) override { return std::nullopt; }
   void WakeGate() override { wakes_.fetch_add(1); }
 
@@ -148,6 +153,7 @@ class CommitGateTest : public ::testing::Test, public PeerShardAsker, public Com
   std::vector<Round> rounds_ GUARDED_BY(mu_);
   std::map<std::string, std::string> gave_up_ GUARDED_BY(mu_);
   bool peers_available_ GUARDED_BY(mu_) = true;
+  std::set<std::string> deleted_here_ GUARDED_BY(mu_);  // DeletedLocally
   std::atomic<int> wakes_{0};
 };
 
@@ -447,6 +453,28 @@ TEST_F(CommitGateTest, WhereRankZerosFileIsTheMetadataIsNotWaitedForAsForeign) {
   auto gate3 = MakeGate();
   ShardThenTracker(*gate3, "ck/x__10_0.distcp");
   EXPECT_FALSE(gate3->Check(rm, nullptr).ready);
+}
+
+// Rank 0's first file written here and deleted before it was published (the application's
+// `rm -r` of a save in flight: the two-node strict soak, seed 4101, where node 0's log
+// renames waited a whole commit timeout for each such save): this node was the one to
+// commit it and now never will, so its later entries do not wait for that `.metadata`.
+TEST_F(CommitGateTest, WhereRankZerosFileWasDeletedBeforeItsPublishNothingWaitsForIt) {
+  JournalEntry rm;
+  rm.seq = 5;
+  rm.op = OpType::kUnlink;
+  rm.path = "old/.metadata";
+  auto gate = MakeGate();
+  ShardThenTracker(*gate);  // rank 1's file published here: its `.metadata` is another's
+  EXPECT_FALSE(gate->Check(rm, nullptr).ready);
+  {
+    MutexLock lock(&mu_);
+    deleted_here_.insert("ck/__0_0.distcp");
+  }
+  rm.seq = 6;
+  EXPECT_TRUE(gate->Check(rm, nullptr).ready);
+  MutexLock lock(&mu_);
+  EXPECT_TRUE(gave_up_.empty());
 }
 
 // A `.metadata` another node never publishes (a rank killed mid-save): at the commit
