@@ -11,6 +11,14 @@ std::string Membership::Address(uint32_t rank) const {
   return rank < nodes_.size() ? nodes_[rank] : std::string();
 }
 
+std::optional<uint32_t> Membership::RankOf(std::string_view address) const {
+  MutexLock lock(&mu_);
+  for (size_t r = 0; r < nodes_.size(); ++r) {
+    if (nodes_[r] == address) return static_cast<uint32_t>(r);
+  }
+  return std::nullopt;
+}
+
 MembershipView Membership::View() const {
   MutexLock lock(&mu_);
   return MembershipView{nodes_, self_, epoch_, updates_, rejected_, last_rejection_};

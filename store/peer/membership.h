@@ -23,7 +23,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/mutex.h"
@@ -61,6 +63,8 @@ class Membership {
   uint32_t self() const { return self_; }
   // Where rank `rank` listens now.
   std::string Address(uint32_t rank) const EXCLUDES(mu_);
+  // The rank listed at `address` now (a peer's node id), or nullopt.
+  std::optional<uint32_t> RankOf(std::string_view address) const EXCLUDES(mu_);
   MembershipView View() const EXCLUDES(mu_);
 
   // Takes the scheduler's new list. Refused (the old one kept, `rejected` counted, the

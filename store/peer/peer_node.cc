@@ -185,6 +185,18 @@ Status PeerNode::StartServing(BlockCache* cache) {
   so.allowed_peers = membership_.View().nodes;
   so.check_source_address = options_.check_source_address;
   so.shard_states = shard_states_;  // commit queries
+  so.on_shard_query = [this](const std::string& node_id, const std::vector<std::string>& paths) {
+    // The asker publishes the `.metadata` of these shards' directories.
+    std::optional<uint32_t> rank = membership_.RankOf(node_id);
+    if (!rank) return;
+    std::string last;
+    for (const std::string& p : paths) {
+      std::string dir = path::Parent(p);
+      if (dir == last) continue;
+      coordinators_.Learn(dir, *rank);
+      last = std::move(dir);
+    }
+  };
   auto server = PeerServer::Create(so, serving_source_.get());
   if (!server.ok()) {
     return Status(server.status().code(),
@@ -382,13 +394,21 @@ bool PeerNode::AskShardStates(std::vector<std::string> paths, std::chrono::milli
 
 bool PeerNode::AskCoordinator(std::vector<std::string> paths, std::chrono::milliseconds hold,
                               PeerShardAnswerSink* sink, uint64_t round) {
-  // DCP's coordinator is rank 0, on the first node of the list (writer locality).
-  constexpr uint32_t kCoordinator = 0;
-  if (options_.self == kCoordinator) return false;
+  // The node that asked this one about the checkpoint's shards (CheckpointCoordinators);
+  // before it has, the first node of the list, where a job usually places DCP's rank 0.
+  constexpr uint32_t kFirstNode = 0;
+  std::vector<uint32_t> ranks;
+  for (const std::string& p : paths) {
+    const uint32_t rank = coordinators_.Of(path::Parent(p)).value_or(kFirstNode);
+    if (rank != options_.self && std::find(ranks.begin(), ranks.end(), rank) == ranks.end()) {
+      ranks.push_back(rank);
+    }
+  }
+  if (ranks.empty()) return false;  // this node commits them: the backing store tells
   MutexLock lock(&querier_mu_);
   if (!asking_) return false;
   QuerierLocked();
-  return querier_->Ask(std::move(paths), hold, sink, round, {kCoordinator});
+  return querier_->Ask(std::move(paths), hold, sink, round, std::move(ranks));
 }
 
 std::string PeerNode::LostPeers() {

@@ -51,6 +51,7 @@
 #include "store/dcp/dcp_metadata.h"
 #include "store/peer/commit_query.h"
 #include "store/peer/cooperative_source.h"
+#include "store/peer/coordinators.h"
 #include "store/peer/membership.h"
 #include "store/peer/memory_replica.h"
 #include "store/peer/peer_links.h"
@@ -143,6 +144,7 @@ class PeerNode : public Peers {
   std::unique_ptr<CommitQuerier> querier_ GUARDED_BY(querier_mu_);  // made on first use
   bool asking_ GUARDED_BY(querier_mu_) = false;  // StartServing() succeeded
   CommitQuerier* QuerierLocked() REQUIRES(querier_mu_);  // made on first use
+  CheckpointCoordinators coordinators_;  // who commits which checkpoint (AskCoordinator)
   // ---- end of the commit-query block.
 
   class ServingSource;

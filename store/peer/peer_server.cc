@@ -700,6 +700,7 @@ bool PeerServer::Impl::Evaluate(HeldQuery& q, Clock::time_point now, bool force,
 
 void PeerServer::Impl::QueryLoop() {
   std::vector<HeldQuery> held;  // this thread only
+  std::vector<std::pair<std::string, std::vector<std::string>>> arrived;  // on_shard_query's
   while (true) {
     {
       MutexLock lock(&query_mu_);
@@ -717,9 +718,14 @@ void PeerServer::Impl::QueryLoop() {
       }
       if (query_stop_) return;
       query_changed_ = false;
-      for (HeldQuery& q : query_arrivals_) held.push_back(std::move(q));
+      arrived.clear();
+      for (HeldQuery& q : query_arrivals_) {
+        if (options_.on_shard_query) arrived.emplace_back(q.node_id, q.query.paths);
+        held.push_back(std::move(q));
+      }
       query_arrivals_.clear();
     }
+    for (const auto& [node_id, paths] : arrived) options_.on_shard_query(node_id, paths);
     // Answer what is due; the provider is asked without query_mu_ (it may take the
     // namespace lock; its listener takes query_mu_). Beyond max_held_queries the oldest
     // are answered as they stand.

@@ -27,6 +27,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,6 +54,11 @@ struct PeerServerOptions {
   // at most `max_held_queries` are held at once (beyond that the oldest is answered as it
   // stands). Null: queries get an Unsupported answer.
   ShardStateProvider* shard_states = nullptr;
+  // Told of each authenticated commit query as it arrives, on the query thread: who asked
+  // (its node id) and about which paths. The asker is about to publish the `.metadata`
+  // naming them, so PeerNode learns from it which node commits a checkpoint.
+  std::function<void(const std::string& node_id, const std::vector<std::string>& paths)>
+      on_shard_query;
   std::chrono::milliseconds max_query_hold{2000};
   size_t max_held_queries = 256;
 };

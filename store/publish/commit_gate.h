@@ -220,7 +220,6 @@ class CommitGate final : private PeerShardAnswerSink {
   static constexpr uint64_t kOrderedRound = 1ull << 63;
   uint64_t ordered_round_ GUARDED_BY(mu_) = 0;
   bool ordered_round_out_ GUARDED_BY(mu_) = false;
-  bool no_coordinator_ GUARDED_BY(mu_) = false;  // AskCoordinator said no: poll only
   std::chrono::steady_clock::time_point ordered_next_ask_ GUARDED_BY(mu_){};
   std::vector<std::string> ordered_round_paths_ GUARDED_BY(mu_);
   std::map<std::string, PeerShardAnswer> ordered_answers_ GUARDED_BY(mu_);

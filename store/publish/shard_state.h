@@ -119,9 +119,10 @@ class PeerShardAsker {
   // node is writing or has published, and that the backing store does not show, belongs to
   // one of them: its commit is given up (docs/SEMANTICS.md, "A lost node").
   virtual std::string LostPeers() { return {}; }
-  // AskShardStates, of the node that commits the job's checkpoints only (the node of DCP
-  // rank 0, the coordinator that writes `.metadata`: the first node of the peer list, as the
-  // writer-locality rule places ranks). False when this node is that node, or it cannot ask.
+  // AskShardStates, of the node that commits each path's checkpoint only (the node of DCP
+  // rank 0, the coordinator that writes `.metadata`: the node that asked this one about
+  // the checkpoint's shards, else the first node of the peer list, where a job usually
+  // places rank 0). False when this node is that node, or it cannot ask.
   // One message per wait, not one per peer: at 1,000 nodes, every node asking every other
   // about each `.metadata` would be a million messages per save.
   virtual bool AskCoordinator(std::vector<std::string> paths, std::chrono::milliseconds hold,

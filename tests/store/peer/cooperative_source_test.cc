@@ -2,14 +2,21 @@
 // owned by another node come from that node's PeerServer; this node's blocks, unplanned files
 // and every peer failure (server gone, bad checksum, wrong secret) go to the fallback source,
 // are counted, and never fail the read.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
+#include "store/cache/block_cache.h"
 #include "store/peer/cooperative_source.h"
 #include "store/peer/peer_node.h"
 #include "store/peer/peer_server.h"
@@ -346,6 +353,108 @@ TEST(PeerNodeCommitQuery, RefusesToAskBeforeItServes) {
   PeerShardAsker* asker = node->get();
   EXPECT_FALSE(asker->AskShardStates({"ck/__1_0.distcp"}, std::chrono::milliseconds(10), &sink,
                                      1));
+}
+
+// A free TCP port on 127.0.0.1 (bound and released: the node listens there next).
+uint16_t FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// A daemon's shard states: every path in one state.
+struct FixedStates final : ShardStateProvider {
+  explicit FixedStates(ShardState s) : state(s) {}
+  ShardStatus Query(const std::string&) override { return {state, state == ShardState::kDurable ? kFileSize : 0}; }
+  void SetListener(ShardStateListener*) override {}
+  ShardState state;
+};
+
+// The answers of one round, waited for.
+struct Answers final : PeerShardAnswerSink {
+  void OnPeerShardAnswers(uint64_t, std::vector<PeerShardAnswer> a) override {
+    std::lock_guard lock(mu);
+    got = std::move(a);
+    done = true;
+    cv.notify_all();
+  }
+  std::vector<PeerShardAnswer> Wait() {
+    std::unique_lock lock(mu);
+    EXPECT_TRUE(cv.wait_for(lock, 20s, [&] { return done; })) << "no answer";
+    done = false;
+    return got;
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::vector<PeerShardAnswer> got;
+};
+
+// Who commits a checkpoint is learned, not assumed: the job's rank 0 (which writes
+// `.metadata`) runs on the third node of the list, and the first node is not there at all.
+// Before the third node asks about the checkpoint's shards, a waiting tracker's question
+// goes to the first node (unreachable); once it has asked, the question goes to it, and
+// its "failed" comes back (the gate then gives the checkpoint up at once instead of at the
+// commit timeout).
+TEST(PeerNodeCommitQuery, AsksTheNodeThatAskedAboutTheShardsWhoCommitsTheCheckpoint) {
+  auto dir = BackingDir::Open(::testing::TempDir());
+  ASSERT_TRUE(dir.ok());
+  const std::vector<std::string> nodes = {"127.0.0.1:9", "127.0.0.1:" + std::to_string(FreePort()),
+                                          "127.0.0.1:" + std::to_string(FreePort())};
+  SyntheticProvider bytes{Files()};
+  FixedStates durable(ShardState::kDurable), failed(ShardState::kFailed);
+  std::unique_ptr<PeerNode> node[3];
+  std::unique_ptr<BlockCache> cache[3];
+  for (uint32_t r : {1u, 2u}) {
+    PeerNodeOptions o;
+    o.nodes = nodes;
+    o.self = r;
+    o.listen = nodes[r];
+    o.secret = kSecret;
+    o.block_bytes = kBlock;
+    o.connect_timeout = 500ms;
+    auto made = PeerNode::Create(o, dir->get(), &bytes);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    node[r] = std::move(made).value();
+    BlockCacheOptions co;
+    co.budget_bytes = 8 * kBlock;
+    co.block_bytes = kBlock;
+    auto c = BlockCache::Create(&bytes, co);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    cache[r] = std::move(c).value();
+    node[r]->SetShardStateProvider(r == 1 ? static_cast<ShardStateProvider*>(&durable) : &failed);
+    Status st = node[r]->StartServing(cache[r].get());
+    ASSERT_TRUE(st.ok()) << st.ToString();
+  }
+  Answers tracker, coordinator;
+  ASSERT_TRUE(node[1]->AskCoordinator({"ckpt/.metadata"}, 10ms, &tracker, 1));
+  std::vector<PeerShardAnswer> a = tracker.Wait();
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_TRUE(a[0].unreachable) << "asked the first node, where nothing listens";
+
+  // The committing node asks node 1 about its shard (the commit gate of its `.metadata`).
+  ASSERT_TRUE(node[2]->AskShardStates({"ckpt/__1_0.distcp"}, 10ms, &coordinator, 1));
+  a = coordinator.Wait();
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(a[0].status.state, ShardState::kDurable);
+
+  ASSERT_TRUE(node[1]->AskCoordinator({"ckpt/.metadata"}, 10ms, &tracker, 2));
+  a = tracker.Wait();
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_FALSE(a[0].unreachable) << "asked the first node again";
+  EXPECT_EQ(a[0].status.state, ShardState::kFailed);
+  // Another checkpoint, not learned: the first node still.
+  ASSERT_TRUE(node[1]->AskCoordinator({"other/.metadata"}, 10ms, &tracker, 3));
+  a = tracker.Wait();
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_TRUE(a[0].unreachable);
+  for (uint32_t r : {1u, 2u}) node[r]->StopServing();
 }
 
 TEST_F(CoopTest, ANodeThatMovesIsReachedAtItsNewAddress) {
