@@ -337,16 +337,21 @@ std::string ControlTree::CheckpointsJson() {
   publication_->NoteForeignCommits();
   nlohmann::json arr = nlohmann::json::array();
   std::set<std::string> listed;
+  const std::vector<std::string> indexed = index_->IndexedCheckpoints();
+  const std::set<std::string> indexed_set(indexed.begin(), indexed.end());
   for (const auto& info : view_.Checkpoints()) {
     nlohmann::json j = info.ToJson();
     std::string index_error = index_->IndexError(info.path);
     j["index_error"] = index_error.empty() ? nlohmann::json() : nlohmann::json(index_error);
+    // Its tensor index is built (after the commit, in the background: the tensor view and
+    // `verify` use it; building it reads item edges the write path's blocks do not cover).
+    j["indexed"] = indexed_set.count(info.path) > 0;
     listed.insert(info.path);
     arr.push_back(std::move(j));
   }
   // Checkpoints that were already on the backing store (saved before this mount or by
   // another node) appear once they have been looked at and indexed.
-  for (const auto& path : index_->IndexedCheckpoints()) {
+  for (const auto& path : indexed) {
     if (listed.count(path)) continue;
     store::CheckpointInfo info;
     info.path = path;
@@ -357,6 +362,7 @@ std::string ControlTree::CheckpointsJson() {
     j["committed"] = nullptr;
     j["created"] = j["updated"] = nullptr;  // unknown: not saved through this mount
     j["origin"] = "backing store";
+    j["indexed"] = true;
     arr.push_back(std::move(j));
   }
   AddRetained(&arr);
