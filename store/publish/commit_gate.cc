@@ -177,6 +177,11 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, const QueuedPublishe
   // The text of a tracker candidate, read once (empty: unreadable, or not a tracker).
   std::optional<std::string> text;
   auto names = [&](const std::string& ckpt) {
+    // A tracker names a checkpoint of its own directory (TrackerNames): a small file
+    // elsewhere never does, readable or not (the two-node strict soak: every rename of
+    // logs/*.tmp, whose source the publisher had not placed yet, waited a whole commit
+    // timeout for the trainer's checkpoint, with 1,600 entries behind it).
+    if (path::Parent(ckpt) != path::Parent(e.path)) return false;
     if (!text) {
       Result<std::string> t = TrackerText(dir_, e);
       text = t.ok() ? *t : std::string();

@@ -435,6 +435,14 @@ TEST_F(CommitGateTest, WhereRankZerosFileIsTheMetadataIsNotWaitedForAsForeign) {
   names_ck.from = "named.tmp";
   names_ck.path = "latest";
   EXPECT_FALSE(gate->Check(names_ck, nullptr).ready) << "a tracker naming it waits";
+  JournalEntry unreadable = other;
+  unreadable.from = "missing.tmp";
+  EXPECT_FALSE(gate->Check(unreadable, nullptr).ready) << "one that cannot be read waits";
+  // A small file in another directory cannot name it, readable or not (a log's rename).
+  sfs::create_directories(root_ + "/logs");
+  unreadable.from = "logs/f.tmp";
+  unreadable.path = "logs/f.dat";
+  EXPECT_TRUE(gate->Check(unreadable, nullptr).ready);
 
   // Rank 1's file first, rank 0's still queued behind the deletion.
   auto gate2 = MakeGate();
