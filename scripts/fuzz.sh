@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (pickle_fuzz, metadata_fuzz, zip_fuzz, safetensors_fuzz,
-# rank_metadata_fuzz, peers_fuzz, control_fuzz) with clang in build-fuzz and runs each for
+# rank_metadata_fuzz, peers_fuzz, control_fuzz, wire_fuzz) with clang in build-fuzz and runs each for
 # FUZZ_SECONDS (default 30), seeded from real captures: tests/fixtures/dcp (the pickles and
 # zips; rank_metadata_fuzz: each no_dist save's __{rank}.metadata files joined as the target
 # splits them), tests/fixtures/safetensors, tests/fixtures/peers (peers files as a
 # scheduler's prolog writes them) and tests/fixtures/control (/.ckptfs/stats, checkpoints
-# and progress xattrs read from real mounts).
+# and progress xattrs read from real mounts); wire_fuzz (the peer protocol) from the
+# messages of a two-node save made by the daemon's own encoders (WIRE_FUZZ_SEEDS).
 # Exits non-zero if any target crashes, leaks, times out or runs out of memory; the
 # reproducer is kept under build-fuzz/fuzz-work/.
 #
@@ -20,7 +21,7 @@ seconds="${FUZZ_SECONDS:-30}"
 jobs="${FUZZ_JOBS:-2}"
 fixtures="$root/tests/fixtures/dcp"
 targets=(pickle_fuzz metadata_fuzz zip_fuzz safetensors_fuzz rank_metadata_fuzz peers_fuzz
-         control_fuzz)
+         control_fuzz wire_fuzz)
 # FUZZ_TARGETS: a subset, space-separated (e.g. FUZZ_TARGETS="peers_fuzz control_fuzz").
 if [[ -n "${FUZZ_TARGETS:-}" ]]; then read -r -a targets <<<"$FUZZ_TARGETS"; fi
 
@@ -86,6 +87,12 @@ for target in "${targets[@]}"; do
   [[ "$target" == rank_metadata_fuzz ]] && seeds="$work/seeds-ranks"
   [[ "$target" == peers_fuzz ]] && seeds="$work/seeds-peers"
   [[ "$target" == control_fuzz ]] && seeds="$work/seeds-control"
+  if [[ "$target" == wire_fuzz ]]; then
+    # The messages of a two-node save, written by the daemon's own encoders (wire_fuzz.cc).
+    seeds="$work/seeds-wire"
+    mkdir -p "$seeds"
+    WIRE_FUZZ_SEEDS="$seeds" "$build/bin/$target" >/dev/null 2>&1
+  fi
   corpus="$work/corpus-$target"
   mkdir -p "$corpus"
   echo "== $target for ${seconds}s"
