@@ -31,6 +31,7 @@ using wire::Hex;
 using wire::Page;
 using wire::ParseRank;
 using wire::Unhex;
+using wire::UnsignedField;
 
 constexpr std::chrono::milliseconds kMirrorWait{2000};
 
@@ -45,7 +46,8 @@ Status ParsePart(const std::string& text, MemPart* part) {
     part->holder = j.at("holder").get<std::string>();
     for (const nlohmann::json& f : j.at("files")) {
       CKPT_ASSIGN_OR_RETURN(std::string file, Unhex(f.at("name").get<std::string>()));
-      part->files.push_back(MemUnitFile{file, f.at("size").get<uint64_t>(), 0});
+      CKPT_ASSIGN_OR_RETURN(const uint64_t size, UnsignedField(f, "size"));
+      part->files.push_back(MemUnitFile{file, size, 0});
     }
   } catch (const nlohmann::json::exception& e) {
     return Corrupt(std::string("a malformed part answer: ") + e.what());
@@ -333,8 +335,9 @@ Status MemoryReplicator::ApplyFrom(const Job& job) {
     for (const nlohmann::json& e : j) {
       MemRemoteFile f;
       CKPT_ASSIGN_OR_RETURN(f.file, Unhex(e.at("name").get<std::string>()));
-      f.size = e.at("size").get<uint64_t>();
-      f.rank = e.at("rank").get<uint32_t>();
+      CKPT_ASSIGN_OR_RETURN(f.size, UnsignedField(e, "size"));
+      CKPT_ASSIGN_OR_RETURN(const uint64_t rank, UnsignedField(e, "rank", UINT32_MAX));
+      f.rank = static_cast<uint32_t>(rank);
       f.holder = e.at("holder").get<std::string>();
       f.tree = job.tree;
       f.unit = job.path;

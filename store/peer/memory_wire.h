@@ -63,6 +63,18 @@ inline Result<uint32_t> ParseRank(std::string_view s) {
   return static_cast<uint32_t>(std::stoul(std::string(s)));
 }
 
+// An unsigned integer field of a peer's JSON, at most `max`. A float, a negative number or
+// one past the range is refused: nlohmann converts those with undefined behaviour (found by
+// wire_fuzz: a `"seq"` of 6.6e21). Throws as nlohmann's at() does for a missing key.
+inline Result<uint64_t> UnsignedField(const nlohmann::json& j, const char* key,
+                                      uint64_t max = UINT64_MAX) {
+  const nlohmann::json& v = j.at(key);
+  if (!v.is_number_unsigned() || v.get<uint64_t>() > max) {
+    return Invalid(std::string("memory replica: ") + key + " is not an unsigned integer in range");
+  }
+  return v.get<uint64_t>();
+}
+
 // Names are bytes: hex in JSON.
 inline nlohmann::json UnitJson(const MemUnit& u) {
   nlohmann::json files = nlohmann::json::array();
@@ -82,12 +94,13 @@ inline Result<MemUnit> UnitFromJson(const nlohmann::json& j) {
     CKPT_ASSIGN_OR_RETURN(u.tree, Unhex(j.at("tree").get<std::string>()));
     CKPT_ASSIGN_OR_RETURN(u.path, Unhex(j.at("path").get<std::string>()));
     u.checkpoint = j.at("checkpoint").get<bool>();
-    u.seq = j.at("seq").get<uint64_t>();
+    CKPT_ASSIGN_OR_RETURN(u.seq, UnsignedField(j, "seq"));
     for (const nlohmann::json& f : j.at("files")) {
       MemUnitFile file;
       CKPT_ASSIGN_OR_RETURN(file.name, Unhex(f.at("name").get<std::string>()));
-      file.size = f.at("size").get<uint64_t>();
-      file.crc32c = f.at("crc32c").get<uint32_t>();
+      CKPT_ASSIGN_OR_RETURN(file.size, UnsignedField(f, "size"));
+      CKPT_ASSIGN_OR_RETURN(const uint64_t crc, UnsignedField(f, "crc32c", UINT32_MAX));
+      file.crc32c = static_cast<uint32_t>(crc);
       u.files.push_back(std::move(file));
     }
     if (u.path.empty() || (!u.checkpoint && u.files.size() != 1)) {

@@ -15,9 +15,12 @@
 #include <iterator>
 #include <memory>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include "store/memory/memory_tier.h"
 #include "store/peer/memory_replica.h"
+#include "store/peer/memory_wire.h"
 #include "store/peer/peer_links.h"
 #include "store/peer/peer_server.h"
 
@@ -171,6 +174,32 @@ class MemoryReplicaTest : public ::testing::Test {
   std::chrono::milliseconds verify_interval_{3600s};
   Node nodes_[2];
 };
+
+// A unit record from a peer whose numbers are floats, negative or out of range is refused
+// with an error, never converted (nlohmann's conversion of 6.6e21 to uint64_t is undefined
+// behaviour: wire_fuzz found it in a "seq" within seconds).
+TEST(MemoryWire, UnitNumbersOutOfRangeAreRefused) {
+  auto unit = [](const std::string& seq, const std::string& size, const std::string& crc) {
+    return wire::UnitFromJson(nlohmann::json::parse(
+        R"({"checkpoint":true,"path":"x6162","tree":"x61","seq":)" + seq +
+        R"(,"files":[{"name":"x6162","size":)" + size + R"(,"crc32c":)" + crc + "}]}"));
+  };
+  ASSERT_TRUE(unit("7", "1048576", "4294967295").ok());
+  EXPECT_EQ(unit("7", "1048576", "4294967295")->files[0].crc32c, 4294967295u);
+  for (const auto& [seq, size, crc] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"6621764400000123456789", "1", "1"},  // a double past uint64_t
+           {"7.5", "1", "1"},
+           {"-1", "1", "1"},
+           {"7", "-4096", "1"},
+           {"7", "1e30", "1"},
+           {"7", "1", "4294967296"},  // past uint32_t
+           {"7", "1", "\"1\""}}) {
+    auto u = unit(seq, size, crc);
+    EXPECT_FALSE(u.ok()) << seq << " " << size << " " << crc;
+    if (!u.ok()) EXPECT_EQ(u.status().code(), Code::kInvalid) << u.status().ToString();
+  }
+}
 
 TEST_F(MemoryReplicaTest, CommittedOnceThePeerHoldsItBackAfterARestartLostWithTheHolder) {
   MemoryTier* a = nodes_[0].tier.get();
