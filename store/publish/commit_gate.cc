@@ -341,6 +341,7 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
     // incarnation of it. Only this incarnation's own queued publishes are waited for (as
     // the journal's queue tells them apart), never a file open or rewritten there.
     size_t mine_waiting = 0;  // of `waiting`, those queued or open here
+    size_t asking = 0;        // of `waiting`, those whose peers' first answer is still out
     const DirectoryEnd end = queued != nullptr
                                  ? queued->DirectoryEndsAfter(e.seq, path::Parent(e.path))
                                  : DirectoryEnd{};
@@ -394,6 +395,7 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
           if (!round_out_ || round_seq_ != e.seq) to_ask.push_back(path);
           on_peers = true;
           waiting.push_back(path);
+          ++asking;
           ++it;
           continue;
         }
@@ -468,6 +470,7 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
     // Only a shard still missing counts: one confirmed on the backing store this round
     // (a rewrite's earlier version) waits for nobody.
     remote = waiting.size() > mine_waiting;
+    const bool answered_remote = waiting.size() > mine_waiting + asking;  // see below
     if (remote && now > p.deadline) {
       std::string first = waiting.front();
       current_.seq = 0;
@@ -496,8 +499,14 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
     if (on_peers) recheck = std::min(recheck, options_.peer_recheck);
     check = CommitCheck::Wait(std::move(waiting), std::max(recheck, std::chrono::milliseconds(1)));
     // Only the application can close what it holds open: a strict close() or fsync() of
-    // the `.metadata` must not wait for that (G10).
-    check.waits_for_unwritten = remote || open_here;
+    // the `.metadata` must not wait for that (G10). Shards another node wrote are asked
+    // about first: until the peers' first answer (bounded: the query's hold and
+    // --peer-timeout) a strict caller waits, as in DCP they are durable by then (each rank's
+    // strict close returned before rank 0 wrote the `.metadata`); it returns early only for
+    // a shard still pending there, not asked, or polled. (Early on the first round, a
+    // strict tracker behind the commit returned before it was applied, and a kill lost it:
+    // the two-node strict soak, seed 4101.)
+    check.waits_for_unwritten = answered_remote || open_here;
   }
   if (round != 0) {
     const bool asked = peers_->AskShardStates(to_ask, options_.peer_hold, this, round);

@@ -162,6 +162,7 @@ TEST_F(CommitGateTest, PendingAnswersWaitWithoutTouchingTheBackingStore) {
   CommitCheck c = Check(*gate);
   ASSERT_TRUE(c.status.ok());
   EXPECT_FALSE(c.ready);
+  EXPECT_FALSE(c.waits_for_unwritten) << "a strict caller waits for the peers' first answer";
   ASSERT_EQ(OpenRounds(), 1u);
   EXPECT_EQ(ShardStats(), 0u);
   // Asked again while the round is out: no second round, still no stat.
