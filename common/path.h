@@ -8,6 +8,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 namespace ckptfs::path {
 
@@ -31,6 +32,20 @@ inline std::string Parent(std::string_view path) {
 inline std::string_view Basename(std::string_view path) {
   const size_t slash = path.rfind('/');
   return slash == std::string_view::npos ? path : path.substr(slash + 1);
+}
+
+// The names along `path`, root first: {"a", "b", "c"} for "a/b/c", none for "". Empty
+// components (a leading, trailing or doubled '/') are skipped; "." and ".." are kept, for
+// the caller to refuse (IsConfined).
+inline std::vector<std::string> Components(std::string_view path) {
+  std::vector<std::string> parts;
+  for (size_t start = 0; start < path.size();) {
+    size_t slash = path.find('/', start);
+    if (slash == std::string_view::npos) slash = path.size();
+    if (slash > start) parts.emplace_back(path.substr(start, slash - start));
+    start = slash + 1;
+  }
+  return parts;
 }
 
 // ("a/b", "c") for "a/b/c"; ("", "c") for a name in the root.

@@ -16,21 +16,10 @@ namespace {
 
 using Node = MemoryTier::Node;
 
-std::vector<std::string> Components(const std::string& path) {
-  std::vector<std::string> parts;
-  for (size_t start = 0; start < path.size();) {
-    size_t slash = path.find('/', start);
-    if (slash == std::string::npos) slash = path.size();
-    if (slash > start) parts.push_back(path.substr(start, slash - start));
-    start = slash + 1;
-  }
-  return parts;
-}
-
 // Whether a peer's file name is a plain relative path (no empty, "." or ".." component):
 // bad input is refused, never made into names.
 bool PlainName(const std::string& name) {
-  const std::vector<std::string> comps = Components(name);
+  const std::vector<std::string> comps = path::Components(name);
   if (comps.empty() || name.front() == '/') return false;
   return std::none_of(comps.begin(), comps.end(),
                       [](const std::string& c) { return c == "." || c == ".."; });
@@ -58,7 +47,7 @@ std::string Joined(const std::set<std::string>& items) {
 
 Node* MemoryParts::PlaceRemoteLocked(MemoryTier* t, Node* n, const std::string& name,
                                      uint64_t size) {
-  const std::vector<std::string> comps = Components(name);
+  const std::vector<std::string> comps = path::Components(name);
   Node* at = n;
   for (size_t i = 0; at != nullptr && i + 1 < comps.size(); ++i) {
     auto it = at->children.find(comps[i]);
@@ -93,7 +82,7 @@ Status MemoryParts::MakeDirs(const std::string& tree, const std::string& path) {
     t->stats_.trees = t->trees_.size();
   }
   Node* at = root;
-  for (const std::string& part : Components(path)) {
+  for (const std::string& part : path::Components(path)) {
     if (part == "." || part == "..") return Invalid("memory-only mkdir: bad path " + path);
     auto it = at->children.find(part);
     if (it == at->children.end()) {

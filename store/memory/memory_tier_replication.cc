@@ -245,13 +245,7 @@ Status MemoryTier::RestoreFile(const std::string& tree, const std::string& path,
       nodes_.emplace(r->id, std::move(r));
       stats_.trees = trees_.size();
     }
-    std::vector<std::string> parts;
-    for (size_t start = 0; start < path.size();) {
-      size_t slash = path.find('/', start);
-      if (slash == std::string::npos) slash = path.size();
-      if (slash > start) parts.push_back(path.substr(start, slash - start));
-      start = slash + 1;
-    }
+    const std::vector<std::string> parts = path::Components(path);
     if (parts.empty()) return Invalid("restore: empty path");
     Node* at = root;
     for (size_t i = 0; i + 1 < parts.size(); ++i) {

@@ -3,6 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
 namespace ckptfs::path {
 namespace {
 
@@ -14,6 +17,19 @@ TEST(Path, JoinParentBasenameOfRootAndNestedNames) {
   EXPECT_EQ(Basename("a"), "a");
   EXPECT_EQ(Basename("a/b/c"), "c");
   EXPECT_EQ(Join(Parent("x/y/z"), Basename("x/y/z")), "x/y/z");
+}
+
+TEST(Path, ComponentsSkipEmptyNamesAndKeepDotsForTheCallerToRefuse) {
+  EXPECT_EQ(Components(""), std::vector<std::string>{});
+  EXPECT_EQ(Components("a"), std::vector<std::string>{"a"});
+  EXPECT_EQ(Components("a/b/c"), (std::vector<std::string>{"a", "b", "c"}));
+  EXPECT_EQ(Components("/a//b/"), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(Components("///"), std::vector<std::string>{});
+  EXPECT_EQ(Components("./a/../b"), (std::vector<std::string>{".", "a", "..", "b"}));
+  // The inverse of Join over the names of a confined path.
+  std::string joined;
+  for (const std::string& c : Components("x/y/z")) joined = Join(joined, c);
+  EXPECT_EQ(joined, "x/y/z");
 }
 
 TEST(Path, AtOrBelowIsByWholeComponentsAndTheRootHoldsEverything) {
