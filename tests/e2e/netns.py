@@ -10,9 +10,14 @@ stays visible here. UCX is pinned to TCP on the node's veth.
 cleanup() (also run by __exit__, and meant for unittest's addCleanup) kills by PID every
 daemon it started, lazily unmounts every mountpoint, deletes every namespace, veth,
 the bridge and the cgroup, whatever state a failed test left them in.
+
+ClusterTest gives a unittest.TestCase a fresh cluster per test, set up, started and serving
+its peers, with what its assertions print (logs) and wait for (eventually, no_backing_reads).
 """
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -298,3 +303,44 @@ class Cluster:
 
     def __exit__(self, *exc):
         self.cleanup()
+
+
+class ClusterTest:
+    """A mix-in for unittest.TestCase, named before it: each test runs on its own Cluster
+    (self.c) of NODES nodes, made in a temporary root (ROOT_PREFIX), with THROTTLE_BPS and
+    DAEMON_ARGS, started, and serving its peers before the test begins; cleaned up after."""
+    NODES = 2
+    ROOT_PREFIX = "ckptfs-cluster-"
+    THROTTLE_BPS = None
+    DAEMON_ARGS = ()
+
+    def setUp(self):
+        root = tempfile.mkdtemp(prefix=self.ROOT_PREFIX)
+        self.addCleanup(shutil.rmtree, root, True)
+        self.c = Cluster(self.NODES, root=root, throttle_bps=self.THROTTLE_BPS,
+                         daemon_args=list(self.DAEMON_ARGS))
+        self.addCleanup(self.c.cleanup)
+        self.c.setup()
+        self.c.start()
+        self.assertTrue(self.c.wait_connected(), self.logs())
+
+    def logs(self):
+        """The tail of every node's log, for a failure message."""
+        return "\n".join(f"--- node {n.index} ---\n{n.log_text(12000)}" for n in self.c.nodes)
+
+    def eventually(self, cond, what, timeout=30, poll=0.1):
+        """Waits until cond() holds; fails with `what` and the logs after `timeout` s."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if cond():
+                return
+            time.sleep(poll)
+        self.fail(f"{what}\n{self.logs()}")
+
+    @contextlib.contextmanager
+    def no_backing_reads(self, *nodes):
+        """The block (loads served from memory) reads nothing from the backing store
+        through any of `nodes`."""
+        before = [n.stats()["backing_bytes_read"] for n in nodes]
+        yield
+        self.assertEqual([n.stats()["backing_bytes_read"] for n in nodes], before, self.logs())

@@ -22,16 +22,13 @@ four gloo ranks placed as a launcher places them (ranks 0-1 on node 0, 2-3 on no
     line and a counter, the membership kept; SIGHUP re-reads the file at once.
 """
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import unittest
 
 import dcp_tool
 import netns
-from netns import Cluster
 
 RANKS = 4
 MB = 16
@@ -51,31 +48,14 @@ def membership(n):
 
 
 @unittest.skipUnless(os.geteuid() == 0, "needs root for network namespaces")
-class Membership(unittest.TestCase):
-    def setUp(self):
-        root = tempfile.mkdtemp(prefix="ckptfs-members-")
-        self.addCleanup(shutil.rmtree, root, True)
-        self.c = Cluster(2, root=root, throttle_bps=THROTTLE_BPS,
-                         daemon_args=["--retain-mem", "96M", "--cache-mem", "256M"])
-        self.addCleanup(self.c.cleanup)
-        self.c.setup()
-        self.c.start()
-        self.assertTrue(self.c.wait_connected(), self.logs())
-
-    def logs(self):
-        return "\n".join(f"--- node {n.index} ---\n{n.log_text(12000)}" for n in self.c.nodes)
+class Membership(netns.ClusterTest, unittest.TestCase):
+    ROOT_PREFIX = "ckptfs-members-"
+    THROTTLE_BPS = THROTTLE_BPS
+    DAEMON_ARGS = ("--retain-mem", "96M", "--cache-mem", "256M")
 
     def dirs(self):
         nodes = self.c.nodes
         return [os.path.join(nodes[r * len(nodes) // RANKS].mnt, CKPT) for r in range(RANKS)]
-
-    def eventually(self, cond, what, timeout=30):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if cond():
-                return
-            time.sleep(0.2)
-        self.fail(f"{what}\n{self.logs()}")
 
     def write_peers(self, entries):
         tmp = self.c.peers_file + ".tmp"

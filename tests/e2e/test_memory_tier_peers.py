@@ -21,16 +21,13 @@ torch 1.13 DCP job writes through node 0 (the writer); node 1 is its replica hol
 """
 import os
 import re
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import unittest
 
 import dcp_tool
 import netns
-from netns import Cluster
 
 RANKS = 4
 MB = 16
@@ -52,27 +49,10 @@ def listed(n, path):
 
 
 @unittest.skipUnless(os.geteuid() == 0, "needs root for network namespaces")
-class MemoryTierPeers(unittest.TestCase):
-    def setUp(self):
-        root = tempfile.mkdtemp(prefix="ckptfs-mempeers-")
-        self.addCleanup(shutil.rmtree, root, True)
-        self.c = Cluster(2, root=root, throttle_bps=THROTTLE_BPS,
-                         daemon_args=["--memory-ckpt-mem", "160M", "--cache-mem", "64M"])
-        self.addCleanup(self.c.cleanup)
-        self.c.setup()
-        self.c.start()
-        self.assertTrue(self.c.wait_connected(), self.logs())
-
-    def logs(self):
-        return "\n".join(f"--- node {n.index} ---\n{n.log_text(12000)}" for n in self.c.nodes)
-
-    def eventually(self, cond, what, timeout=30):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if cond():
-                return
-            time.sleep(0.1)
-        self.fail(f"{what}\n{self.logs()}")
+class MemoryTierPeers(netns.ClusterTest, unittest.TestCase):
+    ROOT_PREFIX = "ckptfs-mempeers-"
+    THROTTLE_BPS = THROTTLE_BPS
+    DAEMON_ARGS = ("--memory-ckpt-mem", "160M", "--cache-mem", "64M")
 
     def save_memory_checkpoint(self, n0, n1):
         """A memory-only save through node 0, committed once node 1 holds it; a tracker."""
@@ -155,20 +135,19 @@ class MemoryTierPeers(unittest.TestCase):
         n0.kill(signal.SIGKILL)
         t0 = time.monotonic()
         n0.start()
-        b0 = n0.stats()["backing_bytes_read"]
-        got, read_s = self.read_all(ckpt)  # the first look waits for the restore
-        restart_read_s = time.monotonic() - t0
-        self.assertEqual(got, want)
-        s = mem(n0)
-        self.assertEqual(s["restored_checkpoints"], 1, s)
-        self.assertEqual(listed(n0, "run/mem/step2")["state"], "committed")
-        self.assertEqual(listed(n0, "run/mem/step2")["holder"], n1.address)
-        with open(os.path.join(run, "latest")) as f:
-            self.assertEqual(f.read(), "step2")
-        t1 = time.monotonic()
-        dcp_tool.load(ckpt, RANKS, "own", 2, timeout=300)  # checks every tensor
-        load_s = time.monotonic() - t1
-        self.assertEqual(n0.stats()["backing_bytes_read"] - b0, 0, self.logs())
+        with self.no_backing_reads(n0):
+            got, read_s = self.read_all(ckpt)  # the first look waits for the restore
+            restart_read_s = time.monotonic() - t0
+            self.assertEqual(got, want)
+            s = mem(n0)
+            self.assertEqual(s["restored_checkpoints"], 1, s)
+            self.assertEqual(listed(n0, "run/mem/step2")["state"], "committed")
+            self.assertEqual(listed(n0, "run/mem/step2")["holder"], n1.address)
+            with open(os.path.join(run, "latest")) as f:
+                self.assertEqual(f.read(), "step2")
+            t1 = time.monotonic()
+            dcp_tool.load(ckpt, RANKS, "own", 2, timeout=300)  # checks every tensor
+            load_s = time.monotonic() - t1
         restore_s = n0.stats()["memory_replication"]["restore_s"]
         direct_load_s, direct_read_s, direct_n = self.direct_load(
             os.path.join(self.c.backing, "run", "persist", "step1"))
@@ -238,9 +217,8 @@ class MemoryTierPeers(unittest.TestCase):
         self.eventually(lambda: n1.stats()["peers"]["membership"]["epoch"] == 2,
                         "node 1 kept the old list")
         n0.start(extra_args=["--peer-listen", f"0.0.0.0:{netns.PORT + 1}"])
-        b0 = n0.stats()["backing_bytes_read"]
-        dcp_tool.load(ckpt, RANKS, "own", 2, timeout=300)
-        self.assertEqual(n0.stats()["backing_bytes_read"] - b0, 0, self.logs())
+        with self.no_backing_reads(n0):
+            dcp_tool.load(ckpt, RANKS, "own", 2, timeout=300)
         s = mem(n0)
         self.assertEqual(s["restored_checkpoints"], 1, s)
         self.assertEqual(s["lost_checkpoints"], 0, s)
