@@ -107,6 +107,15 @@ class CommitGateTest : public ::testing::Test, public PeerShardAsker, public Com
     return tracker;
   }
 
+  // The unlink of `path` at `seq` (an `rm -r` of an older checkpoint): an ordered entry.
+  static JournalEntry Unlink(const std::string& path, uint64_t seq) {
+    JournalEntry e;
+    e.seq = seq;
+    e.op = OpType::kUnlink;
+    e.path = path;
+    return e;
+  }
+
   // Answers the oldest open round with `status` for every path.
   std::vector<std::string> Answer(ShardStatus status, bool unreachable = false) {
     Round round;
@@ -247,56 +256,45 @@ TEST_F(CommitGateTest, NoPeersOrUnreachablePeersFallBackToPolling) {
   EXPECT_TRUE(c.ready);
   EXPECT_EQ(gate->stats().commit_polls, 4u);
 
-  // A peer that cannot be asked: a dropped answer from the others is not trusted either.
+  // A peer that cannot be asked: a dropped or failed answer from the others is not trusted
+  // either.
   {
     MutexLock lock(&mu_);
     peers_available_ = true;
   }
-  commit_.seq = 8;
-  auto gate2 = MakeGate();
-  EXPECT_FALSE(Check(*gate2).ready);
-  Answer({ShardState::kDropped, 0}, /*unreachable=*/true);
-  c = Check(*gate2);
-  EXPECT_TRUE(c.status.ok()) << c.status.ToString();
-  EXPECT_TRUE(c.ready);  // the shards are there: polled
-  EXPECT_EQ(gate2->stats().commit_polls, 4u);
+  for (ShardState state : {ShardState::kDropped, ShardState::kFailed}) {
+    SCOPED_TRACE(ShardStateName(state));
+    ++commit_.seq;
+    auto gate2 = MakeGate();
+    EXPECT_FALSE(Check(*gate2).ready);
+    Answer({state, 0}, /*unreachable=*/true);
+    c = Check(*gate2);
+    EXPECT_TRUE(c.status.ok()) << c.status.ToString();
+    EXPECT_TRUE(c.ready);  // the shards are there: polled
+    EXPECT_EQ(gate2->stats().commit_polls, 4u);
+  }
 }
 
-TEST_F(CommitGateTest, DroppedOnItsWriterIsRefusedAtOnce) {
-  auto gate = MakeGate();
-  EXPECT_FALSE(Check(*gate).ready);
-  Answer({ShardState::kDropped, 0});
-  CommitCheck c = Check(*gate);
-  EXPECT_EQ(c.status.code(), Code::kAborted) << c.status.ToString();
-  EXPECT_EQ(ShardStats(), 0u);
-  EXPECT_EQ(gate->stats().peer_refused, 1u);
-}
-
-// A shard whose publication failed for good on its writer (strict mode) never comes: the
-// commit is refused at once, even though the backing store shows a file of that name and
-// size (an earlier save's version, or this one's unsynced), instead of polling it until
-// the commit timeout while the application saves on.
-TEST_F(CommitGateTest, FailedOnItsWriterIsRefusedAtOnceEvenIfTheStoreShowsTheName) {
-  auto gate = MakeGate();
-  EXPECT_FALSE(Check(*gate).ready);
-  WriteShards();
-  Answer({ShardState::kFailed, 0});
-  CommitCheck c = Check(*gate);
-  EXPECT_EQ(c.status.code(), Code::kAborted) << c.status.ToString();
-  EXPECT_NE(c.status.ToString().find("failed to publish"), std::string::npos)
-      << c.status.ToString();
-  EXPECT_EQ(ShardStats(), 0u);
-  EXPECT_EQ(gate->stats().peer_refused, 1u);
-
-  // A writer that cannot be asked: its "failed" from another node is not trusted; polled.
-  commit_.seq = 8;
-  auto gate2 = MakeGate();
-  EXPECT_FALSE(Check(*gate2).ready);
-  Answer({ShardState::kFailed, 0}, /*unreachable=*/true);
-  c = Check(*gate2);
-  EXPECT_TRUE(c.status.ok()) << c.status.ToString();
-  EXPECT_TRUE(c.ready);
-  EXPECT_EQ(gate2->stats().commit_polls, 4u);
+// A shard its writer deleted before publishing it, or whose publication failed for good
+// there (strict mode), never comes: the commit is refused at once, even though the backing
+// store shows a file of that name and size (an earlier save's version, or this one's
+// unsynced), instead of polling it until the commit timeout while the application saves
+// on. (From an unreachable peer's round neither is trusted: polled, above.)
+TEST_F(CommitGateTest, DroppedOrFailedOnItsWriterIsRefusedAtOnceEvenIfTheStoreShowsTheName) {
+  for (const auto& [state, why] : {std::pair{ShardState::kDropped, "was deleted"},
+                                   std::pair{ShardState::kFailed, "failed to publish"}}) {
+    SCOPED_TRACE(ShardStateName(state));
+    auto gate = MakeGate();
+    EXPECT_FALSE(Check(*gate).ready);
+    WriteShards();
+    Answer({state, 0});
+    CommitCheck c = Check(*gate);
+    EXPECT_EQ(c.status.code(), Code::kAborted) << c.status.ToString();
+    EXPECT_NE(c.status.ToString().find(why), std::string::npos) << c.status.ToString();
+    EXPECT_EQ(ShardStats(), 0u);
+    EXPECT_EQ(gate->stats().peer_refused, 1u);
+    ++commit_.seq;
+  }
 }
 
 TEST_F(CommitGateTest, PendingForeverStillTimesOut) {
@@ -415,10 +413,7 @@ TEST_F(CommitGateTest, TheUnlinkOfAMetadataIsNotACommit) {
 // later entries wait for nothing from another node (the soak's `rm -r`s of old
 // checkpoints), except a tracker, which may name the save before it commits.
 TEST_F(CommitGateTest, WhereRankZerosFileIsTheMetadataIsNotWaitedForAsForeign) {
-  JournalEntry rm;
-  rm.seq = 4;
-  rm.op = OpType::kUnlink;
-  rm.path = "old/.metadata";
+  JournalEntry rm = Unlink("old/.metadata", 4);
   auto gate = MakeGate();
   const JournalEntry tracker = ShardThenTracker(*gate, "ck/__0_0.distcp");
   EXPECT_TRUE(gate->Check(rm, nullptr).ready);
@@ -469,10 +464,7 @@ TEST_F(CommitGateTest, WhereRankZerosFileIsTheMetadataIsNotWaitedForAsForeign) {
 // renames waited a whole commit timeout for each such save): this node was the one to
 // commit it and now never will, so its later entries do not wait for that `.metadata`.
 TEST_F(CommitGateTest, WhereRankZerosFileWasDeletedBeforeItsPublishNothingWaitsForIt) {
-  JournalEntry rm;
-  rm.seq = 5;
-  rm.op = OpType::kUnlink;
-  rm.path = "old/.metadata";
+  JournalEntry rm = Unlink("old/.metadata", 5);
   auto gate = MakeGate();
   ShardThenTracker(*gate);  // rank 1's file published here: its `.metadata` is another's
   EXPECT_FALSE(gate->Check(rm, nullptr).ready);
