@@ -342,14 +342,26 @@ Journal::Step Journal::NextStepLocked() {
       step.it = first;
       return step;
     }
-    // A later checkpoint committed and its tracker is through: a tracker was applied
-    // since, or publication reached the next deletion (they go before it), or nothing
-    // came for JournalOptions::held_grace. Or an entry that meets them comes up: they go first, in the
-    // application's order.
+    // A later checkpoint committed and its tracker is through: a tracker beside the held
+    // checkpoint was applied since; or, where no tracker was ever applied beside it (a loop
+    // without trackers), publication reached the next deletion (they go before it); or
+    // nothing came for JournalOptions::held_grace. Or an entry that meets them comes up:
+    // they go first, in the application's order. Where trackers are in use, the next
+    // deletion says nothing: an unrelated one (a log's, another directory's rotation) can
+    // come between the commit and its tracker, and the tracker on the backing store may
+    // still name what they delete (the short soak of d15be0d: an operator abort of a
+    // halted tracker dropped trackers 38 to 41; `rm -r` of 37 and 38 went at the next
+    // commit, under a tracker that named 37).
     const bool committed = options_.hold == nullptr || options_.hold->commits() > first->held_at;
-    bool release = options_.hold == nullptr ||
-                   (committed && (tracker_commits_ > first->held_at ||
-                                  (head != queue_.end() && IsDeletion(head->e))));
+    bool release = options_.hold == nullptr;
+    if (!release && committed) {
+      const std::string beside = path::Parent(
+          first->e.op == OpType::kRmdir ? first->e.path : path::Parent(first->e.path));
+      const auto tracker = tracker_commits_.find(beside);
+      release = tracker != tracker_commits_.end()
+                    ? tracker->second > first->held_at
+                    : head != queue_.end() && IsDeletion(head->e);
+    }
     if (committed && !release && head == queue_.end()) {
       if (first->commit_seen == std::chrono::steady_clock::time_point{}) first->commit_seen = now;
       release = now >= first->commit_seen + options_.held_grace;
@@ -640,7 +652,12 @@ void Journal::Run() {
       lock.Lock();
       // A tracker through: deletions held for a commit before it may go (NextStepLocked).
       if (options_.hold != nullptr && IsTrackerCandidate(e)) {
-        tracker_commits_ = options_.hold->commits();
+        constexpr size_t kTrackerDirs = 64;
+        const std::string beside = path::Parent(e.path);
+        if (tracker_commits_.size() >= kTrackerDirs && tracker_commits_.count(beside) == 0) {
+          tracker_commits_.erase(tracker_commits_.begin());
+        }
+        tracker_commits_[beside] = options_.hold->commits();
       }
       auto it = FindLocked(e.seq);
       queue_.erase(it);

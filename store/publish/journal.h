@@ -458,8 +458,11 @@ class Journal final : public QueuedPublishes {
   uint64_t skipped_ GUARDED_BY(mu_) = 0;
   uint64_t superseded_ GUARDED_BY(mu_) = 0;
   uint64_t given_up_ GUARDED_BY(mu_) = 0;
-  // DeletionHold::commits() when a tracker (IsTrackerCandidate) was last applied.
-  uint64_t tracker_commits_ GUARDED_BY(mu_) = 0;
+  // By directory: DeletionHold::commits() when a tracker (IsTrackerCandidate) there was
+  // last applied. A tracker names checkpoints beside it (TrackerNames): a held deletion of
+  // a checkpoint goes after a tracker of its own directory, not after a log file's rename
+  // elsewhere. Bounded (kTrackerDirs): trackers live in a few directories.
+  std::map<std::string, uint64_t> tracker_commits_ GUARDED_BY(mu_);
   uint64_t held_total_ GUARDED_BY(mu_) = 0;
   uint64_t held_dropped_ GUARDED_BY(mu_) = 0;
   // Entries taken off queue_ whose Finalize() (records, delegate) has not returned yet.
