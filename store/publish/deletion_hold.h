@@ -8,9 +8,10 @@
 // the `rm -r` of N-k would leave the backing store with one committed checkpoint fewer,
 // perhaps none, or the very one the tracker names gone (G4). So that deletion is held out
 // of the journal's line (Journal: a held entry; every later entry goes past it unless it
-// touches the held names), and it is applied once a later checkpoint has committed and
-// publication has reached the next deletion or emptied its queue (the later save's
-// tracker is then on the backing store first). A stop before that drops the held deletion:
+// touches the held names), and it is applied once a later checkpoint has committed and its
+// tracker is through: a tracker beside the held checkpoint applied since the commit; where
+// no tracker was ever applied beside it, publication reaching the next deletion; or the
+// queue empty for the grace. A stop before that drops the held deletion:
 // the old checkpoint stays on the backing store, which the application had deleted (a
 // directory more, never a checkpoint fewer).
 //
