@@ -11,12 +11,18 @@ std::string Membership::Address(uint32_t rank) const {
   return rank < nodes_.size() ? nodes_[rank] : std::string();
 }
 
+std::unordered_map<std::string, uint32_t> Membership::RanksOf(
+    const std::vector<std::string>& nodes) {
+  std::unordered_map<std::string, uint32_t> ranks;
+  for (size_t r = 0; r < nodes.size(); ++r) ranks.emplace(nodes[r], static_cast<uint32_t>(r));
+  return ranks;
+}
+
 std::optional<uint32_t> Membership::RankOf(std::string_view address) const {
   MutexLock lock(&mu_);
-  for (size_t r = 0; r < nodes_.size(); ++r) {
-    if (nodes_[r] == address) return static_cast<uint32_t>(r);
-  }
-  return std::nullopt;
+  auto it = ranks_.find(std::string(address));
+  if (it == ranks_.end()) return std::nullopt;
+  return it->second;
 }
 
 MembershipView Membership::View() const {
@@ -66,6 +72,7 @@ Result<MembershipChange> Membership::Update(const std::vector<std::string>& node
                        nodes_[r], nodes[r], epoch_ + 1);
         }
         nodes_ = nodes;
+        ranks_ = RanksOf(nodes_);
         ++epoch_;
         ++updates_;
       }

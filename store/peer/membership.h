@@ -26,6 +26,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "common/mutex.h"
@@ -55,7 +56,7 @@ struct MembershipView {
 class Membership {
  public:
   Membership(std::vector<std::string> nodes, uint32_t self)
-      : nodes_(std::move(nodes)), self_(self) {}
+      : nodes_(std::move(nodes)), ranks_(RanksOf(nodes_)), self_(self) {}
   Membership(const Membership&) = delete;
   Membership& operator=(const Membership&) = delete;
 
@@ -63,7 +64,8 @@ class Membership {
   uint32_t self() const { return self_; }
   // Where rank `rank` listens now.
   std::string Address(uint32_t rank) const EXCLUDES(mu_);
-  // The rank listed at `address` now (a peer's node id), or nullopt.
+  // The rank listed at `address` now (a peer's node id), or nullopt. O(1): it is asked for
+  // every shard query a peer sends.
   std::optional<uint32_t> RankOf(std::string_view address) const EXCLUDES(mu_);
   MembershipView View() const EXCLUDES(mu_);
 
@@ -76,8 +78,11 @@ class Membership {
   void NoteRejected(const std::string& why) EXCLUDES(mu_);
 
  private:
+  static std::unordered_map<std::string, uint32_t> RanksOf(const std::vector<std::string>& nodes);
+
   mutable Mutex mu_;
   std::vector<std::string> nodes_ GUARDED_BY(mu_);
+  std::unordered_map<std::string, uint32_t> ranks_ GUARDED_BY(mu_);  // address -> rank
   const size_t size_ = nodes_.size();
   const uint32_t self_;
   uint64_t epoch_ GUARDED_BY(mu_) = 1;
