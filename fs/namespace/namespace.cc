@@ -315,6 +315,10 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
         if (!victim->children.empty()) return Status(Code::kNotEmpty, new_name);
       }
     }
+    // The move changes the backing path of the node and of every node below it: a call
+    // holding the I/O token of one of them (an open, a listing that lost kRaceTries races)
+    // goes first, and everything is looked at again.
+    if (RaceRetry::AwaitTokenHolders(table_, node.get(), RaceRetry::Change::kMove)) continue;
     const std::string from = table_.PathLocked(node.get());
     const std::string to = path::Join(table_.PathLocked(dst_dir.get()), new_name);
     if (victim && victim->write && victim->write->needs_publish) {

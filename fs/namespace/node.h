@@ -3,7 +3,7 @@
 // The view is the backing store plus every journal entry not yet applied. A directory
 // is loaded from the backing store on first use; from then on its `children` are the
 // truth for the mount, and journal entries change the backing store to match in order.
-// Locking: every field of Node and WriteState but Node::data and Node::io_token is guarded
+// Locking: every field of Node and WriteState but Node::data is guarded
 // by the node table's lock, NodeTable::mu() (fs/namespace/node_table.h). They carry no
 // GUARDED_BY: clang's analysis names a mutex by the expression that reaches it from the
 // guarded field's object, and a node has no member that reaches its table (one pointer per
@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "common/mutex.h"
@@ -122,11 +121,8 @@ struct Node {
   // Lock order: the table's lock before data_mu. A leaf: held only to copy NodeData.
   mutable Mutex data_mu;
   NodeData data GUARDED_BY(data_mu);
-  // The node's I/O token (RaceRetry, fs/namespace/table_lock.h): held, without the table's
-  // lock, by a call that lost kRaceTries races on this node, for the rest of that call, so
-  // that the racing I/O of this node is done one call at a time. Taken only with the table's
-  // lock released: io_token -> the table's lock.
-  mutable std::mutex io_token;
+  // The node's I/O token, held by a call that lost kRaceTries races on it, is kept by the
+  // table (NodeTable::io_tokens_; RaceRetry, fs/namespace/table_lock.h).
 };
 
 }  // namespace ckptfs::fs

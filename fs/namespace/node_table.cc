@@ -203,8 +203,12 @@ Status NodeTable::LoadDir(uint64_t ino) {
     std::string path;
     {
       TableLock lock(*this);
-      race.Enter(*this, NodeLocked(ino));  // after races lost: the directory's I/O token
       auto dir = NodeLocked(ino);
+      if (!dir || dir->type != NodeType::kDir || dir->loaded) return Status::Ok();
+      // A loaded directory (the lookups' case) waits for no token holder. After races lost:
+      // the directory's I/O token (Enter may wait without the lock: read it again).
+      race.Enter(*this, dir);
+      dir = NodeLocked(ino);
       if (!dir || dir->type != NodeType::kDir || dir->loaded) return Status::Ok();
       if (!dir->on_backing) {
         dir->loaded = true;  // made through the mount: nothing on the backing store yet

@@ -20,9 +20,9 @@
 //
 // Thread-safe. Locking rule:
 //   * The lock (private `mu_`; `mu()` names it for the annotations) guards the tables
-//     here (the inodes, the files being published, the link groups; the parts reach them
-//     through the *Locked methods and links()) and the fields of every Node but its
-//     `data` and `io_token` (fs/namespace/node.h).
+//     here (the inodes, the files being published, the link groups, the I/O tokens held;
+//     the parts reach them through the *Locked methods, links() and RaceRetry) and the
+//     fields of every Node but its `data` (fs/namespace/node.h).
 //     It is held for in-memory work and for the journal append that orders a namespace
 //     change (the journal's order must be the namespace's: a RocksDB Put, not synced; the
 //     checkpoint registry's notes of the entry, store::Publication::Append). Backing-store
@@ -32,7 +32,9 @@
 //     a staged file's temp, a publish's wait for a writer to let it freeze the file, the
 //     readlink of a symlink: each re-checked under the lock before its result is used
 //     (RaceRetry, fs/namespace/table_lock.h). After kRaceTries lost races a call takes the
-//     node's I/O token and goes on without the lock: no fallback does I/O under it. A
+//     node's I/O token and goes on without the lock: no fallback does I/O under it, and
+//     the chmods, chowns, renames and publishes that would make it lose again wait for
+//     the token (without the lock), so it loses a bounded number of further races. A
 //     directory no LoadDir loaded before an operation took the lock is listed without it
 //     too (EnsureLoadedLocked), and the operation starts over (LockDropped).
 //   * Inside a scope the lock is dropped only by TableLock::WithoutLock (unlock, I/O or a
@@ -41,7 +43,10 @@
 //   * read() and write() of an open file never take it unless the write begins a new copy
 //     of the file (its first write, or the first after a publish froze it): they take its
 //     node's data_mu (fs/namespace/node.h), a leaf held to copy a few fields.
-//   Lock order: Node::io_token -> the table's lock -> Node::data_mu -> store::StagedFile
+//   An I/O token is not a lock: it is taken and given back under the table's lock and
+//   waited for with it released (TableLock::Await); a thread that holds one never waits
+//   for one (table_lock.h tells why no wait depends on the waiter).
+//   Lock order: the table's lock -> Node::data_mu -> store::StagedFile
 //   locks -> WriteStates' staged_mu_; publication's locks (its journal's Append, the
 //   registry) after the table's lock; FsStats::error_mu is a leaf.
 #pragma once
@@ -205,6 +210,8 @@ class NodeTable {
   // TableLock::WithoutLock and TableLock::Await.
   friend class TableLock;
   mutable Mutex mu_;
+  // The I/O tokens (io_tokens_) are taken, waited for and given back by RaceRetry.
+  friend class RaceRetry;
 
   // ------------------------------------------------------------ protected by mu_
   uint64_t next_ino_ GUARDED_BY(mu_) = kFirstNodeIno;
@@ -213,6 +220,15 @@ class NodeTable {
   // File id -> node, from its publish entry until the journal reports its outcome.
   std::unordered_map<uint64_t, std::shared_ptr<Node>> publishing_ GUARDED_BY(mu_);
   LinkGroups links_ GUARDED_BY(mu_);
+  // The I/O tokens calls hold (RaceRetry, fs/namespace/table_lock.h), and the condition
+  // variable notified, with the lock held, when one is given back or its holder waits for
+  // the journal.
+  struct IoToken {
+    const Node* node;
+    bool awaiting_journal = false;  // RaceRetry::AwaitJournal
+  };
+  std::vector<IoToken> io_tokens_ GUARDED_BY(mu_);
+  std::condition_variable io_token_cv_;
 
   // ------------------------------------------------------------ atomics (no lock)
   // LogIfIo's rate limit.

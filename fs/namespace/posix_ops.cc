@@ -36,6 +36,13 @@ Result<struct stat> PosixOps::SetAttr(uint64_t ino, const struct stat& in, int t
     TableLock lock(table_);
     auto node = table_.NodeLocked(ino);
     if (!node) return NotFound("stale inode");
+    // A new owner or mode makes a copy planned before it lose its race: a call holding the
+    // node's I/O token (it lost kRaceTries already) goes first.
+    if ((to_set & (kMode | kUid | kGid)) &&
+        RaceRetry::AwaitTokenHolders(table_, node.get(), RaceRetry::Change::kOwnerOrMode)) {
+      node = table_.NodeLocked(ino);
+      if (!node) return NotFound("stale inode");
+    }
     table_.FoldWriteTimeLocked(node.get());  // a write's time first: what follows may set it
     // Ownership rules first (fs/namespace/posix_access.h): nothing changes unless all of it may.
     const uid_t new_uid = (to_set & kUid) ? in.st_uid : static_cast<uid_t>(-1);

@@ -181,6 +181,13 @@ void WriteStates::AwaitFreezeLocked(const Node* node) {
 }
 
 Result<uint64_t> WriteStates::PublishLocked(NodeTable& table, Node* node) {
+  if (RaceRetry::AwaitTokenHolders(table, node, RaceRetry::Change::kPublish)) {
+    // A call that lost races on this node held its token: its copy or cut went first, and
+    // the node may have changed meanwhile (published, dropped, discarded).
+    if (!node->error.empty()) return Status(Code::kIo, node->error);
+    if (!node->write || node->write->discarded || node->parent == nullptr) return uint64_t{0};
+    if (!node->write->needs_publish) return node->write->publish_seq;
+  }
   {
     // Writers stop taking this copy before it is frozen: one that took it already gets
     // kAborted and retries through WritableStaged, which waits for this publish.
@@ -313,12 +320,13 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
   FileHandle& fh = handle->kind.emplace<FileHandle>();
   const bool writable = (flags & O_ACCMODE) != O_RDONLY;
   CKPT_RETURN_IF_ERROR(table_.WaitForAncestorsUnlocked(ino));
-  TableLock lock(table_);
-  std::shared_ptr<Node> node;
   // The backing file is opened without the table's lock; if the name moved, was unlinked or
   // began a write meanwhile, the open starts over (after a few tries holding the node's I/O
-  // token, still without the lock).
-  for (RaceRetry race;; race.Lose()) {
+  // token, still without the lock). `race` gives its token back after `lock` is released.
+  RaceRetry race;
+  TableLock lock(table_);
+  std::shared_ptr<Node> node;
+  for (;; race.Lose()) {
     race.Enter(table_, table_.NodeLocked(ino));
     node = table_.NodeLocked(ino);
     if (!node) return NotFound("stale inode");
@@ -333,7 +341,7 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
       const uint64_t seq = table_.PendingRenameLocked(node.get());
       if (seq == 0) break;
       CKPT_RETURN_IF_ERROR(
-          TableLock::WithoutLock(table_, [this, seq] { return publication_->AwaitApplied(seq); }));
+          race.AwaitJournal(table_, [this, seq] { return publication_->AwaitApplied(seq); }));
     }
     if (node->type == NodeType::kDir) return Status(Code::kIsDir, "open of a directory");
     // The kernel serves FIFOs, sockets and devices itself; never block a thread on one.

@@ -17,7 +17,8 @@
 // (store::StagedFile::SealAll waits for it; WriteState::freezing holds off other changes of
 // that write state meanwhile, AwaitFreezeLocked). A call that lost kRaceTries races holds
 // the node's I/O token for its next tries (RaceRetry), never the table's lock, and never
-// fails for a lost race. staged_mu_ (the live staged files) is a leaf.
+// fails for a lost race; a publish of that node waits for the token (PublishLocked).
+// staged_mu_ (the live staged files) is a leaf.
 #pragma once
 
 #include <sys/types.h>
@@ -87,10 +88,11 @@ class WriteStates final : public gpu::StagingPressureListener {
   // Forgets the write state of a fully published file, keeping its size.
   static void DropWriteStateLocked(NodeTable& table, Node* node) REQUIRES(table.mu());
   // Queues the publication of `node`'s staged contents (node->write->needs_publish);
-  // returns the entry's seq. Freezing the contents may wait for a write in progress: then
-  // the lock is released meanwhile (the caller re-checks what it read before), and the
-  // result is the seq of a publish queued meanwhile, or 0 if the file was unlinked
-  // (discarded) or published and dropped meanwhile.
+  // returns the entry's seq. It first waits for a call holding the node's I/O token
+  // (RaceRetry; not when this thread holds one), and freezing the contents may wait for a
+  // write in progress: then the lock is released meanwhile (the caller re-checks what it
+  // read before), and the result is the seq of a publish queued meanwhile, or 0 if the
+  // file was unlinked (discarded) or published and dropped meanwhile.
   Result<uint64_t> PublishLocked(NodeTable& table, Node* node) REQUIRES(table.mu());
   // The staged file a write through `h` goes to, beginning a copy when needed; `race` is
   // the caller's (its lost races count here too, and its I/O token is kept).

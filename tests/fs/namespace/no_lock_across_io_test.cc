@@ -4,7 +4,9 @@
 // a latch, checks that those of other files, a first write that starts a rewrite among
 // them, finish within a bounded wait while it hangs, then releases the latch. The same
 // holds after a call lost kRaceTries races (fs/namespace/table_lock.h): its next try holds
-// the node's I/O token, never the table's lock, while its backing call hangs.
+// the node's I/O token, never the table's lock, while its backing call hangs; and what
+// would make it lose again (a chmod without pause, a rename above it) waits for that token,
+// so it finishes within a bounded number of tries.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 
@@ -439,6 +441,106 @@ TEST_F(NoLockAcrossIo, TruncateNeverFailsForRacesLost) {
   ASSERT_NE(h, nullptr);
   EXPECT_EQ(ReadAll(h), "ss");
   fs_->Release(h);
+}
+
+// A first write whose file another thread chmods without pause: each copy the write makes
+// was planned with a mode that is gone once the copy is done, so it loses its race and
+// copies again. After kRaceTries lost races the write holds the node's I/O token and the
+// chmods wait for it: its next copy holds. Before, the write went on copying for as long as
+// the chmods went on (here until kGiveUp copies, when the test stops them).
+TEST_F(NoLockAcrossIo, WriteRacingAChmodLoopFinishesInBoundedTries) {
+  uint64_t e = WriteFile(kRootIno, "e", "eeee");
+  ASSERT_NE(e, 0u);
+  Handle* h = OpenOk(e, O_RDWR);  // not written yet: its first write begins a copy
+  ASSERT_NE(h, nullptr);
+  constexpr int kGiveUp = kRaceTries + 20;
+  std::atomic<std::thread::id> writer{};
+  std::atomic<int> copies{0};
+  std::atomic<int> chmods{0};
+  std::atomic<bool> stop{false};
+  std::atomic<bool> overtaken{false};
+  dir_->SetPosixHook([&](const std::string& op, const std::string&) {
+    if (op != "copy_file_range" || std::this_thread::get_id() != writer.load()) return 0;
+    const int n = ++copies;
+    if (n >= kGiveUp) {
+      stop = true;
+      return 0;
+    }
+    // A slow copy: it lasts until two more chmods are done (the second began after the
+    // copy did: the mode the copy was planned with is gone), or 2 s if they wait.
+    const int seen = chmods.load();
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (chmods.load() < seen + 2 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    // After kRaceTries lost races the write holds the token: no chmod may begin and end
+    // during its copy (one already past its wait may end).
+    if (n > kRaceTries && chmods.load() >= seen + 2) overtaken = true;
+    return 0;
+  });
+  std::thread chmodder([&] {
+    for (int i = 0; !stop.load(); ++i) {
+      struct stat in {};
+      in.st_mode = 0100 + (i % 0700);  // no mode comes back within a copy's time
+      auto st = fs_->SetAttr(e, in, kSetMode, nullptr);
+      EXPECT_TRUE(st.ok()) << st.status().ToString();
+      ++chmods;
+    }
+  });
+  writer = std::this_thread::get_id();
+  EXPECT_TRUE(WriteAt(*fs_, h, "E", 1, 0).ok());
+  writer = std::thread::id{};
+  stop = true;
+  chmodder.join();
+  EXPECT_GT(chmods.load(), 0);
+  EXPECT_FALSE(overtaken.load()) << "a chmod went by while the write held the I/O token";
+  EXPECT_LE(copies.load(), kRaceTries + 2) << "the write kept losing its race to the chmods";
+  EXPECT_EQ(ReadAll(h), "Eeee");
+  fs_->Release(h);
+}
+
+// An open of d/f whose directory is renamed during each backing open loses its race; after
+// kRaceTries lost races it holds f's I/O token, and a rename of d (a directory above f: it
+// moves f's backing path) by another thread waits for the open to finish, which holds.
+// Before, that rename went through and the open lost once more.
+TEST_F(NoLockAcrossIo, RenameAboveAnOpenHoldingItsTokenWaitsForIt) {
+  auto d = fs_->Mkdir(kRootIno, "d", 0755);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  const uint64_t f = WriteFile(d->ino, "f", "ffff");
+  ASSERT_NE(f, 0u);
+  std::string dir_name = "d";
+  std::atomic<int> opens{0};
+  std::future<Status> renamer;
+  bool renamed_early = false;
+  dir_->SetLookupHook([&](const std::string& op, const std::string& path) {
+    if (op != "open" || path != dir_name + "/f") return 0;
+    const int n = ++opens;
+    if (n <= kRaceTries) {
+      // On the opener's own thread: d moves while the open runs, the open is of a stale path.
+      const std::string to = "d" + std::to_string(n);
+      EXPECT_TRUE(fs_->Rename(kRootIno, dir_name, kRootIno, to, 0).ok());
+      dir_name = to;
+    } else if (n == kRaceTries + 1) {
+      const std::string from = dir_name;
+      renamer = std::async(std::launch::async, [this, from] {
+        return fs_->Rename(kRootIno, from, kRootIno, "moved", 0);
+      });
+      renamed_early =
+          renamer.wait_for(std::chrono::milliseconds(300)) == std::future_status::ready;
+    }
+    return 0;
+  });
+  auto h = fs_->Open(f, O_RDONLY);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  EXPECT_EQ(ReadAll(*h), "ffff");
+  fs_->Release(*h);
+  EXPECT_FALSE(renamed_early) << "the rename did not wait for the open holding the token";
+  EXPECT_EQ(opens.load(), kRaceTries + 1);
+  ASSERT_TRUE(renamer.valid());
+  EXPECT_TRUE(renamer.get().ok());
+  auto moved = fs_->Lookup(kRootIno, "moved");
+  ASSERT_TRUE(moved.ok()) << moved.status().ToString();
+  EXPECT_EQ(moved->ino, d->ino);
 }
 
 }  // namespace
