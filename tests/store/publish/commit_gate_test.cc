@@ -298,11 +298,14 @@ TEST_F(CommitGateTest, DroppedOrFailedOnItsWriterIsRefusedAtOnceEvenIfTheStoreSh
 }
 
 TEST_F(CommitGateTest, PendingForeverStillTimesOut) {
-  auto gate = MakeGate(/*timeout=*/150ms);
+  // A timeout well above the time between two checks under ASan beside the e2e tests (the
+  // first check once came after 150 ms had passed and was already the timeout: CI of
+  // d65dada here).
+  auto gate = MakeGate(/*timeout=*/1s);
   EXPECT_FALSE(Check(*gate).ready);
   CommitCheck c;
   const auto start = std::chrono::steady_clock::now();
-  while (std::chrono::steady_clock::now() - start < 2s) {
+  while (std::chrono::steady_clock::now() - start < 20s) {
     if (OpenRounds() > 0) Answer({ShardState::kPending, 0});
     c = Check(*gate);
     if (!c.status.ok()) break;
