@@ -98,7 +98,8 @@ if [ "$san_tests" = ON ] && [ $# -eq 0 ]; then
     ) &
     san_pid=$!
     # Its build and 8 targets took 740 s of the 900 s it had beside the tests (CI of 49a67d1
-    # here) and ran out on CI's machine (d15be0d): the limit is for a hang, not the load.
+    # here), and fuzz.smoke failed on CI's machine (d15be0d) without saying why, a timeout
+    # the likely cause: the limit is for a hang, not the load.
     if [ "$FUZZ_SECONDS" != 0 ]; then
       FUZZ_BUILD_DIR="$build_abs-fuzz" nice -n 19 timeout --kill-after=30 1800 scripts/fuzz.sh \
         >"$build_abs-fuzz.result.log" 2>&1
