@@ -1,5 +1,10 @@
 #include "common/heap.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+
 #ifdef __GLIBC__
 #include <malloc.h>
 #endif
@@ -26,6 +31,20 @@ HeapUsage HeapNow() {
   u.free_held = mi.fordblks;
 #endif
   return u;
+}
+
+void PrefaultForWrite(void* p, size_t n) {
+#ifdef MADV_POPULATE_WRITE
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) & ~(page - 1);
+  if (end > begin) {
+    (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
+  }
+#else
+  (void)p;
+  (void)n;
+#endif
 }
 
 }  // namespace ckptfs

@@ -145,7 +145,10 @@ void BlockCache::FreeBuffer(Block* block) {
 void BlockCache::UnmapDeleter::operator()(char* p) const { ::munmap(p, bytes); }
 
 BlockCache::Buffer BlockCache::MapBuffer(uint64_t bytes) {
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // MAP_POPULATE: the block is about to be written whole, so its pages are made in the
+  // mmap call itself rather than by a fault per page (PrefaultForWrite in common/heap.h).
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
   if (p == MAP_FAILED) return Buffer(nullptr, UnmapDeleter{0});
   return Buffer(static_cast<char*>(p), UnmapDeleter{bytes});
 }

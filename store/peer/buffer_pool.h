@@ -17,6 +17,7 @@
 #include <memory>
 #include <vector>
 
+#include "common/heap.h"
 #include "common/mutex.h"
 
 namespace ckptfs::store::peer {
@@ -76,6 +77,7 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
       }
     }
     b.data_ = std::make_unique_for_overwrite<char[]>(b.capacity_);
+    PrefaultForWrite(b.data_.get(), n);  // about to be written: one call, not a fault a page
     return b;
   }
 

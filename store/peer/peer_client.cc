@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 
@@ -136,6 +137,7 @@ Status PeerClient::Impl::Connect() {
   if (options_.node_id.empty() || options_.node_id.size() > kMaxNodeIdBytes) {
     return Invalid("peer client: bad node id '" + options_.node_id + "'");
   }
+  const auto started = std::chrono::steady_clock::now();
   auto w = UcxWorker::Create(
       "client " + options_.node_id + "->" + options_.server,
       {[this](UcxWorker& w) { return StartOnWorker(w); },
@@ -144,6 +146,7 @@ Status PeerClient::Impl::Connect() {
        }});
   if (!w.ok()) return w.status();
   worker_ = std::move(w).value();
+  const auto worker_made = std::chrono::steady_clock::now();
   MutexLock lock(&mu_);
   if (!cv_.wait_for(lock.native(), options_.connect_timeout, [&] {
         mu_.AssertHeld();  // the predicate runs under the lock
@@ -157,8 +160,12 @@ Status PeerClient::Impl::Connect() {
     return st;
   }
   if (state_ == State::kFailed) return failure_;
-  spdlog::info("peer client {}: connected to {} and authenticated", options_.node_id,
-               options_.server);
+  using Ms = std::chrono::duration<double, std::milli>;
+  spdlog::info("peer client {}: connected to {} and authenticated in {:.1f} ms ({:.1f} ms of "
+               "them making the UCX worker)",
+               options_.node_id, options_.server,
+               Ms(std::chrono::steady_clock::now() - started).count(),
+               Ms(worker_made - started).count());
   return Status::Ok();
 }
 
