@@ -59,9 +59,11 @@ void RaceRetry::GiveBack() {
   {
     MutexLock lock(&table_->mu_);
     auto& held = table_->io_tokens_;
-    held.erase(std::find_if(held.begin(), held.end(), [this](const NodeTable::IoToken& t) {
+    // Always there (Enter pushes it before token_node_ is set); checked all the same.
+    auto it = std::find_if(held.begin(), held.end(), [this](const NodeTable::IoToken& t) {
       return t.node == token_node_.get();
-    }));
+    });
+    if (it != held.end()) held.erase(it);
     table_->io_token_cv_.notify_all();
   }
   thread_token_ = nullptr;

@@ -11,16 +11,15 @@ std::string Membership::Address(uint32_t rank) const {
   return rank < nodes_.size() ? nodes_[rank] : std::string();
 }
 
-std::unordered_map<std::string, uint32_t> Membership::RanksOf(
-    const std::vector<std::string>& nodes) {
-  std::unordered_map<std::string, uint32_t> ranks;
+Membership::RankMap Membership::RanksOf(const std::vector<std::string>& nodes) {
+  RankMap ranks;
   for (size_t r = 0; r < nodes.size(); ++r) ranks.emplace(nodes[r], static_cast<uint32_t>(r));
   return ranks;
 }
 
 std::optional<uint32_t> Membership::RankOf(std::string_view address) const {
   MutexLock lock(&mu_);
-  auto it = ranks_.find(std::string(address));
+  auto it = ranks_.find(address);
   if (it == ranks_.end()) return std::nullopt;
   return it->second;
 }

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -78,11 +79,17 @@ class Membership {
   void NoteRejected(const std::string& why) EXCLUDES(mu_);
 
  private:
-  static std::unordered_map<std::string, uint32_t> RanksOf(const std::vector<std::string>& nodes);
+  // Looked up by string_view without making a string (heterogeneous lookup).
+  struct AddressHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  using RankMap = std::unordered_map<std::string, uint32_t, AddressHash, std::equal_to<>>;
+  static RankMap RanksOf(const std::vector<std::string>& nodes);
 
   mutable Mutex mu_;
   std::vector<std::string> nodes_ GUARDED_BY(mu_);
-  std::unordered_map<std::string, uint32_t> ranks_ GUARDED_BY(mu_);  // address -> rank
+  RankMap ranks_ GUARDED_BY(mu_);  // address -> rank
   const size_t size_ = nodes_.size();
   const uint32_t self_;
   uint64_t epoch_ GUARDED_BY(mu_) = 1;
