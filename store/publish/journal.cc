@@ -65,6 +65,24 @@ bool MeetsHeld(const JournalEntry& e, const JournalEntry& held) {
   return IsAtOrBelow(dir, held.path) || IsAtOrBelow(held.path, dir);
 }
 
+// The directory a held deletion's tracker would be in: beside the checkpoint it removes
+// (the rmdir's directory, or the directory of the unlinked file).
+std::string HeldBeside(const JournalEntry& held) {
+  return path::Parent(held.op == OpType::kRmdir ? held.path : path::Parent(held.path));
+}
+
+// Records that a tracker in `dir` was applied at DeletionHold::commits() == `commits`
+// (Journal::tracker_commits_, bounded: trackers live in a few directories). With
+// `only_if_new`, a directory already recorded keeps its record.
+void NoteTracker(std::map<std::string, uint64_t>& trackers, const std::string& dir,
+                 uint64_t commits, bool only_if_new) {
+  constexpr size_t kTrackerDirs = 64;
+  const bool known = trackers.count(dir) > 0;
+  if (known && only_if_new) return;
+  if (!known && trackers.size() >= kTrackerDirs) trackers.erase(trackers.begin());
+  trackers[dir] = commits;
+}
+
 }  // namespace
 
 Journal::Journal(BackingDir* dir, StateDb* db, JournalDelegate* delegate, JournalOptions options,
@@ -355,9 +373,7 @@ Journal::Step Journal::NextStepLocked() {
     const bool committed = options_.hold == nullptr || options_.hold->commits() > first->held_at;
     bool release = options_.hold == nullptr;
     if (!release && committed) {
-      const std::string beside = path::Parent(
-          first->e.op == OpType::kRmdir ? first->e.path : path::Parent(first->e.path));
-      const auto tracker = tracker_commits_.find(beside);
+      const auto tracker = tracker_commits_.find(HeldBeside(first->e));
       release = tracker != tracker_commits_.end()
                     ? tracker->second > first->held_at
                     : head != queue_.end() && IsDeletion(head->e);
@@ -606,6 +622,11 @@ void Journal::Run() {
         auto it = FindLocked(e.seq);
         it->held = true;
         it->held_at = options_.hold != nullptr ? options_.hold->commits() : 0;
+        if (check.tracker_beside) {
+          // A tracker on the backing store beside it, none applied since this journal
+          // started: the tracker rule applies, as if one had been applied before the hold.
+          NoteTracker(tracker_commits_, HeldBeside(e), 0, /*only_if_new=*/true);
+        }
         ++held_total_;
         if (gate_seq_ == e.seq) gate_seq_ = 0;
         gate_dirty_ = true;
@@ -652,12 +673,8 @@ void Journal::Run() {
       lock.Lock();
       // A tracker through: deletions held for a commit before it may go (NextStepLocked).
       if (options_.hold != nullptr && IsTrackerCandidate(e)) {
-        constexpr size_t kTrackerDirs = 64;
-        const std::string beside = path::Parent(e.path);
-        if (tracker_commits_.size() >= kTrackerDirs && tracker_commits_.count(beside) == 0) {
-          tracker_commits_.erase(tracker_commits_.begin());
-        }
-        tracker_commits_[beside] = options_.hold->commits();
+        NoteTracker(tracker_commits_, path::Parent(e.path), options_.hold->commits(),
+                    /*only_if_new=*/false);
       }
       auto it = FindLocked(e.seq);
       queue_.erase(it);

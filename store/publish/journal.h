@@ -98,6 +98,10 @@ struct CommitCheck {
   // A deletion of a committed checkpoint behind a given-up one (DeletionHold): it waits
   // out of line, later entries go past it, and its synchronous caller returns now.
   bool hold = false;
+  // With `hold`: the directory beside the held checkpoint holds a file that may be a
+  // tracker on the backing store now. The hold then waits for a tracker applied there after
+  // the next commit even when the journal has seen none there yet (after a restart).
+  bool tracker_beside = false;
   static CommitCheck Hold() {
     CommitCheck c;
     c.ready = false;
@@ -461,7 +465,9 @@ class Journal final : public QueuedPublishes {
   // By directory: DeletionHold::commits() when a tracker (IsTrackerCandidate) there was
   // last applied. A tracker names checkpoints beside it (TrackerNames): a held deletion of
   // a checkpoint goes after a tracker of its own directory, not after a log file's rename
-  // elsewhere. Bounded (kTrackerDirs): trackers live in a few directories.
+  // elsewhere. Bounded (kTrackerDirs): trackers live in a few directories. Empty at start:
+  // a hold whose CommitCheck says a tracker is on the backing store beside it
+  // (tracker_beside, after a restart) records 0 there, so the tracker rule applies.
   std::map<std::string, uint64_t> tracker_commits_ GUARDED_BY(mu_);
   uint64_t held_total_ GUARDED_BY(mu_) = 0;
   uint64_t held_dropped_ GUARDED_BY(mu_) = 0;

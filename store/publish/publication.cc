@@ -1,5 +1,6 @@
 #include "store/publish/publication.h"
 
+#include <dirent.h>
 #include <malloc.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
@@ -31,6 +32,27 @@ void SetFileTimes(BackingDir* dir, const JournalEntry& e) {
 bool HeldDeletionCandidate(const JournalEntry& e) {
   if (e.unheld || e.withdraw || e.restore) return false;
   return e.op == OpType::kRmdir || (e.op == OpType::kUnlink && !S_ISDIR(e.mode));
+}
+
+// Whether `parent` on the backing store holds a file a tracker could be (IsTrackerCandidate's
+// rules: small, not a shard, a temp file or `.metadata`). Asked when a deletion is first
+// held: after a restart the journal has not yet seen a tracker there applied, and a
+// tracker already on the backing store may name what the deletion removes.
+bool TrackerBeside(BackingDir* dir, const std::string& parent) {
+  auto entries = dir->List(parent);
+  if (!entries.ok()) return false;
+  for (const DirEntry& d : *entries) {
+    if (d.type != DT_REG && d.type != DT_UNKNOWN) continue;
+    JournalEntry probe;
+    probe.op = OpType::kPublish;
+    probe.path = path::Join(parent, d.name);
+    auto st = dir->Stat(probe.path);
+    if (!st.ok() || !S_ISREG(st->st_mode)) continue;
+    probe.mode = st->st_mode;
+    probe.size = static_cast<uint64_t>(st->st_size);
+    if (IsTrackerCandidate(probe)) return true;
+  }
+  return false;
 }
 
 }  // namespace
@@ -195,7 +217,11 @@ CommitCheck Publication::CheckCommit(const JournalEntry& e, const QueuedPublishe
       MutexLock lock(&lost_mu_);
       lost = lost_.count(ckpt) > 0;
     }
-    if (!lost && dir_->Stat(path::Join(ckpt, ".metadata")).ok()) return CommitCheck::Hold();
+    if (!lost && dir_->Stat(path::Join(ckpt, ".metadata")).ok()) {
+      CommitCheck hold = CommitCheck::Hold();
+      hold.tracker_beside = TrackerBeside(dir_, path::Parent(ckpt));
+      return hold;
+    }
   }
   if (check.status.ok() && check.ready && !IsCommitName(e.path) && IsTrackerCandidate(e)) {
     if (auto lost = NamesLostCheckpoint(e)) {

@@ -37,7 +37,14 @@ class DeletionHoldTest : public JournalTest {
     };
     hooks.commit_gate = [this, deletion](const JournalEntry& e, const QueuedFn&) -> CommitCheck {
       const std::string ckpt = e.op == OpType::kRmdir ? e.path : fs::path(e.path).parent_path().string();
-      if (hold_.active() && deletion(e) && Exists(ckpt + "/.metadata")) return CommitCheck::Hold();
+      if (hold_.active() && deletion(e) && Exists(ckpt + "/.metadata")) {
+        // As Publication answers: whether a file that may be a tracker is beside it on the
+        // backing store (here the tests' tracker, tracker.txt at the top).
+        CommitCheck held = CommitCheck::Hold();
+        const std::string beside = fs::path(ckpt).parent_path().string();
+        held.tracker_beside = Exists(beside.empty() ? "tracker.txt" : beside + "/tracker.txt");
+        return held;
+      }
       return Status::Ok();
     };
     hooks.on_done = [this](const JournalEntry& e, const Status& st) {
@@ -145,6 +152,28 @@ TEST_F(DeletionHoldTest, WithATrackerBesideOnlyATrackerAfterTheCommitLetsThemGo)
   EXPECT_FALSE(journal_->WaitDoneFor(rm[2], 100ms));
   EXPECT_TRUE(Exists("old/.metadata")) << "gone while the tracker still names it";
   EXPECT_EQ(Read("tracker.txt"), "old");
+
+  const uint64_t t2 = PublishBytes("tracker.txt", "new");
+  for (uint64_t s : rm) ASSERT_TRUE(journal_->Wait(s).ok());
+  ASSERT_TRUE(journal_->Wait(t2).ok());
+  EXPECT_FALSE(Exists("old"));
+  EXPECT_LT(DoneAt("tracker.txt"), DoneAt("old/.metadata"));
+}
+
+// After a restart the journal has seen no tracker applied, but the one a previous run
+// published is on the backing store beside the checkpoints: the tracker rule holds all the
+// same (Publication says so with the hold), and the next deletion does not let them go.
+TEST_F(DeletionHoldTest, AfterARestartATrackerOnTheStoreBesideKeepsTheTrackerRule) {
+  std::ofstream(root_ + "/tracker.txt") << "old";  // published by the previous run
+  fs::create_directories(root_ + "/logs");
+  std::ofstream(root_ + "/logs/old.log") << "log";
+  hold_.GaveUp();
+  const std::vector<uint64_t> rm = RemoveOld();
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "new")).ok());
+  ASSERT_TRUE(journal_->Wait(PublishBytes("new/.metadata", "md")).ok());
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kUnlink, "logs/old.log")).ok());
+  EXPECT_FALSE(journal_->WaitDoneFor(rm[2], 100ms));
+  EXPECT_TRUE(Exists("old/.metadata")) << "gone while the tracker still names it";
 
   const uint64_t t2 = PublishBytes("tracker.txt", "new");
   for (uint64_t s : rm) ASSERT_TRUE(journal_->Wait(s).ok());
