@@ -10,8 +10,9 @@
 // of the journal's line (Journal: a held entry; every later entry goes past it unless it
 // touches the held names), and it is applied once a later checkpoint has committed and its
 // tracker is through: a tracker beside the held checkpoint applied since the commit; where
-// no tracker was ever applied beside it, publication reaching the next deletion; or the
-// queue empty for the grace. A stop before that drops the held deletion:
+// no tracker was ever applied beside it (and none is on the backing store there: after a
+// restart the journal has seen none applied yet), publication reaching the next deletion;
+// or the queue empty for the grace. A stop before that drops the held deletion:
 // the old checkpoint stays on the backing store, which the application had deleted (a
 // directory more, never a checkpoint fewer).
 //
