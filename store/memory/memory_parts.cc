@@ -207,7 +207,8 @@ void MemoryParts::Lose(const std::string& tree, const std::string& path, uint64_
     MutexLock lock(&t->mu_);
     Node* root = t->TreeByPathLocked(tree);
     Node* n = root == nullptr ? nullptr : Walk(root, path);
-    if (n == nullptr || n == root || n->committed == 0 || n->seq != seq) return;
+    // Committed here, or this node's part of it (told by the `.metadata`'s node).
+    if (n == nullptr || n == root || (n->committed == 0 && !n->part) || n->seq != seq) return;
     t->RemoveLocked(n);
   }
   tier_->NoteLost(tree, path, why);  // listed lost, counted, logged; its trackers go

@@ -46,6 +46,7 @@ class MemoryParts {
                         const std::vector<MemPart>& parts);
   // A part of committed checkpoint `path` (at `seq`) is gone from its writer and its holder
   // alike: the checkpoint is lost here (removed, never served partly; reported as lost).
+  // Also on a node that holds only its own part of it (the `.metadata`'s node told it).
   void Lose(const std::string& tree, const std::string& path, uint64_t seq, const std::string& why);
   // The gather failed (`why`): not committed, the older checkpoints stay.
   void GatherFailed(const std::string& tree, const std::string& path, uint64_t seq,

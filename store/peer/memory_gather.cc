@@ -142,12 +142,24 @@ std::optional<Result<BlockRead>> MemoryReplicator::ServeParts(
     if (!st.ok()) return Result<BlockRead>(st);
     return Page("D", offset, out);
   }
-  if ((verb == "part" || verb == "done") && parts.size() == 4) {
+  if ((verb == "part" || verb == "done" || verb == "lost") && parts.size() == 4) {
     Result<uint32_t> rank = ParseRank(parts[1]);
     Result<std::string> tree = Unhex(parts[2]), path = Unhex(parts[3]);
     if (!rank.ok() || !tree.ok() || !path.ok() || *rank >= options_.nodes ||
         *rank == options_.self) {
       return Result<BlockRead>(Invalid("memory part: bad request"));
+    }
+    if (verb == "lost") {
+      {
+        MutexLock lock(&mu_);
+        if (stats_.restoring) {  // this node's part may be on its way back: asked again
+          return Result<BlockRead>(Status(Code::kBusy, "this daemon is restoring"));
+        }
+      }
+      parts_.Lose(*tree, *path, seq,
+                  "the node with its .metadata (" + links_->AddressOf(*rank) +
+                      ") lost a part of it: gone from its writer and from its holder");
+      return Page("L", offset, out);
     }
     if (verb == "done") {
       if (parts_.Whole(*tree, *path, seq, options_.self).ok()) {
@@ -303,9 +315,37 @@ bool MemoryReplicator::PartsStillHeld(const std::string& tree, const Recorded& r
       if (it != record_.end() && it->second.seq == r.seq) record_.erase(it);
     }
     WriteRecord();
+    TellLost(tree, r.path, r.seq);
     return false;
   }
   return true;
+}
+
+void MemoryReplicator::TellLost(const std::string& tree, const std::string& path, uint64_t seq) {
+  const std::string lost = "lost/" + std::to_string(options_.self) + "/" + UnitName(tree, path);
+  const auto until = Clock::now() + options_.hand_over_wait;
+  for (uint32_t k = 1; k < options_.nodes; ++k) {
+    const uint32_t rank = (options_.self + k) % options_.nodes;
+    char reply[8];
+    while (true) {
+      Result<size_t> got = Fetch(rank, lost, seq, 0, std::span<char>(reply, sizeof(reply)));
+      const bool again = !got.ok() && (ConnectionLost(got.status()) ||
+                                       got.status().code() == Code::kBusy);
+      if (!again || Clock::now() >= until || Stopping()) {
+        if (!got.ok()) {
+          spdlog::warn("memory-only checkpoint {}/{}: {} was not told it is lost: {} (it keeps "
+                       "its part until the tree's next commit)",
+                       tree, path, links_->AddressOf(rank), got.status().ToString());
+        }
+        break;
+      }
+      MutexLock lock(&mu_);
+      cv_.wait_for(lock.native(), std::chrono::milliseconds(200), [this] {
+        mu_.AssertHeld();
+        return stop_;
+      });
+    }
+  }
 }
 
 void MemoryReplicator::TellCommitted(const std::string& tree, const std::string& path,

@@ -173,13 +173,19 @@ class MemoryReplicator final : public MemoryReplication {
   // replica: the tracker is not handed over then).
   bool NamesUncommitted(const Job& tracker);
   bool Stopping() const EXCLUDES(mu_);
-  // memory_gather.cc: the requests mkdir/, part/, done/ and whole/ (nullopt: not one).
+  // memory_gather.cc: the requests mkdir/, part/, done/, lost/ and whole/ (nullopt: not one).
   std::optional<Result<BlockRead>> ServeParts(const std::vector<std::string_view>& parts,
                                               uint64_t seq, uint64_t offset, std::span<char> out)
       EXCLUDES(mu_);
   void GatherParts(const Job& job) EXCLUDES(mu_);
   Status ApplyFrom(const Job& job) EXCLUDES(mu_);
   void TellCommitted(const std::string& tree, const std::string& path, uint64_t seq);
+  // Checkpoint `path` committed at `seq` is lost here (a part gone from its writer and its
+  // holder): every other node drops what it holds of it (its part, its listing), so none
+  // keeps a piece of it in memory or lists it. A node down or restoring is asked again
+  // until hand_over_wait; one down longer keeps its part until the tree's next commit
+  // evicts it (never served: its listing came from this node's commit notice).
+  void TellLost(const std::string& tree, const std::string& path, uint64_t seq);
   // While idle: is every other part of committed `tree`/`r` still held by its writer or its
   // holder? A part gone from both loses the checkpoint here (MemoryParts::Lose).
   bool PartsStillHeld(const std::string& tree, const Recorded& r) EXCLUDES(mu_);
