@@ -329,13 +329,14 @@ void MemoryReplicator::TellLost(const std::string& tree, const std::string& path
     char reply[8];
     while (true) {
       Result<size_t> got = Fetch(rank, lost, seq, 0, std::span<char>(reply, sizeof(reply)));
-      const bool again = !got.ok() && (ConnectionLost(got.status()) ||
-                                       got.status().code() == Code::kBusy);
+      const bool again =
+          !got.ok() && (ConnectionLost(got.status()) || got.status().code() == Code::kBusy);
       if (!again || Clock::now() >= until || Stopping()) {
         if (!got.ok()) {
-          spdlog::warn("memory-only checkpoint {}/{}: {} was not told it is lost: {} (it keeps "
-                       "its part until the tree's next commit)",
-                       tree, path, links_->AddressOf(rank), got.status().ToString());
+          spdlog::warn(
+              "memory-only checkpoint {}/{}: {} was not told it is lost: {} (it keeps "
+              "its part until the tree's next commit)",
+              tree, path, links_->AddressOf(rank), got.status().ToString());
         }
         break;
       }
