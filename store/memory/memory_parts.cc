@@ -96,6 +96,33 @@ Status MemoryParts::MakeDirs(const std::string& tree, const std::string& path) {
   return Status::Ok();
 }
 
+namespace {
+
+// A file below `n` that is no committed checkpoint's (`inside`: `n` is in one).
+bool UncommittedFileBelow(const MemoryTier::Node& n, bool inside) {
+  for (const auto& [name, c] : n.children) {
+    if (c->dir ? UncommittedFileBelow(*c, inside || c->committed != 0) : !inside) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+Status MemoryParts::RemoveDir(const std::string& tree, const std::string& path) {
+  MemoryTier* t = tier_;
+  MutexLock lock(&t->mu_);
+  Node* root = t->TreeByPathLocked(tree);
+  Node* n = root == nullptr ? nullptr : Walk(root, path);
+  if (n == nullptr || n == root) return Status::Ok();  // gone already (a tree's root stays)
+  if (!n->dir) return Status(Code::kNotDir, "memory-only rmdir: " + path + " is a file here");
+  if (UncommittedFileBelow(*n, n->committed != 0)) {
+    return Status(Code::kNotEmpty, "memory-only rmdir: " + path +
+                                       " holds a file here that no committed checkpoint has");
+  }
+  t->RemoveLocked(n);
+  return Status::Ok();
+}
+
 Result<MemPart> MemoryParts::Seal(const std::string& tree, const std::string& path, uint64_t seq) {
   MemoryTier* t = tier_;
   MutexLock lock(&t->mu_);

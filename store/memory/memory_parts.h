@@ -36,6 +36,11 @@ class MemoryParts {
 
   // Directory `path` of `tree`, with its parents (another node made it).
   Status MakeDirs(const std::string& tree, const std::string& path);
+  // Another node removed directory `path` of `tree`: removed here too, with the committed
+  // checkpoints in it (this node's parts and listings of them). kNotEmpty, and nothing
+  // removed, when a file in it is no committed checkpoint's (a rank here may be writing
+  // it); NotFound-free: a directory not here is already gone.
+  Status RemoveDir(const std::string& tree, const std::string& path);
   // This node's part of checkpoint `path` of `tree` at version `seq`: kNotFound when it
   // wrote nothing there. Sealed at `seq` and handed to replication on the first ask; its
   // holder stays empty until a peer holds it; kAborted when no peer took it.

@@ -483,13 +483,29 @@ Status MemoryTier::Unlink(uint64_t dir, std::string_view name) {
 }
 
 Status MemoryTier::Rmdir(uint64_t dir, std::string_view name) {
-  MutexLock lock(&mu_);
-  CKPT_ASSIGN_OR_RETURN(Node * d, DirLocked(dir));
-  auto it = d->children.find(name);
-  if (it == d->children.end()) return NotFound(std::string(name));
-  if (!it->second->dir) return Status(Code::kNotDir, std::string(name));
-  if (!it->second->children.empty()) return Status(Code::kNotEmpty, std::string(name));
-  RemoveLocked(it->second);
+  std::string tree, path;
+  MemoryReplication* mirror = nullptr;
+  {
+    MutexLock lock(&mu_);
+    CKPT_ASSIGN_OR_RETURN(Node * d, DirLocked(dir));
+    auto it = d->children.find(name);
+    if (it == d->children.end()) return NotFound(std::string(name));
+    if (!it->second->dir) return Status(Code::kNotDir, std::string(name));
+    if (!it->second->children.empty()) return Status(Code::kNotEmpty, std::string(name));
+    if (replication_ != nullptr) {
+      mirror = replication_;
+      ++calls_out_;
+      tree = RootOf(it->second)->tree_path;
+      path = TreePathOf(*it->second);
+    }
+    RemoveLocked(it->second);
+  }
+  if (mirror != nullptr) {
+    // With peers the other nodes remove it too (a rotation's `rm -r` of a checkpoint
+    // written through several nodes), as a mkdir is made on every node.
+    CallOut out(this);
+    mirror->MirrorRmdir(tree, path);
+  }
   return Status::Ok();
 }
 

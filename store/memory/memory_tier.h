@@ -125,8 +125,8 @@ struct MemPart {
 };
 
 // Where replication is queued (store/peer/memory_replica.h). Replicate() and Gather() run
-// under the tier's lock: they must only queue, never call the tier. MirrorDir() and
-// ReadRemote() are called without it and may talk to peers (bounded by the peer timeout).
+// under the tier's lock: they must only queue, never call the tier. MirrorDir(),
+// MirrorRmdir() and ReadRemote() are called without it and may talk to peers (bounded by the peer timeout).
 class MemoryReplication {
  public:
   virtual ~MemoryReplication() = default;
@@ -139,6 +139,11 @@ class MemoryReplication {
   // Directory `path` of `tree` was made here: the other nodes make it too (ranks on other
   // nodes write their shards into the directory DCP's coordinator made).
   virtual void MirrorDir(const std::string& tree, const std::string& path) = 0;
+  // Directory `path` of `tree` was removed here: the other nodes remove it too, with what
+  // they list of a committed checkpoint in it, unless a file of their own that is no
+  // committed checkpoint's is still in it (a rank there may be writing: that directory
+  // stays there, as a non-empty rmdir fails).
+  virtual void MirrorRmdir(const std::string& tree, const std::string& path) = 0;
   virtual Result<size_t> ReadRemote(const MemRemoteFile& f, char* out, size_t len,
                                     uint64_t offset) = 0;
 };

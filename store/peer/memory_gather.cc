@@ -100,6 +100,22 @@ void MemoryReplicator::MirrorDir(const std::string& tree, const std::string& pat
   }
 }
 
+void MemoryReplicator::MirrorRmdir(const std::string& tree, const std::string& path) {
+  const std::string name = "rmdir/" + UnitName(tree, path);
+  const auto until = Clock::now() + kMirrorWait;  // as a mkdir: never longer for a node gone
+  for (uint32_t k = 1; k < options_.nodes; ++k) {
+    const uint32_t rank = (options_.self + k) % options_.nodes;
+    char reply[8];
+    Result<size_t> got = FetchRetrying(rank, name, 0, std::span<char>(reply, sizeof(reply)), until);
+    if (!got.ok()) {
+      spdlog::warn(
+          "memory-only rmdir {}/{}: {} did not remove it: {} (it lists it until the "
+          "tree's next commit evicts it)",
+          tree, path, links_->AddressOf(rank), got.status().ToString());
+    }
+  }
+}
+
 std::optional<uint32_t> MemoryReplicator::RankOf(const std::string& address) const {
   if (address.empty()) return std::nullopt;
   for (uint32_t r = 0; r < options_.nodes; ++r) {
@@ -139,6 +155,13 @@ std::optional<Result<BlockRead>> MemoryReplicator::ServeParts(
     Result<std::string> tree = Unhex(parts[1]), path = Unhex(parts[2]);
     if (!tree.ok() || !path.ok()) return Result<BlockRead>(Invalid("memory mkdir: bad name"));
     Status st = parts_.MakeDirs(*tree, *path);
+    if (!st.ok()) return Result<BlockRead>(st);
+    return Page("D", offset, out);
+  }
+  if (verb == "rmdir" && parts.size() == 3) {
+    Result<std::string> tree = Unhex(parts[1]), path = Unhex(parts[2]);
+    if (!tree.ok() || !path.ok()) return Result<BlockRead>(Invalid("memory rmdir: bad name"));
+    Status st = parts_.RemoveDir(*tree, *path);
     if (!st.ok()) return Result<BlockRead>(st);
     return Page("D", offset, out);
   }

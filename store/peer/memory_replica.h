@@ -119,6 +119,7 @@ class MemoryReplicator final : public MemoryReplication {
   void Gather(const std::string& tree, const std::string& path, uint64_t seq) override
       EXCLUDES(mu_);
   void MirrorDir(const std::string& tree, const std::string& path) override EXCLUDES(mu_);
+  void MirrorRmdir(const std::string& tree, const std::string& path) override EXCLUDES(mu_);
   Result<size_t> ReadRemote(const MemRemoteFile& f, char* out, size_t len,
                             uint64_t offset) override EXCLUDES(mu_);
   // A peer's request for a name under kMemoryPrefix.
@@ -173,7 +174,8 @@ class MemoryReplicator final : public MemoryReplication {
   // replica: the tracker is not handed over then).
   bool NamesUncommitted(const Job& tracker);
   bool Stopping() const EXCLUDES(mu_);
-  // memory_gather.cc: the requests mkdir/, part/, done/, lost/ and whole/ (nullopt: not one).
+  // memory_gather.cc: the requests mkdir/, rmdir/, part/, done/, lost/ and whole/ (nullopt:
+  // not one).
   std::optional<Result<BlockRead>> ServeParts(const std::vector<std::string_view>& parts,
                                               uint64_t seq, uint64_t offset, std::span<char> out)
       EXCLUDES(mu_);

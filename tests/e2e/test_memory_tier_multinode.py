@@ -11,7 +11,8 @@ a directory they did not make. The checkpoint must then:
   * leave nothing on the backing store (the marked directory stays empty);
   * load exactly through node 0 alone, node 1 alone and both (every value checked; own and
     replicated reads), with 0 bytes read from the backing store;
-  * be evicted on both nodes (ENOENT) when the next two-node save of the tree commits;
+  * be evicted on both nodes (ENOENT) when the next two-node save of the tree commits, and
+    that one removed on both by an `rm -r` through node 0;
   * come back whole after a SIGKILL of either node: the `.metadata`'s node gets its part
     back from node 1 and gathers node 1's part again before serving the tree; node 1 gets
     its part back from node 0 and is told of the commit again; loads with 0 backing bytes;
@@ -112,6 +113,11 @@ class MemoryTierMultiNode(netns.ClusterTest, unittest.TestCase):
             self.eventually(lambda d=d: not os.path.exists(d), f"{d} was not evicted")
         dcp_tool.load(os.path.join(n1.mnt, "run", "mem", "step3"), RANKS, "own", 3,
                       timeout=300)
+        # A rotation's `rm -r` through node 0 removes it on node 1 too (rmdir/).
+        shutil.rmtree(os.path.join(n0.mnt, "run", "mem", "step3"))
+        self.assertFalse(os.path.exists(os.path.join(n1.mnt, "run", "mem", "step3")),
+                         self.logs())
+        self.assertIsNone(listed(n1, "run/mem/step3"))
         for n in (n0, n1):
             self.assertIsNone(n.proc.poll(), f"node {n.index} died")
 

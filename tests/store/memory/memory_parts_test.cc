@@ -40,6 +40,10 @@ struct Wire : MemoryReplication {
   void MirrorDir(const std::string& tree, const std::string& path) override {
     if (other_parts != nullptr) EXPECT_TRUE(other_parts->MakeDirs(tree, path).ok());
   }
+  void MirrorRmdir(const std::string& tree, const std::string& path) override {
+    if (other_parts != nullptr) rmdirs.push_back(other_parts->RemoveDir(tree, path));
+  }
+  std::vector<Status> rmdirs;  // the other node's answers
   Result<size_t> ReadRemote(const MemRemoteFile& f, char* out, size_t len,
                             uint64_t offset) override {
     ++remote_reads;
@@ -200,6 +204,53 @@ TEST_F(MemoryPartsTest, CommittedOnlyWithEveryPartReplicatedThenListedAndReadOnB
     EXPECT_EQ(tier_[n]->Lookup(root_[n], "step2").status().code(), Code::kNotFound);
   }
   EXPECT_EQ(ReadAll(1, e1, "__0_0.distcp"), ReadFixture("__0_0.distcp"));
+}
+
+// A rotation's `rm -r` on one node removes the checkpoint on the other too (its part and
+// its listing, rmdir/ on the wire); a directory where the other node still has a file of no
+// committed checkpoint (a rank there writing) stays there.
+TEST_F(MemoryPartsTest, ARmdirOnOneNodeRemovesTheCheckpointOnTheOtherUnlessARankWritesThere) {
+  auto [d0, d1] = Write("step2");
+  const uint64_t seq = wire_[0].gathers.back().second;
+  tier_[0]->HandedOver("run/mem", "step2", seq, std::string("node1:7"));
+  ASSERT_TRUE(parts_[1]->Seal("run/mem", "step2", seq).ok());
+  tier_[1]->HandedOver("run/mem", "step2", seq, std::string("node0:7"));
+  auto part = parts_[1]->Seal("run/mem", "step2", seq);
+  ASSERT_TRUE(part.ok());
+  part->rank = 1;
+  ASSERT_TRUE(parts_[0]->CommitGathered("run/mem", "step2", seq, {*part}).ok());
+  ASSERT_TRUE(
+      parts_[1]
+          ->ApplyCommit("run/mem", "step2", seq, *parts_[0]->Whole("run/mem", "step2", seq, 0), 1)
+          .ok());
+  ASSERT_EQ(Listed(1)["run/mem/step2"].state, "committed");
+  const uint64_t used1 = tier_[1]->Stats().used_bytes;
+  ASSERT_GT(used1, 0u);
+
+  // `rm -r step2` through node 0: every name it lists, then the directory.
+  auto names = tier_[0]->List(d0);
+  ASSERT_TRUE(names.ok());
+  for (const auto& [name, attr] : *names) ASSERT_TRUE(tier_[0]->Unlink(d0, name).ok()) << name;
+  ASSERT_TRUE(tier_[0]->Rmdir(root_[0], "step2").ok());
+  ASSERT_EQ(wire_[0].rmdirs.size(), 1u);
+  EXPECT_TRUE(wire_[0].rmdirs[0].ok()) << wire_[0].rmdirs[0].ToString();
+  EXPECT_EQ(tier_[1]->Lookup(root_[1], "step2").status().code(), Code::kNotFound);
+  EXPECT_EQ(Listed(1).count("run/mem/step2"), 0u);
+  EXPECT_LT(tier_[1]->Stats().used_bytes, used1) << "node 1's part is still held";
+
+  // A directory node 0 made and node 1's rank is writing into: node 0's rmdir of it (empty
+  // there) leaves node 1's file where it is.
+  auto m0 = tier_[0]->Mkdir(root_[0], "step4", 0755, 0, 0);
+  ASSERT_TRUE(m0.ok());
+  auto m1 = tier_[1]->Lookup(root_[1], "step4");
+  ASSERT_TRUE(m1.ok());
+  Put(1, m1->id, "__1_0.distcp");
+  ASSERT_TRUE(tier_[0]->Rmdir(root_[0], "step4").ok());
+  ASSERT_EQ(wire_[0].rmdirs.size(), 2u);
+  EXPECT_EQ(wire_[0].rmdirs[1].code(), Code::kNotEmpty);
+  EXPECT_EQ(ReadAll(1, m1->id, "__1_0.distcp"), ReadFixture("__1_0.distcp"));
+  // Gone on node 1 already: nothing to do, no error.
+  EXPECT_TRUE(parts_[1]->RemoveDir("run/mem", "step2").ok());
 }
 
 TEST_F(MemoryPartsTest, AFileNoNodeHoldsRefusesTheCommitAndTheOlderOneStays) {

@@ -46,6 +46,10 @@ struct Handed : MemoryReplication {
   void MirrorDir(const std::string& tree, const std::string& path) override {
     mirrored.push_back(tree + "/" + path);
   }
+  void MirrorRmdir(const std::string& tree, const std::string& path) override {
+    removed.push_back(tree + "/" + path);
+  }
+  std::vector<std::string> removed;
   Result<size_t> ReadRemote(const MemRemoteFile& f, char*, size_t, uint64_t) override {
     return Status(Code::kIo, "no peers in this test: " + f.file);
   }
