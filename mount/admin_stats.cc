@@ -22,7 +22,7 @@ std::string HaltLine(const json& stats) {
   const json& h = *it;
   std::string line = "HALTED at " + GetString(h, "entry").value_or("?") + ": " +
                      GetString(h, "error").value_or("?");
-  line += h.value("retrying", false) ? " (retrying; " : " (waiting for resume or abort; ";
+  line += GetBool(h, "retrying").value_or(false) ? " (retrying; " : " (waiting for resume or abort; ";
   line += std::to_string(GetU64(h, "attempts").value_or(0)) + " attempts)";
   return line;
 }
@@ -134,22 +134,31 @@ Result<std::string> FormatPeers(std::string_view text) {
   auto p = j.find("peers");
   if (p == j.end() || !p->is_object()) return std::string("peers: off (no --peers)\n");
   std::ostringstream out;
-  const nlohmann::json members = p->value("membership", nlohmann::json::object());
-  const auto self = p->value("node_rank", uint64_t{0});
-  out << "membership epoch " << members.value("epoch", uint64_t{0}) << ", "
-      << members.value("updates", uint64_t{0}) << " change(s) taken, "
-      << members.value("rejected", uint64_t{0}) << " refused";
-  if (auto why = members.value("last_rejection", std::string()); !why.empty()) {
+  // Every field read without throwing (control_fuzz: a "node" that was a number ended
+  // ckptfs-admin with an uncaught type_error): the daemon's output is input here.
+  static const nlohmann::json kNone = nlohmann::json::object();
+  auto members_it = p->find("membership");
+  const nlohmann::json& members =
+      members_it != p->end() && members_it->is_object() ? *members_it : kNone;
+  const uint64_t self = GetU64(*p, "node_rank").value_or(0);
+  out << "membership epoch " << GetU64(members, "epoch").value_or(0) << ", "
+      << GetU64(members, "updates").value_or(0) << " change(s) taken, "
+      << GetU64(members, "rejected").value_or(0) << " refused";
+  if (auto why = GetString(members, "last_rejection").value_or(""); !why.empty()) {
     out << " (last: " << why << ")";
   }
   out << "\n";
   // Per peer: connected or not, from the block source's view.
   std::map<std::string, nlohmann::json> state;
-  for (const auto& peer : p->value("peers", nlohmann::json::array())) {
-    state[peer.value("node", std::string())] = peer;
+  if (auto peers = p->find("peers"); peers != p->end() && peers->is_array()) {
+    for (const auto& peer : *peers) {
+      if (auto node = GetString(peer, "node")) state[*node] = peer;
+    }
   }
   out << "rank  address                     state\n";
-  const auto nodes = members.value("nodes", nlohmann::json::array());
+  auto nodes_it = members.find("nodes");
+  const nlohmann::json nodes =
+      nodes_it != members.end() && nodes_it->is_array() ? *nodes_it : nlohmann::json::array();
   for (size_t r = 0; r < nodes.size(); ++r) {
     const std::string address = nodes[r].is_string() ? nodes[r].get<std::string>() : "?";
     std::string what = "this node";
@@ -157,11 +166,11 @@ Result<std::string> FormatPeers(std::string_view text) {
       auto it = state.find(address);
       if (it == state.end()) {
         what = "unknown";
-      } else if (it->second.value("connected", false)) {
+      } else if (GetBool(it->second, "connected").value_or(false)) {
         what = "connected";
       } else {
         what = "not connected";
-        if (auto e = it->second.value("last_error", std::string()); !e.empty()) {
+        if (auto e = GetString(it->second, "last_error").value_or(""); !e.empty()) {
           what += ": " + e;
         }
       }

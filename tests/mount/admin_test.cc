@@ -951,5 +951,25 @@ TEST(FormatPeers, ShowsTheMembershipAndEachPeersState) {
   EXPECT_FALSE(FormatPeers("[1]").ok());
 }
 
+// Fields of the wrong type are shown as missing, never thrown at (control_fuzz found a
+// peer whose "node" was not a string end ckptfs-admin with an uncaught type_error).
+TEST(FormatPeers, FieldsOfTheWrongTypeNeverThrow) {
+  const char* stats = R"({"peers": {"node_rank": "x",
+    "membership": {"epoch": "2", "nodes": ["10.0.0.1:7470", 7, "10.0.0.3:7470"],
+                   "updates": [], "rejected": {}, "last_rejection": 5},
+    "peers": [{"node": 5, "connected": true}, 3,
+              {"node": "10.0.0.3:7470", "connected": "yes", "last_error": 1}]}})";
+  auto text = FormatPeers(stats);
+  ASSERT_TRUE(text.ok()) << text.status().ToString();
+  EXPECT_NE(text->find("membership epoch 0, 0 change(s) taken, 0 refused\n"), std::string::npos)
+      << *text;
+  EXPECT_NE(text->find("1     ?"), std::string::npos) << *text;
+  EXPECT_NE(text->find("2     10.0.0.3:7470               not connected"), std::string::npos)
+      << *text;
+  auto odd = FormatPeers(R"({"peers": {"membership": 3, "peers": {"node": 1}}})");
+  ASSERT_TRUE(odd.ok());
+  EXPECT_NE(odd->find("membership epoch 0"), std::string::npos) << *odd;
+}
+
 }  // namespace
 }  // namespace ckptfs::admin
