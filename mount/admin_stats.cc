@@ -22,7 +22,8 @@ std::string HaltLine(const json& stats) {
   const json& h = *it;
   std::string line = "HALTED at " + GetString(h, "entry").value_or("?") + ": " +
                      GetString(h, "error").value_or("?");
-  line += GetBool(h, "retrying").value_or(false) ? " (retrying; " : " (waiting for resume or abort; ";
+  line +=
+      GetBool(h, "retrying").value_or(false) ? " (retrying; " : " (waiting for resume or abort; ";
   line += std::to_string(GetU64(h, "attempts").value_or(0)) + " attempts)";
   return line;
 }
