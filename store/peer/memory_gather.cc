@@ -83,35 +83,28 @@ Result<size_t> MemoryReplicator::FetchRetrying(uint32_t rank, const std::string&
 }
 
 void MemoryReplicator::MirrorDir(const std::string& tree, const std::string& path) {
-  const std::string name = "mkdir/" + UnitName(tree, path);
+  AskEveryNode("mkdir", tree, path, "did not make it", "ranks there cannot write into it");
+}
+
+void MemoryReplicator::MirrorRmdir(const std::string& tree, const std::string& path) {
+  AskEveryNode("rmdir", tree, path, "did not remove it",
+               "it lists it until the tree's next commit evicts it");
+}
+
+void MemoryReplicator::AskEveryNode(const char* verb, const std::string& tree,
+                                    const std::string& path, const char* failed,
+                                    const char* meaning) {
+  const std::string name = std::string(verb) + "/" + UnitName(tree, path);
   // A node down (or paused after a failure) is waited for at most kMirrorWait in all: a
-  // mkdir in a tree never waits longer for a node that is gone.
+  // mkdir or rmdir in a tree never waits longer for a node that is gone.
   const auto until = Clock::now() + kMirrorWait;
   for (uint32_t k = 1; k < options_.nodes; ++k) {
     const uint32_t rank = (options_.self + k) % options_.nodes;
     char reply[8];
     Result<size_t> got = FetchRetrying(rank, name, 0, std::span<char>(reply, sizeof(reply)), until);
     if (!got.ok()) {
-      spdlog::warn(
-          "memory-only mkdir {}/{}: {} did not make it: {} (ranks there cannot write "
-          "into it)",
-          tree, path, links_->AddressOf(rank), got.status().ToString());
-    }
-  }
-}
-
-void MemoryReplicator::MirrorRmdir(const std::string& tree, const std::string& path) {
-  const std::string name = "rmdir/" + UnitName(tree, path);
-  const auto until = Clock::now() + kMirrorWait;  // as a mkdir: never longer for a node gone
-  for (uint32_t k = 1; k < options_.nodes; ++k) {
-    const uint32_t rank = (options_.self + k) % options_.nodes;
-    char reply[8];
-    Result<size_t> got = FetchRetrying(rank, name, 0, std::span<char>(reply, sizeof(reply)), until);
-    if (!got.ok()) {
-      spdlog::warn(
-          "memory-only rmdir {}/{}: {} did not remove it: {} (it lists it until the "
-          "tree's next commit evicts it)",
-          tree, path, links_->AddressOf(rank), got.status().ToString());
+      spdlog::warn("memory-only {} {}/{}: {} {}: {} ({})", verb, tree, path,
+                   links_->AddressOf(rank), failed, got.status().ToString(), meaning);
     }
   }
 }

@@ -120,8 +120,8 @@ class MemoryReplicator final : public MemoryReplication {
       EXCLUDES(mu_);
   void MirrorDir(const std::string& tree, const std::string& path) override EXCLUDES(mu_);
   void MirrorRmdir(const std::string& tree, const std::string& path) override EXCLUDES(mu_);
-  Result<size_t> ReadRemote(const MemRemoteFile& f, char* out, size_t len,
-                            uint64_t offset) override EXCLUDES(mu_);
+  Result<size_t> ReadRemote(const MemRemoteFile& f, char* out, size_t len, uint64_t offset) override
+      EXCLUDES(mu_);
   // A peer's request for a name under kMemoryPrefix.
   Result<BlockRead> Serve(const BlockId& id, uint64_t offset, std::span<char> out) EXCLUDES(mu_);
   // "memory_replication" in /.ckptfs/stats, beside the tier's "memory_ckpt".
@@ -181,6 +181,11 @@ class MemoryReplicator final : public MemoryReplication {
       EXCLUDES(mu_);
   void GatherParts(const Job& job) EXCLUDES(mu_);
   Status ApplyFrom(const Job& job) EXCLUDES(mu_);
+  // Asks every other node `verb`/<tree>/<path> (mkdir/, rmdir/), waiting at most
+  // kMirrorWait in all for nodes down; a node that did not answer is logged (`failed`,
+  // and `meaning`: what that leaves there).
+  void AskEveryNode(const char* verb, const std::string& tree, const std::string& path,
+                    const char* failed, const char* meaning) EXCLUDES(mu_);
   void TellCommitted(const std::string& tree, const std::string& path, uint64_t seq);
   // Checkpoint `path` committed at `seq` is lost here (a part gone from its writer and its
   // holder): every other node drops what it holds of it (its part, its listing), so none
