@@ -126,7 +126,8 @@ struct MemPart {
 
 // Where replication is queued (store/peer/memory_replica.h). Replicate() and Gather() run
 // under the tier's lock: they must only queue, never call the tier. MirrorDir(),
-// MirrorRmdir() and ReadRemote() are called without it and may talk to peers (bounded by the peer timeout).
+// MirrorRmdir() and ReadRemote() are called without it and may talk to peers (bounded by
+// the peer timeout).
 class MemoryReplication {
  public:
   virtual ~MemoryReplication() = default;
