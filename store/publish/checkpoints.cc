@@ -300,10 +300,11 @@ void CheckpointRegistry::OnResumed(const std::string& dir) {
   spdlog::info("checkpoint {}: publication resumed ({})", dir, CkptStateName(info.state));
 }
 
-void CheckpointRegistry::OnAborted(const std::string& path, const std::string& why) {
+void CheckpointRegistry::OnAborted(const std::string& path, const std::string& why,
+                                   bool subtree) {
   MutexLock lock(&mu_);
   for (auto& [dir, info] : ckpts_) {
-    if (!path::IsAtOrBelow(dir, path) || info.state == CkptState::kCommitted || info.state == CkptState::kAborted) {
+    if (!(subtree ? path::IsAtOrBelow(dir, path) : dir == path) || info.state == CkptState::kCommitted || info.state == CkptState::kAborted) {
       continue;
     }
     info.state = CkptState::kAborted;

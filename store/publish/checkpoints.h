@@ -96,9 +96,10 @@ class CheckpointRegistry {
   // mode once it returned). A rename moves every record at or below `from`.
   // A failed checkpoint whose publication passed after all (a retry or resume).
   void OnResumed(const std::string& dir);
-  // The operator dropped the pending entries at or below `path`: checkpoints there that
-  // had not committed become aborted.
-  void OnAborted(const std::string& path, const std::string& why);
+  // The operator dropped the pending entries at or below `path` (`subtree`), or a file of
+  // the directory `path` was dropped: checkpoints there that had not committed become
+  // aborted.
+  void OnAborted(const std::string& path, const std::string& why, bool subtree);
   // A save into `dir`, a committed checkpoint, was aborted and nothing of it stays on the
   // backing store (none of it reached it, or what it replaced was put back): the earlier
   // save's commit stands there, and the record says so (committed, with `why`).

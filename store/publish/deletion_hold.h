@@ -16,6 +16,13 @@
 // the old checkpoint stays on the backing store, which the application had deleted (a
 // directory more, never a checkpoint fewer).
 //
+// An operator's abort of a halted tracker drops every queued version of it: the backing
+// store's tracker names an older checkpoint until the application writes the tracker
+// again and that version is applied. Later commits do not end that (their trackers were
+// dropped), so the hold stays on past them, until a version of the tracker is through
+// (TrackersWithheld, TrackerThrough; the short soak of 415da15: the rotation's `rm -r` of
+// 194 to 197 went after the abort of tracker 197, under the backing store's tracker 196).
+//
 // Who tells it what: Publication (a commit applied here, a checkpoint given up), the
 // commit gate (another node's `.metadata` seen on the backing store, a foreign checkpoint
 // given up). The journal reads it on its publisher thread. Lock-free.
@@ -39,8 +46,15 @@ class DeletionHold {
     commits_.fetch_add(1, std::memory_order_acq_rel);
     active_.store(false, std::memory_order_release);
   }
+  // An abort dropped queued versions of a tracker; until a later version of it is applied,
+  // deletions of committed checkpoints are held, past any commit.
+  void TrackersWithheld() { trackers_withheld_.store(true, std::memory_order_release); }
+  void TrackerThrough() { trackers_withheld_.store(false, std::memory_order_release); }
   // Deletions of committed checkpoints are held now.
-  bool active() const { return active_.load(std::memory_order_acquire); }
+  bool active() const {
+    return active_.load(std::memory_order_acquire) ||
+           trackers_withheld_.load(std::memory_order_acquire);
+  }
   // Commits seen so far: a held entry remembers the count when it was held and is let go
   // once it has grown.
   uint64_t commits() const { return commits_.load(std::memory_order_acquire); }
@@ -48,6 +62,7 @@ class DeletionHold {
 
  private:
   std::atomic<bool> active_{false};
+  std::atomic<bool> trackers_withheld_{false};
   std::atomic<uint64_t> commits_{0};
   std::atomic<uint64_t> gave_up_{0};
 };

@@ -631,8 +631,9 @@ void Journal::Run() {
         if (gate_seq_ == e.seq) gate_seq_ = 0;
         gate_dirty_ = true;
         lock.Unlock();
-        spdlog::warn("journal: {} held: a checkpoint before it was given up; it is applied "
-                     "once a later checkpoint commits", e.Describe());
+        spdlog::warn("journal: {} held: a checkpoint before it was given up, or a tracker "
+                     "withheld; it is applied once a later checkpoint commits and its tracker "
+                     "is through", e.Describe());
         done_cv_.notify_all();  // its WaitUnlessHalted()
         lock.Lock();
         continue;

@@ -55,6 +55,18 @@ bool TrackerBeside(BackingDir* dir, const std::string& parent) {
   return false;
 }
 
+// Whether a file at `path` could be a tracker (IsTrackerCandidate's rules by its name).
+bool IsTrackerName(const std::string& path) {
+  JournalEntry probe;
+  probe.op = OpType::kPublish;
+  probe.path = path;
+  probe.mode = S_IFREG;
+  return !path.empty() && IsTrackerCandidate(probe);
+}
+
+// The state db's record of a tracker an abort withheld (Publication::WithholdTracker).
+constexpr char kWithheldPrefix[] = "w/";
+
 }  // namespace
 
 Publication::Publication(BackingDir* dir, KeyIndex* index, PublicationOptions options)
@@ -75,6 +87,8 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
   // Entries the last stop left for this start: queued by Start(), once the observer exists.
   p->left_ = std::move(report.resumed);
   CKPT_ASSIGN_OR_RETURN(p->registry_, CheckpointRegistry::Load(db));
+  p->db_ = db;
+  CKPT_RETURN_IF_ERROR(p->LoadWithheldTrackers());
   p->aborted_rewrites_ =
       std::make_unique<AbortedRewrites>(dir, p->registry_.get(), p->options_.cross_node_order);
 
@@ -371,7 +385,11 @@ std::vector<std::string> Publication::Abort(const std::string& path) {
   if (marked) hold_.GaveUp();
   // Aborted first: a restore the journal queues may be applied before this returns, and
   // it makes the record committed again (NoteApplied).
-  registry_->OnAborted(path, "aborted by the operator");
+  registry_->OnAborted(path, "aborted by the operator", /*subtree=*/true);
+  // An abort of a tracker with versions queued drops them all: the backing store's tracker
+  // stays older until the application writes it again, and deletions of committed
+  // checkpoints are held until then (deletion_hold.h), before the journal drops them.
+  if (!info && IsTrackerName(path) && journal_->PublishQueued(path)) WithholdTracker(path);
   std::vector<std::string> untouched;
   std::vector<std::string> dropped = journal_->Abort(path, aborted_rewrites_.get(), &untouched);
   const std::vector<std::string> kept = aborted_rewrites_->KeepEarlierCommits(untouched);
@@ -430,11 +448,48 @@ void Publication::TrimHeapAfterBacklog() {
 #endif
 }
 
+Status Publication::LoadWithheldTrackers() {
+  MutexLock lock(&lost_mu_);
+  CKPT_RETURN_IF_ERROR(db_->Scan(kWithheldPrefix, [&](std::string_view key, std::string_view) {
+    withheld_trackers_.emplace(key.substr(sizeof(kWithheldPrefix) - 1));
+  }));
+  if (withheld_trackers_.empty()) return Status::Ok();
+  hold_.TrackersWithheld();
+  spdlog::warn("publication: {} (and {} more) aborted before this start; deletions of "
+               "committed checkpoints wait until a version of it is applied",
+               *withheld_trackers_.begin(), withheld_trackers_.size() - 1);
+  return Status::Ok();
+}
+
+void Publication::WithholdTracker(const std::string& path) {
+  MutexLock lock(&lost_mu_);
+  hold_.TrackersWithheld();
+  if (!withheld_trackers_.insert(path).second) return;
+  // Kept for the next start: a restart before the application writes the tracker again
+  // must not let the deletions queued behind it go.
+  Status st = db_->Put(std::string(kWithheldPrefix) + path, "");
+  if (!st.ok()) spdlog::warn("publication: recording withheld tracker {}: {}", path, st.ToString());
+  spdlog::warn("publication: the abort withholds tracker {}: deletions of committed "
+               "checkpoints wait until a version of it is applied", path);
+}
+
+void Publication::NoteTrackerThrough(const std::string& path) {
+  MutexLock lock(&lost_mu_);
+  if (withheld_trackers_.erase(path) == 0) return;
+  Status st = db_->Delete(std::string(kWithheldPrefix) + path);
+  if (!st.ok()) spdlog::warn("publication: forgetting withheld tracker {}: {}", path, st.ToString());
+  if (withheld_trackers_.empty()) hold_.TrackerThrough();
+  spdlog::info("publication: tracker {} applied again after an abort", path);
+}
+
 std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
   const std::string dir = path::Parent(e.path);
   const bool commit = (e.op == OpType::kPublish || e.op == OpType::kRename) &&
                       IsCommitName(e.path);
   std::string committed;
+  if (st.ok() && !commit && (e.op == OpType::kPublish || e.op == OpType::kRename)) {
+    NoteTrackerThrough(e.path);
+  }
   if (e.op == OpType::kPublish && st.ok()) {
     SetFileTimes(dir_, e);
     registry_->OnFilePublished(dir, e.size, e.seq);
@@ -454,7 +509,7 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
   } else if (!st.ok()) {
     if (e.op == OpType::kPublish || commit) {
       if (st.code() == Code::kAborted) {
-        registry_->OnAborted(dir, st.ToString());
+        registry_->OnAborted(dir, st.ToString(), /*subtree=*/false);
         // A file of it dropped (deleted before it was published, aborted): the directory
         // never commits as the application wrote it, so its commit is given up rather than
         // halted and a tracker naming it is withheld (G4), as for Abort and NoteDeleted.

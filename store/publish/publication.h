@@ -244,6 +244,14 @@ class Publication final : private JournalDelegate,
   // for the trackers that name them (docs/SEMANTICS.md, "A lost node"); bounded.
   mutable Mutex lost_mu_;
   std::map<std::string, std::string> lost_ GUARDED_BY(lost_mu_);
+  // Trackers an operator's abort dropped queued versions of (Abort): until a version of
+  // each is applied again, deletions of committed checkpoints are held (deletion_hold.h).
+  // In the state db too ("w/" + path), for a restart before that.
+  std::set<std::string> withheld_trackers_ GUARDED_BY(lost_mu_);
+  StateDb* db_ = nullptr;  // set by Create()
+  Status LoadWithheldTrackers() EXCLUDES(lost_mu_);
+  void WithholdTracker(const std::string& path) EXCLUDES(lost_mu_);
+  void NoteTrackerThrough(const std::string& path) EXCLUDES(lost_mu_);
   // The given-up checkpoint the tracker `e` names, if any, with the reason it was given up.
   std::optional<std::pair<std::string, std::string>> NamesLostCheckpoint(const JournalEntry& e)
       EXCLUDES(lost_mu_);

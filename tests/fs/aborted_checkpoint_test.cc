@@ -160,6 +160,7 @@ class AbortedCheckpointTest : public FaultyFsTest {
       {
         std::lock_guard lock(tracker_mu_);
         if (!fail_below_.empty() && to.rfind(fail_below_ + "/", 0) == 0) return EIO;
+        if (fail_tracker_ && to == kTracker) return EIO;
       }
       if (to != kTracker) return 0;
       std::string text = BackingBytes(from);
@@ -175,6 +176,10 @@ class AbortedCheckpointTest : public FaultyFsTest {
   void FailRenamesBelow(const std::string& dir) {
     std::lock_guard lock(tracker_mu_);
     fail_below_ = dir;
+  }
+  void FailTrackerRenames(bool fail) {
+    std::lock_guard lock(tracker_mu_);
+    fail_tracker_ = fail;
   }
   std::vector<std::string> TrackersPublished() {
     std::lock_guard lock(tracker_mu_);
@@ -193,6 +198,7 @@ class AbortedCheckpointTest : public FaultyFsTest {
   std::mutex tracker_mu_;
   std::vector<std::string> tracker_published_, tracker_torn_;
   std::string fail_below_;
+  bool fail_tracker_ = false;
 };
 
 TEST_F(AbortedCheckpointTest, ATrackerNamingAnAbortedCheckpointIsWithheld) {
@@ -342,6 +348,49 @@ TEST_F(AbortedCheckpointTest, ADeletionBehindAnAbortedCheckpointWaitsForTheNextC
   // The stop counts what never reached the backing store: the aborted save's files and its
   // withheld tracker; nothing of the held deletion (applied).
   EXPECT_GE(fs_->Shutdown().unpublished, 6u);
+}
+
+// The operator aborts a halted tracker: every queued version of it is dropped, and the
+// backing store's tracker names an older checkpoint until the application writes it again.
+// The rotation's deletions queued behind it wait until then, past the commits that come
+// before (CI of 415da15, the short soak: `rm -r` of 194 to 197 went after the abort of
+// tracker 197, under the backing store's tracker 196, G4).
+TEST_F(AbortedCheckpointTest, ADeletionBehindAnAbortedTrackerWaitsForTheNextTracker) {
+  WatchTracker();
+  SaveAndTrack("iter_0000001", 1);
+  SaveAndTrack("iter_0000002", 2);
+  SaveAndTrack("iter_0000003", 3);
+  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "three saves");
+
+  FailTrackerRenames(true);
+  SaveAndTrack("iter_0000004", 4);
+  WaitStats([](const nlohmann::json& j) { return !j["journal_halted"].is_null(); }, "the halt");
+  RemoveTree("iter_0000002");  // the rotation keeps two
+  SaveAndTrack("iter_0000005", 5);
+  RemoveTree("iter_0000003");  // the one the backing store's tracker names
+  EXPECT_FALSE(fs_->control()->Abort(kTracker).empty());
+  FailTrackerRenames(false);
+  nlohmann::json s = WaitStats(
+      [](const nlohmann::json& j) {
+        return j["journal_held"].get<uint64_t>() > 0 && j["journal_pending"] == j["journal_held"];
+      },
+      "the deletions held, everything else published");
+  EXPECT_EQ(BackingBytes(kTracker), "3\n");
+  EXPECT_TRUE(BackingHas("iter_0000003/.metadata")) << "deleted under the tracker naming it";
+  EXPECT_TRUE(BackingHas("iter_0000002/.metadata")) << "deleted before the tracker moved on";
+  EXPECT_TRUE(BackingHas("iter_0000005/.metadata"));
+  EXPECT_EQ(StateOf("iter_0000005"), "committed") << "the tracker's abort is not its save's";
+
+  // The next save and its tracker: the held deletions go after it.
+  SaveAndTrack("iter_0000006", 6);
+  s = WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the next save");
+  EXPECT_EQ(s["journal_held_dropped"].get<uint64_t>(), 0u);
+  EXPECT_FALSE(BackingHas("iter_0000002"));
+  EXPECT_FALSE(BackingHas("iter_0000003"));
+  EXPECT_EQ(BackingBytes(kTracker), "6\n");
+  EXPECT_EQ(TrackersNamingNoMetadata(), std::vector<std::string>{});
+  EXPECT_EQ(TrackersPublished(), (std::vector<std::string>{"1", "2", "3", "6"}));
+  EXPECT_EQ(fs_->Shutdown().unpublished, 2u);  // the two tracker versions aborted
 }
 
 // The halted checkpoint itself removed through the mount (rm -r instead of an operator's
