@@ -125,6 +125,9 @@ struct RecoveryReport {
   uint64_t entries_discarded = 0;
   uint64_t temps_removed = 0;
   std::vector<std::string> discarded_paths;  // publish targets that never appeared
+  // Directories whose rewrite died with the last run: what it replaced was put back, and
+  // each is its earlier save again (ReplacedFiles::RecoverKept).
+  std::vector<std::string> restored;
   // What a bounded stop of the previous run left for this one (CloseWithin), in order:
   // hand them to QueueLeft(). Their records, temp files and the marker stay until each
   // is done.

@@ -47,6 +47,9 @@ Result<RecoveryReport> Journal::Recover(BackingDir* dir, StateDb* db) {
     deletes.emplace_back(k);
     temps.emplace_back(v);
   }));
+  // What a rewrite that died with the daemon replaced goes back, before the temp files
+  // go (ReplacedFiles).
+  CKPT_RETURN_IF_ERROR(ReplacedFiles::RecoverKept(dir, db, &deletes, &report.restored));
   if (left_until > 0 && report.resumed.empty()) deletes.emplace_back(kLeftKey);
   if (!report.resumed.empty()) {
     spdlog::info("recovery: resuming {} journal entries the last stop left ({} .. {})",

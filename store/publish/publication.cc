@@ -87,6 +87,11 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
   // Entries the last stop left for this start: queued by Start(), once the observer exists.
   p->left_ = std::move(report.resumed);
   CKPT_ASSIGN_OR_RETURN(p->registry_, CheckpointRegistry::Load(db));
+  for (const std::string& restored : report.restored) {
+    p->registry_->OnEarlierCommitKept(restored,
+                                      "a later save into it was lost with the daemon; the "
+                                      "files it had replaced were put back");
+  }
   p->db_ = db;
   CKPT_RETURN_IF_ERROR(p->LoadWithheldTrackers());
   p->aborted_rewrites_ =

@@ -1,9 +1,13 @@
 #include "store/publish/replaced_files.h"
 
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <iterator>
+#include <set>
+#include <string_view>
 #include <utility>
 
 #include "common/path.h"
@@ -13,6 +17,88 @@ namespace ckptfs::store {
 
 ReplacedFiles::ReplacedFiles(BackingDir* dir, StateDb* db, TempRecords* temps)
     : dir_(dir), db_(db), temps_(temps) {}
+
+namespace {
+
+constexpr char kKeptPrefix[] = "r/";
+
+std::string KeptKey(const std::string& temp) { return kKeptPrefix + temp; }
+
+// A kept version's record: "<its inode> <the .metadata's inode> <its name>".
+struct KeptRecord {
+  ino_t ino = 0;
+  ino_t metadata_ino = 0;
+  std::string path;
+};
+
+std::optional<KeptRecord> ParseKept(std::string_view v) {
+  KeptRecord r;
+  const std::string text(v);
+  char* end = nullptr;
+  r.ino = std::strtoull(text.c_str(), &end, 10);
+  if (end == nullptr || *end != ' ') return std::nullopt;
+  r.metadata_ino = std::strtoull(end + 1, &end, 10);
+  if (end == nullptr || *end != ' ' || end[1] == '\0') return std::nullopt;
+  r.path = end + 1;
+  return r;
+}
+
+}  // namespace
+
+bool ReplacedFiles::RecordBeforeKeep(const std::string& path, const std::string& temp) {
+  auto old = dir_->Stat(path);
+  if (!old.ok() || !S_ISREG(old->st_mode)) return false;
+  auto metadata = dir_->Stat(path::Join(path::Parent(path), ".metadata"));
+  if (!metadata.ok()) return false;
+  const std::string value = std::to_string(old->st_ino) + " " +
+                            std::to_string(metadata->st_ino) + " " + path;
+  Status st = db_->Put(KeptKey(temp), value, WriteMode::kUnsynced);
+  if (!st.ok()) {
+    spdlog::warn("journal: state db: the record of {}'s replaced version: {}", path,
+                 st.ToString());
+    return false;
+  }
+  return true;
+}
+
+void ReplacedFiles::DropRecord(const std::string& temp) {
+  Status st = db_->Delete(KeptKey(temp), WriteMode::kUnsynced);
+  if (!st.ok()) spdlog::warn("journal: state db: {}", st.ToString());
+}
+
+Status ReplacedFiles::RecoverKept(BackingDir* dir, StateDb* db,
+                                  std::vector<std::string>* deletes,
+                                  std::vector<std::string>* restored) {
+  std::vector<std::pair<std::string, std::optional<KeptRecord>>> records;
+  CKPT_RETURN_IF_ERROR(db->Scan(kKeptPrefix, [&](std::string_view k, std::string_view v) {
+    records.emplace_back(std::string(k), ParseKept(v));
+  }));
+  std::set<std::string> dirs;
+  for (const auto& [key, record] : records) {
+    deletes->push_back(key);
+    if (!record) {
+      spdlog::warn("recovery: an unreadable record of a replaced version was dropped");
+      continue;
+    }
+    const std::string temp = key.substr(sizeof(kKeptPrefix) - 1);
+    const std::string parent = path::Parent(record->path);
+    auto kept = dir->Stat(temp);
+    auto metadata = dir->Stat(path::Join(parent, ".metadata"));
+    if (!kept.ok() || kept->st_ino != record->ino || !metadata.ok() ||
+        metadata->st_ino != record->metadata_ino) {
+      continue;  // never replaced, or the rewrite committed (or was withdrawn)
+    }
+    CKPT_RETURN_IF_ERROR(dir->Rename(temp, record->path));
+    spdlog::warn("recovery: {} put back: the save that replaced it never committed (the "
+                 "daemon stopped first)", record->path);
+    dirs.insert(parent);
+  }
+  for (const std::string& d : dirs) {
+    CKPT_RETURN_IF_ERROR(dir->SyncParent(path::Join(d, ".metadata")));
+    restored->push_back(d);
+  }
+  return Status::Ok();
+}
 
 void ReplacedFiles::Keep(const std::string& path, const std::string& temp, uint64_t file_id) {
   MutexLock lock(&mu_);
@@ -53,7 +139,8 @@ Status ReplacedFiles::PutBack(const std::string& dir, bool retry) {
         if (it->second.empty()) by_dir_.erase(it);
       }
     }
-    Status db_st = db_->Write({}, {TempRecords::Key(k.file_id)}, WriteMode::kUnsynced);
+    Status db_st =
+        db_->Write({}, {TempRecords::Key(k.file_id), KeptKey(k.temp)}, WriteMode::kUnsynced);
     if (!db_st.ok()) spdlog::warn("journal: state db: {}", db_st.ToString());
     temps_->Drop(k.file_id);
     spdlog::warn("journal: {} put back: the save that replaced it was aborted or given up", k.path);
@@ -113,6 +200,7 @@ void ReplacedFiles::Remove(const std::vector<Kept>& gone) {
                    rm.ToString());
     }
     deletes.push_back(TempRecords::Key(k.file_id));
+    deletes.push_back(KeptKey(k.temp));
   }
   // Unsynced: a crash that loses it leaves recovery a record whose file is gone.
   Status db_st = db_->Write({}, deletes, WriteMode::kUnsynced);

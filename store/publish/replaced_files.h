@@ -9,7 +9,13 @@
 //   - released (Release: unlinked, its temp record removed) once a `.metadata` of the
 //     directory is applied again, the directory goes, or the journal stops.
 // Only the first version replaced is kept for a name (IsKept): that is the committed one.
-// In memory only: after a crash, recovery removes the kept files by their temp records.
+// Each kept version has a record in the state db ("r/" + temp: its name, its inode and
+// that of the directory's `.metadata`), written before the publish that keeps it
+// (RecordBeforeKeep). After a crash the rewrite never commits (its unapplied entries are
+// discarded), so recovery puts back every kept version whose `.metadata` is still the one
+// it was kept under (RecoverKept): the directory is the earlier save again, instead of
+// that `.metadata` over some of the lost save's files (the short soak of 415da15: a
+// daemon killed during a re-save left `resave` loading neither save).
 //
 // Thread-safe. Its lock is a leaf and is never held over I/O: the journal may ask under
 // its own lock (IsKept, HasKept).
@@ -38,9 +44,21 @@ class ReplacedFiles {
   ReplacedFiles(const ReplacedFiles&) = delete;
   ReplacedFiles& operator=(const ReplacedFiles&) = delete;
 
+  // Before a publish of `temp` over `path` that may keep the version it replaces: where
+  // `path` and its directory's `.metadata` exist, records them for recovery (unsynced,
+  // as the journal's entries) and returns true. DropRecord(temp) when nothing was kept.
+  bool RecordBeforeKeep(const std::string& path, const std::string& temp);
+  void DropRecord(const std::string& temp);
   // The publish of `path` left the version it replaced under `temp`, whose temp record is
   // that of file `file_id`.
   void Keep(const std::string& path, const std::string& temp, uint64_t file_id) EXCLUDES(mu_);
+  // Recovery, before the temp files are removed: puts back each recorded version still
+  // under its temp name whose directory's `.metadata` is the one it was kept under, and
+  // syncs its directory; adds every record's key to `deletes` and each directory put back
+  // to `restored`. A record whose version is not there (the publish never ran, or the
+  // rewrite committed) is only dropped.
+  static Status RecoverKept(BackingDir* dir, StateDb* db, std::vector<std::string>* deletes,
+                            std::vector<std::string>* restored);
   // A replaced version of `path` is kept (a later publish of it replaces the rewrite's own
   // version: nothing more to keep).
   bool IsKept(const std::string& path) const EXCLUDES(mu_);

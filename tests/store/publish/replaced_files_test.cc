@@ -209,5 +209,75 @@ TEST_F(ReplacedFilesTest, AGivenUpCommitPutsBackItsDirectoryAtTheCommitsPlace) {
   EXPECT_TRUE(replaced_->IsKept("ck/a.distcp"));
 }
 
+// A daemon killed during a rewrite: its unapplied entries are discarded at the next start,
+// so the rewrite never commits. Recovery puts back each version a publish kept whose
+// `.metadata` is still the one it was kept under, before the temp files are removed; a
+// record whose publish never ran (its temp holds the new version) or whose rewrite
+// committed (a new `.metadata`) is only dropped (the short soak of 415da15, `resave`).
+TEST_F(ReplacedFilesTest, AfterACrashRecoveryPutsBackWhatAnUncommittedRewriteReplaced) {
+  for (const std::string ck : {"ck", "done"}) {
+    fs::create_directories(root_ + "/" + ck);
+    Write(ck + "/.metadata", "md:old");
+    Write(ck + "/a.distcp", "old:a");
+    Write(ck + "/b.distcp", "old:b");
+  }
+  constexpr unsigned kExchange = 2;  // RENAME_EXCHANGE, as a publish over a file
+  auto publish = [&](const std::string& path, uint64_t id, bool run) {
+    const std::string temp = ".ckptfs-tmp." + std::to_string(id);
+    Write(temp, "new:" + path);
+    ASSERT_TRUE(temps_->Register(id, temp).ok());
+    ASSERT_TRUE(replaced_->RecordBeforeKeep(path, temp));
+    if (!run) return;  // killed between the record and the publish
+    ASSERT_TRUE(dir_->Rename(temp, path, kExchange).ok());
+    replaced_->Keep(path, temp, id);
+  };
+  publish("ck/a.distcp", 1, true);
+  publish("ck/b.distcp", 2, false);
+  publish("done/a.distcp", 3, true);
+  // The rewrite of `done` committed: its `.metadata` is a new file.
+  Write("done/.metadata.tmp", "md:new");
+  ASSERT_TRUE(dir_->Rename("done/.metadata.tmp", "done/.metadata").ok());
+  // A file of a directory without a `.metadata` is never recorded.
+  fs::create_directories(root_ + "/fresh");
+  Write("fresh/a.distcp", "old:fresh");
+  EXPECT_FALSE(replaced_->RecordBeforeKeep("fresh/a.distcp", ".ckptfs-tmp.4"));
+
+  replaced_.reset();  // the kill: nothing released
+  std::vector<std::string> deletes, restored;
+  ASSERT_TRUE(ReplacedFiles::RecoverKept(dir_.get(), db_.get(), &deletes, &restored).ok());
+  EXPECT_EQ(restored, std::vector<std::string>{"ck"});
+  EXPECT_EQ(Read("ck/a.distcp"), "old:a");
+  EXPECT_EQ(Read("ck/b.distcp"), "old:b");
+  EXPECT_FALSE(Exists(".ckptfs-tmp.1")) << "put back";
+  EXPECT_EQ(Read(".ckptfs-tmp.2"), "new:ck/b.distcp") << "left to the temp files' removal";
+  EXPECT_EQ(Read("done/a.distcp"), "new:done/a.distcp") << "its rewrite committed";
+  EXPECT_EQ(deletes.size(), 3u);
+  ASSERT_TRUE(db_->Write({}, deletes).ok());
+  deletes.clear();
+  restored.clear();
+  ASSERT_TRUE(ReplacedFiles::RecoverKept(dir_.get(), db_.get(), &deletes, &restored).ok());
+  EXPECT_TRUE(deletes.empty());
+  EXPECT_TRUE(restored.empty());
+}
+
+// Put back or released, a kept version's record goes with it: a later crash finds none.
+TEST_F(ReplacedFilesTest, PutBackAndReleaseDropTheRecordsRecoveryWouldRead) {
+  fs::create_directories(root_ + "/ck");
+  Write("ck/.metadata", "md");
+  Write("ck/a.distcp", "old:a");
+  Write("ck/b.distcp", "old:b");
+  ASSERT_TRUE(replaced_->RecordBeforeKeep("ck/a.distcp", ".ckptfs-tmp.1"));
+  Rewrite("ck/a.distcp", 1);
+  ASSERT_TRUE(replaced_->RecordBeforeKeep("ck/b.distcp", ".ckptfs-tmp.2"));
+  Rewrite("ck/b.distcp", 2);
+  ASSERT_TRUE(replaced_->PutBack("ck", /*retry=*/false).ok());
+  ASSERT_TRUE(replaced_->RecordBeforeKeep("ck/a.distcp", ".ckptfs-tmp.3"));
+  Rewrite("ck/a.distcp", 3);
+  replaced_->Release("ck", /*subtree=*/false);
+  size_t records = 0;
+  ASSERT_TRUE(db_->Scan("r/", [&](std::string_view, std::string_view) { ++records; }).ok());
+  EXPECT_EQ(records, 0u);
+}
+
 }  // namespace
 }  // namespace ckptfs::store
