@@ -304,7 +304,8 @@ void CheckpointRegistry::OnAborted(const std::string& path, const std::string& w
                                    bool subtree) {
   MutexLock lock(&mu_);
   for (auto& [dir, info] : ckpts_) {
-    if (!(subtree ? path::IsAtOrBelow(dir, path) : dir == path) || info.state == CkptState::kCommitted || info.state == CkptState::kAborted) {
+    const bool there = subtree ? path::IsAtOrBelow(dir, path) : dir == path;
+    if (!there || info.state == CkptState::kCommitted || info.state == CkptState::kAborted) {
       continue;
     }
     info.state = CkptState::kAborted;

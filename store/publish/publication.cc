@@ -64,9 +64,6 @@ bool IsTrackerName(const std::string& path) {
   return !path.empty() && IsTrackerCandidate(probe);
 }
 
-// The state db's record of a tracker an abort withheld (Publication::WithholdTracker).
-constexpr char kWithheldPrefix[] = "w/";
-
 }  // namespace
 
 Publication::Publication(BackingDir* dir, KeyIndex* index, PublicationOptions options)
@@ -92,8 +89,8 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
                                       "a later save into it was lost with the daemon; the "
                                       "files it had replaced were put back");
   }
-  p->db_ = db;
-  CKPT_RETURN_IF_ERROR(p->LoadWithheldTrackers());
+  p->withheld_trackers_ = std::make_unique<WithheldTrackers>(db, &p->hold_);
+  CKPT_RETURN_IF_ERROR(p->withheld_trackers_->Load());
   p->aborted_rewrites_ =
       std::make_unique<AbortedRewrites>(dir, p->registry_.get(), p->options_.cross_node_order);
 
@@ -394,7 +391,9 @@ std::vector<std::string> Publication::Abort(const std::string& path) {
   // An abort of a tracker with versions queued drops them all: the backing store's tracker
   // stays older until the application writes it again, and deletions of committed
   // checkpoints are held until then (deletion_hold.h), before the journal drops them.
-  if (!info && IsTrackerName(path) && journal_->PublishQueued(path)) WithholdTracker(path);
+  if (!info && IsTrackerName(path) && journal_->PublishQueued(path)) {
+    withheld_trackers_->Withhold(path);
+  }
   std::vector<std::string> untouched;
   std::vector<std::string> dropped = journal_->Abort(path, aborted_rewrites_.get(), &untouched);
   const std::vector<std::string> kept = aborted_rewrites_->KeepEarlierCommits(untouched);
@@ -453,47 +452,13 @@ void Publication::TrimHeapAfterBacklog() {
 #endif
 }
 
-Status Publication::LoadWithheldTrackers() {
-  MutexLock lock(&lost_mu_);
-  CKPT_RETURN_IF_ERROR(db_->Scan(kWithheldPrefix, [&](std::string_view key, std::string_view) {
-    withheld_trackers_.emplace(key.substr(sizeof(kWithheldPrefix) - 1));
-  }));
-  if (withheld_trackers_.empty()) return Status::Ok();
-  hold_.TrackersWithheld();
-  spdlog::warn("publication: {} (and {} more) aborted before this start; deletions of "
-               "committed checkpoints wait until a version of it is applied",
-               *withheld_trackers_.begin(), withheld_trackers_.size() - 1);
-  return Status::Ok();
-}
-
-void Publication::WithholdTracker(const std::string& path) {
-  MutexLock lock(&lost_mu_);
-  hold_.TrackersWithheld();
-  if (!withheld_trackers_.insert(path).second) return;
-  // Kept for the next start: a restart before the application writes the tracker again
-  // must not let the deletions queued behind it go.
-  Status st = db_->Put(std::string(kWithheldPrefix) + path, "");
-  if (!st.ok()) spdlog::warn("publication: recording withheld tracker {}: {}", path, st.ToString());
-  spdlog::warn("publication: the abort withholds tracker {}: deletions of committed "
-               "checkpoints wait until a version of it is applied", path);
-}
-
-void Publication::NoteTrackerThrough(const std::string& path) {
-  MutexLock lock(&lost_mu_);
-  if (withheld_trackers_.erase(path) == 0) return;
-  Status st = db_->Delete(std::string(kWithheldPrefix) + path);
-  if (!st.ok()) spdlog::warn("publication: forgetting withheld tracker {}: {}", path, st.ToString());
-  if (withheld_trackers_.empty()) hold_.TrackerThrough();
-  spdlog::info("publication: tracker {} applied again after an abort", path);
-}
-
 std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
   const std::string dir = path::Parent(e.path);
   const bool commit = (e.op == OpType::kPublish || e.op == OpType::kRename) &&
                       IsCommitName(e.path);
   std::string committed;
   if (st.ok() && !commit && (e.op == OpType::kPublish || e.op == OpType::kRename)) {
-    NoteTrackerThrough(e.path);
+    withheld_trackers_->Through(e.path);
   }
   if (e.op == OpType::kPublish && st.ok()) {
     SetFileTimes(dir_, e);

@@ -42,6 +42,7 @@
 #include "store/publish/journal.h"
 #include "store/publish/publication_view.h"
 #include "store/publish/shard_state.h"
+#include "store/publish/withheld_trackers.h"
 
 namespace ckptfs::store {
 
@@ -226,6 +227,7 @@ class Publication final : private JournalDelegate,
   // Deletions of committed checkpoints held while a given-up checkpoint is the newest
   // (read by the journal and the gate, declared before both).
   DeletionHold hold_;
+  std::unique_ptr<WithheldTrackers> withheld_trackers_;  // arms hold_ (Abort of a tracker)
   std::unique_ptr<CommitGate> gate_;
   std::unique_ptr<Journal> journal_;  // last: its publisher calls into the parts above
 
@@ -244,14 +246,6 @@ class Publication final : private JournalDelegate,
   // for the trackers that name them (docs/SEMANTICS.md, "A lost node"); bounded.
   mutable Mutex lost_mu_;
   std::map<std::string, std::string> lost_ GUARDED_BY(lost_mu_);
-  // Trackers an operator's abort dropped queued versions of (Abort): until a version of
-  // each is applied again, deletions of committed checkpoints are held (deletion_hold.h).
-  // In the state db too ("w/" + path), for a restart before that.
-  std::set<std::string> withheld_trackers_ GUARDED_BY(lost_mu_);
-  StateDb* db_ = nullptr;  // set by Create()
-  Status LoadWithheldTrackers() EXCLUDES(lost_mu_);
-  void WithholdTracker(const std::string& path) EXCLUDES(lost_mu_);
-  void NoteTrackerThrough(const std::string& path) EXCLUDES(lost_mu_);
   // The given-up checkpoint the tracker `e` names, if any, with the reason it was given up.
   std::optional<std::pair<std::string, std::string>> NamesLostCheckpoint(const JournalEntry& e)
       EXCLUDES(lost_mu_);
