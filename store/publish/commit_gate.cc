@@ -28,6 +28,7 @@ Status CommitGate::Load(const JournalEntry& e, Pending* p) {
   p->deadline = std::chrono::steady_clock::now() + options_.timeout;
   p->next_poll = {};
   p->polled.clear();
+  p->unanswered.clear();
   const CommitKind kind = CommitKindOf(e.path);
   if (kind == CommitKind::kSafetensorsSingle) {
     // The whole checkpoint is this one file: its own durable bytes are all it needs.
@@ -341,7 +342,8 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
     // incarnation of it. Only this incarnation's own queued publishes are waited for (as
     // the journal's queue tells them apart), never a file open or rewritten there.
     size_t mine_waiting = 0;  // of `waiting`, those queued or open here
-    size_t asking = 0;        // of `waiting`, those whose peers' first answer is still out
+    size_t asking = 0;        // of `waiting`, those whose peers' first answer is still out,
+                              // or whose node could not be asked (Pending::unanswered)
     const DirectoryEnd end = queued != nullptr
                                  ? queued->DirectoryEndsAfter(e.seq, path::Parent(e.path))
                                  : DirectoryEnd{};
@@ -435,11 +437,18 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
                                    "published"));
         }
         p.polled.insert(path);
+        if (answer.unreachable) p.unanswered.insert(path);
       }
-      // c. Polled on the backing store.
+      // c. Polled on the backing store. One whose node did not answer counts as still
+      // asked: a strict caller waits for it (it returning early let a tracker behind the
+      // commit return unpublished, which a kill then lost: the two-node strict soak, seed
+      // 4103, a first incarnation whose handshakes never finished), until the store shows
+      // it, the node is declared dead (given up, below) or the commit times out.
       polling = true;
+      const bool unanswered = p.unanswered.count(path) > 0;
       if (!poll) {
         waiting.push_back(path);
+        asking += unanswered;
         ++it;
         continue;
       }
@@ -461,6 +470,7 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
         }
       }
       waiting.push_back(path);
+      asking += unanswered;
       ++it;
     }
     if (waiting.empty()) {

@@ -176,6 +176,9 @@ class CommitGate final : private PeerShardAnswerSink {
     std::chrono::milliseconds backoff{50};
     // Remote paths judged by polling (peers do not know them, or cannot be asked).
     std::set<std::string> polled;
+    // Of `polled`, those whose node did not answer (unreachable): a strict caller waits
+    // for them, as for a first answer still out.
+    std::set<std::string> unanswered;
   };
   // One stat: `path` on the backing store with at least `min_len` bytes.
   bool Confirm(const std::string& path, uint64_t min_len) REQUIRES(mu_);

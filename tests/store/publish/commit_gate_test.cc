@@ -191,6 +191,38 @@ TEST_F(CommitGateTest, PendingAnswersWaitWithoutTouchingTheBackingStore) {
   EXPECT_EQ(s.answers_pending, 4u);
 }
 
+// A peer that did not answer (unreachable: a link down, a handshake that never finished)
+// says nothing of its shards: a strict caller keeps waiting, as for a first answer still
+// out, while the backing store is polled; a reachable peer that knows nothing of them
+// (unknown) lets it return early. The two-node strict soak, seed 4103: a tracker behind
+// the commit returned unpublished, and a kill lost it.
+TEST_F(CommitGateTest, AnUnreachablePeerNeverLetsAStrictCallerReturnEarly) {
+  auto gate = MakeGate();
+  EXPECT_FALSE(Check(*gate).waits_for_unwritten);
+  Answer({ShardState::kUnknown, 0}, /*unreachable=*/true);
+  CommitCheck c = Check(*gate);  // polls at once: nothing there yet
+  EXPECT_FALSE(c.ready);
+  EXPECT_FALSE(c.waits_for_unwritten) << "nobody answered for the shards";
+  for (int i = 0; i < 3; ++i) {
+    std::this_thread::sleep_for(60ms);
+    c = Check(*gate);
+    EXPECT_FALSE(c.waits_for_unwritten);
+  }
+  WriteShards();
+  for (int i = 0; i < 100 && !(c = Check(*gate)).ready; ++i) std::this_thread::sleep_for(20ms);
+  EXPECT_TRUE(c.ready);
+  EXPECT_EQ(gate->stats().answers_unreachable, 4u);
+
+  ++commit_.seq;
+  for (const auto& [path, len] : need_) sfs::remove(root_ + "/" + path);
+  auto known = MakeGate();
+  EXPECT_FALSE(Check(*known).ready);
+  Answer({ShardState::kUnknown, 0});
+  c = Check(*known);
+  EXPECT_FALSE(c.ready);
+  EXPECT_TRUE(c.waits_for_unwritten) << "every peer answered: nobody has written them";
+}
+
 TEST_F(CommitGateTest, DurableAnswerCountsAfterExactlyOneStat) {
   auto gate = MakeGate();
   EXPECT_FALSE(Check(*gate).ready);
