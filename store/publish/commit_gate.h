@@ -33,7 +33,8 @@
 //           dropped (deleted before publication on its writer) with every peer
 //             reachable: refused at once, as for a shard deleted here (DeletedLocally);
 //           failed (its publication failed for good there), unknown to every peer, some
-//             peer unreachable, or shorter than required: polled as below;
+//             peer unreachable, or shorter than required: polled as below (a strict
+//             caller waits for a shard whose node did not answer, as for a first answer);
 //      c. polled: it counts once the backing store shows it with the required length,
 //         stat'ed with backoff (50 ms doubling to 2 s), counted in commit_polls.
 // A `.metadata` that is not a DCP metadata this parser understands commits by order alone.
