@@ -48,8 +48,10 @@ int RunResume(AdminEnv* env, const std::string& path, bool as_json, std::ostream
   // failed once more (or publication halted at a later entry), for 10 s at most. Under
   // load a retry can take seconds (parked chunks are rewritten first), and a `wait` run
   // right after must see where it went.
-  const auto attempts_of = [](const json& h) { return h.value("attempts", uint64_t{0}); };
-  const auto seq_of = [](const json& h) { return h.value("seq", uint64_t{0}); };
+  const auto attempts_of = [](const json& h) {
+    return internal::GetU64(h, "attempts").value_or(0);
+  };
+  const auto seq_of = [](const json& h) { return internal::GetU64(h, "seq").value_or(0); };
   json halted = nullptr;
   for (int i = 0; i < 100; ++i) {
     env->Sleep(0.1);
@@ -70,8 +72,8 @@ int RunResume(AdminEnv* env, const std::string& path, bool as_json, std::ostream
     json j = {{"resumed", true}, {"halted", halted}};
     out << j.dump(-1, ' ', false, json::error_handler_t::replace) << '\n';
   } else if (still) {
-    out << "still halted at " << halted.value("entry", "?") << ": "
-        << halted.value("error", "?") << '\n';
+    out << "still halted at " << internal::GetString(halted, "entry").value_or("?") << ": "
+        << internal::GetString(halted, "error").value_or("?") << '\n';
   } else {
     out << "publication runs\n";
   }
@@ -104,7 +106,9 @@ int RunAbort(AdminEnv* env, const std::string& path, bool as_json, std::ostream&
     out << j->dump(-1, ' ', false, json::error_handler_t::replace) << '\n';
     return kExitOk;
   }
-  const json dropped = j->value("dropped", json::array());
+  const json dropped = j->is_object() && j->contains("dropped") && (*j)["dropped"].is_array()
+                           ? (*j)["dropped"]
+                           : json::array();
   if (dropped.empty()) {
     out << "nothing pending at or below " << path << "\n";
     return kExitOk;

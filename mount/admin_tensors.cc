@@ -10,6 +10,7 @@
 #include <set>
 
 #include "mount/admin.h"
+#include "mount/admin_internal.h"
 
 namespace ckptfs::admin {
 namespace {
@@ -24,6 +25,32 @@ Result<std::string> ViewDirOf(const std::string& ckpt) {
   std::string rel = std::string(real).substr(root.size());
   while (!rel.empty() && rel.front() == '/') rel.erase(0, 1);
   return root + "/" + kCtlDirName + "/" + kCtlTensorsName + (rel.empty() ? "" : "/" + rel);
+}
+
+// Makes a meta.json what the commands read (the daemon's output is input: another
+// version's, a torn read, not ckptfs at all): an object whose fqn, kind and dtype are
+// strings, whose chunks are objects with "offsets" and "checksum", and whose counts are
+// numbers; a field missing or of another type reads as empty. False when it is no object.
+bool ReadableMeta(nlohmann::json* m) {
+  if (!m->is_object()) return false;
+  for (const char* key : {"fqn", "kind", "dtype"}) {
+    if (!(*m)[key].is_string()) (*m)[key] = "";
+  }
+  if (!(*m)["global_shape"].is_array()) (*m)["global_shape"] = nullptr;
+  nlohmann::json chunks = nlohmann::json::array();
+  if ((*m)["chunks"].is_array()) {
+    for (nlohmann::json& c : (*m)["chunks"]) {
+      if (!c.is_object()) continue;
+      if (!c.contains("offsets")) c["offsets"] = nullptr;
+      if (!c["checksum"].is_string()) c["checksum"] = nullptr;
+      for (const char* key : {"raw_nbytes", "item_length"}) {
+        if (!c[key].is_number_unsigned()) c[key] = 0;
+      }
+      chunks.push_back(std::move(c));
+    }
+  }
+  (*m)["chunks"] = std::move(chunks);
+  return true;
 }
 
 // One meta.json per fqn, in name order.
@@ -43,7 +70,7 @@ Result<std::vector<nlohmann::json>> LoadMetas(const std::string& ckpt) {
     auto text = ReadWholeFile(dir + "/" + n + "/meta.json");
     if (!text.ok()) continue;  // a sub-directory that is not a tensor
     auto j = nlohmann::json::parse(*text, nullptr, false);
-    if (!j.is_discarded()) metas.push_back(std::move(j));
+    if (ReadableMeta(&j)) metas.push_back(std::move(j));
   }
   return metas;
 }
@@ -110,7 +137,11 @@ int RunVerify(AdminEnv* env, const std::string& ckpt, bool json, std::ostream& o
     err << kPrefix << "bad verify report\n";
     return 2;
   }
-  uint64_t bad = j.value("bad_count", uint64_t{0});
+  if (!j.is_object()) {
+    err << kPrefix << "bad verify report\n";
+    return 2;
+  }
+  uint64_t bad = internal::GetU64(j, "bad_count").value_or(0);
   if (json) {
     // The daemon's report as it is (extra fields kept), with the path and the verdict.
     j["path"] = ckpt;
@@ -122,14 +153,15 @@ int RunVerify(AdminEnv* env, const std::string& ckpt, bool json, std::ostream& o
                                       ? j["bad"]
                                       : nlohmann::json::array();
   for (const auto& b : bad_list) {
-    out << "BAD " << b.value("key", "") << ": " << b.value("error", "") << "\n";
+    out << "BAD " << internal::GetString(b, "key").value_or("") << ": "
+        << internal::GetString(b, "error").value_or("") << "\n";
   }
   // Unchecked items (no checksum taken yet: saved elsewhere and never read in full) were
   // re-read and parsed, but there was nothing to compare their bytes with.
-  out << ckpt << ": " << j.value("items", uint64_t{0}) << " items, "
-      << HumanBytes(j.value("bytes", uint64_t{0})) << " re-read, " << bad << " bad, "
-      << j.value("unchecked", uint64_t{0}) << " unchecked (" << j.value("checksum", "?")
-      << ")\n";
+  out << ckpt << ": " << internal::GetU64(j, "items").value_or(0) << " items, "
+      << HumanBytes(internal::GetU64(j, "bytes").value_or(0)) << " re-read, " << bad
+      << " bad, " << internal::GetU64(j, "unchecked").value_or(0) << " unchecked ("
+      << internal::GetString(j, "checksum").value_or("?") << ")\n";
   return bad == 0 ? 0 : 1;
 }
 
