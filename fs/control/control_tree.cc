@@ -298,6 +298,7 @@ std::string ControlTree::StatsJson() {
   j["journal_room_wait_ms"] = journal.room_wait_ms;
   j["state_db_writes"] = db_->writes();
   j["state_db_synced_writes"] = db_->synced_writes();
+  j["state_db_memory"] = db_->BudgetedMemory();  // memtables and block cache (budgeted)
   // What publication waits for (a halt, or a commit waiting at the gate); "" when nothing.
   j["journal_waiting"] = view_.WaitingFor();
   j["journal_halted"] = nullptr;

@@ -419,7 +419,8 @@ class ModeRun(Workloads, Checks):
         rss_mb = int(st["VmRSS"][0]) / 1024
         # Memory the daemon budgets and fills on purpose: staging chunks pinned on first use
         # and kept (--staging-mem), the retained tier (--retain-mem, half the staging by
-        # default) and the block cache. What is left is what must not grow.
+        # default), the block cache and the state db's memtables and block cache. What is
+        # left is what must not grow.
         held_mb = held_bytes(stats) / 2 ** 20
         self.drained[label] = {"t": self.t(), "saves": self.saves_done(),
                                "rss_mb": round(rss_mb, 1),
@@ -427,6 +428,8 @@ class ModeRun(Workloads, Checks):
                                "cache_mb": round(stats.get("cache_used", 0) / 2 ** 20, 1),
                                "staging_mb": round(stats.get("staging_resident", 0) / 2 ** 20,
                                                    1),
+                               "state_db_mem_mb": round(
+                                   (stats.get("state_db_memory", 0) or 0) / 2 ** 20, 1),
                                "rss_other_mb": round(rss_mb - held_mb, 1),
                                # glibc's heap: live allocations, and free bytes it holds
                                "heap_in_use_mb": round(stats.get("heap_in_use", 0) / 2 ** 20,
@@ -495,7 +498,8 @@ class ModeRun(Workloads, Checks):
             return
         self.leak.update(checked=True, saves_between=between, base=base, end=end)
         if end["rss_other_mb"] > base["rss_other_mb"] * 1.10:
-            what = "leak: daemon RSS (less staging, retained tier and block cache) grew more than 10 %"
+            what = ("leak: daemon RSS (less staging, retained tier, block cache and state db "
+                    "memory) grew more than 10 %")
             self.leak["over_bound"] = True
             if getattr(self.args, "leak_report_only", False):
                 print(f"[{self.mode}] LEAK (reported only): {what}: "

@@ -416,6 +416,19 @@ Status StateDb::Write(const std::vector<std::pair<std::string, std::string>>& pu
   });
 }
 
+uint64_t StateDb::BudgetedMemory() {
+  ReaderLock lock(&db_mu_);
+  if (!db_) return 0;
+  uint64_t memtables = 0, block_cache = 0;
+  if (!db_->GetIntProperty(rocksdb::DB::Properties::kCurSizeAllMemTables, &memtables)) {
+    memtables = 0;
+  }
+  if (!db_->GetIntProperty(rocksdb::DB::Properties::kBlockCacheUsage, &block_cache)) {
+    block_cache = 0;
+  }
+  return memtables + block_cache;
+}
+
 Result<std::string> StateDb::Get(std::string_view key) {
   std::string value;
   ReaderLock lock(&db_mu_);

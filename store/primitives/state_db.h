@@ -81,6 +81,10 @@ class StateDb {
   // Writes so far, all and synced ones (for /.ckptfs/stats: syncs per file saved).
   uint64_t writes() const { return writes_.load(std::memory_order_relaxed); }
   uint64_t synced_writes() const { return synced_writes_.load(std::memory_order_relaxed); }
+  // Memory RocksDB fills up to budgets of its own: its memtables (write_buffer_size each,
+  // flushed when full) and its block cache. A leak check counts it apart, as the daemon's
+  // other budgeted memory (docs/RELIABILITY.md, the leak bound).
+  uint64_t BudgetedMemory();
   // Reads work on a full disk; they fail (kIo) only while a reopen after a failed
   // write has not succeeded yet.
   Result<std::string> Get(std::string_view key);  // kNotFound if absent
