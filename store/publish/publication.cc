@@ -457,7 +457,10 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
   const bool commit = (e.op == OpType::kPublish || e.op == OpType::kRename) &&
                       IsCommitName(e.path);
   std::string committed;
-  if (st.ok() && !commit && (e.op == OpType::kPublish || e.op == OpType::kRename)) {
+  // A version of a withheld tracker applied, or the tracker removed (no version of it
+  // will come): deletions held for it may go.
+  if (st.ok() && !commit &&
+      (e.op == OpType::kPublish || e.op == OpType::kRename || e.op == OpType::kUnlink)) {
     withheld_trackers_->Through(e.path);
   }
   if (e.op == OpType::kPublish && st.ok()) {

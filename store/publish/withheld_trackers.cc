@@ -44,7 +44,7 @@ void WithheldTrackers::Through(const std::string& path) {
     spdlog::warn("publication: forgetting withheld tracker {}: {}", path, st.ToString());
   }
   if (paths_.empty()) hold_->TrackerThrough();
-  spdlog::info("publication: tracker {} applied again after an abort", path);
+  spdlog::info("publication: tracker {} applied again (or removed) after an abort", path);
 }
 
 }  // namespace ckptfs::store

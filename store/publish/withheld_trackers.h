@@ -29,7 +29,8 @@ class WithheldTrackers {
   // An abort is about to drop the queued versions of tracker `path`: armed before the
   // journal drops them, so the publisher cannot reach a deletion behind them first.
   void Withhold(const std::string& path) EXCLUDES(mu_);
-  // A version of `path` was applied: once no tracker is withheld, the hold is disarmed.
+  // A version of `path` was applied, or `path` removed: once no tracker is withheld, the
+  // hold is disarmed.
   void Through(const std::string& path) EXCLUDES(mu_);
 
  private:
