@@ -222,6 +222,17 @@ class Workloads:
     def load_one(self, n, t, name, inc):
         with self.lock:
             ev = self.ev
+        if self.mounts() is not None and self.mode == "async":
+            # Async on several nodes: another node sees the checkpoint once it is on the
+            # backing store. A job loading it there right after the save (an evaluation
+            # job, ranks on every node) waits for that first, as docs/USAGE.md says
+            # (`ckptfs-admin wait`); the 60-minute soak of stop 53 loaded at once, and the
+            # ranks on the other node found no `.metadata` yet.
+            r = subprocess.run([harness.ADMIN, "wait", os.path.join(self.mnt, name),
+                                "--timeout", "120"], capture_output=True, text=True)
+            if r.returncode != 0:
+                self.counts["loads_unpublished"] += 1
+                return
         mode = self.rng.choice(["own", "reshard", "replicated"])
         job = Job(self, "load", {"dir": os.path.join(self.mnt, name), "ranks": SIDE_RANKS,
                                  "mode": mode, "seed": t, "timeout": HANG_S,
