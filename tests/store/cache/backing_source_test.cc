@@ -191,5 +191,28 @@ TEST_F(BackingSourceTest, KeepsABoundedNumberOfDescriptors) {
   EXPECT_EQ(source->Stats().opens, 4u);
 }
 
+// A file another node deleted: this node never sees the unlink, so the descriptor it opened
+// to serve the file is closed once the cache binds another file, instead of holding the
+// deleted file's space on the backing store until evicted; a read of it then finds nothing.
+TEST_F(BackingSourceTest, ADescriptorOfAFileDeletedElsewhereIsClosedAtTheNextBind) {
+  Write("a", "aaaa", 1000);
+  Write("b", "bbbb", 1000);
+  auto source = NewSource();
+  const BlockId a = IdOf("a");
+  EXPECT_EQ(ReadAll(source.get(), a, 0, 4), "aaaa");
+  ASSERT_EQ(::unlink((tmp_.path() + "/a").c_str()), 0);  // by another node
+  EXPECT_EQ(ReadAll(source.get(), IdOf("b"), 0, 4), "bbbb");
+  size_t deleted = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const std::string target = std::filesystem::read_symlink(e.path(), ec).string();
+    if (!ec && target.rfind(tmp_.path(), 0) == 0 && target.ends_with(" (deleted)")) ++deleted;
+  }
+  EXPECT_EQ(deleted, 0u) << "a descriptor of the deleted file is still open";
+  Code code = Code::kOk;
+  ReadAll(source.get(), a, 0, 4, &code);
+  EXPECT_EQ(code, Code::kNotFound);
+}
+
 }  // namespace
 }  // namespace ckptfs::store
