@@ -14,54 +14,51 @@
 namespace ckptfs::store {
 namespace {
 
-std::unique_ptr<StateDb> OpenDb(ScopedTempDir& tmp) {
-  auto db = StateDb::Open(tmp.Sub("state", false));
-  EXPECT_TRUE(db.ok()) << db.status().ToString();
-  return db.ok() ? std::move(db).value() : nullptr;
-}
-
-TEST(WithheldTrackersTest, AWithheldTrackerHoldsPastCommitsUntilAVersionOfItIsThrough) {
-  ScopedTempDir tmp;
-  auto db = OpenDb(tmp);
-  ASSERT_NE(db, nullptr);
-  DeletionHold hold;
-  WithheldTrackers trackers(db.get(), &hold);
-  ASSERT_TRUE(trackers.Load().ok());
-  EXPECT_FALSE(hold.active());
-
-  trackers.Withhold("latest_checkpointed_iteration.txt");
-  trackers.Withhold("other/latest");
-  EXPECT_TRUE(hold.active());
-  hold.Committed();
-  EXPECT_TRUE(hold.active()) << "a commit does not bring the dropped trackers back";
-  trackers.Through("iter_0000001/__0_0.distcp");
-  trackers.Through("latest_checkpointed_iteration.txt");
-  EXPECT_TRUE(hold.active()) << "another tracker is still withheld";
-  trackers.Through("other/latest");
-  EXPECT_FALSE(hold.active());
-}
-
-TEST(WithheldTrackersTest, TheNextStartHoldsUntilTheTrackerIsThrough) {
-  ScopedTempDir tmp;
-  auto db = OpenDb(tmp);
-  ASSERT_NE(db, nullptr);
-  {
+class WithheldTrackersTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto db = StateDb::Open(tmp_.Sub("state", false));
+    ASSERT_TRUE(db.ok()) << db.status().ToString();
+    db_ = std::move(db).value();
+  }
+  // One daemon run's view: a hold, and the withheld trackers loaded from the state db.
+  struct Run {
     DeletionHold hold;
-    WithheldTrackers trackers(db.get(), &hold);
-    ASSERT_TRUE(trackers.Load().ok());
-    trackers.Withhold("latest_checkpointed_iteration.txt");
-  }  // the daemon is killed
-  DeletionHold hold;
-  WithheldTrackers trackers(db.get(), &hold);
-  ASSERT_TRUE(trackers.Load().ok());
-  EXPECT_TRUE(hold.active());
-  trackers.Through("latest_checkpointed_iteration.txt");
-  EXPECT_FALSE(hold.active());
+    std::unique_ptr<WithheldTrackers> trackers;
+  };
+  std::unique_ptr<Run> Start() {
+    auto run = std::make_unique<Run>();
+    run->trackers = std::make_unique<WithheldTrackers>(db_.get(), &run->hold);
+    EXPECT_TRUE(run->trackers->Load().ok());
+    return run;
+  }
 
-  DeletionHold after;
-  WithheldTrackers again(db.get(), &after);
-  ASSERT_TRUE(again.Load().ok());
-  EXPECT_FALSE(after.active()) << "the record went with the tracker's version";
+  ScopedTempDir tmp_;
+  std::unique_ptr<StateDb> db_;
+};
+
+TEST_F(WithheldTrackersTest, AWithheldTrackerHoldsPastCommitsUntilAVersionOfItIsThrough) {
+  auto run = Start();
+  EXPECT_FALSE(run->hold.active());
+  run->trackers->Withhold("latest_checkpointed_iteration.txt");
+  run->trackers->Withhold("other/latest");
+  EXPECT_TRUE(run->hold.active());
+  run->hold.Committed();
+  EXPECT_TRUE(run->hold.active()) << "a commit does not bring the dropped trackers back";
+  run->trackers->Through("iter_0000001/__0_0.distcp");
+  run->trackers->Through("latest_checkpointed_iteration.txt");
+  EXPECT_TRUE(run->hold.active()) << "another tracker is still withheld";
+  run->trackers->Through("other/latest");
+  EXPECT_FALSE(run->hold.active());
+}
+
+TEST_F(WithheldTrackersTest, TheNextStartHoldsUntilTheTrackerIsThrough) {
+  Start()->trackers->Withhold("latest_checkpointed_iteration.txt");  // then killed
+  auto run = Start();
+  EXPECT_TRUE(run->hold.active());
+  run->trackers->Through("latest_checkpointed_iteration.txt");
+  EXPECT_FALSE(run->hold.active());
+  EXPECT_FALSE(Start()->hold.active()) << "the record went with the tracker's version";
 }
 
 }  // namespace
