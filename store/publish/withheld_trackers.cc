@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <string_view>
+#include <vector>
 
 namespace ckptfs::store {
 namespace {
@@ -12,10 +13,12 @@ constexpr char kPrefix[] = "w/";
 }  // namespace
 
 Status WithheldTrackers::Load() {
-  MutexLock lock(&mu_);
+  std::vector<std::string> names;
   CKPT_RETURN_IF_ERROR(db_->Scan(kPrefix, [&](std::string_view key, std::string_view) {
-    paths_.emplace(key.substr(sizeof(kPrefix) - 1));
+    names.emplace_back(key.substr(sizeof(kPrefix) - 1));
   }));
+  MutexLock lock(&mu_);
+  paths_.insert(names.begin(), names.end());
   if (paths_.empty()) return Status::Ok();
   hold_->TrackersWithheld();
   spdlog::warn("publication: tracker {} (and {} more) was aborted before this start; "
