@@ -5,9 +5,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace ckptfs::store {
 namespace {
@@ -60,27 +63,44 @@ BackingSource::File& BackingSource::BindLocked(const BlockId& id, File file) {
   SweepLocked();
   lru_.push_front(id);
   it->second.lru_pos = lru_.begin();
+  if (it->second.fd) CloseUnlinkedLocked(id);
   while (files_.size() > opts_.max_open_files) EraseLocked(files_.find(lru_.back()));
   return it->second;
 }
 
 void BackingSource::SweepLocked() {
   for (auto it = files_.begin(); it != files_.end();) {
-    const File& f = it->second;
-    // A borrowed descriptor its owner closed; or one opened here whose file has no name
-    // left: another node deleted it (this node never sees that unlink), and the descriptor
-    // would keep the deleted file's space allocated on the backing store until evicted
-    // (the two-node soak of stop 53: 508 descriptors of deleted shards on one node).
-    struct stat st;
-    const bool unlinked = f.fd && !f.vouched && ::fstat(f.fd->get(), &st) == 0 &&
-                          st.st_nlink == 0;
-    if ((!f.fd && f.borrowed.expired()) || unlinked) {
+    if (!it->second.fd && it->second.borrowed.expired()) {
       lru_.erase(it->second.lru_pos);
       it = files_.erase(it);
     } else {
       ++it;
     }
   }
+}
+
+void BackingSource::CloseUnlinkedLocked(const BlockId& keep) {
+  // A descriptor opened here whose file has no name left: another node deleted it (this
+  // node never sees that unlink), and the descriptor would keep the deleted file's space
+  // allocated on the backing store until evicted (the two-node soak of stop 53: 508
+  // descriptors of deleted shards on one node). A few bindings a bind, in turn, so that a
+  // bind costs a bounded number of fstat() calls and every binding is looked at within
+  // max_open_files / kChecks binds of files opened here.
+  constexpr size_t kChecks = 8;
+  if (files_.empty()) return;
+  unlink_next_ %= files_.size();
+  auto it = std::next(files_.begin(), static_cast<std::ptrdiff_t>(unlink_next_));
+  std::vector<std::map<BlockId, File, BlockIdLess>::iterator> gone;
+  for (size_t n = 0; n < std::min(kChecks, files_.size()); ++n) {
+    struct stat st;
+    if (it->second.fd && it->first != keep && ::fstat(it->second.fd->get(), &st) == 0 &&
+        st.st_nlink == 0) {
+      gone.push_back(it);
+    }
+    if (++it == files_.end()) it = files_.begin();
+  }
+  unlink_next_ += kChecks;
+  for (auto g : gone) EraseLocked(g);
 }
 
 void BackingSource::EraseLocked(std::map<BlockId, File, BlockIdLess>::iterator it) {

@@ -131,6 +131,9 @@ class BackingSource final : public BlockSource {
   void EraseLocked(std::map<BlockId, File, BlockIdLess>::iterator it) REQUIRES(mu_);
   // Drops the bindings whose borrowed descriptor was closed by its owner.
   void SweepLocked() REQUIRES(mu_);
+  // Closes owned descriptors whose file was unlinked (by another node), a few at a time;
+  // never that of `keep` (the binding just made).
+  void CloseUnlinkedLocked(const BlockId& keep) REQUIRES(mu_);
   // The descriptor of a binding: owned, or borrowed while its owner keeps it open.
   static std::shared_ptr<const UniqueFd> FdOf(const File& f) {
     return f.fd ? f.fd : f.borrowed.lock();
@@ -148,6 +151,7 @@ class BackingSource final : public BlockSource {
   std::list<BlockId> lru_ GUARDED_BY(mu_);  // front = most recently used
   std::vector<uint64_t> no_direct_devs_ GUARDED_BY(mu_);
   BackingSourceStats stats_ GUARDED_BY(mu_);
+  size_t unlink_next_ GUARDED_BY(mu_) = 0;  // where CloseUnlinkedLocked() goes on
 };
 
 }  // namespace ckptfs::store

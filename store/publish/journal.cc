@@ -717,8 +717,12 @@ Status Journal::Process(const JournalEntry& e, bool retry, bool* tried, bool* ke
     // The first version replaced is the committed one.
     const bool keep =
         e.op == OpType::kPublish && !IsCommitName(e.path) && !replaced_.IsKept(e.path);
-    // Recorded first: a crash right after the publish must find what it kept.
-    const bool recorded = keep && replaced_.RecordBeforeKeep(e.path, e.from);
+    // Recorded first: a crash right after the publish must find what it kept. Not where
+    // other nodes write into the same directories: there the rewrite's `.metadata` may
+    // still commit on another node after this one restarts, naming the version this
+    // publish put there, and putting the earlier one back would tear it.
+    const bool recorded =
+        keep && !options_.shared_dirs && replaced_.RecordBeforeKeep(e.path, e.from);
     Status st = ApplyEntry(dir_, e, &renamed, retry, keep, kept);
     if (recorded && !*kept) replaced_.DropRecord(e.from);
     if (renamed) temps_.Move(e.from, e.path);  // temps below a renamed directory

@@ -16,6 +16,8 @@
 // it was kept under (RecoverKept): the directory is the earlier save again, instead of
 // that `.metadata` over some of the lost save's files (the short soak of 415da15: a
 // daemon killed during a re-save left `resave` loading neither save).
+// Not with --peers (the journal's shared_dirs): another node may commit the rewrite after
+// this one restarts, and recovery leaves its versions in place, as before.
 //
 // Thread-safe. Its lock is a leaf and is never held over I/O: the journal may ask under
 // its own lock (IsKept, HasKept).
