@@ -1,5 +1,6 @@
 #include "store/publish/entry_apply.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
@@ -169,6 +170,45 @@ bool LeftInPlace(BackingDir* dir, const JournalEntry& e) {
     default:
       return false;
   }
+}
+
+Status SettleAcrossNodes(BackingDir* dir, const JournalEntry& e, const Status& st,
+                         bool rmdir_returned) {
+  if (e.op == OpType::kPublish && st.code() == Code::kNotFound) {
+    const std::string parent = path::Parent(e.path);
+    if (parent.empty() || dir->Stat(parent).status().code() != Code::kNotFound) return st;
+    return Status(Code::kSuperseded, "its directory " + parent +
+                                         " was removed through another node before it "
+                                         "was published");
+  }
+  if (e.op != OpType::kRmdir || st.code() != Code::kNotEmpty || !rmdir_returned) return st;
+  // Files published meanwhile may keep coming (one per rank of the abandoned save): a few
+  // rounds, each a listing and its unlinks.
+  Status last = st;
+  size_t removed = 0;
+  for (int round = 0; round < 4 && last.code() == Code::kNotEmpty; ++round) {
+    auto names = dir->List(e.path);
+    if (!names.ok()) return last;
+    for (const DirEntry& d : *names) {
+      if (d.type == DT_DIR) return last;  // a directory made there: not a late file
+    }
+    for (const DirEntry& d : *names) {
+      Status rm = dir->Unlink(path::Join(e.path, d.name));
+      if (rm.ok()) {
+        ++removed;
+      } else if (rm.code() != Code::kNotFound) {
+        return rm;
+      }
+    }
+    last = dir->Rmdir(e.path);
+  }
+  if (last.code() == Code::kNotFound) last = Status::Ok();
+  if (last.ok()) {
+    spdlog::warn("journal: {}: removed {} file(s) that another node published there after "
+                 "this node's application had removed the directory",
+                 e.Describe(), removed);
+  }
+  return last;
 }
 
 Status SyncFileAt(BackingDir* dir, const std::string& path) {

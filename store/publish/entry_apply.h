@@ -30,6 +30,21 @@ Status ApplyEntry(BackingDir* dir, const JournalEntry& e, bool* renamed, bool re
 // rename landed, then the directory fsync failed, and the rename back too).
 bool LeftInPlace(BackingDir* dir, const JournalEntry& e);
 
+// With other nodes publishing into the same directories (--peers: JournalOptions::
+// shared_dirs), what the failure `st` of `e` becomes when another node's work crossed it:
+// - An rmdir that finds files this node's application never saw (another node published
+//   them after this node listed the directory: the shard of a save a rank abandoned,
+//   published late), when `rmdir_returned` (async mode: the application was told the
+//   directory is gone long ago): those files go, then the directory; the removal is the
+//   application's later word. A subdirectory there is left, and so is the error. In strict
+//   mode the caller gets ENOTEMPTY, as from any file system.
+// - A publish whose directory is gone from the backing store (another node's application
+//   removed it, and its rmdir was applied first): kSuperseded, so nothing of it appears and
+//   nothing halts for a file the application no longer has.
+// Any other failure is returned as it is.
+Status SettleAcrossNodes(BackingDir* dir, const JournalEntry& e, const Status& st,
+                         bool rmdir_returned);
+
 // Fsyncs the file at `path` (a publish's temp file, by name: one that a previous run left
 // has no FlushTarget).
 Status SyncFileAt(BackingDir* dir, const std::string& path);

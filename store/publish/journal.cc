@@ -651,6 +651,9 @@ void Journal::Run() {
 
     bool tried = false, kept = false;
     Status st = Process(e, failed_before, &tried, &kept);
+    if (!st.ok() && options_.shared_dirs) {
+      st = SettleAcrossNodes(dir_, e, st, /*rmdir_returned=*/options_.halt_on_failure);
+    }
     if (!st.ok() && tried && !e.in_place) e.in_place = LeftInPlace(dir_, e);
     if (st.ok()) {
       if (kept) {
