@@ -136,6 +136,7 @@ Result<Entry> Namespace::MakeNode(uint64_t parent, const std::string& name, Node
       e.link_target = link_target;
     }
     seq = table_.AppendLocked(std::move(e), node.get());
+    if (type == NodeType::kDir && seq.ok()) node->made_seq = *seq;
     out = table_.EntryLocked(node.get());
     break;
   }
@@ -365,10 +366,6 @@ Status Namespace::Rename(uint64_t parent, const std::string& name, uint64_t new_
 Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
   auto handle = std::make_unique<Handle>();
   DirHandle& dh = handle->kind.emplace<DirHandle>();
-  auto relistable = [&](const Node* node) REQUIRES(table_.mu()) {
-    return node->on_backing && node->removed_seq <= publication_->view().applied() &&
-           table_.PendingRenameLocked(node) == 0;
-  };
   CKPT_RETURN_IF_ERROR(table_.WaitForAncestorsUnlocked(ino));
   CKPT_RETURN_IF_ERROR(table_.LoadDir(ino));
   // Pick up names other writers created on the backing store since the load: listed and
@@ -380,13 +377,13 @@ Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
     auto node = table_.NodeLocked(ino);
     if (!node) return NotFound("stale inode");
     if (node->type != NodeType::kDir) return Status(Code::kNotDir, "opendir");
-    // No removal of a name in it pending (the name would come back) and no rename above
-    // it pending (the listing would be of another path). Other pending entries do not
-    // matter (a name made through the mount is known): with two nodes, node 0's backlog
-    // (the next saves, the tracker) kept an `rm -r` of an older checkpoint from listing it,
-    // and that `rm -r` missed the shards other nodes wrote (the two-node soak: hundreds
-    // of directories left, "Directory not empty").
-    if (node->loaded && relistable(node.get())) {
+    // Only while its listing is current (NodeTable::ListingCurrentLocked): other pending
+    // entries do not matter. With two nodes, node 0's backlog (the next saves, the
+    // tracker) kept an `rm -r` of an older checkpoint from listing it, and that `rm -r`
+    // missed the shards other nodes wrote (the two-node soak: hundreds of directories
+    // left, "Directory not empty"). A directory made again through the mount is not
+    // relisted before its mkdir is applied: the listing would be the old one's.
+    if (node->loaded && table_.ListingCurrentLocked(node.get())) {
       path = table_.PathLocked(node.get());
       relist = true;
     }
@@ -424,7 +421,8 @@ Result<Handle*> Namespace::NodeOpenDir(uint64_t ino) {
       break;
     }
   }
-  if (!found.empty() && relistable(node.get()) && table_.PathLocked(node.get()) == path) {
+  if (!found.empty() && table_.ListingCurrentLocked(node.get()) &&
+      table_.PathLocked(node.get()) == path) {
     for (const auto& [name, st] : found) {
       if (!node->children.count(name)) table_.AddBackingChildLocked(node.get(), name, st);
     }

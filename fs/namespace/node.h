@@ -90,6 +90,7 @@ struct Node {
                              // directory, its list of children
   uint64_t rename_seq = 0;   // last journal entry that moved this name: until it is
                              // applied, the backing path differs from the mount path
+  uint64_t made_seq = 0;     // a directory made through the mount: its mkdir's entry
   std::string link_target;   // symlinks
   // The names of one inode (hard links) share a group: the FUSE inode number of its
   // first name, reported as every name's st_ino, so that a link, unlink or chmod shows

@@ -248,7 +248,11 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
       const bool fresh = child->on_backing && !child->write && QuiescentLocked(child.get());
       return fresh ? PathLocked(child.get()) : std::string();
     }
-    const bool fresh = dir->on_backing && QuiescentLocked(dir) && !IsTempName(name);
+    // Absent from the view: another node may have published it (a shard of a checkpoint
+    // this node's rank 0 made the directory of), while this node's own backlog (held
+    // deletions, the next saves) keeps the directory from being quiescent: the two-node
+    // soak's load got ENOENT for a shard of a committed checkpoint (seed 4101).
+    const bool fresh = ListingCurrentLocked(dir) && !IsTempName(name);
     return fresh ? path::Join(PathLocked(dir), name) : std::string();
   };
   {
@@ -273,7 +277,7 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
   // stat stands even if the directory has other entries pending since.
   if (now != child) return Status::Ok();
   if (child ? probe_path(dir.get()) != path
-            : !dir->on_backing || dir->names_removed != removed ||
+            : !ListingCurrentLocked(dir.get()) || dir->names_removed != removed ||
                   path::Join(PathLocked(dir.get()), name) != path) {
     return Status::Ok();
   }
@@ -384,6 +388,17 @@ bool NodeTable::QuiescentLocked(const Node* node) const {
   uint64_t applied = publication_->view().applied();
   for (const Node* n = node; n != nullptr; n = n->parent) {
     if (n->pending_seq > applied) return false;
+  }
+  return true;
+}
+
+bool NodeTable::ListingCurrentLocked(const Node* dir) const {
+  const store::PublicationView view = publication_->view();
+  if (!dir->on_backing || dir->removed_seq > view.applied() || PendingRenameLocked(dir) != 0) {
+    return false;
+  }
+  for (const Node* n = dir; n != nullptr; n = n->parent) {
+    if (n->made_seq != 0 && !view.done(n->made_seq)) return false;
   }
   return true;
 }

@@ -170,6 +170,16 @@ class NodeTable {
   // A user operation changed the entries of `dir`: mtime and ctime now, nlink by `links`.
   void TouchDirLocked(Node* dir, int links) REQUIRES(mu_);
   bool QuiescentLocked(const Node* node) const REQUIRES(mu_);
+  // Whether the backing store's listing of directory `dir` can differ from the mount's
+  // view only by names that other writers (other nodes) made there, so that a name found
+  // there and missing from the view may be added: it is on the backing store where the
+  // mount shows it (no rename of it or above it pending), it is the directory the mount
+  // knows (neither it nor a directory above it was made through the mount by a mkdir not
+  // yet applied: an older directory of that name may still be there, its removal
+  // queued), and no name left it through the mount with that removal pending (the name
+  // would come back). Other pending entries do not matter: a name made through the
+  // mount is in the view.
+  bool ListingCurrentLocked(const Node* dir) const REQUIRES(mu_);
   // The last pending rename of `node` or an ancestor (its backing path is stale until
   // then), or 0.
   uint64_t PendingRenameLocked(const Node* node) const REQUIRES(mu_);

@@ -304,6 +304,11 @@ void Journal::Drain() {
   });
 }
 
+bool Journal::Done(uint64_t seq) const {
+  MutexLock lock(&mu_);
+  return seq <= done_seq_ || done_ahead_.count(seq) != 0;
+}
+
 JournalCounts Journal::counts() const {
   JournalCounts c;
   c.presyncs = presync_.done();

@@ -292,6 +292,8 @@ class Journal final : public QueuedPublishes {
   // shards nobody has written) and that must still see the entry done: it polls without
   // spinning.
   bool WaitDoneFor(uint64_t seq, std::chrono::milliseconds max);
+  // Whether entry `seq` is done (applied, skipped or failed), ahead of its turn too.
+  bool Done(uint64_t seq) const EXCLUDES(mu_);
   // Backpressure for async writers: blocks while `limit` or more entries are queued, up to
   // `max`. It returns at once when the journal is halted (the backlog is reported, and the
   // operator resumes or aborts), when a commit waits for shards not written yet (the caller
