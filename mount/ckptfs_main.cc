@@ -327,6 +327,11 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   const uint64_t left = stopped.stop.left;
   metrics.reset();
   reopener.Stop();  // nothing may log after spdlog::shutdown()
+  // Nor any thread of the file system: the peer links' watcher logged a lost connection
+  // after spdlog::shutdown() (the logger freed) and the daemon died of SIGSEGV at a clean
+  // stop (the soak, async on two nodes, seed 4202). The server first: it holds `fs`.
+  server.reset();
+  fs.reset();
   bool clean = run.ok() && unpublished == 0 && left == 0;
   std::string error = run.ok() ? "" : run.ToString();
   if (left > 0 && error.empty()) {

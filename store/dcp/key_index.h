@@ -97,6 +97,12 @@ class KeyIndexBuilds {
  public:
   virtual ~KeyIndexBuilds() = default;
   virtual void QueueBuild(const std::string& ckpt) = 0;
+  // The journal removed the backing store's file `path` or put another one at its name
+  // (an unlink, a publish or rename over it, a rename away): descriptors kept open to
+  // read it close now, so that the space of a deleted file is freed at once (a
+  // rotation's `rm -r` of old checkpoints), not when the loader's descriptor cache evicts
+  // it (the soak, async on two nodes: 346 descriptors of deleted shards at the end).
+  virtual void FileGone(const std::string& path) = 0;
 };
 
 struct KeyIndexOptions {

@@ -161,6 +161,10 @@ Result<size_t> Loader::ReadWindow(int fd, uint64_t base, uint64_t size, char* ou
   return got;
 }
 
+void Loader::FileGone(const std::string& path) {
+  if (source_) source_->Forget(path);  // none without a block cache
+}
+
 void Loader::QueueBuild(const std::string& ckpt) {
   {
     MutexLock lock(&mu_);

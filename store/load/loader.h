@@ -106,6 +106,8 @@ class Loader final : public KeyIndexBuilds {
   // KeyIndexBuilds: indexes committed checkpoint `ckpt` in the background (the journal
   // never waits).
   void QueueBuild(const std::string& ckpt) override EXCLUDES(mu_);
+  // KeyIndexBuilds: the backing source's descriptors of `path` close.
+  void FileGone(const std::string& path) override;
   // Fetches a checkpoint's items into the block cache in file order (a load started).
   // With peers, only this node's share of the plan: the rest is fetched item by item as
   // this node's readers reach it, so no block nobody here reads crosses the network.

@@ -421,8 +421,13 @@ void Publication::OnHalt(const JournalEntry& e, const Status& st) {
 void Publication::OnDone(const JournalEntry& e, const Status& st) {
   if (options_.cross_node_order) gate_->NoteApplied(e, st);
   const std::string committed_dir = NoteApplied(e, st);
-  if (!committed_dir.empty() && options_.index_builds) {
-    options_.index_builds->QueueBuild(committed_dir);
+  if (options_.index_builds != nullptr) {
+    if (!committed_dir.empty()) options_.index_builds->QueueBuild(committed_dir);
+    if (st.ok() && (e.op == OpType::kUnlink || e.op == OpType::kPublish ||
+                    e.op == OpType::kRename)) {
+      options_.index_builds->FileGone(e.path);
+      if (e.op == OpType::kRename) options_.index_builds->FileGone(e.from);
+    }
   }
   observer_->OnOutcome(e, st);
   if (options_.retained) options_.retained->OnJournalDone(e, st);

@@ -1,0 +1,85 @@
+// The space of a file deleted through the mount is freed when its unlink is applied: the
+// loader's descriptor cache (store/cache/backing_source.h), which keeps shard files open
+// after a load's prefetch, closes its descriptors of that file then (Publication tells the
+// loader: KeyIndexBuilds::FileGone), instead of holding a deleted checkpoint's blocks on
+// the backing store until it evicts them (the soak, async on two nodes: 346 descriptors of
+// deleted shards held at the end of a run).
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <thread>
+
+#include "tests/fs/fs_fixture.h"
+
+namespace ckptfs::fs {
+namespace {
+
+namespace sfs = std::filesystem;
+
+class DeletedFilesTest : public FaultyFsTest {
+ protected:
+  void SetUp() override {
+    cache_bytes_ = 16u << 20;
+    Start();
+  }
+
+  // This process's descriptors of files below the backing directory: all of them, or
+  // those whose file has no name left.
+  size_t BackingFds(bool deleted_only) const {
+    size_t n = 0;
+    for (const auto& e : sfs::directory_iterator("/proc/self/fd")) {
+      std::error_code ec;
+      const std::string target = sfs::read_symlink(e.path(), ec).string();
+      if (ec || target.rfind(backing_.path() + "/", 0) != 0) continue;
+      const bool deleted = target.size() > 10 && target.ends_with(" (deleted)");
+      if (!deleted_only || deleted) ++n;
+    }
+    return n;
+  }
+
+  // Waits up to 10 s for `pred`.
+  template <typename Pred>
+  bool Eventually(Pred pred) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!pred()) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return true;
+  }
+};
+
+TEST_F(DeletedFilesTest, AShardTheLoaderKeptOpenIsClosedWhenItsUnlinkIsApplied) {
+  const sfs::path fixture =
+      sfs::path(CKPTFS_SOURCE_DIR) / "tests/fixtures/dcp/torch113_4rank_single_file";
+  sfs::create_directory(BackingPath("ck"));
+  for (const auto& f : sfs::directory_iterator(fixture)) {
+    sfs::copy_file(f.path(), BackingPath("ck/" + f.path().filename().string()));
+  }
+  auto ck = fs_->Lookup(kRootIno, "ck");
+  ASSERT_TRUE(ck.ok()) << ck.status().ToString();
+  auto md = fs_->Lookup(ck->ino, ".metadata");
+  ASSERT_TRUE(md.ok()) << md.status().ToString();
+  // A load starts: the loader fetches the checkpoint's shards ahead, opening them itself.
+  Handle* h = OpenOk(md->ino, O_RDONLY);
+  ASSERT_NE(h, nullptr);
+  EXPECT_FALSE(ReadAll(h).empty());
+  fs_->Release(h);
+  ASSERT_TRUE(Eventually([&] { return BackingFds(false) > 0; }))
+      << "the load's prefetch opened no shard";
+  // The rotation removes the checkpoint through the mount.
+  for (const auto& f : sfs::directory_iterator(fixture)) {
+    ASSERT_TRUE(fs_->Unlink(ck->ino, f.path().filename().string()).ok());
+  }
+  ASSERT_TRUE(fs_->Rmdir(kRootIno, "ck").ok());
+  ASSERT_TRUE(Eventually([&] { return !sfs::exists(BackingPath("ck")); }));
+  EXPECT_TRUE(Eventually([&] { return BackingFds(true) == 0; }))
+      << BackingFds(true) << " descriptors still hold deleted files";
+}
+
+}  // namespace
+}  // namespace ckptfs::fs
