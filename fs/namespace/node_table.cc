@@ -19,6 +19,14 @@ namespace {
 // EIO lines logged per second at most; the rest are counted and reported with the next.
 constexpr int kIoLogsPerSecond = 20;
 
+// Whether every journal entry that changed `node`'s name, or one above it, is applied.
+bool Quiescent(const Node* node, uint64_t applied) {
+  for (const Node* n = node; n != nullptr; n = n->parent) {
+    if (n->pending_seq > applied) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 NodeTable::NodeTable(const FsConfig& config, const FsParts& parts)
@@ -245,7 +253,8 @@ Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
   uint64_t removed = 0;  // the directory's names_removed when the stat was planned
   auto probe_path = [&](Node* dir) REQUIRES(mu_) -> std::string {
     if (child) {
-      const bool fresh = child->on_backing && !child->write && QuiescentLocked(child.get());
+      const bool fresh = child->on_backing && !child->write &&
+                         Quiescent(child.get(), publication_->view().applied());
       return fresh ? PathLocked(child.get()) : std::string();
     }
     // Absent from the view: another node may have published it (a shard of a checkpoint
@@ -312,7 +321,8 @@ void NodeTable::RefreshAttr(uint64_t ino, bool unless_committed) {
   // The stat runs without mu; it is applied only if the node's backing path is still
   // the one stat'ed and nothing of it is pending.
   auto refreshable = [this](const Node* node) REQUIRES(mu_) {
-    return !node->write && node->on_backing && QuiescentLocked(node);
+    return !node->write && node->on_backing &&
+           Quiescent(node, publication_->view().applied());
   };
   std::string path;
   {
@@ -382,14 +392,6 @@ void NodeTable::TouchDirLocked(Node* dir, int links) {
   dir->attr.st_mtim = dir->attr.st_ctim = Now();
   dir->attr.st_nlink = static_cast<nlink_t>(static_cast<int64_t>(dir->attr.st_nlink) + links);
   OwnAttrsLocked(dir);
-}
-
-bool NodeTable::QuiescentLocked(const Node* node) const {
-  uint64_t applied = publication_->view().applied();
-  for (const Node* n = node; n != nullptr; n = n->parent) {
-    if (n->pending_seq > applied) return false;
-  }
-  return true;
 }
 
 bool NodeTable::ListingCurrentLocked(const Node* dir) const {

@@ -169,7 +169,6 @@ class NodeTable {
   void OwnAttrsLocked(Node* node) REQUIRES(mu_);
   // A user operation changed the entries of `dir`: mtime and ctime now, nlink by `links`.
   void TouchDirLocked(Node* dir, int links) REQUIRES(mu_);
-  bool QuiescentLocked(const Node* node) const REQUIRES(mu_);
   // Whether the backing store's listing of directory `dir` can differ from the mount's
   // view only by names that other writers (other nodes) made there, so that a name found
   // there and missing from the view may be added: it is on the backing store where the

@@ -267,7 +267,7 @@ void Journal::MkdirAhead(uint64_t seq) {
   done_cv_.notify_all();
 }
 
-bool Journal::WaitDoneFor(uint64_t seq, std::chrono::milliseconds max) {
+bool Journal::WaitDoneFor(uint64_t seq, std::chrono::milliseconds max) const {
   MutexLock lock(&mu_);
   return done_cv_.wait_for(lock.native(), max, [&] {
     mu_.AssertHeld();  // the predicate runs under the lock
@@ -302,11 +302,6 @@ void Journal::Drain() {
     mu_.AssertHeld();  // the predicate runs under the lock
     return queue_.empty();
   });
-}
-
-bool Journal::Done(uint64_t seq) const {
-  MutexLock lock(&mu_);
-  return seq <= done_seq_ || done_ahead_.count(seq) != 0;
 }
 
 JournalCounts Journal::counts() const {

@@ -290,10 +290,8 @@ class Journal final : public QueuedPublishes {
   // Waits up to `max` for entry `seq` to be done (applied, skipped or failed); returns
   // whether it is. For a caller that WaitUnlessHalted() let go early (a commit waiting for
   // shards nobody has written) and that must still see the entry done: it polls without
-  // spinning.
-  bool WaitDoneFor(uint64_t seq, std::chrono::milliseconds max);
-  // Whether entry `seq` is done (applied, skipped or failed), ahead of its turn too.
-  bool Done(uint64_t seq) const EXCLUDES(mu_);
+  // spinning. With `max` 0: whether it is done now (ahead of its turn too).
+  bool WaitDoneFor(uint64_t seq, std::chrono::milliseconds max) const;
   // Backpressure for async writers: blocks while `limit` or more entries are queued, up to
   // `max`. It returns at once when the journal is halted (the backlog is reported, and the
   // operator resumes or aborts), when a commit waits for shards not written yet (the caller
@@ -442,7 +440,7 @@ class Journal final : public QueuedPublishes {
 
   mutable Mutex mu_;
   std::condition_variable work_cv_;
-  std::condition_variable done_cv_;
+  mutable std::condition_variable done_cv_;  // WaitDoneFor() is const
   std::deque<Queued> queue_ GUARDED_BY(mu_);  // not yet done, in order
   uint64_t next_seq_ GUARDED_BY(mu_);
   uint64_t done_seq_ GUARDED_BY(mu_);  // every seq <= this is done

@@ -31,7 +31,7 @@ class PublicationView {
   uint64_t last_appended() const { return counts().last_appended; }
   uint64_t applied() const { return counts().applied; }
   // Whether entry `seq` is done, ahead of its turn too (a mkdir applied ahead).
-  bool done(uint64_t seq) const { return journal_->Done(seq); }
+  bool done(uint64_t seq) const { return journal_->WaitDoneFor(seq, {}); }
   // What publication waits for now (Journal::WaitingFor), and the halt, if any.
   std::string WaitingFor() const { return journal_->WaitingFor(); }
   std::optional<HaltInfo> halted() const { return journal_->halted(); }

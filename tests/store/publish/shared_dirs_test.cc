@@ -24,6 +24,24 @@ class SharedDirsTest : public JournalTest {
     MakeJournal(std::move(hooks));
   }
 
+  // A save into `ck`, committed, then a rewrite of its shard (the job saving that
+  // iteration again). Returns the kept-version records (ReplacedFiles) in the state db.
+  size_t KeptRecordsAfterARewrite(const std::string& ck) {
+    EXPECT_TRUE(journal_->Wait(Op(OpType::kMkdir, ck)).ok());
+    TempFile v1 = StartFile("");
+    Write(&v1, "first save");
+    EXPECT_TRUE(journal_->Wait(Publish(v1, ck + "/__0_0.distcp")).ok());
+    TempFile md = StartFile("");
+    Write(&md, "metadata");
+    EXPECT_TRUE(journal_->Wait(Publish(md, ck + "/.metadata")).ok());
+    TempFile v2 = StartFile("");
+    Write(&v2, "second save");
+    EXPECT_TRUE(journal_->Wait(Publish(v2, ck + "/__0_0.distcp")).ok());
+    EXPECT_EQ(Read(ck + "/__0_0.distcp"), "second save");
+    EXPECT_EQ(Read(v2.temp), "first save") << "the replaced version is kept until a commit";
+    return KeysWithPrefix(db_.get(), "r/").size();
+  }
+
   // A file another node publishes into `rel`.
   void OtherNodePublishes(const std::string& rel, const std::string& bytes) {
     std::ofstream out(root_ + "/" + rel, std::ios::binary | std::ios::trunc);
@@ -112,6 +130,20 @@ TEST_F(SharedDirsTest, WithoutPeersAPublishIntoAMissingDirectoryHalts) {
   const uint64_t seq = Publish(f, "iter_7/__1_0.distcp");
   EXPECT_FALSE(journal_->WaitUnlessHalted(seq).ok());
   EXPECT_TRUE(journal_->halted().has_value());
+}
+
+// A rewrite's kept version (ReplacedFiles) is recorded in the state db on one node, so
+// that recovery after a crash can put it back; with peers it is not: another node may
+// still commit the rewrite after this one restarts, and putting the earlier version back
+// would tear that commit (stop 53).
+TEST_F(SharedDirsTest, ARewriteOfACommittedCheckpointRecordsItsKeptVersionOnOneNode) {
+  MakeJournal();
+  EXPECT_EQ(KeptRecordsAfterARewrite("ck"), 1u);
+}
+
+TEST_F(SharedDirsTest, ARewriteOfACommittedCheckpointRecordsNoKeptVersionWithPeers) {
+  MakeSharedJournal(/*async=*/true);
+  EXPECT_EQ(KeptRecordsAfterARewrite("ck"), 0u);
 }
 
 }  // namespace
