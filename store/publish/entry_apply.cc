@@ -190,7 +190,14 @@ Status SettleAcrossNodes(BackingDir* dir, const JournalEntry& e, const Status& s
     auto names = dir->List(e.path);
     if (!names.ok()) return last;
     for (const DirEntry& d : *names) {
-      if (d.type == DT_DIR) return last;  // a directory made there: not a late file
+      // A directory made there is not a late file of a save: the rmdir stays refused.
+      // Some file systems (NFS, older XFS) list every type as unknown: then stat it.
+      bool is_dir = d.type == DT_DIR;
+      if (d.type == DT_UNKNOWN) {
+        auto st = dir->Stat(path::Join(e.path, d.name));
+        is_dir = st.ok() && S_ISDIR(st->st_mode);
+      }
+      if (is_dir) return last;
     }
     for (const DirEntry& d : *names) {
       Status rm = dir->Unlink(path::Join(e.path, d.name));
