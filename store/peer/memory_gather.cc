@@ -19,6 +19,7 @@
 #include <optional>
 #include <string>
 
+#include "common/fan_out.h"
 #include "store/peer/memory_replica.h"
 #include "store/peer/memory_wire.h"
 
@@ -97,16 +98,17 @@ void MemoryReplicator::AskEveryNode(const char* verb, const std::string& tree,
   const std::string name = std::string(verb) + "/" + UnitName(tree, path);
   // A node down (or paused after a failure) is waited for at most kMirrorWait in all: a
   // mkdir or rmdir in a tree never waits longer for a node that is gone.
+  // Every node at once, kFanOutWidth at a time (G12: the wait is the slowest node's, not
+  // the sum of all of them).
   const auto until = Clock::now() + kMirrorWait;
-  for (uint32_t k = 1; k < options_.nodes; ++k) {
-    const uint32_t rank = (options_.self + k) % options_.nodes;
+  ForEachOtherRank(options_.nodes, options_.self, kFanOutWidth, [&](uint32_t rank) {
     char reply[8];
     Result<size_t> got = FetchRetrying(rank, name, 0, std::span<char>(reply, sizeof(reply)), until);
     if (!got.ok()) {
       spdlog::warn("memory-only {} {}/{}: {} {}: {} ({})", verb, tree, path,
                    links_->AddressOf(rank), failed, got.status().ToString(), meaning);
     }
-  }
+  });
 }
 
 std::optional<uint32_t> MemoryReplicator::RankOf(const std::string& address) const {
@@ -340,8 +342,7 @@ bool MemoryReplicator::PartsStillHeld(const std::string& tree, const Recorded& r
 void MemoryReplicator::TellLost(const std::string& tree, const std::string& path, uint64_t seq) {
   const std::string lost = "lost/" + std::to_string(options_.self) + "/" + UnitName(tree, path);
   const auto until = Clock::now() + options_.hand_over_wait;
-  for (uint32_t k = 1; k < options_.nodes; ++k) {
-    const uint32_t rank = (options_.self + k) % options_.nodes;
+  ForEachOtherRank(options_.nodes, options_.self, kFanOutWidth, [&](uint32_t rank) {
     char reply[8];
     while (true) {
       Result<size_t> got = Fetch(rank, lost, seq, 0, std::span<char>(reply, sizeof(reply)));
@@ -362,7 +363,7 @@ void MemoryReplicator::TellLost(const std::string& tree, const std::string& path
         return stop_;
       });
     }
-  }
+  });
 }
 
 void MemoryReplicator::TellCommitted(const std::string& tree, const std::string& path,
@@ -370,8 +371,7 @@ void MemoryReplicator::TellCommitted(const std::string& tree, const std::string&
   // Every other node lists it too (its part committed, the others' files remote there).
   const std::string done = "done/" + std::to_string(options_.self) + "/" + UnitName(tree, path);
   const auto until = Clock::now() + kMirrorWait;
-  for (uint32_t k = 1; k < options_.nodes; ++k) {
-    const uint32_t rank = (options_.self + k) % options_.nodes;
+  ForEachOtherRank(options_.nodes, options_.self, kFanOutWidth, [&](uint32_t rank) {
     char reply[8];
     Result<size_t> got =
         FetchRetrying(rank, done, seq, std::span<char>(reply, sizeof(reply)), until);
@@ -379,7 +379,7 @@ void MemoryReplicator::TellCommitted(const std::string& tree, const std::string&
       spdlog::warn("memory-only checkpoint {}/{}: {} was not told of its commit: {}", tree, path,
                    links_->AddressOf(rank), got.status().ToString());
     }
-  }
+  });
 }
 
 Status MemoryReplicator::ApplyFrom(const Job& job) {

@@ -181,9 +181,9 @@ class MemoryReplicator final : public MemoryReplication {
       EXCLUDES(mu_);
   void GatherParts(const Job& job) EXCLUDES(mu_);
   Status ApplyFrom(const Job& job) EXCLUDES(mu_);
-  // Asks every other node `verb`/<tree>/<path> (mkdir/, rmdir/), waiting at most
-  // kMirrorWait in all for nodes down; a node that did not answer is logged (`failed`,
-  // and `meaning`: what that leaves there).
+  // Asks every other node `verb`/<tree>/<path> (mkdir/, rmdir/), kFanOutWidth at a time
+  // (common/fan_out.h), waiting at most kMirrorWait in all for nodes down; a node that did
+  // not answer is logged (`failed`, and `meaning`: what that leaves there).
   void AskEveryNode(const char* verb, const std::string& tree, const std::string& path,
                     const char* failed, const char* meaning) EXCLUDES(mu_);
   void TellCommitted(const std::string& tree, const std::string& path, uint64_t seq);
