@@ -40,17 +40,6 @@ class DeletedFilesTest : public FaultyFsTest {
     }
     return n;
   }
-
-  // Waits up to 10 s for `pred`.
-  template <typename Pred>
-  bool Eventually(Pred pred) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (!pred()) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return true;
-  }
 };
 
 TEST_F(DeletedFilesTest, AShardTheLoaderKeptOpenIsClosedWhenItsUnlinkIsApplied) {

@@ -85,6 +85,17 @@ class FaultyFsTest : public ::testing::Test {
     }
   }
 
+  // Polls `fn` for up to 10 s until it returns true; returns whether it did.
+  template <typename Fn>
+  bool Eventually(Fn fn) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!fn()) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return true;
+  }
+
   Handle* OpenOk(uint64_t ino, int flags) {
     auto h = fs_->Open(ino, flags);
     EXPECT_TRUE(h.ok()) << h.status().ToString();

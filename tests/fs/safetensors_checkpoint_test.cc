@@ -46,16 +46,6 @@ class SafetensorsCheckpointTest : public FaultyFsTest {
   uint64_t Prefetched() {
     return json::parse(fs_->control()->StatsJson()).value("prefetched_bytes", uint64_t{0});
   }
-  // Polls `fn` for up to 10 s until it returns true.
-  template <typename Fn>
-  bool Eventually(Fn fn) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (!fn()) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return true;
-  }
 };
 
 TEST_F(SafetensorsCheckpointTest, CommittedThroughTheMountIsIndexedWithWritePathChecksums) {
