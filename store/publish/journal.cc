@@ -579,6 +579,7 @@ void Journal::Run() {
     const bool commit = IsCommitEntry(e);
     const bool failed_before = !q.error.ok();
     if (failed_before) ++retries_;
+    if (step.kind == Step::kGate) gate_asking_ = e.seq;
     lock.Unlock();
 
     if (step.kind == Step::kGate) {
@@ -588,6 +589,8 @@ void Journal::Run() {
       if (st.ok() && delegate_ != nullptr) check = delegate_->CheckCommit(e, *this);
       lock.Lock();
       FindLocked(e.seq)->busy = false;
+      gate_asking_ = 0;
+      done_cv_.notify_all();  // an Abort() waiting for the answer
       if (check.status.ok() && !check.ready && check.waits_for_unwritten && commit) {
         // It waits for shards that are not here to wait for, and the application has since
         // made the same `.metadata` again in the same directory (that later save commits

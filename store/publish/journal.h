@@ -453,6 +453,9 @@ class Journal final : public QueuedPublishes {
   std::unordered_set<std::string> gate_shard_set_ GUARDED_BY(mu_);
   std::chrono::steady_clock::time_point gate_recheck_ GUARDED_BY(mu_) = {};
   bool gate_dirty_ GUARDED_BY(mu_) = true;  // something changed since the gate last said wait
+  // The commit the gate is asked about now (busy, not applied): Abort() waits for the
+  // answer, which would else keep that commit queued as if it were being applied.
+  uint64_t gate_asking_ GUARDED_BY(mu_) = 0;
   bool closing_ GUARDED_BY(mu_) = false;
   bool releasing_ GUARDED_BY(mu_) = false;  // ReleaseWaiters(): waits return at once
   Status ReleasedLocked() const REQUIRES(mu_);  // Close(): give up on a halted entry

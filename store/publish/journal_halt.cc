@@ -150,6 +150,17 @@ std::vector<std::string> Journal::Abort(const std::string& path, AbortWithdrawal
     auto below = [&](const JournalEntry& e) {
       return IsAtOrBelow(e.path, path) || (!e.from.empty() && IsAtOrBelow(e.from, path));
     };
+    // A commit the gate is being asked about is busy but not being applied: its answer
+    // (a few file checks, or a peer's reply, bounded by their timeouts) comes first, so
+    // that it is dropped as queued. Else it stayed queued, waiting for shards that the
+    // abort dropped, until the commit timeout.
+    done_cv_.wait(lock.native(), [&] {
+      mu_.AssertHeld();  // the predicate runs under the lock
+      if (gate_asking_ == 0) return true;
+      return std::none_of(queue_.begin(), queue_.end(), [&](const Queued& q) {
+        return q.e.seq == gate_asking_ && below(q.e);
+      });
+    });
     auto file_of_save = [](const JournalEntry& e) {
       return (e.op == OpType::kPublish || e.op == OpType::kRename) && !S_ISDIR(e.mode);
     };
@@ -159,11 +170,11 @@ std::vector<std::string> Journal::Abort(const std::string& path, AbortWithdrawal
     // entries, and the directory is the earlier save again. What cannot be put back (a
     // failed attempt left its name in place) has the `.metadata` withdrawn instead, so that
     // no loader takes a mix of the two saves as complete. Not while that save's commit is
-    // in flight (being checked or applied): its outcome decides. A file of it being
+    // in flight (being applied): its outcome decides. A file of it being
     // published (a retry) may replace one yet: what it keeps is put back after it.
     struct Save {
       bool in_place = false;    // a dropped entry's failed attempt left its name in place
-      bool in_flight = false;   // its commit is being checked or applied
+      bool in_flight = false;   // its commit is being applied
       bool publishing = false;  // a file of it is being published (not dropped)
       bool donor = false;       // an entry of it is dropped (its place takes the withdrawal)
       std::set<std::string> commits;

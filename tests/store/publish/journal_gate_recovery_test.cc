@@ -1,5 +1,7 @@
 // Journal: the commit gate (a `.metadata` waits for its shards, G5) and recovery of a
 // previous run's temp files. Fixture: journal_fixture.h.
+#include <algorithm>
+#include <atomic>
 #include <future>
 
 #include "tests/store/publish/journal_fixture.h"
@@ -280,6 +282,42 @@ TEST_F(JournalTest, ReleaseWaitersLetsBlockedCallersGoAndSaysWhatPublicationWait
   EXPECT_FALSE(journal_->WaitDoneFor(behind, std::chrono::milliseconds(10)));
   EXPECT_EQ(journal_->counts().pending, 2u) << "releasing the waiters drops nothing";
   journal_->Abort("ck");
+}
+
+// An abort that lands while the gate is being asked about the commit (the entry busy, not
+// being applied) waits for that answer and drops the commit with the rest. It was kept
+// queued as if being applied, waiting for shards nobody would write until the commit
+// timeout: with a gate that never times out (this one), a close after it never returned
+// (CI of f42c0f6, under ASan, in the test above).
+TEST_F(JournalTest, AnAbortDuringTheGatesCheckOfItsCommitDropsTheCommit) {
+  std::promise<void> asked;
+  std::atomic<bool> first{true}, answer_ready{false};
+  TestHooks hooks;
+  hooks.commit_gate = [&](const JournalEntry&, const QueuedFn&) -> CommitCheck {
+    if (answer_ready) return CommitCheck();  // the fallback below: never hang the close
+    if (first.exchange(false)) {
+      asked.set_value();
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the abort lands now
+    }
+    return CommitCheck::Wait({"ck/__0_0.distcp"}, std::chrono::milliseconds(20));
+  };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  TempFile md = StartFile("ck");
+  Write(&md, "metadata");
+  const uint64_t commit = Publish(md, "ck/.metadata");
+  const uint64_t behind = Op(OpType::kMkdir, "behind");
+  asked.get_future().wait();
+  const std::vector<std::string> dropped = journal_->Abort("ck");
+  const bool has_commit = std::any_of(dropped.begin(), dropped.end(), [](const std::string& d) {
+    return d.find("ck/.metadata") != std::string::npos;
+  });
+  if (!has_commit) answer_ready = true;
+  EXPECT_TRUE(has_commit) << "the commit under the gate's check was not dropped";
+  EXPECT_EQ(journal_->Wait(commit).code(), Code::kAborted);
+  EXPECT_TRUE(journal_->Wait(behind).ok());
+  EXPECT_FALSE(Exists("ck/.metadata"));
+  EXPECT_TRUE(Exists("behind"));
 }
 
 // The gate wired into the journal as the daemon does with --peers (cross-node order).
