@@ -72,6 +72,11 @@ Status Filesystem::Init(FsDeps deps) {
     // With peers, other nodes' shards come with their writers' block CRCs (the commit
     // query); what nobody vouched for is checksummed on its first full read, not read back.
     index_options.read_unvouched_items = config_.peers == nullptr;
+    // What the retained tier kept of a checkpoint just committed is read from it.
+    if (retained_) {
+      retained_bytes_ = std::make_unique<store::RetainedBytes>(retained_.get());
+      index_options.held = retained_bytes_.get();
+    }
     CKPT_ASSIGN_OR_RETURN(index_,
                           store::KeyIndex::Create(backing_.get(), db_.get(), index_options));
   }

@@ -40,6 +40,7 @@
 #include "fs/namespace/namespace.h"
 #include "fs/namespace/posix_access.h"
 #include "gpu/staging_pool.h"
+#include "store/cache/retained_bytes.h"
 #include "store/cache/retained_tier.h"
 #include "store/dcp/key_index.h"
 #include "store/flush/flush_pipeline.h"
@@ -195,6 +196,7 @@ class Filesystem {
   // them.
   std::unique_ptr<store::RetainedTier> retained_;
   std::unique_ptr<store::RetainedSource> retained_source_;
+  std::unique_ptr<store::RetainedBytes> retained_bytes_;  // the index builds read through it
   std::unique_ptr<store::MemoryTier> memory_tier_;  // issue 42: memory-only directories
   std::unique_ptr<store::FlushPipeline> pipeline_;
   std::unique_ptr<store::KeyIndex> index_;

@@ -31,7 +31,14 @@ Result<std::string_view> WindowReader::View(uint64_t off, size_t len) {
   size_t want = static_cast<size_t>(std::min<uint64_t>(
       std::max<uint64_t>(need, kReadAhead), std::min<uint64_t>(kWindowCapacity, size_ - start)));
   w.len = 0;
-  CKPT_ASSIGN_OR_RETURN(size_t got, dir_->PRead(fd_, w.buf.get(), want, static_cast<off_t>(start)));
+  size_t got = 0;
+  if (held_ != nullptr && held_->Read(path_, key_, start, std::span<char>(w.buf.get(), want))) {
+    got = want;
+    from_memory_ += got;
+  } else {
+    CKPT_ASSIGN_OR_RETURN(got, dir_->PRead(fd_, w.buf.get(), want, static_cast<off_t>(start)));
+    from_backing_ += got;
+  }
   if (got < need) return Corrupt("short read (file shrank?)");
   w.off = start;
   w.len = got;

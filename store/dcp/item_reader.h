@@ -36,6 +36,21 @@ inline constexpr uint64_t kWholeItemMax = 64u << 10;
 // A large item's zip directory is read with this much before the item's end.
 inline constexpr uint64_t kTailWindow = 64u << 10;
 
+// Bytes of one version of a backing file that memory still holds, so that an index build
+// reads none of them back from the backing store: the retained tier keeps the checkpoint
+// that was just committed (store/cache/retained_bytes.h), and the build after that commit
+// reads its zip headers and the unaligned edges of its items (per item, 8-20 % of a
+// checkpoint of 4 MiB items). Thread-safe.
+class HeldBytes {
+ public:
+  virtual ~HeldBytes() = default;
+  // Copies [off, off + out.size()) of `path` (relative to the backing root) at version
+  // `key` into `out` when memory holds all of it, checked; false otherwise (`out` is then
+  // unspecified, and the caller reads the backing store).
+  virtual bool Read(const std::string& path, const FileKey& key, uint64_t off,
+                    std::span<char> out) = 0;
+};
+
 // Serves reads of one open shard file from two read-ahead windows, so that the small reads
 // of the zip reader over many back-to-back items cost few syscalls. Two, because the zip
 // reader of a large item reads its tail (directory) before its head (data.pkl): the window
@@ -59,6 +74,15 @@ class WindowReader {
   // Parses the torch.save archive of the item [offset, offset+length): a small item from
   // one view of it, a large one through reads of its head and tail only.
   Result<TorchSaveTensor> ParseItem(uint64_t offset, uint64_t length, TorchPickleCache* cache);
+  // Windows are filled from `held` (may be null) where it holds them: the file is `path` at
+  // version `key` (the one `fd` reads).
+  void ServeFrom(HeldBytes* held, std::string path, const FileKey& key) {
+    held_ = held;
+    path_ = std::move(path);
+    key_ = key;
+  }
+  uint64_t bytes_from_memory() const { return from_memory_; }
+  uint64_t bytes_from_backing() const { return from_backing_; }
 
  private:
   struct Slot {
@@ -73,6 +97,10 @@ class WindowReader {
   Slot slots_[2];
   uint64_t clock_ = 0;
   uint64_t tail_start_ = 0, tail_end_ = 0;
+  HeldBytes* held_ = nullptr;
+  std::string path_;
+  FileKey key_;
+  uint64_t from_memory_ = 0, from_backing_ = 0;
 };
 
 struct OpenedFile {

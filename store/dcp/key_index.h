@@ -114,6 +114,9 @@ struct KeyIndexOptions {
   // nodes' shards (G12: no node reads another node's data back after a save); they stay
   // unchecked until their first full read (ReadChecksums) or FillChecksums.
   bool read_unvouched_items = true;
+  // Shard bytes memory still holds (the retained tier keeps the checkpoint just committed):
+  // a build reads those from it, not from the backing store. Borrowed, may be null.
+  keyidx::HeldBytes* held = nullptr;
 };
 
 class KeyIndex {
@@ -217,7 +220,7 @@ class KeyIndex {
   KeyIndex(BackingDir* dir, StateDb* db, const KeyIndexOptions& options)
       : dir_(dir),
         block_crcs_(options.max_block_crc_bytes),
-        builder_(dir, &block_crcs_, options.read_unvouched_items),
+        builder_(dir, &block_crcs_, options.read_unvouched_items, options.held),
         store_(dir, db),
         verifier_(dir) {}
 

@@ -63,16 +63,18 @@ struct ResolveStats {
   uint64_t unresolved = 0;
   std::string first_error;  // of the first unresolved item
   uint64_t with_sum = 0, from_blocks = 0, read_items = 0, read_bytes = 0;
+  uint64_t from_memory = 0, from_backing = 0;  // bytes the windows took from each
   std::vector<std::string> used_block_crcs;  // paths whose block CRC maps were used
 };
 
 // Resolves each item of `items` against its shard file (tensor archives, unless `archives`
 // is false: safetensors items are raw bytes, resolved from the header already), and gives it
 // a checksum where one is known (`known_sums`), follows from the write path's block CRCs, or,
-// with `checksums`, by reading it. Each shard file is opened once and read forward.
-ResolveStats ResolveItems(BackingDir* dir, BlockCrcCache* block_crcs, const std::string& ckpt,
-                          std::vector<IndexedItem>* items, KnownSums& known_sums, bool checksums,
-                          bool archives) {
+// with `checksums`, by reading it. Each shard file is opened once and read forward; what
+// `held` (may be null) holds of it is read from memory.
+ResolveStats ResolveItems(BackingDir* dir, BlockCrcCache* block_crcs, keyidx::HeldBytes* held,
+                          const std::string& ckpt, std::vector<IndexedItem>* items,
+                          KnownSums& known_sums, bool checksums, bool archives) {
   ResolveStats r;
   auto note = [&](const IndexedItem& it, const std::string& why) {
     if (r.unresolved++ == 0) r.first_error = KeyName(it) + ": " + why;
@@ -92,6 +94,7 @@ ResolveStats ResolveItems(BackingDir* dir, BlockCrcCache* block_crcs, const std:
       continue;
     }
     WindowReader reader(dir, f->fd.get(), f->size);
+    if (held != nullptr) reader.ServeFrom(held, path, f->key);
     std::shared_ptr<const BlockCrcMap> blocks = block_crcs->For(path, f->key);
     if (blocks) r.used_block_crcs.push_back(path);
     for (uint32_t i : g.idx) {
@@ -133,6 +136,8 @@ ResolveStats ResolveItems(BackingDir* dir, BlockCrcCache* block_crcs, const std:
       }
       if (it.has_checksum) ++r.with_sum;
     }
+    r.from_memory += reader.bytes_from_memory();
+    r.from_backing += reader.bytes_from_backing();
   }
   return r;
 }
@@ -202,7 +207,7 @@ Result<KeyIndexBuilder::Built> KeyIndexBuilder::Build(
   }
 
   // The items, from their shard files.
-  ResolveStats r = ResolveItems(dir_, block_crcs_, ckpt, &index->items, known_sums,
+  ResolveStats r = ResolveItems(dir_, block_crcs_, held_, ckpt, &index->items, known_sums,
                                 /*read_rest=*/checksums && read_unvouched_,
                                 /*archives=*/index->source != SourceKind::kSafetensors);
   if (checksums) {
@@ -230,6 +235,9 @@ Result<KeyIndexBuilder::Built> KeyIndexBuilder::Build(
                  {"from_blocks", r.from_blocks},
                  {"read_items", r.read_items},
                  {"read_bytes", r.read_bytes}}},
+               // What the shard files' reads took from memory (the retained tier) and from
+               // the backing store: zip headers, item edges, items read to checksum them.
+               {"shard_reads", {{"from_memory", r.from_memory}, {"from_backing", r.from_backing}}},
                {"metadata", {{"size", id.size}, {"mtime_ns", id.mtime_ns}, {"ino", id.ino}}}};
   built.info = info.dump();
   built.parse_ms = parse_ms;

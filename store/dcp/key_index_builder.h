@@ -18,6 +18,7 @@
 #include "store/dcp/block_crc_cache.h"
 #include "store/dcp/ckpt_index.h"
 #include "store/dcp/dcp_metadata.h"
+#include "store/dcp/item_reader.h"
 #include "store/primitives/backing_dir.h"
 
 namespace ckptfs::store {
@@ -28,10 +29,11 @@ using KnownSums = std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, 
 class KeyIndexBuilder {
  public:
   // With `read_unvouched` false, Build with `checksums` reads no item to checksum it: an
-  // item without a known checksum or block CRCs stays unchecked.
+  // item without a known checksum or block CRCs stays unchecked. Shard bytes that `held`
+  // (may be null: the retained tier) holds are read from memory, not the backing store.
   KeyIndexBuilder(BackingDir* dir, BlockCrcCache* block_crcs,  // both must outlive
-                  bool read_unvouched = true)
-      : dir_(dir), block_crcs_(block_crcs), read_unvouched_(read_unvouched) {}
+                  bool read_unvouched = true, keyidx::HeldBytes* held = nullptr)
+      : dir_(dir), block_crcs_(block_crcs), held_(held), read_unvouched_(read_unvouched) {}
 
   struct Built {
     std::unique_ptr<CkptIndex> index;
@@ -54,6 +56,7 @@ class KeyIndexBuilder {
  private:
   BackingDir* const dir_;
   BlockCrcCache* const block_crcs_;
+  keyidx::HeldBytes* const held_;
   const bool read_unvouched_;
 };
 

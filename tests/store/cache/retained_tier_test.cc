@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "store/cache/backing_source.h"
+#include "store/cache/retained_bytes.h"
 #include "store/primitives/crc32c.h"
 #include "tests/store/primitives/faulty_backing_dir.h"
 
@@ -471,6 +472,42 @@ TEST_F(RetainedTierTest, ReplicasAreHeldWithinTheBudgetAndServed) {
   EXPECT_EQ(tier->Stats().replica_bytes, 2 * kBlock);
   ASSERT_EQ(tier->Checkpoints().size(), 1u);
   EXPECT_EQ(tier->Checkpoints()[0].origin, "node3");
+}
+
+// RetainedBytes, the key index's view of the tier (store/cache/retained_bytes.h): the
+// index build after a commit reads zip headers and item edges through it, so any range of
+// a committed version is served, across blocks, and nothing else is.
+TEST_F(RetainedTierTest, RetainedBytesServesRangesOfACommittedVersionOnly) {
+  auto tier = MakeTier(16);
+  RetainedBytes held(tier.get());
+  const std::string path = "run/step1/__0_0.distcp";
+  const std::string data = Pattern(2 * kBlock + 1000, 2);
+  Save(tier.get(), path, data);
+  struct stat st {};
+  ASSERT_EQ(::stat((tmp_.path() + "/" + path).c_str(), &st), 0);
+  const FileKey key = FileKeyFromStat(st);
+  std::string out(5000, '\0');
+  EXPECT_FALSE(held.Read(path, key, 0, std::span<char>(out))) << "served before the commit";
+  Commit(tier.get(), "run/step1");
+  // Within a block, across a block boundary, the tail, the whole file.
+  for (const auto& [off, len] : std::vector<std::pair<uint64_t, size_t>>{
+           {10, 5000}, {kBlock - 100, 300}, {2 * kBlock, 1000}, {0, data.size()}}) {
+    std::string got(len, '\0');
+    ASSERT_TRUE(held.Read(path, key, off, std::span<char>(got))) << off << "+" << len;
+    EXPECT_EQ(got, data.substr(off, len)) << off << "+" << len;
+  }
+  // Past the end, another version (size or mtime), another file: not served.
+  std::string one(1, '\0');
+  EXPECT_FALSE(held.Read(path, key, data.size(), std::span<char>(one)));
+  std::string two(2, '\0');
+  EXPECT_FALSE(held.Read(path, key, data.size() - 1, std::span<char>(two)));
+  FileKey other = key;
+  other.mtime_ns += 1;
+  EXPECT_FALSE(held.Read(path, other, 0, std::span<char>(one)));
+  other = key;
+  other.size -= 1;
+  EXPECT_FALSE(held.Read(path, other, 0, std::span<char>(one)));
+  EXPECT_FALSE(held.Read("run/step1/__1_0.distcp", key, 0, std::span<char>(one)));
 }
 
 }  // namespace
