@@ -266,6 +266,7 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   using Uring = ckptfs::fs::FuseTuning::Uring;
   tuning.uring = o.fuse_uring == "on" ? Uring::kOn : o.fuse_uring == "off" ? Uring::kOff : Uring::kAuto;
   tuning.uring_max_threads = o.fuse_threads;
+  tuning.replace_dead_mount = o.replaces_dead_mount;
   auto server_or = ckptfs::fs::FuseServer::Mount(fs.get(), o.mountpoint, o.fuse_options, tuning);
   if (!server_or.ok()) {
     metrics.reset();

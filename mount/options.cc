@@ -13,8 +13,10 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 #include "ckptfs_version.h"
 
@@ -536,6 +538,43 @@ Result<DaemonOptions> ParseMountHelperArgs(int argc, const char* const* argv) {
   return o;
 }
 
+namespace {
+
+// `path` when it is the mountpoint of a FUSE file system whose daemon is gone (stat fails
+// with ENOTCONN), made absolute and canonical up to its last name (which cannot be
+// resolved); nullopt otherwise.
+std::optional<std::string> DeadFuseMount(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 || errno != ENOTCONN) return std::nullopt;
+  std::error_code ec;
+  std::filesystem::path abs = std::filesystem::absolute(path, ec).lexically_normal();
+  if (ec) return std::nullopt;
+  if (!abs.has_filename()) abs = abs.parent_path();  // a trailing slash
+  const std::filesystem::path parent = std::filesystem::canonical(abs.parent_path(), ec);
+  if (ec) return std::nullopt;
+  const std::string target = (parent / abs.filename()).string();
+  std::unique_ptr<libmnt_table, decltype(&mnt_unref_table)> table(mnt_new_table(),
+                                                                   &mnt_unref_table);
+  if (!table || mnt_table_parse_file(table.get(), "/proc/self/mountinfo") != 0) {
+    return std::nullopt;
+  }
+  // The topmost mount there: the last one listed.
+  libmnt_iter* iter = mnt_new_iter(MNT_ITER_BACKWARD);
+  std::optional<std::string> dead;
+  libmnt_fs* fs = nullptr;
+  while (mnt_table_next_fs(table.get(), iter, &fs) == 0) {
+    const char* t = mnt_fs_get_target(fs);
+    if (t == nullptr || target != t) continue;
+    const char* type = mnt_fs_get_fstype(fs);
+    if (type != nullptr && std::string_view(type).starts_with("fuse")) dead = target;
+    break;
+  }
+  mnt_free_iter(iter);
+  return dead;
+}
+
+}  // namespace
+
 bool IsMountPoint(const std::string& path) {
   std::unique_ptr<libmnt_table, decltype(&mnt_unref_table)> table(mnt_new_table(),
                                                                    &mnt_unref_table);
@@ -554,9 +593,14 @@ bool IsMountPoint(const std::string& path) {
 
 Status ValidateDaemonOptions(DaemonOptions* o) {
   CKPT_ASSIGN_OR_RETURN(o->backing_dir, Canonical(o->backing_dir, "backing dir"));
-  CKPT_ASSIGN_OR_RETURN(o->mountpoint, Canonical(o->mountpoint, "mountpoint"));
-  if (IsMountPoint(o->mountpoint)) {
-    return Status(Code::kBusy, "mountpoint " + o->mountpoint + " is busy (already mounted)");
+  if (std::optional<std::string> dead = DeadFuseMount(o->mountpoint)) {
+    o->mountpoint = *dead;
+    o->replaces_dead_mount = true;
+  } else {
+    CKPT_ASSIGN_OR_RETURN(o->mountpoint, Canonical(o->mountpoint, "mountpoint"));
+    if (IsMountPoint(o->mountpoint)) {
+      return Status(Code::kBusy, "mountpoint " + o->mountpoint + " is busy (already mounted)");
+    }
   }
   if (IsInside(o->mountpoint, o->backing_dir) || IsInside(o->backing_dir, o->mountpoint)) {
     return Invalid("backing dir and mountpoint must not contain each other");

@@ -18,6 +18,11 @@ namespace ckptfs {
 struct DaemonOptions {
   std::string backing_dir;   // absolute, canonical
   std::string mountpoint;    // absolute, canonical
+  // A ckptfs killed by a signal (or any dead FUSE daemon) left its mount there: every
+  // access fails with ENOTCONN. The daemon detaches it right before it mounts (as
+  // systemd's restart expects), so that until then the application's calls keep failing
+  // instead of reaching the directory underneath.
+  bool replaces_dead_mount = false;
   std::string state_dir;     // absolute
   bool foreground = false;
   bool strict = false;
@@ -105,8 +110,9 @@ Result<DaemonOptions> ParseMountHelperArgs(int argc, const char* const* argv);
 bool IsMountHelperName(const char* argv0);
 
 // Checks the paths: backing dir and mountpoint exist and are directories, the
-// mountpoint is not already mounted, neither contains the other, and the state dir is
-// outside the mount. Fills in the default state dir.
+// mountpoint is not already mounted (a dead FUSE mount there is taken over:
+// replaces_dead_mount), neither contains the other, and the state dir is outside the
+// mount. Fills in the default state dir.
 Status ValidateDaemonOptions(DaemonOptions* options);
 
 // Parses a peers file: one HOST:PORT per line; blank lines and '#' comments are skipped.

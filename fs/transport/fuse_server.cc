@@ -9,9 +9,13 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <spawn.h>
 #include <sys/file.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/uio.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -223,6 +227,35 @@ std::string EscapeOptionValue(const std::string& value) {
   return out;
 }
 
+// Detaches the dead mount a killed daemon left at `mountpoint`, right before this daemon
+// mounts there: until now the application's calls failed with ENOTCONN; for the moment
+// in between they reach the directory underneath (a dead mount cannot be mounted over:
+// mount(2) must stat its target). Root detaches it itself; a user's daemon through
+// fusermount3, as libfuse mounts.
+Status DetachDeadMount(const std::string& mountpoint) {
+  struct stat st;
+  if (::stat(mountpoint.c_str(), &st) == 0) return Status::Ok();  // detached meanwhile
+  if (errno != ENOTCONN) return Status::FromErrno(errno, "mountpoint " + mountpoint);
+  if (::umount2(mountpoint.c_str(), MNT_DETACH | UMOUNT_NOFOLLOW) != 0) {
+    const int err = errno;
+    if (err != EPERM) return Status::FromErrno(err, "detach the dead mount at " + mountpoint);
+    const char* argv[] = {"fusermount3", "-u", "-z", mountpoint.c_str(), nullptr};
+    pid_t pid = 0;
+    int status = 0;
+    if (::posix_spawnp(&pid, "fusermount3", nullptr, nullptr, const_cast<char**>(argv),
+                       environ) != 0 ||
+        ::waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      return Status(Code::kBusy, "mountpoint " + mountpoint +
+                                     " holds the mount of a daemon that is gone (Transport "
+                                     "endpoint is not connected) and it cannot be detached; "
+                                     "run: fusermount3 -u -z " + mountpoint);
+    }
+  }
+  spdlog::warn("fuse: {} held the mount of a ckptfs that was killed (Transport endpoint is "
+               "not connected): detached, mounting again", mountpoint);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std::string& mountpoint,
@@ -279,6 +312,13 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
                !TakeKernelUring(&server->context_)) {
       spdlog::warn("fuse: io_uring: another daemon holds {} for its start; this mount asks "
                    "only if the switch is on", kUringLock);
+    }
+  }
+  if (tuning.replace_dead_mount) {
+    Status detached = DetachDeadMount(mountpoint);
+    if (!detached.ok()) {
+      ReleaseKernelUring(&server->context_);
+      return detached;
     }
   }
   const int mounted = fuse_session_mount(server->session_, mountpoint.c_str());

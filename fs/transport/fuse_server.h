@@ -46,6 +46,9 @@ struct FuseTuning {
   enum class Uring { kAuto, kOn, kOff };
   Uring uring = Uring::kAuto;
   int uring_max_threads = 32;  // over all queues, as --fuse-threads for /dev/fuse
+  // The mountpoint holds the dead mount of a killed daemon (DaemonOptions::
+  // replaces_dead_mount): detached right before the new mount is made.
+  bool replace_dead_mount = false;
 };
 
 class FuseServer {

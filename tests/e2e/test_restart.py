@@ -3,6 +3,8 @@ same mountpoint, state dir and peer port (issue 19).
 
 * Unmount, then start at once: the new daemon mounts and shows what the last one wrote.
 * SIGKILL, then start at once: the same, after a lazy unmount of the dead mount.
+* SIGKILL, then start at once with the dead mount still there (systemd's restart): the
+  new daemon detaches it right before it mounts; meanwhile calls fail with ENOTCONN.
 * SIGKILL while flush threads are in direct writes to a slow disk (a blkio cgroup
   throttles the daemon's writes to the backing disk): the killed process lives on, holding
   the state dir's RocksDB lock, until those writes end. The new daemon, started at once,
@@ -90,6 +92,35 @@ class RestartTest(unittest.TestCase):
         m2, took = self.restart(m, "ckptfs2.log")
         print(f"\nSIGKILL, then start: up in {took:.2f} s", file=sys.stderr)
         self.assertEqual(sha256_of(os.path.join(m2.mnt, "a.bin")), want)
+
+    def test_sigkill_then_start_over_the_dead_mount(self):
+        """As systemd restarts it (Restart=on-failure): nobody unmounts the killed daemon's
+        mount. Until the new daemon mounts, the application's calls fail with ENOTCONN and
+        never reach the directory underneath; the new daemon detaches the dead mount and
+        mounts. Before, it exited 2 ("mountpoint ... is not a directory") on every try."""
+        import errno
+        m = self.mount().start()
+        write_file(os.path.join(m.mnt, "a.bin"), 4, seed=3)
+        self.assertEqual(m.wait(os.path.join(m.mnt, "a.bin"), timeout=60), 0)
+        want = sha256_of(os.path.join(m.backing, "a.bin"))
+        m.proc.stdout.close()
+        os.kill(m.proc.pid, signal.SIGKILL)
+        m.proc.wait(timeout=30)
+        m.proc = None
+        with self.assertRaises(OSError) as e:
+            with open(os.path.join(m.mnt, "lost.txt"), "w") as f:
+                f.write("written while no daemon serves")
+        self.assertEqual(e.exception.errno, errno.ENOTCONN)
+        m2, took = self.restart(m, "ckptfs2.log")
+        print(f"\nSIGKILL, then start over the dead mount: up in {took:.2f} s", file=sys.stderr)
+        self.assertIn("detached, mounting again", m2.wait_log("detached, mounting again"))
+        self.assertEqual(sha256_of(os.path.join(m2.mnt, "a.bin")), want)
+        self.assertFalse(os.path.exists(os.path.join(m2.mnt, "lost.txt")))
+        self.assertEqual(m2.unmount(), 0, m2.log_text())
+        # Nothing reached the directory underneath, and no mount is left behind.
+        self.assertEqual(os.listdir(m.mnt), [])
+        with open("/proc/self/mountinfo") as f:
+            self.assertNotIn(" " + m.mnt + " ", f.read())
 
     @unittest.skipUnless(os.geteuid() == 0 and os.path.isdir("/sys/fs/cgroup/blkio"),
                          "needs root and the cgroup v1 blkio controller")
