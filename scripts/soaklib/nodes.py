@@ -96,12 +96,13 @@ class Daemon:
     def alive(self):
         return self.proc is not None and self.proc.poll() is None
 
-    def kill(self):
+    def kill(self, leave_mount=False):
         p = self.proc
         if p is not None and p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
-        harness.unmount(self.mnt)
+        if not leave_mount:
+            harness.unmount(self.mnt)
 
     def faults_injected(self):
         """Faults this incarnation injected so far (its log's lines, read incrementally)."""

@@ -197,14 +197,18 @@ class ModeRun(Workloads, Checks):
         if self.daemons[0].alive():
             self.up.set()
 
-    def kill_daemon(self, i=None):
-        """SIGKILL of node `i` (None: every node)."""
+    def kill_daemon(self, i=None, leave_mount=False):
+        """SIGKILL of node `i` (None: every node). leave_mount: its dead mount stays, as
+        after a crash under systemd; the next daemon detaches it right before it mounts
+        (until then the application's calls fail with ENOTCONN). Unmounting it here left the
+        bare mountpoint for that while, and the trainer wrote whole saves and trackers into
+        it (seed 5501, strict: "a tracker write that returned is not on the backing store")."""
         for d in self.daemons if i is None else [self.daemons[i]]:
             if d.index == 0:
                 self.up.clear()
             if d.alive():
                 self.faults_before += d.faults_injected()
-            d.kill()
+            d.kill(leave_mount=leave_mount)
 
     def faults_seen(self):
         """Faults injected so far, by every incarnation of every node."""
@@ -281,7 +285,7 @@ class ModeRun(Workloads, Checks):
         before = self.stats(i) or {}
         self.held_at_kill = before.get("journal_held", 0)
         t_kill = now()
-        self.kill_daemon(i)
+        self.kill_daemon(i, leave_mount=True)
         self.widen_after_kill()
         if why == "kill":
             self.counts["daemon_kills"] += 1
