@@ -1,5 +1,6 @@
 #include "mount/options.h"
 
+#include <fcntl.h>
 #include <ifaddrs.h>
 #include <libmount/libmount.h>
 #include <netdb.h>
@@ -9,14 +10,17 @@
 
 #include <CLI/CLI.hpp>
 #include <cctype>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <memory>
 #include <optional>
 #include <set>
 #include <sstream>
 #include <string_view>
+#include <thread>
 
 #include "ckptfs_version.h"
 
@@ -540,12 +544,28 @@ Result<DaemonOptions> ParseMountHelperArgs(int argc, const char* const* argv) {
 
 namespace {
 
-// `path` when it is the mountpoint of a FUSE file system whose daemon is gone (stat fails
-// with ENOTCONN), made absolute and canonical up to its last name (which cannot be
-// resolved); nullopt otherwise.
+// Whether the FUSE file system mounted at `path` has no daemon any more: a getattr that
+// must reach the daemon (AT_STATX_FORCE_SYNC; a plain stat may be answered from the
+// kernel's attribute cache for a while after the daemon died) fails with ENOTCONN. Asked
+// on a thread of its own: a live daemon that hangs must not hang this start too (after
+// 2 s it counts as live, and the start fails with "busy").
+bool FuseDaemonGone(const std::string& path) {
+  auto answer = std::make_shared<std::promise<int>>();
+  std::future<int> got = answer->get_future();
+  std::thread([path, answer] {
+    struct statx sx;
+    const int rc = ::statx(AT_FDCWD, path.c_str(), AT_STATX_FORCE_SYNC, STATX_TYPE, &sx);
+    answer->set_value(rc == 0 ? 0 : errno);
+  }).detach();
+  if (got.wait_for(std::chrono::seconds(2)) != std::future_status::ready) return false;
+  const int err = got.get();
+  return err == ENOTCONN || err == ECONNABORTED;
+}
+
+// `path` when it is the mountpoint of a FUSE file system whose daemon is gone, made
+// absolute and canonical up to its last name (which cannot be resolved); nullopt
+// otherwise.
 std::optional<std::string> DeadFuseMount(const std::string& path) {
-  struct stat st;
-  if (::stat(path.c_str(), &st) == 0 || errno != ENOTCONN) return std::nullopt;
   std::error_code ec;
   std::filesystem::path abs = std::filesystem::absolute(path, ec).lexically_normal();
   if (ec) return std::nullopt;
@@ -560,17 +580,18 @@ std::optional<std::string> DeadFuseMount(const std::string& path) {
   }
   // The topmost mount there: the last one listed.
   libmnt_iter* iter = mnt_new_iter(MNT_ITER_BACKWARD);
-  std::optional<std::string> dead;
+  bool fuse = false;
   libmnt_fs* fs = nullptr;
   while (mnt_table_next_fs(table.get(), iter, &fs) == 0) {
     const char* t = mnt_fs_get_target(fs);
     if (t == nullptr || target != t) continue;
     const char* type = mnt_fs_get_fstype(fs);
-    if (type != nullptr && std::string_view(type).starts_with("fuse")) dead = target;
+    fuse = type != nullptr && std::string_view(type).starts_with("fuse");
     break;
   }
   mnt_free_iter(iter);
-  return dead;
+  if (!fuse || !FuseDaemonGone(target)) return std::nullopt;
+  return target;
 }
 
 }  // namespace

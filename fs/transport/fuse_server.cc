@@ -233,11 +233,9 @@ std::string EscapeOptionValue(const std::string& value) {
 // mount(2) must stat its target). Root detaches it itself; a user's daemon through
 // fusermount3, as libfuse mounts.
 Status DetachDeadMount(const std::string& mountpoint) {
-  struct stat st;
-  if (::stat(mountpoint.c_str(), &st) == 0) return Status::Ok();  // detached meanwhile
-  if (errno != ENOTCONN) return Status::FromErrno(errno, "mountpoint " + mountpoint);
   if (::umount2(mountpoint.c_str(), MNT_DETACH | UMOUNT_NOFOLLOW) != 0) {
     const int err = errno;
+    if (err == EINVAL) return Status::Ok();  // not a mount any more: detached meanwhile
     if (err != EPERM) return Status::FromErrno(err, "detach the dead mount at " + mountpoint);
     const char* argv[] = {"fusermount3", "-u", "-z", mountpoint.c_str(), nullptr};
     pid_t pid = 0;
