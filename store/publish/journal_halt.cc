@@ -156,10 +156,10 @@ std::vector<std::string> Journal::Abort(const std::string& path, AbortWithdrawal
     // abort dropped, until the commit timeout.
     done_cv_.wait(lock.native(), [&] {
       mu_.AssertHeld();  // the predicate runs under the lock
-      if (gate_asking_ == 0) return true;
-      return std::none_of(queue_.begin(), queue_.end(), [&](const Queued& q) {
-        return q.e.seq == gate_asking_ && below(q.e);
-      });
+      const uint64_t asking = gate_asking_;
+      if (asking == 0) return true;
+      return std::none_of(queue_.begin(), queue_.end(),
+                          [&](const Queued& q) { return q.e.seq == asking && below(q.e); });
     });
     auto file_of_save = [](const JournalEntry& e) {
       return (e.op == OpType::kPublish || e.op == OpType::kRename) && !S_ISDIR(e.mode);
