@@ -105,6 +105,7 @@ uint64_t JournalEvents::NodePublishDone(const store::JournalEntry& e, const Stat
   if (st.code() == Code::kNodeLost) node->withheld = st.message();
   if (!st.ok() && st.code() != Code::kSuperseded && st.code() != Code::kNodeLost) {
     node->error = "publication failed: " + st.ToString();
+    node->error_told = false;  // FlushData says so when a close returns it
     node->on_backing = false;
     table_.SyncDataLocked(node.get());
   }

@@ -112,6 +112,10 @@ struct Node {
   int open_files = 0;    // open file handles (FUSE open/create), of any kind
   int open_writers = 0;  // those opened for writing
   std::string error;  // a failed publication: reads and opens fail with EIO
+  // Strict: the close that waited for that publication got its failure (G7). Once no
+  // handle is open, the name shows the backing store's version again if it has one (the
+  // older file a failed rewrite left there, e.g. a tracker); a new file keeps failing.
+  bool error_told = false;
   // Publication is halted at this file's entry (retried, or waiting for resume/abort);
   // its bytes are still served from staging and its temp file.
   std::string halt_error;

@@ -352,6 +352,7 @@ Result<Handle*> WriteStates::NodeOpen(uint64_t ino, int flags) {
       // EIO): the new, empty version owes nothing to the failed one. Anything else still
       // gets the failure (a read, an append, a handle still open on the failed version).
       node->error.clear();
+      node->error_told = false;
       table_.SyncDataLocked(node.get());
     }
     if (!node->error.empty()) return Status(Code::kIo, node->error);
@@ -574,7 +575,14 @@ Status WriteStates::FlushData(FileHandle* h) {
     if (node->write->needs_publish && node->parent != nullptr) seq = PublishLocked(table_, node);
     else seq = node->write->publish_seq;
   }
-  return table_.WaitIfStrict(seq);
+  Status st = table_.WaitIfStrict(seq);
+  if (!st.ok()) {
+    // The failure went back to this close (G7): readers need not get it forever.
+    TableLock lock(table_);
+    Node* node = h->node.get();
+    if (!node->error.empty()) node->error_told = true;
+  }
+  return st;
 }
 
 void WriteStates::ReleaseFile(FileHandle* h) {
@@ -583,7 +591,34 @@ void WriteStates::ReleaseFile(FileHandle* h) {
     TableLock lock(table_);
     dropped = ReleaseFileLocked(h);
   }
-  if (dropped) table_.RefreshAttr(h->node->ino);
+  if (!dropped) return;
+  ShowBackingAfterToldFailure(h->node.get());
+  table_.RefreshAttr(h->node->ino);
+}
+
+void WriteStates::ShowBackingAfterToldFailure(Node* node) {
+  // Strict (seed 5501): a tracker whose rewrite failed at close stayed unreadable (EIO)
+  // until it was written again, so a job that reads it before it writes it (Megatron's
+  // restart) could not start; the backing store still held the tracker before it.
+  auto settled = [&] {
+    table_.mu().AssertHeld();
+    return node->error_told && !node->write && node->open_files == 0 && node->parent != nullptr;
+  };
+  std::string path;
+  {
+    TableLock lock(table_);
+    if (!settled()) return;
+    path = table_.PathLocked(node);
+  }
+  if (!backing_->Stat(path).ok()) return;  // a new file: nothing to show, it keeps failing
+  TableLock lock(table_);
+  if (!settled() || table_.PathLocked(node) != path) return;
+  spdlog::info("{}: its publication failed and the close got the error; the backing store's "
+               "version is shown again", path);
+  node->error.clear();
+  node->error_told = false;
+  node->on_backing = true;
+  table_.SyncDataLocked(node);
 }
 
 bool WriteStates::ReleaseFileLocked(FileHandle* h) {

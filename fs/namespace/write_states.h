@@ -133,6 +133,9 @@ class WriteStates final : public gpu::StagingPressureListener {
   bool PlanHoldsLocked(const Node& node, const WritePlan& plan) const REQUIRES(table_.mu());
   // Returns whether the node's write state was dropped (then RefreshAttr it).
   bool ReleaseFileLocked(FileHandle* h) REQUIRES(table_.mu());
+  // Node::error_told, the last handle closed: the failure is cleared when the backing store
+  // still has a file at the name (stat'ed without the lock); the caller then RefreshAttrs.
+  void ShowBackingAfterToldFailure(Node* node) EXCLUDES(table_.mu());
   // Waits, the lock released meanwhile, while a publish freezes `node`'s write state
   // (WriteState::freezing); the caller re-checks the node after.
   void AwaitFreezeLocked(const Node* node) REQUIRES(table_.mu());

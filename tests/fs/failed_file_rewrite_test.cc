@@ -75,6 +75,46 @@ TEST_P(FailedFileRewriteTest, AFailedFileIsSavedAgainWithOTrunc) {
   EXPECT_EQ(fs_->Shutdown().unpublished, 1u);
 }
 
+// Strict (the soak, seed 5501): a tracker whose rewrite failed at close (the close got EIO,
+// G7) then failed every open with EIO until it was written again, so a job that reads its
+// tracker before it writes it (Megatron's restart) could not start for as long; the
+// backing store still held the version before. Once no handle is open, the name shows it.
+// A new file (nothing on the backing store) keeps failing (the test above).
+class FailedRewriteStrictTest : public FaultyFsTest {
+ protected:
+  void SetUp() override { Start(/*strict=*/true); }
+};
+
+TEST_F(FailedRewriteStrictTest, AFailedRewriteShowsTheBackingVersionOnceItsCloseGotTheError) {
+  auto made = fs_->Create(kRootIno, "latest.txt", 0644, O_WRONLY | O_CREAT | O_TRUNC);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  auto [entry, h] = *made;
+  ASSERT_TRUE(WriteAt(*fs_, h, "7", 1, 0).ok());
+  ASSERT_TRUE(fs_->Flush(h).ok());
+  fs_->Release(h);
+  ASSERT_EQ(BackingBytes("latest.txt"), "7");
+  auto again = fs_->Open(entry.ino, O_WRONLY | O_TRUNC);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  dir_->FailNthFsync(dir_->fsync_calls() + 1, EIO);
+  ASSERT_TRUE(WriteAt(*fs_, *again, "8", 1, 0).ok());
+  EXPECT_EQ(fs_->Flush(*again).ToErrno(), EIO) << "the close gets the failure (G7)";
+  fs_->Release(*again);
+  EXPECT_EQ(BackingBytes("latest.txt"), "7");
+  auto read = fs_->Open(entry.ino, O_RDONLY);
+  ASSERT_TRUE(read.ok()) << "the tracker stays unreadable: " << read.status().ToString();
+  EXPECT_EQ(ReadAll(*read), "7");
+  fs_->Release(*read);
+  // And it is written again as usual.
+  auto third = fs_->Open(entry.ino, O_WRONLY | O_TRUNC);
+  ASSERT_TRUE(third.ok()) << third.status().ToString();
+  ASSERT_TRUE(WriteAt(*fs_, *third, "9", 1, 0).ok());
+  EXPECT_TRUE(fs_->Flush(*third).ok());
+  fs_->Release(*third);
+  EXPECT_EQ(BackingBytes("latest.txt"), "9");
+  EXPECT_EQ(TempFiles(), 0u);
+  EXPECT_EQ(fs_->Shutdown().unpublished, 1u) << "the stop counts the failed version";
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, FailedFileRewriteTest, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Strict" : "Async"; });
 
