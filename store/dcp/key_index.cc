@@ -377,9 +377,11 @@ Status KeyIndex::BuildLocked(const std::string& ckpt, const DcpMetadata* given, 
   if (state == State::kOk) {
     spdlog::info(
         "key index: indexed '{}': {} items in {:.1f} ms (metadata {:.1f}, items {:.1f}, "
-        "persist {:.1f}); checksums: {} from write-path blocks, {} read ({} bytes), {} none",
+        "persist {:.1f}); checksums: {} from write-path blocks, {} read ({} bytes), {} none; "
+        "shard reads: {} bytes from memory, {} from the backing store",
         ckpt, n, built.build_ms + persist_ms, built.parse_ms, built.items_ms, persist_ms,
-        built.from_blocks, built.read_items, built.read_bytes, n - built.with_sum);
+        built.from_blocks, built.read_items, built.read_bytes, n - built.with_sum,
+        built.from_memory, built.from_backing);
   } else {
     spdlog::warn("key index: '{}' indexed as {}: {}", ckpt, IndexStateName(state), error);
   }

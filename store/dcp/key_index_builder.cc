@@ -247,6 +247,8 @@ Result<KeyIndexBuilder::Built> KeyIndexBuilder::Build(
   built.from_blocks = r.from_blocks;
   built.read_items = r.read_items;
   built.read_bytes = r.read_bytes;
+  built.from_memory = r.from_memory;
+  built.from_backing = r.from_backing;
   built.result = result;
   return built;
 }

@@ -43,6 +43,7 @@ class KeyIndexBuilder {
     std::string info;  // the "i/" record; empty when missing
     double parse_ms = 0, items_ms = 0, build_ms = 0;
     uint64_t with_sum = 0, from_blocks = 0, read_items = 0, read_bytes = 0;
+    uint64_t from_memory = 0, from_backing = 0;  // shard bytes read, by where from
   };
 
   // Builds the index of `ckpt` from its commit files, or from `given` (a `.metadata` parsed
