@@ -19,7 +19,6 @@
 #include <optional>
 #include <set>
 #include <sstream>
-#include <string_view>
 #include <thread>
 
 #include "ckptfs_version.h"
@@ -562,6 +561,27 @@ bool FuseDaemonGone(const std::string& path) {
   return err == ENOTCONN || err == ECONNABORTED;
 }
 
+// The file system type of the topmost mount at `target` (compared as a string: no stat,
+// which would block on a hung mount), or nullopt when nothing is mounted there.
+std::optional<std::string> MountedTypeAt(const std::string& target) {
+  std::unique_ptr<libmnt_table, decltype(&mnt_unref_table)> table(mnt_new_table(),
+                                                                   &mnt_unref_table);
+  if (!table || mnt_table_parse_file(table.get(), "/proc/self/mountinfo") != 0) {
+    return std::nullopt;
+  }
+  libmnt_iter* iter = mnt_new_iter(MNT_ITER_BACKWARD);  // the last one listed is on top
+  std::optional<std::string> type;
+  libmnt_fs* fs = nullptr;
+  while (!type && mnt_table_next_fs(table.get(), iter, &fs) == 0) {
+    const char* t = mnt_fs_get_target(fs);
+    if (t == nullptr || target != t) continue;
+    const char* fstype = mnt_fs_get_fstype(fs);
+    type = fstype != nullptr ? fstype : "";
+  }
+  mnt_free_iter(iter);
+  return type;
+}
+
 // `path` when it is the mountpoint of a FUSE file system whose daemon is gone, made
 // absolute and canonical up to its last name (which cannot be resolved); nullopt
 // otherwise.
@@ -573,44 +593,14 @@ std::optional<std::string> DeadFuseMount(const std::string& path) {
   const std::filesystem::path parent = std::filesystem::canonical(abs.parent_path(), ec);
   if (ec) return std::nullopt;
   const std::string target = (parent / abs.filename()).string();
-  std::unique_ptr<libmnt_table, decltype(&mnt_unref_table)> table(mnt_new_table(),
-                                                                   &mnt_unref_table);
-  if (!table || mnt_table_parse_file(table.get(), "/proc/self/mountinfo") != 0) {
-    return std::nullopt;
-  }
-  // The topmost mount there: the last one listed.
-  libmnt_iter* iter = mnt_new_iter(MNT_ITER_BACKWARD);
-  bool fuse = false;
-  libmnt_fs* fs = nullptr;
-  while (mnt_table_next_fs(table.get(), iter, &fs) == 0) {
-    const char* t = mnt_fs_get_target(fs);
-    if (t == nullptr || target != t) continue;
-    const char* type = mnt_fs_get_fstype(fs);
-    fuse = type != nullptr && std::string_view(type).starts_with("fuse");
-    break;
-  }
-  mnt_free_iter(iter);
-  if (!fuse || !FuseDaemonGone(target)) return std::nullopt;
+  const std::optional<std::string> type = MountedTypeAt(target);
+  if (!type || !type->starts_with("fuse") || !FuseDaemonGone(target)) return std::nullopt;
   return target;
 }
 
 }  // namespace
 
-bool IsMountPoint(const std::string& path) {
-  std::unique_ptr<libmnt_table, decltype(&mnt_unref_table)> table(mnt_new_table(),
-                                                                   &mnt_unref_table);
-  if (!table || mnt_table_parse_file(table.get(), "/proc/self/mountinfo") != 0) return false;
-  // Plain string comparison (no canonicalization: stat() on a hung mount would block).
-  libmnt_iter* iter = mnt_new_iter(MNT_ITER_FORWARD);
-  bool found = false;
-  libmnt_fs* fs = nullptr;
-  while (!found && mnt_table_next_fs(table.get(), iter, &fs) == 0) {
-    const char* target = mnt_fs_get_target(fs);
-    found = target != nullptr && path == target;
-  }
-  mnt_free_iter(iter);
-  return found;
-}
+bool IsMountPoint(const std::string& path) { return MountedTypeAt(path).has_value(); }
 
 Status ValidateDaemonOptions(DaemonOptions* o) {
   CKPT_ASSIGN_OR_RETURN(o->backing_dir, Canonical(o->backing_dir, "backing dir"));
