@@ -586,13 +586,14 @@ Status WriteStates::FlushData(FileHandle* h) {
 }
 
 void WriteStates::ReleaseFile(FileHandle* h) {
-  bool dropped = false;
+  bool dropped = false, told = false;
   {
     TableLock lock(table_);
     dropped = ReleaseFileLocked(h);
+    told = dropped && h->node->error_told;
   }
   if (!dropped) return;
-  ShowBackingAfterToldFailure(h->node.get());
+  if (told) ShowBackingAfterToldFailure(h->node.get());
   table_.RefreshAttr(h->node->ino);
 }
 

@@ -21,6 +21,7 @@ Checked from the backing store alone, in both durability modes:
     and loses nothing committed, and its exit code says whether any file never reached
     the backing store (1, with the count in exit.json) or none did (0).
 """
+import errno
 import json
 import os
 import subprocess
@@ -209,6 +210,38 @@ class FaultInject(harness.MountedTest):
 
     def test_strict_saves_under_eio(self):
         self.run_mode("strict")
+
+    def test_strict_failed_tracker_rewrite_reads_as_the_one_before(self):
+        """Strict: a tracker whose rewrite failed at close (EIO, G7) reads as the tracker
+        the backing store still has once the handle is closed, so a job that reads it at
+        restart can start. Before, every open failed with EIO until it was written again
+        (the soak, seed 5501: 19 s, until the daemon was killed)."""
+        # Every file fsync fails in 1-second bursts every 2 seconds.
+        m = self.mount(args=["--durability", "strict", "--fault-inject",
+                             "seed=7,eio_fsync=1,burst_on=1,burst_off=1"])
+        tracker = os.path.join(m.mnt, dcp_tool.TRACKER)
+        last_ok, failed, n = None, False, 0
+        deadline = time.monotonic() + 60
+        while not failed and time.monotonic() < deadline:
+            n += 1
+            value = f"{n:06d}"
+            fd = os.open(tracker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, value.encode())
+            finally:
+                try:
+                    os.close(fd)
+                    last_ok = value
+                except OSError as e:
+                    self.assertEqual(e.errno, errno.EIO, e)
+                    failed = last_ok is not None
+            time.sleep(0.05)
+        self.assertTrue(failed, "no close failed after one succeeded in 60 s")
+        with open(tracker) as f:   # EIO here before
+            self.assertEqual(f.read(), last_ok)
+        self.assertEqual((read_text(os.path.join(m.backing, dcp_tool.TRACKER)) or ""), last_ok)
+        self.assertIn("the backing store's version is shown again",
+                      m.wait_log("the backing store's version is shown again"))
 
 
 if __name__ == "__main__":
