@@ -246,7 +246,10 @@ CheckpointInfo* CheckpointRegistry::FailLocked(const std::string& dir, const std
   CheckpointInfo* found = FindLocked(dir, seq);
   if (found == nullptr) return nullptr;
   CheckpointInfo& info = *found;
-  if (info.state == CkptState::kFailed) return found;
+  // Aborted is the operator's last word on the save: a failure of one of its files told
+  // after the abort (the publisher reports a halt once the journal's lock is released, and
+  // the abort can come in between) does not turn it back into `failed`.
+  if (info.state == CkptState::kFailed || info.state == CkptState::kAborted) return found;
   info.state = CkptState::kFailed;
   info.error = error;
   info.updated = Now();

@@ -308,7 +308,10 @@ JournalCounts Journal::counts() const {
   JournalCounts c;
   c.presyncs = presync_.done();
   MutexLock lock(&mu_);
-  c.pending = queue_.size();
+  // An entry dropped or skipped is out of the queue before its outcome (the removal of its
+  // temp file among it, Finalize) is done: it counts until then, so that "0 pending" means
+  // the backing store is settled.
+  c.pending = queue_.size() + unsettled_.size();
   c.last_appended = next_seq_ - 1;
   c.applied = done_seq_;
   c.skipped = skipped_;

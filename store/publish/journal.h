@@ -230,7 +230,7 @@ struct JournalOptions {
 
 // What the journal holds and has done (Journal::counts(), /.ckptfs/stats).
 struct JournalCounts {
-  uint64_t pending = 0;        // entries queued and not yet done
+  uint64_t pending = 0;        // entries queued, or dropped and not yet settled
   uint64_t last_appended = 0;  // the sequence number of the last entry appended
   uint64_t applied = 0;        // every entry with a sequence number up to this one is done
   uint64_t skipped = 0;        // entries skipped or dropped, never applied (not superseded)

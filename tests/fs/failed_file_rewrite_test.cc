@@ -70,7 +70,7 @@ TEST_P(FailedFileRewriteTest, AFailedFileIsSavedAgainWithOTrunc) {
   ASSERT_TRUE(again.ok()) << again.status().ToString();
   EXPECT_EQ(ReadAll(*again), "second");
   fs_->Release(*again);
-  EXPECT_EQ(TempFiles(), 0u);
+  EXPECT_EQ(TempFiles(), 0u) << TempNames();
   // The failed version never reached the backing store; the stop counts it.
   EXPECT_EQ(fs_->Shutdown().unpublished, 1u);
 }
@@ -111,7 +111,7 @@ TEST_F(FailedRewriteStrictTest, AFailedRewriteShowsTheBackingVersionOnceItsClose
   EXPECT_TRUE(fs_->Flush(*third).ok());
   fs_->Release(*third);
   EXPECT_EQ(BackingBytes("latest.txt"), "9");
-  EXPECT_EQ(TempFiles(), 0u);
+  EXPECT_EQ(TempFiles(), 0u) << TempNames();
   EXPECT_EQ(fs_->Shutdown().unpublished, 1u) << "the stop counts the failed version";
 }
 

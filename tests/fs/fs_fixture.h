@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "fs/filesystem.h"
@@ -111,12 +112,25 @@ class FaultyFsTest : public ::testing::Test {
   void PutBacking(const std::string& rel, const std::string& bytes) const {
     std::ofstream(BackingPath(rel), std::ios::binary) << bytes;
   }
-  size_t TempFiles() const {
-    size_t n = 0;
-    for (const auto& e : std::filesystem::directory_iterator(backing_.path())) {
-      if (e.path().filename().string().rfind(kTempPrefix, 0) == 0) ++n;
+  // Temp files left at the backing root.
+  size_t TempFiles() const { return TempFileList().size(); }
+  // Their names and sizes, for a failed expectation's message.
+  std::string TempNames() const {
+    std::string out;
+    for (const auto& [name, size] : TempFileList()) {
+      out += (out.empty() ? "temp files: " : ", ") + name + " (" + std::to_string(size) + " bytes)";
     }
-    return n;
+    return out;
+  }
+  std::vector<std::pair<std::string, uintmax_t>> TempFileList() const {
+    std::vector<std::pair<std::string, uintmax_t>> list;
+    for (const auto& e : std::filesystem::directory_iterator(backing_.path())) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind(kTempPrefix, 0) != 0) continue;
+      std::error_code ec;
+      list.emplace_back(name, std::filesystem::file_size(e.path(), ec));
+    }
+    return list;
   }
 
   uint64_t cache_bytes_ = 4u << 20;  // set before Start()

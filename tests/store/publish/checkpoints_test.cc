@@ -125,6 +125,27 @@ TEST_F(CheckpointRegistryTest, WritingIntoACheckpointWhoseFailureHoldsPublicatio
   EXPECT_EQ(info->state, CkptState::kWriting);
 }
 
+// Found by fs_tests' AbortedCheckpointTest (1 of about 1,100 runs): the journal halted at
+// a file of a rewrite and the operator aborted the save before the publisher had told the
+// registry of the halt; the halt, told next, turned `aborted` back into `failed`.
+TEST_F(CheckpointRegistryTest, AHaltToldAfterTheAbortLeavesTheSaveAborted) {
+  registry_->OnFileCreated("ck");
+  registry_->OnFileQueued("ck", 10);
+  registry_->OnAborted("ck", "aborted by the operator", /*subtree=*/true);
+  registry_->OnHalted("ck", "EACCES: fsync parent of ck/__0_0.distcp");
+  registry_->OnFailed("ck", "a later error");
+  auto info = registry_->Get("ck");
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->state, CkptState::kAborted);
+  EXPECT_EQ(info->error, "aborted by the operator");
+  EXPECT_FALSE(info->halted);
+  // A new save into the directory starts a fresh record, which can fail again.
+  registry_->OnFileCreated("ck");
+  EXPECT_EQ(StateOf("ck"), CkptState::kWriting);
+  registry_->OnFailed("ck", "ENOSPC");
+  EXPECT_EQ(StateOf("ck"), CkptState::kFailed);
+}
+
 TEST_F(CheckpointRegistryTest, WritingAgainIntoAFinishedCheckpointStartsAFreshRecord) {
   registry_->OnFileCreated("ck");
   registry_->OnFileQueued("ck", 10);
