@@ -120,6 +120,10 @@ Result<std::string> FormatStats(std::string_view stats_json) {
       hits += ", " + BytesOrDash(GetU64(*rep, "holder_bytes")) + " from the replica holder";
     }
     hits += ", " + CountOrDash(GetU64(*r, "crc_errors")) + " checksum errors";
+    if (const std::optional<uint64_t> indexed = GetU64(*r, "index_read_bytes");
+        indexed && *indexed > 0) {
+      hits += "; index builds read " + BytesOrDash(indexed) + " from memory";
+    }
     rows.push_back({"restart reads", hits});
   }
   return FormatKeyValues(rows);

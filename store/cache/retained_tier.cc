@@ -587,7 +587,7 @@ std::optional<BlockRead> RetainedTier::Lookup(const BlockId& id, uint64_t offset
 }
 
 std::optional<size_t> RetainedTier::ReadInPlace(const BlockId& id, size_t len, uint64_t offset,
-                                                const InPlaceUse& use) {
+                                                const InPlaceUse& use, Reader reader) {
   if (!enabled() || len == 0 || offset >= id.size) return std::nullopt;
   const uint64_t bs = opts_.block_bytes;
   const uint64_t end = std::min<uint64_t>(id.size, offset + len);
@@ -654,8 +654,12 @@ std::optional<size_t> RetainedTier::ReadInPlace(const BlockId& id, size_t len, u
     for (size_t k : learned) {
       if (blocks[k].h->sub_crcs.empty()) blocks[k].h->sub_crcs = std::move(blocks[k].subs);
     }
-    stats_.hits += blocks.size();
-    stats_.hit_bytes += end - offset;
+    if (reader == Reader::kIndexBuild) {
+      stats_.index_read_bytes += end - offset;
+    } else {
+      stats_.hits += blocks.size();
+      stats_.hit_bytes += end - offset;
+    }
   }
   use(iov);
   return static_cast<size_t>(end - offset);

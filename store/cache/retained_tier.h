@@ -112,8 +112,9 @@ struct RetainedTierStats {
   uint64_t unverified_blocks = 0;  // captured blocks dropped at publish (not provably exact)
   uint64_t evicted_bytes = 0;
   uint64_t dropped_bytes = 0;     // dropped by a newer checkpoint, a rewrite, unlink...
-  uint64_t hits = 0;              // blocks served (whole or in part)
-  uint64_t hit_bytes = 0;         // bytes served
+  uint64_t hits = 0;              // blocks served (whole or in part) to reads
+  uint64_t hit_bytes = 0;         // bytes served to reads
+  uint64_t index_read_bytes = 0;  // bytes index builds read (not hits: no load asked)
   uint64_t misses_committed = 0;  // lookups of committed checkpoints' files not held
   uint64_t crc_errors = 0;        // blocks whose bytes did not match their CRC (dropped)
   uint64_t lazy_commit_checks = 0;
@@ -153,10 +154,13 @@ class RetainedTier final : public FlushWriteListener, public JournalOutcomeListe
   // checked before `use` sees it: a block's first serve hashes it whole against its CRC and
   // keeps the CRCs of its kSubBlockBytes pieces, later serves hash only the pieces they
   // reply. nullopt (`use` not called): a block of the range is not held by a committed
-  // checkpoint, or failed its check (then dropped and counted, as in Lookup).
+  // checkpoint, or failed its check (then dropped and counted, as in Lookup). A read for
+  // an index build is counted apart from the hits, which stay what reads got from memory.
   using InPlaceUse = std::function<void(std::span<const struct iovec>)>;
+  enum class Reader { kRead, kIndexBuild };
   std::optional<size_t> ReadInPlace(const BlockId& id, size_t len, uint64_t offset,
-                                    const InPlaceUse& use) EXCLUDES(mu_);
+                                    const InPlaceUse& use, Reader reader = Reader::kRead)
+      EXCLUDES(mu_);
   static constexpr uint64_t kSubBlockBytes = 64 << 10;
 
   // Keeps a copy of a block of a committed checkpoint received from node `origin` (a

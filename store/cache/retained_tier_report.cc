@@ -62,6 +62,7 @@ nlohmann::json RetainedTier::StatsJson() const {
                       {"dropped_bytes", s.dropped_bytes},
                       {"hits", s.hits},
                       {"hit_bytes", s.hit_bytes},
+                      {"index_read_bytes", s.index_read_bytes},
                       {"misses_committed", s.misses_committed},
                       {"crc_errors", s.crc_errors},
                       {"lazy_commit_checks", s.lazy_commit_checks},

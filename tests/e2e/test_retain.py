@@ -63,6 +63,9 @@ class RetainedTier(harness.MountedTest):
         self.assertLessEqual(read_by_save, 3 * md_size + (64 << 10))
         s = m.stats()["retained"]
         self.assertGreater(s["retained_bytes"], MB << 20)
+        # The index build's reads from memory are counted apart: no load has run yet.
+        self.assertGreater(s["index_read_bytes"], 0)
+        self.assertEqual(s["hit_bytes"], 0, "the index build's reads counted as load hits")
         before = backing_read(m)
         dcp_tool.load(ckpt, RANKS, "own", SEED, timeout=300)  # checks every tensor
         after = m.stats()

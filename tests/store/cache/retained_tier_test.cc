@@ -496,6 +496,10 @@ TEST_F(RetainedTierTest, RetainedBytesServesRangesOfACommittedVersionOnly) {
     ASSERT_TRUE(held.Read(path, key, off, std::span<char>(got))) << off << "+" << len;
     EXPECT_EQ(got, data.substr(off, len)) << off << "+" << len;
   }
+  // An index build's reads are counted apart: the hits stay what loads got from memory.
+  EXPECT_EQ(tier->Stats().hits, 0u);
+  EXPECT_EQ(tier->Stats().hit_bytes, 0u);
+  EXPECT_EQ(tier->Stats().index_read_bytes, 5000u + 300 + 1000 + data.size());
   // Past the end, another version (size or mtime), another file: not served.
   std::string one(1, '\0');
   EXPECT_FALSE(held.Read(path, key, data.size(), std::span<char>(one)));
