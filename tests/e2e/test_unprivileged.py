@@ -64,7 +64,8 @@ class Unprivileged(unittest.TestCase):
             os.chmod("/dev/fuse", mode | 0o006)
             self.addCleanup(os.chmod, "/dev/fuse", mode)
 
-    def test_a_user_mounts_writes_reads_and_unmounts(self):
+    def user_tree(self):
+        """The user's backing, mount, state and work directories, owned by the user."""
         pw = pwd.getpwnam(USER)
         root = tempfile.mkdtemp(prefix="ckptfs-unpriv-")
         self.addCleanup(shutil.rmtree, root, True)
@@ -73,14 +74,23 @@ class Unprivileged(unittest.TestCase):
         for p in paths.values():
             os.mkdir(p)
             os.chown(p, pw.pw_uid, pw.pw_gid)
-        log = os.path.join(paths["work"], "ckptfs.log")
-        mnt = paths["mnt"]
         self.open_dev_fuse()
         progs = copy_for_others(self, CKPTFS, ADMIN)
-        ckptfs, admin = progs[os.path.basename(CKPTFS)], progs[os.path.basename(ADMIN)]
+        return paths, progs[os.path.basename(CKPTFS)], progs[os.path.basename(ADMIN)]
 
+    def log_text(self, paths):
+        try:
+            with open(os.path.join(paths["work"], "ckptfs.log"), errors="replace") as f:
+                return f.read()[-6000:]
+        except OSError:
+            return ""
+
+    def start_daemon(self, paths, ckptfs):
+        """ckptfs as the user, in the foreground; returns once it has mounted."""
+        mnt = paths["mnt"]
         proc = subprocess.Popen(self.as_user(ckptfs, "-f", "--staging-mem", "64M",
-                                             "--state-dir", paths["state"], "--log-file", log,
+                                             "--state-dir", paths["state"], "--log-file",
+                                             os.path.join(paths["work"], "ckptfs.log"),
                                              paths["backing"], mnt),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd="/")
 
@@ -93,20 +103,32 @@ class Unprivileged(unittest.TestCase):
             proc.stdout.close()
         self.addCleanup(stop)
 
-        def log_text():
-            try:
-                with open(log, errors="replace") as f:
-                    return f.read()[-6000:]
-            except OSError:
-                return ""
-
         deadline = time.monotonic() + 30
-        while not is_mounted(mnt):
+        while not self.live_mount(mnt):
             if proc.poll() is not None:
                 self.fail(f"ckptfs as {USER} exited {proc.returncode}: "
-                          f"{proc.stdout.read().decode(errors='replace')}\n{log_text()}")
-            self.assertLess(time.monotonic(), deadline, "no mount in 30 s\n" + log_text())
+                          f"{proc.stdout.read().decode(errors='replace')}\n"
+                          f"{self.log_text(paths)}")
+            self.assertLess(time.monotonic(), deadline,
+                            "no mount in 30 s\n" + self.log_text(paths))
             time.sleep(0.05)
+        return proc
+
+    def live_mount(self, mnt):
+        """Mounted and answering the user (a killed daemon's mount is listed, dead). A
+        listing, not a stat: the kernel answers a stat of the root from its cache."""
+        if not is_mounted(mnt):
+            return False
+        return self.run_as_user("ls", "-a", mnt, timeout=30).returncode == 0
+
+    def test_a_user_mounts_writes_reads_and_unmounts(self):
+        pw = pwd.getpwnam(USER)
+        paths, ckptfs, admin = self.user_tree()
+        mnt = paths["mnt"]
+        proc = self.start_daemon(paths, ckptfs)
+
+        def log_text():
+            return self.log_text(paths)
 
         # The user's own data, through the mount and back.
         src = os.path.join(paths["work"], "src.bin")
@@ -138,6 +160,35 @@ class Unprivileged(unittest.TestCase):
         self.assertIn("ckptfs exits: clean", text)
         self.assertNotIn("[error]", text)
         self.assertNotIn("[critical]", text)
+
+    def test_a_user_restarts_over_the_dead_mount_of_a_killed_daemon(self):
+        """The daemon SIGKILLed (OOM killer, a crash): its mount stays, dead (ENOTCONN). A
+        new daemon started by the same user (a job's retry, `systemctl --user restart`)
+        detaches it itself: umount2 is not allowed to a user, so through fusermount3 -u -z
+        (mount/options.cc, DetachDeadMount); then it mounts, resumes its journal and
+        serves what the killed one had taken."""
+        paths, ckptfs, admin = self.user_tree()
+        mnt = paths["mnt"]
+        proc = self.start_daemon(paths, ckptfs)
+        src = os.path.join(paths["work"], "src.bin")
+        script = (f"set -e; dd if=/dev/urandom of={src} bs=1M count=8 status=none; "
+                  f"cp {src} {mnt}/f; {admin} wait {mnt}/f --timeout 60")
+        r = self.run_as_user("sh", "-c", script)
+        self.assertEqual(r.returncode, 0, r.stdout + "\n" + self.log_text(paths))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        self.assertTrue(is_mounted(mnt), "a killed daemon's mount stays until detached")
+        self.assertFalse(self.live_mount(mnt), "the killed daemon's mount still answered")
+
+        again = self.start_daemon(paths, ckptfs)
+        r = self.run_as_user("cmp", src, os.path.join(mnt, "f"))
+        self.assertEqual(r.returncode, 0, r.stdout + "\n" + self.log_text(paths))
+        text = self.log_text(paths)
+        self.assertIn("held the mount of a ckptfs that was killed", text)
+        r = self.run_as_user("fusermount3", "-u", mnt)
+        self.assertEqual(r.returncode, 0, r.stdout)
+        self.assertEqual(again.wait(timeout=60), 0, self.log_text(paths))
+        self.assertFalse(is_mounted(mnt))
 
 
 if __name__ == "__main__":
