@@ -206,6 +206,9 @@ run_binary() {
   elif [[ $rc -ne 0 ]]; then
     fail "$label: exit $rc (${took}s, $tests_line) -- see $log"
     grep -E '^\[  FAILED  \] [A-Za-z]' "$log" | sort -u | head -n 20 >&2
+    # What each failed expectation said (CI keeps only this output, not the log).
+    echo "-- the failed expectations:" >&2
+    grep -E -A7 ': Failure$' "$log" | grep -vE '^\[20[0-9]{2}-' | head -n 80 >&2
     tail -n 30 "$log" >&2
   elif [[ $passed -eq 0 ]]; then
     fail "$label: no test ran (${took}s) -- see $log"
