@@ -215,7 +215,9 @@ class FaultInject(harness.MountedTest):
         """Strict: a tracker whose rewrite failed at close (EIO, G7) reads as the tracker
         the backing store still has once the handle is closed, so a job that reads it at
         restart can start. Before, every open failed with EIO until it was written again
-        (the soak, seed 5501: 19 s, until the daemon was killed)."""
+        (the soak, seed 5501: 19 s, until the daemon was killed). Each rewrite is one byte
+        shorter than the one before, so a size the kernel kept from the failed version
+        would cut the read short."""
         # Every file fsync fails in 1-second bursts every 2 seconds.
         m = self.mount(args=["--durability", "strict", "--fault-inject",
                              "seed=7,eio_fsync=1,burst_on=1,burst_off=1"])
@@ -224,7 +226,7 @@ class FaultInject(harness.MountedTest):
         deadline = time.monotonic() + 60
         while not failed and time.monotonic() < deadline:
             n += 1
-            value = f"{n:06d}"
+            value = str(n % 10) * max(1, 400 - n)
             fd = os.open(tracker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.write(fd, value.encode())
@@ -237,6 +239,7 @@ class FaultInject(harness.MountedTest):
                     failed = last_ok is not None
             time.sleep(0.05)
         self.assertTrue(failed, "no close failed after one succeeded in 60 s")
+        self.assertEqual(os.stat(tracker).st_size, len(last_ok), "the failed version's size")
         with open(tracker) as f:   # EIO here before
             self.assertEqual(f.read(), last_ok)
         self.assertEqual((read_text(os.path.join(m.backing, dcp_tool.TRACKER)) or ""), last_ok)
