@@ -289,6 +289,13 @@ TEST(FormatStats, ShowsTheRetainedTier) {
   ASSERT_TRUE(text.ok()) << text.status().ToString();
   EXPECT_THAT(*text, HasSubstr("1.00 MiB own, 2.00 MiB replicas for others, 1 checkpoints"));
   EXPECT_THAT(*text, HasSubstr("5.00 MiB from memory, 1.00 MiB from the replica holder"));
+  EXPECT_THAT(*text, Not(HasSubstr("index builds")));
+  // An index build's reads from memory are said apart from what loads read.
+  auto indexed = FormatStats(R"({"retained":{"retained_bytes":1048576,"hit_bytes":0,
+    "index_read_bytes":65536,"crc_errors":0,"checkpoints":[]}})");
+  ASSERT_TRUE(indexed.ok()) << indexed.status().ToString();
+  EXPECT_THAT(*indexed, HasSubstr("0 B from memory"));
+  EXPECT_THAT(*indexed, HasSubstr("index builds read 64.00 KiB from memory"));
 }
 
 TEST(FormatCheckpoints, SaysSoWhenThereAreNone) {
