@@ -4,13 +4,18 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <iterator>
 #include <set>
 #include <string_view>
+#include <thread>
 #include <utility>
 
+#include "common/backoff.h"
 #include "common/path.h"
+#include "store/flush/flush_pipeline.h"
 #include "store/publish/entry_apply.h"
 
 namespace ckptfs::store {
@@ -66,6 +71,26 @@ void ReplacedFiles::DropRecord(const std::string& temp) {
   if (!st.ok()) spdlog::warn("journal: state db: {}", st.ToString());
 }
 
+namespace {
+
+// A step of recovery tried again while the store's error is transient (EIO, a full disk, a
+// busy file), for about 3 s in all: a blip of the store at start is not a failed start
+// (soak seed 5609: an injected EIO on a put-back's rename ended the daemon with exit 2).
+Status RetryTransient(const std::function<Status()>& step, const char* what) {
+  constexpr Backoff kBackoff{std::chrono::milliseconds(100), std::chrono::milliseconds(1600)};
+  constexpr uint64_t kRetries = 5;
+  Status st = step();
+  for (uint64_t retry = 0; !st.ok() && IsTransient(st) && retry < kRetries; ++retry) {
+    const std::chrono::milliseconds pause = kBackoff.Delay(retry);
+    spdlog::warn("recovery: {}: {} (trying again in {} ms)", what, st.ToString(), pause.count());
+    std::this_thread::sleep_for(pause);
+    st = step();
+  }
+  return st;
+}
+
+}  // namespace
+
 Status ReplacedFiles::RecoverKept(BackingDir* dir, StateDb* db,
                                   std::vector<std::string>* deletes,
                                   std::vector<std::string>* restored) {
@@ -88,13 +113,23 @@ Status ReplacedFiles::RecoverKept(BackingDir* dir, StateDb* db,
         metadata->st_ino != record->metadata_ino) {
       continue;  // never replaced, or the rewrite committed (or was withdrawn)
     }
-    CKPT_RETURN_IF_ERROR(dir->Rename(temp, record->path));
+    CKPT_RETURN_IF_ERROR(RetryTransient(
+        [&] {
+          Status st = dir->Rename(temp, record->path);
+          // A failed attempt may have renamed it all the same: then it is back.
+          if (st.ok() || dir->Stat(temp).status().code() == Code::kNotFound) {
+            return Status::Ok();
+          }
+          return st;
+        },
+        "put back a replaced file"));
     spdlog::warn("recovery: {} put back: the save that replaced it never committed (the "
                  "daemon stopped first)", record->path);
     dirs.insert(parent);
   }
   for (const std::string& d : dirs) {
-    CKPT_RETURN_IF_ERROR(dir->SyncParent(path::Join(d, ".metadata")));
+    CKPT_RETURN_IF_ERROR(RetryTransient(
+        [&] { return dir->SyncParent(path::Join(d, ".metadata")); }, "sync a restored directory"));
     restored->push_back(d);
   }
   return Status::Ok();

@@ -261,6 +261,46 @@ TEST_F(ReplacedFilesTest, AfterACrashRecoveryPutsBackWhatAnUncommittedRewriteRep
 }
 
 // Put back or released, a kept version's record goes with it: a later crash finds none.
+// Found by the soak (seed 5609, strict): an EIO of the store on a put-back's rename at
+// start ended the daemon (exit 2, "start failed"). A transient error is tried again within
+// the start; a permanent one still fails it, the records kept for the next start.
+TEST_F(ReplacedFilesTest, RecoveryTriesATransientFailureAgainAndFailsOnAPermanentOne) {
+  fs::create_directories(root_ + "/ck");
+  Write("ck/.metadata", "md:old");
+  Write("ck/a.distcp", "old:a");
+  Write("ck/b.distcp", "old:b");
+  constexpr unsigned kExchange = 2;  // RENAME_EXCHANGE, as a publish over a file
+  for (const auto& [path, id] : std::vector<std::pair<std::string, uint64_t>>{
+           {"ck/a.distcp", 1}, {"ck/b.distcp", 2}}) {
+    const std::string temp = ".ckptfs-tmp." + std::to_string(id);
+    Write(temp, "new:" + path);
+    ASSERT_TRUE(temps_->Register(id, temp).ok());
+    ASSERT_TRUE(replaced_->RecordBeforeKeep(path, temp));
+    ASSERT_TRUE(dir_->Rename(temp, path, kExchange).ok());
+    replaced_->Keep(path, temp, id);
+  }
+  replaced_.reset();  // the kill
+
+  // A permanent error: the start fails, nothing is dropped.
+  dir_->FailNthRename(dir_->rename_calls() + 1, EACCES);
+  std::vector<std::string> deletes, restored;
+  EXPECT_EQ(ReplacedFiles::RecoverKept(dir_.get(), db_.get(), &deletes, &restored).code(),
+            Code::kPermission);
+  EXPECT_EQ(Read("ck/a.distcp"), "new:ck/a.distcp");
+
+  // A transient one (the second rename and the directory's fsync fail once each): tried
+  // again, and the directory is the earlier save again.
+  dir_->FailNthRename(dir_->rename_calls() + 2, EIO);
+  dir_->FailNthSyncParent(dir_->sync_parent_calls() + 1, EIO);
+  deletes.clear();
+  restored.clear();
+  ASSERT_TRUE(ReplacedFiles::RecoverKept(dir_.get(), db_.get(), &deletes, &restored).ok());
+  EXPECT_EQ(restored, std::vector<std::string>{"ck"});
+  EXPECT_EQ(Read("ck/a.distcp"), "old:a");
+  EXPECT_EQ(Read("ck/b.distcp"), "old:b");
+  EXPECT_EQ(deletes.size(), 2u);
+}
+
 TEST_F(ReplacedFilesTest, PutBackAndReleaseDropTheRecordsRecoveryWouldRead) {
   fs::create_directories(root_ + "/ck");
   Write("ck/.metadata", "md");
