@@ -113,9 +113,10 @@ Status ReplacedFiles::RecoverKept(BackingDir* dir, StateDb* db,
         metadata->st_ino != record->metadata_ino) {
       continue;  // never replaced, or the rewrite committed (or was withdrawn)
     }
+    const std::string& target = record->path;  // a structured binding: not capturable
     CKPT_RETURN_IF_ERROR(RetryTransient(
-        [&] {
-          Status st = dir->Rename(temp, record->path);
+        [&dir, &temp, &target] {
+          Status st = dir->Rename(temp, target);
           // A failed attempt may have renamed it all the same: then it is back.
           if (st.ok() || dir->Stat(temp).status().code() == Code::kNotFound) {
             return Status::Ok();
