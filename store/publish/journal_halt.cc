@@ -237,6 +237,13 @@ std::vector<std::string> Journal::Abort(const std::string& path, AbortWithdrawal
       ++it;
     }
     gate_dirty_ = true;
+    // Out of the queue, their outcome not yet settled (Finalize removes their temp files):
+    // still pending for stats and `ckptfs-admin wait`, and a stop waits for them. A seq a
+    // withdrawal took over is counted by the queue already.
+    for (const JournalEntry& e : dropped) {
+      if (reused.count(e.seq) == 0) unsettled_.insert(e.seq);
+    }
+    ++finalizing_;
   }
   for (const std::string& name : withdrawn) {
     spdlog::warn(
@@ -255,8 +262,12 @@ std::vector<std::string> Journal::Abort(const std::string& path, AbortWithdrawal
     for (const JournalEntry& e : dropped) {
       failures_[e.seq] = Status(Code::kAborted, "aborted by the operator");
       if (e.op == OpType::kPublish) ++dropped_publishes_;
-      if (reused.count(e.seq) == 0) done_ahead_.insert(e.seq);
+      if (reused.count(e.seq) == 0) {
+        done_ahead_.insert(e.seq);
+        unsettled_.erase(e.seq);
+      }
     }
+    --finalizing_;
     AdvanceDoneLocked();
   }
   done_cv_.notify_all();

@@ -109,11 +109,17 @@ Status ReplacedFiles::RecoverKept(BackingDir* dir, StateDb* db,
     const std::string parent = path::Parent(record->path);
     auto kept = dir->Stat(temp);
     auto metadata = dir->Stat(path::Join(parent, ".metadata"));
-    if (!kept.ok() || kept->st_ino != record->ino || !metadata.ok() ||
-        metadata->st_ino != record->metadata_ino) {
-      continue;  // never replaced, or the rewrite committed (or was withdrawn)
+    if (!metadata.ok() || metadata->st_ino != record->metadata_ino) {
+      continue;  // the rewrite committed (or was withdrawn)
     }
     const std::string& target = record->path;  // a structured binding: not capturable
+    if (!kept.ok() || kept->st_ino != record->ino) {
+      // Put back already by a start that failed after it (before its directory was synced
+      // and its records removed): this start syncs the directory and reports it again.
+      auto back = dir->Stat(target);
+      if (!kept.ok() && back.ok() && back->st_ino == record->ino) dirs.insert(parent);
+      continue;  // else never replaced
+    }
     CKPT_RETURN_IF_ERROR(RetryTransient(
         [&dir, &temp, &target] {
           Status st = dir->Rename(temp, target);

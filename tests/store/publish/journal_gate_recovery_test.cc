@@ -52,6 +52,42 @@ TEST_F(JournalTest, ARefusedCommitHaltsTheJournalUntilItsCheckpointIsAborted) {
       << "the gate runs exactly for entries that make a .metadata appear";
 }
 
+// An entry the operator's abort drops leaves the queue before its Finalize (its temp file
+// removed, the delegate told) has run: until then it still counts as pending, so that a
+// stats reader or `ckptfs-admin wait` never sees 0 with its outcome unsettled. Before, the
+// count read 0 inside that Finalize.
+TEST_F(JournalTest, EntriesAnAbortDropsStayPendingUntilTheirOutcomeIsSettled) {
+  TestHooks hooks;
+  hooks.commit_gate = [](const JournalEntry&, const QueuedFn&) {
+    return Status(Code::kAborted, "checkpoint failed");
+  };
+  std::vector<uint64_t> pending_when_told;  // written by the aborting thread alone
+  hooks.on_done = [&](const JournalEntry&, const Status& st) {
+    if (st.message() == "aborted by the operator") {
+      pending_when_told.push_back(journal_->counts().pending);
+    }
+  };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  TempFile shard = StartFile("ck"), md = StartFile("ck"), late = StartFile("ck");
+  Write(&shard, "shard");
+  Write(&md, "md");
+  Write(&late, "late");
+  uint64_t s1 = Publish(shard, "ck/__0_0.distcp");
+  uint64_t s2 = Publish(md, "ck/.metadata");  // refused by the gate: publication halts
+  uint64_t s3 = Publish(late, "ck/__1_0.distcp");
+  EXPECT_TRUE(journal_->Wait(s1).ok());
+  EXPECT_EQ(journal_->Wait(s2).code(), Code::kAborted);
+  EXPECT_EQ(journal_->Abort("ck").size(), 2u);
+  EXPECT_EQ(journal_->Wait(s3).code(), Code::kAborted);
+  ASSERT_EQ(pending_when_told.size(), 2u);
+  EXPECT_EQ(pending_when_told[0], 2u) << "both dropped entries are still unsettled";
+  EXPECT_EQ(pending_when_told[1], 2u) << "settled together, once the abort told them all";
+  EXPECT_EQ(journal_->counts().pending, 0u);
+  EXPECT_FALSE(Exists(md.temp));
+  EXPECT_FALSE(Exists(late.temp));
+}
+
 // G10: a `.metadata` that waits for shards written elsewhere (another node, or nobody),
 // while the application has since made the same `.metadata` again (a second save into the
 // same directory), is decided at once as superseded: skipped, never published, no halt,

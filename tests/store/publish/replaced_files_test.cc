@@ -301,6 +301,42 @@ TEST_F(ReplacedFilesTest, RecoveryTriesATransientFailureAgainAndFailsOnAPermanen
   EXPECT_EQ(deletes.size(), 2u);
 }
 
+// A start that put the files back and then failed for good on the directory's fsync
+// keeps the records: the next start finds the files back under their names (the temps
+// gone) and must still sync the directory and report it restored. Before, it skipped the
+// records as "never replaced": no fsync, and the directory was not reported restored.
+TEST_F(ReplacedFilesTest, AStartFailingAfterThePutBackLeavesTheNextToSyncAndReportIt) {
+  fs::create_directories(root_ + "/ck");
+  Write("ck/.metadata", "md:old");
+  Write("ck/a.distcp", "old:a");
+  constexpr unsigned kExchange = 2;  // RENAME_EXCHANGE, as a publish over a file
+  const std::string temp = ".ckptfs-tmp.1";
+  Write(temp, "new:a");
+  ASSERT_TRUE(temps_->Register(1, temp).ok());
+  ASSERT_TRUE(replaced_->RecordBeforeKeep("ck/a.distcp", temp));
+  ASSERT_TRUE(dir_->Rename(temp, "ck/a.distcp", kExchange).ok());
+  replaced_->Keep("ck/a.distcp", temp, 1);
+  replaced_.reset();  // the kill
+
+  // The put-back succeeds; the directory's fsync fails with a permanent error.
+  dir_->FailNthSyncParent(dir_->sync_parent_calls() + 1, EACCES);
+  std::vector<std::string> deletes, restored;
+  EXPECT_EQ(ReplacedFiles::RecoverKept(dir_.get(), db_.get(), &deletes, &restored).code(),
+            Code::kPermission);
+  EXPECT_EQ(Read("ck/a.distcp"), "old:a");
+  EXPECT_FALSE(fs::exists(root_ + "/" + temp));
+
+  // The next start (the records were not removed).
+  const uint64_t syncs = dir_->sync_parent_calls();
+  deletes.clear();
+  restored.clear();
+  ASSERT_TRUE(ReplacedFiles::RecoverKept(dir_.get(), db_.get(), &deletes, &restored).ok());
+  EXPECT_EQ(restored, std::vector<std::string>{"ck"});
+  EXPECT_GT(dir_->sync_parent_calls(), syncs) << "the directory was never synced";
+  EXPECT_EQ(deletes.size(), 1u);
+  EXPECT_EQ(Read("ck/a.distcp"), "old:a");
+}
+
 TEST_F(ReplacedFilesTest, PutBackAndReleaseDropTheRecordsRecoveryWouldRead) {
   fs::create_directories(root_ + "/ck");
   Write("ck/.metadata", "md");
