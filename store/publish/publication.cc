@@ -498,6 +498,20 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
             lost_[dir] = st.message();
           }
         }
+        // And deletions of committed checkpoints behind it wait for a later commit
+        // (deletion_hold.h), as behind an aborted checkpoint: a rotation's `rm -r` of an
+        // older one, queued after the tracker that named this one, would otherwise leave
+        // the backing store one committed checkpoint short behind an older tracker, or
+        // delete the one that tracker names once the next saves fail the same way (the
+        // soak, seed 5701: the trainer's rotation outran a publication halted by an
+        // injected fsync error; the saves it then removed were dropped, and with them
+        // their trackers, while the older checkpoints' deletions went on). Told here, on
+        // the publisher's thread, before it reaches any entry queued behind this one (a
+        // delete through the mount marks the directory lost first, DropIfHalted, but only
+        // the publisher drops the entries, in order).
+        if (commit || CheckpointRegistry::IsCheckpointFile(std::string(path::Basename(e.path)))) {
+          hold_.GaveUp();
+        }
         if (e.op == OpType::kPublish) {
           // The gate refuses a `.metadata` naming it at once (DeletedLocally) instead of
           // waiting the commit timeout for bytes that will never come (an operator's abort

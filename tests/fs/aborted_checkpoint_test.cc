@@ -360,6 +360,58 @@ TEST_F(AbortedCheckpointTest, ADeletionBehindAnAbortedCheckpointWaitsForTheNextC
   EXPECT_GE(fs_->Shutdown().unpublished, 6u);
 }
 
+// Found by the 60-minute soak (issue 41, async, one node, seed 5701: "a rotated checkpoint
+// is gone before the tracker KEEP ahead", iter_0001076 gone under tracker 1078): publication
+// halted at a save's file (an injected fsync error), the trainer went on, and its rotation
+// removed both an older committed checkpoint and, once its own tracker had moved on, the
+// halted save itself. The halted save's publishes were dropped, so it never committed and
+// its tracker was withheld; but nothing held the deletion of the older checkpoint queued
+// behind that tracker, as the operator's abort (above) does. The backing store kept one
+// committed checkpoint fewer than the application, behind an older tracker; with the next
+// saves failing the same way, the deletion of the checkpoint that tracker names would go
+// too. A checkpoint whose files a deletion dropped is now given up for the hold as well.
+TEST_F(AbortedCheckpointTest, ADeletionBehindACheckpointRemovedWhileHaltedWaitsForTheNextCommit) {
+  WatchTracker();
+  SaveAndTrack("iter_0000001", 1);
+  SaveAndTrack("iter_0000002", 2);
+  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "two saves");
+
+  FailRenamesBelow("iter_0000003");
+  SaveAndTrack("iter_0000003", 3);
+  WaitStats([](const nlohmann::json& j) { return !j["journal_halted"].is_null(); }, "the halt");
+  RemoveTree("iter_0000001");  // the rotation keeps two, once tracker 3 is written
+  RemoveTree("iter_0000003");  // and the failed save itself, once the trainer moved on
+  FailRenamesBelow("");  // the store heals (`.metadata.tmp`, not deleted, is renamed away)
+  WaitStats(
+      [](const nlohmann::json& j) {
+        return j["journal_held"].get<uint64_t>() > 0 && j["journal_pending"] == j["journal_held"];
+      },
+      "the deletion held, everything else published");
+  EXPECT_TRUE(BackingHas("iter_0000001/.metadata"))
+      << "deleted while the backing store's tracker still names iter_0000002";
+  EXPECT_EQ(BackingBytes(kTracker), "2\n");
+  EXPECT_FALSE(BackingHas("iter_0000003/.metadata"));
+
+  // The next save commits and its tracker is published: the deletion goes after it.
+  SaveAndTrack("iter_0000004", 4);
+  nlohmann::json s =
+      WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the next save");
+  EXPECT_EQ(s["journal_held_dropped"].get<uint64_t>(), 0u);
+  EXPECT_FALSE(BackingHas("iter_0000001"));
+  EXPECT_TRUE(BackingHas("iter_0000002/.metadata"));
+  EXPECT_TRUE(BackingHas("iter_0000004/.metadata"));
+  EXPECT_EQ(BackingBytes(kTracker), "4\n");
+  EXPECT_EQ(TrackersNamingNoMetadata(), std::vector<std::string>{});
+  EXPECT_EQ(TrackersPublished(), (std::vector<std::string>{"1", "2", "4"}));
+  EXPECT_EQ(TempFiles(), 0u) << TempNames();
+  // The stop counts what never reached the backing store: the removed save's shards, its
+  // withheld tracker and, when its publish failed before the store healed, its
+  // `.metadata.tmp`; nothing of the held deletion (applied).
+  const uint64_t lost = fs_->Shutdown().unpublished;
+  EXPECT_GE(lost, plan_.shards.size() + 1);
+  EXPECT_LE(lost, plan_.shards.size() + 2);
+}
+
 // The operator aborts a halted tracker: every queued version of it is dropped, and the
 // backing store's tracker names an older checkpoint until the application writes it again.
 // The rotation's deletions queued behind it wait until then, past the commits that come
