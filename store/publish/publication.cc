@@ -442,13 +442,18 @@ void Publication::TrimHeapAfterBacklog() {
   // backlog's peak (the soak's leak bound, issue 41). When publication has caught up after
   // one (this entry is the last queued: the journal removes it after OnDone), the free
   // pages go back to the system; at most every 5 s, on this thread, a few milliseconds.
+  // Without a backlog too, at most every 30 s: saves with small backlogs leave free memory
+  // in the arenas of whichever threads made their entries, and over hundreds of saves it
+  // grew by 4 MiB (the 60-minute soak, seed 5701, async: RSS less budgets +10.7 % from
+  // 2,152 to 2,945 saves, heap in use +0.8 MiB, free held 1.3 -> 5.1 MiB).
   const uint64_t pending = journal_->counts().pending;
   {
     MutexLock lock(&trim_mu_);
     backlog_peak_ = std::max(backlog_peak_, pending);
-    if (pending > 1 || backlog_peak_ < 256) return;
+    if (pending > 1) return;
     const auto now = std::chrono::steady_clock::now();
-    if (now - last_trim_ < std::chrono::seconds(5)) return;
+    const auto every = backlog_peak_ >= 256 ? std::chrono::seconds(5) : std::chrono::seconds(30);
+    if (now - last_trim_ < every) return;
     last_trim_ = now;
     backlog_peak_ = 0;
   }
