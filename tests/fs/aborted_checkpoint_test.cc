@@ -189,6 +189,43 @@ class AbortedCheckpointTest : public FaultyFsTest {
     std::lock_guard lock(tracker_mu_);
     return tracker_torn_;
   }
+  // Two saves published with their trackers, then a third whose files cannot be renamed
+  // onto their names (publication halts there), its tracker written, and the rotation's
+  // `rm -r` of the first (it keeps two once tracker 3 is written), queued behind the halt.
+  void ThirdSaveHaltsAndTheFirstIsRotated() {
+    WatchTracker();
+    SaveAndTrack("iter_0000001", 1);
+    SaveAndTrack("iter_0000002", 2);
+    WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "two saves");
+    FailRenamesBelow("iter_0000003");
+    SaveAndTrack("iter_0000003", 3);
+    WaitStats([](const nlohmann::json& j) { return !j["journal_halted"].is_null(); }, "the halt");
+    RemoveTree("iter_0000001");
+  }
+  // Waits until only held deletions are pending.
+  nlohmann::json WaitForOnlyTheHeldDeletions() {
+    return WaitStats(
+        [](const nlohmann::json& j) {
+          return j["journal_held"].get<uint64_t>() > 0 && j["journal_pending"] == j["journal_held"];
+        },
+        "the deletion held, everything else published");
+  }
+  // After ThirdSaveHaltsAndTheFirstIsRotated and the failed save given up: the next save
+  // commits and its tracker is published, and the held deletion of the first goes after it.
+  void TheFourthSaveLetsTheHeldDeletionGo() {
+    SaveAndTrack("iter_0000004", 4);
+    nlohmann::json s =
+        WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the next save");
+    EXPECT_GE(s["journal_held_total"].get<uint64_t>(), 1u);
+    EXPECT_EQ(s["journal_held_dropped"].get<uint64_t>(), 0u);
+    EXPECT_FALSE(BackingHas("iter_0000001"));
+    EXPECT_TRUE(BackingHas("iter_0000002/.metadata"));
+    EXPECT_TRUE(BackingHas("iter_0000004/.metadata"));
+    EXPECT_EQ(BackingBytes(kTracker), "4\n");
+    EXPECT_EQ(TrackersNamingNoMetadata(), std::vector<std::string>{});
+    EXPECT_EQ(TrackersPublished(), (std::vector<std::string>{"1", "2", "4"}));
+    EXPECT_EQ(TempFiles(), 0u) << TempNames();
+  }
   void TearDown() override {
     if (dir_ != nullptr) dir_->SetRenameHook(nullptr);
     FaultyFsTest::TearDown();
@@ -323,38 +360,15 @@ TEST_F(AbortedCheckpointTest, ADeleteBehindAHaltKeepsTheOrderOfOtherCheckpoints)
 // behind a checkpoint given up for a lost node (DeletionHold), until a later checkpoint
 // commits and its tracker is published.
 TEST_F(AbortedCheckpointTest, ADeletionBehindAnAbortedCheckpointWaitsForTheNextCommit) {
-  WatchTracker();
-  SaveAndTrack("iter_0000001", 1);
-  SaveAndTrack("iter_0000002", 2);
-  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "two saves");
-
-  FailRenamesBelow("iter_0000003");
-  SaveAndTrack("iter_0000003", 3);
-  WaitStats([](const nlohmann::json& j) { return !j["journal_halted"].is_null(); }, "the halt");
-  RemoveTree("iter_0000001");  // the rotation keeps two, once tracker 3 is written
+  ThirdSaveHaltsAndTheFirstIsRotated();
   EXPECT_FALSE(fs_->control()->Abort("iter_0000003").empty());
   FailRenamesBelow("");
-  nlohmann::json s = WaitStats(
-      [](const nlohmann::json& j) {
-        return j["journal_held"].get<uint64_t>() > 0 && j["journal_pending"] == j["journal_held"];
-      },
-      "the deletion held, everything else published");
+  WaitForOnlyTheHeldDeletions();
   EXPECT_TRUE(BackingHas("iter_0000001/.metadata"))
       << "deleted while the backing store's tracker still names iter_0000002";
   EXPECT_EQ(BackingBytes(kTracker), "2\n");
 
-  // The next save commits and its tracker is published: the deletion goes after it.
-  SaveAndTrack("iter_0000004", 4);
-  s = WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the next save");
-  EXPECT_GE(s["journal_held_total"].get<uint64_t>(), 1u);
-  EXPECT_EQ(s["journal_held_dropped"].get<uint64_t>(), 0u);
-  EXPECT_FALSE(BackingHas("iter_0000001"));
-  EXPECT_TRUE(BackingHas("iter_0000002/.metadata"));
-  EXPECT_TRUE(BackingHas("iter_0000004/.metadata"));
-  EXPECT_EQ(BackingBytes(kTracker), "4\n");
-  EXPECT_EQ(TrackersNamingNoMetadata(), std::vector<std::string>{});
-  EXPECT_EQ(TrackersPublished(), (std::vector<std::string>{"1", "2", "4"}));
-  EXPECT_EQ(TempFiles(), 0u) << TempNames();
+  TheFourthSaveLetsTheHeldDeletionGo();
   // The stop counts what never reached the backing store: the aborted save's files and its
   // withheld tracker; nothing of the held deletion (applied).
   EXPECT_GE(fs_->Shutdown().unpublished, 6u);
@@ -371,39 +385,16 @@ TEST_F(AbortedCheckpointTest, ADeletionBehindAnAbortedCheckpointWaitsForTheNextC
 // saves failing the same way, the deletion of the checkpoint that tracker names would go
 // too. A checkpoint whose files a deletion dropped is now given up for the hold as well.
 TEST_F(AbortedCheckpointTest, ADeletionBehindACheckpointRemovedWhileHaltedWaitsForTheNextCommit) {
-  WatchTracker();
-  SaveAndTrack("iter_0000001", 1);
-  SaveAndTrack("iter_0000002", 2);
-  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "two saves");
-
-  FailRenamesBelow("iter_0000003");
-  SaveAndTrack("iter_0000003", 3);
-  WaitStats([](const nlohmann::json& j) { return !j["journal_halted"].is_null(); }, "the halt");
-  RemoveTree("iter_0000001");  // the rotation keeps two, once tracker 3 is written
+  ThirdSaveHaltsAndTheFirstIsRotated();
   RemoveTree("iter_0000003");  // and the failed save itself, once the trainer moved on
   FailRenamesBelow("");  // the store heals (`.metadata.tmp`, not deleted, is renamed away)
-  WaitStats(
-      [](const nlohmann::json& j) {
-        return j["journal_held"].get<uint64_t>() > 0 && j["journal_pending"] == j["journal_held"];
-      },
-      "the deletion held, everything else published");
+  WaitForOnlyTheHeldDeletions();
   EXPECT_TRUE(BackingHas("iter_0000001/.metadata"))
       << "deleted while the backing store's tracker still names iter_0000002";
   EXPECT_EQ(BackingBytes(kTracker), "2\n");
   EXPECT_FALSE(BackingHas("iter_0000003/.metadata"));
 
-  // The next save commits and its tracker is published: the deletion goes after it.
-  SaveAndTrack("iter_0000004", 4);
-  nlohmann::json s =
-      WaitStats([](const nlohmann::json& j) { return j["journal_pending"] == 0; }, "the next save");
-  EXPECT_EQ(s["journal_held_dropped"].get<uint64_t>(), 0u);
-  EXPECT_FALSE(BackingHas("iter_0000001"));
-  EXPECT_TRUE(BackingHas("iter_0000002/.metadata"));
-  EXPECT_TRUE(BackingHas("iter_0000004/.metadata"));
-  EXPECT_EQ(BackingBytes(kTracker), "4\n");
-  EXPECT_EQ(TrackersNamingNoMetadata(), std::vector<std::string>{});
-  EXPECT_EQ(TrackersPublished(), (std::vector<std::string>{"1", "2", "4"}));
-  EXPECT_EQ(TempFiles(), 0u) << TempNames();
+  TheFourthSaveLetsTheHeldDeletionGo();
   // The stop counts what never reached the backing store: the removed save's shards, its
   // withheld tracker and, when its publish failed before the store healed, its
   // `.metadata.tmp`; nothing of the held deletion (applied).
