@@ -74,6 +74,7 @@ class ModeRun(Workloads, Checks):
         self.side_idle = threading.Event()
         self.train_job = None
         self.loading = set()                    # checkpoints a load job reads: not rotated
+        self.rotating = set()                   # checkpoints the rotation is removing
         self.drained = {}                       # label -> resources once publication caught up
         self.rotated_unverified = set()
         self.max_backing_tracker = 0
@@ -81,7 +82,7 @@ class ModeRun(Workloads, Checks):
         self.counts = {k: 0 for k in (
             "daemon_kills", "kills_after_step", "saves_train", "saves_resave", "saves_recreate",
             "torn_attempts", "torn_rank_kills", "torn_committed", "loads_mount",
-            "loads_failed_by_kill", "loads_unpublished",
+            "loads_failed_by_kill", "loads_unpublished", "loads_rotated",
             "verify_loads", "verify_bytes", "verify_inconclusive", "rotations", "checks",
             "restart_checks", "files_checked", "small_files", "renames", "appends", "deletes",
             "halts_seen", "throttle_switches", "train_restarts", "double_publish_checked",

@@ -91,8 +91,13 @@ class Workloads:
                 if k > t - KEEP:
                     break
                 name = iter_name(k)
-                if name in self.loading:
-                    continue
+                # Checked and claimed at once (side_load claims under the same lock): a
+                # load that chose this checkpoint first keeps it; one that comes later
+                # skips it.
+                with self.lock:
+                    if name in self.loading:
+                        continue
+                    self.rotating.add(name)
                 self.app_op(name, "rmtree_begin")
                 try:
                     shutil.rmtree(os.path.join(self.mnt, name))
@@ -101,6 +106,9 @@ class Workloads:
                 except OSError as e:
                     self.event("rmtree_error", dir=name, error=str(e))
                     break
+                finally:
+                    with self.lock:
+                        self.rotating.discard(name)
 
     def side(self):
         n = 0
@@ -213,11 +221,23 @@ class Workloads:
             return
         inc, name = self.inc, iter_name(t)
         # As a job loading its newest checkpoint would, nothing rotates it during the load.
-        self.loading.add(name)
+        # The tracker may have moved on since it was read, and the rotation may be removing
+        # (or have removed) the checkpoint it named: that is the application's race, not
+        # the mount's, so such a load is skipped and counted. The claim and the rotation's
+        # check share the lock, so no removal starts between them.
+        with self.lock:
+            if name in self.rotating:
+                self.counts["loads_rotated"] += 1
+                return
+            self.loading.add(name)
         try:
+            if not os.path.exists(os.path.join(self.mnt, name, ".metadata")):
+                self.counts["loads_rotated"] += 1
+                return
             self.load_one(n, t, name, inc)
         finally:
-            self.loading.discard(name)
+            with self.lock:
+                self.loading.discard(name)
 
     def load_one(self, n, t, name, inc):
         with self.lock:
