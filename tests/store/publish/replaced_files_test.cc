@@ -45,6 +45,18 @@ class ReplacedFilesTest : public ::testing::Test {
     replaced_->Keep(path, temp, id);
   }
 
+  // A publish of "new:PATH" over the existing PATH as the journal makes it: the record
+  // first, then RENAME_EXCHANGE, the old file kept under the temp name `.ckptfs-tmp.ID`.
+  void PublishOver(const std::string& path, uint64_t id) {
+    constexpr unsigned kExchange = 2;  // RENAME_EXCHANGE
+    const std::string temp = ".ckptfs-tmp." + std::to_string(id);
+    Write(temp, "new:" + path);
+    ASSERT_TRUE(temps_->Register(id, temp).ok());
+    ASSERT_TRUE(replaced_->RecordBeforeKeep(path, temp));
+    ASSERT_TRUE(dir_->Rename(temp, path, kExchange).ok());
+    replaced_->Keep(path, temp, id);
+  }
+
   void Write(const std::string& rel, const std::string& bytes) {
     std::ofstream out(root_ + "/" + rel, std::ios::binary | std::ios::trunc);
     out << bytes;
@@ -269,16 +281,8 @@ TEST_F(ReplacedFilesTest, RecoveryTriesATransientFailureAgainAndFailsOnAPermanen
   Write("ck/.metadata", "md:old");
   Write("ck/a.distcp", "old:a");
   Write("ck/b.distcp", "old:b");
-  constexpr unsigned kExchange = 2;  // RENAME_EXCHANGE, as a publish over a file
-  for (const auto& [path, id] : std::vector<std::pair<std::string, uint64_t>>{
-           {"ck/a.distcp", 1}, {"ck/b.distcp", 2}}) {
-    const std::string temp = ".ckptfs-tmp." + std::to_string(id);
-    Write(temp, "new:" + path);
-    ASSERT_TRUE(temps_->Register(id, temp).ok());
-    ASSERT_TRUE(replaced_->RecordBeforeKeep(path, temp));
-    ASSERT_TRUE(dir_->Rename(temp, path, kExchange).ok());
-    replaced_->Keep(path, temp, id);
-  }
+  PublishOver("ck/a.distcp", 1);
+  PublishOver("ck/b.distcp", 2);
   replaced_.reset();  // the kill
 
   // A permanent error: the start fails, nothing is dropped.
@@ -309,13 +313,8 @@ TEST_F(ReplacedFilesTest, AStartFailingAfterThePutBackLeavesTheNextToSyncAndRepo
   fs::create_directories(root_ + "/ck");
   Write("ck/.metadata", "md:old");
   Write("ck/a.distcp", "old:a");
-  constexpr unsigned kExchange = 2;  // RENAME_EXCHANGE, as a publish over a file
   const std::string temp = ".ckptfs-tmp.1";
-  Write(temp, "new:a");
-  ASSERT_TRUE(temps_->Register(1, temp).ok());
-  ASSERT_TRUE(replaced_->RecordBeforeKeep("ck/a.distcp", temp));
-  ASSERT_TRUE(dir_->Rename(temp, "ck/a.distcp", kExchange).ok());
-  replaced_->Keep("ck/a.distcp", temp, 1);
+  PublishOver("ck/a.distcp", 1);
   replaced_.reset();  // the kill
 
   // The put-back succeeds; the directory's fsync fails with a permanent error.
