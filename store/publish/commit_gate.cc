@@ -344,6 +344,8 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
     size_t mine_waiting = 0;  // of `waiting`, those queued or open here
     size_t asking = 0;        // of `waiting`, those whose peers' first answer is still out,
                               // or whose node could not be asked (Pending::unanswered)
+    bool lost_checked = false;  // the peers declared dead, asked once per check
+    std::string lost_now;
     const DirectoryEnd end = queued != nullptr
                                  ? queued->DirectoryEndsAfter(e.seq, path::Parent(e.path))
                                  : DirectoryEnd{};
@@ -451,6 +453,28 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
         asking += unanswered;
         ++it;
         continue;
+      }
+      // A node that did not answer may be the one that wrote it, and may have lost it (a
+      // daemon killed before its publish, restarting: its next run answers "failed",
+      // LostPublishes). What the backing store shows at that name may then be an earlier
+      // save's version: asked again, at the polls' pace, not taken from the store, until
+      // that node answers or is declared dead (the two-node async soak, seed 5701: a
+      // `.metadata` committed over a shard that died with its node).
+      if (unanswered && peers_ != nullptr) {
+        if (!lost_checked) {
+          lost_now = peers_->LostPeers();
+          lost_checked = true;
+        }
+        if (lost_now.empty()) {
+          p.polled.erase(path);
+          p.unanswered.erase(path);
+          if (!round_out_ || round_seq_ != e.seq) to_ask.push_back(path);
+          on_peers = true;
+          waiting.push_back(path);
+          ++asking;
+          ++it;
+          continue;
+        }
       }
       ++stats_.commit_polls;
       auto st = dir_->Stat(path);

@@ -124,7 +124,9 @@ struct HaltInfo {
 struct RecoveryReport {
   uint64_t entries_discarded = 0;
   uint64_t temps_removed = 0;
-  std::vector<std::string> discarded_paths;  // publish targets that never appeared
+  // Publish targets whose bytes died with the last run (their temp file was still there);
+  // recorded for LostPublishes in the same write as the discarding.
+  std::vector<std::string> lost_paths;
   // Directories whose rewrite died with the last run: what it replaced was put back, and
   // each is its earlier save again (ReplacedFiles::RecoverKept).
   std::vector<std::string> restored;

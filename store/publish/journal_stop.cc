@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <ctime>
 #include <iterator>
 #include <set>
 
 #include "store/publish/entry_apply.h"
 #include "store/publish/journal.h"
+#include "store/publish/lost_publishes.h"
 
 namespace ckptfs::store {
 
@@ -24,6 +26,7 @@ Result<RecoveryReport> Journal::Recover(BackingDir* dir, StateDb* db) {
     left_until = std::strtoull(left->c_str(), nullptr, 10);
   }
   bool resuming = left_until > 0;
+  std::vector<std::pair<std::string, std::string>> discarded;  // publishes: (path, temp)
   std::set<uint64_t> resumed_ids;  // file ids whose temp files the resumed entries need
   CKPT_RETURN_IF_ERROR(
       db->Scan(JournalEntry::kRecordPrefix, [&](std::string_view k, std::string_view v) {
@@ -38,7 +41,7 @@ Result<RecoveryReport> Journal::Recover(BackingDir* dir, StateDb* db) {
         if (!e.ok()) resuming = false;
         deletes.emplace_back(k);
         ++report.entries_discarded;
-        if (e.ok() && e->op == OpType::kPublish) report.discarded_paths.push_back(e->path);
+        if (e.ok() && e->op == OpType::kPublish) discarded.emplace_back(e->path, e->from);
       }));
   CKPT_RETURN_IF_ERROR(db->Scan(TempRecords::kPrefix, [&](std::string_view k, std::string_view v) {
     const uint64_t id =
@@ -56,6 +59,16 @@ Result<RecoveryReport> Journal::Recover(BackingDir* dir, StateDb* db) {
                  report.resumed.size(), report.resumed.front().Describe(),
                  report.resumed.back().Describe());
   }
+  // A discarded publish whose temp file is still there never reached its name: its bytes
+  // die here (async mode allows that), and the next runs tell the peers (LostPublishes).
+  // One whose temp is gone was renamed into place before the crash.
+  std::vector<std::pair<std::string, std::string>> lost;
+  const double now = static_cast<double>(std::time(nullptr));
+  for (const auto& [path, temp] : discarded) {
+    if (!dir->Stat(temp).ok()) continue;
+    report.lost_paths.push_back(path);
+    lost.push_back(LostPublishes::Record(path, now));
+  }
   for (const auto& temp : temps) {
     Status st = dir->Unlink(temp);
     if (st.ok()) {
@@ -65,7 +78,7 @@ Result<RecoveryReport> Journal::Recover(BackingDir* dir, StateDb* db) {
       return st;  // keep the records; the next start tries again
     }
   }
-  CKPT_RETURN_IF_ERROR(db->Write({}, deletes));
+  CKPT_RETURN_IF_ERROR(db->Write(lost, deletes));
   return report;
 }
 

@@ -93,6 +93,8 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
   CKPT_RETURN_IF_ERROR(p->withheld_trackers_->Load());
   p->aborted_rewrites_ =
       std::make_unique<AbortedRewrites>(dir, p->registry_.get(), p->options_.cross_node_order);
+  p->lost_publishes_ = std::make_unique<LostPublishes>(db);
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> lost, p->lost_publishes_->Load());
 
   // The parts ask Publication what the mount knows (its private bases).
   // Peers asking about a shard durable here get its block CRCs with the answer, so the
@@ -102,6 +104,7 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
       [index](const std::string& path) {
         return index != nullptr ? index->ShardChecksumsOf(path) : nullptr;
       });
+  p->shard_states_->NoteLost(lost);
   CommitGateOptions gate = p->options_.gate;
   gate.hold = &p->hold_;  // another node's commit seen ends a hold of deletions
   p->gate_ = std::make_unique<CommitGate>(dir, gate, static_cast<CommitGateHost*>(self),
@@ -353,15 +356,22 @@ void Publication::NoteForeignCommits() {
     if (CommittedElsewhere(dir_, info.path, info.created)) {
       spdlog::info("checkpoint {}: its .metadata was published by another node", info.path);
       registry_->OnCommitted(info.path);
+      shard_states_->Settled(info.path);  // what this mount knew answered for that save
+      lost_publishes_->Settled(info.path);
     }
   }
 }
 
 bool Publication::NoteCommittedElsewhere(const std::string& dir, double since) {
   if (!CommittedElsewhere(dir_, dir, since)) return false;
-  if (since != 0) registry_->OnCommitted(dir);
+  if (since != 0) {
+    registry_->OnCommitted(dir);
+    shard_states_->Settled(dir);
+    lost_publishes_->Settled(dir);
+  }
   return true;
 }
+
 
 std::vector<std::string> Publication::Abort(const std::string& path) {
   // What is aborted never commits: a tracker queued behind it that names it is withheld,
@@ -432,6 +442,7 @@ void Publication::OnDone(const JournalEntry& e, const Status& st) {
   observer_->OnOutcome(e, st);
   if (options_.retained) options_.retained->OnJournalDone(e, st);
   shard_states_->NoteDone(e, st);  // after the mount let go of a published path
+  lost_publishes_->OnDone(e, st);
   TrimHeapAfterBacklog();
 }
 

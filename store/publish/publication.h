@@ -40,6 +40,7 @@
 #include "store/publish/commit_gate.h"
 #include "store/publish/deletion_hold.h"
 #include "store/publish/journal.h"
+#include "store/publish/lost_publishes.h"
 #include "store/publish/publication_view.h"
 #include "store/publish/shard_state.h"
 #include "store/publish/withheld_trackers.h"
@@ -224,6 +225,7 @@ class Publication final : private JournalDelegate,
   std::unique_ptr<CheckpointRegistry> registry_;
   std::unique_ptr<AbortedRewrites> aborted_rewrites_;  // over dir_ and registry_
   std::unique_ptr<LocalShardStates> shard_states_;
+  std::unique_ptr<LostPublishes> lost_publishes_;  // what crashes lost (persisted), for shard_states_
   // Deletions of committed checkpoints held while a given-up checkpoint is the newest
   // (read by the journal and the gate, declared before both).
   DeletionHold hold_;

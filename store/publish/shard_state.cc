@@ -87,6 +87,27 @@ void LocalShardStates::EraseAtOrBelowLocked(const std::string& dir) {
   }
 }
 
+void LocalShardStates::NoteLost(const std::vector<std::string>& paths) {
+  MutexLock lock(&mu_);
+  for (const std::string& path : paths) PutLocked(path, {ShardState::kFailed, 0});
+}
+
+void LocalShardStates::Settled(const std::string& dir) {
+  MutexLock lock(&mu_);
+  SettledLocked(dir);
+}
+
+void LocalShardStates::SettledLocked(const std::string& dir) {
+  for (auto it = records_.lower_bound(dir);
+       it != records_.end() && it->first.compare(0, dir.size(), dir) == 0;) {
+    if (path::IsBelow(it->first, dir) && !IsCommitName(it->first)) {
+      it = records_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 void LocalShardStates::NoteDone(const JournalEntry& e, const Status& st) {
   bool notify = false;
   {
@@ -94,6 +115,7 @@ void LocalShardStates::NoteDone(const JournalEntry& e, const Status& st) {
     switch (e.op) {
       case OpType::kPublish:
         if (st.ok()) {
+          if (IsCommitName(e.path)) SettledLocked(path::Parent(e.path));
           PutLocked(e.path, {ShardState::kDurable, e.size});
         } else if (st.code() == Code::kSuperseded) {
           break;  // a later save into the directory commits it: nothing failed
@@ -126,6 +148,7 @@ void LocalShardStates::NoteDone(const JournalEntry& e, const Status& st) {
         EraseAtOrBelowLocked(e.from);
         EraseAtOrBelowLocked(e.path);
         for (auto& [p, s] : moved) PutLocked(p, s);
+        if (IsCommitName(e.path)) SettledLocked(path::Parent(e.path));  // `.metadata.tmp`
         notify = true;
         break;
       }

@@ -10,7 +10,8 @@
 //             renamed onto its name; `length` is the size it was published with;
 //   kDropped  deleted through this mount before it was published (its publish was dropped
 //             or aborted): it will not appear from here;
-//   kFailed   its publication failed for good here (strict mode skips the entry);
+//   kFailed   its publication failed for good here (strict mode skips the entry), or it
+//             died with an earlier run of this daemon (closed, never published: a crash);
 //   kUnknown  none of these (never written here, or forgotten: the record is bounded).
 // A path open for writing again after a publish is kPending: pending wins over a record.
 //
@@ -177,6 +178,15 @@ class LocalShardStates : public ShardStateProvider {
   // The journal's on_done, after the namespace has taken the outcome (so that a published
   // path is no longer pending when a listener re-asks).
   void NoteDone(const JournalEntry& e, const Status& st) EXCLUDES(mu_, listener_mu_);
+  // Files whose publish died with an earlier run (LostPublishes): kFailed until this mount
+  // writes, publishes, deletes or moves them again.
+  void NoteLost(const std::vector<std::string>& paths) EXCLUDES(mu_);
+  // Checkpoint `dir` committed (its `.metadata` applied here, or seen published by another
+  // node): the records of the files below it, but its commit files, are forgotten. They
+  // answered for that save; kept, they would vouch for it in the next save's commit query,
+  // when another node may be writing the name (a rank placed elsewhere): "durable" from a
+  // stale record outranks the writer's "pending".
+  void Settled(const std::string& dir) EXCLUDES(mu_);
 
  private:
   struct Record {
@@ -185,6 +195,7 @@ class LocalShardStates : public ShardStateProvider {
   };
   void PutLocked(const std::string& path, ShardStatus status) REQUIRES(mu_);
   void EraseAtOrBelowLocked(const std::string& dir) REQUIRES(mu_);
+  void SettledLocked(const std::string& dir) REQUIRES(mu_);
 
   LocalShardQuestions* const local_;
   const size_t max_records_;

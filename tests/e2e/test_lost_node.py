@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import sys
 import threading
@@ -37,6 +38,7 @@ import time
 import unittest
 
 import dcp_tool
+import harness
 from netns import Cluster
 
 RANKS = 4
@@ -297,6 +299,117 @@ class LostNodeThreeNodes(unittest.TestCase):
         self.assertFalse(os.path.exists(os.path.join(it_dir(backing, 2), ".metadata")))
         # The tracker naming the failed checkpoint is withheld (G4 over G8).
         self.assertFalse(os.path.exists(os.path.join(backing, TRACKER)))
+
+
+@unittest.skipUnless(os.geteuid() == 0, "needs root for network namespaces")
+class LostShardOverAnEarlierVersion(unittest.TestCase):
+    """A shard that died with its node, where the backing store still shows an earlier
+    save's version of it, never commits (G5; the two-node async soak, seed 5701, loaded a
+    committed checkpoint whose rank-1 item was short).
+
+    Async, two nodes, rank r through node r. Iteration 1 is saved and committed. Node 1
+    is restarted (a clean stop) with its renames onto real names failing (test-only fault
+    injection, retried as any EIO), and the job saves iteration 1 again into the same
+    directory (torch's overwrite): rank 1's shard is closed and staged, its publish queued,
+    when node 1 is SIGKILLed and restarted. Node 0's `.metadata` must not commit on the strength of the
+    earlier version at that name (same size: same shapes): while node 1 is down it is asked
+    again, not taken from the store; node 1's next run answers "failed" (LostPublishes),
+    and the commit is refused: publication halts there (G7; rank 0's new shard is in
+    place beside the earlier `.metadata`, as the application left the directory), and the
+    operator's abort withdraws the earlier `.metadata` (docs/SEMANTICS.md rule 4). Whatever
+    `.metadata` the backing store shows then loads exactly one save, whole."""
+
+    def test_async(self):
+        self.run_case(moved=False)
+
+    def test_async_rank_moved(self):
+        """Save 1 writes both shards through node 0 (rank 1 placed there then): node 0's
+        record of its publish answered for save 1 only, and must not vouch for rank 1's
+        shard of save 2 (LocalShardStates::Settled); without that, node 0 committed save 2
+        at once, over the earlier version, while node 1 still had its shard pending."""
+        self.run_case(moved=True)
+
+    def run_case(self, moved):
+        root = tempfile.mkdtemp(prefix="ckptfs-lostshard-")
+        self.addCleanup(shutil.rmtree, root, True)
+        c = Cluster(2, root=root, daemon_args=[
+            "--durability", "async", "--peer-dead-after", "60000", "--commit-timeout", "600",
+            "--cache-mem", "64M", "--retain-mem", "0"])
+        self.addCleanup(c.cleanup)
+        c.setup()
+        n0, n1 = c.nodes
+        c.start()
+        self.assertTrue(c.wait_connected())
+        run0, run1 = os.path.join(n0.mnt, "run"), os.path.join(n1.mnt, "run")
+        ck0, ck1 = it_dir(run0, 1), it_dir(run1, 1)
+        backing = it_dir(os.path.join(c.backing, "run"), 1)
+        os.makedirs(run0)
+
+        def logs():
+            return "\n".join(f"--- node {n.index} ---\n{n.log_text(6000)}" for n in c.nodes)
+
+        def state_of(node, path="run/iter_0000001"):
+            with open(os.path.join(node.mnt, ".ckptfs", "checkpoints")) as f:
+                return {x["path"]: x for x in json.load(f)}.get(path, {})
+
+        def eventually(cond, what, timeout):
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                if cond():
+                    return
+                time.sleep(0.2)
+            self.fail(f"{what}\n{logs()}")
+
+        dcp_tool.save(ck0, 2, 4, True, 1, timeout=300, dirs=[ck0, ck0 if moved else ck1])
+        eventually(lambda: state_of(n0).get("state") == "committed", "save 1 not committed", 60)
+        first_md = os.stat(os.path.join(backing, ".metadata"))
+        n1.stop()
+        n1.start(extra_args=["--fault-inject", "seed=1,eio_rename=1"])
+        self.assertTrue(c.wait_connected(timeout=30), logs())
+        dcp_tool.save(ck0, 2, 4, True, 2, timeout=300, dirs=[ck0, ck1])
+        # Node 1's publish of rank 1's shard retries its rename; node 0's commit waits.
+        eventually(lambda: "fault injected" in n1.log_text(1 << 30) and
+                   "rename" in n1.log_text(1 << 30), "node 1's rename never failed", 30)
+        time.sleep(1)
+        self.assertNotEqual(state_of(n0).get("state"), "committed", logs())
+        n1.kill(signal.SIGKILL)
+        time.sleep(2)  # node 0's gate finds node 1 gone
+        n1.start()
+        self.assertTrue(c.wait_connected(timeout=30), logs())
+        eventually(lambda: state_of(n0).get("state") in ("failed", "aborted", "committed"),
+                   "node 0 reached no verdict on the save", 60)
+        st = state_of(n0)
+        self.assertNotEqual(st.get("state"), "committed",
+                            f"committed over a shard that died with its node: {st}\n{logs()}")
+        self.assertIn("failed to publish on the node that wrote it", st.get("error", ""), st)
+        stats = n0.stats()
+        gate = stats["commit_gate"]
+        self.assertGreaterEqual(gate["peer_commit_answers"]["unreachable"], 1, gate)
+        self.assertGreaterEqual(gate["peer_refused"], 1, gate)
+        halted = stats.get("journal_halted") or {}
+        self.assertEqual(halted.get("path"), "run/iter_0000001/.metadata", stats)
+        r = subprocess.run([harness.ADMIN, "abort", ck0], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        eventually(lambda: not n0.stats().get("journal_halted") and
+                   n0.stats().get("journal_pending") == 0,
+                   "still halted, or entries pending, after the abort", 30)
+        # The backing store shows one whole save, or no commit at all.
+        md = os.path.join(backing, ".metadata")
+        loaded = None
+        if os.path.exists(md):
+            for seed in (1, 2):
+                try:
+                    dcp_tool.load(backing, 2, "own", seed, timeout=300)
+                    loaded = seed
+                    break
+                except Exception:
+                    pass
+            self.assertIsNotNone(loaded, "the backing store's .metadata loads neither save\n"
+                                 + logs())
+        kept = os.path.exists(md) and os.stat(md).st_ino == first_md.st_ino
+        print(f"async{', rank 1 moved' if moved else ''}: the re-save's commit was refused ({st.get('error')}); the backing "
+              f"store shows save {loaded}; its .metadata "
+              f"{'kept' if kept else 'replaced or gone'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

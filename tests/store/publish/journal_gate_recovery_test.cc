@@ -536,7 +536,7 @@ TEST_F(JournalTest, RecoverRemovesTheRegisteredTempsOfACrashedRunAndClearsItsEnt
   ASSERT_TRUE(report.ok()) << report.status().ToString();
   EXPECT_EQ(report->temps_removed, 2u);
   EXPECT_EQ(report->entries_discarded, 2u);
-  std::vector<std::string> discarded = report->discarded_paths;
+  std::vector<std::string> discarded = report->lost_paths;
   std::sort(discarded.begin(), discarded.end());
   EXPECT_EQ(discarded, (std::vector<std::string>{"ck/.metadata", "ck/__0_0.distcp"}));
   const TreeState recovered = Tree(root_);
@@ -545,17 +545,67 @@ TEST_F(JournalTest, RecoverRemovesTheRegisteredTempsOfACrashedRunAndClearsItsEnt
   EXPECT_EQ(recovered.dirs, crashed.dirs);
   EXPECT_TRUE(KeysWithPrefix(after_crash.get(), "j/").empty());
   EXPECT_TRUE(KeysWithPrefix(after_crash.get(), "t/").empty());
+  EXPECT_EQ(KeysWithPrefix(after_crash.get(), "l/"),
+            (std::vector<std::string>{"l/ck/.metadata", "l/ck/__0_0.distcp"}))
+      << "what the crash lost is kept for the commit query (LostPublishes)";
 
   auto again = Journal::Recover(backing->get(), after_crash.get());
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->temps_removed, 0u);
   EXPECT_EQ(again->entries_discarded, 0u);
 
+  EXPECT_TRUE(again->lost_paths.empty());
+
   // The next run never reuses a file id (and so a temp name) of the crashed one.
   auto next = Journal::Create(backing->get(), after_crash.get(), nullptr);
   ASSERT_TRUE(next.ok());
   const uint64_t id = (*next)->temps()->NextId();
   for (uint64_t old : ids_before) EXPECT_GT(id, old);
+}
+
+// A publish renamed into place before the crash, whose entry record the crash kept (the
+// record goes after the rename): its temp file is gone, so it is not lost; the one whose
+// temp file is still there is.
+TEST_F(JournalTest, RecoverCountsAsLostOnlyThePublishesWhoseTempFileIsStillThere) {
+  Latch gate;
+  TestHooks hooks;
+  hooks.commit_gate = [&](const JournalEntry&, const QueuedFn&) {
+    gate.Wait();
+    return Status::Ok();
+  };
+  MakeJournal(std::move(hooks));
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "ck")).ok());
+  TempFile md = StartFile("ck");
+  Write(&md, "metadata");
+  const uint64_t commit = Publish(md, "ck/.metadata");  // blocks in the gate
+  TempFile renamed = StartFile("ck");
+  Write(&renamed, std::string(3000, 'a'));
+  Publish(renamed, "ck/__0_0.distcp");
+  TempFile kept = StartFile("ck");
+  Write(&kept, std::string(3000, 'b'));
+  Publish(kept, "ck/__1_0.distcp");
+  gate.AwaitWaiters(1);
+  pipeline_->Drain();
+
+  dir_->SimulateCrash();
+  std::unique_ptr<StateDb> after_crash = CopyDb(db_.get(), tmp_.Sub("state2", false));
+  gate.Open();
+  EXPECT_FALSE(journal_->Wait(commit).ok());
+  journal_.reset();
+  // The rename the crashed run had made before it died.
+  fs::rename(root_ + "/" + renamed.temp, root_ + "/ck/__0_0.distcp");
+
+  auto backing = BackingDir::Open(root_);
+  ASSERT_TRUE(backing.ok());
+  auto report = Journal::Recover(backing->get(), after_crash.get());
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->entries_discarded, 3u);
+  std::vector<std::string> lost = report->lost_paths;
+  std::sort(lost.begin(), lost.end());
+  EXPECT_EQ(lost, (std::vector<std::string>{"ck/.metadata", "ck/__1_0.distcp"}));
+  EXPECT_EQ(KeysWithPrefix(after_crash.get(), "l/"),
+            (std::vector<std::string>{"l/ck/.metadata", "l/ck/__1_0.distcp"}));
+  EXPECT_TRUE(Exists("ck/__0_0.distcp"));
 }
 
 TEST_F(JournalTest, TempRecordsWrittenAheadCostOneSyncForManyFilesAndRecoveryStillRemovesTemps) {
