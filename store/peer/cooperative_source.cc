@@ -77,7 +77,16 @@ void CooperativeSource::SetPlan(const std::string& ckpt, std::shared_ptr<const O
     for (const std::string& f : old->second->files()) by_path_.erase(prefix + f);
   }
   for (const std::string& f : plan->files()) by_path_[prefix + f] = PlanRef{plan, f};
-  by_ckpt_[ckpt] = std::move(plan);
+  if (by_ckpt_.insert_or_assign(ckpt, std::move(plan)).second) plan_order_.push_back(ckpt);
+  while (by_ckpt_.size() > kMaxPlans && !plan_order_.empty()) {
+    const std::string oldest = std::move(plan_order_.front());
+    plan_order_.pop_front();
+    auto it = by_ckpt_.find(oldest);
+    if (it == by_ckpt_.end()) continue;
+    const std::string old_prefix = oldest.empty() ? "" : oldest + "/";
+    for (const std::string& f : it->second->files()) by_path_.erase(old_prefix + f);
+    by_ckpt_.erase(it);
+  }
 }
 
 bool CooperativeSource::HasPlan(const std::string& ckpt) const {

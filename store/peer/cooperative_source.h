@@ -29,6 +29,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <span>
@@ -192,10 +193,14 @@ class CooperativeSource : public BlockSource {
     std::shared_ptr<const OwnershipPlan> plan;
     std::string file;  // name inside the checkpoint
   };
-  // Backing path -> its plan; checkpoints registered.
+  // Backing path -> its plan; checkpoints registered, the newest kMaxPlans (a plan matters
+  // while its load runs; kept for every checkpoint ever loaded, they grew the heap of a
+  // peer daemon by kilobytes a save: the soak's leak bound, issue 41).
+  static constexpr size_t kMaxPlans = 64;
   std::unordered_map<std::string, PlanRef> by_path_ GUARDED_BY(plans_mu_);
   std::unordered_map<std::string, std::shared_ptr<const OwnershipPlan>> by_ckpt_
       GUARDED_BY(plans_mu_);
+  std::deque<std::string> plan_order_ GUARDED_BY(plans_mu_);  // by_ckpt_'s keys, oldest first
 
   std::atomic<uint64_t> peer_bytes_{0}, peer_blocks_{0}, local_owned_{0}, unplanned_{0};
   std::atomic<uint64_t> stand_in_{0}, stand_in_local_{0};

@@ -47,6 +47,18 @@ class PeerNode::ServingSource : public BlockSource {
       }
       return m->Serve(id, offset, out);
     }
+    if (id.path.starts_with(kRetainedOnlyPrefix)) {
+      // A replica pull (issue 23): only the retained tier answers, neither planned nor
+      // cached here (the cache kept a second copy under this name, never invalidated, and
+      // the planner a checkpoint that does not exist: a peer daemon's heap grew with every
+      // save, the soak's leak bound, issue 41).
+      RetainedTier* tier = node_->tier_.load();
+      if (tier == nullptr) return Status(Code::kNotFound, "no retained tier on this node");
+      BlockId real = id;
+      real.path.erase(0, kRetainedOnlyPrefix.size());
+      if (std::optional<BlockRead> hit = tier->Lookup(real, offset, out)) return *hit;
+      return Status(Code::kNotFound, "not held in memory: " + real.path);
+    }
     const std::string ckpt = path::Parent(id.path);
     if (!node_->coop_->HasPlan(ckpt)) node_->LoadStartedElsewhere(ckpt);
     // Through the cache (single flight with local readers); the cache's source checks the
@@ -227,7 +239,9 @@ void PeerNode::StopServing() {
 void PeerNode::LoadStartedElsewhere(const std::string& ckpt) {
   {
     MutexLock lock(&planner_mu_);
-    if (planner_stop_ || !planner_seen_.insert(ckpt).second) return;
+    if (planner_stop_) return;
+    if (planner_seen_.size() >= kMaxSeen) planner_seen_.clear();
+    if (!planner_seen_.insert(ckpt).second) return;
     planner_queue_.push_back(ckpt);
   }
   planner_cv_.notify_one();
@@ -352,7 +366,13 @@ Result<std::vector<OwnedRange>> PeerNode::PlanCheckpoint(
   const uint64_t mine = plan->node_bytes()[options_.self];
   {
     MutexLock lock(&mu_);
-    planned_[ckpt] = Planned{files, owned};
+    if (planned_.insert_or_assign(ckpt, Planned{files, owned}).second) {
+      planned_order_.push_back(ckpt);
+    }
+    while (planned_.size() > kMaxPlanned && !planned_order_.empty()) {
+      planned_.erase(planned_order_.front());
+      planned_order_.pop_front();
+    }
     ++plan_stats_.plans;
     plan_stats_.last_plan_ms = ms;
     plan_stats_.last_plan_ckpt = ckpt;

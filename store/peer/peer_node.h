@@ -33,6 +33,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -174,7 +175,10 @@ class PeerNode : public Peers {
   Mutex planner_mu_;
   std::condition_variable planner_cv_;
   std::vector<std::string> planner_queue_ GUARDED_BY(planner_mu_);
-  std::set<std::string> planner_seen_ GUARDED_BY(planner_mu_);  // queued once each
+  // Queued once each; forgotten past kMaxSeen (a checkpoint queued again is planned
+  // again only if it has no plan).
+  static constexpr size_t kMaxSeen = 1024;
+  std::set<std::string> planner_seen_ GUARDED_BY(planner_mu_);
   bool planner_stop_ GUARDED_BY(planner_mu_) = false;
   std::thread planner_;
 
@@ -183,7 +187,11 @@ class PeerNode : public Peers {
     std::vector<std::pair<std::string, BlockId>> files;
     std::vector<OwnedRange> owned;
   };
+  // The newest kMaxPlanned plans (as CooperativeSource keeps its own), oldest first in
+  // planned_order_.
+  static constexpr size_t kMaxPlanned = 64;
   std::map<std::string, Planned> planned_ GUARDED_BY(mu_);
+  std::deque<std::string> planned_order_ GUARDED_BY(mu_);
   PeerNodeStats plan_stats_ GUARDED_BY(mu_);  // the plan fields only
 };
 
