@@ -107,9 +107,10 @@ Result<std::unique_ptr<CheckpointRegistry>> CheckpointRegistry::Load(StateDb* db
     }
     if (info.state == CkptState::kWriting || info.state == CkptState::kPending) {
       info.state = CkptState::kAborted;
-      info.error = "daemon stopped before the checkpoint committed";
+      info.error = kStoppedBeforeCommit;
       aborted.push_back(info);
-      spdlog::warn("checkpoint {} aborted by an earlier crash", info.path);
+      spdlog::warn("checkpoint {} was not committed when the last run ended: aborted",
+                   info.path);
     }
     reg->ckpts_[info.path] = info;
   }));
@@ -137,8 +138,8 @@ CheckpointInfo& CheckpointRegistry::Touch(const std::string& dir) {
   return info;
 }
 
-void CheckpointRegistry::Persist(const CheckpointInfo& info) {
-  Status st = db_->Put(std::string(kPrefix) + info.path, info.Encode());
+void CheckpointRegistry::Persist(const CheckpointInfo& info, WriteMode mode) {
+  Status st = db_->Put(std::string(kPrefix) + info.path, info.Encode(), mode);
   if (!st.ok()) spdlog::warn("checkpoint {}: cannot persist state: {}", info.path, st.ToString());
 }
 
@@ -189,8 +190,16 @@ void CheckpointRegistry::OnFilePublished(const std::string& dir, uint64_t bytes,
   MutexLock lock(&mu_);
   CheckpointInfo* info = FindLocked(dir, seq);
   if (info == nullptr) return;
+  const bool was_all = info->bytes_published >= info->bytes;
   info->bytes_published += bytes;
   info->updated = Now();
+  // Every file queued so far is on the backing store: kept, so that the next start can
+  // tell a record of shards whose `.metadata` another node published (Publication's
+  // reconciliation) from a save the stop cut short. Unsynced: a kill keeps it.
+  if (!was_all && info->bytes_published >= info->bytes &&
+      (info->state == CkptState::kWriting || info->state == CkptState::kPending)) {
+    Persist(*info, WriteMode::kUnsynced);
+  }
 }
 
 void CheckpointRegistry::OnCommitQueued(const std::string& dir, uint64_t seq) {
@@ -231,6 +240,7 @@ void CheckpointRegistry::OnCommitted(const std::string& dir, uint64_t seq, bool 
   }
   info.state = CkptState::kCommitted;
   info.committed = info.updated = Now();
+  info.error.clear();  // an earlier failure or stop of this directory's save
   Persist(info);
   spdlog::info("checkpoint {}: committed ({} bytes)", info.path, info.bytes);
 }

@@ -69,7 +69,10 @@ struct CheckpointInfo {
 
 class CheckpointRegistry {
  public:
-  // Loads the records of earlier runs; writing/pending ones become aborted.
+  // The error of a record that was writing or pending when the last run ended.
+  static constexpr char kStoppedBeforeCommit[] = "daemon stopped before the checkpoint committed";
+  // Loads the records of earlier runs; writing/pending ones become aborted
+  // (kStoppedBeforeCommit).
   static Result<std::unique_ptr<CheckpointRegistry>> Load(StateDb* db);  // db must outlive
 
   // True if a file named `name` makes its directory a checkpoint.
@@ -116,7 +119,7 @@ class CheckpointRegistry {
  private:
   explicit CheckpointRegistry(StateDb* db) : db_(db) {}
   CheckpointInfo& Touch(const std::string& dir) REQUIRES(mu_);
-  void Persist(const CheckpointInfo& info) REQUIRES(mu_);
+  void Persist(const CheckpointInfo& info, WriteMode mode = WriteMode::kSynced) REQUIRES(mu_);
   // The path now of the directory that entry `seq` named `dir`, or nullopt when it was
   // removed since.
   std::optional<std::string> ResolveLocked(std::string dir, uint64_t seq) const REQUIRES(mu_);

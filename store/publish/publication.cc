@@ -64,6 +64,25 @@ bool IsTrackerName(const std::string& path) {
   return !path.empty() && IsTrackerCandidate(probe);
 }
 
+// At start, with cross-node order: a record the last run left aborted with every shard
+// published whose `.metadata` another node has published meanwhile is committed.
+void ReconcileForeignCommits(BackingDir* dir, CheckpointRegistry* registry) {
+  // Shards of a checkpoint whose `.metadata` another node publishes, every one of them
+  // published here, when the last run ended (a clean stop does not wait for that node's
+  // commit): it may have come since. Such a record is committed, not aborted.
+  for (const CheckpointInfo& info : registry->List()) {
+    if (info.state != CkptState::kAborted ||
+        info.error != CheckpointRegistry::kStoppedBeforeCommit || info.files == 0 ||
+        info.bytes_published < info.bytes) {
+      continue;
+    }
+    if (CommittedElsewhere(dir, info.path, info.created)) {
+      spdlog::info("checkpoint {}: its .metadata was published by another node", info.path);
+      registry->OnCommitted(info.path);
+    }
+  }
+}
+
 }  // namespace
 
 Publication::Publication(BackingDir* dir, KeyIndex* index, PublicationOptions options)
@@ -84,6 +103,7 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
   // Entries the last stop left for this start: queued by Start(), once the observer exists.
   p->left_ = std::move(report.resumed);
   CKPT_ASSIGN_OR_RETURN(p->registry_, CheckpointRegistry::Load(db));
+  if (p->options_.cross_node_order) ReconcileForeignCommits(dir, p->registry_.get());
   for (const std::string& restored : report.restored) {
     p->registry_->OnEarlierCommitKept(restored,
                                       "a later save into it was lost with the daemon; the "
