@@ -17,6 +17,8 @@ namespace ckptfs::store {
 namespace {
 
 constexpr auto kMaxBackoff = std::chrono::milliseconds(2000);
+// How long a shard whose node did not answer is asked again before it is polled.
+constexpr auto kSilentPeerWait = std::chrono::milliseconds(3000);
 
 }  // namespace
 
@@ -29,6 +31,7 @@ Status CommitGate::Load(const JournalEntry& e, Pending* p) {
   p->next_poll = {};
   p->polled.clear();
   p->unanswered.clear();
+  p->silent_since.clear();
   const CommitKind kind = CommitKindOf(e.path);
   if (kind == CommitKind::kSafetensorsSingle) {
     // The whole checkpoint is this one file: its own durable bytes are all it needs.
@@ -457,15 +460,19 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
       // A node that did not answer may be the one that wrote it, and may have lost it (a
       // daemon killed before its publish, restarting: its next run answers "failed",
       // LostPublishes). What the backing store shows at that name may then be an earlier
-      // save's version: asked again, at the polls' pace, not taken from the store, until
-      // that node answers or is declared dead (the two-node async soak, seed 5701: a
-      // `.metadata` committed over a shard that died with its node).
+      // save's version: asked again, at the polls' pace, not taken from the store, for
+      // kSilentPeerWait (a restart answers within it), or until that node is declared
+      // dead; then polled, where an earlier save's file is still refused (EarlierSave).
+      // The two-node async soak, seed 5701: a `.metadata` committed over a shard that
+      // died with its node. Bounded: waiting until a silent node is declared dead held a
+      // strict two-node run's publication for 15 s (seed 5801).
       if (unanswered && peers_ != nullptr) {
         if (!lost_checked) {
           lost_now = peers_->LostPeers();
           lost_checked = true;
         }
-        if (lost_now.empty()) {
+        const auto first = p.silent_since.try_emplace(path, now).first->second;
+        if (lost_now.empty() && now - first < kSilentPeerWait) {
           p.polled.erase(path);
           p.unanswered.erase(path);
           if (!round_out_ || round_seq_ != e.seq) to_ask.push_back(path);
@@ -479,6 +486,11 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
       ++stats_.commit_polls;
       auto st = dir_->Stat(path);
       if (st.ok() && static_cast<uint64_t>(st->st_size) >= min_len) {
+        if (std::optional<std::string> why = EarlierSave(e, path, *st)) {
+          ++stats_.earlier_saves;
+          current_.seq = 0;
+          return Status(Code::kAborted, *why);
+        }
         it = p.need.erase(it);
         continue;
       }
@@ -555,6 +567,20 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
     }
   }
   return check;
+}
+
+std::optional<std::string> CommitGate::EarlierSave(const JournalEntry& e,
+                                                   const std::string& path,
+                                                   const struct stat& st) const {
+  if (!options_.save_began) return std::nullopt;
+  const std::optional<double> began = options_.save_began(path::Parent(e.path));
+  if (!began) return std::nullopt;
+  const double mtime =
+      static_cast<double>(st.st_mtim.tv_sec) + static_cast<double>(st.st_mtim.tv_nsec) * 1e-9;
+  if (mtime >= *began - kEarlierSaveSlack) return std::nullopt;
+  return fmt::format("shard {} on the backing store is an earlier save's (written {:.1f} s "
+                     "before this save began here) and no node writes this save's",
+                     path, *began - mtime);
 }
 
 bool CommitGate::Confirm(const std::string& path, uint64_t min_len) {
@@ -651,7 +677,8 @@ void CommitGateStats::AppendJson(nlohmann::json* out) const {
                       {"ordered_timeouts", ordered_timeouts},
                       {"coordinator_queries", coordinator_queries},
                       {"coordinator_failed", coordinator_failed},
-                      {"peer_refused", peer_refused}};
+                      {"peer_refused", peer_refused},
+                      {"earlier_saves", earlier_saves}};
 }
 
 }  // namespace ckptfs::store

@@ -36,7 +36,12 @@
 //             peer unreachable, or shorter than required: polled as below (a strict
 //             caller waits for a shard whose node did not answer, as for a first answer);
 //      c. polled: it counts once the backing store shows it with the required length,
-//         stat'ed with backoff (50 ms doubling to 2 s), counted in commit_polls.
+//         stat'ed with backoff (50 ms doubling to 2 s), counted in commit_polls; unless
+//         its mtime is earlier than this mount's first write of the save less
+//         kEarlierSaveSlack (save_began): that file is an earlier save's version at the
+//         name (a peer's lagging publish into the directory made again, a peer restarted
+//         since), nobody is writing this save's, and the commit is refused (the two-node
+//         async soak, seed 5801).
 // A `.metadata` that is not a DCP metadata this parser understands commits by order alone.
 //
 // Across nodes (G4): a mount whose ranks wrote shards of a checkpoint whose `.metadata`
@@ -59,6 +64,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -85,7 +91,17 @@ struct CommitGateOptions {
   std::chrono::milliseconds peer_recheck{1000};
   // Told when another node's `.metadata` is seen (borrowed, may be null).
   DeletionHold* hold = nullptr;
+  // When this mount began writing the save of checkpoint `dir` whose commit is checked
+  // (wall-clock seconds), if it wrote a shard of it; nullopt else. A shard polled on the
+  // backing store whose mtime (the writer's last write, which its publish keeps) is
+  // earlier by more than kEarlierSaveSlack is an earlier save's (below). May be empty.
+  std::function<std::optional<double>(const std::string& dir)> save_began;
 };
+
+// How much earlier than this mount's first write of a save another rank's shard of it may
+// have been written (ranks start their writes together, after DCP's plan; clocks of
+// nodes and the store agree to well under this).
+inline constexpr double kEarlierSaveSlack = 2.0;
 
 // The gate's owner (Publication): what it knows of the files of this mount, and the journal
 // to wake. Called on the publisher thread, and WakeGate on a peer querier's thread; in
@@ -137,6 +153,7 @@ struct CommitGateStats {
   uint64_t coordinator_failed = 0;   // ... that it said failed or deleted: given up
   uint64_t peer_confirmed = 0;       // shards counted on a peer's word (+ a stat)
   uint64_t peer_refused = 0;         // commits refused on a peer's "dropped"
+  uint64_t earlier_saves = 0;        // ... on a polled shard of an earlier save
   uint64_t given_up = 0;             // commits given up: their shards were a dead node's
   uint64_t ordered_timeouts = 0;     // ... of them: another node's `.metadata` never came
   // Under "commit_gate" in /.ckptfs/stats, plus flat peer_commit_queries, remote_polls.
@@ -180,9 +197,16 @@ class CommitGate final : private PeerShardAnswerSink {
     // Of `polled`, those whose node did not answer (unreachable): a strict caller waits
     // for them, as for a first answer still out.
     std::set<std::string> unanswered;
+    // When each path's node was first found silent in this commit (asked again until
+    // kSilentPeerWait has passed).
+    std::map<std::string, std::chrono::steady_clock::time_point> silent_since;
   };
   // One stat: `path` on the backing store with at least `min_len` bytes.
   bool Confirm(const std::string& path, uint64_t min_len) REQUIRES(mu_);
+  // Why the polled file `st` at `path` is an earlier save's than commit `e` names, or
+  // nullopt (options_.save_began).
+  std::optional<std::string> EarlierSave(const JournalEntry& e, const std::string& path,
+                                         const struct stat& st) const;
   // Stores a round's answers (the querier's thread).
   void OnPeerShardAnswers(uint64_t round, std::vector<PeerShardAnswer> answers) override
       EXCLUDES(mu_);

@@ -127,6 +127,17 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
   p->shard_states_->NoteLost(lost);
   CommitGateOptions gate = p->options_.gate;
   gate.hold = &p->hold_;  // another node's commit seen ends a hold of deletions
+  // When this save began here: the first checkpoint file this mount made in it, if one
+  // besides the commit file was queued (a `.metadata` alone says nothing of the shards).
+  gate.save_began = [registry = p->registry_.get()](const std::string& dir)
+      -> std::optional<double> {
+    const std::optional<CheckpointInfo> info = registry->Get(dir);
+    if (!info || info->files < 2 ||
+        (info->state != CkptState::kWriting && info->state != CkptState::kPending)) {
+      return std::nullopt;
+    }
+    return info->created;
+  };
   p->gate_ = std::make_unique<CommitGate>(dir, gate, static_cast<CommitGateHost*>(self),
                                           p->options_.peers);
   JournalOptions journal;

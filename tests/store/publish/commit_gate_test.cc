@@ -10,10 +10,15 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
 #include <thread>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <ctime>
 
 #include "common/mutex.h"
 #include "store/dcp/dcp_metadata.h"
@@ -90,6 +95,7 @@ class CommitGateTest : public ::testing::Test, public PeerShardAsker, public Com
     CommitGateOptions o;
     o.timeout = timeout;
     o.hold = hold;
+    o.save_began = save_began_;
     return std::make_unique<CommitGate>(dir_.get(), o, this, this);
   }
 
@@ -168,6 +174,7 @@ class CommitGateTest : public ::testing::Test, public PeerShardAsker, public Com
   bool peers_available_ GUARDED_BY(mu_) = true;
   std::set<std::string> deleted_here_ GUARDED_BY(mu_);  // DeletedLocally
   std::string lost_peers_ GUARDED_BY(mu_);              // LostPeers: none declared dead
+  std::function<std::optional<double>(const std::string&)> save_began_;  // MakeGate's
   std::atomic<int> wakes_{0};
 };
 
@@ -237,7 +244,20 @@ TEST_F(CommitGateTest, AnUnreachablePeersShardsAreAskedAgainNotTakenFromTheBacki
   c = Check(*gate);
   EXPECT_EQ(c.status.code(), Code::kAborted) << c.status.ToString();
 
-  // Once a node is declared dead, what the store shows is all there is: polled.
+  // A node silent for longer than a restart takes: what the store shows is polled (an
+  // earlier save's version is still refused there: APolledShardOfAnEarlierSaveIsRefused).
+  ++commit_.seq;
+  auto silent = MakeGate();
+  EXPECT_FALSE(Check(*silent).ready);
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 300 && !(c = Check(*silent)).ready; ++i) {
+    if (OpenRounds() > 0) Answer({ShardState::kUnknown, 0}, /*unreachable=*/true);
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_TRUE(c.ready);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 2900ms) << "asked again first";
+
+  // Once a node is declared dead, what the store shows is all there is: polled at once.
   ++commit_.seq;
   {
     MutexLock lock(&mu_);
@@ -264,6 +284,47 @@ TEST_F(CommitGateTest, AnUnreachablePeersShardsAreAskedAgainNotTakenFromTheBacki
   c = Check(*known);
   EXPECT_FALSE(c.ready);
   EXPECT_TRUE(c.waits_for_unwritten) << "every peer answered: nobody has written them";
+}
+
+// A shard nobody writes now (every peer answers unknown) that the backing store shows
+// with an mtime well before this save began here is an earlier save's version at that
+// name: the commit is refused at once instead of committing over it (the two-node async
+// soak, seed 5801: a restarted peer's lagging publish of an earlier save had landed in
+// the directory made again). A shard written as this save began counts.
+TEST_F(CommitGateTest, APolledShardOfAnEarlierSaveIsRefused) {
+  const double began = static_cast<double>(std::time(nullptr));
+  save_began_ = [began](const std::string& dir) -> std::optional<double> {
+    EXPECT_EQ(dir, "ck");
+    return began;
+  };
+  WriteShards();
+  for (const auto& [path, len] : need_) {
+    struct timespec ts[2] = {{static_cast<time_t>(began) - 60, 0},
+                             {static_cast<time_t>(began) - 60, 0}};
+    ASSERT_EQ(utimensat(AT_FDCWD, (root_ + "/" + path).c_str(), ts, 0), 0);
+  }
+  auto gate = MakeGate();
+  EXPECT_FALSE(Check(*gate).ready);
+  Answer({ShardState::kUnknown, 0});
+  CommitCheck c = Check(*gate);
+  EXPECT_EQ(c.status.code(), Code::kAborted) << c.status.ToString();
+  EXPECT_NE(c.status.ToString().find("an earlier save's"), std::string::npos)
+      << c.status.ToString();
+  EXPECT_EQ(gate->stats().earlier_saves, 1u);
+
+  ++commit_.seq;
+  for (const auto& [path, len] : need_) {
+    struct timespec ts[2] = {{static_cast<time_t>(began) - 1, 0},
+                             {static_cast<time_t>(began) - 1, 0}};  // within the slack
+    ASSERT_EQ(utimensat(AT_FDCWD, (root_ + "/" + path).c_str(), ts, 0), 0);
+  }
+  auto fresh = MakeGate();
+  EXPECT_FALSE(Check(*fresh).ready);
+  Answer({ShardState::kUnknown, 0});
+  c = Check(*fresh);
+  EXPECT_TRUE(c.status.ok()) << c.status.ToString();
+  EXPECT_TRUE(c.ready);
+  save_began_ = nullptr;
 }
 
 TEST_F(CommitGateTest, DurableAnswerCountsAfterExactlyOneStat) {
