@@ -252,10 +252,20 @@ CommitCheck Publication::CheckCommit(const JournalEntry& e, const QueuedPublishe
     // halt (DropIfHalted marked the directory): it can never commit, and the application
     // removed it. Decided, as a commit given up for a lost node is: skipped instead of a
     // halt that waits for an operator, and a tracker naming it stays withheld.
-    MutexLock lock(&lost_mu_);
-    if (lost_.count(path::Parent(e.path)) > 0) {
-      return Status(Code::kNodeLost, check.status.message());
+    const std::string dir = path::Parent(e.path);
+    {
+      MutexLock lock(&lost_mu_);
+      if (lost_.count(dir) > 0) return Status(Code::kNodeLost, check.status.message());
+      // Refused otherwise (a peer's shard dropped, failed or lost with its node, an earlier
+      // save's file at a shard's name): it halts here for the operator, but a tracker
+      // naming it stays withheld even if the application removes the directory meanwhile
+      // (the halted entry then goes with it, and the tracker behind it was applied: the
+      // two-node async soak, seed 5803, "the tracker names a checkpoint with no
+      // .metadata"); deletions of committed checkpoints wait for a later commit.
+      if (lost_.size() >= 1024) lost_.erase(lost_.begin());
+      lost_[dir] = "its commit was refused: " + check.status.message();
     }
+    hold_.GaveUp();
   }
   if (check.status.ok() && check.ready && hold_.active() && HeldDeletionCandidate(e)) {
     // A checkpoint before it was given up and none has committed since: the deletion of a
