@@ -371,9 +371,8 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
       const bool mine = is_queued || is_open;
       open_here = open_here || is_open;
       if (!mine && host_ != nullptr && host_->DeletedLocally(path)) {
-        current_.seq = 0;
-        return Status(Code::kAborted,
-                      "shard " + path + " was deleted or aborted before it was published");
+        return Refuse(e, Status(Code::kAborted,
+                      "shard " + path + " was deleted or aborted before it was published"));
       }
       if (mine) {
         waiting.push_back(path);
@@ -433,13 +432,12 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
           // commit timeout while the application saves on (a re-save of the shard answers
           // pending or durable, and its own `.metadata` commits).
           ++stats_.peer_refused;
-          current_.seq = 0;
-          return Status(Code::kAborted,
+          return Refuse(e, Status(Code::kAborted,
                         "shard " + path +
                             (state == ShardState::kFailed
                                  ? " failed to publish on the node that wrote it"
                                  : " was deleted on the node that wrote it before it was "
-                                   "published"));
+                                   "published")));
         }
         p.polled.insert(path);
         if (answer.unreachable) p.unanswered.insert(path);
@@ -473,13 +471,10 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
         }
         const auto first = p.silent_since.try_emplace(path, now).first->second;
         if (lost_now.empty() && now - first < kSilentPeerWait) {
+          // Not polled after all: this same path goes through a and b again, where it is
+          // asked as one not asked yet (the answer was taken).
           p.polled.erase(path);
           p.unanswered.erase(path);
-          if (!round_out_ || round_seq_ != e.seq) to_ask.push_back(path);
-          on_peers = true;
-          waiting.push_back(path);
-          ++asking;
-          ++it;
           continue;
         }
       }
@@ -488,8 +483,7 @@ CommitCheck CommitGate::CheckCommit(const JournalEntry& e, const QueuedPublishes
       if (st.ok() && static_cast<uint64_t>(st->st_size) >= min_len) {
         if (std::optional<std::string> why = EarlierSave(e, path, *st)) {
           ++stats_.earlier_saves;
-          current_.seq = 0;
-          return Status(Code::kAborted, *why);
+          return Refuse(e, Status(Code::kAborted, *why));
         }
         it = p.need.erase(it);
         continue;
@@ -581,6 +575,14 @@ std::optional<std::string> CommitGate::EarlierSave(const JournalEntry& e,
   return fmt::format("shard {} on the backing store is an earlier save's (written {:.1f} s "
                      "before this save began here) and no node writes this save's",
                      path, *began - mtime);
+}
+
+Status CommitGate::Refuse(const JournalEntry& e, Status why) {
+  current_.seq = 0;
+  // This node's own commit of the directory is decided: entries ordered after it stop
+  // waiting for its `.metadata` (a tracker naming it is withheld by the host, G4).
+  foreign_.erase(path::Parent(e.path));
+  return why;
 }
 
 bool CommitGate::Confirm(const std::string& path, uint64_t min_len) {

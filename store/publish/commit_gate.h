@@ -201,6 +201,9 @@ class CommitGate final : private PeerShardAnswerSink {
     // kSilentPeerWait has passed).
     std::map<std::string, std::chrono::steady_clock::time_point> silent_since;
   };
+  // Commit `e` is refused for `why`: forgotten, and its directory no longer waited for
+  // by ordered entries (foreign_).
+  Status Refuse(const JournalEntry& e, Status why) REQUIRES(mu_);
   // One stat: `path` on the backing store with at least `min_len` bytes.
   bool Confirm(const std::string& path, uint64_t min_len) REQUIRES(mu_);
   // Why the polled file `st` at `path` is an earlier save's than commit `e` names, or

@@ -12,7 +12,8 @@
 // round still answers them. A name leaves the record once this mount publishes, deletes
 // or moves it again; the record keeps the newest kMaxRecords names.
 //
-// Thread-safe: Load at start, OnDone on the journal's threads.
+// Thread-safe: Load at start, OnDone on the journal's threads, Settled wherever another
+// node's commit is seen.
 #pragma once
 
 #include <cstddef>

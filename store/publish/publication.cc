@@ -79,6 +79,10 @@ void ReconcileForeignCommits(BackingDir* dir, CheckpointRegistry* registry) {
     if (CommittedElsewhere(dir, info.path, info.created)) {
       spdlog::info("checkpoint {}: its .metadata was published by another node", info.path);
       registry->OnCommitted(info.path);
+    } else if (dir->Stat(info.path).status().code() == Code::kNotFound) {
+      // Removed since (a rotation through another node): forgotten, so that each record
+      // is looked at by one start, not by every start after it.
+      registry->OnRemoved(info.path);
     }
   }
 }
@@ -412,7 +416,6 @@ bool Publication::NoteCommittedElsewhere(const std::string& dir, double since) {
   }
   return true;
 }
-
 
 std::vector<std::string> Publication::Abort(const std::string& path) {
   // What is aborted never commits: a tracker queued behind it that names it is withheld,

@@ -373,6 +373,8 @@ class LostShardOverAnEarlierVersion(unittest.TestCase):
             # of calling its share of a committed checkpoint aborted.
             self.assertEqual(state_of(n1).get("state"), "committed", logs())
         dcp_tool.save(ck0, 2, 4, True, 2, timeout=300, dirs=[ck0, ck1])
+        with open(os.path.join(run0, TRACKER), "w") as f:  # the trainer's tracker after it
+            f.write("1")
         # Node 1's publish of rank 1's shard retries its rename; node 0's commit waits.
         eventually(lambda: "fault injected" in n1.log_text(1 << 30) and
                    "rename" in n1.log_text(1 << 30), "node 1's rename never failed", 30)
@@ -399,11 +401,27 @@ class LostShardOverAnEarlierVersion(unittest.TestCase):
         self.assertGreaterEqual(gate["peer_refused"] + gate["earlier_saves"], 1, gate)
         halted = stats.get("journal_halted") or {}
         self.assertEqual(halted.get("path"), "run/iter_0000001/.metadata", stats)
+        tracker = os.path.join(c.backing, "run", TRACKER)
+        if moved:
+            # No operator: the trainer removes the directory while publication is halted
+            # at its commit. The halted entry goes with it; the tracker behind it names a
+            # checkpoint that never committed and stays withheld (G4; the two-node async
+            # soak, seed 5803, published it).
+            shutil.rmtree(ck0)
+            eventually(lambda: not n0.stats().get("journal_halted") and
+                       n0.stats().get("journal_pending") == 0,
+                       "still halted, or entries pending, after the removal", 30)
+            self.assertFalse(os.path.exists(tracker),
+                             "the tracker names a checkpoint that never committed")
+            self.assertFalse(os.path.exists(backing), "the removal was not applied")
+            return
         r = subprocess.run([harness.ADMIN, "abort", ck0], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         eventually(lambda: not n0.stats().get("journal_halted") and
                    n0.stats().get("journal_pending") == 0,
                    "still halted, or entries pending, after the abort", 30)
+        self.assertFalse(os.path.exists(tracker),
+                         "the tracker names an aborted checkpoint")
         # The backing store shows one whole save, or no commit at all.
         md = os.path.join(backing, ".metadata")
         loaded = None
