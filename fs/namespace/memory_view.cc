@@ -3,6 +3,8 @@
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
 #include "fs/namespace/node_table.h"
 #include "fs/namespace/table_lock.h"
 #include "store/publish/publication.h"
@@ -29,8 +31,20 @@ Entry MemoryView::EntryOf(const store::MemAttr& a) const {
   return Entry{InoOf(a.id), StatOf(a), 0.0};
 }
 
+void MemoryView::PruneLocked() {
+  if (marked_.size() < prune_at_) return;
+  {
+    TableLock lock(*table_);
+    std::erase_if(marked_, [this](const auto& m) REQUIRES(table_->mu()) {
+      return table_->NodeLocked(m.first) == nullptr;
+    });
+  }
+  prune_at_ = std::max<size_t>(4096, 2 * marked_.size());
+}
+
 bool MemoryView::MarkedLocked(uint64_t ino) {
   if (auto it = marked_.find(ino); it != marked_.end()) return it->second;
+  PruneLocked();
   std::string path;
   {
     TableLock lock(*table_);

@@ -84,6 +84,10 @@ class MemoryView {
   Entry EntryOf(const store::MemAttr& a) const;
   // The marked state of namespace directory `ino` (read from the backing store once).
   bool MarkedLocked(uint64_t ino) REQUIRES(mu_);
+  // Drops the entries of inodes the table forgot, once the map has doubled since the last
+  // time: every save makes new inodes, and the map grew by each one for the daemon's life
+  // (the two-node soak's heap, issue 41).
+  void PruneLocked() REQUIRES(mu_);
 
   store::MemoryTier* const tier_;
   store::BackingDir* const backing_;
@@ -91,6 +95,7 @@ class MemoryView {
   store::Publication* const publication_;
   Mutex mu_;
   std::unordered_map<uint64_t, bool> marked_ GUARDED_BY(mu_);  // namespace inode -> marked
+  size_t prune_at_ GUARDED_BY(mu_) = 4096;
 };
 
 }  // namespace ckptfs::fs

@@ -224,11 +224,18 @@ class Checks:
         # across nodes) returns in strict mode and waits for a later commit
         # (store/publish/deletion_hold.h); held on the killed node or on one still running,
         # an `rm -r` that returned may rightly still be there.
+        # A deletion found held at one check and lost with a later kill stays excused
+        # until the application touches its directory again (app_op clears the mark).
         held = self.held_at_kill + sum(
             (self.stats(j) or {}).get("journal_held", 0) for j in range(len(self.daemons)))
         for name in done:
             if os.path.exists(os.path.join(self.backing, name)):
-                if held:
+                with self.lock:
+                    d = self.dirs.get(name, {})
+                    excused = bool(held) or d.get("held_seen", False)
+                    if excused:
+                        d["held_seen"] = True
+                if excused:
                     self.counts["rmtree_held_at_check"] += 1
                     continue
                 self.fail("strict: an rm -r that returned is not on the backing store",

@@ -75,6 +75,16 @@ class Daemon:
                    'exec "$@"', "sh"]
         if c is None:
             env.pop("NS", None)
+        # Diagnosis: CKPTFS_SOAK_HEAPTRACK=DIR records every incarnation's heap with
+        # heaptrack's preload library (raw data in DIR/raw.<node>.<incarnation>; read with
+        # heaptrack_interpret and heaptrack_print -M for the live heap over time).
+        # (Set by env(1) right before the daemon: the preload library forgets them in
+        # the processes it traces, and the shell and nsenter come first.)
+        ht = os.environ.get("CKPTFS_SOAK_HEAPTRACK")
+        if ht:
+            os.makedirs(ht, exist_ok=True)
+            cmd = ["env", "LD_PRELOAD=/usr/lib/heaptrack/libheaptrack_preload.so",
+                   "DUMP_HEAPTRACK_OUTPUT=" + os.path.join(ht, f"raw.{tag}")] + cmd
         cmd += [run.backing, self.mnt]
         with open(self.log[:-4] + ".out", "wb") as out:
             self.proc = subprocess.Popen(wrapper + cmd, stdout=out, stderr=subprocess.STDOUT,

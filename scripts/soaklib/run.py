@@ -120,6 +120,7 @@ class ModeRun(Workloads, Checks):
             if history is not None:
                 d["unconfirmed"].update(history)
             d["op"] = op
+            d.pop("held_seen", None)
             if mutates:
                 d["mut"] = self.ev
             if op in DONE_OPS:
@@ -367,10 +368,14 @@ class ModeRun(Workloads, Checks):
         self.check_halt()
         view = None
         if self.up.is_set():
-            r = subprocess.run([harness.ADMIN, "wait", self.mnt, "--timeout", "300"],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                self.fail("publication did not catch up at the end", r.stdout + r.stderr)
+            for d in self.daemons:
+                if not d.alive():
+                    continue
+                r = subprocess.run([harness.ADMIN, "wait", d.mnt, "--timeout", "300"],
+                                   capture_output=True, text=True)
+                if r.returncode != 0:
+                    self.fail(f"publication did not catch up at the end on node {d.index}",
+                              r.stdout + r.stderr)
             self.poll_reported()
             self.resources("end")
             view = tree(self.mnt)
@@ -413,40 +418,44 @@ class ModeRun(Workloads, Checks):
         self.leak_check()
 
     def resources(self, label):
-        """The daemon's resources now (publication caught up), under `label`."""
-        pid = self.proc.pid
+        """Every node's resources now (publication caught up), under `label`: node 0's at
+        the top, the other nodes' under "peers" (a node that writes shards only kept what
+        it learned of every checkpoint: the heap of stop 59's heaptrack run)."""
+        self.drained[label] = self.node_resources(0)
+        self.drained[label]["peers"] = [self.node_resources(i)
+                                        for i in range(1, len(self.daemons))]
+        self.event("drained sample", label=label, **self.drained[label])
+
+    def node_resources(self, i):
+        d = self.daemons[i]
+        pid = d.proc.pid
         st = {}
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 k, _, v = line.partition(":")
                 st[k] = v.split()
-        stats = self.stats() or {}
+        stats = self.stats(i) or {}
         rss_mb = int(st["VmRSS"][0]) / 1024
         # Memory the daemon budgets and fills on purpose: staging chunks pinned on first use
         # and kept (--staging-mem), the retained tier (--retain-mem, half the staging by
         # default), the block cache and the state db's memtables and block cache. What is
         # left is what must not grow.
         held_mb = held_bytes(stats) / 2 ** 20
-        self.drained[label] = {"t": self.t(), "saves": self.saves_done(),
-                               "rss_mb": round(rss_mb, 1),
-                               "retained_mb": round(stats.get("retained_used", 0) / 2 ** 20, 1),
-                               "cache_mb": round(stats.get("cache_used", 0) / 2 ** 20, 1),
-                               "staging_mb": round(stats.get("staging_resident", 0) / 2 ** 20,
-                                                   1),
-                               "state_db_mem_mb": round(
-                                   (stats.get("state_db_memory", 0) or 0) / 2 ** 20, 1),
-                               "rss_other_mb": round(rss_mb - held_mb, 1),
-                               # glibc's heap: live allocations, and free bytes it holds
-                               "heap_in_use_mb": round(stats.get("heap_in_use", 0) / 2 ** 20,
-                                                       2),
-                               "heap_free_mb": round(stats.get("heap_free_held", 0) / 2 ** 20,
-                                                     2),
-                               "inodes": stats.get("inodes"),
-                               "threads": int(st["Threads"][0]),
-                               "fds": len(os.listdir(f"/proc/{pid}/fd")),
-                               "fd_kinds": fd_kinds(pid, self.root),
-                               "state_mb": round(dir_bytes(self.state) / 2 ** 20, 2)}
-        self.event("drained sample", label=label, **self.drained[label])
+        return {"t": self.t(), "saves": self.saves_done(),
+                "rss_mb": round(rss_mb, 1),
+                "retained_mb": round(stats.get("retained_used", 0) / 2 ** 20, 1),
+                "cache_mb": round(stats.get("cache_used", 0) / 2 ** 20, 1),
+                "staging_mb": round(stats.get("staging_resident", 0) / 2 ** 20, 1),
+                "state_db_mem_mb": round((stats.get("state_db_memory", 0) or 0) / 2 ** 20, 1),
+                "rss_other_mb": round(rss_mb - held_mb, 1),
+                # glibc's heap: live allocations, and free bytes it holds
+                "heap_in_use_mb": round(stats.get("heap_in_use", 0) / 2 ** 20, 2),
+                "heap_free_mb": round(stats.get("heap_free_held", 0) / 2 ** 20, 2),
+                "inodes": stats.get("inodes"),
+                "threads": int(st["Threads"][0]),
+                "fds": len(os.listdir(f"/proc/{pid}/fd")),
+                "fd_kinds": fd_kinds(pid, self.root),
+                "state_mb": round(dir_bytes(d.state) / 2 ** 20, 2)}
 
     def drained_sample(self, label):
         """Holds the application still between two saves, lets publication catch up, and
@@ -468,8 +477,11 @@ class ModeRun(Workloads, Checks):
                     time.sleep(0.002)
                 os.killpg(job.proc.pid, signal.SIGSTOP)
                 stopped = job
-            r = subprocess.run([harness.ADMIN, "wait", self.mnt, "--timeout", "120"],
-                               capture_output=True, text=True)
+            for d in self.daemons:
+                r = subprocess.run([harness.ADMIN, "wait", d.mnt, "--timeout", "120"],
+                                   capture_output=True, text=True)
+                if r.returncode != 0:
+                    break
             if r.returncode == 0:
                 self.resources(label)
             else:
@@ -502,22 +514,30 @@ class ModeRun(Workloads, Checks):
                              base=base, end=end)
             return
         self.leak.update(checked=True, saves_between=between, base=base, end=end)
+        nodes = [(0, base, end)] + [(i + 1, b, e) for i, (b, e) in
+                                    enumerate(zip(base.get("peers", []), end.get("peers", [])))]
+        for i, b, e in nodes:
+            self.leak_check_node(i, b, e, between)
+
+    def leak_check_node(self, i, base, end, between):
+        who = f"node {i}: " if len(self.daemons) > 1 else ""
+        detail = json.dumps({"node": i, "saves_between": between, "base": base, "end": end})
         if end["rss_other_mb"] > base["rss_other_mb"] * 1.10:
-            what = ("leak: daemon RSS (less staging, retained tier, block cache and state db "
-                    "memory) grew more than 10 %")
+            what = (f"leak: {who}daemon RSS (less staging, retained tier, block cache and "
+                    "state db memory) grew more than 10 %")
             self.leak["over_bound"] = True
             if getattr(self.args, "leak_report_only", False):
                 print(f"[{self.mode}] LEAK (reported only): {what}: "
                       f"{base['rss_other_mb']} -> {end['rss_other_mb']} MiB over {between} saves",
                       flush=True)
             else:
-                self.fail(what, json.dumps(self.leak))
+                self.fail(what, detail)
         if end["fds"] > base["fds"] + 4:
-            self.fail("leak: open fds grew", json.dumps(self.leak))
+            self.fail(f"leak: {who}open fds grew", detail)
         if end["threads"] > base["threads"] + 2:
-            self.fail("leak: threads grew", json.dumps(self.leak))
+            self.fail(f"leak: {who}threads grew", detail)
         if end["state_mb"] > 2 * base["state_mb"] + 64:
-            self.fail("leak: the state dir grew", json.dumps(self.leak))
+            self.fail(f"leak: {who}the state dir grew", detail)
 
     def cleanup(self, keep):
         self.stop_ev.set()

@@ -270,7 +270,27 @@ class Workloads:
             # of it is gone or partial, as its failed state says.
             self.counts["failed_by_fault"] += 1
         else:
-            self.fail(f"load of the tracker's {name} through the mount failed", job.tail())
+            self.fail(f"load of the tracker's {name} through the mount failed",
+                      job.tail() + "\n" + self.sizes_seen(name))
+
+    def sizes_seen(self, name):
+        """Each file's size on the backing store and through every mount, and its
+        backing mtime: a load that ran out of input reads a size one of them got wrong."""
+        lines = []
+        try:
+            files = sorted(os.listdir(os.path.join(self.backing, name)))
+        except OSError as e:
+            return f"sizes: {e}"
+        for f in files:
+            row = []
+            for where in [self.backing] + [d.mnt for d in self.daemons]:
+                try:
+                    st = os.stat(os.path.join(where, name, f))
+                    row.append(f"{st.st_size}@{st.st_mtime:.3f}")
+                except OSError as e:
+                    row.append(type(e).__name__)
+            lines.append(f"{f}: backing, mounts: {' '.join(row)}")
+        return "sizes:\n" + "\n".join(lines)
 
     def traffic(self):
         logs = os.path.join(self.mnt, "logs")

@@ -577,6 +577,12 @@ std::optional<std::string> CommitGate::EarlierSave(const JournalEntry& e,
                      path, *began - mtime);
 }
 
+void CommitGate::Forget(const std::string& dir) {
+  MutexLock lock(&mu_);
+  foreign_.erase(dir);
+  commits_here_.erase(dir);
+}
+
 Status CommitGate::Refuse(const JournalEntry& e, Status why) {
   current_.seq = 0;
   // This node's own commit of the directory is decided: entries ordered after it stop

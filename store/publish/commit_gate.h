@@ -183,6 +183,12 @@ class CommitGate final : private PeerShardAnswerSink {
   // The journal's on_done: tracks directories holding shards published here whose
   // `.metadata` this mount did not publish.
   void NoteApplied(const JournalEntry& e, const Status& st);
+  // Nothing waits for the `.metadata` of `dir` any more: this mount's commit of it was
+  // decided without one (the application removed the directory before its shards were
+  // durable), or it was seen committed by another node, or gone from the backing store.
+  // (A node that writes shards only, never an ordered entry, kept every directory it
+  // wrote into for its life: the two-node soak's heap, issue 41.)
+  void Forget(const std::string& dir);
 
  private:
   struct Pending {

@@ -290,7 +290,14 @@ CommitCheck Publication::CheckCommit(const JournalEntry& e, const QueuedPublishe
   if (check.status.ok() && check.ready && !IsCommitName(e.path) && IsTrackerCandidate(e)) {
     if (auto lost = NamesLostCheckpoint(e)) {
       // G4 over G8: the tracker would name a checkpoint that never commits. The backing
-      // store keeps the tracker before it (naming the last committed one).
+      // store keeps the tracker before it (naming the last committed one), unless the
+      // application wrote the tracker again since: that version replaces this one, which
+      // then failed nothing (a rotation that outran publication removed the checkpoint).
+      if (queued.LaterVersionQueued(e.path, e.seq)) {
+        return Status(Code::kSuperseded, "it names checkpoint " + lost->first + ", which "
+                                         "never commits (" + lost->second + "), and a "
+                                         "later version of it is queued");
+      }
       return Status(Code::kNodeLost, "it names checkpoint " + lost->first +
                                          ", which was given up: " + lost->second);
     }
@@ -379,6 +386,7 @@ void Publication::ForgetVanishedCheckpoints() {
       spdlog::info("checkpoint {}: gone from the backing store", info.path);
       registry_->OnRemoved(info.path);
       index_->Forget(info.path);
+      if (options_.cross_node_order) gate_->Forget(info.path);
     }
   }
   for (const auto& path : index_->IndexedCheckpoints()) {
@@ -403,6 +411,7 @@ void Publication::NoteForeignCommits() {
       registry_->OnCommitted(info.path);
       shard_states_->Settled(info.path);  // what this mount knew answered for that save
       lost_publishes_->Settled(info.path);
+      gate_->Forget(info.path);
     }
   }
 }
@@ -413,6 +422,7 @@ bool Publication::NoteCommittedElsewhere(const std::string& dir, double since) {
     registry_->OnCommitted(dir);
     shard_states_->Settled(dir);
     lost_publishes_->Settled(dir);
+    if (options_.cross_node_order) gate_->Forget(dir);
   }
   return true;
 }
@@ -487,10 +497,28 @@ void Publication::OnDone(const JournalEntry& e, const Status& st) {
   if (options_.retained) options_.retained->OnJournalDone(e, st);
   shard_states_->NoteDone(e, st);  // after the mount let go of a published path
   lost_publishes_->OnDone(e, st);
-  TrimHeapAfterBacklog();
+  AfterEntry(st);
 }
 
-void Publication::TrimHeapAfterBacklog() {
+void Publication::AfterEntry(const Status& st) {
+  // Every 10 s, on the publisher's thread (an applied entry: not an abort's), the records
+  // kept true to the backing store beyond this mount's entries, as the control tree does
+  // before it reports: a node that writes shards only learns its checkpoints committed
+  // elsewhere and removed elsewhere without anyone reading its stats (each kept a record
+  // and a gate entry per checkpoint for the daemon's life: the two-node soak, issue 41).
+  bool sweep = false;
+  {
+    MutexLock lock(&trim_mu_);
+    const auto now = std::chrono::steady_clock::now();
+    if (st.ok() && now - after_entry_.last_sweep >= std::chrono::seconds(10)) {
+      after_entry_.last_sweep = now;
+      sweep = true;
+    }
+  }
+  if (sweep) {
+    NoteForeignCommits();
+    ForgetVanishedCheckpoints();
+  }
   // A backlog (a slow or failing store while the application goes on) holds thousands of
   // queued entries, each with its records, paths and write state; once they are done the
   // allocator keeps their pages, spread between live objects, so RSS stayed at the
@@ -504,13 +532,14 @@ void Publication::TrimHeapAfterBacklog() {
   const uint64_t pending = journal_->counts().pending;
   {
     MutexLock lock(&trim_mu_);
-    backlog_peak_ = std::max(backlog_peak_, pending);
+    uint64_t& peak = after_entry_.backlog_peak;
+    peak = std::max(peak, pending);
     if (pending > 1) return;
     const auto now = std::chrono::steady_clock::now();
-    const auto every = backlog_peak_ >= 256 ? std::chrono::seconds(5) : std::chrono::seconds(30);
-    if (now - last_trim_ < every) return;
-    last_trim_ = now;
-    backlog_peak_ = 0;
+    const auto every = peak >= 256 ? std::chrono::seconds(5) : std::chrono::seconds(30);
+    if (now - after_entry_.last_trim < every) return;
+    after_entry_.last_trim = now;
+    peak = 0;
   }
 #ifdef __GLIBC__
   malloc_trim(0);
@@ -536,6 +565,17 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
   if (st.code() == Code::kSuperseded) {
     // A later save into the same directory commits it; nothing failed. The registry keeps
     // the state that later save gave the directory.
+    if (commit && journal_->DirectoryEndsAfter(e.seq, dir).removed) {
+      // Or the application removed the directory before its shards were durable: it never
+      // commits. Entries ordered after it stop waiting for the `.metadata` this node was
+      // to write, and a tracker naming it is withheld, or superseded by its later version
+      // (CheckCommit): the two-node async soak, seed 5801, held every entry behind such a
+      // tracker for the commit timeout, and the clean stop counted it as not published.
+      if (options_.cross_node_order) gate_->Forget(dir);
+      MutexLock lock(&lost_mu_);
+      if (lost_.size() >= 1024) lost_.erase(lost_.begin());
+      lost_[dir] = "the application removed it before it committed";
+    }
   } else if (st.code() == Code::kNodeLost && commit) {
     registry_->OnFailed(dir, st.ToString(), e.seq);
     hold_.GaveUp();

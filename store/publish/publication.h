@@ -214,8 +214,10 @@ class Publication final : private JournalDelegate,
   std::string NoteApplied(const JournalEntry& e, const Status& st);
   // Gives a just-published file's block CRCs (recorded by the flush pipeline) to the index.
   void HandOverBlockCrcs(const JournalEntry& e);
-  // After OnDone: returns the allocator's free pages once a backlog has drained.
-  void TrimHeapAfterBacklog() EXCLUDES(trim_mu_);
+  // After OnDone: the records' sweep every 10 s (NoteForeignCommits,
+  // ForgetVanishedCheckpoints), and the allocator's free pages returned once a backlog has
+  // drained.
+  void AfterEntry(const Status& st) EXCLUDES(trim_mu_);
 
   BackingDir* const dir_;
   KeyIndex* const index_;
@@ -233,11 +235,14 @@ class Publication final : private JournalDelegate,
   std::unique_ptr<CommitGate> gate_;
   std::unique_ptr<Journal> journal_;  // last: its publisher calls into the parts above
 
-  // The longest queue seen since the last trim, and when that was (TrimHeapAfterBacklog;
-  // OnDone runs on the publisher, an aborting or a stopping thread).
+  // The longest queue seen since the last trim, when that was, and the last sweep
+  // (AfterEntry; OnDone runs on the publisher, an aborting or a stopping thread).
+  struct AfterEntryTimes {
+    uint64_t backlog_peak = 0;
+    std::chrono::steady_clock::time_point last_trim, last_sweep;
+  };
   Mutex trim_mu_;
-  uint64_t backlog_peak_ GUARDED_BY(trim_mu_) = 0;
-  std::chrono::steady_clock::time_point last_trim_ GUARDED_BY(trim_mu_) = {};
+  AfterEntryTimes after_entry_ GUARDED_BY(trim_mu_);
 
   // Names whose pending publish was dropped because the application deleted them while
   // publication was halted: a `.metadata` naming one is refused at once.

@@ -23,7 +23,9 @@ for it):
   * publication is not halted;
   * node 1 restarted on its old state dir publishes nothing of the failed save: no
     `.metadata` appears in iteration 2, no temp file is left;
-  * node 0's clean stop exits 1 (a tracker was withheld: G4 over G8), node 1's exits 0.
+  * the tracker naming 2 is withheld (node 0's clean stop then exits 1: G4 over G8), or,
+    if the tracker naming 3 was queued before node 1 was declared dead, superseded by it
+    (nothing is then missing: the stop exits 0); node 1's stop exits 0.
 """
 import errno
 import json
@@ -165,7 +167,10 @@ class LostNode(unittest.TestCase):
                          "store, or the tracker naming a removed one: (s, committed, tracker)")
         stats = n0.stats()
         self.assertIsNone(stats.get("journal_halted"), stats.get("journal_halted"))
-        self.assertGreaterEqual(stats["journal_given_up"], 1, self.logs())
+        # The tracker naming 2: withheld (given up), or superseded by the one naming 3 if
+        # that was queued before iteration 2 was given up.
+        withheld = stats["journal_given_up"]
+        self.assertGreaterEqual(withheld + stats["journal_superseded"], 1, self.logs())
         self.assertGreaterEqual(stats["peers_declared_dead"], 1)
         self.assertGreaterEqual(stats["journal_held_total"], 1, self.logs())
         with open(os.path.join(n0.mnt, ".ckptfs", "checkpoints")) as f:
@@ -175,7 +180,8 @@ class LostNode(unittest.TestCase):
         self.assertFalse(os.path.exists(os.path.join(it_dir(backing, 2), ".metadata")))
         dcp_tool.load(it_dir(backing, 3), 2, "own", 3, timeout=300)
         print(f"{durability}: node 1 {'hung' if hang else 'killed'}; iteration 3 and its "
-              f"tracker published {took:.1f} s later; given up {stats['journal_given_up']}; "
+              f"tracker published {took:.1f} s later; tracker 2 "
+              f"{'withheld' if withheld else 'superseded'}; "
               f"heartbeats {stats.get('peers_heartbeats')} "
               f"(failed {stats.get('peers_heartbeat_failures')})")
         if hang:
@@ -192,7 +198,7 @@ class LostNode(unittest.TestCase):
                 self.assertEqual(f.read(), "3")
             n1.stop()
             n0.stop()
-            self.assertEqual(n0.proc.returncode, 1, self.logs())
+            self.assertEqual(n0.proc.returncode, 1 if withheld else 0, self.logs())
             return
 
         # Node 1 comes back on its old state dir: nothing of iteration 2 is published.
@@ -204,8 +210,8 @@ class LostNode(unittest.TestCase):
             self.assertEqual(f.read(), "3")
         n1.stop()
         n0.stop()
-        # The withheld tracker is reported by node 0's stop: G4 over G8.
-        self.assertEqual(n0.proc.returncode, 1, self.logs())
+        # A withheld tracker is reported by node 0's stop: G4 over G8.
+        self.assertEqual(n0.proc.returncode, 1 if withheld else 0, self.logs())
         self.assertEqual(n1.proc.returncode, 0, self.logs())
         temps = [os.path.join(r, f) for r, _, fs in os.walk(self.c.backing) for f in fs
                  if f.startswith(".ckptfs-tmp.")]
@@ -439,6 +445,79 @@ class LostShardOverAnEarlierVersion(unittest.TestCase):
         print(f"async{', rank 1 moved' if moved else ''}: the re-save's commit was refused ({st.get('error')}); the backing "
               f"store shows save {loaded}; its .metadata "
               f"{'kept' if kept else 'replaced or gone'}", file=sys.stderr)
+
+
+@unittest.skipUnless(os.geteuid() == 0, "needs root for network namespaces")
+class RotationOutrunsACommit(unittest.TestCase):
+    """The trainer's rotation removes a checkpoint before its commit could be published
+    (async, two nodes; the 60-minute soak, seed 5801, at the trainer's full speed).
+
+    Node 1's renames onto real names fail (test-only fault injection, retried as any EIO),
+    so its shard of iteration 1 stays queued and node 0's `.metadata` waits for it. The
+    trainer writes the tracker (1), removes iteration 1, saves iteration 2 through node 0
+    alone and writes the tracker again (2). Node 0's commit of iteration 1 is decided at
+    once (the application removed the directory: superseded), and the tracker naming it
+    must not wait for a `.metadata` no node will write: before the fix it held every entry
+    behind it for the whole commit timeout (600 s here; 60 s in the soak), then was given
+    up and the clean stop exited 1 ("1 files not published"). Now it is superseded by its
+    later version: the tracker on the backing store says 2 within seconds, nothing is
+    given up or skipped, iteration 2 loads exactly, and node 0's clean stop exits 0."""
+
+    def test_async(self):
+        root = tempfile.mkdtemp(prefix="ckptfs-rotation-")
+        self.addCleanup(shutil.rmtree, root, True)
+        c = Cluster(2, root=root, daemon_args=[
+            "--durability", "async", "--peer-dead-after", "60000", "--commit-timeout", "600",
+            "--cache-mem", "64M", "--retain-mem", "0"])
+        self.addCleanup(c.cleanup)
+        c.setup()
+        n0, n1 = c.nodes
+        c.start()
+        self.assertTrue(c.wait_connected())
+        n1.stop()
+        n1.start(extra_args=["--fault-inject", "seed=1,eio_rename=1"])
+        self.assertTrue(c.wait_connected(timeout=30))
+        run0, run1 = os.path.join(n0.mnt, "run"), os.path.join(n1.mnt, "run")
+        os.makedirs(run0)
+
+        def logs():
+            return "\n".join(f"--- node {n.index} ---\n{n.log_text(6000)}" for n in c.nodes)
+
+        def write_tracker(n):
+            with open(os.path.join(run0, TRACKER), "w") as f:
+                f.write(str(n))
+
+        dcp_tool.save(it_dir(run0, 1), 2, 4, True, 1, timeout=300,
+                      dirs=[it_dir(run0, 1), it_dir(run1, 1)])
+        write_tracker(1)
+        shutil.rmtree(it_dir(run0, 1))
+        dcp_tool.save(it_dir(run0, 2), 2, 4, True, 2, timeout=300,
+                      dirs=[it_dir(run0, 2), it_dir(run0, 2)])
+        write_tracker(2)
+        tracker = os.path.join(c.backing, "run", TRACKER)
+        t0 = time.time()
+        seen = None
+        while time.time() - t0 < 30:
+            if os.path.exists(tracker):
+                with open(tracker) as f:
+                    seen = f.read()
+                if seen == "2":
+                    break
+            time.sleep(0.1)
+        took = time.time() - t0
+        self.assertEqual(seen, "2", f"the tracker on the backing store after {took:.0f} s: "
+                         f"{seen!r}\n{logs()}")
+        stats = n0.stats()
+        self.assertEqual(stats.get("journal_given_up"), 0, stats)
+        self.assertEqual(stats.get("journal_skipped"), 0, stats)
+        self.assertGreaterEqual(stats.get("journal_superseded", 0), 2, stats)
+        self.assertFalse(stats.get("journal_halted"), stats)
+        dcp_tool.load(it_dir(os.path.join(c.backing, "run"), 2), 2, "own", 2, timeout=300)
+        n0.proc.send_signal(signal.SIGTERM)
+        rc = n0.proc.wait(timeout=60)
+        self.assertEqual(rc, 0, f"node 0's clean stop\n{logs()}")
+        print(f"async: the tracker reached 2 on the backing store {took:.1f} s after it was "
+              f"written; superseded {stats.get('journal_superseded')}", file=sys.stderr)
 
 
 if __name__ == "__main__":
