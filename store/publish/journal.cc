@@ -524,14 +524,6 @@ bool Journal::VersionQueued(const std::string& path, uint64_t seq, uint64_t befo
   return false;
 }
 
-bool Journal::LaterVersionQueued(const std::string& path, uint64_t seq) const {
-  MutexLock lock(&mu_);
-  return std::any_of(queue_.begin(), queue_.end(), [&](const Queued& q) {
-    return q.e.seq > seq && q.e.path == path &&
-           (q.e.op == OpType::kPublish || q.e.op == OpType::kRename);
-  });
-}
-
 bool Journal::PublishQueued(const std::string& path) const {
   MutexLock lock(&mu_);
   for (const Queued& q : queue_) {

@@ -162,9 +162,6 @@ class QueuedPublishes {
   // A publish of `path` queued before entry `before` whose writes began before entry `seq`
   // was appended: a version the commit appended at `seq` names.
   virtual bool VersionQueued(const std::string& path, uint64_t seq, uint64_t before) const = 0;
-  // A later version of `path` is queued after entry `seq`: a publish of it, or a rename
-  // onto it.
-  virtual bool LaterVersionQueued(const std::string& path, uint64_t seq) const = 0;
 
  protected:
   ~QueuedPublishes() = default;
@@ -370,7 +367,6 @@ class Journal final : public QueuedPublishes {
       EXCLUDES(mu_);
   bool VersionQueued(const std::string& path, uint64_t seq, uint64_t before) const override
       EXCLUDES(mu_);
-  bool LaterVersionQueued(const std::string& path, uint64_t seq) const override EXCLUDES(mu_);
 
   // What the journal holds and has done, in one look.
   JournalCounts counts() const EXCLUDES(mu_);

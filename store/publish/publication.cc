@@ -293,7 +293,7 @@ CommitCheck Publication::CheckCommit(const JournalEntry& e, const QueuedPublishe
       // store keeps the tracker before it (naming the last committed one), unless the
       // application wrote the tracker again since: that version replaces this one, which
       // then failed nothing (a rotation that outran publication removed the checkpoint).
-      if (queued.LaterVersionQueued(e.path, e.seq)) {
+      if (observer_->RewrittenSince(e.path, e.seq)) {
         return Status(Code::kSuperseded, "it names checkpoint " + lost->first + ", which "
                                          "never commits (" + lost->second + "), and a "
                                          "later version of it is queued");

@@ -600,7 +600,6 @@ TEST_F(CommitGateTest, WhereRankZerosFileIsTheMetadataIsNotWaitedForAsForeign) {
     }
     DirectoryEnd DirectoryEndsAfter(uint64_t, const std::string&) const override { return {}; }
     bool VersionQueued(const std::string&, uint64_t, uint64_t) const override { return false; }
-    bool LaterVersionQueued(const std::string&, uint64_t) const override { return false; }
   } queued;
   EXPECT_TRUE(gate2->Check(rm, &queued).ready);
   rm.seq = 5;

@@ -48,7 +48,6 @@ struct QueuedIf final : QueuedPublishes {
   bool VersionQueued(const std::string& path, uint64_t, uint64_t) const override {
     return PublishQueued(path);
   }
-  bool LaterVersionQueued(const std::string&, uint64_t) const override { return false; }
   QueuedFn fn;
 };
 
