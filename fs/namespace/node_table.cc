@@ -53,9 +53,20 @@ Result<std::unique_ptr<NodeTable>> NodeTable::Create(const FsConfig& config,
 }
 
 void NodeTable::ForgetIfUnusedLocked(const Node* node) {
-  if (node->parent == nullptr && node->nlookup == 0 && node->open_files == 0) {
-    inodes_.erase(node->ino);
+  if (node->parent != nullptr || node->nlookup != 0 || node->open_files != 0) return;
+  // A directory detached with names still in it (removed on the backing store by someone
+  // else, seen by a probe): its children go with it, as unlinked ones, and are forgotten
+  // too unless the kernel or a handle still names them. Before, they stayed in the table
+  // for the daemon's life with `parent` pointing at the freed directory.
+  const auto it = inodes_.find(node->ino);
+  if (it == inodes_.end()) return;
+  const std::shared_ptr<Node> gone = it->second;  // keeps `node` alive below
+  inodes_.erase(it);
+  for (auto& [name, child] : gone->children) {
+    child->parent = nullptr;
+    ForgetIfUnusedLocked(child.get());
   }
+  gone->children.clear();
 }
 
 std::shared_ptr<Node> NodeTable::PublishingLocked(uint64_t id, bool take) {

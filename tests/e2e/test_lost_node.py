@@ -52,6 +52,21 @@ def it_dir(root, n):
     return os.path.join(root, f"iter_{n:07d}")
 
 
+def async_pair(test, prefix):
+    """Two async daemons, connected; cleaned up with `test`. Nothing is given up for a
+    dead node or a missing `.metadata` within the tests' time (60 s, 600 s)."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    test.addCleanup(shutil.rmtree, root, True)
+    c = Cluster(2, root=root, daemon_args=[
+        "--durability", "async", "--peer-dead-after", "60000", "--commit-timeout", "600",
+        "--cache-mem", "64M", "--retain-mem", "0"])
+    test.addCleanup(c.cleanup)
+    c.setup()
+    c.start()
+    test.assertTrue(c.wait_connected())
+    return c
+
+
 @unittest.skipUnless(os.geteuid() == 0, "needs root for network namespaces")
 class LostNode(unittest.TestCase):
     def start_cluster(self, durability):
@@ -337,16 +352,8 @@ class LostShardOverAnEarlierVersion(unittest.TestCase):
         self.run_case(moved=True)
 
     def run_case(self, moved):
-        root = tempfile.mkdtemp(prefix="ckptfs-lostshard-")
-        self.addCleanup(shutil.rmtree, root, True)
-        c = Cluster(2, root=root, daemon_args=[
-            "--durability", "async", "--peer-dead-after", "60000", "--commit-timeout", "600",
-            "--cache-mem", "64M", "--retain-mem", "0"])
-        self.addCleanup(c.cleanup)
-        c.setup()
+        c = async_pair(self, "ckptfs-lostshard-")
         n0, n1 = c.nodes
-        c.start()
-        self.assertTrue(c.wait_connected())
         run0, run1 = os.path.join(n0.mnt, "run"), os.path.join(n1.mnt, "run")
         ck0, ck1 = it_dir(run0, 1), it_dir(run1, 1)
         backing = it_dir(os.path.join(c.backing, "run"), 1)
@@ -464,16 +471,8 @@ class RotationOutrunsACommit(unittest.TestCase):
     given up or skipped, iteration 2 loads exactly, and node 0's clean stop exits 0."""
 
     def test_async(self):
-        root = tempfile.mkdtemp(prefix="ckptfs-rotation-")
-        self.addCleanup(shutil.rmtree, root, True)
-        c = Cluster(2, root=root, daemon_args=[
-            "--durability", "async", "--peer-dead-after", "60000", "--commit-timeout", "600",
-            "--cache-mem", "64M", "--retain-mem", "0"])
-        self.addCleanup(c.cleanup)
-        c.setup()
+        c = async_pair(self, "ckptfs-rotation-")
         n0, n1 = c.nodes
-        c.start()
-        self.assertTrue(c.wait_connected())
         n1.stop()
         n1.start(extra_args=["--fault-inject", "seed=1,eio_rename=1"])
         self.assertTrue(c.wait_connected(timeout=30))

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <nlohmann/json.hpp>
 
 #include <atomic>
 #include <filesystem>
@@ -13,6 +14,7 @@
 #include <string>
 #include <utility>
 
+#include "fs/control/control_tree.h"
 #include "fs/fs_util.h"
 #include "tests/fs/fs_fixture.h"
 
@@ -112,6 +114,32 @@ TEST_F(NamespaceTest, NameRemovedOnTheBackingStoreIsGoneAndOneCreatedThereAppear
   auto theirs = fs_->Lookup(kRootIno, "theirs");
   ASSERT_TRUE(theirs.ok()) << theirs.status().ToString();
   EXPECT_EQ(theirs->attr.st_size, 5);
+}
+
+// A directory someone else removed from the backing store, with names the kernel looked
+// up in it: once the kernel forgets the directory, its children go too. Before, they stayed
+// in the table for the daemon's life, their parent pointer dangling (every later save into
+// a new directory removed elsewhere added to them).
+TEST_F(NamespaceTest, ADirectoryRemovedElsewhereTakesItsChildrenWhenForgotten) {
+  Start();
+  auto inodes = [&] {
+    return nlohmann::json::parse(fs_->control()->StatsJson())["inodes"].get<uint64_t>();
+  };
+  const uint64_t before = inodes();
+  ASSERT_TRUE(std::filesystem::create_directory(BackingPath("d")));
+  PutBacking("d/f", "f");
+  auto d = fs_->Lookup(kRootIno, "d");
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  auto f = fs_->Lookup(d->ino, "f");
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(inodes(), before + 2);
+  std::filesystem::remove_all(BackingPath("d"));
+  fs_->Forget(f->ino, 1);  // the kernel drops the file's entry first, then the directory's
+  auto again = fs_->Lookup(kRootIno, "d");
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), Code::kNotFound);
+  fs_->Forget(d->ino, 1);
+  EXPECT_EQ(inodes(), before) << "the removed directory's child is still in the table";
 }
 
 TEST_F(NamespaceTest, RenameAndUnlinkReachTheBackingStoreInOrder) {
