@@ -179,6 +179,11 @@ Filesystem::~Filesystem() {
   if (pool_) pool_->SetPressureListener(nullptr);  // the write states go first
 }
 
+void Filesystem::SetEntryInvalidator(
+    std::function<void(uint64_t parent, const std::string& name)> f) {
+  if (ns_) ns_->events().SetEntryInvalidator(std::move(f));
+}
+
 void Filesystem::OnStopRequested() {
   if (publication_) publication_->ReleaseWaiters();
 }

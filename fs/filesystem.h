@@ -151,6 +151,9 @@ class Filesystem {
   // an error now (store::Journal::ReleaseWaiters), so that the loop can end and Shutdown()
   // hand publication over. Publication itself goes on.
   void OnStopRequested();
+  // Who tells the kernel to drop a directory entry the mount let go of (a checkpoint
+  // another node removed): the transport's EntryInvalidator while mounted; empty: nobody.
+  void SetEntryInvalidator(std::function<void(uint64_t parent, const std::string& name)> f);
 
   // The /.ckptfs tree: the control files' contents (stats, checkpoints, metrics) and the
   // operator controls (ckptfs-admin resume / abort).

@@ -89,6 +89,24 @@ void JournalEvents::OnOutcome(const store::JournalEntry& e, const Status& st) {
   if (uint64_t dropped = NodePublishDone(e, st)) table_.RefreshAttr(dropped);
 }
 
+void JournalEvents::OnRemovedElsewhere(const std::string& dir) {
+  std::optional<std::pair<uint64_t, std::string>> entry;
+  {
+    TableLock lock(table_);
+    entry = table_.DetachIdleDirLocked(dir);
+  }
+  spdlog::debug("checkpoint {}: removed elsewhere; {}", dir,
+                entry ? "its directory left the mount's view" : "in use here: kept");
+  if (!entry) return;
+  MutexLock lock(&inval_mu_);
+  if (invalidate_) invalidate_(entry->first, entry->second);
+}
+
+void JournalEvents::SetEntryInvalidator(EntryInvalidate f) {
+  MutexLock lock(&inval_mu_);
+  invalidate_ = std::move(f);
+}
+
 uint64_t JournalEvents::NodePublishDone(const store::JournalEntry& e, const Status& st) {
   TableLock lock(table_);
   std::shared_ptr<Node> node = table_.PublishingLocked(e.file_id, /*take=*/true);

@@ -10,6 +10,7 @@
 
 #include "common/status.h"
 #include "fs/filesystem.h"
+#include "fs/transport/entry_invalidator.h"
 #include "fs/transport/fuse_uring.h"
 #include "fs/transport/passthrough.h"
 
@@ -91,6 +92,7 @@ class FuseServer {
   std::unique_ptr<PassthroughTable> passthrough_;  // outlives the session and its handles
   std::unique_ptr<InitPatcher> init_;
   std::unique_ptr<FuseUring> uring_;
+  std::unique_ptr<EntryInvalidator> invalidator_;  // while mounted; before the session goes
   struct fuse_session* session_ = nullptr;
   bool mounted_ = false;
   bool signals_ = false;

@@ -371,9 +371,9 @@ Status Publication::AwaitApplied(uint64_t seq) {
   return Status::Ok();
 }
 
-void Publication::ForgetVanishedCheckpoints() {
+void Publication::ForgetVanishedCheckpoints(uint64_t in_flight) {
   const uint64_t last = journal_->counts().last_appended;
-  if (journal_->counts().applied < last) return;
+  if (journal_->counts().applied + in_flight < last) return;
   // A removal counts only if no entry was queued meanwhile (a rename moves the record
   // before the backing store).
   auto gone = [&](const std::string& path) {
@@ -381,12 +381,20 @@ void Publication::ForgetVanishedCheckpoints() {
     return !st.ok() && st.status().code() == Code::kNotFound && journal_->counts().last_appended == last;
   };
   for (const auto& info : registry_->List()) {
-    if (info.state == CkptState::kWriting || info.state == CkptState::kPending) continue;
+    // Writing: only one whose every file this node wrote is published and whose commit is
+    // another node's (a node that writes shards only, whose checkpoint was removed before
+    // it saw the commit: it kept the record for its life).
+    const bool shards_done = info.state == CkptState::kWriting && !info.commit_queued &&
+                             info.files > 0 && info.bytes_published >= info.bytes;
+    if ((info.state == CkptState::kWriting && !shards_done) || info.state == CkptState::kPending) {
+      continue;
+    }
     if (gone(info.path)) {
       spdlog::info("checkpoint {}: gone from the backing store", info.path);
       registry_->OnRemoved(info.path);
       index_->Forget(info.path);
       if (options_.cross_node_order) gate_->Forget(info.path);
+      if (observer_ != nullptr) observer_->OnRemovedElsewhere(info.path);
     }
   }
   for (const auto& path : index_->IndexedCheckpoints()) {
@@ -506,18 +514,21 @@ void Publication::AfterEntry(const Status& st) {
   // before it reports: a node that writes shards only learns its checkpoints committed
   // elsewhere and removed elsewhere without anyone reading its stats (each kept a record
   // and a gate entry per checkpoint for the daemon's life: the two-node soak, issue 41).
+  // Only once publication has caught up (this entry is the last queued: the journal
+  // removes it after OnDone): a removal is judged only with nothing pending here.
+  const uint64_t pending = journal_->counts().pending;
   bool sweep = false;
   {
     MutexLock lock(&trim_mu_);
     const auto now = std::chrono::steady_clock::now();
-    if (st.ok() && now - after_entry_.last_sweep >= std::chrono::seconds(10)) {
+    if (st.ok() && pending <= 1 && now - after_entry_.last_sweep >= std::chrono::seconds(10)) {
       after_entry_.last_sweep = now;
       sweep = true;
     }
   }
   if (sweep) {
     NoteForeignCommits();
-    ForgetVanishedCheckpoints();
+    ForgetVanishedCheckpoints(/*in_flight=*/1);
   }
   // A backlog (a slow or failing store while the application goes on) holds thousands of
   // queued entries, each with its records, paths and write state; once they are done the
@@ -529,7 +540,6 @@ void Publication::AfterEntry(const Status& st) {
   // in the arenas of whichever threads made their entries, and over hundreds of saves it
   // grew by 4 MiB (the 60-minute soak, seed 5701, async: RSS less budgets +10.7 % from
   // 2,152 to 2,945 saves, heap in use +0.8 MiB, free held 1.3 -> 5.1 MiB).
-  const uint64_t pending = journal_->counts().pending;
   {
     MutexLock lock(&trim_mu_);
     uint64_t& peak = after_entry_.backlog_peak;
@@ -571,6 +581,12 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
       // to write, and a tracker naming it is withheld, or superseded by its later version
       // (CheckCommit): the two-node async soak, seed 5801, held every entry behind such a
       // tracker for the commit timeout, and the clean stop counted it as not published.
+      // Deletions of committed checkpoints behind it wait for a later commit, as behind a
+      // given-up one (deletion_hold.h): the tracker naming it is superseded, so the
+      // backing store's tracker still names an earlier checkpoint, which the rotation's
+      // `rm -r` must not take away first (the two-node soak, seed 5903: the tracker named
+      // a removed checkpoint).
+      hold_.GaveUp();
       if (options_.cross_node_order) gate_->Forget(dir);
       MutexLock lock(&lost_mu_);
       if (lost_.size() >= 1024) lost_.erase(lost_.begin());

@@ -72,6 +72,10 @@ class PublicationObserver {
   // Halted: publication stopped at `e` with `st` (each attempt), or passed it (ok). The
   // registry has been told already.
   virtual void OnHalted(const JournalEntry& e, const Status& st) = 0;
+  // Checkpoint `dir`, which this mount wrote into, is gone from the backing store (removed
+  // through another node, or by hand) and nothing is pending here: the mount's view may
+  // let it go (ForgetVanishedCheckpoints).
+  virtual void OnRemovedElsewhere(const std::string& dir) = 0;
 };
 
 // Told every entry's outcome after the publish's file times are set (so that it can key
@@ -158,8 +162,9 @@ class Publication final : private JournalDelegate,
   // tree calls these before it reports). Finished checkpoints whose directory (or, for
   // those known only from the key index, whose checkpoint files) is gone from the backing
   // store, removed by someone else, are forgotten, record and key index; nothing while
-  // entries are pending (the backing store lags the mount).
-  void ForgetVanishedCheckpoints();
+  // entries are pending (the backing store lags the mount). `in_flight`: entries done but
+  // not yet counted as applied (1 from the publisher's own sweep, AfterEntry).
+  void ForgetVanishedCheckpoints(uint64_t in_flight = 0);
   // With cross-node order (peers): checkpoints this node wrote shards of, all published,
   // whose `.metadata` another node has since published (CommittedElsewhere) become
   // committed here too.

@@ -52,14 +52,14 @@ def it_dir(root, n):
     return os.path.join(root, f"iter_{n:07d}")
 
 
-def async_pair(test, prefix):
+def async_pair(test, prefix, extra=()):
     """Two async daemons, connected; cleaned up with `test`. Nothing is given up for a
     dead node or a missing `.metadata` within the tests' time (60 s, 600 s)."""
     root = tempfile.mkdtemp(prefix=prefix)
     test.addCleanup(shutil.rmtree, root, True)
     c = Cluster(2, root=root, daemon_args=[
         "--durability", "async", "--peer-dead-after", "60000", "--commit-timeout", "600",
-        "--cache-mem", "64M", "--retain-mem", "0"])
+        "--cache-mem", "64M", "--retain-mem", "0", *extra])
     test.addCleanup(c.cleanup)
     c.setup()
     c.start()
@@ -518,6 +518,55 @@ class RotationOutrunsACommit(unittest.TestCase):
         print(f"async: the tracker reached 2 on the backing store {took:.1f} s after it was "
               f"written; superseded {stats.get('journal_superseded')}", file=sys.stderr)
 
+
+@unittest.skipUnless(os.geteuid() == 0, "needs root for network namespaces")
+class PeerForgetsRemovedCheckpoints(unittest.TestCase):
+    """A node that writes shards only (rank 1 through node 1) lets go of the checkpoints
+    another node's rotation removed (the two-node soak's peer heap, issue 41): its next
+    publication's sweep sees them gone, their directories leave its node table and its
+    kernel is told to drop the entries, and the kernel's forgets free them. Before, node 1
+    kept a node for every checkpoint directory and shard it wrote, for its life."""
+
+    def test_async(self):
+        c = async_pair(self, "ckptfs-peerforget-")
+        n0, n1 = c.nodes
+        run0, run1 = os.path.join(n0.mnt, "run"), os.path.join(n1.mnt, "run")
+        os.makedirs(run0)
+
+        def save(n):
+            dcp_tool.save(it_dir(run0, n), 2, 4, False, n, timeout=300,
+                          dirs=[it_dir(run0, n), it_dir(run1, n)])
+            for node in (n0, n1):
+                r = subprocess.run([harness.ADMIN, "wait", it_dir(node.mnt + "/run", n),
+                                    "--timeout", "60"], capture_output=True, text=True)
+                self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+        for n in range(1, 7):
+            save(n)
+        time.sleep(11)  # the next sweep (every 10 s) marks them committed here
+        save(7)
+        held = n1.stats()["inodes"]
+        for n in range(1, 7):  # the rotation, on node 0
+            shutil.rmtree(it_dir(run0, n))
+        backing = os.path.join(c.backing, "run")
+        deadline = time.time() + 30  # async: node 0 publishes the removals
+        while time.time() < deadline and any(os.path.exists(it_dir(backing, n))
+                                             for n in range(1, 7)):
+            time.sleep(0.2)
+        time.sleep(11)
+        save(8)  # node 1 publishes: its sweep finds iterations 1-6 gone
+        deadline = time.time() + 30
+        while time.time() < deadline and n1.stats()["inodes"] >= held - 6:
+            time.sleep(0.5)
+        after = n1.stats()["inodes"]
+        # Six directories, each with node 1's shards (two files per rank here), less what
+        # iteration 8 added.
+        self.assertLess(after, held - 6, f"node 1 still holds the removed checkpoints: "
+                        f"{held} inodes before the rotation, {after} after\n"
+                        f"{n1.log_text(1 << 20)}")
+        self.assertTrue(os.path.isdir(it_dir(run1, 7)))
+        self.assertFalse(os.path.exists(it_dir(run1, 3)))
+        print(f"node 1's inodes: {held} before the rotation, {after} after it", file=sys.stderr)
 
 if __name__ == "__main__":
     unittest.main()
