@@ -5,6 +5,13 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
 #include "common/path.h"
 #include "fs/fs_util.h"
 #include "fs/namespace/table_lock.h"
@@ -12,8 +19,35 @@
 
 namespace ckptfs::fs {
 
+namespace {
+
+// Takes directory `path` out of the tree if nothing in it has a write state, an open handle
+// or an entry not yet applied; returns its parent's inode and its name (for the kernel to
+// drop), or nothing.
+std::optional<std::pair<uint64_t, std::string>> DetachIdleDir(NodeTable& table,
+                                                              const std::string& path,
+                                                              uint64_t applied)
+    REQUIRES(table.mu()) {
+  Node* dir = table.LoadedNodeAtLocked(path);
+  if (dir == nullptr || dir->type != NodeType::kDir || dir->parent == nullptr) return std::nullopt;
+  std::function<bool(const Node*)> idle = [&](const Node* n) {
+    if (n->write || n->open_files > 0 || n->pending_seq > applied) return false;
+    return std::all_of(n->children.begin(), n->children.end(),
+                       [&](const auto& c) { return idle(c.second.get()); });
+  };
+  if (!idle(dir)) return std::nullopt;
+  auto it = dir->parent->children.find(dir->name);
+  if (it == dir->parent->children.end() || it->second.get() != dir) return std::nullopt;
+  std::pair<uint64_t, std::string> entry{dir->parent->ino, dir->name};
+  const std::shared_ptr<Node> node = it->second;  // DetachLocked erases the map's copy
+  table.DetachLocked(node);
+  return entry;
+}
+
+}  // namespace
+
 JournalEvents::JournalEvents(const FsParts& parts, NodeTable& table, WriteStates& writes)
-    : table_(table), writes_(writes), stats_(parts.stats) {}
+    : table_(table), writes_(writes), stats_(parts.stats), publication_(parts.publication) {}
 
 bool JournalEvents::WrittenLocally(const std::string& path) {
   TableLock lock(table_);
@@ -92,8 +126,9 @@ void JournalEvents::OnOutcome(const store::JournalEntry& e, const Status& st) {
 void JournalEvents::OnRemovedElsewhere(const std::string& dir) {
   std::optional<std::pair<uint64_t, std::string>> entry;
   {
+    const uint64_t applied = publication_->view().applied();
     TableLock lock(table_);
-    entry = table_.DetachIdleDirLocked(dir);
+    entry = DetachIdleDir(table_, dir, applied);
   }
   spdlog::debug("checkpoint {}: removed elsewhere; {}", dir,
                 entry ? "its directory left the mount's view" : "in use here: kept");

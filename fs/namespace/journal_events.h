@@ -58,6 +58,7 @@ class JournalEvents final : public store::PublicationObserver {
   NodeTable& table_;
   WriteStates& writes_;
   FsStats* const stats_;
+  store::Publication* const publication_;
   Mutex inval_mu_;
   EntryInvalidate invalidate_ GUARDED_BY(inval_mu_);
 };

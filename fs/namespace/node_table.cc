@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <functional>
 
 #include "common/path.h"
 #include "fs/fs_util.h"
@@ -68,25 +67,6 @@ void NodeTable::ForgetIfUnusedLocked(const Node* node) {
     ForgetIfUnusedLocked(child.get());
   }
   gone->children.clear();
-}
-
-std::optional<std::pair<uint64_t, std::string>> NodeTable::DetachIdleDirLocked(
-    const std::string& path) {
-  Node* dir = LoadedNodeAtLocked(path);
-  if (dir == nullptr || dir->type != NodeType::kDir || dir->parent == nullptr) return std::nullopt;
-  const uint64_t applied = publication_->view().applied();
-  std::function<bool(const Node*)> idle = [&](const Node* n) {
-    if (n->write || n->open_files > 0 || n->pending_seq > applied) return false;
-    return std::all_of(n->children.begin(), n->children.end(),
-                       [&](const auto& c) { return idle(c.second.get()); });
-  };
-  if (!idle(dir)) return std::nullopt;
-  auto it = dir->parent->children.find(dir->name);
-  if (it == dir->parent->children.end() || it->second.get() != dir) return std::nullopt;
-  std::pair<uint64_t, std::string> entry{dir->parent->ino, dir->name};
-  const std::shared_ptr<Node> node = it->second;  // DetachLocked erases the map's copy
-  DetachLocked(node);
-  return entry;
 }
 
 std::shared_ptr<Node> NodeTable::PublishingLocked(uint64_t id, bool take) {

@@ -58,7 +58,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -126,11 +125,7 @@ class NodeTable {
   void DetachLocked(const std::shared_ptr<Node>& node) REQUIRES(mu_);
   // Forgets an unlinked `node` that no kernel reference nor open handle names.
   void ForgetIfUnusedLocked(const Node* node) REQUIRES(mu_);
-  // Takes directory `path` out of the tree if nothing in it has a write state, an open
-  // handle or an entry not yet applied; returns its parent's inode and its name (for the
-  // kernel to drop), or nothing.
-  std::optional<std::pair<uint64_t, std::string>> DetachIdleDirLocked(const std::string& path)
-      REQUIRES(mu_);
+
   // The entry of a lookup reply for `node` (counts a kernel reference).
   Entry EntryLocked(Node* node) REQUIRES(mu_);
   // Entry/attr timeout for `node` (long for files of committed checkpoints).

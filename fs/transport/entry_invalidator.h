@@ -32,7 +32,7 @@ class EntryInvalidator {
   EntryInvalidator(const EntryInvalidator&) = delete;
   EntryInvalidator& operator=(const EntryInvalidator&) = delete;
 
-  // The entry `name` in directory inode `parent`; from any thread.
+  // The entry `name` in directory inode `parent`; from any thread; nothing once stopped.
   void Push(uint64_t parent, std::string name) EXCLUDES(mu_);
   // Sends what is queued, then ends the thread.
   void Stop() EXCLUDES(mu_);

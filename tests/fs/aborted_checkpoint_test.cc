@@ -485,10 +485,10 @@ TEST_F(AbortedCheckpointTest, ATrackerNamingAHaltedCheckpointRemovedThroughTheMo
 TEST_F(AbortedCheckpointTest, ACheckpointRemovedElsewhereLeavesTheTableAndTheKernelCache) {
   std::mutex mu;
   std::vector<std::pair<uint64_t, std::string>> dropped;
-  fs_->SetEntryInvalidator([&](uint64_t parent, const std::string& name) {
-    std::lock_guard lock(mu);
-    dropped.emplace_back(parent, name);
-  });
+  fs_->OnInit({false, [&](uint64_t parent, const std::string& name) {
+                 std::lock_guard lock(mu);
+                 dropped.emplace_back(parent, name);
+               }});
   auto inodes = [&] { return Stats()["inodes"].get<uint64_t>(); };
   Save("iter_0000001");
   Save("iter_0000002");
@@ -530,7 +530,7 @@ TEST_F(AbortedCheckpointTest, ACheckpointRemovedElsewhereLeavesTheTableAndTheKer
   fs_->Forget(one->ino, 2);
   EXPECT_EQ(inodes(), with_one - names.size() - 1) << "the removed checkpoint is still held";
   fs_->Release(*reading);
-  fs_->SetEntryInvalidator(nullptr);
+  fs_->OnInit({});
 }
 
 // The other order of the race above (the soak's save loop under faults, and
