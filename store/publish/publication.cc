@@ -373,12 +373,18 @@ Status Publication::AwaitApplied(uint64_t seq) {
 
 void Publication::ForgetVanishedCheckpoints(uint64_t in_flight) {
   const uint64_t last = journal_->counts().last_appended;
-  if (journal_->counts().applied + in_flight < last) return;
-  // A removal counts only if no entry was queued meanwhile (a rename moves the record
-  // before the backing store).
+  const bool caught_up = journal_->counts().applied + in_flight >= last;
+  // A removal counts only if this node has no queued entry that removes, replaces or
+  // moves the directory (or one above it), before the stat and after it: the mount's
+  // record moves with a rename before the backing store does. Other entries do not
+  // matter, so a node that publishes all the time (saves back to back) still gets
+  // through its records: the two-node soak's peer, with the whole queue as the guard,
+  // forgot 283 of 2,161 removed checkpoints in its quiet phase (seed 5904).
   auto gone = [&](const std::string& path) {
+    if (journal_->DirectoryEndsAfter(0, path).seq != 0) return false;
     Result<struct stat> st = dir_->Stat(path);
-    return !st.ok() && st.status().code() == Code::kNotFound && journal_->counts().last_appended == last;
+    return !st.ok() && st.status().code() == Code::kNotFound &&
+           journal_->DirectoryEndsAfter(0, path).seq == 0;
   };
   for (const auto& info : registry_->List()) {
     // Writing: only one whose every file this node wrote is published and whose commit is
@@ -397,6 +403,7 @@ void Publication::ForgetVanishedCheckpoints(uint64_t in_flight) {
       if (observer_ != nullptr) observer_->OnRemovedElsewhere(info.path);
     }
   }
+  if (!caught_up) return;
   for (const auto& path : index_->IndexedCheckpoints()) {
     if (!registry_->Get(path) && journal_->counts().last_appended == last &&
         FindCheckpointSource(dir_, path).status().code() == Code::kNotFound) {
@@ -514,14 +521,12 @@ void Publication::AfterEntry(const Status& st) {
   // before it reports: a node that writes shards only learns its checkpoints committed
   // elsewhere and removed elsewhere without anyone reading its stats (each kept a record
   // and a gate entry per checkpoint for the daemon's life: the two-node soak, issue 41).
-  // Only once publication has caught up (this entry is the last queued: the journal
-  // removes it after OnDone): a removal is judged only with nothing pending here.
   const uint64_t pending = journal_->counts().pending;
   bool sweep = false;
   {
     MutexLock lock(&trim_mu_);
     const auto now = std::chrono::steady_clock::now();
-    if (st.ok() && pending <= 1 && now - after_entry_.last_sweep >= std::chrono::seconds(10)) {
+    if (st.ok() && now - after_entry_.last_sweep >= std::chrono::seconds(10)) {
       after_entry_.last_sweep = now;
       sweep = true;
     }

@@ -161,9 +161,10 @@ class Publication final : private JournalDelegate,
   // The registry kept true to the backing store beyond this mount's entries (the control
   // tree calls these before it reports). Finished checkpoints whose directory (or, for
   // those known only from the key index, whose checkpoint files) is gone from the backing
-  // store, removed by someone else, are forgotten, record and key index; nothing while
-  // entries are pending (the backing store lags the mount). `in_flight`: entries done but
-  // not yet counted as applied (1 from the publisher's own sweep, AfterEntry).
+  // store, removed by someone else, are forgotten, record and key index: a record unless
+  // an entry queued here removes or moves its directory (the backing store lags the
+  // mount), an index-only one only with nothing pending. `in_flight`: entries done but not
+  // yet counted as applied (1 from the publisher's own sweep, AfterEntry).
   void ForgetVanishedCheckpoints(uint64_t in_flight = 0);
   // With cross-node order (peers): checkpoints this node wrote shards of, all published,
   // whose `.metadata` another node has since published (CommittedElsewhere) become
