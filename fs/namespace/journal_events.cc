@@ -5,13 +5,6 @@
 
 #include <spdlog/spdlog.h>
 
-#include <algorithm>
-#include <functional>
-#include <memory>
-#include <optional>
-#include <string>
-#include <utility>
-
 #include "common/path.h"
 #include "fs/fs_util.h"
 #include "fs/namespace/table_lock.h"
@@ -19,35 +12,8 @@
 
 namespace ckptfs::fs {
 
-namespace {
-
-// Takes directory `path` out of the tree if nothing in it has a write state, an open handle
-// or an entry not yet applied; returns its parent's inode and its name (for the kernel to
-// drop), or nothing.
-std::optional<std::pair<uint64_t, std::string>> DetachIdleDir(NodeTable& table,
-                                                              const std::string& path,
-                                                              uint64_t applied)
-    REQUIRES(table.mu()) {
-  Node* dir = table.LoadedNodeAtLocked(path);
-  if (dir == nullptr || dir->type != NodeType::kDir || dir->parent == nullptr) return std::nullopt;
-  std::function<bool(const Node*)> idle = [&](const Node* n) {
-    if (n->write || n->open_files > 0 || n->pending_seq > applied) return false;
-    return std::all_of(n->children.begin(), n->children.end(),
-                       [&](const auto& c) { return idle(c.second.get()); });
-  };
-  if (!idle(dir)) return std::nullopt;
-  auto it = dir->parent->children.find(dir->name);
-  if (it == dir->parent->children.end() || it->second.get() != dir) return std::nullopt;
-  std::pair<uint64_t, std::string> entry{dir->parent->ino, dir->name};
-  const std::shared_ptr<Node> node = it->second;  // DetachLocked erases the map's copy
-  table.DetachLocked(node);
-  return entry;
-}
-
-}  // namespace
-
 JournalEvents::JournalEvents(const FsParts& parts, NodeTable& table, WriteStates& writes)
-    : table_(table), writes_(writes), stats_(parts.stats), publication_(parts.publication) {}
+    : table_(table), writes_(writes), stats_(parts.stats) {}
 
 bool JournalEvents::WrittenLocally(const std::string& path) {
   TableLock lock(table_);
@@ -121,25 +87,6 @@ void JournalEvents::OnOutcome(const store::JournalEntry& e, const Status& st) {
   }
   if (e.op != store::OpType::kPublish) return;
   if (uint64_t dropped = NodePublishDone(e, st)) table_.RefreshAttr(dropped);
-}
-
-void JournalEvents::OnRemovedElsewhere(const std::string& dir) {
-  std::optional<std::pair<uint64_t, std::string>> entry;
-  {
-    const uint64_t applied = publication_->view().applied();
-    TableLock lock(table_);
-    entry = DetachIdleDir(table_, dir, applied);
-  }
-  spdlog::debug("checkpoint {}: removed elsewhere; {}", dir,
-                entry ? "its directory left the mount's view" : "in use here: kept");
-  if (!entry) return;
-  MutexLock lock(&inval_mu_);
-  if (invalidate_) invalidate_(entry->first, entry->second);
-}
-
-void JournalEvents::SetEntryInvalidator(EntryInvalidate f) {
-  MutexLock lock(&inval_mu_);
-  invalidate_ = std::move(f);
 }
 
 uint64_t JournalEvents::NodePublishDone(const store::JournalEntry& e, const Status& st) {

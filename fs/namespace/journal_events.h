@@ -12,12 +12,8 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
-#include <optional>
 #include <string>
-#include <utility>
 
-#include "common/mutex.h"
 #include "common/status.h"
 #include "fs/fs_stats.h"
 #include "fs/fs_types.h"
@@ -41,14 +37,6 @@ class JournalEvents final : public store::PublicationObserver {
   bool RankCommitPending(const std::string& path, uint64_t seq) override EXCLUDES(table_.mu());
   void OnOutcome(const store::JournalEntry& e, const Status& st) override EXCLUDES(table_.mu());
   void OnHalted(const store::JournalEntry& e, const Status& st) override EXCLUDES(table_.mu());
-  // The directory leaves the table if nothing in it is in use or pending, and the kernel
-  // is told to drop its entry (so that it forgets the inodes): a node that writes shards
-  // only kept every checkpoint directory it wrote into, with its files, for its life.
-  void OnRemovedElsewhere(const std::string& dir) override EXCLUDES(table_.mu(), inval_mu_);
-  // Who tells the kernel to drop an entry (parent inode, name): fs/transport's
-  // EntryInvalidator, from the mount's start to its stop; empty: nobody.
-  using EntryInvalidate = std::function<void(uint64_t parent, const std::string& name)>;
-  void SetEntryInvalidator(EntryInvalidate f) EXCLUDES(inval_mu_);
 
  private:
   // The node's side of a publish entry's outcome; returns the inode whose write state
@@ -58,9 +46,6 @@ class JournalEvents final : public store::PublicationObserver {
   NodeTable& table_;
   WriteStates& writes_;
   FsStats* const stats_;
-  store::Publication* const publication_;
-  Mutex inval_mu_;
-  EntryInvalidate invalidate_ GUARDED_BY(inval_mu_);
 };
 
 }  // namespace ckptfs::fs

@@ -476,63 +476,6 @@ TEST_F(AbortedCheckpointTest, ATrackerNamingAHaltedCheckpointRemovedThroughTheMo
   EXPECT_GE(fs_->Shutdown().unpublished, 2u);
 }
 
-// A committed checkpoint someone else removed from the backing store (another node's
-// rotation): once the mount sees it gone (the registry's sweep), its directory leaves the
-// node table and the kernel is told to drop the entry; when the kernel then forgets the
-// inodes, nothing of it is left. A node that writes shards only kept every checkpoint
-// directory it wrote into, with its files, for its life (heaptrack of the two-node soak's
-// peer, stop 59). One in use stays.
-TEST_F(AbortedCheckpointTest, ACheckpointRemovedElsewhereLeavesTheTableAndTheKernelCache) {
-  std::mutex mu;
-  std::vector<std::pair<uint64_t, std::string>> dropped;
-  fs_->OnInit({false, [&](uint64_t parent, const std::string& name) {
-                 std::lock_guard lock(mu);
-                 dropped.emplace_back(parent, name);
-               }});
-  auto inodes = [&] { return Stats()["inodes"].get<uint64_t>(); };
-  Save("iter_0000001");
-  Save("iter_0000002");
-  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "the saves");
-  ASSERT_EQ(StateOf("iter_0000001"), "committed");
-  ASSERT_EQ(StateOf("iter_0000002"), "committed");
-  // The kernel's references: each name was made (create, mkdir) and is looked up here.
-  auto one = fs_->Lookup(kRootIno, "iter_0000001");
-  ASSERT_TRUE(one.ok()) << one.status().ToString();
-  std::vector<uint64_t> names;
-  for (const auto& [file, len] : plan_.shards) {
-    auto e = fs_->Lookup(one->ino, file);
-    ASSERT_TRUE(e.ok()) << file;
-    names.push_back(e->ino);
-  }
-  auto md = fs_->Lookup(one->ino, ".metadata");
-  ASSERT_TRUE(md.ok());
-  names.push_back(md->ino);
-  // iter_0000002 is in use: one of its files is open.
-  auto two = fs_->Lookup(kRootIno, "iter_0000002");
-  ASSERT_TRUE(two.ok());
-  auto shard = fs_->Lookup(two->ino, plan_.shards.begin()->first);
-  ASSERT_TRUE(shard.ok());
-  auto reading = fs_->Open(shard->ino, O_RDONLY);
-  ASSERT_TRUE(reading.ok()) << reading.status().ToString();
-
-  std::filesystem::remove_all(BackingPath("iter_0000001"));
-  std::filesystem::remove_all(BackingPath("iter_0000002"));
-  (void)StateOf("");  // the control tree's sweep (the publisher's own runs every 10 s)
-  {
-    std::lock_guard lock(mu);
-    ASSERT_EQ(dropped.size(), 1u) << "only the checkpoint nothing uses is let go";
-    EXPECT_EQ(dropped[0], std::make_pair(uint64_t{kRootIno}, std::string("iter_0000001")));
-  }
-  EXPECT_FALSE(fs_->Lookup(kRootIno, "iter_0000001").ok());
-  // The kernel drops the entry: it forgets the files, then the directory.
-  const uint64_t with_one = inodes();
-  for (uint64_t ino : names) fs_->Forget(ino, 2);
-  fs_->Forget(one->ino, 2);
-  EXPECT_EQ(inodes(), with_one - names.size() - 1) << "the removed checkpoint is still held";
-  fs_->Release(*reading);
-  fs_->OnInit({});
-}
-
 // The other order of the race above (the soak's save loop under faults, and
 // scripts/bench/rss_loop.py with --fault-inject): the rotation's rm -r of a checkpoint is
 // queued first, and only then does one of its publishes fail. A delete behind the halt
