@@ -125,7 +125,6 @@ class NodeTable {
   void DetachLocked(const std::shared_ptr<Node>& node) REQUIRES(mu_);
   // Forgets an unlinked `node` that no kernel reference nor open handle names.
   void ForgetIfUnusedLocked(const Node* node) REQUIRES(mu_);
-
   // The entry of a lookup reply for `node` (counts a kernel reference).
   Entry EntryLocked(Node* node) REQUIRES(mu_);
   // Entry/attr timeout for `node` (long for files of committed checkpoints).
