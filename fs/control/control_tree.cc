@@ -242,6 +242,7 @@ std::string ControlTree::StatsJson() {
     j["cache_misses"] = c.misses;
     j["cache_dedup_waits"] = c.dedup_waits;
     j["cache_used"] = c.used_bytes;
+    j["cache_index"] = c.index_bytes;
     j["cache_limit"] = c.budget_bytes;
     j["cache_peak"] = c.peak_used_bytes;
     j["cache_backing_bytes_read"] = c.backing_bytes_read;
@@ -472,6 +473,8 @@ std::string ControlTree::MetricsText() {
        "cache_dedup_waits"},
       {"cache_used_bytes", "gauge", "Block cache memory in use.", "cache_used"},
       {"cache_limit_bytes", "gauge", "Block cache budget.", "cache_limit"},
+      {"cache_index_bytes", "gauge", "Block cache index memory (outside its budget).",
+       "cache_index"},
       {"prefetched_bytes_total", "counter", "Bytes prefetched into the block cache.",
        "prefetched_bytes"},
       {"dedup_ratio", "gauge",

@@ -87,7 +87,8 @@ def figures(pid, mnt):
         k, _, v = line.partition(":")
         st[k] = v.split()
     s = json.load(open(os.path.join(mnt, ".ckptfs", "stats")))
-    held = sum((s.get(k) or 0) for k in ("staging_resident", "retained_used", "cache_used"))
+    held = sum((s.get(k) or 0) for k in ("staging_resident", "retained_used", "cache_used",
+                                         "cache_index"))
     rss = int(st["VmRSS"][0]) / 1024
     return {"rss_mb": round(rss, 1), "anon_mb": round(int(st["RssAnon"][0]) / 1024, 1),
             "held_mb": round(held / 2**20, 1), "other_mb": round(rss - held / 2**20, 1),

@@ -460,6 +460,7 @@ class ModeRun(Workloads, Checks):
                 "rss_mb": round(rss_mb, 1),
                 "retained_mb": round(stats.get("retained_used", 0) / 2 ** 20, 1),
                 "cache_mb": round(stats.get("cache_used", 0) / 2 ** 20, 1),
+                "cache_index_mb": round(stats.get("cache_index", 0) / 2 ** 20, 2),
                 "staging_mb": round(stats.get("staging_resident", 0) / 2 ** 20, 1),
                 "state_db_mem_mb": round((stats.get("state_db_memory", 0) or 0) / 2 ** 20, 1),
                 "rss_other_mb": round(rss_mb - held_mb, 1),

@@ -36,7 +36,8 @@ struct BlockCache::Block {
   BlockKey key;
   State state = State::kLoading;
   Buffer data;             // set once ready; freed under mu_ before `charged` is released
-  uint64_t capacity = 0;   // bytes allocated for `data` (charged rounded up for O_DIRECT)
+  uint64_t want = 0;       // the block's bytes in its file version
+  uint64_t capacity = 0;   // bytes allocated for `data` (`want` rounded up for O_DIRECT)
   uint64_t charged = 0;    // bytes reserved for this block in used_; 0 once released
   uint64_t len = 0;        // valid bytes once ready (short only if the file shrank)
   Status error;            // once failed
@@ -91,6 +92,16 @@ uint64_t BlockCache::BlockSize(const BlockId& id, uint64_t index) const {
   uint64_t start = index * opts_.block_bytes;
   if (start >= id.size) return 0;
   return std::min(opts_.block_bytes, id.size - start);
+}
+
+uint64_t BlockCache::Charge(uint64_t bytes) { return RoundUp(bytes, kDirectIoAlign); }
+
+uint64_t BlockCache::IndexBytes(const BlockKey& key) {
+  // The Block with its shared_ptr control block, the map's node with its key, the LRU
+  // list's node, the path's two heap copies (past the small-string buffer) and the
+  // allocator's headers (an estimate from the types' sizes, not a measurement).
+  const uint64_t path = key.file.path.size() > 15 ? 2 * (key.file.path.size() + 1) : 0;
+  return sizeof(Block) + sizeof(BlockKey) + sizeof(std::shared_ptr<Block>) + path + 96;
 }
 
 // ------------------------------------------------------------------------ memory
@@ -187,6 +198,7 @@ void BlockCache::Detach(Block* block) {
     if (it != blocks_.end() && it->second.get() == block) {
       keep = std::move(it->second);
       blocks_.erase(it);
+      index_bytes_ -= IndexBytes(block->key);
     }
     block->in_index = false;
   }
@@ -223,10 +235,12 @@ std::shared_ptr<BlockCache::Block> BlockCache::NewLoadingBlock(const BlockId& fi
                                                                bool prefetch) {
   auto block = std::make_shared<Block>();
   block->key = BlockKey{file, index};
-  block->charged = bytes;
+  block->want = bytes;
+  block->charged = Charge(bytes);
   block->prefetched = prefetch;
   block->data = TakeBuffer(bytes);  // null: the loader allocates one
   blocks_.emplace(block->key, block);
+  index_bytes_ += IndexBytes(block->key);
   return block;
 }
 
@@ -251,7 +265,7 @@ void BlockCache::Load(const std::shared_ptr<Block>& block) {
   Buffer buf;
   {
     MutexLock lock(&mu_);
-    want = block->charged;
+    want = block->want;
     buf = std::move(block->data);
   }
   const BlockKey& key = block->key;
@@ -328,12 +342,12 @@ void BlockCache::PinAndLoad(const BlockId& id, uint64_t next, uint64_t last, boo
       }
       if (loads == opts_.read_parallelism) break;
       const uint64_t size = BlockSize(id, j);
-      if (!TryReserve(size, 0)) {
+      if (!TryReserve(Charge(size), 0)) {
         // Never wait for memory while holding pins or unissued reads: issue these first.
         if (!batch.empty()) break;
-        WaitReserve(lock, size);
+        WaitReserve(lock, Charge(size));
         if (blocks_.count(KeyRef{&id, j}) > 0) {  // appeared while the lock was dropped
-          Release(size);
+          Release(Charge(size));
           continue;
         }
       }
@@ -494,7 +508,7 @@ bool BlockCache::PrefetchBlock(const BlockId& id, uint64_t index, uint64_t tick)
     if (stop_ || blocks_.count(KeyRef{&id, index}) > 0) return true;  // cached or in flight
     const uint64_t size = BlockSize(id, index);
     if (size == 0) return true;
-    if (!TryReserve(size, tick)) return false;
+    if (!TryReserve(Charge(size), tick)) return false;
     DropVersions(id.path, &id);
     block = NewLoadingBlock(id, index, size, /*prefetch=*/true);
   }
@@ -509,6 +523,7 @@ BlockCacheStats BlockCache::Stats() const {
     s = stats_;
     s.used_bytes = used_;
     s.free_buffer_bytes = free_bytes_;
+    s.index_bytes = index_bytes_;
   }
   s.budget_bytes = opts_.budget_bytes;
   if (prefetcher_) s.prefetch_dropped += prefetcher_->dropped();

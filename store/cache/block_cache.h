@@ -8,7 +8,8 @@
 // miss on a version of a path drops the blocks cached under other versions of that path.
 //
 // Memory. `budget_bytes` is a hard limit on every block buffer the cache holds, ready or
-// being read: a miss reserves its buffer before reading, evicting least-recently-used
+// being read, each counted in whole pages as mapped (a 100-byte file's block holds a 4 KiB
+// page: counted by its bytes, a cache of tiny files held up to 40 times its budget); a miss reserves its buffer before reading, evicting least-recently-used
 // ready blocks; when nothing is evictable (all in flight or being copied out) a demand
 // read waits for memory, holding nothing that another reader needs, so it cannot
 // deadlock. Buffers are freed under the lock before their bytes are released from the
@@ -75,7 +76,7 @@ struct BlockCacheStats {
   uint64_t dedup_waits = 0;         // demand block lookups that joined a read in flight
   uint64_t backing_bytes_read = 0;  // bytes this cache read from its source
   uint64_t bytes_served = 0;        // bytes copied out by Read()
-  uint64_t used_bytes = 0;          // block buffers held now, in flight included
+  uint64_t used_bytes = 0;          // block buffers held now, in flight included (whole pages)
   uint64_t budget_bytes = 0;
   uint64_t peak_used_bytes = 0;   // high-water mark of used_bytes
   uint64_t prefetched_bytes = 0;  // bytes read by prefetch threads
@@ -84,6 +85,9 @@ struct BlockCacheStats {
   uint64_t evictions = 0;
   uint64_t read_errors = 0;        // source reads that failed
   uint64_t free_buffer_bytes = 0;  // block buffers kept for reuse (within the budget)
+  // The index's own heap (a few hundred bytes per block, outside the budget; at most
+  // budget / 4 KiB blocks, so about a tenth of the budget with 4 KiB blocks).
+  uint64_t index_bytes = 0;
 };
 
 // The cache is itself a BlockSource: a PeerServer serving through it shares the single
@@ -181,6 +185,10 @@ class BlockCache final : public BlockSource {
   void UnpinAll(const std::vector<Pinned>& batch, uint64_t served) EXCLUDES(mu_);
 
   uint64_t BlockSize(const BlockId& id, uint64_t index) const;
+  // What a block of `bytes` takes from the budget: its buffer, in whole pages.
+  static uint64_t Charge(uint64_t bytes);
+  // The heap the index spends on a block beside its buffer (BlockCacheStats::index_bytes).
+  static uint64_t IndexBytes(const BlockKey& key);
   // Reserves `bytes`, evicting LRU blocks. A prefetch (tick != 0) evicts only blocks last
   // used before `tick`. False if that cannot make room now.
   bool TryReserve(uint64_t bytes, uint64_t tick) REQUIRES(mu_);
@@ -216,6 +224,7 @@ class BlockCache final : public BlockSource {
   BlockMap blocks_ GUARDED_BY(mu_);
   std::list<Block*> lru_ GUARDED_BY(mu_);  // ready blocks, front = newest
   uint64_t used_ GUARDED_BY(mu_) = 0;
+  uint64_t index_bytes_ GUARDED_BY(mu_) = 0;
   uint64_t use_tick_ GUARDED_BY(mu_) = 0;
   int memory_waiters_ GUARDED_BY(mu_) = 0;
   bool stop_ GUARDED_BY(mu_) = false;

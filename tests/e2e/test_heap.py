@@ -30,7 +30,8 @@ MiB = 1 << 20
 
 def rss_less_budgets(m):
     s = m.stats()
-    held = sum(s.get(k) or 0 for k in ("staging_resident", "retained_used", "cache_used"))
+    held = sum(s.get(k) or 0 for k in ("staging_resident", "retained_used", "cache_used",
+                                       "cache_index"))
     return harness.proc_status_bytes(m.proc.pid, "VmRSS") - held, s
 
 

@@ -107,6 +107,9 @@ std::string Pattern(size_t size, uint64_t seed) {
 
 constexpr uint64_t kBlock = 64 * 1024;
 
+// What the cache charges for `size` bytes of a file: its blocks' buffers, in whole pages.
+uint64_t Pages(uint64_t size) { return (size + 4095) / 4096 * 4096; }
+
 // Every test runs twice: buffered backing reads, and O_DIRECT ones (which fall back to
 // buffered where the temp dir's file system refuses O_DIRECT).
 class BlockCacheTest : public ::testing::TestWithParam<bool> {
@@ -235,7 +238,7 @@ TEST_P(BlockCacheTest, ConcurrentReadersOfOneRangeShareOneBackingReadPerBlock) {
   EXPECT_EQ(s.backing_bytes_read, size);
   EXPECT_EQ(dir_->bytes_read(), size);
   EXPECT_EQ(s.bytes_served, kReaders * size);
-  EXPECT_EQ(s.used_bytes, size);
+  EXPECT_EQ(s.used_bytes, Pages(size));
 }
 
 TEST_P(BlockCacheTest, LargeReadIssuesMissingBlocksInParallel) {
@@ -315,6 +318,26 @@ TEST_P(BlockCacheTest, BudgetHoldsUnderWorkingSetFourTimesTheBudget) {
   EXPECT_GT(s.backing_bytes_read, budget);  // the working set really did not fit
 }
 
+TEST_P(BlockCacheTest, TinyFilesAreCountedInWholePagesAndTheIndexIsReported) {
+  // 64 files of 100 bytes: each block holds a page. Counted by their bytes (6,400 in all)
+  // they all fitted a 16-page budget and held 64 pages: on a tree of small files the
+  // cache's RSS passed its budget up to 40 times (the soak's RSS drift followed its fill).
+  const uint64_t budget = kBlock;  // 16 pages
+  auto cache = NewCache(budget, 0);
+  std::vector<File> files;
+  for (int i = 0; i < 64; ++i) files.push_back(Make("t" + std::to_string(i), Pattern(100, i)));
+  for (const File& f : files) ExpectRead(cache.get(), f, 0, 100);
+  auto s = cache->Stats();
+  EXPECT_EQ(s.used_bytes, budget);
+  EXPECT_EQ(s.evictions, 48u);
+  // The index's heap is reported beside the budget: 16 blocks of a few hundred bytes each.
+  EXPECT_GE(s.index_bytes, 16 * 200u);
+  EXPECT_LE(s.index_bytes, 16 * 1024u);
+  cache->Invalidate(files.back().id.path);
+  EXPECT_EQ(cache->Stats().used_bytes, 15 * 4096u);
+  EXPECT_EQ(cache->Stats().index_bytes, s.index_bytes / 16 * 15);
+}
+
 TEST_P(BlockCacheTest, BudgetOfOneBlockStillServesManyMultiBlockReaders) {
   // Every multi-block read must go on one block at a time without deadlocking on memory.
   const uint64_t size = 10 * kBlock + 99;
@@ -363,9 +386,9 @@ TEST_P(BlockCacheTest, ChangedFileIsNeverServedStale) {
   ExpectRead(cache.get(), v5, 0, 2 * kBlock);
 
   // Old versions of the path were dropped on first sight of the new one: only v5's
-  // block 0 and its one-byte block 1 are held.
+  // block 0 and its one-byte block 1 (a page) are held.
   auto s = cache->Stats();
-  EXPECT_EQ(s.used_bytes, kBlock + 1);
+  EXPECT_EQ(s.used_bytes, kBlock + 4096);
 }
 
 TEST_P(BlockCacheTest, InvalidateDropsEveryBlockOfTheFile) {
@@ -492,7 +515,7 @@ TEST_P(BlockCacheTest, ReadInPlaceGivesTheBytesOfReadPinnedAndFallsBackOnLongRan
   // More blocks than one batch pins: the caller is told to Read() instead.
   EXPECT_FALSE(in_place(0, 3 * kBlock).has_value());
   ExpectRead(cache.get(), f, 0, size);
-  EXPECT_EQ(cache->Stats().used_bytes, size);  // every block cached once, nothing leaked
+  EXPECT_EQ(cache->Stats().used_bytes, Pages(size));  // every block cached once, nothing leaked
 }
 
 TEST_P(BlockCacheTest, PrefetchFillsTheCacheSoALaterReadHits) {
