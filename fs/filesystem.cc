@@ -377,11 +377,12 @@ std::optional<PassthroughSource> Filesystem::PassthroughSourceOf(Handle* h) {
                            f->backing.block.size};
 }
 
-void Filesystem::OnPassthroughNegotiated(bool on) {
+void Filesystem::OnInit(const KernelSession& k) {
+  if (ns_) ns_->gone().SetEntryInvalidator(k.invalidate_entry);
   // The kernel passes this node's reads through: a prefetch into the block cache would
   // read every byte a second time, so a load's prefetch goes to the backing files' page
   // cache instead, which the passthrough readers read.
-  if (on && !config_.peers) {
+  if (k.passthrough && !config_.peers) {
     loader_->SetPageCachePrefetch(config_.passthrough_min_bytes,
                                   &stats_.passthrough.page_cache_prefetched);
   }

@@ -167,9 +167,16 @@ class Filesystem {
   // passthrough_min_bytes, a version the retained tier holds, or a checkpoint's file while
   // peers share the load (blocks come from the peer that owns them).
   std::optional<PassthroughSource> PassthroughSourceOf(Handle* h);
-  // The INIT exchange is done: `on` when the kernel will pass reads through. A load then
-  // no longer prefetches into the block cache (without peers): the kernel reads the bytes.
-  void OnPassthroughNegotiated(bool on);
+  // The INIT exchange is done. `passthrough`: the kernel will pass reads through; a load
+  // then no longer prefetches into the block cache (without peers): the kernel reads the
+  // bytes. `invalidate_entry`: tells the kernel to drop a directory entry the mount let go
+  // of (a checkpoint another node removed; the transport's EntryInvalidator, which never
+  // blocks); empty: nobody.
+  struct KernelSession {
+    bool passthrough = false;
+    std::function<void(uint64_t parent, const std::string& name)> invalidate_entry;
+  };
+  void OnInit(const KernelSession& k);
 
   const FsConfig& config() const { return config_; }
   // The counters the transport keeps: how requests reach the daemon (`fuse`,

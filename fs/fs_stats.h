@@ -78,6 +78,8 @@ struct FsStats {
   // `.metadata` entries a later save into the same directory replaced before they could
   // commit (docs/SEMANTICS.md, "Superseded saves").
   std::atomic<uint64_t> commits_superseded{0};
+  // Checkpoint directories another node removed, let go of (fs/namespace/gone_dirs.h).
+  std::atomic<uint64_t> gone_dirs_evicted{0};
   std::atomic<uint64_t> errors{0};
 
   // Counts an error and keeps it as the last one (stats' last_error).

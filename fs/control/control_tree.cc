@@ -197,6 +197,7 @@ std::string ControlTree::StatsJson() {
   j["bytes_published"] = stats_->bytes_published.load();
   j["files_published"] = stats_->files_published.load();
   j["commits_superseded"] = stats_->commits_superseded.load();
+  j["gone_dirs_evicted"] = stats_->gone_dirs_evicted.load();
   j["staging_used"] = pool_->used_bytes();
   j["staging_limit"] = pool_->limit_bytes();
   j["staging_backend"] = pool_->backend();

@@ -12,8 +12,9 @@
 
 namespace ckptfs::fs {
 
-JournalEvents::JournalEvents(const FsParts& parts, NodeTable& table, WriteStates& writes)
-    : table_(table), writes_(writes), stats_(parts.stats) {}
+JournalEvents::JournalEvents(const FsParts& parts, NodeTable& table, WriteStates& writes,
+                             GoneDirs& gone)
+    : table_(table), writes_(writes), gone_(gone), stats_(parts.stats) {}
 
 bool JournalEvents::WrittenLocally(const std::string& path) {
   TableLock lock(table_);

@@ -17,6 +17,7 @@
 #include "common/status.h"
 #include "fs/fs_stats.h"
 #include "fs/fs_types.h"
+#include "fs/namespace/gone_dirs.h"
 #include "fs/namespace/node_table.h"
 #include "fs/namespace/write_states.h"
 #include "store/publish/journal.h"
@@ -26,8 +27,8 @@ namespace ckptfs::fs {
 
 class JournalEvents final : public store::PublicationObserver {
  public:
-  // The parts, `table` and `writes` must outlive it; it uses the parts' stats.
-  JournalEvents(const FsParts& parts, NodeTable& table, WriteStates& writes);
+  // The parts, `table`, `writes` and `gone` must outlive it; it uses the parts' stats.
+  JournalEvents(const FsParts& parts, NodeTable& table, WriteStates& writes, GoneDirs& gone);
   JournalEvents(const JournalEvents&) = delete;
   JournalEvents& operator=(const JournalEvents&) = delete;
 
@@ -37,6 +38,8 @@ class JournalEvents final : public store::PublicationObserver {
   bool RankCommitPending(const std::string& path, uint64_t seq) override EXCLUDES(table_.mu());
   void OnOutcome(const store::JournalEntry& e, const Status& st) override EXCLUDES(table_.mu());
   void OnHalted(const store::JournalEntry& e, const Status& st) override EXCLUDES(table_.mu());
+  // To GoneDirs, which lets the directory go once the kernel forgets it.
+  void OnRemovedElsewhere(const std::string& dir) override { gone_.OnRemovedElsewhere(dir); }
 
  private:
   // The node's side of a publish entry's outcome; returns the inode whose write state
@@ -45,6 +48,7 @@ class JournalEvents final : public store::PublicationObserver {
 
   NodeTable& table_;
   WriteStates& writes_;
+  GoneDirs& gone_;
   FsStats* const stats_;
 };
 

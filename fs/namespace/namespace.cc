@@ -23,7 +23,8 @@ Namespace::Namespace(const FsConfig& config, const FsParts& parts,
       table_(*own_table_),
       writes_(config, parts, table_),
       posix_(parts, table_, writes_),
-      events_(parts, table_, writes_),
+      gone_(parts, table_),
+      events_(parts, table_, writes_, gone_),
       report_(config, parts, table_) {}
 
 Result<std::unique_ptr<Namespace>> Namespace::Create(const FsConfig& config,
@@ -52,11 +53,15 @@ Result<Entry> Namespace::NodeLookup(uint64_t parent, const std::string& name) {
 }
 
 void Namespace::Forget(uint64_t ino, uint64_t nlookup) {
-  TableLock lock(table_);
-  auto node = table_.NodeLocked(ino);
-  if (!node || ino == kRootIno) return;
-  node->nlookup -= std::min(node->nlookup, nlookup);
-  table_.ForgetIfUnusedLocked(node.get());
+  {
+    TableLock lock(table_);
+    auto node = table_.NodeLocked(ino);
+    if (!node || ino == kRootIno) return;
+    node->nlookup -= std::min(node->nlookup, nlookup);
+    table_.ForgetIfUnusedLocked(node.get());
+    if (node->nlookup != 0 || node->parent == nullptr) return;
+  }
+  gone_.OnForgotten(ino);  // the last kernel reference into a checkpoint removed elsewhere
 }
 
 double Namespace::AttrTimeout(uint64_t ino) {

@@ -10,6 +10,7 @@
 //   fs/namespace/posix_ops.h        PosixOps: setattr (ownership, permissions, times, size), hard
 //                         links, fallocate;
 //   fs/namespace/journal_events.h   JournalEvents: publication's observer;
+//   fs/namespace/gone_dirs.h        GoneDirs: lets go of checkpoints another node removed;
 //   fs/namespace/namespace_report.h NamespaceReport: what the control tree reads.
 // Namespace itself holds the operations on names: lookup, forget, mkdir, symlink, mknod,
 // readlink, unlink, rmdir, rename, opendir. They may call the table and the write states
@@ -28,6 +29,7 @@
 
 #include "common/status.h"
 #include "fs/fs_types.h"
+#include "fs/namespace/gone_dirs.h"
 #include "fs/namespace/handle.h"
 #include "fs/namespace/journal_events.h"
 #include "fs/namespace/namespace_report.h"
@@ -49,6 +51,7 @@ class Namespace {
   WriteStates& writes() { return writes_; }
   PosixOps& posix() { return posix_; }
   JournalEvents& events() { return events_; }
+  GoneDirs& gone() { return gone_; }
   NamespaceReport& report() { return report_; }
 
   // On namespace inodes only (the facade routes the others). Operations that create names
@@ -93,6 +96,7 @@ class Namespace {
   NodeTable& table_;
   WriteStates writes_;
   PosixOps posix_;
+  GoneDirs gone_;
   JournalEvents events_;
   NamespaceReport report_;
 };

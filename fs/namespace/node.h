@@ -100,6 +100,12 @@ struct Node {
   bool loaded = false;
   std::map<std::string, std::shared_ptr<Node>> children;
   uint64_t names_removed = 0;  // children that left through the mount (NodeTable::ProbeName)
+  uint64_t names_evicted = 0;  // children let go of (GoneDirs)
+  // Lookups and probes of names in it: GoneDirs takes a child out only if none ran while
+  // its stat did.
+  uint64_t lookups = 0;
+  // Removed from the backing store by another node: forgotten once the kernel forgets it.
+  bool gone_elsewhere = false;
   // The last journal entry that took a name out of this directory (an unlink, rmdir or
   // rename from it): until it is applied the backing listing still shows that name, so
   // the directory is not relisted (Namespace::NodeOpenDir).

@@ -142,10 +142,10 @@ std::shared_ptr<Node> NodeTable::ChildLocked(Node* dir, const std::string& name)
   return it == dir->children.end() ? nullptr : it->second;
 }
 
-void NodeTable::DetachLocked(const std::shared_ptr<Node>& node) {
+void NodeTable::DetachLocked(const std::shared_ptr<Node>& node, bool evicted) {
   if (node->parent != nullptr) {
     node->parent->children.erase(node->name);
-    node->parent->names_removed++;
+    (evicted ? node->parent->names_evicted : node->parent->names_removed)++;
     node->parent = nullptr;
   }
   ForgetIfUnusedLocked(node.get());
@@ -154,6 +154,7 @@ void NodeTable::DetachLocked(const std::shared_ptr<Node>& node) {
 Entry NodeTable::EntryLocked(Node* node) {
   FoldWriteTimeLocked(node);
   node->nlookup++;
+  if (node->parent != nullptr) node->parent->lookups++;
   Entry e;
   e.ino = node->ino;
   e.attr = node->attr;
@@ -257,60 +258,72 @@ Status NodeTable::LoadDir(uint64_t ino) {
 
 Status NodeTable::ProbeName(uint64_t dir_ino, const std::string& name) {
   CKPT_RETURN_IF_ERROR(LoadDir(dir_ino));
-  // What to stat: the name's backing path while the mount's view of it may be refreshed
-  // from the backing store (nothing of it pending), else nothing.
-  std::shared_ptr<Node> child;
-  std::string path;
-  uint64_t removed = 0;  // the directory's names_removed when the stat was planned
-  auto probe_path = [&](Node* dir) REQUIRES(mu_) -> std::string {
-    if (child) {
-      const bool fresh = child->on_backing && !child->write &&
-                         Quiescent(child.get(), publication_->view().applied());
-      return fresh ? PathLocked(child.get()) : std::string();
+  // A second round: the name was evicted while its stat ran (GoneDirs: another node removed
+  // it and the kernel had forgotten it); probed again as an absent name, since the stat
+  // may have found it made again.
+  for (int round = 0; round < 2; ++round) {
+    // What to stat: the name's backing path while the mount's view of it may be refreshed
+    // from the backing store (nothing of it pending), else nothing.
+    std::shared_ptr<Node> child;
+    std::string path;
+    uint64_t removed = 0;  // the directory's names_removed when the stat was planned
+    uint64_t evicted = 0;  // and its names_evicted
+    auto probe_path = [&](Node* dir) REQUIRES(mu_) -> std::string {
+      if (child) {
+        const bool fresh = child->on_backing && !child->write &&
+                           Quiescent(child.get(), publication_->view().applied());
+        return fresh ? PathLocked(child.get()) : std::string();
+      }
+      // Absent from the view: another node may have published it (a shard of a checkpoint
+      // this node's rank 0 made the directory of), while this node's own backlog (held
+      // deletions, the next saves) keeps the directory from being quiescent: the two-node
+      // soak's load got ENOENT for a shard of a committed checkpoint (seed 4101).
+      const bool fresh = ListingCurrentLocked(dir) && !IsTempName(name);
+      return fresh ? path::Join(PathLocked(dir), name) : std::string();
+    };
+    {
+      MutexLock lock(&mu_);
+      auto dir = NodeLocked(dir_ino);
+      if (!dir || dir->type != NodeType::kDir || !dir->loaded) return Status::Ok();
+      auto it = dir->children.find(name);
+      if (it != dir->children.end()) child = it->second;
+      path = probe_path(dir.get());
+      if (path.empty()) return Status::Ok();
+      removed = dir->names_removed;
+      evicted = dir->names_evicted;
+      dir->lookups++;
     }
-    // Absent from the view: another node may have published it (a shard of a checkpoint
-    // this node's rank 0 made the directory of), while this node's own backlog (held
-    // deletions, the next saves) keeps the directory from being quiescent: the two-node
-    // soak's load got ENOENT for a shard of a committed checkpoint (seed 4101).
-    const bool fresh = ListingCurrentLocked(dir) && !IsTempName(name);
-    return fresh ? path::Join(PathLocked(dir), name) : std::string();
-  };
-  {
+    Result<struct stat> st = backing_->Stat(path);  // without mu
     MutexLock lock(&mu_);
     auto dir = NodeLocked(dir_ino);
     if (!dir || dir->type != NodeType::kDir || !dir->loaded) return Status::Ok();
     auto it = dir->children.find(name);
-    if (it != dir->children.end()) child = it->second;
-    path = probe_path(dir.get());
-    if (path.empty()) return Status::Ok();
-    removed = dir->names_removed;
-  }
-  Result<struct stat> st = backing_->Stat(path);  // without mu
-  MutexLock lock(&mu_);
-  auto dir = NodeLocked(dir_ino);
-  if (!dir || dir->type != NodeType::kDir || !dir->loaded) return Status::Ok();
-  auto it = dir->children.find(name);
-  const std::shared_ptr<Node> now = it == dir->children.end() ? nullptr : it->second;
-  // Changed through the mount meanwhile: its view is the truth, not this stat. A name
-  // absent from the view before and after the stat was not touched through the mount if
-  // no name left the directory meanwhile (making it would have left it in the view): its
-  // stat stands even if the directory has other entries pending since.
-  if (now != child) return Status::Ok();
-  if (child ? probe_path(dir.get()) != path
-            : !ListingCurrentLocked(dir.get()) || dir->names_removed != removed ||
-                  path::Join(PathLocked(dir.get()), name) != path) {
-    return Status::Ok();
-  }
-  if (child) {
-    // Freshness: a published name that someone removed from the backing store is gone.
-    if (!st.ok() && st.status().code() == Code::kNotFound) {
-      DetachLocked(child);
-    } else if (st.ok()) {
-      ApplyBackingStatLocked(child.get(), *st);
+    const std::shared_ptr<Node> now = it == dir->children.end() ? nullptr : it->second;
+    dir->lookups++;
+    if (child && !now && dir->names_evicted != evicted) continue;  // probe it again
+    // Changed through the mount meanwhile: its view is the truth, not this stat. A name
+    // absent from the view before and after the stat was not touched through the mount if
+    // no name left the directory meanwhile (making it would have left it in the view): its
+    // stat stands even if the directory has other entries pending since.
+    if (now != child) return Status::Ok();
+    if (child ? probe_path(dir.get()) != path
+              : !ListingCurrentLocked(dir.get()) || dir->names_removed != removed ||
+                    path::Join(PathLocked(dir.get()), name) != path) {
+      return Status::Ok();
     }
-  } else if (st.ok()) {
-    // A name created on the backing store by someone else since the directory was loaded.
-    AddBackingChildLocked(dir.get(), name, *st);
+    if (child) {
+      // Freshness: a published name that someone removed from the backing store is gone.
+      if (!st.ok() && st.status().code() == Code::kNotFound) {
+        DetachLocked(child);
+      } else if (st.ok()) {
+        ApplyBackingStatLocked(child.get(), *st);
+        child->gone_elsewhere = false;  // made again (GoneDirs)
+      }
+    } else if (st.ok()) {
+      // A name created on the backing store by someone else since the directory was loaded.
+      AddBackingChildLocked(dir.get(), name, *st);
+    }
+    return Status::Ok();
   }
   return Status::Ok();
 }

@@ -122,7 +122,9 @@ class NodeTable {
   // The child `name` of `dir` in the mount's view; no I/O (ProbeName refreshes it first).
   std::shared_ptr<Node> ChildLocked(Node* dir, const std::string& name) REQUIRES(mu_);
   // Takes `node` out of the tree; forgets it when nothing names it any more.
-  void DetachLocked(const std::shared_ptr<Node>& node) REQUIRES(mu_);
+  // `evicted`: not through the mount, but let go of (GoneDirs): counted apart, so that a
+  // probe of another name in the directory stands.
+  void DetachLocked(const std::shared_ptr<Node>& node, bool evicted = false) REQUIRES(mu_);
   // Forgets an unlinked `node` that no kernel reference nor open handle names.
   void ForgetIfUnusedLocked(const Node* node) REQUIRES(mu_);
   // The entry of a lookup reply for `node` (counts a kernel reference).

@@ -382,6 +382,13 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
   ::sigaction(SIGHUP, nullptr, &hup);
   if (fuse_set_signal_handlers(server->session_) == 0) server->signals_ = true;
   ::sigaction(SIGHUP, &hup, nullptr);
+  // Entries of checkpoint directories another node removed, dropped from the kernel's
+  // cache by a thread of their own (fs/transport/entry_invalidator.h).
+  server->invalidator_ = std::make_shared<EntryInvalidator>(server->session_);
+  server->context_.invalidate_entry = [inv = server->invalidator_](uint64_t parent,
+                                                                   const std::string& name) {
+    inv->Push(parent, name);
+  };
   spdlog::info("mounted on {}", mountpoint);
   return server;
 }
@@ -389,6 +396,7 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
 FuseServer::~FuseServer() {
   ReleaseKernelUring(&context_);  // when no INIT reply came
   Unmount();
+  if (invalidator_) invalidator_->Stop();  // its queue sent (or refused: the session ended)
   if (uring_) uring_->Stop();  // before the session's descriptor goes
   if (session_ != nullptr) fuse_session_destroy(session_);
 }

@@ -4,12 +4,15 @@
 // only place that does): the op table, fs/transport/fuse_ops.h.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
 #include "fs/filesystem.h"
+#include "fs/transport/entry_invalidator.h"
 #include "fs/transport/fuse_uring.h"
 #include "fs/transport/passthrough.h"
 
@@ -72,6 +75,8 @@ class FuseServer {
     FuseTuning tuning;
     bool direct_writes = false;  // tuning.direct_writes resolved against this kernel
     struct fuse_session* session = nullptr;  // for notifications (attribute invalidation)
+    // Queues a kernel entry to drop (EntryInvalidator); handed to the Filesystem at INIT.
+    std::function<void(uint64_t parent, const std::string& name)> invalidate_entry;
     // The io mode of each inode under FUSE passthrough: a passthrough open, or the daemon's.
     PassthroughTable* passthrough = nullptr;
     // Watches and patches the INIT exchange for passthrough and io_uring
@@ -91,6 +96,8 @@ class FuseServer {
   std::unique_ptr<PassthroughTable> passthrough_;  // outlives the session and its handles
   std::unique_ptr<InitPatcher> init_;
   std::unique_ptr<FuseUring> uring_;
+  // Stopped before the session goes; the Filesystem's copy of its Push is then a no-op.
+  std::shared_ptr<EntryInvalidator> invalidator_;
   struct fuse_session* session_ = nullptr;
   bool mounted_ = false;
   bool signals_ = false;

@@ -400,6 +400,7 @@ void Publication::ForgetVanishedCheckpoints(uint64_t in_flight) {
       registry_->OnRemoved(info.path);
       index_->Forget(info.path);
       if (options_.cross_node_order) gate_->Forget(info.path);
+      if (observer_ != nullptr) observer_->OnRemovedElsewhere(info.path);
     }
   }
   if (!caught_up) return;

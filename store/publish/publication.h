@@ -72,6 +72,10 @@ class PublicationObserver {
   // Halted: publication stopped at `e` with `st` (each attempt), or passed it (ok). The
   // registry has been told already.
   virtual void OnHalted(const JournalEntry& e, const Status& st) = 0;
+  // Checkpoint `dir`, which this mount wrote into, is gone from the backing store (removed
+  // through another node, or by hand) and nothing is pending here: the mount's view may
+  // let it go (ForgetVanishedCheckpoints).
+  virtual void OnRemovedElsewhere(const std::string& dir) = 0;
 };
 
 // Told every entry's outcome after the publish's file times are set (so that it can key

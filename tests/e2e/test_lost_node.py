@@ -523,5 +523,58 @@ class RotationOutrunsACommit(unittest.TestCase):
               f"written; tracker 1 {'withheld' if withheld else 'superseded'}",
               file=sys.stderr)
 
+
+@unittest.skipUnless(os.geteuid() == 0, "needs root for network namespaces")
+class PeerForgetsRemovedCheckpoints(unittest.TestCase):
+    """A node that writes shards only (rank 1 through node 1) lets go of the checkpoints
+    another node's rotation removed (the two-node soak's peer heap, issue 41): a trainer
+    saves, and node 0's rotation removes the checkpoint three saves back; node 1's
+    publication of each save runs its sweep (every 10 s, once caught up), finds the
+    removed checkpoints gone, takes their directories out of its node table and has its
+    kernel drop the entries, whose forgets free them. Before, node 1 kept a node for every
+    checkpoint directory and shard it wrote, for its life: its table grew by one
+    checkpoint's worth each save."""
+
+    def test_async(self):
+        c = async_pair(self, "ckptfs-peerforget-")
+        n0, n1 = c.nodes
+        run0, run1 = os.path.join(n0.mnt, "run"), os.path.join(n1.mnt, "run")
+        backing = os.path.join(c.backing, "run")
+        os.makedirs(run0)
+
+        def save(n):
+            dcp_tool.save(it_dir(run0, n), 2, 4, False, n, timeout=300,
+                          dirs=[it_dir(run0, n), it_dir(run1, n)])
+            for node in (n0, n1):
+                r = subprocess.run([harness.ADMIN, "wait", it_dir(node.mnt + "/run", n),
+                                    "--timeout", "60"], capture_output=True, text=True)
+                self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            return n1.stats()["inodes"]
+
+        save(1)
+        save(2)
+        held = save(3)
+        per_save = save(4) - held  # one checkpoint's nodes on node 1
+        self.assertGreater(per_save, 0)
+        base = n1.stats()["inodes"]
+        for n in range(5, 9):
+            shutil.rmtree(it_dir(run0, n - 4))  # the rotation, through node 0
+            deadline = time.time() + 30  # async: node 0 publishes the removal
+            while time.time() < deadline and os.path.exists(it_dir(backing, n - 4)):
+                time.sleep(0.1)
+            time.sleep(10.5)  # the sweep's pace
+            save(n)
+        time.sleep(1)
+        after = n1.stats()["inodes"]
+        # Four saves added four checkpoints' nodes; the sweeps of saves 5-8 found
+        # iterations 1-4 removed (at least three of them seen by now).
+        self.assertLessEqual(after, base + per_save, f"node 1 still holds the removed "
+                             f"checkpoints: {base} inodes after save 4, {after} after save 8 "
+                             f"({per_save} a checkpoint)\n{n1.log_text(1 << 20)}")
+        self.assertTrue(os.path.isdir(it_dir(run1, 8)))
+        self.assertFalse(os.path.exists(it_dir(run1, 2)))
+        print(f"node 1's inodes: {base} after save 4, {after} after save 8 with 1-4 removed "
+              f"({per_save} a checkpoint)", file=sys.stderr)
+
 if __name__ == "__main__":
     unittest.main()

@@ -476,6 +476,78 @@ TEST_F(AbortedCheckpointTest, ATrackerNamingAHaltedCheckpointRemovedThroughTheMo
   EXPECT_GE(fs_->Shutdown().unpublished, 2u);
 }
 
+// A committed checkpoint someone else removed from the backing store (another node's
+// rotation): once the mount sees it gone (the registry's sweep), the kernel is told to drop
+// its entry, and when the kernel has forgotten every inode of it, its directory leaves the
+// node table. A node that writes shards only kept every checkpoint directory it wrote into,
+// with its files, for its life (heaptrack of the two-node soak's peer, stop 59). One in use
+// stays; one made again before the kernel forgot it stays too (the next save into it).
+TEST_F(AbortedCheckpointTest, ACheckpointRemovedElsewhereLeavesTheTableOnceTheKernelForgetsIt) {
+  std::mutex mu;
+  std::vector<std::pair<uint64_t, std::string>> dropped;
+  fs_->OnInit({false, [&](uint64_t parent, const std::string& name) {
+                 std::lock_guard lock(mu);
+                 dropped.emplace_back(parent, name);
+               }});
+  auto inodes = [&] { return Stats()["inodes"].get<uint64_t>(); };
+  for (const char* it : {"iter_0000001", "iter_0000002", "iter_0000003"}) Save(it);
+  WaitStats([](const nlohmann::json& s) { return s["journal_pending"] == 0; }, "the saves");
+  // The kernel's references: each name was made (create, mkdir) and is looked up here.
+  auto names_of = [&](const char* it, std::vector<uint64_t>* names) {
+    auto dir = fs_->Lookup(kRootIno, it);
+    EXPECT_TRUE(dir.ok()) << dir.status().ToString();
+    for (const auto& [file, len] : plan_.shards) {
+      auto e = fs_->Lookup(dir->ino, file);
+      EXPECT_TRUE(e.ok()) << file;
+      names->push_back(e->ino);
+    }
+    auto md = fs_->Lookup(dir->ino, ".metadata");
+    EXPECT_TRUE(md.ok());
+    names->push_back(md->ino);
+    names->push_back(dir->ino);  // the directory last, as the kernel forgets them
+  };
+  std::vector<uint64_t> one, three;
+  names_of("iter_0000001", &one);
+  names_of("iter_0000003", &three);
+  // iter_0000002 is in use: one of its files is open.
+  auto two = fs_->Lookup(kRootIno, "iter_0000002");
+  ASSERT_TRUE(two.ok());
+  auto shard = fs_->Lookup(two->ino, plan_.shards.begin()->first);
+  ASSERT_TRUE(shard.ok());
+  auto reading = fs_->Open(shard->ino, O_RDONLY);
+  ASSERT_TRUE(reading.ok()) << reading.status().ToString();
+
+  for (const char* it : {"iter_0000001", "iter_0000002", "iter_0000003"}) {
+    std::filesystem::remove_all(BackingPath(it));
+  }
+  (void)StateOf("");  // the control tree's sweep (the publisher's own runs every 10 s)
+  {
+    std::lock_guard lock(mu);
+    ASSERT_EQ(dropped.size(), 2u) << "only the checkpoints nothing uses are let go";
+    EXPECT_EQ(dropped[0], std::make_pair(uint64_t{kRootIno}, std::string("iter_0000001")));
+    EXPECT_EQ(dropped[1], std::make_pair(uint64_t{kRootIno}, std::string("iter_0000003")));
+  }
+  // Nothing leaves while the kernel still names it: a request through its cached entry
+  // would find its inode gone.
+  const uint64_t before = inodes();
+  for (size_t k = 0; k + 1 < one.size(); ++k) fs_->Forget(one[k], 2);
+  EXPECT_EQ(inodes(), before);
+  fs_->Forget(one.back(), 2);  // the kernel's last reference
+  EXPECT_EQ(inodes(), before - one.size()) << "the removed checkpoint is still held";
+  EXPECT_EQ(Stats()["gone_dirs_evicted"], 1u);
+  EXPECT_FALSE(fs_->Lookup(kRootIno, "iter_0000001").ok());
+
+  // iter_0000003 is made again on the backing store (the other node's next save into it)
+  // before the kernel forgets it: it stays, and a lookup finds it.
+  std::filesystem::create_directory(BackingPath("iter_0000003"));
+  for (uint64_t ino : three) fs_->Forget(ino, 2);
+  EXPECT_EQ(Stats()["gone_dirs_evicted"], 1u);
+  auto again = fs_->Lookup(kRootIno, "iter_0000003");
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  fs_->Release(*reading);
+  fs_->OnInit({});
+}
+
 // The other order of the race above (the soak's save loop under faults, and
 // scripts/bench/rss_loop.py with --fault-inject): the rotation's rm -r of a checkpoint is
 // queued first, and only then does one of its publishes fail. A delete behind the halt
