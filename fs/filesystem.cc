@@ -136,6 +136,7 @@ Status Filesystem::Init(FsDeps deps) {
   // "Commit query"), once the peers serve.
   pub_options.peers = loader_->peers();
   pub_options.index_builds = loader_.get();
+  pub_options.journal_trace = config_.journal_trace;
   CKPT_ASSIGN_OR_RETURN(publication_, store::Publication::Create(backing_.get(), db_.get(),
                                                                  index_.get(),
                                                                  std::move(pub_options)));

@@ -34,6 +34,7 @@ struct FsConfig {
   std::string backing_dir;
   std::string mountpoint;
   std::string state_dir;
+  std::string journal_trace;  // store/publish/journal_trace.h; empty: none
   bool strict = false;
   uint64_t staging_bytes = uint64_t{1} << 30;
   uint64_t chunk_bytes = uint64_t{4} << 20;

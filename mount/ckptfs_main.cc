@@ -208,6 +208,7 @@ int Serve(const ckptfs::DaemonOptions& o, PeerOptionsPtr peers, ReadyPipe* ready
   config.backing_dir = o.backing_dir;
   config.mountpoint = o.mountpoint;
   config.state_dir = o.state_dir;
+  config.journal_trace = o.journal_trace;
   config.strict = o.strict;
   config.staging_bytes = o.staging_bytes;
   config.chunk_bytes = o.chunk_bytes;

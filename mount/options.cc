@@ -257,6 +257,10 @@ Result<DaemonOptions> ParseDaemonOptions(int argc, const char* const* argv) {
   app.add_option("--fault-inject", o.fault_inject,
                  "TEST ONLY: inject EIO/ENOSPC into backing-store writes, fsyncs and renames")
       ->group("");
+  // Diagnosis (the soak's check that nothing is published twice): hidden from --help.
+  app.add_option("--journal-trace", o.journal_trace,
+                 "Append a line per journal entry done, resumed or discarded to FILE")
+      ->group("");
   std::vector<std::string> o_groups;
   app.add_option("-o", o_groups,
                  "Options, comma separated: ckptfs options as key=value, the rest for FUSE")

@@ -79,6 +79,8 @@ struct DaemonOptions {
   // Test only, hidden from --help (issue 41): faults injected under the backing dir,
   // store/primitives/fault_injection.h. Empty: none.
   std::string fault_inject;
+  // Diagnosis: a line per journal entry done (store/publish/journal_trace.h). Empty: none.
+  std::string journal_trace;
   std::vector<std::string> fuse_options;
   bool help = false;
   bool version = false;     // --version: print help_text (the version) and exit

@@ -42,7 +42,9 @@ Invariants, from the backing directory alone (never through the mount):
   * strict: every save, tracker and rm -r that returned before a kill is on the backing
     store after it;
   * after every restart, nothing is published twice: the files of a verified checkpoint the
-    application did not touch since keep their inode, mtime and size;
+    application did not touch since keep their inode, mtime and size; and by sequence
+    number, from every daemon's --journal-trace: no entry done twice in one run, none
+    resumed or discarded at a start that the run before had done;
   * a journal halt has a reason; none lasts 120 s (nothing here fails the store);
   * a clean stop exits 0, leaves no .ckptfs-tmp.* file, and the backing tree equals the
     mount's view file for file and byte for byte;

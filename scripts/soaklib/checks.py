@@ -423,6 +423,18 @@ class Checks:
                           f"{[files.get(k) for k in changed[:3]]}"
                           f" now {[(now_files or {}).get(k) for k in changed[:3]]}")
 
+    def check_journal_trace(self, context):
+        """Nothing published twice, by the journal's sequence numbers (every node's
+        --journal-trace, soaklib.util.journal_trace_check): no entry done twice in one run,
+        and no entry a restart resumed or discarded that the run before had done."""
+        for d in self.daemons:
+            counts, bad = journal_trace_check(d.trace)
+            for k, v in counts.items():
+                self.counts[f"journal_{k}"] = self.counts.get(f"journal_{k}", 0) + v
+            for what in bad[:5]:
+                self.fail("the journal handled an entry twice (its trace)",
+                          f"{context}: node {d.index}: {what}")
+
     def checker(self):
         while not self.stop_ev.is_set():
             if self.sleep(self.rng.uniform(5, 12)):

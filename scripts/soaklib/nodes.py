@@ -38,6 +38,8 @@ class Daemon:
         self.faulty = False
         self._count_log, self._count_off, self._count = None, 0, 0
         self._full = False
+        # Every incarnation appends to one trace (checks.check_journal_trace).
+        self.trace = os.path.join(run.root, f"journal.{index}.trace")
         os.makedirs(mnt, exist_ok=True)
 
     def fault_spec(self):
@@ -54,7 +56,7 @@ class Daemon:
         self.log = os.path.join(run.root, f"ckptfs.{tag}.log")
         cmd = [harness.CKPTFS, "-f", "--staging-mem", "128M", "--state-dir", self.state,
                "--log-file", self.log, "--log-level", "info", "--durability", run.mode,
-               "--flush-direct-io", "on"]
+               "--flush-direct-io", "on", "--journal-trace", self.trace]
         spec = self.fault_spec()
         self.faulty = spec is not None
         if spec:

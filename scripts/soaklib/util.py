@@ -228,3 +228,44 @@ class Job:
 
     def tail(self, n=2500):
         return (read_text(self.err) or "")[-n:]
+
+
+def journal_trace_check(path):
+    """Reads a daemon's --journal-trace (store/publish/journal_trace.h) over all its runs:
+    ({"runs", "done", "resumed", "discarded"}, [violations]). A run's lines follow its
+    `start`; the recovery lines of a run come before its `start` and are judged against
+    the run before: an entry resumed or discarded there must not have been done (its record
+    was removed first), and no entry is done twice in one run."""
+    counts = {"runs": 0, "done": 0, "resumed": 0, "discarded": 0}
+    bad = []
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.read().split("\n")
+    except OSError:
+        return counts, bad
+    if lines and lines[-1] != "":
+        lines = lines[:-1]   # a line cut by a SIGKILL
+    done = {}       # seq -> line, the current run
+    before = {}     # the run before, for the recovery lines of the next one
+    epoch = None
+    for line in lines:
+        parts = line.split(" ", 4)
+        if not parts or not parts[0]:
+            continue
+        kind = parts[0]
+        if kind == "start" and len(parts) >= 2:
+            before, done, epoch = done, {}, parts[1]
+            counts["runs"] += 1
+        elif kind in ("resume", "discard") and len(parts) >= 3:
+            counts["resumed" if kind == "resume" else "discarded"] += 1
+            seq = int(parts[1])
+            if seq in done:   # judged against the last run (the one that left it)
+                bad.append(f"run {epoch}: #{seq} was done ({done[seq]}), then {line!r} at "
+                           "the next start")
+        elif kind == "done" and len(parts) >= 4:
+            counts["done"] += 1
+            seq = int(parts[1])
+            if seq in done:
+                bad.append(f"run {epoch}: #{seq} done twice: {done[seq]!r}, {line!r}")
+            done[seq] = line
+    return counts, bad

@@ -116,6 +116,7 @@ Result<std::unique_ptr<Journal>> Journal::Create(BackingDir* dir, StateDb* db,
   auto prev = db->Get(kEpochKey);
   if (prev.ok()) epoch = std::strtoull(prev->c_str(), nullptr, 10) + 1;
   CKPT_RETURN_IF_ERROR(db->Put(kEpochKey, std::to_string(epoch)));
+  if (options.trace != nullptr) options.trace->Start(epoch);
   return std::unique_ptr<Journal>(
       new Journal(dir, db, delegate, std::move(options), 1, epoch << 32));
 }
@@ -792,6 +793,7 @@ void Journal::Finalize(const JournalEntry& e, const Status& st, bool applied) {
   Status db_st =
       db_->Write({}, deletes, resumed ? WriteMode::kSynced : WriteMode::kUnsynced);
   if (!db_st.ok()) spdlog::warn("journal: state db: {}", db_st.ToString());
+  if (options_.trace != nullptr) options_.trace->Done(e, applied);
   if (temp_done) temps_.Drop(e.file_id);
   if (delegate_ != nullptr) delegate_->OnDone(e, st);
 }

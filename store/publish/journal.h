@@ -70,6 +70,7 @@
 #include "store/publish/deletion_hold.h"
 #include "store/publish/early_sync.h"
 #include "store/publish/journal_entry.h"
+#include "store/publish/journal_trace.h"
 #include "store/publish/replaced_files.h"
 #include "store/publish/temp_records.h"
 
@@ -134,6 +135,8 @@ struct RecoveryReport {
   // hand them to QueueLeft(). Their records, temp files and the marker stay until each
   // is done.
   std::vector<JournalEntry> resumed;
+  // The entries a crash of the previous run left, dropped (for the journal trace).
+  std::vector<JournalEntry> discarded;
 };
 
 // What a bounded stop (CloseWithin) did.
@@ -228,6 +231,9 @@ struct JournalOptions {
   // How long held deletions wait, after a later commit, for its tracker when nothing else
   // comes (a loop without trackers, or the last save of a run).
   std::chrono::milliseconds held_grace{std::chrono::seconds(30)};
+  // A line per entry done and at the start (store/publish/journal_trace.h); null: none.
+  // Borrowed: must outlive the journal.
+  const JournalTrace* trace = nullptr;
 };
 
 // What the journal holds and has done (Journal::counts(), /.ckptfs/stats).

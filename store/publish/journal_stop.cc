@@ -42,6 +42,7 @@ Result<RecoveryReport> Journal::Recover(BackingDir* dir, StateDb* db) {
         deletes.emplace_back(k);
         ++report.entries_discarded;
         if (e.ok() && e->op == OpType::kPublish) discarded.emplace_back(e->path, e->from);
+        if (e.ok()) report.discarded.push_back(std::move(e).value());
       }));
   CKPT_RETURN_IF_ERROR(db->Scan(TempRecords::kPrefix, [&](std::string_view k, std::string_view v) {
     const uint64_t id =

@@ -97,12 +97,21 @@ Publication::~Publication() = default;
 Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateDb* db,
                                                          KeyIndex* index,
                                                          PublicationOptions options) {
+  std::unique_ptr<JournalTrace> trace;
+  if (!options.journal_trace.empty()) {
+    CKPT_ASSIGN_OR_RETURN(trace, JournalTrace::Open(options.journal_trace));
+  }
   CKPT_ASSIGN_OR_RETURN(RecoveryReport report, Journal::Recover(dir, db));
   if (report.entries_discarded > 0 || report.temps_removed > 0) {
     spdlog::warn("recovery: discarded {} unapplied journal entries, removed {} temp files",
                  report.entries_discarded, report.temps_removed);
   }
+  if (trace) {
+    for (const JournalEntry& e : report.resumed) trace->Recovered("resume", e);
+    for (const JournalEntry& e : report.discarded) trace->Recovered("discard", e);
+  }
   std::unique_ptr<Publication> p(new Publication(dir, index, std::move(options)));
+  p->trace_ = std::move(trace);
   Publication* self = p.get();
   // Entries the last stop left for this start: queued by Start(), once the observer exists.
   p->left_ = std::move(report.resumed);
@@ -151,6 +160,7 @@ Result<std::unique_ptr<Publication>> Publication::Create(BackingDir* dir, StateD
   // Temp files live at the backing root: their records can be written ahead, several
   // per synced write.
   journal.temp_prefix = p->options_.temp_prefix;
+  journal.trace = p->trace_.get();
   CKPT_ASSIGN_OR_RETURN(p->journal_, Journal::Create(dir, db, static_cast<JournalDelegate*>(self),
                                                      std::move(journal)));
   return p;

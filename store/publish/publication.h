@@ -40,6 +40,7 @@
 #include "store/publish/commit_gate.h"
 #include "store/publish/deletion_hold.h"
 #include "store/publish/journal.h"
+#include "store/publish/journal_trace.h"
 #include "store/publish/lost_publishes.h"
 #include "store/publish/publication_view.h"
 #include "store/publish/shard_state.h"
@@ -112,6 +113,8 @@ struct PublicationOptions {
   KeyIndexBuilds* index_builds = nullptr;
   // Entries that may be queued before AwaitBacklogRoom() waits (0: no bound).
   size_t max_pending = 0;
+  // A file to append the journal's trace to (store/publish/journal_trace.h); empty: none.
+  std::string journal_trace;
 };
 
 class Publication final : private JournalDelegate,
@@ -239,6 +242,7 @@ class Publication final : private JournalDelegate,
   DeletionHold hold_;
   std::unique_ptr<WithheldTrackers> withheld_trackers_;  // arms hold_ (Abort of a tracker)
   std::unique_ptr<CommitGate> gate_;
+  std::unique_ptr<JournalTrace> trace_;  // before journal_, which writes to it
   std::unique_ptr<Journal> journal_;  // last: its publisher calls into the parts above
 
   // The longest queue seen since the last trim, when that was, and the last sweep
