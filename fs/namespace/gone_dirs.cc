@@ -78,7 +78,9 @@ void GoneDirs::OnForgotten(uint64_t ino) {
     std::shared_ptr<Node> node = table_.NodeLocked(ino);
     for (const Node* n = node.get(); n != nullptr; n = n->parent) {
       if (n->gone_elsewhere) {
-        if (!KernelNames(n)) marked = n->ino;
+        // The kernel forgets a directory after everything in it (a child's entry holds its
+        // parent's): its files' forgets cost a walk up, not a scan of the whole checkpoint.
+        if (n->nlookup == 0 && !KernelNames(n)) marked = n->ino;
         break;
       }
     }
