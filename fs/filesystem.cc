@@ -379,7 +379,7 @@ std::optional<PassthroughSource> Filesystem::PassthroughSourceOf(Handle* h) {
 }
 
 void Filesystem::OnInit(const KernelSession& k) {
-  if (ns_) ns_->gone().SetEntryInvalidator(k.invalidate_entry);
+  if (ns_) ns_->kernel().Set(k.invalidate);
   // The kernel passes this node's reads through: a prefetch into the block cache would
   // read every byte a second time, so a load's prefetch goes to the backing files' page
   // cache instead, which the passthrough readers read.

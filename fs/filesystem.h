@@ -169,12 +169,12 @@ class Filesystem {
   std::optional<PassthroughSource> PassthroughSourceOf(Handle* h);
   // The INIT exchange is done. `passthrough`: the kernel will pass reads through; a load
   // then no longer prefetches into the block cache (without peers): the kernel reads the
-  // bytes. `invalidate_entry`: tells the kernel to drop a directory entry the mount let go
-  // of (a checkpoint another node removed; the transport's EntryInvalidator, which never
-  // blocks); empty: nobody.
+  // bytes. `invalidate`: tells the kernel to drop what it caches (fs/namespace/
+  // kernel_cache.h: an entry, or an inode's attributes and pages; the transport's
+  // EntryInvalidator, which never blocks); empty: nobody.
   struct KernelSession {
     bool passthrough = false;
-    std::function<void(uint64_t parent, const std::string& name)> invalidate_entry;
+    std::function<void(uint64_t ino, const std::string& name)> invalidate;
   };
   void OnInit(const KernelSession& k);
 

@@ -38,11 +38,12 @@ bool KernelNames(const Node* dir) {
 
 }  // namespace
 
-GoneDirs::GoneDirs(const FsParts& parts, NodeTable& table)
+GoneDirs::GoneDirs(const FsParts& parts, NodeTable& table, KernelCache& kernel)
     : table_(table),
       backing_(parts.backing),
       publication_(parts.publication),
-      stats_(parts.stats) {}
+      stats_(parts.stats),
+      kernel_(kernel) {}
 
 void GoneDirs::OnRemovedElsewhere(const std::string& dir) {
   std::optional<std::pair<uint64_t, std::string>> entry;
@@ -66,9 +67,7 @@ void GoneDirs::OnRemovedElsewhere(const std::string& dir) {
   spdlog::debug("checkpoint {}: removed elsewhere; {}", dir,
                 entry ? "the kernel is told to drop its entry" : "leaves the table");
   if (evict != 0) Evict(evict);
-  if (!entry) return;
-  MutexLock lock(&inval_mu_);
-  if (invalidate_) invalidate_(entry->first, entry->second);
+  if (entry) kernel_.DropEntry(entry->first, entry->second);
 }
 
 void GoneDirs::OnForgotten(uint64_t ino) {
@@ -86,11 +85,6 @@ void GoneDirs::OnForgotten(uint64_t ino) {
     }
   }
   if (marked != 0) Evict(marked);
-}
-
-void GoneDirs::SetEntryInvalidator(EntryInvalidate f) {
-  MutexLock lock(&inval_mu_);
-  invalidate_ = std::move(f);
 }
 
 void GoneDirs::Evict(uint64_t ino) {

@@ -9,8 +9,7 @@
 // Publication's sweep tells it which checkpoints are gone from the backing store
 // (PublicationObserver::OnRemovedElsewhere). A directory nothing uses here (no write
 // state, open handle or pending entry below it) is marked, and the kernel is told to drop
-// its entry (the transport's EntryInvalidator, a thread of its own: the kernel takes the
-// parent directory's lock, which a request waiting for the daemon may hold). Once the
+// its entry (KernelCache). Once the
 // kernel has forgotten every inode of it (FORGET; Namespace::Forget calls OnForgotten),
 // no request can name them any more, and the directory leaves the table if a fresh stat
 // still finds it gone. A lookup of the name then asks the backing store again, as for any
@@ -28,31 +27,26 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <string>
 
-#include "common/mutex.h"
 #include "fs/fs_types.h"
+#include "fs/namespace/kernel_cache.h"
 #include "fs/namespace/node_table.h"
 
 namespace ckptfs::fs {
 
 class GoneDirs {
  public:
-  // `table` and the parts' backing dir, publication and stats must outlive it.
-  GoneDirs(const FsParts& parts, NodeTable& table);
+  // `table`, `kernel` and the parts' backing dir, publication and stats must outlive it.
+  GoneDirs(const FsParts& parts, NodeTable& table, KernelCache& kernel);
   GoneDirs(const GoneDirs&) = delete;
   GoneDirs& operator=(const GoneDirs&) = delete;
 
   // Checkpoint directory `dir` is gone from the backing store and nothing of it is queued
   // here (Publication::ForgetVanishedCheckpoints).
-  void OnRemovedElsewhere(const std::string& dir) EXCLUDES(table_.mu(), inval_mu_);
+  void OnRemovedElsewhere(const std::string& dir) EXCLUDES(table_.mu());
   // The kernel's last reference to inode `ino` went.
   void OnForgotten(uint64_t ino) EXCLUDES(table_.mu());
-  // Who tells the kernel to drop an entry (parent inode, name): fs/transport's
-  // EntryInvalidator, from the mount's start to its stop; empty: nobody.
-  using EntryInvalidate = std::function<void(uint64_t parent, const std::string& name)>;
-  void SetEntryInvalidator(EntryInvalidate f) EXCLUDES(inval_mu_);
 
  private:
   // Takes marked directory `ino` out of the table if the kernel names nothing in it, nothing
@@ -63,8 +57,7 @@ class GoneDirs {
   store::BackingDir* const backing_;
   store::Publication* const publication_;
   FsStats* const stats_;
-  Mutex inval_mu_;
-  EntryInvalidate invalidate_ GUARDED_BY(inval_mu_);
+  KernelCache& kernel_;
 };
 
 }  // namespace ckptfs::fs

@@ -5,6 +5,10 @@
 
 #include <spdlog/spdlog.h>
 
+#include <cstdint>
+#include <string>
+#include <vector>
+
 #include "common/path.h"
 #include "fs/fs_util.h"
 #include "fs/namespace/table_lock.h"
@@ -13,8 +17,33 @@
 namespace ckptfs::fs {
 
 JournalEvents::JournalEvents(const FsParts& parts, NodeTable& table, WriteStates& writes,
-                             GoneDirs& gone)
-    : table_(table), writes_(writes), gone_(gone), stats_(parts.stats) {}
+                             GoneDirs& gone, KernelCache& kernel)
+    : table_(table), writes_(writes), gone_(gone), kernel_(kernel), stats_(parts.stats) {}
+
+void JournalEvents::OnCommitSeen(const std::string& dir, uint64_t seq) {
+  std::vector<uint64_t> files;
+  {
+    TableLock lock(table_);
+    const Node* d = dir.empty() ? table_.root().get() : table_.LoadedNodeAtLocked(dir);
+    if (d == nullptr || d->type != NodeType::kDir) return;
+    for (const auto& [name, child] : d->children) {
+      // Written here: the table has this version's attributes already.
+      if (child->type == NodeType::kFile && child->on_backing && !child->write) {
+        files.push_back(child->ino);
+      }
+    }
+  }
+  uint64_t changed = 0;
+  for (uint64_t ino : files) {
+    if (!table_.RefreshAttr(ino, /*unless_committed=*/false, /*done_through=*/seq)) continue;
+    kernel_.DropInode(ino);
+    ++changed;
+  }
+  if (changed > 0) {
+    spdlog::info("checkpoint {}: {} file(s) in it were written again through other nodes: "
+                 "their new sizes and bytes are shown", dir, changed);
+  }
+}
 
 bool JournalEvents::WrittenLocally(const std::string& path) {
   TableLock lock(table_);

@@ -18,6 +18,7 @@
 #include "fs/fs_stats.h"
 #include "fs/fs_types.h"
 #include "fs/namespace/gone_dirs.h"
+#include "fs/namespace/kernel_cache.h"
 #include "fs/namespace/node_table.h"
 #include "fs/namespace/write_states.h"
 #include "store/publish/journal.h"
@@ -27,8 +28,10 @@ namespace ckptfs::fs {
 
 class JournalEvents final : public store::PublicationObserver {
  public:
-  // The parts, `table`, `writes` and `gone` must outlive it; it uses the parts' stats.
-  JournalEvents(const FsParts& parts, NodeTable& table, WriteStates& writes, GoneDirs& gone);
+  // The parts, `table`, `writes`, `gone` and `kernel` must outlive it; it uses the parts'
+  // stats.
+  JournalEvents(const FsParts& parts, NodeTable& table, WriteStates& writes, GoneDirs& gone,
+                KernelCache& kernel);
   JournalEvents(const JournalEvents&) = delete;
   JournalEvents& operator=(const JournalEvents&) = delete;
 
@@ -40,6 +43,12 @@ class JournalEvents final : public store::PublicationObserver {
   void OnHalted(const store::JournalEntry& e, const Status& st) override EXCLUDES(table_.mu());
   // To GoneDirs, which lets the directory go once the kernel forgets it.
   void OnRemovedElsewhere(const std::string& dir) override { gone_.OnRemovedElsewhere(dir); }
+  // A save of checkpoint `dir` committed: the files in it this mount did not write may be
+  // new versions other nodes wrote (the directory saved again). Each one the table holds
+  // is stat'ed; one that changed takes the new attributes, and the kernel drops its
+  // cached attributes and pages. Before, a load through this node read the old size (a
+  // committed checkpoint's attributes are kept for an hour): EOF in the two-node soak.
+  void OnCommitSeen(const std::string& dir, uint64_t seq) override EXCLUDES(table_.mu());
 
  private:
   // The node's side of a publish entry's outcome; returns the inode whose write state
@@ -49,6 +58,7 @@ class JournalEvents final : public store::PublicationObserver {
   NodeTable& table_;
   WriteStates& writes_;
   GoneDirs& gone_;
+  KernelCache& kernel_;
   FsStats* const stats_;
 };
 

@@ -23,8 +23,8 @@ Namespace::Namespace(const FsConfig& config, const FsParts& parts,
       table_(*own_table_),
       writes_(config, parts, table_),
       posix_(parts, table_, writes_),
-      gone_(parts, table_),
-      events_(parts, table_, writes_, gone_),
+      gone_(parts, table_, kernel_),
+      events_(parts, table_, writes_, gone_, kernel_),
       report_(config, parts, table_) {}
 
 Result<std::unique_ptr<Namespace>> Namespace::Create(const FsConfig& config,

@@ -32,6 +32,7 @@
 #include "fs/namespace/gone_dirs.h"
 #include "fs/namespace/handle.h"
 #include "fs/namespace/journal_events.h"
+#include "fs/namespace/kernel_cache.h"
 #include "fs/namespace/namespace_report.h"
 #include "fs/namespace/node_table.h"
 #include "fs/namespace/posix_access.h"
@@ -52,6 +53,7 @@ class Namespace {
   PosixOps& posix() { return posix_; }
   JournalEvents& events() { return events_; }
   GoneDirs& gone() { return gone_; }
+  KernelCache& kernel() { return kernel_; }
   NamespaceReport& report() { return report_; }
 
   // On namespace inodes only (the facade routes the others). Operations that create names
@@ -96,6 +98,7 @@ class Namespace {
   NodeTable& table_;
   WriteStates writes_;
   PosixOps posix_;
+  KernelCache kernel_;
   GoneDirs gone_;
   JournalEvents events_;
   NamespaceReport report_;

@@ -341,28 +341,39 @@ Status NodeTable::LoadChildDir(uint64_t dir_ino, const std::string& name) {
   return LoadDir(ino);
 }
 
-void NodeTable::RefreshAttr(uint64_t ino, bool unless_committed) {
+bool NodeTable::RefreshAttr(uint64_t ino, bool unless_committed, uint64_t done_through) {
   // The stat runs without mu; it is applied only if the node's backing path is still
   // the one stat'ed and nothing of it is pending.
-  auto refreshable = [this](const Node* node) REQUIRES(mu_) {
+  auto refreshable = [this, done_through](const Node* node) REQUIRES(mu_) {
     return !node->write && node->on_backing &&
-           Quiescent(node, publication_->view().applied());
+           Quiescent(node, std::max(publication_->view().applied(), done_through));
   };
   std::string path;
   {
     MutexLock lock(&mu_);
     auto node = NodeLocked(ino);
-    if (!node || !refreshable(node.get())) return;
-    if (unless_committed && TimeoutFor(*node) >= kCommittedTimeout) return;
+    if (!node || !refreshable(node.get())) return false;
+    if (unless_committed && TimeoutFor(*node) >= kCommittedTimeout) return false;
     path = PathLocked(node.get());
   }
   Result<struct stat> backing = backing_->Stat(path);
-  if (!backing.ok()) return;
+  if (!backing.ok()) return false;
   MutexLock lock(&mu_);
   auto node = NodeLocked(ino);
-  if (node && refreshable(node.get()) && PathLocked(node.get()) == path) {
-    ApplyBackingStatLocked(node.get(), *backing);
-  }
+  if (!node || !refreshable(node.get()) || PathLocked(node.get()) != path) return false;
+  // A file renamed over its name has a new ctime even with the old size and mtime. A name
+  // this mount wrote shows its own times: the backing store's are judged against the ones
+  // first seen there (stamp_*), as ApplyBackingStatLocked does.
+  const Node& n = *node;
+  const bool times_moved =
+      !n.own_attrs ? !SameTime(n.attr.st_mtim, backing->st_mtim) ||
+                         !SameTime(n.attr.st_ctim, backing->st_ctim)
+      : n.stamped  ? !SameTime(n.stamp_mtime, backing->st_mtim) ||
+                         !SameTime(n.stamp_ctime, backing->st_ctim)
+                   : false;
+  const bool changed = n.attr.st_size != backing->st_size || times_moved;
+  ApplyBackingStatLocked(node.get(), *backing);
+  return changed;
 }
 
 void NodeTable::ApplyBackingStatLocked(Node* node, const struct stat& st) {

@@ -162,7 +162,11 @@ class NodeTable {
   // Refreshes the attributes of `ino` from a stat of its backing path (taken without the lock)
   // while nothing of it is pending.
   // `unless_committed`: not a committed checkpoint's file (GetAttr).
-  void RefreshAttr(uint64_t ino, bool unless_committed = false) EXCLUDES(mu_);
+  // `done_through`: entries up to it count as applied (a commit being reported, whose own
+  // entry is pending in the directory until the report ends). Returns whether the size,
+  // mtime or ctime shown changed.
+  bool RefreshAttr(uint64_t ino, bool unless_committed = false, uint64_t done_through = 0)
+      EXCLUDES(mu_);
   // Takes the attributes of `node` from a stat of its backing path, keeping the ones the
   // mount owns (Node::own_attrs) while the backing inode shows only this mount's changes.
   void ApplyBackingStatLocked(Node* node, const struct stat& st) REQUIRES(mu_);

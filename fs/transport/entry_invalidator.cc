@@ -17,11 +17,11 @@ EntryInvalidator::EntryInvalidator(struct fuse_session* session) : session_(sess
 
 EntryInvalidator::~EntryInvalidator() { Stop(); }
 
-void EntryInvalidator::Push(uint64_t parent, std::string name) {
+void EntryInvalidator::Push(uint64_t ino, std::string name) {
   {
     MutexLock lock(&mu_);
     if (stop_ || queue_.size() >= kMaxQueued) return;
-    queue_.emplace_back(parent, std::move(name));
+    queue_.emplace_back(ino, std::move(name));
   }
   cv_.notify_one();
 }
@@ -44,14 +44,17 @@ void EntryInvalidator::Run() {
       return stop_ || !queue_.empty();
     });
     if (queue_.empty()) return;  // stopped, nothing left
-    auto [parent, name] = std::move(queue_.front());
+    auto [ino, name] = std::move(queue_.front());
     queue_.pop_front();
     lock.Unlock();
-    const int rc = fuse_lowlevel_notify_inval_entry(session_, parent, name.c_str(), name.size());
-    // ENOENT: the kernel had no such entry (it forgot it already).
+    // Offset 0, length 0: the attributes and every cached page.
+    const int rc = name.empty()
+                       ? fuse_lowlevel_notify_inval_inode(session_, ino, 0, 0)
+                       : fuse_lowlevel_notify_inval_entry(session_, ino, name.c_str(), name.size());
+    // ENOENT: the kernel had no such entry or inode (it forgot it already).
     if (rc != 0 && rc != -ENOENT) {
-      spdlog::debug("fuse: cannot drop entry '{}' of inode {}: {}", name, parent,
-                    std::strerror(-rc));
+      spdlog::debug("fuse: cannot drop {} '{}' of inode {}: {}", name.empty() ? "inode" : "entry",
+                    name, ino, std::strerror(-rc));
     }
     lock.Lock();
   }

@@ -1,6 +1,7 @@
 // EntryInvalidator: tells the kernel to drop directory entries the daemon lets go of (a
 // checkpoint directory another node removed from the backing store; fs/namespace/
-// gone_dirs.h), so that it forgets their inodes and the node table can free them.
+// gone_dirs.h), so that it forgets their inodes and the node table can free them, and the
+// attributes and pages of files other nodes wrote again (fs/namespace/kernel_cache.h).
 //
 // fuse_lowlevel_notify_inval_entry takes the parent directory's lock in the kernel. A FUSE
 // request that holds that lock (a create in the directory) may wait for the daemon's own
@@ -32,8 +33,9 @@ class EntryInvalidator {
   EntryInvalidator(const EntryInvalidator&) = delete;
   EntryInvalidator& operator=(const EntryInvalidator&) = delete;
 
-  // The entry `name` in directory inode `parent`; from any thread; nothing once stopped.
-  void Push(uint64_t parent, std::string name) EXCLUDES(mu_);
+  // The entry `name` in directory inode `ino`, or (name empty) inode `ino`'s attributes
+  // and cached pages; from any thread; nothing once stopped.
+  void Push(uint64_t ino, std::string name) EXCLUDES(mu_);
   // Sends what is queued, then ends the thread.
   void Stop() EXCLUDES(mu_);
 

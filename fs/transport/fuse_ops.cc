@@ -170,7 +170,7 @@ void ResolvePassthrough(FuseServer::Context* context, struct fuse_conn_info* con
   } else {
     table->Enable(nullptr, off);
   }
-  context->fs->OnInit({off.empty(), context->invalidate_entry});
+  context->fs->OnInit({off.empty(), context->invalidate});
   spdlog::info("fuse: passthrough {} (kernel protocol 7.{})", off.empty() ? "on" : "off: " + off,
                context->init ? context->init->kernel_minor() : 0);
 }

@@ -382,12 +382,13 @@ Result<std::unique_ptr<FuseServer>> FuseServer::Mount(Filesystem* fs, const std:
   ::sigaction(SIGHUP, nullptr, &hup);
   if (fuse_set_signal_handlers(server->session_) == 0) server->signals_ = true;
   ::sigaction(SIGHUP, &hup, nullptr);
-  // Entries of checkpoint directories another node removed, dropped from the kernel's
-  // cache by a thread of their own (fs/transport/entry_invalidator.h).
+  // What the kernel caches of names and files changed behind its back (a checkpoint
+  // directory another node removed, files another node wrote again), dropped by a thread
+  // of its own (fs/transport/entry_invalidator.h, fs/namespace/kernel_cache.h).
   server->invalidator_ = std::make_shared<EntryInvalidator>(server->session_);
-  server->context_.invalidate_entry = [inv = server->invalidator_](uint64_t parent,
-                                                                   const std::string& name) {
-    inv->Push(parent, name);
+  server->context_.invalidate = [inv = server->invalidator_](uint64_t ino,
+                                                             const std::string& name) {
+    inv->Push(ino, name);
   };
   spdlog::info("mounted on {}", mountpoint);
   return server;

@@ -75,8 +75,9 @@ class FuseServer {
     FuseTuning tuning;
     bool direct_writes = false;  // tuning.direct_writes resolved against this kernel
     struct fuse_session* session = nullptr;  // for notifications (attribute invalidation)
-    // Queues a kernel entry to drop (EntryInvalidator); handed to the Filesystem at INIT.
-    std::function<void(uint64_t parent, const std::string& name)> invalidate_entry;
+    // Queues a kernel entry or inode to drop (EntryInvalidator); handed to the Filesystem
+    // at INIT.
+    std::function<void(uint64_t ino, const std::string& name)> invalidate;
     // The io mode of each inode under FUSE passthrough: a passthrough open, or the daemon's.
     PassthroughTable* passthrough = nullptr;
     // Watches and patches the INIT exchange for passthrough and io_uring

@@ -437,6 +437,7 @@ void Publication::NoteForeignCommits() {
       shard_states_->Settled(info.path);  // what this mount knew answered for that save
       lost_publishes_->Settled(info.path);
       gate_->Forget(info.path);
+      if (observer_ != nullptr) observer_->OnCommitSeen(info.path, 0);
     }
   }
 }
@@ -448,6 +449,7 @@ bool Publication::NoteCommittedElsewhere(const std::string& dir, double since) {
     shard_states_->Settled(dir);
     lost_publishes_->Settled(dir);
     if (options_.cross_node_order) gate_->Forget(dir);
+    if (observer_ != nullptr) observer_->OnCommitSeen(dir, 0);
   }
   return true;
 }
@@ -510,6 +512,9 @@ void Publication::OnHalt(const JournalEntry& e, const Status& st) {
 void Publication::OnDone(const JournalEntry& e, const Status& st) {
   if (options_.cross_node_order) gate_->NoteApplied(e, st);
   const std::string committed_dir = NoteApplied(e, st);
+  // Before the tracker behind it is applied: what the mount shows of other nodes' files in
+  // the directory is brought up to date.
+  if (!committed_dir.empty()) observer_->OnCommitSeen(committed_dir, e.seq);
   if (options_.index_builds != nullptr) {
     if (!committed_dir.empty()) options_.index_builds->QueueBuild(committed_dir);
     if (st.ok() && (e.op == OpType::kUnlink || e.op == OpType::kPublish ||

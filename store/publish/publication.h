@@ -77,6 +77,10 @@ class PublicationObserver {
   // through another node, or by hand) and nothing is pending here: the mount's view may
   // let it go (ForgetVanishedCheckpoints).
   virtual void OnRemovedElsewhere(const std::string& dir) = 0;
+  // A save of checkpoint `dir` committed (applied here, or its `.metadata` seen published
+  // by another node): files in it other nodes wrote may be new versions.
+  // `seq`: the commit's entry, applied but reported only now (0: another node's).
+  virtual void OnCommitSeen(const std::string& dir, uint64_t seq) = 0;
 };
 
 // Told every entry's outcome after the publish's file times are set (so that it can key
