@@ -225,10 +225,7 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, const QueuedPublishe
     if (Result<struct stat> md = dir_->Stat(path::Join(ckpt, ".metadata"));
         md.ok() && CtimeSeconds(*md) >= it->second) {
       it = foreign_.erase(it);
-      // Held deletions may go, once a checkpoint committed after the give-up.
-      if (options_.hold != nullptr && CtimeSeconds(*md) >= options_.hold->gave_up_at()) {
-        options_.hold->Committed();
-      }
+      if (options_.hold != nullptr) options_.hold->Committed();  // held deletions may go
       continue;
     }
     // A directory gone from the backing store (deleted by its writer) has nothing left

@@ -29,7 +29,6 @@
 #pragma once
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 
 namespace ckptfs::store {
@@ -39,19 +38,9 @@ class DeletionHold {
   // A checkpoint was given up: deletions of committed checkpoints are held from now until
   // a checkpoint commits.
   void GaveUp() {
-    gave_up_at_.store(std::chrono::duration<double>(
-                          std::chrono::system_clock::now().time_since_epoch())
-                          .count(),
-                      std::memory_order_release);
     gave_up_.fetch_add(1, std::memory_order_acq_rel);
     active_.store(true, std::memory_order_release);
   }
-  // When a checkpoint was last given up (seconds since the epoch; 0: never). Only a commit
-  // made after it ends the hold: the commit gate, which sees other nodes' `.metadata` files
-  // by polling, found one written seconds before the give-up and let the rotation's `rm -r`
-  // go under an older tracker (the two-node soak, seed 6001: node 1 lost, node 0's own
-  // earlier checkpoints polled as foreign ones).
-  double gave_up_at() const { return gave_up_at_.load(std::memory_order_acquire); }
   // A checkpoint committed (applied here, or another node's `.metadata` seen).
   void Committed() {
     commits_.fetch_add(1, std::memory_order_acq_rel);
@@ -76,7 +65,6 @@ class DeletionHold {
   std::atomic<bool> trackers_withheld_{false};
   std::atomic<uint64_t> commits_{0};
   std::atomic<uint64_t> gave_up_{0};
-  std::atomic<double> gave_up_at_{0};
 };
 
 }  // namespace ckptfs::store

@@ -83,6 +83,10 @@ class JournalTraceCheck(unittest.TestCase):
     def test_an_entry_done_twice_or_done_then_recovered_fails(self):
         _, bad = self.check("start 1\ndone 1 publish 1 a\ndone 1 publish 1 a\n")
         self.assertEqual(len(bad), 1, bad)
+        # Dropped, then handed on under its number (not applied twice): no failure.
+        counts, bad = self.check("start 1\ndone 2 publish 0 a\ndone 2 unlink 1 b\n")
+        self.assertEqual(bad, [])
+        self.assertEqual(counts["renumbered"], 1)
         _, bad = self.check("start 1\ndone 7 publish 1 a\nresume 7 publish a\nstart 2\n")
         self.assertEqual(len(bad), 1, bad)
         _, bad = self.check("start 1\ndone 7 publish 0 a\ndiscard 7 publish a\nstart 2\n")
