@@ -225,7 +225,14 @@ CommitCheck CommitGate::CheckOrdered(const JournalEntry& e, const QueuedPublishe
     if (Result<struct stat> md = dir_->Stat(path::Join(ckpt, ".metadata"));
         md.ok() && CtimeSeconds(*md) >= it->second) {
       it = foreign_.erase(it);
-      if (options_.hold != nullptr) options_.hold->Committed();  // held deletions may go
+      // Another node's commit: held deletions may go. Not this node's own (polled only
+      // while a peer is lost): its journal reports it when it applies it, in order
+      // (Publication::NoteApplied). Counted here too, a commit made before a later give-up
+      // ended that give-up's hold, and the rotation's `rm -r` went under the older tracker
+      // (the two-node soak, seed 6001: 849's and 850's `.metadata` polled after 851 was
+      // given up; "a rotated checkpoint is gone before the tracker KEEP ahead", "the
+      // tracker names a checkpoint with no .metadata").
+      if (options_.hold != nullptr && !here_dir) options_.hold->Committed();
       continue;
     }
     // A directory gone from the backing store (deleted by its writer) has nothing left

@@ -670,5 +670,43 @@ TEST_F(CommitGateTest, AForeignCheckpointIsGivenUpOnceAtTheCommitTimeout) {
   EXPECT_EQ(hold.commits(), 1u);
 }
 
+// This node's own commit, polled because a peer is lost, does not end a give-up's hold:
+// its journal reports it when it applies it, in order. Counted by the poll, 849's and
+// 850's `.metadata`, committed before 851 was given up, ended 851's hold, and the
+// rotation's `rm -r` of 848 went under tracker 850 (the two-node soak, seed 6001).
+TEST_F(CommitGateTest, ThisNodesOwnCommitPolledWhileAPeerIsLostDoesNotEndTheHold) {
+  {
+    MutexLock lock(&mu_);
+    peers_available_ = false;
+    lost_peers_ = "node rank 1 (10.0.0.2:7470, silent for 15 s)";
+  }
+  DeletionHold hold;
+  auto gate = MakeGate(std::chrono::seconds(30), &hold);
+  sfs::create_directories(root_ + "/ck");
+  // Rank 0's first file was published here: this node commits `ck`.
+  const JournalEntry tracker = ShardThenTracker(*gate, "ck/__0_0.distcp");
+  sfs::copy_file(kFixture / ".metadata", root_ + "/ck/.metadata");
+  hold.GaveUp();  // a later checkpoint is given up
+  EXPECT_TRUE(gate->Check(Unlink("old/__0_0.distcp", 5), nullptr).ready);
+  EXPECT_EQ(hold.commits(), 0u);
+  EXPECT_TRUE(hold.active()) << "this node's own commit, polled, ended the hold";
+
+  // Another node's commit still does.
+  sfs::create_directories(root_ + "/ck2");
+  JournalEntry shard;
+  shard.seq = 6;
+  shard.op = OpType::kPublish;
+  shard.path = "ck2/__1_0.distcp";
+  gate->NoteApplied(shard, Status::Ok());
+  JournalEntry next = tracker;
+  next.seq = 7;
+  sfs::copy_file(kFixture / ".metadata", root_ + "/ck2/.metadata");
+  EXPECT_TRUE(gate->Check(next, nullptr).ready);
+  EXPECT_EQ(hold.commits(), 1u);
+  EXPECT_FALSE(hold.active());
+  MutexLock lock(&mu_);
+  lost_peers_.clear();
+}
+
 }  // namespace
 }  // namespace ckptfs::store
