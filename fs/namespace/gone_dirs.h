@@ -57,6 +57,7 @@ class GoneDirs {
   store::BackingDir* const backing_;
   store::Publication* const publication_;
   FsStats* const stats_;
+  store::Loader* const loader_;  // may be null (tests)
   KernelCache& kernel_;
 };
 
