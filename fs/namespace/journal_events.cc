@@ -35,7 +35,9 @@ void JournalEvents::OnCommitSeen(const std::string& dir, uint64_t seq) {
   }
   uint64_t changed = 0;
   for (uint64_t ino : files) {
-    if (!table_.RefreshAttr(ino, /*unless_committed=*/false, /*done_through=*/seq)) continue;
+    // Another node's commit (seq 0): entries applied so far (1: nothing beyond them).
+    const uint64_t done_through = seq != 0 ? seq : 1;
+    if (!table_.RefreshAttr(ino, /*unless_committed=*/false, done_through)) continue;
     kernel_.DropInode(ino);
     ++changed;
   }

@@ -345,8 +345,14 @@ bool NodeTable::RefreshAttr(uint64_t ino, bool unless_committed, uint64_t done_t
   // The stat runs without mu; it is applied only if the node's backing path is still
   // the one stat'ed and nothing of it is pending.
   auto refreshable = [this, done_through](const Node* node) REQUIRES(mu_) {
-    return !node->write && node->on_backing &&
-           Quiescent(node, std::max(publication_->view().applied(), done_through));
+    if (node->write || !node->on_backing) return false;
+    const uint64_t applied = std::max(publication_->view().applied(), done_through);
+    // A commit's refresh: the file's own entries done and its path the backing one (no
+    // rename above it pending) suffice; entries of other names above it (the next
+    // tracker, the rotation's rmdirs at the root: almost always, while saves go on) do not
+    // change this file. Otherwise nothing above it may be pending.
+    if (done_through != 0) return node->pending_seq <= applied && PendingRenameLocked(node) == 0;
+    return Quiescent(node, applied);
   };
   std::string path;
   {

@@ -162,9 +162,10 @@ class NodeTable {
   // Refreshes the attributes of `ino` from a stat of its backing path (taken without the lock)
   // while nothing of it is pending.
   // `unless_committed`: not a committed checkpoint's file (GetAttr).
-  // `done_through`: entries up to it count as applied (a commit being reported, whose own
-  // entry is pending in the directory until the report ends). Returns whether the size,
-  // mtime or ctime shown changed.
+  // `done_through` != 0: a commit's refresh; entries up to it count as applied (the commit
+  // being reported, pending in the directory until the report ends), and only the file's
+  // own entries and renames above it must be done, not every entry above it. Returns
+  // whether the size, mtime or ctime shown changed.
   bool RefreshAttr(uint64_t ino, bool unless_committed = false, uint64_t done_through = 0)
       EXCLUDES(mu_);
   // Takes the attributes of `node` from a stat of its backing path, keeping the ones the

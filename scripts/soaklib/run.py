@@ -61,6 +61,7 @@ class ModeRun(Workloads, Checks):
         self.up = threading.Event()
         self.jobs = set()
         self.inc = 0               # daemon incarnations of all nodes; +1 at every start
+        self.restarting = False    # a node killed and not serving again yet (restart())
         self.t0 = now()
         self.failures = []
         self.events = []
@@ -237,7 +238,7 @@ class ModeRun(Workloads, Checks):
     def excused(self, inc, faults):
         """A job that failed since incarnation `inc` and fault count `faults` was broken by
         the soak itself: a daemon kill, or a fault injected meanwhile."""
-        if self.inc != inc or not all(d.alive() for d in self.daemons):
+        if self.inc != inc or self.restarting or not all(d.alive() for d in self.daemons):
             return True
         if self.faults_seen() > faults or any(d.disk_full() for d in self.daemons if d.alive()):
             self.counts["failed_by_fault"] += 1
@@ -305,6 +306,9 @@ class ModeRun(Workloads, Checks):
         before = self.stats(i) or {}
         self.held_at_kill = before.get("journal_held", 0)
         t_kill = now()
+        # From the kill until the new daemon serves, a job's failure is the kill's (its mount
+        # is dead, or not mounted yet: ENOTCONN), whenever the job began.
+        self.restarting = True
         self.kill_daemon(i, leave_mount=True)
         self.widen_after_kill()
         if why == "kill":
@@ -322,6 +326,7 @@ class ModeRun(Workloads, Checks):
             t_start = now()
             self.start_daemon(i)
         finally:
+            self.restarting = False
             self.traffic_lock.release()
         self.down_s.append(now() - t_kill)
         # The checks' part and the daemon's own start, apart: a 31.6 s time down (stop 59,
