@@ -20,7 +20,17 @@ EntryInvalidator::~EntryInvalidator() { Stop(); }
 void EntryInvalidator::Push(uint64_t ino, std::string name) {
   {
     MutexLock lock(&mu_);
-    if (stop_ || queue_.size() >= kMaxQueued) return;
+    if (stop_) return;
+    if (queue_.size() >= kMaxQueued) {
+      // Not silent: a dropped inode notification leaves the kernel showing a file's older
+      // size and pages until their timeout (a dropped entry only delays a forget).
+      if (dropped_++ % 1000 == 0) {
+        spdlog::warn("fuse: {} kernel cache notification(s) dropped ({} queued); inode {} "
+                     "may show its earlier attributes until they time out", dropped_,
+                     kMaxQueued, ino);
+      }
+      return;
+    }
     queue_.emplace_back(ino, std::move(name));
   }
   cv_.notify_one();

@@ -47,6 +47,7 @@ class EntryInvalidator {
   std::condition_variable cv_;
   std::deque<std::pair<uint64_t, std::string>> queue_ GUARDED_BY(mu_);
   bool stop_ GUARDED_BY(mu_) = false;
+  uint64_t dropped_ GUARDED_BY(mu_) = 0;  // notifications refused with the queue full
   std::thread thread_;
 };
 
