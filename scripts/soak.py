@@ -78,7 +78,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from soaklib.report import plot  # noqa: E402
 from soaklib.run import ModeRun  # noqa: E402
 from soaklib.nodes import DEFAULT_FAULTS  # noqa: E402
-from soaklib.util import harness, reaper  # noqa: E402
+from soaklib.util import daemon_options, harness, reaper  # noqa: E402
 
 
 def main(argv=None):
@@ -125,6 +125,15 @@ def main(argv=None):
     if not os.access(harness.CKPTFS, os.X_OK):
         print(f"soak.py: no daemon at {harness.CKPTFS} (CKPTFS_BIN_DIR)", file=sys.stderr)
         return 2
+    a.daemon_options = daemon_options(harness.CKPTFS, ["--journal-trace", "--fault-inject"])
+    if a.faults != "none" and "--fault-inject" not in a.daemon_options:
+        print(f"soak.py: the daemon at {harness.CKPTFS} has no --fault-inject (a build older "
+              "than the fault layer): run it with --faults none", file=sys.stderr)
+        return 2
+    if "--journal-trace" not in a.daemon_options:
+        print(f"soak.py: the daemon at {harness.CKPTFS} has no --journal-trace (an older build): "
+              "nothing published twice is checked by the published files' inode and mtime "
+              "alone", file=sys.stderr)
     seed = a.seed if a.seed is not None else random.randrange(1 << 30)
     modes = [m for m in a.modes.split(",") if m]
     out = a.out or tempfile.mkdtemp(prefix="ckptfs-soak-out-")

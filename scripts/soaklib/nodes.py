@@ -56,7 +56,9 @@ class Daemon:
         self.log = os.path.join(run.root, f"ckptfs.{tag}.log")
         cmd = [harness.CKPTFS, "-f", "--staging-mem", "128M", "--state-dir", self.state,
                "--log-file", self.log, "--log-level", "info", "--durability", run.mode,
-               "--flush-direct-io", "on", "--journal-trace", self.trace]
+               "--flush-direct-io", "on"]
+        if "--journal-trace" in run.args.daemon_options:
+            cmd += ["--journal-trace", self.trace]
         spec = self.fault_spec()
         self.faulty = spec is not None
         if spec:

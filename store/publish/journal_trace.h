@@ -10,10 +10,13 @@
 //
 // Lines of one run follow its `start`; recovery lines come before the `start` of the run
 // that recovers. So a sequence number resumed or discarded must not be `done` in the run
-// before (its record was removed already), and none is `done` twice in one run. Each line
-// is one write(2) to an O_APPEND descriptor: whole lines, in order, and a SIGKILL loses
-// at most the line being written. Paths are written as they are (no newline can be in a
-// path the daemon publishes). Thread-safe.
+// before (its record was removed already), and none is applied twice in one run. One
+// number can be `done` twice: an abort (Journal::Abort) puts the withdrawal of a
+// `.metadata` in the place, and under the number, of an entry it drops, so the dropped
+// entry's `done <seq> publish 0` is followed by the withdrawal's `done <seq> unlink 1`.
+// Each line is one write(2) to an O_APPEND descriptor: whole lines, in order, and a
+// SIGKILL loses at most the line being written. Paths are written as they are (no newline
+// can be in a path the daemon publishes). Thread-safe.
 #pragma once
 
 #include <cstdint>

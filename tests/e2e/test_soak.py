@@ -93,5 +93,19 @@ class JournalTraceCheck(unittest.TestCase):
         self.assertEqual(len(bad), 1, bad)
 
 
+class DaemonOptions(unittest.TestCase):
+    """The soak runs an older daemon too (3759c3f, before the fault layer and the journal
+    trace): it finds which options the binary takes, hidden ones included."""
+
+    def test_the_daemons_hidden_options_are_found_and_no_others(self):
+        sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
+        from soaklib.util import daemon_options, harness
+        names = ["--journal-trace", "--fault-inject", "--durability", "--no-such-option",
+                 "--journal"]
+        self.assertEqual(daemon_options(harness.CKPTFS, names),
+                         {"--journal-trace", "--fault-inject", "--durability"})
+        self.assertEqual(daemon_options("/nonexistent/ckptfs", names), set())
+
+
 if __name__ == "__main__":
     unittest.main()
