@@ -169,7 +169,9 @@ def main(argv=None):
         rep = run.report()
         reports.append(rep)
         ok = ok and not rep["failures"]
-        plot(rep, os.path.join(out, f"soak-{mode}-{nodes}n.png"))
+        if not plot(rep, os.path.join(out, f"soak-{mode}-{nodes}n.png")):
+            print(f"soak: no plot for {mode}, {nodes} node(s): no samples, or no matplotlib in "
+                  f"{sys.executable} (scripts/setup.sh installs it for /usr/bin/python3)")
         c = rep["counts"]
         print(f"== {mode}, {nodes} node(s): {c['daemon_kills']} daemon kills "
               f"({c['peer_kills']} of the peer), {c['faults_injected']} faults injected, "

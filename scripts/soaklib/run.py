@@ -276,7 +276,11 @@ class ModeRun(Workloads, Checks):
     # ------------------------------------------------------------------ the run
     def killer(self, until):
         while now() < until and not self.stop_ev.is_set():
-            if self.sleep(self.rng.uniform(self.args.kill_min, self.args.kill_max)):
+            # Not past the kill phase's end: with --kill-min beyond the run (no kills, e.g.
+            # an older daemon that cannot start over its killed predecessor's mount) the
+            # quiet phase and the end still come.
+            delay = self.rng.uniform(self.args.kill_min, self.args.kill_max)
+            if self.sleep(min(delay, max(0.0, until - now()))):
                 return
             if now() >= until:
                 return
