@@ -421,8 +421,13 @@ class ModeRun(Workloads, Checks):
                 rc = "timeout"
                 self.kill_daemon(d.index)
             if rc != 0:
+                # Its error lines say why (on 3759c3f: "journal: rmdir ... skipped:
+                # NotEmpty"), its last lines what the stop reported.
+                text = read_text(d.log) or ""
+                errors = [ln for ln in text.splitlines() if "] [error] " in ln]
                 self.fail(f"node {d.index}: the daemon did not exit 0 on a clean unmount",
-                          f"rc {rc}\n{(read_text(d.log) or '')[-3000:]}")
+                          f"rc {rc}\nerror lines ({len(errors)}):\n" +
+                          "\n".join(errors[-10:]) + f"\nlast lines:\n{text[-1500:]}")
         self.up.clear()
         temps = harness.tmp_names(self.backing)
         if temps:
