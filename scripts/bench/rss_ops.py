@@ -58,14 +58,16 @@ def traffic_op(rng, logs, n, what="traffic"):
 
 
 def start_daemon(prefix, extra=(), wrap=()):
-    """An async daemon over a fresh work dir (printed, kept): (root, mnt, proc)."""
+    """A daemon over a fresh work dir (printed, kept): (root, mnt, proc). Async unless
+    `extra` names a --durability (e.g. rss_loop.py 1000 50 --durability strict)."""
     root = tempfile.mkdtemp(prefix=prefix)
     backing, mnt, state, log = (os.path.join(root, x) for x in ("backing", "mnt", "state", "log"))
     os.makedirs(backing)
     os.makedirs(mnt)
     cmd = list(wrap) + [os.path.join(BIN, "ckptfs"), "-f", "--staging-mem", "128M",
                         "--state-dir", state, "--log-file", log, "--log-level", "info",
-                        "--durability", "async", "--flush-direct-io", "on"] + list(extra) + \
+                        "--flush-direct-io", "on"] + \
+        ([] if "--durability" in extra else ["--durability", "async"]) + list(extra) + \
         [backing, mnt]
     out = open(os.path.join(root, "daemon.out"), "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -73,6 +75,10 @@ def start_daemon(prefix, extra=(), wrap=()):
     for _ in range(600):
         if os.path.exists(os.path.join(mnt, ".ckptfs", "stats")):
             break
+        if proc.poll() is not None:
+            out.close()
+            with open(os.path.join(root, "daemon.out")) as f:
+                raise SystemExit(f"the daemon exited {proc.returncode} at start: {f.read()[-500:]}")
         time.sleep(0.1)
     return root, mnt, proc
 
