@@ -176,6 +176,8 @@ void KeyIndex::AddBlockCrcs(const std::string& path, const FileKey& id,
 
 uint64_t KeyIndex::block_crc_bytes() { return block_crcs_.bytes(); }
 
+void KeyIndex::OnFileRemoved(const std::string& path) { block_crcs_.Drop(path); }
+
 bool KeyIndex::AddPeerBlockCrcs(const std::string& path, const ShardChecksums& sums) {
   Result<struct stat> st = dir_->Stat(path);
   if (!st.ok()) return false;

@@ -181,6 +181,10 @@ class KeyIndex {
   void AddBlockCrcs(const std::string& path, const FileKey& id,
                     std::shared_ptr<const BlockCrcMap> map);
   uint64_t block_crc_bytes();  // memory held by those maps now
+  // The file `path` was unlinked on the backing store: its block CRCs go. (A checkpoint's
+  // files go with it, Forget; a file outside any, such as a log the application deletes,
+  // would stay until the maps' memory bound evicted it.)
+  void OnFileRemoved(const std::string& path);
 
   // Block CRCs that a peer vouched for (the commit query) for the file `path`. Kept as
   // AddBlockCrcs keeps this node's own, but only when the backing store shows that very

@@ -699,6 +699,7 @@ std::string Publication::NoteApplied(const JournalEntry& e, const Status& st) {
   // Entries can be applied ahead of a waiting commit: only the journal knows the prefix.
   registry_->OnApplied(journal_->counts().applied);
   if (st.ok() && e.op == OpType::kRename) index_->OnRenamed(e.from, e.path);
+  if (st.ok() && e.op == OpType::kUnlink && !S_ISDIR(e.mode)) index_->OnFileRemoved(e.path);
   if (st.ok() && e.op == OpType::kRmdir) {
     index_->Forget(e.path);
     MutexLock lock(&lost_mu_);
