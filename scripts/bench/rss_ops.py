@@ -67,7 +67,8 @@ def start_daemon(prefix, extra=(), wrap=()):
     cmd = list(wrap) + [os.path.join(BIN, "ckptfs"), "-f", "--staging-mem", "128M",
                         "--state-dir", state, "--log-file", log, "--log-level", "info",
                         "--flush-direct-io", "on"] + \
-        ([] if "--durability" in extra else ["--durability", "async"]) + list(extra) + \
+        ([] if any(x == "--durability" or x.startswith("--durability=") for x in extra)
+         else ["--durability", "async"]) + list(extra) + \
         [backing, mnt]
     out = open(os.path.join(root, "daemon.out"), "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -454,6 +454,28 @@ class FileIOTest(MountedTest):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.drain()
 
+    def test_a_deleted_file_lets_go_of_its_block_checksums(self):
+        # The write path's block CRCs of a published file wait in memory for an index build;
+        # a file outside any checkpoint is never indexed, so its unlink must take them (a
+        # log written and deleted kept them until a 128 MiB bound evicted them, stop 61).
+        self.skip_if_plain()
+        maps = lambda: self.m.stats().get("checksum_block_maps_bytes", 0)  # noqa: E731
+        self.assertEqual(maps(), 0)
+        write_file(self.p("events.log"), rand_bytes(56, 3 * MiB))
+        self.wait(self.p("events.log"))
+        deadline = time.monotonic() + 10
+        while maps() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertGreater(maps(), 0, "the publish kept no block CRCs")
+        os.unlink(self.p("events.log"))
+        deadline = time.monotonic() + 10
+        while (maps() != 0 or os.path.exists(self.b("events.log"))) and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertFalse(os.path.exists(self.b("events.log")))
+        self.assertEqual(maps(), 0, "block CRCs kept for a deleted file")
+        self.drain()
+
 
 if __name__ == "__main__":
     unittest.main()

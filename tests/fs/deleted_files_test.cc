@@ -75,8 +75,9 @@ TEST_F(DeletedFilesTest, AShardTheLoaderKeptOpenIsClosedWhenItsUnlinkIsApplied) 
 // The write path's block CRCs of a published file are kept until an index build uses them
 // (KeyIndex::AddBlockCrcs, a 128 MiB bound). A file outside any checkpoint is never indexed
 // and no checkpoint's removal takes its map: a log the application writes and deletes left
-// its map behind until the bound evicted it (the strict save loop with the soak's log
-// traffic, stop 61: the heap grew about 2.3 KiB a save). Its unlink now takes it.
+// its map behind until the bound evicted it (heaptrack on the strict save loop with the
+// soak's log traffic, stop 61; a small part of that loop's heap growth). Its unlink now
+// takes it.
 TEST_F(DeletedFilesTest, AFileDeletedOutsideACheckpointLetsGoOfItsBlockChecksums) {
   auto maps = [&] {
     return nlohmann::json::parse(fs_->control()->StatsJson())
