@@ -286,6 +286,34 @@ TEST_F(CommitGateTest, AnUnreachablePeersShardsAreAskedAgainNotTakenFromTheBacki
   EXPECT_TRUE(c.waits_for_unwritten) << "every peer answered: nobody has written them";
 }
 
+// A peer killed while the `.metadata` waits (unreachable), then restarted: its new run
+// knows nothing of the shards its previous run published (unknown). The backing store is
+// looked at on that answer, and the commit is ready at once; it is not left to the next
+// poll while a strict caller is let go as for shards nobody has written (the kill-heavy
+// strict two-node soak, seed 6104: the close of `.metadata` returned uncommitted, the
+// tracker and the next save returned behind it, and node 0's kill lost all three).
+TEST_F(CommitGateTest, ARestartedPeersUnknownAnswerLooksAtTheStoreAtOnce) {
+  WriteShards();  // published by the peer's previous run, as this save began
+  auto gate = MakeGate();
+  CommitCheck c = Check(*gate);
+  EXPECT_FALSE(c.ready);
+  EXPECT_FALSE(c.waits_for_unwritten);
+  Answer({ShardState::kUnknown, 0}, /*unreachable=*/true);  // killed meanwhile
+  for (int i = 0; i < 100 && OpenRounds() == 0; ++i) {
+    c = Check(*gate);
+    EXPECT_FALSE(c.ready) << "taken from the backing store while its writer was silent";
+    EXPECT_FALSE(c.waits_for_unwritten) << "a strict caller waits while nobody answers";
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_EQ(OpenRounds(), 1u) << "asked again within the silent wait";
+  const uint64_t stats_before = ShardStats();
+  Answer({ShardState::kUnknown, 0});  // the restarted node
+  c = Check(*gate);
+  EXPECT_TRUE(c.status.ok()) << c.status.ToString();
+  EXPECT_TRUE(c.ready) << "left to the next poll; waits_for_unwritten=" << c.waits_for_unwritten;
+  EXPECT_EQ(ShardStats() - stats_before, need_.size()) << "one stat per shard";
+}
+
 // A shard nobody writes now (every peer answers unknown) that the backing store shows
 // with an mtime well before this save began here is an earlier save's version at that
 // name: the commit is refused at once instead of committing over it (the two-node async
