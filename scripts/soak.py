@@ -16,7 +16,11 @@ these run at once, each drawing its choices from one seeded generator:
   * side jobs, one at a time: saves again and again into one directory ("resave"), the same
     into a directory removed and made again before each save ("recreate", as torch's
     test_load_with_different_shard_plan), a save whose rank is SIGKILLed mid-save
-    ("torn/t_N"), and loads of the newest checkpoint the tracker names, through the mount;
+    ("torn/t_N"), loads of the newest checkpoint the tracker names, through the mount, and
+    (with a torch 2.x root, --torch2) a torch 2.x trainer of 2-5 `dcp.async_save`s into
+    async2/ (each save finalized at the next step: the future's result, the tracker, the
+    rotation to 2), in the cached Debian root (soaklib/torch2.py, async_trainer.py), whose
+    last checkpoint is loaded exactly through the mounts and from the backing store;
   * traffic: small files written in one write() each, renamed, deleted, and an append-only
     log, in logs/;
   * a blkio write throttle on the daemon switched on (2-8 MiB/s) and off;
@@ -40,7 +44,7 @@ Invariants, from the backing directory alone (never through the mount):
   * nothing torn under a real name: every non-empty file in logs/ carries its own checksum,
     and the append log is always whole lines 0..k-1;
   * strict: every save, tracker and rm -r that returned before a kill is on the backing
-    store after it;
+    store after it (the torch 2.x trainer's too: an async_save whose future returned);
   * after every restart, nothing is published twice: the files of a verified checkpoint the
     application did not touch since keep their inode, mtime and size; and by sequence
     number, from every daemon's --journal-trace: no entry done twice in one run, none
@@ -109,6 +113,10 @@ def main(argv=None):
                     help="report the RSS bound (soak.json's leak, a LEAK line) without failing "
                          "on it: CI's 3-minute form, whose quiet phase is mostly the "
                          "allocator's warm-up (the long soak judges it, docs/RELIABILITY.md)")
+    ap.add_argument("--torch2", default="auto", choices=("auto", "off", "sid", "trixie"),
+                    help="the torch 2.x dcp.async_save trainer (a side job) in a cached Debian "
+                         "root: auto uses the sid root when scripts/torch_root.sh has built "
+                         "it, sid/trixie build it if missing (minutes), off skips it")
     ap.add_argument("--keep", action="store_true", help="keep the work dirs even on success")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
@@ -179,6 +187,7 @@ def main(argv=None):
               f"{c['saves_train']} train saves, {c['saves_resave']} + {c['saves_recreate']} "
               f"re-saves, {c['rotations']} rotations, {c['torn_rank_kills']} rank kills, "
               f"{c['loads_mount']} loads, {c['verify_loads']} verified loads, "
+              f"{c['saves_async2']} torch 2.x async_saves ({c['async2_verified']} verified), "
               f"{len(rep['failures'])} failures; leak {rep['leak']}", flush=True)
     ok = ok and all(not r["failures"] for r in reports) and len(reports) == len(runs)
     with open(os.path.join(out, "soak.json"), "w") as f:

@@ -170,6 +170,7 @@ class Checks:
         self.check_logs(context)
         if strict_ops:
             self.check_strict(strict_ops, context)
+        self.async2_cheap_checks(context, strict=strict_ops is not None)
 
     def check_logs(self, context):
         logs = os.path.join(self.backing, "logs")
@@ -226,8 +227,7 @@ class Checks:
         # an `rm -r` that returned may rightly still be there.
         # A deletion found held at one check and lost with a later kill stays excused
         # until the application touches its directory again (app_op clears the mark).
-        held = self.held_at_kill + sum(
-            (self.stats(j) or {}).get("journal_held", 0) for j in range(len(self.daemons)))
+        held = self.deletions_held()
         for name in done:
             if os.path.exists(os.path.join(self.backing, name)):
                 with self.lock:
@@ -240,6 +240,12 @@ class Checks:
                     continue
                 self.fail("strict: an rm -r that returned is not on the backing store",
                           f"{context}: {name} still there")
+
+    def deletions_held(self):
+        """Deletions held behind a given-up checkpoint, on the node last killed (just before)
+        and on the running ones."""
+        return self.held_at_kill + sum(
+            (self.stats(j) or {}).get("journal_held", 0) for j in range(len(self.daemons)))
 
     def verify_dirs(self, names, seeds, reason, final=False):
         """Loads each of `names` from the backing dir (one rank, every value) and snapshots

@@ -16,6 +16,7 @@ from soaklib.util import dcp_tool, harness, netns, reaper  # noqa: F401
 
 from soaklib.checks import Checks
 from soaklib.nodes import make_daemons
+from soaklib.torch2 import Torch2
 from soaklib.workloads import Workloads
 
 
@@ -34,7 +35,7 @@ def fuse_workers(pid):
     return n
 
 
-class ModeRun(Workloads, Checks):
+class ModeRun(Workloads, Checks, Torch2):
     """One durability mode: one backing dir, its daemon(s) restarted after every kill."""
 
     def __init__(self, args, mode, seed, out_dir, nodes=1):
@@ -44,7 +45,10 @@ class ModeRun(Workloads, Checks):
         self.seed = seed
         self.out_dir = out_dir
         self.rng = random.Random(f"{seed}/{mode}" + (f"/{nodes}n" if nodes > 1 else ""))
-        self.root = tempfile.mkdtemp(prefix=f"ckptfs-soak-{mode}-{nodes}n-")
+        # With a torch 2.x root, the work dir is inside it (soaklib/torch2.py).
+        self.counts = {}
+        self.root = tempfile.mkdtemp(prefix=f"ckptfs-soak-{mode}-{nodes}n-",
+                                     dir=self.torch2_setup())
         self.backing = os.path.join(self.root, "backing")
         self.oplog = os.path.join(self.root, "train-ops.jsonl")
         os.makedirs(self.backing)
@@ -95,7 +99,7 @@ class ModeRun(Workloads, Checks):
         self.rotated_unverified = set()
         self.max_backing_tracker = 0
         self.halt_since = {}           # node -> (first seen, seq, abort delay)
-        self.counts = {k: 0 for k in (
+        self.counts.update({k: 0 for k in (
             "daemon_kills", "kills_after_step", "saves_train", "saves_resave", "saves_recreate",
             "torn_attempts", "torn_rank_kills", "torn_committed", "loads_mount",
             "loads_failed_by_kill", "loads_unpublished", "loads_rotated",
@@ -103,7 +107,8 @@ class ModeRun(Workloads, Checks):
             "restart_checks", "files_checked", "small_files", "renames", "appends", "deletes",
             "halts_seen", "throttle_switches", "train_restarts", "double_publish_checked",
             "peer_kills", "faults_injected", "halts_permanent", "operator_aborts",
-            "failed_by_fault", "rmtree_held_at_check")}
+            "failed_by_fault", "rmtree_held_at_check", "saves_async2", "async2_jobs",
+            "async2_failed_by_kill", "async2_verified")})
         self.held_at_kill = 0           # journal_held of the node last killed, just before
         self.down_s = []
 
@@ -198,7 +203,7 @@ class ModeRun(Workloads, Checks):
 
     def saves_done(self):
         c = self.counts
-        return c["saves_train"] + c["saves_resave"] + c["saves_recreate"]
+        return c["saves_train"] + c["saves_resave"] + c["saves_recreate"] + c["saves_async2"]
 
     # ------------------------------------------------------------------ the daemon
     @property
@@ -359,6 +364,7 @@ class ModeRun(Workloads, Checks):
         print(f"== soak {self.mode}: {seconds / 60:.1f} min, seed {self.seed}, root "
               f"{self.root}", flush=True)
         self.setup_cgroup()
+        self.torch2_ready()
         self.start_daemon()
         threads = [threading.Thread(target=getattr(self, n), name=n, daemon=True)
                    for n in ("trainer", "rotator", "side", "traffic", "throttler", "sampler",
@@ -445,6 +451,7 @@ class ModeRun(Workloads, Checks):
                 self.fail("after a clean stop the backing tree differs from the mount's view",
                           f"files {diff[:20]} dirs {sorted(backing[1] ^ view[1])[:20]}")
         self.cheap_checks("final")
+        self.async2_final()
         self.check_double_publish("final")
         self.check_journal_trace("final")
         self.verify_snaps()

@@ -118,8 +118,8 @@ class Workloads:
                 self.sleep(0.2)
             self.side_idle.clear()
             n += 1
-            what = self.rng.choices(["resave", "recreate", "torn", "load"],
-                                    weights=[2, 2, 3, 4])[0]
+            what = self.rng.choices(["resave", "recreate", "torn", "load", "async2"],
+                                    weights=[2, 2, 3, 4, 3 if self.torch2_root else 0])[0]
             try:
                 getattr(self, "side_" + what)(n)
             except Exception as e:   # a bug in the soak, not in the daemon

@@ -56,6 +56,11 @@ class Soak(unittest.TestCase):
             self.assertGreater(c["faults_injected"], 0, f"{run['mode']}: no fault injected")
             # The journal's trace was read: "nothing published twice" checked by sequence.
             self.assertGreater(c.get("journal_done", 0), 0, f"{run['mode']}: no journal trace")
+            # The torch 2.x async_save trainer ran where the sid root was built already (by
+            # an earlier test; --torch2 auto never builds it): its saves then count.
+            if c.get("async2_jobs", 0) > 2:
+                self.assertGreater(c["saves_async2"] + c["async2_failed_by_kill"], 0,
+                                   f"{run['mode']}: the torch 2.x trainer saved nothing")
         shutil.rmtree(out, ignore_errors=True)   # kept when anything failed
 
 
@@ -105,6 +110,60 @@ class DaemonOptions(unittest.TestCase):
         self.assertEqual(daemon_options(harness.CKPTFS, names),
                          {"--journal-trace", "--fault-inject", "--durability"})
         self.assertEqual(daemon_options("/nonexistent/ckptfs", names), set())
+
+
+
+class AsyncTrainerChecks(unittest.TestCase):
+    """The strict checks of the torch 2.x async_save trainer (soaklib/torch2.py) from the
+    backing store: a save whose future returned and is not committed fails, as does a tracker
+    behind the one written, or an `rm -r` that returned and is still there; a save begun
+    again after it returned, or a removed one saved again, is judged by its last step."""
+
+    def run_checks(self, ops, files, held=0):
+        sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
+        from soaklib.torch2 import PARENT, Torch2
+        import threading
+        backing = tempfile.mkdtemp(prefix="ckptfs-async2-check-")
+        self.addCleanup(shutil.rmtree, backing, True)
+        for rel, text in files.items():
+            p = os.path.join(backing, PARENT, rel)
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "w") as f:
+                f.write(text)
+        run = Torch2()
+        run.backing, run.lock, run.inc = backing, threading.RLock(), 1
+        run.torch2_root = "/"
+        run.async2_ops = [dict(op=op, iter=n) for op, n in ops]
+        run.async2_max_tracker = 0
+        run.counts = {"rmtree_held_at_check": 0}
+        run.failures = []
+        run.fail = lambda what, detail="": run.failures.append(what)
+        run.poll_async2 = lambda: None
+        run.deletions_held = lambda: held
+        run.async2_cheap_checks("test", strict=True)
+        return run.failures
+
+    def test_what_returned_must_be_on_the_backing_store(self):
+        md = "iter_{:07d}/.metadata"
+        ops = [("save_begin", 1), ("saved", 1), ("tracker", 1), ("save_begin", 2),
+               ("saved", 2), ("tracker", 2), ("rmtree_done", 1), ("save_begin", 3)]
+        good = {md.format(2): "m", "latest_checkpointed_iteration.txt": "2"}
+        self.assertEqual(self.run_checks(ops, good), [])
+        failures = self.run_checks(ops, {"latest_checkpointed_iteration.txt": "2"})
+        self.assertEqual(len(failures), 2, failures)   # no .metadata for 2, named by tracker
+        self.assertIn("is not committed", failures[1])
+        behind = {md.format(1): "m", md.format(2): "m",
+                  "latest_checkpointed_iteration.txt": "1"}
+        failures = self.run_checks(ops, behind)
+        self.assertEqual(len(failures), 2, failures)   # tracker behind, rm -r not done
+        self.assertIn("tracker write returned", failures[0])
+        self.assertIn("rm -r returned", failures[1])
+        self.assertEqual(len(self.run_checks(ops, behind, held=1)), 1, "a held rm -r is excused")
+        # Saved again after its removal (a restarted trainer from an older tracker): its last
+        # step is a save begun, not returned.
+        again = ops + [("save_begin", 1)]
+        self.assertEqual(self.run_checks(again, {md.format(2): "m", md.format(1): "",
+                                                 "latest_checkpointed_iteration.txt": "2"}), [])
 
 
 if __name__ == "__main__":
