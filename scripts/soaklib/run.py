@@ -108,7 +108,7 @@ class ModeRun(Workloads, Checks, Torch2):
             "halts_seen", "throttle_switches", "train_restarts", "double_publish_checked",
             "peer_kills", "faults_injected", "halts_permanent", "operator_aborts",
             "failed_by_fault", "rmtree_held_at_check", "saves_async2", "async2_jobs",
-            "async2_failed_by_kill", "async2_verified")})
+            "async2_failed_by_kill", "async2_verified", "async2_root_busy")})
         self.held_at_kill = 0           # journal_held of the node last killed, just before
         self.down_s = []
 
