@@ -19,7 +19,8 @@ import tempfile
 
 import time
 
-from soaklib.util import E2E, HANG_S, harness, iter_name, now, read_text, reaper, tracker_value
+from soaklib.util import (E2E, HANG_S, Job, harness, iter_name, now, read_text, reaper,
+                          tracker_value)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "bench"))
@@ -94,13 +95,7 @@ class RootJob:
     def inside(self, host_path):
         return "/" + os.path.relpath(host_path, self.root)
 
-    def wait(self, timeout=None, stop=None):
-        deadline = None if timeout is None else now() + timeout
-        while self.proc.poll() is None:
-            if (stop is not None and stop.is_set()) or (deadline and now() > deadline):
-                return None
-            time.sleep(0.1)
-        return self.proc.returncode
+    wait = Job.wait
 
     def kill(self):
         """The whole group (the ranks and the checkpointer's helpers), then the mounts."""
