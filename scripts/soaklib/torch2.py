@@ -228,7 +228,7 @@ class Torch2:
         ck = iter_name(last)
         r = subprocess.run([harness.ADMIN, "wait", os.path.join(d, ck), "--timeout", "180"],
                            capture_output=True, text=True)
-        if self.inc != inc:
+        if self.killed_since(inc):
             return
         if r.returncode != 0:
             if self.up.is_set() and not self.excused(inc, faults):
@@ -238,13 +238,13 @@ class Torch2:
         self.async2_check([os.path.join(p, ck) for p in parents], last, inc, faults,
                           "through the mounts", f"async2-load{n}")
         backing_t = tracker_value(os.path.join(self.backing, PARENT))
-        if self.inc == inc and backing_t != last and not self.excused(inc, faults):
+        if backing_t != last and not self.excused(inc, faults):
             # The tracker write returned before the wait above began; nothing has written it
             # since (the next trainer starts on this thread).
             r = subprocess.run([harness.ADMIN, "wait", d, "--timeout", "60"],
                                capture_output=True, text=True)
             backing_t = tracker_value(os.path.join(self.backing, PARENT))
-            if self.inc == inc and backing_t != last:
+            if not self.killed_since(inc) and backing_t != last:
                 self.fail("the torch 2.x trainer's tracker is not on the backing store after "
                           "ckptfs-admin wait", f"wrote {last}, backing {backing_t!r}")
                 return
@@ -270,8 +270,7 @@ class Torch2:
         if rc == 0:
             return True
         final = inc is None   # at the end, the daemons stopped: nothing excuses it
-        if not final and (rc is None or self.stop_ev.is_set() or self.inc != inc or
-                          self.excused(inc, faults)):
+        if not final and (rc is None or self.stop_ev.is_set() or self.excused(inc, faults)):
             return False
         self.fail(f"the torch 2.x trainer's {iter_name(seed)} does not load exactly {where}",
                   job.tail())

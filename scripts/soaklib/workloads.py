@@ -159,7 +159,7 @@ class Workloads:
         # backing store holds its last save, and the daemon must call it committed.
         r = subprocess.run([harness.ADMIN, "wait", d, "--timeout", "180"],
                            capture_output=True, text=True)
-        if self.inc != inc:
+        if self.killed_since(inc):
             return
         if r.returncode != 0:
             # A fault failed the save after it returned (async), or the operator aborted it.
@@ -263,7 +263,7 @@ class Workloads:
             return
         if rc == 0:
             self.counts["loads_mount"] += 1
-        elif self.inc != inc or self.mutated_since(name, ev):
+        elif self.killed_since(inc) or self.mutated_since(name, ev):
             self.counts["loads_failed_by_kill"] += 1
         elif self.was_aborted(name) or self.state_of(name) in ("failed", "aborted"):
             # A fault failed the save after it returned (async); the application's view
