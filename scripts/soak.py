@@ -59,8 +59,9 @@ is slower than the saves, fds and RSS follow the backlog; so the leak bound comp
 points where publication had caught up (the application held still between two saves,
 `ckptfs-admin wait` on the mount): after the quiet daemon's first 50 saves and after the
 run. Bound: RSS less resident staging, the retained tier and the block cache (each filled
-on purpose up to its own budget, which stats report) within 10 %, fds at most +4, threads
-at most +2, the state dir at most twice plus 64 MiB. A quiet phase with fewer than 50 saves
+on purpose up to its own budget, which stats report) within 10 %, fds at most +4 (less the
+backing files the block cache's source keeps open to serve reads, which stats report too),
+threads at most +2, the state dir at most twice plus 64 MiB. A quiet phase with fewer than 50 saves
 leaves the bound unchecked (the report says so).
 
 OUT/soak.json holds the figures, every failure with the seed, mode and time, and the

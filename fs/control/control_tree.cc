@@ -247,7 +247,9 @@ std::string ControlTree::StatsJson() {
     j["cache_limit"] = c.budget_bytes;
     j["cache_peak"] = c.peak_used_bytes;
     j["cache_backing_bytes_read"] = c.backing_bytes_read;
-    j["cache_direct_bytes_read"] = loader_->cache_source()->Stats().direct_bytes_read;
+    const store::BackingSourceStats source = loader_->cache_source()->Stats();
+    j["cache_direct_bytes_read"] = source.direct_bytes_read;
+    j["cache_source_open_fds"] = source.open_fds;
     j["cache_free_buffers"] = c.free_buffer_bytes;
     j["cache_bytes_served"] = c.bytes_served;
     j["prefetched_bytes"] = c.prefetched_bytes;

@@ -294,7 +294,9 @@ Result<BlockRead> BackingSource::ReadBlock(const BlockId& id, uint64_t offset,
 
 BackingSourceStats BackingSource::Stats() const {
   MutexLock lock(&mu_);
-  return stats_;
+  BackingSourceStats s = stats_;
+  for (const auto& [id, f] : files_) s.open_fds += (f.fd ? 1 : 0) + (f.direct ? 1 : 0);
+  return s;
 }
 
 }  // namespace ckptfs::store

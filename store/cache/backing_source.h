@@ -70,6 +70,10 @@ struct BackingSourceStats {
   uint64_t direct_bytes_read = 0;  // part of bytes_read read with O_DIRECT
   uint64_t opens = 0;              // files opened by path
   uint64_t stale = 0;              // reads refused because the file is another version
+  // Descriptors the source holds open now (owned ones and their O_DIRECT twins, bounded by
+  // max_open_files twice; borrowed ones are their owners'): what a leak check of the
+  // daemon's open files subtracts, as it subtracts the caches' memory.
+  uint64_t open_fds = 0;
 };
 
 class BackingSource final : public BlockSource {

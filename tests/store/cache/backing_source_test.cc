@@ -164,6 +164,7 @@ TEST_F(BackingSourceTest, ALentDescriptorClosesWithItsOwnerAndReadsThenOpenByPat
   source->Adopt(id, fd, st);
   EXPECT_EQ(ReadAll(source.get(), id, 0, 10), "lent file!");
   EXPECT_EQ(source->Stats().opens, 0u);
+  EXPECT_EQ(source->Stats().open_fds, 0u) << "a borrowed descriptor is its owner's";
   EXPECT_EQ(fd.use_count(), 1) << "the source only borrows it";
   const int raw = fd->get();
   // The application closes the file: the descriptor is closed at once (a daemon under a
@@ -189,6 +190,9 @@ TEST_F(BackingSourceTest, KeepsABoundedNumberOfDescriptors) {
   EXPECT_EQ(source->Stats().opens, 3u);
   EXPECT_EQ(ReadAll(source.get(), IdOf("b"), 0, 4), "bbbb");
   EXPECT_EQ(source->Stats().opens, 4u);
+  EXPECT_EQ(source->Stats().open_fds, 2u) << "the bound, held open";
+  source->Forget("a");
+  EXPECT_EQ(source->Stats().open_fds, 1u);
 }
 
 // A file another node deleted: this node never sees the unlink, so the descriptor it opened
