@@ -160,6 +160,28 @@ TEST_F(DeletionHoldTest, WithATrackerBesideOnlyATrackerAfterTheCommitLetsThemGo)
   EXPECT_LT(DoneAt("tracker.txt"), DoneAt("old/.metadata"));
 }
 
+// Where a tracker was applied beside them, publication idle past the grace does not let
+// them go either: the tracker may have been dropped by an operator's abort, its later
+// versions withheld behind given-up checkpoints, and the backing store's tracker still
+// names a checkpoint they delete (the two-node async soak, seed 6203: tracker 85 on the
+// store, 83 to 85 gone after the grace).
+TEST_F(DeletionHoldTest, WithATrackerBesideTheGraceDoesNotLetThemGo) {
+  ASSERT_TRUE(journal_->Wait(PublishBytes("tracker.txt", "old")).ok());
+  hold_.GaveUp();
+  const std::vector<uint64_t> rm = RemoveOld();
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "new")).ok());
+  ASSERT_TRUE(journal_->Wait(PublishBytes("new/.metadata", "md")).ok());
+  EXPECT_FALSE(journal_->WaitDoneFor(rm[2], 900ms)) << "went after the grace (300 ms)";
+  EXPECT_TRUE(Exists("old/.metadata")) << "gone while the tracker still names it";
+  EXPECT_EQ(Read("tracker.txt"), "old");
+
+  const uint64_t t2 = PublishBytes("tracker.txt", "new");
+  for (uint64_t s : rm) ASSERT_TRUE(journal_->Wait(s).ok());
+  ASSERT_TRUE(journal_->Wait(t2).ok());
+  EXPECT_FALSE(Exists("old"));
+  EXPECT_LT(DoneAt("tracker.txt"), DoneAt("old/.metadata"));
+}
+
 // After a restart the journal has seen no tracker applied, but the one a previous run
 // published is on the backing store beside the checkpoints: the tracker rule holds all the
 // same (Publication says so with the hold), and the next deletion does not let them go.
