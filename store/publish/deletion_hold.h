@@ -11,8 +11,9 @@
 // touches the held names), and it is applied once a later checkpoint has committed and its
 // tracker is through: a tracker beside the held checkpoint applied since the commit; where
 // no tracker was ever applied beside it (and none is on the backing store there: after a
-// restart the journal has seen none applied yet), publication reaching the next deletion;
-// or the queue empty for the grace. A stop before that drops the held deletion:
+// restart the journal has seen none applied yet), publication reaching the next deletion,
+// or the queue empty for the grace (never where a tracker was applied beside it: stop 62,
+// the two-node async soak, seed 6203). A stop before that drops the held deletion:
 // the old checkpoint stays on the backing store, which the application had deleted (a
 // directory more, never a checkpoint fewer).
 //
