@@ -82,6 +82,14 @@ class Workloads:
             t = tracker_value(self.mnt)
             if not isinstance(t, int):
                 continue
+            # As the trainer itself rotates (Megatron: after its tracker write returned),
+            # never past a tracker whose write has not returned: the mount shows a written
+            # value while its publish runs, and a strict write that then fails (an EIO
+            # injected) returns the error to the trainer, after this thread has read it.
+            # (Stop 62, seed 6204, strict, one node: tracker 59's publish failed, the
+            # rotation had read 59 and removed 56, under the backing store's tracker 58.)
+            self.poll_oplog()
+            t = min(t, self.app_tracker)
             try:
                 old = sorted(int(d[5:]) for d in os.listdir(self.mnt)
                              if d.startswith("iter_") and d[5:].isdigit())
