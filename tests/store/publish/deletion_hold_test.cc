@@ -68,6 +68,14 @@ class DeletionHoldTest : public JournalTest {
     Write(&f, bytes);
     return Publish(f, path);
   }
+  // The next tracker is published: the held `rm -r old` goes with it, after it.
+  void TrackerThenHeldGo(const std::vector<uint64_t>& rm) {
+    const uint64_t t2 = PublishBytes("tracker.txt", "new");
+    for (uint64_t s : rm) ASSERT_TRUE(journal_->Wait(s).ok());
+    ASSERT_TRUE(journal_->Wait(t2).ok());
+    EXPECT_FALSE(Exists("old"));
+    EXPECT_LT(DoneAt("tracker.txt"), DoneAt("old/.metadata"));
+  }
   // The position of `path`'s last outcome among those seen so far (-1: none).
   int DoneAt(const std::string& path) {
     MutexLock lock(&mu_);
@@ -153,11 +161,7 @@ TEST_F(DeletionHoldTest, WithATrackerBesideOnlyATrackerAfterTheCommitLetsThemGo)
   EXPECT_TRUE(Exists("old/.metadata")) << "gone while the tracker still names it";
   EXPECT_EQ(Read("tracker.txt"), "old");
 
-  const uint64_t t2 = PublishBytes("tracker.txt", "new");
-  for (uint64_t s : rm) ASSERT_TRUE(journal_->Wait(s).ok());
-  ASSERT_TRUE(journal_->Wait(t2).ok());
-  EXPECT_FALSE(Exists("old"));
-  EXPECT_LT(DoneAt("tracker.txt"), DoneAt("old/.metadata"));
+  TrackerThenHeldGo(rm);
 }
 
 // Where a tracker was applied beside them, publication idle past the grace does not let
@@ -175,11 +179,7 @@ TEST_F(DeletionHoldTest, WithATrackerBesideTheGraceDoesNotLetThemGo) {
   EXPECT_TRUE(Exists("old/.metadata")) << "gone while the tracker still names it";
   EXPECT_EQ(Read("tracker.txt"), "old");
 
-  const uint64_t t2 = PublishBytes("tracker.txt", "new");
-  for (uint64_t s : rm) ASSERT_TRUE(journal_->Wait(s).ok());
-  ASSERT_TRUE(journal_->Wait(t2).ok());
-  EXPECT_FALSE(Exists("old"));
-  EXPECT_LT(DoneAt("tracker.txt"), DoneAt("old/.metadata"));
+  TrackerThenHeldGo(rm);
 }
 
 // After a restart the journal has seen no tracker applied, but the one a previous run
@@ -197,11 +197,7 @@ TEST_F(DeletionHoldTest, AfterARestartATrackerOnTheStoreBesideKeepsTheTrackerRul
   EXPECT_FALSE(journal_->WaitDoneFor(rm[2], 100ms));
   EXPECT_TRUE(Exists("old/.metadata")) << "gone while the tracker still names it";
 
-  const uint64_t t2 = PublishBytes("tracker.txt", "new");
-  for (uint64_t s : rm) ASSERT_TRUE(journal_->Wait(s).ok());
-  ASSERT_TRUE(journal_->Wait(t2).ok());
-  EXPECT_FALSE(Exists("old"));
-  EXPECT_LT(DoneAt("tracker.txt"), DoneAt("old/.metadata"));
+  TrackerThenHeldGo(rm);
 }
 
 // A commit with no tracker or deletion after it (a loop without trackers, the last save of
