@@ -81,6 +81,10 @@ Status MemoryParts::MakeDirs(const std::string& tree, const std::string& path) {
     t->nodes_.emplace(r->id, std::move(r));
     t->stats_.trees = t->trees_.size();
   }
+  return MakeDirsLocked(t, root, path).status();
+}
+
+Result<Node*> MemoryParts::MakeDirsLocked(MemoryTier* t, Node* root, const std::string& path) {
   Node* at = root;
   for (const std::string& part : path::Components(path)) {
     if (part == "." || part == "..") return Invalid("memory-only mkdir: bad path " + path);
@@ -93,7 +97,7 @@ Status MemoryParts::MakeDirs(const std::string& tree, const std::string& path) {
       at = it->second;
     }
   }
-  return Status::Ok();
+  return at;
 }
 
 namespace {
@@ -120,6 +124,42 @@ Status MemoryParts::RemoveDir(const std::string& tree, const std::string& path) 
                                        " holds a file here that no committed checkpoint has");
   }
   t->RemoveLocked(n);
+  return Status::Ok();
+}
+
+Status MemoryParts::RenameDir(const std::string& tree, const std::string& from,
+                              const std::string& to) {
+  if (from.empty() || to.empty() || path::IsAtOrBelow(to, from) || !PlainName(from) ||
+      !PlainName(to)) {
+    return Invalid("memory-only rename: bad paths " + from + " -> " + to);
+  }
+  MemoryTier* t = tier_;
+  MutexLock lock(&t->mu_);
+  Node* root = t->TreeByPathLocked(tree);
+  Node* n = root == nullptr ? nullptr : Walk(root, from);
+  if (n == nullptr) return Status::Ok();  // nothing of it here
+  if (!n->dir) return Status(Code::kNotDir, "memory-only rename: " + from + " is a file here");
+  const auto [up, name] = path::Split(to);
+  CKPT_ASSIGN_OR_RETURN(Node * parent, MakeDirsLocked(t, root, up));
+  if (auto old = parent->children.find(name); old != parent->children.end()) {
+    // The rename was made on its node, where `to` was absent or an empty directory; here it
+    // may list a committed checkpoint that node no longer has: replaced as an rmdir would
+    // remove it, never while a rank here may be writing into it.
+    Node* victim = old->second;
+    if (!victim->dir) return Status(Code::kNotDir, "memory-only rename: " + to + " is a file here");
+    if (UncommittedFileBelow(*victim, victim->committed != 0)) {
+      return Status(Code::kNotEmpty, "memory-only rename: " + to +
+                                         " holds a file here that no committed checkpoint has");
+    }
+    t->RemoveLocked(victim);
+  }
+  n->parent->children.erase(n->name);
+  n->name = name;
+  n->parent = parent;
+  parent->children.emplace(n->name, n);
+  clock_gettime(CLOCK_REALTIME, &n->ctime);
+  FollowMove(t->nodes_, n, from, to, t->replication_);
+  spdlog::info("memory-only {}/{}: renamed to {} (made on another node)", tree, from, to);
   return Status::Ok();
 }
 

@@ -41,6 +41,10 @@ class MemoryParts {
   // removed, when a file in it is no committed checkpoint's (a rank here may be writing
   // it); NotFound-free: a directory not here is already gone.
   Status RemoveDir(const std::string& tree, const std::string& path);
+  // Another node renamed directory `from` of `tree` to `to`: renamed here too, with this
+  // node's parts in it (the parents of `to` made). Nothing of it here: Ok. kNotEmpty, and
+  // nothing renamed, when `to` holds a file here that is no committed checkpoint's.
+  Status RenameDir(const std::string& tree, const std::string& from, const std::string& to);
   // This node's part of checkpoint `path` of `tree` at version `seq`: kNotFound when it
   // wrote nothing there. Sealed at `seq` and handed to replication on the first ask; its
   // holder stays empty until a peer holds it; kAborted when no peer took it.
@@ -71,6 +75,10 @@ class MemoryParts {
   static MemoryTier::Node* PlaceRemoteLocked(MemoryTier* t, MemoryTier::Node* n,
                                              const std::string& name, uint64_t size)
       REQUIRES(t->mu_);
+
+  // Directory `path` below `root` with its parents, made where missing.
+  static Result<MemoryTier::Node*> MakeDirsLocked(MemoryTier* t, MemoryTier::Node* root,
+                                                  const std::string& path) REQUIRES(t->mu_);
 
   MemoryTier* const tier_;
 };

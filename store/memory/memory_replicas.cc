@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "common/path.h"
 
@@ -62,6 +63,35 @@ void MemoryReplicas::Put(MemReplica r) {
                   d.origin);
     Unreserve(d.unit.bytes());
   }
+}
+
+void MemoryReplicas::Rename(const std::string& tree, const std::string& from,
+                            const std::string& to) {
+  std::vector<MemReplica> dropped;
+  {
+    MutexLock lock(&mu_);
+    std::vector<MemReplica> moved;
+    for (auto it = held_.begin(); it != held_.end();) {
+      std::optional<std::string> now;
+      if (it->second.unit.tree == tree) now = path::Rebase(it->second.unit.path, from, to);
+      if (!now) {
+        ++it;
+        continue;
+      }
+      it->second.unit.path = *now;
+      moved.push_back(std::move(it->second));
+      it = held_.erase(it);
+    }
+    for (MemReplica& r : moved) {
+      Key key{r.origin, r.unit.tree, r.unit.path};
+      if (auto old = held_.find(key); old != held_.end()) {  // what the new name held
+        dropped.push_back(std::move(old->second));
+        held_.erase(old);
+      }
+      held_.emplace(std::move(key), std::move(r));
+    }
+  }
+  for (const MemReplica& d : dropped) Unreserve(d.unit.bytes());
 }
 
 bool MemoryReplicas::Has(uint32_t origin, const std::string& tree, const std::string& path,

@@ -46,6 +46,10 @@ class MemoryReplicas {
   void Unreserve(uint64_t bytes) { (void)tier_->ChargeReplicas(-static_cast<int64_t>(bytes)); }
   // Keeps `r`, whose bytes were reserved; drops what it replaces (their budget given back).
   void Put(MemReplica r) EXCLUDES(mu_);
+  // Directory `from` of `tree` was renamed to `to` (on every node): the units at or below
+  // it, of every origin, are held under their new names (what those names held is dropped).
+  void Rename(const std::string& tree, const std::string& from, const std::string& to)
+      EXCLUDES(mu_);
   // Whether unit `path` of `tree` from `origin` is held at version `seq`.
   bool Has(uint32_t origin, const std::string& tree, const std::string& path, uint64_t seq) const
       EXCLUDES(mu_);

@@ -511,31 +511,55 @@ Status MemoryTier::Rmdir(uint64_t dir, std::string_view name) {
 
 Status MemoryTier::Rename(uint64_t dir, std::string_view name, uint64_t new_dir,
                           std::string_view new_name, bool noreplace) {
-  MutexLock lock(&mu_);
-  CKPT_ASSIGN_OR_RETURN(Node * from, DirLocked(dir));
-  CKPT_ASSIGN_OR_RETURN(Node * to, DirLocked(new_dir));
-  if (from->tree != to->tree) return Status(Code::kCrossDevice, "another memory-only tree");
-  auto it = from->children.find(name);
-  if (it == from->children.end()) return NotFound(std::string(name));
-  Node* n = it->second;
-  for (const Node* a = to; a != nullptr; a = a->parent) {
-    if (a == n) return Invalid("a directory cannot move below itself");
+  std::string tree, from_path, to_path;
+  MemoryReplication* mirror = nullptr;
+  {
+    MutexLock lock(&mu_);
+    CKPT_ASSIGN_OR_RETURN(Node * from, DirLocked(dir));
+    CKPT_ASSIGN_OR_RETURN(Node * to, DirLocked(new_dir));
+    if (from->tree != to->tree) return Status(Code::kCrossDevice, "another memory-only tree");
+    auto it = from->children.find(name);
+    if (it == from->children.end()) return NotFound(std::string(name));
+    Node* n = it->second;
+    for (const Node* a = to; a != nullptr; a = a->parent) {
+      if (a == n) return Invalid("a directory cannot move below itself");
+    }
+    if (auto old = to->children.find(new_name); old != to->children.end()) {
+      if (old->second == n) return Status::Ok();
+      if (noreplace) return Status(Code::kExists, std::string(new_name));
+      Node* victim = old->second;
+      if (victim->dir != n->dir) return Status(victim->dir ? Code::kIsDir : Code::kNotDir, "");
+      if (victim->dir && !victim->children.empty()) return Status(Code::kNotEmpty, "");
+      RemoveLocked(victim);
+    }
+    const std::string was = TreePathOf(*n);
+    from->children.erase(n->name);
+    from->mtime = from->ctime = Now();
+    n->name = std::string(new_name);
+    n->parent = to;
+    to->children.emplace(n->name, n);
+    to->mtime = to->ctime = n->ctime = Now();
+    MaybeCommitLocked(n);  // `.metadata.tmp` -> `.metadata`
+    if (n->dir && replication_ != nullptr) {
+      // With peers ranks on other nodes may have written into it (their parts): it is
+      // renamed there too, as a mkdir is made there.
+      FollowMove(nodes_, n, was, TreePathOf(*n), replication_);
+      mirror = replication_;
+      ++calls_out_;
+      tree = RootOf(n)->tree_path;
+      from_path = was;
+      to_path = TreePathOf(*n);
+    } else if (replication_ != nullptr && IsTracker(*n)) {
+      // A tracker renamed into place (`latest.tmp` -> `latest`) is handed over under its
+      // new name, as on a close.
+      n->seq = std::max(NowNs(), n->seq + 1);
+      replication_->Replicate(RootOf(n)->tree_path, TreePathOf(*n), false, n->seq);
+    }
   }
-  if (auto old = to->children.find(new_name); old != to->children.end()) {
-    if (old->second == n) return Status::Ok();
-    if (noreplace) return Status(Code::kExists, std::string(new_name));
-    Node* victim = old->second;
-    if (victim->dir != n->dir) return Status(victim->dir ? Code::kIsDir : Code::kNotDir, "");
-    if (victim->dir && !victim->children.empty()) return Status(Code::kNotEmpty, "");
-    RemoveLocked(victim);
+  if (mirror != nullptr) {
+    CallOut out(this);
+    mirror->MirrorRename(tree, from_path, to_path);
   }
-  from->children.erase(n->name);
-  from->mtime = from->ctime = Now();
-  n->name = std::string(new_name);
-  n->parent = to;
-  to->children.emplace(n->name, n);
-  to->mtime = to->ctime = n->ctime = Now();
-  MaybeCommitLocked(n);  // `.metadata.tmp` -> `.metadata`
   return Status::Ok();
 }
 

@@ -126,8 +126,8 @@ struct MemPart {
 
 // Where replication is queued (store/peer/memory_replica.h). Replicate() and Gather() run
 // under the tier's lock: they must only queue, never call the tier. MirrorDir(),
-// MirrorRmdir() and ReadRemote() are called without it and may talk to peers (bounded by
-// the peer timeout).
+// MirrorRmdir(), MirrorRename() and ReadRemote() are called without it and may talk to peers
+// (bounded by the peer timeout).
 class MemoryReplication {
  public:
   virtual ~MemoryReplication() = default;
@@ -145,6 +145,11 @@ class MemoryReplication {
   // committed checkpoint's is still in it (a rank there may be writing: that directory
   // stays there, as a non-empty rmdir fails).
   virtual void MirrorRmdir(const std::string& tree, const std::string& path) = 0;
+  // Directory `from` of `tree` was renamed to `to` here (a save into a temporary directory
+  // renamed into place): the other nodes rename it too, with their parts in it, and the
+  // replicas held of units below it follow (RenameDir on the wire; FollowMove).
+  virtual void MirrorRename(const std::string& tree, const std::string& from,
+                            const std::string& to) = 0;
   virtual Result<size_t> ReadRemote(const MemRemoteFile& f, char* out, size_t len,
                                     uint64_t offset) = 0;
 };
@@ -233,6 +238,7 @@ class MemoryTier {
   Status Unlink(uint64_t dir, std::string_view name) EXCLUDES(mu_);
   Status Rmdir(uint64_t dir, std::string_view name) EXCLUDES(mu_);
   // Within one tree (another tree: kCrossDevice). `noreplace`: kExists if `new_name` is.
+  // With peers a directory's rename is made on every node before it returns (MirrorRename).
   Status Rename(uint64_t dir, std::string_view name, uint64_t new_dir, std::string_view new_name,
                 bool noreplace) EXCLUDES(mu_);
   Result<std::vector<std::pair<std::string, MemAttr>>> List(uint64_t dir) const EXCLUDES(mu_);

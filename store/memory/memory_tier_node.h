@@ -197,4 +197,31 @@ inline std::vector<MemoryTier::Node*> TrackersNaming(
   return trackers;
 }
 
+// Directory `moved` of a tree was renamed from `from` to `to` (paths in the tree), here or,
+// mirrored, on another node: with peers every node renames it (its writers' units with it).
+// The other nodes' files listed here follow their writers' units, and what was on its way
+// to a holder, or being gathered, under the old name is queued again under the new one (the
+// jobs of the old name find nothing there: HandedOver and GatherFailed leave it alone).
+inline void FollowMove(const std::map<uint64_t, std::unique_ptr<MemoryTier::Node>>& nodes,
+                       MemoryTier::Node* moved, const std::string& from, const std::string& to,
+                       MemoryReplication* replication) {
+  for (const auto& [id, m] : nodes) {
+    if (m->tree != moved->tree || !m->remote) continue;
+    if (auto unit = path::Rebase(m->remote->unit, from, to)) m->remote->unit = *unit;
+  }
+  if (replication == nullptr) return;
+  const std::string tree = RootOf(moved)->tree_path;
+  std::vector<MemoryTier::Node*> todo = {moved};
+  while (!todo.empty()) {
+    MemoryTier::Node* m = todo.back();
+    todo.pop_back();
+    for (const auto& [name, c] : m->children) todo.push_back(c);
+    if (m->gathering) {
+      replication->Gather(tree, TreePathOf(*m), m->seq);
+    } else if (m->replicating || (IsTracker(*m) && m->seq != 0)) {
+      replication->Replicate(tree, TreePathOf(*m), m->dir, m->seq);
+    }
+  }
+}
+
 }  // namespace ckptfs::store

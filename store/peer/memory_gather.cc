@@ -9,6 +9,9 @@
 //                                       from rank and applies it (on the pull thread)
 //   whole/<tree>/<path>                 (seq) every file of it: JSON [{name, size, rank,
 //                                       holder}]
+//   rename/<tree>/<from>/<to>           directory from was renamed to to: renamed here too,
+//                                       with this node's parts and the replicas it holds
+//                                       below it ("D")
 // The node with the `.metadata` asks every other node (part/), so a commit costs it one
 // request per node and a poll per node whose part is being replicated; a node down is asked
 // again for up to hand_over_wait, then skipped (its files, if the `.metadata` names any,
@@ -20,6 +23,7 @@
 #include <string>
 
 #include "common/fan_out.h"
+#include "common/path.h"
 #include "store/peer/memory_replica.h"
 #include "store/peer/memory_wire.h"
 
@@ -92,10 +96,34 @@ void MemoryReplicator::MirrorRmdir(const std::string& tree, const std::string& p
                "it lists it until the tree's next commit evicts it");
 }
 
+void MemoryReplicator::MirrorRename(const std::string& tree, const std::string& from,
+                                    const std::string& to) {
+  Renamed(tree, from, to);
+  AskEveryNode("rename", tree, from, "did not rename it",
+               "ranks there keep its old name; its parts there stay under it", to);
+}
+
+void MemoryReplicator::Renamed(const std::string& tree, const std::string& from,
+                               const std::string& to) {
+  replicas_.Rename(tree, from, to);
+  bool changed = false;
+  {
+    MutexLock lock(&mu_);
+    if (auto it = record_.find(tree); it != record_.end()) {
+      if (auto now = path::Rebase(it->second.path, from, to)) {
+        it->second.path = *now;
+        changed = true;
+      }
+    }
+  }
+  if (changed) WriteRecord();
+}
+
 void MemoryReplicator::AskEveryNode(const char* verb, const std::string& tree,
                                     const std::string& path, const char* failed,
-                                    const char* meaning) {
-  const std::string name = std::string(verb) + "/" + UnitName(tree, path);
+                                    const char* meaning, const std::string& to) {
+  std::string name = std::string(verb) + "/" + UnitName(tree, path);
+  if (!to.empty()) name += "/" + Hex(to);
   // A node down (or paused after a failure) is waited for at most kMirrorWait in all: a
   // mkdir or rmdir in a tree never waits longer for a node that is gone.
   // Every node at once, kFanOutWidth at a time (G12: the wait is the slowest node's, not
@@ -105,8 +133,9 @@ void MemoryReplicator::AskEveryNode(const char* verb, const std::string& tree,
     char reply[8];
     Result<size_t> got = FetchRetrying(rank, name, 0, std::span<char>(reply, sizeof(reply)), until);
     if (!got.ok()) {
-      spdlog::warn("memory-only {} {}/{}: {} {}: {} ({})", verb, tree, path,
-                   links_->AddressOf(rank), failed, got.status().ToString(), meaning);
+      spdlog::warn("memory-only {} {}/{}{}: {} {}: {} ({})", verb, tree, path,
+                   to.empty() ? "" : " -> " + to, links_->AddressOf(rank), failed,
+                   got.status().ToString(), meaning);
     }
   });
 }
@@ -158,6 +187,16 @@ std::optional<Result<BlockRead>> MemoryReplicator::ServeParts(
     if (!tree.ok() || !path.ok()) return Result<BlockRead>(Invalid("memory rmdir: bad name"));
     Status st = parts_.RemoveDir(*tree, *path);
     if (!st.ok()) return Result<BlockRead>(st);
+    return Page("D", offset, out);
+  }
+  if (verb == "rename" && parts.size() == 4) {
+    Result<std::string> tree = Unhex(parts[1]), from = Unhex(parts[2]), to = Unhex(parts[3]);
+    if (!tree.ok() || !from.ok() || !to.ok()) {
+      return Result<BlockRead>(Invalid("memory rename: bad name"));
+    }
+    Status st = parts_.RenameDir(*tree, *from, *to);
+    if (!st.ok()) return Result<BlockRead>(st);
+    Renamed(*tree, *from, *to);
     return Page("D", offset, out);
   }
   if ((verb == "part" || verb == "done" || verb == "lost") && parts.size() == 4) {

@@ -120,6 +120,8 @@ class MemoryReplicator final : public MemoryReplication {
       EXCLUDES(mu_);
   void MirrorDir(const std::string& tree, const std::string& path) override EXCLUDES(mu_);
   void MirrorRmdir(const std::string& tree, const std::string& path) override EXCLUDES(mu_);
+  void MirrorRename(const std::string& tree, const std::string& from, const std::string& to)
+      override EXCLUDES(mu_);
   Result<size_t> ReadRemote(const MemRemoteFile& f, char* out, size_t len, uint64_t offset) override
       EXCLUDES(mu_);
   // A peer's request for a name under kMemoryPrefix.
@@ -174,18 +176,23 @@ class MemoryReplicator final : public MemoryReplication {
   // replica: the tracker is not handed over then).
   bool NamesUncommitted(const Job& tracker);
   bool Stopping() const EXCLUDES(mu_);
-  // memory_gather.cc: the requests mkdir/, rmdir/, part/, done/, lost/ and whole/ (nullopt:
-  // not one).
+  // memory_gather.cc: the requests mkdir/, rmdir/, rename/, part/, done/, lost/ and whole/
+  // (nullopt: not one).
   std::optional<Result<BlockRead>> ServeParts(const std::vector<std::string_view>& parts,
                                               uint64_t seq, uint64_t offset, std::span<char> out)
       EXCLUDES(mu_);
   void GatherParts(const Job& job) EXCLUDES(mu_);
   Status ApplyFrom(const Job& job) EXCLUDES(mu_);
-  // Asks every other node `verb`/<tree>/<path> (mkdir/, rmdir/), kFanOutWidth at a time
-  // (common/fan_out.h), waiting at most kMirrorWait in all for nodes down; a node that did
-  // not answer is logged (`failed`, and `meaning`: what that leaves there).
+  // Asks every other node `verb`/<tree>/<path>[/<to>] (mkdir/, rmdir/, rename/), kFanOutWidth
+  // at a time (common/fan_out.h), waiting at most kMirrorWait in all for nodes down; a node
+  // that did not answer is logged (`failed`, and `meaning`: what that leaves there).
   void AskEveryNode(const char* verb, const std::string& tree, const std::string& path,
-                    const char* failed, const char* meaning) EXCLUDES(mu_);
+                    const char* failed, const char* meaning, const std::string& to = "")
+      EXCLUDES(mu_);
+  // Directory `from` of `tree` is `to` now, here or on another node: the replicas held below
+  // it and the record of committed checkpoints follow.
+  void Renamed(const std::string& tree, const std::string& from, const std::string& to)
+      EXCLUDES(mu_);
   void TellCommitted(const std::string& tree, const std::string& path, uint64_t seq);
   // Checkpoint `path` committed at `seq` is lost here (a part gone from its writer and its
   // holder): every other node drops what it holds of it (its part, its listing), so none

@@ -17,7 +17,9 @@ a directory they did not make. The checkpoint must then:
     back from node 1 and gathers node 1's part again before serving the tree; node 1 gets
     its part back from node 0 and is told of the commit again; loads with 0 backing bytes;
   * be reported lost on both nodes, and no longer served, when node 1's part is lost with
-    its holder (node 0 restarted, then node 1 killed before it handed its part over again).
+    its holder (node 0 restarted, then node 1 killed before it handed its part over again);
+  * when saved into a temporary directory renamed into place through node 0, be renamed on
+    node 1 too and load under its new name, also after either node's restart.
 """
 import os
 import re
@@ -118,6 +120,50 @@ class MemoryTierMultiNode(netns.ClusterTest, unittest.TestCase):
         self.assertFalse(os.path.exists(os.path.join(n1.mnt, "run", "mem", "step3")),
                          self.logs())
         self.assertIsNone(listed(n1, "run/mem/step3"))
+        for n in (n0, n1):
+            self.assertIsNone(n.proc.poll(), f"node {n.index} died")
+
+    def test_a_save_renamed_into_place_is_renamed_on_every_node(self):
+        """A trainer that saves into a temporary directory and renames it into place
+        (Hugging Face's Trainer): the rename through node 0 is made on node 1 too, where
+        node 1's ranks wrote their shards; the checkpoint loads through either node under
+        its new name, and after either node's SIGKILL and restart, as its holder keeps its
+        part under the new name."""
+        n0, n1 = self.c.nodes
+        run = os.path.join(n0.mnt, "run", "mem")
+        os.makedirs(run)
+        os.setxattr(run, TIER, b"memory")
+        self.save("tmp-step5", 5)
+        os.rename(os.path.join(run, "tmp-step5"), os.path.join(run, "step5"))
+        path = "run/mem/step5"
+        dirs = [os.path.join(n.mnt, "run", "mem", "step5") for n in (n0, n1)]
+        names = sorted(os.listdir(dirs[0]))
+        self.assertIn(".metadata", names)
+        for n in (n0, n1):
+            self.assertFalse(os.path.exists(os.path.join(n.mnt, "run", "mem", "tmp-step5")),
+                             f"node {n.index} still has the old name\n{self.logs()}")
+            self.assertEqual(sorted(os.listdir(dirs[n.index])), names, f"node {n.index}")
+            self.assertEqual((listed(n, path) or {}).get("state"), "committed", n.index)
+            self.assertIsNone(listed(n, "run/mem/tmp-step5"))
+        with self.no_backing_reads(n0, n1):
+            for d in dirs:
+                dcp_tool.load(d, RANKS, "replicated", 5, timeout=300)
+            dcp_tool.load(dirs[0], RANKS, "own", 5, timeout=300, dirs=dirs)
+        # Node 1 restarted, then node 0 (the .metadata's): each gets its part back under
+        # the new name from the other, and the checkpoint is whole again before the next.
+        for n in (n1, n0):
+            self.eventually(lambda: all(m.stats()["memory_replication"]["replicas"]
+                                        ["held_bytes"] > 0 for m in (n0, n1)),
+                            "a part is not held by the other node", timeout=40)
+            n.kill(signal.SIGKILL)
+            n.start()
+            self.eventually(lambda n=n: (listed(n, path) or {}).get("state") == "committed",
+                            f"node {n.index} did not get {path} back", timeout=40)
+            self.assertEqual(sorted(os.listdir(dirs[n.index])), names)
+            self.assertFalse(os.path.exists(os.path.join(n.mnt, "run", "mem", "tmp-step5")))
+            with self.no_backing_reads(n):
+                dcp_tool.load(dirs[n.index], RANKS, "replicated", 5, timeout=300)
+        self.assertEqual(os.listdir(os.path.join(self.c.backing, "run", "mem")), [])
         for n in (n0, n1):
             self.assertIsNone(n.proc.poll(), f"node {n.index} died")
 

@@ -38,12 +38,18 @@ struct Wire : MemoryReplication {
     gathers.push_back({tree + "/" + path, seq});
   }
   void MirrorDir(const std::string& tree, const std::string& path) override {
-    if (other_parts != nullptr) EXPECT_TRUE(other_parts->MakeDirs(tree, path).ok());
+    if (other_parts != nullptr) {
+      EXPECT_TRUE(other_parts->MakeDirs(tree, path).ok());
+    }
   }
   void MirrorRmdir(const std::string& tree, const std::string& path) override {
     if (other_parts != nullptr) rmdirs.push_back(other_parts->RemoveDir(tree, path));
   }
-  std::vector<Status> rmdirs;  // the other node's answers
+  void MirrorRename(const std::string& tree, const std::string& from,
+                    const std::string& to) override {
+    if (other_parts != nullptr) renames.push_back(other_parts->RenameDir(tree, from, to));
+  }
+  std::vector<Status> rmdirs, renames;  // the other node's answers
   Result<size_t> ReadRemote(const MemRemoteFile& f, char* out, size_t len,
                             uint64_t offset) override {
     ++remote_reads;
@@ -122,6 +128,22 @@ class MemoryPartsTest : public ::testing::Test {
     }
     Put(0, d0->id, ".metadata");
     return {d0->id, d1->id};
+  }
+
+  // Checkpoint `name` written by Write() and gathered at `seq`: node 0's part and node 1's
+  // handed over, node 0 commits it, node 1 applies the commit (the wire's steps in order).
+  void Commit(const std::string& name, uint64_t seq) {
+    tier_[0]->HandedOver("run/mem", name, seq, std::string("node1:7"));
+    ASSERT_TRUE(parts_[1]->Seal("run/mem", name, seq).ok());
+    tier_[1]->HandedOver("run/mem", name, seq, std::string("node0:7"));
+    auto part = parts_[1]->Seal("run/mem", name, seq);
+    ASSERT_TRUE(part.ok());
+    part->rank = 1;
+    ASSERT_TRUE(parts_[0]->CommitGathered("run/mem", name, seq, {*part}).ok());
+    auto whole = parts_[0]->Whole("run/mem", name, seq, 0);
+    ASSERT_TRUE(whole.ok());
+    ASSERT_TRUE(parts_[1]->ApplyCommit("run/mem", name, seq, *whole, 1).ok());
+    ASSERT_EQ(Listed(1)["run/mem/" + name].state, "committed");
   }
 
   std::unique_ptr<MemoryTier> tier_[2];
@@ -211,19 +233,7 @@ TEST_F(MemoryPartsTest, CommittedOnlyWithEveryPartReplicatedThenListedAndReadOnB
 // committed checkpoint (a rank there writing) stays there.
 TEST_F(MemoryPartsTest, ARmdirOnOneNodeRemovesTheCheckpointOnTheOtherUnlessARankWritesThere) {
   auto [d0, d1] = Write("step2");
-  const uint64_t seq = wire_[0].gathers.back().second;
-  tier_[0]->HandedOver("run/mem", "step2", seq, std::string("node1:7"));
-  ASSERT_TRUE(parts_[1]->Seal("run/mem", "step2", seq).ok());
-  tier_[1]->HandedOver("run/mem", "step2", seq, std::string("node0:7"));
-  auto part = parts_[1]->Seal("run/mem", "step2", seq);
-  ASSERT_TRUE(part.ok());
-  part->rank = 1;
-  ASSERT_TRUE(parts_[0]->CommitGathered("run/mem", "step2", seq, {*part}).ok());
-  ASSERT_TRUE(
-      parts_[1]
-          ->ApplyCommit("run/mem", "step2", seq, *parts_[0]->Whole("run/mem", "step2", seq, 0), 1)
-          .ok());
-  ASSERT_EQ(Listed(1)["run/mem/step2"].state, "committed");
+  Commit("step2", wire_[0].gathers.back().second);
   const uint64_t used1 = tier_[1]->Stats().used_bytes;
   ASSERT_GT(used1, 0u);
 
@@ -251,6 +261,75 @@ TEST_F(MemoryPartsTest, ARmdirOnOneNodeRemovesTheCheckpointOnTheOtherUnlessARank
   EXPECT_EQ(ReadAll(1, m1->id, "__1_0.distcp"), ReadFixture("__1_0.distcp"));
   // Gone on node 1 already: nothing to do, no error.
   EXPECT_TRUE(parts_[1]->RemoveDir("run/mem", "step2").ok());
+}
+
+// A save into a temporary directory renamed into place afterwards (Hugging Face's Trainer):
+// the rename through node 0 is made on node 1 too, each node's files listed from the other
+// follow their writer's renamed part, and every file reads back through both nodes.
+TEST_F(MemoryPartsTest, ARenameOnOneNodeIsMadeOnTheOtherAndItsFilesFollow) {
+  Write("tmp-step2");
+  const uint64_t seq = wire_[0].gathers.back().second;
+  Commit("tmp-step2", seq);
+  const size_t handed = wire_[0].handed.size() + wire_[1].handed.size();
+
+  ASSERT_TRUE(tier_[0]->Rename(root_[0], "tmp-step2", root_[0], "step2", false).ok());
+  ASSERT_EQ(wire_[0].renames.size(), 1u);
+  EXPECT_TRUE(wire_[0].renames[0].ok()) << wire_[0].renames[0].ToString();
+  for (int n = 0; n < 2; ++n) {
+    EXPECT_EQ(tier_[n]->Lookup(root_[n], "tmp-step2").status().code(), Code::kNotFound);
+    auto d = tier_[n]->Lookup(root_[n], "step2");
+    ASSERT_TRUE(d.ok()) << "node " << n;
+    EXPECT_EQ(Listed(n).count("run/mem/tmp-step2"), 0u);
+    EXPECT_EQ(Listed(n)["run/mem/step2"].state, "committed") << "node " << n;
+    for (const char* f : {".metadata", "__0_0.distcp", "__1_0.distcp", "__3_0.distcp"}) {
+      EXPECT_EQ(ReadAll(n, d->id, f), ReadFixture(f)) << "node " << n << ": " << f;
+    }
+    // Its part is served under the new name (what a holder re-checks and a restore asks).
+    EXPECT_TRUE(tier_[n]->Manifest("run/mem", "step2", seq).ok()) << "node " << n;
+    EXPECT_FALSE(tier_[n]->Manifest("run/mem", "tmp-step2", seq).ok()) << "node " << n;
+  }
+  EXPECT_EQ(wire_[0].remote_reads, 2);
+  EXPECT_EQ(wire_[1].remote_reads, 2);
+  EXPECT_EQ(wire_[0].handed.size() + wire_[1].handed.size(), handed)
+      << "a committed part is not handed over again";
+
+  // The other node's answers: a directory it never had is fine; a name that holds a file
+  // a rank there is writing is not replaced.
+  EXPECT_TRUE(parts_[1]->RenameDir("run/mem", "never", "there").ok());
+  auto m1 = tier_[1]->Mkdir(root_[1], "busy", 0755, 0, 0);
+  ASSERT_TRUE(m1.ok());
+  Put(1, m1->id, "__1_0.distcp");
+  auto e0 = tier_[0]->Mkdir(root_[0], "empty", 0755, 0, 0);
+  ASSERT_TRUE(e0.ok());
+  ASSERT_TRUE(tier_[0]->Rename(root_[0], "empty", root_[0], "busy", false).ok());
+  ASSERT_EQ(wire_[0].renames.size(), 2u);
+  EXPECT_EQ(wire_[0].renames[1].code(), Code::kNotEmpty);
+  EXPECT_EQ(ReadAll(1, m1->id, "__1_0.distcp"), ReadFixture("__1_0.distcp"));
+  EXPECT_EQ(parts_[1]->RenameDir("run/mem", "step2", "step2/below").code(), Code::kInvalid);
+  EXPECT_EQ(parts_[1]->RenameDir("run/mem", "../x", "y").code(), Code::kInvalid);
+}
+
+// Renamed while its parts are still on their way to holders: what was queued under the old
+// name is queued again under the new one, and the commit goes through under it.
+TEST_F(MemoryPartsTest, ARenameWhileGatheringGathersUnderTheNewName) {
+  Write("tmp-step2");
+  const uint64_t seq = wire_[0].gathers.back().second;
+  ASSERT_TRUE(parts_[1]->Seal("run/mem", "tmp-step2", seq).ok());  // node 1's part handed
+  ASSERT_EQ(wire_[1].handed.size(), 1u);
+
+  ASSERT_TRUE(tier_[0]->Rename(root_[0], "tmp-step2", root_[0], "step2", false).ok());
+  ASSERT_EQ(wire_[0].gathers.size(), 2u);
+  EXPECT_EQ(wire_[0].gathers[1], std::make_pair(std::string("run/mem/step2"), seq));
+  ASSERT_EQ(wire_[1].handed.size(), 2u);
+  EXPECT_EQ(wire_[1].handed[1], std::make_pair(std::string("run/mem/step2"), seq));
+  // The jobs of the old name find nothing and change nothing.
+  tier_[0]->HandedOver("run/mem", "tmp-step2", seq, Status(Code::kNotFound, "gone"));
+  tier_[1]->HandedOver("run/mem", "tmp-step2", seq, Status(Code::kNotFound, "gone"));
+  parts_[0]->GatherFailed("run/mem", "tmp-step2", seq, Status(Code::kNotFound, "gone"));
+  EXPECT_EQ(Listed(0)["run/mem/step2"].state, "replicating");
+  EXPECT_EQ(tier_[0]->Stats().refused_commits, 0u);
+  Commit("step2", seq);
+  EXPECT_EQ(Listed(0)["run/mem/step2"].state, "committed");
 }
 
 TEST_F(MemoryPartsTest, AFileNoNodeHoldsRefusesTheCommitAndTheOlderOneStays) {

@@ -49,7 +49,11 @@ struct Handed : MemoryReplication {
   void MirrorRmdir(const std::string& tree, const std::string& path) override {
     removed.push_back(tree + "/" + path);
   }
-  std::vector<std::string> removed;
+  void MirrorRename(const std::string& tree, const std::string& from,
+                    const std::string& to) override {
+    renamed.push_back(tree + "/" + from + " -> " + to);
+  }
+  std::vector<std::string> removed, renamed;
   Result<size_t> ReadRemote(const MemRemoteFile& f, char*, size_t, uint64_t) override {
     return Status(Code::kIo, "no peers in this test: " + f.file);
   }
@@ -219,6 +223,19 @@ TEST_F(MemoryTierReplicationTest, ATrackerIsHandedOverOnEachCloseAShardIsNot) {
   ASSERT_TRUE(Put(root_, "latest", "step2").ok());
   ASSERT_EQ(handed_.units.size(), 2u);
   EXPECT_GT(handed_.units[1].seq, handed_.units[0].seq);
+  // A tracker written by rename is handed over under its new name; a directory's rename
+  // is mirrored to the other nodes instead.
+  ASSERT_TRUE(Put(root_, "latest.tmp", "step1").ok());
+  ASSERT_EQ(handed_.units.size(), 3u);
+  ASSERT_TRUE(tier_->Rename(root_, "latest.tmp", root_, "latest", false).ok());
+  ASSERT_EQ(handed_.units.size(), 4u);
+  EXPECT_EQ(handed_.units[3].path, "latest");
+  EXPECT_GT(handed_.units[3].seq, handed_.units[2].seq);
+  EXPECT_TRUE(tier_->Manifest("run/mem", "latest", handed_.units[3].seq).ok());
+  EXPECT_TRUE(handed_.renamed.empty());
+  ASSERT_TRUE(tier_->Rename(root_, "step1", root_, "step1.old", false).ok());
+  EXPECT_EQ(handed_.renamed, std::vector<std::string>{"run/mem/step1 -> step1.old"});
+  EXPECT_EQ(handed_.units.size(), 4u) << "a directory nothing of which was on its way";
 }
 
 TEST_F(MemoryTierReplicationTest, AnUnreplicatedCheckpointIsListedWithItsTreePathAndVersion) {
