@@ -500,6 +500,10 @@ class ModeRun(Workloads, Checks, Torch2):
                 "cache_index_mb": round(stats.get("cache_index", 0) / 2 ** 20, 2),
                 "staging_mb": round(stats.get("staging_resident", 0) / 2 ** 20, 1),
                 "state_db_mem_mb": round((stats.get("state_db_memory", 0) or 0) / 2 ** 20, 1),
+                # The write path's block CRC maps kept for index builds (bounded by the key
+                # index's max_block_crc_bytes; counted in rss_other_mb).
+                "crc_maps_mb": round((stats.get("checksum_block_maps_bytes", 0) or 0) / 2 ** 20,
+                                     2),
                 "rss_other_mb": round(rss_mb - held_mb, 1),
                 # glibc's heap: live allocations, and free bytes it holds
                 "heap_in_use_mb": round(stats.get("heap_in_use", 0) / 2 ** 20, 2),

@@ -412,4 +412,5 @@ class Workloads:
                 "held_mb": held_bytes(st) / 2 ** 20,
                 "heap_in_use_mb": st.get("heap_in_use", 0) / 2 ** 20,
                 "heap_free_mb": st.get("heap_free_held", 0) / 2 ** 20,
+                "crc_maps_mb": (st.get("checksum_block_maps_bytes", 0) or 0) / 2 ** 20,
                 "inodes": st.get("inodes")}
