@@ -504,6 +504,10 @@ class ModeRun(Workloads, Checks, Torch2):
                 # index's max_block_crc_bytes; counted in rss_other_mb).
                 "crc_maps_mb": round((stats.get("checksum_block_maps_bytes", 0) or 0) / 2 ** 20,
                                      2),
+                # The peer transport's buffers kept for reuse (bounded per link; counted in
+                # rss_other_mb): the lead of stop 63's two-node leak bound.
+                "peer_pool_mb": round((stats.get("peers_buffer_pool_bytes", 0) or 0) / 2 ** 20,
+                                      2),
                 "rss_other_mb": round(rss_mb - held_mb, 1),
                 # glibc's heap: live allocations, and free bytes it holds
                 "heap_in_use_mb": round(stats.get("heap_in_use", 0) / 2 ** 20, 2),

@@ -413,4 +413,5 @@ class Workloads:
                 "heap_in_use_mb": st.get("heap_in_use", 0) / 2 ** 20,
                 "heap_free_mb": st.get("heap_free_held", 0) / 2 ** 20,
                 "crc_maps_mb": (st.get("checksum_block_maps_bytes", 0) or 0) / 2 ** 20,
+                "peer_pool_mb": (st.get("peers_buffer_pool_bytes", 0) or 0) / 2 ** 20,
                 "inodes": st.get("inodes")}

@@ -84,6 +84,8 @@ class PeerClient::Impl {
     return state_ == State::kReady;
   }
 
+  uint64_t pooled_bytes() const { return pool_->cached_bytes(); }
+
   const PeerClientOptions options_;
   std::atomic<uint64_t> fetched_blocks_{0}, fetched_bytes_{0}, errors_{0}, timeouts_{0},
       bad_checksums_{0};
@@ -585,6 +587,7 @@ PeerClientStats PeerClient::stats() const {
   s.errors = impl_->errors_.load();
   s.timeouts = impl_->timeouts_.load();
   s.bad_checksums = impl_->bad_checksums_.load();
+  s.pooled_bytes = impl_->pooled_bytes();
   return s;
 }
 

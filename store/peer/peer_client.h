@@ -61,6 +61,7 @@ struct PeerClientStats {
   uint64_t errors = 0;  // error replies from the server
   uint64_t timeouts = 0;
   uint64_t bad_checksums = 0;
+  uint64_t pooled_bytes = 0;  // request buffers kept for reuse (BufferPool, at most 64 MiB)
 };
 
 class PeerClient {

@@ -453,6 +453,7 @@ PeerLinksStats PeerLinks::Stats() const {
     i.address = l.address;
     i.state = l.state;
     i.open = l.client != nullptr;
+    if (l.client != nullptr) s.pooled_bytes += l.client->stats().pooled_bytes;
     i.failures = l.failures;
     i.last_error = l.last_error;
     if (l.state == LinkState::kDown || l.state == LinkState::kDead) {

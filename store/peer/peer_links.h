@@ -83,6 +83,7 @@ struct PeerLinksStats {
   uint64_t declared_dead = 0;        // ranks declared dead (each time)
   uint64_t revived = 0;              // ... that authenticated again at the same address
   uint32_t up = 0, down = 0, dead = 0;
+  uint64_t pooled_bytes = 0;         // buffers the open links keep for reuse, in all
   std::vector<LinkInfo> links;       // every rank but self that is not unknown
 };
 

@@ -472,6 +472,9 @@ void PeerNodeStats::AppendJson(nlohmann::json* out) const {
   j["peers_links_connects"] = coop.links.connects;
   j["peers_links_connect_failures"] = coop.links.connect_failures;
   j["peers_links_evicted"] = coop.links.evicted;
+  // Request and reply buffers the transport keeps for reuse (bounded per link and for the
+  // server; outside every other budget).
+  j["peers_buffer_pool_bytes"] = coop.links.pooled_bytes + server.pooled_bytes;
   j["peers_heartbeats"] = coop.links.heartbeats;
   j["peers_heartbeat_failures"] = coop.links.heartbeat_failures;
   j["peers_up"] = coop.links.up;

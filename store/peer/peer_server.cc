@@ -79,6 +79,8 @@ class PeerServer::Impl : private ShardStateListener {
   // true if `ip` is one of its addresses now.
   bool ResolvedAgain(const std::string& node_id, const std::string& ip) EXCLUDES(allowed_mu_);
 
+  uint64_t pooled_bytes() const { return pool_->cached_bytes(); }
+
   uint16_t port_ = 0;
   std::atomic<uint64_t> connections_{0}, authenticated_{0}, refused_{0}, blocks_served_{0},
       bytes_served_{0}, request_errors_{0}, shard_queries_{0}, shard_query_errors_{0};
@@ -839,6 +841,7 @@ PeerServerStats PeerServer::stats() const {
   s.request_errors = impl_->request_errors_.load();
   s.shard_queries = impl_->shard_queries_.load();
   s.shard_query_errors = impl_->shard_query_errors_.load();
+  s.pooled_bytes = impl_->pooled_bytes();
   return s;
 }
 

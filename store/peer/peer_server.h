@@ -72,6 +72,7 @@ struct PeerServerStats {
   uint64_t request_errors = 0;  // error replies (provider errors, bad requests, busy)
   uint64_t shard_queries = 0;   // commit queries answered
   uint64_t shard_query_errors = 0;  // malformed, oversized or unsupported ones
+  uint64_t pooled_bytes = 0;  // reply buffers kept for reuse (BufferPool)
 };
 
 class PeerServer {

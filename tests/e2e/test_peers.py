@@ -22,6 +22,7 @@ from netns import Cluster
 
 MB = 24        # checkpoint payload (dcp_tool --mb), per dtype set below
 DTYPES = ("float32", "bfloat16")
+SERVER_POOL_MAX = 64 << 20  # the server's buffer pool (peer_server.cc, kBufferCacheBytes)
 
 
 def ckpt_bytes(path):
@@ -112,6 +113,11 @@ class PeersTest(unittest.TestCase):
             self.assertGreater(s["peer_bytes_read"], 0)
             self.assertGreater(s["peer_bytes_served"], 0)
             self.assertEqual(s["peer_fallbacks"], 0, s["peers"])
+            # The transport keeps the buffers of its fetches and replies for reuse, within
+            # its bounds (64 MiB per open link and the server's own), and reports them.
+            self.assertGreater(s["peers_buffer_pool_bytes"], 0, s)
+            self.assertLessEqual(s["peers_buffer_pool_bytes"],
+                                 s["peers_links_open"] * (64 << 20) + SERVER_POOL_MAX, s)
         self.assertEqual(sum(s["peer_bytes_read"] for s in stats),
                          sum(s["peer_bytes_served"] for s in stats))
         text = subprocess.run([ADMIN, "stats", c.nodes[0].mnt], stdout=subprocess.PIPE,
