@@ -380,11 +380,21 @@ Journal::Step Journal::NextStepLocked() {
     // go, never the grace. (A tracker an operator's abort dropped, the later ones withheld
     // behind given-up checkpoints: the grace let 1,300 held deletions go under the backing
     // store's tracker 85, and 83 to 85 were gone: the two-node async soak, seed 6203.)
+    // Each held deletion's own tracker decides, not the first one's: held deletions of
+    // several trees (a trainer's at the top, a side job's in its directory) go only once
+    // every tracker beside them has been applied since it was held (stop 63's soak, seed
+    // 6302: the top tracker let 120 held deletions go, async2/iter_0000019 among them,
+    // under async2/'s tracker 19).
     bool trackers_beside = false;
     if (!release && committed) {
-      const auto tracker = tracker_commits_.find(HeldBeside(first->e));
-      trackers_beside = tracker != tracker_commits_.end();
-      release = trackers_beside ? tracker->second > first->held_at
+      bool every_tracker_through = true;
+      for (auto it = first; it != head; ++it) {
+        const auto tracker = tracker_commits_.find(HeldBeside(it->e));
+        if (tracker == tracker_commits_.end()) continue;
+        trackers_beside = true;
+        every_tracker_through &= tracker->second > it->held_at;
+      }
+      release = trackers_beside ? every_tracker_through
                                 : head != queue_.end() && IsDeletion(head->e);
     }
     if (committed && !release && !trackers_beside && head == queue_.end()) {

@@ -182,6 +182,36 @@ TEST_F(DeletionHoldTest, WithATrackerBesideTheGraceDoesNotLetThemGo) {
   TrackerThenHeldGo(rm);
 }
 
+// Held deletions of two trees, each with its tracker (a trainer's at the top, a side job's
+// in side/): the top tracker after the commit does not let side/'s go while side/'s tracker
+// still names what they delete; side/'s next tracker lets them all go (stop 63's soak,
+// seed 6302: the main trainer's tracker let async2/iter_0000019 go under async2's 19).
+TEST_F(DeletionHoldTest, OneTreesTrackerDoesNotLetAnotherTreesHeldDeletionsGo) {
+  fs::create_directories(root_ + "/side/old");
+  std::ofstream(root_ + "/side/old/.metadata") << "md";
+  ASSERT_TRUE(journal_->Wait(PublishBytes("tracker.txt", "old")).ok());
+  ASSERT_TRUE(journal_->Wait(PublishBytes("side/tracker.txt", "old")).ok());
+  hold_.GaveUp();
+  const std::vector<uint64_t> rm = RemoveOld();
+  const std::vector<uint64_t> side = {Op(OpType::kUnlink, "side/old/.metadata"),
+                                      Op(OpType::kRmdir, "side/old")};
+  for (uint64_t s : side) ASSERT_TRUE(journal_->WaitUnlessHalted(s).ok());
+  ASSERT_TRUE(journal_->Wait(Op(OpType::kMkdir, "new")).ok());
+  ASSERT_TRUE(journal_->Wait(PublishBytes("new/.metadata", "md")).ok());
+  ASSERT_TRUE(journal_->Wait(PublishBytes("tracker.txt", "new")).ok());
+  EXPECT_FALSE(journal_->WaitDoneFor(side[1], 900ms)) << "side/'s went at the top's tracker";
+  EXPECT_TRUE(Exists("side/old/.metadata")) << "gone while side/'s tracker still names it";
+  EXPECT_EQ(Read("side/tracker.txt"), "old");
+
+  const uint64_t t2 = PublishBytes("side/tracker.txt", "new");
+  for (uint64_t s : side) ASSERT_TRUE(journal_->Wait(s).ok());
+  for (uint64_t s : rm) ASSERT_TRUE(journal_->Wait(s).ok());
+  ASSERT_TRUE(journal_->Wait(t2).ok());
+  EXPECT_FALSE(Exists("side/old"));
+  EXPECT_FALSE(Exists("old"));
+  EXPECT_LT(DoneAt("side/tracker.txt"), DoneAt("side/old/.metadata"));
+}
+
 // After a restart the journal has seen no tracker applied, but the one a previous run
 // published is on the backing store beside the checkpoints: the tracker rule holds all the
 // same (Publication says so with the hold), and the next deletion does not let them go.
