@@ -387,12 +387,13 @@ Journal::Step Journal::NextStepLocked() {
     // under async2/'s tracker 19).
     bool trackers_beside = false;
     if (!release && committed) {
+      // Stops at the first one still waiting (while they wait, that is the first one).
       bool every_tracker_through = true;
-      for (auto it = first; it != head; ++it) {
+      for (auto it = first; it != head && every_tracker_through; ++it) {
         const auto tracker = tracker_commits_.find(HeldBeside(it->e));
         if (tracker == tracker_commits_.end()) continue;
         trackers_beside = true;
-        every_tracker_through &= tracker->second > it->held_at;
+        every_tracker_through = tracker->second > it->held_at;
       }
       release = trackers_beside ? every_tracker_through
                                 : head != queue_.end() && IsDeletion(head->e);
